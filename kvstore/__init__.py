@@ -1,0 +1,1 @@
+"""Cluster state in Redis (registry, placement, prefix index) and KV-block transfer."""

@@ -1,0 +1,181 @@
+"""The `edgeinfer` command line: generate, chat, import-gguf.
+
+Environment variables are read here only: EDGEINFER_CACHE (where imported models live).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+from pathlib import Path
+
+DEFAULT_CACHE = Path(os.environ.get("EDGEINFER_CACHE", Path.home() / ".cache" / "edgeinfer"))
+
+
+def _model_dir(arg: str | None) -> str:
+    if arg:
+        return arg
+    from runtime.model_cache import default_model_dir
+
+    return str(default_model_dir(DEFAULT_CACHE / "models"))
+
+
+def _engine_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", help="Hugging Face model folder (default: SmolLM2-135M-Instruct, imported on first use)")
+    p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
+    p.add_argument("--kv-cache-bytes", type=int, default=None, help="bytes for the KV cache")
+    p.add_argument("--kv-cache-fraction", type=float, default=0.25, help="of available RAM, when --kv-cache-bytes is not given")
+    p.add_argument("--max-num-seqs", type=int, default=128)
+    p.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    p.add_argument("--max-model-len", type=int, default=None)
+    p.add_argument("--threads", type=int, default=None, help="torch CPU threads")
+
+
+def _sampling_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--max-tokens", type=int, default=128)
+    p.add_argument("--temperature", type=float, default=0.0)
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--top-k", type=int, default=-1)
+    p.add_argument("--min-p", type=float, default=0.0)
+    p.add_argument("--seed", type=int, default=None)
+    p.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
+
+
+def _build_llm(args: argparse.Namespace):  # type: ignore[no-untyped-def]
+    from runtime.llm import LLM
+
+    t0 = time.monotonic()
+    llm = LLM(
+        _model_dir(args.model),
+        dtype=args.dtype,
+        kv_cache_bytes=args.kv_cache_bytes,
+        kv_cache_fraction=args.kv_cache_fraction,
+        max_num_seqs=args.max_num_seqs,
+        max_num_batched_tokens=args.max_num_batched_tokens,
+        max_model_len=args.max_model_len,
+        num_threads=args.threads,
+    )
+    print(f"loaded {llm.engine.config.model} in {time.monotonic() - t0:.1f}s", file=sys.stderr)
+    return llm
+
+
+def _params(args: argparse.Namespace):  # type: ignore[no-untyped-def]
+    from runtime.sampling_params import SamplingParams
+
+    return SamplingParams(
+        max_tokens=args.max_tokens,
+        temperature=args.temperature,
+        top_p=args.top_p,
+        top_k=args.top_k,
+        min_p=args.min_p,
+        seed=args.seed,
+        stop=args.stop,
+    )
+
+
+def _stream(llm, prompt: str | list[int], params) -> str:  # type: ignore[no-untyped-def]
+    """Run one request, printing text as it is produced. Returns the whole text."""
+    engine = llm.engine
+    rid = engine.next_request_id()
+    engine.add_request(rid, prompt, params)
+    text, tokens, t0 = "", 0, time.monotonic()
+    try:
+        while engine.has_unfinished():
+            for out in engine.step():
+                o = out.outputs[0]
+                print(o.delta_text, end="", flush=True)
+                text, tokens = o.text, len(o.token_ids)
+    except KeyboardInterrupt:
+        engine.abort(rid)
+        print(" [interrupted]", end="")
+    dt = time.monotonic() - t0
+    print(f"\n[{tokens} tokens, {tokens / max(dt, 1e-9):.1f} tok/s]", file=sys.stderr)
+    return text
+
+
+def cmd_generate(args: argparse.Namespace) -> int:
+    llm = _build_llm(args)
+    params = _params(args)
+    prompts = args.prompt or [sys.stdin.read()]
+    for prompt in prompts:
+        if len(prompts) > 1:
+            print(f"--- {prompt!r}")
+        print(prompt, end="", flush=True)
+        _stream(llm, prompt, params)
+    return 0
+
+
+def cmd_chat(args: argparse.Namespace) -> int:
+    llm = _build_llm(args)
+    params = _params(args)
+    messages: list[dict[str, str]] = []
+    if args.system:
+        messages.append({"role": "system", "content": args.system})
+    print("chat with the model; an empty line or Ctrl-D ends", file=sys.stderr)
+    while True:
+        try:
+            line = input("you> ").strip()
+        except (EOFError, KeyboardInterrupt):
+            print(file=sys.stderr)
+            return 0
+        if not line:
+            return 0
+        messages.append({"role": "user", "content": line})
+        rendered = llm.tokenizer.apply_chat_template(messages, add_generation_prompt=True)
+        ids = llm.tokenizer.encode(rendered, add_special_tokens=False)
+        print("model> ", end="", flush=True)
+        reply = _stream(llm, ids, params)
+        messages.append({"role": "assistant", "content": reply})
+
+
+def cmd_import_gguf(args: argparse.Namespace) -> int:
+    from runtime.gguf_import import import_gguf
+
+    def progress(msg: str) -> None:
+        print(msg, file=sys.stderr)
+
+    out = import_gguf(Path(args.file), Path(args.out_dir), dtype=args.dtype, progress=progress)
+    print(out)
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="edgeinfer", description="edge LLM inference runtime")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    g = sub.add_parser("generate", help="complete prompts with a model, streaming to stdout")
+    _engine_args(g)
+    _sampling_args(g)
+    g.add_argument("prompt", nargs="*", help="prompt text (default: read stdin)")
+    g.set_defaults(func=cmd_generate)
+
+    c = sub.add_parser("chat", help="chat with a model in the terminal, using its chat template")
+    _engine_args(c)
+    _sampling_args(c)
+    c.add_argument("--system", default=None, help="system message")
+    c.set_defaults(func=cmd_chat, temperature=0.0)
+
+    i = sub.add_parser("import-gguf", help="convert a GGUF file into a Hugging Face model folder")
+    i.add_argument("file")
+    i.add_argument("out_dir")
+    i.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    i.set_defaults(func=cmd_import_gguf)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    from runtime.config import ModelLoadError
+    from runtime.sampling_params import InvalidRequestError
+
+    try:
+        return int(args.func(args))
+    except (ModelLoadError, InvalidRequestError, FileNotFoundError) as e:
+        print(f"edgeinfer: error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,281 @@
+"""The engine: a synchronous step loop over the scheduler, the model runner and the detokenizer.
+
+    step() = schedule → execute → update
+
+`add_request` validates (raising `InvalidRequestError`, a ValueError, naming the field and the
+limit) before anything reaches the scheduler. A prompt asked for with n > 1 becomes n sequences
+("<id>#<i>") that share the prompt; they are reported together under the request's id.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from runtime.config import EngineConfig
+from runtime.detokenizer import IncrementalDetokenizer
+from runtime.kv_cache import BlockManager
+from runtime.loader import load_model
+from runtime.model_runner import ModelRunner, kv_block_bytes
+from runtime.outputs import CompletionOutput, RequestOutput
+from runtime.request import Request, RequestStatus
+from runtime.sampling_params import InvalidRequestError, SamplingParams
+from runtime.scheduler import Scheduler, StepResult
+from runtime.tokenizer import Tokenizer
+
+Prompt = str | list[int]
+
+
+@dataclass(slots=True, eq=False)
+class _Group:
+    """A request as the user sent it: its n sequences and their outputs."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    seqs: list[Request]
+    detoks: list[IncrementalDetokenizer]
+    outputs: list[CompletionOutput]
+    touched: set[int] = field(default_factory=set)  # indexes changed this step
+
+
+class LLMEngine:
+    def __init__(self, config: EngineConfig):
+        if config.num_threads:
+            torch.set_num_threads(config.num_threads)
+        self.config = config
+        self.model = load_model(config.model, config.dtype)
+        self.tokenizer = Tokenizer.from_dir(config.model)
+        cfg = self.model.cfg
+        self.max_model_len = min(config.max_model_len or cfg.max_model_len, cfg.max_model_len)
+        block_bytes = kv_block_bytes(self.model, config.block_size)
+        budget = config.kv_cache_bytes or int(_available_memory() * config.kv_cache_fraction)
+        num_blocks = budget // block_bytes
+        if num_blocks < 1:
+            raise ValueError(
+                f"kv_cache_bytes={budget} holds no block of {config.block_size} tokens "
+                f"({block_bytes} bytes each); give at least {block_bytes}"
+            )
+        self.blocks = BlockManager(num_blocks, config.block_size)
+        self.scheduler = Scheduler(
+            self.blocks, config.max_num_seqs, config.max_num_batched_tokens, config.max_waiting
+        )
+        self.runner = ModelRunner(self.model, num_blocks, config.block_size)
+        self.eos_token_ids = frozenset(cfg.eos_token_ids) | self.tokenizer.eos_token_ids
+        self._groups: dict[str, _Group] = {}
+        self._seq_to_group: dict[str, tuple[_Group, int]] = {}
+        self._counter = 0
+
+    # ------------------------------------------------------------------ requests in
+    def tokenize_prompt(self, prompt: Prompt) -> list[int]:
+        if isinstance(prompt, str):
+            if not prompt:
+                raise InvalidRequestError("prompt", "must not be empty")
+            return self.tokenizer.encode(prompt)
+        if not isinstance(prompt, list) or not prompt:
+            raise InvalidRequestError("prompt", "must be a non-empty string or list of token ids")
+        vocab = self.model.cfg.vocab_size
+        for t in prompt:
+            if isinstance(t, bool) or not isinstance(t, int):
+                raise InvalidRequestError("prompt", f"token ids must be integers, got {t!r}")
+            if not 0 <= t < vocab:
+                raise InvalidRequestError("prompt", f"token id {t} is outside [0, {vocab})")
+        return list(prompt)
+
+    def add_request(
+        self, request_id: str, prompt: Prompt, params: SamplingParams | None = None
+    ) -> list[int]:
+        """Validate and queue a request. Returns its prompt token ids."""
+        params = params or SamplingParams()
+        if not isinstance(params, SamplingParams):
+            raise InvalidRequestError("sampling_params", "must be a SamplingParams")
+        params.validate()
+        if request_id in self._groups:
+            raise InvalidRequestError("request_id", f"{request_id!r} is already in use")
+        prompt_ids = self.tokenize_prompt(prompt)
+        n_prompt, limit = len(prompt_ids), self.max_model_len
+        if n_prompt >= limit:
+            raise InvalidRequestError(
+                "prompt",
+                f"{n_prompt} tokens leave no room to generate: the context length is {limit}",
+            )
+        max_tokens = params.max_tokens if params.max_tokens is not None else limit - n_prompt
+        if n_prompt + max_tokens > limit:
+            raise InvalidRequestError(
+                "max_tokens",
+                f"prompt ({n_prompt} tokens) + max_tokens ({max_tokens}) exceeds the context "
+                f"length {limit}; at most {limit - n_prompt}",
+            )
+        capacity = self.scheduler.capacity_tokens
+        if n_prompt + max_tokens > capacity:
+            raise InvalidRequestError(
+                "max_tokens",
+                f"prompt + max_tokens = {n_prompt + max_tokens} tokens exceeds the KV cache "
+                f"({capacity} tokens); raise kv_cache_bytes or lower max_tokens",
+            )
+        if len(self.scheduler.waiting) + params.n > self.scheduler.max_waiting:
+            from runtime.scheduler import QueueFullError
+
+            raise QueueFullError(f"the waiting queue is full ({self.scheduler.max_waiting})")
+        now = time.monotonic()
+        seqs, detoks = [], []
+        for i in range(params.n):
+            gen = None
+            if params.seed is not None:
+                gen = torch.Generator().manual_seed(params.seed + i)
+            seqs.append(
+                Request(
+                    request_id=f"{request_id}#{i}",
+                    prompt_token_ids=prompt_ids,
+                    params=params,
+                    max_tokens=max_tokens,
+                    eos_token_ids=self.eos_token_ids,
+                    generator=gen,
+                    arrival=now,
+                )
+            )
+            detoks.append(
+                IncrementalDetokenizer(
+                    self.tokenizer,
+                    prompt_ids,
+                    stop=params.stop,
+                    include_stop_str_in_output=params.include_stop_str_in_output,
+                )
+            )
+        group = _Group(
+            request_id,
+            prompt_ids,
+            params,
+            seqs,
+            detoks,
+            [
+                CompletionOutput(index=i, logprobs=[] if params.logprobs is not None else None)
+                for i in range(params.n)
+            ],
+        )
+        for i, seq in enumerate(seqs):
+            self.scheduler.add(seq)
+            self._seq_to_group[seq.request_id] = (group, i)
+        self._groups[request_id] = group
+        return prompt_ids
+
+    def abort(self, request_id: str) -> RequestOutput | None:
+        """Stop a request now; its KV blocks are freed before this returns."""
+        group = self._groups.get(request_id)
+        if group is None:
+            return None
+        for i, seq in enumerate(group.seqs):
+            if self.scheduler.finish(seq.request_id, RequestStatus.FINISHED_ABORTED) is not None:
+                self._finish_seq(group, i, RequestStatus.FINISHED_ABORTED, None)
+        return self._emit(group)
+
+    # ------------------------------------------------------------------ the loop
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    def step(self) -> list[RequestOutput]:
+        out = self.scheduler.schedule()
+        if out.empty:
+            return []
+        tokens, logprobs = self.runner.execute(out, self._block_tables(out))
+        results = self.scheduler.update(out, tokens)
+        return self._process(results, logprobs)
+
+    def _block_tables(self, out) -> dict[str, list[int]]:  # type: ignore[no-untyped-def]
+        return {s.request.request_id: self.blocks.block_table(s.request.request_id) for s in out.scheduled}
+
+    def _process(self, results: list[StepResult], logprobs: dict) -> list[RequestOutput]:  # type: ignore[type-arg]
+        touched: dict[str, _Group] = {}
+        for r in results:
+            group, i = self._seq_to_group[r.request.request_id]
+            touched[group.request_id] = group
+            out = group.outputs[i]
+            assert r.new_token is not None
+            out.token_ids.append(r.new_token)
+            out.delta_token_ids.append(r.new_token)
+            lp = logprobs.get(r.request.request_id)
+            if out.logprobs is not None and lp is not None:
+                out.logprobs.append(lp)
+            detok = group.detoks[i]
+            delta = detok.append(r.new_token)
+            out.delta_text += delta
+            out.text += delta
+            group.touched.add(i)
+            status = r.finished
+            stop_reason: str | int | None = None
+            if status is None and detok.stop_matched is not None:
+                self.scheduler.finish(r.request.request_id, RequestStatus.FINISHED_STOPPED)
+                status, stop_reason = RequestStatus.FINISHED_STOPPED, detok.stop_matched
+            elif status is RequestStatus.FINISHED_STOPPED and r.new_token in r.request.params.stop_token_ids:
+                stop_reason = r.new_token
+            if status is not None:
+                self._finish_seq(group, i, status, stop_reason)
+        return [self._emit(g) for g in touched.values()]
+
+    def _finish_seq(
+        self, group: _Group, i: int, status: RequestStatus, stop_reason: str | int | None
+    ) -> None:
+        out = group.outputs[i]
+        if out.finish_reason is not None:
+            return
+        if group.detoks[i].stop_matched is None:
+            tail = group.detoks[i].flush()
+            out.text += tail
+            out.delta_text += tail
+        out.finish_reason = status.value
+        out.stop_reason = stop_reason
+        group.touched.add(i)
+        self._seq_to_group.pop(group.seqs[i].request_id, None)
+
+    def _emit(self, group: _Group) -> RequestOutput:
+        finished = all(o.finished for o in group.outputs)
+        snapshot = RequestOutput(
+            request_id=group.request_id,
+            prompt_token_ids=group.prompt_token_ids,
+            outputs=[
+                CompletionOutput(
+                    index=o.index,
+                    text=o.text,
+                    token_ids=list(o.token_ids),
+                    finish_reason=o.finish_reason,
+                    stop_reason=o.stop_reason,
+                    logprobs=list(o.logprobs) if o.logprobs is not None else None,
+                    delta_text=o.delta_text,
+                    delta_token_ids=list(o.delta_token_ids),
+                )
+                for o in group.outputs
+            ],
+            finished=finished,
+        )
+        for o in group.outputs:
+            o.delta_text, o.delta_token_ids = "", []
+        group.touched.clear()
+        if finished:
+            self._groups.pop(group.request_id, None)
+        return snapshot
+
+    def next_request_id(self) -> str:
+        self._counter += 1
+        return f"req-{self._counter}"
+
+    def stats(self) -> dict[str, int]:
+        return {
+            "running": len(self.scheduler.running),
+            "waiting": len(self.scheduler.waiting),
+            "free_kv_blocks": self.blocks.num_free_blocks,
+            "total_kv_blocks": self.blocks.num_blocks,
+        }
+
+
+def _available_memory() -> int:
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES")

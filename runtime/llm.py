@@ -1,0 +1,104 @@
+"""The offline Python API: `LLM(model_dir).generate(prompts, SamplingParams(...))`."""
+
+from __future__ import annotations
+
+import sys
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from runtime.config import EngineConfig
+from runtime.engine import LLMEngine, Prompt
+from runtime.outputs import RequestOutput
+from runtime.sampling_params import InvalidRequestError, SamplingParams
+
+
+class LLM:
+    """Run a model over a batch of prompts with continuous batching.
+
+    >>> llm = LLM("path/to/model")
+    >>> out = llm.generate(["Once upon a time"], SamplingParams(temperature=0, max_tokens=32))
+    >>> out[0].outputs[0].text
+    """
+
+    def __init__(self, model: str | Path, **engine_args: Any):
+        self.engine = LLMEngine(EngineConfig(model=str(model), **engine_args))
+        self.tokenizer = self.engine.tokenizer
+
+    def generate(
+        self,
+        prompts: Prompt | Sequence[Prompt],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        progress: bool = False,
+    ) -> list[RequestOutput]:
+        """Generate for every prompt (text, or a list of token ids); outputs in prompt order."""
+        batch = _as_batch(prompts)
+        if sampling_params is None or isinstance(sampling_params, SamplingParams):
+            params_list = [sampling_params or SamplingParams()] * len(batch)
+        else:
+            params_list = list(sampling_params)
+            if len(params_list) != len(batch):
+                raise InvalidRequestError(
+                    "sampling_params",
+                    f"{len(params_list)} given for {len(batch)} prompts; give one or one per prompt",
+                )
+        # Validate everything before anything is queued, so a bad prompt queues nothing.
+        for p in params_list:
+            p.validate()
+        ids = [self.engine.next_request_id() for _ in batch]
+        added: list[str] = []
+        try:
+            for rid, prompt, params in zip(ids, batch, params_list, strict=True):
+                self.engine.add_request(rid, prompt, params)
+                added.append(rid)
+        except Exception:
+            for rid in added:
+                self.engine.abort(rid)
+            raise
+        return self._run(ids, progress)
+
+    def chat(
+        self,
+        messages: list[dict[str, Any]] | list[list[dict[str, Any]]],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+    ) -> list[RequestOutput]:
+        """Render each conversation with the model's chat template, then generate."""
+        convs = [messages] if messages and isinstance(messages[0], dict) else messages
+        prompts = [
+            self.tokenizer.encode(
+                self.tokenizer.apply_chat_template(conv, add_generation_prompt=True),  # type: ignore[arg-type]
+                add_special_tokens=False,
+            )
+            for conv in convs
+        ]
+        return self.generate(prompts, sampling_params)  # type: ignore[arg-type]
+
+    def _run(self, ids: list[str], progress: bool) -> list[RequestOutput]:
+        done: dict[str, RequestOutput] = {}
+        start, generated = time.monotonic(), 0
+        while len(done) < len(ids):
+            for out in self.engine.step():
+                generated += sum(len(o.delta_token_ids) for o in out.outputs)
+                if out.finished:
+                    done[out.request_id] = out
+            if progress:
+                rate = generated / max(time.monotonic() - start, 1e-9)
+                print(
+                    f"\r{len(done)}/{len(ids)} requests done, {generated} tokens, {rate:.1f} tok/s",
+                    end="",
+                    file=sys.stderr,
+                )
+        if progress:
+            print(file=sys.stderr)
+        return [done[i] for i in ids]
+
+
+def _as_batch(prompts: Prompt | Sequence[Prompt]) -> list[Prompt]:
+    if isinstance(prompts, str):
+        return [prompts]
+    if isinstance(prompts, list) and prompts and all(isinstance(t, int) for t in prompts):
+        return [prompts]  # type: ignore[list-item]
+    if not isinstance(prompts, (list, tuple)) or not prompts:
+        raise InvalidRequestError("prompts", "give a prompt or a non-empty list of prompts")
+    return list(prompts)  # type: ignore[arg-type]

@@ -1,0 +1,70 @@
+"""Load a Hugging Face model folder: config, weights (single or sharded safetensors), into our model."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from pathlib import Path
+
+import torch
+from safetensors import SafetensorError, safe_open
+
+from runtime.config import DTYPES, ModelConfig, ModelLoadError
+from runtime.model import LlamaForCausalLM
+
+
+def safetensors_files(model_dir: Path) -> list[Path]:
+    """The weight files of a folder: the shards named by the index, or the single file."""
+    index = model_dir / "model.safetensors.index.json"
+    if index.is_file():
+        try:
+            weight_map = json.loads(index.read_text())["weight_map"]
+        except (OSError, json.JSONDecodeError, KeyError, TypeError) as e:
+            raise ModelLoadError(f"{index}: not a valid safetensors index ({e})") from e
+        files = [model_dir / name for name in sorted(set(weight_map.values()))]
+        for f in files:
+            if not f.is_file():
+                raise ModelLoadError(f"{f}: missing (listed in {index.name})")
+        return files
+    single = model_dir / "model.safetensors"
+    if single.is_file():
+        return [single]
+    raise ModelLoadError(
+        f"{model_dir}: no model.safetensors or model.safetensors.index.json "
+        "(for a GGUF file, run `edgeinfer import-gguf FILE OUT_DIR` first)"
+    )
+
+
+def iter_safetensors(files: list[Path]) -> Iterator[tuple[str, str, torch.Tensor]]:
+    """Yield (file, tensor name, tensor) for every tensor, file by file."""
+    for f in files:
+        try:
+            with safe_open(str(f), framework="pt") as st:
+                for name in st.keys():  # noqa: SIM118 - safe_open has no __iter__
+                    yield str(f), name, st.get_tensor(name)
+        except SafetensorError as e:
+            raise ModelLoadError(f"{f}: corrupt or unreadable safetensors file ({e})") from e
+        except OSError as e:
+            raise ModelLoadError(f"{f}: cannot read ({e})") from e
+
+
+def resolve_dtype(requested: str, cfg: ModelConfig) -> torch.dtype:
+    """The dtype to run in: the requested one, or the checkpoint's for "auto"."""
+    if requested != "auto":
+        return DTYPES[requested]
+    name = cfg.torch_dtype.removeprefix("torch.")
+    if name not in DTYPES:
+        raise ModelLoadError(f"config.json: torch_dtype {cfg.torch_dtype!r} is not supported")
+    return DTYPES[name]
+
+
+def load_model(model_dir: str | Path, dtype: str = "auto", max_model_len: int | None = None) -> LlamaForCausalLM:
+    """Build the model from a folder and load its weights; raises ModelLoadError naming the file."""
+    path = Path(model_dir)
+    if not path.is_dir():
+        raise ModelLoadError(f"{path}: not a folder")
+    cfg = ModelConfig.from_dir(path)
+    torch_dtype = resolve_dtype(dtype, cfg)
+    model = LlamaForCausalLM(cfg, torch_dtype, max_model_len or cfg.max_model_len)
+    model.load_weights(iter_safetensors(safetensors_files(path)))
+    return model.eval()

@@ -1,0 +1,127 @@
+"""The model runner: turns a scheduler decision into one forward pass and one sampling call.
+
+It owns the KV-cache tensors and the sampler. Per step it builds the batch once (input ids,
+positions, cache slots, attention metadata: `PagedAttentionMetadata`), runs the model over all
+scheduled tokens, computes logits only for the requests that sample this step, and samples.
+
+Batch types, and their two hand-offs:
+    Scheduler ──SchedulerOutput──▶ ModelRunner ──(token ids, logprobs per request)──▶ Scheduler.update
+"""
+
+from __future__ import annotations
+
+import torch
+
+from kernels.attention import PagedAttentionMetadata, PrefillChunk
+from runtime.model import LlamaForCausalLM, StepContext
+from runtime.sampler import Sampler, SamplingState, TokenLogprobs
+from runtime.scheduler import ScheduledRequest, SchedulerOutput
+
+
+def kv_block_bytes(model: LlamaForCausalLM, block_size: int) -> int:
+    """Bytes one block takes across all layers, keys and values."""
+    cfg = model.cfg
+    itemsize = torch.empty((), dtype=model.dtype).element_size()
+    return cfg.num_layers * 2 * block_size * cfg.num_kv_heads * cfg.head_dim * itemsize
+
+
+class ModelRunner:
+    def __init__(self, model: LlamaForCausalLM, num_blocks: int, block_size: int):
+        cfg = model.cfg
+        self.model = model
+        self.block_size = block_size
+        self.num_blocks = num_blocks
+        # (layers, 2, slots, n_kv_heads, head_dim): keys then values of every layer.
+        self.kv = torch.zeros(
+            cfg.num_layers,
+            2,
+            num_blocks * block_size,
+            cfg.num_kv_heads,
+            cfg.head_dim,
+            dtype=model.dtype,
+        )
+        self.kv_caches = [(self.kv[i, 0], self.kv[i, 1]) for i in range(cfg.num_layers)]
+        self.sampler = Sampler()
+
+    @torch.inference_mode()
+    def execute(
+        self, out: SchedulerOutput, block_tables: dict[str, list[int]]
+    ) -> tuple[dict[str, int], dict[str, TokenLogprobs]]:
+        """Run one step. Returns the sampled token (and logprobs, where asked) per request id."""
+        # Decodes (single tokens) first: they share one batched attention call.
+        order = sorted(out.scheduled, key=lambda s: s.num_new_tokens != 1)
+        input_ids, ctx = self._prepare(order, block_tables)
+        hidden = self.model(input_ids, ctx, self.kv_caches)  # (T, hidden)
+
+        sampling = [(i, s) for i, s in enumerate(order) if s.samples]
+        if not sampling:
+            return {}, {}
+        last = torch.tensor([o.num_new_tokens for o in order]).cumsum(0) - 1  # (B,)
+        ends = last[torch.tensor([i for i, _ in sampling])]
+        logits = self.model.logits(hidden[ends])  # (num_sampling, vocab) float32
+        states = [
+            SamplingState(
+                params=s.request.params,
+                generator=s.request.generator,
+                prompt_token_ids=s.request.prompt_token_ids,
+                output_token_ids=s.request.output_token_ids,
+            )
+            for _, s in sampling
+        ]
+        result = self.sampler(logits, states)
+        tokens = {s.request.request_id: t for (_, s), t in zip(sampling, result.token_ids, strict=True)}
+        logprobs = {
+            s.request.request_id: lp
+            for (_, s), lp in zip(sampling, result.logprobs, strict=True)
+            if lp is not None
+        }
+        return tokens, logprobs
+
+    def _slots(self, table: list[int], start: int, end: int) -> torch.Tensor:
+        pos = torch.arange(start, end)
+        blocks = torch.tensor(table, dtype=torch.int64)[pos // self.block_size]
+        return blocks * self.block_size + pos % self.block_size
+
+    def _prepare(
+        self, order: list[ScheduledRequest], block_tables: dict[str, list[int]]
+    ) -> tuple[torch.Tensor, StepContext]:
+        ids: list[int] = []
+        positions: list[torch.Tensor] = []
+        slots: list[torch.Tensor] = []
+        decode_tables: list[list[int]] = []
+        decode_lens: list[int] = []
+        prefills: list[PrefillChunk] = []
+        for s in order:
+            req, start, n = s.request, s.request.num_computed_tokens, s.num_new_tokens
+            table = block_tables[req.request_id]
+            if n == 1:
+                ids.append(req.token_at(start))
+                decode_tables.append(table)
+                decode_lens.append(start + 1)
+            else:
+                ids.extend(req.all_token_ids[start : start + n])
+                chunk = PrefillChunk(query_start=len(ids) - n, query_len=n, context_len=start)
+                if start > 0:
+                    chunk.kv_slots = self._slots(table, 0, start + n)
+                    q_pos = torch.arange(start, start + n)[:, None]  # (n, 1)
+                    chunk.mask = torch.arange(start + n)[None, :] <= q_pos  # (n, start + n)
+                prefills.append(chunk)
+            positions.append(torch.arange(start, start + n))
+            slots.append(self._slots(table, start, start + n))
+
+        meta = PagedAttentionMetadata(slot_mapping=torch.cat(slots), prefills=prefills)
+        if decode_lens:
+            nd = len(decode_lens)
+            width = max(len(t) for t in decode_tables)
+            tables = torch.zeros(nd, width, dtype=torch.int64)  # (nd, max_blocks), padded with 0
+            for i, t in enumerate(decode_tables):
+                tables[i, : len(t)] = torch.tensor(t, dtype=torch.int64)
+            max_len = max(decode_lens)
+            offsets = torch.arange(self.block_size)
+            dslots = (tables[:, :, None] * self.block_size + offsets).reshape(nd, -1)[:, :max_len]
+            lens = torch.tensor(decode_lens)
+            meta.num_decode = nd
+            meta.decode_slots = dslots  # (nd, max_len)
+            meta.decode_mask = (torch.arange(max_len)[None, :] < lens[:, None])[:, None, None, :]
+        ctx = StepContext(positions=torch.cat(positions), attn=meta)
+        return torch.tensor(ids, dtype=torch.int64), ctx

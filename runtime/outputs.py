@@ -1,0 +1,34 @@
+"""What the engine hands back per request: cumulative state plus the delta of the last step."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from runtime.sampler import TokenLogprobs
+
+
+@dataclass(slots=True)
+class CompletionOutput:
+    """One of the n completions of a request."""
+
+    index: int  # which of the n completions
+    text: str = ""  # all text so far (stop strings removed)
+    token_ids: list[int] = field(default_factory=list)  # all generated tokens so far
+    finish_reason: str | None = None  # "stop" | "length" | "abort", once finished
+    stop_reason: str | int | None = None  # the stop string or stop token that ended it
+    logprobs: list[TokenLogprobs] | None = None  # one per generated token, when asked for
+    delta_text: str = ""  # text added by the last step
+    delta_token_ids: list[int] = field(default_factory=list)  # tokens added by the last step
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+@dataclass(slots=True)
+class RequestOutput:
+    request_id: str
+    prompt_token_ids: list[int]  # the prompt as tokenized
+    outputs: list[CompletionOutput]  # n completions, by index
+    finished: bool = False  # every completion has finished
+    num_cached_tokens: int = 0  # prompt tokens served from the prefix cache

@@ -1,0 +1,66 @@
+"""A request as the scheduler sees it: how many tokens it has, how many it has computed."""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+import torch
+
+from runtime.sampling_params import SamplingParams
+
+
+class RequestStatus(enum.Enum):
+    WAITING = "waiting"  # queued, or preempted and waiting to recompute
+    RUNNING = "running"
+    FINISHED_STOPPED = "stop"  # eos, a stop token or a stop string
+    FINISHED_LENGTH = "length"  # max_tokens or the context length
+    FINISHED_ABORTED = "abort"
+
+    @property
+    def finished(self) -> bool:
+        return self in (
+            RequestStatus.FINISHED_STOPPED,
+            RequestStatus.FINISHED_LENGTH,
+            RequestStatus.FINISHED_ABORTED,
+        )
+
+
+@dataclass(slots=True, eq=False)
+class Request:
+    """One sequence. A prompt asked for with n > 1 becomes n requests sharing the prompt."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    max_tokens: int  # resolved: params.max_tokens, or what is left of the context
+    eos_token_ids: frozenset[int]  # ends the request unless params.ignore_eos
+    generator: torch.Generator | None = None  # seeded when params.seed is set
+    arrival: float = 0.0  # time.monotonic() at arrival, for FCFS and metrics
+    output_token_ids: list[int] = field(default_factory=list)
+    num_computed_tokens: int = 0  # tokens whose keys/values are in the cache
+    status: RequestStatus = RequestStatus.WAITING
+    num_preemptions: int = 0
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def all_token_ids(self) -> list[int]:
+        return self.prompt_token_ids + self.output_token_ids
+
+    def token_at(self, index: int) -> int:
+        n = len(self.prompt_token_ids)
+        return self.prompt_token_ids[index] if index < n else self.output_token_ids[index - n]
+
+    def check_stop(self) -> RequestStatus | None:
+        """After a token is appended: the finish status it causes, if any."""
+        last = self.output_token_ids[-1]
+        if not self.params.ignore_eos and last in self.eos_token_ids:
+            return RequestStatus.FINISHED_STOPPED
+        if last in self.params.stop_token_ids:
+            return RequestStatus.FINISHED_STOPPED
+        if len(self.output_token_ids) >= self.max_tokens:
+            return RequestStatus.FINISHED_LENGTH
+        return None

@@ -1,0 +1,109 @@
+"""Per-request sampling settings, validated before a request reaches the scheduler."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+class InvalidRequestError(ValueError):
+    """Bad user input. `param` names the offending field; the message states the limit.
+
+    The gateway maps this to an OpenAI-style 400 error with `error.param` set.
+    """
+
+    def __init__(self, param: str, message: str) -> None:
+        super().__init__(f"{param}: {message}")
+        self.param = param
+        self.message = message
+
+
+@dataclass(slots=True)
+class SamplingParams:
+    """How to pick tokens for one request (OpenAI / vLLM semantics).
+
+    `temperature == 0` means greedy. `top_k == -1` (or 0) disables top-k.
+    """
+
+    n: int = 1  # number of independent completions for the prompt
+    max_tokens: int | None = 16  # tokens to generate; None = up to the context length
+    temperature: float = 1.0  # 0 = greedy
+    top_p: float = 1.0  # nucleus sampling mass, in (0, 1]
+    top_k: int = -1  # keep the k most likely tokens; -1 or 0 = all
+    min_p: float = 0.0  # drop tokens below min_p * p(most likely), in [0, 1]
+    seed: int | None = None  # same seed, same output
+    repetition_penalty: float = 1.0  # > 1 discourages tokens seen in prompt or output (CTRL style)
+    presence_penalty: float = 0.0  # subtracted once from logits of tokens already generated, [-2, 2]
+    frequency_penalty: float = 0.0  # subtracted per occurrence in the output, [-2, 2]
+    stop: list[str] = field(default_factory=list)  # stop strings, not included in the output
+    stop_token_ids: list[int] = field(default_factory=list)  # extra tokens that end the request
+    ignore_eos: bool = False  # keep generating past the model's end-of-sequence token
+    logprobs: int | None = None  # return the sampled token's logprob and this many top alternatives
+    include_stop_str_in_output: bool = False  # keep the matched stop string in the text
+
+    def __post_init__(self) -> None:
+        if isinstance(self.stop, str):
+            self.stop = [self.stop]
+        self.validate()
+
+    def validate(self) -> None:
+        _int_field("n", self.n)
+        if self.n < 1 or self.n > 128:
+            raise InvalidRequestError("n", f"must be in [1, 128], got {self.n}")
+        if self.max_tokens is not None:
+            _int_field("max_tokens", self.max_tokens)
+            if self.max_tokens < 1:
+                raise InvalidRequestError("max_tokens", f"must be at least 1, got {self.max_tokens}")
+        _num_field("temperature", self.temperature)
+        if self.temperature < 0:
+            raise InvalidRequestError("temperature", f"must be >= 0, got {self.temperature}")
+        _num_field("top_p", self.top_p)
+        if not 0.0 < self.top_p <= 1.0:
+            raise InvalidRequestError("top_p", f"must be in (0, 1], got {self.top_p}")
+        _int_field("top_k", self.top_k)
+        if self.top_k < -1:
+            raise InvalidRequestError("top_k", f"must be -1 (disabled) or >= 0, got {self.top_k}")
+        _num_field("min_p", self.min_p)
+        if not 0.0 <= self.min_p <= 1.0:
+            raise InvalidRequestError("min_p", f"must be in [0, 1], got {self.min_p}")
+        if self.seed is not None:
+            _int_field("seed", self.seed)
+        _num_field("repetition_penalty", self.repetition_penalty)
+        if self.repetition_penalty <= 0:
+            raise InvalidRequestError(
+                "repetition_penalty", f"must be > 0, got {self.repetition_penalty}"
+            )
+        for name in ("presence_penalty", "frequency_penalty"):
+            value = getattr(self, name)
+            _num_field(name, value)
+            if not -2.0 <= value <= 2.0:
+                raise InvalidRequestError(name, f"must be in [-2, 2], got {value}")
+        if not isinstance(self.stop, list) or not all(isinstance(s, str) for s in self.stop):
+            raise InvalidRequestError("stop", "must be a string or a list of strings")
+        if any(s == "" for s in self.stop):
+            raise InvalidRequestError("stop", "stop strings must be non-empty")
+        if len(self.stop) > 16:
+            raise InvalidRequestError("stop", f"at most 16 stop strings, got {len(self.stop)}")
+        if not isinstance(self.stop_token_ids, list):
+            raise InvalidRequestError("stop_token_ids", "must be a list of integers")
+        for t in self.stop_token_ids:
+            _int_field("stop_token_ids", t)
+        if self.logprobs is not None:
+            _int_field("logprobs", self.logprobs)
+            if not 0 <= self.logprobs <= 20:
+                raise InvalidRequestError("logprobs", f"must be in [0, 20], got {self.logprobs}")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+
+def _int_field(name: str, value: object) -> None:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise InvalidRequestError(name, f"must be an integer, got {type(value).__name__}")
+
+
+def _num_field(name: str, value: object) -> None:
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise InvalidRequestError(name, f"must be a number, got {type(value).__name__}")
+    if value != value:  # NaN
+        raise InvalidRequestError(name, "must not be NaN")

@@ -1,0 +1,175 @@
+"""The scheduler: which requests run this step, and how many tokens each computes.
+
+There are no prefill and decode modes. Each request has `num_tokens` (prompt + output so far) and
+`num_computed_tokens` (those whose keys and values are in the cache); a step gives a request some
+of the difference. A new prompt is many tokens, a chunked prefill is a smaller allotment, a
+decode is one token, and a request preempted by recomputation simply has `num_computed_tokens`
+reset to 0.
+
+Policy, per step, under a token budget (`max_num_batched_tokens`):
+1. Running requests, oldest first. Every running decode is reserved one token of the budget
+   before any prefill chunk is sized, so prefills never starve decodes. When the KV cache has no
+   room for a request's tokens, the newest running request is preempted (its blocks freed, put back
+   at the head of the queue) until there is room.
+2. Then waiting requests in arrival order (FCFS: the head blocks those behind it), while there is
+   budget, a free seat (`max_num_seqs`) and KV-cache room, and no request was preempted this step.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+
+from runtime.kv_cache import BlockManager
+from runtime.request import Request, RequestStatus
+
+
+@dataclass(slots=True)
+class ScheduledRequest:
+    request: Request
+    num_new_tokens: int  # tokens computed this step, starting at request.num_computed_tokens
+
+    @property
+    def samples(self) -> bool:
+        """Whether this step reaches the end of the request's tokens, so a token is sampled."""
+        r = self.request
+        return r.num_computed_tokens + self.num_new_tokens == r.num_tokens
+
+
+@dataclass(slots=True)
+class SchedulerOutput:
+    scheduled: list[ScheduledRequest] = field(default_factory=list)  # in priority order
+    preempted: list[str] = field(default_factory=list)  # request ids preempted this step
+    num_batched_tokens: int = 0  # sum of num_new_tokens
+
+    @property
+    def empty(self) -> bool:
+        return not self.scheduled
+
+
+@dataclass(slots=True)
+class StepResult:
+    """What the update did to one request."""
+
+    request: Request
+    new_token: int | None  # the token appended this step, if one was sampled
+    finished: RequestStatus | None  # set when the request finished this step
+
+
+class QueueFullError(RuntimeError):
+    """The waiting queue is at its bound; the caller should retry later (HTTP 429)."""
+
+
+class Scheduler:
+    def __init__(
+        self,
+        block_manager: BlockManager,
+        max_num_seqs: int,
+        max_num_batched_tokens: int,
+        max_waiting: int,
+    ):
+        self.blocks = block_manager
+        self.max_num_seqs = max_num_seqs
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.max_waiting = max_waiting
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []  # oldest first
+        self.requests: dict[str, Request] = {}
+
+    @property
+    def capacity_tokens(self) -> int:
+        return self.blocks.num_blocks * self.blocks.block_size
+
+    def add(self, request: Request) -> None:
+        if request.request_id in self.requests:
+            raise ValueError(f"request id {request.request_id!r} is already in use")
+        if len(self.waiting) >= self.max_waiting:
+            raise QueueFullError(f"the waiting queue is full ({self.max_waiting} requests)")
+        self.waiting.append(request)
+        self.requests[request.request_id] = request
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def schedule(self) -> SchedulerOutput:
+        out = SchedulerOutput()
+        budget = self.max_num_batched_tokens
+        pending_decodes = sum(1 for r in self.running if r.num_tokens - r.num_computed_tokens == 1)
+        i = 0
+        while i < len(self.running) and budget > 0:
+            req = self.running[i]
+            remaining = req.num_tokens - req.num_computed_tokens
+            if remaining == 1:
+                pending_decodes -= 1
+                n = 1
+            else:
+                n = min(remaining, budget - pending_decodes)
+                if n <= 0:
+                    i += 1
+                    continue
+            while not self.blocks.can_allocate(req.request_id, req.num_computed_tokens + n):
+                victim = self.running[-1]
+                self._preempt(victim)
+                out.preempted.append(victim.request_id)
+                if victim is req:
+                    break
+            if req.status is not RequestStatus.RUNNING:
+                break  # req itself was preempted: everything after it was too
+            self.blocks.allocate(req.request_id, req.num_computed_tokens + n)
+            out.scheduled.append(ScheduledRequest(req, n))
+            budget -= n
+            i += 1
+
+        while self.waiting and budget > 0 and not out.preempted:
+            if len(self.running) >= self.max_num_seqs:
+                break
+            req = self.waiting[0]
+            n = min(req.num_tokens - req.num_computed_tokens, budget)
+            if self.blocks.allocate(req.request_id, req.num_computed_tokens + n) is None:
+                break
+            self.waiting.popleft()
+            req.status = RequestStatus.RUNNING
+            self.running.append(req)
+            out.scheduled.append(ScheduledRequest(req, n))
+            budget -= n
+        out.num_batched_tokens = self.max_num_batched_tokens - budget
+        return out
+
+    def _preempt(self, req: Request) -> None:
+        self.running.remove(req)
+        self.blocks.free(req.request_id)
+        req.num_computed_tokens = 0
+        req.num_preemptions += 1
+        req.status = RequestStatus.WAITING
+        self.waiting.appendleft(req)
+
+    def update(self, out: SchedulerOutput, sampled: dict[str, int]) -> list[StepResult]:
+        """Advance each scheduled request; append sampled tokens; finish what stopped."""
+        results = []
+        for s in out.scheduled:
+            req = s.request
+            if req.status is not RequestStatus.RUNNING:
+                continue  # aborted while the step ran
+            req.num_computed_tokens += s.num_new_tokens
+            token = sampled.get(req.request_id)
+            if token is None:
+                continue  # a prefill chunk that did not reach the end
+            req.output_token_ids.append(token)
+            status = req.check_stop()
+            if status is not None:
+                self.finish(req.request_id, status)
+            results.append(StepResult(req, token, status))
+        return results
+
+    def finish(self, request_id: str, status: RequestStatus) -> Request | None:
+        """Finish (or abort) a request wherever it is; its blocks are freed at once."""
+        req = self.requests.pop(request_id, None)
+        if req is None:
+            return None
+        if req.status is RequestStatus.RUNNING:
+            self.running.remove(req)
+        elif req in self.waiting:
+            self.waiting.remove(req)
+        self.blocks.free(request_id)
+        req.status = status
+        return req
