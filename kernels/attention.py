@@ -33,14 +33,25 @@ class PrefillChunk:
 
 
 @dataclass(slots=True)
+class DecodeGroup:
+    """Consecutive single-token decodes of similar context length, attended in one batched call.
+
+    Grouping by length bounds the padding each call computes over.
+    """
+
+    start: int  # index of the group's first token among the step's tokens
+    size: int  # number of decode tokens (requests) in the group
+    kv_slots: torch.Tensor  # (size, L) int64: slots of each request's keys, padded with slot 0
+    mask: torch.Tensor | None  # (size, 1, 1, L) bool, True for real keys; None when none is padded
+
+
+@dataclass(slots=True)
 class PagedAttentionMetadata:
     """Where each token of a step reads and writes the cache; built once per step."""
 
     slot_mapping: torch.Tensor  # (T,) int64: cache slot each new token's key/value is written to
-    num_decode: int = 0  # the first num_decode tokens are single-token decodes
-    decode_slots: torch.Tensor | None = None  # (num_decode, L) int64: slots of keys, padded with 0
-    decode_mask: torch.Tensor | None = None  # (num_decode, 1, 1, L) bool: True for real keys
-    prefills: list[PrefillChunk] = field(default_factory=list)
+    decodes: list[DecodeGroup] = field(default_factory=list)  # single-token rows, first in the step
+    prefills: list[PrefillChunk] = field(default_factory=list)  # multi-token rows, after decodes
 
 
 def write_kv_cache(
@@ -80,16 +91,15 @@ def paged_attention(
     if H % Hkv:
         raise ValueError(f"paged_attention: {H} query heads, {Hkv} kv heads")
     out = torch.empty_like(q)
-    nd = meta.num_decode
-    if nd:
-        assert meta.decode_slots is not None and meta.decode_mask is not None
-        keys = k_cache[meta.decode_slots].transpose(1, 2)  # (nd, Hkv, L, D)
-        values = v_cache[meta.decode_slots].transpose(1, 2)  # (nd, Hkv, L, D)
-        qd = q[:nd].unsqueeze(2)  # (nd, H, 1, D)
+    for g in meta.decodes:
+        s, n = g.start, g.size
+        keys = k_cache[g.kv_slots].transpose(1, 2)  # (n, Hkv, L, D)
+        values = v_cache[g.kv_slots].transpose(1, 2)  # (n, Hkv, L, D)
+        qd = q[s : s + n].unsqueeze(2)  # (n, H, 1, D)
         o = F.scaled_dot_product_attention(
-            qd, keys, values, attn_mask=meta.decode_mask, scale=scale, enable_gqa=Hkv != H
-        )  # (nd, H, 1, D)
-        out[:nd] = o.squeeze(2)
+            qd, keys, values, attn_mask=g.mask, scale=scale, enable_gqa=Hkv != H
+        )  # (n, H, 1, D)
+        out[s : s + n] = o.squeeze(2)
     for chunk in meta.prefills:
         s, n = chunk.query_start, chunk.query_len
         qc = q[s : s + n].transpose(0, 1)  # (H, n, D)

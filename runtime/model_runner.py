@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import torch
 
-from kernels.attention import PagedAttentionMetadata, PrefillChunk
+from kernels.attention import DecodeGroup, PagedAttentionMetadata, PrefillChunk
 from runtime.model import LlamaForCausalLM, StepContext
 from runtime.sampler import Sampler, SamplingState, TokenLogprobs
 from runtime.scheduler import ScheduledRequest, SchedulerOutput
@@ -48,8 +48,12 @@ class ModelRunner:
         self, out: SchedulerOutput, block_tables: dict[str, list[int]]
     ) -> tuple[dict[str, int], dict[str, TokenLogprobs]]:
         """Run one step. Returns the sampled token (and logprobs, where asked) per request id."""
-        # Decodes (single tokens) first: they share one batched attention call.
-        order = sorted(out.scheduled, key=lambda s: s.num_new_tokens != 1)
+        # Decodes (single tokens) first, shortest context first, so that decodes of similar
+        # length are neighbours and share one batched attention call; then prefill chunks.
+        order = sorted(
+            out.scheduled,
+            key=lambda s: (s.num_new_tokens != 1, s.request.num_computed_tokens),
+        )
         input_ids, ctx = self._prepare(order, block_tables)
         hidden = self.model(input_ids, ctx, self.kv_caches)  # (T, hidden)
 
@@ -82,6 +86,32 @@ class ModelRunner:
         blocks = torch.tensor(table, dtype=torch.int64)[pos // self.block_size]
         return blocks * self.block_size + pos % self.block_size
 
+    def _decode_groups(self, tables: list[list[int]], lens: list[int]) -> list[DecodeGroup]:
+        """Split the (length-sorted) decodes into groups whose padding stays under ~1/3."""
+        groups: list[DecodeGroup] = []
+        i = 0
+        while i < len(lens):
+            j = i + 1
+            while j < len(lens) and (lens[j] * 3 <= lens[i] * 4 or j - i < 4):
+                j += 1
+            groups.append(self._decode_group(i, tables[i:j], lens[i:j]))
+            i = j
+        return groups
+
+    def _decode_group(self, start: int, tables: list[list[int]], lens: list[int]) -> DecodeGroup:
+        n, max_len = len(lens), max(lens)
+        width = -(-max_len // self.block_size)
+        padded = torch.zeros(n, width, dtype=torch.int64)  # (n, blocks), padded with block 0
+        for i, t in enumerate(tables):
+            padded[i, : min(len(t), width)] = torch.tensor(t[:width], dtype=torch.int64)
+        offsets = torch.arange(self.block_size)
+        slots = (padded[:, :, None] * self.block_size + offsets).reshape(n, -1)[:, :max_len]
+        mask = None
+        if min(lens) != max_len:
+            lengths = torch.tensor(lens)
+            mask = (torch.arange(max_len)[None, :] < lengths[:, None])[:, None, None, :]
+        return DecodeGroup(start=start, size=n, kv_slots=slots, mask=mask)
+
     def _prepare(
         self, order: list[ScheduledRequest], block_tables: dict[str, list[int]]
     ) -> tuple[torch.Tensor, StepContext]:
@@ -110,18 +140,6 @@ class ModelRunner:
             slots.append(self._slots(table, start, start + n))
 
         meta = PagedAttentionMetadata(slot_mapping=torch.cat(slots), prefills=prefills)
-        if decode_lens:
-            nd = len(decode_lens)
-            width = max(len(t) for t in decode_tables)
-            tables = torch.zeros(nd, width, dtype=torch.int64)  # (nd, max_blocks), padded with 0
-            for i, t in enumerate(decode_tables):
-                tables[i, : len(t)] = torch.tensor(t, dtype=torch.int64)
-            max_len = max(decode_lens)
-            offsets = torch.arange(self.block_size)
-            dslots = (tables[:, :, None] * self.block_size + offsets).reshape(nd, -1)[:, :max_len]
-            lens = torch.tensor(decode_lens)
-            meta.num_decode = nd
-            meta.decode_slots = dslots  # (nd, max_len)
-            meta.decode_mask = (torch.arange(max_len)[None, :] < lens[:, None])[:, None, None, :]
+        meta.decodes = self._decode_groups(decode_tables, decode_lens)
         ctx = StepContext(positions=torch.cat(positions), attn=meta)
         return torch.tensor(ids, dtype=torch.int64), ctx

@@ -8,25 +8,31 @@ Order of operations (vLLM semantics):
       -> greedy rows: argmax                     (temperature below 1e-5 counts as greedy)
       -> other rows: / temperature -> min_p -> top_k -> top_p -> draw
 
-Logprobs follow vLLM's default `raw_logprobs` mode for rows without penalties; for rows with
-penalties they are taken after the penalties (vLLM's raw mode takes them before). Temperature,
-min_p, top_k and top_p never change the reported logprobs.
+Logprobs are vLLM's default `raw_logprobs` for rows without penalties; for rows with penalties
+they are taken after the penalties (vLLM's raw mode takes them before). Temperature, min_p, top_k
+and top_p never change the reported logprobs.
 
-The draw is an exponential race, `argmax(probs / q)` with `q ~ Exp(1)`, which picks token i with
-probability probs[i]. Rows with their own `torch.Generator` (seeded requests) draw `q` from it, one
-row at a time, so a seeded row gives the same tokens whatever else is in the batch; all other rows
-share one batched draw from torch's default generator.
+Cost: this runs every step for batches of 64+ rows over a vocabulary of ~50k on a CPU, so each
+feature costs only for the rows that use it.
+- All rows greedy, no penalties, no logprobs: one `argmax`, nothing else.
+- Penalties touch only the (row, token) pairs seen in the prompt / output (gather, scatter).
+- One softmax per sampled row; min_p, top_k and top_p then zero out weights.
+- top_k / top_p work on sorted candidates from `torch.topk`: the top k, or for top_p alone the
+  top 256 when they already hold top_p of the mass; only rows whose nucleus is wider than that
+  sort the full vocabulary.
+- The draw is inverse-CDF: one uniform number per row, a cumulative sum and a binary search.
 
-Fast path: when every row is greedy with no penalties and no logprobs, the whole call is one
-`argmax`. Elsewhere, each feature costs only for the rows that use it: penalty tensors are built
-for penalized rows only, top_k uses `torch.topk`, and the full vocabulary is sorted only for rows
-that ask for top_p without top_k.
+Reproducibility: a row with its own `torch.Generator` (a seeded request) takes its uniform number
+from it, one row at a time, and everything else it goes through is row-wise, so a seeded row gives
+the same tokens whatever else is in the batch. All other rows share one batched draw from torch's
+default generator.
 
 Stop tokens and end-of-sequence handling are not the sampler's job.
 """
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass
 
 import torch
@@ -36,7 +42,8 @@ from runtime.sampling_params import SamplingParams
 # Temperatures below this are treated as greedy: dividing by them overflows float32 logits.
 GREEDY_TEMPERATURE_EPS = 1e-5
 
-_TINY = torch.finfo(torch.float32).tiny  # floor for q, so probs / q never divides by zero
+# Candidates tried first for rows with top_p but no top_k; wider nuclei fall back to a full sort.
+_NUCLEUS_CANDIDATES = 256
 
 
 @dataclass(slots=True)
@@ -66,18 +73,16 @@ class SamplerOutput:
     logprobs: list[TokenLogprobs | None]  # per row; None where params.logprobs is None
 
 
-def _is_plain_greedy(p: SamplingParams) -> bool:
-    return (
-        p.temperature < GREEDY_TEMPERATURE_EPS
-        and p.logprobs is None
-        and p.repetition_penalty == 1.0
-        and p.presence_penalty == 0.0
-        and p.frequency_penalty == 0.0
-    )
+def _is_greedy(p: SamplingParams) -> bool:
+    return p.temperature < GREEDY_TEMPERATURE_EPS
 
 
 def _has_penalty(p: SamplingParams) -> bool:
     return p.repetition_penalty != 1.0 or p.presence_penalty != 0.0 or p.frequency_penalty != 0.0
+
+
+def _is_plain_greedy(p: SamplingParams) -> bool:
+    return _is_greedy(p) and p.logprobs is None and not _has_penalty(p)
 
 
 class Sampler:
@@ -94,24 +99,26 @@ class Sampler:
         if all(_is_plain_greedy(p) for p in params):
             return SamplerOutput(logits.argmax(dim=-1).tolist(), [None] * len(states))
 
-        penalized = [i for i, p in enumerate(params) if _has_penalty(p)]
-        if penalized:
-            logits = apply_penalties(logits, [states[i] for i in penalized], penalized)
+        if any(_has_penalty(p) for p in params):
+            logits = apply_penalties(logits, states)
 
-        greedy = [i for i, p in enumerate(params) if p.temperature < GREEDY_TEMPERATURE_EPS]
-        if len(greedy) == len(states):
+        sampled = [i for i, p in enumerate(params) if not _is_greedy(p)]
+        if not sampled:
             token_ids = logits.argmax(dim=-1)  # (B,)
+        elif len(sampled) == len(states):
+            token_ids = _sample_rows(logits, states)
         else:
-            token_ids = torch.empty(len(states), dtype=torch.long, device=logits.device)
-            if greedy:
-                greedy_t = torch.tensor(greedy, device=logits.device)
-                token_ids[greedy_t] = logits[greedy_t].argmax(dim=-1)
-            sampled = [i for i, p in enumerate(params) if p.temperature >= GREEDY_TEMPERATURE_EPS]
-            sampled_t = torch.tensor(sampled, device=logits.device)
+            device = logits.device
+            greedy_t = torch.tensor(
+                [i for i, p in enumerate(params) if _is_greedy(p)], device=device
+            )
+            sampled_t = torch.tensor(sampled, device=device)
+            token_ids = torch.empty(len(states), dtype=torch.long, device=device)
+            token_ids[greedy_t] = logits[greedy_t].argmax(dim=-1)
             token_ids[sampled_t] = _sample_rows(logits[sampled_t], [states[i] for i in sampled])
 
-        with_logprobs = [i for i, p in enumerate(params) if p.logprobs is not None]
         out_logprobs: list[TokenLogprobs | None] = [None] * len(states)
+        with_logprobs = [i for i, p in enumerate(params) if p.logprobs is not None]
         if with_logprobs:
             counts = [params[i].logprobs or 0 for i in with_logprobs]
             rows = _logprobs(logits, token_ids, with_logprobs, counts)
@@ -120,48 +127,68 @@ class Sampler:
         return SamplerOutput(token_ids.tolist(), out_logprobs)
 
 
-def apply_penalties(
-    logits: torch.Tensor, states: list[SamplingState], rows: list[int]
-) -> torch.Tensor:
-    """Return a copy of `logits` with penalties applied to `rows` (states[j] belongs to rows[j]).
+# ----- penalties ---------------------------------------------------------------------------
+
+
+def apply_penalties(logits: torch.Tensor, states: list[SamplingState]) -> torch.Tensor:
+    """A copy of `logits` (B, V) with each row's penalties applied (row i has states[i]).
 
     Repetition (CTRL): for tokens in prompt or output, positive logits are divided by the
     penalty and negative ones multiplied. Then `frequency * count + presence * (count > 0)` is
-    subtracted, counting output tokens only.
+    subtracted, counting output tokens only. Only (row, token) pairs that occur are touched.
     """
     vocab = logits.shape[1]
     device = logits.device
-    rows_t = torch.tensor(rows, device=device)
-    x = logits[rows_t]  # (R, V), a copy
-    # Output token counts, (R, V): pad ragged lists with an extra "vocab" column, then drop it.
-    out_ids = _padded([s.output_token_ids for s in states], pad=vocab, device=device)
-    counts = torch.zeros(len(rows), vocab + 1, dtype=x.dtype, device=device)
-    counts.scatter_add_(1, out_ids, torch.ones_like(out_ids, dtype=x.dtype))
-    counts = counts[:, :vocab]  # (R, V)
-
-    rep = torch.tensor([s.params.repetition_penalty for s in states], device=device)
-    if bool((rep != 1.0).any()):
-        prompt_ids = _padded([s.prompt_token_ids for s in states], pad=vocab, device=device)
-        seen = torch.zeros(len(rows), vocab + 1, dtype=torch.bool, device=device)
-        seen.scatter_(1, prompt_ids, True)
-        seen = seen[:, :vocab] | (counts > 0)  # (R, V)
-        rep = rep.to(x.dtype).unsqueeze(1)  # (R, 1)
-        penalized = torch.where(x > 0, x / rep, x * rep)
-        x = torch.where(seen, penalized, x)
-
-    freq = torch.tensor([s.params.frequency_penalty for s in states], dtype=x.dtype, device=device)
-    pres = torch.tensor([s.params.presence_penalty for s in states], dtype=x.dtype, device=device)
-    x = x - freq.unsqueeze(1) * counts - pres.unsqueeze(1) * (counts > 0).to(x.dtype)
-
     out = logits.clone()
-    out[rows_t] = x
+    params = [s.params for s in states]
+
+    rep_rows = [i for i, p in enumerate(params) if p.repetition_penalty != 1.0]
+    if rep_rows:
+        seen = torch.unique(
+            torch.cat(
+                [
+                    _flat_keys(
+                        [states[i].prompt_token_ids for i in rep_rows], rep_rows, vocab, device
+                    ),
+                    _flat_keys(
+                        [states[i].output_token_ids for i in rep_rows], rep_rows, vocab, device
+                    ),
+                ]
+            )
+        )  # (N,) distinct row * vocab + token
+        rows, toks = seen // vocab, seen % vocab
+        rep = torch.tensor([p.repetition_penalty for p in params], dtype=out.dtype, device=device)
+        rep = rep[rows]  # (N,)
+        vals = out[rows, toks]
+        out[rows, toks] = torch.where(vals > 0, vals / rep, vals * rep)
+
+    freq_rows = [
+        i for i, p in enumerate(params) if p.frequency_penalty != 0.0 or p.presence_penalty != 0.0
+    ]
+    if freq_rows:
+        keys = _flat_keys([states[i].output_token_ids for i in freq_rows], freq_rows, vocab, device)
+        uniq, counts = torch.unique(keys, return_counts=True)  # (N,), (N,)
+        rows, toks = uniq // vocab, uniq % vocab
+        freq = torch.tensor([p.frequency_penalty for p in params], dtype=out.dtype, device=device)
+        pres = torch.tensor([p.presence_penalty for p in params], dtype=out.dtype, device=device)
+        freq, pres = freq[rows], pres[rows]  # (N,)
+        out[rows, toks] -= freq * counts.to(out.dtype) + pres
     return out
 
 
-def _padded(seqs: list[list[int]], pad: int, device: torch.device) -> torch.Tensor:
-    """(R, max_len) long tensor, rows right-padded with `pad`; at least one column."""
-    width = max(1, max(len(s) for s in seqs))
-    return torch.tensor([s + [pad] * (width - len(s)) for s in seqs], device=device)
+def _flat_keys(
+    seqs: list[list[int]], rows: list[int], vocab: int, device: torch.device
+) -> torch.Tensor:
+    """All tokens of seqs[j] as keys `rows[j] * vocab + token`, one flat int64 tensor."""
+    flat = torch.tensor(list(itertools.chain.from_iterable(seqs)), dtype=torch.long, device=device)
+    row_of = torch.repeat_interleave(
+        torch.tensor(rows, dtype=torch.long, device=device),
+        torch.tensor([len(s) for s in seqs], device=device),
+    )
+    return row_of * vocab + flat
+
+
+# ----- sampling ----------------------------------------------------------------------------
 
 
 def _sample_rows(logits: torch.Tensor, states: list[SamplingState]) -> torch.Tensor:
@@ -169,77 +196,119 @@ def _sample_rows(logits: torch.Tensor, states: list[SamplingState]) -> torch.Ten
     device = logits.device
     vocab = logits.shape[1]
     params = [s.params for s in states]
-    temps = torch.tensor([p.temperature for p in params], dtype=logits.dtype, device=device)
-    x = logits / temps.unsqueeze(1)  # (R, V), our own copy from here on
-
-    min_p_rows = [j for j, p in enumerate(params) if p.min_p > 0.0]
-    if min_p_rows:
-        idx = torch.tensor(min_p_rows, device=device)
-        min_p = torch.tensor([params[j].min_p for j in min_p_rows], dtype=x.dtype, device=device)
-        x[idx] = _min_p(x[idx], min_p)
-
-    top_k_rows = [j for j, p in enumerate(params) if 0 < p.top_k < vocab]
-    if top_k_rows:
-        idx = torch.tensor(top_k_rows, device=device)
-        ks = torch.tensor([params[j].top_k for j in top_k_rows], device=device)
-        x[idx] = _top_k(x[idx], ks)
-
-    top_p_rows = [j for j, p in enumerate(params) if p.top_p < 1.0]
-    if top_p_rows:
-        idx = torch.tensor(top_p_rows, device=device)
-        top_p = torch.tensor([params[j].top_p for j in top_p_rows], dtype=x.dtype, device=device)
-        # When every such row also has top_k, its candidates are within the top max(k): no need
-        # to sort the whole vocabulary.
-        ks = [params[j].top_k for j in top_p_rows]
-        candidates = max(ks) if all(0 < k < vocab for k in ks) else None
-        x[idx] = _top_p(x[idx], top_p, candidates)
-
-    probs = torch.softmax(x, dim=-1)  # (R, V)
-    q = torch.empty_like(probs)
-    unseeded = [j for j, s in enumerate(states) if s.generator is None]
-    if len(unseeded) == len(states):
-        q.exponential_()
+    temps = [p.temperature for p in params]
+    if all(t == 1.0 for t in temps):
+        probs = torch.softmax(logits, dim=-1)  # (R, V)
     else:
-        if unseeded:
-            idx = torch.tensor(unseeded, device=device)
-            q[idx] = torch.empty(len(unseeded), vocab, dtype=q.dtype, device=device).exponential_()
-        for j, s in enumerate(states):
-            if s.generator is not None:
-                q[j].exponential_(generator=s.generator)
-    q.clamp_min_(_TINY)
-    return (probs / q).argmax(dim=-1)
+        t = torch.tensor(temps, dtype=logits.dtype, device=device).unsqueeze(1)  # (R, 1)
+        probs = torch.softmax(logits / t, dim=-1)  # (R, V)
+
+    if any(p.min_p > 0.0 for p in params):
+        min_p = torch.tensor([p.min_p for p in params], dtype=probs.dtype, device=device)
+        threshold = probs.amax(dim=-1, keepdim=True) * min_p.unsqueeze(1)  # (R, 1)
+        probs.masked_fill_(probs < threshold, 0.0)  # weights from here on: no longer sum to 1
+
+    truncated = [j for j, p in enumerate(params) if 0 < p.top_k < vocab or p.top_p < 1.0]
+    if not truncated:
+        return _draw(probs, [s.generator for s in states])
+    if len(truncated) == len(states):
+        return _sample_truncated(probs, states, min_width=0)
+    truncated_set = set(truncated)
+    plain = [j for j in range(len(states)) if j not in truncated_set]
+    plain_t = torch.tensor(plain, device=device)
+    truncated_t = torch.tensor(truncated, device=device)
+    token_ids = torch.empty(len(states), dtype=torch.long, device=device)
+    token_ids[plain_t] = _draw(probs[plain_t], [states[j].generator for j in plain])
+    token_ids[truncated_t] = _sample_truncated(
+        probs[truncated_t], [states[j] for j in truncated], min_width=0
+    )
+    return token_ids
 
 
-def _min_p(x: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
-    """Drop tokens whose probability is below min_p * p(most likely token). x (R, V), min_p (R,)."""
-    probs = torch.softmax(x, dim=-1)
-    threshold = probs.amax(dim=-1, keepdim=True) * min_p.unsqueeze(1)  # (R, 1)
-    return x.masked_fill(probs < threshold, float("-inf"))
+def _sample_truncated(
+    weights: torch.Tensor, states: list[SamplingState], min_width: int
+) -> torch.Tensor:
+    """Draw from rows of `weights` (R, V) >= 0 that use top_k and/or top_p, over sorted
+    candidates.
 
-
-def _top_k(x: torch.Tensor, ks: torch.Tensor) -> torch.Tensor:
-    """Keep each row's k largest logits (ties with the k-th are kept). x (R, V), ks (R,)."""
-    top = torch.topk(x, int(ks.max()), dim=-1).values  # (R, kmax), descending
-    kth = top.gather(1, (ks - 1).unsqueeze(1))  # (R, 1)
-    return x.masked_fill(x < kth, float("-inf"))
-
-
-def _top_p(x: torch.Tensor, top_p: torch.Tensor, candidates: int | None) -> torch.Tensor:
-    """Keep the smallest set of most likely tokens whose probability sums to at least top_p.
-
-    Token at sorted position i is kept iff the mass of the tokens before it is below top_p, so
-    the most likely token is always kept. `candidates`: if set, every row has at most this many
-    finite logits worth considering (top_k was applied), and only those are sorted.
+    Candidates are each row's top k tokens; a row with top_p but no top_k takes the top
+    `max(min_width, _NUCLEUS_CANDIDATES)`, and if those hold less than top_p of its mass, it is
+    drawn again with every token as a candidate. Token at sorted position i survives top_p iff
+    the mass before it is below top_p, so the most likely token always survives.
     """
-    if candidates is None:
-        sorted_x = torch.sort(x, dim=-1, descending=True).values  # (R, V)
+    device = weights.device
+    vocab = weights.shape[1]
+    params = [s.params for s in states]
+    ks = [p.top_k if 0 < p.top_k < vocab else vocab for p in params]
+    has_k = [k < vocab for k in ks]
+    width = max(k for k in ks if k < vocab) if any(has_k) else 0
+    if not all(has_k):
+        width = max(width, min_width, _NUCLEUS_CANDIDATES)
+    width = min(width, vocab)
+
+    cand, idx = torch.topk(weights, width, dim=-1)  # (R, C), sorted descending
+    ks_t = torch.tensor(ks, device=device).unsqueeze(1)  # (R, 1)
+    cand.masked_fill_(torch.arange(width, device=device) >= ks_t, 0.0)  # top_k
+    # Mass to normalize by: the candidates' for top_k rows, the whole row's otherwise.
+    total = cand.sum(dim=-1)  # (R,)
+    no_k = [j for j, h in enumerate(has_k) if not h]
+    if no_k and width < vocab:
+        no_k_t = torch.tensor(no_k, device=device)
+        total[no_k_t] = weights[no_k_t].sum(dim=-1)
+    probs = cand / total.unsqueeze(1)  # (R, C)
+    cum = probs.cumsum(dim=-1)  # (R, C)
+    # top_p of 1 means "off": a threshold above 1 keeps every candidate despite rounding.
+    top_p = torch.tensor([p.top_p if p.top_p < 1.0 else 2.0 for p in params], device=device)
+    cand.masked_fill_(cum - probs >= top_p.unsqueeze(1), 0.0)
+
+    covered = [True] * len(states)
+    if no_k and width < vocab:
+        short = (cum[:, -1] < top_p).tolist()  # nucleus extends past the candidates
+        covered = [has_k[j] or not short[j] for j in range(len(states))]
+    if all(covered):
+        choice = _draw(cand, [s.generator for s in states])  # (R,)
+        return idx.gather(1, choice.unsqueeze(1)).squeeze(1)
+
+    token_ids = torch.empty(len(states), dtype=torch.long, device=device)
+    ok = [j for j, c in enumerate(covered) if c]
+    wide = [j for j, c in enumerate(covered) if not c]
+    if ok:
+        ok_t = torch.tensor(ok, device=device)
+        choice = _draw(cand[ok_t], [states[j].generator for j in ok])
+        token_ids[ok_t] = idx[ok_t].gather(1, choice.unsqueeze(1)).squeeze(1)
+    wide_t = torch.tensor(wide, device=device)
+    token_ids[wide_t] = _sample_truncated(
+        weights[wide_t], [states[j] for j in wide], min_width=vocab
+    )
+    return token_ids
+
+
+def _draw(weights: torch.Tensor, generators: list[torch.Generator | None]) -> torch.Tensor:
+    """Index of one draw per row from unnormalized weights (R, C) >= 0, each row with a positive
+    entry: inverse CDF with one uniform number per row. Consumes `weights`."""
+    rows = weights.shape[0]
+    device = weights.device
+    cdf = torch.cumsum(weights, dim=-1, out=weights)  # (R, C)
+    total = cdf[:, -1:].contiguous()  # (R, 1)
+    u = torch.empty(rows, 1, dtype=cdf.dtype, device=device)
+    shared = [j for j, g in enumerate(generators) if g is None]
+    if len(shared) == rows:
+        u.uniform_()
     else:
-        sorted_x = torch.topk(x, candidates, dim=-1).values  # (R, candidates), descending
-    probs = torch.softmax(sorted_x, dim=-1)
-    mass_before = probs.cumsum(dim=-1) - probs  # (R, C)
-    kept = (mass_before < top_p.unsqueeze(1)).sum(dim=-1, keepdim=True).clamp_min(1)  # (R, 1)
-    threshold = sorted_x.gather(1, kept - 1)  # (R, 1), smallest kept logit
-    return x.masked_fill(x < threshold, float("-inf"))
+        if shared:
+            shared_t = torch.tensor(shared, device=device)
+            u[shared_t] = torch.rand(len(shared), 1, dtype=u.dtype, device=device)
+        for j, g in enumerate(generators):
+            if g is not None:
+                u[j] = torch.rand(1, generator=g, dtype=u.dtype, device=device)
+    # First index whose cdf exceeds u * total: never a zero-weight token. `last` (the first index
+    # reaching the total) guards the case where rounding makes u * total == total.
+    picked = torch.searchsorted(cdf, u * total, right=True)
+    last = torch.searchsorted(cdf, total, right=False)
+    return torch.minimum(picked, last).squeeze(1)
+
+
+# ----- logprobs ----------------------------------------------------------------------------
 
 
 def _logprobs(
@@ -249,15 +318,18 @@ def _logprobs(
     rows_t = torch.tensor(rows, device=logits.device)
     lp = torch.log_softmax(logits[rows_t].float(), dim=-1)  # (R, V)
     chosen = token_ids[rows_t]  # (R,)
-    chosen_lp = lp.gather(1, chosen.unsqueeze(1)).squeeze(1).tolist()
+    chosen_lp: list[float] = lp.gather(1, chosen.unsqueeze(1)).squeeze(1).tolist()
+    top_vals: list[list[float]] = [[] for _ in rows]
+    top_ids: list[list[int]] = [[] for _ in rows]
     kmax = max(counts)
     if kmax > 0:
         top = torch.topk(lp, kmax, dim=-1)
-        top_vals: list[list[float]] = top.values.tolist()
-        top_ids: list[list[int]] = top.indices.tolist()
-    out = []
-    for j, (tok, tok_lp) in enumerate(zip(chosen.tolist(), chosen_lp, strict=True)):
-        k = counts[j]
-        top_list = list(zip(top_ids[j][:k], top_vals[j][:k], strict=True)) if k else []
-        out.append(TokenLogprobs(token_id=tok, logprob=tok_lp, top=top_list))
-    return out
+        top_vals, top_ids = top.values.tolist(), top.indices.tolist()
+    return [
+        TokenLogprobs(
+            token_id=tok,
+            logprob=tok_lp,
+            top=list(zip(top_ids[j][: counts[j]], top_vals[j][: counts[j]], strict=True)),
+        )
+        for j, (tok, tok_lp) in enumerate(zip(chosen.tolist(), chosen_lp, strict=True))
+    ]

@@ -75,6 +75,7 @@ class Scheduler:
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []  # oldest first
         self.requests: dict[str, Request] = {}
+        self.num_preemptions = 0  # since start, for stats
 
     @property
     def capacity_tokens(self) -> int:
@@ -140,6 +141,7 @@ class Scheduler:
         self.blocks.free(req.request_id)
         req.num_computed_tokens = 0
         req.num_preemptions += 1
+        self.num_preemptions += 1
         req.status = RequestStatus.WAITING
         self.waiting.appendleft(req)
 

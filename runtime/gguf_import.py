@@ -1,0 +1,708 @@
+"""Turn a llama.cpp GGUF file (Llama architecture) into a Hugging Face model folder.
+
+    model.gguf  ──import_gguf──►  out_dir/
+        config.json                          LlamaForCausalLM, from the `llama.*` metadata
+        generation_config.json               bos / eos ids (eos may be a list: eos, eot, eom)
+        model-0000k-of-0000N.safetensors     dequantized weights under HF names
+        model.safetensors.index.json         which shard holds which tensor
+        tokenizer.json                       rebuilt from `tokenizer.ggml.*`
+        tokenizer_config.json                special tokens, add_bos_token, chat_template
+        chat_template.jinja                  when the file has a chat template
+        edgeinfer_import.json                provenance; written last, marks a complete import
+
+Three things differ between the two formats and are undone here:
+
+1. Dimension order. GGUF lists a tensor's dims fastest-first (ne0 = row length), so a Linear
+   weight of HF shape (out, in) is stored as [in, out]; we reverse the dims.
+2. Rotary layout of q_proj / k_proj rows. HF rotates the two halves of each head
+   (rotate_half); llama.cpp rotates adjacent pairs, so its converter interleaves each head's
+   rows: HF row s * half + j (s in {0, 1}, j < half) becomes GGUF row 2 * j + s. We put
+   every row back (`_unpermute_rows`).
+3. Quantization. Blocks are dequantized with `gguf.quants.dequantize` to float32, then cast
+   to `dtype`. float32 (the default) keeps the dequantized values exactly; bfloat16 / float16
+   halve the folder but round them.
+
+The whole folder is written into a temporary sibling and renamed into place, so a crash
+leaves no half-written model. Nothing is printed unless `progress` is given.
+"""
+
+from __future__ import annotations
+
+import errno
+import json
+import os
+import re
+import shutil
+import uuid
+import warnings
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import gguf
+import numpy as np
+import torch
+from safetensors.torch import save_file
+from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers, processors
+
+IMPORT_MARKER = "edgeinfer_import.json"  # last file written into a finished folder
+IMPORTER_VERSION = 1  # bump when the folder layout changes, so caches re-import
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+_Q = gguf.GGMLQuantizationType
+SUPPORTED_TYPES = frozenset(
+    {_Q.F32, _Q.F16, _Q.BF16, _Q.Q4_0, _Q.Q4_1, _Q.Q5_0, _Q.Q5_1, _Q.Q8_0}
+    | {_Q.Q2_K, _Q.Q3_K, _Q.Q4_K, _Q.Q5_K, _Q.Q6_K}
+)
+
+Progress = Callable[[str], None]
+
+
+class GGUFImportError(ValueError):
+    """The file cannot be turned into a model folder. `path` names the GGUF file."""
+
+    def __init__(self, path: Path, message: str) -> None:
+        super().__init__(f"{path}: {message}")
+        self.path = path
+
+
+class UnsupportedGGUFError(GGUFImportError):
+    """A valid GGUF that uses something we do not convert: architecture, tensor type, tokenizer."""
+
+
+def import_gguf(
+    gguf_path: str | os.PathLike[str],
+    out_dir: str | os.PathLike[str],
+    *,
+    shard_bytes: int = 200 * 2**20,
+    dtype: str = "float32",
+    progress: Progress | None = None,
+) -> Path:
+    """Convert `gguf_path` into a Hugging Face Llama folder at `out_dir`; returns `out_dir`.
+
+    `out_dir` must not exist or be an empty directory. `shard_bytes` caps a safetensors shard
+    (a single tensor larger than that gets a shard of its own). `dtype` is the weights' dtype
+    on disk: "float32" (exact dequantized values), "bfloat16" or "float16".
+    """
+    src, dst = Path(gguf_path), Path(out_dir)
+    if dtype not in DTYPES:
+        raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {dtype!r}")
+    if shard_bytes <= 0:
+        raise ValueError(f"shard_bytes must be > 0, got {shard_bytes}")
+    if dst.exists() and (not dst.is_dir() or any(dst.iterdir())):
+        raise FileExistsError(f"{dst}: already exists and is not an empty directory")
+    say = progress or (lambda _msg: None)
+
+    say(f"reading {src}")
+    reader = _open(src)
+    meta = _Metadata(reader, src)
+    config = _llama_config(meta, reader, src, dtype)
+    jobs = _tensor_jobs(reader, config, src)
+
+    dst.parent.mkdir(parents=True, exist_ok=True)
+    tmp = dst.parent / f".{dst.name}.{uuid.uuid4().hex[:12]}.tmp"
+    tmp.mkdir()  # unlike tempfile.mkdtemp, honours the umask: the folder is meant to be shared
+    try:
+        _write_json(tmp / "config.json", config)
+        _write_weights(tmp, jobs, config, DTYPES[dtype], shard_bytes, say)
+        file_mode = (tmp / "config.json").stat().st_mode & 0o777
+        for shard in tmp.glob("*.safetensors"):
+            shard.chmod(file_mode)  # safetensors creates its files owner-only
+        say("building the tokenizer")
+        _write_tokenizer(tmp, meta, config, src)
+        _write_json(
+            tmp / IMPORT_MARKER,
+            {"importer_version": IMPORTER_VERSION, "source": src.name, "dtype": dtype},
+        )
+        if dst.is_dir():
+            dst.rmdir()  # empty (checked above); rename cannot replace a directory otherwise
+        try:
+            tmp.rename(dst)
+        except OSError as e:  # another process finished first
+            raise FileExistsError(f"{dst}: appeared while importing ({e})") from e
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    say(f"imported {src.name} -> {dst}")
+    return dst
+
+
+# ---------------------------------------------------------------------------------------------
+# Reading the file
+
+
+def _open(src: Path) -> gguf.GGUFReader:
+    if not src.is_file():
+        raise FileNotFoundError(errno.ENOENT, "GGUF file not found", str(src))
+    with src.open("rb") as f:
+        magic = f.read(4)
+    if magic != b"GGUF":
+        raise GGUFImportError(src, f"not a GGUF file (starts with {magic!r}, expected b'GGUF')")
+    try:
+        return gguf.GGUFReader(src)
+    except (ValueError, IndexError, KeyError) as e:
+        raise GGUFImportError(src, f"corrupt or truncated GGUF file ({e})") from e
+
+
+class _Metadata:
+    """Typed access to the file's key/value metadata."""
+
+    def __init__(self, reader: gguf.GGUFReader, path: Path) -> None:
+        self._fields = reader.fields
+        self.path = path
+
+    def get(self, key: str, default: Any = None) -> Any:
+        field = self._fields.get(key)
+        if field is None:
+            return default
+        try:
+            value = field.contents()
+        except UnicodeDecodeError as e:
+            raise GGUFImportError(self.path, f"metadata {key!r} is not valid UTF-8 ({e})") from e
+        if field.types == [gguf.GGUFValueType.FLOAT32]:
+            value = float(str(np.float32(value)))  # shortest spelling: 1e-05, not 9.99999974e-06
+        return value
+
+    def require(self, key: str) -> Any:
+        value = self.get(key)
+        if value is None:
+            raise GGUFImportError(self.path, f"metadata {key!r} is missing")
+        return value
+
+    def per_layer(self, key: str, default: Any = None) -> Any:
+        """A value llama.cpp may store once or once per layer; we need it the same for all."""
+        value = self.get(key, default)
+        if isinstance(value, list):
+            if len(set(value)) != 1:
+                raise UnsupportedGGUFError(self.path, f"{key} differs between layers: {value}")
+            value = value[0]
+        return value
+
+
+def _llama_config(
+    meta: _Metadata, reader: gguf.GGUFReader, src: Path, dtype: str
+) -> dict[str, Any]:
+    arch = meta.require("general.architecture")
+    if arch != "llama":
+        raise UnsupportedGGUFError(
+            src, f"architecture {arch!r} is not supported (only 'llama' files can be imported)"
+        )
+    if meta.get("llama.expert_count", 0):
+        raise UnsupportedGGUFError(src, "mixture-of-experts llama files are not supported")
+    hidden = int(meta.require("llama.embedding_length"))
+    heads = int(meta.per_layer("llama.attention.head_count"))
+    kv_heads = int(meta.per_layer("llama.attention.head_count_kv", heads))
+    head_dim = int(meta.get("llama.attention.key_length", hidden // heads))
+    if int(meta.get("llama.attention.value_length", head_dim)) != head_dim:
+        raise UnsupportedGGUFError(src, "key and value head sizes differ")
+    rope_dims = int(meta.get("llama.rope.dimension_count", head_dim))
+    if rope_dims != head_dim:
+        raise UnsupportedGGUFError(src, f"partial rotary ({rope_dims} of {head_dim} dims)")
+    tensors = {t.name: t for t in reader.tensors}
+    if "token_embd.weight" not in tensors:
+        raise GGUFImportError(src, "tensor 'token_embd.weight' is missing")
+    vocab = int(tensors["token_embd.weight"].shape[1])  # GGUF dims: [hidden, vocab]
+    theta = float(meta.get("llama.rope.freq_base", 10000.0))
+    tokens_meta = _token_ids(meta)
+
+    config: dict[str, Any] = {
+        "architectures": ["LlamaForCausalLM"],
+        "model_type": "llama",
+        "vocab_size": vocab,
+        "hidden_size": hidden,
+        "intermediate_size": int(meta.per_layer("llama.feed_forward_length")),
+        "num_hidden_layers": int(meta.require("llama.block_count")),
+        "num_attention_heads": heads,
+        "num_key_value_heads": kv_heads,
+        "head_dim": head_dim,
+        "hidden_act": "silu",
+        "max_position_embeddings": int(meta.get("llama.context_length", 2048)),
+        "rms_norm_eps": float(meta.require("llama.attention.layer_norm_rms_epsilon")),
+        "rope_theta": theta,
+        "attention_bias": False,
+        "mlp_bias": False,
+        "tie_word_embeddings": "output.weight" not in tensors,
+        "initializer_range": 0.02,
+        "use_cache": True,
+        "torch_dtype": dtype,
+        **{k: v for k, v in tokens_meta.items() if k in ("bos_token_id", "eos_token_id")},
+    }
+    if "pad_token_id" in tokens_meta:
+        config["pad_token_id"] = tokens_meta["pad_token_id"]
+    scaling = _rope_scaling(meta, tensors.get("rope_freqs.weight"), theta, head_dim, src)
+    if scaling is not None:
+        config["rope_scaling"] = scaling
+    return config
+
+
+def _token_ids(meta: _Metadata) -> dict[str, int]:
+    keys = {
+        "bos_token_id": "bos_token_id",
+        "eos_token_id": "eos_token_id",
+        "unk_token_id": "unknown_token_id",
+        "pad_token_id": "padding_token_id",
+        "eot_token_id": "eot_token_id",
+        "eom_token_id": "eom_token_id",
+    }
+    out = {}
+    for name, key in keys.items():
+        value = meta.get(f"tokenizer.ggml.{key}")
+        if value is not None and int(value) >= 0:
+            out[name] = int(value)
+    return out
+
+
+def _rope_scaling(
+    meta: _Metadata,
+    rope_freqs: gguf.ReaderTensor | None,
+    theta: float,
+    head_dim: int,
+    src: Path,
+) -> dict[str, Any] | None:
+    kind = meta.get("llama.rope.scaling.type")
+    factor = meta.get("llama.rope.scaling.factor")
+    if kind is None and meta.get("llama.rope.scale_linear") is not None:  # older files
+        kind, factor = "linear", meta.get("llama.rope.scale_linear")
+    if rope_freqs is not None:  # Llama 3.1+: llama.cpp stores per-dim divisors, not the recipe
+        if kind not in (None, "none"):
+            raise UnsupportedGGUFError(src, f"rope_freqs together with rope scaling {kind!r}")
+        return _llama3_scaling(_dequantize(rope_freqs), theta, head_dim, src)
+    if kind in (None, "none") or factor is None or float(factor) == 1.0:
+        return None
+    if kind == "linear":
+        return {"rope_type": "linear", "factor": float(factor)}
+    if kind == "yarn":
+        out: dict[str, Any] = {"rope_type": "yarn", "factor": float(factor)}
+        original = meta.get("llama.rope.scaling.original_context_length")
+        if original is not None:
+            out["original_max_position_embeddings"] = int(original)
+        return out
+    raise UnsupportedGGUFError(src, f"rope scaling type {kind!r} is not supported")
+
+
+def _llama3_scaling(divisors: np.ndarray, theta: float, head_dim: int, src: Path) -> dict[str, Any]:
+    """Recover Llama 3 rope scaling from llama.cpp's `rope_freqs` tensor (one divisor per
+    frequency). Only the ratios original_context / {low,high}_freq_factor show in the divisors,
+    so we check them against the values every Llama 3.x release uses."""
+    factor = float(divisors.max())
+    low, high, original = 1.0, 4.0, 8192
+    inv_freq = 1.0 / theta ** (np.arange(0, head_dim, 2, dtype=np.float64) / head_dim)
+    wavelen = 2 * np.pi / inv_freq
+    smooth = (original / wavelen - low) / (high - low)
+    expected = np.where(
+        wavelen < original / high,
+        1.0,
+        np.where(wavelen > original / low, factor, 1.0 / ((1 - smooth) / factor + smooth)),
+    )
+    if divisors.shape != expected.shape or not np.allclose(divisors, expected, rtol=1e-4):
+        raise UnsupportedGGUFError(
+            src,
+            "rope_freqs.weight is not Llama 3 rope scaling with low_freq_factor 1, "
+            "high_freq_factor 4, original context 8192",
+        )
+    return {
+        "rope_type": "llama3",
+        "factor": factor,
+        "low_freq_factor": low,
+        "high_freq_factor": high,
+        "original_max_position_embeddings": original,
+    }
+
+
+# ---------------------------------------------------------------------------------------------
+# Weights
+
+_LAYER_TENSORS = {  # GGUF name inside blk.{i} -> HF name inside model.layers.{i}
+    "attn_norm": "input_layernorm",
+    "attn_q": "self_attn.q_proj",
+    "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "ffn_norm": "post_attention_layernorm",
+    "ffn_gate": "mlp.gate_proj",
+    "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+}
+_GLOBAL_TENSORS = {
+    "token_embd.weight": "model.embed_tokens.weight",
+    "output_norm.weight": "model.norm.weight",
+    "output.weight": "lm_head.weight",
+}
+_IGNORED_TENSORS = {"rope_freqs.weight"}  # folded into config.json's rope_scaling
+_BLOCK = re.compile(r"blk\.(\d+)\.(\w+)\.weight")
+
+
+@dataclass(slots=True)
+class _TensorJob:
+    hf_name: str  # parameter name in the HF folder
+    tensor: gguf.ReaderTensor  # where its data sits in the GGUF file
+    hf_shape: tuple[int, ...]  # the shape the HF model expects
+    unpermute_heads: int  # q/k: heads whose rows llama.cpp interleaved; 0 = leave rows alone
+
+
+def _tensor_jobs(reader: gguf.GGUFReader, config: dict[str, Any], src: Path) -> list[_TensorJob]:
+    h, inter = config["hidden_size"], config["intermediate_size"]
+    q_dim = config["num_attention_heads"] * config["head_dim"]
+    kv_dim = config["num_key_value_heads"] * config["head_dim"]
+    layer_shapes = {
+        "input_layernorm": (h,),
+        "self_attn.q_proj": (q_dim, h),
+        "self_attn.k_proj": (kv_dim, h),
+        "self_attn.v_proj": (kv_dim, h),
+        "self_attn.o_proj": (h, q_dim),
+        "post_attention_layernorm": (h,),
+        "mlp.gate_proj": (inter, h),
+        "mlp.up_proj": (inter, h),
+        "mlp.down_proj": (h, inter),
+    }
+    expected: dict[str, tuple[int, ...]] = {"model.embed_tokens.weight": (config["vocab_size"], h)}
+    for i in range(config["num_hidden_layers"]):
+        for name, shape in layer_shapes.items():
+            expected[f"model.layers.{i}.{name}.weight"] = shape
+    expected["model.norm.weight"] = (h,)
+    if not config["tie_word_embeddings"]:
+        expected["lm_head.weight"] = (config["vocab_size"], h)
+
+    found: dict[str, _TensorJob] = {}
+    for t in reader.tensors:
+        if t.name in _IGNORED_TENSORS:
+            continue
+        match = _BLOCK.fullmatch(t.name)
+        if match and match.group(2) in _LAYER_TENSORS:
+            hf_name = f"model.layers.{match.group(1)}.{_LAYER_TENSORS[match.group(2)]}.weight"
+        else:
+            hf_name = _GLOBAL_TENSORS.get(t.name, "")
+        if hf_name not in expected:
+            raise UnsupportedGGUFError(src, f"tensor {t.name!r} has no place in a Llama model")
+        if t.tensor_type not in SUPPORTED_TYPES:
+            raise UnsupportedGGUFError(
+                src, f"tensor {t.name!r} has type {t.tensor_type.name}, which is not supported"
+            )
+        shape = tuple(int(d) for d in reversed(t.shape))  # GGUF dims are fastest-first
+        if shape != expected[hf_name]:
+            raise GGUFImportError(
+                src, f"tensor {t.name!r} has shape {shape}, expected {expected[hf_name]}"
+            )
+        heads = 0
+        if hf_name.endswith("q_proj.weight"):
+            heads = config["num_attention_heads"]
+        elif hf_name.endswith("k_proj.weight"):
+            heads = config["num_key_value_heads"]
+        found[hf_name] = _TensorJob(hf_name, t, shape, heads)
+    missing = [name for name in expected if name not in found]
+    if missing:
+        raise GGUFImportError(src, f"{len(missing)} tensors are missing, e.g. {missing[:3]}")
+    return [found[name] for name in expected]  # HF order: embeddings, layers, norm, head
+
+
+def _dequantize(t: gguf.ReaderTensor) -> np.ndarray:
+    """The tensor as float32, in numpy (slowest-first) dim order."""
+    if t.tensor_type == _Q.F32:
+        values = np.array(t.data, dtype=np.float32)  # copy out of the memory map
+    else:
+        values = gguf.quants.dequantize(t.data, t.tensor_type)
+    return values.reshape(tuple(int(d) for d in reversed(t.shape)))
+
+
+def _unpermute_rows(w: np.ndarray, n_heads: int) -> np.ndarray:
+    """Undo llama.cpp's q/k row interleave (see the module docstring, point 2)."""
+    half = w.shape[0] // n_heads // 2
+    # rows of a head in GGUF order (j, s) -> HF order (s, j)
+    grouped = w.reshape(n_heads, half, 2, *w.shape[1:])  # (heads, half, 2, in)
+    return grouped.swapaxes(1, 2).reshape(w.shape)  # (heads * 2 * half, in)
+
+
+def _write_weights(
+    out: Path,
+    jobs: list[_TensorJob],
+    config: dict[str, Any],
+    dtype: torch.dtype,
+    shard_bytes: int,
+    say: Progress,
+) -> None:
+    itemsize = torch.empty((), dtype=dtype).element_size()
+    shards: list[list[_TensorJob]] = [[]]
+    size = 0
+    for job in jobs:
+        nbytes = int(np.prod(job.hf_shape)) * itemsize
+        if shards[-1] and size + nbytes > shard_bytes:
+            shards.append([])
+            size = 0
+        shards[-1].append(job)
+        size += nbytes
+
+    weight_map: dict[str, str] = {}
+    total = 0
+    for k, shard in enumerate(shards, start=1):
+        name = f"model-{k:05d}-of-{len(shards):05d}.safetensors"
+        say(f"writing {name} ({len(shard)} tensors)")
+        tensors = dict(_converted(shard, dtype, config))
+        save_file(tensors, str(out / name), metadata={"format": "pt"})
+        total += sum(t.numel() * t.element_size() for t in tensors.values())
+        weight_map.update(dict.fromkeys(tensors, name))
+    _write_json(
+        out / "model.safetensors.index.json",
+        {"metadata": {"total_size": total}, "weight_map": weight_map},
+    )
+
+
+def _converted(
+    jobs: list[_TensorJob], dtype: torch.dtype, config: dict[str, Any]
+) -> Iterator[tuple[str, torch.Tensor]]:
+    for job in jobs:
+        values = _dequantize(job.tensor)
+        if job.unpermute_heads:
+            values = _unpermute_rows(values, job.unpermute_heads)
+        tensor = torch.from_numpy(np.ascontiguousarray(values)).to(dtype)
+        if dtype == torch.float16 and bool(torch.isinf(tensor).any()):
+            raise ValueError(f"{job.tensor.name}: values overflow float16; use bfloat16 or float32")
+        yield job.hf_name, tensor
+
+
+# ---------------------------------------------------------------------------------------------
+# Tokenizer
+
+_T = gguf.TokenType
+
+# How text is split before BPE, by `tokenizer.ggml.pre` (llama.cpp's names), for byte-level
+# vocabularies. "smollm" isolates every digit, as SmolLM2's own tokenizer.json does.
+_LLAMA3_SPLIT = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
+    r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+_GPT2_PRE = {"default", "gpt2", "gpt-2"}
+_DIGITS_PRE = {"smollm"}
+_LLAMA3_PRE = {"llama-bpe", "llama3", "llama-v3", "smaug-bpe"}
+
+
+def _byte_alphabet() -> dict[int, str]:
+    """GPT-2's printable spelling of each byte: printable Latin-1 bytes stand for themselves,
+    the other 68 bytes take the code points from U+0100 upwards, in byte order."""
+    printable = [*range(0x21, 0x7F), *range(0xA1, 0xAD), *range(0xAE, 0x100)]
+    spelling = {b: chr(b) for b in printable}
+    extra = 0
+    for b in range(256):
+        if b not in spelling:
+            spelling[b] = chr(0x100 + extra)
+            extra += 1
+    return spelling
+
+
+def _write_tokenizer(out: Path, meta: _Metadata, config: dict[str, Any], src: Path) -> None:
+    kind = meta.get("tokenizer.ggml.model")
+    tokens: list[str] = meta.get("tokenizer.ggml.tokens") or []
+    if not tokens:
+        raise GGUFImportError(src, "the file has no tokenizer (tokenizer.ggml.tokens is missing)")
+    types: list[int] = meta.get("tokenizer.ggml.token_type") or [int(_T.NORMAL)] * len(tokens)
+    merges = [_split_merge(m, src) for m in meta.get("tokenizer.ggml.merges") or []]
+    ids = _token_ids(meta)
+    if kind == "gpt2":
+        tokenizer = _byte_level_bpe(tokens, types, merges, meta.get("tokenizer.ggml.pre"))
+        add_bos_default = False
+    elif kind == "llama":
+        scores: list[float] = meta.get("tokenizer.ggml.scores") or [0.0] * len(tokens)
+        unk = tokens[ids["unk_token_id"]] if "unk_token_id" in ids else None
+        prefix_space = bool(meta.get("tokenizer.ggml.add_space_prefix", True))
+        tokenizer = _sentencepiece_bpe(tokens, types, scores, merges, unk, prefix_space)
+        add_bos_default = True  # llama.cpp's default for sentencepiece vocabularies
+    else:
+        raise UnsupportedGGUFError(src, f"tokenizer model {kind!r} is not supported")
+
+    add_bos = bool(meta.get("tokenizer.ggml.add_bos_token", add_bos_default))
+    add_eos = bool(meta.get("tokenizer.ggml.add_eos_token", False))
+    bos = tokens[ids["bos_token_id"]] if "bos_token_id" in ids else None
+    eos = tokens[ids["eos_token_id"]] if "eos_token_id" in ids else None
+    tokenizer.post_processor = _post_processor(
+        (bos, ids.get("bos_token_id")) if add_bos else None,
+        (eos, ids.get("eos_token_id")) if add_eos else None,
+    )
+    tokenizer.save(str(out / "tokenizer.json"))
+
+    tok_config: dict[str, Any] = {
+        "tokenizer_class": "PreTrainedTokenizerFast",
+        "add_bos_token": add_bos,
+        "add_eos_token": add_eos,
+        "clean_up_tokenization_spaces": False,
+        "model_max_length": config["max_position_embeddings"],
+    }
+    for name in ("bos", "eos", "unk", "pad"):
+        if f"{name}_token_id" in ids:
+            tok_config[f"{name}_token"] = tokens[ids[f"{name}_token_id"]]
+    templates = _chat_templates(meta)
+    if "default" in templates:
+        (out / "chat_template.jinja").write_text(templates["default"], encoding="utf-8")
+    if len(templates) > 1:
+        extra_dir = out / "additional_chat_templates"
+        extra_dir.mkdir()
+        for name, text in templates.items():
+            if name != "default":
+                (extra_dir / f"{name}.jinja").write_text(text, encoding="utf-8")
+        tok_config["chat_template"] = [{"name": n, "template": t} for n, t in templates.items()]
+    elif templates:
+        tok_config["chat_template"] = next(iter(templates.values()))
+    _write_json(out / "tokenizer_config.json", tok_config)
+
+    generation: dict[str, Any] = {}
+    if "bos_token_id" in ids:
+        generation["bos_token_id"] = ids["bos_token_id"]
+    stops = [ids[k] for k in ("eos_token_id", "eot_token_id", "eom_token_id") if k in ids]
+    stops = list(dict.fromkeys(stops))
+    if stops:
+        generation["eos_token_id"] = stops[0] if len(stops) == 1 else stops
+    if "pad_token_id" in ids:
+        generation["pad_token_id"] = ids["pad_token_id"]
+    _write_json(out / "generation_config.json", generation)
+
+
+def _split_merge(merge: str, src: Path) -> tuple[str, str]:
+    left, sep, right = merge.partition(" ")
+    if not sep or not left or not right:
+        raise GGUFImportError(src, f"malformed tokenizer merge {merge!r}")
+    return left, right
+
+
+def _chat_templates(meta: _Metadata) -> dict[str, str]:
+    templates: dict[str, str] = {}
+    default = meta.get("tokenizer.chat_template")
+    if default:
+        templates["default"] = default
+    for name in meta.get("tokenizer.chat_templates") or []:
+        text = meta.get(f"tokenizer.chat_template.{name}")
+        if text:
+            templates[name] = text
+    return templates
+
+
+def _added_tokens(tokens: list[str], types: list[int]) -> tuple[list[AddedToken], list[AddedToken]]:
+    """(special, plain): control tokens are special, user-defined ones are plain added tokens.
+    Both are matched whole in raw text, as llama.cpp does."""
+    special = [
+        AddedToken(tok, special=True, normalized=False)
+        for tok, kind in zip(tokens, types, strict=True)
+        if kind in (_T.CONTROL, _T.UNKNOWN)
+    ]
+    plain = [
+        AddedToken(tok, special=False, normalized=False)
+        for tok, kind in zip(tokens, types, strict=True)
+        if kind == _T.USER_DEFINED
+    ]
+    return special, plain
+
+
+def _byte_level_bpe(
+    tokens: list[str], types: list[int], merges: list[tuple[str, str]], pre: str | None
+) -> Tokenizer:
+    """GPT-2 style byte-level BPE (`tokenizer.ggml.model == "gpt2"`)."""
+    spell = _byte_alphabet()
+    alphabet = set(spell.values())
+    vocab: dict[str, int] = {}
+    for i, (tok, kind) in enumerate(zip(tokens, types, strict=True)):
+        if not set(tok) <= alphabet and kind not in (_T.CONTROL, _T.USER_DEFINED):
+            tok = "".join(spell[b] for b in tok.encode("utf-8"))  # a normal token in raw text
+        vocab[tok] = i
+    tokenizer = Tokenizer(
+        models.BPE(
+            vocab=vocab,
+            merges=merges,
+            dropout=None,
+            continuing_subword_prefix="",
+            end_of_word_suffix="",
+            fuse_unk=False,
+            byte_fallback=False,
+        )
+    )
+    byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False, trim_offsets=True, use_regex=True)
+    if pre in _DIGITS_PRE:
+        tokenizer.pre_tokenizer = pre_tokenizers.Sequence(
+            [pre_tokenizers.Digits(individual_digits=True), byte_level]
+        )
+    elif pre in _LLAMA3_PRE:
+        tokenizer.pre_tokenizer = pre_tokenizers.Sequence(
+            [
+                pre_tokenizers.Split(Regex(_LLAMA3_SPLIT), behavior="isolated", invert=False),
+                pre_tokenizers.ByteLevel(
+                    add_prefix_space=False, trim_offsets=True, use_regex=False
+                ),
+            ]
+        )
+    else:
+        if pre is not None and pre not in _GPT2_PRE:
+            warnings.warn(
+                f"GGUF pre-tokenizer {pre!r} is not known; splitting text the GPT-2 way",
+                stacklevel=3,
+            )
+        tokenizer.pre_tokenizer = byte_level
+    tokenizer.decoder = decoders.ByteLevel()
+    special, plain = _added_tokens(tokens, types)
+    tokenizer.add_special_tokens(special)
+    tokenizer.add_tokens(plain)
+    return tokenizer
+
+
+def _sentencepiece_bpe(
+    tokens: list[str],
+    types: list[int],
+    scores: list[float],
+    merges: list[tuple[str, str]],
+    unk: str | None,
+    prefix_space: bool,
+) -> Tokenizer:
+    """SentencePiece BPE (`tokenizer.ggml.model == "llama"`) as a byte-fallback BPE, the way
+    transformers' LlamaTokenizer builds it: ▁ for spaces, a ▁ before the first word only."""
+    vocab = {tok: i for i, tok in enumerate(tokens)}
+    tokenizer = Tokenizer(
+        models.BPE(
+            vocab=vocab,
+            merges=merges or _merges_from_scores(tokens, scores),
+            unk_token=unk,
+            dropout=None,
+            fuse_unk=True,
+            byte_fallback=True,
+        )
+    )
+    tokenizer.pre_tokenizer = pre_tokenizers.Metaspace(
+        replacement="▁", prepend_scheme="first" if prefix_space else "never", split=False
+    )
+    steps = [decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse()]
+    if prefix_space:
+        steps.append(decoders.Strip(content=" ", left=1, right=0))
+    tokenizer.decoder = decoders.Sequence(steps)
+    special, plain = _added_tokens(tokens, types)
+    tokenizer.add_special_tokens(special)
+    tokenizer.add_tokens(plain)
+    return tokenizer
+
+
+def _merges_from_scores(tokens: list[str], scores: list[float]) -> list[tuple[str, str]]:
+    """SentencePiece keeps no merge list: a token's score ranks its merge. Every way of cutting a
+    token into two vocabulary tokens is a merge; best first by the token's score, then by the
+    longer left piece, then the longer right piece; remaining ties by the pieces' ids."""
+    ids = {tok: i for i, tok in enumerate(tokens)}
+    score_of = dict(zip(tokens, scores, strict=True))
+    found: list[tuple[float, int, int, str, str]] = []
+    for tok, score in score_of.items():
+        cuts = [(tok[:k], tok[k:]) for k in range(1, len(tok)) if tok[:k] in ids and tok[k:] in ids]
+        cuts.sort(key=lambda cut: (ids[cut[0]], ids[cut[1]]))
+        found.extend((score, len(left), len(right), left, right) for left, right in cuts)
+    found.sort(key=lambda m: (-m[0], -m[1], -m[2]))  # stable: equal keys keep the order above
+    return [(left, right) for _, _, _, left, right in found]
+
+
+def _post_processor(
+    bos: tuple[str | None, int | None] | None, eos: tuple[str | None, int | None] | None
+) -> processors.TemplateProcessing:
+    """Adds bos / eos around every encoded sequence, as the add_*_token flags ask."""
+    first = [bos] if bos is not None and bos[0] is not None and bos[1] is not None else []
+    last = [eos] if eos is not None and eos[0] is not None and eos[1] is not None else []
+    single = [tok for tok, _ in first] + ["$A"] + [tok for tok, _ in last]
+    pair = single + [f"{tok}:1" for tok, _ in first] + ["$B:1"] + [f"{tok}:1" for tok, _ in last]
+    specials = {tok: tid for tok, tid in first + last}
+    return processors.TemplateProcessing(
+        single=single, pair=pair, special_tokens=list(specials.items())
+    )
+
+
+def _write_json(path: Path, value: Any) -> None:
+    path.write_text(json.dumps(value, indent=2, ensure_ascii=False) + "\n", encoding="utf-8")

@@ -1,0 +1,91 @@
+"""Shared fixtures: the real stories260K model and tiny random-weight Llama-family models."""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+STORIES = ROOT.parent / "shared" / "models" / "stories260K"
+
+
+@pytest.fixture(scope="session")
+def stories_dir() -> Path:
+    if not (STORIES / "model.safetensors").is_file():
+        pytest.skip(f"stories260K not found at {STORIES} (see shared/models/README.md)")
+    return STORIES
+
+
+def _tiny_config(family: str):  # type: ignore[no-untyped-def]
+    import transformers as tf
+
+    common = dict(
+        vocab_size=512,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=8,
+        num_key_value_heads=2,
+        max_position_embeddings=256,
+        rms_norm_eps=1e-5,
+        bos_token_id=1,
+        eos_token_id=2,
+    )
+    if family == "llama":
+        return tf.LlamaConfig(
+            **common,
+            rope_theta=10000.0,
+            tie_word_embeddings=False,
+            rope_scaling={
+                "rope_type": "llama3",
+                "factor": 8.0,
+                "low_freq_factor": 1.0,
+                "high_freq_factor": 4.0,
+                "original_max_position_embeddings": 64,
+            },
+        )
+    if family == "llama-linear":
+        return tf.LlamaConfig(
+            **common, tie_word_embeddings=True, rope_scaling={"rope_type": "linear", "factor": 2.0}
+        )
+    if family == "mistral":
+        return tf.MistralConfig(**common, sliding_window=None, tie_word_embeddings=False)
+    if family == "qwen2":
+        return tf.Qwen2Config(**common, tie_word_embeddings=True)
+    if family == "qwen3":
+        return tf.Qwen3Config(**common, head_dim=16, tie_word_embeddings=False)
+    raise ValueError(family)
+
+
+TINY_FAMILIES = ["llama", "llama-linear", "mistral", "qwen2", "qwen3"]
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory, stories_dir: Path):  # type: ignore[no-untyped-def]
+    """Factory: a random-weight model of a family saved as a Hugging Face folder (cached)."""
+    import transformers as tf
+
+    made: dict[tuple[str, str], Path] = {}
+
+    def make(family: str, dtype: str = "float32") -> Path:
+        key = (family, dtype)
+        if key not in made:
+            torch.manual_seed(1234)
+            cfg = _tiny_config(family)
+            model = tf.AutoModelForCausalLM.from_config(cfg).to(getattr(torch, dtype))
+            # Random init gives tiny logit gaps; widen them so greedy choices are not near-ties.
+            with torch.no_grad():
+                for p in model.parameters():
+                    if p.dim() == 2:
+                        p.mul_(3.0)
+            out = tmp_path_factory.mktemp(f"{family}-{dtype}")
+            model.save_pretrained(out)
+            for name in ("tokenizer.json", "tokenizer_config.json"):
+                shutil.copy(stories_dir / name, out / name)
+            made[key] = out
+        return made[key]
+
+    return make

@@ -1,0 +1,187 @@
+"""Engine behaviour on the real stories260K model: batching, chunking, preemption, abort, bad input."""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+
+import pytest
+
+from runtime import LLM, InvalidRequestError, SamplingParams
+from runtime.async_engine import AsyncLLM
+from runtime.engine import LLMEngine
+
+PROMPTS = [
+    "Once upon a time",
+    "The little dog",
+    "Lily and Ben went to the park. They saw a big tree and",
+    "Tom",
+    "One day, a girl named Sue found a shiny red ball in the garden. She",
+]
+GREEDY = SamplingParams(temperature=0, max_tokens=48, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def reference(stories_dir: Path) -> list[list[int]]:
+    """Each prompt alone, whole prefill, plenty of cache."""
+    llm = LLM(stories_dir, kv_cache_bytes=1 << 22)
+    return [llm.generate(p, GREEDY)[0].outputs[0].token_ids for p in PROMPTS]
+
+
+def test_batched_equals_unbatched(stories_dir: Path, reference: list[list[int]]) -> None:
+    llm = LLM(stories_dir, kv_cache_bytes=1 << 22)
+    outs = llm.generate(PROMPTS, GREEDY)
+    assert [o.outputs[0].token_ids for o in outs] == reference
+
+
+def test_chunked_prefill_equals_whole(stories_dir: Path, reference: list[list[int]]) -> None:
+    llm = LLM(stories_dir, kv_cache_bytes=1 << 22, max_num_batched_tokens=5)
+    outs = llm.generate(PROMPTS, GREEDY)
+    assert [o.outputs[0].token_ids for o in outs] == reference
+
+
+def test_preempted_request_equals_uninterrupted(stories_dir: Path, reference: list[list[int]]) -> None:
+    # 6 blocks of 16 tokens: five requests of up to ~70 tokens each cannot all fit.
+    llm = LLM(stories_dir, kv_cache_bytes=6 * llm_block_bytes(stories_dir), block_size=16)
+    outs = llm.generate(PROMPTS, GREEDY)
+    assert [o.outputs[0].token_ids for o in outs] == reference
+    assert llm.engine.scheduler.num_preemptions > 0, "the cache was meant to be too small to hold every request"
+    assert llm.engine.blocks.num_free_blocks == llm.engine.blocks.num_blocks
+
+
+def llm_block_bytes(model_dir: Path) -> int:
+    # 5 layers x (k, v) x 16 tokens x 4 kv heads x 8 dims x 4 bytes
+    return 5 * 2 * 16 * 4 * 8 * 4
+
+
+def test_abort_frees_blocks(stories_dir: Path) -> None:
+    engine = LLMEngine_for(stories_dir)
+    total = engine.blocks.num_free_blocks
+    engine.add_request("a", "Once upon a time", SamplingParams(max_tokens=200))
+    engine.add_request("b", "The little dog", SamplingParams(max_tokens=200))
+    for _ in range(5):
+        engine.step()
+    assert engine.blocks.num_free_blocks < total
+    out = engine.abort("a")
+    assert out is not None and out.finished and out.outputs[0].finish_reason == "abort"
+    engine.abort("b")
+    assert engine.blocks.num_free_blocks == total
+    assert not engine.has_unfinished()
+
+
+def LLMEngine_for(model_dir: Path) -> LLMEngine:
+    from runtime.config import EngineConfig
+
+    return LLMEngine(EngineConfig(model=str(model_dir), kv_cache_bytes=1 << 22))
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "param"),
+    [
+        ({"temperature": -0.5}, "temperature"),
+        ({"top_p": 0.0}, "top_p"),
+        ({"top_p": 1.5}, "top_p"),
+        ({"top_k": -2}, "top_k"),
+        ({"max_tokens": 0}, "max_tokens"),
+        ({"stop": [1, 2]}, "stop"),
+        ({"n": 0}, "n"),
+    ],
+)
+def test_bad_sampling_params(kwargs: dict, param: str) -> None:  # type: ignore[type-arg]
+    with pytest.raises(InvalidRequestError) as e:
+        SamplingParams(**kwargs)
+    assert e.value.param == param
+    assert isinstance(e.value, ValueError)
+
+
+def test_bad_prompts_leave_engine_serving(stories_dir: Path) -> None:
+    engine = LLMEngine_for(stories_dir)
+    cases = [
+        ("", "prompt"),
+        ([], "prompt"),
+        ([1, 2.5], "prompt"),
+        ([1, 10_000], "prompt"),
+        ([1] * 600, "prompt"),  # context is 512
+    ]
+    for prompt, param in cases:
+        with pytest.raises(InvalidRequestError) as e:
+            engine.add_request("x", prompt, SamplingParams())  # type: ignore[arg-type]
+        assert e.value.param == param, prompt
+    with pytest.raises(InvalidRequestError) as e:
+        engine.add_request("x", "Once upon a time", SamplingParams(max_tokens=600))
+    assert e.value.param == "max_tokens" and "507" in e.value.message
+    assert not engine.has_unfinished()
+    engine.add_request("ok", "Once upon a time", SamplingParams(temperature=0, max_tokens=4))
+    outs = []
+    while engine.has_unfinished():
+        outs += engine.step()
+    assert outs[-1].finished and len(outs[-1].outputs[0].token_ids) == 4
+
+
+def test_n_and_seed(stories_dir: Path) -> None:
+    llm = LLM(stories_dir, kv_cache_bytes=1 << 22)
+    params = SamplingParams(n=3, temperature=1.0, seed=7, max_tokens=24, ignore_eos=True)
+    a = llm.generate("Once upon a time", params)[0]
+    b = llm.generate(["Tom", "Once upon a time"], params)[1]
+    assert len(a.outputs) == 3
+    assert [o.token_ids for o in a.outputs] == [o.token_ids for o in b.outputs]
+    assert len({tuple(o.token_ids) for o in a.outputs}) > 1
+
+
+def test_stop_string_and_stop_token(stories_dir: Path, reference: list[list[int]]) -> None:
+    llm = LLM(stories_dir, kv_cache_bytes=1 << 22)
+    full = llm.generate("Once upon a time", SamplingParams(temperature=0, max_tokens=40))[0]
+    text = full.outputs[0].text
+    assert "Lily" in text
+    out = llm.generate("Once upon a time", SamplingParams(temperature=0, max_tokens=40, stop=["Lily"]))[0]
+    o = out.outputs[0]
+    assert o.text == text[: text.index("Lily")]
+    assert o.finish_reason == "stop" and o.stop_reason == "Lily"
+    stop_tok = full.outputs[0].token_ids[3]
+    out = llm.generate(
+        "Once upon a time", SamplingParams(temperature=0, max_tokens=40, stop_token_ids=[stop_tok])
+    )[0]
+    assert out.outputs[0].token_ids == full.outputs[0].token_ids[:4]
+    assert out.outputs[0].stop_reason == stop_tok
+    assert llm.engine.blocks.num_free_blocks == llm.engine.blocks.num_blocks
+
+
+def test_logprobs(stories_dir: Path) -> None:
+    llm = LLM(stories_dir, kv_cache_bytes=1 << 22)
+    out = llm.generate("Once upon a time", SamplingParams(temperature=0, max_tokens=5, logprobs=3))[0]
+    o = out.outputs[0]
+    assert o.logprobs is not None and len(o.logprobs) == 5
+    for tok, lp in zip(o.token_ids, o.logprobs, strict=True):
+        assert lp.token_id == tok
+        assert len(lp.top) == 3
+        assert lp.top[0][0] == tok  # greedy: the sampled token is the most likely
+        assert lp.logprob <= 0
+
+
+def test_async_stream_and_abort(stories_dir: Path) -> None:
+    async def main() -> None:
+        engine = LLMEngine_for(stories_dir)
+        total = engine.blocks.num_free_blocks
+        allm = AsyncLLM(engine)
+        try:
+            deltas = []
+            async for out in allm.generate("Once upon a time", SamplingParams(temperature=0, max_tokens=20)):
+                deltas.append(out.outputs[0].delta_text)
+            assert out.finished
+            assert "".join(deltas) == out.outputs[0].text
+
+            gen = allm.generate("The little dog", SamplingParams(max_tokens=400, ignore_eos=True))
+            n = 0
+            async for _ in gen:
+                n += 1
+                if n == 3:
+                    break
+            await gen.aclose()  # a client that went away
+            assert allm.stats()["free_kv_blocks"] == total
+            with pytest.raises(InvalidRequestError):
+                async for _ in allm.generate("", SamplingParams()):
+                    pass
+        finally:
+            allm.shutdown()
+
+    asyncio.run(main())

@@ -1,0 +1,365 @@
+"""Sampler: every transform checked against a plain-Python reference of vLLM's semantics, the
+draw checked by frequencies over many rows (fixed seeds, so the bounds cannot flake), and seeded
+rows checked to be independent of what else is in the batch."""
+
+from __future__ import annotations
+
+import math
+from collections import Counter
+from typing import Any
+
+import pytest
+import torch
+
+import runtime.sampler as sampler_mod
+from runtime.sampler import Sampler, SamplingState, apply_penalties
+from runtime.sampling_params import SamplingParams
+
+sample = Sampler()
+
+
+def state(
+    prompt: list[int] | None = None,
+    output: list[int] | None = None,
+    seed: int | None = None,
+    **params: Any,
+) -> SamplingState:
+    p = SamplingParams(seed=seed, **params)
+    gen = torch.Generator().manual_seed(seed) if seed is not None else None
+    return SamplingState(p, gen, list(prompt or []), list(output or []))
+
+
+# ----- plain-Python reference --------------------------------------------------------------
+
+
+def ref_penalized(logits: list[float], s: SamplingState) -> list[float]:
+    p = s.params
+    x = list(logits)
+    for t in set(s.prompt_token_ids) | set(s.output_token_ids):
+        x[t] = x[t] / p.repetition_penalty if x[t] > 0 else x[t] * p.repetition_penalty
+    for t, c in Counter(s.output_token_ids).items():
+        x[t] -= p.frequency_penalty * c + p.presence_penalty
+    return x
+
+
+def ref_distribution(logits: list[float], s: SamplingState) -> list[float]:
+    """The distribution a non-greedy row is drawn from: penalties, temperature, min_p, top_k,
+    top_p (smallest set of most likely tokens reaching top_p), each renormalizing."""
+    p = s.params
+    x = [v / p.temperature for v in ref_penalized(logits, s)]
+    m = max(x)
+    probs = [math.exp(v - m) for v in x]
+    probs = [v / sum(probs) for v in probs]
+    if p.min_p > 0:
+        cut = p.min_p * max(probs)
+        probs = [v if v >= cut else 0.0 for v in probs]
+    order = sorted(range(len(probs)), key=lambda i: -probs[i])
+    if 0 < p.top_k < len(probs):
+        for i in order[p.top_k :]:
+            probs[i] = 0.0
+    total = sum(probs)
+    probs = [v / total for v in probs]
+    if p.top_p < 1:
+        kept, before = set(), 0.0
+        for i in order:  # most likely first
+            if before < p.top_p:
+                kept.add(i)
+            before += probs[i]
+        probs = [v if i in kept else 0.0 for i, v in enumerate(probs)]
+        total = sum(probs)
+        probs = [v / total for v in probs]
+    return probs
+
+
+def draw_many(logits: torch.Tensor, s: SamplingState, n: int) -> Counter[int]:
+    """n draws of one row, as one batch of n identical unseeded rows."""
+    assert s.generator is None
+    torch.manual_seed(1234)
+    out = sample(logits.expand(n, -1).contiguous(), [s] * n)
+    return Counter(out.token_ids)
+
+
+def assert_follows(counts: Counter[int], probs: list[float]) -> None:
+    """Same support, and Pearson's chi-square far below anything a correct sampler reaches:
+    mean k-1, bound k-1 + 12 standard deviations + 10 (draws are seeded, so this is fixed)."""
+    n = sum(counts.values())
+    support = {i for i, p in enumerate(probs) if p > 0}
+    assert set(counts) <= support, f"drew tokens outside the support: {set(counts) - support}"
+    assert {i for i in support if probs[i] * n >= 20} <= set(counts)
+    chi2 = sum((counts[i] - n * probs[i]) ** 2 / (n * probs[i]) for i in support)
+    k = len(support)
+    assert chi2 < (k - 1) + 12 * math.sqrt(2 * max(k - 1, 1)) + 10, chi2
+
+
+def logits_row(vocab: int, seed: int, scale: float = 2.0) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(1, vocab, generator=g) * scale
+
+
+# ----- greedy ------------------------------------------------------------------------------
+
+
+def test_all_greedy_is_one_argmax(monkeypatch: pytest.MonkeyPatch) -> None:
+    def forbidden(*args: Any, **kwargs: Any) -> None:
+        raise AssertionError("the greedy fast path must not reach this")
+
+    monkeypatch.setattr(sampler_mod, "apply_penalties", forbidden)
+    monkeypatch.setattr(sampler_mod, "_sample_rows", forbidden)
+    monkeypatch.setattr(sampler_mod, "_logprobs", forbidden)
+    logits = torch.randn(64, 1000, generator=torch.Generator().manual_seed(0))
+    out = sample(logits, [state(temperature=0.0, output=[1, 2, 3]) for _ in range(64)])
+    assert out.token_ids == logits.argmax(dim=-1).tolist()
+    assert out.logprobs == [None] * 64
+
+
+def test_greedy_rows_in_a_mixed_batch_take_the_argmax() -> None:
+    logits = torch.randn(8, 300, generator=torch.Generator().manual_seed(1))
+    states = [
+        state(temperature=0.0) if i % 2 else state(temperature=1.0, top_k=5) for i in range(8)
+    ]
+    out = sample(logits, states)
+    argmax = logits.argmax(dim=-1).tolist()
+    assert [out.token_ids[i] for i in range(1, 8, 2)] == argmax[1::2]
+
+
+def test_tiny_temperature_counts_as_greedy() -> None:
+    logits = torch.randn(4, 50, generator=torch.Generator().manual_seed(2)) * 30
+    out = sample(logits, [state(temperature=1e-7) for _ in range(4)])
+    assert out.token_ids == logits.argmax(dim=-1).tolist()
+
+
+def test_input_logits_are_not_modified() -> None:
+    logits = torch.randn(3, 40, generator=torch.Generator().manual_seed(3))
+    before = logits.clone()
+    states = [
+        state(prompt=[1, 2], output=[3, 3], repetition_penalty=1.5, frequency_penalty=1.0),
+        state(temperature=0.7, top_p=0.8, min_p=0.1),
+        state(temperature=0.0, logprobs=3),
+    ]
+    sample(logits, states)
+    assert torch.equal(logits, before)
+
+
+# ----- penalties ---------------------------------------------------------------------------
+
+
+def test_penalties_by_hand() -> None:
+    logits = torch.tensor([[2.0, -2.0, 1.0, -1.0, 0.5]])
+    s = state(
+        prompt=[0, 1],
+        output=[2, 2, 3],
+        repetition_penalty=2.0,
+        frequency_penalty=0.5,
+        presence_penalty=0.25,
+    )
+    got = apply_penalties(logits, [s])[0].tolist()
+    # token 0: prompt, positive -> 2 / 2 = 1
+    # token 1: prompt, negative -> -2 * 2 = -4
+    # token 2: output twice -> 1 / 2 - 0.5 * 2 - 0.25 = -0.75
+    # token 3: output once, negative -> -1 * 2 - 0.5 - 0.25 = -2.75
+    # token 4: unseen -> 0.5
+    assert got == [1.0, -4.0, -0.75, -2.75, 0.5]
+
+
+def test_penalties_match_reference_on_a_batch() -> None:
+    gen = torch.Generator().manual_seed(4)
+    vocab = 97
+    logits = torch.randn(6, vocab, generator=gen) * 3
+    states = []
+    for i in range(6):
+        prompt = torch.randint(0, vocab, (i * 7,), generator=gen).tolist()
+        output = torch.randint(0, vocab, (i * 5 + (i % 2),), generator=gen).tolist()
+        states.append(
+            state(
+                prompt=prompt,
+                output=output,
+                repetition_penalty=[1.0, 1.3, 0.8, 1.0, 2.0, 1.1][i],
+                frequency_penalty=[0.0, 0.5, -0.3, 1.0, 0.0, 2.0][i],
+                presence_penalty=[0.0, 0.0, 0.7, -1.0, 0.2, 0.1][i],
+            )
+        )
+    got = apply_penalties(logits, states)
+    for i, s in enumerate(states):
+        want = ref_penalized(logits[i].tolist(), s)
+        assert got[i].tolist() == pytest.approx(want, rel=1e-6, abs=1e-6)
+
+
+def test_greedy_with_penalties_takes_argmax_of_penalized_logits() -> None:
+    logits = torch.tensor([[5.0, 4.0, 3.0], [5.0, 4.0, 3.0]])
+    states = [
+        state(temperature=0.0, output=[0], frequency_penalty=2.0),  # 5 - 2 = 3 < 4
+        state(temperature=0.0, prompt=[0, 1], repetition_penalty=2.0),  # 2.5, 2, 3
+    ]
+    assert sample(logits, states).token_ids == [1, 2]
+
+
+# ----- truncation and the draw: distributions ----------------------------------------------
+
+
+CASES: list[dict[str, Any]] = [
+    {"temperature": 1.0},
+    {"temperature": 0.5},
+    {"temperature": 1.7},
+    {"top_k": 5},
+    {"top_k": 1},
+    {"top_p": 0.6},
+    {"top_p": 0.95, "temperature": 0.8},
+    {"min_p": 0.2},
+    {"min_p": 0.05, "top_k": 8, "top_p": 0.9, "temperature": 1.3},
+    {"top_k": 6, "top_p": 0.999},
+    {"repetition_penalty": 1.5, "presence_penalty": 0.5, "top_p": 0.9},
+]
+
+
+@pytest.mark.parametrize("params", CASES, ids=lambda p: ",".join(f"{k}={v}" for k, v in p.items()))
+def test_draws_follow_the_reference_distribution(params: dict[str, Any]) -> None:
+    logits = logits_row(24, seed=5)
+    s = state(prompt=[0, 1, 2], output=[3, 3, 4], **params)
+    probs = ref_distribution(logits[0].tolist(), s)
+    n = 4000 if s.prompt_token_ids and "repetition_penalty" in params else 10_000
+    assert_follows(draw_many(logits, s, n), probs)
+
+
+def test_wide_nucleus_falls_back_to_a_full_sort() -> None:
+    """top_p alone over a flat distribution: the nucleus is wider than the first candidates."""
+    vocab = 1000
+    logits = logits_row(vocab, seed=6, scale=0.3)
+    s = state(top_p=0.5)
+    probs = ref_distribution(logits[0].tolist(), s)
+    support = sum(p > 0 for p in probs)
+    assert support > sampler_mod._NUCLEUS_CANDIDATES
+    counts = draw_many(logits, s, 1000)
+    assert set(counts) <= {i for i, p in enumerate(probs) if p > 0}
+    assert len(counts) > sampler_mod._NUCLEUS_CANDIDATES
+
+
+def test_top_k_and_top_p_supports_match_reference_on_a_batch() -> None:
+    """Rows with different top_k / top_p in one batch: each row stays in its own support."""
+    vocab = 400
+    gen = torch.Generator().manual_seed(7)
+    logits = torch.randn(8, vocab, generator=gen) * 4
+    settings = [
+        {"top_k": 3},
+        {"top_k": 50, "top_p": 0.5},
+        {"top_p": 0.3},
+        {"top_p": 0.97},  # wide: needs the full sort
+        {},
+        {"min_p": 0.3},
+        {"top_k": 399},
+        {"top_k": 400, "top_p": 0.2},  # top_k == vocab is "off"
+    ]
+    states = [state(**p) for p in settings]
+    torch.manual_seed(0)
+    reps = 300
+    out = sample(logits.repeat(reps, 1), states * reps).token_ids
+    for i, s in enumerate(states):
+        probs = ref_distribution(logits[i].tolist(), s)
+        support = {t for t, p in enumerate(probs) if p > 0}
+        drawn = set(out[i::8])
+        assert drawn <= support, settings[i]
+        if len(support) <= 5:
+            assert drawn == support
+
+
+def test_zero_probability_tokens_are_never_drawn() -> None:
+    logits = torch.full((1, 1000), -math.inf)
+    logits[0, 17] = 0.0
+    logits[0, 999] = -1.0
+    for params in ({}, {"top_p": 0.5}, {"top_k": 10}, {"min_p": 0.01}):
+        counts = draw_many(logits, state(**params), 500)
+        assert set(counts) <= {17, 999}
+
+
+# ----- seeds -------------------------------------------------------------------------------
+
+
+SEEDED_MODES: list[dict[str, Any]] = [
+    {"temperature": 0.9},
+    {"top_k": 20},
+    {"top_p": 0.8},
+    {"top_p": 0.999},  # full-sort fallback
+    {"min_p": 0.05, "top_k": 40, "top_p": 0.9},
+]
+
+
+def run_steps(logits: torch.Tensor, rows: list[SamplingState], steps: int) -> list[list[int]]:
+    """Sample `steps` times; returns per-row token lists (logits fixed, outputs appended)."""
+    tokens: list[list[int]] = [[] for _ in rows]
+    for _ in range(steps):
+        out = sample(logits, rows)
+        for j, t in enumerate(out.token_ids):
+            tokens[j].append(t)
+            rows[j].output_token_ids.append(t)
+    return tokens
+
+
+@pytest.mark.parametrize("mode", SEEDED_MODES, ids=lambda p: ",".join(p))
+def test_same_seed_same_tokens_in_any_batch(mode: dict[str, Any]) -> None:
+    vocab = 2000
+    row = logits_row(vocab, seed=8, scale=1.0)
+    alone = run_steps(row, [state(seed=42, **mode)], steps=6)[0]
+
+    # The same request in a batch of others (seeded and not, other settings), at position 3.
+    others = [
+        state(temperature=0.0),
+        state(seed=7, top_k=500),
+        state(top_p=0.5),
+        None,
+        state(temperature=1.5, min_p=0.1),
+        state(seed=43, **mode),
+    ]
+    rows = [s if s is not None else state(seed=42, **mode) for s in others]
+    gen = torch.Generator().manual_seed(9)
+    logits = torch.randn(len(rows), vocab, generator=gen)
+    logits[3] = row[0]
+    torch.manual_seed(99)
+    batched = run_steps(logits, rows, steps=6)
+    assert batched[3] == alone
+    assert batched[5] != alone  # another seed, another sequence
+
+
+def test_unseeded_rows_differ() -> None:
+    row = logits_row(5000, seed=10, scale=0.5)
+    torch.manual_seed(0)
+    out = sample(row.expand(16, -1).contiguous(), [state() for _ in range(16)])
+    assert len(set(out.token_ids)) > 8
+
+
+# ----- logprobs ----------------------------------------------------------------------------
+
+
+def test_logprobs_are_of_penalized_logits_before_temperature() -> None:
+    gen = torch.Generator().manual_seed(11)
+    logits = torch.randn(4, 64, generator=gen) * 3
+    states = [
+        state(temperature=0.0, logprobs=5),
+        state(temperature=0.5, top_k=3, logprobs=2, output=[1, 1], frequency_penalty=1.0),
+        state(temperature=1.0),
+        state(temperature=0.3, top_p=0.5, logprobs=0, seed=3),
+    ]
+    out = sample(logits, states)
+    assert out.logprobs[2] is None
+    for i in (0, 1, 3):
+        lp = out.logprobs[i]
+        assert lp is not None
+        ref = torch.log_softmax(
+            torch.tensor(ref_penalized(logits[i].tolist(), states[i]), dtype=torch.float64), -1
+        )
+        assert lp.token_id == out.token_ids[i]
+        assert lp.logprob == pytest.approx(ref[lp.token_id].item(), abs=1e-5)
+        k = states[i].params.logprobs
+        want_top = torch.topk(ref, k) if k else None
+        assert [t for t, _ in lp.top] == (want_top.indices.tolist() if want_top else [])
+        for (_, got), want in zip(
+            lp.top, want_top.values.tolist() if want_top else [], strict=True
+        ):
+            assert got == pytest.approx(want, abs=1e-5)
+    assert out.logprobs[0] is not None and out.logprobs[0].token_id == logits[0].argmax().item()
+
+
+# ----- shapes ------------------------------------------------------------------------------
+
+
+def test_shape_mismatch_is_an_error() -> None:
+    with pytest.raises(ValueError, match="len\\(states\\)"):
+        sample(torch.zeros(2, 10), [state()])

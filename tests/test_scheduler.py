@@ -1,0 +1,150 @@
+"""The scheduler and block manager, driven step by step with no model: assert on what they decide."""
+
+from __future__ import annotations
+
+from runtime.kv_cache import BlockManager
+from runtime.request import Request, RequestStatus
+from runtime.sampling_params import SamplingParams
+from runtime.scheduler import QueueFullError, Scheduler, SchedulerOutput
+
+
+def req(rid: str, prompt_len: int, max_tokens: int = 8) -> Request:
+    return Request(
+        request_id=rid,
+        prompt_token_ids=list(range(3, 3 + prompt_len)),
+        params=SamplingParams(temperature=0, max_tokens=max_tokens),
+        max_tokens=max_tokens,
+        eos_token_ids=frozenset({2}),
+    )
+
+
+def sched(num_blocks: int = 64, block_size: int = 4, seqs: int = 8, budget: int = 32, waiting: int = 100) -> Scheduler:
+    return Scheduler(BlockManager(num_blocks, block_size), seqs, budget, waiting)
+
+
+def plan(out: SchedulerOutput) -> dict[str, int]:
+    return {s.request.request_id: s.num_new_tokens for s in out.scheduled}
+
+
+def sample_all(s: Scheduler, out: SchedulerOutput, token: int = 7) -> None:
+    s.update(out, {x.request.request_id: token for x in out.scheduled if x.samples})
+
+
+def test_block_manager_allocate_and_free() -> None:
+    bm = BlockManager(num_blocks=4, block_size=4)
+    assert bm.blocks_needed("a", 5) == 2
+    assert bm.allocate("a", 5) is not None and len(bm.block_table("a")) == 2
+    assert bm.allocate("a", 8) == bm.block_table("a") and len(bm.block_table("a")) == 2
+    assert not bm.can_allocate("b", 9)
+    assert bm.allocate("b", 9) is None  # no room is a return value
+    assert bm.num_free_blocks == 2
+    assert bm.free("a") == 2 and bm.num_free_blocks == 4
+    assert bm.free("a") == 0
+
+
+def test_prefill_then_decode() -> None:
+    s = sched()
+    s.add(req("a", 10))
+    out = s.schedule()
+    assert plan(out) == {"a": 10}
+    assert out.scheduled[0].samples
+    sample_all(s, out)
+    assert plan(s.schedule()) == {"a": 1}
+
+
+def test_chunked_prefill_under_budget() -> None:
+    s = sched(budget=8)
+    s.add(req("a", 20))
+    sizes = []
+    for _ in range(3):
+        out = s.schedule()
+        sizes.append(plan(out)["a"])
+        assert out.scheduled[0].samples == (sum(sizes) == 20)
+        sample_all(s, out)
+    assert sizes == [8, 8, 4]
+    assert s.requests["a"].output_token_ids == [7]
+
+
+def test_decodes_not_starved_by_prefill() -> None:
+    s = sched(budget=8)
+    for rid in ("a", "b"):
+        s.add(req(rid, 2))
+    sample_all(s, s.schedule())  # both prefilled
+    s.add(req("long", 100))
+    for _ in range(5):
+        out = s.schedule()
+        p = plan(out)
+        assert p["a"] == 1 and p["b"] == 1  # every decode runs every step
+        assert p["long"] == 6  # the prefill gets what is left of the budget
+        sample_all(s, out)
+
+
+def test_fcfs_and_seat_limit() -> None:
+    s = sched(seqs=2)
+    for rid in ("a", "b", "c"):
+        s.add(req(rid, 4))
+    out = s.schedule()
+    assert list(plan(out)) == ["a", "b"]
+    assert [r.request_id for r in s.waiting] == ["c"]
+
+
+def test_head_of_queue_blocks_behind_it() -> None:
+    s = sched(num_blocks=4, block_size=4)
+    s.add(req("big", 20))  # needs 5 blocks: never fits now
+    s.add(req("small", 2))
+    assert s.schedule().empty  # FCFS: small does not jump ahead
+
+
+def test_preemption_by_recompute() -> None:
+    s = sched(num_blocks=4, block_size=4, budget=64)
+    s.add(req("old", 7, max_tokens=20))
+    s.add(req("new", 7, max_tokens=20))
+    sample_all(s, s.schedule())  # 2 blocks each: cache full
+    out = s.schedule()  # both decode at token 8: fits in the second block
+    assert plan(out) == {"old": 1, "new": 1}
+    sample_all(s, out)
+    out = s.schedule()  # token 9 needs a third block for each: the newest is preempted
+    assert plan(out) == {"old": 1}
+    assert out.preempted == ["new"]
+    new = s.requests["new"]
+    assert new.status is RequestStatus.WAITING and new.num_computed_tokens == 0
+    assert s.waiting[0] is new  # back at the head of the queue
+    assert s.blocks.block_table("new") == []
+
+
+def test_finish_on_max_tokens_and_eos_frees_blocks() -> None:
+    s = sched()
+    s.add(req("a", 4, max_tokens=2))
+    s.add(req("b", 4, max_tokens=10))
+    sample_all(s, s.schedule())
+    out = s.schedule()
+    results = s.update(out, {"a": 5, "b": 2})  # a hits max_tokens, b samples eos
+    assert {r.request.request_id: r.finished for r in results} == {
+        "a": RequestStatus.FINISHED_LENGTH,
+        "b": RequestStatus.FINISHED_STOPPED,
+    }
+    assert s.blocks.num_free_blocks == s.blocks.num_blocks
+    assert not s.has_unfinished()
+
+
+def test_abort_anywhere() -> None:
+    s = sched(seqs=1)
+    s.add(req("run", 4))
+    s.add(req("wait", 4))
+    s.schedule()
+    assert s.finish("run", RequestStatus.FINISHED_ABORTED) is not None
+    assert s.finish("wait", RequestStatus.FINISHED_ABORTED) is not None
+    assert s.finish("gone", RequestStatus.FINISHED_ABORTED) is None
+    assert s.blocks.num_free_blocks == s.blocks.num_blocks and not s.has_unfinished()
+
+
+def test_bounded_waiting_queue() -> None:
+    s = sched(waiting=2)
+    s.add(req("a", 4))
+    s.add(req("b", 4))
+    try:
+        s.add(req("c", 4))
+    except QueueFullError:
+        pass
+    else:
+        raise AssertionError("the third request should have been refused")
