@@ -29,7 +29,9 @@ class PrefillChunk:
     query_len: int  # tokens computed this step
     context_len: int  # tokens of the request already in the cache before this chunk
     kv_slots: torch.Tensor | None = None  # (context_len + query_len,) int64, when context_len > 0
-    mask: torch.Tensor | None = None  # (query_len, context_len + query_len) bool, when context_len > 0
+    mask: torch.Tensor | None = (
+        None  # (query_len, context_len + query_len) bool, when context_len > 0
+    )
 
 
 @dataclass(slots=True)
@@ -86,7 +88,7 @@ def paged_attention(
     q: (T, n_heads, head_dim); k, v: (T, n_kv_heads, head_dim), already written to the caches.
     Returns (T, n_heads, head_dim).
     """
-    T, H, D = q.shape
+    H = q.shape[1]
     Hkv = k.shape[1]
     if H % Hkv:
         raise ValueError(f"paged_attention: {H} query heads, {Hkv} kv heads")

@@ -121,8 +121,10 @@ class AsyncLLM:
         streams, self._streams = self._streams, {}
         for rid, stream in streams.items():
             self.engine.abort(rid)
-            err = error if isinstance(error, EngineDeadError) else EngineDeadError(
-                f"engine step failed: {error!r}"
+            err = (
+                error
+                if isinstance(error, EngineDeadError)
+                else EngineDeadError(f"engine step failed: {error!r}")
             )
             stream.loop.call_soon_threadsafe(stream.queue.put_nowait, err)
 

@@ -23,10 +23,18 @@ def _model_dir(arg: str | None) -> str:
 
 
 def _engine_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", help="Hugging Face model folder (default: SmolLM2-135M-Instruct, imported on first use)")
+    p.add_argument(
+        "--model",
+        help="Hugging Face model folder (default: SmolLM2-135M-Instruct, imported on first use)",
+    )
     p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
     p.add_argument("--kv-cache-bytes", type=int, default=None, help="bytes for the KV cache")
-    p.add_argument("--kv-cache-fraction", type=float, default=0.25, help="of available RAM, when --kv-cache-bytes is not given")
+    p.add_argument(
+        "--kv-cache-fraction",
+        type=float,
+        default=0.25,
+        help="of available RAM, when --kv-cache-bytes is not given",
+    )
     p.add_argument("--max-num-seqs", type=int, default=128)
     p.add_argument("--max-num-batched-tokens", type=int, default=2048)
     p.add_argument("--max-model-len", type=int, default=None)

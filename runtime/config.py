@@ -133,9 +133,8 @@ class ModelConfig:
             eos = raw.get("eos_token_id")
             eos_ids = tuple(eos) if isinstance(eos, list) else ((eos,) if eos is not None else ())
             sliding = raw.get("sliding_window")
-            if family == "qwen2" or family == "qwen3":
-                if not raw.get("use_sliding_window", False):
-                    sliding = None
+            if family in ("qwen2", "qwen3") and not raw.get("use_sliding_window", False):
+                sliding = None
             cfg = cls(
                 architecture=arch,
                 family=family,
@@ -211,7 +210,9 @@ class EngineConfig:
     dtype: str = "auto"  # "auto" (the checkpoint's dtype), "float32", "bfloat16", "float16"
     block_size: int = 16  # tokens per KV-cache block
     kv_cache_bytes: int | None = None  # bytes for the KV cache; None: kv_cache_fraction of free RAM
-    kv_cache_fraction: float = 0.25  # of the machine's available memory, when kv_cache_bytes is None
+    kv_cache_fraction: float = (
+        0.25  # of the machine's available memory, when kv_cache_bytes is None
+    )
     max_num_seqs: int = 128  # most requests running at once
     max_num_batched_tokens: int = 2048  # token budget of one engine step
     max_waiting: int = 4096  # bound on queued requests; more are refused
@@ -227,7 +228,9 @@ class EngineConfig:
         if self.kv_cache_bytes is not None and self.kv_cache_bytes <= 0:
             raise ValueError(f"kv_cache_bytes must be > 0, got {self.kv_cache_bytes}")
         if not 0 < self.kv_cache_fraction <= 0.95:
-            raise ValueError(f"kv_cache_fraction must be in (0, 0.95], got {self.kv_cache_fraction}")
+            raise ValueError(
+                f"kv_cache_fraction must be in (0, 0.95], got {self.kv_cache_fraction}"
+            )
         if self.max_num_seqs < 1:
             raise ValueError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
         if self.max_num_batched_tokens < 1:

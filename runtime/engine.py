@@ -185,7 +185,10 @@ class LLMEngine:
         return self._process(results, logprobs)
 
     def _block_tables(self, out) -> dict[str, list[int]]:  # type: ignore[no-untyped-def]
-        return {s.request.request_id: self.blocks.block_table(s.request.request_id) for s in out.scheduled}
+        return {
+            s.request.request_id: self.blocks.block_table(s.request.request_id)
+            for s in out.scheduled
+        }
 
     def _process(self, results: list[StepResult], logprobs: dict) -> list[RequestOutput]:  # type: ignore[type-arg]
         touched: dict[str, _Group] = {}
@@ -209,7 +212,10 @@ class LLMEngine:
             if status is None and detok.stop_matched is not None:
                 self.scheduler.finish(r.request.request_id, RequestStatus.FINISHED_STOPPED)
                 status, stop_reason = RequestStatus.FINISHED_STOPPED, detok.stop_matched
-            elif status is RequestStatus.FINISHED_STOPPED and r.new_token in r.request.params.stop_token_ids:
+            elif (
+                status is RequestStatus.FINISHED_STOPPED
+                and r.new_token in r.request.params.stop_token_ids
+            ):
                 stop_reason = r.new_token
             if status is not None:
                 self._finish_seq(group, i, status, stop_reason)

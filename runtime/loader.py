@@ -58,7 +58,9 @@ def resolve_dtype(requested: str, cfg: ModelConfig) -> torch.dtype:
     return DTYPES[name]
 
 
-def load_model(model_dir: str | Path, dtype: str = "auto", max_model_len: int | None = None) -> LlamaForCausalLM:
+def load_model(
+    model_dir: str | Path, dtype: str = "auto", max_model_len: int | None = None
+) -> LlamaForCausalLM:
     """Build the model from a folder and load its weights; raises ModelLoadError naming the file."""
     path = Path(model_dir)
     if not path.is_dir():

@@ -73,7 +73,9 @@ class ModelRunner:
             for _, s in sampling
         ]
         result = self.sampler(logits, states)
-        tokens = {s.request.request_id: t for (_, s), t in zip(sampling, result.token_ids, strict=True)}
+        tokens = {
+            s.request.request_id: t for (_, s), t in zip(sampling, result.token_ids, strict=True)
+        }
         logprobs = {
             s.request.request_id: lp
             for (_, s), lp in zip(sampling, result.logprobs, strict=True)

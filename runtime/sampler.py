@@ -144,18 +144,8 @@ def apply_penalties(logits: torch.Tensor, states: list[SamplingState]) -> torch.
 
     rep_rows = [i for i, p in enumerate(params) if p.repetition_penalty != 1.0]
     if rep_rows:
-        seen = torch.unique(
-            torch.cat(
-                [
-                    _flat_keys(
-                        [states[i].prompt_token_ids for i in rep_rows], rep_rows, vocab, device
-                    ),
-                    _flat_keys(
-                        [states[i].output_token_ids for i in rep_rows], rep_rows, vocab, device
-                    ),
-                ]
-            )
-        )  # (N,) distinct row * vocab + token
+        seqs = [states[i].prompt_token_ids + states[i].output_token_ids for i in rep_rows]
+        seen = torch.unique(_flat_keys(seqs, rep_rows, vocab, device))  # (N,) row * vocab + token
         rows, toks = seen // vocab, seen % vocab
         rep = torch.tensor([p.repetition_penalty for p in params], dtype=out.dtype, device=device)
         rep = rep[rows]  # (N,)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 
@@ -94,7 +95,8 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0.0
+        # The sampler treats temperatures this small as greedy too (dividing by them overflows).
+        return self.temperature < 1e-5
 
 
 def _int_field(name: str, value: object) -> None:
@@ -105,5 +107,5 @@ def _int_field(name: str, value: object) -> None:
 def _num_field(name: str, value: object) -> None:
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         raise InvalidRequestError(name, f"must be a number, got {type(value).__name__}")
-    if value != value:  # NaN
-        raise InvalidRequestError(name, "must not be NaN")
+    if not math.isfinite(value):
+        raise InvalidRequestError(name, f"must be a finite number, got {value}")

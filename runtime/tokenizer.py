@@ -24,7 +24,7 @@ import json
 import os
 from datetime import datetime
 from pathlib import Path
-from typing import Any, ClassVar
+from typing import Any
 
 import jinja2
 import jinja2.ext
@@ -232,7 +232,7 @@ class _GenerationTag(jinja2.ext.Extension):
     """Accept `{% generation %}...{% endgeneration %}` (transformers' assistant-mask marker) and
     render its body unchanged; we never need the assistant mask."""
 
-    tags: ClassVar[set[str]] = {"generation"}
+    tags = {"generation"}  # type: ignore[misc]  # noqa: RUF012 (jinja2 declares it a plain attribute)
 
     def parse(self, parser: jinja2.parser.Parser) -> jinja2.nodes.Node:
         lineno = next(parser.stream).lineno

@@ -4,15 +4,17 @@ stop strings must cut the text exactly."""
 
 from __future__ import annotations
 
+import json
 import random
 from pathlib import Path
 
 import pytest
+from tokenizers import Tokenizer as HFTokenizer
+from tokenizers import decoders, models, pre_tokenizers, trainers
 
 from runtime.detokenizer import IncrementalDetokenizer
 from runtime.tokenizer import Tokenizer
 
-STORIES = Path(__file__).resolve().parents[2] / "shared" / "models" / "stories260K"
 BOS, EOS = 1, 2
 
 TEXTS = [
@@ -25,10 +27,29 @@ TEXTS = [
 
 
 @pytest.fixture(scope="module")
-def tok() -> Tokenizer:
-    if not (STORIES / "tokenizer.json").is_file():
-        pytest.skip(f"stories260K model not found at {STORIES}")
-    return Tokenizer.from_dir(STORIES)
+def tok(stories_dir: Path) -> Tokenizer:  # stories_dir: conftest.py
+    return Tokenizer.from_dir(stories_dir)
+
+
+@pytest.fixture(scope="module")
+def byte_level(tmp_path_factory: pytest.TempPathFactory) -> Tokenizer:
+    """A tiny GPT-2 style byte-level BPE (as SmolLM2 uses): no byte-fallback tokens, characters
+    outside the training text split into single-byte tokens that decode to U+FFFD alone."""
+    corpus = ["Once upon a time there was a girl named Lily.", "héllo café naïve"] * 20
+    backend = HFTokenizer(models.BPE())
+    backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    backend.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=400,
+        special_tokens=["<|endoftext|>"],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    backend.train_from_iterator(corpus, trainer)
+    d = tmp_path_factory.mktemp("byte_level")
+    backend.save(str(d / "tokenizer.json"))
+    (d / "tokenizer_config.json").write_text(json.dumps({"eos_token": "<|endoftext|>"}))
+    return Tokenizer.from_dir(d)
 
 
 def run(detok: IncrementalDetokenizer, ids: list[int]) -> list[str]:
@@ -77,6 +98,26 @@ def test_random_token_sequences(tok: Tokenizer) -> None:
         assert "".join(deltas) == expected, (prompt, output)
 
 
+def test_random_token_sequences_byte_level(byte_level: Tokenizer) -> None:
+    rng = random.Random(3)
+    assert not byte_level.byte_fallback_ids
+    for trial in range(300):
+        # Low ids are the single-byte tokens: many invalid or split characters.
+        high = 258 if trial % 3 == 0 else byte_level.vocab_size
+        output = [rng.randrange(high) for _ in range(rng.randrange(0, 40))]
+        prompt = [] if trial % 2 else byte_level.encode("Once upon")
+        deltas = run(IncrementalDetokenizer(byte_level, prompt), output)
+        assert "".join(deltas) == continuation(byte_level, prompt, output), (prompt, output)
+
+
+def test_text_round_trip_byte_level(byte_level: Tokenizer) -> None:
+    for text in TEXTS:
+        output = byte_level.encode(text)
+        deltas = run(IncrementalDetokenizer(byte_level, []), output)
+        assert "".join(deltas) == text
+        assert all("\ufffd" not in d for d in deltas)
+
+
 def test_skip_special_tokens_false_keeps_them(tok: Tokenizer) -> None:
     output = [*tok.encode("a cat", add_special_tokens=False), EOS]
     detok = IncrementalDetokenizer(tok, [BOS], skip_special_tokens=False)
@@ -85,7 +126,7 @@ def test_skip_special_tokens_false_keeps_them(tok: Tokenizer) -> None:
     assert "".join(run(detok, output)) == expected == " a cat</s>"
 
 
-def test_cost_per_token_is_bounded(tok: Tokenizer) -> None:
+def test_cost_per_token_is_bounded(tok: Tokenizer, stories_dir: Path) -> None:
     """Each step decodes a short window, however long the output grows: at most the last
     emitted chunk plus the pending tokens, each bounded by the longest run of byte tokens."""
     longest = 0
@@ -96,7 +137,7 @@ def test_cost_per_token_is_bounded(tok: Tokenizer) -> None:
             longest = max(longest, len(ids))
             return super().decode(ids, skip_special_tokens)
 
-    spy = Spy.from_dir(STORIES)
+    spy = Spy.from_dir(stories_dir)
     output = tok.encode(" ".join(TEXTS) * 20, add_special_tokens=False)
     assert len(output) > 1000
     deltas = run(IncrementalDetokenizer(spy, tok.encode("Once upon a time")), output)
@@ -117,6 +158,14 @@ def test_emoji_split_over_byte_tokens(tok: Tokenizer) -> None:
     # Nothing of the emoji shows until its run of byte tokens has ended; then all of it.
     assert deltas == ["a", " ", "", "", "", "", "😀 b"]
     assert detok.flush() == ""
+
+
+def test_emoji_split_over_byte_level_tokens(byte_level: Tokenizer) -> None:
+    output = byte_level.encode("a 😀 b")
+    assert byte_level.convert_ids_to_tokens(output) == ["a", "Ġ", "ð", "Ł", "ĺ", "Ģ", "Ġ", "b"]
+    detok = IncrementalDetokenizer(byte_level, [])
+    # Held while the text ends in half a character; out as soon as the character is whole.
+    assert [detok.append(i) for i in output] == ["a", " ", "", "", "", "😀", " ", "b"]
 
 
 def test_incomplete_character_at_the_end_is_flushed_as_decode_gives_it(tok: Tokenizer) -> None:

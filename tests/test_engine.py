@@ -40,12 +40,16 @@ def test_chunked_prefill_equals_whole(stories_dir: Path, reference: list[list[in
     assert [o.outputs[0].token_ids for o in outs] == reference
 
 
-def test_preempted_request_equals_uninterrupted(stories_dir: Path, reference: list[list[int]]) -> None:
+def test_preempted_request_equals_uninterrupted(
+    stories_dir: Path, reference: list[list[int]]
+) -> None:
     # 6 blocks of 16 tokens: five requests of up to ~70 tokens each cannot all fit.
     llm = LLM(stories_dir, kv_cache_bytes=6 * llm_block_bytes(stories_dir), block_size=16)
     outs = llm.generate(PROMPTS, GREEDY)
     assert [o.outputs[0].token_ids for o in outs] == reference
-    assert llm.engine.scheduler.num_preemptions > 0, "the cache was meant to be too small to hold every request"
+    assert llm.engine.scheduler.num_preemptions > 0, (
+        "the cache was meant to be too small to hold every request"
+    )
     assert llm.engine.blocks.num_free_blocks == llm.engine.blocks.num_blocks
 
 
@@ -133,7 +137,9 @@ def test_stop_string_and_stop_token(stories_dir: Path, reference: list[list[int]
     full = llm.generate("Once upon a time", SamplingParams(temperature=0, max_tokens=40))[0]
     text = full.outputs[0].text
     assert "Lily" in text
-    out = llm.generate("Once upon a time", SamplingParams(temperature=0, max_tokens=40, stop=["Lily"]))[0]
+    out = llm.generate(
+        "Once upon a time", SamplingParams(temperature=0, max_tokens=40, stop=["Lily"])
+    )[0]
     o = out.outputs[0]
     assert o.text == text[: text.index("Lily")]
     assert o.finish_reason == "stop" and o.stop_reason == "Lily"
@@ -148,7 +154,9 @@ def test_stop_string_and_stop_token(stories_dir: Path, reference: list[list[int]
 
 def test_logprobs(stories_dir: Path) -> None:
     llm = LLM(stories_dir, kv_cache_bytes=1 << 22)
-    out = llm.generate("Once upon a time", SamplingParams(temperature=0, max_tokens=5, logprobs=3))[0]
+    out = llm.generate("Once upon a time", SamplingParams(temperature=0, max_tokens=5, logprobs=3))[
+        0
+    ]
     o = out.outputs[0]
     assert o.logprobs is not None and len(o.logprobs) == 5
     for tok, lp in zip(o.token_ids, o.logprobs, strict=True):
@@ -165,7 +173,9 @@ def test_async_stream_and_abort(stories_dir: Path) -> None:
         allm = AsyncLLM(engine)
         try:
             deltas = []
-            async for out in allm.generate("Once upon a time", SamplingParams(temperature=0, max_tokens=20)):
+            async for out in allm.generate(
+                "Once upon a time", SamplingParams(temperature=0, max_tokens=20)
+            ):
                 deltas.append(out.outputs[0].delta_text)
             assert out.finished
             assert "".join(deltas) == out.outputs[0].text

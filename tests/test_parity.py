@@ -41,7 +41,8 @@ def _our_prefill_logits(model_dir: Path, prompt: list[int], dtype: str = "float3
     runner = ModelRunner(model, num_blocks=8, block_size=16)
     T = len(prompt)
     meta = PagedAttentionMetadata(
-        slot_mapping=torch.arange(T), prefills=[PrefillChunk(query_start=0, query_len=T, context_len=0)]
+        slot_mapping=torch.arange(T),
+        prefills=[PrefillChunk(query_start=0, query_len=T, context_len=0)],
     )
     with torch.inference_mode():
         hidden = model(torch.tensor(prompt), StepContext(torch.arange(T), meta), runner.kv_caches)

@@ -238,7 +238,7 @@ def test_top_k_and_top_p_supports_match_reference_on_a_batch() -> None:
     vocab = 400
     gen = torch.Generator().manual_seed(7)
     logits = torch.randn(8, vocab, generator=gen) * 4
-    settings = [
+    settings: list[dict[str, Any]] = [
         {"top_k": 3},
         {"top_k": 50, "top_p": 0.5},
         {"top_p": 0.3},

@@ -18,7 +18,9 @@ def req(rid: str, prompt_len: int, max_tokens: int = 8) -> Request:
     )
 
 
-def sched(num_blocks: int = 64, block_size: int = 4, seqs: int = 8, budget: int = 32, waiting: int = 100) -> Scheduler:
+def sched(
+    num_blocks: int = 64, block_size: int = 4, seqs: int = 8, budget: int = 32, waiting: int = 100
+) -> Scheduler:
     return Scheduler(BlockManager(num_blocks, block_size), seqs, budget, waiting)
 
 

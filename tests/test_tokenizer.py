@@ -1,5 +1,6 @@
 """Tokenizer: parity with transformers' AutoTokenizer on the real stories260K tokenizer, and on
-tokenizer folders built from it (special tokens, bos handling, chat templates, broken files)."""
+tokenizer folders built from it (special tokens, bos handling, chat templates, broken files).
+`stories_dir` comes from conftest.py."""
 
 from __future__ import annotations
 
@@ -10,13 +11,13 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from tokenizers import Tokenizer as HFTokenizer
+from tokenizers import decoders, models, pre_tokenizers, processors, trainers
 
 from runtime.sampling_params import InvalidRequestError
 from runtime.tokenizer import NoChatTemplateError, Tokenizer, TokenizerFileError
 
 transformers = pytest.importorskip("transformers")
-
-STORIES = Path(__file__).resolve().parents[2] / "shared" / "models" / "stories260K"
 
 TEXTS = [
     "Once upon a time",
@@ -55,13 +56,6 @@ CONVERSATIONS: list[list[dict[str, Any]]] = [
         {"role": "user", "content": "again <s>"},
     ],
 ]
-
-
-@pytest.fixture(scope="module")
-def stories_dir() -> Path:
-    if not (STORIES / "tokenizer.json").is_file():
-        pytest.skip(f"stories260K model not found at {STORIES}")
-    return STORIES
 
 
 @pytest.fixture(scope="module")
@@ -198,6 +192,36 @@ def test_bos_id_from_config_when_tokenizer_config_has_none(
     assert tok.bos_token_id == 1
     assert tok.eos_token_ids == frozenset({2})
     assert tok.bos_token is None
+
+
+def test_byte_level_bpe_matches_transformers(tmp_path: Path) -> None:
+    """A GPT-2 style byte-level BPE (SmolLM2's kind), trained here on a few sentences."""
+    backend = HFTokenizer(models.BPE())
+    backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    backend.decoder = decoders.ByteLevel()
+    backend.post_processor = processors.ByteLevel(trim_offsets=False)
+    trainer = trainers.BpeTrainer(
+        vocab_size=400,
+        special_tokens=["<|endoftext|>", "<|im_start|>", "<|im_end|>"],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    backend.train_from_iterator(["Once upon a time there was a girl.", "héllo café"] * 20, trainer)
+    backend.save(str(tmp_path / "tokenizer.json"))
+    (tmp_path / "tokenizer_config.json").write_text(
+        json.dumps({"eos_token": "<|im_end|>", "bos_token": "<|im_start|>"})
+    )
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "llama", "eos_token_id": 0}))
+    ours = Tokenizer.from_dir(tmp_path)
+    theirs = transformers.AutoTokenizer.from_pretrained(str(tmp_path))
+    for text in [*TEXTS, "<|im_start|>user\nhi<|im_end|>"]:
+        assert ours.encode(text) == theirs(text)["input_ids"]
+    rng = random.Random(1)
+    for _ in range(100):
+        ids = [rng.randrange(ours.vocab_size) for _ in range(rng.randrange(1, 20))]
+        assert ours.decode(ids) == theirs.decode(ids, skip_special_tokens=True)
+    assert ours.eos_token_ids == frozenset({0, 2}) and ours.bos_token_id == 1
+    assert ours.vocab_size == len(theirs) and not ours.byte_fallback_ids
 
 
 # ----- errors ----------------------------------------------------------------------------------

