@@ -106,7 +106,7 @@ def import_gguf(
     tmp.mkdir()  # unlike tempfile.mkdtemp, honours the umask: the folder is meant to be shared
     try:
         _write_json(tmp / "config.json", config)
-        _write_weights(tmp, jobs, config, DTYPES[dtype], shard_bytes, say)
+        _write_weights(tmp, jobs, DTYPES[dtype], shard_bytes, say)
         file_mode = (tmp / "config.json").stat().st_mode & 0o777
         for shard in tmp.glob("*.safetensors"):
             shard.chmod(file_mode)  # safetensors creates its files owner-only
@@ -417,7 +417,6 @@ def _unpermute_rows(w: np.ndarray, n_heads: int) -> np.ndarray:
 def _write_weights(
     out: Path,
     jobs: list[_TensorJob],
-    config: dict[str, Any],
     dtype: torch.dtype,
     shard_bytes: int,
     say: Progress,
@@ -438,7 +437,7 @@ def _write_weights(
     for k, shard in enumerate(shards, start=1):
         name = f"model-{k:05d}-of-{len(shards):05d}.safetensors"
         say(f"writing {name} ({len(shard)} tensors)")
-        tensors = dict(_converted(shard, dtype, config))
+        tensors = dict(_converted(shard, dtype))
         save_file(tensors, str(out / name), metadata={"format": "pt"})
         total += sum(t.numel() * t.element_size() for t in tensors.values())
         weight_map.update(dict.fromkeys(tensors, name))
@@ -448,9 +447,7 @@ def _write_weights(
     )
 
 
-def _converted(
-    jobs: list[_TensorJob], dtype: torch.dtype, config: dict[str, Any]
-) -> Iterator[tuple[str, torch.Tensor]]:
+def _converted(jobs: list[_TensorJob], dtype: torch.dtype) -> Iterator[tuple[str, torch.Tensor]]:
     for job in jobs:
         values = _dequantize(job.tensor)
         if job.unpermute_heads:
@@ -465,6 +462,7 @@ def _converted(
 # Tokenizer
 
 _T = gguf.TokenType
+_ADDED_TYPES = (_T.CONTROL, _T.UNKNOWN, _T.USER_DEFINED)  # matched whole in raw text
 
 # How text is split before BPE, by `tokenizer.ggml.pre` (llama.cpp's names), for byte-level
 # vocabularies. "smollm" isolates every digit, as SmolLM2's own tokenizer.json does.
@@ -512,11 +510,10 @@ def _write_tokenizer(out: Path, meta: _Metadata, config: dict[str, Any], src: Pa
 
     add_bos = bool(meta.get("tokenizer.ggml.add_bos_token", add_bos_default))
     add_eos = bool(meta.get("tokenizer.ggml.add_eos_token", False))
-    bos = tokens[ids["bos_token_id"]] if "bos_token_id" in ids else None
-    eos = tokens[ids["eos_token_id"]] if "eos_token_id" in ids else None
+    bos, eos = ids.get("bos_token_id"), ids.get("eos_token_id")
     tokenizer.post_processor = _post_processor(
-        (bos, ids.get("bos_token_id")) if add_bos else None,
-        (eos, ids.get("eos_token_id")) if add_eos else None,
+        (tokens[bos], bos) if add_bos and bos is not None else None,
+        (tokens[eos], eos) if add_eos and eos is not None else None,
     )
     tokenizer.save(str(out / "tokenizer.json"))
 
@@ -599,7 +596,7 @@ def _byte_level_bpe(
     alphabet = set(spell.values())
     vocab: dict[str, int] = {}
     for i, (tok, kind) in enumerate(zip(tokens, types, strict=True)):
-        if not set(tok) <= alphabet and kind not in (_T.CONTROL, _T.USER_DEFINED):
+        if not set(tok) <= alphabet and kind not in _ADDED_TYPES:
             tok = "".join(spell[b] for b in tok.encode("utf-8"))  # a normal token in raw text
         vocab[tok] = i
     tokenizer = Tokenizer(
@@ -691,14 +688,13 @@ def _merges_from_scores(tokens: list[str], scores: list[float]) -> list[tuple[st
 
 
 def _post_processor(
-    bos: tuple[str | None, int | None] | None, eos: tuple[str | None, int | None] | None
+    bos: tuple[str, int] | None, eos: tuple[str, int] | None
 ) -> processors.TemplateProcessing:
-    """Adds bos / eos around every encoded sequence, as the add_*_token flags ask."""
-    first = [bos] if bos is not None and bos[0] is not None and bos[1] is not None else []
-    last = [eos] if eos is not None and eos[0] is not None and eos[1] is not None else []
+    """Adds bos / eos (token, id) around every encoded sequence, as the add_*_token flags ask."""
+    first, last = [bos] if bos else [], [eos] if eos else []
     single = [tok for tok, _ in first] + ["$A"] + [tok for tok, _ in last]
     pair = single + [f"{tok}:1" for tok, _ in first] + ["$B:1"] + [f"{tok}:1" for tok, _ in last]
-    specials = {tok: tid for tok, tid in first + last}
+    specials = dict(first + last)
     return processors.TemplateProcessing(
         single=single, pair=pair, special_tokens=list(specials.items())
     )

@@ -117,7 +117,6 @@ def tiny_llama(vocab_size: int, *, tied: bool, seed: int = 0) -> LlamaForCausalL
         num_key_value_heads=KV_HEADS,
         max_position_embeddings=128,
         rms_norm_eps=1e-5,
-        rope_theta=10000.0,
         tie_word_embeddings=tied,
         bos_token_id=1,
         eos_token_id=2,
@@ -165,16 +164,20 @@ def gguf_name(hf_name: str) -> str:
     return f"blk.{layer}.{GGUF_NAMES[rest.removesuffix('.weight')]}.weight"
 
 
+# Byte offsets of the float16 super-block scales (d, dmin) inside one block of each k-quant.
+K_SCALE_OFFSETS = {Q.Q2_K: [80, 82], Q.Q3_K: [108], Q.Q4_K: [0, 2], Q.Q5_K: [0, 2], Q.Q6_K: [208]}
+
+
 def random_k_blocks(rows: int, cols: int, qtype: Q, rng: np.random.Generator) -> np.ndarray:
-    """Random but finite Q4_K / Q6_K data (gguf can dequantize these, not quantize them)."""
+    """Random but finite k-quant data (gguf can dequantize these types, not quantize them)."""
     block, size = gguf.GGML_QUANT_SIZES[qtype]
     data = rng.integers(0, 256, size=(rows, cols // block, size), dtype=np.uint8)
-    # the float16 super-block scales: Q4_K keeps d, dmin in bytes 0..3, Q6_K keeps d last
-    at = [0, 2] if qtype == Q.Q4_K else [size - 2]
-    for offset in at:
+    for offset in K_SCALE_OFFSETS[qtype]:
         scale = rng.uniform(1e-4, 1e-3, size=(rows, cols // block)).astype(np.float16)
         data[:, :, offset : offset + 2] = scale.view(np.uint8).reshape(rows, -1, 2)
-    return data.reshape(rows, -1)
+    data = data.reshape(rows, -1)
+    assert np.isfinite(gguf.quants.dequantize(data, qtype)).all()
+    return data
 
 
 def write_gguf(
@@ -195,7 +198,7 @@ def write_gguf(
     w.add_embedding_length(cfg.hidden_size)
     w.add_feed_forward_length(cfg.intermediate_size)
     w.add_head_count(cfg.num_attention_heads)
-    w.add_head_count_kv(cfg.num_key_value_heads)
+    w.add_head_count_kv(KV_HEADS)
     w.add_rope_dimension_count(cfg.hidden_size // cfg.num_attention_heads)
     w.add_rope_freq_base(10000.0)
     w.add_layer_norm_rms_eps(1e-5)
@@ -235,8 +238,8 @@ def write_gguf(
         elif qtype == Q.F16:
             data = values.astype(np.float16)
             got = data.astype(np.float32)
-        elif qtype in (Q.Q4_K, Q.Q6_K):
-            data = random_k_blocks(*values.shape, qtype, rng)
+        elif qtype in K_SCALE_OFFSETS:
+            data = random_k_blocks(values.shape[0], values.shape[1], qtype, rng)
             got = gguf.quants.dequantize(data, qtype)
         else:
             data = gguf.quants.quantize(values, qtype)
@@ -274,9 +277,11 @@ def bpe() -> Tokenizer:
 # Tiny models
 
 
-@pytest.mark.parametrize(
-    "qtype", [Q.F32, Q.F16, Q.BF16, Q.Q8_0, Q.Q4_0, Q.Q4_1, Q.Q4_K, Q.Q6_K], ids=lambda q: q.name
-)
+QTYPES = [Q.F32, Q.F16, Q.BF16, Q.Q8_0, Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1]
+QTYPES += [Q.Q2_K, Q.Q3_K, Q.Q4_K, Q.Q5_K, Q.Q6_K]
+
+
+@pytest.mark.parametrize("qtype", QTYPES, ids=lambda q: q.name)
 def test_weights_round_trip(tmp_path: Path, bpe: Tokenizer, qtype: Q) -> None:
     vocab = gpt2_vocab(bpe)
     model = tiny_llama(len(vocab.tokens), tied=False)
@@ -463,7 +468,7 @@ def test_unknown_pre_tokenizer_warns(tmp_path: Path, bpe: Tokenizer) -> None:
 
 
 def test_missing_and_not_gguf_files(tmp_path: Path) -> None:
-    with pytest.raises(FileNotFoundError, match="nope.gguf"):
+    with pytest.raises(FileNotFoundError, match=r"nope\.gguf"):
         import_gguf(tmp_path / "nope.gguf", tmp_path / "hf")
     (tmp_path / "text.gguf").write_text("hello, not a model")
     with pytest.raises(GGUFImportError, match=r"text\.gguf: not a GGUF file"):
@@ -595,6 +600,11 @@ smol = pytest.mark.skipif(
 )
 
 
+def greedy(model: Any, ids: torch.Tensor, new_tokens: int) -> list[int]:
+    out = model.generate(ids, max_new_tokens=new_tokens, do_sample=False)
+    return [int(t) for t in out[0, ids.shape[1] :]]
+
+
 @contextmanager
 def one_torch_thread() -> Iterator[None]:
     """On a small machine shared with other jobs, torch's multi-threaded matmuls stall whenever
@@ -673,7 +683,7 @@ def test_smollm2_greedy_matches_transformers_gguf(
     prompt = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
     ids = torch.tensor([tokenizer.encode(prompt)])
     with one_torch_thread():
-        ours = model.generate(ids, max_new_tokens=16, do_sample=False)
-        theirs = smol_reference.generate(ids, max_new_tokens=16, do_sample=False)
-    assert ours.tolist() == theirs.tolist()
-    assert "Paris" in tokenizer.decode(ours[0, ids.shape[1] :])
+        ours = greedy(model, ids, 16)
+        theirs = greedy(smol_reference, ids, 16)
+    assert ours == theirs
+    assert "Paris" in tokenizer.decode(ours)
