@@ -43,8 +43,10 @@ class DecodeGroup:
 
     start: int  # index of the group's first token among the step's tokens
     size: int  # number of decode tokens (requests) in the group
-    kv_slots: torch.Tensor  # (size, L) int64: slots of each request's keys, padded with slot 0
-    mask: torch.Tensor | None  # (size, 1, 1, L) bool, True for real keys; None when none is padded
+    block_ids: torch.Tensor  # (size, nb) int64: each request's block table, padded with block 0
+    mask: (
+        torch.Tensor | None
+    )  # (size, 1, 1, nb * block_size) bool, True for real keys; None if all are
 
 
 @dataclass(slots=True)
@@ -52,6 +54,7 @@ class PagedAttentionMetadata:
     """Where each token of a step reads and writes the cache; built once per step."""
 
     slot_mapping: torch.Tensor  # (T,) int64: cache slot each new token's key/value is written to
+    block_size: int  # tokens per cache block
     decodes: list[DecodeGroup] = field(default_factory=list)  # single-token rows, first in the step
     prefills: list[PrefillChunk] = field(default_factory=list)  # multi-token rows, after decodes
 
@@ -93,10 +96,15 @@ def paged_attention(
     if H % Hkv:
         raise ValueError(f"paged_attention: {H} query heads, {Hkv} kv heads")
     out = torch.empty_like(q)
+    bs, D = meta.block_size, q.shape[2]
+    k_blocks = k_cache.view(-1, bs, Hkv, D)  # (num_blocks, block_size, Hkv, D)
+    v_blocks = v_cache.view(-1, bs, Hkv, D)
     for g in meta.decodes:
         s, n = g.start, g.size
-        keys = k_cache[g.kv_slots].transpose(1, 2)  # (n, Hkv, L, D)
-        values = v_cache[g.kv_slots].transpose(1, 2)  # (n, Hkv, L, D)
+        # Whole blocks are copied (a few large copies, not one per token), then masked.
+        flat = g.block_ids.reshape(-1)
+        keys = k_blocks.index_select(0, flat).view(n, -1, Hkv, D).transpose(1, 2)  # (n, Hkv, L, D)
+        values = v_blocks.index_select(0, flat).view(n, -1, Hkv, D).transpose(1, 2)
         qd = q[s : s + n].unsqueeze(2)  # (n, H, 1, D)
         o = F.scaled_dot_product_attention(
             qd, keys, values, attn_mask=g.mask, scale=scale, enable_gqa=Hkv != H

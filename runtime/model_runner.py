@@ -106,13 +106,12 @@ class ModelRunner:
         padded = torch.zeros(n, width, dtype=torch.int64)  # (n, blocks), padded with block 0
         for i, t in enumerate(tables):
             padded[i, : min(len(t), width)] = torch.tensor(t[:width], dtype=torch.int64)
-        offsets = torch.arange(self.block_size)
-        slots = (padded[:, :, None] * self.block_size + offsets).reshape(n, -1)[:, :max_len]
         mask = None
-        if min(lens) != max_len:
+        if min(lens) != width * self.block_size:
             lengths = torch.tensor(lens)
-            mask = (torch.arange(max_len)[None, :] < lengths[:, None])[:, None, None, :]
-        return DecodeGroup(start=start, size=n, kv_slots=slots, mask=mask)
+            keys = torch.arange(width * self.block_size)
+            mask = (keys[None, :] < lengths[:, None])[:, None, None, :]  # (n, 1, 1, L)
+        return DecodeGroup(start=start, size=n, block_ids=padded, mask=mask)
 
     def _prepare(
         self, order: list[ScheduledRequest], block_tables: dict[str, list[int]]
@@ -141,7 +140,9 @@ class ModelRunner:
             positions.append(torch.arange(start, start + n))
             slots.append(self._slots(table, start, start + n))
 
-        meta = PagedAttentionMetadata(slot_mapping=torch.cat(slots), prefills=prefills)
+        meta = PagedAttentionMetadata(
+            slot_mapping=torch.cat(slots), block_size=self.block_size, prefills=prefills
+        )
         meta.decodes = self._decode_groups(decode_tables, decode_lens)
         ctx = StepContext(positions=torch.cat(positions), attn=meta)
         return torch.tensor(ids, dtype=torch.int64), ctx

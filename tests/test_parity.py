@@ -42,6 +42,7 @@ def _our_prefill_logits(model_dir: Path, prompt: list[int], dtype: str = "float3
     T = len(prompt)
     meta = PagedAttentionMetadata(
         slot_mapping=torch.arange(T),
+        block_size=16,
         prefills=[PrefillChunk(query_start=0, query_len=T, context_len=0)],
     )
     with torch.inference_mode():
