@@ -157,9 +157,9 @@ class ModelShapes:
         attn = 4 * self.layers * self.n_heads * self.head_dim
         fed = prompt_len + output_len - 1  # tokens through the layers
         prompt = 2 * (prompt_len * self.layer_params + self.lm_head_params)
-        prompt += attn * prompt_len * (prompt_len + 1) / 2
+        prompt += attn * prompt_len * (prompt_len + 1) // 2
         decode = 2 * (output_len - 1) * self.params_per_output_token
-        decode += attn * (fed * (fed + 1) - prompt_len * (prompt_len + 1)) / 2
+        decode += attn * (fed * (fed + 1) - prompt_len * (prompt_len + 1)) // 2
         return float(prompt), float(decode)
 
 
@@ -417,6 +417,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         },
     }
     log(f"model {model_dir}; {torch.get_num_threads()} threads; {args.dtype}; {workload.note}")
+    if hasattr(os, "getloadavg") and (load := os.getloadavg()[0]) > 0.5:
+        log(f"warning: load average {load:.1f} before the start; other work skews every figure")
 
     if "roofline" in parts:
         rows = sorted({args.roofline_rows, args.prefill_rows})
@@ -516,6 +518,14 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                     "identical_requests": sum(f == 1.0 for f in fr),
                     "mean_common_prefix_fraction": statistics.fmean(fr),
                 }
+            del generate
+            gc.collect()
+
+    if "roofline" in parts:  # the same loop again: did the machine's speed change meanwhile?
+        rows = args.roofline_rows
+        log(f"roofline: M={rows} again, to check the machine's speed held")
+        again = matmul_flops_per_s(shapes, rows, dtype, args.roofline_seconds)
+        res["roofline"]["speed_drift"] = again / res["roofline"]["flops_per_s"][str(rows)] - 1
     return res
 
 
@@ -574,6 +584,10 @@ def report(res: dict[str, Any]) -> str:
             f"  workload ceiling ({(w['prompt'] + w['decode']) / 1e12:.2f} TFLOP incl. prompts and "
             f"attention, at the best rate): {rl['workload_ceiling_tokens_per_s']:.1f} output tok/s"
         )
+    if "speed_drift" in rl:
+        drift = rl["speed_drift"]
+        warn = "  WARNING: the machine's speed changed; rerun" if abs(drift) > 0.1 else ""
+        lines.append(f"  same loop at the end of the run: {drift:+.0%}{warn}")
     if ei.get("greedy_agreement"):
         g = ei["greedy_agreement"]
         lines.append(

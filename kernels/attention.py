@@ -20,6 +20,8 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
+from kernels import cpu_ext
+
 
 @dataclass(slots=True)
 class PrefillChunk:
@@ -44,6 +46,7 @@ class DecodeGroup:
     start: int  # index of the group's first token among the step's tokens
     size: int  # number of decode tokens (requests) in the group
     block_ids: torch.Tensor  # (size, nb) int64: each request's block table, padded with block 0
+    lens: torch.Tensor  # (size,) int64: keys each request attends to (its new token included)
     mask: (
         torch.Tensor | None
     )  # (size, 1, 1, nb * block_size) bool, True for real keys; None if all are
@@ -55,6 +58,7 @@ class PagedAttentionMetadata:
 
     slot_mapping: torch.Tensor  # (T,) int64: cache slot each new token's key/value is written to
     block_size: int  # tokens per cache block
+    decode_impl: str = "torch"  # "torch" (reference: copy blocks, then SDPA) | "cpu_ext" (in place)
     decodes: list[DecodeGroup] = field(default_factory=list)  # single-token rows, first in the step
     prefills: list[PrefillChunk] = field(default_factory=list)  # multi-token rows, after decodes
 
@@ -99,8 +103,14 @@ def paged_attention(
     bs, D = meta.block_size, q.shape[2]
     k_blocks = k_cache.view(-1, bs, Hkv, D)  # (num_blocks, block_size, Hkv, D)
     v_blocks = v_cache.view(-1, bs, Hkv, D)
+    ext = cpu_ext.load() if meta.decode_impl == "cpu_ext" and meta.decodes else None
     for g in meta.decodes:
         s, n = g.start, g.size
+        if ext is not None:
+            out[s : s + n] = ext.paged_decode_attention(
+                q[s : s + n].contiguous(), k_blocks, v_blocks, g.block_ids, g.lens, scale
+            )
+            continue
         # Whole blocks are copied (a few large copies, not one per token), then masked.
         flat = g.block_ids.reshape(-1)
         keys = k_blocks.index_select(0, flat).view(n, -1, Hkv, D).transpose(1, 2)  # (n, Hkv, L, D)

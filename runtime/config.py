@@ -218,7 +218,9 @@ class EngineConfig:
     max_waiting: int = 4096  # bound on queued requests; more are refused
     max_model_len: int | None = None  # defaults to the model's context length
     num_threads: int | None = None  # torch threads on the CPU; None: torch's default
-    seed: int = 0  # seed for requests that give none
+    attention: str = (
+        "auto"  # decode attention: "auto", "cpu_ext" (in place, C++), "torch" (reference)
+    )
 
     def __post_init__(self) -> None:
         if self.dtype != "auto" and self.dtype not in DTYPES:
@@ -237,5 +239,7 @@ class EngineConfig:
             raise ValueError(
                 f"max_num_batched_tokens must be >= 1, got {self.max_num_batched_tokens}"
             )
+        if self.attention not in ("auto", "cpu_ext", "torch"):
+            raise ValueError(f"attention must be auto, cpu_ext or torch, got {self.attention!r}")
         if self.max_waiting < 1:
             raise ValueError(f"max_waiting must be >= 1, got {self.max_waiting}")

@@ -63,7 +63,7 @@ class LLMEngine:
         self.scheduler = Scheduler(
             self.blocks, config.max_num_seqs, config.max_num_batched_tokens, config.max_waiting
         )
-        self.runner = ModelRunner(self.model, num_blocks, config.block_size)
+        self.runner = ModelRunner(self.model, num_blocks, config.block_size, config.attention)
         self.eos_token_ids = frozenset(cfg.eos_token_ids) | self.tokenizer.eos_token_ids
         self._groups: dict[str, _Group] = {}
         self._seq_to_group: dict[str, tuple[_Group, int]] = {}

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import torch
 
+from kernels import cpu_ext
 from kernels.attention import DecodeGroup, PagedAttentionMetadata, PrefillChunk
 from runtime.model import LlamaForCausalLM, StepContext
 from runtime.sampler import Sampler, SamplingState, TokenLogprobs
@@ -26,8 +27,16 @@ def kv_block_bytes(model: LlamaForCausalLM, block_size: int) -> int:
 
 
 class ModelRunner:
-    def __init__(self, model: LlamaForCausalLM, num_blocks: int, block_size: int):
+    def __init__(
+        self, model: LlamaForCausalLM, num_blocks: int, block_size: int, attention: str = "auto"
+    ):
         cfg = model.cfg
+        # Decode attention: the in-place CPU extension where it builds, else the reference.
+        if attention == "auto":
+            attention = "cpu_ext" if cpu_ext.load() is not None else "torch"
+        elif attention == "cpu_ext" and cpu_ext.load() is None:
+            raise RuntimeError("attention='cpu_ext' asked for, but the extension did not build")
+        self.decode_impl = attention
         self.model = model
         self.block_size = block_size
         self.num_blocks = num_blocks
@@ -111,7 +120,9 @@ class ModelRunner:
             lengths = torch.tensor(lens)
             keys = torch.arange(width * self.block_size)
             mask = (keys[None, :] < lengths[:, None])[:, None, None, :]  # (n, 1, 1, L)
-        return DecodeGroup(start=start, size=n, block_ids=padded, mask=mask)
+        return DecodeGroup(
+            start=start, size=n, block_ids=padded, lens=torch.tensor(lens), mask=mask
+        )
 
     def _prepare(
         self, order: list[ScheduledRequest], block_tables: dict[str, list[int]]
@@ -141,7 +152,10 @@ class ModelRunner:
             slots.append(self._slots(table, start, start + n))
 
         meta = PagedAttentionMetadata(
-            slot_mapping=torch.cat(slots), block_size=self.block_size, prefills=prefills
+            slot_mapping=torch.cat(slots),
+            block_size=self.block_size,
+            decode_impl=self.decode_impl,
+            prefills=prefills,
         )
         meta.decodes = self._decode_groups(decode_tables, decode_lens)
         ctx = StepContext(positions=torch.cat(positions), attn=meta)

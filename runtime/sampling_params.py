@@ -33,7 +33,9 @@ class SamplingParams:
     min_p: float = 0.0  # drop tokens below min_p * p(most likely), in [0, 1]
     seed: int | None = None  # same seed, same output
     repetition_penalty: float = 1.0  # > 1 discourages tokens seen in prompt or output (CTRL style)
-    presence_penalty: float = 0.0  # subtracted once from logits of tokens already generated, [-2, 2]
+    presence_penalty: float = (
+        0.0  # subtracted once from logits of tokens already generated, [-2, 2]
+    )
     frequency_penalty: float = 0.0  # subtracted per occurrence in the output, [-2, 2]
     stop: list[str] = field(default_factory=list)  # stop strings, not included in the output
     stop_token_ids: list[int] = field(default_factory=list)  # extra tokens that end the request
@@ -53,7 +55,9 @@ class SamplingParams:
         if self.max_tokens is not None:
             _int_field("max_tokens", self.max_tokens)
             if self.max_tokens < 1:
-                raise InvalidRequestError("max_tokens", f"must be at least 1, got {self.max_tokens}")
+                raise InvalidRequestError(
+                    "max_tokens", f"must be at least 1, got {self.max_tokens}"
+                )
         _num_field("temperature", self.temperature)
         if self.temperature < 0:
             raise InvalidRequestError("temperature", f"must be >= 0, got {self.temperature}")

@@ -1,0 +1,67 @@
+"""The CPU extension (`csrc/paged_decode_cpu.cpp`), compiled on first use and cached.
+
+Building needs a C++ compiler and ninja (a dependency of this package); it takes about a minute
+once per machine and Python/torch version, and is reused from the cache afterwards. Where it
+cannot be built, `load()` returns None, says why once on the log, and attention uses the PyTorch
+reference (same results, slower decode).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import sys
+import threading
+from pathlib import Path
+from types import ModuleType
+
+log = logging.getLogger(__name__)
+
+_SOURCE = Path(__file__).parent / "csrc" / "paged_decode_cpu.cpp"
+_lock = threading.Lock()
+_state: dict[str, ModuleType | None] = {}
+
+
+def build_dir() -> Path:
+    """Where the compiled extension is cached (TORCH_EXTENSIONS_DIR, as torch names it)."""
+    root = os.environ.get("TORCH_EXTENSIONS_DIR")
+    base = Path(root) if root else Path.home() / ".cache" / "edgeinfer" / "torch_extensions"
+    import torch
+
+    tag = f"py{sys.version_info.major}{sys.version_info.minor}-torch{torch.__version__}"
+    return base / tag.replace("+", "_")
+
+
+def load() -> ModuleType | None:
+    """The compiled module, building it on first call; None where it cannot be built."""
+    with _lock:
+        if "mod" in _state:
+            return _state["mod"]
+        try:
+            from torch.utils import cpp_extension
+
+            path = build_dir()
+            path.mkdir(parents=True, exist_ok=True)
+            log.info("building the CPU attention extension in %s (once per machine)", path)
+            mod = cpp_extension.load(
+                name="edgeinfer_paged_decode_cpu",
+                sources=[str(_SOURCE)],
+                # Reassociation lets the compiler vectorize the dot products; no finite-math (-inf is used).
+                extra_cflags=[
+                    "-O3",
+                    "-march=native",
+                    "-fopenmp",
+                    "-fno-math-errno",
+                    "-fassociative-math",
+                    "-fno-signed-zeros",
+                    "-fno-trapping-math",
+                ],
+                extra_ldflags=["-fopenmp"],
+                build_directory=str(path),
+                verbose=False,
+            )
+        except Exception as e:  # no compiler, no ninja, a read-only home: use the reference
+            log.warning("CPU attention extension unavailable (%s); using the PyTorch reference", e)
+            mod = None
+        _state["mod"] = mod
+        return mod

@@ -1,0 +1,125 @@
+"""Paged attention, request by request, against an unpaged float64 computation.
+
+Awkward lengths (1, 17, 97, block size +- 1) and several block sizes; the decode path is checked
+for both implementations (the PyTorch reference and the in-place CPU extension), and chunked
+prefill over cached context for the reference.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from kernels import cpu_ext
+from kernels.attention import (
+    DecodeGroup,
+    PagedAttentionMetadata,
+    PrefillChunk,
+    paged_attention,
+    write_kv_cache,
+)
+
+H, HKV, D = 8, 2, 16
+
+
+def dense_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ctx: int) -> torch.Tensor:
+    """float64 causal attention of queries at positions ctx.. over keys 0..ctx+n-1."""
+    q, k, v = q.double(), k.double(), v.double()
+    g = H // HKV
+    k = k.repeat_interleave(g, dim=1)  # (L, H, D)
+    v = v.repeat_interleave(g, dim=1)
+    scores = torch.einsum("qhd,khd->hqk", q, k) / math.sqrt(D)  # (H, n, L)
+    n, L = q.shape[0], k.shape[0]
+    allowed = torch.arange(L)[None, :] <= (ctx + torch.arange(n))[:, None]  # (n, L)
+    scores = scores.masked_fill(~allowed, float("-inf"))
+    return torch.einsum("hqk,khd->qhd", scores.softmax(-1), v)  # (n, H, D)
+
+
+def scattered_tables(lens: list[int], bs: int, num_blocks: int, seed: int) -> list[list[int]]:
+    """Block tables that use blocks out of order, as a long-running cache does."""
+    perm = torch.randperm(num_blocks, generator=torch.Generator().manual_seed(seed)).tolist()
+    tables, used = [], 0
+    for n in lens:
+        need = -(-n // bs)
+        tables.append(perm[used : used + need])
+        used += need
+    return tables
+
+
+@pytest.mark.parametrize("bs", [1, 4, 16])
+@pytest.mark.parametrize("impl", ["torch", "cpu_ext"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_decode_matches_dense(bs: int, impl: str, dtype: torch.dtype) -> None:
+    if impl == "cpu_ext" and cpu_ext.load() is None:
+        pytest.skip("the CPU extension did not build here (no compiler?)")
+    torch.manual_seed(0)
+    lens = [1, 17, 97, bs - 1 if bs > 1 else 2, bs + 1, 64]
+    num_blocks = sum(-(-n // bs) for n in lens) + 3
+    k_cache = torch.zeros(num_blocks * bs, HKV, D, dtype=dtype)
+    v_cache = torch.zeros_like(k_cache)
+    tables = scattered_tables(lens, bs, num_blocks, seed=bs)
+    keys = [torch.randn(n, HKV, D).to(dtype) for n in lens]
+    vals = [torch.randn(n, HKV, D).to(dtype) for n in lens]
+    for t, kk, vv in zip(tables, keys, vals, strict=True):
+        pos = torch.arange(kk.shape[0])
+        slots = torch.tensor(t)[pos // bs] * bs + pos % bs
+        write_kv_cache(kk, vv, k_cache, v_cache, slots)
+    q = torch.randn(len(lens), H, D).to(dtype)
+    width = max(len(t) for t in tables)
+    block_ids = torch.zeros(len(lens), width, dtype=torch.int64)
+    for i, t in enumerate(tables):
+        block_ids[i, : len(t)] = torch.tensor(t)
+    mask = (torch.arange(width * bs)[None, :] < torch.tensor(lens)[:, None])[:, None, None, :]
+    group = DecodeGroup(0, len(lens), block_ids, torch.tensor(lens), mask)
+    meta = PagedAttentionMetadata(
+        slot_mapping=torch.zeros(len(lens), dtype=torch.int64),
+        block_size=bs,
+        decode_impl=impl,
+        decodes=[group],
+    )
+    # k, v of the step are only used by prefills; decodes read the cache.
+    out = paged_attention(q, q[:, :HKV], q[:, :HKV], k_cache, v_cache, meta, D**-0.5)
+    for i, n in enumerate(lens):
+        ref64 = dense_attention(q[i : i + 1], keys[i], vals[i], ctx=n - 1)
+        # The kernel's error is bounded by a small multiple of a plain same-dtype computation's.
+        plain = dense_attention(q[i : i + 1].float(), keys[i].float(), vals[i].float(), n - 1)
+        plain = plain.to(dtype).double()
+        tol = 4 * (plain - ref64).abs().max().item() + 1e-5
+        err = (out[i : i + 1].double() - ref64).abs().max().item()
+        assert err <= tol, (impl, bs, n, err, tol)
+
+
+@pytest.mark.parametrize("bs", [4, 16])
+@pytest.mark.parametrize(("ctx", "n"), [(0, 17), (16, 1 + 15), (15, 33), (97, 5)])
+def test_prefill_chunk_over_cached_context(bs: int, ctx: int, n: int) -> None:
+    torch.manual_seed(1)
+    total = ctx + n
+    num_blocks = -(-total // bs) + 2
+    k_cache = torch.zeros(num_blocks * bs, HKV, D)
+    v_cache = torch.zeros_like(k_cache)
+    table = scattered_tables([total], bs, num_blocks, seed=7)[0]
+    k_all, v_all = torch.randn(total, HKV, D), torch.randn(total, HKV, D)
+    pos = torch.arange(total)
+    slots = torch.tensor(table)[pos // bs] * bs + pos % bs
+    write_kv_cache(k_all[:ctx], v_all[:ctx], k_cache, v_cache, slots[:ctx])
+    write_kv_cache(k_all[ctx:], v_all[ctx:], k_cache, v_cache, slots[ctx:])
+    chunk = PrefillChunk(query_start=0, query_len=n, context_len=ctx)
+    if ctx:
+        chunk.kv_slots = slots
+        chunk.mask = torch.arange(total)[None, :] <= (ctx + torch.arange(n))[:, None]
+    meta = PagedAttentionMetadata(slot_mapping=slots[ctx:], block_size=bs, prefills=[chunk])
+    q = torch.randn(n, H, D)
+    out = paged_attention(q, k_all[ctx:], v_all[ctx:], k_cache, v_cache, meta, D**-0.5)
+    torch.testing.assert_close(
+        out.double(), dense_attention(q, k_all, v_all, ctx), atol=1e-5, rtol=1e-5
+    )
+
+
+def test_write_kv_cache_checks_shapes() -> None:
+    cache = torch.zeros(8, HKV, D)
+    with pytest.raises(ValueError, match="write_kv_cache"):
+        write_kv_cache(
+            torch.zeros(2, HKV, D), torch.zeros(2, HKV, D), cache, cache, torch.arange(3)
+        )
