@@ -24,7 +24,15 @@ _EXPORTS = {
     "SamplingParams": "runtime.sampling_params",
 }
 
-__all__ = list(_EXPORTS)
+__all__ = [
+    "LLM",
+    "CompletionOutput",
+    "EngineConfig",
+    "InvalidRequestError",
+    "ModelLoadError",
+    "RequestOutput",
+    "SamplingParams",
+]
 
 
 def __getattr__(name: str) -> Any:
