@@ -533,7 +533,7 @@ def test_existing_output_and_crash_leave_no_folder(
     assert import_gguf(tmp_path / "m.gguf", tmp_path / "empty") == tmp_path / "empty"
     assert (tmp_path / "empty" / "config.json").is_file()
 
-    monkeypatch.setattr("runtime.gguf_import._write_tokenizer", boom)
+    monkeypatch.setattr("runtime.gguf_import.write_tokenizer", boom)
     (tmp_path / "out").mkdir()
     with pytest.raises(RuntimeError, match="disk on fire"):
         import_gguf(tmp_path / "m.gguf", tmp_path / "out" / "hf")

@@ -1,0 +1,78 @@
+"""What the GGUF importer's modules share: its errors, typed metadata access, JSON writing."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import gguf
+import numpy as np
+
+
+class GGUFImportError(ValueError):
+    """The file cannot be turned into a model folder. `path` names the GGUF file."""
+
+    def __init__(self, path: Path, message: str) -> None:
+        super().__init__(f"{path}: {message}")
+        self.path = path
+
+
+class UnsupportedGGUFError(GGUFImportError):
+    """A valid GGUF that uses something we do not convert: architecture, tensor type, tokenizer."""
+
+
+class Metadata:
+    """Typed access to the file's key/value metadata."""
+
+    def __init__(self, reader: gguf.GGUFReader, path: Path) -> None:
+        self._fields = reader.fields
+        self.path = path
+
+    def get(self, key: str, default: Any = None) -> Any:
+        field = self._fields.get(key)
+        if field is None:
+            return default
+        try:
+            value = field.contents()
+        except UnicodeDecodeError as e:
+            raise GGUFImportError(self.path, f"metadata {key!r} is not valid UTF-8 ({e})") from e
+        if field.types == [gguf.GGUFValueType.FLOAT32]:
+            value = float(str(np.float32(value)))  # shortest spelling: 1e-05, not 9.99999974e-06
+        return value
+
+    def require(self, key: str) -> Any:
+        value = self.get(key)
+        if value is None:
+            raise GGUFImportError(self.path, f"metadata {key!r} is missing")
+        return value
+
+    def per_layer(self, key: str, default: Any = None) -> Any:
+        """A value llama.cpp may store once or once per layer; we need it the same for all."""
+        value = self.get(key, default)
+        if isinstance(value, list):
+            if len(set(value)) != 1:
+                raise UnsupportedGGUFError(self.path, f"{key} differs between layers: {value}")
+            value = value[0]
+        return value
+
+
+def token_ids(meta: Metadata) -> dict[str, int]:
+    keys = {
+        "bos_token_id": "bos_token_id",
+        "eos_token_id": "eos_token_id",
+        "unk_token_id": "unknown_token_id",
+        "pad_token_id": "padding_token_id",
+        "eot_token_id": "eot_token_id",
+        "eom_token_id": "eom_token_id",
+    }
+    out = {}
+    for name, key in keys.items():
+        value = meta.get(f"tokenizer.ggml.{key}")
+        if value is not None and int(value) >= 0:
+            out[name] = int(value)
+    return out
+
+
+def write_json(path: Path, value: Any) -> None:
+    path.write_text(json.dumps(value, indent=2, ensure_ascii=False) + "\n", encoding="utf-8")
