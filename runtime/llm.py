@@ -76,14 +76,19 @@ class LLM:
 
     def _run(self, ids: list[str], progress: bool) -> list[RequestOutput]:
         done: dict[str, RequestOutput] = {}
-        start, generated = time.monotonic(), 0
+        start, generated, shown = time.monotonic(), 0, 0.0
         while len(done) < len(ids):
+            if not self.engine.has_unfinished():
+                missing = [i for i in ids if i not in done]
+                raise RuntimeError(f"engine went idle with requests unfinished: {missing[:4]}")
             for out in self.engine.step():
                 generated += sum(len(o.delta_token_ids) for o in out.outputs)
                 if out.finished:
                     done[out.request_id] = out
-            if progress:
-                rate = generated / max(time.monotonic() - start, 1e-9)
+            now = time.monotonic()
+            if progress and (now - shown >= 0.5 or len(done) == len(ids)):
+                shown = now
+                rate = generated / max(now - start, 1e-9)
                 print(
                     f"\r{len(done)}/{len(ids)} requests done, {generated} tokens, {rate:.1f} tok/s",
                     end="",
