@@ -21,6 +21,9 @@ Figures, measured in one process on the same torch threads and dtype:
 - single-request decode: prompt of 32 tokens, 128 output tokens, batch 1. Decode-only rate:
   (128 - 1) tokens / (time to generate 128 - time to generate 1), medians of a few runs.
 
+A 1 s run of the matmul loop before and after each timed phase flags phases during which the
+machine ran at another speed (a shared or throttled host); their figures need a rerun.
+
 Run from the repository root: `python -m bench.throughput [--quick] [--json out.json]`.
 """
 
@@ -38,7 +41,7 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 import torch.nn.functional as F
@@ -76,6 +79,7 @@ TARGET_SINGLE_DECODE = 2.0  # edgeinfer / transformers, batch 1 decode
 
 # Generate token ids for prompts; each prompt generates exactly its output length.
 GenerateFn = Callable[[list[list[int]], list[int]], list[list[int]]]
+T = TypeVar("T")
 
 
 @dataclass(slots=True, frozen=True)
@@ -234,26 +238,57 @@ def make_workload(
 # ---------------------------------------------------------------- roofline
 
 
-def matmul_flops_per_s(shapes: ModelShapes, rows: int, dtype: torch.dtype, seconds: float) -> float:
-    """FLOP/s of `F.linear` over every weight of the model, with `rows` input rows each.
+class MatmulLoop:
+    """`F.linear` over every weight shape of the model: the roofline's bare compute.
 
     Every layer has its own weights, as in the model, so weights stream from memory as they do
     in a forward pass rather than sitting in cache.
     """
-    per_layer = shapes.layer_linears() * shapes.layers + [(shapes.vocab, shapes.hidden)]
-    weights = [torch.randn(o, i, dtype=dtype) * 0.02 for o, i in per_layer]
-    inputs = {i: torch.randn(rows, i, dtype=dtype) for _, i in per_layer}
-    flops_per_pass = 2 * rows * sum(w.numel() for w in weights)
-    with torch.inference_mode():
-        for w in weights:  # warm-up pass
-            F.linear(inputs[w.shape[1]], w)
-        passes, start = 0, time.perf_counter()
-        while passes < 2 or time.perf_counter() - start < seconds:
-            for w in weights:
+
+    def __init__(self, shapes: ModelShapes, dtype: torch.dtype) -> None:
+        per_model = shapes.layer_linears() * shapes.layers + [(shapes.vocab, shapes.hidden)]
+        self.dtype = dtype
+        self.weights = [torch.randn(o, i, dtype=dtype) * 0.02 for o, i in per_model]
+
+    def flops_per_s(self, rows: int, seconds: float) -> float:
+        """FLOP/s over passes through all weights, each with `rows` input rows, for `seconds`."""
+        inputs = {w.shape[1]: torch.randn(rows, w.shape[1], dtype=self.dtype) for w in self.weights}
+        flops_per_pass = 2 * rows * sum(w.numel() for w in self.weights)
+        with torch.inference_mode():
+            for w in self.weights:  # warm-up pass
                 F.linear(inputs[w.shape[1]], w)
-            passes += 1
-        elapsed = time.perf_counter() - start
-    return flops_per_pass * passes / elapsed
+            passes, start = 0, time.perf_counter()
+            while passes < 2 or time.perf_counter() - start < seconds:
+                for w in self.weights:
+                    F.linear(inputs[w.shape[1]], w)
+                passes += 1
+            elapsed = time.perf_counter() - start
+        return flops_per_pass * passes / elapsed
+
+
+class SpeedWatch:
+    """Times a short matmul loop before and after each phase, against the one at the start.
+
+    A shared or throttled machine can slow down for minutes at a time; a phase whose checks
+    moved by more than `tolerance` ran on a different machine than the others.
+    """
+
+    tolerance = 0.15
+    seconds = 1.0
+
+    def __init__(self, loop: MatmulLoop, rows: int, reference: float | None = None) -> None:
+        self.loop, self.rows = loop, rows
+        self.reference = reference or loop.flops_per_s(rows, self.seconds)
+        self.checks: dict[str, tuple[float, float]] = {}  # phase -> (before, after) vs reference
+
+    def around(self, phase: str, fn: Callable[[], T]) -> T:
+        before = self.loop.flops_per_s(self.rows, self.seconds) / self.reference - 1
+        result = fn()
+        after = self.loop.flops_per_s(self.rows, self.seconds) / self.reference - 1
+        self.checks[phase] = (before, after)
+        if max(abs(before), abs(after)) > self.tolerance:
+            log(f"warning: machine speed {before:+.0%} / {after:+.0%} around {phase}")
+        return result
 
 
 # ---------------------------------------------------------------- engines
@@ -388,18 +423,127 @@ def default_model() -> Path:
     return Path(default_model_dir())
 
 
+def measure_roofline(
+    loop: MatmulLoop, shapes: ModelShapes, workload: Workload, args: argparse.Namespace
+) -> dict[str, Any]:
+    rates = {}
+    for rows in sorted({args.roofline_rows, args.prefill_rows}):
+        log(f"roofline: F.linear over the model's weights, M={rows} rows, {args.dtype}")
+        rates[rows] = loop.flops_per_s(rows, args.roofline_seconds)
+    flops = [
+        shapes.request_flops(len(p), m)
+        for p, m in zip(workload.prompts, workload.output_lens, strict=True)
+    ]
+    total = sum(a + b for a, b in flops)
+    return {
+        "flops_per_s": {str(m): r for m, r in rates.items()},
+        "params_per_output_token": shapes.params_per_output_token,
+        "decode_rows": args.roofline_rows,
+        "decode_tokens_per_s": rates[args.roofline_rows] / (2 * shapes.params_per_output_token),
+        "workload_flops": {"prompt": sum(a for a, _ in flops), "decode": sum(b for _, b in flops)},
+        "workload_ceiling_tokens_per_s": sum(workload.output_lens) / (total / max(rates.values())),
+    }
+
+
+def measure_transformers(
+    model_dir: Path, workload: Workload, args: argparse.Namespace, watch: SpeedWatch
+) -> tuple[dict[str, Any], list[list[int]]]:
+    """transformers' figures, and the tokens of its best run (to compare greedy outputs)."""
+    import transformers
+    from transformers import AutoModelForCausalLM
+
+    transformers.logging.set_verbosity_error()
+    log(f"transformers {transformers.__version__}: loading")
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=getattr(torch, args.dtype))
+    model.eval()
+    eos = model.generation_config.eos_token_id
+    pad_id = model.generation_config.pad_token_id
+    if pad_id is None:
+        pad_id = (eos[0] if isinstance(eos, list) else eos) if eos is not None else 0
+    runs: dict[int, Run] = {}
+    for bs in args.hf_batch_sizes:
+        generate = hf_generate_fn(model, bs, pad_id)
+        warm_up(generate, workload)
+        log(f"transformers: workload at batch size {bs}")
+        runs[bs] = watch.around(
+            f"transformers batch {bs}",
+            lambda: timed_run(generate, workload, f"transformers batch {bs}"),  # noqa: B023
+        )
+        log(f"transformers batch {bs}: {runs[bs].tokens_per_s:.1f} output tok/s")
+    best = max(runs, key=lambda b: runs[b].tokens_per_s)
+    log("transformers: single-request decode")
+    single = watch.around(
+        "transformers single request",
+        lambda: single_decode_rate(hf_generate_fn(model, 1, pad_id), workload, args.single_reps),
+    )
+    return {
+        "version": transformers.__version__,
+        "tokens_per_s_by_batch_size": {str(b): r.tokens_per_s for b, r in runs.items()},
+        "seconds_by_batch_size": {str(b): r.seconds for b, r in runs.items()},
+        "best_batch_size": best,
+        "tokens_per_s": runs[best].tokens_per_s,
+        "single_decode_tokens_per_s": single,
+    }, runs[best].token_ids
+
+
+def measure_edgeinfer(
+    model_dir: Path,
+    workload: Workload,
+    args: argparse.Namespace,
+    watch: SpeedWatch,
+    hf_tokens: list[list[int]] | None,
+) -> dict[str, Any] | None:
+    """edgeinfer's figures; None when the engine cannot be imported yet."""
+    engine_args = {
+        k: v
+        for k, v in (
+            ("max_num_seqs", args.max_num_seqs),
+            ("max_num_batched_tokens", args.max_num_batched_tokens),
+            ("kv_cache_bytes", args.kv_cache_bytes),
+        )
+        if v is not None
+    }
+    try:
+        log(f"edgeinfer: loading ({engine_args or 'engine defaults'})")
+        generate, load_s = edgeinfer_generate_fn(model_dir, args.dtype, engine_args)
+    except ImportError as e:
+        log(f"edgeinfer: unavailable ({e}); its rows stay empty")
+        return None
+    warm_up(generate, workload)
+    log("edgeinfer: workload")
+    run = watch.around("edgeinfer", lambda: timed_run(generate, workload, "edgeinfer"))
+    log(f"edgeinfer: {run.tokens_per_s:.1f} output tok/s; single-request decode")
+    single = watch.around(
+        "edgeinfer single request",
+        lambda: single_decode_rate(generate, workload, args.single_reps),
+    )
+    res: dict[str, Any] = {
+        "engine_args": engine_args,
+        "load_seconds": load_s,
+        "seconds": run.seconds,
+        "tokens_per_s": run.tokens_per_s,
+        "single_decode_tokens_per_s": single,
+    }
+    if hf_tokens is not None:  # greedy on the same weights: should mostly agree
+        fr = [common_prefix_fraction(a, b) for a, b in zip(run.token_ids, hf_tokens, strict=True)]
+        res["greedy_agreement"] = {
+            "identical_requests": sum(f == 1.0 for f in fr),
+            "mean_common_prefix_fraction": statistics.fmean(fr),
+        }
+    return res
+
+
 def run(args: argparse.Namespace) -> dict[str, Any]:
     torch.manual_seed(args.seed)
     if args.threads:
         torch.set_num_threads(args.threads)
-    dtype = getattr(torch, args.dtype)
+    parts = set(args.parts.split(","))
+    if unknown := parts - set(PARTS):
+        raise SystemExit(f"--parts: unknown {sorted(unknown)}; choose from {', '.join(PARTS)}")
     model_dir = Path(args.model) if args.model else default_model()
     shapes = ModelShapes.from_model_dir(model_dir)
     spec = QUICK if args.quick else FULL
     workload = make_workload(spec, shapes, model_dir, args.seed, args.prompt_source)
-    parts = set(args.parts.split(","))
-    if unknown := parts - set(PARTS):
-        raise SystemExit(f"--parts: unknown {sorted(unknown)}; choose from {', '.join(PARTS)}")
     res: dict[str, Any] = {
         "date": time.strftime("%Y-%m-%d"),
         "machine": machine(),
@@ -417,115 +561,22 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         },
     }
     log(f"model {model_dir}; {torch.get_num_threads()} threads; {args.dtype}; {workload.note}")
-    if hasattr(os, "getloadavg") and (load := os.getloadavg()[0]) > 0.5:
-        log(f"warning: load average {load:.1f} before the start; other work skews every figure")
 
+    loop = MatmulLoop(shapes, getattr(torch, args.dtype))
+    reference = None
     if "roofline" in parts:
-        rows = sorted({args.roofline_rows, args.prefill_rows})
-        rates = {}
-        for m in rows:
-            log(f"roofline: F.linear over the model's weights, M={m} rows, {args.dtype}")
-            rates[m] = matmul_flops_per_s(shapes, m, dtype, args.roofline_seconds)
-            gc.collect()
-        best = max(rates.values())
-        flops = [
-            shapes.request_flops(len(p), m)
-            for p, m in zip(workload.prompts, workload.output_lens, strict=True)
-        ]
-        total = sum(a + b for a, b in flops)
-        res["roofline"] = {
-            "flops_per_s": {str(m): r for m, r in rates.items()},
-            "params_per_output_token": shapes.params_per_output_token,
-            "decode_tokens_per_s": rates[args.roofline_rows] / (2 * shapes.params_per_output_token),
-            "decode_rows": args.roofline_rows,
-            "workload_flops": {
-                "prompt": sum(a for a, _ in flops),
-                "decode": sum(b for _, b in flops),
-            },
-            "workload_ceiling_tokens_per_s": sum(workload.output_lens) / (total / best),
-        }
-
+        res["roofline"] = measure_roofline(loop, shapes, workload, args)
+        reference = res["roofline"]["flops_per_s"][str(args.roofline_rows)]
+    watch = SpeedWatch(loop, args.roofline_rows, reference)
+    hf_tokens = None
     if "transformers" in parts:
-        import transformers
-        from transformers import AutoModelForCausalLM
-
-        transformers.logging.set_verbosity_error()
-        log(f"transformers {transformers.__version__}: loading")
-        model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype).eval()
-        gen_cfg = model.generation_config
-        eos = gen_cfg.eos_token_id
-        pad_id = gen_cfg.pad_token_id
-        if pad_id is None:
-            pad_id = (eos[0] if isinstance(eos, list) else eos) if eos is not None else 0
-        hf_runs: dict[int, Run] = {}
-        for bs in args.hf_batch_sizes:
-            generate = hf_generate_fn(model, bs, pad_id)
-            warm_up(generate, workload)
-            log(f"transformers: workload at batch size {bs}")
-            hf_runs[bs] = timed_run(generate, workload, f"transformers batch {bs}")
-            log(f"transformers batch {bs}: {hf_runs[bs].tokens_per_s:.1f} output tok/s")
-        best_bs = max(hf_runs, key=lambda b: hf_runs[b].tokens_per_s)
-        log("transformers: single-request decode")
-        res["transformers"] = {
-            "version": transformers.__version__,
-            "tokens_per_s_by_batch_size": {str(b): r.tokens_per_s for b, r in hf_runs.items()},
-            "seconds_by_batch_size": {str(b): r.seconds for b, r in hf_runs.items()},
-            "best_batch_size": best_bs,
-            "tokens_per_s": hf_runs[best_bs].tokens_per_s,
-            "single_decode_tokens_per_s": single_decode_rate(
-                hf_generate_fn(model, 1, pad_id), workload, args.single_reps
-            ),
-        }
-        hf_tokens = hf_runs[best_bs].token_ids
-        del model, hf_runs
+        res["transformers"], hf_tokens = measure_transformers(model_dir, workload, args, watch)
         gc.collect()
-
-    if "edgeinfer" in parts:
-        engine_args = {
-            k: v
-            for k, v in (
-                ("max_num_seqs", args.max_num_seqs),
-                ("max_num_batched_tokens", args.max_num_batched_tokens),
-                ("kv_cache_bytes", args.kv_cache_bytes),
-            )
-            if v is not None
-        }
-        try:
-            log(f"edgeinfer: loading ({engine_args or 'engine defaults'})")
-            generate, load_s = edgeinfer_generate_fn(model_dir, args.dtype, engine_args)
-        except ImportError as e:
-            log(f"edgeinfer: unavailable ({e}); its rows stay empty")
-        else:
-            warm_up(generate, workload)
-            log("edgeinfer: workload")
-            ei = timed_run(generate, workload, "edgeinfer")
-            log(f"edgeinfer: {ei.tokens_per_s:.1f} output tok/s; single-request decode")
-            res["edgeinfer"] = {
-                "engine_args": engine_args,
-                "load_seconds": load_s,
-                "seconds": ei.seconds,
-                "tokens_per_s": ei.tokens_per_s,
-                "single_decode_tokens_per_s": single_decode_rate(
-                    generate, workload, args.single_reps
-                ),
-            }
-            if "transformers" in parts:  # greedy on the same weights: should mostly agree
-                fr = [
-                    common_prefix_fraction(a, b)
-                    for a, b in zip(ei.token_ids, hf_tokens, strict=True)
-                ]
-                res["edgeinfer"]["greedy_agreement"] = {
-                    "identical_requests": sum(f == 1.0 for f in fr),
-                    "mean_common_prefix_fraction": statistics.fmean(fr),
-                }
-            del generate
-            gc.collect()
-
-    if "roofline" in parts:  # the same loop again: did the machine's speed change meanwhile?
-        rows = args.roofline_rows
-        log(f"roofline: M={rows} again, to check the machine's speed held")
-        again = matmul_flops_per_s(shapes, rows, dtype, args.roofline_seconds)
-        res["roofline"]["speed_drift"] = again / res["roofline"]["flops_per_s"][str(rows)] - 1
+    if "edgeinfer" in parts and (
+        ei := measure_edgeinfer(model_dir, workload, args, watch, hf_tokens)
+    ):
+        res["edgeinfer"] = ei
+    res["speed_checks"] = watch.checks
     return res
 
 
@@ -584,10 +635,12 @@ def report(res: dict[str, Any]) -> str:
             f"  workload ceiling ({(w['prompt'] + w['decode']) / 1e12:.2f} TFLOP incl. prompts and "
             f"attention, at the best rate): {rl['workload_ceiling_tokens_per_s']:.1f} output tok/s"
         )
-    if "speed_drift" in rl:
-        drift = rl["speed_drift"]
-        warn = "  WARNING: the machine's speed changed; rerun" if abs(drift) > 0.1 else ""
-        lines.append(f"  same loop at the end of the run: {drift:+.0%}{warn}")
+    if checks := res.get("speed_checks"):
+        lines.append("machine speed before / after each phase (short matmul loop vs the start):")
+        for phase, (before, after) in checks.items():
+            off = max(abs(before), abs(after)) > SpeedWatch.tolerance
+            warn = "  WARNING: the machine's speed changed; rerun" if off else ""
+            lines.append(f"  {phase:<28} {before:+4.0%} / {after:+4.0%}{warn}")
     if ei.get("greedy_agreement"):
         g = ei["greedy_agreement"]
         lines.append(
