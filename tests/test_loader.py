@@ -43,9 +43,9 @@ def test_sharded_checkpoint_equals_single_file(stories_dir: Path, tmp_path: Path
 
 
 def test_missing_folder_and_config(tmp_path: Path) -> None:
-    with pytest.raises(ModelLoadError, match="not a folder"):
+    with pytest.raises(ModelLoadError, match=r"not a folder"):
         load_model(tmp_path / "nope")
-    with pytest.raises(ModelLoadError, match="config.json: missing"):
+    with pytest.raises(ModelLoadError, match=r"config.json: missing"):
         load_model(tmp_path)
 
 
@@ -61,14 +61,14 @@ def test_unsupported_architecture(stories_dir: Path, tmp_path: Path) -> None:
     cfg = json.loads((d / "config.json").read_text())
     cfg["architectures"] = ["GPT2LMHeadModel"]
     (d / "config.json").write_text(json.dumps(cfg))
-    with pytest.raises(ModelLoadError, match="GPT2LMHeadModel.*not supported"):
+    with pytest.raises(ModelLoadError, match=r"GPT2LMHeadModel.*not supported"):
         load_model(d)
 
 
 def test_unsupported_rope_scaling(stories_dir: Path) -> None:
     raw = json.loads((stories_dir / "config.json").read_text())
     raw["rope_scaling"] = {"rope_type": "yarn", "factor": 4.0}
-    with pytest.raises(ModelLoadError, match="yarn"):
+    with pytest.raises(ModelLoadError, match=r"yarn"):
         ModelConfig.from_dict(raw)
 
 
@@ -79,7 +79,7 @@ def test_missing_and_corrupt_weights(stories_dir: Path, tmp_path: Path) -> None:
     with pytest.raises(ModelLoadError, match=r"model\.safetensors: corrupt"):
         load_model(d)
     weights.unlink()
-    with pytest.raises(ModelLoadError, match="no model.safetensors"):
+    with pytest.raises(ModelLoadError, match=r"no model.safetensors"):
         load_model(d)
 
 
@@ -91,7 +91,7 @@ def test_missing_shard_named(stories_dir: Path, tmp_path: Path) -> None:
         "weight_map": {"model.norm.weight": "model-00002-of-00002.safetensors"},
     }
     (d / "model.safetensors.index.json").write_text(json.dumps(index))
-    with pytest.raises(ModelLoadError, match="model-00002-of-00002.safetensors: missing"):
+    with pytest.raises(ModelLoadError, match=r"model-00002-of-00002.safetensors: missing"):
         load_model(d)
 
 
@@ -106,11 +106,11 @@ def test_wrong_shape_and_dtype_named(stories_dir: Path, tmp_path: Path) -> None:
         load_model(d)
     tensors["model.norm.weight"] = torch.ones(64, dtype=torch.int8)
     save_file(tensors, d / "model.safetensors")
-    with pytest.raises(ModelLoadError, match="'model.norm.weight' has dtype torch.int8"):
+    with pytest.raises(ModelLoadError, match=r"'model.norm.weight' has dtype torch.int8"):
         load_model(d)
     del tensors["model.norm.weight"]
     save_file(tensors, d / "model.safetensors")
-    with pytest.raises(ModelLoadError, match="missing from the checkpoint: norm.weight"):
+    with pytest.raises(ModelLoadError, match=r"missing from the checkpoint: norm.weight"):
         load_model(d)
 
 
