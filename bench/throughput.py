@@ -577,6 +577,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     ):
         res["edgeinfer"] = ei
     res["speed_checks"] = watch.checks
+    res["speed_reference_flops_per_s"] = watch.reference
     return res
 
 
@@ -640,7 +641,9 @@ def report(res: dict[str, Any]) -> str:
         for phase, (before, after) in checks.items():
             off = max(abs(before), abs(after)) > SpeedWatch.tolerance
             warn = "  WARNING: the machine's speed changed; rerun" if off else ""
-            lines.append(f"  {phase:<28} {before:+4.0%} / {after:+4.0%}{warn}")
+            ref = res["speed_reference_flops_per_s"] / 1e9  # absolute, to spot a slow start
+            gflops = f"{ref * (1 + before):.0f} / {ref * (1 + after):.0f} GFLOP/s"
+            lines.append(f"  {phase:<28} {before:+4.0%} / {after:+4.0%} ({gflops}){warn}")
     if ei.get("greedy_agreement"):
         g = ei["greedy_agreement"]
         lines.append(
