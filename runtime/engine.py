@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import os
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
@@ -39,7 +39,6 @@ class _Group:
     seqs: list[Request]
     detoks: list[IncrementalDetokenizer]
     outputs: list[CompletionOutput]
-    touched: set[int] = field(default_factory=set)  # indexes changed this step
 
 
 class LLMEngine:
@@ -206,7 +205,6 @@ class LLMEngine:
             delta = detok.append(r.new_token)
             out.delta_text += delta
             out.text += delta
-            group.touched.add(i)
             status = r.finished
             stop_reason: str | int | None = None
             if status is None and detok.stop_matched is not None:
@@ -233,7 +231,6 @@ class LLMEngine:
             out.delta_text += tail
         out.finish_reason = status.value
         out.stop_reason = stop_reason
-        group.touched.add(i)
         self._seq_to_group.pop(group.seqs[i].request_id, None)
 
     def _emit(self, group: _Group) -> RequestOutput:
@@ -258,7 +255,6 @@ class LLMEngine:
         )
         for o in group.outputs:
             o.delta_text, o.delta_token_ids = "", []
-        group.touched.clear()
         if finished:
             self._groups.pop(group.request_id, None)
         return snapshot
