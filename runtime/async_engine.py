@@ -42,36 +42,38 @@ class AsyncLLM:
         self._thread = threading.Thread(target=self._run, name="engine-loop", daemon=True)
         self._thread.start()
 
-    async def generate(
+    def submit(
         self, prompt: Prompt, params: SamplingParams, request_id: str | None = None
-    ) -> AsyncIterator[RequestOutput]:
-        """Queue a request and yield its outputs, one per step that changed it, until finished.
+    ) -> RequestStream:
+        """Validate and queue a request now; read its outputs from the returned stream.
 
-        Raises InvalidRequestError (a ValueError) before yielding anything on bad input, and
-        QueueFullError when the engine's waiting queue is at its bound. Closing the iterator
-        early (a client that went away) aborts the request.
+        Raises InvalidRequestError (a ValueError) on bad input, QueueFullError when the waiting
+        queue is at its bound, EngineDeadError after shutdown: all before anything is queued, so
+        a server can answer with a status code before it starts streaming.
         """
         stream = _Stream(asyncio.get_running_loop(), asyncio.Queue())
         with self._wake:
             if self._stopped:
                 raise EngineDeadError("the engine is shut down")
             rid = request_id or self.engine.next_request_id()
-            self.engine.add_request(rid, prompt, params)
+            prompt_ids = self.engine.add_request(rid, prompt, params)
             self._streams[rid] = stream
             self._wake.notify()
-        finished = False
+        return RequestStream(self, rid, prompt_ids, stream.queue)
+
+    async def generate(
+        self, prompt: Prompt, params: SamplingParams, request_id: str | None = None
+    ) -> AsyncIterator[RequestOutput]:
+        """Queue a request and yield its outputs, one per step that changed it, until finished.
+
+        Closing the iterator early (a client that went away) aborts the request.
+        """
+        stream = self.submit(prompt, params, request_id)
         try:
-            while True:
-                item = await stream.queue.get()
-                if isinstance(item, BaseException):
-                    raise item
-                finished = item.finished
-                yield item
-                if finished:
-                    return
+            async for out in stream:
+                yield out
         finally:
-            if not finished:
-                self.abort(rid)
+            stream.close()
 
     def abort(self, request_id: str) -> bool:
         """Stop a request; returns whether it was still running. Its blocks are freed on return."""
@@ -85,6 +87,11 @@ class AsyncLLM:
     def stats(self) -> dict[str, int]:
         with self._lock:
             return self.engine.stats()
+
+    @property
+    def num_open_streams(self) -> int:
+        """Requests submitted and not yet finished or aborted."""
+        return len(self._streams)
 
     def shutdown(self) -> None:
         with self._wake:
@@ -131,3 +138,39 @@ class AsyncLLM:
     def _fail_all(self, error: Exception) -> None:
         with self._lock:
             self._abort_all_locked(error)
+
+
+class RequestStream:
+    """The outputs of one submitted request, as an async iterator; `close()` aborts it."""
+
+    def __init__(
+        self,
+        llm: AsyncLLM,
+        request_id: str,
+        prompt_token_ids: list[int],
+        queue: asyncio.Queue[RequestOutput | BaseException],
+    ) -> None:
+        self.request_id = request_id
+        self.prompt_token_ids = prompt_token_ids  # the prompt as tokenized
+        self._llm = llm
+        self._queue = queue
+        self.finished = False
+
+    def __aiter__(self) -> RequestStream:
+        return self
+
+    async def __anext__(self) -> RequestOutput:
+        if self.finished:
+            raise StopAsyncIteration
+        item = await self._queue.get()
+        if isinstance(item, BaseException):
+            self.finished = True
+            raise item
+        self.finished = item.finished
+        return item
+
+    def close(self) -> None:
+        """Abort the request unless it already finished; its KV blocks are free on return."""
+        if not self.finished:
+            self.finished = True
+            self._llm.abort(self.request_id)

@@ -1,4 +1,4 @@
-"""The `edgeinfer` command line: generate, chat, import-gguf.
+"""The `edgeinfer` command line: generate, chat, import-gguf; worker, gateway, up (service_cli).
 
 Environment variables are read here only: EDGEINFER_CACHE (where imported models live).
 """
@@ -170,6 +170,10 @@ def build_parser() -> argparse.ArgumentParser:
     i.add_argument("out_dir")
     i.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     i.set_defaults(func=cmd_import_gguf)
+
+    from runtime.service_cli import add_service_commands
+
+    add_service_commands(sub, _engine_args)
     return parser
 
 

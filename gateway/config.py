@@ -1,0 +1,38 @@
+"""Gateway settings, checked once at start."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+from gateway.regions import DEFAULT_CATALOG
+
+
+@dataclass(slots=True)
+class GatewayConfig:
+    region: str  # this gateway's region (must be in the catalog)
+    redis_url: str  # the cluster state: registry, session placement
+    worker_secret: str  # shared secret of the workers' internal API
+    host: str = "127.0.0.1"  # interface to bind
+    port: int = 8080  # port to bind
+    api_keys: frozenset[str] = frozenset()  # accepted bearer tokens; empty = open
+    catalog_path: Path = DEFAULT_CATALOG  # the region catalog (infra/regions.yaml)
+    max_body_bytes: int = 1 << 20  # largest request body (413 above it)
+    registry_refresh_s: float = 0.5  # how often the worker list is re-read from Redis
+    session_ttl_s: float = 1800.0  # a session placement expires after this long unused
+    connect_timeout_s: float = 2.0  # to open a connection to a worker
+    worker_idle_timeout_s: float = 300.0  # longest silence on a worker's stream before failing it
+    max_attempts: int = 3  # workers tried per request before giving up (only before first byte)
+    retry_after_s: float = 1.0  # Retry-After for 429/503
+
+    def __post_init__(self) -> None:
+        if not self.worker_secret:
+            raise ValueError("the workers' shared secret is required (--secret / EDGEINFER_SECRET)")
+        if self.max_body_bytes < 1024:
+            raise ValueError(f"max_body_bytes must be at least 1024, got {self.max_body_bytes}")
+        if self.registry_refresh_s <= 0 or self.session_ttl_s <= 0:
+            raise ValueError("registry_refresh_s and session_ttl_s must be positive")
+        if self.max_attempts < 1:
+            raise ValueError(f"max_attempts must be at least 1, got {self.max_attempts}")
+        if any(not k for k in self.api_keys):
+            raise ValueError("api keys must be non-empty strings")

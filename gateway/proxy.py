@@ -1,0 +1,331 @@
+"""A completion request's life in the gateway, as named phases over one context object.
+
+    validate -> resolve model -> route -> forward -> stream -> record
+
+`forward` may try several workers (`max_attempts`), but only while nothing has gone to the
+client: a streamed request commits to its worker when the first token arrives (the prefill is
+still retryable), a non-streamed one when its whole answer has arrived. After that, a worker
+failure ends the stream with an error event. A client that goes away closes the connection to
+the worker and sends it an abort, so the worker frees the request's KV blocks at once.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+import uuid
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import aiohttp
+import orjson
+from aiohttp import web
+
+from gateway.cluster import ClusterView
+from gateway.errors import APIError, at_capacity, bad_gateway, invalid, model_not_found, unavailable
+from gateway.openai_api import SSE_DONE, RequestOptions, ResponseAssembler, error_chunk, sse
+from kvstore.placement import Placement
+from kvstore.protocol import SECRET_HEADER, GenerateRequest, WorkerInfo, decode_event
+
+log = logging.getLogger("edgeinfer.gateway")
+
+SESSION_HEADER = "x-session-affinity"
+MAX_SESSION_ID = 256
+Parser = Callable[..., tuple[GenerateRequest, RequestOptions]]
+
+
+class WorkerFailed(Exception):
+    """A worker could not finish its part: unreachable, refused (retryable status), or cut off."""
+
+    def __init__(self, worker: WorkerInfo, error: APIError, dead: bool) -> None:
+        super().__init__(error.message)
+        self.worker = worker
+        self.error = error  # what the client gets if no other worker can take the request
+        self.dead = dead  # the worker itself is unreachable (set it aside), not just busy
+
+
+@dataclass(slots=True)
+class Call:
+    """Per-request context carried through the phases."""
+
+    request_id: str  # our id, sent to the worker and returned as x-request-id
+    session_id: str | None  # the x-session-affinity header
+    started: float  # monotonic arrival time
+    gen: GenerateRequest | None = None  # the validated request, as the worker gets it
+    options: RequestOptions | None = None  # what the response needs
+    placement: Placement | None = None  # the session's placement before this request
+    worker: WorkerInfo | None = None  # the worker that serves it
+    route_reason: str = ""  # why that worker (session | local | remote)
+    cost: int = 0  # estimated tokens, counted against the worker while in flight
+    tried: set[str] = field(default_factory=set)  # workers that failed this request
+
+
+class Proxy:
+    def __init__(self, view: ClusterView, http: aiohttp.ClientSession) -> None:
+        self.view = view
+        self.http = http
+        self.config = view.config
+        self._background: set[asyncio.Task[Any]] = set()
+
+    # ------------------------------------------------------------------ phases
+    async def handle(self, request: web.Request, parse: Parser) -> web.StreamResponse:
+        call = Call(uuid.uuid4().hex, _session_id(request), time.monotonic())
+        body = await _read_json(request)
+        call.gen, call.options = parse(body, call.request_id, call.session_id)  # validate
+        self.resolve_model(call)
+        if call.session_id is not None:
+            call.placement = await self.view.placement(call.session_id)
+        events, head = await self.forward(call)  # route + forward, with retries
+        assert call.worker is not None
+        if call.session_id is not None:  # record: off the hot path
+            self._spawn(self.view.record(call.session_id, call.placement, call.worker))
+        try:
+            return await self.respond(request, call, events, head)
+        finally:
+            self.view.router.done(call.worker.worker_id, call.cost)
+
+    def resolve_model(self, call: Call) -> None:
+        assert call.gen is not None
+        if call.gen.model not in self.view.seen_models:
+            raise model_not_found(call.gen.model)
+
+    async def forward(
+        self, call: Call
+    ) -> tuple[AsyncIterator[dict[str, Any]], list[dict[str, Any]]]:
+        """Pick a worker and read until the request is committed to it; retry elsewhere on failure.
+
+        Returns the worker's remaining event stream and the events already read (`head`).
+        """
+        assert call.gen is not None and call.options is not None
+        last: APIError | None = None
+        for _ in range(self.config.max_attempts):
+            worker = self.route(call, last)
+            call.worker, call.cost = worker, _cost(call.gen)
+            self.view.router.sent(worker.worker_id, call.cost)
+            events = self.worker_events(worker, call.gen)
+            head: list[dict[str, Any]] = []
+            try:
+                async for event in events:
+                    head.append(event)
+                    if event["type"] == "error":
+                        raise WorkerFailed(worker, _event_error(event), dead=False)
+                    if event["type"] == "done" or (
+                        call.options.stream and event["type"] == "delta"
+                    ):
+                        return events, head
+                raise WorkerFailed(worker, bad_gateway("worker stream ended early"), dead=True)
+            except WorkerFailed as e:
+                await events.aclose()
+                self.view.router.done(worker.worker_id, call.cost)
+                if e.dead:
+                    self.view.mark_failed(worker.worker_id)
+                call.tried.add(worker.worker_id)
+                last = e.error
+                log.warning(
+                    "request %s: worker %s failed: %s", call.request_id, worker.worker_id, e
+                )
+            except BaseException:  # a refusal to relay (400/404), or the client went away
+                await events.aclose()
+                self.view.router.done(worker.worker_id, call.cost)
+                raise
+        assert last is not None
+        raise last
+
+    def route(self, call: Call, last: APIError | None) -> WorkerInfo:
+        assert call.gen is not None
+        route = self.view.router.route(
+            call.gen.model, self.view.live_workers(), call.placement, frozenset(call.tried)
+        )
+        if route.candidates:
+            call.route_reason = route.reason
+            return route.candidates[0]
+        if last is not None:  # every worker tried failed: say why the last one did
+            raise last
+        retry = self.config.retry_after_s
+        if route.reason == "at_capacity":
+            raise at_capacity(retry, f"all workers for model {call.gen.model!r} are at capacity")
+        raise unavailable(
+            f"no worker is serving model {call.gen.model!r} right now", retry, "no_workers"
+        )
+
+    async def worker_events(
+        self, worker: WorkerInfo, gen: GenerateRequest
+    ) -> AsyncIterator[dict[str, Any]]:
+        """The worker's event stream; any failure becomes WorkerFailed. Closing it hangs up."""
+        timeout = aiohttp.ClientTimeout(
+            total=None,
+            sock_connect=self.config.connect_timeout_s,
+            sock_read=self.config.worker_idle_timeout_s,
+        )
+        headers = {SECRET_HEADER: self.config.worker_secret, "Content-Type": "application/json"}
+        url = f"{worker.url}/internal/generate"
+        finished = False
+        try:
+            async with self.http.post(
+                url, data=gen.to_json(), headers=headers, timeout=timeout
+            ) as resp:
+                if resp.status != 200:
+                    raise WorkerFailed(worker, await _refusal(resp), dead=False)
+                async for line in resp.content:
+                    event = decode_event(line)
+                    finished = event["type"] in ("done", "error")
+                    yield event
+                    if finished:
+                        return
+        except (aiohttp.ClientError, TimeoutError, ValueError) as e:
+            raise WorkerFailed(
+                worker,
+                unavailable(f"worker {worker.worker_id} failed: {e!r}", code="worker_failed"),
+                dead=True,
+            ) from e
+        except (GeneratorExit, asyncio.CancelledError):
+            if not finished:  # the client went away: make sure the worker stops computing
+                self._spawn(self.abort(worker, gen.request_id))
+            raise
+
+    async def abort(self, worker: WorkerInfo, request_id: str) -> None:
+        try:
+            async with self.http.post(
+                f"{worker.url}/internal/abort",
+                data=orjson.dumps({"request_id": request_id}),
+                headers={SECRET_HEADER: self.config.worker_secret},
+                timeout=aiohttp.ClientTimeout(total=5),
+            ) as resp:
+                await resp.read()
+        except (aiohttp.ClientError, TimeoutError):
+            pass  # the worker is gone; its blocks went with it
+
+    async def respond(
+        self,
+        request: web.Request,
+        call: Call,
+        events: AsyncIterator[dict[str, Any]],
+        head: list[dict[str, Any]],
+    ) -> web.StreamResponse:
+        assert call.options is not None and call.worker is not None
+        assembler = ResponseAssembler(call.options, call.request_id, int(time.time()))
+        headers = {
+            "x-request-id": call.request_id,
+            "x-edgeinfer-worker": call.worker.worker_id,
+            "x-edgeinfer-region": call.worker.region,
+            "x-edgeinfer-route": call.route_reason,
+        }
+        if not call.options.stream:
+            for event in head:
+                assembler.on_event(event)
+            return web.Response(
+                body=orjson.dumps(assembler.final()),
+                content_type="application/json",
+                headers=headers,
+            )
+        resp = web.StreamResponse(
+            headers=headers
+            | {
+                "Content-Type": "text/event-stream",
+                "Cache-Control": "no-cache",
+                "X-Accel-Buffering": "no",
+            }
+        )
+        await resp.prepare(request)
+        try:
+            saw_done = False
+            for event in head:
+                await _write(resp, assembler.on_event(event))
+            async for event in events:
+                if event["type"] == "error":
+                    await resp.write(sse(error_chunk(event.get("message", "worker error"))))
+                    saw_done = True
+                    break
+                saw_done = event["type"] == "done"
+                await _write(resp, assembler.on_event(event))
+            if not saw_done and head[-1]["type"] != "done":
+                raise WorkerFailed(call.worker, bad_gateway("worker stream ended early"), dead=True)
+        except WorkerFailed as e:
+            if e.dead:
+                self.view.mark_failed(call.worker.worker_id)
+            log.warning("request %s: worker failed mid-stream: %s", call.request_id, e)
+            await _send_quietly(resp, sse(error_chunk(e.error.message)))
+        except ConnectionError:  # the client went away; closing `events` aborts on the worker
+            return resp
+        finally:
+            await events.aclose()  # type: ignore[attr-defined]
+        await _send_quietly(resp, SSE_DONE)
+        return resp
+
+    def _spawn(self, coro: Any) -> None:
+        task = asyncio.ensure_future(coro)
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
+
+    async def close(self) -> None:
+        if self._background:
+            await asyncio.wait(self._background, timeout=5)
+
+
+# ---------------------------------------------------------------------- helpers
+def _session_id(request: web.Request) -> str | None:
+    value = request.headers.get(SESSION_HEADER)
+    if value is None:
+        return None
+    value = value.strip()
+    if not value or len(value) > MAX_SESSION_ID or "{" in value or "}" in value:
+        raise invalid(
+            SESSION_HEADER,
+            f"{SESSION_HEADER} must be 1-{MAX_SESSION_ID} characters without braces",
+        )
+    return value
+
+
+async def _read_json(request: web.Request) -> object:
+    try:
+        raw = await request.read()  # aiohttp enforces client_max_size (413) while reading
+    except web.HTTPRequestEntityTooLarge:
+        raise
+    try:
+        return orjson.loads(raw)
+    except orjson.JSONDecodeError as e:
+        raise invalid(None, f"the request body is not valid JSON: {e}", "invalid_json") from e
+
+
+def _cost(gen: GenerateRequest) -> int:
+    """Rough token count of the request (no tokenizer here): ~4 bytes of text per token."""
+    if isinstance(gen.prompt, list):
+        prompt = len(gen.prompt)
+    elif isinstance(gen.prompt, str):
+        prompt = len(gen.prompt) // 4
+    else:
+        prompt = sum(len(str(m.get("content") or "")) for m in gen.messages or []) // 4
+    out = gen.sampling.get("max_tokens") or 256
+    return (prompt + int(out)) * int(gen.sampling.get("n", 1))
+
+
+async def _refusal(resp: aiohttp.ClientResponse) -> APIError:
+    try:
+        body: object = orjson.loads(await resp.read())
+    except (orjson.JSONDecodeError, aiohttp.ClientError):
+        body = None
+    err = APIError.from_body(resp.status, body)
+    if resp.status in (429, 503):
+        err.retry_after = float(resp.headers.get("Retry-After", "1") or 1)
+    if not err.retryable:
+        raise err  # the request itself is bad (400/404): no other worker will take it either
+    return err
+
+
+def _event_error(event: dict[str, Any]) -> APIError:
+    return unavailable(f"worker failed the request: {event.get('message')}", code=event.get("code"))
+
+
+async def _send_quietly(resp: web.StreamResponse, data: bytes) -> None:
+    try:
+        await resp.write(data)
+        await resp.write_eof()
+    except ConnectionError:
+        pass
+
+
+async def _write(resp: web.StreamResponse, chunks: list[dict[str, Any]]) -> None:
+    if chunks:
+        await resp.write(b"".join(sse(c) for c in chunks))

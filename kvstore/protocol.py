@@ -1,0 +1,172 @@
+"""Messages that cross a process boundary: gateway -> worker, worker -> Redis registry.
+
+Plain dataclasses, serialized with orjson, importable without torch (the gateway never imports
+torch). The worker's internal HTTP API (see runtime/worker.py):
+
+    POST /internal/generate   body: GenerateRequest        -> NDJSON stream of events below
+    POST /internal/abort      body: {"request_id": str}    -> {"aborted": bool}
+    GET  /internal/health                                  -> {"status": "ok" | "draining"}
+    GET  /internal/stats                                   -> WorkerInfo as JSON (live load)
+
+Every internal call carries the shared secret in the `x-edgeinfer-secret` header.
+
+A generate stream is one JSON object per line:
+
+    {"type": "start", ...StartEvent}          once, after the request was accepted
+    {"type": "delta", ...DeltaEvent}          per step that produced tokens, per completion
+    {"type": "done",  ...DoneEvent}           once, last line, with the usage counts
+    {"type": "error", ...ErrorEvent}          instead of "done" when the request failed mid-way
+
+A request the worker refuses never starts a stream: it gets a 4xx/5xx JSON body
+{"error": {"message", "type", "param", "code"}} in the OpenAI shape, which the gateway relays.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+import orjson
+
+SECRET_HEADER = "x-edgeinfer-secret"
+Role = Literal["prefill", "decode", "mixed"]
+
+
+@dataclass(slots=True)
+class GenerateRequest:
+    """One generation request, as the gateway forwards it to a worker."""
+
+    request_id: str  # unique per request; the handle for abort
+    model: str  # served model name; the worker refuses a model it does not serve
+    prompt: str | list[int] | None = None  # completions: text or token ids
+    messages: list[dict[str, Any]] | None = None  # chat: rendered by the worker's chat template
+    sampling: dict[str, Any] = field(default_factory=dict)  # runtime.SamplingParams fields
+    session_id: str | None = None  # the x-session-affinity id, if any (logs, cache hints)
+
+    def to_json(self) -> bytes:
+        return orjson.dumps(dataclasses.asdict(self))
+
+    @classmethod
+    def from_dict(cls, raw: dict[str, Any]) -> GenerateRequest:
+        names = {f.name for f in dataclasses.fields(cls)}
+        unknown = set(raw) - names
+        if unknown:
+            raise ValueError(f"unknown fields {sorted(unknown)}")
+        return cls(**raw)
+
+
+@dataclass(slots=True)
+class StartEvent:
+    """The worker accepted the request and queued it."""
+
+    request_id: str  # echoed back
+    worker_id: str  # which worker serves it
+    prompt_tokens: int  # the prompt's length in tokens (after the chat template)
+    type: str = "start"
+
+
+@dataclass(slots=True)
+class TokenLogprob:
+    """Log-probability of one generated token, with the top alternatives (OpenAI shape)."""
+
+    token: str  # the token's text
+    logprob: float  # its log-probability
+    bytes: list[int]  # its UTF-8 bytes (a token may hold part of a character)
+    top_logprobs: list[dict[str, Any]]  # [{"token", "logprob", "bytes"}], best first
+
+
+@dataclass(slots=True)
+class DeltaEvent:
+    """New output of one completion (of the request's n) since the previous event."""
+
+    index: int  # which completion
+    text: str  # new text (never a broken UTF-8 character)
+    token_ids: list[int]  # new tokens
+    logprobs: list[TokenLogprob] | None = None  # one per new token, when asked for
+    finish_reason: str | None = None  # "stop" | "length" | "abort" once this completion ended
+    stop_reason: str | int | None = None  # the stop string or token that ended it
+    type: str = "delta"
+
+
+@dataclass(slots=True)
+class DoneEvent:
+    """The request finished; usage counts for the response."""
+
+    prompt_tokens: int  # prompt length in tokens
+    completion_tokens: int  # generated tokens over all n completions
+    cached_tokens: int = 0  # prompt tokens served from the prefix cache
+    type: str = "done"
+
+
+@dataclass(slots=True)
+class ErrorEvent:
+    """The request failed after its stream started (engine failure, shutdown)."""
+
+    message: str  # what went wrong
+    code: str = "internal_error"  # machine-readable kind
+    type: str = "error"
+
+
+Event = StartEvent | DeltaEvent | DoneEvent | ErrorEvent
+
+
+def encode_event(event: Event) -> bytes:
+    """One NDJSON line."""
+    return orjson.dumps(dataclasses.asdict(event)) + b"\n"
+
+
+def decode_event(line: bytes) -> dict[str, Any]:
+    """Parse one NDJSON line into a plain dict (the gateway reads fields, not classes)."""
+    obj = orjson.loads(line)
+    if not isinstance(obj, dict) or "type" not in obj:
+        raise ValueError(f"not an event: {line[:80]!r}")
+    return obj
+
+
+@dataclass(slots=True)
+class WorkerInfo:
+    """A worker as the registry holds it (Redis hash `ei:w:{<worker_id>}`) and /internal/stats."""
+
+    worker_id: str  # unique, stable for the process's life
+    region: str  # region name from the catalog (infra/regions.yaml)
+    model: str  # served model name
+    role: Role  # prefill | decode | mixed
+    url: str  # internal base URL, e.g. http://10.0.0.5:9001
+    max_num_seqs: int  # requests it runs at once
+    capacity_tokens: int  # KV-cache capacity in tokens
+    running: int = 0  # requests running now
+    waiting: int = 0  # requests queued
+    load_tokens: int = 0  # tokens of running + waiting requests still to compute
+    free_kv_blocks: int = 0  # free KV blocks
+    total_kv_blocks: int = 0  # all KV blocks
+    draining: bool = False  # refusing new requests (SIGTERM received)
+    started_at: float = 0.0  # unix time the worker started
+    updated_at: float = 0.0  # unix time of the last heartbeat
+
+    @property
+    def overloaded(self) -> bool:
+        """Every running slot is taken and requests are already queued behind them."""
+        return self.draining or (self.running >= self.max_num_seqs and self.waiting > 0)
+
+    def to_redis(self) -> dict[str, str]:
+        return {k: orjson.dumps(v).decode() for k, v in dataclasses.asdict(self).items()}
+
+    @classmethod
+    def from_redis(cls, raw: dict[bytes, bytes] | dict[str, str]) -> WorkerInfo:
+        names = {f.name for f in dataclasses.fields(cls)}
+        values: dict[str, Any] = {}
+        for k, v in raw.items():
+            key = k.decode() if isinstance(k, bytes) else k
+            if key in names:
+                values[key] = orjson.loads(v)
+        return cls(**values)
+
+    def to_json(self) -> bytes:
+        return orjson.dumps(dataclasses.asdict(self))
+
+    @classmethod
+    def from_json(cls, data: bytes | dict[str, Any]) -> WorkerInfo:
+        raw = orjson.loads(data) if isinstance(data, bytes) else data
+        names = {f.name for f in dataclasses.fields(cls)}
+        return cls(**{k: v for k, v in raw.items() if k in names})

@@ -1,0 +1,140 @@
+"""A throwaway local `redis-server` for `edgeinfer up` and the test suite.
+
+It binds 127.0.0.1 on a free port, keeps nothing on disk (no RDB, no AOF; its working folder is a
+temporary directory), and can be stopped and started again on the same port, which is how tests
+check that clients recover from a Redis restart. The server is a child process: `stop()` (or
+leaving the `with` block, or the interpreter exiting) ends it.
+"""
+
+from __future__ import annotations
+
+import shutil
+import signal
+import socket
+import subprocess
+import tempfile
+import time
+import weakref
+from pathlib import Path
+from types import TracebackType
+
+START_TIMEOUT_S = 10.0  # how long start() waits for the first PONG
+STOP_TIMEOUT_S = 5.0  # how long stop() waits after SIGTERM before SIGKILL
+
+
+def find_free_port() -> int:
+    """A TCP port on 127.0.0.1 that nothing listens on right now (the OS picks it)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _ping(port: int) -> bool:
+    """True when a Redis on `port` answers PING."""
+    try:
+        with socket.create_connection(("127.0.0.1", port), timeout=0.5) as s:
+            s.sendall(b"PING\r\n")
+            return s.recv(64).startswith(b"+PONG")
+    except OSError:
+        return False
+
+
+def _terminate(proc: subprocess.Popen[bytes]) -> None:
+    """SIGTERM, then SIGKILL if it has not exited in STOP_TIMEOUT_S; always reaps it."""
+    if proc.poll() is not None:
+        return
+    proc.send_signal(signal.SIGTERM)
+    try:
+        proc.wait(timeout=STOP_TIMEOUT_S)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
+
+
+class LocalRedis:
+    """One local redis-server child process; see the module docstring."""
+
+    def __init__(self, port: int | None = None, executable: str = "redis-server") -> None:
+        found = shutil.which(executable)
+        if found is None:
+            raise RuntimeError(
+                f"{executable!r} is not on PATH: run `make setup` or `apt-get install redis-server`"
+            )
+        self.executable = found  # absolute path of redis-server
+        self.port = port if port is not None else find_free_port()  # kept across restarts
+        self._proc: subprocess.Popen[bytes] | None = None
+        self._dir: tempfile.TemporaryDirectory[str] | None = None  # working folder and log
+        self._finalizer: weakref.finalize[[subprocess.Popen[bytes]], LocalRedis] | None = None
+
+    @property
+    def url(self) -> str:
+        """redis://127.0.0.1:<port>/0"""
+        return f"redis://127.0.0.1:{self.port}/0"
+
+    @property
+    def running(self) -> bool:
+        """True while the child process is alive."""
+        return self._proc is not None and self._proc.poll() is None
+
+    def start(self) -> LocalRedis:
+        """Start the server on `self.port` (the same port after a stop) and wait for PONG."""
+        if self.running:
+            return self
+        self.stop()  # a server that died by itself leaves its folder behind
+        self._dir = tempfile.TemporaryDirectory(prefix="edgeinfer-redis-")
+        log = Path(self._dir.name) / "redis.log"
+        cmd = [
+            self.executable,
+            "--port", str(self.port),
+            "--bind", "127.0.0.1",
+            "--save", "",
+            "--appendonly", "no",
+            "--dir", self._dir.name,
+            "--logfile", str(log),
+            "--daemonize", "no",
+        ]  # fmt: skip
+        self._proc = subprocess.Popen(
+            cmd, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT
+        )
+        self._finalizer = weakref.finalize(self, _terminate, self._proc)
+        deadline = time.monotonic() + START_TIMEOUT_S
+        while not _ping(self.port):
+            exited = self._proc.poll()
+            if exited is not None or time.monotonic() > deadline:
+                why = f"exited with code {exited}" if exited is not None else "did not answer PING"
+                tail = self._log_tail(log)
+                self.stop()
+                raise RuntimeError(
+                    f"redis-server on port {self.port} {why} within {START_TIMEOUT_S:.0f} s; "
+                    f"log tail:\n{tail}"
+                )
+            time.sleep(0.02)
+        return self
+
+    def stop(self) -> None:
+        """Stop the server (SIGTERM, then SIGKILL) and delete its working folder. Idempotent."""
+        if self._finalizer is not None:
+            self._finalizer()  # runs _terminate once, and no more at interpreter exit
+            self._finalizer = None
+        self._proc = None
+        if self._dir is not None:
+            self._dir.cleanup()
+            self._dir = None
+
+    @staticmethod
+    def _log_tail(log: Path, lines: int = 20) -> str:
+        try:
+            return "\n".join(log.read_text(errors="replace").splitlines()[-lines:]) or "(empty)"
+        except OSError as e:
+            return f"(no log: {e})"
+
+    def __enter__(self) -> LocalRedis:
+        return self.start()
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.stop()

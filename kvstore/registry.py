@@ -1,0 +1,123 @@
+"""The worker registry: which workers are alive, what they serve, and how loaded they are.
+
+A worker writes its WorkerInfo into `ei:w:{<id>}` with a TTL and adds its id to its model's set
+`ei:m:{<model>}:workers`; it repeats that (the heartbeat) well within the TTL. A worker that
+stops heartbeating (crash, partition, SIGKILL) disappears when its hash expires: readers skip
+ids whose hash is gone and remove them from the set, so sets never need a sweeper process.
+
+The keys live in different Cluster slots, so writes go through non-transactional pipelines (one
+round trip, no MULTI). Races between a reader's pruning and a heartbeat heal themselves: every
+heartbeat re-adds the id to the set.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterable
+
+import orjson
+from redis.asyncio import Redis
+
+from kvstore.keys import MODELS_KEY, check_id, model_workers_key, worker_key
+from kvstore.protocol import WorkerInfo
+
+log = logging.getLogger(__name__)
+
+
+def _text(value: bytes | str) -> str:
+    """A set member or key as str, whether or not the client decodes responses."""
+    return value.decode() if isinstance(value, bytes) else value
+
+
+class Registry:
+    """Register, heartbeat, deregister and list workers; see the module docstring."""
+
+    def __init__(self, redis: Redis, ttl_s: float = 10.0) -> None:
+        if ttl_s < 0.001:
+            raise ValueError(f"ttl_s must be at least 0.001 s, got {ttl_s}")
+        self.redis = redis  # the process's shared client (kvstore.client.connect)
+        self.ttl_s = ttl_s  # a worker not heard from for this long is gone
+
+    async def register(self, info: WorkerInfo) -> None:
+        """Announce a worker; the same write as a heartbeat (a restart re-registers)."""
+        await self.heartbeat(info)
+
+    async def heartbeat(self, info: WorkerInfo) -> None:
+        """Write the worker's current state and push its expiry `ttl_s` into the future.
+
+        The caller sets `info.updated_at`; the registry stores the info as given.
+        """
+        key = worker_key(info.worker_id)
+        pipe = self.redis.pipeline(transaction=False)
+        # HSET and PEXPIRE go out in one write, so Redis runs both; the hash always carries a TTL.
+        pipe.hset(key, mapping=info.to_redis())  # type: ignore[arg-type]
+        pipe.pexpire(key, max(1, round(self.ttl_s * 1000)))
+        pipe.sadd(model_workers_key(info.model), info.worker_id)
+        pipe.sadd(MODELS_KEY, info.model)
+        await pipe.execute()
+
+    async def deregister(self, worker_id: str, model: str) -> None:
+        """Remove a worker at once (clean shutdown), instead of waiting for its TTL."""
+        pipe = self.redis.pipeline(transaction=False)
+        pipe.delete(worker_key(worker_id))
+        pipe.srem(model_workers_key(model), worker_id)
+        await pipe.execute()
+
+    async def workers(self, model: str | None = None) -> list[WorkerInfo]:
+        """Live workers serving `model` (every model when None), ordered by worker id.
+
+        Ids whose hash has expired, or whose hash now says another model, leave the set.
+        """
+        if model is not None:
+            models = [check_id(model, "model")]
+        else:
+            models = sorted(_text(m) for m in await self.redis.smembers(MODELS_KEY))
+        if not models:
+            return []
+        pipe = self.redis.pipeline(transaction=False)
+        for m in models:
+            pipe.smembers(model_workers_key(m))
+        member_sets: list[set[bytes | str]] = await pipe.execute()
+        pairs = [(m, _text(wid)) for m, ids in zip(models, member_sets, strict=True) for wid in ids]
+        if not pairs:
+            return []
+        pipe = self.redis.pipeline(transaction=False)
+        for _, wid in pairs:
+            pipe.hgetall(worker_key(wid))
+        hashes: list[dict[bytes | str, bytes | str]] = await pipe.execute()
+        found: dict[str, WorkerInfo] = {}
+        stale: list[tuple[str, str]] = []
+        for (m, wid), raw in zip(pairs, hashes, strict=True):
+            if not raw:  # the hash expired: the worker stopped heartbeating
+                stale.append((m, wid))
+                continue
+            info = self._parse(wid, raw)
+            if info is None:  # garbled: skipped, and left to expire on its own TTL
+                continue
+            if info.model != m:  # the id re-registered under another model
+                stale.append((m, wid))
+                continue
+            found[wid] = info
+        await self._prune(stale)
+        return [found[wid] for wid in sorted(found)]
+
+    async def models(self) -> list[str]:
+        """Names of the models with at least one live worker, sorted."""
+        return sorted({w.model for w in await self.workers()})
+
+    @staticmethod
+    def _parse(worker_id: str, raw: dict[bytes | str, bytes | str]) -> WorkerInfo | None:
+        """WorkerInfo from a hash, or None (logged) when the hash is incomplete or garbled."""
+        try:
+            return WorkerInfo.from_redis(raw)  # type: ignore[arg-type]
+        except (TypeError, ValueError, orjson.JSONDecodeError) as e:
+            log.warning("skipping worker %s: unreadable registry hash: %s", worker_id, e)
+            return None
+
+    async def _prune(self, stale: Iterable[tuple[str, str]]) -> None:
+        """Remove (model, worker id) pairs from their model sets."""
+        pipe = self.redis.pipeline(transaction=False)
+        for m, wid in stale:
+            pipe.srem(model_workers_key(m), wid)
+        if len(pipe):
+            await pipe.execute()

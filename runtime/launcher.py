@@ -1,0 +1,142 @@
+"""`edgeinfer up`: the single-node stack (Redis, worker(s), gateway) as child processes.
+
+Starts a throwaway Redis on a free local port unless one is configured, imports the default
+model on first use (in this process, so its progress shows), starts the workers and the gateway
+with a fresh shared secret, waits until the gateway is ready, prints the URL and a curl to paste,
+and on Ctrl-C (or when any child dies) stops the gateway, drains the workers, then stops Redis.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import secrets
+import signal
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+READY_TIMEOUT_S = 600.0  # a cold model load on a slow disk can take minutes
+STOP_TIMEOUT_S = 40.0  # workers drain in-flight requests (30 s) before they exit
+
+
+def _engine_flags(args: argparse.Namespace) -> list[str]:
+    flags = ["--dtype", args.dtype, "--kv-cache-fraction", str(args.kv_cache_fraction)]
+    for flag, value in (
+        ("--kv-cache-bytes", args.kv_cache_bytes),
+        ("--max-num-seqs", args.max_num_seqs),
+        ("--max-num-batched-tokens", args.max_num_batched_tokens),
+        ("--max-model-len", args.max_model_len),
+        ("--threads", args.threads),
+    ):
+        if value is not None:
+            flags += [flag, str(value)]
+    return flags
+
+
+def _wait_ready(url: str, procs: list[subprocess.Popen[bytes]], timeout_s: float) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        for p in procs:
+            if p.poll() is not None:
+                raise RuntimeError(f"{' '.join(p.args[3:5])} exited with code {p.returncode}")  # type: ignore[index]
+        try:
+            with urllib.request.urlopen(url, timeout=2) as resp:
+                if resp.status == 200:
+                    return
+        except (urllib.error.URLError, OSError):
+            pass
+        time.sleep(0.25)
+    raise RuntimeError(f"not ready after {timeout_s:.0f}s: {url}")
+
+
+def _stop(procs: list[subprocess.Popen[bytes]]) -> None:
+    for p in procs:
+        if p.poll() is None:
+            p.send_signal(signal.SIGTERM)
+    deadline = time.monotonic() + STOP_TIMEOUT_S
+    for p in procs:
+        try:
+            p.wait(timeout=max(0.1, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            p.kill()
+            p.wait()
+
+
+def up(args: argparse.Namespace) -> int:
+    from kvstore.redis_server import LocalRedis
+    from runtime.cli import _model_dir
+
+    if args.workers < 1:
+        raise SystemExit("edgeinfer: error: --workers must be at least 1")
+    model_dir = _model_dir(args.model)  # imports the default model on first use
+    secret = os.environ.get("EDGEINFER_SECRET") or secrets.token_urlsafe(24)
+    env = os.environ | {"EDGEINFER_SECRET": secret, "PYTHONUNBUFFERED": "1"}
+    redis_url = args.redis or os.environ.get("EDGEINFER_REDIS")
+    local_redis = None
+    if redis_url is None:
+        local_redis = LocalRedis().start()
+        redis_url = local_redis.url
+        print(f"started redis-server on {redis_url}", file=sys.stderr)
+    cli = [sys.executable, "-m", "runtime.cli"]
+    workers = [
+        subprocess.Popen(
+            [
+                *cli,
+                "worker",
+                "--model",
+                model_dir,
+                "--region",
+                args.region,
+                "--port",
+                str(args.worker_port + i),
+                "--redis",
+                redis_url,
+                *_engine_flags(args),
+            ],
+            env=env,
+        )
+        for i in range(args.workers)
+    ]
+    keys = [f for k in args.api_key for f in ("--api-key", k)]
+    gateway = subprocess.Popen(
+        [*cli, "gateway", "--region", args.region, "--port", str(args.port), "--redis", redis_url,
+         *keys],
+        env=env,
+    )  # fmt: skip
+    procs = [gateway, *workers]
+    base = f"http://127.0.0.1:{args.port}"
+    try:
+        _wait_ready(f"{base}/readyz", procs, READY_TIMEOUT_S)
+        model = Path(model_dir).name
+        auth = f' -H "Authorization: Bearer {args.api_key[0]}"' if args.api_key else ""
+        print(
+            f"\nedgeinfer is up: {base}/v1 (model {model!r}, {args.workers} worker(s), "
+            f"redis {redis_url})\n\n"
+            f"  curl {base}/v1/chat/completions -H 'Content-Type: application/json'{auth} \\\n"
+            f"    -H 'x-session-affinity: my-session' \\\n"
+            f'    -d \'{{"model": "{model}", "messages": [{{"role": "user", "content": '
+            f'"Hello!"}}], "max_tokens": 64}}\'\n\n'
+            f"Ctrl-C stops everything.\n",
+            flush=True,
+        )
+        while all(p.poll() is None for p in procs):
+            time.sleep(0.5)
+        dead = next(p for p in procs if p.poll() is not None)
+        print(f"edgeinfer: a child exited (code {dead.returncode}); stopping", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        print("\nstopping: gateway, then workers (draining), then redis", file=sys.stderr)
+        return 0
+    except RuntimeError as e:
+        print(f"edgeinfer: error: {e}", file=sys.stderr)
+        return 1
+    finally:
+        signal.signal(signal.SIGINT, signal.SIG_IGN)  # a second Ctrl-C must not orphan children
+        _stop([gateway])
+        _stop(workers)
+        if local_redis is not None:
+            local_redis.stop()

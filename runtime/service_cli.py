@@ -1,0 +1,162 @@
+"""The service commands of the `edgeinfer` CLI: worker, gateway, up.
+
+Environment variables are read here only (the entry point):
+  EDGEINFER_SECRET    the workers' shared secret (gateways and workers must agree)
+  EDGEINFER_REDIS     the cluster state's Redis URL
+  EDGEINFER_API_KEYS  comma-separated bearer tokens the gateway accepts (unset = open)
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import os
+import sys
+import time
+from pathlib import Path
+
+DEFAULT_REDIS = "redis://127.0.0.1:6379/0"
+
+
+def _secret(args: argparse.Namespace) -> str:
+    secret = args.secret or os.environ.get("EDGEINFER_SECRET", "")
+    if not secret:
+        raise SystemExit(
+            "edgeinfer: error: the workers' shared secret is required: --secret or EDGEINFER_SECRET"
+        )
+    return str(secret)
+
+
+def _logging() -> None:
+    logging.basicConfig(
+        level=logging.INFO,
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+        stream=sys.stderr,
+    )
+
+
+def cmd_worker(args: argparse.Namespace) -> int:
+    from runtime.async_engine import AsyncLLM
+    from runtime.cli import _model_dir
+    from runtime.config import EngineConfig
+    from runtime.engine import LLMEngine
+    from runtime.worker import WorkerConfig, serve
+
+    _logging()
+    model_dir = _model_dir(args.model)
+    host_for_url = "127.0.0.1" if args.host in ("0.0.0.0", "::", "") else args.host
+    config = WorkerConfig(
+        model_name=args.served_model_name or Path(model_dir).name,
+        region=args.region,
+        role=args.role,
+        host=args.host,
+        port=args.port,
+        url=args.advertise_url or f"http://{host_for_url}:{args.port}",
+        secret=_secret(args),
+        redis_url=None
+        if args.no_redis
+        else (args.redis or os.environ.get("EDGEINFER_REDIS", DEFAULT_REDIS)),
+        heartbeat_s=args.heartbeat,
+        ttl_s=args.ttl,
+        drain_timeout_s=args.drain_timeout,
+    )
+    t0 = time.monotonic()
+    engine = LLMEngine(
+        EngineConfig(
+            model=model_dir,
+            dtype=args.dtype,
+            kv_cache_bytes=args.kv_cache_bytes,
+            kv_cache_fraction=args.kv_cache_fraction,
+            max_num_seqs=args.max_num_seqs,
+            max_num_batched_tokens=args.max_num_batched_tokens,
+            max_model_len=args.max_model_len,
+            max_waiting=args.max_waiting,
+            num_threads=args.threads,
+        )
+    )
+    logging.getLogger("edgeinfer.worker").info(
+        "loaded %s in %.1fs", model_dir, time.monotonic() - t0
+    )
+    asyncio.run(serve(config, AsyncLLM(engine)))
+    return 0
+
+
+def cmd_gateway(args: argparse.Namespace) -> int:
+    from gateway.app import serve
+    from gateway.config import GatewayConfig
+
+    _logging()
+    keys = args.api_key or [k for k in os.environ.get("EDGEINFER_API_KEYS", "").split(",") if k]
+    config = GatewayConfig(
+        region=args.region,
+        redis_url=args.redis or os.environ.get("EDGEINFER_REDIS", DEFAULT_REDIS),
+        worker_secret=_secret(args),
+        host=args.host,
+        port=args.port,
+        api_keys=frozenset(keys),
+        catalog_path=Path(args.regions),
+        max_body_bytes=args.max_body_bytes,
+    )
+    asyncio.run(serve(config))
+    return 0
+
+
+def cmd_up(args: argparse.Namespace) -> int:
+    from runtime.launcher import up
+
+    return up(args)
+
+
+def add_service_commands(sub: argparse._SubParsersAction, engine_args) -> None:  # type: ignore[type-arg, no-untyped-def]
+    from gateway.regions import DEFAULT_CATALOG
+
+    w = sub.add_parser("worker", help="serve a model to gateways (internal API, Redis registry)")
+    engine_args(w)
+    w.add_argument("--max-waiting", type=int, default=4096, help="bound of the waiting queue")
+    w.add_argument("--region", default="local", help="region name from the catalog")
+    w.add_argument("--role", default="mixed", choices=["mixed", "prefill", "decode"])
+    w.add_argument("--host", default="127.0.0.1")
+    w.add_argument("--port", type=int, default=9001)
+    w.add_argument(
+        "--advertise-url", default=None, help="URL gateways use (default from host/port)"
+    )
+    w.add_argument("--served-model-name", default=None, help="default: the model folder's name")
+    w.add_argument(
+        "--redis", default=None, help=f"cluster state (default $EDGEINFER_REDIS or {DEFAULT_REDIS})"
+    )
+    w.add_argument("--no-redis", action="store_true", help="serve unregistered (direct use)")
+    w.add_argument("--secret", default=None, help="shared secret (default $EDGEINFER_SECRET)")
+    w.add_argument("--heartbeat", type=float, default=2.0, help="seconds between heartbeats")
+    w.add_argument("--ttl", type=float, default=10.0, help="registry entry lifetime, seconds")
+    w.add_argument("--drain-timeout", type=float, default=30.0, help="SIGTERM grace, seconds")
+    w.set_defaults(func=cmd_worker)
+
+    g = sub.add_parser("gateway", help="the OpenAI-compatible HTTP gateway of one region")
+    g.add_argument("--region", default="local", help="this gateway's region from the catalog")
+    g.add_argument("--host", default="127.0.0.1")
+    g.add_argument("--port", type=int, default=8080)
+    g.add_argument(
+        "--redis", default=None, help=f"cluster state (default $EDGEINFER_REDIS or {DEFAULT_REDIS})"
+    )
+    g.add_argument(
+        "--secret", default=None, help="workers' shared secret (default $EDGEINFER_SECRET)"
+    )
+    g.add_argument(
+        "--api-key", action="append", default=[], help="accepted bearer token (repeatable)"
+    )
+    g.add_argument("--regions", default=str(DEFAULT_CATALOG), help="region catalog YAML")
+    g.add_argument("--max-body-bytes", type=int, default=1 << 20)
+    g.set_defaults(func=cmd_gateway)
+
+    u = sub.add_parser("up", help="start Redis (if needed), a worker and a gateway on this machine")
+    engine_args(u)
+    u.add_argument("--workers", type=int, default=1, help="worker processes")
+    u.add_argument("--port", type=int, default=8080, help="gateway port")
+    u.add_argument("--worker-port", type=int, default=9001, help="first worker's port")
+    u.add_argument("--redis", default=None, help="use this Redis instead of starting one")
+    u.add_argument("--region", default="local")
+    u.add_argument(
+        "--api-key", action="append", default=[], help="accepted bearer token (repeatable)"
+    )
+    u.set_defaults(func=cmd_up)

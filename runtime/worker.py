@@ -1,0 +1,378 @@
+"""The worker process: one engine behind an internal aiohttp API, registered in Redis.
+
+    edgeinfer worker --model DIR --region R --role mixed --port P --redis URL
+
+The API (documented with its messages in kvstore/protocol.py) is for gateways only and needs
+the shared secret. The worker registers itself in the Redis registry with its region, model,
+role, URL, capacity and load, renews that entry every `heartbeat_s` (so it expires when the
+process dies), and on SIGTERM drains: it is marked draining at once (gateways stop sending),
+refuses new requests with 503, lets in-flight ones finish (up to `drain_timeout_s`), deregisters
+and exits. Losing Redis does not stop a worker: it serves on and re-registers when Redis is back.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hmac
+import logging
+import secrets
+import signal
+import socket
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import jinja2
+import orjson
+from aiohttp import web
+
+from kvstore.client import connect
+from kvstore.protocol import (
+    SECRET_HEADER,
+    DeltaEvent,
+    DoneEvent,
+    ErrorEvent,
+    GenerateRequest,
+    Role,
+    StartEvent,
+    TokenLogprob,
+    WorkerInfo,
+    encode_event,
+)
+from kvstore.registry import Registry
+from runtime.async_engine import AsyncLLM, EngineDeadError
+from runtime.engine import Prompt
+from runtime.outputs import CompletionOutput
+from runtime.sampler import TokenLogprobs
+from runtime.sampling_params import InvalidRequestError, SamplingParams
+from runtime.scheduler import QueueFullError
+from runtime.tokenizer import NoChatTemplateError, Tokenizer
+
+log = logging.getLogger("edgeinfer.worker")
+
+ROLES: tuple[Role, ...] = ("prefill", "decode", "mixed")
+
+
+@dataclass(slots=True)
+class WorkerConfig:
+    model_name: str  # served model name (what clients put in "model")
+    region: str  # region name from the catalog
+    role: Role  # prefill | decode | mixed
+    host: str  # interface to bind
+    port: int  # port to bind
+    url: str  # internal URL gateways use to reach this worker
+    secret: str  # shared secret every internal call must carry
+    redis_url: str | None  # cluster state; None runs unregistered (direct use, benchmarks)
+    heartbeat_s: float = 2.0  # how often load is published and the registration renewed
+    ttl_s: float = 10.0  # registry entry lifetime without a heartbeat
+    drain_timeout_s: float = 30.0  # how long SIGTERM waits for in-flight requests
+    max_body_bytes: int = 4 << 20  # largest request body accepted
+    worker_id: str = field(default="")  # unique id; generated when empty
+
+    def __post_init__(self) -> None:
+        if self.role not in ROLES:
+            raise ValueError(f"role must be one of {ROLES}, got {self.role!r}")
+        if not self.secret:
+            raise ValueError("a shared secret is required (--secret or EDGEINFER_SECRET)")
+        if not self.region or "{" in self.region or "}" in self.region:
+            raise ValueError(f"invalid region name {self.region!r}")
+        if self.heartbeat_s <= 0 or self.ttl_s <= self.heartbeat_s:
+            raise ValueError("need 0 < heartbeat_s < ttl_s")
+        if not self.worker_id:
+            host = socket.gethostname().replace("{", "").replace("}", "")
+            self.worker_id = f"{self.region}-{host}-{self.port}-{secrets.token_hex(3)}"
+
+
+class Worker:
+    """The worker's state: engine, configuration, drain flag, and its registry entry."""
+
+    def __init__(self, config: WorkerConfig, llm: AsyncLLM) -> None:
+        self.config = config
+        self.llm = llm
+        self.tokenizer: Tokenizer = llm.engine.tokenizer
+        self.draining = False
+        self.started_at = time.time()
+        self._token_text: dict[int, str] = {}
+        self._anchor: list[int] | None = None
+        self._anchor_text = ""
+        self._registry: Registry | None = None
+        self._redis_ok = True
+
+    # ------------------------------------------------------------------ load and registry
+    def info(self) -> WorkerInfo:
+        s = self.llm.stats()
+        return WorkerInfo(
+            worker_id=self.config.worker_id,
+            region=self.config.region,
+            model=self.config.model_name,
+            role=self.config.role,
+            url=self.config.url,
+            max_num_seqs=self.llm.engine.config.max_num_seqs,
+            capacity_tokens=s["capacity_tokens"],
+            running=s["running"],
+            waiting=s["waiting"],
+            load_tokens=s["load_tokens"],
+            free_kv_blocks=s["free_kv_blocks"],
+            total_kv_blocks=s["total_kv_blocks"],
+            draining=self.draining,
+            started_at=self.started_at,
+            updated_at=time.time(),
+        )
+
+    async def publish(self) -> None:
+        """Renew the registry entry with the current load; logs (once) while Redis is down."""
+        if self._registry is None:
+            return
+        try:
+            await self._registry.heartbeat(self.info())
+        except Exception as e:  # redis errors, timeouts, connection refused
+            if self._redis_ok:
+                log.warning("redis unreachable, serving on unregistered: %s", e)
+            self._redis_ok = False
+        else:
+            if not self._redis_ok:
+                log.warning("redis is back; registration renewed")
+            self._redis_ok = True
+
+    async def heartbeat_loop(self) -> None:
+        while True:
+            await self.publish()
+            await asyncio.sleep(self.config.heartbeat_s)
+
+    async def drain(self) -> None:
+        """Refuse new requests, let running ones finish, then leave the registry."""
+        self.draining = True
+        await self.publish()
+        deadline = time.monotonic() + self.config.drain_timeout_s
+        while self.llm.num_open_streams and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+        if self.llm.num_open_streams:
+            log.warning("drain timeout: aborting %d requests", self.llm.num_open_streams)
+        if self._registry is not None:
+            with contextlib.suppress(Exception):
+                await self._registry.deregister(self.config.worker_id, self.config.model_name)
+
+    # ------------------------------------------------------------------ requests
+    def prompt_of(self, req: GenerateRequest) -> Prompt:
+        if req.messages is not None:
+            if req.prompt is not None:
+                raise InvalidRequestError("messages", "give either messages or prompt, not both")
+            try:
+                text = self.tokenizer.apply_chat_template(req.messages, add_generation_prompt=True)
+            except NoChatTemplateError as e:
+                raise InvalidRequestError(
+                    "messages",
+                    f"model {self.config.model_name!r} has no chat template; use /v1/completions",
+                ) from e
+            except (jinja2.TemplateError, TypeError, ValueError) as e:
+                raise InvalidRequestError(
+                    "messages", f"the chat template rejected them: {e}"
+                ) from e
+            return self.tokenizer.encode(text, add_special_tokens=False)
+        if req.prompt is None:
+            raise InvalidRequestError("prompt", "give a prompt or messages")
+        return req.prompt
+
+    def token_text(self, token_id: int) -> str:
+        """A token's text with its leading space: decoded after an anchor token, which is then
+        cut off (decoding a lone token drops the space SentencePiece-style decoders strip)."""
+        text = self._token_text.get(token_id)
+        if text is None:
+            tok = self.tokenizer
+            if self._anchor is None:
+                self._anchor = tok.encode("a", add_special_tokens=False)[-1:]
+                self._anchor_text = tok.decode(self._anchor, skip_special_tokens=False)
+            both = tok.decode([*self._anchor, token_id], skip_special_tokens=False)
+            if both.startswith(self._anchor_text):
+                text = both[len(self._anchor_text) :]
+            else:
+                text = tok.decode([token_id], skip_special_tokens=False)
+            self._token_text[token_id] = text
+        return text
+
+    def logprobs_of(self, lps: list[TokenLogprobs]) -> list[TokenLogprob]:
+        out = []
+        for lp in lps:
+            text = self.token_text(lp.token_id)
+            top = [
+                {"token": (t := self.token_text(i)), "logprob": v, "bytes": list(t.encode())}
+                for i, v in lp.top
+            ]
+            out.append(TokenLogprob(text, lp.logprob, list(text.encode()), top))
+        return out
+
+
+def _error(status: int, message: str, kind: str, param: str | None = None, code: str | None = None,
+           headers: dict[str, str] | None = None) -> web.Response:  # fmt: skip
+    body = {"error": {"message": message, "type": kind, "param": param, "code": code}}
+    return web.Response(
+        status=status, body=orjson.dumps(body), content_type="application/json", headers=headers
+    )
+
+
+WORKER = web.AppKey("worker", Worker)
+
+
+@web.middleware
+async def _auth(request: web.Request, handler: Any) -> web.StreamResponse:
+    worker = request.app[WORKER]
+    given = request.headers.get(SECRET_HEADER, "")
+    if not hmac.compare_digest(given.encode(), worker.config.secret.encode()):
+        return _error(401, "missing or wrong shared secret", "authentication_error")
+    return await handler(request)
+
+
+async def _generate(request: web.Request) -> web.StreamResponse:
+    worker = request.app[WORKER]
+    if worker.draining:
+        return _error(503, "worker is draining", "service_unavailable", code="draining",
+                      headers={"Retry-After": "1"})  # fmt: skip
+    try:
+        req = GenerateRequest.from_dict(orjson.loads(await request.read()))
+    except (orjson.JSONDecodeError, TypeError, ValueError) as e:
+        return _error(400, f"bad generate request: {e}", "invalid_request_error")
+    if req.model != worker.config.model_name:
+        return _error(404, f"this worker serves {worker.config.model_name!r}, not {req.model!r}",
+                      "not_found_error", "model", "model_not_found")  # fmt: skip
+    try:
+        params = SamplingParams(**req.sampling)
+        stream = worker.llm.submit(worker.prompt_of(req), params, req.request_id)
+    except InvalidRequestError as e:
+        return _error(400, str(e), "invalid_request_error", e.param)
+    except TypeError as e:  # an unknown sampling field
+        return _error(400, f"bad sampling parameters: {e}", "invalid_request_error", "sampling")
+    except QueueFullError as e:
+        return _error(429, str(e), "rate_limit_error", code="queue_full",
+                      headers={"Retry-After": "1"})  # fmt: skip
+    except EngineDeadError as e:
+        return _error(503, str(e), "service_unavailable", code="engine_dead")
+
+    resp = web.StreamResponse(headers={"Content-Type": "application/x-ndjson"})
+    try:
+        await resp.prepare(request)
+        n_prompt = len(stream.prompt_token_ids)
+        await resp.write(
+            encode_event(StartEvent(req.request_id, worker.config.worker_id, n_prompt))
+        )
+        done: set[int] = set()
+        generated, cached = 0, 0
+        async for out in stream:
+            cached = out.num_cached_tokens
+            lines = []
+            for o in out.outputs:
+                event = _delta(worker, o, done)
+                if event is not None:
+                    generated += len(event.token_ids)
+                    lines.append(encode_event(event))
+            if lines:
+                await resp.write(b"".join(lines))
+        await resp.write(encode_event(DoneEvent(n_prompt, generated, cached)))
+    except EngineDeadError as e:
+        with contextlib.suppress(ConnectionError):
+            await resp.write(encode_event(ErrorEvent(str(e), "engine_dead")))
+    finally:
+        stream.close()  # no-op when finished; frees the blocks when the client went away
+    return resp
+
+
+def _delta(worker: Worker, o: CompletionOutput, done: set[int]) -> DeltaEvent | None:
+    if o.index in done or (not o.delta_token_ids and not o.delta_text and not o.finished):
+        return None
+    if o.finished:
+        done.add(o.index)
+    lps = o.logprobs[-len(o.delta_token_ids) :] if o.logprobs and o.delta_token_ids else None
+    return DeltaEvent(
+        index=o.index,
+        text=o.delta_text,
+        token_ids=list(o.delta_token_ids),
+        logprobs=worker.logprobs_of(lps) if lps else ([] if o.logprobs is not None else None),
+        finish_reason=o.finish_reason,
+        stop_reason=o.stop_reason,
+    )
+
+
+async def _abort(request: web.Request) -> web.Response:
+    worker = request.app[WORKER]
+    try:
+        rid = orjson.loads(await request.read())["request_id"]
+        if not isinstance(rid, str):
+            raise TypeError("request_id must be a string")
+    except (orjson.JSONDecodeError, KeyError, TypeError) as e:
+        return _error(400, f"bad abort request: {e}", "invalid_request_error", "request_id")
+    return web.json_response({"aborted": worker.llm.abort(rid)}, dumps=_dumps)
+
+
+async def _health(request: web.Request) -> web.Response:
+    worker = request.app[WORKER]
+    status = "draining" if worker.draining else "ok"
+    return web.json_response({"status": status, "worker_id": worker.config.worker_id})
+
+
+async def _stats(request: web.Request) -> web.Response:
+    worker = request.app[WORKER]
+    s = worker.llm.stats()
+    body = orjson.loads(worker.info().to_json()) | {
+        "num_preemptions": s["num_preemptions"],
+        "open_requests": worker.llm.num_open_streams,
+    }
+    return web.json_response(body, dumps=_dumps)
+
+
+def _dumps(obj: Any) -> str:
+    return orjson.dumps(obj).decode()
+
+
+def make_app(worker: Worker) -> web.Application:
+    app = web.Application(middlewares=[_auth], client_max_size=worker.config.max_body_bytes)
+    app[WORKER] = worker
+    app.router.add_post("/internal/generate", _generate)
+    app.router.add_post("/internal/abort", _abort)
+    app.router.add_get("/internal/health", _health)
+    app.router.add_get("/internal/stats", _stats)
+    app.cleanup_ctx.append(_registration)
+    return app
+
+
+async def _registration(app: web.Application) -> AsyncIterator[None]:
+    """Open the Redis client and keep the registry entry alive for the app's life."""
+    worker = app[WORKER]
+    if worker.config.redis_url is None:
+        yield
+        return
+    redis = connect(worker.config.redis_url)
+    worker._registry = Registry(redis, ttl_s=worker.config.ttl_s)
+    task = asyncio.create_task(worker.heartbeat_loop())
+    try:
+        yield
+    finally:
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
+        with contextlib.suppress(Exception):
+            await worker._registry.deregister(worker.config.worker_id, worker.config.model_name)
+        await redis.aclose()
+
+
+async def serve(config: WorkerConfig, llm: AsyncLLM) -> None:
+    """Run until SIGTERM/SIGINT, then drain and exit."""
+    worker = Worker(config, llm)
+    runner = web.AppRunner(make_app(worker), handler_cancellation=True, access_log=None)
+    await runner.setup()
+    site = web.TCPSite(runner, config.host, config.port)
+    await site.start()
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    print(
+        f"worker {config.worker_id} ready: model {config.model_name!r}, region {config.region}, "
+        f"role {config.role}, {config.url}",
+        flush=True,
+    )
+    await stop.wait()
+    log.warning("stopping: draining %d in-flight requests", llm.num_open_streams)
+    await worker.drain()
+    await runner.cleanup()
+    llm.shutdown()

@@ -1,0 +1,248 @@
+"""kvstore's Redis state against a real redis-server: keys, registry, session placement, restarts."""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+from collections.abc import AsyncIterator
+
+import pytest
+import redis.exceptions
+from redis.asyncio import Redis
+from redis.crc import key_slot
+
+from kvstore.client import connect
+from kvstore.keys import MODELS_KEY, model_workers_key, session_key, worker_key
+from kvstore.placement import Placement, SessionStore
+from kvstore.protocol import WorkerInfo
+from kvstore.redis_server import LocalRedis
+from kvstore.registry import Registry
+
+
+@pytest.fixture
+async def r(redis_server: LocalRedis) -> AsyncIterator[Redis]:
+    """A client on the session's Redis, emptied before each test."""
+    client = connect(redis_server.url)
+    await client.flushdb()
+    yield client
+    await client.aclose()
+
+
+def worker(wid: str, model: str = "m1", region: str = "eu", **kw: object) -> WorkerInfo:
+    return WorkerInfo(
+        worker_id=wid,
+        region=region,
+        model=model,
+        role="mixed",
+        url=f"http://127.0.0.1:9000/{wid}",
+        max_num_seqs=8,
+        capacity_tokens=4096,
+        **kw,  # type: ignore[arg-type]
+    )
+
+
+# --- keys -------------------------------------------------------------------------------------
+
+
+def test_keys_carry_hash_tags() -> None:
+    assert worker_key("w1") == "ei:w:{w1}"
+    assert model_workers_key("org/Model-1") == "ei:m:{org/Model-1}:workers"
+    assert session_key("s:1") == "ei:s:{s:1}"
+    assert MODELS_KEY == "ei:models"
+    # A Redis Cluster hashes only the part in braces.
+    assert key_slot(worker_key("w1").encode()) == key_slot(b"w1")
+    assert key_slot(model_workers_key("m").encode()) == key_slot(b"m")
+    assert key_slot(session_key("abc").encode()) == key_slot(b"abc")
+
+
+@pytest.mark.parametrize("bad", ["", "a{b", "a}b", "{x}", "x" * 257])
+def test_keys_reject_bad_ids(bad: str) -> None:
+    for make in (worker_key, model_workers_key, session_key):
+        with pytest.raises(ValueError):
+            make(bad)
+
+
+# --- registry ---------------------------------------------------------------------------------
+
+
+async def test_register_list_and_filter_by_model(r: Redis) -> None:
+    reg = Registry(r)
+    a, b, c = worker("a", "m1", running=2), worker("b", "m2"), worker("c", "m1", draining=True)
+    for w in (c, b, a):
+        await reg.register(w)
+    assert await reg.workers("m1") == [a, c]  # full round trip, ordered by id
+    assert await reg.workers("m2") == [b]
+    assert await reg.workers("nope") == []
+    assert [w.worker_id for w in await reg.workers()] == ["a", "b", "c"]
+    assert await reg.models() == ["m1", "m2"]
+    assert 0 < await r.pttl(worker_key("a")) <= 10_000
+
+
+async def test_heartbeat_updates_state(r: Redis) -> None:
+    reg = Registry(r)
+    await reg.register(worker("a"))
+    await reg.heartbeat(worker("a", running=5, waiting=1, free_kv_blocks=7, updated_at=12.5))
+    (got,) = await reg.workers("m1")
+    assert (got.running, got.waiting, got.free_kv_blocks, got.updated_at) == (5, 1, 7, 12.5)
+
+
+async def test_worker_without_heartbeat_expires_and_is_pruned(r: Redis) -> None:
+    reg = Registry(r, ttl_s=0.3)
+    await reg.register(worker("dead", "m1"))
+    await reg.register(worker("alive", "m1"))
+    await reg.register(worker("lonely", "m2"))
+    for _ in range(6):  # 0.6 s: twice the TTL; only "alive" keeps heartbeating
+        await asyncio.sleep(0.1)
+        await reg.heartbeat(worker("alive", "m1"))
+    assert [w.worker_id for w in await reg.workers("m1")] == ["alive"]
+    assert not await r.sismember(model_workers_key("m1"), "dead")
+    assert await reg.models() == ["m1"]  # m2 has no live worker left
+    assert not await r.sismember(model_workers_key("m2"), "lonely")
+    assert await r.sismember(MODELS_KEY, "m2")  # it once had workers
+
+
+async def test_deregister_removes_at_once(r: Redis) -> None:
+    reg = Registry(r)
+    await reg.register(worker("a"))
+    await reg.register(worker("b"))
+    await reg.deregister("a", "m1")
+    assert [w.worker_id for w in await reg.workers("m1")] == ["b"]
+    assert not await r.exists(worker_key("a"))
+    assert not await r.sismember(model_workers_key("m1"), "a")
+
+
+async def test_worker_that_switched_model_leaves_the_old_set(r: Redis) -> None:
+    reg = Registry(r)
+    await reg.register(worker("a", "m1"))
+    await reg.register(worker("a", "m2"))
+    assert await reg.workers("m1") == []
+    assert [w.model for w in await reg.workers()] == ["m2"]
+    assert not await r.sismember(model_workers_key("m1"), "a")
+
+
+async def test_unreadable_worker_hash_is_skipped(r: Redis) -> None:
+    reg = Registry(r)
+    await reg.register(worker("good"))
+    await r.hset(worker_key("bad"), mapping={"worker_id": '"bad"'})
+    await r.sadd(model_workers_key("m1"), "bad")
+    assert [w.worker_id for w in await reg.workers("m1")] == ["good"]
+
+
+def test_registry_rejects_bad_ttl() -> None:
+    with pytest.raises(ValueError, match="ttl_s"):
+        Registry(connect("redis://127.0.0.1:1/0"), ttl_s=0)
+
+
+# --- session placement ------------------------------------------------------------------------
+
+
+async def test_claim_new_session_and_get(r: Redis) -> None:
+    store = SessionStore(r)
+    assert await store.get("s1") is None
+    p = Placement("w1", "eu")
+    assert await store.claim("s1", p) == p
+    assert await store.get("s1") == p
+    assert await store.claim("s1", Placement("w2", "us")) == p  # already placed: the first wins
+    assert await r.get(session_key("s1")) == b'{"worker_id":"w1","region":"eu"}'
+
+
+async def test_concurrent_claims_agree_on_one_winner(r: Redis) -> None:
+    store = SessionStore(r)
+    tries = [Placement(f"w{i}", "eu") for i in range(20)]
+    results = await asyncio.gather(*(store.claim("s1", p) for p in tries))
+    assert len(set(map(dataclasses.astuple, results))) == 1
+    assert results[0] in tries
+    assert await store.get("s1") == results[0]
+
+
+async def test_get_renews_the_idle_ttl(r: Redis) -> None:
+    store = SessionStore(r, idle_ttl_s=100.0)
+    await store.claim("s1", Placement("w1", "eu"))
+    await r.pexpire(session_key("s1"), 500)
+    assert await r.pttl(session_key("s1")) <= 500
+    await store.get("s1")
+    assert 50_000 < await r.pttl(session_key("s1")) <= 100_000
+
+
+async def test_session_expires_when_idle(r: Redis) -> None:
+    store = SessionStore(r, idle_ttl_s=0.2)
+    await store.claim("s1", Placement("w1", "eu"))
+    await asyncio.sleep(0.35)
+    assert await store.get("s1") is None
+
+
+async def test_move_is_a_compare_and_set(r: Redis) -> None:
+    store = SessionStore(r, idle_ttl_s=100.0)
+    w1, w2, w3 = Placement("w1", "eu"), Placement("w2", "eu"), Placement("w3", "us")
+    assert await store.move("s1", None, w1) == w1  # absent: moves
+    assert await store.move("s1", None, w2) == w1  # present, and None expects absent: refused
+    assert await store.move("s1", "w9", w2) == w1  # another worker holds it: refused
+    assert await store.get("s1") == w1
+    await r.pexpire(session_key("s1"), 500)
+    assert await store.move("s1", "w1", w2) == w2  # from matches: moves
+    assert 50_000 < await r.pttl(session_key("s1")) <= 100_000  # with a fresh TTL
+    assert await store.move("s1", "w1", w3) == w2  # a second, late mover loses
+    assert await store.get("s1") == w2
+    assert await store.move("s2", "w1", w3) == w3  # absent: moves whatever was expected
+
+
+async def test_concurrent_moves_from_one_worker_pick_one(r: Redis) -> None:
+    store = SessionStore(r)
+    await store.claim("s1", Placement("dead", "eu"))
+    tries = [Placement(f"w{i}", "eu") for i in range(10)]
+    results = await asyncio.gather(*(store.move("s1", "dead", p) for p in tries))
+    assert len(set(map(dataclasses.astuple, results))) == 1
+    assert await store.get("s1") == results[0]
+
+
+async def test_unreadable_placement_is_replaced(r: Redis) -> None:
+    store = SessionStore(r)
+    await r.set(session_key("s1"), b"not json")
+    assert await store.get("s1") is None
+    p = Placement("w1", "eu")
+    assert await store.claim("s1", p) == p
+    assert await store.get("s1") == p
+
+
+async def test_drop(r: Redis) -> None:
+    store = SessionStore(r)
+    await store.claim("s1", Placement("w1", "eu"))
+    await store.drop("s1")
+    assert await store.get("s1") is None
+    await store.drop("s1")  # idempotent
+
+
+def test_placement_is_checked() -> None:
+    with pytest.raises(ValueError, match="worker_id"):
+        Placement("", "eu")
+    with pytest.raises(ValueError, match="region"):
+        Placement("w1", "")
+
+
+# --- local server -----------------------------------------------------------------------------
+
+
+async def test_restart_on_same_port_and_client_reconnects() -> None:
+    with LocalRedis() as server:
+        port, client = server.port, connect(server.url)
+        try:
+            reg = Registry(client)
+            await reg.register(worker("a"))
+            server.stop()
+            assert not server.running
+            with pytest.raises(redis.exceptions.ConnectionError):
+                await asyncio.wait_for(client.ping(), timeout=10)  # fails, does not hang
+            server.start()
+            assert server.port == port and server.url == f"redis://127.0.0.1:{port}/0"
+            assert await client.ping()  # the same client, reconnected
+            assert await reg.workers() == []  # nothing persisted
+            await reg.heartbeat(worker("a"))  # the next heartbeat re-registers
+            assert [w.worker_id for w in await reg.workers()] == ["a"]
+        finally:
+            await client.aclose()
+    assert not server.running
+
+
+def test_missing_redis_server_says_how_to_install() -> None:
+    with pytest.raises(RuntimeError, match="make setup"):
+        LocalRedis(executable="no-such-redis-server-binary")
