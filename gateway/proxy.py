@@ -15,7 +15,7 @@ import asyncio
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncGenerator, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -93,7 +93,7 @@ class Proxy:
 
     async def forward(
         self, call: Call
-    ) -> tuple[AsyncIterator[dict[str, Any]], list[dict[str, Any]]]:
+    ) -> tuple[AsyncGenerator[dict[str, Any], None], list[dict[str, Any]]]:
         """Pick a worker and read until the request is committed to it; retry elsewhere on failure.
 
         Returns the worker's remaining event stream and the events already read (`head`).
@@ -152,7 +152,7 @@ class Proxy:
 
     async def worker_events(
         self, worker: WorkerInfo, gen: GenerateRequest
-    ) -> AsyncIterator[dict[str, Any]]:
+    ) -> AsyncGenerator[dict[str, Any], None]:
         """The worker's event stream; any failure becomes WorkerFailed. Closing it hangs up."""
         timeout = aiohttp.ClientTimeout(
             total=None,
@@ -201,7 +201,7 @@ class Proxy:
         self,
         request: web.Request,
         call: Call,
-        events: AsyncIterator[dict[str, Any]],
+        events: AsyncGenerator[dict[str, Any], None],
         head: list[dict[str, Any]],
     ) -> web.StreamResponse:
         assert call.options is not None and call.worker is not None
@@ -247,10 +247,14 @@ class Proxy:
                 self.view.mark_failed(call.worker.worker_id)
             log.warning("request %s: worker failed mid-stream: %s", call.request_id, e)
             await _send_quietly(resp, sse(error_chunk(e.error.message)))
+        except APIError as e:  # the worker's stream broke the protocol after the first byte
+            log.warning("request %s: %s", call.request_id, e.message)
+            await _send_quietly(resp, sse(e.body()))
+            return resp
         except ConnectionError:  # the client went away; closing `events` aborts on the worker
             return resp
         finally:
-            await events.aclose()  # type: ignore[attr-defined]
+            await events.aclose()
         await _send_quietly(resp, SSE_DONE)
         return resp
 

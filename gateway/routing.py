@@ -19,6 +19,7 @@ from gateway.regions import RegionCatalog
 from kvstore.placement import Placement
 from kvstore.protocol import WorkerInfo
 
+LOAD_TIE_TOKENS = 256  # loads closer than this count as equal (heartbeats lag the truth)
 SERVING_ROLES = ("mixed",)  # roles that serve a whole request (prefill/decode split: later)
 
 
@@ -72,9 +73,10 @@ class Router:
         ordered: list[WorkerInfo] = []
         for region in self.catalog.nearest_first(self.region, list(by_region)):
             group = by_region[region]
-            # least load first; among equal loads, rotate so new sessions spread evenly
+            # least load first; among (nearly) equal loads, rotate so new sessions spread evenly
             group.sort(key=lambda w: (self.load(w), w.worker_id))
-            best = [w for w in group if self.load(w) == self.load(group[0])]
+            # loads are a heartbeat old: treat a difference under one request's worth as a tie
+            best = [w for w in group if self.load(w) <= self.load(group[0]) + LOAD_TIE_TOKENS]
             k = turn % len(best)
             ordered += best[k:] + best[:k] + group[len(best) :]
         reason = "local" if ordered[0].region == self.region else "remote"

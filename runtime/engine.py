@@ -67,6 +67,7 @@ class LLMEngine:
         self._groups: dict[str, _Group] = {}
         self._seq_to_group: dict[str, tuple[_Group, int]] = {}
         self._counter = 0
+        self._num_aborted = 0  # requests aborted before they finished, for stats
 
     # ------------------------------------------------------------------ requests in
     def tokenize_prompt(self, prompt: Prompt) -> list[int]:
@@ -166,6 +167,7 @@ class LLMEngine:
         group = self._groups.get(request_id)
         if group is None:
             return None
+        self._num_aborted += 1
         for i, seq in enumerate(group.seqs):
             if self.scheduler.finish(seq.request_id, RequestStatus.FINISHED_ABORTED) is not None:
                 self._finish_seq(group, i, RequestStatus.FINISHED_ABORTED, None)
@@ -282,6 +284,7 @@ class LLMEngine:
             "total_kv_blocks": self.blocks.num_blocks,
             "capacity_tokens": sched.capacity_tokens,
             "num_preemptions": sched.num_preemptions,
+            "num_aborted": self._num_aborted,
         }
 
 

@@ -42,7 +42,7 @@ def _wait_ready(url: str, procs: list[subprocess.Popen[bytes]], timeout_s: float
     while time.monotonic() < deadline:
         for p in procs:
             if p.poll() is not None:
-                raise RuntimeError(f"{' '.join(p.args[3:5])} exited with code {p.returncode}")  # type: ignore[index]
+                raise RuntimeError(f"{p.args!r} exited with code {p.returncode}")
         try:
             with urllib.request.urlopen(url, timeout=2) as resp:
                 if resp.status == 200:

@@ -315,6 +315,7 @@ async def _stats(request: web.Request) -> web.Response:
     s = worker.llm.stats()
     body = orjson.loads(worker.info().to_json()) | {
         "num_preemptions": s["num_preemptions"],
+        "num_aborted": s["num_aborted"],
         "open_requests": worker.llm.num_open_streams,
     }
     return web.json_response(body, dumps=_dumps)

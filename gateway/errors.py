@@ -1,0 +1,173 @@
+"""Errors the gateway answers with, in the OpenAI error shape.
+
+Every failure a client can see is one `APIError`: an HTTP status, the OpenAI body
+`{"error": {"message", "type", "param", "code"}}`, and, for the statuses that mean "come back
+later" (429, 503), how long to wait. Handlers raise it from any phase (validate, resolve model,
+route, forward, stream) and one place turns it into a response, so the shape cannot differ
+between endpoints. The constructors below exist so that the same condition always gets the same
+status, type and code.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+# Statuses after which the same request may be sent again, to another worker or later: the
+# request itself was fine, the service could not take it (or lost it) at that moment.
+RETRYABLE_STATUSES = frozenset({429, 502, 503})
+
+
+class APIError(Exception):
+    """A failure reported to the client as an OpenAI-style JSON error."""
+
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        type: str,
+        param: str | None = None,
+        code: str | None = None,
+        retry_after: float | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.status = status  # HTTP status of the response
+        self.message = message  # human-readable; names the field and the limit when it can
+        self.type = type  # OpenAI error type, e.g. "invalid_request_error"
+        self.param = param  # the request field at fault, e.g. "messages[0].content"
+        self.code = code  # machine-readable kind, e.g. "model_not_found"
+        self.retry_after = retry_after  # seconds to wait before retrying (429/503), if known
+
+    @property
+    def retryable(self) -> bool:
+        """Whether sending the same request again (elsewhere, or later) may succeed."""
+        return self.status in RETRYABLE_STATUSES
+
+    def body(self) -> dict[str, Any]:
+        """The JSON body: OpenAI's error shape, all four keys always present."""
+        return {
+            "error": {
+                "message": self.message,
+                "type": self.type,
+                "param": self.param,
+                "code": self.code,
+            }
+        }
+
+    def headers(self) -> dict[str, str]:
+        """Extra response headers: `Retry-After` in whole seconds (HTTP allows no fraction)."""
+        if self.retry_after is None:
+            return {}
+        return {"Retry-After": str(max(0, math.ceil(self.retry_after)))}
+
+    @classmethod
+    def from_body(cls, status: int, body: object) -> APIError:
+        """Rebuild an error a worker answered with, so the gateway can relay it unchanged.
+
+        A worker that refuses a request sends the same OpenAI shape; anything else in the body
+        (a proxy's HTML page, garbage) still becomes an error with the worker's status.
+        """
+        err = body.get("error") if isinstance(body, dict) else None
+        if not isinstance(err, dict):
+            return cls(status, f"worker answered HTTP {status}", _type_for(status))
+        message, type_ = err.get("message"), err.get("type")
+        param, code = err.get("param"), err.get("code")
+        return cls(
+            status,
+            message if isinstance(message, str) else f"worker answered HTTP {status}",
+            type_ if isinstance(type_, str) else _type_for(status),
+            param if isinstance(param, str) else None,
+            code if isinstance(code, str) else None,
+        )
+
+    def __repr__(self) -> str:
+        return (
+            f"APIError({self.status}, {self.message!r}, type={self.type!r}, param={self.param!r})"
+        )
+
+
+def _type_for(status: int) -> str:
+    return {
+        400: "invalid_request_error",
+        401: "authentication_error",
+        404: "not_found_error",
+        413: "invalid_request_error",
+        429: "rate_limit_error",
+        503: "service_unavailable",
+    }.get(status, "internal_error" if status >= 500 else "invalid_request_error")
+
+
+def invalid(param: str | None, message: str, code: str | None = None) -> APIError:
+    """400: the request is malformed; `message` names the field and states the limit."""
+    return APIError(400, message, "invalid_request_error", param, code)
+
+
+def unsupported(param: str, message: str) -> APIError:
+    """400: a valid OpenAI feature this gateway does not implement yet (never silently ignored)."""
+    return APIError(400, message, "invalid_request_error", param, "unsupported_parameter")
+
+
+def unauthorized(message: str = "missing or invalid API key") -> APIError:
+    """401: no bearer token, or one the gateway does not accept."""
+    return APIError(401, message, "authentication_error", None, "invalid_api_key")
+
+
+def not_found(message: str, param: str | None = None, code: str | None = None) -> APIError:
+    """404: an unknown path, or (param="model", code="model_not_found") an unserved model."""
+    return APIError(404, message, "not_found_error", param, code)
+
+
+def model_not_found(model: str) -> APIError:
+    """404 for a model no worker serves and the pool manager cannot start."""
+    return not_found(f"model {model!r} does not exist", "model", "model_not_found")
+
+
+def method_not_allowed(method: str, allowed: str) -> APIError:
+    """405: the path exists, not with this method; `allowed` is e.g. "POST"."""
+    return APIError(
+        405,
+        f"method {method} is not allowed here; use {allowed}",
+        "invalid_request_error",
+        None,
+        "method_not_allowed",
+    )
+
+
+def too_large(limit: int) -> APIError:
+    """413: the request body is over the gateway's limit (in bytes)."""
+    return APIError(
+        413,
+        f"request body is larger than the limit of {limit} bytes",
+        "invalid_request_error",
+        None,
+        "request_too_large",
+    )
+
+
+def at_capacity(retry_after: float | None, message: str | None = None) -> APIError:
+    """429: every worker for the model is full (or the client is over its rate limit)."""
+    return APIError(
+        429,
+        message or "all workers for this model are at capacity; retry later",
+        "rate_limit_error",
+        None,
+        "at_capacity",
+        retry_after,
+    )
+
+
+def unavailable(
+    message: str, retry_after: float | None = None, code: str | None = None
+) -> APIError:
+    """503: no healthy worker can take the request now (starting, draining, unreachable)."""
+    return APIError(503, message, "service_unavailable", None, code, retry_after)
+
+
+def internal(message: str, code: str = "internal_error") -> APIError:
+    """500: the request failed inside the service (an engine failure reported by the worker)."""
+    return APIError(500, message, "internal_error", None, code)
+
+
+def bad_gateway(message: str, code: str = "bad_worker_response") -> APIError:
+    """502: a worker broke the internal protocol (malformed event, stream cut short)."""
+    return APIError(502, message, "internal_error", None, code)

@@ -1,0 +1,325 @@
+"""The OpenAI request side: a decoded JSON body in, a worker `GenerateRequest` out.
+
+`parse_chat` and `parse_completion` are the gateway's "validate" phase. They check every field
+the endpoint accepts (type, range, combinations) and raise `APIError(400)` naming the field and
+the limit, so the worker only ever sees requests that `SamplingParams(**sampling)` accepts. The
+response side (SSE chunks, the final object) lives in `gateway.openai_response` and is
+re-exported here, so handlers import one module.
+
+Decisions worth knowing:
+- `sampling` always holds every `SamplingParams` field, defaults included: the gateway's
+  defaults differ from the engine's (chat's `max_tokens` is None = up to the context, the
+  engine's is 16), so nothing may be left to the worker's defaults.
+- Unknown fields are ignored (OpenAI clients send extras such as `metadata` or `store`), but
+  features that change what the answer means (`tools`, `response_format`, `logit_bias`, ...)
+  are refused unless set to their "off" value: silently ignoring them gives wrong answers.
+- Role "developer" is sent to the worker as "system": it is OpenAI's new name for the same
+  thing, and open models' chat templates only know "system".
+- Text content parts are joined with "\\n" (what vLLM does), so a client that splits a message
+  into parts gets the same prompt from both.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Literal
+
+from gateway.errors import invalid, unsupported
+from gateway.fields import INT32_MAX, INT64_MAX, INT64_MIN, Fields, Range, is_int, type_name
+from gateway.openai_response import SSE_DONE, ResponseAssembler, error_chunk, sse
+from kvstore.protocol import GenerateRequest
+
+__all__ = [
+    "CHAT_FIELDS",
+    "COMPLETION_FIELDS",
+    "SSE_DONE",
+    "RequestOptions",
+    "ResponseAssembler",
+    "error_chunk",
+    "parse_chat",
+    "parse_completion",
+    "sse",
+]
+
+MAX_N = 16  # completions per request; n sequences share the prompt's KV blocks
+MAX_STOP = 16  # stop strings; each is matched against every new piece of text
+MAX_STOP_TOKEN_IDS = 256  # extra stop tokens
+MAX_LOGPROBS = 20  # top alternatives per token (OpenAI's limit)
+ROLES = frozenset({"system", "user", "assistant", "tool", "developer"})
+
+_SAMPLING_FIELDS = frozenset(
+    {
+        "max_tokens",
+        "temperature",
+        "top_p",
+        "n",
+        "stop",
+        "seed",
+        "presence_penalty",
+        "frequency_penalty",
+        "stream",
+        "stream_options",
+        "user",
+        "top_k",
+        "min_p",
+        "repetition_penalty",
+        "ignore_eos",
+        "stop_token_ids",
+        "include_stop_str_in_output",
+        "logit_bias",
+    }
+)
+# Every field each endpoint reads; the OpenAPI spec's request schemas are tested against these.
+CHAT_FIELDS = _SAMPLING_FIELDS | {
+    "model",
+    "messages",
+    "max_completion_tokens",
+    "logprobs",
+    "top_logprobs",
+    "tools",
+    "tool_choice",
+    "functions",
+    "function_call",
+    "response_format",
+}
+COMPLETION_FIELDS = _SAMPLING_FIELDS | {"model", "prompt", "logprobs", "echo", "suffix", "best_of"}
+
+
+@dataclass(frozen=True, slots=True)
+class RequestOptions:
+    """What building the response needs to know about the request (the worker gets the rest)."""
+
+    kind: Literal["chat", "completion"]  # which OpenAI object family to answer with
+    model: str  # the model name as the client asked for it, echoed in every response object
+    stream: bool  # answer with SSE chunks instead of one JSON object
+    include_usage: bool  # stream_options.include_usage: a last chunk with `usage`
+    n: int  # completions per request; choices are indexed 0..n-1
+    logprobs: int | None  # top alternatives per token when logprobs were asked for; None = off
+    user: str | None = None  # the client's end-user id, for logs only
+
+
+def parse_chat(
+    body: object, request_id: str, session_id: str | None = None
+) -> tuple[GenerateRequest, RequestOptions]:
+    """Validate a `POST /v1/chat/completions` body."""
+    f = Fields(body, CHAT_FIELDS)
+    model = f.required_str("model")
+    messages = _messages(f.raw("messages"))
+
+    max_tokens = f.opt_int("max_tokens", Range(1, INT32_MAX))
+    max_completion = f.opt_int("max_completion_tokens", Range(1, INT32_MAX))
+    if max_tokens is not None and max_completion is not None and max_tokens != max_completion:
+        raise invalid(
+            "max_tokens",
+            f"max_tokens ({max_tokens}) and max_completion_tokens ({max_completion}) differ; "
+            "send only max_completion_tokens",
+        )
+    logprobs = f.boolean("logprobs", False)
+    top = f.opt_int("top_logprobs", Range(0, MAX_LOGPROBS))
+    if top is not None and not logprobs:
+        raise invalid("top_logprobs", "top_logprobs requires logprobs: true")
+    n_logprobs = (top or 0) if logprobs else None
+
+    f.only_default("tools", ([],), "tool calling; send no tools")
+    f.only_default("tool_choice", ("none", "auto"), 'tool calling; use "none" or "auto"')
+    f.only_default("functions", ([],), "function calling; send no functions")
+    f.only_default("function_call", ("none", "auto"), 'function calling; use "none" or "auto"')
+    f.only_default(
+        "response_format", ({"type": "text"},), 'structured output; only {"type": "text"}'
+    )
+
+    sampling, options = _common(f, "chat", model, max_completion or max_tokens, n_logprobs)
+    request = GenerateRequest(
+        request_id=request_id,
+        model=model,
+        messages=messages,
+        sampling=sampling,
+        session_id=session_id,
+    )
+    return request, options
+
+
+def parse_completion(
+    body: object, request_id: str, session_id: str | None = None
+) -> tuple[GenerateRequest, RequestOptions]:
+    """Validate a `POST /v1/completions` body."""
+    f = Fields(body, COMPLETION_FIELDS)
+    model = f.required_str("model")
+    prompt = _prompt(f.raw("prompt"))
+    max_tokens = f.integer("max_tokens", 16, Range(1, INT32_MAX))
+    logprobs = f.opt_int("logprobs", Range(0, MAX_LOGPROBS))
+    if f.boolean("echo", False):
+        raise unsupported("echo", "echo is not supported yet; send echo: false")
+    if f.opt_str("suffix"):
+        raise unsupported("suffix", "suffix is not supported yet (insertion)")
+
+    sampling, options = _common(f, "completion", model, max_tokens, logprobs)
+    best_of = f.opt_int("best_of", Range(1, INT32_MAX))
+    if best_of is not None and best_of not in (1, options.n):
+        raise unsupported("best_of", f"best_of must be null, 1 or n ({options.n}); got {best_of}")
+    request = GenerateRequest(
+        request_id=request_id,
+        model=model,
+        prompt=prompt,
+        sampling=sampling,
+        session_id=session_id,
+    )
+    return request, options
+
+
+def _common(
+    f: Fields,
+    kind: Literal["chat", "completion"],
+    model: str,
+    max_tokens: int | None,
+    logprobs: int | None,
+) -> tuple[dict[str, Any], RequestOptions]:
+    """The fields both endpoints share: sampling settings and streaming."""
+    n = f.integer("n", 1, Range(1, MAX_N))
+    stream = f.boolean("stream", False)
+    stream_options = f.opt_object("stream_options")
+    include_usage = False
+    if stream_options is not None:
+        if not stream:
+            raise invalid("stream_options", "stream_options is only allowed when stream is true")
+        value = stream_options.get("include_usage")
+        if value is not None and not isinstance(value, bool):
+            raise invalid(
+                "stream_options.include_usage",
+                f"stream_options.include_usage must be a boolean, got {type_name(value)}",
+            )
+        include_usage = bool(value)
+    f.only_default("logit_bias", ({},), "send no logit_bias")
+
+    sampling: dict[str, Any] = {
+        "n": n,
+        "max_tokens": max_tokens,
+        "temperature": f.number("temperature", 1.0, Range(0, 2)),
+        "top_p": f.number("top_p", 1.0, Range(0, 1, lo_open=True)),
+        "top_k": f.integer("top_k", -1, Range(-1, INT32_MAX)),
+        "min_p": f.number("min_p", 0.0, Range(0, 1)),
+        "seed": f.opt_int("seed", Range(INT64_MIN, INT64_MAX)),
+        "repetition_penalty": f.number("repetition_penalty", 1.0, Range(0, lo_open=True)),
+        "presence_penalty": f.number("presence_penalty", 0.0, Range(-2, 2)),
+        "frequency_penalty": f.number("frequency_penalty", 0.0, Range(-2, 2)),
+        "stop": f.str_list("stop", MAX_STOP),
+        "stop_token_ids": f.int_list("stop_token_ids", MAX_STOP_TOKEN_IDS, Range(0, INT32_MAX)),
+        "ignore_eos": f.boolean("ignore_eos", False),
+        "logprobs": logprobs,
+        "include_stop_str_in_output": f.boolean("include_stop_str_in_output", False),
+    }
+    options = RequestOptions(
+        kind=kind,
+        model=model,
+        stream=stream,
+        include_usage=include_usage,
+        n=n,
+        logprobs=logprobs,
+        user=f.opt_str("user"),
+    )
+    return sampling, options
+
+
+def _messages(value: object) -> list[dict[str, Any]]:
+    """Chat messages as the worker's chat template takes them: role, content string, name."""
+    if value is None:
+        raise invalid("messages", "messages is required")
+    if not isinstance(value, list) or not value:
+        raise invalid("messages", f"messages must be a non-empty array, got {_desc(value)}")
+    out: list[dict[str, Any]] = []
+    for i, msg in enumerate(value):
+        where = f"messages[{i}]"
+        if not isinstance(msg, dict):
+            raise invalid(where, f"{where} must be an object, got {type_name(msg)}")
+        role = msg.get("role")
+        if not isinstance(role, str) or role not in ROLES:
+            raise invalid(
+                f"{where}.role",
+                f"{where}.role must be one of {sorted(ROLES)}, got {_desc(role)}",
+            )
+        if msg.get("tool_calls"):
+            raise unsupported(f"{where}.tool_calls", "tool calls are not supported yet")
+        item: dict[str, Any] = {
+            "role": "system" if role == "developer" else role,
+            "content": _content(f"{where}.content", msg.get("content"), role),
+        }
+        name = msg.get("name")
+        if name is not None:
+            if not isinstance(name, str):
+                raise invalid(
+                    f"{where}.name", f"{where}.name must be a string, got {type_name(name)}"
+                )
+            item["name"] = name
+        out.append(item)
+    return out
+
+
+def _content(param: str, value: object, role: str) -> str:
+    """A message's text: a string, or text parts joined with newlines; null only for assistant."""
+    if isinstance(value, str):
+        return value
+    if value is None:
+        if role == "assistant":
+            return ""
+        raise invalid(param, f"{param} is required for role {role!r}")
+    if not isinstance(value, list) or not value:
+        raise invalid(
+            param,
+            f"{param} must be a string or a non-empty array of text parts, got {_desc(value)}",
+        )
+    texts = []
+    for j, part in enumerate(value):
+        where = f"{param}[{j}]"
+        if not isinstance(part, dict):
+            raise invalid(where, f"{where} must be an object, got {type_name(part)}")
+        kind = part.get("type")
+        if kind != "text":
+            raise unsupported(
+                f"{where}.type", f"only text content parts are supported, got type {_desc(kind)}"
+            )
+        text = part.get("text")
+        if not isinstance(text, str):
+            raise invalid(f"{where}.text", f"{where}.text must be a string, got {type_name(text)}")
+        texts.append(text)
+    return "\n".join(texts)
+
+
+def _prompt(value: object) -> str | list[int]:
+    """A completions prompt: text or token ids; a batch of one is unwrapped, more is refused."""
+    if isinstance(value, list) and value and isinstance(value[0], (str, list)):
+        if len(value) > 1:
+            raise invalid(
+                "prompt",
+                f"prompt holds {len(value)} prompts; send one prompt per request",
+            )
+        value = value[0]
+    if value is None:
+        raise invalid("prompt", "prompt is required")
+    if isinstance(value, str):
+        if not value:
+            raise invalid("prompt", "prompt must be a non-empty string")
+        return value
+    if not isinstance(value, list) or not value:
+        raise invalid(
+            "prompt",
+            f"prompt must be a non-empty string or a non-empty array of token ids, "
+            f"got {_desc(value)}",
+        )
+    for k, tok in enumerate(value):
+        if not is_int(tok) or not 0 <= tok <= INT32_MAX:
+            raise invalid(
+                "prompt",
+                f"prompt[{k}] must be a token id, an integer in [0, {INT32_MAX}], got {_desc(tok)}",
+            )
+    return list(value)
+
+
+def _desc(value: object) -> str:
+    """A value for a message: short literals as themselves, others by type."""
+    if isinstance(value, str):
+        return repr(value) if len(value) <= 32 else "a long string"
+    if is_int(value):
+        return str(value)
+    if isinstance(value, list) and not value:
+        return "an empty array"
+    return type_name(value)

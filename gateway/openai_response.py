@@ -1,0 +1,316 @@
+"""The OpenAI response side: worker events in, `chat.completion(.chunk)` / `text_completion` out.
+
+A `ResponseAssembler` follows one request's event stream (`start`, `delta`..., `done`, or
+`error`; see `kvstore.protocol`) and both streams and accumulates: `on_event` returns the SSE
+chunk objects to send now (none when not streaming), `final` the whole object for a
+non-streamed answer. One class for both modes keeps the two answers identical in content.
+
+Chunk order for a streamed chat request with n choices (OpenAI's own order):
+    per choice: {"delta": {"role": "assistant", "content": ""}}      on `start`
+    per delta:  {"delta": {"content": "..."}, "logprobs": ...}       text and/or logprobs
+    per choice: {"delta": {}, "finish_reason": "stop" | "length"}    when the choice ends
+    once:       {"choices": [], "usage": {...}}                       on `done`, if include_usage
+Completions stream the same way with `text` in place of `delta`, and no role chunk.
+
+Failures are raised as `APIError`, never returned, so the handler decides: before the first
+byte it may answer with the error's status (or retry elsewhere when `retryable`); after it, it
+sends `sse(err.body())` (or `error_chunk`) and closes the stream.
+- An `error` event -> 500 (internal_error), or 503 when its code says the worker was going
+  away ("draining", "shutdown", "aborted", "engine_dead"): the request may succeed elsewhere.
+- finish_reason "abort" -> 503 with code "aborted". OpenAI has no such finish reason (its
+  clients reject one they do not know), and a choice cut off by a draining worker is not an
+  answer: reporting it as "stop" or "length" would pass truncated text off as complete. When
+  the gateway itself aborts (the client went away) nobody reads the answer anyway.
+- A malformed event, or a stream that ends without `done` (`final` called early) -> 502.
+
+Logprobs the engine reports as -inf (or NaN) are sent as -9999.0, the value OpenAI uses:
+JSON has no infinity, and orjson would write null, which clients reject.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import orjson
+
+from gateway.errors import APIError, bad_gateway, internal, unavailable
+
+if TYPE_CHECKING:
+    from gateway.openai_api import RequestOptions
+
+SSE_DONE = b"data: [DONE]\n\n"
+MIN_LOGPROB = -9999.0  # stands in for -inf
+FINISH_REASONS = frozenset({"stop", "length"})
+# Error-event codes that mean "this worker is going away", not "this request is bad".
+UNAVAILABLE_CODES = frozenset({"draining", "shutdown", "aborted", "engine_dead"})
+
+
+def sse(obj: dict[str, Any]) -> bytes:
+    """One server-sent event carrying a JSON object."""
+    return b"data: " + orjson.dumps(obj) + b"\n\n"
+
+
+def error_chunk(message: str, code: str | None = "internal_error") -> dict[str, Any]:
+    """The object a stream sends when it fails after its first byte (OpenAI's error shape)."""
+    return APIError(500, message, "internal_error", None, code).body()
+
+
+@dataclass(slots=True)
+class _Choice:
+    """One completion of the request's n, as accumulated so far."""
+
+    text: list[str] = field(default_factory=list)  # text pieces, joined by `final`
+    text_len: int = 0  # characters so far (the next token's text_offset base)
+    role_sent: bool = False  # streamed chat: the chunk carrying role "assistant" went out
+    chat_logprobs: list[dict[str, Any]] = field(default_factory=list)  # chat `logprobs.content`
+    tokens: list[str] = field(default_factory=list)  # completions `logprobs.tokens`
+    token_logprobs: list[float] = field(default_factory=list)  # completions, per token
+    top_logprobs: list[dict[str, float]] = field(default_factory=list)  # completions, per token
+    text_offset: list[int] = field(default_factory=list)  # completions, per token
+    finish_reason: str | None = None  # "stop" | "length" once ended
+    stop_reason: str | int | None = None  # the stop string or token id that ended it
+
+
+class ResponseAssembler:
+    """Turns one request's worker events into OpenAI objects (see the module docstring)."""
+
+    def __init__(self, options: RequestOptions, request_id: str, created: int) -> None:
+        self.options = options
+        self.chat = options.kind == "chat"
+        self.id = f"{'chatcmpl' if self.chat else 'cmpl'}-{request_id}"  # the response's id
+        self.created = created  # unix seconds, the same in every chunk
+        self.choices = [_Choice() for _ in range(options.n)]
+        self.worker_id: str | None = None  # from `start`: the worker serving the request
+        self.usage: dict[str, Any] | None = None  # from `done`
+        self.done = False  # `done` was seen: `final` may be called
+
+    def on_event(self, event: dict[str, Any]) -> list[dict[str, Any]]:
+        """Take one event; return the chunks to stream now ([] when not streaming)."""
+        kind = event.get("type")
+        if kind == "error":
+            raise _error_from_event(event)
+        try:
+            if kind == "start":
+                return self._on_start(event)
+            if kind == "delta":
+                return self._on_delta(event)
+            if kind == "done":
+                return self._on_done(event)
+        except (KeyError, TypeError, ValueError, IndexError, AttributeError) as e:
+            raise bad_gateway(f"malformed {kind!r} event from the worker: {e!r}") from e
+        return []  # an event type from a newer worker: nothing this gateway can show
+
+    def final(self) -> dict[str, Any]:
+        """The whole non-streamed response object; only after `done`."""
+        if not self.done or self.usage is None:
+            raise bad_gateway(
+                "the worker's stream ended before the request finished", "incomplete_stream"
+            )
+        return {
+            "id": self.id,
+            "object": "chat.completion" if self.chat else "text_completion",
+            "created": self.created,
+            "model": self.options.model,
+            "choices": [self._final_choice(i, c) for i, c in enumerate(self.choices)],
+            "usage": self.usage,
+        }
+
+    # -- events -----------------------------------------------------------------------------
+
+    def _on_start(self, event: dict[str, Any]) -> list[dict[str, Any]]:
+        self.worker_id = event.get("worker_id")
+        if not (self.options.stream and self.chat):
+            return []
+        chunks = []
+        for i, c in enumerate(self.choices):
+            c.role_sent = True
+            delta = {"role": "assistant", "content": ""}
+            chunks.append(self._chunk([self._chunk_choice(i, delta, None)]))
+        return chunks
+
+    def _on_delta(self, event: dict[str, Any]) -> list[dict[str, Any]]:
+        i = event["index"]
+        if not isinstance(i, int) or not 0 <= i < len(self.choices):
+            raise ValueError(f"choice index {i!r} outside [0, {len(self.choices)})")
+        c = self.choices[i]
+        if c.finish_reason is not None:
+            raise ValueError(f"delta for choice {i} after it finished")
+        text: str = event["text"]
+        if not isinstance(text, str):
+            raise TypeError(f"text must be a string, got {type(text).__name__}")
+        new_logprobs = self._add_logprobs(c, text, event.get("logprobs"))
+        c.text.append(text)
+        c.text_len += len(text)
+
+        finish = event.get("finish_reason")
+        if finish == "abort":
+            raise unavailable(
+                f"the worker aborted choice {i} before it finished; retry the request",
+                code="aborted",
+            )
+        if finish is not None and finish not in FINISH_REASONS:
+            raise ValueError(f"unknown finish_reason {finish!r}")
+        if finish is not None:
+            c.finish_reason, c.stop_reason = finish, event.get("stop_reason")
+
+        if not self.options.stream:
+            return []
+        chunks = []
+        if text or new_logprobs is not None or (self.chat and not c.role_sent):
+            delta: dict[str, Any] = {"content": text}
+            if self.chat and not c.role_sent:
+                c.role_sent = True
+                delta = {"role": "assistant", "content": text}
+            chunks.append(self._chunk([self._chunk_choice(i, delta, new_logprobs)]))
+        if finish is not None:
+            end = self._chunk_choice(i, {}, None, finish)
+            end["stop_reason"] = c.stop_reason  # vLLM's extension: which stop string/token
+            chunks.append(self._chunk([end]))
+        return chunks
+
+    def _on_done(self, event: dict[str, Any]) -> list[dict[str, Any]]:
+        open_choices = [i for i, c in enumerate(self.choices) if c.finish_reason is None]
+        if open_choices:
+            raise ValueError(f"done before choices {open_choices} finished")
+        prompt, completion = int(event["prompt_tokens"]), int(event["completion_tokens"])
+        self.usage = {
+            "prompt_tokens": prompt,
+            "completion_tokens": completion,
+            "total_tokens": prompt + completion,
+            "prompt_tokens_details": {"cached_tokens": int(event.get("cached_tokens") or 0)},
+        }
+        self.done = True
+        if self.options.stream and self.options.include_usage:
+            return [self._chunk([], self.usage)]
+        return []
+
+    # -- shapes -----------------------------------------------------------------------------
+
+    def _chunk(
+        self, choices: list[dict[str, Any]], usage: dict[str, Any] | None = None
+    ) -> dict[str, Any]:
+        chunk: dict[str, Any] = {
+            "id": self.id,
+            "object": "chat.completion.chunk" if self.chat else "text_completion",
+            "created": self.created,
+            "model": self.options.model,
+            "choices": choices,
+        }
+        if self.options.include_usage:
+            chunk["usage"] = usage  # null on every chunk but the last, as OpenAI sends it
+        return chunk
+
+    def _chunk_choice(
+        self,
+        index: int,
+        delta: dict[str, Any],
+        logprobs: dict[str, Any] | None,
+        finish_reason: str | None = None,
+    ) -> dict[str, Any]:
+        if self.chat:
+            return {
+                "index": index,
+                "delta": delta,
+                "logprobs": logprobs,
+                "finish_reason": finish_reason,
+            }
+        return {
+            "index": index,
+            "text": delta.get("content", ""),
+            "logprobs": logprobs,
+            "finish_reason": finish_reason,
+        }
+
+    def _final_choice(self, index: int, c: _Choice) -> dict[str, Any]:
+        text = "".join(c.text)
+        logprobs: dict[str, Any] | None = None
+        if self.options.logprobs is not None:
+            if self.chat:
+                logprobs = {"content": c.chat_logprobs, "refusal": None}
+            else:
+                logprobs = {
+                    "tokens": c.tokens,
+                    "token_logprobs": c.token_logprobs,
+                    "top_logprobs": c.top_logprobs,
+                    "text_offset": c.text_offset,
+                }
+        choice: dict[str, Any] = {"index": index}
+        if self.chat:
+            choice["message"] = {"role": "assistant", "content": text}
+        else:
+            choice["text"] = text
+        choice["logprobs"] = logprobs
+        choice["finish_reason"] = c.finish_reason
+        choice["stop_reason"] = c.stop_reason
+        return choice
+
+    def _add_logprobs(self, c: _Choice, text: str, raw: object) -> dict[str, Any] | None:
+        """Record a delta's token logprobs; return them in this endpoint's chunk shape."""
+        top_n = self.options.logprobs
+        if top_n is None or not raw:
+            return None
+        if not isinstance(raw, list):
+            raise TypeError(f"logprobs must be a list, got {type(raw).__name__}")
+        if self.chat:
+            entries = [
+                {
+                    "token": t["token"],
+                    "logprob": _logprob(t["logprob"]),
+                    "bytes": t.get("bytes"),
+                    "top_logprobs": [
+                        {
+                            "token": a["token"],
+                            "logprob": _logprob(a["logprob"]),
+                            "bytes": a.get("bytes"),
+                        }
+                        for a in t.get("top_logprobs", [])[:top_n]
+                    ],
+                }
+                for t in raw
+            ]
+            c.chat_logprobs.extend(entries)
+            return {"content": entries, "refusal": None}
+        # text_offset: where each token starts in the completion's text. Token strings need not
+        # add up to the text (a stop string is cut, a token may hold half a character), so the
+        # offsets are counted from the delta's start and kept within its text.
+        offset, end = c.text_len, c.text_len + len(text)
+        part: dict[str, list[Any]] = {
+            "tokens": [],
+            "token_logprobs": [],
+            "top_logprobs": [],
+            "text_offset": [],
+        }
+        for t in raw:
+            part["tokens"].append(t["token"])
+            part["token_logprobs"].append(_logprob(t["logprob"]))
+            part["top_logprobs"].append(
+                {a["token"]: _logprob(a["logprob"]) for a in t.get("top_logprobs", [])[:top_n]}
+            )
+            part["text_offset"].append(min(offset, end))
+            offset += len(t["token"])
+        c.tokens.extend(part["tokens"])
+        c.token_logprobs.extend(part["token_logprobs"])
+        c.top_logprobs.extend(part["top_logprobs"])
+        c.text_offset.extend(part["text_offset"])
+        return part
+
+
+def _logprob(value: object) -> float:
+    """A JSON-safe log-probability: -inf and NaN (and a missing value) become -9999.0."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        if value is None:
+            return MIN_LOGPROB
+        raise TypeError(f"logprob must be a number, got {type(value).__name__}")
+    return float(value) if math.isfinite(value) else MIN_LOGPROB
+
+
+def _error_from_event(event: dict[str, Any]) -> APIError:
+    message = event.get("message")
+    code = event.get("code")
+    text = message if isinstance(message, str) and message else "the worker failed the request"
+    code = code if isinstance(code, str) and code else "internal_error"
+    if code in UNAVAILABLE_CODES:
+        return unavailable(text, code=code)
+    return internal(text, code)

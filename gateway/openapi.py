@@ -1,0 +1,167 @@
+"""The gateway's OpenAPI 3.1 description, served at `GET /openapi.json`.
+
+Written by hand rather than generated, so that it reads as documentation; tests/test_openapi.py
+keeps it honest: the request schemas (gateway/openapi_schemas.py) must list exactly the fields
+`parse_chat` / `parse_completion` read (`CHAT_FIELDS`, `COMPLETION_FIELDS`), and every numeric
+bound there is probed against the parser (the bound accepted, one step past it refused).
+"""
+
+from __future__ import annotations
+
+from gateway.openapi_schemas import JSON, SCHEMAS, ref
+
+
+def _error(description: str, retry_after: bool = False) -> JSON:
+    response: JSON = {
+        "description": description,
+        "content": {"application/json": {"schema": ref("Error")}},
+    }
+    if retry_after:
+        response["headers"] = {"Retry-After": {"$ref": "#/components/headers/RetryAfter"}}
+    return response
+
+
+def _errors(*statuses: str) -> JSON:
+    return {s: {"$ref": f"#/components/responses/{s}"} for s in statuses}
+
+
+_RESPONSES: JSON = {
+    "400": _error("The request is invalid; error.param names the field."),
+    "401": _error("Missing or wrong bearer token."),
+    "404": _error("Unknown path, or a model no worker serves (code model_not_found)."),
+    "405": _error("The path exists, but not with this method."),
+    "413": _error("The request body is over the size limit."),
+    "429": _error("Every worker for the model is at capacity.", retry_after=True),
+    "503": _error("No healthy worker can take the request now.", retry_after=True),
+}
+
+_ROUTED_HEADERS: JSON = {
+    "x-edgeinfer-worker": {"$ref": "#/components/headers/Worker"},
+    "x-edgeinfer-region": {"$ref": "#/components/headers/Region"},
+}
+
+
+def _generate(summary: str, request: str, answer: str, chunk: str) -> JSON:
+    return {
+        "summary": summary,
+        "parameters": [{"$ref": "#/components/parameters/SessionAffinity"}],
+        "requestBody": {
+            "required": True,
+            "content": {"application/json": {"schema": ref(request)}},
+        },
+        "responses": {
+            "200": {
+                "description": (
+                    "The answer: one JSON object, or with stream: true a text/event-stream of "
+                    f"`data: <{chunk}>` events ending with `data: [DONE]`. An error after the "
+                    "first event is sent as `data: <Error>` before the stream closes."
+                ),
+                "headers": _ROUTED_HEADERS,
+                "content": {
+                    "application/json": {"schema": ref(answer)},
+                    "text/event-stream": {"schema": {"type": "string"}},
+                },
+            },
+            **_errors("400", "401", "404", "405", "413", "429", "503"),
+        },
+    }
+
+
+def _probe(summary: str, schema: str, unready: str | None) -> JSON:
+    """A probe for load balancers and Kubernetes: no auth, the same body for both answers."""
+    body = {"application/json": {"schema": ref(schema)}}
+    responses: JSON = {"200": {"description": "Yes.", "content": body}}
+    if unready is not None:
+        responses["503"] = {"description": unready, "content": body}
+    responses["405"] = {"$ref": "#/components/responses/405"}
+    return {"summary": summary, "security": [], "responses": responses}
+
+
+OPENAPI: JSON = {
+    "openapi": "3.1.0",
+    "info": {
+        "title": "edgeinfer gateway",
+        "version": "0.1.0",
+        "description": "OpenAI-compatible inference, routed to workers across regions.",
+    },
+    "security": [{"bearerAuth": []}],
+    "paths": {
+        "/v1/chat/completions": {
+            "post": _generate(
+                "Chat completion", "ChatCompletionRequest", "ChatCompletion", "ChatCompletionChunk"
+            )
+        },
+        "/v1/completions": {
+            "post": _generate("Text completion", "CompletionRequest", "Completion", "Completion")
+        },
+        "/v1/models": {
+            "get": {
+                "summary": "Models served in the cluster",
+                "responses": {
+                    "200": {
+                        "description": "The models.",
+                        "content": {"application/json": {"schema": ref("ModelList")}},
+                    },
+                    **_errors("401", "405", "503"),
+                },
+            }
+        },
+        "/healthz": {"get": _probe("Liveness: the process answers", "Health", None)},
+        "/readyz": {
+            "get": _probe(
+                "Readiness: Redis answers and a live worker is known",
+                "Readiness",
+                "Not ready: Redis unreachable or no live worker.",
+            ),
+        },
+        "/openapi.json": {
+            "get": {
+                "summary": "This document",
+                "security": [],
+                "responses": {
+                    "200": {
+                        "description": "OpenAPI 3.1.",
+                        "content": {"application/json": {"schema": {"type": "object"}}},
+                    },
+                    **_errors("405"),
+                },
+            }
+        },
+    },
+    "components": {
+        "securitySchemes": {"bearerAuth": {"type": "http", "scheme": "bearer"}},
+        "parameters": {
+            "SessionAffinity": {
+                "name": "x-session-affinity",
+                "in": "header",
+                "required": False,
+                "description": (
+                    "A conversation id: requests with the same value go to the worker that "
+                    "holds that conversation's KV cache, while it is alive."
+                ),
+                "schema": {
+                    "type": "string",
+                    "minLength": 1,
+                    "maxLength": 256,
+                    "pattern": "^[^{}]+$",
+                },
+            }
+        },
+        "headers": {
+            "Worker": {
+                "description": "The worker that served the request.",
+                "schema": {"type": "string"},
+            },
+            "Region": {
+                "description": "The region of that worker.",
+                "schema": {"type": "string"},
+            },
+            "RetryAfter": {
+                "description": "Seconds to wait before retrying.",
+                "schema": {"type": "integer", "minimum": 0},
+            },
+        },
+        "responses": _RESPONSES,
+        "schemas": SCHEMAS,
+    },
+}

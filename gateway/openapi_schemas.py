@@ -1,0 +1,386 @@
+"""Component schemas of the gateway's OpenAPI document (see gateway/openapi.py).
+
+Request schemas list exactly the fields the parsers read, with the parsers' bounds; response
+schemas are the objects `ResponseAssembler` builds. tests/test_openapi.py checks both claims.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from gateway.fields import INT32_MAX, INT64_MAX, INT64_MIN
+
+JSON = dict[str, Any]
+
+
+def ref(name: str) -> JSON:
+    return {"$ref": f"#/components/schemas/{name}"}
+
+
+def _nullable(schema: JSON, description: str) -> JSON:
+    """An optional field: its schema or null (null means "use the default")."""
+    return {"anyOf": [schema, {"type": "null"}], "description": description}
+
+
+def _int(lo: int, hi: int | None, description: str, default: int | None = None) -> JSON:
+    schema: JSON = {"type": "integer", "minimum": lo}
+    if hi is not None:
+        schema["maximum"] = hi
+    if default is not None:
+        schema["default"] = default
+    return _nullable(schema, description)
+
+
+def _num(description: str, default: float, **bounds: float) -> JSON:
+    return _nullable({"type": "number", "default": default, **bounds}, description)
+
+
+def _bool(description: str, default: bool = False) -> JSON:
+    return _nullable({"type": "boolean", "default": default}, description)
+
+
+_OFF_ONLY = "Not supported yet: only the value meaning 'off' is accepted, anything else is a 400."
+
+_SAMPLING: JSON = {
+    "model": {"type": "string", "minLength": 1, "description": "Served model name."},
+    "temperature": _num("0 = greedy.", 1.0, minimum=0, maximum=2),
+    "top_p": _num("Nucleus sampling mass.", 1.0, exclusiveMinimum=0, maximum=1),
+    "n": _int(1, 16, "Completions to generate for the prompt.", 1),
+    "stop": _nullable(
+        {
+            "anyOf": [
+                {"type": "string", "minLength": 1},
+                {
+                    "type": "array",
+                    "maxItems": 16,
+                    "items": {"type": "string", "minLength": 1},
+                },
+            ]
+        },
+        "Up to 16 stop strings; the matched string is left out of the text.",
+    ),
+    "seed": _int(INT64_MIN, INT64_MAX, "Same seed and parameters, same output."),
+    "presence_penalty": _num("Penalty on tokens already generated.", 0.0, minimum=-2, maximum=2),
+    "frequency_penalty": _num("Penalty per occurrence in the output.", 0.0, minimum=-2, maximum=2),
+    "stream": _bool("Answer with server-sent events."),
+    "stream_options": _nullable(
+        ref("StreamOptions"), "Only allowed when stream is true (400 otherwise)."
+    ),
+    "user": _nullable({"type": "string"}, "End-user id, for logs."),
+    "top_k": _int(-1, INT32_MAX, "vLLM extension: keep the k most likely tokens; -1 = all.", -1),
+    "min_p": _num("vLLM extension: drop tokens below min_p * p(best).", 0.0, minimum=0, maximum=1),
+    "repetition_penalty": _num(
+        "vLLM extension: > 1 discourages repeating prompt or output tokens.",
+        1.0,
+        exclusiveMinimum=0,
+    ),
+    "ignore_eos": _bool("vLLM extension: keep generating past end-of-sequence."),
+    "stop_token_ids": _nullable(
+        {
+            "type": "array",
+            "maxItems": 256,
+            "items": {"type": "integer", "minimum": 0, "maximum": INT32_MAX},
+        },
+        "vLLM extension: token ids that end a completion.",
+    ),
+    "include_stop_str_in_output": _bool("vLLM extension: keep the matched stop string."),
+    "logit_bias": _nullable({"type": "object", "maxProperties": 0}, _OFF_ONLY),
+}
+
+_MAX_TOKENS = "Tokens to generate per completion."
+
+CHAT_REQUEST: JSON = {
+    "type": "object",
+    "required": ["model", "messages"],
+    "description": "Fields not listed here are ignored.",
+    "properties": {
+        **_SAMPLING,
+        "messages": {"type": "array", "minItems": 1, "items": ref("ChatMessage")},
+        "max_tokens": _int(1, INT32_MAX, _MAX_TOKENS + " Default: up to the context length."),
+        "max_completion_tokens": _int(1, INT32_MAX, "Same as max_tokens (must agree if both)."),
+        "logprobs": _bool("Return each token's log-probability."),
+        "top_logprobs": _int(0, 20, "Alternatives per token; requires logprobs: true."),
+        "tools": _nullable({"type": "array", "maxItems": 0}, _OFF_ONLY),
+        "tool_choice": _nullable({"enum": ["none", "auto"]}, _OFF_ONLY),
+        "functions": _nullable({"type": "array", "maxItems": 0}, _OFF_ONLY),
+        "function_call": _nullable({"enum": ["none", "auto"]}, _OFF_ONLY),
+        "response_format": _nullable(
+            {
+                "type": "object",
+                "required": ["type"],
+                "properties": {"type": {"const": "text"}},
+            },
+            _OFF_ONLY,
+        ),
+    },
+}
+
+COMPLETION_REQUEST: JSON = {
+    "type": "object",
+    "required": ["model", "prompt"],
+    "description": "Fields not listed here are ignored.",
+    "properties": {
+        **_SAMPLING,
+        "prompt": {
+            "description": "Text or token ids; a batch of exactly one is accepted, more is a 400.",
+            "anyOf": [
+                {"type": "string", "minLength": 1},
+                {"$ref": "#/components/schemas/TokenIds"},
+                {
+                    "type": "array",
+                    "minItems": 1,
+                    "maxItems": 1,
+                    "items": {
+                        "anyOf": [
+                            {"type": "string", "minLength": 1},
+                            {"$ref": "#/components/schemas/TokenIds"},
+                        ]
+                    },
+                },
+            ],
+        },
+        "max_tokens": _int(1, INT32_MAX, _MAX_TOKENS, 16),
+        "logprobs": _int(0, 20, "Return log-probabilities with this many alternatives."),
+        "echo": _nullable({"const": False}, _OFF_ONLY),
+        "suffix": _nullable({"type": "string", "maxLength": 0}, _OFF_ONLY),
+        "best_of": _int(1, None, "Only null, 1 or n."),
+    },
+}
+
+_USAGE: JSON = {
+    "type": "object",
+    "required": ["prompt_tokens", "completion_tokens", "total_tokens"],
+    "properties": {
+        "prompt_tokens": {"type": "integer"},
+        "completion_tokens": {"type": "integer", "description": "Over all n completions."},
+        "total_tokens": {"type": "integer"},
+        "prompt_tokens_details": {
+            "type": "object",
+            "properties": {
+                "cached_tokens": {
+                    "type": "integer",
+                    "description": "Prompt tokens served from the prefix cache.",
+                }
+            },
+        },
+    },
+}
+
+_FINISH: JSON = {
+    "anyOf": [{"enum": ["stop", "length"]}, {"type": "null"}],
+    "description": "null until the choice ends (streaming).",
+}
+_STOP_REASON: JSON = {
+    "anyOf": [{"type": "string"}, {"type": "integer"}, {"type": "null"}],
+    "description": "vLLM extension: the stop string or token id that ended the choice.",
+}
+_TOP_LOGPROB: JSON = {
+    "type": "object",
+    "required": ["token", "logprob"],
+    "properties": {
+        "token": {"type": "string"},
+        "logprob": {"type": "number", "description": "-9999.0 stands for -inf."},
+        "bytes": {"anyOf": [{"type": "array", "items": {"type": "integer"}}, {"type": "null"}]},
+    },
+}
+_CHAT_LOGPROBS: JSON = {
+    "anyOf": [
+        {
+            "type": "object",
+            "properties": {
+                "content": {"type": "array", "items": ref("ChatTokenLogprob")},
+                "refusal": {"type": "null"},
+            },
+        },
+        {"type": "null"},
+    ]
+}
+
+
+def _object(object_name: str, choice: JSON, description: str) -> JSON:
+    return {
+        "type": "object",
+        "description": description,
+        "required": ["id", "object", "created", "model", "choices"],
+        "properties": {
+            "id": {"type": "string"},
+            "object": {"const": object_name},
+            "created": {"type": "integer", "description": "Unix seconds."},
+            "model": {"type": "string"},
+            "choices": {"type": "array", "items": choice},
+            "usage": {
+                "anyOf": [ref("Usage"), {"type": "null"}],
+                "description": "Streams: null on every chunk but the last (include_usage).",
+            },
+        },
+    }
+
+
+SCHEMAS: JSON = {
+    "ChatCompletionRequest": CHAT_REQUEST,
+    "CompletionRequest": COMPLETION_REQUEST,
+    "ChatMessage": {
+        "type": "object",
+        "required": ["role"],
+        "properties": {
+            "role": {"enum": ["system", "user", "assistant", "tool", "developer"]},
+            "content": {
+                "description": "Text, or text parts joined with newlines; null only for assistant.",
+                "anyOf": [
+                    {"type": "string"},
+                    {"type": "array", "minItems": 1, "items": ref("TextPart")},
+                    {"type": "null"},
+                ],
+            },
+            "name": {"type": "string"},
+        },
+    },
+    "TextPart": {
+        "type": "object",
+        "required": ["type", "text"],
+        "description": "Only text parts are supported; other types are a 400.",
+        "properties": {"type": {"const": "text"}, "text": {"type": "string"}},
+    },
+    "TokenIds": {
+        "type": "array",
+        "minItems": 1,
+        "items": {"type": "integer", "minimum": 0, "maximum": INT32_MAX},
+    },
+    "StreamOptions": {
+        "type": "object",
+        "properties": {"include_usage": {"type": "boolean", "default": False}},
+    },
+    "Usage": _USAGE,
+    "ChatTokenLogprob": {
+        "type": "object",
+        "required": ["token", "logprob", "top_logprobs"],
+        "properties": {
+            **_TOP_LOGPROB["properties"],
+            "top_logprobs": {"type": "array", "items": _TOP_LOGPROB},
+        },
+    },
+    "CompletionLogprobs": {
+        "anyOf": [
+            {
+                "type": "object",
+                "properties": {
+                    "tokens": {"type": "array", "items": {"type": "string"}},
+                    "token_logprobs": {"type": "array", "items": {"type": "number"}},
+                    "top_logprobs": {
+                        "type": "array",
+                        "items": {"type": "object", "additionalProperties": {"type": "number"}},
+                    },
+                    "text_offset": {"type": "array", "items": {"type": "integer"}},
+                },
+            },
+            {"type": "null"},
+        ]
+    },
+    "ChatCompletion": _object(
+        "chat.completion",
+        {
+            "type": "object",
+            "properties": {
+                "index": {"type": "integer"},
+                "message": {
+                    "type": "object",
+                    "properties": {"role": {"const": "assistant"}, "content": {"type": "string"}},
+                },
+                "logprobs": _CHAT_LOGPROBS,
+                "finish_reason": {"enum": ["stop", "length"]},
+                "stop_reason": _STOP_REASON,
+            },
+        },
+        "A non-streamed chat answer.",
+    ),
+    "ChatCompletionChunk": _object(
+        "chat.completion.chunk",
+        {
+            "type": "object",
+            "properties": {
+                "index": {"type": "integer"},
+                "delta": {
+                    "type": "object",
+                    "properties": {"role": {"const": "assistant"}, "content": {"type": "string"}},
+                },
+                "logprobs": _CHAT_LOGPROBS,
+                "finish_reason": _FINISH,
+                "stop_reason": _STOP_REASON,
+            },
+        },
+        "One server-sent event of a streamed chat answer.",
+    ),
+    "Completion": _object(
+        "text_completion",
+        {
+            "type": "object",
+            "properties": {
+                "index": {"type": "integer"},
+                "text": {"type": "string"},
+                "logprobs": ref("CompletionLogprobs"),
+                "finish_reason": _FINISH,
+                "stop_reason": _STOP_REASON,
+            },
+        },
+        "A completions answer, or one chunk of a streamed one (finish_reason null until the end).",
+    ),
+    "Model": {
+        "type": "object",
+        "required": ["id", "object"],
+        "properties": {
+            "id": {"type": "string"},
+            "object": {"const": "model"},
+            "created": {"type": "integer"},
+            "owned_by": {"type": "string"},
+        },
+    },
+    "ModelList": {
+        "type": "object",
+        "required": ["object", "data"],
+        "properties": {
+            "object": {"const": "list"},
+            "data": {"type": "array", "items": ref("Model")},
+        },
+    },
+    "Health": {
+        "type": "object",
+        "required": ["status"],
+        "properties": {"status": {"type": "string"}},
+    },
+    "Readiness": {
+        "type": "object",
+        "required": ["ready"],
+        "properties": {
+            "ready": {"type": "boolean"},
+            "redis": {"type": "boolean", "description": "Redis answered a ping."},
+            "workers": {"type": "integer", "description": "Live workers in the cluster view."},
+            "region": {"type": "string", "description": "This gateway's region."},
+        },
+    },
+    "Error": {
+        "type": "object",
+        "required": ["error"],
+        "properties": {
+            "error": {
+                "type": "object",
+                "required": ["message", "type", "param", "code"],
+                "properties": {
+                    "message": {"type": "string", "description": "Names the field and limit."},
+                    "type": {
+                        "type": "string",
+                        "examples": [
+                            "invalid_request_error",
+                            "authentication_error",
+                            "not_found_error",
+                            "rate_limit_error",
+                            "service_unavailable",
+                            "internal_error",
+                        ],
+                    },
+                    "param": {"type": ["string", "null"], "examples": ["messages[0].content"]},
+                    "code": {"type": ["string", "null"], "examples": ["model_not_found"]},
+                },
+            }
+        },
+    },
+}

@@ -1,0 +1,150 @@
+"""Real processes for service tests: workers and gateways started as `edgeinfer` would start them."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import orjson
+
+from kvstore.redis_server import find_free_port
+
+ROOT = Path(__file__).resolve().parents[1]
+SECRET = "test-secret"
+CHAT_TEMPLATE = (
+    "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
+    "{% if add_generation_prompt %}assistant:{% endif %}"
+)
+
+
+def chat_model(src: Path, dst: Path) -> Path:
+    """stories260K with a chat template added (it ships none), weights linked, not copied."""
+    dst.mkdir(parents=True, exist_ok=True)
+    for f in src.iterdir():
+        if not (dst / f.name).exists():
+            (dst / f.name).symlink_to(f)
+    (dst / "chat_template.jinja").write_text(CHAT_TEMPLATE)
+    return dst
+
+
+@dataclass
+class Proc:
+    name: str  # for messages
+    popen: subprocess.Popen[bytes]
+    url: str  # base URL
+    log: Path  # stdout + stderr
+    port: int
+    meta: dict[str, str] = field(default_factory=dict)
+
+    def alive(self) -> bool:
+        return self.popen.poll() is None
+
+    def tail(self, n: int = 30) -> str:
+        return "\n".join(self.log.read_text(errors="replace").splitlines()[-n:])
+
+    def signal(self, sig: int) -> None:
+        if self.alive():
+            self.popen.send_signal(sig)
+
+    def stop(self, timeout: float = 15.0) -> None:
+        self.signal(signal.SIGTERM)
+        try:
+            self.popen.wait(timeout)
+        except subprocess.TimeoutExpired:
+            self.popen.kill()
+            self.popen.wait()
+
+    def kill(self) -> None:
+        self.signal(signal.SIGKILL)
+        self.popen.wait()
+
+
+def get_json(url: str, secret: str | None = None, timeout: float = 5.0) -> tuple[int, dict]:  # type: ignore[type-arg]
+    req = urllib.request.Request(url, headers={"x-edgeinfer-secret": secret} if secret else {})
+    try:
+        with urllib.request.urlopen(req, timeout=timeout) as resp:
+            return resp.status, orjson.loads(resp.read())
+    except urllib.error.HTTPError as e:
+        return e.code, orjson.loads(e.read() or b"{}")
+
+
+def wait_until(check, timeout: float, what: str, proc: Proc | None = None) -> None:  # type: ignore[no-untyped-def]
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            if check():
+                return
+        except (OSError, urllib.error.URLError, ValueError):
+            pass
+        if proc is not None and not proc.alive():
+            raise RuntimeError(f"{proc.name} exited ({proc.popen.returncode}):\n{proc.tail()}")
+        time.sleep(0.05)
+    tail = f"\n{proc.tail()}" if proc is not None else ""
+    raise TimeoutError(f"timed out waiting for {what}{tail}")
+
+
+def _spawn(name: str, args: list[str], log_dir: Path, port: int, url: str) -> Proc:
+    log = log_dir / f"{name}.log"
+    env = os.environ | {"EDGEINFER_SECRET": SECRET, "PYTHONUNBUFFERED": "1"}
+    popen = subprocess.Popen(
+        [sys.executable, "-m", "runtime.cli", *args],
+        cwd=ROOT,
+        env=env,
+        stdout=log.open("wb"),
+        stderr=subprocess.STDOUT,
+    )
+    return Proc(name, popen, url, log, port)
+
+
+def start_worker(
+    name: str,
+    model: Path,
+    redis_url: str,
+    log_dir: Path,
+    region: str = "local",
+    extra: list[str] | None = None,
+) -> Proc:
+    port = find_free_port()
+    args = [
+        "worker", "--model", str(model), "--served-model-name", "stories", "--region", region,
+        "--port", str(port), "--redis", redis_url, "--threads", "1", "--kv-cache-bytes",
+        "4000000", "--heartbeat", "0.3", "--ttl", "1.5", "--drain-timeout", "20", *(extra or []),
+    ]  # fmt: skip
+    proc = _spawn(name, args, log_dir, port, f"http://127.0.0.1:{port}")
+    wait_until(
+        lambda: get_json(f"{proc.url}/internal/health", SECRET)[0] == 200,
+        60,
+        f"worker {name}",
+        proc,
+    )
+    proc.meta["worker_id"] = get_json(f"{proc.url}/internal/health", SECRET)[1]["worker_id"]
+    return proc
+
+
+def start_gateway(
+    name: str,
+    redis_url: str,
+    catalog: Path,
+    log_dir: Path,
+    region: str = "local",
+    extra: list[str] | None = None,
+) -> Proc:
+    port = find_free_port()
+    args = [
+        "gateway", "--region", region, "--port", str(port), "--redis", redis_url,
+        "--regions", str(catalog), *(extra or []),
+    ]  # fmt: skip
+    proc = _spawn(name, args, log_dir, port, f"http://127.0.0.1:{port}")
+    wait_until(lambda: get_json(f"{proc.url}/healthz")[0] == 200, 30, f"gateway {name}", proc)
+    return proc
+
+
+def worker_stats(worker: Proc) -> dict:  # type: ignore[type-arg]
+    return get_json(f"{worker.url}/internal/stats", SECRET)[1]

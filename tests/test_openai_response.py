@@ -1,0 +1,346 @@
+"""ResponseAssembler: scripted worker event sequences in, OpenAI objects out.
+
+Each object is also parsed by the real `openai` client's types, which is what clients do.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import orjson
+import pytest
+from openai.types import Completion
+from openai.types.chat import ChatCompletion, ChatCompletionChunk
+from openai.types.completion_choice import Logprobs as CompletionLogprobs
+
+from gateway.errors import APIError
+from gateway.openai_api import (
+    SSE_DONE,
+    RequestOptions,
+    ResponseAssembler,
+    error_chunk,
+    parse_chat,
+    parse_completion,
+    sse,
+)
+from kvstore.protocol import (
+    DeltaEvent,
+    DoneEvent,
+    ErrorEvent,
+    StartEvent,
+    TokenLogprob,
+    decode_event,
+    encode_event,
+)
+
+
+def _events(*events: Any) -> list[dict[str, Any]]:
+    """The events as the gateway sees them: through the NDJSON wire format."""
+    return [decode_event(encode_event(e)) for e in events]
+
+
+def _chat(
+    n: int = 1, stream: bool = False, usage: bool = False, logprobs: int | None = None
+) -> ResponseAssembler:
+    body: dict[str, Any] = {
+        "model": "smol",
+        "messages": [{"role": "user", "content": "hi"}],
+        "n": n,
+    }
+    if stream:
+        body["stream"] = True
+        body["stream_options"] = {"include_usage": usage}
+    if logprobs is not None:
+        body.update(logprobs=True, top_logprobs=logprobs)
+    return ResponseAssembler(parse_chat(body, "r1")[1], "r1", 1700000000)
+
+
+def _completion(
+    n: int = 1, stream: bool = False, usage: bool = False, logprobs: int | None = None
+) -> ResponseAssembler:
+    body: dict[str, Any] = {"model": "smol", "prompt": "hi", "n": n, "logprobs": logprobs}
+    if stream:
+        body["stream"] = True
+        body["stream_options"] = {"include_usage": usage}
+    return ResponseAssembler(parse_completion(body, "r1")[1], "r1", 1700000000)
+
+
+def _feed(asm: ResponseAssembler, events: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    chunks: list[dict[str, Any]] = []
+    for e in events:
+        chunks += asm.on_event(e)
+    return chunks
+
+
+TWO_CHOICES = _events(
+    StartEvent("r1", "w-1", 5),
+    DeltaEvent(0, "Hel", [1]),
+    DeltaEvent(1, "Wor", [2]),
+    DeltaEvent(1, "ld", [3], finish_reason="length"),
+    DeltaEvent(0, "lo", [4, 5], finish_reason="stop", stop_reason="\n"),
+    DoneEvent(prompt_tokens=5, completion_tokens=5, cached_tokens=2),
+)
+USAGE = {
+    "prompt_tokens": 5,
+    "completion_tokens": 5,
+    "total_tokens": 10,
+    "prompt_tokens_details": {"cached_tokens": 2},
+}
+
+
+def test_chat_non_streamed_n2_interleaved() -> None:
+    asm = _chat(n=2)
+    assert _feed(asm, TWO_CHOICES) == []
+    assert asm.worker_id == "w-1" and asm.done
+    out = asm.final()
+    assert out["id"] == "chatcmpl-r1" and out["object"] == "chat.completion"
+    assert [(c["index"], c["message"]["content"], c["finish_reason"]) for c in out["choices"]] == [
+        (0, "Hello", "stop"),
+        (1, "World", "length"),
+    ]
+    assert out["choices"][0]["stop_reason"] == "\n"
+    assert out["choices"][0]["logprobs"] is None
+    assert out["usage"] == USAGE
+    parsed = ChatCompletion.model_validate(out)
+    assert parsed.usage is not None and parsed.usage.prompt_tokens_details is not None
+    assert parsed.usage.prompt_tokens_details.cached_tokens == 2
+
+
+def test_chat_stream_order_with_usage() -> None:
+    asm = _chat(n=2, stream=True, usage=True)
+    chunks = _feed(asm, TWO_CHOICES)
+    for c in chunks:
+        ChatCompletionChunk.model_validate(c)
+        assert c["id"] == "chatcmpl-r1" and c["created"] == 1700000000 and c["model"] == "smol"
+    # role chunks first, one per choice
+    assert [c["choices"][0]["delta"] for c in chunks[:2]] == [
+        {"role": "assistant", "content": ""},
+        {"role": "assistant", "content": ""},
+    ]
+    # usage: null on every chunk, then one last chunk with no choices and the counts
+    assert all(c["usage"] is None for c in chunks[:-1])
+    assert chunks[-1]["choices"] == [] and chunks[-1]["usage"] == USAGE
+    flat = [(c["choices"][0]["index"], c["choices"][0]) for c in chunks[:-1]]
+    assert [(i, ch["delta"], ch["finish_reason"]) for i, ch in flat[2:]] == [
+        (0, {"content": "Hel"}, None),
+        (1, {"content": "Wor"}, None),
+        (1, {"content": "ld"}, None),
+        (1, {}, "length"),
+        (0, {"content": "lo"}, None),
+        (0, {}, "stop"),
+    ]
+    # the streamed text is the final text
+    for i, want in ((0, "Hello"), (1, "World")):
+        assert "".join(ch["delta"].get("content", "") for j, ch in flat if j == i) == want
+    assert [c["message"]["content"] for c in asm.final()["choices"]] == ["Hello", "World"]
+
+
+def test_chat_stream_without_usage_has_no_usage_key() -> None:
+    chunks = _feed(_chat(n=2, stream=True), TWO_CHOICES)
+    assert chunks and all("usage" not in c for c in chunks)
+    assert all(c["choices"] for c in chunks)
+
+
+def test_chat_stream_role_rides_on_first_delta_without_start() -> None:
+    asm = _chat(stream=True)
+    chunks = _feed(asm, _events(DeltaEvent(0, "x", [1], finish_reason="stop"), DoneEvent(1, 1)))
+    assert chunks[0]["choices"][0]["delta"] == {"role": "assistant", "content": "x"}
+
+
+def _lp(token: str, logprob: float, alts: list[tuple[str, float]]) -> TokenLogprob:
+    top = [{"token": t, "logprob": p, "bytes": list(t.encode())} for t, p in alts]
+    return TokenLogprob(token, logprob, list(token.encode()), top)
+
+
+LOGPROB_EVENTS = _events(
+    StartEvent("r1", "w-1", 3),
+    DeltaEvent(
+        0,
+        "Hi",
+        [7],
+        logprobs=[_lp("Hi", -0.5, [("Hi", -0.5), ("Yo", -1.5), ("Hey", -2.0)])],
+    ),
+    DeltaEvent(
+        0,
+        " there",
+        [8, 9],
+        logprobs=[_lp(" th", -math.inf, [(" th", -0.1)]), _lp("ere", 0.0, [])],
+        finish_reason="length",
+    ),
+    DoneEvent(3, 3),
+)
+
+
+def test_chat_logprobs() -> None:
+    asm = _chat(stream=True, logprobs=2)
+    chunks = _feed(asm, LOGPROB_EVENTS)
+    for c in chunks:
+        ChatCompletionChunk.model_validate(c)
+    first = chunks[1]["choices"][0]["logprobs"]["content"]
+    assert first == [
+        {
+            "token": "Hi",
+            "logprob": -0.5,
+            "bytes": [72, 105],
+            "top_logprobs": [  # three sent, two asked for
+                {"token": "Hi", "logprob": -0.5, "bytes": [72, 105]},
+                {"token": "Yo", "logprob": -1.5, "bytes": [89, 111]},
+            ],
+        }
+    ]
+    out = asm.final()
+    content = out["choices"][0]["logprobs"]["content"]
+    assert [(t["token"], t["logprob"]) for t in content] == [
+        ("Hi", -0.5),
+        (" th", -9999.0),  # -inf has no JSON form
+        ("ere", 0.0),
+    ]
+    assert b"null" not in orjson.dumps(content)
+    ChatCompletion.model_validate(out)
+
+
+def test_completion_logprobs_and_offsets() -> None:
+    asm = _completion(logprobs=1)
+    assert _feed(asm, LOGPROB_EVENTS) == []
+    out = asm.final()
+    assert out["id"] == "cmpl-r1" and out["object"] == "text_completion"
+    choice = out["choices"][0]
+    assert choice["text"] == "Hi there" and choice["finish_reason"] == "length"
+    assert choice["logprobs"] == {
+        "tokens": ["Hi", " th", "ere"],
+        "token_logprobs": [-0.5, -9999.0, 0.0],
+        "top_logprobs": [{"Hi": -0.5}, {" th": -0.1}, {}],
+        "text_offset": [0, 2, 5],
+    }
+    parsed = Completion.model_validate(out)
+    assert parsed.choices[0].logprobs is not None
+    assert parsed.choices[0].logprobs.text_offset == [0, 2, 5]
+
+
+def test_completion_stream() -> None:
+    asm = _completion(n=2, stream=True, usage=True, logprobs=0)
+    chunks = _feed(asm, TWO_CHOICES)
+    assert chunks[-1] == {
+        "id": "cmpl-r1",
+        "object": "text_completion",
+        "created": 1700000000,
+        "model": "smol",
+        "choices": [],
+        "usage": USAGE,
+    }
+    Completion.model_validate(chunks[-1])
+    texts: dict[int, str] = {0: "", 1: ""}
+    for c in chunks[:-1]:
+        (choice,) = c["choices"]
+        texts[choice["index"]] += choice["text"]
+        assert c["usage"] is None
+        if choice["finish_reason"] is None:
+            # openai's Completion type demands a finish reason that OpenAI's own chunks omit
+            Completion.model_validate({**c, "choices": [{**choice, "finish_reason": "stop"}]})
+        else:
+            Completion.model_validate(c)
+    assert texts == {0: "Hello", 1: "World"}
+    ends = [c["choices"][0] for c in chunks if c["choices"] and c["choices"][0]["finish_reason"]]
+    assert [(e["index"], e["finish_reason"], e["text"]) for e in ends] == [
+        (1, "length", ""),
+        (0, "stop", ""),
+    ]
+
+
+def test_completion_stream_logprobs_chunk() -> None:
+    asm = _completion(stream=True, logprobs=1)
+    chunks = _feed(asm, LOGPROB_EVENTS)
+    lp = chunks[1]["choices"][0]["logprobs"]
+    assert lp == {
+        "tokens": [" th", "ere"],
+        "token_logprobs": [-9999.0, 0.0],
+        "top_logprobs": [{" th": -0.1}, {}],
+        "text_offset": [2, 5],
+    }
+    CompletionLogprobs.model_validate(lp)
+
+
+@pytest.mark.parametrize(
+    ("code", "status", "type_"),
+    [
+        ("internal_error", 500, "internal_error"),
+        ("engine_dead", 503, "service_unavailable"),
+        ("draining", 503, "service_unavailable"),
+    ],
+)
+def test_error_event_raises(code: str, status: int, type_: str) -> None:
+    asm = _chat(stream=True)
+    asm.on_event(_events(StartEvent("r1", "w", 1))[0])
+    with pytest.raises(APIError) as info:
+        asm.on_event(_events(ErrorEvent("engine died", code))[0])
+    assert (info.value.status, info.value.type, info.value.code) == (status, type_, code)
+    assert info.value.message == "engine died"
+
+
+def test_abort_is_a_retryable_error_not_a_finish_reason() -> None:
+    asm = _chat()
+    with pytest.raises(APIError) as info:
+        _feed(asm, _events(DeltaEvent(0, "par", [1], finish_reason="abort")))
+    assert (info.value.status, info.value.code, info.value.retryable) == (503, "aborted", True)
+
+
+@pytest.mark.parametrize(
+    "event",
+    [
+        {"type": "delta", "index": 1, "text": "x", "token_ids": []},
+        {"type": "delta", "index": "0", "text": "x", "token_ids": []},
+        {"type": "delta", "index": 0, "token_ids": []},
+        {"type": "delta", "index": 0, "text": 5, "token_ids": []},
+        {"type": "delta", "index": 0, "text": "x", "finish_reason": "weird"},
+        {"type": "delta", "index": 0, "text": "x", "logprobs": [{"token": "x"}]},
+        {"type": "delta", "index": 0, "text": "x", "logprobs": "x"},
+        {"type": "done", "prompt_tokens": 1, "completion_tokens": 0},  # choice 0 never finished
+        {"type": "done"},
+    ],
+)
+def test_malformed_events_are_502(event: dict[str, Any]) -> None:
+    asm = _chat(logprobs=0)
+    if event["type"] == "done" and "prompt_tokens" not in event:
+        asm.on_event({"type": "delta", "index": 0, "text": "", "finish_reason": "stop"})
+    with pytest.raises(APIError) as info:
+        asm.on_event(event)
+    assert info.value.status == 502
+
+
+def test_final_before_done_is_502() -> None:
+    asm = _chat()
+    asm.on_event(_events(DeltaEvent(0, "x", [1]))[0])
+    with pytest.raises(APIError) as info:
+        asm.final()
+    assert (info.value.status, info.value.code) == (502, "incomplete_stream")
+
+
+def test_unknown_event_type_is_ignored() -> None:
+    assert _chat(stream=True).on_event({"type": "progress", "x": 1}) == []
+
+
+def test_sse_framing() -> None:
+    obj = {"a": "é\n", "b": None}
+    frame = sse(obj)
+    assert frame.startswith(b"data: ") and frame.endswith(b"\n\n")
+    assert b"\n" not in frame[:-2]  # one line: a newline inside would split the event
+    assert orjson.loads(frame[6:-2]) == obj
+    assert SSE_DONE == b"data: [DONE]\n\n"
+
+
+def test_error_chunk_shape() -> None:
+    assert error_chunk("engine died") == {
+        "error": {
+            "message": "engine died",
+            "type": "internal_error",
+            "param": None,
+            "code": "internal_error",
+        }
+    }
+
+
+def test_options_are_what_parse_returns() -> None:
+    opts = RequestOptions("chat", "m", True, True, 1, None)
+    asm = ResponseAssembler(opts, "x", 1)
+    assert asm.id == "chatcmpl-x"

@@ -1,0 +1,176 @@
+"""The OpenAPI spec kept in step with the parsers, and the error shapes the gateway answers with.
+
+The spec is hand-written (gateway/openapi.py); these tests make drift a failure: the request
+schemas list exactly the fields the parsers read, and each numeric bound in them is the
+parser's own (the bound accepted, one step past it refused).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import orjson
+import pytest
+
+from gateway import errors
+from gateway.errors import APIError
+from gateway.openai_api import CHAT_FIELDS, COMPLETION_FIELDS, parse_chat, parse_completion
+from gateway.openapi import OPENAPI
+
+CHAT = {"model": "m", "messages": [{"role": "user", "content": "hi"}]}
+COMPLETION = {"model": "m", "prompt": "hi"}
+
+
+def _refused(parse: Any, body: object) -> APIError:
+    with pytest.raises(APIError) as info:
+        parse(body, "req-1")
+    return info.value
+
+
+def _schema(name: str) -> dict[str, Any]:
+    return OPENAPI["components"]["schemas"][name]
+
+
+def _optional(prop: dict[str, Any]) -> dict[str, Any]:
+    """The non-null branch of an optional field's schema."""
+    branches = [b for b in prop.get("anyOf", [prop]) if b != {"type": "null"}]
+    return branches[0] if len(branches) == 1 else prop
+
+
+@pytest.mark.parametrize(
+    ("schema", "fields"),
+    [("ChatCompletionRequest", CHAT_FIELDS), ("CompletionRequest", COMPLETION_FIELDS)],
+)
+def test_spec_lists_exactly_the_parsed_fields(schema: str, fields: frozenset[str]) -> None:
+    assert set(_schema(schema)["properties"]) == set(fields)
+
+
+BOUND_CASES = [
+    pytest.param(parse, base, schema, name, id=f"{schema}.{name}")
+    for parse, base, schema in [
+        (parse_chat, {**CHAT, "logprobs": True}, "ChatCompletionRequest"),
+        (parse_completion, COMPLETION, "CompletionRequest"),
+    ]
+    for name in sorted(_schema(schema)["properties"])
+    if _optional(_schema(schema)["properties"][name]).get("type") in ("integer", "number")
+]
+
+
+@pytest.mark.parametrize(("parse", "base", "schema", "name"), BOUND_CASES)
+def test_spec_bounds_are_the_parsers(parse: Any, base: Any, schema: str, name: str) -> None:
+    """Each bound in the spec is accepted, and one step past it refused, by the parser."""
+    prop = _optional(_schema(schema)["properties"][name])
+    step = 1 if prop["type"] == "integer" else 1e-6
+    probes: list[tuple[float, bool]] = []
+    if "minimum" in prop:
+        probes += [(prop["minimum"], True), (prop["minimum"] - step, False)]
+    if "exclusiveMinimum" in prop:
+        probes += [(prop["exclusiveMinimum"], False), (prop["exclusiveMinimum"] + step, True)]
+    if "maximum" in prop:
+        probes += [(prop["maximum"], True), (prop["maximum"] + step, False)]
+    assert probes, f"{name}: a numeric field without bounds in the spec"
+    for value, ok in probes:
+        body = {**base, name: value}
+        if name == "best_of":
+            body["n"] = 1
+        if ok:
+            parse(body, "r")
+        else:
+            assert _refused(parse, body).param == name, (name, value)
+
+
+def test_spec_refs_resolve() -> None:
+    def walk(node: object) -> None:
+        if isinstance(node, dict):
+            ref = node.get("$ref")
+            if isinstance(ref, str):
+                target: Any = OPENAPI
+                for part in ref.removeprefix("#/").split("/"):
+                    target = target[part]
+            for v in node.values():
+                walk(v)
+        elif isinstance(node, list):
+            for v in node:
+                walk(v)
+
+    walk(OPENAPI)
+    orjson.dumps(OPENAPI)  # servable as it is
+
+
+def test_spec_covers_endpoints_statuses_and_headers() -> None:
+    paths = OPENAPI["paths"]
+    assert set(paths) == {
+        "/v1/chat/completions",
+        "/v1/completions",
+        "/v1/models",
+        "/healthz",
+        "/readyz",
+        "/openapi.json",
+    }
+    for path in ("/v1/chat/completions", "/v1/completions"):
+        op = paths[path]["post"]
+        assert {"200", "400", "401", "404", "405", "413", "429", "503"} <= set(op["responses"])
+        assert set(op["responses"]["200"]["headers"]) == {
+            "x-edgeinfer-worker",
+            "x-edgeinfer-region",
+        }
+        assert op["parameters"] == [{"$ref": "#/components/parameters/SessionAffinity"}]
+    params = OPENAPI["components"]["parameters"]
+    assert params["SessionAffinity"]["name"] == "x-session-affinity"
+    for status in ("429", "503"):
+        assert "Retry-After" in OPENAPI["components"]["responses"][status]["headers"]
+    assert OPENAPI["components"]["securitySchemes"]["bearerAuth"]["scheme"] == "bearer"
+    for path in ("/healthz", "/readyz", "/openapi.json"):
+        assert paths[path]["get"]["security"] == []
+
+
+# ---- errors (the shape every failure has) ------------------------------------------------------------------------------------
+
+
+def test_error_shapes() -> None:
+    cases = [
+        (errors.invalid("n", "bad"), 400, "invalid_request_error"),
+        (errors.unauthorized(), 401, "authentication_error"),
+        (errors.model_not_found("x"), 404, "not_found_error"),
+        (errors.method_not_allowed("GET", "POST"), 405, "invalid_request_error"),
+        (errors.too_large(1024), 413, "invalid_request_error"),
+        (errors.at_capacity(1.2), 429, "rate_limit_error"),
+        (errors.unavailable("down", 3), 503, "service_unavailable"),
+        (errors.internal("boom"), 500, "internal_error"),
+        (errors.bad_gateway("garbage"), 502, "internal_error"),
+    ]
+    for err, status, type_ in cases:
+        assert (err.status, err.type) == (status, type_)
+        assert set(err.body()["error"]) == {"message", "type", "param", "code"}
+        assert err.retryable == (status in (429, 502, 503))
+    assert "1024 bytes" in errors.too_large(1024).message
+    assert errors.model_not_found("x").body()["error"]["param"] == "model"
+    assert errors.at_capacity(1.2).headers() == {"Retry-After": "2"}
+    assert errors.invalid("n", "bad").headers() == {}
+
+
+@pytest.mark.parametrize(
+    ("body", "expected"),
+    [
+        (
+            {
+                "error": {
+                    "message": "no",
+                    "type": "invalid_request_error",
+                    "param": "n",
+                    "code": None,
+                }
+            },
+            (400, "no", "invalid_request_error", "n", None),
+        ),
+        ("<html>", (400, "worker answered HTTP 400", "invalid_request_error", None, None)),
+        (
+            {"error": {"message": 5, "param": []}},
+            (400, "worker answered HTTP 400", "invalid_request_error", None, None),
+        ),
+    ],
+)
+def test_error_from_worker_body(body: object, expected: tuple[Any, ...]) -> None:
+    err = APIError.from_body(400, body)
+    assert (err.status, err.message, err.type, err.param, err.code) == expected
+    assert APIError.from_body(503, None).type == "service_unavailable"

@@ -1,0 +1,112 @@
+"""Routing policy and region catalog, driven step by step (no processes, no Redis)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from gateway.regions import DEFAULT_CATALOG, CatalogError, RegionCatalog
+from gateway.routing import Router
+from kvstore.placement import Placement
+from kvstore.protocol import WorkerInfo
+
+CATALOG = RegionCatalog.load(DEFAULT_CATALOG)
+
+
+def worker(wid: str, region: str = "eu-west", load: int = 0, **kw: object) -> WorkerInfo:
+    fields: dict = dict(  # type: ignore[type-arg]
+        worker_id=wid, region=region, model="m", role="mixed", url=f"http://{wid}",
+        max_num_seqs=4, capacity_tokens=1000, load_tokens=load,
+    )  # fmt: skip
+    fields.update(kw)
+    return WorkerInfo(**fields)
+
+
+def test_least_loaded_local_first_then_nearest_region() -> None:
+    r = Router("eu-west", CATALOG)
+    ws = [
+        worker("a", load=5000),
+        worker("b", load=100),
+        worker("far", "ap-southeast"),
+        worker("near", "eu-central"),
+    ]
+    route = r.route("m", ws)
+    assert [w.worker_id for w in route.candidates] == ["b", "a", "near", "far"]
+    assert route.reason == "local"
+
+
+def test_session_placement_wins_unless_overloaded_or_gone() -> None:
+    r = Router("eu-west", CATALOG)
+    ws = [worker("a"), worker("b", load=9000)]
+    route = r.route("m", ws, Placement("b", "eu-west"))
+    assert route.candidates[0].worker_id == "b" and route.reason == "session"
+    busy = [worker("a"), worker("b", running=4, waiting=3)]
+    assert r.route("m", busy, Placement("b", "eu-west")).candidates[0].worker_id == "a"
+    assert r.route("m", ws, Placement("gone", "eu-west")).candidates[0].worker_id == "a"
+
+
+def test_remote_region_when_local_has_no_capacity() -> None:
+    r = Router("eu-west", CATALOG)
+    ws = [
+        worker("local", running=4, waiting=1),
+        worker("us", "us-east"),
+        worker("tokyo", "ap-northeast"),
+    ]
+    route = r.route("m", ws)
+    assert [w.worker_id for w in route.candidates] == ["us", "tokyo"]
+    assert route.reason == "remote"
+
+
+def test_no_workers_vs_at_capacity_vs_excluded() -> None:
+    r = Router("eu-west", CATALOG)
+    assert r.route("m", []).reason == "no_workers"
+    assert r.route("other", [worker("a")]).reason == "no_workers"
+    assert r.route("m", [worker("a", draining=True)]).reason == "no_workers"
+    assert r.route("m", [worker("a", role="prefill")]).reason == "no_workers"
+    assert r.route("m", [worker("a", running=4, waiting=2)]).reason == "at_capacity"
+    ws = [worker("a"), worker("b")]
+    assert [w.worker_id for w in r.route("m", ws, exclude=frozenset({"a"})).candidates] == ["b"]
+
+
+def test_ties_rotate_and_inflight_counts() -> None:
+    r = Router("eu-west", CATALOG)
+    ws = [worker("a"), worker("b", load=10)]  # within the tie margin: rotate
+    firsts = {r.route("m", ws).candidates[0].worker_id for _ in range(4)}
+    assert firsts == {"a", "b"}
+    r.sent("a", 10_000)
+    assert all(r.route("m", ws).candidates[0].worker_id == "b" for _ in range(4))
+    r.done("a", 10_000)
+    assert r.inflight_tokens == {}
+
+
+def test_great_circle_distances() -> None:
+    assert CATALOG.distance_km("eu-west", "eu-west") == 0
+    d = CATALOG.distance_km("us-east", "eu-west")  # Ashburn - Dublin, about 5,450 km
+    assert 5200 < d < 5700
+    assert CATALOG.nearest_first("eu-west", ["ap-southeast", "us-east", "eu-central"]) == [
+        "eu-central",
+        "us-east",
+        "ap-southeast",
+    ]
+    assert CATALOG.distance_km("eu-west", "mars") == float("inf")
+
+
+@pytest.mark.parametrize(
+    ("text", "message"),
+    [
+        ("regions: []", "non-empty"),
+        ("regions: [{name: a, latitude: 91, longitude: 0}]", "latitude"),
+        ("regions: [{name: 'a b', latitude: 0, longitude: 0}]", "name"),
+        ("regions: [{name: a, latitude: 0, longitude: 0}, {name: a, latitude: 1, longitude: 1}]", "duplicate"),
+        ("regions: [{name: a, latitude: x, longitude: 0}]", "number"),
+        (": : :", "YAML"),
+    ],
+)  # fmt: skip
+def test_catalog_errors_name_the_problem(tmp_path: Path, text: str, message: str) -> None:
+    path = tmp_path / "regions.yaml"
+    path.write_text(text)
+    with pytest.raises(CatalogError, match=message):
+        RegionCatalog.load(path)
+    with pytest.raises(CatalogError, match="cannot read"):
+        RegionCatalog.load(tmp_path / "missing.yaml")

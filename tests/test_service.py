@@ -1,0 +1,389 @@
+"""The service end to end: real redis-server, real worker processes on stories260K, a real gateway
+process, the real `openai` client.
+
+One cluster per module (starting processes is the slow part). Regions of the test catalog:
+eu (the gateway's own, two workers), us and ap (one worker each; us is nearer to eu).
+Tests that break the cluster (kill a worker, drain one, stop Redis) run last, in file order.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import signal
+import time
+from pathlib import Path
+
+import aiohttp
+import openai
+import orjson
+import pytest
+
+from kvstore.redis_server import LocalRedis
+from runtime.llm import LLM
+from runtime.sampling_params import SamplingParams
+from tests.stack import (
+    SECRET,
+    Proc,
+    chat_model,
+    get_json,
+    start_gateway,
+    start_worker,
+    wait_until,
+    worker_stats,
+)
+
+API_KEY = "test-key"
+CATALOG = """
+regions:
+  - {name: eu, latitude: 50.11, longitude: 8.68, settings: {models: [stories, ghost-model]}}
+  - {name: us, latitude: 38.95, longitude: -77.45, settings: {}}
+  - {name: ap, latitude: 1.35, longitude: 103.82, settings: {}}
+"""
+MESSAGES = [{"role": "user", "content": "Tell me a story about a cat."}]
+
+
+class Cluster:
+    def __init__(self, root: Path, stories: Path) -> None:
+        self.root = root
+        self.model = chat_model(stories, root / "stories-chat")
+        (root / "regions.yaml").write_text(CATALOG)
+        self.redis = LocalRedis().start()
+        self.workers: dict[str, Proc] = {}
+        for name, region in (("eu1", "eu"), ("eu2", "eu"), ("us1", "us"), ("ap1", "ap")):
+            self.workers[name] = start_worker(name, self.model, self.redis.url, root, region)
+        self.gateway = start_gateway(
+            "gw",
+            self.redis.url,
+            root / "regions.yaml",
+            root,
+            "eu",
+            ["--api-key", API_KEY, "--max-body-bytes", "65536"],
+        )
+        wait_until(
+            lambda: get_json(f"{self.gateway.url}/readyz")[1]["workers"] == 4, 30, "4 workers"
+        )
+        self.client = openai.OpenAI(
+            base_url=f"{self.gateway.url}/v1", api_key=API_KEY, max_retries=0, timeout=60
+        )
+
+    def by_id(self, worker_id: str) -> Proc:
+        return next(w for w in self.workers.values() if w.meta["worker_id"] == worker_id)
+
+    def close(self) -> None:
+        self.gateway.stop()
+        for w in self.workers.values():
+            w.stop()
+        self.redis.stop()
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory: pytest.TempPathFactory, stories_dir: Path):  # type: ignore[no-untyped-def]
+    c = Cluster(tmp_path_factory.mktemp("cluster"), stories_dir)
+    try:
+        yield c
+    finally:
+        c.close()
+
+
+@pytest.fixture(scope="module")
+def reference(cluster: Cluster) -> LLM:
+    """The engine itself, in this process, on the same weights: what the service must answer."""
+    return LLM(cluster.model, kv_cache_bytes=4_000_000)
+
+
+def _post(cluster: Cluster, path: str, body: object, headers: dict[str, str] | None = None):  # type: ignore[no-untyped-def]
+    import urllib.error
+    import urllib.request
+
+    data = body if isinstance(body, bytes) else orjson.dumps(body)
+    req = urllib.request.Request(
+        f"{cluster.gateway.url}{path}",
+        data=data,
+        headers={"Authorization": f"Bearer {API_KEY}", "Content-Type": "application/json"}
+        | (headers or {}),
+        method="POST",
+    )
+    try:
+        with urllib.request.urlopen(req, timeout=30) as resp:
+            return resp.status, dict(resp.headers), orjson.loads(resp.read())
+    except urllib.error.HTTPError as e:
+        return e.code, dict(e.headers), orjson.loads(e.read())
+
+
+def _get(cluster: Cluster, path: str) -> tuple[int, dict]:  # type: ignore[type-arg]
+    import urllib.error
+    import urllib.request
+
+    req = urllib.request.Request(
+        f"{cluster.gateway.url}{path}", headers={"Authorization": f"Bearer {API_KEY}"}
+    )
+    try:
+        with urllib.request.urlopen(req, timeout=30) as resp:
+            return resp.status, orjson.loads(resp.read())
+    except urllib.error.HTTPError as e:
+        return e.code, orjson.loads(e.read())
+
+
+# ---------------------------------------------------------------------- the API works
+def test_health_ready_models_openapi(cluster: Cluster) -> None:
+    gw = cluster.gateway.url
+    assert get_json(f"{gw}/healthz") == (200, {"status": "ok"})
+    status, ready = get_json(f"{gw}/readyz")
+    assert status == 200 and ready["redis"] and ready["workers"] == 4
+    assert [m.id for m in cluster.client.models.list().data] == ["stories"]
+    status, spec = get_json(f"{gw}/openapi.json")
+    assert status == 200 and spec["openapi"].startswith("3.")
+    assert {"/v1/chat/completions", "/v1/completions", "/v1/models"} <= set(spec["paths"])
+
+
+@pytest.mark.parametrize("sampling", [{"temperature": 0.0}, {"temperature": 0.9, "seed": 11}])
+def test_chat_matches_engine(cluster: Cluster, reference: LLM, sampling: dict) -> None:  # type: ignore[type-arg]
+    want = reference.chat(MESSAGES, SamplingParams(max_tokens=24, **sampling))[0]
+    raw = cluster.client.chat.completions.with_raw_response.create(
+        model="stories", messages=MESSAGES, max_tokens=24, **sampling
+    )
+    resp = raw.parse()
+    assert resp.choices[0].message.content == want.outputs[0].text
+    assert resp.choices[0].message.role == "assistant"
+    assert resp.choices[0].finish_reason == want.outputs[0].finish_reason
+    assert resp.usage.prompt_tokens == len(want.prompt_token_ids)
+    assert resp.usage.completion_tokens == len(want.outputs[0].token_ids)
+    assert raw.headers["x-edgeinfer-region"] == "eu"
+    assert raw.headers["x-edgeinfer-worker"] in {
+        cluster.workers[n].meta["worker_id"] for n in ("eu1", "eu2")
+    }
+
+    stream = cluster.client.chat.completions.create(
+        model="stories",
+        messages=MESSAGES,
+        max_tokens=24,
+        stream=True,
+        stream_options={"include_usage": True},
+        **sampling,
+    )
+    chunks = list(stream)
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text == want.outputs[0].text
+    finishes = [
+        c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason
+    ]
+    assert finishes == [want.outputs[0].finish_reason]
+    assert chunks[-1].choices == [] and chunks[-1].usage is not None
+    assert chunks[-1].usage.completion_tokens == len(want.outputs[0].token_ids)
+    assert chunks[-1].usage.prompt_tokens_details.cached_tokens == 0
+
+
+def test_completion_matches_engine(cluster: Cluster, reference: LLM) -> None:
+    prompt = "Once upon a time"
+    want = reference.generate([prompt], SamplingParams(max_tokens=20, temperature=0, logprobs=2))[0]
+    resp = cluster.client.completions.create(
+        model="stories", prompt=prompt, max_tokens=20, temperature=0, logprobs=2
+    )
+    choice = resp.choices[0]
+    assert choice.text == want.outputs[0].text
+    assert choice.logprobs is not None and len(choice.logprobs.tokens) == 20
+    want_lp = [lp.logprob for lp in want.outputs[0].logprobs or []]
+    assert choice.logprobs.token_logprobs == pytest.approx(want_lp, abs=1e-4)
+    assert all(len(top) == 2 for top in choice.logprobs.top_logprobs)
+
+    chunks = list(
+        cluster.client.completions.create(
+            model="stories", prompt=prompt, max_tokens=20, temperature=0, stream=True
+        )
+    )
+    assert "".join(c.choices[0].text for c in chunks if c.choices) == want.outputs[0].text
+    # token ids as the prompt
+    ids = reference.tokenizer.encode(prompt)
+    resp = cluster.client.completions.create(
+        model="stories", prompt=ids, max_tokens=20, temperature=0
+    )
+    assert resp.choices[0].text == want.outputs[0].text
+
+
+def test_n_completions_and_stop(cluster: Cluster, reference: LLM) -> None:
+    params = SamplingParams(n=2, max_tokens=16, temperature=0.8, seed=5, stop=["."])
+    want = reference.generate(["Once upon a time"], params)[0]
+    resp = cluster.client.completions.create(
+        model="stories", prompt="Once upon a time", n=2, max_tokens=16, temperature=0.8, seed=5,
+        stop=["."],
+    )  # fmt: skip
+    assert [c.text for c in sorted(resp.choices, key=lambda c: c.index)] == [
+        o.text for o in want.outputs
+    ]
+
+
+# ---------------------------------------------------------------------- routing
+def test_session_affinity_sticks_and_sessions_spread(cluster: Cluster) -> None:
+    seen = set()
+    for _ in range(20):
+        raw = cluster.client.completions.with_raw_response.create(
+            model="stories",
+            prompt="Once upon a time",
+            max_tokens=2,
+            extra_headers={"x-session-affinity": "alpha"},
+        )
+        assert raw.headers["x-edgeinfer-region"] == "eu"
+        seen.add(raw.headers["x-edgeinfer-worker"])
+    assert len(seen) == 1, seen
+
+    owners = set()
+    for i in range(8):
+        raw = cluster.client.completions.with_raw_response.create(
+            model="stories",
+            prompt="Once upon a time",
+            max_tokens=2,
+            extra_headers={"x-session-affinity": f"spread-{i}"},
+        )
+        owners.add(raw.headers["x-edgeinfer-worker"])
+    eu = {cluster.workers[n].meta["worker_id"] for n in ("eu1", "eu2")}
+    assert owners == eu
+
+
+# ---------------------------------------------------------------------- bad input
+BAD = [
+    # (path, body, status, param)
+    ("/v1/chat/completions", b"{not json", 400, None),
+    ("/v1/chat/completions", {"model": "nope", "messages": MESSAGES}, 404, "model"),
+    ("/v1/chat/completions", {"model": "stories"}, 400, "messages"),
+    ("/v1/chat/completions", {"model": "stories", "messages": "hi"}, 400, "messages"),
+    ("/v1/chat/completions", {"model": 7, "messages": MESSAGES}, 400, "model"),
+    ("/v1/chat/completions", {"model": "stories", "messages": MESSAGES, "temperature": 3}, 400, "temperature"),
+    ("/v1/chat/completions", {"model": "stories", "messages": MESSAGES, "top_p": 0}, 400, "top_p"),
+    ("/v1/chat/completions", {"model": "stories", "messages": MESSAGES, "max_tokens": 0}, 400, "max_tokens"),
+    ("/v1/chat/completions", {"model": "stories", "messages": MESSAGES, "n": "2"}, 400, "n"),
+    ("/v1/completions", {"model": "stories", "prompt": ""}, 400, "prompt"),
+    ("/v1/completions", {"model": "stories", "prompt": "hi", "max_tokens": 100000}, 400, "max_tokens"),
+    ("/v1/completions", {"model": "stories", "prompt": "hi " * 2000}, 400, "prompt"),
+    ("/v1/completions", {"model": "stories", "prompt": [1, 2, 99999]}, 400, "prompt"),
+    ("/v1/completions", [1, 2], 400, None),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize(("path", "body", "status", "param"), BAD)
+def test_bad_input_gets_openai_error(cluster: Cluster, path: str, body: object, status: int, param: str | None) -> None:  # fmt: skip
+    got, _, err = _post(cluster, path, body)
+    assert got == status, err
+    assert set(err["error"]) == {"message", "type", "param", "code"}
+    assert err["error"]["message"]
+    if param is not None:
+        assert err["error"]["param"] == param, err
+
+
+def test_limits_auth_paths(cluster: Cluster) -> None:
+    status, _, err = _post(cluster, "/v1/completions", b'{"prompt": "' + b"x" * 70000 + b'"}')
+    assert status == 413 and "65536" in err["error"]["message"]
+    status, _, err = _post(cluster, "/v1/completions", {"model": "stories", "prompt": "hi"},
+                           {"Authorization": "Bearer wrong"})  # fmt: skip
+    assert status == 401 and err["error"]["type"] == "authentication_error"
+    with pytest.raises(openai.AuthenticationError):
+        openai.OpenAI(
+            base_url=f"{cluster.gateway.url}/v1", api_key="nope", max_retries=0
+        ).models.list()
+    status, err = _get(cluster, "/v1/nowhere")
+    assert status == 404 and err["error"]["type"] == "not_found_error"
+    status, err = _get(cluster, "/v1/chat/completions")
+    assert status == 405 and err["error"]["code"] == "method_not_allowed"
+    status, _, err = _post(cluster, "/v1/completions", {"model": "ghost-model", "prompt": "hi"})
+    assert status == 503 and err["error"]["code"] == "no_workers"
+
+
+def test_worker_refuses_without_secret(cluster: Cluster) -> None:
+    w = cluster.workers["eu1"]
+    assert get_json(f"{w.url}/internal/stats")[0] == 401
+    assert get_json(f"{w.url}/internal/stats", "wrong")[0] == 401
+    assert get_json(f"{w.url}/internal/stats", SECRET)[0] == 200
+
+
+def test_client_disconnect_frees_blocks(cluster: Cluster) -> None:
+    async def run() -> str:
+        async with aiohttp.ClientSession() as s:
+            resp = await s.post(
+                f"{cluster.gateway.url}/v1/completions",
+                json={"model": "stories", "prompt": "Once upon a time", "max_tokens": 480,
+                      "ignore_eos": True, "stream": True},
+                headers={"Authorization": f"Bearer {API_KEY}", "x-session-affinity": "gone"},
+            )  # fmt: skip
+            assert resp.status == 200
+            await resp.content.readline()  # the first token arrived
+            worker = resp.headers["x-edgeinfer-worker"]
+            resp.close()  # hang up mid-stream
+            return worker
+
+    before = {n: worker_stats(w)["num_aborted"] for n, w in cluster.workers.items()}
+    worker = cluster.by_id(asyncio.run(run()))
+    name = next(n for n, w in cluster.workers.items() if w is worker)
+
+    def freed() -> bool:
+        s = worker_stats(worker)
+        return (
+            s["open_requests"] == 0
+            and s["free_kv_blocks"] == s["total_kv_blocks"]
+            and s["num_aborted"] == before[name] + 1
+        )
+
+    wait_until(freed, 10, "the worker to abort the request and free its blocks", worker)
+
+
+# ---------------------------------------------------------------------- faults (run last)
+def _placement(cluster: Cluster, session: str) -> dict:  # type: ignore[type-arg]
+    import redis
+
+    r = redis.Redis.from_url(cluster.redis.url)
+    try:
+        return orjson.loads(r.get(f"ei:s:{{{session}}}"))
+    finally:
+        r.close()
+
+
+def test_killed_worker_sessions_are_replaced(cluster: Cluster) -> None:
+    raw = cluster.client.completions.with_raw_response.create(
+        model="stories", prompt="Hi", max_tokens=2, extra_headers={"x-session-affinity": "beta"}
+    )
+    first = raw.headers["x-edgeinfer-worker"]
+    assert _placement(cluster, "beta")["worker_id"] == first
+    cluster.by_id(first).kill()
+    raw = cluster.client.completions.with_raw_response.create(
+        model="stories", prompt="Hi", max_tokens=2, extra_headers={"x-session-affinity": "beta"}
+    )
+    second = raw.headers["x-edgeinfer-worker"]
+    assert second != first and raw.headers["x-edgeinfer-region"] == "eu"
+    wait_until(lambda: _placement(cluster, "beta")["worker_id"] == second, 5, "re-placement")
+
+
+def test_sigterm_drains_in_flight_then_geo_routes(cluster: Cluster) -> None:
+    last = next(w for n, w in cluster.workers.items() if n.startswith("eu") and w.alive())
+    stream = cluster.client.completions.create(
+        model="stories", prompt="Once upon a time", max_tokens=300, stream=True,
+        extra_body={"ignore_eos": True}, extra_headers={"x-session-affinity": "drain"},
+    )  # fmt: skip
+    chunks = [next(iter(stream))]
+    last.signal(signal.SIGTERM)  # mid-stream: this request must still finish
+    chunks += list(stream)
+    assert sum(len(c.choices[0].text) > 0 for c in chunks if c.choices) >= 250
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "length"
+    last.popen.wait(20)
+    assert last.popen.returncode == 0, last.tail()
+
+    # eu has no worker left: the nearest region with capacity (us, not ap) serves
+    raw = cluster.client.chat.completions.with_raw_response.create(
+        model="stories", messages=MESSAGES, max_tokens=4
+    )
+    assert raw.headers["x-edgeinfer-region"] == "us"
+    assert raw.headers["x-edgeinfer-route"] == "remote"
+
+
+def test_redis_outage_keeps_serving(cluster: Cluster) -> None:
+    cluster.redis.stop()
+    t0 = time.monotonic()
+    resp = cluster.client.completions.create(model="stories", prompt="Hi", max_tokens=3)
+    assert resp.choices[0].text
+    assert time.monotonic() - t0 < 10
+    wait_until(lambda: get_json(f"{cluster.gateway.url}/readyz")[0] == 503, 10, "not ready")
+    # affinity is skipped, not an error
+    resp = cluster.client.completions.create(
+        model="stories", prompt="Hi", max_tokens=3, extra_headers={"x-session-affinity": "x"}
+    )
+    assert resp.choices[0].text
+    cluster.redis.start()
+    wait_until(lambda: get_json(f"{cluster.gateway.url}/readyz")[0] == 200, 20, "ready again")
+    assert get_json(f"{cluster.gateway.url}/readyz")[1]["workers"] >= 2
