@@ -28,17 +28,18 @@ redis:
 	  $(SUDO) apt-get update -qq && $(SUDO) apt-get install -y -qq redis-server >/dev/null; }
 
 run: setup
-	$(VENV)/bin/edgeinfer chat
+	$(VENV)/bin/edgeinfer up
 
 test: setup
 	$(PY) -m pytest -q
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check runtime kernels gateway kvstore tests bench
-	$(VENV)/bin/mypy runtime kernels
+	$(VENV)/bin/mypy runtime kernels gateway kvstore
 
 bench: setup
-	$(PY) bench/throughput.py
+	$(PY) -m bench.throughput
+	$(PY) -m bench.gateway
 
 clean:
 	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache

@@ -93,7 +93,7 @@ class Proxy:
 
     async def forward(
         self, call: Call
-    ) -> tuple[AsyncGenerator[dict[str, Any], None], list[dict[str, Any]]]:
+    ) -> tuple[AsyncGenerator[list[dict[str, Any]], None], list[dict[str, Any]]]:
         """Pick a worker and read until the request is committed to it; retry elsewhere on failure.
 
         Returns the worker's remaining event stream and the events already read (`head`).
@@ -107,13 +107,13 @@ class Proxy:
             events = self.worker_events(worker, call.gen)
             head: list[dict[str, Any]] = []
             try:
-                async for event in events:
-                    head.append(event)
-                    if event["type"] == "error":
-                        raise WorkerFailed(worker, _event_error(event), dead=False)
-                    if event["type"] == "done" or (
-                        call.options.stream and event["type"] == "delta"
-                    ):
+                async for batch in events:
+                    head += batch
+                    kinds = {e["type"] for e in batch}
+                    if "error" in kinds:
+                        error = next(e for e in batch if e["type"] == "error")
+                        raise WorkerFailed(worker, _event_error(error), dead=False)
+                    if "done" in kinds or (call.options.stream and "delta" in kinds):
                         return events, head
                 raise WorkerFailed(worker, bad_gateway("worker stream ended early"), dead=True)
             except WorkerFailed as e:
@@ -152,8 +152,9 @@ class Proxy:
 
     async def worker_events(
         self, worker: WorkerInfo, gen: GenerateRequest
-    ) -> AsyncGenerator[dict[str, Any], None]:
-        """The worker's event stream; any failure becomes WorkerFailed. Closing it hangs up."""
+    ) -> AsyncGenerator[list[dict[str, Any]], None]:
+        """The worker's events, in batches of whatever arrived together (one write per batch
+        downstream); any failure becomes WorkerFailed. Closing it hangs up on the worker."""
         timeout = aiohttp.ClientTimeout(
             total=None,
             sock_connect=self.config.connect_timeout_s,
@@ -168,10 +169,14 @@ class Proxy:
             ) as resp:
                 if resp.status != 200:
                     raise WorkerFailed(worker, await _refusal(resp), dead=False)
-                async for line in resp.content:
-                    event = decode_event(line)
-                    finished = event["type"] in ("done", "error")
-                    yield event
+                tail = b""
+                async for data in resp.content.iter_any():
+                    *lines, tail = (tail + data).split(b"\n")
+                    if not lines:
+                        continue
+                    batch = [decode_event(line) for line in lines]
+                    finished = batch[-1]["type"] in ("done", "error")
+                    yield batch
                     if finished:
                         return
         except (aiohttp.ClientError, TimeoutError, ValueError) as e:
@@ -201,7 +206,7 @@ class Proxy:
         self,
         request: web.Request,
         call: Call,
-        events: AsyncGenerator[dict[str, Any], None],
+        events: AsyncGenerator[list[dict[str, Any]], None],
         head: list[dict[str, Any]],
     ) -> web.StreamResponse:
         assert call.options is not None and call.worker is not None
@@ -230,26 +235,22 @@ class Proxy:
         )
         await resp.prepare(request)
         try:
-            saw_done = False
-            for event in head:
-                await _write(resp, assembler.on_event(event))
-            async for event in events:
-                if event["type"] == "error":
-                    await resp.write(sse(error_chunk(event.get("message", "worker error"))))
-                    saw_done = True
+            ended = await self._relay(resp, assembler, head)
+            async for batch in events:
+                if ended:
                     break
-                saw_done = event["type"] == "done"
-                await _write(resp, assembler.on_event(event))
-            if not saw_done and head[-1]["type"] != "done":
+                ended = await self._relay(resp, assembler, batch)
+            if not ended:
                 raise WorkerFailed(call.worker, bad_gateway("worker stream ended early"), dead=True)
         except WorkerFailed as e:
             if e.dead:
                 self.view.mark_failed(call.worker.worker_id)
             log.warning("request %s: worker failed mid-stream: %s", call.request_id, e)
-            await _send_quietly(resp, sse(error_chunk(e.error.message)))
+            await _send_quietly(resp, sse(error_chunk(e.error.message)) + SSE_DONE)
+            return resp
         except APIError as e:  # the worker's stream broke the protocol after the first byte
             log.warning("request %s: %s", call.request_id, e.message)
-            await _send_quietly(resp, sse(e.body()))
+            await _send_quietly(resp, sse(e.body()) + SSE_DONE)
             return resp
         except ConnectionError:  # the client went away; closing `events` aborts on the worker
             return resp
@@ -257,6 +258,25 @@ class Proxy:
             await events.aclose()
         await _send_quietly(resp, SSE_DONE)
         return resp
+
+    @staticmethod
+    async def _relay(
+        resp: web.StreamResponse, assembler: ResponseAssembler, batch: list[dict[str, Any]]
+    ) -> bool:
+        """Send a batch of worker events as SSE chunks in one write; True once the stream ended
+        (done, or an error event, which is sent as an error chunk)."""
+        out: list[bytes] = []
+        ended = False
+        for event in batch:
+            if event["type"] == "error":
+                out.append(sse(error_chunk(event.get("message") or "worker error")))
+                ended = True
+                break
+            out += [sse(c) for c in assembler.on_event(event)]
+            ended = event["type"] == "done"
+        if out:
+            await resp.write(b"".join(out))
+        return ended
 
     def _spawn(self, coro: Any) -> None:
         task = asyncio.ensure_future(coro)
@@ -328,8 +348,3 @@ async def _send_quietly(resp: web.StreamResponse, data: bytes) -> None:
         await resp.write_eof()
     except ConnectionError:
         pass
-
-
-async def _write(resp: web.StreamResponse, chunks: list[dict[str, Any]]) -> None:
-    if chunks:
-        await resp.write(b"".join(sse(c) for c in chunks))

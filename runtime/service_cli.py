@@ -14,7 +14,9 @@ import logging
 import os
 import sys
 import time
+from collections.abc import Coroutine
 from pathlib import Path
+from typing import Any
 
 DEFAULT_REDIS = "redis://127.0.0.1:6379/0"
 
@@ -26,6 +28,13 @@ def _secret(args: argparse.Namespace) -> str:
             "edgeinfer: error: the workers' shared secret is required: --secret or EDGEINFER_SECRET"
         )
     return str(secret)
+
+
+def _run(main: Coroutine[Any, Any, None]) -> None:
+    """Run a server's main coroutine on uvloop: about half the per-hop cost of asyncio's loop."""
+    import uvloop
+
+    uvloop.run(main)
 
 
 def _logging() -> None:
@@ -98,7 +107,7 @@ def cmd_gateway(args: argparse.Namespace) -> int:
         catalog_path=Path(args.regions),
         max_body_bytes=args.max_body_bytes,
     )
-    asyncio.run(serve(config))
+    _run(serve(config))
     return 0
 
 

@@ -110,10 +110,11 @@ def start_worker(
     log_dir: Path,
     region: str = "local",
     extra: list[str] | None = None,
+    served: str = "stories",
 ) -> Proc:
     port = find_free_port()
     args = [
-        "worker", "--model", str(model), "--served-model-name", "stories", "--region", region,
+        "worker", "--model", str(model), "--served-model-name", served, "--region", region,
         "--port", str(port), "--redis", redis_url, "--threads", "1", "--kv-cache-bytes",
         "4000000", "--heartbeat", "0.3", "--ttl", "1.5", "--drain-timeout", "20", *(extra or []),
     ]  # fmt: skip

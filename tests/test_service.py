@@ -387,3 +387,49 @@ def test_redis_outage_keeps_serving(cluster: Cluster) -> None:
     cluster.redis.start()
     wait_until(lambda: get_json(f"{cluster.gateway.url}/readyz")[0] == 200, 20, "ready again")
     assert get_json(f"{cluster.gateway.url}/readyz")[1]["workers"] >= 2
+
+
+async def _sse_lines(resp: aiohttp.ClientResponse) -> list[bytes]:
+    return [line.strip() async for line in resp.content if line.strip()]
+
+
+def test_at_capacity_429_and_worker_death_mid_stream(cluster: Cluster) -> None:
+    tiny = start_worker("tiny", cluster.model, cluster.redis.url, cluster.root, "eu",
+                        ["--max-num-seqs", "1", "--max-waiting", "1"], served="tiny")  # fmt: skip
+    wait_until(lambda: "tiny" in [m.id for m in cluster.client.models.list().data], 10, "tiny")
+    headers = {"Authorization": f"Bearer {API_KEY}"}
+    long = {"model": "tiny", "prompt": "Once upon a time", "max_tokens": 480, "ignore_eos": True,
+            "stream": True}  # fmt: skip
+    url = f"{cluster.gateway.url}/v1/completions"
+
+    async def run() -> tuple[list[int], list[bytes]]:
+        async with aiohttp.ClientSession(headers=headers) as s:
+            first = await s.post(url, json=long)  # runs: the worker's only slot
+            assert first.status == 200
+            await first.content.readline()
+            queued = asyncio.ensure_future(s.post(url, json=long))  # waits: the queue's only place
+            statuses = []
+            for _ in range(50):  # until the worker's queue (or its heartbeat) says it is full
+                await asyncio.sleep(0.02)
+                r = await s.post(url, json={"model": "tiny", "prompt": "Hi", "max_tokens": 2})
+                statuses.append(r.status)
+                if r.status == 429:
+                    err = await r.json()
+                    assert err["error"]["type"] == "rate_limit_error"
+                    assert int(r.headers["Retry-After"]) >= 1
+                    break
+                await r.read()
+            # kill the worker while `first` streams: the stream ends with an error event
+            tiny.kill()
+            lines = await _sse_lines(first)
+            queued.cancel()
+            return statuses, lines
+
+    statuses, lines = asyncio.run(run())
+    assert statuses[-1] == 429, statuses
+    assert lines[-1] == b"data: [DONE]"
+    error = orjson.loads(lines[-2].removeprefix(b"data: "))
+    assert "error" in error and error["error"]["message"], lines[-3:]
+    # the only worker for the model is gone: 503 with Retry-After
+    status, headers_, err = _post(cluster, "/v1/completions", {"model": "tiny", "prompt": "Hi"})
+    assert status == 503 and "Retry-After" in headers_ and err["error"]["code"] == "no_workers"

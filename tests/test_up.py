@@ -1,0 +1,55 @@
+"""`edgeinfer up` (what `make run` runs): the whole single-node stack starts, serves, and stops."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import openai
+
+from kvstore.redis_server import find_free_port
+from tests.stack import ROOT, chat_model
+
+
+def _port_open(port: int) -> bool:
+    import socket
+
+    with socket.socket() as s:
+        s.settimeout(0.2)
+        return s.connect_ex(("127.0.0.1", port)) == 0
+
+
+def test_up_serves_and_stops_cleanly(tmp_path: Path, stories_dir: Path) -> None:
+    model = chat_model(stories_dir, tmp_path / "stories-chat")
+    port, worker_port = find_free_port(), find_free_port()
+    env = {k: v for k, v in os.environ.items() if not k.startswith("EDGEINFER_")}
+    log = tmp_path / "up.log"
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "runtime.cli", "up", "--model", str(model), "--port", str(port),
+         "--worker-port", str(worker_port), "--threads", "1", "--kv-cache-bytes", "4000000"],
+        cwd=ROOT, env=env | {"PYTHONUNBUFFERED": "1"}, stdout=log.open("wb"),
+        stderr=subprocess.STDOUT,
+    )  # fmt: skip
+    try:
+        deadline = time.monotonic() + 90
+        while "edgeinfer is up" not in log.read_text():
+            assert proc.poll() is None, log.read_text()
+            assert time.monotonic() < deadline, log.read_text()
+            time.sleep(0.1)
+        out = log.read_text()
+        assert f"http://127.0.0.1:{port}/v1" in out and "curl" in out and "started redis-server" in out
+        client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="x", max_retries=0)
+        r = client.chat.completions.create(
+            model="stories-chat", messages=[{"role": "user", "content": "Hi"}], max_tokens=8
+        )
+        assert r.choices[0].message.content
+        proc.send_signal(signal.SIGINT)
+        assert proc.wait(60) == 0, log.read_text()
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert not _port_open(port) and not _port_open(worker_port)
