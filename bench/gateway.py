@@ -7,7 +7,10 @@ tokens each, through the gateway (`POST /v1/completions`, SSE) and straight to t
 - TTFT: from sending the request to receiving the first token (p50, p99);
 - requests/s over the phase;
 - the gateway's added latency: gateway TTFT minus direct TTFT, at p50 and p99;
-- the gateway process's CPU use during its phase, in cores (from /proc/<pid>/stat).
+- the gateway process's CPU use during its phase, in cores (from /proc/<pid>/stat);
+- the gateway's own work on the first-token path, from its `Server-Timing` header (arrival to
+  forward, first token to response headers): the part of the added latency that is the
+  gateway's code, free of the engine's queueing noise.
 
 All processes share all CPUs by default. `--pin` gives the gateway half the CPUs to itself and
 the worker and the load generator the other half (the same for both paths), as when the gateway
@@ -27,7 +30,6 @@ import argparse
 import asyncio
 import os
 import platform
-import statistics
 import sys
 import tempfile
 import time
@@ -55,6 +57,7 @@ class Phase:
     wall: float = 0.0  # seconds the phase's requests took
     count: int = 0
     cpu_s: float = 0.0  # gateway CPU seconds used during gateway phases
+    own: list[float] = field(default_factory=list)  # gateway's own ms on the TTFT path
 
     def pct(self, q: float) -> float:
         xs = sorted(self.ttft)
@@ -87,7 +90,16 @@ async def _one_direct(s: aiohttp.ClientSession, url: str, i: int) -> float:
     return ttft
 
 
-async def _one_gateway(s: aiohttp.ClientSession, url: str, i: int) -> float:
+def _own_ms(resp: aiohttp.ClientResponse) -> float:
+    """The gateway's own time on the first-token path, from its Server-Timing header."""
+    for part in resp.headers["Server-Timing"].split(","):
+        name, _, dur = part.strip().partition(";dur=")
+        if name == "gateway":
+            return float(dur)
+    raise ValueError(resp.headers["Server-Timing"])
+
+
+async def _one_gateway(s: aiohttp.ClientSession, url: str, i: int, own: list[float]) -> float:
     body = {
         "model": "stories",
         "prompt": PROMPTS[i % len(PROMPTS)],
@@ -102,6 +114,7 @@ async def _one_gateway(s: aiohttp.ClientSession, url: str, i: int) -> float:
     async with s.post(f"{url}/v1/completions", data=orjson.dumps(body),
                       headers={"Content-Type": "application/json"}) as resp:  # fmt: skip
         resp.raise_for_status()
+        own.append(_own_ms(resp))
         async for line in resp.content:
             if not line.startswith(b"data: "):
                 continue
@@ -122,7 +135,10 @@ async def _run(one, url: str, n: int, concurrency: int, phase: Phase) -> None:  
 
         async def client() -> None:
             for i in queue:
-                phase.ttft.append(await one(s, url, i))
+                if one is _one_gateway:
+                    phase.ttft.append(await one(s, url, i, phase.own))
+                else:
+                    phase.ttft.append(await one(s, url, i))
 
         t0 = time.perf_counter()
         await asyncio.gather(*(client() for _ in range(concurrency)))
@@ -166,10 +182,17 @@ def _report(title: str, direct: Phase, via: Phase) -> None:
         f"(target <= 5 ms); throughput ratio gateway/direct {via.rps / direct.rps:.2f}x; "
         f"gateway CPU {via.cpu_s / via.wall:.2f} cores (target < 1)"
     )
+    own = sorted(via.own)
+    print(
+        f"  the gateway's own work on the first-token path (its Server-Timing header): "
+        f"p50 {own[len(own) // 2]:.3f} ms, p99 {own[min(len(own) - 1, int(0.99 * len(own)))]:.3f} ms"
+    )
 
 
 def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     ap.add_argument("--requests", type=int, default=2000)
     ap.add_argument("--concurrency", type=int, default=64)
     ap.add_argument("--rounds", type=int, default=4, help="alternations of the two paths")
@@ -192,7 +215,9 @@ def main() -> int:
     )
     with tempfile.TemporaryDirectory() as tmp, LocalRedis() as redis:
         root = Path(tmp)
-        (root / "regions.yaml").write_text("regions:\n  - {name: local, latitude: 0, longitude: 0}\n")
+        (root / "regions.yaml").write_text(
+            "regions:\n  - {name: local, latitude: 0, longitude: 0}\n"
+        )
         cpus = sorted(os.sched_getaffinity(0))
         pin = args.pin and len(cpus) >= 2
         half = len(cpus) // 2
@@ -213,7 +238,9 @@ def main() -> int:
             direct, via = asyncio.run(
                 _measure(worker, gateway, args.requests, args.concurrency, args.rounds)
             )
-            _report(f"concurrency {args.concurrency}, {args.requests} requests per path", direct, via)
+            _report(
+                f"concurrency {args.concurrency}, {args.requests} requests per path", direct, via
+            )
             if args.unloaded_requests:
                 d1, g1 = asyncio.run(_measure(worker, gateway, args.unloaded_requests, 1, 2))
                 _report(f"concurrency 1 (the gateway's own cost), {args.unloaded_requests} requests per path", d1, g1)  # fmt: skip

@@ -52,7 +52,9 @@ class Call:
 
     request_id: str  # our id, sent to the worker and returned as x-request-id
     session_id: str | None  # the x-session-affinity header
-    started: float  # monotonic arrival time
+    started: float  # perf_counter() at arrival
+    forwarded: float = 0.0  # perf_counter() when the first attempt went to a worker
+    answered: float = 0.0  # perf_counter() when the serving worker's first token arrived
     gen: GenerateRequest | None = None  # the validated request, as the worker gets it
     options: RequestOptions | None = None  # what the response needs
     placement: Placement | None = None  # the session's placement before this request
@@ -71,7 +73,7 @@ class Proxy:
 
     # ------------------------------------------------------------------ phases
     async def handle(self, request: web.Request, parse: Parser) -> web.StreamResponse:
-        call = Call(uuid.uuid4().hex, _session_id(request), time.monotonic())
+        call = Call(uuid.uuid4().hex, _session_id(request), time.perf_counter())
         body = await _read_json(request)
         call.gen, call.options = parse(body, call.request_id, call.session_id)  # validate
         self.resolve_model(call)
@@ -103,6 +105,7 @@ class Proxy:
         for _ in range(self.config.max_attempts):
             worker = self.route(call, last)
             call.worker, call.cost = worker, _cost(call.gen)
+            call.forwarded = call.forwarded or time.perf_counter()
             self.view.router.sent(worker.worker_id, call.cost)
             events = self.worker_events(worker, call.gen)
             head: list[dict[str, Any]] = []
@@ -114,6 +117,7 @@ class Proxy:
                         error = next(e for e in batch if e["type"] == "error")
                         raise WorkerFailed(worker, _event_error(error), dead=False)
                     if "done" in kinds or (call.options.stream and "delta" in kinds):
+                        call.answered = time.perf_counter()
                         return events, head
                 raise WorkerFailed(worker, bad_gateway("worker stream ended early"), dead=True)
             except WorkerFailed as e:
@@ -216,6 +220,7 @@ class Proxy:
             "x-edgeinfer-worker": call.worker.worker_id,
             "x-edgeinfer-region": call.worker.region,
             "x-edgeinfer-route": call.route_reason,
+            "Server-Timing": _server_timing(call),
         }
         if not call.options.stream:
             for event in head:
@@ -289,6 +294,15 @@ class Proxy:
 
 
 # ---------------------------------------------------------------------- helpers
+def _server_timing(call: Call) -> str:
+    """Where the time to the first token went: `gateway` is this process's own work on that path
+    (validate, route, forward; relay up to the response headers), `worker` the wait for the
+    worker's first token (engine queueing and prefill, earlier failed attempts included)."""
+    now = time.perf_counter()
+    own = (call.forwarded - call.started) + (now - call.answered)
+    return f"gateway;dur={own * 1000:.3f}, worker;dur={(call.answered - call.forwarded) * 1000:.3f}"
+
+
 def _session_id(request: web.Request) -> str | None:
     value = request.headers.get(SESSION_HEADER)
     if value is None:

@@ -325,6 +325,22 @@ def test_client_disconnect_frees_blocks(cluster: Cluster) -> None:
 
 
 # ---------------------------------------------------------------------- faults (run last)
+def _post_worker(worker: Proc, body: dict) -> tuple[int, dict]:  # type: ignore[type-arg]
+    import urllib.error
+    import urllib.request
+
+    req = urllib.request.Request(
+        f"{worker.url}/internal/generate", data=orjson.dumps(body),
+        headers={"x-edgeinfer-secret": SECRET}, method="POST",
+    )  # fmt: skip
+    try:
+        with urllib.request.urlopen(req, timeout=10) as resp:
+            resp.read()
+            return resp.status, {}
+    except urllib.error.HTTPError as e:
+        return e.code, orjson.loads(e.read())
+
+
 def _placement(cluster: Cluster, session: str) -> dict:  # type: ignore[type-arg]
     import redis
 
@@ -358,6 +374,15 @@ def test_sigterm_drains_in_flight_then_geo_routes(cluster: Cluster) -> None:
     )  # fmt: skip
     chunks = [next(iter(stream))]
     last.signal(signal.SIGTERM)  # mid-stream: this request must still finish
+    # while it drains, the worker refuses new work (the gateway would try elsewhere)
+    refused = None
+    for _ in range(100):
+        refused = _post_worker(last, {"request_id": f"late-{_}", "model": "stories", "prompt": "Hi",
+                                      "sampling": {"max_tokens": 1}})  # fmt: skip
+        if refused[0] == 503:
+            break
+        time.sleep(0.01)
+    assert refused is not None and refused[0] == 503 and refused[1]["error"]["code"] == "draining"
     chunks += list(stream)
     assert sum(len(c.choices[0].text) > 0 for c in chunks if c.choices) >= 250
     assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "length"

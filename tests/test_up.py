@@ -41,7 +41,9 @@ def test_up_serves_and_stops_cleanly(tmp_path: Path, stories_dir: Path) -> None:
             assert time.monotonic() < deadline, log.read_text()
             time.sleep(0.1)
         out = log.read_text()
-        assert f"http://127.0.0.1:{port}/v1" in out and "curl" in out and "started redis-server" in out
+        assert (
+            f"http://127.0.0.1:{port}/v1" in out and "curl" in out and "started redis-server" in out
+        )
         client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="x", max_retries=0)
         r = client.chat.completions.create(
             model="stories-chat", messages=[{"role": "user", "content": "Hi"}], max_tokens=8
