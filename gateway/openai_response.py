@@ -44,7 +44,7 @@ SSE_DONE = b"data: [DONE]\n\n"
 MIN_LOGPROB = -9999.0  # stands in for -inf
 FINISH_REASONS = frozenset({"stop", "length"})
 # Error-event codes that mean "this worker is going away", not "this request is bad".
-UNAVAILABLE_CODES = frozenset({"draining", "shutdown", "aborted", "engine_dead"})
+UNAVAILABLE_CODES = frozenset({"draining", "shutdown", "aborted", "engine_dead", "queue_full"})
 
 
 def sse(obj: dict[str, Any]) -> bytes:

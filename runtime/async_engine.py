@@ -1,10 +1,16 @@
 """The asyncio front of the engine: stream tokens per request, abort at any time.
 
-One background thread runs the synchronous step loop (torch releases the GIL inside its
-operators, so the event loop stays responsive). Callers on any event loop submit requests and
-read outputs from a per-request asyncio queue fed with `call_soon_threadsafe`. A lock serializes
-the engine between the loop thread and callers: an abort takes effect between two steps, and the
-request's KV blocks are free when `abort` returns.
+One background thread owns the engine and runs the synchronous step loop; the event loop never
+waits for a step. Callers validate and tokenize a request on their own thread
+(`LLMEngine.prepare_request`, so bad input fails at once with a status code) and post it to an
+inbox; the engine thread moves the inbox into the scheduler between two steps, runs the step
+with no lock held (torch releases the GIL inside its operators), and hands each request's
+outputs to its asyncio queue with `call_soon_threadsafe`. An abort is posted the same way: the
+request's KV blocks are free before the next step starts.
+
+    caller (event loop)                engine thread
+    submit: prepare_request  ──inbox──▶  enqueue ─▶ step ─▶ outputs ──call_soon_threadsafe──▶ queue
+    abort                    ──inbox──▶  abort (blocks freed)
 """
 
 from __future__ import annotations
@@ -15,9 +21,9 @@ import threading
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
-from runtime.engine import LLMEngine, Prompt
+from runtime.engine import LLMEngine, Prompt, RequestGroup
 from runtime.outputs import RequestOutput
-from runtime.sampling_params import SamplingParams
+from runtime.sampling_params import InvalidRequestError, SamplingParams
 
 log = logging.getLogger(__name__)
 
@@ -32,12 +38,23 @@ class _Stream:
     queue: asyncio.Queue[RequestOutput | BaseException]
 
 
+@dataclass(slots=True)
+class _Add:
+    group: RequestGroup  # validated and tokenized by the caller
+
+
+@dataclass(slots=True)
+class _Abort:
+    request_id: str
+
+
 class AsyncLLM:
     def __init__(self, engine: LLMEngine):
         self.engine = engine
-        self._lock = threading.Lock()
-        self._wake = threading.Condition(self._lock)
+        self._cv = threading.Condition()  # guards the fields below, never held during a step
+        self._inbox: list[_Add | _Abort] = []
         self._streams: dict[str, _Stream] = {}
+        self._stats = engine.stats()  # refreshed by the engine thread after each change
         self._stopped = False
         self._thread = threading.Thread(target=self._run, name="engine-loop", daemon=True)
         self._thread.start()
@@ -49,17 +66,20 @@ class AsyncLLM:
 
         Raises InvalidRequestError (a ValueError) on bad input, QueueFullError when the waiting
         queue is at its bound, EngineDeadError after shutdown: all before anything is queued, so
-        a server can answer with a status code before it starts streaming.
+        a server can answer with a status code before it starts streaming. Never waits for a step.
         """
+        rid = request_id or self.engine.next_request_id()
+        group = self.engine.prepare_request(rid, prompt, params)
         stream = _Stream(asyncio.get_running_loop(), asyncio.Queue())
-        with self._wake:
+        with self._cv:
             if self._stopped:
                 raise EngineDeadError("the engine is shut down")
-            rid = request_id or self.engine.next_request_id()
-            prompt_ids = self.engine.add_request(rid, prompt, params)
+            if rid in self._streams:
+                raise InvalidRequestError("request_id", f"{rid!r} is already in use")
             self._streams[rid] = stream
-            self._wake.notify()
-        return RequestStream(self, rid, prompt_ids, stream.queue)
+            self._inbox.append(_Add(group))
+            self._cv.notify()
+        return RequestStream(self, rid, group.prompt_token_ids, stream.queue)
 
     async def generate(
         self, prompt: Prompt, params: SamplingParams, request_id: str | None = None
@@ -76,17 +96,19 @@ class AsyncLLM:
             stream.close()
 
     def abort(self, request_id: str) -> bool:
-        """Stop a request; returns whether it was still running. Its blocks are freed on return."""
-        with self._lock:
-            stream = self._streams.pop(request_id, None)
-            out = self.engine.abort(request_id)
-        if stream is not None and out is not None:
-            stream.loop.call_soon_threadsafe(stream.queue.put_nowait, out)
-        return out is not None
+        """Stop a request; returns whether it was still open. Its KV blocks are freed before the
+        engine's next step; its stream ends with the aborted output."""
+        with self._cv:
+            if request_id not in self._streams:
+                return False
+            self._inbox.append(_Abort(request_id))
+            self._cv.notify()
+        return True
 
     def stats(self) -> dict[str, int]:
-        with self._lock:
-            return self.engine.stats()
+        """Load figures as of the last step (no waiting for a running step)."""
+        with self._cv:
+            return dict(self._stats)
 
     @property
     def num_open_streams(self) -> int:
@@ -94,50 +116,64 @@ class AsyncLLM:
         return len(self._streams)
 
     def shutdown(self) -> None:
-        with self._wake:
+        with self._cv:
             self._stopped = True
-            self._wake.notify()
+            self._cv.notify()
         self._thread.join(timeout=30)
-        self._fail_all(EngineDeadError("the engine shut down"))
+        with self._cv:
+            streams, self._streams = self._streams, {}
+        for stream in streams.values():
+            stream.loop.call_soon_threadsafe(
+                stream.queue.put_nowait, EngineDeadError("the engine shut down")
+            )
 
+    # ------------------------------------------------------------------ the engine thread
     def _run(self) -> None:
+        engine = self.engine
         while True:
-            with self._wake:
-                while not self._stopped and not self.engine.has_unfinished():
-                    self._wake.wait()
+            with self._cv:
+                while not self._stopped and not self._inbox and not engine.has_unfinished():
+                    self._cv.wait()
                 if self._stopped:
                     return
-                try:
-                    outputs = self.engine.step()
-                except Exception as e:  # a bug in a step: fail its requests, keep serving
-                    log.exception("engine step failed")
-                    self._abort_all_locked(e)
+                inbox, self._inbox = self._inbox, []
+            deliveries: list[tuple[str, RequestOutput | BaseException]] = []
+            for cmd in inbox:
+                if isinstance(cmd, _Add):
+                    try:
+                        engine.enqueue(cmd.group)
+                    except Exception as e:  # the queue filled up since submit checked
+                        deliveries.append((cmd.group.request_id, e))
+                else:
+                    out = engine.abort(cmd.request_id)
+                    if out is not None:
+                        deliveries.append((cmd.request_id, out))
+            try:
+                outputs = engine.step()
+            except Exception as e:  # a bug in a step: fail its requests, keep serving
+                log.exception("engine step failed")
+                for rid in engine.unfinished_request_ids():
+                    engine.abort(rid)
+                    deliveries.append((rid, EngineDeadError(f"engine step failed: {e!r}")))
+                outputs = []
+            deliveries += [(out.request_id, out) for out in outputs]
+            self._deliver(deliveries, engine.stats())
+
+    def _deliver(
+        self, deliveries: list[tuple[str, RequestOutput | BaseException]], stats: dict[str, int]
+    ) -> None:
+        with self._cv:
+            self._stats = stats
+            routed = []
+            for rid, item in deliveries:
+                stream = self._streams.get(rid)
+                if stream is None:
                     continue
-                deliveries = []
-                for out in outputs:
-                    stream = self._streams.get(out.request_id)
-                    if stream is None:
-                        continue
-                    if out.finished:
-                        del self._streams[out.request_id]
-                    deliveries.append((stream, out))
-            for stream, out in deliveries:
-                stream.loop.call_soon_threadsafe(stream.queue.put_nowait, out)
-
-    def _abort_all_locked(self, error: Exception) -> None:
-        streams, self._streams = self._streams, {}
-        for rid, stream in streams.items():
-            self.engine.abort(rid)
-            err = (
-                error
-                if isinstance(error, EngineDeadError)
-                else EngineDeadError(f"engine step failed: {error!r}")
-            )
-            stream.loop.call_soon_threadsafe(stream.queue.put_nowait, err)
-
-    def _fail_all(self, error: Exception) -> None:
-        with self._lock:
-            self._abort_all_locked(error)
+                if isinstance(item, BaseException) or item.finished:
+                    del self._streams[rid]
+                routed.append((stream, item))
+        for stream, item in routed:
+            stream.loop.call_soon_threadsafe(stream.queue.put_nowait, item)
 
 
 class RequestStream:
@@ -170,7 +206,8 @@ class RequestStream:
         return item
 
     def close(self) -> None:
-        """Abort the request unless it already finished; its KV blocks are free on return."""
+        """Abort the request unless it already finished; its KV blocks are freed before the
+        engine's next step."""
         if not self.finished:
             self.finished = True
             self._llm.abort(self.request_id)

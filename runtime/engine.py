@@ -23,14 +23,14 @@ from runtime.model_runner import ModelRunner, kv_block_bytes
 from runtime.outputs import CompletionOutput, RequestOutput
 from runtime.request import Request, RequestStatus
 from runtime.sampling_params import InvalidRequestError, SamplingParams
-from runtime.scheduler import Scheduler, StepResult
+from runtime.scheduler import QueueFullError, Scheduler, StepResult
 from runtime.tokenizer import Tokenizer
 
 Prompt = str | list[int]
 
 
 @dataclass(slots=True, eq=False)
-class _Group:
+class RequestGroup:
     """A request as the user sent it: its n sequences and their outputs."""
 
     request_id: str
@@ -64,8 +64,8 @@ class LLMEngine:
         )
         self.runner = ModelRunner(self.model, num_blocks, config.block_size, config.attention)
         self.eos_token_ids = frozenset(cfg.eos_token_ids) | self.tokenizer.eos_token_ids
-        self._groups: dict[str, _Group] = {}
-        self._seq_to_group: dict[str, tuple[_Group, int]] = {}
+        self._groups: dict[str, RequestGroup] = {}
+        self._seq_to_group: dict[str, tuple[RequestGroup, int]] = {}
         self._counter = 0
         self._num_aborted = 0  # requests aborted before they finished, for stats
 
@@ -89,12 +89,25 @@ class LLMEngine:
         self, request_id: str, prompt: Prompt, params: SamplingParams | None = None
     ) -> list[int]:
         """Validate and queue a request. Returns its prompt token ids."""
+        if request_id in self._groups:
+            raise InvalidRequestError("request_id", f"{request_id!r} is already in use")
+        group = self.prepare_request(request_id, prompt, params)
+        self.enqueue(group)
+        return group.prompt_token_ids
+
+    def prepare_request(
+        self, request_id: str, prompt: Prompt, params: SamplingParams | None = None
+    ) -> RequestGroup:
+        """Validate and tokenize a request without touching the scheduler.
+
+        Safe to call from another thread while a step runs (the async front does, so that its
+        event loop never waits for a step): it reads only configuration, the tokenizer, and the
+        length of the waiting queue. `enqueue` then hands the result to the scheduler.
+        """
         params = params or SamplingParams()
         if not isinstance(params, SamplingParams):
             raise InvalidRequestError("sampling_params", "must be a SamplingParams")
         params.validate()
-        if request_id in self._groups:
-            raise InvalidRequestError("request_id", f"{request_id!r} is already in use")
         prompt_ids = self.tokenize_prompt(prompt)
         n_prompt, limit = len(prompt_ids), self.max_model_len
         if n_prompt >= limit:
@@ -117,8 +130,6 @@ class LLMEngine:
                 f"({capacity} tokens); raise kv_cache_bytes or lower max_tokens",
             )
         if len(self.scheduler.waiting) + params.n > self.scheduler.max_waiting:
-            from runtime.scheduler import QueueFullError
-
             raise QueueFullError(f"the waiting queue is full ({self.scheduler.max_waiting})")
         now = time.monotonic()
         seqs, detoks = [], []
@@ -145,7 +156,7 @@ class LLMEngine:
                     include_stop_str_in_output=params.include_stop_str_in_output,
                 )
             )
-        group = _Group(
+        group = RequestGroup(
             request_id,
             prompt_ids,
             params,
@@ -156,11 +167,18 @@ class LLMEngine:
                 for i in range(params.n)
             ],
         )
-        for i, seq in enumerate(seqs):
+        return group
+
+    def enqueue(self, group: RequestGroup) -> None:
+        """Queue a request `prepare_request` built (on the thread that runs `step`)."""
+        if group.request_id in self._groups:
+            raise InvalidRequestError("request_id", f"{group.request_id!r} is already in use")
+        if len(self.scheduler.waiting) + len(group.seqs) > self.scheduler.max_waiting:
+            raise QueueFullError(f"the waiting queue is full ({self.scheduler.max_waiting})")
+        for i, seq in enumerate(group.seqs):
             self.scheduler.add(seq)
             self._seq_to_group[seq.request_id] = (group, i)
-        self._groups[request_id] = group
-        return prompt_ids
+        self._groups[group.request_id] = group
 
     def abort(self, request_id: str) -> RequestOutput | None:
         """Stop a request now; its KV blocks are freed before this returns."""
@@ -174,6 +192,9 @@ class LLMEngine:
         return self._emit(group)
 
     # ------------------------------------------------------------------ the loop
+    def unfinished_request_ids(self) -> list[str]:
+        return list(self._groups)
+
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished()
 
@@ -192,7 +213,7 @@ class LLMEngine:
         }
 
     def _process(self, results: list[StepResult], logprobs: dict) -> list[RequestOutput]:  # type: ignore[type-arg]
-        touched: dict[str, _Group] = {}
+        touched: dict[str, RequestGroup] = {}
         for r in results:
             group, i = self._seq_to_group[r.request.request_id]
             touched[group.request_id] = group
@@ -222,7 +243,7 @@ class LLMEngine:
         return [self._emit(g) for g in touched.values()]
 
     def _finish_seq(
-        self, group: _Group, i: int, status: RequestStatus, stop_reason: str | int | None
+        self, group: RequestGroup, i: int, status: RequestStatus, stop_reason: str | int | None
     ) -> None:
         out = group.outputs[i]
         if out.finish_reason is not None:
@@ -235,7 +256,7 @@ class LLMEngine:
         out.stop_reason = stop_reason
         self._seq_to_group.pop(group.seqs[i].request_id, None)
 
-    def _emit(self, group: _Group) -> RequestOutput:
+    def _emit(self, group: RequestGroup) -> RequestOutput:
         finished = all(o.finished for o in group.outputs)
         snapshot = RequestOutput(
             request_id=group.request_id,

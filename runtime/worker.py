@@ -269,9 +269,10 @@ async def _generate(request: web.Request) -> web.StreamResponse:
             if lines:
                 await resp.write(b"".join(lines))
         await resp.write(encode_event(DoneEvent(n_prompt, generated, cached)))
-    except EngineDeadError as e:
+    except (EngineDeadError, QueueFullError) as e:  # failed after the stream started
+        code = "queue_full" if isinstance(e, QueueFullError) else "engine_dead"
         with contextlib.suppress(ConnectionError):
-            await resp.write(encode_event(ErrorEvent(str(e), "engine_dead")))
+            await resp.write(encode_event(ErrorEvent(str(e), code)))
     finally:
         stream.close()  # no-op when finished; frees the blocks when the client went away
     return resp

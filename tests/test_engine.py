@@ -187,7 +187,12 @@ def test_async_stream_and_abort(stories_dir: Path) -> None:
                 if n == 3:
                     break
             await gen.aclose()  # a client that went away
+            for _ in range(200):  # freed before the engine's next step
+                if allm.stats()["free_kv_blocks"] == total and allm.num_open_streams == 0:
+                    break
+                await asyncio.sleep(0.01)
             assert allm.stats()["free_kv_blocks"] == total
+            assert allm.stats()["num_aborted"] == 1
             with pytest.raises(InvalidRequestError):
                 async for _ in allm.generate("", SamplingParams()):
                     pass
