@@ -164,7 +164,7 @@ async def serve(config: GatewayConfig) -> None:
     import signal
 
     app = make_app(config)
-    runner = web.AppRunner(app, handler_cancellation=True, access_log=None)
+    runner = web.AppRunner(app, handler_cancellation=True, access_log=None, shutdown_timeout=5.0)
     await runner.setup()
     site = web.TCPSite(runner, config.host, config.port)
     await site.start()

@@ -221,6 +221,8 @@ class EngineConfig:
     attention: str = (
         "auto"  # decode attention: "auto", "cpu_ext" (in place, C++), "torch" (reference)
     )
+    enable_prefix_caching: bool = True  # reuse the KV blocks of cached prompt prefixes
+    model_revision: str | None = None  # cache identity; None: a fingerprint of the folder
 
     def __post_init__(self) -> None:
         if self.dtype != "auto" and self.dtype not in DTYPES:

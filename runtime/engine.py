@@ -15,10 +15,11 @@ from dataclasses import dataclass
 
 import torch
 
+from kvstore.block_hash import cache_seed
 from runtime.config import EngineConfig
 from runtime.detokenizer import IncrementalDetokenizer
 from runtime.kv_cache import BlockManager
-from runtime.loader import load_model
+from runtime.loader import load_model, model_revision
 from runtime.model_runner import ModelRunner, kv_block_bytes
 from runtime.outputs import CompletionOutput, RequestOutput
 from runtime.request import Request, RequestStatus
@@ -58,7 +59,15 @@ class LLMEngine:
                 f"kv_cache_bytes={budget} holds no block of {config.block_size} tokens "
                 f"({block_bytes} bytes each); give at least {block_bytes}"
             )
-        self.blocks = BlockManager(num_blocks, config.block_size)
+        # The prefix cache's identity: anything that changes a block's KV for the same tokens.
+        self.model_revision = config.model_revision or model_revision(config.model)
+        self.cache_id = f"{self.model_revision}-{str(self.model.dtype).removeprefix('torch.')}-b{config.block_size}"
+        self.blocks = BlockManager(
+            num_blocks,
+            config.block_size,
+            seed=cache_seed(self.cache_id),
+            caching=config.enable_prefix_caching,
+        )
         self.scheduler = Scheduler(
             self.blocks, config.max_num_seqs, config.max_num_batched_tokens, config.max_waiting
         )
@@ -275,6 +284,7 @@ class LLMEngine:
                 for o in group.outputs
             ],
             finished=finished,
+            num_cached_tokens=max(0, group.seqs[0].num_cached_tokens),
         )
         for o in group.outputs:
             o.delta_text, o.delta_token_ids = "", []
@@ -306,6 +316,9 @@ class LLMEngine:
             "capacity_tokens": sched.capacity_tokens,
             "num_preemptions": sched.num_preemptions,
             "num_aborted": self._num_aborted,
+            "prefix_cache_query_tokens": self.blocks.query_tokens,
+            "prefix_cache_hit_tokens": self.blocks.hit_tokens,
+            "prefix_cached_blocks": self.blocks.num_cached_blocks,
         }
 
 

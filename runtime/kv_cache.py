@@ -1,4 +1,5 @@
-"""The paged KV-cache block manager: can-allocate / allocate / free over fixed-size blocks.
+"""The paged KV-cache block manager: can-allocate / allocate / free over fixed-size blocks,
+with prefix caching.
 
     block table of a request (block ids, in order)      KV cache (per layer, keys and values)
     ┌────┬────┬────┐                                     block 0 ┌─────────────── block_size tokens
@@ -7,28 +8,60 @@
                           offset j % block_size            ...   │
                                                           block 9 │ ◀── tokens 32..(n-1), partly full
 
-Blocks are handed out from a free list; a request's blocks return to it when it finishes, is
-aborted or is preempted. "No room" is a return value (`None`), never an exception. The manager
-holds only integers; the cache tensors live with the model runner.
+Prefix caching. Once a block is full of computed tokens it gets the chained hash of its whole
+prefix (kvstore/block_hash.py) and enters the cache map hash -> block. A new request first
+takes every cached block of its longest cached prefix (`match_prefix`, reference-counted, so
+several requests share them read-only) and computes only the rest. Blocks whose requests are
+all gone stay cached: they wait in an LRU list and are handed out again (evicted) only when no
+block that holds nothing reusable is left; a request's tail blocks are queued for eviction
+before its head blocks, which more prompts share.
+
+    free, reusable nothing:  plain deque    (handed out first)
+    free, still cached:      LRU dict       (least recently freed first; evicting drops the hash)
+    in use:                  ref_count > 0  (a cached block may be in many tables)
+
+"No room" is a return value (`None`), never an exception. The manager holds only integers and
+hashes; the cache tensors live with the model runner. Cache events (hashes stored and evicted)
+queue up for the worker to publish to the cluster's prefix index (`drain_events`).
 """
 
 from __future__ import annotations
 
-from collections import deque
+from collections import OrderedDict, deque
+from collections.abc import Sequence
+
+from kvstore.block_hash import extend_block_hashes
 
 
 class BlockManager:
-    def __init__(self, num_blocks: int, block_size: int):
+    def __init__(
+        self, num_blocks: int, block_size: int, seed: bytes | None = None, caching: bool = True
+    ):
         if num_blocks < 1:
             raise ValueError(f"the KV cache needs at least one block, got {num_blocks}")
         self.num_blocks = num_blocks
         self.block_size = block_size
-        self._free: deque[int] = deque(range(num_blocks))
+        self.seed = seed or b"\0" * 8  # the hash chain's root: what identifies this KV layout
+        self.caching = caching  # prefix caching on/off
+        self._ref = [0] * num_blocks
+        self._hash: list[bytes | None] = [None] * num_blocks
+        self._plain: deque[int] = deque(range(num_blocks))
+        self._lru: OrderedDict[int, None] = OrderedDict()
+        self._cached: dict[bytes, int] = {}
         self._tables: dict[str, list[int]] = {}
+        self._hashes: dict[str, list[bytes]] = {}  # per request: hashes of its full blocks
+        self._stored: list[bytes] = []  # cache events not yet drained
+        self._evicted: list[bytes] = []
+        self.query_tokens = 0  # prompt tokens looked up in the cache, since start
+        self.hit_tokens = 0  # of those, found cached
 
     @property
     def num_free_blocks(self) -> int:
-        return len(self._free)
+        return len(self._plain) + len(self._lru)
+
+    @property
+    def num_cached_blocks(self) -> int:
+        return len(self._cached)
 
     def blocks_needed(self, request_id: str, num_tokens: int) -> int:
         """Extra blocks for the request to hold num_tokens tokens in all."""
@@ -36,24 +69,106 @@ class BlockManager:
         return max(0, -(-num_tokens // self.block_size) - have)
 
     def can_allocate(self, request_id: str, num_tokens: int) -> bool:
-        return self.blocks_needed(request_id, num_tokens) <= len(self._free)
+        return self.blocks_needed(request_id, num_tokens) <= self.num_free_blocks
+
+    def match_prefix(self, request_id: str, token_ids: Sequence[int]) -> int:
+        """Give a request that holds no blocks the cached blocks of its longest cached prefix.
+
+        Returns how many tokens they hold (the request's computed tokens). At least one token is
+        always left to compute, since the last prompt token's logits are needed.
+        """
+        if request_id in self._tables:
+            raise ValueError(f"{request_id!r} already holds blocks")
+        table: list[int] = []
+        hashes: list[bytes] = []
+        if self.caching:
+            usable = (len(token_ids) - 1) // self.block_size * self.block_size
+            extend_block_hashes(hashes, self.seed, token_ids[:usable], self.block_size)
+            for h in hashes:
+                block = self._cached.get(h)
+                if block is None:
+                    break
+                table.append(block)
+            del hashes[len(table) :]
+            for block in table:
+                if self._ref[block] == 0:
+                    del self._lru[block]
+                self._ref[block] += 1
+            self.query_tokens += len(token_ids)
+            self.hit_tokens += len(table) * self.block_size
+        self._tables[request_id] = table
+        self._hashes[request_id] = hashes
+        return len(table) * self.block_size
 
     def allocate(self, request_id: str, num_tokens: int) -> list[int] | None:
         """Grow the request's table to hold num_tokens tokens. Returns its table, or None if no room."""
         need = self.blocks_needed(request_id, num_tokens)
-        if need > len(self._free):
+        if need > self.num_free_blocks:
             return None
         table = self._tables.setdefault(request_id, [])
+        self._hashes.setdefault(request_id, [])
         for _ in range(need):
-            table.append(self._free.popleft())
+            table.append(self._take())
         return table
+
+    def _take(self) -> int:
+        if self._plain:
+            block = self._plain.popleft()
+        else:
+            block, _ = self._lru.popitem(last=False)
+            h = self._hash[block]
+            assert h is not None
+            del self._cached[h]
+            self._hash[block] = None
+            self._evicted.append(h)
+        self._ref[block] = 1
+        return block
+
+    def num_hashed(self, request_id: str) -> int:
+        """Blocks of the request already hashed (full and computed)."""
+        return len(self._hashes.get(request_id, ()))
+
+    def commit(self, request_id: str, token_ids: Sequence[int]) -> None:
+        """Cache the request's blocks that `token_ids` (its computed tokens) fill completely."""
+        if not self.caching:
+            return
+        hashes = self._hashes[request_id]
+        table = self._tables[request_id]
+        first = len(hashes)
+        extend_block_hashes(hashes, self.seed, token_ids, self.block_size)
+        for i in range(first, len(hashes)):
+            h, block = hashes[i], table[i]
+            if h in self._cached or self._hash[block] is not None:
+                continue  # another request cached the same prefix first; ours stays private
+            self._hash[block] = h
+            self._cached[h] = block
+            self._stored.append(h)
 
     def block_table(self, request_id: str) -> list[int]:
         return self._tables.get(request_id, [])
 
     def free(self, request_id: str) -> int:
-        """Return the request's blocks to the free list; returns how many were freed."""
+        """Release the request's blocks; returns how many it held.
+
+        Cached blocks that no other request uses stay cached, tail first in the eviction order.
+        """
         table = self._tables.pop(request_id, [])
-        # Most recently used blocks go to the back: they are handed out last.
-        self._free.extend(reversed(table))
+        self._hashes.pop(request_id, None)
+        for block in reversed(table):
+            self._ref[block] -= 1
+            if self._ref[block] == 0:
+                if self._hash[block] is not None:
+                    self._lru[block] = None
+                else:
+                    self._plain.append(block)
         return len(table)
+
+    def cached_hashes(self) -> list[bytes]:
+        """Every hash held now (a worker leaving removes them from the prefix index)."""
+        return list(self._cached)
+
+    def drain_events(self) -> tuple[list[bytes], list[bytes]]:
+        """Hashes stored and evicted since the last call."""
+        stored, evicted = self._stored, self._evicted
+        self._stored, self._evicted = [], []
+        return stored, evicted

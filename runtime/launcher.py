@@ -53,17 +53,20 @@ def _wait_ready(url: str, procs: list[subprocess.Popen[bytes]], timeout_s: float
     raise RuntimeError(f"not ready after {timeout_s:.0f}s: {url}")
 
 
-def _stop(procs: list[subprocess.Popen[bytes]]) -> None:
+def _stop(what: str, procs: list[subprocess.Popen[bytes]]) -> None:
+    t0 = time.monotonic()
     for p in procs:
         if p.poll() is None:
             p.send_signal(signal.SIGTERM)
-    deadline = time.monotonic() + STOP_TIMEOUT_S
+    deadline = t0 + STOP_TIMEOUT_S
     for p in procs:
         try:
             p.wait(timeout=max(0.1, deadline - time.monotonic()))
         except subprocess.TimeoutExpired:
+            print(f"{what} did not stop in {STOP_TIMEOUT_S:.0f}s; killing it", file=sys.stderr)
             p.kill()
             p.wait()
+    print(f"stopped {what} in {time.monotonic() - t0:.1f}s", file=sys.stderr, flush=True)
 
 
 def up(args: argparse.Namespace) -> int:
@@ -136,7 +139,8 @@ def up(args: argparse.Namespace) -> int:
         return 1
     finally:
         signal.signal(signal.SIGINT, signal.SIG_IGN)  # a second Ctrl-C must not orphan children
-        _stop([gateway])
-        _stop(workers)
+        _stop("the gateway", [gateway])
+        _stop(f"{len(workers)} worker(s)", workers)
         if local_redis is not None:
             local_redis.stop()
+            print("stopped redis-server", file=sys.stderr, flush=True)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import json
 from collections.abc import Iterator
 from pathlib import Path
@@ -33,6 +34,19 @@ def safetensors_files(model_dir: Path) -> list[Path]:
         f"{model_dir}: no model.safetensors or model.safetensors.index.json "
         "(for a GGUF file, run `edgeinfer import-gguf FILE OUT_DIR` first)"
     )
+
+
+def model_revision(model_dir: str | Path) -> str:
+    """A short fingerprint of a model folder: its config.json and the safetensors headers
+    (tensor names, dtypes, shapes, offsets) of every weight file, without reading the weights.
+    Two folders with the same fingerprint lay out the same KV cache for the same tokens."""
+    model_dir = Path(model_dir)
+    h = hashlib.sha256((model_dir / "config.json").read_bytes())
+    for f in safetensors_files(model_dir):
+        with f.open("rb") as fh:
+            size = int.from_bytes(fh.read(8), "little")
+            h.update(fh.read(min(size, 64 << 20)))
+    return h.hexdigest()[:16]
 
 
 def iter_safetensors(files: list[Path]) -> Iterator[tuple[str, str, torch.Tensor]]:

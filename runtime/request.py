@@ -41,6 +41,7 @@ class Request:
     num_computed_tokens: int = 0  # tokens whose keys/values are in the cache
     status: RequestStatus = RequestStatus.WAITING
     num_preemptions: int = 0
+    num_cached_tokens: int = -1  # prompt tokens reused from the prefix cache; -1 until admitted
 
     @property
     def num_tokens(self) -> int:

@@ -13,6 +13,9 @@ Policy, per step, under a token budget (`max_num_batched_tokens`):
    at the head of the queue) until there is room.
 2. Then waiting requests in arrival order (FCFS: the head blocks those behind it), while there is
    budget, a free seat (`max_num_seqs`) and KV-cache room, and no request was preempted this step.
+   A request admitted with no blocks (new, or preempted) first takes the cached blocks of its
+   longest cached prefix (prefix caching): its `num_computed_tokens` starts there.
+After a step, every block that the computed tokens filled is hashed into the prefix cache.
 """
 
 from __future__ import annotations
@@ -125,9 +128,18 @@ class Scheduler:
             if len(self.running) >= self.max_num_seqs:
                 break
             req = self.waiting[0]
+            if not self.blocks.block_table(req.request_id):
+                # new, or preempted: start from the longest cached prefix of its tokens
+                req.num_computed_tokens = self.blocks.match_prefix(
+                    req.request_id, req.all_token_ids
+                )
             n = min(req.num_tokens - req.num_computed_tokens, budget)
             if self.blocks.allocate(req.request_id, req.num_computed_tokens + n) is None:
+                self.blocks.free(req.request_id)  # the cached blocks stay cached
+                req.num_computed_tokens = 0
                 break
+            if req.num_cached_tokens < 0:  # first admission: what usage reports
+                req.num_cached_tokens = req.num_computed_tokens
             self.waiting.popleft()
             req.status = RequestStatus.RUNNING
             self.running.append(req)
@@ -153,6 +165,10 @@ class Scheduler:
             if req.status is not RequestStatus.RUNNING:
                 continue  # aborted while the step ran
             req.num_computed_tokens += s.num_new_tokens
+            if req.num_computed_tokens // self.blocks.block_size > self.blocks.num_hashed(
+                req.request_id
+            ):
+                self.blocks.commit(req.request_id, req.all_token_ids[: req.num_computed_tokens])
             token = sampled.get(req.request_id)
             if token is None:
                 continue  # a prefill chunk that did not reach the end

@@ -360,7 +360,9 @@ async def _registration(app: web.Application) -> AsyncIterator[None]:
 async def serve(config: WorkerConfig, llm: AsyncLLM) -> None:
     """Run until SIGTERM/SIGINT, then drain and exit."""
     worker = Worker(config, llm)
-    runner = web.AppRunner(make_app(worker), handler_cancellation=True, access_log=None)
+    runner = web.AppRunner(
+        make_app(worker), handler_cancellation=True, access_log=None, shutdown_timeout=5.0
+    )
     await runner.setup()
     site = web.TCPSite(runner, config.host, config.port)
     await site.start()

@@ -10,6 +10,7 @@ import time
 from pathlib import Path
 
 import openai
+import pytest
 
 from kvstore.redis_server import find_free_port
 from tests.stack import ROOT, chat_model
@@ -50,7 +51,14 @@ def test_up_serves_and_stops_cleanly(tmp_path: Path, stories_dir: Path) -> None:
         )
         assert r.choices[0].message.content
         proc.send_signal(signal.SIGINT)
-        assert proc.wait(60) == 0, log.read_text()
+        try:
+            code = proc.wait(90)
+        except subprocess.TimeoutExpired:
+            pytest.fail(f"`edgeinfer up` did not stop within 90 s of SIGINT:\n{log.read_text()}")
+        assert code == 0, log.read_text()
+        assert (
+            "stopped the gateway" in log.read_text() and "stopped redis-server" in log.read_text()
+        )
     finally:
         if proc.poll() is None:
             proc.kill()

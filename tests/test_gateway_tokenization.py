@@ -1,0 +1,296 @@
+"""The gateway tokenizes like the worker: tokenizer files through Redis, same ids, same errors.
+
+Real redis-server, real stories260K tokenizer. The reference is the worker's own code
+(Worker.prompt_of, LLMEngine.tokenize_prompt) called on a Tokenizer loaded from the model folder,
+so a change on the worker side that the gateway does not mirror fails here.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import shutil
+import subprocess
+import sys
+from collections.abc import AsyncIterator
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+
+import orjson
+import pytest
+from redis.asyncio import Redis
+
+from gateway.errors import APIError
+from gateway.tokenization import GatewayTokenizers, prompt_token_ids
+from kvstore import tokenizer_store
+from kvstore.client import connect
+from kvstore.redis_server import LocalRedis, find_free_port
+from kvstore.tokenizer_store import (
+    TokenizerBundleError,
+    fetch_tokenizer_files,
+    publish_tokenizer,
+    tokenizer_key,
+)
+from runtime.sampling_params import InvalidRequestError
+from runtime.tokenizer import Tokenizer
+
+ROOT = Path(__file__).resolve().parent.parent
+MODEL = "stories"
+CHAT_TEMPLATE = (
+    "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
+    "{% if add_generation_prompt %}assistant:{% endif %}"
+)
+PICKY_TEMPLATE = (
+    "{% if messages[0]['role'] != 'user' %}{{ raise_exception('the first message must come "
+    "from the user') }}{% endif %}" + CHAT_TEMPLATE
+)
+
+
+@pytest.fixture
+async def r(redis_server: LocalRedis) -> AsyncIterator[Redis]:
+    """A client on the session's Redis, emptied before each test."""
+    client = connect(redis_server.url)
+    await client.flushdb()
+    yield client
+    await client.aclose()
+
+
+def model_copy(src: Path, dst: Path, template: str | None) -> Path:
+    """The stories260K tokenizer files (not the weights), with `template` as chat_template.jinja."""
+    dst.mkdir(parents=True)
+    for name in ("tokenizer.json", "tokenizer_config.json", "config.json"):
+        shutil.copy(src / name, dst / name)
+    if template is not None:
+        (dst / "chat_template.jinja").write_text(template)
+    return dst
+
+
+@pytest.fixture
+def chat_dir(stories_dir: Path, tmp_path: Path) -> Path:
+    return model_copy(stories_dir, tmp_path / "chat", CHAT_TEMPLATE)
+
+
+def worker_ids(folder: Path, prompt: Any, messages: Any, model: str = MODEL) -> list[int]:
+    """What a worker serving `folder` computes: Worker.prompt_of, then tokenize_prompt."""
+    from runtime.engine import LLMEngine
+    from runtime.worker import Worker
+
+    tok = Tokenizer.from_dir(folder)
+    worker = SimpleNamespace(tokenizer=tok, config=SimpleNamespace(model_name=model))
+    req = SimpleNamespace(prompt=prompt, messages=messages)
+    raw = Worker.prompt_of(worker, req)  # type: ignore[arg-type]
+    engine = SimpleNamespace(
+        tokenizer=tok, model=SimpleNamespace(cfg=SimpleNamespace(vocab_size=tok.vocab_size))
+    )
+    ids: list[int] = LLMEngine.tokenize_prompt(engine, raw)  # type: ignore[arg-type]
+    return ids
+
+
+PROMPTS: list[tuple[Any, Any]] = [
+    ("Once upon a time, there was a little cat.", None),
+    ([1, 403, 407, 261, 378], None),
+    (None, [{"role": "user", "content": "Hello"}]),
+    (None, [{"role": "system", "content": "Be kind."}, {"role": "user", "content": "Hi there"}]),
+]
+
+
+@pytest.mark.parametrize(("prompt", "messages"), PROMPTS, ids=["text", "ids", "chat", "chat2"])
+async def test_ids_match_the_worker(r: Redis, chat_dir: Path, prompt: Any, messages: Any) -> None:
+    assert await publish_tokenizer(r, MODEL, "rev1", chat_dir)
+    toks = GatewayTokenizers(r)
+    tok = await toks.get(MODEL, "rev1")
+    assert tok is not None
+    ids = prompt_token_ids(tok, prompt, messages, model=MODEL)
+    assert ids == worker_ids(chat_dir, prompt, messages)
+    assert ids and all(isinstance(t, int) for t in ids)
+
+
+BAD: list[tuple[str, Any, Any]] = [
+    ("chat", "hi", [{"role": "user", "content": "x"}]),  # both given
+    ("chat", None, None),  # neither
+    ("chat", "", None),  # empty text
+    ("chat", [], None),  # empty ids
+    ("chat", [1, "2"], None),  # a non-integer id
+    ("chat", [1, True], None),  # a bool is not an id
+    ("chat", [-1], None),  # negative id
+    ("plain", None, [{"role": "user", "content": "x"}]),  # no chat template
+    ("picky", None, [{"role": "assistant", "content": "x"}]),  # raise_exception
+    ("chat", None, [{"role": "user"}]),  # the template reads a missing key: renders "" (no error)
+]
+
+
+@pytest.mark.parametrize(("variant", "prompt", "messages"), BAD)
+async def test_errors_match_the_worker(
+    r: Redis, stories_dir: Path, tmp_path: Path, variant: str, prompt: Any, messages: Any
+) -> None:
+    template = {"chat": CHAT_TEMPLATE, "plain": None, "picky": PICKY_TEMPLATE}[variant]
+    folder = model_copy(stories_dir, tmp_path / variant, template)
+    await publish_tokenizer(r, MODEL, variant, folder)
+    tok = await GatewayTokenizers(r).get(MODEL, variant)
+    assert tok is not None
+    try:
+        expected: list[int] | InvalidRequestError = worker_ids(folder, prompt, messages)
+    except InvalidRequestError as e:
+        expected = e
+    if isinstance(expected, list):
+        assert prompt_token_ids(tok, prompt, messages, model=MODEL) == expected
+        return
+    with pytest.raises(APIError) as info:
+        prompt_token_ids(tok, prompt, messages, model=MODEL)
+    err = info.value
+    assert (err.status, err.type, err.param) == (400, "invalid_request_error", expected.param)
+    if prompt == [-1]:  # the gateway does not know the vocabulary: its bound is int32's
+        assert err.message.startswith("prompt: token id -1 is outside [0, ")
+    else:
+        assert err.message == str(expected)
+
+
+async def test_bundle_round_trip(r: Redis, chat_dir: Path) -> None:
+    extra = chat_dir / "additional_chat_templates"
+    extra.mkdir()
+    (extra / "tool_use.jinja").write_text("{{ tools }}")
+    (chat_dir / "model.safetensors").write_bytes(b"\0" * 16)  # not a tokenizer file
+    assert await publish_tokenizer(r, MODEL, "rev1", chat_dir)
+    files = await fetch_tokenizer_files(r, MODEL, "rev1")
+    assert files is not None
+    assert set(files) == {
+        "tokenizer.json",
+        "tokenizer_config.json",
+        "config.json",
+        "chat_template.jinja",
+        "additional_chat_templates/tool_use.jinja",
+    }
+    for name, text in files.items():
+        assert text == (chat_dir / name).read_text()
+    tok = await GatewayTokenizers(r).get(MODEL, "rev1")
+    assert tok is not None
+    ref = Tokenizer.from_dir(chat_dir)
+    assert tok.chat_templates == ref.chat_templates
+    assert (tok.bos_token_id, tok.eos_token_ids) == (ref.bos_token_id, ref.eos_token_ids)
+    assert tok.special_tokens == ref.special_tokens
+    assert tok.vocab_size == ref.vocab_size
+
+
+async def test_first_copy_stays(r: Redis, stories_dir: Path, tmp_path: Path) -> None:
+    first = model_copy(stories_dir, tmp_path / "a", CHAT_TEMPLATE)
+    second = model_copy(stories_dir, tmp_path / "b", PICKY_TEMPLATE)
+    assert await publish_tokenizer(r, MODEL, "rev1", first) is True
+    assert await publish_tokenizer(r, MODEL, "rev1", second) is False
+    files = await fetch_tokenizer_files(r, MODEL, "rev1")
+    assert files is not None and files["chat_template.jinja"] == CHAT_TEMPLATE
+    assert await r.ttl(tokenizer_key(MODEL, "rev1")) == -1  # no expiry
+    # Another revision is another key.
+    assert await publish_tokenizer(r, MODEL, "rev2", second) is True
+
+
+async def test_concurrent_gets_fetch_once(r: Redis, chat_dir: Path) -> None:
+    await publish_tokenizer(r, MODEL, "rev1", chat_dir)
+    toks = GatewayTokenizers(r)
+    got = await asyncio.gather(*(toks.get(MODEL, "rev1") for _ in range(20)))
+    assert toks.fetches == 1
+    assert got[0] is not None and all(t is got[0] for t in got)
+    assert await toks.get(MODEL, "rev1") is got[0]
+    assert toks.fetches == 1
+
+
+async def test_a_cancelled_waiter_does_not_cancel_the_fetch(r: Redis, chat_dir: Path) -> None:
+    await publish_tokenizer(r, MODEL, "rev1", chat_dir)
+    toks = GatewayTokenizers(r)
+    first = asyncio.create_task(toks.get(MODEL, "rev1"))
+    second = asyncio.create_task(toks.get(MODEL, "rev1"))
+    await asyncio.sleep(0)
+    first.cancel()
+    assert await second is not None
+    assert toks.fetches == 1
+
+
+async def test_missing_bundle_gives_none_and_retries_later(r: Redis, chat_dir: Path) -> None:
+    now = [100.0]
+    toks = GatewayTokenizers(r, retry_s=5.0, clock=lambda: now[0])
+    assert await toks.get(MODEL, "rev1") is None
+    assert await toks.get(MODEL, "rev1") is None  # within retry_s: no second fetch
+    assert toks.fetches == 1
+    await publish_tokenizer(r, MODEL, "rev1", chat_dir)
+    now[0] += 4.0
+    assert await toks.get(MODEL, "rev1") is None
+    assert toks.fetches == 1
+    now[0] += 1.5
+    assert await toks.get(MODEL, "rev1") is not None
+    assert toks.fetches == 2
+
+
+async def test_redis_down_gives_none_logged_once(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    dead = connect(f"redis://127.0.0.1:{find_free_port()}/0", timeout_s=0.2)
+    try:
+        toks = GatewayTokenizers(dead, cache_dir=tmp_path / "cache", retry_s=0.0)
+        with caplog.at_level(logging.DEBUG, logger="edgeinfer.gateway"):
+            assert await toks.get(MODEL, "rev1") is None
+            assert await toks.get(MODEL, "rev1") is None
+        assert toks.fetches == 2  # retry_s=0: every get asks again
+        warnings = [rec for rec in caplog.records if rec.levelno == logging.WARNING]
+        assert len(warnings) == 1 and "rev1" in warnings[0].getMessage()
+    finally:
+        await dead.aclose()
+
+
+async def test_cache_dir_is_left_empty(r: Redis, chat_dir: Path, tmp_path: Path) -> None:
+    await publish_tokenizer(r, MODEL, "rev1", chat_dir)
+    cache = tmp_path / "cache"
+    tok = await GatewayTokenizers(r, cache_dir=cache).get(MODEL, "rev1")
+    assert tok is not None and "from Redis" in tok.source
+    assert list(cache.iterdir()) == []
+
+
+@pytest.mark.parametrize(
+    "blob",
+    [
+        b"not json",
+        orjson.dumps(["tokenizer.json"]),
+        orjson.dumps({"tokenizer.json": 3}),
+        orjson.dumps({"tokenizer.json": "{}", "../escape.json": "{}"}),
+        orjson.dumps({"tokenizer_config.json": "{}"}),  # no tokenizer.json
+    ],
+)
+async def test_malformed_bundle(r: Redis, blob: bytes) -> None:
+    await r.set(tokenizer_key(MODEL, "bad"), blob)
+    with pytest.raises(TokenizerBundleError):
+        await fetch_tokenizer_files(r, MODEL, "bad")
+    assert await GatewayTokenizers(r).get(MODEL, "bad") is None
+
+
+async def test_unloadable_tokenizer_gives_none(r: Redis) -> None:
+    await r.set(tokenizer_key(MODEL, "bad"), orjson.dumps({"tokenizer.json": "{}"}))
+    assert await GatewayTokenizers(r).get(MODEL, "bad") is None
+
+
+async def test_oversized_bundle_is_refused(
+    r: Redis, chat_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(tokenizer_store, "MAX_BUNDLE_BYTES", 1000)
+    with pytest.raises(TokenizerBundleError, match="limit is 1000 bytes"):
+        await publish_tokenizer(r, MODEL, "rev1", chat_dir)
+    assert await r.exists(tokenizer_key(MODEL, "rev1")) == 0
+
+
+async def test_publish_needs_tokenizer_json(r: Redis, tmp_path: Path) -> None:
+    with pytest.raises(FileNotFoundError):
+        await publish_tokenizer(r, MODEL, "rev1", tmp_path)
+
+
+async def test_key_and_bad_ids(r: Redis) -> None:
+    assert tokenizer_key("org/M-1", "abc") == "ei:tok:{org/M-1}:abc"
+    for model, cache_id in [("a{b", "x"), ("m", "x}"), ("", "x"), ("m", "")]:
+        with pytest.raises(ValueError):
+            tokenizer_key(model, cache_id)
+        assert await GatewayTokenizers(r).get(model, cache_id) is None
+
+
+def test_gateway_tokenization_imports_no_torch() -> None:
+    code = "import gateway.tokenization, sys; assert 'torch' not in sys.modules, 'torch imported'"
+    proc = subprocess.run(
+        [sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=60
+    )
+    assert proc.returncode == 0, proc.stderr

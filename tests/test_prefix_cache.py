@@ -1,0 +1,134 @@
+"""Prefix caching: the block manager's decisions step by step, and exact reuse in the engine."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from kvstore.block_hash import block_hashes, cache_seed
+from runtime.kv_cache import BlockManager
+from runtime.llm import LLM
+from runtime.sampling_params import SamplingParams
+
+B = 4
+SEED = cache_seed("test")
+
+
+def bm(num_blocks: int = 8) -> BlockManager:
+    return BlockManager(num_blocks, B, seed=SEED)
+
+
+def run(m: BlockManager, rid: str, tokens: list[int]) -> list[int]:
+    """Admit a request, 'compute' all its tokens, commit; returns its table."""
+    cached = m.match_prefix(rid, tokens)
+    table = m.allocate(rid, len(tokens))
+    assert table is not None
+    m.commit(rid, tokens)
+    assert cached % B == 0
+    return list(table)
+
+
+def test_second_request_reuses_the_longest_cached_prefix() -> None:
+    m = bm()
+    a = run(m, "a", list(range(10)))  # blocks: [0..3] [4..7] partial [8, 9]
+    stored, evicted = m.drain_events()
+    assert stored == block_hashes(SEED, list(range(10)), B) and evicted == []
+    # same first 8 tokens, then different: 2 blocks reused, computed from token 8 on
+    assert m.match_prefix("b", [*range(8), 99, 98, 97]) == 8
+    assert m.block_table("b") == a[:2]
+    assert m.num_free_blocks == 8 - 3 - 0  # shared blocks are not taken twice
+    # a prompt that is exactly cached still computes its last token (its last block is redone)
+    assert m.match_prefix("c", list(range(8))) == 4
+
+
+def test_cached_blocks_survive_their_request_and_lru_evicts_tail_first() -> None:
+    m = bm(num_blocks=4)
+    run(m, "a", list(range(12)))  # 3 full blocks, all cached
+    m.free("a")
+    assert m.num_free_blocks == 4 and m.num_cached_blocks == 3
+    m.drain_events()
+    # one new block: the plain (never cached) block goes first, nothing is evicted
+    assert m.allocate("x", 4) is not None and m.drain_events() == ([], [])
+    # the next one evicts a's LAST block (tail first), the one after it the middle block
+    assert m.allocate("y", 4) is not None
+    assert m.drain_events()[1] == block_hashes(SEED, list(range(12)), B)[2:3]
+    assert m.match_prefix("z", list(range(13))) == 8  # the head blocks are still there
+
+
+def test_sharing_is_reference_counted() -> None:
+    m = bm()
+    run(m, "a", list(range(9)))
+    assert m.match_prefix("b", list(range(9))) == 8
+    m.free("a")
+    assert m.num_cached_blocks == 2
+    free_before = m.num_free_blocks
+    m.free("b")  # now nobody uses the two shared blocks: free, but still cached
+    assert m.num_free_blocks == free_before + 2 and m.num_cached_blocks == 2
+
+
+def test_no_caching_when_disabled() -> None:
+    m = BlockManager(8, B, seed=SEED, caching=False)
+    run(m, "a", list(range(12)))
+    assert m.match_prefix("b", list(range(12))) == 0 and m.drain_events() == ([], [])
+
+
+def test_hashes_depend_on_the_cache_identity() -> None:
+    toks = list(range(8))
+    assert block_hashes(cache_seed("m1"), toks, B) != block_hashes(cache_seed("m2"), toks, B)
+    assert block_hashes(SEED, [*toks, 9], B) == block_hashes(SEED, toks, B)  # partial: no hash
+
+
+# ---------------------------------------------------------------------- the engine
+SHARED = (
+    "Once upon a time, there was a little girl named Lily. She loved to play outside in the "
+    "park. One day, she saw a big red ball under a tree and ran to get it."
+)
+
+
+@pytest.mark.parametrize(
+    "params",
+    [
+        SamplingParams(temperature=0, max_tokens=24),
+        SamplingParams(temperature=0.9, top_p=0.95, seed=3, max_tokens=24, n=2),
+    ],
+)
+def test_output_with_a_prefix_hit_equals_output_without(stories_dir: Path, params: SamplingParams) -> None:  # fmt: skip
+    cached = LLM(stories_dir, kv_cache_bytes=2_000_000)
+    plain = LLM(stories_dir, kv_cache_bytes=2_000_000, enable_prefix_caching=False)
+    first, second = SHARED + " Then her mom", SHARED + " The dog"
+    cached.generate([first], params)  # fills the cache with the shared prefix
+    hit = cached.generate([second], params)[0]
+    assert hit.num_cached_tokens >= 32
+    want = plain.generate([second], params)[0]
+    assert want.num_cached_tokens == 0
+    assert [o.token_ids for o in hit.outputs] == [o.token_ids for o in want.outputs]
+    stats = cached.engine.stats()
+    assert stats["prefix_cache_hit_tokens"] == hit.num_cached_tokens * params.n
+    assert stats["prefix_cache_query_tokens"] >= 2 * len(hit.prompt_token_ids) - 10
+
+
+def test_batch_with_shared_prefix_and_generated_blocks_are_reused(stories_dir: Path) -> None:
+    llm = LLM(stories_dir, kv_cache_bytes=2_000_000)
+    plain = LLM(stories_dir, kv_cache_bytes=2_000_000, enable_prefix_caching=False)
+    params = SamplingParams(temperature=0, max_tokens=40)
+    out = llm.generate([SHARED], params)[0]
+    # the next turn re-sends prompt + answer: the answer's blocks were cached while decoding
+    follow = out.prompt_token_ids + out.outputs[0].token_ids + [261]
+    again = llm.generate([follow], params)[0]
+    assert again.num_cached_tokens >= len(out.prompt_token_ids) + 40 - 16
+    assert again.outputs[0].token_ids == plain.generate([follow], params)[0].outputs[0].token_ids
+
+
+def test_eviction_under_pressure_keeps_serving_correctly(stories_dir: Path) -> None:
+    # room for ~3 prompts of this size: later prompts evict earlier cached blocks
+    llm = LLM(stories_dir, kv_cache_bytes=200_000)
+    plain = LLM(stories_dir, kv_cache_bytes=200_000, enable_prefix_caching=False)
+    params = SamplingParams(temperature=0, max_tokens=8)
+    prompts = [f"Story {i}. {SHARED}" for i in range(4)] * 2  # distinct blocks, then repeats
+    got = [llm.generate([p], params)[0] for p in prompts]
+    want = [plain.generate([p], params)[0] for p in prompts]
+    assert [g.outputs[0].token_ids for g in got] == [w.outputs[0].token_ids for w in want]
+    assert llm.engine.blocks.num_free_blocks == llm.engine.blocks.num_blocks
+    _, evicted = llm.engine.blocks.drain_events()
+    assert evicted, "the small cache should have evicted blocks"

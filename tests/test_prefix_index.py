@@ -1,0 +1,403 @@
+"""The prefix index against a real redis-server: keys, longest-prefix lookups, TTLs, the publisher.
+
+Every test uses its own model name, so tests share the session's Redis without seeing each
+other's keys.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+import uuid
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+
+import pytest
+from redis.asyncio import Redis
+from redis.crc import key_slot
+
+from kvstore.block_hash import block_hashes, cache_seed
+from kvstore.client import connect
+from kvstore.prefix_index import CacheEventPublisher, PrefixIndex, marker_key, prefix_key
+from kvstore.redis_server import LocalRedis
+
+BLOCK = 4  # tokens per block of the test hashes
+
+
+@pytest.fixture
+async def r(redis_server: LocalRedis) -> AsyncIterator[Redis]:
+    """A client on the session's Redis (not emptied: tests keep apart by model name)."""
+    client = connect(redis_server.url)
+    yield client
+    await client.aclose()
+
+
+@pytest.fixture
+def model() -> str:
+    """A model name no other test uses."""
+    return f"org/model-{uuid.uuid4().hex[:8]}"
+
+
+def chain(n: int, salt: str = "a") -> list[bytes]:
+    """The block hashes of an n-block prompt, as the engine and the gateway compute them."""
+    return block_hashes(cache_seed(f"test/{salt}"), list(range(n * BLOCK)), BLOCK)
+
+
+class CountingIndex(PrefixIndex):
+    """A PrefixIndex that remembers its publish calls."""
+
+    def __init__(self, redis: Redis, entry_ttl_s: float = 3600.0) -> None:
+        super().__init__(redis, entry_ttl_s)
+        self.calls: list[tuple[int, int]] = []  # (stored, evicted) sizes, per publish
+
+    async def publish(
+        self, model: str, worker_id: str, stored: Sequence[bytes], evicted: Sequence[bytes]
+    ) -> bool:
+        self.calls.append((len(stored), len(evicted)))
+        return await super().publish(model, worker_id, stored, evicted)
+
+
+class CountingRedis:
+    """Wraps a client and counts pipelines (one per round trip in PrefixIndex)."""
+
+    def __init__(self, redis: Redis) -> None:
+        self.redis = redis
+        self.pipelines = 0
+
+    def pipeline(self, transaction: bool = True):  # type: ignore[no-untyped-def]
+        self.pipelines += 1
+        return self.redis.pipeline(transaction=transaction)
+
+
+async def eventually(check: Callable[[], Awaitable[bool]], timeout_s: float = 10.0) -> None:
+    """Wait until `check()` is true; fail after `timeout_s`."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout_s
+    while not await check():
+        if loop.time() > deadline:
+            pytest.fail(f"condition not met within {timeout_s} s")
+        await asyncio.sleep(0.02)
+
+
+async def model_keys(r: Redis, model: str) -> list[bytes]:
+    return [k async for k in r.scan_iter(match=f"ei:p:{{{model}}}:*", count=1000)]
+
+
+# --- keys -------------------------------------------------------------------------------------
+
+
+def test_keys_carry_the_model_hash_tag() -> None:
+    h = bytes.fromhex("00ff10a0b1c2d3e4")
+    assert prefix_key("org/M-1", h) == "ei:p:{org/M-1}:00ff10a0b1c2d3e4"
+    assert marker_key("org/M-1", "w:1") == "ei:p:{org/M-1}:w:w:1"
+    # A Redis Cluster hashes only the part in braces: one model, one slot.
+    slot = key_slot(b"org/M-1")
+    assert key_slot(prefix_key("org/M-1", h).encode()) == slot
+    assert key_slot(prefix_key("org/M-1", chain(1)[0]).encode()) == slot
+    assert key_slot(marker_key("org/M-1", "w1").encode()) == slot
+
+
+@pytest.mark.parametrize("bad", ["", "a{b", "a}b", "x" * 257])
+def test_keys_reject_bad_model_and_worker(bad: str) -> None:
+    with pytest.raises(ValueError, match="model"):
+        prefix_key(bad, b"\x01")
+    with pytest.raises(ValueError):
+        marker_key("m", bad)
+
+
+@pytest.mark.parametrize("bad", [b"", "0102", None])
+def test_keys_reject_bad_hashes(bad: object) -> None:
+    with pytest.raises(ValueError, match="block hash"):
+        prefix_key("m", bad)  # type: ignore[arg-type]
+
+
+def test_index_rejects_bad_ttl() -> None:
+    with pytest.raises(ValueError, match="entry_ttl_s"):
+        PrefixIndex(connect("redis://127.0.0.1:1/0"), entry_ttl_s=0)
+
+
+# --- the index --------------------------------------------------------------------------------
+
+
+async def test_longest_prefixes_counts_leading_blocks_only(r: Redis, model: str) -> None:
+    idx = PrefixIndex(r)
+    h = chain(10)
+    await idx.publish(model, "a", h, [])  # all ten
+    await idx.publish(model, "b", h[:4] + h[5:], [])  # a gap at block 4
+    await idx.publish(model, "c", h[1:], [])  # everything but block 0
+    await idx.publish(model, "d", h[:1], [])
+    await idx.publish(model, "e", chain(3, "other"), [])  # another prompt's blocks
+    assert await idx.longest_prefixes(model, h) == {"a": 10, "b": 4, "d": 1}
+    assert await idx.longest_prefixes(model, h[:3]) == {"a": 3, "b": 3, "d": 1}
+    assert await idx.longest_prefixes(model, h[1:]) == {"a": 9, "c": 9, "b": 3}
+    assert await idx.longest_prefixes(model, h, workers={"b", "c", "gone"}) == {"b": 4}
+    assert await idx.longest_prefixes(model, chain(10, "unseen")) == {}
+    assert await idx.longest_prefixes(model, []) == {}
+    assert await idx.longest_prefixes(model + "-x", h) == {}  # another model's namespace
+
+
+async def test_long_prompts_take_few_round_trips_and_stop_early(r: Redis, model: str) -> None:
+    counting = CountingRedis(r)
+    idx = PrefixIndex(counting)  # type: ignore[arg-type]
+    h = chain(1000)
+    await idx.publish(model, "all", h, [])
+    await idx.publish(model, "half", h[:500], [])
+    await idx.publish(model, "some", h[:40], [])
+    counting.pipelines = 0
+    assert await idx.longest_prefixes(model, h) == {"all": 1000, "half": 500, "some": 40}
+    assert counting.pipelines == 6  # 32 + 64 + 128 + 256 + 512 (+ 8) blocks
+    counting.pipelines = 0
+    assert await idx.longest_prefixes(model, h, workers=["some"]) == {"some": 40}
+    assert counting.pipelines == 2  # stops once "some" runs out, in the 64-block trip
+    counting.pipelines = 0
+    assert await idx.longest_prefixes(model, chain(1000, "unseen")) == {}
+    assert counting.pipelines == 1
+
+
+async def test_evicted_blocks_stop_counting(r: Redis, model: str) -> None:
+    idx = PrefixIndex(r)
+    h = chain(6)
+    await idx.publish(model, "a", h, [])
+    await idx.publish(model, "b", h, [])
+    await idx.publish(model, "a", [], [h[2]])
+    assert await idx.longest_prefixes(model, h) == {"a": 2, "b": 6}
+    await idx.publish(model, "b", [], h)
+    assert await idx.longest_prefixes(model, h) == {"a": 2}
+    await idx.publish(model, "a", [], h)
+    assert await idx.longest_prefixes(model, h) == {}
+    assert not await r.exists(*(prefix_key(model, x) for x in h))  # empty sets leave no key
+
+
+async def test_store_sets_and_refreshes_the_ttl(r: Redis, model: str) -> None:
+    idx = PrefixIndex(r, entry_ttl_s=100.0)
+    (h,) = chain(1)
+    key = prefix_key(model, h)
+    await idx.publish(model, "a", [h], [])
+    assert 0 < await r.pttl(key) <= 100_000
+    assert 0 < await r.pttl(marker_key(model, "a")) <= 100_000
+    await r.pexpire(key, 500)
+    await idx.publish(model, "b", [h], [])  # any worker's store renews it
+    assert 50_000 < await r.pttl(key) <= 100_000
+    await r.pexpire(key, 500)
+    await idx.publish(model, "a", [h], [])  # so does a re-store
+    assert 50_000 < await r.pttl(key) <= 100_000
+
+
+async def test_entries_nobody_renews_expire(r: Redis, model: str) -> None:
+    idx = PrefixIndex(r, entry_ttl_s=0.2)
+    h = chain(2)
+    await idx.publish(model, "crashed", h, [])
+    await asyncio.sleep(0.35)
+    assert await idx.longest_prefixes(model, h) == {}
+    assert await model_keys(r, model) == []
+
+
+async def test_publish_reports_whether_the_marker_survived(r: Redis, model: str) -> None:
+    idx = PrefixIndex(r)
+    h = chain(2)
+    assert not await idx.publish(model, "a", h[:1], [])  # first publish: no marker yet
+    assert await idx.publish(model, "a", h[1:], [])
+    await r.delete(marker_key(model, "a"))  # as after a Redis restart
+    assert not await idx.publish(model, "a", [], h[:1])
+
+
+async def test_forget_worker(r: Redis, model: str) -> None:
+    idx = PrefixIndex(r)
+    h = chain(5)
+    await idx.publish(model, "a", h, [])
+    await idx.publish(model, "b", h[:3], [])
+    await idx.forget_worker(model, "a", h)
+    assert await idx.longest_prefixes(model, h) == {"b": 3}
+    assert not await r.exists(marker_key(model, "a"))
+    assert await r.exists(marker_key(model, "b"))
+    await idx.forget_worker(model, "a", h)  # idempotent
+    await idx.forget_worker(model, "b", h)
+    assert await model_keys(r, model) == []
+
+
+# --- the publisher ----------------------------------------------------------------------------
+
+
+async def test_publisher_batches_events_into_one_publish(r: Redis, model: str) -> None:
+    idx = CountingIndex(r)
+    pub = CacheEventPublisher(idx, model, "w1")
+    h = chain(100)
+    for i in range(0, 100, 10):
+        pub.record(h[i : i + 10], [])
+    assert await idx.longest_prefixes(model, h) == {}  # record() never touches Redis
+    await pub.flush()
+    assert idx.calls == [(100, 0)]
+    assert await idx.longest_prefixes(model, h) == {"w1": 100}
+    await pub.flush()  # nothing changed: no round trip
+    assert idx.calls == [(100, 0)]
+    pub.record([], h[50:])
+    await pub.flush()
+    assert idx.calls == [(100, 0), (0, 50)]
+    assert await idx.longest_prefixes(model, h) == {"w1": 50}
+    assert pub.held == set(h[:50])
+
+
+async def test_publisher_splits_large_batches(r: Redis, model: str) -> None:
+    idx = CountingIndex(r)
+    pub = CacheEventPublisher(idx, model, "w1", max_batch=10)
+    h = chain(25)
+    pub.record(h, [])
+    await pub.flush()
+    assert idx.calls == [(10, 0), (10, 0), (5, 0)]
+    assert await idx.longest_prefixes(model, h) == {"w1": 25}
+
+
+async def test_stored_then_evicted_nets_out(r: Redis, model: str) -> None:
+    idx = CountingIndex(r)
+    pub = CacheEventPublisher(idx, model, "w1")
+    x, y, z = chain(3)
+    pub.record([x], [])
+    pub.record([], [x])
+    await pub.flush()
+    assert idx.calls == []  # stored then evicted before a flush: nothing to write
+    assert not await r.exists(prefix_key(model, x))
+    pub.record([y], [])
+    await pub.flush()
+    pub.record([], [y])
+    pub.record([y], [])  # evicted then stored again: still held, nothing to write
+    await pub.flush()
+    assert idx.calls == [(1, 0)]
+    assert await r.smembers(prefix_key(model, y)) == {b"w1"}
+    pub.record([], [y])
+    pub.record([z], [z])  # one call: the eviction applies first, as in an engine step
+    await pub.flush()
+    assert idx.calls == [(1, 0), (1, 1)]
+    assert not await r.exists(prefix_key(model, y))
+    assert await r.smembers(prefix_key(model, z)) == {b"w1"}
+
+
+async def test_record_is_thread_safe(r: Redis, model: str) -> None:
+    pub = CacheEventPublisher(PrefixIndex(r), model, "w1")
+    per_thread = [chain(500, f"t{t}") for t in range(4)]
+
+    def engine(hashes: list[bytes]) -> None:
+        for i, h in enumerate(hashes):
+            pub.record([h], [hashes[i - 1]] if i % 2 else [])  # odd blocks stay
+
+    threads = [threading.Thread(target=engine, args=(h,)) for h in per_thread]
+    for t in threads:
+        t.start()
+    while any(t.is_alive() for t in threads):
+        await pub.flush()  # flushes race the recording threads
+        await asyncio.sleep(0)
+    for t in threads:
+        t.join()
+    await pub.flush()
+    kept = {h for hashes in per_thread for h in hashes[1::2]}
+    assert pub.held == kept
+    got = {k.decode().rsplit(":", 1)[1] for k in await model_keys(r, model)}
+    assert got == {h.hex() for h in kept} | {"w1"}  # and the marker, ei:p:{model}:w:w1
+
+
+async def test_publisher_resyncs_when_redis_lost_its_entries(
+    r: Redis, model: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level(logging.INFO, logger="kvstore.prefix_index")
+    idx = PrefixIndex(r)
+    pub = CacheEventPublisher(idx, model, "w1")
+    h = chain(8)
+    pub.record(h[:6], [])
+    await pub.flush()
+    await r.delete(*await model_keys(r, model))  # as a Redis restart without persistence does
+    pub.record(h[6:], [])
+    await pub.flush()  # finds its marker gone and rewrites everything it holds
+    assert await idx.longest_prefixes(model, h) == {"w1": 8}
+    assert "lost worker w1's entries" in caplog.text
+
+
+async def test_publisher_refreshes_ttls_of_long_held_blocks(r: Redis, model: str) -> None:
+    idx = PrefixIndex(r, entry_ttl_s=100.0)
+    pub = CacheEventPublisher(idx, model, "w1", refresh_interval_s=0.2)
+    (h,) = chain(1)
+    pub.record([h], [])
+    await pub.flush()
+    await r.pexpire(prefix_key(model, h), 1000)
+    await pub.flush()  # nothing new, and the refresh is not due yet
+    assert await r.pttl(prefix_key(model, h)) <= 1000
+    await asyncio.sleep(0.25)
+    await pub.flush()  # due: every held block is written again, with a fresh TTL
+    assert 50_000 < await r.pttl(prefix_key(model, h)) <= 100_000
+
+
+async def test_close_removes_the_worker(r: Redis, model: str) -> None:
+    idx = PrefixIndex(r)
+    other = CacheEventPublisher(idx, model, "w2")
+    pub = CacheEventPublisher(idx, model, "w1", flush_interval_s=0.01)
+    task = asyncio.create_task(pub.run())
+    h = chain(6)
+    other.record(h[:2], [])
+    await other.flush()
+    pub.record(h[:3], [])
+    await eventually(lambda: _has(idx, model, h, {"w1": 3, "w2": 2}))
+    pub.record(h[3:5], [])  # maybe not flushed yet
+    await r.sadd(prefix_key(model, h[5]), "w1")  # a block only the engine still knew of
+    await pub.close(held=[h[5]])
+    await asyncio.wait_for(task, timeout=5)  # run() returns after close()
+    assert await idx.longest_prefixes(model, h) == {"w2": 2}
+    assert not await r.exists(marker_key(model, "w1"))
+    pub.record(h, [])  # events after close are ignored
+    assert pub.held == set()
+    await pub.flush()  # and a late flush writes nothing back
+    assert not await r.exists(marker_key(model, "w1"))
+
+
+async def _has(idx: PrefixIndex, model: str, h: list[bytes], want: dict[str, int]) -> bool:
+    return await idx.longest_prefixes(model, h) == want
+
+
+async def test_run_survives_a_redis_restart(caplog: pytest.LogCaptureFixture) -> None:
+    caplog.set_level(logging.INFO, logger="kvstore.prefix_index")
+    model = "org/restart"
+    with LocalRedis() as server:
+        client = connect(server.url)
+        try:
+            idx = PrefixIndex(client)
+            pub = CacheEventPublisher(idx, model, "w1", flush_interval_s=0.02)
+            task = asyncio.create_task(pub.run())
+            h = chain(10)
+            pub.record(h[:5], [])
+            await eventually(lambda: _has(idx, model, h, {"w1": 5}))
+
+            server.stop()
+            pub.record(h[5:], [])
+            pub.record([], h[4:5])  # an eviction during the outage
+            pub.record(h[4:5], [])  # and the block back again
+            await asyncio.sleep(0.5)  # several failed flushes
+            assert not task.done()
+            warnings = [rec for rec in caplog.records if rec.levelno == logging.WARNING]
+            assert len(warnings) == 1  # once per outage, not once per try
+            assert "prefix index unreachable" in warnings[0].getMessage()
+
+            server.start()  # an empty Redis: the full sync rewrites blocks from before, too
+            await eventually(lambda: _has(idx, model, h, {"w1": 10}))
+            assert "reachable again" in caplog.text
+            assert not task.done()
+            await pub.close()
+            await asyncio.wait_for(task, timeout=5)
+            assert await idx.longest_prefixes(model, h) == {}
+        finally:
+            await client.aclose()
+
+
+async def test_close_with_redis_down_logs_and_returns(caplog: pytest.LogCaptureFixture) -> None:
+    pub = CacheEventPublisher(PrefixIndex(connect("redis://127.0.0.1:1/0")), "m", "w1")
+    pub.record(chain(2), [])
+    await pub.close()
+    assert "could not remove worker w1" in caplog.text
+
+
+def test_publisher_checks_its_arguments() -> None:
+    idx = PrefixIndex(connect("redis://127.0.0.1:1/0"))
+    with pytest.raises(ValueError, match="flush_interval_s"):
+        CacheEventPublisher(idx, "m", "w", flush_interval_s=0)
+    with pytest.raises(ValueError, match="max_batch"):
+        CacheEventPublisher(idx, "m", "w", max_batch=0)
+    with pytest.raises(ValueError, match="refresh_interval_s"):
+        CacheEventPublisher(idx, "m", "w", refresh_interval_s=-1)
+    with pytest.raises(ValueError, match="worker_id"):
+        CacheEventPublisher(idx, "m", "w{1}")
