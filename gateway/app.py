@@ -135,6 +135,7 @@ async def _resources(app: web.Application) -> AsyncIterator[None]:
         with contextlib.suppress(asyncio.CancelledError):
             await refresher
         await app[PROXY].close()
+        await view.tokenizers.aclose()
         await http.close()
         await redis.aclose()
 

@@ -19,7 +19,9 @@ from redis.asyncio import Redis
 from gateway.config import GatewayConfig
 from gateway.regions import RegionCatalog
 from gateway.routing import Router
+from gateway.tokenization import GatewayTokenizers
 from kvstore.placement import Placement, SessionStore
+from kvstore.prefix_index import PrefixIndex
 from kvstore.protocol import WorkerInfo
 from kvstore.registry import Registry
 
@@ -32,7 +34,9 @@ class ClusterView:
         self.redis = redis
         self.registry = Registry(redis)
         self.sessions = SessionStore(redis, idle_ttl_s=config.session_ttl_s)
-        self.router = Router(config.region, catalog)
+        self.router = Router(config.region, catalog, config.routing)
+        self.tokenizers = GatewayTokenizers(redis)
+        self.prefix = PrefixIndex(redis)
         self.catalog = catalog
         self.workers: list[WorkerInfo] = []  # last registry snapshot
         self.redis_ok = False  # the last Redis call succeeded

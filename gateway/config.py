@@ -24,6 +24,7 @@ class GatewayConfig:
     worker_idle_timeout_s: float = 300.0  # longest silence on a worker's stream before failing it
     max_attempts: int = 3  # workers tried per request before giving up (only before first byte)
     retry_after_s: float = 1.0  # Retry-After for 429/503
+    routing: str = "cache-aware"  # "cache-aware" | "round-robin" (a baseline for benchmarks)
 
     def __post_init__(self) -> None:
         if not self.worker_secret:
@@ -34,5 +35,7 @@ class GatewayConfig:
             raise ValueError("registry_refresh_s and session_ttl_s must be positive")
         if self.max_attempts < 1:
             raise ValueError(f"max_attempts must be at least 1, got {self.max_attempts}")
+        if self.routing not in ("cache-aware", "round-robin"):
+            raise ValueError(f"routing must be cache-aware or round-robin, got {self.routing!r}")
         if any(not k for k in self.api_keys):
             raise ValueError("api keys must be non-empty strings")

@@ -1,6 +1,6 @@
 """A completion request's life in the gateway, as named phases over one context object.
 
-    validate -> resolve model -> route -> forward -> stream -> record
+    validate -> resolve model -> prefix lookup -> route -> forward -> stream -> record
 
 `forward` may try several workers (`max_attempts`), but only while nothing has gone to the
 client: a streamed request commits to its worker when the first token arrives (the prefill is
@@ -26,6 +26,8 @@ from aiohttp import web
 from gateway.cluster import ClusterView
 from gateway.errors import APIError, at_capacity, bad_gateway, invalid, model_not_found, unavailable
 from gateway.openai_api import SSE_DONE, RequestOptions, ResponseAssembler, error_chunk, sse
+from gateway.tokenization import prompt_token_ids
+from kvstore.block_hash import block_hashes, cache_seed
 from kvstore.placement import Placement
 from kvstore.protocol import SECRET_HEADER, GenerateRequest, WorkerInfo, decode_event
 
@@ -62,6 +64,8 @@ class Call:
     route_reason: str = ""  # why that worker (session | local | remote)
     cost: int = 0  # estimated tokens, counted against the worker while in flight
     tried: set[str] = field(default_factory=set)  # workers that failed this request
+    prompt_tokens: int = 0  # the prompt's length, when the gateway tokenized it
+    cached: dict[str, int] = field(default_factory=dict)  # worker id -> prompt tokens it caches
 
 
 class Proxy:
@@ -79,6 +83,7 @@ class Proxy:
         self.resolve_model(call)
         if call.session_id is not None:
             call.placement = await self.view.placement(call.session_id)
+        await self.prefix_lookup(call)
         events, head = await self.forward(call)  # route + forward, with retries
         assert call.worker is not None
         if call.session_id is not None:  # record: off the hot path
@@ -92,6 +97,44 @@ class Proxy:
         assert call.gen is not None
         if call.gen.model not in self.view.seen_models:
             raise model_not_found(call.gen.model)
+
+    async def prefix_lookup(self, call: Call) -> None:
+        """Tokenize the prompt here and ask the prefix index which workers hold its blocks.
+
+        Skipped (the worker tokenizes, routing goes by load) when the session's worker will
+        take the request anyway, when Redis is down, or while no tokenizer bundle is available.
+        The token ids then travel to the worker, so both sides hash the same tokens.
+        """
+        assert call.gen is not None
+        view = self.view
+        if not view.redis_ok or view.router.policy != "cache-aware":
+            return
+        workers = [w for w in view.live_workers() if w.model == call.gen.model and w.cache_id]
+        if not workers:
+            return
+        if call.placement is not None:
+            placed = next((w for w in workers if w.worker_id == call.placement.worker_id), None)
+            if placed is not None and not placed.overloaded and not placed.draining:
+                return
+        ref = workers[0]
+        tok = await view.tokenizers.get(call.gen.model, ref.cache_id)
+        if tok is None:
+            return
+        ids = prompt_token_ids(tok, call.gen.prompt, call.gen.messages, model=call.gen.model)
+        call.gen.prompt, call.gen.messages = ids, None
+        call.prompt_tokens = len(ids)
+        bs = ref.block_size
+        usable = (len(ids) - 1) // bs * bs  # the engine always computes the last token
+        if usable == 0:
+            return
+        same = [w.worker_id for w in workers if w.cache_id == ref.cache_id]
+        hashes = block_hashes(cache_seed(ref.cache_id), ids[:usable], bs)
+        try:
+            longest = await view.prefix.longest_prefixes(call.gen.model, hashes, workers=same)
+        except Exception as e:  # a stale or unreachable index costs a cache miss, never an error
+            log.debug("prefix index lookup failed: %s", e)
+            return
+        call.cached = {wid: n * bs for wid, n in longest.items()}
 
     async def forward(
         self, call: Call
@@ -140,7 +183,12 @@ class Proxy:
     def route(self, call: Call, last: APIError | None) -> WorkerInfo:
         assert call.gen is not None
         route = self.view.router.route(
-            call.gen.model, self.view.live_workers(), call.placement, frozenset(call.tried)
+            call.gen.model,
+            self.view.live_workers(),
+            call.placement,
+            frozenset(call.tried),
+            cached=call.cached,
+            prompt_tokens=call.prompt_tokens,
         )
         if route.candidates:
             call.route_reason = route.reason

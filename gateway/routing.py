@@ -1,10 +1,13 @@
 """Which worker serves a request: session placement, then load in the own region, then geo.
 
 The order, as the gateway applies it:
-1. the session's placed worker (`x-session-affinity`), if it is alive, serves the model and is
-   not overloaded: its KV cache holds the conversation;
-2. the least-loaded worker in the gateway's own region (load = tokens still to compute on the
-   worker, as its heartbeat published it, plus what this gateway has sent it since);
+1. the session's placed worker (`x-session-affinity`), if it is alive, serves the model, is
+   not overloaded and has KV room: its KV cache holds the conversation (else the session moves);
+2. the cheapest worker in the gateway's own region: cost = load (tokens still to compute on the
+   worker, as its heartbeat published it, plus what this gateway has sent it since) + the
+   prompt tokens not in its prefix cache (from the cluster's prefix index); among workers of
+   nearly equal cost the longest cached prefix wins; a worker without KV room for the prompt
+   goes last;
 3. the least-loaded worker of the nearest region (great-circle distance) with capacity.
 The result is an ordered list of candidates: the first is the choice, the rest are where a retry
 goes when a worker fails before anything reached the client.
@@ -28,19 +31,28 @@ class Route:
     """The routing decision for one request."""
 
     candidates: list[WorkerInfo]  # in preference order; empty when nothing can serve
-    reason: str  # "session" | "local" | "remote" (why the first candidate), or why none:
+    reason: str  # "session" | "prefix" | "local" | "remote" (why the first one), or why none:
     # "no_workers" (none alive for the model: 503) | "at_capacity" (all overloaded: 429)
 
 
-class Router:
-    """Routing policy over a snapshot of the registry. Holds only this gateway's in-flight counts."""
+POLICIES = ("cache-aware", "round-robin")
 
-    def __init__(self, region: str, catalog: RegionCatalog) -> None:
+
+class Router:
+    """Routing policy over a snapshot of the registry. Holds only this gateway's in-flight counts.
+
+    `cache-aware` (the default) is the order in the module docstring, with each worker's cost
+    = its load + the prompt tokens it would have to compute (those not in its prefix cache).
+    `round-robin` ignores sessions, caches and load (a baseline for benchmarks).
+    """
+
+    def __init__(self, region: str, catalog: RegionCatalog, policy: str = "cache-aware") -> None:
+        if policy not in POLICIES:
+            raise ValueError(f"routing policy must be one of {POLICIES}, got {policy!r}")
         self.region = region
         self.catalog = catalog
-        self.inflight_tokens: dict[
-            str, int
-        ] = {}  # worker id -> tokens this gateway sent, unfinished
+        self.policy = policy
+        self.inflight_tokens: dict[str, int] = {}  # worker id -> tokens sent here, unfinished
         self._turn = itertools.count()  # rotates ties so equal workers share new sessions
 
     def load(self, w: WorkerInfo) -> int:
@@ -52,7 +64,14 @@ class Router:
         workers: list[WorkerInfo],
         placement: Placement | None = None,
         exclude: frozenset[str] = frozenset(),
+        cached: dict[str, int] | None = None,
+        prompt_tokens: int = 0,
     ) -> Route:
+        """Order the workers that can serve `model`.
+
+        `cached`: worker id -> prompt tokens its prefix cache holds (from the prefix index);
+        `prompt_tokens`: the prompt's length when the gateway tokenized it (0 when unknown).
+        """
         alive = [
             w
             for w in workers
@@ -67,22 +86,47 @@ class Router:
         if not usable:
             return Route([], "at_capacity")
         turn = next(self._turn)
+        hits = cached or {}
+
+        def new_tokens(w: WorkerInfo) -> int:
+            return max(0, prompt_tokens - hits.get(w.worker_id, 0))
+
+        def has_room(w: WorkerInfo) -> bool:
+            return w.free_kv_blocks * w.block_size >= new_tokens(w)
+
+        def cost(w: WorkerInfo) -> int:
+            return self.load(w) + new_tokens(w)
+
         by_region: dict[str, list[WorkerInfo]] = {}
         for w in usable:
             by_region.setdefault(w.region, []).append(w)
         ordered: list[WorkerInfo] = []
         for region in self.catalog.nearest_first(self.region, list(by_region)):
-            group = by_region[region]
-            # least load first; among (nearly) equal loads, rotate so new sessions spread evenly
-            group.sort(key=lambda w: (self.load(w), w.worker_id))
-            # loads are a heartbeat old: treat a difference under one request's worth as a tie
-            best = [w for w in group if self.load(w) <= self.load(group[0]) + LOAD_TIE_TOKENS]
-            k = turn % len(best)
-            ordered += best[k:] + best[:k] + group[len(best) :]
-        reason = "local" if ordered[0].region == self.region else "remote"
-        if placement is not None:
+            group = sorted(by_region[region], key=lambda w: w.worker_id)
+            if self.policy == "round-robin":
+                k = turn % len(group)
+                ordered += group[k:] + group[:k]
+                continue
+            # workers with KV room for the prompt first, then by cost
+            group.sort(key=lambda w: (not has_room(w), cost(w)))
+            # loads are a heartbeat old: costs closer than one request's worth count as equal;
+            # among those, the longest cached prefix wins, else rotate so sessions spread evenly
+            c0 = cost(group[0])
+            best = [w for w in group if has_room(w) == has_room(group[0])
+                    and cost(w) <= c0 + LOAD_TIE_TOKENS]  # fmt: skip
+            if max(hits.get(w.worker_id, 0) for w in best) > 0:
+                best.sort(key=lambda w: (-hits.get(w.worker_id, 0), cost(w)))
+            else:
+                k = turn % len(best)
+                best = best[k:] + best[:k]
+            ordered += best + [w for w in group if w not in best]
+        first = ordered[0]
+        reason = "local" if first.region == self.region else "remote"
+        if reason == "local" and hits.get(first.worker_id, 0) > 0:
+            reason = "prefix"
+        if placement is not None and self.policy == "cache-aware":
             placed = next((w for w in ordered if w.worker_id == placement.worker_id), None)
-            if placed is not None:
+            if placed is not None and has_room(placed):
                 ordered.remove(placed)
                 ordered.insert(0, placed)
                 reason = "session"

@@ -141,6 +141,9 @@ class WorkerInfo:
     free_kv_blocks: int = 0  # free KV blocks
     total_kv_blocks: int = 0  # all KV blocks
     draining: bool = False  # refusing new requests (SIGTERM received)
+    cache_id: str = ""  # prefix-cache identity (model revision, dtype, block size): equal ids,
+    # equal block hashes for equal tokens; also names the tokenizer bundle in Redis
+    block_size: int = 16  # tokens per KV block (block hashes cover this many tokens)
     started_at: float = 0.0  # unix time the worker started
     updated_at: float = 0.0  # unix time of the last heartbeat
 

@@ -18,7 +18,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import threading
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 
 from runtime.engine import LLMEngine, Prompt, RequestGroup
@@ -56,6 +56,7 @@ class AsyncLLM:
         self._streams: dict[str, _Stream] = {}
         self._stats = engine.stats()  # refreshed by the engine thread after each change
         self._stopped = False
+        self._cache_listener: Callable[[list[bytes], list[bytes]], None] | None = None
         self._thread = threading.Thread(target=self._run, name="engine-loop", daemon=True)
         self._thread.start()
 
@@ -104,6 +105,13 @@ class AsyncLLM:
             self._inbox.append(_Abort(request_id))
             self._cv.notify()
         return True
+
+    def set_cache_listener(self, listener: Callable[[list[bytes], list[bytes]], None]) -> None:
+        """Call `listener(stored, evicted)` (block hashes) from the engine thread after each step
+        that changed the prefix cache. It must be quick and thread-safe: it runs between steps."""
+        with self._cv:
+            self.engine.blocks.record_events = True
+            self._cache_listener = listener
 
     def stats(self) -> dict[str, int]:
         """Load figures as of the last step (no waiting for a running step)."""
@@ -157,6 +165,10 @@ class AsyncLLM:
                     deliveries.append((rid, EngineDeadError(f"engine step failed: {e!r}")))
                 outputs = []
             deliveries += [(out.request_id, out) for out in outputs]
+            if self._cache_listener is not None:
+                stored, evicted = engine.blocks.drain_events()
+                if stored or evicted:
+                    self._cache_listener(stored, evicted)
             self._deliver(deliveries, engine.stats())
 
     def _deliver(

@@ -50,6 +50,7 @@ class BlockManager:
         self._cached: dict[bytes, int] = {}
         self._tables: dict[str, list[int]] = {}
         self._hashes: dict[str, list[bytes]] = {}  # per request: hashes of its full blocks
+        self.record_events = False  # queue cache events for drain_events (a worker publishes them)
         self._stored: list[bytes] = []  # cache events not yet drained
         self._evicted: list[bytes] = []
         self.query_tokens = 0  # prompt tokens looked up in the cache, since start
@@ -120,7 +121,8 @@ class BlockManager:
             assert h is not None
             del self._cached[h]
             self._hash[block] = None
-            self._evicted.append(h)
+            if self.record_events:
+                self._evicted.append(h)
         self._ref[block] = 1
         return block
 
@@ -142,7 +144,8 @@ class BlockManager:
                 continue  # another request cached the same prefix first; ours stays private
             self._hash[block] = h
             self._cached[h] = block
-            self._stored.append(h)
+            if self.record_events:
+                self._stored.append(h)
 
     def block_table(self, request_id: str) -> list[int]:
         return self._tables.get(request_id, [])

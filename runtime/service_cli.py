@@ -82,6 +82,7 @@ def cmd_worker(args: argparse.Namespace) -> int:
             max_model_len=args.max_model_len,
             max_waiting=args.max_waiting,
             num_threads=args.threads,
+            enable_prefix_caching=not args.no_prefix_caching,
         )
     )
     logging.getLogger("edgeinfer.worker").info(
@@ -106,6 +107,7 @@ def cmd_gateway(args: argparse.Namespace) -> int:
         api_keys=frozenset(keys),
         catalog_path=Path(args.regions),
         max_body_bytes=args.max_body_bytes,
+        routing=args.routing,
     )
     _run(serve(config))
     return 0
@@ -139,6 +141,7 @@ def add_service_commands(sub: argparse._SubParsersAction, engine_args) -> None: 
     w.add_argument("--heartbeat", type=float, default=2.0, help="seconds between heartbeats")
     w.add_argument("--ttl", type=float, default=10.0, help="registry entry lifetime, seconds")
     w.add_argument("--drain-timeout", type=float, default=30.0, help="SIGTERM grace, seconds")
+    w.add_argument("--no-prefix-caching", action="store_true", help="compute every prompt in full")
     w.set_defaults(func=cmd_worker)
 
     g = sub.add_parser("gateway", help="the OpenAI-compatible HTTP gateway of one region")
@@ -156,6 +159,10 @@ def add_service_commands(sub: argparse._SubParsersAction, engine_args) -> None: 
     )
     g.add_argument("--regions", default=str(DEFAULT_CATALOG), help="region catalog YAML")
     g.add_argument("--max-body-bytes", type=int, default=1 << 20)
+    g.add_argument(
+        "--routing", default="cache-aware", choices=["cache-aware", "round-robin"],
+        help="worker choice: sessions + prefix cache + load (default), or a round-robin baseline",
+    )  # fmt: skip
     g.set_defaults(func=cmd_gateway)
 
     u = sub.add_parser("up", help="start Redis (if needed), a worker and a gateway on this machine")

@@ -22,13 +22,16 @@ import socket
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import jinja2
 import orjson
 from aiohttp import web
+from redis.asyncio import Redis
 
 from kvstore.client import connect
+from kvstore.prefix_index import CacheEventPublisher, PrefixIndex
 from kvstore.protocol import (
     SECRET_HEADER,
     DeltaEvent,
@@ -42,6 +45,7 @@ from kvstore.protocol import (
     encode_event,
 )
 from kvstore.registry import Registry
+from kvstore.tokenizer_store import publish_tokenizer
 from runtime.async_engine import AsyncLLM, EngineDeadError
 from runtime.engine import Prompt
 from runtime.outputs import CompletionOutput
@@ -98,6 +102,8 @@ class Worker:
         self._anchor: list[int] | None = None
         self._anchor_text = ""
         self._registry: Registry | None = None
+        self._redis: Redis | None = None
+        self._tokenizer_published = False
         self._redis_ok = True
 
     # ------------------------------------------------------------------ load and registry
@@ -117,15 +123,25 @@ class Worker:
             free_kv_blocks=s["free_kv_blocks"],
             total_kv_blocks=s["total_kv_blocks"],
             draining=self.draining,
+            cache_id=self.llm.engine.cache_id,
+            block_size=self.llm.engine.config.block_size,
             started_at=self.started_at,
             updated_at=time.time(),
         )
 
     async def publish(self) -> None:
-        """Renew the registry entry with the current load; logs (once) while Redis is down."""
+        """Renew the registry entry with the current load; logs (once) while Redis is down.
+
+        The first successful call also publishes the tokenizer bundle gateways tokenize with."""
         if self._registry is None:
             return
         try:
+            if not self._tokenizer_published and self._redis is not None:
+                engine = self.llm.engine
+                await publish_tokenizer(
+                    self._redis, self.config.model_name, engine.cache_id, Path(engine.config.model)
+                )
+                self._tokenizer_published = True
             await self._registry.heartbeat(self.info())
         except Exception as e:  # redis errors, timeouts, connection refused
             if self._redis_ok:
@@ -317,6 +333,9 @@ async def _stats(request: web.Request) -> web.Response:
     body = orjson.loads(worker.info().to_json()) | {
         "num_preemptions": s["num_preemptions"],
         "num_aborted": s["num_aborted"],
+        "prefix_cache_query_tokens": s["prefix_cache_query_tokens"],
+        "prefix_cache_hit_tokens": s["prefix_cache_hit_tokens"],
+        "prefix_cached_blocks": s["prefix_cached_blocks"],
         "open_requests": worker.llm.num_open_streams,
     }
     return web.json_response(body, dumps=_dumps)
@@ -338,20 +357,33 @@ def make_app(worker: Worker) -> web.Application:
 
 
 async def _registration(app: web.Application) -> AsyncIterator[None]:
-    """Open the Redis client and keep the registry entry alive for the app's life."""
+    """Open the Redis client; keep the registry entry alive, publish the tokenizer bundle and the
+    prefix cache's events for the app's life; leave the registry and the prefix index at exit."""
     worker = app[WORKER]
     if worker.config.redis_url is None:
         yield
         return
     redis = connect(worker.config.redis_url)
+    worker._redis = redis
     worker._registry = Registry(redis, ttl_s=worker.config.ttl_s)
-    task = asyncio.create_task(worker.heartbeat_loop())
+    publisher = CacheEventPublisher(
+        PrefixIndex(redis), worker.config.model_name, worker.config.worker_id
+    )
+    worker.llm.set_cache_listener(publisher.record)
+    tasks = [
+        asyncio.create_task(worker.heartbeat_loop()),
+        asyncio.create_task(publisher.run()),
+    ]
     try:
         yield
     finally:
-        task.cancel()
-        with contextlib.suppress(asyncio.CancelledError):
-            await task
+        for task in tasks:
+            task.cancel()
+        for task in tasks:
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+        with contextlib.suppress(Exception):
+            await publisher.close(held=worker.llm.engine.blocks.cached_hashes())
         with contextlib.suppress(Exception):
             await worker._registry.deregister(worker.config.worker_id, worker.config.model_name)
         await redis.aclose()

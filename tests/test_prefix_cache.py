@@ -16,7 +16,9 @@ SEED = cache_seed("test")
 
 
 def bm(num_blocks: int = 8) -> BlockManager:
-    return BlockManager(num_blocks, B, seed=SEED)
+    m = BlockManager(num_blocks, B, seed=SEED)
+    m.record_events = True
+    return m
 
 
 def run(m: BlockManager, rid: str, tokens: list[int]) -> list[int]:
@@ -123,6 +125,7 @@ def test_batch_with_shared_prefix_and_generated_blocks_are_reused(stories_dir: P
 def test_eviction_under_pressure_keeps_serving_correctly(stories_dir: Path) -> None:
     # room for ~3 prompts of this size: later prompts evict earlier cached blocks
     llm = LLM(stories_dir, kv_cache_bytes=200_000)
+    llm.engine.blocks.record_events = True
     plain = LLM(stories_dir, kv_cache_bytes=200_000, enable_prefix_caching=False)
     params = SamplingParams(temperature=0, max_tokens=8)
     prompts = [f"Story {i}. {SHARED}" for i in range(4)] * 2  # distinct blocks, then repeats
