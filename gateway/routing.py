@@ -43,7 +43,7 @@ class Router:
 
     `cache-aware` (the default) is the order in the module docstring, with each worker's cost
     = its load + the prompt tokens it would have to compute (those not in its prefix cache).
-    `round-robin` ignores sessions, caches and load (a baseline for benchmarks).
+    `round-robin` ignores sessions, caches, load and regions (a baseline for benchmarks).
     """
 
     def __init__(self, region: str, catalog: RegionCatalog, policy: str = "cache-aware") -> None:
@@ -101,12 +101,13 @@ class Router:
         for w in usable:
             by_region.setdefault(w.region, []).append(w)
         ordered: list[WorkerInfo] = []
+        if self.policy == "round-robin":  # every usable worker in turn, whatever its region
+            everyone = sorted(usable, key=lambda w: w.worker_id)
+            k = turn % len(everyone)
+            ordered = everyone[k:] + everyone[:k]
+            return Route(ordered, "local" if ordered[0].region == self.region else "remote")
         for region in self.catalog.nearest_first(self.region, list(by_region)):
             group = sorted(by_region[region], key=lambda w: w.worker_id)
-            if self.policy == "round-robin":
-                k = turn % len(group)
-                ordered += group[k:] + group[:k]
-                continue
             # workers with KV room for the prompt first, then by cost
             group.sort(key=lambda w: (not has_room(w), cost(w)))
             # loads are a heartbeat old: costs closer than one request's worth count as equal;
