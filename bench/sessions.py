@@ -11,13 +11,19 @@ Conversations alternate between the two regions' gateways. Three modes, one afte
 - `no-header`:   cache-aware gateways, no header (the prefix index alone places requests);
 - `round-robin`: gateways started with `--routing round-robin` (no sessions, caches or load).
 
+Between turns a conversation pauses for a think time (exponential, mean `--think-ms`, 1 s by
+default; the same draws in every mode), as a person reading the answer does. Without it
+(`--think-ms 0`) the conversations on a worker fall into lockstep: they finish together and
+send their next turns in the same engine step, and time to first token measures that convoy
+(one step holding every conversation's prefill) more than the prefill each request needs.
 Each mode's system prompt starts with the mode's name, so no mode reuses another's cache. For
 each mode the bench prints:
 - hit rate: prompt tokens served from a prefix cache (`usage.prompt_tokens_details.
   cached_tokens`) / reusable prompt tokens. Reusable: for turn 1, the system prompt's full blocks
   once some earlier conversation of the mode sent it; for turn t >= 2, the full blocks of turn
   t-1's prompt (a prefix of turn t's prompt that the cluster has computed before);
-- p50 / p99 time to first token of turns 2+;
+- p50 / p99 time to first token of turns 2+ (until the response headers arrive: the gateway
+  sends them with the first token);
 - tokens/s (prompt + completion over the mode's wall time) and requests/s;
 - the largest share of the mode's requests that one worker took.
 
@@ -33,6 +39,7 @@ import argparse
 import asyncio
 import os
 import platform
+import random
 import sys
 import tempfile
 import time
@@ -85,8 +92,12 @@ class Mode:
 async def _turn(s: aiohttp.ClientSession, url: str, body: dict, session: str | None):  # type: ignore[no-untyped-def, type-arg]
     headers = {"x-session-affinity": session} if session else {}
     t0 = time.perf_counter()
-    ttft, text, usage = None, [], None
+    text: list[str] = []
+    usage = None
     async with s.post(f"{url}/v1/chat/completions", data=orjson.dumps(body), headers=headers) as r:
+        # the gateway answers a stream's headers when the first token exists (a token whose
+        # text is empty, e.g. a special token, sends no chunk, so time the headers instead)
+        ttft = time.perf_counter() - t0
         if r.status != 200:
             raise RuntimeError(f"HTTP {r.status}: {await r.text()}")
         worker = r.headers["x-edgeinfer-worker"]
@@ -101,19 +112,22 @@ async def _turn(s: aiohttp.ClientSession, url: str, body: dict, session: str | N
             for c in chunk.get("choices") or []:
                 piece = c["delta"].get("content")
                 if piece:
-                    ttft = ttft if ttft is not None else time.perf_counter() - t0
                     text.append(piece)
-    assert ttft is not None and usage is not None
+    assert usage is not None
     return ttft, "".join(text), usage, worker
 
 
 async def _conversation(s: aiohttp.ClientSession, mode: Mode, i: int, turns: int,
-                        system_tokens: int, reply_tokens: int, first_seen: asyncio.Event) -> None:  # fmt: skip
+                        system_tokens: int, reply_tokens: int, first_seen: asyncio.Event,
+                        think_s: float) -> None:  # fmt: skip
     url = mode.gateways[i % len(mode.gateways)].url
+    rng = random.Random(i)  # the same think times in every mode
     messages = [{"role": "system", "content": f"{mode.name}. {SYSTEM}"}]
     name = NAMES[i % len(NAMES)]
     prev_prompt = 0
     for t in range(turns):
+        if t > 0 and think_s > 0:  # the user reads the answer and types the next message
+            await asyncio.sleep(rng.expovariate(1 / think_s))
         messages.append(
             {"role": "user", "content": f"Conversation {i}, part {t + 1}: what did {name} do next?"}
         )
@@ -142,12 +156,13 @@ async def _conversation(s: aiohttp.ClientSession, mode: Mode, i: int, turns: int
         messages.append({"role": "assistant", "content": reply})
 
 
-async def _run_mode(mode: Mode, conversations: int, turns: int, system_tokens: int, reply_tokens: int) -> None:  # fmt: skip
+async def _run_mode(mode: Mode, conversations: int, turns: int, system_tokens: int,
+                    reply_tokens: int, think_s: float = 0.0) -> None:  # fmt: skip
     first_seen = asyncio.Event()
     async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)) as s:
         t0 = time.perf_counter()
         await asyncio.gather(*(
-            _conversation(s, mode, i, turns, system_tokens, reply_tokens, first_seen)
+            _conversation(s, mode, i, turns, system_tokens, reply_tokens, first_seen, think_s)
             for i in range(conversations)
         ))  # fmt: skip
         mode.wall = time.perf_counter() - t0
@@ -159,11 +174,15 @@ def _pct(xs: list[float], q: float) -> float:
 
 
 def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     ap.add_argument("--model", type=Path, default=STORIES)
     ap.add_argument("--conversations", type=int, default=32)
     ap.add_argument("--turns", type=int, default=8)
     ap.add_argument("--reply-tokens", type=int, default=16)
+    ap.add_argument("--think-ms", type=float, default=1000.0,
+                    help="mean pause between a reply and the next turn (exponential); 0: none")  # fmt: skip
     ap.add_argument("--worker-threads", type=int, default=1)
     ap.add_argument("--kv-cache-bytes", type=int, default=64 << 20, help="per worker")
     args = ap.parse_args()
@@ -174,7 +193,7 @@ def main() -> int:
         f"bench/sessions.py {time.strftime('%Y-%m-%d %H:%M')} on {platform.node()}, "
         f"{os.cpu_count()} CPUs; model {args.model.name}; 2 regions x 2 workers; "
         f"{args.conversations} conversations x {args.turns} turns, replies of "
-        f"{args.reply_tokens} tokens"
+        f"{args.reply_tokens} tokens, think time {args.think_ms:.0f} ms (mean)"
     )
     with tempfile.TemporaryDirectory() as tmp, LocalRedis() as redis:
         root = Path(tmp)
@@ -183,18 +202,27 @@ def main() -> int:
         tok = Tokenizer.from_dir(model)
         rendered = tok.apply_chat_template([{"role": "system", "content": f"header. {SYSTEM}"}])
         system_tokens = len(tok.encode(rendered, add_special_tokens=False))
-        flags = ["--threads", str(args.worker_threads), "--kv-cache-bytes", str(args.kv_cache_bytes)]
+        flags = [
+            "--threads",
+            str(args.worker_threads),
+            "--kv-cache-bytes",
+            str(args.kv_cache_bytes),
+        ]
         procs: list[Proc] = []
         try:
             for region in ("eu", "us"):
                 for k in (1, 2):
-                    procs.append(start_worker(f"{region}{k}", model, redis.url, root, region, flags))
+                    procs.append(
+                        start_worker(f"{region}{k}", model, redis.url, root, region, flags)
+                    )
             aware = [start_gateway(f"gw-{r}", redis.url, root / "regions.yaml", root, r) for r in ("eu", "us")]  # fmt: skip
             rr = [start_gateway(f"rr-{r}", redis.url, root / "regions.yaml", root, r,
                                 ["--routing", "round-robin"]) for r in ("eu", "us")]  # fmt: skip
             procs += aware + rr
             for gw in aware + rr:
-                wait_until(lambda gw=gw: get_json(f"{gw.url}/readyz")[1]["workers"] == 4, 30, "4 workers")  # type: ignore[misc]
+                wait_until(
+                    lambda gw=gw: get_json(f"{gw.url}/readyz")[1]["workers"] == 4, 30, "4 workers"
+                )  # type: ignore[misc]
             modes = [Mode("header", aware, True), Mode("no-header", aware, False),
                      Mode("round-robin", rr, False)]  # fmt: skip
             # warm-up: every gateway and worker serves a little before anything is timed
@@ -202,7 +230,8 @@ def main() -> int:
                 asyncio.run(_run_mode(warm, 8, 2, system_tokens, 4))
             for mode in modes:
                 print(f"  running {mode.name} ...", file=sys.stderr, flush=True)
-                asyncio.run(_run_mode(mode, args.conversations, args.turns, system_tokens, args.reply_tokens))  # fmt: skip
+                asyncio.run(_run_mode(mode, args.conversations, args.turns, system_tokens,
+                                      args.reply_tokens, args.think_ms / 1000))  # fmt: skip
         finally:
             for p in procs:
                 p.stop()
