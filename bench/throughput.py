@@ -335,7 +335,9 @@ def edgeinfer_generate_fn(
     from runtime import LLM, SamplingParams
 
     start = time.perf_counter()
-    llm = LLM(model_dir, dtype=dtype, **engine_args)
+    # Prefix caching off: no two workload prompts share a block by design, and a warm-up call or
+    # a repeated single-request run must not hand edgeinfer cached prompt blocks.
+    llm = LLM(model_dir, dtype=dtype, enable_prefix_caching=False, **engine_args)
     load_s = time.perf_counter() - start
 
     def generate(prompts: list[list[int]], output_lens: list[int]) -> list[list[int]]:

@@ -1,9 +1,10 @@
-"""The CPU extension (`csrc/paged_decode_cpu.cpp`), compiled on first use and cached.
+"""The CPU extensions (`csrc/paged_decode_cpu.cpp`, `csrc/small_gemm_cpu.cpp`), compiled on
+first use and cached.
 
 Building needs a C++ compiler and ninja (a dependency of this package); it takes about a minute
 once per machine and Python/torch version, and is reused from the cache afterwards. Where it
-cannot be built, `load()` returns None, says why once on the log, and attention uses the PyTorch
-reference (same results, slower decode).
+cannot be built, the loaders return None, say why once on the log, and the callers use the
+PyTorch reference (same results, slower decode).
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from types import ModuleType
 log = logging.getLogger(__name__)
 
 _SOURCE = Path(__file__).parent / "csrc" / "paged_decode_cpu.cpp"
+_GEMM_SOURCE = Path(__file__).parent / "csrc" / "small_gemm_cpu.cpp"
 _lock = threading.Lock()
 _state: dict[str, ModuleType | None] = {}
 
@@ -33,19 +35,28 @@ def build_dir() -> Path:
 
 
 def load() -> ModuleType | None:
-    """The compiled module, building it on first call; None where it cannot be built."""
+    """The paged decode attention module, building it on first call; None where it cannot be built."""
+    return _build("edgeinfer_paged_decode_cpu", _SOURCE, "CPU attention extension")
+
+
+def load_small_gemm() -> ModuleType | None:
+    """The small-batch matmul module (`csrc/small_gemm_cpu.cpp`); None where it cannot be built."""
+    return _build("edgeinfer_small_gemm_cpu", _GEMM_SOURCE, "CPU small-matmul extension")
+
+
+def _build(name: str, source: Path, what: str) -> ModuleType | None:
     with _lock:
-        if "mod" in _state:
-            return _state["mod"]
+        if name in _state:
+            return _state[name]
         try:
             from torch.utils import cpp_extension
 
-            path = build_dir()
+            path = build_dir() / name
             path.mkdir(parents=True, exist_ok=True)
-            log.info("building the CPU attention extension in %s (once per machine)", path)
+            log.info("building the %s in %s (once per machine)", what, path)
             mod = cpp_extension.load(
-                name="edgeinfer_paged_decode_cpu",
-                sources=[str(_SOURCE)],
+                name=name,
+                sources=[str(source)],
                 # Reassociation lets the compiler vectorize the dot products; no finite-math (-inf is used).
                 extra_cflags=[
                     "-O3",
@@ -61,7 +72,7 @@ def load() -> ModuleType | None:
                 verbose=False,
             )
         except Exception as e:  # no compiler, no ninja, a read-only home: use the reference
-            log.warning("CPU attention extension unavailable (%s); using the PyTorch reference", e)
+            log.warning("%s unavailable (%s); using the PyTorch reference", what, e)
             mod = None
-        _state["mod"] = mod
+        _state[name] = mod
         return mod

@@ -221,6 +221,7 @@ class EngineConfig:
     attention: str = (
         "auto"  # decode attention: "auto", "cpu_ext" (in place, C++), "torch" (reference)
     )
+    matmul: str = "auto"  # few-row (decode) matmuls: "auto"/"cpu_ext" (C++ kernel), "torch"
     enable_prefix_caching: bool = True  # reuse the KV blocks of cached prompt prefixes
     model_revision: str | None = None  # cache identity; None: a fingerprint of the folder
 
@@ -243,5 +244,7 @@ class EngineConfig:
             )
         if self.attention not in ("auto", "cpu_ext", "torch"):
             raise ValueError(f"attention must be auto, cpu_ext or torch, got {self.attention!r}")
+        if self.matmul not in ("auto", "cpu_ext", "torch"):
+            raise ValueError(f"matmul must be auto, cpu_ext or torch, got {self.matmul!r}")
         if self.max_waiting < 1:
             raise ValueError(f"max_waiting must be >= 1, got {self.max_waiting}")

@@ -71,7 +71,9 @@ class LLMEngine:
         self.scheduler = Scheduler(
             self.blocks, config.max_num_seqs, config.max_num_batched_tokens, config.max_waiting
         )
-        self.runner = ModelRunner(self.model, num_blocks, config.block_size, config.attention)
+        self.runner = ModelRunner(
+            self.model, num_blocks, config.block_size, config.attention, config.matmul
+        )
         self.eos_token_ids = frozenset(cfg.eos_token_ids) | self.tokenizer.eos_token_ids
         self._groups: dict[str, RequestGroup] = {}
         self._seq_to_group: dict[str, tuple[RequestGroup, int]] = {}

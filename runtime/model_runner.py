@@ -28,9 +28,21 @@ def kv_block_bytes(model: LlamaForCausalLM, block_size: int) -> int:
 
 class ModelRunner:
     def __init__(
-        self, model: LlamaForCausalLM, num_blocks: int, block_size: int, attention: str = "auto"
+        self,
+        model: LlamaForCausalLM,
+        num_blocks: int,
+        block_size: int,
+        attention: str = "auto",
+        matmul: str = "auto",
     ):
         cfg = model.cfg
+        # Few-row (decode) matmuls: the C++ kernel where it builds and the weights are float32.
+        small = None
+        if matmul != "torch" and model.dtype == torch.float32:
+            small = cpu_ext.load_small_gemm()
+            if small is None and matmul == "cpu_ext":
+                raise RuntimeError("matmul='cpu_ext' asked for, but the extension did not build")
+        model.use_small_gemm(small)
         # Decode attention: the in-place CPU extension where it builds, else the reference.
         if attention == "auto":
             attention = "cpu_ext" if cpu_ext.load() is not None else "torch"

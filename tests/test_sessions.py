@@ -142,8 +142,10 @@ def test_a_full_worker_sheds_its_session(pair: Pair) -> None:
     assert worker == "w1" and headers["x-edgeinfer-route"] != "session"
     assert resp.choices[0].message.content is not None
     wait_until(
-        lambda: orjson.loads(r.get(f"ei:s:{{{session}}}") or b"{}").get("worker_id")
-        == pair.w1.meta["worker_id"],
+        lambda: (
+            orjson.loads(r.get(f"ei:s:{{{session}}}") or b"{}").get("worker_id")
+            == pair.w1.meta["worker_id"]
+        ),
         5,
         "the session's placement to move",
     )

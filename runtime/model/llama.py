@@ -13,11 +13,13 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 from dataclasses import dataclass
+from types import ModuleType
 
 import torch
 from torch import nn
 
 from kernels import PagedAttentionMetadata, apply_rotary, paged_attention, rms_norm, write_kv_cache
+from kernels.linear import small_linear
 from runtime.config import ModelConfig
 
 
@@ -41,9 +43,10 @@ class Linear(nn.Module):
         super().__init__()
         self.weight = _param(out_features, in_features, dtype=dtype)
         self.bias = _param(out_features, dtype=dtype) if bias else None
+        self.small_gemm: ModuleType | None = None  # the few-rows kernel, set by use_small_gemm
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return nn.functional.linear(x, self.weight, self.bias)
+        return small_linear(x, self.weight, self.bias, self.small_gemm)
 
 
 class RMSNorm(nn.Module):
@@ -131,6 +134,7 @@ class LlamaForCausalLM(nn.Module):
     def __init__(self, cfg: ModelConfig, dtype: torch.dtype, max_model_len: int):
         super().__init__()
         self.cfg, self.dtype = cfg, dtype
+        self.small_gemm: ModuleType | None = None  # for logits; see use_small_gemm
         self.embed_tokens = _param(cfg.vocab_size, cfg.hidden_size, dtype=dtype)
         self.layers = nn.ModuleList(DecoderLayer(cfg, dtype) for _ in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
@@ -166,7 +170,14 @@ class LlamaForCausalLM(nn.Module):
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden: (N, hidden) -> float32 logits (N, vocab)."""
-        return nn.functional.linear(hidden, self.output_weight).float()
+        return small_linear(hidden, self.output_weight, None, self.small_gemm).float()
+
+    def use_small_gemm(self, ext: ModuleType | None) -> None:
+        """Route few-row matmuls (decode) through the CPU kernel `ext`, or the reference (None)."""
+        self.small_gemm = ext
+        for module in self.modules():
+            if isinstance(module, Linear):
+                module.small_gemm = ext
 
     def load_weights(self, weights: Iterable[tuple[str, str, torch.Tensor]]) -> None:
         """Copy (file, Hugging Face name, tensor) triples in; fuse q/k/v and gate/up.

@@ -1,0 +1,120 @@
+// y = x @ w^T (+ bias) for a few rows of x: the decode-time matmul, bound by reading w.
+//
+// x: (M, K) float32, M <= 8 (a decode batch this small); w: (N, K) float32 row-major, as
+// nn.Linear stores it; bias: (N,) or none. Each weight row is read once for all M rows of x,
+// streamed straight from memory; rows are split over OpenMP threads in contiguous chunks, and
+// several rows are in flight per thread so the FMA latency of one dot product does not stall
+// the stream. AVX2 + FMA where the compiler targets them (-march=native), plain loops
+// otherwise (same sums, slower).
+
+#include <torch/extension.h>
+
+#include <algorithm>
+
+#ifdef __AVX2__
+#include <immintrin.h>
+
+static inline float hsum(__m256 v) {
+  __m128 lo = _mm256_castps256_ps128(v), hi = _mm256_extractf128_ps(v, 1);
+  lo = _mm_add_ps(lo, hi);
+  lo = _mm_add_ps(lo, _mm_movehl_ps(lo, lo));
+  lo = _mm_add_ss(lo, _mm_shuffle_ps(lo, lo, 1));
+  return _mm_cvtss_f32(lo);
+}
+
+// R weight rows against M input rows: R * M accumulators of 8 lanes.
+template <int M, int R>
+static void rows_avx2(const float* x, const float* w, const float* bias, float* y, int64_t K,
+                      int64_t N, int64_t n0) {
+  __m256 acc[R][M];
+  for (int r = 0; r < R; ++r)
+    for (int m = 0; m < M; ++m) acc[r][m] = _mm256_setzero_ps();
+  const int64_t K8 = K & ~int64_t(7);
+  for (int64_t k = 0; k < K8; k += 8) {
+    __m256 xv[M];
+    for (int m = 0; m < M; ++m) xv[m] = _mm256_loadu_ps(x + m * K + k);
+    for (int r = 0; r < R; ++r) {
+      const __m256 wv = _mm256_loadu_ps(w + (n0 + r) * K + k);
+      for (int m = 0; m < M; ++m) acc[r][m] = _mm256_fmadd_ps(wv, xv[m], acc[r][m]);
+    }
+  }
+  for (int r = 0; r < R; ++r) {
+    const float* wr = w + (n0 + r) * K;
+    for (int m = 0; m < M; ++m) {
+      float s = hsum(acc[r][m]);
+      for (int64_t k = K8; k < K; ++k) s += wr[k] * x[m * K + k];
+      if (bias) s += bias[n0 + r];
+      y[m * N + n0 + r] = s;
+    }
+  }
+}
+#endif
+
+template <int M>
+static void rows_scalar(const float* x, const float* w, const float* bias, float* y, int64_t K,
+                        int64_t N, int64_t n0) {
+  const float* wr = w + n0 * K;
+  for (int m = 0; m < M; ++m) {
+    float s = 0.f;
+    for (int64_t k = 0; k < K; ++k) s += wr[k] * x[m * K + k];
+    y[m * N + n0] = s + (bias ? bias[n0] : 0.f);
+  }
+}
+
+template <int M>
+static void run(const float* x, const float* w, const float* bias, float* y, int64_t K,
+                int64_t N) {
+#ifdef __AVX2__
+  constexpr int R = M <= 2 ? 4 : (M <= 4 ? 2 : 1);
+#else
+  constexpr int R = 1;
+#endif
+  const int64_t groups = N / R;
+#pragma omp parallel for schedule(static)
+  for (int64_t g = 0; g < groups; ++g) {
+#ifdef __AVX2__
+    rows_avx2<M, R>(x, w, bias, y, K, N, g * R);
+#else
+    rows_scalar<M>(x, w, bias, y, K, N, g * R);
+#endif
+  }
+  for (int64_t n = groups * R; n < N; ++n) rows_scalar<M>(x, w, bias, y, K, N, n);
+}
+
+torch::Tensor small_linear(torch::Tensor x, torch::Tensor w, c10::optional<torch::Tensor> bias) {
+  TORCH_CHECK(x.dim() == 2 && w.dim() == 2, "small_linear: x (M, K) and w (N, K) expected");
+  TORCH_CHECK(x.scalar_type() == torch::kFloat && w.scalar_type() == torch::kFloat,
+              "small_linear: float32 only");
+  TORCH_CHECK(x.size(1) == w.size(1), "small_linear: K differs: x ", x.sizes(), " w ", w.sizes());
+  TORCH_CHECK(x.size(0) >= 1 && x.size(0) <= 8, "small_linear: 1 <= M <= 8, got ", x.size(0));
+  TORCH_CHECK(w.is_contiguous(), "small_linear: w must be contiguous");
+  const float* bp = nullptr;
+  if (bias.has_value()) {
+    TORCH_CHECK(bias->dim() == 1 && bias->size(0) == w.size(0) &&
+                    bias->scalar_type() == torch::kFloat && bias->is_contiguous(),
+                "small_linear: bias (N,) float32 expected");
+    bp = bias->data_ptr<float>();
+  }
+  auto xc = x.contiguous();
+  const int64_t M = x.size(0), K = x.size(1), N = w.size(0);
+  auto y = torch::empty({M, N}, x.options());
+  const float* xp = xc.data_ptr<float>();
+  const float* wp = w.data_ptr<float>();
+  float* yp = y.data_ptr<float>();
+  switch (M) {
+    case 1: run<1>(xp, wp, bp, yp, K, N); break;
+    case 2: run<2>(xp, wp, bp, yp, K, N); break;
+    case 3: run<3>(xp, wp, bp, yp, K, N); break;
+    case 4: run<4>(xp, wp, bp, yp, K, N); break;
+    case 5: run<5>(xp, wp, bp, yp, K, N); break;
+    case 6: run<6>(xp, wp, bp, yp, K, N); break;
+    case 7: run<7>(xp, wp, bp, yp, K, N); break;
+    default: run<8>(xp, wp, bp, yp, K, N); break;
+  }
+  return y;
+}
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("small_linear", &small_linear, "x @ w.T (+ bias) for x of 1-8 rows, float32",
+        py::arg("x"), py::arg("w"), py::arg("bias") = py::none());
+}

@@ -1,0 +1,41 @@
+"""`y = x @ w.T + b`, with a CPU kernel for the few-row case that decoding is.
+
+At decode time a linear layer multiplies a handful of rows (one per running request) by a large
+weight matrix: the work is reading the weights once from memory. torch's CPU matmul reaches
+~15 GB/s for one row and ~8 GB/s for 2-8 rows on the 2-core development machine; the kernel in
+`csrc/small_gemm_cpu.cpp` streams each weight row once for all rows of x at ~20-31 GB/s (the
+machine's memory bandwidth; bench in bench/README.md). Sums run in a different order than
+torch's, so results differ by float32 rounding only.
+
+`small_linear(x, w, b, ext)`: `ext` is the compiled module (`kernels.cpu_ext.load_small_gemm()`)
+or None; the reference (`torch.nn.functional.linear`) runs whenever the kernel does not apply.
+"""
+
+from __future__ import annotations
+
+from types import ModuleType
+
+import torch
+
+MAX_ROWS = 8  # the kernel's limit; above it torch's blocked GEMM is the faster one
+
+
+def applies(x: torch.Tensor, w: torch.Tensor) -> bool:
+    """Whether the small-matmul kernel takes this product."""
+    return (
+        x.dim() == 2
+        and 1 <= x.shape[0] <= MAX_ROWS
+        and x.dtype == torch.float32
+        and w.dtype == torch.float32
+        and x.device.type == "cpu"
+        and w.is_contiguous()
+    )
+
+
+def small_linear(
+    x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None, ext: ModuleType | None = None
+) -> torch.Tensor:
+    """x: (M, K), w: (N, K), b: (N,) or None -> (M, N)."""
+    if ext is not None and applies(x, w):
+        return ext.small_linear(x, w, b)
+    return torch.nn.functional.linear(x, w, b)
