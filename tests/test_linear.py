@@ -17,7 +17,7 @@ def ext():  # type: ignore[no-untyped-def]
     return mod
 
 
-@pytest.mark.parametrize("m", [1, 2, 3, 5, 8])
+@pytest.mark.parametrize("m", [1, 2, 3, 5, 8, 9, 14, 48])
 @pytest.mark.parametrize(("k", "n"), [(64, 5), (172, 131), (576, 960), (8, 4), (17, 3)])
 @pytest.mark.parametrize("bias", [False, True])
 def test_kernel_matches_float64_as_closely_as_torch(
@@ -47,7 +47,7 @@ def test_falls_back_where_the_kernel_does_not_apply(ext) -> None:  # type: ignor
 def test_kernel_checks_its_inputs(ext) -> None:  # type: ignore[no-untyped-def]
     with pytest.raises(RuntimeError, match="K differs"):
         ext.small_linear(torch.randn(1, 8), torch.randn(4, 9), None)
-    with pytest.raises(RuntimeError, match="1 <= M <= 8"):
-        ext.small_linear(torch.randn(9, 8), torch.randn(4, 8), None)
+    with pytest.raises(RuntimeError, match="1 <= M <= 48"):
+        ext.small_linear(torch.randn(49, 8), torch.randn(4, 8), None)
     with pytest.raises(RuntimeError, match="float32"):
         ext.small_linear(torch.randn(1, 8).double(), torch.randn(4, 8).double(), None)
