@@ -9,9 +9,9 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """x: (..., hidden); weight: (hidden,). Returns the same shape and dtype as x."""
     if x.shape[-1] != weight.shape[0]:
         raise ValueError(f"rms_norm: x has {x.shape[-1]} features, weight has {weight.shape[0]}")
-    if x.dtype == torch.float32:
-        var = x.pow(2).mean(-1, keepdim=True)
-        return weight * (x * torch.rsqrt(var + eps))
+    if x.dtype == torch.float32 and weight.dtype == torch.float32:
+        # torch's fused kernel: the same formula in one pass (float32 rounding differences only)
+        return torch.nn.functional.rms_norm(x, (x.shape[-1],), weight, eps)
     xf = x.float()
     var = xf.pow(2).mean(-1, keepdim=True)
     return weight * (xf * torch.rsqrt(var + eps)).to(x.dtype)

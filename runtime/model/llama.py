@@ -19,7 +19,7 @@ import torch
 from torch import nn
 
 from kernels import PagedAttentionMetadata, apply_rotary, paged_attention, rms_norm, write_kv_cache
-from kernels.linear import small_linear
+from kernels.linear import applies, small_linear
 from runtime.config import ModelConfig
 
 
@@ -80,11 +80,18 @@ class Attention(nn.Module):
         q = q.view(T, self.n_heads, self.head_dim)  # (T, n_heads, head_dim)
         k = k.view(T, self.n_kv_heads, self.head_dim)  # (T, n_kv_heads, head_dim)
         v = v.view(T, self.n_kv_heads, self.head_dim)  # (T, n_kv_heads, head_dim)
+        assert ctx.cos is not None and ctx.sin is not None
         if self.q_norm is not None and self.k_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
-        assert ctx.cos is not None and ctx.sin is not None
-        q = apply_rotary(q, ctx.cos, ctx.sin)
-        k = apply_rotary(k, ctx.cos, ctx.sin)
+            q = apply_rotary(q, ctx.cos, ctx.sin)
+            k = apply_rotary(k, ctx.cos, ctx.sin)
+        else:  # rotate q and k in one pass: they sit side by side in qkv
+            qk = qkv[:, : self.q_size + self.kv_size].unflatten(
+                1, (self.n_heads + self.n_kv_heads, self.head_dim)
+            )  # (T, n_heads + n_kv_heads, head_dim)
+            qk = apply_rotary(qk, ctx.cos, ctx.sin)
+            q, k = qk.split([self.n_heads, self.n_kv_heads], dim=1)
+            q = q.contiguous()  # (T, n_heads, head_dim)
         write_kv_cache(k, v, k_cache, v_cache, ctx.attn.slot_mapping)
         o = paged_attention(
             q, k, v, k_cache, v_cache, ctx.attn, self.scale
@@ -174,10 +181,12 @@ class LlamaForCausalLM(nn.Module):
 
     def use_small_gemm(self, ext: ModuleType | None) -> None:
         """Route few-row matmuls (decode) through the CPU kernel `ext`, or the reference (None)."""
-        self.small_gemm = ext
+        probe = torch.empty(1, 1, dtype=self.dtype)
+        self.small_gemm = ext if ext is not None and applies(probe, self.output_weight) else None
         for module in self.modules():
             if isinstance(module, Linear):
-                module.small_gemm = ext
+                usable = ext is not None and applies(probe, module.weight)
+                module.small_gemm = ext if usable else None
 
     def load_weights(self, weights: Iterable[tuple[str, str, torch.Tensor]]) -> None:
         """Copy (file, Hugging Face name, tensor) triples in; fuse q/k/v and gate/up.
