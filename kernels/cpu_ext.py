@@ -20,6 +20,7 @@ log = logging.getLogger(__name__)
 
 _SOURCE = Path(__file__).parent / "csrc" / "paged_decode_cpu.cpp"
 _GEMM_SOURCE = Path(__file__).parent / "csrc" / "small_gemm_cpu.cpp"
+_NORM_SOURCE = Path(__file__).parent / "csrc" / "rms_norm_cpu.cpp"
 _lock = threading.Lock()
 _state: dict[str, ModuleType | None] = {}
 
@@ -42,6 +43,11 @@ def load() -> ModuleType | None:
 def load_small_gemm() -> ModuleType | None:
     """The small-batch matmul module (`csrc/small_gemm_cpu.cpp`); None where it cannot be built."""
     return _build("edgeinfer_small_gemm_cpu", _GEMM_SOURCE, "CPU small-matmul extension")
+
+
+def load_rms_norm() -> ModuleType | None:
+    """The fused RMSNorm module (`csrc/rms_norm_cpu.cpp`); None where it cannot be built."""
+    return _build("edgeinfer_rms_norm_cpu", _NORM_SOURCE, "CPU RMSNorm extension")
 
 
 def _build(name: str, source: Path, what: str) -> ModuleType | None:

@@ -221,7 +221,7 @@ class EngineConfig:
     attention: str = (
         "auto"  # decode attention: "auto", "cpu_ext" (in place, C++), "torch" (reference)
     )
-    matmul: str = "auto"  # few-row (decode) matmuls: "auto"/"cpu_ext" (C++ kernel), "torch"
+    cpu_kernels: str = "auto"  # few-row matmuls, RMSNorm: "auto"/"cpu_ext" (C++), "torch"
     enable_prefix_caching: bool = True  # reuse the KV blocks of cached prompt prefixes
     model_revision: str | None = None  # cache identity; None: a fingerprint of the folder
 
@@ -244,7 +244,9 @@ class EngineConfig:
             )
         if self.attention not in ("auto", "cpu_ext", "torch"):
             raise ValueError(f"attention must be auto, cpu_ext or torch, got {self.attention!r}")
-        if self.matmul not in ("auto", "cpu_ext", "torch"):
-            raise ValueError(f"matmul must be auto, cpu_ext or torch, got {self.matmul!r}")
+        if self.cpu_kernels not in ("auto", "cpu_ext", "torch"):
+            raise ValueError(
+                f"cpu_kernels must be auto, cpu_ext or torch, got {self.cpu_kernels!r}"
+            )
         if self.max_waiting < 1:
             raise ValueError(f"max_waiting must be >= 1, got {self.max_waiting}")

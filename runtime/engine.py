@@ -72,7 +72,7 @@ class LLMEngine:
             self.blocks, config.max_num_seqs, config.max_num_batched_tokens, config.max_waiting
         )
         self.runner = ModelRunner(
-            self.model, num_blocks, config.block_size, config.attention, config.matmul
+            self.model, num_blocks, config.block_size, config.attention, config.cpu_kernels
         )
         self.eos_token_ids = frozenset(cfg.eos_token_ids) | self.tokenizer.eos_token_ids
         self._groups: dict[str, RequestGroup] = {}

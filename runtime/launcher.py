@@ -69,12 +69,20 @@ def _stop(what: str, procs: list[subprocess.Popen[bytes]]) -> None:
     print(f"stopped {what} in {time.monotonic() - t0:.1f}s", file=sys.stderr, flush=True)
 
 
+def _interrupt(signum: int, frame: object) -> None:
+    raise KeyboardInterrupt
+
+
 def up(args: argparse.Namespace) -> int:
     from kvstore.redis_server import LocalRedis
     from runtime.cli import _model_dir
 
     if args.workers < 1:
         raise SystemExit("edgeinfer: error: --workers must be at least 1")
+    # Ctrl-C and SIGTERM both stop the stack. Set explicitly: a process started in the
+    # background by a non-interactive shell inherits SIGINT ignored, and Python then keeps it so.
+    signal.signal(signal.SIGINT, _interrupt)
+    signal.signal(signal.SIGTERM, _interrupt)
     model_dir = _model_dir(args.model)  # imports the default model on first use
     secret = os.environ.get("EDGEINFER_SECRET") or secrets.token_urlsafe(24)
     env = os.environ | {"EDGEINFER_SECRET": secret, "PYTHONUNBUFFERED": "1"}
@@ -138,7 +146,9 @@ def up(args: argparse.Namespace) -> int:
         print(f"edgeinfer: error: {e}", file=sys.stderr)
         return 1
     finally:
-        signal.signal(signal.SIGINT, signal.SIG_IGN)  # a second Ctrl-C must not orphan children
+        # a second Ctrl-C or SIGTERM must not orphan the children
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
         _stop("the gateway", [gateway])
         _stop(f"{len(workers)} worker(s)", workers)
         if local_redis is not None:

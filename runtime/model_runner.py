@@ -33,16 +33,19 @@ class ModelRunner:
         num_blocks: int,
         block_size: int,
         attention: str = "auto",
-        matmul: str = "auto",
+        cpu_kernels: str = "auto",
     ):
         cfg = model.cfg
-        # Few-row (decode) matmuls: the C++ kernel where it builds and the weights are float32.
-        small = None
-        if matmul != "torch" and model.dtype == torch.float32:
-            small = cpu_ext.load_small_gemm()
-            if small is None and matmul == "cpu_ext":
-                raise RuntimeError("matmul='cpu_ext' asked for, but the extension did not build")
-        model.use_small_gemm(small)
+        # Few-row (decode) matmuls and RMSNorm: C++ kernels where they build and the weights are
+        # float32; the PyTorch references otherwise.
+        gemm = norm = None
+        if cpu_kernels != "torch" and model.dtype == torch.float32:
+            gemm, norm = cpu_ext.load_small_gemm(), cpu_ext.load_rms_norm()
+            if (gemm is None or norm is None) and cpu_kernels == "cpu_ext":
+                raise RuntimeError(
+                    "cpu_kernels='cpu_ext' asked for, but an extension did not build"
+                )
+        model.use_cpu_kernels(gemm, norm)
         # Decode attention: the in-place CPU extension where it builds, else the reference.
         if attention == "auto":
             attention = "cpu_ext" if cpu_ext.load() is not None else "torch"

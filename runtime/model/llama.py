@@ -43,7 +43,7 @@ class Linear(nn.Module):
         super().__init__()
         self.weight = _param(out_features, in_features, dtype=dtype)
         self.bias = _param(out_features, dtype=dtype) if bias else None
-        self.small_gemm: ModuleType | None = None  # the few-rows kernel, set by use_small_gemm
+        self.small_gemm: ModuleType | None = None  # the few-rows kernel, set by use_cpu_kernels
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return small_linear(x, self.weight, self.bias, self.small_gemm)
@@ -54,9 +54,10 @@ class RMSNorm(nn.Module):
         super().__init__()
         self.weight = _param(dim, dtype=dtype)
         self.eps = eps
+        self.fused: ModuleType | None = None  # the C++ kernel, set by use_cpu_kernels
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return rms_norm(x, self.weight, self.eps)
+        return rms_norm(x, self.weight, self.eps, self.fused)
 
 
 class Attention(nn.Module):
@@ -141,7 +142,7 @@ class LlamaForCausalLM(nn.Module):
     def __init__(self, cfg: ModelConfig, dtype: torch.dtype, max_model_len: int):
         super().__init__()
         self.cfg, self.dtype = cfg, dtype
-        self.small_gemm: ModuleType | None = None  # for logits; see use_small_gemm
+        self.small_gemm: ModuleType | None = None  # for logits; see use_cpu_kernels
         self.embed_tokens = _param(cfg.vocab_size, cfg.hidden_size, dtype=dtype)
         self.layers = nn.ModuleList(DecoderLayer(cfg, dtype) for _ in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
@@ -179,14 +180,17 @@ class LlamaForCausalLM(nn.Module):
         """hidden: (N, hidden) -> float32 logits (N, vocab)."""
         return small_linear(hidden, self.output_weight, None, self.small_gemm).float()
 
-    def use_small_gemm(self, ext: ModuleType | None) -> None:
-        """Route few-row matmuls (decode) through the CPU kernel `ext`, or the reference (None)."""
+    def use_cpu_kernels(self, gemm: ModuleType | None, norm: ModuleType | None) -> None:
+        """Route few-row matmuls (decode) and RMSNorm through the C++ kernels, or the references
+        (None)."""
         probe = torch.empty(1, 1, dtype=self.dtype)
-        self.small_gemm = ext if ext is not None and applies(probe, self.output_weight) else None
+        self.small_gemm = gemm if gemm is not None and applies(probe, self.output_weight) else None
         for module in self.modules():
             if isinstance(module, Linear):
-                usable = ext is not None and applies(probe, module.weight)
-                module.small_gemm = ext if usable else None
+                usable = gemm is not None and applies(probe, module.weight)
+                module.small_gemm = gemm if usable else None
+            elif isinstance(module, RMSNorm):
+                module.fused = norm if module.weight.dtype == torch.float32 else None
 
     def load_weights(self, weights: Iterable[tuple[str, str, torch.Tensor]]) -> None:
         """Copy (file, Hugging Face name, tensor) triples in; fuse q/k/v and gate/up.
