@@ -152,3 +152,20 @@ def test_a_full_worker_sheds_its_session(pair: Pair) -> None:
     r.close()
     for t in threads:
         t.join(60)
+
+
+def test_the_prefix_index_forgets_a_worker_that_leaves(pair: Pair) -> None:
+    r = redis.Redis.from_url(pair.redis.url)
+    wid = pair.w2.meta["worker_id"].encode()
+
+    def holders() -> int:
+        return sum(r.sismember(k, wid) for k in r.scan_iter("ei:p:{stories}:*") if b":w:" not in k)
+
+    wait_until(lambda: holders() > 0, 5, "w2's cached blocks in the prefix index")
+    pair.w2.stop()  # SIGTERM: drain, leave the registry and the index
+    assert pair.w2.popen.returncode == 0, pair.w2.tail()
+    assert holders() == 0
+    # the gateway keeps serving from the worker that is left
+    resp, worker, _ = _chat(pair, [{"role": "user", "content": "Still there?"}], None, 2)
+    assert worker == "w1" and resp.choices[0].message.content is not None
+    r.close()

@@ -33,7 +33,7 @@ def test_up_serves_and_stops_cleanly(tmp_path: Path, stories_dir: Path) -> None:
         [sys.executable, "-m", "runtime.cli", "up", "--model", str(model), "--port", str(port),
          "--worker-port", str(worker_port), "--threads", "1", "--kv-cache-bytes", "4000000"],
         cwd=ROOT, env=env | {"PYTHONUNBUFFERED": "1"}, stdout=log.open("wb"),
-        stderr=subprocess.STDOUT,
+        stderr=subprocess.STDOUT, start_new_session=True,
     )  # fmt: skip
     try:
         deadline = time.monotonic() + 90
@@ -60,6 +60,7 @@ def test_up_serves_and_stops_cleanly(tmp_path: Path, stories_dir: Path) -> None:
             "stopped the gateway" in log.read_text() and "stopped redis-server" in log.read_text()
         )
     finally:
-        if proc.poll() is None:
-            proc.kill()
+        if proc.poll() is None:  # take its children (redis, worker, gateway) down with it
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
     assert not _port_open(port) and not _port_open(worker_port)
