@@ -43,3 +43,8 @@ def model_workers_key(model: str) -> str:
 def session_key(session_id: str) -> str:
     """The string holding a session's Placement."""
     return f"{PREFIX}s:{{{check_id(session_id, 'session_id')}}}"
+
+
+def as_text(value: bytes | str) -> str:
+    """A set member or key as str, whether or not the client decodes responses."""
+    return value.decode() if isinstance(value, bytes) else value

@@ -36,7 +36,7 @@ from collections.abc import Collection, Iterable, Sequence
 from redis.asyncio import Redis
 from redis.exceptions import RedisError
 
-from kvstore.keys import PREFIX, check_id
+from kvstore.keys import PREFIX, as_text, check_id
 
 log = logging.getLogger(__name__)
 
@@ -65,11 +65,6 @@ def prefix_key(model: str, block_hash: bytes) -> str:
 def marker_key(model: str, worker_id: str) -> str:
     """The worker's marker: present while Redis still has the worker's index entries."""
     return f"{_model_prefix(model)}w:{check_id(worker_id, 'worker_id')}"
-
-
-def _text(value: bytes | str) -> str:
-    """A set member as str, whether or not the client decodes responses."""
-    return value.decode() if isinstance(value, bytes) else value
 
 
 class PrefixIndex:
@@ -133,7 +128,7 @@ class PrefixIndex:
                 pipe.smembers(key)
             member_sets: list[set[bytes | str]] = await pipe.execute()
             for i, members in enumerate(member_sets, start):
-                holders = {_text(m) for m in members}
+                holders = {as_text(m) for m in members}
                 if running is None:
                     running = holders if allowed is None else holders & allowed
                 else:

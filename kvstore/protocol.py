@@ -29,6 +29,8 @@ from typing import Any, Literal
 
 import orjson
 
+from kvstore.keys import as_text
+
 SECRET_HEADER = "x-edgeinfer-secret"
 Role = Literal["prefill", "decode", "mixed"]
 
@@ -160,16 +162,7 @@ class WorkerInfo:
         names = {f.name for f in dataclasses.fields(cls)}
         values: dict[str, Any] = {}
         for k, v in raw.items():
-            key = k.decode() if isinstance(k, bytes) else k
+            key = as_text(k)
             if key in names:
                 values[key] = orjson.loads(v)
         return cls(**values)
-
-    def to_json(self) -> bytes:
-        return orjson.dumps(dataclasses.asdict(self))
-
-    @classmethod
-    def from_json(cls, data: bytes | dict[str, Any]) -> WorkerInfo:
-        raw = orjson.loads(data) if isinstance(data, bytes) else data
-        names = {f.name for f in dataclasses.fields(cls)}
-        return cls(**{k: v for k, v in raw.items() if k in names})

@@ -18,15 +18,10 @@ from collections.abc import Iterable
 import orjson
 from redis.asyncio import Redis
 
-from kvstore.keys import MODELS_KEY, check_id, model_workers_key, worker_key
+from kvstore.keys import MODELS_KEY, as_text, check_id, model_workers_key, worker_key
 from kvstore.protocol import WorkerInfo
 
 log = logging.getLogger(__name__)
-
-
-def _text(value: bytes | str) -> str:
-    """A set member or key as str, whether or not the client decodes responses."""
-    return value.decode() if isinstance(value, bytes) else value
 
 
 class Registry:
@@ -71,14 +66,16 @@ class Registry:
         if model is not None:
             models = [check_id(model, "model")]
         else:
-            models = sorted(_text(m) for m in await self.redis.smembers(MODELS_KEY))
+            models = sorted(as_text(m) for m in await self.redis.smembers(MODELS_KEY))
         if not models:
             return []
         pipe = self.redis.pipeline(transaction=False)
         for m in models:
             pipe.smembers(model_workers_key(m))
         member_sets: list[set[bytes | str]] = await pipe.execute()
-        pairs = [(m, _text(wid)) for m, ids in zip(models, member_sets, strict=True) for wid in ids]
+        pairs = [
+            (m, as_text(wid)) for m, ids in zip(models, member_sets, strict=True) for wid in ids
+        ]
         if not pairs:
             return []
         pipe = self.redis.pipeline(transaction=False)

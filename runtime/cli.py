@@ -51,20 +51,24 @@ def _sampling_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
 
 
+def engine_kwargs(args: argparse.Namespace) -> dict[str, object]:
+    """EngineConfig fields from the options `_engine_args` adds (the model folder aside)."""
+    return {
+        "dtype": args.dtype,
+        "kv_cache_bytes": args.kv_cache_bytes,
+        "kv_cache_fraction": args.kv_cache_fraction,
+        "max_num_seqs": args.max_num_seqs,
+        "max_num_batched_tokens": args.max_num_batched_tokens,
+        "max_model_len": args.max_model_len,
+        "num_threads": args.threads,
+    }
+
+
 def _build_llm(args: argparse.Namespace):  # type: ignore[no-untyped-def]
     from runtime.llm import LLM
 
     t0 = time.monotonic()
-    llm = LLM(
-        _model_dir(args.model),
-        dtype=args.dtype,
-        kv_cache_bytes=args.kv_cache_bytes,
-        kv_cache_fraction=args.kv_cache_fraction,
-        max_num_seqs=args.max_num_seqs,
-        max_num_batched_tokens=args.max_num_batched_tokens,
-        max_model_len=args.max_model_len,
-        num_threads=args.threads,
-    )
+    llm = LLM(_model_dir(args.model), **engine_kwargs(args))
     print(f"loaded {llm.engine.config.model} in {time.monotonic() - t0:.1f}s", file=sys.stderr)
     return llm
 

@@ -47,7 +47,7 @@ def _logging() -> None:
 
 def cmd_worker(args: argparse.Namespace) -> int:
     from runtime.async_engine import AsyncLLM
-    from runtime.cli import _model_dir
+    from runtime.cli import _model_dir, engine_kwargs
     from runtime.config import EngineConfig
     from runtime.engine import LLMEngine
     from runtime.worker import WorkerConfig, serve
@@ -74,15 +74,9 @@ def cmd_worker(args: argparse.Namespace) -> int:
     engine = LLMEngine(
         EngineConfig(
             model=model_dir,
-            dtype=args.dtype,
-            kv_cache_bytes=args.kv_cache_bytes,
-            kv_cache_fraction=args.kv_cache_fraction,
-            max_num_seqs=args.max_num_seqs,
-            max_num_batched_tokens=args.max_num_batched_tokens,
-            max_model_len=args.max_model_len,
             max_waiting=args.max_waiting,
-            num_threads=args.threads,
             enable_prefix_caching=not args.no_prefix_caching,
+            **engine_kwargs(args),  # type: ignore[arg-type]
         )
     )
     logging.getLogger("edgeinfer.worker").info(

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import hmac
 import logging
 import secrets
@@ -330,7 +331,7 @@ async def _health(request: web.Request) -> web.Response:
 async def _stats(request: web.Request) -> web.Response:
     worker = request.app[WORKER]
     s = worker.llm.stats()
-    body = orjson.loads(worker.info().to_json()) | {
+    body = dataclasses.asdict(worker.info()) | {
         "num_preemptions": s["num_preemptions"],
         "num_aborted": s["num_aborted"],
         "prefix_cache_query_tokens": s["prefix_cache_query_tokens"],
