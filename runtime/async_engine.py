@@ -11,6 +11,10 @@ request's KV blocks are free before the next step starts.
     caller (event loop)                engine thread
     submit: prepare_request  ──inbox──▶  enqueue ─▶ step ─▶ outputs ──call_soon_threadsafe──▶ queue
     abort                    ──inbox──▶  abort (blocks freed)
+    call(fn)                 ──inbox──▶  fn(engine) between two steps ──▶ future
+
+`call` is how the disaggregation code reserves, releases and commits KV blocks (which only the
+engine thread may touch); `submit_import` queues a request whose prompt KV a transfer filled.
 """
 
 from __future__ import annotations
@@ -20,6 +24,7 @@ import logging
 import threading
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
+from typing import Any, TypeVar
 
 from runtime.engine import LLMEngine, Prompt, RequestGroup
 from runtime.outputs import RequestOutput
@@ -48,11 +53,27 @@ class _Abort:
     request_id: str
 
 
+@dataclass(slots=True)
+class _Import:
+    group: RequestGroup  # its blocks reserved by reserve_import and filled by a transfer
+    cached_tokens: int  # prompt tokens no worker computed for it (usage)
+
+
+@dataclass(slots=True)
+class _Call:
+    fn: Callable[[LLMEngine], Any]  # runs on the engine thread between two steps
+    loop: asyncio.AbstractEventLoop
+    future: asyncio.Future[Any]
+
+
+T = TypeVar("T")
+
+
 class AsyncLLM:
     def __init__(self, engine: LLMEngine):
         self.engine = engine
         self._cv = threading.Condition()  # guards the fields below, never held during a step
-        self._inbox: list[_Add | _Abort] = []
+        self._inbox: list[_Add | _Abort | _Import | _Call] = []
         self._streams: dict[str, _Stream] = {}
         self._stats = engine.stats()  # refreshed by the engine thread after each change
         self._stopped = False
@@ -61,7 +82,11 @@ class AsyncLLM:
         self._thread.start()
 
     def submit(
-        self, prompt: Prompt, params: SamplingParams, request_id: str | None = None
+        self,
+        prompt: Prompt,
+        params: SamplingParams,
+        request_id: str | None = None,
+        hold_kv: bool = False,
     ) -> RequestStream:
         """Validate and queue a request now; read its outputs from the returned stream.
 
@@ -70,7 +95,16 @@ class AsyncLLM:
         a server can answer with a status code before it starts streaming. Never waits for a step.
         """
         rid = request_id or self.engine.next_request_id()
-        group = self.engine.prepare_request(rid, prompt, params)
+        group = self.engine.prepare_request(rid, prompt, params, hold_kv=hold_kv)
+        return self._post(group, _Add(group))
+
+    def submit_import(self, group: RequestGroup, cached_tokens: int) -> RequestStream:
+        """Queue a request whose prompt KV (but its last token's) a transfer put into the blocks
+        `LLMEngine.reserve_import` reserved for it; read its outputs from the returned stream."""
+        return self._post(group, _Import(group, cached_tokens))
+
+    def _post(self, group: RequestGroup, cmd: _Add | _Import) -> RequestStream:
+        rid = group.request_id
         stream = _Stream(asyncio.get_running_loop(), asyncio.Queue())
         with self._cv:
             if self._stopped:
@@ -78,9 +112,21 @@ class AsyncLLM:
             if rid in self._streams:
                 raise InvalidRequestError("request_id", f"{rid!r} is already in use")
             self._streams[rid] = stream
-            self._inbox.append(_Add(group))
+            self._inbox.append(cmd)
             self._cv.notify()
         return RequestStream(self, rid, group.prompt_token_ids, stream.queue)
+
+    def call(self, fn: Callable[[LLMEngine], T]) -> asyncio.Future[T]:
+        """Run `fn(engine)` on the engine thread between two steps; await the returned future
+        for its result or exception (or drop it: the call runs either way, in posting order)."""
+        loop = asyncio.get_running_loop()
+        future: asyncio.Future[T] = loop.create_future()
+        with self._cv:
+            if self._stopped:
+                raise EngineDeadError("the engine is shut down")
+            self._inbox.append(_Call(fn, loop, future))
+            self._cv.notify()
+        return future
 
     async def generate(
         self, prompt: Prompt, params: SamplingParams, request_id: str | None = None
@@ -130,6 +176,12 @@ class AsyncLLM:
         self._thread.join(timeout=30)
         with self._cv:
             streams, self._streams = self._streams, {}
+            calls = [c for c in self._inbox if isinstance(c, _Call)]
+            self._inbox = []
+        for call in calls:  # never ran: the engine is gone
+            call.loop.call_soon_threadsafe(
+                lambda f=call.future: f.done() or f.set_exception(EngineDeadError("shut down"))
+            )
         for stream in streams.values():
             stream.loop.call_soon_threadsafe(
                 stream.queue.put_nowait, EngineDeadError("the engine shut down")
@@ -147,11 +199,16 @@ class AsyncLLM:
                 inbox, self._inbox = self._inbox, []
             deliveries: list[tuple[str, RequestOutput | BaseException]] = []
             for cmd in inbox:
-                if isinstance(cmd, _Add):
+                if isinstance(cmd, _Add | _Import):
                     try:
-                        engine.enqueue(cmd.group)
+                        if isinstance(cmd, _Import):
+                            engine.commit_import(cmd.group, cmd.cached_tokens)
+                        else:
+                            engine.enqueue(cmd.group)
                     except Exception as e:  # the queue filled up since submit checked
                         deliveries.append((cmd.group.request_id, e))
+                elif isinstance(cmd, _Call):
+                    _settle(cmd, engine)
                 else:
                     out = engine.abort(cmd.request_id)
                     if out is not None:
@@ -186,6 +243,24 @@ class AsyncLLM:
                 routed.append((stream, item))
         for stream, item in routed:
             stream.loop.call_soon_threadsafe(stream.queue.put_nowait, item)
+
+
+def _settle(cmd: _Call, engine: LLMEngine) -> None:
+    """Run a call on the engine thread and hand its outcome to the caller's loop."""
+    try:
+        result, error = cmd.fn(engine), None
+    except Exception as e:
+        result, error = None, e
+
+    def done() -> None:
+        if cmd.future.cancelled():
+            return
+        if error is not None:
+            cmd.future.set_exception(error)
+        else:
+            cmd.future.set_result(result)
+
+    cmd.loop.call_soon_threadsafe(done)
 
 
 class RequestStream:

@@ -5,6 +5,15 @@
 `add_request` validates (raising `InvalidRequestError`, a ValueError, naming the field and the
 limit) before anything reaches the scheduler. A prompt asked for with n > 1 becomes n sequences
 ("<id>#<i>") that share the prompt; they are reported together under the request's id.
+
+Disaggregated serving (runtime/disagg.py drives it):
+- prefill side, a KV export: `prepare_request(..., hold_kv=True)`; every step that advanced it
+  reports `num_computed_tokens` and `block_ids`, and when it finishes its blocks stay allocated
+  until `release_kv` (the puller acknowledged them, or gave up).
+- decode side, a KV import: `reserve_import` takes the prompt's longest cached prefix and
+  reserves blocks for the rest of the prompt but its last token (None: no room, refused before
+  any byte moves); the transfer fills them; `commit_import` queues the request as a decode of
+  the last prompt token (which samples the first output token), `cancel_import` frees them.
 """
 
 from __future__ import annotations
@@ -79,6 +88,8 @@ class LLMEngine:
         self._seq_to_group: dict[str, tuple[RequestGroup, int]] = {}
         self._counter = 0
         self._num_aborted = 0  # requests aborted before they finished, for stats
+        self._exports: dict[str, RequestGroup] = {}  # KV exports by sequence id, until released
+        self._imports: dict[str, RequestGroup] = {}  # KV imports reserved, not yet queued
 
     # ------------------------------------------------------------------ requests in
     def tokenize_prompt(self, prompt: Prompt) -> list[int]:
@@ -107,7 +118,11 @@ class LLMEngine:
         return group.prompt_token_ids
 
     def prepare_request(
-        self, request_id: str, prompt: Prompt, params: SamplingParams | None = None
+        self,
+        request_id: str,
+        prompt: Prompt,
+        params: SamplingParams | None = None,
+        hold_kv: bool = False,
     ) -> RequestGroup:
         """Validate and tokenize a request without touching the scheduler.
 
@@ -119,6 +134,8 @@ class LLMEngine:
         if not isinstance(params, SamplingParams):
             raise InvalidRequestError("sampling_params", "must be a SamplingParams")
         params.validate()
+        if hold_kv and params.n != 1:
+            raise InvalidRequestError("n", "a KV export computes one sequence; n must be 1")
         prompt_ids = self.tokenize_prompt(prompt)
         n_prompt, limit = len(prompt_ids), self.max_model_len
         if n_prompt >= limit:
@@ -157,6 +174,7 @@ class LLMEngine:
                     eos_token_ids=self.eos_token_ids,
                     generator=gen,
                     arrival=now,
+                    hold_kv=hold_kv,
                 )
             )
             detoks.append(
@@ -189,7 +207,62 @@ class LLMEngine:
         for i, seq in enumerate(group.seqs):
             self.scheduler.add(seq)
             self._seq_to_group[seq.request_id] = (group, i)
+            if seq.hold_kv:
+                self._exports[seq.request_id] = group
         self._groups[group.request_id] = group
+
+    def release_kv(self, request_id: str) -> int:
+        """Free the blocks a finished KV export holds (an unfinished one is aborted instead).
+        Returns the number of blocks freed."""
+        if request_id in self._groups:
+            self.abort(request_id)
+        freed = 0
+        for seq_id in [k for k, g in self._exports.items() if g.request_id == request_id]:
+            del self._exports[seq_id]
+            freed += self.scheduler.release(seq_id)
+        return freed
+
+    # ------------------------------------------------------------------ KV imports (decode side)
+    def reserve_import(self, group: RequestGroup) -> tuple[int, list[int]] | None:
+        """Reserve KV blocks for the prompt of a request whose prefill runs elsewhere.
+
+        Returns (prompt tokens already in this worker's prefix cache, the blocks the transfer
+        must fill, in table order from the first uncached block), or None when the KV cache has
+        no room: refused before any byte moves.
+        """
+        seq = group.seqs[0]
+        if group.request_id in self._groups or group.request_id in self._imports:
+            raise InvalidRequestError("request_id", f"{group.request_id!r} is already in use")
+        want = len(group.prompt_token_ids) - 1  # the last prompt token is computed here
+        cached = self.blocks.match_prefix(seq.request_id, group.prompt_token_ids)
+        table = self.blocks.allocate(seq.request_id, want)
+        if table is None:
+            self.blocks.free(seq.request_id)
+            return None
+        self._imports[group.request_id] = group
+        return cached, list(table[cached // self.config.block_size :])
+
+    def commit_import(self, group: RequestGroup, cached_tokens: int) -> None:
+        """The reserved blocks hold the prompt's KV (but its last token's): queue the request.
+
+        `cached_tokens`: prompt tokens no worker computed for it (prefix-cache hits), for usage.
+        """
+        seq = group.seqs[0]
+        del self._imports[group.request_id]
+        n = len(group.prompt_token_ids) - 1
+        self.blocks.commit(seq.request_id, group.prompt_token_ids[:n])
+        seq.num_computed_tokens = n
+        seq.num_cached_tokens = cached_tokens
+        try:
+            self.enqueue(group)
+        except Exception:
+            self.blocks.free(seq.request_id)
+            raise
+
+    def cancel_import(self, group: RequestGroup) -> None:
+        """Free the blocks reserved for an import that did not complete."""
+        if self._imports.pop(group.request_id, None) is not None:
+            self.blocks.free(group.seqs[0].request_id)
 
     def abort(self, request_id: str) -> RequestOutput | None:
         """Stop a request now; its KV blocks are freed before this returns."""
@@ -215,7 +288,14 @@ class LLMEngine:
             return []
         tokens, logprobs = self.runner.execute(out, self._block_tables(out))
         results = self.scheduler.update(out, tokens)
-        return self._process(results, logprobs)
+        outputs = self._process(results, logprobs)
+        if self._exports:  # KV exports report each step's progress, so transfer overlaps prefill
+            emitted = {o.request_id for o in outputs}
+            for s in out.scheduled:
+                group = self._exports.get(s.request.request_id)
+                if group is not None and group.request_id not in emitted:
+                    outputs.append(self._emit(group))
+        return outputs
 
     def _block_tables(self, out) -> dict[str, list[int]]:  # type: ignore[no-untyped-def]
         return {
@@ -288,6 +368,10 @@ class LLMEngine:
             finished=finished,
             num_cached_tokens=max(0, group.seqs[0].num_cached_tokens),
         )
+        seq = group.seqs[0]
+        if seq.hold_kv:
+            snapshot.num_computed_tokens = seq.num_computed_tokens
+            snapshot.block_ids = list(self.blocks.block_table(seq.request_id))
         for o in group.outputs:
             o.delta_text, o.delta_token_ids = "", []
         if finished:
@@ -303,6 +387,15 @@ class LLMEngine:
         sched = self.scheduler
         pending = list(sched.running) + list(sched.waiting)
         return {
+            # prompt tokens still to compute (prefill work) and sequences past their prompt
+            "prefill_tokens": sum(
+                max(0, len(r.prompt_token_ids) - r.num_computed_tokens) for r in pending
+            ),
+            "decode_seqs": sum(
+                1 for r in sched.running if r.num_computed_tokens >= len(r.prompt_token_ids)
+            ),
+            "kv_exports_held": len(sched.held),
+            "kv_imports_reserved": len(self._imports),
             "running": len(sched.running),
             "waiting": len(sched.waiting),
             # prompt tokens not yet in the cache plus output tokens not yet generated

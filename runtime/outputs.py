@@ -32,3 +32,5 @@ class RequestOutput:
     outputs: list[CompletionOutput]  # n completions, by index
     finished: bool = False  # every completion has finished
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache
+    num_computed_tokens: int = 0  # KV exports only: tokens whose KV is in the cache now
+    block_ids: list[int] | None = None  # KV exports only: the request's block table

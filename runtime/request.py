@@ -42,6 +42,8 @@ class Request:
     status: RequestStatus = RequestStatus.WAITING
     num_preemptions: int = 0
     num_cached_tokens: int = -1  # prompt tokens reused from the prefix cache; -1 until admitted
+    hold_kv: bool = False  # a KV export (prefill for another worker): when it finishes, its
+    # blocks stay allocated until released (the puller acknowledged them, or a deadline passed)
 
     @property
     def num_tokens(self) -> int:

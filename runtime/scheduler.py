@@ -16,6 +16,11 @@ Policy, per step, under a token budget (`max_num_batched_tokens`):
    A request admitted with no blocks (new, or preempted) first takes the cached blocks of its
    longest cached prefix (prefix caching): its `num_computed_tokens` starts there.
 After a step, every block that the computed tokens filled is hashed into the prefix cache.
+
+Disaggregated serving needs nothing new here: a KV export (`Request.hold_kv`, the prefill side)
+is an ordinary request whose blocks are held, not freed, when it finishes, until `release`; a KV
+import (the decode side) is admitted already holding its blocks with `num_computed_tokens` set
+to what the transfer filled, so it starts as a decode.
 """
 
 from __future__ import annotations
@@ -79,6 +84,7 @@ class Scheduler:
         self.running: list[Request] = []  # oldest first
         self.requests: dict[str, Request] = {}
         self.num_preemptions = 0  # since start, for stats
+        self.held: set[str] = set()  # finished KV exports whose blocks wait for `release`
 
     @property
     def capacity_tokens(self) -> int:
@@ -188,6 +194,16 @@ class Scheduler:
             self.running.remove(req)
         elif req in self.waiting:
             self.waiting.remove(req)
-        self.blocks.free(request_id)
+        if req.hold_kv and status is not RequestStatus.FINISHED_ABORTED:
+            self.held.add(request_id)  # the blocks stay until `release`
+        else:
+            self.blocks.free(request_id)
         req.status = status
         return req
+
+    def release(self, request_id: str) -> int:
+        """Free the blocks of a finished KV export; returns how many it held (0 if none)."""
+        if request_id not in self.held:
+            return 0
+        self.held.discard(request_id)
+        return self.blocks.free(request_id)

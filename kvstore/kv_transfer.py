@@ -1,0 +1,432 @@
+"""KV-cache transfer between workers: the decode worker pulls a prompt's KV blocks from the
+prefill worker over one streaming connection, in large frames, layer range by layer range.
+
+    decode worker (D)                                   prefill worker (P)
+    reserve destination blocks (refuse if no room)
+    PULL {request, tokens, first_block, cache_id} ───▶  check secret and KV layout; start the
+                                                        prefill of `tokens` (held, not freed)
+                                        ◀─── ACCEPT {num_blocks, layout}
+                                        ◀─── DATA  layers [a, b) × blocks [i, j)  (as each
+                                        ◀─── DATA  ...                 prefill chunk completes)
+                                        ◀─── END   {frames, cached_tokens}
+    every (layer, block) received once,
+    sizes and checksums verified
+    ACK ───────────────────────────────────────────────▶  free the held blocks (or at the deadline)
+
+Every frame is a fixed 34-byte header and a payload:
+
+    magic "EIKV" · kind u8 · pad · layer_start u16 · layer_count u16 · block_start u32 ·
+    block_count u32 · request_tag u64 · payload_len u32 · crc32(payload) u32
+
+Control frames (PULL, ACCEPT, END, ACK, ERROR) carry JSON; DATA frames carry the keys and values
+of `layer_count` layers for `block_count` blocks (block indices within the request's block table,
+not physical ids), laid out (layers, 2, blocks, block_size, kv_heads, head_dim) in the cache's
+dtype. `request_tag` (8 bytes of BLAKE2b of the request id) names the request in every frame.
+
+The transport is one interface (`pull_kv` on the decode side, `KVTransferServer` on the prefill
+side) over asyncio TCP streams; a GPU transport (NCCL send/recv) takes the same PULL/ACCEPT/END
+exchange with DATA moved device to device. This is the only kvstore module that imports torch.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hashlib
+import hmac
+import logging
+import struct
+import zlib
+from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import asdict, dataclass
+from typing import Any
+
+import orjson
+import torch
+
+log = logging.getLogger("edgeinfer.kv_transfer")
+
+MAGIC = b"EIKV"
+HEADER = struct.Struct("<4sBxHHIIQII")
+PULL, ACCEPT, DATA, END, ACK, ERROR = 1, 2, 3, 4, 5, 6
+KIND_NAMES = {PULL: "PULL", ACCEPT: "ACCEPT", DATA: "DATA", END: "END", ACK: "ACK", ERROR: "ERROR"}
+MAX_CONTROL_BYTES = 16 << 20  # a PULL carries the prompt's token ids; nothing else is large
+DEFAULT_FRAME_BYTES = 8 << 20  # DATA frames hold whole layers up to about this size
+
+
+class KVTransferError(RuntimeError):
+    """A transfer failed. `source_failed`: the prefill side is unreachable, died, or sent bad
+    data (retry the prefill elsewhere); otherwise it refused the request (retry would not help)."""
+
+    def __init__(self, message: str, source_failed: bool = True) -> None:
+        super().__init__(message)
+        self.source_failed = source_failed
+
+
+def request_tag(request_id: str) -> int:
+    return int.from_bytes(hashlib.blake2b(request_id.encode(), digest_size=8).digest(), "little")
+
+
+@dataclass(slots=True, frozen=True)
+class KVLayout:
+    """The shape of one worker's paged KV cache; both sides of a transfer must agree."""
+
+    num_layers: int
+    block_size: int  # tokens per block
+    num_kv_heads: int
+    head_dim: int
+    dtype: str  # torch dtype name, e.g. "float32"
+
+    @property
+    def itemsize(self) -> int:
+        return torch.empty((), dtype=getattr(torch, self.dtype)).element_size()
+
+    def bytes_per_layer_block(self) -> int:
+        """Keys and values of one block in one layer."""
+        return 2 * self.block_size * self.num_kv_heads * self.head_dim * self.itemsize
+
+
+class KVPages:
+    """A worker's KV cache tensor seen as blocks: read or write whole blocks of a layer range.
+
+    `kv` is (layers, 2, num_blocks * block_size, kv_heads, head_dim), keys then values.
+    """
+
+    def __init__(self, kv: torch.Tensor, block_size: int) -> None:
+        if kv.dim() != 5 or kv.shape[1] != 2 or kv.shape[2] % block_size:
+            raise ValueError(f"expected (layers, 2, slots, heads, dim), got {tuple(kv.shape)}")
+        if not kv.is_contiguous():
+            raise ValueError("the KV cache must be contiguous")
+        layers, _, slots, heads, dim = kv.shape
+        self.layout = KVLayout(layers, block_size, heads, dim, str(kv.dtype).removeprefix("torch."))
+        # (layers, 2, num_blocks, block_size, kv_heads, head_dim)
+        self.blocks = kv.view(layers, 2, slots // block_size, block_size, heads, dim)
+
+    def read(self, layers: slice, block_ids: list[int]) -> torch.Tensor:
+        """A contiguous copy (layer_count, 2, len(block_ids), block_size, heads, dim)."""
+        index = torch.tensor(block_ids, dtype=torch.int64)
+        return self.blocks[layers].index_select(2, index)
+
+    def write(self, layers: slice, block_ids: list[int], payload: bytes | memoryview) -> None:
+        lay = self.layout
+        count = len(range(*layers.indices(lay.num_layers)))
+        data = torch.frombuffer(bytearray(payload), dtype=getattr(torch, lay.dtype)).view(
+            count, 2, len(block_ids), lay.block_size, lay.num_kv_heads, lay.head_dim
+        )
+        index = torch.tensor(block_ids, dtype=torch.int64)
+        self.blocks[layers].index_copy_(2, index, data)
+
+
+@dataclass(slots=True)
+class PullRequest:
+    """The decode side's first frame: which request's KV it wants, from which block on."""
+
+    request_id: str  # the request, as the gateway named it
+    token_ids: list[int]  # the tokens whose keys and values are wanted (the prompt minus its last)
+    first_block: int  # blocks before this index the decode side holds already (prefix-cache hit)
+    cache_id: str  # the decode side's prefix-cache identity (model revision, dtype, block size)
+    secret: str  # the cluster's shared secret
+
+
+@dataclass(slots=True)
+class ExportProgress:
+    """The prefill side's state for a request, after one of its engine steps."""
+
+    computed_tokens: int  # tokens of the request whose KV is in the cache now
+    block_ids: list[int]  # the request's block table (physical ids)
+    done: bool  # the prefill finished: the blocks are held until released
+    cached_tokens: int = 0  # tokens the prefill side took from its own prefix cache
+
+
+# P side: start the prefill of a pull and report its progress; release its blocks afterwards.
+ExportFn = Callable[[PullRequest], AsyncIterator[ExportProgress]]
+ReleaseFn = Callable[[str], Awaitable[None]]
+
+
+def _frame(kind: int, tag: int, payload: bytes | memoryview = b"", *, layers: tuple[int, int] = (0, 0),
+           blocks: tuple[int, int] = (0, 0)) -> bytes:  # fmt: skip
+    return HEADER.pack(MAGIC, kind, layers[0], layers[1], blocks[0], blocks[1], tag,
+                       len(payload), zlib.crc32(payload))  # fmt: skip
+
+
+async def _write_control(writer: asyncio.StreamWriter, kind: int, tag: int, obj: Any) -> None:
+    body = orjson.dumps(obj)
+    writer.write(_frame(kind, tag, body) + body)
+    await writer.drain()
+
+
+@dataclass(slots=True)
+class _Header:
+    kind: int
+    layer_start: int
+    layer_count: int
+    block_start: int
+    block_count: int
+    tag: int
+    length: int
+    crc: int
+
+
+async def _read_header(reader: asyncio.StreamReader) -> _Header:
+    raw = await reader.readexactly(HEADER.size)
+    magic, *fields = HEADER.unpack(raw)
+    if magic != MAGIC:
+        raise KVTransferError(f"bad frame magic {magic!r}")
+    h = _Header(*fields)
+    if h.kind not in KIND_NAMES:
+        raise KVTransferError(f"unknown frame kind {h.kind}")
+    return h
+
+
+async def _read_payload(reader: asyncio.StreamReader, h: _Header) -> bytes:
+    payload = await reader.readexactly(h.length)
+    if zlib.crc32(payload) != h.crc:
+        raise KVTransferError(f"{KIND_NAMES[h.kind]} frame failed its checksum")
+    return payload
+
+
+async def _read_control(reader: asyncio.StreamReader, tag: int | None) -> tuple[int, Any]:
+    h = await _read_header(reader)
+    if h.kind == DATA:
+        raise KVTransferError("a DATA frame where a control frame was expected")
+    if h.length > MAX_CONTROL_BYTES:
+        raise KVTransferError(f"control frame of {h.length} bytes (limit {MAX_CONTROL_BYTES})")
+    if tag is not None and h.tag != tag:
+        raise KVTransferError("frame for another request")
+    return h.kind, orjson.loads(await _read_payload(reader, h))
+
+
+# ---------------------------------------------------------------------- the prefill side
+class KVTransferServer:
+    """Serves pulls on a TCP port: runs each pull's prefill through `export` and streams the
+    blocks as they complete. The blocks are held until the puller acknowledges them, the
+    connection drops, or `hold_s` passes after the last frame; then `release` frees them."""
+
+    def __init__(self, pages: KVPages, cache_id: str, secret: str, export: ExportFn,
+                 release: ReleaseFn, hold_s: float = 30.0,
+                 frame_bytes: int = DEFAULT_FRAME_BYTES) -> None:  # fmt: skip
+        self.pages = pages
+        self.cache_id = cache_id
+        self.secret = secret
+        self.export = export
+        self.release = release
+        self.hold_s = hold_s
+        self.frame_bytes = frame_bytes
+        self.server: asyncio.Server | None = None
+        self.active = 0  # pulls being served now
+        self.bytes_sent = 0  # DATA payload bytes, since start
+        self.pulls_served = 0  # pulls acknowledged, since start
+        self.pulls_failed = 0  # pulls that ended without an acknowledgement
+
+    async def start(self, host: str, port: int) -> int:
+        """Listen; returns the port (a free one when `port` is 0)."""
+        self.server = await asyncio.start_server(self._serve, host, port, limit=1 << 20)
+        return int(self.server.sockets[0].getsockname()[1])
+
+    async def close(self) -> None:
+        if self.server is not None:
+            self.server.close()
+            with contextlib.suppress(Exception):
+                await self.server.wait_closed()
+
+    async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        self.active += 1
+        pull: PullRequest | None = None
+        tag = 0
+        try:
+            kind, body = await asyncio.wait_for(_read_control(reader, None), timeout=10)
+            if kind != PULL:
+                raise KVTransferError(f"expected PULL, got {KIND_NAMES[kind]}")
+            pull = PullRequest(**body)
+            tag = request_tag(pull.request_id)
+            if not hmac.compare_digest(pull.secret.encode(), self.secret.encode()):
+                await _write_control(writer, ERROR, tag, {"message": "wrong shared secret"})
+                return
+            if pull.cache_id != self.cache_id:
+                await _write_control(writer, ERROR, tag, {"message": (
+                    f"KV layout differs: this worker's cache id is {self.cache_id!r}, "
+                    f"the puller's {pull.cache_id!r}")})  # fmt: skip
+                return
+            bs = self.pages.layout.block_size
+            total = -(-len(pull.token_ids) // bs)
+            if not 0 <= pull.first_block < total:
+                await _write_control(writer, ERROR, tag, {"message": (
+                    f"first_block {pull.first_block} outside [0, {total})")})  # fmt: skip
+                return
+            await _write_control(writer, ACCEPT, tag, {"num_blocks": total - pull.first_block,
+                                                       "layout": asdict(self.pages.layout)})  # fmt: skip
+            acked = await self._stream(pull, tag, reader, writer, total)
+            if acked:
+                self.pulls_served += 1
+            else:
+                self.pulls_failed += 1
+        except (KVTransferError, ConnectionError, asyncio.IncompleteReadError, TimeoutError,
+                TypeError, ValueError) as e:  # fmt: skip
+            self.pulls_failed += 1
+            log.warning("kv pull %s failed: %s", pull.request_id if pull else "?", e)
+            with contextlib.suppress(Exception):
+                await _write_control(writer, ERROR, tag, {"message": str(e)})
+        finally:
+            if pull is not None:
+                await self.release(pull.request_id)
+            self.active -= 1
+            writer.close()
+            with contextlib.suppress(Exception):
+                await writer.wait_closed()
+
+    async def _stream(self, pull: PullRequest, tag: int, reader: asyncio.StreamReader,
+                      writer: asyncio.StreamWriter, total: int) -> bool:  # fmt: skip
+        """Send blocks as the prefill completes them; then END, then wait for the ACK."""
+        bs = self.pages.layout.block_size
+        sent = pull.first_block  # blocks sent so far (by index in the request's table)
+        frames = 0
+        cached = 0
+        # the puller hanging up aborts the prefill: watch the connection while streaming
+        hangup = asyncio.ensure_future(reader.read(1))
+        try:
+            async for progress in self.export(pull):
+                cached = progress.cached_tokens
+                ready = total if progress.done else progress.computed_tokens // bs
+                if ready > sent:
+                    frames += await self._send_blocks(writer, tag, progress.block_ids, sent, ready)
+                    sent = ready
+                if hangup.done():
+                    raise ConnectionError("the puller hung up")
+            if sent < total:
+                raise KVTransferError(f"the prefill ended with {sent} of {total} blocks computed")
+            await _write_control(writer, END, tag, {"frames": frames, "cached_tokens": cached})
+            data = await asyncio.wait_for(hangup, timeout=self.hold_s)
+            if not data:
+                return False  # hung up without acknowledging
+            kind, _ = await _read_control_after(data, reader, tag)
+            return kind == ACK
+        except TimeoutError:
+            log.warning("kv pull %s: no acknowledgement in %.0f s; freeing its blocks",
+                        pull.request_id, self.hold_s)  # fmt: skip
+            return False
+        finally:
+            hangup.cancel()
+
+    async def _send_blocks(self, writer: asyncio.StreamWriter, tag: int, table: list[int],
+                           start: int, end: int) -> int:  # fmt: skip
+        """DATA frames for blocks [start, end) of the request, whole layers per frame."""
+        lay = self.pages.layout
+        ids = table[start:end]
+        per_layer = lay.bytes_per_layer_block() * len(ids)
+        step = max(1, self.frame_bytes // per_layer)
+        frames = 0
+        for l0 in range(0, lay.num_layers, step):
+            l1 = min(lay.num_layers, l0 + step)
+            data = self.pages.read(slice(l0, l1), ids)
+            payload = memoryview(data.numpy()).cast("B")
+            header = _frame(DATA, tag, payload, layers=(l0, l1 - l0), blocks=(start, len(ids)))
+            writer.write(header)
+            writer.write(payload)
+            await writer.drain()
+            self.bytes_sent += len(payload)
+            frames += 1
+        return frames
+
+
+async def _read_control_after(first: bytes, reader: asyncio.StreamReader,
+                              tag: int) -> tuple[int, Any]:  # fmt: skip
+    """A control frame whose first byte was already read (the hang-up watch took it)."""
+    rest = await reader.readexactly(HEADER.size - 1)
+    buffered = asyncio.StreamReader()
+    buffered.feed_data(first + rest)
+    h = await _read_header(buffered)
+    if h.tag != tag or h.length > MAX_CONTROL_BYTES:
+        raise KVTransferError("bad acknowledgement frame")
+    return h.kind, orjson.loads(await _read_payload(reader, h))
+
+
+# ---------------------------------------------------------------------- the decode side
+@dataclass(slots=True)
+class PullResult:
+    blocks: int  # blocks received
+    bytes: int  # DATA payload bytes received
+    frames: int  # DATA frames received
+    cached_tokens: int  # tokens the prefill side took from its own prefix cache
+
+
+async def pull_kv(addr: str, pull: PullRequest, pages: KVPages, dst_blocks: list[int],
+                  connect_timeout_s: float = 2.0, idle_timeout_s: float = 300.0) -> PullResult:  # fmt: skip
+    """Pull blocks [pull.first_block, ...) of the request's KV from `addr` ("host:port") into
+    `dst_blocks` of `pages` (one destination per block pulled). Every frame is checked: the
+    request tag, the layer and block ranges, the size, the checksum; every (layer, block) must
+    arrive exactly once. Raises KVTransferError; the destination blocks then hold garbage and
+    must be freed by the caller."""
+    host, _, port = addr.rpartition(":")
+    tag = request_tag(pull.request_id)
+    lay = pages.layout
+    try:
+        reader, writer = await asyncio.wait_for(
+            asyncio.open_connection(host, int(port), limit=1 << 20), timeout=connect_timeout_s
+        )
+    except (OSError, TimeoutError, ValueError) as e:
+        raise KVTransferError(f"cannot reach the prefill worker at {addr}: {e!r}") from e
+    try:
+        await _write_control(writer, PULL, tag, asdict(pull))
+        kind, body = await asyncio.wait_for(_read_control(reader, tag), idle_timeout_s)
+        if kind == ERROR:
+            raise KVTransferError(f"the prefill worker refused: {body.get('message')}", False)
+        if kind != ACCEPT:
+            raise KVTransferError(f"expected ACCEPT, got {KIND_NAMES[kind]}")
+        if body["layout"] != asdict(lay):
+            raise KVTransferError(f"KV layout mismatch: {body['layout']} vs {asdict(lay)}", False)
+        if body["num_blocks"] != len(dst_blocks):
+            raise KVTransferError(
+                f"the prefill worker offers {body['num_blocks']} blocks, {len(dst_blocks)} reserved"
+            )
+        first = pull.first_block
+        received = torch.zeros(lay.num_layers, len(dst_blocks), dtype=torch.bool)
+        nbytes = frames = 0
+        while True:
+            h = await asyncio.wait_for(_read_header(reader), idle_timeout_s)
+            if h.tag != tag:
+                raise KVTransferError("frame for another request")
+            if h.kind != DATA:
+                if h.length > MAX_CONTROL_BYTES:
+                    raise KVTransferError(f"control frame of {h.length} bytes")
+                body = orjson.loads(await _read_payload(reader, h))
+                if h.kind == ERROR:
+                    raise KVTransferError(f"the prefill worker failed: {body.get('message')}")
+                if h.kind != END:
+                    raise KVTransferError(f"unexpected {KIND_NAMES[h.kind]} frame")
+                break
+            b0, nb = h.block_start - first, h.block_count
+            l0, nl = h.layer_start, h.layer_count
+            if nb < 1 or nl < 1 or b0 < 0 or b0 + nb > len(dst_blocks) or l0 + nl > lay.num_layers:
+                raise KVTransferError(
+                    f"DATA frame out of range: layers {l0}+{nl}, blocks {h.block_start}+{nb}"
+                )
+            expect = nl * nb * lay.bytes_per_layer_block()
+            if h.length != expect:
+                raise KVTransferError(f"DATA frame of {h.length} bytes, expected {expect}")
+            payload = await asyncio.wait_for(_read_payload(reader, h), idle_timeout_s)
+            if received[l0 : l0 + nl, b0 : b0 + nb].any():
+                raise KVTransferError("a block arrived twice")
+            pages.write(slice(l0, l0 + nl), dst_blocks[b0 : b0 + nb], payload)
+            received[l0 : l0 + nl, b0 : b0 + nb] = True
+            nbytes += h.length
+            frames += 1
+        if not bool(received.all()):
+            missing = int((~received).sum())
+            raise KVTransferError(f"the transfer ended with {missing} (layer, block) pairs missing")
+        if body.get("frames") != frames:
+            raise KVTransferError(f"END says {body.get('frames')} frames, {frames} arrived")
+        await _write_control(writer, ACK, tag, {})
+        return PullResult(len(dst_blocks), nbytes, frames, int(body.get("cached_tokens", 0)))
+    except asyncio.IncompleteReadError as e:
+        raise KVTransferError(
+            f"the prefill worker closed the connection mid-transfer ({len(e.partial)} bytes of "
+            f"{e.expected})"
+        ) from e
+    except (ConnectionError, TimeoutError) as e:
+        raise KVTransferError(f"transfer from {addr} failed: {e!r}") from e
+    except (KeyError, TypeError, orjson.JSONDecodeError) as e:
+        raise KVTransferError(f"malformed control frame: {e!r}") from e
+    finally:
+        writer.close()
+        with contextlib.suppress(Exception):
+            await writer.wait_closed()

@@ -1,0 +1,119 @@
+"""Prefill/decode disaggregation on a worker: serving KV pulls and pulling before decoding.
+
+    gateway ──generate(kv_source=P)──▶ decode worker D ──PULL──▶ prefill worker P
+                                       reserve blocks            prefill the prompt (held)
+                                       ◀─────────── DATA frames as chunks complete
+                                       ACK ────────────────────▶ free the held blocks
+                                       decode the last prompt token → first output token, ...
+
+The prefill side computes the prompt minus its last token; the decode side computes that last
+token as its first step (the same as a prefix-cache hit), so the sampler's state, seeds included,
+lives on one worker only and the answer is the same as colocated serving. The wire protocol and
+its checks are in kvstore/kv_transfer.py.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import AsyncIterator
+
+from kvstore.kv_transfer import (
+    ExportProgress,
+    KVPages,
+    KVTransferServer,
+    PullRequest,
+    PullResult,
+    pull_kv,
+)
+from runtime.async_engine import AsyncLLM, RequestStream
+from runtime.engine import LLMEngine, RequestGroup
+from runtime.sampling_params import SamplingParams
+
+log = logging.getLogger("edgeinfer.disagg")
+
+EXPORT_PREFIX = "kvx-"  # engine request ids of KV exports (never clash with served requests)
+
+
+class KVCacheFullError(RuntimeError):
+    """The decode worker has no room for the prompt's KV: refused before any byte moved."""
+
+
+def kv_pages(llm: AsyncLLM) -> KVPages:
+    return KVPages(llm.engine.runner.kv, llm.engine.config.block_size)
+
+
+def export_server(llm: AsyncLLM, secret: str, hold_s: float) -> KVTransferServer:
+    """The prefill side: a KV transfer server whose pulls run as KV exports on this engine."""
+
+    async def export(pull: PullRequest) -> AsyncIterator[ExportProgress]:
+        # greedy and one token: the sample is thrown away; only the held KV blocks matter
+        params = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
+        stream = llm.submit(pull.token_ids, params, EXPORT_PREFIX + pull.request_id, hold_kv=True)
+        try:
+            async for out in stream:
+                yield ExportProgress(
+                    computed_tokens=out.num_computed_tokens,
+                    block_ids=out.block_ids or [],
+                    done=out.finished,
+                    cached_tokens=out.num_cached_tokens,
+                )
+        finally:
+            stream.close()  # aborts (frees) an unfinished prefill
+
+    async def release(request_id: str) -> None:
+        rid = EXPORT_PREFIX + request_id
+        await llm.call(lambda engine: engine.release_kv(rid))
+
+    engine = llm.engine
+    return KVTransferServer(kv_pages(llm), engine.cache_id, secret, export, release, hold_s)
+
+
+class KVImporter:
+    """The decode side: reserve blocks, pull the prompt's KV into them, queue the decode."""
+
+    def __init__(self, llm: AsyncLLM, secret: str) -> None:
+        self.llm = llm
+        self.secret = secret
+        self.pages = kv_pages(llm)
+        self.imports = 0  # transfers completed, since start
+        self.bytes = 0  # KV bytes received, since start
+
+    async def submit(self, group: RequestGroup, source: str) -> tuple[RequestStream, PullResult | None]:
+        """Pull the prompt's KV of `group` (validated by `prepare_request`) from the prefill
+        worker at `source` ("host:port"), then queue it. Raises KVCacheFullError before any byte
+        moves when the blocks do not fit, KVTransferError when the transfer fails; the reserved
+        blocks are freed on every failure, a cancellation (the client left) included."""
+        reserved = await self.llm.call(lambda engine: engine.reserve_import(group))
+        if reserved is None:
+            need = len(group.prompt_token_ids)
+            raise KVCacheFullError(
+                f"no KV room for the prompt's {need} tokens on this worker "
+                f"({self.llm.stats()['free_kv_blocks']} free blocks)"
+            )
+        cached, dst = reserved
+        try:
+            result = None
+            if dst:  # else every block is in this worker's prefix cache already
+                bs = self.llm.engine.config.block_size
+                pull = PullRequest(
+                    request_id=group.request_id,
+                    token_ids=group.prompt_token_ids[:-1],
+                    first_block=cached // bs,
+                    cache_id=self.llm.engine.cache_id,
+                    secret=self.secret,
+                )
+                result = await pull_kv(source, pull, self.pages, dst)
+                self.imports += 1
+                self.bytes += result.bytes
+            reused = max(cached, result.cached_tokens if result else 0)
+            return self.llm.submit_import(group, reused), result
+        except BaseException:
+            self.llm.call(_cancel(group))  # runs even though nobody awaits it
+            raise
+
+
+def _cancel(group: RequestGroup):  # type: ignore[no-untyped-def]
+    def run(engine: LLMEngine) -> None:
+        engine.cancel_import(group)
+
+    return run

@@ -1,0 +1,344 @@
+"""KV transfer between two real engines in one process, over real TCP on loopback.
+
+The prefill side (an AsyncLLM behind a KVTransferServer) computes the prompt's KV and streams it;
+the decode side reserves blocks, pulls, and decodes. Checked: every layer's keys and values
+arrive bit-exact, the decode gives the same tokens as one engine alone, no block leaks on either
+side whatever fails (bad checksum, truncated stream, hang-up, no acknowledgement), and a prompt
+that does not fit is refused before any byte moves.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import struct
+from collections.abc import Awaitable, Callable
+from dataclasses import asdict
+from pathlib import Path
+
+import pytest
+import torch
+
+from kvstore import kv_transfer
+from kvstore.kv_transfer import (
+    DATA,
+    HEADER,
+    KVPages,
+    KVTransferError,
+    KVTransferServer,
+    PullRequest,
+    pull_kv,
+)
+from runtime.async_engine import AsyncLLM
+from runtime.config import EngineConfig
+from runtime.disagg import KVCacheFullError, KVImporter, export_server
+from runtime.engine import LLMEngine
+from runtime.sampling_params import SamplingParams
+
+SECRET = "s3cret"
+BS = 16
+
+
+def _llm(model: Path, kv_bytes: int = 4_000_000, **kw) -> AsyncLLM:  # type: ignore[no-untyped-def]
+    cfg = EngineConfig(str(model), block_size=BS, kv_cache_bytes=kv_bytes, num_threads=1, **kw)
+    return AsyncLLM(LLMEngine(cfg))
+
+
+@pytest.fixture(scope="module")
+def engines(stories_dir: Path):  # type: ignore[no-untyped-def]
+    prefill, decode, alone = _llm(stories_dir), _llm(stories_dir), _llm(stories_dir)
+    yield prefill, decode, alone
+    for llm in (prefill, decode, alone):
+        llm.shutdown()
+
+
+STORY = (
+    "Once upon a time, there was a little girl named Lily. She loved to play outside in the "
+    "park. One day, she saw a big red ball under a tree and ran to get it. Tom, her friend, "
+    "wanted the ball too. They were sad, then they shared it and played all day. "
+)
+_TOKENS: list[int] = []
+
+
+def _prompt(n: int, offset: int = 0) -> list[int]:
+    """n tokens of real text (random tokens make near-ties the greedy choice trips over)."""
+    if not _TOKENS:
+        from runtime.tokenizer import Tokenizer
+
+        from tests.conftest import STORIES
+
+        tok = Tokenizer.from_dir(STORIES)
+        _TOKENS.extend(tok.encode(STORY * 12))
+    return [1] + _TOKENS[1 + offset : n + offset]
+
+
+async def _collect(stream) -> list[int]:  # type: ignore[no-untyped-def]
+    tokens: list[int] = []
+    async for out in stream:
+        tokens = out.outputs[0].token_ids
+    return tokens
+
+
+async def _with_server(prefill: AsyncLLM, body: Callable[[str, KVTransferServer], Awaitable[None]],
+                       hold_s: float = 5.0) -> None:  # fmt: skip
+    server = export_server(prefill, SECRET, hold_s)
+    port = await server.start("127.0.0.1", 0)
+    try:
+        await body(f"127.0.0.1:{port}", server)
+    finally:
+        await server.close()
+
+
+async def _settled(*llms: AsyncLLM) -> None:
+    """Wait until each engine has run its queued calls (stats are refreshed after each)."""
+    for llm in llms:
+        await llm.call(lambda e: None)
+
+
+def _allocated(llm: AsyncLLM) -> int:
+    return llm.engine.blocks.num_blocks - llm.engine.blocks.num_free_blocks
+
+
+@pytest.mark.parametrize("n_prompt", [2, 17, 33, 97, 300])
+@pytest.mark.parametrize("seed", [None, 7])
+def test_disaggregated_decode_equals_one_engine(engines, n_prompt: int, seed: int | None) -> None:  # type: ignore[no-untyped-def]
+    prefill, decode, alone = engines
+    params = dict(max_tokens=24, temperature=0.0 if seed is None else 0.9, seed=seed)
+
+    async def main() -> None:
+        rid = f"r{n_prompt}-{seed}"
+        expected = await _collect(alone.submit(_prompt(n_prompt), SamplingParams(**params), rid))
+
+        async def body(addr: str, server: KVTransferServer) -> None:
+            group = decode.engine.prepare_request(rid, _prompt(n_prompt), SamplingParams(**params))
+            stream, result = await KVImporter(decode, SECRET).submit(group, addr)
+            assert await _collect(stream) == expected
+            # None: every block was in the decode side's prefix cache (an earlier case's prompt)
+            assert result is None or 1 <= result.blocks <= -(-(n_prompt - 1) // BS)
+
+        await _with_server(prefill, body)
+        await _settled(prefill, decode)
+        assert _allocated(prefill) == 0 and _allocated(decode) == 0
+
+    asyncio.run(main())
+
+
+def test_every_layer_arrives_bit_exact(engines) -> None:  # type: ignore[no-untyped-def]
+    prefill, decode, _ = engines
+    prompt = _prompt(150, offset=5)
+
+    async def main() -> None:
+        async def body(addr: str, server: KVTransferServer) -> None:
+            # pull by hand (no decode afterwards) so both caches can be compared
+            reserved = await decode.call(lambda e: e.reserve_import(
+                e.prepare_request("exact", prompt, SamplingParams(max_tokens=1))))  # fmt: skip
+            assert reserved is not None
+            cached, dst = reserved
+            assert cached == 0 and len(dst) == -(-149 // BS)
+            pages = KVPages(decode.engine.runner.kv, BS)
+            pull = PullRequest("exact", prompt[:-1], 0, decode.engine.cache_id, SECRET)
+            result = await pull_kv(addr, pull, pages, dst)
+            assert result.blocks == len(dst) and result.frames >= 1
+            assert result.bytes == len(dst) * pages.layout.bytes_per_layer_block() * 5
+            # the prefill side's copy: the same prompt again is a full prefix-cache hit there
+            src = prefill.engine.blocks
+            table = src.block_table("probe")
+            assert table == []
+            got = src.match_prefix("probe", prompt)
+            table = src.block_table("probe")
+            assert got == 144  # 9 full blocks cached; the 10th (5 tokens) was freed with the export
+            p_kv = KVPages(prefill.engine.runner.kv, BS).blocks
+            d_kv = pages.blocks
+            for i in range(9):
+                assert torch.equal(p_kv[:, :, table[i]], d_kv[:, :, dst[i]]), f"block {i}"
+            src.free("probe")
+            await decode.call(lambda e: e.cancel_import(e._imports["exact"]))
+
+        # the prefill side must not evict the blocks before the comparison: ample cache, and the
+        # comparison reads its prefix cache right after the pull
+        await _with_server(prefill, body)
+
+    asyncio.run(main())
+
+
+def test_prefix_hit_on_the_decode_side_skips_those_blocks(engines) -> None:  # type: ignore[no-untyped-def]
+    prefill, decode, alone = engines
+    shared = _prompt(200)
+    first, second = shared[:120], shared[:120] + _prompt(60, offset=37)[1:]
+    params = SamplingParams(max_tokens=8, temperature=0)
+
+    async def main() -> None:
+        expected = await _collect(alone.submit(second, params, "hit-ref"))
+
+        async def body(addr: str, server: KVTransferServer) -> None:
+            importer = KVImporter(decode, SECRET)
+            g1 = decode.engine.prepare_request("hit-1", first, params)
+            await _collect((await importer.submit(g1, addr))[0])
+            sent_before = server.bytes_sent
+            g2 = decode.engine.prepare_request("hit-2", second, params)
+            stream, result = await importer.submit(g2, addr)
+            assert await _collect(stream) == expected
+            assert result is not None
+            per_block = importer.pages.layout.bytes_per_layer_block() * 5
+            skipped = 112 // BS  # the 7 full blocks of `first` (119 tokens were pulled)
+            assert result.blocks == -(-(len(second) - 1) // BS) - skipped
+            assert server.bytes_sent - sent_before == result.blocks * per_block
+
+        await _with_server(prefill, body)
+        await _settled(prefill, decode)
+        assert _allocated(prefill) == 0 and _allocated(decode) == 0
+
+    asyncio.run(main())
+
+
+def test_no_room_is_refused_before_any_byte_moves(stories_dir: Path, engines) -> None:  # type: ignore[no-untyped-def]
+    prefill, _, _ = engines
+    small = _llm(stories_dir, kv_bytes=20 * 5 * 2 * BS * 4 * 8 * 4)  # 20 blocks = 320 tokens
+
+    async def main() -> None:
+        async def body(addr: str, server: KVTransferServer) -> None:
+            # 400 tokens do not fit in 20 blocks: engine validation refuses max_tokens first
+            g = small.engine.prepare_request("big", _prompt(300), SamplingParams(max_tokens=8))
+            hog = small.engine.prepare_request("hog", _prompt(250), SamplingParams(max_tokens=8))
+            assert await small.call(lambda e: e.reserve_import(hog)) is not None
+            with pytest.raises(KVCacheFullError):
+                await KVImporter(small, SECRET).submit(g, addr)
+            assert server.bytes_sent == 0 and server.pulls_served == 0
+            await small.call(lambda e: e.cancel_import(hog))
+
+        await _with_server(prefill, body)
+        await _settled(small)
+        assert _allocated(small) == 0
+
+    try:
+        asyncio.run(main())
+    finally:
+        small.shutdown()
+
+
+async def _evil_server(mutate: Callable[[bytes], bytes | None]) -> tuple[asyncio.Server, str]:
+    """A peer that answers a pull like the real one would, but passes its DATA frames through
+    `mutate` (None: hang up there)."""
+
+    async def serve(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        kind, body = await kv_transfer._read_control(reader, None)
+        pull = PullRequest(**body)
+        tag = kv_transfer.request_tag(pull.request_id)
+        layout = {"num_layers": 5, "block_size": BS, "num_kv_heads": 4, "head_dim": 8,
+                  "dtype": "float32"}  # fmt: skip
+        await kv_transfer._write_control(writer, kv_transfer.ACCEPT, tag,
+                                         {"num_blocks": 1, "layout": layout})  # fmt: skip
+        payload = torch.ones(5, 2, 1, BS, 4, 8).numpy().tobytes()
+        frame = kv_transfer._frame(DATA, tag, payload, layers=(0, 5), blocks=(0, 1)) + payload
+        out = mutate(frame)
+        if out is None:
+            writer.write(frame[: len(frame) // 2])
+            await writer.drain()
+            writer.close()
+            return
+        writer.write(out)
+        await kv_transfer._write_control(writer, kv_transfer.END, tag, {"frames": 1})
+        await reader.read(1)
+        writer.close()
+
+    server = await asyncio.start_server(serve, "127.0.0.1", 0)
+    return server, f"127.0.0.1:{server.sockets[0].getsockname()[1]}"
+
+
+def _flip_payload_byte(frame: bytes) -> bytes:
+    b = bytearray(frame)
+    b[-1] ^= 0x40
+    return bytes(b)
+
+
+def _lie_about_size(frame: bytes) -> bytes:
+    head = list(HEADER.unpack(frame[: HEADER.size]))
+    head[4] = 2  # claims two blocks
+    return HEADER.pack(*head) + frame[HEADER.size :]
+
+
+@pytest.mark.parametrize(
+    "mutate, message",
+    [
+        (_flip_payload_byte, "checksum"),
+        (_lie_about_size, "out of range"),
+        (lambda f: None, "closed the connection mid-transfer"),
+        (lambda f: b"XXXX" + f[4:], "magic"),
+    ],
+)
+def test_corrupt_or_truncated_frames_are_rejected(engines, mutate, message: str) -> None:  # type: ignore[no-untyped-def]
+    _, decode, _ = engines
+
+    async def main() -> None:
+        server, addr = await _evil_server(mutate)
+        try:
+            group = decode.engine.prepare_request("evil", _prompt(10), SamplingParams(max_tokens=4))
+            with pytest.raises(KVTransferError, match=message) as err:
+                await KVImporter(decode, SECRET).submit(group, addr)
+            assert err.value.source_failed
+        finally:
+            server.close()
+        await _settled(decode)
+        assert _allocated(decode) == 0
+
+    asyncio.run(main())
+
+
+def test_unreachable_source_and_wrong_secret(engines) -> None:  # type: ignore[no-untyped-def]
+    prefill, decode, _ = engines
+
+    async def main() -> None:
+        importer = KVImporter(decode, SECRET)
+        group = decode.engine.prepare_request("gone", _prompt(40), SamplingParams(max_tokens=4))
+        with pytest.raises(KVTransferError, match="cannot reach"):
+            await importer.submit(group, "127.0.0.1:1")
+
+        async def body(addr: str, server: KVTransferServer) -> None:
+            wrong = KVImporter(decode, "not-the-secret")
+            g = decode.engine.prepare_request("wrong", _prompt(40), SamplingParams(max_tokens=4))
+            with pytest.raises(KVTransferError, match="secret") as err:
+                await wrong.submit(g, addr)
+            assert not err.value.source_failed
+
+        await _with_server(prefill, body)
+        await _settled(prefill, decode)
+        assert _allocated(prefill) == 0 and _allocated(decode) == 0
+
+    asyncio.run(main())
+
+
+def test_puller_that_never_acknowledges_is_released_at_the_deadline(engines) -> None:  # type: ignore[no-untyped-def]
+    prefill, _, _ = engines
+    prompt = _prompt(80)
+
+    async def main() -> None:
+        async def body(addr: str, server: KVTransferServer) -> None:
+            host, port = addr.split(":")
+            reader, writer = await asyncio.open_connection(host, int(port))
+            pull = PullRequest("silent", prompt, 0, prefill.engine.cache_id, SECRET)
+            tag = kv_transfer.request_tag("silent")
+            await kv_transfer._write_control(writer, kv_transfer.PULL, tag, asdict(pull))
+            # read everything up to END, then say nothing
+            while True:
+                h = await kv_transfer._read_header(reader)
+                await reader.readexactly(h.length)
+                if h.kind == kv_transfer.END:
+                    break
+            await _settled(prefill)
+            assert _allocated(prefill) == 5  # held for the puller
+            await asyncio.sleep(1.5)  # past hold_s
+            await _settled(prefill)
+            assert _allocated(prefill) == 0
+            assert server.pulls_failed == 1
+            writer.close()
+
+        await _with_server(prefill, body, hold_s=1.0)
+
+    asyncio.run(main())
+
+
+def test_frame_header_layout() -> None:
+    assert HEADER.size == 34
+    raw = kv_transfer._frame(DATA, 5, b"abc", layers=(2, 3), blocks=(4, 1))
+    magic, kind, l0, nl, b0, nb, tag, length, crc = struct.unpack("<4sBxHHIIQII", raw)
+    assert (magic, kind, l0, nl, b0, nb, tag, length) == (b"EIKV", DATA, 2, 3, 4, 1, 5, 3)
+
