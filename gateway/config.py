@@ -25,6 +25,8 @@ class GatewayConfig:
     max_attempts: int = 3  # workers tried per request before giving up (only before first byte)
     retry_after_s: float = 1.0  # Retry-After for 429/503
     routing: str = "cache-aware"  # "cache-aware" | "round-robin" (a baseline for benchmarks)
+    disagg_min_tokens: int = 32  # disaggregated: prompts with fewer uncached tokens on the
+    # decode worker are computed there (a transfer costs more than such a prefill)
 
     def __post_init__(self) -> None:
         if not self.worker_secret:
@@ -37,5 +39,7 @@ class GatewayConfig:
             raise ValueError(f"max_attempts must be at least 1, got {self.max_attempts}")
         if self.routing not in ("cache-aware", "round-robin"):
             raise ValueError(f"routing must be cache-aware or round-robin, got {self.routing!r}")
+        if self.disagg_min_tokens < 0:
+            raise ValueError(f"disagg_min_tokens must be >= 0, got {self.disagg_min_tokens}")
         if any(not k for k in self.api_keys):
             raise ValueError("api keys must be non-empty strings")

@@ -2,6 +2,13 @@
 
     validate -> resolve model -> prefix lookup -> route -> forward -> stream -> record
 
+Disaggregated (a prefill and a decode worker serve the model): `route` picks the decode worker
+as usual and then a prefill worker, whose KV transfer address goes to the decode worker in
+`kv_source`; the decode worker pulls the prompt's KV from it and streams the answer. A failed
+transfer (502 `kv_transfer_failed`, before any byte reached the client) sets that prefill worker
+aside and the request is tried again with another (or computed on the decode worker when none is
+left).
+
 `forward` may try several workers (`max_attempts`), but only while nothing has gone to the
 client: a streamed request commits to its worker when the first token arrives (the prefill is
 still retryable), a non-streamed one when its whole answer has arrived. After that, a worker
@@ -66,6 +73,10 @@ class Call:
     tried: set[str] = field(default_factory=set)  # workers that failed this request
     prompt_tokens: int = 0  # the prompt's length, when the gateway tokenized it
     cached: dict[str, int] = field(default_factory=dict)  # worker id -> prompt tokens it caches
+    roles: tuple[str, ...] = ("mixed",)  # roles that may serve (decode side when disaggregated)
+    disaggregated: bool = False  # prefill runs on a prefill worker, decode on `worker`
+    prefill: WorkerInfo | None = None  # the prefill worker of the current attempt, if any
+    tried_prefill: set[str] = field(default_factory=set)  # prefill workers that failed it
 
 
 class Proxy:
@@ -145,11 +156,16 @@ class Proxy:
         """
         assert call.gen is not None and call.options is not None
         last: APIError | None = None
+        router = self.view.router
+        call.roles, call.disaggregated = router.serving_roles(
+            call.gen.model, self.view.live_workers()
+        )
         for _ in range(self.config.max_attempts):
             worker = self.route(call, last)
             call.worker, call.cost = worker, _cost(call.gen)
             call.forwarded = call.forwarded or time.perf_counter()
-            self.view.router.sent(worker.worker_id, call.cost)
+            router.sent(worker.worker_id, call.cost)
+            prefill_cost = self.pick_prefill(call, worker)
             events = self.worker_events(worker, call.gen)
             head: list[dict[str, Any]] = []
             try:
@@ -161,24 +177,64 @@ class Proxy:
                         raise WorkerFailed(worker, _event_error(error), dead=False)
                     if "done" in kinds or (call.options.stream and "delta" in kinds):
                         call.answered = time.perf_counter()
+                        self._prefill_done(call, prefill_cost)
                         return events, head
                 raise WorkerFailed(worker, bad_gateway("worker stream ended early"), dead=True)
             except WorkerFailed as e:
                 await events.aclose()
-                self.view.router.done(worker.worker_id, call.cost)
-                if e.dead:
-                    self.view.mark_failed(worker.worker_id)
-                call.tried.add(worker.worker_id)
+                router.done(worker.worker_id, call.cost)
+                prefill = call.prefill
+                self._prefill_done(call, prefill_cost)
+                if e.error.code == "kv_transfer_failed" and prefill is not None:
+                    # the prefill side failed, not the decode worker: prefill elsewhere
+                    call.tried_prefill.add(prefill.worker_id)
+                    self.view.mark_failed(prefill.worker_id)
+                    worker = prefill
+                else:
+                    if e.dead:
+                        self.view.mark_failed(worker.worker_id)
+                    call.tried.add(worker.worker_id)
                 last = e.error
                 log.warning(
                     "request %s: worker %s failed: %s", call.request_id, worker.worker_id, e
                 )
             except BaseException:  # a refusal to relay (400/404), or the client went away
                 await events.aclose()
-                self.view.router.done(worker.worker_id, call.cost)
+                router.done(worker.worker_id, call.cost)
+                self._prefill_done(call, prefill_cost)
                 raise
         assert last is not None
         raise last
+
+    def pick_prefill(self, call: Call, worker: WorkerInfo) -> int:
+        """Disaggregated: choose the prefill worker the decode `worker` pulls the prompt's KV
+        from (sets `call.prefill` and `call.gen.kv_source`). Returns the prompt tokens counted
+        against it while in flight."""
+        assert call.gen is not None
+        call.prefill, call.gen.kv_source = None, None
+        if not call.disaggregated or worker.role == "prefill":
+            return 0
+        uncached = call.prompt_tokens - call.cached.get(worker.worker_id, 0)
+        if call.prompt_tokens and uncached < self.config.disagg_min_tokens:
+            return 0  # a short prefill costs the decode worker less than a transfer
+        candidates = self.view.router.prefill_candidates(
+            call.gen.model,
+            self.view.live_workers(),
+            frozenset(call.tried_prefill),
+            cached=call.cached,
+            prompt_tokens=call.prompt_tokens,
+        )
+        if not candidates:
+            return 0  # every prefill worker failed this request: the decode worker computes it
+        call.prefill = candidates[0]
+        call.gen.kv_source = call.prefill.kv_addr
+        cost = max(uncached, 1)
+        self.view.router.sent_prefill(call.prefill.worker_id, cost)
+        return cost
+
+    def _prefill_done(self, call: Call, cost: int) -> None:
+        if call.prefill is not None and cost:
+            self.view.router.done_prefill(call.prefill.worker_id, cost)
 
     def route(self, call: Call, last: APIError | None) -> WorkerInfo:
         assert call.gen is not None
@@ -189,6 +245,7 @@ class Proxy:
             frozenset(call.tried),
             cached=call.cached,
             prompt_tokens=call.prompt_tokens,
+            roles=call.roles,
         )
         if route.candidates:
             call.route_reason = route.reason
@@ -270,6 +327,8 @@ class Proxy:
             "x-edgeinfer-route": call.route_reason,
             "Server-Timing": _server_timing(call),
         }
+        if call.prefill is not None:  # disaggregated: where the prompt's KV was computed
+            headers["x-edgeinfer-prefill-worker"] = call.prefill.worker_id
         if not call.options.stream:
             for event in head:
                 assembler.on_event(event)

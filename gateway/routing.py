@@ -11,6 +11,13 @@ The order, as the gateway applies it:
 3. the least-loaded worker of the nearest region (great-circle distance) with capacity.
 The result is an ordered list of candidates: the first is the choice, the rest are where a retry
 goes when a worker fails before anything reached the client.
+
+Roles (`serving_roles`): while the model has both a prefill and a decode worker, requests are
+disaggregated: the order above picks the decode worker among `decode` (and `mixed`) workers, and
+`prefill_candidates` orders the `prefill` workers by prompt tokens still to compute there
+(published prefill load, plus what this gateway sent since, plus the prompt tokens not in its
+prefix cache), longest cached prefix first among near-equals. Otherwise `mixed` workers serve
+whole requests, and a cluster with only prefill or only decode workers still serves on those.
 """
 
 from __future__ import annotations
@@ -23,7 +30,6 @@ from kvstore.placement import Placement
 from kvstore.protocol import WorkerInfo
 
 LOAD_TIE_TOKENS = 256  # loads closer than this count as equal (heartbeats lag the truth)
-SERVING_ROLES = ("mixed",)  # roles that serve a whole request (prefill/decode split: later)
 
 
 @dataclass(slots=True)
@@ -53,6 +59,7 @@ class Router:
         self.catalog = catalog
         self.policy = policy
         self.inflight_tokens: dict[str, int] = {}  # worker id -> tokens sent here, unfinished
+        self.inflight_prefill: dict[str, int] = {}  # prefill worker id -> prompt tokens sent
         self._turn = itertools.count()  # rotates ties so equal workers share new sessions
 
     def load(self, w: WorkerInfo) -> int:
@@ -66,8 +73,9 @@ class Router:
         exclude: frozenset[str] = frozenset(),
         cached: dict[str, int] | None = None,
         prompt_tokens: int = 0,
+        roles: tuple[str, ...] = ("mixed",),
     ) -> Route:
-        """Order the workers that can serve `model`.
+        """Order the workers of `roles` that can serve `model`.
 
         `cached`: worker id -> prompt tokens its prefix cache holds (from the prefix index);
         `prompt_tokens`: the prompt's length when the gateway tokenized it (0 when unknown).
@@ -76,7 +84,7 @@ class Router:
             w
             for w in workers
             if w.model == model
-            and w.role in SERVING_ROLES
+            and w.role in roles
             and not w.draining
             and w.worker_id not in exclude
         ]
@@ -132,6 +140,62 @@ class Router:
                 ordered.insert(0, placed)
                 reason = "session"
         return Route(ordered, reason)
+
+    @staticmethod
+    def serving_roles(model: str, workers: list[WorkerInfo]) -> tuple[tuple[str, ...], bool]:
+        """The roles whose workers take requests for `model` now, and whether prefill and
+        decode are disaggregated (a live prefill worker and a live decode worker exist)."""
+        present = {w.role for w in workers if w.model == model and not w.draining}
+        if "prefill" in present and "decode" in present:
+            return ("decode", "mixed"), True
+        if "mixed" in present or not present:
+            return ("mixed",), False
+        return tuple(sorted(present)), False  # only one side is up: it serves whole requests
+
+    def prefill_candidates(
+        self,
+        model: str,
+        workers: list[WorkerInfo],
+        exclude: frozenset[str] = frozenset(),
+        cached: dict[str, int] | None = None,
+        prompt_tokens: int = 0,
+    ) -> list[WorkerInfo]:
+        """Prefill workers for `model`, best first (see the module docstring)."""
+        hits = cached or {}
+        pool = [
+            w
+            for w in workers
+            if w.model == model
+            and w.role == "prefill"
+            and w.kv_addr
+            and not w.draining
+            and w.worker_id not in exclude
+        ]
+
+        def cost(w: WorkerInfo) -> int:
+            new = max(0, prompt_tokens - hits.get(w.worker_id, 0))
+            return w.prefill_tokens + self.inflight_prefill.get(w.worker_id, 0) + new
+
+        pool.sort(key=lambda w: (cost(w), w.worker_id))
+        if pool:
+            best = [w for w in pool if cost(w) <= cost(pool[0]) + LOAD_TIE_TOKENS]
+            if max(hits.get(w.worker_id, 0) for w in best) > 0:
+                best.sort(key=lambda w: -hits.get(w.worker_id, 0))
+            else:
+                k = next(self._turn) % len(best)
+                best = best[k:] + best[:k]
+            pool = best + [w for w in pool if w not in best]
+        return pool
+
+    def sent_prefill(self, worker_id: str, tokens: int) -> None:
+        self.inflight_prefill[worker_id] = self.inflight_prefill.get(worker_id, 0) + tokens
+
+    def done_prefill(self, worker_id: str, tokens: int) -> None:
+        left = self.inflight_prefill.get(worker_id, 0) - tokens
+        if left > 0:
+            self.inflight_prefill[worker_id] = left
+        else:
+            self.inflight_prefill.pop(worker_id, None)
 
     def sent(self, worker_id: str, tokens: int) -> None:
         self.inflight_tokens[worker_id] = self.inflight_tokens.get(worker_id, 0) + tokens

@@ -318,7 +318,7 @@ class KVTransferServer:
         for l0 in range(0, lay.num_layers, step):
             l1 = min(lay.num_layers, l0 + step)
             data = self.pages.read(slice(l0, l1), ids)
-            payload = memoryview(data.numpy()).cast("B")
+            payload = memoryview(data.numpy()).cast("B")  # type: ignore[arg-type]
             header = _frame(DATA, tag, payload, layers=(l0, l1 - l0), blocks=(start, len(ids)))
             writer.write(header)
             writer.write(payload)

@@ -5,6 +5,8 @@ torch). The worker's internal HTTP API (see runtime/worker.py):
 
     POST /internal/generate   body: GenerateRequest        -> NDJSON stream of events below
     POST /internal/abort      body: {"request_id": str}    -> {"aborted": bool}
+    POST /internal/role       body: {"role": Role}         -> {"role", "previous", "drained_s"}
+                              (drains the old role's work first; 409 while another change runs)
     GET  /internal/health                                  -> {"status": "ok" | "draining"}
     GET  /internal/stats                                   -> WorkerInfo as JSON (live load)
 
@@ -45,6 +47,8 @@ class GenerateRequest:
     messages: list[dict[str, Any]] | None = None  # chat: rendered by the worker's chat template
     sampling: dict[str, Any] = field(default_factory=dict)  # runtime.SamplingParams fields
     session_id: str | None = None  # the x-session-affinity id, if any (logs, cache hints)
+    kv_source: str | None = None  # "host:port" of a prefill worker's KV transfer server: pull
+    # the prompt's KV from there instead of computing it (disaggregated prefill/decode)
 
     def to_json(self) -> bytes:
         return orjson.dumps(dataclasses.asdict(self))
@@ -143,6 +147,9 @@ class WorkerInfo:
     free_kv_blocks: int = 0  # free KV blocks
     total_kv_blocks: int = 0  # all KV blocks
     draining: bool = False  # refusing new requests (SIGTERM received)
+    kv_addr: str = ""  # "host:port" of its KV transfer server (prefill side of a pull)
+    prefill_tokens: int = 0  # prompt tokens of its running + waiting requests not yet computed
+    decode_seqs: int = 0  # sequences past their prompt (decoding) now
     cache_id: str = ""  # prefix-cache identity (model revision, dtype, block size): equal ids,
     # equal block hashes for equal tokens; also names the tokenizer bundle in Redis
     block_size: int = 16  # tokens per KV block (block hashes cover this many tokens)

@@ -179,9 +179,7 @@ class AsyncLLM:
             calls = [c for c in self._inbox if isinstance(c, _Call)]
             self._inbox = []
         for call in calls:  # never ran: the engine is gone
-            call.loop.call_soon_threadsafe(
-                lambda f=call.future: f.done() or f.set_exception(EngineDeadError("shut down"))
-            )
+            call.loop.call_soon_threadsafe(_fail, call.future)
         for stream in streams.values():
             stream.loop.call_soon_threadsafe(
                 stream.queue.put_nowait, EngineDeadError("the engine shut down")
@@ -243,6 +241,11 @@ class AsyncLLM:
                 routed.append((stream, item))
         for stream, item in routed:
             stream.loop.call_soon_threadsafe(stream.queue.put_nowait, item)
+
+
+def _fail(future: asyncio.Future[Any]) -> None:
+    if not future.done():
+        future.set_exception(EngineDeadError("the engine shut down"))
 
 
 def _settle(cmd: _Call, engine: LLMEngine) -> None:

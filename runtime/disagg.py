@@ -78,7 +78,9 @@ class KVImporter:
         self.imports = 0  # transfers completed, since start
         self.bytes = 0  # KV bytes received, since start
 
-    async def submit(self, group: RequestGroup, source: str) -> tuple[RequestStream, PullResult | None]:
+    async def submit(
+        self, group: RequestGroup, source: str
+    ) -> tuple[RequestStream, PullResult | None]:
         """Pull the prompt's KV of `group` (validated by `prepare_request`) from the prefill
         worker at `source` ("host:port"), then queue it. Raises KVCacheFullError before any byte
         moves when the blocks do not fit, KVTransferError when the transfer fails; the reserved

@@ -69,6 +69,8 @@ def cmd_worker(args: argparse.Namespace) -> int:
         heartbeat_s=args.heartbeat,
         ttl_s=args.ttl,
         drain_timeout_s=args.drain_timeout,
+        kv_port=args.kv_port,
+        kv_hold_s=args.kv_hold,
     )
     t0 = time.monotonic()
     engine = LLMEngine(
@@ -102,6 +104,7 @@ def cmd_gateway(args: argparse.Namespace) -> int:
         catalog_path=Path(args.regions),
         max_body_bytes=args.max_body_bytes,
         routing=args.routing,
+        disagg_min_tokens=args.disagg_min_tokens,
     )
     _run(serve(config))
     return 0
@@ -136,6 +139,14 @@ def add_service_commands(sub: argparse._SubParsersAction, engine_args) -> None: 
     w.add_argument("--ttl", type=float, default=10.0, help="registry entry lifetime, seconds")
     w.add_argument("--drain-timeout", type=float, default=30.0, help="SIGTERM grace, seconds")
     w.add_argument("--no-prefix-caching", action="store_true", help="compute every prompt in full")
+    w.add_argument(
+        "--kv-port",
+        type=int,
+        default=0,
+        help="KV transfer port (prefill side of disaggregation); default: a free port",
+    )
+    w.add_argument("--kv-hold", type=float, default=30.0,
+                   help="seconds pulled KV blocks wait for the puller's acknowledgement")  # fmt: skip
     w.set_defaults(func=cmd_worker)
 
     g = sub.add_parser("gateway", help="the OpenAI-compatible HTTP gateway of one region")
@@ -156,6 +167,11 @@ def add_service_commands(sub: argparse._SubParsersAction, engine_args) -> None: 
     g.add_argument(
         "--routing", default="cache-aware", choices=["cache-aware", "round-robin"],
         help="worker choice: sessions + prefix cache + load (default), or a round-robin baseline",
+    )  # fmt: skip
+    g.add_argument(
+        "--disagg-min-tokens", type=int, default=32,
+        help="with prefill and decode workers: prompts with fewer uncached tokens than this are "
+        "computed on the decode worker (default 32)",
     )  # fmt: skip
     g.set_defaults(func=cmd_gateway)
 

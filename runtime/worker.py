@@ -21,6 +21,7 @@ import secrets
 import signal
 import socket
 import time
+import urllib.parse
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -32,6 +33,7 @@ from aiohttp import web
 from redis.asyncio import Redis
 
 from kvstore.client import connect
+from kvstore.kv_transfer import KVTransferError
 from kvstore.prefix_index import CacheEventPublisher, PrefixIndex
 from kvstore.protocol import (
     SECRET_HEADER,
@@ -48,6 +50,7 @@ from kvstore.protocol import (
 from kvstore.registry import Registry
 from kvstore.tokenizer_store import publish_tokenizer
 from runtime.async_engine import AsyncLLM, EngineDeadError
+from runtime.disagg import KVCacheFullError, KVImporter, export_server
 from runtime.engine import Prompt
 from runtime.outputs import CompletionOutput
 from runtime.sampler import TokenLogprobs
@@ -74,6 +77,8 @@ class WorkerConfig:
     ttl_s: float = 10.0  # registry entry lifetime without a heartbeat
     drain_timeout_s: float = 30.0  # how long SIGTERM waits for in-flight requests
     max_body_bytes: int = 4 << 20  # largest request body accepted
+    kv_port: int = 0  # KV transfer server port (prefill side of disaggregation); 0: a free one
+    kv_hold_s: float = 30.0  # how long pulled KV blocks are held for an acknowledgement
     worker_id: str = field(default="")  # unique id; generated when empty
 
     def __post_init__(self) -> None:
@@ -85,6 +90,8 @@ class WorkerConfig:
             raise ValueError(f"invalid region name {self.region!r}")
         if self.heartbeat_s <= 0 or self.ttl_s <= self.heartbeat_s:
             raise ValueError("need 0 < heartbeat_s < ttl_s")
+        if not 0 <= self.kv_port < 65536 or self.kv_hold_s <= 0:
+            raise ValueError("need 0 <= kv_port < 65536 and kv_hold_s > 0")
         if not self.worker_id:
             host = socket.gethostname().replace("{", "").replace("}", "")
             self.worker_id = f"{self.region}-{host}-{self.port}-{secrets.token_hex(3)}"
@@ -106,6 +113,10 @@ class Worker:
         self._redis: Redis | None = None
         self._tokenizer_published = False
         self._redis_ok = True
+        self.kv_server = export_server(llm, config.secret, config.kv_hold_s)
+        self.importer = KVImporter(llm, config.secret)
+        self.kv_addr = ""  # set once the KV transfer server listens
+        self._role_change: asyncio.Lock = asyncio.Lock()
 
     # ------------------------------------------------------------------ load and registry
     def info(self) -> WorkerInfo:
@@ -121,6 +132,9 @@ class Worker:
             running=s["running"],
             waiting=s["waiting"],
             load_tokens=s["load_tokens"],
+            kv_addr=self.kv_addr,
+            prefill_tokens=s["prefill_tokens"],
+            decode_seqs=s["decode_seqs"],
             free_kv_blocks=s["free_kv_blocks"],
             total_kv_blocks=s["total_kv_blocks"],
             draining=self.draining,
@@ -158,12 +172,41 @@ class Worker:
             await self.publish()
             await asyncio.sleep(self.config.heartbeat_s)
 
+    def busy(self) -> bool:
+        """Requests of any role still in flight: served streams, or pulls being served."""
+        return bool(self.llm.num_open_streams or self.kv_server.active)
+
+    async def change_role(self, role: Role) -> float:
+        """Switch roles while running: stop taking work (gateways see `draining`), let the old
+        role's work finish (up to `drain_timeout_s`), switch, take work again. Returns the
+        seconds spent draining."""
+        if role not in ROLES:
+            raise InvalidRequestError("role", f"must be one of {ROLES}, got {role!r}")
+        t0 = time.monotonic()
+        self.draining = True
+        await self.publish()
+        try:
+            deadline = t0 + self.config.drain_timeout_s
+            while self.busy() and time.monotonic() < deadline:
+                await asyncio.sleep(0.05)
+            if self.busy():
+                raise TimeoutError(
+                    f"work of role {self.config.role!r} still running after "
+                    f"{self.config.drain_timeout_s:.0f}s; role unchanged"
+                )
+            log.warning("role %s -> %s", self.config.role, role)
+            self.config.role = role
+        finally:
+            self.draining = False
+            await self.publish()
+        return time.monotonic() - t0
+
     async def drain(self) -> None:
         """Refuse new requests, let running ones finish, then leave the registry."""
         self.draining = True
         await self.publish()
         deadline = time.monotonic() + self.config.drain_timeout_s
-        while self.llm.num_open_streams and time.monotonic() < deadline:
+        while self.busy() and time.monotonic() < deadline:
             await asyncio.sleep(0.05)
         if self.llm.num_open_streams:
             log.warning("drain timeout: aborting %d requests", self.llm.num_open_streams)
@@ -255,7 +298,16 @@ async def _generate(request: web.Request) -> web.StreamResponse:
                       "not_found_error", "model", "model_not_found")  # fmt: skip
     try:
         params = SamplingParams(**req.sampling)
-        stream = worker.llm.submit(worker.prompt_of(req), params, req.request_id)
+        if req.kv_source is None:
+            stream = worker.llm.submit(worker.prompt_of(req), params, req.request_id)
+        else:  # disaggregated: the prompt's KV comes from a prefill worker
+            group = worker.llm.engine.prepare_request(req.request_id, worker.prompt_of(req), params)
+            stream, _ = await worker.importer.submit(group, req.kv_source)
+    except KVCacheFullError as e:  # before any byte moved: another decode worker may have room
+        return _error(503, str(e), "service_unavailable", code="kv_cache_full",
+                      headers={"Retry-After": "1"})  # fmt: skip
+    except KVTransferError as e:  # the prefill side failed: prefill again elsewhere
+        return _error(502, str(e), "bad_gateway", "kv_source", "kv_transfer_failed")
     except InvalidRequestError as e:
         return _error(400, str(e), "invalid_request_error", e.param)
     except TypeError as e:  # an unknown sampling field
@@ -322,6 +374,28 @@ async def _abort(request: web.Request) -> web.Response:
     return web.json_response({"aborted": worker.llm.abort(rid)}, dumps=_dumps)
 
 
+async def _role(request: web.Request) -> web.Response:
+    """Change the worker's role; answers once the old role's work has drained."""
+    worker = request.app[WORKER]
+    try:
+        role = orjson.loads(await request.read())["role"]
+    except (orjson.JSONDecodeError, KeyError, TypeError) as e:
+        return _error(400, f"bad role request: {e}", "invalid_request_error", "role")
+    if role not in ROLES:
+        return _error(400, f"role must be one of {list(ROLES)}, got {role!r}",
+                      "invalid_request_error", "role")  # fmt: skip
+    if worker._role_change.locked():
+        return _error(409, "a role change is already running", "conflict_error", "role")
+    async with worker._role_change:
+        previous = worker.config.role
+        try:
+            drained = await worker.change_role(role)
+        except TimeoutError as e:
+            return _error(503, str(e), "service_unavailable", "role", "drain_timeout")
+    body = {"role": role, "previous": previous, "drained_s": round(drained, 3)}
+    return web.json_response(body, dumps=_dumps)
+
+
 async def _health(request: web.Request) -> web.Response:
     worker = request.app[WORKER]
     status = "draining" if worker.draining else "ok"
@@ -338,6 +412,13 @@ async def _stats(request: web.Request) -> web.Response:
         "prefix_cache_hit_tokens": s["prefix_cache_hit_tokens"],
         "prefix_cached_blocks": s["prefix_cached_blocks"],
         "open_requests": worker.llm.num_open_streams,
+        "kv_exports_held": s["kv_exports_held"],
+        "kv_imports_reserved": s["kv_imports_reserved"],
+        "kv_pulls_served": worker.kv_server.pulls_served,
+        "kv_pulls_failed": worker.kv_server.pulls_failed,
+        "kv_bytes_sent": worker.kv_server.bytes_sent,
+        "kv_imports": worker.importer.imports,
+        "kv_bytes_received": worker.importer.bytes,
     }
     return web.json_response(body, dumps=_dumps)
 
@@ -353,8 +434,22 @@ def make_app(worker: Worker) -> web.Application:
     app.router.add_post("/internal/abort", _abort)
     app.router.add_get("/internal/health", _health)
     app.router.add_get("/internal/stats", _stats)
+    app.router.add_post("/internal/role", _role)
+    app.cleanup_ctx.append(_kv_transfer)
     app.cleanup_ctx.append(_registration)
     return app
+
+
+async def _kv_transfer(app: web.Application) -> AsyncIterator[None]:
+    """Serve KV pulls (any role can be the prefill side of one) for the app's life."""
+    worker = app[WORKER]
+    port = await worker.kv_server.start(worker.config.host, worker.config.kv_port)
+    host = urllib.parse.urlsplit(worker.config.url).hostname or worker.config.host
+    worker.kv_addr = f"{host}:{port}"
+    try:
+        yield
+    finally:
+        await worker.kv_server.close()
 
 
 async def _registration(app: web.Application) -> AsyncIterator[None]:
@@ -405,7 +500,7 @@ async def serve(config: WorkerConfig, llm: AsyncLLM) -> None:
         loop.add_signal_handler(sig, stop.set)
     print(
         f"worker {config.worker_id} ready: model {config.model_name!r}, region {config.region}, "
-        f"role {config.role}, {config.url}",
+        f"role {config.role}, {config.url}, kv transfer on {worker.kv_addr}",
         flush=True,
     )
     await stop.wait()

@@ -63,12 +63,11 @@ def _prompt(n: int, offset: int = 0) -> list[int]:
     """n tokens of real text (random tokens make near-ties the greedy choice trips over)."""
     if not _TOKENS:
         from runtime.tokenizer import Tokenizer
-
         from tests.conftest import STORIES
 
         tok = Tokenizer.from_dir(STORIES)
         _TOKENS.extend(tok.encode(STORY * 12))
-    return [1] + _TOKENS[1 + offset : n + offset]
+    return [1, *_TOKENS[1 + offset : n + offset]]
 
 
 async def _collect(stream) -> list[int]:  # type: ignore[no-untyped-def]
@@ -220,7 +219,7 @@ async def _evil_server(mutate: Callable[[bytes], bytes | None]) -> tuple[asyncio
     `mutate` (None: hang up there)."""
 
     async def serve(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        kind, body = await kv_transfer._read_control(reader, None)
+        _kind, body = await kv_transfer._read_control(reader, None)
         pull = PullRequest(**body)
         tag = kv_transfer.request_tag(pull.request_id)
         layout = {"num_layers": 5, "block_size": BS, "num_kv_heads": 4, "head_dim": 8,
@@ -339,6 +338,5 @@ def test_puller_that_never_acknowledges_is_released_at_the_deadline(engines) -> 
 def test_frame_header_layout() -> None:
     assert HEADER.size == 34
     raw = kv_transfer._frame(DATA, 5, b"abc", layers=(2, 3), blocks=(4, 1))
-    magic, kind, l0, nl, b0, nb, tag, length, crc = struct.unpack("<4sBxHHIIQII", raw)
+    magic, kind, l0, nl, b0, nb, tag, length, _crc = struct.unpack("<4sBxHHIIQII", raw)
     assert (magic, kind, l0, nl, b0, nb, tag, length) == (b"EIKV", DATA, 2, 3, 4, 1, 5, 3)
-
