@@ -1,0 +1,258 @@
+"""Prefill/decode disaggregation end to end: a real redis-server, a prefill worker and a decode
+worker (real processes on stories260K), a real gateway, the real `openai` client.
+
+Checked: the answer equals the engine's own (colocated) answer token for token, greedy and seeded,
+single and concurrent, prompts of 1 to many blocks, with and without prefix hits on the decode
+side; no worker keeps a block once requests end; a dead prefill worker costs a retry, not the
+request; a dead decode worker's pulled blocks are freed on the prefill side; a role change drains
+first. Tests that break the cluster run last, in file order.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import signal
+import time
+import urllib.error
+import urllib.request
+from dataclasses import asdict
+from pathlib import Path
+
+import openai
+import orjson
+import pytest
+
+from kvstore import kv_transfer
+from kvstore.kv_transfer import PullRequest
+from kvstore.redis_server import LocalRedis
+from runtime.llm import LLM
+from runtime.sampling_params import SamplingParams
+from tests.stack import (
+    SECRET,
+    Proc,
+    get_json,
+    start_gateway,
+    start_worker,
+    wait_until,
+    worker_stats,
+)
+
+CATALOG = "regions:\n  - {name: local, latitude: 50.1, longitude: 8.7, settings: {}}\n"
+STORY = (
+    "Once upon a time, there was a little girl named Lily. She loved to play outside in the "
+    "park. One day, she saw a big red ball under a tree and ran to get it. "
+)
+PROMPTS = ["Once", "Lily saw a big dog.", STORY, STORY * 4]  # 2 to ~190 tokens
+HOLD_S = 2.0  # how long the prefill worker holds pulled blocks for an acknowledgement
+
+
+class Split:
+    def __init__(self, root: Path, stories: Path) -> None:
+        self.root = root
+        (root / "regions.yaml").write_text(CATALOG)
+        self.redis = LocalRedis().start()
+        self.model = stories
+        hold = ["--kv-hold", str(HOLD_S)]
+        self.prefill = start_worker("prefill", stories, self.redis.url, root,
+                                    extra=["--role", "prefill", *hold])  # fmt: skip
+        self.decode = start_worker("decode", stories, self.redis.url, root,
+                                   extra=["--role", "decode", *hold])  # fmt: skip
+        self.gateway = start_gateway("gw", self.redis.url, root / "regions.yaml", root,
+                                     extra=["--disagg-min-tokens", "0"])  # fmt: skip
+        wait_until(lambda: get_json(f"{self.gateway.url}/readyz")[1]["workers"] == 2, 30, "workers")
+        self.client = openai.OpenAI(
+            base_url=f"{self.gateway.url}/v1", api_key="unused", max_retries=0, timeout=60
+        )
+
+    def close(self) -> None:
+        self.gateway.stop()
+        for w in (self.prefill, self.decode):
+            w.stop()
+        self.redis.stop()
+
+
+@pytest.fixture(scope="module")
+def split(tmp_path_factory: pytest.TempPathFactory, stories_dir: Path):  # type: ignore[no-untyped-def]
+    s = Split(tmp_path_factory.mktemp("disagg"), stories_dir)
+    try:
+        yield s
+    finally:
+        s.close()
+
+
+@pytest.fixture(scope="module")
+def reference(split: Split) -> LLM:
+    """Colocated serving: the engine itself, in this process, on the same weights."""
+    return LLM(split.model, kv_cache_bytes=4_000_000)
+
+
+def _complete(split: Split, prompt: str, sampling: dict, stream: bool = False):  # type: ignore[no-untyped-def, type-arg]
+    """(text, headers, usage) of one completion through the gateway."""
+    raw = split.client.completions.with_raw_response.create(
+        model="stories", prompt=prompt, max_tokens=24, stream=stream,
+        stream_options={"include_usage": True} if stream else None, **sampling,
+    )  # fmt: skip
+    resp = raw.parse()
+    if stream:
+        text, usage = "", None
+        for chunk in resp:
+            text += chunk.choices[0].text if chunk.choices else ""
+            usage = chunk.usage or usage
+        return text, raw.headers, usage
+    return resp.choices[0].text, raw.headers, resp.usage
+
+
+def _expected(reference: LLM, prompt: str, sampling: dict) -> str:  # type: ignore[type-arg]
+    params = SamplingParams(max_tokens=24, **sampling)
+    return reference.generate([prompt], params)[0].outputs[0].text
+
+
+def _settled(*workers: Proc) -> None:
+    """Wait until no worker holds a KV block (cached blocks nobody uses count as free)."""
+
+    def idle() -> bool:
+        for w in workers:
+            s = worker_stats(w)
+            if s["free_kv_blocks"] != s["total_kv_blocks"] or s["kv_exports_held"]:
+                return False
+        return True
+
+    wait_until(idle, HOLD_S + 5, "every KV block free")
+
+
+# ---------------------------------------------------------------------- same answers
+@pytest.mark.parametrize("stream", [False, True])
+@pytest.mark.parametrize("sampling", [{"temperature": 0.0}, {"temperature": 0.9, "seed": 5}])
+def test_disaggregated_equals_colocated(split: Split, reference: LLM, sampling: dict,  # type: ignore[type-arg]
+                                        stream: bool) -> None:  # fmt: skip
+    before = worker_stats(split.prefill)["kv_pulls_served"]
+    for prompt in PROMPTS:
+        text, headers, usage = _complete(split, prompt, sampling, stream)
+        assert text == _expected(reference, prompt, sampling), prompt
+        assert headers["x-edgeinfer-worker"] == split.decode.meta["worker_id"]
+        assert headers.get("x-edgeinfer-prefill-worker") == split.prefill.meta["worker_id"]
+        assert usage.completion_tokens > 0
+    # every prompt of more than one token was pulled (or found whole in the decode cache)
+    assert worker_stats(split.prefill)["kv_pulls_served"] > before
+    _settled(split.prefill, split.decode)
+
+
+def test_concurrent_requests(split: Split, reference: LLM) -> None:
+    jobs = [(STORY * k + f" Tom said {k}.", {"temperature": 0.0}) for k in range(1, 4)]
+    jobs += [(STORY + f" The cat had {k} toys.", {"temperature": 0.8, "seed": k}) for k in range(4)]
+    with concurrent.futures.ThreadPoolExecutor(len(jobs)) as pool:
+        got = list(pool.map(lambda j: _complete(split, j[0], j[1], True)[0], jobs))
+    assert got == [_expected(reference, p, s) for p, s in jobs]
+    _settled(split.prefill, split.decode)
+
+
+def test_prefix_hit_on_the_decode_worker_skips_those_blocks(split: Split, reference: LLM) -> None:
+    prompt = STORY * 3 + "Then they went home."
+    greedy = {"temperature": 0.0}
+    text, _, _ = _complete(split, prompt, greedy)
+    assert text == _expected(reference, prompt, greedy)
+    received = worker_stats(split.decode)["kv_bytes_received"]
+    again, _, usage = _complete(split, prompt + " The end.", greedy)
+    assert again == _expected(reference, prompt + " The end.", greedy)
+    moved = worker_stats(split.decode)["kv_bytes_received"] - received
+    bytes_per_block = 5 * 2 * 16 * 4 * 8 * 4  # layers x (k, v) x block x kv heads x dim x fp32
+    assert usage.prompt_tokens_details.cached_tokens >= 96
+    assert moved <= 2 * bytes_per_block  # only the blocks past the cached prefix moved
+    _settled(split.prefill, split.decode)
+
+
+# ---------------------------------------------------------------------- roles
+def _post_role(worker: Proc, role: object) -> tuple[int, dict]:  # type: ignore[type-arg]
+    req = urllib.request.Request(
+        f"{worker.url}/internal/role", data=orjson.dumps({"role": role}), method="POST",
+        headers={"x-edgeinfer-secret": SECRET},
+    )  # fmt: skip
+    try:
+        with urllib.request.urlopen(req, timeout=30) as resp:
+            return resp.status, orjson.loads(resp.read())
+    except urllib.error.HTTPError as e:
+        return e.code, orjson.loads(e.read())
+
+
+def test_role_change_drains_then_switches(split: Split, reference: LLM) -> None:
+    assert _post_role(split.decode, "boss")[0] == 400
+    # a long answer is streaming on the decode worker while its role changes
+    chunks: list[str] = []
+
+    def long_stream() -> None:
+        for c in split.client.completions.create(model="stories", prompt=STORY, max_tokens=200,
+                                                 temperature=0, stream=True):  # fmt: skip
+            chunks.append(c.choices[0].text if c.choices else "")
+
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        fut = pool.submit(long_stream)
+        wait_until(lambda: len(chunks) > 2, 20, "the stream to start")
+        status, body = _post_role(split.decode, "mixed")
+        assert fut.done(), "the role changed before the old role's work drained"
+        fut.result()
+    assert status == 200 and body["previous"] == "decode" and body["drained_s"] > 0
+    # prefill + mixed: nothing is disaggregated now, the mixed worker serves whole requests
+    time.sleep(1.0)
+    text, headers, _ = _complete(split, STORY, {"temperature": 0.0})
+    assert "x-edgeinfer-prefill-worker" not in headers
+    assert headers["x-edgeinfer-worker"] == split.decode.meta["worker_id"]
+    assert text == _expected(reference, STORY, {"temperature": 0.0})
+    assert _post_role(split.decode, "decode")[0] == 200
+    time.sleep(1.0)
+    _, headers, _ = _complete(split, STORY * 2, {"temperature": 0.0})
+    assert headers.get("x-edgeinfer-prefill-worker") == split.prefill.meta["worker_id"]
+
+
+# ---------------------------------------------------------------------- faults (last)
+def test_decode_side_gone_frees_the_prefill_blocks(split: Split) -> None:
+    """A puller that reads every block and then dies (no ACK): the prefill worker frees them."""
+    host, port = worker_stats(split.prefill)["kv_addr"].rsplit(":", 1)
+    tokens = list(range(3, 300))
+    cache_id = worker_stats(split.prefill)["cache_id"]
+
+    async def pull_and_vanish() -> None:
+        reader, writer = await asyncio.open_connection(host, int(port))
+        tag = kv_transfer.request_tag("vanish")
+        pull = PullRequest("vanish", tokens, 0, cache_id, SECRET)
+        await kv_transfer._write_control(writer, kv_transfer.PULL, tag, asdict(pull))
+        while True:
+            h = await kv_transfer._read_header(reader)
+            await reader.readexactly(h.length)
+            if h.kind == kv_transfer.END:
+                break
+        s = worker_stats(split.prefill)
+        assert s["kv_exports_held"] == 1 and s["free_kv_blocks"] < s["total_kv_blocks"]
+        writer.transport.abort()  # dies without a word
+
+    asyncio.run(pull_and_vanish())
+    _settled(split.prefill)
+    assert worker_stats(split.prefill)["kv_pulls_failed"] >= 1
+
+
+def test_killed_decode_worker_mid_stream(split: Split) -> None:
+    """The decode worker dies while streaming: the client gets an error, the prefill worker
+    keeps no block. (Restarted afterwards for the next test.)"""
+    got: list[str] = []
+    with pytest.raises(openai.APIError):
+        for c in split.client.completions.create(model="stories", prompt=STORY * 2,
+                                                 max_tokens=400, temperature=0, stream=True):  # fmt: skip
+            got.append(c.choices[0].text if c.choices else "")
+            if len(got) == 3:
+                split.decode.signal(signal.SIGKILL)
+    _settled(split.prefill)
+    split.decode = start_worker("decode2", split.model, split.redis.url, split.root,
+                                extra=["--role", "decode", "--kv-hold", str(HOLD_S)])  # fmt: skip
+
+
+def test_killed_prefill_worker_costs_a_retry_not_the_request(split: Split, reference: LLM) -> None:
+    wait_until(lambda: get_json(f"{split.gateway.url}/readyz")[1]["workers"] >= 2, 30, "workers")
+    split.prefill.kill()
+    # the registry still lists it (its entry lives until the TTL): the pull fails, the gateway
+    # sets it aside, and with no prefill worker left the decode worker computes the prompt
+    prompt = STORY + "A bird sang."
+    text, headers, _ = _complete(split, prompt, {"temperature": 0.0})
+    assert text == _expected(reference, prompt, {"temperature": 0.0})
+    assert "x-edgeinfer-prefill-worker" not in headers
+    _settled(split.decode)
+    assert "cannot reach the prefill worker" in split.gateway.tail(200)
