@@ -1,4 +1,4 @@
-"""The service commands of the `edgeinfer` CLI: worker, gateway, up.
+"""The service commands of the `edgeinfer` CLI: worker, gateway, up, set-role.
 
 Environment variables are read here only (the entry point):
   EDGEINFER_SECRET    the workers' shared secret (gateways and workers must agree)
@@ -110,6 +110,34 @@ def cmd_gateway(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_set_role(args: argparse.Namespace) -> int:
+    """Change a running worker's role (it drains the old role's work first)."""
+    import urllib.error
+    import urllib.request
+
+    import orjson
+
+    req = urllib.request.Request(
+        f"{args.worker_url.rstrip('/')}/internal/role",
+        data=orjson.dumps({"role": args.role}),
+        headers={"x-edgeinfer-secret": _secret(args), "Content-Type": "application/json"},
+        method="POST",
+    )
+    print(f"asking {args.worker_url} to switch to {args.role} (drains its work first)...")
+    try:
+        with urllib.request.urlopen(req, timeout=args.timeout) as resp:
+            body = orjson.loads(resp.read())
+    except urllib.error.HTTPError as e:
+        err = orjson.loads(e.read() or b"{}").get("error", {})
+        print(f"refused ({e.code}): {err.get('message', e.reason)}", file=sys.stderr)
+        return 1
+    except (urllib.error.URLError, TimeoutError) as e:
+        print(f"cannot reach {args.worker_url}: {e}", file=sys.stderr)
+        return 1
+    print(f"role {body['previous']} -> {body['role']} after draining {body['drained_s']:.2f}s")
+    return 0
+
+
 def cmd_up(args: argparse.Namespace) -> int:
     from runtime.launcher import up
 
@@ -174,6 +202,13 @@ def add_service_commands(sub: argparse._SubParsersAction, engine_args) -> None: 
         "computed on the decode worker (default 32)",
     )  # fmt: skip
     g.set_defaults(func=cmd_gateway)
+
+    r = sub.add_parser("set-role", help="change a running worker's role (prefill/decode/mixed)")
+    r.add_argument("worker_url", help="the worker's internal URL, e.g. http://10.0.0.5:9001")
+    r.add_argument("role", choices=["mixed", "prefill", "decode"])
+    r.add_argument("--secret", default=None, help="shared secret (default $EDGEINFER_SECRET)")
+    r.add_argument("--timeout", type=float, default=120.0, help="seconds to wait for the drain")
+    r.set_defaults(func=cmd_set_role)
 
     u = sub.add_parser("up", help="start Redis (if needed), a worker and a gateway on this machine")
     engine_args(u)

@@ -12,7 +12,10 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import os
 import signal
+import subprocess
+import sys
 import time
 import urllib.error
 import urllib.request
@@ -198,7 +201,12 @@ def test_role_change_drains_then_switches(split: Split, reference: LLM) -> None:
     assert "x-edgeinfer-prefill-worker" not in headers
     assert headers["x-edgeinfer-worker"] == split.decode.meta["worker_id"]
     assert text == _expected(reference, STORY, {"temperature": 0.0})
-    assert _post_role(split.decode, "decode")[0] == 200
+    # back, through the operator's command
+    done = subprocess.run(
+        [sys.executable, "-m", "runtime.cli", "set-role", split.decode.url, "decode"],
+        env=os.environ | {"EDGEINFER_SECRET": SECRET}, capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    assert done.returncode == 0 and "role mixed -> decode" in done.stdout, done.stderr
     time.sleep(1.0)
     _, headers, _ = _complete(split, STORY * 2, {"temperature": 0.0})
     assert headers.get("x-edgeinfer-prefill-worker") == split.prefill.meta["worker_id"]

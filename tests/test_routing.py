@@ -110,3 +110,43 @@ def test_catalog_errors_name_the_problem(tmp_path: Path, text: str, message: str
         RegionCatalog.load(path)
     with pytest.raises(CatalogError, match="cannot read"):
         RegionCatalog.load(tmp_path / "missing.yaml")
+
+
+# ---------------------------------------------------------------------- disaggregation
+def test_roles_decide_whether_requests_are_disaggregated() -> None:
+    p, d, m = worker("p", role="prefill"), worker("d", role="decode"), worker("m", role="mixed")
+    assert Router.serving_roles("m", [p, d, m]) == (("decode", "mixed"), True)
+    assert Router.serving_roles("m", [p, m]) == (("mixed",), False)
+    assert Router.serving_roles("m", [d]) == (("decode",), False)  # one side up: it serves all
+    assert Router.serving_roles("m", [p, worker("d", role="decode", draining=True)]) == (
+        ("prefill",),
+        False,
+    )
+    assert Router.serving_roles("other", [p, d]) == (("mixed",), False)
+    r = Router("eu-west", CATALOG)
+    route = r.route("m", [p, d, m], roles=("decode", "mixed"))
+    assert {w.worker_id for w in route.candidates} == {"d", "m"}
+
+
+def test_prefill_worker_by_prefill_load_then_prefix_hits() -> None:
+    r = Router("eu-west", CATALOG)
+    busy = worker("busy", role="prefill", kv_addr="h:1", prefill_tokens=4000)
+    idle = worker("idle", role="prefill", kv_addr="h:2")
+    holder = worker("holder", role="prefill", kv_addr="h:3", prefill_tokens=100)
+    no_addr = worker("noaddr", role="prefill")
+    decode = worker("d", role="decode", kv_addr="h:4")
+    ws = [busy, idle, holder, no_addr, decode]
+    order = [w.worker_id for w in r.prefill_candidates("m", ws, prompt_tokens=500)]
+    assert order[-1] == "busy" and set(order) == {"busy", "idle", "holder"}
+    # the holder has 480 of the 500 prompt tokens cached: 100 + 20 beats 0 + 500
+    cached = {"holder": 480}
+    order = [w.worker_id for w in r.prefill_candidates("m", ws, cached=cached, prompt_tokens=500)]
+    assert order == ["holder", "idle", "busy"]
+    # what this gateway sent counts until it is done; failed workers are excluded
+    r.sent_prefill("holder", 5000)
+    order = [w.worker_id for w in r.prefill_candidates("m", ws, cached=cached, prompt_tokens=500)]
+    assert order[0] == "idle"
+    r.done_prefill("holder", 5000)
+    assert r.inflight_prefill == {}
+    order = r.prefill_candidates("m", ws, frozenset({"holder", "idle"}), cached, 500)
+    assert [w.worker_id for w in order] == ["busy"]
