@@ -340,3 +340,30 @@ def test_frame_header_layout() -> None:
     raw = kv_transfer._frame(DATA, 5, b"abc", layers=(2, 3), blocks=(4, 1))
     magic, kind, l0, nl, b0, nb, tag, length, _crc = struct.unpack("<4sBxHHIIQII", raw)
     assert (magic, kind, l0, nl, b0, nb, tag, length) == (b"EIKV", DATA, 2, 3, 4, 1, 5, 3)
+
+
+def test_blocks_stream_while_a_chunked_prefill_computes(stories_dir: Path, engines) -> None:  # type: ignore[no-untyped-def]
+    """With a 64-token step budget a 300-token prompt is prefilled in 5 chunks: the blocks each
+    chunk completes leave before the next chunk is computed (one batch of frames per chunk)."""
+    _, decode, alone = engines
+    chunked = _llm(stories_dir, max_num_batched_tokens=64)
+    prompt = _prompt(300, offset=11)
+    params = SamplingParams(max_tokens=8, temperature=0)
+
+    async def main() -> None:
+        expected = await _collect(alone.submit(prompt, params, "chunk-ref"))
+
+        async def body(addr: str, server: KVTransferServer) -> None:
+            group = decode.engine.prepare_request("chunked", prompt, params)
+            stream, result = await KVImporter(decode, SECRET).submit(group, addr)
+            assert await _collect(stream) == expected
+            assert result is not None and result.frames >= 5  # one frame per chunk at least
+
+        await _with_server(chunked, body)
+        await _settled(chunked, decode)
+        assert _allocated(chunked) == 0 and _allocated(decode) == 0
+
+    try:
+        asyncio.run(main())
+    finally:
+        chunked.shutdown()
