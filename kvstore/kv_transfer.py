@@ -36,6 +36,7 @@ import hashlib
 import hmac
 import logging
 import struct
+import warnings
 import zlib
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import asdict, dataclass
@@ -110,9 +111,10 @@ class KVPages:
     def write(self, layers: slice, block_ids: list[int], payload: bytes | memoryview) -> None:
         lay = self.layout
         count = len(range(*layers.indices(lay.num_layers)))
-        data = torch.frombuffer(bytearray(payload), dtype=getattr(torch, lay.dtype)).view(
-            count, 2, len(block_ids), lay.block_size, lay.num_kv_heads, lay.head_dim
-        )
+        with warnings.catch_warnings():  # a read-only buffer: it is only read from
+            warnings.simplefilter("ignore", UserWarning)
+            flat = torch.frombuffer(payload, dtype=getattr(torch, lay.dtype))
+        data = flat.view(count, 2, len(block_ids), lay.block_size, lay.num_kv_heads, lay.head_dim)
         index = torch.tensor(block_ids, dtype=torch.int64)
         self.blocks[layers].index_copy_(2, index, data)
 
@@ -260,15 +262,18 @@ class KVTransferServer:
                 self.pulls_served += 1
             else:
                 self.pulls_failed += 1
-        except (KVTransferError, ConnectionError, asyncio.IncompleteReadError, TimeoutError,
-                TypeError, ValueError) as e:  # fmt: skip
+        except Exception as e:  # a bad pull, a refused prefill (bad tokens, queue full), a
+            # dead connection: the puller gets an ERROR frame when it can still read one
             self.pulls_failed += 1
             log.warning("kv pull %s failed: %s", pull.request_id if pull else "?", e)
             with contextlib.suppress(Exception):
                 await _write_control(writer, ERROR, tag, {"message": str(e)})
         finally:
             if pull is not None:
-                await self.release(pull.request_id)
+                try:
+                    await self.release(pull.request_id)
+                except Exception as e:  # the engine is shutting down: its blocks go with it
+                    log.warning("kv pull %s: release failed: %s", pull.request_id, e)
             self.active -= 1
             writer.close()
             with contextlib.suppress(Exception):
