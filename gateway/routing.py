@@ -188,21 +188,22 @@ class Router:
         return pool
 
     def sent_prefill(self, worker_id: str, tokens: int) -> None:
-        self.inflight_prefill[worker_id] = self.inflight_prefill.get(worker_id, 0) + tokens
+        _count(self.inflight_prefill, worker_id, tokens)
 
     def done_prefill(self, worker_id: str, tokens: int) -> None:
-        left = self.inflight_prefill.get(worker_id, 0) - tokens
-        if left > 0:
-            self.inflight_prefill[worker_id] = left
-        else:
-            self.inflight_prefill.pop(worker_id, None)
+        _count(self.inflight_prefill, worker_id, -tokens)
 
     def sent(self, worker_id: str, tokens: int) -> None:
-        self.inflight_tokens[worker_id] = self.inflight_tokens.get(worker_id, 0) + tokens
+        _count(self.inflight_tokens, worker_id, tokens)
 
     def done(self, worker_id: str, tokens: int) -> None:
-        left = self.inflight_tokens.get(worker_id, 0) - tokens
-        if left > 0:
-            self.inflight_tokens[worker_id] = left
-        else:
-            self.inflight_tokens.pop(worker_id, None)
+        _count(self.inflight_tokens, worker_id, -tokens)
+
+
+def _count(counts: dict[str, int], worker_id: str, tokens: int) -> None:
+    """Add to a worker's in-flight count; a count that reaches zero is dropped."""
+    left = counts.get(worker_id, 0) + tokens
+    if left > 0:
+        counts[worker_id] = left
+    else:
+        counts.pop(worker_id, None)

@@ -19,14 +19,12 @@ import sys
 import time
 import urllib.error
 import urllib.request
-from dataclasses import asdict
 from pathlib import Path
 
 import openai
 import orjson
 import pytest
 
-from kvstore import kv_transfer
 from kvstore.kv_transfer import PullRequest
 from kvstore.redis_server import LocalRedis
 from runtime.llm import LLM
@@ -40,6 +38,7 @@ from tests.stack import (
     wait_until,
     worker_stats,
 )
+from tests.test_kv_transfer import pull_without_ack
 
 CATALOG = "regions:\n  - {name: local, latitude: 50.1, longitude: 8.7, settings: {}}\n"
 STORY = (
@@ -215,20 +214,11 @@ def test_role_change_drains_then_switches(split: Split, reference: LLM) -> None:
 # ---------------------------------------------------------------------- faults (last)
 def test_decode_side_gone_frees_the_prefill_blocks(split: Split) -> None:
     """A puller that reads every block and then dies (no ACK): the prefill worker frees them."""
-    host, port = worker_stats(split.prefill)["kv_addr"].rsplit(":", 1)
-    tokens = list(range(3, 300))
-    cache_id = worker_stats(split.prefill)["cache_id"]
+    stats = worker_stats(split.prefill)
+    pull = PullRequest("vanish", list(range(3, 300)), 0, stats["cache_id"], SECRET)
 
     async def pull_and_vanish() -> None:
-        reader, writer = await asyncio.open_connection(host, int(port))
-        tag = kv_transfer.request_tag("vanish")
-        pull = PullRequest("vanish", tokens, 0, cache_id, SECRET)
-        await kv_transfer._write_control(writer, kv_transfer.PULL, tag, asdict(pull))
-        while True:
-            h = await kv_transfer._read_header(reader)
-            await reader.readexactly(h.length)
-            if h.kind == kv_transfer.END:
-                break
+        writer = await pull_without_ack(stats["kv_addr"], pull)
         s = worker_stats(split.prefill)
         assert s["kv_exports_held"] == 1 and s["free_kv_blocks"] < s["total_kv_blocks"]
         writer.transport.abort()  # dies without a word

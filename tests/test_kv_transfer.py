@@ -305,23 +305,28 @@ def test_unreachable_source_and_wrong_secret(engines) -> None:  # type: ignore[n
     asyncio.run(main())
 
 
+async def pull_without_ack(addr: str, pull: PullRequest) -> asyncio.StreamWriter:
+    """A puller that reads every frame up to END and then says nothing (a decode worker that
+    died, or hangs); returns its open connection."""
+    host, port = addr.rsplit(":", 1)
+    reader, writer = await asyncio.open_connection(host, int(port))
+    tag = kv_transfer.request_tag(pull.request_id)
+    await kv_transfer._write_control(writer, kv_transfer.PULL, tag, asdict(pull))
+    while True:
+        h = await kv_transfer._read_header(reader)
+        await reader.readexactly(h.length)
+        if h.kind == kv_transfer.END:
+            return writer
+
+
 def test_puller_that_never_acknowledges_is_released_at_the_deadline(engines) -> None:  # type: ignore[no-untyped-def]
     prefill, _, _ = engines
     prompt = _prompt(80)
 
     async def main() -> None:
         async def body(addr: str, server: KVTransferServer) -> None:
-            host, port = addr.split(":")
-            reader, writer = await asyncio.open_connection(host, int(port))
             pull = PullRequest("silent", prompt, 0, prefill.engine.cache_id, SECRET)
-            tag = kv_transfer.request_tag("silent")
-            await kv_transfer._write_control(writer, kv_transfer.PULL, tag, asdict(pull))
-            # read everything up to END, then say nothing
-            while True:
-                h = await kv_transfer._read_header(reader)
-                await reader.readexactly(h.length)
-                if h.kind == kv_transfer.END:
-                    break
+            writer = await pull_without_ack(addr, pull)
             await _settled(prefill)
             assert _allocated(prefill) == 5  # held for the puller
             await asyncio.sleep(1.5)  # past hold_s
