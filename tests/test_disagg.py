@@ -232,12 +232,14 @@ def test_killed_decode_worker_mid_stream(split: Split) -> None:
     """The decode worker dies while streaming: the client gets an error, the prefill worker
     keeps no block. (Restarted afterwards for the next test.)"""
     got: list[str] = []
-    with pytest.raises(openai.APIError):
+    with pytest.raises(openai.APIError) as err:
         for c in split.client.completions.create(model="stories", prompt=STORY * 2,
-                                                 max_tokens=400, temperature=0, stream=True):  # fmt: skip
+                                                 max_tokens=300, temperature=0, stream=True,
+                                                 extra_body={"ignore_eos": True}):  # fmt: skip
             got.append(c.choices[0].text if c.choices else "")
             if len(got) == 3:
-                split.decode.signal(signal.SIGKILL)
+                split.decode.kill()
+    assert not split.decode.alive() and len(got) >= 3, err.value
     _settled(split.prefill)
     split.decode = start_worker("decode2", split.model, split.redis.url, split.root,
                                 extra=["--role", "decode", "--kv-hold", str(HOLD_S)])  # fmt: skip

@@ -1,0 +1,955 @@
+"""Prefill/decode disaggregation: the same 2 CPU cores split two ways, measured in one run.
+
+The workload (issue text): a steady stream of decoding requests (short prompts, 256 output
+tokens) plus bursts of 2,000-token prompts, served by
+- (a) 2 `mixed` workers, and
+- (b) 1 `prefill` + 1 `decode` worker (the gateway sends each request to the decode worker with
+  `kv_source` set to the prefill worker; the decode worker pulls the prompt's KV over TCP),
+each worker with one torch thread, pinned to its own core (`taskset -c`), the same two cores in
+both setups. The gateway and this load generator are not pinned: they share those cores with the
+workers. Everything runs as real processes: a throwaway redis-server, two workers, one gateway,
+started afresh for each setup (so no setup finds the other's prompts in a prefix cache).
+
+Load (the same seeded schedule in both setups; `POST /v1/completions`, streamed, greedy,
+`ignore_eos`, so every request generates exactly `max_tokens`):
+- steady: `--concurrency` clients, each sending its next request as soon as the last one ends;
+  prompts of `--short-tokens` token ids (real text, each distinct), `--max-tokens` output tokens.
+  The clients start `--ramp` seconds before the window opens; a client's first request asks for
+  a share of `--max-tokens` (1/C, 2/C, ...), so the streams do not run in lockstep.
+- bursts: every `--burst-every` seconds (at a seeded point of each interval) `--burst-size`
+  requests at once, each a distinct `--long-tokens` prompt (a distinct first block, so prefix
+  caching cannot hide it), `--long-max-tokens` output tokens.
+
+Figures, over the window of `--duration` seconds (events outside it are not counted):
+- inter-token latency (ITL): the gaps between the SSE chunks of the steady requests, arrival
+  times at this client (p50, p99; p99.9 and the longest gap show the rare prefill stalls);
+- time to first token (TTFT): request sent to its first text chunk, for steady requests sent in
+  the window and for every long request (each burst's requests are waited for after the window,
+  while the steady stream goes on, up to `--grace` seconds);
+- tokens/s: output tokens (steady and long) whose chunks arrived in the window / its length.
+Targets (issue text): p99 ITL under (b) <= 1/3 of (a), at no more than 10% lower tokens/s.
+
+KV transfer throughput, in this process over loopback (before the setups, on an idle machine):
+`pull_kv` against a `KVTransferServer` moves the KV of one `--long-tokens` prompt (KVPages over
+caches of the model's layout, scattered block ids on both sides, every frame checksummed) several
+times; a plain asyncio-stream copy sends the same bytes in the same frame sizes on a fresh
+connection each time (no checksums, no gather or scatter). Target: >= 80% of the plain copy.
+
+Run from the repository root: `python -m bench.disagg [--duration 75] [--json out.json]`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import itertools
+import json
+import math
+import os
+import platform
+import random
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import zlib
+from collections import Counter
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+import orjson
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from kvstore.redis_server import LocalRedis, find_free_port  # noqa: E402
+from tests.stack import SECRET, Proc, get_json, wait_until  # noqa: E402
+
+# Lewis Carroll, "Alice's Adventures in Wonderland" (1865), public domain; the prompts' text.
+PASSAGE = (
+    "Alice was beginning to get very tired of sitting by her sister on the bank, and of having "
+    "nothing to do: once or twice she had peeped into the book her sister was reading, but it "
+    "had no pictures or conversations in it, 'and what is the use of a book,' thought Alice "
+    "'without pictures or conversations?' So she was considering in her own mind (as well as "
+    "she could, for the hot day made her feel very sleepy and stupid), whether the pleasure of "
+    "making a daisy-chain would be worth the trouble of getting up and picking the daisies, when "
+    "suddenly a White Rabbit with pink eyes ran close by her. There was nothing so very "
+    "remarkable in that; nor did Alice think it so very much out of the way to hear the Rabbit "
+    "say to itself, 'Oh dear! Oh dear! I shall be late!' (when she thought it over afterwards, "
+    "it occurred to her that she ought to have wondered at this, but at the time it all seemed "
+    "quite natural); but when the Rabbit actually took a watch out of its waistcoat-pocket, and "
+    "looked at it, and then hurried on, Alice started to her feet, for it flashed across her "
+    "mind that she had never before seen a rabbit with either a waistcoat-pocket, or a watch to "
+    "take out of it, and burning with curiosity, she ran across the field after it, and "
+    "fortunately was just in time to see it pop down a large rabbit-hole under the hedge. "
+)
+TARGET_ITL_P99 = 1 / 3  # (b) / (a), at most
+TARGET_TPS = 0.90  # (b) / (a), at least
+TARGET_TRANSFER = 0.80  # pull_kv / plain copy, at least
+BLOCK = 16  # the engine's default block size (the transfer bench's layout)
+SETUPS = (
+    ("a", "2 mixed workers", ("mixed", "mixed")),
+    ("b", "1 prefill + 1 decode", ("prefill", "decode")),
+)
+
+
+def log(msg: str) -> None:
+    print(msg, file=sys.stderr, flush=True)
+
+
+def _pct(xs: list[float], q: float) -> float:
+    """Nearest-rank percentile (as bench/sessions.py), NaN for no data."""
+    if not xs:
+        return math.nan
+    xs = sorted(xs)
+    return xs[min(len(xs) - 1, int(q * len(xs)))]
+
+
+# ---------------------------------------------------------------------- processes
+def _spawn(name: str, args: list[str], log_dir: Path, port: int, cpu: int | None = None) -> Proc:
+    """`edgeinfer ...` as a child process (pinned to `cpu` with taskset), in its own session so
+    that a Ctrl-C at the terminal reaches this process only, which then stops it in order."""
+    log_path = log_dir / f"{name}.log"
+    env = os.environ | {"EDGEINFER_SECRET": SECRET, "PYTHONUNBUFFERED": "1"}
+    pin = ["taskset", "-c", str(cpu)] if cpu is not None else []
+    popen = subprocess.Popen(
+        [*pin, sys.executable, "-m", "runtime.cli", *args],
+        cwd=ROOT,
+        env=env,
+        stdout=log_path.open("wb"),
+        stderr=subprocess.STDOUT,
+        start_new_session=True,
+    )
+    return Proc(name, popen, f"http://127.0.0.1:{port}", log_path, port)
+
+
+def _stop_all(procs: list[Proc], timeout: float = 15.0) -> None:
+    """SIGTERM to all at once, then wait; SIGKILL what is still there after `timeout`."""
+    for p in procs:
+        with contextlib.suppress(OSError):
+            p.signal(signal.SIGTERM)
+    deadline = time.monotonic() + timeout
+    for p in procs:
+        try:
+            p.popen.wait(max(0.1, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            p.popen.kill()
+            p.popen.wait()
+
+
+def _cpu_seconds(pid: int) -> float:
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except OSError:
+        return math.nan
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def _log_problems(p: Proc) -> list[str]:
+    """Lines of a process's log that look like trouble (tracebacks, errors, warnings), without
+    the expected ones of a normal start and stop."""
+    expected = ("no API keys configured", "stopping: draining", "UserWarning", "warnings.warn")
+    out = []
+    for line in p.log.read_text(errors="replace").splitlines():
+        trouble = any(k in line for k in ("Traceback", "ERROR", "WARNING", "Error", "failed"))
+        if trouble and not any(e in line for e in expected):
+            out.append(line.strip())
+    return out
+
+
+# ---------------------------------------------------------------------- the workload
+@dataclass
+class Workload:
+    steady: list[list[int]]  # prompts of the steady stream, in the order they are sent
+    long: list[list[int]]  # prompts of the bursts, in the order they are sent
+    bursts: list[float]  # seconds into the window
+    warmup: list[list[int]]  # prompts of the warm-up requests (none of the above)
+
+
+def _tokens(model: Path) -> tuple[Any, list[int]]:
+    from runtime.tokenizer import Tokenizer
+
+    tok = Tokenizer.from_dir(model)
+    return tok, tok.encode(PASSAGE, add_special_tokens=False)
+
+
+def make_workload(model: Path, args: argparse.Namespace) -> Workload:
+    """Token-id prompts: a distinct marker ("Request 7. ") then the passage from a seeded offset,
+    cut to the length. Distinct markers give every prompt its own first block."""
+    tok, text = _tokens(model)
+    rng = random.Random(args.seed)
+
+    def prompt(marker: str, n: int) -> list[int]:
+        head = tok.encode(marker, add_special_tokens=False)
+        start = rng.randrange(len(text))
+        body = list(itertools.islice(itertools.cycle(text[start:] + text[:start]), n))
+        return (head + body)[:n]
+
+    lo, hi = args.short_tokens
+    steady = [prompt(f"Request {j}. ", rng.randint(lo, hi)) for j in range(4000)]
+    bursts = []
+    every = args.burst_every
+    for k in itertools.count():
+        t = every * (k + 0.25 + 0.5 * rng.random())  # somewhere in the middle of interval k
+        if t > args.duration - every / 2:
+            break
+        bursts.append(round(t, 2))
+    long = [
+        prompt(f"Document {j}. ", args.long_tokens) for j in range(len(bursts) * args.burst_size)
+    ]
+    warmup = [prompt(f"Warm-up {j}. ", n) for j, n in enumerate((hi, hi, 4 * hi, 4 * hi))]
+    return Workload(steady, long, bursts, warmup)
+
+
+@dataclass
+class Req:
+    kind: str  # steady | long | warmup
+    index: int  # prompt index within its kind
+    prompt_tokens: int
+    max_tokens: int
+    sent: float = 0.0  # perf_counter
+    chunks: list[float] = field(default_factory=list)  # arrival of each chunk with text
+    completion_tokens: int = 0  # from usage
+    cached_tokens: int = 0
+    worker: str = ""
+    prefill_worker: str | None = None  # the x-edgeinfer-prefill-worker header
+    error: str | None = None
+    finished: bool = False  # [DONE] after a usage chunk, no error
+    cut: bool = False  # cancelled at the end of the run
+
+    @property
+    def ttft(self) -> float | None:
+        return self.chunks[0] - self.sent if self.chunks else None
+
+
+async def _request(s: aiohttp.ClientSession, url: str, model: str, req: Req,
+                   prompt: list[int]) -> Req:  # fmt: skip
+    body = {"model": model, "prompt": prompt, "max_tokens": req.max_tokens, "temperature": 0.0,
+            "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}}  # fmt: skip
+    usage = None
+    req.sent = time.perf_counter()
+    try:
+        async with s.post(f"{url}/v1/completions", data=orjson.dumps(body),
+                          headers={"Content-Type": "application/json"}) as r:  # fmt: skip
+            if r.status != 200:
+                req.error = f"HTTP {r.status}: {(await r.text())[:300]}"
+                return req
+            req.worker = r.headers.get("x-edgeinfer-worker", "")
+            req.prefill_worker = r.headers.get("x-edgeinfer-prefill-worker")
+            async for line in r.content:
+                if not line.startswith(b"data: "):
+                    continue
+                now = time.perf_counter()
+                if line.startswith(b"data: [DONE]"):
+                    req.finished = req.error is None and usage is not None
+                    break
+                chunk = orjson.loads(line[6:])
+                if "error" in chunk:
+                    req.error = f"error chunk: {str(chunk['error'])[:300]}"
+                    continue
+                if chunk.get("usage"):
+                    usage = chunk["usage"]
+                    req.completion_tokens = usage["completion_tokens"]
+                    details = usage.get("prompt_tokens_details") or {}
+                    req.cached_tokens = details.get("cached_tokens") or 0
+                for c in chunk.get("choices") or []:
+                    if c.get("text"):
+                        req.chunks.append(now)
+            if not req.finished and req.error is None:
+                req.error = "stream ended without [DONE] and usage"
+    except asyncio.CancelledError:
+        req.cut = True
+        raise
+    except (aiohttp.ClientError, OSError, ValueError) as e:
+        req.error = repr(e)[:300]
+    return req
+
+
+@dataclass
+class Run:
+    """One setup's requests and its window (perf_counter seconds)."""
+
+    reqs: list[Req] = field(default_factory=list)
+    w0: float = 0.0
+    w1: float = 0.0
+    tail_s: float = 0.0  # seconds after the window spent waiting for the bursts' requests
+    long_unfinished: int = 0  # long requests cut at the end of the grace period
+
+
+async def run_load(url: str, model: str, wl: Workload, args: argparse.Namespace) -> Run:
+    run = Run()
+    conc, mt = args.concurrency, args.max_tokens
+    counter = itertools.count()
+    stop = asyncio.Event()
+    conn = aiohttp.TCPConnector(limit=0)
+    timeout = aiohttp.ClientTimeout(total=None, sock_read=args.grace + 60)
+    async with aiohttp.ClientSession(connector=conn, timeout=timeout) as s:
+
+        async def steady_client(k: int) -> None:
+            first = True
+            while not stop.is_set():
+                j = next(counter)
+                prompt = wl.steady[j % len(wl.steady)]
+                n = max(4, round(mt * (k + 1) / conc)) if first else mt
+                req = Req("steady", j, len(prompt), n)
+                run.reqs.append(req)
+                await _request(s, url, model, req, prompt)
+                first = False
+                if req.error:  # do not spin on a broken cluster
+                    await asyncio.sleep(0.2)
+
+        async def burst(b: int, at: float) -> None:
+            await asyncio.sleep(max(0.0, run.w0 + at - time.perf_counter()))
+            log(f"    burst {b + 1}/{len(wl.bursts)} at {at:.1f}s: {args.burst_size} x "
+                f"{args.long_tokens}-token prompts")  # fmt: skip
+            reqs = []
+            for i in range(args.burst_size):
+                j = b * args.burst_size + i
+                reqs.append(Req("long", j, len(wl.long[j]), args.long_max_tokens))
+            run.reqs.extend(reqs)
+            await asyncio.gather(*(_request(s, url, model, r, wl.long[r.index]) for r in reqs))
+
+        run.w0 = time.perf_counter() + args.ramp
+        run.w1 = run.w0 + args.duration
+        clients = [asyncio.create_task(steady_client(k)) for k in range(conc)]
+        bursts = [asyncio.create_task(burst(b, t)) for b, t in enumerate(wl.bursts)]
+        try:
+            await asyncio.sleep(max(0.0, run.w1 - time.perf_counter()))
+            pending = [t for t in bursts if not t.done()]
+            if pending:  # the steady stream goes on while the bursts' requests finish
+                log(f"    window closed; waiting up to {args.grace:.0f}s for "
+                    f"{sum(r.kind == 'long' and not r.finished and not r.error for r in run.reqs)} "
+                    "long requests")  # fmt: skip
+                await asyncio.wait(pending, timeout=args.grace)
+            run.tail_s = time.perf_counter() - run.w1
+        finally:
+            stop.set()
+            for t in clients + bursts:
+                t.cancel()
+            await asyncio.gather(*clients, *bursts, return_exceptions=True)
+    run.long_unfinished = sum(r.kind == "long" and r.cut for r in run.reqs)
+    return run
+
+
+async def warm_up(url: str, model: str, wl: Workload) -> list[Req]:
+    """A few requests, both workers' first steps and (in (b)) one KV transfer, untimed."""
+    async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)) as s:
+        reqs = [Req("warmup", i, len(p), 8) for i, p in enumerate(wl.warmup)]
+        await asyncio.gather(*(_request(s, url, model, r, wl.warmup[r.index]) for r in reqs))
+    return reqs
+
+
+# ---------------------------------------------------------------------- one setup
+@dataclass
+class SetupResult:
+    key: str
+    title: str
+    roles: tuple[str, ...]
+    itl: list[float]
+    ttft_steady: list[float]
+    ttft_long: list[float]
+    tokens_in_window: float
+    duration: float
+    counts: dict[str, Any]
+    worker_stats: dict[str, dict[str, Any]]
+    cpu_cores: dict[str, float]
+    problems: dict[str, list[str]]
+
+    @property
+    def tps(self) -> float:
+        return self.tokens_in_window / self.duration
+
+    def summary(self) -> dict[str, Any]:
+        ms = 1000
+        return {
+            "setup": f"({self.key}) {self.title}",
+            "roles": list(self.roles),
+            "itl_ms": {"p50": _pct(self.itl, 0.5) * ms, "p99": _pct(self.itl, 0.99) * ms,
+                       "p99.9": _pct(self.itl, 0.999) * ms,
+                       "max": max(self.itl, default=math.nan) * ms, "gaps": len(self.itl)},
+            "ttft_steady_ms": {"p50": _pct(self.ttft_steady, 0.5) * ms,
+                               "p99": _pct(self.ttft_steady, 0.99) * ms,
+                               "n": len(self.ttft_steady)},
+            "ttft_long_ms": {"p50": _pct(self.ttft_long, 0.5) * ms,
+                             "p99": _pct(self.ttft_long, 0.99) * ms,
+                             "max": max(self.ttft_long, default=math.nan) * ms,
+                             "n": len(self.ttft_long)},
+            "output_tokens_per_s": self.tps,
+            "output_tokens_in_window": self.tokens_in_window,
+            "window_s": self.duration,
+            "counts": self.counts,
+            "worker_stats": self.worker_stats,
+            "cpu_cores": self.cpu_cores,
+            "log_problems": self.problems,
+        }  # fmt: skip
+
+
+def measure(run: Run) -> tuple[list[float], list[float], list[float], float, dict[str, Any]]:
+    w0, w1 = run.w0, run.w1
+    itl: list[float] = []
+    ttft_s: list[float] = []
+    ttft_l: list[float] = []
+    tokens = 0.0
+    c: Counter[str] = Counter()
+    for r in run.reqs:
+        c[f"{r.kind} sent"] += 1
+        c[f"{r.kind} finished"] += r.finished
+        c[f"{r.kind} failed"] += r.error is not None
+        c[f"{r.kind} cut at the end"] += r.cut
+        c[f"{r.kind} with x-edgeinfer-prefill-worker"] += r.prefill_worker is not None
+        c[f"{r.kind} cached prompt tokens"] += r.cached_tokens
+        c[f"{r.kind} text chunks"] += len(r.chunks) if r.finished else 0
+        c[f"{r.kind} completion tokens"] += r.completion_tokens if r.finished else 0
+        if r.finished and r.completion_tokens != r.max_tokens:
+            c[f"{r.kind} with a short answer"] += 1
+        # a chunk usually holds one token; spread the usage count over the chunks when not
+        per_chunk = r.completion_tokens / len(r.chunks) if r.finished and r.chunks else 1.0
+        tokens += per_chunk * sum(w0 <= t <= w1 for t in r.chunks)
+        if r.kind == "steady":
+            itl += [b - a for a, b in itertools.pairwise(r.chunks) if w0 <= b <= w1]
+            if w0 <= r.sent <= w1 and r.ttft is not None:
+                ttft_s.append(r.ttft)
+        elif r.kind == "long" and r.ttft is not None:
+            ttft_l.append(r.ttft)
+    errors = Counter(r.error for r in run.reqs if r.error)
+    counts: dict[str, Any] = dict(sorted(c.items()))
+    counts["errors"] = dict(errors.most_common(5))
+    counts["workers of steady requests"] = dict(
+        Counter(r.worker for r in run.reqs if r.kind == "steady" and r.worker)
+    )
+    counts["workers of long requests"] = dict(
+        Counter(r.worker for r in run.reqs if r.kind == "long" and r.worker)
+    )
+    counts["tail_s"] = round(run.tail_s, 1)
+    return itl, ttft_s, ttft_l, tokens, counts
+
+
+def run_setup(key: str, title: str, roles: tuple[str, ...], model: Path, served: str,
+              cpus: list[int], wl: Workload, args: argparse.Namespace, tmp: Path) -> SetupResult:  # fmt: skip
+    log(f"\n({key}) {title}: starting redis, workers ({', '.join(roles)}) and the gateway")
+    logs = tmp / key
+    logs.mkdir()
+    catalog = logs / "regions.yaml"
+    catalog.write_text("regions:\n  - {name: local, latitude: 0, longitude: 0}\n")
+    procs: list[Proc] = []
+    with LocalRedis() as redis:
+        try:
+            workers = []
+            for i, (role, cpu) in enumerate(zip(roles, cpus, strict=False)):
+                port = find_free_port()
+                wargs = [
+                    "worker", "--model", str(model), "--served-model-name", served,
+                    "--region", "local", "--role", role, "--port", str(port),
+                    "--redis", redis.url, "--threads", "1",
+                    "--kv-cache-bytes", str(args.kv_cache_bytes),
+                    "--heartbeat", "0.5", "--ttl", "3", "--drain-timeout", "5",
+                ]  # fmt: skip
+                if args.max_num_batched_tokens:
+                    wargs += ["--max-num-batched-tokens", str(args.max_num_batched_tokens)]
+                w = _spawn(f"{key}-{role}-{i}", wargs, logs, port, cpu)
+                procs.append(w)
+                workers.append(w)
+            for w in workers:  # loading in parallel, each on its own core
+                wait_until(lambda w=w: get_json(f"{w.url}/internal/health", SECRET)[0] == 200,
+                           180, f"worker {w.name}", w)  # fmt: skip
+                w.meta["worker_id"] = get_json(f"{w.url}/internal/health", SECRET)[1]["worker_id"]
+                affinity = sorted(os.sched_getaffinity(w.popen.pid))
+                w.meta["cpus"] = ",".join(map(str, affinity))
+            gport = find_free_port()
+            gw = _spawn(f"{key}-gateway", [
+                "gateway", "--region", "local", "--port", str(gport), "--redis", redis.url,
+                "--regions", str(catalog), "--disagg-min-tokens", str(args.disagg_min_tokens),
+            ], logs, gport)  # fmt: skip
+            procs.append(gw)
+            wait_until(lambda: get_json(f"{gw.url}/readyz")[1].get("workers") == len(workers),
+                       30, f"the gateway to see {len(workers)} workers", gw)  # fmt: skip
+            log("    " + "; ".join(f"{w.name} ({w.meta['worker_id']}) on CPU {w.meta['cpus']}"
+                                   for w in workers))  # fmt: skip
+
+            warm = asyncio.run(warm_up(gw.url, served, wl))
+            bad = [r.error for r in warm if r.error]
+            if bad:
+                raise RuntimeError(f"warm-up requests failed: {bad}\n{gw.tail()}")
+            if "prefill" in roles and not any(r.prefill_worker for r in warm):
+                log("    WARNING: no warm-up request went through a prefill worker")
+            log(f"    warm-up done; load: {args.ramp:.0f}s ramp, {args.duration:.0f}s window")
+
+            pids = {w.name: w.popen.pid for w in workers} | {"gateway": gw.popen.pid}
+            c0 = {n: _cpu_seconds(p) for n, p in pids.items()}
+            self0 = os.times()
+            t0 = time.perf_counter()
+            run = asyncio.run(run_load(gw.url, served, wl, args))
+            wall = time.perf_counter() - t0
+            self1 = os.times()
+            cores = {n: (_cpu_seconds(p) - c0[n]) / wall for n, p in pids.items()}
+            cores["load generator"] = (self1.user + self1.system - self0.user - self0.system) / wall
+            stats = {}
+            for w in workers:
+                st = get_json(f"{w.url}/internal/stats", SECRET)[1]
+                stats[w.name] = {k: st.get(k) for k in (
+                    "role", "kv_bytes_sent", "kv_bytes_received", "kv_pulls_served",
+                    "kv_pulls_failed", "kv_imports", "num_preemptions", "num_aborted",
+                    "prefix_cache_hit_tokens", "total_kv_blocks",
+                )}  # fmt: skip
+        finally:
+            _stop_all(procs)
+    itl, ttft_s, ttft_l, tokens, counts = measure(run)
+    problems = {p.name: _log_problems(p) for p in procs}
+    problems = {k: v for k, v in problems.items() if v}
+    return SetupResult(key, title, roles, itl, ttft_s, ttft_l, tokens, args.duration, counts,
+                       stats, cores, problems)  # fmt: skip
+
+
+# ---------------------------------------------------------------------- KV transfer
+def _layout(model: Path) -> tuple[int, int, int, str]:
+    cfg = json.loads((model / "config.json").read_text())
+    heads = cfg["num_attention_heads"]
+    head_dim = cfg.get("head_dim") or cfg["hidden_size"] // heads
+    dtype = cfg.get("torch_dtype") or "float32"
+    if dtype not in ("float32", "bfloat16", "float16"):
+        dtype = "float32"
+    return cfg["num_hidden_layers"], cfg.get("num_key_value_heads", heads), head_dim, dtype
+
+
+async def _plain_copy(frame_sizes: list[int], payload: memoryview) -> float:
+    """The same bytes in the same frames over a fresh loopback connection, asyncio streams on
+    both ends, nothing else: a request byte, header + payload per frame, an acknowledgement."""
+    from kvstore.kv_transfer import HEADER
+
+    async def serve(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await reader.readexactly(1)
+        for n in frame_sizes:
+            writer.write(HEADER.pack(b"EIKV", 3, 0, 0, 0, 0, 0, n, 0))
+            writer.write(payload[:n])
+            await writer.drain()
+        await reader.read(1)
+        writer.close()
+
+    server = await asyncio.start_server(serve, "127.0.0.1", 0, limit=1 << 20)
+    port = server.sockets[0].getsockname()[1]
+    try:
+        t0 = time.perf_counter()
+        reader, writer = await asyncio.open_connection("127.0.0.1", port, limit=1 << 20)
+        writer.write(b"P")
+        for _ in frame_sizes:
+            h = HEADER.unpack(await reader.readexactly(HEADER.size))
+            await reader.readexactly(h[7])
+        writer.write(b"A")
+        await writer.drain()
+        dt = time.perf_counter() - t0
+        writer.close()
+        with contextlib.suppress(Exception):
+            await writer.wait_closed()
+    finally:
+        server.close()
+        await server.wait_closed()
+    return dt
+
+
+async def _transfer(model: Path, tokens: int, reps: int, seed: int) -> dict[str, Any]:
+    import torch
+
+    from kvstore.kv_transfer import (
+        DEFAULT_FRAME_BYTES,
+        ExportProgress,
+        KVPages,
+        KVTransferServer,
+        PullRequest,
+        pull_kv,
+    )
+
+    layers, heads, dim, dtype = _layout(model)
+    n_tok = tokens - 1  # the prefill side sends the prompt minus its last token
+    nb = -(-n_tok // BLOCK)
+    slots = 2 * nb * BLOCK  # caches twice the request: its blocks lie scattered among others
+    gen = torch.Generator().manual_seed(seed)
+    src = KVPages(torch.randn(layers, 2, slots, heads, dim, generator=gen).to(getattr(torch, dtype)), BLOCK)  # fmt: skip
+    dst = KVPages(torch.zeros(layers, 2, slots, heads, dim, dtype=getattr(torch, dtype)), BLOCK)
+    rng = random.Random(seed)
+    src_ids = rng.sample(range(2 * nb), nb)
+    dst_ids = rng.sample(range(2 * nb), nb)
+    token_ids = [rng.randrange(100, 1000) for _ in range(n_tok)]
+
+    async def export(pull: PullRequest) -> AsyncIterator[ExportProgress]:
+        yield ExportProgress(len(pull.token_ids), src_ids, True)
+
+    async def release(request_id: str) -> None:
+        return None
+
+    server = KVTransferServer(src, "bench-cache", SECRET, export, release, hold_s=10)
+    port = await server.start("127.0.0.1", 0)
+    per_layer = src.layout.bytes_per_layer_block() * nb
+    step = max(1, DEFAULT_FRAME_BYTES // per_layer)
+    frames = [(min(layers, l0 + step) - l0) * per_layer for l0 in range(0, layers, step)]
+    total = sum(frames)
+    payload = memoryview(bytearray(max(frames)))
+    pull_s: list[float] = []
+    plain_s: list[float] = []
+    try:
+        for r in range(reps + 1):  # the first of each is a warm-up
+            pull = PullRequest(f"bench-{r}", token_ids, 0, "bench-cache", SECRET)
+            t0 = time.perf_counter()
+            res = await pull_kv(f"127.0.0.1:{port}", pull, dst, dst_ids)
+            dt = time.perf_counter() - t0
+            if res.bytes != total:
+                raise RuntimeError(f"pull_kv moved {res.bytes} bytes, expected {total}")
+            if r == 0:
+                index_s, index_d = torch.tensor(src_ids), torch.tensor(dst_ids)
+                same = torch.equal(src.blocks.index_select(2, index_s), dst.blocks.index_select(2, index_d))  # fmt: skip
+                if not same:
+                    raise RuntimeError("the pulled KV differs from the source")
+                dst.blocks.zero_()
+            else:
+                pull_s.append(dt)
+            dt = await _plain_copy(frames, payload)
+            if r:
+                plain_s.append(dt)
+    finally:
+        await server.close()
+
+    # where the pull's extra time goes, on the same bytes (one thread, no sockets)
+    def rate(fn) -> float:  # type: ignore[no-untyped-def]
+        fn()
+        t0 = time.perf_counter()
+        for _ in range(3):
+            fn()
+        return 3 * total / (time.perf_counter() - t0) / 1e9
+
+    blocks = src.blocks
+    idx = torch.tensor(src_ids)
+    l_step = [slice(l0, min(layers, l0 + step)) for l0 in range(0, layers, step)]
+    gathered = [blocks[s].index_select(2, idx) for s in l_step]
+    raw = [bytes(memoryview(g.numpy()).cast("B")) for g in gathered]  # type: ignore[arg-type]
+    parts = {
+        "gather (index_select)": rate(lambda: [blocks[s].index_select(2, idx) for s in l_step]),
+        "crc32 (each side)": rate(lambda: [zlib.crc32(b) for b in raw]),
+        "scatter (bytearray + index_copy_)": rate(
+            lambda: [_write(dst, s, dst_ids, b) for s, b in zip(l_step, raw, strict=True)]
+        ),
+    }
+    pull_gbs = total / statistics.median(pull_s) / 1e9
+    plain_gbs = total / statistics.median(plain_s) / 1e9
+    return {
+        "prompt_tokens": tokens,
+        "blocks": nb,
+        "bytes": total,
+        "frames": len(frames),
+        "frame_bytes": max(frames),
+        "layout": {
+            "layers": layers,
+            "kv_heads": heads,
+            "head_dim": dim,
+            "dtype": dtype,
+            "block_size": BLOCK,
+        },
+        "reps": reps,
+        "pull_kv_gbs": pull_gbs,
+        "plain_copy_gbs": plain_gbs,
+        "ratio": pull_gbs / plain_gbs,
+        "pull_kv_s": pull_s,
+        "plain_copy_s": plain_s,
+        "components_gbs": parts,
+    }
+
+
+def _write(pages: Any, layers: slice, ids: list[int], payload: bytes) -> bool:
+    pages.write(layers, ids, payload)
+    return True
+
+
+def measure_transfer(model: Path, args: argparse.Namespace) -> dict[str, Any]:
+    import torch
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # as a worker started with --threads 1
+    try:
+        return asyncio.run(_transfer(model, args.transfer_tokens, args.transfer_reps, args.seed))
+    finally:
+        torch.set_num_threads(threads)
+
+
+# ---------------------------------------------------------------------- report
+def _ms(x: float) -> str:
+    if math.isnan(x):
+        return "-"
+    return f"{x * 1000:.0f}ms" if x < 10 else f"{x:.1f}s"
+
+
+def _met(ok: bool) -> str:
+    return "met" if ok else "NOT met"
+
+
+def report(results: list[SetupResult], transfer: dict[str, Any] | None) -> dict[str, Any]:
+    print(f"\n{'setup':24} {'ITL p50':>8} {'ITL p99':>8} {'p99.9':>8} {'max':>8} "
+          f"{'TTFT short p50/p99':>19} {'TTFT long p50/max':>18} {'out tok/s':>10}")  # fmt: skip
+    for r in results:
+        ttft_s = f"{_ms(_pct(r.ttft_steady, 0.5))} / {_ms(_pct(r.ttft_steady, 0.99))}"
+        ttft_l = f"{_ms(_pct(r.ttft_long, 0.5))} / {_ms(max(r.ttft_long, default=math.nan))}"
+        print(
+            f"({r.key}) {r.title:20} {_ms(_pct(r.itl, 0.5)):>8} {_ms(_pct(r.itl, 0.99)):>8} "
+            f"{_ms(_pct(r.itl, 0.999)):>8} {_ms(max(r.itl, default=math.nan)):>8} "
+            f"{ttft_s:>19} {ttft_l:>18} {r.tps:10.1f}"
+        )
+    out: dict[str, Any] = {}
+    if len(results) == 2:
+        a, b = results
+
+        def ratio(f) -> float:  # type: ignore[no-untyped-def]
+            x, y = f(a), f(b)
+            return y / x if x else math.nan
+
+        itl50 = ratio(lambda r: _pct(r.itl, 0.5))
+        itl99 = ratio(lambda r: _pct(r.itl, 0.99))
+        itl999 = ratio(lambda r: _pct(r.itl, 0.999))
+        itlmax = ratio(lambda r: max(r.itl, default=math.nan))
+        t_s = ratio(lambda r: _pct(r.ttft_steady, 0.5))
+        t_s99 = ratio(lambda r: _pct(r.ttft_steady, 0.99))
+        t_l = ratio(lambda r: _pct(r.ttft_long, 0.5))
+        t_lmax = ratio(lambda r: max(r.ttft_long, default=math.nan))
+        tps = ratio(lambda r: r.tps)
+        print(
+            f"{'(b)/(a)':24} {itl50:7.2f}x {itl99:7.2f}x {itl999:7.2f}x {itlmax:7.2f}x "
+            f"{f'{t_s:.2f}x / {t_s99:.2f}x':>19} {f'{t_l:.2f}x / {t_lmax:.2f}x':>18} {tps:9.2f}x"
+        )
+        print(
+            f"\ntargets: p99 ITL (b)/(a) {itl99:.2f}x (target <= {TARGET_ITL_P99:.2f}x: "
+            f"{_met(itl99 <= TARGET_ITL_P99)}); tokens/s (b)/(a) {tps:.2f}x (target >= "
+            f"{TARGET_TPS:.2f}x: {_met(tps >= TARGET_TPS)})"
+        )
+        out = {"itl_p50": itl50, "itl_p99": itl99, "itl_p999": itl999, "itl_max": itlmax,
+               "ttft_steady_p50": t_s, "ttft_steady_p99": t_s99, "ttft_long_p50": t_l,
+               "ttft_long_max": t_lmax, "tokens_per_s": tps,
+               "itl_p99_target_met": itl99 <= TARGET_ITL_P99,
+               "tokens_per_s_target_met": tps >= TARGET_TPS}  # fmt: skip
+    if transfer is not None:
+        t = transfer
+        print(
+            f"KV transfer ({t['prompt_tokens']}-token prompt: {t['blocks']} blocks, "
+            f"{t['bytes'] / 1e6:.1f} MB in {t['frames']} frames of <= {t['frame_bytes'] / 1e6:.1f} "
+            f"MB; median of {t['reps']}): pull_kv {t['pull_kv_gbs']:.2f} GB/s, plain socket copy "
+            f"{t['plain_copy_gbs']:.2f} GB/s, ratio {t['ratio']:.2f}x (target >= "
+            f"{TARGET_TRANSFER:.2f}x: {_met(t['ratio'] >= TARGET_TRANSFER)})"
+        )
+        print("  the pull's own work on the same bytes, one thread: " + ", ".join(
+            f"{k} {v:.2f} GB/s" for k, v in t["components_gbs"].items()))  # fmt: skip
+    return out
+
+
+def details(r: SetupResult) -> None:
+    c = r.counts
+    print(f"\n({r.key}) {r.title}: {len(r.itl)} inter-token gaps, {len(r.ttft_steady)} steady and "
+          f"{len(r.ttft_long)} long first tokens, {r.tokens_in_window:.0f} output tokens in the "
+          f"{r.duration:.0f}s window; {c['tail_s']}s after it for the bursts")  # fmt: skip
+    for kind in ("steady", "long"):
+        print(
+            f"  {kind}: {c.get(f'{kind} sent', 0)} sent, {c.get(f'{kind} finished', 0)} finished, "
+            f"{c.get(f'{kind} failed', 0)} failed, {c.get(f'{kind} cut at the end', 0)} cut at "
+            f"the end; {c.get(f'{kind} with x-edgeinfer-prefill-worker', 0)} with "
+            f"x-edgeinfer-prefill-worker; cached prompt tokens "
+            f"{c.get(f'{kind} cached prompt tokens', 0)}; text chunks / completion tokens "
+            f"{c.get(f'{kind} text chunks', 0)} / {c.get(f'{kind} completion tokens', 0)}"
+            + (
+                f"; {c[f'{kind} with a short answer']} answers shorter than max_tokens"
+                if c.get(f"{kind} with a short answer")
+                else ""
+            )
+        )
+    print(f"  steady requests per worker: {c['workers of steady requests']}; long: "
+          f"{c['workers of long requests']}")  # fmt: skip
+    if c["errors"]:
+        print(f"  errors: {c['errors']}")
+    for name, st in r.worker_stats.items():
+        print(
+            f"  {name}: KV sent {st['kv_bytes_sent'] / 1e6:.1f} MB in {st['kv_pulls_served']} "
+            f"pulls ({st['kv_pulls_failed']} failed), received {st['kv_bytes_received'] / 1e6:.1f}"
+            f" MB in {st['kv_imports']} imports; preemptions {st['num_preemptions']}, aborted "
+            f"{st['num_aborted']}, prefix-cache hit tokens {st['prefix_cache_hit_tokens']}"
+        )
+    print("  CPU use over the load phase (cores): " + ", ".join(
+        f"{k} {v:.2f}" for k, v in r.cpu_cores.items()))  # fmt: skip
+    for name, lines in r.problems.items():
+        print(f"  {name} log: {len(lines)} warning/error lines, e.g.:")
+        for line in list(dict.fromkeys(lines))[:4]:
+            print(f"    {line[:200]}")
+
+
+# ---------------------------------------------------------------------- main
+def _resolve_model(arg: Path | None) -> Path:
+    if arg is not None:
+        model = arg.expanduser()
+        if not (model / "config.json").is_file():
+            raise SystemExit(f"model not found: {model} (no config.json there)")
+        return model.resolve()
+    from runtime.cli import DEFAULT_CACHE
+    from runtime.model_cache import DefaultModelUnavailableError, default_model_dir
+
+    try:
+        return Path(default_model_dir(DEFAULT_CACHE / "models"))
+    except (DefaultModelUnavailableError, OSError) as e:
+        raise SystemExit(
+            f"the default model is unavailable: {e}\n(run `make run` or `make test` once to set "
+            "up the environment, or pass --model DIR)"
+        ) from e
+
+
+def _fit(model: Path, args: argparse.Namespace) -> list[str]:
+    """Shrink the prompt and output lengths to the model's context; returns what changed."""
+    cfg = json.loads((model / "config.json").read_text())
+    ctx = int(cfg.get("max_position_embeddings") or 2048)
+    notes = []
+    if args.long_tokens + args.long_max_tokens > ctx:
+        was = args.long_tokens
+        args.long_tokens = ctx - args.long_max_tokens
+        notes.append(f"long prompts {was} -> {args.long_tokens} tokens (context {ctx})")
+    hi = args.short_tokens[1]
+    if hi + args.max_tokens > ctx:
+        was = args.max_tokens
+        args.max_tokens = ctx - hi
+        notes.append(f"steady max_tokens {was} -> {args.max_tokens} (context {ctx})")
+    if args.transfer_tokens is None:
+        args.transfer_tokens = args.long_tokens
+    return notes
+
+
+def _kv_bytes_per_token(model: Path) -> int:
+    layers, heads, dim, dtype = _layout(model)
+    return 2 * layers * heads * dim * (4 if dtype == "float32" else 2)
+
+
+def _short_range(text: str) -> tuple[int, int]:
+    lo, _, hi = text.partition(",")
+    a, b = int(lo), int(hi or lo)
+    if not 1 <= a <= b:
+        raise argparse.ArgumentTypeError(f"need 1 <= MIN <= MAX, got {text!r}")
+    return a, b
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    ap.add_argument("--model", type=Path, default=None,
+                    help="HF model folder (default: SmolLM2-135M-Instruct from runtime.model_cache)")  # fmt: skip
+    ap.add_argument("--duration", type=float, default=75.0, help="measured window per setup, s")
+    ap.add_argument("--ramp", type=float, default=5.0, help="steady stream before the window, s")
+    ap.add_argument("--grace", type=float, default=60.0,
+                    help="after the window, how long to wait for the bursts' requests, s")  # fmt: skip
+    ap.add_argument("--concurrency", type=int, default=8, help="steady requests in flight")
+    ap.add_argument("--short-tokens", type=_short_range, default=(16, 28), metavar="MIN,MAX",
+                    help="steady prompt lengths, uniform (keep MAX under --disagg-min-tokens)")  # fmt: skip
+    ap.add_argument("--max-tokens", type=int, default=256, help="output tokens, steady requests")
+    ap.add_argument("--long-tokens", type=int, default=2000, help="prompt tokens, burst requests")
+    ap.add_argument("--long-max-tokens", type=int, default=16, help="output tokens, bursts")
+    ap.add_argument("--burst-size", type=int, default=2, help="requests per burst")
+    ap.add_argument("--burst-every", type=float, default=30.0,
+                    help="seconds between bursts (each at a seeded point of its interval)")  # fmt: skip
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--disagg-min-tokens", type=int, default=32, help="the gateway's flag")
+    ap.add_argument("--kv-cache-bytes", type=int, default=None,
+                    help="per worker (default: room for every steady request and two bursts, +25%%)")  # fmt: skip
+    ap.add_argument("--max-num-batched-tokens", type=int, default=None,
+                    help="workers' per-step token budget (default: the engine's, 2048)")  # fmt: skip
+    ap.add_argument("--transfer-tokens", type=int, default=None,
+                    help="prompt whose KV the transfer bench moves (default: --long-tokens)")  # fmt: skip
+    ap.add_argument("--transfer-reps", type=int, default=8)
+    ap.add_argument("--parts", default="transfer,a,b",
+                    help="comma list of transfer, a, b (a subset to run)")  # fmt: skip
+    ap.add_argument("--json", type=Path, help="write every figure here")
+    args = ap.parse_args()
+    parts = {p.strip() for p in args.parts.split(",") if p.strip()}
+    if not parts <= {"transfer", "a", "b"}:
+        ap.error(f"--parts: unknown {sorted(parts - {'transfer', 'a', 'b'})}")
+
+    model = _resolve_model(args.model)
+    notes = _fit(model, args)
+    per_token = _kv_bytes_per_token(model)
+    if args.kv_cache_bytes is None:
+        need = args.concurrency * (args.short_tokens[1] + args.max_tokens) + 2 * args.burst_size * (
+            args.long_tokens + args.long_max_tokens
+        )
+        args.kv_cache_bytes = max(16 << 20, int(need * per_token * 1.25))
+    cpus = sorted(os.sched_getaffinity(0))
+    if len(cpus) < 2:
+        raise SystemExit(f"needs 2 CPUs (one per worker); this process may use {cpus}")
+    cpus = cpus[:2]
+    served = model.name
+    wl = make_workload(model, args)
+
+    # a SIGTERM or SIGHUP stops the run as Ctrl-C does, through the `finally`s below
+    def interrupt(signum: int, frame: Any) -> None:
+        raise KeyboardInterrupt(f"signal {signum}")
+
+    for sig in (signal.SIGTERM, signal.SIGHUP):
+        signal.signal(sig, interrupt)
+
+    print(
+        f"bench/disagg.py {time.strftime('%Y-%m-%d %H:%M')} on {platform.node()}, "
+        f"{os.cpu_count()} CPUs; model {model}"
+    )
+    print(
+        f"each worker: 1 torch thread, pinned to its own CPU ({cpus[0]} and {cpus[1]}, the same "
+        f"split in both setups), KV cache {args.kv_cache_bytes / 1e6:.0f} MB "
+        f"({args.kv_cache_bytes // per_token} tokens); the gateway and this load generator are not "
+        f"pinned and share CPUs {','.join(map(str, sorted(os.sched_getaffinity(0))))} with them"
+    )
+    print(
+        f"load: {args.concurrency} steady streams (prompts {args.short_tokens[0]}-"
+        f"{args.short_tokens[1]} tokens, {args.max_tokens} output tokens, greedy, ignore_eos) + "
+        f"bursts of {args.burst_size} x {args.long_tokens}-token prompts ({args.long_max_tokens} "
+        f"output tokens) at {', '.join(f'{t:.1f}' for t in wl.bursts) or 'no times'} s of a "
+        f"{args.duration:.0f}s window (seed {args.seed}); gateway --disagg-min-tokens "
+        f"{args.disagg_min_tokens}"
+    )
+    for n in notes:
+        print(f"note: {n}")
+    if args.short_tokens[1] >= args.disagg_min_tokens:
+        print("note: steady prompts reach --disagg-min-tokens: in (b) some go through a transfer")
+    if not wl.bursts:
+        print("note: no burst fits the window (raise --duration or lower --burst-every)")
+    sys.stdout.flush()
+
+    results: list[SetupResult] = []
+    transfer = None
+    try:
+        if "transfer" in parts:
+            log(
+                f"KV transfer bench: {args.transfer_tokens}-token prompt, {args.transfer_reps} reps"
+            )
+            transfer = measure_transfer(model, args)
+        with tempfile.TemporaryDirectory(prefix="edgeinfer-disagg-") as tmp:
+            for key, title, roles in SETUPS:
+                if key in parts:
+                    results.append(run_setup(key, title, roles, model, served, cpus, wl, args,
+                                             Path(tmp)))  # fmt: skip
+    except KeyboardInterrupt:
+        log("interrupted; every process this run started is stopped")
+        return 130
+    for r in results:
+        details(r)
+    ratios = report(results, transfer)
+    if args.json:
+        out = {
+            "date": time.strftime("%Y-%m-%d %H:%M"),
+            "host": platform.node(),
+            "cpus": os.cpu_count(),
+            "model": str(model),
+            "args": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
+            "bursts_s": wl.bursts,
+            "setups": [r.summary() for r in results],
+            "ratios_b_over_a": ratios,
+            "transfer": transfer,
+            "notes": notes,
+        }
+        args.json.write_text(json.dumps(out, indent=2, default=str))
+        print(f"\nwrote {args.json}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
