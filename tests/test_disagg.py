@@ -13,7 +13,6 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import os
-import signal
 import subprocess
 import sys
 import time
