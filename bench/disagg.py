@@ -49,6 +49,7 @@ import math
 import os
 import platform
 import random
+import re
 import signal
 import statistics
 import subprocess
@@ -151,16 +152,33 @@ def _cpu_seconds(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
-def _log_problems(p: Proc) -> list[str]:
-    """Lines of a process's log that look like trouble (tracebacks, errors, warnings), without
-    the expected ones of a normal start and stop."""
-    expected = ("no API keys configured", "stopping: draining", "UserWarning", "warnings.warn")
-    out = []
+_STAMP = re.compile(r"^(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d),(\d{3}) ")
+_EXCEPTION = re.compile(r"^[A-Za-z_][\w.]*(Error|Exception|Exit)\b.*")
+_EXPECTED = ("no API keys configured", "stopping: draining", "redis reachable:")
+
+
+def _log_problems(p: Proc, cut_at: float) -> list[str]:
+    """Warnings, errors and exceptions in a process's log, counted, each marked as logged during
+    the load or after `cut_at` (the epoch time this bench cut its last requests and stopped the
+    processes); the messages of a normal start and stop are left out."""
+    seen: Counter[str] = Counter()
+    stamp = 0.0
     for line in p.log.read_text(errors="replace").splitlines():
-        trouble = any(k in line for k in ("Traceback", "ERROR", "WARNING", "Error", "failed"))
-        if trouble and not any(e in line for e in expected):
-            out.append(line.strip())
-    return out
+        m = _STAMP.match(line)
+        if m:
+            stamp = time.mktime(time.strptime(m[1], "%Y-%m-%d %H:%M:%S")) + int(m[2]) / 1000
+            msg = line[m.end() :]
+            if not msg.startswith(("WARNING", "ERROR", "CRITICAL")):
+                continue
+        elif _EXCEPTION.match(line.strip()):
+            msg = "  " + line.strip()
+        else:
+            continue
+        if any(e in msg for e in _EXPECTED):
+            continue
+        when = "after the cut" if stamp >= cut_at - 0.5 else "during the load"
+        seen[f"[{when}] {msg[:240]}"] += 1
+    return [f"{n} x {msg}" for msg, n in seen.items()]
 
 
 # ---------------------------------------------------------------------- the workload
@@ -279,6 +297,7 @@ class Run:
     w0: float = 0.0
     w1: float = 0.0
     tail_s: float = 0.0  # seconds after the window spent waiting for the bursts' requests
+    cut: float = 0.0  # when the requests still running were cancelled
     long_unfinished: int = 0  # long requests cut at the end of the grace period
 
 
@@ -329,6 +348,7 @@ async def run_load(url: str, model: str, wl: Workload, args: argparse.Namespace)
                 await asyncio.wait(pending, timeout=args.grace)
             run.tail_s = time.perf_counter() - run.w1
         finally:
+            run.cut = time.perf_counter()
             stop.set()
             for t in clients + bursts:
                 t.cancel()
@@ -485,6 +505,7 @@ def run_setup(key: str, title: str, roles: tuple[str, ...], model: Path, served:
             self0 = os.times()
             t0 = time.perf_counter()
             run = asyncio.run(run_load(gw.url, served, wl, args))
+            cut_at = time.time() - (time.perf_counter() - run.cut)
             wall = time.perf_counter() - t0
             self1 = os.times()
             cores = {n: (_cpu_seconds(p) - c0[n]) / wall for n, p in pids.items()}
@@ -500,7 +521,7 @@ def run_setup(key: str, title: str, roles: tuple[str, ...], model: Path, served:
         finally:
             _stop_all(procs)
     itl, ttft_s, ttft_l, tokens, counts = measure(run)
-    problems = {p.name: _log_problems(p) for p in procs}
+    problems = {p.name: _log_problems(p, cut_at) for p in procs}
     problems = {k: v for k, v in problems.items() if v}
     return SetupResult(key, title, roles, itl, ttft_s, ttft_l, tokens, args.duration, counts,
                        stats, cores, problems)  # fmt: skip
@@ -774,9 +795,11 @@ def details(r: SetupResult) -> None:
     print("  CPU use over the load phase (cores): " + ", ".join(
         f"{k} {v:.2f}" for k, v in r.cpu_cores.items()))  # fmt: skip
     for name, lines in r.problems.items():
-        print(f"  {name} log: {len(lines)} warning/error lines, e.g.:")
-        for line in list(dict.fromkeys(lines))[:4]:
-            print(f"    {line[:200]}")
+        print(f"  {name} log, warnings and errors:")
+        for line in lines[:8]:
+            print(f"    {line}")
+        if len(lines) > 8:
+            print(f"    ... {len(lines) - 8} more kinds (--keep-logs DIR keeps the logs)")
 
 
 # ---------------------------------------------------------------------- main
@@ -861,6 +884,7 @@ def main() -> int:
     ap.add_argument("--parts", default="transfer,a,b",
                     help="comma list of transfer, a, b (a subset to run)")  # fmt: skip
     ap.add_argument("--json", type=Path, help="write every figure here")
+    ap.add_argument("--keep-logs", type=Path, help="keep the processes' logs under this folder")
     args = ap.parse_args()
     parts = {p.strip() for p in args.parts.split(",") if p.strip()}
     if not parts <= {"transfer", "a", "b"}:
@@ -922,11 +946,17 @@ def main() -> int:
                 f"KV transfer bench: {args.transfer_tokens}-token prompt, {args.transfer_reps} reps"
             )
             transfer = measure_transfer(model, args)
-        with tempfile.TemporaryDirectory(prefix="edgeinfer-disagg-") as tmp:
+        with contextlib.ExitStack() as stack:
+            if args.keep_logs:
+                logs = args.keep_logs / time.strftime("%Y%m%d-%H%M%S")
+                logs.mkdir(parents=True)
+                log(f"process logs in {logs}")
+            else:
+                logs = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="ei-disagg-")))
             for key, title, roles in SETUPS:
                 if key in parts:
                     results.append(run_setup(key, title, roles, model, served, cpus, wl, args,
-                                             Path(tmp)))  # fmt: skip
+                                             logs))  # fmt: skip
     except KeyboardInterrupt:
         log("interrupted; every process this run started is stopped")
         return 130

@@ -39,6 +39,7 @@ import struct
 import warnings
 import zlib
 from collections.abc import AsyncIterator, Awaitable, Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass
 from typing import Any
 
@@ -319,18 +320,28 @@ class KVTransferServer:
         ids = table[start:end]
         per_layer = lay.bytes_per_layer_block() * len(ids)
         step = max(1, self.frame_bytes // per_layer)
-        frames = 0
-        for l0 in range(0, lay.num_layers, step):
-            l1 = min(lay.num_layers, l0 + step)
+        ranges = [(l0, min(lay.num_layers, l0 + step)) for l0 in range(0, lay.num_layers, step)]
+
+        def pack(l0: int, l1: int) -> tuple[bytes, memoryview]:
+            # off the event loop: the gather copy and the checksum of one frame
             data = self.pages.read(slice(l0, l1), ids)
             payload = memoryview(data.numpy()).cast("B")  # type: ignore[arg-type]
-            header = _frame(DATA, tag, payload, layers=(l0, l1 - l0), blocks=(start, len(ids)))
+            return _frame(
+                DATA, tag, payload, layers=(l0, l1 - l0), blocks=(start, len(ids))
+            ), payload
+
+        # one frame ahead: the next frame is packed while this one goes out
+        loop = asyncio.get_running_loop()
+        ahead = loop.run_in_executor(None, pack, *ranges[0])
+        for i in range(len(ranges)):
+            header, payload = await ahead
+            if i + 1 < len(ranges):
+                ahead = loop.run_in_executor(None, pack, *ranges[i + 1])
             writer.write(header)
             writer.write(payload)
             await writer.drain()
             self.bytes_sent += len(payload)
-            frames += 1
-        return frames
+        return len(ranges)
 
 
 async def _read_control_after(first: bytes, reader: asyncio.StreamReader,
@@ -354,13 +365,31 @@ class PullResult:
     cached_tokens: int  # tokens the prefill side took from its own prefix cache
 
 
+def _land(pages: KVPages, layers: slice, blocks: list[int], payload: bytes, crc: int) -> None:
+    """Check a DATA payload's checksum and copy it into its blocks (on the landing thread)."""
+    if zlib.crc32(payload) != crc:
+        raise KVTransferError("DATA frame failed its checksum")
+    pages.write(layers, blocks, payload)
+
+
 async def pull_kv(addr: str, pull: PullRequest, pages: KVPages, dst_blocks: list[int],
                   connect_timeout_s: float = 2.0, idle_timeout_s: float = 300.0) -> PullResult:  # fmt: skip
     """Pull blocks [pull.first_block, ...) of the request's KV from `addr` ("host:port") into
     `dst_blocks` of `pages` (one destination per block pulled). Every frame is checked: the
     request tag, the layer and block ranges, the size, the checksum; every (layer, block) must
     arrive exactly once. Raises KVTransferError; the destination blocks then hold garbage and
-    must be freed by the caller."""
+    must be freed by the caller. Frames land (checksum, copy) on a thread of their own while
+    the next one is read; nothing writes to the blocks once this returns or raises."""
+    with ThreadPoolExecutor(1, thread_name_prefix="kv-land") as landing:
+        return await _pull(addr, pull, pages, dst_blocks, connect_timeout_s, idle_timeout_s,
+                           landing)  # fmt: skip
+
+
+async def _pull(addr: str, pull: PullRequest, pages: KVPages, dst_blocks: list[int],
+                connect_timeout_s: float, idle_timeout_s: float,
+                landing: ThreadPoolExecutor) -> PullResult:  # fmt: skip
+    loop = asyncio.get_running_loop()
+    landed: list[asyncio.Future[None]] = []
     host, _, port = addr.rpartition(":")
     tag = request_tag(pull.request_id)
     lay = pages.layout
@@ -408,13 +437,20 @@ async def pull_kv(addr: str, pull: PullRequest, pages: KVPages, dst_blocks: list
             expect = nl * nb * lay.bytes_per_layer_block()
             if h.length != expect:
                 raise KVTransferError(f"DATA frame of {h.length} bytes, expected {expect}")
-            payload = await asyncio.wait_for(_read_payload(reader, h), idle_timeout_s)
+            payload = await asyncio.wait_for(reader.readexactly(h.length), idle_timeout_s)
             if received[l0 : l0 + nl, b0 : b0 + nb].any():
                 raise KVTransferError("a block arrived twice")
-            pages.write(slice(l0, l0 + nl), dst_blocks[b0 : b0 + nb], payload)
+            if landed:
+                await landed.pop()  # one frame lands while the next is read
+            layers, blocks = slice(l0, l0 + nl), dst_blocks[b0 : b0 + nb]
+            landed.append(
+                loop.run_in_executor(landing, _land, pages, layers, blocks, payload, h.crc)
+            )
             received[l0 : l0 + nl, b0 : b0 + nb] = True
             nbytes += h.length
             frames += 1
+        if landed:
+            await landed.pop()
         if not bool(received.all()):
             missing = int((~received).sum())
             raise KVTransferError(f"the transfer ended with {missing} (layer, block) pairs missing")
