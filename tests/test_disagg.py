@@ -24,6 +24,7 @@ import openai
 import orjson
 import pytest
 
+from kvstore.keys import session_key
 from kvstore.kv_transfer import PullRequest
 from kvstore.redis_server import LocalRedis
 from runtime.llm import LLM
@@ -161,6 +162,21 @@ def test_prefix_hit_on_the_decode_worker_skips_those_blocks(split: Split, refere
     assert usage.prompt_tokens_details.cached_tokens >= 96
     assert moved <= 2 * bytes_per_block  # only the blocks past the cached prefix moved
     _settled(split.prefill, split.decode)
+
+
+def test_session_is_placed_on_the_decode_worker(split: Split) -> None:
+    import redis
+
+    for turn in range(3):
+        raw = split.client.completions.with_raw_response.create(
+            model="stories", prompt=STORY * (turn + 1), max_tokens=4, temperature=0,
+            extra_headers={"x-session-affinity": "talk-1"},
+        )  # fmt: skip
+        assert raw.headers["x-edgeinfer-worker"] == split.decode.meta["worker_id"]
+    r = redis.Redis.from_url(split.redis.url)
+    placed = orjson.loads(r.get(session_key("talk-1")))  # type: ignore[arg-type]
+    r.close()
+    assert placed["worker_id"] == split.decode.meta["worker_id"]
 
 
 # ---------------------------------------------------------------------- roles
