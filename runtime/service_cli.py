@@ -1,4 +1,4 @@
-"""The service commands of the `edgeinfer` CLI: worker, gateway, up, set-role.
+"""The service commands of the `edgeinfer` CLI: worker, gateway, up, set-role, rebalance.
 
 Environment variables are read here only (the entry point):
   EDGEINFER_SECRET    the workers' shared secret (gateways and workers must agree)
@@ -138,6 +138,39 @@ def cmd_set_role(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_rebalance(args: argparse.Namespace) -> int:
+    """Set how many of a model's prefill/decode workers do prefill."""
+    from kvstore.client import connect
+    from kvstore.registry import Registry
+    from runtime.pool import apply, plan
+
+    secret = _secret(args)
+    redis_url = args.redis or os.environ.get("EDGEINFER_REDIS", DEFAULT_REDIS)
+
+    async def main() -> int:
+        redis = connect(redis_url)
+        try:
+            workers = await Registry(redis).workers(args.model)
+        finally:
+            await redis.aclose()
+        try:
+            changes = plan(workers, args.model, args.region, args.prefill)
+        except ValueError as e:
+            print(f"edgeinfer: error: {e}", file=sys.stderr)
+            return 2
+        if not changes:
+            print(f"nothing to do: {args.prefill} prefill worker(s) already")
+            return 0
+        for c in changes:
+            print(f"{c.worker.worker_id}: {c.worker.role} -> {c.role} (draining its work first)")
+        await apply(changes, secret, args.timeout)
+        for c in changes:
+            print(f"{c.worker.worker_id}: {c.result}")
+        return 0 if all(c.result.startswith("ok") for c in changes) else 1
+
+    return asyncio.run(main())
+
+
 def cmd_up(args: argparse.Namespace) -> int:
     from runtime.launcher import up
 
@@ -209,6 +242,15 @@ def add_service_commands(sub: argparse._SubParsersAction, engine_args) -> None: 
     r.add_argument("--secret", default=None, help="shared secret (default $EDGEINFER_SECRET)")
     r.add_argument("--timeout", type=float, default=120.0, help="seconds to wait for the drain")
     r.set_defaults(func=cmd_set_role)
+
+    b = sub.add_parser("rebalance", help="set how many of a model's prefill/decode workers prefill")
+    b.add_argument("--model", required=True, help="served model name")
+    b.add_argument("--region", default=None, help="only this region's workers (default: all)")
+    b.add_argument("--prefill", type=int, required=True, help="prefill workers wanted")
+    b.add_argument("--redis", default=None, help="cluster Redis URL (default $EDGEINFER_REDIS)")
+    b.add_argument("--secret", default=None, help="shared secret (default $EDGEINFER_SECRET)")
+    b.add_argument("--timeout", type=float, default=120.0, help="seconds to wait for the drains")
+    b.set_defaults(func=cmd_rebalance)
 
     u = sub.add_parser("up", help="start Redis (if needed), a worker and a gateway on this machine")
     engine_args(u)

@@ -226,6 +226,34 @@ def test_role_change_drains_then_switches(split: Split, reference: LLM) -> None:
     assert headers.get("x-edgeinfer-prefill-worker") == split.prefill.meta["worker_id"]
 
 
+def test_rebalance_sets_the_prefill_decode_ratio(split: Split) -> None:
+    def rebalance(n: int) -> subprocess.CompletedProcess[str]:
+        return subprocess.run(
+            [sys.executable, "-m", "runtime.cli", "rebalance", "--model", "stories",
+             "--prefill", str(n), "--redis", split.redis.url],
+            env=os.environ | {"EDGEINFER_SECRET": SECRET}, capture_output=True, text=True,
+            timeout=60,
+        )  # fmt: skip
+
+    assert "nothing to do" in rebalance(1).stdout
+    bad = rebalance(3)
+    assert bad.returncode == 2 and "has 2 prefill/decode workers" in bad.stderr
+    done = rebalance(0)  # the prefill worker becomes a decode worker
+    assert done.returncode == 0 and "prefill -> decode" in done.stdout, done.stderr
+    assert worker_stats(split.prefill)["role"] == "decode"
+    time.sleep(1.0)  # the gateway's registry snapshot
+    _, headers, _ = _complete(split, STORY, {"temperature": 0.0})
+    assert "x-edgeinfer-prefill-worker" not in headers  # no prefill worker: whole requests
+    wait_until(lambda: get_json(f"{split.gateway.url}/readyz")[1]["workers"] == 2, 10, "registry")
+    done = rebalance(1)  # the decode worker with the fewest sequences becomes prefill again
+    assert done.returncode == 0 and "decode -> prefill" in done.stdout, done.stderr
+    roles = {worker_stats(w)["role"] for w in (split.prefill, split.decode)}
+    assert roles == {"prefill", "decode"}
+    if worker_stats(split.prefill)["role"] != "prefill":  # the other one was picked: swap names
+        split.prefill, split.decode = split.decode, split.prefill
+    time.sleep(1.0)
+
+
 # ---------------------------------------------------------------------- faults (last)
 def test_decode_side_gone_frees_the_prefill_blocks(split: Split) -> None:
     """A puller that reads every block and then dies (no ACK): the prefill worker frees them."""
