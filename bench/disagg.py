@@ -18,22 +18,30 @@ Load (the same seeded schedule in both setups; `POST /v1/completions`, streamed,
   a share of `--max-tokens` (1/C, 2/C, ...), so the streams do not run in lockstep.
 - bursts: every `--burst-every` seconds (at a seeded point of each interval) `--burst-size`
   requests at once, each a distinct `--long-tokens` prompt (a distinct first block, so prefix
-  caching cannot hide it), `--long-max-tokens` output tokens.
+  caching cannot hide it), `--long-max-tokens` output tokens. The defaults (bursts of 2 every
+  30 s) fit a 2-core VM, where one 2,000-token prefill takes ~15 s of a core: a burst of 4
+  every few seconds would be far more than one prefill worker (or two mixed ones) can serve.
 
 Figures, over the window of `--duration` seconds (events outside it are not counted):
-- inter-token latency (ITL): the gaps between the SSE chunks of the steady requests, arrival
-  times at this client (p50, p99; p99.9 and the longest gap show the rare prefill stalls);
+- inter-token latency (ITL): the gaps between consecutive text chunks (SSE events) of the
+  steady requests, as they arrive at this client, that open in the window (a gap that a long
+  prefill stretches past the window's end still counts): p50, p99, and p99.9 and the longest gap,
+  which show the prefill stalls when they are fewer than 1% of the gaps;
 - time to first token (TTFT): request sent to its first text chunk, for steady requests sent in
   the window and for every long request (each burst's requests are waited for after the window,
   while the steady stream goes on, up to `--grace` seconds);
 - tokens/s: output tokens (steady and long) whose chunks arrived in the window / its length.
 Targets (issue text): p99 ITL under (b) <= 1/3 of (a), at no more than 10% lower tokens/s.
 
-KV transfer throughput, in this process over loopback (before the setups, on an idle machine):
-`pull_kv` against a `KVTransferServer` moves the KV of one `--long-tokens` prompt (KVPages over
-caches of the model's layout, scattered block ids on both sides, every frame checksummed) several
-times; a plain asyncio-stream copy sends the same bytes in the same frame sizes on a fresh
-connection each time (no checksums, no gather or scatter). Target: >= 80% of the plain copy.
+KV transfer throughput over loopback (before the setups, on an idle machine): `pull_kv` in this
+process (pinned to one CPU, as the decode worker) against a `KVTransferServer` in a process of its
+own (pinned to the other CPU, as the prefill worker) moves the KV of one `--long-tokens` prompt
+(KVPages over caches of the model's layout, scattered block ids on both sides, every frame
+checksummed) several times; a plain asyncio-stream copy, served by another process on the same
+CPU, sends the same bytes in the same frame sizes on a fresh connection each time (no checksums,
+no gather or scatter). Target: >= 80% of the plain copy. `--transfer-in-process` runs both ends
+of both in this process's event loop instead; there the two ends take turns on one thread, and
+the plain copy ran slower than `pull_kv` and varied 2x between runs on the 2-core VM.
 
 Run from the repository root: `python -m bench.disagg [--duration 75] [--json out.json]`.
 """
@@ -58,7 +66,7 @@ import tempfile
 import time
 import zlib
 from collections import Counter
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -392,7 +400,8 @@ class SetupResult:
             "roles": list(self.roles),
             "itl_ms": {"p50": _pct(self.itl, 0.5) * ms, "p99": _pct(self.itl, 0.99) * ms,
                        "p99.9": _pct(self.itl, 0.999) * ms,
-                       "max": max(self.itl, default=math.nan) * ms, "gaps": len(self.itl)},
+                       "max": max(self.itl, default=math.nan) * ms, "gaps": len(self.itl),
+                       "gaps_over_1s": sum(g > 1.0 for g in self.itl)},
             "ttft_steady_ms": {"p50": _pct(self.ttft_steady, 0.5) * ms,
                                "p99": _pct(self.ttft_steady, 0.99) * ms,
                                "n": len(self.ttft_steady)},
@@ -432,7 +441,9 @@ def measure(run: Run) -> tuple[list[float], list[float], list[float], float, dic
         per_chunk = r.completion_tokens / len(r.chunks) if r.finished and r.chunks else 1.0
         tokens += per_chunk * sum(w0 <= t <= w1 for t in r.chunks)
         if r.kind == "steady":
-            itl += [b - a for a, b in itertools.pairwise(r.chunks) if w0 <= b <= w1]
+            # gaps that open in the window, wherever they close: a stall that outlasts the window
+            # ends while the bursts are waited for (the steady stream goes on until then)
+            itl += [b - a for a, b in itertools.pairwise(r.chunks) if w0 <= a <= w1]
             if w0 <= r.sent <= w1 and r.ttft is not None:
                 ttft_s.append(r.ttft)
         elif r.kind == "long" and r.ttft is not None:
@@ -447,6 +458,11 @@ def measure(run: Run) -> tuple[list[float], list[float], list[float], float, dic
         Counter(r.worker for r in run.reqs if r.kind == "long" and r.worker)
     )
     counts["tail_s"] = round(run.tail_s, 1)
+    counts["long requests (sent at s of the window, TTFT s)"] = [
+        (round(r.sent - w0, 1), round(r.ttft, 1) if r.ttft is not None else None)
+        for r in run.reqs
+        if r.kind == "long"
+    ]
     return itl, ttft_s, ttft_l, tokens, counts
 
 
@@ -538,145 +554,133 @@ def _layout(model: Path) -> tuple[int, int, int, str]:
     return cfg["num_hidden_layers"], cfg.get("num_key_value_heads", heads), head_dim, dtype
 
 
-async def _plain_copy(frame_sizes: list[int], payload: memoryview) -> float:
-    """The same bytes in the same frames over a fresh loopback connection, asyncio streams on
-    both ends, nothing else: a request byte, header + payload per frame, an acknowledgement."""
-    from kvstore.kv_transfer import HEADER
+@dataclass
+class TransferCase:
+    """The KV of one prompt, as the transfer bench moves it: the model's layout, the request's
+    blocks scattered in caches twice its size (other requests' blocks lie between), the frames
+    `KVTransferServer` cuts it into."""
+
+    layers: int
+    heads: int
+    dim: int
+    dtype: str
+    tokens: int  # prompt tokens; the prefill side sends all but the last
+    seed: int
+    blocks: int
+    src_ids: list[int]
+    dst_ids: list[int]
+    token_ids: list[int]
+    frames: list[int]  # DATA payload bytes of each frame
+
+    @property
+    def total(self) -> int:
+        return sum(self.frames)
+
+    def kv(self, fill: bool) -> Any:
+        """A cache of this layout: the (seeded) source contents, or zeros."""
+        import torch
+
+        shape = (self.layers, 2, 2 * self.blocks * BLOCK, self.heads, self.dim)
+        dtype = getattr(torch, self.dtype)
+        if not fill:
+            return torch.zeros(shape, dtype=dtype)
+        return torch.randn(shape, generator=torch.Generator().manual_seed(self.seed)).to(dtype)
+
+
+def transfer_case(model: Path, tokens: int, seed: int) -> TransferCase:
+    from kvstore.kv_transfer import DEFAULT_FRAME_BYTES
+
+    layers, heads, dim, dtype = _layout(model)
+    n_tok = tokens - 1
+    nb = -(-n_tok // BLOCK)
+    rng = random.Random(seed)
+    src_ids, dst_ids = rng.sample(range(2 * nb), nb), rng.sample(range(2 * nb), nb)
+    token_ids = [rng.randrange(100, 1000) for _ in range(n_tok)]
+    itemsize = 4 if dtype == "float32" else 2
+    per_layer = 2 * BLOCK * heads * dim * itemsize * nb  # as KVTransferServer._send_blocks
+    step = max(1, DEFAULT_FRAME_BYTES // per_layer)
+    frames = [(min(layers, l0 + step) - l0) * per_layer for l0 in range(0, layers, step)]
+    return TransferCase(layers, heads, dim, dtype, tokens, seed, nb, src_ids, dst_ids, token_ids,
+                        frames)  # fmt: skip
+
+
+async def _serve(kind: str, case: TransferCase) -> tuple[Callable[[], Awaitable[None]], int]:
+    """Start the sending side on a free loopback port: `kv` (a KVTransferServer whose export
+    has the whole prompt computed at once) or `plain` (the same frames, nothing else)."""
+    from kvstore.kv_transfer import HEADER, ExportProgress, KVPages, KVTransferServer, PullRequest
+
+    if kind == "kv":
+        pages = KVPages(case.kv(fill=True), BLOCK)
+
+        async def export(pull: PullRequest) -> AsyncIterator[ExportProgress]:
+            yield ExportProgress(len(pull.token_ids), case.src_ids, True)
+
+        async def release(request_id: str) -> None:
+            return None
+
+        kv = KVTransferServer(pages, "bench-cache", SECRET, export, release, hold_s=10)
+        return kv.close, await kv.start("127.0.0.1", 0)
+
+    payload = memoryview(bytearray(max(case.frames)))
 
     async def serve(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        await reader.readexactly(1)
-        for n in frame_sizes:
-            writer.write(HEADER.pack(b"EIKV", 3, 0, 0, 0, 0, 0, n, 0))
-            writer.write(payload[:n])
-            await writer.drain()
-        await reader.read(1)
-        writer.close()
+        try:
+            await reader.readexactly(1)
+            for n in case.frames:
+                writer.write(HEADER.pack(b"EIKV", 3, 0, 0, 0, 0, 0, n, 0))
+                writer.write(payload[:n])
+                await writer.drain()
+            await reader.read(1)  # the acknowledgement
+        finally:
+            writer.close()
 
     server = await asyncio.start_server(serve, "127.0.0.1", 0, limit=1 << 20)
-    port = server.sockets[0].getsockname()[1]
-    try:
-        t0 = time.perf_counter()
-        reader, writer = await asyncio.open_connection("127.0.0.1", port, limit=1 << 20)
-        writer.write(b"P")
-        for _ in frame_sizes:
-            h = HEADER.unpack(await reader.readexactly(HEADER.size))
-            await reader.readexactly(h[7])
-        writer.write(b"A")
-        await writer.drain()
-        dt = time.perf_counter() - t0
-        writer.close()
-        with contextlib.suppress(Exception):
-            await writer.wait_closed()
-    finally:
+
+    async def close() -> None:
         server.close()
         await server.wait_closed()
+
+    return close, int(server.sockets[0].getsockname()[1])
+
+
+async def _plain_pull(port: int, frames: list[int]) -> float:
+    """The receiving side of a plain copy: a request byte, then header + payload per frame
+    (`readexactly`, as pull_kv reads), then an acknowledgement byte."""
+    from kvstore.kv_transfer import HEADER
+
+    t0 = time.perf_counter()
+    reader, writer = await asyncio.open_connection("127.0.0.1", port, limit=1 << 20)
+    writer.write(b"P")
+    for n in frames:
+        h = HEADER.unpack(await reader.readexactly(HEADER.size))
+        if h[7] != n:
+            raise RuntimeError(f"plain copy: frame of {h[7]} bytes, expected {n}")
+        await reader.readexactly(n)
+    writer.write(b"A")
+    await writer.drain()
+    dt = time.perf_counter() - t0
+    writer.close()
+    with contextlib.suppress(Exception):
+        await writer.wait_closed()
     return dt
 
 
-async def _transfer(model: Path, tokens: int, reps: int, seed: int) -> dict[str, Any]:
+def transfer_server_main(kind: str, model: Path, tokens: int, seed: int) -> int:
+    """The sending side in its own process (`--transfer-server kv|plain`): prints its port,
+    serves until stdin closes."""
     import torch
 
-    from kvstore.kv_transfer import (
-        DEFAULT_FRAME_BYTES,
-        ExportProgress,
-        KVPages,
-        KVTransferServer,
-        PullRequest,
-        pull_kv,
-    )
+    torch.set_num_threads(1)  # as a worker started with --threads 1
+    case = transfer_case(model, tokens, seed)
 
-    layers, heads, dim, dtype = _layout(model)
-    n_tok = tokens - 1  # the prefill side sends the prompt minus its last token
-    nb = -(-n_tok // BLOCK)
-    slots = 2 * nb * BLOCK  # caches twice the request: its blocks lie scattered among others
-    gen = torch.Generator().manual_seed(seed)
-    src = KVPages(torch.randn(layers, 2, slots, heads, dim, generator=gen).to(getattr(torch, dtype)), BLOCK)  # fmt: skip
-    dst = KVPages(torch.zeros(layers, 2, slots, heads, dim, dtype=getattr(torch, dtype)), BLOCK)
-    rng = random.Random(seed)
-    src_ids = rng.sample(range(2 * nb), nb)
-    dst_ids = rng.sample(range(2 * nb), nb)
-    token_ids = [rng.randrange(100, 1000) for _ in range(n_tok)]
+    async def main() -> None:
+        close, port = await _serve(kind, case)
+        print(port, flush=True)
+        await asyncio.get_running_loop().run_in_executor(None, sys.stdin.read)
+        await close()
 
-    async def export(pull: PullRequest) -> AsyncIterator[ExportProgress]:
-        yield ExportProgress(len(pull.token_ids), src_ids, True)
-
-    async def release(request_id: str) -> None:
-        return None
-
-    server = KVTransferServer(src, "bench-cache", SECRET, export, release, hold_s=10)
-    port = await server.start("127.0.0.1", 0)
-    per_layer = src.layout.bytes_per_layer_block() * nb
-    step = max(1, DEFAULT_FRAME_BYTES // per_layer)
-    frames = [(min(layers, l0 + step) - l0) * per_layer for l0 in range(0, layers, step)]
-    total = sum(frames)
-    payload = memoryview(bytearray(max(frames)))
-    pull_s: list[float] = []
-    plain_s: list[float] = []
-    try:
-        for r in range(reps + 1):  # the first of each is a warm-up
-            pull = PullRequest(f"bench-{r}", token_ids, 0, "bench-cache", SECRET)
-            t0 = time.perf_counter()
-            res = await pull_kv(f"127.0.0.1:{port}", pull, dst, dst_ids)
-            dt = time.perf_counter() - t0
-            if res.bytes != total:
-                raise RuntimeError(f"pull_kv moved {res.bytes} bytes, expected {total}")
-            if r == 0:
-                index_s, index_d = torch.tensor(src_ids), torch.tensor(dst_ids)
-                same = torch.equal(src.blocks.index_select(2, index_s), dst.blocks.index_select(2, index_d))  # fmt: skip
-                if not same:
-                    raise RuntimeError("the pulled KV differs from the source")
-                dst.blocks.zero_()
-            else:
-                pull_s.append(dt)
-            dt = await _plain_copy(frames, payload)
-            if r:
-                plain_s.append(dt)
-    finally:
-        await server.close()
-
-    # where the pull's extra time goes, on the same bytes (one thread, no sockets)
-    def rate(fn) -> float:  # type: ignore[no-untyped-def]
-        fn()
-        t0 = time.perf_counter()
-        for _ in range(3):
-            fn()
-        return 3 * total / (time.perf_counter() - t0) / 1e9
-
-    blocks = src.blocks
-    idx = torch.tensor(src_ids)
-    l_step = [slice(l0, min(layers, l0 + step)) for l0 in range(0, layers, step)]
-    gathered = [blocks[s].index_select(2, idx) for s in l_step]
-    raw = [bytes(memoryview(g.numpy()).cast("B")) for g in gathered]  # type: ignore[arg-type]
-    parts = {
-        "gather (index_select)": rate(lambda: [blocks[s].index_select(2, idx) for s in l_step]),
-        "crc32 (each side)": rate(lambda: [zlib.crc32(b) for b in raw]),
-        "scatter (bytearray + index_copy_)": rate(
-            lambda: [_write(dst, s, dst_ids, b) for s, b in zip(l_step, raw, strict=True)]
-        ),
-    }
-    pull_gbs = total / statistics.median(pull_s) / 1e9
-    plain_gbs = total / statistics.median(plain_s) / 1e9
-    return {
-        "prompt_tokens": tokens,
-        "blocks": nb,
-        "bytes": total,
-        "frames": len(frames),
-        "frame_bytes": max(frames),
-        "layout": {
-            "layers": layers,
-            "kv_heads": heads,
-            "head_dim": dim,
-            "dtype": dtype,
-            "block_size": BLOCK,
-        },
-        "reps": reps,
-        "pull_kv_gbs": pull_gbs,
-        "plain_copy_gbs": plain_gbs,
-        "ratio": pull_gbs / plain_gbs,
-        "pull_kv_s": pull_s,
-        "plain_copy_s": plain_s,
-        "components_gbs": parts,
-    }
+    asyncio.run(main())
+    return 0
 
 
 def _write(pages: Any, layers: slice, ids: list[int], payload: bytes) -> bool:
@@ -684,15 +688,152 @@ def _write(pages: Any, layers: slice, ids: list[int], payload: bytes) -> bool:
     return True
 
 
-def measure_transfer(model: Path, args: argparse.Namespace) -> dict[str, Any]:
+def _components(case: TransferCase) -> dict[str, float]:
+    """GB/s of the pull's own work on the same bytes and frames, one thread, no sockets: the
+    sender's gather (`KVPages.read`), the checksum (each side computes it once), the receiver's
+    scatter (`KVPages.write`)."""
+    from kvstore.kv_transfer import KVPages
+
+    src, dst = KVPages(case.kv(fill=True), BLOCK), KVPages(case.kv(fill=False), BLOCK)
+    step = case.frames[0] // (2 * BLOCK * case.heads * case.dim * src.layout.itemsize * case.blocks)
+    slices = [slice(l0, min(case.layers, l0 + step)) for l0 in range(0, case.layers, step)]
+    raw = [bytes(memoryview(src.read(s, case.src_ids).numpy()).cast("B"))  # type: ignore[arg-type]
+           for s in slices]  # fmt: skip
+
+    def rate(fn) -> float:  # type: ignore[no-untyped-def]
+        fn()
+        t0 = time.perf_counter()
+        for _ in range(3):
+            fn()
+        return 3 * case.total / (time.perf_counter() - t0) / 1e9
+
+    return {
+        "gather (KVPages.read)": rate(lambda: [src.read(s, case.src_ids) for s in slices]),
+        "crc32 (once per side)": rate(lambda: [zlib.crc32(b) for b in raw]),
+        "scatter (KVPages.write)": rate(
+            lambda: [_write(dst, s, case.dst_ids, b) for s, b in zip(slices, raw, strict=True)]
+        ),
+    }
+
+
+async def _pulls(case: TransferCase, ports: dict[str, int], reps: int) -> dict[str, list[float]]:
+    """`reps` pulls and plain copies, alternating (after one warm-up of each); the first pull is
+    checked bit for bit against the source."""
     import torch
 
+    from kvstore.kv_transfer import KVPages, PullRequest, pull_kv
+
+    dst = KVPages(case.kv(fill=False), BLOCK)
+    times: dict[str, list[float]] = {"kv": [], "plain": []}
+    for r in range(reps + 1):
+        pull = PullRequest(f"bench-{r}", case.token_ids, 0, "bench-cache", SECRET)
+        t0 = time.perf_counter()
+        res = await pull_kv(f"127.0.0.1:{ports['kv']}", pull, dst, case.dst_ids)
+        dt = time.perf_counter() - t0
+        if res.bytes != case.total:
+            raise RuntimeError(f"pull_kv moved {res.bytes} bytes, expected {case.total}")
+        if r == 0:
+            src = KVPages(case.kv(fill=True), BLOCK).blocks.index_select(2, torch.tensor(case.src_ids))  # fmt: skip
+            if not torch.equal(src, dst.blocks.index_select(2, torch.tensor(case.dst_ids))):
+                raise RuntimeError("the pulled KV differs from the source")
+            del src
+            dst.blocks.zero_()
+        else:
+            times["kv"].append(dt)
+        dt = await _plain_pull(ports["plain"], case.frames)
+        if r:
+            times["plain"].append(dt)
+    return times
+
+
+def _end(children: list[subprocess.Popen[bytes]]) -> None:
+    """Close the transfer servers' stdin (they exit), kill any that does not."""
+    for child in children:
+        with contextlib.suppress(OSError, ValueError):
+            assert child.stdin is not None
+            child.stdin.close()
+        try:
+            child.wait(10)
+        except subprocess.TimeoutExpired:
+            child.kill()
+            child.wait()
+
+
+def measure_transfer(model: Path, args: argparse.Namespace, cpus: list[int],
+                     logs: Path) -> dict[str, Any]:  # fmt: skip
+    """Sending side in a child process pinned to cpus[1], receiving side here on cpus[0] (as a
+    decode worker pulling from a prefill worker), or both in this process's event loop."""
+    import torch
+
+    case = transfer_case(model, args.transfer_tokens, args.seed)
     threads = torch.get_num_threads()
+    affinity = os.sched_getaffinity(0)
     torch.set_num_threads(1)  # as a worker started with --threads 1
+    children: list[subprocess.Popen[bytes]] = []
     try:
-        return asyncio.run(_transfer(model, args.transfer_tokens, args.transfer_reps, args.seed))
+        if args.transfer_in_process:
+
+            async def both() -> dict[str, list[float]]:
+                servers = {k: await _serve(k, case) for k in ("kv", "plain")}
+                try:
+                    return await _pulls(case, {k: p for k, (_, p) in servers.items()}, args.transfer_reps)  # fmt: skip
+                finally:
+                    for close, _ in servers.values():
+                        await close()
+
+            times = asyncio.run(both())
+            where = "both sides in this process, one event loop"
+        else:
+            ports = {}
+            for kind in ("kv", "plain"):
+                cmd = ["taskset", "-c", str(cpus[1]), sys.executable, "-m", "bench.disagg",
+                       "--transfer-server", kind, "--model", str(model), "--transfer-tokens",
+                       str(args.transfer_tokens), "--seed", str(args.seed)]  # fmt: skip
+                err = (logs / f"transfer-{kind}.log").open("wb")
+                child = subprocess.Popen(cmd, cwd=ROOT, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                         stderr=err, start_new_session=True)  # fmt: skip
+                children.append(child)
+                assert child.stdout is not None
+                line = child.stdout.readline()
+                if not line.strip().isdigit():
+                    child.wait(5)
+                    tail = (logs / f"transfer-{kind}.log").read_text(errors="replace")[-2000:]
+                    raise RuntimeError(f"the {kind} transfer server did not start:\n{tail}")
+                ports[kind] = int(line)
+            os.sched_setaffinity(0, {cpus[0]})
+            times = asyncio.run(_pulls(case, ports, args.transfer_reps))
+            where = f"sender: a process on CPU {cpus[1]}, receiver: this one on CPU {cpus[0]}"
+        _end(children)
+        os.sched_setaffinity(0, {cpus[0]})
+        parts = _components(case)
     finally:
+        _end(children)
+        os.sched_setaffinity(0, affinity)
         torch.set_num_threads(threads)
+    pull_gbs = case.total / statistics.median(times["kv"]) / 1e9
+    plain_gbs = case.total / statistics.median(times["plain"]) / 1e9
+    return {
+        "prompt_tokens": case.tokens,
+        "blocks": case.blocks,
+        "bytes": case.total,
+        "frames": len(case.frames),
+        "frame_bytes": max(case.frames),
+        "layout": {
+            "layers": case.layers,
+            "kv_heads": case.heads,
+            "head_dim": case.dim,
+            "dtype": case.dtype,
+            "block_size": BLOCK,
+        },
+        "where": where,
+        "reps": args.transfer_reps,
+        "pull_kv_gbs": pull_gbs,
+        "plain_copy_gbs": plain_gbs,
+        "ratio": pull_gbs / plain_gbs,
+        "pull_kv_s": times["kv"],
+        "plain_copy_s": times["plain"],
+        "components_gbs": parts,
+    }
 
 
 # ---------------------------------------------------------------------- report
@@ -707,8 +848,10 @@ def _met(ok: bool) -> str:
 
 
 def report(results: list[SetupResult], transfer: dict[str, Any] | None) -> dict[str, Any]:
-    print(f"\n{'setup':24} {'ITL p50':>8} {'ITL p99':>8} {'p99.9':>8} {'max':>8} "
-          f"{'TTFT short p50/p99':>19} {'TTFT long p50/max':>18} {'out tok/s':>10}")  # fmt: skip
+    print()
+    if results:
+        print(f"{'setup':24} {'ITL p50':>8} {'ITL p99':>8} {'p99.9':>8} {'max':>8} "
+              f"{'TTFT short p50/p99':>19} {'TTFT long p50/max':>18} {'out tok/s':>10}")  # fmt: skip
     for r in results:
         ttft_s = f"{_ms(_pct(r.ttft_steady, 0.5))} / {_ms(_pct(r.ttft_steady, 0.99))}"
         ttft_l = f"{_ms(_pct(r.ttft_long, 0.5))} / {_ms(max(r.ttft_long, default=math.nan))}"
@@ -753,7 +896,8 @@ def report(results: list[SetupResult], transfer: dict[str, Any] | None) -> dict[
         print(
             f"KV transfer ({t['prompt_tokens']}-token prompt: {t['blocks']} blocks, "
             f"{t['bytes'] / 1e6:.1f} MB in {t['frames']} frames of <= {t['frame_bytes'] / 1e6:.1f} "
-            f"MB; median of {t['reps']}): pull_kv {t['pull_kv_gbs']:.2f} GB/s, plain socket copy "
+            f"MB; {t['where']}; median of {t['reps']}): pull_kv {t['pull_kv_gbs']:.2f} GB/s, plain "
+            f"asyncio-stream copy "
             f"{t['plain_copy_gbs']:.2f} GB/s, ratio {t['ratio']:.2f}x (target >= "
             f"{TARGET_TRANSFER:.2f}x: {_met(t['ratio'] >= TARGET_TRANSFER)})"
         )
@@ -764,9 +908,12 @@ def report(results: list[SetupResult], transfer: dict[str, Any] | None) -> dict[
 
 def details(r: SetupResult) -> None:
     c = r.counts
-    print(f"\n({r.key}) {r.title}: {len(r.itl)} inter-token gaps, {len(r.ttft_steady)} steady and "
-          f"{len(r.ttft_long)} long first tokens, {r.tokens_in_window:.0f} output tokens in the "
-          f"{r.duration:.0f}s window; {c['tail_s']}s after it for the bursts")  # fmt: skip
+    stalls = [g for g in r.itl if g > 1.0]
+    print(f"\n({r.key}) {r.title}: {len(r.itl)} inter-token gaps ({len(stalls)} over 1 s, "
+          f"{len(stalls) / max(1, len(r.itl)):.2%} of them, {sum(stalls):.0f} s in all), "
+          f"{len(r.ttft_steady)} steady and {len(r.ttft_long)} long first tokens, "
+          f"{r.tokens_in_window:.0f} output tokens in the {r.duration:.0f}s window; "
+          f"{c['tail_s']}s after it for the bursts")  # fmt: skip
     for kind in ("steady", "long"):
         print(
             f"  {kind}: {c.get(f'{kind} sent', 0)} sent, {c.get(f'{kind} finished', 0)} finished, "
@@ -781,6 +928,9 @@ def details(r: SetupResult) -> None:
                 else ""
             )
         )
+    print("  long requests' TTFT, by when they were sent: " + ", ".join(
+        f"at {t:.1f}s: {f'{x:.1f}s' if x is not None else 'none'}"
+        for t, x in c["long requests (sent at s of the window, TTFT s)"]))  # fmt: skip
     print(f"  steady requests per worker: {c['workers of steady requests']}; long: "
           f"{c['workers of long requests']}")  # fmt: skip
     if c["errors"]:
@@ -803,11 +953,35 @@ def details(r: SetupResult) -> None:
 
 
 # ---------------------------------------------------------------------- main
+def _commit() -> str:
+    """The repository's HEAD, with "+dirty" when the working tree differs from it."""
+    try:
+        head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, text=True,
+                              capture_output=True, timeout=10).stdout.strip()  # fmt: skip
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=ROOT,
+                               text=True, capture_output=True, timeout=10).stdout.strip()  # fmt: skip
+    except (OSError, subprocess.SubprocessError):
+        return "unknown"
+    return head + ("+dirty" if dirty else "") if head else "unknown"
+
+
+def _finite(obj: Any) -> Any:
+    """NaN (no data) as null, so that the JSON file is valid JSON."""
+    if isinstance(obj, float) and not math.isfinite(obj):
+        return None
+    if isinstance(obj, dict):
+        return {k: _finite(v) for k, v in obj.items()}
+    if isinstance(obj, list | tuple):
+        return [_finite(v) for v in obj]
+    return obj
+
+
 def _resolve_model(arg: Path | None) -> Path:
     if arg is not None:
         model = arg.expanduser()
         if not (model / "config.json").is_file():
-            raise SystemExit(f"model not found: {model} (no config.json there)")
+            print(f"model not found: {model} (no config.json there)", file=sys.stderr)
+            raise SystemExit(2)
         return model.resolve()
     from runtime.cli import DEFAULT_CACHE
     from runtime.model_cache import DefaultModelUnavailableError, default_model_dir
@@ -815,10 +989,12 @@ def _resolve_model(arg: Path | None) -> Path:
     try:
         return Path(default_model_dir(DEFAULT_CACHE / "models"))
     except (DefaultModelUnavailableError, OSError) as e:
-        raise SystemExit(
+        print(
             f"the default model is unavailable: {e}\n(run `make run` or `make test` once to set "
-            "up the environment, or pass --model DIR)"
-        ) from e
+            "up the environment, or pass --model DIR)",
+            file=sys.stderr,
+        )
+        raise SystemExit(2) from e
 
 
 def _fit(model: Path, args: argparse.Namespace) -> list[str]:
@@ -881,6 +1057,10 @@ def main() -> int:
     ap.add_argument("--transfer-tokens", type=int, default=None,
                     help="prompt whose KV the transfer bench moves (default: --long-tokens)")  # fmt: skip
     ap.add_argument("--transfer-reps", type=int, default=8)
+    ap.add_argument("--transfer-in-process", action="store_true",
+                    help="both sides of the transfer bench in this process's event loop (default: "
+                    "the sending side in a process of its own on the other CPU)")  # fmt: skip
+    ap.add_argument("--transfer-server", choices=("kv", "plain"), help=argparse.SUPPRESS)
     ap.add_argument("--parts", default="transfer,a,b",
                     help="comma list of transfer, a, b (a subset to run)")  # fmt: skip
     ap.add_argument("--json", type=Path, help="write every figure here")
@@ -892,6 +1072,8 @@ def main() -> int:
 
     model = _resolve_model(args.model)
     notes = _fit(model, args)
+    if args.transfer_server:  # the sending side of the transfer bench, started by it
+        return transfer_server_main(args.transfer_server, model, args.transfer_tokens, args.seed)
     per_token = _kv_bytes_per_token(model)
     if args.kv_cache_bytes is None:
         need = args.concurrency * (args.short_tokens[1] + args.max_tokens) + 2 * args.burst_size * (
@@ -911,6 +1093,7 @@ def main() -> int:
 
     for sig in (signal.SIGTERM, signal.SIGHUP):
         signal.signal(sig, interrupt)
+    signal.signal(signal.SIGINT, signal.default_int_handler)  # even if started with it ignored
 
     print(
         f"bench/disagg.py {time.strftime('%Y-%m-%d %H:%M')} on {platform.node()}, "
@@ -926,7 +1109,7 @@ def main() -> int:
         f"load: {args.concurrency} steady streams (prompts {args.short_tokens[0]}-"
         f"{args.short_tokens[1]} tokens, {args.max_tokens} output tokens, greedy, ignore_eos) + "
         f"bursts of {args.burst_size} x {args.long_tokens}-token prompts ({args.long_max_tokens} "
-        f"output tokens) at {', '.join(f'{t:.1f}' for t in wl.bursts) or 'no times'} s of a "
+        f"output tokens) at {', '.join(f'{t:.1f}s' for t in wl.bursts) or 'no time'} of a "
         f"{args.duration:.0f}s window (seed {args.seed}); gateway --disagg-min-tokens "
         f"{args.disagg_min_tokens}"
     )
@@ -941,11 +1124,6 @@ def main() -> int:
     results: list[SetupResult] = []
     transfer = None
     try:
-        if "transfer" in parts:
-            log(
-                f"KV transfer bench: {args.transfer_tokens}-token prompt, {args.transfer_reps} reps"
-            )
-            transfer = measure_transfer(model, args)
         with contextlib.ExitStack() as stack:
             if args.keep_logs:
                 logs = args.keep_logs / time.strftime("%Y%m%d-%H%M%S")
@@ -953,6 +1131,10 @@ def main() -> int:
                 log(f"process logs in {logs}")
             else:
                 logs = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="ei-disagg-")))
+            if "transfer" in parts:
+                log(f"KV transfer bench: the KV of a {args.transfer_tokens}-token prompt, "
+                    f"{args.transfer_reps} reps")  # fmt: skip
+                transfer = measure_transfer(model, args, cpus, logs)
             for key, title, roles in SETUPS:
                 if key in parts:
                     results.append(run_setup(key, title, roles, model, served, cpus, wl, args,
@@ -969,6 +1151,7 @@ def main() -> int:
             "host": platform.node(),
             "cpus": os.cpu_count(),
             "model": str(model),
+            "commit": _commit(),
             "args": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
             "bursts_s": wl.bursts,
             "setups": [r.summary() for r in results],
@@ -976,7 +1159,7 @@ def main() -> int:
             "transfer": transfer,
             "notes": notes,
         }
-        args.json.write_text(json.dumps(out, indent=2, default=str))
+        args.json.write_text(json.dumps(_finite(out), indent=2, default=str))
         print(f"\nwrote {args.json}")
     return 0
 
