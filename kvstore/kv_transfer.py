@@ -13,10 +13,10 @@ prefill worker over one streaming connection, in large frames, layer range by la
     sizes and checksums verified
     ACK ───────────────────────────────────────────────▶  free the held blocks (or at the deadline)
 
-Every frame is a fixed 34-byte header and a payload:
+Every frame is a fixed 38-byte header and a payload:
 
     magic "EIKV" · kind u8 · pad · layer_start u16 · layer_count u16 · block_start u32 ·
-    block_count u32 · request_tag u64 · payload_len u32 · crc32(payload) u32
+    block_count u32 · request_tag u64 · payload_len u32 · xxh3_64(payload) u64
 
 Control frames (PULL, ACCEPT, END, ACK, ERROR) carry JSON; DATA frames carry the keys and values
 of `layer_count` layers for `block_count` blocks (block indices within the request's block table,
@@ -24,8 +24,12 @@ not physical ids), laid out (layers, 2, blocks, block_size, kv_heads, head_dim) 
 dtype. `request_tag` (8 bytes of BLAKE2b of the request id) names the request in every frame.
 
 The transport is one interface (`pull_kv` on the decode side, `KVTransferServer` on the prefill
-side) over asyncio TCP streams; a GPU transport (NCCL send/recv) takes the same PULL/ACCEPT/END
-exchange with DATA moved device to device. This is the only kvstore module that imports torch.
+side) over asyncio TCP sockets (`FrameConn`); a GPU transport (NCCL send/recv) takes the same
+PULL/ACCEPT/END exchange with DATA moved device to device. No copy is made on either side where
+the blocks are consecutive in the cache (the usual case: a request's blocks are handed out in
+order): the prefill side sends straight from the cache tensor, the decode side receives straight
+into it, and each hashes the same memory (xxh3, ~10 GB/s). Scattered blocks go through one
+gather or scatter copy. This is the only kvstore module that imports torch.
 """
 
 from __future__ import annotations
@@ -35,25 +39,26 @@ import contextlib
 import hashlib
 import hmac
 import logging
+import socket
 import struct
 import warnings
-import zlib
 from collections.abc import AsyncIterator, Awaitable, Callable
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass
 from typing import Any
 
 import orjson
 import torch
+import xxhash
 
 log = logging.getLogger("edgeinfer.kv_transfer")
 
 MAGIC = b"EIKV"
-HEADER = struct.Struct("<4sBxHHIIQII")
+HEADER = struct.Struct("<4sBxHHIIQIQ")
 PULL, ACCEPT, DATA, END, ACK, ERROR = 1, 2, 3, 4, 5, 6
 KIND_NAMES = {PULL: "PULL", ACCEPT: "ACCEPT", DATA: "DATA", END: "END", ACK: "ACK", ERROR: "ERROR"}
 MAX_CONTROL_BYTES = 16 << 20  # a PULL carries the prompt's token ids; nothing else is large
 DEFAULT_FRAME_BYTES = 8 << 20  # DATA frames hold whole layers up to about this size
+MIN_RUN_BYTES = 64 << 10  # below this average, scattered blocks are gathered into one buffer
 
 
 class KVTransferError(RuntimeError):
@@ -104,12 +109,30 @@ class KVPages:
         # (layers, 2, num_blocks, block_size, kv_heads, head_dim)
         self.blocks = kv.view(layers, 2, slots // block_size, block_size, heads, dim)
 
+    def runs(self, layers: slice, block_ids: list[int]) -> list[memoryview]:
+        """The memory of blocks `block_ids` of `layers`, in frame payload order (layer, then
+        keys / values, then block), as few contiguous byte views as their ids allow."""
+        spans: list[tuple[int, int]] = []
+        for b in block_ids:
+            if spans and spans[-1][1] == b:
+                spans[-1] = (spans[-1][0], b + 1)
+            else:
+                spans.append((b, b + 1))
+        views = []
+        for layer in self.blocks[layers]:
+            for kv in layer:  # keys, values: (num_blocks, block_size, heads, dim)
+                for a, b in spans:
+                    views.append(memoryview(kv[a:b].numpy()).cast("B"))  # type: ignore[arg-type]
+        return views
+
     def read(self, layers: slice, block_ids: list[int]) -> torch.Tensor:
         """A contiguous copy (layer_count, 2, len(block_ids), block_size, heads, dim)."""
         index = torch.tensor(block_ids, dtype=torch.int64)
         return self.blocks[layers].index_select(2, index)
 
-    def write(self, layers: slice, block_ids: list[int], payload: bytes | memoryview) -> None:
+    def write(
+        self, layers: slice, block_ids: list[int], payload: bytes | bytearray | memoryview
+    ) -> None:
         lay = self.layout
         count = len(range(*layers.indices(lay.num_layers)))
         with warnings.catch_warnings():  # a read-only buffer: it is only read from
@@ -148,14 +171,20 @@ ReleaseFn = Callable[[str], Awaitable[None]]
 
 def _frame(kind: int, tag: int, payload: bytes | memoryview = b"", *, layers: tuple[int, int] = (0, 0),
            blocks: tuple[int, int] = (0, 0)) -> bytes:  # fmt: skip
-    return HEADER.pack(MAGIC, kind, layers[0], layers[1], blocks[0], blocks[1], tag,
-                       len(payload), zlib.crc32(payload))  # fmt: skip
+    """The header of a frame whose payload is one buffer."""
+    return _header(kind, tag, len(payload), xxhash.xxh3_64_intdigest(payload), layers, blocks)
 
 
-async def _write_control(writer: asyncio.StreamWriter, kind: int, tag: int, obj: Any) -> None:
-    body = orjson.dumps(obj)
-    writer.write(_frame(kind, tag, body) + body)
-    await writer.drain()
+def _header(kind: int, tag: int, length: int, digest: int, layers: tuple[int, int] = (0, 0),
+            blocks: tuple[int, int] = (0, 0)) -> bytes:  # fmt: skip
+    return HEADER.pack(MAGIC, kind, layers[0], layers[1], blocks[0], blocks[1], tag, length, digest)
+
+
+def _digest(views: list[memoryview]) -> int:
+    h = xxhash.xxh3_64()
+    for v in views:
+        h.update(v)
+    return h.intdigest()
 
 
 @dataclass(slots=True)
@@ -167,36 +196,79 @@ class _Header:
     block_count: int
     tag: int
     length: int
-    crc: int
+    digest: int
 
 
-async def _read_header(reader: asyncio.StreamReader) -> _Header:
-    raw = await reader.readexactly(HEADER.size)
-    magic, *fields = HEADER.unpack(raw)
-    if magic != MAGIC:
-        raise KVTransferError(f"bad frame magic {magic!r}")
-    h = _Header(*fields)
-    if h.kind not in KIND_NAMES:
-        raise KVTransferError(f"unknown frame kind {h.kind}")
-    return h
+class FrameConn:
+    """One transfer connection: a non-blocking TCP socket driven by the event loop, sending
+    from and receiving into caller buffers (no stream buffer in between)."""
 
+    def __init__(self, sock: socket.socket) -> None:
+        sock.setblocking(False)
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        self.sock = sock
+        self.loop = asyncio.get_running_loop()
 
-async def _read_payload(reader: asyncio.StreamReader, h: _Header) -> bytes:
-    payload = await reader.readexactly(h.length)
-    if zlib.crc32(payload) != h.crc:
-        raise KVTransferError(f"{KIND_NAMES[h.kind]} frame failed its checksum")
-    return payload
+    @classmethod
+    async def connect(cls, host: str, port: int) -> FrameConn:
+        infos = await asyncio.get_running_loop().getaddrinfo(host, port, type=socket.SOCK_STREAM)
+        family, kind, proto, _, addr = infos[0]
+        sock = socket.socket(family, kind, proto)
+        try:
+            sock.setblocking(False)
+            await asyncio.get_running_loop().sock_connect(sock, addr)
+        except BaseException:
+            sock.close()
+            raise
+        return cls(sock)
 
+    async def send(self, *views: bytes | memoryview) -> None:
+        for v in views:
+            await self.loop.sock_sendall(self.sock, v)
 
-async def _read_control(reader: asyncio.StreamReader, tag: int | None) -> tuple[int, Any]:
-    h = await _read_header(reader)
-    if h.kind == DATA:
-        raise KVTransferError("a DATA frame where a control frame was expected")
-    if h.length > MAX_CONTROL_BYTES:
-        raise KVTransferError(f"control frame of {h.length} bytes (limit {MAX_CONTROL_BYTES})")
-    if tag is not None and h.tag != tag:
-        raise KVTransferError("frame for another request")
-    return h.kind, orjson.loads(await _read_payload(reader, h))
+    async def recv_into(self, view: memoryview) -> None:
+        """Fill `view` exactly; IncompleteReadError when the peer closes first."""
+        want, got = len(view), 0
+        while got < want:
+            n = await self.loop.sock_recv_into(self.sock, view[got:])
+            if n == 0:
+                raise asyncio.IncompleteReadError(bytes(view[:got]), want)
+            got += n
+
+    async def recv(self, n: int) -> bytearray:
+        buf = bytearray(n)
+        await self.recv_into(memoryview(buf))
+        return buf
+
+    async def send_control(self, kind: int, tag: int, obj: Any) -> None:
+        body = orjson.dumps(obj)
+        await self.send(_frame(kind, tag, body) + body)
+
+    async def read_header(self) -> _Header:
+        magic, *fields = HEADER.unpack(await self.recv(HEADER.size))
+        if magic != MAGIC:
+            raise KVTransferError(f"bad frame magic {magic!r}")
+        h = _Header(*fields)
+        if h.kind not in KIND_NAMES:
+            raise KVTransferError(f"unknown frame kind {h.kind}")
+        return h
+
+    async def read_control(self, tag: int | None, h: _Header | None = None) -> tuple[int, Any]:
+        """A control frame (its header already read when `h` is given): (kind, JSON body)."""
+        h = h or await self.read_header()
+        if h.kind == DATA:
+            raise KVTransferError("a DATA frame where a control frame was expected")
+        if h.length > MAX_CONTROL_BYTES:
+            raise KVTransferError(f"control frame of {h.length} bytes (limit {MAX_CONTROL_BYTES})")
+        if tag is not None and h.tag != tag:
+            raise KVTransferError("frame for another request")
+        payload = await self.recv(h.length)
+        if xxhash.xxh3_64_intdigest(payload) != h.digest:
+            raise KVTransferError(f"{KIND_NAMES[h.kind]} frame failed its checksum")
+        return h.kind, orjson.loads(payload)
+
+    def close(self) -> None:
+        self.sock.close()
 
 
 # ---------------------------------------------------------------------- the prefill side
@@ -215,7 +287,9 @@ class KVTransferServer:
         self.release = release
         self.hold_s = hold_s
         self.frame_bytes = frame_bytes
-        self.server: asyncio.Server | None = None
+        self._listener: socket.socket | None = None
+        self._accepting: asyncio.Task[None] | None = None
+        self._serving: set[asyncio.Task[None]] = set()
         self.active = 0  # pulls being served now
         self.bytes_sent = 0  # DATA payload bytes, since start
         self.pulls_served = 0  # pulls acknowledged, since start
@@ -223,43 +297,58 @@ class KVTransferServer:
 
     async def start(self, host: str, port: int) -> int:
         """Listen; returns the port (a free one when `port` is 0)."""
-        self.server = await asyncio.start_server(self._serve, host, port, limit=1 << 20)
-        return int(self.server.sockets[0].getsockname()[1])
+        self._listener = socket.create_server((host, port), backlog=128, reuse_port=False)
+        self._listener.setblocking(False)
+        self._accepting = asyncio.ensure_future(self._accept(self._listener))
+        return int(self._listener.getsockname()[1])
+
+    async def _accept(self, listener: socket.socket) -> None:
+        loop = asyncio.get_running_loop()
+        while True:
+            sock, _ = await loop.sock_accept(listener)
+            task = asyncio.ensure_future(self._serve(FrameConn(sock)))
+            self._serving.add(task)
+            task.add_done_callback(self._serving.discard)
 
     async def close(self) -> None:
-        if self.server is not None:
-            self.server.close()
-            with contextlib.suppress(Exception):
-                await self.server.wait_closed()
+        if self._accepting is not None:
+            self._accepting.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._accepting
+        if self._listener is not None:
+            self._listener.close()
+        for task in list(self._serving):
+            task.cancel()
+        if self._serving:
+            await asyncio.wait(self._serving, timeout=5)
 
-    async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+    async def _serve(self, conn: FrameConn) -> None:
         self.active += 1
         pull: PullRequest | None = None
         tag = 0
         try:
-            kind, body = await asyncio.wait_for(_read_control(reader, None), timeout=10)
+            kind, body = await asyncio.wait_for(conn.read_control(None), timeout=10)
             if kind != PULL:
                 raise KVTransferError(f"expected PULL, got {KIND_NAMES[kind]}")
             pull = PullRequest(**body)
             tag = request_tag(pull.request_id)
             if not hmac.compare_digest(pull.secret.encode(), self.secret.encode()):
-                await _write_control(writer, ERROR, tag, {"message": "wrong shared secret"})
+                await conn.send_control(ERROR, tag, {"message": "wrong shared secret"})
                 return
             if pull.cache_id != self.cache_id:
-                await _write_control(writer, ERROR, tag, {"message": (
+                await conn.send_control(ERROR, tag, {"message": (
                     f"KV layout differs: this worker's cache id is {self.cache_id!r}, "
                     f"the puller's {pull.cache_id!r}")})  # fmt: skip
                 return
             bs = self.pages.layout.block_size
             total = -(-len(pull.token_ids) // bs)
             if not 0 <= pull.first_block < total:
-                await _write_control(writer, ERROR, tag, {"message": (
+                await conn.send_control(ERROR, tag, {"message": (
                     f"first_block {pull.first_block} outside [0, {total})")})  # fmt: skip
                 return
-            await _write_control(writer, ACCEPT, tag, {"num_blocks": total - pull.first_block,
-                                                       "layout": asdict(self.pages.layout)})  # fmt: skip
-            acked = await self._stream(pull, tag, reader, writer, total)
-            if acked:
+            await conn.send_control(ACCEPT, tag, {"num_blocks": total - pull.first_block,
+                                                  "layout": asdict(self.pages.layout)})  # fmt: skip
+            if await self._stream(pull, tag, conn, total):
                 self.pulls_served += 1
             else:
                 self.pulls_failed += 1
@@ -268,7 +357,7 @@ class KVTransferServer:
             self.pulls_failed += 1
             log.warning("kv pull %s failed: %s", pull.request_id if pull else "?", e)
             with contextlib.suppress(Exception):
-                await _write_control(writer, ERROR, tag, {"message": str(e)})
+                await conn.send_control(ERROR, tag, {"message": str(e)})
         finally:
             if pull is not None:
                 try:
@@ -276,35 +365,33 @@ class KVTransferServer:
                 except Exception as e:  # the engine is shutting down: its blocks go with it
                     log.warning("kv pull %s: release failed: %s", pull.request_id, e)
             self.active -= 1
-            writer.close()
-            with contextlib.suppress(Exception):
-                await writer.wait_closed()
+            conn.close()
 
-    async def _stream(self, pull: PullRequest, tag: int, reader: asyncio.StreamReader,
-                      writer: asyncio.StreamWriter, total: int) -> bool:  # fmt: skip
+    async def _stream(self, pull: PullRequest, tag: int, conn: FrameConn, total: int) -> bool:
         """Send blocks as the prefill completes them; then END, then wait for the ACK."""
         bs = self.pages.layout.block_size
         sent = pull.first_block  # blocks sent so far (by index in the request's table)
         frames = 0
         cached = 0
         # the puller hanging up aborts the prefill: watch the connection while streaming
-        hangup = asyncio.ensure_future(reader.read(1))
+        hangup = asyncio.ensure_future(conn.read_header())
         try:
             async for progress in self.export(pull):
                 cached = progress.cached_tokens
                 ready = total if progress.done else progress.computed_tokens // bs
                 if ready > sent:
-                    frames += await self._send_blocks(writer, tag, progress.block_ids, sent, ready)
+                    frames += await self._send_blocks(conn, tag, progress.block_ids, sent, ready)
                     sent = ready
                 if hangup.done():
                     raise ConnectionError("the puller hung up")
             if sent < total:
                 raise KVTransferError(f"the prefill ended with {sent} of {total} blocks computed")
-            await _write_control(writer, END, tag, {"frames": frames, "cached_tokens": cached})
-            data = await asyncio.wait_for(hangup, timeout=self.hold_s)
-            if not data:
+            await conn.send_control(END, tag, {"frames": frames, "cached_tokens": cached})
+            try:
+                h = await asyncio.wait_for(asyncio.shield(hangup), timeout=self.hold_s)
+            except asyncio.IncompleteReadError:
                 return False  # hung up without acknowledging
-            kind, _ = await _read_control_after(data, reader, tag)
+            kind, _ = await conn.read_control(tag, h)
             return kind == ACK
         except TimeoutError:
             log.warning("kv pull %s: no acknowledgement in %.0f s; freeing its blocks",
@@ -312,48 +399,30 @@ class KVTransferServer:
             return False
         finally:
             hangup.cancel()
+            with contextlib.suppress(BaseException):
+                await hangup
 
-    async def _send_blocks(self, writer: asyncio.StreamWriter, tag: int, table: list[int],
-                           start: int, end: int) -> int:  # fmt: skip
-        """DATA frames for blocks [start, end) of the request, whole layers per frame."""
+    async def _send_blocks(self, conn: FrameConn, tag: int, table: list[int], start: int,
+                           end: int) -> int:  # fmt: skip
+        """DATA frames for blocks [start, end) of the request, whole layers per frame, sent
+        straight from the cache where the blocks are consecutive."""
         lay = self.pages.layout
         ids = table[start:end]
         per_layer = lay.bytes_per_layer_block() * len(ids)
         step = max(1, self.frame_bytes // per_layer)
-        ranges = [(l0, min(lay.num_layers, l0 + step)) for l0 in range(0, lay.num_layers, step)]
-
-        def pack(l0: int, l1: int) -> tuple[bytes, memoryview]:
-            # off the event loop: the gather copy and the checksum of one frame
-            data = self.pages.read(slice(l0, l1), ids)
-            payload = memoryview(data.numpy()).cast("B")  # type: ignore[arg-type]
-            return _frame(
-                DATA, tag, payload, layers=(l0, l1 - l0), blocks=(start, len(ids))
-            ), payload
-
-        # one frame ahead: the next frame is packed while this one goes out
-        loop = asyncio.get_running_loop()
-        ahead = loop.run_in_executor(None, pack, *ranges[0])
-        for i in range(len(ranges)):
-            header, payload = await ahead
-            if i + 1 < len(ranges):
-                ahead = loop.run_in_executor(None, pack, *ranges[i + 1])
-            writer.write(header)
-            writer.write(payload)
-            await writer.drain()
-            self.bytes_sent += len(payload)
-        return len(ranges)
-
-
-async def _read_control_after(first: bytes, reader: asyncio.StreamReader,
-                              tag: int) -> tuple[int, Any]:  # fmt: skip
-    """A control frame whose first byte was already read (the hang-up watch took it)."""
-    rest = await reader.readexactly(HEADER.size - 1)
-    buffered = asyncio.StreamReader()
-    buffered.feed_data(first + rest)
-    h = await _read_header(buffered)
-    if h.tag != tag or h.length > MAX_CONTROL_BYTES:
-        raise KVTransferError("bad acknowledgement frame")
-    return h.kind, orjson.loads(await _read_payload(reader, h))
+        frames = 0
+        for l0 in range(0, lay.num_layers, step):
+            l1 = min(lay.num_layers, l0 + step)
+            views = self.pages.runs(slice(l0, l1), ids)
+            if (l1 - l0) * per_layer < MIN_RUN_BYTES * len(views):  # scattered: gather once
+                gathered = self.pages.read(slice(l0, l1), ids)
+                views = [memoryview(gathered.numpy()).cast("B")]  # type: ignore[arg-type]
+            length = sum(len(v) for v in views)
+            header = _header(DATA, tag, length, _digest(views), (l0, l1 - l0), (start, len(ids)))
+            await conn.send(header, *views)
+            self.bytes_sent += length
+            frames += 1
+        return frames
 
 
 # ---------------------------------------------------------------------- the decode side
@@ -365,43 +434,23 @@ class PullResult:
     cached_tokens: int  # tokens the prefill side took from its own prefix cache
 
 
-def _land(pages: KVPages, layers: slice, blocks: list[int], payload: bytes, crc: int) -> None:
-    """Check a DATA payload's checksum and copy it into its blocks (on the landing thread)."""
-    if zlib.crc32(payload) != crc:
-        raise KVTransferError("DATA frame failed its checksum")
-    pages.write(layers, blocks, payload)
-
-
 async def pull_kv(addr: str, pull: PullRequest, pages: KVPages, dst_blocks: list[int],
                   connect_timeout_s: float = 2.0, idle_timeout_s: float = 300.0) -> PullResult:  # fmt: skip
     """Pull blocks [pull.first_block, ...) of the request's KV from `addr` ("host:port") into
     `dst_blocks` of `pages` (one destination per block pulled). Every frame is checked: the
     request tag, the layer and block ranges, the size, the checksum; every (layer, block) must
     arrive exactly once. Raises KVTransferError; the destination blocks then hold garbage and
-    must be freed by the caller. Frames land (checksum, copy) on a thread of their own while
-    the next one is read; nothing writes to the blocks once this returns or raises."""
-    with ThreadPoolExecutor(1, thread_name_prefix="kv-land") as landing:
-        return await _pull(addr, pull, pages, dst_blocks, connect_timeout_s, idle_timeout_s,
-                           landing)  # fmt: skip
-
-
-async def _pull(addr: str, pull: PullRequest, pages: KVPages, dst_blocks: list[int],
-                connect_timeout_s: float, idle_timeout_s: float,
-                landing: ThreadPoolExecutor) -> PullResult:  # fmt: skip
-    loop = asyncio.get_running_loop()
-    landed: list[asyncio.Future[None]] = []
+    must be freed by the caller. Nothing writes to them once this returns or raises."""
     host, _, port = addr.rpartition(":")
     tag = request_tag(pull.request_id)
     lay = pages.layout
     try:
-        reader, writer = await asyncio.wait_for(
-            asyncio.open_connection(host, int(port), limit=1 << 20), timeout=connect_timeout_s
-        )
+        conn = await asyncio.wait_for(FrameConn.connect(host, int(port)), connect_timeout_s)
     except (OSError, TimeoutError, ValueError) as e:
         raise KVTransferError(f"cannot reach the prefill worker at {addr}: {e!r}") from e
     try:
-        await _write_control(writer, PULL, tag, asdict(pull))
-        kind, body = await asyncio.wait_for(_read_control(reader, tag), idle_timeout_s)
+        await conn.send_control(PULL, tag, asdict(pull))
+        kind, body = await asyncio.wait_for(conn.read_control(tag), idle_timeout_s)
         if kind == ERROR:
             raise KVTransferError(f"the prefill worker refused: {body.get('message')}", False)
         if kind != ACCEPT:
@@ -416,17 +465,15 @@ async def _pull(addr: str, pull: PullRequest, pages: KVPages, dst_blocks: list[i
         received = torch.zeros(lay.num_layers, len(dst_blocks), dtype=torch.bool)
         nbytes = frames = 0
         while True:
-            h = await asyncio.wait_for(_read_header(reader), idle_timeout_s)
+            h = await asyncio.wait_for(conn.read_header(), idle_timeout_s)
             if h.tag != tag:
                 raise KVTransferError("frame for another request")
             if h.kind != DATA:
-                if h.length > MAX_CONTROL_BYTES:
-                    raise KVTransferError(f"control frame of {h.length} bytes")
-                body = orjson.loads(await _read_payload(reader, h))
-                if h.kind == ERROR:
+                kind, body = await conn.read_control(tag, h)
+                if kind == ERROR:
                     raise KVTransferError(f"the prefill worker failed: {body.get('message')}")
-                if h.kind != END:
-                    raise KVTransferError(f"unexpected {KIND_NAMES[h.kind]} frame")
+                if kind != END:
+                    raise KVTransferError(f"unexpected {KIND_NAMES[kind]} frame")
                 break
             b0, nb = h.block_start - first, h.block_count
             l0, nl = h.layer_start, h.layer_count
@@ -437,26 +484,19 @@ async def _pull(addr: str, pull: PullRequest, pages: KVPages, dst_blocks: list[i
             expect = nl * nb * lay.bytes_per_layer_block()
             if h.length != expect:
                 raise KVTransferError(f"DATA frame of {h.length} bytes, expected {expect}")
-            payload = await asyncio.wait_for(reader.readexactly(h.length), idle_timeout_s)
             if received[l0 : l0 + nl, b0 : b0 + nb].any():
                 raise KVTransferError("a block arrived twice")
-            if landed:
-                await landed.pop()  # one frame lands while the next is read
             layers, blocks = slice(l0, l0 + nl), dst_blocks[b0 : b0 + nb]
-            landed.append(
-                loop.run_in_executor(landing, _land, pages, layers, blocks, payload, h.crc)
-            )
+            await asyncio.wait_for(_land(conn, pages, layers, blocks, h), idle_timeout_s)
             received[l0 : l0 + nl, b0 : b0 + nb] = True
             nbytes += h.length
             frames += 1
-        if landed:
-            await landed.pop()
         if not bool(received.all()):
             missing = int((~received).sum())
             raise KVTransferError(f"the transfer ended with {missing} (layer, block) pairs missing")
         if body.get("frames") != frames:
             raise KVTransferError(f"END says {body.get('frames')} frames, {frames} arrived")
-        await _write_control(writer, ACK, tag, {})
+        await conn.send_control(ACK, tag, {})
         return PullResult(len(dst_blocks), nbytes, frames, int(body.get("cached_tokens", 0)))
     except asyncio.IncompleteReadError as e:
         raise KVTransferError(
@@ -468,6 +508,21 @@ async def _pull(addr: str, pull: PullRequest, pages: KVPages, dst_blocks: list[i
     except (KeyError, TypeError, orjson.JSONDecodeError) as e:
         raise KVTransferError(f"malformed control frame: {e!r}") from e
     finally:
-        writer.close()
-        with contextlib.suppress(Exception):
-            await writer.wait_closed()
+        conn.close()
+
+
+async def _land(conn: FrameConn, pages: KVPages, layers: slice, blocks: list[int],
+                h: _Header) -> None:  # fmt: skip
+    """Receive a DATA payload into its blocks (straight into the cache where they are
+    consecutive, else through one buffer and a scatter) and check its checksum."""
+    views = pages.runs(layers, blocks)
+    if h.length < MIN_RUN_BYTES * len(views):
+        payload = await conn.recv(h.length)
+        if xxhash.xxh3_64_intdigest(payload) != h.digest:
+            raise KVTransferError("DATA frame failed its checksum")
+        pages.write(layers, blocks, payload)
+        return
+    for v in views:
+        await conn.recv_into(v)
+    if _digest(views) != h.digest:
+        raise KVTransferError("DATA frame failed its checksum")

@@ -261,10 +261,10 @@ def test_decode_side_gone_frees_the_prefill_blocks(split: Split) -> None:
     pull = PullRequest("vanish", list(range(3, 300)), 0, stats["cache_id"], SECRET)
 
     async def pull_and_vanish() -> None:
-        writer = await pull_without_ack(stats["kv_addr"], pull)
+        conn = await pull_without_ack(stats["kv_addr"], pull)
         s = worker_stats(split.prefill)
         assert s["kv_exports_held"] == 1 and s["free_kv_blocks"] < s["total_kv_blocks"]
-        writer.transport.abort()  # dies without a word
+        conn.close()  # dies without a word
 
     asyncio.run(pull_and_vanish())
     _settled(split.prefill)

@@ -11,10 +11,11 @@ from __future__ import annotations
 
 import asyncio
 import struct
-from collections.abc import Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import asdict
 from pathlib import Path
 
+import orjson
 import pytest
 import torch
 
@@ -22,6 +23,8 @@ from kvstore import kv_transfer
 from kvstore.kv_transfer import (
     DATA,
     HEADER,
+    ExportProgress,
+    FrameConn,
     KVPages,
     KVTransferError,
     KVTransferServer,
@@ -218,14 +221,17 @@ async def _evil_server(mutate: Callable[[bytes], bytes | None]) -> tuple[asyncio
     """A peer that answers a pull like the real one would, but passes its DATA frames through
     `mutate` (None: hang up there)."""
 
+    def control(kind: int, tag: int, obj: object) -> bytes:
+        body = orjson.dumps(obj)
+        return kv_transfer._frame(kind, tag, body) + body
+
     async def serve(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        _kind, body = await kv_transfer._read_control(reader, None)
-        pull = PullRequest(**body)
+        head = HEADER.unpack(await reader.readexactly(HEADER.size))
+        pull = PullRequest(**orjson.loads(await reader.readexactly(head[7])))
         tag = kv_transfer.request_tag(pull.request_id)
         layout = {"num_layers": 5, "block_size": BS, "num_kv_heads": 4, "head_dim": 8,
                   "dtype": "float32"}  # fmt: skip
-        await kv_transfer._write_control(writer, kv_transfer.ACCEPT, tag,
-                                         {"num_blocks": 1, "layout": layout})  # fmt: skip
+        writer.write(control(kv_transfer.ACCEPT, tag, {"num_blocks": 1, "layout": layout}))
         payload = torch.ones(5, 2, 1, BS, 4, 8).numpy().tobytes()
         frame = kv_transfer._frame(DATA, tag, payload, layers=(0, 5), blocks=(0, 1)) + payload
         out = mutate(frame)
@@ -234,8 +240,7 @@ async def _evil_server(mutate: Callable[[bytes], bytes | None]) -> tuple[asyncio
             await writer.drain()
             writer.close()
             return
-        writer.write(out)
-        await kv_transfer._write_control(writer, kv_transfer.END, tag, {"frames": 1})
+        writer.write(out + control(kv_transfer.END, tag, {"frames": 1}))
         await reader.read(1)
         writer.close()
 
@@ -305,18 +310,19 @@ def test_unreachable_source_and_wrong_secret(engines) -> None:  # type: ignore[n
     asyncio.run(main())
 
 
-async def pull_without_ack(addr: str, pull: PullRequest) -> asyncio.StreamWriter:
+async def pull_without_ack(addr: str, pull: PullRequest) -> FrameConn:
     """A puller that reads every frame up to END and then says nothing (a decode worker that
     died, or hangs); returns its open connection."""
     host, port = addr.rsplit(":", 1)
-    reader, writer = await asyncio.open_connection(host, int(port))
-    tag = kv_transfer.request_tag(pull.request_id)
-    await kv_transfer._write_control(writer, kv_transfer.PULL, tag, asdict(pull))
+    conn = await FrameConn.connect(host, int(port))
+    await conn.send_control(
+        kv_transfer.PULL, kv_transfer.request_tag(pull.request_id), asdict(pull)
+    )
     while True:
-        h = await kv_transfer._read_header(reader)
-        await reader.readexactly(h.length)
+        h = await conn.read_header()
+        await conn.recv(h.length)
         if h.kind == kv_transfer.END:
-            return writer
+            return conn
 
 
 def test_puller_that_never_acknowledges_is_released_at_the_deadline(engines) -> None:  # type: ignore[no-untyped-def]
@@ -326,14 +332,14 @@ def test_puller_that_never_acknowledges_is_released_at_the_deadline(engines) -> 
     async def main() -> None:
         async def body(addr: str, server: KVTransferServer) -> None:
             pull = PullRequest("silent", prompt, 0, prefill.engine.cache_id, SECRET)
-            writer = await pull_without_ack(addr, pull)
+            conn = await pull_without_ack(addr, pull)
             await _settled(prefill)
             assert _allocated(prefill) == 5  # held for the puller
             await asyncio.sleep(1.5)  # past hold_s
             await _settled(prefill)
             assert _allocated(prefill) == 0
             assert server.pulls_failed == 1
-            writer.close()
+            conn.close()
 
         await _with_server(prefill, body, hold_s=1.0)
 
@@ -341,9 +347,9 @@ def test_puller_that_never_acknowledges_is_released_at_the_deadline(engines) -> 
 
 
 def test_frame_header_layout() -> None:
-    assert HEADER.size == 34
+    assert HEADER.size == 38
     raw = kv_transfer._frame(DATA, 5, b"abc", layers=(2, 3), blocks=(4, 1))
-    magic, kind, l0, nl, b0, nb, tag, length, _crc = struct.unpack("<4sBxHHIIQII", raw)
+    magic, kind, l0, nl, b0, nb, tag, length, _digest = struct.unpack("<4sBxHHIIQIQ", raw)
     assert (magic, kind, l0, nl, b0, nb, tag, length) == (b"EIKV", DATA, 2, 3, 4, 1, 5, 3)
 
 
@@ -372,3 +378,51 @@ def test_blocks_stream_while_a_chunked_prefill_computes(stories_dir: Path, engin
         asyncio.run(main())
     finally:
         chunked.shutdown()
+
+
+@pytest.mark.parametrize(
+    "src, dst",
+    [
+        (list(range(10, 40)), list(range(50, 80))),  # consecutive: sent and received in place
+        (list(range(10, 40)), list(range(99, 39, -2))),  # scattered destination: one scatter
+        (list(range(70, 10, -2)), list(range(50, 80))),  # scattered source: one gather
+    ],
+)
+def test_in_place_and_scattered_paths_are_bit_exact(src: list[int], dst: list[int]) -> None:
+    """A cache of realistic block size (16 KB per layer's keys): blocks consecutive in the cache
+    move without a copy, scattered ones through one buffer; both arrive bit-exact, in frames
+    of several layers, and a pull of part of them (first_block) moves only that part."""
+    layers, heads, dim = 6, 4, 64
+    g = torch.Generator().manual_seed(0)
+    src_kv = torch.randn(layers, 2, 128 * BS, heads, dim, generator=g)
+    dst_kv = torch.zeros_like(src_kv)
+    src_pages, dst_pages = KVPages(src_kv, BS), KVPages(dst_kv, BS)
+    tokens = list(range(len(src) * BS - 3))  # the last block partly filled
+
+    async def export(pull: PullRequest) -> AsyncIterator[ExportProgress]:
+        yield ExportProgress(len(pull.token_ids) // 2, src, False)  # half, then the rest
+        yield ExportProgress(len(pull.token_ids), src, True)
+
+    async def release(request_id: str) -> None:
+        return None
+
+    async def main() -> None:
+        server = KVTransferServer(src_pages, "c", SECRET, export, release, frame_bytes=1 << 20)
+        port = await server.start("127.0.0.1", 0)
+        try:
+            result = await pull_kv(f"127.0.0.1:{port}", PullRequest("x", tokens, 0, "c", SECRET),
+                                   dst_pages, dst)  # fmt: skip
+            assert result.blocks == len(src) and result.frames >= 4
+            for s, d in zip(src, dst, strict=True):
+                assert torch.equal(src_pages.blocks[:, :, s], dst_pages.blocks[:, :, d])
+            dst_kv.zero_()
+            part = await pull_kv(f"127.0.0.1:{port}", PullRequest("y", tokens, 20, "c", SECRET),
+                                 dst_pages, dst[20:])  # fmt: skip
+            assert part.blocks == len(src) - 20
+            assert not dst_pages.blocks[:, :, dst[:20]].any()
+            for s, d in zip(src[20:], dst[20:], strict=True):
+                assert torch.equal(src_pages.blocks[:, :, s], dst_pages.blocks[:, :, d])
+        finally:
+            await server.close()
+
+    asyncio.run(main())
