@@ -36,12 +36,15 @@ Targets (issue text): p99 ITL under (b) <= 1/3 of (a), at no more than 10% lower
 KV transfer throughput over loopback (before the setups, on an idle machine): `pull_kv` in this
 process (pinned to one CPU, as the decode worker) against a `KVTransferServer` in a process of its
 own (pinned to the other CPU, as the prefill worker) moves the KV of one `--long-tokens` prompt
-(KVPages over caches of the model's layout, scattered block ids on both sides, every frame
-checksummed) several times; a plain asyncio-stream copy, served by another process on the same
-CPU, sends the same bytes in the same frame sizes on a fresh connection each time (no checksums,
-no gather or scatter). Target: >= 80% of the plain copy. `--transfer-in-process` runs both ends
-of both in this process's event loop instead; there the two ends take turns on one thread, and
-the plain copy ran slower than `pull_kv` and varied 2x between runs on the 2-core VM.
+(KVPages over caches of the model's layout, every frame checksummed) several times, twice over:
+with the request's blocks consecutive on both sides (the usual case; sent from and received into
+the caches in place) and scattered among other blocks (the worst case: one gather and one scatter
+copy). The peer: a plain socket copy of the same frames over the same kind of non-blocking socket,
+served by another process on the same CPU, sent from and received into buffers as large as the
+prompt's KV (the same bytes, each frame in its own place; the kernel's copy only: no checksum, no
+gather or scatter). Target: the consecutive case >= 80% of the plain copy.
+`--transfer-in-process` runs every end in this process's event loop instead (the ends then take
+turns on one thread).
 
 Run from the repository root: `python -m bench.disagg [--duration 75] [--json out.json]`.
 """
@@ -59,12 +62,12 @@ import platform
 import random
 import re
 import signal
+import socket
 import statistics
 import subprocess
 import sys
 import tempfile
 import time
-import zlib
 from collections import Counter
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
@@ -587,14 +590,20 @@ class TransferCase:
         return torch.randn(shape, generator=torch.Generator().manual_seed(self.seed)).to(dtype)
 
 
-def transfer_case(model: Path, tokens: int, seed: int) -> TransferCase:
+def transfer_case(model: Path, tokens: int, seed: int, scattered: bool) -> TransferCase:
+    """`scattered`: the request's blocks in random order among others' on both sides (the worst
+    case: one gather and one scatter copy); else consecutive (the usual case: the allocator
+    hands a new request's blocks out in order), which moves without a copy."""
     from kvstore.kv_transfer import DEFAULT_FRAME_BYTES
 
     layers, heads, dim, dtype = _layout(model)
     n_tok = tokens - 1
     nb = -(-n_tok // BLOCK)
     rng = random.Random(seed)
-    src_ids, dst_ids = rng.sample(range(2 * nb), nb), rng.sample(range(2 * nb), nb)
+    if scattered:
+        src_ids, dst_ids = rng.sample(range(2 * nb), nb), rng.sample(range(2 * nb), nb)
+    else:
+        src_ids, dst_ids = list(range(3, 3 + nb)), list(range(nb // 2, nb // 2 + nb))
     token_ids = [rng.randrange(100, 1000) for _ in range(n_tok)]
     itemsize = 4 if dtype == "float32" else 2
     per_layer = 2 * BLOCK * heads * dim * itemsize * nb  # as KVTransferServer._send_blocks
@@ -606,10 +615,18 @@ def transfer_case(model: Path, tokens: int, seed: int) -> TransferCase:
 
 async def _serve(kind: str, case: TransferCase) -> tuple[Callable[[], Awaitable[None]], int]:
     """Start the sending side on a free loopback port: `kv` (a KVTransferServer whose export
-    has the whole prompt computed at once) or `plain` (the same frames, nothing else)."""
-    from kvstore.kv_transfer import HEADER, ExportProgress, KVPages, KVTransferServer, PullRequest
+    has the whole prompt computed at once) or `plain` (the same frames from one buffer over the
+    same kind of socket, nothing else: no checksum, no gather)."""
+    from kvstore.kv_transfer import (
+        HEADER,
+        ExportProgress,
+        FrameConn,
+        KVPages,
+        KVTransferServer,
+        PullRequest,
+    )
 
-    if kind == "kv":
+    if kind.startswith("kv"):
         pages = KVPages(case.kv(fill=True), BLOCK)
 
         async def export(pull: PullRequest) -> AsyncIterator[ExportProgress]:
@@ -621,57 +638,74 @@ async def _serve(kind: str, case: TransferCase) -> tuple[Callable[[], Awaitable[
         kv = KVTransferServer(pages, "bench-cache", SECRET, export, release, hold_s=10)
         return kv.close, await kv.start("127.0.0.1", 0)
 
-    payload = memoryview(bytearray(max(case.frames)))
+    # the same bytes: a source as large as the prompt's KV, each frame from its own part of it
+    source = memoryview(case.kv(fill=True).numpy()).cast("B")  # type: ignore[arg-type]
+    listener = socket.create_server(("127.0.0.1", 0))
+    listener.setblocking(False)
+    loop = asyncio.get_running_loop()
 
-    async def serve(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+    async def serve(conn: FrameConn) -> None:
         try:
-            await reader.readexactly(1)
+            await conn.recv(1)
+            offset = 0
             for n in case.frames:
-                writer.write(HEADER.pack(b"EIKV", 3, 0, 0, 0, 0, 0, n, 0))
-                writer.write(payload[:n])
-                await writer.drain()
-            await reader.read(1)  # the acknowledgement
+                header = HEADER.pack(b"EIKV", 3, 0, 0, 0, 0, 0, n, 0)
+                await conn.send(header, source[offset : offset + n])
+                offset += n
+            await conn.recv(1)  # the acknowledgement
         finally:
-            writer.close()
+            conn.close()
 
-    server = await asyncio.start_server(serve, "127.0.0.1", 0, limit=1 << 20)
+    serving: set[asyncio.Task[None]] = set()
+
+    async def accept() -> None:
+        while True:
+            sock, _ = await loop.sock_accept(listener)
+            t = asyncio.ensure_future(serve(FrameConn(sock)))
+            serving.add(t)
+            t.add_done_callback(serving.discard)
+
+    task = asyncio.ensure_future(accept())
 
     async def close() -> None:
-        server.close()
-        await server.wait_closed()
+        task.cancel()
+        listener.close()
 
-    return close, int(server.sockets[0].getsockname()[1])
+    return close, int(listener.getsockname()[1])
 
 
 async def _plain_pull(port: int, frames: list[int]) -> float:
     """The receiving side of a plain copy: a request byte, then header + payload per frame
-    (`readexactly`, as pull_kv reads), then an acknowledgement byte."""
-    from kvstore.kv_transfer import HEADER
+    received into its own part of a buffer as large as the whole transfer (the kernel's copy
+    only), then an acknowledgement byte."""
+    from kvstore.kv_transfer import HEADER, FrameConn
 
+    buf = memoryview(bytearray(sum(frames)))
+    buf[:] = b"\0" * len(buf)  # touched, as a KV cache is
     t0 = time.perf_counter()
-    reader, writer = await asyncio.open_connection("127.0.0.1", port, limit=1 << 20)
-    writer.write(b"P")
-    for n in frames:
-        h = HEADER.unpack(await reader.readexactly(HEADER.size))
-        if h[7] != n:
-            raise RuntimeError(f"plain copy: frame of {h[7]} bytes, expected {n}")
-        await reader.readexactly(n)
-    writer.write(b"A")
-    await writer.drain()
-    dt = time.perf_counter() - t0
-    writer.close()
-    with contextlib.suppress(Exception):
-        await writer.wait_closed()
-    return dt
+    conn = await FrameConn.connect("127.0.0.1", port)
+    offset = 0
+    try:
+        await conn.send(b"P")
+        for n in frames:
+            h = HEADER.unpack(await conn.recv(HEADER.size))
+            if h[7] != n:
+                raise RuntimeError(f"plain copy: frame of {h[7]} bytes, expected {n}")
+            await conn.recv_into(buf[offset : offset + n])
+            offset += n
+        await conn.send(b"A")
+        return time.perf_counter() - t0
+    finally:
+        conn.close()
 
 
 def transfer_server_main(kind: str, model: Path, tokens: int, seed: int) -> int:
-    """The sending side in its own process (`--transfer-server kv|plain`): prints its port,
-    serves until stdin closes."""
+    """The sending side in its own process (`--transfer-server kv|kv-scattered|plain`):
+    prints its port, serves until stdin closes."""
     import torch
 
     torch.set_num_threads(1)  # as a worker started with --threads 1
-    case = transfer_case(model, tokens, seed)
+    case = transfer_case(model, tokens, seed, scattered=kind == "kv-scattered")
 
     async def main() -> None:
         close, port = await _serve(kind, case)
@@ -690,8 +724,10 @@ def _write(pages: Any, layers: slice, ids: list[int], payload: bytes) -> bool:
 
 def _components(case: TransferCase) -> dict[str, float]:
     """GB/s of the pull's own work on the same bytes and frames, one thread, no sockets: the
-    sender's gather (`KVPages.read`), the checksum (each side computes it once), the receiver's
-    scatter (`KVPages.write`)."""
+    checksum (each side computes it once), and for scattered blocks only the sender's gather
+    (`KVPages.read`) and the receiver's scatter (`KVPages.write`)."""
+    import xxhash
+
     from kvstore.kv_transfer import KVPages
 
     src, dst = KVPages(case.kv(fill=True), BLOCK), KVPages(case.kv(fill=False), BLOCK)
@@ -708,39 +744,44 @@ def _components(case: TransferCase) -> dict[str, float]:
         return 3 * case.total / (time.perf_counter() - t0) / 1e9
 
     return {
-        "gather (KVPages.read)": rate(lambda: [src.read(s, case.src_ids) for s in slices]),
-        "crc32 (once per side)": rate(lambda: [zlib.crc32(b) for b in raw]),
-        "scatter (KVPages.write)": rate(
+        "xxh3 checksum (once per side)": rate(lambda: [xxhash.xxh3_64_intdigest(b) for b in raw]),
+        "scattered only: gather (KVPages.read)": rate(
+            lambda: [src.read(s, case.src_ids) for s in slices]
+        ),
+        "scattered only: scatter (KVPages.write)": rate(
             lambda: [_write(dst, s, case.dst_ids, b) for s, b in zip(slices, raw, strict=True)]
         ),
     }
 
 
-async def _pulls(case: TransferCase, ports: dict[str, int], reps: int) -> dict[str, list[float]]:
-    """`reps` pulls and plain copies, alternating (after one warm-up of each); the first pull is
-    checked bit for bit against the source."""
+async def _pulls(cases: dict[str, TransferCase], ports: dict[str, int],
+                 reps: int) -> dict[str, list[float]]:  # fmt: skip
+    """`reps` rounds of a pull of each kind (consecutive, scattered blocks) and a plain copy,
+    alternating, after one warm-up round; each kind's first pull is checked bit for bit."""
     import torch
 
     from kvstore.kv_transfer import KVPages, PullRequest, pull_kv
 
-    dst = KVPages(case.kv(fill=False), BLOCK)
-    times: dict[str, list[float]] = {"kv": [], "plain": []}
+    dsts = {k: KVPages(c.kv(fill=False), BLOCK) for k, c in cases.items()}
+    times: dict[str, list[float]] = {k: [] for k in (*cases, "plain")}
     for r in range(reps + 1):
-        pull = PullRequest(f"bench-{r}", case.token_ids, 0, "bench-cache", SECRET)
-        t0 = time.perf_counter()
-        res = await pull_kv(f"127.0.0.1:{ports['kv']}", pull, dst, case.dst_ids)
-        dt = time.perf_counter() - t0
-        if res.bytes != case.total:
-            raise RuntimeError(f"pull_kv moved {res.bytes} bytes, expected {case.total}")
-        if r == 0:
-            src = KVPages(case.kv(fill=True), BLOCK).blocks.index_select(2, torch.tensor(case.src_ids))  # fmt: skip
-            if not torch.equal(src, dst.blocks.index_select(2, torch.tensor(case.dst_ids))):
-                raise RuntimeError("the pulled KV differs from the source")
-            del src
-            dst.blocks.zero_()
-        else:
-            times["kv"].append(dt)
-        dt = await _plain_pull(ports["plain"], case.frames)
+        for kind, case in cases.items():
+            dst = dsts[kind]
+            pull = PullRequest(f"bench-{kind}-{r}", case.token_ids, 0, "bench-cache", SECRET)
+            t0 = time.perf_counter()
+            res = await pull_kv(f"127.0.0.1:{ports[kind]}", pull, dst, case.dst_ids)
+            dt = time.perf_counter() - t0
+            if res.bytes != case.total:
+                raise RuntimeError(f"pull_kv moved {res.bytes} bytes, expected {case.total}")
+            if r == 0:
+                src = KVPages(case.kv(fill=True), BLOCK).blocks.index_select(2, torch.tensor(case.src_ids))  # fmt: skip
+                if not torch.equal(src, dst.blocks.index_select(2, torch.tensor(case.dst_ids))):
+                    raise RuntimeError(f"the pulled KV ({kind}) differs from the source")
+                del src
+                dst.blocks.zero_()
+            else:
+                times[kind].append(dt)
+        dt = await _plain_pull(ports["plain"], next(iter(cases.values())).frames)
         if r:
             times["plain"].append(dt)
     return times
@@ -765,7 +806,11 @@ def measure_transfer(model: Path, args: argparse.Namespace, cpus: list[int],
     decode worker pulling from a prefill worker), or both in this process's event loop."""
     import torch
 
-    case = transfer_case(model, args.transfer_tokens, args.seed)
+    cases = {
+        "kv": transfer_case(model, args.transfer_tokens, args.seed, scattered=False),
+        "kv-scattered": transfer_case(model, args.transfer_tokens, args.seed, scattered=True),
+    }
+    case = cases["kv"]
     threads = torch.get_num_threads()
     affinity = os.sched_getaffinity(0)
     torch.set_num_threads(1)  # as a worker started with --threads 1
@@ -774,9 +819,9 @@ def measure_transfer(model: Path, args: argparse.Namespace, cpus: list[int],
         if args.transfer_in_process:
 
             async def both() -> dict[str, list[float]]:
-                servers = {k: await _serve(k, case) for k in ("kv", "plain")}
+                servers = {k: await _serve(k, cases.get(k, case)) for k in (*cases, "plain")}
                 try:
-                    return await _pulls(case, {k: p for k, (_, p) in servers.items()}, args.transfer_reps)  # fmt: skip
+                    return await _pulls(cases, {k: p for k, (_, p) in servers.items()}, args.transfer_reps)  # fmt: skip
                 finally:
                     for close, _ in servers.values():
                         await close()
@@ -785,7 +830,7 @@ def measure_transfer(model: Path, args: argparse.Namespace, cpus: list[int],
             where = "both sides in this process, one event loop"
         else:
             ports = {}
-            for kind in ("kv", "plain"):
+            for kind in (*cases, "plain"):
                 cmd = ["taskset", "-c", str(cpus[1]), sys.executable, "-m", "bench.disagg",
                        "--transfer-server", kind, "--model", str(model), "--transfer-tokens",
                        str(args.transfer_tokens), "--seed", str(args.seed)]  # fmt: skip
@@ -801,16 +846,17 @@ def measure_transfer(model: Path, args: argparse.Namespace, cpus: list[int],
                     raise RuntimeError(f"the {kind} transfer server did not start:\n{tail}")
                 ports[kind] = int(line)
             os.sched_setaffinity(0, {cpus[0]})
-            times = asyncio.run(_pulls(case, ports, args.transfer_reps))
+            times = asyncio.run(_pulls(cases, ports, args.transfer_reps))
             where = f"sender: a process on CPU {cpus[1]}, receiver: this one on CPU {cpus[0]}"
         _end(children)
         os.sched_setaffinity(0, {cpus[0]})
-        parts = _components(case)
+        parts = _components(cases["kv-scattered"])
     finally:
         _end(children)
         os.sched_setaffinity(0, affinity)
         torch.set_num_threads(threads)
     pull_gbs = case.total / statistics.median(times["kv"]) / 1e9
+    scattered_gbs = case.total / statistics.median(times["kv-scattered"]) / 1e9
     plain_gbs = case.total / statistics.median(times["plain"]) / 1e9
     return {
         "prompt_tokens": case.tokens,
@@ -830,7 +876,10 @@ def measure_transfer(model: Path, args: argparse.Namespace, cpus: list[int],
         "pull_kv_gbs": pull_gbs,
         "plain_copy_gbs": plain_gbs,
         "ratio": pull_gbs / plain_gbs,
+        "pull_kv_scattered_gbs": scattered_gbs,
+        "ratio_scattered": scattered_gbs / plain_gbs,
         "pull_kv_s": times["kv"],
+        "pull_kv_scattered_s": times["kv-scattered"],
         "plain_copy_s": times["plain"],
         "components_gbs": parts,
     }
@@ -896,10 +945,13 @@ def report(results: list[SetupResult], transfer: dict[str, Any] | None) -> dict[
         print(
             f"KV transfer ({t['prompt_tokens']}-token prompt: {t['blocks']} blocks, "
             f"{t['bytes'] / 1e6:.1f} MB in {t['frames']} frames of <= {t['frame_bytes'] / 1e6:.1f} "
-            f"MB; {t['where']}; median of {t['reps']}): pull_kv {t['pull_kv_gbs']:.2f} GB/s, plain "
-            f"asyncio-stream copy "
-            f"{t['plain_copy_gbs']:.2f} GB/s, ratio {t['ratio']:.2f}x (target >= "
-            f"{TARGET_TRANSFER:.2f}x: {_met(t['ratio'] >= TARGET_TRANSFER)})"
+            f"MB; {t['where']}; median of {t['reps']}):\n"
+            f"  pull_kv, blocks consecutive (the usual case) {t['pull_kv_gbs']:.2f} GB/s; plain "
+            f"socket copy of the same frames {t['plain_copy_gbs']:.2f} GB/s; ratio "
+            f"{t['ratio']:.2f}x (target >= {TARGET_TRANSFER:.2f}x: "
+            f"{_met(t['ratio'] >= TARGET_TRANSFER)})\n"
+            f"  pull_kv, blocks scattered on both sides (worst case) "
+            f"{t['pull_kv_scattered_gbs']:.2f} GB/s, ratio {t['ratio_scattered']:.2f}x"
         )
         print("  the pull's own work on the same bytes, one thread: " + ", ".join(
             f"{k} {v:.2f} GB/s" for k, v in t["components_gbs"].items()))  # fmt: skip
@@ -1060,7 +1112,9 @@ def main() -> int:
     ap.add_argument("--transfer-in-process", action="store_true",
                     help="both sides of the transfer bench in this process's event loop (default: "
                     "the sending side in a process of its own on the other CPU)")  # fmt: skip
-    ap.add_argument("--transfer-server", choices=("kv", "plain"), help=argparse.SUPPRESS)
+    ap.add_argument(
+        "--transfer-server", choices=("kv", "kv-scattered", "plain"), help=argparse.SUPPRESS
+    )
     ap.add_argument("--parts", default="transfer,a,b",
                     help="comma list of transfer, a, b (a subset to run)")  # fmt: skip
     ap.add_argument("--json", type=Path, help="write every figure here")

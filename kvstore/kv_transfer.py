@@ -18,6 +18,9 @@ Every frame is a fixed 38-byte header and a payload:
     magic "EIKV" · kind u8 · pad · layer_start u16 · layer_count u16 · block_start u32 ·
     block_count u32 · request_tag u64 · payload_len u32 · xxh3_64(payload) u64
 
+except that a DATA frame carries 0 in the header's checksum field and its payload's xxh3_64 in
+8 bytes after the payload, so that both sides hash each chunk while the next one is on the wire.
+
 Control frames (PULL, ACCEPT, END, ACK, ERROR) carry JSON; DATA frames carry the keys and values
 of `layer_count` layers for `block_count` blocks (block indices within the request's block table,
 not physical ids), laid out (layers, 2, blocks, block_size, kv_heads, head_dim) in the cache's
@@ -59,6 +62,8 @@ KIND_NAMES = {PULL: "PULL", ACCEPT: "ACCEPT", DATA: "DATA", END: "END", ACK: "AC
 MAX_CONTROL_BYTES = 16 << 20  # a PULL carries the prompt's token ids; nothing else is large
 DEFAULT_FRAME_BYTES = 8 << 20  # DATA frames hold whole layers up to about this size
 MIN_RUN_BYTES = 64 << 10  # below this average, scattered blocks are gathered into one buffer
+CHUNK_BYTES = 1 << 20  # DATA payloads are hashed and moved in pieces of this size
+TRAILER = struct.Struct("<Q")  # a DATA payload's xxh3_64, after it
 
 
 class KVTransferError(RuntimeError):
@@ -180,11 +185,8 @@ def _header(kind: int, tag: int, length: int, digest: int, layers: tuple[int, in
     return HEADER.pack(MAGIC, kind, layers[0], layers[1], blocks[0], blocks[1], tag, length, digest)
 
 
-def _digest(views: list[memoryview]) -> int:
-    h = xxhash.xxh3_64()
-    for v in views:
-        h.update(v)
-    return h.intdigest()
+def _chunks(views: list[memoryview]) -> list[memoryview]:
+    return [v[i : i + CHUNK_BYTES] for v in views for i in range(0, len(v), CHUNK_BYTES)]
 
 
 @dataclass(slots=True)
@@ -418,8 +420,12 @@ class KVTransferServer:
                 gathered = self.pages.read(slice(l0, l1), ids)
                 views = [memoryview(gathered.numpy()).cast("B")]  # type: ignore[arg-type]
             length = sum(len(v) for v in views)
-            header = _header(DATA, tag, length, _digest(views), (l0, l1 - l0), (start, len(ids)))
-            await conn.send(header, *views)
+            await conn.send(_header(DATA, tag, length, 0, (l0, l1 - l0), (start, len(ids))))
+            digest = xxhash.xxh3_64()
+            for chunk in _chunks(views):  # hash a chunk while the previous one is on the wire
+                digest.update(chunk)
+                await conn.send(chunk)
+            await conn.send(TRAILER.pack(digest.intdigest()))
             self.bytes_sent += length
             frames += 1
         return frames
@@ -514,15 +520,19 @@ async def pull_kv(addr: str, pull: PullRequest, pages: KVPages, dst_blocks: list
 async def _land(conn: FrameConn, pages: KVPages, layers: slice, blocks: list[int],
                 h: _Header) -> None:  # fmt: skip
     """Receive a DATA payload into its blocks (straight into the cache where they are
-    consecutive, else through one buffer and a scatter) and check its checksum."""
+    consecutive, else through one buffer and a scatter) and check its checksum, hashing each
+    chunk while the next one arrives."""
     views = pages.runs(layers, blocks)
+    staged = None
     if h.length < MIN_RUN_BYTES * len(views):
-        payload = await conn.recv(h.length)
-        if xxhash.xxh3_64_intdigest(payload) != h.digest:
-            raise KVTransferError("DATA frame failed its checksum")
-        pages.write(layers, blocks, payload)
-        return
-    for v in views:
-        await conn.recv_into(v)
-    if _digest(views) != h.digest:
+        staged = bytearray(h.length)
+        views = [memoryview(staged)]
+    digest = xxhash.xxh3_64()
+    for chunk in _chunks(views):
+        await conn.recv_into(chunk)
+        digest.update(chunk)
+    (expected,) = TRAILER.unpack(await conn.recv(TRAILER.size))
+    if digest.intdigest() != expected:
         raise KVTransferError("DATA frame failed its checksum")
+    if staged is not None:
+        pages.write(layers, blocks, staged)

@@ -18,6 +18,7 @@ from pathlib import Path
 import orjson
 import pytest
 import torch
+import xxhash
 
 from kvstore import kv_transfer
 from kvstore.kv_transfer import (
@@ -233,7 +234,9 @@ async def _evil_server(mutate: Callable[[bytes], bytes | None]) -> tuple[asyncio
                   "dtype": "float32"}  # fmt: skip
         writer.write(control(kv_transfer.ACCEPT, tag, {"num_blocks": 1, "layout": layout}))
         payload = torch.ones(5, 2, 1, BS, 4, 8).numpy().tobytes()
-        frame = kv_transfer._frame(DATA, tag, payload, layers=(0, 5), blocks=(0, 1)) + payload
+        head = kv_transfer._header(DATA, tag, len(payload), 0, (0, 5), (0, 1))
+        trailer = kv_transfer.TRAILER.pack(xxhash.xxh3_64_intdigest(payload))
+        frame = head + payload + trailer
         out = mutate(frame)
         if out is None:
             writer.write(frame[: len(frame) // 2])
@@ -250,7 +253,7 @@ async def _evil_server(mutate: Callable[[bytes], bytes | None]) -> tuple[asyncio
 
 def _flip_payload_byte(frame: bytes) -> bytes:
     b = bytearray(frame)
-    b[-1] ^= 0x40
+    b[-20] ^= 0x40  # inside the payload, before the 8-byte checksum trailer
     return bytes(b)
 
 
@@ -320,7 +323,7 @@ async def pull_without_ack(addr: str, pull: PullRequest) -> FrameConn:
     )
     while True:
         h = await conn.read_header()
-        await conn.recv(h.length)
+        await conn.recv(h.length + (kv_transfer.TRAILER.size if h.kind == DATA else 0))
         if h.kind == kv_transfer.END:
             return conn
 
