@@ -40,6 +40,7 @@ lint: $(STAMP)
 bench: setup
 	$(PY) -m bench.throughput
 	$(PY) -m bench.gateway
+	$(PY) -m bench.disagg
 
 clean:
 	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache

@@ -19,7 +19,8 @@ Every frame is a fixed 38-byte header and a payload:
     block_count u32 · request_tag u64 · payload_len u32 · xxh3_64(payload) u64
 
 except that a DATA frame carries 0 in the header's checksum field and its payload's xxh3_64 in
-8 bytes after the payload, so that both sides hash each chunk while the next one is on the wire.
+8 bytes after the payload, so that each side hashes a chunk right after the socket copied it,
+while it is still in the CPU's cache.
 
 Control frames (PULL, ACCEPT, END, ACK, ERROR) carry JSON; DATA frames carry the keys and values
 of `layer_count` layers for `block_count` blocks (block indices within the request's block table,
@@ -422,9 +423,9 @@ class KVTransferServer:
             length = sum(len(v) for v in views)
             await conn.send(_header(DATA, tag, length, 0, (l0, l1 - l0), (start, len(ids))))
             digest = xxhash.xxh3_64()
-            for chunk in _chunks(views):  # hash a chunk while the previous one is on the wire
-                digest.update(chunk)
+            for chunk in _chunks(views):  # hashed right after the send read it: from cache
                 await conn.send(chunk)
+                digest.update(chunk)
             await conn.send(TRAILER.pack(digest.intdigest()))
             self.bytes_sent += length
             frames += 1
