@@ -63,7 +63,7 @@ KIND_NAMES = {PULL: "PULL", ACCEPT: "ACCEPT", DATA: "DATA", END: "END", ACK: "AC
 MAX_CONTROL_BYTES = 16 << 20  # a PULL carries the prompt's token ids; nothing else is large
 DEFAULT_FRAME_BYTES = 8 << 20  # DATA frames hold whole layers up to about this size
 MIN_RUN_BYTES = 64 << 10  # below this average, scattered blocks are gathered into one buffer
-CHUNK_BYTES = 1 << 20  # DATA payloads are hashed and moved in pieces of this size
+CHUNK_BYTES = 512 << 10  # DATA payloads are hashed and moved in pieces of this size (L2)
 TRAILER = struct.Struct("<Q")  # a DATA payload's xxh3_64, after it
 
 

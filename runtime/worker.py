@@ -342,6 +342,8 @@ async def _generate(request: web.Request) -> web.StreamResponse:
         code = "queue_full" if isinstance(e, QueueFullError) else "engine_dead"
         with contextlib.suppress(ConnectionError):
             await resp.write(encode_event(ErrorEvent(str(e), code)))
+    except ConnectionError:  # the gateway hung up (its client left): `finally` aborts it
+        pass
     finally:
         stream.close()  # no-op when finished; frees the blocks when the client went away
     return resp
