@@ -378,15 +378,25 @@ class KVTransferServer:
         cached = 0
         # the puller hanging up aborts the prefill: watch the connection while streaming
         hangup = asyncio.ensure_future(conn.read_header())
+        steps = self.export(pull)
         try:
-            async for progress in self.export(pull):
+            while True:  # the next step of the prefill, unless the puller hangs up first
+                step = asyncio.ensure_future(anext(steps))
+                await asyncio.wait({step, hangup}, return_when=asyncio.FIRST_COMPLETED)
+                if not step.done():
+                    step.cancel()  # stops the prefill (the export aborts its request)
+                    with contextlib.suppress(BaseException):
+                        await step
+                    raise ConnectionError("the puller hung up")
+                try:
+                    progress = step.result()
+                except StopAsyncIteration:
+                    break
                 cached = progress.cached_tokens
                 ready = total if progress.done else progress.computed_tokens // bs
                 if ready > sent:
                     frames += await self._send_blocks(conn, tag, progress.block_ids, sent, ready)
                     sent = ready
-                if hangup.done():
-                    raise ConnectionError("the puller hung up")
             if sent < total:
                 raise KVTransferError(f"the prefill ended with {sent} of {total} blocks computed")
             await conn.send_control(END, tag, {"frames": frames, "cached_tokens": cached})
@@ -404,6 +414,8 @@ class KVTransferServer:
             hangup.cancel()
             with contextlib.suppress(BaseException):
                 await hangup
+            with contextlib.suppress(BaseException):
+                await steps.aclose()  # type: ignore[attr-defined]
 
     async def _send_blocks(self, conn: FrameConn, tag: int, table: list[int], start: int,
                            end: int) -> int:  # fmt: skip

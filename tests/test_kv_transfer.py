@@ -429,3 +429,49 @@ def test_in_place_and_scattered_paths_are_bit_exact(src: list[int], dst: list[in
             await server.close()
 
     asyncio.run(main())
+
+
+def test_cancelled_pull_frees_both_sides(engines) -> None:  # type: ignore[no-untyped-def]
+    """The client leaves mid-transfer (the decode worker's handler is cancelled): the decode
+    side frees its reserved blocks and hangs up, and the prefill side releases its own."""
+    _, decode, _ = engines
+    lay = KVPages(decode.engine.runner.kv, BS).layout
+    src = KVPages(torch.randn(lay.num_layers, 2, 64 * BS, lay.num_kv_heads, lay.head_dim), BS)
+    never = asyncio.Event()
+    released: list[str] = []
+
+    async def export(pull: PullRequest) -> AsyncIterator[ExportProgress]:
+        yield ExportProgress(3 * BS, list(range(40)), False)  # 3 blocks ready, then a long wait
+        await never.wait()
+
+    async def release(request_id: str) -> None:
+        released.append(request_id)
+
+    async def main() -> None:
+        server = KVTransferServer(src, decode.engine.cache_id, SECRET, export, release)
+        port = await server.start("127.0.0.1", 0)
+        try:
+            group = decode.engine.prepare_request("leaver", _prompt(300, offset=23),
+                                                  SamplingParams(max_tokens=4))  # fmt: skip
+            task = asyncio.ensure_future(
+                KVImporter(decode, SECRET).submit(group, f"127.0.0.1:{port}")
+            )
+            for _ in range(200):
+                if server.bytes_sent:
+                    break
+                await asyncio.sleep(0.01)
+            assert server.bytes_sent > 0 and _allocated(decode) > 0
+            task.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await task
+            await _settled(decode)
+            assert _allocated(decode) == 0
+            for _ in range(200):
+                if released:
+                    break
+                await asyncio.sleep(0.01)
+            assert released == ["leaver"] and server.active == 0
+        finally:
+            await server.close()
+
+    asyncio.run(main())
