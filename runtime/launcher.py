@@ -79,6 +79,10 @@ def up(args: argparse.Namespace) -> int:
 
     if args.workers < 1:
         raise SystemExit("edgeinfer: error: --workers must be at least 1")
+    roles = args.roles.split(",") if args.roles else ["mixed"] * args.workers
+    bad = [r for r in roles if r not in ("mixed", "prefill", "decode")]
+    if bad:
+        raise SystemExit(f"edgeinfer: error: --roles: {bad} are not roles (mixed, prefill, decode)")
     # Ctrl-C and SIGTERM both stop the stack. Set explicitly: a process started in the
     # background by a non-interactive shell inherits SIGINT ignored, and Python then keeps it so.
     signal.signal(signal.SIGINT, _interrupt)
@@ -106,11 +110,13 @@ def up(args: argparse.Namespace) -> int:
                 str(args.worker_port + i),
                 "--redis",
                 redis_url,
+                "--role",
+                role,
                 *_engine_flags(args),
             ],
             env=env,
         )
-        for i in range(args.workers)
+        for i, role in enumerate(roles)
     ]
     keys = [f for k in args.api_key for f in ("--api-key", k)]
     gateway = subprocess.Popen(
@@ -125,7 +131,7 @@ def up(args: argparse.Namespace) -> int:
         model = Path(model_dir).name
         auth = f' -H "Authorization: Bearer {args.api_key[0]}"' if args.api_key else ""
         print(
-            f"\nedgeinfer is up: {base}/v1 (model {model!r}, {args.workers} worker(s), "
+            f"\nedgeinfer is up: {base}/v1 (model {model!r}, workers: {', '.join(roles)}, "
             f"redis {redis_url})\n\n"
             f"  curl {base}/v1/chat/completions -H 'Content-Type: application/json'{auth} \\\n"
             f"    -H 'x-session-affinity: my-session' \\\n"

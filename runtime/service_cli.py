@@ -254,7 +254,11 @@ def add_service_commands(sub: argparse._SubParsersAction, engine_args) -> None: 
 
     u = sub.add_parser("up", help="start Redis (if needed), a worker and a gateway on this machine")
     engine_args(u)
-    u.add_argument("--workers", type=int, default=1, help="worker processes")
+    u.add_argument("--workers", type=int, default=1, help="worker processes (mixed role)")
+    u.add_argument(
+        "--roles", default=None,
+        help="one worker per listed role instead, e.g. prefill,decode (disaggregated serving)",
+    )  # fmt: skip
     u.add_argument("--port", type=int, default=8080, help="gateway port")
     u.add_argument("--worker-port", type=int, default=9001, help="first worker's port")
     u.add_argument("--redis", default=None, help="use this Redis instead of starting one")

@@ -13,7 +13,7 @@ import openai
 import pytest
 
 from kvstore.redis_server import find_free_port
-from tests.stack import ROOT, chat_model
+from tests.stack import ROOT, chat_model, get_json, wait_until
 
 
 def _port_open(port: int) -> bool:
@@ -24,14 +24,16 @@ def _port_open(port: int) -> bool:
         return s.connect_ex(("127.0.0.1", port)) == 0
 
 
-def test_up_serves_and_stops_cleanly(tmp_path: Path, stories_dir: Path) -> None:
+@pytest.mark.parametrize("roles", [None, "prefill,decode"])
+def test_up_serves_and_stops_cleanly(tmp_path: Path, stories_dir: Path, roles: str | None) -> None:
     model = chat_model(stories_dir, tmp_path / "stories-chat")
     port, worker_port = find_free_port(), find_free_port()
     env = {k: v for k, v in os.environ.items() if not k.startswith("EDGEINFER_")}
     log = tmp_path / "up.log"
     proc = subprocess.Popen(
         [sys.executable, "-m", "runtime.cli", "up", "--model", str(model), "--port", str(port),
-         "--worker-port", str(worker_port), "--threads", "1", "--kv-cache-bytes", "4000000"],
+         "--worker-port", str(worker_port), "--threads", "1", "--kv-cache-bytes", "4000000",
+         *(["--roles", roles] if roles else [])],
         cwd=ROOT, env=env | {"PYTHONUNBUFFERED": "1"}, stdout=log.open("wb"),
         stderr=subprocess.STDOUT, start_new_session=True,
     )  # fmt: skip
@@ -50,6 +52,14 @@ def test_up_serves_and_stops_cleanly(tmp_path: Path, stories_dir: Path) -> None:
             model="stories-chat", messages=[{"role": "user", "content": "Hi"}], max_tokens=8
         )
         assert r.choices[0].message.content
+        if roles:  # a prompt long enough to be worth a transfer goes through the prefill worker
+            wait_until(lambda: get_json(f"http://127.0.0.1:{port}/readyz")[1]["workers"] == 2,
+                       30, "both workers registered")  # fmt: skip
+            raw = client.chat.completions.with_raw_response.create(
+                model="stories-chat", max_tokens=8,
+                messages=[{"role": "user", "content": "Tell me a long story about a cat. " * 6}],
+            )  # fmt: skip
+            assert raw.headers.get("x-edgeinfer-prefill-worker"), out
         proc.send_signal(signal.SIGINT)
         try:
             code = proc.wait(90)
