@@ -185,18 +185,19 @@ class Proxy:
                 router.done(worker.worker_id, call.cost)
                 prefill = call.prefill
                 self._prefill_done(call, prefill_cost)
+                failed = worker
                 if e.error.code == "kv_transfer_failed" and prefill is not None:
                     # the prefill side failed, not the decode worker: prefill elsewhere
+                    failed = prefill
                     call.tried_prefill.add(prefill.worker_id)
                     self.view.mark_failed(prefill.worker_id)
-                    worker = prefill
                 else:
                     if e.dead:
                         self.view.mark_failed(worker.worker_id)
                     call.tried.add(worker.worker_id)
                 last = e.error
                 log.warning(
-                    "request %s: worker %s failed: %s", call.request_id, worker.worker_id, e
+                    "request %s: worker %s failed: %s", call.request_id, failed.worker_id, e
                 )
             except BaseException:  # a refusal to relay (400/404), or the client went away
                 await events.aclose()
@@ -228,7 +229,7 @@ class Proxy:
             return 0  # every prefill worker failed this request: the decode worker computes it
         call.prefill = candidates[0]
         call.gen.kv_source = call.prefill.kv_addr
-        cost = max(uncached, 1)
+        cost = uncached if call.prompt_tokens else _prompt_estimate(call.gen)
         self.view.router.sent_prefill(call.prefill.worker_id, cost)
         return cost
 
@@ -434,16 +435,19 @@ async def _read_json(request: web.Request) -> object:
         raise invalid(None, f"the request body is not valid JSON: {e}", "invalid_json") from e
 
 
-def _cost(gen: GenerateRequest) -> int:
-    """Rough token count of the request (no tokenizer here): ~4 bytes of text per token."""
+def _prompt_estimate(gen: GenerateRequest) -> int:
+    """Rough prompt length in tokens when the gateway did not tokenize: ~4 bytes per token."""
     if isinstance(gen.prompt, list):
-        prompt = len(gen.prompt)
-    elif isinstance(gen.prompt, str):
-        prompt = len(gen.prompt) // 4
-    else:
-        prompt = sum(len(str(m.get("content") or "")) for m in gen.messages or []) // 4
+        return len(gen.prompt)
+    if isinstance(gen.prompt, str):
+        return len(gen.prompt) // 4 + 1
+    return sum(len(str(m.get("content") or "")) for m in gen.messages or []) // 4 + 1
+
+
+def _cost(gen: GenerateRequest) -> int:
+    """Rough token count of the request (no tokenizer here)."""
     out = gen.sampling.get("max_tokens") or 256
-    return (prompt + int(out)) * int(gen.sampling.get("n", 1))
+    return (_prompt_estimate(gen) + int(out)) * int(gen.sampling.get("n", 1))
 
 
 async def _refusal(resp: aiohttp.ClientResponse) -> APIError:
