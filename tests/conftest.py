@@ -118,3 +118,13 @@ def redis_server():  # type: ignore[no-untyped-def]
         yield server
     finally:
         server.stop()
+
+
+@pytest.fixture(scope="session", autouse=True)
+def cpu_extensions_built() -> None:
+    """Build the C++ CPU kernels once, here, before any test starts a worker process: a worker
+    that had to compile them (~30 s each on 2 cores) would miss its start-up deadline. They are
+    cached per machine; later loads (here and in every worker) take milliseconds."""
+    from kernels import cpu_ext
+
+    cpu_ext.load(), cpu_ext.load_small_gemm(), cpu_ext.load_rms_norm()

@@ -121,7 +121,7 @@ def start_worker(
     proc = _spawn(name, args, log_dir, port, f"http://127.0.0.1:{port}")
     wait_until(
         lambda: get_json(f"{proc.url}/internal/health", SECRET)[0] == 200,
-        60,
+        120,
         f"worker {name}",
         proc,
     )
