@@ -91,6 +91,23 @@ def reference(cluster: Cluster) -> LLM:
     return LLM(cluster.model, kv_cache_bytes=4_000_000)
 
 
+def _indexed(cluster: Cluster, worker_id: str) -> bool:
+    """Whether the gateway can see, in Redis, the tokenizer and a cached block of `worker_id`."""
+    import redis
+
+    r = redis.Redis.from_url(cluster.redis.url)
+    try:
+        if not r.keys("ei:tok:{stories}:*"):
+            return False
+        return any(
+            worker_id.encode() in r.smembers(k)  # type: ignore[operator]
+            for k in r.scan_iter("ei:p:{stories}:*")
+            if b":w:" not in k
+        )
+    finally:
+        r.close()
+
+
 def _post(cluster: Cluster, path: str, body: object, headers: dict[str, str] | None = None):  # type: ignore[no-untyped-def]
     import urllib.error
     import urllib.request
@@ -152,6 +169,8 @@ def test_chat_matches_engine(cluster: Cluster, reference: LLM, sampling: dict) -
     assert raw.headers["x-edgeinfer-worker"] in {
         cluster.workers[n].meta["worker_id"] for n in ("eu1", "eu2")
     }
+    # the worker publishes its cache events every 50 ms (and its tokenizer on a heartbeat)
+    wait_until(lambda: _indexed(cluster, raw.headers["x-edgeinfer-worker"]), 10, "prefix index")
 
     stream = cluster.client.chat.completions.create(
         model="stories",
