@@ -35,6 +35,7 @@ from runtime.request import Request, RequestStatus
 from runtime.sampling_params import InvalidRequestError, SamplingParams
 from runtime.scheduler import QueueFullError, Scheduler, StepResult
 from runtime.tokenizer import Tokenizer
+from runtime.weights import ReadStats
 
 Prompt = str | list[int]
 
@@ -56,7 +57,10 @@ class LLMEngine:
         if config.num_threads:
             torch.set_num_threads(config.num_threads)
         self.config = config
-        self.model = load_model(config.model, config.dtype)
+        t0 = time.perf_counter()
+        read = ReadStats()
+        self.model = load_model(config.model, config.dtype, stats=read)
+        t_weights = time.perf_counter()
         self.tokenizer = Tokenizer.from_dir(config.model)
         cfg = self.model.cfg
         self.max_model_len = min(config.max_model_len or cfg.max_model_len, cfg.max_model_len)
@@ -80,9 +84,22 @@ class LLMEngine:
         self.scheduler = Scheduler(
             self.blocks, config.max_num_seqs, config.max_num_batched_tokens, config.max_waiting
         )
+        t_kv = time.perf_counter()
         self.runner = ModelRunner(
             self.model, num_blocks, config.block_size, config.attention, config.cpu_kernels
         )
+        t_ready = time.perf_counter()
+        # where start-up went (the worker prints it): seconds, plus what the read achieved
+        self.startup: dict[str, float] = {
+            "weights_read_s": read.seconds,
+            "weights_bytes": float(read.bytes),
+            "weights_gb_per_s": read.gb_per_s,
+            "weights_direct_files": float(read.direct),
+            "weights_buffered_files": float(read.buffered),
+            "placement_s": t_weights - t0 - read.seconds,  # headers, dtype conversion, fusing
+            "tokenizer_and_scheduler_s": t_kv - t_weights,
+            "kv_cache_and_kernels_s": t_ready - t_kv,
+        }
         self.eos_token_ids = frozenset(cfg.eos_token_ids) | self.tokenizer.eos_token_ids
         self._groups: dict[str, RequestGroup] = {}
         self._seq_to_group: dict[str, tuple[RequestGroup, int]] = {}

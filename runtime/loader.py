@@ -4,14 +4,13 @@ from __future__ import annotations
 
 import hashlib
 import json
-from collections.abc import Iterator
 from pathlib import Path
 
 import torch
-from safetensors import SafetensorError, safe_open
 
 from runtime.config import DTYPES, ModelConfig, ModelLoadError
 from runtime.model import LlamaForCausalLM
+from runtime.weights import ReadStats, load_safetensors
 
 
 def safetensors_files(model_dir: Path) -> list[Path]:
@@ -49,19 +48,6 @@ def model_revision(model_dir: str | Path) -> str:
     return h.hexdigest()[:16]
 
 
-def iter_safetensors(files: list[Path]) -> Iterator[tuple[str, str, torch.Tensor]]:
-    """Yield (file, tensor name, tensor) for every tensor, file by file."""
-    for f in files:
-        try:
-            with safe_open(str(f), framework="pt") as st:
-                for name in st.keys():  # noqa: SIM118 - safe_open has no __iter__
-                    yield str(f), name, st.get_tensor(name)
-        except SafetensorError as e:
-            raise ModelLoadError(f"{f}: corrupt or unreadable safetensors file ({e})") from e
-        except OSError as e:
-            raise ModelLoadError(f"{f}: cannot read ({e})") from e
-
-
 def resolve_dtype(requested: str, cfg: ModelConfig) -> torch.dtype:
     """The dtype to run in: the requested one, or the checkpoint's for "auto"."""
     if requested != "auto":
@@ -73,14 +59,20 @@ def resolve_dtype(requested: str, cfg: ModelConfig) -> torch.dtype:
 
 
 def load_model(
-    model_dir: str | Path, dtype: str = "auto", max_model_len: int | None = None
+    model_dir: str | Path,
+    dtype: str = "auto",
+    max_model_len: int | None = None,
+    stats: ReadStats | None = None,
 ) -> LlamaForCausalLM:
-    """Build the model from a folder and load its weights; raises ModelLoadError naming the file."""
+    """Build the model from a folder and load its weights; raises ModelLoadError naming the file.
+
+    The weights are read by `runtime.weights.load_safetensors` (headers first, large aligned
+    reads, O_DIRECT where it helps); `stats` receives what that read did."""
     path = Path(model_dir)
     if not path.is_dir():
         raise ModelLoadError(f"{path}: not a folder")
     cfg = ModelConfig.from_dir(path)
     torch_dtype = resolve_dtype(dtype, cfg)
     model = LlamaForCausalLM(cfg, torch_dtype, max_model_len or cfg.max_model_len)
-    model.load_weights(iter_safetensors(safetensors_files(path)))
+    model.load_weights(load_safetensors(safetensors_files(path), stats=stats))
     return model.eval()

@@ -45,6 +45,29 @@ def _logging() -> None:
     )
 
 
+def _process_age_s() -> float:
+    """Seconds since this process started (Linux: /proc), for the start-up timeline."""
+    try:
+        start_ticks = int(Path("/proc/self/stat").read_text().rsplit(")", 1)[1].split()[19])
+        uptime = float(Path("/proc/uptime").read_text().split()[0])
+        return max(0.0, uptime - start_ticks / os.sysconf("SC_CLK_TCK"))
+    except (OSError, ValueError, IndexError):
+        return 0.0
+
+
+def _timeline(imports_s: float, engine_s: float, startup: dict[str, float]) -> str:
+    """One line: where a worker's start-up went, and what the weight read achieved."""
+    files = int(startup["weights_direct_files"] + startup["weights_buffered_files"])
+    how = f"{int(startup['weights_direct_files'])} of {files} files O_DIRECT"
+    return (
+        f"start-up: imports {imports_s:.2f}s | weights read {startup['weights_read_s']:.2f}s "
+        f"({startup['weights_bytes'] / 1e9:.2f} GB at {startup['weights_gb_per_s']:.2f} GB/s, "
+        f"{how}) | placement {startup['placement_s']:.2f}s | tokenizer and scheduler "
+        f"{startup['tokenizer_and_scheduler_s']:.2f}s | KV cache and kernels "
+        f"{startup['kv_cache_and_kernels_s']:.2f}s | engine {engine_s:.2f}s"
+    )
+
+
 def cmd_worker(args: argparse.Namespace) -> int:
     from runtime.async_engine import AsyncLLM
     from runtime.cli import _model_dir, engine_kwargs
@@ -52,6 +75,7 @@ def cmd_worker(args: argparse.Namespace) -> int:
     from runtime.engine import LLMEngine
     from runtime.worker import WorkerConfig, serve
 
+    imports_s = _process_age_s()  # interpreter start-up and every import up to here
     _logging()
     model_dir = _model_dir(args.model)
     host_for_url = "127.0.0.1" if args.host in ("0.0.0.0", "::", "") else args.host
@@ -81,9 +105,7 @@ def cmd_worker(args: argparse.Namespace) -> int:
             **engine_kwargs(args),  # type: ignore[arg-type]
         )
     )
-    logging.getLogger("edgeinfer.worker").info(
-        "loaded %s in %.1fs", model_dir, time.monotonic() - t0
-    )
+    print(_timeline(imports_s, time.monotonic() - t0, engine.startup), flush=True)
     asyncio.run(serve(config, AsyncLLM(engine)))
     return 0
 
