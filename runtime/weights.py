@@ -148,13 +148,13 @@ def _aligned_arena(nbytes: int) -> tuple[torch.Tensor, memoryview]:
     return arena, memoryview(buf)
 
 
-def _read_file(shard: Shard, direct: bool, pool: ThreadPoolExecutor,
+def _read_file(shard: Shard, direct: bool, skip_cached: bool, pool: ThreadPoolExecutor,
                stats: ReadStats) -> torch.Tensor:  # fmt: skip
     arena, view = _aligned_arena(shard.size)
     fd = os.open(shard.path, os.O_RDONLY)
     use_direct = False
     try:
-        if direct and not _cached(fd, shard.size):
+        if direct and not (skip_cached and _cached(fd, shard.size)):
             try:
                 dfd = os.open(shard.path, os.O_RDONLY | os.O_DIRECT)
             except OSError:  # tmpfs and some filesystems refuse O_DIRECT
@@ -191,16 +191,18 @@ def _read_file(shard: Shard, direct: bool, pool: ThreadPoolExecutor,
 
 
 def load_safetensors(files: list[Path], threads: int = 4, direct: bool = True,
-                     stats: ReadStats | None = None) -> Iterator[tuple[str, str, torch.Tensor]]:  # fmt: skip
+                     stats: ReadStats | None = None,
+                     skip_cached: bool = True) -> Iterator[tuple[str, str, torch.Tensor]]:  # fmt: skip
     """(file, tensor name, tensor) for every tensor of `files`: headers checked first, then each
     file read whole into an aligned arena, its tensors views of it (file by file, in file
-    order). `direct`: use O_DIRECT where the file is not cached and the filesystem allows it."""
+    order). `direct`: use O_DIRECT where the filesystem allows it, except (`skip_cached`) for a
+    file already in the page cache, which reads faster from there."""
     stats = stats if stats is not None else ReadStats()
     shards = [read_header(Path(f)) for f in files]  # every header before any weight
     with ThreadPoolExecutor(max(1, threads), thread_name_prefix="weights") as pool:
         for shard in shards:
             t0 = time.perf_counter()
-            arena = _read_file(shard, direct, pool, stats)
+            arena = _read_file(shard, direct, skip_cached, pool, stats)
             stats.seconds += time.perf_counter() - t0
             for t in shard.tensors:
                 size = torch.empty((), dtype=t.dtype).element_size()
