@@ -40,13 +40,10 @@ def log(msg: str) -> None:
 
 
 def evict(files: list[Path]) -> None:
+    from runtime.weights import drop_page_cache
+
     for f in files:
-        fd = os.open(f, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-        finally:
-            os.close(fd)
+        drop_page_cache(f)
 
 
 def reshard(model: Path, out: Path, shards: int) -> list[Path]:

@@ -125,6 +125,17 @@ def read_header(path: Path) -> Shard:
     return shard
 
 
+def drop_page_cache(path: Path) -> None:
+    """Ask the kernel to drop a file's pages from the page cache (so that the next read goes to
+    the drive: cold-start benchmarks and tests). Advisory: pages in use may stay."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+    finally:
+        os.close(fd)
+
+
 def _cached(fd: int, size: int) -> bool:
     """Whether the file's pages are in the page cache (a few probes, none of which waits)."""
     buf = bytearray(1)

@@ -5,7 +5,6 @@ cache; every lie a file can tell is an error naming it."""
 from __future__ import annotations
 
 import json
-import os
 from pathlib import Path
 
 import pytest
@@ -13,7 +12,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from runtime.config import ModelLoadError
-from runtime.weights import ReadStats, load_safetensors, read_header
+from runtime.weights import ReadStats, drop_page_cache, load_safetensors, read_header
 
 
 def _tensors(seed: int) -> dict[str, torch.Tensor]:
@@ -48,16 +47,6 @@ def _save_packed(tensors: dict[str, torch.Tensor], path: Path) -> None:
     path.write_bytes(len(body).to_bytes(8, "little") + body + b"".join(blobs))
 
 
-def _evict(path: Path) -> None:
-    """Drop the file's pages from the page cache, so that the reader goes to the drive."""
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-    finally:
-        os.close(fd)
-
-
 def _read(
     files: list[Path], direct: bool, skip_cached: bool = True
 ) -> tuple[dict[str, torch.Tensor], ReadStats]:
@@ -77,7 +66,7 @@ def test_bit_identical_to_safetensors(tmp_path: Path, direct: bool, shards: int)
         _save_packed(t, f)
         files.append(f)
         want.update(t)
-        _evict(f)
+        drop_page_cache(f)
     got, stats = _read(files, direct, skip_cached=False)  # O_DIRECT even where cached
     assert got.keys() == want.keys()
     for name, w in want.items():
