@@ -26,7 +26,7 @@ from kvstore.kv_transfer import (
     pull_kv,
 )
 from runtime.async_engine import AsyncLLM, RequestStream
-from runtime.engine import LLMEngine, RequestGroup
+from runtime.engine import RequestGroup
 from runtime.sampling_params import SamplingParams
 
 log = logging.getLogger("edgeinfer.disagg")
@@ -110,12 +110,5 @@ class KVImporter:
             reused = max(cached, result.cached_tokens if result else 0)
             return self.llm.submit_import(group, reused), result
         except BaseException:
-            self.llm.call(_cancel(group))  # runs even though nobody awaits it
+            self.llm.call(lambda engine: engine.cancel_import(group))  # runs though not awaited
             raise
-
-
-def _cancel(group: RequestGroup):  # type: ignore[no-untyped-def]
-    def run(engine: LLMEngine) -> None:
-        engine.cancel_import(group)
-
-    return run

@@ -233,11 +233,10 @@ class LLMEngine:
         Returns the number of blocks freed."""
         if request_id in self._groups:
             self.abort(request_id)
-        freed = 0
-        for seq_id in [k for k, g in self._exports.items() if g.request_id == request_id]:
-            del self._exports[seq_id]
-            freed += self.scheduler.release(seq_id)
-        return freed
+        seq_id = f"{request_id}#0"  # an export is one sequence (n == 1)
+        if self._exports.pop(seq_id, None) is None:
+            return 0
+        return self.scheduler.release(seq_id)
 
     # ------------------------------------------------------------------ KV imports (decode side)
     def reserve_import(self, group: RequestGroup) -> tuple[int, list[int]] | None:
@@ -402,27 +401,22 @@ class LLMEngine:
     def stats(self) -> dict[str, int]:
         """Load figures a worker publishes: counts, KV blocks, and tokens still to compute."""
         sched = self.scheduler
-        pending = list(sched.running) + list(sched.waiting)
+        prefill = outputs = decodes = 0  # one pass: this runs after every step
+        for r in (*sched.running, *sched.waiting):
+            left = len(r.prompt_token_ids) - r.num_computed_tokens
+            prefill += max(0, left)
+            outputs += r.max_tokens - len(r.output_token_ids)
+            if left <= 0 and r.status is RequestStatus.RUNNING:
+                decodes += 1
         return {
-            # prompt tokens still to compute (prefill work) and sequences past their prompt
-            "prefill_tokens": sum(
-                max(0, len(r.prompt_token_ids) - r.num_computed_tokens) for r in pending
-            ),
-            "decode_seqs": sum(
-                1 for r in sched.running if r.num_computed_tokens >= len(r.prompt_token_ids)
-            ),
+            "prefill_tokens": prefill,  # prompt tokens still to compute
+            "decode_seqs": decodes,  # running sequences past their prompt
             "kv_exports_held": len(sched.held),
             "kv_imports_reserved": len(self._imports),
             "running": len(sched.running),
             "waiting": len(sched.waiting),
             # prompt tokens not yet in the cache plus output tokens not yet generated
-            "load_tokens": sum(
-                len(r.prompt_token_ids)
-                - min(r.num_computed_tokens, len(r.prompt_token_ids))
-                + r.max_tokens
-                - len(r.output_token_ids)
-                for r in pending
-            ),
+            "load_tokens": prefill + outputs,
             "free_kv_blocks": self.blocks.num_free_blocks,
             "total_kv_blocks": self.blocks.num_blocks,
             "capacity_tokens": sched.capacity_tokens,

@@ -176,6 +176,13 @@ class Worker:
         """Requests of any role still in flight: served streams, or pulls being served."""
         return bool(self.llm.num_open_streams or self.kv_server.active)
 
+    async def _wait_idle(self) -> bool:
+        """Wait (up to `drain_timeout_s`) until no work of any role is in flight; True if none."""
+        deadline = time.monotonic() + self.config.drain_timeout_s
+        while self.busy() and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+        return not self.busy()
+
     async def change_role(self, role: Role) -> float:
         """Switch roles while running: stop taking work (gateways see `draining`), let the old
         role's work finish (up to `drain_timeout_s`), switch, take work again. Returns the
@@ -186,10 +193,7 @@ class Worker:
         self.draining = True
         await self.publish()
         try:
-            deadline = t0 + self.config.drain_timeout_s
-            while self.busy() and time.monotonic() < deadline:
-                await asyncio.sleep(0.05)
-            if self.busy():
+            if not await self._wait_idle():
                 raise TimeoutError(
                     f"work of role {self.config.role!r} still running after "
                     f"{self.config.drain_timeout_s:.0f}s; role unchanged"
@@ -205,9 +209,7 @@ class Worker:
         """Refuse new requests, let running ones finish, then leave the registry."""
         self.draining = True
         await self.publish()
-        deadline = time.monotonic() + self.config.drain_timeout_s
-        while self.busy() and time.monotonic() < deadline:
-            await asyncio.sleep(0.05)
+        await self._wait_idle()
         if self.llm.num_open_streams:
             log.warning("drain timeout: aborting %d requests", self.llm.num_open_streams)
         if self._registry is not None:
