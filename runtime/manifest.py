@@ -1,0 +1,197 @@
+"""The model store's manifest: which shards a model has, their sizes, their checksums.
+
+    <store>/<model>/edgeinfer-manifest.json     written last by `edgeinfer pull`
+    {
+      "format": "edgeinfer-store/1",
+      "name": "SmolLM2-135M-Instruct",          the served model name
+      "source": "/path/it/was/pulled/from",
+      "created": "2026-11-22T10:00:00Z",
+      "chunk_bytes": 16777216,                   checksum granularity (= the loader's read size)
+      "shards": [{"file": "model-00001-of-00004.safetensors", "bytes": 134221824,
+                  "xxh3_64": ["5f1c...", ...]}],  one digest per chunk_bytes piece from offset 0
+      "tensors": {"model.norm.weight": {"shard": "model-00004-of-00004.safetensors",
+                                        "dtype": "BF16", "shape": [576]}}
+    }
+
+Checksums are per chunk, not per file, so the loader verifies each piece right after its read
+(on the reading thread, while the piece is still in cache) instead of in a second pass, and a
+mismatch names the shard and the byte range. xxh3-64 hashes at well over drive speed.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass, field
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+
+import xxhash
+
+from runtime.config import ModelLoadError
+
+MANIFEST_NAME = "edgeinfer-manifest.json"
+FORMAT = "edgeinfer-store/1"
+CHUNK_BYTES = 16 << 20  # one checksum per 16 MiB piece (runtime.weights reads the same pieces)
+
+
+@dataclass(frozen=True, slots=True)
+class ShardEntry:
+    file: str  # file name inside the model folder
+    bytes: int  # its size
+    xxh3_64: tuple[str, ...]  # hex digest of each chunk_bytes piece, the last one short
+
+
+@dataclass(frozen=True, slots=True)
+class TensorInfo:
+    shard: str  # file name of the shard that holds it
+    dtype: str  # safetensors dtype name (BF16, F32, ...)
+    shape: tuple[int, ...]
+
+
+@dataclass(slots=True)
+class Manifest:
+    name: str
+    source: str
+    chunk_bytes: int = CHUNK_BYTES
+    shards: list[ShardEntry] = field(default_factory=list)
+    tensors: dict[str, TensorInfo] = field(default_factory=dict)
+    created: str = ""
+
+    def shard(self, file: str) -> ShardEntry | None:
+        return next((s for s in self.shards if s.file == file), None)
+
+    @property
+    def total_bytes(self) -> int:
+        return sum(s.bytes for s in self.shards)
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "format": FORMAT,
+            "name": self.name,
+            "source": self.source,
+            "created": self.created or datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%SZ"),
+            "chunk_bytes": self.chunk_bytes,
+            "shards": [
+                {"file": s.file, "bytes": s.bytes, "xxh3_64": list(s.xxh3_64)} for s in self.shards
+            ],
+            "tensors": {
+                k: {"shard": t.shard, "dtype": t.dtype, "shape": list(t.shape)}
+                for k, t in self.tensors.items()
+            },
+        }
+
+    @classmethod
+    def from_json(cls, raw: Any, where: Path) -> Manifest:
+        """Parse and check a manifest; ModelLoadError naming `where` for anything malformed."""
+        try:
+            if raw.get("format") != FORMAT:
+                raise ValueError(f"format is {raw.get('format')!r}, expected {FORMAT!r}")
+            chunk = int(raw["chunk_bytes"])
+            if chunk <= 0 or chunk % 4096:
+                raise ValueError(f"chunk_bytes {chunk} is not a positive multiple of 4096")
+            shards = []
+            for s in raw["shards"]:
+                entry = ShardEntry(str(s["file"]), int(s["bytes"]), tuple(map(str, s["xxh3_64"])))
+                if "/" in entry.file or entry.file.startswith("."):
+                    raise ValueError(f"shard file {entry.file!r} is not a plain file name")
+                if len(entry.xxh3_64) != max(1, -(-entry.bytes // chunk)):
+                    raise ValueError(
+                        f"shard {entry.file}: {len(entry.xxh3_64)} checksums for "
+                        f"{entry.bytes} bytes in chunks of {chunk}"
+                    )
+                shards.append(entry)
+            files = {s.file for s in shards}
+            tensors = {}
+            for name, t in raw["tensors"].items():
+                info = TensorInfo(
+                    str(t["shard"]), str(t["dtype"]), tuple(int(d) for d in t["shape"])
+                )
+                if info.shard not in files:
+                    raise ValueError(f"tensor {name!r} is in {info.shard!r}, not a listed shard")
+                tensors[str(name)] = info
+            return cls(str(raw["name"]), str(raw.get("source", "")), chunk, shards, tensors,
+                       str(raw.get("created", "")))  # fmt: skip
+        except (AttributeError, KeyError, TypeError, ValueError) as e:
+            raise ModelLoadError(f"{where}: corrupt manifest ({e})") from e
+
+
+def chunk_digest(data: bytes | memoryview) -> str:
+    return xxhash.xxh3_64_hexdigest(data)
+
+
+def file_digests(path: Path, chunk_bytes: int = CHUNK_BYTES) -> tuple[str, ...]:
+    """The per-chunk digests of a file, read sequentially (for writing and for `verify`)."""
+    out: list[str] = []
+    with path.open("rb", buffering=0) as f:
+        while True:
+            piece = f.read(chunk_bytes)
+            if not piece and out:
+                break
+            out.append(chunk_digest(piece))
+            if len(piece) < chunk_bytes:
+                break
+    return tuple(out)
+
+
+def read_manifest(folder: Path) -> Manifest | None:
+    """The folder's manifest, or None when it has none (a plain Hugging Face folder)."""
+    path = Path(folder) / MANIFEST_NAME
+    try:
+        text = path.read_text(encoding="utf-8")
+    except FileNotFoundError:
+        return None
+    except OSError as e:
+        raise ModelLoadError(f"{path}: cannot read ({e})") from e
+    try:
+        raw = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise ModelLoadError(f"{path}: corrupt manifest (not JSON: {e})") from e
+    return Manifest.from_json(raw, path)
+
+
+def write_manifest(folder: Path, manifest: Manifest) -> Path:
+    """Write atomically (a temporary file renamed into place): a reader sees all or nothing."""
+    path = Path(folder) / MANIFEST_NAME
+    tmp = path.with_name(f".{MANIFEST_NAME}.{os.getpid()}.tmp")
+    tmp.write_text(json.dumps(manifest.to_json(), indent=1) + "\n", encoding="utf-8")
+    os.replace(tmp, path)
+    return path
+
+
+def check_shard_files(folder: Path, manifest: Manifest) -> list[Path]:
+    """The shard paths in manifest order, after checking each exists with the listed size
+    (a missing or truncated shard is an error naming it, before anything is read)."""
+    out = []
+    for s in manifest.shards:
+        path = Path(folder) / s.file
+        try:
+            size = path.stat().st_size
+        except FileNotFoundError:
+            raise ModelLoadError(
+                f"{path}: missing (the manifest lists it with {s.bytes} bytes)"
+            ) from None
+        if size != s.bytes:
+            raise ModelLoadError(
+                f"{path}: {'truncated' if size < s.bytes else 'wrong size'}: the manifest says "
+                f"{s.bytes} bytes, the file has {size}"
+            )
+        out.append(path)
+    return out
+
+
+def verify_chunk(manifest: Manifest, path: Path, index: int, data: bytes | memoryview) -> None:
+    """Raise ModelLoadError naming the shard and byte range if chunk `index` of `path` does not
+    match the manifest (a shard the manifest does not list is not checked)."""
+    entry = manifest.shard(path.name)
+    if entry is None:
+        return
+    got = chunk_digest(data)
+    if got != entry.xxh3_64[index]:
+        start = index * manifest.chunk_bytes
+        raise ModelLoadError(
+            f"{path}: checksum mismatch in bytes {start}..{start + len(data)} (xxh3-64 "
+            f"{got}, the manifest says {entry.xxh3_64[index]}): the shard is corrupt; pull the "
+            f"model again"
+        )
