@@ -107,8 +107,10 @@ async def readyz(request: web.Request) -> web.Response:
     view = request.app[VIEW]
     redis_ok = await view.ping()
     workers = len(view.live_workers())
-    ready = redis_ok and workers > 0
-    body = {"ready": ready, "redis": redis_ok, "workers": workers, "region": view.config.region}
+    pools = len(view.pools)  # a pool can start workers on demand (scale from zero)
+    ready = redis_ok and (workers > 0 or pools > 0)
+    body = {"ready": ready, "redis": redis_ok, "workers": workers, "pools": pools,
+            "region": view.config.region}  # fmt: skip
     return _json(body, 200 if ready else 503)
 
 

@@ -20,6 +20,7 @@ from gateway.config import GatewayConfig
 from gateway.regions import RegionCatalog
 from gateway.routing import Router
 from gateway.tokenization import GatewayTokenizers
+from kvstore.demand import Demand, PoolInfo
 from kvstore.placement import Placement, SessionStore
 from kvstore.prefix_index import PrefixIndex
 from kvstore.protocol import WorkerInfo
@@ -37,8 +38,11 @@ class ClusterView:
         self.router = Router(config.region, catalog, config.routing)
         self.tokenizers = GatewayTokenizers(redis)
         self.prefix = PrefixIndex(redis)
+        self.demand = Demand(redis)
         self.catalog = catalog
         self.workers: list[WorkerInfo] = []  # last registry snapshot
+        self.pools: list[PoolInfo] = []  # last snapshot of the pools that can start workers
+        self._refreshing: asyncio.Task[None] | None = None  # the refresh waiters share
         self.redis_ok = False  # the last Redis call succeeded
         self.refreshed_at = 0.0  # monotonic time of the last good snapshot
         self.failed: dict[str, float] = {}  # worker id -> unix time it failed a request here
@@ -50,6 +54,7 @@ class ClusterView:
     async def refresh(self) -> None:
         try:
             workers = await self.registry.workers()
+            pools = await self.demand.pools()
         except Exception as e:  # connection refused, timeout, cluster errors
             if self.redis_ok:
                 log.warning("redis unreachable, routing on the last known registry: %s", e)
@@ -60,7 +65,9 @@ class ClusterView:
         self.redis_ok = True
         self.refreshed_at = time.monotonic()
         self.workers = workers
+        self.pools = pools
         self.seen_models.update(w.model for w in workers)
+        self.seen_models.update(m for p in pools for m in p.models)
         # a failed worker is back once it heartbeats after the failure
         for w in workers:
             if self.failed.get(w.worker_id, float("inf")) < w.updated_at - 1.0:
@@ -71,6 +78,26 @@ class ClusterView:
             await self.refresh()
             await asyncio.sleep(self.config.registry_refresh_s)
 
+    async def refresh_soon(self, max_age_s: float) -> None:
+        """A snapshot at most `max_age_s` old, for requests waiting on a worker to start: all of
+        them share one refresh in flight rather than each reading Redis."""
+        if time.monotonic() - self.refreshed_at <= max_age_s:
+            return
+        if self._refreshing is None or self._refreshing.done():
+            self._refreshing = asyncio.create_task(self.refresh())
+        await asyncio.shield(self._refreshing)
+
+    def pool_region(self, model: str) -> str | None:
+        """The nearest region (this gateway's first) with a live pool that can start `model`."""
+        regions = sorted({p.region for p in self.pools if model in p.models})
+        if not regions:
+            return None
+        return self.catalog.nearest_first(self.region, regions)[0]
+
+    @property
+    def region(self) -> str:
+        return self.config.region
+
     def live_workers(self) -> list[WorkerInfo]:
         return [w for w in self.workers if w.worker_id not in self.failed]
 
@@ -78,7 +105,9 @@ class ClusterView:
         self.failed[worker_id] = time.time()
 
     def models(self) -> list[str]:
-        return sorted({w.model for w in self.live_workers()})
+        """Models served now, or startable on demand by a pool."""
+        pooled = {m for p in self.pools for m in p.models}
+        return sorted({w.model for w in self.live_workers()} | pooled)
 
     # ------------------------------------------------------------------ session placement
     async def placement(self, session_id: str) -> Placement | None:

@@ -25,6 +25,8 @@ class GatewayConfig:
     max_attempts: int = 3  # workers tried per request before giving up (only before first byte)
     retry_after_s: float = 1.0  # Retry-After for 429/503
     routing: str = "cache-aware"  # "cache-aware" | "round-robin" (a baseline for benchmarks)
+    hold_timeout_s: float = 60.0  # a request for a model no worker serves, that a pool can
+    # start a worker for, waits this long for the worker (scale from zero) before a 503
     disagg_min_tokens: int = 32  # disaggregated: prompts with fewer uncached tokens on the
     # decode worker are computed there (a transfer costs more than such a prefill)
 
@@ -39,6 +41,8 @@ class GatewayConfig:
             raise ValueError(f"max_attempts must be at least 1, got {self.max_attempts}")
         if self.routing not in ("cache-aware", "round-robin"):
             raise ValueError(f"routing must be cache-aware or round-robin, got {self.routing!r}")
+        if self.hold_timeout_s < 0:
+            raise ValueError(f"hold_timeout_s must be >= 0, got {self.hold_timeout_s}")
         if self.disagg_min_tokens < 0:
             raise ValueError(f"disagg_min_tokens must be >= 0, got {self.disagg_min_tokens}")
         if any(not k for k in self.api_keys):

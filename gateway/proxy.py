@@ -19,6 +19,7 @@ the worker and sends it an abort, so the worker frees the request's KV blocks at
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 import uuid
@@ -33,6 +34,7 @@ from aiohttp import web
 from gateway.cluster import ClusterView
 from gateway.errors import APIError, at_capacity, bad_gateway, invalid, model_not_found, unavailable
 from gateway.openai_api import SSE_DONE, RequestOptions, ResponseAssembler, error_chunk, sse
+from gateway.routing import Route
 from gateway.tokenization import prompt_token_ids
 from kvstore.block_hash import block_hashes, cache_seed
 from kvstore.placement import Placement
@@ -42,6 +44,7 @@ log = logging.getLogger("edgeinfer.gateway")
 
 SESSION_HEADER = "x-session-affinity"
 MAX_SESSION_ID = 256
+HOLD_POLL_S = 0.05  # how often a request waiting for a starting worker looks for it
 Parser = Callable[..., tuple[GenerateRequest, RequestOptions]]
 
 
@@ -77,6 +80,7 @@ class Call:
     disaggregated: bool = False  # prefill runs on a prefill worker, decode on `worker`
     prefill: WorkerInfo | None = None  # the prefill worker of the current attempt, if any
     tried_prefill: set[str] = field(default_factory=set)  # prefill workers that failed it
+    held_s: float = 0.0  # seconds waited for a pool to start a worker (scale from zero)
 
 
 class Proxy:
@@ -161,7 +165,7 @@ class Proxy:
             call.gen.model, self.view.live_workers()
         )
         for _ in range(self.config.max_attempts):
-            worker = self.route(call, last)
+            worker = await self.route_or_hold(call, last)
             call.worker, call.cost = worker, _cost(call.gen)
             call.forwarded = call.forwarded or time.perf_counter()
             router.sent(worker.worker_id, call.cost)
@@ -237,9 +241,19 @@ class Proxy:
         if call.prefill is not None and cost:
             self.view.router.done_prefill(call.prefill.worker_id, cost)
 
-    def route(self, call: Call, last: APIError | None) -> WorkerInfo:
+    async def route_or_hold(self, call: Call, last: APIError | None) -> WorkerInfo:
+        """Route; when no worker serves the model but a pool can start one, hold the request
+        until one is up (scale from zero), then route again."""
+        route = self._route(call)
+        held = not route.candidates and route.reason == "no_workers"
+        if held and await self.hold_for_worker(call):
+            route = self._route(call)
+            route.reason = "cold_start"
+        return self.chosen(call, route, last)
+
+    def _route(self, call: Call) -> Route:
         assert call.gen is not None
-        route = self.view.router.route(
+        return self.view.router.route(
             call.gen.model,
             self.view.live_workers(),
             call.placement,
@@ -248,6 +262,61 @@ class Proxy:
             prompt_tokens=call.prompt_tokens,
             roles=call.roles,
         )
+
+    async def hold_for_worker(self, call: Call) -> bool:
+        """Wait for a pool to start a worker for the model; True once one is up.
+
+        False at once when no pool offers the model. The request counts as waiting in Redis (the
+        pool's scale-from-zero signal) while it waits; a pool that reports a failed start, or no
+        worker within `hold_timeout_s`, ends the wait with 503 and Retry-After.
+        """
+        assert call.gen is not None
+        model, view = call.gen.model, self.view
+        region = view.pool_region(model)
+        if region is None or not view.redis_ok:
+            return False
+        t0 = time.perf_counter()
+        deadline = time.time() + self.config.hold_timeout_s
+        try:
+            await view.demand.hold(model, region, call.request_id, deadline)
+        except Exception as e:
+            log.warning("cannot signal the pool of region %s: %s", region, e)
+            return False
+        log.info("request %s waits for a %s worker in %s", call.request_id, model, region)
+        try:
+            while True:
+                await view.refresh_soon(HOLD_POLL_S)
+                call.roles, call.disaggregated = view.router.serving_roles(
+                    model, view.live_workers()
+                )
+                if self._route(call).candidates:
+                    return True
+                status = await view.demand.status(model, region)
+                if status is not None and status.state == "failed":
+                    raise unavailable(
+                        f"no worker for model {model!r} could be started in region {region} "
+                        f"({status.attempts} failed attempts; the last: {status.error})",
+                        status.retry_after(),
+                        "worker_start_failed",
+                    )
+                if time.time() >= deadline:
+                    raise unavailable(
+                        f"no worker for model {model!r} was ready within "
+                        f"{self.config.hold_timeout_s:.0f}s; it is still starting",
+                        self.config.retry_after_s,
+                        "worker_starting",
+                    )
+                await asyncio.sleep(HOLD_POLL_S)
+        finally:
+            call.held_s += time.perf_counter() - t0
+            self._spawn(self._release(model, region, call.request_id))
+
+    async def _release(self, model: str, region: str, request_id: str) -> None:
+        with contextlib.suppress(Exception):
+            await self.view.demand.release(model, region, request_id)
+
+    def chosen(self, call: Call, route: Route, last: APIError | None) -> WorkerInfo:
+        assert call.gen is not None
         if route.candidates:
             call.route_reason = route.reason
             return route.candidates[0]
@@ -407,8 +476,13 @@ def _server_timing(call: Call) -> str:
     (validate, route, forward; relay up to the response headers), `worker` the wait for the
     worker's first token (engine queueing and prefill, earlier failed attempts included)."""
     now = time.perf_counter()
-    own = (call.forwarded - call.started) + (now - call.answered)
-    return f"gateway;dur={own * 1000:.3f}, worker;dur={(call.answered - call.forwarded) * 1000:.3f}"
+    own = (call.forwarded - call.started - call.held_s) + (now - call.answered)
+    timing = (
+        f"gateway;dur={own * 1000:.3f}, worker;dur={(call.answered - call.forwarded) * 1000:.3f}"
+    )
+    if call.held_s:
+        timing += f", cold-start;dur={call.held_s * 1000:.3f}"
+    return timing
 
 
 def _session_id(request: web.Request) -> str | None:

@@ -154,6 +154,7 @@ class WorkerInfo:
     # equal block hashes for equal tokens; also names the tokenizer bundle in Redis
     block_size: int = 16  # tokens per KV block (block hashes cover this many tokens)
     started_at: float = 0.0  # unix time the worker started
+    last_active_at: float = 0.0  # unix time a request last arrived or finished (idle detection)
     updated_at: float = 0.0  # unix time of the last heartbeat
 
     @property

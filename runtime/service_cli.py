@@ -95,6 +95,7 @@ def cmd_worker(args: argparse.Namespace) -> int:
         drain_timeout_s=args.drain_timeout,
         kv_port=args.kv_port,
         kv_hold_s=args.kv_hold,
+        worker_id=args.worker_id or "",
     )
     t0 = time.monotonic()
     engine = LLMEngine(
@@ -127,6 +128,7 @@ def cmd_gateway(args: argparse.Namespace) -> int:
         max_body_bytes=args.max_body_bytes,
         routing=args.routing,
         disagg_min_tokens=args.disagg_min_tokens,
+        hold_timeout_s=args.hold_timeout,
     )
     _run(serve(config))
     return 0
@@ -193,6 +195,69 @@ def cmd_rebalance(args: argparse.Namespace) -> int:
     return asyncio.run(main())
 
 
+def cmd_pool(args: argparse.Namespace) -> int:
+    """Start and stop local workers as demand in Redis asks (scale from zero)."""
+    from runtime.cli import _model_dir
+    from runtime.pool_manager import PoolConfig, parse_models, serve
+
+    _logging()
+    redis_url = args.redis or os.environ.get("EDGEINFER_REDIS", DEFAULT_REDIS)
+    if args.events:
+        return _print_pool_events(redis_url, args.region, args.events)
+    if not args.models:
+        raise SystemExit("edgeinfer: error: --models is required (e.g. --models M1,M2)")
+    try:
+        models = parse_models(args.models, _model_dir)
+    except Exception as e:  # a name the model store does not have
+        raise SystemExit(f"edgeinfer: error: --models: {e}") from e
+    for name, folder in models.items():
+        if not (Path(folder) / "config.json").is_file():
+            raise SystemExit(
+                f"edgeinfer: error: --models: {name!r}: {folder} is not a model folder "
+                f"(no config.json)"
+            )
+    try:
+        cfg = PoolConfig(
+            region=args.region,
+            models=models,
+            redis_url=redis_url,
+            secret=_secret(args),
+            max_workers=args.max_workers,
+            min_workers=args.min_workers,
+            idle_s=args.idle,
+            scale_up_queue=args.scale_up_queue,
+            scale_up_after_s=args.scale_up_after,
+            ready_timeout_s=args.ready_timeout,
+            host=args.host,
+            worker_args=args.worker_args.split() if args.worker_args else [],
+        )
+    except ValueError as e:
+        raise SystemExit(f"edgeinfer: error: {e}") from e
+    asyncio.run(serve(cfg))
+    return 0
+
+
+def _print_pool_events(redis_url: str, region: str, count: int) -> int:
+    from datetime import datetime
+
+    from kvstore.client import connect
+    from kvstore.demand import Demand
+
+    async def main() -> list[dict[str, str]]:
+        redis = connect(redis_url)
+        try:
+            return await Demand(redis).events(region, count)
+        finally:
+            await redis.aclose()
+
+    for e in asyncio.run(main()):
+        at = datetime.fromtimestamp(float(e.pop("at"))).strftime("%Y-%m-%d %H:%M:%S.%f")[:-3]
+        what = e.pop("event")
+        rest = " ".join(f"{k}={v}" for k, v in e.items())
+        print(f"{at} {what:<9} {rest}")
+    return 0
+
+
 def cmd_up(args: argparse.Namespace) -> int:
     from runtime.launcher import up
 
@@ -213,6 +278,8 @@ def add_service_commands(sub: argparse._SubParsersAction, engine_args) -> None: 
         "--advertise-url", default=None, help="URL gateways use (default from host/port)"
     )
     w.add_argument("--served-model-name", default=None, help="default: the model folder's name")
+    w.add_argument("--worker-id", default=None,
+                   help="registry id (default: region-host-port-random; a pool names its workers)")  # fmt: skip
     w.add_argument(
         "--redis", default=None, help=f"cluster state (default $EDGEINFER_REDIS or {DEFAULT_REDIS})"
     )
@@ -256,6 +323,11 @@ def add_service_commands(sub: argparse._SubParsersAction, engine_args) -> None: 
         help="with prefill and decode workers: prompts with fewer uncached tokens than this are "
         "computed on the decode worker (default 32)",
     )  # fmt: skip
+    g.add_argument(
+        "--hold-timeout", type=float, default=60.0,
+        help="seconds a request waits for a pool to start a worker for its model (scale from "
+        "zero) before a 503 (default 60)",
+    )  # fmt: skip
     g.set_defaults(func=cmd_gateway)
 
     r = sub.add_parser("set-role", help="change a running worker's role (prefill/decode/mixed)")
@@ -273,6 +345,32 @@ def add_service_commands(sub: argparse._SubParsersAction, engine_args) -> None: 
     b.add_argument("--secret", default=None, help="shared secret (default $EDGEINFER_SECRET)")
     b.add_argument("--timeout", type=float, default=120.0, help="seconds to wait for the drains")
     b.set_defaults(func=cmd_rebalance)
+
+    p = sub.add_parser("pool", help="start/stop local workers on demand (scale from zero)")
+    p.add_argument("--region", default="local", help="the region its workers serve")
+    p.add_argument(
+        "--models", default=None,
+        help="models it may start: store names or folders, or name=FOLDER, comma-separated",
+    )  # fmt: skip
+    p.add_argument(
+        "--max-workers", type=int, default=4, help="worker processes at most (all models)"
+    )
+    p.add_argument("--min-workers", type=int, default=0, help="per model, kept even when idle")
+    p.add_argument("--idle", type=float, default=300.0, help="seconds idle before a worker stops")
+    p.add_argument("--scale-up-queue", type=int, default=4,
+                   help="queued requests per worker that count as queueing (default 4)")  # fmt: skip
+    p.add_argument("--scale-up-after", type=float, default=2.0,
+                   help="seconds of queueing before another worker starts (default 2)")  # fmt: skip
+    p.add_argument("--ready-timeout", type=float, default=300.0,
+                   help="seconds a starting worker has to register before it counts as failed")  # fmt: skip
+    p.add_argument("--host", default="127.0.0.1", help="interface the workers bind and advertise")
+    p.add_argument("--worker-args", default="",
+                   help='extra `edgeinfer worker` flags, e.g. "--threads 2 --max-num-seqs 64"')  # fmt: skip
+    p.add_argument("--redis", default=None, help="cluster Redis URL (default $EDGEINFER_REDIS)")
+    p.add_argument("--secret", default=None, help="workers' shared secret ($EDGEINFER_SECRET)")
+    p.add_argument("--events", type=int, default=0, metavar="N",
+                   help="print the region's last N pool events (start/ready/stop/fail) and exit")  # fmt: skip
+    p.set_defaults(func=cmd_pool)
 
     u = sub.add_parser("up", help="start Redis (if needed), a worker and a gateway on this machine")
     engine_args(u)

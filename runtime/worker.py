@@ -106,6 +106,7 @@ class Worker:
         self.tokenizer: Tokenizer = llm.engine.tokenizer
         self.draining = False
         self.started_at = time.time()
+        self.last_active_at = self.started_at  # a request arrived (or was in flight: info())
         self._token_text: dict[int, str] = {}
         self._anchor: list[int] | None = None
         self._anchor_text = ""
@@ -121,6 +122,8 @@ class Worker:
     # ------------------------------------------------------------------ load and registry
     def info(self) -> WorkerInfo:
         s = self.llm.stats()
+        if self.busy():
+            self.last_active_at = time.time()
         return WorkerInfo(
             worker_id=self.config.worker_id,
             region=self.config.region,
@@ -141,6 +144,7 @@ class Worker:
             cache_id=self.llm.engine.cache_id,
             block_size=self.llm.engine.config.block_size,
             started_at=self.started_at,
+            last_active_at=self.last_active_at,
             updated_at=time.time(),
         )
 
@@ -288,6 +292,7 @@ async def _auth(request: web.Request, handler: Any) -> web.StreamResponse:
 
 async def _generate(request: web.Request) -> web.StreamResponse:
     worker = request.app[WORKER]
+    worker.last_active_at = time.time()
     if worker.draining:
         return _error(503, "worker is draining", "service_unavailable", code="draining",
                       headers={"Retry-After": "1"})  # fmt: skip

@@ -1,0 +1,207 @@
+"""Scale from zero: the pools that can start workers, the requests gateways hold for them, and
+what the pools report back.
+
+    ei:p:{<pool_id>}                   hash: the pool's PoolInfo, expires unless heartbeats renew it
+    ei:pools                           set: pool ids (readers drop ids whose hash expired)
+    ei:d:{<model>}:wait:<region>       sorted set: ids of the requests gateways hold until a worker
+                                       of `model` is up in `region`; score = the hold's deadline
+    ei:d:{<model>}:status:<region>     string: the pool's ModelStatus (starting, failed + retry time)
+    ei:pw:{<region>}                   list: wake-ups (model names) for that region's pool
+    ei:pe:{<region>}                   stream: pool events (start, ready, stop, fail) with timings
+
+The flow: a request arrives for a model that some pool offers and no worker serves. The gateway
+adds the request to the model's wait set (with its deadline) and pushes a wake-up; the pool,
+blocked on its wake-up list between ticks, starts a worker at once and publishes `starting`; the
+gateway polls the registry until the worker appears, then forwards the request and removes it
+from the wait set. A worker that fails to start makes the pool publish `failed` with the time of
+its next attempt; waiting gateways answer 503 with that Retry-After instead of waiting out their
+deadline. A gateway that dies leaves its entries behind, but their scores (deadlines) age them
+out: every count first drops the entries past their deadline.
+
+All keys of one model share the `{<model>}` hash tag, and one region's wake-ups and events the
+`{<region>}` tag, so everything here works on a Redis Cluster.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import orjson
+from redis.asyncio import Redis
+
+from kvstore.keys import PREFIX, as_text, check_id
+
+POOLS_KEY = PREFIX + "pools"
+EVENTS_MAXLEN = 1000  # pool events kept per region (approximately: XADD MAXLEN ~)
+
+
+def pool_key(pool_id: str) -> str:
+    return f"{PREFIX}p:{{{check_id(pool_id, 'pool_id')}}}"
+
+
+def wait_key(model: str, region: str) -> str:
+    return f"{PREFIX}d:{{{check_id(model, 'model')}}}:wait:{check_id(region, 'region')}"
+
+
+def status_key(model: str, region: str) -> str:
+    return f"{PREFIX}d:{{{check_id(model, 'model')}}}:status:{check_id(region, 'region')}"
+
+
+def wake_key(region: str) -> str:
+    return f"{PREFIX}pw:{{{check_id(region, 'region')}}}"
+
+
+def events_key(region: str) -> str:
+    return f"{PREFIX}pe:{{{check_id(region, 'region')}}}"
+
+
+@dataclass(slots=True)
+class PoolInfo:
+    """A pool manager as gateways see it: where it runs and which models it can start."""
+
+    pool_id: str
+    region: str
+    models: list[str] = field(default_factory=list)  # served names it can start workers for
+    max_workers: int = 1  # its limit, all models together
+    workers: int = 0  # worker processes it runs now (starting included)
+    updated_at: float = 0.0
+
+    def to_redis(self) -> dict[str, str]:
+        return {k: orjson.dumps(v).decode() for k, v in dataclasses.asdict(self).items()}
+
+    @classmethod
+    def from_redis(cls, raw: dict[Any, Any]) -> PoolInfo:
+        names = {f.name for f in dataclasses.fields(cls)}
+        values = {as_text(k): orjson.loads(v) for k, v in raw.items() if as_text(k) in names}
+        return cls(**values)
+
+
+@dataclass(slots=True)
+class ModelStatus:
+    """What a pool last did about a model in its region (published for waiting gateways)."""
+
+    state: str  # "starting" | "ready" | "failed"
+    pool_id: str
+    error: str = ""  # why the last start failed
+    attempts: int = 0  # failed starts in a row
+    retry_at: float = 0.0  # unix time of the next attempt (failed)
+    updated_at: float = 0.0
+
+    def retry_after(self, now: float | None = None) -> float:
+        return max(1.0, self.retry_at - (time.time() if now is None else now))
+
+
+class Demand:
+    """Reads and writes of the keys above; one instance per process over its shared client.
+
+    Blocking reads (`next_wakeup`) need a client whose socket timeout exceeds the block time
+    (kvstore.client.connect(timeout_s=...)).
+    """
+
+    def __init__(self, redis: Redis) -> None:
+        self.redis = redis
+
+    # ------------------------------------------------------------------ the pool's side
+    async def announce(self, info: PoolInfo, ttl_s: float) -> None:
+        """Register or renew a pool (its heartbeat)."""
+        for m in info.models:
+            check_id(m, "model")
+        pipe = self.redis.pipeline(transaction=False)
+        pipe.hset(pool_key(info.pool_id), mapping=info.to_redis())  # type: ignore[arg-type]
+        pipe.pexpire(pool_key(info.pool_id), max(1, round(ttl_s * 1000)))
+        pipe.sadd(POOLS_KEY, info.pool_id)
+        await pipe.execute()
+
+    async def withdraw(self, pool_id: str) -> None:
+        pipe = self.redis.pipeline(transaction=False)
+        pipe.delete(pool_key(pool_id))
+        pipe.srem(POOLS_KEY, pool_id)
+        await pipe.execute()
+
+    async def waiting(self, model: str, region: str) -> int:
+        """Requests held now for `model` in `region` (entries past their deadline dropped)."""
+        key = wait_key(model, region)
+        pipe = self.redis.pipeline(transaction=False)
+        pipe.zremrangebyscore(key, "-inf", time.time())
+        pipe.zcard(key)
+        _, n = await pipe.execute()
+        return int(n)
+
+    async def next_wakeup(self, region: str, timeout_s: float) -> str | None:
+        """Block up to `timeout_s` for a gateway's wake-up; the model it names, or None."""
+        got = await self.redis.blpop([wake_key(region)], timeout=timeout_s)  # type: ignore[misc]
+        return as_text(got[1]) if got else None
+
+    async def set_status(self, model: str, region: str, status: ModelStatus, ttl_s: float) -> None:
+        status.updated_at = time.time()
+        await self.redis.set(
+            status_key(model, region), orjson.dumps(status), px=max(1, round(ttl_s * 1000))
+        )
+
+    async def clear_status(self, model: str, region: str) -> None:
+        await self.redis.delete(status_key(model, region))
+
+    async def record(self, region: str, event: str, **fields: Any) -> None:
+        """Append a pool event (start, ready, stop, fail) to the region's capped stream."""
+        entry = {"event": event, "at": f"{time.time():.3f}"} | {
+            k: str(v) for k, v in fields.items()
+        }
+        await self.redis.xadd(
+            events_key(region),
+            entry,  # type: ignore[arg-type]
+            maxlen=EVENTS_MAXLEN,
+            approximate=True,
+        )
+
+    async def events(self, region: str, count: int = 100) -> list[dict[str, str]]:
+        """The region's latest pool events, oldest first."""
+        rows = await self.redis.xrevrange(events_key(region), count=count) or []
+        return [
+            {as_text(k): as_text(v) for k, v in (fields or {}).items()}
+            for _, fields in reversed(rows)
+        ]
+
+    # ------------------------------------------------------------------ the gateway's side
+    async def pools(self) -> list[PoolInfo]:
+        """Live pools, ordered by id; ids whose hash expired leave the set."""
+        ids = sorted(as_text(p) for p in await self.redis.smembers(POOLS_KEY))  # type: ignore[misc]
+        if not ids:
+            return []
+        pipe = self.redis.pipeline(transaction=False)
+        for pid in ids:
+            pipe.hgetall(pool_key(pid))
+        found, stale = [], []
+        for pid, raw in zip(ids, await pipe.execute(), strict=True):
+            if not raw:
+                stale.append(pid)
+                continue
+            try:
+                found.append(PoolInfo.from_redis(raw))
+            except (TypeError, ValueError, orjson.JSONDecodeError):
+                continue  # garbled: left to expire on its own TTL
+        if stale:
+            await self.redis.srem(POOLS_KEY, *stale)  # type: ignore[misc]
+        return found
+
+    async def hold(self, model: str, region: str, request_id: str, deadline: float) -> None:
+        """Count a request as waiting for a worker of `model` in `region`, and wake the pool."""
+        pipe = self.redis.pipeline(transaction=False)
+        pipe.zadd(wait_key(model, region), {request_id: deadline})
+        pipe.rpush(wake_key(region), model)
+        pipe.ltrim(wake_key(region), -1000, -1)  # a pool that is gone must not let it grow
+        await pipe.execute()
+
+    async def release(self, model: str, region: str, request_id: str) -> None:
+        await self.redis.zrem(wait_key(model, region), request_id)
+
+    async def status(self, model: str, region: str) -> ModelStatus | None:
+        raw = await self.redis.get(status_key(model, region))
+        if raw is None:
+            return None
+        try:
+            return ModelStatus(**orjson.loads(raw))
+        except (TypeError, ValueError):
+            return None

@@ -1,0 +1,383 @@
+"""`edgeinfer pool`: start and stop this machine's worker processes as demand comes and goes.
+
+    edgeinfer pool --region R --models M1,M2 --max-workers N [--min-workers K] [--idle S]
+
+Each tick (every `tick_s`, or at once when a gateway pushes a wake-up) the pool reads, from
+Redis, the region's registered workers and the requests gateways are holding for a model with no
+worker (kvstore/demand.py), and for each model decides (`decide`, a pure function):
+
+- scale from zero: no live worker and requests waiting (or asked for since the last failed
+  start): start one; the gateways hold those requests until it registers;
+- scale up: every worker of the model is queueing (requests waiting behind full batches) for
+  `scale_up_after_s`: start one more, one start in flight per model at a time;
+- scale down: one of our workers has had nothing to do for `idle_s`: SIGTERM it (it drains);
+- never fewer than `min_workers` per model, never more than `max_workers` processes in all.
+
+A worker that exits before it registers, or does not register within `ready_timeout_s`, failed
+to start: the pool publishes `failed` with the time of its next attempt (exponential backoff, so
+waiting gateways answer 503 with that Retry-After), and tries again only once requests come
+back. Every start, ready, stop and failure is appended to the region's event stream with its
+timings (`edgeinfer pool --events` prints them) and logged.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import secrets
+import signal
+import sys
+import time
+from collections import deque
+from collections.abc import Callable, Coroutine
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from kvstore.client import connect
+from kvstore.demand import Demand, ModelStatus, PoolInfo
+from kvstore.protocol import WorkerInfo
+from kvstore.redis_server import find_free_port
+from kvstore.registry import Registry
+
+log = logging.getLogger("edgeinfer.pool")
+
+MAX_BACKOFF_S = 60.0
+
+
+@dataclass(slots=True)
+class PoolConfig:
+    region: str
+    models: dict[str, str]  # served model name -> model folder
+    redis_url: str
+    secret: str
+    max_workers: int = 4  # worker processes, all models together
+    min_workers: int = 0  # per model, kept running even when idle
+    idle_s: float = 300.0  # a worker idle this long is stopped (down to min_workers)
+    scale_up_queue: int = 4  # queued requests per worker that count as queueing
+    scale_up_after_s: float = 2.0  # queueing this long starts another worker
+    ready_timeout_s: float = 300.0  # a worker not registered by then failed to start
+    backoff_s: float = 1.0  # first retry delay after a failed start (doubles, up to a minute)
+    tick_s: float = 0.5  # how often demand is read when no wake-up comes
+    heartbeat_s: float = 2.0  # the pool's own registration
+    ttl_s: float = 10.0
+    host: str = "127.0.0.1"  # workers bind and advertise here
+    worker_args: list[str] = field(default_factory=list)  # extra `edgeinfer worker` flags
+    pool_id: str = ""
+
+    def __post_init__(self) -> None:
+        if not self.models:
+            raise ValueError("--models: name at least one model")
+        if self.max_workers < 1:
+            raise ValueError(f"--max-workers must be at least 1, got {self.max_workers}")
+        if self.min_workers < 0 or self.min_workers * len(self.models) > self.max_workers:
+            raise ValueError(
+                f"--min-workers {self.min_workers} for {len(self.models)} models exceeds "
+                f"--max-workers {self.max_workers}"
+            )
+        if self.idle_s <= 0 or self.tick_s <= 0 or self.ready_timeout_s <= 0:
+            raise ValueError("--idle, the tick and --ready-timeout must be positive")
+        if not self.pool_id:
+            self.pool_id = f"pool-{self.region}-{secrets.token_hex(3)}"
+
+
+@dataclass(slots=True)
+class Managed:
+    """A worker process this pool started."""
+
+    worker_id: str
+    model: str
+    port: int
+    proc: asyncio.subprocess.Process
+    started: float  # monotonic time of the spawn
+    ready: float = 0.0  # monotonic time it first showed up in the registry (0: not yet)
+    stopping: float = 0.0  # monotonic time it was sent SIGTERM (0: not asked to stop)
+    tail: deque[str] = field(default_factory=lambda: deque(maxlen=20))  # its last output lines
+
+
+@dataclass(slots=True)
+class ModelState:
+    """What the pool remembers about a model between ticks."""
+
+    wanted_at: float = 0.0  # last time a request asked for it (wake-up or waiting)
+    settled_at: float = 0.0  # last failed start or scale-down: demand older than this is spent
+    queueing_since: float = 0.0  # when its workers started queueing (0: not queueing)
+    failures: int = 0  # failed starts in a row
+    retry_at: float = 0.0  # no start before this (backoff after failures)
+
+
+@dataclass(slots=True)
+class Decision:
+    start: bool = False
+    stop: list[str] = field(default_factory=list)  # our worker ids to stop
+    why: str = ""
+
+
+def decide(
+    cfg: PoolConfig,
+    state: ModelState,
+    ours: list[Managed],
+    registered: list[WorkerInfo],
+    waiting: int,
+    room: int,
+    now: float,
+    wall: float,
+) -> Decision:
+    """What to do about one model this tick. `ours`: this pool's live processes for the model;
+    `registered`: the region's registry entries for it (ours and others'); `waiting`: requests
+    gateways hold for it; `room`: processes the pool may still start; `now`: monotonic time;
+    `wall`: unix time (the registry's clock)."""
+    serving = [w for w in registered if not w.draining]
+    starting = [m for m in ours if not m.ready and not m.stopping]
+    active = [m for m in ours if not m.stopping]
+    if waiting:
+        state.wanted_at = now
+    if serving and all(w.waiting >= cfg.scale_up_queue or w.overloaded for w in serving):
+        state.queueing_since = state.queueing_since or now
+    else:
+        state.queueing_since = 0.0
+    can_start = room > 0 and not starting and now >= state.retry_at
+    if can_start and len(active) < cfg.min_workers:
+        return Decision(start=True, why=f"below the minimum of {cfg.min_workers}")
+    if can_start and not serving and state.wanted_at > state.settled_at:
+        return Decision(start=True, why=f"scale from zero ({waiting} waiting)")
+    if can_start and state.queueing_since and now - state.queueing_since >= cfg.scale_up_after_s:
+        state.queueing_since = now  # the next one only after another full period of queueing
+        return Decision(start=True, why=f"{len(serving)} worker(s) queueing")
+    if waiting or len(active) <= cfg.min_workers:
+        return Decision()
+    by_id = {w.worker_id: w for w in registered}
+    for m in active:
+        w = by_id.get(m.worker_id)
+        if w is None or not m.ready or w.running or w.waiting:
+            continue
+        idle_for = wall - max(w.last_active_at, w.started_at)
+        if idle_for >= cfg.idle_s and now - m.ready >= cfg.idle_s:
+            return Decision(stop=[m.worker_id], why=f"idle for {idle_for:.0f}s")
+    return Decision()
+
+
+class Pool:
+    def __init__(self, cfg: PoolConfig) -> None:
+        self.cfg = cfg
+        self.managed: dict[str, Managed] = {}
+        self.states = {m: ModelState() for m in cfg.models}
+        self._serial = 0
+        self._stop = asyncio.Event()
+        self._tasks: set[asyncio.Task[None]] = set()
+
+    # ------------------------------------------------------------------ main loop
+    async def run(self) -> None:
+        cfg = self.cfg
+        redis = connect(cfg.redis_url)
+        # BLPOP blocks for up to a tick: its own client, with a socket timeout longer than that
+        blocking = connect(cfg.redis_url, timeout_s=cfg.tick_s + 5.0)
+        self.demand = Demand(redis)
+        self.registry = Registry(redis)
+        waker = Demand(blocking)
+        log.warning(
+            "pool %s: region %s, models %s, %d-%d workers per model, %d at most, idle stop %.0fs",
+            cfg.pool_id, cfg.region, ", ".join(cfg.models), cfg.min_workers, cfg.max_workers,
+            cfg.max_workers, cfg.idle_s,
+        )  # fmt: skip
+        last_beat = 0.0
+        try:
+            while not self._stop.is_set():
+                if time.monotonic() - last_beat >= cfg.heartbeat_s:
+                    await self._announce()
+                    last_beat = time.monotonic()
+                try:
+                    await self.tick()
+                    woke = await waker.next_wakeup(cfg.region, cfg.tick_s)
+                except Exception as e:  # Redis down: keep the workers, try again next tick
+                    log.warning("pool tick failed (redis?): %s", e)
+                    await asyncio.sleep(cfg.tick_s)
+                    continue
+                if woke in self.states:
+                    self.states[woke].wanted_at = time.monotonic()
+        finally:
+            await self.shutdown()
+            with contextlib.suppress(Exception):
+                await self.demand.withdraw(cfg.pool_id)
+            await redis.aclose()
+            await blocking.aclose()
+
+    def stop(self) -> None:
+        self._stop.set()
+
+    async def _announce(self) -> None:
+        info = PoolInfo(
+            pool_id=self.cfg.pool_id,
+            region=self.cfg.region,
+            models=list(self.cfg.models),
+            max_workers=self.cfg.max_workers,
+            workers=len(self.managed),
+            updated_at=time.time(),
+        )
+        with contextlib.suppress(Exception):
+            await self.demand.announce(info, self.cfg.ttl_s)
+
+    async def tick(self) -> None:
+        cfg = self.cfg
+        now, wall = time.monotonic(), time.time()
+        registered = [w for w in await self.registry.workers() if w.region == cfg.region]
+        ids = {w.worker_id for w in registered}
+        await self._reap(ids, now)
+        for model, state in self.states.items():
+            ours = [m for m in self.managed.values() if m.model == model]
+            waiting = await self.demand.waiting(model, cfg.region)
+            room = cfg.max_workers - sum(1 for m in self.managed.values() if not m.stopping)
+            mine = [w for w in registered if w.model == model]
+            d = decide(cfg, state, ours, mine, waiting, room, now, wall)
+            if d.start:
+                await self._start(model, d.why)
+            for wid in d.stop:
+                await self._request_stop(self.managed[wid], d.why)
+                state.settled_at = now
+
+    # ------------------------------------------------------------------ processes
+    async def _start(self, model: str, why: str) -> None:
+        cfg = self.cfg
+        self._serial += 1
+        worker_id = f"{cfg.pool_id}-w{self._serial}"
+        port = find_free_port()
+        args = [
+            sys.executable, "-m", "runtime.cli", "worker", "--model", cfg.models[model],
+            "--served-model-name", model, "--region", cfg.region, "--host", cfg.host,
+            "--port", str(port), "--redis", cfg.redis_url, "--worker-id", worker_id,
+            *cfg.worker_args,
+        ]  # fmt: skip
+        env = os.environ | {"EDGEINFER_SECRET": cfg.secret, "PYTHONUNBUFFERED": "1"}
+        proc = await asyncio.create_subprocess_exec(
+            *args, env=env, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT
+        )
+        m = Managed(worker_id, model, port, proc, time.monotonic())
+        self.managed[worker_id] = m
+        self._spawn(self._pipe_output(m))
+        log.warning("start %s for %s (%s): pid %d, port %d", worker_id, model, why, proc.pid, port)
+        await self._record("start", m, reason=why, pid=proc.pid, port=port)
+        await self._status(model, ModelStatus("starting", cfg.pool_id))
+
+    async def _pipe_output(self, m: Managed) -> None:
+        """Relay a worker's output, each line prefixed with its id, keeping the last lines."""
+        assert m.proc.stdout is not None
+        async for raw in m.proc.stdout:
+            line = raw.decode(errors="replace").rstrip()
+            m.tail.append(line)
+            print(f"[{m.worker_id}] {line}", file=sys.stderr, flush=True)
+
+    async def _reap(self, registered: set[str], now: float) -> None:
+        """Notice workers that registered, exited, or overran the ready timeout."""
+        cfg = self.cfg
+        for m in list(self.managed.values()):
+            code = m.proc.returncode
+            if code is None and not m.ready and m.worker_id in registered:
+                m.ready = now
+                state = self.states[m.model]
+                state.failures, state.retry_at = 0, 0.0
+                log.warning("ready %s in %.2fs", m.worker_id, now - m.started)
+                await self._record("ready", m, ready_s=f"{now - m.started:.3f}")
+                await self._status(m.model, ModelStatus("ready", cfg.pool_id))
+            elif code is None and not m.ready and now - m.started > cfg.ready_timeout_s:
+                m.tail.append(f"not registered after {cfg.ready_timeout_s:.0f}s; killed")
+                m.proc.kill()
+                await m.proc.wait()
+                await self._failed(m, now)
+            elif code is not None:
+                del self.managed[m.worker_id]
+                if m.stopping:
+                    log.warning("stopped %s in %.2fs", m.worker_id, now - m.stopping)
+                    await self._record("stop", m, stop_s=f"{now - m.stopping:.3f}", code=code)
+                elif not m.ready:
+                    m.tail.append(f"exited with code {code} before registering")
+                    await self._failed(m, now)
+                else:
+                    log.warning("worker %s exited with code %s", m.worker_id, code)
+                    await self._record("exit", m, code=code)
+
+    async def _failed(self, m: Managed, now: float) -> None:
+        self.managed.pop(m.worker_id, None)
+        state = self.states[m.model]
+        state.failures += 1
+        delay = min(MAX_BACKOFF_S, self.cfg.backoff_s * 2 ** (state.failures - 1))
+        state.retry_at = now + delay
+        state.settled_at = now
+        error = " | ".join(line for line in m.tail if line.strip())[-2000:]
+        log.warning(
+            "worker %s for %s failed to start (attempt %d); next try in %.0fs: %s",
+            m.worker_id, m.model, state.failures, delay, error,
+        )  # fmt: skip
+        await self._record("fail", m, attempts=state.failures, retry_in_s=f"{delay:.1f}",
+                           error=error)  # fmt: skip
+        await self._status(
+            m.model,
+            ModelStatus("failed", self.cfg.pool_id, error, state.failures, time.time() + delay),
+            ttl_s=max(delay, 1.0),
+        )
+
+    async def _request_stop(self, m: Managed, why: str) -> None:
+        m.stopping = time.monotonic()
+        with contextlib.suppress(ProcessLookupError):
+            m.proc.send_signal(signal.SIGTERM)
+        log.warning("stopping %s (%s)", m.worker_id, why)
+        await self._record("stopping", m, reason=why,
+                           served_s=f"{m.stopping - (m.ready or m.started):.1f}")  # fmt: skip
+
+    async def shutdown(self, timeout_s: float = 40.0) -> None:
+        """Stop every worker (they drain), waiting up to `timeout_s`, then kill what is left."""
+        for m in self.managed.values():
+            if not m.stopping:
+                await self._request_stop(m, "pool shutting down")
+        procs = [m.proc for m in self.managed.values()]
+        if procs:
+            await asyncio.wait([asyncio.ensure_future(p.wait()) for p in procs], timeout=timeout_s)
+            for p in procs:
+                if p.returncode is None:
+                    p.kill()
+            for p in procs:
+                await p.wait()
+            await self._reap(set(), time.monotonic())
+        for t in self._tasks:
+            t.cancel()
+
+    # ------------------------------------------------------------------ reporting
+    async def _record(self, event: str, m: Managed, **fields: object) -> None:
+        with contextlib.suppress(Exception):
+            await self.demand.record(
+                self.cfg.region, event, pool=self.cfg.pool_id, worker=m.worker_id,
+                model=m.model, **fields,
+            )  # fmt: skip
+
+    async def _status(self, model: str, status: ModelStatus, ttl_s: float | None = None) -> None:
+        with contextlib.suppress(Exception):
+            await self.demand.set_status(
+                model, self.cfg.region, status, ttl_s if ttl_s is not None else self.cfg.ttl_s * 6
+            )
+
+    def _spawn(self, coro: Coroutine[Any, Any, None]) -> None:
+        task = asyncio.ensure_future(coro)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+
+def parse_models(spec: str, resolve: Callable[[str], str]) -> dict[str, str]:
+    """`M1,M2` or `name=DIR,...` -> {served name: folder}; `resolve(name)` finds a bare name's
+    folder (the model store)."""
+    out: dict[str, str] = {}
+    for item in (s.strip() for s in spec.split(",")):
+        if not item:
+            continue
+        name, _, folder = item.partition("=")
+        path = folder or resolve(name)
+        out[name or Path(path).name] = str(path)
+    return out
+
+
+async def serve(cfg: PoolConfig) -> None:
+    pool = Pool(cfg)
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, pool.stop)
+    await pool.run()

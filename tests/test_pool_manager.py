@@ -1,0 +1,210 @@
+"""The pool manager: its scaling decisions (a pure function), and scale from zero end to end with
+a real Redis, a real gateway, real worker processes started by `edgeinfer pool`, and the
+official `openai` client."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import openai
+import pytest
+import redis
+
+from kvstore.protocol import WorkerInfo
+from kvstore.redis_server import LocalRedis
+from runtime.pool_manager import Decision, Managed, ModelState, PoolConfig, decide
+from tests.stack import ROOT, SECRET, chat_model, get_json, start_gateway, wait_until
+
+CATALOG = "regions:\n  - {name: local, latitude: 50.11, longitude: 8.68, settings: {}}\n"
+WORKER_ARGS = "--threads 1 --kv-cache-bytes 4000000 --heartbeat 0.3 --ttl 1.5 --drain-timeout 5"
+
+
+# ---------------------------------------------------------------------- decide()
+def _cfg(**kw: object) -> PoolConfig:
+    base: dict[str, object] = dict(
+        region="r", models={"m": "/x"}, redis_url="", secret="s", max_workers=3,
+        idle_s=10.0, scale_up_queue=2, scale_up_after_s=1.0,
+    )  # fmt: skip
+    return PoolConfig(**(base | kw))  # type: ignore[arg-type]
+
+
+def _managed(wid: str, ready: float = 0.0, stopping: float = 0.0) -> Managed:
+    return Managed(wid, "m", 0, proc=None, started=0.0, ready=ready, stopping=stopping)  # type: ignore[arg-type]
+
+
+def _info(wid: str, **kw: object) -> WorkerInfo:
+    base: dict[str, object] = dict(
+        worker_id=wid, region="r", model="m", role="mixed", url="u", max_num_seqs=4,
+        capacity_tokens=100, started_at=0.0, last_active_at=0.0,
+    )  # fmt: skip
+    return WorkerInfo(**(base | kw))  # type: ignore[arg-type]
+
+
+def test_decide_scales_from_zero_only_when_asked() -> None:
+    cfg, state = _cfg(), ModelState()
+    assert decide(cfg, state, [], [], waiting=0, room=3, now=5.0, wall=5.0) == Decision()
+    d = decide(cfg, state, [], [], waiting=1, room=3, now=6.0, wall=6.0)
+    assert d.start and "scale from zero" in d.why
+    # a start in flight: no second one, whatever is waiting
+    starting = [_managed("w1")]
+    assert not decide(cfg, state, starting, [], waiting=5, room=2, now=7.0, wall=7.0).start
+    # no room left in the pool
+    assert not decide(cfg, ModelState(), [], [], waiting=1, room=0, now=1.0, wall=1.0).start
+
+
+def test_decide_backs_off_after_a_failed_start() -> None:
+    cfg = _cfg()
+    state = ModelState(wanted_at=1.0, settled_at=2.0, failures=1, retry_at=4.0)
+    # demand older than the failure is spent; newer demand waits for the retry time
+    assert not decide(cfg, state, [], [], waiting=0, room=3, now=3.0, wall=3.0).start
+    assert not decide(cfg, state, [], [], waiting=1, room=3, now=3.5, wall=3.5).start
+    assert decide(cfg, state, [], [], waiting=0, room=3, now=4.0, wall=4.0).start
+
+
+def test_decide_keeps_the_minimum() -> None:
+    cfg, state = _cfg(min_workers=1), ModelState()
+    assert decide(cfg, state, [], [], waiting=0, room=3, now=1.0, wall=1.0).start
+    ours = [_managed("w1", ready=1.0)]
+    idle = [_info("w1", started_at=0.0, last_active_at=0.0)]
+    # idle far past idle_s, but it is the minimum: kept
+    assert decide(cfg, state, ours, idle, waiting=0, room=2, now=100.0, wall=100.0) == Decision()
+
+
+def test_decide_scales_up_after_sustained_queueing() -> None:
+    cfg, state = _cfg(), ModelState()
+    ours = [_managed("w1", ready=1.0)]
+    busy = [_info("w1", running=4, waiting=3)]
+    assert not decide(cfg, state, ours, busy, waiting=0, room=2, now=10.0, wall=10.0).start
+    d = decide(cfg, state, ours, busy, waiting=0, room=2, now=11.0, wall=11.0)
+    assert d.start and "queueing" in d.why
+    # queueing stopped: the clock resets
+    calm = [_info("w1", running=1, waiting=0)]
+    assert not decide(cfg, state, ours, calm, waiting=0, room=2, now=12.5, wall=12.5).start
+    assert state.queueing_since == 0.0
+
+
+def test_decide_stops_an_idle_worker_and_never_a_busy_one() -> None:
+    cfg, state = _cfg(), ModelState()
+    ours = [_managed("w1", ready=1.0), _managed("w2", ready=1.0)]
+    infos = [
+        _info("w1", running=1, last_active_at=0.0),  # running: never stopped
+        _info("w2", last_active_at=50.0),  # active at 50: idle 10 s at 60
+    ]
+    assert decide(cfg, state, ours, infos, waiting=0, room=1, now=59.0, wall=59.0) == Decision()
+    assert decide(cfg, state, ours, infos, waiting=0, room=1, now=60.0, wall=60.0).stop == ["w2"]
+    # requests held at a gateway: nothing stops
+    assert decide(cfg, state, ours, infos, waiting=1, room=1, now=60.0, wall=60.0) == Decision()
+
+
+def test_pool_config_rejects_impossible_limits() -> None:
+    with pytest.raises(ValueError, match="exceeds --max-workers"):
+        _cfg(min_workers=2, max_workers=1)
+    with pytest.raises(ValueError, match="--max-workers must be at least 1"):
+        _cfg(max_workers=0)
+
+
+# ---------------------------------------------------------------------- end to end
+def _pool(root: Path, redis_url: str, models: str, idle: float) -> subprocess.Popen[bytes]:
+    log = (root / "pool.log").open("wb")
+    return subprocess.Popen(
+        [sys.executable, "-m", "runtime.cli", "pool", "--region", "local", "--models", models,
+         "--max-workers", "2", "--idle", str(idle), "--redis", redis_url,
+         "--worker-args", WORKER_ARGS],
+        cwd=ROOT, env=os.environ | {"EDGEINFER_SECRET": SECRET, "PYTHONUNBUFFERED": "1"},
+        stdout=log, stderr=subprocess.STDOUT,
+    )  # fmt: skip
+
+
+def _events(redis_url: str) -> list[str]:
+    out = subprocess.run(
+        [sys.executable, "-m", "runtime.cli", "pool", "--region", "local", "--events", "100",
+         "--redis", redis_url],
+        cwd=ROOT, capture_output=True, text=True, timeout=60, check=True,
+    )  # fmt: skip
+    return out.stdout.splitlines()
+
+
+@pytest.fixture
+def redis_server():  # type: ignore[no-untyped-def]
+    """A Redis of its own: the test checks that the pool leaves no key behind."""
+    server = LocalRedis().start()
+    try:
+        yield server
+    finally:
+        server.stop()
+
+
+def test_scale_from_zero_and_back(tmp_path: Path, stories_dir: Path, redis_server) -> None:  # type: ignore[no-untyped-def]
+    model = chat_model(stories_dir, tmp_path / "stories-chat")
+    broken = tmp_path / "broken"
+    broken.mkdir()
+    (broken / "config.json").write_text("{not json")
+    (tmp_path / "regions.yaml").write_text(CATALOG)
+    pool = _pool(tmp_path, redis_server.url, f"stories={model},broken={broken}", idle=2.0)
+    gateway = start_gateway("gw", redis_server.url, tmp_path / "regions.yaml", tmp_path, "local")
+    try:
+        # the gateway knows the pool's models before any worker exists, and is ready
+        wait_until(
+            lambda: (
+                {"stories", "broken"}
+                <= {m["id"] for m in get_json(f"{gateway.url}/v1/models")[1]["data"]}
+            ),
+            30,
+            "the pool's models at the gateway",
+        )
+        status, ready = get_json(f"{gateway.url}/readyz")
+        assert status == 200 and ready["workers"] == 0 and ready["pools"] == 1
+        client = openai.OpenAI(base_url=f"{gateway.url}/v1", api_key="x", max_retries=0,
+                               timeout=120)  # fmt: skip
+
+        # the first request waits for the worker the pool starts, and is answered
+        raw = client.chat.completions.with_raw_response.create(
+            model="stories", messages=[{"role": "user", "content": "Hi"}], max_tokens=8
+        )
+        assert raw.headers["x-edgeinfer-route"] == "cold_start"
+        assert "cold-start;dur=" in raw.headers["server-timing"]
+        assert raw.parse().choices[0].message.content
+        # the next one finds the worker at once
+        raw = client.chat.completions.with_raw_response.create(
+            model="stories", messages=[{"role": "user", "content": "Hi"}], max_tokens=4
+        )
+        assert raw.headers["x-edgeinfer-route"] != "cold_start"
+
+        # idle for 2 s: the pool stops it, and says so with its timings
+        wait_until(lambda: get_json(f"{gateway.url}/readyz")[1]["workers"] == 0, 30, "scale down")
+        wait_until(lambda: any(" stop " in e for e in _events(redis_server.url)), 30, "stop event")
+        events = _events(redis_server.url)
+        kinds = [e.split()[2] for e in events]
+        assert kinds[:4] == ["start", "ready", "stopping", "stop"], events
+        assert "ready_s=" in events[1] and "stop_s=" in events[3]
+
+        # a model whose worker cannot start: 503 with Retry-After, not a hang
+        t0 = time.monotonic()
+        with pytest.raises(openai.APIStatusError) as e:
+            client.completions.create(model="broken", prompt="Once", max_tokens=4)
+        assert e.value.status_code == 503
+        assert e.value.response.headers["retry-after"]
+        assert e.value.body["code"] == "worker_start_failed"  # type: ignore[index]
+        assert "config.json" in e.value.body["message"]  # type: ignore[index]
+        assert time.monotonic() - t0 < 60
+        assert any(" fail " in e and "broken" in e for e in _events(redis_server.url))
+
+        # scale from zero again after the scale-down: streamed this time
+        stream = client.completions.create(
+            model="stories", prompt="Once upon a time", max_tokens=8, stream=True
+        )
+        assert "".join(c.choices[0].text for c in stream)
+        assert pool.poll() is None, (tmp_path / "pool.log").read_text()
+    finally:
+        gateway.stop()
+        pool.terminate()
+        pool.wait(60)
+    log = (tmp_path / "pool.log").read_text()
+    assert "start-up:" in log  # the worker's own timeline reached the pool's output
+    r = redis.Redis.from_url(redis_server.url)
+    assert not r.keys("ei:p:*")  # the pool withdrew itself
+    r.close()
