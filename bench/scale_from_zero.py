@@ -1,0 +1,160 @@
+"""Scale from zero: a request for a model with no worker, answered through the gateway while the
+pool manager starts the worker, against the bare cold start of the same model, in one run.
+
+Each repetition drops the model's files from the page cache first (`posix_fadvise(DONTNEED)`),
+then measures:
+1. ours: a streamed `/v1/completions` request (1 output token, `openai` client) to a gateway
+   whose region has no worker for the model but an `edgeinfer pool` that offers it: request sent
+   to first token. That covers the wake-up, the worker process's start, its load and
+   registration, the gateway noticing it, and the first token. The pool's own `ready_s` (spawn
+   to registered) is printed beside it. Between repetitions the pool stops the idle worker
+   (`--idle 1`), so every repetition starts from zero.
+2. the peer: a fresh `python -m runtime.cli generate --max-tokens 1` process on the same model,
+   start to exit (the engine's own cold start, without any serving path).
+The ratio (1)/(2) is what the serving path adds to a cold start.
+
+    python -m bench.scale_from_zero [--model DIR] [--reps 3]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from bench.coldstart import evict, first_token, log  # noqa: E402
+from kvstore.redis_server import LocalRedis, find_free_port  # noqa: E402
+from runtime.loader import safetensors_files  # noqa: E402
+
+SECRET = "bench-secret"
+CATALOG = "regions:\n  - {name: local, latitude: 50.11, longitude: 8.68, settings: {}}\n"
+
+
+def _spawn(args: list[str], log_file: Path) -> subprocess.Popen[bytes]:
+    return subprocess.Popen(
+        [sys.executable, "-m", "runtime.cli", *args],
+        cwd=ROOT,
+        env=os.environ | {"EDGEINFER_SECRET": SECRET, "PYTHONUNBUFFERED": "1"},
+        stdout=log_file.open("wb"),
+        stderr=subprocess.STDOUT,
+    )
+
+
+def _readyz(url: str) -> dict[str, object]:
+    import urllib.error
+    import urllib.request
+
+    import orjson
+
+    try:
+        with urllib.request.urlopen(f"{url}/readyz", timeout=5) as resp:
+            return dict(orjson.loads(resp.read()))
+    except urllib.error.HTTPError as e:
+        return dict(orjson.loads(e.read() or b"{}"))
+    except OSError:
+        return {}
+
+
+def _wait(check, timeout_s: float, what: str) -> None:  # type: ignore[no-untyped-def]
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if check():
+            return
+        time.sleep(0.1)
+    raise TimeoutError(f"timed out waiting for {what}")
+
+
+def _ready_s(redis_url: str, count: int) -> list[float]:
+    import asyncio
+
+    from kvstore.client import connect
+    from kvstore.demand import Demand
+
+    async def main() -> list[dict[str, str]]:
+        redis = connect(redis_url)
+        try:
+            return await Demand(redis).events("local", 1000)
+        finally:
+            await redis.aclose()
+
+    return [float(e["ready_s"]) for e in asyncio.run(main()) if e["event"] == "ready"][-count:]
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    ap.add_argument("--model", type=Path, default=None, help="default: the SmolLM2 demo model")
+    ap.add_argument("--reps", type=int, default=3)
+    args = ap.parse_args()
+    if args.model is None:
+        from runtime.model_cache import default_model_dir
+
+        args.model = default_model_dir(Path("~/.cache/edgeinfer/models"))
+    model = Path(args.model)
+    files = safetensors_files(model)
+    name = model.name
+    import openai
+
+    ours: list[float] = []
+    with tempfile.TemporaryDirectory(prefix="scale0-") as tmp, LocalRedis() as redis:
+        logs = Path(tmp)
+        (logs / "regions.yaml").write_text(CATALOG)
+        port = find_free_port()
+        gw_url = f"http://127.0.0.1:{port}"
+        pool = _spawn(
+            ["pool", "--region", "local", "--models", f"{name}={model}", "--max-workers", "1",
+             "--idle", "1", "--redis", redis.url],
+            logs / "pool.log",
+        )  # fmt: skip
+        gateway = _spawn(
+            ["gateway", "--region", "local", "--port", str(port), "--redis", redis.url,
+             "--regions", str(logs / "regions.yaml")],
+            logs / "gateway.log",
+        )  # fmt: skip
+        try:
+            _wait(lambda: _readyz(gw_url).get("pools") == 1, 60, "the gateway to see the pool")
+            client = openai.OpenAI(base_url=f"{gw_url}/v1", api_key="x", max_retries=0,
+                                   timeout=300)  # fmt: skip
+            for rep in range(args.reps):
+                _wait(lambda: _readyz(gw_url).get("workers") == 0, 60, "no worker")
+                evict(files)
+                t0 = time.perf_counter()
+                stream = client.completions.create(
+                    model=name, prompt="Once upon a time", max_tokens=1, stream=True
+                )
+                for chunk in stream:
+                    if chunk.choices and chunk.choices[0].text:
+                        ours.append(time.perf_counter() - t0)
+                        break
+                for _ in stream:
+                    pass
+                log(f"rep {rep + 1}: scale from zero to first token {ours[-1]:.2f}s")
+            ready = _ready_s(redis.url, args.reps)
+        finally:
+            gateway.terminate()
+            pool.terminate()
+            for p in (gateway, pool):
+                p.wait(60)
+    generate = [sys.executable, "-m", "runtime.cli", "generate", "--model", str(model),
+                "--max-tokens", "1", "Once upon a time"]  # fmt: skip
+    peer = [first_token(generate, files) for _ in range(args.reps)]
+    o, p, r = statistics.median(ours), statistics.median(peer), statistics.median(ready)
+    print(f"\nscale from zero ({name}, {args.reps} reps, medians, page cache dropped each time):")
+    print(f"  request at the gateway -> first token, pool starting the worker: {o:.2f}s")
+    print(f"    of which the pool's spawn -> registered:                      {r:.2f}s")
+    print(f"  peer: `edgeinfer generate --max-tokens 1` process start -> exit:   {p:.2f}s")
+    print(f"  ratio (serving path / bare cold start): {o / p:.2f}x")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
