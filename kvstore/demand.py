@@ -6,6 +6,8 @@ what the pools report back.
     ei:d:{<model>}:wait:<region>       sorted set: ids of the requests gateways hold until a worker
                                        of `model` is up in `region`; score = the hold's deadline
     ei:d:{<model>}:status:<region>     string: the pool's ModelStatus (starting, failed + retry time)
+    ei:d:{<model>}:start:<region>      string: the id of the pool starting a worker for it now
+                                       (SET NX: several pools in a region start one, not one each)
     ei:pw:{<region>}                   list: wake-ups (model names) for that region's pool
     ei:pe:{<region>}                   stream: pool events (start, ready, stop, fail) with timings
 
@@ -48,6 +50,17 @@ def wait_key(model: str, region: str) -> str:
 
 def status_key(model: str, region: str) -> str:
     return f"{PREFIX}d:{{{check_id(model, 'model')}}}:status:{check_id(region, 'region')}"
+
+
+def start_key(model: str, region: str) -> str:
+    return f"{PREFIX}d:{{{check_id(model, 'model')}}}:start:{check_id(region, 'region')}"
+
+
+# KEYS[1]: a claim. ARGV[1]: the claimant. Deletes the claim only if it is still the claimant's.
+_RELEASE_LUA = """
+if redis.call('GET', KEYS[1]) == ARGV[1] then return redis.call('DEL', KEYS[1]) end
+return 0
+"""
 
 
 def wake_key(region: str) -> str:
@@ -141,8 +154,16 @@ class Demand:
             status_key(model, region), orjson.dumps(status), px=max(1, round(ttl_s * 1000))
         )
 
-    async def clear_status(self, model: str, region: str) -> None:
-        await self.redis.delete(status_key(model, region))
+    async def claim_start(self, model: str, region: str, pool_id: str, ttl_s: float) -> bool:
+        """Claim the start of a worker for `model` in `region`; False if another pool's start is
+        in flight. The claim lapses after `ttl_s` should its pool die mid-start."""
+        got = await self.redis.set(
+            start_key(model, region), pool_id, nx=True, px=max(1, round(ttl_s * 1000))
+        )
+        return bool(got)
+
+    async def release_start(self, model: str, region: str, pool_id: str) -> None:
+        await self.redis.eval(_RELEASE_LUA, 1, start_key(model, region), pool_id)  # type: ignore[misc]
 
     async def record(self, region: str, event: str, **fields: Any) -> None:
         """Append a pool event (start, ready, stop, fail) to the region's capped stream."""

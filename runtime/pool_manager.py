@@ -13,6 +13,9 @@ worker (kvstore/demand.py), and for each model decides (`decide`, a pure functio
 - scale down: one of our workers has had nothing to do for `idle_s`: SIGTERM it (it drains);
 - never fewer than `min_workers` per model, never more than `max_workers` processes in all.
 
+Starts are claimed in Redis first (kvstore.demand.Demand.claim_start), so the pools of one
+region together start one worker per model at a time, not one each.
+
 A worker that exits before it registers, or does not register within `ready_timeout_s`, failed
 to start: the pool publishes `failed` with the time of its next attempt (exponential backoff, so
 waiting gateways answer 503 with that Retry-After), and tries again only once requests come
@@ -231,7 +234,9 @@ class Pool:
             room = cfg.max_workers - sum(1 for m in self.managed.values() if not m.stopping)
             mine = [w for w in registered if w.model == model]
             d = decide(cfg, state, ours, mine, waiting, room, now, wall)
-            if d.start:
+            if d.start and await self.demand.claim_start(
+                model, cfg.region, cfg.pool_id, cfg.ready_timeout_s + 5.0
+            ):
                 await self._start(model, d.why)
             for wid in d.stop:
                 await self._request_stop(self.managed[wid], d.why)
@@ -279,6 +284,7 @@ class Pool:
                 state.failures, state.retry_at = 0, 0.0
                 log.warning("ready %s in %.2fs", m.worker_id, now - m.started)
                 await self._record("ready", m, ready_s=f"{now - m.started:.3f}")
+                await self._release_start(m.model)
                 await self._status(m.model, ModelStatus("ready", cfg.pool_id))
             elif code is None and not m.ready and now - m.started > cfg.ready_timeout_s:
                 m.tail.append(f"not registered after {cfg.ready_timeout_s:.0f}s; killed")
@@ -288,6 +294,8 @@ class Pool:
             elif code is not None:
                 del self.managed[m.worker_id]
                 if m.stopping:
+                    if not m.ready:  # stopped mid-start (the pool shuts down)
+                        await self._release_start(m.model)
                     log.warning("stopped %s in %.2fs", m.worker_id, now - m.stopping)
                     await self._record("stop", m, stop_s=f"{now - m.stopping:.3f}", code=code)
                 elif not m.ready:
@@ -297,8 +305,13 @@ class Pool:
                     log.warning("worker %s exited with code %s", m.worker_id, code)
                     await self._record("exit", m, code=code)
 
+    async def _release_start(self, model: str) -> None:
+        with contextlib.suppress(Exception):
+            await self.demand.release_start(model, self.cfg.region, self.cfg.pool_id)
+
     async def _failed(self, m: Managed, now: float) -> None:
         self.managed.pop(m.worker_id, None)
+        await self._release_start(m.model)
         state = self.states[m.model]
         state.failures += 1
         delay = min(MAX_BACKOFF_S, self.cfg.backoff_s * 2 ** (state.failures - 1))

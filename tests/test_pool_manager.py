@@ -208,3 +208,34 @@ def test_scale_from_zero_and_back(tmp_path: Path, stories_dir: Path, redis_serve
     r = redis.Redis.from_url(redis_server.url)
     assert not r.keys("ei:p:*")  # the pool withdrew itself
     r.close()
+
+
+def test_one_start_claim_per_model_and_region(redis_server) -> None:  # type: ignore[no-untyped-def]
+    import asyncio
+
+    from kvstore.client import connect
+    from kvstore.demand import Demand
+
+    async def run() -> None:
+        r = connect(redis_server.url)
+        d = Demand(r)
+        try:
+            assert await d.claim_start("m", "eu", "pool-a", 5.0)
+            assert not await d.claim_start("m", "eu", "pool-b", 5.0)  # a's start is in flight
+            assert await d.claim_start("m", "us", "pool-b", 5.0)  # another region
+            await d.release_start("m", "eu", "pool-b")  # not b's claim: stays
+            assert not await d.claim_start("m", "eu", "pool-b", 5.0)
+            await d.release_start("m", "eu", "pool-a")
+            assert await d.claim_start("m", "eu", "pool-b", 5.0)
+            # held requests count until released or past their deadline
+            now = time.time()
+            await d.hold("m", "eu", "req-1", now + 60)
+            await d.hold("m", "eu", "req-2", now - 1)  # a dead gateway's, past its deadline
+            assert await d.waiting("m", "eu") == 1
+            assert await d.next_wakeup("eu", 0.1) == "m"
+            await d.release("m", "eu", "req-1")
+            assert await d.waiting("m", "eu") == 0
+        finally:
+            await r.aclose()
+
+    asyncio.run(run())
