@@ -1,0 +1,331 @@
+"""The local model store (runtime/model_store.py): a pull re-shards a model into aligned, checksummed
+safetensors shards that read back bit-identical; verify names every missing, truncated or corrupt
+shard; names resolve; replacing needs --force and is atomic; the CLI commands work end to end."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from runtime import model_cache, model_store
+from runtime.cli import _model_dir, main
+from runtime.manifest import MANIFEST_NAME, file_digests, read_manifest
+from runtime.model_store import ModelStore, StoreError, parse_size, plan_shards
+from runtime.weights import ReadStats, load_safetensors, read_header
+
+SHARD = 64 << 10  # stories260K (1.1 MB) in 64 KiB shards: ~20 of them
+
+
+def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Same dtype, shape and bytes (NaN-safe, unlike torch.equal on floats)."""
+    if a.dtype != b.dtype or a.shape != b.shape:
+        return False
+    return torch.equal(a.contiguous().flatten().view(torch.uint8),
+                       b.contiguous().flatten().view(torch.uint8))  # fmt: skip
+
+
+def _load_folder(folder: Path) -> dict[str, torch.Tensor]:
+    out: dict[str, torch.Tensor] = {}
+    for f in sorted(folder.glob("*.safetensors")):
+        out.update(load_file(f))  # each shard is a valid safetensors file on its own
+    return out
+
+
+def _check_layout(folder: Path, shard_bytes: int) -> None:
+    """Every shard: data at a multiple of 4096, tensors at multiples of their element size,
+    element sizes descending, at most shard_bytes of data unless one tensor alone; the manifest
+    and the index agree with the files; nothing else left behind in the store."""
+    manifest = read_manifest(folder)
+    assert manifest is not None
+    index = json.loads((folder / "model.safetensors.index.json").read_text())
+    files = sorted(f.name for f in folder.glob("*.safetensors"))
+    n = len(files)
+    assert files == [f"model-{k:05d}-of-{n:05d}.safetensors" for k in range(1, n + 1)]
+    assert [s.file for s in manifest.shards] == files
+    assert index["weight_map"] == {name: t.shard for name, t in manifest.tensors.items()}
+    for entry in manifest.shards:
+        path = folder / entry.file
+        shard = read_header(path)
+        assert shard.data_start % 4096 == 0
+        sizes = [t.dtype.itemsize for t in shard.tensors]
+        assert sizes == sorted(sizes, reverse=True)
+        for t in shard.tensors:
+            assert t.begin % t.dtype.itemsize == 0, t.name
+            info = manifest.tensors[t.name]
+            assert (info.shard, info.shape) == (entry.file, t.shape)
+        data = sum(t.end - t.begin for t in shard.tensors)
+        assert data <= shard_bytes or len(shard.tensors) == 1
+        assert entry.bytes == path.stat().st_size
+        assert entry.xxh3_64 == file_digests(path, manifest.chunk_bytes)
+    assert [p.name for p in folder.parent.iterdir() if p.name.startswith(".")] == []
+
+
+def test_pull_stories_in_small_shards(tmp_path: Path, stories_dir: Path) -> None:
+    store = ModelStore(tmp_path / "store")
+    messages: list[str] = []
+    folder = store.pull(stories_dir, shard_bytes=SHARD, progress=messages.append)
+    assert folder == tmp_path / "store" / "stories260K"
+    _check_layout(folder, SHARD)
+    assert len(list(folder.glob("*.safetensors"))) > 10
+    source = load_file(stories_dir / "model.safetensors")
+    got = _load_folder(folder)
+    assert sorted(got) == sorted(source)
+    assert all(_same(got[k], source[k]) for k in source)
+    for name in ("config.json", "tokenizer.json", "tokenizer_config.json"):
+        assert (folder / name).read_bytes() == (stories_dir / name).read_bytes()
+    assert "GB/s" in messages[-2] and "pulled stories260K" in messages[-1]
+    manifest = read_manifest(folder)
+    assert manifest is not None and manifest.name == "stories260K"
+    assert manifest.source == str(stories_dir.resolve())
+    assert store.verify("stories260K") == []
+
+
+def _mixed_source(folder: Path) -> dict[str, torch.Tensor]:
+    """A two-file Hugging Face checkpoint of mixed dtypes and odd sizes, with an index, the
+    usual side files, and things a pull must not copy."""
+    g = torch.Generator().manual_seed(0)
+    tensors = {
+        "a.bf16": torch.randn(333, generator=g).to(torch.bfloat16),
+        "b.f32": torch.randn(17, 29, generator=g),
+        "c.i64": torch.arange(-5, 6, dtype=torch.int64) * (2**40),
+        "d.u8": torch.arange(7, dtype=torch.uint8),
+        "e.f16": torch.randn(3, 1001, generator=g).to(torch.float16),
+        "f.bool": torch.tensor([True, False, True]),
+        "g.big": torch.randn(4000, generator=g),  # 16000 bytes: more than a 4 KiB shard
+        "h.empty": torch.empty(0, 3),
+        "i.nan": torch.tensor([float("nan"), -0.0, float("inf")]),
+        "j.f64": torch.randn(5, generator=g, dtype=torch.float64),
+    }
+    folder.mkdir()
+    names = sorted(tensors)
+    parts = {"model-00001-of-00002.safetensors": names[:5],
+             "model-00002-of-00002.safetensors": names[5:]}  # fmt: skip
+    for file, keys in parts.items():
+        save_file({k: tensors[k] for k in keys}, str(folder / file), metadata={"format": "pt"})
+    weight_map = {k: f for f, keys in parts.items() for k in keys}
+    (folder / "model.safetensors.index.json").write_text(json.dumps({"weight_map": weight_map}))
+    (folder / "config.json").write_text('{"model_type": "llama"}')
+    (folder / "generation_config.json").write_text('{"eos_token_id": 2}')
+    (folder / "chat_template.jinja").write_text("{{ messages }}")
+    (folder / "pytorch_model.bin").write_bytes(b"old weights")  # another weight format
+    (folder / ".gitattributes").write_text("*.safetensors filter=lfs")
+    (folder / "original").mkdir()  # a sub-folder (e.g. consolidated.pth)
+    return tensors
+
+
+def test_sharded_mixed_dtypes_round_trip(tmp_path: Path) -> None:
+    tensors = _mixed_source(tmp_path / "src")
+    folder = ModelStore(tmp_path / "store").pull(tmp_path / "src", "mixed", shard_bytes=4096)
+    _check_layout(folder, 4096)
+    got = _load_folder(folder)
+    assert sorted(got) == sorted(tensors)
+    assert all(_same(got[k], tensors[k]) for k in tensors)  # dtypes as they were on disk
+    manifest = read_manifest(folder)
+    assert manifest is not None
+    assert {k: t.dtype for k, t in manifest.tensors.items()}["a.bf16"] == "BF16"
+    assert sorted(p.name for p in folder.iterdir() if not p.name.endswith(".safetensors")) == [
+        "chat_template.jinja",
+        "config.json",
+        "edgeinfer-manifest.json",
+        "generation_config.json",
+        "model.safetensors.index.json",
+    ]
+    stats = ReadStats()
+    loaded = {n: t for _, n, t in load_safetensors(sorted(folder.glob("*.safetensors")),
+                                                   direct=False, stats=stats)}  # fmt: skip
+    assert stats.copied == 0  # every tensor a view of the aligned read buffer
+    assert all(_same(loaded[k], tensors[k]) for k in tensors)
+
+
+def test_source_errors(tmp_path: Path, stories_dir: Path) -> None:
+    store = ModelStore(tmp_path / "store")
+    _mixed_source(tmp_path / "src")
+    index = tmp_path / "src" / "model.safetensors.index.json"
+    weight_map = json.loads(index.read_text())["weight_map"]
+    weight_map["zz.ghost"] = weight_map.pop("j.f64")  # the index names a tensor nobody holds
+    index.write_text(json.dumps({"weight_map": weight_map}))
+    with pytest.raises(StoreError, match=r"lists 10 tensors, .* \(2 differ, e.g. \['j.f64', 'zz"):
+        store.pull(tmp_path / "src")
+    (tmp_path / "nocfg").mkdir()
+    with pytest.raises(StoreError, match=r"no config\.json"):
+        store.pull(tmp_path / "nocfg")
+    with pytest.raises(StoreError, match="no such folder or file"):
+        store.pull(tmp_path / "nothing")
+    with pytest.raises(StoreError, match="not a model name"):
+        store.pull(stories_dir, "../escape")
+    with pytest.raises(StoreError, match="must be positive"):
+        store.pull(stories_dir, shard_bytes=0)
+    assert not (tmp_path / "store").exists() or list((tmp_path / "store").iterdir()) == []
+
+
+def test_verify_names_corrupt_truncated_and_missing_shards(
+    tmp_path: Path, stories_dir: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    store = ModelStore(tmp_path / "store")
+    folder = store.pull(stories_dir, shard_bytes=SHARD)
+    shards = sorted(folder.glob("*.safetensors"))
+    with shards[1].open("r+b") as f:  # flip one byte of tensor data
+        f.seek(5000)
+        byte = f.read(1)
+        f.seek(5000)
+        f.write(bytes([byte[0] ^ 0x01]))
+    os.truncate(shards[2], shards[2].stat().st_size - 100)
+    shards[3].unlink()
+    problems = store.verify("stories260K")
+    assert len(problems) == 3
+    assert problems[0].startswith(f"{shards[1]}: corrupt: checksum mismatch in bytes 0..")
+    assert problems[1].startswith(f"{shards[2]}: truncated")
+    assert problems[2].startswith(f"{shards[3]}: missing")
+
+    assert main(["verify", "stories260K", "--store", str(store.root)]) == 1
+    err = capsys.readouterr().err
+    assert all(s.name in err for s in shards[1:4]) and "--force" in err
+
+    (folder / MANIFEST_NAME).unlink()
+    with pytest.raises(StoreError, match=r"no edgeinfer-manifest\.json"):
+        store.verify("stories260K")
+
+
+def test_resolve_list_force_remove(tmp_path: Path, stories_dir: Path) -> None:
+    store = ModelStore(tmp_path / "store")
+    folder = store.pull(stories_dir, "tiny", shard_bytes=SHARD)
+    assert store.resolve("tiny") == folder
+    assert store.resolve(str(stories_dir)) == stories_dir  # a folder is taken as it is
+    with pytest.raises(StoreError, match=r"it has: tiny\); pull it with: edgeinfer pull"):
+        store.resolve("other")
+    with pytest.raises(StoreError, match="no such model folder"):
+        store.resolve("./no/such/dir")
+
+    before = len(list(folder.glob("*.safetensors")))
+    with pytest.raises(StoreError, match=r"already in the store.*--force"):
+        store.pull(stories_dir, "tiny")
+    assert len(list(folder.glob("*.safetensors"))) == before  # untouched
+    store.pull(stories_dir, "tiny", shard_bytes=1 << 30, force=True)
+    assert len(list(folder.glob("*.safetensors"))) == 1
+    _check_layout(folder, 1 << 30)
+
+    (tmp_path / "store" / "by-hand").mkdir()
+    (tmp_path / "store" / "by-hand" / "config.json").write_text("{}")
+    rows = store.list()
+    assert [(m.name, m.shards, m.note) for m in rows] == [
+        ("by-hand", 0, "no manifest"),
+        ("tiny", 1, ""),
+    ]
+    assert rows[1].total_bytes == (folder / "model-00001-of-00001.safetensors").stat().st_size
+
+    assert store.remove("tiny") == folder
+    assert not folder.exists()
+    with pytest.raises(StoreError, match="not a model in the store"):
+        store.remove("tiny")
+
+
+def test_interrupted_pull_leaves_nothing(
+    tmp_path: Path, stories_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    store = ModelStore(tmp_path / "store")
+    folder = store.pull(stories_dir, "tiny", shard_bytes=SHARD)
+    real = model_store._write_shard
+    calls = 0
+
+    def ctrl_c_on_third(*args, **kwargs):  # type: ignore[no-untyped-def]
+        nonlocal calls
+        calls += 1
+        if calls == 3:
+            raise KeyboardInterrupt
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(model_store, "_write_shard", ctrl_c_on_third)
+    with pytest.raises(KeyboardInterrupt):
+        store.pull(stories_dir, "tiny", shard_bytes=SHARD // 2, force=True)
+    assert [p.name for p in store.root.iterdir()] == ["tiny"]  # no temporary folder left
+    assert store.verify("tiny") == []  # the old model, whole
+    assert len(list(folder.glob("*.safetensors"))) > 10
+
+
+def test_plan_shards_and_sizes() -> None:
+    assert plan_shards([], 10) == [[]]
+    assert plan_shards([4, 4, 4], 10) == [[0, 1], [2]]
+    assert plan_shards([30, 1, 1], 10) == [[0], [1, 2]]  # too big: a shard of its own
+    # balanced: 3 shards of 4 for 12 units at 5 per shard, not 5 + 5 + 2
+    assert plan_shards([1] * 12, 5) == [[0, 1, 2, 3], [4, 5, 6, 7], [8, 9, 10, 11]]
+    assert parse_size("512MB") == 512 * 10**6
+    assert parse_size("1GiB") == parse_size("1g") == 2**30
+    assert parse_size("64 KiB") == parse_size("64k") == 65536
+    assert parse_size("4096") == parse_size("4096b") == 4096
+    for bad in ("", "MB", "1x", "-5", "1.5.2GB"):
+        with pytest.raises(ValueError, match="not a size"):
+            parse_size(bad)
+
+
+def test_gguf_source(tmp_path: Path) -> None:
+    from runtime.gguf_import import import_gguf
+    from tests.test_gguf_import import gpt2_vocab, tiny_llama, train_byte_level_bpe, write_gguf
+
+    vocab = gpt2_vocab(train_byte_level_bpe())
+    write_gguf(tmp_path / "tiny.gguf", tiny_llama(len(vocab.tokens), tied=True), vocab)
+    folder = ModelStore(tmp_path / "store").pull(tmp_path / "tiny.gguf", shard_bytes=SHARD)
+    assert folder.name == "tiny"
+    _check_layout(folder, SHARD)
+    imported = import_gguf(tmp_path / "tiny.gguf", tmp_path / "imported")
+    want, got = _load_folder(imported), _load_folder(folder)
+    assert sorted(got) == sorted(want)
+    assert all(_same(got[k], want[k]) for k in want)
+    for name in ("config.json", "tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
+        assert (folder / name).read_bytes() == (imported / name).read_bytes()
+    manifest = read_manifest(folder)
+    assert manifest is not None and manifest.source == str((tmp_path / "tiny.gguf").resolve())
+
+
+def test_default_model_through_the_store(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """`--model SmolLM2-135M-Instruct` (or no --model) imports the bundled GGUF into the store
+    once, with a manifest; here a tiny GGUF stands in for it."""
+    from tests.test_gguf_import import gpt2_vocab, tiny_llama, train_byte_level_bpe, write_gguf
+
+    vocab = gpt2_vocab(train_byte_level_bpe())
+    write_gguf(tmp_path / "m.gguf", tiny_llama(len(vocab.tokens), tied=False), vocab)
+    monkeypatch.setattr(model_cache, "bundled_gguf_path", lambda: tmp_path / "m.gguf")
+    root = tmp_path / "store"
+    folder = Path(_model_dir(model_cache.DEFAULT_MODEL, str(root)))
+    assert folder == root / model_cache.DEFAULT_MODEL
+    assert ModelStore(root).verify(model_cache.DEFAULT_MODEL) == []
+    assert Path(_model_dir(None, str(root))) == folder  # no second import
+    assert [p.name for p in root.iterdir()] == [model_cache.DEFAULT_MODEL]
+
+
+def test_cli_pull_models_verify_generate_rm(
+    tmp_path: Path, stories_dir: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    store = str(tmp_path / "store")
+    assert main(["models", "--store", store]) == 0
+    assert "no models" in capsys.readouterr().err
+    assert main(["pull", str(stories_dir), "--store", store, "--shard-size", "64KiB"]) == 0
+    out, err = capsys.readouterr()
+    assert out.strip() == str(tmp_path / "store" / "stories260K") and "GB/s" in err
+    assert main(["pull", str(stories_dir), "--store", store]) == 2
+    assert "--force" in capsys.readouterr().err
+    assert main(["models", "--store", store]) == 0
+    table = capsys.readouterr().out.splitlines()
+    assert table[0].split() == ["NAME", "SIZE", "SHARDS", "CREATED", "SOURCE"]
+    assert table[1].split()[0] == "stories260K" and str(stories_dir.resolve()) in table[1]
+    assert main(["verify", "stories260K", "--store", store]) == 0
+    assert "every checksum matches" in capsys.readouterr().out
+
+    gen = ["generate", "--max-tokens", "12", "--kv-cache-bytes", str(16 << 20), "Once upon"]
+    assert main([*gen, "--model", str(stories_dir)]) == 0
+    from_folder = capsys.readouterr().out
+    assert main([*gen, "--model", "stories260K", "--store", store]) == 0
+    assert capsys.readouterr().out == from_folder  # greedy: the same text from the store copy
+    assert main([*gen, "--model", "nope", "--store", store]) == 2
+    assert "edgeinfer pull" in capsys.readouterr().err
+
+    with pytest.raises(SystemExit) as exc:
+        main(["pull", str(stories_dir), "--shard-size", "lots"])
+    assert exc.value.code == 2
+    assert "not a size" in capsys.readouterr().err
+    assert main(["rm", "stories260K", "--store", store]) == 0
+    assert main(["rm", "stories260K", "--store", store]) == 2
