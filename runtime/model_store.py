@@ -232,7 +232,7 @@ class ModelStore:
             try:
                 folder = src
                 if is_gguf:
-                    folder = _import_gguf(src, tmp / "gguf", say)
+                    folder = _import_gguf(src, tmp / "gguf", lambda m: say(f"converting: {m}"))
                 out = tmp / "model"
                 out.mkdir()
                 write_model(folder, out, name, origin or str(src.resolve()), shard_bytes, say)
