@@ -138,12 +138,21 @@ class ModelStore:
                 out.append(StoredModel(path.name, path, 0, 0, "", "", f"corrupt manifest: {e}"))
                 continue
             if manifest is not None:
-                out.append(StoredModel(path.name, path, manifest.total_bytes,
-                                       len(manifest.shards), manifest.source, manifest.created))  # fmt: skip
+                shards = len(manifest.shards)
+                out.append(
+                    StoredModel(
+                        path.name,
+                        path,
+                        manifest.total_bytes,
+                        shards,
+                        manifest.source,
+                        manifest.created,
+                    )
+                )
             elif (path / "config.json").is_file():
                 files = list(path.glob("*.safetensors"))
-                out.append(StoredModel(path.name, path, sum(f.stat().st_size for f in files),
-                                       len(files), "", "", "no manifest"))  # fmt: skip
+                size = sum(f.stat().st_size for f in files)
+                out.append(StoredModel(path.name, path, size, len(files), "", "", "no manifest"))
         return out
 
     def resolve(self, name_or_path: str) -> Path:
@@ -152,14 +161,13 @@ class ModelStore:
         path = Path(name_or_path).expanduser()
         if path.is_dir():
             return path
-        if _NAME.fullmatch(name_or_path) and (self.root / name_or_path).is_dir():
-            return self.root / name_or_path
-        if not _NAME.fullmatch(name_or_path):
+        if not _NAME.fullmatch(name_or_path):  # a path, not a name
             raise StoreError(f"{name_or_path}: no such model folder")
-        have = ", ".join(m.name for m in self.list()) or "none yet"
+        if (self.root / name_or_path).is_dir():
+            return self.root / name_or_path
         raise StoreError(
             f"{name_or_path!r} is neither a model folder nor a model in the store {self.root} "
-            f"(it has: {have}); pull it with: edgeinfer pull SOURCE --name {name_or_path}"
+            f"(it has: {self._names()}); pull it with: edgeinfer pull SOURCE --name {name_or_path}"
         )
 
     def verify(self, name: str, progress: Progress | None = None) -> builtins.list[str]:
@@ -269,9 +277,13 @@ class ModelStore:
         _check_name(name)
         folder = self.root / name
         if not folder.is_dir():
-            have = ", ".join(m.name for m in self.list()) or "none"
-            raise StoreError(f"{name!r} is not a model in the store {self.root} (it has: {have})")
+            raise StoreError(
+                f"{name!r} is not a model in the store {self.root} (it has: {self._names()})"
+            )
         return folder
+
+    def _names(self) -> str:
+        return ", ".join(m.name for m in self.list()) or "no models yet"
 
     def _install(self, built: Path, target: Path, force: bool) -> None:
         """Rename `built` to `target`: atomically replacing an existing one when `force` (the
