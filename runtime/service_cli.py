@@ -207,7 +207,7 @@ def cmd_pool(args: argparse.Namespace) -> int:
     if not args.models:
         raise SystemExit("edgeinfer: error: --models is required (e.g. --models M1,M2)")
     try:
-        models = parse_models(args.models, _model_dir)
+        models = parse_models(args.models, lambda name: _model_dir(name, args.store))
     except Exception as e:  # a name the model store does not have
         raise SystemExit(f"edgeinfer: error: --models: {e}") from e
     for name, folder in models.items():
@@ -368,6 +368,9 @@ def add_service_commands(sub: argparse._SubParsersAction, engine_args) -> None: 
                    help='extra `edgeinfer worker` flags, e.g. "--threads 2 --max-num-seqs 64"')  # fmt: skip
     p.add_argument("--redis", default=None, help="cluster Redis URL (default $EDGEINFER_REDIS)")
     p.add_argument("--secret", default=None, help="workers' shared secret ($EDGEINFER_SECRET)")
+    p.add_argument("--store", default=None,
+                   help="model store for --models names (default $EDGEINFER_STORE or "
+                   "~/.cache/edgeinfer/models)")  # fmt: skip
     p.add_argument("--events", type=int, default=0, metavar="N",
                    help="print the region's last N pool events (start/ready/stop/fail) and exit")  # fmt: skip
     p.set_defaults(func=cmd_pool)
