@@ -21,6 +21,7 @@ log = logging.getLogger(__name__)
 _SOURCE = Path(__file__).parent / "csrc" / "paged_decode_cpu.cpp"
 _GEMM_SOURCE = Path(__file__).parent / "csrc" / "small_gemm_cpu.cpp"
 _NORM_SOURCE = Path(__file__).parent / "csrc" / "rms_norm_cpu.cpp"
+_HUFFMAN_SOURCE = Path(__file__).parent / "csrc" / "huffman_decode_cpu.cpp"
 _lock = threading.Lock()
 _state: dict[str, ModuleType | None] = {}
 
@@ -48,6 +49,11 @@ def load_small_gemm() -> ModuleType | None:
 def load_rms_norm() -> ModuleType | None:
     """The fused RMSNorm module (`csrc/rms_norm_cpu.cpp`); None where it cannot be built."""
     return _build("edgeinfer_rms_norm_cpu", _NORM_SOURCE, "CPU RMSNorm extension")
+
+
+def load_huffman() -> ModuleType | None:
+    """The Huffman bfloat16 decoder (`csrc/huffman_decode_cpu.cpp`); None where it cannot be built."""
+    return _build("edgeinfer_huffman_cpu", _HUFFMAN_SOURCE, "CPU Huffman decoder")
 
 
 def _build(name: str, source: Path, what: str) -> ModuleType | None:

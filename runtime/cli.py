@@ -1,5 +1,6 @@
 """The `edgeinfer` command line: generate, chat, import-gguf; pull, models, verify, rm (the
-local model store); worker, gateway, up (service_cli).
+local model store); compress (lossless bfloat16 weight compression); worker, gateway, up
+(service_cli).
 
 Environment variables are read here only: EDGEINFER_CACHE (edgeinfer's cache folder),
 EDGEINFER_STORE (the model store; default: the cache folder's `models`).
@@ -239,6 +240,27 @@ def cmd_verify(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_compress(args: argparse.Namespace) -> int:
+    from runtime.compression import compress_model
+    from runtime.model_store import human_bytes
+
+    s = compress_model(
+        _model_dir(args.model, args.store),
+        Path(args.out_dir),
+        cast_bf16=args.cast_bf16,
+        chunk_elems=args.chunk_elems,
+        threads=args.threads,
+        progress=_progress,
+    )
+    print(
+        f"{s.out}: {human_bytes(s.compressed_bytes)}, {100 * s.ratio:.1f}% of bfloat16 "
+        f"({human_bytes(s.bf16_bytes)}; exponent-entropy floor "
+        f"{100 * s.entropy_floor_bytes / s.bf16_bytes:.1f}%); {s.huffman_tensors} tensors "
+        f"coded, {s.raw_tensors} stored as they are"
+    )
+    return 0
+
+
 def cmd_rm(args: argparse.Namespace) -> int:
     print(f"removed {_store(args).remove(args.name)}")
     return 0
@@ -311,6 +333,28 @@ def build_parser() -> argparse.ArgumentParser:
     rm.add_argument("name")
     _store_arg(rm)
     rm.set_defaults(func=cmd_rm)
+
+    z = sub.add_parser(
+        "compress",
+        help="write a losslessly compressed copy of a bfloat16 model (Huffman-coded exponents)",
+    )
+    z.add_argument("model", help="model folder, or the name of a model in the store")
+    z.add_argument("out_dir", help="folder to write (must not exist, or be empty)")
+    z.add_argument(
+        "--cast-bf16",
+        action="store_true",
+        help="cast float32/float16 weights to bfloat16 first (rounds them: lossy)",
+    )
+    z.add_argument(
+        "--chunk-elems",
+        type=int,
+        default=4096,
+        help="values per independently decodable chunk (a multiple of 64; smaller: more "
+        "parallel decoding, slightly larger files)",
+    )
+    z.add_argument("--threads", type=int, default=2, help="encoding threads")
+    _store_arg(z)
+    z.set_defaults(func=cmd_compress)
 
     from runtime.service_cli import add_service_commands
 

@@ -1,0 +1,184 @@
+// Huffman-coded bfloat16 exponents back to bfloat16, on the CPU (the format: kernels/huffman_decode.py).
+//
+// A tensor of n values arrives as its sign+mantissa bytes `sm` (n,), its exponents coded chunk by
+// chunk in `bits` (each chunk of chunk_elems values starts on a byte; `offsets` (n_chunks + 1,)
+// says where), and a decode table of 2^12 entries indexed by the next 12 bits of the stream. An
+// entry holds up to four exponents whose codes fit in those 12 bits (the exponents of trained
+// weights average ~2.6 bits, so one lookup yields ~3-4 of them): bytes 0-3 the exponents, byte 4
+// how many, byte 5 the bits they take, byte 6 the bits of the first alone (for the exact tail).
+//
+// Each chunk is decoded into a small buffer (L1-resident) and then merged with its sm bytes into
+// bfloat16 in a loop the compiler vectorizes. Chunks are independent: a call decodes a range of
+// them, on OpenMP threads in contiguous runs or on the caller's thread alone; four chunks are
+// decoded in step on each thread, their table lookups overlapping (1.5x one at a time). A 64-bit
+// big-endian window is loaded once per three lookups (3 x 12 bits fit in the 57 bits it
+// guarantees). Chunks near the end of the stream, where a window could read past it, are decoded
+// from a zero-padded copy. A chunk whose codes run past its own bytes is corrupt:
+// the call fails naming it (the caller names the tensor).
+
+#include <torch/extension.h>
+
+#include <algorithm>
+#include <atomic>
+#include <cstdint>
+#include <cstring>
+#include <vector>
+
+namespace {
+
+constexpr int kCodeBits = 12;
+
+inline uint64_t load_be64(const uint8_t* p) {
+  uint64_t v;
+  std::memcpy(&v, p, 8);
+  return __builtin_bswap64(v);
+}
+
+// One chunk's decoding state: where its codes are, how far it got, where its exponents go.
+struct Cursor {
+  const uint8_t* p;  // the chunk's first byte
+  uint64_t pos;      // bits consumed
+  uint8_t* out;      // next exponent
+  uint8_t* end;      // one past the chunk's last exponent
+};
+
+constexpr int kShift = 64 - kCodeBits;
+
+// Three lookups of at most four exponents each from one 64-bit window (>= 57 bits valid): the
+// caller makes sure 12 exponents are still wanted, so the 4-byte stores stay inside.
+inline void step3(Cursor& c, const uint64_t* table) {
+  const uint64_t w = load_be64(c.p + (c.pos >> 3)) << (c.pos & 7);
+  uint64_t t = table[w >> kShift];
+  std::memcpy(c.out, &t, 4);
+  c.out += (t >> 32) & 0xFF;
+  uint64_t used = (t >> 40) & 0xFF;
+  t = table[(w << used) >> kShift];
+  std::memcpy(c.out, &t, 4);
+  c.out += (t >> 32) & 0xFF;
+  used += (t >> 40) & 0xFF;
+  t = table[(w << used) >> kShift];
+  std::memcpy(c.out, &t, 4);
+  c.out += (t >> 32) & 0xFF;
+  c.pos += used + ((t >> 40) & 0xFF);
+}
+
+// Decodes the rest of a chunk: whole windows while 12 exponents are wanted, then one exponent
+// at a time, so the bit count comes out exact.
+inline void finish(Cursor& c, const uint64_t* table) {
+  while (c.end - c.out >= 12) step3(c, table);
+  while (c.out < c.end) {
+    const uint64_t w = load_be64(c.p + (c.pos >> 3)) << (c.pos & 7);
+    const uint64_t t = table[w >> kShift];
+    *c.out++ = static_cast<uint8_t>(t);
+    c.pos += (t >> 48) & 0xFF;
+  }
+}
+
+// kWays chunks at once: their lookups are independent chains that the core overlaps (one chain
+// waits on its table load most of the time). 4 was fastest of 1, 2, 3, 4, 6, 8.
+constexpr int kWays = 4;
+
+inline void decode_group(Cursor* c, const uint64_t* table) {
+  for (;;) {
+    bool room = true;
+    for (int k = 0; k < kWays; ++k) room &= c[k].end - c[k].out >= 12;
+    if (!room) break;
+    for (int k = 0; k < kWays; ++k) step3(c[k], table);
+  }
+  for (int k = 0; k < kWays; ++k) finish(c[k], table);
+}
+
+inline void merge(const uint8_t* sm, const uint8_t* e, uint16_t* dst, int64_t m) {
+  for (int64_t i = 0; i < m; ++i) {
+    const uint16_t s = sm[i];
+    dst[i] = static_cast<uint16_t>(((s & 0x80) << 8) | (uint16_t(e[i]) << 7) | (s & 0x7F));
+  }
+}
+
+}  // namespace
+
+// out: (n,) bfloat16 or int16, contiguous; table: (4096,) int64; offsets: (n_chunks + 1,) int32;
+// sm: (n,) uint8; bits: (nbytes,) uint8. Decodes chunks [first, last) on `threads` threads (1:
+// on the calling thread, no OpenMP team: a loader runs many such calls side by side on its own
+// threads). Returns the index of the first corrupt chunk, or -1.
+int64_t decode_bf16(torch::Tensor out, torch::Tensor table, torch::Tensor offsets,
+                    torch::Tensor sm, torch::Tensor bits, int64_t chunk_elems, int64_t first,
+                    int64_t last, int64_t threads) {
+  TORCH_CHECK(out.scalar_type() == torch::kBFloat16 || out.scalar_type() == torch::kShort,
+              "huffman decode: out must be bfloat16 or int16, got ", out.scalar_type());
+  TORCH_CHECK(table.scalar_type() == torch::kLong && table.numel() == (1 << kCodeBits),
+              "huffman decode: table must be int64 of ", 1 << kCodeBits, " entries");
+  TORCH_CHECK(offsets.scalar_type() == torch::kInt, "huffman decode: offsets must be int32");
+  TORCH_CHECK(sm.scalar_type() == torch::kByte && bits.scalar_type() == torch::kByte,
+              "huffman decode: sm and bits must be uint8");
+  TORCH_CHECK(out.is_contiguous() && table.is_contiguous() && offsets.is_contiguous() &&
+                  sm.is_contiguous() && bits.is_contiguous(),
+              "huffman decode: contiguous tensors expected");
+  TORCH_CHECK(chunk_elems > 0, "huffman decode: chunk_elems must be positive");
+  const int64_t n = sm.numel();
+  const int64_t n_chunks = (n + chunk_elems - 1) / chunk_elems;
+  TORCH_CHECK(out.numel() == n, "huffman decode: out has ", out.numel(), " elements, sm ", n);
+  TORCH_CHECK(offsets.numel() == n_chunks + 1, "huffman decode: ", n_chunks,
+              " chunks need ", n_chunks + 1, " offsets, got ", offsets.numel());
+  TORCH_CHECK(0 <= first && first <= last && last <= n_chunks, "huffman decode: chunks [", first,
+              ", ", last, ") of ", n_chunks);
+  const int64_t nbytes = bits.numel();
+  const int32_t* off = offsets.data_ptr<int32_t>();
+  for (int64_t c = first; c < last; ++c)  // in bounds and in order, before any read
+    TORCH_CHECK(off[c] >= 0 && off[c] <= off[c + 1] && off[c + 1] <= nbytes,
+                "huffman decode: chunk offsets out of order or past the stream at chunk ", c);
+
+  const uint64_t* tab = reinterpret_cast<const uint64_t*>(table.data_ptr<int64_t>());
+  const uint8_t* smp = sm.data_ptr<uint8_t>();
+  const uint8_t* bp = bits.data_ptr<uint8_t>();
+  uint16_t* dst = reinterpret_cast<uint16_t*>(out.data_ptr());
+  const int64_t worst = (chunk_elems * kCodeBits + 7) / 8 + 8;  // bytes a chunk's windows may read
+  const int64_t groups = (last - first + kWays - 1) / kWays;
+  std::atomic<int64_t> bad{-1};
+  {
+    pybind11::gil_scoped_release no_gil;  // a loader's read threads go on meanwhile
+    const int nt = static_cast<int>(std::max<int64_t>(1, std::min(threads, groups)));
+#pragma omp parallel num_threads(nt) if (nt > 1)
+    {
+      std::vector<uint8_t> e(kWays * chunk_elems);
+      std::vector<uint8_t> tail[kWays];
+#pragma omp for schedule(static)
+      for (int64_t g = 0; g < groups; ++g) {
+        Cursor cur[kWays];
+        const int64_t c0 = first + kWays * g, count = std::min<int64_t>(kWays, last - c0);
+        for (int64_t k = 0; k < kWays; ++k) {
+          const int64_t c = c0 + std::min(k, count - 1);  // a short last group repeats its last
+          const int64_t m = std::min(chunk_elems, n - c * chunk_elems);
+          const uint8_t* src = bp + off[c];
+          if (off[c] + worst > nbytes) {  // near the end: decode from a zero-padded copy
+            tail[k].assign(worst, 0);
+            std::memcpy(tail[k].data(), src, nbytes - off[c]);
+            src = tail[k].data();
+          }
+          uint8_t* ex = e.data() + k * chunk_elems;
+          cur[k] = Cursor{src, 0, ex, ex + m};
+        }
+        decode_group(cur, tab);
+        for (int64_t k = 0; k < count; ++k) {
+          const int64_t c = c0 + k, begin = c * chunk_elems;
+          if (cur[k].pos > 8 * static_cast<uint64_t>(off[c + 1] - off[c])) {
+            int64_t none = -1;
+            bad.compare_exchange_strong(none, c);
+            continue;
+          }
+          merge(smp + begin, e.data() + k * chunk_elems, dst + begin,
+                std::min(chunk_elems, n - begin));
+        }
+      }
+    }
+  }
+  return bad.load();
+}
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("decode_bf16", &decode_bf16,
+        "Huffman-coded bfloat16 exponents + raw sign/mantissa bytes -> bfloat16, chunks "
+        "[first, last) (in place)",
+        py::arg("out"), py::arg("table"), py::arg("offsets"), py::arg("sm"), py::arg("bits"),
+        py::arg("chunk_elems"), py::arg("first"), py::arg("last"), py::arg("threads"));
+}

@@ -1,0 +1,317 @@
+"""Huffman-coded bfloat16 exponents back to bfloat16: a Triton kernel, its PyTorch reference, and
+the dispatch (Triton on CUDA, the C++ decoder `csrc/huffman_decode_cpu.cpp` on the CPU).
+
+A bfloat16 value is a sign bit, 8 exponent bits and 7 mantissa bits. In trained weights the
+exponent takes few values (entropy ~2.6 bits), the rest is close to random. So a tensor of n
+values is kept as (`runtime/compression.py` writes it to disk):
+
+    sm       (n,) uint8          sign and mantissa of each value: (b >> 8) & 0x80 | b & 0x7F
+    bits     (nbytes,) uint8     the exponents (b >> 7) & 0xFF in a canonical Huffman code of at
+                                 most CODE_BITS bits, most significant bit first, in chunks of
+                                 chunk_elems values, each chunk starting on a byte
+    offsets  (n_chunks + 1,) int32   where each chunk starts in `bits`; the last is nbytes
+    lengths  (256,)              each exponent's code length (0: it does not occur)
+
+Chunks decode independently, so a decoder runs one chunk per thread (CPU) or lane (GPU). All of
+them read the next CODE_BITS bits of the stream and look them up in a table of 2^CODE_BITS int64
+entries (`decode_table`), each holding up to four exponents whose codes fit in those bits:
+
+    bits  0-31   the exponents, first in the low byte
+    bits 32-39   how many (1-4)
+    bits 40-47   the bits they take together
+    bits 48-55   the bits the first takes alone (used near a chunk's end, where fewer are wanted)
+
+`decode_table` accepts only a complete prefix code (Kraft sum exactly 1, lengths 1..CODE_BITS),
+so every entry decodes and no stream, however corrupt, can make a decoder read out of bounds;
+a decoder that finds a chunk's codes running past the chunk's bytes reports it as corrupt.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import NoReturn
+
+import numpy as np
+import torch
+import triton
+import triton.language as tl
+
+CODE_BITS = 12  # longest code: the decode table has 4096 entries (32 KiB, in L1)
+TABLE_SIZE = 1 << CODE_BITS
+
+
+class CorruptStreamError(ValueError):
+    """A chunk's codes run past its bytes, or a code table is not a valid prefix code."""
+
+
+@dataclass(slots=True)
+class CodedBF16:
+    """One tensor's coded form, ready to decode (views of its record, on any device)."""
+
+    table: torch.Tensor  # (TABLE_SIZE,) int64, from decode_table
+    offsets: torch.Tensor  # (n_chunks + 1,) int32: byte offset of each chunk in `bits`
+    sm: torch.Tensor  # (n,) uint8: sign and mantissa bits
+    bits: torch.Tensor  # (nbytes,) uint8: the coded exponents
+    chunk_elems: int  # values per chunk (the last chunk may hold fewer)
+
+    @property
+    def numel(self) -> int:
+        return self.sm.numel()
+
+    @property
+    def num_chunks(self) -> int:
+        return self.offsets.numel() - 1
+
+    def to(self, device: torch.device | str) -> CodedBF16:
+        return CodedBF16(self.table.to(device), self.offsets.to(device), self.sm.to(device),
+                         self.bits.to(device), self.chunk_elems)  # fmt: skip
+
+    def nbytes(self) -> int:
+        """Memory it takes (the table aside, which is per tensor and small)."""
+        return self.offsets.numel() * 4 + self.sm.numel() + self.bits.numel()
+
+
+# ---------------------------------------------------------------------------------------------
+# The code
+
+
+def check_lengths(lengths: np.ndarray) -> np.ndarray:
+    """`lengths` as (256,) int64 if it describes a complete prefix code of at most CODE_BITS
+    bits; CorruptStreamError saying what is wrong otherwise."""
+    lengths = np.asarray(lengths).astype(np.int64).ravel()
+    if lengths.shape != (256,):
+        raise CorruptStreamError(f"code table has {lengths.size} lengths, expected 256")
+    if lengths.min() < 0 or lengths.max() > CODE_BITS:
+        raise CorruptStreamError(
+            f"code lengths must be 0..{CODE_BITS}, got {lengths.min()}..{lengths.max()}"
+        )
+    used = lengths[lengths > 0]
+    kraft = int((1 << (CODE_BITS - used)).sum())
+    if kraft != TABLE_SIZE:
+        raise CorruptStreamError(
+            f"code lengths do not describe a complete prefix code (Kraft sum {kraft}/"
+            f"{TABLE_SIZE}, {'over-subscribed' if kraft > TABLE_SIZE else 'incomplete'})"
+        )
+    return lengths
+
+
+def canonical_codes(lengths: np.ndarray) -> np.ndarray:
+    """(256,) int64 codes of the canonical Huffman code with these lengths: codes ordered by
+    (length, symbol), each the previous plus one, shifted left as the length grows. Put another
+    way: in that order, each code's CODE_BITS-bit windows follow the previous code's, so a
+    code is where its windows start, shifted right by its unused bits."""
+    lengths = np.asarray(lengths, dtype=np.int64)
+    order = _canonical_order(lengths)
+    span = 1 << (CODE_BITS - lengths[order])  # windows each code covers
+    codes = np.zeros(256, dtype=np.int64)
+    codes[order] = (np.cumsum(span) - span) >> (CODE_BITS - lengths[order])
+    return codes
+
+
+def _canonical_order(lengths: np.ndarray) -> np.ndarray:
+    order = np.lexsort((np.arange(256), lengths))
+    return order[lengths[order] > 0]
+
+
+def decode_table(lengths: np.ndarray) -> torch.Tensor:
+    """The (TABLE_SIZE,) int64 multi-symbol decode table of a code (see the module docstring);
+    CorruptStreamError if `lengths` is not a complete prefix code."""
+    lengths = check_lengths(lengths)
+    order = _canonical_order(lengths)
+    span = 1 << (CODE_BITS - lengths[order])
+    sym = np.repeat(order, span)  # the one symbol each window starts with (windows in order)
+    size = np.repeat(lengths[order], span)
+    window = np.arange(TABLE_SIZE, dtype=np.int64)
+    entry, count, used = sym.copy(), np.ones_like(sym), size.copy()
+    fits = np.ones(TABLE_SIZE, dtype=bool)
+    for k in range(1, 4):  # the next codes, while they end inside the 12 known bits
+        rest = (window << used) & (TABLE_SIZE - 1)
+        fits &= used + size[rest] <= CODE_BITS
+        entry |= np.where(fits, sym[rest] << (8 * k), 0)
+        count += fits
+        used += np.where(fits, size[rest], 0)
+    return torch.from_numpy(entry | (count << 32) | (used << 40) | (size << 48))
+
+
+# ---------------------------------------------------------------------------------------------
+# The PyTorch reference: every chunk at once, one table lookup per step
+
+
+def decode_reference(coded: CodedBF16, first: int = 0, last: int | None = None) -> torch.Tensor:
+    """Chunks [first, last) (default: all) as bfloat16 values, on `coded`'s device. The same
+    steps as the Triton kernel, in torch ops over all those chunks at once; CorruptStreamError
+    naming the first chunk whose codes run past its bytes."""
+    dev = coded.sm.device
+    n, chunk = coded.numel, coded.chunk_elems
+    last = coded.num_chunks if last is None else last
+    c = torch.arange(first, last, device=dev, dtype=torch.int64)
+    lo, hi = first * chunk, min(n, last * chunk)
+    start = c * chunk - lo  # where each chunk's values go in the result
+    length = torch.clamp(n - c * chunk, max=chunk)
+    base = coded.offsets[first:last].long()
+    bits = torch.cat([coded.bits, torch.zeros(3, dtype=torch.uint8, device=dev)]).long()
+    table = coded.table
+    exps = torch.zeros(max(0, hi - lo), dtype=torch.int64, device=dev)
+    pos = torch.zeros_like(c)  # bits consumed in each chunk
+    done = torch.zeros_like(c)  # exponents decoded in each chunk
+    while True:
+        live = torch.nonzero(done < length).squeeze(1)
+        if live.numel() == 0:
+            break
+        p, d = pos[live], done[live]
+        byte = torch.clamp(base[live] + (p >> 3), max=bits.numel() - 3)
+        w = (bits[byte] << 16) | (bits[byte + 1] << 8) | bits[byte + 2]
+        t = table[(w >> (12 - (p & 7))) & (TABLE_SIZE - 1)]
+        whole = ((t >> 32) & 0xFF) <= length[live] - d  # all of the entry is wanted
+        take = torch.where(whole, (t >> 32) & 0xFF, 1)
+        for j in range(4):
+            ok = j < take
+            exps[start[live][ok] + d[ok] + j] = (t[ok] >> (8 * j)) & 0xFF
+        done[live] = d + take
+        pos[live] = p + torch.where(whole, (t >> 40) & 0xFF, (t >> 48) & 0xFF)
+    _check_consumed(pos, coded.offsets[first : last + 1], first)
+    return _merge(coded.sm[lo:hi], exps)
+
+
+def _merge(sm: torch.Tensor, exps: torch.Tensor) -> torch.Tensor:
+    s = sm.to(torch.int32)
+    v = ((s & 0x80) << 8) | (exps.to(torch.int32) << 7) | (s & 0x7F)  # 0..65535
+    return (v - ((v >> 15) << 16)).to(torch.int16).view(torch.bfloat16)  # as signed 16-bit
+
+
+def _check_consumed(pos: torch.Tensor, offsets: torch.Tensor, first: int = 0) -> None:
+    over = torch.nonzero(pos > (offsets[1:] - offsets[:-1]).long() * 8)
+    if over.numel():
+        _corrupt(first + int(over[0]))
+
+
+def _corrupt(chunk: int) -> NoReturn:
+    raise CorruptStreamError(f"chunk {chunk}: its codes run past its bytes (corrupt stream)")
+
+
+# ---------------------------------------------------------------------------------------------
+# The Triton kernel: BLOCK chunks per program, one per lane
+
+
+@triton.jit
+def _huffman_decode_kernel(
+    table_ptr,  # (TABLE_SIZE,) int64
+    offsets_ptr,  # (n_chunks + 1,) int32
+    sm_ptr,  # (n,) uint8
+    bits_ptr,  # (nbytes,) uint8
+    out_ptr,  # (n,) int16
+    used_ptr,  # (n_chunks,) int64: bits each chunk consumed, for the corruption check
+    n,
+    nbytes,
+    n_chunks,
+    CHUNK: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
+    c = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    live = c < n_chunks
+    start = c.to(tl.int64) * CHUNK
+    length = tl.where(live, tl.minimum(n - start, CHUNK), 0)
+    base = tl.load(offsets_ptr + c, mask=live, other=0).to(tl.int64)
+    pos = tl.zeros([BLOCK], dtype=tl.int64)
+    done = tl.zeros([BLOCK], dtype=tl.int64)
+    while tl.max(length - done, axis=0) > 0:
+        active = done < length
+        byte = base + (pos >> 3)
+        b0 = tl.load(bits_ptr + byte, mask=active & (byte < nbytes), other=0).to(tl.int32)
+        b1 = tl.load(bits_ptr + byte + 1, mask=active & (byte + 1 < nbytes), other=0).to(tl.int32)
+        b2 = tl.load(bits_ptr + byte + 2, mask=active & (byte + 2 < nbytes), other=0).to(tl.int32)
+        shift = 12 - (pos & 7).to(tl.int32)
+        window = ((((b0 << 16) | (b1 << 8) | b2) >> shift) & 4095).to(tl.int64)
+        t = tl.load(table_ptr + window, mask=active, other=0)
+        whole = ((t >> 32) & 0xFF) <= length - done
+        take = tl.where(active, tl.where(whole, (t >> 32) & 0xFF, 1), 0)
+        for j in tl.static_range(4):
+            ok = j < take
+            k = start + done + j
+            e = ((t >> (8 * j)) & 0xFF).to(tl.int32)
+            s = tl.load(sm_ptr + k, mask=ok, other=0).to(tl.int32)
+            v = ((s & 0x80) << 8) | (e << 7) | (s & 0x7F)
+            tl.store(out_ptr + k, v.to(tl.int16), mask=ok)
+        pos += tl.where(active, tl.where(whole, (t >> 40) & 0xFF, (t >> 48) & 0xFF), 0)
+        done += take
+    tl.store(used_ptr + c, pos, mask=live)
+
+
+def decode_triton(coded: CodedBF16, out: torch.Tensor | None = None, check: bool = True,
+                  block: int = 64) -> torch.Tensor:  # fmt: skip
+    """(n,) bfloat16 decoded by the Triton kernel, into `out` if given ((n,) bfloat16,
+    contiguous, on the same device). `check`: raise CorruptStreamError if a chunk's codes ran
+    past its bytes (a device sync; a caller decoding weights it checked at load skips it)."""
+    _check_inputs(coded, out)
+    n = coded.numel
+    out = torch.empty(n, dtype=torch.bfloat16, device=coded.sm.device) if out is None else out
+    if n == 0:
+        return out
+    used = torch.empty(coded.num_chunks, dtype=torch.int64, device=coded.sm.device)
+    grid = (triton.cdiv(coded.num_chunks, block),)
+    _huffman_decode_kernel[grid](
+        coded.table, coded.offsets, coded.sm, coded.bits, out.view(torch.int16), used,
+        n, coded.bits.numel(), coded.num_chunks, CHUNK=coded.chunk_elems, BLOCK=block,
+    )  # fmt: skip
+    if check:
+        _check_consumed(used, coded.offsets)
+    return out
+
+
+def _check_inputs(coded: CodedBF16, out: torch.Tensor | None) -> None:
+    n = coded.numel
+    if coded.table.dtype != torch.int64 or coded.table.shape != (TABLE_SIZE,):
+        raise ValueError(f"table must be ({TABLE_SIZE},) int64, got {tuple(coded.table.shape)} "
+                         f"{coded.table.dtype}")  # fmt: skip
+    if (
+        coded.offsets.dtype != torch.int32
+        or coded.offsets.numel() != -(-n // coded.chunk_elems) + 1
+    ):
+        raise ValueError(
+            f"offsets must be int32 with one entry per chunk of {coded.chunk_elems} plus one "
+            f"({-(-n // coded.chunk_elems) + 1}), got {coded.offsets.numel()} {coded.offsets.dtype}"
+        )
+    if coded.sm.dtype != torch.uint8 or coded.bits.dtype != torch.uint8:
+        raise ValueError(f"sm and bits must be uint8, got {coded.sm.dtype} and {coded.bits.dtype}")
+    if out is not None and (out.dtype != torch.bfloat16 or out.numel() != n
+                            or not out.is_contiguous() or out.device != coded.sm.device):  # fmt: skip
+        raise ValueError(
+            f"out must be a contiguous ({n},) bfloat16 tensor on {coded.sm.device}, got "
+            f"{tuple(out.shape)} {out.dtype} on {out.device}"
+        )
+
+
+# ---------------------------------------------------------------------------------------------
+# Dispatch
+
+
+def decode(coded: CodedBF16, out: torch.Tensor | None = None, threads: int | None = None,
+           check: bool = True) -> torch.Tensor:  # fmt: skip
+    """(n,) bfloat16 (into `out` if given): the Triton kernel on CUDA (`check` as there), the
+    C++ decoder on the CPU on `threads` threads (default: torch's). CorruptStreamError naming
+    the chunk if the stream is corrupt."""
+    if coded.sm.is_cuda:
+        return decode_triton(coded, out, check)
+    _check_inputs(coded, out)
+    out = torch.empty(coded.numel, dtype=torch.bfloat16) if out is None else out
+    return decode_cpu(coded, out, 0, coded.num_chunks, threads or torch.get_num_threads())
+
+
+def decode_cpu(coded: CodedBF16, out: torch.Tensor, first: int, last: int,
+               threads: int = 1) -> torch.Tensor:  # fmt: skip
+    """Decode chunks [first, last) of a CPU tensor into their places in `out` ((n,) bfloat16)
+    with the C++ decoder (the GIL released; `threads` 1: on this thread alone, so that a loader
+    can run many calls side by side on its own threads), or the reference where the decoder
+    cannot be built. Returns `out`."""
+    from kernels.cpu_ext import load_huffman
+
+    ext = load_huffman()
+    if ext is None:
+        lo, hi = first * coded.chunk_elems, min(coded.numel, last * coded.chunk_elems)
+        out[lo:hi] = decode_reference(coded, first, last)
+        return out
+    bad = ext.decode_bf16(out, coded.table, coded.offsets, coded.sm, coded.bits,
+                          coded.chunk_elems, first, last, threads)  # fmt: skip
+    if bad >= 0:
+        _corrupt(bad)
+    return out

@@ -1,0 +1,742 @@
+"""Lossless weight compression: bfloat16 exponents in a Huffman code, everything else as it is.
+
+A bfloat16 weight is 1 sign, 8 exponent and 7 mantissa bits. Trained weights use few exponents
+(~2.6 bits of entropy), so coding the exponent of each tensor with a Huffman code built from its
+own histogram stores a model in ~66.5% of its bfloat16 size, bit for bit. `edgeinfer compress
+MODEL_DIR OUT_DIR` writes such a copy; the loader reads it back through `load_compressed`.
+
+    OUT_DIR/
+        model-00001-of-00002.ei11        one per source shard (model.safetensors -> model.ei11)
+        config.json, tokenizer.json ...  copied (torch_dtype set to bfloat16 after a cast)
+        edgeinfer-compressed.json        written last: format, shards, a checksum per tensor
+
+A shard (`.ei11`):
+
+    0        b"EIHUF\\0\\0\\1"    magic and format version
+    8        u64 LE h              length of the JSON header
+    16       JSON header          {"tensors": [{"name", "dtype", "shape", "encoding",
+                                  "data_offsets": [begin, end]}, ...]} in file order,
+                                  space-padded so the data starts at a multiple of 4096
+    data     one record per tensor, each at a multiple of 64 (offsets are from the data start)
+
+A record of encoding "raw" is the tensor's bytes (non-float tensors, and bfloat16 tensors whose
+exponents do not compress). A record of encoding "huffman" is (kernels/huffman_decode.py
+describes the code and the decoders):
+
+    0    b"EIH1", u32 chunk_elems, u64 n (values), u64 nbytes (the coded exponents)
+    24   128 bytes: the 256 code lengths, two per byte (low nibble first)
+    152  int32 offsets (n_chunks + 1): where each chunk starts in the coded exponents
+    ..   n bytes: sign + mantissa of each value
+    ..   nbytes: the coded exponents, chunk after chunk, each chunk starting on a byte
+
+The manifest's per-tensor xxh3-64 covers the record, so a truncated or corrupted file fails with
+an error naming the tensor. Loading overlaps the read and the decode: each shard is read in 16
+MiB pieces on a thread pool (O_DIRECT, as runtime.weights reads), the next shard queued behind it,
+and each tensor is checked and decoded (C++, on all cores) as soon as its bytes have arrived.
+
+`CompressedBlocks` keeps a model's blocks (its decoder layers) compressed in memory and decodes each
+block's weights into one shared buffer just before the block runs (on a GPU: a model larger than
+its free memory can run; the Triton decoder does the decoding there).
+"""
+
+from __future__ import annotations
+
+import json
+import mmap
+import os
+import shutil
+import struct
+import time
+import uuid
+from collections import deque
+from collections.abc import Callable, Iterator, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+import xxhash
+from torch import nn
+
+from kernels.huffman_decode import (
+    CODE_BITS,
+    CodedBF16,
+    CorruptStreamError,
+    canonical_codes,
+    decode,
+    decode_cpu,
+    decode_table,
+)
+from runtime.config import ModelLoadError
+from runtime.weights import ALIGN, CHUNK_BYTES, ReadStats, read_header
+
+FORMAT = "edgeinfer-huffman-bf16/1"
+MANIFEST_NAME = "edgeinfer-compressed.json"
+SUFFIX = ".ei11"
+FILE_MAGIC = b"EIHUF\x00\x00\x01"
+RECORD_MAGIC = b"EIH1"
+CHUNK_ELEMS = 4096  # values per chunk: ~1.3 KiB of code; offsets cost 4 bytes per 8 KiB
+RECORD_ALIGN = 64  # every record starts at a multiple of this (raw tensors are views)
+_RECORD_HEAD = struct.Struct("<4sIQQ")  # magic, chunk_elems, n, nbytes
+_HEAD_BYTES = _RECORD_HEAD.size + 128  # + the code lengths, two per byte
+_SEGMENT_CHUNKS = 256  # the encoder works on this many chunks at a time (bounded memory)
+_NAMES = {  # safetensors' dtype names
+    torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16",
+    torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8",
+    torch.uint8: "U8", torch.bool: "BOOL",
+}  # fmt: skip
+_DTYPES = {name: dtype for dtype, name in _NAMES.items()}
+
+Progress = Callable[[str], None]
+
+
+class CompressError(ModelLoadError):
+    """A model cannot be compressed as asked; the message says why and what to do instead."""
+
+
+# ---------------------------------------------------------------------------------------------
+# Encoding one tensor
+
+
+def code_lengths(hist: np.ndarray, max_len: int = CODE_BITS) -> np.ndarray:
+    """(256,) int64 optimal code lengths of at most `max_len` bits for symbol counts `hist`
+    (package-merge). A single symbol gets a one-bit code beside an unused partner, so that every
+    code is a complete prefix code (which the decoders require)."""
+    syms = [int(s) for s in np.flatnonzero(hist)]
+    lengths = np.zeros(256, dtype=np.int64)
+    if len(syms) == 1:
+        lengths[syms[0]] = lengths[syms[0] ^ 1] = 1
+        return lengths
+    leaves = sorted(((int(hist[s]), [s]) for s in syms), key=lambda item: item[0])
+    items = leaves
+    for _ in range(max_len - 1):
+        pairs = [(a[0] + b[0], a[1] + b[1]) for a, b in zip(items[::2], items[1::2], strict=False)]
+        items = sorted(leaves + pairs, key=lambda item: item[0])
+    for _, members in items[: 2 * len(syms) - 2]:
+        for s in members:
+            lengths[s] += 1
+    return lengths
+
+
+def split_bf16(t: torch.Tensor) -> tuple[np.ndarray, np.ndarray]:
+    """(exponents, sign+mantissa bytes) of a bfloat16 tensor, each (n,) uint8."""
+    b = t.detach().contiguous().view(torch.int16).numpy().view(np.uint16).ravel()
+    exps = (b >> 7).astype(np.uint8)  # the sign bit falls off the top
+    sm = ((b >> 8) & 0x80 | (b & 0x7F)).astype(np.uint8)
+    return exps, sm
+
+
+def encode_bf16(t: torch.Tensor, chunk_elems: int = CHUNK_ELEMS) -> np.ndarray | None:
+    """The "huffman" record of a bfloat16 tensor (see the module docstring), or None when it
+    would not be smaller than the tensor itself (an empty tensor, exponents that do not
+    compress, a stream too long for int32 offsets)."""
+    if t.dtype != torch.bfloat16:
+        raise TypeError(f"encode_bf16: bfloat16 expected, got {t.dtype}")
+    n = t.numel()
+    if n == 0:
+        return None
+    exps, sm = split_bf16(t)
+    lengths = code_lengths(np.bincount(exps, minlength=256))
+    codes = canonical_codes(lengths).astype(np.uint64)
+    n_chunks = -(-n // chunk_elems)
+    offsets = np.zeros(n_chunks + 1, dtype=np.int64)
+    pieces = []
+    for c0 in range(0, n_chunks, _SEGMENT_CHUNKS):  # segments of whole chunks: byte-aligned
+        c1 = min(n_chunks, c0 + _SEGMENT_CHUNKS)
+        seg = exps[c0 * chunk_elems : c1 * chunk_elems]
+        piece, sizes = _pack(seg, lengths[seg], codes[seg], chunk_elems)
+        offsets[c0 + 1 : c1 + 1] = offsets[c0] + np.cumsum(sizes)
+        pieces.append(piece)
+    nbytes = int(offsets[-1])
+    size = _HEAD_BYTES + 4 * (n_chunks + 1) + n + nbytes
+    if size >= 2 * n or nbytes >= 2**31:
+        return None
+    record = np.empty(size, dtype=np.uint8)
+    head = _RECORD_HEAD.pack(RECORD_MAGIC, chunk_elems, n, nbytes)
+    record[: _RECORD_HEAD.size] = np.frombuffer(head, dtype=np.uint8)
+    record[_RECORD_HEAD.size : _HEAD_BYTES] = (lengths[0::2] | (lengths[1::2] << 4)).astype(
+        np.uint8
+    )
+    at = _HEAD_BYTES + 4 * (n_chunks + 1)
+    record[_HEAD_BYTES:at] = offsets.astype("<i4").view(np.uint8)
+    record[at : at + n] = sm
+    record[at + n :] = np.concatenate(pieces) if pieces else np.zeros(0, np.uint8)
+    return record
+
+
+def _pack(exps: np.ndarray, lens: np.ndarray, codes: np.ndarray,
+          chunk_elems: int) -> tuple[np.ndarray, np.ndarray]:  # fmt: skip
+    """The codes of whole chunks packed most significant bit first, each chunk starting on a
+    byte: (bytes, each chunk's size in bytes). Vectorized: each code goes into the 64-bit word
+    its first bit falls in (codes that cross a word boundary spill the rest into the next),
+    and the codes of one word are OR-ed together (they never overlap)."""
+    lens = lens.astype(np.int64)
+    starts = np.arange(0, exps.size, chunk_elems)
+    sizes = (np.add.reduceat(lens, starts) + 7) >> 3  # bytes per chunk
+    first = np.concatenate([[0], np.cumsum(sizes)[:-1]]) * 8  # first bit of each chunk
+    before = np.cumsum(lens) - lens  # bits before each code, counted from the segment start
+    pos = before + np.repeat(first - before[starts], np.diff(np.append(starts, exps.size)))
+    word, bit = pos >> 6, pos & 63
+    room = 64 - bit - lens  # < 0: the code crosses into the next word
+    hi = np.where(room >= 0, codes << np.maximum(room, 0).astype(np.uint64),
+                  codes >> np.maximum(-room, 0).astype(np.uint64))  # fmt: skip
+    total = int(sizes.sum())
+    words = np.zeros(total // 8 + 2, dtype=np.uint64)
+    group = np.flatnonzero(np.diff(word, prepend=-1))
+    words[word[group]] = np.bitwise_or.reduceat(hi, group)
+    cross = np.flatnonzero(room < 0)
+    words[word[cross] + 1] |= codes[cross] << (64 + room[cross]).astype(np.uint64)
+    return words.byteswap().view(np.uint8)[:total], sizes
+
+
+def parse_record(record: torch.Tensor, numel: int) -> CodedBF16:
+    """A "huffman" record (a (size,) uint8 tensor, 4-byte aligned) as views ready to decode;
+    CorruptStreamError saying what is wrong with it."""
+    size = record.numel()
+    if size < _HEAD_BYTES:
+        raise CorruptStreamError(f"record of {size} bytes is shorter than its header")
+    head = record[:_HEAD_BYTES].numpy().tobytes()
+    magic, chunk_elems, n, nbytes = _RECORD_HEAD.unpack_from(head)
+    if magic != RECORD_MAGIC or chunk_elems <= 0:
+        raise CorruptStreamError(f"bad record header (magic {magic!r}, chunk_elems {chunk_elems})")
+    if n != numel:
+        raise CorruptStreamError(f"record holds {n} values, the shape says {numel}")
+    n_chunks = -(-n // chunk_elems)
+    at = _HEAD_BYTES + 4 * (n_chunks + 1)
+    if size != at + n + nbytes:
+        raise CorruptStreamError(f"record of {size} bytes, its header implies {at + n + nbytes}")
+    packed = np.frombuffer(head[_RECORD_HEAD.size :], dtype=np.uint8).astype(np.int64)
+    lengths = np.stack([packed & 15, packed >> 4], axis=1).ravel()
+    table = decode_table(lengths)  # rejects anything but a complete prefix code
+    offsets = record[_HEAD_BYTES:at].view(torch.int32)
+    if (offsets[0] != 0 or offsets[-1] != nbytes or bool((offsets[1:] < offsets[:-1]).any())):  # fmt: skip
+        raise CorruptStreamError("chunk offsets are not in order from 0 to the stream's end")
+    return CodedBF16(table, offsets, record[at : at + n], record[at + n :], chunk_elems)
+
+
+def decode_record(
+    record: torch.Tensor, shape: Sequence[int], threads: int | None = None
+) -> torch.Tensor:
+    """The bfloat16 tensor of `shape` a "huffman" record holds (CorruptStreamError if bad)."""
+    numel = int(np.prod(shape, dtype=np.int64))
+    return decode(parse_record(record, numel), threads=threads).view(tuple(shape))
+
+
+# ---------------------------------------------------------------------------------------------
+# The manifest and the shard header
+
+
+@dataclass(slots=True)
+class RecordEntry:
+    """One tensor of a shard, as its header lists it."""
+
+    name: str
+    dtype: torch.dtype  # of the tensor once decoded
+    shape: tuple[int, ...]
+    encoding: str  # "huffman" or "raw"
+    begin: int  # byte offsets of its record in the file
+    end: int
+
+    def numel(self) -> int:
+        return int(np.prod(self.shape, dtype=np.int64))
+
+
+@dataclass(slots=True)
+class CompressedShard:
+    path: Path
+    size: int
+    tensors: list[RecordEntry] = field(default_factory=list)
+
+
+@dataclass(slots=True)
+class CompressedManifest:
+    """`edgeinfer-compressed.json`: what the folder holds and a checksum of every record."""
+
+    source: str  # the folder it was compressed from
+    shards: dict[str, int]  # file name -> bytes
+    checksums: dict[str, str]  # tensor name -> xxh3-64 (hex) of its record
+    bf16_bytes: int  # the same tensors stored plainly (after any cast): what it saves against
+    cast_from: list[str] = field(default_factory=list)  # dtypes cast to bfloat16 (e.g. F32)
+    created: str = ""
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "format": FORMAT,
+            "source": self.source,
+            "created": self.created or datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%SZ"),
+            "cast_from": self.cast_from,
+            "bf16_bytes": self.bf16_bytes,
+            "compressed_bytes": sum(self.shards.values()),
+            "shards": [{"file": f, "bytes": n} for f, n in self.shards.items()],
+            "tensors": {k: {"xxh3_64": v} for k, v in self.checksums.items()},
+        }
+
+
+def is_compressed(folder: str | os.PathLike[str]) -> bool:
+    """Whether a model folder holds compressed weights (its manifest says so)."""
+    return (Path(folder) / MANIFEST_NAME).is_file()
+
+
+def read_manifest(folder: str | os.PathLike[str]) -> CompressedManifest:
+    path = Path(folder) / MANIFEST_NAME
+    try:
+        raw = json.loads(path.read_text(encoding="utf-8"))
+        if raw.get("format") != FORMAT:
+            raise ValueError(f"format is {raw.get('format')!r}, this edgeinfer reads {FORMAT!r}")
+        shards = {str(s["file"]): int(s["bytes"]) for s in raw["shards"]}
+        for f in shards:
+            if "/" in f or f.startswith(".") or not f.endswith(SUFFIX):
+                raise ValueError(f"shard {f!r} is not a plain *{SUFFIX} file name")
+        sums = {str(k): str(v["xxh3_64"]) for k, v in raw["tensors"].items()}
+        return CompressedManifest(str(raw.get("source", "")), shards, sums, int(raw["bf16_bytes"]),
+                                  list(raw.get("cast_from", [])), str(raw.get("created", "")))  # fmt: skip
+    except OSError as e:
+        raise ModelLoadError(f"{path}: cannot read ({e})") from e
+    except (json.JSONDecodeError, AttributeError, KeyError, TypeError, ValueError) as e:
+        raise ModelLoadError(f"{path}: corrupt manifest ({e})") from e
+
+
+def read_shard(path: Path, expected_size: int | None = None) -> CompressedShard:
+    """Parse and check a shard's header (and its size against the manifest's) before any
+    record is read; ModelLoadError naming the file, and for a truncated one the first tensor
+    that is cut off."""
+    try:
+        size = path.stat().st_size
+        with path.open("rb") as f:
+            head = f.read(16)
+            if len(head) < 16 or head[:8] != FILE_MAGIC:
+                raise ModelLoadError(f"{path}: not a compressed shard (bad magic)")
+            n = int.from_bytes(head[8:], "little")
+            if 16 + n > size or n > 100 << 20:
+                raise ModelLoadError(f"{path}: corrupt header ({n} bytes in a file of {size})")
+            raw = json.loads(f.read(n))
+    except OSError as e:
+        raise ModelLoadError(f"{path}: cannot read ({e})") from e
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise ModelLoadError(f"{path}: corrupt header (not JSON: {e})") from e
+    shard, data = CompressedShard(path, size), 16 + n
+    try:
+        for t in raw["tensors"]:
+            begin, end = (data + int(x) for x in t["data_offsets"])
+            entry = RecordEntry(str(t["name"]), _DTYPES[t["dtype"]],
+                                tuple(int(d) for d in t["shape"]), str(t["encoding"]), begin, end)  # fmt: skip
+            raw_bytes = entry.numel() * entry.dtype.itemsize
+            if entry.encoding == "raw" and end - begin != raw_bytes:
+                raise ValueError(f"{entry.name!r} needs {raw_bytes} bytes, has {end - begin}")
+            if entry.encoding == "huffman" and entry.dtype != torch.bfloat16:
+                raise ValueError(f"{entry.name!r}: huffman records are bfloat16")
+            if entry.encoding not in ("raw", "huffman") or begin % RECORD_ALIGN or end < begin:
+                raise ValueError(f"{entry.name!r}: encoding {entry.encoding!r} at {begin}..{end}")
+            shard.tensors.append(entry)
+    except (KeyError, TypeError, ValueError) as e:
+        raise ModelLoadError(f"{path}: corrupt header ({e!r})") from e
+    want = max((t.end for t in shard.tensors), default=data)
+    expected = want if expected_size is None else expected_size
+    if size != expected or size < want:
+        cut = next((t.name for t in shard.tensors if t.end > size), None)
+        raise ModelLoadError(
+            f"{path}: {'truncated' if size < expected else 'wrong size'}: {size} bytes, the "
+            f"manifest says {expected}" + (f"; tensor {cut!r} is cut off" if cut else "")
+        )
+    return shard
+
+
+# ---------------------------------------------------------------------------------------------
+# Compressing a model folder
+
+
+@dataclass(slots=True)
+class CompressSummary:
+    """What `compress_model` wrote."""
+
+    out: Path
+    bf16_bytes: int  # the tensors stored plainly in bfloat16 (after any cast)
+    compressed_bytes: int  # the shard files
+    entropy_floor_bytes: float  # sign+mantissa bytes + each float tensor's exponent entropy
+    huffman_tensors: int
+    raw_tensors: int
+
+    @property
+    def ratio(self) -> float:
+        return self.compressed_bytes / self.bf16_bytes if self.bf16_bytes else 1.0
+
+
+def compress_model(src: str | os.PathLike[str], out: str | os.PathLike[str], *,
+                   cast_bf16: bool = False, chunk_elems: int = CHUNK_ELEMS, threads: int = 2,
+                   progress: Progress | None = None) -> CompressSummary:  # fmt: skip
+    """Write a compressed copy of Hugging Face folder `src` into `out` (which must not exist or
+    be empty). `cast_bf16`: cast float16/float32 tensors to bfloat16 first (lossy); without it
+    such a model is refused. Refuses a model that is already compressed, has no float tensors,
+    or would not get smaller. Built in a temporary folder beside `out`, renamed at the end."""
+    from runtime.loader import safetensors_files
+    from runtime.weights import load_safetensors
+
+    src, out, say = Path(src), Path(out), progress or (lambda _msg: None)
+    if is_compressed(src):
+        raise CompressError(f"{src}: already compressed ({MANIFEST_NAME}); nothing to gain")
+    files = safetensors_files(src)
+    entries = [t for f in files for t in read_header(f).tensors]
+    floats = [t for t in entries if t.dtype.is_floating_point]
+    if not floats:
+        kinds = sorted({_NAMES[t.dtype] for t in entries}) or ["no tensors"]
+        raise CompressError(
+            f"{src}: no float tensors ({', '.join(kinds)}): only bfloat16 exponents are "
+            "compressed, the copy would be no smaller"
+        )
+    other = sorted({_NAMES[t.dtype] for t in floats if t.dtype != torch.bfloat16})
+    if other and not cast_bf16:
+        raise CompressError(
+            f"{src}: float tensors of dtype {', '.join(other)}, not bfloat16; add --cast-bf16 to "
+            "cast them to bfloat16 first (rounding them: lossy for the original, lossless after)"
+        )
+    if out.exists() and (not out.is_dir() or any(out.iterdir())):
+        raise CompressError(f"{out}: exists and is not an empty folder")
+    if chunk_elems <= 0 or chunk_elems % 64:
+        raise CompressError(f"chunk_elems must be a positive multiple of 64, got {chunk_elems}")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.parent / f".{out.name}.compress-{uuid.uuid4().hex[:12]}"
+    tmp.mkdir()
+    summary = CompressSummary(out, 0, 0, 0.0, 0, 0)
+    manifest = CompressedManifest(str(src.resolve()), {}, {}, 0, other)
+    try:
+        with ThreadPoolExecutor(max(1, threads)) as pool:
+            for f in files:
+                name = f.name.removesuffix(".safetensors") + SUFFIX
+                tensors = [(n, t) for _, n, t in load_safetensors([f])]
+                if cast_bf16:
+                    tensors = [(n, _as_bf16(t)) for n, t in tensors]
+                records = list(pool.map(lambda nt: _record(nt[1], chunk_elems), tensors))
+                size = _write_shard(tmp / name, tensors, records, manifest, summary)
+                manifest.shards[name] = size
+                say(f"{f.name} -> {name}: {size / 1e6:.1f} MB")
+        manifest.bf16_bytes = summary.bf16_bytes
+        summary.compressed_bytes = sum(manifest.shards.values())
+        if summary.compressed_bytes >= summary.bf16_bytes:
+            raise CompressError(
+                f"{src}: does not compress ({summary.compressed_bytes} bytes against "
+                f"{summary.bf16_bytes}: its exponents are close to random); nothing written"
+            )
+        _copy_extras(src, tmp, cast=bool(other))
+        (tmp / MANIFEST_NAME).write_text(json.dumps(manifest.to_json(), indent=1) + "\n")
+        if out.exists():
+            out.rmdir()
+        tmp.rename(out)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return summary
+
+
+def _as_bf16(t: torch.Tensor) -> torch.Tensor:
+    return t.to(torch.bfloat16) if t.is_floating_point() else t
+
+
+def _record(t: torch.Tensor, chunk_elems: int) -> tuple[np.ndarray | None, float]:
+    """(the huffman record or None for raw, the tensor's entropy floor in bytes)."""
+    if t.dtype != torch.bfloat16:
+        return None, float(t.numel() * t.element_size())
+    return encode_bf16(t, chunk_elems), entropy_floor_bytes(t)
+
+
+def entropy_floor_bytes(t: torch.Tensor) -> float:
+    """Bytes of a bfloat16 tensor with its sign+mantissa stored raw and its exponents at their
+    own (order-0) entropy: what no per-tensor exponent code can beat."""
+    exps, _ = split_bf16(t)
+    p = np.bincount(exps, minlength=256) / max(1, exps.size)
+    p = p[p > 0]
+    return exps.size * (1 + float(-(p * np.log2(p)).sum()) / 8)
+
+
+def _write_shard(path: Path, tensors: list[tuple[str, torch.Tensor]],
+                 records: list[tuple[np.ndarray | None, float]], manifest: CompressedManifest,
+                 summary: CompressSummary) -> int:  # fmt: skip
+    """Write one shard (header, then the records in order, each 64-aligned); returns its size."""
+    header, blobs, offset = [], [], 0
+    for (name, t), (rec, floor) in zip(tensors, records, strict=True):
+        blob = rec if rec is not None else t.contiguous().reshape(-1).view(torch.uint8).numpy()
+        offset += -offset % RECORD_ALIGN
+        header.append({"name": name, "dtype": _NAMES[t.dtype], "shape": list(t.shape),
+                       "encoding": "raw" if rec is None else "huffman",
+                       "data_offsets": [offset, offset + blob.size]})  # fmt: skip
+        blobs.append((offset, blob))
+        offset += blob.size
+        manifest.checksums[name] = xxhash.xxh3_64_hexdigest(blob.data)
+        summary.bf16_bytes += t.numel() * t.element_size()
+        summary.entropy_floor_bytes += floor
+        summary.huffman_tensors += rec is not None
+        summary.raw_tensors += rec is None
+    raw = json.dumps({"tensors": header}, separators=(",", ":")).encode()
+    raw += b" " * (-(16 + len(raw)) % ALIGN)
+    with path.open("wb") as f:
+        f.write(FILE_MAGIC + len(raw).to_bytes(8, "little") + raw)
+        at = 0
+        for start, blob in blobs:
+            f.write(b"\0" * (start - at))
+            f.write(blob.data)
+            at = start + blob.size
+        f.flush()
+        os.fsync(f.fileno())  # on the drive before the manifest says it is there
+        return f.tell()
+
+
+def _copy_extras(src: Path, out: Path, cast: bool) -> None:
+    """The folder's other files (config, tokenizer, ...), not weights, indexes or manifests;
+    after a cast config.json says bfloat16, so `--dtype auto` runs the model as stored."""
+    from runtime.manifest import MANIFEST_NAME as STORE_MANIFEST
+
+    skip = ("model.safetensors.index.json", STORE_MANIFEST)
+    for f in sorted(src.iterdir()):
+        if not f.is_file() or f.name.startswith(".") or f.name in skip:
+            continue
+        if f.suffix in (".safetensors", ".bin", ".pt", ".pth", ".gguf", SUFFIX):
+            continue
+        if f.name == "config.json" and cast:
+            cfg = json.loads(f.read_text())
+            cfg["torch_dtype"] = "bfloat16"
+            (out / f.name).write_text(json.dumps(cfg, indent=2) + "\n")
+        else:
+            shutil.copyfile(f, out / f.name)
+
+
+# ---------------------------------------------------------------------------------------------
+# Loading
+
+
+class _ShardReader:
+    """One shard read into a page-aligned arena in CHUNK_BYTES pieces, queued on a thread pool
+    in file order (O_DIRECT when `direct`, unless the filesystem refuses it); `wait(end)`
+    returns once bytes [0, end) are in."""
+
+    def __init__(self, shard: CompressedShard, pool: ThreadPoolExecutor, direct: bool,
+                 stats: ReadStats) -> None:  # fmt: skip
+        self.shard = shard
+        buf = mmap.mmap(-1, max(ALIGN, -(-shard.size // ALIGN) * ALIGN))  # page-aligned
+        self.arena, self.view = torch.frombuffer(buf, dtype=torch.uint8), memoryview(buf)
+        self.direct = False
+        try:
+            self.fd = os.open(shard.path, os.O_RDONLY | (os.O_DIRECT if direct else 0))
+            self.direct = direct
+        except OSError:  # tmpfs and some filesystems refuse O_DIRECT
+            self.fd = os.open(shard.path, os.O_RDONLY)
+        stats.bytes += shard.size
+        stats.direct += self.direct
+        stats.buffered += not self.direct
+        self.pieces: list[Future[int]] = [
+            pool.submit(self._read, off) for off in range(0, len(self.view), CHUNK_BYTES)
+        ]
+        self.ready = 0  # pieces known to be in
+
+    def _read(self, offset: int) -> int:
+        length = min(CHUNK_BYTES, len(self.view) - offset)
+        got = 0
+        while got < length:  # a buffered read may come back short; O_DIRECT only at EOF
+            n = os.preadv(self.fd, [self.view[offset + got : offset + length]], offset + got)
+            if n == 0:
+                break
+            got += n
+        return got
+
+    def wait(self, end: int) -> None:
+        while self.ready * CHUNK_BYTES < end:
+            try:
+                got = self.pieces[self.ready].result()
+            except OSError as e:
+                raise ModelLoadError(f"{self.shard.path}: cannot read ({e})") from e
+            want = min(CHUNK_BYTES, self.shard.size - self.ready * CHUNK_BYTES)
+            if got < want:
+                raise ModelLoadError(f"{self.shard.path}: truncated while reading (at byte "
+                                     f"{self.ready * CHUNK_BYTES + got} of {self.shard.size})")  # fmt: skip
+            self.ready += 1
+
+    def close(self) -> None:
+        for p in self.pieces:  # no read may still be running when the descriptor closes
+            if not p.cancel():
+                p.exception()
+        os.close(self.fd)
+
+
+def load_compressed(folder: str | os.PathLike[str], threads: int = 4,
+                    stats: ReadStats | None = None, direct: bool = True,
+                    decode_threads: int | None = None) -> Iterator[tuple[str, str, torch.Tensor]]:  # fmt: skip
+    """(file, tensor name, tensor) for every tensor of a compressed folder, in file order, as
+    runtime.weights.load_safetensors gives them for a plain one. The manifest and every shard
+    header are checked first; then the shards are read by `threads` threads (the next one
+    queued behind the current one), and each tensor, as soon as its bytes are in, is checked
+    against its checksum and decoded in pieces of _TASK_CHUNKS chunks on `decode_threads`
+    threads (default: torch's), while the reads go on and the caller takes earlier tensors.
+    Raw tensors are views of the read buffer, decoded ones new bfloat16 tensors. ModelLoadError
+    naming the file, and the tensor, for a missing, truncated or corrupt file."""
+    stats = stats if stats is not None else ReadStats()
+    folder = Path(folder)
+    manifest = read_manifest(folder)
+    shards = [read_shard(folder / f, size) for f, size in manifest.shards.items()]
+    names = {t.name for s in shards for t in s.tensors}
+    if names != set(manifest.checksums):
+        odd = sorted(names ^ set(manifest.checksums))[:3]
+        raise ModelLoadError(f"{folder / MANIFEST_NAME}: lists other tensors than the shards "
+                             f"hold (e.g. {odd})")  # fmt: skip
+    workers = decode_threads or torch.get_num_threads()
+    readers: list[_ShardReader] = []
+    pending: deque[_Pending] = deque()
+    io = ThreadPoolExecutor(max(1, threads), thread_name_prefix="weights")
+    dec = ThreadPoolExecutor(max(1, workers), thread_name_prefix="decode")
+    try:
+        t0 = time.perf_counter()
+        for k, shard in enumerate(shards):
+            if k == 0:
+                readers.append(_ShardReader(shard, io, direct, stats))
+            if k + 1 < len(shards):  # queue the next shard behind this one
+                readers.append(_ShardReader(shards[k + 1], io, direct, stats))
+            for entry in shard.tensors:
+                readers[k].wait(entry.end)
+                pending.append(_submit(dec, readers[k], entry, manifest.checksums[entry.name]))
+                # hand tensors over as they finish; wait only when enough work is queued
+                while pending and (pending[0].done() or len(pending) > 4 * workers):
+                    item = pending.popleft().result()
+                    stats.seconds += time.perf_counter() - t0
+                    yield item
+                    t0 = time.perf_counter()
+        while pending:
+            item = pending.popleft().result()
+            stats.seconds += time.perf_counter() - t0
+            yield item
+            t0 = time.perf_counter()
+    finally:
+        for p in pending:
+            for task in p.tasks:
+                task.cancel()
+        dec.shutdown(wait=True)
+        for r in readers:
+            r.close()
+        io.shutdown(wait=True)
+
+
+_TASK_CHUNKS = 256  # chunks per decode task: 1M values at the default chunk size
+
+
+@dataclass(slots=True)
+class _Pending:
+    """A tensor whose decode tasks are queued: handed to the caller, in order, once they end."""
+
+    file: str
+    name: str
+    tensor: torch.Tensor  # a view of the read buffer (raw), or where the decode writes
+    tasks: list[Future[None]]
+
+    def done(self) -> bool:
+        return all(t.done() for t in self.tasks)
+
+    def result(self) -> tuple[str, str, torch.Tensor]:
+        for t in self.tasks:
+            t.result()  # a task's ModelLoadError surfaces here
+        return self.file, self.name, self.tensor
+
+
+def _submit(pool: ThreadPoolExecutor, reader: _ShardReader, entry: RecordEntry,
+            checksum: str) -> _Pending:  # fmt: skip
+    """Check a record that has been read and queue its decoding."""
+    where = f"{reader.shard.path}: tensor {entry.name!r}"
+    got = xxhash.xxh3_64_hexdigest(reader.view[entry.begin : entry.end])
+    if got != checksum:
+        raise ModelLoadError(
+            f"{where}: checksum mismatch (xxh3-64 {got}, the manifest says {checksum}): the file "
+            "is corrupt; compress the model again"
+        )
+    record = reader.arena[entry.begin : entry.end]
+    if entry.encoding == "raw":
+        return _Pending(str(reader.shard.path), entry.name, record.view(entry.dtype).view(entry.shape), [])  # fmt: skip
+    try:
+        coded = parse_record(record, entry.numel())
+    except CorruptStreamError as e:
+        raise ModelLoadError(f"{where}: {e}") from e
+    out = torch.empty(entry.shape, dtype=torch.bfloat16)
+    tasks = [
+        pool.submit(_decode_task, coded, out.view(-1), c, min(c + _TASK_CHUNKS, coded.num_chunks), where)
+        for c in range(0, coded.num_chunks, _TASK_CHUNKS)
+    ]  # fmt: skip
+    return _Pending(str(reader.shard.path), entry.name, out, tasks)
+
+
+def _decode_task(coded: CodedBF16, out: torch.Tensor, first: int, last: int, where: str) -> None:
+    try:
+        decode_cpu(coded, out, first, last)
+    except CorruptStreamError as e:
+        raise ModelLoadError(f"{where}: {e}") from e
+
+
+# ---------------------------------------------------------------------------------------------
+# Weights kept compressed in memory, decoded block by block
+
+
+@dataclass(slots=True)
+class _Slot:
+    param: nn.Parameter
+    coded: CodedBF16
+    offset: int  # in the shared buffer, in values
+
+
+class CompressedBlocks:
+    """The bfloat16 weights of `blocks` (e.g. a model's decoder layers, which run one after
+    another) kept compressed on `device`; a forward pre-hook decodes a block's weights into one
+    buffer shared by all blocks (the largest block's size) just before the block runs, and its
+    parameters are views of that buffer until the block returns. Weights that do not compress
+    stay as they are. `release()` restores dense weights and removes the hooks."""
+
+    def __init__(self, blocks: Sequence[nn.Module], device: torch.device | str | None = None,
+                 chunk_elems: int = CHUNK_ELEMS) -> None:  # fmt: skip
+        first = next((p for b in blocks for p in b.parameters()), None)
+        self.device = torch.device(device) if device is not None else (
+            first.device if first is not None else torch.device("cpu"))  # fmt: skip
+        self.dense_bytes = 0  # what the compressed weights took before
+        self.compressed_bytes = 0
+        self._blocks: list[list[_Slot]] = []
+        self._hooks: list[Any] = []
+        self._empty = torch.empty(0, dtype=torch.bfloat16, device=self.device)
+        size = 0
+        for block in blocks:
+            slots, used = [], 0
+            for p in block.parameters():
+                rec = encode_bf16(p.data.cpu(), chunk_elems) if p.dtype == torch.bfloat16 else None
+                if rec is None:
+                    continue
+                coded = parse_record(torch.from_numpy(rec), p.numel()).to(self.device)
+                slots.append(_Slot(p, coded, used))
+                self.dense_bytes += p.numel() * 2
+                self.compressed_bytes += coded.nbytes()
+                used += -(-p.numel() // 32) * 32  # 64-byte aligned views
+                p.data = self._empty  # the dense weight is freed (unless held elsewhere)
+            self._blocks.append(slots)
+            size = max(size, used)
+            self._hooks.append(block.register_forward_pre_hook(self._pre_hook(slots)))
+            self._hooks.append(block.register_forward_hook(self._post_hook(slots)))
+        self.buffer = torch.empty(size, dtype=torch.bfloat16, device=self.device)
+
+    def _pre_hook(self, slots: list[_Slot]) -> Callable[..., None]:
+        def hook(_module: nn.Module, _args: Any) -> None:
+            self._decode(slots)
+
+        return hook
+
+    def _post_hook(self, slots: list[_Slot]) -> Callable[..., None]:
+        def hook(_module: nn.Module, _args: Any, _out: Any) -> None:
+            for s in slots:  # a stale view would silently read the next block's weights
+                s.param.data = self._empty
+
+        return hook
+
+    def _decode(self, slots: list[_Slot]) -> None:
+        for s in slots:
+            view = self.buffer[s.offset : s.offset + s.coded.numel]
+            decode(s.coded, out=view, check=False)
+            s.param.data = view.view(s.param.shape)
+
+    def release(self) -> None:
+        for h in self._hooks:
+            h.remove()
+        for slots in self._blocks:
+            self._decode(slots)
+            for s in slots:
+                s.param.data = s.param.data.clone()
+        self._blocks, self._hooks = [], []
