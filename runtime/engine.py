@@ -18,9 +18,9 @@ Disaggregated serving (runtime/disagg.py drives it):
 
 from __future__ import annotations
 
-import os
 import time
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 
@@ -28,7 +28,7 @@ from kvstore.block_hash import cache_seed
 from runtime.config import EngineConfig
 from runtime.detokenizer import IncrementalDetokenizer
 from runtime.kv_cache import BlockManager
-from runtime.loader import load_model, model_revision
+from runtime.loader import PendingLoad, model_revision, start_load
 from runtime.model_runner import ModelRunner, kv_block_bytes
 from runtime.outputs import CompletionOutput, RequestOutput
 from runtime.request import Request, RequestStatus
@@ -38,6 +38,19 @@ from runtime.tokenizer import Tokenizer
 from runtime.weights import ReadStats
 
 Prompt = str | list[int]
+
+
+@dataclass(slots=True)
+class Startup:
+    """Where an engine's start-up went. Phases overlap: the weights are read while the
+    tokenizer, the scheduler, the kernels and the KV cache are set up."""
+
+    phases: dict[str, tuple[float, float]]  # name -> (start, end), time.perf_counter()
+    read: ReadStats  # what the weight read did (bytes, GB/s, O_DIRECT or not, chunks checked)
+
+    @property
+    def ready(self) -> float:
+        return max(end for _, end in self.phases.values())
 
 
 @dataclass(slots=True, eq=False)
@@ -53,19 +66,44 @@ class RequestGroup:
 
 
 class LLMEngine:
-    def __init__(self, config: EngineConfig):
+    def __init__(self, config: EngineConfig, weights: PendingLoad | None = None):
+        """`weights`: the load of `config.model` in `config.dtype` that the caller started
+        already (`runtime.loader.start_load`: a worker starts it before its heavier imports);
+        by default the engine starts it. The tokenizer, the scheduler, the kernels and the KV
+        cache are set up while the weights are read; then a warm-up step."""
         if config.num_threads:
             torch.set_num_threads(config.num_threads)
         self.config = config
-        t0 = time.perf_counter()
-        read = ReadStats()
-        self.model = load_model(config.model, config.dtype, stats=read)
-        t_weights = time.perf_counter()
+        if weights is None:
+            weights = start_load(config.model, config.dtype)
+        elif (weights.model_dir, weights.dtype) != (Path(config.model), config.dtype):
+            raise ValueError(
+                f"the weights being loaded are {weights.model_dir} as {weights.dtype}, the "
+                f"engine is for {config.model} as {config.dtype}"
+            )
+        try:
+            self._start(config, weights)
+        except BaseException:
+            weights.close()
+            raise
+        self.eos_token_ids = frozenset(self.model.cfg.eos_token_ids) | self.tokenizer.eos_token_ids
+        self._groups: dict[str, RequestGroup] = {}
+        self._seq_to_group: dict[str, tuple[RequestGroup, int]] = {}
+        self._counter = 0
+        self._num_aborted = 0  # requests aborted before they finished, for stats
+        self._exports: dict[str, RequestGroup] = {}  # KV exports by sequence id, until released
+        self._imports: dict[str, RequestGroup] = {}  # KV imports reserved, not yet queued
+
+    def _start(self, config: EngineConfig, weights: PendingLoad) -> None:
+        self.model = weights.model
+        t_model = time.perf_counter()
         self.tokenizer = Tokenizer.from_dir(config.model)
         cfg = self.model.cfg
         self.max_model_len = min(config.max_model_len or cfg.max_model_len, cfg.max_model_len)
         block_bytes = kv_block_bytes(self.model, config.block_size)
-        budget = config.kv_cache_bytes or int(_available_memory() * config.kv_cache_fraction)
+        # The fraction is of the memory left once the weights are in (they may be arriving).
+        free = weights.memory_before - weights.nbytes
+        budget = config.kv_cache_bytes or int(free * config.kv_cache_fraction)
         num_blocks = budget // block_bytes
         if num_blocks < 1:
             raise ValueError(
@@ -84,29 +122,27 @@ class LLMEngine:
         self.scheduler = Scheduler(
             self.blocks, config.max_num_seqs, config.max_num_batched_tokens, config.max_waiting
         )
-        t_kv = time.perf_counter()
+        t_tokenizer = time.perf_counter()
         self.runner = ModelRunner(
             self.model, num_blocks, config.block_size, config.attention, config.cpu_kernels
         )
-        t_ready = time.perf_counter()
-        # where start-up went (the worker prints it): seconds, plus what the read achieved
-        self.startup: dict[str, float] = {
-            "weights_read_s": read.seconds,
-            "weights_bytes": float(read.bytes),
-            "weights_gb_per_s": read.gb_per_s,
-            "weights_direct_files": float(read.direct),
-            "weights_buffered_files": float(read.buffered),
-            "placement_s": t_weights - t0 - read.seconds,  # headers, dtype conversion, fusing
-            "tokenizer_and_scheduler_s": t_kv - t_weights,
-            "kv_cache_and_kernels_s": t_ready - t_kv,
-        }
-        self.eos_token_ids = frozenset(cfg.eos_token_ids) | self.tokenizer.eos_token_ids
-        self._groups: dict[str, RequestGroup] = {}
-        self._seq_to_group: dict[str, tuple[RequestGroup, int]] = {}
-        self._counter = 0
-        self._num_aborted = 0  # requests aborted before they finished, for stats
-        self._exports: dict[str, RequestGroup] = {}  # KV exports by sequence id, until released
-        self._imports: dict[str, RequestGroup] = {}  # KV imports reserved, not yet queued
+        t_placement = time.perf_counter()
+        weights.finish()
+        t_warm = time.perf_counter()
+        self.runner.warm_up()
+        read = weights.stats
+        self.startup = Startup(
+            phases={
+                "model set-up": (weights.started, weights.queued),
+                "weights read": (read.started, read.finished),
+                "tokenizer and scheduler": (t_model, t_tokenizer),
+                **self.runner.startup,
+                # waiting for the read, if it is still going, is not placement
+                "placement": (max(t_placement, read.finished), weights.placed),
+                "warm-up": (t_warm, time.perf_counter()),
+            },
+            read=read,
+        )
 
     # ------------------------------------------------------------------ requests in
     def tokenize_prompt(self, prompt: Prompt) -> list[int]:
@@ -426,14 +462,3 @@ class LLMEngine:
             "prefix_cache_hit_tokens": self.blocks.hit_tokens,
             "prefix_cached_blocks": self.blocks.num_cached_blocks,
         }
-
-
-def _available_memory() -> int:
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES")

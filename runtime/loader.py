@@ -1,16 +1,39 @@
-"""Load a Hugging Face model folder: config, weights (single or sharded safetensors), into our model."""
+"""Load a Hugging Face model folder (config, single or sharded safetensors) into our model.
+
+    config.json, shard list (the manifest's, else the index's), every shard's header
+      ─▶ build the model; map each checkpoint tensor to its parameter (q/k/v and gate/up into
+         row ranges of fused ones); every shape, dtype, missing or unexpected tensor and the
+         memory needed checked, naming the file          (all before any weight is read)
+      ─▶ one arena per dtype holds every parameter; each parameter becomes a view of it, placed
+         at the offset modulo 4096 at which its bytes sit in the file
+      ─▶ runtime.shard_reader reads every shard, in file order, O_DIRECT, straight into the
+         parameters (checking each chunk against the manifest, if any)   `start_load` returns
+      ─▶ tensors stored in another dtype (bfloat16 on disk for a float32 model) land in a
+         staging arena and are converted into place once, shard by shard   `PendingLoad.finish`
+
+No copy after the read for a tensor stored in the model's dtype, except the few KiB where one
+tensor ends and the next begins inside a 4096-byte block, and any piece of a fused parameter
+whose file offset does not line up with its neighbours' (copied from the reader's scratch chunk,
+on the reading thread). `start_load` returns as soon as the reads are queued, so a caller can
+do other start-up work (imports, the tokenizer, the KV cache) while the drive works.
+"""
 
 from __future__ import annotations
 
 import hashlib
 import json
+import os
+import time
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 
 from runtime.config import DTYPES, ModelConfig, ModelLoadError
+from runtime.manifest import check_shard_files, read_manifest
 from runtime.model import LlamaForCausalLM
-from runtime.weights import ReadStats, load_safetensors
+from runtime.shard_reader import ALIGN, Arena, FileRead, ReadStats, ShardReads, Span
+from runtime.weights import Shard, TensorEntry, chunk_checks, read_header
 
 
 def safetensors_files(model_dir: Path) -> list[Path]:
@@ -58,6 +81,154 @@ def resolve_dtype(requested: str, cfg: ModelConfig) -> torch.dtype:
     return DTYPES[name]
 
 
+def available_memory() -> int:
+    """Bytes the kernel can give without swapping (MemAvailable)."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES")
+
+
+@dataclass(slots=True)
+class _Piece:
+    """One checkpoint tensor and the rows of a parameter it fills."""
+
+    shard: Shard
+    tensor: TensorEntry
+    param: str
+    row: int  # first row of the parameter it fills
+    nbytes: int  # its bytes in the parameter's dtype
+
+
+@dataclass(slots=True)
+class PendingLoad:
+    """A model whose weights are being read into it (`start_load`); `finish` waits for them."""
+
+    model: LlamaForCausalLM
+    model_dir: Path
+    dtype: str  # as asked ("auto" or a name): the engine checks that it asked for the same
+    stats: ReadStats
+    reads: ShardReads
+    nbytes: int  # memory the parameters take
+    memory_before: int  # bytes available (MemAvailable) before any was allocated
+    # per shard: (staged tensor in its file dtype, its place in the parameter) to convert
+    conversions: list[list[tuple[torch.Tensor, torch.Tensor]]] = field(default_factory=list)
+    started: float = 0.0  # time.perf_counter() when start_load began
+    queued: float = 0.0  # ... when it had checked everything and queued the reads
+    placed: float = 0.0  # ... when finish had every weight in place
+
+    def finish(self) -> LlamaForCausalLM:
+        """Wait for every shard; convert what was stored in another dtype; the model, ready."""
+        try:
+            for i, conversions in enumerate(self.conversions):
+                self.reads.wait(i)
+                for staged, dest in conversions:
+                    dest.copy_(staged)
+                conversions.clear()  # the staging memory goes with the last reference to it
+        finally:
+            self.reads.close()
+        self.placed = time.perf_counter()
+        return self.model.eval()
+
+    def close(self) -> None:
+        """Give up (start-up failed elsewhere): stop the reads that are left."""
+        self.reads.close()
+
+
+def start_load(
+    model_dir: str | Path,
+    dtype: str = "auto",
+    max_model_len: int | None = None,
+    *,
+    threads: int = 4,
+    direct: bool = True,
+    stats: ReadStats | None = None,
+) -> PendingLoad:
+    """Check a model folder, build the model, and start reading its weights into it (see the
+    module docstring). Raises ModelLoadError naming the file and what was expected for anything
+    wrong that can be seen without reading the weights; a corrupt or short read is raised by
+    `finish`."""
+    t0 = time.perf_counter()
+    path = Path(model_dir)
+    if not path.is_dir():
+        raise ModelLoadError(f"{path}: not a folder")
+    cfg = ModelConfig.from_dir(path)
+    torch_dtype = resolve_dtype(dtype, cfg)
+    manifest = read_manifest(path)
+    files = check_shard_files(path, manifest) if manifest else safetensors_files(path)
+    shards = [read_header(f) for f in files]  # every header before any weight
+    model = LlamaForCausalLM(cfg, torch_dtype, max_model_len or cfg.max_model_len)
+    pieces = _map_tensors(model, shards)
+
+    # Where everything goes: parameters in one arena, tensors to convert in a staging one.
+    params = dict(model.named_parameters())
+    size = torch_dtype.itemsize
+    offsets: dict[str, int] = {}
+    end = 0
+    for name, group in _by_param(pieces).items():
+        anchor = max((p for p in group if p.tensor.dtype == torch_dtype),
+                     key=lambda p: p.nbytes, default=None)  # fmt: skip
+        want = (anchor.tensor.begin - anchor.row * _row_bytes(params[name])) if anchor else 0
+        offsets[name] = _congruent(end, want, size)
+        end = offsets[name] + params[name].numel() * size
+    staged = [p for p in pieces if p.tensor.dtype != torch_dtype]
+    stage_at: dict[int, int] = {}
+    stage_end = 0
+    for p in staged:
+        stage_at[id(p)] = _congruent(stage_end, p.tensor.begin, p.tensor.dtype.itemsize)
+        stage_end = stage_at[id(p)] + p.tensor.end - p.tensor.begin
+    need, have = end + stage_end, available_memory()
+    if need > have:
+        raise ModelLoadError(
+            f"{path}: the weights need {need / 1e9:.2f} GB of memory as {torch_dtype} "
+            f"(in {len(files)} files); {have / 1e9:.2f} GB is available"
+        )
+    arena, staging = Arena(end), Arena(stage_end) if staged else None
+    whole, stage = arena.tensor(), staging.tensor() if staging else None
+    for name, param in params.items():
+        o = offsets[name]
+        param.data = whole[o : o + param.numel() * size].view(torch_dtype).view(param.shape)
+
+    spans: dict[Path, list[Span]] = {s.path: [] for s in shards}
+    conversions: dict[Path, list[tuple[torch.Tensor, torch.Tensor]]] = {s.path: [] for s in shards}
+    st = stats if stats is not None else ReadStats()
+    for p in pieces:
+        t, param = p.tensor, params[p.param]
+        dest = param.data.narrow(0, p.row, t.shape[0] if t.shape else 1)
+        if t.dtype == torch_dtype:
+            o = offsets[p.param] + p.row * _row_bytes(param)
+            spans[p.shard.path].append(Span(t.begin, t.end, arena, o))
+            st.copied += (o - t.begin) % ALIGN != 0  # not in line with its bytes: copied
+        else:
+            assert staging is not None and stage is not None
+            o = stage_at[id(p)]
+            spans[p.shard.path].append(Span(t.begin, t.end, staging, o))
+            raw = stage[o : o + t.end - t.begin]
+            conversions[p.shard.path].append((raw.view(t.dtype).view(dest.shape), dest))
+            st.copied += 1
+    chunk_bytes, verify = chunk_checks(manifest)
+    reads = ShardReads(
+        [FileRead(s.path, s.size, spans[s.path]) for s in shards],
+        threads=threads, direct=direct, chunk_bytes=chunk_bytes, verify=verify, stats=st,
+    )  # fmt: skip
+    return PendingLoad(
+        model=model,
+        model_dir=path,
+        dtype=dtype,
+        stats=st,
+        reads=reads,
+        nbytes=end,
+        memory_before=have,
+        conversions=[conversions[s.path] for s in shards],
+        started=t0,
+        queued=time.perf_counter(),
+    )
+
+
 def load_model(
     model_dir: str | Path,
     dtype: str = "auto",
@@ -65,14 +236,73 @@ def load_model(
     stats: ReadStats | None = None,
 ) -> LlamaForCausalLM:
     """Build the model from a folder and load its weights; raises ModelLoadError naming the file.
+    `stats` receives what the read did."""
+    return start_load(model_dir, dtype, max_model_len, stats=stats).finish()
 
-    The weights are read by `runtime.weights.load_safetensors` (headers first, large aligned
-    reads, O_DIRECT where it helps); `stats` receives what that read did."""
-    path = Path(model_dir)
-    if not path.is_dir():
-        raise ModelLoadError(f"{path}: not a folder")
-    cfg = ModelConfig.from_dir(path)
-    torch_dtype = resolve_dtype(dtype, cfg)
-    model = LlamaForCausalLM(cfg, torch_dtype, max_model_len or cfg.max_model_len)
-    model.load_weights(load_safetensors(safetensors_files(path), stats=stats))
-    return model.eval()
+
+def _map_tensors(model: LlamaForCausalLM, shards: list[Shard]) -> list[_Piece]:
+    """Every checkpoint tensor the model uses, in file order, with the parameter rows it fills;
+    errors name the file and tensor (unexpected, not a float, wrong shape, twice, or missing)."""
+    params = dict(model.named_parameters())
+    pieces: list[_Piece] = []
+    filled: dict[str, dict[int, str]] = {name: {} for name in params}  # param -> row -> file
+    for shard in shards:
+        for t in shard.tensors:
+            target = model.weight_target(t.name)
+            if target is None:
+                continue
+            name, row, rows = target
+            if name not in params:
+                raise ModelLoadError(
+                    f"{shard.path}: unexpected tensor {t.name!r} for {model.cfg.architecture}"
+                )
+            if not t.dtype.is_floating_point:
+                raise ModelLoadError(
+                    f"{shard.path}: tensor {t.name!r} has dtype {t.dtype}; only float tensors "
+                    "are supported (import quantized GGUF files with `edgeinfer import-gguf`)"
+                )
+            param = params[name]
+            want = tuple(param.shape) if rows is None else (rows, *param.shape[1:])
+            if t.shape != want:
+                raise ModelLoadError(
+                    f"{shard.path}: tensor {t.name!r} has shape {t.shape}, config.json implies "
+                    f"{want}"
+                )
+            if row in filled[name]:
+                raise ModelLoadError(
+                    f"{shard.path}: tensor {t.name!r} is also in {filled[name][row]}"
+                )
+            filled[name][row] = str(shard.path)
+            nbytes = param.dtype.itemsize * (t.end - t.begin) // t.dtype.itemsize
+            pieces.append(_Piece(shard, t, name, row, nbytes))
+    rows_of = {p.param: 0 for p in pieces}
+    for p in pieces:
+        rows_of[p.param] += p.tensor.shape[0] if p.tensor.shape else 1
+    missing = [n for n, param in params.items() if rows_of.get(n, 0) < (param.shape or (1,))[0]]
+    if missing:
+        raise ModelLoadError(
+            f"weights missing from the checkpoint: {', '.join(sorted(missing)[:8])}"
+        )
+    return pieces
+
+
+def _by_param(pieces: list[_Piece]) -> dict[str, list[_Piece]]:
+    """Pieces grouped by parameter, parameters in the file order of their first piece."""
+    out: dict[str, list[_Piece]] = {}
+    for p in pieces:
+        out.setdefault(p.param, []).append(p)
+    return out
+
+
+def _row_bytes(param: torch.Tensor) -> int:
+    return param[0].numel() * param.dtype.itemsize if param.dim() else param.dtype.itemsize
+
+
+def _congruent(at_least: int, file_offset: int, itemsize: int) -> int:
+    """The first offset >= at_least that sits where `file_offset` does modulo ALIGN (so that the
+    reader can put the bytes there straight from the drive), if that is a multiple of itemsize;
+    else the first 64-byte-aligned one (the bytes are then copied in)."""
+    want = file_offset % ALIGN
+    if want % itemsize:
+        return -(-at_least // 64) * 64
+    return at_least + (want - at_least) % ALIGN

@@ -10,6 +10,8 @@ Batch types, and their two hand-offs:
 
 from __future__ import annotations
 
+import time
+
 import torch
 
 from kernels import cpu_ext
@@ -17,6 +19,7 @@ from kernels.attention import DecodeGroup, PagedAttentionMetadata, PrefillChunk
 from runtime.model import LlamaForCausalLM, StepContext
 from runtime.sampler import Sampler, SamplingState, TokenLogprobs
 from runtime.scheduler import ScheduledRequest, SchedulerOutput
+from runtime.shard_reader import Arena
 
 
 def kv_block_bytes(model: LlamaForCausalLM, block_size: int) -> int:
@@ -36,6 +39,7 @@ class ModelRunner:
         cpu_kernels: str = "auto",
     ):
         cfg = model.cfg
+        t0 = time.perf_counter()
         # Few-row (decode) matmuls and RMSNorm: C++ kernels where they build and the weights are
         # float32; the PyTorch references otherwise.
         gemm = norm = None
@@ -55,17 +59,37 @@ class ModelRunner:
         self.model = model
         self.block_size = block_size
         self.num_blocks = num_blocks
-        # (layers, 2, slots, n_kv_heads, head_dim): keys then values of every layer.
-        self.kv = torch.zeros(
-            cfg.num_layers,
-            2,
-            num_blocks * block_size,
-            cfg.num_kv_heads,
-            cfg.head_dim,
-            dtype=model.dtype,
-        )
+        t1 = time.perf_counter()
+        # (layers, 2, slots, n_kv_heads, head_dim): keys then values of every layer. Zeros (a
+        # padded decode reads unwritten slots, masked: they must not hold NaN), from the kernel's
+        # zero pages: nothing is written now, a page is committed when a block first uses it.
+        shape = (cfg.num_layers, 2, num_blocks * block_size, cfg.num_kv_heads, cfg.head_dim)
+        nbytes = num_blocks * kv_block_bytes(model, block_size)
+        self.kv = Arena(nbytes).tensor()[:nbytes].view(model.dtype).view(shape)
         self.kv_caches = [(self.kv[i, 0], self.kv[i, 1]) for i in range(cfg.num_layers)]
         self.sampler = Sampler()
+        # where start-up went: (start, end) time.perf_counter() of each phase
+        self.startup = {"kernels": (t0, t1), "KV cache": (t1, time.perf_counter())}
+
+    @torch.inference_mode()
+    def warm_up(self) -> None:
+        """Run a 2-token prefill and a 1-token decode through the model (slots 0-2 of block 0,
+        which any request overwrites before reading), so that the first request does not pay
+        for first-call set-up (kernel and allocator initialisation) in its time to first token."""
+        prefill = PagedAttentionMetadata(
+            slot_mapping=torch.arange(2),
+            block_size=self.block_size,
+            decode_impl=self.decode_impl,
+            prefills=[PrefillChunk(query_start=0, query_len=2, context_len=0)],
+        )
+        decode = PagedAttentionMetadata(
+            slot_mapping=torch.tensor([2]), block_size=self.block_size, decode_impl=self.decode_impl
+        )
+        decode.decodes = self._decode_groups([[0]], [3])
+        for ids, meta in ((torch.tensor([0, 0]), prefill), (torch.tensor([0]), decode)):
+            positions = torch.arange(len(ids)) + (2 if len(ids) == 1 else 0)
+            hidden = self.model(ids, StepContext(positions=positions, attn=meta), self.kv_caches)
+            self.model.logits(hidden[-1:])
 
     @torch.inference_mode()
     def execute(

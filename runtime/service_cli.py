@@ -16,7 +16,10 @@ import sys
 import time
 from collections.abc import Coroutine
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from runtime.engine import Startup
 
 DEFAULT_REDIS = "redis://127.0.0.1:6379/0"
 
@@ -55,29 +58,53 @@ def _process_age_s() -> float:
         return 0.0
 
 
-def _timeline(imports_s: float, engine_s: float, startup: dict[str, float]) -> str:
-    """One line: where a worker's start-up went, and what the weight read achieved."""
-    files = int(startup["weights_direct_files"] + startup["weights_buffered_files"])
-    how = f"{int(startup['weights_direct_files'])} of {files} files O_DIRECT"
-    return (
-        f"start-up: imports {imports_s:.2f}s | weights read {startup['weights_read_s']:.2f}s "
-        f"({startup['weights_bytes'] / 1e9:.2f} GB at {startup['weights_gb_per_s']:.2f} GB/s, "
-        f"{how}) | placement {startup['placement_s']:.2f}s | tokenizer and scheduler "
-        f"{startup['tokenizer_and_scheduler_s']:.2f}s | KV cache and kernels "
-        f"{startup['kv_cache_and_kernels_s']:.2f}s | engine {engine_s:.2f}s"
-    )
+def _timeline(process_start: float, imports_done: float, startup: Startup, drive: str) -> str:
+    """One line: each start-up phase as seconds since the process started (they overlap: the
+    weights are read during the imports and the engine's set-up), and the read's GB/s beside
+    the drive's (`drive`, said by _drive_rate)."""
+    read = startup.read
+    files = read.direct + read.buffered
+    checked = f", {read.verified} chunks checked" if read.verified else ", no manifest to check"
+    phases = sorted(startup.phases.items(), key=lambda kv: kv[1][0])
+    parts = [f"imports 0.00-{imports_done - process_start:.2f}"]
+    for name, (start, end) in phases:
+        part = f"{name} {start - process_start:.2f}-{end - process_start:.2f}"
+        if name == "weights read":
+            part += (
+                f" ({read.bytes / 1e9:.2f} GB at {read.gb_per_s:.2f} GB/s; {drive}; "
+                f"{read.direct} of {files} files O_DIRECT{checked})"
+            )
+        parts.append(part)
+    parts.append(f"ready {startup.ready - process_start:.2f} (seconds since the process started)")
+    return "start-up: " + " | ".join(parts)
+
+
+def _drive_rate(cache_dir: Path, model_dir: str) -> str:
+    from runtime.drive import cached
+
+    rate = cached(cache_dir, Path(model_dir))
+    if rate is None:
+        return f"the drive's rate not measured yet: edgeinfer drive-rate {model_dir}"
+    return f"the drive {rate.gb_per_s:.2f} GB/s (dd-like O_DIRECT read, {rate.measured[:10]})"
 
 
 def cmd_worker(args: argparse.Namespace) -> int:
+    from runtime.cli import DEFAULT_CACHE, _model_dir, engine_kwargs
+
+    _logging()
+    model_dir = _model_dir(args.model)
+    # Start reading the weights now (a folder that cannot be served stops us here): the imports
+    # below and the engine's own set-up run while the drive works.
+    from runtime.loader import start_load
+
+    weights = start_load(model_dir, args.dtype)
     from runtime.async_engine import AsyncLLM
-    from runtime.cli import _model_dir, engine_kwargs
     from runtime.config import EngineConfig
     from runtime.engine import LLMEngine
     from runtime.worker import WorkerConfig, serve
 
-    imports_s = _process_age_s()  # interpreter start-up and every import up to here
-    _logging()
-    model_dir = _model_dir(args.model)
+    imports_done = time.perf_counter()
+    process_start = imports_done - _process_age_s()
     host_for_url = "127.0.0.1" if args.host in ("0.0.0.0", "::", "") else args.host
     config = WorkerConfig(
         model_name=args.served_model_name or Path(model_dir).name,
@@ -97,17 +124,36 @@ def cmd_worker(args: argparse.Namespace) -> int:
         kv_hold_s=args.kv_hold,
         worker_id=args.worker_id or "",
     )
-    t0 = time.monotonic()
     engine = LLMEngine(
         EngineConfig(
             model=model_dir,
             max_waiting=args.max_waiting,
             enable_prefix_caching=not args.no_prefix_caching,
             **engine_kwargs(args),  # type: ignore[arg-type]
-        )
+        ),
+        weights,
     )
-    print(_timeline(imports_s, time.monotonic() - t0, engine.startup), flush=True)
+    drive = _drive_rate(DEFAULT_CACHE, model_dir)
+    print(_timeline(process_start, imports_done, engine.startup, drive), flush=True)
     asyncio.run(serve(config, AsyncLLM(engine)))
+    return 0
+
+
+def cmd_drive_rate(args: argparse.Namespace) -> int:
+    """Measure the drive's sequential O_DIRECT read rate and remember it for worker timelines."""
+    from runtime.cli import DEFAULT_CACHE, _model_dir
+    from runtime.drive import measure, remember
+
+    path = Path(args.path or _model_dir(None))
+    print(f"reading up to {args.gb:g} GB of {path} with O_DIRECT, 8 MiB at a time...")
+    try:
+        rate = measure(path, int(args.gb * 1e9))
+    except OSError as e:
+        print(f"edgeinfer: error: cannot measure {path}: {e}", file=sys.stderr)
+        return 2
+    cache = remember(DEFAULT_CACHE, path, rate)
+    print(f"{rate.device}: {rate.gb_per_s:.2f} GB/s ({rate.bytes / 1e9:.2f} GB read); "
+          f"remembered in {cache}")  # fmt: skip
     return 0
 
 
@@ -374,6 +420,13 @@ def add_service_commands(sub: argparse._SubParsersAction, engine_args) -> None: 
     p.add_argument("--events", type=int, default=0, metavar="N",
                    help="print the region's last N pool events (start/ready/stop/fail) and exit")  # fmt: skip
     p.set_defaults(func=cmd_pool)
+
+    d = sub.add_parser("drive-rate", help="measure the drive's read rate (for worker timelines)")
+    d.add_argument("path", nargs="?", default=None,
+                   help="a file, or a folder whose largest files are read (default: the default "
+                   "model's folder); the figure is kept for the device it is on")  # fmt: skip
+    d.add_argument("--gb", type=float, default=1.0, help="read at most this much (default 1)")
+    d.set_defaults(func=cmd_drive_rate)
 
     u = sub.add_parser("up", help="start Redis (if needed), a worker and a gateway on this machine")
     engine_args(u)

@@ -1,33 +1,55 @@
 """Read safetensors checkpoints at drive speed: headers first, then large aligned reads.
 
-    parse every shard's header ─▶ validate (sizes, offsets, file length) ─▶ one aligned arena
-    per shard ─▶ read it in CHUNK_BYTES pieces on `threads` threads (O_DIRECT, bypassing the page
-    cache, unless the file is already cached there or the filesystem refuses O_DIRECT) ─▶
-    tensors are views into the arena (no per-tensor copy after the read)
+    parse every shard's header ─▶ validate (sizes, offsets, overlaps, file length) ─▶ one
+    aligned arena per shard ─▶ runtime.shard_reader reads every shard into its arena, in
+    CHUNK_BYTES pieces on `threads` threads (O_DIRECT unless cached or refused), checking each
+    piece against the manifest when there is one ─▶ tensors are views into the arena
 
 A tensor whose byte offset in its shard is not a multiple of its element size (possible with
 mixed dtypes) cannot be a view of a 4096-aligned arena: it alone is copied out. Everything that
 can be wrong with a file (a header that lies about sizes, a truncated file, an unknown dtype) is
 an error naming the file and what was expected, raised before any weight is read.
+
+The model loader (runtime/loader.py) uses the same headers and reader, but with its own
+destinations: each tensor's bytes go straight into the model's parameters.
 """
 
 from __future__ import annotations
 
 import json
-import mmap
-import os
-import time
-from collections.abc import Iterator
-from concurrent.futures import ThreadPoolExecutor
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
+import xxhash
 
 from runtime.config import ModelLoadError
+from runtime.manifest import Manifest, verify_chunk
+from runtime.shard_reader import (
+    ALIGN,
+    CHUNK_BYTES,
+    Arena,
+    FileRead,
+    ReadStats,
+    ShardReads,
+    Span,
+    Verify,
+    drop_page_cache,
+)
 
-ALIGN = 4096  # O_DIRECT alignment of buffers, offsets and lengths (the logical block size)
-CHUNK_BYTES = 16 << 20  # one read
+__all__ = [  # ALIGN, CHUNK_BYTES, ReadStats and drop_page_cache live in runtime.shard_reader
+    "ALIGN",
+    "CHUNK_BYTES",
+    "ReadStats",
+    "Shard",
+    "TensorEntry",
+    "chunk_checks",
+    "drop_page_cache",
+    "load_safetensors",
+    "read_header",
+]
+
 MAX_HEADER_BYTES = 100 << 20  # safetensors' own limit
 
 _DTYPES = {
@@ -54,21 +76,6 @@ class Shard:
     size: int  # bytes on disk
     data_start: int  # 8 + header length
     tensors: list[TensorEntry] = field(default_factory=list)
-
-
-@dataclass(slots=True)
-class ReadStats:
-    """What a load did, for the start-up timeline."""
-
-    bytes: int = 0  # bytes read from the files
-    seconds: float = 0.0  # wall time of the reads
-    direct: int = 0  # files read with O_DIRECT
-    buffered: int = 0  # files read through the page cache (cached already, or O_DIRECT refused)
-    copied: int = 0  # tensors copied out of the arena (misaligned for their dtype)
-
-    @property
-    def gb_per_s(self) -> float:
-        return self.bytes / self.seconds / 1e9 if self.seconds else 0.0
 
 
 def read_header(path: Path) -> Shard:
@@ -107,7 +114,7 @@ def read_header(path: Path) -> Shard:
         numel = 1
         for d in shape:
             numel *= d
-        want = numel * torch.empty((), dtype=dtype).element_size()
+        want = numel * dtype.itemsize
         if begin < 0 or end - begin != want:
             raise ModelLoadError(
                 f"{path}: corrupt safetensors file (tensor {name!r} of shape {shape} and dtype "
@@ -121,104 +128,67 @@ def read_header(path: Path) -> Shard:
             f"{path}: truncated: its header needs {shard.data_start + data_len} bytes, "
             f"the file has {size}"
         )
-    shard.tensors.sort(key=lambda t: t.begin)  # file order
+    shard.tensors.sort(key=lambda t: (t.begin, t.end))  # file order
+    for prev, t in zip(shard.tensors, shard.tensors[1:], strict=False):
+        if t.begin < prev.end:
+            raise ModelLoadError(
+                f"{path}: corrupt safetensors file (tensors {prev.name!r} and {t.name!r} "
+                f"overlap at bytes {t.begin - shard.data_start}..{prev.end - shard.data_start})"
+            )
     return shard
 
 
-def drop_page_cache(path: Path) -> None:
-    """Ask the kernel to drop a file's pages from the page cache (so that the next read goes to
-    the drive: cold-start benchmarks and tests). Advisory: pages in use may stay."""
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-    finally:
-        os.close(fd)
+def chunk_checks(manifest: Manifest | None) -> tuple[int, Verify | None]:
+    """The read size and the check a reading thread runs on each chunk right after reading it:
+    its xxh3-64 against the manifest's (a ModelLoadError naming the shard and the byte range
+    when they differ). No manifest: CHUNK_BYTES reads, nothing to check.
 
+    A chunk read straight into several tensors arrives as several pieces: they are hashed in
+    file order as one stream, which gives the same digest as the chunk's bytes in one piece."""
+    if manifest is None:
+        return CHUNK_BYTES, None
 
-def _cached(fd: int, size: int) -> bool:
-    """Whether the file's pages are in the page cache (a few probes, none of which waits)."""
-    buf = bytearray(1)
-    for offset in (0, size // 2, max(0, size - 1)):
-        try:
-            if os.preadv(fd, [buf], offset, os.RWF_NOWAIT) < 1:
-                return False
-        except BlockingIOError:
-            return False
-        except OSError:  # RWF_NOWAIT unsupported here: assume not cached
-            return False
-    return True
+    def verify(path: Path, index: int, pieces: Sequence[memoryview]) -> None:
+        if len(pieces) == 1:
+            verify_chunk(manifest, path, index, pieces[0])
+            return
+        entry = manifest.shard(path.name)
+        if entry is None:
+            return
+        h = xxhash.xxh3_64()
+        for piece in pieces:
+            h.update(piece)
+        if h.hexdigest() != entry.xxh3_64[index]:  # let verify_chunk word the error
+            verify_chunk(manifest, path, index, b"".join(pieces))
 
-
-def _aligned_arena(nbytes: int) -> tuple[torch.Tensor, memoryview]:
-    """A uint8 tensor of `nbytes` (rounded up to ALIGN) whose first byte is ALIGN-aligned, and a
-    writable view of it. (An anonymous mmap is page-aligned; torch shares its memory.)"""
-    size = -(-nbytes // ALIGN) * ALIGN
-    buf = mmap.mmap(-1, max(size, ALIGN))
-    arena = torch.frombuffer(buf, dtype=torch.uint8)
-    return arena, memoryview(buf)
-
-
-def _read_file(shard: Shard, direct: bool, skip_cached: bool, pool: ThreadPoolExecutor,
-               stats: ReadStats) -> torch.Tensor:  # fmt: skip
-    arena, view = _aligned_arena(shard.size)
-    fd = os.open(shard.path, os.O_RDONLY)
-    use_direct = False
-    try:
-        if direct and not (skip_cached and _cached(fd, shard.size)):
-            try:
-                dfd = os.open(shard.path, os.O_RDONLY | os.O_DIRECT)
-            except OSError:  # tmpfs and some filesystems refuse O_DIRECT
-                dfd = -1
-            if dfd >= 0:
-                os.close(fd)
-                fd, use_direct = dfd, True
-
-        def read(offset: int) -> int:
-            length = min(CHUNK_BYTES, len(view) - offset)
-            got = 0
-            while got < length:  # a buffered read may come back short; O_DIRECT only at EOF
-                n = os.preadv(fd, [view[offset + got : offset + length]], offset + got)
-                if n == 0:
-                    break
-                got += n
-            return got
-
-        total = sum(pool.map(read, range(0, len(view), CHUNK_BYTES)))
-    except OSError as e:
-        raise ModelLoadError(f"{shard.path}: cannot read ({e})") from e
-    finally:
-        os.close(fd)
-    if total < shard.size:
-        raise ModelLoadError(
-            f"{shard.path}: truncated while reading ({total} of {shard.size} bytes)"
-        )
-    stats.bytes += shard.size
-    if use_direct:
-        stats.direct += 1
-    else:
-        stats.buffered += 1
-    return arena
+    return manifest.chunk_bytes, verify
 
 
 def load_safetensors(files: list[Path], threads: int = 4, direct: bool = True,
-                     stats: ReadStats | None = None,
-                     skip_cached: bool = True) -> Iterator[tuple[str, str, torch.Tensor]]:  # fmt: skip
+                     stats: ReadStats | None = None, skip_cached: bool = True,
+                     manifest: Manifest | None = None
+                     ) -> Iterator[tuple[str, str, torch.Tensor]]:  # fmt: skip
     """(file, tensor name, tensor) for every tensor of `files`: headers checked first, then each
-    file read whole into an aligned arena, its tensors views of it (file by file, in file
-    order). `direct`: use O_DIRECT where the filesystem allows it, except (`skip_cached`) for a
-    file already in the page cache, which reads faster from there."""
+    file read whole into an aligned arena, its tensors views of it (file by file, in file order,
+    later files reading while earlier ones are consumed). `direct`: use O_DIRECT where the
+    filesystem allows it, except (`skip_cached`) for a file already in the page cache, which
+    reads faster from there. `manifest`: check every chunk against its checksums."""
     stats = stats if stats is not None else ReadStats()
     shards = [read_header(Path(f)) for f in files]  # every header before any weight
-    with ThreadPoolExecutor(max(1, threads), thread_name_prefix="weights") as pool:
-        for shard in shards:
-            t0 = time.perf_counter()
-            arena = _read_file(shard, direct, skip_cached, pool, stats)
-            stats.seconds += time.perf_counter() - t0
+    arenas = [Arena(shard.size) for shard in shards]
+    jobs = [FileRead(s.path, s.size, [Span(0, s.size, arenas[i], 0)]) for i, s in enumerate(shards)]
+    chunk_bytes, verify = chunk_checks(manifest)
+    reads = ShardReads(jobs, threads=threads, direct=direct, skip_cached=skip_cached,
+                       chunk_bytes=chunk_bytes, verify=verify, stats=stats)  # fmt: skip
+    try:
+        for i, (shard, arena) in enumerate(zip(shards, arenas, strict=True)):
+            reads.wait(i)
+            whole = arena.tensor()
             for t in shard.tensors:
-                size = torch.empty((), dtype=t.dtype).element_size()
-                raw = arena[t.begin : t.end]
-                if t.begin % size:  # not a valid view for this dtype: copy this one out
+                raw = whole[t.begin : t.end]
+                if t.begin % t.dtype.itemsize:  # not a valid view for this dtype: copy this one
                     raw = raw.clone()
                     stats.copied += 1
                 yield str(shard.path), t.name, raw.view(t.dtype).view(t.shape)
+    finally:
+        reads.close()

@@ -11,7 +11,6 @@ four matrix multiplies.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
 from dataclasses import dataclass
 from types import ModuleType
 
@@ -128,7 +127,7 @@ class DecoderLayer(nn.Module):
         return h + self.mlp(self.post_attention_layernorm(h))
 
 
-# Hugging Face names of the projections we fuse: (our fused param, HF name, shard index).
+# Hugging Face names of the projections we fuse: (our fused param, the piece's index in it).
 _FUSED = {
     "q_proj": ("qkv_proj", 0),
     "k_proj": ("qkv_proj", 1),
@@ -151,12 +150,20 @@ class LlamaForCausalLM(nn.Module):
             if cfg.tie_word_embeddings
             else _param(cfg.vocab_size, cfg.hidden_size, dtype=dtype)
         )
-        # RoPE table in float32, (max_model_len, head_dim), rows indexed by position.
-        inv_freq = cfg.rope.inv_freq(cfg.head_dim)  # (head_dim // 2,)
-        freqs = torch.outer(torch.arange(max_model_len, dtype=torch.float32), inv_freq)
-        emb = torch.cat((freqs, freqs), dim=-1)  # (max_model_len, head_dim)
-        self.rope_cos: torch.Tensor = emb.cos()
-        self.rope_sin: torch.Tensor = emb.sin()
+        self.max_model_len = max_model_len
+        # RoPE tables, built on first use: a loader builds the model before it starts reading
+        # the weights, and this need not keep the drive waiting.
+        self._rope_tables: tuple[torch.Tensor, torch.Tensor] | None = None
+
+    def _rope(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos and sin, float32 (max_model_len, head_dim), rows indexed by position."""
+        if self._rope_tables is None:
+            inv_freq = self.cfg.rope.inv_freq(self.cfg.head_dim)  # (head_dim // 2,)
+            positions = torch.arange(self.max_model_len, dtype=torch.float32)
+            freqs = torch.outer(positions, inv_freq)  # (max_model_len, head_dim // 2)
+            emb = torch.cat((freqs, freqs), dim=-1)  # (max_model_len, head_dim)
+            self._rope_tables = emb.cos(), emb.sin()
+        return self._rope_tables
 
     @property
     def output_weight(self) -> torch.Tensor:
@@ -169,8 +176,9 @@ class LlamaForCausalLM(nn.Module):
         kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
     ) -> torch.Tensor:
         """input_ids: (T,) -> final hidden states (T, hidden), after the last norm."""
-        ctx.cos = self.rope_cos[ctx.positions].to(self.dtype)  # (T, head_dim)
-        ctx.sin = self.rope_sin[ctx.positions].to(self.dtype)  # (T, head_dim)
+        cos, sin = self._rope()
+        ctx.cos = cos[ctx.positions].to(self.dtype)  # (T, head_dim)
+        ctx.sin = sin[ctx.positions].to(self.dtype)  # (T, head_dim)
         x = nn.functional.embedding(input_ids, self.embed_tokens)  # (T, hidden)
         for layer, (k_cache, v_cache) in zip(self.layers, kv_caches, strict=True):
             x = layer(x, ctx, k_cache, v_cache)
@@ -192,71 +200,27 @@ class LlamaForCausalLM(nn.Module):
             elif isinstance(module, RMSNorm):
                 module.fused = norm if module.weight.dtype == torch.float32 else None
 
-    def load_weights(self, weights: Iterable[tuple[str, str, torch.Tensor]]) -> None:
-        """Copy (file, Hugging Face name, tensor) triples in; fuse q/k/v and gate/up.
+    def weight_target(self, hf_name: str) -> tuple[str, int, int | None] | None:
+        """Where a checkpoint tensor goes: (our parameter's name, first row, rows) for q/k/v and
+        gate/up, which fill row ranges of one fused parameter; (name, 0, None) for a whole
+        parameter; None for a tensor we do not use (RoPE buffers; a tied checkpoint's copy of
+        the embedding). The name may be one the model lacks: the loader says so, naming the
+        file."""
+        name = hf_name.removeprefix("model.")
+        if "rotary_emb" in name or (name.startswith("lm_head.") and self.lm_head is None):
+            return None
+        if name in ("lm_head.weight", "embed_tokens.weight"):
+            name = name.removesuffix(".weight")
+        parts = name.split(".")
+        if len(parts) >= 2 and parts[-2] in _FUSED:
+            parts[-2], piece = _FUSED[parts[-2]]
+            sizes = self._fused_rows(parts[-2])
+            return ".".join(parts), sum(sizes[:piece]), sizes[piece]
+        return name, 0, None
 
-        Raises ModelLoadError naming the file and tensor on a shape mismatch, an unexpected
-        non-float tensor, or (at the end) any weight that never arrived.
-        """
-        from runtime.config import ModelLoadError
-
-        params = dict(self.named_parameters())
-        pending = {name: _shard_count(name) for name in params}
-        for file, hf_name, tensor in weights:
-            name = hf_name.removeprefix("model.")
-            if name.startswith("lm_head.") and self.lm_head is None:
-                continue  # tied checkpoints sometimes store a copy of the embedding
-            if name == "lm_head.weight":
-                name = "lm_head"
-            if name == "embed_tokens.weight":
-                name = "embed_tokens"
-            if "rotary_emb" in name:
-                continue
-            shard = None
-            parts = name.split(".")
-            if len(parts) >= 2 and parts[-2] in _FUSED:
-                fused, shard = _FUSED[parts[-2]]
-                parts[-2] = fused
-                name = ".".join(parts)
-            if name not in params:
-                raise ModelLoadError(
-                    f"{file}: unexpected tensor {hf_name!r} for {self.cfg.architecture}"
-                )
-            if not tensor.is_floating_point():
-                raise ModelLoadError(
-                    f"{file}: tensor {hf_name!r} has dtype {tensor.dtype}; only float tensors "
-                    "are supported (import quantized GGUF files with `edgeinfer import-gguf`)"
-                )
-            dest = params[name].data
-            if shard is not None:
-                dest = _shard_view(dest, shard, name, self.cfg)
-            if tuple(dest.shape) != tuple(tensor.shape):
-                raise ModelLoadError(
-                    f"{file}: tensor {hf_name!r} has shape {tuple(tensor.shape)}, "
-                    f"config.json implies {tuple(dest.shape)}"
-                )
-            dest.copy_(tensor)
-            pending[name] -= 1
-        missing = [n for n, left in pending.items() if left > 0]
-        if missing:
-            raise ModelLoadError(
-                f"weights missing from the checkpoint: {', '.join(sorted(missing)[:8])}"
-            )
-
-
-def _shard_count(param_name: str) -> int:
-    if ".qkv_proj." in param_name:
-        return 3
-    if ".gate_up_proj." in param_name:
-        return 2
-    return 1
-
-
-def _shard_view(dest: torch.Tensor, shard: int, name: str, cfg: ModelConfig) -> torch.Tensor:
-    if ".qkv_proj." in name:
-        q, kv = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
-        sizes = [q, kv, kv]
-    else:
-        sizes = [cfg.intermediate_size, cfg.intermediate_size]
-    start = sum(sizes[:shard])
-    return dest.narrow(0, start, sizes[shard])
+    def _fused_rows(self, fused: str) -> list[int]:
+        cfg = self.cfg
+        if fused == "qkv_proj":
+            q, kv = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
+            return [q, kv, kv]
+        return [cfg.intermediate_size, cfg.intermediate_size]

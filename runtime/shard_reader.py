@@ -1,0 +1,312 @@
+"""Read byte ranges of files straight into their final memory, in large aligned pieces.
+
+    files, each with spans: [begin, end) of the file ─▶ (arena, offset)   (sorted, disjoint)
+      ─▶ every file cut into chunk_bytes pieces from offset 0, queued in file order, file by file
+      ─▶ `threads` threads: one preadv per chunk (O_DIRECT unless the file is in the page cache
+         or the filesystem refuses it), its iovec pointing straight at the spans' memory
+      ─▶ the chunk's checksum checked on the same thread, right after its read
+      ─▶ `wait(i)`: file i is in memory (later files keep reading meanwhile)
+
+O_DIRECT wants offsets, lengths and buffers aligned (ALIGN covers every logical block size). A
+span's aligned middle goes into place directly when its memory sits at the same offset modulo
+ALIGN as its bytes in the file (the loader places its tensors so that it does); everything else
+in the chunk (headers, padding, the unaligned ends of spans, bytes nobody asked for) lands in a
+per-thread scratch chunk, from which the spans' remaining bytes are copied. A file read whole
+into one arena is all middle: no copy at all.
+
+No torch at import (`Arena.tensor` imports it, and errors import runtime.config, which does): a
+worker can start reading its weights before torch has finished importing.
+"""
+
+from __future__ import annotations
+
+import bisect
+import contextlib
+import ctypes
+import mmap
+import os
+import threading
+import time
+from collections.abc import Callable, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    import torch
+
+ALIGN = 4096  # O_DIRECT alignment of buffers, offsets and lengths (>= any logical block size)
+CHUNK_BYTES = 16 << 20  # one read (and one checksum, runtime.manifest.CHUNK_BYTES)
+IOV_MAX = 1024  # buffers per preadv (Linux)
+
+# (file, chunk index, the chunk's bytes in file order): raises if they are not what they should be
+Verify = Callable[[Path, int, Sequence[memoryview]], None]
+
+
+def _round_up(n: int, to: int = ALIGN) -> int:
+    return -(-n // to) * to
+
+
+class Arena:
+    """Page-aligned anonymous memory: zero until written, pages committed only when touched.
+
+    Large arenas ask for transparent huge pages (fewer faults while reading into them, fewer TLB
+    misses when a matmul streams the weights). Tensors are views of `tensor()`; the memory lives
+    as long as any of them does.
+    """
+
+    __slots__ = ("addr", "buf", "nbytes", "view")
+
+    def __init__(self, nbytes: int):
+        self.nbytes = _round_up(max(nbytes, 1))
+        self.buf = mmap.mmap(-1, self.nbytes)
+        if self.nbytes >= 2 << 20:
+            with contextlib.suppress(OSError):  # THP compiled out: plain pages
+                self.buf.madvise(mmap.MADV_HUGEPAGE)
+        self.view = memoryview(self.buf)
+        self.addr = ctypes.addressof(ctypes.c_char.from_buffer(self.buf))
+
+    def tensor(self) -> torch.Tensor:
+        """The whole arena as a uint8 tensor sharing its memory."""
+        import torch
+
+        return torch.frombuffer(self.buf, dtype=torch.uint8)
+
+
+@dataclass(slots=True)
+class Span:
+    """Bytes [begin, end) of a file go to arena memory [offset, offset + end - begin)."""
+
+    begin: int
+    end: int
+    arena: Arena
+    offset: int
+
+
+@dataclass(slots=True)
+class FileRead:
+    """One file to read: its size (checked by the caller) and where its bytes go."""
+
+    path: Path
+    size: int
+    spans: list[Span]  # sorted by begin, disjoint; bytes no span covers are read and dropped
+
+
+@dataclass(slots=True)
+class ReadStats:
+    """What a load did, for the start-up timeline."""
+
+    bytes: int = 0  # bytes read from the files
+    seconds: float = 0.0  # wall time from the first read's start to the last one's end
+    direct: int = 0  # files read with O_DIRECT
+    buffered: int = 0  # files read through the page cache (cached already, or O_DIRECT refused)
+    copied: int = 0  # tensors copied after the read (misaligned, converted, or not congruent)
+    verified: int = 0  # chunks checked against the manifest's checksums
+    started: float = 0.0  # time.perf_counter() of the first read's start
+    finished: float = 0.0  # ... and of the last read's end
+
+    @property
+    def gb_per_s(self) -> float:
+        return self.bytes / self.seconds / 1e9 if self.seconds else 0.0
+
+
+def drop_page_cache(path: Path) -> None:
+    """Ask the kernel to drop a file's pages from the page cache (so that the next read goes to
+    the drive: cold-start benchmarks and tests). Advisory: pages in use may stay."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+    finally:
+        os.close(fd)
+
+
+def _cached(fd: int, size: int) -> bool:
+    """Whether the file's pages are in the page cache (a few probes, none of which waits)."""
+    buf = bytearray(1)
+    for offset in (0, size // 2, max(0, size - 1)):
+        try:
+            if os.preadv(fd, [buf], offset, os.RWF_NOWAIT) < 1:
+                return False
+        except BlockingIOError:
+            return False
+        except OSError:  # RWF_NOWAIT unsupported here: assume not cached
+            return False
+    return True
+
+
+def _preadv_all(fd: int, pieces: list[memoryview], offset: int) -> int:
+    """Fill `pieces` from `offset` on, however many calls that takes (a buffered read may come
+    back short; O_DIRECT only at the end of the file). Returns the bytes read."""
+    todo, total = list(pieces), 0
+    while todo:
+        n = os.preadv(fd, todo[:IOV_MAX], offset + total)
+        if n == 0:
+            break
+        total += n
+        while n and todo:
+            if n >= len(todo[0]):
+                n -= len(todo.pop(0))
+            else:
+                todo[0], n = todo[0][n:], 0
+    return total
+
+
+class _File:
+    """A FileRead being read: its descriptor, how, and the chunks queued for it."""
+
+    __slots__ = ("chunks", "direct", "fd", "job", "starts")
+
+    def __init__(self, job: FileRead, fd: int, direct: bool):
+        self.job, self.fd, self.direct = job, fd, direct
+        self.starts = [s.begin for s in job.spans]
+        self.chunks: list[Future[None]] = []
+
+
+class ShardReads:
+    """Reads `jobs` in the background, as the module docstring draws it, from construction on.
+
+    `wait(i)` returns once file i is in place (raising what its read raised: a truncated file, a
+    failed read, a checksum mismatch, each naming the file); `close()` stops what is left.
+    Errors opening a file are raised by the constructor, before anything is read.
+    """
+
+    def __init__(self, jobs: list[FileRead], *, threads: int = 4, direct: bool = True,
+                 skip_cached: bool = True, chunk_bytes: int = CHUNK_BYTES,
+                 verify: Verify | None = None, stats: ReadStats | None = None):  # fmt: skip
+        if chunk_bytes <= 0 or chunk_bytes % ALIGN:
+            raise ValueError(f"chunk_bytes {chunk_bytes} is not a positive multiple of {ALIGN}")
+        self.stats = stats if stats is not None else ReadStats()
+        self.chunk_bytes, self.verify = chunk_bytes, verify
+        self._lock = threading.Lock()
+        self._local = threading.local()  # each thread's scratch chunk
+        self._files: list[_File] = []
+        self._waited = 0
+        try:
+            for job in jobs:
+                self._files.append(self._open(job, direct, skip_cached))
+        except BaseException:
+            self._close_files()
+            raise
+        self._pool = ThreadPoolExecutor(max(1, threads), thread_name_prefix="weights")
+        for i, f in enumerate(self._files):  # file order: the drive reads ahead sequentially
+            for c0 in range(0, max(f.job.size, 1), chunk_bytes):
+                f.chunks.append(self._pool.submit(self._read_chunk, i, c0))
+
+    @staticmethod
+    def _open(job: FileRead, direct: bool, skip_cached: bool) -> _File:
+        try:
+            fd = os.open(job.path, os.O_RDONLY)
+        except OSError as e:
+            raise _load_error(f"{job.path}: cannot read ({e})") from e
+        if direct and not (skip_cached and _cached(fd, job.size)):
+            try:
+                dfd = os.open(job.path, os.O_RDONLY | os.O_DIRECT)
+            except OSError:  # tmpfs and some filesystems refuse O_DIRECT
+                return _File(job, fd, False)
+            os.close(fd)
+            return _File(job, dfd, True)
+        return _File(job, fd, False)
+
+    def _scratch(self) -> Arena:
+        scratch: Arena | None = getattr(self._local, "arena", None)
+        if scratch is None:
+            scratch = self._local.arena = Arena(self.chunk_bytes)
+        return scratch
+
+    def _read_chunk(self, index: int, c0: int) -> None:
+        f = self._files[index]
+        spans, size = f.job.spans, f.job.size
+        c1 = min(c0 + self.chunk_bytes, _round_up(size))
+        lo = max(0, bisect.bisect_right(f.starts, c0) - 1)
+        hi = bisect.bisect_left(f.starts, c1)
+        mine = [s for s in spans[lo:hi] if s.end > c0]
+        scratch = self._scratch()
+        pieces: list[memoryview] = []
+        placed: list[tuple[Span, int, int]] = []  # (span, a, b): file bytes [a, b) read in place
+        cursor = c0
+        for s in mine:
+            a, b = _round_up(max(s.begin, c0)), min(s.end, c1) // ALIGN * ALIGN
+            dest = s.offset + a - s.begin
+            if a < b and (s.arena.addr + dest) % ALIGN == 0:
+                if cursor < a:
+                    pieces.append(scratch.view[cursor - c0 : a - c0])
+                pieces.append(s.arena.view[dest : dest + b - a])
+                placed.append((s, a, b))
+                cursor = b
+        if cursor < c1:
+            pieces.append(scratch.view[cursor - c0 : c1 - c0])
+        t0 = time.perf_counter()
+        try:
+            got = _preadv_all(f.fd, pieces, c0)
+        except OSError as e:
+            raise _load_error(f"{f.job.path}: cannot read ({e})") from e
+        t1 = time.perf_counter()
+        want = min(c1, size) - c0
+        if got < want:
+            raise _load_error(f"{f.job.path}: truncated while reading ({c0 + got} of {size} bytes)")
+        if self.verify is not None:
+            self.verify(f.job.path, c0 // self.chunk_bytes, _first(pieces, want))
+        direct = {id(s): (a, b) for s, a, b in placed}
+        for s in mine:  # what did not go in place comes from the scratch chunk
+            x, y = max(s.begin, c0), min(s.end, c1)
+            a, b = direct.get(id(s), (y, y))
+            for u, v in ((x, a), (b, y)):
+                if u < v:
+                    ctypes.memmove(s.arena.addr + s.offset + u - s.begin,
+                                   scratch.addr + u - c0, v - u)  # fmt: skip
+        with self._lock:
+            st = self.stats
+            st.started = min(st.started, t0) if st.started else t0
+            st.finished = max(st.finished, t1)
+            if self.verify is not None:
+                st.verified += 1
+
+    def wait(self, i: int) -> None:
+        """Block until file i is in place; raise its read's error, if any."""
+        f = self._files[i]
+        for chunk in f.chunks:
+            chunk.result()
+        if f.fd < 0:  # waited for before
+            return
+        os.close(f.fd)
+        f.fd = -1
+        st = self.stats
+        st.bytes += f.job.size
+        st.seconds = st.finished - st.started
+        if f.direct:
+            st.direct += 1
+        else:
+            st.buffered += 1
+        self._waited += 1
+        if self._waited == len(self._files):
+            self._pool.shutdown()  # the threads and their scratch chunks go
+
+    def close(self) -> None:
+        """Stop: queued chunks are dropped, running ones finish; every file is closed."""
+        self._pool.shutdown(wait=True, cancel_futures=True)
+        self._close_files()
+
+    def _close_files(self) -> None:
+        for f in self._files:
+            if f.fd >= 0:
+                os.close(f.fd)
+                f.fd = -1
+
+
+def _load_error(message: str) -> Exception:
+    from runtime.config import ModelLoadError  # imports torch: only once something went wrong
+
+    return ModelLoadError(message)
+
+
+def _first(pieces: list[memoryview], n: int) -> list[memoryview]:
+    """The first n bytes of `pieces`, as pieces (the end of a file's last chunk is not data)."""
+    out = []
+    for p in pieces:
+        if n <= 0:
+            break
+        out.append(p[:n])
+        n -= len(out[-1])
+    return out
