@@ -184,8 +184,8 @@ def start_load(
     need, have = end + stage_end, available_memory()
     if need > have:
         raise ModelLoadError(
-            f"{path}: the weights need {need / 1e9:.2f} GB of memory as {torch_dtype} "
-            f"(in {len(files)} files); {have / 1e9:.2f} GB is available"
+            f"{path}: the weights need {_size(need)} of memory (as {torch_dtype}), only "
+            f"{_size(have)} is available"
         )
     arena, staging = Arena(end), Arena(stage_end) if staged else None
     whole, stage = arena.tensor(), staging.tensor() if staging else None
@@ -296,6 +296,10 @@ def _by_param(pieces: list[_Piece]) -> dict[str, list[_Piece]]:
 
 def _row_bytes(param: torch.Tensor) -> int:
     return param[0].numel() * param.dtype.itemsize if param.dim() else param.dtype.itemsize
+
+
+def _size(n: int) -> str:
+    return f"{n / 1e9:.2f} GB" if n >= 1e9 else f"{n / 1e6:.1f} MB"
 
 
 def _congruent(at_least: int, file_offset: int, itemsize: int) -> int:

@@ -102,6 +102,7 @@ class ReadStats:
     direct: int = 0  # files read with O_DIRECT
     buffered: int = 0  # files read through the page cache (cached already, or O_DIRECT refused)
     copied: int = 0  # tensors copied after the read (misaligned, converted, or not congruent)
+    copied_bytes: int = 0  # bytes that went through the scratch chunk instead of into place
     verified: int = 0  # chunks checked against the manifest's checksums
     started: float = 0.0  # time.perf_counter() of the first read's start
     finished: float = 0.0  # ... and of the last read's end
@@ -249,6 +250,7 @@ class ShardReads:
         if self.verify is not None:
             self.verify(f.job.path, c0 // self.chunk_bytes, _first(pieces, want))
         direct = {id(s): (a, b) for s, a, b in placed}
+        copied = 0
         for s in mine:  # what did not go in place comes from the scratch chunk
             x, y = max(s.begin, c0), min(s.end, c1)
             a, b = direct.get(id(s), (y, y))
@@ -256,8 +258,10 @@ class ShardReads:
                 if u < v:
                     ctypes.memmove(s.arena.addr + s.offset + u - s.begin,
                                    scratch.addr + u - c0, v - u)  # fmt: skip
+                    copied += v - u
         with self._lock:
             st = self.stats
+            st.copied_bytes += copied
             st.started = min(st.started, t0) if st.started else t0
             st.finished = max(st.finished, t1)
             if self.verify is not None:

@@ -176,7 +176,10 @@ def load_safetensors(files: list[Path], threads: int = 4, direct: bool = True,
     stats = stats if stats is not None else ReadStats()
     shards = [read_header(Path(f)) for f in files]  # every header before any weight
     arenas = [Arena(shard.size) for shard in shards]
-    jobs = [FileRead(s.path, s.size, [Span(0, s.size, arenas[i], 0)]) for i, s in enumerate(shards)]
+    # Each span is its arena's whole (aligned) length, so the file's last partial block is read
+    # in place too (the reader stops at the end of the file).
+    jobs = [FileRead(s.path, s.size, [Span(0, arenas[i].nbytes, arenas[i], 0)])
+            for i, s in enumerate(shards)]  # fmt: skip
     chunk_bytes, verify = chunk_checks(manifest)
     reads = ShardReads(jobs, threads=threads, direct=direct, skip_cached=skip_cached,
                        chunk_bytes=chunk_bytes, verify=verify, stats=stats)  # fmt: skip

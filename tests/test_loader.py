@@ -14,7 +14,8 @@ from safetensors.torch import save_file
 
 from runtime import LLM, ModelLoadError, SamplingParams
 from runtime.config import ModelConfig
-from runtime.loader import load_model
+from runtime.loader import load_model, start_load
+from runtime.weights import ReadStats
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -131,3 +132,134 @@ def test_cli_clear_error(tmp_path: Path) -> None:
     )  # fmt: skip
     assert out.returncode == 2
     assert "config.json: missing" in out.stderr and "Traceback" not in out.stderr
+
+
+def _reference(hf: dict[str, torch.Tensor], name: str, dtype: torch.dtype) -> torch.Tensor:
+    """What our parameter `name` must hold, built from the checkpoint's tensors by hand."""
+    pieces = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
+    if name in ("embed_tokens", "lm_head"):
+        key = "model.embed_tokens.weight" if name == "embed_tokens" else "lm_head.weight"
+        return hf[key].to(dtype)
+    parts = name.split(".")
+    if parts[-2] in pieces:
+        return torch.cat([hf["model." + ".".join([*parts[:-2], p, parts[-1]])].to(dtype)
+                          for p in pieces[parts[-2]]])  # fmt: skip
+    return hf["model." + name].to(dtype)
+
+
+def _mixed_shards(src: Path, dst: Path, shards: int) -> dict[str, torch.Tensor]:
+    """`src` re-written as `shards` packed shards (tensors at odd offsets), every other tensor in
+    bfloat16, with an index and a manifest (16 KiB checksum chunks). Returns what is on disk."""
+    from safetensors.torch import load_file
+
+    from tests.test_weights import save_packed, write_checked_manifest
+
+    dst.mkdir()
+    for f in src.iterdir():
+        if f.suffix != ".safetensors" and f.name != "model.safetensors.index.json":
+            shutil.copy(f, dst / f.name)
+    tensors = {}
+    for f in sorted(src.glob("*.safetensors")):
+        tensors.update(load_file(f))
+    names = sorted(tensors, reverse=True)  # not the writer's usual order
+    disk = {n: tensors[n].to(torch.bfloat16) if i % 2 else tensors[n] for i, n in enumerate(names)}
+    files, weight_map = [], {}
+    for k in range(shards):
+        part = names[k::shards]
+        files.append(dst / f"model-{k + 1:05d}-of-{shards:05d}.safetensors")
+        save_packed({n: disk[n] for n in part}, files[-1])
+        weight_map.update({n: files[-1].name for n in part})
+    index = {"metadata": {}, "weight_map": weight_map}
+    (dst / "model.safetensors.index.json").write_text(json.dumps(index))
+    write_checked_manifest(dst, files, 16 << 10)
+    return disk
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen2"])  # untied; tied with q/k/v biases
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_parameters_bit_identical_to_the_checkpoint(
+    tiny_model_dir, tmp_path: Path, family: str, dtype: str
+) -> None:  # type: ignore[no-untyped-def]
+    """Fused q/k/v and gate/up, bfloat16 and float32 on disk converted once to the model's dtype,
+    tensors at offsets that are not multiples of their size, 3 shards checked chunk by chunk."""
+    disk = _mixed_shards(tiny_model_dir(family), tmp_path / "m", 3)
+    stats = ReadStats()
+    model = load_model(tmp_path / "m", dtype, stats=stats)
+    want_dtype = getattr(torch, dtype)
+    for name, param in model.named_parameters():
+        want = _reference(disk, name, want_dtype)
+        assert param.dtype == want_dtype and torch.equal(param, want), name
+    assert stats.verified > 3 and stats.bytes == sum(
+        f.stat().st_size for f in (tmp_path / "m").glob("*.safetensors")
+    )
+    converted = sum(t.dtype != want_dtype for n, t in disk.items() if "rotary" not in n)
+    assert stats.copied >= converted > 0
+
+
+def _with_manifest(stories_dir: Path, dst: Path) -> tuple[Path, Path]:
+    from tests.test_weights import write_checked_manifest
+
+    d = copy_model(stories_dir, dst)
+    write_checked_manifest(d, [d / "model.safetensors"], 64 << 10)
+    return d, d / "model.safetensors"
+
+
+def test_manifest_names_a_missing_truncated_or_corrupt_shard(
+    stories_dir: Path, tmp_path: Path
+) -> None:
+    from tests.test_weights import flip_byte
+
+    d, weights = _with_manifest(stories_dir, tmp_path / "m")
+    good = weights.read_bytes()
+    load_model(d)  # sound
+
+    flip_byte(weights, len(good) - 1000)
+    start = (len(good) - 1000) // (64 << 10) * (64 << 10)
+    with pytest.raises(
+        ModelLoadError, match=rf"model\.safetensors: checksum mismatch in bytes {start}\.\."
+    ):
+        load_model(d)
+    with pytest.raises(ModelLoadError, match=r"model\.safetensors: checksum mismatch"):
+        start_load(d, direct=False).finish()  # through the page cache too
+
+    weights.write_bytes(good[:-10])
+    with pytest.raises(ModelLoadError, match=rf"model\.safetensors: truncated: the manifest says "
+                       rf"{len(good)} bytes, the file has {len(good) - 10}"):  # fmt: skip
+        load_model(d)
+    weights.unlink()
+    with pytest.raises(ModelLoadError, match=r"model\.safetensors: missing \(the manifest lists"):
+        load_model(d)
+
+
+def test_errors_before_any_read(stories_dir: Path, tmp_path: Path, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    """A model larger than memory, an unexpected tensor, a tensor in two shards: errors naming
+    the folder or file before a byte of weights is read."""
+    import runtime.loader
+
+    d = copy_model(stories_dir, tmp_path / "m")
+    stats = ReadStats()
+    monkeypatch.setattr(runtime.loader, "available_memory", lambda: 100_000)
+    with pytest.raises(ModelLoadError, match=r"/m: the weights need 1\.\d MB of memory \(as "
+                       r"torch\.float32\), only 0\.1 MB is available"):  # fmt: skip
+        load_model(d, stats=stats)
+    monkeypatch.undo()
+
+    from safetensors.torch import load_file
+
+    tensors = load_file(d / "model.safetensors")
+    save_file(
+        {**tensors, "model.layers.0.mlp.extra.weight": torch.ones(2)}, d / "model.safetensors"
+    )
+    with pytest.raises(ModelLoadError, match=r"model\.safetensors: unexpected tensor 'model\.layers"
+                       r"\.0\.mlp\.extra\.weight' for LlamaForCausalLM"):  # fmt: skip
+        load_model(d, stats=stats)
+
+    (d / "model.safetensors").unlink()
+    save_file(tensors, d / "a.safetensors")
+    save_file({"model.norm.weight": tensors["model.norm.weight"]}, d / "b.safetensors")
+    weight_map = {n: "a.safetensors" for n in tensors} | {"model.norm.weight": "b.safetensors"}
+    (d / "model.safetensors.index.json").write_text(json.dumps({"weight_map": weight_map}))
+    with pytest.raises(ModelLoadError, match=r"b\.safetensors: tensor 'model\.norm\.weight' is "
+                       r"also in .*a\.safetensors"):  # fmt: skip
+        load_model(d, stats=stats)
+    assert stats.bytes == 0

@@ -1,10 +1,13 @@
-"""The safetensors reader (runtime/weights.py): bit-identical to `safetensors` on single and
-sharded checkpoints with mixed dtypes and odd sizes, through O_DIRECT and through the page
-cache; every lie a file can tell is an error naming it."""
+"""The safetensors reader (runtime/weights.py) and the reader under it (runtime/shard_reader.py):
+bit-identical to `safetensors` on single and sharded checkpoints with mixed dtypes and odd sizes,
+through O_DIRECT and through the page cache; byte ranges scattered straight into memory exactly;
+a flipped byte caught by the manifest's checksums; every lie a file can tell is an error naming
+it."""
 
 from __future__ import annotations
 
 import json
+import random
 from pathlib import Path
 
 import pytest
@@ -12,7 +15,15 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from runtime.config import ModelLoadError
-from runtime.weights import ReadStats, drop_page_cache, load_safetensors, read_header
+from runtime.manifest import Manifest, ShardEntry, file_digests, write_manifest
+from runtime.shard_reader import ALIGN, Arena, FileRead, ShardReads, Span
+from runtime.weights import (
+    ReadStats,
+    chunk_checks,
+    drop_page_cache,
+    load_safetensors,
+    read_header,
+)
 
 
 def _tensors(seed: int) -> dict[str, torch.Tensor]:
@@ -29,7 +40,7 @@ def _tensors(seed: int) -> dict[str, torch.Tensor]:
     }
 
 
-def _save_packed(tensors: dict[str, torch.Tensor], path: Path) -> None:
+def save_packed(tensors: dict[str, torch.Tensor], path: Path) -> None:
     """A valid safetensors file with the tensors packed in the given order, no padding (the
     `safetensors` writer orders by alignment; other writers need not, so a tensor may sit at
     an offset that is not a multiple of its element size)."""
@@ -63,7 +74,7 @@ def test_bit_identical_to_safetensors(tmp_path: Path, direct: bool, shards: int)
         t = _tensors(i)
         t = {f"s{i}.{k}": v for k, v in t.items()}
         f = tmp_path / f"model-{i}.safetensors"
-        _save_packed(t, f)
+        save_packed(t, f)
         files.append(f)
         want.update(t)
         drop_page_cache(f)
@@ -76,6 +87,7 @@ def test_bit_identical_to_safetensors(tmp_path: Path, direct: bool, shards: int)
             g.view(torch.uint8) if g.numel() else g, w.view(torch.uint8) if w.numel() else w
         ), name
     assert stats.bytes == sum(f.stat().st_size for f in files)
+    assert stats.copied_bytes == 0  # a whole file into its arena: every byte read in place
     assert stats.copied == 4 * shards  # c, e, g, h sit at offsets their element size misses
     if direct:  # ext4 allows O_DIRECT
         assert stats.direct == shards and stats.buffered == 0
@@ -145,3 +157,117 @@ def test_every_header_is_checked_before_any_read(tmp_path: Path) -> None:
     with pytest.raises(ModelLoadError, match=r"b\.safetensors: truncated"):
         next(load_safetensors([good, bad], stats=stats))
     assert stats.bytes == 0  # nothing was read
+
+
+def test_overlapping_tensors_are_an_error(tmp_path: Path) -> None:
+    f = tmp_path / "m.safetensors"
+    save_packed({"a": torch.zeros(4), "b": torch.ones(4)}, f)
+    _rewrite_header(f, lambda h: h["b"].update(data_offsets=[8, 24]))
+    with pytest.raises(ModelLoadError, match=r"m\.safetensors: corrupt .*'a' and 'b' overlap"):
+        read_header(f)
+
+
+def write_checked_manifest(folder: Path, files: list[Path], chunk_bytes: int) -> Manifest:
+    """A manifest for `files` (in `folder`) with per-chunk checksums, as `edgeinfer pull` writes."""
+    shards = [ShardEntry(f.name, f.stat().st_size, file_digests(f, chunk_bytes)) for f in files]
+    manifest = Manifest(folder.name, "tests", chunk_bytes, shards)
+    write_manifest(folder, manifest)
+    return manifest
+
+
+def flip_byte(path: Path, offset: int) -> None:
+    with path.open("r+b") as f:
+        f.seek(offset)
+        b = f.read(1)
+        f.seek(offset)
+        f.write(bytes([b[0] ^ 0x01]))
+
+
+@pytest.mark.parametrize("direct", [True, False])
+def test_manifest_checks_every_chunk_and_names_a_corrupt_one(tmp_path: Path, direct: bool) -> None:
+    files = []
+    for i in range(2):
+        files.append(tmp_path / f"model-{i}.safetensors")
+        save_packed({f"s{i}.{k}": v for k, v in _tensors(10 + i).items()}, files[-1])
+    chunk = 64 << 10
+    manifest = write_checked_manifest(tmp_path, files, chunk)
+    stats = ReadStats()
+    got = {n: t for _, n, t in load_safetensors(files, 3, direct, stats, skip_cached=False,
+                                                manifest=manifest)}  # fmt: skip
+    assert stats.verified == sum(len(s.xxh3_64) for s in manifest.shards)
+    assert stats.direct == (2 if direct else 0)
+    assert torch.equal(got["s1.g.big"], _tensors(11)["g.big"])
+
+    flip_byte(files[1], 3 * chunk + 100)
+    with pytest.raises(
+        ModelLoadError,
+        match=rf"model-1\.safetensors: checksum mismatch in bytes {3 * chunk}\.\.{4 * chunk} ",
+    ):
+        list(load_safetensors(files, 3, direct, skip_cached=False, manifest=manifest))
+
+
+def _scatter(size: int, seed: int) -> tuple[list[Span], list[Arena]]:
+    """Disjoint spans over a file of `size` bytes, of every awkward length, into two arenas at
+    offsets that sit where the bytes do modulo ALIGN (read in place) or do not (copied)."""
+    rng = random.Random(seed)
+    arenas = [Arena(size + 64 * ALIGN), Arena(size + 64 * ALIGN)]
+    spans, pos, ends = [], rng.randrange(0, 3 * ALIGN), [0, 0]
+    while pos < size:
+        n = min(size - pos, rng.choice([1, 7, ALIGN - 1, ALIGN, ALIGN + 1, 5 * ALIGN + 3, 70_000]))
+        i = rng.randrange(2)
+        shift = 0 if rng.random() < 0.6 else rng.randrange(1, ALIGN)
+        at = ends[i] + (pos - ends[i]) % ALIGN + shift  # in line with the file, or `shift` off
+        spans.append(Span(pos, pos + n, arenas[i], at))
+        ends[i] = at + n
+        pos += n + rng.choice([0, 0, 1, 300, ALIGN])  # gaps: bytes nobody asked for
+    return spans, arenas
+
+
+@pytest.mark.parametrize("direct", [True, False])
+@pytest.mark.parametrize("chunk_kib", [16, 64])
+def test_spans_land_exactly_where_asked(tmp_path: Path, direct: bool, chunk_kib: int) -> None:
+    """The loader's reads: each span's bytes at its place, nothing written anywhere else, and the
+    checksum of chunks read into several places at once still checked (a flipped byte named)."""
+    f = tmp_path / "blob.bin"
+    data = random.Random(1).randbytes(600_001)
+    f.write_bytes(data)
+    chunk = chunk_kib << 10
+    manifest = write_checked_manifest(tmp_path, [f], chunk)
+    for seed in range(3):
+        spans, arenas = _scatter(len(data), seed)
+        stats = ReadStats()
+        reads = ShardReads([FileRead(f, len(data), spans)], threads=3, direct=direct,
+                           skip_cached=False, chunk_bytes=chunk,
+                           verify=chunk_checks(manifest)[1], stats=stats)  # fmt: skip
+        reads.wait(0)
+        reads.close()
+        assert stats.direct == direct and stats.verified == len(manifest.shards[0].xxh3_64)
+        assert 0 < stats.copied_bytes < sum(s.end - s.begin for s in spans)  # both kinds
+        expect = [bytearray(len(a.view)) for a in arenas]
+        for s in spans:
+            expect[arenas.index(s.arena)][s.offset : s.offset + s.end - s.begin] = data[
+                s.begin : s.end
+            ]
+        assert [bytes(a.view) for a in arenas] == [bytes(e) for e in expect], seed
+
+    flip_byte(f, len(data) - 5)
+    spans, _ = _scatter(len(data), 0)
+    reads = ShardReads([FileRead(f, len(data), spans)], direct=direct, skip_cached=False,
+                       chunk_bytes=chunk, verify=chunk_checks(manifest)[1])  # fmt: skip
+    with pytest.raises(ModelLoadError, match=r"blob\.bin: checksum mismatch in bytes"):
+        reads.wait(0)
+    reads.close()
+
+
+def test_a_file_that_shrinks_while_read_is_named(tmp_path: Path) -> None:
+    f = tmp_path / "m.safetensors"
+    save_file(_tensors(7), str(f))
+    arena = Arena(f.stat().st_size)
+    size = f.stat().st_size
+    f.write_bytes(f.read_bytes()[: size // 2])  # the header said more (checked before)
+    reads = ShardReads([FileRead(f, size, [Span(0, size, arena, 0)])], skip_cached=False)
+    with pytest.raises(
+        ModelLoadError, match=rf"m\.safetensors: truncated while reading \(\d+ of {size}"
+    ):
+        reads.wait(0)
+    reads.close()
