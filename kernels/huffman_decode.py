@@ -63,8 +63,13 @@ class CodedBF16:
         return self.offsets.numel() - 1
 
     def to(self, device: torch.device | str) -> CodedBF16:
-        return CodedBF16(self.table.to(device), self.offsets.to(device), self.sm.to(device),
-                         self.bits.to(device), self.chunk_elems)  # fmt: skip
+        return CodedBF16(
+            self.table.to(device),
+            self.offsets.to(device),
+            self.sm.to(device),
+            self.bits.to(device),
+            self.chunk_elems,
+        )
 
     def nbytes(self) -> int:
         """Memory it takes (the table aside, which is per tensor and small)."""
@@ -237,8 +242,9 @@ def _huffman_decode_kernel(
     tl.store(used_ptr + c, pos, mask=live)
 
 
-def decode_triton(coded: CodedBF16, out: torch.Tensor | None = None, check: bool = True,
-                  block: int = 64) -> torch.Tensor:  # fmt: skip
+def decode_triton(
+    coded: CodedBF16, out: torch.Tensor | None = None, check: bool = True, block: int = 64
+) -> torch.Tensor:
     """(n,) bfloat16 decoded by the Triton kernel, into `out` if given ((n,) bfloat16,
     contiguous, on the same device). `check`: raise CorruptStreamError if a chunk's codes ran
     past its bytes (a device sync; a caller decoding weights it checked at load skips it)."""
@@ -250,9 +256,18 @@ def decode_triton(coded: CodedBF16, out: torch.Tensor | None = None, check: bool
     used = torch.empty(coded.num_chunks, dtype=torch.int64, device=coded.sm.device)
     grid = (triton.cdiv(coded.num_chunks, block),)
     _huffman_decode_kernel[grid](
-        coded.table, coded.offsets, coded.sm, coded.bits, out.view(torch.int16), used,
-        n, coded.bits.numel(), coded.num_chunks, CHUNK=coded.chunk_elems, BLOCK=block,
-    )  # fmt: skip
+        coded.table,
+        coded.offsets,
+        coded.sm,
+        coded.bits,
+        out.view(torch.int16),
+        used,
+        n,
+        coded.bits.numel(),
+        coded.num_chunks,
+        CHUNK=coded.chunk_elems,
+        BLOCK=block,
+    )
     if check:
         _check_consumed(used, coded.offsets)
     return out
@@ -261,8 +276,10 @@ def decode_triton(coded: CodedBF16, out: torch.Tensor | None = None, check: bool
 def _check_inputs(coded: CodedBF16, out: torch.Tensor | None) -> None:
     n = coded.numel
     if coded.table.dtype != torch.int64 or coded.table.shape != (TABLE_SIZE,):
-        raise ValueError(f"table must be ({TABLE_SIZE},) int64, got {tuple(coded.table.shape)} "
-                         f"{coded.table.dtype}")  # fmt: skip
+        raise ValueError(
+            f"table must be ({TABLE_SIZE},) int64, got {tuple(coded.table.shape)} "
+            f"{coded.table.dtype}"
+        )
     if (
         coded.offsets.dtype != torch.int32
         or coded.offsets.numel() != -(-n // coded.chunk_elems) + 1
@@ -273,8 +290,12 @@ def _check_inputs(coded: CodedBF16, out: torch.Tensor | None) -> None:
         )
     if coded.sm.dtype != torch.uint8 or coded.bits.dtype != torch.uint8:
         raise ValueError(f"sm and bits must be uint8, got {coded.sm.dtype} and {coded.bits.dtype}")
-    if out is not None and (out.dtype != torch.bfloat16 or out.numel() != n
-                            or not out.is_contiguous() or out.device != coded.sm.device):  # fmt: skip
+    if out is not None and (
+        out.dtype != torch.bfloat16
+        or out.numel() != n
+        or not out.is_contiguous()
+        or out.device != coded.sm.device
+    ):
         raise ValueError(
             f"out must be a contiguous ({n},) bfloat16 tensor on {coded.sm.device}, got "
             f"{tuple(out.shape)} {out.dtype} on {out.device}"
@@ -285,20 +306,27 @@ def _check_inputs(coded: CodedBF16, out: torch.Tensor | None) -> None:
 # Dispatch
 
 
-def decode(coded: CodedBF16, out: torch.Tensor | None = None, threads: int | None = None,
-           check: bool = True) -> torch.Tensor:  # fmt: skip
+def decode(
+    coded: CodedBF16,
+    out: torch.Tensor | None = None,
+    threads: int | None = None,
+    check: bool = True,
+) -> torch.Tensor:
     """(n,) bfloat16 (into `out` if given): the Triton kernel on CUDA (`check` as there), the
-    C++ decoder on the CPU on `threads` threads (default: torch's). CorruptStreamError naming
-    the chunk if the stream is corrupt."""
+    C++ decoder on the CPU on up to `threads` threads (default: torch's). CorruptStreamError
+    naming the chunk if the stream is corrupt."""
     if coded.sm.is_cuda:
         return decode_triton(coded, out, check)
     _check_inputs(coded, out)
     out = torch.empty(coded.numel, dtype=torch.bfloat16) if out is None else out
-    return decode_cpu(coded, out, 0, coded.num_chunks, threads or torch.get_num_threads())
+    # a thread per million values at most: an OpenMP team costs more than a small tensor's decode
+    threads = min(threads or torch.get_num_threads(), 1 + coded.numel // (1 << 20))
+    return decode_cpu(coded, out, 0, coded.num_chunks, threads)
 
 
-def decode_cpu(coded: CodedBF16, out: torch.Tensor, first: int, last: int,
-               threads: int = 1) -> torch.Tensor:  # fmt: skip
+def decode_cpu(
+    coded: CodedBF16, out: torch.Tensor, first: int, last: int, threads: int = 1
+) -> torch.Tensor:
     """Decode chunks [first, last) of a CPU tensor into their places in `out` ((n,) bfloat16)
     with the C++ decoder (the GIL released; `threads` 1: on this thread alone, so that a loader
     can run many calls side by side on its own threads), or the reference where the decoder
@@ -310,8 +338,17 @@ def decode_cpu(coded: CodedBF16, out: torch.Tensor, first: int, last: int,
         lo, hi = first * coded.chunk_elems, min(coded.numel, last * coded.chunk_elems)
         out[lo:hi] = decode_reference(coded, first, last)
         return out
-    bad = ext.decode_bf16(out, coded.table, coded.offsets, coded.sm, coded.bits,
-                          coded.chunk_elems, first, last, threads)  # fmt: skip
+    bad = ext.decode_bf16(
+        out,
+        coded.table,
+        coded.offsets,
+        coded.sm,
+        coded.bits,
+        coded.chunk_elems,
+        first,
+        last,
+        threads,
+    )
     if bad >= 0:
         _corrupt(bad)
     return out

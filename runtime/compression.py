@@ -71,7 +71,7 @@ from kernels.huffman_decode import (
     decode_table,
 )
 from runtime.config import ModelLoadError
-from runtime.weights import ALIGN, CHUNK_BYTES, ReadStats, read_header
+from runtime.weights import ALIGN, CHUNK_BYTES, ReadStats, Shard, TensorEntry, read_header
 
 FORMAT = "edgeinfer-huffman-bf16/1"
 MANIFEST_NAME = "edgeinfer-compressed.json"
@@ -167,8 +167,9 @@ def encode_bf16(t: torch.Tensor, chunk_elems: int = CHUNK_ELEMS) -> np.ndarray |
     return record
 
 
-def _pack(exps: np.ndarray, lens: np.ndarray, codes: np.ndarray,
-          chunk_elems: int) -> tuple[np.ndarray, np.ndarray]:  # fmt: skip
+def _pack(
+    exps: np.ndarray, lens: np.ndarray, codes: np.ndarray, chunk_elems: int
+) -> tuple[np.ndarray, np.ndarray]:
     """The codes of whole chunks packed most significant bit first, each chunk starting on a
     byte: (bytes, each chunk's size in bytes). Vectorized: each code goes into the 64-bit word
     its first bit falls in (codes that cross a word boundary spill the rest into the next),
@@ -181,8 +182,11 @@ def _pack(exps: np.ndarray, lens: np.ndarray, codes: np.ndarray,
     pos = before + np.repeat(first - before[starts], np.diff(np.append(starts, exps.size)))
     word, bit = pos >> 6, pos & 63
     room = 64 - bit - lens  # < 0: the code crosses into the next word
-    hi = np.where(room >= 0, codes << np.maximum(room, 0).astype(np.uint64),
-                  codes >> np.maximum(-room, 0).astype(np.uint64))  # fmt: skip
+    hi = np.where(
+        room >= 0,
+        codes << np.maximum(room, 0).astype(np.uint64),
+        codes >> np.maximum(-room, 0).astype(np.uint64),
+    )
     total = int(sizes.sum())
     words = np.zeros(total // 8 + 2, dtype=np.uint64)
     group = np.flatnonzero(np.diff(word, prepend=-1))
@@ -212,7 +216,7 @@ def parse_record(record: torch.Tensor, numel: int) -> CodedBF16:
     lengths = np.stack([packed & 15, packed >> 4], axis=1).ravel()
     table = decode_table(lengths)  # rejects anything but a complete prefix code
     offsets = record[_HEAD_BYTES:at].view(torch.int32)
-    if (offsets[0] != 0 or offsets[-1] != nbytes or bool((offsets[1:] < offsets[:-1]).any())):  # fmt: skip
+    if offsets[0] != 0 or offsets[-1] != nbytes or bool((offsets[1:] < offsets[:-1]).any()):
         raise CorruptStreamError("chunk offsets are not in order from 0 to the stream's end")
     return CodedBF16(table, offsets, record[at : at + n], record[at + n :], chunk_elems)
 
@@ -291,12 +295,34 @@ def read_manifest(folder: str | os.PathLike[str]) -> CompressedManifest:
             if "/" in f or f.startswith(".") or not f.endswith(SUFFIX):
                 raise ValueError(f"shard {f!r} is not a plain *{SUFFIX} file name")
         sums = {str(k): str(v["xxh3_64"]) for k, v in raw["tensors"].items()}
-        return CompressedManifest(str(raw.get("source", "")), shards, sums, int(raw["bf16_bytes"]),
-                                  list(raw.get("cast_from", [])), str(raw.get("created", "")))  # fmt: skip
+        return CompressedManifest(
+            str(raw.get("source", "")),
+            shards,
+            sums,
+            int(raw["bf16_bytes"]),
+            list(raw.get("cast_from", [])),
+            str(raw.get("created", "")),
+        )
     except OSError as e:
         raise ModelLoadError(f"{path}: cannot read ({e})") from e
     except (json.JSONDecodeError, AttributeError, KeyError, TypeError, ValueError) as e:
         raise ModelLoadError(f"{path}: corrupt manifest ({e})") from e
+
+
+def shard_headers(folder: str | os.PathLike[str]) -> list[Shard]:
+    """Every shard's tensors as runtime.weights describes a safetensors shard's, so the loader
+    can map and check them against the model before anything is read. A tensor's begin..end
+    is its record's start and its size once decoded (not the record's size)."""
+    folder = Path(folder)
+    out = []
+    for file, size in read_manifest(folder).shards.items():
+        shard = read_shard(folder / file, size)
+        entries = [
+            TensorEntry(t.name, t.dtype, t.shape, t.begin, t.begin + t.numel() * t.dtype.itemsize)
+            for t in shard.tensors
+        ]
+        out.append(Shard(shard.path, size, 0, entries))
+    return out
 
 
 def read_shard(path: Path, expected_size: int | None = None) -> CompressedShard:
@@ -321,8 +347,14 @@ def read_shard(path: Path, expected_size: int | None = None) -> CompressedShard:
     try:
         for t in raw["tensors"]:
             begin, end = (data + int(x) for x in t["data_offsets"])
-            entry = RecordEntry(str(t["name"]), _DTYPES[t["dtype"]],
-                                tuple(int(d) for d in t["shape"]), str(t["encoding"]), begin, end)  # fmt: skip
+            entry = RecordEntry(
+                str(t["name"]),
+                _DTYPES[t["dtype"]],
+                tuple(int(d) for d in t["shape"]),
+                str(t["encoding"]),
+                begin,
+                end,
+            )
             raw_bytes = entry.numel() * entry.dtype.itemsize
             if entry.encoding == "raw" and end - begin != raw_bytes:
                 raise ValueError(f"{entry.name!r} needs {raw_bytes} bytes, has {end - begin}")
@@ -364,9 +396,15 @@ class CompressSummary:
         return self.compressed_bytes / self.bf16_bytes if self.bf16_bytes else 1.0
 
 
-def compress_model(src: str | os.PathLike[str], out: str | os.PathLike[str], *,
-                   cast_bf16: bool = False, chunk_elems: int = CHUNK_ELEMS, threads: int = 2,
-                   progress: Progress | None = None) -> CompressSummary:  # fmt: skip
+def compress_model(
+    src: str | os.PathLike[str],
+    out: str | os.PathLike[str],
+    *,
+    cast_bf16: bool = False,
+    chunk_elems: int = CHUNK_ELEMS,
+    threads: int = 2,
+    progress: Progress | None = None,
+) -> CompressSummary:
     """Write a compressed copy of Hugging Face folder `src` into `out` (which must not exist or
     be empty). `cast_bf16`: cast float16/float32 tensors to bfloat16 first (lossy); without it
     such a model is refused. Refuses a model that is already compressed, has no float tensors,
@@ -417,7 +455,8 @@ def compress_model(src: str | os.PathLike[str], out: str | os.PathLike[str], *,
         if summary.compressed_bytes >= summary.bf16_bytes:
             raise CompressError(
                 f"{src}: does not compress ({summary.compressed_bytes} bytes against "
-                f"{summary.bf16_bytes}: its exponents are close to random); nothing written"
+                f"{summary.bf16_bytes}: exponents close to random, or tensors too small to pay "
+                "for the headers); nothing written"
             )
         _copy_extras(src, tmp, cast=bool(other))
         (tmp / MANIFEST_NAME).write_text(json.dumps(manifest.to_json(), indent=1) + "\n")
@@ -449,17 +488,27 @@ def entropy_floor_bytes(t: torch.Tensor) -> float:
     return exps.size * (1 + float(-(p * np.log2(p)).sum()) / 8)
 
 
-def _write_shard(path: Path, tensors: list[tuple[str, torch.Tensor]],
-                 records: list[tuple[np.ndarray | None, float]], manifest: CompressedManifest,
-                 summary: CompressSummary) -> int:  # fmt: skip
+def _write_shard(
+    path: Path,
+    tensors: list[tuple[str, torch.Tensor]],
+    records: list[tuple[np.ndarray | None, float]],
+    manifest: CompressedManifest,
+    summary: CompressSummary,
+) -> int:
     """Write one shard (header, then the records in order, each 64-aligned); returns its size."""
     header, blobs, offset = [], [], 0
     for (name, t), (rec, floor) in zip(tensors, records, strict=True):
         blob = rec if rec is not None else t.contiguous().reshape(-1).view(torch.uint8).numpy()
         offset += -offset % RECORD_ALIGN
-        header.append({"name": name, "dtype": _NAMES[t.dtype], "shape": list(t.shape),
-                       "encoding": "raw" if rec is None else "huffman",
-                       "data_offsets": [offset, offset + blob.size]})  # fmt: skip
+        header.append(
+            {
+                "name": name,
+                "dtype": _NAMES[t.dtype],
+                "shape": list(t.shape),
+                "encoding": "raw" if rec is None else "huffman",
+                "data_offsets": [offset, offset + blob.size],
+            }
+        )
         blobs.append((offset, blob))
         offset += blob.size
         manifest.checksums[name] = xxhash.xxh3_64_hexdigest(blob.data)
@@ -509,8 +558,9 @@ class _ShardReader:
     in file order (O_DIRECT when `direct`, unless the filesystem refuses it); `wait(end)`
     returns once bytes [0, end) are in."""
 
-    def __init__(self, shard: CompressedShard, pool: ThreadPoolExecutor, direct: bool,
-                 stats: ReadStats) -> None:  # fmt: skip
+    def __init__(
+        self, shard: CompressedShard, pool: ThreadPoolExecutor, direct: bool, stats: ReadStats
+    ) -> None:
         self.shard = shard
         buf = mmap.mmap(-1, max(ALIGN, -(-shard.size // ALIGN) * ALIGN))  # page-aligned
         self.arena, self.view = torch.frombuffer(buf, dtype=torch.uint8), memoryview(buf)
@@ -546,8 +596,10 @@ class _ShardReader:
                 raise ModelLoadError(f"{self.shard.path}: cannot read ({e})") from e
             want = min(CHUNK_BYTES, self.shard.size - self.ready * CHUNK_BYTES)
             if got < want:
-                raise ModelLoadError(f"{self.shard.path}: truncated while reading (at byte "
-                                     f"{self.ready * CHUNK_BYTES + got} of {self.shard.size})")  # fmt: skip
+                raise ModelLoadError(
+                    f"{self.shard.path}: truncated while reading (at byte "
+                    f"{self.ready * CHUNK_BYTES + got} of {self.shard.size})"
+                )
             self.ready += 1
 
     def close(self) -> None:
@@ -557,9 +609,13 @@ class _ShardReader:
         os.close(self.fd)
 
 
-def load_compressed(folder: str | os.PathLike[str], threads: int = 4,
-                    stats: ReadStats | None = None, direct: bool = True,
-                    decode_threads: int | None = None) -> Iterator[tuple[str, str, torch.Tensor]]:  # fmt: skip
+def load_compressed(
+    folder: str | os.PathLike[str],
+    threads: int = 4,
+    stats: ReadStats | None = None,
+    direct: bool = True,
+    decode_threads: int | None = None,
+) -> Iterator[tuple[str, str, torch.Tensor]]:
     """(file, tensor name, tensor) for every tensor of a compressed folder, in file order, as
     runtime.weights.load_safetensors gives them for a plain one. The manifest and every shard
     header are checked first; then the shards are read by `threads` threads (the next one
@@ -575,8 +631,9 @@ def load_compressed(folder: str | os.PathLike[str], threads: int = 4,
     names = {t.name for s in shards for t in s.tensors}
     if names != set(manifest.checksums):
         odd = sorted(names ^ set(manifest.checksums))[:3]
-        raise ModelLoadError(f"{folder / MANIFEST_NAME}: lists other tensors than the shards "
-                             f"hold (e.g. {odd})")  # fmt: skip
+        raise ModelLoadError(
+            f"{folder / MANIFEST_NAME}: lists other tensors than the shards hold (e.g. {odd})"
+        )
     workers = decode_threads or torch.get_num_threads()
     readers: list[_ShardReader] = []
     pending: deque[_Pending] = deque()
@@ -634,8 +691,9 @@ class _Pending:
         return self.file, self.name, self.tensor
 
 
-def _submit(pool: ThreadPoolExecutor, reader: _ShardReader, entry: RecordEntry,
-            checksum: str) -> _Pending:  # fmt: skip
+def _submit(
+    pool: ThreadPoolExecutor, reader: _ShardReader, entry: RecordEntry, checksum: str
+) -> _Pending:
     """Check a record that has been read and queue its decoding."""
     where = f"{reader.shard.path}: tensor {entry.name!r}"
     got = xxhash.xxh3_64_hexdigest(reader.view[entry.begin : entry.end])
@@ -646,16 +704,20 @@ def _submit(pool: ThreadPoolExecutor, reader: _ShardReader, entry: RecordEntry,
         )
     record = reader.arena[entry.begin : entry.end]
     if entry.encoding == "raw":
-        return _Pending(str(reader.shard.path), entry.name, record.view(entry.dtype).view(entry.shape), [])  # fmt: skip
+        return _Pending(
+            str(reader.shard.path), entry.name, record.view(entry.dtype).view(entry.shape), []
+        )
     try:
         coded = parse_record(record, entry.numel())
     except CorruptStreamError as e:
         raise ModelLoadError(f"{where}: {e}") from e
     out = torch.empty(entry.shape, dtype=torch.bfloat16)
     tasks = [
-        pool.submit(_decode_task, coded, out.view(-1), c, min(c + _TASK_CHUNKS, coded.num_chunks), where)
+        pool.submit(
+            _decode_task, coded, out.view(-1), c, min(c + _TASK_CHUNKS, coded.num_chunks), where
+        )
         for c in range(0, coded.num_chunks, _TASK_CHUNKS)
-    ]  # fmt: skip
+    ]
     return _Pending(str(reader.shard.path), entry.name, out, tasks)
 
 
@@ -673,6 +735,7 @@ def _decode_task(coded: CodedBF16, out: torch.Tensor, first: int, last: int, whe
 @dataclass(slots=True)
 class _Slot:
     param: nn.Parameter
+    shape: torch.Size  # its own (the parameter holds an empty tensor between uses)
     coded: CodedBF16
     offset: int  # in the shared buffer, in values
 
@@ -684,11 +747,18 @@ class CompressedBlocks:
     parameters are views of that buffer until the block returns. Weights that do not compress
     stay as they are. `release()` restores dense weights and removes the hooks."""
 
-    def __init__(self, blocks: Sequence[nn.Module], device: torch.device | str | None = None,
-                 chunk_elems: int = CHUNK_ELEMS) -> None:  # fmt: skip
+    def __init__(
+        self,
+        blocks: Sequence[nn.Module],
+        device: torch.device | str | None = None,
+        chunk_elems: int = CHUNK_ELEMS,
+    ) -> None:
         first = next((p for b in blocks for p in b.parameters()), None)
-        self.device = torch.device(device) if device is not None else (
-            first.device if first is not None else torch.device("cpu"))  # fmt: skip
+        self.device = (
+            torch.device(device)
+            if device is not None
+            else (first.device if first is not None else torch.device("cpu"))
+        )
         self.dense_bytes = 0  # what the compressed weights took before
         self.compressed_bytes = 0
         self._blocks: list[list[_Slot]] = []
@@ -702,7 +772,7 @@ class CompressedBlocks:
                 if rec is None:
                     continue
                 coded = parse_record(torch.from_numpy(rec), p.numel()).to(self.device)
-                slots.append(_Slot(p, coded, used))
+                slots.append(_Slot(p, p.shape, coded, used))
                 self.dense_bytes += p.numel() * 2
                 self.compressed_bytes += coded.nbytes()
                 used += -(-p.numel() // 32) * 32  # 64-byte aligned views
@@ -730,7 +800,7 @@ class CompressedBlocks:
         for s in slots:
             view = self.buffer[s.offset : s.offset + s.coded.numel]
             decode(s.coded, out=view, check=False)
-            s.param.data = view.view(s.param.shape)
+            s.param.data = view.view(s.shape)
 
     def release(self) -> None:
         for h in self._hooks:

@@ -1,4 +1,4 @@
-// Huffman-coded bfloat16 exponents back to bfloat16, on the CPU (the format: kernels/huffman_decode.py).
+// Huffman-coded bfloat16 exponents back to bfloat16 on the CPU (format: kernels/huffman_decode.py).
 //
 // A tensor of n values arrives as its sign+mantissa bytes `sm` (n,), its exponents coded chunk by
 // chunk in `bits` (each chunk of chunk_elems values starts on a byte; `offsets` (n_chunks + 1,)
