@@ -70,7 +70,7 @@ class LLMEngine:
         """`weights`: the load of `config.model` in `config.dtype` that the caller started
         already (`runtime.loader.start_load`: a worker starts it before its heavier imports);
         by default the engine starts it. The tokenizer, the scheduler, the kernels and the KV
-        cache are set up while the weights are read; then a warm-up step."""
+        cache are set up while the weights are read."""
         if config.num_threads:
             torch.set_num_threads(config.num_threads)
         self.config = config
@@ -126,10 +126,10 @@ class LLMEngine:
         self.runner = ModelRunner(
             self.model, num_blocks, config.block_size, config.attention, config.cpu_kernels
         )
+        # No warm-up step: on the CPU a first request is as fast as the next (measured: a
+        # prefill + decode warm-up took 0.11 s and saved the first request 0.00-0.04 s).
         t_placement = time.perf_counter()
         weights.finish()
-        t_warm = time.perf_counter()
-        self.runner.warm_up()
         read = weights.stats
         self.startup = Startup(
             phases={
@@ -139,7 +139,6 @@ class LLMEngine:
                 **self.runner.startup,
                 # waiting for the read, if it is still going, is not placement
                 "placement": (max(t_placement, read.finished), weights.placed),
-                "warm-up": (t_warm, time.perf_counter()),
             },
             read=read,
         )

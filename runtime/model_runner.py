@@ -72,26 +72,6 @@ class ModelRunner:
         self.startup = {"kernels": (t0, t1), "KV cache": (t1, time.perf_counter())}
 
     @torch.inference_mode()
-    def warm_up(self) -> None:
-        """Run a 2-token prefill and a 1-token decode through the model (slots 0-2 of block 0,
-        which any request overwrites before reading), so that the first request does not pay
-        for first-call set-up (kernel and allocator initialisation) in its time to first token."""
-        prefill = PagedAttentionMetadata(
-            slot_mapping=torch.arange(2),
-            block_size=self.block_size,
-            decode_impl=self.decode_impl,
-            prefills=[PrefillChunk(query_start=0, query_len=2, context_len=0)],
-        )
-        decode = PagedAttentionMetadata(
-            slot_mapping=torch.tensor([2]), block_size=self.block_size, decode_impl=self.decode_impl
-        )
-        decode.decodes = self._decode_groups([[0]], [3])
-        for ids, meta in ((torch.tensor([0, 0]), prefill), (torch.tensor([0]), decode)):
-            positions = torch.arange(len(ids)) + (2 if len(ids) == 1 else 0)
-            hidden = self.model(ids, StepContext(positions=positions, attn=meta), self.kv_caches)
-            self.model.logits(hidden[-1:])
-
-    @torch.inference_mode()
     def execute(
         self, out: SchedulerOutput, block_tables: dict[str, list[int]]
     ) -> tuple[dict[str, int], dict[str, TokenLogprobs]]:

@@ -21,7 +21,6 @@ worker can start reading its weights before torch has finished importing.
 from __future__ import annotations
 
 import bisect
-import contextlib
 import ctypes
 import mmap
 import os
@@ -50,20 +49,13 @@ def _round_up(n: int, to: int = ALIGN) -> int:
 
 class Arena:
     """Page-aligned anonymous memory: zero until written, pages committed only when touched.
-
-    Large arenas ask for transparent huge pages (fewer faults while reading into them, fewer TLB
-    misses when a matmul streams the weights). Tensors are views of `tensor()`; the memory lives
-    as long as any of them does.
-    """
+    Tensors are views of `tensor()`; the memory lives as long as any of them does."""
 
     __slots__ = ("addr", "buf", "nbytes", "view")
 
     def __init__(self, nbytes: int):
         self.nbytes = _round_up(max(nbytes, 1))
         self.buf = mmap.mmap(-1, self.nbytes)
-        if self.nbytes >= 2 << 20:
-            with contextlib.suppress(OSError):  # THP compiled out: plain pages
-                self.buf.madvise(mmap.MADV_HUGEPAGE)
         self.view = memoryview(self.buf)
         self.addr = ctypes.addressof(ctypes.c_char.from_buffer(self.buf))
 
