@@ -119,8 +119,22 @@ def _canonical_order(lengths: np.ndarray) -> np.ndarray:
 
 
 def decode_table(lengths: np.ndarray) -> torch.Tensor:
-    """The (TABLE_SIZE,) int64 multi-symbol decode table of a code (see the module docstring);
-    CorruptStreamError if `lengths` is not a complete prefix code."""
+    """The (TABLE_SIZE,) int64 multi-symbol decode table of a code (see the module docstring),
+    built by the C++ extension where it is available; CorruptStreamError if `lengths` is not a
+    complete prefix code."""
+    from kernels.cpu_ext import load_huffman
+
+    lengths = check_lengths(lengths)
+    ext = load_huffman()
+    return (
+        decode_table_reference(lengths)
+        if ext is None
+        else ext.build_table(torch.from_numpy(lengths))
+    )
+
+
+def decode_table_reference(lengths: np.ndarray) -> torch.Tensor:
+    """decode_table in numpy."""
     lengths = check_lengths(lengths)
     order = _canonical_order(lengths)
     span = 1 << (CODE_BITS - lengths[order])

@@ -229,6 +229,30 @@ def test_compressed_folder_loads_bit_identical(tmp_path: Path, shards: int) -> N
         assert torch.equal(a, b), name
 
 
+def test_tensors_decode_straight_into_given_destinations(tmp_path: Path) -> None:
+    """`into`: a parameter's rows take the decoded values in place (or converted, for float32)."""
+    want = _mixed()
+    compress_model(_folder(tmp_path / "src", want), tmp_path / "out", chunk_elems=1024)
+    big = torch.empty(2, *want["w.big"].shape, dtype=torch.bfloat16)  # rows of a larger tensor
+    dests = {
+        "w.big": big[1],
+        "w.normal": torch.empty(300, 700),
+        "ids": torch.empty(17, dtype=torch.int64),
+    }
+    got = {n: t for _, n, t in load_compressed(tmp_path / "out", into=dests.get)}
+    assert got["w.big"].data_ptr() == big[1].data_ptr()
+    assert torch.equal(_bits(big[1]), _bits(want["w.big"]))
+    assert got["w.normal"] is dests["w.normal"]
+    assert torch.equal(dests["w.normal"], want["w.normal"].float())
+    assert torch.equal(dests["ids"], want["ids"])
+    with pytest.raises(
+        ModelLoadError, match=r"tensor 'ids' has shape \(17,\), its destination \(3,\)"
+    ):
+        list(
+            load_compressed(tmp_path / "out", into=lambda n: torch.empty(3) if n == "ids" else None)
+        )
+
+
 def test_cast_to_bfloat16_on_request(tmp_path: Path) -> None:
     f32 = {"a": torch.randn(64, 100) * 0.05, "b": torch.randn(33).half(), "n": torch.arange(4)}
     src = _folder(tmp_path / "src", f32)
