@@ -24,6 +24,7 @@ from kernels.huffman_decode import (
     decode,
     decode_reference,
     decode_table,
+    decode_table_reference,
 )
 from runtime.compression import (
     MANIFEST_NAME,
@@ -91,6 +92,13 @@ def test_code_lengths_are_bounded_complete_and_optimal() -> None:
     hist = np.bincount(rng.geometric(0.4, 10_000).clip(max=10), minlength=256)
     lengths = code_lengths(hist)
     assert (lengths * hist).sum() == _huffman_cost(hist)
+
+
+def test_decode_table_from_cpp_equals_the_reference() -> None:
+    rng = np.random.default_rng(1)
+    for hist in (rng.integers(0, 50, 256), np.array([3] + [0] * 255), np.arange(256) ** 3):
+        lengths = code_lengths(hist)
+        assert torch.equal(decode_table(lengths), decode_table_reference(lengths))
 
 
 def _huffman_cost(hist: np.ndarray) -> int:
