@@ -281,6 +281,7 @@ def decode_triton(
         coded.num_chunks,
         CHUNK=coded.chunk_elems,
         BLOCK=block,
+        num_warps=max(1, block // 32),  # a lane per chunk, no lane doing another's work
     )
     if check:
         _check_consumed(used, coded.offsets)
