@@ -47,6 +47,7 @@ import json
 import os
 import shutil
 import struct
+import threading
 import time
 import uuid
 from collections import deque
@@ -564,7 +565,12 @@ class _ShardReader:
     returns once bytes [0, end) are in."""
 
     def __init__(
-        self, shard: CompressedShard, pool: ThreadPoolExecutor, direct: bool, stats: ReadStats
+        self,
+        shard: CompressedShard,
+        pool: ThreadPoolExecutor,
+        direct: bool,
+        stats: ReadStats,
+        lock: threading.Lock,
     ) -> None:
         self.shard = shard
         buf = Arena(shard.size)  # page-aligned, huge pages where it is large
@@ -579,6 +585,7 @@ class _ShardReader:
             self.direct = direct
         except OSError:  # tmpfs and some filesystems refuse O_DIRECT
             self.fd = os.open(shard.path, os.O_RDONLY)
+        self.stats, self.lock = stats, lock  # the lock guards the stats' read times
         stats.bytes += shard.size
         stats.direct += self.direct
         stats.buffered += not self.direct
@@ -597,12 +604,16 @@ class _ShardReader:
 
     def _read(self, offset: int) -> int:
         length = min(PIECE_BYTES, len(self.view) - offset)
-        got = 0
+        got, t0 = 0, time.perf_counter()
         while got < length:  # a buffered read may come back short; O_DIRECT only at EOF
             n = os.preadv(self.fd, [self.view[offset + got : offset + length]], offset + got)
             if n == 0:
                 break
             got += n
+        st, t1 = self.stats, time.perf_counter()
+        with self.lock:
+            st.started = min(st.started, t0) if st.started else t0
+            st.finished = max(st.finished, t1)
         return got
 
     def wait(self, end: int) -> None:
@@ -643,8 +654,10 @@ def load_compressed(
     Raw tensors are views of the read buffer, decoded ones views of one output buffer per shard.
     `into(name)`: where tensor `name` goes instead (a tensor of its shape, e.g. a parameter's
     rows; None: as above): it is decoded straight into it (or converted into it, if its dtype
-    differs), and it is what is yielded. ModelLoadError naming the file, and the tensor, for a
-    missing, truncated or corrupt file."""
+    differs), and it is what is yielded. `stats`: the bytes read, the files read with O_DIRECT
+    or buffered, and when the reads started and finished (`seconds` between the two, set at the
+    end). ModelLoadError naming the file, and the tensor, for a missing, truncated or corrupt
+    file."""
     stats = stats if stats is not None else ReadStats()
     folder = Path(folder)
     manifest = read_manifest(folder)
@@ -661,13 +674,12 @@ def load_compressed(
     io = ThreadPoolExecutor(max(1, threads), thread_name_prefix="weights")
     dec = ThreadPoolExecutor(max(1, workers), thread_name_prefix="decode")
     submitted = -1  # the shards whose tensors are all queued: 0..submitted
-    t0 = time.perf_counter()
+    lock = threading.Lock()
 
     def hand_over(limit: int) -> Iterator[tuple[str, str, torch.Tensor]]:
         """Yield the finished tensors at the head of the queue, and wait for the head while
         more than `limit` are queued. A shard all of whose tensors are handed over is closed
         and its read buffer dropped on a read thread (freeing it is not free)."""
-        nonlocal t0
         while pending and (len(pending) > limit or pending[0].done()):
             item = pending.popleft()
             out = item.result()
@@ -677,16 +689,14 @@ def load_compressed(
                 if closing is not None:
                     io.submit(closing.close)
                 del closing  # the read thread holds the last reference
-            stats.seconds += time.perf_counter() - t0
             yield out
-            t0 = time.perf_counter()
 
     try:
         for k, shard in enumerate(shards):
             if k == 0:
-                readers.append(_ShardReader(shard, io, direct, stats))
+                readers.append(_ShardReader(shard, io, direct, stats, lock))
             if k + 1 < len(shards):  # queue the next shard behind this one
-                readers.append(_ShardReader(shards[k + 1], io, direct, stats))
+                readers.append(_ShardReader(shards[k + 1], io, direct, stats, lock))
             reader = readers[k]
             assert reader is not None
             for i, entry in enumerate(shard.tensors):
@@ -699,6 +709,7 @@ def load_compressed(
                 yield from hand_over(4 * workers)  # wait only when enough work is queued
             del reader
         yield from hand_over(0)
+        stats.seconds = stats.finished - stats.started
     finally:
         for item in pending:
             for task in item.tasks:

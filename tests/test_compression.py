@@ -42,6 +42,7 @@ from runtime.compression import (
 from runtime.config import ModelLoadError
 from runtime.llm import LLM
 from runtime.sampling_params import SamplingParams
+from runtime.weights import ReadStats
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -224,8 +225,11 @@ def test_compressed_folder_loads_bit_identical(tmp_path: Path, shards: int) -> N
     assert (out / "tokenizer.json").is_file() and not (
         out / "model.safetensors.index.json"
     ).exists()
-    got = {name: t for _, name, t in load_compressed(out, decode_threads=2)}
+    stats = ReadStats()
+    got = {name: t for _, name, t in load_compressed(out, decode_threads=2, stats=stats)}
     want = _mixed()
+    assert stats.bytes == sum(f.stat().st_size for f in out.glob("*.ei11"))
+    assert stats.direct + stats.buffered == shards and stats.seconds > 0
     entries = [t for shard in shard_headers(out) for t in shard.tensors]  # what the loader maps
     assert {t.name: (t.dtype, t.shape, t.end - t.begin) for t in entries} == {
         n: (t.dtype, tuple(t.shape), t.numel() * t.element_size()) for n, t in want.items()
