@@ -111,6 +111,15 @@ def cached(cache_dir: Path, path: Path) -> DriveRate | None:
         return None
 
 
+def describe(cache_dir: Path, path: Path) -> str:
+    """The remembered figure for `path`'s drive in words (for a start-up timeline), or how to
+    measure it."""
+    rate = cached(cache_dir, path)
+    if rate is None:
+        return f"the drive's rate not measured yet: edgeinfer drive-rate {path}"
+    return f"the drive {rate.gb_per_s:.2f} GB/s (dd-like O_DIRECT read, {rate.measured[:10]})"
+
+
 def _load(cache: Path) -> dict[str, Any]:
     try:
         raw = json.loads(cache.read_text(encoding="utf-8"))

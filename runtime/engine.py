@@ -52,6 +52,23 @@ class Startup:
     def ready(self) -> float:
         return max(end for _, end in self.phases.values())
 
+    def timeline(self, process_start: float, imports_done: float, drive: str) -> str:
+        """One line for a worker's log: each phase as seconds since the process started (its
+        imports first), and the weight read's GB/s beside the drive's (`drive` says it)."""
+        read, files = self.read, self.read.direct + self.read.buffered
+        checked = f", {read.verified} chunks checked" if read.verified else ", no manifest to check"
+        parts = [f"imports 0.00-{imports_done - process_start:.2f}"]
+        for name, (start, end) in sorted(self.phases.items(), key=lambda kv: kv[1][0]):
+            part = f"{name} {start - process_start:.2f}-{end - process_start:.2f}"
+            if name == "weights read":
+                part += (
+                    f" ({read.bytes / 1e9:.2f} GB at {read.gb_per_s:.2f} GB/s; {drive}; "
+                    f"{read.direct} of {files} files O_DIRECT{checked})"
+                )
+            parts.append(part)
+        parts.append(f"ready {self.ready - process_start:.2f} (seconds since the process started)")
+        return "start-up: " + " | ".join(parts)
+
 
 @dataclass(slots=True, eq=False)
 class RequestGroup:
