@@ -280,9 +280,11 @@ class ShardReads:
             self._pool.shutdown()  # the threads and their scratch chunks go
 
     def close(self) -> None:
-        """Stop: queued chunks are dropped, running ones finish; every file is closed."""
+        """Stop: queued chunks are dropped, running ones finish; every file is closed, and the
+        spans (and through them the memory they point into) are let go."""
         self._pool.shutdown(wait=True, cancel_futures=True)
         self._close_files()
+        self._files = []
 
     def _close_files(self) -> None:
         for f in self._files:

@@ -104,6 +104,27 @@ def test_cached_file_is_read_through_the_page_cache(tmp_path: Path) -> None:
     assert torch.equal(got["g.big"], load_file(str(f))["g.big"])
 
 
+def test_o_direct_refused_falls_back_to_buffered_reads(tmp_path: Path, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    """As on filesystems that refuse O_DIRECT (tmpfs before Linux 6.6, some FUSE and network
+    filesystems): open() fails with EINVAL, and the file is read through the page cache."""
+    import errno
+    import os
+
+    real_open = os.open
+
+    def refusing_open(path, flags, *args):  # type: ignore[no-untyped-def]
+        if flags & os.O_DIRECT:
+            raise OSError(errno.EINVAL, "Invalid argument")
+        return real_open(path, flags, *args)
+
+    f = tmp_path / "m.safetensors"
+    save_file(_tensors(8), str(f))
+    monkeypatch.setattr(os, "open", refusing_open)
+    got, stats = _read([f], direct=True, skip_cached=False)
+    assert stats.buffered == 1 and stats.direct == 0
+    assert torch.equal(got["g.big"], load_file(str(f))["g.big"])
+
+
 def _rewrite_header(f: Path, edit) -> None:  # type: ignore[no-untyped-def]
     raw = f.read_bytes()
     n = int.from_bytes(raw[:8], "little")
