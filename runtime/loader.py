@@ -24,6 +24,7 @@ import hashlib
 import json
 import os
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -164,34 +165,19 @@ def start_load(
     model = LlamaForCausalLM(cfg, torch_dtype, max_model_len or cfg.max_model_len)
     pieces = _map_tensors(model, shards)
 
-    # Where everything goes: parameters in one arena, tensors to convert in a staging one.
     params = dict(model.named_parameters())
-    size = torch_dtype.itemsize
-    offsets: dict[str, int] = {}
-    end = 0
-    for name, group in _by_param(pieces).items():
-        anchor = max((p for p in group if p.tensor.dtype == torch_dtype),
-                     key=lambda p: p.nbytes, default=None)  # fmt: skip
-        want = (anchor.tensor.begin - anchor.row * _row_bytes(params[name])) if anchor else 0
-        offsets[name] = _congruent(end, want, size)
-        end = offsets[name] + params[name].numel() * size
-    staged = [p for p in pieces if p.tensor.dtype != torch_dtype]
-    stage_at: dict[int, int] = {}
-    stage_end = 0
-    for p in staged:
-        stage_at[id(p)] = _congruent(stage_end, p.tensor.begin, p.tensor.dtype.itemsize)
-        stage_end = stage_at[id(p)] + p.tensor.end - p.tensor.begin
+    at, end, stage_at, stage_end = _layout(pieces, params, torch_dtype)
     need, have = end + stage_end, available_memory()
     if need > have:
         raise ModelLoadError(
             f"{path}: the weights need {_size(need)} of memory (as {torch_dtype}), only "
             f"{_size(have)} is available"
         )
-    arena, staging = Arena(end), Arena(stage_end) if staged else None
+    arena, staging = Arena(end), Arena(stage_end) if stage_at else None
     whole, stage = arena.tensor(), staging.tensor() if staging else None
     for name, param in params.items():
-        o = offsets[name]
-        param.data = whole[o : o + param.numel() * size].view(torch_dtype).view(param.shape)
+        o = at[name]
+        param.data = whole[o : o + param.nbytes].view(torch_dtype).view(param.shape)
 
     spans: dict[Path, list[Span]] = {s.path: [] for s in shards}
     conversions: dict[Path, list[tuple[torch.Tensor, torch.Tensor]]] = {s.path: [] for s in shards}
@@ -200,7 +186,7 @@ def start_load(
         t, param = p.tensor, params[p.param]
         dest = param.data.narrow(0, p.row, t.shape[0] if t.shape else 1)
         if t.dtype == torch_dtype:
-            o = offsets[p.param] + p.row * _row_bytes(param)
+            o = at[p.param] + p.row * _row_bytes(param)
             spans[p.shard.path].append(Span(t.begin, t.end, arena, o))
             st.copied += (o - t.begin) % ALIGN != 0  # not in line with its bytes: copied
         else:
@@ -286,12 +272,34 @@ def _map_tensors(model: LlamaForCausalLM, shards: list[Shard]) -> list[_Piece]:
     return pieces
 
 
-def _by_param(pieces: list[_Piece]) -> dict[str, list[_Piece]]:
-    """Pieces grouped by parameter, parameters in the file order of their first piece."""
-    out: dict[str, list[_Piece]] = {}
+def _layout(
+    pieces: list[_Piece], params: Mapping[str, torch.Tensor], dtype: torch.dtype
+) -> tuple[dict[str, int], int, dict[int, int], int]:
+    """Where everything goes: each parameter's offset in the arena and the arena's size; each
+    piece to convert's offset (by id) in the staging arena and its size.
+
+    A parameter sits where its largest piece stored in its dtype sits in its file, modulo
+    ALIGN, so that the reader can put that piece (and its neighbours, if the file keeps them
+    as the parameter does) in place straight from the drive. A piece to convert is staged in
+    its file dtype, likewise in line with the file."""
+    by_param: dict[str, list[_Piece]] = {}
+    for p in pieces:  # parameters in the file order of their first piece
+        by_param.setdefault(p.param, []).append(p)
+    at: dict[str, int] = {}
+    end = 0
+    for name, group in by_param.items():
+        anchor = max((p for p in group if p.tensor.dtype == dtype),
+                     key=lambda p: p.nbytes, default=None)  # fmt: skip
+        row0 = anchor.tensor.begin - anchor.row * _row_bytes(params[name]) if anchor else 0
+        at[name] = _congruent(end, row0, dtype.itemsize)
+        end = at[name] + params[name].nbytes
+    stage_at: dict[int, int] = {}
+    stage_end = 0
     for p in pieces:
-        out.setdefault(p.param, []).append(p)
-    return out
+        if p.tensor.dtype != dtype:
+            stage_at[id(p)] = _congruent(stage_end, p.tensor.begin, p.tensor.dtype.itemsize)
+            stage_end = stage_at[id(p)] + p.tensor.end - p.tensor.begin
+    return at, end, stage_at, stage_end
 
 
 def _row_bytes(param: torch.Tensor) -> int:
