@@ -292,3 +292,17 @@ def test_a_file_that_shrinks_while_read_is_named(tmp_path: Path) -> None:
     ):
         reads.wait(0)
     reads.close()
+
+
+def test_drive_rate_is_measured_and_remembered_per_device(tmp_path: Path) -> None:
+    from runtime import drive
+
+    f = tmp_path / "blob.bin"
+    f.write_bytes(random.Random(2).randbytes(3 << 20))
+    assert drive.cached(tmp_path / "cache", f) is None
+    assert "edgeinfer drive-rate" in drive.describe(tmp_path / "cache", f)
+    rate = drive.measure(tmp_path)  # a folder: its largest files
+    assert rate.bytes == 3 << 20 and rate.gb_per_s > 0 and rate.path == str(tmp_path)
+    drive.remember(tmp_path / "cache", f, rate)
+    assert drive.cached(tmp_path / "cache", tmp_path) == rate  # same device, same figure
+    assert f"{rate.gb_per_s:.2f} GB/s" in drive.describe(tmp_path / "cache", f)
