@@ -85,9 +85,12 @@ CHUNK_ELEMS = 4096  # values per chunk: ~1.3 KiB of code; offsets cost 4 bytes p
 RECORD_ALIGN = 64  # every record starts at a multiple of this (raw tensors are views)
 _RECORD_HEAD = struct.Struct("<4sIQQ")  # magic, chunk_elems, n, nbytes
 _HEAD_BYTES = _RECORD_HEAD.size + 128  # + the code lengths, two per byte
-# Reads of 4 MiB (O_DIRECT, 4 in flight keep the drive busy): the first tensor can start
-# decoding after ~4 ms of reading rather than the ~15 ms a 16 MiB read takes.
-PIECE_BYTES = 4 << 20
+# Records are read in groups of at least GROUP_BYTES (a larger record alone): O_DIRECT reads of a
+# few MiB keep the drive busy with `threads` of them in flight, and the first tensor can start
+# decoding after a few ms. At most READ_AHEAD bytes of groups are read ahead of the tensors
+# handed over, so that the read buffers are reused (see _Buffers) instead of growing.
+GROUP_BYTES = 4 << 20
+READ_AHEAD = 64 << 20
 _SEGMENT_CHUNKS = 256  # the encoder works on this many chunks at a time (bounded memory)
 _NAMES = {  # safetensors' dtype names
     torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16",
@@ -559,82 +562,109 @@ def _copy_extras(src: Path, out: Path, cast: bool) -> None:
 # Loading
 
 
-class _ShardReader:
-    """One shard read into a page-aligned arena in PIECE_BYTES pieces, queued on a thread pool
-    in file order (O_DIRECT when `direct`, unless the filesystem refuses it); `wait(end)`
-    returns once bytes [0, end) are in."""
+@dataclass(slots=True, eq=False)
+class _Group:
+    """Consecutive records of a shard read with one O_DIRECT read (its span is 4096-aligned, so
+    it can share a block with its neighbours), into a buffer reused once they are decoded."""
 
-    def __init__(
-        self,
-        shard: CompressedShard,
-        pool: ThreadPoolExecutor,
-        direct: bool,
-        stats: ReadStats,
-        lock: threading.Lock,
-    ) -> None:
-        self.shard = shard
-        buf = Arena(shard.size)  # page-aligned, huge pages where it is large
-        self.arena, self.view = buf.tensor(), buf.view
-        # the decoded tensors of this shard, side by side (one allocation, huge pages too)
-        coded = [t for t in shard.tensors if t.encoding == "huffman"]
-        self.out = Arena(sum(_aligned(t.numel() * 2) for t in coded)).tensor() if coded else None
-        self.out_used = 0
-        self.direct = False
+    shard: int  # index of the shard
+    begin: int  # file offsets, multiples of ALIGN
+    end: int
+    records: list[RecordEntry]
+    left: int = 0  # its tensors not yet decoded
+    buffer: Arena | None = None  # once read
+    dests: list[torch.Tensor | None] = field(default_factory=list)  # the caller's, per record
+    outs: list[torch.Tensor] = field(default_factory=list)  # where each record's values go
+
+
+def _groups(shard: int, entries: list[RecordEntry]) -> list[_Group]:
+    out: list[_Group] = []
+    for e in entries:
+        g = out[-1] if out else None
+        if g is None or g.end - g.begin >= GROUP_BYTES:
+            out.append(_Group(shard, e.begin // ALIGN * ALIGN, 0, []))
+            g = out[-1]
+        g.records.append(e)
+        g.end = -(-e.end // ALIGN) * ALIGN
+    for g in out:
+        g.left = len(g.records)
+    return out
+
+
+class _Buffers:
+    """Read buffers by size (powers of two), handed back once their records are decoded and
+    reused: the pages of a reused buffer are already in memory, while every page of a fresh one
+    costs a fault (~2 us on the development VM: for the read buffers of a whole model, as much
+    time as decoding it)."""
+
+    def __init__(self) -> None:
+        self._free: dict[int, list[Arena]] = {}
+        self._lock = threading.Lock()
+
+    @staticmethod
+    def size(nbytes: int) -> int:
+        return max(ALIGN, 1 << (nbytes - 1).bit_length())
+
+    def take(self, nbytes: int) -> Arena:
+        with self._lock:
+            free = self._free.get(self.size(nbytes))
+            if free:
+                return free.pop()
+        return Arena(self.size(nbytes))  # only the pages a read touches are ever faulted in
+
+    def give(self, arena: Arena) -> None:
+        with self._lock:
+            self._free.setdefault(arena.nbytes, []).append(arena)
+
+    def clear(self) -> None:
+        with self._lock:
+            self._free = {}
+
+
+def _open(path: Path, direct: bool) -> tuple[int, bool]:
+    """A descriptor for reading `path`, and whether it is O_DIRECT (some filesystems refuse)."""
+    if direct:
         try:
-            self.fd = os.open(shard.path, os.O_RDONLY | (os.O_DIRECT if direct else 0))
-            self.direct = direct
+            return os.open(path, os.O_RDONLY | os.O_DIRECT), True
         except OSError:  # tmpfs and some filesystems refuse O_DIRECT
-            self.fd = os.open(shard.path, os.O_RDONLY)
-        self.stats, self.lock = stats, lock  # the lock guards the stats' read times
-        stats.bytes += shard.size
-        stats.direct += self.direct
-        stats.buffered += not self.direct
-        self.pieces: list[Future[int]] = [
-            pool.submit(self._read, off) for off in range(0, len(self.view), PIECE_BYTES)
-        ]
-        self.ready = 0  # pieces known to be in
+            pass
+    return os.open(path, os.O_RDONLY), False
 
-    def output(self, entry: RecordEntry) -> torch.Tensor:
-        """Room for a decoded tensor: the next piece of the shard's output arena."""
-        assert self.out is not None
-        nbytes = entry.numel() * 2
-        piece = self.out[self.out_used : self.out_used + nbytes]
-        self.out_used += _aligned(nbytes)
-        return piece.view(torch.bfloat16).view(entry.shape)
 
-    def _read(self, offset: int) -> int:
-        length = min(PIECE_BYTES, len(self.view) - offset)
-        got, t0 = 0, time.perf_counter()
-        while got < length:  # a buffered read may come back short; O_DIRECT only at EOF
-            n = os.preadv(self.fd, [self.view[offset + got : offset + length]], offset + got)
+def _read_group(g: _Group, shard: CompressedShard, fd: int, buffers: _Buffers,
+                stats: ReadStats, lock: threading.Condition) -> Arena:  # fmt: skip
+    """Read a group's span into a buffer (on a read thread)."""
+    buf = buffers.take(g.end - g.begin)
+    view = buf.view[: g.end - g.begin]
+    got, t0 = 0, time.perf_counter()
+    try:
+        while got < len(view):  # a buffered read may come back short; O_DIRECT only at EOF
+            n = os.preadv(fd, [view[got:]], g.begin + got)
             if n == 0:
                 break
             got += n
-        st, t1 = self.stats, time.perf_counter()
-        with self.lock:
-            st.started = min(st.started, t0) if st.started else t0
-            st.finished = max(st.finished, t1)
-        return got
-
-    def wait(self, end: int) -> None:
-        while self.ready * PIECE_BYTES < end:
-            try:
-                got = self.pieces[self.ready].result()
-            except OSError as e:
-                raise ModelLoadError(f"{self.shard.path}: cannot read ({e})") from e
-            want = min(PIECE_BYTES, self.shard.size - self.ready * PIECE_BYTES)
-            if got < want:
-                raise ModelLoadError(
-                    f"{self.shard.path}: truncated while reading (at byte "
-                    f"{self.ready * PIECE_BYTES + got} of {self.shard.size})"
-                )
-            self.ready += 1
-
-    def close(self) -> None:
-        for p in self.pieces:  # no read may still be running when the descriptor closes
-            if not p.cancel():
-                p.exception()
-        os.close(self.fd)
+    except OSError as e:
+        raise ModelLoadError(f"{shard.path}: cannot read ({e})") from e
+    t1 = time.perf_counter()
+    with lock:
+        stats.started = min(stats.started, t0) if stats.started else t0
+        stats.finished = max(stats.finished, t1)
+    if got < min(len(view), shard.size - g.begin):
+        raise ModelLoadError(
+            f"{shard.path}: truncated while reading (at byte {g.begin + got} of {shard.size})"
+        )
+    for entry, dest in zip(g.records, g.dests, strict=True):  # where the values will go
+        straight = dest is not None and dest.dtype == torch.bfloat16 and dest.is_contiguous()
+        if entry.encoding == "raw":
+            out = dest if dest is not None else torch.empty(entry.shape, dtype=entry.dtype)
+        else:
+            out = (
+                dest
+                if straight and dest is not None
+                else torch.empty(entry.shape, dtype=torch.bfloat16)
+            )
+        g.outs.append(out)
+    return buf
 
 
 def load_compressed(
@@ -647,17 +677,18 @@ def load_compressed(
 ) -> Iterator[tuple[str, str, torch.Tensor]]:
     """(file, tensor name, tensor) for every tensor of a compressed folder, in file order, as
     runtime.weights.load_safetensors gives them for a plain one. The manifest and every shard
-    header are checked first; then the shards are read by `threads` threads (the next one
-    queued behind the current one), and each tensor, as soon as its bytes are in, is checked
-    against its checksum and decoded in pieces of _TASK_CHUNKS chunks on `decode_threads`
-    threads (default: torch's), while the reads go on and the caller takes earlier tensors.
-    Raw tensors are views of the read buffer, decoded ones views of one output buffer per shard.
-    `into(name)`: where tensor `name` goes instead (a tensor of its shape, e.g. a parameter's
-    rows; None: as above): it is decoded straight into it (or converted into it, if its dtype
-    differs), and it is what is yielded. `stats`: the bytes read, the files read with O_DIRECT
-    or buffered, and when the reads started and finished (`seconds` between the two, set at the
-    end). ModelLoadError naming the file, and the tensor, for a missing, truncated or corrupt
-    file."""
+    header are checked first. Then consecutive records are read in groups of GROUP_BYTES or
+    more, by `threads` threads, at most READ_AHEAD bytes ahead of the tensors handed over, into
+    buffers that are reused; each tensor, as soon as its group is in, is checked against its
+    checksum and decoded in pieces of _TASK_CHUNKS chunks on `decode_threads` threads (default:
+    torch's), while the reads go on and the caller takes earlier tensors.
+
+    Tensors are new: `into(name)` says where tensor `name` goes instead (a tensor of its shape,
+    e.g. a parameter's rows; None: a new tensor): it is decoded straight into it (or converted
+    into it, if its dtype differs), and it is what is yielded. `stats`: the bytes of the files,
+    the files read with O_DIRECT or buffered, and when the reads started and finished
+    (`seconds` between the two, set at the end). ModelLoadError naming the file, and the tensor,
+    for a missing, truncated or corrupt file."""
     stats = stats if stats is not None else ReadStats()
     folder = Path(folder)
     manifest = read_manifest(folder)
@@ -668,58 +699,109 @@ def load_compressed(
         raise ModelLoadError(
             f"{folder / MANIFEST_NAME}: lists other tensors than the shards hold (e.g. {odd})"
         )
+    groups = [g for k, s in enumerate(shards) for g in _groups(k, s.tensors)]
+    for g in groups:
+        g.dests = [into(e.name) if into is not None else None for e in g.records]
+        for e, dest in zip(g.records, g.dests, strict=True):
+            if dest is not None and tuple(dest.shape) != e.shape:
+                raise ModelLoadError(
+                    f"{shards[g.shard].path}: tensor {e.name!r} has shape {e.shape}, its "
+                    f"destination {tuple(dest.shape)}"
+                )
     workers = decode_threads or torch.get_num_threads()
-    readers: list[_ShardReader | None] = []
     pending: deque[_Pending] = deque()
-    io = ThreadPoolExecutor(max(1, threads), thread_name_prefix="weights")
     dec = ThreadPoolExecutor(max(1, workers), thread_name_prefix="decode")
-    submitted = -1  # the shards whose tensors are all queued: 0..submitted
-    lock = threading.Lock()
-
-    def hand_over(limit: int) -> Iterator[tuple[str, str, torch.Tensor]]:
-        """Yield the finished tensors at the head of the queue, and wait for the head while
-        more than `limit` are queued. A shard all of whose tensors are handed over is closed
-        and its read buffer dropped on a read thread (freeing it is not free)."""
-        while pending and (len(pending) > limit or pending[0].done()):
-            item = pending.popleft()
-            out = item.result()
-            k = item.shard
-            if k <= submitted and (not pending or pending[0].shard != k):
-                closing, readers[k] = readers[k], None
-                if closing is not None:
-                    io.submit(closing.close)
-                del closing  # the read thread holds the last reference
-            yield out
-
+    reads = _Reads(shards, groups, direct, threads, stats)
     try:
-        for k, shard in enumerate(shards):
-            if k == 0:
-                readers.append(_ShardReader(shard, io, direct, stats, lock))
-            if k + 1 < len(shards):  # queue the next shard behind this one
-                readers.append(_ShardReader(shards[k + 1], io, direct, stats, lock))
-            reader = readers[k]
-            assert reader is not None
-            for i, entry in enumerate(shard.tensors):
-                reader.wait(entry.end)
-                dest = into(entry.name) if into is not None else None
-                item = _submit(dec, reader, entry, manifest.checksums[entry.name], dest)
-                item.shard = k
-                pending.append(item)
-                submitted = k if i == len(shard.tensors) - 1 else k - 1
-                yield from hand_over(4 * workers)  # wait only when enough work is queued
-            del reader
-        yield from hand_over(0)
+        for i, g in enumerate(groups):
+            data = reads.group(i).tensor()
+            for j, entry in enumerate(g.records):
+                checksum = manifest.checksums[entry.name]
+                pending.append(_submit(dec, reads, g, j, data, checksum))
+                # hand tensors over as they finish; wait only when enough work is queued
+                while pending and (len(pending) > 4 * workers or pending[0].done()):
+                    yield pending.popleft().result()
+        while pending:
+            yield pending.popleft().result()
         stats.seconds = stats.finished - stats.started
     finally:
         for item in pending:
             for task in item.tasks:
                 task.cancel()
         dec.shutdown(wait=True)
-        for r in readers:
-            if r is not None:
-                r.close()
-        readers.clear()
-        io.shutdown(wait=False)  # the last shards' buffers are freed in the background
+        reads.close()
+
+
+class _Reads:
+    """The groups' reads, on a thread pool, at most READ_AHEAD bytes ahead of the decoding: a
+    group's buffer goes back to be reused, and more groups are read, as soon as its last tensor
+    is decoded (on the decode thread that finishes it)."""
+
+    def __init__(self, shards: list[CompressedShard], groups: list[_Group], direct: bool,
+                 threads: int, stats: ReadStats) -> None:  # fmt: skip
+        self.shards, self.groups, self.stats = shards, groups, stats
+        self.cond = threading.Condition()  # guards all of the below, and the stats' read times
+        self.reads: list[Future[Arena]] = []
+        self.in_flight = 0  # bytes of the groups being read or decoded
+        self.buffers = _Buffers()
+        self.fds: list[int] = []
+        self.io = ThreadPoolExecutor(max(1, threads), thread_name_prefix="weights")
+        try:
+            for s in shards:
+                fd, is_direct = _open(s.path, direct)
+                self.fds.append(fd)
+                stats.bytes += s.size
+                stats.direct += is_direct
+                stats.buffered += not is_direct
+        except OSError as e:
+            self.close()
+            raise ModelLoadError(f"cannot read ({e})") from e
+        with self.cond:
+            self._read_ahead()
+
+    def _read_ahead(self) -> None:
+        while len(self.reads) < len(self.groups):
+            g = self.groups[len(self.reads)]
+            if self.in_flight and self.in_flight + g.end - g.begin > READ_AHEAD:
+                return
+            self.in_flight += g.end - g.begin
+            shard = self.shards[g.shard]
+            self.reads.append(self.io.submit(_read_group, g, shard, self.fds[g.shard],
+                                             self.buffers, self.stats, self.cond))  # fmt: skip
+            self.cond.notify_all()
+
+    def group(self, i: int) -> Arena:
+        """Group i's buffer, once read (waiting for earlier groups' decoding to make room)."""
+        with self.cond:
+            self.cond.wait_for(lambda: len(self.reads) > i)
+            read = self.reads[i]
+        buffer = self.groups[i].buffer = read.result()
+        return buffer
+
+    def task_done(self, item: _Pending, tasks: int = -1) -> None:
+        """One of a tensor's decode tasks ended (tasks=-1), or the tensor got `tasks` more."""
+        with self.cond:
+            item.outstanding += tasks
+            if item.outstanding:
+                return
+            g = item.group
+            g.left -= 1
+            if g.left == 0 and g.buffer is not None:
+                self.buffers.give(g.buffer)
+                g.buffer = None
+                self.in_flight -= g.end - g.begin
+                self._read_ahead()
+
+    def close(self) -> None:
+        with self.cond:
+            self.groups = self.groups[: len(self.reads)]  # no more reads
+        for r in self.reads:  # none may still be running when its descriptor closes
+            if not r.cancel():
+                r.exception()
+        for fd in self.fds:
+            os.close(fd)
+        self.io.submit(self.buffers.clear)  # freed on a read thread: freeing takes a while
+        self.io.shutdown(wait=False)
 
 
 _TASK_CHUNKS = 256  # chunks per decode task: 1M values at the default chunk size
@@ -733,10 +815,11 @@ class _Pending:
 
     file: str
     name: str
-    tensor: torch.Tensor  # what is handed over: a view of the read buffer (raw), or the decode's
+    tensor: torch.Tensor  # what is handed over
+    group: _Group  # the group it was read with
     tasks: list[Future[None]] = field(default_factory=list)  # the first one adds the others
-    shard: int = 0  # index of the shard it is in
     source: torch.Tensor | None = None  # copied into `tensor` when the tasks are done
+    outstanding: int = 1  # its tasks not yet ended (_Reads.task_done counts them)
 
     def done(self) -> bool:
         return self.tasks[0].done() and all(t.done() for t in self.tasks[1:])
@@ -750,70 +833,73 @@ class _Pending:
         return self.file, self.name, self.tensor
 
 
-def _submit(
-    pool: ThreadPoolExecutor,
-    reader: _ShardReader,
-    entry: RecordEntry,
-    checksum: str,
-    dest: torch.Tensor | None,
-) -> _Pending:
-    """Queue the check and decoding of a record that has been read (into `dest` if given)."""
-    where = f"{reader.shard.path}: tensor {entry.name!r}"
-    if dest is not None and tuple(dest.shape) != entry.shape:
-        raise ModelLoadError(
-            f"{where} has shape {entry.shape}, its destination {tuple(dest.shape)}"
-        )
-    record, file = reader.arena[entry.begin : entry.end], str(reader.shard.path)
-    if entry.encoding == "raw":
-        view = record.view(entry.dtype).view(entry.shape)
-        item = _Pending(file, entry.name, view if dest is None else dest, source=None)
-        out = view
-    else:
-        straight = dest is not None and dest.dtype == torch.bfloat16 and dest.is_contiguous()
-        out = dest if straight and dest is not None else reader.output(entry)
-        item = _Pending(file, entry.name, dest if dest is not None else out)
-        item.source = None if dest is None or straight else out  # converted once decoded
-    raw = reader.view[entry.begin : entry.end]
-    item.tasks.append(
-        pool.submit(_first_task, pool, item, raw, record, entry, checksum, out, where)
-    )
+def _submit(pool: ThreadPoolExecutor, reads: _Reads, g: _Group, j: int, data: torch.Tensor,
+            checksum: str) -> _Pending:  # fmt: skip
+    """Queue the check and decoding of record j of a group that has been read."""
+    entry, dest, out = g.records[j], g.dests[j], g.outs[j]
+    shard = reads.shards[g.shard]
+    record = data[entry.begin - g.begin : entry.end - g.begin]
+    item = _Pending(str(shard.path), entry.name, dest if dest is not None else out, g)
+    if dest is not None and out is not dest:
+        item.source = out  # converted into the destination once decoded
+    where = f"{shard.path}: tensor {entry.name!r}"
+    job = _Job(pool, reads, item, record, entry, checksum, out, where)
+    item.tasks.append(pool.submit(job.first))
     return item
 
 
-def _first_task(pool: ThreadPoolExecutor, item: _Pending, raw: memoryview, record: torch.Tensor,
-                entry: RecordEntry, checksum: str, out: torch.Tensor, where: str) -> None:  # fmt: skip
-    """Check the record's checksum; copy a raw one to its destination; or parse a coded one,
-    queue its chunks past the first _TASK_CHUNKS and decode those here."""
-    got = xxhash.xxh3_64_hexdigest(raw)
-    if got != checksum:
-        raise ModelLoadError(
-            f"{where}: checksum mismatch (xxh3-64 {got}, the manifest says {checksum}): the file "
-            "is corrupt; compress the model again"
-        )
-    if entry.encoding == "raw":
-        if item.tensor is not out:
-            item.tensor.copy_(out)
-        return
-    try:
-        coded = parse_record(record, entry.numel())
-    except CorruptStreamError as e:
-        raise ModelLoadError(f"{where}: {e}") from e
-    n = coded.num_chunks
-    for c in range(_TASK_CHUNKS, n, _TASK_CHUNKS):
-        last = min(c + _TASK_CHUNKS, n)
-        item.tasks.append(pool.submit(_decode_task, coded, out.view(-1), c, last, where))
-    _decode_task(coded, out.view(-1), 0, min(_TASK_CHUNKS, n), where)
+@dataclass(slots=True)
+class _Job:
+    """The decode threads' work on one tensor."""
+
+    pool: ThreadPoolExecutor
+    reads: _Reads
+    item: _Pending
+    record: torch.Tensor  # its bytes in the group's buffer
+    entry: RecordEntry
+    checksum: str
+    out: torch.Tensor  # where the values go (contiguous bfloat16 for a coded record)
+    where: str  # "file: tensor 'name'", for errors
+
+    def first(self) -> None:
+        """Check the record's checksum; copy a raw one out; or parse a coded one, queue its
+        chunks past the first _TASK_CHUNKS, and decode those here."""
+        try:
+            got = xxhash.xxh3_64_hexdigest(self.record.numpy().data)
+            if got != self.checksum:
+                raise ModelLoadError(
+                    f"{self.where}: checksum mismatch (xxh3-64 {got}, the manifest says "
+                    f"{self.checksum}): the file is corrupt; compress the model again"
+                )
+            if self.entry.encoding == "raw":
+                self.out.copy_(self.record.view(self.entry.dtype).view(self.entry.shape))
+                return
+            try:
+                coded = parse_record(self.record, self.entry.numel())
+            except CorruptStreamError as e:
+                raise ModelLoadError(f"{self.where}: {e}") from e
+            n = coded.num_chunks
+            more = range(_TASK_CHUNKS, n, _TASK_CHUNKS)
+            self.reads.task_done(self.item, len(more))
+            for c in more:
+                last = min(c + _TASK_CHUNKS, n)
+                self.item.tasks.append(self.pool.submit(self.decode, coded, c, last, False))
+            self.decode(coded, 0, min(_TASK_CHUNKS, n), True)
+        finally:
+            self.reads.task_done(self.item)
+
+    def decode(self, coded: CodedBF16, first: int, last: int, inline: bool) -> None:
+        try:
+            decode_cpu(coded, self.out.view(-1), first, last)
+        except CorruptStreamError as e:
+            raise ModelLoadError(f"{self.where}: {e}") from e
+        finally:
+            if not inline:
+                self.reads.task_done(self.item)
 
 
 def _aligned(nbytes: int) -> int:
     return -(-nbytes // RECORD_ALIGN) * RECORD_ALIGN
-
-
-def _decode_task(coded: CodedBF16, out: torch.Tensor, first: int, last: int, where: str) -> None:
-    try:
-        decode_cpu(coded, out, first, last)
-    except CorruptStreamError as e:
-        raise ModelLoadError(f"{where}: {e}") from e
 
 
 # ---------------------------------------------------------------------------------------------
