@@ -265,6 +265,14 @@ def test_tensors_decode_straight_into_given_destinations(tmp_path: Path) -> None
         )
 
 
+def test_a_load_stopped_early_cleans_up(tmp_path: Path) -> None:
+    compress_model(_folder(tmp_path / "src", _mixed(), 3), tmp_path / "out", chunk_elems=1024)
+    loads = load_compressed(tmp_path / "out")
+    next(loads)
+    loads.close()  # the reads and decodes still running end, the files are closed
+    assert len(list(load_compressed(tmp_path / "out"))) == len(_mixed())
+
+
 def test_cast_to_bfloat16_on_request(tmp_path: Path) -> None:
     f32 = {"a": torch.randn(64, 100) * 0.05, "b": torch.randn(33).half(), "n": torch.arange(4)}
     src = _folder(tmp_path / "src", f32)
