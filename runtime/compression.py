@@ -73,11 +73,12 @@ from kernels.huffman_decode import (
     decode_table,
 )
 from runtime.config import ModelLoadError
+from runtime.manifest import COMPRESSED_MANIFEST_NAME, is_compressed
 from runtime.shard_reader import Arena
 from runtime.weights import ALIGN, ReadStats, Shard, TensorEntry, read_header
 
 FORMAT = "edgeinfer-huffman-bf16/1"
-MANIFEST_NAME = "edgeinfer-compressed.json"
+MANIFEST_NAME = COMPRESSED_MANIFEST_NAME
 SUFFIX = ".ei11"
 FILE_MAGIC = b"EIHUF\x00\x00\x01"
 RECORD_MAGIC = b"EIH1"
@@ -286,11 +287,6 @@ class CompressedManifest:
             "shards": [{"file": f, "bytes": n} for f, n in self.shards.items()],
             "tensors": {k: {"xxh3_64": v} for k, v in self.checksums.items()},
         }
-
-
-def is_compressed(folder: str | os.PathLike[str]) -> bool:
-    """Whether a model folder holds compressed weights (its manifest says so)."""
-    return (Path(folder) / MANIFEST_NAME).is_file()
 
 
 def read_manifest(folder: str | os.PathLike[str]) -> CompressedManifest:

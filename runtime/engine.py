@@ -56,7 +56,9 @@ class Startup:
         """One line for a worker's log: each phase as seconds since the process started (its
         imports first), and the weight read's GB/s beside the drive's (`drive` says it)."""
         read, files = self.read, self.read.direct + self.read.buffered
-        checked = f", {read.verified} chunks checked" if read.verified else ", no manifest to check"
+        checked = (
+            f", {read.verified} checksums verified" if read.verified else ", no manifest to check"
+        )
         parts = [f"imports 0.00-{imports_done - process_start:.2f}"]
         for name, (start, end) in sorted(self.phases.items(), key=lambda kv: kv[1][0]):
             part = f"{name} {start - process_start:.2f}-{end - process_start:.2f}"

@@ -23,15 +23,21 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import threading
 import time
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 
 from runtime.config import DTYPES, ModelConfig, ModelLoadError
-from runtime.manifest import check_shard_files, read_manifest
+from runtime.manifest import (
+    COMPRESSED_MANIFEST_NAME,
+    check_shard_files,
+    is_compressed,
+    read_manifest,
+)
 from runtime.model import LlamaForCausalLM
 from runtime.shard_reader import ALIGN, Arena, FileRead, ReadStats, ShardReads, Span
 from runtime.weights import Shard, TensorEntry, chunk_checks, read_header
@@ -65,6 +71,9 @@ def model_revision(model_dir: str | Path) -> str:
     Two folders with the same fingerprint lay out the same KV cache for the same tokens."""
     model_dir = Path(model_dir)
     h = hashlib.sha256((model_dir / "config.json").read_bytes())
+    if is_compressed(model_dir):  # its manifest names every tensor with its checksum
+        h.update((model_dir / COMPRESSED_MANIFEST_NAME).read_bytes())
+        return h.hexdigest()[:16]
     for f in safetensors_files(model_dir):
         with f.open("rb") as fh:
             size = int.from_bytes(fh.read(8), "little")
@@ -113,7 +122,7 @@ class PendingLoad:
     model_dir: Path
     dtype: str  # as asked ("auto" or a name): the engine checks that it asked for the same
     stats: ReadStats
-    reads: ShardReads
+    reads: ShardReads | _Decoding
     nbytes: int  # memory the parameters take
     memory_before: int  # bytes available (MemAvailable) before any was allocated
     # per shard: (staged tensor in its file dtype, its place in the parameter) to convert
@@ -159,6 +168,9 @@ def start_load(
         raise ModelLoadError(f"{path}: not a folder")
     cfg = ModelConfig.from_dir(path)
     torch_dtype = resolve_dtype(dtype, cfg)
+    if is_compressed(path):
+        return _start_compressed(path, cfg, torch_dtype, dtype, max_model_len, threads, direct,
+                                 stats, t0)  # fmt: skip
     manifest = read_manifest(path)
     files = check_shard_files(path, manifest) if manifest else safetensors_files(path)
     shards = [read_header(f) for f in files]  # every header before any weight
@@ -213,6 +225,72 @@ def start_load(
         started=t0,
         queued=time.perf_counter(),
     )
+
+
+class _Decoding:
+    """A compressed folder's reads and decodes (runtime.compression.load_compressed, straight
+    into the parameters), run on a thread of their own so that `start_load` returns at once, as
+    it does for a plain folder; `wait` and `close` as ShardReads has them."""
+
+    def __init__(self, tensors: Iterator[tuple[str, str, torch.Tensor]], stats: ReadStats) -> None:
+        self._tensors = tensors
+        self._stats = stats
+        self._error: BaseException | None = None
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="weights-decode", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        try:
+            for _ in self._tensors:  # each one checked against its checksum before it comes
+                self._stats.verified += 1
+                if self._stop.is_set():
+                    break
+        except BaseException as e:  # raised to whoever waits
+            self._error = e
+        finally:
+            close = getattr(self._tensors, "close", None)
+            if close is not None:
+                close()  # the generator's own clean-up: its reads and buffers
+
+    def wait(self, index: int) -> None:
+        self._thread.join()
+        if self._error is not None:
+            raise self._error
+
+    def close(self) -> None:
+        self._stop.set()
+        self._thread.join()
+
+
+def _start_compressed(path: Path, cfg: ModelConfig, torch_dtype: torch.dtype, dtype: str,
+                      max_model_len: int | None, threads: int, direct: bool,
+                      stats: ReadStats | None, t0: float) -> PendingLoad:  # fmt: skip
+    """A folder of Huffman-coded weights: every tensor checked against the model first (the
+    same checks as a plain folder's), then read, checked and decoded into its parameter rows."""
+    from runtime.compression import load_compressed, shard_headers
+
+    model = LlamaForCausalLM(cfg, torch_dtype, max_model_len or cfg.max_model_len)
+    pieces = {p.tensor.name: p for p in _map_tensors(model, shard_headers(path))}
+    params = dict(model.named_parameters())
+    nbytes, have = sum(p.nbytes for p in params.values()), available_memory()
+    if nbytes > have:
+        raise ModelLoadError(
+            f"{path}: the weights need {_size(nbytes)} of memory (as {torch_dtype}), only "
+            f"{_size(have)} is available"
+        )
+
+    def into(name: str) -> torch.Tensor | None:
+        p = pieces.get(name)
+        if p is None:
+            return None  # a tensor the model does not use (e.g. rotary tables): decoded apart
+        rows = p.tensor.shape[0] if p.tensor.shape else 1
+        return params[p.param].data.narrow(0, p.row, rows)
+
+    st = stats if stats is not None else ReadStats()
+    tensors = load_compressed(path, threads=threads, direct=direct, stats=st, into=into)
+    return PendingLoad(model, path, dtype, st, _Decoding(tensors, st), nbytes, have,
+                       conversions=[[]], started=t0, queued=time.perf_counter())  # fmt: skip
 
 
 def load_model(

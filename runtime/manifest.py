@@ -32,6 +32,8 @@ import xxhash
 from runtime.config import ModelLoadError
 
 MANIFEST_NAME = "edgeinfer-manifest.json"
+COMPRESSED_MANIFEST_NAME = "edgeinfer-compressed.json"  # a folder of Huffman-coded weights
+# (runtime/compression.py); here so the loader can tell without importing the decoders
 FORMAT = "edgeinfer-store/1"
 CHUNK_BYTES = 16 << 20  # one checksum per 16 MiB piece (runtime.weights reads the same pieces)
 
@@ -159,6 +161,11 @@ def file_digests(path: Path, chunk_bytes: int = CHUNK_BYTES) -> tuple[str, ...]:
         while piece := f.read(chunk_bytes):
             hasher.update(piece)
     return hasher.digests()
+
+
+def is_compressed(folder: str | os.PathLike[str]) -> bool:
+    """Whether a model folder holds compressed weights (runtime/compression.py's manifest)."""
+    return (Path(folder) / COMPRESSED_MANIFEST_NAME).is_file()
 
 
 def read_manifest(folder: Path) -> Manifest | None:

@@ -95,7 +95,8 @@ class ReadStats:
     buffered: int = 0  # files read through the page cache (cached already, or O_DIRECT refused)
     copied: int = 0  # tensors copied after the read (misaligned, converted, or not congruent)
     copied_bytes: int = 0  # bytes that went through the scratch chunk instead of into place
-    verified: int = 0  # chunks checked against the manifest's checksums
+    verified: int = 0  # chunks checked against the manifest's checksums (of a compressed
+    # folder: tensors checked against theirs)
     started: float = 0.0  # time.perf_counter() of the first read's start
     finished: float = 0.0  # ... and of the last read's end
 

@@ -469,28 +469,33 @@ def test_real_weights_smollm2_round_trip_within_target(smol_dir: Path, tmp_path:
 def test_model_from_its_compressed_copy_greedy_decodes_identically(
     stories_dir: Path, tmp_path: Path
 ) -> None:
-    """Every weight of a running model overwritten with NaN, then placed from the compressed
-    copy where the loader puts each checkpoint tensor (`weight_target`): the same greedy text."""
+    """The engine pointed at the compressed copy (the loader sees its manifest and decodes
+    straight into the parameters): the same weights, bit for bit, and the same greedy text."""
     compress_model(stories_dir, tmp_path / "z", cast_bf16=True)
     params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
     prompts = ["Once upon a time", "The little dog", [1, 7, 300, 12]]
-    llm = LLM(stories_dir, dtype="bfloat16", kv_cache_bytes=1 << 22)
-    before = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
-    model = llm.engine.model
-    targets = dict(model.named_parameters())
-    for p in targets.values():
-        p.data.fill_(float("nan"))
-    placed = 0
-    for _, name, tensor in load_compressed(tmp_path / "z"):
-        target = model.weight_target(name)
-        if target is not None:
-            param, row, rows = target
-            dest = targets[param].data
-            (dest if rows is None else dest.narrow(0, row, rows)).copy_(tensor)
-            placed += tensor.numel()
-    assert placed == sum(p.numel() for p in targets.values())
-    after = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
+    plain = LLM(stories_dir, dtype="bfloat16", kv_cache_bytes=1 << 22)
+    packed = LLM(tmp_path / "z", kv_cache_bytes=1 << 22)  # config.json says bfloat16 now
+    want = dict(plain.engine.model.named_parameters())
+    for name, p in packed.engine.model.named_parameters():
+        assert p.dtype == torch.bfloat16
+        assert torch.equal(p.view(torch.int16), want[name].view(torch.int16)), name
+    assert plain.engine.cache_id != packed.engine.cache_id  # another folder, another identity
+    before = [o.outputs[0].token_ids for o in plain.generate(prompts, params)]
+    after = [o.outputs[0].token_ids for o in packed.generate(prompts, params)]
     assert after == before
+
+
+def test_loader_names_a_corrupt_compressed_tensor(stories_dir: Path, tmp_path: Path) -> None:
+    from runtime.loader import load_model
+
+    compress_model(stories_dir, tmp_path / "z", cast_bf16=True)
+    shard = next((tmp_path / "z").glob("*.ei11"))
+    data = bytearray(shard.read_bytes())
+    data[len(data) // 2] ^= 0x40
+    shard.write_bytes(bytes(data))
+    with pytest.raises(ModelLoadError, match="checksum"):
+        load_model(tmp_path / "z")
 
 
 def test_blocks_kept_compressed_decode_into_one_buffer_and_answer_the_same(
