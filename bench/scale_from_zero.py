@@ -8,9 +8,11 @@ then measures:
    to first token. That covers the wake-up, the worker process's start, its load and
    registration, the gateway noticing it, and the first token. The pool's own `ready_s` (spawn
    to registered) is printed beside it. Between repetitions the pool stops the idle worker
-   (`--idle 1`), so every repetition starts from zero.
-2. the peer: a fresh `python -m runtime.cli generate --max-tokens 1` process on the same model,
-   start to exit (the engine's own cold start, without any serving path).
+   (`--idle 1`), and the next one starts once that worker's process has exited: every
+   repetition starts from zero.
+2. the peer: a bare `edgeinfer worker` (no Redis, no gateway, no pool) spawned on the same model,
+   to the first token of a 1-token request sent straight to its internal API as soon as its
+   port accepts (bench.coldstart.worker_first_token).
 The ratio (1)/(2) is what the serving path adds to a cold start.
 
     python -m bench.scale_from_zero [--model DIR] [--reps 3]
@@ -20,17 +22,19 @@ from __future__ import annotations
 
 import argparse
 import os
+import shutil
 import statistics
 import subprocess
 import sys
 import tempfile
 import time
+from functools import partial
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from bench.coldstart import evict, first_token, log  # noqa: E402
+from bench.coldstart import evict, log, worker_first_token  # noqa: E402
 from kvstore.redis_server import LocalRedis, find_free_port  # noqa: E402
 from runtime.loader import safetensors_files  # noqa: E402
 
@@ -72,7 +76,8 @@ def _wait(check, timeout_s: float, what: str) -> None:  # type: ignore[no-untype
     raise TimeoutError(f"timed out waiting for {what}")
 
 
-def _ready_s(redis_url: str, count: int) -> list[float]:
+def _events(redis_url: str, kind: str) -> list[dict[str, str]]:
+    """The pool's events of one kind (start, ready, stop, ...), oldest first."""
     import asyncio
 
     from kvstore.client import connect
@@ -85,7 +90,11 @@ def _ready_s(redis_url: str, count: int) -> list[float]:
         finally:
             await redis.aclose()
 
-    return [float(e["ready_s"]) for e in asyncio.run(main()) if e["event"] == "ready"][-count:]
+    return [e for e in asyncio.run(main()) if e["event"] == kind]
+
+
+def _stopped(redis_url: str, count: int) -> bool:
+    return len(_events(redis_url, "stop")) >= count
 
 
 def main() -> int:
@@ -94,6 +103,7 @@ def main() -> int:
     )
     ap.add_argument("--model", type=Path, default=None, help="default: the SmolLM2 demo model")
     ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--keep-logs", action="store_true", help="keep the processes' logs")
     args = ap.parse_args()
     if args.model is None:
         from runtime.model_cache import default_model_dir
@@ -105,8 +115,8 @@ def main() -> int:
     import openai
 
     ours: list[float] = []
-    with tempfile.TemporaryDirectory(prefix="scale0-") as tmp, LocalRedis() as redis:
-        logs = Path(tmp)
+    logs = Path(tempfile.mkdtemp(prefix="scale0-"))
+    with LocalRedis() as redis:
         (logs / "regions.yaml").write_text(CATALOG)
         port = find_free_port()
         gw_url = f"http://127.0.0.1:{port}"
@@ -125,7 +135,9 @@ def main() -> int:
             client = openai.OpenAI(base_url=f"{gw_url}/v1", api_key="x", max_retries=0,
                                    timeout=300)  # fmt: skip
             for rep in range(args.reps):
-                _wait(lambda: _readyz(gw_url).get("workers") == 0, 60, "no worker")
+                # from zero: the last repetition's worker process has exited, not just left
+                # the registry (its teardown would compete for the cores)
+                _wait(partial(_stopped, redis.url, rep), 60, "the last worker's exit")
                 evict(files)
                 t0 = time.perf_counter()
                 stream = client.completions.create(
@@ -138,20 +150,27 @@ def main() -> int:
                 for _ in stream:
                     pass
                 log(f"rep {rep + 1}: scale from zero to first token {ours[-1]:.2f}s")
-            ready = _ready_s(redis.url, args.reps)
+            _wait(lambda: len(_events(redis.url, "ready")) >= args.reps, 30, "the ready event")
+            ready = [float(e["ready_s"]) for e in _events(redis.url, "ready")]
         finally:
             gateway.terminate()
             pool.terminate()
             for p in (gateway, pool):
                 p.wait(60)
-    generate = [sys.executable, "-m", "runtime.cli", "generate", "--model", str(model),
-                "--max-tokens", "1", "Once upon a time"]  # fmt: skip
-    peer = [first_token(generate, files) for _ in range(args.reps)]
+            if args.keep_logs:
+                log(f"logs kept in {logs}")
+            else:
+                shutil.rmtree(logs, ignore_errors=True)
+    peer = [worker_first_token(model, files)[0] for _ in range(args.reps)]
+    log(
+        "each rep, ours / spawn -> registered / peer: "
+        + ", ".join(f"{a:.2f}/{b:.2f}/{c:.2f}" for a, b, c in zip(ours, ready, peer, strict=False))
+    )
     o, p, r = statistics.median(ours), statistics.median(peer), statistics.median(ready)
     print(f"\nscale from zero ({name}, {args.reps} reps, medians, page cache dropped each time):")
     print(f"  request at the gateway -> first token, pool starting the worker: {o:.2f}s")
     print(f"    of which the pool's spawn -> registered:                      {r:.2f}s")
-    print(f"  peer: `edgeinfer generate --max-tokens 1` process start -> exit:   {p:.2f}s")
+    print(f"  peer: a bare `edgeinfer worker`, spawn -> first token of a direct request: {p:.2f}s")
     print(f"  ratio (serving path / bare cold start): {o / p:.2f}x")
     return 0
 
