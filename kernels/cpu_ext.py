@@ -1,16 +1,25 @@
-"""The CPU extensions (`csrc/paged_decode_cpu.cpp`, `csrc/small_gemm_cpu.cpp`), compiled on
-first use and cached.
+"""The CPU extensions (`csrc/*.cpp`: paged decode attention, small matmuls, RMSNorm, the Huffman
+decoder), compiled on first use and cached.
 
 Building needs a C++ compiler and ninja (a dependency of this package); it takes about a minute
 once per machine and Python/torch version, and is reused from the cache afterwards. Where it
 cannot be built, the loaders return None, say why once on the log, and the callers use the
 PyTorch reference (same results, slower decode).
+
+A build leaves, beside torch's `<name>.so`, a copy named by a hash of what went into it (the
+source, the flags, the torch and Python versions): `<name>.<hash>.so`. A later process whose
+hash names an existing copy imports it directly, without `torch.utils.cpp_extension` (whose
+import, ~0.1 s with setuptools, and ninja check per extension cost a fresh process ~0.4 s of
+its start-up); a changed source, flag or version names no copy and goes through the build.
 """
 
 from __future__ import annotations
 
+import hashlib
+import importlib.util
 import logging
 import os
+import shutil
 import sys
 import threading
 from pathlib import Path
@@ -22,6 +31,17 @@ _SOURCE = Path(__file__).parent / "csrc" / "paged_decode_cpu.cpp"
 _GEMM_SOURCE = Path(__file__).parent / "csrc" / "small_gemm_cpu.cpp"
 _NORM_SOURCE = Path(__file__).parent / "csrc" / "rms_norm_cpu.cpp"
 _HUFFMAN_SOURCE = Path(__file__).parent / "csrc" / "huffman_decode_cpu.cpp"
+# Reassociation lets the compiler vectorize the dot products; no finite-math (-inf is used).
+_CFLAGS = (
+    "-O3",
+    "-march=native",
+    "-fopenmp",
+    "-fno-math-errno",
+    "-fassociative-math",
+    "-fno-signed-zeros",
+    "-fno-trapping-math",
+)
+_LDFLAGS = ("-fopenmp",)
 _lock = threading.Lock()
 _state: dict[str, ModuleType | None] = {}
 
@@ -61,30 +81,58 @@ def _build(name: str, source: Path, what: str) -> ModuleType | None:
         if name in _state:
             return _state[name]
         try:
-            from torch.utils import cpp_extension
-
             path = build_dir() / name
-            path.mkdir(parents=True, exist_ok=True)
-            log.info("building the %s in %s (once per machine)", what, path)
-            mod = cpp_extension.load(
-                name=name,
-                sources=[str(source)],
-                # Reassociation lets the compiler vectorize the dot products; no finite-math (-inf is used).
-                extra_cflags=[
-                    "-O3",
-                    "-march=native",
-                    "-fopenmp",
-                    "-fno-math-errno",
-                    "-fassociative-math",
-                    "-fno-signed-zeros",
-                    "-fno-trapping-math",
-                ],
-                extra_ldflags=["-fopenmp"],
-                build_directory=str(path),
-                verbose=False,
-            )
+            built = path / f"{name}.{_build_key(name, source)}.so"
+            mod = _import(name, built) if built.is_file() else _compile(name, source, what, built)
         except Exception as e:  # no compiler, no ninja, a read-only home: use the reference
             log.warning("%s unavailable (%s); using the PyTorch reference", what, e)
             mod = None
         _state[name] = mod
         return mod
+
+
+def _build_key(name: str, source: Path) -> str:
+    """A hash of everything the build depends on that can change under the cached module."""
+    import torch
+
+    h = hashlib.sha256()
+    for part in (name, sys.version, torch.__version__, *_CFLAGS, "|", *_LDFLAGS, "|"):
+        h.update(part.encode() + b"\0")
+    h.update(source.read_bytes())
+    return h.hexdigest()[:16]
+
+
+def _compile(name: str, source: Path, what: str, built: Path) -> ModuleType:
+    """Build (or let ninja find up to date) and import the module; then keep a copy named by its
+    build key, `built`, in place of any copy an earlier source left."""
+    from torch.utils import cpp_extension
+
+    path = built.parent
+    path.mkdir(parents=True, exist_ok=True)
+    log.info("building the %s in %s (once per machine)", what, path)
+    mod: ModuleType = cpp_extension.load(
+        name=name,
+        sources=[str(source)],
+        # copies: cpp_extension adds to the lists it is given
+        extra_cflags=list(_CFLAGS),
+        extra_ldflags=list(_LDFLAGS),
+        build_directory=str(path),
+        verbose=False,
+    )
+    for old in path.glob(f"{name}.*.so"):
+        old.unlink(missing_ok=True)  # a process that has it loaded keeps its mapping
+    # Copied, then renamed into place: a process that sees the name sees the whole file.
+    tmp = path / f".{built.name}.{os.getpid()}.tmp"
+    shutil.copyfile(path / f"{name}.so", tmp)
+    os.replace(tmp, built)
+    return mod
+
+
+def _import(name: str, built: Path) -> ModuleType:
+    """Import the extension module `name` from the shared library `built` (torch is in)."""
+    spec = importlib.util.spec_from_file_location(name, built)
+    if spec is None or spec.loader is None:
+        raise ImportError(f"cannot import {name} from {built}")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod

@@ -89,10 +89,23 @@ def engine_kwargs(args: argparse.Namespace) -> dict[str, object]:
 
 
 def _build_llm(args: argparse.Namespace):  # type: ignore[no-untyped-def]
+    # As `edgeinfer worker` starts (service_cli.cmd_worker): no cyclic garbage collection while
+    # starting (torch and the engine allocate hundreds of thousands of objects and no garbage to
+    # speak of; the collector's passes over them cost ~0.2 s), and the weights read from as
+    # soon as the model folder is known, while the engine's imports and set-up go on.
+    import gc
+
+    gc.disable()
+    t0 = time.monotonic()
+    model_dir = _model_dir(args.model, args.store)
+    from runtime.loader import start_load
+
+    weights = start_load(model_dir, args.dtype)
     from runtime.llm import LLM
 
-    t0 = time.monotonic()
-    llm = LLM(_model_dir(args.model, args.store), **engine_kwargs(args))
+    llm = LLM(model_dir, weights=weights, **engine_kwargs(args))
+    gc.freeze()  # what start-up made is never scanned again
+    gc.enable()
     print(f"loaded {llm.engine.config.model} in {time.monotonic() - t0:.1f}s", file=sys.stderr)
     return llm
 
@@ -364,12 +377,16 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    from runtime.config import ModelLoadError
-    from runtime.sampling_params import InvalidRequestError
-
     try:
         return int(args.func(args))
-    except (ModelLoadError, InvalidRequestError, FileNotFoundError) as e:
+    except Exception as e:
+        # Imported only here: `runtime.config` imports torch, which a command imports itself
+        # once it has set up for it (generate and worker: with cyclic GC off).
+        from runtime.config import ModelLoadError
+        from runtime.sampling_params import InvalidRequestError
+
+        if not isinstance(e, (ModelLoadError, InvalidRequestError, FileNotFoundError)):
+            raise
         print(f"edgeinfer: error: {e}", file=sys.stderr)
         return 2
 

@@ -10,6 +10,7 @@ from typing import Any
 
 from runtime.config import EngineConfig
 from runtime.engine import LLMEngine, Prompt
+from runtime.loader import PendingLoad
 from runtime.outputs import RequestOutput
 from runtime.sampling_params import InvalidRequestError, SamplingParams
 
@@ -22,8 +23,13 @@ class LLM:
     >>> out[0].outputs[0].text
     """
 
-    def __init__(self, model: str | Path, **engine_args: Any):
-        self.engine = LLMEngine(EngineConfig(model=str(model), **engine_args))
+    def __init__(
+        self, model: str | Path, *, weights: PendingLoad | None = None, **engine_args: Any
+    ):
+        """`engine_args`: EngineConfig's fields. `weights`: the load of `model` that the caller
+        started already (`runtime.loader.start_load(model, dtype)`, before its heavier imports,
+        as `edgeinfer generate` does); by default the engine starts it."""
+        self.engine = LLMEngine(EngineConfig(model=str(model), **engine_args), weights)
         self.tokenizer = self.engine.tokenizer
 
     def generate(
