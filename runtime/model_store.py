@@ -41,12 +41,14 @@ import torch
 from runtime.config import ModelLoadError
 from runtime.manifest import (
     CHUNK_BYTES,
+    COMPRESSED_MANIFEST_NAME,
     MANIFEST_NAME,
     ChunkHasher,
     Manifest,
     ShardEntry,
     TensorInfo,
     file_digests,
+    is_compressed,
     read_manifest,
     write_manifest,
 )
@@ -149,6 +151,8 @@ class ModelStore:
                         manifest.created,
                     )
                 )
+            elif is_compressed(path):  # `edgeinfer compress` output: its own manifest
+                out.append(_compressed_row(path))
             elif (path / "config.json").is_file():
                 files = list(path.glob("*.safetensors"))
                 size = sum(f.stat().st_size for f in files)
@@ -524,3 +528,16 @@ def _rename2(src: Path, dst: Path, flags: int) -> bool:
     if err in (errno.ENOSYS, errno.EINVAL, errno.ENOTSUP):
         return False
     raise OSError(err, os.strerror(err), str(dst))
+
+
+def _compressed_row(path: Path) -> StoredModel:
+    """A compressed folder's row, from its manifest (runtime/compression.py writes it), read
+    here as JSON so that listing the store does not load the decoders."""
+    try:
+        raw = json.loads((path / COMPRESSED_MANIFEST_NAME).read_text(encoding="utf-8"))
+        size = int(raw["compressed_bytes"])
+        ratio = size / int(raw["bf16_bytes"]) if raw.get("bf16_bytes") else 0.0
+        return StoredModel(path.name, path, size, len(raw["shards"]), str(raw["source"]),
+                           str(raw["created"]), f"compressed, {ratio:.1%} of bfloat16")  # fmt: skip
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        return StoredModel(path.name, path, 0, 0, "", "", f"corrupt compressed manifest: {e}")

@@ -329,3 +329,25 @@ def test_cli_pull_models_verify_generate_rm(
     assert "not a size" in capsys.readouterr().err
     assert main(["rm", "stories260K", "--store", store]) == 0
     assert main(["rm", "stories260K", "--store", store]) == 2
+
+
+def test_a_compressed_copy_in_the_store_is_listed_and_served(
+    tmp_path: Path, stories_dir: Path
+) -> None:
+    from runtime.compression import compress_model
+    from runtime.llm import LLM
+    from runtime.sampling_params import SamplingParams
+
+    store = ModelStore(tmp_path / "store")
+    compress_model(stories_dir, store.root / "tiny-z", cast_bf16=True)
+    (row,) = store.list()
+    assert row.name == "tiny-z" and row.shards == 1 and row.source == str(stories_dir)
+    assert row.note.startswith("compressed, 6") and row.total_bytes > 0
+    folder = Path(_model_dir("tiny-z", str(store.root)))
+    assert folder == store.root / "tiny-z"
+    params = SamplingParams(temperature=0, max_tokens=8)
+    out = LLM(folder, kv_cache_bytes=1 << 22).generate(["Once upon a time"], params)
+    want = LLM(stories_dir, dtype="bfloat16", kv_cache_bytes=1 << 22).generate(
+        ["Once upon a time"], params
+    )
+    assert out[0].outputs[0].token_ids == want[0].outputs[0].token_ids
