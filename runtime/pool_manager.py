@@ -268,10 +268,21 @@ class Pool:
     async def _pipe_output(self, m: Managed) -> None:
         """Relay a worker's output, each line prefixed with its id, keeping the last lines."""
         assert m.proc.stdout is not None
-        async for raw in m.proc.stdout:
-            line = raw.decode(errors="replace").rstrip()
-            m.tail.append(line)
-            print(f"[{m.worker_id}] {line}", file=sys.stderr, flush=True)
+        pending = b""
+        while True:  # in pieces, not readline(): a line past its limit must not stop the relay
+            piece = await m.proc.stdout.read(1 << 16)  # (a worker blocks once the pipe is full)
+            if not piece:
+                break
+            *lines, pending = (pending + piece).split(b"\n")
+            if len(pending) > 1 << 16:
+                lines.append(pending)
+                pending = b""
+            for raw in lines:
+                line = raw.decode(errors="replace").rstrip()
+                m.tail.append(line[:4000])
+                print(f"[{m.worker_id}] {line}", file=sys.stderr, flush=True)
+        if pending:
+            m.tail.append(pending.decode(errors="replace")[:4000])
 
     async def _reap(self, registered: set[str], now: float) -> None:
         """Notice workers that registered, exited, or overran the ready timeout."""
