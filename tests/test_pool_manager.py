@@ -8,6 +8,7 @@ import os
 import subprocess
 import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import openai
@@ -161,13 +162,20 @@ def test_scale_from_zero_and_back(tmp_path: Path, stories_dir: Path, redis_serve
         client = openai.OpenAI(base_url=f"{gateway.url}/v1", api_key="x", max_retries=0,
                                timeout=120)  # fmt: skip
 
-        # the first request waits for the worker the pool starts, and is answered
-        raw = client.chat.completions.with_raw_response.create(
-            model="stories", messages=[{"role": "user", "content": "Hi"}], max_tokens=8
-        )
-        assert raw.headers["x-edgeinfer-route"] == "cold_start"
-        assert "cold-start;dur=" in raw.headers["server-timing"]
-        assert raw.parse().choices[0].message.content
+        # the first requests (several at once) wait for the one worker the pool starts, and
+        # are all answered
+        def ask(_: int):  # type: ignore[no-untyped-def]
+            return client.chat.completions.with_raw_response.create(
+                model="stories", messages=[{"role": "user", "content": "Hi"}], max_tokens=8
+            )
+
+        with ThreadPoolExecutor(3) as ex:
+            answers = list(ex.map(ask, range(3)))
+        for raw in answers:
+            assert raw.headers["x-edgeinfer-route"] == "cold_start"
+            assert "cold-start;dur=" in raw.headers["server-timing"]
+            assert raw.parse().choices[0].message.content
+        assert len({raw.headers["x-edgeinfer-worker"] for raw in answers}) == 1
         # the next one finds the worker at once
         raw = client.chat.completions.with_raw_response.create(
             model="stories", messages=[{"role": "user", "content": "Hi"}], max_tokens=4
