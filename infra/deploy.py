@@ -1,0 +1,232 @@
+"""Render (and, with --apply, apply) one region's Kubernetes manifests.
+
+    python -m infra.deploy REGION [--apply] [--out DIR] [--catalog FILE]
+    infra/deploy.sh REGION [...]
+
+Three layers, the way `kustomize build` stacks them: infra/k8s/base (gateway Deployment and
+Service, worker StatefulSet, pool manager, in-region Redis, the config map), the region's overlay
+infra/k8s/overlays/REGION (namespace, the region's name in the config), and on top the region's
+catalog settings from infra/regions.yaml, as an in-memory kustomization (the equivalent of
+`kustomize edit set image / set replicas` plus patches):
+
+    image             the edgeinfer container image, REPO[:TAG] or REPO@DIGEST   (required)
+    workers           standing worker pods (the StatefulSet's replicas)         (required)
+    models            models served: the first by the standing workers, all     (required)
+                      of them by the pool manager (scale from zero)
+    gpus_per_worker   nvidia.com/gpu per worker pod and pool pod (default 0: CPU)
+    redis_url         a shared Redis for the cluster state; absent: the region runs its own
+    drain_timeout     worker --drain-timeout, seconds (default 30); grace periods follow it
+    store_class, store_size   the model store's local NVMe StorageClass and size
+                      (default local-nvme, 200Gi)
+    gateway_replicas  (default 2); pool_max_workers (default 1)
+
+Without --apply the manifests are printed (or written to --out DIR, one file per resource);
+with --apply they are piped to `kubectl apply -f -`. Bad input (an unknown region, a missing or
+malformed setting, an overlay that does not render, no kubectl for --apply) stops before
+anything is written or applied, with exit status 2 and a message naming the region and field.
+"""
+
+from __future__ import annotations
+
+import argparse
+import re
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from infra.kustomize import RenderError, Resource, build
+
+INFRA = Path(__file__).resolve().parent
+DEFAULT_CATALOG = INFRA / "regions.yaml"
+OVERLAYS = INFRA / "k8s" / "overlays"
+GRACE_MARGIN_S = 20  # beyond the drain timeout: the preStop pause and the exit itself
+_IMAGE = re.compile(r"^(?P<repo>[a-z0-9][a-z0-9._/:-]*?)(?::(?P<tag>[\w][\w.-]{0,127}))?(?:@(?P<digest>sha256:[0-9a-f]{64}))?$")  # fmt: skip
+_QUANTITY = re.compile(r"^[0-9]+(\.[0-9]+)?(Ki|Mi|Gi|Ti|Pi|k|M|G|T|P)?$")
+
+
+class DeployError(ValueError):
+    """Bad input to a deploy; the message names the region and the field."""
+
+
+def load_catalog(path: Path) -> dict[str, dict[str, Any]]:
+    """The catalog's regions by name, with their settings (the gateway reads the same file)."""
+    try:
+        raw = yaml.safe_load(path.read_text())
+    except (OSError, yaml.YAMLError) as e:
+        raise DeployError(f"{path}: cannot read the region catalog: {e}") from e
+    entries = raw.get("regions") if isinstance(raw, dict) else None
+    if not isinstance(entries, list):
+        raise DeployError(f"{path}: needs a `regions:` list")
+    out: dict[str, dict[str, Any]] = {}
+    for entry in entries:
+        if isinstance(entry, dict) and isinstance(entry.get("name"), str):
+            settings = entry.get("settings") or {}
+            out[entry["name"]] = settings if isinstance(settings, dict) else {"<bad>": settings}
+    return out
+
+
+def _int(region: str, settings: dict[str, Any], key: str, default: int | None, low: int) -> int:
+    value = settings.get(key, default)
+    if value is None:
+        raise DeployError(f"region {region!r}: settings.{key} is required")
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or value != int(value) or value < low:  # fmt: skip
+        raise DeployError(f"region {region!r}: settings.{key} must be a whole number >= {low}, got {value!r}")  # fmt: skip
+    return int(value)
+
+
+def _str(region: str, settings: dict[str, Any], key: str, default: str | None = None) -> str:
+    value = settings.get(key, default)
+    if value is None or value == "":
+        raise DeployError(f"region {region!r}: settings.{key} is required")
+    if not isinstance(value, str):
+        raise DeployError(f"region {region!r}: settings.{key} must be a string, got {value!r}")
+    return value
+
+
+def region_layer(region: str, settings: dict[str, Any]) -> dict[str, Any]:
+    """The catalog's settings for `region` as a kustomization over the region's overlay."""
+    if "<bad>" in settings:
+        raise DeployError(f"region {region!r}: settings must be a mapping")
+    image = _str(region, settings, "image")
+    m = _IMAGE.match(image)
+    if not m:
+        raise DeployError(f"region {region!r}: settings.image is not an image reference: {image!r}")
+    models = settings.get("models")
+    if not isinstance(models, list) or not models:
+        raise DeployError(f"region {region!r}: settings.models is required (a non-empty list)")
+    for name in models:
+        if not isinstance(name, str) or not re.match(r"^[\w.=/-]+$", name):
+            raise DeployError(f"region {region!r}: settings.models has a bad entry {name!r}")
+    workers = _int(region, settings, "workers", None, 0)
+    gpus = _int(region, settings, "gpus_per_worker", 0, 0)
+    drain = _int(region, settings, "drain_timeout", 30, 1)
+    gateways = _int(region, settings, "gateway_replicas", 2, 1)
+    pool_max = _int(region, settings, "pool_max_workers", 1, 0)
+    store_class = _str(region, settings, "store_class", "local-nvme")
+    store_size = _str(region, settings, "store_size", "200Gi")
+    if not _QUANTITY.match(store_size):
+        raise DeployError(f"region {region!r}: settings.store_size is not a quantity: {store_size!r}")  # fmt: skip
+    redis_url = settings.get("redis_url")
+    if redis_url is not None and (not isinstance(redis_url, str) or not redis_url.startswith(("redis://", "rediss://"))):  # fmt: skip
+        raise DeployError(f"region {region!r}: settings.redis_url must be a redis:// or rediss:// URL")  # fmt: skip
+
+    image_edit: dict[str, Any] = {"name": "edgeinfer", "newName": m["repo"]}
+    if m["digest"]:
+        image_edit["digest"] = m["digest"]
+    else:
+        image_edit["newTag"] = m["tag"] or "latest"
+    config = {
+        "EDGEINFER_MODEL": models[0],
+        "EDGEINFER_MODELS": ",".join(models),
+        "EDGEINFER_DRAIN_TIMEOUT": str(drain),
+        "EDGEINFER_POOL_MAX_WORKERS": str(pool_max),
+    }
+    if redis_url:
+        config["EDGEINFER_REDIS"] = redis_url
+    patches: list[dict[str, Any]] = [_inline({"apiVersion": "v1", "kind": "ConfigMap",
+                                              "metadata": {"name": "edgeinfer-config"}, "data": config})]  # fmt: skip
+    claim = {"storageClassName": store_class, "resources": {"requests": {"storage": store_size}}}
+    gpu = {"limits": {"nvidia.com/gpu": gpus}} if gpus else {}
+    for kind, name in (("StatefulSet", "worker"), ("Deployment", "pool")):
+        pod: dict[str, Any] = {"terminationGracePeriodSeconds": drain + GRACE_MARGIN_S,
+                               "containers": [{"name": name, "resources": gpu}] if gpu else []}  # fmt: skip
+        spec: dict[str, Any] = {"template": {"spec": pod}}
+        if kind == "StatefulSet":
+            # volumeClaimTemplates has no merge key: the whole list is replaced, as in kustomize
+            spec["volumeClaimTemplates"] = [{"metadata": {"name": "model-store"},
+                                             "spec": {"accessModes": ["ReadWriteOnce"], **claim}}]  # fmt: skip
+        else:
+            pod["volumes"] = [{"name": "model-store", "ephemeral": {"volumeClaimTemplate": {
+                "spec": {"accessModes": ["ReadWriteOnce"], **claim}}}}]  # fmt: skip
+        if not pod["containers"]:
+            del pod["containers"]
+        patches.append(_inline({"apiVersion": "apps/v1", "kind": kind, "metadata": {"name": name}, "spec": spec}))  # fmt: skip
+    if redis_url:
+        for kind, api in (("Deployment", "apps/v1"), ("Service", "v1")):
+            patches.append(_inline({"apiVersion": api, "kind": kind, "metadata": {"name": "redis"},
+                                    "$patch": "delete"}))  # fmt: skip
+    return {
+        "apiVersion": "kustomize.config.k8s.io/v1beta1",
+        "kind": "Kustomization",
+        "resources": [f"overlays/{region}"],
+        "images": [image_edit],
+        "replicas": [{"name": "worker", "count": workers}, {"name": "gateway", "count": gateways}],
+        "patches": patches,
+    }
+
+
+def _inline(doc: dict[str, Any]) -> dict[str, str]:
+    return {"patch": yaml.safe_dump(doc, sort_keys=False)}
+
+
+def render(
+    region: str, catalog: Path = DEFAULT_CATALOG, overlays: Path = OVERLAYS
+) -> list[Resource]:
+    """The region's manifests; raises DeployError naming the region and the field."""
+    regions = load_catalog(catalog)
+    if region not in regions:
+        raise DeployError(f"region {region!r}: not in the catalog {catalog} (known: {', '.join(regions)})")  # fmt: skip
+    if not (overlays / region / "kustomization.yaml").is_file():
+        raise DeployError(
+            f"region {region!r}: no overlay at {overlays / region}/kustomization.yaml"
+        )
+    layer = region_layer(region, regions[region])
+    try:
+        resources = build(layer, overlays.parent)
+    except RenderError as e:
+        raise DeployError(f"region {region!r}: the overlay does not render: {e}") from e
+    return resources
+
+
+def to_yaml(resources: list[Resource]) -> str:
+    return yaml.safe_dump_all(resources, sort_keys=False)
+
+
+def apply(text: str, region: str) -> None:
+    kubectl = shutil.which("kubectl")
+    if kubectl is None:
+        raise DeployError(f"region {region!r}: --apply needs kubectl on PATH; nothing was applied")
+    done = subprocess.run([kubectl, "apply", "-f", "-"], input=text, text=True, check=False)
+    if done.returncode != 0:
+        raise DeployError(f"region {region!r}: kubectl apply failed (exit {done.returncode})")
+
+
+def write(resources: list[Resource], out: Path) -> list[Path]:
+    out.mkdir(parents=True, exist_ok=True)
+    paths = []
+    for i, r in enumerate(resources):
+        path = out / f"{i:02d}-{r['kind'].lower()}-{r['metadata']['name']}.yaml"
+        path.write_text(yaml.safe_dump(r, sort_keys=False))
+        paths.append(path)
+    return paths
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="infra/deploy.sh", description=__doc__.split("\n\n")[0])
+    p.add_argument("region", help="a region name from the catalog")
+    p.add_argument("--apply", action="store_true", help="kubectl apply the manifests")
+    p.add_argument("--out", type=Path, default=None, help="write one file per resource here")
+    p.add_argument("--catalog", type=Path, default=DEFAULT_CATALOG, help="region catalog YAML")
+    args = p.parse_args(argv)
+    try:
+        resources = render(args.region, args.catalog)
+        text = to_yaml(resources)
+        if args.apply:
+            apply(text, args.region)
+        elif args.out is not None:
+            for path in write(resources, args.out):
+                print(path)
+        else:
+            sys.stdout.write(text)
+    except DeployError as e:
+        print(f"deploy: error: {e}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

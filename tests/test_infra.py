@@ -1,0 +1,276 @@
+"""infra/: every region in the catalog renders to manifests that validate offline against the
+Kubernetes schemas, run commands the edgeinfer CLI accepts, and keep the deploy invariants
+(probes, drain grace, GPUs, model store); bad input stops with exit 2, naming the region and the
+field, and nothing is written or applied."""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+from pathlib import Path
+from typing import Any
+
+import kubernetes_validate
+import pytest
+import yaml
+
+from gateway.regions import RegionCatalog
+from infra import deploy
+from infra.kustomize import build, merge
+from runtime.cli import build_parser
+
+K8S_VERSION = "1.30.0"
+REGIONS = sorted(RegionCatalog.load().regions)
+
+
+def _by(resources: list[dict[str, Any]], kind: str, name: str) -> dict[str, Any]:
+    (hit,) = [r for r in resources if r["kind"] == kind and r["metadata"]["name"] == name]
+    return hit
+
+
+def _container(resource: dict[str, Any]) -> dict[str, Any]:
+    (c,) = resource["spec"]["template"]["spec"]["containers"]
+    return c
+
+
+def _expand(args: list[str], env: dict[str, str]) -> list[str]:
+    """Kubernetes' $(VAR) expansion of a container's args; an unknown variable fails the test."""
+
+    def one(m: re.Match[str]) -> str:
+        assert m[1] in env, f"$({m[1]}) is not in the container's environment"
+        return env[m[1]]
+
+    return [re.sub(r"\$\(([A-Z_]+)\)", one, a) for a in args]
+
+
+def _env(resources: list[dict[str, Any]], container: dict[str, Any]) -> dict[str, str]:
+    config = _by(resources, "ConfigMap", "edgeinfer-config")["data"]
+    assert container["envFrom"] == [{"configMapRef": {"name": "edgeinfer-config"}}]
+    env = dict(config)
+    for e in container.get("env", []):
+        env[e["name"]] = e.get("value", "10.1.2.3" if e["name"] == "POD_IP" else "pod-0")
+    return env
+
+
+@pytest.mark.parametrize("region", REGIONS)
+def test_region_renders_and_validates(region: str) -> None:
+    resources = deploy.render(region)
+    kinds = sorted(f"{r['kind']}/{r['metadata']['name']}" for r in resources)
+    assert {"Deployment/gateway", "Service/gateway", "StatefulSet/worker", "Deployment/pool",
+            "ConfigMap/edgeinfer-config", "Namespace/edgeinfer-" + region} <= set(kinds)  # fmt: skip
+    for r in resources:
+        kubernetes_validate.validate(r, K8S_VERSION, strict=True)
+        if r["kind"] != "Namespace":
+            assert r["metadata"]["namespace"] == f"edgeinfer-{region}"
+        assert r["metadata"]["labels"]["edgeinfer.dev/region"] == region
+    # kustomize's order: the namespace and the config before the pods that need them
+    assert resources[0]["kind"] == "Namespace" and resources[1]["kind"] == "ConfigMap"
+    # the printed form is the same manifests
+    assert list(yaml.safe_load_all(deploy.to_yaml(resources))) == resources
+
+
+@pytest.mark.parametrize("region", REGIONS)
+def test_pods_run_real_commands(region: str) -> None:
+    settings = RegionCatalog.load().regions[region].settings
+    resources = deploy.render(region)
+    parser = build_parser()
+    for kind, name, command in (("Deployment", "gateway", "gateway"),
+                                ("StatefulSet", "worker", "worker"), ("Deployment", "pool", "pool")):  # fmt: skip
+        c = _container(_by(resources, kind, name))
+        assert c["image"] == settings["image"]
+        assert c["command"] == ["edgeinfer"]
+        env = _env(resources, c)
+        args = parser.parse_args(_expand(c["args"], env))
+        assert args.func.__name__ == f"cmd_{command}"
+        assert args.region == region
+        assert args.redis == env["EDGEINFER_REDIS"]
+        secret = {e["name"]: e for e in c["env"]}["EDGEINFER_SECRET"]
+        assert secret["valueFrom"]["secretKeyRef"] == {"name": "edgeinfer-secret", "key": "secret"}
+        if command == "worker":
+            assert args.model == settings["models"][0]
+            assert (args.host, args.port) == ("0.0.0.0", 9001)
+            assert args.advertise_url == "http://10.1.2.3:9001"
+        if command == "pool":
+            assert args.models.split(",") == settings["models"]
+            worker_flags = parser.parse_args(["worker", *args.worker_args.split()])
+            assert worker_flags.drain_timeout == float(env["EDGEINFER_DRAIN_TIMEOUT"])
+        if command == "gateway":
+            assert (args.host, args.port) == ("0.0.0.0", 8080)
+
+
+@pytest.mark.parametrize("region", REGIONS)
+def test_deploy_invariants(region: str) -> None:
+    settings = RegionCatalog.load().regions[region].settings
+    resources = deploy.render(region)
+    config = _by(resources, "ConfigMap", "edgeinfer-config")["data"]
+
+    gateway = _container(_by(resources, "Deployment", "gateway"))
+    assert gateway["readinessProbe"]["httpGet"] == {"path": "/readyz", "port": "http"}
+    assert gateway["livenessProbe"]["httpGet"] == {"path": "/healthz", "port": "http"}
+    assert gateway["lifecycle"]["preStop"]["exec"]["command"][0] == "sleep"
+    service = _by(resources, "Service", "gateway")
+    assert service["spec"]["selector"] == {"app.kubernetes.io/name": "gateway"}
+
+    worker_set = _by(resources, "StatefulSet", "worker")
+    assert worker_set["spec"]["replicas"] == settings["workers"]
+    drain = float(config["EDGEINFER_DRAIN_TIMEOUT"])
+    for kind, name in (("StatefulSet", "worker"), ("Deployment", "pool")):
+        resource = _by(resources, kind, name)
+        pod = resource["spec"]["template"]["spec"]
+        c = _container(resource)
+        prestop = float(c["lifecycle"]["preStop"]["exec"]["command"][1])
+        assert pod["terminationGracePeriodSeconds"] > drain + prestop, (region, name)
+        gpus = settings.get("gpus_per_worker", 0)
+        assert c["resources"].get("limits", {}).get("nvidia.com/gpu", 0) == gpus
+        # the model store is mounted where the worker looks up `--model NAME`
+        (mount,) = [m for m in c["volumeMounts"] if m["name"] == "model-store"]
+        assert mount["mountPath"] == config["EDGEINFER_STORE"]
+    claims = worker_set["spec"]["volumeClaimTemplates"]
+    assert [c["metadata"]["name"] for c in claims] == ["model-store"]
+    assert claims[0]["spec"]["storageClassName"] == settings.get("store_class", "local-nvme")
+
+    worker = _container(worker_set)
+    assert worker["livenessProbe"]["tcpSocket"] == {"port": "internal"}
+    probe = worker["readinessProbe"]["exec"]["command"]
+    assert probe[:2] == ["python", "-c"] and "/internal/health" in probe[2]
+    compile(probe[2], "readinessProbe", "exec")
+
+    has_redis = any(r["metadata"]["name"] == "redis" for r in resources)
+    assert has_redis == ("redis_url" not in settings)
+
+
+def _catalog(tmp_path: Path, region: str = "local", **settings: Any) -> Path:
+    raw = yaml.safe_load(deploy.DEFAULT_CATALOG.read_text())
+    for entry in raw["regions"]:
+        if entry["name"] == region:
+            for key, value in settings.items():
+                if value is None:
+                    entry["settings"].pop(key, None)
+                else:
+                    entry["settings"][key] = value
+    path = tmp_path / "regions.yaml"
+    path.write_text(yaml.safe_dump(raw))
+    return path
+
+
+def test_catalog_settings_flow_into_manifests(tmp_path: Path) -> None:
+    catalog = _catalog(tmp_path, workers=3, gpus_per_worker=2, drain_timeout=90,
+                       redis_url="rediss://shared.example:6380/0", models=["a", "b"],
+                       image="registry.example/ei@sha256:" + "ab" * 32)  # fmt: skip
+    resources = deploy.render("local", catalog)
+    for r in resources:
+        kubernetes_validate.validate(r, K8S_VERSION, strict=True)
+    assert not [r for r in resources if r["metadata"]["name"] == "redis"]
+    config = _by(resources, "ConfigMap", "edgeinfer-config")["data"]
+    assert config["EDGEINFER_REDIS"] == "rediss://shared.example:6380/0"
+    assert (config["EDGEINFER_MODEL"], config["EDGEINFER_MODELS"]) == ("a", "a,b")
+    worker = _by(resources, "StatefulSet", "worker")
+    assert worker["spec"]["replicas"] == 3
+    assert worker["spec"]["template"]["spec"]["terminationGracePeriodSeconds"] > 90
+    c = _container(worker)
+    assert c["image"] == "registry.example/ei@sha256:" + "ab" * 32
+    assert c["resources"]["limits"] == {"memory": "32Gi", "nvidia.com/gpu": 2}
+
+
+@pytest.mark.parametrize(
+    ("region", "settings", "field"),
+    [
+        ("mars-1", {}, "not in the catalog"),
+        ("local", {"image": None}, "settings.image"),
+        ("local", {"image": "Not An Image"}, "settings.image"),
+        ("local", {"models": None}, "settings.models"),
+        ("local", {"models": []}, "settings.models"),
+        ("local", {"workers": None}, "settings.workers"),
+        ("local", {"workers": -1}, "settings.workers"),
+        ("local", {"gpus_per_worker": "one"}, "settings.gpus_per_worker"),
+        ("local", {"redis_url": "http://x"}, "settings.redis_url"),
+        ("local", {"store_size": "lots"}, "settings.store_size"),
+    ],
+)
+def test_bad_input_exits_2_naming_region_and_field(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], region: str, settings: dict[str, Any],
+    field: str,
+) -> None:  # fmt: skip
+    catalog = _catalog(tmp_path, **settings)
+    out = tmp_path / "out"
+    assert deploy.main([region, "--catalog", str(catalog), "--out", str(out)]) == 2
+    captured = capsys.readouterr()
+    assert captured.out == ""
+    assert f"region {region!r}" in captured.err and field in captured.err
+    assert not out.exists()
+
+
+def test_overlay_that_does_not_render(tmp_path: Path) -> None:
+    k8s = tmp_path / "k8s"
+    shutil.copytree(deploy.OVERLAYS.parent, k8s)
+    (k8s / "overlays" / "local" / "config.yaml").write_text(
+        "apiVersion: v1\nkind: ConfigMap\nmetadata: {name: no-such-config}\n"
+    )
+    with pytest.raises(deploy.DeployError, match=r"region 'local'.*patches\[0\].*no-such-config"):
+        deploy.render("local", deploy.DEFAULT_CATALOG, k8s / "overlays")
+    (k8s / "overlays" / "local" / "kustomization.yaml").write_text("resources: [../../base]\nhelmCharts: []\n")  # fmt: skip
+    with pytest.raises(deploy.DeployError, match=r"region 'local'.*'helmCharts'"):
+        deploy.render("local", deploy.DEFAULT_CATALOG, k8s / "overlays")
+    shutil.rmtree(k8s / "overlays" / "local")
+    with pytest.raises(deploy.DeployError, match=r"region 'local'.*no overlay"):
+        deploy.render("local", deploy.DEFAULT_CATALOG, k8s / "overlays")
+
+
+def test_print_and_out(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    assert deploy.main(["local"]) == 0
+    printed = list(yaml.safe_load_all(capsys.readouterr().out))
+    assert printed == deploy.render("local")
+    assert deploy.main(["local", "--out", str(tmp_path / "m")]) == 0
+    files = sorted((tmp_path / "m").glob("*.yaml"))
+    assert [yaml.safe_load(f.read_text()) for f in files] == printed
+
+
+def test_apply_pipes_to_kubectl(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    kubectl = bin_dir / "kubectl"
+    kubectl.write_text(f'#!/bin/sh\necho "$@" > {tmp_path}/argv\ncat > {tmp_path}/stdin\n')
+    kubectl.chmod(0o755)
+    monkeypatch.setenv("PATH", f"{bin_dir}{os.pathsep}{os.environ['PATH']}")
+    assert deploy.main(["us-east", "--apply"]) == 0
+    assert (tmp_path / "argv").read_text().split() == ["apply", "-f", "-"]
+    applied = list(yaml.safe_load_all((tmp_path / "stdin").read_text()))
+    assert applied == deploy.render("us-east")
+
+
+def test_apply_without_kubectl(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                               capsys: pytest.CaptureFixture[str]) -> None:  # fmt: skip
+    monkeypatch.setenv("PATH", str(tmp_path))
+    assert shutil.which("kubectl") is None
+    assert deploy.main(["us-east", "--apply"]) == 2
+    captured = capsys.readouterr()
+    assert captured.out == ""
+    assert "region 'us-east'" in captured.err and "kubectl" in captured.err
+
+
+def test_strategic_merge() -> None:
+    base = {"containers": [{"name": "a", "env": [{"name": "X", "value": "1"}], "args": ["p"]}]}
+    patch = {"containers": [{"name": "a", "env": [{"name": "Y", "value": "2"}], "args": ["q"]},
+                            {"name": "b"}]}  # fmt: skip
+    assert merge(base, patch) == {"containers": [
+        {"name": "a", "env": [{"name": "X", "value": "1"}, {"name": "Y", "value": "2"}], "args": ["q"]},
+        {"name": "b"}]}  # fmt: skip
+    assert merge({"a": 1, "b": 2}, {"b": None}) == {"a": 1}
+
+
+def test_deploy_sh(tmp_path: Path) -> None:
+    import subprocess
+
+    script = deploy.INFRA / "deploy.sh"
+    assert os.access(script, os.X_OK)
+    done = subprocess.run([str(script), "nowhere"], capture_output=True, text=True, check=False)
+    assert done.returncode == 2 and "region 'nowhere'" in done.stderr
+    done = subprocess.run([str(script), "local"], capture_output=True, text=True, check=False)
+    assert done.returncode == 0 and list(yaml.safe_load_all(done.stdout)) == deploy.render("local")
+
+
+def test_base_renders_alone() -> None:
+    """The base is a kustomization of its own (kubectl apply -k infra/k8s/base works too)."""
+    names = {r["metadata"]["name"] for r in build(deploy.OVERLAYS.parent / "base")}
+    assert names == {"edgeinfer-config", "redis", "gateway", "worker", "pool"}
