@@ -91,6 +91,8 @@ def test_pods_run_real_commands(region: str) -> None:
             assert args.model == settings["models"][0]
             assert (args.host, args.port) == ("0.0.0.0", 9001)
             assert args.advertise_url == "http://10.1.2.3:9001"
+            # registry ids are cluster-wide: a pod name (worker-0) alone would collide
+            assert args.worker_id == f"{region}-pod-0"
         if command == "pool":
             assert args.models.split(",") == settings["models"]
             worker_flags = parser.parse_args(["worker", *args.worker_args.split()])
