@@ -22,10 +22,8 @@ The ratio (1)/(2) is what the serving path adds to a cold start.
 from __future__ import annotations
 
 import argparse
-import os
 import shutil
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -36,45 +34,11 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from bench.coldstart import evict, log, worker_first_token  # noqa: E402
-from kvstore.redis_server import LocalRedis, find_free_port  # noqa: E402
+from kvstore.redis_server import LocalRedis  # noqa: E402
 from runtime.loader import safetensors_files  # noqa: E402
+from tests.stack import get_json, start_gateway, start_pool, wait_until  # noqa: E402
 
-SECRET = "bench-secret"
 CATALOG = "regions:\n  - {name: local, latitude: 50.11, longitude: 8.68, settings: {}}\n"
-
-
-def _spawn(args: list[str], log_file: Path) -> subprocess.Popen[bytes]:
-    return subprocess.Popen(
-        [sys.executable, "-m", "runtime.cli", *args],
-        cwd=ROOT,
-        env=os.environ | {"EDGEINFER_SECRET": SECRET, "PYTHONUNBUFFERED": "1"},
-        stdout=log_file.open("wb"),
-        stderr=subprocess.STDOUT,
-    )
-
-
-def _readyz(url: str) -> dict[str, object]:
-    import urllib.error
-    import urllib.request
-
-    import orjson
-
-    try:
-        with urllib.request.urlopen(f"{url}/readyz", timeout=5) as resp:
-            return dict(orjson.loads(resp.read()))
-    except urllib.error.HTTPError as e:
-        return dict(orjson.loads(e.read() or b"{}"))
-    except OSError:
-        return {}
-
-
-def _wait(check, timeout_s: float, what: str) -> None:  # type: ignore[no-untyped-def]
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if check():
-            return
-        time.sleep(0.1)
-    raise TimeoutError(f"timed out waiting for {what}")
 
 
 def _events(redis_url: str, kind: str) -> list[dict[str, str]]:
@@ -119,26 +83,18 @@ def main() -> int:
     logs = Path(tempfile.mkdtemp(prefix="scale0-"))
     with LocalRedis() as redis:
         (logs / "regions.yaml").write_text(CATALOG)
-        port = find_free_port()
-        gw_url = f"http://127.0.0.1:{port}"
-        pool = _spawn(
-            ["pool", "--region", "local", "--models", f"{name}={model}", "--max-workers", "1",
-             "--idle", "1", "--redis", redis.url],
-            logs / "pool.log",
-        )  # fmt: skip
-        gateway = _spawn(
-            ["gateway", "--region", "local", "--port", str(port), "--redis", redis.url,
-             "--regions", str(logs / "regions.yaml")],
-            logs / "gateway.log",
-        )  # fmt: skip
+        pool = start_pool("pool", redis.url, logs, f"{name}={model}",
+                          ["--max-workers", "1", "--idle", "1"])  # fmt: skip
+        gateway = start_gateway("gateway", redis.url, logs / "regions.yaml", logs, "local")
         try:
-            _wait(lambda: _readyz(gw_url).get("pools") == 1, 60, "the gateway to see the pool")
-            client = openai.OpenAI(base_url=f"{gw_url}/v1", api_key="x", max_retries=0,
+            wait_until(lambda: get_json(f"{gateway.url}/readyz")[1].get("pools") == 1, 60,
+                       "the gateway to see the pool")  # fmt: skip
+            client = openai.OpenAI(base_url=f"{gateway.url}/v1", api_key="x", max_retries=0,
                                    timeout=300)  # fmt: skip
             for rep in range(args.reps):
                 # from zero: the last repetition's worker process has exited, not just left
                 # the registry (its teardown would compete for the cores)
-                _wait(partial(_stopped, redis.url, rep), 60, "the last worker's exit")
+                wait_until(partial(_stopped, redis.url, rep), 60, "the last worker's exit")
                 evict(files)
                 t0 = time.perf_counter()
                 stream = client.completions.create(
@@ -151,13 +107,11 @@ def main() -> int:
                 for _ in stream:
                     pass
                 log(f"rep {rep + 1}: scale from zero to first token {ours[-1]:.2f}s")
-            _wait(lambda: len(_events(redis.url, "ready")) >= args.reps, 30, "the ready event")
+            wait_until(lambda: len(_events(redis.url, "ready")) >= args.reps, 30, "ready events")
             ready = [float(e["ready_s"]) for e in _events(redis.url, "ready")]
         finally:
-            gateway.terminate()
-            pool.terminate()
-            for p in (gateway, pool):
-                p.wait(60)
+            gateway.stop(60)
+            pool.stop(60)
             if args.keep_logs:
                 log(f"logs kept in {logs}")
             else:

@@ -92,11 +92,7 @@ class ClusterView:
         regions = sorted({p.region for p in self.pools if model in p.models})
         if not regions:
             return None
-        return self.catalog.nearest_first(self.region, regions)[0]
-
-    @property
-    def region(self) -> str:
-        return self.config.region
+        return self.catalog.nearest_first(self.config.region, regions)[0]
 
     def live_workers(self) -> list[WorkerInfo]:
         return [w for w in self.workers if w.worker_id not in self.failed]

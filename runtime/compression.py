@@ -51,7 +51,7 @@ import threading
 import time
 import uuid
 from collections import deque
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Generator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
@@ -74,7 +74,7 @@ from kernels.huffman_decode import (
 )
 from runtime.config import ModelLoadError
 from runtime.manifest import COMPRESSED_MANIFEST_NAME, is_compressed
-from runtime.shard_reader import Arena
+from runtime.shard_reader import Arena, open_for_read, preadv_all
 from runtime.weights import ALIGN, ReadStats, Shard, TensorEntry, read_header
 
 FORMAT = "edgeinfer-huffman-bf16/1"
@@ -617,28 +617,14 @@ class _Buffers:
             self._free = {}
 
 
-def _open(path: Path, direct: bool) -> tuple[int, bool]:
-    """A descriptor for reading `path`, and whether it is O_DIRECT (some filesystems refuse)."""
-    if direct:
-        try:
-            return os.open(path, os.O_RDONLY | os.O_DIRECT), True
-        except OSError:  # tmpfs and some filesystems refuse O_DIRECT
-            pass
-    return os.open(path, os.O_RDONLY), False
-
-
 def _read_group(g: _Group, shard: CompressedShard, fd: int, buffers: _Buffers,
                 stats: ReadStats, lock: threading.Condition) -> Arena:  # fmt: skip
     """Read a group's span into a buffer (on a read thread)."""
     buf = buffers.take(g.end - g.begin)
     view = buf.view[: g.end - g.begin]
-    got, t0 = 0, time.perf_counter()
+    t0 = time.perf_counter()
     try:
-        while got < len(view):  # a buffered read may come back short; O_DIRECT only at EOF
-            n = os.preadv(fd, [view[got:]], g.begin + got)
-            if n == 0:
-                break
-            got += n
+        got = preadv_all(fd, [view], g.begin)
     except OSError as e:
         raise ModelLoadError(f"{shard.path}: cannot read ({e})") from e
     t1 = time.perf_counter()
@@ -670,7 +656,7 @@ def load_compressed(
     direct: bool = True,
     decode_threads: int | None = None,
     into: Callable[[str], torch.Tensor | None] | None = None,
-) -> Iterator[tuple[str, str, torch.Tensor]]:
+) -> Generator[tuple[str, str, torch.Tensor]]:
     """(file, tensor name, tensor) for every tensor of a compressed folder, in file order, as
     runtime.weights.load_safetensors gives them for a plain one. The manifest and every shard
     header are checked first. Then consecutive records are read in groups of GROUP_BYTES or
@@ -744,7 +730,7 @@ class _Reads:
         self.io = ThreadPoolExecutor(max(1, threads), thread_name_prefix="weights")
         try:
             for s in shards:
-                fd, is_direct = _open(s.path, direct)
+                fd, is_direct = open_for_read(s.path, s.size, direct, skip_cached=False)
                 self.fds.append(fd)
                 stats.bytes += s.size
                 stats.direct += is_direct

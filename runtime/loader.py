@@ -25,7 +25,7 @@ import json
 import os
 import threading
 import time
-from collections.abc import Iterator, Mapping
+from collections.abc import Generator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -232,7 +232,7 @@ class _Decoding:
     into the parameters), run on a thread of their own so that `start_load` returns at once, as
     it does for a plain folder; `wait` and `close` as ShardReads has them."""
 
-    def __init__(self, tensors: Iterator[tuple[str, str, torch.Tensor]], stats: ReadStats) -> None:
+    def __init__(self, tensors: Generator[tuple[str, str, torch.Tensor]], stats: ReadStats) -> None:
         self._tensors = tensors
         self._stats = stats
         self._error: BaseException | None = None
@@ -249,9 +249,7 @@ class _Decoding:
         except BaseException as e:  # raised to whoever waits
             self._error = e
         finally:
-            close = getattr(self._tensors, "close", None)
-            if close is not None:
-                close()  # the generator's own clean-up: its reads and buffers
+            self._tensors.close()  # the generator's own clean-up: its reads and buffers
 
     def wait(self, index: int) -> None:
         self._thread.join()

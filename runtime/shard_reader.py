@@ -130,7 +130,22 @@ def _cached(fd: int, size: int) -> bool:
     return True
 
 
-def _preadv_all(fd: int, pieces: list[memoryview], offset: int) -> int:
+def open_for_read(path: Path, size: int, direct: bool, skip_cached: bool) -> tuple[int, bool]:
+    """A descriptor for reading `path` (of `size` bytes), and whether it is O_DIRECT: with
+    `direct`, unless the filesystem refuses it or (`skip_cached`) the file is already in the page
+    cache, which reads faster from there."""
+    fd = os.open(path, os.O_RDONLY)
+    if not direct or (skip_cached and _cached(fd, size)):
+        return fd, False
+    try:
+        dfd = os.open(path, os.O_RDONLY | os.O_DIRECT)
+    except OSError:  # tmpfs and some filesystems refuse O_DIRECT
+        return fd, False
+    os.close(fd)
+    return dfd, True
+
+
+def preadv_all(fd: int, pieces: list[memoryview], offset: int) -> int:
     """Fill `pieces` from `offset` on, however many calls that takes (a buffered read may come
     back short; O_DIRECT only at the end of the file). Returns the bytes read."""
     todo, total = list(pieces), 0
@@ -191,17 +206,10 @@ class ShardReads:
     @staticmethod
     def _open(job: FileRead, direct: bool, skip_cached: bool) -> _File:
         try:
-            fd = os.open(job.path, os.O_RDONLY)
+            fd, is_direct = open_for_read(job.path, job.size, direct, skip_cached)
         except OSError as e:
             raise _load_error(f"{job.path}: cannot read ({e})") from e
-        if direct and not (skip_cached and _cached(fd, job.size)):
-            try:
-                dfd = os.open(job.path, os.O_RDONLY | os.O_DIRECT)
-            except OSError:  # tmpfs and some filesystems refuse O_DIRECT
-                return _File(job, fd, False)
-            os.close(fd)
-            return _File(job, dfd, True)
-        return _File(job, fd, False)
+        return _File(job, fd, is_direct)
 
     def _scratch(self) -> Arena:
         scratch: Arena | None = getattr(self._local, "arena", None)
@@ -233,7 +241,7 @@ class ShardReads:
             pieces.append(scratch.view[cursor - c0 : c1 - c0])
         t0 = time.perf_counter()
         try:
-            got = _preadv_all(f.fd, pieces, c0)
+            got = preadv_all(f.fd, pieces, c0)
         except OSError as e:
             raise _load_error(f"{f.job.path}: cannot read ({e})") from e
         t1 = time.perf_counter()

@@ -147,5 +147,11 @@ def start_gateway(
     return proc
 
 
+def start_pool(name: str, redis_url: str, log_dir: Path, models: str, extra: list[str]) -> Proc:
+    """`edgeinfer pool` for region `local` (it serves no HTTP: its url is empty)."""
+    args = ["pool", "--region", "local", "--models", models, "--redis", redis_url, *extra]
+    return _spawn(name, args, log_dir, 0, "")
+
+
 def worker_stats(worker: Proc) -> dict:  # type: ignore[type-arg]
     return get_json(f"{worker.url}/internal/stats", SECRET)[1]

@@ -4,7 +4,6 @@ official `openai` client."""
 
 from __future__ import annotations
 
-import os
 import subprocess
 import sys
 import time
@@ -18,7 +17,7 @@ import redis
 from kvstore.protocol import WorkerInfo
 from kvstore.redis_server import LocalRedis
 from runtime.pool_manager import Decision, Managed, ModelState, PoolConfig, decide
-from tests.stack import ROOT, SECRET, chat_model, get_json, start_gateway, wait_until
+from tests.stack import ROOT, chat_model, get_json, start_gateway, start_pool, wait_until
 
 CATALOG = "regions:\n  - {name: local, latitude: 50.11, longitude: 8.68, settings: {}}\n"
 WORKER_ARGS = "--threads 1 --kv-cache-bytes 4000000 --heartbeat 0.3 --ttl 1.5 --drain-timeout 5"
@@ -109,17 +108,6 @@ def test_pool_config_rejects_impossible_limits() -> None:
 
 
 # ---------------------------------------------------------------------- end to end
-def _pool(root: Path, redis_url: str, models: str, idle: float) -> subprocess.Popen[bytes]:
-    log = (root / "pool.log").open("wb")
-    return subprocess.Popen(
-        [sys.executable, "-m", "runtime.cli", "pool", "--region", "local", "--models", models,
-         "--max-workers", "2", "--idle", str(idle), "--redis", redis_url,
-         "--worker-args", WORKER_ARGS],
-        cwd=ROOT, env=os.environ | {"EDGEINFER_SECRET": SECRET, "PYTHONUNBUFFERED": "1"},
-        stdout=log, stderr=subprocess.STDOUT,
-    )  # fmt: skip
-
-
 def _events(redis_url: str) -> list[str]:
     out = subprocess.run(
         [sys.executable, "-m", "runtime.cli", "pool", "--region", "local", "--events", "100",
@@ -145,7 +133,8 @@ def test_scale_from_zero_and_back(tmp_path: Path, stories_dir: Path, redis_serve
     broken.mkdir()
     (broken / "config.json").write_text("{not json")
     (tmp_path / "regions.yaml").write_text(CATALOG)
-    pool = _pool(tmp_path, redis_server.url, f"stories={model},broken={broken}", idle=2.0)
+    pool = start_pool("pool", redis_server.url, tmp_path, f"stories={model},broken={broken}",
+                      ["--max-workers", "2", "--idle", "2", "--worker-args", WORKER_ARGS])  # fmt: skip
     gateway = start_gateway("gw", redis_server.url, tmp_path / "regions.yaml", tmp_path, "local")
     try:
         # the gateway knows the pool's models before any worker exists, and is ready
@@ -206,11 +195,10 @@ def test_scale_from_zero_and_back(tmp_path: Path, stories_dir: Path, redis_serve
             model="stories", prompt="Once upon a time", max_tokens=8, stream=True
         )
         assert "".join(c.choices[0].text for c in stream)
-        assert pool.poll() is None, (tmp_path / "pool.log").read_text()
+        assert pool.alive(), pool.tail()
     finally:
         gateway.stop()
-        pool.terminate()
-        pool.wait(60)
+        pool.stop(60)
     log = (tmp_path / "pool.log").read_text()
     assert "start-up:" in log  # the worker's own timeline reached the pool's output
     r = redis.Redis.from_url(redis_server.url)
