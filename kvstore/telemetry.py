@@ -1,0 +1,317 @@
+"""Traces and metrics (OpenTelemetry) for the gateway and the workers: one `Telemetry` per process.
+
+It lives here because kvstore is the one torch-free package both the gateway and the workers
+import (as the protocol messages do); it imports no torch and no aiohttp.
+
+    tel = Telemetry(TelemetryConfig("edgeinfer-gateway", region="eu", otlp_endpoint=URL))
+    span = tel.tracer.start_span("chat m", context=tel.extract(request.headers))
+    tel.inject(headers, trace.set_span_in_context(span))  # W3C traceparent to the next hop
+    tel.prometheus()                                       # the /metrics body
+    tel.shutdown()                                         # flush what is still buffered
+
+Traces are recorded only when somewhere receives them: an OTLP endpoint (the gateway's and the
+worker's `--otlp-endpoint`, default `$OTEL_EXPORTER_OTLP_ENDPOINT`), or a test's exporter.
+Otherwise the tracer is OpenTelemetry's no-op one, which still carries an incoming
+`traceparent` on to the next hop. Spans are sampled parent-based (a client's sampled flag is
+obeyed), new traces at `trace_sample_ratio`. Metrics are always collected: the Prometheus
+`/metrics` endpoint reads them, and they go over OTLP as well when an endpoint is set.
+
+Prompts and outputs are never put on a span unless `record_content` is set (`--otel-content`,
+or `OTEL_INSTRUMENTATION_GENAI_CAPTURE_MESSAGE_CONTENT=true`, the GenAI convention's switch).
+
+The metrics, by OpenTelemetry name (Prometheus name in brackets; `METRICS` lists them all):
+
+    both gateway and workers (attributes gen_ai.operation.name, gen_ai.request.model):
+      gen_ai.server.time_to_first_token   s        [gen_ai_server_time_to_first_token_seconds]
+      gen_ai.server.time_per_output_token s        [gen_ai_server_time_per_output_token_seconds]
+      gen_ai.server.request.duration      s        [gen_ai_server_request_duration_seconds]
+      gen_ai.client.token.usage           {token}  [gen_ai_client_token_usage], gen_ai.token.type
+    workers (attributes edgeinfer.region, edgeinfer.worker.id):
+      edgeinfer.worker.requests.running / .waiting          gauges
+      edgeinfer.worker.kv_cache.usage                       gauge, fraction of KV blocks in use
+      edgeinfer.worker.prefix_cache.query_tokens / .hit_tokens, edgeinfer.worker.preemptions
+                                                            counters
+      edgeinfer.kv_transfer.bytes, edgeinfer.kv_transfer.duration   by direction (sent|received)
+      edgeinfer.worker.cold_start.duration                  by phase, once per worker start
+    gateways (attribute edgeinfer.region):
+      edgeinfer.gateway.routing.decisions   by kind (affinity | prefix | load | cross_region |
+                                            cold_start)
+      edgeinfer.gateway.retries, edgeinfer.gateway.errors (by error.type)
+      edgeinfer.gateway.redis.duration      by operation
+      edgeinfer.gateway.workers             live workers in the registry, by region, model, role
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Mapping, MutableMapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from opentelemetry import trace
+from opentelemetry.context import Context
+from opentelemetry.metrics import CallbackOptions, Meter, Observation
+from opentelemetry.sdk.metrics import MeterProvider
+from opentelemetry.sdk.metrics.export import MetricReader
+from opentelemetry.sdk.resources import Resource
+from opentelemetry.sdk.trace import TracerProvider
+from opentelemetry.sdk.trace.export import BatchSpanProcessor, SpanExporter
+from opentelemetry.sdk.trace.sampling import ParentBased, TraceIdRatioBased
+from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
+
+# --------------------------------------------------------------------------- the metric catalog
+TTFT = "gen_ai.server.time_to_first_token"
+TPOT = "gen_ai.server.time_per_output_token"
+REQUEST_DURATION = "gen_ai.server.request.duration"
+TOKEN_USAGE = "gen_ai.client.token.usage"
+WORKER_RUNNING = "edgeinfer.worker.requests.running"
+WORKER_WAITING = "edgeinfer.worker.requests.waiting"
+KV_USAGE = "edgeinfer.worker.kv_cache.usage"
+PREFIX_QUERY = "edgeinfer.worker.prefix_cache.query_tokens"
+PREFIX_HIT = "edgeinfer.worker.prefix_cache.hit_tokens"
+PREEMPTIONS = "edgeinfer.worker.preemptions"
+KV_TRANSFER_BYTES = "edgeinfer.kv_transfer.bytes"
+KV_TRANSFER_DURATION = "edgeinfer.kv_transfer.duration"
+COLD_START = "edgeinfer.worker.cold_start.duration"
+ROUTING = "edgeinfer.gateway.routing.decisions"
+RETRIES = "edgeinfer.gateway.retries"
+ERRORS = "edgeinfer.gateway.errors"
+REDIS_DURATION = "edgeinfer.gateway.redis.duration"
+GATEWAY_WORKERS = "edgeinfer.gateway.workers"
+
+
+@dataclass(frozen=True, slots=True)
+class MetricSpec:
+    name: str  # OpenTelemetry name
+    kind: str  # histogram | counter | gauge
+    unit: str  # UCUM, as the OpenTelemetry conventions write it
+    prometheus: str  # the name the /metrics endpoint gives it (histograms: plus _bucket etc.)
+    who: str  # gateway | worker | both
+    description: str
+
+
+def _prom(name: str, kind: str, unit: str) -> str:
+    base = name.replace(".", "_")
+    if unit == "s":
+        base += "_seconds"
+    return base + "_total" if kind == "counter" else base
+
+
+def _spec(name: str, kind: str, unit: str, who: str, description: str) -> MetricSpec:
+    return MetricSpec(name, kind, unit, _prom(name, kind, unit), who, description)
+
+
+METRICS: tuple[MetricSpec, ...] = (
+    _spec(TTFT, "histogram", "s", "both", "Time from a request's arrival to its first token"),
+    _spec(TPOT, "histogram", "s", "both", "Time per output token after the first"),
+    _spec(REQUEST_DURATION, "histogram", "s", "both", "A request's time from arrival to its end"),
+    _spec(TOKEN_USAGE, "histogram", "{token}", "both", "Input and output tokens per request"),
+    _spec(WORKER_RUNNING, "gauge", "{request}", "worker", "Requests running in the engine"),
+    _spec(WORKER_WAITING, "gauge", "{request}", "worker", "Requests waiting for the engine"),
+    _spec(KV_USAGE, "gauge", "1", "worker", "Fraction of the KV cache's blocks in use"),
+    _spec(
+        PREFIX_QUERY, "counter", "{token}", "worker", "Prompt tokens looked up in the prefix cache"
+    ),
+    _spec(PREFIX_HIT, "counter", "{token}", "worker", "Prompt tokens found in the prefix cache"),
+    _spec(PREEMPTIONS, "counter", "{preemption}", "worker", "Requests preempted for KV room"),
+    _spec(KV_TRANSFER_BYTES, "counter", "By", "worker", "KV cache bytes moved between workers"),
+    _spec(KV_TRANSFER_DURATION, "histogram", "s", "worker", "Time of one KV transfer"),
+    _spec(COLD_START, "histogram", "s", "worker", "A worker's start-up, by phase"),
+    _spec(ROUTING, "counter", "{decision}", "gateway", "Routing decisions, by kind"),
+    _spec(
+        RETRIES, "counter", "{retry}", "gateway", "Requests sent to another worker after a failure"
+    ),
+    _spec(ERRORS, "counter", "{error}", "gateway", "Requests answered with an error, by type"),
+    _spec(REDIS_DURATION, "histogram", "s", "gateway", "Time of one Redis operation"),
+    _spec(GATEWAY_WORKERS, "gauge", "{worker}", "gateway", "Live workers in the registry"),
+)
+_BY_NAME = {m.name: m for m in METRICS}
+
+# Bucket boundaries: the GenAI conventions' advice for the gen_ai.* histograms; ours cover a
+# Redis round trip (sub-millisecond) to a cold start (minutes).
+BUCKETS: dict[str, Sequence[float]] = {
+    TTFT: (
+        0.001,
+        0.005,
+        0.01,
+        0.02,
+        0.04,
+        0.06,
+        0.08,
+        0.1,
+        0.25,
+        0.5,
+        0.75,
+        1.0,
+        2.5,
+        5.0,
+        7.5,
+        10.0,
+    ),
+    TPOT: (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5),
+    REQUEST_DURATION: (
+        0.01,
+        0.02,
+        0.04,
+        0.08,
+        0.16,
+        0.32,
+        0.64,
+        1.28,
+        2.56,
+        5.12,
+        10.24,
+        20.48,
+        40.96,
+        81.92,
+    ),
+    TOKEN_USAGE: (1, 4, 16, 64, 256, 1024, 4096, 16384, 65536, 262144, 1048576),
+    KV_TRANSFER_DURATION: (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0),
+    COLD_START: (0.1, 0.25, 0.5, 1.0, 2.0, 4.0, 8.0, 15.0, 30.0, 60.0, 120.0, 300.0),
+    REDIS_DURATION: (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.5),
+}
+
+
+@dataclass(slots=True)
+class TelemetryConfig:
+    service: str  # service.name: edgeinfer-gateway | edgeinfer-worker | ...
+    region: str  # edgeinfer.region, on the resource and on every metric
+    instance: str = ""  # service.instance.id (a worker's id); empty: the SDK makes one up
+    otlp_endpoint: str | None = None  # OTLP/HTTP base URL (…/v1/traces, …/v1/metrics added)
+    record_content: bool = False  # put prompts and outputs on spans (off: never recorded)
+    trace_sample_ratio: float = 1.0  # new traces kept; an incoming sampled flag is obeyed
+    export_interval_s: float = 15.0  # OTLP metric export period
+    attributes: dict[str, str] = field(default_factory=dict)  # more resource attributes
+
+    def __post_init__(self) -> None:
+        if not 0.0 <= self.trace_sample_ratio <= 1.0:
+            raise ValueError(f"trace_sample_ratio must be in [0, 1], got {self.trace_sample_ratio}")
+        if self.export_interval_s <= 0:
+            raise ValueError(f"export_interval_s must be > 0, got {self.export_interval_s}")
+        if self.otlp_endpoint is not None:
+            self.otlp_endpoint = self.otlp_endpoint.strip().rstrip("/") or None
+        if self.otlp_endpoint is not None and not self.otlp_endpoint.startswith(
+            ("http://", "https://")
+        ):
+            raise ValueError(
+                f"the OTLP endpoint must be an http:// or https:// URL (OTLP over HTTP, e.g. "
+                f"http://collector:4318), got {self.otlp_endpoint!r}"
+            )
+
+
+def content_capture_from_env(environ: Mapping[str, str]) -> bool:
+    """The GenAI conventions' switch for recording prompts and outputs (entry points read it)."""
+    value = environ.get("OTEL_INSTRUMENTATION_GENAI_CAPTURE_MESSAGE_CONTENT", "")
+    return value.strip().lower() in ("1", "true", "yes", "on")
+
+
+class Telemetry:
+    """One process's tracer, meter and exporters (see the module docstring).
+
+    `span_exporter` and `metric_readers` are for tests (in-memory ones) and benchmarks; an OTLP
+    endpoint in the config adds the OTLP exporters beside them."""
+
+    def __init__(
+        self,
+        config: TelemetryConfig,
+        span_exporter: SpanExporter | None = None,
+        metric_readers: Sequence[MetricReader] = (),
+    ) -> None:
+        from opentelemetry.exporter.prometheus import PrometheusMetricReader
+        from prometheus_client import CollectorRegistry
+
+        self.config = config
+        attrs: dict[str, str] = {"service.name": config.service, "edgeinfer.region": config.region}
+        if config.instance:
+            attrs["service.instance.id"] = config.instance
+        self.resource = Resource.create(attrs | config.attributes)
+        self.propagator = TraceContextTextMapPropagator()
+
+        self._registry = CollectorRegistry(auto_describe=True)
+        readers: list[MetricReader] = [PrometheusMetricReader(registry=self._registry)]
+        readers += metric_readers
+        exporters: list[SpanExporter] = [span_exporter] if span_exporter is not None else []
+        if config.otlp_endpoint:
+            from opentelemetry.exporter.otlp.proto.http.metric_exporter import OTLPMetricExporter
+            from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
+            from opentelemetry.sdk.metrics.export import PeriodicExportingMetricReader
+
+            exporters.append(OTLPSpanExporter(endpoint=f"{config.otlp_endpoint}/v1/traces"))
+            readers.append(
+                PeriodicExportingMetricReader(
+                    OTLPMetricExporter(endpoint=f"{config.otlp_endpoint}/v1/metrics"),
+                    export_interval_millis=config.export_interval_s * 1000,
+                )
+            )
+        self.meter_provider = MeterProvider(metric_readers=readers, resource=self.resource)
+        self.meter: Meter = self.meter_provider.get_meter("edgeinfer")
+        self.tracing = bool(exporters)  # spans are recorded (else: the no-op tracer)
+        self.tracer_provider: TracerProvider | None = None
+        if exporters:
+            sampler = ParentBased(TraceIdRatioBased(config.trace_sample_ratio))
+            self.tracer_provider = TracerProvider(resource=self.resource, sampler=sampler)
+            for exporter in exporters:
+                self.tracer_provider.add_span_processor(BatchSpanProcessor(exporter))
+            self.tracer: trace.Tracer = self.tracer_provider.get_tracer("edgeinfer")
+        else:
+            self.tracer = trace.NoOpTracer()
+
+    # ------------------------------------------------------------------ instruments
+    def histogram(self, name: str) -> Any:
+        spec = _BY_NAME[name]
+        return self.meter.create_histogram(
+            name,
+            unit=spec.unit,
+            description=spec.description,
+            explicit_bucket_boundaries_advisory=BUCKETS.get(name),
+        )
+
+    def counter(self, name: str) -> Any:
+        spec = _BY_NAME[name]
+        return self.meter.create_counter(name, unit=spec.unit, description=spec.description)
+
+    def observe(
+        self, name: str, read: Callable[[], Iterable[tuple[float, Mapping[str, str]]]]
+    ) -> None:
+        """An instrument whose values `read` gives at each collection: a gauge, or a counter
+        (monotonic totals the process keeps anyway, such as the engine's)."""
+        spec = _BY_NAME[name]
+
+        def callback(options: CallbackOptions) -> Iterable[Observation]:
+            return [Observation(value, dict(attrs)) for value, attrs in read()]
+
+        make = (
+            self.meter.create_observable_counter
+            if spec.kind == "counter"
+            else self.meter.create_observable_gauge
+        )
+        make(name, callbacks=[callback], unit=spec.unit, description=spec.description)
+
+    # ------------------------------------------------------------------ context
+    def extract(self, carrier: Mapping[str, str]) -> Context:
+        """The trace context a request arrived with (a W3C `traceparent` header), if any."""
+        return self.propagator.extract(carrier)
+
+    def inject(self, carrier: MutableMapping[str, str], context: Context) -> None:
+        """Write `context`'s `traceparent` (and `tracestate`) into outgoing headers."""
+        self.propagator.inject(carrier, context=context)
+
+    def traceparent(self, context: Context) -> str | None:
+        carrier: dict[str, str] = {}
+        self.propagator.inject(carrier, context=context)
+        return carrier.get("traceparent")
+
+    # ------------------------------------------------------------------ export
+    def prometheus(self) -> bytes:
+        """The Prometheus text exposition of every metric (the /metrics body)."""
+        from prometheus_client import generate_latest
+
+        return generate_latest(self._registry)
+
+    def shutdown(self) -> None:
+        """Flush buffered spans and metrics (bounded by the exporters' own timeouts)."""
+        if self.tracer_provider is not None:
+            self.tracer_provider.shutdown()
+        self.meter_provider.shutdown()
+
+
+PROMETHEUS_CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
