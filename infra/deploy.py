@@ -19,6 +19,11 @@ catalog settings from infra/regions.yaml, as an in-memory kustomization (the equ
     store_class, store_size   the model store's local NVMe StorageClass and size
                       (default local-nvme, 200Gi)
     gateway_replicas  (default 2); pool_max_workers (default 1)
+    otlp_endpoint     where gateways and workers send traces and metrics (OTLP/HTTP), an
+                      http(s):// URL; absent: the region runs its own collector
+                      (infra/otel/collector.yaml) and they send to http://otel-collector:4318
+    traces_endpoint   where that in-region collector sends traces (OTLP/gRPC), an http(s)://
+                      URL (https: over TLS; default http://tempo:4317)
 
 Without --apply the manifests are printed (or written to --out DIR, one file per resource);
 with --apply they are piped to `kubectl apply -f -`. Bad input (an unknown region, a missing or
@@ -87,6 +92,16 @@ def _str(region: str, settings: dict[str, Any], key: str, default: str | None = 
     return value
 
 
+def _url(region: str, settings: dict[str, Any], key: str) -> str | None:
+    """An optional http(s):// URL setting (absent: None)."""
+    value = settings.get(key)
+    if value is None:
+        return None
+    if not isinstance(value, str) or not re.match(r"^https?://[^\s/?#]+(/[^\s?#]*)?$", value):
+        raise DeployError(f"region {region!r}: settings.{key} must be an http:// or https:// URL, got {value!r}")  # fmt: skip
+    return value.rstrip("/")
+
+
 def region_layer(region: str, settings: dict[str, Any]) -> dict[str, Any]:
     """The catalog's settings for `region` as a kustomization over the region's overlay."""
     if "<bad>" in settings:
@@ -110,6 +125,11 @@ def region_layer(region: str, settings: dict[str, Any]) -> dict[str, Any]:
     store_size = _str(region, settings, "store_size", "200Gi")
     if not _QUANTITY.match(store_size):
         raise DeployError(f"region {region!r}: settings.store_size is not a quantity: {store_size!r}")  # fmt: skip
+    otlp_endpoint = _url(region, settings, "otlp_endpoint")
+    traces_endpoint = _url(region, settings, "traces_endpoint")
+    if otlp_endpoint and traces_endpoint:
+        raise DeployError(f"region {region!r}: settings.traces_endpoint is for the in-region "
+                          "collector, which settings.otlp_endpoint replaces; set one of them")  # fmt: skip
     redis_url = settings.get("redis_url")
     if redis_url is not None and (not isinstance(redis_url, str) or not redis_url.startswith(("redis://", "rediss://"))):  # fmt: skip
         raise DeployError(f"region {region!r}: settings.redis_url must be a redis:// or rediss:// URL")  # fmt: skip
@@ -127,6 +147,8 @@ def region_layer(region: str, settings: dict[str, Any]) -> dict[str, Any]:
     }
     if redis_url:
         config["EDGEINFER_REDIS"] = redis_url
+    if otlp_endpoint:
+        config["OTEL_EXPORTER_OTLP_ENDPOINT"] = otlp_endpoint
     patches: list[dict[str, Any]] = [_inline({"apiVersion": "v1", "kind": "ConfigMap",
                                               "metadata": {"name": "edgeinfer-config"}, "data": config})]  # fmt: skip
     claim = {"storageClassName": store_class, "resources": {"requests": {"storage": store_size}}}
@@ -149,6 +171,18 @@ def region_layer(region: str, settings: dict[str, Any]) -> dict[str, Any]:
         for kind, api in (("Deployment", "apps/v1"), ("Service", "v1")):
             patches.append(_inline({"apiVersion": api, "kind": kind, "metadata": {"name": "redis"},
                                     "$patch": "delete"}))  # fmt: skip
+    if otlp_endpoint:
+        for kind, api, name in (("Deployment", "apps/v1", "otel-collector"),
+                                ("Service", "v1", "otel-collector"),
+                                ("ConfigMap", "v1", "otel-collector-config")):  # fmt: skip
+            patches.append(_inline({"apiVersion": api, "kind": kind, "metadata": {"name": name},
+                                    "$patch": "delete"}))  # fmt: skip
+    elif traces_endpoint:
+        container = {"name": "otel-collector",
+                     "env": [{"name": "TRACES_OTLP_ENDPOINT", "value": traces_endpoint}]}  # fmt: skip
+        patches.append(_inline({"apiVersion": "apps/v1", "kind": "Deployment",
+                                "metadata": {"name": "otel-collector"},
+                                "spec": {"template": {"spec": {"containers": [container]}}}}))  # fmt: skip
     return {
         "apiVersion": "kustomize.config.k8s.io/v1beta1",
         "kind": "Kustomization",

@@ -12,6 +12,10 @@ No kustomize or kubectl binary is needed to render a region: `build(kustomizatio
     replicas           name -> count, on Deployments and StatefulSets
     patches            strategic-merge patches, from `path:` or inline `patch:`, applied to the
                        resource of the same kind and name (`$patch: delete` removes it)
+    configMapGenerator `name` and `files` (`KEY=PATH` or `PATH`, keyed by the file's name), read
+                       from inside the kustomization's folder as kustomize's load restrictor
+                       allows; only with `options: {disableNameSuffixHash: true}`, since this
+                       renderer does not add the content hash to the name
 
 Anything else in a kustomization is refused with a `RenderError` naming the file and the field,
 so an overlay that kustomize would render differently never renders here. Strategic merge
@@ -38,6 +42,7 @@ SUPPORTED = {
     "images",
     "replicas",
     "patches",
+    "configMapGenerator",
 }
 # list field -> the key its items merge on (Kubernetes' patchMergeKey)
 MERGE_KEYS = {
@@ -133,6 +138,8 @@ def _build(spec: dict[str, Any], folder: Path, where: str) -> list[Resource]:
             resources += _load(path)
         else:
             raise RenderError(f"{where}: resources[{i}]: {entry} does not exist")
+    for i, generator in enumerate(spec.get("configMapGenerator") or []):
+        resources.append(_config_map(generator, folder, f"{where}: configMapGenerator[{i}]"))
     for i, patch in enumerate(spec.get("patches") or []):
         resources = _patch(resources, _patch_doc(patch, folder, f"{where}: patches[{i}]"))
     for i, image in enumerate(spec.get("images") or []):
@@ -147,6 +154,33 @@ def _build(spec: dict[str, Any], folder: Path, where: str) -> list[Resource]:
             if r.get("kind") not in CLUSTER_SCOPED:
                 r.setdefault("metadata", {})["namespace"] = namespace
     return resources
+
+
+def _config_map(generator: Any, folder: Path, where: str) -> Resource:
+    if not isinstance(generator, dict) or not isinstance(generator.get("name"), str):
+        raise RenderError(f"{where}: needs a name")
+    unknown = sorted(set(generator) - {"name", "files", "options"})
+    if unknown:
+        raise RenderError(f"{where}: field {unknown[0]!r} is not supported by this renderer")
+    if generator.get("options") != {"disableNameSuffixHash": True}:
+        raise RenderError(f"{where}: needs options: {{disableNameSuffixHash: true}} (this renderer "
+                          "adds no content hash to the name)")  # fmt: skip
+    root = folder.resolve()
+    data: dict[str, str] = {}
+    for j, entry in enumerate(generator.get("files") or []):
+        if not isinstance(entry, str) or not entry:
+            raise RenderError(f"{where}: files[{j}] must be KEY=PATH or PATH")
+        key, _, rel = entry.partition("=") if "=" in entry else ("", "", entry)
+        path = (folder / rel).resolve()
+        if root not in path.parents:
+            raise RenderError(f"{where}: files[{j}]: {rel} is outside {folder} (kustomize's "
+                              "load restrictor refuses it)")  # fmt: skip
+        try:
+            data[key or path.name] = path.read_text()
+        except OSError as e:
+            raise RenderError(f"{where}: files[{j}]: cannot read {rel}: {e.strerror}") from e
+    meta = {"name": generator["name"]}
+    return {"apiVersion": "v1", "kind": "ConfigMap", "metadata": meta, "data": data}
 
 
 def _patch_doc(patch: Any, folder: Path, where: str) -> tuple[dict[str, Any], str]:

@@ -17,7 +17,7 @@ import yaml
 
 from gateway.regions import RegionCatalog
 from infra import deploy
-from infra.kustomize import build, merge
+from infra.kustomize import RenderError, build, merge
 from runtime.cli import build_parser
 
 K8S_VERSION = "1.30.0"
@@ -188,6 +188,15 @@ def test_catalog_settings_flow_into_manifests(tmp_path: Path) -> None:
         ("local", {"gpus_per_worker": "one"}, "settings.gpus_per_worker"),
         ("local", {"redis_url": "http://x"}, "settings.redis_url"),
         ("local", {"store_size": "lots"}, "settings.store_size"),
+        ("local", {"otlp_endpoint": "otel-collector:4318"}, "settings.otlp_endpoint"),
+        ("local", {"otlp_endpoint": 4318}, "settings.otlp_endpoint"),
+        ("local", {"otlp_endpoint": "grpc://collector:4317"}, "settings.otlp_endpoint"),
+        ("local", {"traces_endpoint": "tempo:4317"}, "settings.traces_endpoint"),
+        (
+            "local",
+            {"traces_endpoint": "http://t:4317", "otlp_endpoint": "http://c:4318"},
+            "settings.traces_endpoint",
+        ),
     ],
 )
 def test_bad_input_exits_2_naming_region_and_field(
@@ -203,9 +212,76 @@ def test_bad_input_exits_2_naming_region_and_field(
     assert not out.exists()
 
 
+@pytest.mark.parametrize("region", REGIONS)
+def test_telemetry_wiring(region: str) -> None:
+    """Gateways and workers send OTLP to the region's collector, which runs on
+    infra/otel/collector.yaml; Prometheus finds their /metrics by annotations."""
+    resources = deploy.render(region)
+    config = _by(resources, "ConfigMap", "edgeinfer-config")["data"]
+    assert config["OTEL_EXPORTER_OTLP_ENDPOINT"] == "http://otel-collector:4318"
+    service = _by(resources, "Service", "otel-collector")
+    assert 4318 in [p["port"] for p in service["spec"]["ports"]]
+    collector = _by(resources, "Deployment", "otel-collector")
+    c = _container(collector)
+    (arg,) = [a for a in c["args"] if a.startswith("--config=")]
+    (mount,) = c["volumeMounts"]
+    (volume,) = collector["spec"]["template"]["spec"]["volumes"]
+    assert volume["name"] == mount["name"]
+    files = _by(resources, "ConfigMap", volume["configMap"]["name"])["data"]
+    assert arg == f"--config={mount['mountPath']}/collector.yaml"
+    assert files["collector.yaml"] == (deploy.INFRA / "otel" / "collector.yaml").read_text()
+    assert {e["name"]: e["value"] for e in c["env"]}["TRACES_OTLP_ENDPOINT"] == "http://tempo:4317"
+    for kind, name, port in (("Deployment", "gateway", 8080), ("StatefulSet", "worker", 9001)):
+        template = _by(resources, kind, name)["spec"]["template"]
+        assert template["metadata"]["annotations"] == {
+            "prometheus.io/scrape": "true", "prometheus.io/port": str(port),
+            "prometheus.io/path": "/metrics"}  # fmt: skip
+    for kind, name in (("Deployment", "gateway"), ("StatefulSet", "worker"), ("Deployment", "pool")):  # fmt: skip
+        c = _container(_by(resources, kind, name))
+        env = [e["name"] for e in c["env"]]
+        # $(VAR) in a value expands only variables defined before it
+        at = env.index("OTEL_RESOURCE_ATTRIBUTES")
+        value = c["env"][at]["value"]
+        for var in re.findall(r"\$\(([A-Z_]+)\)", value):
+            assert var in env[:at], (name, var)
+        assert f"k8s.{kind.lower()}.name={name}" in value.split(",")
+
+
+def test_otlp_settings_flow_into_manifests(tmp_path: Path) -> None:
+    resources = deploy.render("local", _catalog(tmp_path, otlp_endpoint="https://otel.example:4318/"))  # fmt: skip
+    for r in resources:
+        kubernetes_validate.validate(r, K8S_VERSION, strict=True)
+    config = _by(resources, "ConfigMap", "edgeinfer-config")["data"]
+    assert config["OTEL_EXPORTER_OTLP_ENDPOINT"] == "https://otel.example:4318"
+    # an external collector replaces the region's own
+    assert not [r for r in resources if r["metadata"]["name"].startswith("otel-collector")]
+    resources = deploy.render("local", _catalog(tmp_path, traces_endpoint="https://tempo.example:4317"))  # fmt: skip
+    c = _container(_by(resources, "Deployment", "otel-collector"))
+    assert c["env"] == [{"name": "TRACES_OTLP_ENDPOINT", "value": "https://tempo.example:4317"}]
+    assert _by(resources, "ConfigMap", "edgeinfer-config")["data"]["OTEL_EXPORTER_OTLP_ENDPOINT"] == "http://otel-collector:4318"  # fmt: skip
+
+
+def test_config_map_generator(tmp_path: Path) -> None:
+    (tmp_path / "a.txt").write_text("A")
+    spec: dict[str, Any] = {"configMapGenerator": [
+        {"name": "c", "files": ["a.txt", "k=a.txt"], "options": {"disableNameSuffixHash": True}}]}  # fmt: skip
+    assert build(spec, tmp_path) == [
+        {"apiVersion": "v1", "kind": "ConfigMap", "metadata": {"name": "c"}, "data": {"a.txt": "A", "k": "A"}}]  # fmt: skip
+    opts = {"disableNameSuffixHash": True}
+    for generator, error in (
+        ({"name": "c", "files": ["a.txt"]}, "disableNameSuffixHash"),
+        ({"name": "c", "files": ["../x"], "options": opts}, "outside"),
+        ({"name": "c", "files": ["b.txt"], "options": opts}, "cannot read"),
+        ({"name": "c", "literals": ["a=b"]}, "'literals'"),
+    ):
+        with pytest.raises(RenderError, match=error):
+            build({"configMapGenerator": [generator]}, tmp_path)
+
+
 def test_overlay_that_does_not_render(tmp_path: Path) -> None:
     k8s = tmp_path / "k8s"
     shutil.copytree(deploy.OVERLAYS.parent, k8s)
+    shutil.copytree(deploy.INFRA / "otel", tmp_path / "otel")  # the base's collector config
     (k8s / "overlays" / "local" / "config.yaml").write_text(
         "apiVersion: v1\nkind: ConfigMap\nmetadata: {name: no-such-config}\n"
     )
@@ -275,4 +351,5 @@ def test_deploy_sh(tmp_path: Path) -> None:
 def test_base_renders_alone() -> None:
     """The base is a kustomization of its own (kubectl apply -k infra/k8s/base works too)."""
     names = {r["metadata"]["name"] for r in build(deploy.OVERLAYS.parent / "base")}
-    assert names == {"edgeinfer-config", "redis", "gateway", "worker", "pool"}
+    assert names == {"edgeinfer-config", "redis", "gateway", "worker", "pool", "otel-collector",
+                     "otel-collector-config"}  # fmt: skip
