@@ -2,8 +2,9 @@
 
     edgeinfer gateway --region R --port 8080 --redis URL
 
-Redis client, the HTTP session to workers and the registry refresh task open and close in
-`cleanup_ctx`. Every error, whichever phase raised it, leaves through `_errors` as an OpenAI
+Redis client, the HTTP session to workers, the registry refresh task and telemetry open and
+close in `cleanup_ctx`. `/metrics` serves the Prometheus text of the gateway's metrics (no API
+key needed: scrape it from inside the region). Every error, whichever phase raised it, leaves through `_errors` as an OpenAI
 error object with a 4xx/5xx status; a request never gets an HTML page or a hang.
 """
 
@@ -28,7 +29,9 @@ from gateway.openai_api import parse_chat, parse_completion
 from gateway.openapi import OPENAPI
 from gateway.proxy import Proxy
 from gateway.regions import RegionCatalog
+from gateway.telemetry import GatewayTelemetry
 from kvstore.client import connect
+from kvstore.telemetry import PROMETHEUS_CONTENT_TYPE, Telemetry, TelemetryConfig
 
 log = logging.getLogger("edgeinfer.gateway")
 
@@ -36,6 +39,7 @@ CONFIG = web.AppKey("config", GatewayConfig)
 CATALOG = web.AppKey("catalog", RegionCatalog)
 VIEW = web.AppKey("view", ClusterView)
 PROXY = web.AppKey("proxy", Proxy)
+TELEMETRY = web.AppKey("telemetry", GatewayTelemetry)
 
 
 def _json(obj: Any, status: int = 200, headers: dict[str, str] | None = None) -> web.Response:
@@ -52,23 +56,27 @@ def _error_response(err: APIError) -> web.Response:
 async def _errors(request: web.Request, handler: Any) -> web.StreamResponse:
     try:
         return await handler(request)
-    except APIError as e:
-        return _error_response(e)
-    except web.HTTPRequestEntityTooLarge:
-        return _error_response(too_large(request.app[CONFIG].max_body_bytes))
-    except web.HTTPMethodNotAllowed as e:
-        return _error_response(
-            method_not_allowed(request.method, ", ".join(sorted(e.allowed_methods)))
-        )
-    except web.HTTPNotFound:
-        return _error_response(not_found(f"no route for {request.method} {request.path}"))
-    except web.HTTPException as e:
-        return _error_response(APIError(e.status, e.reason, "invalid_request_error"))
     except (asyncio.CancelledError, ConnectionError):
         raise
-    except Exception:
-        log.exception("unhandled error on %s %s", request.method, request.path)
-        return _error_response(APIError(500, "internal error in the gateway", "internal_error"))
+    except Exception as e:
+        err = _as_api_error(request, e)
+        request.app[TELEMETRY].error(err)
+        return _error_response(err)
+
+
+def _as_api_error(request: web.Request, e: Exception) -> APIError:
+    if isinstance(e, APIError):
+        return e
+    if isinstance(e, web.HTTPRequestEntityTooLarge):
+        return too_large(request.app[CONFIG].max_body_bytes)
+    if isinstance(e, web.HTTPMethodNotAllowed):
+        return method_not_allowed(request.method, ", ".join(sorted(e.allowed_methods)))
+    if isinstance(e, web.HTTPNotFound):
+        return not_found(f"no route for {request.method} {request.path}")
+    if isinstance(e, web.HTTPException):
+        return APIError(e.status, e.reason, "invalid_request_error")
+    log.exception("unhandled error on %s %s", request.method, request.path, exc_info=e)
+    return APIError(500, "internal error in the gateway", "internal_error")
 
 
 @web.middleware
@@ -84,11 +92,11 @@ async def _auth(request: web.Request, handler: Any) -> web.StreamResponse:
 
 
 async def chat_completions(request: web.Request) -> web.StreamResponse:
-    return await request.app[PROXY].handle(request, parse_chat)
+    return await request.app[PROXY].handle(request, parse_chat, "chat")
 
 
 async def completions(request: web.Request) -> web.StreamResponse:
-    return await request.app[PROXY].handle(request, parse_completion)
+    return await request.app[PROXY].handle(request, parse_completion, "completion")
 
 
 async def models(request: web.Request) -> web.Response:
@@ -118,17 +126,25 @@ async def openapi(request: web.Request) -> web.Response:
     return _json(OPENAPI)
 
 
+async def metrics(request: web.Request) -> web.Response:
+    body = request.app[TELEMETRY].tel.prometheus()
+    return web.Response(body=body, headers={"Content-Type": PROMETHEUS_CONTENT_TYPE})
+
+
 async def _resources(app: web.Application) -> AsyncIterator[None]:
     config = app[CONFIG]
+    tel = app[TELEMETRY]
     redis = connect(config.redis_url)
     view = ClusterView(config, redis, app[CATALOG])
+    view.on_redis = tel.redis
+    tel.watch_workers(view)
     await view.refresh()
     http = aiohttp.ClientSession(
         connector=aiohttp.TCPConnector(limit=0, keepalive_timeout=30),
         json_serialize=lambda o: orjson.dumps(o).decode(),
     )
     app[VIEW] = view
-    app[PROXY] = Proxy(view, http)
+    app[PROXY] = Proxy(view, http, tel)
     refresher = asyncio.create_task(view.refresh_loop())
     try:
         yield
@@ -140,9 +156,15 @@ async def _resources(app: web.Application) -> AsyncIterator[None]:
         await view.tokenizers.aclose()
         await http.close()
         await redis.aclose()
+        # flushes spans still buffered (the exporters bound the wait) off the event loop
+        await asyncio.get_running_loop().run_in_executor(None, tel.tel.shutdown)
 
 
-def make_app(config: GatewayConfig, catalog: RegionCatalog | None = None) -> web.Application:
+def make_app(
+    config: GatewayConfig, catalog: RegionCatalog | None = None, telemetry: Telemetry | None = None
+) -> web.Application:
+    """`telemetry`: where traces and metrics go (tests pass one with in-memory exporters);
+    default: as `config.telemetry` says."""
     catalog = catalog or RegionCatalog.load(config.catalog_path)
     if config.region not in catalog:
         raise ValueError(
@@ -152,12 +174,18 @@ def make_app(config: GatewayConfig, catalog: RegionCatalog | None = None) -> web
     app = web.Application(middlewares=[_errors, _auth], client_max_size=config.max_body_bytes)
     app[CONFIG] = config
     app[CATALOG] = catalog
+    if telemetry is None:
+        telemetry = Telemetry(
+            config.telemetry or TelemetryConfig("edgeinfer-gateway", region=config.region)
+        )
+    app[TELEMETRY] = GatewayTelemetry(telemetry, config.region)
     app.router.add_post("/v1/chat/completions", chat_completions)
     app.router.add_post("/v1/completions", completions)
     app.router.add_get("/v1/models", models)
     app.router.add_get("/healthz", healthz)
     app.router.add_get("/readyz", readyz)
     app.router.add_get("/openapi.json", openapi)
+    app.router.add_get("/metrics", metrics)
     app.cleanup_ctx.append(_resources)
     return app
 

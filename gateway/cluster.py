@@ -13,6 +13,7 @@ import asyncio
 import contextlib
 import logging
 import time
+from collections.abc import Callable
 
 from redis.asyncio import Redis
 
@@ -43,6 +44,7 @@ class ClusterView:
         self.workers: list[WorkerInfo] = []  # last registry snapshot
         self.pools: list[PoolInfo] = []  # last snapshot of the pools that can start workers
         self._refreshing: asyncio.Task[None] | None = None  # the refresh waiters share
+        self.on_redis: Callable[[str, float], None] = _ignore  # (operation, seconds) per call
         self.redis_ok = False  # the last Redis call succeeded
         self.refreshed_at = 0.0  # monotonic time of the last good snapshot
         self.failed: dict[str, float] = {}  # worker id -> unix time it failed a request here
@@ -52,9 +54,11 @@ class ClusterView:
 
     # ------------------------------------------------------------------ registry snapshot
     async def refresh(self) -> None:
+        t0 = time.perf_counter()
         try:
             workers = await self.registry.workers()
             pools = await self.demand.pools()
+            self.on_redis("registry_read", time.perf_counter() - t0)
         except Exception as e:  # connection refused, timeout, cluster errors
             if self.redis_ok:
                 log.warning("redis unreachable, routing on the last known registry: %s", e)
@@ -131,3 +135,7 @@ class ClusterView:
             self.redis_ok = False
             return False
         return True
+
+
+def _ignore(operation: str, seconds: float) -> None:
+    pass

@@ -6,6 +6,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from gateway.regions import DEFAULT_CATALOG
+from kvstore.telemetry import TelemetryConfig
 
 
 @dataclass(slots=True)
@@ -29,6 +30,7 @@ class GatewayConfig:
     # start a worker for, waits this long for the worker (scale from zero) before a 503
     disagg_min_tokens: int = 32  # disaggregated: prompts with fewer uncached tokens on the
     # decode worker are computed there (a transfer costs more than such a prefill)
+    telemetry: TelemetryConfig | None = None  # traces/metrics export; None: /metrics only
 
     def __post_init__(self) -> None:
         if not self.worker_secret:

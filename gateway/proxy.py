@@ -30,11 +30,14 @@ from typing import Any
 import aiohttp
 import orjson
 from aiohttp import web
+from opentelemetry.context import Context
+from opentelemetry.trace import Span, Status, StatusCode
 
 from gateway.cluster import ClusterView
 from gateway.errors import APIError, at_capacity, bad_gateway, invalid, model_not_found, unavailable
 from gateway.openai_api import SSE_DONE, RequestOptions, ResponseAssembler, error_chunk, sse
 from gateway.routing import Route
+from gateway.telemetry import GatewayTelemetry
 from gateway.tokenization import prompt_token_ids
 from kvstore.block_hash import block_hashes, cache_seed
 from kvstore.placement import Placement
@@ -81,32 +84,63 @@ class Call:
     prefill: WorkerInfo | None = None  # the prefill worker of the current attempt, if any
     tried_prefill: set[str] = field(default_factory=set)  # prefill workers that failed it
     held_s: float = 0.0  # seconds waited for a pool to start a worker (scale from zero)
+    operation: str = ""  # gen_ai.operation.name: chat | text_completion
+    span: Span | None = None  # the request's root span (a no-op one when nothing records)
+    trace_ctx: Context | None = None  # the root span's context: parent of the phases' spans
+    route_started: float = 0.0  # perf_counter() when the current attempt's routing began
+    assembler: ResponseAssembler | None = None  # the response, once the worker committed
+    stream_error: APIError | None = None  # what ended a stream after its first byte, if anything
 
 
 class Proxy:
-    def __init__(self, view: ClusterView, http: aiohttp.ClientSession) -> None:
+    def __init__(
+        self, view: ClusterView, http: aiohttp.ClientSession, tel: GatewayTelemetry
+    ) -> None:
         self.view = view
         self.http = http
+        self.tel = tel
         self.config = view.config
         self._background: set[asyncio.Task[Any]] = set()
 
     # ------------------------------------------------------------------ phases
-    async def handle(self, request: web.Request, parse: Parser) -> web.StreamResponse:
-        call = Call(uuid.uuid4().hex, _session_id(request), time.perf_counter())
-        body = await _read_json(request)
-        call.gen, call.options = parse(body, call.request_id, call.session_id)  # validate
-        self.resolve_model(call)
-        if call.session_id is not None:
-            call.placement = await self.view.placement(call.session_id)
-        await self.prefix_lookup(call)
-        events, head = await self.forward(call)  # route + forward, with retries
-        assert call.worker is not None
-        if call.session_id is not None:  # record: off the hot path
-            self._spawn(self.view.record(call.session_id, call.placement, call.worker))
+    async def handle(
+        self, request: web.Request, parse: Parser, operation: str
+    ) -> web.StreamResponse:
+        call = Call(uuid.uuid4().hex, None, time.perf_counter())
+        tel = self.tel
+        tel.start(call, request.headers, operation)
+        err: APIError | None = None
         try:
-            return await self.respond(request, call, events, head)
+            call.session_id = _session_id(request)  # validate
+            body = await _read_json(request)
+            call.gen, call.options = parse(body, call.request_id, call.session_id)
+            call.gen.operation = call.operation
+            self.resolve_model(call)
+            tel.validated(call)
+            tel.phase(call, "gateway.validate", call.started)
+            call.route_started = time.perf_counter()  # route: placement, prefix lookup, choice
+            if call.session_id is not None:
+                call.placement = await self.view.placement(call.session_id)
+                tel.redis("session_get", time.perf_counter() - call.route_started)
+            await self.prefix_lookup(call)
+            events, head = await self.forward(call)  # route + forward, with retries
+            assert call.worker is not None
+            if call.session_id is not None:  # record: off the hot path
+                self._spawn(self._record(call.session_id, call.placement, call.worker))
+            try:
+                return await self.respond(request, call, events, head)
+            finally:
+                self.view.router.done(call.worker.worker_id, call.cost)
+        except APIError as e:
+            err = e
+            raise
         finally:
-            self.view.router.done(call.worker.worker_id, call.cost)
+            tel.finish(call, call.assembler, err or call.stream_error)
+
+    async def _record(self, session_id: str, old: Placement | None, worker: WorkerInfo) -> None:
+        t0 = time.perf_counter()
+        await self.view.record(session_id, old, worker)
+        self.tel.redis("session_record", time.perf_counter() - t0)
 
     def resolve_model(self, call: Call) -> None:
         assert call.gen is not None
@@ -144,11 +178,13 @@ class Proxy:
             return
         same = [w.worker_id for w in workers if w.cache_id == ref.cache_id]
         hashes = block_hashes(cache_seed(ref.cache_id), ids[:usable], bs)
+        t0 = time.perf_counter()
         try:
             longest = await view.prefix.longest_prefixes(call.gen.model, hashes, workers=same)
         except Exception as e:  # a stale or unreachable index costs a cache miss, never an error
             log.debug("prefix index lookup failed: %s", e)
             return
+        self.tel.redis("prefix_lookup", time.perf_counter() - t0)
         call.cached = {wid: n * bs for wid, n in longest.items()}
 
     async def forward(
@@ -165,12 +201,18 @@ class Proxy:
             call.gen.model, self.view.live_workers()
         )
         for _ in range(self.config.max_attempts):
+            if last is not None:
+                call.route_started = time.perf_counter()
             worker = await self.route_or_hold(call, last)
+            self.tel.phase(call, "gateway.route", call.route_started)
+            self.tel.routed(call.route_reason)
+            if last is not None:
+                self.tel.retried()
             call.worker, call.cost = worker, _cost(call.gen)
             call.forwarded = call.forwarded or time.perf_counter()
             router.sent(worker.worker_id, call.cost)
             prefill_cost = self.pick_prefill(call, worker)
-            events = self.worker_events(worker, call.gen)
+            events = self.worker_events(call, worker)
             head: list[dict[str, Any]] = []
             try:
                 async for batch in events:
@@ -330,16 +372,20 @@ class Proxy:
         )
 
     async def worker_events(
-        self, worker: WorkerInfo, gen: GenerateRequest
+        self, call: Call, worker: WorkerInfo
     ) -> AsyncGenerator[list[dict[str, Any]], None]:
         """The worker's events, in batches of whatever arrived together (one write per batch
-        downstream); any failure becomes WorkerFailed. Closing it hangs up on the worker."""
+        downstream); any failure becomes WorkerFailed. Closing it hangs up on the worker.
+        Its span (gateway.forward) lasts until the worker's stream ends."""
+        gen = call.gen
+        assert gen is not None
         timeout = aiohttp.ClientTimeout(
             total=None,
             sock_connect=self.config.connect_timeout_s,
             sock_read=self.config.worker_idle_timeout_s,
         )
         headers = {SECRET_HEADER: self.config.worker_secret, "Content-Type": "application/json"}
+        span = self.tel.forward(call, worker.worker_id, headers)
         url = f"{worker.url}/internal/generate"
         finished = False
         try:
@@ -359,15 +405,22 @@ class Proxy:
                     if finished:
                         return
         except (aiohttp.ClientError, TimeoutError, ValueError) as e:
-            raise WorkerFailed(
+            failed = WorkerFailed(
                 worker,
                 unavailable(f"worker {worker.worker_id} failed: {e!r}", code="worker_failed"),
                 dead=True,
-            ) from e
+            )
+            span.set_status(Status(StatusCode.ERROR, str(failed)[:200]))
+            raise failed from e
+        except (WorkerFailed, APIError) as e:
+            span.set_status(Status(StatusCode.ERROR, str(e)[:200]))
+            raise
         except (GeneratorExit, asyncio.CancelledError):
             if not finished:  # the client went away: make sure the worker stops computing
                 self._spawn(self.abort(worker, gen.request_id))
             raise
+        finally:
+            span.end()
 
     async def abort(self, worker: WorkerInfo, request_id: str) -> None:
         try:
@@ -390,6 +443,7 @@ class Proxy:
     ) -> web.StreamResponse:
         assert call.options is not None and call.worker is not None
         assembler = ResponseAssembler(call.options, call.request_id, int(time.time()))
+        call.assembler = assembler
         headers = {
             "x-request-id": call.request_id,
             "x-edgeinfer-worker": call.worker.worker_id,
@@ -428,10 +482,12 @@ class Proxy:
             if e.dead:
                 self.view.mark_failed(call.worker.worker_id)
             log.warning("request %s: worker failed mid-stream: %s", call.request_id, e)
+            self._stream_failed(call, e.error)
             await _send_quietly(resp, sse(error_chunk(e.error.message)) + SSE_DONE)
             return resp
         except APIError as e:  # the worker's stream broke the protocol after the first byte
             log.warning("request %s: %s", call.request_id, e.message)
+            self._stream_failed(call, e)
             await _send_quietly(resp, sse(e.body()) + SSE_DONE)
             return resp
         except ConnectionError:  # the client went away; closing `events` aborts on the worker
@@ -440,6 +496,10 @@ class Proxy:
             await events.aclose()
         await _send_quietly(resp, SSE_DONE)
         return resp
+
+    def _stream_failed(self, call: Call, err: APIError) -> None:
+        call.stream_error = err
+        self.tel.error(err)  # the client got 200 and then an error event: count it here
 
     @staticmethod
     async def _relay(

@@ -45,6 +45,7 @@ import hmac
 import logging
 import socket
 import struct
+import time
 import warnings
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import asdict, dataclass
@@ -158,6 +159,7 @@ class PullRequest:
     first_block: int  # blocks before this index the decode side holds already (prefix-cache hit)
     cache_id: str  # the decode side's prefix-cache identity (model revision, dtype, block size)
     secret: str  # the cluster's shared secret
+    traceparent: str | None = None  # W3C trace context of the puller's span (tracing on)
 
 
 @dataclass(slots=True)
@@ -168,11 +170,28 @@ class ExportProgress:
     block_ids: list[int]  # the request's block table (physical ids)
     done: bool  # the prefill finished: the blocks are held until released
     cached_tokens: int = 0  # tokens the prefill side took from its own prefix cache
+    arrival_time: float = 0.0  # time.monotonic(): the prefill entered the engine (telemetry)
+    scheduled_time: float = 0.0  # time.monotonic(): its first engine step (0: not yet)
 
 
-# P side: start the prefill of a pull and report its progress; release its blocks afterwards.
+@dataclass(slots=True)
+class ServedPull:
+    """One pull the prefill side served, for its telemetry (times are time.monotonic())."""
+
+    pull: PullRequest  # what was asked
+    started: float  # the PULL arrived
+    bytes: int  # DATA payload bytes sent
+    ok: bool  # the puller acknowledged every block
+    arrival_time: float = 0.0  # the export's prefill entered the engine (0: never)
+    scheduled_time: float = 0.0  # its first engine step
+    prefilled: float = 0.0  # its prefill finished
+
+
+# P side: start the prefill of a pull and report its progress; release its blocks afterwards;
+# hear about each pull once it ended (telemetry).
 ExportFn = Callable[[PullRequest], AsyncIterator[ExportProgress]]
 ReleaseFn = Callable[[str], Awaitable[None]]
+ServedFn = Callable[[ServedPull], None]
 
 
 def _frame(kind: int, tag: int, payload: bytes | memoryview = b"", *, layers: tuple[int, int] = (0, 0),
@@ -282,7 +301,8 @@ class KVTransferServer:
 
     def __init__(self, pages: KVPages, cache_id: str, secret: str, export: ExportFn,
                  release: ReleaseFn, hold_s: float = 30.0,
-                 frame_bytes: int = DEFAULT_FRAME_BYTES) -> None:  # fmt: skip
+                 frame_bytes: int = DEFAULT_FRAME_BYTES,
+                 on_served: ServedFn | None = None) -> None:  # fmt: skip
         self.pages = pages
         self.cache_id = cache_id
         self.secret = secret
@@ -290,6 +310,7 @@ class KVTransferServer:
         self.release = release
         self.hold_s = hold_s
         self.frame_bytes = frame_bytes
+        self.on_served = on_served
         self._listener: socket.socket | None = None
         self._accepting: asyncio.Task[None] | None = None
         self._serving: set[asyncio.Task[None]] = set()
@@ -328,6 +349,7 @@ class KVTransferServer:
     async def _serve(self, conn: FrameConn) -> None:
         self.active += 1
         pull: PullRequest | None = None
+        served: ServedPull | None = None
         tag = 0
         try:
             kind, body = await asyncio.wait_for(conn.read_control(None), timeout=10)
@@ -351,7 +373,9 @@ class KVTransferServer:
                 return
             await conn.send_control(ACCEPT, tag, {"num_blocks": total - pull.first_block,
                                                   "layout": asdict(self.pages.layout)})  # fmt: skip
-            if await self._stream(pull, tag, conn, total):
+            served = ServedPull(pull, time.monotonic(), 0, False)
+            served.ok = await self._stream(pull, tag, conn, total, served)
+            if served.ok:
                 self.pulls_served += 1
             else:
                 self.pulls_failed += 1
@@ -369,9 +393,16 @@ class KVTransferServer:
                     log.warning("kv pull %s: release failed: %s", pull.request_id, e)
             self.active -= 1
             conn.close()
+            if served is not None and self.on_served is not None:
+                try:
+                    self.on_served(served)
+                except Exception as e:  # telemetry never fails a transfer
+                    log.warning("kv pull %s: on_served failed: %s", served.pull.request_id, e)
 
-    async def _stream(self, pull: PullRequest, tag: int, conn: FrameConn, total: int) -> bool:
-        """Send blocks as the prefill completes them; then END, then wait for the ACK."""
+    async def _stream(self, pull: PullRequest, tag: int, conn: FrameConn, total: int,
+                      served: ServedPull) -> bool:  # fmt: skip
+        """Send blocks as the prefill completes them; then END, then wait for the ACK. What it
+        did goes into `served` as it happens."""
         bs = self.pages.layout.block_size
         sent = pull.first_block  # blocks sent so far (by index in the request's table)
         frames = 0
@@ -393,9 +424,15 @@ class KVTransferServer:
                 except StopAsyncIteration:
                     break
                 cached = progress.cached_tokens
+                served.arrival_time = progress.arrival_time
+                served.scheduled_time = progress.scheduled_time
+                if progress.done:
+                    served.prefilled = time.monotonic()
                 ready = total if progress.done else progress.computed_tokens // bs
                 if ready > sent:
-                    frames += await self._send_blocks(conn, tag, progress.block_ids, sent, ready)
+                    n, nbytes = await self._send_blocks(conn, tag, progress.block_ids, sent, ready)
+                    frames += n
+                    served.bytes += nbytes
                     sent = ready
             if sent < total:
                 raise KVTransferError(f"the prefill ended with {sent} of {total} blocks computed")
@@ -418,14 +455,14 @@ class KVTransferServer:
                 await steps.aclose()  # type: ignore[attr-defined]
 
     async def _send_blocks(self, conn: FrameConn, tag: int, table: list[int], start: int,
-                           end: int) -> int:  # fmt: skip
+                           end: int) -> tuple[int, int]:  # fmt: skip
         """DATA frames for blocks [start, end) of the request, whole layers per frame, sent
-        straight from the cache where the blocks are consecutive."""
+        straight from the cache where the blocks are consecutive. Returns (frames, bytes)."""
         lay = self.pages.layout
         ids = table[start:end]
         per_layer = lay.bytes_per_layer_block() * len(ids)
         step = max(1, self.frame_bytes // per_layer)
-        frames = 0
+        frames = nbytes = 0
         for l0 in range(0, lay.num_layers, step):
             l1 = min(lay.num_layers, l0 + step)
             views = self.pages.runs(slice(l0, l1), ids)
@@ -440,8 +477,9 @@ class KVTransferServer:
                 digest.update(chunk)
             await conn.send(TRAILER.pack(digest.intdigest()))
             self.bytes_sent += length
+            nbytes += length
             frames += 1
-        return frames
+        return frames, nbytes
 
 
 # ---------------------------------------------------------------------- the decode side

@@ -49,6 +49,8 @@ class GenerateRequest:
     session_id: str | None = None  # the x-session-affinity id, if any (logs, cache hints)
     kv_source: str | None = None  # "host:port" of a prefill worker's KV transfer server: pull
     # the prompt's KV from there instead of computing it (disaggregated prefill/decode)
+    operation: str = "text_completion"  # gen_ai.operation.name (chat | text_completion), for
+    # the worker's telemetry (a chat the gateway tokenized arrives as a prompt of token ids)
 
     def to_json(self) -> bytes:
         return orjson.dumps(dataclasses.asdict(self))

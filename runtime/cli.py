@@ -385,7 +385,8 @@ def main(argv: list[str] | None = None) -> int:
         from runtime.config import ModelLoadError
         from runtime.sampling_params import InvalidRequestError
 
-        if not isinstance(e, (ModelLoadError, InvalidRequestError, FileNotFoundError)):
+        # ValueError: a setting that fails its config's check (each names the setting)
+        if not isinstance(e, (ModelLoadError, InvalidRequestError, FileNotFoundError, ValueError)):
             raise
         print(f"edgeinfer: error: {e}", file=sys.stderr)
         return 2

@@ -15,7 +15,10 @@ its checks are in kvstore/kv_transfer.py.
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import AsyncIterator
+
+from opentelemetry.context import Context
 
 from kvstore.kv_transfer import (
     ExportProgress,
@@ -23,11 +26,13 @@ from kvstore.kv_transfer import (
     KVTransferServer,
     PullRequest,
     PullResult,
+    ServedFn,
     pull_kv,
 )
 from runtime.async_engine import AsyncLLM, RequestStream
 from runtime.engine import RequestGroup
 from runtime.sampling_params import SamplingParams
+from runtime.telemetry import WorkerTelemetry
 
 log = logging.getLogger("edgeinfer.disagg")
 
@@ -42,7 +47,9 @@ def kv_pages(llm: AsyncLLM) -> KVPages:
     return KVPages(llm.engine.runner.kv, llm.engine.config.block_size)
 
 
-def export_server(llm: AsyncLLM, secret: str, hold_s: float) -> KVTransferServer:
+def export_server(
+    llm: AsyncLLM, secret: str, hold_s: float, on_served: ServedFn | None = None
+) -> KVTransferServer:
     """The prefill side: a KV transfer server whose pulls run as KV exports on this engine."""
 
     async def export(pull: PullRequest) -> AsyncIterator[ExportProgress]:
@@ -56,6 +63,8 @@ def export_server(llm: AsyncLLM, secret: str, hold_s: float) -> KVTransferServer
                     block_ids=out.block_ids or [],
                     done=out.finished,
                     cached_tokens=out.num_cached_tokens,
+                    arrival_time=out.arrival_time,
+                    scheduled_time=out.scheduled_time,
                 )
         finally:
             stream.close()  # aborts (frees) an unfinished prefill
@@ -65,24 +74,30 @@ def export_server(llm: AsyncLLM, secret: str, hold_s: float) -> KVTransferServer
         await llm.call(lambda engine: engine.release_kv(rid))
 
     engine = llm.engine
-    return KVTransferServer(kv_pages(llm), engine.cache_id, secret, export, release, hold_s)
+    return KVTransferServer(
+        kv_pages(llm), engine.cache_id, secret, export, release, hold_s, on_served=on_served
+    )
 
 
 class KVImporter:
     """The decode side: reserve blocks, pull the prompt's KV into them, queue the decode."""
 
-    def __init__(self, llm: AsyncLLM, secret: str) -> None:
+    def __init__(
+        self, llm: AsyncLLM, secret: str, telemetry: WorkerTelemetry | None = None
+    ) -> None:
         self.llm = llm
         self.secret = secret
+        self.telemetry = telemetry
         self.pages = kv_pages(llm)
         self.imports = 0  # transfers completed, since start
         self.bytes = 0  # KV bytes received, since start
 
     async def submit(
-        self, group: RequestGroup, source: str
+        self, group: RequestGroup, source: str, trace_ctx: Context | None = None
     ) -> tuple[RequestStream, PullResult | None]:
         """Pull the prompt's KV of `group` (validated by `prepare_request`) from the prefill
-        worker at `source` ("host:port"), then queue it. Raises KVCacheFullError before any byte
+        worker at `source` ("host:port"), then queue it; the pull's span is a child of
+        `trace_ctx`. Raises KVCacheFullError before any byte
         moves when the blocks do not fit, KVTransferError when the transfer fails; the reserved
         blocks are freed on every failure, a cancellation (the client left) included."""
         reserved = await self.llm.call(lambda engine: engine.reserve_import(group))
@@ -96,19 +111,41 @@ class KVImporter:
         try:
             result = None
             if dst:  # else every block is in this worker's prefix cache already
-                bs = self.llm.engine.config.block_size
-                pull = PullRequest(
-                    request_id=group.request_id,
-                    token_ids=group.prompt_token_ids[:-1],
-                    first_block=cached // bs,
-                    cache_id=self.llm.engine.cache_id,
-                    secret=self.secret,
-                )
-                result = await pull_kv(source, pull, self.pages, dst)
-                self.imports += 1
-                self.bytes += result.bytes
+                result = await self._pull(group, source, cached, dst, trace_ctx)
             reused = max(cached, result.cached_tokens if result else 0)
             return self.llm.submit_import(group, reused), result
         except BaseException:
             self.llm.call(lambda engine: engine.cancel_import(group))  # runs though not awaited
             raise
+
+    async def _pull(
+        self, group: RequestGroup, source: str, cached: int, dst: list[int],
+        trace_ctx: Context | None,
+    ) -> PullResult:  # fmt: skip
+        tel = self.telemetry
+        span, traceparent = tel.pull_span(trace_ctx or Context(), source) if tel else (None, None)
+        t0 = time.monotonic()
+        error: str | None = "cancelled"
+        result: PullResult | None = None
+        try:
+            pull = PullRequest(
+                request_id=group.request_id,
+                token_ids=group.prompt_token_ids[:-1],
+                first_block=cached // self.llm.engine.config.block_size,
+                cache_id=self.llm.engine.cache_id,
+                secret=self.secret,
+                traceparent=traceparent,
+            )
+            result = await pull_kv(source, pull, self.pages, dst)
+            error = None
+        except Exception as e:
+            error = str(e)
+            raise
+        finally:
+            nbytes = result.bytes if result else 0
+            blocks = result.blocks if result else 0
+            if tel is not None and span is not None:
+                tel.pull_done(span, time.monotonic() - t0, nbytes, blocks, error)
+        self.imports += 1
+        self.bytes += result.bytes
+        return result

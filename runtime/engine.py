@@ -437,6 +437,8 @@ class LLMEngine:
             ],
             finished=finished,
             num_cached_tokens=max(0, group.seqs[0].num_cached_tokens),
+            arrival_time=group.seqs[0].arrival,
+            scheduled_time=min((q.scheduled_at for q in group.seqs if q.scheduled_at), default=0.0),
         )
         seq = group.seqs[0]
         if seq.hold_kv:

@@ -34,3 +34,5 @@ class RequestOutput:
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache
     num_computed_tokens: int = 0  # KV exports only: tokens whose KV is in the cache now
     block_ids: list[int] | None = None  # KV exports only: the request's block table
+    arrival_time: float = 0.0  # time.monotonic() when the engine took the request
+    scheduled_time: float = 0.0  # time.monotonic() when it was first scheduled (0: not yet)

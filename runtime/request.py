@@ -37,6 +37,7 @@ class Request:
     eos_token_ids: frozenset[int]  # ends the request unless params.ignore_eos
     generator: torch.Generator | None = None  # seeded when params.seed is set
     arrival: float = 0.0  # time.monotonic() at arrival, for FCFS and metrics
+    scheduled_at: float = 0.0  # time.monotonic() when first scheduled (0 until then): metrics
     output_token_ids: list[int] = field(default_factory=list)
     num_computed_tokens: int = 0  # tokens whose keys/values are in the cache
     status: RequestStatus = RequestStatus.WAITING

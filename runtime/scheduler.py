@@ -25,6 +25,7 @@ to what the transfer filled, so it starts as a decode.
 
 from __future__ import annotations
 
+import time
 from collections import deque
 from dataclasses import dataclass, field
 
@@ -146,6 +147,8 @@ class Scheduler:
                 break
             if req.num_cached_tokens < 0:  # first admission: what usage reports
                 req.num_cached_tokens = req.num_computed_tokens
+            if not req.scheduled_at:
+                req.scheduled_at = time.monotonic()
             self.waiting.popleft()
             req.status = RequestStatus.RUNNING
             self.running.append(req)

@@ -55,6 +55,34 @@ def _process_age_s() -> float:
         return 0.0
 
 
+def _telemetry_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--otlp-endpoint", default=None,
+        help="OpenTelemetry collector, OTLP over HTTP (e.g. http://collector:4318): traces and "
+        "metrics go there (default $OTEL_EXPORTER_OTLP_ENDPOINT; none: /metrics only)",
+    )  # fmt: skip
+    p.add_argument(
+        "--otel-content", action="store_true",
+        help="record prompts and outputs on spans (default off; also "
+        "$OTEL_INSTRUMENTATION_GENAI_CAPTURE_MESSAGE_CONTENT=true)",
+    )  # fmt: skip
+    p.add_argument("--otel-sample-ratio", type=float, default=1.0,
+                   help="fraction of new traces kept (a client's sampled flag is obeyed)")  # fmt: skip
+
+
+def _telemetry_config(args: argparse.Namespace, service: str, region: str, instance: str = ""):  # type: ignore[no-untyped-def]
+    from kvstore.telemetry import TelemetryConfig, content_capture_from_env
+
+    return TelemetryConfig(
+        service=service,
+        region=region,
+        instance=instance,
+        otlp_endpoint=args.otlp_endpoint or os.environ.get("OTEL_EXPORTER_OTLP_ENDPOINT") or None,
+        record_content=args.otel_content or content_capture_from_env(os.environ),
+        trace_sample_ratio=args.otel_sample_ratio,
+    )
+
+
 def cmd_worker(args: argparse.Namespace) -> int:
     # No cyclic garbage collection while starting: the imports and the engine allocate hundreds
     # of thousands of objects and no garbage to speak of, and the collector's passes over them
@@ -98,6 +126,7 @@ def cmd_worker(args: argparse.Namespace) -> int:
         kv_hold_s=args.kv_hold,
         worker_id=args.worker_id or "",
     )
+    config.telemetry = _telemetry_config(args, "edgeinfer-worker", args.region, config.worker_id)
     engine = LLMEngine(
         EngineConfig(
             model=model_dir,
@@ -112,8 +141,11 @@ def cmd_worker(args: argparse.Namespace) -> int:
     from runtime.drive import describe
 
     drive = describe(DEFAULT_CACHE, Path(model_dir))
-    print(engine.startup.timeline(process_start, imports_done, drive), flush=True)
-    asyncio.run(serve(config, AsyncLLM(engine)))
+    startup = engine.startup
+    print(startup.timeline(process_start, imports_done, drive), flush=True)
+    phases = {"imports": imports_done - process_start, "total": startup.ready - process_start}
+    phases |= {name: end - start for name, (start, end) in startup.phases.items()}
+    asyncio.run(serve(config, AsyncLLM(engine), phases))
     # Drained, deregistered, sockets closed: nothing is left to finish. The interpreter's own
     # teardown (every module of torch, triton and the rest) took ~1.4 s here after the last
     # atexit handler, during which a pool manager waits for the exit and the process holds its
@@ -160,6 +192,7 @@ def cmd_gateway(args: argparse.Namespace) -> int:
         routing=args.routing,
         disagg_min_tokens=args.disagg_min_tokens,
         hold_timeout_s=args.hold_timeout,
+        telemetry=_telemetry_config(args, "edgeinfer-gateway", args.region),
     )
     _run(serve(config))
     return 0
@@ -328,6 +361,7 @@ def add_service_commands(sub: argparse._SubParsersAction, engine_args) -> None: 
     )
     w.add_argument("--kv-hold", type=float, default=30.0,
                    help="seconds pulled KV blocks wait for the puller's acknowledgement")  # fmt: skip
+    _telemetry_args(w)
     w.set_defaults(func=cmd_worker)
 
     g = sub.add_parser("gateway", help="the OpenAI-compatible HTTP gateway of one region")
@@ -359,6 +393,7 @@ def add_service_commands(sub: argparse._SubParsersAction, engine_args) -> None: 
         help="seconds a request waits for a pool to start a worker for its model (scale from "
         "zero) before a 503 (default 60)",
     )  # fmt: skip
+    _telemetry_args(g)
     g.set_defaults(func=cmd_gateway)
 
     r = sub.add_parser("set-role", help="change a running worker's role (prefill/decode/mixed)")

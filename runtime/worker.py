@@ -30,10 +30,11 @@ from typing import Any
 import jinja2
 import orjson
 from aiohttp import web
+from opentelemetry import trace
 from redis.asyncio import Redis
 
 from kvstore.client import connect
-from kvstore.kv_transfer import KVTransferError
+from kvstore.kv_transfer import KVTransferError, ServedPull
 from kvstore.prefix_index import CacheEventPublisher, PrefixIndex
 from kvstore.protocol import (
     SECRET_HEADER,
@@ -48,14 +49,16 @@ from kvstore.protocol import (
     encode_event,
 )
 from kvstore.registry import Registry
+from kvstore.telemetry import PROMETHEUS_CONTENT_TYPE, Telemetry, TelemetryConfig
 from kvstore.tokenizer_store import publish_tokenizer
-from runtime.async_engine import AsyncLLM, EngineDeadError
+from runtime.async_engine import AsyncLLM, EngineDeadError, RequestStream
 from runtime.disagg import KVCacheFullError, KVImporter, export_server
 from runtime.engine import Prompt
 from runtime.outputs import CompletionOutput
 from runtime.sampler import TokenLogprobs
 from runtime.sampling_params import InvalidRequestError, SamplingParams
 from runtime.scheduler import QueueFullError
+from runtime.telemetry import RequestTimes, WorkerTelemetry
 from runtime.tokenizer import NoChatTemplateError, Tokenizer
 
 log = logging.getLogger("edgeinfer.worker")
@@ -80,6 +83,7 @@ class WorkerConfig:
     kv_port: int = 0  # KV transfer server port (prefill side of disaggregation); 0: a free one
     kv_hold_s: float = 30.0  # how long pulled KV blocks are held for an acknowledgement
     worker_id: str = field(default="")  # unique id; generated when empty
+    telemetry: TelemetryConfig | None = None  # traces/metrics export; None: /metrics only
 
     def __post_init__(self) -> None:
         if self.role not in ROLES:
@@ -100,9 +104,18 @@ class WorkerConfig:
 class Worker:
     """The worker's state: engine, configuration, drain flag, and its registry entry."""
 
-    def __init__(self, config: WorkerConfig, llm: AsyncLLM) -> None:
+    def __init__(
+        self, config: WorkerConfig, llm: AsyncLLM, telemetry: Telemetry | None = None
+    ) -> None:
+        """`telemetry`: where traces and metrics go (tests pass one with in-memory exporters);
+        default: as `config.telemetry` says."""
         self.config = config
         self.llm = llm
+        tel = telemetry or Telemetry(
+            config.telemetry
+            or TelemetryConfig("edgeinfer-worker", config.region, instance=config.worker_id)
+        )
+        self.telemetry = WorkerTelemetry(tel, config.worker_id, config.region, config.model_name)
         self.tokenizer: Tokenizer = llm.engine.tokenizer
         self.draining = False
         self.started_at = time.time()
@@ -114,10 +127,23 @@ class Worker:
         self._redis: Redis | None = None
         self._tokenizer_published = False
         self._redis_ok = True
-        self.kv_server = export_server(llm, config.secret, config.kv_hold_s)
-        self.importer = KVImporter(llm, config.secret)
+        self.kv_server = export_server(llm, config.secret, config.kv_hold_s, self._served)
+        self.importer = KVImporter(llm, config.secret, self.telemetry)
+        self.telemetry.watch(
+            llm.stats, lambda: self.kv_server.bytes_sent, lambda: self.importer.bytes
+        )
         self.kv_addr = ""  # set once the KV transfer server listens
         self._role_change: asyncio.Lock = asyncio.Lock()
+
+    def _served(self, s: ServedPull) -> None:
+        """A pull this worker served as the prefill side: its span and duration."""
+        times = None
+        if s.arrival_time:
+            times = RequestTimes(s.started, arrival=s.arrival_time, scheduled=s.scheduled_time,
+                                 first_token=s.prefilled, ended=s.prefilled)  # fmt: skip
+        self.telemetry.served(
+            s.pull.traceparent, s.pull.request_id, s.started, s.bytes, s.ok, times
+        )
 
     # ------------------------------------------------------------------ load and registry
     def info(self) -> WorkerInfo:
@@ -284,6 +310,8 @@ WORKER = web.AppKey("worker", Worker)
 @web.middleware
 async def _auth(request: web.Request, handler: Any) -> web.StreamResponse:
     worker = request.app[WORKER]
+    if request.path == "/metrics":  # Prometheus scrapes without the secret
+        return await handler(request)
     given = request.headers.get(SECRET_HEADER, "")
     if not hmac.compare_digest(given.encode(), worker.config.secret.encode()):
         return _error(401, "missing or wrong shared secret", "authentication_error")
@@ -292,6 +320,7 @@ async def _auth(request: web.Request, handler: Any) -> web.StreamResponse:
 
 async def _generate(request: web.Request) -> web.StreamResponse:
     worker = request.app[WORKER]
+    times = RequestTimes(time.monotonic())
     worker.last_active_at = time.time()
     if worker.draining:
         return _error(503, "worker is draining", "service_unavailable", code="draining",
@@ -303,57 +332,93 @@ async def _generate(request: web.Request) -> web.StreamResponse:
     if req.model != worker.config.model_name:
         return _error(404, f"this worker serves {worker.config.model_name!r}, not {req.model!r}",
                       "not_found_error", "model", "model_not_found")  # fmt: skip
+    tel = worker.telemetry
+    span = tel.start(request.headers, req, worker.config.role)
     try:
-        params = SamplingParams(**req.sampling)
-        if req.kv_source is None:
-            stream = worker.llm.submit(worker.prompt_of(req), params, req.request_id)
-        else:  # disaggregated: the prompt's KV comes from a prefill worker
-            group = worker.llm.engine.prepare_request(req.request_id, worker.prompt_of(req), params)
-            stream, _ = await worker.importer.submit(group, req.kv_source)
-    except KVCacheFullError as e:  # before any byte moved: another decode worker may have room
-        return _error(503, str(e), "service_unavailable", code="kv_cache_full",
-                      headers={"Retry-After": "1"})  # fmt: skip
-    except KVTransferError as e:  # the prefill side failed: prefill again elsewhere
-        return _error(502, str(e), "bad_gateway", "kv_source", "kv_transfer_failed")
-    except InvalidRequestError as e:
-        return _error(400, str(e), "invalid_request_error", e.param)
-    except TypeError as e:  # an unknown sampling field
-        return _error(400, f"bad sampling parameters: {e}", "invalid_request_error", "sampling")
-    except QueueFullError as e:
-        return _error(429, str(e), "rate_limit_error", code="queue_full",
-                      headers={"Retry-After": "1"})  # fmt: skip
-    except EngineDeadError as e:
-        return _error(503, str(e), "service_unavailable", code="engine_dead")
-
+        stream = await _submit(worker, req, trace.set_span_in_context(span), times)
+    except _Refused as r:
+        tel.finish(span, req, times, None, r.code)
+        return r.response
     resp = web.StreamResponse(headers={"Content-Type": "application/x-ndjson"})
+    n_prompt = len(stream.prompt_token_ids)
+    generated, cached = 0, 0
+    error: str | None = "client_gone"
+    texts: list[str] = []
     try:
         await resp.prepare(request)
-        n_prompt = len(stream.prompt_token_ids)
         await resp.write(
             encode_event(StartEvent(req.request_id, worker.config.worker_id, n_prompt))
         )
         done: set[int] = set()
-        generated, cached = 0, 0
         async for out in stream:
             cached = out.num_cached_tokens
+            times.arrival, times.scheduled = out.arrival_time, out.scheduled_time
             lines = []
             for o in out.outputs:
                 event = _delta(worker, o, done)
                 if event is not None:
                     generated += len(event.token_ids)
                     lines.append(encode_event(event))
+            if generated and not times.first_token:
+                times.first_token = time.monotonic()
             if lines:
                 await resp.write(b"".join(lines))
+            if out.finished:
+                texts = [o.text for o in out.outputs]
+        times.ended = time.monotonic()
         await resp.write(encode_event(DoneEvent(n_prompt, generated, cached)))
+        error = None
     except (EngineDeadError, QueueFullError) as e:  # failed after the stream started
         code = "queue_full" if isinstance(e, QueueFullError) else "engine_dead"
+        error = code
         with contextlib.suppress(ConnectionError):
             await resp.write(encode_event(ErrorEvent(str(e), code)))
     except ConnectionError:  # the gateway hung up (its client left): `finally` aborts it
         pass
     finally:
         stream.close()  # no-op when finished; frees the blocks when the client went away
+        tel.finish(span, req, times, (n_prompt, generated, cached), error, texts or None)
     return resp
+
+
+class _Refused(Exception):
+    """The engine cannot take a request: the response that says why, and its error code."""
+
+    def __init__(self, status: int, message: str, kind: str, param: str | None = None,
+                 code: str | None = None, retry: bool = False) -> None:  # fmt: skip
+        super().__init__(message)
+        headers = {"Retry-After": "1"} if retry else None
+        self.response = _error(status, message, kind, param, code, headers)
+        self.code = code or kind
+
+
+async def _submit(
+    worker: Worker, req: GenerateRequest, trace_ctx: Any, times: RequestTimes
+) -> RequestStream:
+    """Hand the request to the engine (pulling its prompt's KV first when disaggregated);
+    _Refused when it cannot be taken."""
+    try:
+        params = SamplingParams(**req.sampling)
+        if req.kv_source is None:
+            return worker.llm.submit(worker.prompt_of(req), params, req.request_id)
+        # disaggregated: the prompt's KV comes from a prefill worker
+        group = worker.llm.engine.prepare_request(req.request_id, worker.prompt_of(req), params)
+        stream, _ = await worker.importer.submit(group, req.kv_source, trace_ctx)
+        times.pulled = time.monotonic()
+        return stream
+    except KVCacheFullError as e:  # before any byte moved: another decode worker may have room
+        raise _Refused(503, str(e), "service_unavailable", None, "kv_cache_full", True) from e
+    except KVTransferError as e:  # the prefill side failed: prefill again elsewhere
+        raise _Refused(502, str(e), "bad_gateway", "kv_source", "kv_transfer_failed") from e
+    except InvalidRequestError as e:
+        raise _Refused(400, str(e), "invalid_request_error", e.param) from e
+    except TypeError as e:  # an unknown sampling field
+        raise _Refused(400, f"bad sampling parameters: {e}", "invalid_request_error",
+                       "sampling") from e  # fmt: skip
+    except QueueFullError as e:
+        raise _Refused(429, str(e), "rate_limit_error", None, "queue_full", True) from e
+    except EngineDeadError as e:
+        raise _Refused(503, str(e), "service_unavailable", None, "engine_dead") from e
 
 
 def _delta(worker: Worker, o: CompletionOutput, done: set[int]) -> DeltaEvent | None:
@@ -432,6 +497,11 @@ async def _stats(request: web.Request) -> web.Response:
     return web.json_response(body, dumps=_dumps)
 
 
+async def _metrics(request: web.Request) -> web.Response:
+    body = request.app[WORKER].telemetry.tel.prometheus()
+    return web.Response(body=body, headers={"Content-Type": PROMETHEUS_CONTENT_TYPE})
+
+
 def _dumps(obj: Any) -> str:
     return orjson.dumps(obj).decode()
 
@@ -444,6 +514,7 @@ def make_app(worker: Worker) -> web.Application:
     app.router.add_get("/internal/health", _health)
     app.router.add_get("/internal/stats", _stats)
     app.router.add_post("/internal/role", _role)
+    app.router.add_get("/metrics", _metrics)
     app.cleanup_ctx.append(_kv_transfer)
     app.cleanup_ctx.append(_registration)
     return app
@@ -494,9 +565,13 @@ async def _registration(app: web.Application) -> AsyncIterator[None]:
         await redis.aclose()
 
 
-async def serve(config: WorkerConfig, llm: AsyncLLM) -> None:
-    """Run until SIGTERM/SIGINT, then drain and exit."""
+async def serve(
+    config: WorkerConfig, llm: AsyncLLM, startup: dict[str, float] | None = None
+) -> None:
+    """Run until SIGTERM/SIGINT, then drain and exit. `startup`: seconds per start-up phase,
+    for the cold-start metric."""
     worker = Worker(config, llm)
+    worker.telemetry.cold_start(startup or {})
     runner = web.AppRunner(
         make_app(worker), handler_cancellation=True, access_log=None, shutdown_timeout=5.0
     )
@@ -517,3 +592,4 @@ async def serve(config: WorkerConfig, llm: AsyncLLM) -> None:
     await worker.drain()
     await runner.cleanup()
     llm.shutdown()
+    worker.telemetry.tel.shutdown()  # flush spans and metrics still buffered

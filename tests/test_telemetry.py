@@ -1,0 +1,468 @@
+"""Traces and metrics end to end.
+
+In one process (one event loop): a real Redis server, a real gateway app and real worker apps
+(stories260K engines), each with its own `Telemetry` and in-memory exporters, called with the
+real `openai` client. Checked: one request gives one trace (continued from the client's
+`traceparent`) with the expected spans, parents and GenAI attributes and no prompt or output
+text, across the gateway, a decode worker, the KV transfer and the prefill worker; the metrics
+have the values the requests imply; `/metrics` parses with prometheus_client's parser and
+carries every metric of the catalog. Then real processes: a gateway and a worker started with
+`--otlp-endpoint` export their spans of one trace over OTLP/HTTP to a receiver in this test.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import itertools
+import json
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+import openai
+import pytest
+from aiohttp import web
+from opentelemetry.sdk.metrics.export import InMemoryMetricReader
+from opentelemetry.sdk.trace import ReadableSpan
+from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+from opentelemetry.trace import SpanKind
+from prometheus_client.parser import text_string_to_metric_families
+
+from gateway.app import make_app as gateway_app
+from gateway.config import GatewayConfig
+from kvstore import telemetry as names
+from kvstore.placement import Placement, SessionStore
+from kvstore.redis_server import LocalRedis, find_free_port
+from kvstore.registry import Registry
+from kvstore.telemetry import METRICS, Telemetry, TelemetryConfig
+from runtime.async_engine import AsyncLLM
+from runtime.config import EngineConfig
+from runtime.engine import LLMEngine
+from runtime.worker import Worker, WorkerConfig
+from runtime.worker import make_app as worker_app
+from tests.stack import SECRET, get_json, start_gateway, start_worker, wait_until
+
+CATALOG = "regions:\n  - {name: local, latitude: 50.1, longitude: 8.7, settings: {}}\n"
+STORY = (
+    "Once upon a time, there was a little girl named Lily. She loved to play outside in the "
+    "park. One day, she saw a big red ball under a tree and ran to get it. "
+)
+SECRET_PHRASE = "little girl named Lily"  # in the prompt: must never reach a span
+TRACE_ID = "4bf92f3577b34da6a3ce929d0e0e4736"
+CLIENT_SPAN = "00f067aa0ba902b7"
+TRACEPARENT = f"00-{TRACE_ID}-{CLIENT_SPAN}-01"
+
+
+@dataclass
+class Recorded:
+    """One process's telemetry with in-memory exporters."""
+
+    tel: Telemetry
+    spans: InMemorySpanExporter
+    metrics: InMemoryMetricReader
+
+    @classmethod
+    def make(cls, service: str, instance: str = "", content: bool = False) -> Recorded:
+        spans, metrics = InMemorySpanExporter(), InMemoryMetricReader()
+        config = TelemetryConfig(service, "local", instance=instance, record_content=content)
+        return cls(Telemetry(config, spans, [metrics]), spans, metrics)
+
+    def finished(self) -> list[ReadableSpan]:
+        assert self.tel.tracer_provider is not None
+        self.tel.tracer_provider.force_flush()
+        return list(self.spans.get_finished_spans())
+
+    def points(self, name: str) -> list[tuple[dict[str, Any], Any]]:
+        """(attributes, data point) of every series of metric `name`."""
+        data = self.metrics.get_metrics_data()
+        out = []
+        for rm in data.resource_metrics if data else []:
+            for sm in rm.scope_metrics:
+                for m in sm.metrics:
+                    if m.name == name:
+                        out += [(dict(p.attributes or {}), p) for p in m.data.data_points]
+        return out
+
+
+@dataclass
+class Stack:
+    gateway_url: str
+    gateway: Recorded
+    workers: dict[str, tuple[Worker, Recorded]] = field(default_factory=dict)  # by role
+
+    def client(self) -> openai.AsyncOpenAI:
+        return openai.AsyncOpenAI(
+            base_url=f"{self.gateway_url}/v1", api_key="unused", max_retries=0, timeout=60
+        )
+
+
+async def _serve(app: web.Application, port: int) -> web.AppRunner:
+    runner = web.AppRunner(app, handler_cancellation=True, access_log=None)
+    await runner.setup()
+    await web.TCPSite(runner, "127.0.0.1", port).start()
+    return runner
+
+
+@contextlib.asynccontextmanager
+async def in_process(
+    redis: LocalRedis, tmp: Path, model: Path, roles: list[str], content: bool = False
+) -> AsyncIterator[Stack]:
+    """A gateway and one worker per role, all in this event loop, with recorded telemetry."""
+    await asyncio.to_thread(lambda: None)
+    runners: list[web.AppRunner] = []
+    llms: list[AsyncLLM] = []
+    catalog = tmp / "regions.yaml"
+    catalog.write_text(CATALOG)
+    try:
+        gw_rec = Recorded.make("edgeinfer-gateway", content=content)
+        stack = Stack("", gw_rec)
+        for role in roles:
+            port = find_free_port()
+            wid = f"local-{role}-{port}"
+            cfg = WorkerConfig(model_name="stories", region="local", role=role,  # type: ignore[arg-type]
+                               host="127.0.0.1", port=port, url=f"http://127.0.0.1:{port}",
+                               secret=SECRET, redis_url=redis.url, heartbeat_s=0.2, ttl_s=3.0,
+                               worker_id=wid)  # fmt: skip
+            ecfg = EngineConfig(str(model), block_size=16, kv_cache_bytes=4_000_000, num_threads=1)
+            llm = AsyncLLM(LLMEngine(ecfg))
+            llms.append(llm)
+            rec = Recorded.make("edgeinfer-worker", wid, content)
+            worker = Worker(cfg, llm, rec.tel)
+            runners.append(await _serve(worker_app(worker), port))
+            stack.workers[role] = (worker, rec)
+        port = find_free_port()
+        gcfg = GatewayConfig(region="local", redis_url=redis.url, worker_secret=SECRET,
+                             catalog_path=catalog, registry_refresh_s=0.1,
+                             disagg_min_tokens=0)  # fmt: skip
+        runners.append(await _serve(gateway_app(gcfg, telemetry=gw_rec.tel), port))
+        stack.gateway_url = f"http://127.0.0.1:{port}"
+        async with aiohttp.ClientSession() as http:
+            for _ in range(200):
+                async with http.get(f"{stack.gateway_url}/readyz") as r:
+                    if (await r.json())["workers"] == len(roles):
+                        break
+                await asyncio.sleep(0.05)
+            else:
+                raise AssertionError("the gateway never saw the workers")
+        yield stack
+    finally:
+        for runner in reversed(runners):
+            await runner.cleanup()
+        for llm in llms:
+            llm.shutdown()
+
+
+@pytest.fixture
+def redis():  # type: ignore[no-untyped-def]
+    server = LocalRedis().start()
+    try:
+        yield server
+    finally:
+        server.stop()
+
+
+def _by_name(spans: list[ReadableSpan]) -> dict[str, list[ReadableSpan]]:
+    out: dict[str, list[ReadableSpan]] = {}
+    for s in spans:
+        out.setdefault(s.name, []).append(s)
+    return out
+
+
+def _one(spans: dict[str, list[ReadableSpan]], name: str) -> ReadableSpan:
+    assert len(spans.get(name, [])) == 1, (name, sorted(spans))
+    return spans[name][0]
+
+
+def _child_of(span: ReadableSpan, parent: ReadableSpan) -> bool:
+    return span.parent is not None and span.parent.span_id == parent.context.span_id
+
+
+def _no_content(spans: list[ReadableSpan], *texts: str) -> None:
+    for s in spans:
+        for key, value in (s.attributes or {}).items():
+            for text in texts:
+                assert text not in str(value), f"{s.name}: {key} holds request content"
+
+
+async def _wait_for(check: Any, what: str, timeout: float = 5.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not check():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out waiting for {what}")
+        await asyncio.sleep(0.02)
+
+
+# ---------------------------------------------------------------------- one trace
+async def test_one_trace_across_gateway_decode_kv_transfer_and_prefill(
+    redis: LocalRedis, tmp_path: Path, stories_dir: Path
+) -> None:
+    async with in_process(redis, tmp_path, stories_dir, ["prefill", "decode"]) as stack:
+        resp = await stack.client().completions.with_raw_response.create(
+            model="stories", prompt=STORY, max_tokens=8, temperature=0.0,
+            extra_headers={"traceparent": TRACEPARENT, "x-session-affinity": "s-1"},
+        )  # fmt: skip
+        body = resp.parse()
+        assert resp.headers["x-edgeinfer-prefill-worker"].startswith("local-prefill")
+        _, prefill_rec = stack.workers["prefill"]
+        decode_worker, decode_rec = stack.workers["decode"]
+        await _wait_for(
+            lambda: any(s.name == "kv_transfer.serve" for s in prefill_rec.finished()),
+            "the prefill worker's span",
+        )
+        gw, dec, pre = stack.gateway.finished(), decode_rec.finished(), prefill_rec.finished()
+
+    everything = gw + dec + pre
+    assert {format(s.context.trace_id, "032x") for s in everything} == {TRACE_ID}
+    g, d, p = _by_name(gw), _by_name(dec), _by_name(pre)
+
+    root = _one(g, "text_completion stories")
+    assert root.kind is SpanKind.SERVER
+    assert root.parent is not None and format(root.parent.span_id, "016x") == CLIENT_SPAN
+    attrs = root.attributes or {}
+    assert attrs["gen_ai.operation.name"] == "text_completion"
+    assert attrs["gen_ai.request.model"] == "stories"
+    assert attrs["gen_ai.conversation.id"] == "s-1"
+    assert attrs["gen_ai.usage.input_tokens"] == body.usage.prompt_tokens
+    assert attrs["gen_ai.usage.output_tokens"] == body.usage.completion_tokens == 8
+    assert attrs["gen_ai.usage.cache_read.input_tokens"] == 0
+    assert attrs["edgeinfer.worker.id"] == decode_worker.config.worker_id
+    assert attrs["edgeinfer.region"] == "local"
+    for phase in ("gateway.validate", "gateway.route", "gateway.forward"):
+        assert _child_of(_one(g, phase), root), phase
+    forward = _one(g, "gateway.forward")
+    assert forward.kind is SpanKind.CLIENT
+
+    gen = _one(d, "generate stories")
+    assert gen.kind is SpanKind.SERVER and _child_of(gen, forward)
+    gattrs = gen.attributes or {}
+    assert gattrs["edgeinfer.worker.id"] == decode_worker.config.worker_id
+    assert gattrs["gen_ai.usage.output_tokens"] == 8
+    assert gattrs["gen_ai.conversation.id"] == "s-1"
+    pull = _one(d, "kv_transfer.pull")
+    assert _child_of(pull, gen) and (pull.attributes or {})["edgeinfer.kv_transfer.bytes"] > 0
+    phases = [_one(d, n) for n in ("queue", "prefill", "decode")]
+    assert all(_child_of(s, gen) for s in phases)
+    assert pull.end_time <= phases[0].start_time + 1_000_000  # the queue starts after the pull
+    for a, b in itertools.pairwise(phases):
+        assert a.end_time <= b.start_time + 1_000_000, (a.name, b.name)  # 1 ms of slack
+    assert gen.start_time <= phases[0].start_time and phases[-1].end_time <= gen.end_time
+
+    serve = _one(p, "kv_transfer.serve")
+    assert serve.kind is SpanKind.SERVER and _child_of(serve, pull)
+    assert (serve.attributes or {})["edgeinfer.kv_transfer.bytes"] == (pull.attributes or {})[
+        "edgeinfer.kv_transfer.bytes"
+    ]
+    assert all(_child_of(_one(p, n), serve) for n in ("queue", "prefill"))
+
+    _no_content(everything, SECRET_PHRASE, body.choices[0].text.strip())
+    # KV transfer metrics on both sides
+    ((sent_attrs, sent),) = [x for x in prefill_rec.points(names.KV_TRANSFER_DURATION)]
+    assert sent_attrs["direction"] == "sent" and sent.count == 1
+    ((recv_attrs, recv),) = decode_rec.points(names.KV_TRANSFER_DURATION)
+    assert recv_attrs["direction"] == "received" and recv.count == 1
+    moved = {a["direction"]: pt.value for a, pt in decode_rec.points(names.KV_TRANSFER_BYTES)}
+    assert moved["received"] == (pull.attributes or {})["edgeinfer.kv_transfer.bytes"]
+
+
+async def test_content_is_recorded_only_when_turned_on(
+    redis: LocalRedis, tmp_path: Path, stories_dir: Path
+) -> None:
+    async with in_process(redis, tmp_path, stories_dir, ["mixed"], content=True) as stack:
+        body = await stack.client().completions.create(
+            model="stories", prompt=STORY, max_tokens=6, temperature=0.0
+        )
+        spans = stack.gateway.finished()
+    root = _one(_by_name(spans), "text_completion stories")
+    assert SECRET_PHRASE in str((root.attributes or {})["gen_ai.input.messages"])
+    assert json.loads(str((root.attributes or {})["gen_ai.output.messages"])) == [
+        body.choices[0].text
+    ]
+
+
+# ---------------------------------------------------------------------- metrics
+async def test_metrics_after_a_few_requests(
+    redis: LocalRedis, tmp_path: Path, stories_dir: Path
+) -> None:
+    async with in_process(redis, tmp_path, stories_dir, ["mixed"]) as stack:
+        worker, wrec = stack.workers["mixed"]
+        client = stack.client()
+        outs = []
+        for i in range(3):  # the same prompt: the second and third hit the prefix cache
+            outs.append(await client.completions.create(
+                model="stories", prompt=STORY, max_tokens=5 + i, temperature=0.0,
+                extra_headers={"x-session-affinity": "s-2"},
+            ))  # fmt: skip
+        stream = await client.completions.create(
+            model="stories", prompt="Once", max_tokens=4, stream=True,
+            stream_options={"include_usage": True},
+        )  # fmt: skip
+        async for chunk in stream:
+            outs.append(chunk) if chunk.usage else None
+        with pytest.raises(openai.NotFoundError):
+            await client.completions.create(model="nope", prompt="x", max_tokens=2)
+        # a session placed on a worker that is gone: tried, failed, retried on the live one
+        dead_port = find_free_port()
+        rc = Registry(worker._redis) if worker._redis else None  # type: ignore[arg-type]
+        assert rc is not None
+        info = worker.info()
+        ghost = dataclasses.replace(info, worker_id="local-ghost",
+                                    url=f"http://127.0.0.1:{dead_port}")  # fmt: skip
+        await rc.heartbeat(ghost)
+        await SessionStore(worker._redis).claim("s-ghost", Placement("local-ghost", "local"))  # type: ignore[arg-type]
+        await asyncio.sleep(0.3)  # the gateway's registry refresh
+        retried = await client.completions.with_raw_response.create(
+            model="stories", prompt="Once", max_tokens=3,
+            extra_headers={"x-session-affinity": "s-ghost"},
+        )  # fmt: skip
+        assert retried.headers["x-edgeinfer-worker"] == worker.config.worker_id
+        await rc.deregister("local-ghost", "stories")
+        async with aiohttp.ClientSession() as http:
+            async with http.get(f"{stack.gateway_url}/metrics") as r:
+                assert r.status == 200 and r.content_type == "text/plain"
+                gateway_text = await r.text()
+            async with http.get(f"{worker.config.url}/metrics") as r:  # no secret needed
+                assert r.status == 200
+                worker_text = await r.text()
+        g, w = stack.gateway, wrec
+
+        n_ok = 5  # 3 + the stream + the retried one
+        completion = [o.usage.completion_tokens for o in outs] + [3]
+        for rec in (g, w):
+            ((attrs, ttft),) = rec.points(names.TTFT)
+            assert ttft.count == n_ok and 0 < ttft.sum < 60 * n_ok
+            assert attrs["gen_ai.request.model"] == "stories"
+            tokens = {a["gen_ai.token.type"]: pt for a, pt in rec.points(names.TOKEN_USAGE)}
+            assert tokens["output"].sum == sum(completion) and tokens["output"].count == n_ok
+            assert tokens["input"].count == n_ok
+            tpot = [pt for _, pt in rec.points(names.TPOT)]
+            assert sum(pt.count for pt in tpot) == n_ok  # every request made > 1 token
+        durations = {a.get("error.type"): pt.count for a, pt in g.points(names.REQUEST_DURATION)}
+        assert durations[None] == n_ok and durations["model_not_found"] == 1
+        errors = {a["error.type"]: pt.value for a, pt in g.points(names.ERRORS)}
+        assert errors == {"model_not_found": 1}
+        assert sum(pt.value for _, pt in g.points(names.RETRIES)) == 1
+        kinds = {a["kind"]: pt.value for a, pt in g.points(names.ROUTING)}
+        assert kinds["affinity"] >= 2 and kinds["load"] >= 1, kinds  # s-2's 2nd and 3rd
+        redis_ops = {a["operation"] for a, _ in g.points(names.REDIS_DURATION)}
+        assert {"registry_read", "session_get", "session_record"} <= redis_ops
+        workers = {a["role"]: pt.value for a, pt in g.points(names.GATEWAY_WORKERS)}
+        assert workers == {"mixed": 1}
+
+        hits = [pt.value for _, pt in w.points(names.PREFIX_HIT)]
+        queried = [pt.value for _, pt in w.points(names.PREFIX_QUERY)]
+        assert hits and 0 < hits[0] <= queried[0]
+        ((usage_attrs, usage),) = w.points(names.KV_USAGE)
+        assert 0.0 <= usage.value <= 1.0 and usage_attrs[
+            "edgeinfer.worker.id"
+        ] == "local-mixed-" + str(worker.config.port)
+        assert [pt.value for _, pt in w.points(names.WORKER_RUNNING)] == [0]
+        assert [pt.value for _, pt in w.points(names.WORKER_WAITING)] == [0]
+        assert [pt.value for _, pt in w.points(names.PREEMPTIONS)] == [0]
+
+    # /metrics: Prometheus text that the reference parser reads, with the catalog's names
+    for text, who in ((gateway_text, "gateway"), (worker_text, "worker")):
+        samples = {s.name for fam in text_string_to_metric_families(text) for s in fam.samples}
+        for spec in METRICS:
+            if spec.who not in (who, "both"):
+                continue
+            if spec.name in (names.KV_TRANSFER_DURATION, names.COLD_START):
+                continue  # recorded on a transfer and at a worker's start: the other tests
+            wanted = spec.prometheus + ("_count" if spec.kind == "histogram" else "")
+            assert wanted in samples, (who, wanted)
+
+
+# ---------------------------------------------------------------------- real processes, OTLP
+class OTLPReceiver:
+    """An OTLP/HTTP receiver (protobuf): what a collector would get."""
+
+    def __init__(self) -> None:
+        self.spans: list[tuple[str, Any]] = []  # (service.name, span)
+        self.metric_names: set[str] = set()
+
+    async def traces(self, request: web.Request) -> web.Response:
+        from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import (
+            ExportTraceServiceRequest,
+        )
+
+        msg = ExportTraceServiceRequest.FromString(await request.read())
+        for rs in msg.resource_spans:
+            attrs = {a.key: a.value.string_value for a in rs.resource.attributes}
+            for ss in rs.scope_spans:
+                self.spans += [(attrs.get("service.name", ""), s) for s in ss.spans]
+        return web.Response(body=b"", content_type="application/x-protobuf")
+
+    async def metrics(self, request: web.Request) -> web.Response:
+        from opentelemetry.proto.collector.metrics.v1.metrics_service_pb2 import (
+            ExportMetricsServiceRequest,
+        )
+
+        msg = ExportMetricsServiceRequest.FromString(await request.read())
+        for rm in msg.resource_metrics:
+            for sm in rm.scope_metrics:
+                self.metric_names.update(m.name for m in sm.metrics)
+        return web.Response(body=b"", content_type="application/x-protobuf")
+
+
+async def test_real_processes_export_one_trace_over_otlp(
+    redis: LocalRedis, tmp_path: Path, stories_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    receiver = OTLPReceiver()
+    app = web.Application()
+    app.router.add_post("/v1/traces", receiver.traces)
+    app.router.add_post("/v1/metrics", receiver.metrics)
+    port = find_free_port()
+    runner = await _serve(app, port)
+    # the SDK's own settings: export batches after 100 ms, metrics every 500 ms
+    monkeypatch.setenv("OTEL_BSP_SCHEDULE_DELAY", "100")
+    monkeypatch.setenv("OTEL_METRIC_EXPORT_INTERVAL", "500")
+    catalog = tmp_path / "regions.yaml"
+    catalog.write_text(CATALOG)
+    otlp = ["--otlp-endpoint", f"http://127.0.0.1:{port}"]
+    procs = []
+    try:
+        worker = await asyncio.to_thread(
+            start_worker, "w", stories_dir, redis.url, tmp_path, extra=otlp
+        )
+        procs.append(worker)
+        gw = await asyncio.to_thread(start_gateway, "gw", redis.url, catalog, tmp_path, extra=otlp)
+        procs.append(gw)
+        await asyncio.to_thread(
+            wait_until, lambda: get_json(f"{gw.url}/readyz")[1]["workers"] == 1, 30, "worker"
+        )
+        client = openai.AsyncOpenAI(base_url=f"{gw.url}/v1", api_key="x", max_retries=0)
+        await client.completions.create(
+            model="stories", prompt=STORY, max_tokens=4, extra_headers={"traceparent": TRACEPARENT}
+        )
+
+        def traced() -> set[str]:
+            return {svc for svc, s in receiver.spans if s.trace_id.hex() == TRACE_ID}
+
+        await _wait_for(lambda: traced() == {"edgeinfer-gateway", "edgeinfer-worker"},
+                        "both services' spans over OTLP", timeout=20)  # fmt: skip
+        await _wait_for(lambda: names.TTFT in receiver.metric_names, "metrics", timeout=20)
+        async with aiohttp.ClientSession() as http, http.get(f"{worker.url}/metrics") as r:
+            text = await r.text()
+    finally:
+        for p in reversed(procs):
+            await asyncio.to_thread(p.stop)
+        await runner.cleanup()
+
+    named = {s.name for _, s in receiver.spans if s.trace_id.hex() == TRACE_ID}
+    assert {"text_completion stories", "gateway.forward", "generate stories", "prefill",
+            "decode"} <= named  # fmt: skip
+    assert names.COLD_START in receiver.metric_names
+    samples = {
+        (s.name, s.labels.get("phase")): s.value
+        for fam in text_string_to_metric_families(text)
+        for s in fam.samples
+    }
+    # one start, phase by phase, and its total from process start to ready
+    assert samples[("edgeinfer_worker_cold_start_duration_seconds_count", "total")] == 1
+    assert samples[("edgeinfer_worker_cold_start_duration_seconds_count", "weights read")] == 1
+    total = samples[("edgeinfer_worker_cold_start_duration_seconds_sum", "total")]
+    assert 0 < total < 120
