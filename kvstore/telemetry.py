@@ -179,13 +179,14 @@ class TelemetryConfig:
     otlp_endpoint: str | None = None  # OTLP/HTTP base URL (…/v1/traces, …/v1/metrics added)
     record_content: bool = False  # put prompts and outputs on spans (off: never recorded)
     trace_sample_ratio: float = 1.0  # new traces kept; an incoming sampled flag is obeyed
-    export_interval_s: float = 15.0  # OTLP metric export period
+    export_interval_s: float | None = None  # OTLP metric export period; None: the SDK's
+    # ($OTEL_METRIC_EXPORT_INTERVAL milliseconds, else 60 s)
     attributes: dict[str, str] = field(default_factory=dict)  # more resource attributes
 
     def __post_init__(self) -> None:
         if not 0.0 <= self.trace_sample_ratio <= 1.0:
             raise ValueError(f"trace_sample_ratio must be in [0, 1], got {self.trace_sample_ratio}")
-        if self.export_interval_s <= 0:
+        if self.export_interval_s is not None and self.export_interval_s <= 0:
             raise ValueError(f"export_interval_s must be > 0, got {self.export_interval_s}")
         if self.otlp_endpoint is not None:
             self.otlp_endpoint = self.otlp_endpoint.strip().rstrip("/") or None
@@ -239,7 +240,9 @@ class Telemetry:
             readers.append(
                 PeriodicExportingMetricReader(
                     OTLPMetricExporter(endpoint=f"{config.otlp_endpoint}/v1/metrics"),
-                    export_interval_millis=config.export_interval_s * 1000,
+                    export_interval_millis=(
+                        config.export_interval_s * 1000 if config.export_interval_s else None
+                    ),
                 )
             )
         self.meter_provider = MeterProvider(metric_readers=readers, resource=self.resource)
