@@ -15,6 +15,23 @@ SUPPORTED_ARCHITECTURES = {
     "MistralForCausalLM": "mistral",
     "Qwen2ForCausalLM": "qwen2",
     "Qwen3ForCausalLM": "qwen3",
+    "MixtralForCausalLM": "mixtral",
+    "Qwen2MoeForCausalLM": "qwen2_moe",
+    "Qwen3MoeForCausalLM": "qwen3_moe",
+}
+MOE_FAMILIES = ("mixtral", "qwen2_moe", "qwen3_moe")
+
+# config.json fields that only a mixture-of-experts model has: an architecture we do not support
+# that has one is named as an MoE variant, and a supported one that has one of the routing knobs
+# below is a variant whose routing we would get wrong.
+_MOE_FIELDS = ("num_local_experts", "num_experts", "n_routed_experts", "moe_intermediate_size")
+_UNSUPPORTED_ROUTING = {  # field: (what it means, the values that mean plain top-k routing)
+    "n_group": ("grouped top-k routing", (None, 1)),
+    "topk_group": ("grouped top-k routing", (None, 1)),
+    "topk_method": ("a top-k method other than plain top-k", (None, "greedy")),
+    "scoring_func": ("a router scoring function other than softmax", (None, "softmax")),
+    "routed_scaling_factor": ("scaled routing weights", (None, 1, 1.0)),
+    "n_shared_experts": ("DeepSeek-style shared experts", (None, 0)),
 }
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -66,14 +83,59 @@ class RopeConfig:
 
 
 @dataclass(slots=True)
+class MoeConfig:
+    """Mixture of experts: in the sparse layers, each token goes to `top_k` of `num_experts`
+    gated SiLU MLPs, chosen by a linear router, and their outputs are summed with its weights."""
+
+    num_experts: int  # routed experts per sparse layer
+    top_k: int  # experts each token goes to
+    intermediate_size: int  # of each routed expert
+    norm_topk_prob: bool  # the top-k probabilities renormalised to sum to 1 (Mixtral: always)
+    shared_expert_intermediate_size: int = 0  # Qwen2-MoE: a dense MLP every token also goes
+    # through, scaled by sigmoid(shared_expert_gate(x)); 0: none
+    decoder_sparse_step: int = 1  # layer i is sparse when (i + 1) % step == 0 ...
+    mlp_only_layers: tuple[int, ...] = ()  # ... and i is not listed here (a dense MLP then)
+
+    def __post_init__(self) -> None:
+        if self.num_experts < 1:
+            raise ModelLoadError(
+                f"config.json: the number of experts must be >= 1, got {self.num_experts}"
+            )
+        if not 1 <= self.top_k <= self.num_experts:
+            raise ModelLoadError(
+                f"config.json: num_experts_per_tok must be in [1, {self.num_experts}] (the number "
+                f"of experts), got {self.top_k}"
+            )
+        if self.intermediate_size < 1:
+            raise ModelLoadError(
+                f"config.json: the experts' intermediate size must be >= 1, got "
+                f"{self.intermediate_size}"
+            )
+        if self.shared_expert_intermediate_size < 0:
+            raise ModelLoadError(
+                "config.json: shared_expert_intermediate_size must be >= 0, got "
+                f"{self.shared_expert_intermediate_size}"
+            )
+        if self.decoder_sparse_step < 1:
+            raise ModelLoadError(
+                f"config.json: decoder_sparse_step must be >= 1, got {self.decoder_sparse_step}"
+            )
+
+    def is_sparse(self, layer: int) -> bool:
+        """Whether layer `layer` (from 0) has experts rather than a dense MLP."""
+        return layer not in self.mlp_only_layers and (layer + 1) % self.decoder_sparse_step == 0
+
+
+@dataclass(slots=True)
 class ModelConfig:
-    """The architecture of a Llama-family decoder (Llama, Mistral, Qwen2, Qwen3)."""
+    """The architecture of a Llama-family decoder (Llama, Mistral, Qwen2, Qwen3; with experts:
+    Mixtral, Qwen2-MoE, Qwen3-MoE)."""
 
     architecture: str  # e.g. "LlamaForCausalLM"
-    family: str  # "llama" | "mistral" | "qwen2" | "qwen3"
+    family: str  # "llama" | "mistral" | "qwen2" | "qwen3" | "mixtral" | "qwen2_moe" | "qwen3_moe"
     vocab_size: int
     hidden_size: int
-    intermediate_size: int
+    intermediate_size: int  # of the dense MLPs (Mixtral: of its experts)
     num_layers: int
     num_heads: int
     num_kv_heads: int
@@ -90,12 +152,18 @@ class ModelConfig:
     sliding_window: int | None = None  # Mistral: attention window, when set
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
+    moe: MoeConfig | None = None  # the experts, for the MoE families; None: dense
 
     def __post_init__(self) -> None:
         if self.num_heads % self.num_kv_heads:
             raise ModelLoadError(
                 f"config.json: num_attention_heads ({self.num_heads}) must be a multiple of "
                 f"num_key_value_heads ({self.num_kv_heads})"
+            )
+        if (self.moe is not None) != (self.family in MOE_FAMILIES):
+            raise ModelLoadError(
+                f"config.json: {self.architecture} "
+                + ("needs its experts described" if self.moe is None else "has no experts")
             )
 
     @property
@@ -120,6 +188,16 @@ class ModelConfig:
     def from_dict(cls, raw: dict[str, Any], source: str = "config.json") -> ModelConfig:
         archs = raw.get("architectures") or []
         arch = next((a for a in archs if a in SUPPORTED_ARCHITECTURES), None)
+        if arch is None and any(raw.get(k) for k in _MOE_FIELDS):
+            routing = sorted(
+                {why for k, (why, plain) in _UNSUPPORTED_ROUTING.items() if raw.get(k) not in plain}
+            )
+            raise ModelLoadError(
+                f"{source}: architecture {archs or raw.get('model_type')!r} is a "
+                "mixture-of-experts model that is not supported"
+                + (f" ({', '.join(routing)})" if routing else "")
+                + f"; supported mixture-of-experts architectures: {', '.join(_moe_archs())}"
+            )
         if arch is None:
             raise ModelLoadError(
                 f"{source}: architecture {archs or raw.get('model_type')!r} is not supported "
@@ -133,8 +211,13 @@ class ModelConfig:
             eos = raw.get("eos_token_id")
             eos_ids = tuple(eos) if isinstance(eos, list) else ((eos,) if eos is not None else ())
             sliding = raw.get("sliding_window")
-            if family in ("qwen2", "qwen3") and not raw.get("use_sliding_window", False):
+            qwen = family in ("qwen2", "qwen3", "qwen2_moe", "qwen3_moe")
+            if qwen and not raw.get("use_sliding_window", False):
                 sliding = None
+            # Qwen2 has q/k/v biases always, Qwen2-MoE unless its config says otherwise.
+            qkv_bias = family == "qwen2" or bool(
+                raw.get("qkv_bias", True) if family == "qwen2_moe" else raw.get("attention_bias")
+            )
             cfg = cls(
                 architecture=arch,
                 family=family,
@@ -148,15 +231,17 @@ class ModelConfig:
                 rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
                 max_position_embeddings=int(raw.get("max_position_embeddings", 2048)),
                 tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
-                qkv_bias=family == "qwen2" or bool(raw.get("attention_bias", False)),
-                o_bias=family != "qwen2" and bool(raw.get("attention_bias", False)),
+                qkv_bias=qkv_bias,
+                o_bias=family not in ("qwen2", "qwen2_moe")
+                and bool(raw.get("attention_bias", False)),
                 mlp_bias=bool(raw.get("mlp_bias", False)),
-                qk_norm=family == "qwen3",
+                qk_norm=family in ("qwen3", "qwen3_moe"),
                 torch_dtype=str(raw.get("torch_dtype") or raw.get("dtype") or "float32"),
                 rope=_rope_from_dict(raw, source),
                 sliding_window=int(sliding) if sliding else None,
                 bos_token_id=raw.get("bos_token_id"),
                 eos_token_ids=tuple(int(e) for e in eos_ids),
+                moe=_moe_from_dict(raw, arch, family, source) if family in MOE_FAMILIES else None,
             )
         except KeyError as e:
             raise ModelLoadError(f"{source}: required field {e.args[0]!r} is missing") from e
@@ -172,11 +257,56 @@ class ModelConfig:
         """Number of weights in the linear layers (and embeddings) touched per token."""
         h, i, d = self.hidden_size, self.intermediate_size, self.head_dim
         attn = h * (self.num_heads + 2 * self.num_kv_heads) * d + self.num_heads * d * h
-        per_layer = attn + 3 * h * i
-        total = self.num_layers * per_layer
+        total = 0
+        for layer in range(self.num_layers):
+            moe = self.moe
+            if moe is not None and moe.is_sparse(layer):  # the router, k experts, the shared one
+                shared = moe.shared_expert_intermediate_size
+                mlp = h * moe.num_experts + 3 * h * moe.top_k * moe.intermediate_size
+                mlp += 3 * h * shared + (h if shared else 0)
+            else:
+                mlp = 3 * h * i
+            total += attn + mlp
         if include_embedding:
             total += self.vocab_size * h
         return total
+
+
+def _moe_archs() -> list[str]:
+    return [a for a, f in SUPPORTED_ARCHITECTURES.items() if f in MOE_FAMILIES]
+
+
+def _moe_from_dict(raw: dict[str, Any], arch: str, family: str, source: str) -> MoeConfig:
+    """The experts of Mixtral (num_local_experts, its top-k always renormalised) and of
+    Qwen2-MoE / Qwen3-MoE (num_experts, moe_intermediate_size, norm_topk_prob; Qwen2-MoE's
+    shared expert; dense layers by decoder_sparse_step and mlp_only_layers)."""
+    for key, (why, plain) in _UNSUPPORTED_ROUTING.items():
+        if raw.get(key) not in plain:
+            raise ModelLoadError(
+                f"{source}: {arch} with {key}={raw[key]!r} ({why}) is not supported"
+            )
+    if family == "mixtral":
+        return MoeConfig(
+            num_experts=int(raw["num_local_experts"]),
+            top_k=int(raw["num_experts_per_tok"]),
+            intermediate_size=int(raw["intermediate_size"]),
+            norm_topk_prob=True,
+        )
+    # Hub configs say num_experts; transformers 5 saves Qwen3-MoE's as num_local_experts.
+    experts = raw.get("num_experts", raw.get("num_local_experts"))
+    if experts is None:
+        raise ModelLoadError(f"{source}: required field 'num_experts' is missing")
+    return MoeConfig(
+        num_experts=int(experts),
+        top_k=int(raw["num_experts_per_tok"]),
+        intermediate_size=int(raw["moe_intermediate_size"]),
+        norm_topk_prob=bool(raw.get("norm_topk_prob", False)),
+        shared_expert_intermediate_size=(
+            int(raw["shared_expert_intermediate_size"]) if family == "qwen2_moe" else 0
+        ),
+        decoder_sparse_step=int(raw.get("decoder_sparse_step") or 1),
+        mlp_only_layers=tuple(int(i) for i in raw.get("mlp_only_layers") or ()),
+    )
 
 
 def _rope_from_dict(raw: dict[str, Any], source: str) -> RopeConfig:

@@ -2,8 +2,11 @@
 
     config.json, shard list (the manifest's, else the index's), every shard's header
       ─▶ build the model; map each checkpoint tensor to its parameter (q/k/v and gate/up into
-         row ranges of fused ones); every shape, dtype, missing or unexpected tensor and the
-         memory needed checked, naming the file          (all before any weight is read)
+         row ranges of fused ones, each expert's tensors into its rows of the layer's stacked
+         experts; with expert parallelism, only this rank's experts, and only its rows of a
+         stacked checkpoint tensor, take memory: the reader still reads each shard whole and
+         drops the bytes no one asked for); every shape, dtype, missing or unexpected tensor
+         and the memory needed checked, naming the file   (all before any weight is read)
       ─▶ one arena per dtype holds every parameter; each parameter becomes a view of it, placed
          at the offset modulo 4096 at which its bytes sit in the file
       ─▶ runtime.shard_reader reads every shard, in file order, O_DIRECT, straight into the
@@ -38,7 +41,8 @@ from runtime.manifest import (
     is_compressed,
     read_manifest,
 )
-from runtime.model import LlamaForCausalLM
+from runtime.model import ExpertParallel, LlamaForCausalLM
+from runtime.model.moe import SINGLE
 from runtime.shard_reader import ALIGN, Arena, FileRead, ReadStats, ShardReads, Span
 from runtime.weights import Shard, TensorEntry, chunk_checks, read_header
 
@@ -105,12 +109,16 @@ def available_memory() -> int:
 
 @dataclass(slots=True)
 class _Piece:
-    """One checkpoint tensor and the rows of a parameter it fills."""
+    """One checkpoint tensor (or the rows of it that are read) and the rows of a parameter it
+    fills. Rows: of the parameter seen as 2-D (-1, last dim); of a 1-D one, its elements."""
 
     shard: Shard
     tensor: TensorEntry
     param: str
     row: int  # first row of the parameter it fills
+    rows: int  # rows it fills
+    begin: int  # its bytes in the file: all of the tensor's, or the rows read
+    end: int
     nbytes: int  # its bytes in the parameter's dtype
 
 
@@ -157,11 +165,13 @@ def start_load(
     threads: int = 4,
     direct: bool = True,
     stats: ReadStats | None = None,
+    ep: ExpertParallel = SINGLE,
 ) -> PendingLoad:
     """Check a model folder, build the model, and start reading its weights into it (see the
     module docstring). Raises ModelLoadError naming the file and what was expected for anything
     wrong that can be seen without reading the weights; a corrupt or short read is raised by
-    `finish`."""
+    `finish`. `ep`: this rank's share of the experts (ValueError if the model cannot be split
+    so)."""
     t0 = time.perf_counter()
     path = Path(model_dir)
     if not path.is_dir():
@@ -170,11 +180,11 @@ def start_load(
     torch_dtype = resolve_dtype(dtype, cfg)
     if is_compressed(path):
         return _start_compressed(path, cfg, torch_dtype, dtype, max_model_len, threads, direct,
-                                 stats, t0)  # fmt: skip
+                                 stats, t0, ep)  # fmt: skip
     manifest = read_manifest(path)
     files = check_shard_files(path, manifest) if manifest else safetensors_files(path)
     shards = [read_header(f) for f in files]  # every header before any weight
-    model = LlamaForCausalLM(cfg, torch_dtype, max_model_len or cfg.max_model_len)
+    model = LlamaForCausalLM(cfg, torch_dtype, max_model_len or cfg.max_model_len, ep)
     pieces = _map_tensors(model, shards)
 
     params = dict(model.named_parameters())
@@ -196,16 +206,16 @@ def start_load(
     st = stats if stats is not None else ReadStats()
     for p in pieces:
         t, param = p.tensor, params[p.param]
-        dest = param.data.narrow(0, p.row, t.shape[0] if t.shape else 1)
+        dest = _rows_view(param.data).narrow(0, p.row, p.rows)
         if t.dtype == torch_dtype:
             o = at[p.param] + p.row * _row_bytes(param)
-            spans[p.shard.path].append(Span(t.begin, t.end, arena, o))
-            st.copied += (o - t.begin) % ALIGN != 0  # not in line with its bytes: copied
+            spans[p.shard.path].append(Span(p.begin, p.end, arena, o))
+            st.copied += (o - p.begin) % ALIGN != 0  # not in line with its bytes: copied
         else:
             assert staging is not None and stage is not None
             o = stage_at[id(p)]
-            spans[p.shard.path].append(Span(t.begin, t.end, staging, o))
-            raw = stage[o : o + t.end - t.begin]
+            spans[p.shard.path].append(Span(p.begin, p.end, staging, o))
+            raw = stage[o : o + p.end - p.begin]
             conversions[p.shard.path].append((raw.view(t.dtype).view(dest.shape), dest))
             st.copied += 1
     chunk_bytes, verify = chunk_checks(manifest)
@@ -263,13 +273,19 @@ class _Decoding:
 
 def _start_compressed(path: Path, cfg: ModelConfig, torch_dtype: torch.dtype, dtype: str,
                       max_model_len: int | None, threads: int, direct: bool,
-                      stats: ReadStats | None, t0: float) -> PendingLoad:  # fmt: skip
+                      stats: ReadStats | None, t0: float, ep: ExpertParallel) -> PendingLoad:  # fmt: skip
     """A folder of Huffman-coded weights: every tensor checked against the model first (the
     same checks as a plain folder's), then read, checked and decoded into its parameter rows."""
     from runtime.compression import load_compressed, shard_headers
 
-    model = LlamaForCausalLM(cfg, torch_dtype, max_model_len or cfg.max_model_len)
+    model = LlamaForCausalLM(cfg, torch_dtype, max_model_len or cfg.max_model_len, ep)
     pieces = {p.tensor.name: p for p in _map_tensors(model, shard_headers(path))}
+    for p in pieces.values():
+        if (p.begin, p.end) != (p.tensor.begin, p.tensor.end):  # decoded whole, not in part
+            raise ModelLoadError(
+                f"{path}: tensor {p.tensor.name!r} holds every expert; a compressed folder "
+                f"cannot be split over ep={ep.size} ranks (compress a per-expert checkpoint)"
+            )
     params = dict(model.named_parameters())
     nbytes, have = sum(p.nbytes for p in params.values()), available_memory()
     if nbytes > have:
@@ -282,8 +298,7 @@ def _start_compressed(path: Path, cfg: ModelConfig, torch_dtype: torch.dtype, dt
         p = pieces.get(name)
         if p is None:
             return None  # a tensor the model does not use (e.g. rotary tables): decoded apart
-        rows = p.tensor.shape[0] if p.tensor.shape else 1
-        return params[p.param].data.narrow(0, p.row, rows)
+        return _rows_view(params[p.param].data).narrow(0, p.row, p.rows).view(p.tensor.shape)
 
     st = stats if stats is not None else ReadStats()
     tensors = load_compressed(path, threads=threads, direct=direct, stats=st, into=into)
@@ -296,10 +311,11 @@ def load_model(
     dtype: str = "auto",
     max_model_len: int | None = None,
     stats: ReadStats | None = None,
+    ep: ExpertParallel = SINGLE,
 ) -> LlamaForCausalLM:
     """Build the model from a folder and load its weights; raises ModelLoadError naming the file.
-    `stats` receives what the read did."""
-    return start_load(model_dir, dtype, max_model_len, stats=stats).finish()
+    `stats` receives what the read did; `ep`: this rank's share of the experts."""
+    return start_load(model_dir, dtype, max_model_len, stats=stats, ep=ep).finish()
 
 
 def _map_tensors(model: LlamaForCausalLM, shards: list[Shard]) -> list[_Piece]:
@@ -307,13 +323,12 @@ def _map_tensors(model: LlamaForCausalLM, shards: list[Shard]) -> list[_Piece]:
     errors name the file and tensor (unexpected, not a float, wrong shape, twice, or missing)."""
     params = dict(model.named_parameters())
     pieces: list[_Piece] = []
-    filled: dict[str, dict[int, str]] = {name: {} for name in params}  # param -> row -> file
     for shard in shards:
         for t in shard.tensors:
             target = model.weight_target(t.name)
             if target is None:
                 continue
-            name, row, rows = target
+            name = target.param
             if name not in params:
                 raise ModelLoadError(
                     f"{shard.path}: unexpected tensor {t.name!r} for {model.cfg.architecture}"
@@ -324,28 +339,59 @@ def _map_tensors(model: LlamaForCausalLM, shards: list[Shard]) -> list[_Piece]:
                     "are supported (import quantized GGUF files with `edgeinfer import-gguf`)"
                 )
             param = params[name]
-            want = tuple(param.shape) if rows is None else (rows, *param.shape[1:])
+            rows = _num_rows(param) if target.rows is None else target.rows
+            if target.shape is not None:
+                want = target.shape
+            elif target.rows is None:
+                want = tuple(param.shape)
+            else:
+                want = (rows,) if param.dim() <= 1 else (rows, param.shape[-1])
             if t.shape != want:
                 raise ModelLoadError(
                     f"{shard.path}: tensor {t.name!r} has shape {t.shape}, config.json implies "
                     f"{want}"
                 )
-            if row in filled[name]:
-                raise ModelLoadError(
-                    f"{shard.path}: tensor {t.name!r} is also in {filled[name][row]}"
-                )
-            filled[name][row] = str(shard.path)
-            nbytes = param.dtype.itemsize * (t.end - t.begin) // t.dtype.itemsize
-            pieces.append(_Piece(shard, t, name, row, nbytes))
-    rows_of = {p.param: 0 for p in pieces}
+            row_bytes = t.shape[-1] * t.dtype.itemsize if len(t.shape) >= 2 else t.dtype.itemsize
+            begin = t.begin + target.src_row * row_bytes
+            end = begin + rows * row_bytes
+            nbytes = param.dtype.itemsize * (end - begin) // t.dtype.itemsize
+            pieces.append(_Piece(shard, t, name, target.row, rows, begin, end, nbytes))
+    _check_coverage(model, params, pieces)
+    return pieces
+
+
+def _check_coverage(
+    model: LlamaForCausalLM, params: Mapping[str, torch.Tensor], pieces: list[_Piece]
+) -> None:
+    """Every row of every parameter filled by exactly one piece: a tensor that is there twice
+    (or two that overlap) is named with both files; missing ones are named as our parameters,
+    with the checkpoint tensor expected where the model can say (an expert's)."""
+    by_param: dict[str, list[_Piece]] = {name: [] for name in params}
     for p in pieces:
-        rows_of[p.param] += p.tensor.shape[0] if p.tensor.shape else 1
-    missing = [n for n, param in params.items() if rows_of.get(n, 0) < (param.shape or (1,))[0]]
+        by_param[p.param].append(p)
+    missing: list[str] = []
+    for name, group in by_param.items():
+        group.sort(key=lambda p: p.row)
+        covered = 0
+        gap: int | None = None  # first row that no piece fills
+        for prev, p in zip([None, *group], group, strict=False):
+            if prev is not None and p.row < covered:
+                raise ModelLoadError(
+                    f"{p.shard.path}: tensor {p.tensor.name!r} is also in {prev.shard.path}"
+                    + ("" if p.tensor.name == prev.tensor.name else f" (as {prev.tensor.name!r})")
+                )
+            if p.row > covered and gap is None:
+                gap = covered
+            covered = p.row + p.rows
+        if covered < _num_rows(params[name]) and gap is None:
+            gap = covered
+        if gap is not None:
+            hint = model.checkpoint_name(name, gap)
+            missing.append(name + (f" ({hint})" if hint else ""))
     if missing:
         raise ModelLoadError(
             f"weights missing from the checkpoint: {', '.join(sorted(missing)[:8])}"
         )
-    return pieces
 
 
 def _layout(
@@ -366,20 +412,29 @@ def _layout(
     for name, group in by_param.items():
         anchor = max((p for p in group if p.tensor.dtype == dtype),
                      key=lambda p: p.nbytes, default=None)  # fmt: skip
-        row0 = anchor.tensor.begin - anchor.row * _row_bytes(params[name]) if anchor else 0
+        row0 = anchor.begin - anchor.row * _row_bytes(params[name]) if anchor else 0
         at[name] = _congruent(end, row0, dtype.itemsize)
         end = at[name] + params[name].nbytes
     stage_at: dict[int, int] = {}
     stage_end = 0
     for p in pieces:
         if p.tensor.dtype != dtype:
-            stage_at[id(p)] = _congruent(stage_end, p.tensor.begin, p.tensor.dtype.itemsize)
-            stage_end = stage_at[id(p)] + p.tensor.end - p.tensor.begin
+            stage_at[id(p)] = _congruent(stage_end, p.begin, p.tensor.dtype.itemsize)
+            stage_end = stage_at[id(p)] + p.end - p.begin
     return at, end, stage_at, stage_end
 
 
 def _row_bytes(param: torch.Tensor) -> int:
-    return param[0].numel() * param.dtype.itemsize if param.dim() else param.dtype.itemsize
+    return (param.shape[-1] if param.dim() >= 2 else 1) * param.dtype.itemsize
+
+
+def _num_rows(param: torch.Tensor) -> int:
+    return param.numel() // param.shape[-1] if param.dim() >= 2 else max(param.numel(), 1)
+
+
+def _rows_view(param: torch.Tensor) -> torch.Tensor:
+    """The parameter as rows: (-1, last dim), or (numel,) for one of fewer dimensions."""
+    return param.view(-1, param.shape[-1]) if param.dim() >= 2 else param.view(-1)
 
 
 def _size(n: int) -> str:

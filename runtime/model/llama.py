@@ -3,23 +3,27 @@
 Tokens of every request in a step are concatenated into one (T,) batch with no padding; the
 paged-attention metadata says which tokens belong to which request and where their keys live.
 Covers Llama (incl. llama3 / linear RoPE scaling), Mistral, Qwen2 (q/k/v bias) and Qwen3
-(q/k RMSNorm), with grouped-query attention and tied or untied embeddings.
+(q/k RMSNorm), with grouped-query attention and tied or untied embeddings; and their
+mixture-of-experts forms, Mixtral, Qwen2-MoE and Qwen3-MoE, whose sparse layers take the MoE
+block of moe.py in place of the MLP (on this rank's experts, with expert parallelism).
 
 Weights are fused on load: q/k/v into one projection, gate/up into one, so that a layer runs
-four matrix multiplies.
+four matrix multiplies; experts' weights are stacked (moe.py).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from types import ModuleType
 
 import torch
 from torch import nn
 
-from kernels import PagedAttentionMetadata, apply_rotary, paged_attention, rms_norm, write_kv_cache
+from kernels import PagedAttentionMetadata, apply_rotary, paged_attention, write_kv_cache
 from kernels.linear import applies, small_linear
 from runtime.config import ModelConfig
+from runtime.model.layers import MLP, Linear, RMSNorm, WeightTarget, _param
+from runtime.model.moe import SINGLE, ExpertParallel, MoE
 
 
 @dataclass(slots=True)
@@ -30,33 +34,6 @@ class StepContext:
     attn: PagedAttentionMetadata  # where keys/values are read and written
     cos: torch.Tensor | None = None  # (T, head_dim), filled by the model from its RoPE table
     sin: torch.Tensor | None = None  # (T, head_dim)
-
-
-def _param(*shape: int, dtype: torch.dtype) -> nn.Parameter:
-    # Uninitialized: every weight is overwritten by the loader (which checks none is missing).
-    return nn.Parameter(torch.empty(*shape, dtype=dtype), requires_grad=False)
-
-
-class Linear(nn.Module):
-    def __init__(self, in_features: int, out_features: int, bias: bool, dtype: torch.dtype):
-        super().__init__()
-        self.weight = _param(out_features, in_features, dtype=dtype)
-        self.bias = _param(out_features, dtype=dtype) if bias else None
-        self.small_gemm: ModuleType | None = None  # the few-rows kernel, set by use_cpu_kernels
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return small_linear(x, self.weight, self.bias, self.small_gemm)
-
-
-class RMSNorm(nn.Module):
-    def __init__(self, dim: int, eps: float, dtype: torch.dtype):
-        super().__init__()
-        self.weight = _param(dim, dtype=dtype)
-        self.eps = eps
-        self.fused: ModuleType | None = None  # the C++ kernel, set by use_cpu_kernels
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return rms_norm(x, self.weight, self.eps, self.fused)
 
 
 class Attention(nn.Module):
@@ -99,26 +76,14 @@ class Attention(nn.Module):
         return self.o_proj(o.reshape(T, self.q_size))
 
 
-class MLP(nn.Module):
-    def __init__(self, cfg: ModelConfig, dtype: torch.dtype):
-        super().__init__()
-        self.inter = cfg.intermediate_size
-        self.gate_up_proj = Linear(cfg.hidden_size, 2 * self.inter, cfg.mlp_bias, dtype)
-        self.down_proj = Linear(self.inter, cfg.hidden_size, cfg.mlp_bias, dtype)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate_up = self.gate_up_proj(x)  # (T, 2 * intermediate)
-        gate, up = gate_up.split(self.inter, dim=-1)
-        return self.down_proj(nn.functional.silu(gate) * up)
-
-
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig, dtype: torch.dtype):
+    def __init__(self, cfg: ModelConfig, dtype: torch.dtype, index: int, ep: ExpertParallel):
         super().__init__()
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
         self.self_attn = Attention(cfg, dtype)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
-        self.mlp = MLP(cfg, dtype)
+        sparse = cfg.moe is not None and cfg.moe.is_sparse(index)
+        self.mlp: MLP | MoE = MoE(cfg, dtype, ep) if sparse else MLP(cfg, dtype)
 
     def forward(
         self, x: torch.Tensor, ctx: StepContext, k_cache: torch.Tensor, v_cache: torch.Tensor
@@ -138,12 +103,21 @@ _FUSED = {
 
 
 class LlamaForCausalLM(nn.Module):
-    def __init__(self, cfg: ModelConfig, dtype: torch.dtype, max_model_len: int):
+    def __init__(
+        self,
+        cfg: ModelConfig,
+        dtype: torch.dtype,
+        max_model_len: int,
+        ep: ExpertParallel = SINGLE,
+    ):
+        """`ep`: this rank's share of the experts (every rank runs the model on the same tokens
+        and holds all of it but the other ranks' experts); a ValueError if it cannot be had."""
         super().__init__()
-        self.cfg, self.dtype = cfg, dtype
+        ep.check(cfg)
+        self.cfg, self.dtype, self.ep = cfg, dtype, ep
         self.small_gemm: ModuleType | None = None  # for logits; see use_cpu_kernels
         self.embed_tokens = _param(cfg.vocab_size, cfg.hidden_size, dtype=dtype)
-        self.layers = nn.ModuleList(DecoderLayer(cfg, dtype) for _ in range(cfg.num_layers))
+        self.layers = nn.ModuleList(DecoderLayer(cfg, dtype, i, ep) for i in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
         self.lm_head = (
             None
@@ -200,27 +174,60 @@ class LlamaForCausalLM(nn.Module):
             elif isinstance(module, RMSNorm):
                 module.fused = norm if module.weight.dtype == torch.float32 else None
 
-    def weight_target(self, hf_name: str) -> tuple[str, int, int | None] | None:
-        """Where a checkpoint tensor goes: (our parameter's name, first row, rows) for q/k/v and
-        gate/up, which fill row ranges of one fused parameter; (name, 0, None) for a whole
-        parameter; None for a tensor we do not use (RoPE buffers; a tied checkpoint's copy of
-        the embedding). The name may be one the model lacks: the loader says so, naming the
-        file."""
+    def weight_target(self, hf_name: str) -> WeightTarget | None:
+        """Where a checkpoint tensor goes: q/k/v and gate/up fill row ranges of one fused
+        parameter, an expert's tensors its rows of the layer's stacked experts (moe.py); other
+        tensors a whole parameter. None for a tensor we do not use (RoPE buffers; a tied
+        checkpoint's copy of the embedding; another rank's experts). The name may be one the
+        model lacks: the loader says so, naming the file."""
         name = hf_name.removeprefix("model.")
         if "rotary_emb" in name or (name.startswith("lm_head.") and self.lm_head is None):
             return None
         if name in ("lm_head.weight", "embed_tokens.weight"):
             name = name.removesuffix(".weight")
         parts = name.split(".")
+        if parts[2:3] == ["block_sparse_moe"]:  # Mixtral's name for its MoE block
+            parts[2] = "mlp"
+        moe = self._moe(parts)
+        if moe is not None and parts[3:4] == ["experts"]:
+            target = moe.experts.weight_target(parts[4:])
+            prefix = ".".join(parts[:4])
+            return None if target is None else replace(target, param=f"{prefix}.{target.param}")
         if len(parts) >= 2 and parts[-2] in _FUSED:
             parts[-2], piece = _FUSED[parts[-2]]
-            sizes = self._fused_rows(parts[-2])
-            return ".".join(parts), sum(sizes[:piece]), sizes[piece]
-        return name, 0, None
+            sizes = self._fused_rows(".".join(parts[:-2]), parts[-2])
+            if sizes is not None:
+                return WeightTarget(".".join(parts), sum(sizes[:piece]), sizes[piece])
+        return WeightTarget(".".join(parts))
 
-    def _fused_rows(self, fused: str) -> list[int]:
+    def checkpoint_name(self, param: str, row: int) -> str | None:
+        """The checkpoint tensor that fills row `row` of an expert stack (for the loader's
+        message when one is missing); None for other parameters."""
+        parts = param.split(".")
+        moe = self._moe(parts)
+        if moe is None or parts[3:4] != ["experts"]:
+            return None
+        block = "block_sparse_moe" if self.cfg.family == "mixtral" else "mlp"
+        return f"model.layers.{parts[1]}.{block}.{moe.experts.checkpoint_name(parts[4], row)}"
+
+    def _moe(self, parts: list[str]) -> MoE | None:
+        """The MoE block that `layers.<i>.mlp.*` names, if layer i is sparse."""
+        if len(parts) < 4 or parts[0] != "layers" or parts[2] != "mlp" or not parts[1].isdigit():
+            return None
+        i = int(parts[1])
+        mlp = self.layers[i].mlp if i < len(self.layers) else None
+        return mlp if isinstance(mlp, MoE) else None
+
+    def _fused_rows(self, module: str, fused: str) -> list[int] | None:
+        """The pieces' rows of a fused projection of `module`; None if there is no such one."""
+        try:
+            owner = self.get_submodule(module)
+        except AttributeError:
+            return None
         cfg = self.cfg
-        if fused == "qkv_proj":
+        if fused == "qkv_proj" and isinstance(owner, Attention):
             q, kv = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
             return [q, kv, kv]
-        return [cfg.intermediate_size, cfg.intermediate_size]
+        if fused == "gate_up_proj" and isinstance(owner, MLP):
+            return [owner.inter, owner.inter]
+        return None
