@@ -194,8 +194,8 @@ class MoE(nn.Module):
             if self.norm_topk_prob:
                 weights = weights / weights.sum(dim=-1, keepdim=True)
         else:  # a rank with no tokens this step still takes part in the exchange
-            weights = torch.empty(0, k)
-            ids = torch.empty(0, k, dtype=torch.int64)
+            weights = torch.empty(0, k, device=x.device)
+            ids = torch.empty(0, k, dtype=torch.int64, device=x.device)
         flat = ids.flatten()  # (n*k,): expert of each (token, slot) pair
         order = torch.argsort(flat, stable=True)  # pairs grouped by expert
         xs = x[order // k]  # (n*k, hidden), sorted by expert
@@ -220,7 +220,9 @@ class MoE(nn.Module):
         send_splits, recv_splits = send.sum(1).tolist(), recv.sum(1).tolist()
         xr = xs.new_empty(sum(recv_splits), xs.shape[1])  # by source rank, then by expert
         dist.all_to_all_single(xr, xs, recv_splits, send_splits, group=group)
-        local = torch.repeat_interleave(torch.arange(per_rank).repeat(ep.size), recv.flatten())
+        local = torch.repeat_interleave(
+            torch.arange(per_rank, device=recv.device).repeat(ep.size), recv.flatten()
+        )
         order = torch.argsort(local, stable=True)  # received rows grouped by expert
         yr = torch.empty_like(xr)
         yr[order] = self.experts(xr[order], recv.sum(0).tolist())
