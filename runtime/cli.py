@@ -63,6 +63,15 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-num-batched-tokens", type=int, default=2048)
     p.add_argument("--max-model-len", type=int, default=None)
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads")
+    p.add_argument("--speculative", choices=["ngram"], default=None,
+                   help="speculative decoding: ngram (prompt lookup); default off")  # fmt: skip
+    p.add_argument("--num-speculative-tokens", type=int, default=4,
+                   help="most draft tokens per request per step (default 4)")  # fmt: skip
+    p.add_argument("--spec-ngram", type=int, nargs=2, default=[2, 4], metavar=("MIN", "MAX"),
+                   help="n-gram lengths matched, shortest and longest (default 2 4)")  # fmt: skip
+    p.add_argument("--spec-max-batch-tokens", type=int, default=32,
+                   help="no speculation when a step's decodes with drafts would exceed this "
+                   "many tokens (default 32)")  # fmt: skip
 
 
 def _sampling_args(p: argparse.ArgumentParser) -> None:
@@ -85,6 +94,15 @@ def engine_kwargs(args: argparse.Namespace) -> dict[str, object]:
         "max_num_batched_tokens": args.max_num_batched_tokens,
         "max_model_len": args.max_model_len,
         "num_threads": args.threads,
+        "speculative": None
+        if args.speculative is None
+        else {
+            "method": args.speculative,
+            "num_tokens": args.num_speculative_tokens,
+            "ngram_min": args.spec_ngram[0],
+            "ngram_max": args.spec_ngram[1],
+            "max_batch_tokens": args.spec_max_batch_tokens,
+        },
     }
 
 

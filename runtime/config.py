@@ -10,6 +10,8 @@ from typing import Any
 
 import torch
 
+from runtime.speculative import SpeculativeConfig
+
 SUPPORTED_ARCHITECTURES = {
     "LlamaForCausalLM": "llama",
     "MistralForCausalLM": "mistral",
@@ -354,8 +356,12 @@ class EngineConfig:
     cpu_kernels: str = "auto"  # few-row matmuls, RMSNorm: "auto"/"cpu_ext" (C++), "torch"
     enable_prefix_caching: bool = True  # reuse the KV blocks of cached prompt prefixes
     model_revision: str | None = None  # cache identity; None: a fingerprint of the folder
+    speculative: SpeculativeConfig | None = None  # speculative decoding (a dict of its fields
+    # is accepted); None: off
 
     def __post_init__(self) -> None:
+        if isinstance(self.speculative, dict):
+            self.speculative = SpeculativeConfig(**self.speculative)
         if self.dtype != "auto" and self.dtype not in DTYPES:
             raise ValueError(f"dtype must be auto or one of {sorted(DTYPES)}, got {self.dtype!r}")
         if self.block_size < 1 or self.block_size & (self.block_size - 1):

@@ -34,6 +34,7 @@ from runtime.outputs import CompletionOutput, RequestOutput
 from runtime.request import Request, RequestStatus
 from runtime.sampling_params import InvalidRequestError, SamplingParams
 from runtime.scheduler import QueueFullError, Scheduler, StepResult
+from runtime.speculative import SpecController
 from runtime.tokenizer import Tokenizer
 from runtime.weights import ReadStats
 
@@ -141,6 +142,14 @@ class LLMEngine:
         self.scheduler = Scheduler(
             self.blocks, config.max_num_seqs, config.max_num_batched_tokens, config.max_waiting
         )
+        self.spec = None
+        if config.speculative is not None:
+            if config.speculative.num_tokens >= self.max_model_len:
+                raise ValueError(
+                    f"speculative num_tokens ({config.speculative.num_tokens}) must be below the "
+                    f"context length ({self.max_model_len})"
+                )
+            self.spec = SpecController(config.speculative, self.max_model_len)
         t_tokenizer = time.perf_counter()
         self.runner = ModelRunner(
             self.model, num_blocks, config.block_size, config.attention, config.cpu_kernels
@@ -353,10 +362,17 @@ class LLMEngine:
         return self.scheduler.has_unfinished()
 
     def step(self) -> list[RequestOutput]:
+        if self.spec is not None:
+            self.spec.propose(self.scheduler.running)
         out = self.scheduler.schedule()
         if out.empty:
             return []
         tokens, logprobs = self.runner.execute(out, self._block_tables(out))
+        if self.spec is not None:
+            for s in out.scheduled:
+                kept = tokens.get(s.request.request_id)
+                if s.spec_token_ids and kept:
+                    self.spec.record(s.request, len(s.spec_token_ids), len(kept) - 1)
         results = self.scheduler.update(out, tokens)
         outputs = self._process(results, logprobs)
         if self._exports:  # KV exports report each step's progress, so transfer overlaps prefill
@@ -379,26 +395,30 @@ class LLMEngine:
             group, i = self._seq_to_group[r.request.request_id]
             touched[group.request_id] = group
             out = group.outputs[i]
-            assert r.new_token is not None
-            out.token_ids.append(r.new_token)
-            out.delta_token_ids.append(r.new_token)
-            lp = logprobs.get(r.request.request_id)
-            if out.logprobs is not None and lp is not None:
-                out.logprobs.append(lp)
+            lps = logprobs.get(r.request.request_id)
             detok = group.detoks[i]
-            delta = detok.append(r.new_token)
-            out.delta_text += delta
-            out.text += delta
-            status = r.finished
+            status: RequestStatus | None = None
             stop_reason: str | int | None = None
-            if status is None and detok.stop_matched is not None:
-                self.scheduler.finish(r.request.request_id, RequestStatus.FINISHED_STOPPED)
-                status, stop_reason = RequestStatus.FINISHED_STOPPED, detok.stop_matched
-            elif (
-                status is RequestStatus.FINISHED_STOPPED
-                and r.new_token in r.request.params.stop_token_ids
-            ):
-                stop_reason = r.new_token
+            for j, token in enumerate(r.new_tokens):  # several: accepted speculative drafts
+                out.token_ids.append(token)
+                out.delta_token_ids.append(token)
+                if out.logprobs is not None and lps is not None:
+                    out.logprobs.append(lps[j])
+                delta = detok.append(token)
+                out.delta_text += delta
+                out.text += delta
+                if detok.stop_matched is not None:  # a stop string, maybe mid-draft
+                    self.scheduler.finish(r.request.request_id, RequestStatus.FINISHED_STOPPED)
+                    status, stop_reason = RequestStatus.FINISHED_STOPPED, detok.stop_matched
+                    break
+            else:
+                status = r.finished
+                last = r.new_tokens[-1]
+                if (
+                    status is RequestStatus.FINISHED_STOPPED
+                    and last in r.request.params.stop_token_ids
+                ):
+                    stop_reason = last
             if status is not None:
                 self._finish_seq(group, i, status, stop_reason)
         return [self._emit(g) for g in touched.values()]
@@ -416,6 +436,8 @@ class LLMEngine:
         out.finish_reason = status.value
         out.stop_reason = stop_reason
         self._seq_to_group.pop(group.seqs[i].request_id, None)
+        if self.spec is not None:
+            self.spec.forget(group.seqs[i].request_id)
 
     def _emit(self, group: RequestGroup) -> RequestOutput:
         finished = all(o.finished for o in group.outputs)
@@ -438,6 +460,8 @@ class LLMEngine:
             finished=finished,
             num_cached_tokens=max(0, group.seqs[0].num_cached_tokens),
             arrival_time=group.seqs[0].arrival,
+            spec_proposed=sum(q.spec_proposed for q in group.seqs),
+            spec_accepted=sum(q.spec_accepted for q in group.seqs),
             scheduled_time=min((q.scheduled_at for q in group.seqs if q.scheduled_at), default=0.0),
         )
         seq = group.seqs[0]
@@ -481,4 +505,7 @@ class LLMEngine:
             "prefix_cache_query_tokens": self.blocks.query_tokens,
             "prefix_cache_hit_tokens": self.blocks.hit_tokens,
             "prefix_cached_blocks": self.blocks.num_cached_blocks,
+            "spec_proposed_tokens": self.spec.proposed if self.spec else 0,
+            "spec_accepted_tokens": self.spec.accepted if self.spec else 0,
+            "spec_verifications": self.spec.steps if self.spec else 0,
         }

@@ -147,6 +147,23 @@ class BlockManager:
             if self.record_events:
                 self._stored.append(h)
 
+    def trim(self, request_id: str, num_tokens: int) -> int:
+        """Free the request's blocks past those holding its first `num_tokens` tokens (rejected
+        speculative drafts); returns how many. Those blocks are never cached: not yet full of
+        computed tokens."""
+        table = self._tables.get(request_id)
+        keep = -(-num_tokens // self.block_size)
+        if table is None or len(table) <= keep:
+            return 0
+        dropped = table[keep:]
+        del table[keep:]
+        for block in reversed(dropped):
+            assert self._hash[block] is None, "a block past the computed tokens was cached"
+            self._ref[block] -= 1
+            if self._ref[block] == 0:
+                self._plain.append(block)
+        return len(dropped)
+
     def block_table(self, request_id: str) -> list[int]:
         return self._tables.get(request_id, [])
 

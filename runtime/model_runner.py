@@ -20,6 +20,7 @@ from runtime.model import LlamaForCausalLM, StepContext
 from runtime.sampler import Sampler, SamplingState, TokenLogprobs
 from runtime.scheduler import ScheduledRequest, SchedulerOutput
 from runtime.shard_reader import Arena
+from runtime.speculative import logprobs_of, verify
 
 
 def kv_block_bytes(model: LlamaForCausalLM, block_size: int) -> int:
@@ -74,10 +75,12 @@ class ModelRunner:
     @torch.inference_mode()
     def execute(
         self, out: SchedulerOutput, block_tables: dict[str, list[int]]
-    ) -> tuple[dict[str, int], dict[str, TokenLogprobs]]:
-        """Run one step. Returns the sampled token (and logprobs, where asked) per request id."""
+    ) -> tuple[dict[str, list[int]], dict[str, list[TokenLogprobs]]]:
+        """Run one step. Returns the tokens to append (one, or with speculative drafts the
+        accepted drafts and one more) and their logprobs, where asked, per request id."""
         # Decodes (single tokens) first, shortest context first, so that decodes of similar
-        # length are neighbours and share one batched attention call; then prefill chunks.
+        # length are neighbours and share one batched attention call; then prefill chunks (and
+        # decodes with drafts, which attend like one).
         order = sorted(
             out.scheduled,
             key=lambda s: (s.num_new_tokens != 1, s.request.num_computed_tokens),
@@ -88,9 +91,39 @@ class ModelRunner:
         sampling = [(i, s) for i, s in enumerate(order) if s.samples]
         if not sampling:
             return {}, {}
-        last = torch.tensor([o.num_new_tokens for o in order]).cumsum(0) - 1  # (B,)
-        ends = last[torch.tensor([i for i, _ in sampling])]
-        logits = self.model.logits(hidden[ends])  # (num_sampling, vocab) float32
+        last = (torch.tensor([o.num_new_tokens for o in order]).cumsum(0) - 1).tolist()  # (B,)
+        rows: list[int] = []  # hidden rows whose logits are needed: each sampling position
+        for i, s in sampling:
+            rows.extend(range(last[i] - len(s.spec_token_ids), last[i] + 1))
+        logits = self.model.logits(hidden[torch.tensor(rows)])  # (R, vocab) float32
+        plain = [j for j, (_, s) in enumerate(sampling) if not s.spec_token_ids]
+        tokens: dict[str, list[int]] = {}
+        logprobs: dict[str, list[TokenLogprobs]] = {}
+        if plain:
+            at = [j + sum(len(s.spec_token_ids) for _, s in sampling[:j]) for j in plain]
+            self._sample([sampling[j][1] for j in plain], logits[torch.tensor(at)], tokens,
+                         logprobs)  # fmt: skip
+        row = 0
+        for _, s in sampling:  # speculative rows: verify their drafts
+            k = len(s.spec_token_ids)
+            if k:
+                req = s.request
+                rows_k = logits[row : row + k + 1]  # (k+1, vocab)
+                kept = verify(rows_k, s.spec_token_ids, req.params, req.generator)
+                tokens[req.request_id] = kept
+                if req.params.logprobs is not None:
+                    logprobs[req.request_id] = logprobs_of(rows_k, kept, req.params.logprobs)
+            row += k + 1
+        return tokens, logprobs
+
+    def _sample(
+        self,
+        scheduled: list[ScheduledRequest],
+        logits: torch.Tensor,
+        tokens: dict[str, list[int]],
+        logprobs: dict[str, list[TokenLogprobs]],
+    ) -> None:
+        """One token per request from its logits row (the sampler, batched)."""
         states = [
             SamplingState(
                 params=s.request.params,
@@ -98,18 +131,13 @@ class ModelRunner:
                 prompt_token_ids=s.request.prompt_token_ids,
                 output_token_ids=s.request.output_token_ids,
             )
-            for _, s in sampling
+            for s in scheduled
         ]
         result = self.sampler(logits, states)
-        tokens = {
-            s.request.request_id: t for (_, s), t in zip(sampling, result.token_ids, strict=True)
-        }
-        logprobs = {
-            s.request.request_id: lp
-            for (_, s), lp in zip(sampling, result.logprobs, strict=True)
-            if lp is not None
-        }
-        return tokens, logprobs
+        for s, t, lp in zip(scheduled, result.token_ids, result.logprobs, strict=True):
+            tokens[s.request.request_id] = [t]
+            if lp is not None:
+                logprobs[s.request.request_id] = [lp]
 
     def _slots(self, table: list[int], start: int, end: int) -> torch.Tensor:
         pos = torch.arange(start, end)
@@ -160,7 +188,7 @@ class ModelRunner:
                 decode_tables.append(table)
                 decode_lens.append(start + 1)
             else:
-                ids.extend(req.all_token_ids[start : start + n])
+                ids.extend(s.token_ids())
                 chunk = PrefillChunk(query_start=len(ids) - n, query_len=n, context_len=start)
                 if start > 0:
                     chunk.kv_slots = self._slots(table, 0, start + n)

@@ -36,3 +36,5 @@ class RequestOutput:
     block_ids: list[int] | None = None  # KV exports only: the request's block table
     arrival_time: float = 0.0  # time.monotonic() when the engine took the request
     scheduled_time: float = 0.0  # time.monotonic() when it was first scheduled (0: not yet)
+    spec_proposed: int = 0  # speculative drafts verified for it (all its sequences)
+    spec_accepted: int = 0  # of those, accepted

@@ -17,6 +17,11 @@ Policy, per step, under a token budget (`max_num_batched_tokens`):
    longest cached prefix (prefix caching): its `num_computed_tokens` starts there.
 After a step, every block that the computed tokens filled is hashed into the prefix cache.
 
+Speculative decoding (runtime/speculative.py) fits the same view: a decode with k draft tokens
+(`Request.spec_token_ids`) is 1 + k tokens to compute; drafts that do not fit the budget or the
+KV cache are dropped, never the decode. The update appends what verification kept and moves
+`num_computed_tokens` back to before the rejected drafts, freeing blocks only they used.
+
 Disaggregated serving needs nothing new here: a KV export (`Request.hold_kv`, the prefill side)
 is an ordinary request whose blocks are held, not freed, when it finishes, until `release`; a KV
 import (the decode side) is admitted already holding its blocks with `num_computed_tokens` set
@@ -37,12 +42,23 @@ from runtime.request import Request, RequestStatus
 class ScheduledRequest:
     request: Request
     num_new_tokens: int  # tokens computed this step, starting at request.num_computed_tokens
+    spec_token_ids: list[int] = field(default_factory=list)  # drafts verified this step (the
+    # last num_new_tokens - 1 of them; a decode with drafts computes 1 + len(drafts) tokens)
 
     @property
     def samples(self) -> bool:
         """Whether this step reaches the end of the request's tokens, so a token is sampled."""
         r = self.request
-        return r.num_computed_tokens + self.num_new_tokens == r.num_tokens
+        return (
+            r.num_computed_tokens + self.num_new_tokens - len(self.spec_token_ids) == r.num_tokens
+        )
+
+    def token_ids(self) -> list[int]:
+        """The tokens this step computes: the request's, then the drafts."""
+        r, start = self.request, self.request.num_computed_tokens
+        if self.spec_token_ids:
+            return [r.token_at(start), *self.spec_token_ids]
+        return r.all_token_ids[start : start + self.num_new_tokens]
 
 
 @dataclass(slots=True)
@@ -61,7 +77,7 @@ class StepResult:
     """What the update did to one request."""
 
     request: Request
-    new_token: int | None  # the token appended this step, if one was sampled
+    new_tokens: list[int]  # tokens appended this step (more than one: accepted drafts)
     finished: RequestStatus | None  # set when the request finished this step
 
 
@@ -110,9 +126,17 @@ class Scheduler:
         while i < len(self.running) and budget > 0:
             req = self.running[i]
             remaining = req.num_tokens - req.num_computed_tokens
+            drafts: list[int] = []
             if remaining == 1:
                 pending_decodes -= 1
-                n = 1
+                # drafts ride along while the budget (decodes behind keep their token) and the
+                # KV cache have room for them
+                drafts = req.spec_token_ids[: max(0, budget - pending_decodes - 1)]
+                if drafts and not self.blocks.can_allocate(
+                    req.request_id, req.num_computed_tokens + 1 + len(drafts)
+                ):
+                    drafts = []
+                n = 1 + len(drafts)
             else:
                 n = min(remaining, budget - pending_decodes)
                 if n <= 0:
@@ -127,10 +151,9 @@ class Scheduler:
             if req.status is not RequestStatus.RUNNING:
                 break  # req itself was preempted: everything after it was too
             self.blocks.allocate(req.request_id, req.num_computed_tokens + n)
-            out.scheduled.append(ScheduledRequest(req, n))
+            out.scheduled.append(ScheduledRequest(req, n, drafts))
             budget -= n
             i += 1
-
         while self.waiting and budget > 0 and not out.preempted:
             if len(self.running) >= self.max_num_seqs:
                 break
@@ -166,26 +189,38 @@ class Scheduler:
         req.status = RequestStatus.WAITING
         self.waiting.appendleft(req)
 
-    def update(self, out: SchedulerOutput, sampled: dict[str, int]) -> list[StepResult]:
-        """Advance each scheduled request; append sampled tokens; finish what stopped."""
+    def update(self, out: SchedulerOutput, sampled: dict[str, list[int]]) -> list[StepResult]:
+        """Advance each scheduled request; append sampled tokens (with speculation, the drafts
+        verification kept and one more); finish what stopped; roll back rejected drafts."""
         results = []
         for s in out.scheduled:
             req = s.request
             if req.status is not RequestStatus.RUNNING:
                 continue  # aborted while the step ran
-            req.num_computed_tokens += s.num_new_tokens
+            tokens = sampled.get(req.request_id)
+            computed = s.num_new_tokens - len(s.spec_token_ids)  # the request's own tokens
+            new: list[int] = []
+            status = None
+            for t in tokens or ():
+                req.output_token_ids.append(t)
+                new.append(t)
+                status = req.check_stop()
+                if status is not None:
+                    break  # a stop mid-draft: the rest is dropped
+            if new:  # the drafts kept have their KV: all appended but the last, unless a stop
+                computed += min(len(new), len(tokens or ()) - 1)  # cut the draft short
+            req.num_computed_tokens += computed
             if req.num_computed_tokens // self.blocks.block_size > self.blocks.num_hashed(
                 req.request_id
             ):
                 self.blocks.commit(req.request_id, req.all_token_ids[: req.num_computed_tokens])
-            token = sampled.get(req.request_id)
-            if token is None:
+            if s.spec_token_ids and status is None:
+                self.blocks.trim(req.request_id, req.num_tokens)  # rejected drafts' blocks
+            if not new:
                 continue  # a prefill chunk that did not reach the end
-            req.output_token_ids.append(token)
-            status = req.check_stop()
             if status is not None:
                 self.finish(req.request_id, status)
-            results.append(StepResult(req, token, status))
+            results.append(StepResult(req, new, status))
         return results
 
     def finish(self, request_id: str, status: RequestStatus) -> Request | None:

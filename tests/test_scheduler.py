@@ -29,7 +29,7 @@ def plan(out: SchedulerOutput) -> dict[str, int]:
 
 
 def sample_all(s: Scheduler, out: SchedulerOutput, token: int = 7) -> None:
-    s.update(out, {x.request.request_id: token for x in out.scheduled if x.samples})
+    s.update(out, {x.request.request_id: [token] for x in out.scheduled if x.samples})
 
 
 def test_block_manager_allocate_and_free() -> None:
@@ -120,7 +120,7 @@ def test_finish_on_max_tokens_and_eos_frees_blocks() -> None:
     s.add(req("b", 4, max_tokens=10))
     sample_all(s, s.schedule())
     out = s.schedule()
-    results = s.update(out, {"a": 5, "b": 2})  # a hits max_tokens, b samples eos
+    results = s.update(out, {"a": [5], "b": [2]})  # a hits max_tokens, b samples eos
     assert {r.request.request_id: r.finished for r in results} == {
         "a": RequestStatus.FINISHED_LENGTH,
         "b": RequestStatus.FINISHED_STOPPED,

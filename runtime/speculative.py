@@ -1,0 +1,217 @@
+"""Speculative decoding: propose a few tokens cheaply, verify them all in one forward pass.
+
+    before a step     the proposer drafts up to k tokens for each decoding request
+                      (`Request.spec_token_ids`); the controller picks k per request
+    schedule          a decode with drafts is 1 + k tokens to compute, like any other tokens
+    execute           the target model scores the last real token and the k drafts in one pass
+                      (a prefill chunk over the cached context); `verify` keeps the drafts the
+                      target agrees with and adds one token of its own
+    update            accepted tokens are appended one by one (stop tokens, max_tokens and stop
+                      strings end the request mid-draft); the KV of rejected drafts is rolled
+                      back: `num_computed_tokens` stops before them, whole blocks are freed
+
+Verification keeps the target's output distribution exactly (Leviathan et al., Chen et al.):
+with the target's processed distribution p_i at draft position i (temperature, min_p, top_k,
+top_p applied, as the sampler would) and a draft token d with draft probability q(d), d is
+accepted with probability min(1, p_i(d) / q(d)); the first rejection is replaced by a draw from
+max(p_i - q_i, 0) renormalised; when all k are accepted a bonus token is drawn from p_k. An
+n-gram draft is a point mass (q(d) = 1): accept with probability p_i(d), else draw from p_i
+without d. Greedy rows accept d iff it is the argmax, so greedy output is identical token for
+token. Requests with repetition / presence / frequency penalties are not speculated (their
+distribution depends on the tokens still being verified).
+
+Proposers:
+- n-gram (prompt lookup): the longest suffix of the request's tokens (n from `ngram_max` down to
+  `ngram_min`) that occurred before; the tokens that followed its latest earlier occurrence.
+Adaptive control (`SpecController`): each request's draft length follows its recent acceptance
+(an exponential average of accepted drafts per step, plus one, between 1 and k), and no request
+is speculated while the step's decodes would exceed `max_batch_tokens` tokens with their drafts
+(on a batch that large the forward pass is compute-bound and drafts cost what they save).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from runtime.request import Request
+from runtime.sampler import GREEDY_TEMPERATURE_EPS, TokenLogprobs
+from runtime.sampling_params import SamplingParams
+
+METHODS = ("ngram",)
+
+
+@dataclass(slots=True)
+class SpeculativeConfig:
+    method: str = "ngram"  # ngram (prompt lookup)
+    num_tokens: int = 4  # most drafts per request per step (k)
+    ngram_min: int = 2  # shortest suffix matched (n-gram)
+    ngram_max: int = 4  # longest suffix matched (n-gram)
+    max_batch_tokens: int = 32  # no speculation when decodes x (1 + k) would exceed this
+    ema: float = 0.5  # weight of the newest step in a request's acceptance average
+
+    def __post_init__(self) -> None:
+        if self.method not in METHODS:
+            raise ValueError(f"speculative method must be one of {METHODS}, got {self.method!r}")
+        if self.num_tokens < 1:
+            raise ValueError(f"speculative num_tokens must be >= 1, got {self.num_tokens}")
+        if not 1 <= self.ngram_min <= self.ngram_max:
+            raise ValueError(
+                f"need 1 <= ngram_min <= ngram_max, got {self.ngram_min} and {self.ngram_max}"
+            )
+        if self.max_batch_tokens < 1 + self.num_tokens:
+            raise ValueError(
+                f"speculative max_batch_tokens ({self.max_batch_tokens}) must be at least "
+                f"1 + num_tokens ({1 + self.num_tokens})"
+            )
+        if not 0.0 < self.ema <= 1.0:
+            raise ValueError(f"speculative ema must be in (0, 1], got {self.ema}")
+
+
+def ngram_propose(tokens: list[int], k: int, n_min: int, n_max: int) -> list[int]:
+    """Up to k tokens that followed the latest earlier occurrence of the longest suffix of
+    `tokens` of length n in [n_min, n_max]; [] when no such suffix occurred before."""
+    size = len(tokens)
+    if size < n_min + 1 or k < 1:
+        return []
+    arr = np.asarray(tokens, dtype=np.int64)
+    for n in range(min(n_max, size - 1), n_min - 1, -1):
+        suffix = arr[size - n :]
+        # windows starting at 0 .. size-n-1: every earlier position, the suffix itself excluded
+        windows = np.lib.stride_tricks.sliding_window_view(arr[: size - 1], n)
+        hits = np.flatnonzero((windows == suffix).all(axis=1))
+        if hits.size:
+            start = int(hits[-1]) + n
+            return arr[start : start + k].tolist()
+    return []
+
+
+class SpecController:
+    """Which requests speculate this step, and how many tokens each drafts."""
+
+    def __init__(self, config: SpeculativeConfig, max_model_len: int) -> None:
+        self.config = config
+        self.max_model_len = max_model_len
+        self._accept: dict[str, float] = {}  # request id -> average accepted drafts per step
+        self.proposed = 0  # drafts verified, since start
+        self.accepted = 0  # of those, accepted
+        self.steps = 0  # verifications (request-steps with drafts), since start
+
+    def propose(self, running: list[Request]) -> None:
+        """Set `spec_token_ids` of every running request (most to [])."""
+        cfg = self.config
+        decodes = [r for r in running if r.num_tokens - r.num_computed_tokens == 1]
+        for r in running:
+            r.spec_token_ids = []
+        if len(decodes) * (1 + cfg.num_tokens) > cfg.max_batch_tokens:
+            return  # compute-bound: drafts would cost what they save
+        for r in decodes:
+            p = r.params
+            if _has_penalty(p):
+                continue
+            room = min(r.max_tokens - len(r.output_token_ids) - 1,
+                       self.max_model_len - r.num_tokens)  # fmt: skip
+            k = min(self._length(r.request_id), room)
+            if k >= 1:
+                r.spec_token_ids = ngram_propose(r.all_token_ids, k, cfg.ngram_min, cfg.ngram_max)
+
+    def _length(self, request_id: str) -> int:
+        avg = self._accept.get(request_id)
+        if avg is None:
+            return self.config.num_tokens  # no history: try the most
+        return max(1, min(self.config.num_tokens, round(avg) + 1))
+
+    def record(self, request: Request, proposed: int, accepted: int) -> None:
+        """A verification: `accepted` of `proposed` drafts kept."""
+        self.proposed += proposed
+        self.accepted += accepted
+        self.steps += 1
+        request.spec_proposed += proposed
+        request.spec_accepted += accepted
+        a = self.config.ema
+        old = self._accept.get(request.request_id)
+        self._accept[request.request_id] = accepted if old is None else a * accepted + (1 - a) * old
+
+    def forget(self, request_id: str) -> None:
+        self._accept.pop(request_id, None)
+
+
+def _has_penalty(p: SamplingParams) -> bool:
+    return p.repetition_penalty != 1.0 or p.presence_penalty != 0.0 or p.frequency_penalty != 0.0
+
+
+# ---------------------------------------------------------------------- verification
+def target_probs(logits: torch.Tensor, p: SamplingParams) -> torch.Tensor:
+    """The distribution the sampler draws from for rows of `logits` (R, V) under `p`
+    (temperature, then min_p, top_k, top_p), normalised. Not for greedy params."""
+    probs = torch.softmax(logits / p.temperature, dim=-1)  # (R, V)
+    vocab = probs.shape[-1]
+    if p.min_p > 0.0:
+        probs = probs.masked_fill(probs < probs.amax(dim=-1, keepdim=True) * p.min_p, 0.0)
+    if 0 < p.top_k < vocab or p.top_p < 1.0:
+        vals, idx = torch.sort(probs, dim=-1, descending=True)  # (R, V)
+        if 0 < p.top_k < vocab:
+            vals[:, p.top_k :] = 0.0
+        if p.top_p < 1.0:
+            norm = vals / vals.sum(dim=-1, keepdim=True)
+            cum = norm.cumsum(dim=-1)
+            vals = vals.masked_fill(cum - norm >= p.top_p, 0.0)  # the top token always stays
+        probs = torch.zeros_like(probs).scatter_(-1, idx, vals)
+    return probs / probs.sum(dim=-1, keepdim=True)
+
+
+def _uniform(generator: torch.Generator | None) -> float:
+    return float(torch.rand(1, generator=generator))
+
+
+def _draw(weights: torch.Tensor, generator: torch.Generator | None) -> int:
+    """One draw from unnormalised weights (V,) >= 0 with a positive entry."""
+    cdf = weights.double().cumsum(0)
+    u = _uniform(generator) * float(cdf[-1])
+    i = int(torch.searchsorted(cdf, torch.tensor([u], dtype=cdf.dtype), right=True))
+    return min(i, int(torch.searchsorted(cdf, cdf[-1:], right=False)))
+
+
+def verify(
+    logits: torch.Tensor,
+    drafts: list[int],
+    params: SamplingParams,
+    generator: torch.Generator | None,
+) -> list[int]:
+    """Tokens to append after scoring `drafts`: `logits` (k+1, V) are the target's at the last
+    real token and at each draft. Returns the accepted drafts and one more token (1..k+1)."""
+    k = len(drafts)
+    out: list[int] = []
+    if params.temperature < GREEDY_TEMPERATURE_EPS:
+        best = logits.argmax(dim=-1).tolist()  # (k+1,)
+        for i in range(k):
+            if drafts[i] != best[i]:
+                return [*out, best[i]]
+            out.append(drafts[i])
+        return [*out, best[k]]
+    probs = target_probs(logits, params)  # (k+1, V)
+    for i, d in enumerate(drafts):
+        if _uniform(generator) < float(probs[i, d]):  # q(d) = 1: accept with probability p(d)
+            out.append(d)
+            continue
+        residual = probs[i].clone()
+        residual[d] = 0.0  # max(p - q, 0) for a point mass q at d
+        return [*out, _draw(residual, generator)]
+    return [*out, _draw(probs[k], generator)]
+
+
+def logprobs_of(logits: torch.Tensor, tokens: list[int], count: int) -> list[TokenLogprobs]:
+    """The sampler's logprobs (raw log_softmax, no penalties here) for `tokens`, one per row."""
+    lp = torch.log_softmax(logits[: len(tokens)].float(), dim=-1)  # (n, V)
+    chosen = lp.gather(1, torch.tensor(tokens).unsqueeze(1)).squeeze(1).tolist()
+    top_vals: list[list[float]] = [[] for _ in tokens]
+    top_ids: list[list[int]] = [[] for _ in tokens]
+    if count > 0:
+        top = torch.topk(lp, count, dim=-1)
+        top_vals, top_ids = top.values.tolist(), top.indices.tolist()
+    return [
+        TokenLogprobs(t, v, list(zip(top_ids[j], top_vals[j], strict=True)))
+        for j, (t, v) in enumerate(zip(tokens, chosen, strict=True))
+    ]

@@ -1,0 +1,204 @@
+"""Speculative decoding: n-gram proposals, exact verification, KV roll-back.
+
+Greedy output must be identical with and without speculation (single and batched, across block
+boundaries, stop strings and stop tokens hitting mid-draft, max_tokens cutting a draft short,
+logprobs); under sampling, the distribution must be the target's: `verify` against the exact
+distribution on a tiny vocabulary, and the engine with and without speculation over many seeds
+(two-sample chi-square tests). Rejected drafts' blocks go back to the pool.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from pathlib import Path
+
+import pytest
+import torch
+
+from runtime import LLM, SamplingParams
+from runtime.kv_cache import BlockManager
+from runtime.request import Request
+from runtime.scheduler import Scheduler
+from runtime.speculative import SpeculativeConfig, ngram_propose, target_probs, verify
+
+STORY = (
+    "Once upon a time, there was a little girl named Lily. She loved to play outside in the "
+    "park. One day, she saw a big red ball under a tree and ran to get it. "
+)
+SPEC = {"method": "ngram", "num_tokens": 4, "max_batch_tokens": 64}
+
+
+@pytest.fixture(scope="module")
+def engines(stories_dir: Path):  # type: ignore[no-untyped-def]
+    base = LLM(str(stories_dir), kv_cache_bytes=4_000_000, block_size=16)
+    spec = LLM(str(stories_dir), kv_cache_bytes=4_000_000, block_size=16, speculative=SPEC)
+    return base, spec
+
+
+def _p_value(stat: float, df: int) -> float:
+    """Upper tail of the chi-square distribution."""
+    return float(torch.special.gammaincc(torch.tensor(df / 2.0), torch.tensor(stat / 2.0)))
+
+
+# ---------------------------------------------------------------------- the proposer
+def test_ngram_proposes_what_followed_the_latest_match() -> None:
+    toks = [5, 6, 7, 8, 9, 1, 5, 6, 7, 3, 4, 5, 6, 7]
+    assert ngram_propose(toks, 3, 2, 4) == [3, 4, 5]  # "5 6 7" last seen at 6: then 3 4 5
+    assert ngram_propose(toks, 10, 2, 4) == [3, 4, 5, 6, 7]  # capped by what follows
+    assert ngram_propose([1, 2, 3, 4], 3, 2, 4) == []  # no earlier occurrence
+    assert ngram_propose([1, 2, 1, 2], 2, 2, 2) == [1, 2]
+    assert ngram_propose([7, 7, 7, 7], 3, 1, 3) == [7]  # overlapping match: what follows it
+    assert ngram_propose([3], 2, 1, 2) == []
+
+
+def test_bad_settings_fail_at_start(stories_dir: Path) -> None:
+    with pytest.raises(ValueError, match="num_tokens must be >= 1"):
+        SpeculativeConfig(num_tokens=0)
+    with pytest.raises(ValueError, match="ngram_min"):
+        SpeculativeConfig(ngram_min=0)
+    with pytest.raises(ValueError, match="method must be one of"):
+        SpeculativeConfig(method="eagle")
+    with pytest.raises(ValueError, match="below the context length"):
+        LLM(str(stories_dir), kv_cache_bytes=4_000_000, max_model_len=8,
+            speculative={"num_tokens": 8, "max_batch_tokens": 64})  # fmt: skip
+
+
+# ---------------------------------------------------------------------- greedy: identical
+PROMPTS = [STORY * 3, "Once upon a time", STORY + "Lily", "Tom and Tom and Tom and", STORY * 2]
+
+
+@pytest.mark.parametrize("batched", [False, True])
+def test_greedy_identical(engines, batched: bool) -> None:  # type: ignore[no-untyped-def]
+    base, spec = engines
+    params = SamplingParams(max_tokens=90, temperature=0.0)  # past several 16-token blocks
+    before = spec.engine.spec.accepted
+    groups = [PROMPTS] if batched else [[p] for p in PROMPTS]
+    for prompts in groups:
+        want, got = base.generate(prompts, params), spec.generate(prompts, params)
+        for w, g in zip(want, got, strict=True):
+            assert g.outputs[0].token_ids == w.outputs[0].token_ids
+            assert g.outputs[0].text == w.outputs[0].text
+    assert spec.engine.spec.accepted > before  # drafts were accepted, not just proposed
+    assert spec.engine.blocks.num_free_blocks == spec.engine.blocks.num_blocks
+
+
+def test_stops_and_max_tokens_mid_draft(engines) -> None:  # type: ignore[no-untyped-def]
+    base, spec = engines
+    ref = base.generate([STORY * 3], SamplingParams(max_tokens=60, temperature=0.0))[0]
+    text, ids = ref.outputs[0].text, ref.outputs[0].token_ids
+    cases = [
+        SamplingParams(max_tokens=60, temperature=0.0, stop=[text[25:32]]),  # a stop string
+        SamplingParams(max_tokens=60, temperature=0.0, stop_token_ids=[ids[30]]),
+        SamplingParams(max_tokens=37, temperature=0.0),  # max_tokens cuts a draft
+        SamplingParams(max_tokens=40, temperature=0.0, logprobs=3),
+        SamplingParams(
+            max_tokens=40, temperature=0.0, stop=[text[25:32]], include_stop_str_in_output=True
+        ),
+    ]
+    for params in cases:
+        w = base.generate([STORY * 3], params)[0].outputs[0]
+        g = spec.generate([STORY * 3], params)[0].outputs[0]
+        assert (g.token_ids, g.text, g.finish_reason, g.stop_reason) == (
+            w.token_ids, w.text, w.finish_reason, w.stop_reason
+        )  # fmt: skip
+        if params.logprobs:
+            assert g.logprobs is not None and w.logprobs is not None
+            for a, b in zip(g.logprobs, w.logprobs, strict=True):
+                assert a.token_id == b.token_id and a.logprob == pytest.approx(b.logprob, abs=1e-4)
+                assert [t for t, _ in a.top] == [t for t, _ in b.top]
+    assert spec.engine.blocks.num_free_blocks == spec.engine.blocks.num_blocks
+
+
+def test_streaming_delivers_several_tokens_per_step(engines) -> None:  # type: ignore[no-untyped-def]
+    _, spec = engines
+    engine = spec.engine
+    engine.add_request("s", STORY * 3, SamplingParams(max_tokens=40, temperature=0.0))
+    sizes = []
+    while engine.has_unfinished():
+        for out in engine.step():
+            sizes.append(len(out.outputs[0].delta_token_ids))
+    assert sum(sizes) == 40 and max(sizes) > 1
+
+
+# ---------------------------------------------------------------------- KV roll-back
+def test_rejected_drafts_blocks_are_freed() -> None:
+    bm = BlockManager(num_blocks=16, block_size=4)
+    s = Scheduler(bm, max_num_seqs=4, max_num_batched_tokens=64, max_waiting=10)
+    r = Request("r", list(range(10, 17)), SamplingParams(temperature=0.0, max_tokens=20), 20,
+                frozenset())  # fmt: skip
+    s.add(r)
+    out = s.schedule()
+    s.update(out, {"r": [40]})  # prompt of 7 computed, 1 output: 8 tokens, 7 computed
+    assert len(bm.block_table("r")) == 2
+    r.spec_token_ids = [41, 42, 43, 44, 45, 46]
+    out = s.schedule()
+    assert out.scheduled[0].num_new_tokens == 7  # the last token and 6 drafts: up to 14 tokens
+    assert len(bm.block_table("r")) == 4
+    s.update(out, {"r": [41, 99]})  # 1 draft accepted, then the target's own token
+    assert r.output_token_ids == [40, 41, 99] and r.num_computed_tokens == 9
+    assert len(bm.block_table("r")) == 3  # 10 tokens: the 4th block held only rejected drafts
+    assert bm.num_free_blocks == 13
+    r.spec_token_ids = [1, 2, 3]
+    out = s.schedule()
+    s.update(out, {"r": [1, 2, 3, 4]})  # all accepted plus a bonus
+    assert r.num_computed_tokens == 13 and r.num_tokens == 14
+
+
+# ---------------------------------------------------------------------- sampling: exact
+@pytest.mark.parametrize(
+    "params",
+    [
+        SamplingParams(temperature=1.0),
+        SamplingParams(temperature=0.7, top_k=4),
+        SamplingParams(temperature=1.3, top_p=0.8, min_p=0.02),
+    ],
+)
+def test_verify_keeps_the_target_distribution(params: SamplingParams) -> None:
+    """Tiny vocabulary (6 tokens), two positions: the pair of tokens `verify` emits first has
+    exactly the target's joint distribution p0(a) * p1(b | a), whatever the draft."""
+    torch.manual_seed(0)
+    logits = torch.randn(3, 6) * 1.5  # (k+1, V)
+    drafts = [2, 4]
+    p = target_probs(logits, params)  # (3, V)
+    gen = torch.Generator().manual_seed(1)
+    n = 20000
+    counts: Counter[tuple[int, int]] = Counter()
+    for _ in range(n):
+        out = verify(logits, drafts, params, gen)
+        if out[0] != drafts[0]:
+            counts[(out[0], -1)] += 1  # the second token then comes from another step
+        else:
+            counts[(out[0], out[1])] += 1
+    expected: dict[tuple[int, int], float] = {}
+    for a in range(6):
+        if a != drafts[0]:
+            expected[(a, -1)] = float(p[0, a]) * n
+    for b in range(6):
+        expected[(drafts[0], b)] = float(p[0, drafts[0]] * p[1, b]) * n
+    cells = [c for c, e in expected.items() if e > 5]
+    stat = sum((counts[c] - expected[c]) ** 2 / expected[c] for c in cells)
+    assert _p_value(stat, len(cells) - 1) > 1e-3, (stat, len(cells))
+    assert all(counts[c] == 0 for c, e in expected.items() if e == 0)
+
+
+def test_sampled_engine_outputs_match_without_speculation(engines) -> None:  # type: ignore[no-untyped-def]
+    """Many seeds through both engines; the 1st to 6th tokens' joint statistics agree: a
+    two-sample chi-square on each position's token, top_k=4 keeping each a tiny vocabulary."""
+    base, spec = engines
+    prompt = STORY * 2 + "One day, she"  # drafts proposed, about half of them accepted
+    n = 600
+    params = [SamplingParams(max_tokens=6, temperature=1.0, top_k=4, seed=s) for s in range(n)]
+    before = spec.engine.spec.proposed
+    outs = {}
+    for name, llm in (("base", base), ("spec", spec)):
+        outs[name] = []
+        for i in range(0, n, 4):  # batches of 4: speculation stays on (4 x 5 <= 64)
+            res = llm.generate([prompt] * 4, params[i : i + 4])
+            outs[name] += [r.outputs[0].token_ids for r in res]
+    assert spec.engine.spec.proposed > before + n // 2  # many draws went through verification
+    for pos in range(1, 6):
+        a = Counter(t[pos] for t in outs["base"])
+        b = Counter(t[pos] for t in outs["spec"])
+        cells = [c for c in a.keys() | b.keys() if a[c] + b[c] >= 10]
+        stat = sum((a[c] - b[c]) ** 2 / (a[c] + b[c]) for c in cells)
+        assert _p_value(stat, len(cells) - 1) > 1e-4, (pos, a, b)
