@@ -30,6 +30,11 @@ def kv_block_bytes(model: LlamaForCausalLM, block_size: int) -> int:
     return cfg.num_layers * 2 * block_size * cfg.num_kv_heads * cfg.head_dim * itemsize
 
 
+def _decodes(s: ScheduledRequest) -> bool:
+    """Computed as decode rows: one token, or one token and its speculative drafts."""
+    return s.num_new_tokens == 1 or bool(s.spec_token_ids)
+
+
 class ModelRunner:
     def __init__(
         self,
@@ -78,12 +83,12 @@ class ModelRunner:
     ) -> tuple[dict[str, list[int]], dict[str, list[TokenLogprobs]]]:
         """Run one step. Returns the tokens to append (one, or with speculative drafts the
         accepted drafts and one more) and their logprobs, where asked, per request id."""
-        # Decodes (single tokens) first, shortest context first, so that decodes of similar
-        # length are neighbours and share one batched attention call; then prefill chunks (and
-        # decodes with drafts, which attend like one).
+        # Decodes first, shortest context first, so that decodes of similar length are
+        # neighbours and share one batched attention call; then prefill chunks. A decode with k
+        # speculative drafts is k + 1 decode rows (each position attends up to itself).
         order = sorted(
             out.scheduled,
-            key=lambda s: (s.num_new_tokens != 1, s.request.num_computed_tokens),
+            key=lambda s: (not _decodes(s), s.request.num_computed_tokens),
         )
         input_ids, ctx = self._prepare(order, block_tables)
         hidden = self.model(input_ids, ctx, self.kv_caches)  # (T, hidden)
@@ -183,10 +188,10 @@ class ModelRunner:
         for s in order:
             req, start, n = s.request, s.request.num_computed_tokens, s.num_new_tokens
             table = block_tables[req.request_id]
-            if n == 1:
-                ids.append(req.token_at(start))
-                decode_tables.append(table)
-                decode_lens.append(start + 1)
+            if _decodes(s):
+                ids.extend(s.token_ids())
+                decode_tables += [table] * n
+                decode_lens += range(start + 1, start + n + 1)
             else:
                 ids.extend(s.token_ids())
                 chunk = PrefillChunk(query_start=len(ids) - n, query_len=n, context_len=start)
