@@ -24,7 +24,8 @@ Proposers:
 - n-gram (prompt lookup): the longest suffix of the request's tokens (n from `ngram_max` down to
   `ngram_min`) that occurred before; the tokens that followed its latest earlier occurrence.
 Adaptive control (`SpecController`): each request's draft length follows its recent acceptance
-(an exponential average of accepted drafts per step, plus one, between 1 and k), and no request
+(an exponential average of accepted drafts per step, plus one, between 1 and k; the full k again
+as soon as a verification keeps every draft: copying is all or nothing), and no request
 is speculated while the step's decodes would exceed `max_batch_tokens` tokens with their drafts
 (on a batch that large the forward pass is compute-bound and drafts cost what they save).
 """
@@ -95,6 +96,7 @@ class SpecController:
         self.config = config
         self.max_model_len = max_model_len
         self._accept: dict[str, float] = {}  # request id -> average accepted drafts per step
+        self._all: set[str] = set()  # requests whose last verification kept every draft
         self.proposed = 0  # drafts verified, since start
         self.accepted = 0  # of those, accepted
         self.steps = 0  # verifications (request-steps with drafts), since start
@@ -119,8 +121,8 @@ class SpecController:
 
     def _length(self, request_id: str) -> int:
         avg = self._accept.get(request_id)
-        if avg is None:
-            return self.config.num_tokens  # no history: try the most
+        if avg is None or request_id in self._all:
+            return self.config.num_tokens  # no history, or copying right now: try the most
         return max(1, min(self.config.num_tokens, round(avg) + 1))
 
     def record(self, request: Request, proposed: int, accepted: int) -> None:
@@ -130,12 +132,17 @@ class SpecController:
         self.steps += 1
         request.spec_proposed += proposed
         request.spec_accepted += accepted
+        if accepted == proposed:
+            self._all.add(request.request_id)
+        else:
+            self._all.discard(request.request_id)
         a = self.config.ema
         old = self._accept.get(request.request_id)
         self._accept[request.request_id] = accepted if old is None else a * accepted + (1 - a) * old
 
     def forget(self, request_id: str) -> None:
         self._accept.pop(request_id, None)
+        self._all.discard(request_id)
 
 
 def _has_penalty(p: SamplingParams) -> bool:
