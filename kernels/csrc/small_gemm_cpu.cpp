@@ -4,7 +4,7 @@
 // stores it; bias: (N,) or none. Each weight row is read from memory once for all M rows of x;
 // rows are split over OpenMP threads in contiguous groups, and several rows are in flight per
 // thread so the FMA latency of one dot product does not stall the stream. Up to 8 rows, x lives
-// in registers (`rows_avx2`); from 9 to 48 rows, 4-row chunks of x run against 3 weight rows
+// in registers (`rows_avx2`; 2-8 rows `rows_avx512` where the CPU has AVX-512); from 9 to 48 rows, 4-row chunks of x run against 3 weight rows
 // held in L1 (`tile_avx2`). Above 48 rows torch's blocked GEMM is as fast. AVX2 + FMA where the compiler targets them (-march=native), plain loops
 // otherwise (same sums, slower).
 
@@ -76,6 +76,40 @@ static void tile_avx2(const float* x, const float* w, const float* bias, float* 
   }
 }
 
+#ifdef __AVX512F__
+// 2-8 input rows with AVX-512 (32 registers): R weight rows against M input rows, R * M
+// accumulators of 16 lanes, x in registers, and the next R weight rows prefetched as these are
+// read (a prefetch past the end of w is harmless: it never faults). Without the prefetch, 5 rows
+// took 27 ms over SmolLM2's shapes against 17 ms for one; with it, 17 ms (measured 2026-11-22,
+// 2-core Xeon): a few rows cost what one does, the weights streaming once at memory speed.
+template <int M, int R>
+static void rows_avx512(const float* x, const float* w, const float* bias, float* y, int64_t K,
+                        int64_t N, int64_t n0) {
+  __m512 acc[R][M];
+  for (int r = 0; r < R; ++r)
+    for (int m = 0; m < M; ++m) acc[r][m] = _mm512_setzero_ps();
+  const int64_t K16 = K & ~int64_t(15);
+  for (int64_t k = 0; k < K16; k += 16) {
+    __m512 xv[M];
+    for (int m = 0; m < M; ++m) xv[m] = _mm512_loadu_ps(x + m * K + k);
+    for (int r = 0; r < R; ++r) {
+      _mm_prefetch(reinterpret_cast<const char*>(w + (n0 + r + R) * K + k), _MM_HINT_T0);
+      const __m512 wv = _mm512_loadu_ps(w + (n0 + r) * K + k);
+      for (int m = 0; m < M; ++m) acc[r][m] = _mm512_fmadd_ps(wv, xv[m], acc[r][m]);
+    }
+  }
+  for (int r = 0; r < R; ++r) {
+    const float* wr = w + (n0 + r) * K;
+    for (int m = 0; m < M; ++m) {
+      float s = _mm512_reduce_add_ps(acc[r][m]);
+      for (int64_t k = K16; k < K; ++k) s += wr[k] * x[m * K + k];
+      if (bias) s += bias[n0 + r];
+      y[m * N + n0 + r] = s;
+    }
+  }
+}
+#endif
+
 // 9-48 rows: each thread takes groups of 3 weight rows and runs every 4-row chunk of x against
 // them while they sit in L1 (x is re-read from L1 on the fly), so the weights still stream from
 // memory once and the FMAs stay busy.
@@ -120,6 +154,16 @@ static void rows_scalar(const float* x, const float* w, const float* bias, float
 template <int M>
 static void run(const float* x, const float* w, const float* bias, float* y, int64_t K,
                 int64_t N) {
+#ifdef __AVX512F__
+  if constexpr (M >= 2) {  // one row: the AVX2 loop already streams at memory speed
+    constexpr int R = M <= 4 ? 4 : (M <= 7 ? 3 : 2);  // R * M + M + 1 <= 32 registers
+    const int64_t groups = N / R;
+#pragma omp parallel for schedule(static)
+    for (int64_t g = 0; g < groups; ++g) rows_avx512<M, R>(x, w, bias, y, K, N, g * R);
+    for (int64_t n = groups * R; n < N; ++n) rows_scalar<M>(x, w, bias, y, K, N, n);
+    return;
+  }
+#endif
 #ifdef __AVX2__
   constexpr int R = M <= 2 ? 4 : (M <= 4 ? 2 : 1);
 #else
