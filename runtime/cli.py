@@ -63,8 +63,14 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-num-batched-tokens", type=int, default=2048)
     p.add_argument("--max-model-len", type=int, default=None)
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads")
-    p.add_argument("--speculative", choices=["ngram"], default=None,
-                   help="speculative decoding: ngram (prompt lookup); default off")  # fmt: skip
+    p.add_argument("--speculative", choices=["ngram", "draft"], default=None,
+                   help="speculative decoding: ngram (prompt lookup) or draft (a small draft "
+                   "model, --draft-model); default off")  # fmt: skip
+    p.add_argument("--draft-model", default=None, metavar="DIR",
+                   help="the draft model's folder for --speculative draft (same tokenizer as "
+                   "the model)")  # fmt: skip
+    p.add_argument("--draft-kv-cache-bytes", type=int, default=64 * 2**20,
+                   help="bytes for the draft model's KV cache (default 64 MiB)")  # fmt: skip
     p.add_argument("--num-speculative-tokens", type=int, default=4,
                    help="most draft tokens per request per step (default 4)")  # fmt: skip
     p.add_argument("--spec-ngram", type=int, nargs=2, default=[2, 4], metavar=("MIN", "MAX"),
@@ -102,6 +108,8 @@ def engine_kwargs(args: argparse.Namespace) -> dict[str, object]:
             "ngram_min": args.spec_ngram[0],
             "ngram_max": args.spec_ngram[1],
             "max_batch_tokens": args.spec_max_batch_tokens,
+            "draft_model": args.draft_model,
+            "draft_kv_cache_bytes": args.draft_kv_cache_bytes,
         },
     }
 

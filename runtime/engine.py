@@ -27,6 +27,7 @@ import torch
 from kvstore.block_hash import cache_seed
 from runtime.config import EngineConfig
 from runtime.detokenizer import IncrementalDetokenizer
+from runtime.draft import DraftProposer
 from runtime.kv_cache import BlockManager
 from runtime.loader import PendingLoad, model_revision, start_load
 from runtime.model_runner import ModelRunner, kv_block_bytes
@@ -149,7 +150,10 @@ class LLMEngine:
                     f"speculative num_tokens ({config.speculative.num_tokens}) must be below the "
                     f"context length ({self.max_model_len})"
                 )
-            self.spec = SpecController(config.speculative, self.max_model_len)
+            proposer = None
+            if config.speculative.method == "draft":
+                proposer = DraftProposer(config, cfg.vocab_size, self.max_model_len)
+            self.spec = SpecController(config.speculative, self.max_model_len, proposer)
         t_tokenizer = time.perf_counter()
         self.runner = ModelRunner(
             self.model, num_blocks, config.block_size, config.attention, config.cpu_kernels

@@ -90,8 +90,7 @@ class ModelRunner:
             out.scheduled,
             key=lambda s: (not _decodes(s), s.request.num_computed_tokens),
         )
-        input_ids, ctx = self._prepare(order, block_tables)
-        hidden = self.model(input_ids, ctx, self.kv_caches)  # (T, hidden)
+        hidden = self.forward(order, block_tables)  # (T, hidden)
 
         sampling = [(i, s) for i, s in enumerate(order) if s.samples]
         if not sampling:
@@ -114,12 +113,24 @@ class ModelRunner:
             if k:
                 req = s.request
                 rows_k = logits[row : row + k + 1]  # (k+1, vocab)
-                kept = verify(rows_k, s.spec_token_ids, req.params, req.generator)
+                q = req.spec_draft_probs  # a draft model's q, or None: point masses
+                kept = verify(rows_k, s.spec_token_ids, req.params, req.generator,
+                              None if q is None else q[:k])  # fmt: skip
                 tokens[req.request_id] = kept
                 if req.params.logprobs is not None:
                     logprobs[req.request_id] = logprobs_of(rows_k, kept, req.params.logprobs)
             row += k + 1
         return tokens, logprobs
+
+    @torch.inference_mode()
+    def forward(
+        self, order: list[ScheduledRequest], block_tables: dict[str, list[int]]
+    ) -> torch.Tensor:
+        """The model over the scheduled tokens, in `order` (decodes first, then prefill chunks),
+        writing their keys and values; the hidden states (T, hidden). A draft model's runner
+        calls this directly and computes its own logits."""
+        input_ids, ctx = self._prepare(order, block_tables)
+        return self.model(input_ids, ctx, self.kv_caches)  # (T, hidden)
 
     def _sample(
         self,

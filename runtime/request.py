@@ -44,6 +44,8 @@ class Request:
     num_preemptions: int = 0
     num_cached_tokens: int = -1  # prompt tokens reused from the prefix cache; -1 until admitted
     spec_token_ids: list[int] = field(default_factory=list)  # drafts to verify next step
+    spec_draft_probs: torch.Tensor | None = None  # (len(spec_token_ids), vocab): the draft
+    # model's distribution each draft was drawn from; None: point masses (n-gram) or greedy
     spec_proposed: int = 0  # drafts verified for this request, since it arrived
     spec_accepted: int = 0  # of those, accepted
     hold_kv: bool = False  # a KV export (prefill for another worker): when it finishes, its

@@ -20,9 +20,12 @@ without d. Greedy rows accept d iff it is the argmax, so greedy output is identi
 token. Requests with repetition / presence / frequency penalties are not speculated (their
 distribution depends on the tokens still being verified).
 
-Proposers:
+Proposers (one interface, `Proposer`: propose for (request, k) pairs, forget a request):
 - n-gram (prompt lookup): the longest suffix of the request's tokens (n from `ngram_max` down to
   `ngram_min`) that occurred before; the tokens that followed its latest earlier occurrence.
+- draft model (runtime/draft.py): a small model sharing the target's tokenizer, with its own
+  paged KV cache, runs k single-token steps; for sampled requests its processed distribution q
+  at each draft (`Request.spec_draft_probs`) goes to `verify`.
 Adaptive control (`SpecController`): each request's draft length follows its recent acceptance
 (an exponential average of accepted drafts per step, plus one, between 1 and k; the full k again
 as soon as a verification keeps every draft: copying is all or nothing), and no request
@@ -33,6 +36,7 @@ is speculated while the step's decodes would exceed `max_batch_tokens` tokens wi
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Protocol
 
 import numpy as np
 import torch
@@ -41,21 +45,33 @@ from runtime.request import Request
 from runtime.sampler import GREEDY_TEMPERATURE_EPS, TokenLogprobs
 from runtime.sampling_params import SamplingParams
 
-METHODS = ("ngram",)
+METHODS = ("ngram", "draft")
 
 
 @dataclass(slots=True)
 class SpeculativeConfig:
-    method: str = "ngram"  # ngram (prompt lookup)
+    method: str = "ngram"  # ngram (prompt lookup) or draft (a small draft model)
     num_tokens: int = 4  # most drafts per request per step (k)
     ngram_min: int = 2  # shortest suffix matched (n-gram)
     ngram_max: int = 4  # longest suffix matched (n-gram)
     max_batch_tokens: int = 32  # no speculation when decodes x (1 + k) would exceed this
     ema: float = 0.5  # weight of the newest step in a request's acceptance average
+    draft_model: str | None = None  # the draft model's folder (method draft); same tokenizer
+    draft_kv_cache_bytes: int = 64 * 2**20  # bytes for the draft model's own KV cache
 
     def __post_init__(self) -> None:
         if self.method not in METHODS:
             raise ValueError(f"speculative method must be one of {METHODS}, got {self.method!r}")
+        if self.method == "draft" and not self.draft_model:
+            raise ValueError("speculative method 'draft' needs draft_model (the draft's folder)")
+        if self.method != "draft" and self.draft_model is not None:
+            raise ValueError(
+                f"speculative draft_model is for method 'draft', the method is {self.method!r}"
+            )
+        if self.draft_kv_cache_bytes <= 0:
+            raise ValueError(
+                f"speculative draft_kv_cache_bytes must be > 0, got {self.draft_kv_cache_bytes}"
+            )
         if self.num_tokens < 1:
             raise ValueError(f"speculative num_tokens must be >= 1, got {self.num_tokens}")
         if not 1 <= self.ngram_min <= self.ngram_max:
@@ -89,12 +105,39 @@ def ngram_propose(tokens: list[int], k: int, n_min: int, n_max: int) -> list[int
     return []
 
 
+class Proposer(Protocol):
+    def propose(self, batch: list[tuple[Request, int]], running: list[Request]) -> None:
+        """Set `spec_token_ids` (at most k) of each request in `batch`, and `spec_draft_probs`
+        where the drafts were drawn from a distribution other than a point mass. `running`: every
+        running request (state kept for any other may go)."""
+
+    def forget(self, request_id: str) -> None:
+        """The request finished (or was aborted): drop what is kept for it."""
+
+
+class NgramProposer:
+    """Prompt lookup over the request's own tokens; nothing kept between steps."""
+
+    def __init__(self, n_min: int, n_max: int) -> None:
+        self.n_min, self.n_max = n_min, n_max
+
+    def propose(self, batch: list[tuple[Request, int]], running: list[Request]) -> None:
+        for r, k in batch:
+            r.spec_token_ids = ngram_propose(r.all_token_ids, k, self.n_min, self.n_max)
+
+    def forget(self, request_id: str) -> None:
+        pass
+
+
 class SpecController:
     """Which requests speculate this step, and how many tokens each drafts."""
 
-    def __init__(self, config: SpeculativeConfig, max_model_len: int) -> None:
+    def __init__(
+        self, config: SpeculativeConfig, max_model_len: int, proposer: Proposer | None = None
+    ) -> None:
         self.config = config
         self.max_model_len = max_model_len
+        self.proposer = proposer or NgramProposer(config.ngram_min, config.ngram_max)
         self._accept: dict[str, float] = {}  # request id -> average accepted drafts per step
         self._all: set[str] = set()  # requests whose last verification kept every draft
         self.proposed = 0  # drafts verified, since start
@@ -106,9 +149,10 @@ class SpecController:
         cfg = self.config
         decodes = [r for r in running if r.num_tokens - r.num_computed_tokens == 1]
         for r in running:
-            r.spec_token_ids = []
+            r.spec_token_ids, r.spec_draft_probs = [], None
+        batch: list[tuple[Request, int]] = []
         if len(decodes) * (1 + cfg.num_tokens) > cfg.max_batch_tokens:
-            return  # compute-bound: drafts would cost what they save
+            decodes = []  # compute-bound: drafts would cost what they save
         for r in decodes:
             p = r.params
             if _has_penalty(p):
@@ -117,7 +161,8 @@ class SpecController:
                        self.max_model_len - r.num_tokens)  # fmt: skip
             k = min(self._length(r.request_id), room)
             if k >= 1:
-                r.spec_token_ids = ngram_propose(r.all_token_ids, k, cfg.ngram_min, cfg.ngram_max)
+                batch.append((r, k))
+        self.proposer.propose(batch, running)
 
     def _length(self, request_id: str) -> int:
         avg = self._accept.get(request_id)
@@ -143,6 +188,7 @@ class SpecController:
     def forget(self, request_id: str) -> None:
         self._accept.pop(request_id, None)
         self._all.discard(request_id)
+        self.proposer.forget(request_id)
 
 
 def _has_penalty(p: SamplingParams) -> bool:
@@ -173,7 +219,7 @@ def _uniform(generator: torch.Generator | None) -> float:
     return float(torch.rand(1, generator=generator))
 
 
-def _draw(weights: torch.Tensor, generator: torch.Generator | None) -> int:
+def draw(weights: torch.Tensor, generator: torch.Generator | None) -> int:
     """One draw from unnormalised weights (V,) >= 0 with a positive entry."""
     cdf = weights.double().cumsum(0)
     u = _uniform(generator) * float(cdf[-1])
@@ -186,9 +232,12 @@ def verify(
     drafts: list[int],
     params: SamplingParams,
     generator: torch.Generator | None,
+    draft_probs: torch.Tensor | None = None,
 ) -> list[int]:
     """Tokens to append after scoring `drafts`: `logits` (k+1, V) are the target's at the last
-    real token and at each draft. Returns the accepted drafts and one more token (1..k+1)."""
+    real token and at each draft; `draft_probs` (k, V) the draft's distribution q each draft was
+    drawn from (None: point masses, as n-gram drafts are). Returns the accepted drafts and one
+    more token (1..k+1)."""
     k = len(drafts)
     out: list[int] = []
     if params.temperature < GREEDY_TEMPERATURE_EPS:
@@ -200,13 +249,20 @@ def verify(
         return [*out, best[k]]
     probs = target_probs(logits, params)  # (k+1, V)
     for i, d in enumerate(drafts):
-        if _uniform(generator) < float(probs[i, d]):  # q(d) = 1: accept with probability p(d)
+        p_d = float(probs[i, d])
+        q_d = 1.0 if draft_probs is None else float(draft_probs[i, d])
+        if _uniform(generator) * q_d < p_d:  # accept with probability min(1, p(d) / q(d))
             out.append(d)
             continue
-        residual = probs[i].clone()
-        residual[d] = 0.0  # max(p - q, 0) for a point mass q at d
-        return [*out, _draw(residual, generator)]
-    return [*out, _draw(probs[k], generator)]
+        if draft_probs is None:
+            residual = probs[i].clone()
+            residual[d] = 0.0  # max(p - q, 0) for a point mass q at d
+        else:
+            residual = (probs[i].double() - draft_probs[i].double()).clamp_(min=0.0)  # (V,)
+            if float(residual.sum()) <= 0.0:  # p == q up to rounding: no rejection mass left
+                residual = probs[i]
+        return [*out, draw(residual, generator)]
+    return [*out, draw(probs[k], generator)]
 
 
 def logprobs_of(logits: torch.Tensor, tokens: list[int], count: int) -> list[TokenLogprobs]:

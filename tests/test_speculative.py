@@ -1,14 +1,19 @@
 """Speculative decoding: n-gram proposals, exact verification, KV roll-back.
 
-Greedy output must be identical with and without speculation (single and batched, across block
-boundaries, stop strings and stop tokens hitting mid-draft, max_tokens cutting a draft short,
-logprobs); under sampling, the distribution must be the target's: `verify` against the exact
-distribution on a tiny vocabulary, and the engine with and without speculation over many seeds
-(two-sample chi-square tests). Rejected drafts' blocks go back to the pool.
+Greedy output must be identical with and without speculation, n-gram and draft model (single
+and batched, across block boundaries, stop strings and stop tokens hitting mid-draft, max_tokens
+cutting a draft short, logprobs); under sampling, the distribution must be the target's: `verify`
+against the exact distribution on a tiny vocabulary (point-mass drafts and drafts drawn from a
+non-trivial q), and the engine with and without speculation over many seeds (two-sample
+chi-square tests; a random-weight draft so that q != p matters). Rejected drafts' blocks go back
+to the pool; a draft model's own KV blocks are all free once its requests finish.
 """
 
 from __future__ import annotations
 
+import argparse
+import json
+import shutil
 from collections import Counter
 from pathlib import Path
 
@@ -16,6 +21,8 @@ import pytest
 import torch
 
 from runtime import LLM, SamplingParams
+from runtime.cli import _engine_args, engine_kwargs
+from runtime.draft import DraftProposer
 from runtime.kv_cache import BlockManager
 from runtime.request import Request
 from runtime.scheduler import Scheduler
@@ -202,3 +209,195 @@ def test_sampled_engine_outputs_match_without_speculation(engines) -> None:  # t
         cells = [c for c in a.keys() | b.keys() if a[c] + b[c] >= 10]
         stat = sum((a[c] - b[c]) ** 2 / (a[c] + b[c]) for c in cells)
         assert _p_value(stat, len(cells) - 1) > 1e-4, (pos, a, b)
+
+
+# ---------------------------------------------------------------------- the draft-model proposer
+def _draft(model_dir: Path, **extra: object) -> dict[str, object]:
+    return {"method": "draft", "draft_model": str(model_dir), "num_tokens": 4,
+            "max_batch_tokens": 64, **extra}  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def self_draft(stories_dir: Path) -> LLM:
+    """The target drafting for itself: every greedy draft should be accepted."""
+    return LLM(str(stories_dir), kv_cache_bytes=4_000_000, block_size=16,
+               speculative=_draft(stories_dir))  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def poor_draft(stories_dir: Path, tiny_model_dir) -> LLM:  # type: ignore[no-untyped-def]
+    """A tiny random-weight Llama with the same tokenizer: q far from p."""
+    return LLM(str(stories_dir), kv_cache_bytes=4_000_000, block_size=16,
+               speculative=_draft(tiny_model_dir("llama")))  # fmt: skip
+
+
+def _draft_blocks(llm: LLM) -> BlockManager:
+    spec = llm.engine.spec
+    assert spec is not None
+    proposer = spec.proposer
+    assert isinstance(proposer, DraftProposer)
+    return proposer.blocks
+
+
+def test_draft_settings_fail_at_start(stories_dir: Path, tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match="needs draft_model"):
+        SpeculativeConfig(method="draft")
+    with pytest.raises(ValueError, match="draft_kv_cache_bytes"):
+        SpeculativeConfig(method="draft", draft_model="x", draft_kv_cache_bytes=0)
+    with pytest.raises(ValueError, match="num_tokens must be >= 1"):
+        SpeculativeConfig(method="draft", draft_model="x", num_tokens=0)
+    with pytest.raises(ValueError, match="draft_model is for method 'draft'"):
+        SpeculativeConfig(method="ngram", draft_model="x")
+    # another vocabulary size
+    wide = tmp_path / "wide"
+    shutil.copytree(stories_dir, wide)
+    cfg = json.loads((wide / "config.json").read_text())
+    (wide / "config.json").write_text(json.dumps({**cfg, "vocab_size": 600}))
+    with pytest.raises(ValueError, match=r"draft_model .*another vocabulary \(600 tokens"):
+        LLM(str(stories_dir), kv_cache_bytes=4_000_000, speculative=_draft(wide))
+    # same size, another tokenizer (two tokens' ids swapped)
+    swapped = tmp_path / "swapped"
+    shutil.copytree(stories_dir, swapped)
+    tok = json.loads((swapped / "tokenizer.json").read_text())
+    vocab = tok["model"]["vocab"]
+    a, b = (next(t for t, i in vocab.items() if i == j) for j in (300, 301))
+    vocab[a], vocab[b] = vocab[b], vocab[a]
+    (swapped / "tokenizer.json").write_text(json.dumps(tok))
+    with pytest.raises(ValueError, match=r"another vocabulary \(its tokenizer differs"):
+        LLM(str(stories_dir), kv_cache_bytes=4_000_000, speculative=_draft(swapped))
+
+
+def test_draft_cli_flags() -> None:
+    p = argparse.ArgumentParser()
+    _engine_args(p)
+    args = p.parse_args(["--speculative", "draft", "--draft-model", "/m/draft",
+                         "--num-speculative-tokens", "3"])  # fmt: skip
+    spec = engine_kwargs(args)["speculative"]
+    assert isinstance(spec, dict)
+    assert (spec["method"], spec["draft_model"], spec["num_tokens"]) == ("draft", "/m/draft", 3)
+    assert SpeculativeConfig(**spec).draft_kv_cache_bytes > 0
+
+
+@pytest.mark.parametrize("batched", [False, True])
+def test_draft_greedy_identical_and_accepted(engines, self_draft, batched: bool) -> None:  # type: ignore[no-untyped-def]
+    base, _ = engines
+    spec = self_draft.engine.spec
+    params = SamplingParams(max_tokens=90, temperature=0.0)  # past several 16-token blocks
+    before = (spec.proposed, spec.accepted)
+    groups = [PROMPTS] if batched else [[p] for p in PROMPTS]
+    for prompts in groups:
+        want, got = base.generate(prompts, params), self_draft.generate(prompts, params)
+        for w, g in zip(want, got, strict=True):
+            assert g.outputs[0].token_ids == w.outputs[0].token_ids
+            assert g.outputs[0].text == w.outputs[0].text
+    proposed, accepted = spec.proposed - before[0], spec.accepted - before[1]
+    assert proposed > 100 and accepted >= 0.95 * proposed  # the draft is the target
+    blocks = _draft_blocks(self_draft)
+    assert blocks.num_free_blocks == blocks.num_blocks
+    assert self_draft.engine.blocks.num_free_blocks == self_draft.engine.blocks.num_blocks
+
+
+def test_poor_draft_greedy_identical(engines, poor_draft) -> None:  # type: ignore[no-untyped-def]
+    base, _ = engines
+    params = SamplingParams(max_tokens=60, temperature=0.0)
+    before = poor_draft.engine.spec.proposed
+    want, got = base.generate(PROMPTS, params), poor_draft.generate(PROMPTS, params)
+    for w, g in zip(want, got, strict=True):
+        assert g.outputs[0].token_ids == w.outputs[0].token_ids
+    assert poor_draft.engine.spec.proposed > before
+    blocks = _draft_blocks(poor_draft)
+    assert blocks.num_free_blocks == blocks.num_blocks
+
+
+def test_draft_stops_and_max_tokens_mid_draft(engines, self_draft, poor_draft) -> None:  # type: ignore[no-untyped-def]
+    base, _ = engines
+    ref = base.generate([STORY * 3], SamplingParams(max_tokens=60, temperature=0.0))[0]
+    text, ids = ref.outputs[0].text, ref.outputs[0].token_ids
+    cases = [
+        SamplingParams(max_tokens=60, temperature=0.0, stop=[text[25:32]]),  # a stop string
+        SamplingParams(max_tokens=60, temperature=0.0, stop_token_ids=[ids[30]]),
+        SamplingParams(max_tokens=37, temperature=0.0),  # max_tokens cuts a draft
+        SamplingParams(max_tokens=40, temperature=0.0, logprobs=3),
+    ]
+    for llm in (self_draft, poor_draft):
+        for params in cases:
+            w = base.generate([STORY * 3], params)[0].outputs[0]
+            g = llm.generate([STORY * 3], params)[0].outputs[0]
+            assert (g.token_ids, g.text, g.finish_reason, g.stop_reason) == (
+                w.token_ids, w.text, w.finish_reason, w.stop_reason
+            )  # fmt: skip
+        blocks = _draft_blocks(llm)
+        assert blocks.num_free_blocks == blocks.num_blocks
+
+
+def test_draft_blocks_freed_on_abort(self_draft) -> None:  # type: ignore[no-untyped-def]
+    engine = self_draft.engine
+    blocks = _draft_blocks(self_draft)
+    engine.add_request("abort-me", STORY * 2, SamplingParams(max_tokens=80, temperature=0.0))
+    for _ in range(4):
+        engine.step()
+    assert blocks.num_free_blocks < blocks.num_blocks  # the draft holds its KV
+    engine.abort("abort-me")
+    assert blocks.num_free_blocks == blocks.num_blocks
+
+
+@pytest.mark.parametrize(
+    "params",
+    [
+        SamplingParams(temperature=1.0),
+        SamplingParams(temperature=0.7, top_k=4),
+        SamplingParams(temperature=1.3, top_p=0.8, min_p=0.02),
+    ],
+)
+def test_verify_with_draft_distribution(params: SamplingParams) -> None:
+    """Drafts drawn from a non-trivial q (6 tokens, two positions): the first token is exactly
+    p0; it is an accepted draft a with probability min(p0(a), q0(a)), and then the next token is
+    exactly p1."""
+    torch.manual_seed(0)
+    logits = torch.randn(3, 6) * 1.5  # (k+1, V) the target's
+    q = target_probs(torch.randn(2, 6) * 1.5, params)  # (k, V) the draft's, other support
+    p = target_probs(logits, params)  # (3, V)
+    gen = torch.Generator().manual_seed(1)
+    n = 20000
+    counts: Counter[tuple[int, int]] = Counter()
+    for _ in range(n):
+        drafts = [int(torch.multinomial(q[i], 1, generator=gen)) for i in range(2)]
+        out = verify(logits, drafts, params, gen, q)
+        counts[(out[0], out[1] if len(out) > 1 else -1)] += 1
+    expected: dict[tuple[int, int], float] = {}
+    for a in range(6):
+        kept = min(float(p[0, a]), float(q[0, a]))
+        expected[(a, -1)] = (float(p[0, a]) - kept) * n
+        for b in range(6):
+            expected[(a, b)] = kept * float(p[1, b]) * n
+    cells = [c for c, e in expected.items() if e > 5]
+    stat = sum((counts[c] - expected[c]) ** 2 / expected[c] for c in cells)
+    assert _p_value(stat, len(cells) - 1) > 1e-3, (stat, len(cells))
+    assert all(counts[c] == 0 for c, e in expected.items() if e < 1e-9)
+
+
+def test_sampled_outputs_match_with_a_poor_draft(engines, poor_draft) -> None:  # type: ignore[no-untyped-def]
+    """As `test_sampled_engine_outputs_match_without_speculation`, drafting with a model whose
+    q is far from p: the corrections (max(p - q, 0)) carry the distribution."""
+    base, _ = engines
+    spec = poor_draft.engine.spec
+    prompt = STORY * 2 + "One day, she"
+    n = 600
+    params = [SamplingParams(max_tokens=6, temperature=1.0, top_k=4, seed=s) for s in range(n)]
+    before = (spec.proposed, spec.accepted)
+    outs = {}
+    for name, llm in (("base", base), ("draft", poor_draft)):
+        outs[name] = []
+        for i in range(0, n, 4):
+            res = llm.generate([prompt] * 4, params[i : i + 4])
+            outs[name] += [r.outputs[0].token_ids for r in res]
+    proposed, accepted = spec.proposed - before[0], spec.accepted - before[1]
+    assert proposed > n and 0 < accepted < proposed  # drafts verified, some rejected
+    for pos in range(1, 6):
+        a = Counter(t[pos] for t in outs["base"])
+        b = Counter(t[pos] for t in outs["draft"])
+        cells = [c for c in a.keys() | b.keys() if a[c] + b[c] >= 10]
+        stat = sum((a[c] - b[c]) ** 2 / (a[c] + b[c]) for c in cells)
+        assert _p_value(stat, len(cells) - 1) > 1e-4, (pos, a, b)
+    blocks = _draft_blocks(poor_draft)
+    assert blocks.num_free_blocks == blocks.num_blocks

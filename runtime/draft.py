@@ -1,0 +1,168 @@
+"""The draft-model proposer: a small model with its own paged KV cache drafts k tokens.
+
+It shares the target's tokenizer (checked at start: same vocabulary) and has its own
+`ModelRunner` and `BlockManager` (no prefix caching), sized by `draft_kv_cache_bytes`. For each
+request it keeps a shadow `Request`: the tokens it knows and how many of them its KV cache
+holds (`num_computed_tokens`). Each engine step, for the requests that speculate:
+
+    sync      the draft's computed count moves back to the longest prefix its tokens share with
+              the request's (the accepted drafts stay, rejected ones are overwritten next), and
+              blocks past it go back to its pool (`BlockManager.trim`)
+    catch up  one forward pass over every request's tokens the draft has not computed (the
+              prompt at first, then what verification appended); its last row gives draft 1
+    draft     k - 1 single-token steps, batched over the requests still drafting, each feeding
+              the draft before it (the last draft is never fed: the target scores it)
+
+Greedy requests draft the argmax; sampled ones draw from q = `target_probs` of the draft's logits
+(the target's temperature, min_p, top_k, top_p), and q rides along to `verify` in
+`Request.spec_draft_probs`. A request's draft blocks are freed when it finishes (`forget`) or is
+no longer running when the next step proposes (preempted).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+from tokenizers import Tokenizer as HFTokenizer
+
+from runtime.config import EngineConfig, ModelConfig
+from runtime.kv_cache import BlockManager
+from runtime.loader import load_model
+from runtime.model_runner import ModelRunner, kv_block_bytes
+from runtime.request import Request
+from runtime.sampler import GREEDY_TEMPERATURE_EPS
+from runtime.scheduler import ScheduledRequest
+from runtime.speculative import draw, target_probs
+
+
+def _vocab(model_dir: Path) -> dict[str, int]:
+    path = model_dir / "tokenizer.json"
+    if not path.is_file():
+        raise ValueError(
+            f"speculative draft_model: {path} is missing; the draft must share the target's "
+            "tokenizer"
+        )
+    try:
+        backend = HFTokenizer.from_file(str(path))
+    except Exception as e:  # the Rust side raises plain Exception on bad files
+        raise ValueError(f"speculative draft_model: {path} is not a valid tokenizer ({e})") from e
+    return backend.get_vocab(with_added_tokens=True)
+
+
+class DraftProposer:
+    """Drafts with a small model (see the module docstring); `SpecController`'s proposer."""
+
+    def __init__(self, config: EngineConfig, target_vocab_size: int, max_model_len: int) -> None:
+        spec = config.speculative
+        assert spec is not None and spec.draft_model is not None
+        path = Path(spec.draft_model)
+        draft_vocab = ModelConfig.from_dir(path).vocab_size
+        if draft_vocab != target_vocab_size:
+            raise ValueError(
+                f"speculative draft_model {path}: a draft model with another vocabulary "
+                f"({draft_vocab} tokens, the target has {target_vocab_size})"
+            )
+        if _vocab(path) != _vocab(Path(config.model)):
+            raise ValueError(
+                f"speculative draft_model {path}: a draft model with another vocabulary (its "
+                "tokenizer differs from the target's)"
+            )
+        self.model = load_model(path, config.dtype)
+        self.max_model_len = min(max_model_len, self.model.cfg.max_model_len)
+        block_bytes = kv_block_bytes(self.model, config.block_size)
+        num_blocks = spec.draft_kv_cache_bytes // block_bytes
+        if num_blocks < 1:
+            raise ValueError(
+                f"speculative draft_kv_cache_bytes={spec.draft_kv_cache_bytes} holds no block "
+                f"of {config.block_size} tokens ({block_bytes} bytes each)"
+            )
+        self.blocks = BlockManager(num_blocks, config.block_size, caching=False)
+        self.runner = ModelRunner(
+            self.model, num_blocks, config.block_size, config.attention, config.cpu_kernels
+        )
+        self._shadows: dict[str, Request] = {}  # request id -> the draft's view of it
+        self._base: dict[str, int] = {}  # request id -> leading shadow tokens that are its own
+
+    # ------------------------------------------------------------------ Proposer
+    def forget(self, request_id: str) -> None:
+        if self._shadows.pop(request_id, None) is not None:
+            self.blocks.free(request_id)
+            self._base.pop(request_id, None)
+
+    @torch.inference_mode()
+    def propose(self, batch: list[tuple[Request, int]], running: list[Request]) -> None:
+        live = {r.request_id for r in running}
+        for rid in [rid for rid in self._shadows if rid not in live]:
+            self.forget(rid)  # preempted: its draft KV goes with its target KV
+        work: list[tuple[Request, Request, int]] = []  # (request, shadow, k)
+        for r, k in batch:
+            tokens = r.all_token_ids
+            if len(tokens) + k - 1 > self.max_model_len:
+                continue
+            shadow = self._sync(r, tokens)
+            if self.blocks.allocate(r.request_id, len(tokens) + k - 1) is None:
+                self.forget(r.request_id)  # no room in the draft's cache: no drafts this time
+                continue
+            work.append((r, shadow, k))
+        if not work:
+            return
+        drafts: list[list[int]] = [[] for _ in work]
+        probs: list[list[torch.Tensor]] = [[] for _ in work]
+        rows = list(range(len(work)))
+        sizes = [sh.num_tokens - sh.num_computed_tokens for _, sh, _ in work]  # catch-up chunks
+        for step in range(max(k for _, _, k in work)):
+            if step:
+                rows = [i for i in rows if work[i][2] > step]
+                for i in rows:
+                    work[i][1].prompt_token_ids.append(drafts[i][-1])  # feed the last draft
+                sizes = [1] * len(rows)
+            logits = self._run([work[i][1] for i in rows], sizes)  # (len(rows), V)
+            for j, i in enumerate(rows):
+                r = work[i][0]
+                if r.params.temperature < GREEDY_TEMPERATURE_EPS:
+                    drafts[i].append(int(logits[j].argmax()))
+                else:
+                    q = target_probs(logits[j : j + 1], r.params)[0]  # (V,)
+                    drafts[i].append(draw(q, r.generator))
+                    probs[i].append(q)
+        for i, (r, _, _) in enumerate(work):
+            r.spec_token_ids = drafts[i]
+            r.spec_draft_probs = torch.stack(probs[i]) if probs[i] else None  # (k, V)
+
+    # ------------------------------------------------------------------ internals
+    def _sync(self, r: Request, tokens: list[int]) -> Request:
+        """The request's shadow, rolled back to the prefix it shares with `tokens`."""
+        rid = r.request_id
+        shadow = self._shadows.get(rid)
+        if shadow is None:
+            shadow = Request(rid, [], r.params, 0, frozenset())
+            self._shadows[rid] = shadow
+        known, base = shadow.prompt_token_ids, self._base.get(rid, 0)
+        m, end = base, min(len(known), len(tokens), shadow.num_computed_tokens)
+        while m < end and known[m] == tokens[m]:  # the drafts fed last time that were accepted
+            m += 1
+        shadow.num_computed_tokens = min(m, shadow.num_computed_tokens, len(tokens) - 1)
+        shadow.prompt_token_ids = list(tokens)
+        self._base[rid] = len(tokens)
+        self.blocks.trim(rid, shadow.num_computed_tokens)
+        return shadow
+
+    def _run(self, shadows: list[Request], sizes: list[int]) -> torch.Tensor:
+        """One draft forward pass computing `sizes[i]` tokens of each shadow; the logits at
+        each one's last token (len(shadows), V), in the order given."""
+        scheduled = [ScheduledRequest(sh, n) for sh, n in zip(shadows, sizes, strict=True)]
+        # decodes first (the runner's batch layout), shortest context first
+        order = sorted(
+            range(len(scheduled)),
+            key=lambda i: (scheduled[i].num_new_tokens != 1, shadows[i].num_computed_tokens),
+        )
+        tables = {sh.request_id: self.blocks.block_table(sh.request_id) for sh in shadows}
+        hidden = self.runner.forward([scheduled[i] for i in order], tables)  # (T, hidden)
+        last = torch.tensor([scheduled[i].num_new_tokens for i in order]).cumsum(0) - 1  # (B,)
+        logits = self.model.logits(hidden[last])  # (B, V) in `order`
+        for sh, n in zip(shadows, sizes, strict=True):
+            sh.num_computed_tokens += n
+        back = torch.empty(len(order), dtype=torch.int64)
+        back[torch.tensor(order)] = torch.arange(len(order))
+        return logits[back]  # (B, V) in the order given
