@@ -110,6 +110,43 @@ static void rows_avx512(const float* x, const float* w, const float* bias, float
 }
 #endif
 
+#ifdef __AVX512F__
+// 9-48 rows with AVX-512: each thread takes pairs of weight rows and runs every 8-row chunk of x
+// against them: the first chunk streams the pair from memory (prefetching the next), the others
+// find it in L1. Over SmolLM2's shapes 16 rows took 45 ms and 48 rows 86 ms with the AVX2 tiles.
+template <int R>
+static void tiled_avx512(const float* x, const float* w, const float* bias, float* y, int64_t M,
+                         int64_t K, int64_t N) {
+  const int64_t groups = N / R;
+#pragma omp parallel for schedule(static)
+  for (int64_t g = 0; g < groups; ++g) {
+    const int64_t n0 = g * R;
+    int64_t m0 = 0;
+    for (; m0 + 8 <= M; m0 += 8) rows_avx512<8, R>(x + m0 * K, w, bias, y + m0 * N, K, N, n0);
+    const float* xr = x + m0 * K;
+    float* yr = y + m0 * N;
+    switch (M - m0) {
+      case 7: rows_avx512<7, R>(xr, w, bias, yr, K, N, n0); break;
+      case 6: rows_avx512<6, R>(xr, w, bias, yr, K, N, n0); break;
+      case 5: rows_avx512<5, R>(xr, w, bias, yr, K, N, n0); break;
+      case 4: rows_avx512<4, R>(xr, w, bias, yr, K, N, n0); break;
+      case 3: rows_avx512<3, R>(xr, w, bias, yr, K, N, n0); break;
+      case 2: rows_avx512<2, R>(xr, w, bias, yr, K, N, n0); break;
+      case 1: rows_avx512<1, R>(xr, w, bias, yr, K, N, n0); break;
+      default: break;
+    }
+  }
+  for (int64_t n = groups * R; n < N; ++n) {
+    const float* wr = w + n * K;
+    for (int64_t m = 0; m < M; ++m) {
+      float s = 0.f;
+      for (int64_t k = 0; k < K; ++k) s += wr[k] * x[m * K + k];
+      y[m * N + n] = s + (bias ? bias[n] : 0.f);
+    }
+  }
+}
+#endif
+
 // 9-48 rows: each thread takes groups of 3 weight rows and runs every 4-row chunk of x against
 // them while they sit in L1 (x is re-read from L1 on the fly), so the weights still stream from
 // memory once and the FMAs stay busy.
@@ -211,7 +248,9 @@ torch::Tensor small_linear(torch::Tensor x, torch::Tensor w, c10::optional<torch
     case 7: run<7>(xp, wp, bp, yp, K, N); break;
     case 8: run<8>(xp, wp, bp, yp, K, N); break;
     default:
-#ifdef __AVX2__
+#if defined(__AVX512F__)
+      tiled_avx512<2>(xp, wp, bp, yp, M, K, N);
+#elif defined(__AVX2__)
       run_tiled(xp, wp, bp, yp, M, K, N);
 #else
       y = torch::matmul(xc, w.t());
