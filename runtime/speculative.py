@@ -28,7 +28,9 @@ Proposers (one interface, `Proposer`: propose for (request, k) pairs, forget a r
   at each draft (`Request.spec_draft_probs`) goes to `verify`.
 Adaptive control (`SpecController`): each request's draft length follows its recent acceptance
 (an exponential average of accepted drafts per step, plus one, between 1 and k; the full k again
-as soon as a verification keeps every draft: copying is all or nothing), and no request
+as soon as a verification keeps every draft: copying is all or nothing); a request whose average
+falls below `MIN_ACCEPTED` drafts per step (after `MIN_HISTORY` verifications) stops drafting for `PAUSE_STEPS` steps, then probes
+with one draft (a proposer that rarely agrees costs a few percent, not a fifth); and no request
 is speculated while the step's decodes would exceed `max_batch_tokens` tokens with their drafts
 (on a batch that large the forward pass is compute-bound and drafts cost what they save).
 """
@@ -129,6 +131,11 @@ class NgramProposer:
         pass
 
 
+MIN_ACCEPTED = 0.3  # accepted drafts per verification below which a request pauses drafting
+PAUSE_STEPS = 16  # steps a request decodes without drafts after its acceptance fell that low
+MIN_HISTORY = 4  # verifications of a request before its acceptance can pause it
+
+
 class SpecController:
     """Which requests speculate this step, and how many tokens each drafts."""
 
@@ -140,6 +147,8 @@ class SpecController:
         self.proposer = proposer or NgramProposer(config.ngram_min, config.ngram_max)
         self._accept: dict[str, float] = {}  # request id -> average accepted drafts per step
         self._all: set[str] = set()  # requests whose last verification kept every draft
+        self._paused: dict[str, int] = {}  # request id -> steps left without drafts
+        self._seen: dict[str, int] = {}  # request id -> its verifications so far
         self.proposed = 0  # drafts verified, since start
         self.accepted = 0  # of those, accepted
         self.steps = 0  # verifications (request-steps with drafts), since start
@@ -156,6 +165,10 @@ class SpecController:
         for r in decodes:
             p = r.params
             if _has_penalty(p):
+                continue
+            left = self._paused.get(r.request_id, 0)
+            if left:
+                self._paused[r.request_id] = left - 1
                 continue
             room = min(r.max_tokens - len(r.output_token_ids) - 1,
                        self.max_model_len - r.num_tokens)  # fmt: skip
@@ -183,11 +196,17 @@ class SpecController:
             self._all.discard(request.request_id)
         a = self.config.ema
         old = self._accept.get(request.request_id)
-        self._accept[request.request_id] = accepted if old is None else a * accepted + (1 - a) * old
+        avg = accepted if old is None else a * accepted + (1 - a) * old
+        self._accept[request.request_id] = avg
+        seen = self._seen[request.request_id] = self._seen.get(request.request_id, 0) + 1
+        if avg < MIN_ACCEPTED and seen >= MIN_HISTORY:
+            self._paused[request.request_id] = PAUSE_STEPS
 
     def forget(self, request_id: str) -> None:
         self._accept.pop(request_id, None)
         self._all.discard(request_id)
+        self._paused.pop(request_id, None)
+        self._seen.pop(request_id, None)
         self.proposer.forget(request_id)
 
 

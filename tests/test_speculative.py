@@ -26,7 +26,15 @@ from runtime.draft import DraftProposer
 from runtime.kv_cache import BlockManager
 from runtime.request import Request
 from runtime.scheduler import Scheduler
-from runtime.speculative import SpeculativeConfig, ngram_propose, target_probs, verify
+from runtime.speculative import (
+    MIN_HISTORY,
+    PAUSE_STEPS,
+    SpecController,
+    SpeculativeConfig,
+    ngram_propose,
+    target_probs,
+    verify,
+)
 
 STORY = (
     "Once upon a time, there was a little girl named Lily. She loved to play outside in the "
@@ -116,15 +124,32 @@ def test_stops_and_max_tokens_mid_draft(engines) -> None:  # type: ignore[no-unt
     assert spec.engine.blocks.num_free_blocks == spec.engine.blocks.num_blocks
 
 
-def test_streaming_delivers_several_tokens_per_step(engines) -> None:  # type: ignore[no-untyped-def]
-    _, spec = engines
-    engine = spec.engine
+def test_streaming_delivers_several_tokens_per_step(self_draft) -> None:  # type: ignore[no-untyped-def]
+    engine = self_draft.engine  # its draft is the target itself: every draft is accepted
     engine.add_request("s", STORY * 3, SamplingParams(max_tokens=40, temperature=0.0))
     sizes = []
     while engine.has_unfinished():
         for out in engine.step():
             sizes.append(len(out.outputs[0].delta_token_ids))
-    assert sum(sizes) == 40 and max(sizes) > 1
+    assert sum(sizes) == 40 and max(sizes) == 5  # 4 drafts and the bonus token in one step
+
+
+def test_low_acceptance_pauses_drafting_then_probes() -> None:
+    """A request whose drafts keep failing stops drafting for PAUSE_STEPS steps, then tries one."""
+    ctl = SpecController(SpeculativeConfig(num_tokens=4, ngram_min=1, ngram_max=2), 1000)
+    r = Request("r", [5, 6, 7, 8] * 4, SamplingParams(temperature=0.0, max_tokens=500), 500,
+                frozenset())  # fmt: skip
+    r.output_token_ids = [5]
+    r.num_computed_tokens = r.num_tokens - 1
+    lengths = []
+    for _ in range(MIN_HISTORY + PAUSE_STEPS + 1):
+        ctl.propose([r])
+        lengths.append(len(r.spec_token_ids))
+        if r.spec_token_ids:
+            ctl.record(r, len(r.spec_token_ids), 0)  # every draft rejected
+    assert lengths[0] == 4 and all(n >= 1 for n in lengths[:MIN_HISTORY])
+    assert lengths[MIN_HISTORY : MIN_HISTORY + PAUSE_STEPS] == [0] * PAUSE_STEPS
+    assert lengths[-1] == 1  # the probe after the pause: one draft
 
 
 # ---------------------------------------------------------------------- KV roll-back
