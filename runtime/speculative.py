@@ -29,8 +29,9 @@ Proposers (one interface, `Proposer`: propose for (request, k) pairs, forget a r
 Adaptive control (`SpecController`): each request's draft length follows its recent acceptance
 (an exponential average of accepted drafts per step, plus one, between 1 and k; the full k again
 as soon as a verification keeps every draft: copying is all or nothing); a request whose average
-falls below `MIN_ACCEPTED` drafts per step (after `MIN_HISTORY` verifications) stops drafting for `PAUSE_STEPS` steps, then probes
-with one draft (a proposer that rarely agrees costs a few percent, not a fifth); and no request
+falls below `MIN_ACCEPTED` drafts per step (after `MIN_HISTORY` verifications) stops drafting
+for `PAUSE_STEPS` steps, twice as long after each failed probe (up to `MAX_PAUSE_STEPS`), then
+probes with one draft (a proposer that rarely agrees costs a few percent, not a fifth); no request
 is speculated while the step's decodes would exceed `max_batch_tokens` tokens with their drafts
 (on a batch that large the forward pass is compute-bound and drafts cost what they save).
 """
@@ -134,6 +135,7 @@ class NgramProposer:
 MIN_ACCEPTED = 0.3  # accepted drafts per verification below which a request pauses drafting
 PAUSE_STEPS = 16  # steps a request decodes without drafts after its acceptance fell that low
 MIN_HISTORY = 4  # verifications of a request before its acceptance can pause it
+MAX_PAUSE_STEPS = 256  # the longest pause, after repeated failed probes
 
 
 class SpecController:
@@ -149,6 +151,7 @@ class SpecController:
         self._all: set[str] = set()  # requests whose last verification kept every draft
         self._paused: dict[str, int] = {}  # request id -> steps left without drafts
         self._seen: dict[str, int] = {}  # request id -> its verifications so far
+        self._backoff: dict[str, int] = {}  # request id -> its next pause's length
         self.proposed = 0  # drafts verified, since start
         self.accepted = 0  # of those, accepted
         self.steps = 0  # verifications (request-steps with drafts), since start
@@ -200,13 +203,18 @@ class SpecController:
         self._accept[request.request_id] = avg
         seen = self._seen[request.request_id] = self._seen.get(request.request_id, 0) + 1
         if avg < MIN_ACCEPTED and seen >= MIN_HISTORY:
-            self._paused[request.request_id] = PAUSE_STEPS
+            pause = self._backoff.get(request.request_id, PAUSE_STEPS)
+            self._paused[request.request_id] = pause
+            self._backoff[request.request_id] = min(2 * pause, MAX_PAUSE_STEPS)
+        elif avg >= MIN_ACCEPTED:
+            self._backoff.pop(request.request_id, None)
 
     def forget(self, request_id: str) -> None:
         self._accept.pop(request_id, None)
         self._all.discard(request_id)
         self._paused.pop(request_id, None)
         self._seen.pop(request_id, None)
+        self._backoff.pop(request_id, None)
         self.proposer.forget(request_id)
 
 

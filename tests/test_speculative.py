@@ -135,21 +135,25 @@ def test_streaming_delivers_several_tokens_per_step(self_draft) -> None:  # type
 
 
 def test_low_acceptance_pauses_drafting_then_probes() -> None:
-    """A request whose drafts keep failing stops drafting for PAUSE_STEPS steps, then tries one."""
+    """A request whose drafts keep failing stops drafting for PAUSE_STEPS steps, then tries one;
+    a failed probe doubles the next pause."""
     ctl = SpecController(SpeculativeConfig(num_tokens=4, ngram_min=1, ngram_max=2), 1000)
     r = Request("r", [5, 6, 7, 8] * 4, SamplingParams(temperature=0.0, max_tokens=500), 500,
                 frozenset())  # fmt: skip
     r.output_token_ids = [5]
     r.num_computed_tokens = r.num_tokens - 1
     lengths = []
-    for _ in range(MIN_HISTORY + PAUSE_STEPS + 1):
+    for _ in range(MIN_HISTORY + PAUSE_STEPS + 1 + 2 * PAUSE_STEPS + 1):
         ctl.propose([r])
         lengths.append(len(r.spec_token_ids))
         if r.spec_token_ids:
             ctl.record(r, len(r.spec_token_ids), 0)  # every draft rejected
     assert lengths[0] == 4 and all(n >= 1 for n in lengths[:MIN_HISTORY])
-    assert lengths[MIN_HISTORY : MIN_HISTORY + PAUSE_STEPS] == [0] * PAUSE_STEPS
-    assert lengths[-1] == 1  # the probe after the pause: one draft
+    first = MIN_HISTORY + PAUSE_STEPS
+    assert lengths[MIN_HISTORY:first] == [0] * PAUSE_STEPS
+    assert lengths[first] == 1  # the probe after the pause: one draft; it fails
+    assert lengths[first + 1 : first + 1 + 2 * PAUSE_STEPS] == [0] * (2 * PAUSE_STEPS)
+    assert lengths[-1] == 1
 
 
 # ---------------------------------------------------------------------- KV roll-back
