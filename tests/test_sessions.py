@@ -122,8 +122,11 @@ def _occupy(worker_url: str, n: int) -> list[threading.Thread]:
 
 
 def test_a_full_worker_sheds_its_session(pair: Pair) -> None:
-    session, messages = None, [{"role": "user", "content": "Hello there, storyteller!"}]
+    session, messages = None, []
     for i in range(6):  # find a session that lands on w2
+        # distinct from their first tokens: no cached prefix pulls them all to one worker, so
+        # new sessions rotate over the two idle workers
+        messages = [{"role": "user", "content": f"Shed {i}: hello there, storyteller!"}]
         _, worker, _ = _chat(pair, messages, f"shed-{i}", max_tokens=2)
         if worker == "w2":
             session = f"shed-{i}"
