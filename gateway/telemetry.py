@@ -24,7 +24,7 @@ from opentelemetry import trace
 from opentelemetry.trace import Span, SpanKind, Status, StatusCode
 
 from kvstore import telemetry as names
-from kvstore.telemetry import Telemetry
+from kvstore.telemetry import GenAIMetrics, Telemetry
 
 if TYPE_CHECKING:
     from gateway.cluster import ClusterView
@@ -49,10 +49,7 @@ class GatewayTelemetry:
         self.tracer = tel.tracer
         self.region = region
         self.record_content = tel.config.record_content
-        self.ttft = tel.histogram(names.TTFT)
-        self.tpot = tel.histogram(names.TPOT)
-        self.duration = tel.histogram(names.REQUEST_DURATION)
-        self.tokens = tel.histogram(names.TOKEN_USAGE)
+        self.genai = GenAIMetrics(tel)
         self.routing = tel.counter(names.ROUTING)
         self.retries = tel.counter(names.RETRIES)
         self.errors = tel.counter(names.ERRORS)
@@ -155,15 +152,8 @@ class GatewayTelemetry:
         usage = assembler.usage if assembler is not None else None
         if error is not None:
             attrs["error.type"] = error
-        self.duration.record(now - call.started, attrs)
-        if usage is not None:
-            n_in, n_out = int(usage["prompt_tokens"]), int(usage["completion_tokens"])
-            self.tokens.record(n_in, attrs | {"gen_ai.token.type": "input"})
-            self.tokens.record(n_out, attrs | {"gen_ai.token.type": "output"})
-            if call.answered:
-                self.ttft.record(call.answered - call.started, attrs)
-                if n_out > 1:
-                    self.tpot.record((now - call.answered) / (n_out - 1), attrs)
+        counts = (int(usage["prompt_tokens"]), int(usage["completion_tokens"])) if usage else None
+        self.genai.record(attrs, call.started, call.answered, now, counts)
         if span is None:
             return
         if span.is_recording():

@@ -317,4 +317,37 @@ class Telemetry:
         self.meter_provider.shutdown()
 
 
+class GenAIMetrics:
+    """The GenAI server histograms, recorded once per finished request, on gateways and workers
+    alike (each with its own clock and attributes)."""
+
+    def __init__(self, tel: Telemetry) -> None:
+        self.ttft = tel.histogram(TTFT)
+        self.tpot = tel.histogram(TPOT)
+        self.duration = tel.histogram(REQUEST_DURATION)
+        self.tokens = tel.histogram(TOKEN_USAGE)
+
+    def record(
+        self,
+        attrs: dict[str, Any],
+        started: float,
+        first_token: float,
+        ended: float,
+        usage: tuple[int, int] | None,
+    ) -> None:
+        """A request that arrived at `started` (any one clock), had its first token at
+        `first_token` (0: never) and ended at `ended`; `usage` is (input, output) tokens when
+        known."""
+        self.duration.record(ended - started, attrs)
+        if usage is None:
+            return
+        n_in, n_out = usage
+        self.tokens.record(n_in, attrs | {"gen_ai.token.type": "input"})
+        self.tokens.record(n_out, attrs | {"gen_ai.token.type": "output"})
+        if first_token:
+            self.ttft.record(first_token - started, attrs)
+            if n_out > 1:
+                self.tpot.record((ended - first_token) / (n_out - 1), attrs)
+
+
 PROMETHEUS_CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"

@@ -97,29 +97,28 @@ class ModelRunner:
             return {}, {}
         last = (torch.tensor([o.num_new_tokens for o in order]).cumsum(0) - 1).tolist()  # (B,)
         rows: list[int] = []  # hidden rows whose logits are needed: each sampling position
+        first: list[int] = []  # per sampling request: its first row in `rows` (and logits)
         for i, s in sampling:
+            first.append(len(rows))
             rows.extend(range(last[i] - len(s.spec_token_ids), last[i] + 1))
         logits = self.model.logits(hidden[torch.tensor(rows)])  # (R, vocab) float32
         plain = [j for j, (_, s) in enumerate(sampling) if not s.spec_token_ids]
         tokens: dict[str, list[int]] = {}
         logprobs: dict[str, list[TokenLogprobs]] = {}
         if plain:
-            at = [j + sum(len(s.spec_token_ids) for _, s in sampling[:j]) for j in plain]
-            self._sample([sampling[j][1] for j in plain], logits[torch.tensor(at)], tokens,
-                         logprobs)  # fmt: skip
-        row = 0
-        for _, s in sampling:  # speculative rows: verify their drafts
+            at = torch.tensor([first[j] for j in plain])
+            self._sample([sampling[j][1] for j in plain], logits[at], tokens, logprobs)
+        for j, (_, s) in enumerate(sampling):  # speculative rows: verify their drafts
             k = len(s.spec_token_ids)
             if k:
                 req = s.request
-                rows_k = logits[row : row + k + 1]  # (k+1, vocab)
+                rows_k = logits[first[j] : first[j] + k + 1]  # (k+1, vocab)
                 q = req.spec_draft_probs  # a draft model's q, or None: point masses
                 kept = verify(rows_k, s.spec_token_ids, req.params, req.generator,
                               None if q is None else q[:k])  # fmt: skip
                 tokens[req.request_id] = kept
                 if req.params.logprobs is not None:
                     logprobs[req.request_id] = logprobs_of(rows_k, kept, req.params.logprobs)
-            row += k + 1
         return tokens, logprobs
 
     @torch.inference_mode()

@@ -29,7 +29,7 @@ from opentelemetry.trace import Span, SpanKind, Status, StatusCode
 
 from kvstore import telemetry as names
 from kvstore.protocol import GenerateRequest
-from kvstore.telemetry import Telemetry
+from kvstore.telemetry import GenAIMetrics, Telemetry
 
 
 def wall_ns(monotonic: float, now_mono: float, now_ns: int) -> int:
@@ -58,10 +58,7 @@ class WorkerTelemetry:
         self.labels = {"edgeinfer.region": region, "edgeinfer.worker.id": worker_id,
                        "model": model}  # fmt: skip
         self.span_attrs = {"edgeinfer.region": region, "edgeinfer.worker.id": worker_id}
-        self.ttft = tel.histogram(names.TTFT)
-        self.tpot = tel.histogram(names.TPOT)
-        self.duration = tel.histogram(names.REQUEST_DURATION)
-        self.tokens = tel.histogram(names.TOKEN_USAGE)
+        self.genai = GenAIMetrics(tel)
         self.kv_duration = tel.histogram(names.KV_TRANSFER_DURATION)
         self.cold_start_duration = tel.histogram(names.COLD_START)
 
@@ -139,15 +136,8 @@ class WorkerTelemetry:
         }
         if error is not None:
             attrs["error.type"] = error
-        self.duration.record(times.ended - times.received, attrs)
-        if usage is not None:
-            n_in, n_out, _ = usage
-            self.tokens.record(n_in, attrs | {"gen_ai.token.type": "input"})
-            self.tokens.record(n_out, attrs | {"gen_ai.token.type": "output"})
-            if times.first_token:
-                self.ttft.record(times.first_token - times.received, attrs)
-                if n_out > 1:
-                    self.tpot.record((times.ended - times.first_token) / (n_out - 1), attrs)
+        counts = (usage[0], usage[1]) if usage is not None else None
+        self.genai.record(attrs, times.received, times.first_token, times.ended, counts)
         now_mono, now_ns = time.monotonic(), time.time_ns()  # one pair: spans nest exactly
         if span.is_recording():
             ctx = trace.set_span_in_context(span)

@@ -40,6 +40,12 @@ STORY = (
     "Once upon a time, there was a little girl named Lily. She loved to play outside in the "
     "park. One day, she saw a big red ball under a tree and ran to get it. "
 )
+# sampling settings whose processed distribution `verify` must keep exactly
+SAMPLING_CASES = [
+    SamplingParams(temperature=1.0),
+    SamplingParams(temperature=0.7, top_k=4),
+    SamplingParams(temperature=1.3, top_p=0.8, min_p=0.02),
+]
 SPEC = {"method": "ngram", "num_tokens": 4, "max_batch_tokens": 64}
 
 
@@ -181,14 +187,7 @@ def test_rejected_drafts_blocks_are_freed() -> None:
 
 
 # ---------------------------------------------------------------------- sampling: exact
-@pytest.mark.parametrize(
-    "params",
-    [
-        SamplingParams(temperature=1.0),
-        SamplingParams(temperature=0.7, top_k=4),
-        SamplingParams(temperature=1.3, top_p=0.8, min_p=0.02),
-    ],
-)
+@pytest.mark.parametrize("params", SAMPLING_CASES)
 def test_verify_keeps_the_target_distribution(params: SamplingParams) -> None:
     """Tiny vocabulary (6 tokens), two positions: the pair of tokens `verify` emits first has
     exactly the target's joint distribution p0(a) * p1(b | a), whatever the draft."""
@@ -370,14 +369,7 @@ def test_draft_blocks_freed_on_abort(self_draft) -> None:  # type: ignore[no-unt
     assert blocks.num_free_blocks == blocks.num_blocks
 
 
-@pytest.mark.parametrize(
-    "params",
-    [
-        SamplingParams(temperature=1.0),
-        SamplingParams(temperature=0.7, top_k=4),
-        SamplingParams(temperature=1.3, top_p=0.8, min_p=0.02),
-    ],
-)
+@pytest.mark.parametrize("params", SAMPLING_CASES)
 def test_verify_with_draft_distribution(params: SamplingParams) -> None:
     """Drafts drawn from a non-trivial q (6 tokens, two positions): the first token is exactly
     p0; it is an accepted draft a with probability min(p0(a), q0(a)), and then the next token is

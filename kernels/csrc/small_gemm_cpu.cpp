@@ -12,6 +12,19 @@
 
 #include <algorithm>
 
+// Weight rows [n0, N) that do not fill a whole group, against all M rows of x: plain loops.
+[[maybe_unused]] static void tail_rows(const float* x, const float* w, const float* bias, float* y, int64_t M,
+                      int64_t K, int64_t N, int64_t n0) {
+  for (int64_t n = n0; n < N; ++n) {
+    const float* wr = w + n * K;
+    for (int64_t m = 0; m < M; ++m) {
+      float s = 0.f;
+      for (int64_t k = 0; k < K; ++k) s += wr[k] * x[m * K + k];
+      y[m * N + n] = s + (bias ? bias[n] : 0.f);
+    }
+  }
+}
+
 #ifdef __AVX2__
 #include <immintrin.h>
 
@@ -136,14 +149,7 @@ static void tiled_avx512(const float* x, const float* w, const float* bias, floa
       default: break;
     }
   }
-  for (int64_t n = groups * R; n < N; ++n) {
-    const float* wr = w + n * K;
-    for (int64_t m = 0; m < M; ++m) {
-      float s = 0.f;
-      for (int64_t k = 0; k < K; ++k) s += wr[k] * x[m * K + k];
-      y[m * N + n] = s + (bias ? bias[n] : 0.f);
-    }
-  }
+  tail_rows(x, w, bias, y, M, K, N, groups * R);
 }
 #endif
 
@@ -166,14 +172,7 @@ static void run_tiled(const float* x, const float* w, const float* bias, float* 
       default: break;
     }
   }
-  for (int64_t n = groups * R; n < N; ++n) {
-    const float* wr = w + n * K;
-    for (int64_t m = 0; m < M; ++m) {
-      float s = 0.f;
-      for (int64_t k = 0; k < K; ++k) s += wr[k] * x[m * K + k];
-      y[m * N + n] = s + (bias ? bias[n] : 0.f);
-    }
-  }
+  tail_rows(x, w, bias, y, M, K, N, groups * R);
 }
 #endif
 
