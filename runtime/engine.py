@@ -29,13 +29,16 @@ from runtime.config import EngineConfig
 from runtime.detokenizer import IncrementalDetokenizer
 from runtime.draft import DraftProposer
 from runtime.kv_cache import BlockManager
-from runtime.loader import PendingLoad, model_revision, start_load
+from runtime.loader import PendingLoad, model_revision
+from runtime.ranks import start_weights
 from runtime.model_runner import ModelRunner, kv_block_bytes
 from runtime.outputs import CompletionOutput, RequestOutput
 from runtime.request import Request, RequestStatus
 from runtime.sampling_params import InvalidRequestError, SamplingParams
 from runtime.scheduler import QueueFullError, Scheduler, StepResult
 from runtime.speculative import SpecController
+from runtime.structured import StructuredOutputsParams
+from runtime.structured_decoding import GrammarCompiler, TokenMasks
 from runtime.tokenizer import Tokenizer
 from runtime.weights import ReadStats
 
@@ -96,7 +99,7 @@ class LLMEngine:
             torch.set_num_threads(config.num_threads)
         self.config = config
         if weights is None:
-            weights = start_load(config.model, config.dtype)
+            weights = start_weights(config)
         elif (weights.model_dir, weights.dtype) != (Path(config.model), config.dtype):
             raise ValueError(
                 f"the weights being loaded are {weights.model_dir} as {weights.dtype}, the "
@@ -114,6 +117,10 @@ class LLMEngine:
         self._num_aborted = 0  # requests aborted before they finished, for stats
         self._exports: dict[str, RequestGroup] = {}  # KV exports by sequence id, until released
         self._imports: dict[str, RequestGroup] = {}  # KV imports reserved, not yet queued
+        # structured output: grammars compiled once per schema, masks filled beside the forward
+        vocab = self.model.cfg.vocab_size
+        self.grammars = GrammarCompiler(self.tokenizer, vocab, self.eos_token_ids)
+        self.masks = TokenMasks(vocab)
 
     def _start(self, config: EngineConfig, weights: PendingLoad) -> None:
         self.model = weights.model
@@ -156,7 +163,8 @@ class LLMEngine:
             self.spec = SpecController(config.speculative, self.max_model_len, proposer)
         t_tokenizer = time.perf_counter()
         self.runner = ModelRunner(
-            self.model, num_blocks, config.block_size, config.attention, config.cpu_kernels
+            self.model, num_blocks, config.block_size, config.attention, config.cpu_kernels,
+            ranks=weights.ranks,
         )
         # No warm-up step: on the CPU a first request is as fast as the next (measured: a
         # prefill + decode warm-up took 0.11 s and saved the first request 0.00-0.04 s).
@@ -243,6 +251,10 @@ class LLMEngine:
             )
         if len(self.scheduler.waiting) + params.n > self.scheduler.max_waiting:
             raise QueueFullError(f"the waiting queue is full ({self.scheduler.max_waiting})")
+        grammar = None
+        if params.structured_outputs is not None:  # compiled here, off the step thread
+            spec = StructuredOutputsParams.coerce(params.structured_outputs)
+            grammar = self.grammars.grammar(spec, "structured_outputs")
         now = time.monotonic()
         seqs, detoks = [], []
         for i in range(params.n):
@@ -259,6 +271,7 @@ class LLMEngine:
                     generator=gen,
                     arrival=now,
                     hold_kv=hold_kv,
+                    grammar=None if grammar is None else grammar.copy(),
                 )
             )
             detoks.append(
@@ -371,6 +384,7 @@ class LLMEngine:
         out = self.scheduler.schedule()
         if out.empty:
             return []
+        self.masks.start(out.scheduled)  # grammar masks, computed while the forward pass runs
         tokens, logprobs = self.runner.execute(out, self._block_tables(out))
         if self.spec is not None:
             for s in out.scheduled:
@@ -403,6 +417,12 @@ class LLMEngine:
             detok = group.detoks[i]
             status: RequestStatus | None = None
             stop_reason: str | int | None = None
+            grammar = r.request.grammar
+            if grammar is not None and r.new_tokens:
+                grammar.accept(r.new_tokens)
+                if r.finished is None and grammar.finished:  # only end-of-sequence could follow
+                    self.scheduler.finish(r.request.request_id, RequestStatus.FINISHED_STOPPED)
+                    r.finished = RequestStatus.FINISHED_STOPPED
             for j, token in enumerate(r.new_tokens):  # several: accepted speculative drafts
                 out.token_ids.append(token)
                 out.delta_token_ids.append(token)

@@ -4,10 +4,14 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 
 from runtime.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from runtime.structured_decoding import RequestGrammar
 
 
 class RequestStatus(enum.Enum):
@@ -48,6 +52,8 @@ class Request:
     # model's distribution each draft was drawn from; None: point masses (n-gram) or greedy
     spec_proposed: int = 0  # drafts verified for this request, since it arrived
     spec_accepted: int = 0  # of those, accepted
+    grammar: RequestGrammar | None = None  # structured output: the grammar state over the
+    # output so far and this step's token masks (runtime/structured_decoding.py)
     hold_kv: bool = False  # a KV export (prefill for another worker): when it finishes, its
     # blocks stay allocated until released (the puller acknowledged them, or a deadline passed)
 

@@ -3,6 +3,8 @@
 Order of operations (vLLM semantics):
 
     logits (B, V) from the model
+      -> grammar: tokens a row's token bitmask forbids get -inf (structured output; the mask
+         was filled beside the forward pass, runtime/structured_decoding.py)
       -> penalties: repetition (prompt + output), then frequency and presence (output only)
       -> logprobs: log_softmax of the penalized logits, before temperature and truncation
       -> greedy rows: argmax                     (temperature below 1e-5 counts as greedy)
@@ -35,6 +37,7 @@ from __future__ import annotations
 import itertools
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from runtime.sampling_params import SamplingParams
@@ -54,6 +57,8 @@ class SamplingState:
     generator: torch.Generator | None  # per-sequence; seeded when params.seed is set, else None
     prompt_token_ids: list[int]  # the prompt, for the repetition penalty
     output_token_ids: list[int]  # tokens generated so far, for all three penalties
+    token_bitmask: np.ndarray | None = None  # (ceil(V / 32),) int32, bit t set: token t is
+    # allowed (a grammar's mask); None: every token
 
 
 @dataclass(slots=True)
@@ -96,6 +101,10 @@ class Sampler:
                 f"got {tuple(logits.shape)}"
             )
         params = [s.params for s in states]
+        masked = [i for i, s in enumerate(states) if s.token_bitmask is not None]
+        if masked:
+            rows = np.stack([states[i].token_bitmask for i in masked])  # type: ignore[misc]
+            logits = apply_token_bitmask(logits, rows, masked)
         if all(_is_plain_greedy(p) for p in params):
             return SamplerOutput(logits.argmax(dim=-1).tolist(), [None] * len(states))
 
@@ -125,6 +134,30 @@ class Sampler:
             for i, row in zip(with_logprobs, rows, strict=True):
                 out_logprobs[i] = row
         return SamplerOutput(token_ids.tolist(), out_logprobs)
+
+
+# ----- grammar masks -----------------------------------------------------------------------
+
+
+def apply_token_bitmask(
+    logits: torch.Tensor, bitmask: np.ndarray, rows: list[int] | None = None
+) -> torch.Tensor:
+    """A copy of `logits` (B, V) where each of `rows` (default: all, in order) has -inf at the
+    tokens its row of `bitmask` (len(rows), ceil(V / 32)) int32 does not allow. Bit t of word
+    t // 32 is token t (little-endian words: unpacking the bytes little-bit-first gives the
+    tokens in order)."""
+    vocab = logits.shape[1]
+    allowed = np.unpackbits(bitmask.view(np.uint8), axis=1, bitorder="little")  # (R, 32 W)
+    if allowed.shape[1] < vocab:  # tokens past the mask are never allowed
+        allowed = np.pad(allowed, ((0, 0), (0, vocab - allowed.shape[1])))
+    forbid = torch.from_numpy(allowed[:, :vocab] == 0).to(logits.device)  # (R, V)
+    out = logits.clone()
+    if rows is None:
+        out.masked_fill_(forbid, float("-inf"))
+    else:
+        at = torch.tensor(rows, device=logits.device)
+        out[at] = out[at].masked_fill(forbid, float("-inf"))
+    return out
 
 
 # ----- penalties ---------------------------------------------------------------------------

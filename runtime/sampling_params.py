@@ -4,6 +4,10 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from runtime.structured import StructuredOutputsParams
 
 
 class InvalidRequestError(ValueError):
@@ -42,6 +46,9 @@ class SamplingParams:
     ignore_eos: bool = False  # keep generating past the model's end-of-sequence token
     logprobs: int | None = None  # return the sampled token's logprob and this many top alternatives
     include_stop_str_in_output: bool = False  # keep the matched stop string in the text
+    # what the output must match (JSON schema, regex, choice, grammar): runtime/structured.py;
+    # a dict as it arrives from the gateway becomes a StructuredOutputsParams
+    structured_outputs: StructuredOutputsParams | dict[str, Any] | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -96,6 +103,11 @@ class SamplingParams:
             _int_field("logprobs", self.logprobs)
             if not 0 <= self.logprobs <= 20:
                 raise InvalidRequestError("logprobs", f"must be in [0, 20], got {self.logprobs}")
+        if self.structured_outputs is not None:
+            from runtime.structured import StructuredOutputsParams
+
+            self.structured_outputs = StructuredOutputsParams.coerce(self.structured_outputs)
+            self.structured_outputs.validate()
 
     @property
     def greedy(self) -> bool:

@@ -158,6 +158,12 @@ class Tokenizer:
     def token_to_id(self, token: str) -> int | None:
         return self._backend.token_to_id(token)
 
+    def to_json_str(self) -> str:
+        """The tokenizer as tokenizer.json text, special tokens from tokenizer_config.json
+        included (the grammar engine builds its token trie from it)."""
+        text: str = self._backend.to_str()
+        return text
+
     @property
     def bos_token(self) -> str | None:
         return self.special_tokens.get("bos_token")

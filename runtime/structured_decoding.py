@@ -1,0 +1,184 @@
+"""Constrained decoding in the engine: compiled grammars, per-request grammar state, token masks.
+
+    prepare_request   GrammarCompiler.grammar(text): the compiled matcher for the grammar text
+                      (compiled once per distinct schema, kept in an LRU cache), copied for each
+                      of the request's n sequences (`Request.grammar`)
+    step: schedule    TokenMasks.start(scheduled): one job on a helper thread fills the bitmask
+                      of every constrained request that samples this step, while the model's
+                      forward pass runs (llguidance releases the GIL); a request with k
+                      speculative drafts gets k + 1 rows: its state, then its state after each
+                      draft the grammar accepts (the drafts are consumed, then rolled back)
+    step: execute     the sampler (and speculative verification) joins the job and sets the
+                      logits of disallowed tokens to -inf (runtime.sampler.apply_token_bitmask)
+    step: update      RequestGrammar.accept(tokens): the grammar advances over the tokens the
+                      step appended, only accepted drafts among them; a grammar that can take
+                      nothing more but end-of-sequence ends the request (finish reason "stop")
+
+A bitmask row is (ceil(V / 32),) int32, bit t of word t // 32 set when token t is allowed (the
+layout of llguidance, xgrammar and vLLM). A draft the grammar refuses is never allowed by its
+row's mask, so verification rejects it (greedy: it is not the masked argmax; sampled: its
+target probability is 0) and the residual draw is a token the grammar accepts.
+
+Prefix caching and preemption need nothing: the grammar state follows the output tokens, which
+neither changes.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections import OrderedDict
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import TYPE_CHECKING
+
+import llguidance
+import llguidance.numpy as llg_np
+import numpy as np
+
+from runtime.sampling_params import InvalidRequestError
+from runtime.structured import check
+from runtime.tokenizer import Tokenizer
+
+if TYPE_CHECKING:
+    from runtime.scheduler import ScheduledRequest
+    from runtime.structured import StructuredOutputsParams
+
+log = logging.getLogger("edgeinfer.structured")
+
+CACHE_GRAMMARS = 256  # compiled grammars kept (an LRU over grammar texts)
+
+
+def bitmask_words(vocab_size: int) -> int:
+    return (vocab_size + 31) // 32
+
+
+class RequestGrammar:
+    """One sequence's grammar state and this step's mask rows."""
+
+    def __init__(self, matcher: llguidance.LLMatcher, eos_row: np.ndarray) -> None:
+        self.matcher = matcher
+        self._eos_row = eos_row  # (W,) only end-of-sequence allowed: the fallback after an error
+        self._job: Future[None] | None = None  # the step's mask job
+        self._rows: np.ndarray | None = None  # (1 + drafts, W) int32, filled by the job
+
+    def copy(self) -> RequestGrammar:
+        """An independent state at the same point (one per sequence of an n > 1 request)."""
+        return RequestGrammar(self.matcher.deep_copy(), self._eos_row)
+
+    def accept(self, tokens: list[int]) -> None:
+        """Advance over tokens appended to the output (sampled under this grammar's mask)."""
+        self._job, self._rows = None, None
+        if not self.matcher.consume_tokens(tokens) and not self.matcher.is_stopped():
+            log.warning("grammar refused generated tokens %s: %s", tokens,
+                        self.matcher.get_error()[:200])  # fmt: skip
+
+    @property
+    def finished(self) -> bool:
+        """Nothing but end-of-sequence can follow (or the grammar is in an error state)."""
+        return bool(self.matcher.is_stopped())
+
+    def mask(self) -> np.ndarray:
+        """This step's rows (1 + drafts, W); waits for the mask job if it is still running."""
+        assert self._job is not None and self._rows is not None, "no mask started this step"
+        self._job.result()
+        return self._rows
+
+    def _fill(self, rows: np.ndarray, drafts: list[int]) -> None:
+        """Row 0: the current state; row i + 1: after drafts[: i + 1] (as far as they are
+        accepted; rows past a refused draft are never read, verification stops there)."""
+        m = self.matcher
+        if m.is_error():
+            rows[:] = self._eos_row
+            return
+        llg_np.fill_next_token_bitmask(m, rows, 0)
+        ok = m.validate_tokens(drafts) if drafts else 0
+        for i in range(ok):
+            m.consume_token(drafts[i])
+            llg_np.fill_next_token_bitmask(m, rows, i + 1)
+        if ok:
+            m.rollback(ok)
+
+
+class GrammarCompiler:
+    """llguidance matchers for one tokenizer, compiled once per grammar text (thread-safe:
+    requests are prepared off the step thread)."""
+
+    def __init__(
+        self,
+        tokenizer: Tokenizer,
+        vocab_size: int,
+        eos_token_ids: frozenset[int],
+        capacity: int = CACHE_GRAMMARS,
+    ) -> None:
+        self.vocab_size = vocab_size  # the model's logits width (may exceed the tokenizer's)
+        self.eos_token_ids = sorted(eos_token_ids)
+        self._tokenizer = tokenizer
+        self._lltok: llguidance.LLTokenizer | None = None  # built on first use (~0.5 s at 49k)
+        self._cache: OrderedDict[str, llguidance.LLMatcher] = OrderedDict()
+        self._capacity = capacity
+        self._lock = threading.Lock()
+        self.compiled = 0  # grammars compiled (cache misses), for tests and stats
+        eos = np.zeros(bitmask_words(vocab_size) * 32, dtype=np.uint8)
+        eos[self.eos_token_ids] = 1
+        self.eos_row = np.packbits(eos, bitorder="little").view(np.int32)  # (W,)
+
+    def tokenizer(self) -> llguidance.LLTokenizer:
+        with self._lock:
+            if self._lltok is None:
+                self._lltok = llguidance.LLTokenizer(
+                    self._tokenizer.to_json_str(),
+                    n_vocab=self.vocab_size,
+                    eos_token=self.eos_token_ids or None,
+                )
+            return self._lltok
+
+    def grammar(self, spec: StructuredOutputsParams, param: str) -> RequestGrammar:
+        """A fresh grammar state for `spec` (InvalidRequestError naming `param` if refused)."""
+        text = check(spec, param)
+        tok = self.tokenizer()
+        with self._lock:
+            template = self._cache.get(text)
+            if template is not None:
+                self._cache.move_to_end(text)
+        if template is None:
+            template = llguidance.LLMatcher(tok, text, log_level=0)
+            if template.is_error():
+                raise InvalidRequestError(param, f"invalid constraint: {template.get_error()[:300]}")
+            with self._lock:
+                self.compiled += 1
+                self._cache[text] = template
+                while len(self._cache) > self._capacity:
+                    self._cache.popitem(last=False)
+        return RequestGrammar(template.deep_copy(), self.eos_row)
+
+
+class TokenMasks:
+    """Fills each step's masks on one helper thread, while the forward pass runs."""
+
+    def __init__(self, vocab_size: int) -> None:
+        self.words = bitmask_words(vocab_size)
+        self._pool = ThreadPoolExecutor(1, thread_name_prefix="edgeinfer-masks")
+
+    def start(self, scheduled: list[ScheduledRequest]) -> None:
+        """Start filling the masks of the constrained requests that sample this step."""
+        todo = [(s.request.grammar, s.spec_token_ids) for s in scheduled
+                if s.request.grammar is not None and s.samples]  # fmt: skip
+        if not todo:
+            return
+        rows = np.empty((sum(1 + len(d) for _, d in todo), self.words), dtype=np.int32)
+        at = 0
+        parts: list[tuple[RequestGrammar, np.ndarray, list[int]]] = []
+        for g, drafts in todo:
+            parts.append((g, rows[at : at + 1 + len(drafts)], drafts))
+            at += 1 + len(drafts)
+        job = self._pool.submit(_fill_all, parts)
+        for g, part, _ in parts:
+            g._job, g._rows = job, part
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=True)
+
+
+def _fill_all(parts: list[tuple[RequestGrammar, np.ndarray, list[int]]]) -> None:
+    for g, rows, drafts in parts:
+        g._fill(rows, drafts)
