@@ -358,8 +358,14 @@ class EngineConfig:
     model_revision: str | None = None  # cache identity; None: a fingerprint of the folder
     speculative: SpeculativeConfig | None = None  # speculative decoding (a dict of its fields
     # is accepted); None: off
+    tp: int = 1  # tensor-parallel ranks (runtime.parallel); the worker starts them itself
+    pp: int = 1  # pipeline-parallel stages
+    ep: int = 1  # expert-parallel ranks (a mixture-of-experts model's experts spread)
 
     def __post_init__(self) -> None:
+        from runtime.parallel import ParallelConfig  # it imports this module
+
+        ParallelConfig(self.tp, self.pp, self.ep)  # each >= 1, ep and tp compatible
         if isinstance(self.speculative, dict):
             self.speculative = SpeculativeConfig(**self.speculative)
         if self.dtype != "auto" and self.dtype not in DTYPES:

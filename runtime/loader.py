@@ -3,8 +3,8 @@
     config.json, shard list (the manifest's, else the index's), every shard's header
       ─▶ build the model; map each checkpoint tensor to its parameter (q/k/v and gate/up into
          row ranges of fused ones, each expert's tensors into its rows of the layer's stacked
-         experts; with expert parallelism, only this rank's experts, and only its rows of a
-         stacked checkpoint tensor, take memory: the reader still reads each shard whole and
+         experts; split over ranks (runtime.parallel), only this rank's layers, experts, and
+         rows or columns of each tensor take memory: the reader still reads each shard whole and
          drops the bytes no one asked for); every shape, dtype, missing or unexpected tensor
          and the memory needed checked, naming the file   (all before any weight is read)
       ─▶ one arena per dtype holds every parameter; each parameter becomes a view of it, placed
@@ -31,6 +31,7 @@ import time
 from collections.abc import Generator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -43,6 +44,10 @@ from runtime.manifest import (
 )
 from runtime.model import ExpertParallel, LlamaForCausalLM
 from runtime.model.moe import SINGLE
+from runtime.parallel import RankPlace
+
+if TYPE_CHECKING:
+    from runtime.ranks import RankGroup
 from runtime.shard_reader import ALIGN, Arena, FileRead, ReadStats, ShardReads, Span
 from runtime.weights import Shard, TensorEntry, chunk_checks, read_header
 
@@ -120,6 +125,16 @@ class _Piece:
     begin: int  # its bytes in the file: all of the tensor's, or the rows read
     end: int
     nbytes: int  # its bytes in the parameter's dtype
+    col_begin: int = 0  # bytes into each row where the read starts (a column slice)
+    col_bytes: int | None = None  # bytes read of each row; None: whole rows, begin to end
+
+    def file_spans(self) -> list[tuple[int, int]]:
+        """[begin, end) of the bytes read: one range, or one per row of a column slice."""
+        if self.col_bytes is None:
+            return [(self.begin, self.end)]
+        row_bytes = (self.end - self.begin) // self.rows
+        firsts = range(self.begin + self.col_begin, self.end, row_bytes)
+        return [(b, b + self.col_bytes) for b in firsts]
 
 
 @dataclass(slots=True)
@@ -138,6 +153,7 @@ class PendingLoad:
     started: float = 0.0  # time.perf_counter() when start_load began
     queued: float = 0.0  # ... when it had checked everything and queued the reads
     placed: float = 0.0  # ... when finish had every weight in place
+    ranks: RankGroup | None = None  # the other ranks of a split model (this is rank 0's load)
 
     def finish(self) -> LlamaForCausalLM:
         """Wait for every shard; convert what was stored in another dtype; the model, ready."""
@@ -166,12 +182,13 @@ def start_load(
     direct: bool = True,
     stats: ReadStats | None = None,
     ep: ExpertParallel = SINGLE,
+    place: RankPlace | None = None,
 ) -> PendingLoad:
     """Check a model folder, build the model, and start reading its weights into it (see the
     module docstring). Raises ModelLoadError naming the file and what was expected for anything
     wrong that can be seen without reading the weights; a corrupt or short read is raised by
-    `finish`. `ep`: this rank's share of the experts (ValueError if the model cannot be split
-    so)."""
+    `finish`. `place`: this rank's part of the model, or `ep`: its share of the experts
+    (ValueError if the model cannot be split so)."""
     t0 = time.perf_counter()
     path = Path(model_dir)
     if not path.is_dir():
@@ -180,11 +197,11 @@ def start_load(
     torch_dtype = resolve_dtype(dtype, cfg)
     if is_compressed(path):
         return _start_compressed(path, cfg, torch_dtype, dtype, max_model_len, threads, direct,
-                                 stats, t0, ep)  # fmt: skip
+                                 stats, t0, ep, place)  # fmt: skip
     manifest = read_manifest(path)
     files = check_shard_files(path, manifest) if manifest else safetensors_files(path)
     shards = [read_header(f) for f in files]  # every header before any weight
-    model = LlamaForCausalLM(cfg, torch_dtype, max_model_len or cfg.max_model_len, ep)
+    model = LlamaForCausalLM(cfg, torch_dtype, max_model_len or cfg.max_model_len, ep, place)
     pieces = _map_tensors(model, shards)
 
     params = dict(model.named_parameters())
@@ -209,16 +226,23 @@ def start_load(
         dest = _rows_view(param.data).narrow(0, p.row, p.rows)
         if t.dtype == torch_dtype:
             o = at[p.param] + p.row * _row_bytes(param)
-            spans[p.shard.path].append(Span(p.begin, p.end, arena, o))
-            st.copied += (o - p.begin) % ALIGN != 0  # not in line with its bytes: copied
+            for b, e in p.file_spans():  # a column slice: each row to its row of the parameter
+                spans[p.shard.path].append(Span(b, e, arena, o))
+                st.copied += (o - b) % ALIGN != 0  # not in line with its bytes: copied
+                o += _row_bytes(param) if p.col_bytes is not None else 0
         else:
             assert staging is not None and stage is not None
             o = stage_at[id(p)]
-            spans[p.shard.path].append(Span(p.begin, p.end, staging, o))
-            raw = stage[o : o + p.end - p.begin]
+            staged = 0
+            for b, e in p.file_spans():  # staged packed, row after row
+                spans[p.shard.path].append(Span(b, e, staging, o + staged))
+                staged += e - b
+            raw = stage[o : o + staged]
             conversions[p.shard.path].append((raw.view(t.dtype).view(dest.shape), dest))
             st.copied += 1
     chunk_bytes, verify = chunk_checks(manifest)
+    for file_spans in spans.values():
+        file_spans.sort(key=lambda span: span.begin)
     reads = ShardReads(
         [FileRead(s.path, s.size, spans[s.path]) for s in shards],
         threads=threads, direct=direct, chunk_bytes=chunk_bytes, verify=verify, stats=st,
@@ -273,12 +297,18 @@ class _Decoding:
 
 def _start_compressed(path: Path, cfg: ModelConfig, torch_dtype: torch.dtype, dtype: str,
                       max_model_len: int | None, threads: int, direct: bool,
-                      stats: ReadStats | None, t0: float, ep: ExpertParallel) -> PendingLoad:  # fmt: skip
+                      stats: ReadStats | None, t0: float, ep: ExpertParallel,
+                      place: RankPlace | None) -> PendingLoad:  # fmt: skip
     """A folder of Huffman-coded weights: every tensor checked against the model first (the
     same checks as a plain folder's), then read, checked and decoded into its parameter rows."""
     from runtime.compression import load_compressed, shard_headers
 
-    model = LlamaForCausalLM(cfg, torch_dtype, max_model_len or cfg.max_model_len, ep)
+    model = LlamaForCausalLM(cfg, torch_dtype, max_model_len or cfg.max_model_len, ep, place)
+    if model.tp.size > 1:
+        raise ModelLoadError(
+            f"{path}: a compressed folder is decoded tensor by tensor, whole; it cannot be split "
+            f"over tp={model.tp.size} ranks (serve the uncompressed folder with --tp)"
+        )
     pieces = {p.tensor.name: p for p in _map_tensors(model, shard_headers(path))}
     for p in pieces.values():
         if (p.begin, p.end) != (p.tensor.begin, p.tensor.end):  # decoded whole, not in part
@@ -312,10 +342,11 @@ def load_model(
     max_model_len: int | None = None,
     stats: ReadStats | None = None,
     ep: ExpertParallel = SINGLE,
+    place: RankPlace | None = None,
 ) -> LlamaForCausalLM:
     """Build the model from a folder and load its weights; raises ModelLoadError naming the file.
-    `stats` receives what the read did; `ep`: this rank's share of the experts."""
-    return start_load(model_dir, dtype, max_model_len, stats=stats, ep=ep).finish()
+    `stats` receives what the read did; `place`: this rank's part, or `ep`: its experts."""
+    return start_load(model_dir, dtype, max_model_len, stats=stats, ep=ep, place=place).finish()
 
 
 def _map_tensors(model: LlamaForCausalLM, shards: list[Shard]) -> list[_Piece]:
@@ -354,8 +385,13 @@ def _map_tensors(model: LlamaForCausalLM, shards: list[Shard]) -> list[_Piece]:
             row_bytes = t.shape[-1] * t.dtype.itemsize if len(t.shape) >= 2 else t.dtype.itemsize
             begin = t.begin + target.src_row * row_bytes
             end = begin + rows * row_bytes
-            nbytes = param.dtype.itemsize * (end - begin) // t.dtype.itemsize
-            pieces.append(_Piece(shard, t, name, target.row, rows, begin, end, nbytes))
+            piece = _Piece(shard, t, name, target.row, rows, begin, end, 0)
+            if target.cols is not None and target.cols != t.shape[-1]:
+                piece.col_begin = target.src_col * t.dtype.itemsize
+                piece.col_bytes = target.cols * t.dtype.itemsize
+            read = sum(e - b for b, e in piece.file_spans())
+            piece.nbytes = param.dtype.itemsize * read // t.dtype.itemsize
+            pieces.append(piece)
     _check_coverage(model, params, pieces)
     return pieces
 
@@ -410,7 +446,7 @@ def _layout(
     at: dict[str, int] = {}
     end = 0
     for name, group in by_param.items():
-        anchor = max((p for p in group if p.tensor.dtype == dtype),
+        anchor = max((p for p in group if p.tensor.dtype == dtype and p.col_bytes is None),
                      key=lambda p: p.nbytes, default=None)  # fmt: skip
         row0 = anchor.begin - anchor.row * _row_bytes(params[name]) if anchor else 0
         at[name] = _congruent(end, row0, dtype.itemsize)
@@ -419,8 +455,9 @@ def _layout(
     stage_end = 0
     for p in pieces:
         if p.tensor.dtype != dtype:
-            stage_at[id(p)] = _congruent(stage_end, p.begin, p.tensor.dtype.itemsize)
-            stage_end = stage_at[id(p)] + p.end - p.begin
+            first = p.file_spans()[0][0]
+            stage_at[id(p)] = _congruent(stage_end, first, p.tensor.dtype.itemsize)
+            stage_end = stage_at[id(p)] + p.nbytes * p.tensor.dtype.itemsize // dtype.itemsize
     return at, end, stage_at, stage_end
 
 

@@ -6,6 +6,10 @@ scheduled tokens, computes logits only for the requests that sample this step, a
 
 Batch types, and their two hand-offs:
     Scheduler ──SchedulerOutput──▶ ModelRunner ──(token ids, logprobs per request)──▶ Scheduler.update
+
+A model split over ranks (runtime.ranks): the runner on rank 0 builds the step's plan (with
+pipeline parallelism, one per micro-batch) and hands it to every rank, each holding the KV cache
+of its layers and heads; the logits come back to rank 0, which samples.
 """
 
 from __future__ import annotations
@@ -17,17 +21,20 @@ import torch
 from kernels import cpu_ext
 from kernels.attention import DecodeGroup, PagedAttentionMetadata, PrefillChunk
 from runtime.model import LlamaForCausalLM, StepContext
-from runtime.sampler import Sampler, SamplingState, TokenLogprobs
+from runtime.ranks import Plan, RankGroup, run_step
+from runtime.sampler import Sampler, SamplingState, TokenLogprobs, apply_token_bitmask
 from runtime.scheduler import ScheduledRequest, SchedulerOutput
 from runtime.shard_reader import Arena
 from runtime.speculative import logprobs_of, verify
 
 
 def kv_block_bytes(model: LlamaForCausalLM, block_size: int) -> int:
-    """Bytes one block takes across all layers, keys and values."""
-    cfg = model.cfg
+    """Bytes one block takes across all layers, keys and values; split over ranks, summed over
+    them (they share the host's memory; a KV head replicated on several is counted on each)."""
+    cfg, par = model.cfg, model.place.config
     itemsize = torch.empty((), dtype=model.dtype).element_size()
-    return cfg.num_layers * 2 * block_size * cfg.num_kv_heads * cfg.head_dim * itemsize
+    per_layer_rank = 2 * block_size * par.kv_heads(cfg) * cfg.head_dim * itemsize
+    return cfg.num_layers * par.group_size * per_layer_rank
 
 
 def _decodes(s: ScheduledRequest) -> bool:
@@ -43,8 +50,15 @@ class ModelRunner:
         block_size: int,
         attention: str = "auto",
         cpu_kernels: str = "auto",
+        ranks: RankGroup | None = None,
     ):
+        """`ranks`: the model's other ranks (on rank 0 of a split model), which build their own
+        runners with the same settings."""
         cfg = model.cfg
+        self.ranks = ranks
+        if ranks is not None:
+            ranks.setup(num_blocks=num_blocks, block_size=block_size, attention=attention,
+                        cpu_kernels=cpu_kernels)  # fmt: skip
         t0 = time.perf_counter()
         # Few-row (decode) matmuls and RMSNorm: C++ kernels where they build and the weights are
         # float32; the PyTorch references otherwise.
@@ -66,13 +80,17 @@ class ModelRunner:
         self.block_size = block_size
         self.num_blocks = num_blocks
         t1 = time.perf_counter()
-        # (layers, 2, slots, n_kv_heads, head_dim): keys then values of every layer. Zeros (a
-        # padded decode reads unwritten slots, masked: they must not hold NaN), from the kernel's
-        # zero pages: nothing is written now, a page is committed when a block first uses it.
-        shape = (cfg.num_layers, 2, num_blocks * block_size, cfg.num_kv_heads, cfg.head_dim)
-        nbytes = num_blocks * kv_block_bytes(model, block_size)
+        # (layers, 2, slots, n_kv_heads, head_dim): keys then values of this rank's layers and
+        # heads. Zeros (a padded decode reads unwritten slots, masked: they must not hold NaN),
+        # from the kernel's zero pages: nothing is written now, a page is committed when a block
+        # first uses it.
+        attn = next(model.layers[i].self_attn for i in model.local_layers)
+        self.kv_heads = (attn.kv_first // cfg.head_dim, attn.n_kv_heads)  # (first, count)
+        layers = len(model.local_layers)
+        shape = (layers, 2, num_blocks * block_size, attn.n_kv_heads, cfg.head_dim)
+        nbytes = layers * 2 * num_blocks * block_size * attn.kv_size * model.dtype.itemsize
         self.kv = Arena(nbytes).tensor()[:nbytes].view(model.dtype).view(shape)
-        self.kv_caches = [(self.kv[i, 0], self.kv[i, 1]) for i in range(cfg.num_layers)]
+        self.kv_caches = [(self.kv[i, 0], self.kv[i, 1]) for i in range(layers)]
         self.sampler = Sampler()
         # where start-up went: (start, end) time.perf_counter() of each phase
         self.startup = {"kernels": (t0, t1), "KV cache": (t1, time.perf_counter())}
@@ -90,18 +108,16 @@ class ModelRunner:
             out.scheduled,
             key=lambda s: (not _decodes(s), s.request.num_computed_tokens),
         )
-        hidden = self.forward(order, block_tables)  # (T, hidden)
-
         sampling = [(i, s) for i, s in enumerate(order) if s.samples]
-        if not sampling:
-            return {}, {}
         last = (torch.tensor([o.num_new_tokens for o in order]).cumsum(0) - 1).tolist()  # (B,)
         rows: list[int] = []  # hidden rows whose logits are needed: each sampling position
         first: list[int] = []  # per sampling request: its first row in `rows` (and logits)
         for i, s in sampling:
             first.append(len(rows))
             rows.extend(range(last[i] - len(s.spec_token_ids), last[i] + 1))
-        logits = self.model.logits(hidden[torch.tensor(rows)])  # (R, vocab) float32
+        logits = self._logits(order, block_tables, torch.tensor(rows, dtype=torch.int64))
+        if not sampling:
+            return {}, {}
         plain = [j for j, (_, s) in enumerate(sampling) if not s.spec_token_ids]
         tokens: dict[str, list[int]] = {}
         logprobs: dict[str, list[TokenLogprobs]] = {}
@@ -113,6 +129,8 @@ class ModelRunner:
             if k:
                 req = s.request
                 rows_k = logits[first[j] : first[j] + k + 1]  # (k+1, vocab)
+                if req.grammar is not None:  # drafts the grammar refuses are never accepted
+                    rows_k = apply_token_bitmask(rows_k, req.grammar.mask())
                 q = req.spec_draft_probs  # a draft model's q, or None: point masses
                 kept = verify(rows_k, s.spec_token_ids, req.params, req.generator,
                               None if q is None else q[:k])  # fmt: skip
@@ -120,6 +138,30 @@ class ModelRunner:
                 if req.params.logprobs is not None:
                     logprobs[req.request_id] = logprobs_of(rows_k, kept, req.params.logprobs)
         return tokens, logprobs
+
+    def _logits(self, order: list[ScheduledRequest], block_tables: dict[str, list[int]],
+                rows: torch.Tensor) -> torch.Tensor:  # fmt: skip
+        """The model over the scheduled tokens (all ranks, if split), and the float32 logits
+        (R, vocab) of hidden rows `rows`."""
+        if self.ranks is None:
+            hidden = self.forward(order, block_tables)  # (T, hidden)
+            return self.model.logits(hidden[rows]) if len(rows) else hidden.new_empty(0)
+        plans = [self._prepare(part, block_tables) for part in self._micro_batches(order)]
+        return self.ranks.step(self.model, self.kv_caches, plans, rows)
+
+    def _micro_batches(self, order: list[ScheduledRequest]) -> list[list[ScheduledRequest]]:
+        """The step cut into up to pp runs of requests of about equal tokens (one without
+        pipeline parallelism), in order."""
+        pp = self.model.place.config.pp
+        total = sum(s.num_new_tokens for s in order)
+        parts: list[list[ScheduledRequest]] = [[]]
+        done = 0
+        for s in order:
+            if parts[-1] and len(parts) < pp and done >= total * len(parts) / pp:
+                parts.append([])
+            parts[-1].append(s)
+            done += s.num_new_tokens
+        return parts
 
     @torch.inference_mode()
     def forward(
@@ -145,6 +187,7 @@ class ModelRunner:
                 generator=s.request.generator,
                 prompt_token_ids=s.request.prompt_token_ids,
                 output_token_ids=s.request.output_token_ids,
+                token_bitmask=None if s.request.grammar is None else s.request.grammar.mask()[0],
             )
             for s in scheduled
         ]
@@ -222,3 +265,33 @@ class ModelRunner:
         meta.decodes = self._decode_groups(decode_tables, decode_lens)
         ctx = StepContext(positions=torch.cat(positions), attn=meta)
         return torch.tensor(ids, dtype=torch.int64), ctx
+
+
+    # --------------------------------------------------------------- KV of a split model
+    def kv_read(self, layers: slice, block_ids: list[int]) -> tuple[range, range, torch.Tensor]:
+        """This rank's share of blocks `block_ids` of the model's layers `layers`: (its layers
+        among them, its KV heads, (layers, 2, blocks, block_size, heads, head_dim))."""
+        mine, local = self._local_layers(layers)
+        blocks = self._blocks()[local]
+        data = blocks.index_select(2, torch.tensor(block_ids, dtype=torch.int64))
+        first, count = self.kv_heads
+        return mine, range(first, first + count), data
+
+    def kv_write_local(self, layers: slice, block_ids: list[int], data: torch.Tensor) -> None:
+        """Write this rank's share (as `kv_read` gives it) of blocks `block_ids`."""
+        _, local = self._local_layers(layers)
+        index = torch.tensor(block_ids, dtype=torch.int64)
+        self._blocks()[local].index_copy_(2, index, data)
+
+    def _blocks(self) -> torch.Tensor:
+        """(local layers, 2, num_blocks, block_size, heads, head_dim) view of the cache."""
+        n, _, slots, heads, dim = self.kv.shape
+        return self.kv.view(n, 2, slots // self.block_size, self.block_size, heads, dim)
+
+    def _local_layers(self, layers: slice) -> tuple[range, slice]:
+        """Of the model's layers `layers`, the ones this rank holds, and their local slice."""
+        wanted = range(*layers.indices(self.model.cfg.num_layers))
+        own = self.model.local_layers
+        lo, hi = max(wanted.start, own.start), min(wanted.stop, own.stop)
+        hi = max(lo, hi)
+        return range(lo, hi), slice(lo - own.start, hi - own.start)

@@ -8,6 +8,7 @@ from dataclasses import dataclass
 from types import ModuleType
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from kernels import rms_norm
@@ -32,17 +33,45 @@ class WeightTarget:
     rows: int | None = None  # rows it fills; None: the whole parameter, from the whole tensor
     src_row: int = 0  # first row of the checkpoint tensor that is read
     shape: tuple[int, ...] | None = None  # the tensor's expected shape, when only part is read
+    src_col: int = 0  # first column read of each row (a row-parallel slice: o_proj, down_proj)
+    cols: int | None = None  # columns read of each row; None: all of them
+
+
+@dataclass(frozen=True, slots=True)
+class TensorParallel:
+    """This rank's slice of a tensor-parallel layer: 1 / size of its heads, rows or vocabulary."""
+
+    rank: int = 0
+    size: int = 1
+    group: dist.ProcessGroup | None = None  # the ranks' group; None: the default one
+
+    def split(self, n: int) -> tuple[int, int]:
+        """(first, count) of this rank's share of n, which size divides."""
+        return self.rank * (n // self.size), n // self.size
+
+
+NO_TP = TensorParallel()
 
 
 class Linear(nn.Module):
-    def __init__(self, in_features: int, out_features: int, bias: bool, dtype: torch.dtype):
+    """y = x W^T + b. Row-parallel (`reduce` with tp.size > 1): this rank holds a slice of the
+    input features; the partial products are summed over the ranks (one all-reduce) and the bias,
+    whole on every rank, added once after."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool, dtype: torch.dtype,
+                 reduce: TensorParallel = NO_TP):  # fmt: skip
         super().__init__()
         self.weight = _param(out_features, in_features, dtype=dtype)
         self.bias = _param(out_features, dtype=dtype) if bias else None
         self.small_gemm: ModuleType | None = None  # the few-rows kernel, set by use_cpu_kernels
+        self.reduce = reduce if reduce.size > 1 else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return small_linear(x, self.weight, self.bias, self.small_gemm)
+        if self.reduce is None:
+            return small_linear(x, self.weight, self.bias, self.small_gemm)
+        y = small_linear(x, self.weight, None, self.small_gemm)
+        dist.all_reduce(y, group=self.reduce.group)
+        return y if self.bias is None else y + self.bias
 
 
 class RMSNorm(nn.Module):
@@ -57,13 +86,17 @@ class RMSNorm(nn.Module):
 
 
 class MLP(nn.Module):
-    """down(silu(gate(x)) * up(x)), gate and up fused into one projection."""
+    """down(silu(gate(x)) * up(x)), gate and up fused into one projection. With tensor
+    parallelism, this rank's 1 / tp of the intermediate rows: gate/up column-parallel, down
+    row-parallel (one all-reduce)."""
 
-    def __init__(self, cfg: ModelConfig, dtype: torch.dtype, intermediate_size: int | None = None):
+    def __init__(self, cfg: ModelConfig, dtype: torch.dtype, intermediate_size: int | None = None,
+                 tp: TensorParallel = NO_TP):  # fmt: skip
         super().__init__()
-        self.inter = intermediate_size or cfg.intermediate_size
+        self.full_inter = intermediate_size or cfg.intermediate_size
+        self.first, self.inter = tp.split(self.full_inter)  # this rank's rows of each
         self.gate_up_proj = Linear(cfg.hidden_size, 2 * self.inter, cfg.mlp_bias, dtype)
-        self.down_proj = Linear(self.inter, cfg.hidden_size, cfg.mlp_bias, dtype)
+        self.down_proj = Linear(self.inter, cfg.hidden_size, cfg.mlp_bias, dtype, reduce=tp)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate_up = self.gate_up_proj(x)  # (T, 2 * intermediate)

@@ -9,6 +9,13 @@ block of moe.py in place of the MLP (on this rank's experts, with expert paralle
 
 Weights are fused on load: q/k/v into one projection, gate/up into one, so that a layer runs
 four matrix multiplies; experts' weights are stacked (moe.py).
+
+Split over ranks (runtime.parallel.RankPlace): a rank builds only its pipeline stage's layers
+(the others are `MissingLayer`s, so that checkpoint names keep their indices), the embedding and
+LM head only on stage 0 and the final norm only on the last; with tensor parallelism, its slice
+of the heads, the MLP rows and the vocabulary, and `weight_target` says which rows or columns of
+each checkpoint tensor it reads. `forward` runs this rank's part; runtime.ranks moves the hidden
+states between stages.
 """
 
 from __future__ import annotations
@@ -17,13 +24,23 @@ from dataclasses import dataclass, replace
 from types import ModuleType
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from kernels import PagedAttentionMetadata, apply_rotary, paged_attention, write_kv_cache
 from kernels.linear import applies, small_linear
 from runtime.config import ModelConfig
-from runtime.model.layers import MLP, Linear, RMSNorm, WeightTarget, _param
+from runtime.model.layers import (
+    MLP,
+    NO_TP,
+    Linear,
+    RMSNorm,
+    TensorParallel,
+    WeightTarget,
+    _param,
+)
 from runtime.model.moe import SINGLE, ExpertParallel, MoE
+from runtime.parallel import SINGLE_RANK, ParallelConfig, RankPlace
 
 
 @dataclass(slots=True)
@@ -37,13 +54,25 @@ class StepContext:
 
 
 class Attention(nn.Module):
-    def __init__(self, cfg: ModelConfig, dtype: torch.dtype):
+    """Self-attention over this rank's query heads and the KV heads they read: all of them, or
+    with tensor parallelism heads [rank * n / tp, (rank + 1) * n / tp) and their KV heads (one
+    KV head, replicated, where there are fewer KV heads than ranks); o_proj row-parallel."""
+
+    def __init__(self, cfg: ModelConfig, dtype: torch.dtype, tp: TensorParallel = NO_TP):
         super().__init__()
-        self.n_heads, self.n_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        self.head_dim = cfg.head_dim
+        first_head, self.n_heads = tp.split(cfg.num_heads)
+        if cfg.num_kv_heads >= tp.size:
+            first_kv, self.n_kv_heads = tp.split(cfg.num_kv_heads)
+        else:  # each KV head on tp / num_kv_heads ranks
+            first_kv, self.n_kv_heads = tp.rank * cfg.num_kv_heads // tp.size, 1
         self.q_size = self.n_heads * self.head_dim
         self.kv_size = self.n_kv_heads * self.head_dim
+        # rows of the checkpoint's q, k and v read into this rank's, and their full sizes
+        self.q_first, self.kv_first = first_head * self.head_dim, first_kv * self.head_dim
+        self.full_q, self.full_kv = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
         self.qkv_proj = Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size, cfg.qkv_bias, dtype)
-        self.o_proj = Linear(self.q_size, cfg.hidden_size, cfg.o_bias, dtype)
+        self.o_proj = Linear(self.q_size, cfg.hidden_size, cfg.o_bias, dtype, reduce=tp)
         self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps, dtype) if cfg.qk_norm else None
         self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps, dtype) if cfg.qk_norm else None
         self.scale = self.head_dim**-0.5
@@ -77,19 +106,27 @@ class Attention(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig, dtype: torch.dtype, index: int, ep: ExpertParallel):
+    def __init__(self, cfg: ModelConfig, dtype: torch.dtype, index: int, ep: ExpertParallel,
+                 tp: TensorParallel = NO_TP):  # fmt: skip
         super().__init__()
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
-        self.self_attn = Attention(cfg, dtype)
+        self.self_attn = Attention(cfg, dtype, tp)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
         sparse = cfg.moe is not None and cfg.moe.is_sparse(index)
-        self.mlp: MLP | MoE = MoE(cfg, dtype, ep) if sparse else MLP(cfg, dtype)
+        self.mlp: MLP | MoE = MoE(cfg, dtype, ep) if sparse else MLP(cfg, dtype, tp=tp)
 
     def forward(
         self, x: torch.Tensor, ctx: StepContext, k_cache: torch.Tensor, v_cache: torch.Tensor
     ) -> torch.Tensor:
         h = x + self.self_attn(self.input_layernorm(x), ctx, k_cache, v_cache)
         return h + self.mlp(self.post_attention_layernorm(h))
+
+
+class MissingLayer(nn.Module):
+    """A layer another pipeline stage holds: no weights, never run."""
+
+    def forward(self, *args: object) -> torch.Tensor:
+        raise RuntimeError("this layer lives on another pipeline stage")
 
 
 # Hugging Face names of the projections we fuse: (our fused param, the piece's index in it).
@@ -109,20 +146,38 @@ class LlamaForCausalLM(nn.Module):
         dtype: torch.dtype,
         max_model_len: int,
         ep: ExpertParallel = SINGLE,
+        place: RankPlace | None = None,
     ):
-        """`ep`: this rank's share of the experts (every rank runs the model on the same tokens
-        and holds all of it but the other ranks' experts); a ValueError if it cannot be had."""
+        """`place`: this rank's part of the model (runtime.parallel; its stages filled in here);
+        without one, the whole model, or with `ep` this rank's share of the experts (every rank
+        runs the model on the same tokens). A ValueError if the model cannot be split so."""
         super().__init__()
-        ep.check(cfg)
-        self.cfg, self.dtype, self.ep = cfg, dtype, ep
+        if place is None:
+            place = SINGLE_RANK if ep.size == 1 else _ep_only(ep)
+        place = place.with_model(cfg)
+        ep = place.ep
+        tp = TensorParallel(place.tp_rank, place.tp, place.group)
+        self.cfg, self.dtype, self.ep, self.place, self.tp = cfg, dtype, ep, place, tp
         self.small_gemm: ModuleType | None = None  # for logits; see use_cpu_kernels
-        self.embed_tokens = _param(cfg.vocab_size, cfg.hidden_size, dtype=dtype)
-        self.layers = nn.ModuleList(DecoderLayer(cfg, dtype, i, ep) for i in range(cfg.num_layers))
-        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
+        self.local_layers = place.layers(cfg.num_layers)
+        self.layers = nn.ModuleList(
+            DecoderLayer(cfg, dtype, i, ep, tp) if i in self.local_layers else MissingLayer()
+            for i in range(cfg.num_layers)
+        )
+        # this rank's rows of the vocabulary: [vocab_first, vocab_first + vocab_rows); every rank
+        # but the last holds vocab_per_rank of them
+        self.vocab_per_rank = -(-cfg.vocab_size // tp.size)
+        self.vocab_first = tp.rank * self.vocab_per_rank
+        self.vocab_rows = min(cfg.vocab_size - self.vocab_first, self.vocab_per_rank)
+        if self.vocab_rows < 1:
+            raise ValueError(f"tp={tp.size} is more than the vocabulary of {cfg.vocab_size} tokens")
+        rows, hidden = self.vocab_rows, cfg.hidden_size
+        self.embed_tokens = _param(rows, hidden, dtype=dtype) if place.first else None
+        self.norm = RMSNorm(hidden, cfg.rms_norm_eps, dtype) if place.last else None
         self.lm_head = (
             None
-            if cfg.tie_word_embeddings
-            else _param(cfg.vocab_size, cfg.hidden_size, dtype=dtype)
+            if cfg.tie_word_embeddings or not place.first
+            else _param(rows, hidden, dtype=dtype)
         )
         self.max_model_len = max_model_len
         # RoPE tables, built on first use: a loader builds the model before it starts reading
@@ -141,32 +196,64 @@ class LlamaForCausalLM(nn.Module):
 
     @property
     def output_weight(self) -> torch.Tensor:
-        return self.embed_tokens if self.lm_head is None else self.lm_head
+        """This rank's rows of the LM head (stage 0 only)."""
+        weight = self.embed_tokens if self.lm_head is None else self.lm_head
+        assert weight is not None, "the LM head lives on pipeline stage 0"
+        return weight
 
     def forward(
         self,
         input_ids: torch.Tensor,
         ctx: StepContext,
         kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
+        hidden: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """input_ids: (T,) -> final hidden states (T, hidden), after the last norm."""
+        """This rank's layers, with `kv_caches` theirs. Stage 0 starts from input_ids (T,), a
+        later stage from the previous stage's `hidden` (T, hidden); returns (T, hidden), after
+        the final norm on the last stage."""
         cos, sin = self._rope()
         ctx.cos = cos[ctx.positions].to(self.dtype)  # (T, head_dim)
         ctx.sin = sin[ctx.positions].to(self.dtype)  # (T, head_dim)
-        x = nn.functional.embedding(input_ids, self.embed_tokens)  # (T, hidden)
-        for layer, (k_cache, v_cache) in zip(self.layers, kv_caches, strict=True):
+        x = self.embed(input_ids) if hidden is None else hidden  # (T, hidden)
+        layers = [self.layers[i] for i in self.local_layers]
+        for layer, (k_cache, v_cache) in zip(layers, kv_caches, strict=True):
             x = layer(x, ctx, k_cache, v_cache)
-        return self.norm(x)
+        return x if self.norm is None else self.norm(x)
+
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """(T,) token ids -> (T, hidden); with tensor parallelism each rank looks up the ids in
+        its rows of the vocabulary, zeros for the others, and an all-reduce sums them."""
+        assert self.embed_tokens is not None, "the embedding lives on pipeline stage 0"
+        if self.tp.size == 1:
+            return nn.functional.embedding(input_ids, self.embed_tokens)
+        local = input_ids - self.vocab_first
+        outside = (local < 0) | (local >= self.vocab_rows)
+        x = nn.functional.embedding(local.masked_fill(outside, 0), self.embed_tokens)
+        x.masked_fill_(outside[:, None], 0)
+        dist.all_reduce(x, group=self.tp.group)
+        return x
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """hidden: (N, hidden) -> float32 logits (N, vocab)."""
-        return small_linear(hidden, self.output_weight, None, self.small_gemm).float()
+        """hidden: (N, hidden) -> float32 logits (N, vocab). With tensor parallelism every rank
+        of stage 0 computes its vocabulary rows' and gathers them on rank 0; the other ranks get
+        back only their own (N, vocab rows)."""
+        local = small_linear(hidden, self.output_weight, None, self.small_gemm).float()
+        if self.tp.size == 1:
+            return local
+        part = local.new_zeros(local.shape[0], self.vocab_per_rank)  # equal sizes to gather
+        part[:, : self.vocab_rows] = local
+        parts = [torch.empty_like(part) for _ in range(self.tp.size)] if self.place.rank == 0 else None
+        dist.gather(part, parts, dst=0, group=self.tp.group)
+        if parts is None:
+            return local
+        return torch.cat(parts, dim=1)[:, : self.cfg.vocab_size]
 
     def use_cpu_kernels(self, gemm: ModuleType | None, norm: ModuleType | None) -> None:
         """Route few-row matmuls (decode) and RMSNorm through the C++ kernels, or the references
         (None)."""
         probe = torch.empty(1, 1, dtype=self.dtype)
-        self.small_gemm = gemm if gemm is not None and applies(probe, self.output_weight) else None
+        head = self.output_weight if self.place.first else None
+        self.small_gemm = gemm if gemm is not None and head is not None and applies(probe, head) else None
         for module in self.modules():
             if isinstance(module, Linear):
                 usable = gemm is not None and applies(probe, module.weight)
@@ -185,7 +272,17 @@ class LlamaForCausalLM(nn.Module):
             return None
         if name in ("lm_head.weight", "embed_tokens.weight"):
             name = name.removesuffix(".weight")
+            if not self.place.first:
+                return None  # stage 0's
+            cfg = self.cfg
+            return WeightTarget(name, rows=self.vocab_rows, src_row=self.vocab_first,
+                                shape=(cfg.vocab_size, cfg.hidden_size))  # fmt: skip
+        if name.startswith("norm."):
+            return WeightTarget(name) if self.place.last else None
         parts = name.split(".")
+        if parts[0] == "layers" and parts[1:2] and parts[1].isdigit():
+            if int(parts[1]) not in self.local_layers and int(parts[1]) < self.cfg.num_layers:
+                return None  # another stage's
         if parts[2:3] == ["block_sparse_moe"]:  # Mixtral's name for its MoE block
             parts[2] = "mlp"
         moe = self._moe(parts)
@@ -194,10 +291,21 @@ class LlamaForCausalLM(nn.Module):
             prefix = ".".join(parts[:4])
             return None if target is None else replace(target, param=f"{prefix}.{target.param}")
         if len(parts) >= 2 and parts[-2] in _FUSED:
-            parts[-2], piece = _FUSED[parts[-2]]
+            proj = parts[-2]
+            parts[-2], piece = _FUSED[proj]
             sizes = self._fused_rows(".".join(parts[:-2]), parts[-2])
             if sizes is not None:
-                return WeightTarget(".".join(parts), sum(sizes[:piece]), sizes[piece])
+                src_row, full = self._source_rows(".".join(parts[:-2]), proj)
+                shape = (full,) if parts[-1] == "bias" else (full, self.cfg.hidden_size)
+                return WeightTarget(".".join(parts), sum(sizes[:piece]), sizes[piece],
+                                    src_row=src_row, shape=shape)  # fmt: skip
+        if self.tp.size > 1 and len(parts) >= 2 and parts[-2:] in (["o_proj", "weight"],
+                                                                   ["down_proj", "weight"]):  # fmt: skip
+            cols = self._row_parallel_cols(".".join(parts[:-2]))
+            if cols is not None:
+                first, count, full = cols
+                return WeightTarget(".".join(parts), src_col=first, cols=count,
+                                    shape=(self.cfg.hidden_size, full))  # fmt: skip
         return WeightTarget(".".join(parts))
 
     def checkpoint_name(self, param: str, row: int) -> str | None:
@@ -218,16 +326,43 @@ class LlamaForCausalLM(nn.Module):
         mlp = self.layers[i].mlp if i < len(self.layers) else None
         return mlp if isinstance(mlp, MoE) else None
 
+    def _source_rows(self, module: str, proj: str) -> tuple[int, int]:
+        """(first row read, the checkpoint tensor's rows) of this rank's slice of q/k/v or gate/up
+        of `module` (a fused one, `_fused_rows` found)."""
+        owner = self.get_submodule(module)
+        if isinstance(owner, Attention):
+            if proj == "q_proj":
+                return owner.q_first, owner.full_q
+            return owner.kv_first, owner.full_kv
+        assert isinstance(owner, MLP)
+        return owner.first, owner.full_inter
+
+    def _row_parallel_cols(self, module: str) -> tuple[int, int, int] | None:
+        """(first column, columns, the checkpoint's columns) of a row-parallel o_proj or
+        down_proj of `module`; None if there is no such one (the loader says so)."""
+        try:
+            owner = self.get_submodule(module)
+        except AttributeError:
+            return None
+        if isinstance(owner, Attention):
+            return owner.q_first, owner.q_size, owner.full_q
+        if isinstance(owner, MLP):
+            return owner.first, owner.inter, owner.full_inter
+        return None
+
     def _fused_rows(self, module: str, fused: str) -> list[int] | None:
         """The pieces' rows of a fused projection of `module`; None if there is no such one."""
         try:
             owner = self.get_submodule(module)
         except AttributeError:
             return None
-        cfg = self.cfg
         if fused == "qkv_proj" and isinstance(owner, Attention):
-            q, kv = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
-            return [q, kv, kv]
+            return [owner.q_size, owner.kv_size, owner.kv_size]
         if fused == "gate_up_proj" and isinstance(owner, MLP):
             return [owner.inter, owner.inter]
         return None
+
+
+def _ep_only(ep: ExpertParallel) -> RankPlace:
+    """The place of an expert-parallel rank of one stage with no tensor parallelism."""
+    return RankPlace(ParallelConfig(ep=ep.size), ep.rank, group=ep.group)

@@ -1,0 +1,413 @@
+"""A worker made of several ranks: starting them, running every step on all of them, and ending
+them cleanly when one dies.
+
+    rank 0 (the worker's own process: scheduler, internal API, sampler)
+      ├─ spawns ranks 1..world-1 (followers), each a process that dies with rank 0 (PDEATHSIG)
+      ├─ a TCPStore on 127.0.0.1: rank 0 waits for every follower to check in (failing at once,
+      │  naming the rank and its exit code, if one exits first), then torch.distributed (gloo)
+      ├─ every rank loads only its part of the weights (runtime.parallel.RankPlace), then reports
+      │  its load error or None to rank 0 (all_gather_object): any error ends start-up, named
+      └─ per step: rank 0 broadcasts the step's plan (micro-batches of input ids and attention
+         metadata, the rows whose logits it needs); every rank runs `run_step`:
+              stage 0: embed ─▶ its layers ─isend─▶ stage 1 ─▶ ... ─▶ last stage: final norm
+                 ◀────────────── hidden states of each micro-batch ─────────────────┘
+              stage 0: the LM head on the sampled rows (vocabulary split over its tp ranks,
+                 gathered on rank 0), which samples
+         The step is split into pp micro-batches (by request) so that stage 0 runs micro-batch
+         i + 1 while stage 1 runs micro-batch i; stages still idle at a step's start and end.
+
+A watchdog thread on rank 0 checks the followers every 0.2 s: a follower that exits makes the
+group failed (`RankFailure`), calls the `on_failure` callbacks (a worker deregisters and exits),
+and rank 0's next or current collective raises rather than waits. A follower whose rank 0 is
+gone dies with it (PDEATHSIG), or leaves its loop when a collective errors.
+"""
+
+from __future__ import annotations
+
+import atexit
+import contextlib
+import ctypes
+import logging
+import multiprocessing as mp
+import os
+import signal
+import socket
+import threading
+import time
+import traceback
+from collections.abc import Callable
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import TYPE_CHECKING, Any
+
+import torch
+import torch.distributed as dist
+
+from runtime.config import ModelConfig
+from runtime.parallel import ParallelConfig, RankPlace
+
+if TYPE_CHECKING:
+    from runtime.config import EngineConfig
+    from runtime.loader import PendingLoad
+    from runtime.model import LlamaForCausalLM, StepContext
+
+log = logging.getLogger("edgeinfer.ranks")
+
+JOIN_TIMEOUT_S = 120.0  # followers' time to start and check in (imports, a cold page cache)
+COLLECTIVE_TIMEOUT = timedelta(minutes=10)  # gloo's bound on one collective (a long prefill)
+
+# One micro-batch of a step: (input ids (T,), its attention metadata)
+Plan = tuple[torch.Tensor, "StepContext"]
+
+
+class RankFailure(RuntimeError):
+    """A rank of this worker died or failed; the worker cannot go on."""
+
+
+@dataclass(frozen=True, slots=True)
+class RankSpec:
+    """What a follower needs to start (sent to it pickled)."""
+
+    model: str
+    dtype: str
+    max_model_len: int | None
+    parallel: ParallelConfig
+    port: int
+    num_threads: int | None  # torch threads per rank; None: cores / world size
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _die_with_parent() -> None:
+    """Linux: this process gets SIGKILL when its parent (rank 0) dies."""
+    with contextlib.suppress(OSError, AttributeError):
+        libc = ctypes.CDLL("libc.so.6", use_errno=True)
+        libc.prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+
+
+def _threads(spec: RankSpec) -> int:
+    return spec.num_threads or max(1, (os.cpu_count() or 1) // spec.parallel.world_size)
+
+
+def _join(spec: RankSpec, rank: int, store: dist.TCPStore) -> RankPlace:
+    """torch.distributed up on this rank, and its stage's process group."""
+    par = spec.parallel
+    dist.init_process_group(
+        "gloo", store=store, rank=rank, world_size=par.world_size, timeout=COLLECTIVE_TIMEOUT
+    )
+    group = None
+    g = par.group_size
+    for stage in range(par.pp):  # every rank creates every group, in the same order
+        ranks = list(range(stage * g, (stage + 1) * g))
+        made = dist.new_group(ranks) if g > 1 else None
+        if rank in ranks:
+            group = made
+    return RankPlace(par, rank, group=group)
+
+
+def _load(spec: RankSpec, place: RankPlace) -> tuple[PendingLoad | None, str | None]:
+    """Start this rank's load; (the load, None) or (None, why it cannot)."""
+    from runtime.loader import start_load
+
+    try:
+        return start_load(spec.model, spec.dtype, spec.max_model_len, place=place), None
+    except Exception as e:  # reported to rank 0, which raises it
+        return None, f"rank {place.rank}: {type(e).__name__}: {e}"
+
+
+def _follower_main(spec: RankSpec, rank: int) -> None:
+    _die_with_parent()
+    torch.set_num_threads(_threads(spec))
+    try:
+        store = dist.TCPStore("127.0.0.1", spec.port, spec.parallel.world_size, is_master=False,
+                              timeout=timedelta(seconds=JOIN_TIMEOUT_S))  # fmt: skip
+        store.set(f"joined/{rank}", "1")
+        place = _join(spec, rank, store)
+    except Exception as e:
+        print(f"rank {rank}: could not join the group: {e}", flush=True)
+        os._exit(1)
+    pending, error = _load(spec, place)
+    model = None
+    if pending is not None:
+        try:
+            model = pending.finish()
+        except Exception as e:
+            error = f"rank {rank}: {type(e).__name__}: {e}"
+    errors: list[str | None] = [None] * spec.parallel.world_size
+    dist.all_gather_object(errors, error)
+    if any(errors) or model is None:
+        os._exit(1)
+    try:
+        _follow(model)
+    except Exception:  # rank 0 went away, or a step failed: nothing to serve any more
+        log.error("rank %d: leaving\n%s", rank, traceback.format_exc())
+        os._exit(1)
+    os._exit(0)
+
+
+def _follow(model: LlamaForCausalLM) -> None:
+    """A follower's life after loading: build the KV cache rank 0 sizes, then run commands."""
+    from runtime.model_runner import ModelRunner
+
+    [setup] = _receive()
+    runner = ModelRunner(model, **setup)
+    while True:
+        [command] = _receive()
+        op = command[0]
+        if op == "step":
+            run_step(model, runner.kv_caches, command[1], command[2])
+        elif op == "kv_read":
+            layers, block_ids = command[1], command[2]
+            data = runner.kv_read(layers, block_ids)
+            dist.gather_object(data, None, dst=0)
+        elif op == "kv_write":
+            runner.kv_write_local(command[1], command[2], command[3])
+            dist.barrier()
+        elif op == "stop":
+            return
+        else:
+            raise RuntimeError(f"unknown command {op!r}")
+
+
+def _receive() -> list[Any]:
+    box: list[Any] = [None]
+    dist.broadcast_object_list(box, src=0)
+    return box
+
+
+def run_step(
+    model: LlamaForCausalLM,
+    kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
+    plans: list[Plan],
+    rows: torch.Tensor,
+) -> torch.Tensor | None:
+    """This rank's part of one step (see the module docstring). Rank 0 gets the logits of
+    `rows` (R, vocab) float32; other ranks None."""
+    place = model.place
+    pp = place.config.pp
+    hidden_size = model.cfg.hidden_size
+    sends: list[tuple[dist.Work, torch.Tensor]] = []
+    outs: list[torch.Tensor] = []
+    for ids, ctx in plans:
+        h = None
+        if not place.first:
+            h = torch.empty(ids.shape[0], hidden_size, dtype=model.dtype)
+            dist.recv(h, src=place.stage_rank(place.stage - 1))
+        x = model(ids, ctx, kv_caches, h)  # (T, hidden)
+        if pp == 1:
+            outs.append(x)
+        else:  # on to the next stage; the last one's back to stage 0
+            dst = place.stage_rank(0 if place.last else place.stage + 1)
+            work = dist.isend(x.contiguous(), dst=dst)
+            assert work is not None
+            sends.append((work, x))
+    if place.first and pp > 1:
+        for ids, _ in plans:
+            h = torch.empty(ids.shape[0], hidden_size, dtype=model.dtype)
+            dist.recv(h, src=place.stage_rank(pp - 1))
+            outs.append(h)
+    for work, _ in sends:
+        work.wait()
+    if not place.first:
+        return None
+    hidden = outs[0] if len(outs) == 1 else torch.cat(outs)
+    logits = model.logits(hidden[rows])  # every tp rank of stage 0 takes part
+    return logits if place.rank == 0 else None
+
+
+class RankGroup:
+    """Rank 0's handle on its followers: the commands it sends, and their liveness."""
+
+    def __init__(self, spec: RankSpec, procs: list[mp.process.BaseProcess]):
+        self.spec = spec
+        self.procs = procs  # procs[i] is rank i + 1
+        self.failed: str | None = None
+        self.on_failure: list[Callable[[str], None]] = []
+        self._lock = threading.Lock()  # one command at a time: steps and KV reads interleave
+        self._closed = False
+        self._watch = threading.Thread(target=self._watchdog, name="ranks-watchdog", daemon=True)
+        self._watch.start()
+        atexit.register(self.close)
+
+    @property
+    def world_size(self) -> int:
+        return self.spec.parallel.world_size
+
+    def _watchdog(self) -> None:
+        while not self._closed:
+            for rank, p in enumerate(self.procs, start=1):
+                if p.exitcode is not None and not self._closed:
+                    self._fail(f"rank {rank} of {self.world_size} exited (code {p.exitcode})")
+                    return
+            time.sleep(0.2)
+
+    def _fail(self, why: str) -> None:
+        if self.failed is not None:
+            return
+        self.failed = why
+        log.error("%s: this worker cannot serve any more", why)
+        for callback in list(self.on_failure):
+            with contextlib.suppress(Exception):
+                callback(why)
+
+    def _command(self, command: tuple[Any, ...]) -> None:
+        if self.failed is not None:
+            raise RankFailure(self.failed)
+        dist.broadcast_object_list([command], src=0)
+
+    def _guard(self, fn: Callable[[], Any]) -> Any:
+        with self._lock:
+            try:
+                self._command_check()
+                return fn()
+            except RankFailure:
+                raise
+            except Exception as e:  # gloo: a peer hung up
+                time.sleep(0.3)  # let the watchdog see which one
+                why = self.failed or f"a collective failed: {e}"
+                self._fail(why)
+                raise RankFailure(why) from e
+
+    def _command_check(self) -> None:
+        if self._closed:
+            raise RankFailure("the ranks were stopped")
+        if self.failed is not None:
+            raise RankFailure(self.failed)
+
+    def setup(self, **runner_args: Any) -> None:
+        """The followers build their model runners (KV cache) with these arguments."""
+        self._guard(lambda: self._command(runner_args))  # type: ignore[arg-type]
+
+    def step(self, model: LlamaForCausalLM, kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
+             plans: list[Plan], rows: torch.Tensor) -> torch.Tensor:  # fmt: skip
+        def run() -> torch.Tensor:
+            self._command(("step", plans, rows))
+            logits = run_step(model, kv_caches, plans, rows)
+            assert logits is not None
+            return logits
+
+        return self._guard(run)  # type: ignore[no-any-return]
+
+    def kv_read(self, layers: slice, block_ids: list[int], local: Callable[[], Any]) -> list[Any]:
+        """Every rank's `kv_read(layers, block_ids)`, rank 0's from `local`; in rank order."""
+        def run() -> list[Any]:
+            self._command(("kv_read", layers, block_ids))
+            parts: list[Any] = [None] * self.world_size
+            dist.gather_object(local(), parts, dst=0)
+            return parts
+
+        return self._guard(run)  # type: ignore[no-any-return]
+
+    def kv_write(self, layers: slice, block_ids: list[int], parts: list[Any],
+                 local: Callable[[Any], None]) -> None:  # fmt: skip
+        """Rank r writes parts[r] (its layers and heads of the blocks)."""
+        def run() -> None:
+            for rank in range(1, self.world_size):  # each its own part only
+                dist.broadcast_object_list([("kv_write", layers, block_ids, parts[rank])], src=0)
+            local(parts[0])
+            dist.barrier()
+
+        self._guard(run)
+
+    def close(self) -> None:
+        """Stop the followers (they leave their loops) and wait for them, briefly."""
+        if self._closed:
+            return
+        with self._lock:
+            if self.failed is None:
+                with contextlib.suppress(Exception):
+                    dist.broadcast_object_list([("stop",)], src=0)
+            self._closed = True
+        for p in self.procs:
+            p.join(timeout=5)
+            if p.exitcode is None:
+                p.kill()
+        with contextlib.suppress(Exception):
+            dist.destroy_process_group()
+
+
+def start_weights(config: EngineConfig, port: int | None = None) -> PendingLoad:
+    """The load of `config.model` an engine runs: this process's alone, or with tp/pp/ep above
+    1, rank 0's share with the other ranks started (`start_ranks`; the load's `ranks`)."""
+    from runtime.loader import start_load
+
+    parallel = ParallelConfig(config.tp, config.pp, config.ep)
+    if parallel.world_size == 1:
+        return start_load(config.model, config.dtype)
+    pending, ranks = start_ranks(config.model, config.dtype, None, parallel,
+                                 config.num_threads, port)  # fmt: skip
+    pending.ranks = ranks
+    return pending
+
+
+def start_ranks(
+    model: str,
+    dtype: str,
+    max_model_len: int | None,
+    parallel: ParallelConfig,
+    num_threads: int | None = None,
+    port: int | None = None,
+) -> tuple[PendingLoad, RankGroup]:
+    """Check the setting against the model, start the followers, join them, and start rank 0's
+    load. Raises ValueError for a setting the model cannot take, RuntimeError for a world that
+    cannot start (the port taken, a rank that exits), ModelLoadError for a rank's load error."""
+    from runtime.loader import start_load
+
+    cfg = ModelConfig.from_dir(model)
+    parallel.check(cfg)  # before any process starts
+    port = port or free_port()
+    try:
+        store = dist.TCPStore("127.0.0.1", port, parallel.world_size, is_master=True,
+                              timeout=timedelta(seconds=JOIN_TIMEOUT_S), wait_for_workers=False)  # fmt: skip
+    except Exception as e:
+        raise RuntimeError(f"cannot start the ranks' rendezvous on 127.0.0.1:{port}: {e}") from e
+    spec = RankSpec(model, dtype, max_model_len, parallel, port, num_threads)
+    ctx = mp.get_context("spawn")
+    procs = [
+        ctx.Process(target=_follower_main, args=(spec, r), name=f"edgeinfer-rank{r}", daemon=True)
+        for r in range(1, parallel.world_size)
+    ]
+    for p in procs:
+        p.start()
+    try:
+        _wait_joined(store, procs)
+        place = _join(spec, 0, store)
+        pending, error = _load(spec, place)
+        errors: list[str | None] = [None] * parallel.world_size
+        dist.all_gather_object(errors, error)
+    except BaseException:
+        for p in procs:
+            p.kill()
+        raise
+    failed = [e for e in errors if e]
+    if failed or pending is None:
+        for p in procs:
+            p.join(timeout=5)
+        with contextlib.suppress(Exception):
+            dist.destroy_process_group()
+        from runtime.config import ModelLoadError
+
+        raise ModelLoadError("; ".join(e for e in failed if e))
+    torch.set_num_threads(_threads(spec))
+    return pending, RankGroup(spec, procs)
+
+
+def _wait_joined(store: dist.TCPStore, procs: list[mp.process.BaseProcess]) -> None:
+    """Until every follower has checked in; a RuntimeError naming one that exited first."""
+    deadline = time.monotonic() + JOIN_TIMEOUT_S
+    waiting = set(range(1, len(procs) + 1))
+    while waiting:
+        waiting = {r for r in waiting if not store.check([f"joined/{r}"])}
+        for r in waiting:
+            code = procs[r - 1].exitcode
+            if code is not None:
+                raise RuntimeError(f"rank {r} exited (code {code}) before joining the group")
+        if time.monotonic() > deadline:
+            raise RuntimeError(
+                f"ranks {sorted(waiting)} did not join within {JOIN_TIMEOUT_S:.0f} s"
+            )
+        time.sleep(0.02)
