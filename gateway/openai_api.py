@@ -11,8 +11,10 @@ Decisions worth knowing:
   defaults differ from the engine's (chat's `max_tokens` is None = up to the context, the
   engine's is 16), so nothing may be left to the worker's defaults.
 - Unknown fields are ignored (OpenAI clients send extras such as `metadata` or `store`), but
-  features that change what the answer means (`tools`, `response_format`, `logit_bias`, ...)
-  are refused unless set to their "off" value: silently ignoring them gives wrong answers.
+  features that change what the answer means (`functions`, `logit_bias`, ...) are refused
+  unless set to their "off" value: silently ignoring them gives wrong answers.
+- Structured output (`response_format`, vLLM's `guided_*` / `structured_outputs`) and tool
+  calling (`tools`, `tool_choice`, tool messages) are validated in `gateway.structured`.
 - Role "developer" is sent to the worker as "system": it is OpenAI's new name for the same
   thing, and open models' chat templates only know "system".
 - Text content parts are joined with "\\n" (what vLLM does), so a client that splits a message
@@ -27,6 +29,7 @@ from typing import Any, Literal
 from gateway.errors import invalid, unsupported
 from gateway.fields import INT32_MAX, INT64_MAX, INT64_MIN, Fields, Range, is_int, type_name
 from gateway.openai_response import SSE_DONE, ResponseAssembler, error_chunk, sse
+from gateway.structured import GUIDED_FIELDS, constraint, tool_message_fields, tools_of
 from kvstore.protocol import GenerateRequest
 
 __all__ = [
@@ -67,7 +70,9 @@ _SAMPLING_FIELDS = frozenset(
         "stop_token_ids",
         "include_stop_str_in_output",
         "logit_bias",
+        "response_format",
     }
+    | GUIDED_FIELDS
 )
 # Every field each endpoint reads; the OpenAPI spec's request schemas are tested against these.
 CHAT_FIELDS = _SAMPLING_FIELDS | {
@@ -78,9 +83,9 @@ CHAT_FIELDS = _SAMPLING_FIELDS | {
     "top_logprobs",
     "tools",
     "tool_choice",
+    "parallel_tool_calls",
     "functions",
     "function_call",
-    "response_format",
 }
 COMPLETION_FIELDS = _SAMPLING_FIELDS | {"model", "prompt", "logprobs", "echo", "suffix", "best_of"}
 
@@ -120,21 +125,28 @@ def parse_chat(
         raise invalid("top_logprobs", "top_logprobs requires logprobs: true")
     n_logprobs = (top or 0) if logprobs else None
 
-    f.only_default("tools", ([],), "tool calling; send no tools")
-    f.only_default("tool_choice", ("none", "auto"), 'tool calling; use "none" or "auto"')
-    f.only_default("functions", ([],), "function calling; send no functions")
-    f.only_default("function_call", ("none", "auto"), 'function calling; use "none" or "auto"')
+    f.only_default("functions", ([],), "the deprecated functions; send tools")
     f.only_default(
-        "response_format", ({"type": "text"},), 'structured output; only {"type": "text"}'
+        "function_call", ("none", "auto"), "the deprecated function_call; send tool_choice"
     )
+    tools, tool_choice = tools_of(f)
 
     sampling, options = _common(f, "chat", model, max_completion or max_tokens, n_logprobs)
+    forced = isinstance(tool_choice, dict) or tool_choice == "required"
+    if forced and sampling["structured_outputs"] is not None:
+        raise invalid(
+            "tool_choice",
+            f"tool_choice {tool_choice!r} forces a tool call; it cannot be combined with "
+            "response_format or guided decoding",
+        )
     request = GenerateRequest(
         request_id=request_id,
         model=model,
         messages=messages,
         sampling=sampling,
         session_id=session_id,
+        tools=tools,
+        tool_choice=tool_choice,
     )
     return request, options
 
@@ -207,6 +219,7 @@ def _common(
         "ignore_eos": f.boolean("ignore_eos", False),
         "logprobs": logprobs,
         "include_stop_str_in_output": f.boolean("include_stop_str_in_output", False),
+        "structured_outputs": constraint(f),
     }
     options = RequestOptions(
         kind=kind,
@@ -227,6 +240,7 @@ def _messages(value: object) -> list[dict[str, Any]]:
     if not isinstance(value, list) or not value:
         raise invalid("messages", f"messages must be a non-empty array, got {_desc(value)}")
     out: list[dict[str, Any]] = []
+    calls: dict[str, str] = {}  # tool call id -> function name, from earlier assistant messages
     for i, msg in enumerate(value):
         where = f"messages[{i}]"
         if not isinstance(msg, dict):
@@ -237,11 +251,11 @@ def _messages(value: object) -> list[dict[str, Any]]:
                 f"{where}.role",
                 f"{where}.role must be one of {sorted(ROLES)}, got {_desc(role)}",
             )
-        if msg.get("tool_calls"):
-            raise unsupported(f"{where}.tool_calls", "tool calls are not supported yet")
+        tool_fields = tool_message_fields(where, msg, role, calls)
         item: dict[str, Any] = {
             "role": "system" if role == "developer" else role,
             "content": _content(f"{where}.content", msg.get("content"), role),
+            **tool_fields,
         }
         name = msg.get("name")
         if name is not None:

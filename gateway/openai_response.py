@@ -8,9 +8,14 @@ non-streamed answer. One class for both modes keeps the two answers identical in
 Chunk order for a streamed chat request with n choices (OpenAI's own order):
     per choice: {"delta": {"role": "assistant", "content": ""}}      on `start`
     per delta:  {"delta": {"content": "..."}, "logprobs": ...}       text and/or logprobs
+                {"delta": {"tool_calls": [{"index", "id", "type", "function"}]}}
+                                                    tool-call deltas (the worker parses them)
     per choice: {"delta": {}, "finish_reason": "stop" | "length"}    when the choice ends
     once:       {"choices": [], "usage": {...}}                       on `done`, if include_usage
 Completions stream the same way with `text` in place of `delta`, and no role chunk.
+A choice that made tool calls and stopped finishes with "tool_calls"; its final message has
+`tool_calls` (deltas of one call joined: its arguments concatenated) and `content` null when it
+said nothing else, as OpenAI answers.
 
 Failures are raised as `APIError`, never returned, so the handler decides: before the first
 byte it may answer with the error's status (or retry elsewhere when `retryable`); after it, it
@@ -42,7 +47,7 @@ if TYPE_CHECKING:
 
 SSE_DONE = b"data: [DONE]\n\n"
 MIN_LOGPROB = -9999.0  # stands in for -inf
-FINISH_REASONS = frozenset({"stop", "length"})
+FINISH_REASONS = frozenset({"stop", "length"})  # what workers send ("tool_calls" is ours)
 # Error-event codes that mean "this worker is going away", not "this request is bad".
 UNAVAILABLE_CODES = frozenset({"draining", "shutdown", "aborted", "engine_dead", "queue_full"})
 
@@ -69,7 +74,8 @@ class _Choice:
     token_logprobs: list[float] = field(default_factory=list)  # completions, per token
     top_logprobs: list[dict[str, float]] = field(default_factory=list)  # completions, per token
     text_offset: list[int] = field(default_factory=list)  # completions, per token
-    finish_reason: str | None = None  # "stop" | "length" once ended
+    tool_calls: list[dict[str, Any]] = field(default_factory=list)  # OpenAI tool calls so far
+    finish_reason: str | None = None  # "stop" | "length" | "tool_calls" once ended
     stop_reason: str | int | None = None  # the stop string or token id that ended it
 
 
@@ -143,6 +149,9 @@ class ResponseAssembler:
         new_logprobs = self._add_logprobs(c, text, event.get("logprobs"))
         c.text.append(text)
         c.text_len += len(text)
+        calls = event.get("tool_calls") or []
+        for call in calls:
+            _add_tool_call(c, call)
 
         finish = event.get("finish_reason")
         if finish == "abort":
@@ -153,6 +162,8 @@ class ResponseAssembler:
         if finish is not None and finish not in FINISH_REASONS:
             raise ValueError(f"unknown finish_reason {finish!r}")
         if finish is not None:
+            if finish == "stop" and c.tool_calls:
+                finish = "tool_calls"
             c.finish_reason, c.stop_reason = finish, event.get("stop_reason")
 
         if not self.options.stream:
@@ -164,6 +175,8 @@ class ResponseAssembler:
                 c.role_sent = True
                 delta = {"role": "assistant", "content": text}
             chunks.append(self._chunk([self._chunk_choice(i, delta, new_logprobs)]))
+        if calls and self.chat:
+            chunks.append(self._chunk([self._chunk_choice(i, {"tool_calls": calls}, None)]))
         if finish is not None:
             end = self._chunk_choice(i, {}, None, finish)
             end["stop_reason"] = c.stop_reason  # vLLM's extension: which stop string/token
@@ -239,6 +252,9 @@ class ResponseAssembler:
         choice: dict[str, Any] = {"index": index}
         if self.chat:
             choice["message"] = {"role": "assistant", "content": text}
+            if c.tool_calls:
+                choice["message"]["content"] = text or None
+                choice["message"]["tool_calls"] = c.tool_calls
         else:
             choice["text"] = text
         choice["logprobs"] = logprobs
@@ -295,6 +311,20 @@ class ResponseAssembler:
         c.top_logprobs.extend(part["top_logprobs"])
         c.text_offset.extend(part["text_offset"])
         return part
+
+
+def _add_tool_call(c: _Choice, call: object) -> None:
+    """Fold one tool-call delta into the choice's calls (a new call, or more arguments)."""
+    if not isinstance(call, dict):
+        raise TypeError(f"a tool call delta must be an object, got {type(call).__name__}")
+    index, fn = call["index"], call["function"]
+    if index == len(c.tool_calls):
+        c.tool_calls.append({"id": call["id"], "type": "function",
+                             "function": {"name": fn["name"], "arguments": fn["arguments"]}})  # fmt: skip
+    elif 0 <= index < len(c.tool_calls):
+        c.tool_calls[index]["function"]["arguments"] += fn["arguments"]
+    else:
+        raise ValueError(f"tool call index {index} out of order")
 
 
 def _logprob(value: object) -> float:

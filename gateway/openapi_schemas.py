@@ -85,6 +85,46 @@ _SAMPLING: JSON = {
     ),
     "include_stop_str_in_output": _bool("vLLM extension: keep the matched stop string."),
     "logit_bias": _nullable({"type": "object", "maxProperties": 0}, _OFF_ONLY),
+    "response_format": _nullable(
+        ref("ResponseFormat"),
+        "Structured output: JSON (any object, or one that validates against a schema). "
+        "At most one of response_format, guided_* and structured_outputs.",
+    ),
+    "guided_json": _nullable(
+        {"anyOf": [{"type": "object"}, {"type": "string"}]},
+        "vLLM extension: a JSON schema (or its text) the output validates against.",
+    ),
+    "guided_regex": _nullable(
+        {"type": "string", "minLength": 1}, "vLLM extension: the output matches this regex."
+    ),
+    "guided_choice": _nullable(
+        {
+            "type": "array",
+            "minItems": 1,
+            "maxItems": 1024,
+            "items": {"type": "string", "minLength": 1},
+        },
+        "vLLM extension: the output is exactly one of these strings.",
+    ),
+    "guided_grammar": _nullable(
+        {"type": "string", "minLength": 1}, "vLLM extension: a Lark grammar (llguidance's dialect)."
+    ),
+    "guided_decoding_backend": _nullable(
+        {"type": "string"}, "vLLM extension; ignored (the engine is llguidance)."
+    ),
+    "structured_outputs": _nullable(
+        {
+            "type": "object",
+            "properties": {
+                "json": {"anyOf": [{"type": "object"}, {"type": "string"}]},
+                "regex": {"type": "string"},
+                "choice": {"type": "array", "items": {"type": "string"}},
+                "grammar": {"type": "string"},
+                "json_object": {"type": "boolean"},
+            },
+        },
+        "vLLM extension: exactly one constraint.",
+    ),
 }
 
 _MAX_TOKENS = "Tokens to generate per completion."
@@ -100,18 +140,18 @@ CHAT_REQUEST: JSON = {
         "max_completion_tokens": _int(1, INT32_MAX, "Same as max_tokens (must agree if both)."),
         "logprobs": _bool("Return each token's log-probability."),
         "top_logprobs": _int(0, 20, "Alternatives per token; requires logprobs: true."),
-        "tools": _nullable({"type": "array", "maxItems": 0}, _OFF_ONLY),
-        "tool_choice": _nullable({"enum": ["none", "auto"]}, _OFF_ONLY),
+        "tools": _nullable(
+            {"type": "array", "maxItems": 128, "items": ref("Tool")},
+            "Functions the model may call; rendered by the model's chat template.",
+        ),
+        "tool_choice": _nullable(
+            {"anyOf": [{"enum": ["none", "auto", "required"]}, ref("NamedToolChoice")]},
+            "Default auto when tools are given. required and a named function are enforced "
+            "with a grammar: the answer is always a call whose arguments match the schema.",
+        ),
+        "parallel_tool_calls": _nullable({"const": True}, "Only true (the default)."),
         "functions": _nullable({"type": "array", "maxItems": 0}, _OFF_ONLY),
         "function_call": _nullable({"enum": ["none", "auto"]}, _OFF_ONLY),
-        "response_format": _nullable(
-            {
-                "type": "object",
-                "required": ["type"],
-                "properties": {"type": {"const": "text"}},
-            },
-            _OFF_ONLY,
-        ),
     },
 }
 
@@ -167,7 +207,7 @@ _USAGE: JSON = {
 }
 
 _FINISH: JSON = {
-    "anyOf": [{"enum": ["stop", "length"]}, {"type": "null"}],
+    "anyOf": [{"enum": ["stop", "length", "tool_calls"]}, {"type": "null"}],
     "description": "null until the choice ends (streaming).",
 }
 _STOP_REASON: JSON = {
@@ -233,6 +273,88 @@ SCHEMAS: JSON = {
                 ],
             },
             "name": {"type": "string"},
+            "tool_calls": {
+                "type": "array",
+                "items": ref("ToolCall"),
+                "description": "Assistant messages: the calls it made (arguments as JSON text).",
+            },
+            "tool_call_id": {
+                "type": "string",
+                "description": "Tool messages: the id of an earlier assistant message's call.",
+            },
+        },
+    },
+    "ResponseFormat": {
+        "type": "object",
+        "required": ["type"],
+        "properties": {
+            "type": {"enum": ["text", "json_object", "json_schema"]},
+            "json_schema": {
+                "type": "object",
+                "required": ["name"],
+                "properties": {
+                    "name": {"type": "string", "pattern": "^[a-zA-Z0-9_.-]{1,64}$"},
+                    "description": {"type": "string"},
+                    "schema": {"type": "object"},
+                    "strict": {"anyOf": [{"type": "boolean"}, {"type": "null"}]},
+                },
+            },
+        },
+    },
+    "Tool": {
+        "type": "object",
+        "required": ["type", "function"],
+        "properties": {
+            "type": {"const": "function"},
+            "function": {
+                "type": "object",
+                "required": ["name"],
+                "properties": {
+                    "name": {"type": "string", "pattern": "^[a-zA-Z0-9_.-]{1,64}$"},
+                    "description": {"type": "string"},
+                    "parameters": {"type": "object", "description": "A JSON schema of an object."},
+                    "strict": {"anyOf": [{"type": "boolean"}, {"type": "null"}]},
+                },
+            },
+        },
+    },
+    "NamedToolChoice": {
+        "type": "object",
+        "required": ["type", "function"],
+        "properties": {
+            "type": {"const": "function"},
+            "function": {
+                "type": "object",
+                "required": ["name"],
+                "properties": {"name": {"type": "string"}},
+            },
+        },
+    },
+    "ToolCall": {
+        "type": "object",
+        "required": ["id", "type", "function"],
+        "properties": {
+            "id": {"type": "string"},
+            "type": {"const": "function"},
+            "function": {
+                "type": "object",
+                "required": ["name", "arguments"],
+                "properties": {"name": {"type": "string"}, "arguments": {"type": "string"}},
+            },
+        },
+    },
+    "ToolCallDelta": {
+        "type": "object",
+        "required": ["index"],
+        "description": "The first delta of a call has id, type and name; later ones add arguments.",
+        "properties": {
+            "index": {"type": "integer"},
+            "id": {"type": "string"},
+            "type": {"const": "function"},
+            "function": {
+                "type": "object",
+                "properties": {"name": {"type": "string"}, "arguments": {"type": "string"}},
+            },
         },
     },
     "TextPart": {
@@ -284,10 +406,17 @@ SCHEMAS: JSON = {
                 "index": {"type": "integer"},
                 "message": {
                     "type": "object",
-                    "properties": {"role": {"const": "assistant"}, "content": {"type": "string"}},
+                    "properties": {
+                        "role": {"const": "assistant"},
+                        "content": {
+                            "anyOf": [{"type": "string"}, {"type": "null"}],
+                            "description": "null when the message is only tool calls.",
+                        },
+                        "tool_calls": {"type": "array", "items": ref("ToolCall")},
+                    },
                 },
                 "logprobs": _CHAT_LOGPROBS,
-                "finish_reason": {"enum": ["stop", "length"]},
+                "finish_reason": {"enum": ["stop", "length", "tool_calls"]},
                 "stop_reason": _STOP_REASON,
             },
         },
@@ -301,7 +430,11 @@ SCHEMAS: JSON = {
                 "index": {"type": "integer"},
                 "delta": {
                     "type": "object",
-                    "properties": {"role": {"const": "assistant"}, "content": {"type": "string"}},
+                    "properties": {
+                        "role": {"const": "assistant"},
+                        "content": {"type": "string"},
+                        "tool_calls": {"type": "array", "items": ref("ToolCallDelta")},
+                    },
                 },
                 "logprobs": _CHAT_LOGPROBS,
                 "finish_reason": _FINISH,

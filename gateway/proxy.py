@@ -169,7 +169,8 @@ class Proxy:
         tok = await view.tokenizers.get(call.gen.model, ref.cache_id)
         if tok is None:
             return
-        ids = prompt_token_ids(tok, call.gen.prompt, call.gen.messages, model=call.gen.model)
+        ids = prompt_token_ids(tok, call.gen.prompt, call.gen.messages, model=call.gen.model,
+                               tools=call.gen.tools)  # fmt: skip
         call.gen.prompt, call.gen.messages = ids, None
         call.prompt_tokens = len(ids)
         bs = ref.block_size

@@ -160,13 +160,14 @@ def prompt_token_ids(
     messages: list[dict[str, Any]] | None,
     *,
     model: str | None = None,
+    tools: list[dict[str, Any]] | None = None,
 ) -> list[int]:
     """The prompt token ids a worker computes for a GenerateRequest(prompt=, messages=).
 
     Mirrors runtime.worker.Worker.prompt_of and runtime.engine.LLMEngine.tokenize_prompt: chat
     messages are rendered with the chat template (add_generation_prompt=True) and encoded without
     special tokens (the template writes the bos itself); a text prompt is encoded with them; token
-    ids pass unchanged. Errors are the worker's 400s (same param, same message). `model` names the
+    ids pass unchanged. `tools` (chat) go to the template as the worker passes them. Errors are the worker's 400s (same param, same message). `model` names the
     model in the no-chat-template message. The one check left to the worker is the upper bound of
     an id (the model's vocabulary, which the gateway does not know); ids must be in int32 range.
 
@@ -177,7 +178,7 @@ def prompt_token_ids(
         if prompt is not None:
             raise invalid("messages", "messages: give either messages or prompt, not both")
         try:
-            text = tok.apply_chat_template(messages, add_generation_prompt=True)
+            text = tok.apply_chat_template(messages, add_generation_prompt=True, tools=tools)
         except NoChatTemplateError as e:
             who = f"model {model!r}" if model is not None else "the model"
             raise invalid(

@@ -51,6 +51,10 @@ class GenerateRequest:
     # the prompt's KV from there instead of computing it (disaggregated prefill/decode)
     operation: str = "text_completion"  # gen_ai.operation.name (chat | text_completion), for
     # the worker's telemetry (a chat the gateway tokenized arrives as a prompt of token ids)
+    tools: list[dict[str, Any]] | None = None  # chat: OpenAI tool objects, rendered by the chat
+    # template (also when the gateway tokenized the chat) and parsed out of the output
+    tool_choice: str | dict[str, Any] | None = None  # "auto" | "none" | "required" |
+    # {"type": "function", "function": {"name": ...}}; required and named are enforced by a grammar
 
     def to_json(self) -> bytes:
         return orjson.dumps(dataclasses.asdict(self))
@@ -94,6 +98,9 @@ class DeltaEvent:
     logprobs: list[TokenLogprob] | None = None  # one per new token, when asked for
     finish_reason: str | None = None  # "stop" | "length" | "abort" once this completion ended
     stop_reason: str | int | None = None  # the stop string or token that ended it
+    tool_calls: list[dict[str, Any]] | None = None  # tool-call deltas in OpenAI's chunk shape
+    # ({"index", "id", "type", "function": {"name", "arguments"}} first, then arguments only);
+    # `text` then holds only the content around the calls
     type: str = "delta"
 
 

@@ -69,8 +69,9 @@ class RequestGrammar:
         """Advance over tokens appended to the output (sampled under this grammar's mask)."""
         self._job, self._rows = None, None
         if not self.matcher.consume_tokens(tokens) and not self.matcher.is_stopped():
-            log.warning("grammar refused generated tokens %s: %s", tokens,
-                        self.matcher.get_error()[:200])  # fmt: skip
+            log.warning(
+                "grammar refused generated tokens %s: %s", tokens, self.matcher.get_error()[:200]
+            )
 
     @property
     def finished(self) -> bool:
@@ -143,7 +144,9 @@ class GrammarCompiler:
         if template is None:
             template = llguidance.LLMatcher(tok, text, log_level=0)
             if template.is_error():
-                raise InvalidRequestError(param, f"invalid constraint: {template.get_error()[:300]}")
+                raise InvalidRequestError(
+                    param, f"invalid constraint: {template.get_error()[:300]}"
+                )
             with self._lock:
                 self.compiled += 1
                 self._cache[text] = template
@@ -161,8 +164,11 @@ class TokenMasks:
 
     def start(self, scheduled: list[ScheduledRequest]) -> None:
         """Start filling the masks of the constrained requests that sample this step."""
-        todo = [(s.request.grammar, s.spec_token_ids) for s in scheduled
-                if s.request.grammar is not None and s.samples]  # fmt: skip
+        todo = [
+            (s.request.grammar, s.spec_token_ids)
+            for s in scheduled
+            if s.request.grammar is not None and s.samples
+        ]
         if not todo:
             return
         rows = np.empty((sum(1 + len(d) for _, d in todo), self.words), dtype=np.int32)

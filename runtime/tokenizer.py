@@ -200,6 +200,17 @@ class Tokenizer:
     def has_chat_template(self) -> bool:
         return bool(self.chat_templates)
 
+    def chat_template_source(self, tools: list[dict[str, Any]] | None = None) -> str:
+        """The chat template `apply_chat_template` uses (the "tool_use" one when tools are
+        given and the model has it); NoChatTemplateError when there is none."""
+        return self._template_source(tools)
+
+    @property
+    def added_tokens(self) -> dict[str, int]:
+        """Added tokens (special or not) as text -> id: markers such as "<tool_call>" or
+        "[TOOL_CALLS]" that are one token."""
+        return {t.content: i for i, t in self._backend.get_added_tokens_decoder().items()}
+
     def _template_source(self, tools: list[dict[str, Any]] | None) -> str:
         if not self.chat_templates:
             raise NoChatTemplateError(

@@ -78,7 +78,7 @@ def worker_ids(folder: Path, prompt: Any, messages: Any, model: str = MODEL) -> 
 
     tok = Tokenizer.from_dir(folder)
     worker = SimpleNamespace(tokenizer=tok, config=SimpleNamespace(model_name=model))
-    req = SimpleNamespace(prompt=prompt, messages=messages)
+    req = SimpleNamespace(prompt=prompt, messages=messages, tools=None)
     raw = Worker.prompt_of(worker, req)  # type: ignore[arg-type]
     engine = SimpleNamespace(
         tokenizer=tok, model=SimpleNamespace(cfg=SimpleNamespace(vocab_size=tok.vocab_size))

@@ -125,7 +125,7 @@ CHAT_INVALID: list[tuple[dict[str, Any], str, str]] = [
     ),
     (_content([{"type": "text", "text": 5}]), "messages[0].content[0].text", "string"),
     (_msg(name=5), "messages[0].name", "string"),
-    (_msg(tool_calls=[{"id": "c1"}]), "messages[0].tool_calls", "not supported"),
+    (_msg(tool_calls=[{"id": "c1"}]), "messages[0].tool_calls", "only assistant"),
     ({"max_completion_tokens": 0}, "max_completion_tokens", f"[1, {I32}]"),
     ({"max_tokens": 5, "max_completion_tokens": 6}, "max_tokens", "max_completion_tokens"),
     ({"logprobs": 1}, "logprobs", "boolean"),
@@ -133,11 +133,12 @@ CHAT_INVALID: list[tuple[dict[str, Any], str, str]] = [
     ({"logprobs": True, "top_logprobs": -1}, "top_logprobs", "[0, 20]"),
     ({"top_logprobs": 2}, "top_logprobs", "requires logprobs: true"),
     ({"logprobs": False, "top_logprobs": 0}, "top_logprobs", "requires logprobs: true"),
-    ({"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools", "not supported"),
-    ({"tool_choice": "required"}, "tool_choice", "not supported"),
+    ({"tools": [{"type": "retrieval"}]}, "tools[0].type", "only 'function'"),
+    ({"tool_choice": "required"}, "tool_choice", "requires tools"),
     ({"functions": [{"name": "f"}]}, "functions", "not supported"),
     ({"function_call": {"name": "f"}}, "function_call", "not supported"),
-    ({"response_format": {"type": "json_object"}}, "response_format", "not supported"),
+    ({"response_format": {"type": "xml"}}, "response_format.type", "json_schema"),
+    # (structured output and tool-calling validation: tests/test_tool_calling.py)
 ]
 
 COMPLETION_INVALID: list[tuple[dict[str, Any], str, str]] = [
@@ -209,6 +210,7 @@ DEFAULT_SAMPLING: dict[str, Any] = {
     "ignore_eos": False,
     "logprobs": None,
     "include_stop_str_in_output": False,
+    "structured_outputs": None,
 }
 
 
@@ -238,8 +240,10 @@ def test_chat_maps_every_field() -> None:
                 "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}],
                 "name": "ann",
             },
-            {"role": "assistant", "content": None},
-            {"role": "tool", "content": "42"},
+            {"role": "assistant", "content": None, "tool_calls": [
+                {"id": "c1", "type": "function", "function": {"name": "f", "arguments": "{}"}}
+            ]},
+            {"role": "tool", "content": "42", "tool_call_id": "c1"},
         ],
         "max_completion_tokens": 64,
         "max_tokens": 64,
@@ -287,13 +291,16 @@ def test_chat_maps_every_field() -> None:
         "ignore_eos": True,
         "logprobs": 4,
         "include_stop_str_in_output": True,
+        "structured_outputs": None,
     }
     assert isinstance(req.sampling["temperature"], float)
     assert req.messages == [
         {"role": "system", "content": "be brief"},
         {"role": "user", "content": "a\nb", "name": "ann"},
-        {"role": "assistant", "content": ""},
-        {"role": "tool", "content": "42"},
+        {"role": "assistant", "content": "", "tool_calls": [
+            {"id": "c1", "type": "function", "function": {"name": "f", "arguments": {}}}
+        ]},
+        {"role": "tool", "content": "42", "tool_call_id": "c1", "name": "f"},
     ]
     assert opts == RequestOptions("chat", "smol", True, True, 3, 4, "u-1")
 

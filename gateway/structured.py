@@ -1,0 +1,297 @@
+"""The request fields of structured output and tool calling, validated at the gateway.
+
+- Output constraints, at most one per request: `response_format` (OpenAI: `text`, `json_object`,
+  `json_schema` with `strict`), vLLM's `guided_json` / `guided_regex` / `guided_choice` /
+  `guided_grammar` (a Lark grammar in llguidance's dialect) and `structured_outputs` (`json`,
+  `regex`, `choice`, `grammar`, `json_object`). Each becomes the worker's
+  `sampling["structured_outputs"]` and is compiled here with llguidance (runtime.structured,
+  torch-free), so an invalid schema or a keyword the engine does not implement is a 400 that
+  names the client's field (`response_format.json_schema.schema`), before any routing.
+- `tools` (functions only) and `tool_choice` ("none", "auto", "required", or a named function);
+  each tool's `parameters` is compiled the same way (400 on `tools[i].function.parameters`).
+  `strict` schemas (response_format and tools) forbid properties they do not list.
+- Chat messages with tool calls: an assistant message's `tool_calls` (their `arguments` JSON
+  text is parsed into an object, which is what chat templates expect) and `tool` messages, whose
+  `tool_call_id` must name a call of an earlier assistant message.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from typing import Any
+
+from gateway.errors import invalid, unsupported
+from gateway.fields import Fields, type_name
+from runtime.sampling_params import InvalidRequestError
+from runtime.structured import StructuredOutputsParams, check, strict_schema
+
+MAX_TOOLS = 128  # tools per request
+_NAME = re.compile(r"^[a-zA-Z0-9_.-]{1,64}$")  # function / schema names (OpenAI's rule, and ".")
+GUIDED_FIELDS = frozenset(
+    {
+        "guided_json",
+        "guided_regex",
+        "guided_choice",
+        "guided_grammar",
+        "guided_decoding_backend",
+        "structured_outputs",
+    }
+)
+
+
+def constraint(f: Fields) -> dict[str, Any] | None:
+    """The request's output constraint as `StructuredOutputsParams` fields, or None."""
+    found: list[tuple[str, StructuredOutputsParams]] = []
+    rf = f.raw("response_format")
+    if rf is not None:
+        spec = _response_format(rf)
+        if spec is not None:
+            found.append(("response_format", spec))
+    guided = {
+        "guided_json": "json",
+        "guided_regex": "regex",
+        "guided_choice": "choice",
+        "guided_grammar": "grammar",
+    }
+    for name, key in guided.items():
+        value = f.raw(name)
+        if value is not None:
+            found.append((name, _spec(name, {key: value})))
+    backend = f.raw("guided_decoding_backend")
+    if backend is not None and not isinstance(backend, str):
+        raise invalid("guided_decoding_backend", "guided_decoding_backend must be a string")
+    so = f.raw("structured_outputs")
+    if so is not None:
+        if not isinstance(so, dict):
+            raise invalid(
+                "structured_outputs", f"structured_outputs must be an object, got {type_name(so)}"
+            )
+        known = {"json", "regex", "choice", "grammar", "json_object"}
+        fields = {k: v for k, v in so.items() if v is not None and v is not False}
+        unknown = set(fields) - known
+        if unknown:
+            raise unsupported(
+                f"structured_outputs.{sorted(unknown)[0]}",
+                f"structured_outputs supports {sorted(known)}",
+            )
+        found.append(("structured_outputs", _spec("structured_outputs", fields)))
+    if len(found) > 1:
+        raise invalid(
+            found[1][0], f"{found[1][0]} and {found[0][0]} both constrain the output; send one"
+        )
+    if not found:
+        return None
+    spec = found[0][1]
+    return {
+        k: getattr(spec, k)
+        for k in ("json", "regex", "choice", "grammar", "json_object")
+        if getattr(spec, k) not in (None, False)
+    }
+
+
+def _response_format(rf: object) -> StructuredOutputsParams | None:
+    if not isinstance(rf, dict):
+        raise invalid("response_format", f"response_format must be an object, got {type_name(rf)}")
+    kind = rf.get("type")
+    if kind == "text":
+        return None
+    if kind == "json_object":
+        return _spec("response_format", {"json_object": True})
+    if kind != "json_schema":
+        raise invalid(
+            "response_format.type",
+            "response_format.type must be one of "
+            f"'text', 'json_object', 'json_schema', got {_short(kind)}",
+        )
+    js = rf.get("json_schema")
+    if not isinstance(js, dict):
+        raise invalid(
+            "response_format.json_schema",
+            "response_format.json_schema must be an object with name and schema",
+        )
+    name = js.get("name")
+    if not isinstance(name, str) or not _NAME.match(name):
+        raise invalid(
+            "response_format.json_schema.name",
+            "response_format.json_schema.name must "
+            "be 1-64 characters of a-z, A-Z, 0-9, '_', '-', '.'",
+        )
+    strict = js.get("strict")
+    if strict is not None and not isinstance(strict, bool):
+        raise invalid(
+            "response_format.json_schema.strict",
+            "response_format.json_schema.strict must be a boolean",
+        )
+    schema = js.get("schema", {"type": "object"})
+    param = "response_format.json_schema.schema"
+    if not isinstance(schema, dict):
+        raise invalid(param, f"{param} must be a JSON schema object, got {type_name(schema)}")
+    return _spec(param, {"json": strict_schema(schema) if strict else schema})
+
+
+def _spec(param: str, fields: dict[str, Any]) -> StructuredOutputsParams:
+    """A compiled-and-checked constraint; 400 naming `param` when llguidance refuses it."""
+    try:
+        spec = StructuredOutputsParams(**fields)
+        check(spec, param)
+    except InvalidRequestError as e:
+        raise invalid(e.param, f"{e.param}: {e.message}") from e
+    except TypeError as e:
+        raise invalid(param, f"{param}: {e}") from e
+    return spec
+
+
+def tools_of(f: Fields) -> tuple[list[dict[str, Any]] | None, str | dict[str, Any] | None]:
+    """(tools, tool_choice) for the worker: None, None when no tools are given."""
+    raw = f.raw("tools")
+    choice = f.raw("tool_choice")
+    parallel = f.raw("parallel_tool_calls")
+    if parallel is not None and parallel is not True:
+        raise unsupported("parallel_tool_calls", "parallel_tool_calls: only true (the default)")
+    if raw is None or raw == []:
+        if choice is None or choice in ("none", "auto"):
+            return None, None
+        raise invalid("tool_choice", "tool_choice requires tools")
+    if not isinstance(raw, list):
+        raise invalid("tools", f"tools must be an array, got {type_name(raw)}")
+    if len(raw) > MAX_TOOLS:
+        raise invalid("tools", f"tools may hold at most {MAX_TOOLS} tools, got {len(raw)}")
+    tools: list[dict[str, Any]] = []
+    names: set[str] = set()
+    for i, tool in enumerate(raw):
+        tools.append(_tool(f"tools[{i}]", tool, names))
+    if choice is None:
+        return tools, "auto"
+    if choice in ("none", "auto", "required"):
+        return tools, choice
+    if isinstance(choice, str):
+        raise invalid(
+            "tool_choice",
+            "tool_choice must be 'none', 'auto', 'required' or "
+            f"{{'type': 'function', 'function': {{'name': ...}}}}, got {_short(choice)}",
+        )
+    if not isinstance(choice, dict) or choice.get("type") != "function":
+        raise invalid(
+            "tool_choice", "a named tool_choice is {'type': 'function', 'function': {'name': ...}}"
+        )
+    fn = choice.get("function")
+    name = fn.get("name") if isinstance(fn, dict) else None
+    if not isinstance(name, str):
+        raise invalid("tool_choice.function.name", "tool_choice.function.name must be a string")
+    if name not in names:
+        raise invalid(
+            "tool_choice.function.name",
+            f"tool_choice names function {_short(name)}, "
+            f"which is not among tools ({sorted(names)})",
+        )
+    return tools, {"type": "function", "function": {"name": name}}
+
+
+def _tool(where: str, tool: object, names: set[str]) -> dict[str, Any]:
+    if not isinstance(tool, dict):
+        raise invalid(where, f"{where} must be an object, got {type_name(tool)}")
+    if tool.get("type") != "function":
+        raise unsupported(f"{where}.type", f"{where}.type: only 'function' tools are supported")
+    fn = tool.get("function")
+    if not isinstance(fn, dict):
+        raise invalid(f"{where}.function", f"{where}.function must be an object")
+    name = fn.get("name")
+    if not isinstance(name, str) or not _NAME.match(name):
+        raise invalid(
+            f"{where}.function.name",
+            f"{where}.function.name must be 1-64 characters of a-z, A-Z, 0-9, '_', '-', '.'",
+        )
+    if name in names:
+        raise invalid(f"{where}.function.name", f"{where}.function.name: {name!r} is given twice")
+    names.add(name)
+    out: dict[str, Any] = {"name": name}
+    desc = fn.get("description")
+    if desc is not None:
+        if not isinstance(desc, str):
+            raise invalid(
+                f"{where}.function.description", f"{where}.function.description must be a string"
+            )
+        out["description"] = desc
+    params = fn.get("parameters")
+    param = f"{where}.function.parameters"
+    if params is None:
+        params = {"type": "object", "properties": {}}
+    if not isinstance(params, dict):
+        raise invalid(param, f"{param} must be a JSON schema object, got {type_name(params)}")
+    if params.get("type", "object") != "object":
+        raise invalid(param, f"{param} must describe an object (type 'object')")
+    strict = fn.get("strict")
+    if strict is not None and not isinstance(strict, bool):
+        raise invalid(f"{where}.function.strict", f"{where}.function.strict must be a boolean")
+    out["parameters"] = strict_schema(params) if strict else params
+    _spec(param, {"json": out["parameters"]})
+    return {"type": "function", "function": out}
+
+
+def tool_message_fields(
+    where: str, msg: dict[str, Any], role: str, calls: dict[str, str]
+) -> dict[str, Any]:
+    """The tool-calling fields of message `msg` for the chat template: an assistant's
+    `tool_calls` (ids recorded in `calls`, id -> function name), a tool message's
+    `tool_call_id` (and the function's `name`)."""
+    out: dict[str, Any] = {}
+    raw = msg.get("tool_calls")
+    if raw is not None and raw != []:
+        if role != "assistant":
+            raise invalid(
+                f"{where}.tool_calls",
+                f"{where}.tool_calls: only assistant messages carry tool calls",
+            )
+        if not isinstance(raw, list):
+            raise invalid(f"{where}.tool_calls", f"{where}.tool_calls must be an array")
+        out["tool_calls"] = [_call(f"{where}.tool_calls[{j}]", c, calls) for j, c in enumerate(raw)]
+    if role == "tool":
+        cid = msg.get("tool_call_id")
+        if not isinstance(cid, str) or not cid:
+            raise invalid(
+                f"{where}.tool_call_id",
+                f"{where}.tool_call_id is required for role 'tool' (the id of the call it answers)",
+            )
+        if cid not in calls:
+            raise invalid(
+                f"{where}.tool_call_id",
+                f"{where}.tool_call_id {_short(cid)} matches "
+                "no tool call of an earlier assistant message",
+            )
+        out["tool_call_id"] = cid
+        out["name"] = calls[cid]
+    return out
+
+
+def _call(where: str, call: object, calls: dict[str, str]) -> dict[str, Any]:
+    if not isinstance(call, dict):
+        raise invalid(where, f"{where} must be an object, got {type_name(call)}")
+    cid = call.get("id")
+    if not isinstance(cid, str) or not cid:
+        raise invalid(f"{where}.id", f"{where}.id must be a non-empty string")
+    if call.get("type", "function") != "function":
+        raise unsupported(f"{where}.type", f"{where}.type: only 'function' calls are supported")
+    fn = call.get("function")
+    if not isinstance(fn, dict) or not isinstance(fn.get("name"), str):
+        raise invalid(f"{where}.function", f"{where}.function must be an object with a name")
+    args = fn.get("arguments", "{}")
+    try:
+        parsed = json.loads(args) if isinstance(args, str) else None
+    except json.JSONDecodeError as e:
+        raise invalid(
+            f"{where}.function.arguments", f"{where}.function.arguments is not valid JSON: {e}"
+        ) from e
+    if not isinstance(parsed, dict):
+        raise invalid(
+            f"{where}.function.arguments",
+            f"{where}.function.arguments must be a JSON object, as text",
+        )
+    calls[cid] = fn["name"]
+    return {"id": cid, "type": "function", "function": {"name": fn["name"], "arguments": parsed}}
+
+
+def _short(value: object) -> str:
+    if isinstance(value, str):
+        return repr(value) if len(value) <= 40 else "a long string"
+    return type_name(value)

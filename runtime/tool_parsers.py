@@ -1,0 +1,421 @@
+"""Tool calls in a model's own output format: parsed from text as it streams, and enforced.
+
+Formats (a parser per model family, picked by name or from the chat template's text):
+
+    hermes       Hermes, Qwen 2/2.5/3:  <tool_call>\\n{"name": ..., "arguments": {...}}\\n</tool_call>
+                 (one block per call; text before the first block is content)
+    llama3_json  Llama 3.1-3.3:  {"name": ..., "parameters": {...}}  (the whole output; several
+                 calls separated by "; "; an optional <|python_tag|> first)
+    mistral      Mistral:  [TOOL_CALLS][{"name": ..., "arguments": {...}}, ...]  (the array form;
+                 the v11 form `[TOOL_CALLS]name[ARGS]{...}` is not parsed)
+
+`ToolParser.parse(text, final)` reads the whole output so far and returns the content and the
+calls seen so far, each with its name (once the name is complete) and its arguments' raw JSON
+text so far; `ToolCallStream` diffs consecutive parses into OpenAI deltas (content text, then per
+call `{"index", "id", "type", "function": {"name", "arguments"}}` once its name is known and
+`{"index", "function": {"arguments": more}}` as the arguments grow). A non-streamed answer is the
+sum of the same deltas, so both answers agree by construction. Arguments are the model's own
+JSON text, not re-serialized. Content that may still turn out to be the start of a call (a
+partial marker, trailing whitespace before a call) is held back; at the end, a tool region in
+which no call parsed is given back as content.
+
+`tool_choice` "required" or a named function is enforced with a Lark grammar (llguidance) in the
+same format: the marker text (or the marker's own special token, when the tokenizer has it) and
+a JSON schema per tool, `{"name": {"const": ...}, "arguments": <the tool's parameters>}`, so the
+output always parses into the declared arguments schema.
+
+Torch-free (the worker imports it; tests drive it directly).
+"""
+
+from __future__ import annotations
+
+import json
+import secrets
+from dataclasses import dataclass, field
+from typing import Any
+
+from runtime.structured import JSON_OPTIONS
+
+PARSERS = ("hermes", "llama3_json", "mistral")
+
+
+@dataclass(slots=True)
+class ParsedCall:
+    """One tool call as parsed so far."""
+
+    name: str | None  # None until the name's string is complete
+    arguments: str  # the arguments' JSON text so far (complete once `complete`)
+    complete: bool  # the call's object is closed
+
+
+class ToolParser:
+    """One model family's tool-call format (see the module docstring)."""
+
+    name = ""
+    marker = ""  # text that opens the tool region ("" for llama3_json: it starts with "{")
+    arg_keys: tuple[str, ...] = ("arguments", "parameters")
+    marker_token_id: int | None = None  # the marker's special token, when the tokenizer has it
+
+    def parse(self, text: str, final: bool) -> tuple[str, list[ParsedCall], bool]:
+        """(content, calls, in_tool_region) for the output text so far."""
+        raise NotImplementedError
+
+    def grammar(self, tools: list[dict[str, Any]], only: str | None) -> str:
+        """A Lark grammar for one or more calls of `tools` (exactly one of `only` if given)."""
+        raise NotImplementedError
+
+    # helpers shared by the formats
+    def _call_schema(self, tools: list[dict[str, Any]], only: str | None) -> dict[str, Any]:
+        args_key = self.arg_keys[0]
+        options = []
+        for t in tools:
+            fn = t["function"]
+            if only is not None and fn["name"] != only:
+                continue
+            params = fn.get("parameters") or {"type": "object", "properties": {}}
+            options.append(
+                {
+                    "type": "object",
+                    "properties": {"name": {"const": fn["name"]}, args_key: params},
+                    "required": ["name", args_key],
+                    "additionalProperties": False,
+                }
+            )
+        schema: dict[str, Any] = options[0] if len(options) == 1 else {"anyOf": options}
+        return {**schema, "x-guidance": JSON_OPTIONS}
+
+    def _marker_lark(self) -> str:
+        if self.marker_token_id is not None:
+            return f"<[{self.marker_token_id}]>"
+        return json.dumps(self.marker)
+
+
+class HermesParser(ToolParser):
+    name = "hermes"
+    marker = "<tool_call>"
+    end = "</tool_call>"
+
+    def parse(self, text: str, final: bool) -> tuple[str, list[ParsedCall], bool]:
+        start = text.find(self.marker)
+        if start < 0:
+            return text[: len(text) - (0 if final else _partial(text, self.marker))], [], False
+        calls: list[ParsedCall] = []
+        pos = start
+        while (j := text.find(self.marker, pos)) >= 0:
+            body_start = j + len(self.marker)
+            k = text.find(self.end, body_start)
+            calls += _calls_in(text[body_start : k if k >= 0 else len(text)], self.arg_keys)
+            if k < 0:
+                break
+            pos = k + len(self.end)
+        return text[:start], calls, True
+
+    def grammar(self, tools: list[dict[str, Any]], only: str | None) -> str:
+        call = f'call: {self._marker_lark()} "\\n" body "\\n" {json.dumps(self.end)}'
+        start = "start: call" if only else 'start: call ("\\n" call)*'
+        return f"{start}\n{call}\nbody: %json {json.dumps(self._call_schema(tools, only))}\n"
+
+
+class Llama3JsonParser(ToolParser):
+    name = "llama3_json"
+    marker = "<|python_tag|>"
+    arg_keys = ("parameters", "arguments")
+
+    def parse(self, text: str, final: bool) -> tuple[str, list[ParsedCall], bool]:
+        body = text.lstrip()
+        if body.startswith(self.marker):
+            body = body[len(self.marker) :]
+        elif not final and self.marker.startswith(body):
+            return "", [], False  # maybe the tag, still arriving (or only whitespace)
+        if not body.lstrip().startswith("{"):
+            return text, [], False
+        return "", _calls_in(body, self.arg_keys), True
+
+    def grammar(self, tools: list[dict[str, Any]], only: str | None) -> str:
+        start = "start: body" if only else 'start: body ("; " body)*'
+        return f"{start}\nbody: %json {json.dumps(self._call_schema(tools, only))}\n"
+
+
+class MistralParser(ToolParser):
+    name = "mistral"
+    marker = "[TOOL_CALLS]"
+
+    def parse(self, text: str, final: bool) -> tuple[str, list[ParsedCall], bool]:
+        start = text.find(self.marker)
+        if start < 0:
+            return text[: len(text) - (0 if final else _partial(text, self.marker))], [], False
+        return text[:start], _calls_in(text[start + len(self.marker) :], self.arg_keys), True
+
+    def grammar(self, tools: list[dict[str, Any]], only: str | None) -> str:
+        array: dict[str, Any] = {
+            "type": "array",
+            "items": self._call_schema(tools, only),
+            "minItems": 1,
+            "x-guidance": JSON_OPTIONS,
+        }
+        if only:
+            array["maxItems"] = 1
+        return f"start: {self._marker_lark()} body\nbody: %json {json.dumps(array)}\n"
+
+
+_CLASSES: dict[str, type[ToolParser]] = {
+    "hermes": HermesParser,
+    "llama3_json": Llama3JsonParser,
+    "mistral": MistralParser,
+}
+
+
+def make_parser(name: str | None, template: str, special: dict[str, int]) -> ToolParser:
+    """The parser named `name`, or the one the chat template's text points to (hermes when it
+    names none). `special`: the tokenizer's special tokens as text -> id, so a marker that is one
+    token is enforced as that token."""
+    if name is None:
+        if "[TOOL_CALLS]" in template:
+            name = "mistral"
+        elif "<|python_tag|>" in template or '"parameters": dictionary' in template:
+            name = "llama3_json"
+        else:
+            name = "hermes"
+    if name not in _CLASSES:
+        raise ValueError(f"tool-call parser must be one of {PARSERS}, got {name!r}")
+    parser = _CLASSES[name]()
+    parser.marker_token_id = special.get(parser.marker)
+    return parser
+
+
+def tool_grammar(parser: ToolParser, tools: list[dict[str, Any]], choice: object) -> str | None:
+    """The grammar `tool_choice` asks for: None for "auto" / "none" (free text, parsed after),
+    a grammar for "required" (one or more calls) or a named function (exactly that call)."""
+    if choice == "required":
+        return parser.grammar(tools, None)
+    if isinstance(choice, dict):
+        return parser.grammar(tools, choice["function"]["name"])
+    return None
+
+
+@dataclass(slots=True)
+class _Sent:
+    id: str  # the call's id, as the client will send it back in a `tool` message
+    arguments: int = 0  # characters of arguments sent
+
+
+@dataclass(slots=True)
+class ToolCallStream:
+    """One completion's output turned into content and tool-call deltas (OpenAI shapes)."""
+
+    parser: ToolParser
+    text: str = ""  # the output so far, with the marker's text where its special token was
+    content_sent: int = 0  # characters of content sent
+    calls: list[_Sent] = field(default_factory=list)
+
+    def feed(
+        self, text: str, token_ids: list[int], final: bool
+    ) -> tuple[str, list[dict[str, Any]]]:
+        """Take a step's text (and its tokens); return (content delta, tool-call deltas)."""
+        marker_id = self.parser.marker_token_id
+        if marker_id is not None and marker_id in token_ids and self.parser.marker not in text:
+            text = self.parser.marker + text  # the detokenizer drops special tokens' text
+        self.text += text
+        content, calls, in_region = self.parser.parse(self.text, final)
+        named = any(c.name is not None for c in calls)
+        if final and in_region and not named:
+            content = self.text  # a tool region in which no call parsed: text after all
+        elif not final or named:
+            content = content.rstrip()  # whitespace before a call is not content
+        deltas: list[dict[str, Any]] = []
+        for i, call in enumerate(calls):
+            if call.name is None:
+                break  # calls are announced in order, each once its name is known
+            if i == len(self.calls):
+                self.calls.append(_Sent(f"call_{secrets.token_hex(12)}"))
+                deltas.append(
+                    {
+                        "index": i,
+                        "id": self.calls[i].id,
+                        "type": "function",
+                        "function": {"name": call.name, "arguments": call.arguments},
+                    }
+                )
+                self.calls[i].arguments = len(call.arguments)
+            elif len(call.arguments) > self.calls[i].arguments:
+                more = call.arguments[self.calls[i].arguments :]
+                deltas.append({"index": i, "function": {"arguments": more}})
+                self.calls[i].arguments = len(call.arguments)
+        delta = content[self.content_sent :] if len(content) > self.content_sent else ""
+        self.content_sent += len(delta)
+        return delta, deltas
+
+
+# ----------------------------------------------------------------------------- JSON scanning
+_WS = " \t\n\r"
+
+
+def _partial(text: str, marker: str) -> int:
+    """Length of the longest suffix of `text` that is a proper prefix of `marker`."""
+    for n in range(min(len(marker) - 1, len(text)), 0, -1):
+        if text.endswith(marker[:n]):
+            return n
+    return 0
+
+
+def _skip_ws(s: str, i: int) -> int:
+    while i < len(s) and s[i] in _WS:
+        i += 1
+    return i
+
+
+def _scan_string(s: str, i: int) -> int | None:
+    """End (exclusive) of the JSON string starting at s[i] == '"'; None if unterminated."""
+    j = i + 1
+    while j < len(s):
+        c = s[j]
+        if c == "\\":
+            j += 2
+            continue
+        if c == '"':
+            return j + 1
+        j += 1
+    return None
+
+
+def _scan_value(s: str, i: int) -> int | None:
+    """End (exclusive) of the JSON value starting at s[i]; None if it is not complete yet."""
+    c = s[i]
+    if c == '"':
+        return _scan_string(s, i)
+    if c in "{[":
+        depth, j = 0, i
+        while j < len(s):
+            c = s[j]
+            if c == '"':
+                end = _scan_string(s, j)
+                if end is None:
+                    return None
+                j = end
+                continue
+            if c in "{[":
+                depth += 1
+            elif c in "}]":
+                depth -= 1
+                if depth == 0:
+                    return j + 1
+            j += 1
+        return None
+    j = i
+    while j < len(s) and s[j] not in ",}]" + _WS:
+        j += 1
+    return j if j < len(s) else None  # a scalar at the very end may still grow
+
+
+def _calls_in(s: str, arg_keys: tuple[str, ...]) -> list[ParsedCall]:
+    """The call objects in `s`, separated by whitespace, ',' ';' or inside '[ ]'."""
+    calls: list[ParsedCall] = []
+    i = 0
+    while True:
+        while i < len(s) and s[i] in _WS + ",;[]":
+            i += 1
+        if i >= len(s) or s[i] != "{":
+            return calls
+        end = _scan_value(s, i)
+        call = _call(s[i : len(s) if end is None else end], arg_keys)
+        if call is None:
+            return calls
+        calls.append(call)
+        if end is None:
+            return calls
+        i = end
+
+
+def _call(s: str, arg_keys: tuple[str, ...]) -> ParsedCall | None:
+    """The name and arguments of the (possibly partial) object `s` (s[0] == "{")."""
+    name: str | None = None
+    args = ""
+    i = 1
+    while True:
+        i = _skip_ws(s, i)
+        if i >= len(s):
+            return ParsedCall(name, args, False)
+        if s[i] == "}":
+            return ParsedCall(name, args, True)
+        if s[i] == ",":
+            i += 1
+            continue
+        if s[i] != '"':
+            return None
+        key_end = _scan_string(s, i)
+        if key_end is None:
+            return ParsedCall(name, args, False)
+        key = json.loads(s[i:key_end])
+        i = _skip_ws(s, key_end)
+        if i >= len(s):
+            return ParsedCall(name, args, False)
+        if s[i] != ":":
+            return None
+        i = _skip_ws(s, i + 1)
+        if i >= len(s):
+            return ParsedCall(name, args, False)
+        end = _scan_value(s, i)
+        if key == "name" and end is not None:
+            value = json.loads(s[i:end])
+            name = value if isinstance(value, str) else None
+        elif key in arg_keys and not args:
+            if s[i] == "{":  # streamed as it grows
+                args = s[i : len(s) if end is None else end]
+            elif end is not None:  # a string holding JSON, or another value: whole
+                value = json.loads(s[i:end])
+                args = value if isinstance(value, str) else json.dumps(value)
+        if end is None:
+            return ParsedCall(name, args, False)
+        i = end
+
+
+class RequestTools:
+    """A chat request's tools on the worker: the grammar its `tool_choice` asks for, and one
+    `ToolCallStream` per completion (None for a request without tools or with "none")."""
+
+    def __init__(self, parser: ToolParser, tools: list[dict[str, Any]], choice: object) -> None:
+        self.parser = parser
+        self.tools = tools  # OpenAI tool objects, validated by the gateway
+        self.choice = choice  # "auto" | "required" | {"type": "function", "function": {...}}
+        self.streams: dict[int, ToolCallStream] = {}  # completion index -> its stream
+
+    @classmethod
+    def of(
+        cls,
+        tools: list[dict[str, Any]] | None,
+        choice: object,
+        tokenizer: Any,
+        parser_name: str | None,
+    ) -> RequestTools | None:
+        """`tokenizer`: the model's runtime.tokenizer.Tokenizer (its template picks the format
+        unless `parser_name` names one)."""
+        if not tools or choice == "none":
+            return None
+        try:
+            template = tokenizer.chat_template_source(tools)
+        except ValueError:  # no chat template (a prompt of token ids): the default format
+            template = ""
+        return cls(make_parser(parser_name, template, tokenizer.added_tokens), tools, choice)
+
+    def constrain(self, params: Any) -> None:
+        """Set the grammar of "required" or a named function on `params` (SamplingParams)."""
+        from runtime.sampling_params import InvalidRequestError
+        from runtime.structured import StructuredOutputsParams
+
+        grammar = tool_grammar(self.parser, self.tools, self.choice)
+        if grammar is None:
+            return
+        if params.structured_outputs is not None:
+            raise InvalidRequestError(
+                "tool_choice",
+                "a required or named tool_choice cannot be combined with response_format or "
+                "another output constraint",
+            )
+        params.structured_outputs = StructuredOutputsParams(grammar=grammar)
+
+    def delta(
+        self, index: int, text: str, token_ids: list[int], final: bool
+    ) -> tuple[str, list[dict[str, Any]]]:
+        """A completion's step output as (content delta, tool-call deltas)."""
+        stream = self.streams.setdefault(index, ToolCallStream(self.parser))
+        return stream.feed(text, token_ids, final)
