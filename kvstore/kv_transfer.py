@@ -104,7 +104,12 @@ class KVPages:
     """A worker's KV cache tensor seen as blocks: read or write whole blocks of a layer range.
 
     `kv` is (layers, 2, num_blocks * block_size, kv_heads, head_dim), keys then values.
+    `direct`: `runs` are the cache's own memory, which a pull may land in; a subclass whose
+    cache is spread over processes (runtime.ranks.RankedKVPages) has copies, landed through
+    `write`.
     """
+
+    direct = True
 
     def __init__(self, kv: torch.Tensor, block_size: int) -> None:
         if kv.dim() != 5 or kv.shape[1] != 2 or kv.shape[2] % block_size:
@@ -573,9 +578,9 @@ async def _land(conn: FrameConn, pages: KVPages, layers: slice, blocks: list[int
     """Receive a DATA payload into its blocks (straight into the cache where they are
     consecutive, else through one buffer and a scatter) and check its checksum, hashing each
     chunk while the next one arrives."""
-    views = pages.runs(layers, blocks)
+    views = pages.runs(layers, blocks) if pages.direct else []
     staged = None
-    if h.length < MIN_RUN_BYTES * len(views):
+    if not pages.direct or h.length < MIN_RUN_BYTES * len(views):
         staged = bytearray(h.length)
         views = [memoryview(staged)]
     digest = xxhash.xxh3_64()

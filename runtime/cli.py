@@ -78,6 +78,16 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--spec-max-batch-tokens", type=int, default=32,
                    help="no speculation when a step's decodes with drafts would exceed this "
                    "many tokens (default 32)")  # fmt: skip
+    p.add_argument("--tp", type=int, default=1,
+                   help="tensor-parallel ranks: attention heads, MLP rows and vocabulary split "
+                   "(default 1)")  # fmt: skip
+    p.add_argument("--pp", type=int, default=1,
+                   help="pipeline-parallel stages: layers split, balanced by cost (default 1)")  # fmt: skip
+    p.add_argument("--ep", type=int, default=1,
+                   help="expert-parallel ranks of a mixture-of-experts model; with --tp above 1, "
+                   "equal to it (default 1)")  # fmt: skip
+    p.add_argument("--dist-port", type=int, default=None,
+                   help="127.0.0.1 port where the ranks meet (default: a free one)")  # fmt: skip
 
 
 def _sampling_args(p: argparse.ArgumentParser) -> None:
@@ -100,6 +110,10 @@ def engine_kwargs(args: argparse.Namespace) -> dict[str, object]:
         "max_num_batched_tokens": args.max_num_batched_tokens,
         "max_model_len": args.max_model_len,
         "num_threads": args.threads,
+        "tp": args.tp,
+        "pp": args.pp,
+        "ep": args.ep,
+        "dist_port": args.dist_port,
         "speculative": None
         if args.speculative is None
         else {
@@ -114,6 +128,20 @@ def engine_kwargs(args: argparse.Namespace) -> dict[str, object]:
     }
 
 
+def start_weights_early(model_dir: str, args: argparse.Namespace):  # type: ignore[no-untyped-def]
+    """Start reading the weights as soon as the model folder is known (the imports and the
+    engine's set-up go on meanwhile); split over ranks with --tp/--pp/--ep, the other ranks
+    started first. A setting the model cannot take stops us here, before anything is served."""
+    if args.tp * args.pp * args.ep == 1:
+        from runtime.loader import start_load
+
+        return start_load(model_dir, args.dtype)
+    from runtime.config import EngineConfig
+    from runtime.ranks import start_weights
+
+    return start_weights(EngineConfig(model=model_dir, **engine_kwargs(args)))  # type: ignore[arg-type]
+
+
 def _build_llm(args: argparse.Namespace):  # type: ignore[no-untyped-def]
     # As `edgeinfer worker` starts (service_cli.cmd_worker): no cyclic garbage collection while
     # starting (torch and the engine allocate hundreds of thousands of objects and no garbage to
@@ -124,9 +152,7 @@ def _build_llm(args: argparse.Namespace):  # type: ignore[no-untyped-def]
     gc.disable()
     t0 = time.monotonic()
     model_dir = _model_dir(args.model, args.store)
-    from runtime.loader import start_load
-
-    weights = start_load(model_dir, args.dtype)
+    weights = start_weights_early(model_dir, args)
     from runtime.llm import LLM
 
     llm = LLM(model_dir, weights=weights, **engine_kwargs(args))

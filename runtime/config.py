@@ -361,6 +361,7 @@ class EngineConfig:
     tp: int = 1  # tensor-parallel ranks (runtime.parallel); the worker starts them itself
     pp: int = 1  # pipeline-parallel stages
     ep: int = 1  # expert-parallel ranks (a mixture-of-experts model's experts spread)
+    dist_port: int | None = None  # 127.0.0.1 port where the ranks meet; None: a free one
 
     def __post_init__(self) -> None:
         from runtime.parallel import ParallelConfig  # it imports this module

@@ -31,6 +31,7 @@ from kvstore.kv_transfer import (
 )
 from runtime.async_engine import AsyncLLM, RequestStream
 from runtime.engine import RequestGroup
+from runtime.ranks import RankedKVPages
 from runtime.sampling_params import SamplingParams
 from runtime.telemetry import WorkerTelemetry
 
@@ -44,7 +45,11 @@ class KVCacheFullError(RuntimeError):
 
 
 def kv_pages(llm: AsyncLLM) -> KVPages:
-    return KVPages(llm.engine.runner.kv, llm.engine.config.block_size)
+    """The engine's KV cache as KV transfer sees it: whole, however many ranks hold it."""
+    runner = llm.engine.runner
+    if runner.ranks is not None:
+        return RankedKVPages(runner, runner.ranks)
+    return KVPages(runner.kv, llm.engine.config.block_size)
 
 
 def export_server(

@@ -30,9 +30,9 @@ from runtime.detokenizer import IncrementalDetokenizer
 from runtime.draft import DraftProposer
 from runtime.kv_cache import BlockManager
 from runtime.loader import PendingLoad, model_revision
-from runtime.ranks import start_weights
 from runtime.model_runner import ModelRunner, kv_block_bytes
 from runtime.outputs import CompletionOutput, RequestOutput
+from runtime.ranks import start_weights
 from runtime.request import Request, RequestStatus
 from runtime.sampling_params import InvalidRequestError, SamplingParams
 from runtime.scheduler import QueueFullError, Scheduler, StepResult

@@ -21,7 +21,7 @@ import torch
 from kernels import cpu_ext
 from kernels.attention import DecodeGroup, PagedAttentionMetadata, PrefillChunk
 from runtime.model import LlamaForCausalLM, StepContext
-from runtime.ranks import Plan, RankGroup, run_step
+from runtime.ranks import RankGroup
 from runtime.sampler import Sampler, SamplingState, TokenLogprobs, apply_token_bitmask
 from runtime.scheduler import ScheduledRequest, SchedulerOutput
 from runtime.shard_reader import Arena
@@ -84,11 +84,9 @@ class ModelRunner:
         # heads. Zeros (a padded decode reads unwritten slots, masked: they must not hold NaN),
         # from the kernel's zero pages: nothing is written now, a page is committed when a block
         # first uses it.
-        attn = next(model.layers[i].self_attn for i in model.local_layers)
-        self.kv_heads = (attn.kv_first // cfg.head_dim, attn.n_kv_heads)  # (first, count)
-        layers = len(model.local_layers)
-        shape = (layers, 2, num_blocks * block_size, attn.n_kv_heads, cfg.head_dim)
-        nbytes = layers * 2 * num_blocks * block_size * attn.kv_size * model.dtype.itemsize
+        heads, layers = len(model.kv_head_range), len(model.local_layers)
+        shape = (layers, 2, num_blocks * block_size, heads, cfg.head_dim)
+        nbytes = layers * 2 * num_blocks * block_size * heads * cfg.head_dim * model.dtype.itemsize
         self.kv = Arena(nbytes).tensor()[:nbytes].view(model.dtype).view(shape)
         self.kv_caches = [(self.kv[i, 0], self.kv[i, 1]) for i in range(layers)]
         self.sampler = Sampler()
@@ -274,8 +272,7 @@ class ModelRunner:
         mine, local = self._local_layers(layers)
         blocks = self._blocks()[local]
         data = blocks.index_select(2, torch.tensor(block_ids, dtype=torch.int64))
-        first, count = self.kv_heads
-        return mine, range(first, first + count), data
+        return mine, self.model.kv_head_range, data
 
     def kv_write_local(self, layers: slice, block_ids: list[int], data: torch.Tensor) -> None:
         """Write this rank's share (as `kv_read` gives it) of blocks `block_ids`."""

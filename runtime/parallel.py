@@ -21,7 +21,6 @@ with its process groups once torch.distributed is up.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-
 from typing import TYPE_CHECKING
 
 import torch.distributed as dist

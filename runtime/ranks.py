@@ -35,7 +35,7 @@ import socket
 import threading
 import time
 import traceback
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any
@@ -43,6 +43,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.distributed as dist
 
+from kvstore.kv_transfer import KVLayout, KVPages
 from runtime.config import ModelConfig
 from runtime.parallel import ParallelConfig, RankPlace
 
@@ -50,6 +51,7 @@ if TYPE_CHECKING:
     from runtime.config import EngineConfig
     from runtime.loader import PendingLoad
     from runtime.model import LlamaForCausalLM, StepContext
+    from runtime.model_runner import ModelRunner
 
 log = logging.getLogger("edgeinfer.ranks")
 
@@ -165,7 +167,9 @@ def _follow(model: LlamaForCausalLM) -> None:
             data = runner.kv_read(layers, block_ids)
             dist.gather_object(data, None, dst=0)
         elif op == "kv_write":
-            runner.kv_write_local(command[1], command[2], command[3])
+            part: list[Any] = [None]
+            dist.scatter_object_list(part, None, src=0)
+            runner.kv_write_local(command[1], command[2], part[0])
             dist.barrier()
         elif op == "stop":
             return
@@ -222,7 +226,7 @@ def run_step(
 class RankGroup:
     """Rank 0's handle on its followers: the commands it sends, and their liveness."""
 
-    def __init__(self, spec: RankSpec, procs: list[mp.process.BaseProcess]):
+    def __init__(self, spec: RankSpec, procs: Sequence[mp.process.BaseProcess]):
         self.spec = spec
         self.procs = procs  # procs[i] is rank i + 1
         self.failed: str | None = None
@@ -294,6 +298,7 @@ class RankGroup:
 
     def kv_read(self, layers: slice, block_ids: list[int], local: Callable[[], Any]) -> list[Any]:
         """Every rank's `kv_read(layers, block_ids)`, rank 0's from `local`; in rank order."""
+
         def run() -> list[Any]:
             self._command(("kv_read", layers, block_ids))
             parts: list[Any] = [None] * self.world_size
@@ -305,10 +310,12 @@ class RankGroup:
     def kv_write(self, layers: slice, block_ids: list[int], parts: list[Any],
                  local: Callable[[Any], None]) -> None:  # fmt: skip
         """Rank r writes parts[r] (its layers and heads of the blocks)."""
+
         def run() -> None:
-            for rank in range(1, self.world_size):  # each its own part only
-                dist.broadcast_object_list([("kv_write", layers, block_ids, parts[rank])], src=0)
-            local(parts[0])
+            self._command(("kv_write", layers, block_ids))
+            mine: list[Any] = [None]
+            dist.scatter_object_list(mine, parts, src=0)  # each rank its own part only
+            local(mine[0])
             dist.barrier()
 
         self._guard(run)
@@ -330,7 +337,69 @@ class RankGroup:
             dist.destroy_process_group()
 
 
-def start_weights(config: EngineConfig, port: int | None = None) -> PendingLoad:
+class RankedKVPages(KVPages):
+    """The KV cache of a model split over ranks, seen whole by KV transfer: every layer and KV
+    head in the one-rank layout, so that workers split differently (or not at all) exchange
+    blocks. A read gathers each rank's layers and heads of the blocks to rank 0; a write
+    scatters them back. Each is one command to the ranks, taken between steps."""
+
+    direct = False
+
+    def __init__(self, runner: ModelRunner, ranks: RankGroup) -> None:
+        cfg = runner.model.cfg
+        dtype = str(runner.model.dtype).removeprefix("torch.")
+        self.layout = KVLayout(cfg.num_layers, runner.block_size, cfg.num_kv_heads, cfg.head_dim,
+                               dtype)  # fmt: skip
+        self.runner, self.ranks = runner, ranks
+        self._shares: list[tuple[range, range]] | None = None  # per rank: layers, KV heads
+
+    def shares(self) -> list[tuple[range, range]]:
+        """Every rank's layers and KV heads, asked of the ranks once."""
+        if self._shares is None:
+            whole = slice(0, self.layout.num_layers)
+            parts = self.ranks.kv_read(whole, [], lambda: self.runner.kv_read(whole, []))
+            self._shares = [(layers, heads) for layers, heads, _ in parts]
+        return self._shares
+
+    def runs(self, layers: slice, block_ids: list[int]) -> list[memoryview]:
+        data = self.read(layers, block_ids)
+        return [memoryview(data.numpy()).cast("B")]  # type: ignore[arg-type]
+
+    def read(self, layers: slice, block_ids: list[int]) -> torch.Tensor:
+        lay = self.layout
+        first, count = (
+            layers.indices(lay.num_layers)[0],
+            len(range(*layers.indices(lay.num_layers))),
+        )
+        out = torch.empty(count, 2, len(block_ids), lay.block_size, lay.num_kv_heads, lay.head_dim,
+                          dtype=getattr(torch, lay.dtype))  # fmt: skip
+        parts = self.ranks.kv_read(layers, block_ids,
+                                   lambda: self.runner.kv_read(layers, block_ids))  # fmt: skip
+        for mine, heads, data in parts:  # a replicated KV head is written by each holder alike
+            out[mine.start - first : mine.stop - first, :, :, :, heads.start : heads.stop] = data
+        return out
+
+    def write(self, layers: slice, block_ids: list[int],
+              payload: bytes | bytearray | memoryview) -> None:  # fmt: skip
+        lay = self.layout
+        first, count = (
+            layers.indices(lay.num_layers)[0],
+            len(range(*layers.indices(lay.num_layers))),
+        )
+        flat = torch.frombuffer(bytearray(payload), dtype=getattr(torch, lay.dtype))
+        data = flat.view(count, 2, len(block_ids), lay.block_size, lay.num_kv_heads, lay.head_dim)
+        parts = []
+        for mine, heads in self.shares():
+            lo, hi = (
+                max(mine.start, first),
+                max(max(mine.start, first), min(mine.stop, first + count)),
+            )
+            parts.append(data[lo - first : hi - first, :, :, :, heads.start : heads.stop].clone())
+        self.ranks.kv_write(layers, block_ids, parts,
+                            lambda part: self.runner.kv_write_local(layers, block_ids, part))  # fmt: skip
+
+
+def start_weights(config: EngineConfig) -> PendingLoad:
     """The load of `config.model` an engine runs: this process's alone, or with tp/pp/ep above
     1, rank 0's share with the other ranks started (`start_ranks`; the load's `ranks`)."""
     from runtime.loader import start_load
@@ -339,7 +408,7 @@ def start_weights(config: EngineConfig, port: int | None = None) -> PendingLoad:
     if parallel.world_size == 1:
         return start_load(config.model, config.dtype)
     pending, ranks = start_ranks(config.model, config.dtype, None, parallel,
-                                 config.num_threads, port)  # fmt: skip
+                                 config.num_threads, config.dist_port)  # fmt: skip
     pending.ranks = ranks
     return pending
 
@@ -355,7 +424,6 @@ def start_ranks(
     """Check the setting against the model, start the followers, join them, and start rank 0's
     load. Raises ValueError for a setting the model cannot take, RuntimeError for a world that
     cannot start (the port taken, a rank that exits), ModelLoadError for a rank's load error."""
-    from runtime.loader import start_load
 
     cfg = ModelConfig.from_dir(model)
     parallel.check(cfg)  # before any process starts
@@ -396,7 +464,7 @@ def start_ranks(
     return pending, RankGroup(spec, procs)
 
 
-def _wait_joined(store: dist.TCPStore, procs: list[mp.process.BaseProcess]) -> None:
+def _wait_joined(store: dist.TCPStore, procs: Sequence[mp.process.BaseProcess]) -> None:
     """Until every follower has checked in; a RuntimeError naming one that exited first."""
     deadline = time.monotonic() + JOIN_TIMEOUT_S
     waiting = set(range(1, len(procs) + 1))

@@ -91,15 +91,13 @@ def cmd_worker(args: argparse.Namespace) -> int:
     import gc
 
     gc.disable()
-    from runtime.cli import DEFAULT_CACHE, _model_dir, engine_kwargs
+    from runtime.cli import DEFAULT_CACHE, _model_dir, engine_kwargs, start_weights_early
 
     _logging()
     model_dir = _model_dir(args.model)
     # Start reading the weights now (a folder that cannot be served stops us here): the imports
     # below and the engine's own set-up run while the drive works.
-    from runtime.loader import start_load
-
-    weights = start_load(model_dir, args.dtype)
+    weights = start_weights_early(model_dir, args)
     from runtime.async_engine import AsyncLLM
     from runtime.config import EngineConfig
     from runtime.engine import LLMEngine

@@ -17,6 +17,7 @@ import contextlib
 import dataclasses
 import hmac
 import logging
+import os
 import secrets
 import signal
 import socket
@@ -569,6 +570,38 @@ async def _registration(app: web.Application) -> AsyncIterator[None]:
         await redis.aclose()
 
 
+def _watch_ranks(llm: AsyncLLM, loop: asyncio.AbstractEventLoop) -> asyncio.Event:
+    """Set when a rank of a split model dies (never, for a model on one rank)."""
+    event = asyncio.Event()
+    ranks = llm.engine.runner.ranks
+    if ranks is not None:
+
+        def failed(why: str) -> None:  # on the watchdog's thread
+            loop.call_soon_threadsafe(event.set)
+
+        ranks.on_failure.append(failed)
+        if ranks.failed is not None:
+            event.set()
+    return event
+
+
+async def _exit_on_rank_failure(worker: Worker, runner: web.AppRunner, llm: AsyncLLM) -> None:
+    """A rank died: the model cannot run. Fail what is in flight (the gateway retries it
+    elsewhere), leave the registry, and exit with an error; bounded, whatever the engine's
+    thread is doing."""
+    ranks = llm.engine.runner.ranks
+    why = ranks.failed if ranks is not None else "a rank died"
+    log.error("%s: failing %d in-flight requests, deregistering, exiting", why,
+              llm.num_open_streams)  # fmt: skip
+    worker.draining = True
+    with contextlib.suppress(Exception):
+        await asyncio.wait_for(runner.cleanup(), timeout=10)  # leaves the registry
+    with contextlib.suppress(Exception):
+        worker.telemetry.tel.shutdown()
+    logging.shutdown()
+    os._exit(1)
+
+
 async def serve(
     config: WorkerConfig, llm: AsyncLLM, startup: dict[str, float] | None = None
 ) -> None:
@@ -586,12 +619,18 @@ async def serve(
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
+    rank_failure = _watch_ranks(llm, loop)
     print(
         f"worker {config.worker_id} ready: model {config.model_name!r}, region {config.region}, "
         f"role {config.role}, {config.url}, kv transfer on {worker.kv_addr}",
         flush=True,
     )
-    await stop.wait()
+    stopped = asyncio.create_task(stop.wait())
+    failed = asyncio.create_task(rank_failure.wait())
+    await asyncio.wait([stopped, failed], return_when=asyncio.FIRST_COMPLETED)
+    if failed.done():
+        await _exit_on_rank_failure(worker, runner, llm)
+    failed.cancel()
     log.warning("stopping: draining %d in-flight requests", llm.num_open_streams)
     await worker.drain()
     await runner.cleanup()

@@ -195,6 +195,14 @@ class LlamaForCausalLM(nn.Module):
         return self._rope_tables
 
     @property
+    def kv_head_range(self) -> range:
+        """The KV heads this rank caches (all of them without tensor parallelism)."""
+        layer = self.layers[self.local_layers.start]
+        assert isinstance(layer, DecoderLayer)
+        first = layer.self_attn.kv_first // self.cfg.head_dim
+        return range(first, first + layer.self_attn.n_kv_heads)
+
+    @property
     def output_weight(self) -> torch.Tensor:
         """This rank's rows of the LM head (stage 0 only)."""
         weight = self.embed_tokens if self.lm_head is None else self.lm_head
@@ -242,7 +250,9 @@ class LlamaForCausalLM(nn.Module):
             return local
         part = local.new_zeros(local.shape[0], self.vocab_per_rank)  # equal sizes to gather
         part[:, : self.vocab_rows] = local
-        parts = [torch.empty_like(part) for _ in range(self.tp.size)] if self.place.rank == 0 else None
+        parts = (
+            [torch.empty_like(part) for _ in range(self.tp.size)] if self.place.rank == 0 else None
+        )
         dist.gather(part, parts, dst=0, group=self.tp.group)
         if parts is None:
             return local
@@ -253,7 +263,9 @@ class LlamaForCausalLM(nn.Module):
         (None)."""
         probe = torch.empty(1, 1, dtype=self.dtype)
         head = self.output_weight if self.place.first else None
-        self.small_gemm = gemm if gemm is not None and head is not None and applies(probe, head) else None
+        self.small_gemm = (
+            gemm if gemm is not None and head is not None and applies(probe, head) else None
+        )
         for module in self.modules():
             if isinstance(module, Linear):
                 usable = gemm is not None and applies(probe, module.weight)
@@ -280,9 +292,9 @@ class LlamaForCausalLM(nn.Module):
         if name.startswith("norm."):
             return WeightTarget(name) if self.place.last else None
         parts = name.split(".")
-        if parts[0] == "layers" and parts[1:2] and parts[1].isdigit():
-            if int(parts[1]) not in self.local_layers and int(parts[1]) < self.cfg.num_layers:
-                return None  # another stage's
+        layer = int(parts[1]) if parts[0] == "layers" and parts[1:2] and parts[1].isdigit() else -1
+        if layer >= 0 and layer not in self.local_layers and layer < self.cfg.num_layers:
+            return None  # another stage's
         if parts[2:3] == ["block_sparse_moe"]:  # Mixtral's name for its MoE block
             parts[2] = "mlp"
         moe = self._moe(parts)

@@ -1,0 +1,353 @@
+"""Tensor and pipeline parallelism (runtime.parallel, runtime.ranks): a model split over gloo
+ranks that the engine starts itself answers as it does on one rank; each rank holds only its
+share; a setting the model cannot take is refused before anything starts; a rank that dies ends
+the engine (and a worker) with an error, never a hang."""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+from pathlib import Path
+
+import openai
+import pytest
+import torch
+
+from runtime.config import EngineConfig, ModelConfig
+from runtime.llm import LLM
+from runtime.loader import load_model
+from runtime.model.layers import Linear
+from runtime.parallel import ParallelConfig, RankPlace, balanced_stages
+from runtime.ranks import RankedKVPages, RankFailure
+from runtime.sampling_params import SamplingParams
+from tests.stack import (
+    SECRET,
+    chat_model,
+    get_json,
+    start_gateway,
+    start_worker,
+    wait_until,
+)
+
+PROMPTS = [
+    [1, 403, 407, 261, 378],  # "Once upon a time"
+    [1, 300, 301, 302],
+    [1, *range(20, 57)],  # 38 tokens: spans several 16-token blocks
+    [1, 99],
+    [1, 403, 407, 261, 378, 300, 301],  # shares a prefix with the first
+]
+GREEDY = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True, logprobs=5)
+
+
+def _run(llm: LLM) -> list[tuple[list[int], list[dict[int, float]]]]:
+    """Greedy tokens and the top-5 logprobs at every step, per prompt."""
+    outs = llm.generate(PROMPTS, GREEDY)
+    result = []
+    for o in outs:
+        c = o.outputs[0]
+        assert c.logprobs is not None
+        result.append((list(c.token_ids), [dict(lp.top) for lp in c.logprobs]))
+    return result
+
+
+def _close(llm: LLM) -> None:
+    ranks = llm.engine.runner.ranks
+    if ranks is not None:
+        ranks.close()
+
+
+def _same(a: list, b: list, atol: float = 1e-4) -> None:  # type: ignore[type-arg]
+    for (ta, la), (tb, lb) in zip(a, b, strict=True):
+        assert ta == tb
+        for sa, sb in zip(la, lb, strict=True):
+            assert sa.keys() == sb.keys()
+            for t in sa:
+                assert abs(sa[t] - sb[t]) < atol, (t, sa[t], sb[t])
+
+
+@pytest.fixture(scope="module")
+def single(stories_dir: Path, tiny_model_dir):  # type: ignore[no-untyped-def]
+    """Each model's answers on one rank, computed once."""
+    made: dict[Path, list] = {}  # type: ignore[type-arg]
+
+    def answers(model: Path) -> list:  # type: ignore[type-arg]
+        if model not in made:
+            made[model] = _run(LLM(model, kv_cache_bytes=4 << 20, num_threads=1))
+        return made[model]
+
+    return answers
+
+
+# (model, tp, pp): stories260K (8 heads, 4 KV heads, 5 layers, tied); a random Llama (llama3 RoPE,
+# untied, 2 KV heads) and Qwen2 (q/k/v bias, tied); tp=4 on Qwen2 replicates its 2 KV heads
+CASES = [
+    ("stories", 2, 1),
+    ("stories", 1, 2),
+    ("stories", 2, 2),
+    ("llama", 2, 1),
+    ("llama", 1, 2),
+    ("qwen2", 2, 2),
+    ("qwen2", 4, 1),
+]
+
+
+@pytest.mark.parametrize(("name", "tp", "pp"), CASES, ids=[f"{n}-tp{t}-pp{p}" for n, t, p in CASES])
+def test_split_model_answers_as_one_rank(
+    name: str, tp: int, pp: int, stories_dir: Path, tiny_model_dir, single
+) -> None:  # type: ignore[no-untyped-def]
+    model = stories_dir if name == "stories" else tiny_model_dir(name)
+    llm = LLM(model, kv_cache_bytes=4 << 20, tp=tp, pp=pp)
+    try:
+        assert llm.engine.runner.ranks is not None
+        assert llm.engine.runner.ranks.world_size == tp * pp
+        got = _run(llm)
+        _same(got, single(model))
+        # the prefix cache works across the split: the 38-token prompt again finds its two
+        # full blocks cached, and the answer is the same
+        again = llm.generate([PROMPTS[2]], GREEDY)[0]
+        assert again.num_cached_tokens == 32
+        assert list(again.outputs[0].token_ids) == got[2][0]
+    finally:
+        _close(llm)
+
+
+def test_expert_parallel_engine_matches_one_rank(tmp_path_factory, stories_dir: Path) -> None:  # type: ignore[no-untyped-def]
+    """A mixture-of-experts model through the engine: ep=2, and tp=2 with ep=2 (attention split,
+    experts spread over the same ranks), answer as one rank does."""
+    from tests.test_moe import _config
+
+    import shutil
+
+    import transformers as tf
+
+    torch.manual_seed(4321)
+    hf = tf.AutoModelForCausalLM.from_config(_config("qwen2_moe")).float()
+    with torch.no_grad():
+        for p in hf.parameters():
+            if p.dim() >= 2:
+                p.mul_(3.0)
+    d = tmp_path_factory.mktemp("qwen2_moe_engine")
+    hf.save_pretrained(d)
+    for f in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(stories_dir / f, d / f)
+    want = _run(LLM(d, kv_cache_bytes=4 << 20, num_threads=1))
+    for tp, ep in ((1, 2), (2, 2)):
+        llm = LLM(d, kv_cache_bytes=4 << 20, tp=tp, ep=ep)
+        try:
+            _same(_run(llm), want)
+        finally:
+            _close(llm)
+
+
+def test_each_rank_holds_only_its_share(stories_dir: Path) -> None:
+    """tp=2 x pp=2: every rank's parameters are its stage's layers and half of each split
+    tensor, the values the whole model has there; summed over the ranks, the split tensors
+    are the whole model's bytes once."""
+    whole = load_model(stories_dir)
+    full = dict(whole.named_parameters())
+    par = ParallelConfig(tp=2, pp=2)
+    cfg = ModelConfig.from_dir(stories_dir)
+    stages = par.stages(cfg)
+    total = 0
+    seen_layers: set[int] = set()
+    for rank in range(par.world_size):
+        m = load_model(stories_dir, place=RankPlace(par, rank))
+        place = m.place
+        assert m.local_layers == stages[place.stage]
+        seen_layers |= set(m.local_layers)
+        params = dict(m.named_parameters())
+        for name, p in params.items():
+            total += p.numel()
+            if name.startswith("layers."):
+                assert int(name.split(".")[1]) in m.local_layers
+        assert ("embed_tokens" in params) == place.first
+        assert ("norm.weight" in params) == place.last
+        if place.first:  # half the vocabulary's rows
+            v = cfg.vocab_size // 2
+            assert torch.equal(params["embed_tokens"], full["embed_tokens"][place.tp_rank * v :][:v])
+        i = m.local_layers.start
+        attn = m.layers[i].self_attn
+        q = cfg.num_heads * cfg.head_dim // 2
+        kv = cfg.num_kv_heads * cfg.head_dim // 2
+        t = place.tp_rank
+        qkv_full = full[f"layers.{i}.self_attn.qkv_proj.weight"]
+        qkv = attn.qkv_proj.weight
+        assert qkv.shape == (q + 2 * kv, cfg.hidden_size)
+        q_all, k_all = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
+        assert torch.equal(qkv[:q], qkv_full[t * q : (t + 1) * q])
+        assert torch.equal(qkv[q : q + kv], qkv_full[q_all + t * kv :][:kv])
+        assert torch.equal(qkv[q + kv :], qkv_full[q_all + k_all + t * kv :][:kv])
+        o_full = full[f"layers.{i}.self_attn.o_proj.weight"]
+        assert torch.equal(attn.o_proj.weight, o_full[:, t * q : (t + 1) * q])  # columns
+        inter = cfg.intermediate_size // 2
+        down_full = full[f"layers.{i}.mlp.down_proj.weight"]
+        assert torch.equal(m.layers[i].mlp.down_proj.weight, down_full[:, t * inter :][:, :inter])
+        assert isinstance(attn.o_proj, Linear) and attn.o_proj.reduce is not None
+    assert seen_layers == set(range(cfg.num_layers))
+    replicated = sum(  # norms: on both tp ranks of their stage
+        p.numel() for n, p in full.items() if n.endswith("layernorm.weight") or n == "norm.weight"
+    )
+    assert total == sum(p.numel() for p in full.values()) + replicated
+
+
+def test_stages_balanced_by_cost() -> None:
+    assert balanced_stages([1.0] * 8, 2) == [range(0, 4), range(4, 8)]
+    assert balanced_stages([1.0] * 8, 4) == [range(0, 2), range(2, 4), range(4, 6), range(6, 8)]
+    # the LM head on stage 0 costs 2 layers: stage 0 takes fewer (3 + 2 against 5)
+    assert balanced_stages([1.0] * 8, 2, head=2.0) == [range(0, 3), range(3, 8)]
+    # an expensive layer gets a stage of its own
+    assert balanced_stages([1.0, 1.0, 6.0, 1.0, 1.0], 3) == [range(0, 2), range(2, 3), range(3, 5)]
+    assert balanced_stages([5.0], 1) == [range(0, 1)]
+
+
+def test_settings_a_model_cannot_take(stories_dir: Path, tiny_model_dir) -> None:  # type: ignore[no-untyped-def]
+    cfg = ModelConfig.from_dir(stories_dir)  # 8 heads, 4 KV heads, intermediate 172, 5 layers
+    with pytest.raises(ValueError, match=r"tp=3 does not divide the 8 attention heads"):
+        ParallelConfig(tp=3).check(cfg)
+    with pytest.raises(ValueError, match=r"tp=8 and the 4 key/value heads|intermediate size 172"):
+        ParallelConfig(tp=8).check(cfg)
+    with pytest.raises(ValueError, match=r"pp=6 is more than the 5 layers"):
+        ParallelConfig(pp=6).check(cfg)
+    with pytest.raises(ValueError, match=r"ep=2 needs a mixture-of-experts model"):
+        ParallelConfig(ep=2).check(cfg)
+    with pytest.raises(ValueError, match=r"ep=4 with tp=2: when both are above 1"):
+        ParallelConfig(tp=2, ep=4)
+    with pytest.raises(ValueError, match=r"tp must be an integer >= 1, got 0"):
+        EngineConfig(model=str(stories_dir), tp=0)
+    # refused before any rank starts: the engine raises at once
+    t0 = time.monotonic()
+    with pytest.raises(ValueError, match=r"tp=3 does not divide"):
+        LLM(stories_dir, tp=3)
+    assert time.monotonic() - t0 < 5
+
+
+def test_a_taken_port_is_named(stories_dir: Path) -> None:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        s.listen()
+        port = s.getsockname()[1]
+        with pytest.raises(RuntimeError, match=rf"rendezvous on 127.0.0.1:{port}"):
+            LLM(stories_dir, tp=2, dist_port=port)
+
+
+def test_kv_of_a_split_model_moves_whole(stories_dir: Path) -> None:
+    """KV transfer sees a tp=2 x pp=2 cache whole: the blocks it reads are the one-rank engine's
+    (within float32 tolerance), and blocks it writes read back the same."""
+    params = SamplingParams(temperature=0.0, max_tokens=1)
+    one = LLM(stories_dir, kv_cache_bytes=4 << 20, num_threads=1)
+    split = LLM(stories_dir, kv_cache_bytes=4 << 20, tp=2, pp=2)
+    try:
+        prompt = PROMPTS[2]
+        for llm in (one, split):  # fresh engines: the prompt takes the same first blocks
+            llm.generate([prompt], params)
+        ranks = split.engine.runner.ranks
+        assert ranks is not None
+        pages = RankedKVPages(split.engine.runner, ranks)
+        lay = pages.layout
+        assert (lay.num_layers, lay.num_kv_heads) == (5, 4)
+        # stage 0 holds the LM head too: 2 layers to stage 1's 3; 2 KV heads per tp rank
+        assert sorted(pages.shares(), key=lambda s: (s[0].start, s[1].start)) == [
+            (range(0, 2), range(0, 2)),
+            (range(0, 2), range(2, 4)),
+            (range(2, 5), range(0, 2)),
+            (range(2, 5), range(2, 4)),
+        ]
+        blocks = [0, 1]
+        data = pages.read(slice(0, lay.num_layers), blocks)  # (5, 2, 2, 16, 4, 8)
+        single_blocks = one.engine.runner.kv.view(5, 2, -1, 16, 4, 8)[:, :, blocks]
+        assert torch.allclose(data, single_blocks, atol=1e-5)
+        assert data.abs().sum() > 0
+        # a write into two free blocks reads back the same
+        free = [7, 9]
+        pages.write(slice(1, 4), free, memoryview(data[1:4].contiguous().numpy()).cast("B"))
+        assert torch.equal(pages.read(slice(1, 4), free), data[1:4])
+    finally:
+        _close(split)
+
+
+def test_a_dead_rank_fails_the_engine_not_hangs(stories_dir: Path) -> None:
+    llm = LLM(stories_dir, kv_cache_bytes=4 << 20, tp=2)
+    ranks = llm.engine.runner.ranks
+    assert ranks is not None
+    told: list[str] = []
+    ranks.on_failure.append(told.append)
+    try:
+        llm.generate([PROMPTS[0]], SamplingParams(max_tokens=2))
+        ranks.procs[0].kill()
+        t0 = time.monotonic()
+        with pytest.raises(RankFailure, match=r"rank 1 of 2 exited"):
+            for _ in range(100):  # the watchdog may see it before or during a step
+                llm.generate([PROMPTS[1]], SamplingParams(max_tokens=4))
+                time.sleep(0.05)
+        assert time.monotonic() - t0 < 30
+        assert told and "rank 1 of 2 exited" in told[0]
+    finally:
+        ranks.close()
+
+
+CATALOG = """
+regions:
+  - {name: local, latitude: 50.11, longitude: 8.68, settings: {}}
+"""
+
+
+def _children(pid: int) -> list[int]:
+    """Processes whose parent is `pid` and that multiprocessing spawned as ranks."""
+    found = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            stat = Path(f"/proc/{entry}/stat").read_text()
+            cmdline = Path(f"/proc/{entry}/cmdline").read_bytes()
+        except OSError:
+            continue
+        ppid = int(stat.rsplit(")", 1)[1].split()[1])
+        if ppid == pid and b"spawn_main" in cmdline:
+            found.append(int(entry))
+    return found
+
+
+def test_worker_of_two_ranks_serves_and_dies_cleanly(
+    tmp_path: Path, stories_dir: Path, redis_server
+) -> None:  # type: ignore[no-untyped-def]
+    """`edgeinfer worker --tp 2 --pp 2`: one registered worker of four ranks answers the openai
+    client as a one-rank worker does; killing a rank ends it with an error and takes it out of
+    the registry."""
+    model = chat_model(stories_dir, tmp_path / "stories-chat")
+    (tmp_path / "regions.yaml").write_text(CATALOG)
+    one = start_worker("one", model, redis_server.url, tmp_path, served="stories-1")
+    split = start_worker("split", model, redis_server.url, tmp_path, served="stories",
+                         extra=["--tp", "2", "--pp", "2"])  # fmt: skip
+    gateway = start_gateway("gw", redis_server.url, tmp_path / "regions.yaml", tmp_path)
+    try:
+        client = openai.OpenAI(base_url=f"{gateway.url}/v1", api_key="x", max_retries=0)
+        messages = [{"role": "user", "content": "Tell me a story about a cat."}]
+        wait_until(lambda: get_json(f"{gateway.url}/readyz")[1]["workers"] == 2, 30, "2 workers")
+        answers = [
+            client.chat.completions.create(model=m, messages=messages, max_tokens=16,  # type: ignore[arg-type]
+                                           temperature=0).choices[0].message.content  # fmt: skip
+            for m in ("stories", "stories-1")
+        ]
+        assert answers[0] and answers[0] == answers[1]
+        ranks = _children(split.popen.pid)
+        assert len(ranks) == 3, ranks
+        os.kill(ranks[1], signal.SIGKILL)
+        code = split.popen.wait(timeout=30)
+        assert code != 0
+        assert "exited" in split.tail(40)
+        wait_until(lambda: get_json(f"{gateway.url}/readyz")[1]["workers"] == 1, 10, "deregistered")
+        for pid in ranks:  # no rank outlives its worker
+            wait_until(lambda pid=pid: not Path(f"/proc/{pid}").exists()
+                       or "Z" in Path(f"/proc/{pid}/stat").read_text().split()[2], 10,
+                       f"rank {pid} gone")  # fmt: skip
+        _, health = get_json(f"{one.url}/internal/health", SECRET)
+        assert health["worker_id"]
+    finally:
+        gateway.stop()
+        one.stop()
+        if split.alive():
+            split.kill()
