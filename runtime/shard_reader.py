@@ -2,6 +2,7 @@
 
     files, each with spans: [begin, end) of the file ─▶ (arena, offset)   (sorted, disjoint)
       ─▶ every file cut into chunk_bytes pieces from offset 0, queued in file order, file by file
+         (a piece no span touches is not read: a rank of a split model reads its layers' part)
       ─▶ `threads` threads: one preadv per chunk (O_DIRECT unless the file is in the page cache
          or the filesystem refuses it), its iovec pointing straight at the spans' memory
       ─▶ the chunk's checksum checked on the same thread, right after its read
@@ -201,7 +202,8 @@ class ShardReads:
         self._pool = ThreadPoolExecutor(max(1, threads), thread_name_prefix="weights")
         for i, f in enumerate(self._files):  # file order: the drive reads ahead sequentially
             for c0 in range(0, max(f.job.size, 1), chunk_bytes):
-                f.chunks.append(self._pool.submit(self._read_chunk, i, c0))
+                if self._spans_in(f, c0):
+                    f.chunks.append(self._pool.submit(self._read_chunk, i, c0))
 
     @staticmethod
     def _open(job: FileRead, direct: bool, skip_cached: bool) -> _File:
@@ -217,13 +219,18 @@ class ShardReads:
             scratch = self._local.arena = Arena(self.chunk_bytes)
         return scratch
 
-    def _read_chunk(self, index: int, c0: int) -> None:
-        f = self._files[index]
-        spans, size = f.job.spans, f.job.size
-        c1 = min(c0 + self.chunk_bytes, _round_up(size))
+    def _spans_in(self, f: _File, c0: int) -> list[Span]:
+        """The spans with bytes in the chunk at c0."""
+        c1 = min(c0 + self.chunk_bytes, _round_up(f.job.size))
         lo = max(0, bisect.bisect_right(f.starts, c0) - 1)
         hi = bisect.bisect_left(f.starts, c1)
-        mine = [s for s in spans[lo:hi] if s.end > c0]
+        return [s for s in f.job.spans[lo:hi] if s.end > c0]
+
+    def _read_chunk(self, index: int, c0: int) -> None:
+        f = self._files[index]
+        size = f.job.size
+        c1 = min(c0 + self.chunk_bytes, _round_up(size))
+        mine = self._spans_in(f, c0)
         scratch = self._scratch()
         pieces: list[memoryview] = []
         placed: list[tuple[Span, int, int]] = []  # (span, a, b): file bytes [a, b) read in place
@@ -262,6 +269,7 @@ class ShardReads:
                     copied += v - u
         with self._lock:
             st = self.stats
+            st.bytes += want
             st.copied_bytes += copied
             st.started = min(st.started, t0) if st.started else t0
             st.finished = max(st.finished, t1)
@@ -278,7 +286,6 @@ class ShardReads:
         os.close(f.fd)
         f.fd = -1
         st = self.stats
-        st.bytes += f.job.size
         st.seconds = st.finished - st.started
         if f.direct:
             st.direct += 1

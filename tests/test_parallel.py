@@ -351,3 +351,22 @@ def test_worker_of_two_ranks_serves_and_dies_cleanly(
         one.stop()
         if split.alive():
             split.kill()
+
+
+def test_reader_skips_chunks_no_span_touches(tmp_path: Path) -> None:
+    """A rank asks for its layers' bytes only; chunks of the file holding none are not read."""
+    from runtime.shard_reader import Arena, FileRead, ReadStats, ShardReads, Span
+
+    data = bytes(range(256)) * 64  # 16 KiB: four 4 KiB chunks
+    path = tmp_path / "shard.bin"
+    path.write_bytes(data)
+    arena = Arena(8192)
+    spans = [Span(9000, 9100, arena, 0), Span(12288, 16384, arena, 4096)]  # chunks 2 and 3
+    stats = ReadStats()
+    reads = ShardReads([FileRead(path, len(data), spans)], threads=1, direct=False,
+                       chunk_bytes=4096, stats=stats)  # fmt: skip
+    reads.wait(0)
+    reads.close()
+    assert stats.bytes == 8192  # not 16384
+    assert bytes(arena.view[0:100]) == data[9000:9100]
+    assert bytes(arena.view[4096:8192]) == data[12288:16384]
