@@ -370,3 +370,41 @@ def test_reader_skips_chunks_no_span_touches(tmp_path: Path) -> None:
     assert stats.bytes == 8192  # not 16384
     assert bytes(arena.view[0:100]) == data[9000:9100]
     assert bytes(arena.view[4096:8192]) == data[12288:16384]
+
+
+def test_disaggregation_between_workers_split_differently(
+    tmp_path: Path, stories_dir: Path, redis_server
+) -> None:  # type: ignore[no-untyped-def]
+    """A tp=2 prefill worker and a pp=2 decode worker: the prompt's KV is gathered from the
+    prefill side's two ranks, sent whole, and scattered over the decode side's two stages; the
+    answers are the colocated engine's."""
+    from tests.test_disagg import CATALOG as DISAGG_CATALOG
+    from tests.test_disagg import STORY
+
+    (tmp_path / "regions.yaml").write_text(DISAGG_CATALOG)
+    url = redis_server.url
+    prefill = start_worker("prefill", stories_dir, url, tmp_path, served="stories-disagg",
+                           extra=["--role", "prefill", "--tp", "2"])  # fmt: skip
+    decode = start_worker("decode", stories_dir, url, tmp_path, served="stories-disagg",
+                          extra=["--role", "decode", "--pp", "2"])  # fmt: skip
+    gateway = start_gateway("gw", url, tmp_path / "regions.yaml", tmp_path,
+                            extra=["--disagg-min-tokens", "0"])  # fmt: skip
+    reference = LLM(stories_dir, kv_cache_bytes=4_000_000, num_threads=1)
+    try:
+        wait_until(lambda: get_json(f"{gateway.url}/readyz")[1]["workers"] >= 2, 30, "workers")
+        client = openai.OpenAI(base_url=f"{gateway.url}/v1", api_key="x", max_retries=0)
+        for prompt in (STORY, STORY * 3):
+            raw = client.completions.with_raw_response.create(
+                model="stories-disagg", prompt=prompt, max_tokens=16, temperature=0.0
+            )
+            text = raw.parse().choices[0].text
+            assert raw.headers.get("x-edgeinfer-prefill-worker") == prefill.meta["worker_id"]
+            assert raw.headers["x-edgeinfer-worker"] == decode.meta["worker_id"]
+            want = reference.generate([prompt], SamplingParams(max_tokens=16, temperature=0.0))
+            assert text == want[0].outputs[0].text
+        _, stats = get_json(f"{prefill.url}/internal/stats", SECRET)
+        assert stats["kv_pulls_served"] >= 2
+    finally:
+        gateway.stop()
+        prefill.stop()
+        decode.stop()
