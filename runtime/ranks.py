@@ -226,8 +226,12 @@ def run_step(
 class RankGroup:
     """Rank 0's handle on its followers: the commands it sends, and their liveness."""
 
-    def __init__(self, spec: RankSpec, procs: Sequence[mp.process.BaseProcess]):
+    def __init__(self, spec: RankSpec, procs: Sequence[mp.process.BaseProcess],
+                 threads_before: int | None = None):  # fmt: skip
+        """`threads_before`: this process's torch threads before the ranks took their share,
+        given back at `close`."""
         self.spec = spec
+        self._threads_before = threads_before
         self.procs = procs  # procs[i] is rank i + 1
         self.failed: str | None = None
         self.on_failure: list[Callable[[str], None]] = []
@@ -335,6 +339,8 @@ class RankGroup:
                 p.kill()
         with contextlib.suppress(Exception):
             dist.destroy_process_group()
+        if self._threads_before is not None:
+            torch.set_num_threads(self._threads_before)
 
 
 class RankedKVPages(KVPages):
@@ -460,8 +466,9 @@ def start_ranks(
         from runtime.config import ModelLoadError
 
         raise ModelLoadError("; ".join(e for e in failed if e))
+    threads_before = torch.get_num_threads()
     torch.set_num_threads(_threads(spec))
-    return pending, RankGroup(spec, procs)
+    return pending, RankGroup(spec, procs, threads_before)
 
 
 def _wait_joined(store: dist.TCPStore, procs: Sequence[mp.process.BaseProcess]) -> None:
