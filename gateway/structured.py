@@ -136,7 +136,10 @@ def _spec(param: str, fields: dict[str, Any]) -> StructuredOutputsParams:
         spec = StructuredOutputsParams(**fields)
         check(spec, param)
     except InvalidRequestError as e:
-        raise invalid(e.param, f"{e.param}: {e.message}") from e
+        # structured_outputs' own fields are the client's (structured_outputs.regex); the other
+        # fields hold one value each, named as sent
+        where = e.param if param == "structured_outputs" else param
+        raise invalid(where, f"{where}: {e.message}") from e
     except TypeError as e:
         raise invalid(param, f"{param}: {e}") from e
     return spec

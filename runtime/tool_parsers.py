@@ -123,11 +123,11 @@ class Llama3JsonParser(ToolParser):
 
     def parse(self, text: str, final: bool) -> tuple[str, list[ParsedCall], bool]:
         body = text.lstrip()
-        if body.startswith(self.marker):
-            body = body[len(self.marker) :]
-        elif not final and self.marker.startswith(body):
+        if body.startswith(self.marker):  # the tag: a tool region, whatever follows
+            return "", _calls_in(body[len(self.marker) :], self.arg_keys), True
+        if not final and self.marker.startswith(body):
             return "", [], False  # maybe the tag, still arriving (or only whitespace)
-        if not body.lstrip().startswith("{"):
+        if not body.startswith("{"):
             return text, [], False
         return "", _calls_in(body, self.arg_keys), True
 

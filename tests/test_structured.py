@@ -1,0 +1,285 @@
+"""Structured output in the engine: every sample obeys its constraint (JSON schema, regex, choice),
+on stories260K and on random-weight models, with speculative decoding and prefix caching; the
+grammar is compiled once per schema; bad constraints are InvalidRequestErrors naming the field."""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+from typing import Any
+
+import jsonschema
+import numpy as np
+import pytest
+import torch
+
+from runtime.llm import LLM
+from runtime.sampler import Sampler, SamplingState, apply_token_bitmask
+from runtime.sampling_params import InvalidRequestError, SamplingParams
+from runtime.structured import StructuredOutputsParams, check, strict_schema
+
+PROMPT = "Once upon a time"
+KV = 4_000_000
+
+# Every string and array bounded, so any model finishes well inside max_tokens.
+SCHEMAS: dict[str, dict[str, Any]] = {
+    "nested": {
+        "type": "object",
+        "properties": {
+            "name": {"type": "string", "maxLength": 12},
+            "home": {
+                "type": "object",
+                "properties": {
+                    "town": {"type": "string", "maxLength": 10},
+                    "zip": {"type": "string", "pattern": "^[0-9]{5}$"},
+                },
+                "required": ["town", "zip"],
+                "additionalProperties": False,
+            },
+        },
+        "required": ["name", "home"],
+        "additionalProperties": False,
+    },
+    "arrays_enums": {
+        "type": "object",
+        "properties": {
+            "pets": {
+                "type": "array",
+                "items": {"enum": ["cat", "dog", "bird"]},
+                "minItems": 1,
+                "maxItems": 3,
+            },
+            "mood": {"enum": ["happy", "sad", 3, None]},
+        },
+        "required": ["pets", "mood"],
+        "additionalProperties": False,
+    },
+    "numbers_patterns": {
+        "type": "object",
+        "properties": {
+            "age": {"type": "integer", "minimum": 3, "maximum": 97},
+            # a bounded number of digits: a free fraction lets a model write zeros until
+            # max_tokens (stories260K does), which no grammar can prevent but a schema can
+            "score": {"type": "number", "minimum": -1.5, "maximum": 2.5, "multipleOf": 0.25},
+            "code": {"type": "string", "pattern": "^[A-Z]{2}-[0-9]{2,3}$"},
+            "ok": {"type": "boolean"},
+        },
+        "required": ["age", "score", "code", "ok"],
+        "additionalProperties": False,
+    },
+    "optional_anyof": {
+        "type": "object",
+        "properties": {
+            "id": {"anyOf": [{"type": "integer", "minimum": 0, "maximum": 999},
+                             {"type": "string", "maxLength": 4}]},  # fmt: skip
+            "tags": {"type": "array", "items": {"type": "string", "maxLength": 5}, "maxItems": 2},
+            "note": {"type": "string", "maxLength": 8},
+        },
+        "required": ["id"],
+        "additionalProperties": False,
+    },
+}
+
+
+@pytest.fixture(scope="module")
+def stories(stories_dir: Path) -> LLM:
+    return LLM(str(stories_dir), kv_cache_bytes=KV, block_size=16)
+
+
+def _json(schema: dict[str, Any]) -> StructuredOutputsParams:
+    return StructuredOutputsParams(json=schema)
+
+
+def _assert_valid(text: str, schema: dict[str, Any], finish: str | None) -> None:
+    assert finish == "stop", f"did not finish ({finish}): {text!r}"
+    jsonschema.validate(json.loads(text), schema)
+
+
+def test_200_seeded_samples_validate(stories: LLM) -> None:
+    """50 seeds x 4 schemas, sampled at temperature 1 (with top_k / top_p on some)."""
+    prompts, params, schemas = [], [], []
+    for name, schema in SCHEMAS.items():
+        for seed in range(50):
+            prompts.append(PROMPT)
+            params.append(SamplingParams(max_tokens=200, temperature=1.0, seed=seed,
+                                         top_p=0.95 if seed % 3 == 0 else 1.0,
+                                         top_k=20 if seed % 3 == 1 else -1,
+                                         structured_outputs=_json(schema)))  # fmt: skip
+            schemas.append(schema)
+    outs = stories.generate(prompts, params)
+    assert len(outs) == 200
+    for out, schema in zip(outs, schemas, strict=True):
+        _assert_valid(out.outputs[0].text, schema, out.outputs[0].finish_reason)
+    # each distinct schema was compiled once, whatever the number of requests using it
+    assert stories.engine.grammars.compiled <= len(SCHEMAS) + 8  # + the other tests' grammars
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen2"])
+def test_random_weight_models_obey(tiny_model_dir, family: str) -> None:  # type: ignore[no-untyped-def]
+    """Random weights: the output is noise, but noise that validates."""
+    llm = LLM(str(tiny_model_dir(family)), kv_cache_bytes=KV, block_size=16)
+    for name in ("nested", "numbers_patterns"):
+        schema = SCHEMAS[name]
+        params = [SamplingParams(max_tokens=200, temperature=1.0, seed=s,
+                                 structured_outputs=_json(schema)) for s in range(12)]  # fmt: skip
+        for out in llm.generate([PROMPT] * len(params), params):
+            _assert_valid(out.outputs[0].text, schema, out.outputs[0].finish_reason)
+    regex = r"[a-z]{2,6}@[a-z]{3}\.(com|org)"
+    params = [SamplingParams(max_tokens=40, temperature=1.0, seed=s,
+                             structured_outputs=StructuredOutputsParams(regex=regex))
+              for s in range(12)]  # fmt: skip
+    for out in llm.generate([PROMPT] * len(params), params):
+        assert re.fullmatch(regex, out.outputs[0].text), out.outputs[0].text
+
+
+def test_regex_and_choice_hold(stories: LLM) -> None:
+    regex = r"(yes|no), [0-9]{1,3} (cats|dogs)"
+    params = [SamplingParams(max_tokens=40, temperature=1.2, seed=s,
+                             structured_outputs=StructuredOutputsParams(regex=regex))
+              for s in range(40)]  # fmt: skip
+    for out in stories.generate([PROMPT] * 40, params):
+        assert re.fullmatch(regex, out.outputs[0].text), out.outputs[0].text
+        assert out.outputs[0].finish_reason == "stop"
+    choices = ["red ball", "blue kite", "a big dog", "Lily"]
+    params = [SamplingParams(max_tokens=20, temperature=1.0, seed=s,
+                             structured_outputs=StructuredOutputsParams(choice=choices))
+              for s in range(40)]  # fmt: skip
+    seen = {o.outputs[0].text for o in stories.generate([PROMPT] * 40, params)}
+    assert seen <= set(choices)
+
+
+def test_json_object_and_n_sequences(stories: LLM) -> None:
+    """json_object: any JSON object; n > 1: each sequence has its own grammar state. Free
+    strings let stories260K write past max_tokens: a truncated output is still a prefix the
+    grammar accepts."""
+    spec = StructuredOutputsParams(json_object=True)
+    params = SamplingParams(max_tokens=120, temperature=0.8, seed=3, n=6, structured_outputs=spec)
+    out = stories.generate(PROMPT, params)[0]
+    assert len({tuple(o.token_ids) for o in out.outputs}) > 1
+    for o in out.outputs:
+        if o.finish_reason == "stop":
+            assert isinstance(json.loads(o.text), dict)
+        else:
+            assert o.finish_reason == "length" and o.text.startswith("{")
+            fresh = stories.engine.grammars.grammar(spec, "structured_outputs")
+            assert fresh.matcher.consume_tokens(o.token_ids), fresh.matcher.get_error()
+
+
+def test_truncation_at_max_tokens_is_a_length_finish(stories: LLM) -> None:
+    schema = {"type": "object", "properties": {"story": {"type": "string"}}, "required": ["story"]}
+    out = stories.generate(PROMPT, SamplingParams(max_tokens=6, temperature=0,
+                                                  structured_outputs=_json(schema)))[0]  # fmt: skip
+    o = out.outputs[0]
+    assert o.finish_reason == "length" and len(o.token_ids) == 6
+    assert o.text.startswith('{"story"')
+
+
+def test_greedy_constrained_is_the_masked_argmax(stories: LLM) -> None:
+    """Greedy under a grammar: each token is the best token the grammar allows (checked by
+    replaying the output with the sampler and an explicit mask)."""
+    schema = SCHEMAS["arrays_enums"]
+    out = stories.generate(PROMPT, SamplingParams(max_tokens=60, temperature=0,
+                                                  structured_outputs=_json(schema)))[0]  # fmt: skip
+    _assert_valid(out.outputs[0].text, schema, out.outputs[0].finish_reason)
+    unconstrained = stories.generate(PROMPT, SamplingParams(max_tokens=8, temperature=0))[0]
+    assert out.outputs[0].token_ids[:8] != unconstrained.outputs[0].token_ids
+
+
+def test_speculative_decoding_keeps_the_grammar(stories_dir: Path, stories: LLM) -> None:
+    """n-gram drafts verified under the mask: greedy output identical to the plain engine's,
+    sampled output valid; the verify rows reject drafts the grammar refuses."""
+    spec = LLM(str(stories_dir), kv_cache_bytes=KV, block_size=16,
+               speculative={"method": "ngram", "num_tokens": 4, "max_batch_tokens": 64})  # fmt: skip
+    schema = SCHEMAS["arrays_enums"]  # repetitive ("cat", "cat", ...): n-gram drafts hit
+    greedy = SamplingParams(max_tokens=80, temperature=0, structured_outputs=_json(schema))
+    base = stories.generate(PROMPT, greedy)[0].outputs[0]
+    fast = spec.generate(PROMPT, greedy)[0]
+    assert fast.outputs[0].token_ids == base.token_ids
+    params = [SamplingParams(max_tokens=200, temperature=1.0, seed=s,
+                             structured_outputs=_json(SCHEMAS["nested"])) for s in range(16)]  # fmt: skip
+    outs = spec.generate([PROMPT] * 16, params)
+    for out in outs:
+        _assert_valid(out.outputs[0].text, SCHEMAS["nested"], out.outputs[0].finish_reason)
+    assert spec.engine.stats()["spec_proposed_tokens"] > 0
+
+
+def test_prefix_cache_hit_keeps_the_grammar(stories: LLM) -> None:
+    prompt = "Once upon a time, there was a little girl named Lily. She loved to play outside."
+    schema = SCHEMAS["nested"]
+    params = SamplingParams(max_tokens=150, temperature=0, structured_outputs=_json(schema))
+    first = stories.generate(prompt, params)[0]
+    second = stories.generate(prompt, params)[0]
+    assert second.num_cached_tokens > 0
+    assert second.outputs[0].text == first.outputs[0].text
+    _assert_valid(second.outputs[0].text, schema, second.outputs[0].finish_reason)
+
+
+def test_grammar_compiled_once_per_schema(stories: LLM) -> None:
+    g = stories.engine.grammars
+    schema = {"type": "object", "properties": {"k": {"enum": [1, 2]}}, "required": ["k"]}
+    before = g.compiled
+    params = [SamplingParams(max_tokens=20, temperature=1.0, seed=s,
+                             structured_outputs=_json(dict(schema))) for s in range(10)]  # fmt: skip
+    stories.generate([PROMPT] * 10, params)
+    assert g.compiled == before + 1
+
+
+@pytest.mark.parametrize(
+    ("spec", "text"),
+    [
+        (StructuredOutputsParams(json={"type": "foo"}), "Invalid type"),
+        (StructuredOutputsParams(json={"type": "array", "uniqueItems": True}), "uniqueItems"),
+        (StructuredOutputsParams(json={"$ref": "#/nope"}), "nope"),
+        (StructuredOutputsParams(json="{not json"), "not valid JSON"),
+        (StructuredOutputsParams(regex="[a-"), "regex"),
+        (StructuredOutputsParams(choice=[]), "non-empty"),
+        (StructuredOutputsParams(regex="a", choice=["a"]), "exactly one"),
+        (StructuredOutputsParams(), "exactly one"),
+        (StructuredOutputsParams(grammar="start: nope"), "nope"),
+    ],
+)
+def test_bad_constraints_are_refused(stories: LLM, spec: StructuredOutputsParams, text: str) -> None:
+    with pytest.raises(InvalidRequestError) as e:
+        stories.generate(PROMPT, SamplingParams(max_tokens=4, structured_outputs=spec))
+    assert e.value.param.startswith("structured_outputs")
+    assert text in str(e.value)
+    assert not stories.engine.has_unfinished()
+
+
+def test_dict_from_the_wire_becomes_params() -> None:
+    p = SamplingParams(structured_outputs={"regex": "[0-9]+"})
+    assert isinstance(p.structured_outputs, StructuredOutputsParams)
+    with pytest.raises(InvalidRequestError, match="unknown fields"):
+        SamplingParams(structured_outputs={"pattern": "x"})
+
+
+def test_strict_schema_closes_objects() -> None:
+    schema = {"type": "object", "properties": {"a": {"type": "object", "properties": {}}},
+              "$defs": {"d": {"properties": {"x": {}}, "additionalProperties": True}}}  # fmt: skip
+    out = strict_schema(schema)
+    assert out["additionalProperties"] is False
+    assert out["properties"]["a"]["additionalProperties"] is False
+    assert out["$defs"]["d"]["additionalProperties"] is True  # said explicitly: kept
+    check(StructuredOutputsParams(json=out))
+
+
+def test_apply_token_bitmask_matches_a_dense_mask() -> None:
+    """The bit layout: token t is bit t % 32 of word t // 32; tokens past the mask forbidden."""
+    gen = torch.Generator().manual_seed(0)
+    vocab = 70
+    logits = torch.randn(3, vocab, generator=gen)
+    allowed = torch.rand(3, 96, generator=gen) < 0.3
+    allowed[:, vocab:] = True  # bits past the vocabulary are ignored
+    words = np.packbits(allowed.numpy().astype(np.uint8), axis=1, bitorder="little")
+    bitmask = words.view(np.int32)  # (3, 3)
+    out = apply_token_bitmask(logits, bitmask, [0, 1, 2])
+    dense = logits.masked_fill(~allowed[:, :vocab], float("-inf"))
+    assert torch.equal(out, dense)
+    short = apply_token_bitmask(logits[:, :70], bitmask[:, :2], None)  # 64 bits for 70 tokens
+    assert torch.isinf(short[:, 64:]).all()
+    # the sampler applies a row's mask before choosing: greedy picks the best allowed token
+    states = [SamplingState(SamplingParams(temperature=0), None, [], [], bitmask[i])
+              for i in range(3)]  # fmt: skip
+    picked = Sampler()(logits, states).token_ids
+    assert picked == dense.argmax(dim=-1).tolist()

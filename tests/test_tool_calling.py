@@ -1,0 +1,377 @@
+"""Tool calling: the parsers (hermes, llama3_json, mistral) and their streamed deltas; required
+and named tool_choice enforced by a grammar on stories260K (every call parses into its arguments
+schema); and the service end to end with the real `openai` client: required / named / auto,
+streamed deltas that reassemble into the non-streamed answer, a two-turn conversation with tool
+messages, response_format json_schema, and the 400s that name the field."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import jsonschema
+import openai
+import orjson
+import pytest
+
+from kvstore.redis_server import LocalRedis
+from runtime.llm import LLM
+from runtime.sampling_params import SamplingParams
+from runtime.tool_parsers import RequestTools, ToolCallStream, make_parser
+from tests.stack import Proc, get_json, start_gateway, start_worker, wait_until
+
+WEATHER = {
+    "type": "object",
+    "properties": {
+        "city": {"type": "string", "maxLength": 12},
+        "unit": {"enum": ["celsius", "fahrenheit"]},
+        "days": {"type": "integer", "minimum": 1, "maximum": 7},
+    },
+    "required": ["city", "unit"],
+    "additionalProperties": False,
+}
+TIME = {
+    "type": "object",
+    "properties": {"zone": {"type": "string", "pattern": "^[A-Z]{3}$"}},
+    "required": ["zone"],
+    "additionalProperties": False,
+}
+TOOLS = [
+    {"type": "function", "function": {"name": "get_weather", "description": "Weather now",
+                                      "parameters": WEATHER}},
+    {"type": "function", "function": {"name": "get_time", "parameters": TIME}},
+]  # fmt: skip
+SCHEMAS = {"get_weather": WEATHER, "get_time": TIME}
+# A Hermes/Qwen-style chat template for stories260K: tools in a system turn (by name and
+# description only: their schemas would fill its 512-token context), calls in <tool_call>
+# blocks, tool results as their own turn.
+TOOL_TEMPLATE = (
+    "{% if tools %}system: You may call {% for t in tools %}{{ t['function']['name'] }} "
+    "({{ t['function'].get('description', '') }}) {% endfor %}as <tool_call>{...}</tool_call>\n"
+    "{% endif %}"
+    "{% for m in messages %}{% if m['role'] == 'assistant' and m.get('tool_calls') %}assistant:"
+    "{% for c in m['tool_calls'] %}<tool_call>\n"
+    "{{ {'name': c['function']['name'], 'arguments': c['function']['arguments']} | tojson }}"
+    "\n</tool_call>{% endfor %}\n"
+    "{% elif m['role'] == 'tool' %}tool {{ m['name'] }}: {{ m['content'] }}\n"
+    "{% else %}{{ m['role'] }}: {{ m['content'] }}\n{% endif %}{% endfor %}"
+    "{% if add_generation_prompt %}assistant:{% endif %}"
+)
+
+
+# ------------------------------------------------------------------------------- parsers
+def _reassemble(deltas: list[tuple[str, list[dict[str, Any]]]]) -> tuple[str, list[dict[str, Any]]]:
+    content, calls = "", []
+    for text, tc in deltas:
+        content += text
+        for d in tc:
+            if "id" in d:
+                assert d["index"] == len(calls) and d["type"] == "function"
+                calls.append({"name": d["function"]["name"], "arguments": d["function"]["arguments"]})
+            else:
+                calls[d["index"]]["arguments"] += d["function"]["arguments"]
+    return content, calls
+
+
+def _stream(parser_name: str, text: str, step: int) -> tuple[str, list[dict[str, Any]]]:
+    stream = ToolCallStream(make_parser(parser_name, "", {}))
+    pieces = [text[i : i + step] for i in range(0, len(text), step)] or [""]
+    return _reassemble([stream.feed(p, [], i == len(pieces) - 1) for i, p in enumerate(pieces)])
+
+
+CALL_A = '{"name": "get_weather", "arguments": {"city": "Pa\\"ris }", "unit": "celsius"}}'
+CALL_B = '{"arguments": {"zone": "UTC"}, "name": "get_time"}'
+PARSE_CASES = [
+    ("hermes", f"Let me look.\n<tool_call>\n{CALL_A}\n</tool_call>\n<tool_call>\n{CALL_B}\n</tool_call>",
+     "Let me look.", [("get_weather", '{"city": "Pa\\"ris }", "unit": "celsius"}'),
+                      ("get_time", '{"zone": "UTC"}')]),
+    ("hermes", "No tools needed: 2 < 3 and <tool is not a tag.", "No tools needed: 2 < 3 and <tool is not a tag.", []),
+    ("hermes", "Hmm <tool_call>\nnot json", "Hmm <tool_call>\nnot json", []),
+    ("llama3_json", '{"name": "get_time", "parameters": {"zone": "CET"}}; '
+                    '{"name": "get_weather", "parameters": {"city": "Oslo", "unit": "celsius"}}',
+     "", [("get_time", '{"zone": "CET"}'), ("get_weather", '{"city": "Oslo", "unit": "celsius"}')]),
+    ("llama3_json", "<|python_tag|>" + '{"name": "get_time", "arguments": {"zone": "CET"}}', "",
+     [("get_time", '{"zone": "CET"}')]),
+    ("llama3_json", '{"answer": 42}', '{"answer": 42}', []),
+    ("llama3_json", "  Just text.", "  Just text.", []),
+    ("mistral", 'Sure [TOOL_CALLS][{"name": "get_time", "arguments": {"zone": "EST"}}, '
+                '{"name": "get_weather", "arguments": {"city": "Rome", "unit": "celsius"}}]',
+     "Sure", [("get_time", '{"zone": "EST"}'), ("get_weather", '{"city": "Rome", "unit": "celsius"}')]),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize(("parser", "text", "content", "calls"), PARSE_CASES)
+def test_parsers_and_streamed_deltas(parser: str, text: str, content: str, calls: list[tuple[str, str]]) -> None:  # fmt: skip
+    """Whatever the chunking (1 character to all at once), the deltas add up to the same."""
+    expected = (content, [{"name": n, "arguments": a} for n, a in calls])
+    for step in (1, 2, 3, 7, len(text)):
+        assert _stream(parser, text, step) == expected, step
+
+
+def test_truncated_call_streams_what_it_has() -> None:
+    content, calls = _stream("hermes", '<tool_call>\n{"name": "f", "arguments": {"a": [1, 2', 4)
+    assert content == "" and calls == [{"name": "f", "arguments": '{"a": [1, 2'}]
+
+
+def test_marker_special_token_is_seen_by_id() -> None:
+    """A marker that is a special token never reaches the text: its id stands for it."""
+    parser = make_parser("mistral", "", {"[TOOL_CALLS]": 77})
+    stream = ToolCallStream(parser)
+    out = [stream.feed("", [77], False),
+           stream.feed('[{"name": "f", "arguments": {}}]', [5, 6], True)]  # fmt: skip
+    assert _reassemble(out) == ("", [{"name": "f", "arguments": "{}"}])
+    assert "<[77]>" in parser.grammar(TOOLS, None)
+
+
+def test_parser_from_template() -> None:
+    assert make_parser(None, "... <tool_call> ...", {}).name == "hermes"
+    assert make_parser(None, "... [TOOL_CALLS] ...", {}).name == "mistral"
+    assert make_parser(None, "... <|python_tag|> ...", {}).name == "llama3_json"
+    assert make_parser(None, "no markers", {}).name == "hermes"
+    assert make_parser("mistral", "<tool_call>", {}).name == "mistral"
+    with pytest.raises(ValueError, match="one of"):
+        make_parser("nope", "", {})
+
+
+# ------------------------------------------------------------------------ grammar on stories
+@pytest.fixture(scope="module")
+def stories(stories_dir: Path) -> LLM:
+    return LLM(str(stories_dir), kv_cache_bytes=4_000_000, block_size=16)
+
+
+def _calls_of(parser_name: str, tokenizer: Any, token_ids: list[int], text: str) -> list[dict[str, Any]]:  # fmt: skip
+    stream = ToolCallStream(make_parser(parser_name, "", tokenizer.added_tokens))
+    return _reassemble([stream.feed(text, token_ids, True)])[1]
+
+
+@pytest.mark.parametrize("parser_name", ["hermes", "llama3_json", "mistral"])
+@pytest.mark.parametrize("choice", ["required", "get_time"])
+def test_forced_calls_always_parse(stories: LLM, parser_name: str, choice: str) -> None:
+    """30 seeded samples each: the output is one or more calls (exactly one, of the named
+    function) whose arguments validate against that function's schema. "required" allows any
+    number of calls: one that max_tokens cut off is a prefix of a valid call, the ones before
+    it validate."""
+    tok = stories.tokenizer
+    tool_choice: object = choice
+    if choice != "required":
+        tool_choice = {"type": "function", "function": {"name": choice}}
+    tools = RequestTools(make_parser(parser_name, "", tok.added_tokens), TOOLS, tool_choice)
+    params = []
+    for seed in range(30):
+        p = SamplingParams(max_tokens=160, temperature=1.0, seed=seed)
+        tools.constrain(p)
+        params.append(p)
+    for out in stories.generate(["Once upon a time"] * 30, params):
+        o = out.outputs[0]
+        calls = _calls_of(parser_name, tok, o.token_ids, o.text)
+        assert calls, o.text
+        if choice != "required":
+            assert o.finish_reason == "stop", o.text
+            assert [c["name"] for c in calls] == [choice]
+        complete = calls if o.finish_reason == "stop" else calls[:-1]
+        assert o.finish_reason == "stop" or complete, o.text
+        for c in complete:
+            jsonschema.validate(json.loads(c["arguments"]), SCHEMAS[c["name"]])
+
+
+# ------------------------------------------------------------------------------ the service
+CATALOG = "regions:\n  - {name: local, latitude: 0, longitude: 0, settings: {models: [stories]}}\n"
+USER = [{"role": "user", "content": "What is the weather in Paris?"}]
+
+
+class Stack:
+    def __init__(self, root: Path, stories: Path) -> None:
+        model = root / "stories-tools"
+        model.mkdir()
+        for f in stories.iterdir():
+            (model / f.name).symlink_to(f)
+        (model / "chat_template.jinja").write_text(TOOL_TEMPLATE)
+        (root / "regions.yaml").write_text(CATALOG)
+        self.redis = LocalRedis().start()
+        self.worker: Proc = start_worker("w1", model, self.redis.url, root, "local")
+        self.gateway = start_gateway("gw", self.redis.url, root / "regions.yaml", root, "local")
+        wait_until(lambda: get_json(f"{self.gateway.url}/readyz")[1]["workers"] == 1, 30, "worker")
+        self.client = openai.OpenAI(base_url=f"{self.gateway.url}/v1", api_key="none",
+                                    max_retries=0, timeout=60)  # fmt: skip
+
+    def close(self) -> None:
+        self.gateway.stop()
+        self.worker.stop()
+        self.redis.stop()
+
+
+@pytest.fixture(scope="module")
+def stack(tmp_path_factory: pytest.TempPathFactory, stories_dir: Path):  # type: ignore[no-untyped-def]
+    s = Stack(tmp_path_factory.mktemp("tools"), stories_dir)
+    try:
+        yield s
+    finally:
+        s.close()
+
+
+def _check_calls(message: Any, truncated: bool = False) -> list[Any]:
+    """Every call validates (but the last, cut off by max_tokens, when `truncated`)."""
+    assert message.tool_calls, message
+    for call in message.tool_calls[: -1 if truncated else None]:
+        assert call.type == "function" and call.id.startswith("call_")
+        jsonschema.validate(json.loads(call.function.arguments), SCHEMAS[call.function.name])
+    return list(message.tool_calls)
+
+
+def test_required_and_named_through_the_gateway(stack: Stack) -> None:
+    for seed in range(5):
+        r = stack.client.chat.completions.create(
+            model="stories", messages=USER, tools=TOOLS, tool_choice="required",  # type: ignore[arg-type]
+            max_tokens=160, temperature=1.0, seed=seed,
+        )  # fmt: skip
+        finish = r.choices[0].finish_reason
+        assert finish in ("tool_calls", "length")  # required: one call or more
+        _check_calls(r.choices[0].message, truncated=finish == "length")
+    r = stack.client.chat.completions.create(
+        model="stories", messages=USER, tools=TOOLS,  # type: ignore[arg-type]
+        tool_choice={"type": "function", "function": {"name": "get_weather"}},
+        max_tokens=160, temperature=0,
+    )  # fmt: skip
+    calls = _check_calls(r.choices[0].message)
+    assert [c.function.name for c in calls] == ["get_weather"]
+    assert r.choices[0].message.content is None
+
+
+def test_auto_and_none_answer_in_text(stack: Stack) -> None:
+    """stories260K never writes a <tool_call> by itself: auto and none give plain content."""
+    for choice in ("auto", "none"):
+        r = stack.client.chat.completions.create(
+            model="stories", messages=USER, tools=TOOLS, tool_choice=choice,  # type: ignore[arg-type]
+            max_tokens=20, temperature=0,
+        )  # fmt: skip
+        assert r.choices[0].message.content and not r.choices[0].message.tool_calls
+        assert r.choices[0].finish_reason in ("stop", "length")
+
+
+def test_streamed_tool_calls_reassemble_into_the_answer(stack: Stack) -> None:
+    kwargs: dict[str, Any] = dict(model="stories", messages=USER, tools=TOOLS,
+                                  tool_choice="required", max_tokens=160, temperature=1.0)  # fmt: skip
+    for seed in (1, 2, 3):
+        whole = stack.client.chat.completions.create(**kwargs, seed=seed).choices[0]
+        content, calls, finish = "", [], None
+        for chunk in stack.client.chat.completions.create(**kwargs, seed=seed, stream=True):
+            if not chunk.choices:
+                continue
+            delta = chunk.choices[0].delta
+            content += delta.content or ""
+            for d in delta.tool_calls or []:
+                if d.id:
+                    assert d.index == len(calls)
+                    calls.append({"id": d.id, "name": d.function.name, "arguments": d.function.arguments})
+                else:
+                    calls[d.index]["arguments"] += d.function.arguments
+            finish = chunk.choices[0].finish_reason or finish
+        assert finish == whole.finish_reason and finish in ("tool_calls", "length")
+        assert content == (whole.message.content or "")
+        assert [(c["name"], c["arguments"]) for c in calls] == [
+            (c.function.name, c.function.arguments) for c in whole.message.tool_calls or []
+        ]
+
+
+def test_two_turn_tool_conversation(stack: Stack) -> None:
+    first = stack.client.chat.completions.create(
+        model="stories", messages=USER, tools=TOOLS,  # type: ignore[arg-type]
+        tool_choice={"type": "function", "function": {"name": "get_weather"}},
+        max_tokens=160, temperature=0,
+    )  # fmt: skip
+    call = _check_calls(first.choices[0].message)[0]
+    messages: list[Any] = [
+        *USER,
+        {"role": "assistant", "content": None, "tool_calls": [
+            {"id": call.id, "type": "function",
+             "function": {"name": call.function.name, "arguments": call.function.arguments}}]},
+        {"role": "tool", "tool_call_id": call.id, "content": '{"temperature": 21, "sky": "sunny"}'},
+    ]  # fmt: skip
+    second = stack.client.chat.completions.create(
+        model="stories", messages=messages, tools=TOOLS, max_tokens=24, temperature=0,  # type: ignore[arg-type]
+    )  # fmt: skip
+    assert second.choices[0].message.content
+    # the tool turn reached the prompt, rendered by the model's own template
+    assert second.usage is not None and first.usage is not None
+    assert second.usage.prompt_tokens > first.usage.prompt_tokens + 20
+
+
+def test_response_format_json_schema(stack: Stack) -> None:
+    schema = {"type": "object", "properties": {"hero": {"type": "string", "maxLength": 10},
+              "age": {"type": "integer", "minimum": 1, "maximum": 9}}, "required": ["hero", "age"]}  # fmt: skip
+    for seed in range(4):
+        r = stack.client.chat.completions.create(
+            model="stories", messages=USER, max_tokens=80, temperature=1.0, seed=seed,
+            response_format={"type": "json_schema",  # type: ignore[typeddict-item]
+                             "json_schema": {"name": "hero", "schema": schema, "strict": True}},
+        )  # fmt: skip
+        assert r.choices[0].finish_reason == "stop"
+        value = json.loads(r.choices[0].message.content or "")
+        jsonschema.validate(value, schema)
+        assert set(value) == {"hero", "age"}  # strict: no other properties
+    # vLLM's extensions, through the completions endpoint
+    r2 = stack.client.completions.create(
+        model="stories", prompt="Once upon a time", max_tokens=12, temperature=0,
+        extra_body={"guided_choice": ["yes", "no"]},
+    )  # fmt: skip
+    assert r2.choices[0].text in ("yes", "no")
+
+
+def _post(stack: Stack, body: dict[str, Any]) -> tuple[int, dict[str, Any]]:
+    import urllib.error
+    import urllib.request
+
+    req = urllib.request.Request(f"{stack.gateway.url}/v1/chat/completions",
+                                 data=orjson.dumps(body), method="POST",
+                                 headers={"Content-Type": "application/json"})  # fmt: skip
+    try:
+        with urllib.request.urlopen(req, timeout=30) as resp:
+            return resp.status, orjson.loads(resp.read())
+    except urllib.error.HTTPError as e:
+        return e.code, orjson.loads(e.read())
+
+
+def _tool(params: object) -> list[dict[str, Any]]:
+    return [{"type": "function", "function": {"name": "f", "parameters": params}}]
+
+
+BAD: list[tuple[dict[str, Any], str, str]] = [
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "x",
+      "schema": {"type": "strnig"}}}}, "response_format.json_schema.schema", "Invalid type"),
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "x",
+      "schema": {"type": "array", "uniqueItems": True}}}},
+     "response_format.json_schema.schema", "uniqueItems"),
+    ({"response_format": {"type": "json_schema", "json_schema": {"schema": {}}}},
+     "response_format.json_schema.name", "1-64"),
+    ({"guided_regex": "[a-"}, "guided_regex", "regex"),
+    ({"guided_choice": "yes"}, "guided_choice", "non-empty array"),
+    ({"guided_json": {"type": "object"}, "guided_regex": "a"}, "guided_regex", "both"),
+    ({"tools": _tool({"type": "object", "properties": {"a": {"type": "nope"}}})},
+     "tools[0].function.parameters", "Invalid type"),
+    ({"tools": _tool("not a schema")}, "tools[0].function.parameters", "JSON schema object"),
+    ({"tools": _tool({"type": "array"})}, "tools[0].function.parameters", "object"),
+    ({"tools": [{"type": "function", "function": {"name": "bad name"}}]},
+     "tools[0].function.name", "1-64"),
+    ({"tools": [*_tool(None), *_tool(None)]}, "tools[1].function.name", "twice"),
+    ({"tools": _tool(None), "tool_choice": {"type": "function", "function": {"name": "g"}}},
+     "tool_choice.function.name", "not among tools"),
+    ({"tools": _tool(None), "tool_choice": "sometimes"}, "tool_choice", "'required'"),
+    ({"tools": _tool(None), "tool_choice": "required", "response_format": {"type": "json_object"}},
+     "tool_choice", "cannot be combined"),
+    ({"messages": [*USER, {"role": "tool", "tool_call_id": "call_x", "content": "1"}]},
+     "messages[1].tool_call_id", "matches no tool call"),
+    ({"messages": [*USER, {"role": "tool", "content": "1"}]}, "messages[1].tool_call_id", "required"),
+    ({"messages": [*USER, {"role": "assistant", "tool_calls": [{"id": "c", "type": "function",
+      "function": {"name": "f", "arguments": "{oops"}}]}]},
+     "messages[1].tool_calls[0].function.arguments", "not valid JSON"),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize(("patch", "param", "text"), BAD)
+def test_bad_input_is_a_400_naming_the_field(stack: Stack, patch: dict[str, Any], param: str, text: str) -> None:  # fmt: skip
+    status, body = _post(stack, {"model": "stories", "messages": USER, "max_tokens": 4, **patch})
+    assert status == 400, body
+    assert body["error"]["param"] == param, body
+    assert body["error"]["type"] == "invalid_request_error"
+    assert text in body["error"]["message"], body
