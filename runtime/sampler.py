@@ -103,8 +103,8 @@ class Sampler:
         params = [s.params for s in states]
         masked = [i for i, s in enumerate(states) if s.token_bitmask is not None]
         if masked:
-            rows = np.stack([states[i].token_bitmask for i in masked])  # type: ignore[misc]
-            logits = apply_token_bitmask(logits, rows, masked)
+            bitmask = np.stack([states[i].token_bitmask for i in masked])  # type: ignore[misc]
+            logits = apply_token_bitmask(logits, bitmask, masked)
         if all(_is_plain_greedy(p) for p in params):
             return SamplerOutput(logits.argmax(dim=-1).tolist(), [None] * len(states))
 

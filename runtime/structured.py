@@ -30,7 +30,7 @@ from typing import Any
 from runtime.sampling_params import InvalidRequestError
 
 # llguidance's JSON options (a schema's "x-guidance" overrides them).
-JSON_OPTIONS: dict[str, Any] = {
+JSON_OPTIONS: Any = {  # llguidance's JsonCompileOptions (a TypedDict)
     "whitespace_flexible": False,
     "item_separator": ", ",
     "key_separator": ": ",

@@ -71,8 +71,12 @@ SCHEMAS: dict[str, dict[str, Any]] = {
     "optional_anyof": {
         "type": "object",
         "properties": {
-            "id": {"anyOf": [{"type": "integer", "minimum": 0, "maximum": 999},
-                             {"type": "string", "maxLength": 4}]},  # fmt: skip
+            "id": {
+                "anyOf": [
+                    {"type": "integer", "minimum": 0, "maximum": 999},
+                    {"type": "string", "maxLength": 4},
+                ]
+            },
             "tags": {"type": "array", "items": {"type": "string", "maxLength": 5}, "maxItems": 2},
             "note": {"type": "string", "maxLength": 8},
         },
@@ -99,13 +103,19 @@ def _assert_valid(text: str, schema: dict[str, Any], finish: str | None) -> None
 def test_200_seeded_samples_validate(stories: LLM) -> None:
     """50 seeds x 4 schemas, sampled at temperature 1 (with top_k / top_p on some)."""
     prompts, params, schemas = [], [], []
-    for name, schema in SCHEMAS.items():
+    for schema in SCHEMAS.values():
         for seed in range(50):
             prompts.append(PROMPT)
-            params.append(SamplingParams(max_tokens=200, temperature=1.0, seed=seed,
-                                         top_p=0.95 if seed % 3 == 0 else 1.0,
-                                         top_k=20 if seed % 3 == 1 else -1,
-                                         structured_outputs=_json(schema)))  # fmt: skip
+            params.append(
+                SamplingParams(
+                    max_tokens=200,
+                    temperature=1.0,
+                    seed=seed,
+                    top_p=0.95 if seed % 3 == 0 else 1.0,
+                    top_k=20 if seed % 3 == 1 else -1,
+                    structured_outputs=_json(schema),
+                )
+            )
             schemas.append(schema)
     outs = stories.generate(prompts, params)
     assert len(outs) == 200
@@ -121,30 +131,52 @@ def test_random_weight_models_obey(tiny_model_dir, family: str) -> None:  # type
     llm = LLM(str(tiny_model_dir(family)), kv_cache_bytes=KV, block_size=16)
     for name in ("nested", "numbers_patterns"):
         schema = SCHEMAS[name]
-        params = [SamplingParams(max_tokens=200, temperature=1.0, seed=s,
-                                 structured_outputs=_json(schema)) for s in range(12)]  # fmt: skip
+        params = [
+            SamplingParams(
+                max_tokens=200, temperature=1.0, seed=s, structured_outputs=_json(schema)
+            )
+            for s in range(12)
+        ]
         for out in llm.generate([PROMPT] * len(params), params):
             _assert_valid(out.outputs[0].text, schema, out.outputs[0].finish_reason)
     regex = r"[a-z]{2,6}@[a-z]{3}\.(com|org)"
-    params = [SamplingParams(max_tokens=40, temperature=1.0, seed=s,
-                             structured_outputs=StructuredOutputsParams(regex=regex))
-              for s in range(12)]  # fmt: skip
+    params = [
+        SamplingParams(
+            max_tokens=40,
+            temperature=1.0,
+            seed=s,
+            structured_outputs=StructuredOutputsParams(regex=regex),
+        )
+        for s in range(12)
+    ]
     for out in llm.generate([PROMPT] * len(params), params):
         assert re.fullmatch(regex, out.outputs[0].text), out.outputs[0].text
 
 
 def test_regex_and_choice_hold(stories: LLM) -> None:
     regex = r"(yes|no), [0-9]{1,3} (cats|dogs)"
-    params = [SamplingParams(max_tokens=40, temperature=1.2, seed=s,
-                             structured_outputs=StructuredOutputsParams(regex=regex))
-              for s in range(40)]  # fmt: skip
+    params = [
+        SamplingParams(
+            max_tokens=40,
+            temperature=1.2,
+            seed=s,
+            structured_outputs=StructuredOutputsParams(regex=regex),
+        )
+        for s in range(40)
+    ]
     for out in stories.generate([PROMPT] * 40, params):
         assert re.fullmatch(regex, out.outputs[0].text), out.outputs[0].text
         assert out.outputs[0].finish_reason == "stop"
     choices = ["red ball", "blue kite", "a big dog", "Lily"]
-    params = [SamplingParams(max_tokens=20, temperature=1.0, seed=s,
-                             structured_outputs=StructuredOutputsParams(choice=choices))
-              for s in range(40)]  # fmt: skip
+    params = [
+        SamplingParams(
+            max_tokens=20,
+            temperature=1.0,
+            seed=s,
+            structured_outputs=StructuredOutputsParams(choice=choices),
+        )
+        for s in range(40)
+    ]
     seen = {o.outputs[0].text for o in stories.generate([PROMPT] * 40, params)}
     assert seen <= set(choices)
 
@@ -168,8 +200,9 @@ def test_json_object_and_n_sequences(stories: LLM) -> None:
 
 def test_truncation_at_max_tokens_is_a_length_finish(stories: LLM) -> None:
     schema = {"type": "object", "properties": {"story": {"type": "string"}}, "required": ["story"]}
-    out = stories.generate(PROMPT, SamplingParams(max_tokens=6, temperature=0,
-                                                  structured_outputs=_json(schema)))[0]  # fmt: skip
+    out = stories.generate(
+        PROMPT, SamplingParams(max_tokens=6, temperature=0, structured_outputs=_json(schema))
+    )[0]
     o = out.outputs[0]
     assert o.finish_reason == "length" and len(o.token_ids) == 6
     assert o.text.startswith('{"story"')
@@ -179,8 +212,9 @@ def test_greedy_constrained_is_the_masked_argmax(stories: LLM) -> None:
     """Greedy under a grammar: each token is the best token the grammar allows (checked by
     replaying the output with the sampler and an explicit mask)."""
     schema = SCHEMAS["arrays_enums"]
-    out = stories.generate(PROMPT, SamplingParams(max_tokens=60, temperature=0,
-                                                  structured_outputs=_json(schema)))[0]  # fmt: skip
+    out = stories.generate(
+        PROMPT, SamplingParams(max_tokens=60, temperature=0, structured_outputs=_json(schema))
+    )[0]
     _assert_valid(out.outputs[0].text, schema, out.outputs[0].finish_reason)
     unconstrained = stories.generate(PROMPT, SamplingParams(max_tokens=8, temperature=0))[0]
     assert out.outputs[0].token_ids[:8] != unconstrained.outputs[0].token_ids
@@ -189,15 +223,23 @@ def test_greedy_constrained_is_the_masked_argmax(stories: LLM) -> None:
 def test_speculative_decoding_keeps_the_grammar(stories_dir: Path, stories: LLM) -> None:
     """n-gram drafts verified under the mask: greedy output identical to the plain engine's,
     sampled output valid; the verify rows reject drafts the grammar refuses."""
-    spec = LLM(str(stories_dir), kv_cache_bytes=KV, block_size=16,
-               speculative={"method": "ngram", "num_tokens": 4, "max_batch_tokens": 64})  # fmt: skip
+    spec = LLM(
+        str(stories_dir),
+        kv_cache_bytes=KV,
+        block_size=16,
+        speculative={"method": "ngram", "num_tokens": 4, "max_batch_tokens": 64},
+    )
     schema = SCHEMAS["arrays_enums"]  # repetitive ("cat", "cat", ...): n-gram drafts hit
     greedy = SamplingParams(max_tokens=80, temperature=0, structured_outputs=_json(schema))
     base = stories.generate(PROMPT, greedy)[0].outputs[0]
     fast = spec.generate(PROMPT, greedy)[0]
     assert fast.outputs[0].token_ids == base.token_ids
-    params = [SamplingParams(max_tokens=200, temperature=1.0, seed=s,
-                             structured_outputs=_json(SCHEMAS["nested"])) for s in range(16)]  # fmt: skip
+    params = [
+        SamplingParams(
+            max_tokens=200, temperature=1.0, seed=s, structured_outputs=_json(SCHEMAS["nested"])
+        )
+        for s in range(16)
+    ]
     outs = spec.generate([PROMPT] * 16, params)
     for out in outs:
         _assert_valid(out.outputs[0].text, SCHEMAS["nested"], out.outputs[0].finish_reason)
@@ -219,8 +261,12 @@ def test_grammar_compiled_once_per_schema(stories: LLM) -> None:
     g = stories.engine.grammars
     schema = {"type": "object", "properties": {"k": {"enum": [1, 2]}}, "required": ["k"]}
     before = g.compiled
-    params = [SamplingParams(max_tokens=20, temperature=1.0, seed=s,
-                             structured_outputs=_json(dict(schema))) for s in range(10)]  # fmt: skip
+    params = [
+        SamplingParams(
+            max_tokens=20, temperature=1.0, seed=s, structured_outputs=_json(dict(schema))
+        )
+        for s in range(10)
+    ]
     stories.generate([PROMPT] * 10, params)
     assert g.compiled == before + 1
 
@@ -239,7 +285,9 @@ def test_grammar_compiled_once_per_schema(stories: LLM) -> None:
         (StructuredOutputsParams(grammar="start: nope"), "nope"),
     ],
 )
-def test_bad_constraints_are_refused(stories: LLM, spec: StructuredOutputsParams, text: str) -> None:
+def test_bad_constraints_are_refused(
+    stories: LLM, spec: StructuredOutputsParams, text: str
+) -> None:
     with pytest.raises(InvalidRequestError) as e:
         stories.generate(PROMPT, SamplingParams(max_tokens=4, structured_outputs=spec))
     assert e.value.param.startswith("structured_outputs")
@@ -255,8 +303,11 @@ def test_dict_from_the_wire_becomes_params() -> None:
 
 
 def test_strict_schema_closes_objects() -> None:
-    schema = {"type": "object", "properties": {"a": {"type": "object", "properties": {}}},
-              "$defs": {"d": {"properties": {"x": {}}, "additionalProperties": True}}}  # fmt: skip
+    schema = {
+        "type": "object",
+        "properties": {"a": {"type": "object", "properties": {}}},
+        "$defs": {"d": {"properties": {"x": {}}, "additionalProperties": True}},
+    }
     out = strict_schema(schema)
     assert out["additionalProperties"] is False
     assert out["properties"]["a"]["additionalProperties"] is False
@@ -279,7 +330,8 @@ def test_apply_token_bitmask_matches_a_dense_mask() -> None:
     short = apply_token_bitmask(logits[:, :70], bitmask[:, :2], None)  # 64 bits for 70 tokens
     assert torch.isinf(short[:, 64:]).all()
     # the sampler applies a row's mask before choosing: greedy picks the best allowed token
-    states = [SamplingState(SamplingParams(temperature=0), None, [], [], bitmask[i])
-              for i in range(3)]  # fmt: skip
+    states = [
+        SamplingState(SamplingParams(temperature=0), None, [], [], bitmask[i]) for i in range(3)
+    ]
     picked = Sampler()(logits, states).token_ids
     assert picked == dense.argmax(dim=-1).tolist()

@@ -38,10 +38,12 @@ TIME = {
     "additionalProperties": False,
 }
 TOOLS = [
-    {"type": "function", "function": {"name": "get_weather", "description": "Weather now",
-                                      "parameters": WEATHER}},
+    {
+        "type": "function",
+        "function": {"name": "get_weather", "description": "Weather now", "parameters": WEATHER},
+    },
     {"type": "function", "function": {"name": "get_time", "parameters": TIME}},
-]  # fmt: skip
+]
 SCHEMAS = {"get_weather": WEATHER, "get_time": TIME}
 # A Hermes/Qwen-style chat template for stories260K: tools in a system turn (by name and
 # description only: their schemas would fill its 512-token context), calls in <tool_call>
@@ -68,7 +70,9 @@ def _reassemble(deltas: list[tuple[str, list[dict[str, Any]]]]) -> tuple[str, li
         for d in tc:
             if "id" in d:
                 assert d["index"] == len(calls) and d["type"] == "function"
-                calls.append({"name": d["function"]["name"], "arguments": d["function"]["arguments"]})
+                calls.append(
+                    {"name": d["function"]["name"], "arguments": d["function"]["arguments"]}
+                )
             else:
                 calls[d["index"]]["arguments"] += d["function"]["arguments"]
     return content, calls
@@ -83,26 +87,51 @@ def _stream(parser_name: str, text: str, step: int) -> tuple[str, list[dict[str,
 CALL_A = '{"name": "get_weather", "arguments": {"city": "Pa\\"ris }", "unit": "celsius"}}'
 CALL_B = '{"arguments": {"zone": "UTC"}, "name": "get_time"}'
 PARSE_CASES = [
-    ("hermes", f"Let me look.\n<tool_call>\n{CALL_A}\n</tool_call>\n<tool_call>\n{CALL_B}\n</tool_call>",
-     "Let me look.", [("get_weather", '{"city": "Pa\\"ris }", "unit": "celsius"}'),
-                      ("get_time", '{"zone": "UTC"}')]),
-    ("hermes", "No tools needed: 2 < 3 and <tool is not a tag.", "No tools needed: 2 < 3 and <tool is not a tag.", []),
+    (
+        "hermes",
+        f"Let me look.\n<tool_call>\n{CALL_A}\n</tool_call>\n<tool_call>\n{CALL_B}\n</tool_call>",
+        "Let me look.",
+        [
+            ("get_weather", '{"city": "Pa\\"ris }", "unit": "celsius"}'),
+            ("get_time", '{"zone": "UTC"}'),
+        ],
+    ),
+    (
+        "hermes",
+        "No tools needed: 2 < 3 and <tool is not a tag.",
+        "No tools needed: 2 < 3 and <tool is not a tag.",
+        [],
+    ),
     ("hermes", "Hmm <tool_call>\nnot json", "Hmm <tool_call>\nnot json", []),
-    ("llama3_json", '{"name": "get_time", "parameters": {"zone": "CET"}}; '
-                    '{"name": "get_weather", "parameters": {"city": "Oslo", "unit": "celsius"}}',
-     "", [("get_time", '{"zone": "CET"}'), ("get_weather", '{"city": "Oslo", "unit": "celsius"}')]),
-    ("llama3_json", "<|python_tag|>" + '{"name": "get_time", "arguments": {"zone": "CET"}}', "",
-     [("get_time", '{"zone": "CET"}')]),
+    (
+        "llama3_json",
+        '{"name": "get_time", "parameters": {"zone": "CET"}}; '
+        '{"name": "get_weather", "parameters": {"city": "Oslo", "unit": "celsius"}}',
+        "",
+        [("get_time", '{"zone": "CET"}'), ("get_weather", '{"city": "Oslo", "unit": "celsius"}')],
+    ),
+    (
+        "llama3_json",
+        "<|python_tag|>" + '{"name": "get_time", "arguments": {"zone": "CET"}}',
+        "",
+        [("get_time", '{"zone": "CET"}')],
+    ),
     ("llama3_json", '{"answer": 42}', '{"answer": 42}', []),
     ("llama3_json", "  Just text.", "  Just text.", []),
-    ("mistral", 'Sure [TOOL_CALLS][{"name": "get_time", "arguments": {"zone": "EST"}}, '
-                '{"name": "get_weather", "arguments": {"city": "Rome", "unit": "celsius"}}]',
-     "Sure", [("get_time", '{"zone": "EST"}'), ("get_weather", '{"city": "Rome", "unit": "celsius"}')]),
-]  # fmt: skip
+    (
+        "mistral",
+        'Sure [TOOL_CALLS][{"name": "get_time", "arguments": {"zone": "EST"}}, '
+        '{"name": "get_weather", "arguments": {"city": "Rome", "unit": "celsius"}}]',
+        "Sure",
+        [("get_time", '{"zone": "EST"}'), ("get_weather", '{"city": "Rome", "unit": "celsius"}')],
+    ),
+]
 
 
 @pytest.mark.parametrize(("parser", "text", "content", "calls"), PARSE_CASES)
-def test_parsers_and_streamed_deltas(parser: str, text: str, content: str, calls: list[tuple[str, str]]) -> None:  # fmt: skip
+def test_parsers_and_streamed_deltas(
+    parser: str, text: str, content: str, calls: list[tuple[str, str]]
+) -> None:
     """Whatever the chunking (1 character to all at once), the deltas add up to the same."""
     expected = (content, [{"name": n, "arguments": a} for n, a in calls])
     for step in (1, 2, 3, 7, len(text)):
@@ -118,8 +147,10 @@ def test_marker_special_token_is_seen_by_id() -> None:
     """A marker that is a special token never reaches the text: its id stands for it."""
     parser = make_parser("mistral", "", {"[TOOL_CALLS]": 77})
     stream = ToolCallStream(parser)
-    out = [stream.feed("", [77], False),
-           stream.feed('[{"name": "f", "arguments": {}}]', [5, 6], True)]  # fmt: skip
+    out = [
+        stream.feed("", [77], False),
+        stream.feed('[{"name": "f", "arguments": {}}]', [5, 6], True),
+    ]
     assert _reassemble(out) == ("", [{"name": "f", "arguments": "{}"}])
     assert "<[77]>" in parser.grammar(TOOLS, None)
 
@@ -140,7 +171,9 @@ def stories(stories_dir: Path) -> LLM:
     return LLM(str(stories_dir), kv_cache_bytes=4_000_000, block_size=16)
 
 
-def _calls_of(parser_name: str, tokenizer: Any, token_ids: list[int], text: str) -> list[dict[str, Any]]:  # fmt: skip
+def _calls_of(
+    parser_name: str, tokenizer: Any, token_ids: list[int], text: str
+) -> list[dict[str, Any]]:
     stream = ToolCallStream(make_parser(parser_name, "", tokenizer.added_tokens))
     return _reassemble([stream.feed(text, token_ids, True)])[1]
 
@@ -192,8 +225,9 @@ class Stack:
         self.worker: Proc = start_worker("w1", model, self.redis.url, root, "local")
         self.gateway = start_gateway("gw", self.redis.url, root / "regions.yaml", root, "local")
         wait_until(lambda: get_json(f"{self.gateway.url}/readyz")[1]["workers"] == 1, 30, "worker")
-        self.client = openai.OpenAI(base_url=f"{self.gateway.url}/v1", api_key="none",
-                                    max_retries=0, timeout=60)  # fmt: skip
+        self.client = openai.OpenAI(
+            base_url=f"{self.gateway.url}/v1", api_key="none", max_retries=0, timeout=60
+        )
 
     def close(self) -> None:
         self.gateway.stop()
@@ -222,17 +256,25 @@ def _check_calls(message: Any, truncated: bool = False) -> list[Any]:
 def test_required_and_named_through_the_gateway(stack: Stack) -> None:
     for seed in range(5):
         r = stack.client.chat.completions.create(
-            model="stories", messages=USER, tools=TOOLS, tool_choice="required",  # type: ignore[arg-type]
-            max_tokens=160, temperature=1.0, seed=seed,
-        )  # fmt: skip
+            model="stories",
+            messages=USER,
+            tools=TOOLS,
+            tool_choice="required",  # type: ignore[arg-type]
+            max_tokens=160,
+            temperature=1.0,
+            seed=seed,
+        )
         finish = r.choices[0].finish_reason
         assert finish in ("tool_calls", "length")  # required: one call or more
         _check_calls(r.choices[0].message, truncated=finish == "length")
     r = stack.client.chat.completions.create(
-        model="stories", messages=USER, tools=TOOLS,  # type: ignore[arg-type]
+        model="stories",
+        messages=USER,
+        tools=TOOLS,  # type: ignore[arg-type]
         tool_choice={"type": "function", "function": {"name": "get_weather"}},
-        max_tokens=160, temperature=0,
-    )  # fmt: skip
+        max_tokens=160,
+        temperature=0,
+    )
     calls = _check_calls(r.choices[0].message)
     assert [c.function.name for c in calls] == ["get_weather"]
     assert r.choices[0].message.content is None
@@ -242,16 +284,26 @@ def test_auto_and_none_answer_in_text(stack: Stack) -> None:
     """stories260K never writes a <tool_call> by itself: auto and none give plain content."""
     for choice in ("auto", "none"):
         r = stack.client.chat.completions.create(
-            model="stories", messages=USER, tools=TOOLS, tool_choice=choice,  # type: ignore[arg-type]
-            max_tokens=20, temperature=0,
-        )  # fmt: skip
+            model="stories",
+            messages=USER,
+            tools=TOOLS,
+            tool_choice=choice,  # type: ignore[arg-type]
+            max_tokens=20,
+            temperature=0,
+        )
         assert r.choices[0].message.content and not r.choices[0].message.tool_calls
         assert r.choices[0].finish_reason in ("stop", "length")
 
 
 def test_streamed_tool_calls_reassemble_into_the_answer(stack: Stack) -> None:
-    kwargs: dict[str, Any] = dict(model="stories", messages=USER, tools=TOOLS,
-                                  tool_choice="required", max_tokens=160, temperature=1.0)  # fmt: skip
+    kwargs: dict[str, Any] = dict(
+        model="stories",
+        messages=USER,
+        tools=TOOLS,
+        tool_choice="required",
+        max_tokens=160,
+        temperature=1.0,
+    )
     for seed in (1, 2, 3):
         whole = stack.client.chat.completions.create(**kwargs, seed=seed).choices[0]
         content, calls, finish = "", [], None
@@ -263,7 +315,9 @@ def test_streamed_tool_calls_reassemble_into_the_answer(stack: Stack) -> None:
             for d in delta.tool_calls or []:
                 if d.id:
                     assert d.index == len(calls)
-                    calls.append({"id": d.id, "name": d.function.name, "arguments": d.function.arguments})
+                    calls.append(
+                        {"id": d.id, "name": d.function.name, "arguments": d.function.arguments}
+                    )
                 else:
                     calls[d.index]["arguments"] += d.function.arguments
             finish = chunk.choices[0].finish_reason or finish
@@ -276,21 +330,36 @@ def test_streamed_tool_calls_reassemble_into_the_answer(stack: Stack) -> None:
 
 def test_two_turn_tool_conversation(stack: Stack) -> None:
     first = stack.client.chat.completions.create(
-        model="stories", messages=USER, tools=TOOLS,  # type: ignore[arg-type]
+        model="stories",
+        messages=USER,
+        tools=TOOLS,  # type: ignore[arg-type]
         tool_choice={"type": "function", "function": {"name": "get_weather"}},
-        max_tokens=160, temperature=0,
-    )  # fmt: skip
+        max_tokens=160,
+        temperature=0,
+    )
     call = _check_calls(first.choices[0].message)[0]
     messages: list[Any] = [
         *USER,
-        {"role": "assistant", "content": None, "tool_calls": [
-            {"id": call.id, "type": "function",
-             "function": {"name": call.function.name, "arguments": call.function.arguments}}]},
+        {
+            "role": "assistant",
+            "content": None,
+            "tool_calls": [
+                {
+                    "id": call.id,
+                    "type": "function",
+                    "function": {"name": call.function.name, "arguments": call.function.arguments},
+                }
+            ],
+        },
         {"role": "tool", "tool_call_id": call.id, "content": '{"temperature": 21, "sky": "sunny"}'},
-    ]  # fmt: skip
+    ]
     second = stack.client.chat.completions.create(
-        model="stories", messages=messages, tools=TOOLS, max_tokens=24, temperature=0,  # type: ignore[arg-type]
-    )  # fmt: skip
+        model="stories",
+        messages=messages,
+        tools=TOOLS,
+        max_tokens=24,
+        temperature=0,  # type: ignore[arg-type]
+    )
     assert second.choices[0].message.content
     # the tool turn reached the prompt, rendered by the model's own template
     assert second.usage is not None and first.usage is not None
@@ -298,23 +367,38 @@ def test_two_turn_tool_conversation(stack: Stack) -> None:
 
 
 def test_response_format_json_schema(stack: Stack) -> None:
-    schema = {"type": "object", "properties": {"hero": {"type": "string", "maxLength": 10},
-              "age": {"type": "integer", "minimum": 1, "maximum": 9}}, "required": ["hero", "age"]}  # fmt: skip
+    schema = {
+        "type": "object",
+        "properties": {
+            "hero": {"type": "string", "maxLength": 10},
+            "age": {"type": "integer", "minimum": 1, "maximum": 9},
+        },
+        "required": ["hero", "age"],
+    }
     for seed in range(4):
         r = stack.client.chat.completions.create(
-            model="stories", messages=USER, max_tokens=80, temperature=1.0, seed=seed,
-            response_format={"type": "json_schema",  # type: ignore[typeddict-item]
-                             "json_schema": {"name": "hero", "schema": schema, "strict": True}},
-        )  # fmt: skip
+            model="stories",
+            messages=USER,
+            max_tokens=80,
+            temperature=1.0,
+            seed=seed,
+            response_format={
+                "type": "json_schema",  # type: ignore[typeddict-item]
+                "json_schema": {"name": "hero", "schema": schema, "strict": True},
+            },
+        )
         assert r.choices[0].finish_reason == "stop"
         value = json.loads(r.choices[0].message.content or "")
         jsonschema.validate(value, schema)
         assert set(value) == {"hero", "age"}  # strict: no other properties
     # vLLM's extensions, through the completions endpoint
     r2 = stack.client.completions.create(
-        model="stories", prompt="Once upon a time", max_tokens=12, temperature=0,
+        model="stories",
+        prompt="Once upon a time",
+        max_tokens=12,
+        temperature=0,
         extra_body={"guided_choice": ["yes", "no"]},
-    )  # fmt: skip
+    )
     assert r2.choices[0].text in ("yes", "no")
 
 
@@ -322,9 +406,12 @@ def _post(stack: Stack, body: dict[str, Any]) -> tuple[int, dict[str, Any]]:
     import urllib.error
     import urllib.request
 
-    req = urllib.request.Request(f"{stack.gateway.url}/v1/chat/completions",
-                                 data=orjson.dumps(body), method="POST",
-                                 headers={"Content-Type": "application/json"})  # fmt: skip
+    req = urllib.request.Request(
+        f"{stack.gateway.url}/v1/chat/completions",
+        data=orjson.dumps(body),
+        method="POST",
+        headers={"Content-Type": "application/json"},
+    )
     try:
         with urllib.request.urlopen(req, timeout=30) as resp:
             return resp.status, orjson.loads(resp.read())
@@ -337,39 +424,98 @@ def _tool(params: object) -> list[dict[str, Any]]:
 
 
 BAD: list[tuple[dict[str, Any], str, str]] = [
-    ({"response_format": {"type": "json_schema", "json_schema": {"name": "x",
-      "schema": {"type": "strnig"}}}}, "response_format.json_schema.schema", "Invalid type"),
-    ({"response_format": {"type": "json_schema", "json_schema": {"name": "x",
-      "schema": {"type": "array", "uniqueItems": True}}}},
-     "response_format.json_schema.schema", "uniqueItems"),
-    ({"response_format": {"type": "json_schema", "json_schema": {"schema": {}}}},
-     "response_format.json_schema.name", "1-64"),
+    (
+        {
+            "response_format": {
+                "type": "json_schema",
+                "json_schema": {"name": "x", "schema": {"type": "strnig"}},
+            }
+        },
+        "response_format.json_schema.schema",
+        "Invalid type",
+    ),
+    (
+        {
+            "response_format": {
+                "type": "json_schema",
+                "json_schema": {"name": "x", "schema": {"type": "array", "uniqueItems": True}},
+            }
+        },
+        "response_format.json_schema.schema",
+        "uniqueItems",
+    ),
+    (
+        {"response_format": {"type": "json_schema", "json_schema": {"schema": {}}}},
+        "response_format.json_schema.name",
+        "1-64",
+    ),
     ({"guided_regex": "[a-"}, "guided_regex", "regex"),
     ({"guided_choice": "yes"}, "guided_choice", "non-empty array"),
     ({"guided_json": {"type": "object"}, "guided_regex": "a"}, "guided_regex", "both"),
-    ({"tools": _tool({"type": "object", "properties": {"a": {"type": "nope"}}})},
-     "tools[0].function.parameters", "Invalid type"),
+    (
+        {"tools": _tool({"type": "object", "properties": {"a": {"type": "nope"}}})},
+        "tools[0].function.parameters",
+        "Invalid type",
+    ),
     ({"tools": _tool("not a schema")}, "tools[0].function.parameters", "JSON schema object"),
     ({"tools": _tool({"type": "array"})}, "tools[0].function.parameters", "object"),
-    ({"tools": [{"type": "function", "function": {"name": "bad name"}}]},
-     "tools[0].function.name", "1-64"),
+    (
+        {"tools": [{"type": "function", "function": {"name": "bad name"}}]},
+        "tools[0].function.name",
+        "1-64",
+    ),
     ({"tools": [*_tool(None), *_tool(None)]}, "tools[1].function.name", "twice"),
-    ({"tools": _tool(None), "tool_choice": {"type": "function", "function": {"name": "g"}}},
-     "tool_choice.function.name", "not among tools"),
+    (
+        {"tools": _tool(None), "tool_choice": {"type": "function", "function": {"name": "g"}}},
+        "tool_choice.function.name",
+        "not among tools",
+    ),
     ({"tools": _tool(None), "tool_choice": "sometimes"}, "tool_choice", "'required'"),
-    ({"tools": _tool(None), "tool_choice": "required", "response_format": {"type": "json_object"}},
-     "tool_choice", "cannot be combined"),
-    ({"messages": [*USER, {"role": "tool", "tool_call_id": "call_x", "content": "1"}]},
-     "messages[1].tool_call_id", "matches no tool call"),
-    ({"messages": [*USER, {"role": "tool", "content": "1"}]}, "messages[1].tool_call_id", "required"),
-    ({"messages": [*USER, {"role": "assistant", "tool_calls": [{"id": "c", "type": "function",
-      "function": {"name": "f", "arguments": "{oops"}}]}]},
-     "messages[1].tool_calls[0].function.arguments", "not valid JSON"),
-]  # fmt: skip
+    (
+        {
+            "tools": _tool(None),
+            "tool_choice": "required",
+            "response_format": {"type": "json_object"},
+        },
+        "tool_choice",
+        "cannot be combined",
+    ),
+    (
+        {"messages": [*USER, {"role": "tool", "tool_call_id": "call_x", "content": "1"}]},
+        "messages[1].tool_call_id",
+        "matches no tool call",
+    ),
+    (
+        {"messages": [*USER, {"role": "tool", "content": "1"}]},
+        "messages[1].tool_call_id",
+        "required",
+    ),
+    (
+        {
+            "messages": [
+                *USER,
+                {
+                    "role": "assistant",
+                    "tool_calls": [
+                        {
+                            "id": "c",
+                            "type": "function",
+                            "function": {"name": "f", "arguments": "{oops"},
+                        }
+                    ],
+                },
+            ]
+        },
+        "messages[1].tool_calls[0].function.arguments",
+        "not valid JSON",
+    ),
+]
 
 
 @pytest.mark.parametrize(("patch", "param", "text"), BAD)
-def test_bad_input_is_a_400_naming_the_field(stack: Stack, patch: dict[str, Any], param: str, text: str) -> None:  # fmt: skip
+def test_bad_input_is_a_400_naming_the_field(
+    stack: Stack, patch: dict[str, Any], param: str, text: str
+) -> None:
     status, body = _post(stack, {"model": "stories", "messages": USER, "max_tokens": 4, **patch})
     assert status == 400, body
     assert body["error"]["param"] == param, body
