@@ -326,9 +326,13 @@ def test_apply_token_bitmask_matches_a_dense_mask() -> None:
     bitmask = words.view(np.int32)  # (3, 3)
     out = apply_token_bitmask(logits, bitmask, [0, 1, 2])
     dense = logits.masked_fill(~allowed[:, :vocab], float("-inf"))
-    assert torch.equal(out, dense)
+    forbidden = ~allowed[:, :vocab]
+    assert torch.equal(out[~forbidden], logits[~forbidden])  # allowed tokens untouched
+    assert (out[forbidden] <= torch.finfo(torch.float32).min / 2).all()
+    assert torch.equal(torch.softmax(out, -1), torch.softmax(dense, -1))  # exactly 0 there
+    assert torch.equal(apply_token_bitmask(logits, bitmask), out)  # all rows, in order
     short = apply_token_bitmask(logits[:, :70], bitmask[:, :2], None)  # 64 bits for 70 tokens
-    assert torch.isinf(short[:, 64:]).all()
+    assert (short[:, 64:] <= torch.finfo(torch.float32).min / 2).all()
     # the sampler applies a row's mask before choosing: greedy picks the best allowed token
     states = [
         SamplingState(SamplingParams(temperature=0), None, [], [], bitmask[i]) for i in range(3)
