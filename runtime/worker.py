@@ -61,6 +61,7 @@ from runtime.sampling_params import InvalidRequestError, SamplingParams
 from runtime.scheduler import QueueFullError
 from runtime.telemetry import RequestTimes, WorkerTelemetry
 from runtime.tokenizer import NoChatTemplateError, Tokenizer
+from runtime.tool_parsers import PARSERS, RequestTools
 
 log = logging.getLogger("edgeinfer.worker")
 
@@ -85,6 +86,8 @@ class WorkerConfig:
     kv_hold_s: float = 30.0  # how long pulled KV blocks are held for an acknowledgement
     worker_id: str = field(default="")  # unique id; generated when empty
     telemetry: TelemetryConfig | None = None  # traces/metrics export; None: /metrics only
+    tool_call_parser: str | None = None  # tool-call format (runtime/tool_parsers.PARSERS);
+    # None: the one the chat template points to
 
     def __post_init__(self) -> None:
         if self.role not in ROLES:
@@ -97,6 +100,8 @@ class WorkerConfig:
             raise ValueError("need 0 < heartbeat_s < ttl_s")
         if not 0 <= self.kv_port < 65536 or self.kv_hold_s <= 0:
             raise ValueError("need 0 <= kv_port < 65536 and kv_hold_s > 0")
+        if self.tool_call_parser is not None and self.tool_call_parser not in PARSERS:
+            raise ValueError(f"tool_call_parser must be one of {PARSERS}")
         if not self.worker_id:
             host = socket.gethostname().replace("{", "").replace("}", "")
             self.worker_id = f"{self.region}-{host}-{self.port}-{secrets.token_hex(3)}"
@@ -253,7 +258,9 @@ class Worker:
             if req.prompt is not None:
                 raise InvalidRequestError("messages", "give either messages or prompt, not both")
             try:
-                text = self.tokenizer.apply_chat_template(req.messages, add_generation_prompt=True)
+                text = self.tokenizer.apply_chat_template(
+                    req.messages, add_generation_prompt=True, tools=req.tools
+                )
             except NoChatTemplateError as e:
                 raise InvalidRequestError(
                     "messages",
@@ -336,7 +343,9 @@ async def _generate(request: web.Request) -> web.StreamResponse:
     tel = worker.telemetry
     span = tel.start(request.headers, req, worker.config.role)
     try:
-        stream = await _submit(worker, req, trace.set_span_in_context(span), times)
+        tools = RequestTools.of(req.tools, req.tool_choice, worker.tokenizer,
+                                worker.config.tool_call_parser)  # fmt: skip
+        stream = await _submit(worker, req, trace.set_span_in_context(span), times, tools)
     except _Refused as r:
         tel.finish(span, req, times, None, r.code)
         return r.response
@@ -356,7 +365,7 @@ async def _generate(request: web.Request) -> web.StreamResponse:
             times.arrival, times.scheduled = out.arrival_time, out.scheduled_time
             lines = []
             for o in out.outputs:
-                event = _delta(worker, o, done)
+                event = _delta(worker, o, done, tools)
                 if event is not None:
                     generated += len(event.token_ids)
                     lines.append(encode_event(event))
@@ -394,12 +403,18 @@ class _Refused(Exception):
 
 
 async def _submit(
-    worker: Worker, req: GenerateRequest, trace_ctx: Any, times: RequestTimes
+    worker: Worker,
+    req: GenerateRequest,
+    trace_ctx: Any,
+    times: RequestTimes,
+    tools: RequestTools | None,
 ) -> RequestStream:
     """Hand the request to the engine (pulling its prompt's KV first when disaggregated);
     _Refused when it cannot be taken."""
     try:
         params = SamplingParams(**req.sampling)
+        if tools is not None:
+            tools.constrain(params)  # tool_choice required / named: a grammar
         if req.kv_source is None:
             return worker.llm.submit(worker.prompt_of(req), params, req.request_id)
         # disaggregated: the prompt's KV comes from a prefill worker
@@ -422,15 +437,21 @@ async def _submit(
         raise _Refused(503, str(e), "service_unavailable", None, "engine_dead") from e
 
 
-def _delta(worker: Worker, o: CompletionOutput, done: set[int]) -> DeltaEvent | None:
+def _delta(
+    worker: Worker, o: CompletionOutput, done: set[int], tools: RequestTools | None
+) -> DeltaEvent | None:
     if o.index in done or (not o.delta_token_ids and not o.delta_text and not o.finished):
         return None
     if o.finished:
         done.add(o.index)
     lps = o.logprobs[-len(o.delta_token_ids) :] if o.logprobs and o.delta_token_ids else None
+    text, calls = o.delta_text, None
+    if tools is not None:  # content and tool-call deltas
+        text, calls = tools.delta(o.index, text, o.delta_token_ids, o.finished)
     return DeltaEvent(
         index=o.index,
-        text=o.delta_text,
+        text=text,
+        tool_calls=calls or None,
         token_ids=list(o.delta_token_ids),
         logprobs=worker.logprobs_of(lps) if lps else ([] if o.logprobs is not None else None),
         finish_reason=o.finish_reason,
