@@ -123,6 +123,7 @@ def cmd_worker(args: argparse.Namespace) -> int:
         kv_port=args.kv_port,
         kv_hold_s=args.kv_hold,
         worker_id=args.worker_id or "",
+        tool_call_parser=args.tool_call_parser,
     )
     config.telemetry = _telemetry_config(args, "edgeinfer-worker", args.region, config.worker_id)
     engine = LLMEngine(
@@ -359,6 +360,10 @@ def add_service_commands(sub: argparse._SubParsersAction, engine_args) -> None: 
     )
     w.add_argument("--kv-hold", type=float, default=30.0,
                    help="seconds pulled KV blocks wait for the puller's acknowledgement")  # fmt: skip
+    w.add_argument("--tool-call-parser", default=None,
+                   choices=["hermes", "llama3_json", "mistral"],
+                   help="tool-call format of the model's output (default: the one its chat "
+                   "template points to)")  # fmt: skip
     _telemetry_args(w)
     w.set_defaults(func=cmd_worker)
 

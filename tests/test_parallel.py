@@ -115,11 +115,11 @@ def test_split_model_answers_as_one_rank(
 def test_expert_parallel_engine_matches_one_rank(tmp_path_factory, stories_dir: Path) -> None:  # type: ignore[no-untyped-def]
     """A mixture-of-experts model through the engine: ep=2, and tp=2 with ep=2 (attention split,
     experts spread over the same ranks), answer as one rank does."""
-    from tests.test_moe import _config
-
     import shutil
 
     import transformers as tf
+
+    from tests.test_moe import _config
 
     torch.manual_seed(4321)
     hf = tf.AutoModelForCausalLM.from_config(_config("qwen2_moe")).float()
@@ -165,7 +165,9 @@ def test_each_rank_holds_only_its_share(stories_dir: Path) -> None:
         assert ("norm.weight" in params) == place.last
         if place.first:  # half the vocabulary's rows
             v = cfg.vocab_size // 2
-            assert torch.equal(params["embed_tokens"], full["embed_tokens"][place.tp_rank * v :][:v])
+            assert torch.equal(
+                params["embed_tokens"], full["embed_tokens"][place.tp_rank * v :][:v]
+            )
         i = m.local_layers.start
         attn = m.layers[i].self_attn
         q = cfg.num_heads * cfg.head_dim // 2
@@ -328,8 +330,14 @@ def test_worker_of_two_ranks_serves_and_dies_cleanly(
         messages = [{"role": "user", "content": "Tell me a story about a cat."}]
         wait_until(lambda: get_json(f"{gateway.url}/readyz")[1]["workers"] == 2, 30, "2 workers")
         answers = [
-            client.chat.completions.create(model=m, messages=messages, max_tokens=16,  # type: ignore[arg-type]
-                                           temperature=0).choices[0].message.content  # fmt: skip
+            client.chat.completions.create(
+                model=m,
+                messages=messages,
+                max_tokens=16,
+                temperature=0,  # type: ignore[arg-type]
+            )
+            .choices[0]
+            .message.content
             for m in ("stories", "stories-1")
         ]
         assert answers[0] and answers[0] == answers[1]

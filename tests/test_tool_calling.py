@@ -521,3 +521,23 @@ def test_bad_input_is_a_400_naming_the_field(
     assert body["error"]["param"] == param, body
     assert body["error"]["type"] == "invalid_request_error"
     assert text in body["error"]["message"], body
+
+
+def test_worker_flag_offers_every_parser() -> None:
+    """`edgeinfer worker --tool-call-parser` lists the parsers there are (a literal, so that the
+    CLI does not import the grammar engine to build its help)."""
+    import argparse
+
+    from runtime.service_cli import add_service_commands
+    from runtime.tool_parsers import PARSERS
+
+    parser = argparse.ArgumentParser()
+    add_service_commands(parser.add_subparsers(), lambda p: None)
+    args = parser.parse_args(["worker", "--tool-call-parser", "mistral"])
+    assert args.tool_call_parser == "mistral"
+    worker = next(
+        a
+        for a in parser._subparsers._group_actions[0].choices["worker"]._actions  # type: ignore[union-attr]
+        if a.dest == "tool_call_parser"
+    )
+    assert tuple(worker.choices) == PARSERS
