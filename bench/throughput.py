@@ -43,11 +43,14 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, TypeVar
 
-import torch
-import torch.nn.functional as F
-
 if __package__ in (None, ""):  # run as `python bench/throughput.py`: make `runtime` importable
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+# runtime first: the OpenMP settings it makes (runtime/__init__.py) hold for torch in this
+# process, so edgeinfer and transformers run on the same threads as the CLI would give them
+import runtime  # noqa: F401, I001
+import torch
+import torch.nn.functional as F
 
 from bench.texts import ALICE as PROMPT_TEXT
 

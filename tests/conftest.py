@@ -1,11 +1,13 @@
 """Shared fixtures: the real stories260K model and tiny random-weight Llama-family models."""
 
-from __future__ import annotations
+from __future__ import annotations  # noqa: I001  # runtime before torch, below
 
 import shutil
 from pathlib import Path
 
 import pytest
+
+import runtime  # noqa: F401  # before torch: its OpenMP settings (runtime/__init__.py)
 import torch
 
 ROOT = Path(__file__).resolve().parents[1]
