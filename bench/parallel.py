@@ -20,7 +20,7 @@ tp=1 at decode there, and the table shows by how much it falls short of that bou
     .venv/bin/python -m bench.parallel [--batches 1,8] [--decode-steps 16] [--reps 2]
 """
 
-from __future__ import annotations
+from __future__ import annotations  # noqa: I001  # runtime before torch, below
 
 import argparse
 import json
@@ -31,6 +31,7 @@ import time
 from datetime import timedelta
 from pathlib import Path
 
+import runtime  # noqa: F401  # before torch: its OpenMP settings hold for every rank
 import torch
 
 from bench.throughput import machine
