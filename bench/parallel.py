@@ -18,6 +18,7 @@ the 2-vCPU VM this was written on, two processes stream no more than one: tp=2 c
 tp=1 at decode there, and the table shows by how much it falls short of that bound.)
 
     .venv/bin/python -m bench.parallel [--batches 1,8] [--decode-steps 16] [--reps 2]
+                                       [--threads2] [--pp2]
 """
 
 from __future__ import annotations  # noqa: I001  # runtime before torch, below
@@ -116,11 +117,12 @@ def _timed(llm, prompts: list[list[int]], max_tokens: int) -> float:  # type: ig
     return time.perf_counter() - t0
 
 
-def run_config(model: Path, tp: int, threads: int, args: argparse.Namespace) -> dict[str, float]:
+def run_config(model: Path, tp: int, pp: int, threads: int,
+               args: argparse.Namespace) -> dict[str, float]:  # fmt: skip
     from runtime import LLM
 
-    llm = LLM(model, tp=tp, num_threads=threads, kv_cache_bytes=1 << 30, max_model_len=1024,
-              enable_prefix_caching=False)  # fmt: skip
+    llm = LLM(model, tp=tp, pp=pp, num_threads=threads, kv_cache_bytes=1 << 30,
+              max_model_len=1024, enable_prefix_caching=False)  # fmt: skip
     try:
         result: dict[str, float] = {}
         prompt = [1 + (i * 7) % 500 for i in range(args.prompt_len)]
@@ -218,18 +220,22 @@ def main() -> None:
     p.add_argument("--prompt-len", type=int, default=256)
     p.add_argument("--reps", type=int, default=2)
     p.add_argument("--threads2", action="store_true", help="also tp=1 with two torch threads")
+    p.add_argument("--pp2", action="store_true",
+                   help="also pp=2 (two stages, one thread each; the step in 2 micro-batches)")  # fmt: skip
     args = p.parse_args()
     args.batches = [int(b) for b in args.batches.split(",")]
     stories = Path(__file__).resolve().parents[2] / "shared" / "models" / "stories260K"
     print(f"machine: {machine()}; model: random TinyLlama-1.1B shape, float32, {args.model_dir}")
     model = make_model(args.model_dir, stories)
-    configs = [("tp=1, 1 thread", 1, 1), ("tp=2, 2 ranks x 1 thread", 2, 1)]
+    configs = [("tp=1, 1 thread", 1, 1, 1), ("tp=2, 2 ranks x 1 thread", 2, 1, 1)]
+    if args.pp2:
+        configs.append(("pp=2, 2 stages x 1 thread", 1, 2, 1))
     if args.threads2:
-        configs.append(("tp=1, 2 threads", 1, 2))
+        configs.append(("tp=1, 2 threads", 1, 1, 2))
     results = {}
-    for label, tp, threads in configs:
+    for label, tp, pp, threads in configs:
         print(f"running {label} ...", file=sys.stderr, flush=True)
-        results[label] = run_config(model, tp, threads, args)
+        results[label] = run_config(model, tp, pp, threads, args)
     ar = allreduce_alone([*args.batches, args.prompt_len])
     bw = {n: gemv_bandwidth(n) for n in (1, 2)}
     weights = sum(f.stat().st_size for f in model.glob("*.safetensors"))
@@ -241,8 +247,11 @@ def main() -> None:
         cells = "".join(f"{r[f'step_s_b{b}'] * 1e3:9.1f} ms {r[f'tok_s_b{b}']:7.2f} tok/s"
                         for b in args.batches)  # fmt: skip
         print(f"{label:28s}{r['prefill_s']:15.2f} s {cells}")
-    ratios = "".join(f"{one[f'step_s_b{b}'] / two[f'step_s_b{b}']:25.2f}x" for b in args.batches)
-    print(f"{'speed-up tp=2 / tp=1':28s}{one['prefill_s'] / two['prefill_s']:16.2f}x {ratios}")
+    for label, _, _, _ in configs[1:]:
+        r = results[label]
+        ratios = "".join(f"{one[f'step_s_b{b}'] / r[f'step_s_b{b}']:25.2f}x" for b in args.batches)
+        name = f"speed-up {label.split(',')[0]} / tp=1"
+        print(f"{name:28s}{one['prefill_s'] / r['prefill_s']:16.2f}x {ratios}")
     print(f"\nall-reduce alone (2 gloo processes, float32 rows x {SHAPE['hidden_size']}), "
           f"x{reductions} per step:")  # fmt: skip
     for b in args.batches:

@@ -15,6 +15,7 @@ of its layers and heads; the logits come back to rank 0, which samples.
 from __future__ import annotations
 
 import time
+from dataclasses import dataclass
 
 import torch
 
@@ -40,6 +41,27 @@ def kv_block_bytes(model: LlamaForCausalLM, block_size: int) -> int:
 def _decodes(s: ScheduledRequest) -> bool:
     """Computed as decode rows: one token, or one token and its speculative drafts."""
     return s.num_new_tokens == 1 or bool(s.spec_token_ids)
+
+
+@dataclass(slots=True)
+class _Chunk:
+    """Tokens [start, start + len(ids)) of one request, computed in one forward pass."""
+
+    request_id: str
+    start: int
+    ids: list[int]
+    decode: bool  # decode rows (each attends up to itself through the paged decode kernel)
+
+
+def _chunks(order: list[ScheduledRequest]) -> list[_Chunk]:
+    return [_Chunk(s.request.request_id, s.request.num_computed_tokens, s.token_ids(),
+                   _decodes(s)) for s in order]  # fmt: skip
+
+
+# A pipeline-parallel step is cut into micro-batches only where it is compute-bound: each
+# micro-batch reads every weight of a stage again, which a memory-bound decode step cannot
+# afford (pp=2 with 2 micro-batches ran a batch-8 decode at 0.65x of one rank, bench/parallel).
+MICRO_BATCH_TOKENS = 64  # the least tokens of a micro-batch
 
 
 class ModelRunner:
@@ -144,22 +166,9 @@ class ModelRunner:
         if self.ranks is None:
             hidden = self.forward(order, block_tables)  # (T, hidden)
             return self.model.logits(hidden[rows]) if len(rows) else hidden.new_empty(0)
-        plans = [self._prepare(part, block_tables) for part in self._micro_batches(order)]
+        parts = micro_batches(_chunks(order), self.model.place.config.pp)
+        plans = [self._prepare(part, block_tables) for part in parts]
         return self.ranks.step(self.model, self.kv_caches, plans, rows)
-
-    def _micro_batches(self, order: list[ScheduledRequest]) -> list[list[ScheduledRequest]]:
-        """The step cut into up to pp runs of requests of about equal tokens (one without
-        pipeline parallelism), in order."""
-        pp = self.model.place.config.pp
-        total = sum(s.num_new_tokens for s in order)
-        parts: list[list[ScheduledRequest]] = [[]]
-        done = 0
-        for s in order:
-            if parts[-1] and len(parts) < pp and done >= total * len(parts) / pp:
-                parts.append([])
-            parts[-1].append(s)
-            done += s.num_new_tokens
-        return parts
 
     @torch.inference_mode()
     def forward(
@@ -168,7 +177,7 @@ class ModelRunner:
         """The model over the scheduled tokens, in `order` (decodes first, then prefill chunks),
         writing their keys and values; the hidden states (T, hidden). A draft model's runner
         calls this directly and computes its own logits."""
-        input_ids, ctx = self._prepare(order, block_tables)
+        input_ids, ctx = self._prepare(_chunks(order), block_tables)
         return self.model(input_ids, ctx, self.kv_caches)  # (T, hidden)
 
     def _sample(
@@ -228,7 +237,7 @@ class ModelRunner:
         )
 
     def _prepare(
-        self, order: list[ScheduledRequest], block_tables: dict[str, list[int]]
+        self, order: list[_Chunk], block_tables: dict[str, list[int]]
     ) -> tuple[torch.Tensor, StepContext]:
         ids: list[int] = []
         positions: list[torch.Tensor] = []
@@ -236,15 +245,14 @@ class ModelRunner:
         decode_tables: list[list[int]] = []
         decode_lens: list[int] = []
         prefills: list[PrefillChunk] = []
-        for s in order:
-            req, start, n = s.request, s.request.num_computed_tokens, s.num_new_tokens
-            table = block_tables[req.request_id]
-            if _decodes(s):
-                ids.extend(s.token_ids())
+        for c in order:
+            start, n = c.start, len(c.ids)
+            table = block_tables[c.request_id]
+            ids.extend(c.ids)
+            if c.decode:
                 decode_tables += [table] * n
                 decode_lens += range(start + 1, start + n + 1)
             else:
-                ids.extend(s.token_ids())
                 chunk = PrefillChunk(query_start=len(ids) - n, query_len=n, context_len=start)
                 if start > 0:
                     chunk.kv_slots = self._slots(table, 0, start + n)
@@ -263,7 +271,6 @@ class ModelRunner:
         meta.decodes = self._decode_groups(decode_tables, decode_lens)
         ctx = StepContext(positions=torch.cat(positions), attn=meta)
         return torch.tensor(ids, dtype=torch.int64), ctx
-
 
     # --------------------------------------------------------------- KV of a split model
     def kv_read(self, layers: slice, block_ids: list[int]) -> tuple[range, range, torch.Tensor]:
@@ -292,3 +299,31 @@ class ModelRunner:
         lo, hi = max(wanted.start, own.start), min(wanted.stop, own.stop)
         hi = max(lo, hi)
         return range(lo, hi), slice(lo - own.start, hi - own.start)
+
+
+def micro_batches(chunks: list[_Chunk], pp: int) -> list[list[_Chunk]]:
+    """A step's chunks cut into micro-batches of about equal tokens, in order, for `pp` pipeline
+    stages: up to 2 * pp of them (bubble (pp - 1) / (m + pp - 1)), none under
+    MICRO_BATCH_TOKENS tokens; a prefill chunk may be cut in two (its second part attends to the
+    first, written before it on every stage), decode rows are not."""
+    total = sum(len(c.ids) for c in chunks)
+    m = min(2 * pp, total // MICRO_BATCH_TOKENS)
+    if pp == 1 or m < 2:
+        return [chunks]
+    size = -(-total // m)
+    parts: list[list[_Chunk]] = [[]]
+    room = size
+    for c in chunks:
+        while True:
+            if room == 0:
+                parts.append([])
+                room = size
+            if c.decode or len(c.ids) <= room:
+                parts[-1].append(c)
+                room = max(0, room - len(c.ids))
+                break
+            head = _Chunk(c.request_id, c.start, c.ids[:room], False)
+            parts[-1].append(head)
+            c = _Chunk(c.request_id, c.start + room, c.ids[room:], False)
+            room = 0
+    return [p for p in parts if p]

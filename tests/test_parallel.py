@@ -416,3 +416,36 @@ def test_disaggregation_between_workers_split_differently(
         gateway.stop()
         prefill.stop()
         decode.stop()
+
+
+def test_micro_batches_cut_only_compute_bound_steps() -> None:
+    from runtime.model_runner import MICRO_BATCH_TOKENS, _Chunk, micro_batches
+
+    decodes = [_Chunk(f"d{i}", 10, [5], True) for i in range(8)]
+    assert micro_batches(decodes, 2) == [decodes]  # memory-bound: one pass over the weights
+    long = _Chunk("p", 0, list(range(200)), False)
+    parts = micro_batches([*decodes, long], 2)
+    assert len(parts) == min(4, 208 // MICRO_BATCH_TOKENS) == 3
+    pieces = [c for part in parts for c in part if c.request_id == "p"]
+    assert [c.start for c in pieces] == [0, 62, 132]  # the prefill cut where the parts end
+    assert [t for c in pieces for t in c.ids] == long.ids
+    assert all(not c.decode for c in pieces)
+    assert sum(len(c.ids) for c in parts[0]) == 70  # 8 decode rows + 62 prompt tokens
+    assert micro_batches([long], 1) == [[long]]
+
+
+def test_pipeline_micro_batches_answer_as_one_rank(stories_dir: Path) -> None:
+    """pp=2 on a step long enough to be cut into micro-batches (a 300-token prompt split
+    mid-prompt, beside short ones): the answers are one rank's."""
+    prompts = [[1, *[(7 * i) % 500 + 3 for i in range(300)]], PROMPTS[0], PROMPTS[2]]
+    params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True, logprobs=3)
+    want = LLM(stories_dir, kv_cache_bytes=4 << 20, num_threads=1).generate(prompts, params)
+    llm = LLM(stories_dir, kv_cache_bytes=4 << 20, pp=2)
+    try:
+        got = llm.generate(prompts, params)
+        for g, w in zip(got, want, strict=True):
+            assert g.outputs[0].token_ids == w.outputs[0].token_ids
+            for a, b in zip(g.outputs[0].logprobs or [], w.outputs[0].logprobs or [], strict=True):
+                assert abs(a.logprob - b.logprob) < 1e-4
+    finally:
+        _close(llm)
