@@ -106,7 +106,7 @@ class KVPages:
     `kv` is (layers, 2, num_blocks * block_size, kv_heads, head_dim), keys then values.
     `direct`: `runs` are the cache's own memory, which a pull may land in; a subclass whose
     cache is spread over processes (runtime.ranks.RankedKVPages) has copies, landed through
-    `write`.
+    `write`, and its reads and writes wait for the engine's step: they run off the event loop.
     """
 
     direct = True
@@ -470,8 +470,12 @@ class KVTransferServer:
         frames = nbytes = 0
         for l0 in range(0, lay.num_layers, step):
             l1 = min(lay.num_layers, l0 + step)
-            views = self.pages.runs(slice(l0, l1), ids)
-            if (l1 - l0) * per_layer < MIN_RUN_BYTES * len(views):  # scattered: gather once
+            if self.pages.direct:
+                views = self.pages.runs(slice(l0, l1), ids)
+            else:  # gathered from other processes, between engine steps: off the event loop
+                views = await asyncio.to_thread(self.pages.runs, slice(l0, l1), ids)
+            if self.pages.direct and (l1 - l0) * per_layer < MIN_RUN_BYTES * len(views):
+                # scattered: gather once
                 gathered = self.pages.read(slice(l0, l1), ids)
                 views = [memoryview(gathered.numpy()).cast("B")]  # type: ignore[arg-type]
             length = sum(len(v) for v in views)
@@ -591,4 +595,7 @@ async def _land(conn: FrameConn, pages: KVPages, layers: slice, blocks: list[int
     if digest.intdigest() != expected:
         raise KVTransferError("DATA frame failed its checksum")
     if staged is not None:
-        pages.write(layers, blocks, staged)
+        if pages.direct:
+            pages.write(layers, blocks, staged)
+        else:  # scattered to other processes, between engine steps: off the event loop
+            await asyncio.to_thread(pages.write, layers, blocks, staged)
