@@ -519,8 +519,17 @@ async def _stats(request: web.Request) -> web.Response:
         "kv_bytes_sent": worker.kv_server.bytes_sent,
         "kv_imports": worker.importer.imports,
         "kv_bytes_received": worker.importer.bytes,
+        "parallel": _parallel(worker.llm),
     }
     return web.json_response(body, dumps=_dumps)
+
+
+def _parallel(llm: AsyncLLM) -> dict[str, Any]:
+    """How the model is split: tp, pp, ep, its ranks and each stage's layers."""
+    model = llm.engine.model
+    par = model.place.config
+    return {"tp": par.tp, "pp": par.pp, "ep": par.ep, "ranks": par.world_size,
+            "stages": [[r.start, r.stop] for r in model.place.stages]}  # fmt: skip
 
 
 async def _metrics(request: web.Request) -> web.Response:

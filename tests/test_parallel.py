@@ -341,6 +341,11 @@ def test_worker_of_two_ranks_serves_and_dies_cleanly(
             for m in ("stories", "stories-1")
         ]
         assert answers[0] and answers[0] == answers[1]
+        _, stats = get_json(f"{split.url}/internal/stats", SECRET)
+        assert stats["parallel"] == {"tp": 2, "pp": 2, "ep": 1, "ranks": 4,
+                                     "stages": [[0, 2], [2, 5]]}  # fmt: skip
+        _, stats = get_json(f"{one.url}/internal/stats", SECRET)
+        assert stats["parallel"]["ranks"] == 1
         ranks = _children(split.popen.pid)
         assert len(ranks) == 3, ranks
         os.kill(ranks[1], signal.SIGKILL)
