@@ -454,3 +454,24 @@ def test_pipeline_micro_batches_answer_as_one_rank(stories_dir: Path) -> None:
                 assert abs(a.logprob - b.logprob) < 1e-4
     finally:
         _close(llm)
+
+
+def test_generate_command_splits_and_refuses(stories_dir: Path) -> None:
+    """`edgeinfer generate --pp 2` prints what one rank prints; `--tp 3` on 8 heads exits 2
+    naming the setting, before any rank starts."""
+    import subprocess
+    import sys
+
+    from tests.stack import ROOT
+
+    def run(*extra: str) -> subprocess.CompletedProcess[str]:
+        cmd = [sys.executable, "-m", "runtime.cli", "generate", "--model", str(stories_dir),
+               "--max-tokens", "12", "--threads", "1", *extra, "Once upon a time"]  # fmt: skip
+        return subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=120)
+
+    one, split = run(), run("--pp", "2")
+    assert one.returncode == 0 and split.returncode == 0, split.stderr
+    assert split.stdout == one.stdout and "Once upon a time" in one.stdout
+    bad = run("--tp", "3")
+    assert bad.returncode == 2
+    assert "tp=3 does not divide the 8 attention heads" in bad.stderr
