@@ -475,3 +475,19 @@ def test_generate_command_splits_and_refuses(stories_dir: Path) -> None:
     bad = run("--tp", "3")
     assert bad.returncode == 2
     assert "tp=3 does not divide the 8 attention heads" in bad.stderr
+
+
+def test_a_compressed_folder_is_not_split_by_tp(tmp_path: Path, stories_dir: Path) -> None:
+    from runtime.compression import compress_model
+    from runtime.config import ModelLoadError
+
+    out = tmp_path / "compressed"
+    compress_model(stories_dir, out, cast_bf16=True)
+    for f in ("tokenizer.json", "tokenizer_config.json"):
+        if not (out / f).exists():
+            (out / f).write_bytes((stories_dir / f).read_bytes())
+    with pytest.raises(ModelLoadError, match=r"cannot be split over tp=2 ranks"):
+        load_model(out, place=RankPlace(ParallelConfig(tp=2), 0))
+    # a pipeline rank decodes its layers' tensors whole: that works
+    m = load_model(out, place=RankPlace(ParallelConfig(pp=2), 1))
+    assert m.local_layers == range(2, 5) and m.embed_tokens is None
