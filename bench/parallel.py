@@ -171,11 +171,11 @@ def allreduce_alone(sizes: list[int], iters: int = 200) -> dict[int, float]:
 
     import torch.multiprocessing as mp
 
-    from runtime.ranks import free_port
+    from kvstore.redis_server import find_free_port
 
     with tempfile.TemporaryDirectory() as d:
         out = str(Path(d) / "ar.json")
-        mp.spawn(_allreduce_rank, args=(free_port(), sizes, iters, out), nprocs=2, join=True)
+        mp.spawn(_allreduce_rank, args=(find_free_port(), sizes, iters, out), nprocs=2, join=True)
         return {int(k): v for k, v in json.loads(Path(out).read_text()).items()}
 
 

@@ -4,8 +4,8 @@
       ─▶ build the model; map each checkpoint tensor to its parameter (q/k/v and gate/up into
          row ranges of fused ones, each expert's tensors into its rows of the layer's stacked
          experts; split over ranks (runtime.parallel), only this rank's layers, experts, and
-         rows or columns of each tensor take memory: the reader still reads each shard whole and
-         drops the bytes no one asked for); every shape, dtype, missing or unexpected tensor
+         rows or columns of each tensor take memory: the reader skips the chunks of a shard that
+         hold none of its bytes, and drops the rest of a chunk it reads); every shape, dtype, missing or unexpected tensor
          and the memory needed checked, naming the file   (all before any weight is read)
       ─▶ one arena per dtype holds every parameter; each parameter becomes a view of it, placed
          at the offset modulo 4096 at which its bytes sit in the file
@@ -45,11 +45,11 @@ from runtime.manifest import (
 from runtime.model import ExpertParallel, LlamaForCausalLM
 from runtime.model.moe import SINGLE
 from runtime.parallel import RankPlace
+from runtime.shard_reader import ALIGN, Arena, FileRead, ReadStats, ShardReads, Span
+from runtime.weights import Shard, TensorEntry, chunk_checks, read_header
 
 if TYPE_CHECKING:
     from runtime.ranks import RankGroup
-from runtime.shard_reader import ALIGN, Arena, FileRead, ReadStats, ShardReads, Span
-from runtime.weights import Shard, TensorEntry, chunk_checks, read_header
 
 
 def safetensors_files(model_dir: Path) -> list[Path]:

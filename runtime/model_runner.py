@@ -14,6 +14,7 @@ of its layers and heads; the logits come back to rank 0, which samples.
 
 from __future__ import annotations
 
+import math
 import time
 from dataclasses import dataclass
 
@@ -108,7 +109,7 @@ class ModelRunner:
         # first uses it.
         heads, layers = len(model.kv_head_range), len(model.local_layers)
         shape = (layers, 2, num_blocks * block_size, heads, cfg.head_dim)
-        nbytes = layers * 2 * num_blocks * block_size * heads * cfg.head_dim * model.dtype.itemsize
+        nbytes = math.prod(shape) * model.dtype.itemsize
         self.kv = Arena(nbytes).tensor()[:nbytes].view(model.dtype).view(shape)
         self.kv_caches = [(self.kv[i, 0], self.kv[i, 1]) for i in range(layers)]
         self.sampler = Sampler()

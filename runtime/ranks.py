@@ -31,7 +31,6 @@ import logging
 import multiprocessing as mp
 import os
 import signal
-import socket
 import threading
 import time
 import traceback
@@ -44,6 +43,7 @@ import torch
 import torch.distributed as dist
 
 from kvstore.kv_transfer import KVLayout, KVPages
+from kvstore.redis_server import find_free_port
 from runtime.config import ModelConfig
 from runtime.parallel import ParallelConfig, RankPlace
 
@@ -76,12 +76,6 @@ class RankSpec:
     parallel: ParallelConfig
     port: int
     num_threads: int | None  # torch threads per rank; None: cores / world size
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def _die_with_parent() -> None:
@@ -201,14 +195,14 @@ def run_step(
         if not place.first:
             h = torch.empty(ids.shape[0], hidden_size, dtype=model.dtype)
             dist.recv(h, src=place.stage_rank(place.stage - 1))
-        x = model(ids, ctx, kv_caches, h)  # (T, hidden)
+        x = model(ids, ctx, kv_caches, h).contiguous()  # (T, hidden)
         if pp == 1:
             outs.append(x)
         else:  # on to the next stage; the last one's back to stage 0
             dst = place.stage_rank(0 if place.last else place.stage + 1)
-            work = dist.isend(x.contiguous(), dst=dst)
+            work = dist.isend(x, dst=dst)
             assert work is not None
-            sends.append((work, x))
+            sends.append((work, x))  # x stays alive until its send is done
     if place.first and pp > 1:
         for ids, _ in plans:
             h = torch.empty(ids.shape[0], hidden_size, dtype=model.dtype)
@@ -262,15 +256,18 @@ class RankGroup:
             with contextlib.suppress(Exception):
                 callback(why)
 
-    def _command(self, command: tuple[Any, ...]) -> None:
-        if self.failed is not None:
-            raise RankFailure(self.failed)
+    @staticmethod
+    def _command(command: object) -> None:
         dist.broadcast_object_list([command], src=0)
 
     def _guard(self, fn: Callable[[], Any]) -> Any:
+        """Run `fn` (a command and rank 0's part of it) alone; any failure fails the group."""
         with self._lock:
+            if self._closed:
+                raise RankFailure("the ranks were stopped")
+            if self.failed is not None:
+                raise RankFailure(self.failed)
             try:
-                self._command_check()
                 return fn()
             except RankFailure:
                 raise
@@ -280,15 +277,9 @@ class RankGroup:
                 self._fail(why)
                 raise RankFailure(why) from e
 
-    def _command_check(self) -> None:
-        if self._closed:
-            raise RankFailure("the ranks were stopped")
-        if self.failed is not None:
-            raise RankFailure(self.failed)
-
     def setup(self, **runner_args: Any) -> None:
         """The followers build their model runners (KV cache) with these arguments."""
-        self._guard(lambda: self._command(runner_args))  # type: ignore[arg-type]
+        self._guard(lambda: self._command(runner_args))
 
     def step(self, model: LlamaForCausalLM, kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
              plans: list[Plan], rows: torch.Tensor) -> torch.Tensor:  # fmt: skip
@@ -433,7 +424,7 @@ def start_ranks(
 
     cfg = ModelConfig.from_dir(model)
     parallel.check(cfg)  # before any process starts
-    port = port or free_port()
+    port = port or find_free_port()
     try:
         store = dist.TCPStore("127.0.0.1", port, parallel.world_size, is_master=True,
                               timeout=timedelta(seconds=JOIN_TIMEOUT_S), wait_for_workers=False)  # fmt: skip

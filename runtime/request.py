@@ -69,6 +69,16 @@ class Request:
         n = len(self.prompt_token_ids)
         return self.prompt_token_ids[index] if index < n else self.output_token_ids[index - n]
 
+    def token_slice(self, start: int, end: int) -> list[int]:
+        """Tokens [start, end) without joining the prompt and the output first (a decode step
+        asks every running request for one token)."""
+        n = len(self.prompt_token_ids)
+        if end <= n:
+            return self.prompt_token_ids[start:end]
+        if start >= n:
+            return self.output_token_ids[start - n : end - n]
+        return self.prompt_token_ids[start:] + self.output_token_ids[: end - n]
+
     def check_stop(self) -> RequestStatus | None:
         """After a token is appended: the finish status it causes, if any."""
         last = self.output_token_ids[-1]

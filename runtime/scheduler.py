@@ -58,7 +58,7 @@ class ScheduledRequest:
         r, start = self.request, self.request.num_computed_tokens
         if self.spec_token_ids:
             return [r.token_at(start), *self.spec_token_ids]
-        return r.all_token_ids[start : start + self.num_new_tokens]
+        return r.token_slice(start, start + self.num_new_tokens)
 
 
 @dataclass(slots=True)

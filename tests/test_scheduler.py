@@ -150,3 +150,12 @@ def test_bounded_waiting_queue() -> None:
         pass
     else:
         raise AssertionError("the third request should have been refused")
+
+
+def test_token_slice_is_the_joined_tokens_slice() -> None:
+    req = Request("r", [10, 11, 12], SamplingParams(), 0, frozenset())
+    req.output_token_ids.extend([20, 21])
+    whole = req.all_token_ids
+    for start in range(len(whole) + 1):
+        for end in range(start, len(whole) + 1):
+            assert req.token_slice(start, end) == whole[start:end], (start, end)
