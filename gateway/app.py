@@ -11,7 +11,6 @@ error object with a 4xx/5xx status; a request never gets an HTML page or a hang.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import hmac
 import logging
 import time
@@ -30,7 +29,7 @@ from gateway.openapi import OPENAPI
 from gateway.proxy import Proxy
 from gateway.regions import RegionCatalog
 from gateway.telemetry import GatewayTelemetry
-from kvstore.client import connect
+from kvstore.client import connect, stop_task
 from kvstore.telemetry import PROMETHEUS_CONTENT_TYPE, Telemetry, TelemetryConfig
 
 log = logging.getLogger("edgeinfer.gateway")
@@ -149,9 +148,7 @@ async def _resources(app: web.Application) -> AsyncIterator[None]:
     try:
         yield
     finally:
-        refresher.cancel()
-        with contextlib.suppress(asyncio.CancelledError):
-            await refresher
+        await stop_task(refresher)
         await app[PROXY].close()
         await view.tokenizers.aclose()
         await http.close()

@@ -7,10 +7,14 @@ it safely, and its connections are the only Redis state a process owns.
 
 from __future__ import annotations
 
+import asyncio
+from typing import Any
+
 from redis.asyncio import Redis
 from redis.asyncio.retry import Retry
 from redis.backoff import ExponentialWithJitterBackoff
 
+STOP_POLL_S = 0.2  # how often `stop_task` cancels again a task that is still running
 DEFAULT_TIMEOUT_S = 1.0  # connect and per-command socket timeout
 RETRIES = 2  # re-tries after a connection error: a pooled connection may be stale after a restart
 
@@ -34,3 +38,18 @@ def connect(url: str, *, timeout_s: float = DEFAULT_TIMEOUT_S) -> Redis:
         socket_connect_timeout=timeout_s,
         retry=Retry(ExponentialWithJitterBackoff(base=0.05, cap=0.5), RETRIES),
     )
+
+
+async def stop_task(task: asyncio.Task[Any]) -> None:
+    """Cancel a background loop that talks to Redis and wait until it has ended.
+
+    One cancel is not always enough: it can be lost inside a Redis command (Python 3.11's
+    asyncio.timeout, under redis-py's socket timeouts, can turn a cancel that lands as its
+    deadline passes into a TimeoutError, which the loops catch as a Redis error and go on), and
+    a shutdown that awaits the task then waits forever (seen: a test's gateway cleanup, 2 runs in
+    10). So the cancel is repeated until the task is done. A loop's own error is raised."""
+    while not task.done():
+        task.cancel()
+        await asyncio.wait([task], timeout=STOP_POLL_S)
+    if not task.cancelled():
+        task.result()

@@ -34,7 +34,7 @@ from aiohttp import web
 from opentelemetry import trace
 from redis.asyncio import Redis
 
-from kvstore.client import connect
+from kvstore.client import connect, stop_task
 from kvstore.kv_transfer import KVTransferError, ServedPull
 from kvstore.prefix_index import CacheEventPublisher, PrefixIndex
 from kvstore.protocol import (
@@ -589,10 +589,7 @@ async def _registration(app: web.Application) -> AsyncIterator[None]:
         yield
     finally:
         for task in tasks:
-            task.cancel()
-        for task in tasks:
-            with contextlib.suppress(asyncio.CancelledError):
-                await task
+            await stop_task(task)
         with contextlib.suppress(Exception):
             await publisher.close(held=worker.llm.engine.blocks.cached_hashes())
         with contextlib.suppress(Exception):

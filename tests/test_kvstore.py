@@ -246,3 +246,37 @@ async def test_restart_on_same_port_and_client_reconnects() -> None:
 def test_missing_redis_server_says_how_to_install() -> None:
     with pytest.raises(RuntimeError, match="make setup"):
         LocalRedis(executable="no-such-redis-server-binary")
+
+
+async def test_stop_task_ends_a_loop_that_lost_a_cancel() -> None:
+    """A loop whose first cancellation is swallowed (as a Redis command's timeout can) is still
+    stopped; a loop's own error is raised to whoever stops it."""
+    import asyncio
+
+    from kvstore.client import stop_task
+
+    swallowed = 0
+
+    async def loop() -> None:
+        nonlocal swallowed
+        while True:
+            try:
+                await asyncio.sleep(0.01)
+            except asyncio.CancelledError:
+                if swallowed:
+                    raise
+                swallowed += 1
+                asyncio.current_task().uncancel()  # type: ignore[union-attr]
+
+    task = asyncio.create_task(loop())
+    await asyncio.sleep(0.02)
+    await asyncio.wait_for(stop_task(task), timeout=5)
+    assert task.cancelled() and swallowed == 1
+
+    async def broken() -> None:
+        raise RuntimeError("loop failed")
+
+    failing = asyncio.create_task(broken())
+    await asyncio.sleep(0)
+    with pytest.raises(RuntimeError, match="loop failed"):
+        await stop_task(failing)
