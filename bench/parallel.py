@@ -16,6 +16,9 @@ weights one and two single-thread processes stream through the decode matmul ker
 and the decode step it allows (every weight read once per step) beside the measured one. (On
 the 2-vCPU VM this was written on, two processes stream no more than one: tp=2 cannot beat
 tp=1 at decode there, and the table shows by how much it falls short of that bound.)
+`--pp2` adds pp=2 (two stages of one thread): the batch runs as two lanes with one step of
+each in flight, so at batch b each stage works on b / 2 requests while the other works on the
+rest; at batch 1 there is nothing to overlap.
 
     .venv/bin/python -m bench.parallel [--batches 1,8] [--decode-steps 16] [--reps 2]
                                        [--threads2] [--pp2]
@@ -221,7 +224,7 @@ def main() -> None:
     p.add_argument("--reps", type=int, default=2)
     p.add_argument("--threads2", action="store_true", help="also tp=1 with two torch threads")
     p.add_argument("--pp2", action="store_true",
-                   help="also pp=2 (two stages, one thread each; the step in 2 micro-batches)")  # fmt: skip
+                   help="also pp=2 (two stages, one thread each; the batch in 2 lanes, one step of each in flight)")  # fmt: skip
     args = p.parse_args()
     args.batches = [int(b) for b in args.batches.split(",")]
     stories = Path(__file__).resolve().parents[2] / "shared" / "models" / "stories260K"
@@ -247,10 +250,10 @@ def main() -> None:
         cells = "".join(f"{r[f'step_s_b{b}'] * 1e3:9.1f} ms {r[f'tok_s_b{b}']:7.2f} tok/s"
                         for b in args.batches)  # fmt: skip
         print(f"{label:28s}{r['prefill_s']:15.2f} s {cells}")
-    for label, _, _, _ in configs[1:]:
+    for label, _, _, threads in configs[1:]:
         r = results[label]
         ratios = "".join(f"{one[f'step_s_b{b}'] / r[f'step_s_b{b}']:25.2f}x" for b in args.batches)
-        name = f"speed-up {label.split(',')[0]} / tp=1"
+        name = f"speed-up {label.split(',')[0]}{' 2 thr' if threads == 2 else ''} / tp=1"
         print(f"{name:28s}{one['prefill_s'] / r['prefill_s']:16.2f}x {ratios}")
     print(f"\nall-reduce alone (2 gloo processes, float32 rows x {SHAPE['hidden_size']}), "
           f"x{reductions} per step:")  # fmt: skip

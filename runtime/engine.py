@@ -1,6 +1,8 @@
 """The engine: a synchronous step loop over the scheduler, the model runner and the detokenizer.
 
     step() = schedule → execute → update
+    with pipeline parallelism (pp stages), up to pp steps in flight, each of its own lane of
+    requests: step() = schedule lane l → launch it; then finish the oldest → update
 
 `add_request` validates (raising `InvalidRequestError`, a ValueError, naming the field and the
 limit) before anything reaches the scheduler. A prompt asked for with n > 1 becomes n sequences
@@ -19,6 +21,7 @@ Disaggregated serving (runtime/disagg.py drives it):
 from __future__ import annotations
 
 import time
+from collections import deque
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -30,12 +33,12 @@ from runtime.detokenizer import IncrementalDetokenizer
 from runtime.draft import DraftProposer
 from runtime.kv_cache import BlockManager
 from runtime.loader import PendingLoad, model_revision
-from runtime.model_runner import ModelRunner, kv_block_bytes
+from runtime.model_runner import Launched, ModelRunner, kv_block_bytes
 from runtime.outputs import CompletionOutput, RequestOutput
 from runtime.ranks import start_weights
 from runtime.request import Request, RequestStatus
 from runtime.sampling_params import InvalidRequestError, SamplingParams
-from runtime.scheduler import QueueFullError, Scheduler, StepResult
+from runtime.scheduler import QueueFullError, Scheduler, SchedulerOutput, StepResult
 from runtime.speculative import SpecController
 from runtime.structured import StructuredOutputsParams
 from runtime.structured_decoding import GrammarCompiler, TokenMasks
@@ -117,6 +120,9 @@ class LLMEngine:
         self._num_aborted = 0  # requests aborted before they finished, for stats
         self._exports: dict[str, RequestGroup] = {}  # KV exports by sequence id, until released
         self._imports: dict[str, RequestGroup] = {}  # KV imports reserved, not yet queued
+        # pipelined steps launched, not yet finished, oldest first: (lane, plan, the step)
+        self._in_flight: deque[tuple[int, SchedulerOutput, Launched]] = deque()
+        self._last_lane = -1
         # structured output: grammars compiled once per schema, masks filled beside the forward
         vocab = self.model.cfg.vocab_size
         self.grammars = GrammarCompiler(self.tokenizer, vocab, self.eos_token_ids)
@@ -147,9 +153,13 @@ class LLMEngine:
             seed=cache_seed(self.cache_id),
             caching=config.enable_prefix_caching,
         )
+        # Pipeline parallelism: one batch in flight per stage, each a lane of the scheduler
+        # (with speculative decoding, one: a proposal reads the tokens of every running request)
+        self.lanes = config.pp if config.speculative is None and weights.ranks is not None else 1
         self.scheduler = Scheduler(
-            self.blocks, config.max_num_seqs, config.max_num_batched_tokens, config.max_waiting
-        )
+            self.blocks, config.max_num_seqs, config.max_num_batched_tokens, config.max_waiting,
+            lanes=self.lanes,
+        )  # fmt: skip
         self.spec = None
         if config.speculative is not None:
             if config.speculative.num_tokens >= self.max_model_len:
@@ -376,16 +386,54 @@ class LLMEngine:
         return list(self._groups)
 
     def has_unfinished(self) -> bool:
-        return self.scheduler.has_unfinished()
+        return self.scheduler.has_unfinished() or bool(self._in_flight)
 
     def step(self) -> list[RequestOutput]:
+        """One step: with pipeline parallelism (lanes), launch the next lane's step and finish
+        the oldest in flight once every stage has one (or there is nothing to launch)."""
+        if self.lanes == 1:
+            out = self._schedule(0)
+            if out.empty:
+                return []
+            return self._complete(out, self.runner.execute(out, self._block_tables(out)))
+        launched = False
+        if len(self._in_flight) < self.lanes:
+            busy = {lane for lane, _, _ in self._in_flight}
+            after = [(self._last_lane + k) % self.lanes for k in range(1, self.lanes + 1)]
+            for lane in (lane for lane in after if lane not in busy):  # the next with work
+                out = self._schedule(lane)
+                if out.empty:
+                    continue
+                self._last_lane = lane
+                try:
+                    step = self.runner.launch(out, self._block_tables(out))
+                except BaseException:
+                    self._in_flight.clear()  # the ranks failed: nothing in flight will finish
+                    raise
+                self._in_flight.append((lane, out, step))
+                launched = True
+                break
+        if not self._in_flight or (launched and len(self._in_flight) < self.lanes):
+            return []
+        _, out, step = self._in_flight.popleft()
+        try:
+            result = self.runner.finish(step)
+        except BaseException:
+            self._in_flight.clear()
+            raise
+        return self._complete(out, result)
+
+    def _schedule(self, lane: int) -> SchedulerOutput:
         if self.spec is not None:
             self.spec.propose(self.scheduler.running)
-        out = self.scheduler.schedule()
-        if out.empty:
-            return []
-        self.masks.start(out.scheduled)  # grammar masks, computed while the forward pass runs
-        tokens, logprobs = self.runner.execute(out, self._block_tables(out))
+        out = self.scheduler.schedule(lane)
+        if not out.empty:
+            self.masks.start(out.scheduled)  # grammar masks, computed while the forward runs
+        return out
+
+    def _complete(self, out: SchedulerOutput, result: tuple[dict, dict]) -> list[RequestOutput]:  # type: ignore[type-arg]
+        """A step's sampled tokens into its requests and their outputs."""
+        tokens, logprobs = result
         if self.spec is not None:
             for s in out.scheduled:
                 kept = tokens.get(s.request.request_id)

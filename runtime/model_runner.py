@@ -65,6 +65,17 @@ def _chunks(order: list[ScheduledRequest]) -> list[_Chunk]:
 MICRO_BATCH_TOKENS = 64  # the least tokens of a micro-batch
 
 
+@dataclass(slots=True)
+class Launched:
+    """A step whose forward pass has started: what sampling it needs once its logits are in."""
+
+    sampling: list[ScheduledRequest]  # the requests that sample, in logits order
+    first: list[int]  # per sampling request: its first logits row
+    rows: torch.Tensor  # (R,) hidden rows whose logits are computed
+    logits: torch.Tensor | None = None  # (R, vocab) once computed
+    sizes: list[int] | None = None  # a pipelined step's micro-batch sizes (RankGroup.finish)
+
+
 class ModelRunner:
     def __init__(
         self,
@@ -122,6 +133,18 @@ class ModelRunner:
     ) -> tuple[dict[str, list[int]], dict[str, list[TokenLogprobs]]]:
         """Run one step. Returns the tokens to append (one, or with speculative drafts the
         accepted drafts and one more) and their logprobs, where asked, per request id."""
+        return self.finish(self.launch(out, block_tables))
+
+    @property
+    def pipelined(self) -> bool:
+        """Whether steps can be launched before earlier ones finish (pipeline parallelism: each
+        stage works on a different step)."""
+        return self.ranks is not None and self.model.place.config.pp > 1
+
+    @torch.inference_mode()
+    def launch(self, out: SchedulerOutput, block_tables: dict[str, list[int]]) -> Launched:
+        """Start one step's forward pass. Pipelined, it returns once stage 0 has handed the step
+        on; otherwise once the logits are in."""
         # Decodes first, shortest context first, so that decodes of similar length are
         # neighbours and share one batched attention call; then prefill chunks. A decode with k
         # speculative drafts is k + 1 decode rows (each position attends up to itself).
@@ -136,16 +159,39 @@ class ModelRunner:
         for i, s in sampling:
             first.append(len(rows))
             rows.extend(range(last[i] - len(s.spec_token_ids), last[i] + 1))
-        logits = self._logits(order, block_tables, torch.tensor(rows, dtype=torch.int64))
+        step = Launched([s for _, s in sampling], first, torch.tensor(rows, dtype=torch.int64))
+        if self.ranks is None:
+            hidden = self.forward(order, block_tables)  # (T, hidden)
+            step.logits = self.model.logits(hidden[step.rows]) if rows else hidden.new_empty(0)
+            return step
+        parts = micro_batches(_chunks(order), self.model.place.config.pp)
+        plans = [self._prepare(part, block_tables) for part in parts]
+        if self.pipelined:
+            step.sizes = self.ranks.launch(self.model, self.kv_caches, plans)
+        else:
+            step.logits = self.ranks.step(self.model, self.kv_caches, plans, step.rows)
+        return step
+
+    @torch.inference_mode()
+    def finish(
+        self, step: Launched
+    ) -> tuple[dict[str, list[int]], dict[str, list[TokenLogprobs]]]:
+        """The launched step's logits (waiting for the pipeline's last stage), sampled: see
+        `execute`. Pipelined steps finish in the order they were launched."""
+        logits = step.logits
+        if logits is None:
+            assert self.ranks is not None and step.sizes is not None
+            logits = self.ranks.finish(self.model, step.sizes, step.rows)
+        sampling, first = step.sampling, step.first
         if not sampling:
             return {}, {}
-        plain = [j for j, (_, s) in enumerate(sampling) if not s.spec_token_ids]
+        plain = [j for j, s in enumerate(sampling) if not s.spec_token_ids]
         tokens: dict[str, list[int]] = {}
         logprobs: dict[str, list[TokenLogprobs]] = {}
         if plain:
             at = torch.tensor([first[j] for j in plain])
-            self._sample([sampling[j][1] for j in plain], logits[at], tokens, logprobs)
-        for j, (_, s) in enumerate(sampling):  # speculative rows: verify their drafts
+            self._sample([sampling[j] for j in plain], logits[at], tokens, logprobs)
+        for j, s in enumerate(sampling):  # speculative rows: verify their drafts
             k = len(s.spec_token_ids)
             if k:
                 req = s.request
@@ -159,17 +205,6 @@ class ModelRunner:
                 if req.params.logprobs is not None:
                     logprobs[req.request_id] = logprobs_of(rows_k, kept, req.params.logprobs)
         return tokens, logprobs
-
-    def _logits(self, order: list[ScheduledRequest], block_tables: dict[str, list[int]],
-                rows: torch.Tensor) -> torch.Tensor:  # fmt: skip
-        """The model over the scheduled tokens (all ranks, if split), and the float32 logits
-        (R, vocab) of hidden rows `rows`."""
-        if self.ranks is None:
-            hidden = self.forward(order, block_tables)  # (T, hidden)
-            return self.model.logits(hidden[rows]) if len(rows) else hidden.new_empty(0)
-        parts = micro_batches(_chunks(order), self.model.place.config.pp)
-        plans = [self._prepare(part, block_tables) for part in parts]
-        return self.ranks.step(self.model, self.kv_caches, plans, rows)
 
     @torch.inference_mode()
     def forward(

@@ -7,14 +7,19 @@ them cleanly when one dies.
       │  naming the rank and its exit code, if one exits first), then torch.distributed (gloo)
       ├─ every rank loads only its part of the weights (runtime.parallel.RankPlace), then reports
       │  its load error or None to rank 0 (all_gather_object): any error ends start-up, named
-      └─ per step: rank 0 broadcasts the step's plan (micro-batches of input ids and attention
-         metadata, the rows whose logits it needs); every rank runs `run_step`:
+      └─ per step: rank 0 sends the step's plan (micro-batches of input ids and attention
+         metadata, the rows whose logits it needs) to every follower, point to point and without
+         waiting (each runs its commands in the order sent); every rank runs its stage:
               stage 0: embed ─▶ its layers ─isend─▶ stage 1 ─▶ ... ─▶ last stage: final norm
                  ◀────────────── hidden states of each micro-batch ─────────────────┘
               stage 0: the LM head on the sampled rows (vocabulary split over its tp ranks,
                  gathered on rank 0), which samples
-         The step is split into pp micro-batches (by request) so that stage 0 runs micro-batch
-         i + 1 while stage 1 runs micro-batch i; stages still idle at a step's start and end.
+         With pp > 1 a step is two commands: `launch` (every stage's layers) and `finish`
+         (stage 0 receives the last stage's hidden states and computes the logits). Rank 0
+         launches the next step (another lane of requests, runtime.scheduler) before finishing
+         the last, so that with pp steps in flight every stage is busy; a compute-bound step is
+         also cut into micro-batches, so that stage 0 runs micro-batch i + 1 while stage 1 runs
+         micro-batch i. With pp = 1, one `step` command does both.
 
 A watchdog thread on rank 0 checks the followers every 0.2 s: a follower that exits makes the
 group failed (`RankFailure`), calls the `on_failure` callbacks (a worker deregisters and exits),
@@ -30,10 +35,12 @@ import ctypes
 import logging
 import multiprocessing as mp
 import os
+import pickle
 import signal
 import threading
 import time
 import traceback
+from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from datetime import timedelta
@@ -149,13 +156,18 @@ def _follow(model: LlamaForCausalLM) -> None:
     """A follower's life after loading: build the KV cache rank 0 sizes, then run commands."""
     from runtime.model_runner import ModelRunner
 
-    [setup] = _receive()
+    sends = Sends(send_limit(model.place.config))
+    setup = _receive()
     runner = ModelRunner(model, **setup)
     while True:
-        [command] = _receive()
+        command = _receive()
         op = command[0]
         if op == "step":
-            run_step(model, runner.kv_caches, command[1], command[2])
+            run_step(model, runner.kv_caches, command[1], command[2], sends)
+        elif op == "launch":
+            run_stages(model, runner.kv_caches, command[1], sends)
+        elif op == "finish":
+            collect(model, command[1], command[2])
         elif op == "kv_read":
             layers, block_ids = command[1], command[2]
             data = runner.kv_read(layers, block_ids)
@@ -166,15 +178,95 @@ def _follow(model: LlamaForCausalLM) -> None:
             runner.kv_write_local(command[1], command[2], part[0])
             dist.barrier()
         elif op == "stop":
+            sends.drain()
             return
         else:
             raise RuntimeError(f"unknown command {op!r}")
 
 
-def _receive() -> list[Any]:
-    box: list[Any] = [None]
-    dist.broadcast_object_list(box, src=0)
-    return box
+# Point-to-point tags: commands from rank 0, hidden states between stages.
+COMMAND_TAG, HIDDEN_TAG = 1, 0
+
+
+def _receive() -> Any:
+    """The next command from rank 0 (its length, then its pickled bytes)."""
+    size = torch.empty(1, dtype=torch.int64)
+    dist.recv(size, src=0, tag=COMMAND_TAG)
+    data = torch.empty(int(size), dtype=torch.uint8)
+    dist.recv(data, src=0, tag=COMMAND_TAG)
+    return pickle.loads(data.numpy().tobytes())
+
+
+class Sends:
+    """Point-to-point sends not yet known to be done, each tensor kept alive until then. Gloo's
+    `is_completed()` stays False until `wait()`, so the oldest is waited for once more than
+    `limit` are outstanding: a send completes when its receiver posts the matching receive,
+    which every receiver reaches without this rank's help while fewer than `limit` are queued."""
+
+    def __init__(self, limit: int) -> None:
+        self.limit = limit
+        self._works: deque[tuple[dist.Work, torch.Tensor]] = deque()
+
+    def add(self, tensor: torch.Tensor, dst: int, tag: int) -> None:
+        work = dist.isend(tensor, dst=dst, tag=tag)
+        assert work is not None
+        self._works.append((work, tensor))
+        while len(self._works) > self.limit:
+            self._works.popleft()[0].wait()
+
+    def drain(self) -> None:
+        while self._works:
+            self._works.popleft()[0].wait()
+
+
+def send_limit(par: ParallelConfig) -> int:
+    """Outstanding sends a rank may keep: every command and micro-batch of the steps that can
+    be in flight (one per pipeline stage, up to 2 x pp micro-batches each), with room to spare."""
+    return 8 * par.world_size * par.pp + 16
+
+
+def run_stages(
+    model: LlamaForCausalLM,
+    kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
+    plans: list[Plan],
+    sends: Sends | None,
+) -> list[torch.Tensor]:
+    """This rank's stage of one step, micro-batch by micro-batch, each sent on to the next stage
+    (the last stage's back to stage 0) without waiting for it to be received. With one stage,
+    the hidden states (T, hidden) of each micro-batch instead."""
+    place = model.place
+    pp = place.config.pp
+    outs: list[torch.Tensor] = []
+    for ids, ctx in plans:
+        h = None
+        if not place.first:
+            h = torch.empty(ids.shape[0], model.cfg.hidden_size, dtype=model.dtype)
+            dist.recv(h, src=place.stage_rank(place.stage - 1), tag=HIDDEN_TAG)
+        x = model(ids, ctx, kv_caches, h).contiguous()  # (T, hidden)
+        if pp == 1:
+            outs.append(x)
+        else:
+            assert sends is not None
+            sends.add(x, place.stage_rank(0 if place.last else place.stage + 1), HIDDEN_TAG)
+    return outs
+
+
+def collect(model: LlamaForCausalLM, sizes: list[int], rows: torch.Tensor) -> torch.Tensor | None:
+    """Stage 0 (every tp rank of it) with pp > 1: the last stage's hidden states of a launched
+    step's micro-batches (`sizes` tokens each, in order), and the logits of `rows` on rank 0."""
+    place = model.place
+    outs = []
+    for n in sizes:
+        h = torch.empty(n, model.cfg.hidden_size, dtype=model.dtype)
+        dist.recv(h, src=place.stage_rank(place.config.pp - 1), tag=HIDDEN_TAG)
+        outs.append(h)
+    return _logits(model, outs, rows)
+
+
+def _logits(model: LlamaForCausalLM, outs: list[torch.Tensor], rows: torch.Tensor) -> torch.Tensor | None:
+    hidden = outs[0] if len(outs) == 1 else torch.cat(outs)
+    logits = model.logits(hidden[rows])  # every tp rank of stage 0 takes part
+    return logits if model.place.rank == 0 else None
 
 
 def run_step(
@@ -182,39 +274,17 @@ def run_step(
     kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
     plans: list[Plan],
     rows: torch.Tensor,
+    sends: Sends,
 ) -> torch.Tensor | None:
-    """This rank's part of one step (see the module docstring). Rank 0 gets the logits of
+    """This rank's part of one whole step (see the module docstring). Rank 0 gets the logits of
     `rows` (R, vocab) float32; other ranks None."""
     place = model.place
-    pp = place.config.pp
-    hidden_size = model.cfg.hidden_size
-    sends: list[tuple[dist.Work, torch.Tensor]] = []
-    outs: list[torch.Tensor] = []
-    for ids, ctx in plans:
-        h = None
-        if not place.first:
-            h = torch.empty(ids.shape[0], hidden_size, dtype=model.dtype)
-            dist.recv(h, src=place.stage_rank(place.stage - 1))
-        x = model(ids, ctx, kv_caches, h).contiguous()  # (T, hidden)
-        if pp == 1:
-            outs.append(x)
-        else:  # on to the next stage; the last one's back to stage 0
-            dst = place.stage_rank(0 if place.last else place.stage + 1)
-            work = dist.isend(x, dst=dst)
-            assert work is not None
-            sends.append((work, x))  # x stays alive until its send is done
-    if place.first and pp > 1:
-        for ids, _ in plans:
-            h = torch.empty(ids.shape[0], hidden_size, dtype=model.dtype)
-            dist.recv(h, src=place.stage_rank(pp - 1))
-            outs.append(h)
-    for work, _ in sends:
-        work.wait()
+    outs = run_stages(model, kv_caches, plans, sends)
     if not place.first:
         return None
-    hidden = outs[0] if len(outs) == 1 else torch.cat(outs)
-    logits = model.logits(hidden[rows])  # every tp rank of stage 0 takes part
-    return logits if place.rank == 0 else None
+    if place.config.pp > 1:
+        return collect(model, [ids.shape[0] for ids, _ in plans], rows)
+    return _logits(model, outs, rows)
 
 
 class RankGroup:
@@ -230,6 +300,8 @@ class RankGroup:
         self.failed: str | None = None
         self.on_failure: list[Callable[[str], None]] = []
         self._lock = threading.Lock()  # one command at a time: steps and KV reads interleave
+        self._sends = Sends(send_limit(spec.parallel))
+        self._stage0_followers = range(1, spec.parallel.group_size)  # logits on stage 0's ranks
         self._closed = False
         self._watch = threading.Thread(target=self._watchdog, name="ranks-watchdog", daemon=True)
         self._watch.start()
@@ -256,9 +328,15 @@ class RankGroup:
             with contextlib.suppress(Exception):
                 callback(why)
 
-    @staticmethod
-    def _command(command: object) -> None:
-        dist.broadcast_object_list([command], src=0)
+    def _command(self, command: object, to: Sequence[int] | None = None) -> None:
+        """Send `command` to followers `to` (all by default), without waiting for them: each
+        runs its commands in the order sent."""
+        data = pickle.dumps(command, protocol=pickle.HIGHEST_PROTOCOL)
+        payload = torch.frombuffer(bytearray(data), dtype=torch.uint8)
+        size = torch.tensor([len(data)], dtype=torch.int64)
+        for rank in range(1, self.world_size) if to is None else to:
+            self._sends.add(size, rank, COMMAND_TAG)
+            self._sends.add(payload, rank, COMMAND_TAG)
 
     def _guard(self, fn: Callable[[], Any]) -> Any:
         """Run `fn` (a command and rank 0's part of it) alone; any failure fails the group."""
@@ -283,9 +361,36 @@ class RankGroup:
 
     def step(self, model: LlamaForCausalLM, kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
              plans: list[Plan], rows: torch.Tensor) -> torch.Tensor:  # fmt: skip
+        """One whole step on every rank; the logits of hidden rows `rows`."""
+
         def run() -> torch.Tensor:
             self._command(("step", plans, rows))
-            logits = run_step(model, kv_caches, plans, rows)
+            logits = run_step(model, kv_caches, plans, rows, self._sends)
+            assert logits is not None
+            return logits
+
+        return self._guard(run)  # type: ignore[no-any-return]
+
+    def launch(self, model: LlamaForCausalLM, kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
+               plans: list[Plan]) -> list[int]:  # fmt: skip
+        """Start a step through the pipeline (pp > 1) and return once stage 0 has sent it on:
+        later steps may be launched before it is `finish`ed, each stage working on a different
+        one. Returns its micro-batches' sizes, for `finish`."""
+
+        def run() -> list[int]:
+            self._command(("launch", plans))
+            run_stages(model, kv_caches, plans, self._sends)
+            return [ids.shape[0] for ids, _ in plans]
+
+        return self._guard(run)  # type: ignore[no-any-return]
+
+    def finish(self, model: LlamaForCausalLM, sizes: list[int], rows: torch.Tensor) -> torch.Tensor:
+        """The oldest launched step's logits of hidden rows `rows` (steps finish in launch
+        order)."""
+
+        def run() -> torch.Tensor:
+            self._command(("finish", sizes, rows), to=self._stage0_followers)
+            logits = collect(model, sizes, rows)
             assert logits is not None
             return logits
 
@@ -322,7 +427,8 @@ class RankGroup:
         with self._lock:
             if self.failed is None:
                 with contextlib.suppress(Exception):
-                    dist.broadcast_object_list([("stop",)], src=0)
+                    self._command(("stop",))
+                    self._sends.drain()
             self._closed = True
         for p in self.procs:
             p.join(timeout=5)

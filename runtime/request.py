@@ -46,6 +46,7 @@ class Request:
     num_computed_tokens: int = 0  # tokens whose keys/values are in the cache
     status: RequestStatus = RequestStatus.WAITING
     num_preemptions: int = 0
+    lane: int = 0  # pipeline parallelism: the batch (of the scheduler's lanes) it runs in
     num_cached_tokens: int = -1  # prompt tokens reused from the prefix cache; -1 until admitted
     spec_token_ids: list[int] = field(default_factory=list)  # drafts to verify next step
     spec_draft_probs: torch.Tensor | None = None  # (len(spec_token_ids), vocab): the draft

@@ -22,6 +22,14 @@ Speculative decoding (runtime/speculative.py) fits the same view: a decode with 
 KV cache are dropped, never the decode. The update appends what verification kept and moves
 `num_computed_tokens` back to before the rejected drafts, freeing blocks only they used.
 
+Pipeline parallelism keeps one step in flight per stage, each of a different batch: with
+`lanes` > 1 every running request belongs to one lane, and `schedule(lane)` plans that lane's
+step alone: its running requests, preempting only among them (the other lanes' requests may be
+in flight, their blocks being written), and admitting waiting requests into it up to its fair
+share (the running and waiting requests over the lanes) and `max_num_seqs` (per step, so per
+lane, as in vLLM). A request aborted while its step is in flight frees its blocks at once: every
+rank runs steps in launch order, so the blocks' next user writes them after that step is done.
+
 Disaggregated serving needs nothing new here: a KV export (`Request.hold_kv`, the prefill side)
 is an ordinary request whose blocks are held, not freed, when it finishes, until `release`; a KV
 import (the decode side) is admitted already holding its blocks with `num_computed_tokens` set
@@ -92,8 +100,10 @@ class Scheduler:
         max_num_seqs: int,
         max_num_batched_tokens: int,
         max_waiting: int,
+        lanes: int = 1,
     ):
         self.blocks = block_manager
+        self.lanes = lanes
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_waiting = max_waiting
@@ -118,13 +128,15 @@ class Scheduler:
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
 
-    def schedule(self) -> SchedulerOutput:
+    def schedule(self, lane: int = 0) -> SchedulerOutput:
+        """The next step of lane `lane` (the only one unless `lanes` > 1)."""
         out = SchedulerOutput()
         budget = self.max_num_batched_tokens
-        pending_decodes = sum(1 for r in self.running if r.num_tokens - r.num_computed_tokens == 1)
+        running = [r for r in self.running if r.lane == lane]  # oldest first
+        pending_decodes = sum(1 for r in running if r.num_tokens - r.num_computed_tokens == 1)
         i = 0
-        while i < len(self.running) and budget > 0:
-            req = self.running[i]
+        while i < len(running) and budget > 0:
+            req = running[i]
             remaining = req.num_tokens - req.num_computed_tokens
             drafts: list[int] = []
             if remaining == 1:
@@ -143,7 +155,7 @@ class Scheduler:
                     i += 1
                     continue
             while not self.blocks.can_allocate(req.request_id, req.num_computed_tokens + n):
-                victim = self.running[-1]
+                victim = running.pop()
                 self._preempt(victim)
                 out.preempted.append(victim.request_id)
                 if victim is req:
@@ -154,8 +166,12 @@ class Scheduler:
             out.scheduled.append(ScheduledRequest(req, n, drafts))
             budget -= n
             i += 1
+        seats = self.max_num_seqs
+        if self.lanes > 1:  # a fair share of what runs and waits, so every lane has a batch
+            share = -(-(len(self.running) + len(self.waiting)) // self.lanes)
+            seats = min(seats, share)
         while self.waiting and budget > 0 and not out.preempted:
-            if len(self.running) >= self.max_num_seqs:
+            if len(running) >= seats:
                 break
             req = self.waiting[0]
             if not self.blocks.block_table(req.request_id):
@@ -174,7 +190,9 @@ class Scheduler:
                 req.scheduled_at = time.monotonic()
             self.waiting.popleft()
             req.status = RequestStatus.RUNNING
+            req.lane = lane
             self.running.append(req)
+            running.append(req)
             out.scheduled.append(ScheduledRequest(req, n))
             budget -= n
         out.num_batched_tokens = self.max_num_batched_tokens - budget

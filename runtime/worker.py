@@ -525,11 +525,13 @@ async def _stats(request: web.Request) -> web.Response:
 
 
 def _parallel(llm: AsyncLLM) -> dict[str, Any]:
-    """How the model is split: tp, pp, ep, its ranks and each stage's layers."""
+    """How the model is split: tp, pp, ep, its ranks, each stage's layers, and the lanes of
+    requests whose steps are in flight together (pp of them, unless speculative decoding)."""
     model = llm.engine.model
     par = model.place.config
     return {"tp": par.tp, "pp": par.pp, "ep": par.ep, "ranks": par.world_size,
-            "stages": [[r.start, r.stop] for r in model.place.stages]}  # fmt: skip
+            "stages": [[r.start, r.stop] for r in model.place.stages],
+            "lanes": llm.engine.lanes}  # fmt: skip
 
 
 async def _metrics(request: web.Request) -> web.Response:

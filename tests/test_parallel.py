@@ -112,6 +112,53 @@ def test_split_model_answers_as_one_rank(
         _close(llm)
 
 
+def test_pipeline_keeps_a_step_in_flight_per_stage(stories_dir: Path, single) -> None:  # type: ignore[no-untyped-def]
+    """pp=2: the engine launches a second lane's step before the first finishes, so both stages
+    work at once; the answers are one rank's; a request aborted while its step is in flight
+    frees its blocks and disturbs nothing else."""
+    llm = LLM(stories_dir, kv_cache_bytes=4 << 20, pp=2)
+    engine = llm.engine
+    try:
+        assert engine.lanes == 2
+        for i, prompt in enumerate(PROMPTS):
+            engine.add_request(f"r{i}", prompt, GREEDY)
+        engine.add_request("victim", [1, 500, 501], SamplingParams(max_tokens=200, ignore_eos=True))
+        runner = engine.runner
+        events: list[str] = []  # "L<lane>" at a launch, "F" at a finish
+        launch, finish = runner.launch, runner.finish
+
+        def launched(out, tables):  # type: ignore[no-untyped-def]
+            events.append(f"L{out.scheduled[0].request.lane}")
+            return launch(out, tables)
+
+        def finished(step):  # type: ignore[no-untyped-def]
+            events.append("F")
+            flying = {s.request.request_id for _, o, _ in engine._in_flight for s in o.scheduled}
+            if "victim#0" in flying and "victim" in engine._groups:  # launched, not finished
+                done["victim"] = engine.abort("victim")
+            return finish(step)
+
+        done: dict[str, object] = {}
+        runner.launch, runner.finish = launched, finished  # type: ignore[method-assign]
+        while engine.has_unfinished():
+            for out in engine.step():
+                if out.finished:
+                    done[out.request_id] = out
+        # lanes alternate, and each launch but the first comes before the previous one finishes
+        assert events[:5] == ["L0", "L1", "F", "L0", "F"], events[:8]
+        got = []
+        for i in range(len(PROMPTS)):
+            c = done[f"r{i}"].outputs[0]  # type: ignore[attr-defined]
+            got.append((list(c.token_ids), [dict(lp.top) for lp in c.logprobs]))
+        _same(got, single(stories_dir))
+        assert done["victim"].outputs[0].finish_reason == "abort"  # type: ignore[attr-defined]
+        assert len(done["victim"].outputs[0].token_ids) < 200  # type: ignore[attr-defined]
+        blocks = engine.blocks
+        assert blocks.num_free_blocks == blocks.num_blocks  # nothing leaked
+    finally:
+        _close(llm)
+
+
 def test_expert_parallel_engine_matches_one_rank(tmp_path_factory, stories_dir: Path) -> None:  # type: ignore[no-untyped-def]
     """A mixture-of-experts model through the engine: ep=2, and tp=2 with ep=2 (attention split,
     experts spread over the same ranks), answer as one rank does."""
@@ -343,7 +390,7 @@ def test_worker_of_two_ranks_serves_and_dies_cleanly(
         assert answers[0] and answers[0] == answers[1]
         _, stats = get_json(f"{split.url}/internal/stats", SECRET)
         assert stats["parallel"] == {"tp": 2, "pp": 2, "ep": 1, "ranks": 4,
-                                     "stages": [[0, 2], [2, 5]]}  # fmt: skip
+                                     "stages": [[0, 2], [2, 5]], "lanes": 2}  # fmt: skip
         _, stats = get_json(f"{one.url}/internal/stats", SECRET)
         assert stats["parallel"]["ranks"] == 1
         ranks = _children(split.popen.pid)
