@@ -156,12 +156,14 @@ def _follow(model: LlamaForCausalLM) -> None:
     """A follower's life after loading: build the KV cache rank 0 sizes, then run commands."""
     from runtime.model_runner import ModelRunner
 
-    sends = Sends(send_limit(model.place.config))
+    sends = Sends(model.place.config.pp + 1)
     setup = _receive()
     runner = ModelRunner(model, **setup)
     while True:
         command = _receive()
         op = command[0]
+        if op in ("step", "launch"):
+            sends.mark()
         if op == "step":
             run_step(model, runner.kv_caches, command[1], command[2], sends)
         elif op == "launch":
@@ -198,31 +200,33 @@ def _receive() -> Any:
 
 
 class Sends:
-    """Point-to-point sends not yet known to be done, each tensor kept alive until then. Gloo's
-    `is_completed()` stays False until `wait()`, so the oldest is waited for once more than
-    `limit` are outstanding: a send completes when its receiver posts the matching receive,
-    which every receiver reaches without this rank's help while fewer than `limit` are queued."""
+    """Point-to-point sends not yet known to be done, by step, each tensor kept alive until then.
+    Gloo's `is_completed()` stays False until `wait()`, so at each new step (`mark`) the sends of
+    steps more than `keep` back are waited for: with at most pp steps in flight, rank 0 has
+    finished step k - pp before any rank starts step k, so every message of it was received and
+    the wait returns at once."""
 
-    def __init__(self, limit: int) -> None:
-        self.limit = limit
-        self._works: deque[tuple[dist.Work, torch.Tensor]] = deque()
+    def __init__(self, keep: int) -> None:
+        self.keep = keep
+        self._steps: deque[list[tuple[dist.Work, torch.Tensor]]] = deque([[]])
+
+    def mark(self) -> None:
+        """A new step starts: its sends are grouped apart."""
+        self._steps.append([])
+        while len(self._steps) > self.keep:
+            for work, _ in self._steps.popleft():
+                work.wait()
 
     def add(self, tensor: torch.Tensor, dst: int, tag: int) -> None:
         work = dist.isend(tensor, dst=dst, tag=tag)
         assert work is not None
-        self._works.append((work, tensor))
-        while len(self._works) > self.limit:
-            self._works.popleft()[0].wait()
+        self._steps[-1].append((work, tensor))
 
     def drain(self) -> None:
-        while self._works:
-            self._works.popleft()[0].wait()
-
-
-def send_limit(par: ParallelConfig) -> int:
-    """Outstanding sends a rank may keep: every command and micro-batch of the steps that can
-    be in flight (one per pipeline stage, up to 2 x pp micro-batches each), with room to spare."""
-    return 8 * par.world_size * par.pp + 16
+        while self._steps:
+            for work, _ in self._steps.popleft():
+                work.wait()
+        self._steps.append([])
 
 
 def run_stages(
@@ -300,7 +304,7 @@ class RankGroup:
         self.failed: str | None = None
         self.on_failure: list[Callable[[str], None]] = []
         self._lock = threading.Lock()  # one command at a time: steps and KV reads interleave
-        self._sends = Sends(send_limit(spec.parallel))
+        self._sends = Sends(spec.parallel.pp + 1)
         self._stage0_followers = range(1, spec.parallel.group_size)  # logits on stage 0's ranks
         self._closed = False
         self._watch = threading.Thread(target=self._watchdog, name="ranks-watchdog", daemon=True)
@@ -364,6 +368,7 @@ class RankGroup:
         """One whole step on every rank; the logits of hidden rows `rows`."""
 
         def run() -> torch.Tensor:
+            self._sends.mark()
             self._command(("step", plans, rows))
             logits = run_step(model, kv_caches, plans, rows, self._sends)
             assert logits is not None
@@ -378,6 +383,7 @@ class RankGroup:
         one. Returns its micro-batches' sizes, for `finish`."""
 
         def run() -> list[int]:
+            self._sends.mark()
             self._command(("launch", plans))
             run_stages(model, kv_caches, plans, self._sends)
             return [ids.shape[0] for ids, _ in plans]

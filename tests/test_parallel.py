@@ -85,6 +85,7 @@ CASES = [
     ("stories", 2, 1),
     ("stories", 1, 2),
     ("stories", 2, 2),
+    ("stories", 1, 3),  # three lanes in flight round a ring of three stages
     ("llama", 2, 1),
     ("llama", 1, 2),
     ("qwen2", 2, 2),
@@ -115,9 +116,11 @@ def test_split_model_answers_as_one_rank(
 def test_pipeline_keeps_a_step_in_flight_per_stage(stories_dir: Path, single) -> None:  # type: ignore[no-untyped-def]
     """pp=2: the engine launches a second lane's step before the first finishes, so both stages
     work at once; the answers are one rank's; a request aborted while its step is in flight
-    frees its blocks and disturbs nothing else."""
+    frees its blocks and disturbs nothing else; KV transfer reads blocks meanwhile."""
     llm = LLM(stories_dir, kv_cache_bytes=4 << 20, pp=2)
     engine = llm.engine
+    ranks = engine.runner.ranks
+    assert ranks is not None
     try:
         assert engine.lanes == 2
         for i, prompt in enumerate(PROMPTS):
@@ -136,6 +139,9 @@ def test_pipeline_keeps_a_step_in_flight_per_stage(stories_dir: Path, single) ->
             flying = {s.request.request_id for _, o, _ in engine._in_flight for s in o.scheduled}
             if "victim#0" in flying and "victim" in engine._groups:  # launched, not finished
                 done["victim"] = engine.abort("victim")
+                # KV transfer reads blocks (a collective) while that step is in flight
+                read = RankedKVPages(runner, ranks).read(slice(0, 5), [0, 1])
+                assert read.shape == (5, 2, 2, 16, 4, 8) and read.abs().sum() > 0
             return finish(step)
 
         done: dict[str, object] = {}
