@@ -11,6 +11,11 @@ tables into slot indices once per step (`PagedAttentionMetadata`); every layer r
 
 Tokens of one step are laid out decode rows first (one query each), then prefill chunks (many
 queries each, possibly after tokens already cached: chunked prefill, resumed requests).
+
+On CUDA tensors (kernels.dispatch) the step runs two Triton kernels instead: paged decode
+attention over the decode rows (kernels/triton_decode_attention.py) and prefill attention over
+the packed chunks (kernels/triton_prefill_attention.py), both reading every key through the
+block tables of `TritonAttention`, which the runner builds instead of the CPU's groups.
 """
 
 from __future__ import annotations
@@ -21,6 +26,7 @@ import torch
 import torch.nn.functional as F
 
 from kernels import cpu_ext
+from kernels.dispatch import use_triton
 
 
 @dataclass(slots=True)
@@ -53,6 +59,20 @@ class DecodeGroup:
 
 
 @dataclass(slots=True)
+class TritonAttention:
+    """The step as the Triton kernels read it: int32 tensors on the cache's device (fixed shapes
+    for a captured decode graph: padding rows have seq_len 0 and slot -1)."""
+
+    num_decodes: int  # decode rows, first in the step
+    decode_block_tables: torch.Tensor  # (num_decodes, max_blocks): each row's request's blocks
+    decode_seq_lens: torch.Tensor  # (num_decodes,): keys each row attends to, itself included
+    prefill_block_tables: torch.Tensor  # (N, max_blocks) of the N prefill chunks
+    query_start_loc: torch.Tensor  # (N + 1,): chunk i's rows, counted from the first prefill row
+    context_lens: torch.Tensor  # (N,): tokens of chunk i's request cached before it
+    max_query_len: int  # the longest chunk (a host int: the kernel's grid)
+
+
+@dataclass(slots=True)
 class PagedAttentionMetadata:
     """Where each token of a step reads and writes the cache; built once per step."""
 
@@ -61,6 +81,7 @@ class PagedAttentionMetadata:
     decode_impl: str = "torch"  # "torch" (reference: copy blocks, then SDPA) | "cpu_ext" (in place)
     decodes: list[DecodeGroup] = field(default_factory=list)  # single-token rows, first in the step
     prefills: list[PrefillChunk] = field(default_factory=list)  # multi-token rows, after decodes
+    triton: TritonAttention | None = None  # instead of decodes / prefills on the Triton path
 
 
 def write_kv_cache(
@@ -83,7 +104,7 @@ def write_kv_cache(
 
 def paged_attention(
     q: torch.Tensor,
-    k: torch.Tensor,
+    k: torch.Tensor | None,
     v: torch.Tensor,
     k_cache: torch.Tensor,
     v_cache: torch.Tensor,
@@ -92,13 +113,16 @@ def paged_attention(
 ) -> torch.Tensor:
     """Causal attention of the step's queries over each request's cached and new keys.
 
-    q: (T, n_heads, head_dim); k, v: (T, n_kv_heads, head_dim), already written to the caches.
+    q: (T, n_heads, head_dim); k, v: (T, n_kv_heads, head_dim), already written to the caches
+    (k may be None on the Triton path, which reads every key from the cache).
     Returns (T, n_heads, head_dim).
     """
     H = q.shape[1]
-    Hkv = k.shape[1]
+    Hkv = k_cache.shape[1]
     if H % Hkv:
         raise ValueError(f"paged_attention: {H} query heads, {Hkv} kv heads")
+    if use_triton(q):
+        return _triton_attention(q, k_cache, v_cache, meta, scale)
     out = torch.empty_like(q)
     bs, D = meta.block_size, q.shape[2]
     k_blocks = k_cache.view(-1, bs, Hkv, D)  # (num_blocks, block_size, Hkv, D)
@@ -120,7 +144,10 @@ def paged_attention(
             qd, keys, values, attn_mask=g.mask, scale=scale, enable_gqa=Hkv != H
         )  # (n, H, 1, D)
         out[s : s + n] = o.squeeze(2)
+    if meta.prefills and k is None:
+        raise ValueError("paged_attention: the reference needs the step's keys (k)")
     for chunk in meta.prefills:
+        assert k is not None
         s, n = chunk.query_start, chunk.query_len
         qc = q[s : s + n].transpose(0, 1)  # (H, n, D)
         if chunk.context_len == 0:
@@ -137,4 +164,26 @@ def paged_attention(
                 qc, kc, vc, attn_mask=chunk.mask, scale=scale, enable_gqa=Hkv != H
             )  # (H, n, D)
         out[s : s + n] = o.transpose(0, 1)
+    return out
+
+
+def _triton_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                      meta: PagedAttentionMetadata, scale: float) -> torch.Tensor:  # fmt: skip
+    from kernels.triton_decode_attention import decode_attention
+    from kernels.triton_prefill_attention import prefill_attention
+
+    t = meta.triton
+    if t is None:
+        raise ValueError("paged_attention: the Triton path needs the step's TritonAttention")
+    nd = t.num_decodes
+    if nd == q.shape[0]:
+        return decode_attention(q, k_cache, v_cache, t.decode_block_tables, t.decode_seq_lens,
+                                scale, meta.block_size)  # fmt: skip
+    out = torch.empty_like(q)
+    if nd:
+        out[:nd] = decode_attention(q[:nd], k_cache, v_cache, t.decode_block_tables,
+                                    t.decode_seq_lens, scale, meta.block_size)  # fmt: skip
+    out[nd:] = prefill_attention(q[nd:], k_cache, v_cache, t.prefill_block_tables,
+                                 t.query_start_loc, t.context_lens, scale, meta.block_size,
+                                 t.max_query_len)  # fmt: skip
     return out

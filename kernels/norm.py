@@ -6,6 +6,8 @@ from types import ModuleType
 
 import torch
 
+from kernels.dispatch import use_triton
+
 
 def rms_norm(
     x: torch.Tensor, weight: torch.Tensor, eps: float, ext: ModuleType | None = None
@@ -17,6 +19,12 @@ def rms_norm(
     """
     if x.shape[-1] != weight.shape[0]:
         raise ValueError(f"rms_norm: x has {x.shape[-1]} features, weight has {weight.shape[0]}")
+    if use_triton(x):
+        from kernels import triton_rms_norm
+
+        out = triton_rms_norm.rms_norm(x.reshape(-1, x.shape[-1]), weight, eps)
+        assert isinstance(out, torch.Tensor)
+        return out.view(x.shape)
     if x.dtype == torch.float32 and weight.dtype == torch.float32:
         if ext is not None and x.is_contiguous():
             return ext.rms_norm(x, weight, eps)
@@ -25,3 +33,25 @@ def rms_norm(
     xf = x.float()
     var = xf.pow(2).mean(-1, keepdim=True)
     return weight * (xf * torch.rsqrt(var + eps)).to(x.dtype)
+
+
+def add_rms_norm(
+    x: torch.Tensor,
+    residual: torch.Tensor,
+    weight: torch.Tensor,
+    eps: float,
+    ext: ModuleType | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The residual add and the next RMSNorm: s = x + residual; returns (rms_norm(s), s).
+    x, residual: (T, hidden), one dtype. The Triton kernel does both in one pass over s."""
+    if x.shape != residual.shape or x.dtype != residual.dtype:
+        raise ValueError(
+            f"add_rms_norm: x is {tuple(x.shape)} {x.dtype}, residual {tuple(residual.shape)} "
+            f"{residual.dtype}; they must match"
+        )
+    if use_triton(x):
+        from kernels import triton_rms_norm
+
+        return triton_rms_norm.rms_norm(x, weight, eps, residual=residual)  # type: ignore[return-value]
+    s = x + residual
+    return rms_norm(s, weight, eps, ext), s

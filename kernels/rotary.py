@@ -4,6 +4,9 @@ from __future__ import annotations
 
 import torch
 
+from kernels.attention import write_kv_cache
+from kernels.dispatch import use_triton
+
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """x: (T, heads, head_dim); cos, sin: (T, head_dim), already in x's dtype. Returns x's shape."""
@@ -15,3 +18,32 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
     x1, x2 = x[..., :half], x[..., half:]
     rotated = torch.cat((-x2, x1), dim=-1)  # (T, heads, head_dim)
     return x * cos[:, None, :] + rotated * sin[:, None, :]
+
+
+def rotate_and_cache(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    qk: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Rotate q and k, and store the rotated k and v at `slot_mapping` in the caches. Returns the
+    rotated q, contiguous (T, heads, head_dim), and the rotated k (T, kv_heads, head_dim) for the
+    reference attention of a fresh prompt; None on the Triton path, whose attention reads every
+    key from the cache. `qk`: q and k side by side as one view (T, heads + kv_heads, head_dim),
+    where they are: the reference rotates both in one pass. The Triton kernel does it all in one
+    launch (a negative slot skips its token)."""
+    if use_triton(q):
+        from kernels.triton_kv_write import rotary_write_kv
+
+        return rotary_write_kv(q, k, v, cos, sin, k_cache, v_cache, slot_mapping), None
+    if qk is not None:
+        q, k = apply_rotary(qk, cos, sin).split([q.shape[1], k.shape[1]], dim=1)
+    else:
+        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+    write_kv_cache(k, v, k_cache, v_cache, slot_mapping)
+    return q.contiguous(), k

@@ -63,6 +63,11 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-num-batched-tokens", type=int, default=2048)
     p.add_argument("--max-model-len", type=int, default=None)
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads")
+    p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"],
+                   help="auto: CUDA when torch sees a GPU (bfloat16 weights, Triton kernels), "
+                   "else the CPU")  # fmt: skip
+    p.add_argument("--no-cuda-graphs", action="store_true",
+                   help="on CUDA, run decode steps eagerly instead of replaying captured graphs")  # fmt: skip
     p.add_argument("--speculative", choices=["ngram", "draft"], default=None,
                    help="speculative decoding: ngram (prompt lookup) or draft (a small draft "
                    "model, --draft-model); default off")  # fmt: skip
@@ -110,6 +115,8 @@ def engine_kwargs(args: argparse.Namespace) -> dict[str, object]:
         "max_num_batched_tokens": args.max_num_batched_tokens,
         "max_model_len": args.max_model_len,
         "num_threads": args.threads,
+        "device": args.device,
+        "cuda_graphs": not args.no_cuda_graphs,
         "tp": args.tp,
         "pp": args.pp,
         "ep": args.ep,

@@ -362,11 +362,34 @@ class EngineConfig:
     pp: int = 1  # pipeline-parallel stages
     ep: int = 1  # expert-parallel ranks (a mixture-of-experts model's experts spread)
     dist_port: int | None = None  # 127.0.0.1 port where the ranks meet; None: a free one
+    device: str = "auto"  # "auto" (CUDA when torch sees a GPU, else the CPU), "cpu", "cuda"
+    cuda_graphs: bool = True  # on CUDA: decode steps replayed from graphs captured at start-up
+    cuda_graph_max_batch: int = 64  # the largest decode batch captured (larger ones run eagerly)
 
     def __post_init__(self) -> None:
         from runtime.parallel import ParallelConfig  # it imports this module
 
         ParallelConfig(self.tp, self.pp, self.ep)  # each >= 1, ep and tp compatible
+        if self.device not in ("auto", "cpu", "cuda"):
+            raise ValueError(f"device must be auto, cpu or cuda, got {self.device!r}")
+        if self.device == "auto":
+            self.device = "cuda" if torch.cuda.is_available() else "cpu"
+        elif self.device == "cuda" and not torch.cuda.is_available():
+            raise ValueError(
+                f"device='cuda' asked for, but torch {torch.__version__} sees no CUDA GPU"
+            )
+        if self.device == "cuda":
+            if self.dtype == "auto":  # the CUDA path's kernels are written for bfloat16
+                self.dtype = "bfloat16"
+            if max(self.tp, self.pp, self.ep) > 1:
+                raise ValueError(
+                    "tp, pp and ep above 1 run on the CPU (gloo ranks); on CUDA (NCCL) they are "
+                    "not built yet: use device='cpu' or tp=pp=ep=1"
+                )
+        if self.cuda_graph_max_batch < 1:
+            raise ValueError(
+                f"cuda_graph_max_batch must be >= 1, got {self.cuda_graph_max_batch}"
+            )
         if isinstance(self.speculative, dict):
             self.speculative = SpeculativeConfig(**self.speculative)
         if self.dtype != "auto" and self.dtype not in DTYPES:

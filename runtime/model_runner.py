@@ -21,7 +21,9 @@ from dataclasses import dataclass
 import torch
 
 from kernels import cpu_ext
-from kernels.attention import DecodeGroup, PagedAttentionMetadata, PrefillChunk
+from kernels.attention import DecodeGroup, PagedAttentionMetadata, PrefillChunk, TritonAttention
+from kernels.dispatch import FORCE_TRITON
+from runtime.cuda_graphs import DecodeGraphs
 from runtime.model import LlamaForCausalLM, StepContext
 from runtime.ranks import RankGroup
 from runtime.sampler import Sampler, SamplingState, TokenLogprobs, apply_token_bitmask
@@ -97,7 +99,8 @@ class ModelRunner:
         # Few-row (decode) matmuls and RMSNorm: C++ kernels where they build and the weights are
         # float32; the PyTorch references otherwise.
         gemm = norm = None
-        if cpu_kernels != "torch" and model.dtype == torch.float32:
+        on_cpu = model.device.type == "cpu"
+        if cpu_kernels != "torch" and model.dtype == torch.float32 and on_cpu:
             gemm, norm = cpu_ext.load_small_gemm(), cpu_ext.load_rms_norm()
             if (gemm is None or norm is None) and cpu_kernels == "cpu_ext":
                 raise RuntimeError(
@@ -106,11 +109,14 @@ class ModelRunner:
         model.use_cpu_kernels(gemm, norm)
         # Decode attention: the in-place CPU extension where it builds, else the reference.
         if attention == "auto":
-            attention = "cpu_ext" if cpu_ext.load() is not None else "torch"
+            attention = "cpu_ext" if on_cpu and cpu_ext.load() is not None else "torch"
         elif attention == "cpu_ext" and cpu_ext.load() is None:
             raise RuntimeError("attention='cpu_ext' asked for, but the extension did not build")
         self.decode_impl = attention
         self.model = model
+        self.device = model.device
+        self.triton = self.device.type == "cuda" or FORCE_TRITON  # the kernels' metadata
+        self.graphs: DecodeGraphs | None = None  # decode steps replayed (capture_decode_graphs)
         self.block_size = block_size
         self.num_blocks = num_blocks
         t1 = time.perf_counter()
@@ -121,7 +127,10 @@ class ModelRunner:
         heads, layers = len(model.kv_head_range), len(model.local_layers)
         shape = (layers, 2, num_blocks * block_size, heads, cfg.head_dim)
         nbytes = math.prod(shape) * model.dtype.itemsize
-        self.kv = Arena(nbytes).tensor()[:nbytes].view(model.dtype).view(shape)
+        if self.device.type == "cpu":
+            self.kv = Arena(nbytes).tensor()[:nbytes].view(model.dtype).view(shape)
+        else:  # preallocated once on the device
+            self.kv = torch.zeros(shape, dtype=model.dtype, device=self.device)
         self.kv_caches = [(self.kv[i, 0], self.kv[i, 1]) for i in range(layers)]
         self.sampler = Sampler()
         # where start-up went: (start, end) time.perf_counter() of each phase
@@ -161,8 +170,11 @@ class ModelRunner:
             rows.extend(range(last[i] - len(s.spec_token_ids), last[i] + 1))
         step = Launched([s for _, s in sampling], first, torch.tensor(rows, dtype=torch.int64))
         if self.ranks is None:
-            hidden = self.forward(order, block_tables)  # (T, hidden)
-            step.logits = self.model.logits(hidden[step.rows]) if rows else hidden.new_empty(0)
+            hidden = self._graphed(order, block_tables)
+            if hidden is None:
+                hidden = self.forward(order, block_tables)  # (T, hidden)
+            at = step.rows.to(hidden.device)
+            step.logits = self.model.logits(hidden[at]) if rows else hidden.new_empty(0)
             return step
         parts = micro_batches(_chunks(order), self.model.place.config.pp)
         plans = [self._prepare(part, block_tables) for part in parts]
@@ -182,6 +194,7 @@ class ModelRunner:
         if logits is None:
             assert self.ranks is not None and step.sizes is not None
             logits = self.ranks.finish(self.model, step.sizes, step.rows)
+        logits = logits.cpu()  # sampled on the host (a no-op on the CPU)
         sampling, first = step.sampling, step.first
         if not sampling:
             return {}, {}
@@ -205,6 +218,35 @@ class ModelRunner:
                 if req.params.logprobs is not None:
                     logprobs[req.request_id] = logprobs_of(rows_k, kept, req.params.logprobs)
         return tokens, logprobs
+
+    def capture_decode_graphs(self, max_batch: int, max_model_len: int, capture: bool = True) -> None:
+        """Decode steps of up to `max_batch` requests from now on run through `DecodeGraphs`
+        (captured now, on CUDA; `capture=False`: the same padded steps, eagerly). A dense model
+        only: a mixture-of-experts model's steps stay eager."""
+        if self.model.cfg.moe is not None:
+            return
+        self.graphs = DecodeGraphs(self.model, self.kv_caches, self.block_size, max_batch,
+                                   max_model_len, capture)  # fmt: skip
+
+    def _graphed(self, order: list[ScheduledRequest],
+                 block_tables: dict[str, list[int]]) -> torch.Tensor | None:  # fmt: skip
+        """A step of plain decodes (one token each) through the decode graphs; None for any other
+        step, or without graphs."""
+        g = self.graphs
+        if g is None or len(order) > g.max_batch:
+            return None
+        if any(s.num_new_tokens != 1 or s.spec_token_ids for s in order):
+            return None
+        ids, positions, slots, tables, lens = [], [], [], [], []
+        for s in order:
+            start = s.request.num_computed_tokens
+            table = block_tables[s.request.request_id]
+            ids.append(s.request.token_at(start))
+            positions.append(start)
+            slots.append(table[start // self.block_size] * self.block_size + start % self.block_size)
+            tables.append(table)
+            lens.append(start + 1)
+        return g.run(ids, positions, slots, tables, lens)
 
     @torch.inference_mode()
     def forward(
@@ -290,7 +332,7 @@ class ModelRunner:
                 decode_lens += range(start + 1, start + n + 1)
             else:
                 chunk = PrefillChunk(query_start=len(ids) - n, query_len=n, context_len=start)
-                if start > 0:
+                if start > 0 and not self.triton:
                     chunk.kv_slots = self._slots(table, 0, start + n)
                     q_pos = torch.arange(start, start + n)[:, None]  # (n, 1)
                     chunk.mask = torch.arange(start + n)[None, :] <= q_pos  # (n, start + n)
@@ -298,15 +340,52 @@ class ModelRunner:
             positions.append(torch.arange(start, start + n))
             slots.append(self._slots(table, start, start + n))
 
+        dev = self.device
         meta = PagedAttentionMetadata(
-            slot_mapping=torch.cat(slots),
+            slot_mapping=torch.cat(slots).to(dev, non_blocking=True),
             block_size=self.block_size,
             decode_impl=self.decode_impl,
-            prefills=prefills,
         )
-        meta.decodes = self._decode_groups(decode_tables, decode_lens)
-        ctx = StepContext(positions=torch.cat(positions), attn=meta)
-        return torch.tensor(ids, dtype=torch.int64), ctx
+        if self.triton:
+            meta.triton = self._triton_meta(decode_tables, decode_lens, order, prefills,
+                                            block_tables)  # fmt: skip
+        else:
+            meta.prefills = prefills
+            meta.decodes = self._decode_groups(decode_tables, decode_lens)
+        ctx = StepContext(positions=torch.cat(positions).to(dev, non_blocking=True), attn=meta)
+        return torch.tensor(ids, dtype=torch.int64).to(dev, non_blocking=True), ctx
+
+    def _triton_meta(self, decode_tables: list[list[int]], decode_lens: list[int],
+                     order: list[_Chunk], prefills: list[PrefillChunk],
+                     block_tables: dict[str, list[int]]) -> TritonAttention:  # fmt: skip
+        """The step as the Triton kernels read it: block tables padded with block 0 (never read
+        past a row's length), int32, on the model's device."""
+        chunks = [c for c in order if not c.decode]
+        prefill_tables = [block_tables[c.request_id] for c in chunks]
+        width = max(1, *(len(t) for t in decode_tables + prefill_tables))
+
+        def table(rows: list[list[int]]) -> torch.Tensor:
+            out = torch.zeros(len(rows), width, dtype=torch.int32)
+            for i, t in enumerate(rows):
+                out[i, : len(t)] = torch.tensor(t, dtype=torch.int32)
+            return out.to(self.device, non_blocking=True)
+
+        starts = [0]
+        for p in prefills:
+            starts.append(starts[-1] + p.query_len)
+
+        def ints(values: list[int]) -> torch.Tensor:
+            return torch.tensor(values, dtype=torch.int32).to(self.device, non_blocking=True)
+
+        return TritonAttention(
+            num_decodes=len(decode_lens),
+            decode_block_tables=table(decode_tables),
+            decode_seq_lens=ints(decode_lens),
+            prefill_block_tables=table(prefill_tables),
+            query_start_loc=ints(starts),
+            context_lens=ints([p.context_len for p in prefills]),
+            max_query_len=max((p.query_len for p in prefills), default=0),
+        )
 
     # --------------------------------------------------------------- KV of a split model
     def kv_read(self, layers: slice, block_ids: list[int]) -> tuple[range, range, torch.Tensor]:

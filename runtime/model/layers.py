@@ -11,7 +11,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from kernels import rms_norm
+from kernels import add_rms_norm, rms_norm, silu_and_mul
 from kernels.linear import small_linear
 from runtime.config import ModelConfig
 
@@ -84,6 +84,10 @@ class RMSNorm(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return rms_norm(x, self.weight, self.eps, self.fused)
 
+    def add_forward(self, x: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(this norm of x + residual, x + residual): one fused kernel on the Triton path."""
+        return add_rms_norm(x, residual, self.weight, self.eps, self.fused)
+
 
 class MLP(nn.Module):
     """down(silu(gate(x)) * up(x)), gate and up fused into one projection. With tensor
@@ -100,5 +104,4 @@ class MLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate_up = self.gate_up_proj(x)  # (T, 2 * intermediate)
-        gate, up = gate_up.split(self.inter, dim=-1)
-        return self.down_proj(nn.functional.silu(gate) * up)
+        return self.down_proj(silu_and_mul(gate_up))

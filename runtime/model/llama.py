@@ -27,7 +27,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from kernels import PagedAttentionMetadata, apply_rotary, paged_attention, write_kv_cache
+from kernels import PagedAttentionMetadata, paged_attention, rotate_and_cache
 from kernels.linear import applies, small_linear
 from runtime.config import ModelConfig
 from runtime.model.layers import (
@@ -87,21 +87,16 @@ class Attention(nn.Module):
         k = k.view(T, self.n_kv_heads, self.head_dim)  # (T, n_kv_heads, head_dim)
         v = v.view(T, self.n_kv_heads, self.head_dim)  # (T, n_kv_heads, head_dim)
         assert ctx.cos is not None and ctx.sin is not None
+        qk = None
         if self.q_norm is not None and self.k_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
-            q = apply_rotary(q, ctx.cos, ctx.sin)
-            k = apply_rotary(k, ctx.cos, ctx.sin)
-        else:  # rotate q and k in one pass: they sit side by side in qkv
+        else:  # q and k side by side in qkv: the reference rotates them in one pass
             qk = qkv[:, : self.q_size + self.kv_size].unflatten(
                 1, (self.n_heads + self.n_kv_heads, self.head_dim)
             )  # (T, n_heads + n_kv_heads, head_dim)
-            qk = apply_rotary(qk, ctx.cos, ctx.sin)
-            q, k = qk.split([self.n_heads, self.n_kv_heads], dim=1)
-            q = q.contiguous()  # (T, n_heads, head_dim)
-        write_kv_cache(k, v, k_cache, v_cache, ctx.attn.slot_mapping)
-        o = paged_attention(
-            q, k, v, k_cache, v_cache, ctx.attn, self.scale
-        )  # (T, n_heads, head_dim)
+        slots = ctx.attn.slot_mapping
+        q, k_rot = rotate_and_cache(q, k, v, ctx.cos, ctx.sin, k_cache, v_cache, slots, qk)
+        o = paged_attention(q, k_rot, v, k_cache, v_cache, ctx.attn, self.scale)  # (T, n_heads, head_dim)
         return self.o_proj(o.reshape(T, self.q_size))
 
 
@@ -118,8 +113,9 @@ class DecoderLayer(nn.Module):
     def forward(
         self, x: torch.Tensor, ctx: StepContext, k_cache: torch.Tensor, v_cache: torch.Tensor
     ) -> torch.Tensor:
-        h = x + self.self_attn(self.input_layernorm(x), ctx, k_cache, v_cache)
-        return h + self.mlp(self.post_attention_layernorm(h))
+        a = self.self_attn(self.input_layernorm(x), ctx, k_cache, v_cache)
+        normed, h = self.post_attention_layernorm.add_forward(a, x)  # h = x + a
+        return h + self.mlp(normed)
 
 
 class MissingLayer(nn.Module):
@@ -185,14 +181,20 @@ class LlamaForCausalLM(nn.Module):
         self._rope_tables: tuple[torch.Tensor, torch.Tensor] | None = None
 
     def _rope(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos and sin, float32 (max_model_len, head_dim), rows indexed by position."""
+        """cos and sin, float32 (max_model_len, head_dim) on the model's device, rows indexed by
+        position."""
         if self._rope_tables is None:
             inv_freq = self.cfg.rope.inv_freq(self.cfg.head_dim)  # (head_dim // 2,)
             positions = torch.arange(self.max_model_len, dtype=torch.float32)
             freqs = torch.outer(positions, inv_freq)  # (max_model_len, head_dim // 2)
             emb = torch.cat((freqs, freqs), dim=-1)  # (max_model_len, head_dim)
-            self._rope_tables = emb.cos(), emb.sin()
+            self._rope_tables = emb.cos().to(self.device), emb.sin().to(self.device)
         return self._rope_tables
+
+    @property
+    def device(self) -> torch.device:
+        """Where the weights are (and the KV cache and each step's inputs go)."""
+        return next(self.parameters()).device
 
     @property
     def kv_head_range(self) -> range:
