@@ -1,0 +1,88 @@
+"""The whole model through the Triton kernels, interpreted on the CPU (kernels.dispatch): the
+same greedy tokens as the reference path on stories260K, through mixed prefill + decode steps,
+a chunked prefill, a prefix-cache hit, and the decode graphs' padded static buffers (run eagerly:
+no GPU here to capture them on)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+from runtime.llm import LLM
+from runtime.sampling_params import SamplingParams
+
+ROOT = Path(__file__).resolve().parents[1]
+PROMPTS = [
+    [1, 403, 407, 261, 378],
+    [1, *range(20, 57)],  # 38 tokens: three blocks of 16, the last one partial
+    [1, 99],
+]
+
+SCRIPT = """
+import json, sys
+from runtime.llm import LLM
+from runtime.sampling_params import SamplingParams
+
+prompts, model = json.loads(sys.argv[1]), sys.argv[2]
+greedy = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
+# a 16-token step budget cuts the 38-token prompt into chunks, beside the others' decodes
+llm = LLM(model, kv_cache_bytes=1 << 20, max_num_batched_tokens=16)
+assert llm.engine.runner.triton
+out = {"eager": [list(o.outputs[0].token_ids) for o in llm.generate(prompts, greedy)]}
+llm.engine.runner.capture_decode_graphs(4, 512, capture=False)  # 3 decodes pad to 4
+again = llm.generate(prompts, greedy)
+out["graphs"] = [list(o.outputs[0].token_ids) for o in again]
+out["cached"] = again[1].num_cached_tokens
+print(json.dumps(out))
+"""
+
+
+def test_model_through_interpreted_triton_kernels(stories_dir: Path) -> None:
+    import json
+
+    greedy = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
+    llm = LLM(stories_dir, kv_cache_bytes=1 << 20, max_num_batched_tokens=16)
+    assert not llm.engine.runner.triton
+    expected = [list(o.outputs[0].token_ids) for o in llm.generate(PROMPTS, greedy)]
+    env = {**os.environ, "TRITON_INTERPRET": "1", "EDGEINFER_KERNELS": "triton",
+           "PYTHONPATH": str(ROOT)}  # fmt: skip
+    run = subprocess.run(
+        [sys.executable, "-c", SCRIPT, json.dumps(PROMPTS), str(stories_dir)],
+        env=env,
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert run.returncode == 0, run.stderr[-4000:]
+    got = json.loads(run.stdout.strip().splitlines()[-1])
+    assert got["eager"] == expected
+    assert got["graphs"] == expected
+    assert got["cached"] == 32  # the second run found the 38-token prompt's two full blocks
+
+
+def test_device_setting() -> None:
+    import pytest
+    import torch
+
+    from runtime.config import EngineConfig
+
+    assert EngineConfig(model="m").device == ("cuda" if torch.cuda.is_available() else "cpu")
+    with pytest.raises(ValueError, match="device must be auto, cpu or cuda"):
+        EngineConfig(model="m", device="tpu")
+    if not torch.cuda.is_available():
+        with pytest.raises(ValueError, match="sees no CUDA GPU"):
+            EngineConfig(model="m", device="cuda")
+    with pytest.raises(ValueError, match="cuda_graph_max_batch must be >= 1"):
+        EngineConfig(model="m", cuda_graph_max_batch=0)
+
+
+def test_graph_buckets() -> None:
+    from runtime.cuda_graphs import buckets
+
+    assert buckets(64) == [1, 2, 4, 8, 16, 24, 32, 40, 48, 56, 64]
+    assert buckets(5) == [1, 2, 4, 5]
+    assert buckets(1) == [1]
+    assert buckets(12) == [1, 2, 4, 8, 12]
