@@ -362,7 +362,7 @@ class ModelRunner:
         past a row's length), int32, on the model's device."""
         chunks = [c for c in order if not c.decode]
         prefill_tables = [block_tables[c.request_id] for c in chunks]
-        width = max(1, *(len(t) for t in decode_tables + prefill_tables))
+        width = max([1, *(len(t) for t in decode_tables + prefill_tables)])
 
         def table(rows: list[list[int]]) -> torch.Tensor:
             out = torch.zeros(len(rows), width, dtype=torch.int32)
