@@ -138,9 +138,10 @@ class KVPages:
         return views
 
     def read(self, layers: slice, block_ids: list[int]) -> torch.Tensor:
-        """A contiguous copy (layer_count, 2, len(block_ids), block_size, heads, dim)."""
-        index = torch.tensor(block_ids, dtype=torch.int64)
-        return self.blocks[layers].index_select(2, index)
+        """A contiguous copy (layer_count, 2, len(block_ids), block_size, heads, dim), in host
+        memory."""
+        index = torch.tensor(block_ids, dtype=torch.int64, device=self.blocks.device)
+        return self.blocks[layers].index_select(2, index).cpu()
 
     def write(
         self, layers: slice, block_ids: list[int], payload: bytes | bytearray | memoryview
@@ -151,8 +152,20 @@ class KVPages:
             warnings.simplefilter("ignore", UserWarning)
             flat = torch.frombuffer(payload, dtype=getattr(torch, lay.dtype))
         data = flat.view(count, 2, len(block_ids), lay.block_size, lay.num_kv_heads, lay.head_dim)
-        index = torch.tensor(block_ids, dtype=torch.int64)
-        self.blocks[layers].index_copy_(2, index, data)
+        dev = self.blocks.device
+        index = torch.tensor(block_ids, dtype=torch.int64, device=dev)
+        self.blocks[layers].index_copy_(2, index, data.to(dev))
+
+
+class DeviceKVPages(KVPages):
+    """A KV cache in GPU memory: blocks go through host memory (a pull cannot land in the cache
+    itself), gathered and scattered by index on the device; reads and writes run off the event
+    loop, like a split cache's."""
+
+    direct = False
+
+    def runs(self, layers: slice, block_ids: list[int]) -> list[memoryview]:
+        return [memoryview(self.read(layers, block_ids).numpy()).cast("B")]  # type: ignore[arg-type]
 
 
 @dataclass(slots=True)

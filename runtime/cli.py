@@ -139,13 +139,10 @@ def start_weights_early(model_dir: str, args: argparse.Namespace):  # type: igno
     """Start reading the weights as soon as the model folder is known (the imports and the
     engine's set-up go on meanwhile); split over ranks with --tp/--pp/--ep, the other ranks
     started first. A setting the model cannot take stops us here, before anything is served."""
-    if args.tp * args.pp * args.ep == 1:
-        from runtime.loader import start_load
-
-        return start_load(model_dir, args.dtype)
     from runtime.config import EngineConfig
     from runtime.ranks import start_weights
 
+    # the engine's own config: its device and dtype (bfloat16 on CUDA) resolved as it will be
     return start_weights(EngineConfig(model=model_dir, **engine_kwargs(args)))  # type: ignore[arg-type]
 
 

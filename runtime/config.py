@@ -362,7 +362,8 @@ class EngineConfig:
     pp: int = 1  # pipeline-parallel stages
     ep: int = 1  # expert-parallel ranks (a mixture-of-experts model's experts spread)
     dist_port: int | None = None  # 127.0.0.1 port where the ranks meet; None: a free one
-    device: str = "auto"  # "auto" (CUDA when torch sees a GPU, else the CPU), "cpu", "cuda"
+    device: str = "auto"  # "auto" (CUDA when torch sees a GPU and tp = pp = ep = 1, else the
+    # CPU), "cpu", "cuda"
     cuda_graphs: bool = True  # on CUDA: decode steps replayed from graphs captured at start-up
     cuda_graph_max_batch: int = 64  # the largest decode batch captured (larger ones run eagerly)
 
@@ -372,8 +373,9 @@ class EngineConfig:
         ParallelConfig(self.tp, self.pp, self.ep)  # each >= 1, ep and tp compatible
         if self.device not in ("auto", "cpu", "cuda"):
             raise ValueError(f"device must be auto, cpu or cuda, got {self.device!r}")
-        if self.device == "auto":
-            self.device = "cuda" if torch.cuda.is_available() else "cpu"
+        if self.device == "auto":  # ranks (tp/pp/ep) run on the CPU only, so far
+            single = max(self.tp, self.pp, self.ep) == 1
+            self.device = "cuda" if torch.cuda.is_available() and single else "cpu"
         elif self.device == "cuda" and not torch.cuda.is_available():
             raise ValueError(
                 f"device='cuda' asked for, but torch {torch.__version__} sees no CUDA GPU"

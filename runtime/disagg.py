@@ -21,6 +21,7 @@ from collections.abc import AsyncIterator
 from opentelemetry.context import Context
 
 from kvstore.kv_transfer import (
+    DeviceKVPages,
     ExportProgress,
     KVPages,
     KVTransferServer,
@@ -49,6 +50,8 @@ def kv_pages(llm: AsyncLLM) -> KVPages:
     runner = llm.engine.runner
     if runner.ranks is not None:
         return RankedKVPages(runner, runner.ranks)
+    if runner.kv.device.type != "cpu":
+        return DeviceKVPages(runner.kv, llm.engine.config.block_size)
     return KVPages(runner.kv, llm.engine.config.block_size)
 
 

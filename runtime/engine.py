@@ -35,7 +35,7 @@ from runtime.kv_cache import BlockManager
 from runtime.loader import PendingLoad, model_revision
 from runtime.model_runner import Launched, ModelRunner, kv_block_bytes
 from runtime.outputs import CompletionOutput, RequestOutput
-from runtime.ranks import start_weights
+from runtime.ranks import RankFailure, start_weights
 from runtime.request import Request, RequestStatus
 from runtime.sampling_params import InvalidRequestError, SamplingParams
 from runtime.scheduler import QueueFullError, Scheduler, SchedulerOutput, StepResult
@@ -418,8 +418,8 @@ class LLMEngine:
                 self._last_lane = lane
                 try:
                     step = self.runner.launch(out, self._block_tables(out))
-                except BaseException:
-                    self._in_flight.clear()  # the ranks failed: nothing in flight will finish
+                except RankFailure:
+                    self._in_flight.clear()  # nothing in flight will finish
                     raise
                 self._in_flight.append((lane, out, step))
                 launched = True
@@ -429,9 +429,11 @@ class LLMEngine:
         _, out, step = self._in_flight.popleft()
         try:
             result = self.runner.finish(step)
-        except BaseException:
+        except RankFailure:
             self._in_flight.clear()
             raise
+        # Any other failure (in sampling, say) consumed only this step: the steps behind it
+        # are still coming back from the ranks, in order, and finish on the next calls.
         return self._complete(out, result)
 
     def _schedule(self, lane: int) -> SchedulerOutput:
@@ -456,6 +458,8 @@ class LLMEngine:
             emitted = {o.request_id for o in outputs}
             for s in out.scheduled:
                 group = self._exports.get(s.request.request_id)
+                if s.request.status is RequestStatus.FINISHED_ABORTED:
+                    continue  # aborted while its step was in flight: reported then
                 if group is not None and group.request_id not in emitted:
                     outputs.append(self._emit(group))
         return outputs

@@ -165,6 +165,36 @@ def test_pipeline_keeps_a_step_in_flight_per_stage(stories_dir: Path, single) ->
         _close(llm)
 
 
+def test_a_failed_sampling_step_leaves_the_pipeline_in_step(stories_dir: Path, single) -> None:  # type: ignore[no-untyped-def]
+    """pp=2: a step that fails after its logits came back (here in sampling) consumed only
+    itself; the step in flight behind it still finishes, and the next answers are one rank's."""
+    llm = LLM(stories_dir, kv_cache_bytes=4 << 20, pp=2)
+    engine, runner = llm.engine, llm.engine.runner
+    sample, calls = runner._sample, [0]
+
+    def failing(*args):  # type: ignore[no-untyped-def]
+        calls[0] += 1
+        if calls[0] == 3:
+            raise RuntimeError("a sampling bug")
+        return sample(*args)
+
+    try:
+        for i, prompt in enumerate(PROMPTS):
+            engine.add_request(f"r{i}", prompt, GREEDY)
+        runner._sample = failing  # type: ignore[method-assign]
+        with pytest.raises(RuntimeError, match="a sampling bug"):
+            while engine.has_unfinished():
+                engine.step()
+        for rid in engine.unfinished_request_ids():  # what the async engine does then
+            engine.abort(rid)
+        while engine.has_unfinished():  # the step still in flight comes back
+            engine.step()
+        runner._sample = sample  # type: ignore[method-assign]
+        _same(_run(llm), single(stories_dir))
+    finally:
+        _close(llm)
+
+
 def test_expert_parallel_engine_matches_one_rank(tmp_path_factory, stories_dir: Path) -> None:  # type: ignore[no-untyped-def]
     """A mixture-of-experts model through the engine: ep=2, and tp=2 with ep=2 (attention split,
     experts spread over the same ranks), answer as one rank does."""

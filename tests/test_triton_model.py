@@ -63,7 +63,7 @@ def test_model_through_interpreted_triton_kernels(stories_dir: Path) -> None:
     assert got["cached"] == 32  # the second run found the 38-token prompt's two full blocks
 
 
-def test_device_setting() -> None:
+def test_device_setting(monkeypatch) -> None:  # type: ignore[no-untyped-def]
     import pytest
     import torch
 
@@ -77,6 +77,15 @@ def test_device_setting() -> None:
             EngineConfig(model="m", device="cuda")
     with pytest.raises(ValueError, match="cuda_graph_max_batch must be >= 1"):
         EngineConfig(model="m", cuda_graph_max_batch=0)
+    # as on a GPU host: auto is CUDA in bfloat16 (the early weight load sees the same config),
+    # but ranks stay on the CPU, where they are built; asked for on CUDA, they are refused
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    on_gpu = EngineConfig(model="m")
+    assert (on_gpu.device, on_gpu.dtype) == ("cuda", "bfloat16")
+    assert EngineConfig(model="m", dtype="float32").dtype == "float32"
+    assert EngineConfig(model="m", tp=2).device == "cpu"
+    with pytest.raises(ValueError, match="not built yet"):
+        EngineConfig(model="m", device="cuda", pp=2)
 
 
 def test_graph_buckets() -> None:
