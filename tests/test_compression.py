@@ -8,8 +8,6 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
-import subprocess
-import sys
 from pathlib import Path
 
 import numpy as np
@@ -43,6 +41,7 @@ from runtime.config import ModelLoadError
 from runtime.llm import LLM
 from runtime.sampling_params import SamplingParams
 from runtime.weights import ReadStats
+from tests.triton_tools import compile_for_hopper, run_interpreted
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -395,36 +394,18 @@ else:
     raise AssertionError("corrupt stream decoded")
 print("ok")
 """
-    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": str(ROOT)}
-    run = subprocess.run(
-        [sys.executable, "-c", script],
-        env=env,
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    assert run.returncode == 0 and run.stdout.strip() == "ok", run.stderr[-3000:]
+    assert run_interpreted(script).strip() == "ok"
 
 
 def test_triton_kernel_compiles_for_hopper() -> None:
     """No GPU here: compile the kernel to a cubin for sm_90 (H100/H200) with Triton's own ptxas,
     which catches what the interpreter does not (types, the data-dependent while loop)."""
-    import triton
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
-
     from kernels.huffman_decode import _huffman_decode_kernel
 
     sig = {"table_ptr": "*i64", "offsets_ptr": "*i32", "sm_ptr": "*u8", "bits_ptr": "*u8",
            "out_ptr": "*i16", "used_ptr": "*i64", "n": "i64", "nbytes": "i64", "n_chunks": "i32",
            "CHUNK": "constexpr", "BLOCK": "constexpr"}  # fmt: skip
-    src = ASTSource(_huffman_decode_kernel, sig, constexprs={"CHUNK": 4096, "BLOCK": 64})
-    try:
-        kernel = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 2})
-    except (RuntimeError, FileNotFoundError) as e:  # a Triton build without the CUDA backend
-        pytest.skip(f"cannot compile for sm_90 here: {e}")
-    assert kernel.asm["cubin"] and ".target sm_90" in kernel.asm["ptx"]
+    compile_for_hopper(_huffman_decode_kernel, sig, {"CHUNK": 4096, "BLOCK": 64}, num_warps=2)
 
 
 # ---------------------------------------------------------------------------------------------

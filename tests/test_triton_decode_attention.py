@@ -12,18 +12,13 @@ them gives NaN or faults.
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
-from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
 
 from kernels.triton_decode_attention import decode_attention, decode_attention_ref
-
-ROOT = Path(__file__).resolve().parents[1]
+from tests.triton_tools import compile_for_hopper, run_interpreted
 
 LENS = (1, 15, 16, 17, 97, 500, 0)
 _FLOOR = {torch.float32: 1e-6, torch.float16: 1e-5, torch.bfloat16: 1e-4}  # absolute, tiny
@@ -163,56 +158,15 @@ EDGE_CASES: list[dict[str, Any]] = [
 ]  # fmt: skip
 
 
-def _fix_interpreter() -> None:
-    """Make Triton 3.9's interpreter compute bfloat16 as the GPU does. It keeps bfloat16 as raw
-    uint16 bits (numpy has none), and (1) tl.dot multiplies those bits as integers (a bfloat16
-    dot gives garbage), (2) a float32 -> bfloat16 cast truncates where the GPU's cvt.rn (and
-    torch) round to nearest even. Patched here, in the interpreted scripts only."""
-    import numpy as np
-    import triton.language as tl
-    from triton.runtime import interpreter
-
-    builder = interpreter.InterpreterBuilder
-    dot, cast = builder.create_dot, builder.cast_impl
-
-    def widen(x: Any) -> Any:  # bfloat16 bits -> float32, exact
-        if x.dtype.scalar != tl.bfloat16:
-            return x
-        return interpreter.TensorHandle((x.data.astype(np.uint32) << 16).view(np.float32),
-                                        tl.float32)  # fmt: skip
-
-    def create_dot(self: Any, a: Any, b: Any, d: Any, *args: Any) -> Any:
-        return dot(self, widen(a), widen(b), d, *args)
-
-    def cast_impl(self: Any, src: Any, dst_type: Any) -> Any:
-        if src.dtype.scalar == tl.float32 and dst_type.scalar == tl.bfloat16:
-            bits = torch.from_numpy(src.data.astype(np.float32)).to(torch.bfloat16)
-            return interpreter.TensorHandle(bits.view(torch.int16).numpy().view(np.uint16),
-                                            dst_type.scalar)  # fmt: skip
-        return cast(self, src, dst_type)
-
-    builder.create_dot, builder.cast_impl = create_dot, cast_impl  # type: ignore[method-assign]
-
-
 def _interpreted(script: str) -> None:
-    """Run in a fresh interpreter: TRITON_INTERPRET is read when a kernel is defined."""
-    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": str(ROOT)}
-    env.pop("EDGEINFER_KERNELS", None)
-    run = subprocess.run(
-        [sys.executable, "-c", script],
-        env=env,
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    assert run.returncode == 0 and run.stdout.strip() == "ok", run.stderr[-3000:]
+    assert run_interpreted(script).strip() == "ok"
 
 
 def test_kernel_matches_float64_as_closely_as_the_reference() -> None:
     _interpreted(
-        "from tests.test_triton_decode_attention import CASES, _check_case, _fix_interpreter\n"
-        "_fix_interpreter()\n"
+        "from tests.test_triton_decode_attention import CASES, _check_case\n"
+        "from tests.triton_tools import fix_bf16_interpreter\n"
+        "fix_bf16_interpreter()\n"
         "for case in CASES:\n"
         "    _check_case(**case)\n"
         "print('ok')\n"
@@ -224,9 +178,10 @@ def test_kernel_edge_cases_head_dim_8_block_sizes_1_and_256_peaked_scores() -> N
         """
 import torch
 from kernels.triton_decode_attention import decode_attention
-from tests.test_triton_decode_attention import EDGE_CASES, _check_case, _fix_interpreter
+from tests.test_triton_decode_attention import EDGE_CASES, _check_case
+from tests.triton_tools import fix_bf16_interpreter
 
-_fix_interpreter()
+fix_bf16_interpreter()
 for case in EDGE_CASES:
     _check_case(**case)
 
@@ -316,18 +271,6 @@ def test_bad_num_splits(num_splits: Any) -> None:
 # Compiled for Hopper
 
 
-def _compile(fn: Any, signature: dict[str, str], constexprs: dict[str, Any], warps: int) -> Any:
-    import triton
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
-
-    src = ASTSource(fn, signature, constexprs=constexprs)
-    try:
-        return triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": warps})
-    except (RuntimeError, FileNotFoundError) as e:  # a Triton build without the CUDA backend
-        pytest.skip(f"cannot compile for sm_90 here: {e}")
-
-
 @pytest.mark.parametrize(
     "dtype, head_dim, group, block_size, block_n, direct",
     [
@@ -356,8 +299,7 @@ def test_kernels_compile_for_hopper(
     block_d = max(16, 1 << (head_dim - 1).bit_length())
     consts = {"GROUP": group, "BLOCK_SIZE": block_size, "BLOCK_H": max(16, group),
               "BLOCK_N": block_n, "BLOCK_D": block_d, "DIRECT": direct}  # fmt: skip
-    kernel = _compile(_decode_split_kernel, sig, consts, 4)
-    assert kernel.asm["cubin"] and ".target sm_90" in kernel.asm["ptx"]
+    kernel = compile_for_hopper(_decode_split_kernel, sig, consts, num_warps=4)
     if dtype != "fp32":
         assert "mma" in kernel.asm["ptx"]  # the dots on tensor cores
     if direct:
@@ -365,5 +307,5 @@ def test_kernels_compile_for_hopper(
     sig = {"part_o_ptr": "*fp32", "part_m_ptr": "*fp32", "part_l_ptr": "*fp32",
            "out_ptr": f"*{dtype}", "H": "i32", "head_dim": "i32", "num_splits": "i32",
            "BLOCK_S": "constexpr", "BLOCK_D": "constexpr"}  # fmt: skip
-    kernel = _compile(_decode_reduce_kernel, sig, {"BLOCK_S": 8, "BLOCK_D": block_d}, 2)
-    assert kernel.asm["cubin"] and ".target sm_90" in kernel.asm["ptx"]
+    compile_for_hopper(_decode_reduce_kernel, sig, {"BLOCK_S": 8, "BLOCK_D": block_d},
+                       num_warps=2)  # fmt: skip

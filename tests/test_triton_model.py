@@ -5,15 +5,12 @@ no GPU here to capture them on)."""
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 from runtime.llm import LLM
 from runtime.sampling_params import SamplingParams
+from tests.triton_tools import run_interpreted
 
-ROOT = Path(__file__).resolve().parents[1]
 PROMPTS = [
     [1, 403, 407, 261, 378],
     [1, *range(20, 57)],  # 38 tokens: three blocks of 16, the last one partial
@@ -46,18 +43,8 @@ def test_model_through_interpreted_triton_kernels(stories_dir: Path) -> None:
     llm = LLM(stories_dir, kv_cache_bytes=1 << 20, max_num_batched_tokens=16)
     assert not llm.engine.runner.triton
     expected = [list(o.outputs[0].token_ids) for o in llm.generate(PROMPTS, greedy)]
-    env = {**os.environ, "TRITON_INTERPRET": "1", "EDGEINFER_KERNELS": "triton",
-           "PYTHONPATH": str(ROOT)}  # fmt: skip
-    run = subprocess.run(
-        [sys.executable, "-c", SCRIPT, json.dumps(PROMPTS), str(stories_dir)],
-        env=env,
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
-    assert run.returncode == 0, run.stderr[-4000:]
-    got = json.loads(run.stdout.strip().splitlines()[-1])
+    out = run_interpreted(SCRIPT, json.dumps(PROMPTS), str(stories_dir), kernels=True, timeout=600)
+    got = json.loads(out.strip().splitlines()[-1])
     assert got["eager"] == expected
     assert got["graphs"] == expected
     assert got["cached"] == 32  # the second run found the 38-token prompt's two full blocks

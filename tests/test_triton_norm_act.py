@@ -4,40 +4,20 @@ checks, and their compilation for sm_90."""
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
-from pathlib import Path
-
 import pytest
 import torch
 
 from kernels.triton_rms_norm import rms_norm
 from kernels.triton_silu_mul import silu_and_mul
-
-ROOT = Path(__file__).resolve().parents[1]
+from tests.triton_tools import compile_for_hopper, run_interpreted
 
 # Shared by the interpreted scripts: bfloat16 rounding as on the GPU, inputs, the error check.
 _COMMON = """
-import numpy as np
 import torch
-import triton.language as tl
-from triton.runtime import interpreter
 
-_cast = interpreter.InterpreterBuilder.cast_impl
+from tests.triton_tools import fix_bf16_interpreter
 
-
-def _cast_rtne(self, src, dst_type):
-    '''float32 -> bfloat16 rounded to nearest even, as the GPU's cvt.rn.bf16.f32 (and torch)
-    round. Triton 3.9's interpreter truncates instead: a bfloat16 kernel would show up to twice
-    the error it has on a GPU.'''
-    if src.dtype.scalar == tl.float32 and dst_type.scalar == tl.bfloat16:
-        bits = torch.tensor(src.data, dtype=torch.float32).to(torch.bfloat16).view(torch.int16)
-        return interpreter.TensorHandle(bits.numpy().view(np.uint16), dst_type.scalar)
-    return _cast(self, src, dst_type)
-
-
-interpreter.InterpreterBuilder.cast_impl = _cast_rtne
+fix_bf16_interpreter()  # bfloat16 rounded to nearest even, as on the GPU
 
 DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 g = torch.Generator().manual_seed(0)
@@ -67,18 +47,7 @@ def check(got, ref, exact, what):
 
 
 def _interpret(script: str) -> None:
-    """Run in a fresh interpreter: TRITON_INTERPRET is read when a kernel is defined."""
-    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": str(ROOT)}
-    env.pop("EDGEINFER_KERNELS", None)  # the references must stay PyTorch
-    run = subprocess.run(
-        [sys.executable, "-c", _COMMON + script],
-        env=env,
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    assert run.returncode == 0 and run.stdout.strip() == "ok", run.stderr[-3000:]
+    assert run_interpreted(_COMMON + script).strip() == "ok"
 
 
 # ---------------------------------------------------------------------------------------------
@@ -198,16 +167,8 @@ def test_silu_and_mul_rejects_bad_inputs() -> None:
 
 
 def _compile_for_hopper(fn, sig: dict[str, str], constexprs: dict[str, object], warps: int):  # type: ignore[no-untyped-def]
-    import triton
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
-
-    src = ASTSource(fn, {**sig, **{k: "constexpr" for k in constexprs}}, constexprs=constexprs)
-    try:  # warp size 32: NVIDIA's
-        kernel = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": warps})
-    except (RuntimeError, FileNotFoundError) as e:  # a Triton build without the CUDA backend
-        pytest.skip(f"cannot compile for sm_90 here: {e}")
-    assert kernel.asm["cubin"] and ".target sm_90" in kernel.asm["ptx"]
+    sig = {**sig, **{k: "constexpr" for k in constexprs}}
+    compile_for_hopper(fn, sig, constexprs, num_warps=warps)
 
 
 @pytest.mark.parametrize(

@@ -9,11 +9,7 @@ of a block table, a block's unused tail) turns its output into NaN and fails the
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
 from collections.abc import Callable
-from pathlib import Path
 from typing import Any
 
 import pytest
@@ -25,8 +21,8 @@ from kernels.triton_prefill_attention import (
     prefill_attention,
     prefill_attention_ref,
 )
+from tests.triton_tools import compile_for_hopper, run_interpreted
 
-ROOT = Path(__file__).resolve().parents[1]
 LENGTHS = (1, 15, 16, 17, 97)
 
 # (q_len, context_len) per sequence, with the layout of the call
@@ -147,12 +143,9 @@ def _check_case(dtype: torch.dtype, case: dict[str, Any]) -> str:
 
 
 def _run_interpreted(script: str) -> str:
-    """Run in a fresh interpreter: TRITON_INTERPRET is read when the kernel is defined."""
-    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": str(ROOT)}
-    run = subprocess.run([sys.executable, "-c", script], env=env, cwd=ROOT, capture_output=True,
-                         text=True, timeout=300)  # fmt: skip
-    assert run.returncode == 0 and run.stdout.strip().endswith("ok"), run.stderr[-3000:]
-    return run.stdout
+    out = run_interpreted(script)
+    assert out.strip().endswith("ok"), out[-3000:]
+    return out
 
 
 # ---------------------------------------------------------------------------------------------
@@ -172,33 +165,15 @@ print("ok")
 def test_kernel_16_bit_matches_float64_as_closely_as_the_reference() -> None:
     _run_interpreted("""
 import torch
-from tests.test_triton_prefill_attention import CASES, _check_case, _interpret_bf16_dot
+from tests.test_triton_prefill_attention import CASES, _check_case
+from tests.triton_tools import fix_bf16_interpreter
 for case in CASES:
     print(_check_case(torch.float16, case))
-_interpret_bf16_dot()
+fix_bf16_interpreter()
 for case in (CASES[0], CASES[2], CASES[3]):
     print(_check_case(torch.bfloat16, case))
 print("ok")
 """)
-
-
-def _interpret_bf16_dot() -> None:
-    """Let the interpreter run tl.dot on bfloat16. It keeps bfloat16 as its uint16 bits and
-    multiplies those bits (it does not support bfloat16 arithmetic: triton-lang/triton#11584);
-    converting the operands to float32 first computes what the GPU's bfloat16 MMA with a float32
-    accumulator does. The rest of the kernel's bfloat16 path (loads, casts, stores) runs as is."""
-    import triton.language as tl
-    from triton.runtime import interpreter
-
-    builder = interpreter.interpreter_builder
-    create_dot = builder.create_dot
-
-    def dot(a: Any, b: Any, *rest: Any) -> Any:
-        a, b = (builder.cast_impl(x, tl.float32) if x.dtype.scalar == tl.bfloat16 else x
-                for x in (a, b))  # fmt: skip
-        return create_dot(a, b, *rest)
-
-    builder.create_dot = dot
 
 
 # ---------------------------------------------------------------------------------------------
@@ -327,10 +302,6 @@ def test_kernel_compiles_for_hopper(head_dim: int, dtype: torch.dtype) -> None:
     """No GPU here: compile to a cubin for sm_90 (H100/H200) with the constexprs and warps the
     wrapper launches with, which catches what the interpreter does not (types, tl.dot's shapes);
     and the tiles fit in an H100's shared memory (227 KiB a block)."""
-    import triton
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
-
     cfg = dict(_config(head_dim, dtype))
     options = {"num_warps": cfg.pop("num_warps"), "num_stages": cfg.pop("num_stages")}
     ptr = "*" + {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16"}[dtype]
@@ -341,10 +312,5 @@ def test_kernel_compiles_for_hopper(head_dim: int, dtype: torch.dtype) -> None:
            "qk_scale": "fp32", **dict.fromkeys(strides, "i32"),
            **dict.fromkeys(["GROUP", "HEAD_DIM", "BLOCK_SIZE", *cfg], "constexpr")}  # fmt: skip
     constexprs = {"GROUP": 4, "HEAD_DIM": head_dim, "BLOCK_SIZE": 16, **cfg}
-    src = ASTSource(_prefill_attention_kernel, sig, constexprs=constexprs)
-    try:
-        kernel = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=options)
-    except (RuntimeError, FileNotFoundError) as e:  # a Triton build without the CUDA backend
-        pytest.skip(f"cannot compile for sm_90 here: {e}")
-    assert kernel.asm["cubin"] and ".target sm_90" in kernel.asm["ptx"]
+    kernel = compile_for_hopper(_prefill_attention_kernel, sig, constexprs, **options)
     assert kernel.metadata.shared <= 227 * 1024, kernel.metadata.shared

@@ -9,10 +9,6 @@ fresh interpreter (TRITON_INTERPRET is read when a kernel is defined)."""
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
-from pathlib import Path
 from typing import Any
 
 import pytest
@@ -28,8 +24,8 @@ from kernels.triton_kv_write import (
 )
 from kernels.triton_rotary import _rotary_kernel, launch_config, rotary, rotary_ref
 from runtime.config import RopeConfig
+from tests.triton_tools import compile_for_hopper, run_interpreted
 
-ROOT = Path(__file__).resolve().parents[1]
 MAX_POS = 4096  # positions are drawn below this
 ROPES = {
     "none": RopeConfig(theta=10000.0),
@@ -190,18 +186,8 @@ def _run_fused_cases() -> None:
 
 def _interpret(run: str) -> None:
     """`run` (one of this module's functions) in a fresh interpreter with TRITON_INTERPRET=1."""
-    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": str(ROOT)}
-    env.pop("EDGEINFER_KERNELS", None)
     script = f"from tests.test_triton_rotary_kv import {run}\n{run}()\nprint('ok')\n"
-    proc = subprocess.run(
-        [sys.executable, "-c", script],
-        env=env,
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    assert proc.returncode == 0 and proc.stdout.strip() == "ok", proc.stderr[-3000:]
+    assert run_interpreted(script).strip() == "ok"
 
 
 # ---------------------------------------------------------------------------------------------
@@ -383,19 +369,11 @@ def test_kernels_compile_for_hopper(H: int, Hkv: int, D: int, ty: str) -> None:
     """No GPU here: compile each kernel to a cubin for sm_90 with the constexprs and num_warps
     its wrapper launches these shapes with, catching what the interpreter does not (types)."""
     import triton
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
 
     block_h, block_half, num_warps = launch_config(Hkv, D)
     block_d = triton.next_power_of_2(D)
     consts = {"HEAD_DIM": D, "BLOCK_H": block_h, "BLOCK_HALF": block_half, "BLOCK_D": block_d}
     for kernel in (_rotary_kernel, _write_kv_kernel, _rotary_write_kv_kernel):
         sig = _signature(kernel, ty)
-        src = ASTSource(kernel, sig, constexprs={n: consts[n] for n in sig if n in consts})
-        try:
-            out = triton.compile(
-                src, target=GPUTarget("cuda", 90, 32), options={"num_warps": num_warps}
-            )
-        except (RuntimeError, FileNotFoundError) as e:  # a Triton build without the CUDA backend
-            pytest.skip(f"cannot compile for sm_90 here: {e}")
-        assert out.asm["cubin"] and ".target sm_90" in out.asm["ptx"], kernel.fn.__name__
+        constexprs = {n: consts[n] for n in sig if n in consts}
+        compile_for_hopper(kernel, sig, constexprs, num_warps=num_warps)
