@@ -340,6 +340,10 @@ class EngineConfig:
 
     model: str  # path to a Hugging Face model folder
     dtype: str = "auto"  # "auto" (the checkpoint's dtype), "float32", "bfloat16", "float16"
+    # how the linear layers' weights, the embedding and the LM head are stored: "auto" (in
+    # `dtype`), or "bfloat16" under float32 on the CPU (half the bytes a decode step reads; the
+    # products and sums stay float32; a checkpoint in float32 is rounded to bfloat16 on load)
+    weight_dtype: str = "auto"
     block_size: int = 16  # tokens per KV-cache block
     kv_cache_bytes: int | None = None  # bytes for the KV cache; None: kv_cache_fraction of free RAM
     kv_cache_fraction: float = (
@@ -396,6 +400,17 @@ class EngineConfig:
             self.speculative = SpeculativeConfig(**self.speculative)
         if self.dtype != "auto" and self.dtype not in DTYPES:
             raise ValueError(f"dtype must be auto or one of {sorted(DTYPES)}, got {self.dtype!r}")
+        if self.weight_dtype not in ("auto", "bfloat16"):
+            raise ValueError(f"weight_dtype must be auto or bfloat16, got {self.weight_dtype!r}")
+        if self.weight_dtype == "bfloat16" and self.dtype == "bfloat16":
+            self.weight_dtype = "auto"  # the weights are in the model's dtype already
+        elif self.weight_dtype == "bfloat16" and self.dtype == "auto":
+            self.dtype = "float32"  # bfloat16 weights under float32 activations
+        if self.weight_dtype == "bfloat16" and (self.dtype != "float32" or self.device != "cpu"):
+            raise ValueError(
+                "weight_dtype='bfloat16' runs under dtype='float32' on the CPU (bfloat16 weights, "
+                f"float32 activations); got dtype={self.dtype!r}, device={self.device!r}"
+            )
         if self.block_size < 1 or self.block_size & (self.block_size - 1):
             raise ValueError(f"block_size must be a power of two, got {self.block_size}")
         if self.kv_cache_bytes is not None and self.kv_cache_bytes <= 0:

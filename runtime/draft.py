@@ -68,7 +68,7 @@ class DraftProposer:
                 f"speculative draft_model {path}: a draft model with another vocabulary (its "
                 "tokenizer differs from the target's)"
             )
-        self.model = load_model(path, config.dtype)
+        self.model = load_model(path, config.dtype, weight_dtype=config.weight_dtype)
         self.max_model_len = min(max_model_len, self.model.cfg.max_model_len)
         block_bytes = kv_block_bytes(self.model, config.block_size)
         num_blocks = spec.draft_kv_cache_bytes // block_bytes

@@ -103,10 +103,13 @@ class LLMEngine:
         self.config = config
         if weights is None:
             weights = start_weights(config)
-        elif (weights.model_dir, weights.dtype) != (Path(config.model), config.dtype):
+        elif (weights.model_dir, weights.dtype, weights.weight_dtype) != (
+            Path(config.model), config.dtype, config.weight_dtype
+        ):
             raise ValueError(
-                f"the weights being loaded are {weights.model_dir} as {weights.dtype}, the "
-                f"engine is for {config.model} as {config.dtype}"
+                f"the weights being loaded are {weights.model_dir} as {weights.dtype} (weights "
+                f"{weights.weight_dtype}), the engine is for {config.model} as {config.dtype} "
+                f"(weights {config.weight_dtype})"
             )
         try:
             self._start(config, weights)
@@ -152,7 +155,10 @@ class LLMEngine:
             )
         # The prefix cache's identity: anything that changes a block's KV for the same tokens.
         self.model_revision = config.model_revision or model_revision(config.model)
-        self.cache_id = f"{self.model_revision}-{str(self.model.dtype).removeprefix('torch.')}-b{config.block_size}"
+        dtypes = str(self.model.dtype).removeprefix("torch.")
+        if self.model.weight_dtype != self.model.dtype:  # other weights: other KV
+            dtypes += "-w" + str(self.model.weight_dtype).removeprefix("torch.")
+        self.cache_id = f"{self.model_revision}-{dtypes}-b{config.block_size}"
         self.blocks = BlockManager(
             num_blocks,
             config.block_size,

@@ -154,6 +154,7 @@ class PendingLoad:
     queued: float = 0.0  # ... when it had checked everything and queued the reads
     placed: float = 0.0  # ... when finish had every weight in place
     ranks: RankGroup | None = None  # the other ranks of a split model (this is rank 0's load)
+    weight_dtype: str = "auto"  # as asked, likewise
 
     def finish(self) -> LlamaForCausalLM:
         """Wait for every shard; convert what was stored in another dtype; the model, ready."""
@@ -183,9 +184,11 @@ def start_load(
     stats: ReadStats | None = None,
     ep: ExpertParallel = SINGLE,
     place: RankPlace | None = None,
+    weight_dtype: str = "auto",
 ) -> PendingLoad:
     """Check a model folder, build the model, and start reading its weights into it (see the
-    module docstring). Raises ModelLoadError naming the file and what was expected for anything
+    module docstring). `weight_dtype`: how the linear layers' weights, the embedding and the LM
+    head are stored when not in the model's dtype ("auto": in it; see LlamaForCausalLM). Raises ModelLoadError naming the file and what was expected for anything
     wrong that can be seen without reading the weights; a corrupt or short read is raised by
     `finish`. `place`: this rank's part of the model, or `ep`: its share of the experts
     (ValueError if the model cannot be split so)."""
@@ -195,17 +198,19 @@ def start_load(
         raise ModelLoadError(f"{path}: not a folder")
     cfg = ModelConfig.from_dir(path)
     torch_dtype = resolve_dtype(dtype, cfg)
+    weights = torch_dtype if weight_dtype == "auto" else DTYPES[weight_dtype]
     if is_compressed(path):
-        return _start_compressed(path, cfg, torch_dtype, dtype, max_model_len, threads, direct,
-                                 stats, t0, ep, place)  # fmt: skip
+        return _start_compressed(path, cfg, torch_dtype, weights, dtype, weight_dtype,
+                                 max_model_len, threads, direct, stats, t0, ep, place)  # fmt: skip
     manifest = read_manifest(path)
     files = check_shard_files(path, manifest) if manifest else safetensors_files(path)
     shards = [read_header(f) for f in files]  # every header before any weight
-    model = LlamaForCausalLM(cfg, torch_dtype, max_model_len or cfg.max_model_len, ep, place)
+    model = LlamaForCausalLM(cfg, torch_dtype, max_model_len or cfg.max_model_len, ep, place,
+                             weights)  # fmt: skip
     pieces = _map_tensors(model, shards)
 
     params = dict(model.named_parameters())
-    at, end, stage_at, stage_end = _layout(pieces, params, torch_dtype)
+    at, end, stage_at, stage_end = _layout(pieces, params)
     need, have = end + stage_end, available_memory()
     if need > have:
         raise ModelLoadError(
@@ -216,7 +221,7 @@ def start_load(
     whole, stage = arena.tensor(), staging.tensor() if staging else None
     for name, param in params.items():
         o = at[name]
-        param.data = whole[o : o + param.nbytes].view(torch_dtype).view(param.shape)
+        param.data = whole[o : o + param.nbytes].view(param.dtype).view(param.shape)
 
     spans: dict[Path, list[Span]] = {s.path: [] for s in shards}
     conversions: dict[Path, list[tuple[torch.Tensor, torch.Tensor]]] = {s.path: [] for s in shards}
@@ -224,7 +229,7 @@ def start_load(
     for p in pieces:
         t, param = p.tensor, params[p.param]
         dest = _rows_view(param.data).narrow(0, p.row, p.rows)
-        if t.dtype == torch_dtype:
+        if t.dtype == param.dtype:
             o = at[p.param] + p.row * _row_bytes(param)
             for b, e in p.file_spans():  # a column slice: each row to its row of the parameter
                 spans[p.shard.path].append(Span(b, e, arena, o))
@@ -258,6 +263,7 @@ def start_load(
         conversions=[conversions[s.path] for s in shards],
         started=t0,
         queued=time.perf_counter(),
+        weight_dtype=weight_dtype,
     )
 
 
@@ -295,7 +301,8 @@ class _Decoding:
         self._thread.join()
 
 
-def _start_compressed(path: Path, cfg: ModelConfig, torch_dtype: torch.dtype, dtype: str,
+def _start_compressed(path: Path, cfg: ModelConfig, torch_dtype: torch.dtype,
+                      weights: torch.dtype, dtype: str, weight_dtype: str,
                       max_model_len: int | None, threads: int, direct: bool,
                       stats: ReadStats | None, t0: float, ep: ExpertParallel,
                       place: RankPlace | None) -> PendingLoad:  # fmt: skip
@@ -303,7 +310,8 @@ def _start_compressed(path: Path, cfg: ModelConfig, torch_dtype: torch.dtype, dt
     same checks as a plain folder's), then read, checked and decoded into its parameter rows."""
     from runtime.compression import load_compressed, shard_headers
 
-    model = LlamaForCausalLM(cfg, torch_dtype, max_model_len or cfg.max_model_len, ep, place)
+    model = LlamaForCausalLM(cfg, torch_dtype, max_model_len or cfg.max_model_len, ep, place,
+                             weights)  # fmt: skip
     if model.tp.size > 1:
         raise ModelLoadError(
             f"{path}: a compressed folder is decoded tensor by tensor, whole; it cannot be split "
@@ -333,7 +341,8 @@ def _start_compressed(path: Path, cfg: ModelConfig, torch_dtype: torch.dtype, dt
     st = stats if stats is not None else ReadStats()
     tensors = load_compressed(path, threads=threads, direct=direct, stats=st, into=into)
     return PendingLoad(model, path, dtype, st, _Decoding(tensors, st), nbytes, have,
-                       conversions=[[]], started=t0, queued=time.perf_counter())  # fmt: skip
+                       conversions=[[]], started=t0, queued=time.perf_counter(),
+                       weight_dtype=weight_dtype)  # fmt: skip
 
 
 def load_model(
@@ -343,10 +352,12 @@ def load_model(
     stats: ReadStats | None = None,
     ep: ExpertParallel = SINGLE,
     place: RankPlace | None = None,
+    weight_dtype: str = "auto",
 ) -> LlamaForCausalLM:
     """Build the model from a folder and load its weights; raises ModelLoadError naming the file.
     `stats` receives what the read did; `place`: this rank's part, or `ep`: its experts."""
-    return start_load(model_dir, dtype, max_model_len, stats=stats, ep=ep, place=place).finish()
+    return start_load(model_dir, dtype, max_model_len, stats=stats, ep=ep, place=place,
+                      weight_dtype=weight_dtype).finish()  # fmt: skip
 
 
 def _map_tensors(model: LlamaForCausalLM, shards: list[Shard]) -> list[_Piece]:
@@ -431,12 +442,12 @@ def _check_coverage(
 
 
 def _layout(
-    pieces: list[_Piece], params: Mapping[str, torch.Tensor], dtype: torch.dtype
+    pieces: list[_Piece], params: Mapping[str, torch.Tensor]
 ) -> tuple[dict[str, int], int, dict[int, int], int]:
     """Where everything goes: each parameter's offset in the arena and the arena's size; each
     piece to convert's offset (by id) in the staging arena and its size.
 
-    A parameter sits where its largest piece stored in its dtype sits in its file, modulo
+    A parameter sits where its largest piece stored in its own dtype sits in its file, modulo
     ALIGN, so that the reader can put that piece (and its neighbours, if the file keeps them
     as the parameter does) in place straight from the drive. A piece to convert is staged in
     its file dtype, likewise in line with the file."""
@@ -446,6 +457,7 @@ def _layout(
     at: dict[str, int] = {}
     end = 0
     for name, group in by_param.items():
+        dtype = params[name].dtype
         anchor = max((p for p in group if p.tensor.dtype == dtype and p.col_bytes is None),
                      key=lambda p: p.nbytes, default=None)  # fmt: skip
         row0 = anchor.begin - anchor.row * _row_bytes(params[name]) if anchor else 0
@@ -454,6 +466,7 @@ def _layout(
     stage_at: dict[int, int] = {}
     stage_end = 0
     for p in pieces:
+        dtype = params[p.param].dtype
         if p.tensor.dtype != dtype:
             first = p.file_spans()[0][0]
             stage_at[id(p)] = _congruent(stage_end, first, p.tensor.dtype.itemsize)

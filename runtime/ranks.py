@@ -83,6 +83,7 @@ class RankSpec:
     parallel: ParallelConfig
     port: int
     num_threads: int | None  # torch threads per rank; None: cores / world size
+    weight_dtype: str = "auto"  # how the linear weights are stored (runtime.loader.start_load)
 
 
 def _die_with_parent() -> None:
@@ -117,7 +118,9 @@ def _load(spec: RankSpec, place: RankPlace) -> tuple[PendingLoad | None, str | N
     from runtime.loader import start_load
 
     try:
-        return start_load(spec.model, spec.dtype, spec.max_model_len, place=place), None
+        load = start_load(spec.model, spec.dtype, spec.max_model_len, place=place,
+                          weight_dtype=spec.weight_dtype)  # fmt: skip
+        return load, None
     except Exception as e:  # reported to rank 0, which raises it
         return None, f"rank {place.rank}: {type(e).__name__}: {e}"
 
@@ -514,9 +517,10 @@ def start_weights(config: EngineConfig) -> PendingLoad:
 
     parallel = ParallelConfig(config.tp, config.pp, config.ep)
     if parallel.world_size == 1:
-        return start_load(config.model, config.dtype)
+        return start_load(config.model, config.dtype, weight_dtype=config.weight_dtype)
     pending, ranks = start_ranks(config.model, config.dtype, None, parallel,
-                                 config.num_threads, config.dist_port)  # fmt: skip
+                                 config.num_threads, config.dist_port,
+                                 config.weight_dtype)  # fmt: skip
     pending.ranks = ranks
     return pending
 
@@ -528,6 +532,7 @@ def start_ranks(
     parallel: ParallelConfig,
     num_threads: int | None = None,
     port: int | None = None,
+    weight_dtype: str = "auto",
 ) -> tuple[PendingLoad, RankGroup]:
     """Check the setting against the model, start the followers, join them, and start rank 0's
     load. Raises ValueError for a setting the model cannot take, RuntimeError for a world that
@@ -541,7 +546,7 @@ def start_ranks(
                               timeout=timedelta(seconds=JOIN_TIMEOUT_S), wait_for_workers=False)  # fmt: skip
     except Exception as e:
         raise RuntimeError(f"cannot start the ranks' rendezvous on 127.0.0.1:{port}: {e}") from e
-    spec = RankSpec(model, dtype, max_model_len, parallel, port, num_threads)
+    spec = RankSpec(model, dtype, max_model_len, parallel, port, num_threads, weight_dtype)
     ctx = mp.get_context("spawn")
     procs = [
         ctx.Process(target=_follower_main, args=(spec, r), name=f"edgeinfer-rank{r}", daemon=True)

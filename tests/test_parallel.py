@@ -113,6 +113,19 @@ def test_split_model_answers_as_one_rank(
         _close(llm)
 
 
+def test_split_model_with_bfloat16_weights_answers_as_one_rank(stories_dir: Path) -> None:
+    """tp=2 (each rank's slice of the vocabulary looked up in bfloat16, widened, then summed)
+    and pp=2 with bfloat16 weights under float32: one rank's answers with the same setting."""
+    one = LLM(stories_dir, kv_cache_bytes=4 << 20, num_threads=1, weight_dtype="bfloat16")
+    want = _run(one)
+    for tp, pp in ((2, 1), (1, 2)):
+        llm = LLM(stories_dir, kv_cache_bytes=4 << 20, tp=tp, pp=pp, weight_dtype="bfloat16")
+        try:
+            _same(_run(llm), want)
+        finally:
+            _close(llm)
+
+
 def test_pipeline_keeps_a_step_in_flight_per_stage(stories_dir: Path, single) -> None:  # type: ignore[no-untyped-def]
     """pp=2: the engine launches a second lane's step before the first finishes, so both stages
     work at once; the answers are one rank's; a request aborted while its step is in flight

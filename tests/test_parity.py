@@ -119,3 +119,98 @@ def test_smollm2_engine_matches_transformers(smol_dir: Path) -> None:
     for p, out in zip(prompts, outs, strict=True):
         assert out.outputs[0].token_ids == _hf_greedy(hf, p, 24)
     assert "Paris" in outs[0].outputs[0].text
+
+
+def _hf_rounded_to_bfloat16(model_dir: Path):  # type: ignore[no-untyped-def]
+    """transformers in float32 on the model's weights rounded to bfloat16: the values that
+    weight_dtype='bfloat16' stores, run in float32 arithmetic as edgeinfer runs them."""
+    hf = _hf(model_dir)
+    with torch.no_grad():
+        for name, p in hf.named_parameters():
+            if p.dim() == 2:  # the linear weights, the embedding and an untied LM head
+                p.copy_(p.bfloat16().float())
+            else:
+                assert "norm" in name or "bias" in name, name  # these stay float32
+    return hf
+
+
+@pytest.mark.parametrize("family", ["stories", "qwen2", "qwen3"])
+@pytest.mark.parametrize("cpu_kernels", ["auto", "torch"])
+def test_bfloat16_weights_match_transformers_on_the_same_weights(
+    family: str, cpu_kernels: str, stories_dir: Path, tiny_model_dir
+) -> None:  # type: ignore[no-untyped-def]
+    """bfloat16 weights under float32 activations (the C++ kernel, or the reference that widens
+    each weight for torch) give transformers' float32 logits and greedy tokens on the rounded
+    weights: stories260K (tied embedding) and Qwen2 (q/k/v biases) / Qwen3 (untied head)."""
+    model_dir = stories_dir if family == "stories" else tiny_model_dir(family)
+    hf = _hf_rounded_to_bfloat16(model_dir)
+    model = load_model(model_dir, "float32", weight_dtype="bfloat16")
+    assert model.weight_dtype == torch.bfloat16 and model.dtype == torch.float32
+    kinds = {n: p.dtype for n, p in model.named_parameters()}
+    assert kinds["embed_tokens"] == torch.bfloat16
+    assert all(d == torch.bfloat16 for n, d in kinds.items() if n.endswith("proj.weight"))
+    assert all(d == torch.float32 for n, d in kinds.items() if "norm" in n or "bias" in n)
+
+    prompt = PROMPTS[2]
+    llm = LLM(model_dir, dtype="float32", weight_dtype="bfloat16", kv_cache_bytes=1 << 22,
+              cpu_kernels=cpu_kernels)  # fmt: skip
+    runner = llm.engine.runner
+    T = len(prompt)
+    meta = PagedAttentionMetadata(
+        slot_mapping=torch.arange(T),
+        block_size=16,
+        prefills=[PrefillChunk(query_start=0, query_len=T, context_len=0)],
+    )
+    with torch.inference_mode():
+        hidden = runner.model(torch.tensor(prompt), StepContext(torch.arange(T), meta),
+                              runner.kv_caches)  # fmt: skip
+        ours = runner.model.logits(hidden)
+        ref = hf(torch.tensor([prompt])).logits[0]
+    torch.testing.assert_close(ours, ref, rtol=1e-4, atol=1e-4)
+
+    outs = llm.generate(PROMPTS, SamplingParams(temperature=0, max_tokens=32, ignore_eos=True))
+    for p, out in zip(PROMPTS, outs, strict=True):
+        assert out.outputs[0].token_ids == _hf_greedy(hf, p, 32), (family, p)
+
+
+def test_bfloat16_checkpoint_loads_its_weights_as_stored(tiny_model_dir) -> None:  # type: ignore[no-untyped-def]
+    """A bfloat16 checkpoint under weight_dtype='bfloat16' (dtype auto: float32 activations):
+    the weights are the file's bits, no conversion; the norms are widened to float32."""
+    from safetensors.torch import load_file
+
+    model_dir = tiny_model_dir("llama", "bfloat16")
+    disk = {}
+    for f in sorted(model_dir.glob("*.safetensors")):
+        disk.update(load_file(f))
+    llm = LLM(model_dir, weight_dtype="bfloat16", kv_cache_bytes=1 << 22)
+    assert llm.engine.config.dtype == "float32"
+    model = llm.engine.runner.model
+    assert torch.equal(model.embed_tokens, disk["model.embed_tokens.weight"])
+    layer = model.layers[0]
+    q = disk["model.layers.0.self_attn.q_proj.weight"]
+    assert layer.self_attn.qkv_proj.weight.dtype == torch.bfloat16
+    assert torch.equal(layer.self_attn.qkv_proj.weight[: q.shape[0]], q)
+    norm = disk["model.layers.0.input_layernorm.weight"]
+    assert layer.input_layernorm.weight.dtype == torch.float32
+    assert torch.equal(layer.input_layernorm.weight, norm.float())
+    out = llm.generate([PROMPTS[0]], SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))
+    assert len(out[0].outputs[0].token_ids) == 8
+
+
+def test_weight_dtype_setting(stories_dir: Path) -> None:
+    """What weight_dtype takes, and that its KV is not shared with float32 weights' (another
+    prefix-cache identity: the same tokens give other KV)."""
+    from runtime.config import EngineConfig
+
+    m = str(stories_dir)
+    assert EngineConfig(model=m, weight_dtype="bfloat16", device="cpu").dtype == "float32"
+    same = EngineConfig(model=m, dtype="bfloat16", weight_dtype="bfloat16", device="cpu")
+    assert same.weight_dtype == "auto"  # the weights are bfloat16 already
+    with pytest.raises(ValueError, match="weight_dtype must be auto or bfloat16"):
+        EngineConfig(model=m, weight_dtype="float16")
+    with pytest.raises(ValueError, match="under dtype='float32' on the CPU"):
+        EngineConfig(model=m, dtype="float16", weight_dtype="bfloat16", device="cpu")
+    plain = LLM(stories_dir, kv_cache_bytes=1 << 20)
+    half = LLM(stories_dir, weight_dtype="bfloat16", kv_cache_bytes=1 << 20)
+    assert plain.engine.cache_id.endswith("-float32-b16")
+    assert half.engine.cache_id.endswith("-float32-wbfloat16-b16")

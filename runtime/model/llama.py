@@ -143,10 +143,15 @@ class LlamaForCausalLM(nn.Module):
         max_model_len: int,
         ep: ExpertParallel = SINGLE,
         place: RankPlace | None = None,
+        weight_dtype: torch.dtype | None = None,
     ):
         """`place`: this rank's part of the model (runtime.parallel; its stages filled in here);
         without one, the whole model, or with `ep` this rank's share of the experts (every rank
-        runs the model on the same tokens). A ValueError if the model cannot be split so."""
+        runs the model on the same tokens). A ValueError if the model cannot be split so.
+        `weight_dtype`: how the linear layers' weights, the embedding and the LM head are stored
+        when not in `dtype` (bfloat16 under float32: half the bytes a decode step reads; the
+        products and sums stay float32, see kernels.linear); norms, biases and a mixture of
+        experts' stacked experts stay in `dtype`."""
         super().__init__()
         if place is None:
             place = SINGLE_RANK if ep.size == 1 else _ep_only(ep)
@@ -175,10 +180,28 @@ class LlamaForCausalLM(nn.Module):
             if cfg.tie_word_embeddings or not place.first
             else _param(rows, hidden, dtype=dtype)
         )
+        self.weight_dtype = weight_dtype or dtype
+        if self.weight_dtype != dtype:
+            self._store_weights_as(self.weight_dtype)
         self.max_model_len = max_model_len
         # RoPE tables, built on first use: a loader builds the model before it starts reading
         # the weights, and this need not keep the drive waiting.
         self._rope_tables: tuple[torch.Tensor, torch.Tensor] | None = None
+
+    def _store_weights_as(self, dtype: torch.dtype) -> None:
+        """The (still empty) linear weights, embedding and LM head, remade in `dtype`."""
+        if (self.dtype, dtype) != (torch.float32, torch.bfloat16):
+            raise ValueError(
+                f"weights stored as {dtype} under {self.dtype} activations: only bfloat16 weights "
+                "under float32 are built"
+            )
+        for module in self.modules():
+            if isinstance(module, Linear):
+                module.weight = _param(*module.weight.shape, dtype=dtype)
+        if self.embed_tokens is not None:
+            self.embed_tokens = _param(*self.embed_tokens.shape, dtype=dtype)
+        if self.lm_head is not None:
+            self.lm_head = _param(*self.lm_head.shape, dtype=dtype)
 
     def _rope(self) -> tuple[torch.Tensor, torch.Tensor]:
         """cos and sin, float32 (max_model_len, head_dim) on the model's device, rows indexed by
@@ -235,11 +258,11 @@ class LlamaForCausalLM(nn.Module):
         its rows of the vocabulary, zeros for the others, and an all-reduce sums them."""
         assert self.embed_tokens is not None, "the embedding lives on pipeline stage 0"
         if self.tp.size == 1:
-            return nn.functional.embedding(input_ids, self.embed_tokens)
+            return nn.functional.embedding(input_ids, self.embed_tokens).to(self.dtype)
         local = input_ids - self.vocab_first
         outside = (local < 0) | (local >= self.vocab_rows)
         x = nn.functional.embedding(local.masked_fill(outside, 0), self.embed_tokens)
-        x.masked_fill_(outside[:, None], 0)
+        x = x.to(self.dtype).masked_fill_(outside[:, None], 0)
         dist.all_reduce(x, group=self.tp.group)
         return x
 
