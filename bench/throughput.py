@@ -311,7 +311,7 @@ def hf_generate_fn(model: Any, batch_size: int, pad_id: int) -> GenerateFn:
 
 
 def edgeinfer_generate_fn(
-    model_dir: Path, dtype: str, engine_args: dict[str, int]
+    model_dir: Path, dtype: str, engine_args: dict[str, Any]
 ) -> tuple[GenerateFn, float]:
     """edgeinfer's offline API, greedy with ignore_eos. Returns the function and its load time."""
     from runtime import LLM, SamplingParams
@@ -440,6 +440,12 @@ def measure_transformers(
     log(f"transformers {transformers.__version__}: loading")
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=getattr(torch, args.dtype))
     model.eval()
+    if args.weight_dtype == "bfloat16":  # the weights edgeinfer stores, computed in args.dtype
+        log("transformers: weights rounded to bfloat16 (as edgeinfer's --weight-dtype stores them)")
+        with torch.no_grad():
+            for p in model.parameters():
+                if p.dim() == 2:  # linear weights, embedding, LM head; norms stay
+                    p.copy_(p.to(torch.bfloat16).to(p.dtype))
     eos = model.generation_config.eos_token_id
     pad_id = model.generation_config.pad_token_id
     if pad_id is None:
@@ -484,6 +490,7 @@ def measure_edgeinfer(
             ("max_num_seqs", args.max_num_seqs),
             ("max_num_batched_tokens", args.max_num_batched_tokens),
             ("kv_cache_bytes", args.kv_cache_bytes),
+            ("weight_dtype", None if args.weight_dtype == "auto" else args.weight_dtype),
         )
         if v is not None
     }
@@ -534,6 +541,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "torch": torch.__version__,
         "threads": torch.get_num_threads(),
         "dtype": args.dtype,
+        "weight_dtype": args.weight_dtype,
         "model": str(model_dir),
         "shapes": asdict(shapes),
         "workload": {
@@ -599,6 +607,12 @@ def report(res: dict[str, Any]) -> str:
         f"edgeinfer throughput bench, {res['date']}, {res['machine']}, torch {res['torch']}, "
         f"{res['threads']} threads, {res['dtype']}",
         f"model {res['model']}",
+        *(
+            [f"weights rounded to {res['weight_dtype']} for both engines: edgeinfer stores them so "
+             f"(--weight-dtype), transformers computes {res['dtype']} on the same values"]
+            if res.get("weight_dtype", "auto") != "auto"
+            else []
+        ),
         f"workload: {wl['spec']['num_requests']} requests, {wl['prompt_tokens']} prompt tokens, "
         f"{wl['output_tokens']} output tokens, seed {wl['seed']}; {wl['note']}",
         "",
@@ -660,6 +674,13 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--model", help="HF model folder (default: runtime.model_cache's SmolLM2)")
     p.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")
+    p.add_argument(
+        "--weight-dtype",
+        choices=("auto", "bfloat16"),
+        default="auto",
+        help="bfloat16: edgeinfer stores its weights in bfloat16 (--weight-dtype) and\n"
+        "transformers runs --dtype on the same weights, rounded to bfloat16",
+    )
     p.add_argument("--threads", type=int, default=0, help="torch threads (default: torch's)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--quick", action="store_true", help="16 small requests: a smoke run")

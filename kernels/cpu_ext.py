@@ -1,5 +1,5 @@
-"""The CPU extensions (`csrc/*.cpp`: paged decode attention, small matmuls, RMSNorm, the Huffman
-decoder), compiled on first use and cached.
+"""The CPU extensions (`csrc/*.cpp`: paged decode attention, small matmuls, RMSNorm, RoPE with
+the KV-cache write and SiLU-and-mul, the Huffman decoder), compiled on first use and cached.
 
 Building needs a C++ compiler and ninja (a dependency of this package); it takes about a minute
 once per machine and Python/torch version, and is reused from the cache afterwards. Where it
@@ -31,6 +31,7 @@ _SOURCE = Path(__file__).parent / "csrc" / "paged_decode_cpu.cpp"
 _GEMM_SOURCE = Path(__file__).parent / "csrc" / "small_gemm_cpu.cpp"
 _NORM_SOURCE = Path(__file__).parent / "csrc" / "rms_norm_cpu.cpp"
 _HUFFMAN_SOURCE = Path(__file__).parent / "csrc" / "huffman_decode_cpu.cpp"
+_FUSED_SOURCE = Path(__file__).parent / "csrc" / "fused_cpu.cpp"
 # Reassociation lets the compiler vectorize the dot products; no finite-math (-inf is used).
 _CFLAGS = (
     "-O3",
@@ -69,6 +70,12 @@ def load_small_gemm() -> ModuleType | None:
 def load_rms_norm() -> ModuleType | None:
     """The fused RMSNorm module (`csrc/rms_norm_cpu.cpp`); None where it cannot be built."""
     return _build("edgeinfer_rms_norm_cpu", _NORM_SOURCE, "CPU RMSNorm extension")
+
+
+def load_fused() -> ModuleType | None:
+    """The fused per-layer steps (`csrc/fused_cpu.cpp`: RoPE with the KV-cache write, SiLU and
+    mul); None where they cannot be built."""
+    return _build("edgeinfer_fused_cpu", _FUSED_SOURCE, "CPU fused-ops extension")
 
 
 def load_huffman() -> ModuleType | None:

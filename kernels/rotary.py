@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from types import ModuleType
+
 import torch
 
 from kernels.attention import write_kv_cache
@@ -30,17 +32,23 @@ def rotate_and_cache(
     v_cache: torch.Tensor,
     slot_mapping: torch.Tensor,
     qk: torch.Tensor | None = None,
+    ext: ModuleType | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Rotate q and k, and store the rotated k and v at `slot_mapping` in the caches. Returns the
     rotated q, contiguous (T, heads, head_dim), and the rotated k (T, kv_heads, head_dim) for the
     reference attention of a fresh prompt; None on the Triton path, whose attention reads every
     key from the cache. `qk`: q and k side by side as one view (T, heads + kv_heads, head_dim),
     where they are: the reference rotates both in one pass. The Triton kernel does it all in one
-    launch (a negative slot skips its token)."""
+    launch (a negative slot skips its token). `ext`: the CPU extension
+    (`kernels.cpu_ext.load_fused()`), which does the same in one call for float32 (the model
+    gives it only for float32 on the CPU)."""
     if use_triton(q):
         from kernels.triton_kv_write import rotary_write_kv
 
         return rotary_write_kv(q, k, v, cos, sin, k_cache, v_cache, slot_mapping), None
+    if ext is not None:
+        q_rot, k_rot = ext.rotary_write_kv(q, k, v, cos, sin, k_cache, v_cache, slot_mapping)
+        return q_rot, k_rot
     if qk is not None:
         q, k = apply_rotary(qk, cos, sin).split([q.shape[1], k.shape[1]], dim=1)
     else:

@@ -96,17 +96,18 @@ class ModelRunner:
             ranks.setup(num_blocks=num_blocks, block_size=block_size, attention=attention,
                         cpu_kernels=cpu_kernels)  # fmt: skip
         t0 = time.perf_counter()
-        # Few-row (decode) matmuls and RMSNorm: C++ kernels where they build and the weights are
+        # Few-row (decode) matmuls, RMSNorm, RoPE + KV write, SiLU-and-mul: C++ kernels where they build and the weights are
         # float32; the PyTorch references otherwise.
-        gemm = norm = None
+        gemm = norm = fused = None
         on_cpu = model.device.type == "cpu"
         if cpu_kernels != "torch" and model.dtype == torch.float32 and on_cpu:
             gemm, norm = cpu_ext.load_small_gemm(), cpu_ext.load_rms_norm()
-            if (gemm is None or norm is None) and cpu_kernels == "cpu_ext":
+            fused = cpu_ext.load_fused()
+            if (gemm is None or norm is None or fused is None) and cpu_kernels == "cpu_ext":
                 raise RuntimeError(
                     "cpu_kernels='cpu_ext' asked for, but an extension did not build"
                 )
-        model.use_cpu_kernels(gemm, norm)
+        model.use_cpu_kernels(gemm, norm, fused)
         # Decode attention: the in-place CPU extension where it builds, else the reference.
         if attention == "auto":
             attention = "cpu_ext" if on_cpu and cpu_ext.load() is not None else "torch"

@@ -101,7 +101,8 @@ class MLP(nn.Module):
         self.first, self.inter = tp.split(self.full_inter)  # this rank's rows of each
         self.gate_up_proj = Linear(cfg.hidden_size, 2 * self.inter, cfg.mlp_bias, dtype)
         self.down_proj = Linear(self.inter, cfg.hidden_size, cfg.mlp_bias, dtype, reduce=tp)
+        self.fused: ModuleType | None = None  # the C++ SiLU-and-mul, set by use_cpu_kernels
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate_up = self.gate_up_proj(x)  # (T, 2 * intermediate)
-        return self.down_proj(silu_and_mul(gate_up))
+        return self.down_proj(silu_and_mul(gate_up, self.fused))

@@ -76,6 +76,7 @@ class Attention(nn.Module):
         self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps, dtype) if cfg.qk_norm else None
         self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps, dtype) if cfg.qk_norm else None
         self.scale = self.head_dim**-0.5
+        self.fused: ModuleType | None = None  # the C++ RoPE + KV write, set by use_cpu_kernels
 
     def forward(
         self, x: torch.Tensor, ctx: StepContext, k_cache: torch.Tensor, v_cache: torch.Tensor
@@ -95,7 +96,8 @@ class Attention(nn.Module):
                 1, (self.n_heads + self.n_kv_heads, self.head_dim)
             )  # (T, n_heads + n_kv_heads, head_dim)
         slots = ctx.attn.slot_mapping
-        q, k_rot = rotate_and_cache(q, k, v, ctx.cos, ctx.sin, k_cache, v_cache, slots, qk)
+        q, k_rot = rotate_and_cache(q, k, v, ctx.cos, ctx.sin, k_cache, v_cache, slots, qk,
+                                    self.fused)  # fmt: skip
         o = paged_attention(q, k_rot, v, k_cache, v_cache, ctx.attn, self.scale)  # (T, n_heads, head_dim)
         return self.o_proj(o.reshape(T, self.q_size))
 
@@ -283,9 +285,12 @@ class LlamaForCausalLM(nn.Module):
             return local
         return torch.cat(parts, dim=1)[:, : self.cfg.vocab_size]
 
-    def use_cpu_kernels(self, gemm: ModuleType | None, norm: ModuleType | None) -> None:
-        """Route few-row matmuls (decode) and RMSNorm through the C++ kernels, or the references
-        (None)."""
+    def use_cpu_kernels(
+        self, gemm: ModuleType | None, norm: ModuleType | None, fused: ModuleType | None = None
+    ) -> None:
+        """Route few-row matmuls (decode), RMSNorm, RoPE with the KV write and SiLU-and-mul
+        through the C++ kernels, or the references (None). The caller gives norm and fused only
+        for a float32 model on the CPU."""
         probe = torch.empty(1, 1, dtype=self.dtype)
         head = self.output_weight if self.place.first else None
         self.small_gemm = (
@@ -297,6 +302,8 @@ class LlamaForCausalLM(nn.Module):
                 module.small_gemm = gemm if usable else None
             elif isinstance(module, RMSNorm):
                 module.fused = norm if module.weight.dtype == torch.float32 else None
+            elif isinstance(module, (Attention, MLP)):
+                module.fused = fused
 
     def weight_target(self, hf_name: str) -> WeightTarget | None:
         """Where a checkpoint tensor goes: q/k/v and gate/up fill row ranges of one fused
