@@ -203,8 +203,11 @@ class ModelRunner:
         tokens: dict[str, list[int]] = {}
         logprobs: dict[str, list[TokenLogprobs]] = {}
         if plain:
-            at = torch.tensor([first[j] for j in plain])
-            self._sample([sampling[j] for j in plain], logits[at], tokens, logprobs)
+            rows = [first[j] for j in plain]
+            # every row, in order (no speculation in the step): no gather of a (B, vocab) copy
+            whole = rows == list(range(logits.shape[0]))
+            picked = logits if whole else logits[torch.tensor(rows)]
+            self._sample([sampling[j] for j in plain], picked, tokens, logprobs)
         for j, s in enumerate(sampling):  # speculative rows: verify their drafts
             k = len(s.spec_token_ids)
             if k:
