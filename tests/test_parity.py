@@ -38,7 +38,12 @@ def _hf_greedy(hf, prompt: list[int], n: int) -> list[int]:  # type: ignore[no-u
 
 def _our_prefill_logits(model_dir: Path, prompt: list[int], dtype: str = "float32") -> torch.Tensor:
     model = load_model(model_dir, dtype)
-    runner = ModelRunner(model, num_blocks=8, block_size=16)
+    return _prefill_logits(ModelRunner(model, num_blocks=8, block_size=16), prompt)
+
+
+def _prefill_logits(runner: ModelRunner, prompt: list[int]) -> torch.Tensor:
+    """The runner's model on a fresh prompt: the logits of every position (T, vocab)."""
+    model = runner.model
     T = len(prompt)
     meta = PagedAttentionMetadata(
         slot_mapping=torch.arange(T),
@@ -154,17 +159,8 @@ def test_bfloat16_weights_match_transformers_on_the_same_weights(
     prompt = PROMPTS[2]
     llm = LLM(model_dir, dtype="float32", weight_dtype="bfloat16", kv_cache_bytes=1 << 22,
               cpu_kernels=cpu_kernels)  # fmt: skip
-    runner = llm.engine.runner
-    T = len(prompt)
-    meta = PagedAttentionMetadata(
-        slot_mapping=torch.arange(T),
-        block_size=16,
-        prefills=[PrefillChunk(query_start=0, query_len=T, context_len=0)],
-    )
-    with torch.inference_mode():
-        hidden = runner.model(torch.tensor(prompt), StepContext(torch.arange(T), meta),
-                              runner.kv_caches)  # fmt: skip
-        ours = runner.model.logits(hidden)
+    ours = _prefill_logits(llm.engine.runner, prompt)
+    with torch.no_grad():
         ref = hf(torch.tensor([prompt])).logits[0]
     torch.testing.assert_close(ours, ref, rtol=1e-4, atol=1e-4)
 
