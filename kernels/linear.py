@@ -7,12 +7,15 @@ over SmolLM2's weight shapes, torch's CPU matmul takes 34 ms for one row (15 GB/
 for 2-8 rows; the kernel in `csrc/small_gemm_cpu.cpp` streams each weight row once for all rows
 of x: 17.5 ms for one row (31 GB/s, the machine's memory bandwidth), 1.9-2.8x torch up to 8
 rows, 1.44x at 16, 1.12x at 32, 1.04x at 48 (measured 2026-11-22). Sums run in a different order
-than torch's, so results differ by float32 rounding only.
+than torch's, so results differ by float32 rounding only. On the 2-core Xeon (2026-11-23, ms per
+pass over the same shapes, kernel against torch): 16.4/15.7 at 1 row, 22.1/34.2 at 8, 30.3/38.2
+at 16, 57.8/69.8 at 64, 114.8/112.3 at 128.
 
 Weights stored in bfloat16 (`--weight-dtype bfloat16`) halve those bytes: the kernel widens them
-to float32 in registers (exact), so the products and sums are float32's; one row took 8.9 ms
-against 17.6 ms in float32 (2026-11-23, 2-core Xeon). Where the kernel does not take a product,
-the reference widens the weight and calls torch: the same values, a float32 copy per call.
+to float32 in registers (exact), so the products and sums are float32's: 7.9 ms for one row,
+12.7 at 8, 53.8 at 64, 234 at 256, 503 at 512 (torch's float32 GEMM: 15.7, 34.2, 69.8, 248, 483;
+2026-11-23, 2-core Xeon). Without the kernel (cpu_kernels="torch", or no compiler) the reference
+widens the weight and calls torch: the same values, a float32 copy per call.
 
 `small_linear(x, w, b, ext)`: `ext` is the compiled module (`kernels.cpu_ext.load_small_gemm()`)
 or None; the reference (`torch.nn.functional.linear`) runs whenever the kernel does not apply.
@@ -24,8 +27,12 @@ from types import ModuleType
 
 import torch
 
-MAX_ROWS = 48  # the kernel's limit for float32 weights; above it torch's blocked GEMM is as fast
-MAX_ROWS_BF16 = 32  # bfloat16 weights: above it, widening the weight for torch's GEMM is as fast
+# The most rows of x the kernel takes: float32 weights up to 128 (from 16 rows a broadcast
+# micro-kernel over per-thread float32 panels; about even with torch's GEMM from 128 to 256, so
+# torch's above), bfloat16 at any M (at or above torch's float32 GEMM up to 256 rows, ~5% behind
+# at 512, without the float32 copy of each weight that widening for torch costs).
+MAX_ROWS = 128
+MAX_ROWS_BF16 = 1 << 62
 
 
 def max_rows(w: torch.Tensor) -> int:
