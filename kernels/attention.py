@@ -153,18 +153,28 @@ def paged_attention(
         if chunk.context_len == 0:
             kc = k[s : s + n].transpose(0, 1)  # (Hkv, n, D)
             vc = v[s : s + n].transpose(0, 1)
-            o = F.scaled_dot_product_attention(
-                qc, kc, vc, is_causal=True, scale=scale, enable_gqa=Hkv != H
-            )
+            o = _prefill_sdpa(qc, kc, vc, scale, causal=True)
         else:
             assert chunk.kv_slots is not None and chunk.mask is not None
             kc = k_cache[chunk.kv_slots].transpose(0, 1)  # (Hkv, ctx + n, D)
             vc = v_cache[chunk.kv_slots].transpose(0, 1)
-            o = F.scaled_dot_product_attention(
-                qc, kc, vc, attn_mask=chunk.mask, scale=scale, enable_gqa=Hkv != H
-            )  # (H, n, D)
+            o = _prefill_sdpa(qc, kc, vc, scale, mask=chunk.mask)  # (H, n, D)
         out[s : s + n] = o.transpose(0, 1)
     return out
+
+
+def _prefill_sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
+                  mask: torch.Tensor | None = None, causal: bool = False) -> torch.Tensor:  # fmt: skip
+    """One prompt chunk's attention: q (H, n, D) over k, v (Hkv, L, D) -> (H, n, D). The KV heads
+    are repeated to the query heads: torch's fused CPU kernel takes no GQA, and with enable_gqa
+    it falls back to the unfused math path, 3-4x slower at prompt lengths (SmolLM2's 9 / 3 heads,
+    300-token prompt: 5.8 ms against 2.0; 512 new tokens over 768 cached: 34 against 8)."""
+    H, Hkv = q.shape[0], k.shape[0]
+    if Hkv != H:
+        k, v = k.repeat_interleave(H // Hkv, 0), v.repeat_interleave(H // Hkv, 0)
+    o = F.scaled_dot_product_attention(q[None], k[None], v[None], attn_mask=mask,
+                                       is_causal=causal, scale=scale)  # fmt: skip
+    return o[0]
 
 
 def _triton_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
