@@ -14,8 +14,9 @@ at 16, 57.8/69.8 at 64, 114.8/112.3 at 128.
 Weights stored in bfloat16 (`--weight-dtype bfloat16`) halve those bytes: the kernel widens them
 to float32 in registers (exact), so the products and sums are float32's: 7.9 ms for one row,
 12.7 at 8, 53.8 at 64, 234 at 256, 503 at 512 (torch's float32 GEMM: 15.7, 34.2, 69.8, 248, 483;
-2026-11-23, 2-core Xeon). Without the kernel (cpu_kernels="torch", or no compiler) the reference
-widens the weight and calls torch: the same values, a float32 copy per call.
+2026-11-23, 2-core Xeon). Where the kernel does not take the product (more than MAX_ROWS_BF16
+rows, cpu_kernels="torch", no compiler) the reference widens the weight and calls torch: the
+same values, a float32 copy of the weight per call.
 
 `small_linear(x, w, b, ext)`: `ext` is the compiled module (`kernels.cpu_ext.load_small_gemm()`)
 or None; the reference (`torch.nn.functional.linear`) runs whenever the kernel does not apply.

@@ -96,8 +96,8 @@ class ModelRunner:
             ranks.setup(num_blocks=num_blocks, block_size=block_size, attention=attention,
                         cpu_kernels=cpu_kernels)  # fmt: skip
         t0 = time.perf_counter()
-        # Few-row (decode) matmuls, RMSNorm, RoPE + KV write, SiLU-and-mul: C++ kernels where they build and the weights are
-        # float32; the PyTorch references otherwise.
+        # Matmuls (float32 or bfloat16 weights), RMSNorm, RoPE + KV write, SiLU-and-mul: C++
+        # kernels where they build and the activations are float32; the references otherwise.
         gemm = norm = fused = None
         on_cpu = model.device.type == "cpu"
         if cpu_kernels != "torch" and model.dtype == torch.float32 and on_cpu:

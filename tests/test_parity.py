@@ -149,7 +149,9 @@ def test_bfloat16_weights_match_transformers_on_the_same_weights(
     weights: stories260K (tied embedding) and Qwen2 (q/k/v biases) / Qwen3 (untied head)."""
     model_dir = stories_dir if family == "stories" else tiny_model_dir(family)
     hf = _hf_rounded_to_bfloat16(model_dir)
-    model = load_model(model_dir, "float32", weight_dtype="bfloat16")
+    llm = LLM(model_dir, dtype="float32", weight_dtype="bfloat16", kv_cache_bytes=1 << 22,
+              cpu_kernels=cpu_kernels)  # fmt: skip
+    model = llm.engine.runner.model
     assert model.weight_dtype == torch.bfloat16 and model.dtype == torch.float32
     kinds = {n: p.dtype for n, p in model.named_parameters()}
     assert kinds["embed_tokens"] == torch.bfloat16
@@ -157,8 +159,6 @@ def test_bfloat16_weights_match_transformers_on_the_same_weights(
     assert all(d == torch.float32 for n, d in kinds.items() if "norm" in n or "bias" in n)
 
     prompt = PROMPTS[2]
-    llm = LLM(model_dir, dtype="float32", weight_dtype="bfloat16", kv_cache_bytes=1 << 22,
-              cpu_kernels=cpu_kernels)  # fmt: skip
     ours = _prefill_logits(llm.engine.runner, prompt)
     with torch.no_grad():
         ref = hf(torch.tensor([prompt])).logits[0]

@@ -196,7 +196,7 @@ static void tiled_avx512(const float* x, const W* w, const float* bias, float* y
   tail_rows(x, w, bias, y, M, K, N, groups * R);
 }
 
-// ---- 9 or more rows with AVX-512: a blocked GEMM with broadcasts (no horizontal sums). ----
+// ---- 16 or more rows with AVX-512: a blocked GEMM with broadcasts (no horizontal sums). ----
 //
 // Each thread takes panels of NR = 32 weight rows (output features, contiguous in memory),
 // widens and transposes each once into a thread-local K x 32 float32 panel (72 KB at K = 576:
