@@ -25,12 +25,13 @@ H, HKV, D = 8, 2, 16
 
 
 def dense_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ctx: int) -> torch.Tensor:
-    """float64 causal attention of queries at positions ctx.. over keys 0..ctx+n-1."""
+    """float64 causal attention of queries at positions ctx.. over keys 0..ctx+n-1 (heads and
+    head_dim from the shapes)."""
     q, k, v = q.double(), k.double(), v.double()
-    g = H // HKV
+    g = q.shape[1] // k.shape[1]
     k = k.repeat_interleave(g, dim=1)  # (L, H, D)
     v = v.repeat_interleave(g, dim=1)
-    scores = torch.einsum("qhd,khd->hqk", q, k) / math.sqrt(D)  # (H, n, L)
+    scores = torch.einsum("qhd,khd->hqk", q, k) / math.sqrt(q.shape[-1])  # (H, n, L)
     n, L = q.shape[0], k.shape[0]
     allowed = torch.arange(L)[None, :] <= (ctx + torch.arange(n))[:, None]  # (n, L)
     scores = scores.masked_fill(~allowed, float("-inf"))
@@ -89,6 +90,47 @@ def test_decode_matches_dense(bs: int, impl: str, dtype: torch.dtype) -> None:
         tol = 4 * (plain - ref64).abs().max().item() + 1e-5
         err = (out[i : i + 1].double() - ref64).abs().max().item()
         assert err <= tol, (impl, bs, n, err, tol)
+
+
+@pytest.mark.parametrize(
+    ("h", "hkv", "d", "bs"),
+    [
+        (9, 3, 64, 16),  # SmolLM2: the AVX-512 loops, three query heads per kv head
+        (32, 8, 128, 16),  # Llama-3-8B-like: eight vectors per row
+        (16, 2, 64, 32),  # eight query heads per kv head; a block split into two 16-row pieces
+        (8, 8, 32, 8),  # no GQA; blocks shorter than 16 rows
+        (12, 1, 32, 16),  # twelve query heads per kv head: past the AVX-512 loops' eight
+        (8, 8, 80, 16),  # head_dim not a multiple of 16: the AVX2 loops
+    ],
+)
+def test_cpu_decode_kernel_shapes(h: int, hkv: int, d: int, bs: int) -> None:
+    """The CPU extension at real models' shapes, with enough requests (>= 8) that each task takes
+    all kv heads of a request, against float64. The cache starts as NaN, so a kernel that let a
+    stale row past a request's length into its result fails."""
+    ext = cpu_ext.load()
+    if ext is None:
+        pytest.skip("the CPU extension did not build here (no compiler?)")
+    torch.manual_seed(2)
+    lens = [1, 15, 16, 17, 33, 200, 64, 5, 130]
+    num_blocks = sum(-(-n // bs) for n in lens) + 2
+    k_cache = torch.full((num_blocks, bs, hkv, d), float("nan"))
+    v_cache = torch.full_like(k_cache, float("nan"))
+    tables = scattered_tables(lens, bs, num_blocks, seed=3)
+    keys = [torch.randn(n, hkv, d) for n in lens]
+    vals = [torch.randn(n, hkv, d) for n in lens]
+    for t, kk, vv in zip(tables, keys, vals, strict=True):
+        pos = torch.arange(kk.shape[0])
+        slots = torch.tensor(t)[pos // bs] * bs + pos % bs
+        write_kv_cache(kk, vv, k_cache.view(-1, hkv, d), v_cache.view(-1, hkv, d), slots)
+    width = max(len(t) for t in tables)
+    block_ids = torch.zeros(len(lens), width, dtype=torch.int64)
+    for i, t in enumerate(tables):
+        block_ids[i, : len(t)] = torch.tensor(t)
+    q = torch.randn(len(lens), h, d)
+    out = ext.paged_decode_attention(q, k_cache, v_cache, block_ids, torch.tensor(lens), d**-0.5)
+    for i, n in enumerate(lens):
+        ref = dense_attention(q[i : i + 1], keys[i], vals[i], ctx=n - 1)
+        torch.testing.assert_close(out[i : i + 1].double(), ref, atol=2e-5, rtol=1e-4)
 
 
 @pytest.mark.parametrize("bs", [4, 16])

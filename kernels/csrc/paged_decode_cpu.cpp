@@ -24,6 +24,7 @@
 #include <cstdint>
 #include <cstring>
 #include <limits>
+#include <type_traits>
 #include <vector>
 
 namespace {
@@ -46,6 +47,41 @@ inline float exp_nonpos(float x) {
   bits += static_cast<int32_t>(n) << 23;            // times 2^n
   std::memcpy(&p, &bits, sizeof p);
   return p;
+}
+
+// The largest of x[0..n-1] (n >= 1); GCC leaves std::max loops scalar (NaN semantics), a chain
+// of dependent maxss that took a fifth of the kernel's time.
+inline float row_max(const float* x, int64_t n) {
+  float m = -std::numeric_limits<float>::infinity();
+  int64_t j = 0;
+#if defined(__AVX512F__)
+  if (n >= 64) {
+    __m512 m0 = _mm512_set1_ps(m), m1 = m0, m2 = m0, m3 = m0;
+    for (; j + 64 <= n; j += 64) {
+      m0 = _mm512_max_ps(m0, _mm512_loadu_ps(x + j));
+      m1 = _mm512_max_ps(m1, _mm512_loadu_ps(x + j + 16));
+      m2 = _mm512_max_ps(m2, _mm512_loadu_ps(x + j + 32));
+      m3 = _mm512_max_ps(m3, _mm512_loadu_ps(x + j + 48));
+    }
+    m = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_max_ps(m0, m1), _mm512_max_ps(m2, m3)));
+  }
+#elif defined(EI_AVX2)
+  if (n >= 32) {
+    __m256 m0 = _mm256_set1_ps(m), m1 = m0, m2 = m0, m3 = m0;
+    for (; j + 32 <= n; j += 32) {
+      m0 = _mm256_max_ps(m0, _mm256_loadu_ps(x + j));
+      m1 = _mm256_max_ps(m1, _mm256_loadu_ps(x + j + 8));
+      m2 = _mm256_max_ps(m2, _mm256_loadu_ps(x + j + 16));
+      m3 = _mm256_max_ps(m3, _mm256_loadu_ps(x + j + 24));
+    }
+    const __m256 r = _mm256_max_ps(_mm256_max_ps(m0, m1), _mm256_max_ps(m2, m3));
+    alignas(32) float lanes[8];
+    _mm256_store_ps(lanes, r);
+    for (float v : lanes) m = std::max(m, v);
+  }
+#endif
+  for (; j < n; ++j) m = std::max(m, x[j]);
+  return m;
 }
 
 #ifdef EI_AVX2
@@ -143,6 +179,134 @@ inline void block_values<float>(const float* scores, const float* base, int64_t 
 }
 #endif
 
+#ifdef __AVX512F__
+// float32 with head_dim a multiple of 16 and up to 8 query heads per kv head: AVX-512. A step of
+// decode attention reads the whole KV cache once, so these keep the instruction count well under
+// what the memory system delivers (the AVX2 versions above ran at ~10 GB/s, compute-bound, on a
+// machine that streams ~26 GB/s) and prefetch the next block, which lies elsewhere in memory.
+#define EI_AVX512 1
+
+// 16 vectors in, one out: lane t holds the sum of all lanes of a[t]. Each step adds pairs of
+// vectors' halves, so no lane ever mixes two inputs (stale rows past the block's end stay in
+// their own lanes, which the caller does not store).
+inline __m512 reduce16(__m512* a) {
+  __m512 s1[8], s2[4];
+  for (int i = 0; i < 8; ++i)  // per 128-bit lane: [a0+a2, b0+b2, a1+a3, b1+b3]
+    s1[i] = _mm512_add_ps(_mm512_unpacklo_ps(a[2 * i], a[2 * i + 1]),
+                          _mm512_unpackhi_ps(a[2 * i], a[2 * i + 1]));
+  for (int i = 0; i < 4; ++i)  // per 128-bit lane: [a, b, c, d], each a partial sum
+    s2[i] = _mm512_add_ps(_mm512_shuffle_ps(s1[2 * i], s1[2 * i + 1], 0x44),
+                          _mm512_shuffle_ps(s1[2 * i], s1[2 * i + 1], 0xEE));
+  // Across the four 128-bit lanes: (x0 x2 y0 y2) + (x1 x3 y1 y3), twice.
+  const __m512 w = _mm512_add_ps(_mm512_shuffle_f32x4(s2[0], s2[1], 0x88),
+                                 _mm512_shuffle_f32x4(s2[0], s2[1], 0xDD));
+  const __m512 z = _mm512_add_ps(_mm512_shuffle_f32x4(s2[2], s2[3], 0x88),
+                                 _mm512_shuffle_f32x4(s2[2], s2[3], 0xDD));
+  return _mm512_add_ps(_mm512_shuffle_f32x4(w, z, 0x88), _mm512_shuffle_f32x4(w, z, 0xDD));
+}
+
+// Scores of up to 16 keys (rows key + t * tok_stride, t < tn) against G query heads, C = D / 16
+// vectors per row; `next` (or null) is the same head's rows in the next block, prefetched.
+inline void scores16(const float* qf, const float* key, int64_t tok_stride, int64_t tn, int64_t G,
+                     int64_t C, const float* next, float* scores, int64_t L, int64_t j0) {
+  if (next != nullptr)
+    for (int64_t t = 0; t < tn; ++t)
+      for (int64_t c = 0; c < C; ++c)
+        _mm_prefetch(reinterpret_cast<const char*>(next + t * tok_stride + c * 16), _MM_HINT_T0);
+  const __mmask16 keep = static_cast<__mmask16>((1u << tn) - 1);
+  for (int64_t g = 0; g < G; ++g) {
+    __m512 acc[16];
+    for (int t = 0; t < 16; ++t) acc[t] = _mm512_setzero_ps();
+    for (int64_t c = 0; c < C; ++c) {
+      const __m512 qc = _mm512_loadu_ps(qf + g * C * 16 + c * 16);
+      if (tn == 16) {
+        for (int t = 0; t < 16; ++t)
+          acc[t] = _mm512_fmadd_ps(qc, _mm512_loadu_ps(key + t * tok_stride + c * 16), acc[t]);
+      } else {
+        for (int t = 0; t < 16; ++t)
+          if (t < tn)
+            acc[t] = _mm512_fmadd_ps(qc, _mm512_loadu_ps(key + t * tok_stride + c * 16), acc[t]);
+      }
+    }
+    _mm512_mask_storeu_ps(scores + g * L + j0, keep, reduce16(acc));
+  }
+}
+
+// acc[g] += sum_t p[g, j0 + t] * v_t over up to 16 rows, G query heads held in registers.
+// CB vectors of each head at a time, and even and odd rows in separate accumulators: at least
+// eight independent FMA chains, so the loop is not bound by the FMA's latency.
+template <int G>
+inline void values16(const float* scores, const float* val, int64_t tok_stride, int64_t tn,
+                     int64_t C, const float* next, float* acc, int64_t L, int64_t j0) {
+  constexpr int CB = std::max(1, std::min(4, 8 / G));
+  if (next != nullptr)
+    for (int64_t t = 0; t < tn; ++t)
+      for (int64_t c = 0; c < C; ++c)
+        _mm_prefetch(reinterpret_cast<const char*>(next + t * tok_stride + c * 16), _MM_HINT_T0);
+  for (int64_t c0 = 0; c0 < C; c0 += CB) {
+    const int cb = static_cast<int>(std::min<int64_t>(CB, C - c0));
+    __m512 a[2][G][CB];
+    for (int g = 0; g < G; ++g)
+      for (int c = 0; c < CB; ++c) {
+        a[0][g][c] = c < cb ? _mm512_loadu_ps(acc + g * C * 16 + (c0 + c) * 16)
+                            : _mm512_setzero_ps();
+        a[1][g][c] = _mm512_setzero_ps();
+      }
+    // Rows in pairs, the second into the other accumulators (written out twice: a lambda over
+    // `a` made GCC keep the accumulators on the stack).
+    int64_t t = 0;
+    for (; t + 1 < tn; t += 2) {
+      const float* r0 = val + t * tok_stride + c0 * 16;
+      const float* r1 = r0 + tok_stride;
+      __m512 v0[CB], v1[CB];
+      for (int c = 0; c < CB; ++c) {
+        v0[c] = c < cb ? _mm512_loadu_ps(r0 + c * 16) : _mm512_setzero_ps();
+        v1[c] = c < cb ? _mm512_loadu_ps(r1 + c * 16) : _mm512_setzero_ps();
+      }
+      for (int g = 0; g < G; ++g) {
+        const __m512 p0 = _mm512_set1_ps(scores[g * L + j0 + t]);
+        const __m512 p1 = _mm512_set1_ps(scores[g * L + j0 + t + 1]);
+        for (int c = 0; c < CB; ++c) {
+          a[0][g][c] = _mm512_fmadd_ps(p0, v0[c], a[0][g][c]);
+          a[1][g][c] = _mm512_fmadd_ps(p1, v1[c], a[1][g][c]);
+        }
+      }
+    }
+    if (t < tn) {
+      const float* r0 = val + t * tok_stride + c0 * 16;
+      for (int g = 0; g < G; ++g) {
+        const __m512 p0 = _mm512_set1_ps(scores[g * L + j0 + t]);
+        for (int c = 0; c < CB; ++c)  // constant bounds everywhere: `a` stays in registers
+          if (c < cb) a[0][g][c] = _mm512_fmadd_ps(p0, _mm512_loadu_ps(r0 + c * 16), a[0][g][c]);
+      }
+    }
+    for (int g = 0; g < G; ++g)
+      for (int c = 0; c < CB; ++c)
+        if (c < cb)
+          _mm512_storeu_ps(acc + g * C * 16 + (c0 + c) * 16,
+                           _mm512_add_ps(a[0][g][c], a[1][g][c]));
+  }
+}
+
+inline bool avx512_shape(int64_t G, int64_t D) { return D % 16 == 0 && G >= 1 && G <= 8; }
+
+// One head's block through values16, its G picked at compile time.
+inline void values16_any(int64_t G, const float* scores, const float* val, int64_t tok_stride,
+                         int64_t tn, int64_t C, const float* next, float* acc, int64_t L,
+                         int64_t j0) {
+  switch (G) {
+    case 1: return values16<1>(scores, val, tok_stride, tn, C, next, acc, L, j0);
+    case 2: return values16<2>(scores, val, tok_stride, tn, C, next, acc, L, j0);
+    case 3: return values16<3>(scores, val, tok_stride, tn, C, next, acc, L, j0);
+    case 4: return values16<4>(scores, val, tok_stride, tn, C, next, acc, L, j0);
+    case 5: return values16<5>(scores, val, tok_stride, tn, C, next, acc, L, j0);
+    case 6: return values16<6>(scores, val, tok_stride, tn, C, next, acc, L, j0);
+    case 7: return values16<7>(scores, val, tok_stride, tn, C, next, acc, L, j0);
+    default: return values16<8>(scores, val, tok_stride, tn, C, next, acc, L, j0);
+  }
+}
+#endif
+
 template <typename T>
 void decode_kernel(const torch::Tensor& q, const torch::Tensor& k_cache, const torch::Tensor& v_cache,
                    const torch::Tensor& blocks, const torch::Tensor& lens, double scale,
@@ -158,6 +322,13 @@ void decode_kernel(const torch::Tensor& q, const torch::Tensor& k_cache, const t
   T* op = out.data_ptr<T>();
   const int64_t tok_stride = Hkv * D, blk_stride = bs * Hkv * D;
   const float fscale = static_cast<float>(scale);
+#ifdef EI_AVX512
+  // Only float32 takes the AVX-512 loops (fast is false for other T, so the casts there
+  // never run on other element types).
+  const bool fast = std::is_same_v<T, float> && avx512_shape(G, D);
+  const float* kf = reinterpret_cast<const float*>(kp);
+  const float* vf = reinterpret_cast<const float*>(vp);
+#endif
 
   // A task is one request and a range of its kv heads: all of them when there are enough requests
   // to keep the threads busy, so that each cached row (every head of a token) is read once.
@@ -175,6 +346,21 @@ void decode_kernel(const torch::Tensor& q, const torch::Tensor& k_cache, const t
         for (int64_t d = 0; d < D; ++d)
           qf[hq * D + d] = static_cast<float>(qp[(i * H + hq) * D + d]) * fscale;
       // Pass 1: scores of every key, block by block; the block stays in cache across heads.
+#ifdef EI_AVX512
+      if (fast) {
+        for (int64_t j0 = 0; j0 < L; j0 += bs) {
+          const float* block = kf + table[j0 / bs] * blk_stride;
+          const float* next = j0 + bs < L ? kf + table[j0 / bs + 1] * blk_stride : nullptr;
+          const int64_t tn = std::min(bs, L - j0);
+          for (int64_t h = h0; h < h1; ++h)
+            for (int64_t t0 = 0; t0 < tn; t0 += 16)
+              scores16(qf.data() + h * G * D, block + t0 * tok_stride + h * D, tok_stride,
+                       std::min<int64_t>(16, tn - t0), G, D / 16,
+                       next ? next + t0 * tok_stride + h * D : nullptr,
+                       scores.data() + h * G * L, L, j0 + t0);
+        }
+      } else
+#endif
       for (int64_t j0 = 0; j0 < L; j0 += bs) {
         const T* block = kp + table[j0 / bs] * blk_stride;
         const int64_t tn = std::min(bs, L - j0);
@@ -186,7 +372,7 @@ void decode_kernel(const torch::Tensor& q, const torch::Tensor& k_cache, const t
       for (int64_t hq = h0 * G; hq < h1 * G; ++hq) {
         float* sg = scores.data() + hq * L;
         float m = -std::numeric_limits<float>::infinity();
-        for (int64_t j = 0; j < L; ++j) m = std::max(m, sg[j]);
+        m = row_max(sg, L);
         float sum = 0.f;
 #pragma omp simd reduction(+ : sum)
         for (int64_t j = 0; j < L; ++j) {
@@ -200,6 +386,21 @@ void decode_kernel(const torch::Tensor& q, const torch::Tensor& k_cache, const t
       }
       // Pass 2: weighted sum of values, block by block.
       std::fill(acc.begin(), acc.end(), 0.f);
+#ifdef EI_AVX512
+      if (fast) {
+        for (int64_t j0 = 0; j0 < L; j0 += bs) {
+          const float* block = vf + table[j0 / bs] * blk_stride;
+          const float* next = j0 + bs < L ? vf + table[j0 / bs + 1] * blk_stride : nullptr;
+          const int64_t tn = std::min(bs, L - j0);
+          for (int64_t h = h0; h < h1; ++h)
+            for (int64_t t0 = 0; t0 < tn; t0 += 16)
+              values16_any(G, scores.data() + h * G * L, block + t0 * tok_stride + h * D,
+                           tok_stride, std::min<int64_t>(16, tn - t0), D / 16,
+                           next ? next + t0 * tok_stride + h * D : nullptr,
+                           acc.data() + h * G * D, L, j0 + t0);
+        }
+      } else
+#endif
       for (int64_t j0 = 0; j0 < L; j0 += bs) {
         const T* block = vp + table[j0 / bs] * blk_stride;
         const int64_t tn = std::min(bs, L - j0);
