@@ -25,7 +25,8 @@ each mode the bench prints:
 - p50 / p99 time to first token of turns 2+ (until the response headers arrive: the gateway
   sends them with the first token);
 - tokens/s (prompt + completion over the mode's wall time) and requests/s;
-- the largest share of the mode's requests that one worker took.
+- the largest share of the mode's requests that one worker took;
+- computed/turn: the mean prompt tokens of turns 2+ that a worker computed (not from a cache).
 
 Targets (issue text): with the header, hit rate >= 95% of reusable tokens; turn 2+ p50 TTFT
 >= 3x lower than round-robin; no worker takes more than 60% of requests.
@@ -80,6 +81,7 @@ class Mode:
     gateways: list[Proc]
     session: bool
     ttft: list[float] = field(default_factory=list)  # seconds, turns 2+
+    computed: list[int] = field(default_factory=list)  # prompt tokens not from a cache, turns 2+
     cached: int = 0  # prompt tokens served from a cache
     reusable: int = 0  # prompt tokens that could have been
     prompt_tokens: int = 0
@@ -146,6 +148,7 @@ async def _conversation(s: aiohttp.ClientSession, mode: Mode, i: int, turns: int
         else:
             reusable = min(prev_prompt // BLOCK * BLOCK, (n_prompt - 1) // BLOCK * BLOCK)
             mode.ttft.append(ttft)
+            mode.computed.append(n_prompt - cached)
         mode.cached += min(cached, reusable) if reusable else 0
         mode.reusable += reusable
         mode.prompt_tokens += n_prompt
@@ -185,6 +188,9 @@ def main() -> int:
                     help="mean pause between a reply and the next turn (exponential); 0: none")  # fmt: skip
     ap.add_argument("--worker-threads", type=int, default=1)
     ap.add_argument("--kv-cache-bytes", type=int, default=64 << 20, help="per worker")
+    ap.add_argument("--worker-arg", action="append", default=[], metavar="ARG",
+                    help="one more argument for every worker, e.g. --worker-arg=--weight-dtype "
+                         "--worker-arg=bfloat16 (repeatable)")  # fmt: skip
     args = ap.parse_args()
     if not (args.model / "config.json").is_file():
         print(f"model not found: {args.model} (see ../shared/models/README.md)", file=sys.stderr)
@@ -207,6 +213,7 @@ def main() -> int:
             str(args.worker_threads),
             "--kv-cache-bytes",
             str(args.kv_cache_bytes),
+            *args.worker_arg,
         ]
         procs: list[Proc] = []
         try:
@@ -237,14 +244,14 @@ def main() -> int:
                 p.stop()
     rr_p50 = _pct(modes[2].ttft, 0.5)
     print(f"\n{'mode':12} {'hit rate':>9} {'p50 TTFT':>9} {'p99 TTFT':>9} {'tok/s':>8} {'req/s':>6} "
-          f"{'max worker share':>17} {'p50 vs round-robin':>19}")  # fmt: skip
+          f"{'max worker share':>17} {'p50 vs round-robin':>19} {'computed/turn':>14}")  # fmt: skip
     for m in modes:
         share = max(m.workers.values()) / m.requests
         p50 = _pct(m.ttft, 0.5)
         print(
             f"{m.name:12} {m.cached / max(1, m.reusable):8.1%} {p50:7.1f}ms {_pct(m.ttft, 0.99):7.1f}ms "
             f"{(m.prompt_tokens + m.completion_tokens) / m.wall:8.0f} {m.requests / m.wall:6.1f} "
-            f"{share:16.0%} {rr_p50 / p50:18.2f}x"
+            f"{share:16.0%} {rr_p50 / p50:18.2f}x {sum(m.computed) / max(1, len(m.computed)):14.1f}"
         )
     h = modes[0]
     print(
