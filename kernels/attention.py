@@ -55,7 +55,8 @@ class DecodeGroup:
     lens: torch.Tensor  # (size,) int64: keys each request attends to (its new token included)
     mask: (
         torch.Tensor | None
-    )  # (size, 1, 1, nb * block_size) bool, True for real keys; None if all are
+    )  # (size, 1, 1, nb * block_size) bool, True for real keys; None if all are (or, for the
+    # CPU extension, which reads `lens`, not built)
 
 
 @dataclass(slots=True)

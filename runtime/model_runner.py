@@ -292,7 +292,11 @@ class ModelRunner:
         return blocks * self.block_size + pos % self.block_size
 
     def _decode_groups(self, tables: list[list[int]], lens: list[int]) -> list[DecodeGroup]:
-        """Split the (length-sorted) decodes into groups whose padding stays under ~1/3."""
+        """Split the (length-sorted) decodes into groups whose padding stays under ~1/3: the
+        reference pads every request of a group to its longest. The CPU extension reads each
+        request's own length, so it takes them all in one group, without a mask."""
+        if self.decode_impl == "cpu_ext" and lens:
+            return [self._decode_group(0, tables, lens, masked=False)]
         groups: list[DecodeGroup] = []
         i = 0
         while i < len(lens):
@@ -303,14 +307,16 @@ class ModelRunner:
             i = j
         return groups
 
-    def _decode_group(self, start: int, tables: list[list[int]], lens: list[int]) -> DecodeGroup:
+    def _decode_group(
+        self, start: int, tables: list[list[int]], lens: list[int], masked: bool = True
+    ) -> DecodeGroup:
         n, max_len = len(lens), max(lens)
         width = -(-max_len // self.block_size)
         padded = torch.zeros(n, width, dtype=torch.int64)  # (n, blocks), padded with block 0
         for i, t in enumerate(tables):
             padded[i, : min(len(t), width)] = torch.tensor(t[:width], dtype=torch.int64)
         mask = None
-        if min(lens) != width * self.block_size:
+        if masked and min(lens) != width * self.block_size:
             lengths = torch.tensor(lens)
             keys = torch.arange(width * self.block_size)
             mask = (keys[None, :] < lengths[:, None])[:, None, None, :]  # (n, 1, 1, L)

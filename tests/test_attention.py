@@ -100,7 +100,11 @@ def test_decode_matches_dense(bs: int, impl: str, dtype: torch.dtype) -> None:
         (16, 2, 64, 32),  # eight query heads per kv head; a block split into two 16-row pieces
         (8, 8, 32, 8),  # no GQA; blocks shorter than 16 rows
         (12, 1, 32, 16),  # twelve query heads per kv head: past the AVX-512 loops' eight
-        (8, 8, 80, 16),  # head_dim not a multiple of 16: the AVX2 loops
+        (4, 2, 48, 4),  # two query heads per kv head, a head_dim of 3 vectors (a partial group)
+        (6, 2, 16, 1),  # three query heads per kv head, one vector, one-row blocks
+        (10, 2, 64, 16),  # five query heads per kv head
+        (8, 8, 72, 16),  # head_dim a multiple of 8, not 16: the AVX2 loops
+        (8, 4, 20, 4),  # head_dim not a multiple of 8: the generic loops
     ],
 )
 def test_cpu_decode_kernel_shapes(h: int, hkv: int, d: int, bs: int) -> None:

@@ -14,8 +14,10 @@
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
-#if defined(__AVX2__) && defined(__FMA__)
+#if defined(__AVX2__) || defined(__AVX512F__)
 #include <immintrin.h>
+#endif
+#if defined(__AVX2__) && defined(__FMA__)
 #define EI_AVX2 1
 #endif
 
@@ -187,8 +189,7 @@ inline void block_values<float>(const float* scores, const float* base, int64_t 
 #define EI_AVX512 1
 
 // 16 vectors in, one out: lane t holds the sum of all lanes of a[t]. Each step adds pairs of
-// vectors' halves, so no lane ever mixes two inputs (stale rows past the block's end stay in
-// their own lanes, which the caller does not store).
+// vectors' halves, so no lane ever mixes two inputs.
 inline __m512 reduce16(__m512* a) {
   __m512 s1[8], s2[4];
   for (int i = 0; i < 8; ++i)  // per 128-bit lane: [a0+a2, b0+b2, a1+a3, b1+b3]
@@ -302,7 +303,7 @@ inline void values16_any(int64_t G, const float* scores, const float* val, int64
     case 5: return values16<5>(scores, val, tok_stride, tn, C, next, acc, L, j0);
     case 6: return values16<6>(scores, val, tok_stride, tn, C, next, acc, L, j0);
     case 7: return values16<7>(scores, val, tok_stride, tn, C, next, acc, L, j0);
-    default: return values16<8>(scores, val, tok_stride, tn, C, next, acc, L, j0);
+    default: return values16<8>(scores, val, tok_stride, tn, C, next, acc, L, j0);  // G == 8
   }
 }
 #endif
@@ -334,9 +335,24 @@ void decode_kernel(const torch::Tensor& q, const torch::Tensor& k_cache, const t
   // to keep the threads busy, so that each cached row (every head of a token) is read once.
   const int64_t heads_per_task = n >= 8 ? Hkv : 1;
   const int64_t tasks_per_req = Hkv / heads_per_task;
-  at::parallel_for(0, n * tasks_per_req, 1, [&](int64_t begin, int64_t end) {
+  const int64_t num_tasks = n * tasks_per_req;
+  // Each thread takes a contiguous run of tasks holding about its share of the keys: the engine
+  // passes decodes sorted by length, and equal task counts would give one thread the long ones.
+  const int64_t parts = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), num_tasks));
+  std::vector<int64_t> cut(parts + 1, num_tasks);
+  {
+    int64_t total = 0;
+    for (int64_t i = 0; i < n; ++i) total += lp[i] * tasks_per_req;
+    int64_t seen = 0, p = 1;
+    cut[0] = 0;
+    for (int64_t task = 0; task < num_tasks && p < parts; ++task) {
+      seen += lp[task / tasks_per_req];
+      while (p < parts && seen * parts >= total * p) cut[p++] = task + 1;
+    }
+  }
+  at::parallel_for(0, parts, 1, [&](int64_t part_begin, int64_t part_end) {
     std::vector<float> qf(H * D), acc(H * D), scores;
-    for (int64_t task = begin; task < end; ++task) {
+    for (int64_t task = cut[part_begin]; task < cut[part_end]; ++task) {
       const int64_t i = task / tasks_per_req;
       const int64_t h0 = (task % tasks_per_req) * heads_per_task, h1 = h0 + heads_per_task;
       const int64_t L = lp[i];
@@ -371,8 +387,7 @@ void decode_kernel(const torch::Tensor& q, const torch::Tensor& k_cache, const t
       // Softmax per query head (exp vectorized).
       for (int64_t hq = h0 * G; hq < h1 * G; ++hq) {
         float* sg = scores.data() + hq * L;
-        float m = -std::numeric_limits<float>::infinity();
-        m = row_max(sg, L);
+        const float m = row_max(sg, L);
         float sum = 0.f;
 #pragma omp simd reduction(+ : sum)
         for (int64_t j = 0; j < L; ++j) {
@@ -429,6 +444,13 @@ torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor k_cache, tor
               "paged_decode_attention: blocks and lens must be contiguous int64");
   TORCH_CHECK(blocks.size(0) == q.size(0) && lens.size(0) == q.size(0),
               "paged_decode_attention: one block table and one length per query");
+  {  // a length past the table would read past it (the kernel trusts the table's block ids)
+    const int64_t cap = blocks.size(1) * k_cache.size(1);
+    const int64_t* lp = lens.data_ptr<int64_t>();
+    for (int64_t i = 0; i < lens.size(0); ++i)
+      TORCH_CHECK(lp[i] >= 1 && lp[i] <= cap, "paged_decode_attention: length ", lp[i],
+                  " of query ", i, " outside 1..", cap, " (block table width x block size)");
+  }
   auto out = torch::empty_like(q);
   if (q.scalar_type() == torch::kFloat32) {
     decode_kernel<float>(q, k_cache, v_cache, blocks, lens, scale, out);
