@@ -100,6 +100,12 @@ class KVLayout:
         return 2 * self.block_size * self.num_kv_heads * self.head_dim * self.itemsize
 
 
+def byte_view(t: torch.Tensor) -> memoryview:
+    """The bytes of a contiguous host tensor, without a copy. Through uint8: numpy has no
+    bfloat16, so `t.numpy()` refuses a bfloat16 KV cache."""
+    return memoryview(t.view(torch.uint8).numpy()).cast("B")  # type: ignore[arg-type]
+
+
 class KVPages:
     """A worker's KV cache tensor seen as blocks: read or write whole blocks of a layer range.
 
@@ -134,7 +140,7 @@ class KVPages:
         for layer in self.blocks[layers]:
             for kv in layer:  # keys, values: (num_blocks, block_size, heads, dim)
                 for a, b in spans:
-                    views.append(memoryview(kv[a:b].numpy()).cast("B"))  # type: ignore[arg-type]
+                    views.append(byte_view(kv[a:b]))
         return views
 
     def read(self, layers: slice, block_ids: list[int]) -> torch.Tensor:
@@ -165,7 +171,7 @@ class DeviceKVPages(KVPages):
     direct = False
 
     def runs(self, layers: slice, block_ids: list[int]) -> list[memoryview]:
-        return [memoryview(self.read(layers, block_ids).numpy()).cast("B")]  # type: ignore[arg-type]
+        return [byte_view(self.read(layers, block_ids))]
 
 
 @dataclass(slots=True)
@@ -490,7 +496,7 @@ class KVTransferServer:
             if self.pages.direct and (l1 - l0) * per_layer < MIN_RUN_BYTES * len(views):
                 # scattered: gather once
                 gathered = self.pages.read(slice(l0, l1), ids)
-                views = [memoryview(gathered.numpy()).cast("B")]  # type: ignore[arg-type]
+                views = [byte_view(gathered)]
             length = sum(len(v) for v in views)
             await conn.send(_header(DATA, tag, length, 0, (l0, l1 - l0), (start, len(ids))))
             digest = xxhash.xxh3_64()

@@ -49,7 +49,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.distributed as dist
 
-from kvstore.kv_transfer import KVLayout, KVPages
+from kvstore.kv_transfer import KVLayout, KVPages, byte_view
 from kvstore.redis_server import find_free_port
 from runtime.config import ModelConfig
 from runtime.parallel import ParallelConfig, RankPlace
@@ -473,8 +473,7 @@ class RankedKVPages(KVPages):
         return self._shares
 
     def runs(self, layers: slice, block_ids: list[int]) -> list[memoryview]:
-        data = self.read(layers, block_ids)
-        return [memoryview(data.numpy()).cast("B")]  # type: ignore[arg-type]
+        return [byte_view(self.read(layers, block_ids))]
 
     def read(self, layers: slice, block_ids: list[int]) -> torch.Tensor:
         lay = self.layout

@@ -393,15 +393,18 @@ def test_blocks_stream_while_a_chunked_prefill_computes(stories_dir: Path, engin
     ],
 )
 @pytest.mark.parametrize("pages", [KVPages, DeviceKVPages], ids=["in-cache", "staged"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_in_place_and_scattered_paths_are_bit_exact(src: list[int], dst: list[int],
-                                                    pages: type[KVPages]) -> None:  # fmt: skip
+                                                    pages: type[KVPages],
+                                                    dtype: torch.dtype) -> None:  # fmt: skip
     """A cache of realistic block size (16 KB per layer's keys): blocks consecutive in the cache
     move without a copy, scattered ones through one buffer; both arrive bit-exact, in frames
     of several layers, and a pull of part of them (first_block) moves only that part. Staged
-    (`DeviceKVPages`, a GPU worker's: every block through host memory, by index) the same."""
+    (`DeviceKVPages`, a GPU worker's: every block through host memory, by index) the same; in
+    float32 and in bfloat16 (a GPU worker's default), which numpy cannot view."""
     layers, heads, dim = 6, 4, 64
     g = torch.Generator().manual_seed(0)
-    src_kv = torch.randn(layers, 2, 128 * BS, heads, dim, generator=g)
+    src_kv = torch.randn(layers, 2, 128 * BS, heads, dim, generator=g).to(dtype)
     dst_kv = torch.zeros_like(src_kv)
     src_pages, dst_pages = pages(src_kv, BS), pages(dst_kv, BS)
     tokens = list(range(len(src) * BS - 3))  # the last block partly filled
