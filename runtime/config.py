@@ -349,7 +349,7 @@ class EngineConfig:
     kv_cache_fraction: float = (
         0.25  # of the machine's available memory, when kv_cache_bytes is None
     )
-    max_num_seqs: int = 128  # most requests running at once
+    max_num_seqs: int = 128  # most requests in one step (with pp > 1: per lane, pp lanes in flight)
     max_num_batched_tokens: int = 2048  # token budget of one engine step
     max_waiting: int = 4096  # bound on queued requests; more are refused
     max_model_len: int | None = None  # defaults to the model's context length
@@ -379,7 +379,10 @@ class EngineConfig:
             raise ValueError(f"device must be auto, cpu or cuda, got {self.device!r}")
         if self.device == "auto":  # ranks (tp/pp/ep) run on the CPU only, so far
             single = max(self.tp, self.pp, self.ep) == 1
-            self.device = "cuda" if torch.cuda.is_available() and single else "cpu"
+            # bfloat16 weights under float32 activations are a CPU mode: asking for them picks it
+            cpu_mode = self.weight_dtype == "bfloat16" and self.dtype in ("auto", "float32")
+            gpu = torch.cuda.is_available() and single and not cpu_mode
+            self.device = "cuda" if gpu else "cpu"
         elif self.device == "cuda" and not torch.cuda.is_available():
             raise ValueError(
                 f"device='cuda' asked for, but torch {torch.__version__} sees no CUDA GPU"

@@ -121,10 +121,12 @@ class DecodeGraphs:
         b = self.bucket(n)
         if b is None:
             raise ValueError(f"{n} decodes: above the largest captured batch ({self.max_batch})")
-        table = torch.zeros(b, self.max_blocks, dtype=torch.int32)
-        for i, t in enumerate(tables):
-            table[i, : len(t)] = torch.tensor(t[: self.max_blocks], dtype=torch.int32)
+        width = self.max_blocks
+        if any(len(t) > width for t in tables):  # past max_model_len: the scheduler's to prevent
+            raise ValueError(f"a block table longer than the graphs' {width} blocks")
         pad = b - n
+        table = torch.tensor([t + [0] * (width - len(t)) for t in tables] + [[0] * width] * pad,
+                             dtype=torch.int32)  # fmt: skip
         self.ids[:b].copy_(torch.tensor(ids + [0] * pad), non_blocking=True)
         self.positions[:b].copy_(torch.tensor(positions + [0] * pad), non_blocking=True)
         self.slots[:b].copy_(torch.tensor(slots + [-1] * pad), non_blocking=True)

@@ -14,6 +14,7 @@ of its layers and heads; the logits come back to rank 0, which samples.
 
 from __future__ import annotations
 
+import logging
 import math
 import time
 from dataclasses import dataclass
@@ -30,6 +31,8 @@ from runtime.sampler import Sampler, SamplingState, TokenLogprobs, apply_token_b
 from runtime.scheduler import ScheduledRequest, SchedulerOutput
 from runtime.shard_reader import Arena
 from runtime.speculative import logprobs_of, verify
+
+log = logging.getLogger(__name__)
 
 
 def kv_block_bytes(model: LlamaForCausalLM, block_size: int) -> int:
@@ -108,6 +111,11 @@ class ModelRunner:
                     "cpu_kernels='cpu_ext' asked for, but an extension did not build"
                 )
         model.use_cpu_kernels(gemm, norm, fused)
+        if gemm is None and on_cpu and model.weight_dtype != model.dtype:
+            # torch's matmul then widens every bfloat16 weight on every call: slower than float32
+            log.warning("bfloat16 weights without the CPU matmul kernel (cpu_kernels=%r or the "
+                        "extension did not build): each call widens its weight, slower than "
+                        "float32 weights", cpu_kernels)  # fmt: skip
         # Decode attention: the in-place CPU extension where it builds, else the reference.
         if attention == "auto":
             attention = "cpu_ext" if on_cpu and cpu_ext.load() is not None else "torch"
@@ -312,9 +320,8 @@ class ModelRunner:
     ) -> DecodeGroup:
         n, max_len = len(lens), max(lens)
         width = -(-max_len // self.block_size)
-        padded = torch.zeros(n, width, dtype=torch.int64)  # (n, blocks), padded with block 0
-        for i, t in enumerate(tables):
-            padded[i, : min(len(t), width)] = torch.tensor(t[:width], dtype=torch.int64)
+        rows = [t[:width] + [0] * (width - len(t[:width])) for t in tables]  # padded: block 0
+        padded = torch.tensor(rows, dtype=torch.int64)  # (n, blocks), one tensor per step
         mask = None
         if masked and min(lens) != width * self.block_size:
             lengths = torch.tensor(lens)

@@ -282,14 +282,14 @@ def run_step(
     rows: torch.Tensor,
     sends: Sends,
 ) -> torch.Tensor | None:
-    """This rank's part of one whole step (see the module docstring). Rank 0 gets the logits of
+    """This rank's part of one whole step (see the module docstring), without pipeline
+    parallelism (with it, steps are launched and collected apart). Rank 0 gets the logits of
     `rows` (R, vocab) float32; other ranks None."""
     place = model.place
+    assert place.config.pp == 1, "a pipelined step goes through launch and finish"
     outs = run_stages(model, kv_caches, plans, sends)
     if not place.first:
         return None
-    if place.config.pp > 1:
-        return collect(model, [ids.shape[0] for ids, _ in plans], rows)
     return _logits(model, outs, rows)
 
 

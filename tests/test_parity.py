@@ -142,15 +142,18 @@ def _hf_rounded_to_bfloat16(model_dir: Path):  # type: ignore[no-untyped-def]
 @pytest.mark.parametrize("family", ["stories", "qwen2", "qwen3"])
 @pytest.mark.parametrize("cpu_kernels", ["auto", "torch"])
 def test_bfloat16_weights_match_transformers_on_the_same_weights(
-    family: str, cpu_kernels: str, stories_dir: Path, tiny_model_dir
+    family: str, cpu_kernels: str, stories_dir: Path, tiny_model_dir, caplog
 ) -> None:  # type: ignore[no-untyped-def]
     """bfloat16 weights under float32 activations (the C++ kernel, or the reference that widens
     each weight for torch) give transformers' float32 logits and greedy tokens on the rounded
     weights: stories260K (tied embedding) and Qwen2 (q/k/v biases) / Qwen3 (untied head)."""
     model_dir = stories_dir if family == "stories" else tiny_model_dir(family)
     hf = _hf_rounded_to_bfloat16(model_dir)
-    llm = LLM(model_dir, dtype="float32", weight_dtype="bfloat16", kv_cache_bytes=1 << 22,
-              cpu_kernels=cpu_kernels)  # fmt: skip
+    with caplog.at_level("WARNING", logger="runtime.model_runner"):
+        llm = LLM(model_dir, dtype="float32", weight_dtype="bfloat16", kv_cache_bytes=1 << 22,
+                  cpu_kernels=cpu_kernels)  # fmt: skip
+    # the reference path is slower than float32 weights: it says so (the kernel's path does not)
+    assert ("without the CPU matmul kernel" in caplog.text) == (cpu_kernels == "torch")
     model = llm.engine.runner.model
     assert model.weight_dtype == torch.bfloat16 and model.dtype == torch.float32
     kinds = {n: p.dtype for n, p in model.named_parameters()}
@@ -193,13 +196,18 @@ def test_bfloat16_checkpoint_loads_its_weights_as_stored(tiny_model_dir) -> None
     assert len(out[0].outputs[0].token_ids) == 8
 
 
-def test_weight_dtype_setting(stories_dir: Path) -> None:
+def test_weight_dtype_setting(stories_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """What weight_dtype takes, and that its KV is not shared with float32 weights' (another
     prefix-cache identity: the same tokens give other KV)."""
     from runtime.config import EngineConfig
 
     m = str(stories_dir)
     assert EngineConfig(model=m, weight_dtype="bfloat16", device="cpu").dtype == "float32"
+    with monkeypatch.context() as mp:  # on a GPU host, device auto keeps the CPU mode asked for
+        mp.setattr(torch.cuda, "is_available", lambda: True)
+        auto = EngineConfig(model=m, weight_dtype="bfloat16")
+        assert (auto.device, auto.dtype, auto.weight_dtype) == ("cpu", "float32", "bfloat16")
+        assert EngineConfig(model=m).device == "cuda"  # and takes the GPU otherwise
     same = EngineConfig(model=m, dtype="bfloat16", weight_dtype="bfloat16", device="cpu")
     assert same.weight_dtype == "auto"  # the weights are bfloat16 already
     with pytest.raises(ValueError, match="weight_dtype must be auto or bfloat16"):

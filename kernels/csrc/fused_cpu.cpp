@@ -101,7 +101,8 @@ std::tuple<torch::Tensor, torch::Tensor> rotary_write_kv(torch::Tensor q, torch:
 
 // exp over 16 lanes: 2^n * p(r), x = n ln2 + r, |r| <= ln2 / 2, p a degree-7 fit (Cephes'
 // expf coefficients; relative error ~1e-7, as libm's), the power of two by scalef; x clamped to
-// +-88 (exp overflows float32 beyond), NaN stays NaN.
+// +-88 (exp overflows float32 beyond). A NaN x comes out finite (min/max return their
+// second operand on NaN); silu_and_mul's result is NaN all the same, through its g factor.
 static inline __m512 exp16(__m512 x) {
   x = _mm512_max_ps(_mm512_min_ps(x, _mm512_set1_ps(88.3762626647949f)),
                     _mm512_set1_ps(-88.3762626647949f));
