@@ -63,6 +63,10 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
         default=0.25,
         help="of available RAM, when --kv-cache-bytes is not given",
     )
+    p.add_argument("--kv-cache-commit", default="lazy", choices=["lazy", "eager"],
+                   help="on the CPU, commit the KV cache's memory as blocks first use it (lazy, "
+                   "the default: a fast start) or all at start-up (eager: no page faults while "
+                   "serving)")  # fmt: skip
     p.add_argument("--max-num-seqs", type=int, default=128)
     p.add_argument("--max-num-batched-tokens", type=int, default=2048)
     p.add_argument("--max-model-len", type=int, default=None)
@@ -116,6 +120,7 @@ def engine_kwargs(args: argparse.Namespace) -> dict[str, object]:
         "weight_dtype": args.weight_dtype,
         "kv_cache_bytes": args.kv_cache_bytes,
         "kv_cache_fraction": args.kv_cache_fraction,
+        "kv_cache_commit": args.kv_cache_commit,
         "max_num_seqs": args.max_num_seqs,
         "max_num_batched_tokens": args.max_num_batched_tokens,
         "max_model_len": args.max_model_len,

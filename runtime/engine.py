@@ -186,7 +186,7 @@ class LLMEngine:
         t_tokenizer = time.perf_counter()
         self.runner = ModelRunner(
             self.model, num_blocks, config.block_size, config.attention, config.cpu_kernels,
-            ranks=weights.ranks,
+            ranks=weights.ranks, kv_commit=config.kv_cache_commit,
         )
         # No warm-up step: on the CPU a first request is as fast as the next (measured: a
         # prefill + decode warm-up took 0.11 s and saved the first request 0.00-0.04 s).

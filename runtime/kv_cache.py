@@ -16,18 +16,22 @@ all gone stay cached: they wait in an LRU list and are handed out again (evicted
 block that holds nothing reusable is left; a request's tail blocks are queued for eviction
 before its head blocks, which more prompts share.
 
-    free, reusable nothing:  plain deque    (handed out first)
+    free, reusable nothing:  plain heap     (handed out first, lowest block id first)
     free, still cached:      LRU dict       (least recently freed first; evicting drops the hash)
     in use:                  ref_count > 0  (a cached block may be in many tables)
 
 "No room" is a return value (`None`), never an exception. The manager holds only integers and
-hashes; the cache tensors live with the model runner. Cache events (hashes stored and evicted)
+hashes; the cache tensors live with the model runner. Lowest id first: the blocks in use stay
+packed at the start of the cache, whose memory the runner commits only as it is first touched
+(EngineConfig.kv_cache_commit), so a worker's memory grows with the most it has ever held at
+once, not with every block it has cycled through. Cache events (hashes stored and evicted)
 queue up for the worker to publish to the cluster's prefix index (`drain_events`).
 """
 
 from __future__ import annotations
 
-from collections import OrderedDict, deque
+import heapq
+from collections import OrderedDict
 from collections.abc import Sequence
 
 from kvstore.block_hash import extend_block_hashes
@@ -45,7 +49,7 @@ class BlockManager:
         self.caching = caching  # prefix caching on/off
         self._ref = [0] * num_blocks
         self._hash: list[bytes | None] = [None] * num_blocks
-        self._plain: deque[int] = deque(range(num_blocks))
+        self._plain: list[int] = list(range(num_blocks))  # a heap (sorted is one)
         self._lru: OrderedDict[int, None] = OrderedDict()
         self._cached: dict[bytes, int] = {}
         self._tables: dict[str, list[int]] = {}
@@ -114,7 +118,7 @@ class BlockManager:
 
     def _take(self) -> int:
         if self._plain:
-            block = self._plain.popleft()
+            block = heapq.heappop(self._plain)
         else:
             block, _ = self._lru.popitem(last=False)
             h = self._hash[block]
@@ -161,7 +165,7 @@ class BlockManager:
             assert self._hash[block] is None, "a block past the computed tokens was cached"
             self._ref[block] -= 1
             if self._ref[block] == 0:
-                self._plain.append(block)
+                heapq.heappush(self._plain, block)
         return len(dropped)
 
     def block_table(self, request_id: str) -> list[int]:
@@ -180,7 +184,7 @@ class BlockManager:
                 if self._hash[block] is not None:
                     self._lru[block] = None
                 else:
-                    self._plain.append(block)
+                    heapq.heappush(self._plain, block)
         return len(table)
 
     def cached_hashes(self) -> list[bytes]:

@@ -24,15 +24,27 @@ STOP_TIMEOUT_S = 40.0  # workers drain in-flight requests (30 s) before they exi
 
 
 def _engine_flags(args: argparse.Namespace) -> list[str]:
-    flags = ["--dtype", args.dtype, "--kv-cache-fraction", str(args.kv_cache_fraction)]
-    for flag, value in (
-        ("--kv-cache-bytes", args.kv_cache_bytes),
-        ("--max-num-seqs", args.max_num_seqs),
-        ("--max-num-batched-tokens", args.max_num_batched_tokens),
-        ("--max-model-len", args.max_model_len),
-        ("--threads", args.threads),
-    ):
-        if value is not None:
+    """The worker command-line flags for every engine option of `up` that is not at its default
+    (all of `edgeinfer worker`'s engine options, so none is accepted by `up` and then dropped)."""
+    from runtime.cli import _engine_args  # runtime.cli imports this module's caller
+
+    parser = argparse.ArgumentParser(add_help=False)
+    _engine_args(parser)
+    flags: list[str] = []
+    for action in parser._actions:
+        if action.dest == "model" or not action.option_strings:
+            continue
+        value = getattr(args, action.dest, action.default)
+        if value == action.default:
+            continue
+        flag = action.option_strings[0]
+        if isinstance(action, argparse._StoreTrueAction):
+            flags.append(flag)
+        elif isinstance(action, argparse._AppendAction):
+            flags += [f for v in value for f in (flag, str(v))]
+        elif isinstance(value, (list, tuple)):
+            flags += [flag, *map(str, value)]
+        else:
             flags += [flag, str(value)]
     return flags
 

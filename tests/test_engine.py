@@ -53,6 +53,35 @@ def test_preempted_request_equals_uninterrupted(
     assert llm.engine.blocks.num_free_blocks == llm.engine.blocks.num_blocks
 
 
+def test_eager_kv_commit_commits_the_cache_and_changes_no_output(
+    stories_dir: Path, reference: list[list[int]]
+) -> None:
+    import ctypes
+
+    libc = ctypes.CDLL(None, use_errno=True)
+
+    def resident(t: object) -> int:  # pages of the KV cache tensor in memory (mincore)
+        import torch
+
+        assert isinstance(t, torch.Tensor)
+        start = t.data_ptr() // 4096 * 4096
+        n = -(-(t.data_ptr() + t.nbytes - start) // 4096)
+        vec = (ctypes.c_ubyte * n)()
+        assert libc.mincore(ctypes.c_void_p(start), ctypes.c_size_t(n * 4096), vec) == 0
+        return sum(v & 1 for v in vec)
+
+    size = 8 << 20
+    lazy = LLM(stories_dir, kv_cache_bytes=size)
+    eager = LLM(stories_dir, kv_cache_bytes=size, kv_cache_commit="eager")
+    pages = -(-eager.engine.runner.kv.nbytes // 4096)
+    assert resident(eager.engine.runner.kv) >= pages - 1
+    assert resident(lazy.engine.runner.kv) < pages // 4  # nothing served yet: nothing touched
+    outs = eager.generate(PROMPTS, GREEDY)
+    assert [o.outputs[0].token_ids for o in outs] == reference
+    with pytest.raises(ValueError, match="kv_cache_commit must be lazy or eager, got 'now'"):
+        LLM(stories_dir, kv_cache_bytes=size, kv_cache_commit="now")
+
+
 def llm_block_bytes(model_dir: Path) -> int:
     # 5 layers x (k, v) x 16 tokens x 4 kv heads x 8 dims x 4 bytes
     return 5 * 2 * 16 * 4 * 8 * 4

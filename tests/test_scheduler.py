@@ -44,6 +44,19 @@ def test_block_manager_allocate_and_free() -> None:
     assert bm.free("a") == 0
 
 
+def test_block_manager_hands_out_the_lowest_free_block_first() -> None:
+    # The blocks in use stay packed at the start of the cache, whose pages are committed lazily.
+    bm = BlockManager(num_blocks=8, block_size=4, caching=False)
+    assert bm.allocate("a", 12) == [0, 1, 2]
+    assert bm.allocate("b", 8) == [3, 4]
+    bm.free("a")
+    assert bm.allocate("c", 8) == [0, 1]  # not 5, 6: freed blocks come back before fresh ones
+    bm.free("b")
+    assert bm.allocate("d", 16) == [2, 3, 4, 5]
+    bm.trim("d", 4)  # blocks 3, 4, 5 dropped
+    assert bm.allocate("e", 4) == [3]
+
+
 def test_prefill_then_decode() -> None:
     s = sched()
     s.add(req("a", 10))

@@ -74,3 +74,23 @@ def test_up_serves_and_stops_cleanly(tmp_path: Path, stories_dir: Path, roles: s
             os.killpg(proc.pid, signal.SIGKILL)
             proc.wait()
     assert not _port_open(port) and not _port_open(worker_port)
+
+
+def test_up_passes_every_engine_option_to_its_workers() -> None:
+    # `up` accepts all of the worker's engine options: each one given must reach the workers.
+    from runtime.cli import build_parser, engine_kwargs
+    from runtime.launcher import _engine_flags
+
+    given = ["--dtype", "float32", "--weight-dtype", "bfloat16", "--kv-cache-bytes", "5000000",
+             "--kv-cache-fraction", "0.1", "--kv-cache-commit", "eager", "--max-num-seqs", "7",
+             "--max-num-batched-tokens", "99", "--max-model-len", "300", "--threads", "1",
+             "--device", "cpu", "--no-cuda-graphs", "--speculative", "ngram",
+             "--num-speculative-tokens", "3", "--spec-ngram", "2", "5", "--tp", "2",
+             "--dist-port", "4567"]  # fmt: skip
+    parser = build_parser()
+    up = parser.parse_args(["up", *given])
+    flags = _engine_flags(up)
+    worker = parser.parse_args(["worker", "--region", "r", "--port", "1", *flags])
+    assert engine_kwargs(worker) == engine_kwargs(up)
+    assert engine_kwargs(up) != engine_kwargs(parser.parse_args(["up"]))
+    assert _engine_flags(parser.parse_args(["up"])) == []  # defaults: the worker's own

@@ -306,3 +306,71 @@ def test_drive_rate_is_measured_and_remembered_per_device(tmp_path: Path) -> Non
     drive.remember(tmp_path / "cache", f, rate)
     assert drive.cached(tmp_path / "cache", tmp_path) == rate  # same device, same figure
     assert f"{rate.gb_per_s:.2f} GB/s" in drive.describe(tmp_path / "cache", f)
+
+
+def _resident_pages(arena: Arena, start: int, end: int) -> int:
+    """How many of the arena's pages in [start, end) are in memory (mincore)."""
+    import ctypes
+
+    libc = ctypes.CDLL(None, use_errno=True)
+    n = (end - start) // ALIGN
+    vec = (ctypes.c_ubyte * n)()
+    rc = libc.mincore(ctypes.c_void_p(arena.addr + start), ctypes.c_size_t(end - start), vec)
+    assert rc == 0, ctypes.get_errno()
+    return sum(v & 1 for v in vec)
+
+
+def _vm_flags(arena: Arena) -> list[str]:
+    """The kernel's VmFlags of the mapping that holds the arena (/proc/self/smaps)."""
+    inside = False
+    for line in Path("/proc/self/smaps").read_text().splitlines():
+        first = line.split()[0]
+        if "-" in first and not first.endswith(":"):  # a mapping's header: lo-hi perms ...
+            lo, hi = (int(x, 16) for x in first.split("-"))
+            inside = lo <= arena.addr < hi
+        elif inside and first == "VmFlags:":
+            return line.split()[1:]
+    raise AssertionError("the arena is not mapped")
+
+
+def test_arena_commit_faults_pages_in_and_keeps_contents() -> None:
+    arena = Arena(64 * ALIGN, huge=False)
+    assert _resident_pages(arena, 0, arena.nbytes) == 0  # committed only when touched
+    arena.view[5 * ALIGN + 7] = 42
+    arena.commit(4 * ALIGN, 20 * ALIGN)
+    assert _resident_pages(arena, 0, 4 * ALIGN) == 0
+    assert _resident_pages(arena, 4 * ALIGN, 20 * ALIGN) == 16
+    assert _resident_pages(arena, 20 * ALIGN, arena.nbytes) == 0
+    assert arena.view[5 * ALIGN + 7] == 42 and arena.view[6 * ALIGN] == 0
+    arena.commit()
+    assert _resident_pages(arena, 0, arena.nbytes) == 64
+
+
+def test_arena_commit_without_populate_write_touches_every_page(monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    import ctypes
+    import errno
+
+    import runtime.shard_reader as sr
+
+    class OldKernel:  # madvise(MADV_POPULATE_WRITE) is Linux 5.14+; older kernels say EINVAL
+        def madvise(self, addr: int, length: int, advice: int) -> int:
+            ctypes.set_errno(errno.EINVAL)
+            return -1
+
+    monkeypatch.setattr(sr, "_libc", OldKernel())
+    arena = Arena(16 * ALIGN, huge=False)
+    arena.view[3 * ALIGN + 1] = 9
+    arena.commit(ALIGN, 9 * ALIGN)
+    assert _resident_pages(arena, ALIGN, 9 * ALIGN) == 8
+    assert _resident_pages(arena, 9 * ALIGN, arena.nbytes) == 0
+    assert arena.view[3 * ALIGN + 1] == 9
+
+
+@pytest.mark.skipif(not Path("/sys/kernel/mm/transparent_hugepage").exists(),
+                    reason="kernel without transparent huge pages")  # fmt: skip
+def test_arenas_ask_for_huge_pages_unless_told_not_to(monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    assert "hg" in _vm_flags(Arena(4 << 20))  # madvise(MADV_HUGEPAGE)
+    assert "hg" not in _vm_flags(Arena(4 << 20, huge=False))
+    assert "hg" not in _vm_flags(Arena(64 << 10))  # smaller than a huge page
+    monkeypatch.setenv("EDGEINFER_HUGE_PAGES", "0")
+    assert "hg" not in _vm_flags(Arena(4 << 20))
