@@ -491,6 +491,7 @@ def measure_edgeinfer(
             ("max_num_batched_tokens", args.max_num_batched_tokens),
             ("kv_cache_bytes", args.kv_cache_bytes),
             ("weight_dtype", None if args.weight_dtype == "auto" else args.weight_dtype),
+            ("kv_cache_commit", args.kv_cache_commit),
         )
         if v is not None
     }
@@ -642,6 +643,13 @@ def report(res: dict[str, Any]) -> str:
             ref = res["speed_reference_flops_per_s"] / 1e9  # absolute, to spot a slow start
             gflops = f"{ref * (1 + before):.0f} / {ref * (1 + after):.0f} GFLOP/s"
             lines.append(f"  {phase:<28} {before:+4.0%} / {after:+4.0%} ({gflops}){warn}")
+    if ei.get("load_seconds") is not None:
+        commit = ei.get("engine_args", {}).get("kv_cache_commit", "lazy")
+        lines.append(
+            f"edgeinfer start-up (not timed in its figures): {ei['load_seconds']:.1f} s, its KV "
+            f"cache committed {'at start-up' if commit == 'eager' else 'as blocks are first used'}"
+            f" (--kv-cache-commit {commit})"
+        )
     if ei.get("greedy_agreement"):
         g = ei["greedy_agreement"]
         lines.append(
@@ -698,6 +706,12 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--max-num-seqs", type=int, help="edgeinfer engine argument")
     p.add_argument("--max-num-batched-tokens", type=int, help="edgeinfer engine argument")
     p.add_argument("--kv-cache-bytes", type=int, help="edgeinfer engine argument")
+    p.add_argument(
+        "--kv-cache-commit", choices=["lazy", "eager"], default="eager",
+        help="edgeinfer engine argument (default eager: the KV cache committed at start-up, as a "
+        "worker's is once it has served a while; lazy: a fresh process's first pass, paying the "
+        "first touch of each page)",
+    )  # fmt: skip
     p.add_argument("--json", type=Path, help="write the results here")
     args = p.parse_args(argv)
     if args.hf_batch_sizes is None:

@@ -82,6 +82,11 @@ class PagedAttentionMetadata:
     decode_impl: str = "torch"  # "torch" (reference: copy blocks, then SDPA) | "cpu_ext" (in place)
     decodes: list[DecodeGroup] = field(default_factory=list)  # single-token rows, first in the step
     prefills: list[PrefillChunk] = field(default_factory=list)  # multi-token rows, after decodes
+    # The prefill chunks as the CPU extension reads them (set when it takes them; the chunks then
+    # carry no kv_slots or mask): (C, 3) int64 [first row, rows, tokens cached before] per chunk,
+    # and (C, nb) int64 block tables
+    prefill_spans: torch.Tensor | None = None
+    prefill_tables: torch.Tensor | None = None
     triton: TritonAttention | None = None  # instead of decodes / prefills on the Triton path
 
 
@@ -145,6 +150,13 @@ def paged_attention(
             qd, keys, values, attn_mask=g.mask, scale=scale, enable_gqa=Hkv != H
         )  # (n, H, 1, D)
         out[s : s + n] = o.squeeze(2)
+    if meta.prefill_spans is not None:  # every chunk in place, in one call
+        ext = cpu_ext.load()
+        assert ext is not None and meta.prefill_tables is not None
+        ext.paged_prefill_attention(
+            q.contiguous(), k_blocks, v_blocks, meta.prefill_spans, meta.prefill_tables, scale, out
+        )
+        return out
     if meta.prefills and k is None:
         raise ValueError("paged_attention: the reference needs the step's keys (k)")
     for chunk in meta.prefills:

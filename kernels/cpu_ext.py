@@ -106,6 +106,8 @@ def _build_key(name: str, source: Path) -> str:
     for part in (name, sys.version, torch.__version__, *_CFLAGS, "|", *_LDFLAGS, "|"):
         h.update(part.encode() + b"\0")
     h.update(source.read_bytes())
+    for header in sorted(source.parent.glob("*.h")):  # what the sources #include "..."
+        h.update(header.name.encode() + b"\0" + header.read_bytes())
     return h.hexdigest()[:16]
 
 

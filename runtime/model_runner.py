@@ -146,6 +146,11 @@ class ModelRunner:
         elif attention == "cpu_ext" and cpu_ext.load() is None:
             raise RuntimeError("attention='cpu_ext' asked for, but the extension did not build")
         self.decode_impl = attention
+        # Prompt chunks: in place through the same extension where it takes the model's heads
+        # (float32, AVX-512); torch's SDPA otherwise.
+        ext = cpu_ext.load() if attention == "cpu_ext" and model.dtype == torch.float32 else None
+        group = cfg.num_heads // cfg.num_kv_heads
+        self.prefill_in_place = ext is not None and ext.prefill_supported(group, cfg.head_dim)
         self.model = model
         self.device = model.device
         self.triton = self.device.type == "cuda" or FORCE_TRITON  # the kernels' metadata
@@ -161,7 +166,7 @@ class ModelRunner:
         shape = (layers, 2, num_blocks * block_size, heads, cfg.head_dim)
         nbytes = math.prod(shape) * model.dtype.itemsize
         if self.device.type == "cpu":
-            arena = Arena(nbytes)
+            arena = Arena(nbytes, huge=True)
             if kv_commit == "eager":
                 _commit(arena)
             self.kv = arena.tensor()[:nbytes].view(model.dtype).view(shape)
@@ -367,6 +372,7 @@ class ModelRunner:
         decode_tables: list[list[int]] = []
         decode_lens: list[int] = []
         prefills: list[PrefillChunk] = []
+        prefill_tables: list[list[int]] = []  # for the in-place prefill kernel
         for c in order:
             start, n = c.start, len(c.ids)
             table = block_tables[c.request_id]
@@ -376,7 +382,9 @@ class ModelRunner:
                 decode_lens += range(start + 1, start + n + 1)
             else:
                 chunk = PrefillChunk(query_start=len(ids) - n, query_len=n, context_len=start)
-                if start > 0 and not self.triton:
+                if self.prefill_in_place:
+                    prefill_tables.append(table)
+                elif start > 0 and not self.triton:
                     chunk.kv_slots = self._slots(table, 0, start + n)
                     q_pos = torch.arange(start, start + n)[:, None]  # (n, 1)
                     chunk.mask = torch.arange(start + n)[None, :] <= q_pos  # (n, start + n)
@@ -396,6 +404,15 @@ class ModelRunner:
         else:
             meta.prefills = prefills
             meta.decodes = self._decode_groups(decode_tables, decode_lens)
+            if prefill_tables:
+                width = max(len(t) for t in prefill_tables)
+                meta.prefill_tables = torch.tensor(
+                    [t + [0] * (width - len(t)) for t in prefill_tables], dtype=torch.int64
+                )
+                meta.prefill_spans = torch.tensor(
+                    [[p.query_start, p.query_len, p.context_len] for p in prefills],
+                    dtype=torch.int64,
+                )
         ctx = StepContext(positions=torch.cat(positions).to(dev, non_blocking=True), attn=meta)
         return torch.tensor(ids, dtype=torch.int64).to(dev, non_blocking=True), ctx
 

@@ -67,16 +67,17 @@ class Arena:
     any of them does.
 
     Private, not shared, memory: the kernel gives transparent huge pages only to private
-    anonymous mappings. An arena of at least 2 MB asks for them (madvise MADV_HUGEPAGE, honoured
-    where /sys/kernel/mm/transparent_hugepage/enabled is `madvise` or `always`): weights and KV
-    caches are read in long streams, and 2 MB pages spare the TLB misses of 4 KB ones and let the
-    hardware prefetchers run on across 4 KB boundaries. Measured on the 2-core Xeon guest
-    (2026-11-23, SmolLM2-135M float32): single-request decode 40.2 -> 42.4 tok/s with the
-    weights on huge pages; a 64-request decode step 153 -> 147 ms with the KV cache on them."""
+    anonymous mappings. `huge` asks for them (madvise MADV_HUGEPAGE, honoured where
+    /sys/kernel/mm/transparent_hugepage/enabled is `madvise` or `always`; arenas of 2 MB and more):
+    the KV cache does, since a decode step reads blocks scattered over it and 2 MB pages spare the
+    TLB misses of 4 KB ones (a 64-request decode step of SmolLM2 153 -> 147 ms on the 2-core Xeon
+    guest, 2026-11-23). Weights do not: on huge pages single-request decode ran 5% faster, but
+    their read at start-up took 0.2 s longer (a fresh 2 MB page cost the microVM's host more than
+    512 fresh 4 KB ones), and start-up is what a cold worker waits on."""
 
     __slots__ = ("addr", "buf", "nbytes", "view")
 
-    def __init__(self, nbytes: int, huge: bool = True):
+    def __init__(self, nbytes: int, huge: bool = False):
         self.nbytes = _round_up(max(nbytes, 1))
         self.buf = mmap.mmap(-1, self.nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
         if huge and self.nbytes >= HUGE_PAGE and huge_pages_wanted():

@@ -163,6 +163,63 @@ def test_prefill_chunk_over_cached_context(bs: int, ctx: int, n: int) -> None:
     )
 
 
+@pytest.mark.parametrize(
+    ("h", "hkv", "d", "bs"),
+    [
+        (9, 3, 64, 16),  # SmolLM2: 48 rows per task (three query heads x 16 queries)
+        (32, 8, 128, 16),  # Llama-3-8B-like
+        (16, 2, 64, 32),  # eight query heads per kv head: 128 rows per task; 32-token blocks
+        (8, 8, 32, 8),  # no GQA (16 rows per task); blocks shorter than a 16-key tile
+        (10, 2, 16, 4),  # five query heads per kv head (80 rows), one vector, 4-token blocks
+        (6, 2, 16, 1),  # three per kv head, one-token blocks
+    ],
+)
+def test_cpu_prefill_kernel_shapes(h: int, hkv: int, d: int, bs: int) -> None:
+    """Prompt chunks through the CPU extension, in place, against float64: fresh prompts and
+    chunks after cached tokens, of lengths that end mid-tile and mid-block, with decode rows
+    around them left alone. The cache starts as NaN, so a kernel that read a key past a chunk's
+    last one (or a block it was not given) fails."""
+    ext = cpu_ext.load()
+    if ext is None:
+        pytest.skip("the CPU extension did not build here (no compiler?)")
+    if not ext.prefill_supported(h // hkv, d):
+        pytest.skip("no AVX-512 here: prompt chunks go to torch's SDPA")
+    torch.manual_seed(4)
+    chunks = [(0, 1), (0, 17), (5, 3), (16, 16), (37, 50), (0, 130), (200, 9)]  # (ctx, n)
+    lens = [c + n for c, n in chunks]
+    num_blocks = sum(-(-n // bs) for n in lens) + 3
+    k_cache = torch.full((num_blocks, bs, hkv, d), float("nan"))
+    v_cache = torch.full_like(k_cache, float("nan"))
+    tables = scattered_tables(lens, bs, num_blocks, seed=5)
+    keys = [torch.randn(n, hkv, d) for n in lens]
+    vals = [torch.randn(n, hkv, d) for n in lens]
+    for t, kk, vv in zip(tables, keys, vals, strict=True):
+        pos = torch.arange(kk.shape[0])
+        slots = torch.tensor(t)[pos // bs] * bs + pos % bs
+        write_kv_cache(kk, vv, k_cache.view(-1, hkv, d), v_cache.view(-1, hkv, d), slots)
+    decodes = 3  # rows before the chunks, as in a mixed step: untouched
+    T = decodes + sum(n for _, n in chunks)
+    q = torch.randn(T, h, d)
+    out = torch.full_like(q, 7.0)
+    spans, row = [], decodes
+    for ctx, n in chunks:
+        spans.append([row, n, ctx])
+        row += n
+    width = max(len(t) for t in tables)
+    table_t = torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int64)
+    ext.paged_prefill_attention(q, k_cache, v_cache, torch.tensor(spans), table_t, d**-0.5, out)
+    assert (out[:decodes] == 7.0).all()
+    for (row, n, ctx), kk, vv in zip(spans, keys, vals, strict=True):
+        ref = dense_attention(q[row : row + n], kk, vv, ctx)
+        torch.testing.assert_close(out[row : row + n].double(), ref, atol=2e-5, rtol=1e-4)
+    with pytest.raises(RuntimeError, match="keys, its block table"):
+        bad = torch.tensor([[decodes, 5, width * bs]])
+        ext.paged_prefill_attention(q, k_cache, v_cache, bad, table_t[:1], d**-0.5, out)
+    with pytest.raises(RuntimeError, match="outside the step"):
+        bad = torch.tensor([[T - 2, 5, 0]])
+        ext.paged_prefill_attention(q, k_cache, v_cache, bad, table_t[:1], d**-0.5, out)
+
+
 def test_write_kv_cache_checks_shapes() -> None:
     cache = torch.zeros(8, HKV, D)
     with pytest.raises(ValueError, match="write_kv_cache"):

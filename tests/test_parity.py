@@ -7,6 +7,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from kernels import cpu_ext
 from kernels.attention import PagedAttentionMetadata, PrefillChunk
 from runtime import LLM, SamplingParams
 from runtime.loader import load_model
@@ -94,6 +95,24 @@ def test_tiny_family_logits_and_greedy(family: str, tiny_model_dir) -> None:  # 
     outs = llm.generate(PROMPTS, SamplingParams(temperature=0, max_tokens=32, ignore_eos=True))
     for p, out in zip(PROMPTS, outs, strict=True):
         assert out.outputs[0].token_ids == _hf_greedy(hf, p, 32), (family, p)
+
+
+def test_prompt_chunks_after_cached_tokens_match_transformers(tiny_model_dir) -> None:  # type: ignore[no-untyped-def]
+    """Qwen3's tiny model (head_dim 16, four query heads per kv head: the CPU extension's in-place
+    prefill attention where it builds) with prompts cut into 7-token chunks, and a prompt that
+    starts with another's cached blocks: each chunk attends over tokens already in the cache."""
+    model_dir = tiny_model_dir("qwen3")
+    hf = _hf(model_dir)
+    llm = LLM(model_dir, kv_cache_bytes=1 << 22, max_num_batched_tokens=7)
+    ext = cpu_ext.load()
+    assert llm.engine.runner.prefill_in_place == (ext is not None and ext.prefill_supported(4, 16))
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    first = llm.generate(PROMPTS, params)
+    shared = [*PROMPTS[2], 7, 8, 9]  # PROMPTS[2]'s first two blocks are cached by now
+    again = llm.generate([shared], params)[0]
+    assert again.num_cached_tokens >= 32
+    for p, out in zip([*PROMPTS, shared], [*first, again], strict=True):
+        assert out.outputs[0].token_ids == _hf_greedy(hf, p, 12), p
 
 
 def test_bfloat16_logits_close(tiny_model_dir) -> None:  # type: ignore[no-untyped-def]

@@ -334,7 +334,7 @@ def _vm_flags(arena: Arena) -> list[str]:
 
 
 def test_arena_commit_faults_pages_in_and_keeps_contents() -> None:
-    arena = Arena(64 * ALIGN, huge=False)
+    arena = Arena(64 * ALIGN)
     assert _resident_pages(arena, 0, arena.nbytes) == 0  # committed only when touched
     arena.view[5 * ALIGN + 7] = 42
     arena.commit(4 * ALIGN, 20 * ALIGN)
@@ -358,7 +358,7 @@ def test_arena_commit_without_populate_write_touches_every_page(monkeypatch) -> 
             return -1
 
     monkeypatch.setattr(sr, "_libc", OldKernel())
-    arena = Arena(16 * ALIGN, huge=False)
+    arena = Arena(16 * ALIGN)
     arena.view[3 * ALIGN + 1] = 9
     arena.commit(ALIGN, 9 * ALIGN)
     assert _resident_pages(arena, ALIGN, 9 * ALIGN) == 8
@@ -369,8 +369,8 @@ def test_arena_commit_without_populate_write_touches_every_page(monkeypatch) -> 
 @pytest.mark.skipif(not Path("/sys/kernel/mm/transparent_hugepage").exists(),
                     reason="kernel without transparent huge pages")  # fmt: skip
 def test_arenas_ask_for_huge_pages_unless_told_not_to(monkeypatch) -> None:  # type: ignore[no-untyped-def]
-    assert "hg" in _vm_flags(Arena(4 << 20))  # madvise(MADV_HUGEPAGE)
-    assert "hg" not in _vm_flags(Arena(4 << 20, huge=False))
-    assert "hg" not in _vm_flags(Arena(64 << 10))  # smaller than a huge page
+    assert "hg" in _vm_flags(Arena(4 << 20, huge=True))  # madvise(MADV_HUGEPAGE)
+    assert "hg" not in _vm_flags(Arena(4 << 20))  # weights: plain pages (see Arena)
+    assert "hg" not in _vm_flags(Arena(64 << 10, huge=True))  # smaller than a huge page
     monkeypatch.setenv("EDGEINFER_HUGE_PAGES", "0")
-    assert "hg" not in _vm_flags(Arena(4 << 20))
+    assert "hg" not in _vm_flags(Arena(4 << 20, huge=True))

@@ -21,6 +21,8 @@
 #include <cmath>
 #include <tuple>
 
+#include "simd_exp.h"
+
 // out = x * cos + rotate_half(x) * sin for one head of D (even) values.
 static inline void rotate(const float* x, const float* c, const float* s, float* out, int64_t D) {
   const int64_t half = D / 2;
@@ -96,31 +98,6 @@ std::tuple<torch::Tensor, torch::Tensor> rotary_write_kv(torch::Tensor q, torch:
   return {q_out, k_out};
 }
 
-#ifdef __AVX512F__
-#include <immintrin.h>
-
-// exp over 16 lanes: 2^n * p(r), x = n ln2 + r, |r| <= ln2 / 2, p a degree-7 fit (Cephes'
-// expf coefficients; relative error ~1e-7, as libm's), the power of two by scalef; x clamped to
-// +-88 (exp overflows float32 beyond). A NaN x comes out finite (min/max return their
-// second operand on NaN); silu_and_mul's result is NaN all the same, through its g factor.
-static inline __m512 exp16(__m512 x) {
-  x = _mm512_max_ps(_mm512_min_ps(x, _mm512_set1_ps(88.3762626647949f)),
-                    _mm512_set1_ps(-88.3762626647949f));
-  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
-                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
-  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
-  __m512 p = _mm512_set1_ps(1.9875691500E-4f);
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507E-3f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073E-3f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894E-2f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459E-1f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201E-1f));
-  p = _mm512_fmadd_ps(p, _mm512_mul_ps(r, r), _mm512_add_ps(r, _mm512_set1_ps(1.f)));
-  return _mm512_scalef_ps(p, n);
-}
-#endif
-
 torch::Tensor silu_and_mul(torch::Tensor x) {
   TORCH_CHECK(x.scalar_type() == torch::kFloat && x.dim() == 2 && x.is_contiguous(),
               "silu_and_mul: x (T, 2I) float32 contiguous expected, got ", x.sizes(), " ",
@@ -138,6 +115,7 @@ torch::Tensor silu_and_mul(torch::Tensor x) {
     const __m512 one = _mm512_set1_ps(1.f);
     for (; i + 16 <= I; i += 16) {
       const __m512 gv = _mm512_loadu_ps(g + i);
+      // a NaN gate gives a finite e, and a NaN result all the same (through gv)
       const __m512 e = exp16(_mm512_sub_ps(_mm512_setzero_ps(), gv));
       _mm512_storeu_ps(o + i, _mm512_mul_ps(_mm512_div_ps(gv, _mm512_add_ps(one, e)),
                                             _mm512_loadu_ps(u + i)));

@@ -29,6 +29,8 @@
 #include <type_traits>
 #include <vector>
 
+#include "simd_exp.h"
+
 namespace {
 
 // exp(x) for x <= 0 (softmax arguments), about 1 ulp, written so the compiler vectorizes it
@@ -464,9 +466,243 @@ torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor k_cache, tor
   return out;
 }
 
+
+#ifdef EI_AVX512
+// ---------------------------------------------------------------------------------------------
+// Prefill attention, float32, AVX-512: each prompt chunk's queries (positions ctx .. ctx + n - 1
+// of its request) over keys 0 .. their own position, read in place from the paged cache (the
+// chunk's own keys and values are written there before attention runs).
+//
+// torch's fused CPU SDPA takes no GQA (the KV heads must be repeated first) and a chunk after
+// cached tokens needs its keys gathered and a mask built. Here a task is one chunk, one kv head
+// and up to QT consecutive queries: its R = G * QT query rows share every key and value loaded.
+// Flash-attention style, with the rows in the vector lanes: Qt (D x R) holds the queries
+// transposed, so the scores of 16 rows against one key are one vector, D FMAs with the key's
+// elements broadcast from the cache as it lies; the running max and sum per row are vectors too
+// (no horizontal reductions), and Ot (D x R) accumulates p * v the same way.
+constexpr int64_t QT = 16;  // queries per task
+
+struct PrefillTask {
+  int64_t chunk, head, q0, qn, keys;  // keys: how many the task's last query attends to
+};
+
+// Scratch of one thread, sized for the largest task.
+struct PrefillScratch {
+  std::vector<float> qt, ot, p;
+  std::vector<const float*> krow, vrow;
+  void fit(int64_t R, int64_t D) {
+    qt.assign(D * R, 0.f);
+    ot.assign(D * R, 0.f);
+    p.assign(16 * R, 0.f);
+    krow.resize(16);
+    vrow.resize(16);
+  }
+};
+
+// One task. Rows r = i * G + g (query i of the task, head g of the kv head's group); R rounded up
+// to a multiple of 16 with copies of the last query (never written out).
+void prefill_task(const PrefillTask& t, const float* q, const float* kf, const float* vf,
+                  const int64_t* table, const int64_t* span, int64_t bs, int64_t Hkv, int64_t G,
+                  int64_t D, float scale, float* out, PrefillScratch& s) {
+  const int64_t H = Hkv * G, tok_stride = Hkv * D, blk_stride = bs * tok_stride;
+  const int64_t row0 = span[0], ctx = span[2];
+  const int64_t R = (t.qn * G + 15) / 16 * 16, NG = R / 16;
+  float* qt = s.qt.data();
+  float* ot = s.ot.data();
+  float* pb = s.p.data();
+  // Qt[d][r] = scale * q[r][d]; positions per row (padding rows repeat the last real row).
+  alignas(64) int32_t pos[8 * QT + 16];
+  for (int64_t r = 0; r < R; ++r) {
+    const int64_t rr = std::min(r, t.qn * G - 1), i = rr / G, g = rr % G;
+    const float* qrow = q + ((row0 + t.q0 + i) * H + t.head * G + g) * D;
+    for (int64_t d = 0; d < D; ++d) qt[d * R + r] = qrow[d] * scale;
+    pos[r] = static_cast<int32_t>(ctx + t.q0 + i);
+  }
+  std::fill(ot, ot + D * R, 0.f);
+  __m512 m[8], l[8];  // per row group: running max and sum (NG <= 8 * QT / 16 = 8)
+  for (int64_t rg = 0; rg < NG; ++rg) {
+    m[rg] = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
+    l[rg] = _mm512_setzero_ps();
+  }
+  const int64_t min_pos = ctx + t.q0;  // the task's first query
+  for (int64_t j0 = 0; j0 < t.keys; j0 += 16) {
+    const int64_t tn = std::min<int64_t>(16, t.keys - j0);
+    for (int64_t u = 0; u < tn; ++u) {
+      const int64_t j = j0 + u;
+      const int64_t off = table[j / bs] * blk_stride + (j % bs) * tok_stride + t.head * D;
+      s.krow[u] = kf + off;
+      s.vrow[u] = vf + off;
+    }
+    const bool diagonal = j0 + tn - 1 > min_pos;  // some row sees only part of this tile
+    for (int64_t rg = 0; rg < NG; ++rg) {
+      const float* qg = qt + rg * 16;
+      // Scores: one vector (16 rows) per key, eight keys' chains at a time.
+      __m512 sc[16];
+      for (int64_t u0 = 0; u0 < tn; u0 += 8) {
+        const int64_t un = std::min<int64_t>(8, tn - u0);
+        __m512 a[8];
+        for (int u = 0; u < 8; ++u) a[u] = _mm512_setzero_ps();
+        if (un == 8) {
+          for (int64_t d = 0; d < D; ++d) {
+            const __m512 qd = _mm512_loadu_ps(qg + d * R);
+            for (int u = 0; u < 8; ++u)
+              a[u] = _mm512_fmadd_ps(qd, _mm512_set1_ps(s.krow[u0 + u][d]), a[u]);
+          }
+        } else {
+          for (int64_t d = 0; d < D; ++d) {
+            const __m512 qd = _mm512_loadu_ps(qg + d * R);
+            for (int u = 0; u < 8; ++u)
+              if (u < un) a[u] = _mm512_fmadd_ps(qd, _mm512_set1_ps(s.krow[u0 + u][d]), a[u]);
+          }
+        }
+        for (int u = 0; u < 8; ++u)
+          if (u < un) sc[u0 + u] = a[u];
+      }
+      // Causal mask, then the running max.
+      const __m512i pv = _mm512_load_si512(pos + rg * 16);
+      __mmask16 valid[16];
+      __m512 mx = m[rg];
+      for (int64_t u = 0; u < tn; ++u) {
+        valid[u] = diagonal ? _mm512_cmp_epi32_mask(_mm512_set1_epi32(static_cast<int32_t>(j0 + u)),
+                                                   pv, _MM_CMPINT_LE)
+                            : static_cast<__mmask16>(0xFFFF);
+        mx = _mm512_mask_max_ps(mx, valid[u], mx, sc[u]);
+      }
+      // Rescale what is accumulated when a row's max grew (exp of -inf - finite: ~0, and the
+      // accumulators are still 0 then).
+      const __mmask16 grew = _mm512_cmp_ps_mask(mx, m[rg], _CMP_GT_OQ);
+      if (grew) {
+        const __m512 alpha = exp16(_mm512_sub_ps(m[rg], mx));
+        l[rg] = _mm512_mask_mul_ps(l[rg], grew, l[rg], alpha);
+        float* og = ot + rg * 16;
+        for (int64_t d = 0; d < D; ++d)
+          _mm512_storeu_ps(og + d * R, _mm512_mask_mul_ps(_mm512_loadu_ps(og + d * R), grew,
+                                                         _mm512_loadu_ps(og + d * R), alpha));
+        m[rg] = mx;
+      }
+      __m512 sum = l[rg];
+      for (int64_t u = 0; u < tn; ++u) {
+        const __m512 e = _mm512_maskz_mov_ps(valid[u], exp16(_mm512_sub_ps(sc[u], mx)));
+        _mm512_storeu_ps(pb + u * 16, e);
+        sum = _mm512_add_ps(sum, e);
+      }
+      l[rg] = sum;
+      // Values: Ot[d] += p_u * v_u[d], eight elements of d at a time kept in registers.
+      float* og = ot + rg * 16;
+      for (int64_t d0 = 0; d0 < D; d0 += 8) {
+        __m512 o[8];
+        for (int c = 0; c < 8; ++c) o[c] = _mm512_loadu_ps(og + (d0 + c) * R);
+        for (int64_t u = 0; u < tn; ++u) {
+          const __m512 pu = _mm512_loadu_ps(pb + u * 16);
+          const float* v = s.vrow[u] + d0;
+          for (int c = 0; c < 8; ++c) o[c] = _mm512_fmadd_ps(pu, _mm512_set1_ps(v[c]), o[c]);
+        }
+        for (int c = 0; c < 8; ++c) _mm512_storeu_ps(og + (d0 + c) * R, o[c]);
+      }
+    }
+  }
+  // out[row] = Ot[:, r] / l[r] for the real rows.
+  alignas(64) float inv[8 * 16];
+  for (int64_t rg = 0; rg < NG; ++rg)
+    _mm512_storeu_ps(inv + rg * 16, _mm512_div_ps(_mm512_set1_ps(1.f), l[rg]));
+  for (int64_t r = 0; r < t.qn * G; ++r) {
+    const int64_t i = r / G, g = r % G;
+    float* orow = out + ((row0 + t.q0 + i) * H + t.head * G + g) * D;
+    for (int64_t d = 0; d < D; ++d) orow[d] = ot[d * R + r] * inv[r];
+  }
+}
+#endif
+
+// Whether paged_prefill_attention takes G query heads per kv head of head_dim D here.
+bool prefill_supported(int64_t G, int64_t D) {
+#ifdef EI_AVX512
+  return G >= 1 && G <= 8 && D % 16 == 0;
+#else
+  (void)G;
+  (void)D;
+  return false;
+#endif
+}
+
+// out[rows of each chunk] = causal attention of those rows of q over their request's keys.
+//   q, out   (T, H, D) float32 contiguous: the step's rows (decode rows are left alone)
+//   k_cache, v_cache (num_blocks, block_size, Hkv, D)
+//   spans    (C, 3) int64: per chunk, its first row in q, its rows, its tokens cached before it
+//   tables   (C, nb) int64: per chunk, its request's block table (covering ctx + rows keys)
+void paged_prefill_attention(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
+                             torch::Tensor spans, torch::Tensor tables, double scale,
+                             torch::Tensor out) {
+  TORCH_CHECK(q.dim() == 3 && k_cache.dim() == 4 && v_cache.sizes() == k_cache.sizes() &&
+                  out.sizes() == q.sizes(),
+              "paged_prefill_attention: q, out (T, H, D), caches (blocks, block_size, Hkv, D)");
+  TORCH_CHECK(q.is_contiguous() && out.is_contiguous() && k_cache.is_contiguous() &&
+                  v_cache.is_contiguous(),
+              "paged_prefill_attention: tensors must be contiguous");
+  for (const auto* x : {&q, &k_cache, &v_cache, &out})
+    TORCH_CHECK(x->scalar_type() == torch::kFloat32, "paged_prefill_attention: float32 only");
+  const int64_t T = q.size(0), H = q.size(1), D = q.size(2);
+  const int64_t bs = k_cache.size(1), Hkv = k_cache.size(2);
+  TORCH_CHECK(D == k_cache.size(3) && H % Hkv == 0,
+              "paged_prefill_attention: head_dim or head count mismatch");
+  const int64_t G = H / Hkv;
+  TORCH_CHECK(prefill_supported(G, D), "paged_prefill_attention: ", G, " query heads per kv "
+              "head of head_dim ", D, " not supported here (prefill_supported)");
+  TORCH_CHECK(spans.scalar_type() == torch::kInt64 && tables.scalar_type() == torch::kInt64 &&
+                  spans.is_contiguous() && tables.is_contiguous() && spans.dim() == 2 &&
+                  spans.size(1) == 3 && tables.dim() == 2 && tables.size(0) == spans.size(0),
+              "paged_prefill_attention: spans (C, 3) and tables (C, nb) contiguous int64");
+  const int64_t C = spans.size(0), nb = tables.size(1), nblocks = k_cache.size(0);
+  const int64_t* sp = spans.data_ptr<int64_t>();
+  const int64_t* tp = tables.data_ptr<int64_t>();
+  std::vector<PrefillTask> tasks;
+  for (int64_t c = 0; c < C; ++c) {
+    const int64_t row0 = sp[3 * c], n = sp[3 * c + 1], ctx = sp[3 * c + 2];
+    TORCH_CHECK(n >= 1 && row0 >= 0 && row0 + n <= T && ctx >= 0,
+                "paged_prefill_attention: chunk ", c, " rows ", row0, "..", row0 + n,
+                " outside the step's ", T);
+    TORCH_CHECK(ctx + n <= nb * bs, "paged_prefill_attention: chunk ", c, " has ", ctx + n,
+                " keys, its block table ", nb * bs);
+    for (int64_t b = 0; b < (ctx + n + bs - 1) / bs; ++b)
+      TORCH_CHECK(tp[c * nb + b] >= 0 && tp[c * nb + b] < nblocks, "paged_prefill_attention: "
+                  "block ", tp[c * nb + b], " of chunk ", c, " outside the cache's ", nblocks);
+    for (int64_t h = 0; h < Hkv; ++h)
+      for (int64_t q0 = 0; q0 < n; q0 += QT) {
+        const int64_t qn = std::min(QT, n - q0);
+        tasks.push_back({c, h, q0, qn, ctx + q0 + qn});
+      }
+  }
+#ifdef EI_AVX512
+  // Longest first, handed out one at a time: the threads finish together.
+  std::stable_sort(tasks.begin(), tasks.end(),
+                   [](const PrefillTask& a, const PrefillTask& b) { return a.keys > b.keys; });
+  const float* qp = q.data_ptr<float>();
+  const float* kf = k_cache.data_ptr<float>();
+  const float* vf = v_cache.data_ptr<float>();
+  float* op = out.data_ptr<float>();
+  const float fscale = static_cast<float>(scale);
+  const int64_t ntasks = static_cast<int64_t>(tasks.size());
+  const int threads = static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), ntasks)));
+#pragma omp parallel num_threads(threads)
+  {
+    PrefillScratch scratch;
+    scratch.fit((QT * G + 15) / 16 * 16, D);
+#pragma omp for schedule(dynamic, 1)
+    for (int64_t i = 0; i < ntasks; ++i) {
+      const PrefillTask& t = tasks[i];
+      prefill_task(t, qp, kf, vf, tp + t.chunk * nb, sp + 3 * t.chunk, bs, Hkv, G, D, fscale,
+                   op, scratch);
+    }
+  }
+#endif
+}
+
 }  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_decode_attention", &paged_decode_attention,
         "Decode attention over a paged KV cache (CPU)");
+  m.def("paged_prefill_attention", &paged_prefill_attention,
+        "Causal attention of prompt chunks over a paged KV cache, in place (CPU, float32)");
+  m.def("prefill_supported", &prefill_supported,
+        "Whether paged_prefill_attention takes G query heads per kv head of head_dim D");
 }
