@@ -12,6 +12,12 @@ tables into slot indices once per step (`PagedAttentionMetadata`); every layer r
 Tokens of one step are laid out decode rows first (one query each), then prefill chunks (many
 queries each, possibly after tokens already cached: chunked prefill, resumed requests).
 
+On the CPU the extension (`kernels/csrc/paged_decode_cpu.cpp`, `cpu_ext.load()`) takes both
+where it builds: decode rows in place (`decode_impl="cpu_ext"`), and, for float32 models whose
+heads it supports (`prefill_supported`: AVX-512, up to 8 query heads per kv head, head_dim a
+multiple of 16), every prompt chunk of the step in one call (`prefill_spans`/`prefill_tables`).
+Otherwise decode rows copy their blocks for SDPA, and chunks go to torch's fused SDPA.
+
 On CUDA tensors (kernels.dispatch) the step runs two Triton kernels instead: paged decode
 attention over the decode rows (kernels/triton_decode_attention.py) and prefill attention over
 the packed chunks (kernels/triton_prefill_attention.py), both reading every key through the

@@ -360,7 +360,8 @@ class EngineConfig:
     max_model_len: int | None = None  # defaults to the model's context length
     num_threads: int | None = None  # torch threads on the CPU; None: torch's default
     attention: str = (
-        "auto"  # decode attention: "auto", "cpu_ext" (in place, C++), "torch" (reference)
+        "auto"  # CPU attention: "auto", "cpu_ext" (in place, C++: decode rows, and float32
+        # prompt chunks where the kernel takes the heads), "torch" (reference)
     )
     cpu_kernels: str = "auto"  # few-row matmuls, RMSNorm: "auto"/"cpu_ext" (C++), "torch"
     enable_prefix_caching: bool = True  # reuse the KV blocks of cached prompt prefixes

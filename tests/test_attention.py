@@ -49,6 +49,23 @@ def scattered_tables(lens: list[int], bs: int, num_blocks: int, seed: int) -> li
     return tables
 
 
+def nan_cache_with(lens: list[int], hkv: int, d: int, bs: int, seed: int):  # type: ignore[no-untyped-def]
+    """A (blocks, bs, hkv, d) key and value cache filled with NaN, then random keys and values of
+    requests of `lens` tokens written through scattered block tables. Returns (k_cache, v_cache,
+    tables, keys, values), keys and values per request as (n, hkv, d)."""
+    num_blocks = sum(-(-n // bs) for n in lens) + 2
+    k_cache = torch.full((num_blocks, bs, hkv, d), float("nan"))
+    v_cache = torch.full_like(k_cache, float("nan"))
+    tables = scattered_tables(lens, bs, num_blocks, seed=seed)
+    keys = [torch.randn(n, hkv, d) for n in lens]
+    vals = [torch.randn(n, hkv, d) for n in lens]
+    for t, kk, vv in zip(tables, keys, vals, strict=True):
+        pos = torch.arange(kk.shape[0])
+        slots = torch.tensor(t)[pos // bs] * bs + pos % bs
+        write_kv_cache(kk, vv, k_cache.view(-1, hkv, d), v_cache.view(-1, hkv, d), slots)
+    return k_cache, v_cache, tables, keys, vals
+
+
 @pytest.mark.parametrize("bs", [1, 4, 16])
 @pytest.mark.parametrize("impl", ["torch", "cpu_ext"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -116,16 +133,7 @@ def test_cpu_decode_kernel_shapes(h: int, hkv: int, d: int, bs: int) -> None:
         pytest.skip("the CPU extension did not build here (no compiler?)")
     torch.manual_seed(2)
     lens = [1, 15, 16, 17, 33, 200, 64, 5, 130]
-    num_blocks = sum(-(-n // bs) for n in lens) + 2
-    k_cache = torch.full((num_blocks, bs, hkv, d), float("nan"))
-    v_cache = torch.full_like(k_cache, float("nan"))
-    tables = scattered_tables(lens, bs, num_blocks, seed=3)
-    keys = [torch.randn(n, hkv, d) for n in lens]
-    vals = [torch.randn(n, hkv, d) for n in lens]
-    for t, kk, vv in zip(tables, keys, vals, strict=True):
-        pos = torch.arange(kk.shape[0])
-        slots = torch.tensor(t)[pos // bs] * bs + pos % bs
-        write_kv_cache(kk, vv, k_cache.view(-1, hkv, d), v_cache.view(-1, hkv, d), slots)
+    k_cache, v_cache, tables, keys, vals = nan_cache_with(lens, hkv, d, bs, seed=3)
     width = max(len(t) for t in tables)
     block_ids = torch.zeros(len(lens), width, dtype=torch.int64)
     for i, t in enumerate(tables):
@@ -187,16 +195,7 @@ def test_cpu_prefill_kernel_shapes(h: int, hkv: int, d: int, bs: int) -> None:
     torch.manual_seed(4)
     chunks = [(0, 1), (0, 17), (5, 3), (16, 16), (37, 50), (0, 130), (200, 9)]  # (ctx, n)
     lens = [c + n for c, n in chunks]
-    num_blocks = sum(-(-n // bs) for n in lens) + 3
-    k_cache = torch.full((num_blocks, bs, hkv, d), float("nan"))
-    v_cache = torch.full_like(k_cache, float("nan"))
-    tables = scattered_tables(lens, bs, num_blocks, seed=5)
-    keys = [torch.randn(n, hkv, d) for n in lens]
-    vals = [torch.randn(n, hkv, d) for n in lens]
-    for t, kk, vv in zip(tables, keys, vals, strict=True):
-        pos = torch.arange(kk.shape[0])
-        slots = torch.tensor(t)[pos // bs] * bs + pos % bs
-        write_kv_cache(kk, vv, k_cache.view(-1, hkv, d), v_cache.view(-1, hkv, d), slots)
+    k_cache, v_cache, tables, keys, vals = nan_cache_with(lens, hkv, d, bs, seed=5)
     decodes = 3  # rows before the chunks, as in a mixed step: untouched
     T = decodes + sum(n for _, n in chunks)
     q = torch.randn(T, h, d)

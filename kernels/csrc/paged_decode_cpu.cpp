@@ -1,4 +1,5 @@
-// Decode attention over the paged KV cache, on the CPU, reading keys and values in place.
+// Attention over the paged KV cache, on the CPU, reading keys and values in place: decode rows
+// (paged_decode_attention, below) and prompt chunks (paged_prefill_attention, at the end).
 //
 // The PyTorch reference (kernels/attention.py) copies every request's blocks into a padded
 // tensor before calling SDPA; this kernel walks the block table instead, so each cached key and
