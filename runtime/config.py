@@ -351,8 +351,9 @@ class EngineConfig:
     )
     # on the CPU, when the KV cache's memory is committed: "lazy" (a page when a block first
     # uses it: a fast start, memory taken as it is used) or "eager" (all of it at start-up, with
-    # progress lines: no first-touch page faults in the requests' path, ~5-12% faster steps
-    # until the cache has been used once; see bench/README). The GPU's is always allocated whole
+    # progress lines: no first-touch page faults in the requests' path; a fresh process ran the
+    # throughput workload 12% slower lazy, on a Firecracker guest; see bench/README). The GPU's
+    # is always allocated whole
     kv_cache_commit: str = "lazy"
     max_num_seqs: int = 128  # most requests in one step (with pp > 1: per lane, pp lanes in flight)
     max_num_batched_tokens: int = 2048  # token budget of one engine step

@@ -81,6 +81,12 @@ class Launched:
     sizes: list[int] | None = None  # a pipelined step's micro-batch sizes (RankGroup.finish)
 
 
+def padded_tables(tables: list[list[int]], width: int, dtype: torch.dtype) -> torch.Tensor:
+    """Block tables as one (len(tables), width) tensor, each cut or padded with block 0 to width
+    (padding is never read: the kernels stop at each row's length)."""
+    return torch.tensor([t[:width] + [0] * (width - len(t)) for t in tables], dtype=dtype)
+
+
 COMMIT_PIECE = 256 << 20  # bytes committed per call when the KV cache is committed eagerly
 COMMIT_REPORT_S = 2.0  # the least seconds between two progress lines of that commit
 
@@ -148,12 +154,14 @@ class ModelRunner:
         self.decode_impl = attention
         # Prompt chunks: in place through the same extension where it takes the model's heads
         # (float32, AVX-512); torch's SDPA otherwise.
-        ext = cpu_ext.load() if attention == "cpu_ext" and model.dtype == torch.float32 else None
-        group = cfg.num_heads // cfg.num_kv_heads
-        self.prefill_in_place = ext is not None and ext.prefill_supported(group, cfg.head_dim)
         self.model = model
         self.device = model.device
         self.triton = self.device.type == "cuda" or FORCE_TRITON  # the kernels' metadata
+        ext = cpu_ext.load() if attention == "cpu_ext" and model.dtype == torch.float32 else None
+        group = cfg.num_heads // cfg.num_kv_heads
+        self.prefill_in_place = (
+            not self.triton and ext is not None and ext.prefill_supported(group, cfg.head_dim)
+        )
         self.graphs: DecodeGraphs | None = None  # decode steps replayed (capture_decode_graphs)
         self.block_size = block_size
         self.num_blocks = num_blocks
@@ -352,8 +360,7 @@ class ModelRunner:
     ) -> DecodeGroup:
         n, max_len = len(lens), max(lens)
         width = -(-max_len // self.block_size)
-        rows = [t[:width] + [0] * (width - len(t[:width])) for t in tables]  # padded: block 0
-        padded = torch.tensor(rows, dtype=torch.int64)  # (n, blocks), one tensor per step
+        padded = padded_tables(tables, width, torch.int64)  # (n, blocks), one tensor per step
         mask = None
         if masked and min(lens) != width * self.block_size:
             lengths = torch.tensor(lens)
@@ -406,9 +413,7 @@ class ModelRunner:
             meta.decodes = self._decode_groups(decode_tables, decode_lens)
             if prefill_tables:
                 width = max(len(t) for t in prefill_tables)
-                meta.prefill_tables = torch.tensor(
-                    [t + [0] * (width - len(t)) for t in prefill_tables], dtype=torch.int64
-                )
+                meta.prefill_tables = padded_tables(prefill_tables, width, torch.int64)
                 meta.prefill_spans = torch.tensor(
                     [[p.query_start, p.query_len, p.context_len] for p in prefills],
                     dtype=torch.int64,
@@ -426,10 +431,7 @@ class ModelRunner:
         width = max([1, *(len(t) for t in decode_tables + prefill_tables)])
 
         def table(rows: list[list[int]]) -> torch.Tensor:
-            out = torch.zeros(len(rows), width, dtype=torch.int32)
-            for i, t in enumerate(rows):
-                out[i, : len(t)] = torch.tensor(t, dtype=torch.int32)
-            return out.to(self.device, non_blocking=True)
+            return padded_tables(rows, width, torch.int32).to(self.device, non_blocking=True)
 
         starts = [0]
         for p in prefills:
