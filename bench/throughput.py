@@ -312,8 +312,9 @@ def hf_generate_fn(model: Any, batch_size: int, pad_id: int) -> GenerateFn:
 
 def edgeinfer_generate_fn(
     model_dir: Path, dtype: str, engine_args: dict[str, Any]
-) -> tuple[GenerateFn, float]:
-    """edgeinfer's offline API, greedy with ignore_eos. Returns the function and its load time."""
+) -> tuple[GenerateFn, float, tuple[int, int, int]]:
+    """edgeinfer's offline API, greedy with ignore_eos. Returns the function, its load time and
+    (weight matrices packed, not packed, bytes of the packed blocks)."""
     from runtime import LLM, SamplingParams
 
     start = time.perf_counter()
@@ -327,7 +328,7 @@ def edgeinfer_generate_fn(
         outs = llm.generate(prompts, params, progress=len(prompts) > 1)
         return [list(o.outputs[0].token_ids) for o in outs]
 
-    return generate, load_s
+    return generate, load_s, llm.engine.model.packed_weights()
 
 
 # ---------------------------------------------------------------- measurements
@@ -492,12 +493,13 @@ def measure_edgeinfer(
             ("kv_cache_bytes", args.kv_cache_bytes),
             ("weight_dtype", None if args.weight_dtype == "auto" else args.weight_dtype),
             ("kv_cache_commit", args.kv_cache_commit),
+            ("packed_weights", False if args.no_packed_weights else None),
         )
         if v is not None
     }
     try:
         log(f"edgeinfer: loading ({engine_args or 'engine defaults'})")
-        generate, load_s = edgeinfer_generate_fn(model_dir, args.dtype, engine_args)
+        generate, load_s, packed = edgeinfer_generate_fn(model_dir, args.dtype, engine_args)
     except ImportError as e:
         log(f"edgeinfer: unavailable ({e}); its rows stay empty")
         return None
@@ -512,6 +514,7 @@ def measure_edgeinfer(
     res: dict[str, Any] = {
         "engine_args": engine_args,
         "load_seconds": load_s,
+        "packed_weights": {"packed": packed[0], "dense": packed[1], "bytes": packed[2]},
         "seconds": run.seconds,
         "tokens_per_s": run.tokens_per_s,
         "single_decode_tokens_per_s": single,
@@ -650,6 +653,13 @@ def report(res: dict[str, Any]) -> str:
             f"cache committed {'at start-up' if commit == 'eager' else 'as blocks are first used'}"
             f" (--kv-cache-commit {commit})"
         )
+    if ei.get("packed_weights"):
+        pw = ei["packed_weights"]
+        lines.append(
+            f"edgeinfer weights: {pw['packed']} of {pw['packed'] + pw['dense']} matrices read by "
+            f"few-row matmuls as their exact Q4_1 / Q8_0 blocks ({pw['bytes'] / 1e6:.0f} MB; "
+            "--no-packed-weights: the float32 weights as they are)"
+        )
     if ei.get("greedy_agreement"):
         g = ei["greedy_agreement"]
         lines.append(
@@ -711,6 +721,11 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         help="edgeinfer engine argument (default eager: the KV cache committed at start-up, as a "
         "worker's is once it has served a while; lazy: a fresh process's first pass, paying the "
         "first touch of each page)",
+    )  # fmt: skip
+    p.add_argument(
+        "--no-packed-weights", action="store_true",
+        help="edgeinfer engine argument: read the float32 weights as they are, not the exact "
+        "Q4_1 / Q8_0 blocks found in the GGUF-imported model's weights (the default reads them)",
     )  # fmt: skip
     p.add_argument("--json", type=Path, help="write the results here")
     args = p.parse_args(argv)

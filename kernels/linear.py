@@ -18,12 +18,24 @@ to float32 in registers (exact), so the products and sums are float32's: 7.9 ms 
 rows, cpu_kernels="torch", no compiler) the reference widens the weight and calls torch: the
 same values, a float32 copy of the weight per call.
 
-`small_linear(x, w, b, ext)`: `ext` is the compiled module (`kernels.cpu_ext.load_small_gemm()`)
-or None; the reference (`torch.nn.functional.linear`) runs whenever the kernel does not apply.
+Packed weights (`pack`): float32 weights that are exactly block-quantized values, as a model
+imported from a GGUF file holds (llama.cpp's Q4_1 or Q8_0 blocks of 32, dequantized by the
+importer), are found again as those blocks, checked to give back every weight bit for bit, and
+kept beside the float32 weight. Up to MAX_ROWS_PACKED rows of x the kernel reads the blocks (5-6
+bits a weight against 32) and widens them in registers to the same float32 values: over
+SmolLM2's layers at one row, 5.6 ms a pass against 15.5 (memory-bound) for the float32 weights;
+8.6 against 18.9 at 4 rows, 52.9 against 60.1 at 64 (2-core Xeon, 2026-11-23). Above, the
+float32 weight goes through the matmuls above (the widening, once a call, then costs more than
+the bytes it saves).
+
+`small_linear(x, w, b, ext, packed)`: `ext` is the compiled module
+(`kernels.cpu_ext.load_small_gemm()`) or None; `packed` what `pack` made of w, or None; the
+reference (`torch.nn.functional.linear`) runs whenever no kernel applies.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from types import ModuleType
 
 import torch
@@ -35,6 +47,38 @@ import torch
 # faster: 895 against 976 ms, 1763 against 1931, over 6 of SmolLM2's layers, 2026-11-23).
 MAX_ROWS = 128
 MAX_ROWS_BF16 = 512
+# The most rows of x the packed kernel takes (from 128 rows about even with the float32 weights
+# through the GEMM; the LM head's Q8_0 blocks slower from 64).
+MAX_ROWS_PACKED = 64
+
+
+@dataclass(frozen=True, slots=True)
+class Packed:
+    """A weight's blocks (`csrc/small_gemm_cpu.cpp`, pack_blocks): qs uint8 (Q4_1: two 4-bit
+    values a byte) or int8 (Q8_0), and float32 scales (d and m, or d, a block of 32)."""
+
+    qs: torch.Tensor
+    scales: torch.Tensor
+
+    @property
+    def format(self) -> str:
+        return "Q4_1" if self.qs.dtype == torch.uint8 else "Q8_0"
+
+    @property
+    def nbytes(self) -> int:
+        return self.qs.nbytes + self.scales.nbytes
+
+
+def pack(w: torch.Tensor, ext: ModuleType | None) -> Packed | None:
+    """w's blocks, where every block of 32 along its rows is exactly Q4_1 or Q8_0 values and the
+    extension has its AVX-512 kernels here (elsewhere it would be slower than the float32
+    weight); None otherwise."""
+    if ext is None or not ext.packed_fast() or w.dtype != torch.float32 or w.dim() != 2:
+        return None
+    if w.device.type != "cpu" or w.shape[1] % 32:
+        return None
+    found = ext.pack_blocks(w)
+    return None if found is None else Packed(*found)
 
 
 def max_rows(w: torch.Tensor) -> int:
@@ -55,14 +99,22 @@ def applies(x: torch.Tensor, w: torch.Tensor) -> bool:
 
 
 def small_linear(
-    x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None, ext: ModuleType | None = None
+    x: torch.Tensor,
+    w: torch.Tensor,
+    b: torch.Tensor | None = None,
+    ext: ModuleType | None = None,
+    packed: Packed | None = None,
 ) -> torch.Tensor:
     """x: (M, K), w: (N, K), b: (N,) or None -> (M, N), in x's dtype.
 
     Give `ext` only for float32 or bfloat16, contiguous CPU weights (`applies` says which; the
-    model checks once when it turns the kernel on), so the per-call test is the cheap one on x.
-    Weights in another dtype than x (bfloat16 under float32) are widened for the reference.
+    model checks once when it turns the kernel on), so the per-call test is the cheap one on x;
+    `packed` only with `ext`. Weights in another dtype than x (bfloat16 under float32) are
+    widened for the reference.
     """
+    if packed is not None and x.dim() == 2 and x.shape[0] <= MAX_ROWS_PACKED:
+        assert ext is not None
+        return ext.packed_linear(x, packed.qs, packed.scales, b)
     if ext is not None and x.dim() == 2 and x.shape[0] <= max_rows(w) and x.dtype == torch.float32:
         return ext.small_linear(x, w, b)
     if w.dtype != x.dtype:

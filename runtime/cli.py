@@ -76,6 +76,9 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
                    "else the CPU")  # fmt: skip
     p.add_argument("--no-cuda-graphs", action="store_true",
                    help="on CUDA, run decode steps eagerly instead of replaying captured graphs")  # fmt: skip
+    p.add_argument("--no-packed-weights", action="store_true",
+                   help="on the CPU, read every float32 weight as it is, not the exact Q4_1 / "
+                   "Q8_0 blocks found in a GGUF-imported model's weights")  # fmt: skip
     p.add_argument("--speculative", choices=["ngram", "draft"], default=None,
                    help="speculative decoding: ngram (prompt lookup) or draft (a small draft "
                    "model, --draft-model); default off")  # fmt: skip
@@ -127,6 +130,7 @@ def engine_kwargs(args: argparse.Namespace) -> dict[str, object]:
         "num_threads": args.threads,
         "device": args.device,
         "cuda_graphs": not args.no_cuda_graphs,
+        "packed_weights": not args.no_packed_weights,
         "tp": args.tp,
         "pp": args.pp,
         "ep": args.ep,

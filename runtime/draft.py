@@ -79,8 +79,10 @@ class DraftProposer:
             )
         self.blocks = BlockManager(num_blocks, config.block_size, caching=False)
         self.runner = ModelRunner(
-            self.model, num_blocks, config.block_size, config.attention, config.cpu_kernels
+            self.model, num_blocks, config.block_size, config.attention, config.cpu_kernels,
+            packed_weights=config.packed_weights,
         )
+        self.runner.pack_weights()  # load_model has read every weight
         self._shadows: dict[str, Request] = {}  # request id -> the draft's view of it
         self._base: dict[str, int] = {}  # request id -> leading shadow tokens that are its own
 

@@ -119,15 +119,20 @@ class ModelRunner:
         cpu_kernels: str = "auto",
         ranks: RankGroup | None = None,
         kv_commit: str = "lazy",
+        packed_weights: bool = True,
     ):
         """`ranks`: the model's other ranks (on rank 0 of a split model), which build their own
         runners with the same settings. `kv_commit` (CPU): "lazy", the KV cache's pages committed
-        as blocks first use them; "eager", all of them now (`EngineConfig.kv_cache_commit`)."""
+        as blocks first use them; "eager", all of them now (`EngineConfig.kv_cache_commit`).
+        `packed_weights` (CPU, float32): few-row matmuls read the exact Q4_1 / Q8_0 blocks of the
+        weights that are such values (`EngineConfig.packed_weights`), found by `pack_weights`
+        once the weights are all read."""
         cfg = model.cfg
         self.ranks = ranks
         if ranks is not None:
             ranks.setup(num_blocks=num_blocks, block_size=block_size, attention=attention,
-                        cpu_kernels=cpu_kernels, kv_commit=kv_commit)  # fmt: skip
+                        cpu_kernels=cpu_kernels, kv_commit=kv_commit,
+                        packed_weights=packed_weights)  # fmt: skip
         t0 = time.perf_counter()
         # Matmuls (float32 or bfloat16 weights), RMSNorm, RoPE + KV write, SiLU-and-mul: C++
         # kernels where they build and the activations are float32; the references otherwise.
@@ -141,6 +146,7 @@ class ModelRunner:
                     "cpu_kernels='cpu_ext' asked for, but an extension did not build"
                 )
         model.use_cpu_kernels(gemm, norm, fused)
+        self._pack = packed_weights and gemm is not None
         if gemm is None and on_cpu and model.weight_dtype != model.dtype:
             # torch's matmul then widens every bfloat16 weight on every call: slower than float32
             log.warning("bfloat16 weights without the CPU matmul kernel (cpu_kernels=%r or the "
@@ -184,6 +190,21 @@ class ModelRunner:
         self.sampler = Sampler()
         # where start-up went: (start, end) time.perf_counter() of each phase
         self.startup = {"kernels": (t0, t1), "KV cache": (t1, time.perf_counter())}
+
+    def pack_weights(self) -> None:
+        """Once the weights are all read (not before: they may still be streaming in), find the
+        exact Q4_1 / Q8_0 blocks of those that are such values, for few-row matmuls to read
+        (`packed_weights`); a no-op where it is off or the matmul kernel is not used."""
+        if not self._pack:
+            return
+        t0 = time.perf_counter()
+        self.model.pack_weights()
+        packed, dense, nbytes = self.model.packed_weights()
+        if packed:
+            log.info("packed weights: %d of %d matrices are exact Q4_1 / Q8_0 blocks, %.0f MB "
+                     "read by a decode pass instead of their float32 (%.2f s)", packed,
+                     packed + dense, nbytes / 1e6, time.perf_counter() - t0)  # fmt: skip
+        self.startup["packing"] = (t0, time.perf_counter())
 
     @torch.inference_mode()
     def execute(

@@ -162,6 +162,7 @@ def _follow(model: LlamaForCausalLM) -> None:
     sends = Sends(model.place.config.pp + 1)
     setup = _receive()
     runner = ModelRunner(model, **setup)
+    runner.pack_weights()  # this rank's weights are all read
     while True:
         command = _receive()
         op = command[0]

@@ -1,14 +1,17 @@
 """The small-matmul kernel against float64, beside the PyTorch reference it replaces: float32
 weights (1-256 rows of x) and bfloat16 weights (any rows), through each of its paths (1-8 rows,
-9-15, the blocked GEMM from 16; partial weight panels and ragged K)."""
+9-15, the blocked GEMM from 16; partial weight panels and ragged K), and packed weights (exact
+Q4_1 / Q8_0 blocks of float32 weights, as a GGUF import makes them)."""
 
 from __future__ import annotations
 
+import gguf
+import numpy as np
 import pytest
 import torch
 
 from kernels import cpu_ext
-from kernels.linear import MAX_ROWS, applies, small_linear
+from kernels.linear import MAX_ROWS, MAX_ROWS_PACKED, Packed, applies, pack, small_linear
 
 
 @pytest.fixture(scope="module")
@@ -99,3 +102,76 @@ def test_bfloat16_weights_take_any_rows(ext) -> None:  # type: ignore[no-untyped
     ref_err = (torch.nn.functional.linear(x, w16.float()).double() - exact).abs().max().item()
     err = (ext.small_linear(x, w16, None).double() - exact).abs().max().item()
     assert err <= 4 * ref_err + 1e-5 * 40**0.5, (err, ref_err)
+
+
+# ---- packed weights: float32 weights that are exact Q4_1 / Q8_0 values (kernels.linear.pack)
+
+Q = gguf.GGMLQuantizationType
+
+
+def gguf_weights(n: int, k: int, qtype: Q, seed: int = 0) -> torch.Tensor:
+    """A float32 weight as runtime.gguf_import makes it: llama.cpp's blocks through the `gguf`
+    package's quantize and dequantize."""
+    rng = np.random.default_rng(seed)
+    w = (rng.standard_normal((n, k)) * 0.05).astype(np.float32)
+    w[0, :32] = 0.25  # a block of equal values (d = 0)
+    w[1, :32] = 0.0  # of zeros
+    return torch.from_numpy(gguf.quants.dequantize(gguf.quants.quantize(w, qtype), qtype).copy())
+
+
+@pytest.mark.parametrize(("qtype", "fmt"), [(Q.Q4_1, "Q4_1"), (Q.Q8_0, "Q8_0")])
+def test_pack_finds_the_blocks_and_gives_every_weight_back(ext, qtype: Q, fmt: str) -> None:  # type: ignore[no-untyped-def]
+    w = gguf_weights(70, 96, qtype)
+    qs, scales = ext.pack_blocks(w)
+    assert qs.dtype == (torch.uint8 if fmt == "Q4_1" else torch.int8)
+    assert qs.nbytes + scales.nbytes < w.nbytes / 3
+    back = ext.unpack_blocks(qs, scales)
+    assert torch.equal(back.view(torch.int32), w.view(torch.int32))  # bit for bit
+    if ext.packed_fast():
+        packed = pack(w, ext)
+        assert packed is not None and packed.format == fmt
+
+
+def test_pack_refuses_weights_that_are_not_blocks(ext) -> None:  # type: ignore[no-untyped-def]
+    assert ext.pack_blocks(torch.randn(8, 64)) is None  # plain float32
+    w = gguf_weights(8, 64, Q.Q4_1)
+    w[3, 40] = torch.nextafter(w[3, 40], torch.tensor(1.0))  # one weight off by one ulp
+    assert ext.pack_blocks(w) is None
+    w = gguf_weights(8, 64, Q.Q8_0)
+    w[5, 7] = float("nan")
+    assert ext.pack_blocks(w) is None
+    assert ext.pack_blocks(gguf_weights(8, 64, Q.Q8_0)[:, :48].contiguous()) is None  # K % 32
+    assert pack(torch.randn(8, 64), ext) is None
+    assert pack(gguf_weights(8, 64, Q.Q8_0).to(torch.bfloat16), ext) is None
+
+
+@pytest.mark.parametrize("qtype", [Q.Q4_1, Q.Q8_0], ids=lambda q: q.name)
+@pytest.mark.parametrize("m", [1, 2, 3, 4, 5, 8, 9, 16, 17, 33, 64])
+@pytest.mark.parametrize(("k", "n"), [(64, 5), (96, 70), (576, 131)])
+@pytest.mark.parametrize("bias", [False, True])
+def test_packed_kernel_matches_float64_as_closely_as_the_float32_weights(
+    ext, qtype: Q, m: int, k: int, n: int, bias: bool  # type: ignore[no-untyped-def]
+) -> None:
+    w = gguf_weights(n, k, qtype, seed=m)
+    x = torch.randn(m, k)
+    b = torch.randn(n) if bias else None
+    qs, scales = ext.pack_blocks(w)
+    got = ext.packed_linear(x, qs, scales, b)
+    want = torch.nn.functional.linear(x.double(), w.double(), None if b is None else b.double())
+    ref_err = (torch.nn.functional.linear(x, w, b).double() - want).abs().max().item()
+    err = (got.double() - want).abs().max().item()
+    assert err <= 4 * ref_err + 5e-7 * k**0.5, (err, ref_err)  # as test_kernel_... at w's scale
+
+
+def test_small_linear_reads_the_blocks_up_to_max_rows_packed(ext) -> None:  # type: ignore[no-untyped-def]
+    if not ext.packed_fast():
+        pytest.skip("packing is used where the extension has its AVX-512 kernels")
+    w = gguf_weights(48, 64, Q.Q4_1)
+    packed = pack(w, ext)
+    assert packed is not None
+    # blocks that disagree with w: the result tells which weights were read
+    other = Packed(packed.qs, packed.scales * 2)
+    x = torch.randn(MAX_ROWS_PACKED, 64)
+    torch.testing.assert_close(small_linear(x, w, None, ext, other), 2 * (x @ w.T), rtol=1e-4, atol=1e-4)
+    x = torch.randn(MAX_ROWS_PACKED + 1, 64)
+    torch.testing.assert_close(small_linear(x, w, None, ext, other), x @ w.T, rtol=1e-4, atol=1e-4)

@@ -29,6 +29,9 @@
 
 #include <algorithm>
 #include <array>
+#include <atomic>
+#include <cmath>
+#include <vector>
 #include <cstdlib>
 #include <utility>
 #include <cstdint>
@@ -395,14 +398,26 @@ static constexpr auto kMicro = micro_table(std::make_integer_sequence<int, MR_MA
 
 static thread_local PanelBuf tl_xpack;
 
+// Where the GEMM's weights come from: `pack(n0, nc, panel)` writes rows [n0, n0 + nc) as the
+// K x NR float32 panel; `row(n)` / `row_bytes()` locate a row's bytes for the prefetch. Dense
+// float32 or bfloat16 rows here; the packed block formats further down.
 template <typename W>
-static void gemm_avx512(const float* x, const W* w, const float* bias, float* y, int64_t M,
+struct Dense {
+  const W* w;
+  int64_t K;
+  void pack(int64_t n0, int nc, float* panel) const { pack_panel(w, K, n0, nc, panel); }
+  const char* row(int64_t n) const { return reinterpret_cast<const char*>(w + n * K); }
+  int64_t row_bytes() const { return K * int64_t(sizeof(W)); }
+};
+
+template <typename Src>
+static void gemm_avx512(const float* x, const Src& src, const float* bias, float* y, int64_t M,
                         int64_t K, int64_t N) {
   const int64_t panels = (N + NR - 1) / NR;
   const int64_t tiles = (M + MR_MAX - 1) / MR_MAX;  // rows split evenly: 16 = 8 + 8, 17 = 8 + 9
   // The next panel's weights, in cache lines, prefetched over this panel's tiles: npf lines
   // every 8 steps of k.
-  const int64_t lines = (int64_t(NR) * K * int64_t(sizeof(W)) + 63) / 64;
+  const int64_t lines = (int64_t(NR) * src.row_bytes() + 63) / 64;
   const int64_t chunks = tiles * std::max<int64_t>(K / 8, 1);
   const int npf = int((lines + chunks - 1) / chunks);
 #pragma omp parallel
@@ -422,10 +437,10 @@ static void gemm_avx512(const float* x, const W* w, const float* bias, float* y,
       }
       const int64_t n0 = p * NR;
       const int nc = int(std::min<int64_t>(NR, N - n0));
-      pack_panel(w, K, n0, nc, panel);
+      src.pack(n0, nc, panel);
       // prefetch past the end of w is harmless (a prefetch never faults), but pointless
       const bool next = N - n0 >= 2 * NR;
-      const char* pf = reinterpret_cast<const char*>(w + (n0 + NR) * K);
+      const char* pf = src.row(n0 + NR);
       for (int64_t t = 0; t < tiles; ++t) {
         const int64_t m0 = t * M / tiles, m1 = (t + 1) * M / tiles;
         kMicro[m1 - m0 - 1](xp + m0 * K, panel, K, y + m0 * N + n0, N,
@@ -524,7 +539,7 @@ static void dispatch(const float* xp, const W* wp, const float* bp, float* yp, i
       if (M < kGemmRows)
         tiled_avx512<2>(xp, wp, bp, yp, M, K, N);
       else
-        gemm_avx512(xp, wp, bp, yp, M, K, N);
+        gemm_avx512(xp, Dense<W>{wp, K}, bp, yp, M, K, N);
 #elif defined(__AVX2__)
       run_tiled(xp, wp, bp, yp, M, K, N);
 #else
@@ -532,6 +547,380 @@ static void dispatch(const float* xp, const W* wp, const float* bp, float* yp, i
 #endif
       break;
   }
+}
+
+// ---- Packed weights: float32 weights that are exactly block-quantized values. ----
+//
+// A model imported from a GGUF file (llama.cpp's Q4_1 and Q8_0 formats, dequantized to float32
+// by runtime.gguf_import) holds float32 weights each of which, in its block of 32 along a row,
+// is d * q + m (Q4_1: q in 0..15, d and m float16) or d * q (Q8_0: q in -128..127, d float16).
+// `pack_blocks` finds d, m and q again from the float32 values and checks that every weight comes
+// back bit for bit; the packed form (5 or 8.5 bits a weight, + 32 or 16 bits of float32 scales
+// a block) is then read instead of 32 bits, and widened in registers to the very same float32
+// values: d * q is exact in float32 (11 x 8 significant bits), so one rounding (the + m, an FMA)
+// gives what the importer's numpy gave. Products and sums stay float32's, as with dense weights;
+// a decode step reads a fifth of the bytes.
+//
+// Layout (N rows, K / 32 blocks a row). Q4_1: qs uint8 (N, K / 2), 16 bytes a block, byte j
+// holding q[j] in its low nibble and q[j + 16] in its high one; scales float32 (N, K / 32, 2),
+// (d, m) a block. Q8_0: qs int8 (N, K); scales float32 (N, K / 32), d a block. The dtype of qs
+// names the format.
+constexpr int64_t kBlock = 32;
+
+static inline uint32_t bits_of(float f) {
+  uint32_t u;
+  std::memcpy(&u, &f, sizeof u);
+  return u;
+}
+
+// Nearby float16 scales to try for a block: the float16 nearest the float32 estimate, then its
+// neighbours (positive float16s order as their bit patterns).
+template <typename Fn>
+static bool try_scales(float estimate, Fn&& fits) {
+  const int base = c10::Half(estimate).x;
+  for (int t : {0, -1, 1, -2, 2}) {
+    const int b = base + t;
+    if (b <= 0 || b >= 0x7c00) continue;  // zero, negative, inf or NaN
+    const float d = float(c10::Half(uint16_t(b), c10::Half::from_bits()));
+    if (fits(d)) return true;
+  }
+  return false;
+}
+
+// One block of 32 as Q4_1: d * q + m, q in 0..15 (the minimum has q = 0: m is a float16).
+static bool find_q4_1(const float* x, uint8_t* qs, float* dm) {
+  float mn = x[0], mx = x[0];
+  for (int i = 1; i < kBlock; ++i) {
+    mn = std::min(mn, x[i]);
+    mx = std::max(mx, x[i]);
+  }
+  if (!std::isfinite(mn) || !std::isfinite(mx) || float(c10::Half(mn)) != mn) return false;
+  uint8_t q[kBlock];
+  float d = 0.f;
+  auto fits = [&](float dc) {
+    for (int i = 0; i < kBlock; ++i) {
+      const float qf = std::nearbyint((x[i] - mn) / dc);
+      if (!(qf >= 0.f && qf <= 15.f) || bits_of(std::fma(dc, qf, mn)) != bits_of(x[i]))
+        return false;
+      q[i] = uint8_t(qf);
+    }
+    d = dc;
+    return true;
+  };
+  if (mx == mn) {
+    for (int i = 0; i < kBlock; ++i) {
+      if (bits_of(x[i]) != bits_of(mn + 0.f)) return false;  // d * 0 + m is m's value
+      q[i] = 0;
+    }
+  } else if (!try_scales((mx - mn) / 15.f, fits)) {
+    return false;
+  }
+  for (int j = 0; j < 16; ++j) qs[j] = uint8_t(q[j] | (q[j + 16] << 4));
+  dm[0] = d;
+  dm[1] = mn;
+  return true;
+}
+
+// One block of 32 as Q8_0: d * q, q in -128..127.
+static bool find_q8_0(const float* x, int8_t* qs, float* scale) {
+  float amax = 0.f;
+  for (int i = 0; i < kBlock; ++i) amax = std::max(amax, std::fabs(x[i]));
+  if (!std::isfinite(amax)) return false;
+  float d = 0.f;
+  auto fits = [&](float dc) {
+    for (int i = 0; i < kBlock; ++i) {
+      const float qf = std::nearbyint(x[i] / dc);
+      if (!(qf >= -128.f && qf <= 127.f) || bits_of(dc * qf) != bits_of(x[i])) return false;
+      qs[i] = int8_t(qf);
+    }
+    d = dc;
+    return true;
+  };
+  if (amax == 0.f) {
+    for (int i = 0; i < kBlock; ++i) {
+      if (bits_of(x[i]) != 0u) return false;  // -0 would come back as +0
+      qs[i] = 0;
+    }
+  } else if (!try_scales(amax / 127.f, fits)) {
+    return false;
+  }
+  *scale = d;
+  return true;
+}
+
+struct Q4_1 {
+  const uint8_t* qs;
+  const float* dm;
+  int64_t K;
+  int64_t blocks() const { return K / kBlock; }
+  void unpack_row(int64_t n, float* out) const {
+    const uint8_t* q = qs + n * (K / 2);
+    const float* s = dm + n * blocks() * 2;
+    for (int64_t b = 0; b < blocks(); ++b)
+      for (int j = 0; j < 16; ++j) {
+        const uint8_t v = q[b * 16 + j];
+        out[b * kBlock + j] = std::fma(s[2 * b], float(v & 15), s[2 * b + 1]);
+        out[b * kBlock + j + 16] = std::fma(s[2 * b], float(v >> 4), s[2 * b + 1]);
+      }
+  }
+  const char* row(int64_t n) const { return reinterpret_cast<const char*>(qs + n * (K / 2)); }
+  int64_t row_bytes() const { return K / 2; }
+#ifdef __AVX512F__
+  // Block b of row n: weights 32b .. 32b + 15 in lo, 32b + 16 .. 32b + 31 in hi.
+  inline void load(int64_t n, int64_t b, __m512& lo, __m512& hi) const {
+    const float* s = dm + (n * blocks() + b) * 2;
+    const __m512i v = _mm512_cvtepu8_epi32(
+        _mm_loadu_si128(reinterpret_cast<const __m128i*>(qs + n * (K / 2) + b * 16)));
+    const __m512 d = _mm512_set1_ps(s[0]), m = _mm512_set1_ps(s[1]);
+    lo = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_and_si512(v, _mm512_set1_epi32(15))), d, m);
+    hi = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_srli_epi32(v, 4)), d, m);
+  }
+  // The cache lines of row n that block b's loads begin (one every 4 blocks of qs, 8 of dm).
+  inline void prefetch(int64_t n, int64_t b) const {
+    if ((b & 3) == 0) _mm_prefetch(reinterpret_cast<const char*>(qs + n * (K / 2) + b * 16), _MM_HINT_T0);
+    if ((b & 7) == 0) _mm_prefetch(reinterpret_cast<const char*>(dm + (n * blocks() + b) * 2), _MM_HINT_T0);
+  }
+#endif
+};
+
+struct Q8_0 {
+  const int8_t* qs;
+  const float* d;
+  int64_t K;
+  int64_t blocks() const { return K / kBlock; }
+  void unpack_row(int64_t n, float* out) const {
+    for (int64_t k = 0; k < K; ++k) out[k] = d[n * blocks() + k / kBlock] * float(qs[n * K + k]);
+  }
+  const char* row(int64_t n) const { return reinterpret_cast<const char*>(qs + n * K); }
+  int64_t row_bytes() const { return K; }
+#ifdef __AVX512F__
+  inline void load(int64_t n, int64_t b, __m512& lo, __m512& hi) const {
+    const int8_t* q = qs + n * K + b * kBlock;
+    const __m512 s = _mm512_set1_ps(d[n * blocks() + b]);
+    lo = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(
+                           _mm_loadu_si128(reinterpret_cast<const __m128i*>(q)))), s);
+    hi = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(
+                           _mm_loadu_si128(reinterpret_cast<const __m128i*>(q + 16)))), s);
+  }
+  inline void prefetch(int64_t n, int64_t b) const {
+    if ((b & 1) == 0) _mm_prefetch(reinterpret_cast<const char*>(qs + n * K + b * kBlock), _MM_HINT_T0);
+    if ((b & 15) == 0) _mm_prefetch(reinterpret_cast<const char*>(d + n * blocks() + b), _MM_HINT_T0);
+  }
+#endif
+};
+
+#ifdef __AVX512F__
+// Weight rows [n0, n0 + nc) of a packed source as the GEMM's K x NR panel: 16 rows at a time,
+// each block widened into two vectors a row and transposed onto the panel's rows.
+template <typename Src>
+static void pack_panel_packed(const Src& src, int64_t n0, int nc, float* panel) {
+  if (nc < NR) {
+    std::vector<float> row(size_t(src.K));
+    for (int j = 0; j < NR; ++j) {
+      if (j < nc) src.unpack_row(n0 + j, row.data());
+      for (int64_t k = 0; k < src.K; ++k) panel[k * NR + j] = j < nc ? row[size_t(k)] : 0.f;
+    }
+    return;
+  }
+  for (int half = 0; half < 2; ++half) {
+    for (int64_t b = 0; b < src.blocks(); ++b) {
+      __m512 lo[16], hi[16];
+      for (int i = 0; i < 16; ++i) src.load(n0 + 16 * half + i, b, lo[i], hi[i]);
+      transpose16(lo);
+      transpose16(hi);
+      float* p = panel + b * kBlock * NR + 16 * half;
+      for (int c = 0; c < 16; ++c) {
+        _mm512_store_ps(p + c * NR, lo[c]);
+        _mm512_store_ps(p + (16 + c) * NR, hi[c]);
+      }
+    }
+  }
+}
+
+template <typename Src>
+struct PanelOf {
+  const Src& src;
+  void pack(int64_t n0, int nc, float* panel) const { pack_panel_packed(src, n0, nc, panel); }
+  const char* row(int64_t n) const { return src.row(n); }
+  int64_t row_bytes() const { return src.row_bytes(); }
+};
+
+// R packed weight rows against M (<= 8) rows of x, a block of 32 at a time: the block widened
+// once (two vectors) for all M rows; the next R rows prefetched as these stream.
+template <int M, int R, typename Src>
+static void rows_packed(const float* x, const Src& src, const float* bias, float* y, int64_t K,
+                        int64_t N, int64_t n0) {
+  __m512 acc[R][M];
+  for (int r = 0; r < R; ++r)
+    for (int m = 0; m < M; ++m) acc[r][m] = _mm512_setzero_ps();
+  for (int64_t b = 0; b < src.blocks(); ++b) {
+    __m512 xl[M], xh[M];
+    for (int m = 0; m < M; ++m) {
+      xl[m] = _mm512_loadu_ps(x + m * K + b * kBlock);
+      xh[m] = _mm512_loadu_ps(x + m * K + b * kBlock + 16);
+    }
+    for (int r = 0; r < R; ++r) {
+      src.prefetch(n0 + r + R, b);
+      __m512 lo, hi;
+      src.load(n0 + r, b, lo, hi);
+      for (int m = 0; m < M; ++m) {
+        acc[r][m] = _mm512_fmadd_ps(lo, xl[m], acc[r][m]);
+        acc[r][m] = _mm512_fmadd_ps(hi, xh[m], acc[r][m]);
+      }
+    }
+  }
+  for (int r = 0; r < R; ++r)
+    for (int m = 0; m < M; ++m)
+      y[m * N + n0 + r] = _mm512_reduce_add_ps(acc[r][m]) + (bias ? bias[n0 + r] : 0.f);
+}
+
+// All N rows against M (<= 8) rows of x: groups of R rows over the threads, the rest one by one.
+template <int M, typename Src>
+static void run_packed(const float* x, const Src& src, const float* bias, float* y, int64_t N) {
+  constexpr int R = M <= 2 ? 4 : (M <= 4 ? 2 : 1);  // R * M + 2 * M + 4 <= 32 registers
+  const int64_t groups = N / R;
+#pragma omp parallel for schedule(static)
+  for (int64_t g = 0; g < groups; ++g) rows_packed<M, R>(x, src, bias, y, src.K, N, g * R);
+  for (int64_t n = groups * R; n < N; ++n) rows_packed<M, 1>(x, src, bias, y, src.K, N, n);
+}
+
+template <typename Src>
+static void dispatch_packed(const float* x, const Src& src, const float* bias, float* y,
+                            int64_t M, int64_t N) {
+  const int64_t K = src.K;
+  switch (M) {
+    case 1: run_packed<1>(x, src, bias, y, N); return;
+    case 2: run_packed<2>(x, src, bias, y, N); return;
+    case 3: run_packed<3>(x, src, bias, y, N); return;
+    case 4: run_packed<4>(x, src, bias, y, N); return;
+    case 5: run_packed<5>(x, src, bias, y, N); return;
+    case 6: run_packed<6>(x, src, bias, y, N); return;
+    case 7: run_packed<7>(x, src, bias, y, N); return;
+    case 8: run_packed<8>(x, src, bias, y, N); return;
+    default: gemm_avx512(x, PanelOf<Src>{src}, bias, y, M, K, N); return;
+  }
+}
+#else
+// Without AVX-512: each thread widens a row at a time and takes its dot products with every row
+// of x (correct everywhere; the fast paths above are what `packed_fast()` reports).
+template <typename Src>
+static void dispatch_packed(const float* x, const Src& src, const float* bias, float* y,
+                            int64_t M, int64_t N) {
+  const int64_t K = src.K;
+#pragma omp parallel
+  {
+    std::vector<float> row(size_t(K));
+#pragma omp for schedule(static)
+    for (int64_t n = 0; n < N; ++n) {
+      src.unpack_row(n, row.data());
+      for (int64_t m = 0; m < M; ++m) {
+        float s = 0.f;
+        for (int64_t k = 0; k < K; ++k) s += row[size_t(k)] * x[m * K + k];
+        y[m * N + n] = s + (bias ? bias[n] : 0.f);
+      }
+    }
+  }
+}
+#endif
+
+// (qs, scales) of w as Q4_1, else as Q8_0, else None: every block must fit, bit for bit.
+c10::optional<std::vector<torch::Tensor>> pack_blocks(torch::Tensor w) {
+  TORCH_CHECK(w.dim() == 2 && w.scalar_type() == torch::kFloat,
+              "pack_blocks: a 2-D float32 weight expected, got ", w.scalar_type(), " ", w.sizes());
+  const int64_t N = w.size(0), K = w.size(1);
+  if (K % kBlock != 0 || N == 0) return c10::nullopt;
+  auto wc = w.contiguous();
+  const float* wp = wc.data_ptr<float>();
+  const int64_t nb = K / kBlock;
+  {
+    auto qs = torch::empty({N, K / 2}, torch::kUInt8);
+    auto dm = torch::empty({N, nb, 2}, torch::kFloat);
+    uint8_t* q = qs.data_ptr<uint8_t>();
+    float* s = dm.data_ptr<float>();
+    std::atomic<bool> fits{true};
+#pragma omp parallel for schedule(static)
+    for (int64_t n = 0; n < N; ++n) {
+      for (int64_t b = 0; b < nb && fits.load(std::memory_order_relaxed); ++b)
+        if (!find_q4_1(wp + n * K + b * kBlock, q + n * (K / 2) + b * 16, s + (n * nb + b) * 2))
+          fits.store(false, std::memory_order_relaxed);
+    }
+    if (fits.load()) return std::vector<torch::Tensor>{qs, dm};
+  }
+  auto qs = torch::empty({N, K}, torch::kInt8);
+  auto d = torch::empty({N, nb}, torch::kFloat);
+  int8_t* q = qs.data_ptr<int8_t>();
+  float* s = d.data_ptr<float>();
+  std::atomic<bool> fits{true};
+#pragma omp parallel for schedule(static)
+  for (int64_t n = 0; n < N; ++n) {
+    for (int64_t b = 0; b < nb && fits.load(std::memory_order_relaxed); ++b)
+      if (!find_q8_0(wp + n * K + b * kBlock, q + n * K + b * kBlock, s + n * nb + b))
+        fits.store(false, std::memory_order_relaxed);
+  }
+  if (fits.load()) return std::vector<torch::Tensor>{qs, d};
+  return c10::nullopt;
+}
+
+// Checks (qs, scales) as pack_blocks makes them and calls fn with the format's source.
+template <typename Fn>
+static void with_source(const torch::Tensor& qs, const torch::Tensor& scales, Fn&& fn) {
+  TORCH_CHECK(qs.dim() == 2 && qs.is_contiguous() && scales.is_contiguous() &&
+                  scales.scalar_type() == torch::kFloat,
+              "packed weights: contiguous qs (N, ...) and float32 scales expected");
+  const int64_t N = qs.size(0);
+  if (qs.scalar_type() == torch::kUInt8) {
+    const int64_t K = qs.size(1) * 2;
+    TORCH_CHECK(K % kBlock == 0 && scales.numel() == N * (K / kBlock) * 2,
+                "packed weights: Q4_1 scales (N, K / 32, 2) expected");
+    fn(Q4_1{qs.data_ptr<uint8_t>(), scales.data_ptr<float>(), K}, N, K);
+  } else {
+    TORCH_CHECK(qs.scalar_type() == torch::kInt8, "packed weights: qs uint8 (Q4_1) or int8 (Q8_0)");
+    const int64_t K = qs.size(1);
+    TORCH_CHECK(K % kBlock == 0 && scales.numel() == N * (K / kBlock),
+                "packed weights: Q8_0 scales (N, K / 32) expected");
+    fn(Q8_0{qs.data_ptr<int8_t>(), scales.data_ptr<float>(), K}, N, K);
+  }
+}
+
+torch::Tensor packed_linear(torch::Tensor x, torch::Tensor qs, torch::Tensor scales,
+                            c10::optional<torch::Tensor> bias) {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kFloat && x.size(0) >= 1,
+              "packed_linear: x (M, K) float32 expected");
+  auto xc = x.contiguous();
+  torch::Tensor y;
+  with_source(qs, scales, [&](const auto& src, int64_t N, int64_t K) {
+    TORCH_CHECK(x.size(1) == K, "packed_linear: K differs: x ", x.sizes(), ", weights K ", K);
+    const float* bp = nullptr;
+    if (bias.has_value()) {
+      TORCH_CHECK(bias->dim() == 1 && bias->size(0) == N && bias->scalar_type() == torch::kFloat &&
+                      bias->is_contiguous(),
+                  "packed_linear: bias (N,) float32 expected");
+      bp = bias->data_ptr<float>();
+    }
+    y = torch::empty({x.size(0), N}, x.options());
+    dispatch_packed(xc.data_ptr<float>(), src, bp, y.data_ptr<float>(), x.size(0), N);
+  });
+  return y;
+}
+
+// The float32 weights back: (N, K).
+torch::Tensor unpack_blocks(torch::Tensor qs, torch::Tensor scales) {
+  torch::Tensor w;
+  with_source(qs, scales, [&](const auto& src, int64_t N, int64_t K) {
+    w = torch::empty({N, K}, torch::kFloat);
+    float* wp = w.data_ptr<float>();
+#pragma omp parallel for schedule(static)
+    for (int64_t n = 0; n < N; ++n) src.unpack_row(n, wp + n * K);
+  });
+  return w;
+}
+
+bool packed_fast() {
+#ifdef __AVX512F__
+  return true;
+#else
+  return false;
+#endif
 }
 
 // float32 weights: up to here the kernel is as fast as torch's GEMM or faster (256 rows: within
@@ -571,4 +960,12 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("small_linear", &small_linear,
         "x @ w.T (+ bias): x float32; w float32 (1-256 rows of x) or bfloat16 (any rows)",
         py::arg("x"), py::arg("w"), py::arg("bias") = py::none());
+  m.def("pack_blocks", &pack_blocks,
+        "(qs, scales) of a float32 weight whose blocks of 32 are exactly Q4_1 or Q8_0 values; "
+        "None otherwise", py::arg("w"));
+  m.def("packed_linear", &packed_linear, "x @ w.T (+ bias) with w packed by pack_blocks",
+        py::arg("x"), py::arg("qs"), py::arg("scales"), py::arg("bias") = py::none());
+  m.def("unpack_blocks", &unpack_blocks, "the float32 weight of pack_blocks' (qs, scales)",
+        py::arg("qs"), py::arg("scales"));
+  m.def("packed_fast", &packed_fast, "whether packed_linear has its AVX-512 kernels here");
 }

@@ -12,7 +12,7 @@ import torch.distributed as dist
 from torch import nn
 
 from kernels import add_rms_norm, rms_norm, silu_and_mul
-from kernels.linear import small_linear
+from kernels.linear import Packed, small_linear
 from runtime.config import ModelConfig
 
 
@@ -64,12 +64,13 @@ class Linear(nn.Module):
         self.weight = _param(out_features, in_features, dtype=dtype)
         self.bias = _param(out_features, dtype=dtype) if bias else None
         self.small_gemm: ModuleType | None = None  # the few-rows kernel, set by use_cpu_kernels
+        self.packed: Packed | None = None  # the weight's exact blocks, set by pack_weights
         self.reduce = reduce if reduce.size > 1 else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.reduce is None:
-            return small_linear(x, self.weight, self.bias, self.small_gemm)
-        y = small_linear(x, self.weight, None, self.small_gemm)
+            return small_linear(x, self.weight, self.bias, self.small_gemm, self.packed)
+        y = small_linear(x, self.weight, None, self.small_gemm, self.packed)
         dist.all_reduce(y, group=self.reduce.group)
         return y if self.bias is None else y + self.bias
 

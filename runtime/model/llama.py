@@ -28,7 +28,7 @@ import torch.distributed as dist
 from torch import nn
 
 from kernels import PagedAttentionMetadata, paged_attention, rotate_and_cache
-from kernels.linear import applies, small_linear
+from kernels.linear import Packed, applies, pack, small_linear
 from runtime.config import ModelConfig
 from runtime.model.layers import (
     MLP,
@@ -162,6 +162,7 @@ class LlamaForCausalLM(nn.Module):
         tp = TensorParallel(place.tp_rank, place.tp, place.group)
         self.cfg, self.dtype, self.ep, self.place, self.tp = cfg, dtype, ep, place, tp
         self.small_gemm: ModuleType | None = None  # for logits; see use_cpu_kernels
+        self.output_packed: Packed | None = None  # the LM head's exact blocks: pack_weights
         self.local_layers = place.layers(cfg.num_layers)
         self.layers = nn.ModuleList(
             DecoderLayer(cfg, dtype, i, ep, tp) if i in self.local_layers else MissingLayer()
@@ -272,7 +273,8 @@ class LlamaForCausalLM(nn.Module):
         """hidden: (N, hidden) -> float32 logits (N, vocab). With tensor parallelism every rank
         of stage 0 computes its vocabulary rows' and gathers them on rank 0; the other ranks get
         back only their own (N, vocab rows)."""
-        local = small_linear(hidden, self.output_weight, None, self.small_gemm).float()
+        local = small_linear(hidden, self.output_weight, None, self.small_gemm,
+                             self.output_packed).float()  # fmt: skip
         if self.tp.size == 1:
             return local
         part = local.new_zeros(local.shape[0], self.vocab_per_rank)  # equal sizes to gather
@@ -290,20 +292,41 @@ class LlamaForCausalLM(nn.Module):
     ) -> None:
         """Route few-row matmuls (decode), RMSNorm, RoPE with the KV write and SiLU-and-mul
         through the C++ kernels, or the references (None). The caller gives norm and fused only
-        for a float32 model on the CPU."""
+        for a float32 model on the CPU. Drops the blocks of `pack_weights`."""
         probe = torch.empty(1, 1, dtype=self.dtype)
         head = self.output_weight if self.place.first else None
         self.small_gemm = (
             gemm if gemm is not None and head is not None and applies(probe, head) else None
         )
+        self.output_packed = None
         for module in self.modules():
             if isinstance(module, Linear):
                 usable = gemm is not None and applies(probe, module.weight)
                 module.small_gemm = gemm if usable else None
+                module.packed = None
             elif isinstance(module, RMSNorm):
                 module.fused = norm if module.weight.dtype == torch.float32 else None
             elif isinstance(module, (Attention, MLP)):
                 module.fused = fused
+
+    def pack_weights(self) -> None:
+        """Beside each float32 weight whose blocks are exactly Q4_1 or Q8_0 values, keep those
+        blocks, which the few-row matmul kernel then reads (kernels.linear.pack; a weight that is
+        not so, or whose matmul does not go through the kernel, stays as it is). Call once the
+        weights are all loaded, after use_cpu_kernels."""
+        if self.place.first:
+            self.output_packed = pack(self.output_weight, self.small_gemm)
+        for module in self.modules():
+            if isinstance(module, Linear):
+                module.packed = pack(module.weight, module.small_gemm)
+
+    def packed_weights(self) -> tuple[int, int, int]:
+        """(weights packed, weights that are not, bytes of the blocks)."""
+        packs = [m.packed for m in self.modules() if isinstance(m, Linear)]
+        if self.place.first:
+            packs.append(self.output_packed)
+        found = [p for p in packs if p is not None]
+        return len(found), len(packs) - len(found), sum(p.nbytes for p in found)
 
     def weight_target(self, hf_name: str) -> WeightTarget | None:
         """Where a checkpoint tensor goes: q/k/v and gate/up fill row ranges of one fused
