@@ -20,7 +20,8 @@ same values, a float32 copy of the weight per call.
 
 Packed weights (`pack`): float32 weights that are exactly block-quantized values, as a model
 imported from a GGUF file holds (llama.cpp's Q4_1 or Q8_0 blocks of 32, dequantized by the
-importer), are found again as those blocks, checked to give back every weight bit for bit, and
+importer), are found again as those blocks, checked to give back every weight (equal as numbers: a zero
+may come back with the other sign, which no product or sum can tell), and
 kept beside the float32 weight. Up to MAX_ROWS_PACKED rows of x the kernel reads the blocks (5-6
 bits a weight against 32) and widens them in registers to the same float32 values: over
 SmolLM2's layers at one row, 5.6 ms a pass against 15.5 (memory-bound) for the float32 weights;

@@ -683,7 +683,7 @@ def test_smollm2_greedy_matches_transformers_gguf(
     assert "Paris" in tokenizer.decode(ours)
 
 
-@pytest.mark.parametrize("qtype", [Q.Q4_1, Q.Q8_0], ids=lambda q: q.name)
+@pytest.mark.parametrize("qtype", [Q.Q4_1, Q.Q4_0, Q.Q8_0], ids=lambda q: q.name)
 def test_engine_reads_the_blocks_of_an_import_and_matches_transformers(
     tmp_path: Path, bpe: Tokenizer, qtype: Q
 ) -> None:

@@ -553,11 +553,12 @@ static void dispatch(const float* xp, const W* wp, const float* bp, float* yp, i
 //
 // A model imported from a GGUF file (llama.cpp's Q4_1 and Q8_0 formats, dequantized to float32
 // by runtime.gguf_import) holds float32 weights each of which, in its block of 32 along a row,
-// is d * q + m (Q4_1: q in 0..15, d and m float16) or d * q (Q8_0: q in -128..127, d float16).
+// is d * q + m (Q4_1: q in 0..15, d and m float16; Q4_0 too, with m = -8 d) or d * q (Q8_0: q in
+// -128..127, d float16).
 // `pack_blocks` finds d, m and q again from the float32 values and checks that every weight comes
-// back bit for bit; the packed form (5 or 8.5 bits a weight, + 32 or 16 bits of float32 scales
-// a block) is then read instead of 32 bits, and widened in registers to the very same float32
-// values: d * q is exact in float32 (11 x 8 significant bits), so one rounding (the + m, an FMA)
+// back (bit for bit, but for the sign of a zero: see fits_affine); the packed form (5 or 8.5 bits
+// a weight, + 32 or 16 bits of float32 scales a block) is then read instead of 32 bits, and
+// widened in registers to the very same float32 values: d * q is exact in float32 (11 x 8 significant bits), so one rounding (the + m, an FMA)
 // gives what the importer's numpy gave. Products and sums stay float32's, as with dense weights;
 // a decode step reads a fifth of the bytes.
 //
@@ -587,63 +588,103 @@ static bool try_scales(float estimate, Fn&& fits) {
   return false;
 }
 
-// One block of 32 as Q4_1: d * q + m, q in 0..15 (the minimum has q = 0: m is a float16).
+// Whether every x[i] of a block is fma(d, q, m) for an integer q in [lo, hi] (the very operation
+// the kernels widen a weight with); the q into q_out. Equal as numbers: bit for bit, but for the
+// sign of a zero (Q4_0 gives d * (8 - 8) = -0 for a negative d; here 8 d - 8 d = +0), which no
+// product or sum with a nonzero term can tell.
+static bool fits_affine(const float* x, float d, float m, float lo, float hi, int32_t* q_out) {
+#ifdef __AVX512F__
+  const __m512 dv = _mm512_set1_ps(d), mv = _mm512_set1_ps(m);
+  const __m512 lov = _mm512_set1_ps(lo), hiv = _mm512_set1_ps(hi);
+  for (int h = 0; h < kBlock; h += 16) {
+    const __m512 v = _mm512_loadu_ps(x + h);
+    const __m512 q = _mm512_roundscale_ps(_mm512_div_ps(_mm512_sub_ps(v, mv), dv),
+                                          _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    const __m512 back = _mm512_fmadd_ps(dv, q, mv);
+    const __mmask16 ok = _mm512_cmp_ps_mask(back, v, _CMP_EQ_OQ) &
+                         _mm512_cmp_ps_mask(q, lov, _CMP_GE_OQ) &
+                         _mm512_cmp_ps_mask(q, hiv, _CMP_LE_OQ);
+    if (ok != 0xffff) return false;
+    _mm512_storeu_si512(q_out + h, _mm512_cvtps_epi32(q));
+  }
+  return true;
+#else
+  for (int i = 0; i < kBlock; ++i) {
+    const float q = std::nearbyint((x[i] - m) / d);
+    if (!(q >= lo && q <= hi) || std::fma(d, q, m) != x[i]) return false;
+    q_out[i] = int32_t(q);
+  }
+  return true;
+#endif
+}
+
+// One block of 32 in the Q4_1 layout: d * q + m, q in 0..15. As llama.cpp's Q4_1 makes it (the
+// minimum has q = 0, so m is it, a float16, and d a float16 near (max - min) / 15), or its Q4_0
+// (d * (q - 8): the first weight of largest magnitude has q = 0, so d is it / -8, a float16;
+// then m = -8 d, and d * q + m is d * (q - 8) exactly).
 static bool find_q4_1(const float* x, uint8_t* qs, float* dm) {
-  float mn = x[0], mx = x[0];
+  float mn = x[0], mx = x[0], amax = std::fabs(x[0]), vmax = x[0];
   for (int i = 1; i < kBlock; ++i) {
     mn = std::min(mn, x[i]);
     mx = std::max(mx, x[i]);
-  }
-  if (!std::isfinite(mn) || !std::isfinite(mx) || float(c10::Half(mn)) != mn) return false;
-  uint8_t q[kBlock];
-  float d = 0.f;
-  auto fits = [&](float dc) {
-    for (int i = 0; i < kBlock; ++i) {
-      const float qf = std::nearbyint((x[i] - mn) / dc);
-      if (!(qf >= 0.f && qf <= 15.f) || bits_of(std::fma(dc, qf, mn)) != bits_of(x[i]))
-        return false;
-      q[i] = uint8_t(qf);
+    if (std::fabs(x[i]) > amax) {
+      amax = std::fabs(x[i]);
+      vmax = x[i];
     }
+  }
+  if (!std::isfinite(mn) || !std::isfinite(mx)) return false;
+  int32_t q[kBlock];
+  float d = 0.f, m = mn;
+  auto fits = [&](float dc) {
+    if (!fits_affine(x, dc, mn, 0.f, 15.f, q)) return false;
     d = dc;
     return true;
   };
-  if (mx == mn) {
-    for (int i = 0; i < kBlock; ++i) {
-      if (bits_of(x[i]) != bits_of(mn + 0.f)) return false;  // d * 0 + m is m's value
-      q[i] = 0;
-    }
-  } else if (!try_scales((mx - mn) / 15.f, fits)) {
-    return false;
+  bool found = true;
+  for (int i = 1; i < kBlock && found; ++i) found = bits_of(x[i]) == bits_of(x[0]);
+  if (found) {  // one value v: d * 0 + v, or for a zero of either sign v * 1 + v
+    const bool zero = x[0] == 0.f;
+    d = zero ? x[0] : 0.f;
+    m = x[0];
+    for (int i = 0; i < kBlock; ++i) q[i] = zero ? 1 : 0;
+  } else if (float(c10::Half(mn)) == mn) {
+    found = try_scales((mx - mn) / 15.f, fits);
   }
+  if (!found && amax > 0.f) {  // Q4_0
+    const float d0 = vmax / -8.f;
+    found = float(c10::Half(d0)) == d0 && fits_affine(x, d0, -8.f * d0, 0.f, 15.f, q);
+    if (found) {
+      d = d0;
+      m = -8.f * d0;
+    }
+  }
+  if (!found) return false;
   for (int j = 0; j < 16; ++j) qs[j] = uint8_t(q[j] | (q[j + 16] << 4));
   dm[0] = d;
-  dm[1] = mn;
+  dm[1] = m;
   return true;
 }
 
-// One block of 32 as Q8_0: d * q, q in -128..127.
+// One block of 32 as Q8_0: d * q, q in -128..127 (the largest magnitude has |q| = 127).
 static bool find_q8_0(const float* x, int8_t* qs, float* scale) {
   float amax = 0.f;
   for (int i = 0; i < kBlock; ++i) amax = std::max(amax, std::fabs(x[i]));
   if (!std::isfinite(amax)) return false;
+  int32_t q[kBlock];
   float d = 0.f;
   auto fits = [&](float dc) {
-    for (int i = 0; i < kBlock; ++i) {
-      const float qf = std::nearbyint(x[i] / dc);
-      if (!(qf >= -128.f && qf <= 127.f) || bits_of(dc * qf) != bits_of(x[i])) return false;
-      qs[i] = int8_t(qf);
-    }
+    if (!fits_affine(x, dc, 0.f, -128.f, 127.f, q)) return false;  // fma(d, q, +0) is d * q
     d = dc;
     return true;
   };
   if (amax == 0.f) {
     for (int i = 0; i < kBlock; ++i) {
-      if (bits_of(x[i]) != 0u) return false;  // -0 would come back as +0
-      qs[i] = 0;
+      q[i] = 0;
     }
   } else if (!try_scales(amax / 127.f, fits)) {
     return false;
   }
+  for (int i = 0; i < kBlock; ++i) qs[i] = int8_t(q[i]);
   *scale = d;
   return true;
 }
@@ -823,7 +864,7 @@ static void dispatch_packed(const float* x, const Src& src, const float* bias, f
 }
 #endif
 
-// (qs, scales) of w as Q4_1, else as Q8_0, else None: every block must fit, bit for bit.
+// (qs, scales) of w as Q4_1 (or Q4_0), else as Q8_0, else None: every block must fit.
 c10::optional<std::vector<torch::Tensor>> pack_blocks(torch::Tensor w) {
   TORCH_CHECK(w.dim() == 2 && w.scalar_type() == torch::kFloat,
               "pack_blocks: a 2-D float32 weight expected, got ", w.scalar_type(), " ", w.sizes());
