@@ -683,13 +683,15 @@ def test_smollm2_greedy_matches_transformers_gguf(
     assert "Paris" in tokenizer.decode(ours)
 
 
-@pytest.mark.parametrize("qtype", [Q.Q4_1, Q.Q4_0, Q.Q8_0], ids=lambda q: q.name)
+@pytest.mark.parametrize(("qtype", "tp"), [(Q.Q4_1, 1), (Q.Q4_0, 1), (Q.Q8_0, 1), (Q.Q4_1, 2)],
+                         ids=["Q4_1", "Q4_0", "Q8_0", "Q4_1-tp2"])  # fmt: skip
 def test_engine_reads_the_blocks_of_an_import_and_matches_transformers(
-    tmp_path: Path, bpe: Tokenizer, qtype: Q
+    tmp_path: Path, bpe: Tokenizer, qtype: Q, tp: int
 ) -> None:
     """A quantized GGUF's import holds float32 weights that are exact block values: the engine
     finds the blocks again (where its kernels for them run) and generates what transformers does
-    on the imported float32 weights."""
+    on the imported float32 weights; with tp=2, each rank packs its slices (o_proj and down_proj
+    split along their rows, at block boundaries)."""
     from kernels import cpu_ext
     from runtime import LLM, SamplingParams
 
@@ -700,18 +702,24 @@ def test_engine_reads_the_blocks_of_an_import_and_matches_transformers(
     prompts = [[1, 40, 77, 200, 3], [1, 150, 299, 12, 64, 9, 10, 11, 250]]
     params = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
 
-    llm = LLM(out, kv_cache_bytes=1 << 22, enable_prefix_caching=False)
+    llm = LLM(out, kv_cache_bytes=1 << 22, enable_prefix_caching=False, tp=tp)
     packed, dense, nbytes = llm.engine.model.packed_weights()
     ext = cpu_ext.load_small_gemm()
     if ext is not None and ext.packed_fast():  # qkv, o, gate_up, down per layer, and the head
         assert (packed, dense) == (4 * LAYERS + 1, 0)
         assert 0 < nbytes < sum(p.nbytes for p in llm.engine.model.parameters()) / 3
-    got = [list(o.outputs[0].token_ids) for o in llm.generate(prompts, params)]
+    try:
+        got = [list(o.outputs[0].token_ids) for o in llm.generate(prompts, params)]
+    finally:
+        if llm.engine.runner.ranks is not None:
+            llm.engine.runner.ranks.close()
     for prompt, tokens in zip(prompts, got, strict=True):
         with torch.no_grad():
             want = hf.generate(torch.tensor([prompt]), max_new_tokens=12, min_new_tokens=12,
                                do_sample=False)[0, len(prompt):]  # fmt: skip
         assert tokens == want.tolist()
+    if tp > 1:
+        return
     plain = LLM(out, kv_cache_bytes=1 << 22, packed_weights=False)
     assert plain.engine.model.packed_weights()[0] == 0
     assert [list(o.outputs[0].token_ids) for o in plain.generate(prompts, params)] == got
