@@ -32,7 +32,7 @@ from runtime.config import EngineConfig
 from runtime.detokenizer import IncrementalDetokenizer
 from runtime.draft import DraftProposer
 from runtime.kv_cache import BlockManager
-from runtime.loader import PendingLoad, model_revision
+from runtime.loader import IMPORT_MARKER, PendingLoad, model_revision
 from runtime.model_runner import Launched, ModelRunner, kv_block_bytes
 from runtime.outputs import CompletionOutput, RequestOutput
 from runtime.ranks import RankFailure, start_weights
@@ -146,6 +146,9 @@ class LLMEngine:
             free = torch.cuda.mem_get_info(self.model.device)[0]
         else:  # of the memory left once the weights are in (they may be arriving)
             free = weights.memory_before - weights.nbytes
+            if config.packed_weights and (Path(config.model) / IMPORT_MARKER).exists():
+                # a GGUF import's weights are exact blocks: pack_weights will keep those too
+                free -= self.model.packable_bytes()
         budget = config.kv_cache_bytes or int(free * config.kv_cache_fraction)
         num_blocks = budget // block_bytes
         if num_blocks < 1:

@@ -54,8 +54,8 @@ from runtime.gguf_common import (
     write_json,
 )
 from runtime.gguf_tokenizer import write_tokenizer
+from runtime.loader import IMPORT_MARKER  # last file written into a finished folder
 
-IMPORT_MARKER = "edgeinfer_import.json"  # last file written into a finished folder
 IMPORTER_VERSION = 1  # bump when the folder layout changes, so caches re-import
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}

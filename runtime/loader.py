@@ -48,6 +48,10 @@ from runtime.parallel import RankPlace
 from runtime.shard_reader import ALIGN, Arena, FileRead, ReadStats, ShardReads, Span
 from runtime.weights import Shard, TensorEntry, chunk_checks, read_header
 
+# import-gguf's marker, the last file written into a folder it made (runtime.gguf_import); here so
+# that the engine can tell such a folder without importing gguf
+IMPORT_MARKER = "edgeinfer_import.json"
+
 if TYPE_CHECKING:
     from runtime.ranks import RankGroup
 

@@ -124,7 +124,7 @@ class ModelRunner:
         """`ranks`: the model's other ranks (on rank 0 of a split model), which build their own
         runners with the same settings. `kv_commit` (CPU): "lazy", the KV cache's pages committed
         as blocks first use them; "eager", all of them now (`EngineConfig.kv_cache_commit`).
-        `packed_weights` (CPU, float32): few-row matmuls read the exact Q4_1 / Q8_0 blocks of the
+        `packed_weights` (CPU, float32): few-row matmuls read the exact Q4_1 / Q4_0 / Q8_0 blocks of the
         weights that are such values (`EngineConfig.packed_weights`), found by `pack_weights`
         once the weights are all read."""
         cfg = model.cfg
@@ -193,7 +193,7 @@ class ModelRunner:
 
     def pack_weights(self) -> None:
         """Once the weights are all read (not before: they may still be streaming in), find the
-        exact Q4_1 / Q8_0 blocks of those that are such values, for few-row matmuls to read
+        exact Q4_1 / Q4_0 / Q8_0 blocks of those that are such values, for few-row matmuls to read
         (`packed_weights`); a no-op where it is off or the matmul kernel is not used."""
         if not self._pack:
             return
@@ -201,7 +201,7 @@ class ModelRunner:
         self.model.pack_weights()
         packed, dense, nbytes = self.model.packed_weights()
         if packed:
-            log.info("packed weights: %d of %d matrices are exact Q4_1 / Q8_0 blocks, %.0f MB "
+            log.info("packed weights: %d of %d matrices are exact Q4_1 / Q4_0 / Q8_0 blocks, %.0f MB "
                      "read by a decode pass instead of their float32 (%.2f s)", packed,
                      packed + dense, nbytes / 1e6, time.perf_counter() - t0)  # fmt: skip
         self.startup["packing"] = (t0, time.perf_counter())

@@ -708,6 +708,7 @@ def test_engine_reads_the_blocks_of_an_import_and_matches_transformers(
     if ext is not None and ext.packed_fast():  # qkv, o, gate_up, down per layer, and the head
         assert (packed, dense) == (4 * LAYERS + 1, 0)
         assert 0 < nbytes < sum(p.nbytes for p in llm.engine.model.parameters()) / 3
+        assert nbytes <= llm.engine.model.packable_bytes()  # what the KV budget set aside
     try:
         got = [list(o.outputs[0].token_ids) for o in llm.generate(prompts, params)]
     finally:

@@ -798,7 +798,7 @@ static void rows_packed(const float* x, const Src& src, const float* bias, float
   for (int64_t b = 0; b < src.blocks(); ++b) {
     __m512 lo[R], hi[R];
     for (int r = 0; r < R; ++r) {
-      src.prefetch(n0 + r + R, b);
+      if (n0 + r + R < N) src.prefetch(n0 + r + R, b);
       src.load(n0 + r, b, lo[r], hi[r]);
     }
     for (int m = 0; m < M; ++m) {
@@ -1004,7 +1004,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "x @ w.T (+ bias): x float32; w float32 (1-256 rows of x) or bfloat16 (any rows)",
         py::arg("x"), py::arg("w"), py::arg("bias") = py::none());
   m.def("pack_blocks", &pack_blocks,
-        "(qs, scales) of a float32 weight whose blocks of 32 are exactly Q4_1 or Q8_0 values; "
+        "(qs, scales) of a float32 weight whose blocks of 32 are exactly Q4_1, Q4_0 or Q8_0 values; "
         "None otherwise", py::arg("w"));
   m.def("packed_linear", &packed_linear, "x @ w.T (+ bias) with w packed by pack_blocks",
         py::arg("x"), py::arg("qs"), py::arg("scales"), py::arg("bias") = py::none());

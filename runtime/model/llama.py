@@ -310,7 +310,7 @@ class LlamaForCausalLM(nn.Module):
                 module.fused = fused
 
     def pack_weights(self) -> None:
-        """Beside each float32 weight whose blocks are exactly Q4_1 or Q8_0 values, keep those
+        """Beside each float32 weight whose blocks are exactly Q4_1, Q4_0 or Q8_0 values, keep those
         blocks, which the few-row matmul kernel then reads (kernels.linear.pack; a weight that is
         not so, or whose matmul does not go through the kernel, stays as it is). Call once the
         weights are all loaded, after use_cpu_kernels."""
@@ -319,6 +319,15 @@ class LlamaForCausalLM(nn.Module):
         for module in self.modules():
             if isinstance(module, Linear):
                 module.packed = pack(module.weight, module.small_gemm)
+
+    def packable_bytes(self) -> int:
+        """The most bytes pack_weights can add: Q8_0's 9/32 of each float32 weight it could
+        pack (Q4_1's are 6/32)."""
+        weights: list[torch.Tensor] = [m.weight for m in self.modules() if isinstance(m, Linear)]
+        if self.place.first:
+            weights.append(self.output_weight)
+        fits = [w for w in weights if w.dtype == torch.float32 and w.shape[-1] % 32 == 0]
+        return sum(w.nbytes for w in fits) * 9 // 32
 
     def packed_weights(self) -> tuple[int, int, int]:
         """(weights packed, weights that are not, bytes of the blocks)."""
