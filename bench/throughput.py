@@ -328,6 +328,7 @@ def edgeinfer_generate_fn(
         outs = llm.generate(prompts, params, progress=len(prompts) > 1)
         return [list(o.outputs[0].token_ids) for o in outs]
 
+    llm.engine.runner.wait_packed()  # the background search: before the warm-up and timing
     return generate, load_s, llm.engine.model.packed_weights()
 
 

@@ -71,15 +71,15 @@ class Packed:
         return self.qs.nbytes + self.scales.nbytes
 
 
-def pack(w: torch.Tensor, ext: ModuleType | None) -> Packed | None:
-    """w's blocks, where every block of 32 along its rows is exactly Q4_1, Q4_0 or Q8_0 values and the
-    extension has its AVX-512 kernels here (elsewhere it would be slower than the float32
-    weight); None otherwise."""
+def pack(w: torch.Tensor, ext: ModuleType | None, threads: int = 0) -> Packed | None:
+    """w's blocks, where every block of 32 along its rows is exactly Q4_1, Q4_0 or Q8_0 values
+    and the extension has its AVX-512 kernels here (elsewhere it would be slower than the float32
+    weight); None otherwise. `threads`: for the search (0: all); it runs without the GIL."""
     if ext is None or not ext.packed_fast() or w.dtype != torch.float32 or w.dim() != 2:
         return None
     if w.device.type != "cpu" or w.shape[1] % 32:
         return None
-    found = ext.pack_blocks(w)
+    found = ext.pack_blocks(w, threads)
     return None if found is None else Packed(*found)
 
 

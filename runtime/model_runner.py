@@ -16,6 +16,8 @@ from __future__ import annotations
 
 import logging
 import math
+import os
+import threading
 import time
 from dataclasses import dataclass
 
@@ -147,6 +149,7 @@ class ModelRunner:
                 )
         model.use_cpu_kernels(gemm, norm, fused)
         self._pack = packed_weights and gemm is not None
+        self._packer: threading.Thread | None = None  # pack_weights' search
         if gemm is None and on_cpu and model.weight_dtype != model.dtype:
             # torch's matmul then widens every bfloat16 weight on every call: slower than float32
             log.warning("bfloat16 weights without the CPU matmul kernel (cpu_kernels=%r or the "
@@ -194,17 +197,41 @@ class ModelRunner:
     def pack_weights(self) -> None:
         """Once the weights are all read (not before: they may still be streaming in), find the
         exact Q4_1 / Q4_0 / Q8_0 blocks of those that are such values, for few-row matmuls to read
-        (`packed_weights`); a no-op where it is off or the matmul kernel is not used."""
-        if not self._pack:
+        (`packed_weights`); a no-op where it is off or the matmul kernel is not used.
+
+        In a background thread on one core, at the lowest priority: nothing waits for it (0.19 s
+        on both cores for SmolLM2 would have delayed a fresh worker's first token by as much),
+        and each weight's blocks are read from the step after they are found, the float32 weight
+        until then. `wait_packed` joins it."""
+        if not self._pack or self._packer is not None:
             return
-        t0 = time.perf_counter()
-        self.model.pack_weights()
-        packed, dense, nbytes = self.model.packed_weights()
-        if packed:
-            log.info("packed weights: %d of %d matrices are exact Q4_1 / Q4_0 / Q8_0 blocks, %.0f MB "
-                     "read by a decode pass instead of their float32 (%.2f s)", packed,
-                     packed + dense, nbytes / 1e6, time.perf_counter() - t0)  # fmt: skip
-        self.startup["packing"] = (t0, time.perf_counter())
+
+        def run() -> None:
+            t0 = time.perf_counter()
+            try:  # at the lowest priority: a request's steps come first (Linux: per thread)
+                os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)
+            except (AttributeError, OSError):
+                pass
+            try:
+                self.model.pack_weights(threads=1)
+            except Exception:  # (out of memory?) the weights packed so far are exact and stay
+                log.exception("packed weights: the search stopped; the weights not packed yet "
+                              "serve as float32")  # fmt: skip
+                return
+            packed, dense, nbytes = self.model.packed_weights()
+            if packed:
+                log.info("packed weights: %d of %d matrices are exact Q4_1 / Q4_0 / Q8_0 blocks, "
+                         "%.0f MB read by a decode pass instead of their float32 (%.2f s, in the "
+                         "background)", packed, packed + dense, nbytes / 1e6,
+                         time.perf_counter() - t0)  # fmt: skip
+
+        self._packer = threading.Thread(target=run, name="pack-weights", daemon=True)
+        self._packer.start()
+
+    def wait_packed(self) -> None:
+        """Return once pack_weights' search is over (at once where none was started)."""
+        if self._packer is not None:
+            self._packer.join()
 
     @torch.inference_mode()
     def execute(

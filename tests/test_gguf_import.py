@@ -703,6 +703,7 @@ def test_engine_reads_the_blocks_of_an_import_and_matches_transformers(
     params = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
 
     llm = LLM(out, kv_cache_bytes=1 << 22, enable_prefix_caching=False, tp=tp)
+    llm.engine.runner.wait_packed()  # packing runs in the background
     packed, dense, nbytes = llm.engine.model.packed_weights()
     ext = cpu_ext.load_small_gemm()
     if ext is not None and ext.packed_fast():  # qkv, o, gate_up, down per layer, and the head

@@ -126,6 +126,8 @@ def test_pack_finds_the_blocks_and_gives_every_weight_back(ext, qtype: Q, fmt: s
     qs, scales = ext.pack_blocks(w)
     assert qs.dtype == (torch.uint8 if fmt == "Q4_1" else torch.int8)
     assert qs.nbytes + scales.nbytes < w.nbytes / 3
+    one = ext.pack_blocks(w, 1)  # one thread (the background search): the same blocks
+    assert torch.equal(one[0], qs) and torch.equal(one[1], scales)
     back = ext.unpack_blocks(qs, scales)
     assert torch.equal(back, w)  # every weight, as a number (Q4_0's -0.0 may come back +0.0)
     nonzero = w != 0

@@ -37,6 +37,8 @@
 #include <cstdint>
 #include <cstring>
 
+#include <omp.h>
+
 static inline float widen(float v) { return v; }
 static inline float widen(uint16_t v) {
   const uint32_t bits = uint32_t(v) << 16;
@@ -867,9 +869,12 @@ static void dispatch_packed(const float* x, const Src& src, const float* bias, f
 #endif
 
 // (qs, scales) of w as Q4_1 (or Q4_0), else as Q8_0, else None: every block must fit.
-c10::optional<std::vector<torch::Tensor>> pack_blocks(torch::Tensor w) {
+// `threads`: OpenMP threads for the search (0: all); called without the GIL, so a background
+// thread can pack while the model serves.
+c10::optional<std::vector<torch::Tensor>> pack_blocks(torch::Tensor w, int64_t threads) {
   TORCH_CHECK(w.dim() == 2 && w.scalar_type() == torch::kFloat,
               "pack_blocks: a 2-D float32 weight expected, got ", w.scalar_type(), " ", w.sizes());
+  const int nt = threads > 0 ? int(threads) : omp_get_max_threads();
   const int64_t N = w.size(0), K = w.size(1);
   if (K % kBlock != 0 || N == 0) return c10::nullopt;
   auto wc = w.contiguous();
@@ -881,7 +886,7 @@ c10::optional<std::vector<torch::Tensor>> pack_blocks(torch::Tensor w) {
     uint8_t* q = qs.data_ptr<uint8_t>();
     float* s = dm.data_ptr<float>();
     std::atomic<bool> fits{true};
-#pragma omp parallel for schedule(static)
+#pragma omp parallel for schedule(static) num_threads(nt)
     for (int64_t n = 0; n < N; ++n) {
       for (int64_t b = 0; b < nb && fits.load(std::memory_order_relaxed); ++b)
         if (!find_q4_1(wp + n * K + b * kBlock, q + n * (K / 2) + b * 16, s + (n * nb + b) * 2))
@@ -894,7 +899,7 @@ c10::optional<std::vector<torch::Tensor>> pack_blocks(torch::Tensor w) {
   int8_t* q = qs.data_ptr<int8_t>();
   float* s = d.data_ptr<float>();
   std::atomic<bool> fits{true};
-#pragma omp parallel for schedule(static)
+#pragma omp parallel for schedule(static) num_threads(nt)
   for (int64_t n = 0; n < N; ++n) {
     for (int64_t b = 0; b < nb && fits.load(std::memory_order_relaxed); ++b)
       if (!find_q8_0(wp + n * K + b * kBlock, q + n * K + b * kBlock, s + n * nb + b))
@@ -1005,7 +1010,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("x"), py::arg("w"), py::arg("bias") = py::none());
   m.def("pack_blocks", &pack_blocks,
         "(qs, scales) of a float32 weight whose blocks of 32 are exactly Q4_1, Q4_0 or Q8_0 values; "
-        "None otherwise", py::arg("w"));
+        "None otherwise (threads: 0 for all)",
+        py::arg("w"), py::arg("threads") = 0, py::call_guard<py::gil_scoped_release>());
   m.def("packed_linear", &packed_linear, "x @ w.T (+ bias) with w packed by pack_blocks",
         py::arg("x"), py::arg("qs"), py::arg("scales"), py::arg("bias") = py::none());
   m.def("unpack_blocks", &unpack_blocks, "the float32 weight of pack_blocks' (qs, scales)",
