@@ -14,6 +14,7 @@ of its layers and heads; the logits come back to rank 0, which samples.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
 import os
@@ -208,10 +209,9 @@ class ModelRunner:
 
         def run() -> None:
             t0 = time.perf_counter()
-            try:  # at the lowest priority: a request's steps come first (Linux: per thread)
+            # at the lowest priority: a request's steps come first (Linux: per thread)
+            with contextlib.suppress(AttributeError, OSError):
                 os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)
-            except (AttributeError, OSError):
-                pass
             try:
                 self.model.pack_weights(threads=1)
             except Exception:  # (out of memory?) the weights packed so far are exact and stay
