@@ -14,12 +14,14 @@ of its layers and heads; the logits come back to rank 0, which samples.
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import logging
 import math
 import os
 import threading
 import time
+import weakref
 from dataclasses import dataclass
 
 import torch
@@ -110,6 +112,21 @@ def _commit(arena: Arena) -> None:
     if last > t0:
         log.info("KV cache: %.1f GB committed in %.1f s", arena.nbytes / 1e9,
                  time.perf_counter() - t0)  # fmt: skip
+
+
+# Background packing threads (ModelRunner.pack_weights) still alive, and the flag that ends
+# them: at exit each is stopped between two weights and joined, as a daemon thread killed inside
+# the extension's search aborts the interpreter's shutdown (`edgeinfer generate` exited with
+# SIGABRT when its one token came before the search ended).
+_PACKERS: weakref.WeakSet[threading.Thread] = weakref.WeakSet()
+_STOP_PACKING = threading.Event()
+
+
+@atexit.register
+def _stop_packing() -> None:
+    _STOP_PACKING.set()
+    for thread in list(_PACKERS):
+        thread.join()
 
 
 class ModelRunner:
@@ -213,7 +230,7 @@ class ModelRunner:
             with contextlib.suppress(AttributeError, OSError):
                 os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)
             try:
-                self.model.pack_weights(threads=1)
+                self.model.pack_weights(threads=1, stop=_STOP_PACKING.is_set)
             except Exception:  # (out of memory?) the weights packed so far are exact and stay
                 log.exception("packed weights: the search stopped; the weights not packed yet "
                               "serve as float32")  # fmt: skip
@@ -227,6 +244,7 @@ class ModelRunner:
 
         self._packer = threading.Thread(target=run, name="pack-weights", daemon=True)
         self._packer.start()
+        _PACKERS.add(self._packer)
 
     def wait_packed(self) -> None:
         """Return once pack_weights' search is over (at once where none was started)."""

@@ -725,3 +725,33 @@ def test_engine_reads_the_blocks_of_an_import_and_matches_transformers(
     plain = LLM(out, kv_cache_bytes=1 << 22, packed_weights=False)
     assert plain.engine.model.packed_weights()[0] == 0
     assert [list(o.outputs[0].token_ids) for o in plain.generate(prompts, params)] == got
+
+
+def test_exit_stops_the_background_packing(tmp_path: Path, bpe: Tokenizer) -> None:
+    """A process may exit while the packing thread is inside the extension (a 1-token
+    `edgeinfer generate`): at exit the thread is stopped between two weights and joined, not
+    killed mid-search (which aborted the interpreter, SIGABRT)."""
+    import subprocess
+    import sys
+
+    from runtime import model_runner
+
+    vocab = gpt2_vocab(bpe)
+    write_gguf(tmp_path / "m.gguf", tiny_llama(len(vocab.tokens), tied=True, seed=3), vocab, Q.Q4_1)
+    out = import_gguf(tmp_path / "m.gguf", tmp_path / "hf")
+    proc = subprocess.run(
+        [sys.executable, "-m", "runtime.cli", "generate", "--model", str(out), "--max-tokens", "1",
+         "--kv-cache-bytes", str(1 << 22), "Hello"],
+        capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-2000:]
+
+    from runtime import LLM
+
+    llm = LLM(out, kv_cache_bytes=1 << 22)
+    runner = llm.engine.runner
+    try:
+        model_runner._stop_packing()  # what the interpreter's exit runs
+        assert runner._packer is not None and not runner._packer.is_alive()
+    finally:
+        model_runner._STOP_PACKING.clear()  # the other tests' engines pack again

@@ -20,6 +20,7 @@ states between stages.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 from types import ModuleType
 
@@ -309,16 +310,19 @@ class LlamaForCausalLM(nn.Module):
             elif isinstance(module, (Attention, MLP)):
                 module.fused = fused
 
-    def pack_weights(self, threads: int = 0) -> None:
+    def pack_weights(self, threads: int = 0, stop: Callable[[], bool] | None = None) -> None:
         """Beside each float32 weight whose blocks are exactly Q4_1, Q4_0 or Q8_0 values, keep those
         blocks, which the few-row matmul kernel then reads (kernels.linear.pack; a weight that is
         not so, or whose matmul does not go through the kernel, stays as it is). Call once the
         weights are all loaded, after use_cpu_kernels. Each weight's blocks are used from the
         moment they are set (a forward pass reads `packed` once a call), so this may run in a
-        thread while the model serves. `threads`: OpenMP threads for the search (0: all)."""
+        thread while the model serves. `threads`: OpenMP threads for the search (0: all);
+        `stop`: asked before each weight, the search ends when it says so."""
         if self.place.first:
             self.output_packed = pack(self.output_weight, self.small_gemm, threads)
         for module in self.modules():
+            if stop is not None and stop():
+                return
             if isinstance(module, Linear):
                 module.packed = pack(module.weight, module.small_gemm, threads)
 
