@@ -20,15 +20,14 @@ same values, a float32 copy of the weight per call.
 
 Packed weights (`pack`): float32 weights that are exactly block-quantized values, as a model
 imported from a GGUF file holds (llama.cpp's Q4_1, Q4_0 or Q8_0 blocks of 32, dequantized by the
-importer), are found again as those blocks, checked to give back every weight (equal as numbers: a zero
-may come back with the other sign, which no product or sum can tell), and
-kept beside the float32 weight. Up to MAX_ROWS_PACKED rows of x the kernel reads the blocks (5-6
-bits a weight against 32) and widens them in registers to the same float32 values: over
-SmolLM2's layers at one row, 5.1-5.9 ms a pass against 15.5-16.3 (memory-bound) for the float32
-weights; 7.6-8.5 against 16.4-17.4 at 4 rows, 10.9-11.2 against 22.7-24.5 at 8, 53-59 against
-56-60 at 64 (2-core Xeon, 2026-11-23, several runs). Above, the
-float32 weight goes through the matmuls above (the widening, once a call, then costs more than
-the bytes it saves).
+importer), are found again as those blocks, checked to give back every weight (equal as numbers:
+a zero may come back with the other sign, which no product or sum can tell), and kept beside the
+float32 weight. Up to MAX_ROWS_PACKED rows of x the kernel reads the blocks (5-6 bits a weight
+against 32) and widens them in registers to the same float32 values: over SmolLM2's layers at one
+row, 5.1-5.9 ms a pass against 15.5-16.3 (memory-bound) for the float32 weights; 7.6-8.5 against
+16.4-17.4 at 4 rows, 10.9-11.2 against 22.7-24.5 at 8, 53-59 against 56-60 at 64 (2-core Xeon,
+2026-11-23, several runs). Above, the float32 weight goes through the matmuls above (the
+widening, once a call, then costs more than the bytes it saves).
 
 `small_linear(x, w, b, ext, packed)`: `ext` is the compiled module
 (`kernels.cpu_ext.load_small_gemm()`) or None; `packed` what `pack` made of w, or None; the

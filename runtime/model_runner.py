@@ -144,9 +144,9 @@ class ModelRunner:
         """`ranks`: the model's other ranks (on rank 0 of a split model), which build their own
         runners with the same settings. `kv_commit` (CPU): "lazy", the KV cache's pages committed
         as blocks first use them; "eager", all of them now (`EngineConfig.kv_cache_commit`).
-        `packed_weights` (CPU, float32): few-row matmuls read the exact Q4_1 / Q4_0 / Q8_0 blocks of the
-        weights that are such values (`EngineConfig.packed_weights`), found by `pack_weights`
-        once the weights are all read."""
+        `packed_weights` (CPU, float32): few-row matmuls read the exact Q4_1 / Q4_0 / Q8_0
+        blocks of the weights that are such values (`EngineConfig.packed_weights`), found by
+        `pack_weights` once the weights are all read."""
         cfg = model.cfg
         self.ranks = ranks
         if ranks is not None:
@@ -214,8 +214,8 @@ class ModelRunner:
 
     def pack_weights(self) -> None:
         """Once the weights are all read (not before: they may still be streaming in), find the
-        exact Q4_1 / Q4_0 / Q8_0 blocks of those that are such values, for few-row matmuls to read
-        (`packed_weights`); a no-op where it is off or the matmul kernel is not used.
+        exact Q4_1 / Q4_0 / Q8_0 blocks of those that are such values, for few-row matmuls to
+        read (`packed_weights`); a no-op where it is off or the matmul kernel is not used.
 
         In a background thread on one core, at the lowest priority: nothing waits for it (0.19 s
         on both cores for SmolLM2 would have delayed a fresh worker's first token by as much),

@@ -177,6 +177,8 @@ def test_small_linear_reads_the_blocks_up_to_max_rows_packed(ext) -> None:  # ty
     # blocks that disagree with w: the result tells which weights were read
     other = Packed(packed.qs, packed.scales * 2)
     x = torch.randn(MAX_ROWS_PACKED, 64)
-    torch.testing.assert_close(small_linear(x, w, None, ext, other), 2 * (x @ w.T), rtol=1e-4, atol=1e-4)
+    got = small_linear(x, w, None, ext, other)
+    torch.testing.assert_close(got, 2 * (x @ w.T), rtol=1e-4, atol=1e-4)
     x = torch.randn(MAX_ROWS_PACKED + 1, 64)
-    torch.testing.assert_close(small_linear(x, w, None, ext, other), x @ w.T, rtol=1e-4, atol=1e-4)
+    got = small_linear(x, w, None, ext, other)
+    torch.testing.assert_close(got, x @ w.T, rtol=1e-4, atol=1e-4)

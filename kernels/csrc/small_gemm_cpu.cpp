@@ -560,9 +560,10 @@ static void dispatch(const float* xp, const W* wp, const float* bp, float* yp, i
 // `pack_blocks` finds d, m and q again from the float32 values and checks that every weight comes
 // back (bit for bit, but for the sign of a zero: see fits_affine); the packed form (5 or 8.5 bits
 // a weight, + 32 or 16 bits of float32 scales a block) is then read instead of 32 bits, and
-// widened in registers to the very same float32 values: d * q is exact in float32 (11 x 8 significant bits), so one rounding (the + m, an FMA)
-// gives what the importer's numpy gave. Products and sums stay float32's, as with dense weights;
-// a decode step reads a fifth of the bytes.
+// widened in registers to the very same float32 values: d * q is exact in float32 (11 x 8
+// significant bits), so one rounding (the + m, an FMA) gives what the importer's numpy gave.
+// Products and sums stay float32's, as with dense weights; a decode step reads a fifth of the
+// bytes.
 //
 // Layout (N rows, K / 32 blocks a row). Q4_1: qs uint8 (N, K / 2), 16 bytes a block, byte j
 // holding q[j] in its low nibble and q[j + 16] in its high one; scales float32 (N, K / 32, 2),
@@ -691,6 +692,12 @@ static bool find_q8_0(const float* x, int8_t* qs, float* scale) {
   return true;
 }
 
+#ifdef __AVX512F__
+static inline void prefetch_line(const void* p) {
+  _mm_prefetch(static_cast<const char*>(p), _MM_HINT_T0);
+}
+#endif
+
 struct Q4_1 {
   const uint8_t* qs;
   const float* dm;
@@ -720,8 +727,8 @@ struct Q4_1 {
   }
   // The cache lines of row n that block b's loads begin (one every 4 blocks of qs, 8 of dm).
   inline void prefetch(int64_t n, int64_t b) const {
-    if ((b & 3) == 0) _mm_prefetch(reinterpret_cast<const char*>(qs + n * (K / 2) + b * 16), _MM_HINT_T0);
-    if ((b & 7) == 0) _mm_prefetch(reinterpret_cast<const char*>(dm + (n * blocks() + b) * 2), _MM_HINT_T0);
+    if ((b & 3) == 0) prefetch_line(qs + n * (K / 2) + b * 16);
+    if ((b & 7) == 0) prefetch_line(dm + (n * blocks() + b) * 2);
   }
 #endif
 };
@@ -746,8 +753,8 @@ struct Q8_0 {
                            _mm_loadu_si128(reinterpret_cast<const __m128i*>(q + 16)))), s);
   }
   inline void prefetch(int64_t n, int64_t b) const {
-    if ((b & 1) == 0) _mm_prefetch(reinterpret_cast<const char*>(qs + n * K + b * kBlock), _MM_HINT_T0);
-    if ((b & 15) == 0) _mm_prefetch(reinterpret_cast<const char*>(d + n * blocks() + b), _MM_HINT_T0);
+    if ((b & 1) == 0) prefetch_line(qs + n * K + b * kBlock);
+    if ((b & 15) == 0) prefetch_line(d + n * blocks() + b);
   }
 #endif
 };
@@ -868,6 +875,18 @@ static void dispatch_packed(const float* x, const Src& src, const float* bias, f
 }
 #endif
 
+// Whether fits_block(n, b) holds for block b of every row n: rows over nt threads, the search
+// ending at the first block that does not fit.
+template <typename Fn>
+static bool every_block(int64_t N, int64_t nb, int nt, Fn&& fits_block) {
+  std::atomic<bool> fits{true};
+#pragma omp parallel for schedule(static) num_threads(nt)
+  for (int64_t n = 0; n < N; ++n)
+    for (int64_t b = 0; b < nb && fits.load(std::memory_order_relaxed); ++b)
+      if (!fits_block(n, b)) fits.store(false, std::memory_order_relaxed);
+  return fits.load();
+}
+
 // (qs, scales) of w as Q4_1 (or Q4_0), else as Q8_0, else None: every block must fit.
 // `threads`: OpenMP threads for the search (0: all); called without the GIL, so a background
 // thread can pack while the model serves.
@@ -880,32 +899,24 @@ c10::optional<std::vector<torch::Tensor>> pack_blocks(torch::Tensor w, int64_t t
   auto wc = w.contiguous();
   const float* wp = wc.data_ptr<float>();
   const int64_t nb = K / kBlock;
-  {
-    auto qs = torch::empty({N, K / 2}, torch::kUInt8);
-    auto dm = torch::empty({N, nb, 2}, torch::kFloat);
-    uint8_t* q = qs.data_ptr<uint8_t>();
-    float* s = dm.data_ptr<float>();
-    std::atomic<bool> fits{true};
-#pragma omp parallel for schedule(static) num_threads(nt)
-    for (int64_t n = 0; n < N; ++n) {
-      for (int64_t b = 0; b < nb && fits.load(std::memory_order_relaxed); ++b)
-        if (!find_q4_1(wp + n * K + b * kBlock, q + n * (K / 2) + b * 16, s + (n * nb + b) * 2))
-          fits.store(false, std::memory_order_relaxed);
-    }
-    if (fits.load()) return std::vector<torch::Tensor>{qs, dm};
-  }
-  auto qs = torch::empty({N, K}, torch::kInt8);
+  auto q4 = torch::empty({N, K / 2}, torch::kUInt8);
+  auto dm = torch::empty({N, nb, 2}, torch::kFloat);
+  uint8_t* q4p = q4.data_ptr<uint8_t>();
+  float* dmp = dm.data_ptr<float>();
+  if (every_block(N, nb, nt, [&](int64_t n, int64_t b) {
+        const int64_t at = n * nb + b;
+        return find_q4_1(wp + at * kBlock, q4p + at * 16, dmp + at * 2);
+      }))
+    return std::vector<torch::Tensor>{q4, dm};
+  auto q8 = torch::empty({N, K}, torch::kInt8);
   auto d = torch::empty({N, nb}, torch::kFloat);
-  int8_t* q = qs.data_ptr<int8_t>();
-  float* s = d.data_ptr<float>();
-  std::atomic<bool> fits{true};
-#pragma omp parallel for schedule(static) num_threads(nt)
-  for (int64_t n = 0; n < N; ++n) {
-    for (int64_t b = 0; b < nb && fits.load(std::memory_order_relaxed); ++b)
-      if (!find_q8_0(wp + n * K + b * kBlock, q + n * K + b * kBlock, s + n * nb + b))
-        fits.store(false, std::memory_order_relaxed);
-  }
-  if (fits.load()) return std::vector<torch::Tensor>{qs, d};
+  int8_t* q8p = q8.data_ptr<int8_t>();
+  float* dp = d.data_ptr<float>();
+  if (every_block(N, nb, nt, [&](int64_t n, int64_t b) {
+        const int64_t at = n * nb + b;
+        return find_q8_0(wp + at * kBlock, q8p + at * kBlock, dp + at);
+      }))
+    return std::vector<torch::Tensor>{q8, d};
   return c10::nullopt;
 }
 
@@ -1009,8 +1020,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "x @ w.T (+ bias): x float32; w float32 (1-256 rows of x) or bfloat16 (any rows)",
         py::arg("x"), py::arg("w"), py::arg("bias") = py::none());
   m.def("pack_blocks", &pack_blocks,
-        "(qs, scales) of a float32 weight whose blocks of 32 are exactly Q4_1, Q4_0 or Q8_0 values; "
-        "None otherwise (threads: 0 for all)",
+        "(qs, scales) of a float32 weight whose blocks of 32 are exactly Q4_1, Q4_0 or Q8_0 "
+        "values; None otherwise (threads: 0 for all)",
         py::arg("w"), py::arg("threads") = 0, py::call_guard<py::gil_scoped_release>());
   m.def("packed_linear", &packed_linear, "x @ w.T (+ bias) with w packed by pack_blocks",
         py::arg("x"), py::arg("qs"), py::arg("scales"), py::arg("bias") = py::none());
