@@ -48,13 +48,41 @@ _state: dict[str, ModuleType | None] = {}
 
 
 def build_dir() -> Path:
-    """Where the compiled extension is cached (TORCH_EXTENSIONS_DIR, as torch names it)."""
+    """Where the compiled extension is cached (TORCH_EXTENSIONS_DIR, as torch names it): a folder
+    per Python and torch version and per CPU, as `-march=native` compiles for the instruction
+    set of the CPU that builds (a cache shared by hosts of different CPUs, a home on NFS or a
+    live-migrated VM, would otherwise hand an AVX-512 build to an AVX2 host: SIGILL)."""
     root = os.environ.get("TORCH_EXTENSIONS_DIR")
     base = Path(root) if root else Path.home() / ".cache" / "edgeinfer" / "torch_extensions"
     import torch
 
     tag = f"py{sys.version_info.major}{sys.version_info.minor}-torch{torch.__version__}"
-    return base / tag.replace("+", "_")
+    return base / tag.replace("+", "_") / f"cpu-{cpu_fingerprint()}"
+
+
+def cpu_fingerprint(cpuinfo: str | None = None) -> str:
+    """A short hash of what `-march=native` reads of this CPU: its vendor, model name and feature
+    flags, from the first processor of `cpuinfo` (default: /proc/cpuinfo's text; where there is
+    none, the platform's processor string)."""
+    if cpuinfo is None:
+        try:
+            with open("/proc/cpuinfo", encoding="utf-8", errors="replace") as f:
+                cpuinfo = f.read()
+        except OSError:
+            cpuinfo = ""
+    lines = []
+    for line in cpuinfo.splitlines():
+        if not line.strip():
+            if lines:
+                break  # the first processor's block: the others repeat it
+            continue
+        if line.split(":", 1)[0].strip() in ("vendor_id", "model name", "flags", "Features", "CPU part"):
+            lines.append(" ".join(line.split()))
+    if not lines:
+        import platform
+
+        lines = [platform.machine(), platform.processor()]
+    return hashlib.sha256("\n".join(lines).encode()).hexdigest()[:12]
 
 
 def load() -> ModuleType | None:
