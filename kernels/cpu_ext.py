@@ -70,7 +70,7 @@ def cpu_fingerprint(cpuinfo: str | None = None) -> str:
                 cpuinfo = f.read()
         except OSError:
             cpuinfo = ""
-    lines = []
+    lines: list[str] = []
     for line in cpuinfo.splitlines():
         if not line.strip():
             if lines:
