@@ -495,6 +495,7 @@ def measure_edgeinfer(
             ("weight_dtype", None if args.weight_dtype == "auto" else args.weight_dtype),
             ("kv_cache_commit", args.kv_cache_commit),
             ("packed_weights", False if args.no_packed_weights else None),
+            ("kv_cache_dtype", None if args.kv_cache_dtype == "auto" else args.kv_cache_dtype),
         )
         if v is not None
     }
@@ -730,6 +731,12 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         "--no-packed-weights", action="store_true",
         help="edgeinfer engine argument: read the float32 weights as they are, not the exact "
         "Q4_1 / Q8_0 blocks found in the GGUF-imported model's weights (the default reads them)",
+    )  # fmt: skip
+    p.add_argument(
+        "--kv-cache-dtype", choices=["auto", "bfloat16"], default="auto",
+        help="edgeinfer engine argument: bfloat16 keeps the KV cache in bfloat16 under the float32 "
+        "model (half the bytes decode attention reads; outputs then differ from transformers' by "
+        "that rounding: see the greedy agreement line)",
     )  # fmt: skip
     p.add_argument("--json", type=Path, help="write the results here")
     args = p.parse_args(argv)

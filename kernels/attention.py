@@ -151,6 +151,7 @@ def paged_attention(
         flat = g.block_ids.reshape(-1)
         keys = k_blocks.index_select(0, flat).view(n, -1, Hkv, D).transpose(1, 2)  # (n, Hkv, L, D)
         values = v_blocks.index_select(0, flat).view(n, -1, Hkv, D).transpose(1, 2)
+        keys, values = keys.to(q.dtype), values.to(q.dtype)  # a bfloat16 cache: widened, exact
         qd = q[s : s + n].unsqueeze(2)  # (n, H, 1, D)
         o = F.scaled_dot_product_attention(
             qd, keys, values, attn_mask=g.mask, scale=scale, enable_gqa=Hkv != H
@@ -170,16 +171,24 @@ def paged_attention(
         s, n = chunk.query_start, chunk.query_len
         qc = q[s : s + n].transpose(0, 1)  # (H, n, D)
         if chunk.context_len == 0:
-            kc = k[s : s + n].transpose(0, 1)  # (Hkv, n, D)
-            vc = v[s : s + n].transpose(0, 1)
+            # the keys and values as the cache holds them (rounded, where it is bfloat16), so a
+            # prompt computed whole equals one computed in chunks
+            kc = _as_cached(k[s : s + n], k_cache).transpose(0, 1)  # (Hkv, n, D)
+            vc = _as_cached(v[s : s + n], v_cache).transpose(0, 1)
             o = _prefill_sdpa(qc, kc, vc, scale, causal=True)
         else:
             assert chunk.kv_slots is not None and chunk.mask is not None
-            kc = k_cache[chunk.kv_slots].transpose(0, 1)  # (Hkv, ctx + n, D)
-            vc = v_cache[chunk.kv_slots].transpose(0, 1)
+            kc = k_cache[chunk.kv_slots].to(q.dtype).transpose(0, 1)  # (Hkv, ctx + n, D)
+            vc = v_cache[chunk.kv_slots].to(q.dtype).transpose(0, 1)
             o = _prefill_sdpa(qc, kc, vc, scale, mask=chunk.mask)  # (H, n, D)
         out[s : s + n] = o.transpose(0, 1)
     return out
+
+
+def _as_cached(x: torch.Tensor, cache: torch.Tensor) -> torch.Tensor:
+    """x as the cache stores it, back in x's dtype: rounded through a bfloat16 cache under float32
+    activations (`EngineConfig.kv_cache_dtype`), itself otherwise."""
+    return x if cache.dtype == x.dtype else x.to(cache.dtype).to(x.dtype)
 
 
 def _prefill_sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,

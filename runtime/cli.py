@@ -67,6 +67,11 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
                    help="on the CPU, commit the KV cache's memory as blocks first use it (lazy, "
                    "the default: a fast start) or all at start-up (eager: no page faults while "
                    "serving)")  # fmt: skip
+    p.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "bfloat16"],
+                   help="the KV cache's element type: auto (the model's dtype: exact) or "
+                   "bfloat16 under a float32 model on the CPU (twice the tokens in the same "
+                   "memory, half the bytes decode attention reads; keys and values rounded to "
+                   "bfloat16 when written)")  # fmt: skip
     p.add_argument("--max-num-seqs", type=int, default=128)
     p.add_argument("--max-num-batched-tokens", type=int, default=2048)
     p.add_argument("--max-model-len", type=int, default=None)
@@ -124,6 +129,7 @@ def engine_kwargs(args: argparse.Namespace) -> dict[str, object]:
         "kv_cache_bytes": args.kv_cache_bytes,
         "kv_cache_fraction": args.kv_cache_fraction,
         "kv_cache_commit": args.kv_cache_commit,
+        "kv_cache_dtype": args.kv_cache_dtype,
         "max_num_seqs": args.max_num_seqs,
         "max_num_batched_tokens": args.max_num_batched_tokens,
         "max_model_len": args.max_model_len,

@@ -345,6 +345,11 @@ class EngineConfig:
     # products and sums stay float32; a checkpoint in float32 is rounded to bfloat16 on load)
     weight_dtype: str = "auto"
     block_size: int = 16  # tokens per KV-cache block
+    # the KV cache's element type: "auto" (the model's dtype: exact), or "bfloat16" under float32
+    # activations on the CPU: half the bytes a cached token takes (twice the tokens in the same
+    # memory) and a decode step's attention reads; keys and values rounded to bfloat16 when
+    # written (outputs then differ from float32's by that rounding), widened exactly when read
+    kv_cache_dtype: str = "auto"
     kv_cache_bytes: int | None = None  # bytes for the KV cache; None: kv_cache_fraction of free RAM
     kv_cache_fraction: float = (
         0.25  # of the machine's available memory, when kv_cache_bytes is None
@@ -424,6 +429,14 @@ class EngineConfig:
             raise ValueError(
                 "weight_dtype='bfloat16' runs under dtype='float32' on the CPU (bfloat16 weights, "
                 f"float32 activations); got dtype={self.dtype!r}, device={self.device!r}"
+            )
+        if self.kv_cache_dtype not in ("auto", "bfloat16"):
+            raise ValueError(f"kv_cache_dtype must be auto or bfloat16, got {self.kv_cache_dtype!r}")
+        if self.kv_cache_dtype == "bfloat16" and (self.dtype == "float16" or (
+                self.device == "cuda" and self.dtype == "float32")):  # fmt: skip
+            raise ValueError(
+                "kv_cache_dtype='bfloat16' takes a bfloat16 model, or a float32 one on the CPU; "
+                f"got dtype={self.dtype!r}, device={self.device!r}"
             )
         if self.block_size < 1 or self.block_size & (self.block_size - 1):
             raise ValueError(f"block_size must be a power of two, got {self.block_size}")

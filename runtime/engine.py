@@ -141,7 +141,15 @@ class LLMEngine:
         self.tokenizer = Tokenizer.from_dir(config.model)
         cfg = self.model.cfg
         self.max_model_len = min(config.max_model_len or cfg.max_model_len, cfg.max_model_len)
-        block_bytes = kv_block_bytes(self.model, config.block_size)
+        self.kv_dtype = self.model.dtype
+        if config.kv_cache_dtype == "bfloat16" and self.model.dtype != torch.bfloat16:
+            if self.model.dtype != torch.float32 or cuda:
+                raise ValueError(
+                    "kv_cache_dtype='bfloat16' takes a bfloat16 model, or a float32 one on the "
+                    f"CPU; this one is {self.model.dtype} on {self.model.device.type}"
+                )
+            self.kv_dtype = torch.bfloat16  # under float32 activations: written rounded
+        block_bytes = kv_block_bytes(self.model, config.block_size, self.kv_dtype)
         if cuda:  # of the GPU memory left once the weights are on it
             free = torch.cuda.mem_get_info(self.model.device)[0]
         else:  # of the memory left once the weights are in (they may be arriving)
@@ -161,6 +169,8 @@ class LLMEngine:
         dtypes = str(self.model.dtype).removeprefix("torch.")
         if self.model.weight_dtype != self.model.dtype:  # other weights: other KV
             dtypes += "-w" + str(self.model.weight_dtype).removeprefix("torch.")
+        if self.kv_dtype != self.model.dtype:  # KV rounded to another dtype
+            dtypes += "-kv" + str(self.kv_dtype).removeprefix("torch.")
         self.cache_id = f"{self.model_revision}-{dtypes}-b{config.block_size}"
         self.blocks = BlockManager(
             num_blocks,
@@ -190,7 +200,7 @@ class LLMEngine:
         self.runner = ModelRunner(
             self.model, num_blocks, config.block_size, config.attention, config.cpu_kernels,
             ranks=weights.ranks, kv_commit=config.kv_cache_commit,
-            packed_weights=config.packed_weights,
+            packed_weights=config.packed_weights, kv_dtype=self.kv_dtype,
         )
         # No warm-up step: on the CPU a first request is as fast as the next (measured: a
         # prefill + decode warm-up took 0.11 s and saved the first request 0.00-0.04 s).

@@ -40,11 +40,13 @@ from runtime.speculative import logprobs_of, verify
 log = logging.getLogger(__name__)
 
 
-def kv_block_bytes(model: LlamaForCausalLM, block_size: int) -> int:
-    """Bytes one block takes across all layers, keys and values; split over ranks, summed over
-    them (they share the host's memory; a KV head replicated on several is counted on each)."""
+def kv_block_bytes(model: LlamaForCausalLM, block_size: int,
+                   kv_dtype: torch.dtype | None = None) -> int:  # fmt: skip
+    """Bytes one block takes across all layers, keys and values, in `kv_dtype` (default: the
+    model's); split over ranks, summed over them (they share the host's memory; a KV head
+    replicated on several is counted on each)."""
     cfg, par = model.cfg, model.place.config
-    itemsize = torch.empty((), dtype=model.dtype).element_size()
+    itemsize = torch.empty((), dtype=kv_dtype or model.dtype).element_size()
     per_layer_rank = 2 * block_size * par.kv_heads(cfg) * cfg.head_dim * itemsize
     return cfg.num_layers * par.group_size * per_layer_rank
 
@@ -140,19 +142,22 @@ class ModelRunner:
         ranks: RankGroup | None = None,
         kv_commit: str = "lazy",
         packed_weights: bool = True,
+        kv_dtype: torch.dtype | None = None,
     ):
         """`ranks`: the model's other ranks (on rank 0 of a split model), which build their own
         runners with the same settings. `kv_commit` (CPU): "lazy", the KV cache's pages committed
         as blocks first use them; "eager", all of them now (`EngineConfig.kv_cache_commit`).
         `packed_weights` (CPU, float32): few-row matmuls read the exact Q4_1 / Q4_0 / Q8_0
         blocks of the weights that are such values (`EngineConfig.packed_weights`), found by
-        `pack_weights` once the weights are all read."""
+        `pack_weights` once the weights are all read. `kv_dtype`: the KV cache's element type
+        (default: the model's; bfloat16 under a float32 model on the CPU,
+        `EngineConfig.kv_cache_dtype`)."""
         cfg = model.cfg
         self.ranks = ranks
         if ranks is not None:
             ranks.setup(num_blocks=num_blocks, block_size=block_size, attention=attention,
                         cpu_kernels=cpu_kernels, kv_commit=kv_commit,
-                        packed_weights=packed_weights)  # fmt: skip
+                        packed_weights=packed_weights, kv_dtype=kv_dtype)  # fmt: skip
         t0 = time.perf_counter()
         # Matmuls (float32 or bfloat16 weights), RMSNorm, RoPE + KV write, SiLU-and-mul: C++
         # kernels where they build and the activations are float32; the references otherwise.
@@ -199,14 +204,15 @@ class ModelRunner:
         # block first uses it, unless kv_commit="eager" commits them all here.
         heads, layers = len(model.kv_head_range), len(model.local_layers)
         shape = (layers, 2, num_blocks * block_size, heads, cfg.head_dim)
-        nbytes = math.prod(shape) * model.dtype.itemsize
+        self.kv_dtype = kv_dtype or model.dtype
+        nbytes = math.prod(shape) * self.kv_dtype.itemsize
         if self.device.type == "cpu":
             arena = Arena(nbytes, huge=True)
             if kv_commit == "eager":
                 _commit(arena)
-            self.kv = arena.tensor()[:nbytes].view(model.dtype).view(shape)
+            self.kv = arena.tensor()[:nbytes].view(self.kv_dtype).view(shape)
         else:  # preallocated once on the device
-            self.kv = torch.zeros(shape, dtype=model.dtype, device=self.device)
+            self.kv = torch.zeros(shape, dtype=self.kv_dtype, device=self.device)
         self.kv_caches = [(self.kv[i, 0], self.kv[i, 1]) for i in range(layers)]
         self.sampler = Sampler()
         # where start-up went: (start, end) time.perf_counter() of each phase

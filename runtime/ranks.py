@@ -459,7 +459,7 @@ class RankedKVPages(KVPages):
 
     def __init__(self, runner: ModelRunner, ranks: RankGroup) -> None:
         cfg = runner.model.cfg
-        dtype = str(runner.model.dtype).removeprefix("torch.")
+        dtype = str(runner.kv_dtype).removeprefix("torch.")
         self.layout = KVLayout(cfg.num_layers, runner.block_size, cfg.num_kv_heads, cfg.head_dim,
                                dtype)  # fmt: skip
         self.runner, self.ranks = runner, ranks

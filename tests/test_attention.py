@@ -49,16 +49,18 @@ def scattered_tables(lens: list[int], bs: int, num_blocks: int, seed: int) -> li
     return tables
 
 
-def nan_cache_with(lens: list[int], hkv: int, d: int, bs: int, seed: int):  # type: ignore[no-untyped-def]
-    """A (blocks, bs, hkv, d) key and value cache filled with NaN, then random keys and values of
-    requests of `lens` tokens written through scattered block tables. Returns (k_cache, v_cache,
-    tables, keys, values), keys and values per request as (n, hkv, d)."""
+def nan_cache_with(lens: list[int], hkv: int, d: int, bs: int, seed: int,
+                   dtype: torch.dtype = torch.float32):  # type: ignore[no-untyped-def]  # fmt: skip
+    """A (blocks, bs, hkv, d) key and value cache of `dtype` filled with NaN, then random keys and
+    values of requests of `lens` tokens written through scattered block tables. Returns (k_cache,
+    v_cache, tables, keys, values), keys and values per request as (n, hkv, d), float32, as the
+    cache holds them (rounded, where it is bfloat16)."""
     num_blocks = sum(-(-n // bs) for n in lens) + 2
-    k_cache = torch.full((num_blocks, bs, hkv, d), float("nan"))
+    k_cache = torch.full((num_blocks, bs, hkv, d), float("nan"), dtype=dtype)
     v_cache = torch.full_like(k_cache, float("nan"))
     tables = scattered_tables(lens, bs, num_blocks, seed=seed)
-    keys = [torch.randn(n, hkv, d) for n in lens]
-    vals = [torch.randn(n, hkv, d) for n in lens]
+    keys = [torch.randn(n, hkv, d).to(dtype).float() for n in lens]
+    vals = [torch.randn(n, hkv, d).to(dtype).float() for n in lens]
     for t, kk, vv in zip(tables, keys, vals, strict=True):
         pos = torch.arange(kk.shape[0])
         slots = torch.tensor(t)[pos // bs] * bs + pos % bs
@@ -124,16 +126,19 @@ def test_decode_matches_dense(bs: int, impl: str, dtype: torch.dtype) -> None:
         (8, 4, 20, 4),  # head_dim not a multiple of 8: the generic loops
     ],
 )
-def test_cpu_decode_kernel_shapes(h: int, hkv: int, d: int, bs: int) -> None:
+@pytest.mark.parametrize("cache_dtype", [torch.float32, torch.bfloat16], ids=["f32", "bf16-cache"])
+def test_cpu_decode_kernel_shapes(h: int, hkv: int, d: int, bs: int, cache_dtype: torch.dtype) -> None:
     """The CPU extension at real models' shapes, with enough requests (>= 8) that each task takes
     all kv heads of a request, against float64. The cache starts as NaN, so a kernel that let a
-    stale row past a request's length into its result fails."""
+    stale row past a request's length into its result fails. A bfloat16 cache under float32
+    queries (`kv_cache_dtype`) is widened as read: float32's accuracy over the values it holds."""
     ext = cpu_ext.load()
     if ext is None:
         pytest.skip("the CPU extension did not build here (no compiler?)")
     torch.manual_seed(2)
     lens = [1, 15, 16, 17, 33, 200, 64, 5, 130]
-    k_cache, v_cache, tables, keys, vals = nan_cache_with(lens, hkv, d, bs, seed=3)
+    k_cache, v_cache, tables, keys, vals = nan_cache_with(lens, hkv, d, bs, seed=3,
+                                                          dtype=cache_dtype)  # fmt: skip
     width = max(len(t) for t in tables)
     block_ids = torch.zeros(len(lens), width, dtype=torch.int64)
     for i, t in enumerate(tables):
@@ -182,7 +187,8 @@ def test_prefill_chunk_over_cached_context(bs: int, ctx: int, n: int) -> None:
         (6, 2, 16, 1),  # three per kv head, one-token blocks
     ],
 )
-def test_cpu_prefill_kernel_shapes(h: int, hkv: int, d: int, bs: int) -> None:
+@pytest.mark.parametrize("cache_dtype", [torch.float32, torch.bfloat16], ids=["f32", "bf16-cache"])
+def test_cpu_prefill_kernel_shapes(h: int, hkv: int, d: int, bs: int, cache_dtype: torch.dtype) -> None:
     """Prompt chunks through the CPU extension, in place, against float64: fresh prompts and
     chunks after cached tokens, of lengths that end mid-tile and mid-block, with decode rows
     around them left alone. The cache starts as NaN, so a kernel that read a key past a chunk's
@@ -195,7 +201,8 @@ def test_cpu_prefill_kernel_shapes(h: int, hkv: int, d: int, bs: int) -> None:
     torch.manual_seed(4)
     chunks = [(0, 1), (0, 17), (5, 3), (16, 16), (37, 50), (0, 130), (200, 9)]  # (ctx, n)
     lens = [c + n for c, n in chunks]
-    k_cache, v_cache, tables, keys, vals = nan_cache_with(lens, hkv, d, bs, seed=5)
+    k_cache, v_cache, tables, keys, vals = nan_cache_with(lens, hkv, d, bs, seed=5,
+                                                          dtype=cache_dtype)  # fmt: skip
     decodes = 3  # rows before the chunks, as in a mixed step: untouched
     T = decodes + sum(n for _, n in chunks)
     q = torch.randn(T, h, d)
@@ -217,6 +224,58 @@ def test_cpu_prefill_kernel_shapes(h: int, hkv: int, d: int, bs: int) -> None:
     with pytest.raises(RuntimeError, match="outside the step"):
         bad = torch.tensor([[T - 2, 5, 0]])
         ext.paged_prefill_attention(q, k_cache, v_cache, bad, table_t[:1], d**-0.5, out)
+
+
+@pytest.mark.parametrize("impl", ["torch", "cpu_ext"])
+@pytest.mark.parametrize("bs", [4, 16])
+def test_bfloat16_cache_under_float32_queries(impl: str, bs: int) -> None:
+    """kv_cache_dtype='bfloat16': float32 queries over a bfloat16 cache, decode rows through both
+    implementations and prompt chunks through the reference (fresh and after cached tokens), are
+    float32 attention over the rounded keys and values; a fresh chunk uses its keys as the cache
+    holds them, so a prompt computed whole equals one computed in chunks."""
+    if impl == "cpu_ext" and cpu_ext.load() is None:
+        pytest.skip("the CPU extension did not build here (no compiler?)")
+    torch.manual_seed(9)
+    lens = [1, 17, 40, bs + 1]
+    k_cache, v_cache, tables, keys, vals = nan_cache_with(lens, HKV, D, bs, seed=bs,
+                                                          dtype=torch.bfloat16)  # fmt: skip
+    if impl == "torch":  # the reference copies whole blocks and masks: zeros, as the engine's
+        k_cache, v_cache = k_cache.nan_to_num(0.0), v_cache.nan_to_num(0.0)
+    width = max(len(t) for t in tables)
+    block_ids = torch.zeros(len(lens), width, dtype=torch.int64)
+    for i, t in enumerate(tables):
+        block_ids[i, : len(t)] = torch.tensor(t)
+    mask = (torch.arange(width * bs)[None, :] < torch.tensor(lens)[:, None])[:, None, None, :]
+    meta = PagedAttentionMetadata(
+        slot_mapping=torch.zeros(len(lens), dtype=torch.int64), block_size=bs, decode_impl=impl,
+        decodes=[DecodeGroup(0, len(lens), block_ids, torch.tensor(lens), mask)],
+    )  # fmt: skip
+    q = torch.randn(len(lens), H, D)
+    flat_k, flat_v = k_cache.view(-1, HKV, D), v_cache.view(-1, HKV, D)
+    out = paged_attention(q, None, q[:, :HKV], flat_k, flat_v, meta, D**-0.5)
+    assert out.dtype == torch.float32
+    for i, n in enumerate(lens):
+        ref = dense_attention(q[i : i + 1], keys[i], vals[i], ctx=n - 1)
+        torch.testing.assert_close(out[i : i + 1].double(), ref, atol=2e-5, rtol=1e-4)
+    # prompt chunks, reference path: the last request's 40 tokens whole, then as 23 + 17
+    r, n = 2, lens[2]
+    pos = torch.arange(n)
+    slots = torch.tensor(tables[r])[pos // bs] * bs + pos % bs
+    fresh_k = keys[r] + 1e-3 * torch.randn(n, HKV, D)  # not bfloat16 values: rounded on write
+    fresh_v = vals[r] + 1e-3 * torch.randn(n, HKV, D)
+    write_kv_cache(fresh_k, fresh_v, flat_k, flat_v, slots)
+    qp = torch.randn(n, H, D)
+    whole = PagedAttentionMetadata(slot_mapping=slots, block_size=bs,
+                                   prefills=[PrefillChunk(query_start=0, query_len=n, context_len=0)])  # fmt: skip
+    got = paged_attention(qp, fresh_k, fresh_v, flat_k, flat_v, whole, D**-0.5)
+    rk, rv = fresh_k.to(torch.bfloat16).float(), fresh_v.to(torch.bfloat16).float()
+    torch.testing.assert_close(got.double(), dense_attention(qp, rk, rv, 0), atol=1e-5, rtol=1e-5)
+    tail = PrefillChunk(query_start=0, query_len=17, context_len=23)
+    tail.kv_slots = slots
+    tail.mask = torch.arange(n)[None, :] <= (23 + torch.arange(17))[:, None]
+    meta2 = PagedAttentionMetadata(slot_mapping=slots[23:], block_size=bs, prefills=[tail])
+    got2 = paged_attention(qp[23:], fresh_k[23:], fresh_v[23:], flat_k, flat_v, meta2, D**-0.5)
+    torch.testing.assert_close(got2, got[23:], atol=1e-6, rtol=1e-5)
 
 
 def test_write_kv_cache_checks_shapes() -> None:

@@ -48,6 +48,26 @@ def test_rotary_write_kv_matches_the_reference(ext, T: int, H: int, KVH: int, D:
     assert torch.equal(vc, want_vc)  # values copied as they are; unwritten slots untouched
 
 
+def test_rotary_write_kv_rounds_into_a_bfloat16_cache(ext) -> None:  # type: ignore[no-untyped-def]
+    # kv_cache_dtype='bfloat16': the cache gets what torch's .to(bfloat16) gives (nearest even)
+    T, H, KVH, D = 20, 9, 3, 64
+    q, k, v, cos, sin = _qkv(T, H, KVH, D, seed=11)
+    slots = torch.randperm(2 * T)[:T]
+    kc = torch.zeros(2 * T, KVH, D, dtype=torch.bfloat16)
+    vc = torch.zeros_like(kc)
+    want_kc, want_vc = kc.clone(), vc.clone()
+    rotate_and_cache(q, k, v, cos, sin, want_kc, want_vc, slots)  # the reference's write
+    got_q, got_k = rotate_and_cache(q, k, v, cos, sin, kc, vc, slots, None, ext)
+    assert got_q.dtype == got_k.dtype == torch.float32  # what attention gets stays float32
+    torch.testing.assert_close(got_k, apply_rotary(k, cos, sin), rtol=1e-6, atol=1e-6)
+    assert torch.equal(vc, want_vc)  # v is not rotated: bit for bit
+    # k: the rotation's float32 rounding may differ by an ulp, moving a bfloat16 rounding by one
+    assert (kc.float() - want_kc.float()).abs().max() <= 2**-7 * want_kc.float().abs().max()
+    mixed = torch.zeros(2 * T, KVH, D)
+    with pytest.raises(RuntimeError, match="both float32 or both bfloat16"):
+        ext.rotary_write_kv(q, k, v, cos, sin, kc, mixed, slots)
+
+
 def test_rotary_write_kv_checks_its_inputs(ext) -> None:  # type: ignore[no-untyped-def]
     q, k, v, cos, sin = _qkv(2, 4, 2, 8, seed=0)
     kc, vc = torch.zeros(4, 2, 8), torch.zeros(4, 2, 8)

@@ -82,7 +82,8 @@ def test_up_passes_every_engine_option_to_its_workers() -> None:
     from runtime.launcher import _engine_flags
 
     given = ["--dtype", "float32", "--weight-dtype", "bfloat16", "--kv-cache-bytes", "5000000",
-             "--kv-cache-fraction", "0.1", "--kv-cache-commit", "eager", "--max-num-seqs", "7",
+             "--kv-cache-fraction", "0.1", "--kv-cache-commit", "eager", "--kv-cache-dtype",
+             "bfloat16", "--max-num-seqs", "7",
              "--max-num-batched-tokens", "99", "--max-model-len", "300", "--threads", "1",
              "--device", "cpu", "--no-cuda-graphs", "--speculative", "ngram",
              "--num-speculative-tokens", "3", "--spec-ngram", "2", "5", "--tp", "2",

@@ -11,7 +11,8 @@
 //
 // rotary_write_kv(q, k, v, cos, sin, k_cache, v_cache, slots) -> (q_rot, k_rot)
 //   q (T, H, D), k and v (T, KVH, D): views with unit stride along D (e.g. slices of the fused
-//   qkv projection's output); cos, sin (T, D) contiguous; caches (S, KVH, D) contiguous; slots
+//   qkv projection's output); cos, sin (T, D) contiguous; caches (S, KVH, D) contiguous, float32
+//   or bfloat16 (a KV cache kept in bfloat16: rounded to nearest even, as torch's .to()); slots
 //   (T,) int64, a negative slot writes nothing (a padded row). Returns q and k rotated, as new
 //   contiguous tensors, and stores the rotated k and v at their slots.
 // silu_and_mul(x) -> y: x (T, 2I) contiguous, gate then up -> y (T, I) = silu(gate) * up.
@@ -52,11 +53,13 @@ std::tuple<torch::Tensor, torch::Tensor> rotary_write_kv(torch::Tensor q, torch:
     TORCH_CHECK(c->scalar_type() == torch::kFloat && c->is_contiguous() && c->dim() == 2 &&
                     c->size(0) == T && c->size(1) == D,
                 "rotary_write_kv: cos and sin (T, D) float32 contiguous expected, got ", c->sizes());
+  const bool bf16 = k_cache.scalar_type() == torch::kBFloat16;
   for (const auto* c : {&k_cache, &v_cache})
-    TORCH_CHECK(c->scalar_type() == torch::kFloat && c->is_contiguous() && c->dim() == 3 &&
-                    c->size(1) == KVH && c->size(2) == D,
-                "rotary_write_kv: caches (slots, ", KVH, ", ", D, ") float32 contiguous expected, got ",
-                c->sizes());
+    TORCH_CHECK((c->scalar_type() == torch::kFloat || c->scalar_type() == torch::kBFloat16) &&
+                    c->scalar_type() == k_cache.scalar_type() && c->is_contiguous() &&
+                    c->dim() == 3 && c->size(1) == KVH && c->size(2) == D,
+                "rotary_write_kv: caches (slots, ", KVH, ", ", D, ") contiguous, both float32 or "
+                "both bfloat16, expected, got ", c->sizes(), " ", c->scalar_type());
   TORCH_CHECK(slots.scalar_type() == torch::kLong && slots.dim() == 1 && slots.size(0) == T,
               "rotary_write_kv: slots (T,) int64 expected, got ", slots.sizes());
   auto sl = slots.contiguous();
@@ -70,7 +73,10 @@ std::tuple<torch::Tensor, torch::Tensor> rotary_write_kv(torch::Tensor q, torch:
   const float *qp = q.data_ptr<float>(), *kp = k.data_ptr<float>(), *vp = v.data_ptr<float>();
   const float *cp = cos.data_ptr<float>(), *snp = sin.data_ptr<float>();
   float *qo = q_out.data_ptr<float>(), *ko = k_out.data_ptr<float>();
-  float *kc = k_cache.data_ptr<float>(), *vc = v_cache.data_ptr<float>();
+  float *kc = bf16 ? nullptr : k_cache.data_ptr<float>();
+  float *vc = bf16 ? nullptr : v_cache.data_ptr<float>();
+  at::BFloat16* kb = bf16 ? k_cache.data_ptr<at::BFloat16>() : nullptr;
+  at::BFloat16* vb = bf16 ? v_cache.data_ptr<at::BFloat16>() : nullptr;
   const int64_t qs0 = q.stride(0), qs1 = q.stride(1), ks0 = k.stride(0), ks1 = k.stride(1);
   const int64_t vs0 = v.stride(0), vs1 = v.stride(1);
 
@@ -83,9 +89,16 @@ std::tuple<torch::Tensor, torch::Tensor> rotary_write_kv(torch::Tensor q, torch:
       if (sp[t] < 0) continue;
       const int64_t at = (sp[t] * KVH + h) * D;
       const float* vr = vp + t * vs0 + h * vs1;
-      for (int64_t i = 0; i < D; ++i) {
-        kc[at + i] = kr[i];
-        vc[at + i] = vr[i];
+      if (bf16) {
+        for (int64_t i = 0; i < D; ++i) {
+          kb[at + i] = at::BFloat16(kr[i]);
+          vb[at + i] = at::BFloat16(vr[i]);
+        }
+      } else {
+        for (int64_t i = 0; i < D; ++i) {
+          kc[at + i] = kr[i];
+          vc[at + i] = vr[i];
+        }
       }
     }
   };

@@ -7,7 +7,8 @@
 // that share the kv head are computed together, so each key is loaded once for all of them.
 //
 //   q        (n, H, D)                    one query per request
-//   k_cache  (num_blocks, block_size, Hkv, D)
+//   k_cache  (num_blocks, block_size, Hkv, D) q's dtype, or bfloat16 under float32 q (a KV
+//                                         cache kept in bfloat16: widened in registers, exact)
 //   v_cache  (num_blocks, block_size, Hkv, D)
 //   blocks   (n, nb) int64                block table of each request (padding unused)
 //   lens     (n,) int64                   keys each request attends to
@@ -191,6 +192,14 @@ inline void block_values<float>(const float* scores, const float* base, int64_t 
 // machine that streams ~26 GB/s) and prefetch the next block, which lies elsewhere in memory.
 #define EI_AVX512 1
 
+// 16 cached values as float32 lanes: float32 as they are, bfloat16 widened (exact: a bfloat16 is
+// the top half of a float32), so the sums are float32's either way, on half the bytes read.
+inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
+inline __m512 load16(const at::BFloat16* p) {
+  const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+}
+
 // 16 vectors in, one out: lane t holds the sum of all lanes of a[t]. Each step adds pairs of
 // vectors' halves, so no lane ever mixes two inputs.
 inline __m512 reduce16(__m512* a) {
@@ -211,8 +220,9 @@ inline __m512 reduce16(__m512* a) {
 
 // Scores of up to 16 keys (rows key + t * tok_stride, t < tn) against G query heads, C = D / 16
 // vectors per row; `next` (or null) is the same head's rows in the next block, prefetched.
-inline void scores16(const float* qf, const float* key, int64_t tok_stride, int64_t tn, int64_t G,
-                     int64_t C, const float* next, float* scores, int64_t L, int64_t j0) {
+template <typename KV>
+inline void scores16(const float* qf, const KV* key, int64_t tok_stride, int64_t tn, int64_t G,
+                     int64_t C, const KV* next, float* scores, int64_t L, int64_t j0) {
   if (next != nullptr)
     for (int64_t t = 0; t < tn; ++t)
       for (int64_t c = 0; c < C; ++c)
@@ -225,11 +235,11 @@ inline void scores16(const float* qf, const float* key, int64_t tok_stride, int6
       const __m512 qc = _mm512_loadu_ps(qf + g * C * 16 + c * 16);
       if (tn == 16) {
         for (int t = 0; t < 16; ++t)
-          acc[t] = _mm512_fmadd_ps(qc, _mm512_loadu_ps(key + t * tok_stride + c * 16), acc[t]);
+          acc[t] = _mm512_fmadd_ps(qc, load16(key + t * tok_stride + c * 16), acc[t]);
       } else {
         for (int t = 0; t < 16; ++t)
           if (t < tn)
-            acc[t] = _mm512_fmadd_ps(qc, _mm512_loadu_ps(key + t * tok_stride + c * 16), acc[t]);
+            acc[t] = _mm512_fmadd_ps(qc, load16(key + t * tok_stride + c * 16), acc[t]);
       }
     }
     _mm512_mask_storeu_ps(scores + g * L + j0, keep, reduce16(acc));
@@ -239,9 +249,9 @@ inline void scores16(const float* qf, const float* key, int64_t tok_stride, int6
 // acc[g] += sum_t p[g, j0 + t] * v_t over up to 16 rows, G query heads held in registers.
 // CB vectors of each head at a time, and even and odd rows in separate accumulators: at least
 // eight independent FMA chains, so the loop is not bound by the FMA's latency.
-template <int G>
-inline void values16(const float* scores, const float* val, int64_t tok_stride, int64_t tn,
-                     int64_t C, const float* next, float* acc, int64_t L, int64_t j0) {
+template <int G, typename KV>
+inline void values16(const float* scores, const KV* val, int64_t tok_stride, int64_t tn,
+                     int64_t C, const KV* next, float* acc, int64_t L, int64_t j0) {
   constexpr int CB = std::max(1, std::min(4, 8 / G));
   if (next != nullptr)
     for (int64_t t = 0; t < tn; ++t)
@@ -260,12 +270,12 @@ inline void values16(const float* scores, const float* val, int64_t tok_stride, 
     // `a` made GCC keep the accumulators on the stack).
     int64_t t = 0;
     for (; t + 1 < tn; t += 2) {
-      const float* r0 = val + t * tok_stride + c0 * 16;
-      const float* r1 = r0 + tok_stride;
+      const KV* r0 = val + t * tok_stride + c0 * 16;
+      const KV* r1 = r0 + tok_stride;
       __m512 v0[CB], v1[CB];
       for (int c = 0; c < CB; ++c) {
-        v0[c] = c < cb ? _mm512_loadu_ps(r0 + c * 16) : _mm512_setzero_ps();
-        v1[c] = c < cb ? _mm512_loadu_ps(r1 + c * 16) : _mm512_setzero_ps();
+        v0[c] = c < cb ? load16(r0 + c * 16) : _mm512_setzero_ps();
+        v1[c] = c < cb ? load16(r1 + c * 16) : _mm512_setzero_ps();
       }
       for (int g = 0; g < G; ++g) {
         const __m512 p0 = _mm512_set1_ps(scores[g * L + j0 + t]);
@@ -277,11 +287,11 @@ inline void values16(const float* scores, const float* val, int64_t tok_stride, 
       }
     }
     if (t < tn) {
-      const float* r0 = val + t * tok_stride + c0 * 16;
+      const KV* r0 = val + t * tok_stride + c0 * 16;
       for (int g = 0; g < G; ++g) {
         const __m512 p0 = _mm512_set1_ps(scores[g * L + j0 + t]);
         for (int c = 0; c < CB; ++c)  // constant bounds everywhere: `a` stays in registers
-          if (c < cb) a[0][g][c] = _mm512_fmadd_ps(p0, _mm512_loadu_ps(r0 + c * 16), a[0][g][c]);
+          if (c < cb) a[0][g][c] = _mm512_fmadd_ps(p0, load16(r0 + c * 16), a[0][g][c]);
       }
     }
     for (int g = 0; g < G; ++g)
@@ -295,23 +305,25 @@ inline void values16(const float* scores, const float* val, int64_t tok_stride, 
 inline bool avx512_shape(int64_t G, int64_t D) { return D % 16 == 0 && G >= 1 && G <= 8; }
 
 // One head's block through values16, its G picked at compile time.
-inline void values16_any(int64_t G, const float* scores, const float* val, int64_t tok_stride,
-                         int64_t tn, int64_t C, const float* next, float* acc, int64_t L,
+template <typename KV>
+inline void values16_any(int64_t G, const float* scores, const KV* val, int64_t tok_stride,
+                         int64_t tn, int64_t C, const KV* next, float* acc, int64_t L,
                          int64_t j0) {
   switch (G) {
-    case 1: return values16<1>(scores, val, tok_stride, tn, C, next, acc, L, j0);
-    case 2: return values16<2>(scores, val, tok_stride, tn, C, next, acc, L, j0);
-    case 3: return values16<3>(scores, val, tok_stride, tn, C, next, acc, L, j0);
-    case 4: return values16<4>(scores, val, tok_stride, tn, C, next, acc, L, j0);
-    case 5: return values16<5>(scores, val, tok_stride, tn, C, next, acc, L, j0);
-    case 6: return values16<6>(scores, val, tok_stride, tn, C, next, acc, L, j0);
-    case 7: return values16<7>(scores, val, tok_stride, tn, C, next, acc, L, j0);
-    default: return values16<8>(scores, val, tok_stride, tn, C, next, acc, L, j0);  // G == 8
+    case 1: return values16<1, KV>(scores, val, tok_stride, tn, C, next, acc, L, j0);
+    case 2: return values16<2, KV>(scores, val, tok_stride, tn, C, next, acc, L, j0);
+    case 3: return values16<3, KV>(scores, val, tok_stride, tn, C, next, acc, L, j0);
+    case 4: return values16<4, KV>(scores, val, tok_stride, tn, C, next, acc, L, j0);
+    case 5: return values16<5, KV>(scores, val, tok_stride, tn, C, next, acc, L, j0);
+    case 6: return values16<6, KV>(scores, val, tok_stride, tn, C, next, acc, L, j0);
+    case 7: return values16<7, KV>(scores, val, tok_stride, tn, C, next, acc, L, j0);
+    default: return values16<8, KV>(scores, val, tok_stride, tn, C, next, acc, L, j0);  // G == 8
   }
 }
 #endif
 
-template <typename T>
+// T: q's and out's element type; KV: the cache's (T, or bfloat16 under float32 q).
+template <typename T, typename KV = T>
 void decode_kernel(const torch::Tensor& q, const torch::Tensor& k_cache, const torch::Tensor& v_cache,
                    const torch::Tensor& blocks, const torch::Tensor& lens, double scale,
                    torch::Tensor& out) {
@@ -319,19 +331,18 @@ void decode_kernel(const torch::Tensor& q, const torch::Tensor& k_cache, const t
   const int64_t bs = k_cache.size(1), Hkv = k_cache.size(2);
   const int64_t G = H / Hkv, nb = blocks.size(1);
   const T* qp = q.data_ptr<T>();
-  const T* kp = k_cache.data_ptr<T>();
-  const T* vp = v_cache.data_ptr<T>();
+  const KV* kp = k_cache.data_ptr<KV>();
+  const KV* vp = v_cache.data_ptr<KV>();
   const int64_t* bp = blocks.data_ptr<int64_t>();
   const int64_t* lp = lens.data_ptr<int64_t>();
   T* op = out.data_ptr<T>();
   const int64_t tok_stride = Hkv * D, blk_stride = bs * Hkv * D;
   const float fscale = static_cast<float>(scale);
 #ifdef EI_AVX512
-  // Only float32 takes the AVX-512 loops (fast is false for other T, so the casts there
-  // never run on other element types).
-  const bool fast = std::is_same_v<T, float> && avx512_shape(G, D);
-  const float* kf = reinterpret_cast<const float*>(kp);
-  const float* vf = reinterpret_cast<const float*>(vp);
+  // Only float32 queries take the AVX-512 loops, over a float32 or bfloat16 cache.
+  constexpr bool kFastTypes =
+      std::is_same_v<T, float> && (std::is_same_v<KV, float> || std::is_same_v<KV, at::BFloat16>);
+  const bool fast = kFastTypes && avx512_shape(G, D);
 #endif
 
   // A task is one request and a range of its kv heads: all of them when there are enough requests
@@ -367,24 +378,26 @@ void decode_kernel(const torch::Tensor& q, const torch::Tensor& k_cache, const t
       // Pass 1: scores of every key, block by block; the block stays in cache across heads.
 #ifdef EI_AVX512
       if (fast) {
-        for (int64_t j0 = 0; j0 < L; j0 += bs) {
-          const float* block = kf + table[j0 / bs] * blk_stride;
-          const float* next = j0 + bs < L ? kf + table[j0 / bs + 1] * blk_stride : nullptr;
-          const int64_t tn = std::min(bs, L - j0);
-          for (int64_t h = h0; h < h1; ++h)
-            for (int64_t t0 = 0; t0 < tn; t0 += 16)
-              scores16(qf.data() + h * G * D, block + t0 * tok_stride + h * D, tok_stride,
-                       std::min<int64_t>(16, tn - t0), G, D / 16,
-                       next ? next + t0 * tok_stride + h * D : nullptr,
-                       scores.data() + h * G * L, L, j0 + t0);
+        if constexpr (kFastTypes) {
+          for (int64_t j0 = 0; j0 < L; j0 += bs) {
+            const KV* block = kp + table[j0 / bs] * blk_stride;
+            const KV* next = j0 + bs < L ? kp + table[j0 / bs + 1] * blk_stride : nullptr;
+            const int64_t tn = std::min(bs, L - j0);
+            for (int64_t h = h0; h < h1; ++h)
+              for (int64_t t0 = 0; t0 < tn; t0 += 16)
+                scores16(qf.data() + h * G * D, block + t0 * tok_stride + h * D, tok_stride,
+                         std::min<int64_t>(16, tn - t0), G, D / 16,
+                         next ? next + t0 * tok_stride + h * D : nullptr,
+                         scores.data() + h * G * L, L, j0 + t0);
+          }
         }
       } else
 #endif
       for (int64_t j0 = 0; j0 < L; j0 += bs) {
-        const T* block = kp + table[j0 / bs] * blk_stride;
+        const KV* block = kp + table[j0 / bs] * blk_stride;
         const int64_t tn = std::min(bs, L - j0);
         for (int64_t h = h0; h < h1; ++h)
-          block_scores<T>(qf.data() + h * G * D, block + h * D, tok_stride, tn, G, D,
+          block_scores<KV>(qf.data() + h * G * D, block + h * D, tok_stride, tn, G, D,
                           scores.data() + h * G * L, L, j0);
       }
       // Softmax per query head (exp vectorized).
@@ -406,24 +419,26 @@ void decode_kernel(const torch::Tensor& q, const torch::Tensor& k_cache, const t
       std::fill(acc.begin(), acc.end(), 0.f);
 #ifdef EI_AVX512
       if (fast) {
-        for (int64_t j0 = 0; j0 < L; j0 += bs) {
-          const float* block = vf + table[j0 / bs] * blk_stride;
-          const float* next = j0 + bs < L ? vf + table[j0 / bs + 1] * blk_stride : nullptr;
-          const int64_t tn = std::min(bs, L - j0);
-          for (int64_t h = h0; h < h1; ++h)
-            for (int64_t t0 = 0; t0 < tn; t0 += 16)
-              values16_any(G, scores.data() + h * G * L, block + t0 * tok_stride + h * D,
-                           tok_stride, std::min<int64_t>(16, tn - t0), D / 16,
-                           next ? next + t0 * tok_stride + h * D : nullptr,
-                           acc.data() + h * G * D, L, j0 + t0);
+        if constexpr (kFastTypes) {
+          for (int64_t j0 = 0; j0 < L; j0 += bs) {
+            const KV* block = vp + table[j0 / bs] * blk_stride;
+            const KV* next = j0 + bs < L ? vp + table[j0 / bs + 1] * blk_stride : nullptr;
+            const int64_t tn = std::min(bs, L - j0);
+            for (int64_t h = h0; h < h1; ++h)
+              for (int64_t t0 = 0; t0 < tn; t0 += 16)
+                values16_any(G, scores.data() + h * G * L, block + t0 * tok_stride + h * D,
+                             tok_stride, std::min<int64_t>(16, tn - t0), D / 16,
+                             next ? next + t0 * tok_stride + h * D : nullptr,
+                             acc.data() + h * G * D, L, j0 + t0);
+          }
         }
       } else
 #endif
       for (int64_t j0 = 0; j0 < L; j0 += bs) {
-        const T* block = vp + table[j0 / bs] * blk_stride;
+        const KV* block = vp + table[j0 / bs] * blk_stride;
         const int64_t tn = std::min(bs, L - j0);
         for (int64_t h = h0; h < h1; ++h)
-          block_values<T>(scores.data() + h * G * L, block + h * D, tok_stride, tn, G, D,
+          block_values<KV>(scores.data() + h * G * L, block + h * D, tok_stride, tn, G, D,
                           acc.data() + h * G * D, L, j0);
       }
       for (int64_t hq = h0 * G; hq < h1 * G; ++hq)
@@ -439,7 +454,12 @@ torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor k_cache, tor
               "paged_decode_attention: q (n, H, D), caches (blocks, block_size, Hkv, D)");
   TORCH_CHECK(q.is_contiguous() && k_cache.is_contiguous() && v_cache.is_contiguous(),
               "paged_decode_attention: tensors must be contiguous");
-  TORCH_CHECK(q.scalar_type() == k_cache.scalar_type(), "paged_decode_attention: dtype mismatch");
+  TORCH_CHECK(k_cache.scalar_type() == v_cache.scalar_type() &&
+                  (q.scalar_type() == k_cache.scalar_type() ||
+                   (q.scalar_type() == torch::kFloat32 && k_cache.scalar_type() == torch::kBFloat16)),
+              "paged_decode_attention: the caches must be q's dtype, or bfloat16 under float32 q; "
+              "got q ", q.scalar_type(), ", caches ", k_cache.scalar_type(), " and ",
+              v_cache.scalar_type());
   TORCH_CHECK(q.size(2) == k_cache.size(3) && q.size(1) % k_cache.size(2) == 0,
               "paged_decode_attention: head_dim or head count mismatch");
   TORCH_CHECK(blocks.scalar_type() == torch::kInt64 && lens.scalar_type() == torch::kInt64 &&
@@ -455,7 +475,9 @@ torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor k_cache, tor
                   " of query ", i, " outside 1..", cap, " (block table width x block size)");
   }
   auto out = torch::empty_like(q);
-  if (q.scalar_type() == torch::kFloat32) {
+  if (q.scalar_type() == torch::kFloat32 && k_cache.scalar_type() == torch::kBFloat16) {
+    decode_kernel<float, at::BFloat16>(q, k_cache, v_cache, blocks, lens, scale, out);
+  } else if (q.scalar_type() == torch::kFloat32) {
     decode_kernel<float>(q, k_cache, v_cache, blocks, lens, scale, out);
   } else if (q.scalar_type() == torch::kBFloat16) {
     decode_kernel<at::BFloat16>(q, k_cache, v_cache, blocks, lens, scale, out);
@@ -487,10 +509,15 @@ struct PrefillTask {
   int64_t chunk, head, q0, qn, keys;  // keys: how many the task's last query attends to
 };
 
-// Scratch of one thread, sized for the largest task.
+// A cached element as float32 (a bfloat16 widened: exact).
+inline float widen(float x) { return x; }
+inline float widen(at::BFloat16 x) { return static_cast<float>(x); }
+
+// Scratch of one thread, sized for the largest task; KV: the cache's element type.
+template <typename KV>
 struct PrefillScratch {
   std::vector<float> qt, ot, p;
-  std::vector<const float*> krow, vrow;
+  std::vector<const KV*> krow, vrow;
   void fit(int64_t R, int64_t D) {
     qt.assign(D * R, 0.f);
     ot.assign(D * R, 0.f);
@@ -502,9 +529,10 @@ struct PrefillScratch {
 
 // One task. Rows r = i * G + g (query i of the task, head g of the kv head's group); R rounded up
 // to a multiple of 16 with copies of the last query (never written out).
-void prefill_task(const PrefillTask& t, const float* q, const float* kf, const float* vf,
+template <typename KV>
+void prefill_task(const PrefillTask& t, const float* q, const KV* kf, const KV* vf,
                   const int64_t* table, const int64_t* span, int64_t bs, int64_t Hkv, int64_t G,
-                  int64_t D, float scale, float* out, PrefillScratch& s) {
+                  int64_t D, float scale, float* out, PrefillScratch<KV>& s) {
   const int64_t H = Hkv * G, tok_stride = Hkv * D, blk_stride = bs * tok_stride;
   const int64_t row0 = span[0], ctx = span[2];
   const int64_t R = (t.qn * G + 15) / 16 * 16, NG = R / 16;
@@ -547,13 +575,14 @@ void prefill_task(const PrefillTask& t, const float* q, const float* kf, const f
           for (int64_t d = 0; d < D; ++d) {
             const __m512 qd = _mm512_loadu_ps(qg + d * R);
             for (int u = 0; u < 8; ++u)
-              a[u] = _mm512_fmadd_ps(qd, _mm512_set1_ps(s.krow[u0 + u][d]), a[u]);
+              a[u] = _mm512_fmadd_ps(qd, _mm512_set1_ps(widen(s.krow[u0 + u][d])), a[u]);
           }
         } else {
           for (int64_t d = 0; d < D; ++d) {
             const __m512 qd = _mm512_loadu_ps(qg + d * R);
             for (int u = 0; u < 8; ++u)
-              if (u < un) a[u] = _mm512_fmadd_ps(qd, _mm512_set1_ps(s.krow[u0 + u][d]), a[u]);
+              if (u < un)
+                a[u] = _mm512_fmadd_ps(qd, _mm512_set1_ps(widen(s.krow[u0 + u][d])), a[u]);
           }
         }
         for (int u = 0; u < 8; ++u)
@@ -595,8 +624,9 @@ void prefill_task(const PrefillTask& t, const float* q, const float* kf, const f
         for (int c = 0; c < 8; ++c) o[c] = _mm512_loadu_ps(og + (d0 + c) * R);
         for (int64_t u = 0; u < tn; ++u) {
           const __m512 pu = _mm512_loadu_ps(pb + u * 16);
-          const float* v = s.vrow[u] + d0;
-          for (int c = 0; c < 8; ++c) o[c] = _mm512_fmadd_ps(pu, _mm512_set1_ps(v[c]), o[c]);
+          const KV* v = s.vrow[u] + d0;
+          for (int c = 0; c < 8; ++c)
+            o[c] = _mm512_fmadd_ps(pu, _mm512_set1_ps(widen(v[c])), o[c]);
         }
         for (int c = 0; c < 8; ++c) _mm512_storeu_ps(og + (d0 + c) * R, o[c]);
       }
@@ -627,7 +657,7 @@ bool prefill_supported(int64_t G, int64_t D) {
 
 // out[rows of each chunk] = causal attention of those rows of q over their request's keys.
 //   q, out   (T, H, D) float32 contiguous: the step's rows (decode rows are left alone)
-//   k_cache, v_cache (num_blocks, block_size, Hkv, D)
+//   k_cache, v_cache (num_blocks, block_size, Hkv, D) float32, or bfloat16 (widened as read)
 //   spans    (C, 3) int64: per chunk, its first row in q, its rows, its tokens cached before it
 //   tables   (C, nb) int64: per chunk, its request's block table (covering ctx + rows keys)
 void paged_prefill_attention(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
@@ -639,8 +669,13 @@ void paged_prefill_attention(torch::Tensor q, torch::Tensor k_cache, torch::Tens
   TORCH_CHECK(q.is_contiguous() && out.is_contiguous() && k_cache.is_contiguous() &&
                   v_cache.is_contiguous(),
               "paged_prefill_attention: tensors must be contiguous");
-  for (const auto* x : {&q, &k_cache, &v_cache, &out})
-    TORCH_CHECK(x->scalar_type() == torch::kFloat32, "paged_prefill_attention: float32 only");
+  for (const auto* x : {&q, &out})
+    TORCH_CHECK(x->scalar_type() == torch::kFloat32, "paged_prefill_attention: float32 q and out");
+  const bool bf16 = k_cache.scalar_type() == torch::kBFloat16;
+  TORCH_CHECK(k_cache.scalar_type() == v_cache.scalar_type() &&
+                  (bf16 || k_cache.scalar_type() == torch::kFloat32),
+              "paged_prefill_attention: float32 or bfloat16 caches, got ", k_cache.scalar_type(),
+              " and ", v_cache.scalar_type());
   const int64_t T = q.size(0), H = q.size(1), D = q.size(2);
   const int64_t bs = k_cache.size(1), Hkv = k_cache.size(2);
   TORCH_CHECK(D == k_cache.size(3) && H % Hkv == 0,
@@ -677,23 +712,28 @@ void paged_prefill_attention(torch::Tensor q, torch::Tensor k_cache, torch::Tens
   std::stable_sort(tasks.begin(), tasks.end(),
                    [](const PrefillTask& a, const PrefillTask& b) { return a.keys > b.keys; });
   const float* qp = q.data_ptr<float>();
-  const float* kf = k_cache.data_ptr<float>();
-  const float* vf = v_cache.data_ptr<float>();
   float* op = out.data_ptr<float>();
   const float fscale = static_cast<float>(scale);
   const int64_t ntasks = static_cast<int64_t>(tasks.size());
   const int threads = static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), ntasks)));
+  auto run = [&](const auto* kf, const auto* vf) {
+    using KV = std::remove_cv_t<std::remove_pointer_t<decltype(kf)>>;
 #pragma omp parallel num_threads(threads)
-  {
-    PrefillScratch scratch;
-    scratch.fit((QT * G + 15) / 16 * 16, D);
+    {
+      PrefillScratch<KV> scratch;
+      scratch.fit((QT * G + 15) / 16 * 16, D);
 #pragma omp for schedule(dynamic, 1)
-    for (int64_t i = 0; i < ntasks; ++i) {
-      const PrefillTask& t = tasks[i];
-      prefill_task(t, qp, kf, vf, tp + t.chunk * nb, sp + 3 * t.chunk, bs, Hkv, G, D, fscale,
-                   op, scratch);
+      for (int64_t i = 0; i < ntasks; ++i) {
+        const PrefillTask& t = tasks[i];
+        prefill_task(t, qp, kf, vf, tp + t.chunk * nb, sp + 3 * t.chunk, bs, Hkv, G, D, fscale,
+                     op, scratch);
+      }
     }
-  }
+  };
+  if (bf16)
+    run(k_cache.data_ptr<at::BFloat16>(), v_cache.data_ptr<at::BFloat16>());
+  else
+    run(k_cache.data_ptr<float>(), v_cache.data_ptr<float>());
 #endif
 }
 
