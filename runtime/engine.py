@@ -55,6 +55,7 @@ class Startup:
 
     phases: dict[str, tuple[float, float]]  # name -> (start, end), time.perf_counter()
     read: ReadStats  # what the weight read did (bytes, GB/s, O_DIRECT or not, chunks checked)
+    kv_cache: str = ""  # what the KV cache holds, e.g. "6.05 GB bfloat16, 10254 blocks of 16"
 
     @property
     def ready(self) -> float:
@@ -75,6 +76,8 @@ class Startup:
                     f" ({read.bytes / 1e9:.2f} GB at {read.gb_per_s:.2f} GB/s; {drive}; "
                     f"{read.direct} of {files} files O_DIRECT{checked})"
                 )
+            elif name == "KV cache" and self.kv_cache:
+                part += f" ({self.kv_cache})"
             parts.append(part)
         parts.append(f"ready {self.ready - process_start:.2f} (seconds since the process started)")
         return "start-up: " + " | ".join(parts)
@@ -223,6 +226,9 @@ class LLMEngine:
                 "placement": (max(t_placement, read.finished), weights.placed),
             },
             read=read,
+            kv_cache=f"{self.runner.kv.nbytes / 1e9:.2f} GB "
+            f"{str(self.runner.kv_dtype).removeprefix('torch.')}, {num_blocks} blocks of "
+            f"{config.block_size} tokens",
         )
 
     # ------------------------------------------------------------------ requests in

@@ -33,6 +33,10 @@ def test_twice_the_blocks_in_the_same_bytes(stories_dir: Path) -> None:
     # the two kinds refuse each other's blocks by it)
     assert half.engine.cache_id != exact.engine.cache_id
     assert half.engine.cache_id.endswith("-kvbfloat16-b16")
+    # a worker's start-up line says what its KV cache holds
+    t0 = min(start for start, _ in half.engine.startup.phases.values())
+    line = half.engine.startup.timeline(t0, t0, "drive")
+    assert f"bfloat16, {half.engine.blocks.num_blocks} blocks of 16 tokens" in line
 
 
 @pytest.mark.parametrize("family", ["llama", "qwen3"])
