@@ -271,6 +271,7 @@ class Proxy:
             frozenset(call.tried_prefill),
             cached=call.cached,
             prompt_tokens=call.prompt_tokens,
+            cache_id=worker.cache_id,
         )
         if not candidates:
             return 0  # every prefill worker failed this request: the decode worker computes it

@@ -16,7 +16,9 @@ Roles (`serving_roles`): while the model has both a prefill and a decode worker,
 disaggregated: the order above picks the decode worker among `decode` (and `mixed`) workers, and
 `prefill_candidates` orders the `prefill` workers by prompt tokens still to compute there
 (published prefill load, plus what this gateway sent since, plus the prompt tokens not in its
-prefix cache), longest cached prefix first among near-equals. Otherwise `mixed` workers serve
+prefix cache), longest cached prefix first among near-equals; only those whose KV the decode
+worker can take (the same cache id: model revision, dtypes, block size; a pull from another is
+refused). Otherwise `mixed` workers serve
 whole requests, and a cluster with only prefill or only decode workers still serves on those.
 """
 
@@ -159,8 +161,11 @@ class Router:
         exclude: frozenset[str] = frozenset(),
         cached: dict[str, int] | None = None,
         prompt_tokens: int = 0,
+        cache_id: str = "",
     ) -> list[WorkerInfo]:
-        """Prefill workers for `model`, best first (see the module docstring)."""
+        """Prefill workers for `model`, best first (see the module docstring). `cache_id`: the
+        decode worker's; a prefill worker that publishes another holds KV it cannot take (e.g.
+        another --kv-cache-dtype), and its pull would fail and count against a healthy worker."""
         hits = cached or {}
         pool = [
             w
@@ -170,6 +175,7 @@ class Router:
             and w.kv_addr
             and not w.draining
             and w.worker_id not in exclude
+            and (not cache_id or not w.cache_id or w.cache_id == cache_id)
         ]
 
         def cost(w: WorkerInfo) -> int:

@@ -27,6 +27,7 @@ from pathlib import Path
 
 import torch
 
+from kernels.dispatch import FORCE_TRITON
 from kvstore.block_hash import cache_seed
 from runtime.config import EngineConfig
 from runtime.detokenizer import IncrementalDetokenizer
@@ -146,10 +147,12 @@ class LLMEngine:
         self.max_model_len = min(config.max_model_len or cfg.max_model_len, cfg.max_model_len)
         self.kv_dtype = self.model.dtype
         if config.kv_cache_dtype == "bfloat16" and self.model.dtype != torch.bfloat16:
-            if self.model.dtype != torch.float32 or cuda:
+            # the Triton kernels (CUDA, or forced on the CPU) take a cache in the model's dtype
+            if self.model.dtype != torch.float32 or cuda or FORCE_TRITON:
+                where = "the Triton kernels" if FORCE_TRITON and not cuda else self.model.device.type
                 raise ValueError(
                     "kv_cache_dtype='bfloat16' takes a bfloat16 model, or a float32 one on the "
-                    f"CPU; this one is {self.model.dtype} on {self.model.device.type}"
+                    f"CPU's own kernels; this one is {self.model.dtype} on {where}"
                 )
             self.kv_dtype = torch.bfloat16  # under float32 activations: written rounded
         block_bytes = kv_block_bytes(self.model, config.block_size, self.kv_dtype)
@@ -226,7 +229,7 @@ class LLMEngine:
                 "placement": (max(t_placement, read.finished), weights.placed),
             },
             read=read,
-            kv_cache=f"{self.runner.kv.nbytes / 1e9:.2f} GB "
+            kv_cache=f"{num_blocks * block_bytes / 1e9:.2f} GB "  # all ranks' shares
             f"{str(self.runner.kv_dtype).removeprefix('torch.')}, {num_blocks} blocks of "
             f"{config.block_size} tokens",
         )

@@ -37,6 +37,7 @@ def test_twice_the_blocks_in_the_same_bytes(stories_dir: Path) -> None:
     t0 = min(start for start, _ in half.engine.startup.phases.values())
     line = half.engine.startup.timeline(t0, t0, "drive")
     assert f"bfloat16, {half.engine.blocks.num_blocks} blocks of 16 tokens" in line
+    assert f"({half.engine.runner.kv.nbytes / 1e9:.2f} GB bfloat16" in line  # one rank: all
 
 
 @pytest.mark.parametrize("family", ["llama", "qwen3"])
@@ -75,7 +76,7 @@ def test_batched_chunked_and_reference_agree(tiny_model_dir) -> None:  # type: i
     assert _tokens(reference, PROMPTS) == want
 
 
-def test_bad_settings_are_refused(tiny_model_dir) -> None:  # type: ignore[no-untyped-def]
+def test_bad_settings_are_refused(tiny_model_dir, monkeypatch: pytest.MonkeyPatch) -> None:  # type: ignore[no-untyped-def]
     with pytest.raises(ValueError, match="kv_cache_dtype must be auto or bfloat16"):
         EngineConfig(model="m", kv_cache_dtype="float16")
     with pytest.raises(ValueError, match="kv_cache_dtype='bfloat16' takes"):
@@ -83,6 +84,14 @@ def test_bad_settings_are_refused(tiny_model_dir) -> None:  # type: ignore[no-un
     # a float16 model (its checkpoint's dtype under dtype="auto") is refused once it is known
     with pytest.raises(ValueError, match="kv_cache_dtype='bfloat16' takes"):
         LLM(tiny_model_dir("llama", "float16"), kv_cache_bytes=1 << 22, kv_cache_dtype="bfloat16")
+    # the Triton kernels (EDGEINFER_KERNELS=triton on the CPU, as on CUDA) take no such cache:
+    # refused at start-up, not at the first step
+    import runtime.engine
+
+    with monkeypatch.context() as m:
+        m.setattr(runtime.engine, "FORCE_TRITON", True)
+        with pytest.raises(ValueError, match="on the Triton kernels"):
+            LLM(tiny_model_dir("llama"), kv_cache_bytes=1 << 22, kv_cache_dtype="bfloat16")
     # a bfloat16 model's cache is bfloat16 already: the setting changes nothing
     same = LLM(tiny_model_dir("llama", "bfloat16"), kv_cache_bytes=1 << 22,
                kv_cache_dtype="bfloat16")  # fmt: skip

@@ -150,3 +150,16 @@ def test_prefill_worker_by_prefill_load_then_prefix_hits() -> None:
     assert r.inflight_prefill == {}
     order = r.prefill_candidates("m", ws, frozenset({"holder", "idle"}), cached, 500)
     assert [w.worker_id for w in order] == ["busy"]
+
+
+def test_prefill_workers_whose_kv_the_decode_worker_cannot_take_are_skipped() -> None:
+    # a decode worker with a bfloat16 KV cache refuses a float32 worker's blocks (its cache id
+    # differs): that prefill worker is no candidate, however idle, rather than a failed pull
+    r = Router("eu-west", CATALOG)
+    same = worker("same", role="prefill", kv_addr="h:1", prefill_tokens=900, cache_id="r-float32-kvbfloat16-b16")
+    other = worker("other", role="prefill", kv_addr="h:2", cache_id="r-float32-b16")
+    ws = [same, other]
+    order = r.prefill_candidates("m", ws, prompt_tokens=50, cache_id="r-float32-kvbfloat16-b16")
+    assert [w.worker_id for w in order] == ["same"]
+    order = r.prefill_candidates("m", ws, prompt_tokens=50)  # no id known: all, by load
+    assert [w.worker_id for w in order] == ["other", "same"]
