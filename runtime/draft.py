@@ -26,10 +26,11 @@ from pathlib import Path
 import torch
 from tokenizers import Tokenizer as HFTokenizer
 
+from kernels.dispatch import FORCE_TRITON
 from runtime.config import EngineConfig, ModelConfig
 from runtime.kv_cache import BlockManager
 from runtime.loader import load_model
-from runtime.model_runner import ModelRunner, kv_block_bytes
+from runtime.model_runner import ModelRunner, kv_block_bytes, kv_cache_dtype
 from runtime.request import Request
 from runtime.sampler import GREEDY_TEMPERATURE_EPS
 from runtime.scheduler import ScheduledRequest
@@ -70,7 +71,9 @@ class DraftProposer:
             )
         self.model = load_model(path, config.dtype, weight_dtype=config.weight_dtype)
         self.max_model_len = min(max_model_len, self.model.cfg.max_model_len)
-        block_bytes = kv_block_bytes(self.model, config.block_size)
+        # its KV in the target's kind of cache (the draft model's dtype is the target's)
+        kv_dtype = kv_cache_dtype(config.kv_cache_dtype, self.model, FORCE_TRITON)
+        block_bytes = kv_block_bytes(self.model, config.block_size, kv_dtype)
         num_blocks = spec.draft_kv_cache_bytes // block_bytes
         if num_blocks < 1:
             raise ValueError(
@@ -80,7 +83,7 @@ class DraftProposer:
         self.blocks = BlockManager(num_blocks, config.block_size, caching=False)
         self.runner = ModelRunner(
             self.model, num_blocks, config.block_size, config.attention, config.cpu_kernels,
-            packed_weights=config.packed_weights,
+            packed_weights=config.packed_weights, kv_dtype=kv_dtype,
         )
         self.runner.pack_weights()  # load_model has read every weight
         self._shadows: dict[str, Request] = {}  # request id -> the draft's view of it

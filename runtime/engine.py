@@ -34,7 +34,7 @@ from runtime.detokenizer import IncrementalDetokenizer
 from runtime.draft import DraftProposer
 from runtime.kv_cache import BlockManager
 from runtime.loader import IMPORT_MARKER, PendingLoad, model_revision
-from runtime.model_runner import Launched, ModelRunner, kv_block_bytes
+from runtime.model_runner import Launched, ModelRunner, kv_block_bytes, kv_cache_dtype
 from runtime.outputs import CompletionOutput, RequestOutput
 from runtime.ranks import RankFailure, start_weights
 from runtime.request import Request, RequestStatus
@@ -145,16 +145,7 @@ class LLMEngine:
         self.tokenizer = Tokenizer.from_dir(config.model)
         cfg = self.model.cfg
         self.max_model_len = min(config.max_model_len or cfg.max_model_len, cfg.max_model_len)
-        self.kv_dtype = self.model.dtype
-        if config.kv_cache_dtype == "bfloat16" and self.model.dtype != torch.bfloat16:
-            # the Triton kernels (CUDA, or forced on the CPU) take a cache in the model's dtype
-            if self.model.dtype != torch.float32 or cuda or FORCE_TRITON:
-                where = "the Triton kernels" if FORCE_TRITON and not cuda else self.model.device.type
-                raise ValueError(
-                    "kv_cache_dtype='bfloat16' takes a bfloat16 model, or a float32 one on the "
-                    f"CPU's own kernels; this one is {self.model.dtype} on {where}"
-                )
-            self.kv_dtype = torch.bfloat16  # under float32 activations: written rounded
+        self.kv_dtype = kv_cache_dtype(config.kv_cache_dtype, self.model, cuda or FORCE_TRITON)
         block_bytes = kv_block_bytes(self.model, config.block_size, self.kv_dtype)
         if cuda:  # of the GPU memory left once the weights are on it
             free = torch.cuda.mem_get_info(self.model.device)[0]

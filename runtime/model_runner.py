@@ -51,6 +51,21 @@ def kv_block_bytes(model: LlamaForCausalLM, block_size: int,
     return cfg.num_layers * par.group_size * per_layer_rank
 
 
+def kv_cache_dtype(setting: str, model: LlamaForCausalLM, triton: bool) -> torch.dtype:
+    """The KV cache's element type for `EngineConfig.kv_cache_dtype`: "auto", the model's;
+    "bfloat16", bfloat16 (under a float32 model: on the CPU's own kernels only, `triton` says
+    whether the step goes through the Triton kernels, which take a cache in the model's dtype)."""
+    if setting == "auto" or model.dtype == torch.bfloat16:
+        return model.dtype
+    if model.dtype != torch.float32 or triton:
+        where = "the Triton kernels" if triton else model.device.type
+        raise ValueError(
+            "kv_cache_dtype='bfloat16' takes a bfloat16 model, or a float32 one on the CPU's own "
+            f"kernels; this one is {model.dtype} on {where}"
+        )
+    return torch.bfloat16  # under float32 activations: keys and values rounded when written
+
+
 def _decodes(s: ScheduledRequest) -> bool:
     """Computed as decode rows: one token, or one token and its speculative drafts."""
     return s.num_new_tokens == 1 or bool(s.spec_token_ids)

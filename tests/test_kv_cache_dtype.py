@@ -89,7 +89,7 @@ def test_bad_settings_are_refused(tiny_model_dir, monkeypatch: pytest.MonkeyPatc
     import runtime.engine
 
     with monkeypatch.context() as m:
-        m.setattr(runtime.engine, "FORCE_TRITON", True)
+        m.setattr(runtime.engine, "FORCE_TRITON", True)  # what engine.py asks
         with pytest.raises(ValueError, match="on the Triton kernels"):
             LLM(tiny_model_dir("llama"), kv_cache_bytes=1 << 22, kv_cache_dtype="bfloat16")
     # a bfloat16 model's cache is bfloat16 already: the setting changes nothing
@@ -97,3 +97,15 @@ def test_bad_settings_are_refused(tiny_model_dir, monkeypatch: pytest.MonkeyPatc
                kv_cache_dtype="bfloat16")  # fmt: skip
     assert same.engine.runner.kv.dtype == torch.bfloat16
     assert "-kv" not in same.engine.cache_id
+
+
+def test_a_draft_model_keeps_its_kv_in_the_same_kind_of_cache(stories_dir: Path) -> None:
+    # speculative decoding with a draft model: its own cache follows kv_cache_dtype too
+    from runtime.config import SpeculativeConfig
+
+    spec = SpeculativeConfig(method="draft", draft_model=str(stories_dir), num_tokens=3)
+    llm = LLM(stories_dir, kv_cache_bytes=1 << 22, kv_cache_dtype="bfloat16", speculative=spec)
+    assert llm.engine.spec is not None and llm.engine.spec.proposer is not None
+    assert llm.engine.spec.proposer.runner.kv.dtype == torch.bfloat16
+    plain = LLM(stories_dir, kv_cache_bytes=1 << 22, kv_cache_dtype="bfloat16")
+    assert _tokens(llm, PROMPTS) == _tokens(plain, PROMPTS)  # greedy drafts change nothing
