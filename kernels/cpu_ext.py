@@ -15,6 +15,7 @@ its start-up); a changed source, flag or version names no copy and goes through 
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import importlib.util
 import logging
@@ -65,11 +66,7 @@ def cpu_fingerprint(cpuinfo: str | None = None) -> str:
     flags, from the first processor of `cpuinfo` (default: /proc/cpuinfo's text; where there is
     none, the platform's processor string)."""
     if cpuinfo is None:
-        try:
-            with open("/proc/cpuinfo", encoding="utf-8", errors="replace") as f:
-                cpuinfo = f.read()
-        except OSError:
-            cpuinfo = ""
+        cpuinfo = _proc_cpuinfo()
     lines: list[str] = []
     for line in cpuinfo.splitlines():
         if not line.strip():
@@ -83,6 +80,16 @@ def cpu_fingerprint(cpuinfo: str | None = None) -> str:
 
         lines = [platform.machine(), platform.processor()]
     return hashlib.sha256("\n".join(lines).encode()).hexdigest()[:12]
+
+
+@functools.cache
+def _proc_cpuinfo() -> str:
+    """/proc/cpuinfo's text, read once a process (every extension's build folder names it)."""
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8", errors="replace") as f:
+            return f.read()
+    except OSError:
+        return ""
 
 
 def load() -> ModuleType | None:

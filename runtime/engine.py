@@ -221,7 +221,7 @@ class LLMEngine:
             },
             read=read,
             kv_cache=f"{num_blocks * block_bytes / 1e9:.2f} GB "  # all ranks' shares
-            f"{str(self.runner.kv_dtype).removeprefix('torch.')}, {num_blocks} blocks of "
+            f"{str(self.kv_dtype).removeprefix('torch.')}, {num_blocks} blocks of "
             f"{config.block_size} tokens",
         )
 

@@ -38,9 +38,16 @@ def test_fingerprint_names_the_instruction_set() -> None:
 
 
 def test_this_machine_has_a_fingerprint() -> None:
-    # /proc/cpuinfo here (or the platform string elsewhere): stable from one call to the next
-    assert cpu_ext.cpu_fingerprint() == cpu_ext.cpu_fingerprint()
-    assert cpu_ext.cpu_fingerprint("") == cpu_ext.cpu_fingerprint("")  # no cpuinfo at all
+    # /proc/cpuinfo here: its flags are what is hashed, not the platform string (the fallback)
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as f:
+            text = f.read()
+    except OSError:
+        pytest.skip("no /proc/cpuinfo here")
+    if "flags" not in text:
+        pytest.skip("this /proc/cpuinfo lists no flags")
+    assert cpu_ext.cpu_fingerprint() == cpu_ext.cpu_fingerprint(text)
+    assert cpu_ext.cpu_fingerprint() != cpu_ext.cpu_fingerprint("")  # no cpuinfo: the fallback
 
 
 def test_build_folder_is_per_cpu(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
