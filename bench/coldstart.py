@@ -30,6 +30,7 @@ and >= 3x faster than `from_pretrained` to a first token.
 from __future__ import annotations
 
 import argparse
+import asyncio
 import json
 import os
 import statistics
@@ -42,6 +43,8 @@ from functools import partial
 from pathlib import Path
 
 import torch
+
+from runtime.zygote import ZygoteClient
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -162,11 +165,9 @@ def first_token(cmd: list[str], files: list[Path], echo: bytes = b"") -> tuple[f
     return token, time.perf_counter() - t0
 
 
-def worker_first_token(model: Path, files: list[Path]) -> tuple[float, str]:
-    """Seconds from spawning `edgeinfer worker` to the first token of a 1-token request on its
-    internal API, sent as soon as its port accepts (files evicted first); and the worker's own
-    start-up timeline."""
-    import http.client
+def _worker_argv(model: Path) -> tuple[list[str], int, str]:
+    """`edgeinfer worker` arguments for the first-token measures, its port, and a 1-token request
+    for its internal API."""
     import socket
 
     with socket.socket() as sock:
@@ -174,13 +175,23 @@ def worker_first_token(model: Path, files: list[Path]) -> tuple[float, str]:
         port = sock.getsockname()[1]
     body = json.dumps({"request_id": "bench", "model": model.name, "prompt": "Once upon a time",
                        "sampling": {"max_tokens": 1, "temperature": 0}})  # fmt: skip
+    argv = ["worker", "--model", str(model), "--no-redis", "--secret", "bench", "--port",
+            str(port), "--threads", "1", "--kv-cache-bytes", "50000000"]  # fmt: skip
+    return argv, port, body
+
+
+def worker_first_token(model: Path, files: list[Path]) -> tuple[float, str]:
+    """Seconds from spawning `edgeinfer worker` to the first token of a 1-token request on its
+    internal API, sent as soon as its port accepts (files evicted first); and the worker's own
+    start-up timeline."""
+    import http.client
+
+    argv, port, body = _worker_argv(model)
     evict(files)
     with tempfile.TemporaryFile() as out:
         t0 = time.perf_counter()
         proc = subprocess.Popen(
-            [sys.executable, "-m", "runtime.cli", "worker", "--model", str(model), "--no-redis",
-             "--secret", "bench", "--port", str(port), "--threads", "1",
-             "--kv-cache-bytes", "50000000"],
+            [sys.executable, "-m", "runtime.cli", *argv],
             cwd=ROOT, stdout=out, stderr=subprocess.STDOUT,
         )  # fmt: skip
         try:
@@ -206,6 +217,45 @@ def worker_first_token(model: Path, files: list[Path]) -> tuple[float, str]:
             proc.wait(60)
         out.seek(0)
         lines = out.read().decode(errors="replace").splitlines()
+    return seconds, next((x for x in lines if x.startswith("start-up:")), "(no timeline)")
+
+
+async def forked_first_token(zygote, model: Path, files: list[Path]) -> tuple[float, str]:  # type: ignore[no-untyped-def]
+    """As worker_first_token, for a worker forked from a pool's warm template (`zygote`, a
+    runtime.zygote.ZygoteClient, started beforehand as a pool starts it): seconds from asking
+    the template for the process to its first token."""
+    import asyncio
+
+    import aiohttp
+
+    argv, port, body = _worker_argv(model)
+    url = f"http://127.0.0.1:{port}/internal/generate"
+    evict(files)
+    t0 = time.perf_counter()
+    proc = await zygote.spawn(argv)
+    output = asyncio.ensure_future(proc.stdout.read())
+    try:
+        async with aiohttp.ClientSession() as s:
+            while True:
+                if proc.returncode is not None:
+                    raise RuntimeError(f"the forked worker exited ({proc.returncode})")
+                try:
+                    resp = await s.post(url, data=body, headers={"x-edgeinfer-secret": "bench"})
+                    break
+                except aiohttp.ClientConnectorError:
+                    await asyncio.sleep(0.005)
+            async with resp:
+                async for line in resp.content:
+                    if b'"delta"' in line:
+                        break
+                else:
+                    raise RuntimeError("the forked worker's answer ended without a token")
+            seconds = time.perf_counter() - t0
+    finally:
+        if proc.returncode is None:
+            proc.terminate()
+        await asyncio.wait_for(proc.wait(), 60)
+    lines = (await output).decode(errors="replace").splitlines()
     return seconds, next((x for x in lines if x.startswith("start-up:")), "(no timeline)")
 
 
@@ -270,20 +320,29 @@ def main() -> int:
         generate = [sys.executable, "-m", "runtime.cli", "generate", "--model", str(model_dir),
                     "--max-tokens", "1", "--threads", "1", "--kv-cache-bytes", "50000000",
                     "Once upon a time"]  # fmt: skip
-        runs: dict[str, list[float]] = {k: [] for k in ("worker", "generate", "generate exit",
-                                                         "transformers", "transformers exit")}  # fmt: skip
-        timelines = []
+        runs: dict[str, list[float]] = {k: [] for k in ("worker", "forked worker", "generate",
+                                                         "generate exit", "transformers",
+                                                         "transformers exit")}  # fmt: skip
+        timelines, forked_timelines = [], []
         hf_cmd = [sys.executable, "-c", HF_FIRST, str(model_dir)]
+        loop = asyncio.new_event_loop()
+        log("starting a pool's warm template process (runtime.zygote)")
+        zygote = loop.run_until_complete(ZygoteClient.start())
         for _ in range(args.reps):
             seconds, timeline = worker_first_token(model_dir, smol)
             runs["worker"].append(seconds)
             timelines.append(timeline)
+            seconds, timeline = loop.run_until_complete(forked_first_token(zygote, model_dir, smol))
+            runs["forked worker"].append(seconds)
+            forked_timelines.append(timeline)
             for name, cmd, echo in (("generate", generate, b"Once upon a time"),
                                     ("transformers", hf_cmd, b"")):  # fmt: skip
                 token, exit_s = first_token(cmd, smol, echo)
                 runs[name].append(token)
                 runs[f"{name} exit"].append(exit_s)
             log("  first token: " + ", ".join(f"{k} {v[-1]:.2f}s" for k, v in runs.items()))
+        loop.run_until_complete(zygote.close())
+        loop.close()
         results["first token"] = {k: statistics.median(v) for k, v in runs.items()}
 
     print(f"bench/coldstart.py {time.strftime('%Y-%m-%d %H:%M')}, {os.cpu_count()} CPUs, files on "
@@ -313,6 +372,7 @@ def main() -> int:
     )
     for name, what in (
         ("worker", "`edgeinfer worker`, a 1-token request as soon as it listens"),
+        ("forked worker", "the same worker forked from a pool's warm template (edgeinfer pool)"),
         ("generate", "`edgeinfer generate --max-tokens 1`, first token printed"),
     ):
         t = ft[name]
@@ -325,9 +385,10 @@ def main() -> int:
         f"  to exit (interpreter teardown included): generate {ft['generate exit']:.2f}s, "
         f"transformers {ft['transformers exit']:.2f}s"
     )
-    w = runs["worker"]
-    median_run = min(range(len(w)), key=lambda i: abs(w[i] - ft["worker"]))
-    print("  the worker's own timeline, its median run:", timelines[median_run])
+    for name, lines in (("worker", timelines), ("forked worker", forked_timelines)):
+        w = runs[name]
+        median_run = min(range(len(w)), key=lambda i: abs(w[i] - ft[name]))
+        print(f"  the {name}'s own timeline, its median run:", lines[median_run])
     if args.json:
         args.json.write_text(json.dumps(results, indent=1))
     return 0

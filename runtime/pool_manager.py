@@ -44,6 +44,7 @@ from kvstore.demand import Demand, ModelStatus, PoolInfo
 from kvstore.protocol import WorkerInfo
 from kvstore.redis_server import find_free_port
 from kvstore.registry import Registry
+from runtime.zygote import ForkedProcess, ZygoteClient, ZygoteError
 
 log = logging.getLogger("edgeinfer.pool")
 
@@ -69,6 +70,9 @@ class PoolConfig:
     host: str = "127.0.0.1"  # workers bind and advertise here
     worker_args: list[str] = field(default_factory=list)  # extra `edgeinfer worker` flags
     pool_id: str = ""
+    # workers forked from a warm template process that has made their imports (runtime.zygote),
+    # rather than started as fresh processes
+    zygote: bool = True
 
     def __post_init__(self) -> None:
         if not self.models:
@@ -93,7 +97,7 @@ class Managed:
     worker_id: str
     model: str
     port: int
-    proc: asyncio.subprocess.Process
+    proc: asyncio.subprocess.Process | ForkedProcess
     started: float  # monotonic time of the spawn
     ready: float = 0.0  # monotonic time it first showed up in the registry (0: not yet)
     stopping: float = 0.0  # monotonic time it was sent SIGTERM (0: not asked to stop)
@@ -170,6 +174,8 @@ class Pool:
         self._serial = 0
         self._stop = asyncio.Event()
         self._tasks: set[asyncio.Task[None]] = set()
+        self._zygote: asyncio.Task[ZygoteClient] | None = None
+        self._zygote_started = 0.0  # monotonic time of the last attempt to start one
 
     # ------------------------------------------------------------------ main loop
     async def run(self) -> None:
@@ -186,6 +192,8 @@ class Pool:
             cfg.max_workers, cfg.idle_s,
         )  # fmt: skip
         last_beat = 0.0
+        if cfg.zygote:
+            self._start_zygote()
         try:
             while not self._stop.is_set():
                 if time.monotonic() - last_beat >= cfg.heartbeat_s:
@@ -248,22 +256,48 @@ class Pool:
         self._serial += 1
         worker_id = f"{cfg.pool_id}-w{self._serial}"
         port = find_free_port()
-        args = [
-            sys.executable, "-m", "runtime.cli", "worker", "--model", cfg.models[model],
+        argv = [
+            "worker", "--model", cfg.models[model],
             "--served-model-name", model, "--region", cfg.region, "--host", cfg.host,
             "--port", str(port), "--redis", cfg.redis_url, "--worker-id", worker_id,
             *cfg.worker_args,
         ]  # fmt: skip
-        env = os.environ | {"EDGEINFER_SECRET": cfg.secret, "PYTHONUNBUFFERED": "1"}
-        proc = await asyncio.create_subprocess_exec(
-            *args, env=env, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT
-        )
-        m = Managed(worker_id, model, port, proc, time.monotonic())
+        env = {"EDGEINFER_SECRET": cfg.secret, "PYTHONUNBUFFERED": "1"}
+        t0 = time.monotonic()
+        proc, how = await self._spawn_process(argv, env)
+        m = Managed(worker_id, model, port, proc, t0)
         self.managed[worker_id] = m
         self._spawn(self._pipe_output(m))
-        log.warning("start %s for %s (%s): pid %d, port %d", worker_id, model, why, proc.pid, port)
-        await self._record("start", m, reason=why, pid=proc.pid, port=port)
+        log.warning("start %s for %s (%s): pid %d (%s), port %d", worker_id, model, why, proc.pid,
+                    how, port)  # fmt: skip
+        await self._record("start", m, reason=why, pid=proc.pid, port=port, spawn=how)
         await self._status(model, ModelStatus("starting", cfg.pool_id))
+
+    def _start_zygote(self) -> None:
+        self._zygote_started = time.monotonic()
+        self._zygote = asyncio.ensure_future(ZygoteClient.start())
+
+    async def _spawn_process(
+        self, argv: list[str], env: dict[str, str]
+    ) -> tuple[asyncio.subprocess.Process | ForkedProcess, str]:
+        """`edgeinfer ARGV` with `env` added to the environment, in a process: forked from the
+        warm template when there is one ("fork"; one still starting is waited for, as it is
+        ahead of a fresh process), else a fresh one ("exec"). A template that failed or died is
+        started again in the background, at most once a minute."""
+        task = self._zygote
+        if task is not None:
+            try:
+                zygote = await asyncio.shield(task)
+                return await zygote.spawn(argv, env), "fork"
+            except ZygoteError as e:
+                log.warning("forking a worker failed (%s); starting a fresh process", e)
+            if time.monotonic() - self._zygote_started >= 60.0:
+                self._start_zygote()
+        proc = await asyncio.create_subprocess_exec(
+            sys.executable, "-m", "runtime.cli", *argv, env=os.environ | env,
+            stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT,
+        )  # fmt: skip
+        return proc, "exec"
 
     async def _pipe_output(self, m: Managed) -> None:
         """Relay a worker's output, each line prefixed with its id, keeping the last lines."""
@@ -365,6 +399,11 @@ class Pool:
             await self._reap(set(), time.monotonic())
         for t in self._tasks:
             t.cancel()
+        if self._zygote is not None:
+            self._zygote.cancel()  # one still starting stops
+            with contextlib.suppress(Exception, asyncio.CancelledError):
+                zygote = await self._zygote
+                await zygote.close()
 
     # ------------------------------------------------------------------ reporting
     async def _record(self, event: str, m: Managed, **fields: object) -> None:

@@ -178,6 +178,7 @@ def test_scale_from_zero_and_back(tmp_path: Path, stories_dir: Path, redis_serve
         kinds = [e.split()[2] for e in events]
         assert kinds[:4] == ["start", "ready", "stopping", "stop"], events
         assert "ready_s=" in events[1] and "stop_s=" in events[3]
+        assert "spawn=fork" in events[0], events  # forked from the pool's warm template
 
         # a model whose worker cannot start: 503 with Retry-After, not a hang
         t0 = time.monotonic()

@@ -1,0 +1,148 @@
+"""The warm template process (runtime.zygote): real forked `edgeinfer` processes, a real worker
+answering on its internal API, exit codes, signals, the template's death, and the pool's fresh
+process when there is no template."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import socket
+import time
+from pathlib import Path
+
+import aiohttp
+import orjson
+import pytest
+
+from runtime.pool_manager import Pool, PoolConfig
+from runtime.zygote import ForkedProcess, ZygoteClient, ZygoteError
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _worker_argv(model: Path, port: int) -> list[str]:
+    return ["worker", "--model", str(model), "--no-redis", "--port", str(port), "--threads", "1",
+            "--kv-cache-bytes", "2000000", "--drain-timeout", "5", "--served-model-name", "m"]  # fmt: skip
+
+
+async def _lines_until(proc: ForkedProcess, marker: str, timeout_s: float = 120.0) -> list[str]:
+    """The process's output lines up to the first containing `marker`."""
+    lines: list[str] = []
+    while True:
+        raw = await asyncio.wait_for(proc.stdout.readline(), timeout_s)
+        if not raw:
+            raise AssertionError(f"output ended before {marker!r}: {lines}")
+        lines.append(raw.decode().rstrip())
+        if marker in lines[-1]:
+            return lines
+
+
+async def _generate(port: int, secret: str) -> tuple[int, bytes]:
+    body = {"request_id": "z1", "model": "m", "prompt": "Once upon a time",
+            "sampling": {"max_tokens": 4, "temperature": 0}}  # fmt: skip
+    url = f"http://127.0.0.1:{port}/internal/generate"
+    headers = {"x-edgeinfer-secret": secret}
+    async with (
+        aiohttp.ClientSession() as s,
+        s.post(url, data=orjson.dumps(body), headers=headers) as resp,
+    ):
+        return resp.status, await resp.read()
+
+
+def test_forked_commands_run_with_their_own_output_env_and_exit_code(
+    tmp_path: Path, stories_dir: Path
+) -> None:
+    async def main() -> None:
+        zygote = await ZygoteClient.start()
+        try:
+            # a command that exits at once: its output and its code
+            p = await zygote.spawn(["models", "--store", str(tmp_path / "store")])
+            assert b"no models in" in await p.stdout.read()
+            assert await p.wait() == 0 and p.returncode == 0
+            assert p.pid != zygote.proc.pid  # type: ignore[union-attr]
+            # a failing one: the error names the folder, the code is the command's
+            p = await zygote.spawn(["worker", "--model", str(tmp_path / "none"), "--no-redis",
+                                    "--secret", "s"])  # fmt: skip
+            out = await p.stdout.read()
+            assert await p.wait() == 2 and b"no such model folder" in out, out
+            # a worker: the secret comes from the environment it was given; it serves, then
+            # drains and exits 0 on SIGTERM
+            port = _free_port()
+            p = await zygote.spawn(_worker_argv(stories_dir, port), {"EDGEINFER_SECRET": "z-s"})
+            lines = await _lines_until(p, " ready: ")
+            assert any(line.startswith("start-up: imports") for line in lines), lines
+            status, body = await _generate(port, "z-s")
+            assert status == 200 and b'"delta"' in body, body
+            assert (await _generate(port, "wrong"))[0] == 401
+            p.send_signal(signal.SIGTERM)
+            assert await asyncio.wait_for(p.wait(), 30) == 0
+            with pytest.raises(ProcessLookupError):
+                p.kill()
+            # killed by a signal: -N, as asyncio's processes report it
+            p = await zygote.spawn(
+                _worker_argv(stories_dir, _free_port()), {"EDGEINFER_SECRET": "s"}
+            )
+            await _lines_until(p, " ready: ")
+            p.kill()
+            assert await asyncio.wait_for(p.wait(), 30) == -signal.SIGKILL
+        finally:
+            await zygote.close()
+        assert zygote.proc is not None and zygote.proc.returncode == 0  # left when we closed
+
+    asyncio.run(main())
+
+
+def test_a_dead_template_leaves_its_workers_serving_and_watched(stories_dir: Path) -> None:
+    async def main() -> None:
+        zygote = await ZygoteClient.start()
+        port = _free_port()
+        p = await zygote.spawn(_worker_argv(stories_dir, port), {"EDGEINFER_SECRET": "s"})
+        await _lines_until(p, " ready: ")
+        assert zygote.proc is not None
+        os.kill(zygote.proc.pid, signal.SIGKILL)
+        await zygote.proc.wait()
+        for _ in range(100):  # the client notices the socket close
+            if not zygote.alive:
+                break
+            await asyncio.sleep(0.05)
+        assert not zygote.alive
+        with pytest.raises(ZygoteError, match="not running"):
+            await zygote.spawn(["models"])
+        assert (await _generate(port, "s"))[0] == 200  # the orphan still serves
+        p.terminate()
+        assert await asyncio.wait_for(p.wait(), 30) == -1  # seen through its pidfd; code unknown
+        await zygote.close()
+
+    asyncio.run(main())
+
+
+def test_pool_starts_a_fresh_process_without_a_template(tmp_path: Path) -> None:
+    async def main() -> None:
+        pool = Pool(PoolConfig(region="r", models={"m": "/x"}, redis_url="", secret="s"))
+
+        async def failed() -> ZygoteClient:
+            raise ZygoteError("the template process did not start: test")
+
+        broken = pool._zygote = asyncio.ensure_future(failed())
+        pool._zygote_started = time.monotonic()
+        proc, how = await pool._spawn_process(["models", "--store", str(tmp_path)], {})
+        assert how == "exec"
+        assert proc.stdout is not None and b"no models in" in await proc.stdout.read()
+        assert await proc.wait() == 0
+        assert pool._zygote is broken  # not tried again within a minute
+        pool._zygote_started -= 60.0
+        proc, how = await pool._spawn_process(["models", "--store", str(tmp_path)], {})
+        assert how == "exec"  # this one did not wait for the new template
+        await proc.wait()
+        assert pool._zygote is not broken
+        zygote = await pool._zygote  # which starts
+        proc, how = await pool._spawn_process(["models", "--store", str(tmp_path)], {})
+        assert how == "fork" and await proc.wait() == 0
+        await zygote.close()
+
+    asyncio.run(main())
