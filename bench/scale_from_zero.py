@@ -8,15 +8,17 @@ then measures:
    to first token. That covers the wake-up, the worker process's start, its load and
    registration, the gateway noticing it, and the first token. The pool's own `ready_s` is
    printed beside it (spawn to the tick, every 0.5 s, on which the pool saw the registration:
-   up to 0.5 s late, so it can exceed the request's own time). Between repetitions the pool stops the idle worker
-   (`--idle 1`), and the next one starts once that worker's process has exited: every
-   repetition starts from zero.
+   up to 0.5 s late, so it can exceed the request's own time). Between repetitions the pool stops
+   the idle worker (`--idle 1`), and the next one starts once that worker's process has exited:
+   every repetition starts from zero. The pool forks its workers from its warm template process
+   (runtime.zygote; the first repetition waits until the pool says the template is ready, as a
+   pool that has been up a second has it); `--no-zygote` measures fresh processes instead.
 2. the peer: a bare `edgeinfer worker` (no Redis, no gateway, no pool) spawned on the same model,
    to the first token of a 1-token request sent straight to its internal API as soon as its
    port accepts (bench.coldstart.worker_first_token).
 The ratio (1)/(2) is what the serving path adds to a cold start.
 
-    python -m bench.scale_from_zero [--model DIR] [--reps 3]
+    python -m bench.scale_from_zero [--model DIR] [--reps 3] [--no-zygote]
 """
 
 from __future__ import annotations
@@ -68,6 +70,8 @@ def main() -> int:
     )
     ap.add_argument("--model", type=Path, default=None, help="default: the SmolLM2 demo model")
     ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--no-zygote", action="store_true",
+                    help="the pool starts fresh worker processes (edgeinfer pool --no-zygote)")  # fmt: skip
     ap.add_argument("--keep-logs", action="store_true", help="keep the processes' logs")
     args = ap.parse_args()
     if args.model is None:
@@ -84,11 +88,15 @@ def main() -> int:
     with LocalRedis() as redis:
         (logs / "regions.yaml").write_text(CATALOG)
         pool = start_pool("pool", redis.url, logs, f"{name}={model}",
-                          ["--max-workers", "1", "--idle", "1"])  # fmt: skip
+                          ["--max-workers", "1", "--idle", "1"]
+                          + (["--no-zygote"] if args.no_zygote else []))  # fmt: skip
         gateway = start_gateway("gateway", redis.url, logs / "regions.yaml", logs, "local")
         try:
             wait_until(lambda: get_json(f"{gateway.url}/readyz")[1].get("pools") == 1, 60,
                        "the gateway to see the pool")  # fmt: skip
+            if not args.no_zygote:
+                wait_until(lambda: "worker template ready" in (logs / "pool.log").read_text(),
+                           120, "the pool's worker template")  # fmt: skip
             client = openai.OpenAI(base_url=f"{gateway.url}/v1", api_key="x", max_retries=0,
                                    timeout=300)  # fmt: skip
             for rep in range(args.reps):

@@ -275,7 +275,19 @@ class Pool:
 
     def _start_zygote(self) -> None:
         self._zygote_started = time.monotonic()
-        self._zygote = asyncio.ensure_future(ZygoteClient.start())
+        self._zygote = asyncio.ensure_future(self._zygote_start())
+
+    @staticmethod
+    async def _zygote_start() -> ZygoteClient:
+        try:
+            zygote = await ZygoteClient.start()
+        except ZygoteError as e:
+            log.warning("worker template: %s; workers start as fresh processes", e)
+            raise
+        pid = zygote.proc.pid if zygote.proc else 0
+        log.warning("worker template ready (pid %d, imports %.2fs): workers are forked from it",
+                    pid, zygote.imports_s)  # fmt: skip
+        return zygote
 
     async def _spawn_process(
         self, argv: list[str], env: dict[str, str]
@@ -290,7 +302,7 @@ class Pool:
                 zygote = await asyncio.shield(task)
                 return await zygote.spawn(argv, env), "fork"
             except ZygoteError as e:
-                log.warning("forking a worker failed (%s); starting a fresh process", e)
+                log.warning("no worker template (%s): starting a fresh process", e)
             if time.monotonic() - self._zygote_started >= 60.0:
                 self._start_zygote()
         proc = await asyncio.create_subprocess_exec(
