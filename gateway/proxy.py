@@ -150,9 +150,15 @@ class Proxy:
     async def prefix_lookup(self, call: Call) -> None:
         """Tokenize the prompt here and ask the prefix index which workers hold its blocks.
 
+        Workers of one model may lay out their caches differently (another revision, block size
+        or KV dtype during a rolling change: another `cache_id`): each such group's blocks are
+        hashed with its own seed, block size and tokenizer, so that every worker is scored. The
+        token ids then travel to the worker, so both sides hash the same tokens, when one
+        tokenizer serves every live worker of the model; otherwise the prompt goes as it came
+        and each worker tokenizes it (as its group's hashes did).
+
         Skipped (the worker tokenizes, routing goes by load) when the session's worker will
         take the request anyway, when Redis is down, or while no tokenizer bundle is available.
-        The token ids then travel to the worker, so both sides hash the same tokens.
         """
         assert call.gen is not None
         view = self.view
@@ -165,28 +171,41 @@ class Proxy:
             placed = next((w for w in workers if w.worker_id == call.placement.worker_id), None)
             if placed is not None and not placed.overloaded and not placed.draining:
                 return
-        ref = workers[0]
-        tok = await view.tokenizers.get(call.gen.model, ref.cache_id)
-        if tok is None:
+        groups: dict[str, list[WorkerInfo]] = {}
+        for w in workers:
+            groups.setdefault(w.cache_id, []).append(w)
+        ids_of: dict[int, list[int]] = {}  # id(tokenizer) -> the prompt's ids
+        group_ids: dict[str, list[int]] = {}
+        for cache_id in groups:
+            tok = await view.tokenizers.get(call.gen.model, cache_id)
+            if tok is None:
+                continue
+            if id(tok) not in ids_of:
+                ids_of[id(tok)] = prompt_token_ids(
+                    tok, call.gen.prompt, call.gen.messages, model=call.gen.model,
+                    tools=call.gen.tools,
+                )  # fmt: skip
+            group_ids[cache_id] = ids_of[id(tok)]
+        if not group_ids:
             return
-        ids = prompt_token_ids(tok, call.gen.prompt, call.gen.messages, model=call.gen.model,
-                               tools=call.gen.tools)  # fmt: skip
-        call.gen.prompt, call.gen.messages = ids, None
-        call.prompt_tokens = len(ids)
-        bs = ref.block_size
-        usable = (len(ids) - 1) // bs * bs  # the engine always computes the last token
-        if usable == 0:
-            return
-        same = [w.worker_id for w in workers if w.cache_id == ref.cache_id]
-        hashes = block_hashes(cache_seed(ref.cache_id), ids[:usable], bs)
+        if len(ids_of) == 1 and len(group_ids) == len(groups):  # one tokenizer for all
+            call.gen.prompt, call.gen.messages = next(iter(ids_of.values())), None
+        call.prompt_tokens = len(next(iter(group_ids.values())))
         t0 = time.perf_counter()
-        try:
-            longest = await view.prefix.longest_prefixes(call.gen.model, hashes, workers=same)
-        except Exception as e:  # a stale or unreachable index costs a cache miss, never an error
-            log.debug("prefix index lookup failed: %s", e)
-            return
+        for cache_id, ids in group_ids.items():
+            bs = groups[cache_id][0].block_size
+            usable = (len(ids) - 1) // bs * bs  # the engine always computes the last token
+            if usable == 0:
+                continue
+            hashes = block_hashes(cache_seed(cache_id), ids[:usable], bs)
+            members = [w.worker_id for w in groups[cache_id]]
+            try:
+                longest = await view.prefix.longest_prefixes(call.gen.model, hashes, members)
+            except Exception as e:  # a stale or unreachable index: a cache miss, never an error
+                log.debug("prefix index lookup failed: %s", e)
+                return
+            call.cached |= {wid: n * bs for wid, n in longest.items()}
         self.tel.redis("prefix_lookup", time.perf_counter() - t0)
-        call.cached = {wid: n * bs for wid, n in longest.items()}
 
     async def forward(
         self, call: Call

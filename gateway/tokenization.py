@@ -14,6 +14,7 @@ importing it here keeps the gateway free of torch.
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import logging
 import tempfile
 import time
@@ -22,6 +23,7 @@ from pathlib import Path
 from typing import Any
 
 import jinja2
+import orjson
 import redis.exceptions
 from redis.asyncio import Redis
 
@@ -64,6 +66,7 @@ class GatewayTokenizers:
         self.retry_s = retry_s
         self._clock = clock
         self._ready: dict[_Key, Tokenizer] = {}
+        self._by_digest: dict[bytes, Tokenizer] = {}  # sha256 of a bundle's files -> its Tokenizer
         self._loading: dict[_Key, asyncio.Task[Tokenizer | None]] = {}  # one fetch per key
         self._failed_at: dict[_Key, float] = {}  # clock time of the last failed fetch
         self._warned: set[_Key] = set()  # keys whose failure was logged at warning level
@@ -105,9 +108,15 @@ class GatewayTokenizers:
             if files is None:
                 self._failed(key, "no worker has published it yet")
                 return None
-            label = f"tokenizer of {model!r} ({cache_id}) from Redis"
-            # Parsing tokenizer.json takes tens of ms for big vocabularies: off the event loop.
-            tok = await asyncio.to_thread(_build, files, self.cache_dir, label)
+            # Revisions with the same tokenizer files (e.g. another KV dtype or block size) share
+            # one Tokenizer: built once, and the proxy tokenizes a prompt once for all of them.
+            digest = hashlib.sha256(orjson.dumps(files, option=orjson.OPT_SORT_KEYS)).digest()
+            tok = self._by_digest.get(digest)
+            if tok is None:
+                label = f"tokenizer of {model!r} ({cache_id}) from Redis"
+                # Parsing tokenizer.json takes tens of ms for big vocabularies: off the event loop.
+                tok = await asyncio.to_thread(_build, files, self.cache_dir, label)
+                self._by_digest[digest] = tok
         except (redis.exceptions.RedisError, OSError, ValueError) as e:
             # ValueError covers a malformed bundle and a tokenizer file that does not load.
             self._failed(key, f"{type(e).__name__}: {e}")

@@ -294,3 +294,75 @@ def test_gateway_tokenization_imports_no_torch() -> None:
         [sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=60
     )
     assert proc.returncode == 0, proc.stderr
+
+
+# ---------------------------------------------------------------------- mixed fleets
+async def test_prefix_lookup_scores_every_cache_layout_of_a_model(
+    r: Redis, redis_server: LocalRedis, chat_dir: Path, tmp_path: Path
+) -> None:
+    """Workers of one model with different cache ids (a KV dtype, a block size, a revision with
+    another tokenizer) are each scored with their own seed, block size and tokenizer; the ids
+    go to the worker only when one tokenizer serves them all."""
+    from gateway.cluster import ClusterView
+    from gateway.config import GatewayConfig
+    from gateway.proxy import Call, Proxy
+    from gateway.regions import DEFAULT_CATALOG, RegionCatalog
+    from gateway.telemetry import GatewayTelemetry
+    from kvstore.block_hash import block_hashes, cache_seed
+    from kvstore.protocol import GenerateRequest, WorkerInfo
+    from kvstore.telemetry import Telemetry, TelemetryConfig
+
+    other = model_copy(chat_dir, tmp_path / "other", "{% for m in messages %}[{{ m['content'] }}]"
+                       "{% endfor %}{% if add_generation_prompt %}>{% endif %}")  # fmt: skip
+    layouts = {"revA-float32-b16": (chat_dir, 16), "revA-float32-kvbfloat16-b16": (chat_dir, 16),
+               "revB-float32-b8": (other, 8)}  # fmt: skip
+    for cache_id, (folder, _) in layouts.items():
+        assert await publish_tokenizer(r, MODEL, cache_id, folder)
+    messages = [{"role": "user", "content": "Once upon a time there was a little cat who " * 4}]
+    held = {
+        "w1": ("revA-float32-b16", 2),
+        "w2": ("revA-float32-kvbfloat16-b16", 1),
+        "w3": ("revB-float32-b8", 3),
+    }  # fmt: skip   worker -> (its cache id, blocks it holds)
+    catalog = RegionCatalog.load(DEFAULT_CATALOG)
+    region = next(iter(catalog.regions))
+    view = ClusterView(GatewayConfig(region, redis_server.url, "s"), r, catalog)
+    view.redis_ok = True
+    for wid, (cache_id, blocks) in held.items():
+        folder, bs = layouts[cache_id]
+        ids = worker_ids(folder, None, messages)
+        assert len(ids) > 3 * bs
+        hashes = block_hashes(cache_seed(cache_id), ids[: blocks * bs], bs)
+        await view.prefix.publish(MODEL, wid, hashes, [])
+        view.workers.append(WorkerInfo(
+            worker_id=wid, region=region, model=MODEL, role="mixed", url="u", max_num_seqs=4,
+            capacity_tokens=1000, started_at=0.0, last_active_at=0.0, cache_id=cache_id,
+            block_size=bs,
+        ))  # fmt: skip
+    tel = Telemetry(TelemetryConfig("test-gateway", region=region))
+    proxy = Proxy(view, None, GatewayTelemetry(tel, region))  # type: ignore[arg-type]
+
+    def call() -> Call:
+        gen = GenerateRequest("r1", MODEL, messages=[dict(m) for m in messages], operation="chat")
+        return Call("r1", None, 0.0, gen=gen)
+
+    try:
+        c = call()
+        await proxy.prefix_lookup(c)
+        assert c.cached == {"w1": 32, "w2": 16, "w3": 24}
+        assert c.gen is not None and c.gen.messages is not None  # two tokenizers: each worker's own
+        # the two revA layouts share one tokenizer (same files): ids go to the worker
+        tokenizers = view.tokenizers._ready
+        assert (
+            tokenizers[(MODEL, "revA-float32-b16")]
+            is tokenizers[(MODEL, "revA-float32-kvbfloat16-b16")]
+        )
+        view.workers = [w for w in view.workers if w.worker_id != "w3"]
+        c = call()
+        await proxy.prefix_lookup(c)
+        assert c.cached == {"w1": 32, "w2": 16}
+        assert c.gen is not None and c.gen.messages is None
+        assert c.gen.prompt == worker_ids(chat_dir, None, messages)
+    finally:
+        tel.shutdown()
+        await view.tokenizers.aclose()
