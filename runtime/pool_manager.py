@@ -49,6 +49,7 @@ from runtime.zygote import ForkedProcess, ZygoteClient, ZygoteError
 log = logging.getLogger("edgeinfer.pool")
 
 MAX_BACKOFF_S = 60.0
+TEMPLATE_WAIT_S = 5.0  # longest a start waits for a worker template still importing
 
 
 @dataclass(slots=True)
@@ -293,17 +294,24 @@ class Pool:
         self, argv: list[str], env: dict[str, str]
     ) -> tuple[asyncio.subprocess.Process | ForkedProcess, str]:
         """`edgeinfer ARGV` with `env` added to the environment, in a process: forked from the
-        warm template when there is one ("fork"; one still starting is waited for, as it is
-        ahead of a fresh process), else a fresh one ("exec"). A template that failed or died is
-        started again in the background, at most once a minute."""
+        warm template when there is one ("fork"; one still starting is waited for, up to
+        TEMPLATE_WAIT_S, as it is ahead of a fresh process), else a fresh one ("exec"). A
+        template that failed to start or died is started again in the background, at most once
+        a minute; one that could not fork this time (out of memory?) is kept."""
         task = self._zygote
         if task is not None:
             try:
-                zygote = await asyncio.shield(task)
+                zygote = await asyncio.wait_for(asyncio.shield(task), TEMPLATE_WAIT_S)
                 return await zygote.spawn(argv, env), "fork"
+            except TimeoutError:
+                log.warning("the worker template is not ready after %.0fs: starting a fresh "
+                            "process", TEMPLATE_WAIT_S)  # fmt: skip
             except ZygoteError as e:
                 log.warning("no worker template (%s): starting a fresh process", e)
-            if time.monotonic() - self._zygote_started >= 60.0:
+            dead = task.done() and (task.exception() is not None or not task.result().alive)
+            if dead and time.monotonic() - self._zygote_started >= 60.0:
+                if task.exception() is None:
+                    await task.result().close()  # (reaps its process)
                 self._start_zygote()
         proc = await asyncio.create_subprocess_exec(
             sys.executable, "-m", "runtime.cli", *argv, env=os.environ | env,

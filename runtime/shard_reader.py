@@ -41,6 +41,9 @@ if TYPE_CHECKING:
 ALIGN = 4096  # O_DIRECT alignment of buffers, offsets and lengths (>= any logical block size)
 CHUNK_BYTES = 16 << 20  # one read (and one checksum, runtime.manifest.CHUNK_BYTES)
 IOV_MAX = 1024  # buffers per preadv (Linux)
+CHECK_THREADS = 2  # threads hashing chunks against the manifest (xxh3-64: ~11 GB/s a thread)
+SYNC_CHECK_BYTES = 1 << 20  # a chunk with more of its bytes in the scratch chunk is checked in
+# its reading thread (copying them out would cost about what hashing them does)
 
 # (file, chunk index, the chunk's bytes in file order): raises if they are not what they should be
 Verify = Callable[[Path, int, Sequence[memoryview]], None]
@@ -218,7 +221,7 @@ class _File:
     def __init__(self, job: FileRead, fd: int, direct: bool):
         self.job, self.fd, self.direct = job, fd, direct
         self.starts = [s.begin for s in job.spans]
-        self.chunks: list[Future[None]] = []
+        self.chunks: list[Future[Future[None] | None]] = []  # each read, and its check
 
 
 class ShardReads:
@@ -247,6 +250,14 @@ class ShardReads:
             self._close_files()
             raise
         self._pool = ThreadPoolExecutor(max(1, threads), thread_name_prefix="weights")
+        # Checksums on threads of their own: a reading thread goes on to its next read at once,
+        # so the drive's queue stays full while chunks are hashed (checked in the reading thread,
+        # SmolLM2's 0.54 GB took 0.32 s against 0.275 s unchecked; dd 0.27 s).
+        self._checks = (
+            ThreadPoolExecutor(CHECK_THREADS, thread_name_prefix="weights-check")
+            if verify is not None
+            else None
+        )
         for i, f in enumerate(self._files):  # file order: the drive reads ahead sequentially
             for c0 in range(0, max(f.job.size, 1), chunk_bytes):
                 if self._spans_in(f, c0):
@@ -273,7 +284,7 @@ class ShardReads:
         hi = bisect.bisect_left(f.starts, c1)
         return [s for s in f.job.spans[lo:hi] if s.end > c0]
 
-    def _read_chunk(self, index: int, c0: int) -> None:
+    def _read_chunk(self, index: int, c0: int) -> Future[None] | None:
         f = self._files[index]
         size = f.job.size
         c1 = min(c0 + self.chunk_bytes, _round_up(size))
@@ -302,8 +313,16 @@ class ShardReads:
         want = min(c1, size) - c0
         if got < want:
             raise _load_error(f"{f.job.path}: truncated while reading ({c0 + got} of {size} bytes)")
-        if self.verify is not None:
-            self.verify(f.job.path, c0 // self.chunk_bytes, _first(pieces, want))
+        check: Future[None] | None = None
+        if self.verify is not None and self._checks is not None:
+            data = _first(pieces, want)
+            # The scratch chunk is this thread's next read's: its part of the bytes is copied
+            # for the check (a few KiB at tensor boundaries), or checked here when it is large.
+            if sum(len(p) for p in data if p.obj is scratch.buf) > SYNC_CHECK_BYTES:
+                self._check(f.job.path, c0 // self.chunk_bytes, data)
+            else:
+                data = [memoryview(bytes(p)) if p.obj is scratch.buf else p for p in data]
+                check = self._checks.submit(self._check, f.job.path, c0 // self.chunk_bytes, data)
         direct = {id(s): (a, b) for s, a, b in placed}
         copied = 0
         for s in mine:  # what did not go in place comes from the scratch chunk
@@ -320,14 +339,21 @@ class ShardReads:
             st.copied_bytes += copied
             st.started = min(st.started, t0) if st.started else t0
             st.finished = max(st.finished, t1)
-            if self.verify is not None:
-                st.verified += 1
+        return check
+
+    def _check(self, path: Path, index: int, data: Sequence[memoryview]) -> None:
+        assert self.verify is not None
+        self.verify(path, index, data)
+        with self._lock:
+            self.stats.verified += 1
 
     def wait(self, i: int) -> None:
-        """Block until file i is in place; raise its read's error, if any."""
+        """Block until file i is in place (and checked); raise its read's error, if any."""
         f = self._files[i]
         for chunk in f.chunks:
-            chunk.result()
+            check = chunk.result()
+            if check is not None:
+                check.result()
         if f.fd < 0:  # waited for before
             return
         os.close(f.fd)
@@ -341,11 +367,15 @@ class ShardReads:
         self._waited += 1
         if self._waited == len(self._files):
             self._pool.shutdown()  # the threads and their scratch chunks go
+            if self._checks is not None:
+                self._checks.shutdown()
 
     def close(self) -> None:
         """Stop: queued chunks are dropped, running ones finish; every file is closed, and the
         spans (and through them the memory they point into) are let go."""
         self._pool.shutdown(wait=True, cancel_futures=True)
+        if self._checks is not None:  # (no check reads the memory once this returns)
+            self._checks.shutdown(wait=True, cancel_futures=True)
         self._close_files()
         self._files = []
 

@@ -9,17 +9,20 @@ worker it then starts is a fork of it, and begins reading its weights at once.
       ZygoteClient.start() ── spawn ─────────────▶ imports the worker's modules, gc.freeze()
                             ◀──── {"ready": pid} ─
       spawn(argv, env) ── {"spawn": id, argv, env} + the write end of an output pipe ──▶ fork:
-                            ◀─ {"spawned": id, "pid": P}      child: output pipe on fds 1 and 2,
+                 ◀─ {"spawned": id, "pid": P} + a pidfd of P    child: output pipe on fds 1 and 2,
       ForkedProcess: stdout (the pipe's read end),              stdin /dev/null, env applied,
-        send_signal / kill (a pidfd: never another process),    `edgeinfer` argv run
+        send_signal / kill (the pidfd: never another process),  `edgeinfer` argv run
         wait()          ◀─ {"exit": P, "code": C} ── SIGCHLD: the zygote reaps its children
 
-One message per datagram (a SOCK_SEQPACKET socket pair), JSON. The zygote has started no thread
-and run no parallel torch operation when it forks (an OpenMP runtime forked after use hangs);
-its children are single-threaded at fork. It exits when the pool's end of the socket closes.
-If it dies, the workers it forked keep running; the client then watches each through its pidfd
-(its exit code is unknown: -1). `returncode` follows asyncio.subprocess.Process: -N for a
-process killed by signal N.
+One message per datagram (a SOCK_SEQPACKET socket pair), JSON. The zygote opens each child's
+pidfd before it can reap it, so the pool's handle names that process even once its pid is
+reused. The zygote has run no parallel torch operation when it forks (an OpenMP runtime forked
+after use hangs) and started no thread of its own (numpy's OpenBLAS keeps one, which its fork
+handlers make safe). It ignores SIGINT and SIGTERM, which a terminal or a service manager sends
+the whole process group: it exits when the pool's end of the socket closes, after the pool has
+stopped its workers. If it dies, the workers it forked keep running; the client then watches
+each through its pidfd (its exit code is unknown: -1). `returncode` follows
+asyncio.subprocess.Process: -N for a process killed by signal N.
 """
 
 from __future__ import annotations
@@ -38,8 +41,9 @@ from typing import Any
 
 log = logging.getLogger("edgeinfer.zygote")
 
-MAX_MESSAGE = 1 << 20  # bytes of one message (argv and env)
+MAX_MESSAGE = 1 << 20  # bytes of one message received (a SEQPACKET send takes ~200 KiB at most)
 READY_TIMEOUT_S = 300.0  # the template's imports (a first run compiles bytecode)
+SPAWN_TIMEOUT_S = 30.0  # for the template's answer to a spawn
 
 
 # ---------------------------------------------------------------------------- the zygote
@@ -56,6 +60,7 @@ def preload() -> None:
 
 
 def _send(sock: socket.socket, msg: dict[str, Any], fds: list[int] | None = None) -> None:
+    """One message (and descriptors to pass) on a blocking socket."""
     data = json.dumps(msg).encode()
     if fds:
         socket.send_fds(sock, [data], fds)
@@ -93,7 +98,7 @@ def _child(sock: socket.socket, sel: selectors.BaseSelector, wakeup: tuple[int, 
 
         from runtime.cli import main
 
-        code = main(argv)
+        code = int(main(argv) or 0)
     except SystemExit as e:
         code = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
         if not isinstance(e.code, int) and e.code is not None:
@@ -104,7 +109,13 @@ def _child(sock: socket.socket, sel: selectors.BaseSelector, wakeup: tuple[int, 
         traceback.print_exc()
         code = 1
     finally:
-        with contextlib.suppress(Exception):
+        # What an interpreter's exit runs (atexit: telemetry flushes, ranks closed), but not the
+        # template's loop below, which this frame would otherwise unwind into.
+        with contextlib.suppress(BaseException):
+            import atexit
+
+            atexit._run_exitfuncs()
+        with contextlib.suppress(BaseException):
             sys.stdout.flush()
             sys.stderr.flush()
         os._exit(code)
@@ -127,9 +138,11 @@ def serve(fd: int) -> int:
     import gc
 
     gc.disable()
-    # Ctrl-C in a terminal reaches the whole process group: the pool stops its workers and then
-    # closes the socket, which ends this process; it must not go first.
+    # Ctrl-C in a terminal (or a service manager's SIGTERM) reaches the whole process group: the
+    # pool stops its workers and then closes the socket, which ends this process; it must not go
+    # first (its children's exits would go unreported).
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
     sock = socket.socket(fileno=fd)
     t0 = time.perf_counter()
     preload()
@@ -141,7 +154,10 @@ def serve(fd: int) -> int:
     sel = selectors.DefaultSelector()
     sel.register(sock, selectors.EVENT_READ)
     sel.register(wake_r, selectors.EVENT_READ)
-    _send(sock, {"ready": os.getpid(), "imports_s": round(time.perf_counter() - t0, 3)})
+    try:
+        _send(sock, {"ready": os.getpid(), "imports_s": round(time.perf_counter() - t0, 3)})
+    except OSError:  # the pool gave up waiting
+        return 0
     while True:
         for key, _ in sel.select():
             if key.fileobj == wake_r:
@@ -170,7 +186,15 @@ def serve(fd: int) -> int:
             if pid == 0:
                 _child(sock, sel, (wake_r, wake_w), msg, fds[0])
             os.close(fds[0])
-            _send(sock, {"spawned": msg.get("spawn"), "pid": pid})
+            try:  # before any reaping: the pid is this child's until then
+                pidfd = [os.pidfd_open(pid)]
+            except (OSError, AttributeError):  # (Linux before 5.3: the pool signals by pid)
+                pidfd = []
+            try:
+                _send(sock, {"spawned": msg.get("spawn"), "pid": pid}, pidfd)
+            finally:
+                for fd in pidfd:
+                    os.close(fd)
             _reap(sock)  # a child that died at once
 
 
@@ -183,14 +207,12 @@ class ForkedProcess:
     """A worker forked by the zygote, with the parts of asyncio.subprocess.Process that a pool
     uses: pid, returncode, stdout, wait(), send_signal(), terminate(), kill()."""
 
-    def __init__(self, pid: int, stdout: asyncio.StreamReader) -> None:
+    def __init__(self, pid: int, pidfd: int, stdout: asyncio.StreamReader) -> None:
         self.pid = pid
         self.stdout = stdout
         self.returncode: int | None = None
         self._exited = asyncio.Event()
-        self._pidfd = -1
-        with contextlib.suppress(OSError, AttributeError):  # (pidfds: Linux 5.3+)
-            self._pidfd = os.pidfd_open(pid)
+        self._pidfd = pidfd  # -1: none (an old kernel); signals then go by pid
 
     def _set_exit(self, code: int) -> None:
         if self.returncode is None:
@@ -220,12 +242,15 @@ class ForkedProcess:
         return self.returncode
 
     def send_signal(self, sig: int) -> None:
+        """As asyncio's: ProcessLookupError once its exit has been seen. Before that, a process
+        that has just exited (its exit on its way from the zygote) takes the signal silently."""
         if self.returncode is not None:
             raise ProcessLookupError(self.pid)
-        if self._pidfd >= 0:
-            signal.pidfd_send_signal(self._pidfd, sig)
-        else:
-            os.kill(self.pid, sig)
+        with contextlib.suppress(ProcessLookupError):
+            if self._pidfd >= 0:
+                signal.pidfd_send_signal(self._pidfd, sig)
+            else:
+                os.kill(self.pid, sig)
 
     def terminate(self) -> None:
         self.send_signal(signal.SIGTERM)
@@ -241,11 +266,13 @@ class ZygoteClient:
         self.proc: asyncio.subprocess.Process | None = None
         self.imports_s = 0.0
         self._sock: socket.socket | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
         self._ids = 0
-        self._pending: dict[int, asyncio.Future[int]] = {}
+        self._pending: dict[int, asyncio.Future[tuple[int, int]]] = {}  # spawn id -> (pid, pidfd)
         self._children: dict[int, ForkedProcess] = {}
-        self._early_exits: dict[int, int] = {}  # exits reported before their spawn's answer
-        self._reader: asyncio.Task[None] | None = None
+        self._starting: dict[
+            int, int | None
+        ] = {}  # pid -> exit code reported before spawn() took it
         self._ready: asyncio.Future[dict[str, Any]] | None = None
 
     @property
@@ -269,13 +296,15 @@ class ZygoteClient:
         finally:
             theirs.close()
         self._sock = ours
-        loop = asyncio.get_running_loop()
-        self._ready = loop.create_future()
-        self._reader = asyncio.ensure_future(self._read())
+        self._loop = asyncio.get_running_loop()
+        self._ready = self._loop.create_future()
+        self._loop.add_reader(ours, self._readable)
         try:
             ready = await asyncio.wait_for(asyncio.shield(self._ready), timeout_s)
         except BaseException as e:  # (cancelled too: the process is not left behind)
             await self.close()
+            if self._ready.done() and not self._ready.cancelled():
+                self._ready.exception()  # (retrieved: no "never retrieved" warning)
             if not isinstance(e, (TimeoutError, ZygoteError)):
                 raise
             why = str(e) or f"not ready after {timeout_s:.0f}s"
@@ -283,42 +312,65 @@ class ZygoteClient:
         self.imports_s = float(ready.get("imports_s", 0.0))
         return self
 
-    async def _read(self) -> None:
-        loop = asyncio.get_running_loop()
-        assert self._sock is not None
-        try:
-            while True:
-                data = await loop.sock_recv(self._sock, MAX_MESSAGE)
-                if not data:
-                    break
-                self._dispatch(json.loads(data))
-        except (OSError, ValueError) as e:
-            log.warning("template process: %s", e)
-        finally:
-            self._lost()
+    def _readable(self) -> None:
+        """Every message waiting on the socket, with the descriptors passed along."""
+        while self._sock is not None:
+            try:
+                data, fds, _flags, _addr = socket.recv_fds(self._sock, MAX_MESSAGE, 1)
+            except (BlockingIOError, InterruptedError):
+                return
+            except OSError as e:
+                log.warning("template process: %s", e)
+                data, fds = b"", []
+            if not data:
+                for fd in fds:
+                    os.close(fd)
+                self._lost()
+                return
+            try:
+                self._dispatch(json.loads(data), fds)
+            except (ValueError, KeyError, TypeError) as e:
+                log.warning("template process: a malformed message (%s)", e)
+                for fd in fds:
+                    os.close(fd)
 
-    def _dispatch(self, msg: dict[str, Any]) -> None:
+    def _dispatch(self, msg: dict[str, Any], fds: list[int]) -> None:
         if "ready" in msg:
             if self._ready is not None and not self._ready.done():
                 self._ready.set_result(msg)
         elif "spawned" in msg:
             fut = self._pending.pop(msg["spawned"], None)
-            if fut is not None and not fut.done():
-                if "pid" in msg:
-                    fut.set_result(int(msg["pid"]))
-                else:
+            pidfd = fds[0] if fds else -1
+            if "pid" not in msg:
+                if fut is not None and not fut.done():
                     fut.set_exception(ZygoteError(str(msg.get("error"))))
+                return
+            pid = int(msg["pid"])
+            if fut is None or fut.done():  # its spawn() gave up waiting: no one will serve it
+                log.warning("template process: killing pid %d, forked after its spawn gave up", pid)
+                with contextlib.suppress(OSError):
+                    if pidfd >= 0:
+                        signal.pidfd_send_signal(pidfd, signal.SIGKILL)
+                if pidfd >= 0:
+                    os.close(pidfd)
+                return
+            self._starting[pid] = None
+            fut.set_result((pid, pidfd))
         elif "exit" in msg:
             pid, code = int(msg["exit"]), int(msg["code"])
             child = self._children.pop(pid, None)
             if child is not None:
                 child._set_exit(code)
-            else:
-                self._early_exits[pid] = code
+            elif pid in self._starting:
+                self._starting[pid] = code
+            # else: a process no spawn() returned (killed above): nothing to tell
 
     def _lost(self) -> None:
         """The zygote is gone: fail what waits on it; watch its children through their pidfds."""
         if self._sock is not None:
+            if self._loop is not None:
+                with contextlib.suppress(Exception):
+                    self._loop.remove_reader(self._sock)
             self._sock.close()
             self._sock = None
         error = ZygoteError("the template process exited")
@@ -328,42 +380,58 @@ class ZygoteClient:
             if not fut.done():
                 fut.set_exception(error)
         self._pending.clear()
-        loop = asyncio.get_running_loop()
-        for child in self._children.values():
-            child._watch(loop)
+        if self._loop is not None:
+            for child in self._children.values():
+                child._watch(self._loop)
         self._children.clear()
 
     async def spawn(self, argv: list[str], env: dict[str, str] | None = None) -> ForkedProcess:
         """Fork a process that runs `edgeinfer ARGV` with `env` added to its environment; its
-        stdout and stderr come back together on the result's `stdout`."""
+        stdout and stderr come back together, line-buffered, on the result's `stdout`.
+
+        The template made its imports under its own environment (the pool's): variables read at
+        interpreter start or at import (PYTHON*, OMP_*, GOMP_*, MALLOC_*, EDGEINFER_CACHE and
+        EDGEINFER_STORE) keep those values; `env` serves those read as the command runs (the
+        worker's EDGEINFER_SECRET, EDGEINFER_REDIS, OTEL_*). ZygoteError if the template is gone
+        or does not answer within SPAWN_TIMEOUT_S."""
         if self._sock is None:
             raise ZygoteError("the template process is not running")
         loop = asyncio.get_running_loop()
         r, w = os.pipe2(os.O_CLOEXEC)
+        self._ids += 1
+        fut: asyncio.Future[tuple[int, int]] = loop.create_future()
+        self._pending[self._ids] = fut
         try:
-            self._ids += 1
-            fut: asyncio.Future[int] = loop.create_future()
-            self._pending[self._ids] = fut
-            msg = {"spawn": self._ids, "argv": argv, "env": env or {}}
             try:
-                _send(self._sock, msg, [w])
+                _send(self._sock, {"spawn": self._ids, "argv": argv, "env": env or {}}, [w])
             except OSError as e:
-                self._pending.pop(self._ids, None)
                 raise ZygoteError(f"the template process is not answering: {e}") from e
-            pid = await fut
+            finally:
+                os.close(w)
+            try:
+                pid, pidfd = await asyncio.wait_for(fut, SPAWN_TIMEOUT_S)
+            except TimeoutError as e:
+                raise ZygoteError(f"no answer from the template in {SPAWN_TIMEOUT_S:.0f}s") from e
         except BaseException:
+            self._pending.pop(self._ids, None)  # a late answer: its process is killed
+            if fut.done() and not fut.cancelled() and fut.exception() is None:
+                pid, pidfd = fut.result()  # answered, but this call was cancelled meanwhile
+                self._starting.pop(pid, None)
+                if pidfd >= 0:
+                    with contextlib.suppress(OSError):
+                        signal.pidfd_send_signal(pidfd, signal.SIGKILL)
+                    os.close(pidfd)
             os.close(r)
             raise
-        finally:
-            os.close(w)
         reader = asyncio.StreamReader(limit=1 << 20)
         await loop.connect_read_pipe(
             lambda: asyncio.StreamReaderProtocol(reader), os.fdopen(r, "rb", buffering=0)
         )
-        child = ForkedProcess(pid, reader)
-        if pid in self._early_exits:
-            child._set_exit(self._early_exits.pop(pid))
-        elif self._sock is None:  # lost while we waited
+        child = ForkedProcess(pid, pidfd, reader)
+        code = self._starting.pop(pid, None)
+        if code is not None:  # it has exited already
+            child._set_exit(code)
+        elif self._sock is None:  # the template is gone
             child._watch(loop)
         else:
             self._children[pid] = child
@@ -372,10 +440,6 @@ class ZygoteClient:
     async def close(self) -> None:
         """Stop the zygote: it exits once its end of the socket sees ours close. Its children
         are left running (the pool stops its workers first)."""
-        if self._reader is not None:
-            self._reader.cancel()  # its clean-up (`_lost`) closes the socket
-            with contextlib.suppress(asyncio.CancelledError, Exception):
-                await self._reader
         self._lost()
         if self.proc is not None and self.proc.returncode is None:
             try:

@@ -280,6 +280,44 @@ def test_spans_land_exactly_where_asked(tmp_path: Path, direct: bool, chunk_kib:
     reads.close()
 
 
+@pytest.mark.parametrize("direct", [True, False])
+def test_chunks_mostly_outside_the_spans_are_checked_too(tmp_path: Path, direct: bool) -> None:
+    """A chunk whose bytes mostly land in the reader's scratch chunk (a rank's few rows of a
+    large tensor, headers, bytes nobody asked for) is checked in its reading thread, the others
+    on the checking threads: both kinds in one load, and a flipped byte in either is named."""
+    f = tmp_path / "blob.bin"
+    chunk = 4 << 20
+    data = random.Random(2).randbytes(3 * chunk + 12_345)
+    f.write_bytes(data)
+    manifest = write_checked_manifest(tmp_path, [f], chunk)
+    arena = Arena(len(data))
+    # chunk 0 whole (in place); chunks 1 and 2 only a few KiB each (the rest: scratch); the tail
+    spans = [Span(0, chunk, arena, 0), Span(chunk + 100, chunk + 9_000, arena, chunk + 100),
+             Span(2 * chunk, 2 * chunk + ALIGN, arena, 2 * chunk),
+             Span(3 * chunk, len(data), arena, 3 * chunk)]  # fmt: skip
+
+    def load() -> ReadStats:
+        stats = ReadStats()
+        reads = ShardReads([FileRead(f, len(data), spans)], threads=2, direct=direct,
+                           skip_cached=False, chunk_bytes=chunk,
+                           verify=chunk_checks(manifest)[1], stats=stats)  # fmt: skip
+        try:
+            reads.wait(0)
+        finally:
+            reads.close()
+        return stats
+
+    assert load().verified == 4
+    for s in spans:
+        assert bytes(arena.view[s.offset : s.offset + s.end - s.begin]) == data[s.begin : s.end]
+    for at, index in ((chunk + 2 * ALIGN + 7, 1), (100, 0)):  # outside any span; in place
+        flip_byte(f, at)
+        with pytest.raises(ModelLoadError, match=rf"blob\.bin: checksum mismatch in bytes "
+                           rf"{index * chunk}\.\.{(index + 1) * chunk} "):  # fmt: skip
+            load()
+        flip_byte(f, at)  # back
+
+
 def test_a_file_that_shrinks_while_read_is_named(tmp_path: Path) -> None:
     f = tmp_path / "m.safetensors"
     save_file(_tensors(7), str(f))

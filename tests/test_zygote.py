@@ -121,6 +121,59 @@ def test_a_dead_template_leaves_its_workers_serving_and_watched(stories_dir: Pat
     asyncio.run(main())
 
 
+def _live_children(pid: int) -> list[int]:
+    """Processes whose parent is `pid` and that are not zombies."""
+    out = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if int(fields[1]) == pid and fields[0] != "Z":
+            out.append(int(entry.name))
+    return out
+
+
+def test_signals_races_and_abandoned_spawns(tmp_path: Path, stories_dir: Path) -> None:
+    async def main() -> None:
+        zygote = await ZygoteClient.start()
+        assert zygote.proc is not None
+        try:
+            # SIGTERM to the template (a service manager stopping the process group) is left to
+            # the pool: the template stays and still forks
+            zygote.proc.send_signal(signal.SIGTERM)
+            await asyncio.sleep(0.2)
+            assert zygote.alive and zygote.proc.returncode is None
+            # a process that has exited, its exit not yet read from the template: a signal to it
+            # is no error (as with asyncio's processes), and its exit code is its own
+            p = await zygote.spawn(["models", "--store", str(tmp_path)])
+            time.sleep(2.0)  # the loop blocked: the child exits and is reaped meanwhile
+            p.kill()
+            assert await asyncio.wait_for(p.wait(), 30) == 0
+            with pytest.raises(ProcessLookupError):
+                p.terminate()
+            # a spawn given up before the answer: the process forked for it is killed
+            with pytest.raises(TimeoutError):
+                await asyncio.wait_for(
+                    zygote.spawn(
+                        _worker_argv(stories_dir, _free_port()), {"EDGEINFER_SECRET": "s"}
+                    ),
+                    0.001,
+                )
+            for _ in range(100):
+                await asyncio.sleep(0.05)
+                if not _live_children(zygote.proc.pid):
+                    break
+            assert not _live_children(zygote.proc.pid)
+            assert not zygote._starting and not zygote._pending
+        finally:
+            await zygote.close()
+
+    asyncio.run(main())
+
+
 def test_pool_starts_a_fresh_process_without_a_template(tmp_path: Path) -> None:
     async def main() -> None:
         pool = Pool(PoolConfig(region="r", models={"m": "/x"}, redis_url="", secret="s"))
