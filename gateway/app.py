@@ -23,7 +23,14 @@ from aiohttp import web
 
 from gateway.cluster import ClusterView
 from gateway.config import GatewayConfig
-from gateway.errors import APIError, method_not_allowed, not_found, too_large, unauthorized
+from gateway.errors import (
+    APIError,
+    method_not_allowed,
+    model_not_found,
+    not_found,
+    too_large,
+    unauthorized,
+)
 from gateway.openai_api import parse_chat, parse_completion
 from gateway.openapi import OPENAPI
 from gateway.proxy import Proxy
@@ -98,12 +105,21 @@ async def completions(request: web.Request) -> web.StreamResponse:
     return await request.app[PROXY].handle(request, parse_completion, "completion")
 
 
+def _model_object(model: str) -> dict[str, object]:
+    return {"id": model, "object": "model", "created": 0, "owned_by": "edgeinfer"}
+
+
 async def models(request: web.Request) -> web.Response:
     view = request.app[VIEW]
-    data = [
-        {"id": m, "object": "model", "created": 0, "owned_by": "edgeinfer"} for m in view.models()
-    ]
-    return _json({"object": "list", "data": data})
+    return _json({"object": "list", "data": [_model_object(m) for m in view.models()]})
+
+
+async def model(request: web.Request) -> web.Response:
+    """One model (`client.models.retrieve`): served now, or startable by a pool; else 404."""
+    name = request.match_info["model"]
+    if name not in request.app[VIEW].models():
+        raise model_not_found(name)
+    return _json(_model_object(name))
 
 
 async def healthz(request: web.Request) -> web.Response:
@@ -179,6 +195,7 @@ def make_app(
     app.router.add_post("/v1/chat/completions", chat_completions)
     app.router.add_post("/v1/completions", completions)
     app.router.add_get("/v1/models", models)
+    app.router.add_get("/v1/models/{model:.+}", model)  # (ids may hold a "/": org/name)
     app.router.add_get("/healthz", healthz)
     app.router.add_get("/readyz", readyz)
     app.router.add_get("/openapi.json", openapi)

@@ -19,6 +19,7 @@ class GatewayConfig:
     api_keys: frozenset[str] = frozenset()  # accepted bearer tokens; empty = open
     catalog_path: Path = DEFAULT_CATALOG  # the region catalog (infra/regions.yaml)
     max_body_bytes: int = 1 << 20  # largest request body (413 above it)
+    body_timeout_s: float = 30.0  # for a request's body to arrive once its headers have (408)
     registry_refresh_s: float = 0.5  # how often the worker list is re-read from Redis
     session_ttl_s: float = 1800.0  # a session placement expires after this long unused
     connect_timeout_s: float = 2.0  # to open a connection to a worker
@@ -37,6 +38,8 @@ class GatewayConfig:
             raise ValueError("the workers' shared secret is required (--secret / EDGEINFER_SECRET)")
         if self.max_body_bytes < 1024:
             raise ValueError(f"max_body_bytes must be at least 1024, got {self.max_body_bytes}")
+        if self.body_timeout_s <= 0:
+            raise ValueError(f"body_timeout_s must be positive, got {self.body_timeout_s}")
         if self.registry_refresh_s <= 0 or self.session_ttl_s <= 0:
             raise ValueError("registry_refresh_s and session_ttl_s must be positive")
         if self.max_attempts < 1:

@@ -164,6 +164,11 @@ def parse_completion(
         raise unsupported("echo", "echo is not supported yet; send echo: false")
     if f.opt_str("suffix"):
         raise unsupported("suffix", "suffix is not supported yet (insertion)")
+    for name in ("tools", "functions", "tool_choice", "function_call"):  # chat's, not ours
+        if isinstance(body, dict) and body.get(name) not in (None, [], "none"):
+            raise unsupported(
+                name, f"{name} is for /v1/chat/completions; a completion has no tool calls"
+            )
 
     sampling, options = _common(f, "completion", model, max_tokens, logprobs)
     best_of = f.opt_int("best_of", Range(1, INT32_MAX))

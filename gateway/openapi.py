@@ -106,6 +106,21 @@ OPENAPI: JSON = {
                 },
             }
         },
+        "/v1/models/{model}": {
+            "get": {
+                "summary": "One model: served in the cluster, or startable on demand",
+                "parameters": [
+                    {"name": "model", "in": "path", "required": True, "schema": {"type": "string"}}
+                ],
+                "responses": {
+                    "200": {
+                        "description": "The model.",
+                        "content": {"application/json": {"schema": ref("Model")}},
+                    },
+                    **_errors("401", "404", "405", "503"),
+                },
+            }
+        },
         "/healthz": {"get": _probe("Liveness: the process answers", "Health", None)},
         "/readyz": {
             "get": _probe(

@@ -30,6 +30,7 @@ from typing import Any
 import aiohttp
 import orjson
 from aiohttp import web
+from aiohttp.web_protocol import RequestPayloadError
 from opentelemetry.context import Context
 from opentelemetry.trace import Span, Status, StatusCode
 
@@ -112,7 +113,7 @@ class Proxy:
         err: APIError | None = None
         try:
             call.session_id = _session_id(request)  # validate
-            body = await _read_json(request)
+            body = await _read_json(request, self.config.max_body_bytes, self.config.body_timeout_s)
             call.gen, call.options = parse(body, call.request_id, call.session_id)
             call.gen.operation = call.operation
             self.resolve_model(call)
@@ -571,19 +572,38 @@ def _session_id(request: web.Request) -> str | None:
     if value is None:
         return None
     value = value.strip()
+    # (bytes that are not UTF-8 arrive as surrogates, which are not printable)
     if not value or len(value) > MAX_SESSION_ID or "{" in value or "}" in value:
         raise invalid(
             SESSION_HEADER,
             f"{SESSION_HEADER} must be 1-{MAX_SESSION_ID} characters without braces",
         )
+    if not value.isprintable():
+        raise invalid(
+            SESSION_HEADER, f"{SESSION_HEADER} must be printable UTF-8 text, without control "
+            "characters",
+        )  # fmt: skip
     return value
 
 
-async def _read_json(request: web.Request) -> object:
+async def _read_json(request: web.Request, limit: int, timeout_s: float) -> object:
+    """The request body as JSON: 413 for a declared or actual size over `limit` (before
+    reading, for a declared one), 408 for a body that does not arrive within `timeout_s` (a
+    client that stops sending holds no connection for ever), 400 for a body that cannot be
+    decoded (a corrupt gzip or deflate stream) or is not JSON."""
+    if request.content_length is not None and request.content_length > limit:
+        raise web.HTTPRequestEntityTooLarge(max_size=limit, actual_size=request.content_length)
     try:
-        raw = await request.read()  # aiohttp enforces client_max_size (413) while reading
+        async with asyncio.timeout(timeout_s):
+            raw = await request.read()  # aiohttp enforces client_max_size (413) while reading
     except web.HTTPRequestEntityTooLarge:
         raise
+    except TimeoutError as e:
+        raise APIError(408, f"the request body did not arrive within {timeout_s:g} s",
+                       "invalid_request_error", None, "request_timeout") from e  # fmt: skip
+    except RequestPayloadError as e:
+        cause = e.__cause__ or e
+        raise invalid(None, f"the request body cannot be decoded ({cause})", "invalid_body") from e
     try:
         return orjson.loads(raw)
     except orjson.JSONDecodeError as e:

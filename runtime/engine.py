@@ -271,6 +271,12 @@ class LLMEngine:
         if hold_kv and params.n != 1:
             raise InvalidRequestError("n", "a KV export computes one sequence; n must be 1")
         prompt_ids = self.tokenize_prompt(prompt)
+        vocab = self.model.cfg.vocab_size
+        for t in params.stop_token_ids:  # (as a prompt's ids: one outside could never be sampled)
+            if not 0 <= t < vocab:
+                raise InvalidRequestError(
+                    "stop_token_ids", f"token id {t} is outside [0, {vocab})"
+                )
         n_prompt, limit = len(prompt_ids), self.max_model_len
         if n_prompt >= limit:
             raise InvalidRequestError(

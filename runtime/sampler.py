@@ -35,6 +35,7 @@ Stop tokens and end-of-sequence handling are not the sampler's job.
 from __future__ import annotations
 
 import itertools
+import logging
 from dataclasses import dataclass
 
 import numpy as np
@@ -42,8 +43,13 @@ import torch
 
 from runtime.sampling_params import SamplingParams
 
+log = logging.getLogger("edgeinfer.sampler")
+
 # Temperatures below this are treated as greedy: dividing by them overflows float32 logits.
 GREEDY_TEMPERATURE_EPS = 1e-5
+# Largest magnitude of a logit after the repetition penalty: finite even divided by
+# GREEDY_TEMPERATURE_EPS (float32 overflows past 3.4e38).
+PENALIZED_BOUND = 1e30
 
 # Candidates tried first for rows with top_p but no top_k; wider nuclei fall back to a full sort.
 _NUCLEUS_CANDIDATES = 256
@@ -186,7 +192,11 @@ def apply_penalties(logits: torch.Tensor, states: list[SamplingState]) -> torch.
         rep = torch.tensor([p.repetition_penalty for p in params], dtype=out.dtype, device=device)
         rep = rep[rows]  # (N,)
         vals = out[rows, toks]
-        out[rows, toks] = torch.where(vals > 0, vals / rep, vals * rep)
+        # bounded: a penalty near 0 (or huge) would overflow float32 to +-inf, and an inf logit
+        # makes the softmax NaN (1e30 stays finite divided by any temperature the sampler uses)
+        out[rows, toks] = torch.where(vals > 0, vals / rep, vals * rep).clamp_(
+            -PENALIZED_BOUND, PENALIZED_BOUND
+        )
 
     freq_rows = [
         i for i, p in enumerate(params) if p.frequency_penalty != 0.0 or p.presence_penalty != 0.0
@@ -331,7 +341,11 @@ def _draw(weights: torch.Tensor, generators: list[torch.Generator | None]) -> to
     # reaching the total) guards the case where rounding makes u * total == total.
     picked = torch.searchsorted(cdf, u * total, right=True)
     last = torch.searchsorted(cdf, total, right=False)
-    return torch.minimum(picked, last).squeeze(1)
+    picked = torch.minimum(picked, last).squeeze(1)
+    if not bool(torch.isfinite(total).all()):  # a NaN weight: never an index past the row
+        log.error("sampling: non-finite weights in %d row(s)", int((~torch.isfinite(total)).sum()))
+        picked.clamp_(max=cdf.shape[1] - 1)
+    return picked
 
 
 # ----- logprobs ----------------------------------------------------------------------------

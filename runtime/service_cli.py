@@ -188,6 +188,7 @@ def cmd_gateway(args: argparse.Namespace) -> int:
         api_keys=frozenset(keys),
         catalog_path=Path(args.regions),
         max_body_bytes=args.max_body_bytes,
+        body_timeout_s=args.body_timeout,
         routing=args.routing,
         disagg_min_tokens=args.disagg_min_tokens,
         hold_timeout_s=args.hold_timeout,
@@ -383,6 +384,8 @@ def add_service_commands(sub: argparse._SubParsersAction, engine_args) -> None: 
     )
     g.add_argument("--regions", default=str(DEFAULT_CATALOG), help="region catalog YAML")
     g.add_argument("--max-body-bytes", type=int, default=1 << 20)
+    g.add_argument("--body-timeout", type=float, default=30.0,
+                   help="seconds a request's body has to arrive once its headers have (408)")  # fmt: skip
     g.add_argument(
         "--routing", default="cache-aware", choices=["cache-aware", "round-robin"],
         help="worker choice: sessions + prefix cache + load (default), or a round-robin baseline",

@@ -164,5 +164,7 @@ def strict_schema(schema: Any) -> Any:
 
 
 def _first(messages: list[str]) -> str:
+    """The compiler's first message on one line (a regex error spans several: the pattern, a
+    caret under the fault, then what is wrong)."""
     text = messages[0] if messages else "rejected by the grammar compiler"
-    return text.strip().splitlines()[0][:300]
+    return " ".join(text.split())[:300]

@@ -147,12 +147,29 @@ class GrammarCompiler:
                 raise InvalidRequestError(
                     param, f"invalid constraint: {template.get_error()[:300]}"
                 )
+            self._check_satisfiable(template, param)
             with self._lock:
                 self.compiled += 1
                 self._cache[text] = template
                 while len(self._cache) > self._capacity:
                     self._cache.popitem(last=False)
         return RequestGrammar(template.deep_copy(), self.eos_row)
+
+    def _check_satisfiable(self, template: llguidance.LLMatcher, param: str) -> None:
+        """Refuse a constraint no output can satisfy: before any token, only end-of-sequence is
+        allowed, yet the empty output does not match (a grammar rule with no way out, such as
+        `a: a`, or a schema that only refers to itself). It would otherwise end every request
+        at once with empty text that does not match it."""
+        row = np.zeros((1, bitmask_words(self.vocab_size)), dtype=np.int32)
+        llg_np.fill_next_token_bitmask(template, row, 0)
+        allowed = np.unpackbits(row.view(np.uint8), bitorder="little")[: self.vocab_size]
+        allowed[self.eos_token_ids] = 0
+        if not allowed.any() and not template.is_accepting():
+            raise InvalidRequestError(
+                param, "the constraint accepts no output: no token can begin it and the empty "
+                "output does not match it (a rule that never ends, or a schema that only refers "
+                "to itself?)",
+            )  # fmt: skip
 
 
 class TokenMasks:

@@ -143,6 +143,10 @@ def test_bad_prompts_leave_engine_serving(stories_dir: Path) -> None:
     with pytest.raises(InvalidRequestError) as e:
         engine.add_request("x", "Once upon a time", SamplingParams(max_tokens=600))
     assert e.value.param == "max_tokens" and "507" in e.value.message
+    for bad in ([512], [-1], [2, 100_000]):  # the vocabulary is 512
+        with pytest.raises(InvalidRequestError) as e:
+            engine.add_request("x", "Once", SamplingParams(stop_token_ids=bad))
+        assert e.value.param == "stop_token_ids" and "[0, 512)" in e.value.message
     assert not engine.has_unfinished()
     engine.add_request("ok", "Once upon a time", SamplingParams(temperature=0, max_tokens=4))
     outs = []

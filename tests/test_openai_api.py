@@ -162,6 +162,9 @@ COMPLETION_INVALID: list[tuple[dict[str, Any], str, str]] = [
     ({"echo": "x"}, "echo", "boolean"),
     ({"suffix": "x"}, "suffix", "not supported"),
     ({"suffix": 5}, "suffix", "string"),
+    ({"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools", "chat/completions"),
+    ({"tool_choice": "required"}, "tool_choice", "chat/completions"),
+    ({"functions": [{"name": "f"}]}, "functions", "chat/completions"),
     ({"n": 2, "best_of": 3}, "best_of", "null, 1 or n (2)"),
     ({"best_of": 0}, "best_of", f"[1, {I32}]"),
 ]

@@ -103,6 +103,7 @@ def test_spec_covers_endpoints_statuses_and_headers() -> None:
         "/v1/chat/completions",
         "/v1/completions",
         "/v1/models",
+        "/v1/models/{model}",
         "/healthz",
         "/readyz",
         "/openapi.json",

@@ -193,6 +193,43 @@ def test_greedy_with_penalties_takes_argmax_of_penalized_logits() -> None:
     assert sample(logits, states).token_ids == [1, 2]
 
 
+@pytest.mark.parametrize("penalty", [1e-38, 1e-45, 1e38])
+@pytest.mark.parametrize(
+    "params",
+    [
+        {"temperature": 1.0},
+        {"temperature": 0.5, "top_p": 0.5},
+        {"top_k": 1},
+        {"temperature": 0.0},
+        {"temperature": 1.0, "logprobs": 5},
+    ],
+    ids=lambda p: ",".join(f"{k}={v}" for k, v in p.items()),
+)
+def test_extreme_repetition_penalties_stay_finite(penalty: float, params: dict[str, Any]) -> None:
+    """A penalty near 0 divides positive logits of seen tokens into float32 overflow (and a huge
+    one multiplies negative ones): the penalized logits stay finite, the draw stays in the
+    vocabulary, and the other rows of the batch are untouched (a NaN row once failed the whole
+    engine step, every request in it)."""
+    gen = torch.Generator().manual_seed(0)
+    logits = torch.randn(3, 512, generator=gen) * 4
+    seen = [3, 7, 11, 300]
+    states = [state(prompt=seen, output=[7], repetition_penalty=penalty, seed=1, **params),
+              state(temperature=0.0), state(seed=2)]  # fmt: skip
+    penalized = apply_penalties(logits, states)
+    assert bool(torch.isfinite(penalized).all())
+    out = sample(logits, states)
+    assert all(0 <= t < 512 for t in out.token_ids)
+    assert out.token_ids[1] == int(logits[1].argmax())
+    if penalty < 1:  # seen tokens with a positive logit now lead by far
+        positive = [t for t in seen if logits[0, t] > 0]
+        if params.get("temperature") == 0.0 or params.get("top_k") == 1:
+            assert out.token_ids[0] in positive
+    if params.get("logprobs"):
+        lp = out.logprobs[0]
+        assert lp is not None and not math.isnan(lp.logprob)
+        assert all(0 <= t < 512 and not math.isnan(x) for t, x in lp.top)
+
+
 # ----- truncation and the draw: distributions ----------------------------------------------
 
 

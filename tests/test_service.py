@@ -57,7 +57,7 @@ class Cluster:
             root / "regions.yaml",
             root,
             "eu",
-            ["--api-key", API_KEY, "--max-body-bytes", "65536"],
+            ["--api-key", API_KEY, "--max-body-bytes", "65536", "--body-timeout", "1"],
         )
         wait_until(
             lambda: get_json(f"{self.gateway.url}/readyz")[1]["workers"] == 4, 30, "4 workers"
@@ -148,6 +148,10 @@ def test_health_ready_models_openapi(cluster: Cluster) -> None:
     status, ready = get_json(f"{gw}/readyz")
     assert status == 200 and ready["redis"] and ready["workers"] == 4
     assert [m.id for m in cluster.client.models.list().data] == ["stories"]
+    assert cluster.client.models.retrieve("stories").id == "stories"
+    with pytest.raises(openai.NotFoundError) as e:
+        cluster.client.models.retrieve("org/nope")
+    assert e.value.body["code"] == "model_not_found"  # type: ignore[index]
     status, spec = get_json(f"{gw}/openapi.json")
     assert status == 200 and spec["openapi"].startswith("3.")
     assert {"/v1/chat/completions", "/v1/completions", "/v1/models"} <= set(spec["paths"])
@@ -288,6 +292,56 @@ def test_bad_input_gets_openai_error(cluster: Cluster, path: str, body: object, 
     assert err["error"]["message"]
     if param is not None:
         assert err["error"]["param"] == param, err
+
+
+def _raw(
+    cluster: Cluster, head: bytes, body: bytes = b"", wait_s: float = 10.0
+) -> tuple[int, dict]:  # type: ignore[type-arg]
+    """Send `head` (request line and headers, without the blank line) and `body` as they are on
+    a socket; the response's status and JSON body."""
+    import socket
+    import urllib.parse
+
+    url = urllib.parse.urlsplit(cluster.gateway.url)
+    with socket.create_connection((url.hostname, url.port), timeout=wait_s) as sock:
+        sock.sendall(head + f"\r\nAuthorization: Bearer {API_KEY}\r\n\r\n".encode() + body)
+        data = b""
+        while b"\r\n\r\n" not in data or len(data.split(b"\r\n\r\n", 1)[1]) < int(
+            next((h.split(b":")[1] for h in data.split(b"\r\n") if h.lower().startswith(b"content-length:")), b"0")
+        ):  # fmt: skip
+            piece = sock.recv(65536)
+            if not piece:
+                break
+            data += piece
+    status = int(data.split(b" ", 2)[1])
+    return status, orjson.loads(data.split(b"\r\n\r\n", 1)[1])
+
+
+def test_malformed_requests_get_openai_errors(cluster: Cluster) -> None:
+    """What no client library sends: a header that is not UTF-8, a body that does not decode, a
+    body larger than declared limits, a body that never comes. Each a 4xx OpenAI error, at once
+    (or after --body-timeout), never a 500 or a connection held open."""
+    import gzip
+
+    body = orjson.dumps({"model": "stories", "prompt": "Hi", "max_tokens": 1})
+    post = b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json"
+    status, err = _raw(cluster, post + b"\r\nx-session-affinity: s\xe9ssion\r\nContent-Length: "
+                       + str(len(body)).encode(), body)  # fmt: skip
+    assert status == 400 and err["error"]["param"] == "x-session-affinity", err
+    for encoding in (b"gzip", b"deflate"):
+        status, err = _raw(cluster, post + b"\r\nContent-Encoding: " + encoding
+                           + f"\r\nContent-Length: {len(body)}".encode(), body)  # fmt: skip
+        assert status == 400 and err["error"]["code"] == "invalid_body", err
+    packed = gzip.compress(body)  # a valid one is read
+    status, err = _raw(cluster, post + f"\r\nContent-Encoding: gzip\r\nContent-Length: {len(packed)}"
+                       .encode(), packed)  # fmt: skip
+    assert status == 200, err
+    t0 = time.monotonic()
+    status, err = _raw(cluster, post + b"\r\nContent-Length: 99999999999")  # declared: at once
+    assert status == 413 and err["error"]["code"] == "request_too_large", err
+    status, err = _raw(cluster, post + b"\r\nContent-Length: 1000", body)  # 1000 promised
+    assert status == 408 and err["error"]["code"] == "request_timeout", err
+    assert time.monotonic() - t0 < 8
 
 
 def test_limits_auth_paths(cluster: Cluster) -> None:

@@ -283,6 +283,12 @@ def test_grammar_compiled_once_per_schema(stories: LLM) -> None:
         (StructuredOutputsParams(regex="a", choice=["a"]), "exactly one"),
         (StructuredOutputsParams(), "exactly one"),
         (StructuredOutputsParams(grammar="start: nope"), "nope"),
+        # the compiler's multi-line messages whole, on one line: what is wrong, not just where
+        (StructuredOutputsParams(regex="(a)\\1"), "backreferences are not supported"),
+        (StructuredOutputsParams(json={"type": "string", "pattern": "("}), "unclosed group"),
+        # nothing can satisfy these: refused, not answered with empty text that does not match
+        (StructuredOutputsParams(grammar="start: a\na: a"), "accepts no output"),
+        (StructuredOutputsParams(json={"$ref": "#"}), "accepts no output"),
     ],
 )
 def test_bad_constraints_are_refused(
