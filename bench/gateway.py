@@ -81,6 +81,8 @@ async def _one_direct(s: aiohttp.ClientSession, url: str, i: int) -> float:
                       headers={"x-edgeinfer-secret": SECRET}) as resp:  # fmt: skip
         resp.raise_for_status()
         async for line in resp.content:
+            if not line.strip():  # a keepalive
+                continue
             ev = orjson.loads(line)
             if ttft is None and ev["type"] == "delta" and ev["token_ids"]:
                 ttft = time.perf_counter() - t0

@@ -23,7 +23,9 @@ class GatewayConfig:
     registry_refresh_s: float = 0.5  # how often the worker list is re-read from Redis
     session_ttl_s: float = 1800.0  # a session placement expires after this long unused
     connect_timeout_s: float = 2.0  # to open a connection to a worker
-    worker_idle_timeout_s: float = 300.0  # longest silence on a worker's stream before failing it
+    # longest silence on a worker's stream before failing it (a worker sends a keepalive after
+    # each second of silence: a request that has not started streaming is then tried elsewhere)
+    worker_idle_timeout_s: float = 10.0
     max_attempts: int = 3  # workers tried per request before giving up (only before first byte)
     retry_after_s: float = 1.0  # Retry-After for 429/503
     routing: str = "cache-aware"  # "cache-aware" | "round-robin" (a baseline for benchmarks)
@@ -38,6 +40,11 @@ class GatewayConfig:
             raise ValueError("the workers' shared secret is required (--secret / EDGEINFER_SECRET)")
         if self.max_body_bytes < 1024:
             raise ValueError(f"max_body_bytes must be at least 1024, got {self.max_body_bytes}")
+        if self.worker_idle_timeout_s <= 1.0:
+            raise ValueError(
+                f"worker_idle_timeout_s must be above the workers' 1 s keepalive, got "
+                f"{self.worker_idle_timeout_s}"
+            )
         if self.body_timeout_s <= 0:
             raise ValueError(f"body_timeout_s must be positive, got {self.body_timeout_s}")
         if self.registry_refresh_s <= 0 or self.session_ttl_s <= 0:

@@ -419,6 +419,7 @@ class Proxy:
                 tail = b""
                 async for data in resp.content.iter_any():
                     *lines, tail = (tail + data).split(b"\n")
+                    lines = [line for line in lines if line]  # (blank: a keepalive)
                     if not lines:
                         continue
                     batch = [decode_event(line) for line in lines]

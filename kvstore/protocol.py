@@ -126,6 +126,13 @@ class ErrorEvent:
 Event = StartEvent | DeltaEvent | DoneEvent | ErrorEvent
 
 
+# A blank line: "still here" from a worker whose request has nothing new to say yet (queued,
+# prefilling, a long step). Readers skip it; a gateway fails a worker whose stream stays silent
+# past its idle timeout, so a hung worker process costs a retry, not a stalled request.
+KEEPALIVE = b"\n"
+KEEPALIVE_S = 1.0  # silence on a stream after which the worker sends one
+
+
 def encode_event(event: Event) -> bytes:
     """One NDJSON line."""
     return orjson.dumps(dataclasses.asdict(event)) + b"\n"

@@ -189,6 +189,7 @@ def cmd_gateway(args: argparse.Namespace) -> int:
         catalog_path=Path(args.regions),
         max_body_bytes=args.max_body_bytes,
         body_timeout_s=args.body_timeout,
+        worker_idle_timeout_s=args.worker_idle_timeout,
         routing=args.routing,
         disagg_min_tokens=args.disagg_min_tokens,
         hold_timeout_s=args.hold_timeout,
@@ -384,6 +385,10 @@ def add_service_commands(sub: argparse._SubParsersAction, engine_args) -> None: 
     )
     g.add_argument("--regions", default=str(DEFAULT_CATALOG), help="region catalog YAML")
     g.add_argument("--max-body-bytes", type=int, default=1 << 20)
+    g.add_argument("--worker-idle-timeout", type=float, default=10.0,
+                   help="seconds of silence (workers send a keepalive each second) after which a "
+                   "worker's stream is failed: a request not yet answered is retried on another "
+                   "worker, a streaming one ends with an error")  # fmt: skip
     g.add_argument("--body-timeout", type=float, default=30.0,
                    help="seconds a request's body has to arrive once its headers have (408)")  # fmt: skip
     g.add_argument(

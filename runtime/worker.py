@@ -38,6 +38,8 @@ from kvstore.client import connect, stop_task
 from kvstore.kv_transfer import KVTransferError, ServedPull
 from kvstore.prefix_index import CacheEventPublisher, PrefixIndex
 from kvstore.protocol import (
+    KEEPALIVE,
+    KEEPALIVE_S,
     SECRET_HEADER,
     DeltaEvent,
     DoneEvent,
@@ -354,11 +356,13 @@ async def _generate(request: web.Request) -> web.StreamResponse:
     generated, cached = 0, 0
     error: str | None = "client_gone"
     texts: list[str] = []
+    quiet = _Keepalive(resp)
     try:
         await resp.prepare(request)
         await resp.write(
             encode_event(StartEvent(req.request_id, worker.config.worker_id, n_prompt))
         )
+        quiet.start()
         done: set[int] = set()
         async for out in stream:
             cached = out.num_cached_tokens
@@ -372,6 +376,7 @@ async def _generate(request: web.Request) -> web.StreamResponse:
             if generated and not times.first_token:
                 times.first_token = time.monotonic()
             if lines:
+                quiet.wrote()
                 await resp.write(b"".join(lines))
             if out.finished:
                 texts = [o.text for o in out.outputs]
@@ -386,9 +391,39 @@ async def _generate(request: web.Request) -> web.StreamResponse:
     except ConnectionError:  # the gateway hung up (its client left): `finally` aborts it
         pass
     finally:
+        quiet.stop()
         stream.close()  # no-op when finished; frees the blocks when the client went away
         tel.finish(span, req, times, (n_prompt, generated, cached), error, texts or None)
     return resp
+
+
+class _Keepalive:
+    """Writes protocol.KEEPALIVE on a stream that has been silent for KEEPALIVE_S (a request
+    queued or prefilling), so that the gateway can tell a busy worker from a hung one."""
+
+    def __init__(self, resp: web.StreamResponse) -> None:
+        self._resp = resp
+        self._last = time.monotonic()
+        self._task: asyncio.Task[None] | None = None
+
+    def start(self) -> None:
+        self._last = time.monotonic()
+        self._task = asyncio.create_task(self._run())
+
+    def wrote(self) -> None:
+        self._last = time.monotonic()
+
+    def stop(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+
+    async def _run(self) -> None:
+        with contextlib.suppress(ConnectionError, RuntimeError):  # (the stream has ended)
+            while True:
+                await asyncio.sleep(max(0.05, self._last + KEEPALIVE_S - time.monotonic()))
+                if time.monotonic() - self._last >= KEEPALIVE_S:
+                    self._last = time.monotonic()
+                    await self._resp.write(KEEPALIVE)
 
 
 class _Refused(Exception):

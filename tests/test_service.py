@@ -57,7 +57,16 @@ class Cluster:
             root / "regions.yaml",
             root,
             "eu",
-            ["--api-key", API_KEY, "--max-body-bytes", "65536", "--body-timeout", "1"],
+            [
+                "--api-key",
+                API_KEY,
+                "--max-body-bytes",
+                "65536",
+                "--body-timeout",
+                "1",
+                "--worker-idle-timeout",
+                "3",
+            ],
         )
         wait_until(
             lambda: get_json(f"{self.gateway.url}/readyz")[1]["workers"] == 4, 30, "4 workers"
@@ -424,6 +433,62 @@ def _placement(cluster: Cluster, session: str) -> dict:  # type: ignore[type-arg
         return orjson.loads(r.get(f"ei:s:{{{session}}}"))
     finally:
         r.close()
+
+
+def test_a_queued_request_hears_keepalives(cluster: Cluster, tmp_path: Path) -> None:
+    """A request waiting its turn (one at a time here) is silent for seconds; the worker fills
+    the silence with blank lines, so a gateway does not take it for hung."""
+    import urllib.request
+    from concurrent.futures import ThreadPoolExecutor
+
+    worker = start_worker("queue1", cluster.model, cluster.redis.url, tmp_path, "eu",
+                          ["--max-num-seqs", "1"], served="stories-queue")  # fmt: skip
+
+    def stream(i: int, tokens: int) -> list[bytes]:
+        body = {"request_id": f"q-{i}", "model": "stories-queue", "prompt": "Once upon a time",
+                "sampling": {"max_tokens": tokens, "ignore_eos": True, "temperature": 0}}  # fmt: skip
+        req = urllib.request.Request(f"{worker.url}/internal/generate", data=orjson.dumps(body),
+                                     headers={"x-edgeinfer-secret": SECRET}, method="POST")  # fmt: skip
+        with urllib.request.urlopen(req, timeout=60) as resp:
+            return resp.read().split(b"\n")
+
+    try:
+        with ThreadPoolExecutor(7) as ex:
+            ahead = [ex.submit(stream, i, 500) for i in range(6)]  # one token a step, in turn
+            time.sleep(0.3)
+            queued = ex.submit(stream, 9, 2).result()
+            for f in ahead:
+                f.result()
+        events = [orjson.loads(line)["type"] if line else "" for line in queued]
+        start, delta = events.index("start"), events.index("delta")
+        assert "" in events[start:delta], events  # keepalives before its first token
+        assert events[-2:] == ["done", ""], events  # (the last split is after the final newline)
+    finally:
+        worker.stop()
+
+
+def test_a_hung_worker_costs_a_retry_not_a_stall(cluster: Cluster) -> None:
+    """A worker that stops answering (SIGSTOP: its port still accepts) is failed after the
+    gateway's idle timeout (3 s here) and the request, which had no token yet, goes elsewhere."""
+    raw = cluster.client.completions.with_raw_response.create(
+        model="stories", prompt="Hi", max_tokens=2, extra_headers={"x-session-affinity": "hung"}
+    )
+    first = raw.headers["x-edgeinfer-worker"]
+    hung = cluster.by_id(first)
+    hung.signal(signal.SIGSTOP)
+    try:
+        t0 = time.monotonic()
+        raw = cluster.client.completions.with_raw_response.create(
+            model="stories", prompt="Hi", max_tokens=2, extra_headers={"x-session-affinity": "hung"}
+        )
+        took = time.monotonic() - t0
+        assert raw.headers["x-edgeinfer-worker"] != first
+        assert raw.parse().choices[0].text
+        assert 2.5 <= took < 15, took  # the idle timeout, then another worker
+    finally:
+        hung.signal(signal.SIGCONT)
+    wait_until(lambda: get_json(f"{cluster.gateway.url}/readyz")[1]["workers"] >= 4, 20,
+               "the stopped worker back")  # fmt: skip
 
 
 def test_killed_worker_sessions_are_replaced(cluster: Cluster) -> None:
