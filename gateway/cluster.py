@@ -10,9 +10,9 @@ shows them heartbeating again after the failure.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import time
+import uuid
 from collections.abc import Callable
 
 from redis.asyncio import Redis
@@ -22,12 +22,16 @@ from gateway.regions import RegionCatalog
 from gateway.routing import Router
 from gateway.tokenization import GatewayTokenizers
 from kvstore.demand import Demand, PoolInfo
+from kvstore.keys import gateway_marker_key
 from kvstore.placement import Placement, SessionStore
 from kvstore.prefix_index import PrefixIndex
 from kvstore.protocol import WorkerInfo
 from kvstore.registry import Registry
 
 log = logging.getLogger("edgeinfer.gateway")
+
+CARRY_S = 10.0  # longest a worker lost by Redis is routed to without registering again
+MARKER_TTL_S = 3600  # a gateway's marker outlives any pause between its registry reads
 
 
 class ClusterView:
@@ -41,7 +45,10 @@ class ClusterView:
         self.prefix = PrefixIndex(redis)
         self.demand = Demand(redis)
         self.catalog = catalog
-        self.workers: list[WorkerInfo] = []  # last registry snapshot
+        self.workers: list[WorkerInfo] = []  # last registry snapshot (+ those carried)
+        # workers Redis lost (restart, outage) that have not registered again: until when kept
+        self._carried: dict[str, tuple[WorkerInfo, float]] = {}
+        self._marker_key = gateway_marker_key(f"gw-{config.region}-{uuid.uuid4().hex[:12]}")
         self.pools: list[PoolInfo] = []  # last snapshot of the pools that can start workers
         self._refreshing: asyncio.Task[None] | None = None  # the refresh waiters share
         self.on_redis: Callable[[str, float], None] = _ignore  # (operation, seconds) per call
@@ -58,16 +65,20 @@ class ClusterView:
         try:
             workers = await self.registry.workers()
             pools = await self.demand.pools()
+            # (None: the marker was gone, so Redis lost its data since the last read)
+            marker = await self.redis.set(self._marker_key, b"1", ex=MARKER_TTL_S, get=True)
             self.on_redis("registry_read", time.perf_counter() - t0)
         except Exception as e:  # connection refused, timeout, cluster errors
             if self.redis_ok:
                 log.warning("redis unreachable, routing on the last known registry: %s", e)
             self.redis_ok = False
             return
+        reset = not self.redis_ok or (marker is None and self.refreshed_at > 0)
         if not self.redis_ok:
             log.warning("redis reachable: %d workers registered", len(workers))
         self.redis_ok = True
         self.refreshed_at = time.monotonic()
+        workers = self._carry(workers, reset)
         self.workers = workers
         self.pools = pools
         self.seen_models.update(w.model for w in workers)
@@ -76,6 +87,23 @@ class ClusterView:
         for w in workers:
             if self.failed.get(w.worker_id, float("inf")) < w.updated_at - 1.0:
                 del self.failed[w.worker_id]
+
+    def _carry(self, workers: list[WorkerInfo], reset: bool) -> list[WorkerInfo]:
+        """The registry's workers, plus those of the last snapshot that it lost in an outage or
+        a restart of Redis (`reset`), for up to CARRY_S or until they register again: a worker
+        re-registers on its next heartbeat, and meanwhile requests would find no worker (503).
+        One that has really gone fails its requests (tried elsewhere) and is set aside."""
+        now = time.monotonic()
+        listed = {w.worker_id for w in workers}
+        if reset:
+            lost = [w for w in self.workers if w.worker_id not in listed]
+            if lost:
+                log.warning("redis lost %d worker entries (restart or outage): routing to them "
+                            "until they register again", len(lost))  # fmt: skip
+            self._carried |= {w.worker_id: (w, now + CARRY_S) for w in lost}
+        self._carried = {wid: (w, until) for wid, (w, until) in self._carried.items()
+                         if until > now and wid not in listed}  # fmt: skip
+        return workers + [w for w, _ in self._carried.values()]
 
     async def refresh_loop(self) -> None:
         while True:
@@ -111,22 +139,36 @@ class ClusterView:
 
     # ------------------------------------------------------------------ session placement
     async def placement(self, session_id: str) -> Placement | None:
-        """The session's worker, or None (also when Redis is down: affinity is best effort)."""
+        """The session's worker, or None (also when Redis is down: affinity is best effort).
+
+        Once a Redis call has failed, none is tried on a request's path until the refresh loop
+        (every registry_refresh_s) reaches Redis again: a Redis that hangs rather than refuses
+        would otherwise cost every session request its socket timeout."""
+        if not self.redis_ok:
+            return None
         try:
             return await self.sessions.get(session_id)
-        except Exception:
-            self.redis_ok = False
+        except Exception as e:
+            self._redis_failed(e)
             return None
 
     async def record(self, session_id: str, old: Placement | None, worker: WorkerInfo) -> None:
         new = Placement(worker.worker_id, worker.region)
-        if old is not None and old.worker_id == worker.worker_id:
+        if (old is not None and old.worker_id == worker.worker_id) or not self.redis_ok:
             return
-        with contextlib.suppress(Exception):
+        try:
             if old is None:
                 await self.sessions.claim(session_id, new)
             else:
                 await self.sessions.move(session_id, old.worker_id, new)
+        except Exception as e:
+            self._redis_failed(e)
+
+    def _redis_failed(self, e: Exception) -> None:
+        if self.redis_ok:
+            log.warning("redis failed on a request's path (%s): sessions and prefix lookups are "
+                        "skipped until it answers again", e)  # fmt: skip
+        self.redis_ok = False
 
     async def ping(self) -> bool:
         try:

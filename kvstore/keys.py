@@ -6,6 +6,8 @@ The part in braces is what a Redis Cluster hashes to pick a slot, so every key a
     ei:w:{<worker_id>}          hash: the worker's WorkerInfo, expires unless heartbeats renew it
     ei:m:{<model>}:workers      set: ids of the workers serving a model
     ei:s:{<session_id>}         string: the session's Placement (orjson), idle TTL
+    ei:g:{<gateway_id>}         string: a gateway's marker, renewed each registry read: when
+                                it is gone, Redis has lost its data (restart, flush)
     ei:models                   set: every model name that has had a worker
 
 Ids come from outside (headers, CLI flags), so they are checked: a `{` or `}` inside an id would
@@ -38,6 +40,11 @@ def worker_key(worker_id: str) -> str:
 def model_workers_key(model: str) -> str:
     """The set of ids of the workers serving `model`."""
     return f"{PREFIX}m:{{{check_id(model, 'model')}}}:workers"
+
+
+def gateway_marker_key(gateway_id: str) -> str:
+    """A gateway's marker (see the module docstring)."""
+    return f"{PREFIX}g:{{{check_id(gateway_id, 'gateway_id')}}}"
 
 
 def session_key(session_id: str) -> str:

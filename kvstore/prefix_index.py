@@ -217,6 +217,13 @@ class CacheEventPublisher:
                 self._held.add(h)
                 self._dirty.add(h)
 
+    def resync(self) -> None:
+        """Write every held block at the next flush: Redis has lost this worker's entries (its
+        registry entry had to be created again), and a worker whose cache does not change would
+        otherwise not notice until its next cache event or the periodic full sync."""
+        with self._lock:
+            self._full = True
+
     @property
     def held(self) -> set[bytes]:
         """A copy of the blocks the engine holds, per the recorded events."""

@@ -33,23 +33,28 @@ class Registry:
         self.redis = redis  # the process's shared client (kvstore.client.connect)
         self.ttl_s = ttl_s  # a worker not heard from for this long is gone
 
-    async def register(self, info: WorkerInfo) -> None:
+    async def register(self, info: WorkerInfo) -> bool:
         """Announce a worker; the same write as a heartbeat (a restart re-registers)."""
-        await self.heartbeat(info)
+        return await self.heartbeat(info)
 
-    async def heartbeat(self, info: WorkerInfo) -> None:
+    async def heartbeat(self, info: WorkerInfo) -> bool:
         """Write the worker's current state and push its expiry `ttl_s` into the future.
 
-        The caller sets `info.updated_at`; the registry stores the info as given.
+        The caller sets `info.updated_at`; the registry stores the info as given. Returns
+        whether the entry had to be created: on the first registration, and whenever Redis has
+        lost it since (a restart or flush, or an outage longer than the TTL), which tells the
+        worker to write again what else it keeps there.
         """
         key = worker_key(info.worker_id)
         pipe = self.redis.pipeline(transaction=False)
         # HSET and PEXPIRE go out in one write, so Redis runs both; the hash always carries a TTL.
+        pipe.exists(key)
         pipe.hset(key, mapping=info.to_redis())  # type: ignore[arg-type]
         pipe.pexpire(key, max(1, round(self.ttl_s * 1000)))
         pipe.sadd(model_workers_key(info.model), info.worker_id)
         pipe.sadd(MODELS_KEY, info.model)
-        await pipe.execute()
+        existed, *_ = await pipe.execute()
+        return not existed
 
     async def deregister(self, worker_id: str, model: str) -> None:
         """Remove a worker at once (clean shutdown), instead of waiting for its TTL."""

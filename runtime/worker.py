@@ -134,6 +134,8 @@ class Worker:
         self._registry: Registry | None = None
         self._redis: Redis | None = None
         self._tokenizer_published = False
+        self._registered = False  # a heartbeat has written the registry entry once
+        self.publisher: CacheEventPublisher | None = None  # the prefix cache's events to Redis
         self._redis_ok = True
         self.kv_server = export_server(llm, config.secret, config.kv_hold_s, self._served)
         self.importer = KVImporter(llm, config.secret, self.telemetry)
@@ -195,7 +197,14 @@ class Worker:
                     self._redis, self.config.model_name, engine.cache_id, Path(engine.config.model)
                 )
                 self._tokenizer_published = True
-            await self._registry.heartbeat(self.info())
+            created = await self._registry.heartbeat(self.info())
+            if created and self._registered:  # Redis lost our entry: lost the rest too?
+                log.warning("registry entry was gone (Redis restarted or flushed?): "
+                            "publishing the tokenizer and the prefix cache's blocks again")  # fmt: skip
+                self._tokenizer_published = False  # (a write only where the bundle is missing)
+                if self.publisher is not None:
+                    self.publisher.resync()
+            self._registered = True
         except Exception as e:  # redis errors, timeouts, connection refused
             if self._redis_ok:
                 log.warning("redis unreachable, serving on unregistered: %s", e)
@@ -614,7 +623,7 @@ async def _registration(app: web.Application) -> AsyncIterator[None]:
     redis = connect(worker.config.redis_url)
     worker._redis = redis
     worker._registry = Registry(redis, ttl_s=worker.config.ttl_s)
-    publisher = CacheEventPublisher(
+    publisher = worker.publisher = CacheEventPublisher(
         PrefixIndex(redis), worker.config.model_name, worker.config.worker_id
     )
     worker.llm.set_cache_listener(publisher.record)
