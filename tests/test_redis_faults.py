@@ -8,6 +8,8 @@ prefix cache's blocks again without waiting for traffic.
 from __future__ import annotations
 
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import openai
@@ -15,7 +17,7 @@ import pytest
 import redis
 
 from kvstore.redis_server import LocalRedis
-from tests.stack import get_json, start_gateway, start_worker, wait_until
+from tests.stack import Proc, get_json, start_gateway, start_worker, wait_until
 
 CATALOG = "regions:\n  - {name: local, latitude: 50.11, longitude: 8.68, settings: {}}\n"
 PROMPT = "Once upon a time, there was a little girl named Lily. She loved to play outside. " * 3
@@ -29,17 +31,27 @@ def _keys(url: str, pattern: str) -> int:
         r.close()
 
 
-def test_an_emptied_redis_costs_no_request(tmp_path: Path, stories_dir: Path) -> None:
+@contextmanager
+def _stack(tmp_path: Path, stories_dir: Path) -> Iterator[tuple[LocalRedis, Proc, openai.OpenAI]]:
+    """Redis, one worker heartbeating every 2 s (the default: the window in which an emptied
+    registry lists no worker), a gateway, and a client of it."""
     server = LocalRedis().start()
     (tmp_path / "regions.yaml").write_text(CATALOG)
-    # heartbeats every 2 s (the default): the window in which the registry is empty
     worker = start_worker("w1", stories_dir, server.url, tmp_path, "local",
                           ["--heartbeat", "2", "--ttl", "10"])  # fmt: skip
     gateway = start_gateway("gw", server.url, tmp_path / "regions.yaml", tmp_path, "local")
     try:
         wait_until(lambda: get_json(f"{gateway.url}/readyz")[1]["workers"] == 1, 30, "worker")
-        client = openai.OpenAI(base_url=f"{gateway.url}/v1", api_key="x", max_retries=0,
-                               timeout=30)  # fmt: skip
+        yield server, worker, openai.OpenAI(base_url=f"{gateway.url}/v1", api_key="x",
+                                            max_retries=0, timeout=30)  # fmt: skip
+    finally:
+        gateway.stop()
+        worker.stop()
+        server.stop()
+
+
+def test_an_emptied_redis_costs_no_request(tmp_path: Path, stories_dir: Path) -> None:
+    with _stack(tmp_path, stories_dir) as (server, worker, client):
         client.completions.create(model="stories", prompt=PROMPT, max_tokens=2)
         wait_until(lambda: _keys(server.url, "ei:p:{stories}:*") > 0, 10, "prefix entries")
         assert _keys(server.url, "ei:tok:{stories}:*") == 1
@@ -57,24 +69,12 @@ def test_an_emptied_redis_costs_no_request(tmp_path: Path, stories_dir: Path) ->
         wait_until(lambda: _keys(server.url, "ei:tok:{stories}:*") == 1, 10, "tokenizer bundle")
         wait_until(lambda: _keys(server.url, "ei:p:{stories}:*") > 0, 10, "prefix entries")
         assert worker.alive()
-    finally:
-        gateway.stop()
-        worker.stop()
-        server.stop()
 
 
 @pytest.mark.parametrize("down_s", [1.5])
 def test_a_redis_outage_keeps_serving(tmp_path: Path, stories_dir: Path, down_s: float) -> None:
     """Redis down for a while, then back empty: requests keep being answered throughout."""
-    server = LocalRedis().start()
-    (tmp_path / "regions.yaml").write_text(CATALOG)
-    worker = start_worker("w1", stories_dir, server.url, tmp_path, "local",
-                          ["--heartbeat", "2", "--ttl", "10"])  # fmt: skip
-    gateway = start_gateway("gw", server.url, tmp_path / "regions.yaml", tmp_path, "local")
-    try:
-        wait_until(lambda: get_json(f"{gateway.url}/readyz")[1]["workers"] == 1, 30, "worker")
-        client = openai.OpenAI(base_url=f"{gateway.url}/v1", api_key="x", max_retries=0,
-                               timeout=30)  # fmt: skip
+    with _stack(tmp_path, stories_dir) as (server, worker, client):
         server.stop()
         t0 = time.monotonic()
         while time.monotonic() - t0 < down_s:
@@ -85,7 +85,3 @@ def test_a_redis_outage_keeps_serving(tmp_path: Path, stories_dir: Path, down_s:
             assert client.completions.create(model="stories", prompt="Hi", max_tokens=1).choices
             time.sleep(0.05)
         assert worker.alive()
-    finally:
-        gateway.stop()
-        worker.stop()
-        server.stop()
