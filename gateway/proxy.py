@@ -49,6 +49,7 @@ log = logging.getLogger("edgeinfer.gateway")
 SESSION_HEADER = "x-session-affinity"
 MAX_SESSION_ID = 256
 HOLD_POLL_S = 0.05  # how often a request waiting for a starting worker looks for it
+KV_PULL_IDLE_S = 300.0  # a decode worker's longest wait on a prefill worker (kvstore.kv_transfer)
 Parser = Callable[..., tuple[GenerateRequest, RequestOptions]]
 
 
@@ -401,10 +402,13 @@ class Proxy:
         Its span (gateway.forward) lasts until the worker's stream ends."""
         gen = call.gen
         assert gen is not None
+        # A decode worker answers a disaggregated request only once it has pulled the prompt's
+        # KV, which waits for the prefill worker's prefill (the pull's own idle limit bounds it)
+        idle = self.config.worker_idle_timeout_s
         timeout = aiohttp.ClientTimeout(
             total=None,
             sock_connect=self.config.connect_timeout_s,
-            sock_read=self.config.worker_idle_timeout_s,
+            sock_read=idle if gen.kv_source is None else max(idle, KV_PULL_IDLE_S),
         )
         headers = {SECRET_HEADER: self.config.worker_secret, "Content-Type": "application/json"}
         span = self.tel.forward(call, worker.worker_id, headers)
