@@ -510,7 +510,11 @@ class Proxy:
                 self.view.mark_failed(call.worker.worker_id)
             log.warning("request %s: worker failed mid-stream: %s", call.request_id, e)
             self._stream_failed(call, e.error)
-            await _send_quietly(resp, sse(error_chunk(e.error.message)) + SSE_DONE)
+            # the client's own words: the worker's id and the aiohttp error stay in the log
+            why = "it stopped answering" if e.dead else e.error.message
+            chunk = error_chunk(f"the worker serving this request failed after the stream began "
+                                f"({why}); retry the request", e.error.code or "worker_failed")  # fmt: skip
+            await _send_quietly(resp, sse(chunk) + SSE_DONE)
             return resp
         except APIError as e:  # the worker's stream broke the protocol after the first byte
             log.warning("request %s: %s", call.request_id, e.message)
