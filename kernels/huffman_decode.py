@@ -34,8 +34,6 @@ from typing import NoReturn
 
 import numpy as np
 import torch
-import triton
-import triton.language as tl
 
 CODE_BITS = 12  # longest code: the decode table has 4096 entries (32 KiB, in L1)
 TABLE_SIZE = 1 << CODE_BITS
@@ -210,57 +208,13 @@ def _corrupt(chunk: int) -> NoReturn:
 
 
 # ---------------------------------------------------------------------------------------------
-# The Triton kernel: BLOCK chunks per program, one per lane
+# The Triton kernel (kernels/huffman_decode_triton.py): BLOCK chunks per program, one per lane
 #
 # Not yet run on a GPU (none was available when it was written): tested under TRITON_INTERPRET=1
 # against the CPU decoder, and compiled for sm_90. Expect it to be latency-bound at the default
 # 4096 values per chunk: a 4096 x 4096 matrix is only 4096 lanes, each making ~1200 dependent
 # table lookups, far from filling an H100; files written with a smaller --chunk-elems give
 # more lanes, for more offsets: 0.05% of the bfloat16 size at 4096 values a chunk, 0.8% at 256.
-
-
-@triton.jit
-def _huffman_decode_kernel(
-    table_ptr,  # (TABLE_SIZE,) int64
-    offsets_ptr,  # (n_chunks + 1,) int32
-    sm_ptr,  # (n,) uint8
-    bits_ptr,  # (nbytes,) uint8
-    out_ptr,  # (n,) int16
-    used_ptr,  # (n_chunks,) int64: bits each chunk consumed, for the corruption check
-    n,
-    nbytes,
-    n_chunks,
-    CHUNK: tl.constexpr,
-    BLOCK: tl.constexpr,
-):
-    c = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
-    live = c < n_chunks
-    start = c.to(tl.int64) * CHUNK
-    length = tl.where(live, tl.minimum(n - start, CHUNK), 0)
-    base = tl.load(offsets_ptr + c, mask=live, other=0).to(tl.int64)
-    pos = tl.zeros([BLOCK], dtype=tl.int64)
-    done = tl.zeros([BLOCK], dtype=tl.int64)
-    while tl.max(length - done, axis=0) > 0:
-        active = done < length
-        byte = base + (pos >> 3)
-        b0 = tl.load(bits_ptr + byte, mask=active & (byte < nbytes), other=0).to(tl.int32)
-        b1 = tl.load(bits_ptr + byte + 1, mask=active & (byte + 1 < nbytes), other=0).to(tl.int32)
-        b2 = tl.load(bits_ptr + byte + 2, mask=active & (byte + 2 < nbytes), other=0).to(tl.int32)
-        shift = 12 - (pos & 7).to(tl.int32)
-        window = ((((b0 << 16) | (b1 << 8) | b2) >> shift) & 4095).to(tl.int64)
-        t = tl.load(table_ptr + window, mask=active, other=0)
-        whole = ((t >> 32) & 0xFF) <= length - done
-        take = tl.where(active, tl.where(whole, (t >> 32) & 0xFF, 1), 0)
-        for j in tl.static_range(4):
-            ok = j < take
-            k = start + done + j
-            e = ((t >> (8 * j)) & 0xFF).to(tl.int32)
-            s = tl.load(sm_ptr + k, mask=ok, other=0).to(tl.int32)
-            v = ((s & 0x80) << 8) | (e << 7) | (s & 0x7F)
-            tl.store(out_ptr + k, v.to(tl.int16), mask=ok)
-        pos += tl.where(active, tl.where(whole, (t >> 40) & 0xFF, (t >> 48) & 0xFF), 0)
-        done += take
-    tl.store(used_ptr + c, pos, mask=live)
 
 
 def decode_triton(
@@ -274,9 +228,12 @@ def decode_triton(
     out = torch.empty(n, dtype=torch.bfloat16, device=coded.sm.device) if out is None else out
     if n == 0:
         return out
+    # Triton only here: the CPU path (every load on a machine without a GPU) never imports it
+    from kernels.huffman_decode_triton import huffman_decode_kernel
+
     used = torch.empty(coded.num_chunks, dtype=torch.int64, device=coded.sm.device)
-    grid = (triton.cdiv(coded.num_chunks, block),)
-    _huffman_decode_kernel[grid](
+    grid = (-(-coded.num_chunks // block),)
+    huffman_decode_kernel[grid](
         coded.table,
         coded.offsets,
         coded.sm,

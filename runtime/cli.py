@@ -462,10 +462,16 @@ def main(argv: list[str] | None = None) -> int:
         from runtime.sampling_params import InvalidRequestError
 
         # ValueError: a setting that fails its config's check (each names the setting)
-        if not isinstance(e, (ModelLoadError, InvalidRequestError, FileNotFoundError, ValueError)):
-            raise
-        print(f"edgeinfer: error: {e}", file=sys.stderr)
-        return 2
+        if isinstance(e, (ModelLoadError, InvalidRequestError, FileNotFoundError, ValueError)):
+            print(f"edgeinfer: error: {e}", file=sys.stderr)
+            return 2
+        import redis.exceptions
+
+        if isinstance(e, (redis.exceptions.ConnectionError, redis.exceptions.TimeoutError)):
+            print(f"edgeinfer: error: cannot reach Redis ({e}); give its URL with --redis or "
+                  "EDGEINFER_REDIS", file=sys.stderr)  # fmt: skip
+            return 2
+        raise
 
 
 if __name__ == "__main__":

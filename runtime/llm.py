@@ -26,9 +26,15 @@ class LLM:
     def __init__(
         self, model: str | Path, *, weights: PendingLoad | None = None, **engine_args: Any
     ):
-        """`engine_args`: EngineConfig's fields. `weights`: the load of `model` that the caller
-        started already (`runtime.loader.start_load(model, dtype)`, before its heavier imports,
-        as `edgeinfer generate` does); by default the engine starts it."""
+        """`model`: a model folder, or the name of a model in the model store (`edgeinfer
+        models`; the default model, SmolLM2-135M-Instruct, is imported on first use), as
+        `--model` takes. `engine_args`: EngineConfig's fields. `weights`: the load of `model`
+        that the caller started already (`runtime.loader.start_load(model, dtype)`, before its
+        heavier imports, as `edgeinfer generate` does); by default the engine starts it."""
+        if weights is None and not Path(model).expanduser().is_dir():
+            from runtime.cli import _model_dir
+
+            model = _model_dir(str(model))  # a store name; else an error naming what is there
         self.engine = LLMEngine(EngineConfig(model=str(model), **engine_args), weights)
         self.tokenizer = self.engine.tokenizer
 

@@ -400,12 +400,12 @@ print("ok")
 def test_triton_kernel_compiles_for_hopper() -> None:
     """No GPU here: compile the kernel to a cubin for sm_90 (H100/H200) with Triton's own ptxas,
     which catches what the interpreter does not (types, the data-dependent while loop)."""
-    from kernels.huffman_decode import _huffman_decode_kernel
+    from kernels.huffman_decode_triton import huffman_decode_kernel
 
     sig = {"table_ptr": "*i64", "offsets_ptr": "*i32", "sm_ptr": "*u8", "bits_ptr": "*u8",
            "out_ptr": "*i16", "used_ptr": "*i64", "n": "i64", "nbytes": "i64", "n_chunks": "i32",
            "CHUNK": "constexpr", "BLOCK": "constexpr"}  # fmt: skip
-    compile_for_hopper(_huffman_decode_kernel, sig, {"CHUNK": 4096, "BLOCK": 64}, num_warps=2)
+    compile_for_hopper(huffman_decode_kernel, sig, {"CHUNK": 4096, "BLOCK": 64}, num_warps=2)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -4,6 +4,7 @@ official `openai` client."""
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 import time
@@ -115,6 +116,21 @@ def _events(redis_url: str) -> list[str]:
         cwd=ROOT, capture_output=True, text=True, timeout=60, check=True,
     )  # fmt: skip
     return out.stdout.splitlines()
+
+
+def test_commands_without_redis_say_so_in_one_line() -> None:
+    from kvstore.redis_server import find_free_port
+
+    nowhere = f"redis://127.0.0.1:{find_free_port()}/0"
+    for args in (["pool", "--events", "5"], ["rebalance", "--model", "m", "--prefill", "1"]):
+        out = subprocess.run(
+            [sys.executable, "-m", "runtime.cli", *args, "--redis", nowhere, "--region", "r"],
+            cwd=ROOT, capture_output=True, text=True, timeout=60,
+            env={**os.environ, "EDGEINFER_SECRET": "s"},
+        )  # fmt: skip
+        assert out.returncode == 2, out
+        assert "edgeinfer: error: cannot reach Redis" in out.stderr, out.stderr
+        assert "Traceback" not in out.stderr
 
 
 @pytest.fixture
