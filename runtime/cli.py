@@ -51,7 +51,8 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
         help="model folder, or the name of a model in the store (edgeinfer models); default: "
         "SmolLM2-135M-Instruct, imported on first use",
     )
-    p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
+    p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
+                   help="the dtype to run in (default auto: the checkpoint's; bfloat16 on CUDA)")  # fmt: skip
     p.add_argument("--weight-dtype", default="auto", choices=["auto", "bfloat16"],
                    help="store the linear weights, embedding and LM head in bfloat16 under "
                    "--dtype float32 on the CPU: half the bytes a decode step reads, float32 "
@@ -72,9 +73,12 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
                    "bfloat16 under a float32 model on the CPU (twice the tokens in the same "
                    "memory, half the bytes decode attention reads; keys and values rounded to "
                    "bfloat16 when written)")  # fmt: skip
-    p.add_argument("--max-num-seqs", type=int, default=128)
-    p.add_argument("--max-num-batched-tokens", type=int, default=2048)
-    p.add_argument("--max-model-len", type=int, default=None)
+    p.add_argument("--max-num-seqs", type=int, default=128,
+                   help="requests in one batch at most (default 128)")  # fmt: skip
+    p.add_argument("--max-num-batched-tokens", type=int, default=2048,
+                   help="tokens in one step at most: prompt chunks + decodes (default 2048)")  # fmt: skip
+    p.add_argument("--max-model-len", type=int, default=None,
+                   help="context length (default: the model's)")  # fmt: skip
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads")
     p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"],
                    help="auto: CUDA when torch sees a GPU (bfloat16 weights, Triton kernels), "
@@ -112,12 +116,16 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
 
 
 def _sampling_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--max-tokens", type=int, default=128)
-    p.add_argument("--temperature", type=float, default=0.0)
-    p.add_argument("--top-p", type=float, default=1.0)
-    p.add_argument("--top-k", type=int, default=-1)
-    p.add_argument("--min-p", type=float, default=0.0)
-    p.add_argument("--seed", type=int, default=None)
+    p.add_argument("--max-tokens", type=int, default=128, help="tokens to generate at most "
+                   "(default 128)")  # fmt: skip
+    p.add_argument("--temperature", type=float, default=0.0,
+                   help="0 (the default) is greedy; higher samples more freely")  # fmt: skip
+    p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling (default 1: off)")
+    p.add_argument("--top-k", type=int, default=-1, help="sample among the k likeliest tokens "
+                   "(default -1: off)")  # fmt: skip
+    p.add_argument("--min-p", type=float, default=0.0,
+                   help="drop tokens below this share of the likeliest one (default 0: off)")  # fmt: skip
+    p.add_argument("--seed", type=int, default=None, help="seed a sampled run (reproducible)")
     p.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
 
 
@@ -325,7 +333,7 @@ def cmd_verify(args: argparse.Namespace) -> int:
         return 1
     manifest = read_manifest(store.resolve(args.name))
     shards = len(manifest.shards) if manifest else 0
-    print(f"{args.name}: {shards} shards, every checksum matches")
+    print(f"{args.name}: {shards} shard{'s' if shards != 1 else ''}, every checksum matches")
     return 0
 
 
@@ -386,9 +394,12 @@ def build_parser() -> argparse.ArgumentParser:
     c.set_defaults(func=cmd_chat, temperature=0.0)
 
     i = sub.add_parser("import-gguf", help="convert a GGUF file into a Hugging Face model folder")
-    i.add_argument("file")
-    i.add_argument("out_dir")
-    i.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    i.add_argument("file", help="the .gguf file (Llama architecture; F32, F16, Q8_0, Q4_0, "
+                   "Q4_1, Q4_K, Q6_K and more, dequantized with the gguf package)")  # fmt: skip
+    i.add_argument("out_dir", help="the folder to write (safetensors shards, tokenizer.json, "
+                   "chat template); it must not exist yet, or be empty")  # fmt: skip
+    i.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"],
+                   help="the weights' dtype in the folder (default float32: exact)")  # fmt: skip
     i.set_defaults(func=cmd_import_gguf)
 
     pl = sub.add_parser(

@@ -187,7 +187,7 @@ class Pool:
         self.demand = Demand(redis)
         self.registry = Registry(redis)
         waker = Demand(blocking)
-        log.warning(
+        log.info(
             "pool %s: region %s, models %s, %d-%d workers per model, %d at most, idle stop %.0fs",
             cfg.pool_id, cfg.region, ", ".join(cfg.models), cfg.min_workers, cfg.max_workers,
             cfg.max_workers, cfg.idle_s,
@@ -269,7 +269,7 @@ class Pool:
         m = Managed(worker_id, model, port, proc, t0)
         self.managed[worker_id] = m
         self._spawn(self._pipe_output(m))
-        log.warning("start %s for %s (%s): pid %d (%s), port %d", worker_id, model, why, proc.pid,
+        log.info("start %s for %s (%s): pid %d (%s), port %d", worker_id, model, why, proc.pid,
                     how, port)  # fmt: skip
         await self._record("start", m, reason=why, pid=proc.pid, port=port, spawn=how)
         await self._status(model, ModelStatus("starting", cfg.pool_id))
@@ -286,7 +286,7 @@ class Pool:
             log.warning("worker template: %s; workers start as fresh processes", e)
             raise
         pid = zygote.proc.pid if zygote.proc else 0
-        log.warning("worker template ready (pid %d, imports %.2fs): workers are forked from it",
+        log.info("worker template ready (pid %d, imports %.2fs): workers are forked from it",
                     pid, zygote.imports_s)  # fmt: skip
         return zygote
 
@@ -347,7 +347,7 @@ class Pool:
                 m.ready = now
                 state = self.states[m.model]
                 state.failures, state.retry_at = 0, 0.0
-                log.warning("ready %s in %.2fs", m.worker_id, now - m.started)
+                log.info("ready %s in %.2fs", m.worker_id, now - m.started)
                 await self._record("ready", m, ready_s=f"{now - m.started:.3f}")
                 await self._release_start(m.model)
                 await self._status(m.model, ModelStatus("ready", cfg.pool_id))
@@ -361,7 +361,7 @@ class Pool:
                 if m.stopping:
                     if not m.ready:  # stopped mid-start (the pool shuts down)
                         await self._release_start(m.model)
-                    log.warning("stopped %s in %.2fs", m.worker_id, now - m.stopping)
+                    log.info("stopped %s in %.2fs", m.worker_id, now - m.stopping)
                     await self._record("stop", m, stop_s=f"{now - m.stopping:.3f}", code=code)
                 elif not m.ready:
                     m.tail.append(f"exited with code {code} before registering")
@@ -399,7 +399,7 @@ class Pool:
         m.stopping = time.monotonic()
         with contextlib.suppress(ProcessLookupError):
             m.proc.send_signal(signal.SIGTERM)
-        log.warning("stopping %s (%s)", m.worker_id, why)
+        log.info("stopping %s (%s)", m.worker_id, why)
         await self._record("stopping", m, reason=why,
                            served_s=f"{m.stopping - (m.ready or m.started):.1f}")  # fmt: skip
 
