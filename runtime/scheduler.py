@@ -174,15 +174,19 @@ class Scheduler:
             if len(running) >= seats:
                 break
             req = self.waiting[0]
-            if not self.blocks.block_table(req.request_id):
+            held = bool(self.blocks.block_table(req.request_id))  # a KV import's blocks
+            if not held:
                 # new, or preempted: start from the longest cached prefix of its tokens
                 req.num_computed_tokens = self.blocks.match_prefix(
                     req.request_id, req.all_token_ids
                 )
             n = min(req.num_tokens - req.num_computed_tokens, budget)
             if self.blocks.allocate(req.request_id, req.num_computed_tokens + n) is None:
-                self.blocks.free(req.request_id)  # the cached blocks stay cached
-                req.num_computed_tokens = 0
+                if not held:
+                    self.blocks.free(req.request_id)  # the cached blocks stay cached
+                    req.num_computed_tokens = 0
+                if not self.running and self._unblock(budget):
+                    continue  # nothing runs that would free blocks: room made, or another first
                 break
             if req.num_cached_tokens < 0:  # first admission: what usage reports
                 req.num_cached_tokens = req.num_computed_tokens
@@ -197,6 +201,28 @@ class Scheduler:
             budget -= n
         out.num_batched_tokens = self.max_num_batched_tokens - budget
         return out
+
+    def _unblock(self, budget: int) -> bool:
+        """Nothing runs, and the head of the queue cannot get blocks: waiting requests hold them
+        (KV imports, admitted with their prompt's blocks), and no step would ever free one. Put
+        first a waiting holder that can take its next tokens now; if none can, preempt the
+        newest holder (its blocks freed, its prompt recomputed when its turn comes). Returns
+        whether anything changed (False: no waiting request holds a block)."""
+        holders = [r for r in self.waiting if self.blocks.block_table(r.request_id)]
+        for r in holders:
+            n = min(r.num_tokens - r.num_computed_tokens, budget)
+            if self.blocks.can_allocate(r.request_id, r.num_computed_tokens + n):
+                self.waiting.remove(r)
+                self.waiting.appendleft(r)
+                return True
+        if not holders:
+            return False
+        victim = holders[-1]
+        self.blocks.free(victim.request_id)
+        victim.num_computed_tokens = 0
+        victim.num_preemptions += 1
+        self.num_preemptions += 1
+        return True
 
     def _preempt(self, req: Request) -> None:
         self.running.remove(req)

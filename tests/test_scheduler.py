@@ -214,3 +214,35 @@ def test_lanes_preempt_only_within_the_lane() -> None:
     assert out0.preempted == ["r1"]
     assert plan(out0) == {"r0": 1}
     assert {r.request_id for r in s.running} == {"r0", "r2"}
+
+
+def _import(s: Scheduler, rid: str, prompt_len: int, max_tokens: int = 8) -> Request:
+    """A request queued as runtime.engine.commit_import queues a KV import: admitted
+    holding its prompt's blocks, all but the last prompt token computed."""
+    r = req(rid, prompt_len, max_tokens)
+    assert s.blocks.allocate(rid, prompt_len - 1) is not None
+    s.blocks.commit(rid, r.all_token_ids[: prompt_len - 1])
+    r.num_computed_tokens = prompt_len - 1
+    s.add(r)
+    return r
+
+
+def test_waiting_imports_holding_every_block_do_not_deadlock() -> None:
+    """Nothing runs, every block is held by waiting KV imports, and each needs one more block
+    for its next token (and the plain request at the head needs three): a step must still come.
+    Once a decode worker's cache filled with imports, it served nothing until clients left."""
+    s = sched(num_blocks=8, block_size=4, seqs=8, budget=32)
+    first = req("plain", 12, max_tokens=4)
+    s.add(first)
+    imports = [_import(s, f"imp{i}", 9, max_tokens=4) for i in range(4)]  # 2 blocks each: all 8
+    assert s.blocks.num_free_blocks == 0
+    finished: set[str] = set()
+    for _ in range(200):
+        out = s.schedule()
+        if out.empty:
+            break
+        sample_all(s, out)
+        finished |= {r.request_id for r in [first, *imports] if r.status.name.startswith("FIN")}
+    assert finished == {"plain", "imp0", "imp1", "imp2", "imp3"}, finished
+    assert not s.has_unfinished() and s.blocks.num_free_blocks == 8
+    assert s.num_preemptions >= 1  # an import gave its blocks back, and recomputed its prompt
