@@ -149,7 +149,10 @@ def decide(
     can_start = room > 0 and not starting and now >= state.retry_at
     if can_start and len(active) < cfg.min_workers:
         return Decision(start=True, why=f"below the minimum of {cfg.min_workers}")
-    if can_start and not serving and state.wanted_at > state.settled_at:
+    # (our own ready workers count even when the registry does not list them: Redis restarted)
+    if can_start and not serving and not any(m.ready for m in active) and (
+        state.wanted_at > state.settled_at
+    ):
         return Decision(start=True, why=f"scale from zero ({waiting} waiting)")
     if can_start and state.queueing_since and now - state.queueing_since >= cfg.scale_up_after_s:
         state.queueing_since = now  # the next one only after another full period of queueing
@@ -236,7 +239,8 @@ class Pool:
         now, wall = time.monotonic(), time.time()
         registered = [w for w in await self.registry.workers() if w.region == cfg.region]
         ids = {w.worker_id for w in registered}
-        await self._reap(ids, now)
+        exited = await self._reap(ids, now)
+        registered = [w for w in registered if w.worker_id not in exited]
         for model, state in self.states.items():
             ours = [m for m in self.managed.values() if m.model == model]
             waiting = await self.demand.waiting(model, cfg.region)
@@ -338,9 +342,13 @@ class Pool:
         if pending:
             m.tail.append(pending.decode(errors="replace")[:4000])
 
-    async def _reap(self, registered: set[str], now: float) -> None:
-        """Notice workers that registered, exited, or overran the ready timeout."""
+    async def _reap(self, registered: set[str], now: float) -> set[str]:
+        """Notice workers that registered, exited, or overran the ready timeout; returns the
+        ids of those that exited. One that died (not asked to stop) leaves the registry now,
+        not when its entry expires: gateways stop sending it requests, and a replacement can
+        start on this tick."""
         cfg = self.cfg
+        exited: set[str] = set()
         for m in list(self.managed.values()):
             code = m.proc.returncode
             if code is None and not m.ready and m.worker_id in registered:
@@ -358,6 +366,7 @@ class Pool:
                 await self._failed(m, now)
             elif code is not None:
                 del self.managed[m.worker_id]
+                exited.add(m.worker_id)
                 if m.stopping:
                     if not m.ready:  # stopped mid-start (the pool shuts down)
                         await self._release_start(m.model)
@@ -369,6 +378,9 @@ class Pool:
                 else:
                     log.warning("worker %s exited with code %s", m.worker_id, code)
                     await self._record("exit", m, code=code)
+                    with contextlib.suppress(Exception):
+                        await self.registry.deregister(m.worker_id, m.model)
+        return exited
 
     async def _release_start(self, model: str) -> None:
         with contextlib.suppress(Exception):

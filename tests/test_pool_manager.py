@@ -55,6 +55,9 @@ def test_decide_scales_from_zero_only_when_asked() -> None:
     assert not decide(cfg, state, starting, [], waiting=5, room=2, now=7.0, wall=7.0).start
     # no room left in the pool
     assert not decide(cfg, ModelState(), [], [], waiting=1, room=0, now=1.0, wall=1.0).start
+    # our worker is up but the registry lists nothing (Redis restarted empty): no second start
+    up = [_managed("w1", ready=6.5)]
+    assert not decide(cfg, state, up, [], waiting=0, room=2, now=8.0, wall=8.0).start
 
 
 def test_decide_backs_off_after_a_failed_start() -> None:
@@ -252,3 +255,30 @@ def test_one_start_claim_per_model_and_region(redis_server) -> None:  # type: ig
             await r.aclose()
 
     asyncio.run(run())
+
+
+def test_a_worker_that_dies_leaves_the_registry_at_once(redis_server) -> None:  # type: ignore[no-untyped-def]
+    """A pool's worker that exits unasked is removed from the registry when the pool notices,
+    not when its entry expires: gateways stop routing to it and a replacement can start."""
+    import asyncio
+
+    from kvstore.client import connect
+    from kvstore.demand import Demand
+    from kvstore.registry import Registry
+    from runtime.pool_manager import Pool
+
+    async def main() -> None:
+        redis_ = connect(redis_server.url)
+        registry = Registry(redis_, ttl_s=60.0)
+        await registry.register(_info("p-w1", region="r", updated_at=time.time()))
+        pool = Pool(_cfg(redis_url=redis_server.url))
+        pool.registry, pool.demand = registry, Demand(redis_)
+        proc = await asyncio.create_subprocess_exec(sys.executable, "-c", "raise SystemExit(3)")
+        await proc.wait()  # died on its own
+        pool.managed["p-w1"] = Managed("p-w1", "m", 0, proc, started=0.0, ready=1.0)
+        exited = await pool._reap({"p-w1"}, time.monotonic())
+        assert exited == {"p-w1"} and "p-w1" not in pool.managed
+        assert [w.worker_id for w in await registry.workers()] == []
+        await redis_.aclose()
+
+    asyncio.run(main())
