@@ -49,7 +49,10 @@ log = logging.getLogger("edgeinfer.gateway")
 SESSION_HEADER = "x-session-affinity"
 MAX_SESSION_ID = 256
 HOLD_POLL_S = 0.05  # how often a request waiting for a starting worker looks for it
-KV_PULL_IDLE_S = 300.0  # a decode worker's longest wait on a prefill worker (kvstore.kv_transfer)
+# A disaggregated attempt's idle limit: its decode worker answers only once it has pulled the
+# prompt's KV, however long a pull that progresses takes (a silent prefill worker fails the pull
+# after kvstore.kv_transfer.PULL_IDLE_S, and the decode worker then answers 502)
+KV_PULL_IDLE_S = 300.0
 Parser = Callable[..., tuple[GenerateRequest, RequestOptions]]
 
 
@@ -402,8 +405,6 @@ class Proxy:
         Its span (gateway.forward) lasts until the worker's stream ends."""
         gen = call.gen
         assert gen is not None
-        # A decode worker answers a disaggregated request only once it has pulled the prompt's
-        # KV, which waits for the prefill worker's prefill (the pull's own idle limit bounds it)
         idle = self.config.worker_idle_timeout_s
         timeout = aiohttp.ClientTimeout(
             total=None,

@@ -59,8 +59,14 @@ log = logging.getLogger("edgeinfer.kv_transfer")
 
 MAGIC = b"EIKV"
 HEADER = struct.Struct("<4sBxHHIIQIQ")
-PULL, ACCEPT, DATA, END, ACK, ERROR = 1, 2, 3, 4, 5, 6
-KIND_NAMES = {PULL: "PULL", ACCEPT: "ACCEPT", DATA: "DATA", END: "END", ACK: "ACK", ERROR: "ERROR"}
+PULL, ACCEPT, DATA, END, ACK, ERROR, KEEPALIVE = 1, 2, 3, 4, 5, 6, 7
+KIND_NAMES = {PULL: "PULL", ACCEPT: "ACCEPT", DATA: "DATA", END: "END", ACK: "ACK", ERROR: "ERROR",
+              KEEPALIVE: "KEEPALIVE"}  # fmt: skip
+# The prefill side sends a KEEPALIVE after each KEEPALIVE_S without another frame (its prefill
+# queued or computing), so the puller tells a busy prefill worker from a hung one: it gives up
+# after PULL_IDLE_S of silence.
+KEEPALIVE_S = 1.0
+PULL_IDLE_S = 10.0
 MAX_CONTROL_BYTES = 16 << 20  # a PULL carries the prompt's token ids; nothing else is large
 DEFAULT_FRAME_BYTES = 8 << 20  # DATA frames hold whole layers up to about this size
 MIN_RUN_BYTES = 64 << 10  # below this average, scattered blocks are gathered into one buffer
@@ -437,7 +443,11 @@ class KVTransferServer:
         try:
             while True:  # the next step of the prefill, unless the puller hangs up first
                 step = asyncio.ensure_future(anext(steps))
-                await asyncio.wait({step, hangup}, return_when=asyncio.FIRST_COMPLETED)
+                while not (step.done() or hangup.done()):
+                    await asyncio.wait({step, hangup}, timeout=KEEPALIVE_S,
+                                       return_when=asyncio.FIRST_COMPLETED)  # fmt: skip
+                    if not (step.done() or hangup.done()):
+                        await conn.send_control(KEEPALIVE, tag, {})
                 if not step.done():
                     step.cancel()  # stops the prefill (the export aborts its request)
                     with contextlib.suppress(BaseException):
@@ -520,7 +530,7 @@ class PullResult:
 
 
 async def pull_kv(addr: str, pull: PullRequest, pages: KVPages, dst_blocks: list[int],
-                  connect_timeout_s: float = 2.0, idle_timeout_s: float = 300.0) -> PullResult:  # fmt: skip
+                  connect_timeout_s: float = 2.0, idle_timeout_s: float = PULL_IDLE_S) -> PullResult:  # fmt: skip
     """Pull blocks [pull.first_block, ...) of the request's KV from `addr` ("host:port") into
     `dst_blocks` of `pages` (one destination per block pulled). Every frame is checked: the
     request tag, the layer and block ranges, the size, the checksum; every (layer, block) must
@@ -555,6 +565,8 @@ async def pull_kv(addr: str, pull: PullRequest, pages: KVPages, dst_blocks: list
                 raise KVTransferError("frame for another request")
             if h.kind != DATA:
                 kind, body = await conn.read_control(tag, h)
+                if kind == KEEPALIVE:  # the prefill is still running
+                    continue
                 if kind == ERROR:
                     raise KVTransferError(f"the prefill worker failed: {body.get('message')}")
                 if kind != END:

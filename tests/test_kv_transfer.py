@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import struct
+import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import asdict
 from pathlib import Path
@@ -480,5 +481,58 @@ def test_cancelled_pull_frees_both_sides(engines) -> None:  # type: ignore[no-un
             assert released == ["leaver"] and server.active == 0
         finally:
             await server.close()
+
+    asyncio.run(main())
+
+
+def test_a_slow_prefill_keeps_the_pull_alive_and_a_hung_one_fails_it() -> None:
+    """The prefill side sends KEEPALIVE frames while its prefill is queued or computing: a
+    prefill slower than the puller's idle limit still arrives whole. A prefill worker that stops
+    answering (a hung process sends nothing, keepalives included) fails the pull after the idle
+    limit, so its decode worker gives up on it (502 kv_transfer_failed: prefilled elsewhere)."""
+    layers, heads, dim = 2, 2, 8
+    src_kv = torch.randn(layers, 2, 16 * BS, heads, dim, generator=torch.Generator().manual_seed(1))
+    src_pages, dst_pages = KVPages(src_kv, BS), KVPages(torch.zeros_like(src_kv), BS)
+    blocks = list(range(4))
+    tokens = list(range(4 * BS - 1))
+    stall = {"s": 2.5}  # seconds the prefill takes before its blocks are ready
+
+    async def export(pull: PullRequest) -> AsyncIterator[ExportProgress]:
+        await asyncio.sleep(stall["s"])
+        yield ExportProgress(len(pull.token_ids), blocks, True)
+
+    async def release(request_id: str) -> None:
+        return None
+
+    async def main() -> None:
+        server = KVTransferServer(src_pages, "c", SECRET, export, release)
+        port = await server.start("127.0.0.1", 0)
+        try:
+            result = await pull_kv(f"127.0.0.1:{port}", PullRequest("slow", tokens, 0, "c", SECRET),
+                                   dst_pages, blocks, idle_timeout_s=1.8)  # fmt: skip
+            assert result.blocks == 4
+            assert torch.equal(src_pages.blocks[:, :, blocks], dst_pages.blocks[:, :, blocks])
+        finally:
+            await server.close()
+
+        # hung after its ACCEPT (a process stopped mid-prefill): silence, no keepalive
+        async def hung(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+            head = HEADER.unpack(await reader.readexactly(HEADER.size))
+            pull = PullRequest(**orjson.loads(await reader.readexactly(head[7])))
+            body = orjson.dumps({"num_blocks": 4, "layout": asdict(dst_pages.layout)})
+            tag = kv_transfer.request_tag(pull.request_id)
+            writer.write(kv_transfer._frame(kv_transfer.ACCEPT, tag, body) + body)
+            await reader.read()  # until the puller hangs up
+
+        peer = await asyncio.start_server(hung, "127.0.0.1", 0)
+        addr = f"127.0.0.1:{peer.sockets[0].getsockname()[1]}"
+        try:
+            t0 = time.monotonic()
+            with pytest.raises(KVTransferError, match="TimeoutError"):
+                await pull_kv(addr, PullRequest("hung", tokens, 0, "c", SECRET), dst_pages,
+                              blocks, idle_timeout_s=1.0)  # fmt: skip
+            assert time.monotonic() - t0 < 5
+        finally:
+            peer.close()
 
     asyncio.run(main())
