@@ -15,6 +15,7 @@ its checks are in kvstore/kv_transfer.py.
 from __future__ import annotations
 
 import logging
+import secrets
 import time
 from collections.abc import AsyncIterator
 
@@ -137,7 +138,9 @@ class KVImporter:
         result: PullResult | None = None
         try:
             pull = PullRequest(
-                request_id=group.request_id,
+                # one id per pull: a retry of the request (the gateway's, through another
+                # decode worker) may reach a prefill worker still holding this pull's export
+                request_id=f"{group.request_id}.{secrets.token_hex(4)}",
                 token_ids=group.prompt_token_ids[:-1],
                 first_block=cached // self.llm.engine.config.block_size,
                 cache_id=self.llm.engine.cache_id,
