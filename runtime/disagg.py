@@ -100,6 +100,7 @@ class KVImporter:
         self.pages = kv_pages(llm)
         self.imports = 0  # transfers completed, since start
         self.bytes = 0  # KV bytes received, since start
+        self.active = 0  # imports under way: reserved, pulling, not yet a request stream
 
     async def submit(
         self, group: RequestGroup, source: str, trace_ctx: Context | None = None
@@ -109,6 +110,15 @@ class KVImporter:
         `trace_ctx`. Raises KVCacheFullError before any byte
         moves when the blocks do not fit, KVTransferError when the transfer fails; the reserved
         blocks are freed on every failure, a cancellation (the client left) included."""
+        self.active += 1
+        try:
+            return await self._submit(group, source, trace_ctx)
+        finally:
+            self.active -= 1
+
+    async def _submit(
+        self, group: RequestGroup, source: str, trace_ctx: Context | None
+    ) -> tuple[RequestStream, PullResult | None]:
         reserved = await self.llm.call(lambda engine: engine.reserve_import(group))
         if reserved is None:
             need = len(group.prompt_token_ids)

@@ -220,8 +220,9 @@ class Worker:
             await asyncio.sleep(self.config.heartbeat_s)
 
     def busy(self) -> bool:
-        """Requests of any role still in flight: served streams, or pulls being served."""
-        return bool(self.llm.num_open_streams or self.kv_server.active)
+        """Requests of any role still in flight: served streams, pulls being served (prefill),
+        or imports under way (decode: pulling a prompt's KV, before their stream exists)."""
+        return bool(self.llm.num_open_streams or self.kv_server.active or self.importer.active)
 
     async def _wait_idle(self) -> bool:
         """Wait (up to `drain_timeout_s`) until no work of any role is in flight; True if none."""

@@ -562,3 +562,37 @@ def test_a_slow_prefill_keeps_the_pull_alive_and_a_hung_one_fails_it() -> None:
             peer.close()
 
     asyncio.run(main())
+
+
+def test_an_import_under_way_counts_as_work_in_flight(engines) -> None:  # type: ignore[no-untyped-def]
+    """While a decode worker pulls a prompt's KV there is no request stream yet; the importer
+    counts the import (a worker's drain and role change wait for it: `set-role` reported a
+    decode worker drained with two pulls under way, which then decoded on a prefill worker)."""
+    prefill, decode, _ = engines
+    go = asyncio.Event()
+
+    async def main() -> None:
+        inner = export_server(prefill, SECRET, 5.0)
+
+        async def export(pull: PullRequest) -> AsyncIterator[ExportProgress]:
+            await go.wait()  # the prefill worker is slow to start this one
+            async for progress in inner.export(pull):
+                yield progress
+
+        server = KVTransferServer(inner.pages, prefill.engine.cache_id, SECRET, export,
+                                  inner.release)  # fmt: skip
+        port = await server.start("127.0.0.1", 0)
+        try:
+            importer = KVImporter(decode, SECRET)
+            group = decode.engine.prepare_request("busy", _prompt(40), SamplingParams(max_tokens=2))
+            task = asyncio.ensure_future(importer.submit(group, f"127.0.0.1:{port}"))
+            await asyncio.sleep(0.3)
+            assert importer.active == 1 and not task.done()
+            go.set()
+            stream, _ = await task
+            assert importer.active == 0
+            assert len(await _collect(stream)) == 2
+        finally:
+            await server.close()
+
+    asyncio.run(main())
