@@ -5,10 +5,12 @@ process when there is no template."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import signal
 import socket
 import time
+from collections.abc import AsyncIterator
 from pathlib import Path
 
 import aiohttp
@@ -54,12 +56,39 @@ async def _generate(port: int, secret: str) -> tuple[int, bytes]:
         return resp.status, await resp.read()
 
 
+@contextlib.asynccontextmanager
+async def _template() -> AsyncIterator[ZygoteClient]:
+    """A started template; whatever it forked and is still running when the test ends (a
+    failed assertion included) is killed, and the template closed."""
+    zygote = await ZygoteClient.start()
+    spawn, children = zygote.spawn, []
+
+    async def tracked(argv: list[str], env: dict[str, str] | None = None) -> ForkedProcess:
+        children.append(await spawn(argv, env))
+        return children[-1]
+
+    zygote.spawn = tracked  # type: ignore[method-assign]
+    try:
+        yield zygote
+    finally:
+        for p in children:
+            if p.returncode is None:
+                with contextlib.suppress(ProcessLookupError):
+                    p.kill()
+                with contextlib.suppress(Exception):
+                    await asyncio.wait_for(p.wait(), 10)
+        if zygote.proc is not None:  # (a fork no spawn() returned: an abandoned one)
+            for pid in _live_children(zygote.proc.pid):
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, signal.SIGKILL)
+        await zygote.close()
+
+
 def test_forked_commands_run_with_their_own_output_env_and_exit_code(
     tmp_path: Path, stories_dir: Path
 ) -> None:
     async def main() -> None:
-        zygote = await ZygoteClient.start()
-        try:
+        async with _template() as zygote:
             # a command that exits at once: its output and its code
             p = await zygote.spawn(["models", "--store", str(tmp_path / "store")])
             assert b"no models in" in await p.stdout.read()
@@ -90,8 +119,6 @@ def test_forked_commands_run_with_their_own_output_env_and_exit_code(
             await _lines_until(p, " ready: ")
             p.kill()
             assert await asyncio.wait_for(p.wait(), 30) == -signal.SIGKILL
-        finally:
-            await zygote.close()
         assert zygote.proc is not None and zygote.proc.returncode == 0  # left when we closed
 
     asyncio.run(main())
@@ -99,24 +126,23 @@ def test_forked_commands_run_with_their_own_output_env_and_exit_code(
 
 def test_a_dead_template_leaves_its_workers_serving_and_watched(stories_dir: Path) -> None:
     async def main() -> None:
-        zygote = await ZygoteClient.start()
-        port = _free_port()
-        p = await zygote.spawn(_worker_argv(stories_dir, port), {"EDGEINFER_SECRET": "s"})
-        await _lines_until(p, " ready: ")
-        assert zygote.proc is not None
-        os.kill(zygote.proc.pid, signal.SIGKILL)
-        await zygote.proc.wait()
-        for _ in range(100):  # the client notices the socket close
-            if not zygote.alive:
-                break
-            await asyncio.sleep(0.05)
-        assert not zygote.alive
-        with pytest.raises(ZygoteError, match="not running"):
-            await zygote.spawn(["models"])
-        assert (await _generate(port, "s"))[0] == 200  # the orphan still serves
-        p.terminate()
-        assert await asyncio.wait_for(p.wait(), 30) == -1  # seen through its pidfd; code unknown
-        await zygote.close()
+        async with _template() as zygote:
+            port = _free_port()
+            p = await zygote.spawn(_worker_argv(stories_dir, port), {"EDGEINFER_SECRET": "s"})
+            await _lines_until(p, " ready: ")
+            assert zygote.proc is not None
+            os.kill(zygote.proc.pid, signal.SIGKILL)
+            await zygote.proc.wait()
+            for _ in range(100):  # the client notices the socket close
+                if not zygote.alive:
+                    break
+                await asyncio.sleep(0.05)
+            assert not zygote.alive
+            with pytest.raises(ZygoteError, match="not running"):
+                await zygote.spawn(["models"])
+            assert (await _generate(port, "s"))[0] == 200  # the orphan still serves
+            p.terminate()
+            assert await asyncio.wait_for(p.wait(), 30) == -1  # through its pidfd; code unknown
 
     asyncio.run(main())
 
@@ -138,9 +164,8 @@ def _live_children(pid: int) -> list[int]:
 
 def test_signals_races_and_abandoned_spawns(tmp_path: Path, stories_dir: Path) -> None:
     async def main() -> None:
-        zygote = await ZygoteClient.start()
-        assert zygote.proc is not None
-        try:
+        async with _template() as zygote:
+            assert zygote.proc is not None
             # SIGTERM to the template (a service manager stopping the process group) is left to
             # the pool: the template stays and still forks
             zygote.proc.send_signal(signal.SIGTERM)
@@ -168,8 +193,6 @@ def test_signals_races_and_abandoned_spawns(tmp_path: Path, stories_dir: Path) -
                     break
             assert not _live_children(zygote.proc.pid)
             assert not zygote._starting and not zygote._pending
-        finally:
-            await zygote.close()
 
     asyncio.run(main())
 
