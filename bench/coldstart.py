@@ -224,8 +224,6 @@ async def forked_first_token(zygote, model: Path, files: list[Path]) -> tuple[fl
     """As worker_first_token, for a worker forked from a pool's warm template (`zygote`, a
     runtime.zygote.ZygoteClient, started beforehand as a pool starts it): seconds from asking
     the template for the process to its first token."""
-    import asyncio
-
     import aiohttp
 
     argv, port, body = _worker_argv(model)

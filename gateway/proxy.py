@@ -582,13 +582,12 @@ def _session_id(request: web.Request) -> str | None:
     if value is None:
         return None
     value = value.strip()
-    # (bytes that are not UTF-8 arrive as surrogates, which are not printable)
     if not value or len(value) > MAX_SESSION_ID or "{" in value or "}" in value:
         raise invalid(
             SESSION_HEADER,
             f"{SESSION_HEADER} must be 1-{MAX_SESSION_ID} characters without braces",
         )
-    if not value.isprintable():
+    if not value.isprintable():  # (bytes that are not UTF-8 arrive as surrogates: not printable)
         raise invalid(
             SESSION_HEADER, f"{SESSION_HEADER} must be printable UTF-8 text, without control "
             "characters",

@@ -274,7 +274,7 @@ class Pool:
         self.managed[worker_id] = m
         self._spawn(self._pipe_output(m))
         log.info("start %s for %s (%s): pid %d (%s), port %d", worker_id, model, why, proc.pid,
-                    how, port)  # fmt: skip
+                 how, port)  # fmt: skip
         await self._record("start", m, reason=why, pid=proc.pid, port=port, spawn=how)
         await self._status(model, ModelStatus("starting", cfg.pool_id))
 
@@ -291,7 +291,7 @@ class Pool:
             raise
         pid = zygote.proc.pid if zygote.proc else 0
         log.info("worker template ready (pid %d, imports %.2fs): workers are forked from it",
-                    pid, zygote.imports_s)  # fmt: skip
+                 pid, zygote.imports_s)  # fmt: skip
         return zygote
 
     async def _spawn_process(

@@ -314,7 +314,7 @@ class ShardReads:
         if got < want:
             raise _load_error(f"{f.job.path}: truncated while reading ({c0 + got} of {size} bytes)")
         check: Future[None] | None = None
-        if self.verify is not None and self._checks is not None:
+        if self._checks is not None:  # (there is a manifest to check against)
             data = _first(pieces, want)
             # The scratch chunk is this thread's next read's: its part of the bytes is copied
             # for the check (a few KiB at tensor boundaries), or checked here when it is large.
