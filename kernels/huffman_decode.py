@@ -307,9 +307,9 @@ def decode_cpu(
     coded: CodedBF16, out: torch.Tensor, first: int, last: int, threads: int = 1
 ) -> torch.Tensor:
     """Decode chunks [first, last) of a CPU tensor into their places in `out` ((n,) bfloat16)
-    with the C++ decoder (the GIL released; `threads` 1: on this thread alone, so that a loader
-    can run many calls side by side on its own threads), or the reference where the decoder
-    cannot be built. Returns `out`."""
+    with the C++ decoder (the GIL released; `threads` 1: on this thread alone; more: with helper
+    threads of the decoder's own pool, which sleep between calls rather than spin), or the
+    reference where the decoder cannot be built. Returns `out`."""
     from kernels.cpu_ext import load_huffman
 
     ext = load_huffman()

@@ -335,6 +335,20 @@ def _start_compressed(path: Path, cfg: ModelConfig, torch_dtype: torch.dtype,
             f"{path}: the weights need {_size(nbytes)} of memory (as {torch_dtype}), only "
             f"{_size(have)} is available"
         )
+    # The parameters in one arena, in the order they are decoded into (file order):
+    # load_compressed commits its memory ahead of the decoding, much of it while the first
+    # reads are still on the drive.
+    order = list(dict.fromkeys([*(p.param for p in pieces.values()), *params]))
+    offsets, end = {}, 0
+    for name in order:
+        offsets[name] = end
+        end += -(-params[name].nbytes // 64) * 64
+    arena = Arena(end)
+    whole = arena.tensor()
+    for name in order:
+        param = params[name]
+        o = offsets[name]
+        param.data = whole[o : o + param.nbytes].view(param.dtype).view(param.shape)
 
     def into(name: str) -> torch.Tensor | None:
         p = pieces.get(name)
@@ -343,7 +357,8 @@ def _start_compressed(path: Path, cfg: ModelConfig, torch_dtype: torch.dtype,
         return _rows_view(params[p.param].data).narrow(0, p.row, p.rows).view(p.tensor.shape)
 
     st = stats if stats is not None else ReadStats()
-    tensors = load_compressed(path, threads=threads, direct=direct, stats=st, into=into)
+    tensors = load_compressed(path, threads=threads, direct=direct, stats=st, into=into,
+                              commit=[arena])  # fmt: skip
     return PendingLoad(model, path, dtype, st, _Decoding(tensors, st), nbytes, have,
                        conversions=[[]], started=t0, queued=time.perf_counter(),
                        weight_dtype=weight_dtype)  # fmt: skip

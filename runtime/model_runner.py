@@ -216,13 +216,18 @@ class ModelRunner:
         # (layers, 2, slots, n_kv_heads, head_dim): keys then values of this rank's layers and
         # heads. Zeros (a padded decode reads unwritten slots, masked: they must not hold NaN),
         # from the kernel's zero pages: nothing is written now, and a page is committed when a
-        # block first uses it, unless kv_commit="eager" commits them all here.
+        # block first uses it, unless kv_commit="eager" commits them all here. On huge pages
+        # only then: a decode step's scattered reads miss the TLB less (153 -> 147 ms a
+        # 64-request step, 2026-11-23), but in a microVM guest a fresh 2 MiB page can cost the
+        # host tenths of a second when first touched, and a fresh worker's first request
+        # touches one in each layer's keys and values (its first token 0.05 s, at times 0.34 s,
+        # on 4 KiB pages always 0.035 s; 2-core Xeon guest, 2026-11-25).
         heads, layers = len(model.kv_head_range), len(model.local_layers)
         shape = (layers, 2, num_blocks * block_size, heads, cfg.head_dim)
         self.kv_dtype = kv_dtype or model.dtype
         nbytes = math.prod(shape) * self.kv_dtype.itemsize
         if self.device.type == "cpu":
-            arena = Arena(nbytes, huge=True)
+            arena = Arena(nbytes, huge=kv_commit == "eager")
             if kv_commit == "eager":
                 _commit(arena)
             self.kv = arena.tensor()[:nbytes].view(self.kv_dtype).view(shape)

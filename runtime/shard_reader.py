@@ -72,11 +72,13 @@ class Arena:
     Private, not shared, memory: the kernel gives transparent huge pages only to private
     anonymous mappings. `huge` asks for them (madvise MADV_HUGEPAGE, honoured where
     /sys/kernel/mm/transparent_hugepage/enabled is `madvise` or `always`; arenas of 2 MB and more):
-    the KV cache does, since a decode step reads blocks scattered over it and 2 MB pages spare the
-    TLB misses of 4 KB ones (a 64-request decode step of SmolLM2 153 -> 147 ms on the 2-core Xeon
-    guest, 2026-11-23). Weights do not: on huge pages single-request decode ran 5% faster, but
-    their read at start-up took 0.2 s longer (a fresh 2 MB page cost the microVM's host more than
-    512 fresh 4 KB ones), and start-up is what a cold worker waits on."""
+    a KV cache committed at start-up does, since a decode step reads blocks scattered over it and
+    2 MB pages spare the TLB misses of 4 KB ones (a 64-request decode step of SmolLM2 153 -> 147 ms
+    on the 2-core Xeon guest, 2026-11-23). Nothing that is first touched while a worker starts or
+    serves does: in a microVM guest a fresh 2 MB page can cost the host far more than 512 fresh
+    4 KB ones, and not the same each time. Weights on huge pages read 1.13x dd's rate in one
+    run, then 0.67x in the next, and the worker's first token went from 1.33 s to 1.3-2.0 s
+    (2026-11-25); a lazily committed KV cache on them delayed a first token by up to 0.3 s."""
 
     __slots__ = ("addr", "buf", "nbytes", "view")
 
@@ -91,24 +93,28 @@ class Arena:
         self.view = memoryview(self.buf)
         self.addr = ctypes.addressof(ctypes.c_char.from_buffer(self.buf))
 
-    def commit(self, start: int = 0, end: int | None = None) -> None:
+    def commit(self, start: int = 0, end: int | None = None, *, rewrite: bool = True) -> bool:
         """Commit the pages of bytes [start, end) now rather than on first touch; their contents
-        are kept. One madvise(MADV_POPULATE_WRITE) call, which runs without the GIL; on kernels
-        before 5.14, each page is read and written back (only while nothing else writes the
-        range)."""
+        are kept. One madvise(MADV_POPULATE_WRITE) call, which runs without the GIL and may run
+        while other threads write the range. On kernels before 5.14, `rewrite`: each page is read
+        and written back instead (only while nothing else writes the range); else nothing is
+        done. Whether the pages were committed."""
         end = self.nbytes if end is None else min(end, self.nbytes)
         start = start // ALIGN * ALIGN
         if end <= start:
-            return
+            return True
         if _libc.madvise(self.addr + start, end - start, MADV_POPULATE_WRITE) == 0:
-            return
+            return True
         err = ctypes.get_errno()
         if err not in (errno.EINVAL, errno.ENOSYS):
             raise OSError(err, f"committing {end - start} bytes of memory: {os.strerror(err)}")
+        if not rewrite:
+            return False
         import numpy as np
 
         pages = np.frombuffer(self.buf, dtype=np.uint8)[start:end:ALIGN]
         np.bitwise_or(pages, 0, out=pages)  # a write (of what is there) per page faults it in
+        return True
 
     def tensor(self) -> torch.Tensor:
         """The whole arena as a uint8 tensor sharing its memory."""

@@ -6,8 +6,11 @@ with an error that names what is wrong."""
 from __future__ import annotations
 
 import importlib.util
+import itertools
 import json
 import os
+import threading
+import time
 from pathlib import Path
 
 import numpy as np
@@ -266,14 +269,36 @@ def test_tensors_decode_straight_into_given_destinations(tmp_path: Path) -> None
 
 def test_a_load_stopped_early_cleans_up(tmp_path: Path) -> None:
     compress_model(_folder(tmp_path / "src", _mixed(), 3), tmp_path / "out", chunk_elems=1024)
+    fds = len(os.listdir("/proc/self/fd"))
     loads = load_compressed(tmp_path / "out")
     next(loads)
-    loads.close()  # the reads and decodes still running end, the files are closed
+    loads.close()  # the reads still running end, the files are closed
+    assert len(os.listdir("/proc/self/fd")) == fds
+    deadline = time.monotonic() + 5  # the thread committing the outputs' memory stops too
+    while any(t.name == "weights-commit" for t in threading.enumerate()):
+        assert time.monotonic() < deadline, "the commit thread outlived its load"
+        time.sleep(0.01)
     assert len(list(load_compressed(tmp_path / "out"))) == len(_mixed())
 
 
+def test_tensors_without_a_destination_share_a_fresh_arena_per_shard(tmp_path: Path) -> None:
+    compress_model(_folder(tmp_path / "src", _mixed(), 2), tmp_path / "out", chunk_elems=1024)
+    got = list(load_compressed(tmp_path / "out"))
+    bases = {}
+    for file, _, t in got:  # views of one piece of memory per shard, as a plain folder's are
+        bases.setdefault(file, set()).add(t.untyped_storage().data_ptr())
+    assert len(bases) == 2 and all(len(b) == 1 for b in bases.values())
+    ends = sorted((t.data_ptr(), t.data_ptr() + t.nbytes) for _, _, t in got)
+    assert all(a[1] <= b[0] for a, b in itertools.pairwise(ends))  # none overlap
+
+
 def test_cast_to_bfloat16_on_request(tmp_path: Path) -> None:
-    f32 = {"a": torch.randn(64, 100) * 0.05, "b": torch.randn(33).half(), "n": torch.arange(4)}
+    g = torch.Generator().manual_seed(0)  # big enough to compress whatever ran before
+    f32 = {
+        "a": torch.randn(128, 256, generator=g) * 0.05,
+        "b": torch.randn(33, generator=g).half(),
+        "n": torch.arange(4),
+    }
     src = _folder(tmp_path / "src", f32)
     with pytest.raises(CompressError, match="F16, F32, not bfloat16; add --cast-bf16"):
         compress_model(src, tmp_path / "out")

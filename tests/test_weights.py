@@ -24,6 +24,7 @@ from runtime.weights import (
     load_safetensors,
     read_header,
 )
+from tests.memory_tools import resident_pages, vm_flags
 
 
 def _tensors(seed: int) -> dict[str, torch.Tensor]:
@@ -347,28 +348,11 @@ def test_drive_rate_is_measured_and_remembered_per_device(tmp_path: Path) -> Non
 
 
 def _resident_pages(arena: Arena, start: int, end: int) -> int:
-    """How many of the arena's pages in [start, end) are in memory (mincore)."""
-    import ctypes
-
-    libc = ctypes.CDLL(None, use_errno=True)
-    n = (end - start) // ALIGN
-    vec = (ctypes.c_ubyte * n)()
-    rc = libc.mincore(ctypes.c_void_p(arena.addr + start), ctypes.c_size_t(end - start), vec)
-    assert rc == 0, ctypes.get_errno()
-    return sum(v & 1 for v in vec)
+    return resident_pages(arena.addr + start, end - start)
 
 
 def _vm_flags(arena: Arena) -> list[str]:
-    """The kernel's VmFlags of the mapping that holds the arena (/proc/self/smaps)."""
-    inside = False
-    for line in Path("/proc/self/smaps").read_text().splitlines():
-        first = line.split()[0]
-        if "-" in first and not first.endswith(":"):  # a mapping's header: lo-hi perms ...
-            lo, hi = (int(x, 16) for x in first.split("-"))
-            inside = lo <= arena.addr < hi
-        elif inside and first == "VmFlags:":
-            return line.split()[1:]
-    raise AssertionError("the arena is not mapped")
+    return vm_flags(arena.addr)
 
 
 def test_arena_commit_faults_pages_in_and_keeps_contents() -> None:
@@ -398,10 +382,13 @@ def test_arena_commit_without_populate_write_touches_every_page(monkeypatch) -> 
     monkeypatch.setattr(sr, "_libc", OldKernel())
     arena = Arena(16 * ALIGN)
     arena.view[3 * ALIGN + 1] = 9
-    arena.commit(ALIGN, 9 * ALIGN)
+    assert arena.commit(ALIGN, 9 * ALIGN)
     assert _resident_pages(arena, ALIGN, 9 * ALIGN) == 8
     assert _resident_pages(arena, 9 * ALIGN, arena.nbytes) == 0
     assert arena.view[3 * ALIGN + 1] == 9
+    # a caller that may be writing the range meanwhile asks for no rewriting: nothing is done
+    assert not arena.commit(9 * ALIGN, 12 * ALIGN, rewrite=False)
+    assert _resident_pages(arena, 9 * ALIGN, arena.nbytes) == 0
 
 
 @pytest.mark.skipif(not Path("/sys/kernel/mm/transparent_hugepage").exists(),

@@ -9,7 +9,10 @@
 //
 // Each chunk is decoded into a small buffer (L1-resident) and then merged with its sm bytes into
 // bfloat16 in a loop the compiler vectorizes. Chunks are independent: a call decodes a range of
-// them, on OpenMP threads in contiguous runs or on the caller's thread alone; four chunks are
+// them, on the caller's thread alone or with helpers of a small pool of this module's own (not
+// OpenMP: an OpenMP team spins between parallel regions, and a loader makes hundreds of calls
+// while its read threads want the same two cores; the pool's threads sleep, and take groups of
+// chunks one at a time, so a helper the OS preempts holds up nobody); four chunks are
 // decoded in step on each thread, their table lookups overlapping (1.5x one at a time). A 64-bit
 // big-endian window is loaded once per three lookups (3 x 12 bits fit in the 57 bits it
 // guarantees). Chunks near the end of the stream, where a window could read past it, are decoded
@@ -18,10 +21,20 @@
 
 #include <torch/extension.h>
 
+#include <pthread.h>
+#if defined(__AVX2__)
+#include <immintrin.h>
+#endif
+
 #include <algorithm>
 #include <atomic>
+#include <chrono>
+#include <condition_variable>
 #include <cstdint>
 #include <cstring>
+#include <functional>
+#include <mutex>
+#include <thread>
 #include <vector>
 
 namespace {
@@ -88,11 +101,145 @@ inline void decode_group(Cursor* c, const uint64_t* table) {
   for (int k = 0; k < kWays; ++k) finish(c[k], table);
 }
 
+// bfloat16 from sign+mantissa bytes and exponents. With AVX2, 32 values a step written with
+// streaming stores where dst is 32-byte aligned (a chunk's values start on 8 KiB of output at
+// the default chunk size): decoded weights are not read again soon, and a plain store first
+// reads each line of the (new) output memory, a third of the merge's memory traffic. The
+// caller fences (stream_fence) before the values are used.
 inline void merge(const uint8_t* sm, const uint8_t* e, uint16_t* dst, int64_t m) {
-  for (int64_t i = 0; i < m; ++i) {
+  int64_t i = 0;
+#if defined(__AVX2__)
+  if ((reinterpret_cast<uintptr_t>(dst) & 31) == 0) {
+    const __m256i sign = _mm256_set1_epi16(0x80), mant = _mm256_set1_epi16(0x7F);
+    for (; i + 32 <= m; i += 32) {
+      const __m256i s8 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(sm + i));
+      const __m256i e8 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(e + i));
+      for (int half = 0; half < 2; ++half) {
+        const __m128i sh = half ? _mm256_extracti128_si256(s8, 1) : _mm256_castsi256_si128(s8);
+        const __m128i eh = half ? _mm256_extracti128_si256(e8, 1) : _mm256_castsi256_si128(e8);
+        const __m256i s16 = _mm256_cvtepu8_epi16(sh), e16 = _mm256_cvtepu8_epi16(eh);
+        const __m256i v = _mm256_or_si256(
+            _mm256_or_si256(_mm256_slli_epi16(_mm256_and_si256(s16, sign), 8),
+                            _mm256_slli_epi16(e16, 7)),
+            _mm256_and_si256(s16, mant));
+        _mm256_stream_si256(reinterpret_cast<__m256i*>(dst + i + 16 * half), v);
+      }
+    }
+  }
+#endif
+  for (; i < m; ++i) {
     const uint16_t s = sm[i];
     dst[i] = static_cast<uint16_t>(((s & 0x80) << 8) | (uint16_t(e[i]) << 7) | (s & 0x7F));
   }
+}
+
+inline void stream_fence() {
+#if defined(__AVX2__)
+  _mm_sfence();
+#endif
+}
+
+// Waits until `ready()`, spinning for up to kSpinNs first: between a loader's back-to-back calls
+// the gap is tens of microseconds, and a sleeping thread takes about as long to wake.
+constexpr int64_t kSpinNs = 50000;
+
+template <class F>
+bool spin_until(F ready) {
+  const auto until = std::chrono::steady_clock::now() + std::chrono::nanoseconds(kSpinNs);
+  for (int i = 0;; ++i) {
+    if (ready()) return true;
+    if ((i & 63) == 63 && std::chrono::steady_clock::now() > until) return false;
+#if defined(__x86_64__)
+    __builtin_ia32_pause();
+#endif
+  }
+}
+
+// Helper threads that sleep (after a short spin) until a call hands them work. A call runs
+// `body(unit)` for units [0, n) on its own thread and on up to `helpers` pool threads, each
+// taking the next unit until none is left, and returns once all are done. Calls from several
+// threads take turns.
+class Pool {
+ public:
+  void run(int64_t n, int helpers, const std::function<void(int64_t)>& body) {
+    std::unique_lock<std::mutex> call(calls_);  // one call at a time uses the helpers
+    {
+      std::lock_guard<std::mutex> g(mu_);
+      while (static_cast<int>(threads_.size()) < helpers) {
+        threads_.emplace_back([this] { serve(); });
+        threads_.back().detach();  // the pool is never destroyed (see pool())
+      }
+      body_ = &body;
+      n_ = n;
+      next_.store(0);
+      active_.store(helpers);
+      wanted_ = helpers;
+      generation_.fetch_add(1, std::memory_order_release);
+    }
+    wake_.notify_all();
+    work(body);
+    if (!spin_until([this] { return active_.load(std::memory_order_acquire) == 0; })) {
+      std::unique_lock<std::mutex> g(mu_);
+      done_.wait(g, [this] { return active_.load() == 0; });  // helpers that found nothing too
+    }
+    std::lock_guard<std::mutex> g(mu_);
+    body_ = nullptr;
+  }
+
+ private:
+  void work(const std::function<void(int64_t)>& body) {
+    for (int64_t u = next_.fetch_add(1); u < n_; u = next_.fetch_add(1)) body(u);
+  }
+
+  void serve() {
+    uint64_t seen = 0;
+    for (;;) {
+      spin_until([&] { return generation_.load(std::memory_order_acquire) != seen; });
+      const std::function<void(int64_t)>* body;
+      {
+        std::unique_lock<std::mutex> g(mu_);
+        wake_.wait(g, [&] { return generation_.load() != seen && wanted_ > 0; });
+        seen = generation_.load();
+        --wanted_;
+        body = body_;
+      }
+      work(*body);
+      if (active_.fetch_sub(1, std::memory_order_acq_rel) == 1) {
+        std::lock_guard<std::mutex> g(mu_);  // the caller may be asleep on done_
+        done_.notify_one();
+      }
+    }
+  }
+
+  std::mutex calls_, mu_;
+  std::condition_variable wake_, done_;
+  std::vector<std::thread> threads_;
+  const std::function<void(int64_t)>* body_ = nullptr;
+  std::atomic<int64_t> next_{0};
+  int64_t n_ = 0;
+  std::atomic<int> active_{0};
+  int wanted_ = 0;
+  std::atomic<uint64_t> generation_{0};
+};
+
+std::atomic<Pool*> g_pool{nullptr};
+
+// The process's pool, made on first use. A forked child has none of its parent's threads, so it
+// starts a pool of its own (the parent's is left as it was: its locks may be held).
+Pool& pool() {
+  static std::once_flag once;
+  std::call_once(once, [] { pthread_atfork(nullptr, nullptr, [] { g_pool.store(nullptr); }); });
+  Pool* p = g_pool.load();
+  if (p == nullptr) {
+    static std::mutex make;
+    std::lock_guard<std::mutex> g(make);
+    p = g_pool.load();
+    if (p == nullptr) {
+      p = new Pool();  // never deleted: its detached threads wait on it until the process ends
+      g_pool.store(p);
+    }
+  }
+  return *p;
 }
 
 }  // namespace
@@ -135,41 +282,51 @@ int64_t decode_bf16(torch::Tensor out, torch::Tensor table, torch::Tensor offset
   const int64_t worst = (chunk_elems * kCodeBits + 7) / 8 + 8;  // bytes a chunk's windows may read
   const int64_t groups = (last - first + kWays - 1) / kWays;
   std::atomic<int64_t> bad{-1};
+  auto decode_one = [&](int64_t g, uint8_t* e, std::vector<uint8_t>* tail) {
+    Cursor cur[kWays];
+    const int64_t c0 = first + kWays * g, count = std::min<int64_t>(kWays, last - c0);
+    for (int64_t k = 0; k < kWays; ++k) {
+      const int64_t c = c0 + std::min(k, count - 1);  // a short last group repeats its last
+      const int64_t m = std::min(chunk_elems, n - c * chunk_elems);
+      const uint8_t* src = bp + off[c];
+      if (off[c] + worst > nbytes) {  // near the end: decode from a zero-padded copy
+        tail[k].assign(worst, 0);
+        std::memcpy(tail[k].data(), src, nbytes - off[c]);
+        src = tail[k].data();
+      }
+      uint8_t* ex = e + k * chunk_elems;
+      cur[k] = Cursor{src, 0, ex, ex + m};
+    }
+    decode_group(cur, tab);
+    for (int64_t k = 0; k < count; ++k) {
+      const int64_t c = c0 + k, begin = c * chunk_elems;
+      if (cur[k].pos > 8 * static_cast<uint64_t>(off[c + 1] - off[c])) {
+        int64_t none = -1;
+        bad.compare_exchange_strong(none, c);
+        continue;
+      }
+      merge(smp + begin, e + k * chunk_elems, dst + begin, std::min(chunk_elems, n - begin));
+    }
+    stream_fence();  // this thread's streaming stores are done before the call returns
+  };
   {
     pybind11::gil_scoped_release no_gil;  // a loader's read threads go on meanwhile
-    const int nt = static_cast<int>(std::max<int64_t>(1, std::min(threads, groups)));
-#pragma omp parallel num_threads(nt) if (nt > 1)
-    {
+    const int64_t nt = std::max<int64_t>(1, std::min(threads, groups));
+    if (nt == 1) {
       std::vector<uint8_t> e(kWays * chunk_elems);
       std::vector<uint8_t> tail[kWays];
-#pragma omp for schedule(static)
-      for (int64_t g = 0; g < groups; ++g) {
-        Cursor cur[kWays];
-        const int64_t c0 = first + kWays * g, count = std::min<int64_t>(kWays, last - c0);
-        for (int64_t k = 0; k < kWays; ++k) {
-          const int64_t c = c0 + std::min(k, count - 1);  // a short last group repeats its last
-          const int64_t m = std::min(chunk_elems, n - c * chunk_elems);
-          const uint8_t* src = bp + off[c];
-          if (off[c] + worst > nbytes) {  // near the end: decode from a zero-padded copy
-            tail[k].assign(worst, 0);
-            std::memcpy(tail[k].data(), src, nbytes - off[c]);
-            src = tail[k].data();
-          }
-          uint8_t* ex = e.data() + k * chunk_elems;
-          cur[k] = Cursor{src, 0, ex, ex + m};
-        }
-        decode_group(cur, tab);
-        for (int64_t k = 0; k < count; ++k) {
-          const int64_t c = c0 + k, begin = c * chunk_elems;
-          if (cur[k].pos > 8 * static_cast<uint64_t>(off[c + 1] - off[c])) {
-            int64_t none = -1;
-            bad.compare_exchange_strong(none, c);
-            continue;
-          }
-          merge(smp + begin, e.data() + k * chunk_elems, dst + begin,
-                std::min(chunk_elems, n - begin));
-        }
-      }
+      for (int64_t g = 0; g < groups; ++g) decode_one(g, e.data(), tail);
+    } else {
+      // units of several groups (~64K values), so that taking one costs little beside its work
+      const int64_t per = std::max<int64_t>(1, (1 << 16) / (kWays * chunk_elems));
+      const int64_t units = (groups + per - 1) / per;
+      const std::function<void(int64_t)> body = [&](int64_t u) {
+        thread_local std::vector<uint8_t> e, tail[kWays];
+        if (static_cast<int64_t>(e.size()) < kWays * chunk_elems) e.resize(kWays * chunk_elems);
+        for (int64_t g = u * per, end = std::min(groups, g + per); g < end; ++g)
+          decode_one(g, e.data(), tail);
+      };
+      pool().run(units, static_cast<int>(std::min<int64_t>(nt, units)) - 1, body);
     }
   }
   return bad.load();
