@@ -163,7 +163,10 @@ class Proxy:
         and each worker tokenizes it (as its group's hashes did).
 
         Skipped (the worker tokenizes, routing goes by load) when the session's worker will
-        take the request anyway, when Redis is down, or while no tokenizer bundle is available.
+        take the request anyway, unless prefill and decode are disaggregated (whether a prompt
+        is worth a transfer goes by its tokens that worker does not hold: a conversation's next
+        turn is mostly in its cache), when Redis is down, or while no tokenizer bundle is
+        available.
         """
         assert call.gen is not None
         view = self.view
@@ -172,7 +175,7 @@ class Proxy:
         workers = [w for w in view.live_workers() if w.model == call.gen.model and w.cache_id]
         if not workers:
             return
-        if call.placement is not None:
+        if call.placement is not None and not view.router.serving_roles(call.gen.model, workers)[1]:
             placed = next((w for w in workers if w.worker_id == call.placement.worker_id), None)
             if placed is not None and not placed.overloaded and not placed.draining:
                 return

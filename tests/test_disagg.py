@@ -179,6 +179,36 @@ def test_session_is_placed_on_the_decode_worker(split: Split) -> None:
     assert placed["worker_id"] == split.decode.meta["worker_id"]
 
 
+def test_a_session_turn_mostly_cached_on_its_worker_is_not_disaggregated(split: Split) -> None:
+    """--disagg-min-tokens counts the tokens the session's worker does not hold: the first turn
+    is long and new (pulled from the prefill worker), the next adds a few tokens to it (the
+    decode worker computes them itself, with no transfer)."""
+    gateway = start_gateway("gw-min", split.redis.url, split.root / "regions.yaml", split.root,
+                            extra=["--disagg-min-tokens", "32"])  # fmt: skip
+    try:
+        wait_until(lambda: get_json(f"{gateway.url}/readyz")[1]["workers"] == 2, 30, "workers")
+        client = openai.OpenAI(base_url=f"{gateway.url}/v1", api_key="unused", max_retries=0)
+        session = {"x-session-affinity": "talk-min-tokens"}
+        text = "Tom had a blue kite and a red boat. He went to the lake with Sam. " * 4  # unseen
+        first = client.completions.with_raw_response.create(
+            model="stories", prompt=text, max_tokens=4, temperature=0, extra_headers=session
+        )
+        assert first.headers["x-edgeinfer-prefill-worker"] == split.prefill.meta["worker_id"]
+        received = worker_stats(split.decode)["kv_bytes_received"]
+        time.sleep(0.5)  # the user reads the answer; the worker publishes its blocks meanwhile
+        second = client.completions.with_raw_response.create(
+            model="stories", prompt=text + "Sam smiled.", max_tokens=4, temperature=0,
+            extra_headers=session,
+        )  # fmt: skip
+        assert second.headers["x-edgeinfer-worker"] == split.decode.meta["worker_id"]
+        assert "x-edgeinfer-prefill-worker" not in second.headers
+        assert worker_stats(split.decode)["kv_bytes_received"] == received
+        assert second.parse().usage.prompt_tokens_details.cached_tokens >= 96
+    finally:
+        gateway.stop()
+    _settled(split.prefill, split.decode)
+
+
 # ---------------------------------------------------------------------- roles
 def _post_role(worker: Proc, role: object) -> tuple[int, dict]:  # type: ignore[type-arg]
     req = urllib.request.Request(
