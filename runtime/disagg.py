@@ -14,6 +14,7 @@ its checks are in kvstore/kv_transfer.py.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import secrets
 import time
@@ -35,6 +36,7 @@ from runtime.async_engine import AsyncLLM, RequestStream
 from runtime.engine import RequestGroup
 from runtime.ranks import RankedKVPages
 from runtime.sampling_params import SamplingParams
+from runtime.scheduler import QueueFullError
 from runtime.telemetry import WorkerTelemetry
 
 log = logging.getLogger("edgeinfer.disagg")
@@ -44,6 +46,10 @@ EXPORT_PREFIX = "kvx-"  # engine request ids of KV exports (never clash with ser
 
 class KVCacheFullError(RuntimeError):
     """The decode worker has no room for the prompt's KV: refused before any byte moved."""
+
+
+IMPORT_WAIT_S = 10.0  # how long an import waits for KV room before it is refused
+_ROOM_POLL_S = 0.01  # how often a waiting import tries again (requests end between steps)
 
 
 def kv_pages(llm: AsyncLLM) -> KVPages:
@@ -92,24 +98,32 @@ class KVImporter:
     """The decode side: reserve blocks, pull the prompt's KV into them, queue the decode."""
 
     def __init__(
-        self, llm: AsyncLLM, secret: str, telemetry: WorkerTelemetry | None = None
-    ) -> None:
+        self, llm: AsyncLLM, secret: str, telemetry: WorkerTelemetry | None = None,
+        wait_s: float = IMPORT_WAIT_S,
+    ) -> None:  # fmt: skip
         self.llm = llm
         self.secret = secret
         self.telemetry = telemetry
+        self.wait_s = wait_s
         self.pages = kv_pages(llm)
         self.imports = 0  # transfers completed, since start
         self.bytes = 0  # KV bytes received, since start
-        self.active = 0  # imports under way: reserved, pulling, not yet a request stream
+        self.active = 0  # imports under way: waiting for room, reserved, pulling
+        self.waiting = 0  # imports waiting for KV room (in arrival order: see _reserve)
+        self._turn = asyncio.Lock()  # FIFO: the import whose turn it is to reserve
 
     async def submit(
         self, group: RequestGroup, source: str, trace_ctx: Context | None = None
     ) -> tuple[RequestStream, PullResult | None]:
         """Pull the prompt's KV of `group` (validated by `prepare_request`) from the prefill
         worker at `source` ("host:port"), then queue it; the pull's span is a child of
-        `trace_ctx`. Raises KVCacheFullError before any byte
-        moves when the blocks do not fit, KVTransferError when the transfer fails; the reserved
-        blocks are freed on every failure, a cancellation (the client left) included."""
+        `trace_ctx`. While the KV cache has no room for the prompt, the import waits for
+        requests to end and free blocks (in arrival order, as a colocated request waits in the
+        scheduler's queue; nothing is asked of the prefill worker meanwhile), at most `wait_s`.
+        Raises KVCacheFullError before any byte moves when the blocks do not fit by then (or
+        never can), QueueFullError when as many imports wait as the scheduler's queue holds,
+        KVTransferError when the transfer fails; the reserved blocks are freed on every
+        failure, a cancellation (the client left) included."""
         self.active += 1
         try:
             return await self._submit(group, source, trace_ctx)
@@ -119,14 +133,7 @@ class KVImporter:
     async def _submit(
         self, group: RequestGroup, source: str, trace_ctx: Context | None
     ) -> tuple[RequestStream, PullResult | None]:
-        reserved = await self.llm.call(lambda engine: engine.reserve_import(group))
-        if reserved is None:
-            need = len(group.prompt_token_ids)
-            raise KVCacheFullError(
-                f"no KV room for the prompt's {need} tokens on this worker "
-                f"({self.llm.stats()['free_kv_blocks']} free blocks)"
-            )
-        cached, dst = reserved
+        cached, dst = await self._reserve(group)
         try:
             result = None
             if dst:  # else every block is in this worker's prefix cache already
@@ -136,6 +143,40 @@ class KVImporter:
         except BaseException:
             self.llm.call(lambda engine: engine.cancel_import(group))  # runs though not awaited
             raise
+
+    async def _reserve(self, group: RequestGroup) -> tuple[int, list[int]]:
+        """The prompt's blocks reserved (engine.reserve_import), waiting for room as `submit`
+        says: imports take turns in arrival order, so a large prompt is not passed over by
+        smaller ones that fit first."""
+        engine = self.llm.engine
+        need = -(-(len(group.prompt_token_ids) - 1) // engine.config.block_size)
+        if need > engine.blocks.num_blocks:
+            raise KVCacheFullError(
+                f"the prompt's {len(group.prompt_token_ids)} tokens need {need} KV blocks; this "
+                f"worker's cache has {engine.blocks.num_blocks}"
+            )
+        if self.waiting >= engine.scheduler.max_waiting:
+            raise QueueFullError(
+                f"{self.waiting} imports already wait for KV room (the waiting queue holds "
+                f"{engine.scheduler.max_waiting})"
+            )
+        self.waiting += 1
+        try:
+            async with self._turn:
+                deadline = time.monotonic() + self.wait_s
+                while True:
+                    reserved = await self.llm.call(lambda e: e.reserve_import(group))
+                    if reserved is not None:
+                        return reserved
+                    if time.monotonic() >= deadline:
+                        raise KVCacheFullError(
+                            f"no KV room for the prompt's {len(group.prompt_token_ids)} tokens "
+                            f"on this worker within {self.wait_s:g} s "
+                            f"({self.llm.stats()['free_kv_blocks']} free blocks)"
+                        )
+                    await asyncio.sleep(_ROOM_POLL_S)
+        finally:
+            self.waiting -= 1
 
     async def _pull(
         self, group: RequestGroup, source: str, cached: int, dst: list[int],

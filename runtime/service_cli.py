@@ -122,6 +122,7 @@ def cmd_worker(args: argparse.Namespace) -> int:
         drain_timeout_s=args.drain_timeout,
         kv_port=args.kv_port,
         kv_hold_s=args.kv_hold,
+        kv_import_wait_s=args.kv_import_wait,
         worker_id=args.worker_id or "",
         tool_call_parser=args.tool_call_parser,
     )
@@ -363,6 +364,9 @@ def add_service_commands(sub: argparse._SubParsersAction, engine_args) -> None: 
     )
     w.add_argument("--kv-hold", type=float, default=30.0,
                    help="seconds pulled KV blocks wait for the puller's acknowledgement")  # fmt: skip
+    w.add_argument("--kv-import-wait", type=float, default=10.0,
+                   help="decode side: seconds a request whose prompt KV does not fit yet waits "
+                   "for room before it is refused (503 kv_cache_full)")  # fmt: skip
     w.add_argument("--tool-call-parser", default=None,
                    choices=["hermes", "llama3_json", "mistral"],
                    help="tool-call format of the model's output (default: the one its chat "

@@ -86,6 +86,7 @@ class WorkerConfig:
     max_body_bytes: int = 4 << 20  # largest request body accepted
     kv_port: int = 0  # KV transfer server port (prefill side of disaggregation); 0: a free one
     kv_hold_s: float = 30.0  # how long pulled KV blocks are held for an acknowledgement
+    kv_import_wait_s: float = 10.0  # how long an import waits for KV room (decode side)
     worker_id: str = field(default="")  # unique id; generated when empty
     telemetry: TelemetryConfig | None = None  # traces/metrics export; None: /metrics only
     tool_call_parser: str | None = None  # tool-call format (runtime/tool_parsers.PARSERS);
@@ -100,8 +101,8 @@ class WorkerConfig:
             raise ValueError(f"invalid region name {self.region!r}")
         if self.heartbeat_s <= 0 or self.ttl_s <= self.heartbeat_s:
             raise ValueError("need 0 < heartbeat_s < ttl_s")
-        if not 0 <= self.kv_port < 65536 or self.kv_hold_s <= 0:
-            raise ValueError("need 0 <= kv_port < 65536 and kv_hold_s > 0")
+        if not 0 <= self.kv_port < 65536 or self.kv_hold_s <= 0 or self.kv_import_wait_s < 0:
+            raise ValueError("need 0 <= kv_port < 65536, kv_hold_s > 0 and kv_import_wait_s >= 0")
         if self.tool_call_parser is not None and self.tool_call_parser not in PARSERS:
             raise ValueError(f"tool_call_parser must be one of {PARSERS}")
         if not self.worker_id:
@@ -138,7 +139,7 @@ class Worker:
         self.publisher: CacheEventPublisher | None = None  # the prefix cache's events to Redis
         self._redis_ok = True
         self.kv_server = export_server(llm, config.secret, config.kv_hold_s, self._served)
-        self.importer = KVImporter(llm, config.secret, self.telemetry)
+        self.importer = KVImporter(llm, config.secret, self.telemetry, config.kv_import_wait_s)
         self.telemetry.watch(
             llm.stats, lambda: self.kv_server.bytes_sent, lambda: self.importer.bytes
         )

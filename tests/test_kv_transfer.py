@@ -39,6 +39,7 @@ from runtime.config import EngineConfig
 from runtime.disagg import KVCacheFullError, KVImporter, export_server
 from runtime.engine import LLMEngine
 from runtime.sampling_params import SamplingParams
+from runtime.scheduler import QueueFullError
 
 SECRET = "s3cret"
 BS = 16
@@ -195,22 +196,15 @@ def test_prefix_hit_on_the_decode_side_skips_those_blocks(engines) -> None:  # t
     asyncio.run(main())
 
 
-def test_no_room_is_refused_before_any_byte_moves(stories_dir: Path, engines) -> None:  # type: ignore[no-untyped-def]
-    prefill, _, _ = engines
-    small = _llm(stories_dir, kv_bytes=20 * 5 * 2 * BS * 4 * 8 * 4)  # 20 blocks = 320 tokens
+def _on_small_engine(stories_dir: Path, prefill: AsyncLLM,
+                     body: Callable[[AsyncLLM, str, KVTransferServer], Awaitable[None]],
+                     **kw) -> None:  # type: ignore[no-untyped-def]  # fmt: skip
+    """Run `body(small, addr, server)` against a decode engine of 20 blocks (320 tokens) and
+    `prefill`'s export server; afterwards the small engine holds no block."""
+    small = _llm(stories_dir, kv_bytes=20 * 5 * 2 * BS * 4 * 8 * 4, **kw)
 
     async def main() -> None:
-        async def body(addr: str, server: KVTransferServer) -> None:
-            # 400 tokens do not fit in 20 blocks: engine validation refuses max_tokens first
-            g = small.engine.prepare_request("big", _prompt(300), SamplingParams(max_tokens=8))
-            hog = small.engine.prepare_request("hog", _prompt(250), SamplingParams(max_tokens=8))
-            assert await small.call(lambda e: e.reserve_import(hog)) is not None
-            with pytest.raises(KVCacheFullError):
-                await KVImporter(small, SECRET).submit(g, addr)
-            assert server.bytes_sent == 0 and server.pulls_served == 0
-            await small.call(lambda e: e.cancel_import(hog))
-
-        await _with_server(prefill, body)
+        await _with_server(prefill, lambda addr, server: body(small, addr, server))
         await _settled(small)
         assert _allocated(small) == 0
 
@@ -218,6 +212,61 @@ def test_no_room_is_refused_before_any_byte_moves(stories_dir: Path, engines) ->
         asyncio.run(main())
     finally:
         small.shutdown()
+
+
+def test_no_room_is_refused_before_any_byte_moves(stories_dir: Path, engines) -> None:  # type: ignore[no-untyped-def]
+    async def body(small: AsyncLLM, addr: str, server: KVTransferServer) -> None:
+        # 400 tokens do not fit in 20 blocks: engine validation refuses max_tokens first
+        g = small.engine.prepare_request("big", _prompt(300), SamplingParams(max_tokens=8))
+        hog = small.engine.prepare_request("hog", _prompt(250), SamplingParams(max_tokens=8))
+        assert await small.call(lambda e: e.reserve_import(hog)) is not None
+        t0 = time.monotonic()
+        with pytest.raises(KVCacheFullError, match=r"within 0\.3 s"):
+            await KVImporter(small, SECRET, wait_s=0.3).submit(g, addr)
+        assert time.monotonic() - t0 >= 0.3  # it waited for room first
+        assert server.bytes_sent == 0 and server.pulls_served == 0
+        await small.call(lambda e: e.cancel_import(hog))
+
+    _on_small_engine(stories_dir, engines[0], body)
+
+
+def test_an_import_waits_for_room_in_arrival_order(stories_dir: Path, engines) -> None:  # type: ignore[no-untyped-def]
+    """With the cache full, imports wait (as a colocated request waits in the queue) and go
+    in the order they came once blocks are freed; past the queue's bound they are refused."""
+    prefill, _, alone = engines
+    params = SamplingParams(max_tokens=8, temperature=0.0)
+
+    async def reference() -> list[int]:
+        return await _collect(alone.submit(_prompt(200), params, "wait-ref"))
+
+    expected = asyncio.run(reference())
+
+    async def body(small: AsyncLLM, addr: str, server: KVTransferServer) -> None:
+        hog = small.engine.prepare_request("hog", _prompt(250), params)
+        assert await small.call(lambda e: e.reserve_import(hog)) is not None
+        importer = KVImporter(small, SECRET, wait_s=30)
+        order: list[str] = []
+
+        async def run(rid: str, n: int) -> list[int]:
+            group = small.engine.prepare_request(rid, _prompt(n), params)
+            stream, _ = await importer.submit(group, addr)
+            order.append(rid)
+            return await _collect(stream)
+
+        first = asyncio.create_task(run("first", 200))
+        await asyncio.sleep(0.05)
+        second = asyncio.create_task(run("second", 17))  # fits sooner, but comes second
+        await asyncio.sleep(0.2)
+        assert importer.waiting == 2 and server.pulls_served == 0
+        third = small.engine.prepare_request("third", _prompt(17), params)
+        with pytest.raises(QueueFullError, match="2 imports already wait"):
+            await importer.submit(third, addr)
+        await small.call(lambda e: e.cancel_import(hog))  # the running request ends
+        assert await first == expected
+        await second
+        assert order == ["first", "second"] and server.pulls_served == 2
+
+    _on_small_engine(stories_dir, prefill, body, max_waiting=2)
 
 
 async def _evil_server(mutate: Callable[[bytes], bytes | None]) -> tuple[asyncio.Server, str]:
