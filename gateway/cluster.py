@@ -74,6 +74,15 @@ class ClusterView:
             self.redis_ok = False
             return
         reset = not self.redis_ok or (marker is None and self.refreshed_at > 0)
+        if marker is None and self.refreshed_at > 0:
+            # Redis lost its data before the marker was read: perhaps after the registry was,
+            # so read it again, or the workers it lost would not be carried
+            try:
+                workers = await self.registry.workers()
+            except Exception as e:
+                log.warning("redis unreachable, routing on the last known registry: %s", e)
+                self.redis_ok = False
+                return
         if not self.redis_ok:  # (at start-up routine; after an outage worth a warning)
             level = logging.WARNING if self.refreshed_at else logging.INFO
             log.log(level, "redis reachable: %d workers registered", len(workers))
@@ -127,6 +136,14 @@ class ClusterView:
             return None
         return self.catalog.nearest_first(self.config.region, regions)[0]
 
+    @property
+    def recovering(self) -> bool:
+        """Whether workers lost by a restart or an outage of Redis are being carried: until
+        they register again, the prefix index lacks their blocks (a worker writes them again
+        at its next heartbeat), so a prefix match would send every session to whichever worker
+        wrote its entries first, and the session would stay there."""
+        return bool(self._carried)
+
     def live_workers(self) -> list[WorkerInfo]:
         return [w for w in self.workers if w.worker_id not in self.failed]
 
@@ -154,8 +171,13 @@ class ClusterView:
             return None
 
     async def record(self, session_id: str, old: Placement | None, worker: WorkerInfo) -> None:
+        """Place the session on `worker` (claim it, or move it from `old`). Not while
+        `recovering`: sessions are routed by load meanwhile and placed once every worker has
+        registered again and written its prefix cache's entries."""
         new = Placement(worker.worker_id, worker.region)
         if (old is not None and old.worker_id == worker.worker_id) or not self.redis_ok:
+            return
+        if old is None and self.recovering:
             return
         try:
             if old is None:

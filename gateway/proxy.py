@@ -165,12 +165,12 @@ class Proxy:
         Skipped (the worker tokenizes, routing goes by load) when the session's worker will
         take the request anyway, unless prefill and decode are disaggregated (whether a prompt
         is worth a transfer goes by its tokens that worker does not hold: a conversation's next
-        turn is mostly in its cache), when Redis is down, or while no tokenizer bundle is
-        available.
+        turn is mostly in its cache), when Redis is down or its index is being rebuilt after a
+        restart (`ClusterView.recovering`), or while no tokenizer bundle is available.
         """
         assert call.gen is not None
         view = self.view
-        if not view.redis_ok or view.router.policy != "cache-aware":
+        if not view.redis_ok or view.router.policy != "cache-aware" or view.recovering:
             return
         workers = [w for w in view.live_workers() if w.model == call.gen.model and w.cache_id]
         if not workers:

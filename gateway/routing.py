@@ -121,15 +121,18 @@ class Router:
             # workers with KV room for the prompt first, then by cost
             group.sort(key=lambda w: (not has_room(w), cost(w)))
             # loads are a heartbeat old: costs closer than one request's worth count as equal;
-            # among those, the longest cached prefix wins, else rotate so sessions spread evenly
+            # among those, the longest cached prefix wins, and workers that tie on it (every
+            # one holding a shared system prompt, or none anything) rotate, so that new
+            # sessions spread evenly rather than all going to the first worker id
             c0 = cost(group[0])
             best = [w for w in group if has_room(w) == has_room(group[0])
                     and cost(w) <= c0 + LOAD_TIE_TOKENS]  # fmt: skip
-            if max(hits.get(w.worker_id, 0) for w in best) > 0:
-                best.sort(key=lambda w: (-hits.get(w.worker_id, 0), cost(w)))
-            else:
-                k = turn % len(best)
-                best = best[k:] + best[:k]
+            top = max(hits.get(w.worker_id, 0) for w in best)
+            tied = [w for w in best if hits.get(w.worker_id, 0) == top]
+            k = turn % len(tied)
+            rest = sorted((w for w in best if hits.get(w.worker_id, 0) < top),
+                          key=lambda w: (-hits.get(w.worker_id, 0), cost(w)))  # fmt: skip
+            best = tied[k:] + tied[:k] + rest
             ordered += best + [w for w in group if w not in best]
         first = ordered[0]
         reason = "local" if first.region == self.region else "remote"

@@ -12,6 +12,7 @@ import logging
 import shutil
 import subprocess
 import sys
+import time
 from collections.abc import AsyncIterator
 from pathlib import Path
 from types import SimpleNamespace
@@ -363,6 +364,12 @@ async def test_prefix_lookup_scores_every_cache_layout_of_a_model(
         assert c.cached == {"w1": 32, "w2": 16}
         assert c.gen is not None and c.gen.messages is None
         assert c.gen.prompt == worker_ids(chat_dir, None, messages)
+        # Redis restarted and w3 has not registered again: the index is partial, not asked
+        view._carried = {"w3": (view.workers[0], time.monotonic() + 10)}
+        assert view.recovering
+        c = call()
+        await proxy.prefix_lookup(c)
+        assert c.cached == {} and c.gen is not None and c.gen.messages is not None
     finally:
         tel.shutdown()
         await view.tokenizers.aclose()

@@ -280,3 +280,49 @@ async def test_stop_task_ends_a_loop_that_lost_a_cancel() -> None:
     await asyncio.sleep(0)
     with pytest.raises(RuntimeError, match="loop failed"):
         await stop_task(failing)
+
+
+# --- the gateway's view of the registry across a Redis restart ---------------------------------
+
+
+async def test_workers_lost_while_the_registry_is_read_are_carried(
+    r: Redis, redis_server: LocalRedis
+) -> None:
+    """Redis restarted empty between a refresh's registry read and its marker check: the
+    workers it lost are carried (they were dropped), no session is placed until they register
+    again (the prefix index lacks their blocks meanwhile), then placement resumes."""
+    from gateway.cluster import ClusterView
+    from gateway.config import GatewayConfig
+    from gateway.regions import DEFAULT_CATALOG, RegionCatalog
+
+    reg = Registry(r)
+    for wid in ("w0", "w1", "w2"):
+        await reg.heartbeat(worker(wid, region="eu-west"))
+    view = ClusterView(GatewayConfig("eu-west", redis_server.url, "s"),
+                       r, RegionCatalog.load(DEFAULT_CATALOG))  # fmt: skip
+    await view.refresh()
+    await view.refresh()
+    assert sorted(w.worker_id for w in view.workers) == ["w0", "w1", "w2"]
+    read = view.demand.pools
+
+    async def restart_after_the_read():  # type: ignore[no-untyped-def]
+        pools = await read()
+        await r.flushall()  # Redis comes back empty; w0's heartbeat is the first
+        await reg.heartbeat(worker("w0", region="eu-west"))
+        return pools
+
+    view.demand.pools = restart_after_the_read  # type: ignore[method-assign]
+    await view.refresh()
+    view.demand.pools = read  # type: ignore[method-assign]
+    assert sorted(w.worker_id for w in view.workers) == ["w0", "w1", "w2"]
+    assert view.recovering
+    w1 = next(w for w in view.workers if w.worker_id == "w1")
+    await view.record("talk", None, w1)
+    assert await view.placement("talk") is None  # not placed while the index is partial
+    for wid in ("w1", "w2"):
+        await reg.heartbeat(worker(wid, region="eu-west"))
+    await view.refresh()
+    assert not view.recovering
+    await view.record("talk", None, w1)
+    placed = await view.placement("talk")
+    assert placed is not None and placed.worker_id == "w1"

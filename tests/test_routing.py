@@ -80,6 +80,20 @@ def test_ties_rotate_and_inflight_counts() -> None:
     assert r.inflight_tokens == {}
 
 
+def test_workers_that_hold_the_same_prefix_share_new_sessions() -> None:
+    """Every worker holds a shared system prompt: new sessions rotate over them (they all
+    went to the first worker id); a worker holding more of the prompt still wins."""
+    r = Router("eu-west", CATALOG)
+    ws = [worker("a"), worker("b"), worker("c")]
+    same = {"a": 64, "b": 64, "c": 64}
+    firsts = [r.route("m", ws, cached=same, prompt_tokens=100).candidates[0].worker_id
+              for _ in range(6)]  # fmt: skip
+    assert sorted(firsts) == ["a", "a", "b", "b", "c", "c"]
+    more = {"a": 64, "b": 96, "c": 64}
+    routes = [r.route("m", ws, cached=more, prompt_tokens=100) for _ in range(3)]
+    assert {(x.candidates[0].worker_id, x.reason) for x in routes} == {("b", "prefix")}
+
+
 def test_great_circle_distances() -> None:
     assert CATALOG.distance_km("eu-west", "eu-west") == 0
     d = CATALOG.distance_km("us-east", "eu-west")  # Ashburn - Dublin, about 5,450 km
