@@ -322,17 +322,29 @@ def cmd_models(args: argparse.Namespace) -> int:
 
 
 def cmd_verify(args: argparse.Namespace) -> int:
-    from runtime.manifest import read_manifest
+    from runtime.manifest import is_compressed, read_manifest
 
     store = _store(args)
     problems = store.verify(args.name, progress=_progress)
+    folder = store.resolve(args.name)
+    compressed = is_compressed(folder)
     if problems:
         for line in problems:
             print(f"edgeinfer: error: {line}", file=sys.stderr)
-        print(f"pull it again: edgeinfer pull SOURCE --name {args.name} --force", file=sys.stderr)
+        if compressed:
+            print("compress it again, into an empty folder: edgeinfer compress SOURCE OUT_DIR",
+                  file=sys.stderr)  # fmt: skip
+        else:
+            print(f"pull it again: edgeinfer pull SOURCE --name {args.name} --force",
+                  file=sys.stderr)  # fmt: skip
         return 1
-    manifest = read_manifest(store.resolve(args.name))
-    shards = len(manifest.shards) if manifest else 0
+    if compressed:
+        from runtime.compression import read_manifest as read_compressed
+
+        shards = len(read_compressed(folder).shards)
+    else:
+        manifest = read_manifest(folder)
+        shards = len(manifest.shards) if manifest else 0
     print(f"{args.name}: {shards} shard{'s' if shards != 1 else ''}, every checksum matches")
     return 0
 

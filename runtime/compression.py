@@ -313,6 +313,61 @@ def read_manifest(folder: str | os.PathLike[str]) -> CompressedManifest:
         raise ModelLoadError(f"{path}: corrupt manifest ({e})") from e
 
 
+def manifest_fingerprint(folder: str | os.PathLike[str]) -> bytes:
+    """What identifies a compressed folder's weights: the format, the shards and every tensor's
+    checksum; not when or from where it was compressed (two compressions of one model, e.g. on
+    two nodes, are the same weights: the same prefix-cache identity, KV they can exchange)."""
+    path = Path(folder) / MANIFEST_NAME
+    try:
+        raw = json.loads(path.read_text(encoding="utf-8"))
+        keep = {k: raw[k] for k in ("format", "shards", "tensors", "bf16_bytes", "cast_from")
+                if k in raw}  # fmt: skip
+    except (OSError, ValueError, TypeError) as e:
+        raise ModelLoadError(f"{path}: cannot read ({e})") from e
+    return json.dumps(keep, sort_keys=True).encode()
+
+
+def verify_compressed(
+    folder: str | os.PathLike[str], progress: Callable[[int, str], None] | None = None
+) -> list[str]:
+    """Re-read every record of a compressed folder and check it against the manifest's
+    checksum: one line per problem (a missing, truncated or corrupt shard, naming the file and
+    the tensor); [] = sound. `progress(bytes, file)` after each shard."""
+    folder = Path(folder)
+    try:
+        manifest = read_manifest(folder)
+    except ModelLoadError as e:
+        return [str(e)]
+    problems = []
+    listed: set[str] = set()
+    for file, size in manifest.shards.items():
+        try:
+            shard = read_shard(folder / file, size)
+        except ModelLoadError as e:
+            problems.append(str(e))
+            continue
+        try:
+            with shard.path.open("rb") as f:
+                for t in shard.tensors:
+                    listed.add(t.name)
+                    f.seek(t.begin)
+                    got = xxhash.xxh3_64_hexdigest(f.read(t.end - t.begin))
+                    want = manifest.checksums.get(t.name)
+                    if got != want:
+                        problems.append(
+                            f"{shard.path}: tensor {t.name!r} is corrupt (xxh3-64 {got}, the "
+                            f"manifest says {want})"
+                        )
+        except OSError as e:
+            problems.append(f"{shard.path}: cannot read ({e})")
+        if progress is not None:
+            progress(size, file)
+    missing = sorted(set(manifest.checksums) - listed)
+    if missing and not problems:
+        problems.append(f"{folder / MANIFEST_NAME}: tensors no shard holds: {missing[:3]}")
+    return problems
+
+
 def shard_headers(folder: str | os.PathLike[str]) -> list[Shard]:
     """Every shard's tensors as runtime.weights describes a safetensors shard's, so the loader
     can map and check them against the model before anything is read. A tensor's begin..end

@@ -72,6 +72,11 @@ def safetensors_files(model_dir: Path) -> list[Path]:
     single = model_dir / "model.safetensors"
     if single.is_file():
         return [single]
+    if any(model_dir.glob("*.ei11")):
+        raise ModelLoadError(
+            f"{model_dir}: compressed shards (*.ei11) but no {COMPRESSED_MANIFEST_NAME}: the "
+            "copy is incomplete; copy the whole folder again, or compress the model again"
+        )
     raise ModelLoadError(
         f"{model_dir}: no model.safetensors or model.safetensors.index.json "
         "(for a GGUF file, run `edgeinfer import-gguf FILE OUT_DIR` first)"
@@ -85,7 +90,9 @@ def model_revision(model_dir: str | Path) -> str:
     model_dir = Path(model_dir)
     h = hashlib.sha256((model_dir / "config.json").read_bytes())
     if is_compressed(model_dir):  # its manifest names every tensor with its checksum
-        h.update((model_dir / COMPRESSED_MANIFEST_NAME).read_bytes())
+        from runtime.compression import manifest_fingerprint
+
+        h.update(manifest_fingerprint(model_dir))
         return h.hexdigest()[:16]
     for f in safetensors_files(model_dir):
         with f.open("rb") as fh:

@@ -178,6 +178,16 @@ class ModelStore:
         """Re-read every shard and check it against the manifest: one line per problem (a
         missing, truncated or corrupt shard, naming it and the bytes that differ); [] = sound."""
         folder = self._existing(name)
+        if is_compressed(folder):  # `edgeinfer compress` output: a checksum per tensor
+            from runtime.compression import read_manifest as read_compressed
+            from runtime.compression import verify_compressed
+
+            try:
+                total = sum(read_compressed(folder).shards.values())
+            except ModelLoadError as e:
+                return [str(e)]
+            meter = _Meter(total, progress or (lambda _msg: None), "checked")
+            return verify_compressed(folder, meter.advance)
         manifest = read_manifest(folder)
         if manifest is None:
             raise StoreError(

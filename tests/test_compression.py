@@ -9,6 +9,7 @@ import importlib.util
 import itertools
 import json
 import os
+import shutil
 import threading
 import time
 from pathlib import Path
@@ -290,6 +291,55 @@ def test_tensors_without_a_destination_share_a_fresh_arena_per_shard(tmp_path: P
     assert len(bases) == 2 and all(len(b) == 1 for b in bases.values())
     ends = sorted((t.data_ptr(), t.data_ptr() + t.nbytes) for _, _, t in got)
     assert all(a[1] <= b[0] for a, b in itertools.pairwise(ends))  # none overlap
+
+
+def test_two_compressions_of_one_model_are_one_revision(tmp_path: Path) -> None:
+    """Same weights, same prefix-cache identity (so workers on copies compressed apart, e.g.
+    on two nodes, exchange KV), whenever and from wherever they were compressed."""
+    from runtime.loader import model_revision
+
+    src = _folder(tmp_path / "src", _mixed())
+    compress_model(src, tmp_path / "a", chunk_elems=1024)
+    time.sleep(1.1)  # another "created" second
+    moved = tmp_path / "moved"
+    shutil.copytree(src, moved)
+    compress_model(moved, tmp_path / "b", chunk_elems=1024)
+    manifests = [json.loads((tmp_path / d / MANIFEST_NAME).read_text()) for d in "ab"]
+    assert manifests[0]["created"] != manifests[1]["created"]
+    assert model_revision(tmp_path / "a") == model_revision(tmp_path / "b")
+    other = {**_mixed(), "w.normal": _weights((300, 700), "normal", seed=9)}
+    compress_model(_folder(tmp_path / "src2", other), tmp_path / "c", chunk_elems=1024)
+    assert model_revision(tmp_path / "c") != model_revision(tmp_path / "a")
+
+
+def test_verify_checks_every_record_of_a_stored_compressed_model(tmp_path: Path) -> None:
+    from runtime.model_store import ModelStore
+
+    store = ModelStore(tmp_path / "store")
+    out = tmp_path / "store" / "small"
+    compress_model(_folder(tmp_path / "src", _mixed(), 2), out, chunk_elems=1024)
+    said: list[str] = []
+    assert store.verify("small", progress=said.append) == []
+    assert said and "checked" in said[-1]
+    shard = sorted(out.glob("*.ei11"))[0]
+    entry = next(t for t in read_shard(shard).tensors if t.encoding == "huffman")
+    data = bytearray(shard.read_bytes())
+    data[(entry.begin + entry.end) // 2] ^= 0x10
+    shard.write_bytes(bytes(data))
+    problems = store.verify("small")
+    assert len(problems) == 1 and f"tensor {entry.name!r} is corrupt" in problems[0]
+    shard.write_bytes(bytes(data[:-100]))
+    assert "truncated" in store.verify("small")[0]
+
+
+def test_shards_without_their_manifest_are_named_as_such(tmp_path: Path) -> None:
+    out = tmp_path / "out"
+    compress_model(_folder(tmp_path / "src", _mixed()), out, chunk_elems=1024)
+    (out / MANIFEST_NAME).unlink()  # an interrupted copy
+    from runtime.loader import safetensors_files
+
+    with pytest.raises(ModelLoadError, match=f"no {MANIFEST_NAME}: the copy is incomplete"):
+        safetensors_files(out)  # where a loader finds a plain folder's weight files
 
 
 def test_cast_to_bfloat16_on_request(tmp_path: Path) -> None:
