@@ -225,10 +225,13 @@ class Proxy:
         assert call.gen is not None and call.options is not None
         last: APIError | None = None
         router = self.view.router
-        call.roles, call.disaggregated = router.serving_roles(
-            call.gen.model, self.view.live_workers()
-        )
         for _ in range(self.config.max_attempts):
+            # per attempt: once the last decode (or prefill) worker has failed, the side left
+            # serves whole requests, and a retry goes there
+            call.roles, call.disaggregated = router.serving_roles(
+                call.gen.model, [w for w in self.view.live_workers()
+                                 if w.worker_id not in call.tried]
+            )  # fmt: skip
             if last is not None:
                 call.route_started = time.perf_counter()
             worker = await self.route_or_hold(call, last)
@@ -436,11 +439,10 @@ class Proxy:
                     if finished:
                         return
         except (aiohttp.ClientError, TimeoutError, ValueError) as e:
-            failed = WorkerFailed(
-                worker,
-                unavailable(f"worker {worker.worker_id} failed: {e!r}", code="worker_failed"),
-                dead=True,
-            )
+            log.info("request %s: worker %s failed: %r", gen.request_id, worker.worker_id, e)
+            error = unavailable(f"worker {worker.worker_id} failed ({_failure(e)})",
+                                code="worker_failed")  # fmt: skip
+            failed = WorkerFailed(worker, error, dead=True)
             span.set_status(Status(StatusCode.ERROR, str(failed)[:200]))
             raise failed from e
         except (WorkerFailed, APIError) as e:
@@ -620,6 +622,20 @@ async def _read_json(request: web.Request, limit: int, timeout_s: float) -> obje
         return orjson.loads(raw)
     except orjson.JSONDecodeError as e:
         raise invalid(None, f"the request body is not valid JSON: {e}", "invalid_json") from e
+
+
+def _failure(e: BaseException) -> str:
+    """What went wrong with a worker, in a few words for the client (the full exception goes
+    to the gateway's log)."""
+    if isinstance(e, aiohttp.ClientConnectorError):
+        return "cannot connect"
+    if isinstance(e, TimeoutError | aiohttp.ServerTimeoutError):
+        return "no answer in time"
+    if isinstance(e, aiohttp.ServerDisconnectedError | aiohttp.ClientPayloadError):
+        return "the connection broke"
+    if isinstance(e, ValueError):
+        return "a malformed answer"
+    return type(e).__name__
 
 
 def _prompt_estimate(gen: GenerateRequest) -> int:

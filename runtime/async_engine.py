@@ -68,6 +68,8 @@ class _Call:
 
 T = TypeVar("T")
 
+IDLE_WAIT_S = 0.005  # the engine thread's wait after a step that could run nothing
+
 
 class AsyncLLM:
     def __init__(self, engine: LLMEngine):
@@ -179,11 +181,9 @@ class AsyncLLM:
             calls = [c for c in self._inbox if isinstance(c, _Call)]
             self._inbox = []
         for call in calls:  # never ran: the engine is gone
-            call.loop.call_soon_threadsafe(_fail, call.future)
+            _post(call.loop, _fail, call.future)
         for stream in streams.values():
-            stream.loop.call_soon_threadsafe(
-                stream.queue.put_nowait, EngineDeadError("the engine shut down")
-            )
+            _post(stream.loop, stream.queue.put_nowait, EngineDeadError("the engine shut down"))
 
     # ------------------------------------------------------------------ the engine thread
     def _run(self) -> None:
@@ -211,8 +211,10 @@ class AsyncLLM:
                     out = engine.abort(cmd.request_id)
                     if out is not None:
                         deliveries.append((cmd.request_id, out))
+            idle = False
             try:
                 outputs = engine.step()
+                idle = not outputs and engine.last_step_idle
             except Exception as e:  # a bug in a step: fail its requests, keep serving
                 log.exception("engine step failed")
                 for rid in engine.unfinished_request_ids():
@@ -225,6 +227,12 @@ class AsyncLLM:
                 if stored or evicted:
                     self._cache_listener(stored, evicted)
             self._deliver(deliveries, engine.stats())
+            if idle and not deliveries:
+                # requests wait that nothing can run yet (their blocks held by KV imports still
+                # pulling, say): wait for a call or a new request rather than spin a core
+                with self._cv:
+                    if not self._inbox and not self._stopped:
+                        self._cv.wait(IDLE_WAIT_S)
 
     def _deliver(
         self, deliveries: list[tuple[str, RequestOutput | BaseException]], stats: dict[str, int]
@@ -240,7 +248,20 @@ class AsyncLLM:
                     del self._streams[rid]
                 routed.append((stream, item))
         for stream, item in routed:
-            stream.loop.call_soon_threadsafe(stream.queue.put_nowait, item)
+            delivered = _post(stream.loop, stream.queue.put_nowait, item)
+            if not delivered and not (isinstance(item, BaseException) or item.finished):
+                self.abort(item.request_id)  # its reader is gone: free its blocks
+
+
+def _post(loop: asyncio.AbstractEventLoop, fn: Callable[..., Any], *args: Any) -> bool:
+    """Run fn(*args) on `loop`, from the engine thread; False when that loop has closed (its
+    caller is gone: a client's request handler, a test's asyncio.run). The engine thread must
+    not die of it: every later call and request would wait on it for ever."""
+    try:
+        loop.call_soon_threadsafe(fn, *args)
+    except RuntimeError:  # "Event loop is closed"
+        return False
+    return True
 
 
 def _fail(future: asyncio.Future[Any]) -> None:
@@ -263,7 +284,7 @@ def _settle(cmd: _Call, engine: LLMEngine) -> None:
         else:
             cmd.future.set_result(result)
 
-    cmd.loop.call_soon_threadsafe(done)
+    _post(cmd.loop, done)
 
 
 class RequestStream:

@@ -161,22 +161,41 @@ class KVImporter:
                 f"{engine.scheduler.max_waiting})"
             )
         self.waiting += 1
+        deadline = time.monotonic() + self.wait_s  # from its arrival, not from its turn
         try:
-            async with self._turn:
-                deadline = time.monotonic() + self.wait_s
+            try:  # imports take turns in arrival order
+                await asyncio.wait_for(self._turn.acquire(), max(0.0, deadline - time.monotonic()))
+            except TimeoutError:
+                raise self._full(group, "earlier imports still wait") from None
+            try:
                 while True:
-                    reserved = await self.llm.call(lambda e: e.reserve_import(group))
+                    reserved = await self._try_reserve(group)
                     if reserved is not None:
                         return reserved
                     if time.monotonic() >= deadline:
-                        raise KVCacheFullError(
-                            f"no KV room for the prompt's {len(group.prompt_token_ids)} tokens "
-                            f"on this worker within {self.wait_s:g} s "
-                            f"({self.llm.stats()['free_kv_blocks']} free blocks)"
-                        )
+                        raise self._full(group, f"{self.llm.stats()['free_kv_blocks']} free blocks")
                     await asyncio.sleep(_ROOM_POLL_S)
+            finally:
+                self._turn.release()
         finally:
             self.waiting -= 1
+
+    def _full(self, group: RequestGroup, why: str) -> KVCacheFullError:
+        return KVCacheFullError(
+            f"no KV room for the prompt's {len(group.prompt_token_ids)} tokens on this worker "
+            f"within {self.wait_s:g} s ({why})"
+        )
+
+    async def _try_reserve(self, group: RequestGroup) -> tuple[int, list[int]] | None:
+        """One reserve_import on the engine thread. A cancellation (the client left) while it
+        is queued there does not stop it, so an undo is queued behind it: calls run in the
+        order they were posted."""
+        call = self.llm.call(lambda e: e.reserve_import(group))
+        try:
+            return await call
+        except asyncio.CancelledError:
+            self.llm.call(lambda e: e.cancel_import(group))
+            raise
 
     async def _pull(
         self, group: RequestGroup, source: str, cached: int, dst: list[int],

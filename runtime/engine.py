@@ -127,6 +127,7 @@ class LLMEngine:
         self._num_aborted = 0  # requests aborted before they finished, for stats
         self._exports: dict[str, RequestGroup] = {}  # KV exports by sequence id, until released
         self._imports: dict[str, RequestGroup] = {}  # KV imports reserved, not yet queued
+        self.last_step_idle = False  # the last step could run nothing (see AsyncLLM._run)
         # pipelined steps launched, not yet finished, oldest first: (lane, plan, the step)
         self._in_flight: deque[tuple[int, SchedulerOutput, Launched]] = deque()
         self._last_lane = -1
@@ -377,14 +378,28 @@ class LLMEngine:
         seq = group.seqs[0]
         if group.request_id in self._groups or group.request_id in self._imports:
             raise InvalidRequestError("request_id", f"{group.request_id!r} is already in use")
+        if not self._import_admissible():
+            return None
         want = len(group.prompt_token_ids) - 1  # the last prompt token is computed here
         cached = self.blocks.match_prefix(seq.request_id, group.prompt_token_ids)
         table = self.blocks.allocate(seq.request_id, want)
-        if table is None:
+        # room left for the running requests to grow: a block each, as their next tokens need
+        # (an import that takes it would preempt them, and recompute them here)
+        reserve = min(len(self.scheduler.running), self.blocks.num_blocks // 10)
+        if table is None or self.blocks.num_free_blocks < reserve:
             self.blocks.free(seq.request_id)
             return None
         self._imports[group.request_id] = group
         return cached, list(table[cached // self.config.block_size :])
+
+    def _import_admissible(self) -> bool:
+        """Whether a KV import may take blocks now, as the scheduler would admit a new request:
+        no request waits ahead of it for blocks (first come, first served), and a seat is free
+        (imports reserved or queued, and running requests, under max_num_seqs)."""
+        if any(not self.blocks.block_table(r.request_id) for r in self.scheduler.waiting):
+            return False
+        seats = len(self.scheduler.running) + len(self.scheduler.waiting) + len(self._imports)
+        return seats < self.config.max_num_seqs
 
     def commit_import(self, group: RequestGroup, cached_tokens: int) -> None:
         """The reserved blocks hold the prompt's KV (but its last token's): queue the request.
@@ -429,9 +444,11 @@ class LLMEngine:
     def step(self) -> list[RequestOutput]:
         """One step: with pipeline parallelism (lanes), launch the next lane's step and finish
         the oldest in flight once every stage has one (or there is nothing to launch)."""
+        self.last_step_idle = False
         if self.lanes == 1:
             out = self._schedule(0)
             if out.empty:
+                self.last_step_idle = True  # unfinished requests wait that nothing can run
                 return []
             return self._complete(out, self.runner.execute(out, self._block_tables(out)))
         launched = False
@@ -452,6 +469,7 @@ class LLMEngine:
                 launched = True
                 break
         if not self._in_flight or (launched and len(self._in_flight) < self.lanes):
+            self.last_step_idle = not launched and not self._in_flight
             return []
         _, out, step = self._in_flight.popleft()
         try:

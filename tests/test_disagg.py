@@ -318,6 +318,23 @@ def test_killed_decode_worker_mid_stream(split: Split) -> None:
                                 extra=["--role", "decode", "--kv-hold", str(HOLD_S)])  # fmt: skip
 
 
+def test_with_the_decode_worker_gone_the_prefill_worker_serves_the_retry(
+    split: Split, reference: LLM
+) -> None:
+    """The only decode worker dies: the registry still lists it (until its TTL), so the request
+    goes there first and fails; the retry finds the prefill side alone, which serves requests
+    whole. (Restarted afterwards for the next test.)"""
+    wait_until(lambda: get_json(f"{split.gateway.url}/readyz")[1]["workers"] >= 2, 30, "workers")
+    split.decode.kill()
+    text, headers, _ = _complete(split, STORY, {"temperature": 0.0})
+    assert text == _expected(reference, STORY, {"temperature": 0.0})
+    assert headers["x-edgeinfer-worker"] == split.prefill.meta["worker_id"]
+    assert "x-edgeinfer-prefill-worker" not in headers
+    _settled(split.prefill)
+    split.decode = start_worker("decode3", split.model, split.redis.url, split.root,
+                                extra=["--role", "decode", "--kv-hold", str(HOLD_S)])  # fmt: skip
+
+
 def test_killed_prefill_worker_costs_a_retry_not_the_request(split: Split, reference: LLM) -> None:
     wait_until(lambda: get_json(f"{split.gateway.url}/readyz")[1]["workers"] >= 2, 30, "workers")
     split.prefill.kill()

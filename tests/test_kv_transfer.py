@@ -10,6 +10,7 @@ that does not fit is refused before any byte moves.
 from __future__ import annotations
 
 import asyncio
+import os
 import struct
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -267,6 +268,134 @@ def test_an_import_waits_for_room_in_arrival_order(stories_dir: Path, engines) -
         assert order == ["first", "second"] and server.pulls_served == 2
 
     _on_small_engine(stories_dir, prefill, body, max_waiting=2)
+
+
+def test_waits_for_room_count_from_each_import_s_arrival(stories_dir: Path, engines) -> None:  # type: ignore[no-untyped-def]
+    """Three imports behind a full cache, wait_s 0.5: each is refused about 0.5 s after it
+    came, not 0.5 s after the one before it gave up."""
+    params = SamplingParams(max_tokens=8, temperature=0.0)
+
+    async def body(small: AsyncLLM, addr: str, server: KVTransferServer) -> None:
+        hog = small.engine.prepare_request("hog", _prompt(250), params)
+        assert await small.call(lambda e: e.reserve_import(hog)) is not None
+        importer = KVImporter(small, SECRET, wait_s=0.5)
+
+        async def one(rid: str) -> float:
+            group = small.engine.prepare_request(rid, _prompt(200), params)
+            with pytest.raises(KVCacheFullError):
+                await importer.submit(group, addr)
+            return time.monotonic() - t0
+
+        t0 = time.monotonic()
+        waited = await asyncio.gather(*(one(f"late-{k}") for k in range(3)))
+        assert all(0.45 <= w < 1.0 for w in waited), waited
+        await small.call(lambda e: e.cancel_import(hog))
+
+    _on_small_engine(stories_dir, engines[0], body)
+
+
+def test_a_client_leaving_while_its_blocks_are_reserved_leaks_none(engines) -> None:  # type: ignore[no-untyped-def]
+    """The reservation runs on the engine thread whether or not its caller still waits: one
+    cancelled while queued there is undone behind it."""
+    prefill, decode, _ = engines
+    params = SamplingParams(max_tokens=8, temperature=0.0)
+
+    async def main() -> None:
+        async def body(addr: str, server: KVTransferServer) -> None:
+            for k in range(5):
+                busy = decode.call(lambda e: time.sleep(0.05))  # the engine thread is busy
+                group = decode.engine.prepare_request(f"gone-{k}", _prompt(100), params)
+                task = asyncio.create_task(KVImporter(decode, SECRET).submit(group, addr))
+                await asyncio.sleep(0.01 * k)  # while queued, or while reserving, or later
+                task.cancel()
+                try:
+                    stream, _ = await task
+                    stream.close()  # it got through first: the client leaves now
+                except asyncio.CancelledError:
+                    pass
+                await busy
+                await _settled(decode)
+                assert _allocated(decode) == 0 and not decode.engine._imports
+
+        await _with_server(prefill, body)
+        await _settled(prefill, decode)
+        assert _allocated(prefill) == 0
+
+    asyncio.run(main())
+
+
+def test_an_import_takes_no_blocks_ahead_of_a_waiting_request_or_a_full_house(
+    stories_dir: Path,
+) -> None:
+    """As the scheduler admits a new request: not while a request waits for blocks ahead of it,
+    not beyond max_num_seqs, and not the last blocks the running requests grow into."""
+    params = SamplingParams(max_tokens=8)
+    engine = LLMEngine(EngineConfig(str(stories_dir), block_size=BS, num_threads=1,
+                                    kv_cache_bytes=20 * 5 * 2 * BS * 4 * 8 * 4, max_num_seqs=2))
+    hog = engine.prepare_request("hog", _prompt(250), params)
+    assert engine.reserve_import(hog) is not None  # 16 of 20 blocks
+    engine.add_request("new", _prompt(120), params)  # waits: 8 blocks needed
+    engine.step()
+    small = engine.prepare_request("small", _prompt(17), params)
+    assert engine.reserve_import(small) is None  # "new" came first
+    engine.cancel_import(hog)
+    engine.step()  # "new" runs now
+    assert engine.reserve_import(small) is not None  # 2 seats: "new" and "small"
+    third = engine.prepare_request("third", _prompt(17), params)
+    assert engine.reserve_import(third) is None  # no seat left
+    engine.cancel_import(small)
+    engine.abort("new")
+    assert engine.blocks.num_free_blocks == engine.blocks.num_blocks
+
+
+def test_the_engine_thread_outlives_a_caller_s_closed_loop(engines) -> None:  # type: ignore[no-untyped-def]
+    """A request left unread when its event loop closed (a handler or a test gone) is aborted
+    when its next output finds the loop closed; the engine keeps serving the next caller."""
+    _, decode, _ = engines
+
+    async def leave() -> None:
+        decode.submit(_prompt(50), SamplingParams(max_tokens=64), "left-behind")
+
+    asyncio.run(leave())  # the loop closes with the request running
+
+    async def after() -> bool:
+        await asyncio.sleep(0.3)  # its outputs came, found the loop closed: aborted
+        return await decode.call(lambda e: "left-behind" in e._groups)
+
+    assert asyncio.run(after()) is False
+    assert decode._thread.is_alive()
+    asyncio.run(_settled(decode))
+    assert _allocated(decode) == 0
+
+
+def test_an_engine_blocked_on_imports_does_not_spin(stories_dir: Path) -> None:
+    """A request that cannot start until an import's blocks are freed: the engine thread waits
+    instead of running empty steps."""
+    small = _llm(stories_dir, kv_bytes=20 * 5 * 2 * BS * 4 * 8 * 4)
+    params = SamplingParams(max_tokens=8)
+
+    async def main() -> None:
+        hog = small.engine.prepare_request("hog", _prompt(250), params)
+        assert await small.call(lambda e: e.reserve_import(hog)) is not None
+        stream = small.submit(_prompt(120), params, "blocked")
+        await asyncio.sleep(0.1)
+        tid = small._thread.native_id
+        ticks = os.sysconf("SC_CLK_TCK")
+
+        def cpu() -> float:
+            f = Path(f"/proc/self/task/{tid}/stat").read_text().rsplit(")", 1)[1].split()
+            return (int(f[11]) + int(f[12])) / ticks
+
+        before = cpu()
+        await asyncio.sleep(1.0)
+        assert cpu() - before < 0.3  # spinning, it took the whole second
+        await small.call(lambda e: e.cancel_import(hog))
+        assert await _collect(stream)
+
+    try:
+        asyncio.run(main())
+    finally:
+        small.shutdown()
 
 
 async def _evil_server(mutate: Callable[[bytes], bytes | None]) -> tuple[asyncio.Server, str]:
