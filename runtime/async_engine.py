@@ -214,7 +214,7 @@ class AsyncLLM:
             idle = False
             try:
                 outputs = engine.step()
-                idle = not outputs and engine.last_step_idle
+                idle = engine.last_step_idle
             except Exception as e:  # a bug in a step: fail its requests, keep serving
                 log.exception("engine step failed")
                 for rid in engine.unfinished_request_ids():

@@ -317,27 +317,20 @@ def manifest_fingerprint(folder: str | os.PathLike[str]) -> bytes:
     """What identifies a compressed folder's weights: the format, the shards and every tensor's
     checksum; not when or from where it was compressed (two compressions of one model, e.g. on
     two nodes, are the same weights: the same prefix-cache identity, KV they can exchange)."""
-    path = Path(folder) / MANIFEST_NAME
-    try:
-        raw = json.loads(path.read_text(encoding="utf-8"))
-        keep = {k: raw[k] for k in ("format", "shards", "tensors", "bf16_bytes", "cast_from")
-                if k in raw}  # fmt: skip
-    except (OSError, ValueError, TypeError) as e:
-        raise ModelLoadError(f"{path}: cannot read ({e})") from e
+    m = read_manifest(folder)
+    keep = [FORMAT, m.shards, m.checksums, m.bf16_bytes, m.cast_from]
     return json.dumps(keep, sort_keys=True).encode()
 
 
 def verify_compressed(
-    folder: str | os.PathLike[str], progress: Callable[[int, str], None] | None = None
+    folder: str | os.PathLike[str],
+    manifest: CompressedManifest,
+    progress: Callable[[int, str], None] | None = None,
 ) -> list[str]:
-    """Re-read every record of a compressed folder and check it against the manifest's
-    checksum: one line per problem (a missing, truncated or corrupt shard, naming the file and
-    the tensor); [] = sound. `progress(bytes, file)` after each shard."""
+    """Re-read every record of a compressed folder and check it against its `manifest`'s
+    checksum (read_manifest): one line per problem (a missing, truncated or corrupt shard,
+    naming the file and the tensor); [] = sound. `progress(bytes, file)` after each shard."""
     folder = Path(folder)
-    try:
-        manifest = read_manifest(folder)
-    except ModelLoadError as e:
-        return [str(e)]
     problems = []
     listed: set[str] = set()
     for file, size in manifest.shards.items():
@@ -715,8 +708,8 @@ def load_compressed(
     calling thread decodes each tensor as soon as its group is in, on `decode_threads` threads
     (default: torch's; the C++ decoder's own team, the GIL released), while the reads go on.
 
-    Tensors are views of one new arena per shard (fresh memory, as a plain folder's are; the
-    read threads commit its pages ahead of the decoding), unless `into(name)` says where tensor
+    Tensors are views of one new arena per shard (fresh memory, as a plain folder's are; a
+    thread of its own commits its pages ahead of the decoding), unless `into(name)` says where tensor
     `name` goes (a tensor of its shape, e.g. a parameter's rows; None: the arena): it is decoded
     straight into it (or converted into it from the arena, if its dtype differs), and it is what
     is yielded; `commit`: the arenas those destinations are in, in the order they are decoded

@@ -183,11 +183,12 @@ class ModelStore:
             from runtime.compression import verify_compressed
 
             try:
-                total = sum(read_compressed(folder).shards.values())
+                compressed = read_compressed(folder)
             except ModelLoadError as e:
                 return [str(e)]
+            total = sum(compressed.shards.values())
             meter = _Meter(total, progress or (lambda _msg: None), "checked")
-            return verify_compressed(folder, meter.advance)
+            return verify_compressed(folder, compressed, meter.advance)
         manifest = read_manifest(folder)
         if manifest is None:
             raise StoreError(

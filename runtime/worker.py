@@ -55,7 +55,7 @@ from kvstore.registry import Registry
 from kvstore.telemetry import PROMETHEUS_CONTENT_TYPE, Telemetry, TelemetryConfig
 from kvstore.tokenizer_store import publish_tokenizer
 from runtime.async_engine import AsyncLLM, EngineDeadError, RequestStream
-from runtime.disagg import KVCacheFullError, KVImporter, export_server
+from runtime.disagg import IMPORT_WAIT_S, KVCacheFullError, KVImporter, export_server
 from runtime.engine import Prompt
 from runtime.outputs import CompletionOutput
 from runtime.sampler import TokenLogprobs
@@ -86,7 +86,7 @@ class WorkerConfig:
     max_body_bytes: int = 4 << 20  # largest request body accepted
     kv_port: int = 0  # KV transfer server port (prefill side of disaggregation); 0: a free one
     kv_hold_s: float = 30.0  # how long pulled KV blocks are held for an acknowledgement
-    kv_import_wait_s: float = 10.0  # how long an import waits for KV room (decode side)
+    kv_import_wait_s: float = IMPORT_WAIT_S  # how long an import waits for KV room (decode)
     worker_id: str = field(default="")  # unique id; generated when empty
     telemetry: TelemetryConfig | None = None  # traces/metrics export; None: /metrics only
     tool_call_parser: str | None = None  # tool-call format (runtime/tool_parsers.PARSERS);

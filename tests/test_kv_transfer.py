@@ -339,7 +339,9 @@ def test_an_import_takes_no_blocks_ahead_of_a_waiting_request_or_a_full_house(
     small = engine.prepare_request("small", _prompt(17), params)
     assert engine.reserve_import(small) is None  # "new" came first
     engine.cancel_import(hog)
-    engine.step()  # "new" runs now
+    engine.step()  # "new" runs now, in 8 blocks: 12 are free
+    fill = engine.prepare_request("fill", _prompt(193, offset=300), params)  # 12 blocks
+    assert engine.reserve_import(fill) is None  # none would be left for "new" to grow into
     assert engine.reserve_import(small) is not None  # 2 seats: "new" and "small"
     third = engine.prepare_request("third", _prompt(17), params)
     assert engine.reserve_import(third) is None  # no seat left
