@@ -68,6 +68,16 @@ class Manifest:
     def total_bytes(self) -> int:
         return sum(s.bytes for s in self.shards)
 
+    def fingerprint(self) -> bytes:
+        """What identifies the weights (runtime.loader.model_revision): the format, the chunk
+        size, every shard's name, size and chunk checksums (which cover its header too), and
+        the tensors; not the served name, when or from where it was pulled (two pulls of one
+        model, e.g. on two nodes, are the same weights: KV they can exchange)."""
+        shards = [[s.file, s.bytes, list(s.xxh3_64)] for s in self.shards]
+        tensors = {k: [t.shard, t.dtype, list(t.shape)] for k, t in self.tensors.items()}
+        keep = [FORMAT, self.chunk_bytes, shards, tensors]
+        return json.dumps(keep, sort_keys=True).encode()
+
     def to_json(self) -> dict[str, Any]:
         return {
             "format": FORMAT,

@@ -263,3 +263,111 @@ def test_errors_before_any_read(stories_dir: Path, tmp_path: Path, monkeypatch) 
                        r"also in .*a\.safetensors"):  # fmt: skip
         load_model(d, stats=stats)
     assert stats.bytes == 0
+
+
+def _plain_folder(dst: Path, seed: int, shards: int = 1, rows: int = 256) -> Path:
+    """config.json and `shards` safetensors files of random float32 weights: folders of one
+    `rows` and `shards` have the same config and byte-identical headers, whatever the seed."""
+    g = torch.Generator().manual_seed(seed)
+    dst.mkdir(parents=True)
+    (dst / "config.json").write_text(json.dumps({"architectures": ["LlamaForCausalLM"]}))
+    names = [f"model-{i + 1:05d}-of-{shards:05d}.safetensors" for i in range(shards)]
+    weight_map: dict[str, str] = {}
+    for i, name in enumerate(names):
+        tensors = {f"layers.{i}.{k}": torch.randn(rows, 256, generator=g) for k in "abcd"}
+        save_file(tensors, dst / (name if shards > 1 else "model.safetensors"))
+        weight_map |= dict.fromkeys(tensors, name)
+    if shards > 1:
+        (dst / "model.safetensors.index.json").write_text(json.dumps({"weight_map": weight_map}))
+    return dst
+
+
+def _header(path: Path) -> bytes:
+    raw = path.read_bytes()
+    return raw[: 8 + int.from_bytes(raw[:8], "little")]
+
+
+@pytest.mark.parametrize(("shards", "rows"), [(1, 16), (1, 256), (3, 256)])
+def test_plain_revision_tells_weights_apart(tmp_path: Path, shards: int, rows: int) -> None:
+    """Same config and headers, other weights (a fine-tune of one architecture): two revisions;
+    a byte-identical copy elsewhere: one. Small data (16 rows: 64 KiB) is hashed whole, larger
+    is sampled."""
+    from runtime.loader import model_revision
+
+    a = _plain_folder(tmp_path / "a", seed=0, shards=shards, rows=rows)
+    b = _plain_folder(tmp_path / "b", seed=1, shards=shards, rows=rows)
+    files = sorted(p.name for p in a.iterdir())
+    assert files == sorted(p.name for p in b.iterdir())
+    for f in files:
+        if f.endswith(".safetensors"):
+            assert _header(a / f) == _header(b / f)
+        else:
+            assert (a / f).read_bytes() == (b / f).read_bytes()
+    rev = model_revision(a)
+    assert len(rev) == 16 and int(rev, 16) >= 0
+    assert model_revision(b) != rev
+    copy = shutil.copytree(a, tmp_path / "elsewhere" / "copy")
+    assert model_revision(copy) == rev
+
+
+def test_plain_revision_reads_a_bounded_sample(tmp_path: Path, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    """Of a sampled folder's weights, REVISION_SAMPLES pages and no more, none of them a page
+    the loader probes to tell a file in the page cache (shard_reader._cached: the middle and
+    the last), or the next start would read that file buffered instead of O_DIRECT."""
+    import os
+
+    from runtime.loader import REVISION_SAMPLES, model_revision
+
+    d = _plain_folder(tmp_path / "m", seed=0, shards=3)
+    sizes = {os.stat(f).st_ino: os.stat(f).st_size for f in d.glob("*.safetensors")}
+    reads: list[tuple[int, int, int]] = []  # (file, offset, length)
+    pread = os.pread
+
+    def spy(fd: int, n: int, offset: int) -> bytes:
+        reads.append((os.fstat(fd).st_ino, offset, n))
+        return pread(fd, n, offset)
+
+    monkeypatch.setattr(os, "pread", spy)
+    model_revision(d)
+    pages = [r for r in reads if r[2] == 4096]
+    assert len(pages) == REVISION_SAMPLES and len(reads) == len(pages) + 2 * 3  # + the headers
+    for ino, offset, _ in pages:
+        assert offset % 4096 == 0
+        assert offset // 4096 not in (sizes[ino] // 2 // 4096, (sizes[ino] - 1) // 4096)
+    assert len({ino for ino, _, _ in pages}) == 3  # every shard sampled
+
+
+def test_pulled_revision_is_its_checksums(stories_dir: Path, tmp_path: Path) -> None:
+    """A folder pulled into the store: its revision comes from the manifest's checksums, not
+    its name, source or time, so two pulls of one model are one revision, and other weights
+    another. The manifest is trusted (the revision reads no weights) because a load checks
+    every chunk against it: a shard changed under its manifest fails to load."""
+    from runtime.loader import model_revision
+    from runtime.manifest import MANIFEST_NAME
+    from runtime.model_store import ModelStore
+
+    store = ModelStore(tmp_path / "store")
+    first = store.pull(stories_dir, "first", shard_bytes=300_000)
+    moved = copy_model(stories_dir, tmp_path / "moved")
+    second = store.pull(moved, "second", shard_bytes=300_000)
+    raw = json.loads((second / MANIFEST_NAME).read_text())
+    raw["created"] = "2000-01-01T00:00:00Z"
+    (second / MANIFEST_NAME).write_text(json.dumps(raw))
+    assert raw["source"] != json.loads((first / MANIFEST_NAME).read_text())["source"]
+    rev = model_revision(first)
+    assert model_revision(second) == rev
+
+    from safetensors.torch import load_file
+
+    tuned = load_file(moved / "model.safetensors")
+    tuned["model.norm.weight"] += 1e-3  # one small tensor: the checksums see every byte
+    save_file(tuned, moved / "model.safetensors")
+    assert model_revision(store.pull(moved, "tuned", shard_bytes=300_000)) != rev
+
+    shard = sorted(second.glob("model-*.safetensors"))[-1]
+    changed = bytearray(shard.read_bytes())
+    changed[-100] ^= 1
+    shard.write_bytes(changed)  # the manifest is stale now
+    assert model_revision(second) == rev
+    with pytest.raises(ModelLoadError, match=r"checksum mismatch"):
+        load_model(second)
