@@ -176,8 +176,16 @@ class ModelRunner:
         t0 = time.perf_counter()
         # Matmuls (float32 or bfloat16 weights), RMSNorm, RoPE + KV write, SiLU-and-mul: C++
         # kernels where they build and the activations are float32; the references otherwise.
+        # bfloat16 activations take the few-row matmul kernel alone (kernels.linear: up to
+        # MAX_ROWS_BF16_ACT rows, where torch's bfloat16 GEMM reads the weights at half speed).
         gemm = norm = fused = None
         on_cpu = model.device.type == "cpu"
+        if cpu_kernels != "torch" and model.dtype == torch.bfloat16 and on_cpu:
+            gemm = cpu_ext.load_small_gemm()
+            if gemm is None and cpu_kernels == "cpu_ext":
+                raise RuntimeError(
+                    "cpu_kernels='cpu_ext' asked for, but the matmul extension did not build"
+                )
         if cpu_kernels != "torch" and model.dtype == torch.float32 and on_cpu:
             gemm, norm = cpu_ext.load_small_gemm(), cpu_ext.load_rms_norm()
             fused = cpu_ext.load_fused()
@@ -200,11 +208,13 @@ class ModelRunner:
             raise RuntimeError("attention='cpu_ext' asked for, but the extension did not build")
         self.decode_impl = attention
         # Prompt chunks: in place through the same extension where it takes the model's heads
-        # (float32, AVX-512); torch's SDPA otherwise.
+        # (AVX-512; float32 or bfloat16 activations, the latter widened for the call);
+        # torch's SDPA otherwise.
         self.model = model
         self.device = model.device
         self.triton = self.device.type == "cuda" or FORCE_TRITON  # the kernels' metadata
-        ext = cpu_ext.load() if attention == "cpu_ext" and model.dtype == torch.float32 else None
+        in_place_dtypes = (torch.float32, torch.bfloat16)
+        ext = cpu_ext.load() if attention == "cpu_ext" and model.dtype in in_place_dtypes else None
         group = cfg.num_heads // cfg.num_kv_heads
         self.prefill_in_place = (
             not self.triton and ext is not None and ext.prefill_supported(group, cfg.head_dim)

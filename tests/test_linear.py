@@ -11,7 +11,15 @@ import pytest
 import torch
 
 from kernels import cpu_ext
-from kernels.linear import MAX_ROWS, MAX_ROWS_PACKED, Packed, applies, pack, small_linear
+from kernels.linear import (
+    MAX_ROWS,
+    MAX_ROWS_BF16_ACT,
+    MAX_ROWS_PACKED,
+    Packed,
+    applies,
+    pack,
+    small_linear,
+)
 
 
 @pytest.fixture(scope="module")
@@ -102,6 +110,39 @@ def test_bfloat16_weights_take_any_rows(ext) -> None:  # type: ignore[no-untyped
     ref_err = (torch.nn.functional.linear(x, w16.float()).double() - exact).abs().max().item()
     err = (ext.small_linear(x, w16, None).double() - exact).abs().max().item()
     assert err <= 4 * ref_err + 1e-5 * 40**0.5, (err, ref_err)
+
+
+@pytest.mark.parametrize("m", [1, 2, 5, 8])
+@pytest.mark.parametrize(("k", "n"), SHAPES)
+@pytest.mark.parametrize("bias", [False, True])
+def test_bfloat16_activations_round_once_as_torch_does(
+    ext, m: int, k: int, n: int, bias: bool
+) -> None:  # type: ignore[no-untyped-def]
+    """A bfloat16 model's few-row products: bfloat16 x and weights (and bias) through the kernel
+    in float32, rounded to bfloat16 once: within a bfloat16 rounding of the float64 product, as
+    torch's bfloat16 GEMM is."""
+    g = torch.Generator().manual_seed(m * 1000 + k + n + 11)
+    x = torch.randn(m, k, generator=g).bfloat16()
+    w = torch.randn(n, k, generator=g).bfloat16()
+    b = torch.randn(n, generator=g).bfloat16() if bias else None
+    assert applies(x, w)
+    exact = torch.nn.functional.linear(x.double(), w.double(), None if b is None else b.double())
+    got = small_linear(x, w, b, ext)
+    assert got.shape == (m, n) and got.dtype == torch.bfloat16
+    ref = torch.nn.functional.linear(x, w, b)
+    ulp = exact.abs() * 2.0**-8 + 1e-5 * k**0.5  # a bfloat16 rounding, plus float32 sums
+    assert ((got.double() - exact).abs() <= ulp).all()
+    assert ((ref.double() - exact).abs() <= ulp).all()  # the same bound holds for torch's
+
+
+def test_bfloat16_activations_take_torch_above_the_kernel_rows(ext) -> None:  # type: ignore[no-untyped-def]
+    """More rows than MAX_ROWS_BF16_ACT, or bfloat16 x over float32 weights, go to torch: the same
+    result as torch's own, bit for bit."""
+    g = torch.Generator().manual_seed(5)
+    w = torch.randn(40, 64, generator=g).bfloat16()
+    x = torch.randn(MAX_ROWS_BF16_ACT + 1, 64, generator=g).bfloat16()
+    assert not applies(x, w) and not applies(x[:1], w.float())
+    assert torch.equal(small_linear(x, w, None, ext), torch.nn.functional.linear(x, w))
 
 
 # ---- packed weights: float32 weights that are exact Q4_1 / Q8_0 values (kernels.linear.pack)

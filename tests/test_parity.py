@@ -128,6 +128,38 @@ def test_bfloat16_logits_close(tiny_model_dir) -> None:  # type: ignore[no-untyp
     assert ours_err <= 2 * ref_err + 1e-3, (ours_err, ref_err)
 
 
+@pytest.mark.parametrize("family", ["llama", "qwen3"])
+def test_bfloat16_engine_follows_transformers(family: str, tiny_model_dir) -> None:  # type: ignore[no-untyped-def]
+    """A bfloat16 model served whole: prompts in 7-token chunks (the in-place CPU prefill kernel
+    where it takes the heads, chunks after cached tokens), decode through the CPU kernels
+    (few-row matmuls, paged decode attention). Greedy bfloat16 may part from transformers' at a
+    near tie, so each token we pick must be, by transformers' float32 logits on our own sequence,
+    within twice transformers' own bfloat16 error of the best."""
+    model_dir = tiny_model_dir(family, "bfloat16")
+    llm = LLM(model_dir, kv_cache_bytes=1 << 22, max_num_batched_tokens=7)
+    runner = llm.engine.runner
+    assert runner.model.dtype == torch.bfloat16
+    ext = cpu_ext.load()
+    group = runner.model.cfg.num_heads // runner.model.cfg.num_kv_heads
+    head_dim = runner.model.cfg.head_dim
+    assert runner.prefill_in_place == (ext is not None and ext.prefill_supported(group, head_dim))
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    prompts = [*PROMPTS, [*PROMPTS[2], 7, 8, 9]]  # the last starts with cached blocks
+    outs = [*llm.generate(PROMPTS, params), *llm.generate(prompts[-1:], params)]
+    assert outs[-1].num_cached_tokens >= 32
+    hf32, hf16 = _hf(model_dir, torch.float32), _hf(model_dir, torch.bfloat16)
+    for p, out in zip(prompts, outs, strict=True):
+        ours = out.outputs[0].token_ids
+        seq = torch.tensor([[*p, *ours]])
+        with torch.no_grad():
+            exact = hf32(seq).logits[0]
+            ref_err = (hf16(seq).logits[0].float() - exact).abs().max().item()
+        rows = exact[len(p) - 1 : -1]  # the logits each of our tokens was picked from
+        picked = rows.gather(1, torch.tensor(ours)[:, None])[:, 0]
+        gap = (rows.max(dim=1).values - picked).max().item()
+        assert gap <= 2 * ref_err + 1e-3, (family, p, gap, ref_err)
+
+
 @pytest.mark.slow
 def test_smollm2_engine_matches_transformers(smol_dir: Path) -> None:
     """The default model, imported from its GGUF: our greedy chat answer equals transformers'."""

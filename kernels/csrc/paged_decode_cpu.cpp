@@ -339,9 +339,12 @@ void decode_kernel(const torch::Tensor& q, const torch::Tensor& k_cache, const t
   const int64_t tok_stride = Hkv * D, blk_stride = bs * Hkv * D;
   const float fscale = static_cast<float>(scale);
 #ifdef EI_AVX512
-  // Only float32 queries take the AVX-512 loops, over a float32 or bfloat16 cache.
+  // float32 queries over a float32 or bfloat16 cache, and bfloat16 queries over a bfloat16 cache,
+  // take the AVX-512 loops: queries are widened to float32 scratch first (exact), sums are
+  // float32's, and the output is rounded to T once at the end.
   constexpr bool kFastTypes =
-      std::is_same_v<T, float> && (std::is_same_v<KV, float> || std::is_same_v<KV, at::BFloat16>);
+      (std::is_same_v<T, float> || std::is_same_v<T, at::BFloat16>) &&
+      (std::is_same_v<KV, float> || std::is_same_v<KV, at::BFloat16>);
   const bool fast = kFastTypes && avx512_shape(G, D);
 #endif
 
