@@ -13,8 +13,8 @@ Tokens of one step are laid out decode rows first (one query each), then prefill
 queries each, possibly after tokens already cached: chunked prefill, resumed requests).
 
 On the CPU the extension (`kernels/csrc/paged_decode_cpu.cpp`, `cpu_ext.load()`) takes both
-where it builds: decode rows in place (`decode_impl="cpu_ext"`), and, for float32 and bfloat16
-models whose heads it supports (`prefill_supported`: AVX-512, up to 8 query heads per kv head, head_dim a
+where it builds: decode rows in place (`decode_impl="cpu_ext"`), and, for float32 models whose
+heads it supports (`prefill_supported`: AVX-512, up to 8 query heads per kv head, head_dim a
 multiple of 16), every prompt chunk of the step in one call (`prefill_spans`/`prefill_tables`).
 Otherwise decode rows copy their blocks for SDPA, and chunks go to torch's fused SDPA.
 
@@ -160,22 +160,9 @@ def paged_attention(
     if meta.prefill_spans is not None:  # every chunk in place, in one call
         ext = cpu_ext.load()
         assert ext is not None and meta.prefill_tables is not None
-        if q.dtype == torch.float32:
-            ext.paged_prefill_attention(
-                q.contiguous(), k_blocks, v_blocks, meta.prefill_spans, meta.prefill_tables,
-                scale, out,
-            )  # fmt: skip
-            return out
-        # bfloat16 activations: the chunks' rows (after the decode rows) widened for the kernel
-        # (exact), which sums in float32 as SDPA does; the result rounded back once
-        first = int(meta.prefill_spans[0, 0])
-        out32 = torch.empty(q.shape[0] - first, *q.shape[1:], dtype=torch.float32)
-        spans = meta.prefill_spans.clone()
-        spans[:, 0] -= first
         ext.paged_prefill_attention(
-            q[first:].float(), k_blocks, v_blocks, spans, meta.prefill_tables, scale, out32
+            q.contiguous(), k_blocks, v_blocks, meta.prefill_spans, meta.prefill_tables, scale, out
         )
-        out[first:] = out32
         return out
     if meta.prefills and k is None:
         raise ValueError("paged_attention: the reference needs the step's keys (k)")

@@ -226,41 +226,6 @@ def test_cpu_prefill_kernel_shapes(h: int, hkv: int, d: int, bs: int, cache_dtyp
         ext.paged_prefill_attention(q, k_cache, v_cache, bad, table_t[:1], d**-0.5, out)
 
 
-def test_bfloat16_prompt_chunks_in_place() -> None:
-    """A bfloat16 model's prompt chunks through the CPU extension (paged_attention widens their
-    rows for it, after the step's decode rows): float32 attention over the cache, rounded to
-    bfloat16 once, as torch's SDPA in bfloat16 computes it."""
-    ext = cpu_ext.load()
-    if ext is None or not ext.prefill_supported(H // HKV, D):
-        pytest.skip("no CPU extension with AVX-512 here: prompt chunks go to torch's SDPA")
-    bs = 16
-    torch.manual_seed(12)
-    chunks = [(0, 20), (17, 9), (0, 1), (40, 33)]  # (ctx, n)
-    lens = [c + n for c, n in chunks]
-    k_cache, v_cache, tables, keys, vals = nan_cache_with(lens, HKV, D, bs, seed=12,
-                                                          dtype=torch.bfloat16)  # fmt: skip
-    decodes = 2
-    T = decodes + sum(n for _, n in chunks)
-    q = torch.randn(T, H, D).bfloat16()
-    spans, row = [], decodes
-    for ctx, n in chunks:
-        spans.append([row, n, ctx])
-        row += n
-    width = max(len(t) for t in tables)
-    meta = PagedAttentionMetadata(
-        slot_mapping=torch.zeros(T, dtype=torch.int64), block_size=bs, decode_impl="cpu_ext",
-        prefill_spans=torch.tensor(spans),
-        prefill_tables=torch.tensor([t + [0] * (width - len(t)) for t in tables]),
-    )  # fmt: skip
-    flat_k, flat_v = k_cache.view(-1, HKV, D), v_cache.view(-1, HKV, D)
-    out = paged_attention(q, None, q[:, :HKV], flat_k, flat_v, meta, D**-0.5)
-    assert out.dtype == torch.bfloat16
-    for (row, n, ctx), kk, vv in zip(spans, keys, vals, strict=True):
-        ref = dense_attention(q[row : row + n], kk, vv, ctx)
-        err = (out[row : row + n].double() - ref).abs()
-        assert (err <= ref.abs() * 2.0**-8 + 1e-5).all(), err.max().item()
-
-
 @pytest.mark.parametrize("impl", ["torch", "cpu_ext"])
 @pytest.mark.parametrize("bs", [4, 16])
 def test_bfloat16_cache_under_float32_queries(impl: str, bs: int) -> None:
