@@ -126,12 +126,21 @@ def test_decode_matches_dense(bs: int, impl: str, dtype: torch.dtype) -> None:
         (8, 4, 20, 4),  # head_dim not a multiple of 8: the generic loops
     ],
 )
-@pytest.mark.parametrize("cache_dtype", [torch.float32, torch.bfloat16], ids=["f32", "bf16-cache"])
-def test_cpu_decode_kernel_shapes(h: int, hkv: int, d: int, bs: int, cache_dtype: torch.dtype) -> None:
+@pytest.mark.parametrize(
+    ("q_dtype", "cache_dtype"),
+    [(torch.float32, torch.float32), (torch.float32, torch.bfloat16),
+     (torch.bfloat16, torch.bfloat16)],
+    ids=["f32", "bf16-cache", "bf16"],
+)  # fmt: skip
+def test_cpu_decode_kernel_shapes(
+    h: int, hkv: int, d: int, bs: int, q_dtype: torch.dtype, cache_dtype: torch.dtype
+) -> None:
     """The CPU extension at real models' shapes, with enough requests (>= 8) that each task takes
     all kv heads of a request, against float64. The cache starts as NaN, so a kernel that let a
     stale row past a request's length into its result fails. A bfloat16 cache under float32
-    queries (`kv_cache_dtype`) is widened as read: float32's accuracy over the values it holds."""
+    queries (`kv_cache_dtype`) is widened as read: float32's accuracy over the values it holds.
+    bfloat16 queries (a bfloat16 model; head_dim a multiple of 32: the scores by bfloat16 dot
+    products where the CPU has them) are float32 sums over the same values, rounded once."""
     ext = cpu_ext.load()
     if ext is None:
         pytest.skip("the CPU extension did not build here (no compiler?)")
@@ -143,11 +152,16 @@ def test_cpu_decode_kernel_shapes(h: int, hkv: int, d: int, bs: int, cache_dtype
     block_ids = torch.zeros(len(lens), width, dtype=torch.int64)
     for i, t in enumerate(tables):
         block_ids[i, : len(t)] = torch.tensor(t)
-    q = torch.randn(len(lens), h, d)
+    q = torch.randn(len(lens), h, d).to(q_dtype)
     out = ext.paged_decode_attention(q, k_cache, v_cache, block_ids, torch.tensor(lens), d**-0.5)
+    assert out.dtype == q_dtype
     for i, n in enumerate(lens):
         ref = dense_attention(q[i : i + 1], keys[i], vals[i], ctx=n - 1)
-        torch.testing.assert_close(out[i : i + 1].double(), ref, atol=2e-5, rtol=1e-4)
+        if q_dtype == torch.float32:
+            torch.testing.assert_close(out[i : i + 1].double(), ref, atol=2e-5, rtol=1e-4)
+        else:  # one bfloat16 rounding of a float32 result
+            err = (out[i : i + 1].double() - ref).abs()
+            assert (err <= ref.abs() * 2.0**-8 + 2e-5).all(), (i, err.max().item())
 
 
 @pytest.mark.parametrize("bs", [4, 16])

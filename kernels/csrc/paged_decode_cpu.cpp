@@ -246,6 +246,36 @@ inline void scores16(const float* qf, const KV* key, int64_t tok_stride, int64_t
   }
 }
 
+#ifdef __AVX512BF16__
+// bfloat16 queries over a bfloat16 cache (a bfloat16 model): the scores of up to 16 keys with
+// VDPBF16PS, 32 elements an instruction, each product exact in float32 (8-bit mantissas) and the
+// sums float32's, so no widening of the keys; the scale is applied to the sums, as q is not
+// rounded again. q: the task's G heads, raw bfloat16 (G x D); C2 = D / 32.
+inline void scores16_bf16(const at::BFloat16* q, const at::BFloat16* key, int64_t tok_stride,
+                          int64_t tn, int64_t G, int64_t C2, const at::BFloat16* next,
+                          float scale, float* scores, int64_t L, int64_t j0) {
+  if (next != nullptr)
+    for (int64_t t = 0; t < tn; ++t)
+      for (int64_t c = 0; c < C2; ++c)
+        _mm_prefetch(reinterpret_cast<const char*>(next + t * tok_stride + c * 32), _MM_HINT_T0);
+  const __mmask16 keep = static_cast<__mmask16>((1u << tn) - 1);
+  const __m512 sc = _mm512_set1_ps(scale);
+  for (int64_t g = 0; g < G; ++g) {
+    __m512 acc[16];
+    for (int t = 0; t < 16; ++t) acc[t] = _mm512_setzero_ps();
+    for (int64_t c = 0; c < C2; ++c) {
+      const __m512bh qc = (__m512bh)_mm512_loadu_si512(q + g * C2 * 32 + c * 32);
+      for (int t = 0; t < 16; ++t)
+        if (t < tn)
+          acc[t] = _mm512_dpbf16_ps(
+              acc[t], (__m512bh)_mm512_loadu_si512(key + t * tok_stride + c * 32), qc);
+    }
+    _mm512_mask_storeu_ps(scores + g * L + j0, keep, _mm512_mul_ps(reduce16(acc), sc));
+  }
+}
+#define EI_AVX512_BF16 1
+#endif
+
 // acc[g] += sum_t p[g, j0 + t] * v_t over up to 16 rows, G query heads held in registers.
 // CB vectors of each head at a time, and even and odd rows in separate accumulators: at least
 // eight independent FMA chains, so the loop is not bound by the FMA's latency.
@@ -379,8 +409,30 @@ void decode_kernel(const torch::Tensor& q, const torch::Tensor& k_cache, const t
         for (int64_t d = 0; d < D; ++d)
           qf[hq * D + d] = static_cast<float>(qp[(i * H + hq) * D + d]) * fscale;
       // Pass 1: scores of every key, block by block; the block stays in cache across heads.
+      bool scored = false;
+#ifdef EI_AVX512_BF16
+      if constexpr (std::is_same_v<T, at::BFloat16> && std::is_same_v<KV, at::BFloat16>) {
+        if (fast && D % 32 == 0) {
+          for (int64_t j0 = 0; j0 < L; j0 += bs) {
+            const KV* block = kp + table[j0 / bs] * blk_stride;
+            const KV* next = j0 + bs < L ? kp + table[j0 / bs + 1] * blk_stride : nullptr;
+            const int64_t tn = std::min(bs, L - j0);
+            for (int64_t h = h0; h < h1; ++h)
+              for (int64_t t0 = 0; t0 < tn; t0 += 16)
+                scores16_bf16(qp + (i * H + h * G) * D, block + t0 * tok_stride + h * D,
+                              tok_stride, std::min<int64_t>(16, tn - t0), G, D / 32,
+                              next ? next + t0 * tok_stride + h * D : nullptr, fscale,
+                              scores.data() + h * G * L, L, j0 + t0);
+          }
+          scored = true;
+        }
+      }
+#endif
+      if (scored) {
+        // by the bfloat16 dot products above
+      }
 #ifdef EI_AVX512
-      if (fast) {
+      else if (fast) {
         if constexpr (kFastTypes) {
           for (int64_t j0 = 0; j0 < L; j0 += bs) {
             const KV* block = kp + table[j0 / bs] * blk_stride;
@@ -394,8 +446,9 @@ void decode_kernel(const torch::Tensor& q, const torch::Tensor& k_cache, const t
                          scores.data() + h * G * L, L, j0 + t0);
           }
         }
-      } else
+      }
 #endif
+      else
       for (int64_t j0 = 0; j0 < L; j0 += bs) {
         const KV* block = kp + table[j0 / bs] * blk_stride;
         const int64_t tn = std::min(bs, L - j0);
