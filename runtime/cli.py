@@ -85,6 +85,10 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
                    "else the CPU")  # fmt: skip
     p.add_argument("--no-cuda-graphs", action="store_true",
                    help="on CUDA, run decode steps eagerly instead of replaying captured graphs")  # fmt: skip
+    p.add_argument("--keep-weights-compressed", action="store_true",
+                   help="keep the layers' bfloat16 weights Huffman-compressed in memory (about "
+                   "two thirds of their bytes) and decode each layer's just before it runs: for "
+                   "a model larger than the memory left for it; lossless, slower steps")  # fmt: skip
     p.add_argument("--no-packed-weights", action="store_true",
                    help="on the CPU, read every float32 weight as it is, not the exact Q4_1 / "
                    "Q8_0 blocks found in a GGUF-imported model's weights")  # fmt: skip
@@ -145,6 +149,7 @@ def engine_kwargs(args: argparse.Namespace) -> dict[str, object]:
         "device": args.device,
         "cuda_graphs": not args.no_cuda_graphs,
         "packed_weights": not args.no_packed_weights,
+        "keep_weights_compressed": args.keep_weights_compressed,
         "tp": args.tp,
         "pp": args.pp,
         "ep": args.ep,

@@ -350,6 +350,13 @@ class EngineConfig:
     # memory) and a decode step's attention reads; keys and values rounded to bfloat16 when
     # written (outputs then differ from float32's by that rounding), widened exactly when read
     kv_cache_dtype: str = "auto"
+    # keep the decoder layers' bfloat16 weights Huffman-compressed in memory (about two thirds
+    # of their bytes; runtime.compression.CompressedBlocks) and decode each layer's weights into
+    # one shared buffer just before it runs: for a model larger than the memory left for it.
+    # Lossless (the same outputs); each step pays the decoding of every layer (on the CPU
+    # ~4 GB/s: several times slower than reading dense weights). Needs bfloat16 weights
+    # (dtype or weight_dtype bfloat16) and tp = pp = ep = 1; turns CUDA graphs off
+    keep_weights_compressed: bool = False
     kv_cache_bytes: int | None = None  # bytes for the KV cache; None: kv_cache_fraction of free RAM
     kv_cache_fraction: float = (
         0.25  # of the machine's available memory, when kv_cache_bytes is None
@@ -429,6 +436,11 @@ class EngineConfig:
             raise ValueError(
                 "weight_dtype='bfloat16' runs under dtype='float32' on the CPU (bfloat16 weights, "
                 f"float32 activations); got dtype={self.dtype!r}, device={self.device!r}"
+            )
+        if self.keep_weights_compressed and max(self.tp, self.pp, self.ep) > 1:
+            raise ValueError(
+                "keep_weights_compressed with tp, pp or ep above 1 is not built yet (each rank "
+                "holds its own layers); use tp=pp=ep=1"
             )
         if self.kv_cache_dtype not in ("auto", "bfloat16"):
             raise ValueError(f"kv_cache_dtype must be auto or bfloat16, got {self.kv_cache_dtype!r}")

@@ -24,6 +24,7 @@ import time
 from collections import deque
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -46,6 +47,9 @@ from runtime.structured_decoding import GrammarCompiler, TokenMasks
 from runtime.tokenizer import Tokenizer
 from runtime.weights import ReadStats
 
+if TYPE_CHECKING:
+    from runtime.compression import CompressedBlocks
+
 Prompt = str | list[int]
 
 
@@ -57,6 +61,7 @@ class Startup:
     phases: dict[str, tuple[float, float]]  # name -> (start, end), time.perf_counter()
     read: ReadStats  # what the weight read did (bytes, GB/s, O_DIRECT or not, chunks checked)
     kv_cache: str = ""  # what the KV cache holds, e.g. "6.05 GB bfloat16, 10254 blocks of 16"
+    compressed: str = ""  # weights kept compressed: CompressedBlocks.summary()
 
     @property
     def ready(self) -> float:
@@ -79,6 +84,8 @@ class Startup:
                 )
             elif name == "KV cache" and self.kv_cache:
                 part += f" ({self.kv_cache})"
+            elif name == "weights compressed" and self.compressed:
+                part += f" ({self.compressed})"
             parts.append(part)
         parts.append(f"ready {self.ready - process_start:.2f} (seconds since the process started)")
         return "start-up: " + " | ".join(parts)
@@ -139,6 +146,15 @@ class LLMEngine:
     def _start(self, config: EngineConfig, weights: PendingLoad) -> None:
         self.model = weights.model
         cuda = config.device == "cuda"
+        self.compressed: CompressedBlocks | None = None
+        t_encode = (0.0, 0.0)
+        if config.keep_weights_compressed:  # encoded from the loaded weights, on the host
+            weights.finish()
+            t0 = time.perf_counter()
+            from runtime.compression import compress_layers  # numpy and the decoder: only here
+
+            self.compressed = compress_layers(self.model, config.device)
+            t_encode = (t0, time.perf_counter())
         if cuda:  # the weights arrive in host memory, then go to the GPU whole
             weights.finish()
             self.model.to(config.device)
@@ -152,6 +168,9 @@ class LLMEngine:
             free = torch.cuda.mem_get_info(self.model.device)[0]
         else:  # of the memory left once the weights are in (they may be arriving)
             free = weights.memory_before - weights.nbytes
+            if self.compressed is not None:  # what the compressed layers gave back
+                free += self.compressed.dense_bytes - self.compressed.compressed_bytes
+                free -= self.compressed.buffer.nbytes
             if config.packed_weights and (Path(config.model) / IMPORT_MARKER).exists():
                 # a GGUF import's weights are exact blocks: pack_weights will keep those too
                 free -= self.model.packable_bytes()
@@ -202,7 +221,9 @@ class LLMEngine:
         )
         # No warm-up step: on the CPU a first request is as fast as the next (measured: a
         # prefill + decode warm-up took 0.11 s and saved the first request 0.00-0.04 s).
-        if cuda and config.cuda_graphs:  # at start-up, never in a request's path
+        # (not with weights kept compressed: each layer's weights are decoded, and its
+        # parameters pointed at them, by hooks in Python that a replayed graph would skip)
+        if cuda and config.cuda_graphs and self.compressed is None:  # at start-up
             self.runner.capture_decode_graphs(
                 min(config.max_num_seqs, config.cuda_graph_max_batch), self.max_model_len
             )
@@ -215,6 +236,7 @@ class LLMEngine:
             phases={
                 "model set-up": (weights.started, weights.queued),
                 "weights read": (read.started, read.finished),
+                **({"weights compressed": t_encode} if self.compressed is not None else {}),
                 "tokenizer and scheduler": (t_model, t_tokenizer),
                 **self.runner.startup,
                 # waiting for the read, if it is still going, is not placement
@@ -224,6 +246,7 @@ class LLMEngine:
             kv_cache=f"{num_blocks * block_bytes / 1e9:.2f} GB "  # all ranks' shares
             f"{str(self.kv_dtype).removeprefix('torch.')}, {num_blocks} blocks of "
             f"{config.block_size} tokens",
+            compressed=self.compressed.summary() if self.compressed is not None else "",
         )
 
     # ------------------------------------------------------------------ requests in

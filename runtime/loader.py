@@ -248,7 +248,10 @@ class PendingLoad:
     weight_dtype: str = "auto"  # as asked, likewise
 
     def finish(self) -> LlamaForCausalLM:
-        """Wait for every shard; convert what was stored in another dtype; the model, ready."""
+        """Wait for every shard; convert what was stored in another dtype; the model, ready.
+        Once done, a later call returns the model at once."""
+        if self.placed:
+            return self.model
         try:
             for i, conversions in enumerate(self.conversions):
                 self.reads.wait(i)

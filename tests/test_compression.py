@@ -8,6 +8,7 @@ from __future__ import annotations
 import importlib.util
 import itertools
 import json
+import logging
 import os
 import shutil
 import threading
@@ -41,7 +42,7 @@ from runtime.compression import (
     read_shard,
     shard_headers,
 )
-from runtime.config import ModelLoadError
+from runtime.config import EngineConfig, ModelLoadError
 from runtime.llm import LLM
 from runtime.sampling_params import SamplingParams
 from runtime.weights import ReadStats
@@ -593,6 +594,38 @@ def test_blocks_kept_compressed_decode_into_one_buffer_and_answer_the_same(
     for n, p in layers.named_parameters():
         assert torch.equal(_bits(p.detach()), _bits(dense[n])), n
     assert [o.outputs[0].token_ids for o in llm.generate(prompts, params)] == before
+
+
+def test_engine_keeps_weights_compressed_and_answers_the_same(
+    stories_dir: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """EngineConfig.keep_weights_compressed: bfloat16 layers kept compressed from start-up (a
+    bfloat16 model, and bfloat16 weights under float32), the same greedy tokens as the dense
+    engine, the memory given back counted for the KV cache, said in the start-up timeline."""
+    params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
+    prompts = ["Once upon a time", "The little dog"]
+    for kw in ({"dtype": "bfloat16"}, {"weight_dtype": "bfloat16"}):
+        dense = LLM(stories_dir, kv_cache_bytes=1 << 22, **kw)
+        want = [o.outputs[0].token_ids for o in dense.generate(prompts, params)]
+        with caplog.at_level(logging.INFO, logger="runtime.compression"):
+            llm = LLM(stories_dir, kv_cache_bytes=1 << 22, keep_weights_compressed=True, **kw)
+        blocks = llm.engine.compressed
+        assert blocks is not None and blocks.compressed_bytes < 0.8 * blocks.dense_bytes
+        assert llm.engine.model.layers[0].mlp.gate_up_proj.weight.numel() == 0
+        assert [o.outputs[0].token_ids for o in llm.generate(prompts, params)] == want, kw
+        assert "weights kept compressed:" in caplog.text and "MB buffer" in caplog.text
+        assert "weights compressed" in llm.engine.startup.phases
+        assert "MB buffer" in llm.engine.startup.timeline(0.0, 0.0, "drive ?")
+    # what the layers gave back goes to a KV cache sized by fraction
+    frac = {"dtype": "bfloat16", "kv_cache_fraction": 0.01}
+    assert (
+        LLM(stories_dir, keep_weights_compressed=True, **frac).engine.blocks.num_blocks
+        >= LLM(stories_dir, **frac).engine.blocks.num_blocks
+    )
+    with pytest.raises(ValueError, match="needs bfloat16 weights"):
+        LLM(stories_dir, dtype="float32", keep_weights_compressed=True)
+    with pytest.raises(ValueError, match="tp, pp or ep above 1"):
+        EngineConfig(model=str(stories_dir), keep_weights_compressed=True, tp=2)
 
 
 def test_cli_compress(
