@@ -8,14 +8,18 @@ import torch
 
 from kernels.dispatch import use_triton
 
+_KERNEL_DTYPES = (torch.float32, torch.bfloat16)  # what the C++ kernel takes (x and weight alike)
+
 
 def rms_norm(
     x: torch.Tensor, weight: torch.Tensor, eps: float, ext: ModuleType | None = None
 ) -> torch.Tensor:
     """x: (..., hidden); weight: (hidden,). Returns the same shape and dtype as x.
 
-    `ext`: the compiled kernel (`kernels.cpu_ext.load_rms_norm()`), used for float32 contiguous
-    input; at decode sizes it is one call of a few microseconds where torch runs ~8 ops.
+    `ext`: the compiled kernel (`kernels.cpu_ext.load_rms_norm()`), used for contiguous x with x
+    and weight both float32 or both bfloat16; at decode sizes it is one call of a few
+    microseconds where torch runs ~8 ops. In bfloat16 it rounds where the lines below round and
+    sums the squares in torch's order: the same bits.
     """
     if x.shape[-1] != weight.shape[0]:
         raise ValueError(f"rms_norm: x has {x.shape[-1]} features, weight has {weight.shape[0]}")
@@ -25,9 +29,10 @@ def rms_norm(
         out = triton_rms_norm.rms_norm(x.reshape(-1, x.shape[-1]), weight, eps)
         assert isinstance(out, torch.Tensor)
         return out.view(x.shape)
+    kernel_dtype = x.dtype == weight.dtype and x.dtype in _KERNEL_DTYPES
+    if ext is not None and kernel_dtype and x.is_contiguous():
+        return ext.rms_norm(x, weight, eps)
     if x.dtype == torch.float32 and weight.dtype == torch.float32:
-        if ext is not None and x.is_contiguous():
-            return ext.rms_norm(x, weight, eps)
         var = x.pow(2).mean(-1, keepdim=True)
         return weight * (x * torch.rsqrt(var + eps))
     xf = x.float()
@@ -43,7 +48,8 @@ def add_rms_norm(
     ext: ModuleType | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The residual add and the next RMSNorm: s = x + residual; returns (rms_norm(s), s).
-    x, residual: (T, hidden), one dtype. The Triton kernel does both in one pass over s."""
+    x, residual: (T, hidden), one dtype. The Triton kernel does both in one pass over s; on the
+    CPU the add is torch's (one op) and the norm `ext`'s, as in rms_norm."""
     if x.shape != residual.shape or x.dtype != residual.dtype:
         raise ValueError(
             f"add_rms_norm: x is {tuple(x.shape)} {x.dtype}, residual {tuple(residual.shape)} "

@@ -9,6 +9,8 @@ import torch
 from kernels.attention import write_kv_cache
 from kernels.dispatch import use_triton
 
+_KERNEL_DTYPES = (torch.float32, torch.bfloat16)  # what the CPU extension takes
+
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """x: (T, heads, head_dim); cos, sin: (T, head_dim), already in x's dtype. Returns x's shape."""
@@ -40,13 +42,14 @@ def rotate_and_cache(
     key from the cache. `qk`: q and k side by side as one view (T, heads + kv_heads, head_dim),
     where they are: the reference rotates both in one pass. The Triton kernel does it all in one
     launch (a negative slot skips its token). `ext`: the CPU extension
-    (`kernels.cpu_ext.load_fused()`), which does the same in one call for float32 (the model
-    gives it only for float32 on the CPU)."""
+    (`kernels.cpu_ext.load_fused()`), which does the same in one call where q, k, v, cos and sin
+    are all float32 or all bfloat16 and the caches both float32 or both bfloat16 (bfloat16:
+    rounded where apply_rotary rounds, the same bits); the reference otherwise."""
     if use_triton(q):
         from kernels.triton_kv_write import rotary_write_kv
 
         return rotary_write_kv(q, k, v, cos, sin, k_cache, v_cache, slot_mapping), None
-    if ext is not None:
+    if ext is not None and _kernel_takes(q, k, v, cos, sin, k_cache, v_cache):
         q_rot, k_rot = ext.rotary_write_kv(q, k, v, cos, sin, k_cache, v_cache, slot_mapping)
         return q_rot, k_rot
     if qk is not None:
@@ -55,3 +58,23 @@ def rotate_and_cache(
         q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
     write_kv_cache(k, v, k_cache, v_cache, slot_mapping)
     return q.contiguous(), k
+
+
+def _kernel_takes(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+) -> bool:
+    """Whether the CPU extension takes these dtypes: q, k, v, cos and sin all of one of its
+    dtypes, the two caches of one (it checks shapes and strides itself, saying what is wrong)."""
+    act = q.dtype
+    return (
+        act in _KERNEL_DTYPES
+        and k.dtype == v.dtype == cos.dtype == sin.dtype == act
+        and k_cache.dtype in _KERNEL_DTYPES
+        and v_cache.dtype == k_cache.dtype
+    )

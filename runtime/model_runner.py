@@ -175,18 +175,13 @@ class ModelRunner:
                         packed_weights=packed_weights, kv_dtype=kv_dtype)  # fmt: skip
         t0 = time.perf_counter()
         # Matmuls (float32 or bfloat16 weights), RMSNorm, RoPE + KV write, SiLU-and-mul: C++
-        # kernels where they build and the activations are float32; the references otherwise.
-        # bfloat16 activations take the few-row matmul kernel alone (kernels.linear: up to
-        # MAX_ROWS_BF16_ACT rows, where torch's bfloat16 GEMM reads the weights at half speed).
+        # kernels where they build and the activations are float32 or bfloat16; the references
+        # otherwise. bfloat16 activations take the few-row matmul kernel up to MAX_ROWS_BF16_ACT
+        # rows (kernels.linear: torch's bfloat16 GEMM reads the weights at half speed), and the
+        # others rounded as their references round (the same bits).
         gemm = norm = fused = None
         on_cpu = model.device.type == "cpu"
-        if cpu_kernels != "torch" and model.dtype == torch.bfloat16 and on_cpu:
-            gemm = cpu_ext.load_small_gemm()
-            if gemm is None and cpu_kernels == "cpu_ext":
-                raise RuntimeError(
-                    "cpu_kernels='cpu_ext' asked for, but the matmul extension did not build"
-                )
-        if cpu_kernels != "torch" and model.dtype == torch.float32 and on_cpu:
+        if cpu_kernels != "torch" and model.dtype in (torch.float32, torch.bfloat16) and on_cpu:
             gemm, norm = cpu_ext.load_small_gemm(), cpu_ext.load_rms_norm()
             fused = cpu_ext.load_fused()
             if (gemm is None or norm is None or fused is None) and cpu_kernels == "cpu_ext":

@@ -129,4 +129,4 @@ def cpu_extensions_built() -> None:
     cached per machine; later loads (here and in every worker) take milliseconds."""
     from kernels import cpu_ext
 
-    cpu_ext.load(), cpu_ext.load_small_gemm(), cpu_ext.load_rms_norm()
+    cpu_ext.load(), cpu_ext.load_small_gemm(), cpu_ext.load_rms_norm(), cpu_ext.load_fused()

@@ -93,3 +93,100 @@ def test_silu_and_mul_matches_torch(ext, T: int, inter: int) -> None:  # type: i
     torch.testing.assert_close(got, want, rtol=2e-6, atol=1e-6)
     with pytest.raises(RuntimeError, match="even"):
         ext.silu_and_mul(torch.randn(2, 7))
+
+
+def _same_bits(got: torch.Tensor, want: torch.Tensor) -> None:
+    """Equal bit for bit, NaN payloads aside (torch writes 0x7fc0 or 0xffff by its path)."""
+    assert got.shape == want.shape and got.dtype == want.dtype
+    nan = want.isnan()
+    assert torch.equal(got.isnan(), nan)
+    assert torch.equal(got[~nan].view(torch.int16), want[~nan].view(torch.int16))
+
+
+def _qkv_bf16(T: int, H: int, KVH: int, D: int, seed: int):  # type: ignore[no-untyped-def]
+    """As _qkv in bfloat16, as a bfloat16 model has them: cos and sin rounded too."""
+    q, k, v, cos, sin = _qkv(T, H, KVH, D, seed)
+    qkv = torch.cat([t.reshape(T, -1) for t in (q, k, v)], dim=1).mul(3).bfloat16()
+    q, k, v = qkv.split([H * D, KVH * D, KVH * D], dim=-1)
+    return (q.view(T, H, D), k.view(T, KVH, D), v.view(T, KVH, D), qkv,
+            cos.bfloat16(), sin.bfloat16())  # fmt: skip
+
+
+# head_dim 64 and 128 (AVX-512 halves), 34 and 6 (scalar tails), 96 (a vector and a tail);
+# T = 1 and T >= 16 (the OpenMP branch)
+BF16_ROTARY = [(1, 9, 3, 64), (8, 9, 3, 64), (64, 9, 3, 64), (5, 8, 4, 6), (17, 2, 1, 128),
+               (3, 2, 2, 34), (20, 3, 1, 96)]  # fmt: skip
+
+
+@pytest.mark.parametrize(("T", "H", "KVH", "D"), BF16_ROTARY)
+@pytest.mark.parametrize("cache_dtype", [torch.bfloat16, torch.float32])
+def test_rotary_write_kv_bfloat16_equals_the_reference(ext, T: int, H: int, KVH: int, D: int,
+                                                       cache_dtype: torch.dtype) -> None:  # type: ignore[no-untyped-def]  # fmt: skip
+    q, k, v, qkv, cos, sin = _qkv_bf16(T, H, KVH, D, seed=T * 100 + D)
+    qk = qkv[:, : (H + KVH) * D].unflatten(1, (H + KVH, D))  # as the model passes it
+    want_q, want_k = apply_rotary(qk, cos, sin).split([H, KVH], dim=1)
+    slots = torch.randperm(3 * T)[:T]
+    slots[T // 2] = -1  # a padded row: nothing written
+    keep = slots >= 0
+    want_kc = torch.full((3 * T, KVH, D), 7.0, dtype=cache_dtype)
+    want_vc = want_kc.clone()
+    want_kc[slots[keep]] = want_k[keep].to(cache_dtype)
+    want_vc[slots[keep]] = v[keep].to(cache_dtype)
+    kc, vc = torch.full_like(want_kc, 7.0), torch.full_like(want_vc, 7.0)
+    got_q, got_k = rotate_and_cache(q, k, v, cos, sin, kc, vc, slots, qk, ext)
+    assert got_q.is_contiguous() and got_q.dtype == torch.bfloat16
+    _same_bits(got_q, want_q)
+    _same_bits(got_k, want_k)
+    assert torch.equal(kc, want_kc) and torch.equal(vc, want_vc)
+
+
+def test_rotary_write_kv_bfloat16_nan_and_inf(ext) -> None:  # type: ignore[no-untyped-def]
+    T, H, KVH, D = 3, 2, 1, 64
+    q, k, v, _, cos, sin = _qkv_bf16(T, H, KVH, D, seed=5)
+    q[0, 0, 3] = float("nan")
+    q[1, 1, 40] = float("inf")
+    k[2, 0, 0] = float("-inf")
+    q[2, 0, 10] = 3e38  # products that round up to inf
+    kc = torch.zeros(T, KVH, D, dtype=torch.bfloat16)
+    vc = torch.zeros_like(kc)
+    want_q, want_k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+    got_q, got_k = rotate_and_cache(q, k, v, cos, sin, kc, vc, torch.arange(T), None, ext)
+    assert want_q.isnan().any() and want_q.isinf().any()
+    _same_bits(got_q, want_q)
+    _same_bits(got_k, want_k)
+
+
+def test_rotary_write_kv_mixed_dtypes_take_the_reference(ext) -> None:  # type: ignore[no-untyped-def]
+    # bfloat16 q with float32 cos and sin: the reference (float32 results), not the kernel
+    q, k, v, _, cos, sin = _qkv_bf16(2, 4, 2, 8, seed=0)
+    kc, vc = torch.zeros(4, 2, 8, dtype=torch.bfloat16), torch.zeros(4, 2, 8, dtype=torch.bfloat16)
+    slots = torch.tensor([0, 1])
+    got_q, _ = rotate_and_cache(q, k, v, cos.float(), sin.float(), kc, vc, slots, None, ext)
+    assert got_q.dtype == torch.float32
+    with pytest.raises(RuntimeError, match="cos and sin"):
+        ext.rotary_write_kv(q, k, v, cos.float(), sin.float(), kc, vc, slots)
+    with pytest.raises(RuntimeError, match="as q"):
+        ext.rotary_write_kv(q, k.float(), v, cos, sin, kc, vc, slots)
+
+
+@pytest.mark.parametrize(("T", "inter"), [(1, 1536), (8, 1536), (64, 1536), (3, 17), (20, 64),
+                                          (1, 5), (16, 33), (2, 1)])  # fmt: skip
+def test_silu_and_mul_bfloat16_equals_the_reference(ext, T: int, inter: int) -> None:  # type: ignore[no-untyped-def]
+    g = torch.Generator().manual_seed(T + inter)
+    for scale in (1.0, 4.0, 40.0):
+        x = (torch.randn(T, 2 * inter, generator=g) * scale).bfloat16()
+        _same_bits(silu_and_mul(x, ext), silu_and_mul(x))
+
+
+def test_silu_and_mul_bfloat16_every_gate(ext) -> None:  # type: ignore[no-untyped-def]
+    # silu(gate), rounded, depends on the gate alone: all 65536 bfloat16 gates (NaN, inf, those
+    # below -88 where exp overflows, subnormals) in the vector loop (rows of 64) and the scalar
+    # tail (rows of 15); the product with up is then one float32 product, rounded.
+    gates = torch.arange(-(2**15), 2**15, dtype=torch.int32).to(torch.int16).view(torch.bfloat16)
+    for inter in (64, 15):
+        n = gates.numel() // inter * inter
+        gate = gates[:n].view(-1, inter)
+        x = torch.cat([gate, torch.full_like(gate, 1.0)], dim=1)
+        _same_bits(silu_and_mul(x, ext), silu_and_mul(x))
+    x = torch.cat([gates.view(-1, 64), torch.randn(1024, 64).bfloat16() * 8], dim=1)
+    _same_bits(silu_and_mul(x, ext), silu_and_mul(x))

@@ -12,6 +12,8 @@ from kernels.attention import PagedAttentionMetadata, PrefillChunk
 from runtime import LLM, SamplingParams
 from runtime.loader import load_model
 from runtime.model import StepContext
+from runtime.model.layers import MLP, RMSNorm
+from runtime.model.llama import Attention
 from runtime.model_runner import ModelRunner
 from tests.conftest import TINY_FAMILIES
 
@@ -126,6 +128,34 @@ def test_bfloat16_logits_close(tiny_model_dir) -> None:  # type: ignore[no-untyp
     ours_err = (ours - exact).abs().max().item()
     ref_err = (ref - exact).abs().max().item()
     assert ours_err <= 2 * ref_err + 1e-3, (ours_err, ref_err)
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen3"])
+def test_bfloat16_model_takes_the_cpu_kernels_bit_for_bit(family: str, tiny_model_dir,
+                                                          monkeypatch: pytest.MonkeyPatch) -> None:  # type: ignore[no-untyped-def]  # fmt: skip
+    """A bfloat16 model on the CPU runs RMSNorm, RoPE with the KV write and SiLU-and-mul through
+    the C++ kernels (none with cpu_kernels="torch"), which round where the references round: its
+    logits are the references' bit for bit (the same matmuls either way)."""
+    gemm, norm, fused = cpu_ext.load_small_gemm(), cpu_ext.load_rms_norm(), cpu_ext.load_fused()
+    if gemm is None or norm is None or fused is None:
+        pytest.skip("the CPU extensions did not build here")
+    model = load_model(tiny_model_dir(family, "bfloat16"), "bfloat16")
+    runner = ModelRunner(model, num_blocks=8, block_size=16)
+    norms = [m for m in model.modules() if isinstance(m, RMSNorm)]
+    steps = [m for m in model.modules() if isinstance(m, (Attention, MLP))]
+    assert all(m.fused is norm for m in norms) and all(m.fused is fused for m in steps)
+    prompts = [[1, *range(20, 90)], [1]]  # 71 tokens (every kernel's OpenMP branch), and 1
+    ours = [_prefill_logits(runner, p) for p in prompts]
+    model.use_cpu_kernels(gemm, None, None)
+    for p, got in zip(prompts, ours, strict=True):
+        assert torch.equal(got, _prefill_logits(runner, p))
+    ModelRunner(model, num_blocks=8, block_size=16)  # "auto": the kernels again
+    assert all(m.fused is not None for m in [*norms, *steps])
+    ModelRunner(model, num_blocks=8, block_size=16, cpu_kernels="torch")
+    assert all(m.fused is None for m in [*norms, *steps])
+    monkeypatch.setattr(cpu_ext, "load_fused", lambda: None)  # as if it had not built
+    with pytest.raises(RuntimeError, match="did not build"):
+        ModelRunner(model, num_blocks=8, block_size=16, cpu_kernels="cpu_ext")
 
 
 @pytest.mark.parametrize("family", ["llama", "qwen3"])

@@ -4,8 +4,9 @@
 // op (~3-15 us on the 2-core development machine): the rotary embedding in the rotate-half
 // layout (split, neg, cat, two muls, add, for q and k) and the two `index_copy_` writes of the KV
 // cache took ~60 ops and ~1.5 ms of a ~20 ms single-request step over SmolLM2's 30 layers; the
-// gated MLP's silu(gate) * up another three. Here each is one call: float32, plain loops the
-// compiler vectorizes (-O3 -march=native). Rows run in parallel when there are many (a
+// gated MLP's silu(gate) * up another three. Here each is one call: float32 in plain loops the
+// compiler vectorizes (-O3 -march=native), bfloat16 in AVX-512 loops (scalar ones without
+// AVX-512) that round as the reference does (below). Rows run in parallel when there are many (a
 // prefill); a decode step's few rows run on the calling thread, where an OpenMP fork would cost
 // more than the work.
 //
@@ -16,13 +17,90 @@
 //   (T,) int64, a negative slot writes nothing (a padded row). Returns q and k rotated, as new
 //   contiguous tensors, and stores the rotated k and v at their slots.
 // silu_and_mul(x) -> y: x (T, 2I) contiguous, gate then up -> y (T, I) = silu(gate) * up.
+//
+// Both take float32 or bfloat16 activations (q, k, v, cos and sin all of one). In bfloat16 they
+// compute in float32 but round where the reference (kernels/rotary.py, kernels/activation.py on
+// bfloat16 tensors) rounds, op by op, as torch computes a bfloat16 op: in float32, the result
+// rounded to nearest even. RoPE: x * cos and rotate_half(x) * sin each rounded (exact float32
+// products of bfloat16 values), then their sum; so it equals the reference bit for bit.
+// SiLU-and-mul: silu(gate) rounded, then its product with up. torch's exp (Sleef's, or libm's
+// on its scalar path) and ours (simd_exp.h, libm's on the tail) may differ in float32's last
+// bit, which would move a bfloat16 rounding at a near-tie; but silu(gate) depends on the gate
+// alone, one of 65536 bfloat16 values, and for every one of them the rounded result equals
+// torch's (torch 2.13, 2-core Xeon, 2026-11-25; tests/test_fused_cpu.py checks them all), so the
+// whole op equals the reference bit for bit there.
+// bfloat16 at SmolLM2-135M's shapes, reference -> this, us a call through kernels/*.py (2-core
+// Xeon, 2026-11-25): RoPE + KV write (9 + 3 heads of 64) 25.3 -> 2.9 at T = 1, 32.1 -> 4.1 at 8,
+// 73.0 -> 12.8 at 64, 317.6 -> 61.3 at 512; SiLU-and-mul (I = 1536) 7.6 -> 2.1, 14.6 -> 6.6,
+// 42.3 -> 24.1, 300.9 -> 176.9 (float32's kernel: 1.7, 4.5, 15.1, 165.1; the division and exp
+// cost alike, bfloat16 adds the conversions and roundings).
 
 #include <torch/extension.h>
 
 #include <cmath>
+#include <cstdint>
+#include <cstring>
 #include <tuple>
 
 #include "simd_exp.h"
+
+// ---- bfloat16 <-> float32: the same helpers as rms_norm_cpu.cpp's (keep the two in step) ----
+
+static inline float bf16_to_float(uint16_t b) {
+  const uint32_t u = static_cast<uint32_t>(b) << 16;
+  float f;
+  std::memcpy(&f, &u, 4);
+  return f;
+}
+
+// Rounding to bfloat16 as torch's .to() does: to nearest even on the bits, subnormals kept. A NaN
+// stays a NaN, its payload aside (torch writes 0x7fc0 or 0xffff, by its path; so do we).
+static inline uint16_t float_to_bf16(float f) {
+  if (std::isnan(f)) return 0x7fc0;
+  uint32_t u;
+  std::memcpy(&u, &f, 4);
+  return static_cast<uint16_t>((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
+}
+
+static inline float round_bf16(float f) {
+  return std::isnan(f) ? f : bf16_to_float(float_to_bf16(f));
+}
+
+#ifdef __AVX512F__
+static inline __m512 load16_bf16(const uint16_t* p) {
+  const __m256i b = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(b), 16));
+}
+
+// float32 bits plus the round-to-nearest-even bias at bit 16 (as float_to_bf16). No NaN test:
+// every NaN here comes from bfloat16 inputs (payload in the top 16 bits, the low 16 zero, which
+// the bias cannot carry out of) or is the default NaN (0xffc00000), so it stays a NaN; the
+// tests' NaN and inf inputs check it. The blends it saves: SiLU-and-mul 6.9 -> 6.3 us (T = 8).
+static inline __m512i rne_biased(__m512 f) {
+  const __m512i u = _mm512_castps_si512(f);
+  const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
+  return _mm512_add_epi32(u, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7fff)));
+}
+
+static inline __m512 round16_bf16(__m512 f) {  // to the nearest bfloat16, kept as float32
+  return _mm512_castsi512_ps(
+      _mm512_and_si512(rne_biased(f), _mm512_set1_epi32(static_cast<int>(0xffff0000u))));
+}
+
+static inline void store16_bf16(uint16_t* p, __m512 f) {
+#ifdef __AVX512BF16__
+  // One instruction, nearest even too, but it flushes subnormals (in and out; a normal float
+  // never rounds to a subnormal bfloat16): vectors with one take the integer path.
+  if (!_mm512_fpclass_ps_mask(f, 0x20)) {
+    const __m256i b = (__m256i)_mm512_cvtneps_pbh(f);
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), b);
+    return;
+  }
+#endif
+  const __m512i r = _mm512_srli_epi32(rne_biased(f), 16);
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), _mm512_cvtepi32_epi16(r));
+}
+#endif
 
 // out = x * cos + rotate_half(x) * sin for one head of D (even) values.
 static inline void rotate(const float* x, const float* c, const float* s, float* out, int64_t D) {
@@ -31,10 +109,40 @@ static inline void rotate(const float* x, const float* c, const float* s, float*
   for (int64_t i = half; i < D; ++i) out[i] = x[i] * c[i] + x[i - half] * s[i];
 }
 
-static void check_heads(const torch::Tensor& t, const char* name, int64_t T, int64_t D) {
+// The same in bfloat16, rounded as the reference rounds: round(round(x * cos) +
+// round(rotate_half(x) * sin)); rotate_half's negation is exact, and round(-p) = -round(p).
+static inline void rotate_bf16(const uint16_t* x, const uint16_t* c, const uint16_t* s,
+                               uint16_t* out, int64_t D) {
+  const int64_t half = D / 2;
+  int64_t i = 0;
+#ifdef __AVX512F__
+  for (; i + 16 <= half; i += 16) {
+    const __m512 x1 = load16_bf16(x + i), x2 = load16_bf16(x + i + half);
+    const __m512 a1 = round16_bf16(_mm512_mul_ps(x1, load16_bf16(c + i)));
+    const __m512 b1 = round16_bf16(_mm512_mul_ps(x2, load16_bf16(s + i)));
+    const __m512 a2 = round16_bf16(_mm512_mul_ps(x2, load16_bf16(c + i + half)));
+    const __m512 b2 = round16_bf16(_mm512_mul_ps(x1, load16_bf16(s + i + half)));
+    store16_bf16(out + i, _mm512_sub_ps(a1, b1));
+    store16_bf16(out + i + half, _mm512_add_ps(a2, b2));
+  }
+#endif
+  for (; i < half; ++i) {
+    const float x1 = bf16_to_float(x[i]), x2 = bf16_to_float(x[i + half]);
+    const float a1 = round_bf16(x1 * bf16_to_float(c[i]));
+    const float b1 = round_bf16(x2 * bf16_to_float(s[i]));
+    const float a2 = round_bf16(x2 * bf16_to_float(c[i + half]));
+    const float b2 = round_bf16(x1 * bf16_to_float(s[i + half]));
+    out[i] = float_to_bf16(a1 - b1);
+    out[i + half] = float_to_bf16(a2 + b2);
+  }
+}
+
+static void check_heads(const torch::Tensor& t, const char* name, int64_t T, int64_t D,
+                        torch::ScalarType dtype) {
   TORCH_CHECK(t.dim() == 3 && t.size(0) == T && t.size(2) == D,
               "rotary_write_kv: ", name, " (T=", T, ", heads, D=", D, ") expected, got ", t.sizes());
-  TORCH_CHECK(t.scalar_type() == torch::kFloat, "rotary_write_kv: ", name, " float32 only");
+  TORCH_CHECK(t.scalar_type() == dtype, "rotary_write_kv: ", name, " float32 or bfloat16, as q, "
+              "expected, got ", t.scalar_type());
   TORCH_CHECK(t.stride(2) == 1, "rotary_write_kv: ", name, " needs unit stride along head_dim");
 }
 
@@ -44,15 +152,19 @@ std::tuple<torch::Tensor, torch::Tensor> rotary_write_kv(torch::Tensor q, torch:
                                                          torch::Tensor v_cache, torch::Tensor slots) {
   const int64_t T = q.size(0), D = q.size(2);
   TORCH_CHECK(D % 2 == 0, "rotary_write_kv: head_dim must be even, got ", D);
-  check_heads(q, "q", T, D);
-  check_heads(k, "k", T, D);
-  check_heads(v, "v", T, D);
+  const auto act = q.scalar_type();
+  TORCH_CHECK(act == torch::kFloat || act == torch::kBFloat16,
+              "rotary_write_kv: q float32 or bfloat16 expected, got ", act);
+  check_heads(q, "q", T, D, act);
+  check_heads(k, "k", T, D, act);
+  check_heads(v, "v", T, D, act);
   const int64_t H = q.size(1), KVH = k.size(1);
   TORCH_CHECK(v.size(1) == KVH, "rotary_write_kv: k has ", KVH, " heads, v ", v.size(1));
   for (const auto* c : {&cos, &sin})
-    TORCH_CHECK(c->scalar_type() == torch::kFloat && c->is_contiguous() && c->dim() == 2 &&
+    TORCH_CHECK(c->scalar_type() == act && c->is_contiguous() && c->dim() == 2 &&
                     c->size(0) == T && c->size(1) == D,
-                "rotary_write_kv: cos and sin (T, D) float32 contiguous expected, got ", c->sizes());
+                "rotary_write_kv: cos and sin (T, D) contiguous, of q's dtype (", act,
+                "), expected, got ", c->sizes(), " ", c->scalar_type());
   const bool bf16 = k_cache.scalar_type() == torch::kBFloat16;
   for (const auto* c : {&k_cache, &v_cache})
     TORCH_CHECK((c->scalar_type() == torch::kFloat || c->scalar_type() == torch::kBFloat16) &&
@@ -70,17 +182,61 @@ std::tuple<torch::Tensor, torch::Tensor> rotary_write_kv(torch::Tensor q, torch:
 
   auto q_out = torch::empty({T, H, D}, q.options().memory_format(at::MemoryFormat::Contiguous));
   auto k_out = torch::empty({T, KVH, D}, k.options().memory_format(at::MemoryFormat::Contiguous));
-  const float *qp = q.data_ptr<float>(), *kp = k.data_ptr<float>(), *vp = v.data_ptr<float>();
-  const float *cp = cos.data_ptr<float>(), *snp = sin.data_ptr<float>();
-  float *qo = q_out.data_ptr<float>(), *ko = k_out.data_ptr<float>();
   float *kc = bf16 ? nullptr : k_cache.data_ptr<float>();
   float *vc = bf16 ? nullptr : v_cache.data_ptr<float>();
   at::BFloat16* kb = bf16 ? k_cache.data_ptr<at::BFloat16>() : nullptr;
   at::BFloat16* vb = bf16 ? v_cache.data_ptr<at::BFloat16>() : nullptr;
   const int64_t qs0 = q.stride(0), qs1 = q.stride(1), ks0 = k.stride(0), ks1 = k.stride(1);
   const int64_t vs0 = v.stride(0), vs1 = v.stride(1);
+  auto run_rows = [&](auto row) {
+    if (T >= 16) {
+#pragma omp parallel for schedule(static)
+      for (int64_t t = 0; t < T; ++t) row(t);
+    } else {
+      for (int64_t t = 0; t < T; ++t) row(t);
+    }
+  };
 
-  auto row = [&](int64_t t) {
+  if (act == torch::kBFloat16) {
+    // The rotated k and v are bfloat16 values already: a bfloat16 cache takes their bits, a
+    // float32 one their exact widening (the reference's .to(cache dtype)).
+    using u16 = uint16_t;
+    const u16 *qp = reinterpret_cast<const u16*>(q.data_ptr<at::BFloat16>());
+    const u16 *kp = reinterpret_cast<const u16*>(k.data_ptr<at::BFloat16>());
+    const u16 *vp = reinterpret_cast<const u16*>(v.data_ptr<at::BFloat16>());
+    const u16 *cp = reinterpret_cast<const u16*>(cos.data_ptr<at::BFloat16>());
+    const u16 *snp = reinterpret_cast<const u16*>(sin.data_ptr<at::BFloat16>());
+    u16 *qo = reinterpret_cast<u16*>(q_out.data_ptr<at::BFloat16>());
+    u16 *ko = reinterpret_cast<u16*>(k_out.data_ptr<at::BFloat16>());
+    u16 *kbu = reinterpret_cast<u16*>(kb), *vbu = reinterpret_cast<u16*>(vb);
+    run_rows([&](int64_t t) {
+      const u16 *c = cp + t * D, *s = snp + t * D;
+      for (int64_t h = 0; h < H; ++h)
+        rotate_bf16(qp + t * qs0 + h * qs1, c, s, qo + (t * H + h) * D, D);
+      for (int64_t h = 0; h < KVH; ++h) {
+        u16* kr = ko + (t * KVH + h) * D;
+        rotate_bf16(kp + t * ks0 + h * ks1, c, s, kr, D);
+        if (sp[t] < 0) continue;
+        const int64_t at = (sp[t] * KVH + h) * D;
+        const u16* vr = vp + t * vs0 + h * vs1;
+        if (bf16) {
+          std::memcpy(kbu + at, kr, D * sizeof(u16));
+          std::memcpy(vbu + at, vr, D * sizeof(u16));
+        } else {
+          for (int64_t i = 0; i < D; ++i) {
+            kc[at + i] = bf16_to_float(kr[i]);
+            vc[at + i] = bf16_to_float(vr[i]);
+          }
+        }
+      }
+    });
+    return {q_out, k_out};
+  }
+
+  const float *qp = q.data_ptr<float>(), *kp = k.data_ptr<float>(), *vp = v.data_ptr<float>();
+  const float *cp = cos.data_ptr<float>(), *snp = sin.data_ptr<float>();
+  float *qo = q_out.data_ptr<float>(), *ko = k_out.data_ptr<float>();
+  run_rows([&](int64_t t) {
     const float *c = cp + t * D, *s = snp + t * D;
     for (int64_t h = 0; h < H; ++h) rotate(qp + t * qs0 + h * qs1, c, s, qo + (t * H + h) * D, D);
     for (int64_t h = 0; h < KVH; ++h) {
@@ -101,23 +257,64 @@ std::tuple<torch::Tensor, torch::Tensor> rotary_write_kv(torch::Tensor q, torch:
         }
       }
     }
-  };
-  if (T >= 16) {
-#pragma omp parallel for schedule(static)
-    for (int64_t t = 0; t < T; ++t) row(t);
-  } else {
-    for (int64_t t = 0; t < T; ++t) row(t);
-  }
+  });
   return {q_out, k_out};
 }
 
+// silu(gate) * up over one row of bfloat16, as the reference rounds: silu(gate) (torch: g / (1 +
+// exp(-g)) in float32) rounded, then its product with up.
+static void silu_mul_row_bf16(const uint16_t* g, const uint16_t* u, uint16_t* o, int64_t I) {
+  int64_t i = 0;
+#ifdef __AVX512F__
+  const __m512 one = _mm512_set1_ps(1.f);
+  // exp16 clamps its argument at ~88.376; torch's exp goes on to ~88.72 and is inf beyond (silu
+  // -0, or NaN at -inf): lanes whose gate is below -88.376, seldom seen, take std::exp.
+  const __m512 clamp = _mm512_set1_ps(88.3762626647949f);
+  for (; i + 16 <= I; i += 16) {
+    const __m512 gv = load16_bf16(g + i);
+    const __m512 ng = _mm512_sub_ps(_mm512_setzero_ps(), gv);
+    __m512 e = exp16(ng);  // a NaN gate gives a finite e, and a NaN result all the same
+    const __mmask16 big = _mm512_cmp_ps_mask(ng, clamp, _CMP_GT_OQ);
+    if (big) {
+      alignas(64) float ev[16], nv[16];
+      _mm512_store_ps(ev, e);
+      _mm512_store_ps(nv, ng);
+      for (int l = 0; l < 16; ++l)
+        if (big >> l & 1) ev[l] = std::exp(nv[l]);
+      e = _mm512_load_ps(ev);
+    }
+    const __m512 sv = round16_bf16(_mm512_div_ps(gv, _mm512_add_ps(one, e)));
+    store16_bf16(o + i, _mm512_mul_ps(sv, load16_bf16(u + i)));
+  }
+#endif
+  for (; i < I; ++i) {
+    const float gf = bf16_to_float(g[i]);
+    o[i] = float_to_bf16(round_bf16(gf / (1.f + std::exp(-gf))) * bf16_to_float(u[i]));
+  }
+}
+
 torch::Tensor silu_and_mul(torch::Tensor x) {
-  TORCH_CHECK(x.scalar_type() == torch::kFloat && x.dim() == 2 && x.is_contiguous(),
-              "silu_and_mul: x (T, 2I) float32 contiguous expected, got ", x.sizes(), " ",
-              x.scalar_type());
+  TORCH_CHECK((x.scalar_type() == torch::kFloat || x.scalar_type() == torch::kBFloat16) &&
+                  x.dim() == 2 && x.is_contiguous(),
+              "silu_and_mul: x (T, 2I) float32 or bfloat16 contiguous expected, got ", x.sizes(),
+              " ", x.scalar_type());
   TORCH_CHECK(x.size(1) % 2 == 0, "silu_and_mul: the last dim must be even, got ", x.size(1));
   const int64_t T = x.size(0), I = x.size(1) / 2;
   auto y = torch::empty({T, I}, x.options());
+  if (x.scalar_type() == torch::kBFloat16) {
+    const auto* xp = reinterpret_cast<const uint16_t*>(x.data_ptr<at::BFloat16>());
+    auto* yp = reinterpret_cast<uint16_t*>(y.data_ptr<at::BFloat16>());
+    auto row = [&](int64_t t) {
+      silu_mul_row_bf16(xp + t * 2 * I, xp + t * 2 * I + I, yp + t * I, I);
+    };
+    if (T >= 16) {
+#pragma omp parallel for schedule(static)
+      for (int64_t t = 0; t < T; ++t) row(t);
+    } else {
+      for (int64_t t = 0; t < T; ++t) row(t);
+    }
+    return y;
+  }
   const float* xp = x.data_ptr<float>();
   float* yp = y.data_ptr<float>();
   auto row = [&](int64_t t) {
@@ -147,8 +344,10 @@ torch::Tensor silu_and_mul(torch::Tensor x) {
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("rotary_write_kv", &rotary_write_kv,
-        "q and k rotated (rotate-half RoPE), rotated k and v stored at their cache slots, float32",
+        "q and k rotated (rotate-half RoPE), rotated k and v stored at their cache slots, float32 "
+        "or bfloat16",
         py::arg("q"), py::arg("k"), py::arg("v"), py::arg("cos"), py::arg("sin"),
         py::arg("k_cache"), py::arg("v_cache"), py::arg("slots"));
-  m.def("silu_and_mul", &silu_and_mul, "silu(gate) * up over (T, 2I) float32", py::arg("x"));
+  m.def("silu_and_mul", &silu_and_mul, "silu(gate) * up over (T, 2I) float32 or bfloat16",
+        py::arg("x"));
 }

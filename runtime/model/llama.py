@@ -293,7 +293,7 @@ class LlamaForCausalLM(nn.Module):
     ) -> None:
         """Route few-row matmuls (decode), RMSNorm, RoPE with the KV write and SiLU-and-mul
         through the C++ kernels, or the references (None). The caller gives norm and fused only
-        for a float32 model on the CPU. Drops the blocks of `pack_weights`."""
+        for a float32 or bfloat16 model on the CPU. Drops the blocks of `pack_weights`."""
         probe = torch.empty(1, 1, dtype=self.dtype)
         head = self.output_weight if self.place.first else None
         self.small_gemm = (
@@ -306,7 +306,8 @@ class LlamaForCausalLM(nn.Module):
                 module.small_gemm = gemm if usable else None
                 module.packed = None
             elif isinstance(module, RMSNorm):
-                module.fused = norm if module.weight.dtype == torch.float32 else None
+                kernel_dtype = module.weight.dtype in (torch.float32, torch.bfloat16)
+                module.fused = norm if kernel_dtype else None
             elif isinstance(module, (Attention, MLP)):
                 module.fused = fused
 
