@@ -77,7 +77,7 @@ from kernels.huffman_decode import (
 )
 from runtime.config import ModelLoadError
 from runtime.manifest import COMPRESSED_MANIFEST_NAME, is_compressed
-from runtime.shard_reader import Arena, open_for_read, preadv_all
+from runtime.shard_reader import Arena, commit_ahead, open_for_read, preadv_all
 from runtime.weights import ALIGN, ReadStats, Shard, TensorEntry, read_header
 
 log = logging.getLogger(__name__)
@@ -719,9 +719,10 @@ def load_compressed(
     `name` goes (a tensor of its shape, e.g. a parameter's rows; None: the arena): it is decoded
     straight into it (or converted into it from the arena, if its dtype differs), and it is what
     is yielded; `commit`: the arenas those destinations are in, in the order they are decoded
-    into, to commit ahead of the decoding as the new arenas are (see _commit). `stats`: the
-    bytes of the files, the files read with O_DIRECT or buffered, and
-    when the reads started and finished (`seconds` between the two, set at the end).
+    into, to commit ahead of the decoding as the new arenas are (shard_reader.commit_ahead;
+    SmolLM2's load, 2026-11-25: 0.249 s without, 0.192 with). `stats`: the bytes of the files,
+    the files read with O_DIRECT or buffered, and when the reads started and finished
+    (`seconds` between the two, set at the end).
     ModelLoadError naming the file, and the tensor, for a missing, truncated or corrupt file."""
     stats = stats if stats is not None else ReadStats()
     folder = Path(folder)
@@ -774,7 +775,7 @@ def load_compressed(
                                    stats, lock))  # fmt: skip
 
     stop = threading.Event()  # the load ended: the committing thread stops
-    threading.Thread(target=_commit, args=([*arenas, *commit], stop), name="weights-commit",
+    threading.Thread(target=commit_ahead, args=([*arenas, *commit], stop), name="weights-commit",
                      daemon=True).start()  # fmt: skip
     try:
         submit()
@@ -849,28 +850,6 @@ def _outputs(shards: list[CompressedShard], dests: dict[str, torch.Tensor | None
             nbytes = e.numel() * e.dtype.itemsize
             outs[e.name] = whole[at : at + nbytes].view(e.dtype).view(e.shape)
     return outs, arenas
-
-
-COMMIT_STEP = 2 << 20  # bytes a madvise call commits: the load's end stops it soon
-
-
-def _commit(arenas: list[Arena], stop: threading.Event) -> None:
-    """Commit the output arenas' memory, in file order, ahead of the decoding (on a thread of
-    its own, from the start of a load). A fresh page costs a fault when it is first written
-    (~1 us a 4 KiB page on the 2-core Xeon guest: 0.07 s of CPU for SmolLM2's 270 MB, half as
-    much as decoding it); committed here, much of it is done while the first reads are still
-    on the drive and the CPU would wait (SmolLM2's load, 2026-11-25: 0.249 s without, 0.192
-    with). The decoder faults in whatever it gets to first (the kernel serialises the two on
-    each page). Nothing is done on kernels before 5.14 (no MADV_POPULATE_WRITE), or if
-    committing fails. Not on huge pages: in microVM guests a fresh 2 MiB page sometimes costs
-    the host tenths of a second (see runtime.shard_reader.Arena)."""
-    try:
-        for arena in arenas:
-            for at in range(0, arena.nbytes, COMMIT_STEP):
-                if stop.is_set() or not arena.commit(at, at + COMMIT_STEP, rewrite=False):
-                    return
-    except OSError:  # e.g. out of memory now: the decoding faults the pages in, or says so
-        return
 
 
 def _aligned(nbytes: int) -> int:
