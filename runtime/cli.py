@@ -87,8 +87,9 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
                    help="on CUDA, run decode steps eagerly instead of replaying captured graphs")  # fmt: skip
     p.add_argument("--keep-weights-compressed", action="store_true",
                    help="keep the layers' bfloat16 weights Huffman-compressed in memory (about "
-                   "two thirds of their bytes) and decode each layer's just before it runs: for "
-                   "a model larger than the memory left for it; lossless, slower steps")  # fmt: skip
+                   "two thirds of their bytes) and decode each layer's just before it runs: "
+                   "more memory for the KV cache (on a GPU: a model larger than its memory); "
+                   "lossless, slower steps")  # fmt: skip
     p.add_argument("--no-packed-weights", action="store_true",
                    help="on the CPU, read every float32 weight as it is, not the exact Q4_1 / "
                    "Q8_0 blocks found in a GGUF-imported model's weights")  # fmt: skip

@@ -77,7 +77,7 @@ from kernels.huffman_decode import (
 )
 from runtime.config import ModelLoadError
 from runtime.manifest import COMPRESSED_MANIFEST_NAME, is_compressed
-from runtime.shard_reader import Arena, commit_ahead, open_for_read, preadv_all
+from runtime.shard_reader import Arena, commit_ahead, open_for_read, preadv_all, release_pages
 from runtime.weights import ALIGN, ReadStats, Shard, TensorEntry, read_header
 
 log = logging.getLogger(__name__)
@@ -876,11 +876,14 @@ class CompressedBlocks:
     stay as they are. `release()` restores dense weights and removes the hooks.
 
     The weights are encoded here, from the loaded model (the model's parameters fuse q/k/v
-    and gate/up, which the files' records do not), on `threads` threads. One by default:
-    SmolLM2's 106M layer weights encode at 32M values/s on one thread and 45M on two, but the
-    second thread's heap kept ~50 MB of the encoder's temporaries resident (the process at
-    rest: 465 MB on one thread, 517 on two, 515 with dense weights; 2-core Xeon, 2026-11-25).
-    `progress(done, total)` (values) after each block is encoded."""
+    and gate/up, which the files' records do not), on `threads` threads. One by default, the
+    calling one: SmolLM2's 106M layer weights encode at 32M values/s on one thread and 45M on
+    two, but a pool's threads kept tens of MB of the encoder's temporaries resident in their
+    own heaps (the model alone, after load_model: 515 MB with dense weights; kept compressed,
+    452-465 MB encoded on this thread, 517-523 on others; 2-core Xeon, 2026-11-25). Each
+    block's dense weights are given back as soon as it is encoded (see below), so the
+    start-up needs the dense weights' memory once. `progress(done, total)` (values) after
+    each block is encoded."""
 
     def __init__(
         self,
@@ -908,32 +911,38 @@ class CompressedBlocks:
         def encode(p: nn.Parameter) -> np.ndarray | None:
             return encode_bf16(p.data.cpu(), chunk_elems)
 
-        records: list[list[np.ndarray | None]] = []
-        with ThreadPoolExecutor(max(1, threads)) as pool:
-            encoded = [pool.map(encode, ps) for ps in params]  # in order, encoded ahead
-            for ps, block_recs in zip(params, encoded, strict=True):
-                records.append(list(block_recs))
+        # The records, made among the encoder's temporaries, would keep the heap from giving
+        # those back (SmolLM2: ~110 MB more resident than the records themselves); each moves
+        # into one store of their own (on a GPU: copied there), committed only as far as it is
+        # written (a record is under 2 bytes a value, or the tensor stays dense).
+        store = Arena(sum(_aligned(2 * p.numel()) for ps in params for p in ps)).tensor()
+        at, size = 0, 0
+        # One thread: on this one (a thread of its own keeps the encoder's temporaries in its
+        # own heap, which gives them back less reliably); more: a pool, encoding ahead.
+        pool = ThreadPoolExecutor(threads) if threads > 1 else None
+        with pool if pool is not None else contextlib.nullcontext():
+            encoded = [(pool.map if pool is not None else map)(encode, ps) for ps in params]
+            for block, ps, recs in zip(blocks, params, encoded, strict=True):
+                kept: list[torch.Tensor | None] = []
+                for rec in recs:
+                    if rec is None:
+                        kept.append(None)
+                        continue
+                    view = store[at : at + rec.size]
+                    view.copy_(torch.from_numpy(rec))
+                    kept.append(view)
+                    at += _aligned(rec.size)
+                # A block's dense weights go as soon as it is encoded, so the start-up needs
+                # the dense weights' memory once, not that and the records': the loader put
+                # every parameter in one arena, whose pages are given back block by block.
+                shared = [(p.data_ptr(), p.nbytes) for p, r in zip(ps, kept, strict=True)
+                          if r is not None and p.untyped_storage().nbytes() > p.nbytes]  # fmt: skip
+                size = max(size, self._add_block(block, ps, kept, chunk_elems))
+                for addr, nbytes in shared:
+                    release_pages(addr, nbytes)
                 done += sum(p.numel() for p in ps)
                 if progress is not None:
                     progress(done, total)
-        # The records, made among the encoder's temporaries, would keep the heap from giving
-        # those back (SmolLM2: ~110 MB more resident than the records themselves); they move
-        # into one allocation of their own (on a GPU: copied there).
-        store = torch.empty(sum(_aligned(r.size) for rs in records for r in rs if r is not None),
-                            dtype=torch.uint8)  # fmt: skip
-        at, size = 0, 0
-        for block, ps, recs in zip(blocks, params, records, strict=True):
-            kept: list[torch.Tensor | None] = []
-            for rec in recs:
-                if rec is None:
-                    kept.append(None)
-                    continue
-                view = store[at : at + rec.size]
-                view.copy_(torch.from_numpy(rec))
-                kept.append(view)
-                at += _aligned(rec.size)
-            recs.clear()
-            size = max(size, self._add_block(block, ps, kept, chunk_elems))
         self.buffer = torch.empty(size, dtype=torch.bfloat16, device=self.device)
 
     def _add_block(self, block: nn.Module, ps: list[nn.Parameter],

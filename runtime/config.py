@@ -352,10 +352,13 @@ class EngineConfig:
     kv_cache_dtype: str = "auto"
     # keep the decoder layers' bfloat16 weights Huffman-compressed in memory (about two thirds
     # of their bytes; runtime.compression.CompressedBlocks) and decode each layer's weights into
-    # one shared buffer just before it runs: for a model larger than the memory left for it.
+    # one shared buffer just before it runs: more memory left for the KV cache, and on a GPU a
+    # model whose dense weights would not fit in its memory.
     # Lossless (the same outputs); each step pays the decoding of every layer (on the CPU
-    # ~4 GB/s: several times slower than reading dense weights). Needs bfloat16 weights
-    # (dtype or weight_dtype bfloat16) and tp = pp = ep = 1; turns CUDA graphs off
+    # ~4 GB/s: several times slower than reading dense weights). The start-up still reads the
+    # dense weights once (given back layer by layer as each is encoded). Needs bfloat16
+    # weights (dtype or weight_dtype bfloat16) and tp = pp = ep = 1; turns CUDA graphs off; a
+    # speculative draft model stays dense
     keep_weights_compressed: bool = False
     kv_cache_bytes: int | None = None  # bytes for the KV cache; None: kv_cache_fraction of free RAM
     kv_cache_fraction: float = (
@@ -436,6 +439,13 @@ class EngineConfig:
             raise ValueError(
                 "weight_dtype='bfloat16' runs under dtype='float32' on the CPU (bfloat16 weights, "
                 f"float32 activations); got dtype={self.dtype!r}, device={self.device!r}"
+            )
+        if self.keep_weights_compressed and (
+            self.dtype == "float16" or (self.dtype == "float32" and self.weight_dtype == "auto")
+        ):  # ("auto": the checkpoint's dtype, checked once the model is read)
+            raise ValueError(
+                "keep_weights_compressed needs bfloat16 weights: dtype='bfloat16', or "
+                f"weight_dtype='bfloat16' under float32 on the CPU; got dtype={self.dtype!r}"
             )
         if self.keep_weights_compressed and max(self.tp, self.pp, self.ep) > 1:
             raise ValueError(

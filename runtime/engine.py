@@ -239,8 +239,12 @@ class LLMEngine:
                 **({"weights compressed": t_encode} if self.compressed is not None else {}),
                 "tokenizer and scheduler": (t_model, t_tokenizer),
                 **self.runner.startup,
-                # waiting for the read, if it is still going, is not placement
-                "placement": (max(t_placement, read.finished), weights.placed),
+                # waiting for the read, if it is still going, is not placement; where the
+                # weights were in place before (on CUDA, or kept compressed) it took no time here
+                "placement": (
+                    max(t_placement, read.finished),
+                    max(t_placement, read.finished, weights.placed),
+                ),
             },
             read=read,
             kv_cache=f"{num_blocks * block_bytes / 1e9:.2f} GB "  # all ranks' shares

@@ -63,6 +63,18 @@ _libc = ctypes.CDLL(None, use_errno=True)
 _libc.madvise.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int)
 
 
+def release_pages(addr: int, nbytes: int) -> int:
+    """Give back to the system the whole pages inside bytes [addr, addr + nbytes) of anonymous
+    memory that nothing will read again (MADV_DONTNEED: they read as zero if touched later);
+    the partial pages at either end are kept. Returns the bytes released (0 where madvise
+    refused)."""
+    start = -(-addr // ALIGN) * ALIGN
+    end = (addr + nbytes) // ALIGN * ALIGN
+    if end <= start:
+        return 0
+    return end - start if _libc.madvise(start, end - start, mmap.MADV_DONTNEED) == 0 else 0
+
+
 def huge_pages_wanted() -> bool:
     """Whether arenas ask for transparent huge pages (EDGEINFER_HUGE_PAGES=0 turns it off)."""
     return os.environ.get("EDGEINFER_HUGE_PAGES", "1") != "0"

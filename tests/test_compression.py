@@ -44,6 +44,7 @@ from runtime.compression import (
 )
 from runtime.config import EngineConfig, ModelLoadError
 from runtime.llm import LLM
+from runtime.model_runner import kv_block_bytes
 from runtime.sampling_params import SamplingParams
 from runtime.weights import ReadStats
 from tests.triton_tools import compile_for_hopper, run_interpreted
@@ -615,15 +616,32 @@ def test_engine_keeps_weights_compressed_and_answers_the_same(
         assert [o.outputs[0].token_ids for o in llm.generate(prompts, params)] == want, kw
         assert "weights kept compressed:" in caplog.text and "MB buffer" in caplog.text
         assert "weights compressed" in llm.engine.startup.phases
+        assert all(end >= start for start, end in llm.engine.startup.phases.values())
         assert "MB buffer" in llm.engine.startup.timeline(0.0, 0.0, "drive ?")
-    # what the layers gave back goes to a KV cache sized by fraction
-    frac = {"dtype": "bfloat16", "kv_cache_fraction": 0.01}
-    assert (
-        LLM(stories_dir, keep_weights_compressed=True, **frac).engine.blocks.num_blocks
-        >= LLM(stories_dir, **frac).engine.blocks.num_blocks
+    with pytest.raises(ValueError, match="needs bfloat16 weights"):  # said before loading
+        EngineConfig(model=str(stories_dir), dtype="float32", keep_weights_compressed=True)
+    with pytest.raises(ValueError, match="needs bfloat16 weights"):  # the checkpoint's: float32
+        LLM(stories_dir, keep_weights_compressed=True)
+
+
+def test_weights_kept_compressed_leave_their_memory_to_the_kv_cache(
+    stories_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """With the machine's free memory fixed, a KV cache sized by fraction gets what the layers
+    gave back (dense bytes - compressed bytes - the shared buffer): exactly, to a block."""
+    import runtime.loader
+
+    monkeypatch.setattr(runtime.loader, "available_memory", lambda: 64 << 20)
+    frac = {"dtype": "bfloat16", "kv_cache_fraction": 0.9}
+    dense = LLM(stories_dir, **frac).engine
+    kept = LLM(stories_dir, keep_weights_compressed=True, **frac).engine
+    assert kept.compressed is not None
+    c = kept.compressed
+    gain = (c.dense_bytes - c.compressed_bytes - c.buffer.nbytes) * 0.9 / kv_block_bytes(
+        kept.model, kept.config.block_size, kept.kv_dtype
     )
-    with pytest.raises(ValueError, match="needs bfloat16 weights"):
-        LLM(stories_dir, dtype="float32", keep_weights_compressed=True)
+    more = kept.blocks.num_blocks - dense.blocks.num_blocks
+    assert more >= 1 and int(gain) <= more <= int(gain) + 1, (more, gain)
     with pytest.raises(ValueError, match="tp, pp or ep above 1"):
         EngineConfig(model=str(stories_dir), keep_weights_compressed=True, tp=2)
 
