@@ -164,6 +164,30 @@ def test_cpu_decode_kernel_shapes(
             assert (err <= ref.abs() * 2.0**-8 + 2e-5).all(), (i, err.max().item())
 
 
+@pytest.mark.parametrize("n", [1, 3, 7])
+@pytest.mark.parametrize(("h", "hkv", "d"), [(9, 3, 64), (32, 8, 128), (4, 4, 32)])
+def test_cpu_decode_few_bfloat16_requests(n: int, h: int, hkv: int, d: int) -> None:
+    """Under 8 requests a task takes one kv head of one request (a bfloat16 model's decode
+    with a few requests; the scores by bfloat16 dot products where the CPU has them)."""
+    ext = cpu_ext.load()
+    if ext is None:
+        pytest.skip("the CPU extension did not build here (no compiler?)")
+    torch.manual_seed(n)
+    lens = [1, 33, 17, 200, 16, 5, 64][:n]
+    k_cache, v_cache, tables, keys, vals = nan_cache_with(lens, hkv, d, 16, seed=n,
+                                                          dtype=torch.bfloat16)  # fmt: skip
+    width = max(len(t) for t in tables)
+    block_ids = torch.zeros(n, width, dtype=torch.int64)
+    for i, t in enumerate(tables):
+        block_ids[i, : len(t)] = torch.tensor(t)
+    q = torch.randn(n, h, d).bfloat16()
+    out = ext.paged_decode_attention(q, k_cache, v_cache, block_ids, torch.tensor(lens), d**-0.5)
+    for i, L in enumerate(lens):
+        ref = dense_attention(q[i : i + 1], keys[i], vals[i], ctx=L - 1)
+        err = (out[i : i + 1].double() - ref).abs()
+        assert (err <= ref.abs() * 2.0**-8 + 2e-5).all(), (i, err.max().item())
+
+
 @pytest.mark.parametrize("bs", [4, 16])
 @pytest.mark.parametrize(("ctx", "n"), [(0, 17), (16, 1 + 15), (15, 33), (97, 5)])
 def test_prefill_chunk_over_cached_context(bs: int, ctx: int, n: int) -> None:

@@ -370,8 +370,10 @@ void decode_kernel(const torch::Tensor& q, const torch::Tensor& k_cache, const t
   const float fscale = static_cast<float>(scale);
 #ifdef EI_AVX512
   // float32 queries over a float32 or bfloat16 cache, and bfloat16 queries over a bfloat16 cache,
-  // take the AVX-512 loops: queries are widened to float32 scratch first (exact), sums are
-  // float32's, and the output is rounded to T once at the end.
+  // take the AVX-512 loops, sums in float32 and the output rounded to T once at the end. The
+  // queries are widened to float32 scratch (exact) and scaled there; bfloat16 queries over a
+  // bfloat16 cache with AVX512-BF16 and D % 32 == 0 score with VDPBF16PS on the raw queries
+  // instead, the scale applied to the sums (scores16_bf16).
   constexpr bool kFastTypes =
       (std::is_same_v<T, float> || std::is_same_v<T, at::BFloat16>) &&
       (std::is_same_v<KV, float> || std::is_same_v<KV, at::BFloat16>);
@@ -405,9 +407,6 @@ void decode_kernel(const torch::Tensor& q, const torch::Tensor& k_cache, const t
       const int64_t L = lp[i];
       const int64_t* table = bp + i * nb;
       scores.resize(H * L);
-      for (int64_t hq = h0 * G; hq < h1 * G; ++hq)
-        for (int64_t d = 0; d < D; ++d)
-          qf[hq * D + d] = static_cast<float>(qp[(i * H + hq) * D + d]) * fscale;
       // Pass 1: scores of every key, block by block; the block stays in cache across heads.
       bool scored = false;
 #ifdef EI_AVX512_BF16
@@ -428,6 +427,10 @@ void decode_kernel(const torch::Tensor& q, const torch::Tensor& k_cache, const t
         }
       }
 #endif
+      if (!scored)  // the queries, scaled, in float32 for the loops below
+        for (int64_t hq = h0 * G; hq < h1 * G; ++hq)
+          for (int64_t d = 0; d < D; ++d)
+            qf[hq * D + d] = static_cast<float>(qp[(i * H + hq) * D + d]) * fscale;
       if (scored) {
         // by the bfloat16 dot products above
       }
@@ -743,6 +746,7 @@ void paged_prefill_attention(torch::Tensor q, torch::Tensor k_cache, torch::Tens
                   spans.is_contiguous() && tables.is_contiguous() && spans.dim() == 2 &&
                   spans.size(1) == 3 && tables.dim() == 2 && tables.size(0) == spans.size(0),
               "paged_prefill_attention: spans (C, 3) and tables (C, nb) contiguous int64");
+#ifdef EI_AVX512  // (prefill_supported says no elsewhere: the check above has failed)
   const int64_t C = spans.size(0), nb = tables.size(1), nblocks = k_cache.size(0);
   const int64_t* sp = spans.data_ptr<int64_t>();
   const int64_t* tp = tables.data_ptr<int64_t>();
@@ -763,7 +767,6 @@ void paged_prefill_attention(torch::Tensor q, torch::Tensor k_cache, torch::Tens
         tasks.push_back({c, h, q0, qn, ctx + q0 + qn});
       }
   }
-#ifdef EI_AVX512
   // Longest first, handed out one at a time: the threads finish together.
   std::stable_sort(tasks.begin(), tasks.end(),
                    [](const PrefillTask& a, const PrefillTask& b) { return a.keys > b.keys; });
