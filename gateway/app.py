@@ -209,7 +209,11 @@ async def serve(config: GatewayConfig) -> None:
     import signal
 
     app = make_app(config)
-    runner = web.AppRunner(app, handler_cancellation=True, access_log=None, shutdown_timeout=5.0)
+    # keepalive_timeout: aiohttp closes a connection whose handler still waits for a request
+    # when it runs out, counted from the connection's start or its last response; bytes of an
+    # unfinished request do not reset it, so it bounds slow headers too
+    runner = web.AppRunner(app, handler_cancellation=True, access_log=None, shutdown_timeout=5.0,
+                           keepalive_timeout=config.idle_timeout_s)  # fmt: skip
     await runner.setup()
     site = web.TCPSite(runner, config.host, config.port)
     await site.start()

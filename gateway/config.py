@@ -20,6 +20,10 @@ class GatewayConfig:
     catalog_path: Path = DEFAULT_CATALOG  # the region catalog (infra/regions.yaml)
     max_body_bytes: int = 1 << 20  # largest request body (413 above it)
     body_timeout_s: float = 30.0  # for a request's body to arrive once its headers have (408)
+    # a client connection is closed when it has not sent a whole request's headers this long
+    # after it opened, or after its last response (a slow-header client, "slowloris", holds a
+    # connection no longer than this; aiohttp's default, an hour, would let it hold one that long)
+    idle_timeout_s: float = 30.0
     registry_refresh_s: float = 0.5  # how often the worker list is re-read from Redis
     session_ttl_s: float = 1800.0  # a session placement expires after this long unused
     connect_timeout_s: float = 2.0  # to open a connection to a worker
@@ -47,6 +51,8 @@ class GatewayConfig:
             )
         if self.body_timeout_s <= 0:
             raise ValueError(f"body_timeout_s must be positive, got {self.body_timeout_s}")
+        if self.idle_timeout_s <= 0:
+            raise ValueError(f"idle_timeout_s must be positive, got {self.idle_timeout_s}")
         if self.registry_refresh_s <= 0 or self.session_ttl_s <= 0:
             raise ValueError("registry_refresh_s and session_ttl_s must be positive")
         if self.max_attempts < 1:

@@ -190,6 +190,7 @@ def cmd_gateway(args: argparse.Namespace) -> int:
         catalog_path=Path(args.regions),
         max_body_bytes=args.max_body_bytes,
         body_timeout_s=args.body_timeout,
+        idle_timeout_s=args.idle_timeout,
         worker_idle_timeout_s=args.worker_idle_timeout,
         routing=args.routing,
         disagg_min_tokens=args.disagg_min_tokens,
@@ -395,6 +396,9 @@ def add_service_commands(sub: argparse._SubParsersAction, engine_args) -> None: 
                    "worker, a streaming one ends with an error")  # fmt: skip
     g.add_argument("--body-timeout", type=float, default=30.0,
                    help="seconds a request's body has to arrive once its headers have (408)")  # fmt: skip
+    g.add_argument("--idle-timeout", type=float, default=30.0,
+                   help="seconds a client connection may go without sending a whole request's "
+                   "headers (from when it opened, or its last response) before it is closed")  # fmt: skip
     g.add_argument(
         "--routing", default="cache-aware", choices=["cache-aware", "round-robin"],
         help="worker choice: sessions + prefix cache + load (default), or a round-robin baseline",

@@ -353,6 +353,52 @@ def test_malformed_requests_get_openai_errors(cluster: Cluster) -> None:
     assert time.monotonic() - t0 < 8
 
 
+def test_idle_and_slow_header_connections_are_closed(cluster: Cluster) -> None:
+    """--idle-timeout: a connection that never completes its headers (bytes trickling in do not
+    count), or sits idle after a response, is closed once it runs out; a streamed answer that
+    takes longer than it is not cut."""
+    import socket
+    import urllib.parse
+
+    gw = start_gateway("gw-idle", cluster.redis.url, cluster.root / "regions.yaml", cluster.root,
+                       "eu", ["--idle-timeout", "0.3"])  # fmt: skip
+    try:
+        url = urllib.parse.urlsplit(gw.url)
+
+        def closed_after(sock: socket.socket, trickle: bool) -> float:
+            t0 = time.monotonic()
+            sock.settimeout(0.05)
+            while time.monotonic() - t0 < 10:
+                if trickle:
+                    sock.sendall(b"X-Slow: 1\r\n")  # a header line, never the blank one
+                try:
+                    if sock.recv(65536) == b"":
+                        return time.monotonic() - t0
+                except TimeoutError:
+                    continue
+                except ConnectionResetError:
+                    return time.monotonic() - t0
+            raise AssertionError("the gateway held the connection open for 10 s")
+
+        with socket.create_connection((url.hostname, url.port), timeout=5) as sock:
+            sock.sendall(b"GET /healthz HTTP/1.1\r\nHost: x\r\n")
+            assert closed_after(sock, trickle=True) < 3
+        with socket.create_connection((url.hostname, url.port), timeout=5) as sock:
+            sock.sendall(b"GET /healthz HTTP/1.1\r\nHost: x\r\n\r\n")
+            assert sock.recv(65536).startswith(b"HTTP/1.1 200")
+            assert closed_after(sock, trickle=False) < 3
+        wait_until(lambda: get_json(f"{gw.url}/readyz")[1]["workers"] >= 2, 30, "workers")
+        client = openai.OpenAI(base_url=f"{gw.url}/v1", api_key="x", max_retries=0, timeout=60)
+        t0 = time.monotonic()
+        stream = client.completions.create(model="stories", prompt="Once upon a time",
+                                           max_tokens=400, stream=True,
+                                           extra_body={"ignore_eos": True})  # fmt: skip
+        text = "".join(c.choices[0].text for c in stream if c.choices)
+        assert time.monotonic() - t0 > 0.3 and len(text) > 400  # longer than the idle timeout
+    finally:
+        gw.stop()
+
+
 def test_limits_auth_paths(cluster: Cluster) -> None:
     status, _, err = _post(cluster, "/v1/completions", b'{"prompt": "' + b"x" * 70000 + b'"}')
     assert status == 413 and "65536" in err["error"]["message"]
