@@ -211,9 +211,12 @@ async def serve(config: GatewayConfig) -> None:
     app = make_app(config)
     # keepalive_timeout: aiohttp closes a connection whose handler still waits for a request
     # when it runs out, counted from the connection's start or its last response; bytes of an
-    # unfinished request do not reset it, so it bounds slow headers too
+    # unfinished request do not reset it, so it bounds slow headers too. lingering_time: after
+    # an answer given before its body was read (408, 413), what is left of the body is read and
+    # dropped for this long before the connection closes (aiohttp's 10 s let a client that
+    # stopped sending hold it 10 s past its 408)
     runner = web.AppRunner(app, handler_cancellation=True, access_log=None, shutdown_timeout=5.0,
-                           keepalive_timeout=config.idle_timeout_s)  # fmt: skip
+                           keepalive_timeout=config.idle_timeout_s, lingering_time=1.0)  # fmt: skip
     await runner.setup()
     site = web.TCPSite(runner, config.host, config.port)
     await site.start()

@@ -52,7 +52,9 @@ class GatewayConfig:
         if self.body_timeout_s <= 0:
             raise ValueError(f"body_timeout_s must be positive, got {self.body_timeout_s}")
         if self.idle_timeout_s <= 0:
-            raise ValueError(f"idle_timeout_s must be positive, got {self.idle_timeout_s}")
+            raise ValueError(
+                f"idle_timeout_s (--idle-timeout) must be positive, got {self.idle_timeout_s}"
+            )
         if self.registry_refresh_s <= 0 or self.session_ttl_s <= 0:
             raise ValueError("registry_refresh_s and session_ttl_s must be positive")
         if self.max_attempts < 1:

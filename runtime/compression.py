@@ -937,10 +937,10 @@ class CompressedBlocks:
                 # every parameter in one arena, whose pages are given back block by block.
                 shared = [(p.data_ptr(), p.nbytes) for p, r in zip(ps, kept, strict=True)
                           if r is not None and p.untyped_storage().nbytes() > p.nbytes]  # fmt: skip
+                done += sum(p.numel() for p in ps)  # (before _add_block empties them)
                 size = max(size, self._add_block(block, ps, kept, chunk_elems))
                 for addr, nbytes in shared:
                     release_pages(addr, nbytes)
-                done += sum(p.numel() for p in ps)
                 if progress is not None:
                     progress(done, total)
         self.buffer = torch.empty(size, dtype=torch.bfloat16, device=self.device)
@@ -1015,8 +1015,9 @@ def compress_layers(model: nn.Module, device: torch.device | str | None = None) 
     if torch.bfloat16 not in dtypes:
         names = ", ".join(sorted(str(d).removeprefix("torch.") for d in dtypes)) or "none"
         raise ValueError(
-            f"keep_weights_compressed needs bfloat16 weights (dtype='bfloat16', or "
-            f"weight_dtype='bfloat16' under float32 on the CPU); the layers' weights are {names}"
+            "keep_weights_compressed (--keep-weights-compressed) needs bfloat16 weights "
+            "(dtype='bfloat16' / --dtype bfloat16, or weight_dtype='bfloat16' / --weight-dtype "
+            f"bfloat16 under float32 on the CPU); the layers' weights are {names}"
         )
     t0 = last = time.perf_counter()
 

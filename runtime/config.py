@@ -444,8 +444,9 @@ class EngineConfig:
             self.dtype == "float16" or (self.dtype == "float32" and self.weight_dtype == "auto")
         ):  # ("auto": the checkpoint's dtype, checked once the model is read)
             raise ValueError(
-                "keep_weights_compressed needs bfloat16 weights: dtype='bfloat16', or "
-                f"weight_dtype='bfloat16' under float32 on the CPU; got dtype={self.dtype!r}"
+                "keep_weights_compressed (--keep-weights-compressed) needs bfloat16 weights: "
+                "dtype='bfloat16' (--dtype bfloat16), or weight_dtype='bfloat16' (--weight-dtype "
+                f"bfloat16) under float32 on the CPU; got dtype={self.dtype!r}"
             )
         if self.keep_weights_compressed and max(self.tp, self.pp, self.ep) > 1:
             raise ValueError(

@@ -355,13 +355,13 @@ def test_malformed_requests_get_openai_errors(cluster: Cluster) -> None:
 
 def test_idle_and_slow_header_connections_are_closed(cluster: Cluster) -> None:
     """--idle-timeout: a connection that never completes its headers (bytes trickling in do not
-    count), or sits idle after a response, is closed once it runs out; a streamed answer that
-    takes longer than it is not cut."""
+    count), or sits idle after a response, is closed once it runs out; so is one whose body never
+    came, soon after its 408; a streamed answer that takes longer than it is not cut."""
     import socket
     import urllib.parse
 
     gw = start_gateway("gw-idle", cluster.redis.url, cluster.root / "regions.yaml", cluster.root,
-                       "eu", ["--idle-timeout", "0.3"])  # fmt: skip
+                       "eu", ["--idle-timeout", "0.3", "--body-timeout", "0.5"])  # fmt: skip
     try:
         url = urllib.parse.urlsplit(gw.url)
 
@@ -387,6 +387,11 @@ def test_idle_and_slow_header_connections_are_closed(cluster: Cluster) -> None:
             sock.sendall(b"GET /healthz HTTP/1.1\r\nHost: x\r\n\r\n")
             assert sock.recv(65536).startswith(b"HTTP/1.1 200")
             assert closed_after(sock, trickle=False) < 3
+        with socket.create_connection((url.hostname, url.port), timeout=5) as sock:
+            sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: "
+                         b"application/json\r\nContent-Length: 1000\r\n\r\n{}   ")  # fmt: skip
+            assert sock.recv(65536).startswith(b"HTTP/1.1 408")  # the body never came
+            assert closed_after(sock, trickle=False) < 2.5  # then no lingering for 10 s
         wait_until(lambda: get_json(f"{gw.url}/readyz")[1]["workers"] >= 2, 30, "workers")
         client = openai.OpenAI(base_url=f"{gw.url}/v1", api_key="x", max_retries=0, timeout=60)
         t0 = time.monotonic()
