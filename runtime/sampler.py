@@ -369,7 +369,20 @@ def _logprobs(
         TokenLogprobs(
             token_id=tok,
             logprob=tok_lp,
-            top=list(zip(top_ids[j][: counts[j]], top_vals[j][: counts[j]], strict=True)),
+            top=_chosen_first(
+                tok, list(zip(top_ids[j][: counts[j]], top_vals[j][: counts[j]], strict=True))
+            ),
         )
         for j, (tok, tok_lp) in enumerate(zip(chosen.tolist(), chosen_lp, strict=True))
     ]
+
+
+def _chosen_first(token: int, top: list[tuple[int, float]]) -> list[tuple[int, float]]:
+    """`top` (descending) with the chosen token first among those of its exact logprob: topk
+    orders a tie as it likes, and a greedy pick listed below a token of the same logprob reads
+    as a pick of the second best (ties are common in bfloat16 logits)."""
+    at = next((i for i, (t, _) in enumerate(top) if t == token), None)
+    if at is None:
+        return top
+    first = next(i for i, (_, v) in enumerate(top) if v == top[at][1])
+    return [*top[:first], top[at], *top[first:at], *top[at + 1 :]]

@@ -394,6 +394,25 @@ def test_logprobs_are_of_penalized_logits_before_temperature() -> None:
     assert out.logprobs[0] is not None and out.logprobs[0].token_id == logits[0].argmax().item()
 
 
+def test_a_greedy_pick_at_a_tie_is_listed_first_among_its_equals() -> None:
+    """Two tokens of exactly one logit (common in bfloat16): whichever greedy picks comes first
+    in top_logprobs among the tied ones, never below its equal."""
+    for first, second in ((5, 40), (40, 5)):
+        logits = torch.full((1, 64), -4.0)
+        logits[0, first] = logits[0, second] = 3.0
+        logits[0, 7] = 1.0
+        out = sample(logits, [state(temperature=0.0, logprobs=3)])
+        lp = out.logprobs[0]
+        assert lp is not None and lp.token_id == out.token_ids[0] in (first, second)
+        assert lp.top[0][0] == lp.token_id and {t for t, _ in lp.top[:2]} == {first, second}
+        assert lp.top[2][0] == 7 and lp.top[0][1] == lp.top[1][1] > lp.top[2][1]
+    # topk orders ties as it likes (here it happened to agree with argmax); the reordering:
+    top = [(40, -0.5), (5, -0.5), (9, -0.5), (7, -2.0)]
+    assert sampler_mod._chosen_first(9, top) == [(9, -0.5), (40, -0.5), (5, -0.5), (7, -2.0)]
+    assert sampler_mod._chosen_first(7, top) == top  # no equal above it
+    assert sampler_mod._chosen_first(3, top) == top  # not listed
+
+
 # ----- shapes ------------------------------------------------------------------------------
 
 
