@@ -248,15 +248,17 @@ def test_an_import_waits_for_room_in_arrival_order(stories_dir: Path, engines) -
         importer = KVImporter(small, SECRET, wait_s=30)
         order: list[str] = []
 
-        async def run(rid: str, n: int) -> list[int]:
-            group = small.engine.prepare_request(rid, _prompt(n), params)
+        async def run(rid: str, n: int, offset: int = 0) -> list[int]:
+            group = small.engine.prepare_request(rid, _prompt(n, offset), params)
             stream, _ = await importer.submit(group, addr)
             order.append(rid)
             return await _collect(stream)
 
         first = asyncio.create_task(run("first", 200))
         await asyncio.sleep(0.05)
-        second = asyncio.create_task(run("second", 17))  # fits sooner, but comes second
+        # fits sooner, but comes second; its own text (from `first`'s, its first block would be
+        # in the cache once `first` is in, and it might then need no pull at all)
+        second = asyncio.create_task(run("second", 17, offset=300))
         await asyncio.sleep(0.2)
         assert importer.waiting == 2 and server.pulls_served == 0
         third = small.engine.prepare_request("third", _prompt(17), params)
