@@ -427,37 +427,34 @@ void decode_kernel(const torch::Tensor& q, const torch::Tensor& k_cache, const t
         }
       }
 #endif
-      if (!scored)  // the queries, scaled, in float32 for the loops below
+      if (!scored) {  // from the queries, scaled, in float32
         for (int64_t hq = h0 * G; hq < h1 * G; ++hq)
           for (int64_t d = 0; d < D; ++d)
             qf[hq * D + d] = static_cast<float>(qp[(i * H + hq) * D + d]) * fscale;
-      if (scored) {
-        // by the bfloat16 dot products above
-      }
 #ifdef EI_AVX512
-      else if (fast) {
-        if constexpr (kFastTypes) {
-          for (int64_t j0 = 0; j0 < L; j0 += bs) {
-            const KV* block = kp + table[j0 / bs] * blk_stride;
-            const KV* next = j0 + bs < L ? kp + table[j0 / bs + 1] * blk_stride : nullptr;
-            const int64_t tn = std::min(bs, L - j0);
-            for (int64_t h = h0; h < h1; ++h)
-              for (int64_t t0 = 0; t0 < tn; t0 += 16)
-                scores16(qf.data() + h * G * D, block + t0 * tok_stride + h * D, tok_stride,
-                         std::min<int64_t>(16, tn - t0), G, D / 16,
-                         next ? next + t0 * tok_stride + h * D : nullptr,
-                         scores.data() + h * G * L, L, j0 + t0);
+        if (fast) {
+          if constexpr (kFastTypes) {
+            for (int64_t j0 = 0; j0 < L; j0 += bs) {
+              const KV* block = kp + table[j0 / bs] * blk_stride;
+              const KV* next = j0 + bs < L ? kp + table[j0 / bs + 1] * blk_stride : nullptr;
+              const int64_t tn = std::min(bs, L - j0);
+              for (int64_t h = h0; h < h1; ++h)
+                for (int64_t t0 = 0; t0 < tn; t0 += 16)
+                  scores16(qf.data() + h * G * D, block + t0 * tok_stride + h * D, tok_stride,
+                           std::min<int64_t>(16, tn - t0), G, D / 16,
+                           next ? next + t0 * tok_stride + h * D : nullptr,
+                           scores.data() + h * G * L, L, j0 + t0);
+            }
           }
-        }
-      }
+        } else
 #endif
-      else
-      for (int64_t j0 = 0; j0 < L; j0 += bs) {
-        const KV* block = kp + table[j0 / bs] * blk_stride;
-        const int64_t tn = std::min(bs, L - j0);
-        for (int64_t h = h0; h < h1; ++h)
-          block_scores<KV>(qf.data() + h * G * D, block + h * D, tok_stride, tn, G, D,
-                          scores.data() + h * G * L, L, j0);
+        for (int64_t j0 = 0; j0 < L; j0 += bs) {
+          const KV* block = kp + table[j0 / bs] * blk_stride;
+          const int64_t tn = std::min(bs, L - j0);
+          for (int64_t h = h0; h < h1; ++h)
+            block_scores<KV>(qf.data() + h * G * D, block + h * D, tok_stride, tn, G, D,
+                            scores.data() + h * G * L, L, j0);
+        }
       }
       // Softmax per query head (exp vectorized).
       for (int64_t hq = h0 * G; hq < h1 * G; ++hq) {
