@@ -13,6 +13,7 @@ import asyncio
 import logging
 import time
 import uuid
+from collections import OrderedDict
 from collections.abc import Callable
 
 from redis.asyncio import Redis
@@ -31,6 +32,9 @@ from kvstore.registry import Registry
 log = logging.getLogger("edgeinfer.gateway")
 
 CARRY_S = 10.0  # longest a worker lost by Redis is routed to without registering again
+# sessions whose placement this gateway last read or wrote, kept in memory (least recently used
+# dropped first) to route them while Redis is down or has lost its data
+RECENT_SESSIONS = 65536
 MARKER_TTL_S = 3600  # a gateway's marker outlives any pause between its registry reads
 
 
@@ -55,6 +59,8 @@ class ClusterView:
         self.redis_ok = False  # the last Redis call succeeded
         self.refreshed_at = 0.0  # monotonic time of the last good snapshot
         self.failed: dict[str, float] = {}  # worker id -> unix time it failed a request here
+        # session id -> its placement as this gateway last read or wrote it (RECENT_SESSIONS)
+        self._recent: OrderedDict[str, Placement] = OrderedDict()
         self.seen_models: set[str] = set()  # every model a snapshot has shown (404 vs 503)
         for region in catalog.regions.values():
             self.seen_models.update(str(m) for m in region.settings.get("models", []) or [])
@@ -157,24 +163,46 @@ class ClusterView:
 
     # ------------------------------------------------------------------ session placement
     async def placement(self, session_id: str) -> Placement | None:
-        """The session's worker, or None (also when Redis is down: affinity is best effort).
+        """The session's worker, or None.
 
-        Once a Redis call has failed, none is tried on a request's path until the refresh loop
-        (every registry_refresh_s) reaches Redis again: a Redis that hangs rather than refuses
-        would otherwise cost every session request its socket timeout."""
+        While Redis is down, or `recovering` from a restart that emptied it, the placement this
+        gateway last read or wrote for the session (kept in memory, the most recent
+        RECENT_SESSIONS): the session stays where its KV cache is rather than going wherever
+        load sends each request (the router still checks that the worker is alive). Once a
+        Redis call has failed, none is tried on a request's path until the refresh loop (every
+        registry_refresh_s) reaches Redis again: a Redis that hangs rather than refuses would
+        otherwise cost every session request its socket timeout."""
         if not self.redis_ok:
-            return None
+            return self._remembered(session_id)
         try:
-            return await self.sessions.get(session_id)
+            found = await self.sessions.get(session_id)
         except Exception as e:
             self._redis_failed(e)
-            return None
+            return self._remembered(session_id)
+        if found is None and self.recovering:  # Redis lost it with the rest
+            return self._remembered(session_id)
+        if found is not None:
+            self._remember(session_id, found)
+        return found
+
+    def _remember(self, session_id: str, placement: Placement) -> None:
+        self._recent[session_id] = placement
+        self._recent.move_to_end(session_id)
+        if len(self._recent) > RECENT_SESSIONS:
+            self._recent.popitem(last=False)
+
+    def _remembered(self, session_id: str) -> Placement | None:
+        found = self._recent.get(session_id)
+        if found is not None:
+            self._recent.move_to_end(session_id)
+        return found
 
     async def record(self, session_id: str, old: Placement | None, worker: WorkerInfo) -> None:
         """Place the session on `worker` (claim it, or move it from `old`). Not while
         `recovering`: sessions are routed by load meanwhile and placed once every worker has
         registered again and written its prefix cache's entries."""
         new = Placement(worker.worker_id, worker.region)
+        self._remember(session_id, new)  # (in memory even while Redis is down)
         if (old is not None and old.worker_id == worker.worker_id) or not self.redis_ok:
             return
         if old is None and self.recovering:

@@ -85,3 +85,43 @@ def test_a_redis_outage_keeps_serving(tmp_path: Path, stories_dir: Path, down_s:
             assert client.completions.create(model="stories", prompt="Hi", max_tokens=1).choices
             time.sleep(0.05)
         assert worker.alive()
+
+
+def test_sessions_stay_on_their_worker_while_redis_is_down(
+    tmp_path: Path, stories_dir: Path
+) -> None:
+    """Two workers; a session placed on one keeps going there while Redis is down and after it
+    comes back empty (the gateway remembers the placements it read or wrote), where load alone
+    would spread its requests over both."""
+    server = LocalRedis().start()
+    (tmp_path / "regions.yaml").write_text(CATALOG)
+    workers = [start_worker(f"w{i}", stories_dir, server.url, tmp_path, "local",
+                            ["--heartbeat", "2", "--ttl", "10"]) for i in (1, 2)]  # fmt: skip
+    gateway = start_gateway("gw", server.url, tmp_path / "regions.yaml", tmp_path, "local")
+    try:
+        wait_until(lambda: get_json(f"{gateway.url}/readyz")[1]["workers"] == 2, 30, "workers")
+        client = openai.OpenAI(base_url=f"{gateway.url}/v1", api_key="x", max_retries=0,
+                               timeout=30)  # fmt: skip
+
+        def served_by(session: str | None, prompt: str) -> str:
+            headers = {"x-session-affinity": session} if session else {}
+            raw = client.completions.with_raw_response.create(
+                model="stories", prompt=prompt, max_tokens=1, extra_headers=headers
+            )
+            return raw.headers["x-edgeinfer-worker"]
+
+        home = served_by("s1", PROMPT)
+        time.sleep(0.3)  # the placement is written off the request's path
+        server.stop()
+        down = [served_by("s1", f"{PROMPT} {i}") for i in range(6)]
+        assert set(down) == {home}, down
+        assert len({served_by(None, f"Hi {i}") for i in range(6)}) == 2  # load alone: both
+        server.start()  # the same port, no data
+        back = [served_by("s1", f"{PROMPT} again {i}") for i in range(4)]
+        assert set(back) == {home}, back
+        assert all(w.alive() for w in workers)
+    finally:
+        gateway.stop()
+        for w in workers:
+            w.stop()
+        server.stop()
