@@ -289,8 +289,9 @@ async def test_workers_lost_while_the_registry_is_read_are_carried(
     r: Redis, redis_server: LocalRedis
 ) -> None:
     """Redis restarted empty between a refresh's registry read and its marker check: the
-    workers it lost are carried (they were dropped), no session is placed until they register
-    again (the prefix index lacks their blocks meanwhile), then placement resumes."""
+    workers it lost are carried (they were dropped), no session is placed in Redis until they
+    register again (the prefix index lacks their blocks meanwhile; the gateway routes it by the
+    placement it remembers), then placement resumes."""
     from gateway.cluster import ClusterView
     from gateway.config import GatewayConfig
     from gateway.regions import DEFAULT_CATALOG, RegionCatalog
@@ -318,11 +319,15 @@ async def test_workers_lost_while_the_registry_is_read_are_carried(
     assert view.recovering
     w1 = next(w for w in view.workers if w.worker_id == "w1")
     await view.record("talk", None, w1)
-    assert await view.placement("talk") is None  # not placed while the index is partial
+    assert await view.sessions.get("talk") is None  # not placed while the index is partial
+    remembered = await view.placement("talk")  # but routed where this gateway sent it
+    assert remembered is not None and remembered.worker_id == "w1"
     for wid in ("w1", "w2"):
         await reg.heartbeat(worker(wid, region="eu-west"))
     await view.refresh()
     assert not view.recovering
+    assert await view.placement("talk") is None  # Redis says again, and it has none yet
     await view.record("talk", None, w1)
     placed = await view.placement("talk")
     assert placed is not None and placed.worker_id == "w1"
+    assert await view.sessions.get("talk") == placed
