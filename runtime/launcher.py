@@ -120,6 +120,11 @@ def up(args: argparse.Namespace) -> int:
                 args.region,
                 "--port",
                 str(args.worker_port + i),
+                # the KV-transfer servers on the ports after the workers': on a free port each
+                # (the default), the first worker's could take the next worker's port before
+                # that worker bound it
+                "--kv-port",
+                str(args.worker_port + len(roles) + i),
                 "--redis",
                 redis_url,
                 "--role",
