@@ -198,9 +198,10 @@ class ClusterView:
         return found
 
     async def record(self, session_id: str, old: Placement | None, worker: WorkerInfo) -> None:
-        """Place the session on `worker` (claim it, or move it from `old`). Not while
-        `recovering`: sessions are routed by load meanwhile and placed once every worker has
-        registered again and written its prefix cache's entries."""
+        """Place the session on `worker` (claim it, or move it from `old`), and remember it here.
+        Not in Redis while `recovering`: sessions are routed by what this gateway remembers (or
+        by load) meanwhile, and placed once every worker has registered again and written its
+        prefix cache's entries."""
         new = Placement(worker.worker_id, worker.region)
         self._remember(session_id, new)  # (in memory even while Redis is down)
         if (old is not None and old.worker_id == worker.worker_id) or not self.redis_ok:

@@ -7,7 +7,7 @@ from types import ModuleType
 import torch
 from torch.nn import functional as F
 
-from kernels.dispatch import use_triton
+from kernels.dispatch import CPU_KERNEL_DTYPES, use_triton
 
 
 def silu_and_mul(x: torch.Tensor, ext: ModuleType | None = None) -> torch.Tensor:
@@ -20,8 +20,7 @@ def silu_and_mul(x: torch.Tensor, ext: ModuleType | None = None) -> torch.Tensor
         from kernels.triton_silu_mul import silu_and_mul as kernel
 
         return kernel(x)
-    kernel_dtype = x.dtype in (torch.float32, torch.bfloat16)
-    if ext is not None and kernel_dtype and x.dim() == 2 and x.is_contiguous():
+    if ext is not None and x.dtype in CPU_KERNEL_DTYPES and x.dim() == 2 and x.is_contiguous():
         return ext.silu_and_mul(x)
     gate, up = x.split(x.shape[-1] // 2, dim=-1)
     return F.silu(gate) * up

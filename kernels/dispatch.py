@@ -17,6 +17,9 @@ import os
 import torch
 
 FORCE_TRITON = os.environ.get("EDGEINFER_KERNELS", "") == "triton"
+# the dtypes the C++ CPU kernels take (RMSNorm, RoPE + KV write and its cache, SiLU-and-mul, the
+# few-row matmul): float32, and bfloat16 rounded where the references round
+CPU_KERNEL_DTYPES = (torch.float32, torch.bfloat16)
 
 
 def use_triton(x: torch.Tensor) -> bool:

@@ -131,10 +131,10 @@ def small_linear(
     if packed is not None and x.dim() == 2 and x.shape[0] <= MAX_ROWS_PACKED:
         assert ext is not None
         return ext.packed_linear(x, packed.qs, packed.scales, b)
-    if ext is not None and x.dim() == 2:
-        if x.dtype == torch.float32 and x.shape[0] <= max_rows(w):
+    if ext is not None and x.dim() == 2 and x.shape[0] <= max_rows(w, x.dtype):
+        if x.dtype == torch.float32:
             return ext.small_linear(x, w, b)
-        if x.dtype == torch.bfloat16 and x.shape[0] <= MAX_ROWS_BF16_ACT:
+        if x.dtype == torch.bfloat16:
             y = ext.small_linear(x.float(), w, None)
             if b is not None:
                 y += b

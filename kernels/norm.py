@@ -6,9 +6,7 @@ from types import ModuleType
 
 import torch
 
-from kernels.dispatch import use_triton
-
-_KERNEL_DTYPES = (torch.float32, torch.bfloat16)  # what the C++ kernel takes (x and weight alike)
+from kernels.dispatch import CPU_KERNEL_DTYPES, use_triton
 
 
 def rms_norm(
@@ -29,7 +27,7 @@ def rms_norm(
         out = triton_rms_norm.rms_norm(x.reshape(-1, x.shape[-1]), weight, eps)
         assert isinstance(out, torch.Tensor)
         return out.view(x.shape)
-    kernel_dtype = x.dtype == weight.dtype and x.dtype in _KERNEL_DTYPES
+    kernel_dtype = x.dtype == weight.dtype and x.dtype in CPU_KERNEL_DTYPES
     if ext is not None and kernel_dtype and x.is_contiguous():
         return ext.rms_norm(x, weight, eps)
     if x.dtype == torch.float32 and weight.dtype == torch.float32:

@@ -7,9 +7,7 @@ from types import ModuleType
 import torch
 
 from kernels.attention import write_kv_cache
-from kernels.dispatch import use_triton
-
-_KERNEL_DTYPES = (torch.float32, torch.bfloat16)  # what the CPU extension takes
+from kernels.dispatch import CPU_KERNEL_DTYPES, use_triton
 
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -73,8 +71,8 @@ def _kernel_takes(
     dtypes, the two caches of one (it checks shapes and strides itself, saying what is wrong)."""
     act = q.dtype
     return (
-        act in _KERNEL_DTYPES
+        act in CPU_KERNEL_DTYPES
         and k.dtype == v.dtype == cos.dtype == sin.dtype == act
-        and k_cache.dtype in _KERNEL_DTYPES
+        and k_cache.dtype in CPU_KERNEL_DTYPES
         and v_cache.dtype == k_cache.dtype
     )

@@ -43,8 +43,6 @@ its free memory can run; the Triton decoder does the decoding there).
 
 from __future__ import annotations
 
-import contextlib
-import ctypes
 import itertools
 import json
 import logging
@@ -77,7 +75,14 @@ from kernels.huffman_decode import (
 )
 from runtime.config import ModelLoadError
 from runtime.manifest import COMPRESSED_MANIFEST_NAME, is_compressed
-from runtime.shard_reader import Arena, commit_ahead, open_for_read, preadv_all, release_pages
+from runtime.shard_reader import (
+    Arena,
+    commit_ahead,
+    open_for_read,
+    preadv_all,
+    release_pages,
+    trim_heap,
+)
 from runtime.weights import ALIGN, ReadStats, Shard, TensorEntry, read_header
 
 log = logging.getLogger(__name__)
@@ -876,11 +881,11 @@ class CompressedBlocks:
     stay as they are. `release()` restores dense weights and removes the hooks.
 
     The weights are encoded here, from the loaded model (the model's parameters fuse q/k/v
-    and gate/up, which the files' records do not), on `threads` threads. One by default, the
-    calling one: SmolLM2's 106M layer weights encode at 32M values/s on one thread and 45M on
-    two, but a pool's threads kept tens of MB of the encoder's temporaries resident in their
-    own heaps (the model alone, after load_model: 515 MB with dense weights; kept compressed,
-    452-465 MB encoded on this thread, 517-523 on others; 2-core Xeon, 2026-11-25). Each
+    and gate/up, which the files' records do not), on the calling thread: SmolLM2's 106M layer
+    weights encode at 32M values/s on one thread and 45M on two, but a pool's threads kept tens
+    of MB of the encoder's temporaries resident in their own heaps (the model alone, after
+    load_model: 515 MB with dense weights; kept compressed, 452-465 MB encoded on this thread,
+    517-523 on a pool's; 2-core Xeon, 2026-11-25). Each
     block's dense weights are given back as soon as it is encoded (see below), so the
     start-up needs the dense weights' memory once. `progress(done, total)` (values) after
     each block is encoded."""
@@ -890,7 +895,6 @@ class CompressedBlocks:
         blocks: Sequence[nn.Module],
         device: torch.device | str | None = None,
         chunk_elems: int = CHUNK_ELEMS,
-        threads: int = 1,
         progress: Callable[[int, int], None] | None = None,
     ) -> None:
         first = next((p for b in blocks for p in b.parameters()), None)
@@ -907,42 +911,34 @@ class CompressedBlocks:
         params = [[p for p in b.parameters() if p.dtype == torch.bfloat16] for b in blocks]
         total = sum(p.numel() for ps in params for p in ps)
         done = 0
-
-        def encode(p: nn.Parameter) -> np.ndarray | None:
-            return encode_bf16(p.data.cpu(), chunk_elems)
-
         # The records, made among the encoder's temporaries, would keep the heap from giving
         # those back (SmolLM2: ~110 MB more resident than the records themselves); each moves
         # into one store of their own (on a GPU: copied there), committed only as far as it is
         # written (a record is under 2 bytes a value, or the tensor stays dense).
         store = Arena(sum(_aligned(2 * p.numel()) for ps in params for p in ps)).tensor()
         at, size = 0, 0
-        # One thread: on this one (a thread of its own keeps the encoder's temporaries in its
-        # own heap, which gives them back less reliably); more: a pool, encoding ahead.
-        pool = ThreadPoolExecutor(threads) if threads > 1 else None
-        with pool if pool is not None else contextlib.nullcontext():
-            encoded = [(pool.map if pool is not None else map)(encode, ps) for ps in params]
-            for block, ps, recs in zip(blocks, params, encoded, strict=True):
-                kept: list[torch.Tensor | None] = []
-                for rec in recs:
-                    if rec is None:
-                        kept.append(None)
-                        continue
-                    view = store[at : at + rec.size]
-                    view.copy_(torch.from_numpy(rec))
-                    kept.append(view)
-                    at += _aligned(rec.size)
-                # A block's dense weights go as soon as it is encoded, so the start-up needs
-                # the dense weights' memory once, not that and the records': the loader put
-                # every parameter in one arena, whose pages are given back block by block.
-                shared = [(p.data_ptr(), p.nbytes) for p, r in zip(ps, kept, strict=True)
-                          if r is not None and p.untyped_storage().nbytes() > p.nbytes]  # fmt: skip
-                done += sum(p.numel() for p in ps)  # (before _add_block empties them)
-                size = max(size, self._add_block(block, ps, kept, chunk_elems))
-                for addr, nbytes in shared:
-                    release_pages(addr, nbytes)
-                if progress is not None:
-                    progress(done, total)
+        for block, ps in zip(blocks, params, strict=True):
+            kept: list[torch.Tensor | None] = []
+            for p in ps:
+                rec = encode_bf16(p.data.cpu(), chunk_elems)
+                if rec is None:
+                    kept.append(None)
+                    continue
+                view = store[at : at + rec.size]
+                view.copy_(torch.from_numpy(rec))
+                kept.append(view)
+                at += _aligned(rec.size)
+            # A block's dense weights go as soon as it is encoded, so the start-up needs the
+            # dense weights' memory once, not that and the records': the loader put every
+            # parameter in one arena, whose pages are given back block by block.
+            shared = [(p.data_ptr(), p.nbytes) for p, r in zip(ps, kept, strict=True)
+                      if r is not None and p.untyped_storage().nbytes() > p.nbytes]  # fmt: skip
+            done += sum(p.numel() for p in ps)  # (before _add_block empties them)
+            size = max(size, self._add_block(block, ps, kept, chunk_elems))
+            for addr, nbytes in shared:
+                release_pages(addr, nbytes)
+            if progress is not None:
+                progress(done, total)
         self.buffer = torch.empty(size, dtype=torch.bfloat16, device=self.device)
 
     def _add_block(self, block: nn.Module, ps: list[nn.Parameter],
@@ -1034,13 +1030,7 @@ def compress_layers(model: nn.Module, device: torch.device | str | None = None) 
     for t in itertools.chain(model.parameters(), model.buffers()):
         if t.numel() and t.untyped_storage().nbytes() > t.nbytes:
             t.data = t.data.clone()
-    _trim_heap()  # the encoder's temporaries, freed on two threads' heaps
+    trim_heap()  # the encoder's temporaries, freed on this thread's heap
     log.info("weights kept compressed: %s in %.1f s", blocks.summary(), time.perf_counter() - t0)
     return blocks
 
-
-def _trim_heap() -> None:
-    """Give the heap's free memory back to the system (glibc's malloc_trim), where there is one:
-    memory freed by threads stays in their malloc arenas, counted as the process's."""
-    with contextlib.suppress(OSError, AttributeError):
-        ctypes.CDLL("libc.so.6").malloc_trim(0)

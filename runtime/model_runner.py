@@ -28,7 +28,7 @@ import torch
 
 from kernels import cpu_ext
 from kernels.attention import DecodeGroup, PagedAttentionMetadata, PrefillChunk, TritonAttention
-from kernels.dispatch import FORCE_TRITON
+from kernels.dispatch import CPU_KERNEL_DTYPES, FORCE_TRITON
 from runtime.cuda_graphs import DecodeGraphs
 from runtime.model import LlamaForCausalLM, StepContext
 from runtime.ranks import RankGroup
@@ -181,7 +181,7 @@ class ModelRunner:
         # others rounded as their references round (the same bits).
         gemm = norm = fused = None
         on_cpu = model.device.type == "cpu"
-        if cpu_kernels != "torch" and model.dtype in (torch.float32, torch.bfloat16) and on_cpu:
+        if cpu_kernels != "torch" and model.dtype in CPU_KERNEL_DTYPES and on_cpu:
             gemm, norm = cpu_ext.load_small_gemm(), cpu_ext.load_rms_norm()
             fused = cpu_ext.load_fused()
             if (gemm is None or norm is None or fused is None) and cpu_kernels == "cpu_ext":
@@ -206,9 +206,9 @@ class ModelRunner:
         # (float32, AVX-512); torch's SDPA otherwise. Not for bfloat16 activations: torch's
         # fused bfloat16 SDPA (its flash-attention kernel, bfloat16 GEMMs) beat the kernel
         # (float32 FMAs on widened rows) even with the cached keys gathered and masked, on a
-        # CPU with AMX; not measured on one without. SmolLM2's heads,
-        # 512 fresh tokens 0.97 against 3.4 ms, 256 new over 768 cached 2.2 against 5.0, 32 over
-        # 128 0.12 against 0.14 (2-core Xeon with AMX, 2026-11-25).
+        # CPU with AMX; not measured on one without. SmolLM2's heads, 512 fresh tokens 0.97
+        # against 3.4 ms, 256 new over 768 cached 2.2 against 5.0, 32 over 128 0.12 against
+        # 0.14 (2-core Xeon with AMX, 2026-11-25).
         self.model = model
         self.device = model.device
         self.triton = self.device.type == "cuda" or FORCE_TRITON  # the kernels' metadata

@@ -75,6 +75,13 @@ def release_pages(addr: int, nbytes: int) -> int:
     return end - start if _libc.madvise(start, end - start, mmap.MADV_DONTNEED) == 0 else 0
 
 
+def trim_heap() -> None:
+    """Give the heap's free memory back to the system (glibc's malloc_trim), where there is one:
+    memory freed stays in malloc's arenas, counted as the process's, until trimmed."""
+    with contextlib.suppress(AttributeError):  # (not glibc)
+        _libc.malloc_trim(0)
+
+
 def huge_pages_wanted() -> bool:
     """Whether arenas ask for transparent huge pages (EDGEINFER_HUGE_PAGES=0 turns it off)."""
     return os.environ.get("EDGEINFER_HUGE_PAGES", "1") != "0"

@@ -168,27 +168,22 @@ torch::Tensor rms_norm(torch::Tensor x, torch::Tensor w, double eps) {
   const int64_t H = w.size(0);
   const int64_t T = H ? x.numel() / H : 0;
   const float e = static_cast<float>(eps);
-  if (bf16) {
-    const auto* xp = reinterpret_cast<const uint16_t*>(x.data_ptr<at::BFloat16>());
-    const auto* wp = reinterpret_cast<const uint16_t*>(w.data_ptr<at::BFloat16>());
-    auto* yp = reinterpret_cast<uint16_t*>(y.data_ptr<at::BFloat16>());
+  // Every row through `row` (element pointers of x, w, y): in parallel for a prefill's many
+  // rows, on the calling thread for a decode step's few.
+  auto run_rows = [&](const auto* xp, const auto* wp, auto* yp, auto row) {
     if (T >= 64) {
 #pragma omp parallel for schedule(static)
-      for (int64_t t = 0; t < T; ++t) norm_row_bf16(xp + t * H, wp, yp + t * H, H, e);
+      for (int64_t t = 0; t < T; ++t) row(xp + t * H, wp, yp + t * H, H, e);
     } else {
-      for (int64_t t = 0; t < T; ++t) norm_row_bf16(xp + t * H, wp, yp + t * H, H, e);
+      for (int64_t t = 0; t < T; ++t) row(xp + t * H, wp, yp + t * H, H, e);
     }
-    return y;
-  }
-  const float* xp = x.data_ptr<float>();
-  const float* wp = w.data_ptr<float>();
-  float* yp = y.data_ptr<float>();
-  if (T >= 64) {
-#pragma omp parallel for schedule(static)
-    for (int64_t t = 0; t < T; ++t) norm_row(xp + t * H, wp, yp + t * H, H, e);
-  } else {
-    for (int64_t t = 0; t < T; ++t) norm_row(xp + t * H, wp, yp + t * H, H, e);
-  }
+  };
+  if (bf16)
+    run_rows(reinterpret_cast<const uint16_t*>(x.data_ptr<at::BFloat16>()),
+             reinterpret_cast<const uint16_t*>(w.data_ptr<at::BFloat16>()),
+             reinterpret_cast<uint16_t*>(y.data_ptr<at::BFloat16>()), norm_row_bf16);
+  else
+    run_rows(x.data_ptr<float>(), w.data_ptr<float>(), y.data_ptr<float>(), norm_row);
   return y;
 }
 

@@ -29,6 +29,7 @@ import torch.distributed as dist
 from torch import nn
 
 from kernels import PagedAttentionMetadata, paged_attention, rotate_and_cache
+from kernels.dispatch import CPU_KERNEL_DTYPES
 from kernels.linear import Packed, applies, pack, small_linear
 from runtime.config import ModelConfig
 from runtime.model.layers import (
@@ -306,8 +307,7 @@ class LlamaForCausalLM(nn.Module):
                 module.small_gemm = gemm if usable else None
                 module.packed = None
             elif isinstance(module, RMSNorm):
-                kernel_dtype = module.weight.dtype in (torch.float32, torch.bfloat16)
-                module.fused = norm if kernel_dtype else None
+                module.fused = norm if module.weight.dtype in CPU_KERNEL_DTYPES else None
             elif isinstance(module, (Attention, MLP)):
                 module.fused = fused
 
