@@ -60,7 +60,9 @@ class ClusterView:
         self.refreshed_at = 0.0  # monotonic time of the last good snapshot
         self.failed: dict[str, float] = {}  # worker id -> unix time it failed a request here
         # session id -> its placement as this gateway last read or wrote it (RECENT_SESSIONS)
-        self._recent: OrderedDict[str, Placement] = OrderedDict()
+        # (worker_id, region): tuples of strings, which the cyclic collector stops tracking,
+        # where 65,536 Placement objects would each be scanned by every full collection
+        self._recent: OrderedDict[str, tuple[str, str]] = OrderedDict()
         self.seen_models: set[str] = set()  # every model a snapshot has shown (404 vs 503)
         for region in catalog.regions.values():
             self.seen_models.update(str(m) for m in region.settings.get("models", []) or [])
@@ -186,16 +188,17 @@ class ClusterView:
         return found
 
     def _remember(self, session_id: str, placement: Placement) -> None:
-        self._recent[session_id] = placement
+        self._recent[session_id] = (placement.worker_id, placement.region)
         self._recent.move_to_end(session_id)
         if len(self._recent) > RECENT_SESSIONS:
             self._recent.popitem(last=False)
 
     def _remembered(self, session_id: str) -> Placement | None:
         found = self._recent.get(session_id)
-        if found is not None:
-            self._recent.move_to_end(session_id)
-        return found
+        if found is None:
+            return None
+        self._recent.move_to_end(session_id)
+        return Placement(*found)
 
     async def record(self, session_id: str, old: Placement | None, worker: WorkerInfo) -> None:
         """Place the session on `worker` (claim it, or move it from `old`), and remember it here.

@@ -57,7 +57,7 @@ class GenerateRequest:
     # {"type": "function", "function": {"name": ...}}; required and named are enforced by a grammar
 
     def to_json(self) -> bytes:
-        return orjson.dumps(dataclasses.asdict(self))
+        return orjson.dumps(self)  # orjson reads dataclasses itself, ~30x dataclasses.asdict
 
     @classmethod
     def from_dict(cls, raw: dict[str, Any]) -> GenerateRequest:
@@ -135,7 +135,7 @@ KEEPALIVE_S = 1.0  # silence on a stream after which the worker sends one
 
 def encode_event(event: Event) -> bytes:
     """One NDJSON line."""
-    return orjson.dumps(dataclasses.asdict(event)) + b"\n"
+    return orjson.dumps(event) + b"\n"  # (orjson serializes dataclasses natively)
 
 
 def decode_event(line: bytes) -> dict[str, Any]:

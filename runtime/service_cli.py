@@ -145,7 +145,7 @@ def cmd_worker(args: argparse.Namespace) -> int:
     print(startup.timeline(process_start, imports_done, drive), flush=True)
     phases = {"imports": imports_done - process_start, "total": startup.ready - process_start}
     phases |= {name: end - start for name, (start, end) in startup.phases.items()}
-    asyncio.run(serve(config, AsyncLLM(engine), phases))
+    _run(serve(config, AsyncLLM(engine), phases))
     # Drained, deregistered, sockets closed: nothing is left to finish. The interpreter's own
     # teardown (every module of torch, triton and the rest) took ~1.4 s here after the last
     # atexit handler, during which a pool manager waits for the exit and the process holds its

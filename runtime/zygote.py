@@ -49,6 +49,8 @@ SPAWN_TIMEOUT_S = 30.0  # for the template's answer to a spawn
 # ---------------------------------------------------------------------------- the zygote
 def preload() -> None:
     """Import what `edgeinfer worker` imports before it reads its first weight."""
+    import uvloop  # noqa: F401  (the worker's event loop)
+
     import runtime.async_engine
     import runtime.cli
     import runtime.drive
