@@ -7,6 +7,7 @@
             config.json, tokenizer.json, ...    the source's other files, copied as they are
             edgeinfer-manifest.json             shards, sizes, checksums, tensors: written last
         .pull-<name>.<id>/                      a pull in progress (removed when it ends)
+        .rm-<name>.<id>/                        a model being removed
 
 Each shard is a valid safetensors file laid out for the loader: the JSON header is padded with
 spaces so the data starts at a multiple of 4096, and tensors are ordered by element size,
@@ -16,14 +17,19 @@ of an aligned read buffer without a copy. Dtypes stay as they are on disk.
 A pull builds the whole model in a temporary folder inside the root (same filesystem), hashing
 each shard as it writes it, and renames the finished folder into place: a reader sees the old
 model or the new one, never a mix. A crash or Ctrl-C leaves nothing but that temporary folder,
-which the pull removes on the way out.
+which the pull removes on the way out. A pull holds a lock (flock) on a file in its temporary
+folder for as long as it runs; a process killed outright (SIGKILL, a lost machine) leaves the
+folder, with the lock gone, and the next pull or remove deletes such leftovers: at the edge, a
+model's worth of disk is not left behind by an interrupted pull.
 """
 
 from __future__ import annotations
 
 import builtins
+import contextlib
 import ctypes
 import errno
+import fcntl
 import json
 import os
 import re
@@ -251,6 +257,7 @@ class ModelStore:
         target = self.root / name
         if target.exists() and not force:
             raise _exists(target, name)
+        self.sweep(say)
         with self.staging(name) as tmp:
             try:
                 folder = src
@@ -268,6 +275,7 @@ class ModelStore:
     def remove(self, name: str) -> Path:
         """Delete a model from the store (renamed aside first, so nobody sees half of it)."""
         folder = self._existing(name)
+        self.sweep()
         aside = self.root / f".rm-{name}.{uuid.uuid4().hex[:12]}"
         try:
             folder.rename(aside)
@@ -276,17 +284,41 @@ class ModelStore:
             raise StoreError(f"{folder}: cannot remove ({e})") from e
         return folder
 
+    def sweep(self, progress: Progress | None = None) -> builtins.list[Path]:
+        """Delete what killed pulls and removals left in the root: a `.pull-*` folder whose
+        lock no live pull holds, and every `.rm-*` folder. Returns the folders deleted."""
+        if not self.root.is_dir():
+            return []
+        gone = []
+        for path in sorted(self.root.iterdir()):
+            if not path.is_dir() or not path.name.startswith((".pull-", ".rm-")):
+                continue
+            if path.name.startswith(".pull-") and not _abandoned(path):
+                continue
+            size = _tree_bytes(path)
+            shutil.rmtree(path, ignore_errors=True)
+            if not path.exists():
+                gone.append(path)
+                if progress is not None:
+                    progress(f"deleted {path.name} ({human_bytes(size)}), left by an "
+                             "interrupted pull or remove")  # fmt: skip
+        return gone
+
     @contextmanager
     def staging(self, name: str) -> Iterator[Path]:
         """A temporary folder inside the root (so a rename can move what is built in it into
-        place), removed when the block ends, however it ends."""
+        place), removed when the block ends, however it ends; locked while it exists, so that
+        `sweep` leaves it alone (and deletes it once its process is gone without removing it)."""
         self.root.mkdir(parents=True, exist_ok=True)
         tmp = self.root / f".pull-{name}.{uuid.uuid4().hex[:12]}"
         tmp.mkdir()
+        lock = os.open(tmp / _LOCK, os.O_CREAT | os.O_RDWR | os.O_CLOEXEC, 0o600)
         try:
+            fcntl.flock(lock, fcntl.LOCK_EX)  # (new and ours alone: never waits)
             yield tmp
         finally:
             shutil.rmtree(tmp, ignore_errors=True)
+            os.close(lock)
 
     def _existing(self, name: str) -> Path:
         _check_name(name)
@@ -552,3 +584,36 @@ def _compressed_row(path: Path) -> StoredModel:
                            str(raw["created"]), f"compressed, {ratio:.1%} of bfloat16")  # fmt: skip
     except (OSError, ValueError, KeyError, TypeError) as e:
         return StoredModel(path.name, path, 0, 0, "", "", f"corrupt compressed manifest: {e}")
+
+
+_LOCK = ".lock"  # in a pull's temporary folder: flock-ed by the pull while it runs
+
+
+def _abandoned(folder: Path) -> bool:
+    """Whether no live process holds the lock of a pull's temporary folder (one without a
+    lock file, a minute old, is a pull killed before it made it or from before locks)."""
+    try:
+        fd = os.open(folder / _LOCK, os.O_RDONLY | os.O_CLOEXEC)
+    except FileNotFoundError:  # (a pull makes its lock just after its folder: give it a minute)
+        try:
+            return time.time() - folder.stat().st_mtime > 60
+        except OSError:
+            return False
+    except OSError:
+        return False  # unreadable: leave it to whoever can tell
+    try:
+        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+    except BlockingIOError:
+        return False  # a pull is running in it
+    finally:
+        os.close(fd)  # (closing the only descriptor drops the lock just taken)
+    return True
+
+
+def _tree_bytes(folder: Path) -> int:
+    total = 0
+    for base, _dirs, files in os.walk(folder):
+        for f in files:
+            with contextlib.suppress(OSError):  # (gone meanwhile)
+                total += os.lstat(os.path.join(base, f)).st_size
+    return total

@@ -351,3 +351,32 @@ def test_a_compressed_copy_in_the_store_is_listed_and_served(
         ["Once upon a time"], params
     )
     assert out[0].outputs[0].token_ids == want[0].outputs[0].token_ids
+
+
+def test_leftovers_of_killed_pulls_are_swept(tmp_path: Path, stories_dir: Path) -> None:
+    """A pull killed outright (no chance to clean up) leaves its temporary folder; the next pull
+    deletes it, and a pull still running (its lock held) is left alone."""
+    import subprocess
+    import sys
+
+    store = ModelStore(tmp_path / "store")
+    code = (
+        "import os, signal, sys\n"
+        "from runtime.model_store import ModelStore\n"
+        "with ModelStore(sys.argv[1]).staging('tiny') as tmp:\n"
+        "    (tmp / 'model-00001-of-00002.safetensors').write_bytes(b'x' * 100000)\n"
+        "    os.kill(os.getpid(), signal.SIGKILL)\n"
+    )
+    done = subprocess.run([sys.executable, "-c", code, str(store.root)], cwd=Path(__file__).parents[1])  # fmt: skip
+    assert done.returncode == -9
+    (store.root / ".rm-old.0123456789ab").mkdir()  # a remove killed between rename and delete
+    left = sorted(p.name for p in store.root.iterdir())
+    assert len(left) == 2 and left[0].startswith(".pull-tiny."), left
+    said: list[str] = []
+    with store.staging("other") as running:  # a live pull beside the sweep
+        store.pull(stories_dir, "tiny", shard_bytes=SHARD, progress=said.append)
+        assert running.is_dir()
+        assert sorted(p.name for p in store.root.iterdir()) == [running.name, "tiny"]
+    assert [p.name for p in store.root.iterdir()] == ["tiny"]
+    assert sum("left by an interrupted pull or remove" in m for m in said) == 2, said
+    assert store.verify("tiny") == []
