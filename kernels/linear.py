@@ -19,8 +19,8 @@ rows, cpu_kernels="torch", no compiler) the reference widens the weight and call
 same values, a float32 copy of the weight per call.
 
 Packed weights (`pack`): float32 weights that are exactly block-quantized values, as a model
-imported from a GGUF file holds (llama.cpp's Q4_1, Q4_0 or Q8_0 blocks of 32, dequantized by the
-importer), are found again as those blocks, checked to give back every weight (equal as numbers:
+imported from a GGUF file holds (llama.cpp's Q4_1, Q4_0 or Q8_0 blocks of 32, or Q4_K's
+sub-blocks of 32, dequantized by the importer), are found again as those blocks, checked to give back every weight (equal as numbers:
 a zero may come back with the other sign, which no product or sum can tell), and kept beside the
 float32 weight. Up to MAX_ROWS_PACKED rows of x the kernel reads the blocks (5-6 bits a weight
 against 32) and widens them in registers to the same float32 values: over SmolLM2's layers at one
@@ -81,7 +81,7 @@ class Packed:
 
 
 def pack(w: torch.Tensor, ext: ModuleType | None, threads: int = 0) -> Packed | None:
-    """w's blocks, where every block of 32 along its rows is exactly Q4_1, Q4_0 or Q8_0 values
+    """w's blocks, where every block of 32 along its rows is exactly Q4_1, Q4_0, Q4_K or Q8_0 values
     and the extension has its AVX-512 kernels here (elsewhere it would be slower than the float32
     weight); None otherwise. `threads`: for the search (0: all); it runs without the GIL."""
     if ext is None or not ext.packed_fast() or w.dtype != torch.float32 or w.dim() != 2:

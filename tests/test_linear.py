@@ -178,10 +178,55 @@ def test_pack_finds_the_blocks_and_gives_every_weight_back(ext, qtype: Q, fmt: s
         assert packed is not None and packed.format == fmt
 
 
+def q4_k_weights(
+    n: int, k: int, seed: int = 0, q_range: tuple[int, int] | None = None
+) -> torch.Tensor:
+    """A float32 weight as runtime.gguf_import makes it from llama.cpp's Q4_K blocks (random but
+    valid: gguf dequantizes k-quants, it does not quantize them); `q_range`: every 4-bit q in it
+    (a sub-block whose q do not reach 0 or 15)."""
+    from tests.test_gguf_import import random_k_blocks
+
+    rng = np.random.default_rng(seed)
+    data = random_k_blocks(n, k, Q.Q4_K, rng).reshape(n, k // 256, 144)
+    if q_range is not None:
+        q = rng.integers(q_range[0], q_range[1] + 1, size=(n, k // 256, 256)).astype(np.uint8)
+        data[:, :, 16:] = q[:, :, :128] | (q[:, :, 128:] << 4)  # (d, dmin, scales, then qs)
+    w = gguf.quants.dequantize(data.reshape(n, -1), Q.Q4_K)
+    return torch.from_numpy(np.array(w, dtype=np.float32))
+
+
+@pytest.mark.parametrize("q_range", [None, (0, 15), (0, 9), (3, 15), (5, 11), (7, 7)])
+def test_pack_finds_q4_k_sub_blocks_in_q4_1_layout(ext, q_range: tuple[int, int] | None) -> None:  # type: ignore[no-untyped-def]
+    """Q4_K (the usual 4-bit GGUF type) sub-blocks are (d sc) q - dmin m: float32 scale and
+    offset of up to 17 bits, which the Q4_1 layout holds (fma(s, q, -o) rounds as the importer
+    did), found again even where a sub-block's q do not span 0..15."""
+    w = q4_k_weights(40, 512, seed=3, q_range=q_range)
+    found = ext.pack_blocks(w)
+    assert found is not None
+    qs, scales = found
+    assert qs.dtype == torch.uint8 and qs.nbytes + scales.nbytes < w.nbytes / 3
+    back = ext.unpack_blocks(qs, scales)
+    nonzero = w != 0
+    assert torch.equal(back, w)
+    assert torch.equal(back.view(torch.int32)[nonzero], w.view(torch.int32)[nonzero])
+    if ext.packed_fast():
+        packed = pack(w, ext)
+        assert packed is not None and packed.format == "Q4_1"
+        for m in (1, 8, MAX_ROWS_PACKED):
+            x = torch.randn(m, 512)
+            got = small_linear(x, w, None, ext, packed)
+            want = torch.nn.functional.linear(x.double(), w.double())
+            ref_err = (torch.nn.functional.linear(x, w).double() - want).abs().max().item()
+            assert (got.double() - want).abs().max().item() <= 4 * ref_err + 5e-7 * 512**0.5
+
+
 def test_pack_refuses_weights_that_are_not_blocks(ext) -> None:  # type: ignore[no-untyped-def]
     assert ext.pack_blocks(torch.randn(8, 64)) is None  # plain float32
     w = gguf_weights(8, 64, Q.Q4_1)
     w[3, 40] = torch.nextafter(w[3, 40], torch.tensor(1.0))  # one weight off by one ulp
+    assert ext.pack_blocks(w) is None
+    w = q4_k_weights(8, 256)
+    w[2, 100] = torch.nextafter(w[2, 100], torch.tensor(1.0))
     assert ext.pack_blocks(w) is None
     w = gguf_weights(8, 64, Q.Q8_0)
     w[5, 7] = float("nan")

@@ -555,8 +555,9 @@ static void dispatch(const float* xp, const W* wp, const float* bp, float* yp, i
 //
 // A model imported from a GGUF file (llama.cpp's Q4_1 and Q8_0 formats, dequantized to float32
 // by runtime.gguf_import) holds float32 weights each of which, in its block of 32 along a row,
-// is d * q + m (Q4_1: q in 0..15, d and m float16; Q4_0 too, with m = -8 d) or d * q (Q8_0: q in
-// -128..127, d float16).
+// is d * q + m (Q4_1: q in 0..15, d and m float16; Q4_0 too, with m = -8 d; Q4_K's sub-blocks
+// too, with d and m float32 products of a float16 and a 6-bit scale: see find_q4_k) or d * q
+// (Q8_0: q in -128..127, d float16).
 // `pack_blocks` finds d, m and q again from the float32 values and checks that every weight comes
 // back (bit for bit, but for the sign of a zero: see fits_affine); the packed form (5 or 8.5 bits
 // a weight, + 32 or 16 bits of float32 scales a block) is then read instead of 32 bits, and
@@ -621,6 +622,62 @@ static bool fits_affine(const float* x, float d, float m, float lo, float hi, in
 #endif
 }
 
+// v rounded to `bits` significant bits (nearest, in double: exact for a float32 v).
+static inline double round_to_bits(double v, int bits) {
+  int e;
+  std::frexp(v, &e);
+  const double unit = std::ldexp(1.0, e - bits);
+  return std::nearbyint(v / unit) * unit;
+}
+
+// A sub-block of 32 of llama.cpp's Q4_K (super-blocks of 256: x = (d * sc) * q - dmin * m, q in
+// 0..15, d and dmin float16 and sc and m 6-bit integers of each sub-block, evaluated in float32
+// by the importer's numpy), in the Q4_1 layout: s = d * sc and o = dmin * m are exact float32
+// products of at most 17 significant bits, s * q is exact, so fma(s, q, -o) rounds once as the
+// importer did. s and o are found again from the block's range: s near (max - min) / k for the
+// block's spread of q, k <= 15 (the widest first), rounded to 17 bits; -o is min itself when the
+// smallest q is 0, else min - s * q0 rounded to 17 bits. The neighbours on that lattice are
+// tried too; fits_affine has the last word. A block that is not Q4_K fails after at most 15 x 3
+// x 16 x 3 checks (the search over a tensor ends at its first block that does not fit).
+static bool find_q4_k(const float* x, float mn, float mx, int32_t* q, float* d_out, float* m_out) {
+  const double range = double(mx) - double(mn);
+  if (!(range > 0.0)) return false;
+  for (int k = 15; k >= 1; --k) {
+    const double s0 = round_to_bits(range / k, 17);
+    int e;
+    std::frexp(s0, &e);
+    const double sunit = std::ldexp(1.0, e - 17);
+    for (int ds : {0, -1, 1}) {
+      const float s = float(s0 + ds * sunit);
+      if (!(s > 0.f) || !std::isfinite(s)) continue;
+      for (int q0 = 0; q0 + k <= 15; ++q0) {
+        const double neg_o = double(mn) - double(s) * q0;
+        if (q0 == 0) {  // the block's minimum is -o itself
+          if (fits_affine(x, s, mn, 0.f, 15.f, q)) {
+            *d_out = s;
+            *m_out = mn;
+            return true;
+          }
+          continue;
+        }
+        if (neg_o == 0.0) continue;
+        const double o0 = round_to_bits(neg_o, 17);
+        std::frexp(o0, &e);
+        const double ounit = std::ldexp(1.0, e - 17);
+        for (int dm : {0, -1, 1}) {
+          const float m = float(o0 + dm * ounit);
+          if (fits_affine(x, s, m, 0.f, 15.f, q)) {
+            *d_out = s;
+            *m_out = m;
+            return true;
+          }
+        }
+      }
+    }
+  }
+  return false;
+}
+
 // One block of 32 in the Q4_1 layout: d * q + m, q in 0..15. As llama.cpp's Q4_1 makes it (the
 // minimum has q = 0, so m is it, a float16, and d a float16 near (max - min) / 15), or its Q4_0
 // (d * (q - 8): the first weight of largest magnitude has q = 0, so d is it / -8, a float16;
@@ -661,6 +718,7 @@ static bool find_q4_1(const float* x, uint8_t* qs, float* dm) {
       m = -8.f * d0;
     }
   }
+  if (!found) found = find_q4_k(x, mn, mx, q, &d, &m);
   if (!found) return false;
   for (int j = 0; j < 16; ++j) qs[j] = uint8_t(q[j] | (q[j + 16] << 4));
   dm[0] = d;
@@ -1020,7 +1078,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "x @ w.T (+ bias): x float32; w float32 (1-256 rows of x) or bfloat16 (any rows)",
         py::arg("x"), py::arg("w"), py::arg("bias") = py::none());
   m.def("pack_blocks", &pack_blocks,
-        "(qs, scales) of a float32 weight whose blocks of 32 are exactly Q4_1, Q4_0 or Q8_0 "
+        "(qs, scales) of a float32 weight whose blocks of 32 are exactly Q4_1, Q4_0, Q4_K or Q8_0 "
         "values; None otherwise (threads: 0 for all)",
         py::arg("w"), py::arg("threads") = 0, py::call_guard<py::gil_scoped_release>());
   m.def("packed_linear", &packed_linear, "x @ w.T (+ bias) with w packed by pack_blocks",

@@ -312,9 +312,9 @@ class LlamaForCausalLM(nn.Module):
                 module.fused = fused
 
     def pack_weights(self, threads: int = 0, stop: Callable[[], bool] | None = None) -> None:
-        """Beside each float32 weight whose blocks are exactly Q4_1, Q4_0 or Q8_0 values, keep those
-        blocks, which the few-row matmul kernel then reads (kernels.linear.pack; a weight that is
-        not so, or whose matmul does not go through the kernel, stays as it is). Call once the
+        """Beside each float32 weight whose blocks are exactly Q4_1, Q4_0, Q4_K or Q8_0 values, keep
+        those blocks, which the few-row matmul kernel then reads (kernels.linear.pack; a weight that
+        is not so, or whose matmul does not go through the kernel, stays as it is). Call once the
         weights are all loaded, after use_cpu_kernels. Each weight's blocks are used from the
         moment they are set (a forward pass reads `packed` once a call), so this may run in a
         thread while the model serves. `threads`: OpenMP threads for the search (0: all);
