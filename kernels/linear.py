@@ -19,15 +19,15 @@ rows, cpu_kernels="torch", no compiler) the reference widens the weight and call
 same values, a float32 copy of the weight per call.
 
 Packed weights (`pack`): float32 weights that are exactly block-quantized values, as a model
-imported from a GGUF file holds (llama.cpp's Q4_1, Q4_0 or Q8_0 blocks of 32, or Q4_K's
-sub-blocks of 32, dequantized by the importer), are found again as those blocks, checked to give back every weight (equal as numbers:
-a zero may come back with the other sign, which no product or sum can tell), and kept beside the
-float32 weight. Up to MAX_ROWS_PACKED rows of x the kernel reads the blocks (5-6 bits a weight
-against 32) and widens them in registers to the same float32 values: over SmolLM2's layers at one
-row, 5.1-5.9 ms a pass against 15.5-16.3 (memory-bound) for the float32 weights; 7.6-8.5 against
-16.4-17.4 at 4 rows, 10.9-11.2 against 22.7-24.5 at 8, 53-59 against 56-60 at 64 (2-core Xeon,
-2026-11-23, several runs). Above, the float32 weight goes through the matmuls above (the
-widening, once a call, then costs more than the bytes it saves).
+imported from a GGUF file holds (llama.cpp's Q4_1, Q4_0 or Q8_0 blocks of 32, Q4_K's sub-blocks of
+32 or Q6_K's of 16, dequantized by the importer), are found again as those blocks, checked to give
+back every weight (equal as numbers: a zero may come back with the other sign, which no product or
+sum can tell), and kept beside the float32 weight. Up to MAX_ROWS_PACKED rows of x the kernel reads
+the blocks (5-10 bits a weight against 32) and widens them in registers to the same float32 values:
+over SmolLM2's layers at one row, 5.1-5.9 ms a pass against 15.5-16.3 (memory-bound) for the float32
+weights; 7.6-8.5 against 16.4-17.4 at 4 rows, 10.9-11.2 against 22.7-24.5 at 8, 53-59 against 56-60
+at 64 (2-core Xeon, 2026-11-23, several runs). Above, the float32 weight goes through the matmuls
+above (the widening, once a call, then costs more than the bytes it saves).
 
 bfloat16 activations over bfloat16 weights (a `--dtype bfloat16` model): up to
 MAX_ROWS_BF16_ACT rows the rows are widened to float32 (exact), go through the same kernel, and
@@ -66,14 +66,18 @@ MAX_ROWS_PACKED = 64
 @dataclass(frozen=True, slots=True)
 class Packed:
     """A weight's blocks (`csrc/small_gemm_cpu.cpp`, pack_blocks): qs uint8 (Q4_1: two 4-bit
-    values a byte) or int8 (Q8_0), and float32 scales (d and m, or d, a block of 32)."""
+    values a byte) or int8 (Q8_0, Q6_K), and float32 scales (d and m a block of 32, d a block of
+    32, or d for each 16 values)."""
 
     qs: torch.Tensor
     scales: torch.Tensor
 
     @property
     def format(self) -> str:
-        return "Q4_1" if self.qs.dtype == torch.uint8 else "Q8_0"
+        """Q4_1 (also Q4_0's and Q4_K's blocks), Q8_0, or Q6_K (int8 with a scale each 16)."""
+        if self.qs.dtype == torch.uint8:
+            return "Q4_1"
+        return "Q8_0" if self.scales.numel() * 32 == self.qs.numel() else "Q6_K"
 
     @property
     def nbytes(self) -> int:
@@ -81,9 +85,9 @@ class Packed:
 
 
 def pack(w: torch.Tensor, ext: ModuleType | None, threads: int = 0) -> Packed | None:
-    """w's blocks, where every block of 32 along its rows is exactly Q4_1, Q4_0, Q4_K or Q8_0 values
-    and the extension has its AVX-512 kernels here (elsewhere it would be slower than the float32
-    weight); None otherwise. `threads`: for the search (0: all); it runs without the GIL."""
+    """w's blocks, where every block of 32 along its rows is exactly Q4_1, Q4_0, Q4_K, Q8_0 or Q6_K
+    values and the extension has its AVX-512 kernels here (elsewhere it would be slower than the
+    float32 weight); None otherwise. `threads`: for the search (0: all); it runs without the GIL."""
     if ext is None or not ext.packed_fast() or w.dtype != torch.float32 or w.dim() != 2:
         return None
     if w.device.type != "cpu" or w.shape[1] % 32:

@@ -380,8 +380,8 @@ class EngineConfig:
         # prompt chunks where the kernel takes the heads), "torch" (reference)
     )
     cpu_kernels: str = "auto"  # few-row matmuls, RMSNorm: "auto"/"cpu_ext" (C++), "torch"
-    # on the CPU with float32 weights: where a weight's blocks of 32 are exactly Q4_1, Q4_0, Q4_K
-    # or Q8_0 values (a model imported from such a GGUF), few-row matmuls (decode) read those
+    # on the CPU with float32 weights: where a weight's blocks of 32 are exactly Q4_1, Q4_0, Q4_K,
+    # Q8_0 or Q6_K values (a model imported from such a GGUF), few-row matmuls (decode) read those
     # blocks, widened to the same float32 values in registers: a fifth of the bytes (kernels.linear)
     packed_weights: bool = True
     enable_prefix_caching: bool = True  # reuse the KV blocks of cached prompt prefixes

@@ -160,11 +160,11 @@ class ModelRunner:
         kv_dtype: torch.dtype | None = None,
     ):
         """`ranks`: the model's other ranks (on rank 0 of a split model), which build their own
-        runners with the same settings. `kv_commit` (CPU): "lazy", the KV cache's pages committed
-        as blocks first use them; "eager", all of them now (`EngineConfig.kv_cache_commit`).
-        `packed_weights` (CPU, float32): few-row matmuls read the exact Q4_1 / Q4_0 / Q4_K / Q8_0
-        blocks of the weights that are such values (`EngineConfig.packed_weights`), found by
-        `pack_weights` once the weights are all read. `kv_dtype`: the KV cache's element type
+        runners with the same settings. `kv_commit` (CPU): "lazy", the KV cache's pages committed as
+        blocks first use them; "eager", all of them now (`EngineConfig.kv_cache_commit`).
+        `packed_weights` (CPU, float32): few-row matmuls read the exact GGUF blocks (Q4_1, Q4_0,
+        Q4_K, Q8_0, Q6_K) of the weights that are such values (`EngineConfig.packed_weights`), found
+        by `pack_weights` once the weights are all read. `kv_dtype`: the KV cache's element type
         (default: the model's; bfloat16 under a float32 model on the CPU,
         `EngineConfig.kv_cache_dtype`)."""
         cfg = model.cfg
@@ -248,8 +248,9 @@ class ModelRunner:
 
     def pack_weights(self) -> None:
         """Once the weights are all read (not before: they may still be streaming in), find the
-        exact Q4_1 / Q4_0 / Q4_K / Q8_0 blocks of those that are such values, for few-row matmuls to
-        read (`packed_weights`); a no-op where it is off or the matmul kernel is not used.
+        exact GGUF blocks (Q4_1, Q4_0, Q4_K, Q8_0, Q6_K) of those that are such values, for few-row
+        matmuls to read (`packed_weights`); a no-op where it is off or the matmul kernel is not
+        used.
 
         In a background thread on one core, at the lowest priority: nothing waits for it (0.19 s
         on both cores for SmolLM2 would have delayed a fresh worker's first token by as much),
@@ -271,7 +272,7 @@ class ModelRunner:
                 return
             packed, dense, nbytes = self.model.packed_weights()
             if packed:
-                log.info("packed weights: %d of %d matrices are exact Q4_1 / Q4_0 / Q4_K / Q8_0 blocks, "
+                log.info("packed weights: %d of %d matrices are exact GGUF blocks, "
                          "%.0f MB read by a decode pass instead of their float32 (%.2f s, in the "
                          "background)", packed, packed + dense, nbytes / 1e6,
                          time.perf_counter() - t0)  # fmt: skip

@@ -220,6 +220,39 @@ def test_pack_finds_q4_k_sub_blocks_in_q4_1_layout(ext, q_range: tuple[int, int]
             assert (got.double() - want).abs().max().item() <= 4 * ref_err + 5e-7 * 512**0.5
 
 
+def q6_k_weights(n: int, k: int, seed: int = 0) -> torch.Tensor:
+    """A float32 weight as runtime.gguf_import makes it from llama.cpp's Q6_K blocks (random but
+    valid, as q4_k_weights)."""
+    from tests.test_gguf_import import random_k_blocks
+
+    data = random_k_blocks(n, k, Q.Q6_K, np.random.default_rng(seed))
+    return torch.from_numpy(np.array(gguf.quants.dequantize(data, Q.Q6_K), dtype=np.float32))
+
+
+def test_pack_finds_q6_k_sub_blocks(ext) -> None:  # type: ignore[no-untyped-def]
+    """Q6_K (the 6-bit type a Q4_K_M file gives its most sensitive tensors) is (d sc) (q - 32)
+    with a scale each 16 values: kept as int8 with a float32 scale each 16 (10 bits a weight)."""
+    w = q6_k_weights(40, 512, seed=4)
+    w[3, 16:32] = 0.0  # a sub-block of zeros (its scale 0)
+    found = ext.pack_blocks(w)
+    assert found is not None
+    qs, scales = found
+    assert qs.dtype == torch.int8 and scales.shape == (40, 512 // 16)
+    assert qs.nbytes + scales.nbytes < w.nbytes / 3
+    assert torch.equal(ext.unpack_blocks(qs, scales), w)
+    if ext.packed_fast():
+        packed = pack(w, ext)
+        assert packed is not None and packed.format == "Q6_K"
+        for m in (1, 8, MAX_ROWS_PACKED):
+            x = torch.randn(m, 512)
+            got = small_linear(x, w, None, ext, packed)
+            want = torch.nn.functional.linear(x.double(), w.double())
+            ref_err = (torch.nn.functional.linear(x, w).double() - want).abs().max().item()
+            assert (got.double() - want).abs().max().item() <= 4 * ref_err + 5e-7 * 512**0.5
+    w[7, 300] = torch.nextafter(w[7, 300], torch.tensor(1.0))
+    assert ext.pack_blocks(w) is None
+
+
 def test_pack_refuses_weights_that_are_not_blocks(ext) -> None:  # type: ignore[no-untyped-def]
     assert ext.pack_blocks(torch.randn(8, 64)) is None  # plain float32
     w = gguf_weights(8, 64, Q.Q4_1)

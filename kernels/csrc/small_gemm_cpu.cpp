@@ -557,7 +557,8 @@ static void dispatch(const float* xp, const W* wp, const float* bp, float* yp, i
 // by runtime.gguf_import) holds float32 weights each of which, in its block of 32 along a row,
 // is d * q + m (Q4_1: q in 0..15, d and m float16; Q4_0 too, with m = -8 d; Q4_K's sub-blocks
 // too, with d and m float32 products of a float16 and a 6-bit scale: see find_q4_k) or d * q
-// (Q8_0: q in -128..127, d float16).
+// (Q8_0: q in -128..127, d float16; Q6_K's sub-blocks of 16 too, with a d of their own: see
+// find_q8_16).
 // `pack_blocks` finds d, m and q again from the float32 values and checks that every weight comes
 // back (bit for bit, but for the sign of a zero: see fits_affine); the packed form (5 or 8.5 bits
 // a weight, + 32 or 16 bits of float32 scales a block) is then read instead of 32 bits, and
@@ -568,8 +569,9 @@ static void dispatch(const float* xp, const W* wp, const float* bp, float* yp, i
 //
 // Layout (N rows, K / 32 blocks a row). Q4_1: qs uint8 (N, K / 2), 16 bytes a block, byte j
 // holding q[j] in its low nibble and q[j + 16] in its high one; scales float32 (N, K / 32, 2),
-// (d, m) a block. Q8_0: qs int8 (N, K); scales float32 (N, K / 32), d a block. The dtype of qs
-// names the format.
+// (d, m) a block. Q8_0: qs int8 (N, K); scales float32 (N, K / 32), d a block. Q6_K: qs int8
+// (N, K); scales float32 (N, K / 16), a d for each 16 values. The dtype of qs, and for int8 the
+// number of scales, names the format.
 constexpr int64_t kBlock = 32;
 
 static inline uint32_t bits_of(float f) {
@@ -596,11 +598,12 @@ static bool try_scales(float estimate, Fn&& fits) {
 // the kernels widen a weight with); the q into q_out. Equal as numbers: bit for bit, but for the
 // sign of a zero (Q4_0 gives d * (8 - 8) = -0 for a negative d; here 8 d - 8 d = +0), which no
 // product or sum with a nonzero term can tell.
-static bool fits_affine(const float* x, float d, float m, float lo, float hi, int32_t* q_out) {
+static bool fits_affine(const float* x, float d, float m, float lo, float hi, int32_t* q_out,
+                        int n = kBlock) {  // n: a multiple of 16
 #ifdef __AVX512F__
   const __m512 dv = _mm512_set1_ps(d), mv = _mm512_set1_ps(m);
   const __m512 lov = _mm512_set1_ps(lo), hiv = _mm512_set1_ps(hi);
-  for (int h = 0; h < kBlock; h += 16) {
+  for (int h = 0; h < n; h += 16) {
     const __m512 v = _mm512_loadu_ps(x + h);
     const __m512 q = _mm512_roundscale_ps(_mm512_div_ps(_mm512_sub_ps(v, mv), dv),
                                           _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
@@ -613,7 +616,7 @@ static bool fits_affine(const float* x, float d, float m, float lo, float hi, in
   }
   return true;
 #else
-  for (int i = 0; i < kBlock; ++i) {
+  for (int i = 0; i < n; ++i) {
     const float q = std::nearbyint((x[i] - m) / d);
     if (!(q >= lo && q <= hi) || std::fma(d, q, m) != x[i]) return false;
     q_out[i] = int32_t(q);
@@ -750,6 +753,35 @@ static bool find_q8_0(const float* x, int8_t* qs, float* scale) {
   return true;
 }
 
+// One block of 32 as two halves of 16, each d * q (int8 q, a float32 d each): llama.cpp's
+// Q6_K (super-blocks of 256: x = (d * sc) * (q - 32), d float16, sc an 8-bit integer a
+// sub-block of 16, q 6-bit; d * sc has at most 18 significant bits and its products with q are
+// exact in float32). The weight of largest magnitude has |q| = j <= 32, so |d| = amax / j
+// exactly for the right j; the largest j that fits is taken.
+static bool find_q8_16(const float* x, int8_t* qs, float* scales) {
+  for (int half = 0; half < 2; ++half) {
+    const float* h = x + 16 * half;
+    float amax = 0.f;
+    for (int i = 0; i < 16; ++i) amax = std::max(amax, std::fabs(h[i]));
+    if (!std::isfinite(amax)) return false;
+    int32_t q[16];
+    float d = 0.f;
+    if (amax == 0.f) {
+      for (int i = 0; i < 16; ++i) q[i] = 0;
+    } else {
+      bool found = false;
+      for (int j = 32; j >= 1 && !found; --j) {
+        d = amax / float(j);
+        found = fits_affine(h, d, 0.f, -127.f, 127.f, q, 16);  // fma(d, q, +0) is d * q
+      }
+      if (!found) return false;
+    }
+    for (int i = 0; i < 16; ++i) qs[16 * half + i] = int8_t(q[i]);
+    scales[half] = d;
+  }
+  return true;
+}
+
 #ifdef __AVX512F__
 static inline void prefetch_line(const void* p) {
   _mm_prefetch(static_cast<const char*>(p), _MM_HINT_T0);
@@ -791,31 +823,38 @@ struct Q4_1 {
 #endif
 };
 
-struct Q8_0 {
+// Q8_0 (S = 1: one d a block of 32) and Q6_K's halves (S = 2: a d for each 16 values).
+template <int S>
+struct Q8 {
   const int8_t* qs;
   const float* d;
   int64_t K;
   int64_t blocks() const { return K / kBlock; }
   void unpack_row(int64_t n, float* out) const {
-    for (int64_t k = 0; k < K; ++k) out[k] = d[n * blocks() + k / kBlock] * float(qs[n * K + k]);
+    for (int64_t k = 0; k < K; ++k)
+      out[k] = d[n * blocks() * S + k / (kBlock / S)] * float(qs[n * K + k]);
   }
   const char* row(int64_t n) const { return reinterpret_cast<const char*>(qs + n * K); }
   int64_t row_bytes() const { return K; }
 #ifdef __AVX512F__
   inline void load(int64_t n, int64_t b, __m512& lo, __m512& hi) const {
     const int8_t* q = qs + n * K + b * kBlock;
-    const __m512 s = _mm512_set1_ps(d[n * blocks() + b]);
+    const float* s = d + (n * blocks() + b) * S;
     lo = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(
-                           _mm_loadu_si128(reinterpret_cast<const __m128i*>(q)))), s);
+                           _mm_loadu_si128(reinterpret_cast<const __m128i*>(q)))),
+                       _mm512_set1_ps(s[0]));
     hi = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(
-                           _mm_loadu_si128(reinterpret_cast<const __m128i*>(q + 16)))), s);
+                           _mm_loadu_si128(reinterpret_cast<const __m128i*>(q + 16)))),
+                       _mm512_set1_ps(s[S - 1]));
   }
   inline void prefetch(int64_t n, int64_t b) const {
     if ((b & 1) == 0) prefetch_line(qs + n * K + b * kBlock);
-    if ((b & 15) == 0) prefetch_line(d + n * blocks() + b);
+    if ((b & (16 / S - 1)) == 0) prefetch_line(d + (n * blocks() + b) * S);
   }
 #endif
 };
+using Q8_0 = Q8<1>;
+using Q8_16 = Q8<2>;
 
 #ifdef __AVX512F__
 // Weight rows [n0, n0 + nc) of a packed source as the GEMM's K x NR panel: 16 rows at a time,
@@ -919,7 +958,7 @@ static void dispatch_packed(const float* x, const Src& src, const float* bias, f
   const int64_t K = src.K;
 #pragma omp parallel
   {
-    std::vector<float> row(size_t(K));
+    std::vector<float> row(static_cast<size_t>(K));  // (not row(size_t(K)): a declaration)
 #pragma omp for schedule(static)
     for (int64_t n = 0; n < N; ++n) {
       src.unpack_row(n, row.data());
@@ -975,6 +1014,13 @@ c10::optional<std::vector<torch::Tensor>> pack_blocks(torch::Tensor w, int64_t t
         return find_q8_0(wp + at * kBlock, q8p + at * kBlock, dp + at);
       }))
     return std::vector<torch::Tensor>{q8, d};
+  auto d16 = torch::empty({N, nb * 2}, torch::kFloat);
+  float* d16p = d16.data_ptr<float>();
+  if (every_block(N, nb, nt, [&](int64_t n, int64_t b) {
+        const int64_t at = n * nb + b;
+        return find_q8_16(wp + at * kBlock, q8p + at * kBlock, d16p + at * 2);
+      }))
+    return std::vector<torch::Tensor>{q8, d16};
   return c10::nullopt;
 }
 
@@ -991,11 +1037,16 @@ static void with_source(const torch::Tensor& qs, const torch::Tensor& scales, Fn
                 "packed weights: Q4_1 scales (N, K / 32, 2) expected");
     fn(Q4_1{qs.data_ptr<uint8_t>(), scales.data_ptr<float>(), K}, N, K);
   } else {
-    TORCH_CHECK(qs.scalar_type() == torch::kInt8, "packed weights: qs uint8 (Q4_1) or int8 (Q8_0)");
+    TORCH_CHECK(qs.scalar_type() == torch::kInt8,
+                "packed weights: qs uint8 (Q4_1) or int8 (Q8_0, Q6_K)");
     const int64_t K = qs.size(1);
-    TORCH_CHECK(K % kBlock == 0 && scales.numel() == N * (K / kBlock),
-                "packed weights: Q8_0 scales (N, K / 32) expected");
-    fn(Q8_0{qs.data_ptr<int8_t>(), scales.data_ptr<float>(), K}, N, K);
+    TORCH_CHECK(K % kBlock == 0 && (scales.numel() == N * (K / kBlock) ||
+                                    scales.numel() == N * (K / kBlock) * 2),
+                "packed weights: Q8_0 scales (N, K / 32) or Q6_K's (N, K / 16) expected");
+    if (scales.numel() == N * (K / kBlock))
+      fn(Q8_0{qs.data_ptr<int8_t>(), scales.data_ptr<float>(), K}, N, K);
+    else
+      fn(Q8_16{qs.data_ptr<int8_t>(), scales.data_ptr<float>(), K}, N, K);
   }
 }
 
@@ -1078,8 +1129,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "x @ w.T (+ bias): x float32; w float32 (1-256 rows of x) or bfloat16 (any rows)",
         py::arg("x"), py::arg("w"), py::arg("bias") = py::none());
   m.def("pack_blocks", &pack_blocks,
-        "(qs, scales) of a float32 weight whose blocks of 32 are exactly Q4_1, Q4_0, Q4_K or Q8_0 "
-        "values; None otherwise (threads: 0 for all)",
+        "(qs, scales) of a float32 weight whose blocks of 32 are exactly Q4_1, Q4_0, Q4_K, Q8_0 "
+        "or Q6_K values; None otherwise (threads: 0 for all)",
         py::arg("w"), py::arg("threads") = 0, py::call_guard<py::gil_scoped_release>());
   m.def("packed_linear", &packed_linear, "x @ w.T (+ bias) with w packed by pack_blocks",
         py::arg("x"), py::arg("qs"), py::arg("scales"), py::arg("bias") = py::none());

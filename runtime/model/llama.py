@@ -312,13 +312,13 @@ class LlamaForCausalLM(nn.Module):
                 module.fused = fused
 
     def pack_weights(self, threads: int = 0, stop: Callable[[], bool] | None = None) -> None:
-        """Beside each float32 weight whose blocks are exactly Q4_1, Q4_0, Q4_K or Q8_0 values, keep
-        those blocks, which the few-row matmul kernel then reads (kernels.linear.pack; a weight that
-        is not so, or whose matmul does not go through the kernel, stays as it is). Call once the
-        weights are all loaded, after use_cpu_kernels. Each weight's blocks are used from the
-        moment they are set (a forward pass reads `packed` once a call), so this may run in a
-        thread while the model serves. `threads`: OpenMP threads for the search (0: all);
-        `stop`: asked before each weight, the search ends when it says so."""
+        """Beside each float32 weight whose blocks are exactly GGUF block values (Q4_1, Q4_0, Q4_K,
+        Q8_0, Q6_K), keep those blocks, which the few-row matmul kernel then reads
+        (kernels.linear.pack; a weight that is not so, or whose matmul does not go through the
+        kernel, stays as it is). Call once the weights are all loaded, after use_cpu_kernels. Each
+        weight's blocks are used from the moment they are set (a forward pass reads `packed` once a
+        call), so this may run in a thread while the model serves. `threads`: OpenMP threads for the
+        search (0: all); `stop`: asked before each weight, the search ends when it says so."""
         if self.place.first:
             self.output_packed = pack(self.output_weight, self.small_gemm, threads)
         for module in self.modules():
@@ -328,13 +328,13 @@ class LlamaForCausalLM(nn.Module):
                 module.packed = pack(module.weight, module.small_gemm, threads)
 
     def packable_bytes(self) -> int:
-        """The most bytes pack_weights can add: Q8_0's 9/32 of each float32 weight it could
-        pack (Q4_1's are 6/32)."""
+        """The most bytes pack_weights can add: Q6_K's 10/32 of each float32 weight it could
+        pack (Q8_0's are 9/32, Q4_1's 6/32)."""
         weights: list[torch.Tensor] = [m.weight for m in self.modules() if isinstance(m, Linear)]
         if self.place.first:
             weights.append(self.output_weight)
         fits = [w for w in weights if w.dtype == torch.float32 and w.shape[-1] % 32 == 0]
-        return sum(w.nbytes for w in fits) * 9 // 32
+        return sum(w.nbytes for w in fits) * 10 // 32
 
     def packed_weights(self) -> tuple[int, int, int]:
         """(weights packed, weights that are not, bytes of the blocks)."""
