@@ -242,7 +242,7 @@ class ModelRunner:
         else:  # preallocated once on the device
             self.kv = torch.zeros(shape, dtype=self.kv_dtype, device=self.device)
         self.kv_caches = [(self.kv[i, 0], self.kv[i, 1]) for i in range(layers)]
-        self.sampler = Sampler()
+        self.sampler = Sampler(fused)  # (its greedy rows' argmax: the extension's, where built)
         # where start-up went: (start, end) time.perf_counter() of each phase
         self.startup = {"kernels": (t0, t1), "KV cache": (t1, time.perf_counter())}
 

@@ -37,6 +37,7 @@ from __future__ import annotations
 import itertools
 import logging
 from dataclasses import dataclass
+from types import ModuleType
 
 import numpy as np
 import torch
@@ -97,7 +98,18 @@ def _is_plain_greedy(p: SamplingParams) -> bool:
 
 
 class Sampler:
-    """Stateless; all per-sequence state lives in the `SamplingState` rows."""
+    """Stateless; all per-sequence state lives in the `SamplingState` rows. `ext`: the CPU
+    extension (`kernels.cpu_ext.load_fused()`) whose `argmax_rows` takes greedy rows' argmax (the
+    same index as torch.argmax, ~6x faster over a large vocabulary), or None for torch's."""
+
+    def __init__(self, ext: ModuleType | None = None) -> None:
+        self.ext = ext
+
+    def _argmax(self, logits: torch.Tensor) -> torch.Tensor:
+        if (self.ext is not None and logits.device.type == "cpu" and logits.dim() == 2
+                and logits.dtype == torch.float32 and logits.is_contiguous()):  # fmt: skip
+            return self.ext.argmax_rows(logits)  # type: ignore[no-any-return]
+        return logits.argmax(dim=-1)
 
     def __call__(self, logits: torch.Tensor, states: list[SamplingState]) -> SamplerOutput:
         """Pick one token per row. `logits` is (B, V) float32 and is not modified."""
@@ -112,14 +124,14 @@ class Sampler:
             bitmask = np.stack([states[i].token_bitmask for i in masked])  # type: ignore[misc]
             logits = apply_token_bitmask(logits, bitmask, masked)
         if all(_is_plain_greedy(p) for p in params):
-            return SamplerOutput(logits.argmax(dim=-1).tolist(), [None] * len(states))
+            return SamplerOutput(self._argmax(logits).tolist(), [None] * len(states))
 
         if any(_has_penalty(p) for p in params):
             logits = apply_penalties(logits, states)
 
         sampled = [i for i, p in enumerate(params) if not _is_greedy(p)]
         if not sampled:
-            token_ids = logits.argmax(dim=-1)  # (B,)
+            token_ids = self._argmax(logits)  # (B,)
         elif len(sampled) == len(states):
             token_ids = _sample_rows(logits, states)
         else:

@@ -190,3 +190,46 @@ def test_silu_and_mul_bfloat16_every_gate(ext) -> None:  # type: ignore[no-untyp
         _same_bits(silu_and_mul(x, ext), silu_and_mul(x))
     x = torch.cat([gates.view(-1, 64), torch.randn(1024, 64).bfloat16() * 8], dim=1)
     _same_bits(silu_and_mul(x, ext), silu_and_mul(x))
+
+
+@pytest.mark.parametrize("V", [1, 15, 16, 17, 100, 49152])
+@pytest.mark.parametrize("B", [1, 3, 4, 64])
+def test_argmax_rows_is_torch_argmax(ext, B: int, V: int) -> None:  # type: ignore[no-untyped-def]
+    """Greedy sampling's argmax: the first of equal maxima, the first NaN of a row with one, 0 for
+    a row of -inf, as torch.argmax."""
+    g = torch.Generator().manual_seed(B * 100003 + V)
+    x = torch.randn(B, V, generator=g)
+    if V > 1:  # ties at the maximum: the first wins
+        x[0, V // 2] = x[0, V - 1] = x[0].max() + 1
+    if B > 1:
+        x[1] = float("-inf")
+    if B > 2:
+        x[2, V - 1] = float("nan")
+        x[2, V // 3] = float("nan")
+        x[2, 0] = float("inf")
+    if B > 3:
+        x[3, V - 1] = float("inf")
+        x[3] = x[3].round()  # many equal values
+    assert torch.equal(ext.argmax_rows(x), x.argmax(dim=-1))
+    with pytest.raises(RuntimeError, match="contiguous"):
+        ext.argmax_rows(x.t() if B > 1 and V > 1 else x.double())
+
+
+def test_the_sampler_takes_greedy_argmax_from_the_extension(ext) -> None:  # type: ignore[no-untyped-def]
+    from runtime.sampler import Sampler, SamplingState
+    from runtime.sampling_params import SamplingParams
+
+    logits = torch.randn(8, 1000)
+    logits[:, 7] = logits.max() + 1  # row maxima tied at index 7 and
+    logits[:, 900] = logits[:, 7]  # at 900: 7 is the first
+    states = [SamplingState(SamplingParams(temperature=0), None, [], []) for _ in range(8)]
+    calls = []
+
+    class Spy:
+        def argmax_rows(self, x: torch.Tensor) -> torch.Tensor:
+            calls.append(x.shape)
+            return ext.argmax_rows(x)  # type: ignore[no-any-return]
+
+    assert Sampler(Spy()).__call__(logits, states).token_ids == [7] * 8  # type: ignore[arg-type]
+    assert calls == [(8, 1000)]
+    assert Sampler()(logits, states).token_ids == [7] * 8

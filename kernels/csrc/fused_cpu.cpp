@@ -38,6 +38,7 @@
 #include <torch/extension.h>
 
 #include <cmath>
+#include <limits>
 #include <cstdint>
 #include <cstring>
 #include <tuple>
@@ -285,6 +286,65 @@ torch::Tensor silu_and_mul(torch::Tensor x) {
   return y;
 }
 
+// The index of each row's largest value, as torch.argmax gives it: the first of equal maxima,
+// and the first NaN where a row has one (NaN counts as the largest). Greedy sampling over a
+// (B, V) float32 logits tensor: torch's argmax ran at ~6 GB/s here (2.2 ms for 64 rows of a
+// 49,152-token vocabulary); this reads each row twice from L2 (max, then its first index).
+static int64_t argmax_row(const float* x, int64_t V) {
+  int64_t i = 0;
+  float m = -std::numeric_limits<float>::infinity();
+#ifdef __AVX512F__
+  __m512 mv = _mm512_set1_ps(m);
+  __mmask16 nan = 0;
+  for (; i + 16 <= V; i += 16) {
+    const __m512 v = _mm512_loadu_ps(x + i);
+    nan |= _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
+    mv = _mm512_max_ps(mv, v);
+  }
+  if (nan) {  // the first NaN wins
+    for (int64_t j = 0; j < V; ++j)
+      if (std::isnan(x[j])) return j;
+  }
+  m = _mm512_reduce_max_ps(mv);
+#endif
+  for (; i < V; ++i) {
+    if (std::isnan(x[i])) {
+      for (int64_t j = 0; j <= i; ++j)
+        if (std::isnan(x[j])) return j;
+    }
+    m = std::max(m, x[i]);
+  }
+  int64_t j = 0;
+#ifdef __AVX512F__
+  const __m512 target = _mm512_set1_ps(m);
+  for (; j + 16 <= V; j += 16) {
+    const __mmask16 hit = _mm512_cmp_ps_mask(_mm512_loadu_ps(x + j), target, _CMP_EQ_OQ);
+    if (hit) return j + __builtin_ctz(hit);
+  }
+#endif
+  for (; j < V; ++j)
+    if (x[j] == m) return j;
+  return 0;  // (a row of -inf only: torch gives 0 too)
+}
+
+torch::Tensor argmax_rows(torch::Tensor x) {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kFloat && x.is_contiguous() &&
+                  x.size(1) >= 1,
+              "argmax_rows: contiguous (B, V) float32 expected, got ", x.scalar_type(), " ",
+              x.sizes());
+  const int64_t B = x.size(0), V = x.size(1);
+  auto out = torch::empty({B}, torch::kLong);
+  const float* xp = x.data_ptr<float>();
+  int64_t* op = out.data_ptr<int64_t>();
+  if (B >= 4) {
+#pragma omp parallel for schedule(static)
+    for (int64_t b = 0; b < B; ++b) op[b] = argmax_row(xp + b * V, V);
+  } else {
+    for (int64_t b = 0; b < B; ++b) op[b] = argmax_row(xp + b * V, V);
+  }
+  return out;
+}
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("rotary_write_kv", &rotary_write_kv,
         "q and k rotated (rotate-half RoPE), rotated k and v stored at their cache slots, float32 "
@@ -292,5 +352,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("q"), py::arg("k"), py::arg("v"), py::arg("cos"), py::arg("sin"),
         py::arg("k_cache"), py::arg("v_cache"), py::arg("slots"));
   m.def("silu_and_mul", &silu_and_mul, "silu(gate) * up over (T, 2I) float32 or bfloat16",
+        py::arg("x"));
+  m.def("argmax_rows", &argmax_rows, "torch.argmax(x, dim=1) of a (B, V) float32 tensor",
         py::arg("x"));
 }
