@@ -12,7 +12,7 @@ copies, so the weights come from memory, not a cache) at a decode step's few row
 - and the machine's limit for the packed bytes: their size over the rate of a 2-thread
   `torch.sum` over as many bytes of memory (the read rate).
 
-Formats: Q4_K and Q6_K (random valid blocks, as `gguf` dequantizes them: it does not quantize
+Formats: Q4_K, Q5_K and Q6_K (random valid blocks, as `gguf` dequantizes them: it does not quantize
 k-quants), Q4_1 and Q8_0 (`gguf`'s quantize of random weights).
 
     .venv/bin/python -m bench.packed [--rows 1,4,8,32] [--layers 4] [--formats Q4_K,Q6_K,...]
@@ -47,7 +47,7 @@ Q = gguf.GGMLQuantizationType
 
 def weight(n: int, k: int, fmt: str, rng: np.random.Generator) -> torch.Tensor:
     """A float32 weight as runtime.gguf_import makes it from blocks of `fmt`."""
-    if fmt in ("Q4_K", "Q6_K"):
+    if fmt in ("Q4_K", "Q5_K", "Q6_K"):
         from tests.test_gguf_import import random_k_blocks
 
         qtype = Q.__members__[fmt]
@@ -81,7 +81,7 @@ def main() -> int:
     )
     p.add_argument("--rows", default="1,4,8,32")
     p.add_argument("--layers", type=int, default=4)
-    p.add_argument("--formats", default="Q4_K,Q6_K,Q4_1,Q8_0")
+    p.add_argument("--formats", default="Q4_K,Q5_K,Q6_K,Q4_1,Q8_0")
     p.add_argument("--reps", type=int, default=7)
     args = p.parse_args()
     ext = cpu_ext.load_small_gemm()

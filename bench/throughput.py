@@ -659,10 +659,10 @@ def report(res: dict[str, Any]) -> str:
         pw = ei["packed_weights"]
         lines.append(
             f"edgeinfer weights: {pw['packed']} of {pw['packed'] + pw['dense']} matrices read by "
-            f"few-row matmuls as their exact Q4_1 / Q4_0 / Q4_K / Q8_0 / Q6_K blocks ({pw['bytes'] / 1e6:.0f} "
+            f"few-row matmuls as their exact GGUF (Q4 / Q5 / Q6_K / Q8_0) blocks ({pw['bytes'] / 1e6:.0f} "
             "MB; --no-packed-weights: the float32 weights as they are)"
             if pw["packed"]
-            else "edgeinfer weights: read as they are (no exact Q4_1 / Q4_0 / Q4_K / Q8_0 / Q6_K blocks found, "
+            else "edgeinfer weights: read as they are (no exact GGUF (Q4 / Q5 / Q6_K / Q8_0) blocks found, "
             "or packing off or not applicable: bfloat16, CUDA, no AVX-512)"
         )
     if ei.get("greedy_agreement"):

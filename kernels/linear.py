@@ -19,8 +19,8 @@ rows, cpu_kernels="torch", no compiler) the reference widens the weight and call
 same values, a float32 copy of the weight per call.
 
 Packed weights (`pack`): float32 weights that are exactly block-quantized values, as a model
-imported from a GGUF file holds (llama.cpp's Q4_1, Q4_0 or Q8_0 blocks of 32, Q4_K's sub-blocks of
-32 or Q6_K's of 16, dequantized by the importer), are found again as those blocks, checked to give
+imported from a GGUF file holds (llama.cpp's Q4_1, Q4_0, Q5_1, Q5_0 or Q8_0 blocks of 32, Q4_K's
+and Q5_K's sub-blocks of 32 or Q6_K's of 16, dequantized by the importer), are found again as those blocks, checked to give
 back every weight (equal as numbers: a zero may come back with the other sign, which no product or
 sum can tell), and kept beside the float32 weight. Up to MAX_ROWS_PACKED rows of x the kernel reads
 the blocks (5-10 bits a weight against 32) and widens them in registers to the same float32 values:
@@ -66,17 +66,18 @@ MAX_ROWS_PACKED = 64
 @dataclass(frozen=True, slots=True)
 class Packed:
     """A weight's blocks (`csrc/small_gemm_cpu.cpp`, pack_blocks): qs uint8 (Q4_1: two 4-bit
-    values a byte) or int8 (Q8_0, Q6_K), and float32 scales (d and m a block of 32, d a block of
-    32, or d for each 16 values)."""
+    values a byte; Q5: one a byte) or int8 (Q8_0, Q6_K), and float32 scales (d and m a block of
+    32, d a block of 32, or d for each 16 values)."""
 
     qs: torch.Tensor
     scales: torch.Tensor
 
     @property
     def format(self) -> str:
-        """Q4_1 (also Q4_0's and Q4_K's blocks), Q8_0, or Q6_K (int8 with a scale each 16)."""
+        """Q4_1 (also Q4_0's and Q4_K's blocks), Q5 (Q5_1's, Q5_0's, Q5_K's: a byte a value),
+        Q8_0, or Q6_K (int8 with a scale each 16)."""
         if self.qs.dtype == torch.uint8:
-            return "Q4_1"
+            return "Q4_1" if self.scales.numel() * 8 == self.qs.numel() else "Q5"
         return "Q8_0" if self.scales.numel() * 32 == self.qs.numel() else "Q6_K"
 
     @property
@@ -85,9 +86,9 @@ class Packed:
 
 
 def pack(w: torch.Tensor, ext: ModuleType | None, threads: int = 0) -> Packed | None:
-    """w's blocks, where every block of 32 along its rows is exactly Q4_1, Q4_0, Q4_K, Q8_0 or Q6_K
-    values and the extension has its AVX-512 kernels here (elsewhere it would be slower than the
-    float32 weight); None otherwise. `threads`: for the search (0: all); it runs without the GIL."""
+    """w's blocks, where every block of 32 along its rows is exactly GGUF block values (Q4_1, Q4_0,
+    Q4_K, Q8_0, Q6_K, Q5_1, Q5_0, Q5_K) and the extension has its AVX-512 kernels here (elsewhere
+    it would be slower than the float32 weight); None otherwise. `threads`: for the search (0: all); it runs without the GIL."""
     if ext is None or not ext.packed_fast() or w.dtype != torch.float32 or w.dim() != 2:
         return None
     if w.device.type != "cpu" or w.shape[1] % 32:

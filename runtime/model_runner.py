@@ -163,7 +163,7 @@ class ModelRunner:
         runners with the same settings. `kv_commit` (CPU): "lazy", the KV cache's pages committed as
         blocks first use them; "eager", all of them now (`EngineConfig.kv_cache_commit`).
         `packed_weights` (CPU, float32): few-row matmuls read the exact GGUF blocks (Q4_1, Q4_0,
-        Q4_K, Q8_0, Q6_K) of the weights that are such values (`EngineConfig.packed_weights`), found
+        Q4_K, Q5_*, Q8_0, Q6_K) of the weights that are such values (`EngineConfig.packed_weights`), found
         by `pack_weights` once the weights are all read. `kv_dtype`: the KV cache's element type
         (default: the model's; bfloat16 under a float32 model on the CPU,
         `EngineConfig.kv_cache_dtype`)."""

@@ -685,8 +685,9 @@ def test_smollm2_greedy_matches_transformers_gguf(
 
 @pytest.mark.parametrize(("qtype", "tp"),
                          [(Q.Q4_1, 1), (Q.Q4_0, 1), (Q.Q8_0, 1), (Q.Q4_K, 1), (Q.Q6_K, 1),
-                          (Q.Q4_1, 2)],
-                         ids=["Q4_1", "Q4_0", "Q8_0", "Q4_K", "Q6_K", "Q4_1-tp2"])  # fmt: skip
+                          (Q.Q5_K, 1), (Q.Q5_1, 1), (Q.Q5_0, 1), (Q.Q4_1, 2)],
+                         ids=["Q4_1", "Q4_0", "Q8_0", "Q4_K", "Q6_K", "Q5_K", "Q5_1", "Q5_0",
+                              "Q4_1-tp2"])  # fmt: skip
 def test_engine_reads_the_blocks_of_an_import_and_matches_transformers(
     tmp_path: Path, bpe: Tokenizer, qtype: Q, tp: int
 ) -> None:

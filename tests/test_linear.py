@@ -160,12 +160,14 @@ def gguf_weights(n: int, k: int, qtype: Q, seed: int = 0) -> torch.Tensor:
     return torch.from_numpy(gguf.quants.dequantize(gguf.quants.quantize(w, qtype), qtype).copy())
 
 
-# Q4_0 blocks, d * (q - 8), are kept in Q4_1's layout with m = -8 d
-@pytest.mark.parametrize(("qtype", "fmt"), [(Q.Q4_1, "Q4_1"), (Q.Q4_0, "Q4_1"), (Q.Q8_0, "Q8_0")])
+# Q4_0 blocks, d * (q - 8), are kept in Q4_1's layout with m = -8 d; Q5_0's, d * (q - 16), fit
+# Q6_K's int8 layout (a d each 16, the same d twice) before the Q5 one, at the same 10 bits
+@pytest.mark.parametrize(("qtype", "fmt"), [(Q.Q4_1, "Q4_1"), (Q.Q4_0, "Q4_1"), (Q.Q8_0, "Q8_0"),
+                                            (Q.Q5_1, "Q5"), (Q.Q5_0, "Q6_K")])  # fmt: skip
 def test_pack_finds_the_blocks_and_gives_every_weight_back(ext, qtype: Q, fmt: str) -> None:  # type: ignore[no-untyped-def]
     w = gguf_weights(70, 96, qtype)
     qs, scales = ext.pack_blocks(w)
-    assert qs.dtype == (torch.uint8 if fmt == "Q4_1" else torch.int8)
+    assert qs.dtype == (torch.uint8 if fmt in ("Q4_1", "Q5") else torch.int8)
     assert qs.nbytes + scales.nbytes < w.nbytes / 3
     one = ext.pack_blocks(w, 1)  # one thread (the background search): the same blocks
     assert torch.equal(one[0], qs) and torch.equal(one[1], scales)
@@ -179,19 +181,21 @@ def test_pack_finds_the_blocks_and_gives_every_weight_back(ext, qtype: Q, fmt: s
 
 
 def q4_k_weights(
-    n: int, k: int, seed: int = 0, q_range: tuple[int, int] | None = None
+    n: int, k: int, seed: int = 0, q_range: tuple[int, int] | None = None, qtype: Q = Q.Q4_K
 ) -> torch.Tensor:
-    """A float32 weight as runtime.gguf_import makes it from llama.cpp's Q4_K blocks (random but
-    valid: gguf dequantizes k-quants, it does not quantize them); `q_range`: every 4-bit q in it
-    (a sub-block whose q do not reach 0 or 15)."""
+    """A float32 weight as runtime.gguf_import makes it from llama.cpp's Q4_K (or Q5_K) blocks
+    (random but valid: gguf dequantizes k-quants, it does not quantize them); `q_range` (Q4_K):
+    every 4-bit q in it (a sub-block whose q do not reach 0 or 15)."""
     from tests.test_gguf_import import random_k_blocks
 
     rng = np.random.default_rng(seed)
-    data = random_k_blocks(n, k, Q.Q4_K, rng).reshape(n, k // 256, 144)
+    data = random_k_blocks(n, k, qtype, rng)
     if q_range is not None:
+        assert qtype == Q.Q4_K
+        data = data.reshape(n, k // 256, 144)
         q = rng.integers(q_range[0], q_range[1] + 1, size=(n, k // 256, 256)).astype(np.uint8)
         data[:, :, 16:] = q[:, :, :128] | (q[:, :, 128:] << 4)  # (d, dmin, scales, then qs)
-    w = gguf.quants.dequantize(data.reshape(n, -1), Q.Q4_K)
+    w = gguf.quants.dequantize(data.reshape(n, -1), qtype)
     return torch.from_numpy(np.array(w, dtype=np.float32))
 
 
@@ -218,6 +222,28 @@ def test_pack_finds_q4_k_sub_blocks_in_q4_1_layout(ext, q_range: tuple[int, int]
             want = torch.nn.functional.linear(x.double(), w.double())
             ref_err = (torch.nn.functional.linear(x, w).double() - want).abs().max().item()
             assert (got.double() - want).abs().max().item() <= 4 * ref_err + 5e-7 * 512**0.5
+
+
+def test_pack_finds_q5_k_sub_blocks(ext) -> None:  # type: ignore[no-untyped-def]
+    """Q5_K sub-blocks, (d sc) q - dmin m with q in 0..31: the Q5 layout (a byte a q, float32
+    scale and offset a block of 32), found as Q4_K's are."""
+    w = q4_k_weights(40, 512, seed=5, qtype=Q.Q5_K)
+    found = ext.pack_blocks(w)
+    assert found is not None
+    qs, scales = found
+    assert qs.dtype == torch.uint8 and qs.shape == (40, 512) and scales.shape == (40, 16, 2)
+    assert torch.equal(ext.unpack_blocks(qs, scales), w)
+    if ext.packed_fast():
+        packed = pack(w, ext)
+        assert packed is not None and packed.format == "Q5"
+        for m in (1, 8, MAX_ROWS_PACKED):
+            x = torch.randn(m, 512)
+            got = small_linear(x, w, None, ext, packed)
+            want = torch.nn.functional.linear(x.double(), w.double())
+            ref_err = (torch.nn.functional.linear(x, w).double() - want).abs().max().item()
+            assert (got.double() - want).abs().max().item() <= 4 * ref_err + 5e-7 * 512**0.5
+    w[9, 77] = torch.nextafter(w[9, 77], torch.tensor(-1.0))
+    assert ext.pack_blocks(w) is None
 
 
 def q6_k_weights(n: int, k: int, seed: int = 0) -> torch.Tensor:
@@ -269,7 +295,7 @@ def test_pack_refuses_weights_that_are_not_blocks(ext) -> None:  # type: ignore[
     assert pack(gguf_weights(8, 64, Q.Q8_0).to(torch.bfloat16), ext) is None
 
 
-@pytest.mark.parametrize("qtype", [Q.Q4_1, Q.Q4_0, Q.Q8_0], ids=lambda q: q.name)
+@pytest.mark.parametrize("qtype", [Q.Q4_1, Q.Q4_0, Q.Q8_0, Q.Q5_1], ids=lambda q: q.name)
 @pytest.mark.parametrize("m", [1, 2, 3, 4, 5, 8, 9, 16, 17, 33, 64])
 @pytest.mark.parametrize(("k", "n"), [(64, 5), (96, 70), (576, 131)])
 @pytest.mark.parametrize("bias", [False, True])

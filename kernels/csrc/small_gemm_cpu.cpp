@@ -556,7 +556,8 @@ static void dispatch(const float* xp, const W* wp, const float* bp, float* yp, i
 // A model imported from a GGUF file (llama.cpp's Q4_1 and Q8_0 formats, dequantized to float32
 // by runtime.gguf_import) holds float32 weights each of which, in its block of 32 along a row,
 // is d * q + m (Q4_1: q in 0..15, d and m float16; Q4_0 too, with m = -8 d; Q4_K's sub-blocks
-// too, with d and m float32 products of a float16 and a 6-bit scale: see find_q4_k) or d * q
+// too, with d and m float32 products of a float16 and a 6-bit scale: see find_kquant; Q5_1, Q5_0 and Q5_K
+// alike with q in 0..31) or d * q
 // (Q8_0: q in -128..127, d float16; Q6_K's sub-blocks of 16 too, with a d of their own: see
 // find_q8_16).
 // `pack_blocks` finds d, m and q again from the float32 values and checks that every weight comes
@@ -570,8 +571,9 @@ static void dispatch(const float* xp, const W* wp, const float* bp, float* yp, i
 // Layout (N rows, K / 32 blocks a row). Q4_1: qs uint8 (N, K / 2), 16 bytes a block, byte j
 // holding q[j] in its low nibble and q[j + 16] in its high one; scales float32 (N, K / 32, 2),
 // (d, m) a block. Q8_0: qs int8 (N, K); scales float32 (N, K / 32), d a block. Q6_K: qs int8
-// (N, K); scales float32 (N, K / 16), a d for each 16 values. The dtype of qs, and for int8 the
-// number of scales, names the format.
+// (N, K); scales float32 (N, K / 16), a d for each 16 values. Q5: qs uint8 (N, K), a q a byte;
+// scales float32 (N, K / 32, 2), (d, m) a block. The dtype of qs and the number of scales name
+// the format.
 constexpr int64_t kBlock = 32;
 
 static inline uint32_t bits_of(float f) {
@@ -633,19 +635,22 @@ static inline double round_to_bits(double v, int bits) {
   return std::nearbyint(v / unit) * unit;
 }
 
-// A sub-block of 32 of llama.cpp's Q4_K (super-blocks of 256: x = (d * sc) * q - dmin * m, q in
-// 0..15, d and dmin float16 and sc and m 6-bit integers of each sub-block, evaluated in float32
+// A sub-block of 32 of llama.cpp's Q4_K (QMAX 15) or Q5_K (QMAX 31) (super-blocks of 256:
+// x = (d * sc) * q - dmin * m, q in 0..QMAX, d and dmin float16 and sc and m 6-bit integers of each sub-block, evaluated in float32
 // by the importer's numpy), in the Q4_1 layout: s = d * sc and o = dmin * m are exact float32
 // products of at most 17 significant bits, s * q is exact, so fma(s, q, -o) rounds once as the
 // importer did. s and o are found again from the block's range: s near (max - min) / k for the
-// block's spread of q, k <= 15 (the widest first), rounded to 17 bits; -o is min itself when the
+// block's spread of q, k <= QMAX (the widest first), rounded to 17 bits; -o is min itself when the
 // smallest q is 0, else min - s * q0 rounded to 17 bits. The neighbours on that lattice are
-// tried too; fits_affine has the last word. A block that is not Q4_K fails after at most 15 x 3
-// x 16 x 3 checks (the search over a tensor ends at its first block that does not fit).
-static bool find_q4_k(const float* x, float mn, float mx, int32_t* q, float* d_out, float* m_out) {
+// tried too; fits_affine has the last word. A block that is not such fails after at most
+// QMAX x 3 x (QMAX + 1) x 3 checks (the search over a tensor ends at its first block that does
+// not fit).
+template <int QMAX>
+static bool find_kquant(const float* x, float mn, float mx, int32_t* q, float* d_out,
+                        float* m_out) {
   const double range = double(mx) - double(mn);
   if (!(range > 0.0)) return false;
-  for (int k = 15; k >= 1; --k) {
+  for (int k = QMAX; k >= 1; --k) {
     const double s0 = round_to_bits(range / k, 17);
     int e;
     std::frexp(s0, &e);
@@ -653,10 +658,10 @@ static bool find_q4_k(const float* x, float mn, float mx, int32_t* q, float* d_o
     for (int ds : {0, -1, 1}) {
       const float s = float(s0 + ds * sunit);
       if (!(s > 0.f) || !std::isfinite(s)) continue;
-      for (int q0 = 0; q0 + k <= 15; ++q0) {
+      for (int q0 = 0; q0 + k <= QMAX; ++q0) {
         const double neg_o = double(mn) - double(s) * q0;
         if (q0 == 0) {  // the block's minimum is -o itself
-          if (fits_affine(x, s, mn, 0.f, 15.f, q)) {
+          if (fits_affine(x, s, mn, 0.f, float(QMAX), q)) {
             *d_out = s;
             *m_out = mn;
             return true;
@@ -669,7 +674,7 @@ static bool find_q4_k(const float* x, float mn, float mx, int32_t* q, float* d_o
         const double ounit = std::ldexp(1.0, e - 17);
         for (int dm : {0, -1, 1}) {
           const float m = float(o0 + dm * ounit);
-          if (fits_affine(x, s, m, 0.f, 15.f, q)) {
+          if (fits_affine(x, s, m, 0.f, float(QMAX), q)) {
             *d_out = s;
             *m_out = m;
             return true;
@@ -681,11 +686,14 @@ static bool find_q4_k(const float* x, float mn, float mx, int32_t* q, float* d_o
   return false;
 }
 
-// One block of 32 in the Q4_1 layout: d * q + m, q in 0..15. As llama.cpp's Q4_1 makes it (the
-// minimum has q = 0, so m is it, a float16, and d a float16 near (max - min) / 15), or its Q4_0
-// (d * (q - 8): the first weight of largest magnitude has q = 0, so d is it / -8, a float16;
-// then m = -8 d, and d * q + m is d * (q - 8) exactly).
-static bool find_q4_1(const float* x, uint8_t* qs, float* dm) {
+// One block of 32 as d * q + m, q in 0..QMAX (15: the Q4_1 layout; 31: the Q5 one), the q into
+// q. As llama.cpp's Q4_1 / Q5_1 make it (the minimum has q = 0, so m is it, a float16, and d a
+// float16 near (max - min) / QMAX), or its Q4_0 / Q5_0 (d * (q - h), h = (QMAX + 1) / 2: the
+// first weight of largest magnitude has q = 0, so d is it / -h, a float16; then m = -h d, and
+// d * q + m is d * (q - h) exactly), or a k-quant's sub-block (find_kquant).
+template <int QMAX>
+static bool find_affine(const float* x, int32_t* q, float* d_out, float* m_out) {
+  constexpr float kHalf = float((QMAX + 1) / 2);
   float mn = x[0], mx = x[0], amax = std::fabs(x[0]), vmax = x[0];
   for (int i = 1; i < kBlock; ++i) {
     mn = std::min(mn, x[i]);
@@ -696,10 +704,9 @@ static bool find_q4_1(const float* x, uint8_t* qs, float* dm) {
     }
   }
   if (!std::isfinite(mn) || !std::isfinite(mx)) return false;
-  int32_t q[kBlock];
   float d = 0.f, m = mn;
   auto fits = [&](float dc) {
-    if (!fits_affine(x, dc, mn, 0.f, 15.f, q)) return false;
+    if (!fits_affine(x, dc, mn, 0.f, float(QMAX), q)) return false;
     d = dc;
     return true;
   };
@@ -711,21 +718,36 @@ static bool find_q4_1(const float* x, uint8_t* qs, float* dm) {
     m = x[0];
     for (int i = 0; i < kBlock; ++i) q[i] = zero ? 1 : 0;
   } else if (float(c10::Half(mn)) == mn) {
-    found = try_scales((mx - mn) / 15.f, fits);
+    found = try_scales((mx - mn) / float(QMAX), fits);
   }
-  if (!found && amax > 0.f) {  // Q4_0
-    const float d0 = vmax / -8.f;
-    found = float(c10::Half(d0)) == d0 && fits_affine(x, d0, -8.f * d0, 0.f, 15.f, q);
+  if (!found && amax > 0.f) {  // Q4_0 / Q5_0
+    const float d0 = vmax / -kHalf;
+    found = float(c10::Half(d0)) == d0 && fits_affine(x, d0, -kHalf * d0, 0.f, float(QMAX), q);
     if (found) {
       d = d0;
-      m = -8.f * d0;
+      m = -kHalf * d0;
     }
   }
-  if (!found) found = find_q4_k(x, mn, mx, q, &d, &m);
+  if (!found) found = find_kquant<QMAX>(x, mn, mx, q, &d, &m);
   if (!found) return false;
+  *d_out = d;
+  *m_out = m;
+  return true;
+}
+
+// One block of 32 in the Q4_1 layout (Q4_1, Q4_0, Q4_K): two 4-bit q a byte.
+static bool find_q4_1(const float* x, uint8_t* qs, float* dm) {
+  int32_t q[kBlock];
+  if (!find_affine<15>(x, q, dm, dm + 1)) return false;
   for (int j = 0; j < 16; ++j) qs[j] = uint8_t(q[j] | (q[j + 16] << 4));
-  dm[0] = d;
-  dm[1] = m;
+  return true;
+}
+
+// One block of 32 in the Q5 layout (Q5_1, Q5_0, Q5_K): a byte a q (5 bits used).
+static bool find_q5(const float* x, uint8_t* qs, float* dm) {
+  int32_t q[kBlock];
+  if (!find_affine<31>(x, q, dm, dm + 1)) return false;
+  for (int j = 0; j < kBlock; ++j) qs[j] = uint8_t(q[j]);
   return true;
 }
 
@@ -818,6 +840,37 @@ struct Q4_1 {
   // The cache lines of row n that block b's loads begin (one every 4 blocks of qs, 8 of dm).
   inline void prefetch(int64_t n, int64_t b) const {
     if ((b & 3) == 0) prefetch_line(qs + n * (K / 2) + b * 16);
+    if ((b & 7) == 0) prefetch_line(dm + (n * blocks() + b) * 2);
+  }
+#endif
+};
+
+// The Q5 layout (Q5_1, Q5_0, Q5_K): a byte a q, (d, m) a block of 32: fma(d, q, m).
+struct Q5 {
+  const uint8_t* qs;
+  const float* dm;
+  int64_t K;
+  int64_t blocks() const { return K / kBlock; }
+  void unpack_row(int64_t n, float* out) const {
+    const uint8_t* q = qs + n * K;
+    const float* s = dm + n * blocks() * 2;
+    for (int64_t k = 0; k < K; ++k)
+      out[k] = std::fma(s[2 * (k / kBlock)], float(q[k]), s[2 * (k / kBlock) + 1]);
+  }
+  const char* row(int64_t n) const { return reinterpret_cast<const char*>(qs + n * K); }
+  int64_t row_bytes() const { return K; }
+#ifdef __AVX512F__
+  inline void load(int64_t n, int64_t b, __m512& lo, __m512& hi) const {
+    const uint8_t* q = qs + n * K + b * kBlock;
+    const float* s = dm + (n * blocks() + b) * 2;
+    const __m512 d = _mm512_set1_ps(s[0]), m = _mm512_set1_ps(s[1]);
+    lo = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(
+                             _mm_loadu_si128(reinterpret_cast<const __m128i*>(q)))), d, m);
+    hi = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(
+                             _mm_loadu_si128(reinterpret_cast<const __m128i*>(q + 16)))), d, m);
+  }
+  inline void prefetch(int64_t n, int64_t b) const {
+    if ((b & 1) == 0) prefetch_line(qs + n * K + b * kBlock);
     if ((b & 7) == 0) prefetch_line(dm + (n * blocks() + b) * 2);
   }
 #endif
@@ -1021,6 +1074,13 @@ c10::optional<std::vector<torch::Tensor>> pack_blocks(torch::Tensor w, int64_t t
         return find_q8_16(wp + at * kBlock, q8p + at * kBlock, d16p + at * 2);
       }))
     return std::vector<torch::Tensor>{q8, d16};
+  auto q5 = torch::empty({N, K}, torch::kUInt8);
+  uint8_t* q5p = q5.data_ptr<uint8_t>();
+  if (every_block(N, nb, nt, [&](int64_t n, int64_t b) {
+        const int64_t at = n * nb + b;
+        return find_q5(wp + at * kBlock, q5p + at * kBlock, dmp + at * 2);
+      }))
+    return std::vector<torch::Tensor>{q5, dm};
   return c10::nullopt;
 }
 
@@ -1031,11 +1091,16 @@ static void with_source(const torch::Tensor& qs, const torch::Tensor& scales, Fn
                   scales.scalar_type() == torch::kFloat,
               "packed weights: contiguous qs (N, ...) and float32 scales expected");
   const int64_t N = qs.size(0);
-  if (qs.scalar_type() == torch::kUInt8) {
-    const int64_t K = qs.size(1) * 2;
-    TORCH_CHECK(K % kBlock == 0 && scales.numel() == N * (K / kBlock) * 2,
-                "packed weights: Q4_1 scales (N, K / 32, 2) expected");
-    fn(Q4_1{qs.data_ptr<uint8_t>(), scales.data_ptr<float>(), K}, N, K);
+  if (qs.scalar_type() == torch::kUInt8) {  // Q4_1: (N, K / 2); Q5: (N, K); (d, m) each 32
+    const int64_t c = qs.size(1);
+    if (c % (kBlock / 2) == 0 && scales.numel() == N * (2 * c / kBlock) * 2) {
+      fn(Q4_1{qs.data_ptr<uint8_t>(), scales.data_ptr<float>(), 2 * c}, N, 2 * c);
+    } else {
+      TORCH_CHECK(c % kBlock == 0 && scales.numel() == N * (c / kBlock) * 2,
+                  "packed weights: Q4_1 (qs (N, K / 2)) or Q5 (qs (N, K)) scales (N, K / 32, 2) "
+                  "expected");
+      fn(Q5{qs.data_ptr<uint8_t>(), scales.data_ptr<float>(), c}, N, c);
+    }
   } else {
     TORCH_CHECK(qs.scalar_type() == torch::kInt8,
                 "packed weights: qs uint8 (Q4_1) or int8 (Q8_0, Q6_K)");
@@ -1129,8 +1194,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "x @ w.T (+ bias): x float32; w float32 (1-256 rows of x) or bfloat16 (any rows)",
         py::arg("x"), py::arg("w"), py::arg("bias") = py::none());
   m.def("pack_blocks", &pack_blocks,
-        "(qs, scales) of a float32 weight whose blocks of 32 are exactly Q4_1, Q4_0, Q4_K, Q8_0 "
-        "or Q6_K values; None otherwise (threads: 0 for all)",
+        "(qs, scales) of a float32 weight whose blocks of 32 are exactly Q4_1, Q4_0, Q4_K, Q8_0, "
+        "Q6_K, Q5_1, Q5_0 or Q5_K values; None otherwise (threads: 0 for all)",
         py::arg("w"), py::arg("threads") = 0, py::call_guard<py::gil_scoped_release>());
   m.def("packed_linear", &packed_linear, "x @ w.T (+ bias) with w packed by pack_blocks",
         py::arg("x"), py::arg("qs"), py::arg("scales"), py::arg("bias") = py::none());
