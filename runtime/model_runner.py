@@ -272,9 +272,10 @@ class ModelRunner:
                 return
             packed, dense, nbytes = self.model.packed_weights()
             if packed:
-                log.info("packed weights: %d of %d matrices are exact GGUF blocks, "
+                formats = ", ".join(f"{n} {f}" for f, n in self.model.packed_formats().items())
+                log.info("packed weights: %d of %d matrices are exact GGUF blocks (%s), "
                          "%.0f MB read by a decode pass instead of their float32 (%.2f s, in the "
-                         "background)", packed, packed + dense, nbytes / 1e6,
+                         "background)", packed, packed + dense, formats, nbytes / 1e6,
                          time.perf_counter() - t0)  # fmt: skip
 
         self._packer = threading.Thread(target=run, name="pack-weights", daemon=True)

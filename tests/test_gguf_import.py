@@ -711,6 +711,8 @@ def test_engine_reads_the_blocks_of_an_import_and_matches_transformers(
     ext = cpu_ext.load_small_gemm()
     if ext is not None and ext.packed_fast():  # qkv, o, gate_up, down per layer, and the head
         assert (packed, dense) == (4 * LAYERS + 1, 0)
+        layout = {Q.Q8_0: "Q8_0", Q.Q6_K: "Q6_K", Q.Q5_0: "Q6_K", Q.Q5_1: "Q5", Q.Q5_K: "Q5"}
+        assert llm.engine.model.packed_formats() == {layout.get(qtype, "Q4_1"): packed}
         assert 0 < nbytes < sum(p.nbytes for p in llm.engine.model.parameters()) / 3
         assert nbytes <= llm.engine.model.packable_bytes()  # what the KV budget set aside
     try:

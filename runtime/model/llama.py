@@ -338,11 +338,21 @@ class LlamaForCausalLM(nn.Module):
 
     def packed_weights(self) -> tuple[int, int, int]:
         """(weights packed, weights that are not, bytes of the blocks)."""
+        found, packs = self._packs()
+        return len(found), len(packs) - len(found), sum(p.nbytes for p in found)
+
+    def packed_formats(self) -> dict[str, int]:
+        """Weights packed, by layout (kernels.linear.Packed.format: Q4_1, Q5, Q6_K, Q8_0)."""
+        counts: dict[str, int] = {}
+        for p in self._packs()[0]:
+            counts[p.format] = counts.get(p.format, 0) + 1
+        return dict(sorted(counts.items()))
+
+    def _packs(self) -> tuple[list[Packed], list[Packed | None]]:
         packs = [m.packed for m in self.modules() if isinstance(m, Linear)]
         if self.place.first:
             packs.append(self.output_packed)
-        found = [p for p in packs if p is not None]
-        return len(found), len(packs) - len(found), sum(p.nbytes for p in found)
+        return [p for p in packs if p is not None], packs
 
     def weight_target(self, hf_name: str) -> WeightTarget | None:
         """Where a checkpoint tensor goes: q/k/v and gate/up fill row ranges of one fused
