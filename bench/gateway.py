@@ -14,8 +14,9 @@ tokens each, through the gateway (`POST /v1/completions`, SSE) and straight to t
 
 All processes share all CPUs by default. `--pin` gives the gateway half the CPUs to itself and
 the worker and the load generator the other half (the same for both paths), as when the gateway
-runs at a point of presence and not on the worker's cores; on a 2-core VM the cross-core wake-ups
-this adds cost more than the contention it removes (see bench/README.md). The phases alternate in rounds (direct, gateway, direct, gateway, ...) so that drift of a shared
+runs at a point of presence and not on the worker's cores: at concurrency 64 the gateway then no
+longer takes its CPU from the worker, while unloaded (concurrency 1) the cross-core wake-ups cost
+a little more than sharing (see bench/README.md). The phases alternate in rounds (direct, gateway, direct, gateway, ...) so that drift of a shared
 machine hits both. A second, unloaded measurement (concurrency 1) isolates the gateway's own
 cost from queueing in the worker: at concurrency 64 a 2-core machine runs the worker, the
 gateway and this load generator on the same cores, and TTFT is mostly waiting for the engine.
