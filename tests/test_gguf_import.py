@@ -760,3 +760,21 @@ def test_exit_stops_the_background_packing(tmp_path: Path, bpe: Tokenizer) -> No
         assert runner._packer is not None and not runner._packer.is_alive()
     finally:
         model_runner._STOP_PACKING.clear()  # the other tests' engines pack again
+
+
+def test_import_says_the_tensor_types_and_which_decode_reads_packed(
+    tmp_path: Path, bpe: Tokenizer
+) -> None:
+    vocab = gpt2_vocab(bpe)
+    write_gguf(tmp_path / "m.gguf", tiny_llama(len(vocab.tokens), tied=True), vocab, Q.Q4_K)
+    said: list[str] = []
+    out = import_gguf(tmp_path / "m.gguf", tmp_path / "hf", progress=said.append)
+    types = json.loads((out / IMPORT_MARKER).read_text())["tensor_types"]
+    assert types["Q4_K"] == 7 * LAYERS + 1  # q, k, v, o, gate, up, down a layer; the embedding
+    assert set(types) == {"Q4_K", "F32"}, types
+    assert any(m.startswith("tensor types: ") and "Q4_K" in m for m in said), said
+    assert any(m.startswith("decode will read the Q4_K matrices") for m in said), said
+    said.clear()
+    write_gguf(tmp_path / "f.gguf", tiny_llama(len(vocab.tokens), tied=True), vocab, Q.F16)
+    import_gguf(tmp_path / "f.gguf", tmp_path / "hf16", progress=said.append)
+    assert not any(m.startswith("decode will read") for m in said), said
