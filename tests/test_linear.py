@@ -180,12 +180,12 @@ def test_pack_finds_the_blocks_and_gives_every_weight_back(ext, qtype: Q, fmt: s
         assert packed is not None and packed.format == fmt
 
 
-def q4_k_weights(
+def k_quant_weights(
     n: int, k: int, seed: int = 0, q_range: tuple[int, int] | None = None, qtype: Q = Q.Q4_K
 ) -> torch.Tensor:
-    """A float32 weight as runtime.gguf_import makes it from llama.cpp's Q4_K (or Q5_K) blocks
-    (random but valid: gguf dequantizes k-quants, it does not quantize them); `q_range` (Q4_K):
-    every 4-bit q in it (a sub-block whose q do not reach 0 or 15)."""
+    """A float32 weight as runtime.gguf_import makes it from llama.cpp's k-quant blocks (Q4_K,
+    Q5_K, Q6_K; random but valid: gguf dequantizes k-quants, it does not quantize them);
+    `q_range` (Q4_K): every 4-bit q in it (a sub-block whose q do not reach 0 or 15)."""
     from tests.test_gguf_import import random_k_blocks
 
     rng = np.random.default_rng(seed)
@@ -199,12 +199,28 @@ def q4_k_weights(
     return torch.from_numpy(np.array(w, dtype=np.float32))
 
 
+def reads_like_float32(ext, w: torch.Tensor, fmt: str) -> None:  # type: ignore[no-untyped-def]
+    """Where the packed kernels run: w packs in layout `fmt`, and small_linear over the blocks
+    matches float64 as closely as the float32 weights do, at 1, 8 and MAX_ROWS_PACKED rows."""
+    if not ext.packed_fast():
+        return
+    packed = pack(w, ext)
+    assert packed is not None and packed.format == fmt
+    k = w.shape[1]
+    for m in (1, 8, MAX_ROWS_PACKED):
+        x = torch.randn(m, k)
+        got = small_linear(x, w, None, ext, packed)
+        want = torch.nn.functional.linear(x.double(), w.double())
+        ref_err = (torch.nn.functional.linear(x, w).double() - want).abs().max().item()
+        assert (got.double() - want).abs().max().item() <= 4 * ref_err + 5e-7 * k**0.5
+
+
 @pytest.mark.parametrize("q_range", [None, (0, 15), (0, 9), (3, 15), (5, 11), (7, 7)])
 def test_pack_finds_q4_k_sub_blocks_in_q4_1_layout(ext, q_range: tuple[int, int] | None) -> None:  # type: ignore[no-untyped-def]
     """Q4_K (the usual 4-bit GGUF type) sub-blocks are (d sc) q - dmin m: float32 scale and
     offset of up to 17 bits, which the Q4_1 layout holds (fma(s, q, -o) rounds as the importer
     did), found again even where a sub-block's q do not span 0..15."""
-    w = q4_k_weights(40, 512, seed=3, q_range=q_range)
+    w = k_quant_weights(40, 512, seed=3, q_range=q_range)
     found = ext.pack_blocks(w)
     assert found is not None
     qs, scales = found
@@ -213,52 +229,27 @@ def test_pack_finds_q4_k_sub_blocks_in_q4_1_layout(ext, q_range: tuple[int, int]
     nonzero = w != 0
     assert torch.equal(back, w)
     assert torch.equal(back.view(torch.int32)[nonzero], w.view(torch.int32)[nonzero])
-    if ext.packed_fast():
-        packed = pack(w, ext)
-        assert packed is not None and packed.format == "Q4_1"
-        for m in (1, 8, MAX_ROWS_PACKED):
-            x = torch.randn(m, 512)
-            got = small_linear(x, w, None, ext, packed)
-            want = torch.nn.functional.linear(x.double(), w.double())
-            ref_err = (torch.nn.functional.linear(x, w).double() - want).abs().max().item()
-            assert (got.double() - want).abs().max().item() <= 4 * ref_err + 5e-7 * 512**0.5
+    reads_like_float32(ext, w, "Q4_1")
 
 
 def test_pack_finds_q5_k_sub_blocks(ext) -> None:  # type: ignore[no-untyped-def]
     """Q5_K sub-blocks, (d sc) q - dmin m with q in 0..31: the Q5 layout (a byte a q, float32
     scale and offset a block of 32), found as Q4_K's are."""
-    w = q4_k_weights(40, 512, seed=5, qtype=Q.Q5_K)
+    w = k_quant_weights(40, 512, seed=5, qtype=Q.Q5_K)
     found = ext.pack_blocks(w)
     assert found is not None
     qs, scales = found
     assert qs.dtype == torch.uint8 and qs.shape == (40, 512) and scales.shape == (40, 16, 2)
     assert torch.equal(ext.unpack_blocks(qs, scales), w)
-    if ext.packed_fast():
-        packed = pack(w, ext)
-        assert packed is not None and packed.format == "Q5"
-        for m in (1, 8, MAX_ROWS_PACKED):
-            x = torch.randn(m, 512)
-            got = small_linear(x, w, None, ext, packed)
-            want = torch.nn.functional.linear(x.double(), w.double())
-            ref_err = (torch.nn.functional.linear(x, w).double() - want).abs().max().item()
-            assert (got.double() - want).abs().max().item() <= 4 * ref_err + 5e-7 * 512**0.5
+    reads_like_float32(ext, w, "Q5")
     w[9, 77] = torch.nextafter(w[9, 77], torch.tensor(-1.0))
     assert ext.pack_blocks(w) is None
-
-
-def q6_k_weights(n: int, k: int, seed: int = 0) -> torch.Tensor:
-    """A float32 weight as runtime.gguf_import makes it from llama.cpp's Q6_K blocks (random but
-    valid, as q4_k_weights)."""
-    from tests.test_gguf_import import random_k_blocks
-
-    data = random_k_blocks(n, k, Q.Q6_K, np.random.default_rng(seed))
-    return torch.from_numpy(np.array(gguf.quants.dequantize(data, Q.Q6_K), dtype=np.float32))
 
 
 def test_pack_finds_q6_k_sub_blocks(ext) -> None:  # type: ignore[no-untyped-def]
     """Q6_K (the 6-bit type a Q4_K_M file gives its most sensitive tensors) is (d sc) (q - 32)
     with a scale each 16 values: kept as int8 with a float32 scale each 16 (10 bits a weight)."""
-    w = q6_k_weights(40, 512, seed=4)
+    w = k_quant_weights(40, 512, seed=4, qtype=Q.Q6_K)
     w[3, 16:32] = 0.0  # a sub-block of zeros (its scale 0)
     found = ext.pack_blocks(w)
     assert found is not None
@@ -266,15 +257,7 @@ def test_pack_finds_q6_k_sub_blocks(ext) -> None:  # type: ignore[no-untyped-def
     assert qs.dtype == torch.int8 and scales.shape == (40, 512 // 16)
     assert qs.nbytes + scales.nbytes < w.nbytes / 3
     assert torch.equal(ext.unpack_blocks(qs, scales), w)
-    if ext.packed_fast():
-        packed = pack(w, ext)
-        assert packed is not None and packed.format == "Q6_K"
-        for m in (1, 8, MAX_ROWS_PACKED):
-            x = torch.randn(m, 512)
-            got = small_linear(x, w, None, ext, packed)
-            want = torch.nn.functional.linear(x.double(), w.double())
-            ref_err = (torch.nn.functional.linear(x, w).double() - want).abs().max().item()
-            assert (got.double() - want).abs().max().item() <= 4 * ref_err + 5e-7 * 512**0.5
+    reads_like_float32(ext, w, "Q6_K")
     w[7, 300] = torch.nextafter(w[7, 300], torch.tensor(1.0))
     assert ext.pack_blocks(w) is None
 
@@ -284,7 +267,7 @@ def test_pack_refuses_weights_that_are_not_blocks(ext) -> None:  # type: ignore[
     w = gguf_weights(8, 64, Q.Q4_1)
     w[3, 40] = torch.nextafter(w[3, 40], torch.tensor(1.0))  # one weight off by one ulp
     assert ext.pack_blocks(w) is None
-    w = q4_k_weights(8, 256)
+    w = k_quant_weights(8, 256)
     w[2, 100] = torch.nextafter(w[2, 100], torch.tensor(1.0))
     assert ext.pack_blocks(w) is None
     w = gguf_weights(8, 64, Q.Q8_0)

@@ -141,67 +141,60 @@ std::tuple<torch::Tensor, torch::Tensor> rotary_write_kv(torch::Tensor q, torch:
     }
   };
 
+  // Each token: its q heads and k heads rotated into q_out and k_out, then (a slot >= 0) the
+  // rotated k and v stored by `store(at, k row, v row)` at element `at` of the caches.
+  auto rotate_rows = [&](const auto* qp, const auto* kp, const auto* vp, const auto* cp,
+                         const auto* snp, auto* qo, auto* ko, auto rot, auto store) {
+    run_rows([&](int64_t t) {
+      const auto *c = cp + t * D, *s = snp + t * D;
+      for (int64_t h = 0; h < H; ++h) rot(qp + t * qs0 + h * qs1, c, s, qo + (t * H + h) * D, D);
+      for (int64_t h = 0; h < KVH; ++h) {
+        auto* kr = ko + (t * KVH + h) * D;
+        rot(kp + t * ks0 + h * ks1, c, s, kr, D);
+        if (sp[t] >= 0) store((sp[t] * KVH + h) * D, kr, vp + t * vs0 + h * vs1);
+      }
+    });
+  };
+
   if (act == torch::kBFloat16) {
     // The rotated k and v are bfloat16 values already: a bfloat16 cache takes their bits, a
     // float32 one their exact widening (the reference's .to(cache dtype)).
     using u16 = uint16_t;
-    const u16 *qp = reinterpret_cast<const u16*>(q.data_ptr<at::BFloat16>());
-    const u16 *kp = reinterpret_cast<const u16*>(k.data_ptr<at::BFloat16>());
-    const u16 *vp = reinterpret_cast<const u16*>(v.data_ptr<at::BFloat16>());
-    const u16 *cp = reinterpret_cast<const u16*>(cos.data_ptr<at::BFloat16>());
-    const u16 *snp = reinterpret_cast<const u16*>(sin.data_ptr<at::BFloat16>());
-    u16 *qo = reinterpret_cast<u16*>(q_out.data_ptr<at::BFloat16>());
-    u16 *ko = reinterpret_cast<u16*>(k_out.data_ptr<at::BFloat16>());
     u16 *kbu = reinterpret_cast<u16*>(kb), *vbu = reinterpret_cast<u16*>(vb);
-    run_rows([&](int64_t t) {
-      const u16 *c = cp + t * D, *s = snp + t * D;
-      for (int64_t h = 0; h < H; ++h)
-        rotate_bf16(qp + t * qs0 + h * qs1, c, s, qo + (t * H + h) * D, D);
-      for (int64_t h = 0; h < KVH; ++h) {
-        u16* kr = ko + (t * KVH + h) * D;
-        rotate_bf16(kp + t * ks0 + h * ks1, c, s, kr, D);
-        if (sp[t] < 0) continue;
-        const int64_t at = (sp[t] * KVH + h) * D;
-        const u16* vr = vp + t * vs0 + h * vs1;
-        if (bf16) {
-          std::memcpy(kbu + at, kr, D * sizeof(u16));
-          std::memcpy(vbu + at, vr, D * sizeof(u16));
-        } else {
-          for (int64_t i = 0; i < D; ++i) {
-            kc[at + i] = bf16_to_float(kr[i]);
-            vc[at + i] = bf16_to_float(vr[i]);
-          }
-        }
-      }
-    });
-    return {q_out, k_out};
+    rotate_rows(reinterpret_cast<const u16*>(q.data_ptr<at::BFloat16>()),
+                reinterpret_cast<const u16*>(k.data_ptr<at::BFloat16>()),
+                reinterpret_cast<const u16*>(v.data_ptr<at::BFloat16>()),
+                reinterpret_cast<const u16*>(cos.data_ptr<at::BFloat16>()),
+                reinterpret_cast<const u16*>(sin.data_ptr<at::BFloat16>()),
+                reinterpret_cast<u16*>(q_out.data_ptr<at::BFloat16>()),
+                reinterpret_cast<u16*>(k_out.data_ptr<at::BFloat16>()), rotate_bf16,
+                [&](int64_t at, const u16* kr, const u16* vr) {
+                  if (bf16) {
+                    std::memcpy(kbu + at, kr, D * sizeof(u16));
+                    std::memcpy(vbu + at, vr, D * sizeof(u16));
+                  } else {
+                    for (int64_t i = 0; i < D; ++i) {
+                      kc[at + i] = bf16_to_float(kr[i]);
+                      vc[at + i] = bf16_to_float(vr[i]);
+                    }
+                  }
+                });
+  } else {
+    rotate_rows(q.data_ptr<float>(), k.data_ptr<float>(), v.data_ptr<float>(),
+                cos.data_ptr<float>(), sin.data_ptr<float>(), q_out.data_ptr<float>(),
+                k_out.data_ptr<float>(), rotate,
+                [&](int64_t at, const float* kr, const float* vr) {
+                  if (bf16) {
+                    for (int64_t i = 0; i < D; ++i) {
+                      kb[at + i] = at::BFloat16(kr[i]);
+                      vb[at + i] = at::BFloat16(vr[i]);
+                    }
+                  } else {
+                    std::memcpy(kc + at, kr, D * sizeof(float));
+                    std::memcpy(vc + at, vr, D * sizeof(float));
+                  }
+                });
   }
-
-  const float *qp = q.data_ptr<float>(), *kp = k.data_ptr<float>(), *vp = v.data_ptr<float>();
-  const float *cp = cos.data_ptr<float>(), *snp = sin.data_ptr<float>();
-  float *qo = q_out.data_ptr<float>(), *ko = k_out.data_ptr<float>();
-  run_rows([&](int64_t t) {
-    const float *c = cp + t * D, *s = snp + t * D;
-    for (int64_t h = 0; h < H; ++h) rotate(qp + t * qs0 + h * qs1, c, s, qo + (t * H + h) * D, D);
-    for (int64_t h = 0; h < KVH; ++h) {
-      float* kr = ko + (t * KVH + h) * D;
-      rotate(kp + t * ks0 + h * ks1, c, s, kr, D);
-      if (sp[t] < 0) continue;
-      const int64_t at = (sp[t] * KVH + h) * D;
-      const float* vr = vp + t * vs0 + h * vs1;
-      if (bf16) {
-        for (int64_t i = 0; i < D; ++i) {
-          kb[at + i] = at::BFloat16(kr[i]);
-          vb[at + i] = at::BFloat16(vr[i]);
-        }
-      } else {
-        for (int64_t i = 0; i < D; ++i) {
-          kc[at + i] = kr[i];
-          vc[at + i] = vr[i];
-        }
-      }
-    }
-  });
   return {q_out, k_out};
 }
 
