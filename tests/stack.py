@@ -25,12 +25,20 @@ CHAT_TEMPLATE = (
 
 
 def chat_model(src: Path, dst: Path) -> Path:
-    """stories260K with a chat template added (it ships none), weights linked, not copied."""
+    """`src` served as a chat model from `dst`, its files linked, not copied. A model without a
+    chat template (stories260K ships none) gets CHAT_TEMPLATE; one with its own keeps it."""
     dst.mkdir(parents=True, exist_ok=True)
     for f in src.iterdir():
         if not (dst / f.name).exists():
             (dst / f.name).symlink_to(f)
-    (dst / "chat_template.jinja").write_text(CHAT_TEMPLATE)
+    config = src / "tokenizer_config.json"
+    if (src / "chat_template.jinja").is_file() or (
+        config.is_file() and "chat_template" in orjson.loads(config.read_bytes())
+    ):
+        return dst
+    template = dst / "chat_template.jinja"
+    template.unlink(missing_ok=True)  # a link would write the template into `src`
+    template.write_text(CHAT_TEMPLATE)
     return dst
 
 

@@ -174,3 +174,23 @@ def test_the_prefix_index_forgets_a_worker_that_leaves(pair: Pair) -> None:
     resp, worker, _ = _chat(pair, [{"role": "user", "content": "Still there?"}], None, 2)
     assert worker == "w1" and resp.choices[0].message.content is not None
     r.close()
+
+
+def test_chat_model_keeps_a_models_own_template_and_never_writes_into_it(
+    stories_dir: Path, tmp_path: Path
+) -> None:
+    # stories260K has no template: its served copy gets one, the source stays as it was
+    plain = chat_model(stories_dir, tmp_path / "stories-chat")
+    assert not (stories_dir / "chat_template.jinja").exists()
+    assert not (plain / "chat_template.jinja").is_symlink()
+    # a model with its own template (SmolLM2's) keeps it, also when linked a second time (a
+    # bench once wrote the test template through the link, into the user's model cache)
+    own = tmp_path / "own"
+    own.mkdir()
+    for f in stories_dir.iterdir():
+        (own / f.name).symlink_to(f)
+    (own / "chat_template.jinja").write_text("{{ messages[0]['content'] }}")
+    for _ in range(2):
+        served = chat_model(own, tmp_path / "own-chat")
+        assert (served / "chat_template.jinja").read_text() == "{{ messages[0]['content'] }}"
+    assert (own / "chat_template.jinja").read_text() == "{{ messages[0]['content'] }}"
