@@ -408,7 +408,8 @@ class LLMEngine:
         if not self._import_admissible():
             return None
         want = len(group.prompt_token_ids) - 1  # the last prompt token is computed here
-        cached = self.blocks.match_prefix(seq.request_id, group.prompt_token_ids)
+        # whole blocks only: the transfer fills every block from the first one not cached
+        cached = self.blocks.match_prefix(seq.request_id, group.prompt_token_ids, tails=False)
         table = self.blocks.allocate(seq.request_id, want)
         # room left for the running requests to grow: a block each, as their next tokens need
         # (an import that takes it would preempt them, and recompute them here)
@@ -664,6 +665,7 @@ class LLMEngine:
             "prefix_cache_query_tokens": self.blocks.query_tokens,
             "prefix_cache_hit_tokens": self.blocks.hit_tokens,
             "prefix_cached_blocks": self.blocks.num_cached_blocks,
+            "prefix_cached_tail_blocks": self.blocks.num_tail_blocks,
             "spec_proposed_tokens": self.spec.proposed if self.spec else 0,
             "spec_accepted_tokens": self.spec.accepted if self.spec else 0,
             "spec_verifications": self.spec.steps if self.spec else 0,

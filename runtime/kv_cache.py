@@ -16,8 +16,18 @@ all gone stay cached: they wait in an LRU list and are handed out again (evicted
 block that holds nothing reusable is left; a request's tail blocks are queued for eviction
 before its head blocks, which more prompts share.
 
+A request's partial last block is kept too when it ends (`free` given its computed tokens): the
+next turn of a conversation re-sends the previous prompt and reply and more, and would otherwise
+recompute those last tokens (half a block on average). A tail is keyed by the hash of the full
+blocks before it; a prompt whose full blocks match up to there and that holds all of the tail's
+tokens next takes the block over (it is no one else's: a tail is never shared) and computes
+from the tail's end. A prompt that shares only part of a tail does not take it, so a
+conversation's tail is not lost to another that starts the same way. Tails are local (the
+cluster's prefix index knows full blocks only) and are evicted like cached blocks.
+
     free, reusable nothing:  plain heap     (handed out first, lowest block id first)
-    free, still cached:      LRU dict       (least recently freed first; evicting drops the hash)
+    free, still cached:      LRU dict       (least recently freed first; evicting drops the hash
+                                             or the tail)
     in use:                  ref_count > 0  (a cached block may be in many tables)
 
 "No room" is a return value (`None`), never an exception. The manager holds only integers and
@@ -54,6 +64,10 @@ class BlockManager:
         self._cached: dict[bytes, int] = {}
         self._tables: dict[str, list[int]] = {}
         self._hashes: dict[str, list[bytes]] = {}  # per request: hashes of its full blocks
+        # partial last blocks of ended requests: parent hash (of the full blocks before the
+        # tail; the seed for a first block) -> {block: the tokens it holds}
+        self._tails: dict[bytes, dict[int, tuple[int, ...]]] = {}
+        self._tail_parent: dict[int, bytes] = {}  # tail block -> its key in _tails
         self.record_events = False  # queue cache events for drain_events (a worker publishes them)
         self._stored: list[bytes] = []  # cache events not yet drained
         self._evicted: list[bytes] = []
@@ -68,6 +82,11 @@ class BlockManager:
     def num_cached_blocks(self) -> int:
         return len(self._cached)
 
+    @property
+    def num_tail_blocks(self) -> int:
+        """Partial last blocks kept from ended requests (see the module docstring)."""
+        return len(self._tail_parent)
+
     def blocks_needed(self, request_id: str, num_tokens: int) -> int:
         """Extra blocks for the request to hold num_tokens tokens in all."""
         have = len(self._tables.get(request_id, ()))
@@ -76,8 +95,9 @@ class BlockManager:
     def can_allocate(self, request_id: str, num_tokens: int) -> bool:
         return self.blocks_needed(request_id, num_tokens) <= self.num_free_blocks
 
-    def match_prefix(self, request_id: str, token_ids: Sequence[int]) -> int:
-        """Give a request that holds no blocks the cached blocks of its longest cached prefix.
+    def match_prefix(self, request_id: str, token_ids: Sequence[int], tails: bool = True) -> int:
+        """Give a request that holds no blocks the cached blocks of its longest cached prefix,
+        and after them a kept partial block whose tokens the prompt continues (`tails`).
 
         Returns how many tokens they hold (the request's computed tokens). At least one token is
         always left to compute, since the last prompt token's logits are needed.
@@ -86,6 +106,7 @@ class BlockManager:
             raise ValueError(f"{request_id!r} already holds blocks")
         table: list[int] = []
         hashes: list[bytes] = []
+        hit = 0
         if self.caching:
             usable = (len(token_ids) - 1) // self.block_size * self.block_size
             extend_block_hashes(hashes, self.seed, token_ids[:usable], self.block_size)
@@ -99,11 +120,46 @@ class BlockManager:
                 if self._ref[block] == 0:
                     del self._lru[block]
                 self._ref[block] += 1
+            hit = len(table) * self.block_size
+            if tails and self._tails:
+                parent = hashes[-1] if hashes else self.seed
+                tail = self._take_tail(parent, token_ids, hit)
+                if tail is not None:
+                    table.append(tail[0])
+                    hit += tail[1]
             self.query_tokens += len(token_ids)
-            self.hit_tokens += len(table) * self.block_size
+            self.hit_tokens += hit
         self._tables[request_id] = table
         self._hashes[request_id] = hashes
-        return len(table) * self.block_size
+        return hit
+
+    def _take_tail(
+        self, parent: bytes, token_ids: Sequence[int], start: int
+    ) -> tuple[int, int] | None:
+        """The longest kept tail under `parent` whose tokens `token_ids` holds from `start` on
+        (leaving one to compute), taken off the cache for the caller: (block, its tokens)."""
+        tails = self._tails.get(parent)
+        if not tails:
+            return None
+        room = len(token_ids) - 1 - start
+        best, best_n = -1, 0
+        for block, tokens in tails.items():
+            n = len(tokens)
+            if best_n < n <= room and tuple(token_ids[start : start + n]) == tokens:
+                best, best_n = block, n
+        if best < 0:
+            return None
+        self._drop_tail(best)
+        del self._lru[best]
+        self._ref[best] = 1
+        return best, best_n
+
+    def _drop_tail(self, block: int) -> None:
+        parent = self._tail_parent.pop(block)
+        tails = self._tails[parent]
+        del tails[block]
+        if not tails:
+            del self._tails[parent]
 
     def allocate(self, request_id: str, num_tokens: int) -> list[int] | None:
         """Grow the request's table to hold num_tokens tokens. Returns its table, or None if no room."""
@@ -122,11 +178,13 @@ class BlockManager:
         else:
             block, _ = self._lru.popitem(last=False)
             h = self._hash[block]
-            assert h is not None
-            del self._cached[h]
-            self._hash[block] = None
-            if self.record_events:
-                self._evicted.append(h)
+            if h is None:
+                self._drop_tail(block)  # a kept partial block: local, no event
+            else:
+                del self._cached[h]
+                self._hash[block] = None
+                if self.record_events:
+                    self._evicted.append(h)
         self._ref[block] = 1
         return block
 
@@ -171,18 +229,32 @@ class BlockManager:
     def block_table(self, request_id: str) -> list[int]:
         return self._tables.get(request_id, [])
 
-    def free(self, request_id: str) -> int:
+    def free(self, request_id: str, computed: Sequence[int] | None = None) -> int:
         """Release the request's blocks; returns how many it held.
 
         Cached blocks that no other request uses stay cached, tail first in the eviction order.
+        `computed`: the request's computed tokens (whose keys and values its blocks hold); given,
+        a partial last block of them is kept for a prompt that continues them.
         """
         table = self._tables.pop(request_id, [])
-        self._hashes.pop(request_id, None)
+        hashes = self._hashes.pop(request_id, None)
+        tail, parent = -1, self.seed
+        tokens: tuple[int, ...] = ()
+        if computed is not None and self.caching and hashes is not None:
+            n_full, rest = divmod(len(computed), self.block_size)
+            if rest and n_full < len(table) and n_full <= len(hashes):
+                tail = table[n_full]
+                tokens = tuple(computed[n_full * self.block_size :])
+                parent = hashes[n_full - 1] if n_full else self.seed
         for block in reversed(table):
             self._ref[block] -= 1
             if self._ref[block] == 0:
                 if self._hash[block] is not None:
                     self._lru[block] = None
+                elif block == tail:
+                    self._lru[block] = None
+                    self._tails.setdefault(parent, {})[block] = tokens
+                    self._tail_parent[block] = parent
                 else:
                     heapq.heappush(self._plain, block)
         return len(table)

@@ -226,7 +226,7 @@ class Scheduler:
 
     def _preempt(self, req: Request) -> None:
         self.running.remove(req)
-        self.blocks.free(req.request_id)
+        self.blocks.free(req.request_id, req.all_token_ids[: req.num_computed_tokens])
         req.num_computed_tokens = 0
         req.num_preemptions += 1
         self.num_preemptions += 1
@@ -278,8 +278,8 @@ class Scheduler:
             self.waiting.remove(req)
         if req.hold_kv and status is not RequestStatus.FINISHED_ABORTED:
             self.held.add(request_id)  # the blocks stay until `release`
-        else:
-            self.blocks.free(request_id)
+        else:  # its partial last block is kept for a next turn that continues it
+            self.blocks.free(request_id, req.all_token_ids[: req.num_computed_tokens])
         req.status = status
         return req
 

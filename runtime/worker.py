@@ -570,6 +570,7 @@ async def _stats(request: web.Request) -> web.Response:
         "prefix_cache_query_tokens": s["prefix_cache_query_tokens"],
         "prefix_cache_hit_tokens": s["prefix_cache_hit_tokens"],
         "prefix_cached_blocks": s["prefix_cached_blocks"],
+        "prefix_cached_tail_blocks": s["prefix_cached_tail_blocks"],
         "spec_proposed_tokens": s["spec_proposed_tokens"],
         "spec_accepted_tokens": s["spec_accepted_tokens"],
         "spec_acceptance_rate": s["spec_accepted_tokens"] / max(1, s["spec_proposed_tokens"]),

@@ -75,6 +75,58 @@ def test_no_caching_when_disabled() -> None:
     assert m.match_prefix("b", list(range(12))) == 0 and m.drain_events() == ([], [])
 
 
+def test_a_next_turn_takes_the_partial_last_block_of_the_turn_before() -> None:
+    m = bm()
+    a = run(m, "a", list(range(10)))  # [0..3] [4..7] partial [8, 9]
+    m.free("a", list(range(10)))
+    assert m.num_tail_blocks == 1 and m.num_cached_blocks == 2
+    m.drain_events()
+    # the next turn holds all of a's tokens and more: a's three blocks, computed from token 10
+    assert m.match_prefix("b", [*range(10), 50, 51, 52, 53]) == 10
+    assert m.block_table("b") == a and m.num_tail_blocks == 0
+    assert m.drain_events() == ([], [])  # tails are local: no cache events
+    assert m.hit_tokens == 10
+    # b goes on writing into the block it took; once full it is cached like any other
+    assert m.allocate("b", 14) == [*a, m.block_table("b")[3]]
+    m.commit("b", [*range(10), 50, 51, 52, 53])
+    assert m.drain_events()[0] == block_hashes(SEED, [*range(10), 50, 51], B)[2:]
+
+
+def test_a_tail_goes_only_to_a_prompt_that_holds_all_of_it() -> None:
+    m = bm()
+    a = run(m, "a", list(range(11)))  # tail [8, 9, 10]
+    m.free("a", list(range(11)))
+    # shares 9 of the 11 tokens: the full blocks, not the tail (it stays for a's next turn)
+    assert m.match_prefix("b", [*range(9), 99, 98]) == 8 and m.num_tail_blocks == 1
+    # exactly a's tokens: the last one must be computed, so the tail does not fit either
+    assert m.match_prefix("c", list(range(11))) == 8 and m.num_tail_blocks == 1
+    assert m.match_prefix("d", list(range(11)), tails=False) == 8  # whole blocks only (KV imports)
+    assert m.match_prefix("e", list(range(12))) == 11 and m.block_table("e") == a
+    # of two tails under the same blocks, the longest that the prompt holds
+    m = bm()
+    run(m, "x", [0, 1, 2, 3, 7])
+    run(m, "y", [0, 1, 2, 3, 7, 8, 9])
+    m.free("x", [0, 1, 2, 3, 7])
+    m.free("y", [0, 1, 2, 3, 7, 8, 9])
+    assert m.num_tail_blocks == 2
+    assert m.match_prefix("z", [0, 1, 2, 3, 7, 8, 9, 5]) == 7 and m.num_tail_blocks == 1
+    assert m.match_prefix("w", [0, 1, 2, 3, 7, 5]) == 5 and m.num_tail_blocks == 0
+
+
+def test_tails_are_evicted_first_and_never_kept_without_caching() -> None:
+    m = bm(num_blocks=3)
+    run(m, "a", list(range(10)))
+    m.free("a", list(range(10)))
+    assert m.num_free_blocks == 3
+    assert m.allocate("x", 4) is not None  # a's tail goes first, with no event
+    assert m.num_tail_blocks == 0 and m.num_cached_blocks == 2
+    assert m.drain_events()[1] == []
+    m = BlockManager(8, B, seed=SEED, caching=False)
+    run(m, "a", list(range(10)))
+    m.free("a", list(range(10)))
+    assert m.num_tail_blocks == 0 and m.match_prefix("b", list(range(12))) == 0
+
+
 def test_hashes_depend_on_the_cache_identity() -> None:
     toks = list(range(8))
     assert block_hashes(cache_seed("m1"), toks, B) != block_hashes(cache_seed("m2"), toks, B)
@@ -118,7 +170,9 @@ def test_batch_with_shared_prefix_and_generated_blocks_are_reused(stories_dir: P
     # the next turn re-sends prompt + answer: the answer's blocks were cached while decoding
     follow = out.prompt_token_ids + out.outputs[0].token_ids + [261]
     again = llm.generate([follow], params)[0]
-    assert again.num_cached_tokens >= len(out.prompt_token_ids) + 40 - 16
+    # every token whose KV the first request computed (all but its last output), the partial
+    # last block included
+    assert again.num_cached_tokens == len(out.prompt_token_ids) + 40 - 1
     assert again.outputs[0].token_ids == plain.generate([follow], params)[0].outputs[0].token_ids
 
 
