@@ -22,7 +22,9 @@ handlers make safe). It ignores SIGINT and SIGTERM, which a terminal or a servic
 the whole process group: it exits when the pool's end of the socket closes, after the pool has
 stopped its workers. If it dies, the workers it forked keep running; the client then watches
 each through its pidfd (its exit code is unknown: -1). `returncode` follows
-asyncio.subprocess.Process: -N for a process killed by signal N.
+asyncio.subprocess.Process: -N for a process killed by signal N. `ps` shows each forked process
+as its own command (`edgeinfer worker --model ... --port ...`, secrets hidden; short name
+`ei-worker`) and the template as `edgeinfer zygote: ...` (runtime.proctitle).
 """
 
 from __future__ import annotations
@@ -39,11 +41,14 @@ import sys
 import time
 from typing import Any
 
+from runtime.proctitle import redact, set_title
+
 log = logging.getLogger("edgeinfer.zygote")
 
 MAX_MESSAGE = 1 << 20  # bytes of one message received (a SEQPACKET send takes ~200 KiB at most)
 READY_TIMEOUT_S = 300.0  # the template's imports (a first run compiles bytecode)
 SPAWN_TIMEOUT_S = 30.0  # for the template's answer to a spawn
+TITLE_ROOM = 400  # bytes of command line the template starts with, for its workers' titles
 
 
 # ---------------------------------------------------------------------------- the zygote
@@ -94,6 +99,8 @@ def _child(sock: socket.socket, sel: selectors.BaseSelector, wakeup: tuple[int, 
         os.environ.update(msg.get("env") or {})
         argv = [str(a) for a in msg["argv"]]
         sys.argv = ["edgeinfer", *argv]
+        # `ps` shows this worker's own command, not the template's (runtime.proctitle)
+        set_title(" ".join(redact(sys.argv)), f"ei-{argv[0]}" if argv else None)
         import torch
 
         torch.seed()  # not the template's generator state, shared by every fork
@@ -146,6 +153,8 @@ def serve(fd: int) -> int:
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     sock = socket.socket(fileno=fd)
+    set_title(f"edgeinfer zygote: a pool's warm worker template (parent {os.getppid()})",
+              "ei-zygote")  # fmt: skip
     t0 = time.perf_counter()
     preload()
     gc.freeze()  # the children share these objects' pages: no collection rewrites them
@@ -290,6 +299,7 @@ class ZygoteClient:
         try:
             self.proc = await asyncio.create_subprocess_exec(
                 sys.executable, "-m", "runtime.zygote", "--fd", str(theirs.fileno()),
+                "--title-room", "." * TITLE_ROOM,
                 pass_fds=[theirs.fileno()], stdin=asyncio.subprocess.DEVNULL,
             )  # fmt: skip
         except OSError as e:
@@ -456,6 +466,8 @@ def main(argv: list[str] | None = None) -> int:
 
     ap = argparse.ArgumentParser(description="edgeinfer's worker template (started by a pool)")
     ap.add_argument("--fd", type=int, required=True, help="the control socket's descriptor")
+    ap.add_argument("--title-room", default="",
+                    help="ignored: room in the command line for the forked workers' titles")  # fmt: skip
     return serve(ap.parse_args(argv).fd)
 
 

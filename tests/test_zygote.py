@@ -18,6 +18,7 @@ import orjson
 import pytest
 
 from runtime.pool_manager import Pool, PoolConfig
+from runtime.proctitle import redact
 from runtime.zygote import ForkedProcess, ZygoteClient, ZygoteError
 
 
@@ -122,6 +123,29 @@ def test_forked_commands_run_with_their_own_output_env_and_exit_code(
         assert zygote.proc is not None and zygote.proc.returncode == 0  # left when we closed
 
     asyncio.run(main())
+
+
+def test_ps_names_each_forked_worker_by_its_own_command(stories_dir: Path) -> None:
+    async def main() -> None:
+        async with _template() as zygote:
+            port = _free_port()
+            argv = [*_worker_argv(stories_dir, port), "--secret", "hidden-secret"]
+            p = await zygote.spawn(argv)
+            await _lines_until(p, " ready: ")
+            cmdline = Path(f"/proc/{p.pid}/cmdline").read_bytes().rstrip(b"\0").decode()
+            assert cmdline.startswith(f"edgeinfer worker --model {stories_dir} --no-redis "
+                                      f"--port {port} "), cmdline  # fmt: skip
+            assert cmdline.endswith("--secret ***") and "hidden" not in cmdline, cmdline
+            assert Path(f"/proc/{p.pid}/comm").read_text().strip() == "ei-worker"
+            assert zygote.proc is not None
+            template = Path(f"/proc/{zygote.proc.pid}/cmdline").read_bytes()
+            assert template.startswith(b"edgeinfer zygote: a pool's warm worker template")
+            assert Path(f"/proc/{zygote.proc.pid}/comm").read_text().strip() == "ei-zygote"
+            assert (await _generate(port, "hidden-secret"))[0] == 200  # the real one still works
+
+    asyncio.run(main())
+    assert redact(["gateway", "--api-key=k1", "--secret", "s", "--port", "1"]) == [
+        "gateway", "--api-key=***", "--secret", "***", "--port", "1"]  # fmt: skip
 
 
 def test_a_dead_template_leaves_its_workers_serving_and_watched(stories_dir: Path) -> None:
