@@ -32,9 +32,16 @@ is held back until it cannot be; on a match, `stop_matched` is set, the text end
 stop string (or after it with `include_stop_str_in_output`), and later appends return "".
 The one unbounded case: a model that emits a long run of byte tokens that never forms valid
 UTF-8 keeps that run in the window until it ends.
+
+`num_shown` counts the leading output tokens whose text has been returned, in part at least (a
+token's text starts where the text stood when it arrived). Tokens that only made a stop string
+that was cut, or nothing (a final end-of-sequence token), are never shown: per-token data such
+as logprobs, given for the first `num_shown` tokens, adds up to the text, as OpenAI's does.
 """
 
 from __future__ import annotations
+
+from collections import deque
 
 from runtime.tokenizer import Tokenizer
 
@@ -70,6 +77,8 @@ class IncrementalDetokenizer:
         self._emitted = 0  # length of the prefix of _decoded returned to the caller
         self.stop_matched: str | None = None  # the stop string that ended the text, if any
         self._done = False
+        self.num_shown = 0  # leading output tokens whose text was returned (see the docstring)
+        self._starts: deque[int] = deque()  # where each token not yet shown starts in _decoded
 
     @property
     def text(self) -> str:
@@ -85,12 +94,14 @@ class IncrementalDetokenizer:
         """Add one output token; return the text that is now safe to show (often "")."""
         if self._done:
             return ""
+        self._starts.append(len(self._decoded))
         if token_id in self._skip_ids:
+            self._show()
             return ""
         self._tokens.append(token_id)
         if token_id not in self._byte_ids:
             self._decode_window(final=False)
-        return self._release(final=False)
+        return self._show(self._release(final=False))
 
     def flush(self) -> str:
         """End of output: return everything still held back (an incomplete character decodes as
@@ -98,9 +109,16 @@ class IncrementalDetokenizer:
         if self._done:
             return ""
         self._decode_window(final=True)
-        out = self._release(final=True)
+        out = self._show(self._release(final=True))
         self._done = True
         return out
+
+    def _show(self, delta: str = "") -> str:
+        """Count the tokens whose text is out now; returns `delta`."""
+        while self._starts and self._starts[0] < self._emitted:
+            self._starts.popleft()
+            self.num_shown += 1
+        return delta
 
     # ----- internals -----------------------------------------------------------------------
 

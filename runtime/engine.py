@@ -567,6 +567,7 @@ class LLMEngine:
                 delta = detok.append(token)
                 out.delta_text += delta
                 out.text += delta
+                out.num_shown_tokens = detok.num_shown
                 if detok.stop_matched is not None:  # a stop string, maybe mid-draft
                     self.scheduler.finish(r.request.request_id, RequestStatus.FINISHED_STOPPED)
                     status, stop_reason = RequestStatus.FINISHED_STOPPED, detok.stop_matched
@@ -593,6 +594,7 @@ class LLMEngine:
             tail = group.detoks[i].flush()
             out.text += tail
             out.delta_text += tail
+            out.num_shown_tokens = group.detoks[i].num_shown
         out.finish_reason = status.value
         out.stop_reason = stop_reason
         self._seq_to_group.pop(group.seqs[i].request_id, None)
@@ -612,6 +614,7 @@ class LLMEngine:
                     finish_reason=o.finish_reason,
                     stop_reason=o.stop_reason,
                     logprobs=list(o.logprobs) if o.logprobs is not None else None,
+                    num_shown_tokens=o.num_shown_tokens,
                     delta_text=o.delta_text,
                     delta_token_ids=list(o.delta_token_ids),
                 )

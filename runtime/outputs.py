@@ -17,6 +17,9 @@ class CompletionOutput:
     finish_reason: str | None = None  # "stop" | "length" | "abort", once finished
     stop_reason: str | int | None = None  # the stop string or stop token that ended it
     logprobs: list[TokenLogprobs] | None = None  # one per generated token, when asked for
+    # leading tokens whose text is in `text` so far; the others made only a stop string that was
+    # cut, or no text (a final end-of-sequence token). The OpenAI API's logprobs stop there.
+    num_shown_tokens: int = 0
     delta_text: str = ""  # text added by the last step
     delta_token_ids: list[int] = field(default_factory=list)  # tokens added by the last step
 

@@ -376,12 +376,13 @@ async def _generate(request: web.Request) -> web.StreamResponse:
         )
         quiet.start()
         done: set[int] = set()
+        sent: dict[int, int] = {}  # per completion: logprobs sent so far
         async for out in stream:
             cached = out.num_cached_tokens
             times.arrival, times.scheduled = out.arrival_time, out.scheduled_time
             lines = []
             for o in out.outputs:
-                event = _delta(worker, o, done, tools)
+                event = _delta(worker, o, done, sent, tools)
                 if event is not None:
                     generated += len(event.token_ids)
                     lines.append(encode_event(event))
@@ -501,13 +502,21 @@ async def _submit(
 
 
 def _delta(
-    worker: Worker, o: CompletionOutput, done: set[int], tools: RequestTools | None
+    worker: Worker,
+    o: CompletionOutput,
+    done: set[int],
+    sent: dict[int, int],
+    tools: RequestTools | None,
 ) -> DeltaEvent | None:
     if o.index in done or (not o.delta_token_ids and not o.delta_text and not o.finished):
         return None
     if o.finished:
         done.add(o.index)
-    lps = o.logprobs[-len(o.delta_token_ids) :] if o.logprobs and o.delta_token_ids else None
+    # the logprobs of the tokens whose text is out: sent with that text, never for a cut stop
+    # string or a final end-of-sequence token (OpenAI's logprobs add up to the text)
+    first = sent.get(o.index, 0)
+    lps = o.logprobs[first : o.num_shown_tokens] if o.logprobs else None
+    sent[o.index] = max(first, o.num_shown_tokens)
     text, calls = o.delta_text, None
     if tools is not None:  # content and tool-call deltas
         text, calls = tools.delta(o.index, text, o.delta_token_ids, o.finished)

@@ -280,3 +280,36 @@ def test_stop_property_on_random_text(tok: Tokenizer) -> None:
             assert (got, detok.stop_matched) == (full[:at], stop), text
         else:
             assert (got, detok.stop_matched) == (full, None), text
+
+
+def test_tokens_shown_are_those_whose_text_is_out(tok: Tokenizer) -> None:
+    """num_shown: the leading tokens whose text was returned (what logprobs are given for)."""
+    output = tok.encode("there was a little girl", add_special_tokens=False)
+    assert tok.convert_ids_to_tokens(output)[:3] == ["▁there", "▁was", "▁a"]
+    # cut by a stop string: "there wa" is out, "▁a" and the rest made only the stop string
+    detok = IncrementalDetokenizer(tok, [BOS], stop=["s a lit"])
+    counts = []
+    for i in output:
+        detok.append(i)
+        counts.append(detok.num_shown)
+    assert detok.text == "there wa" and counts[-1] == 2
+    assert counts == sorted(counts)  # never taken back
+    # the same with the stop string kept: its tokens are shown too ("▁little" holds "lit")
+    detok = IncrementalDetokenizer(tok, [BOS], stop=["s a lit"], include_stop_str_in_output=True)
+    run(detok, output)
+    assert detok.text == "there was a lit"
+    assert "".join(tok.convert_ids_to_tokens(output[: detok.num_shown])) == "▁there▁was▁a▁little"
+    # a final end-of-sequence token adds no text: not shown; one followed by text is
+    detok = IncrementalDetokenizer(tok, [BOS])
+    run(detok, [*output, EOS])
+    assert detok.num_shown == len(output)
+    detok = IncrementalDetokenizer(tok, [BOS])
+    run(detok, [*output[:2], EOS, *output[2:]])
+    assert detok.num_shown == len(output) + 1
+    # a token held back (a possible stop prefix) is shown once its text is released
+    detok = IncrementalDetokenizer(tok, [BOS], stop=["was a dog"])
+    counts = [
+        (detok.append(i), detok.num_shown)[1]
+        for i in tok.encode("it was a cat", add_special_tokens=False)
+    ]
+    assert counts == [1, 2, 2, 4, 5]

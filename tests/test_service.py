@@ -234,6 +234,27 @@ def test_completion_matches_engine(cluster: Cluster, reference: LLM) -> None:
     assert resp.choices[0].text == want.outputs[0].text
 
 
+def test_logprobs_add_up_to_the_text_when_a_stop_string_cuts_it(
+    cluster: Cluster, reference: LLM
+) -> None:
+    prompt = "Once upon a time"
+    params = SamplingParams(max_tokens=20, temperature=0, logprobs=1, stop=[" was"])
+    want = reference.generate([prompt], params)[0].outputs[0]
+    assert want.text == ", there" and want.num_shown_tokens == 2 < len(want.token_ids)
+    want_lp = [lp.logprob for lp in (want.logprobs or [])[:2]]
+    kwargs = {"model": "stories", "prompt": prompt, "max_tokens": 20, "temperature": 0,
+              "logprobs": 1, "stop": [" was"]}  # fmt: skip
+    lp = cluster.client.completions.create(**kwargs).choices[0].logprobs  # type: ignore[call-overload]
+    assert lp is not None and lp.tokens == [",", " there"]  # not " was", cut from the text
+    assert lp.token_logprobs == pytest.approx(want_lp, abs=1e-4)
+    assert lp.text_offset == [0, 1]
+    chunks = list(cluster.client.completions.create(**kwargs, stream=True))  # type: ignore[call-overload]
+    streamed = [t for c in chunks if c.choices and c.choices[0].logprobs
+                for t in c.choices[0].logprobs.tokens or []]  # fmt: skip
+    assert streamed == [",", " there"]
+    assert "".join(c.choices[0].text for c in chunks if c.choices) == ", there"
+
+
 def test_n_completions_and_stop(cluster: Cluster, reference: LLM) -> None:
     params = SamplingParams(n=2, max_tokens=16, temperature=0.8, seed=5, stop=["."])
     want = reference.generate(["Once upon a time"], params)[0]
