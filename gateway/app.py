@@ -5,7 +5,10 @@
 Redis client, the HTTP session to workers, the registry refresh task and telemetry open and
 close in `cleanup_ctx`. `/metrics` serves the Prometheus text of the gateway's metrics (no API
 key needed: scrape it from inside the region). Every error, whichever phase raised it, leaves through `_errors` as an OpenAI
-error object with a 4xx/5xx status; a request never gets an HTML page or a hang.
+error object with a 4xx/5xx status; a request never gets an HTML page or a hang. The exception:
+a request aiohttp cannot parse (a request line or header over 8190 bytes, a control byte in a
+header) is answered by aiohttp itself, before any handler, with a plain-text 400; it is logged
+as one WARNING line, as is a body that stops decoding after the app refused it (`_ClientFaults`).
 """
 
 from __future__ import annotations
@@ -47,6 +50,25 @@ CATALOG = web.AppKey("catalog", RegionCatalog)
 VIEW = web.AppKey("view", ClusterView)
 PROXY = web.AppKey("proxy", Proxy)
 TELEMETRY = web.AppKey("telemetry", GatewayTelemetry)
+
+
+class _ClientFaults(logging.Filter):
+    """aiohttp logs a request it could not parse, and the undecodable rest of a body the app
+    already answered (it reads the rest before reusing the connection), as ERRORs with a
+    traceback: any client could fill the log with them. Each becomes one WARNING line."""
+
+    FAULTS = (aiohttp.http_exceptions.BadHttpMessage, web.RequestPayloadError)
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        exc = record.exc_info[1] if record.exc_info else None
+        if record.levelno > logging.WARNING and isinstance(exc, self.FAULTS):
+            record.msg, record.args = f"{record.getMessage()}: {type(exc).__name__}: {exc}", None
+            record.levelno, record.levelname = logging.WARNING, "WARNING"
+            record.exc_info, record.exc_text = None, None
+        return True
+
+
+_CLIENT_FAULTS = _ClientFaults()
 
 
 def _json(obj: Any, status: int = 200, headers: dict[str, str] | None = None) -> web.Response:
@@ -186,6 +208,7 @@ def make_app(
             f"(known: {', '.join(sorted(catalog.regions))})"
         )
     app = web.Application(middlewares=[_errors, _auth], client_max_size=config.max_body_bytes)
+    logging.getLogger("aiohttp.server").addFilter(_CLIENT_FAULTS)  # (once: the same filter)
     app[CONFIG] = config
     app[CATALOG] = catalog
     if telemetry is None:

@@ -7,6 +7,8 @@ parser's own (the bound accepted, one step past it refused).
 
 from __future__ import annotations
 
+import re
+from pathlib import Path
 from typing import Any
 
 import orjson
@@ -16,6 +18,8 @@ from gateway import errors
 from gateway.errors import APIError
 from gateway.openai_api import CHAT_FIELDS, COMPLETION_FIELDS, parse_chat, parse_completion
 from gateway.openapi import OPENAPI
+
+ROOT = Path(__file__).resolve().parents[1]
 
 CHAT = {"model": "m", "messages": [{"role": "user", "content": "hi"}]}
 COMPLETION = {"model": "m", "prompt": "hi"}
@@ -108,9 +112,16 @@ def test_spec_covers_endpoints_statuses_and_headers() -> None:
         "/readyz",
         "/openapi.json",
     }
+    # every status the gateway's code raises an APIError with, and those it passes on
+    raised = {
+        m
+        for f in (ROOT / "gateway").glob("*.py")
+        for m in re.findall(r"APIError\((\d{3})", f.read_text())
+    }
+    assert raised >= {"400", "408", "500", "502"}
     for path in ("/v1/chat/completions", "/v1/completions"):
         op = paths[path]["post"]
-        assert {"200", "400", "401", "404", "405", "413", "429", "503"} <= set(op["responses"])
+        assert raised | {"200", "401", "404", "405", "413", "429", "503"} <= set(op["responses"])
         assert set(op["responses"]["200"]["headers"]) == {
             "x-edgeinfer-worker",
             "x-edgeinfer-region",

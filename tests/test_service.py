@@ -372,6 +372,21 @@ def test_malformed_requests_get_openai_errors(cluster: Cluster) -> None:
     status, err = _raw(cluster, post + b"\r\nContent-Length: 1000", body)  # 1000 promised
     assert status == 408 and err["error"]["code"] == "request_timeout", err
     assert time.monotonic() - t0 < 8
+    # what aiohttp refuses before the app sees it: a plain-text 400 (not an OpenAI error)
+    import socket
+    import urllib.parse
+
+    url = urllib.parse.urlsplit(cluster.gateway.url)
+    for header in (b"x-session-affinity: " + b"a" * 10_000, b"x-session-affinity: a\x01b"):
+        with socket.create_connection((url.hostname, url.port), timeout=10) as sock:
+            sock.sendall(post + b"\r\n" + header + b"\r\nContent-Length: 2\r\n\r\n{}")
+            assert sock.recv(65536).startswith(b"HTTP/1.0 400 "), header[:40]
+    # none of these client faults (the bad gzip and deflate bodies, the unparsable headers)
+    # wrote a traceback into the gateway's log: one WARNING line each
+    time.sleep(0.5)
+    log = cluster.gateway.log.read_text(errors="replace")
+    assert "Traceback" not in log and "ERROR" not in log, log[-3000:]
+    assert log.count("WARNING") >= 2, log[-3000:]
 
 
 def test_idle_and_slow_header_connections_are_closed(cluster: Cluster) -> None:
