@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import subprocess
@@ -9,6 +10,7 @@ import sys
 import time
 import urllib.error
 import urllib.request
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -127,14 +129,25 @@ def start_worker(
         "4000000", "--heartbeat", "0.3", "--ttl", "1.5", "--drain-timeout", "20", *(extra or []),
     ]  # fmt: skip
     proc = _spawn(name, args, log_dir, port, f"http://127.0.0.1:{port}")
-    wait_until(
-        lambda: get_json(f"{proc.url}/internal/health", SECRET)[0] == 200,
-        120,
-        f"worker {name}",
-        proc,
-    )
-    proc.meta["worker_id"] = get_json(f"{proc.url}/internal/health", SECRET)[1]["worker_id"]
+    with _stopped_on_failure(proc):
+        wait_until(
+            lambda: get_json(f"{proc.url}/internal/health", SECRET)[0] == 200,
+            120,
+            f"worker {name}",
+            proc,
+        )
+        proc.meta["worker_id"] = get_json(f"{proc.url}/internal/health", SECRET)[1]["worker_id"]
     return proc
+
+
+@contextlib.contextmanager
+def _stopped_on_failure(proc: Proc) -> Iterator[None]:
+    """A process that never came up is not left running (its caller never got its handle)."""
+    try:
+        yield
+    except BaseException:
+        proc.kill()
+        raise
 
 
 def start_gateway(
@@ -151,7 +164,8 @@ def start_gateway(
         "--regions", str(catalog), *(extra or []),
     ]  # fmt: skip
     proc = _spawn(name, args, log_dir, port, f"http://127.0.0.1:{port}")
-    wait_until(lambda: get_json(f"{proc.url}/healthz")[0] == 200, 30, f"gateway {name}", proc)
+    with _stopped_on_failure(proc):
+        wait_until(lambda: get_json(f"{proc.url}/healthz")[0] == 200, 30, f"gateway {name}", proc)
     return proc
 
 
