@@ -559,11 +559,16 @@ class LLMEngine:
                 if r.finished is None and grammar.finished:  # only end-of-sequence could follow
                     self.scheduler.finish(r.request.request_id, RequestStatus.FINISHED_STOPPED)
                     r.finished = RequestStatus.FINISHED_STOPPED
+            # a stop token (end-of-sequence, or one of stop_token_ids) ends the request without
+            # its text, as vLLM does, unless include_stop_str_in_output
+            cut = len(r.new_tokens) - 1 if self._ends_on_stop_token(r) else -1
             for j, token in enumerate(r.new_tokens):  # several: accepted speculative drafts
                 out.token_ids.append(token)
                 out.delta_token_ids.append(token)
                 if out.logprobs is not None and lps is not None:
                     out.logprobs.append(lps[j])
+                if j == cut:
+                    continue  # (the last token: the loop ends as without a cut)
                 delta = detok.append(token)
                 out.delta_text += delta
                 out.text += delta
@@ -583,6 +588,16 @@ class LLMEngine:
             if status is not None:
                 self._finish_seq(group, i, status, stop_reason)
         return [self._emit(g) for g in touched.values()]
+
+    @staticmethod
+    def _ends_on_stop_token(r: StepResult) -> bool:
+        params = r.request.params
+        if r.finished is not RequestStatus.FINISHED_STOPPED or params.include_stop_str_in_output:
+            return False
+        last = r.new_tokens[-1]
+        return last in params.stop_token_ids or (
+            not params.ignore_eos and last in r.request.eos_token_ids
+        )
 
     def _finish_seq(
         self, group: RequestGroup, i: int, status: RequestStatus, stop_reason: str | int | None

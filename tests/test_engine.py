@@ -180,6 +180,13 @@ def test_stop_string_and_stop_token(stories_dir: Path, reference: list[list[int]
     )[0]
     assert out.outputs[0].token_ids == full.outputs[0].token_ids[:4]
     assert out.outputs[0].stop_reason == stop_tok
+    # the stop token's text is not output (as vLLM), unless include_stop_str_in_output
+    tok = llm.tokenizer
+    assert out.outputs[0].text == tok.decode(full.outputs[0].token_ids[:3])
+    kept = llm.generate("Once upon a time", SamplingParams(
+        temperature=0, max_tokens=40, stop_token_ids=[stop_tok], include_stop_str_in_output=True
+    ))[0].outputs[0]  # fmt: skip
+    assert kept.text == tok.decode(full.outputs[0].token_ids[:4]) != out.outputs[0].text
     assert llm.engine.blocks.num_free_blocks == llm.engine.blocks.num_blocks
 
 
