@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import ctypes
 import ctypes.util
+import re
 import sys
 from pathlib import Path
 
@@ -43,7 +44,8 @@ def _argv_area() -> tuple[int, int] | None:
 
 
 def redact(argv: list[str]) -> list[str]:
-    """`argv` with the value of each secret-bearing flag replaced."""
+    """`argv` with the value of each secret-bearing flag replaced, and the password of any URL
+    (`redis://:pw@host`)."""
     out, hide = [], False
     for a in argv:
         if hide:
@@ -55,8 +57,11 @@ def redact(argv: list[str]) -> list[str]:
         elif a.startswith(tuple(f"{f}=" for f in SECRET_FLAGS)):
             out.append(a.split("=", 1)[0] + "=***")
         else:
-            out.append(a)
+            out.append(_URL_PASSWORD.sub(r"\1***@", a))
     return out
+
+
+_URL_PASSWORD = re.compile(r"(://[^/@:]*:)[^/@]*@")
 
 
 def set_title(title: str, short: str | None = None) -> bool:

@@ -182,8 +182,8 @@ class Scheduler:
                 )
             n = min(req.num_tokens - req.num_computed_tokens, budget)
             if self.blocks.allocate(req.request_id, req.num_computed_tokens + n) is None:
-                if not held:
-                    self.blocks.free(req.request_id)  # the cached blocks stay cached
+                if not held:  # the cached blocks stay cached, and a tail it took is kept again
+                    self.blocks.free(req.request_id, req.all_token_ids[: req.num_computed_tokens])
                     req.num_computed_tokens = 0
                 if not self.running and self._unblock(budget):
                     continue  # nothing runs that would free blocks: room made, or another first
@@ -218,7 +218,7 @@ class Scheduler:
         if not holders:
             return False
         victim = holders[-1]
-        self.blocks.free(victim.request_id)
+        self.blocks.free(victim.request_id, victim.all_token_ids[: victim.num_computed_tokens])
         victim.num_computed_tokens = 0
         victim.num_preemptions += 1
         self.num_preemptions += 1

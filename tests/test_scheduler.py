@@ -246,3 +246,19 @@ def test_waiting_imports_holding_every_block_do_not_deadlock() -> None:
     assert finished == {"plain", "imp0", "imp1", "imp2", "imp3"}, finished
     assert not s.has_unfinished() and s.blocks.num_free_blocks == 8
     assert s.num_preemptions >= 1  # an import gave its blocks back, and recomputed its prompt
+
+
+def test_a_request_that_cannot_be_admitted_gives_back_the_tail_it_took() -> None:
+    s = sched(num_blocks=4, block_size=4, budget=64)
+    a = req("a", 6, max_tokens=1)
+    s.add(a)
+    sample_all(s, s.schedule())  # 6 prompt tokens computed, one sampled: a finishes
+    assert a.status is RequestStatus.FINISHED_LENGTH and s.blocks.num_tail_blocks == 1
+    # its next turn (a's tokens and more) takes the tail, but needs 5 blocks of the 4: it waits,
+    # and the tail it took goes back to the cache, not to the plain blocks
+    b = req("b", 17)
+    b.prompt_token_ids = [*a.all_token_ids[:6], *range(40, 51)]
+    s.add(b)
+    assert not s.schedule().scheduled
+    assert b.num_computed_tokens == 0 and s.blocks.num_tail_blocks == 1
+    assert s.blocks.num_free_blocks == 4

@@ -146,6 +146,8 @@ def test_ps_names_each_forked_worker_by_its_own_command(stories_dir: Path) -> No
     asyncio.run(main())
     assert redact(["gateway", "--api-key=k1", "--secret", "s", "--port", "1"]) == [
         "gateway", "--api-key=***", "--secret", "***", "--port", "1"]  # fmt: skip
+    assert redact(["--redis", "redis://:pw@h:6379/0", "--redis=rediss://u:p@h/1", "http://h:1/x"]) == [
+        "--redis", "redis://:***@h:6379/0", "--redis=rediss://u:***@h/1", "http://h:1/x"]  # fmt: skip
 
 
 def test_a_dead_template_leaves_its_workers_serving_and_watched(stories_dir: Path) -> None:
