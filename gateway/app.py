@@ -42,6 +42,7 @@ from gateway.regions import RegionCatalog
 from gateway.telemetry import GatewayTelemetry
 from kvstore.client import connect, stop_task
 from kvstore.telemetry import PROMETHEUS_CONTENT_TYPE, Telemetry, TelemetryConfig
+from runtime.lifeline import watch_lifeline
 
 log = logging.getLogger("edgeinfer.gateway")
 
@@ -263,5 +264,11 @@ async def serve(config: GatewayConfig) -> None:
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
+
+    def parent_gone() -> None:
+        log.warning("`edgeinfer up`, which started this gateway, is gone: stopping")
+        stop.set()
+
+    watch_lifeline(loop, parent_gone)
     await stop.wait()
     await runner.cleanup()

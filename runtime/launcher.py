@@ -88,6 +88,7 @@ def _interrupt(signum: int, frame: object) -> None:
 def up(args: argparse.Namespace) -> int:
     from kvstore.redis_server import LocalRedis
     from runtime.cli import _model_dir
+    from runtime.lifeline import Lifeline
 
     if args.workers < 1:
         raise SystemExit("edgeinfer: error: --workers must be at least 1")
@@ -101,7 +102,9 @@ def up(args: argparse.Namespace) -> int:
     signal.signal(signal.SIGTERM, _interrupt)
     model_dir = _model_dir(args.model)  # imports the default model on first use
     secret = os.environ.get("EDGEINFER_SECRET") or secrets.token_urlsafe(24)
-    env = os.environ | {"EDGEINFER_SECRET": secret, "PYTHONUNBUFFERED": "1"}
+    # the worker(s) and the gateway stop by themselves if this process is killed outright
+    lifeline = Lifeline()
+    env = os.environ | {"EDGEINFER_SECRET": secret, "PYTHONUNBUFFERED": "1"} | lifeline.env
     redis_url = args.redis or os.environ.get("EDGEINFER_REDIS")
     local_redis = None
     if redis_url is None:
@@ -132,6 +135,7 @@ def up(args: argparse.Namespace) -> int:
                 *_engine_flags(args),
             ],
             env=env,
+            pass_fds=lifeline.pass_fds,
         )
         for i, role in enumerate(roles)
     ]
@@ -139,7 +143,7 @@ def up(args: argparse.Namespace) -> int:
     gateway = subprocess.Popen(
         [*cli, "gateway", "--region", args.region, "--port", str(args.port), "--redis", redis_url,
          *keys],
-        env=env,
+        env=env, pass_fds=lifeline.pass_fds,
     )  # fmt: skip
     procs = [gateway, *workers]
     base = f"http://127.0.0.1:{args.port}"

@@ -44,6 +44,7 @@ from kvstore.demand import Demand, ModelStatus, PoolInfo
 from kvstore.protocol import WorkerInfo
 from kvstore.redis_server import find_free_port
 from kvstore.registry import Registry
+from runtime.lifeline import Lifeline
 from runtime.zygote import ForkedProcess, ZygoteClient, ZygoteError
 
 log = logging.getLogger("edgeinfer.pool")
@@ -179,6 +180,9 @@ class Pool:
         self._stop = asyncio.Event()
         self._tasks: set[asyncio.Task[None]] = set()
         self._zygote: asyncio.Task[ZygoteClient] | None = None
+        # every worker (forked or fresh) watches it: if this process dies, however, they drain
+        # and exit instead of serving on as orphans no pool stops (runtime.lifeline)
+        self.lifeline = Lifeline()
         self._zygote_started = 0.0  # monotonic time of the last attempt to start one
 
     # ------------------------------------------------------------------ main loop
@@ -267,7 +271,7 @@ class Pool:
             "--port", str(port), "--redis", cfg.redis_url, "--worker-id", worker_id,
             *cfg.worker_args,
         ]  # fmt: skip
-        env = {"EDGEINFER_SECRET": cfg.secret, "PYTHONUNBUFFERED": "1"}
+        env = {"EDGEINFER_SECRET": cfg.secret, "PYTHONUNBUFFERED": "1"} | self.lifeline.env
         t0 = time.monotonic()
         proc, how = await self._spawn_process(argv, env)
         m = Managed(worker_id, model, port, proc, t0)
@@ -282,10 +286,9 @@ class Pool:
         self._zygote_started = time.monotonic()
         self._zygote = asyncio.ensure_future(self._zygote_start())
 
-    @staticmethod
-    async def _zygote_start() -> ZygoteClient:
+    async def _zygote_start(self) -> ZygoteClient:
         try:
-            zygote = await ZygoteClient.start()
+            zygote = await ZygoteClient.start(pass_fds=self.lifeline.pass_fds)
         except ZygoteError as e:
             log.warning("worker template: %s; workers start as fresh processes", e)
             raise
@@ -320,6 +323,7 @@ class Pool:
         proc = await asyncio.create_subprocess_exec(
             sys.executable, "-m", "runtime.cli", *argv, env=os.environ | env,
             stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT,
+            pass_fds=self.lifeline.pass_fds,
         )  # fmt: skip
         return proc, "exec"
 

@@ -58,6 +58,7 @@ from kvstore.tokenizer_store import publish_tokenizer
 from runtime.async_engine import AsyncLLM, EngineDeadError, RequestStream
 from runtime.disagg import IMPORT_WAIT_S, KVCacheFullError, KVImporter, export_server
 from runtime.engine import Prompt
+from runtime.lifeline import watch_lifeline
 from runtime.outputs import CompletionOutput
 from runtime.sampler import TokenLogprobs
 from runtime.sampling_params import InvalidRequestError, SamplingParams
@@ -672,6 +673,11 @@ async def _registration(app: web.Application) -> AsyncIterator[None]:
         await redis.aclose()
 
 
+def _parent_gone(stop: asyncio.Event) -> None:
+    log.warning("the pool or `edgeinfer up` that started this worker is gone: draining, exiting")
+    stop.set()
+
+
 def _watch_ranks(llm: AsyncLLM, loop: asyncio.AbstractEventLoop) -> asyncio.Event:
     """Set when a rank of a split model dies (never, for a model on one rank)."""
     event = asyncio.Event()
@@ -715,30 +721,34 @@ async def serve(
         make_app(worker), handler_cancellation=True, access_log=None, shutdown_timeout=5.0
     )
     await runner.setup()
-    site = web.TCPSite(runner, config.host, config.port)
-    await site.start()
-    # The serving side's objects (the app, clients, telemetry) live as long as the process, as
-    # the engine's do (frozen by the CLI): out of the collector's sight, so a full collection
-    # scans only what requests made (no collect first: it would delay the first request)
-    gc.freeze()
-    stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, stop.set)
-    rank_failure = _watch_ranks(llm, loop)
-    print(
-        f"worker {config.worker_id} ready: model {config.model_name!r}, region {config.region}, "
-        f"role {config.role}, {config.url}, kv transfer on {worker.kv_addr}",
-        flush=True,
-    )
-    stopped = asyncio.create_task(stop.wait())
-    failed = asyncio.create_task(rank_failure.wait())
-    await asyncio.wait([stopped, failed], return_when=asyncio.FIRST_COMPLETED)
-    if failed.done():
-        await _exit_on_rank_failure(worker, runner, llm)
-    failed.cancel()
-    log.warning("stopping: draining %d in-flight requests", llm.num_open_streams)
-    await worker.drain()
-    await runner.cleanup()
+    try:  # whatever ends this (an error included), the app's cleanup stops its tasks
+        site = web.TCPSite(runner, config.host, config.port)
+        await site.start()
+        # The serving side's objects (the app, clients, telemetry) live as long as the process,
+        # as the engine's do (frozen by the CLI): out of the collector's sight, so a full
+        # collection scans only what requests made (no collect first: it would delay the first
+        # request)
+        gc.freeze()
+        stop = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, stop.set)
+        watch_lifeline(loop, lambda: _parent_gone(stop))
+        rank_failure = _watch_ranks(llm, loop)
+        # (an output nobody reads any more, its pool gone, must not stop the worker here)
+        with contextlib.suppress(OSError):
+            print(f"worker {config.worker_id} ready: model {config.model_name!r}, region "
+                  f"{config.region}, role {config.role}, {config.url}, kv transfer on "
+                  f"{worker.kv_addr}", flush=True)  # fmt: skip
+        stopped = asyncio.create_task(stop.wait())
+        failed = asyncio.create_task(rank_failure.wait())
+        await asyncio.wait([stopped, failed], return_when=asyncio.FIRST_COMPLETED)
+        if failed.done():
+            await _exit_on_rank_failure(worker, runner, llm)
+        failed.cancel()
+        log.warning("stopping: draining %d in-flight requests", llm.num_open_streams)
+        await worker.drain()
+    finally:
+        await runner.cleanup()
     llm.shutdown()
     worker.telemetry.tel.shutdown()  # flush spans and metrics still buffered

@@ -291,8 +291,12 @@ class ZygoteClient:
         return self._sock is not None
 
     @classmethod
-    async def start(cls, timeout_s: float = READY_TIMEOUT_S) -> ZygoteClient:
-        """Spawn the zygote and wait until its imports are done (ZygoteError if it fails)."""
+    async def start(
+        cls, timeout_s: float = READY_TIMEOUT_S, pass_fds: tuple[int, ...] = ()
+    ) -> ZygoteClient:
+        """Spawn the zygote and wait until its imports are done (ZygoteError if it fails).
+        `pass_fds`: descriptors it keeps open, which every process it forks inherits (a pool's
+        lifeline: runtime.lifeline)."""
         self = cls()
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         ours.setblocking(False)
@@ -300,7 +304,7 @@ class ZygoteClient:
             self.proc = await asyncio.create_subprocess_exec(
                 sys.executable, "-m", "runtime.zygote", "--fd", str(theirs.fileno()),
                 "--title-room", "." * TITLE_ROOM,
-                pass_fds=[theirs.fileno()], stdin=asyncio.subprocess.DEVNULL,
+                pass_fds=[theirs.fileno(), *pass_fds], stdin=asyncio.subprocess.DEVNULL,
             )  # fmt: skip
         except OSError as e:
             ours.close()

@@ -5,6 +5,8 @@ official `openai` client."""
 from __future__ import annotations
 
 import os
+import re
+import signal
 import subprocess
 import sys
 import time
@@ -282,3 +284,44 @@ def test_a_worker_that_dies_leaves_the_registry_at_once(redis_server) -> None:  
         await redis_.aclose()
 
     asyncio.run(main())
+
+
+@pytest.mark.parametrize("spawn", ["fork", "exec"])
+def test_workers_outlive_no_pool_that_was_killed(
+    tmp_path: Path, stories_dir: Path, redis_server, spawn: str  # type: ignore[no-untyped-def]
+) -> None:
+    """A pool killed outright (SIGKILL: no chance to stop its workers) takes them down anyway:
+    each watches the pool's lifeline (runtime.lifeline), drains and exits, forked from the
+    template or started fresh; none serves on as an orphan nothing would stop."""
+    extra = ["--min-workers", "1", "--worker-args", WORKER_ARGS]
+    pool = start_pool("pool", redis_server.url, tmp_path, f"stories={stories_dir}",
+                      extra + (["--no-zygote"] if spawn == "exec" else []))  # fmt: skip
+    pid = 0
+    try:
+
+        def started() -> bool:
+            nonlocal pid
+            found = re.search(r"start \S+ for stories \(.*\): pid (\d+) \((\w+)\)", pool.tail(200))
+            if found:
+                assert found.group(2) == spawn, pool.tail()
+                pid = int(found.group(1))
+            return bool(found) and "ready" in pool.tail(200)
+
+        wait_until(started, 120, "the pool's first worker", pool)
+        os.kill(pool.popen.pid, signal.SIGKILL)
+        pool.popen.wait()
+        # the worker drains (nothing in flight) and exits: gone within its drain timeout
+        wait_until(lambda: not _alive(pid), 30, f"worker {pid} to exit after its pool died")
+    finally:
+        pool.kill()
+        if pid and _alive(pid):
+            os.kill(pid, signal.SIGKILL)
+
+
+def _alive(pid: int) -> bool:
+    """Running (not exited, nor a zombie waiting to be reaped)."""
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except FileNotFoundError:
+        return False
+    return state != "Z"

@@ -95,3 +95,28 @@ def test_up_passes_every_engine_option_to_its_workers() -> None:
     assert engine_kwargs(worker) == engine_kwargs(up)
     assert engine_kwargs(up) != engine_kwargs(parser.parse_args(["up"]))
     assert _engine_flags(parser.parse_args(["up"])) == []  # defaults: the worker's own
+
+
+def test_up_killed_outright_leaves_no_worker_or_gateway_serving(
+    tmp_path: Path, stories_dir: Path
+) -> None:
+    """SIGKILL gives `up` no chance to stop its children: they watch its lifeline
+    (runtime.lifeline), and the worker drains and the gateway stops by themselves."""
+    port, worker_port = find_free_port(), find_free_port()
+    env = {k: v for k, v in os.environ.items() if not k.startswith("EDGEINFER_")}
+    log = tmp_path / "up.log"
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "runtime.cli", "up", "--model", str(stories_dir), "--port",
+         str(port), "--worker-port", str(worker_port), "--threads", "1", "--kv-cache-bytes",
+         "4000000"],
+        cwd=ROOT, env=env | {"PYTHONUNBUFFERED": "1"}, stdout=log.open("wb"),
+        stderr=subprocess.STDOUT, start_new_session=True,
+    )  # fmt: skip
+    try:
+        wait_until(lambda: "edgeinfer is up" in log.read_text(), 90, "the stack")
+        proc.kill()
+        proc.wait()
+        wait_until(lambda: not _port_open(port) and not _port_open(worker_port), 30,
+                   "the gateway and the worker to stop after `up` was killed")  # fmt: skip
+    finally:
+        os.killpg(proc.pid, signal.SIGKILL)  # (redis-server, and whatever did not stop)
