@@ -88,6 +88,10 @@ class Call:
     disaggregated: bool = False  # prefill runs on a prefill worker, decode on `worker`
     prefill: WorkerInfo | None = None  # the prefill worker of the current attempt, if any
     tried_prefill: set[str] = field(default_factory=set)  # prefill workers that failed it
+    # decode workers that refused the prompt's KV import (no room within their wait), and
+    # those that then take it whole: when no other worker is left (route_or_hold)
+    import_full: set[str] = field(default_factory=set)
+    whole: set[str] = field(default_factory=set)
     held_s: float = 0.0  # seconds waited for a pool to start a worker (scale from zero)
     operation: str = ""  # gen_ai.operation.name: chat | text_completion
     span: Span | None = None  # the request's root span (a no-op one when nothing records)
@@ -226,12 +230,18 @@ class Proxy:
         last: APIError | None = None
         router = self.view.router
         for _ in range(self.config.max_attempts):
+            live = [w for w in self.view.live_workers() if w.model == call.gen.model]
+            if call.import_full and all(w.worker_id in call.tried for w in live):
+                # no worker is left but those that had no KV room to import the prompt: they
+                # take it whole instead (computed there, queued like any request), not a 503
+                call.tried -= call.import_full
+                call.whole |= call.import_full
+                call.import_full.clear()
             # per attempt: once the last decode (or prefill) worker has failed, the side left
             # serves whole requests, and a retry goes there
             call.roles, call.disaggregated = router.serving_roles(
-                call.gen.model, [w for w in self.view.live_workers()
-                                 if w.worker_id not in call.tried]
-            )  # fmt: skip
+                call.gen.model, [w for w in live if w.worker_id not in call.tried]
+            )
             if last is not None:
                 call.route_started = time.perf_counter()
             worker = await self.route_or_hold(call, last)
@@ -272,6 +282,8 @@ class Proxy:
                     if e.dead:
                         self.view.mark_failed(worker.worker_id)
                     call.tried.add(worker.worker_id)
+                    if e.error.code == "kv_cache_full" and call.gen.kv_source is not None:
+                        call.import_full.add(worker.worker_id)
                 last = e.error
                 log.warning(
                     "request %s: worker %s failed: %s", call.request_id, failed.worker_id, e
@@ -290,7 +302,7 @@ class Proxy:
         against it while in flight."""
         assert call.gen is not None
         call.prefill, call.gen.kv_source = None, None
-        if not call.disaggregated or worker.role == "prefill":
+        if not call.disaggregated or worker.role == "prefill" or worker.worker_id in call.whole:
             return 0
         uncached = call.prompt_tokens - call.cached.get(worker.worker_id, 0)
         if call.prompt_tokens and uncached < self.config.disagg_min_tokens:

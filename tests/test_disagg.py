@@ -346,3 +346,55 @@ def test_killed_prefill_worker_costs_a_retry_not_the_request(split: Split, refer
     assert "x-edgeinfer-prefill-worker" not in headers
     _settled(split.decode)
     assert "cannot reach the prefill worker" in split.gateway.tail(200)
+
+
+def test_no_room_to_import_and_no_prefill_worker_left_the_decode_worker_computes_it(
+    tmp_path: Path, stories_dir: Path, reference: LLM
+) -> None:
+    """The decode worker has no KV room for a prompt's import (long requests hold its blocks)
+    and refuses it (kv_cache_full); the prefill worker, still listed, is dead. With no other
+    worker left, the request goes to the decode worker whole, where it queues until blocks
+    free, and is answered: not a 503 (found by a fault-injection review)."""
+    (tmp_path / "regions.yaml").write_text(CATALOG)
+    ids = reference.tokenizer.encode(STORY * 12)
+    held, split = ids[:300], ids[7:427]  # below and above --disagg-min-tokens; no common prefix
+    with LocalRedis() as redis:
+        fast = ["--heartbeat", "0.3", "--ttl", "3"]
+        prefill = start_worker("prefill", stories_dir, redis.url, tmp_path,
+                               extra=["--role", "prefill", *fast])  # fmt: skip
+        # ~80 blocks of 16 tokens: four 300-token prompts take 76 of them at once
+        decode = start_worker("decode", stories_dir, redis.url, tmp_path,
+                              extra=["--role", "decode", "--kv-cache-bytes", "1650000",
+                                     "--kv-import-wait", "0.1", *fast])  # fmt: skip
+        gateway = start_gateway("gw", redis.url, tmp_path / "regions.yaml", tmp_path,
+                                extra=["--disagg-min-tokens", "400"])  # fmt: skip
+        client = openai.OpenAI(base_url=f"{gateway.url}/v1", api_key="x", max_retries=0,
+                               timeout=60)  # fmt: skip
+        try:
+            wait_until(lambda: get_json(f"{gateway.url}/readyz")[1]["workers"] == 2, 30, "workers")
+            assert worker_stats(decode)["total_kv_blocks"] < 90
+
+            def hold(_: int) -> str:  # computed on the decode worker itself (short of 400)
+                return client.completions.create(
+                    model="stories", prompt=held, max_tokens=200, temperature=0,
+                    extra_body={"ignore_eos": True},
+                ).choices[0].text  # fmt: skip
+
+            with concurrent.futures.ThreadPoolExecutor(4) as pool:
+                holders = [pool.submit(hold, i) for i in range(4)]
+                wait_until(lambda: worker_stats(decode)["free_kv_blocks"] < 27, 30,
+                           "the decode worker's KV cache to fill")  # fmt: skip
+                prefill.kill()  # listed until its entry expires: the next prompt is split
+                answer = client.completions.create(
+                    model="stories", prompt=split, max_tokens=24, temperature=0
+                )
+                text = answer.choices[0].text
+                assert all(f.result() for f in holders)
+        finally:
+            gateway.stop()
+            decode.stop()
+            prefill.stop()
+    log = gateway.log.read_text()
+    assert "no KV room" in log, log[-3000:]  # the case under test did happen
+    want = reference.generate([split], SamplingParams(max_tokens=24, temperature=0.0))
+    assert text == want[0].outputs[0].text
