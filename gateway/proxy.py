@@ -385,6 +385,14 @@ class Proxy:
                         status.retry_after(),
                         "worker_start_failed",
                     )
+                if time.time() >= deadline and status is not None and status.state == "full":
+                    raise unavailable(
+                        f"no worker for model {model!r} could start in region {region} within "
+                        f"{self.config.hold_timeout_s:.0f}s: every worker its pool may run "
+                        "(--max-workers) is busy serving other models",
+                        self.config.retry_after_s,
+                        "pool_full",
+                    )
                 if time.time() >= deadline:
                     raise unavailable(
                         f"no worker for model {model!r} was ready within "

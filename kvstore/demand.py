@@ -96,7 +96,7 @@ class PoolInfo:
 class ModelStatus:
     """What a pool last did about a model in its region (published for waiting gateways)."""
 
-    state: str  # "starting" | "ready" | "failed"
+    state: str  # "starting" | "ready" | "failed" | "full" (every process slot busy)
     pool_id: str
     error: str = ""  # why the last start failed
     attempts: int = 0  # failed starts in a row

@@ -11,7 +11,10 @@ worker (kvstore/demand.py), and for each model decides (`decide`, a pure functio
 - scale up: every worker of the model is queueing (requests waiting behind full batches) for
   `scale_up_after_s`: start one more, one start in flight per model at a time;
 - scale down: one of our workers has had nothing to do for `idle_s`: SIGTERM it (it drains);
-- never fewer than `min_workers` per model, never more than `max_workers` processes in all.
+- never fewer than `min_workers` per model, never more than `max_workers` processes in all;
+- make room: a model that must scale from zero while every process slot is taken gets one by
+  stopping the longest-idle worker of another model (`make_room`); with none idle, the model's
+  status says `full`, which waiting gateways pass on (503 `pool_full`).
 
 Starts are claimed in Redis first (kvstore.demand.Demand.claim_start), so the pools of one
 region together start one worker per model at a time, not one each.
@@ -115,6 +118,7 @@ class ModelState:
     queueing_since: float = 0.0  # when its workers started queueing (0: not queueing)
     failures: int = 0  # failed starts in a row
     retry_at: float = 0.0  # no start before this (backoff after failures)
+    full: bool = False  # it waits for a process slot that no idle worker can free ("full")
 
 
 @dataclass(slots=True)
@@ -169,6 +173,38 @@ def decide(
         if idle_for >= cfg.idle_s and now - m.ready >= cfg.idle_s:
             return Decision(stop=[m.worker_id], why=f"idle for {idle_for:.0f}s")
     return Decision()
+
+
+def needs_room(cfg: PoolConfig, state: ModelState, ours: list[Managed],
+               registered: list[WorkerInfo], waiting: int, room: int, now: float) -> bool:  # fmt: skip
+    """Whether the model would scale from zero now (requests wait, nothing serves or starts)
+    but for the pool's process slots, all taken."""
+    serving = [w for w in registered if not w.draining]
+    active = [m for m in ours if not m.stopping]
+    return bool(waiting) and room <= 0 and not serving and not active and now >= state.retry_at
+
+
+def make_room(
+    cfg: PoolConfig, managed: list[Managed], registered: list[WorkerInfo], model: str, wall: float
+) -> str | None:
+    """The worker to stop so that `model` can start: the longest idle of another model's ready
+    workers with nothing running or queued, above that model's minimum; None if none is."""
+    by_id = {w.worker_id: w for w in registered}
+    counts: dict[str, int] = {}
+    for m in managed:
+        if not m.stopping:
+            counts[m.model] = counts.get(m.model, 0) + 1
+    best, best_idle = None, -1.0
+    for m in managed:
+        w = by_id.get(m.worker_id)
+        if m.model == model or m.stopping or not m.ready or w is None or w.running or w.waiting:
+            continue
+        if counts[m.model] <= cfg.min_workers:
+            continue
+        idle = wall - max(w.last_active_at, w.started_at)
+        if idle > best_idle:
+            best, best_idle = m.worker_id, idle
+    return best
 
 
 class Pool:
@@ -258,6 +294,18 @@ class Pool:
             for wid in d.stop:
                 await self._request_stop(self.managed[wid], d.why)
                 state.settled_at = now
+            if not d.start and needs_room(cfg, state, ours, mine, waiting, room, now):
+                victim = make_room(cfg, list(self.managed.values()), registered, model, wall)
+                if victim is not None:  # its slot frees once it drained: the next tick starts
+                    stopped = self.managed[victim]
+                    # a scale-down: its model's past demand is spent (or it would take the slot)
+                    self.states[stopped.model].settled_at = now
+                    await self._request_stop(stopped, f"making room for {model} ({waiting} waiting)")
+                elif not state.full:
+                    state.full = True
+                    await self._status(model, ModelStatus("full", cfg.pool_id))
+            elif state.full and (d.start or not waiting):
+                state.full = False
 
     # ------------------------------------------------------------------ processes
     async def _start(self, model: str, why: str) -> None:

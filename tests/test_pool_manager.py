@@ -19,7 +19,15 @@ import redis
 
 from kvstore.protocol import WorkerInfo
 from kvstore.redis_server import LocalRedis
-from runtime.pool_manager import Decision, Managed, ModelState, PoolConfig, decide
+from runtime.pool_manager import (
+    Decision,
+    Managed,
+    ModelState,
+    PoolConfig,
+    decide,
+    make_room,
+    needs_room,
+)
 from tests.stack import ROOT, chat_model, get_json, start_gateway, start_pool, wait_until
 
 CATALOG = "regions:\n  - {name: local, latitude: 50.11, longitude: 8.68, settings: {}}\n"
@@ -104,6 +112,27 @@ def test_decide_stops_an_idle_worker_and_never_a_busy_one() -> None:
     assert decide(cfg, state, ours, infos, waiting=0, room=1, now=60.0, wall=60.0).stop == ["w2"]
     # requests held at a gateway: nothing stops
     assert decide(cfg, state, ours, infos, waiting=1, room=1, now=60.0, wall=60.0) == Decision()
+
+
+def test_a_model_waiting_for_a_slot_gets_the_longest_idle_worker_of_another() -> None:
+    cfg = _cfg(models={"a": "/x", "b": "/y"}, max_workers=2)
+
+    def m(wid: str, model: str, stopping: float = 0.0) -> Managed:
+        return Managed(wid, model, 0, proc=None, started=0.0, ready=1.0, stopping=stopping)  # type: ignore[arg-type]
+
+    ours = [m("a1", "a"), m("a2", "a")]
+    reg = [_info("a1", model="a", last_active_at=90.0), _info("a2", model="a", last_active_at=50.0)]
+    # b has requests waiting, nothing serving it, and no slot left: it needs room
+    assert needs_room(cfg, ModelState(), [], [], waiting=2, room=0, now=10.0)
+    assert not needs_room(cfg, ModelState(), [], [], waiting=0, room=0, now=10.0)
+    assert not needs_room(cfg, ModelState(), [], [], waiting=2, room=1, now=10.0)  # decide starts
+    assert make_room(cfg, ours, reg, "b", wall=100.0) == "a2"  # idle 50 s against 10 s
+    # a worker with work, or one already stopping, or at its model's minimum, is never taken
+    busy = [_info("a1", model="a", running=1), _info("a2", model="a", waiting=1)]
+    assert make_room(cfg, ours, busy, "b", wall=100.0) is None
+    assert make_room(cfg, [m("a1", "a"), m("a2", "a", stopping=5.0)], reg, "b", 100.0) == "a1"
+    keep_two = _cfg(models={"a": "/x", "b": "/y"}, min_workers=2, max_workers=4)
+    assert make_room(keep_two, ours, reg, "b", 100.0) is None
 
 
 def test_pool_config_rejects_impossible_limits() -> None:
@@ -288,7 +317,10 @@ def test_a_worker_that_dies_leaves_the_registry_at_once(redis_server) -> None:  
 
 @pytest.mark.parametrize("spawn", ["fork", "exec"])
 def test_workers_outlive_no_pool_that_was_killed(
-    tmp_path: Path, stories_dir: Path, redis_server, spawn: str  # type: ignore[no-untyped-def]
+    tmp_path: Path,
+    stories_dir: Path,
+    redis_server,
+    spawn: str,  # type: ignore[no-untyped-def]
 ) -> None:
     """A pool killed outright (SIGKILL: no chance to stop its workers) takes them down anyway:
     each watches the pool's lifeline (runtime.lifeline), drains and exits, forked from the
@@ -325,3 +357,31 @@ def _alive(pid: int) -> bool:
     except FileNotFoundError:
         return False
     return state != "Z"
+
+
+def test_a_full_pool_stops_an_idle_worker_for_a_model_that_waits(
+    tmp_path: Path,
+    stories_dir: Path,
+    redis_server,  # type: ignore[no-untyped-def]
+) -> None:
+    """--max-workers 1 and two models: a request for the second, while the first's worker idles,
+    is held while the pool stops that worker and starts one for it; then answered."""
+    (tmp_path / "regions.yaml").write_text(CATALOG)
+    pool = start_pool("pool", redis_server.url, tmp_path,
+                      f"one={stories_dir},two={stories_dir}",
+                      ["--max-workers", "1", "--idle", "300", "--worker-args", WORKER_ARGS])  # fmt: skip
+    gateway = start_gateway("gw", redis_server.url, tmp_path / "regions.yaml", tmp_path, "local",
+                            ["--hold-timeout", "60"])  # fmt: skip
+    try:
+        wait_until(lambda: get_json(f"{gateway.url}/readyz")[1]["pools"] == 1, 30, "the pool")
+        client = openai.OpenAI(base_url=f"{gateway.url}/v1", api_key="x", max_retries=0,
+                               timeout=90)  # fmt: skip
+        for model in ("one", "two"):
+            raw = client.completions.with_raw_response.create(
+                model=model, prompt="Once upon a time", max_tokens=4
+            )
+            assert raw.parse().choices[0].text and raw.headers["x-edgeinfer-route"] == "cold_start"
+        assert "making room for two (1 waiting)" in pool.tail(200), pool.tail()
+    finally:
+        gateway.stop()
+        pool.stop()
