@@ -17,6 +17,7 @@ from pathlib import Path
 import orjson
 
 from kvstore.redis_server import find_free_port
+from runtime.lifeline import Lifeline
 
 ROOT = Path(__file__).resolve().parents[1]
 SECRET = "test-secret"
@@ -102,15 +103,21 @@ def wait_until(check, timeout: float, what: str, proc: Proc | None = None) -> No
 
 def _spawn(name: str, args: list[str], log_dir: Path, port: int, url: str) -> Proc:
     log = log_dir / f"{name}.log"
-    env = os.environ | {"EDGEINFER_SECRET": SECRET, "PYTHONUNBUFFERED": "1"}
+    env = os.environ | {"EDGEINFER_SECRET": SECRET, "PYTHONUNBUFFERED": "1"} | _LIFELINE.env
     popen = subprocess.Popen(
         [sys.executable, "-m", "runtime.cli", *args],
         cwd=ROOT,
         env=env,
         stdout=log.open("wb"),
         stderr=subprocess.STDOUT,
+        pass_fds=_LIFELINE.pass_fds,
     )
     return Proc(name, popen, url, log, port)
+
+
+# Workers and gateways started here stop by themselves if this process dies without stopping
+# them (a test run killed, a script that crashed): no orphan keeps a port and a core.
+_LIFELINE = Lifeline()
 
 
 def start_worker(
