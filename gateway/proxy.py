@@ -89,7 +89,7 @@ class Call:
     prefill: WorkerInfo | None = None  # the prefill worker of the current attempt, if any
     tried_prefill: set[str] = field(default_factory=set)  # prefill workers that failed it
     # decode workers that refused the prompt's KV import (no room within their wait), and
-    # those that then take it whole: when no other worker is left (route_or_hold)
+    # those that then take it whole, once no other worker is left (forward)
     import_full: set[str] = field(default_factory=set)
     whole: set[str] = field(default_factory=set)
     held_s: float = 0.0  # seconds waited for a pool to start a worker (scale from zero)

@@ -175,8 +175,8 @@ def decide(
     return Decision()
 
 
-def needs_room(cfg: PoolConfig, state: ModelState, ours: list[Managed],
-               registered: list[WorkerInfo], waiting: int, room: int, now: float) -> bool:  # fmt: skip
+def needs_room(state: ModelState, ours: list[Managed], registered: list[WorkerInfo],
+               waiting: int, room: int, now: float) -> bool:  # fmt: skip
     """Whether the model would scale from zero now (requests wait, nothing serves or starts)
     but for the pool's process slots, all taken."""
     serving = [w for w in registered if not w.draining]
@@ -294,7 +294,7 @@ class Pool:
             for wid in d.stop:
                 await self._request_stop(self.managed[wid], d.why)
                 state.settled_at = now
-            if not d.start and needs_room(cfg, state, ours, mine, waiting, room, now):
+            if not d.start and needs_room(state, ours, mine, waiting, room, now):
                 victim = make_room(cfg, list(self.managed.values()), registered, model, wall)
                 if victim is not None:  # its slot frees once it drained: the next tick starts
                     stopped = self.managed[victim]

@@ -123,9 +123,9 @@ def test_a_model_waiting_for_a_slot_gets_the_longest_idle_worker_of_another() ->
     ours = [m("a1", "a"), m("a2", "a")]
     reg = [_info("a1", model="a", last_active_at=90.0), _info("a2", model="a", last_active_at=50.0)]
     # b has requests waiting, nothing serving it, and no slot left: it needs room
-    assert needs_room(cfg, ModelState(), [], [], waiting=2, room=0, now=10.0)
-    assert not needs_room(cfg, ModelState(), [], [], waiting=0, room=0, now=10.0)
-    assert not needs_room(cfg, ModelState(), [], [], waiting=2, room=1, now=10.0)  # decide starts
+    assert needs_room(ModelState(), [], [], waiting=2, room=0, now=10.0)
+    assert not needs_room(ModelState(), [], [], waiting=0, room=0, now=10.0)
+    assert not needs_room(ModelState(), [], [], waiting=2, room=1, now=10.0)  # decide starts
     assert make_room(cfg, ours, reg, "b", wall=100.0) == "a2"  # idle 50 s against 10 s
     # a worker with work, or one already stopping, or at its model's minimum, is never taken
     busy = [_info("a1", model="a", running=1), _info("a2", model="a", waiting=1)]
