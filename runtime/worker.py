@@ -723,7 +723,13 @@ async def serve(
     await runner.setup()
     try:  # whatever ends this (an error included), the app's cleanup stops its tasks
         site = web.TCPSite(runner, config.host, config.port)
-        await site.start()
+        try:
+            await site.start()
+        except OSError as e:  # (a port taken since it was chosen: say so, in one line)
+            raise SystemExit(
+                f"edgeinfer: error: the worker cannot listen on {config.host}:{config.port}: "
+                f"{e.strerror or e}"
+            ) from e
         # The serving side's objects (the app, clients, telemetry) live as long as the process,
         # as the engine's do (frozen by the CLI): out of the collector's sight, so a full
         # collection scans only what requests made (no collect first: it would delay the first

@@ -167,6 +167,26 @@ def test_commands_without_redis_say_so_in_one_line() -> None:
         assert "Traceback" not in out.stderr
 
 
+def test_a_worker_whose_port_is_taken_says_so_and_exits(stories_dir: Path) -> None:
+    """It used to hang for good instead: the failed bind left the app's tasks to asyncio's
+    cancellation, which never finished (a bench's worker, its port taken between choosing and
+    binding it, never came up and never exited)."""
+    import socket
+
+    with LocalRedis() as redis_, socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen(1)
+        port = taken.getsockname()[1]
+        out = subprocess.run(
+            [sys.executable, "-m", "runtime.cli", "worker", "--model", str(stories_dir),
+             "--port", str(port), "--redis", redis_.url, "--secret", "s", "--threads", "1",
+             "--kv-cache-bytes", "4000000"],
+            cwd=ROOT, capture_output=True, text=True, timeout=60,
+        )  # fmt: skip
+    assert out.returncode != 0
+    assert f"the worker cannot listen on 127.0.0.1:{port}: " in out.stderr, out.stderr[-2000:]
+
+
 @pytest.fixture
 def redis_server():  # type: ignore[no-untyped-def]
     """A Redis of its own: the test checks that the pool leaves no key behind."""
