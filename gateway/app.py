@@ -43,6 +43,7 @@ from gateway.telemetry import GatewayTelemetry
 from kvstore.client import connect, stop_task
 from kvstore.telemetry import PROMETHEUS_CONTENT_TYPE, Telemetry, TelemetryConfig
 from runtime.lifeline import watch_lifeline
+from runtime.serving import listen
 
 log = logging.getLogger("edgeinfer.gateway")
 
@@ -231,8 +232,6 @@ def make_app(
 
 async def serve(config: GatewayConfig) -> None:
     """Run the gateway until SIGTERM/SIGINT."""
-    import signal
-
     app = make_app(config)
     # keepalive_timeout: aiohttp closes a connection whose handler still waits for a request
     # when it runs out, counted from the connection's start or its last response; bytes of an
@@ -243,8 +242,17 @@ async def serve(config: GatewayConfig) -> None:
     runner = web.AppRunner(app, handler_cancellation=True, access_log=None, shutdown_timeout=5.0,
                            keepalive_timeout=config.idle_timeout_s, lingering_time=1.0)  # fmt: skip
     await runner.setup()
-    site = web.TCPSite(runner, config.host, config.port)
-    await site.start()
+    try:  # whatever ends this (a port taken included), the app's cleanup stops its tasks
+        await _serve(config, app, runner)
+    finally:
+        await runner.cleanup()
+
+
+async def _serve(config: GatewayConfig, app: web.Application, runner: web.AppRunner) -> None:
+    """Listen, say so, and wait for SIGTERM/SIGINT (or `up` gone)."""
+    import signal
+
+    await listen(runner, config.host, config.port, "gateway")
     if not config.api_keys:
         log.warning("no API keys configured: the gateway is open to anyone who can reach it")
     view = app[VIEW]
@@ -271,4 +279,3 @@ async def serve(config: GatewayConfig) -> None:
 
     watch_lifeline(loop, parent_gone)
     await stop.wait()
-    await runner.cleanup()

@@ -63,6 +63,7 @@ from runtime.outputs import CompletionOutput
 from runtime.sampler import TokenLogprobs
 from runtime.sampling_params import InvalidRequestError, SamplingParams
 from runtime.scheduler import QueueFullError
+from runtime.serving import listen
 from runtime.telemetry import RequestTimes, WorkerTelemetry
 from runtime.tokenizer import NoChatTemplateError, Tokenizer
 from runtime.tool_parsers import PARSERS, RequestTools
@@ -722,14 +723,7 @@ async def serve(
     )
     await runner.setup()
     try:  # whatever ends this (an error included), the app's cleanup stops its tasks
-        site = web.TCPSite(runner, config.host, config.port)
-        try:
-            await site.start()
-        except OSError as e:  # (a port taken since it was chosen: say so, in one line)
-            raise SystemExit(
-                f"edgeinfer: error: the worker cannot listen on {config.host}:{config.port}: "
-                f"{e.strerror or e}"
-            ) from e
+        await listen(runner, config.host, config.port, "worker")
         # The serving side's objects (the app, clients, telemetry) live as long as the process,
         # as the engine's do (frozen by the CLI): out of the collector's sight, so a full
         # collection scans only what requests made (no collect first: it would delay the first

@@ -167,24 +167,32 @@ def test_commands_without_redis_say_so_in_one_line() -> None:
         assert "Traceback" not in out.stderr
 
 
-def test_a_worker_whose_port_is_taken_says_so_and_exits(stories_dir: Path) -> None:
-    """It used to hang for good instead: the failed bind left the app's tasks to asyncio's
+@pytest.mark.parametrize("what", ["worker", "gateway"])
+def test_a_server_whose_port_is_taken_says_so_and_exits(
+    stories_dir: Path, tmp_path: Path, what: str
+) -> None:
+    """Both used to hang for good instead: the failed bind left the app's tasks to asyncio's
     cancellation, which never finished (a bench's worker, its port taken between choosing and
     binding it, never came up and never exited)."""
     import socket
 
+    (tmp_path / "regions.yaml").write_text(CATALOG)
+    args = {
+        "worker": ["--model", str(stories_dir), "--threads", "1", "--kv-cache-bytes", "4000000"],
+        "gateway": ["--region", "local", "--regions", str(tmp_path / "regions.yaml")],
+    }[what]
     with LocalRedis() as redis_, socket.socket() as taken:
         taken.bind(("127.0.0.1", 0))
         taken.listen(1)
         port = taken.getsockname()[1]
         out = subprocess.run(
-            [sys.executable, "-m", "runtime.cli", "worker", "--model", str(stories_dir),
-             "--port", str(port), "--redis", redis_.url, "--secret", "s", "--threads", "1",
-             "--kv-cache-bytes", "4000000"],
+            [sys.executable, "-m", "runtime.cli", what, *args, "--host", "127.0.0.1",
+             "--port", str(port), "--redis", redis_.url, "--secret", "s"],
             cwd=ROOT, capture_output=True, text=True, timeout=60,
         )  # fmt: skip
     assert out.returncode != 0
-    assert f"the worker cannot listen on 127.0.0.1:{port}: " in out.stderr, out.stderr[-2000:]
+    assert f"the {what} cannot listen on 127.0.0.1:{port}: " in out.stderr, out.stderr[-2000:]
+    assert "Traceback" not in out.stderr, out.stderr[-2000:]
 
 
 @pytest.fixture
