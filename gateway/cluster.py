@@ -22,6 +22,7 @@ from gateway.config import GatewayConfig
 from gateway.regions import RegionCatalog
 from gateway.routing import Router
 from gateway.tokenization import GatewayTokenizers
+from kvstore.client import raise_if_cancelling
 from kvstore.demand import Demand, PoolInfo
 from kvstore.keys import gateway_marker_key
 from kvstore.placement import Placement, SessionStore
@@ -126,6 +127,7 @@ class ClusterView:
     async def refresh_loop(self) -> None:
         while True:
             await self.refresh()
+            raise_if_cancelling()
             await asyncio.sleep(self.config.registry_refresh_s)
 
     async def refresh_soon(self, max_age_s: float) -> None:

@@ -40,6 +40,16 @@ def connect(url: str, *, timeout_s: float = DEFAULT_TIMEOUT_S) -> Redis:
     )
 
 
+def raise_if_cancelling() -> None:
+    """For a background loop, after each step that talks to Redis: end the loop if a cancel
+    reached it during the step but was lost there (see stop_task). A loop that went on instead
+    kept asyncio.run's own cancel at exit waiting forever (a worker whose port was taken hung
+    so: its heartbeat loop was in its first Redis write)."""
+    task = asyncio.current_task()
+    if task is not None and task.cancelling():
+        raise asyncio.CancelledError
+
+
 async def stop_task(task: asyncio.Task[Any]) -> None:
     """Cancel a background loop that talks to Redis and wait until it has ended.
 

@@ -36,6 +36,7 @@ from collections.abc import Collection, Iterable, Sequence
 from redis.asyncio import Redis
 from redis.exceptions import RedisError
 
+from kvstore.client import raise_if_cancelling
 from kvstore.keys import PREFIX, as_text, check_id
 
 log = logging.getLogger(__name__)
@@ -241,6 +242,7 @@ class CacheEventPublisher:
             try:
                 await self.flush()
             except (RedisError, OSError) as e:
+                raise_if_cancelling()
                 if not self._down:
                     log.warning(
                         "prefix index unreachable (%s: %s); worker %s keeps its cache events and "

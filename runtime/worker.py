@@ -35,7 +35,7 @@ from aiohttp import web
 from opentelemetry import trace
 from redis.asyncio import Redis
 
-from kvstore.client import connect, stop_task
+from kvstore.client import connect, raise_if_cancelling, stop_task
 from kvstore.kv_transfer import KVTransferError, ServedPull
 from kvstore.prefix_index import CacheEventPublisher, PrefixIndex
 from kvstore.protocol import (
@@ -221,6 +221,7 @@ class Worker:
     async def heartbeat_loop(self) -> None:
         while True:
             await self.publish()
+            raise_if_cancelling()
             await asyncio.sleep(self.config.heartbeat_s)
 
     def busy(self) -> bool:

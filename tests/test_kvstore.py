@@ -282,6 +282,36 @@ async def test_stop_task_ends_a_loop_that_lost_a_cancel() -> None:
         await stop_task(failing)
 
 
+async def test_a_loop_ends_on_one_cancel_that_its_redis_step_lost() -> None:
+    """raise_if_cancelling after each step: a cancel that a step turned into an error it caught
+    (without uncancel) ends the loop at once, so asyncio.run's single cancel at exit is enough
+    (the worker's heartbeat loop used to go on, and the process never exited)."""
+    import asyncio
+    import contextlib
+
+    from kvstore.client import raise_if_cancelling
+
+    in_step = asyncio.Event()
+
+    async def step() -> None:  # a Redis call that catches what its command raised
+        in_step.set()
+        with contextlib.suppress(asyncio.CancelledError):
+            await asyncio.sleep(0.05)
+        in_step.clear()
+
+    async def loop() -> None:
+        while True:
+            await step()
+            raise_if_cancelling()
+            await asyncio.sleep(0.01)
+
+    task = asyncio.create_task(loop())
+    await in_step.wait()
+    task.cancel()  # while the step runs: the step loses it
+    await asyncio.wait([task], timeout=5)
+    assert task.cancelled()
+
+
 # --- the gateway's view of the registry across a Redis restart ---------------------------------
 
 
