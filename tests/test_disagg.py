@@ -380,10 +380,12 @@ def test_no_room_to_import_and_no_prefill_worker_left_the_decode_worker_computes
                     extra_body={"ignore_eos": True},
                 ).choices[0].text  # fmt: skip
 
-            with concurrent.futures.ThreadPoolExecutor(4) as pool:
-                holders = [pool.submit(hold, i) for i in range(4)]
-                wait_until(lambda: worker_stats(decode)["free_kv_blocks"] < 27, 30,
-                           "the decode worker's KV cache to fill")  # fmt: skip
+            # twelve such requests: four fill the cache, and while any waits for blocks the
+            # worker takes no import (first come, first served)
+            with concurrent.futures.ThreadPoolExecutor(12) as pool:
+                holders = [pool.submit(hold, i) for i in range(12)]
+                wait_until(lambda: worker_stats(decode)["waiting"] >= 4, 30,
+                           "requests waiting for the decode worker's KV cache")  # fmt: skip
                 prefill.kill()  # listed until its entry expires: the next prompt is split
                 answer = client.completions.create(
                     model="stories", prompt=split, max_tokens=24, temperature=0
