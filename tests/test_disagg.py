@@ -357,7 +357,9 @@ def test_no_room_to_import_and_no_prefill_worker_left_the_decode_worker_computes
     free, and is answered: not a 503 (found by a fault-injection review)."""
     (tmp_path / "regions.yaml").write_text(CATALOG)
     ids = reference.tokenizer.encode(STORY * 12)
-    held, split = ids[:300], ids[7:427]  # below and above --disagg-min-tokens; no common prefix
+    # prompts below and above --disagg-min-tokens, no two with a common first block (a prefix
+    # cache hit would share blocks and leave room)
+    split = ids[50:470]
     with LocalRedis() as redis:
         fast = ["--heartbeat", "0.3", "--ttl", "3"]
         prefill = start_worker("prefill", stories_dir, redis.url, tmp_path,
@@ -374,9 +376,9 @@ def test_no_room_to_import_and_no_prefill_worker_left_the_decode_worker_computes
             wait_until(lambda: get_json(f"{gateway.url}/readyz")[1]["workers"] == 2, 30, "workers")
             assert worker_stats(decode)["total_kv_blocks"] < 90
 
-            def hold(_: int) -> str:  # computed on the decode worker itself (short of 400)
+            def hold(i: int) -> str:  # computed on the decode worker itself (short of 400)
                 return client.completions.create(
-                    model="stories", prompt=held, max_tokens=200, temperature=0,
+                    model="stories", prompt=ids[i : i + 300], max_tokens=200, temperature=0,
                     extra_body={"ignore_eos": True},
                 ).choices[0].text  # fmt: skip
 
