@@ -16,7 +16,6 @@ so processes it starts in turn (a split model's ranks) are not tied to its paren
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import os
 import stat
@@ -28,7 +27,8 @@ ENV = "EDGEINFER_LIFELINE_FD"
 
 
 class Lifeline:
-    """The parent's end: create it before the children, keep it for as long as they may live."""
+    """The parent's end: create it before the children and keep it for the process's life (its
+    write end closes when the process ends, however it ends)."""
 
     def __init__(self) -> None:
         self.read_fd, self._write_fd = os.pipe2(os.O_CLOEXEC)
@@ -41,13 +41,6 @@ class Lifeline:
     @property
     def pass_fds(self) -> tuple[int, ...]:
         return (self.read_fd,)
-
-    def close(self) -> None:
-        """Cut it now: every child watching it drains and exits."""
-        for fd in (self._write_fd, self.read_fd):
-            with contextlib.suppress(OSError):
-                os.close(fd)
-        self.read_fd = self._write_fd = -1
 
 
 def watch_lifeline(loop: asyncio.AbstractEventLoop, on_lost: Callable[[], None]) -> bool:
