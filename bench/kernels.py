@@ -23,11 +23,15 @@ import os
 import sys
 import time
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 import runtime  # noqa: F401  # before torch: its OpenMP settings
 import torch
 
 from bench.parallel import SHAPE
+
+if TYPE_CHECKING:
+    from runtime.model import LlamaForCausalLM
 
 
 def timed(fn: Callable[[], object], reps: int) -> float:
@@ -105,37 +109,58 @@ def kernel_figures(args: argparse.Namespace) -> list[tuple[str, float, str]]:
     return out
 
 
-def decode_steps(args: argparse.Namespace) -> tuple[int, dict[int, float]]:
-    """(weight bytes, {batch: seconds per decode step}) of the engine's graphed decode."""
+def random_llama(shape: dict[str, int], tied: bool = False) -> LlamaForCausalLM:
+    """A bfloat16 Llama of `shape` (bench.parallel.SHAPE's keys) with random weights (std 0.02),
+    built on the GPU: nothing read from disk."""
     from runtime.config import ModelConfig
-    from runtime.cuda_graphs import DecodeGraphs
     from runtime.model import LlamaForCausalLM
 
-    raw = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", **SHAPE,
+    raw = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", **shape,
            "max_position_embeddings": 2048, "rms_norm_eps": 1e-5, "rope_theta": 10000.0,
-           "tie_word_embeddings": False, "torch_dtype": "bfloat16"}  # fmt: skip
-    cfg = ModelConfig.from_dict(raw)
-    model = LlamaForCausalLM(cfg, torch.bfloat16, 2048).to("cuda")
+           "tie_word_embeddings": tied, "torch_dtype": "bfloat16"}  # fmt: skip
+    model = LlamaForCausalLM(ModelConfig.from_dict(raw), torch.bfloat16, 2048).to("cuda")
     with torch.no_grad():
         for p in model.parameters():
             p.normal_(0, 0.02)
-    # what a decode step reads: every weight but the embedding table, of which it reads b rows
-    weights = sum(p.nbytes for name, p in model.named_parameters() if "embed_tokens" not in name)
+    return model
+
+
+def weight_bytes(model: LlamaForCausalLM) -> int:
+    """What a decode step reads: every weight but the embedding table (of which it reads a row
+    per sequence), the LM head's included (tied: the table itself, read whole)."""
+    tied = model.cfg.tie_word_embeddings
+    return sum(p.nbytes for name, p in model.named_parameters()
+               if "embed_tokens" not in name or tied)  # fmt: skip
+
+
+def graphed_steps(model: LlamaForCausalLM, batches: tuple[int, ...], reps: int) -> dict[int, float]:
+    """{batch: median seconds of one decode step} replayed from the engine's CUDA graphs, every
+    sequence at position 511 of its own KV blocks."""
+    from runtime.cuda_graphs import DecodeGraphs
+
+    cfg = model.cfg
     bs, ctx = 16, 512
-    shape = (cfg.num_layers, 2, 4096 * bs, cfg.num_kv_heads, cfg.head_dim)
+    shape = (cfg.num_layers, 2, max(batches) * ctx, cfg.num_kv_heads, cfg.head_dim)
     kv = torch.zeros(shape, dtype=torch.bfloat16, device="cuda")
     caches = [(kv[i, 0], kv[i, 1]) for i in range(cfg.num_layers)]
-    graphs = DecodeGraphs(model, caches, bs, 64, 2048)
+    graphs = DecodeGraphs(model, caches, bs, max(batches), 2048)
     steps = {}
-    for b in (1, 64):
+    for b in batches:
         tables = [list(range(i * ctx // bs, (i + 1) * ctx // bs)) for i in range(b)]
         slots = [t[-1] * bs + bs - 1 for t in tables]
 
         def step(b: int = b, tables: list[list[int]] = tables, slots: list[int] = slots) -> None:
             graphs.run([1] * b, [ctx - 1] * b, slots, tables, [ctx] * b)
 
-        steps[b] = timed(step, args.reps)
-    return weights, steps
+        steps[b] = timed(step, reps)
+    return steps
+
+
+def decode_steps(args: argparse.Namespace) -> tuple[int, dict[int, float]]:
+    """(weight bytes, {batch: seconds per decode step}) of the engine's graphed decode on a
+    random-weight 1.1B Llama (TinyLlama's shape)."""
+    model = random_llama(SHAPE)
+    return weight_bytes(model), graphed_steps(model, (1, 64), args.reps)
 
 
 def main() -> None:

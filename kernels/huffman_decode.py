@@ -52,6 +52,10 @@ class CodedBF16:
     sm: torch.Tensor  # (n,) uint8: sign and mantissa bits
     bits: torch.Tensor  # (nbytes,) uint8: the coded exponents
     chunk_elems: int  # values per chunk (the last chunk may hold fewer)
+    # with_marks: where every span-th value's code starts in its chunk, in bits, (n_chunks *
+    # chunk_elems // span,) int32; lets the Triton kernel run a lane per span, not per chunk
+    marks: torch.Tensor | None = None
+    span: int = 0
 
     @property
     def numel(self) -> int:
@@ -68,11 +72,14 @@ class CodedBF16:
             self.sm.to(device),
             self.bits.to(device),
             self.chunk_elems,
+            None if self.marks is None else self.marks.to(device),
+            self.span,
         )
 
     def nbytes(self) -> int:
         """Memory it takes (the table aside, which is per tensor and small)."""
-        return self.offsets.numel() * 4 + self.sm.numel() + self.bits.numel()
+        marks = 0 if self.marks is None else self.marks.numel() * 4
+        return self.offsets.numel() * 4 + self.sm.numel() + self.bits.numel() + marks
 
 
 # ---------------------------------------------------------------------------------------------
@@ -208,48 +215,101 @@ def _corrupt(chunk: int) -> NoReturn:
 
 
 # ---------------------------------------------------------------------------------------------
-# The Triton kernel (kernels/huffman_decode_triton.py): BLOCK chunks per program, one per lane
+# The Triton kernel (kernels/huffman_decode_triton.py)
 #
-# Not yet run on a GPU (none was available when it was written): tested under TRITON_INTERPRET=1
-# against the CPU decoder, and compiled for sm_90. Expect it to be latency-bound at the default
-# 4096 values per chunk: a 4096 x 4096 matrix is only 4096 lanes, each making ~1200 dependent
-# table lookups, far from filling an H100; files written with a smaller --chunk-elems give
-# more lanes, for more offsets: 0.05% of the bfloat16 size at 4096 values a chunk, 0.8% at 256.
+# A lane per chunk (the default 4096 values) is too few lanes to fill a GPU: a 4096 x 4096
+# matrix is 4096 lanes, each making ~1200 dependent table lookups. A tensor that is decoded
+# again and again (weights kept compressed on the GPU) is decoded once by that kernel, which
+# also records where every SPAN-th value's code starts (`with_marks`), and from then on by a
+# lane per SPAN values: CHUNK / SPAN times the lanes, for 4 bytes of marks per SPAN values in
+# memory (the files are unchanged). bench/compress_gpu.py measures both.
+
+MARK_SPAN = 256  # values per lane once marked (0.8% of the bfloat16 bytes in marks)
 
 
 def decode_triton(
     coded: CodedBF16, out: torch.Tensor | None = None, check: bool = True, block: int = 64
 ) -> torch.Tensor:
     """(n,) bfloat16 decoded by the Triton kernel, into `out` if given ((n,) bfloat16,
-    contiguous, on the same device). `check`: raise CorruptStreamError if a chunk's codes ran
-    past its bytes (a device sync; a caller decoding weights it checked at load skips it)."""
+    contiguous, on the same device): a lane per chunk, or a lane per mark where `coded` has
+    marks. `check`: raise CorruptStreamError if a chunk's codes ran past its bytes (a device
+    sync; a caller decoding weights it checked at load skips it; marked streams were checked
+    when they were marked)."""
     _check_inputs(coded, out)
     n = coded.numel
     out = torch.empty(n, dtype=torch.bfloat16, device=coded.sm.device) if out is None else out
     if n == 0:
         return out
-    # Triton only here: the CPU path (every load on a machine without a GPU) never imports it
-    from kernels.huffman_decode_triton import huffman_decode_kernel
-
+    if coded.marks is not None:
+        lanes = -(-n // coded.span)
+        _launch(coded, out, coded.marks, None, coded.span, coded.span, lanes, False, block)
+        return out
     used = torch.empty(coded.num_chunks, dtype=torch.int64, device=coded.sm.device)
-    grid = (-(-coded.num_chunks // block),)
-    huffman_decode_kernel[grid](
-        coded.table,
-        coded.offsets,
-        coded.sm,
-        coded.bits,
-        out.view(torch.int16),
-        used,
-        n,
-        coded.bits.numel(),
-        coded.num_chunks,
-        CHUNK=coded.chunk_elems,
-        BLOCK=block,
-        num_warps=max(1, block // 32),  # a lane per chunk, no lane doing another's work
-    )
+    _launch(coded, out, used, used, coded.chunk_elems, coded.chunk_elems, coded.num_chunks,
+            False, block)  # fmt: skip
     if check:
         _check_consumed(used, coded.offsets)
     return out
+
+
+def with_marks(coded: CodedBF16, span: int = MARK_SPAN, block: int = 64) -> CodedBF16:
+    """`coded` with its marks (see above), found by decoding it once with the Triton kernel
+    (a lane per chunk), which checks the stream: CorruptStreamError naming the chunk."""
+    _check_inputs(coded, None)
+    if span < 1 or coded.chunk_elems % span:
+        raise ValueError(f"span must divide the chunk size {coded.chunk_elems}, got {span}")
+    dev = coded.sm.device
+    marks = torch.zeros(coded.num_chunks * (coded.chunk_elems // span), dtype=torch.int32,
+                        device=dev)  # fmt: skip
+    if coded.numel:
+        out = torch.empty(coded.numel, dtype=torch.bfloat16, device=dev)
+        used = torch.empty(coded.num_chunks, dtype=torch.int64, device=dev)
+        _launch(coded, out, marks, used, coded.chunk_elems, span, coded.num_chunks, True, block)
+        _check_consumed(used, coded.offsets)
+    return CodedBF16(coded.table, coded.offsets, coded.sm, coded.bits, coded.chunk_elems,
+                     marks, span)  # fmt: skip
+
+
+def _launch(coded: CodedBF16, out: torch.Tensor, marks: torch.Tensor, used: torch.Tensor | None,
+            lane: int, span: int, lanes: int, write_marks: bool, block: int) -> None:  # fmt: skip
+    # Triton only here: the CPU path (every load on a machine without a GPU) never imports it
+    from kernels.huffman_decode_triton import huffman_decode_kernel
+
+    huffman_decode_kernel[(-(-lanes // block),)](
+        coded.table,
+        coded.offsets,
+        marks,
+        coded.sm,
+        coded.bits,
+        out.view(torch.int16),
+        marks if used is None else used,  # not written by a lane per mark
+        coded.numel,
+        coded.bits.numel(),
+        lanes,
+        CHUNK=coded.chunk_elems,
+        SPAN=span,
+        LANE=lane,
+        WRITE_MARKS=write_marks,
+        BLOCK=block,
+        num_warps=max(1, block // 32),  # a lane per run of values, no lane doing another's work
+    )
+
+
+def marks_reference(coded: CodedBF16, span: int) -> torch.Tensor:
+    """with_marks's marks from the CPU decoder's values: each value's code length (the decode
+    table's first-code length, by the entry's first exponent), summed within its chunk."""
+    table = coded.table.cpu()
+    code_len = torch.zeros(256, dtype=torch.int64)
+    code_len[table & 0xFF] = (table >> 48) & 0xFF
+    values = decode(coded.to("cpu")).view(torch.int16).long()
+    lengths = code_len[(values >> 7) & 0xFF]
+    per_chunk = coded.chunk_elems // span
+    padded = torch.zeros(coded.num_chunks * coded.chunk_elems, dtype=torch.int64)
+    padded[: coded.numel] = lengths
+    spans = padded.view(coded.num_chunks, per_chunk, span).sum(2)
+    marks = (spans.cumsum(1) - spans).view(-1)
+    marks[-(-coded.numel // span) :] = 0  # spans past the end: no value, no mark
+    return marks.to(torch.int32)
 
 
 def _check_inputs(coded: CodedBF16, out: torch.Tensor | None) -> None:

@@ -46,6 +46,7 @@ from __future__ import annotations
 import itertools
 import json
 import logging
+import math
 import os
 import shutil
 import struct
@@ -66,12 +67,14 @@ from torch import nn
 
 from kernels.huffman_decode import (
     CODE_BITS,
+    MARK_SPAN,
     CodedBF16,
     CorruptStreamError,
     canonical_codes,
     decode,
     decode_cpu,
     decode_table,
+    with_marks,
 )
 from runtime.config import ModelLoadError
 from runtime.manifest import COMPRESSED_MANIFEST_NAME, is_compressed
@@ -951,6 +954,8 @@ class CompressedBlocks:
             if rec is None:
                 continue
             coded = parse_record(rec, p.numel()).to(self.device)
+            if coded.sm.is_cuda:  # decoded every step: a lane per 256 values, not per chunk
+                coded = with_marks(coded, math.gcd(coded.chunk_elems, MARK_SPAN))
             slots.append(_Slot(p, p.shape, coded, used))
             self.dense_bytes += p.numel() * 2
             self.compressed_bytes += coded.nbytes()

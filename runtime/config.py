@@ -357,8 +357,8 @@ class EngineConfig:
     # Lossless (the same outputs); each step pays the decoding of every layer (on the CPU
     # ~4 GB/s: several times slower than reading dense weights). The start-up still reads the
     # dense weights once (given back layer by layer as each is encoded). Needs bfloat16
-    # weights (dtype or weight_dtype bfloat16) and tp = pp = ep = 1; turns CUDA graphs off; a
-    # speculative draft model stays dense
+    # weights (dtype or weight_dtype bfloat16) and tp = pp = ep = 1; a speculative draft
+    # model stays dense
     keep_weights_compressed: bool = False
     kv_cache_bytes: int | None = None  # bytes for the KV cache; None: kv_cache_fraction of free RAM
     kv_cache_fraction: float = (

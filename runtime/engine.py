@@ -221,9 +221,9 @@ class LLMEngine:
         )
         # No warm-up step: on the CPU a first request is as fast as the next (measured: a
         # prefill + decode warm-up took 0.11 s and saved the first request 0.00-0.04 s).
-        # (not with weights kept compressed: each layer's weights are decoded, and its
-        # parameters pointed at them, by hooks in Python that a replayed graph would skip)
-        if cuda and config.cuda_graphs and self.compressed is None:  # at start-up
+        # With weights kept compressed, a graph holds each layer's decode kernels too: the
+        # hooks that launch them point the parameters at one buffer, whose address the graph keeps
+        if cuda and config.cuda_graphs:  # at start-up
             self.runner.capture_decode_graphs(
                 min(config.max_num_seqs, config.cuda_graph_max_batch), self.max_model_len
             )

@@ -2,6 +2,7 @@
 
 from __future__ import annotations  # noqa: I001  # runtime before torch, below
 
+import os
 import shutil
 from pathlib import Path
 
@@ -11,7 +12,8 @@ import runtime  # noqa: F401  # before torch: its OpenMP settings (runtime/__ini
 import torch
 
 ROOT = Path(__file__).resolve().parents[1]
-STORIES = ROOT.parent / "shared" / "models" / "stories260K"
+# EDGEINFER_STORIES: elsewhere (a GPU machine that gets the repository without ../shared)
+STORIES = Path(os.environ.get("EDGEINFER_STORIES", ROOT.parent / "shared" / "models" / "stories260K"))
 
 
 @pytest.fixture(scope="session")

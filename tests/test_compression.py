@@ -448,13 +448,15 @@ def test_triton_kernel_gives_the_cpu_decoders_bits() -> None:
     """Run in a fresh interpreter: TRITON_INTERPRET is read when the kernel is defined."""
     script = """
 import torch
-from kernels.huffman_decode import decode_cpu, decode_triton
+from kernels.huffman_decode import decode_cpu, decode_triton, marks_reference, with_marks
 from runtime.compression import encode_bf16, parse_record
 from tests.test_compression import _weights
 
-# a last chunk of one value (1025 = 16 x 64 + 1), NaN/Inf, all-equal, a few chunk sizes
-for shape, kind, chunk in [((1025,), "normal", 64), ((3, 333), "special", 64),
-                           ((1000,), "normal", 128), ((2, 700), "equal", 256)]:
+# a last chunk of one value (1025 = 16 x 64 + 1), NaN/Inf, all-equal, a few chunk sizes; marks
+# every 16..chunk values (a last span of one value, a last chunk of fewer spans)
+for shape, kind, chunk, span in [((1025,), "normal", 64, 16), ((3, 333), "special", 64, 32),
+                                 ((1000,), "normal", 128, 128), ((2, 700), "equal", 256, 64),
+                                 ((5000,), "normal", 512, 64)]:
     t = _weights(shape, kind)
     rec = encode_bf16(t, chunk)
     coded = parse_record(torch.from_numpy(rec), t.numel())
@@ -462,6 +464,16 @@ for shape, kind, chunk in [((1025,), "normal", 64), ((3, 333), "special", 64),
     gpu = decode_triton(coded)
     assert torch.equal(gpu.view(torch.int16), cpu.view(torch.int16)), (shape, kind)
     assert torch.equal(gpu.view(torch.int16), t.reshape(-1).view(torch.int16)), (shape, kind)
+    marked = with_marks(coded, span)
+    assert torch.equal(marked.marks, marks_reference(coded, span)), (shape, kind, span)
+    by_span = decode_triton(marked, out=torch.full_like(gpu, float("nan")))
+    assert torch.equal(by_span.view(torch.int16), cpu.view(torch.int16)), (shape, kind, span)
+try:
+    with_marks(coded, 48)
+except ValueError as e:
+    assert "span must divide the chunk size 512" in str(e), e
+else:
+    raise AssertionError("a span that does not divide the chunk was taken")
 coded.offsets[1] = 0
 try:
     decode_triton(coded)
@@ -479,10 +491,14 @@ def test_triton_kernel_compiles_for_hopper() -> None:
     which catches what the interpreter does not (types, the data-dependent while loop)."""
     from kernels.huffman_decode_triton import huffman_decode_kernel
 
-    sig = {"table_ptr": "*i64", "offsets_ptr": "*i32", "sm_ptr": "*u8", "bits_ptr": "*u8",
-           "out_ptr": "*i16", "used_ptr": "*i64", "n": "i64", "nbytes": "i64", "n_chunks": "i32",
-           "CHUNK": "constexpr", "BLOCK": "constexpr"}  # fmt: skip
-    compile_for_hopper(huffman_decode_kernel, sig, {"CHUNK": 4096, "BLOCK": 64}, num_warps=2)
+    sig = {"table_ptr": "*i64", "offsets_ptr": "*i32", "marks_ptr": "*i32", "sm_ptr": "*u8",
+           "bits_ptr": "*u8", "out_ptr": "*i16", "used_ptr": "*i64", "n": "i64", "nbytes": "i64",
+           "n_lanes": "i32", "CHUNK": "constexpr", "SPAN": "constexpr", "LANE": "constexpr",
+           "WRITE_MARKS": "constexpr", "BLOCK": "constexpr"}  # fmt: skip
+    for lane, write_marks in [(4096, False), (4096, True), (256, False)]:  # the three uses
+        consts = {"CHUNK": 4096, "SPAN": 256, "LANE": lane, "WRITE_MARKS": write_marks,
+                  "BLOCK": 64}  # fmt: skip
+        compile_for_hopper(huffman_decode_kernel, sig, consts, num_warps=2)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -1,0 +1,152 @@
+"""Lossless compression on a CUDA GPU: the Triton decoder's rate and a decode step with the
+weights kept compressed (issue 7's GPU figures), in one run.
+
+1. Decoder GB/s (bfloat16 bytes out per second, the coded records already on the GPU, outputs
+   written to preallocated buffers): every tensor of a set decoded once per timed call, the set
+   copied until it outgrows the L2 cache, beside the device's copy bandwidth (a 1 GiB
+   device-to-device copy, bytes read + written) from the same run. Two sets: real trained
+   weights (`--weights FILE`, a safetensors file of bfloat16 tensors, e.g. SmolLM2-135M's first
+   layers) and random ones (std 0.02) in TinyLlama-1.1B's layer shapes. Two ways: a lane per
+   chunk (what a one-off decode at load uses) and a lane per mark (weights kept compressed),
+   at several spans. Every output is checked bit for bit against the original first.
+2. Decode step, replayed from the engine's CUDA graphs, of a random-weight bfloat16 model with
+   its decoder layers kept compressed (`runtime.compression.CompressedBlocks`: each layer's
+   weights decoded into one buffer just before it runs, inside the graph) beside the same model
+   dense, at batch 1 and 64: SmolLM2-135M's shape and TinyLlama-1.1B's.
+
+    python -m bench.compress_gpu [--weights FILE] [--reps 30] [--skip-1b]
+
+Targets (issue 7): the Triton decoder >= 200 GB/s on an H100/H200; a decode step with weights
+kept compressed <= 1.3x the dense one at batch 1. Needs a CUDA GPU (exits 2 without one).
+"""
+
+from __future__ import annotations  # noqa: I001  # runtime before torch, below
+
+import argparse
+import os
+import sys
+import time
+
+import runtime  # noqa: F401  # before torch: its OpenMP settings
+import torch
+
+from bench.kernels import device_limits, graphed_steps, random_llama, timed, weight_bytes
+from bench.parallel import SHAPE as TINYLLAMA
+
+SMOLLM2 = {"hidden_size": 576, "intermediate_size": 1536, "num_hidden_layers": 30,
+           "num_attention_heads": 9, "num_key_value_heads": 3, "vocab_size": 49152}  # fmt: skip
+L2_OUTGROWN = 256 << 20  # bytes out per timed call at least: well past an H100/H200's L2
+
+
+def log(msg: str) -> None:
+    print(msg, file=sys.stderr, flush=True)
+
+
+def random_layers(shape: dict[str, int], layers: int) -> dict[str, torch.Tensor]:
+    h, inter = shape["hidden_size"], shape["intermediate_size"]
+    kv = h // shape["num_attention_heads"] * shape["num_key_value_heads"]
+    gen = torch.Generator().manual_seed(0)
+    shapes = {"q": (h, h), "k": (kv, h), "v": (kv, h), "o": (h, h), "gate": (inter, h),
+              "up": (inter, h), "down": (h, inter)}  # fmt: skip
+    return {f"{i}.{name}": (torch.randn(*s, generator=gen) * 0.02).to(torch.bfloat16)
+            for i in range(layers) for name, s in shapes.items()}  # fmt: skip
+
+
+def decoder_rates(tensors: dict[str, torch.Tensor], reps: int) -> list[tuple[str, float]]:
+    """(way, bfloat16 bytes out per second) of the Triton decoder over `tensors`."""
+    from kernels.huffman_decode import decode_triton, with_marks
+    from runtime.compression import encode_bf16, parse_record
+
+    coded, originals = [], []
+    for t in tensors.values():
+        rec = encode_bf16(t)
+        if rec is not None:
+            coded.append(parse_record(torch.from_numpy(rec), t.numel()).to("cuda"))
+            originals.append(t.reshape(-1).view(torch.int16))
+    values = sum(c.numel for c in coded)
+    copies = max(1, -(-L2_OUTGROWN // (2 * values)))
+    sets = [coded] + [[_clone(c) for c in coded] for _ in range(copies - 1)]
+    outs = [[torch.empty(c.numel, dtype=torch.bfloat16, device="cuda") for c in s] for s in sets]
+    log(f"  {len(coded)} tensors, {values / 1e6:.1f} M values, x{copies} copies")
+    rates = []
+    for way, span in [("a lane per chunk", 0), ("a lane per 512 values", 512),
+                      ("a lane per 256 values", 256), ("a lane per 128 values", 128)]:  # fmt: skip
+        ways = sets if not span else [[with_marks(c, span) for c in s] for s in sets]
+        for c, out, want in zip(ways[0], outs[0], originals, strict=True):
+            out.fill_(float("nan"))
+            decode_triton(c, out=out, check=True)
+            assert torch.equal(out.view(torch.int16).cpu(), want), way
+
+        def run(ways: list[list] = ways) -> None:  # type: ignore[type-arg]
+            for s, o in zip(ways, outs, strict=True):
+                for c, out in zip(s, o, strict=True):
+                    decode_triton(c, out=out, check=False)
+
+        rates.append((way, 2 * values * copies / timed(run, reps)))
+    return rates
+
+
+def _clone(c):  # type: ignore[no-untyped-def]
+    from kernels.huffman_decode import CodedBF16
+
+    return CodedBF16(c.table.clone(), c.offsets.clone(), c.sm.clone(), c.bits.clone(),
+                     c.chunk_elems)  # fmt: skip
+
+
+def step_slowdown(shape: dict[str, int], tied: bool, reps: int) -> tuple[int, dict, dict, str]:  # type: ignore[type-arg]
+    """(weight bytes, {batch: dense seconds}, {batch: kept-compressed seconds}, summary)."""
+    from runtime.compression import CompressedBlocks
+
+    model = random_llama(shape, tied)
+    nbytes = weight_bytes(model)
+    dense = graphed_steps(model, (1, 64), reps)
+    t0 = time.perf_counter()
+    blocks = CompressedBlocks(list(model.layers), device="cuda")
+    log(f"  encoded in {time.perf_counter() - t0:.1f} s: {blocks.summary()}")
+    kept = graphed_steps(model, (1, 64), reps)
+    return nbytes, dense, kept, blocks.summary()
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    p.add_argument("--weights", help="safetensors file of real bfloat16 weights")
+    p.add_argument("--reps", type=int, default=30)
+    p.add_argument("--skip-1b", action="store_true", help="no TinyLlama-shape decode step")
+    args = p.parse_args()
+    if not torch.cuda.is_available():
+        print(f"bench.compress_gpu needs a CUDA GPU; torch {torch.__version__} sees none",
+              file=sys.stderr)  # fmt: skip
+        sys.exit(2)
+    print(f"device: {torch.cuda.get_device_name()}; torch {torch.__version__}")
+    copy, _ = device_limits(args.reps)
+    print(f"device copy bandwidth {copy / 1e9:8.1f} GB/s (read + write)")
+    sets = {"random, TinyLlama-1.1B layer shapes (2 layers)": random_layers(TINYLLAMA, 2)}
+    if args.weights:
+        from safetensors.torch import load_file
+
+        real = {k: v.to(torch.bfloat16) for k, v in load_file(args.weights).items()
+                if v.is_floating_point() and v.dim() == 2}  # fmt: skip
+        sets = {f"real, {os.path.basename(args.weights)}": real, **sets}
+    print("Triton decoder, bfloat16 GB/s out (target >= 200):")
+    for label, tensors in sets.items():
+        log(label)
+        for way, rate in decoder_rates(tensors, args.reps):
+            print(f"  {label:48s} {way:24s} {rate / 1e9:8.1f} GB/s = {rate / copy:6.1%} "
+                  "of the copy bandwidth")  # fmt: skip
+    print("Decode step, graph replay, weights kept compressed vs dense (target <= 1.3x at batch 1):")
+    models = [("SmolLM2-135M shape", SMOLLM2, True)]
+    if not args.skip_1b:
+        models.append(("TinyLlama-1.1B shape", TINYLLAMA, False))
+    for label, shape, tied in models:
+        log(label)
+        nbytes, dense, kept, summary = step_slowdown(shape, tied, args.reps)
+        print(f"  {label} ({nbytes / 1e9:.2f} GB read per dense step; {summary}):")
+        for b in dense:
+            print(f"    batch {b:3d}: dense {dense[b] * 1e3:7.3f} ms, kept compressed "
+                  f"{kept[b] * 1e3:7.3f} ms = {kept[b] / dense[b]:5.2f}x")  # fmt: skip
+        torch.cuda.empty_cache()
+    print(f"\n{time.strftime('%Y-%m-%d %H:%M')} {os.uname().nodename}")
+
+
+if __name__ == "__main__":
+    main()
