@@ -23,6 +23,7 @@ kept compressed <= 1.3x the dense one at batch 1. Needs a CUDA GPU (exits 2 with
 from __future__ import annotations  # noqa: I001  # runtime before torch, below
 
 import argparse
+import itertools
 import os
 import sys
 import time
@@ -53,8 +54,10 @@ def random_layers(shape: dict[str, int], layers: int) -> dict[str, torch.Tensor]
 
 
 def decoder_rates(tensors: dict[str, torch.Tensor], reps: int) -> list[tuple[str, float]]:
-    """(way, bfloat16 bytes out per second) of the Triton decoder over `tensors`."""
-    from kernels.huffman_decode import decode_triton, with_marks
+    """(way, bfloat16 bytes out per second) of the Triton decoders over `tensors`: a launch a
+    tensor, a lane per chunk; and every tensor in one LaneGroup, one launch, at several spans
+    and lanes per program."""
+    from kernels.huffman_decode import decode_lanes, decode_triton, lane_group
     from runtime.compression import encode_bf16, parse_record
 
     coded, originals = [], []
@@ -65,24 +68,47 @@ def decoder_rates(tensors: dict[str, torch.Tensor], reps: int) -> list[tuple[str
             originals.append(t.reshape(-1).view(torch.int16))
     values = sum(c.numel for c in coded)
     copies = max(1, -(-L2_OUTGROWN // (2 * values)))
-    sets = [coded] + [[_clone(c) for c in coded] for _ in range(copies - 1)]
-    outs = [[torch.empty(c.numel, dtype=torch.bfloat16, device="cuda") for c in s] for s in sets]
     log(f"  {len(coded)} tensors, {values / 1e6:.1f} M values, x{copies} copies")
+    outs = [torch.empty(values + 512 * len(coded), dtype=torch.bfloat16, device="cuda")
+            for _ in range(copies)]  # fmt: skip
     rates = []
-    for way, span in [("a lane per chunk", 0), ("a lane per 512 values", 512),
-                      ("a lane per 256 values", 256), ("a lane per 128 values", 128)]:  # fmt: skip
-        ways = sets if not span else [[with_marks(c, span) for c in s] for s in sets]
-        for c, out, want in zip(ways[0], outs[0], originals, strict=True):
-            out.fill_(float("nan"))
-            decode_triton(c, out=out, check=True)
-            assert torch.equal(out.view(torch.int16).cpu(), want), way
+    # a launch a tensor, a lane per chunk (a one-off decode)
+    starts = [0, *itertools.accumulate(c.numel for c in coded)][:-1]
+    for c, s, want in zip(coded, starts, originals, strict=True):
+        view = outs[0][s : s + c.numel].fill_(float("nan"))
+        decode_triton(c, out=view)
+        assert torch.equal(view.view(torch.int16).cpu(), want), "a lane per chunk"
+    sets = [coded] + [[_clone(c) for c in coded] for _ in range(copies - 1)]
 
-        def run(ways: list[list] = ways) -> None:  # type: ignore[type-arg]
-            for s, o in zip(ways, outs, strict=True):
-                for c, out in zip(s, o, strict=True):
-                    decode_triton(c, out=out, check=False)
+    def per_chunk(sets: list = sets) -> None:  # type: ignore[type-arg]
+        for cs, out in zip(sets, outs, strict=True):
+            for c, s in zip(cs, starts, strict=True):
+                decode_triton(c, out=out[s : s + c.numel], check=False)
 
-        rates.append((way, 2 * values * copies / timed(run, reps)))
+    rates.append(
+        ("a launch a tensor, a lane per chunk", 2 * values * copies / timed(per_chunk, reps))
+    )
+    for span, block in [(512, 64), (256, 64), (128, 64), (256, 32), (256, 128), (64, 64)]:
+        starts, at = [], 0
+        for c in coded:
+            starts.append(at)
+            at = -(-(at + c.numel) // span) * span
+        groups = [lane_group(coded, starts, span)]
+        groups += [_clone_group(groups[0]) for _ in range(copies - 1)]
+        outs[0].fill_(float("nan"))
+        decode_lanes(groups[0], outs[0], block)
+        for c, s, want in zip(coded, starts, originals, strict=True):
+            assert torch.equal(outs[0][s : s + c.numel].view(torch.int16).cpu(), want), span
+
+        def grouped(groups: list = groups, block: int = block) -> None:  # type: ignore[type-arg]
+            for g, out in zip(groups, outs, strict=True):
+                decode_lanes(g, out, block)
+
+        way = f"one launch, a lane per {span} values, {block} lanes a program"
+        rates.append((way, 2 * values * copies / timed(grouped, reps)))
+        extra = groups[0].nbytes() - sum(c.nbytes() for c in coded)
+        log(f"  span {span}: the group takes {extra / (2 * values):+.2%} of the bfloat16 bytes "
+            "beside the coded tensors")  # fmt: skip
     return rates
 
 
@@ -91,6 +117,13 @@ def _clone(c):  # type: ignore[no-untyped-def]
 
     return CodedBF16(c.table.clone(), c.offsets.clone(), c.sm.clone(), c.bits.clone(),
                      c.chunk_elems)  # fmt: skip
+
+
+def _clone_group(g):  # type: ignore[no-untyped-def]
+    from kernels.huffman_decode import LaneGroup
+
+    return LaneGroup(g.tables.clone(), g.lanes.clone(), g.ends.clone(), g.words.clone(),
+                     g.sm.clone(), g.span, g.numel)  # fmt: skip
 
 
 def step_slowdown(shape: dict[str, int], tied: bool, reps: int) -> tuple[int, dict, dict, str]:  # type: ignore[type-arg]
@@ -131,9 +164,11 @@ def main() -> None:
     for label, tensors in sets.items():
         log(label)
         for way, rate in decoder_rates(tensors, args.reps):
-            print(f"  {label:48s} {way:24s} {rate / 1e9:8.1f} GB/s = {rate / copy:6.1%} "
+            print(f"  {label[:30]:30s} {way:58s} {rate / 1e9:8.1f} GB/s = {rate / copy:6.1%} "
                   "of the copy bandwidth")  # fmt: skip
-    print("Decode step, graph replay, weights kept compressed vs dense (target <= 1.3x at batch 1):")
+    print(
+        "Decode step, graph replay, weights kept compressed vs dense (target <= 1.3x at batch 1):"
+    )
     models = [("SmolLM2-135M shape", SMOLLM2, True)]
     if not args.skip_1b:
         models.append(("TinyLlama-1.1B shape", TINYLLAMA, False))

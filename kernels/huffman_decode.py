@@ -29,6 +29,8 @@ a decoder that finds a chunk's codes running past the chunk's bytes reports it a
 
 from __future__ import annotations
 
+import itertools
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import NoReturn
 
@@ -52,10 +54,6 @@ class CodedBF16:
     sm: torch.Tensor  # (n,) uint8: sign and mantissa bits
     bits: torch.Tensor  # (nbytes,) uint8: the coded exponents
     chunk_elems: int  # values per chunk (the last chunk may hold fewer)
-    # with_marks: where every span-th value's code starts in its chunk, in bits, (n_chunks *
-    # chunk_elems // span,) int32; lets the Triton kernel run a lane per span, not per chunk
-    marks: torch.Tensor | None = None
-    span: int = 0
 
     @property
     def numel(self) -> int:
@@ -72,14 +70,11 @@ class CodedBF16:
             self.sm.to(device),
             self.bits.to(device),
             self.chunk_elems,
-            None if self.marks is None else self.marks.to(device),
-            self.span,
         )
 
     def nbytes(self) -> int:
         """Memory it takes (the table aside, which is per tensor and small)."""
-        marks = 0 if self.marks is None else self.marks.numel() * 4
-        return self.offsets.numel() * 4 + self.sm.numel() + self.bits.numel() + marks
+        return self.offsets.numel() * 4 + self.sm.numel() + self.bits.numel()
 
 
 # ---------------------------------------------------------------------------------------------
@@ -215,46 +210,42 @@ def _corrupt(chunk: int) -> NoReturn:
 
 
 # ---------------------------------------------------------------------------------------------
-# The Triton kernel (kernels/huffman_decode_triton.py)
+# The Triton kernels (kernels/huffman_decode_triton.py)
 #
 # A lane per chunk (the default 4096 values) is too few lanes to fill a GPU: a 4096 x 4096
-# matrix is 4096 lanes, each making ~1200 dependent table lookups. A tensor that is decoded
-# again and again (weights kept compressed on the GPU) is decoded once by that kernel, which
-# also records where every SPAN-th value's code starts (`with_marks`), and from then on by a
-# lane per SPAN values: CHUNK / SPAN times the lanes, for 4 bytes of marks per SPAN values in
-# memory (the files are unchanged). bench/compress_gpu.py measures both.
+# matrix is 4096 lanes, each making ~1200 dependent table lookups (H200, 2026-11-26: 7 GB/s).
+# Tensors decoded again and again (weights kept compressed on a GPU) are decoded once by that
+# kernel to find where every SPAN-th value's code starts (`find_marks`), then gathered into a
+# `LaneGroup` that the lanes kernel decodes a lane per SPAN values, every tensor of the group
+# in one launch (`decode_lanes`). The files are unchanged: marks live in memory only, 8 bytes
+# a lane.
 
-MARK_SPAN = 256  # values per lane once marked (0.8% of the bfloat16 bytes in marks)
+LANE_SPAN = 256  # values per lane of a LaneGroup (its lanes: 1.6% of the bfloat16 bytes)
 
 
 def decode_triton(
     coded: CodedBF16, out: torch.Tensor | None = None, check: bool = True, block: int = 64
 ) -> torch.Tensor:
-    """(n,) bfloat16 decoded by the Triton kernel, into `out` if given ((n,) bfloat16,
-    contiguous, on the same device): a lane per chunk, or a lane per mark where `coded` has
-    marks. `check`: raise CorruptStreamError if a chunk's codes ran past its bytes (a device
-    sync; a caller decoding weights it checked at load skips it; marked streams were checked
-    when they were marked)."""
+    """(n,) bfloat16 decoded by the Triton kernel, a lane per chunk, into `out` if given ((n,)
+    bfloat16, contiguous, on the same device). `check`: raise CorruptStreamError if a chunk's
+    codes ran past its bytes (a device sync; a caller decoding weights it checked at load skips
+    it)."""
     _check_inputs(coded, out)
     n = coded.numel
     out = torch.empty(n, dtype=torch.bfloat16, device=coded.sm.device) if out is None else out
     if n == 0:
         return out
-    if coded.marks is not None:
-        lanes = -(-n // coded.span)
-        _launch(coded, out, coded.marks, None, coded.span, coded.span, lanes, False, block)
-        return out
     used = torch.empty(coded.num_chunks, dtype=torch.int64, device=coded.sm.device)
-    _launch(coded, out, used, used, coded.chunk_elems, coded.chunk_elems, coded.num_chunks,
-            False, block)  # fmt: skip
+    _launch_chunks(coded, out, used, used, coded.chunk_elems, False, block)
     if check:
         _check_consumed(used, coded.offsets)
     return out
 
 
-def with_marks(coded: CodedBF16, span: int = MARK_SPAN, block: int = 64) -> CodedBF16:
-    """`coded` with its marks (see above), found by decoding it once with the Triton kernel
-    (a lane per chunk), which checks the stream: CorruptStreamError naming the chunk."""
+def find_marks(coded: CodedBF16, span: int, block: int = 64) -> torch.Tensor:
+    """(n_chunks * chunk_elems // span,) int32: the bit where every span-th value's code starts
+    in its chunk (0 for spans past the end), found by decoding `coded` once with the Triton
+    kernel, which checks the stream: CorruptStreamError naming the chunk."""
     _check_inputs(coded, None)
     if span < 1 or coded.chunk_elems % span:
         raise ValueError(f"span must divide the chunk size {coded.chunk_elems}, got {span}")
@@ -264,39 +255,37 @@ def with_marks(coded: CodedBF16, span: int = MARK_SPAN, block: int = 64) -> Code
     if coded.numel:
         out = torch.empty(coded.numel, dtype=torch.bfloat16, device=dev)
         used = torch.empty(coded.num_chunks, dtype=torch.int64, device=dev)
-        _launch(coded, out, marks, used, coded.chunk_elems, span, coded.num_chunks, True, block)
+        _launch_chunks(coded, out, marks, used, span, True, block)
         _check_consumed(used, coded.offsets)
-    return CodedBF16(coded.table, coded.offsets, coded.sm, coded.bits, coded.chunk_elems,
-                     marks, span)  # fmt: skip
+    return marks
 
 
-def _launch(coded: CodedBF16, out: torch.Tensor, marks: torch.Tensor, used: torch.Tensor | None,
-            lane: int, span: int, lanes: int, write_marks: bool, block: int) -> None:  # fmt: skip
+def _launch_chunks(coded: CodedBF16, out: torch.Tensor, marks: torch.Tensor, used: torch.Tensor,
+                   span: int, write_marks: bool, block: int) -> None:  # fmt: skip
     # Triton only here: the CPU path (every load on a machine without a GPU) never imports it
     from kernels.huffman_decode_triton import huffman_decode_kernel
 
-    huffman_decode_kernel[(-(-lanes // block),)](
+    huffman_decode_kernel[(-(-coded.num_chunks // block),)](
         coded.table,
         coded.offsets,
         marks,
         coded.sm,
         coded.bits,
         out.view(torch.int16),
-        marks if used is None else used,  # not written by a lane per mark
+        used,
         coded.numel,
         coded.bits.numel(),
-        lanes,
+        coded.num_chunks,
         CHUNK=coded.chunk_elems,
         SPAN=span,
-        LANE=lane,
         WRITE_MARKS=write_marks,
         BLOCK=block,
-        num_warps=max(1, block // 32),  # a lane per run of values, no lane doing another's work
+        num_warps=max(1, block // 32),  # a lane per chunk, no lane doing another's work
     )
 
 
 def marks_reference(coded: CodedBF16, span: int) -> torch.Tensor:
-    """with_marks's marks from the CPU decoder's values: each value's code length (the decode
+    """find_marks's marks from the CPU decoder's values: each value's code length (the decode
     table's first-code length, by the entry's first exponent), summed within its chunk."""
     table = coded.table.cpu()
     code_len = torch.zeros(256, dtype=torch.int64)
@@ -310,6 +299,97 @@ def marks_reference(coded: CodedBF16, span: int) -> torch.Tensor:
     marks = (spans.cumsum(1) - spans).view(-1)
     marks[-(-coded.numel // span) :] = 0  # spans past the end: no value, no mark
     return marks.to(torch.int32)
+
+
+@dataclass(slots=True)
+class LaneGroup:
+    """Coded tensors laid out for the lanes kernel, to be decoded together into one buffer:
+    tensor i's values go to [starts[i], starts[i] + numel_i) of it (starts: multiples of span)."""
+
+    tables: torch.Tensor  # (n_tensors * TABLE_SIZE,) int64
+    lanes: torch.Tensor  # (n_lanes,) int64: first code's bit in `words` | tensor << 48
+    ends: torch.Tensor  # (n_tensors + 1,) int64: where each tensor's values end in the buffer
+    words: torch.Tensor  # int32: every tensor's coded bytes, each padded to 4, 16 bytes after
+    sm: torch.Tensor  # (numel rounded up to 4,) uint8: sign+mantissa bytes, by buffer position
+    span: int
+    numel: int  # the buffer's values: the last tensor's end
+
+    def nbytes(self) -> int:
+        return sum(t.nbytes for t in (self.tables, self.lanes, self.ends, self.words, self.sm))
+
+
+def lane_group(coded: Sequence[CodedBF16], starts: Sequence[int], span: int = LANE_SPAN,
+               block: int = 64) -> LaneGroup:  # fmt: skip
+    """`coded` (on one GPU, or the CPU under the interpreter) gathered into a LaneGroup, tensor
+    i's values at starts[i] of the buffer (ascending multiples of span, each at or past the
+    previous tensor's end; span: a multiple of 4 that divides every chunk size). Finds every
+    tensor's marks (find_marks: a decode, which checks it)."""
+    if span < 4 or span % 4 or any(c.chunk_elems % span for c in coded):
+        chunks = sorted({c.chunk_elems for c in coded})
+        raise ValueError(f"span must be a multiple of 4 that divides the chunk sizes {chunks} "
+                         f"(a lane never crosses a chunk), got {span}")  # fmt: skip
+    ends = [s + c.numel for s, c in zip(starts, coded, strict=True)]
+    if any(s % span for s in starts) or any(e > s for e, s in zip(ends, starts[1:], strict=False)):
+        raise ValueError(f"starts must be ascending multiples of {span}, past the previous end")
+    dev = coded[0].sm.device if coded else torch.device("cpu")
+    numel = ends[-1] if ends else 0
+    sizes = [-(-c.bits.numel() // 4) * 4 for c in coded]
+    word_at = [0, *itertools.accumulate(sizes)]  # each tensor's first byte in `words`
+    words = torch.zeros(word_at[-1] // 4 + 4, dtype=torch.int32, device=dev)
+    sm = torch.zeros(-(-numel // 4) * 4, dtype=torch.uint8, device=dev)
+    # lane k decodes values [k * span, ...): a lane in a gap between tensors points at a last
+    # "tensor" that ends at 0, so it has nothing to do
+    lanes = torch.full((-(-numel // span),), len(coded) << 48, dtype=torch.int64, device=dev)
+    for i, (c, s) in enumerate(zip(coded, starts, strict=True)):
+        if c.numel == 0:
+            continue
+        words.view(torch.uint8)[word_at[i] : word_at[i] + c.bits.numel()] = c.bits
+        sm[s : s + c.numel] = c.sm
+        # a span inside chunk k starts at that chunk's first bit plus its mark
+        marks = find_marks(c, span, block)[: -(-c.numel // span)].long()
+        chunk = torch.arange(marks.numel(), device=dev) * span // c.chunk_elems
+        first = (word_at[i] + c.offsets.long()[chunk]) * 8 + marks
+        lanes[s // span : s // span + marks.numel()] = first | (i << 48)
+    return LaneGroup(
+        torch.cat([c.table for c in coded]) if coded else torch.zeros(0, dtype=torch.int64),
+        lanes,
+        torch.tensor([*ends, 0], dtype=torch.int64, device=dev),
+        words,
+        sm,
+        span,
+        numel,
+    )
+
+
+def decode_lanes(group: LaneGroup, out: torch.Tensor, block: int = 64) -> torch.Tensor:
+    """Every tensor of `group` decoded into its place in `out` ((>= group.numel,) bfloat16,
+    contiguous, 8-byte aligned, on the group's device; the gaps between tensors untouched) in
+    one launch, a lane per span values. Returns `out`."""
+    if (out.dtype != torch.bfloat16 or out.numel() < group.numel or not out.is_contiguous()
+            or out.data_ptr() % 8 or out.device != group.sm.device):  # fmt: skip
+        raise ValueError(
+            f"out must be a contiguous, 8-byte aligned bfloat16 tensor of at least "
+            f"{group.numel} values on {group.sm.device}, got {tuple(out.shape)} {out.dtype} on "
+            f"{out.device}"
+        )
+    n_lanes = group.lanes.numel()
+    if n_lanes == 0:
+        return out
+    from kernels.huffman_decode_triton import huffman_decode_lanes_kernel
+
+    huffman_decode_lanes_kernel[(-(-n_lanes // block),)](
+        group.tables,
+        group.lanes,
+        group.ends,
+        group.words,
+        group.sm,
+        out.view(torch.int16),
+        n_lanes,
+        SPAN=group.span,
+        BLOCK=block,
+        num_warps=max(1, block // 32),
+    )
+    return out
 
 
 def _check_inputs(coded: CodedBF16, out: torch.Tensor | None) -> None:

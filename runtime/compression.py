@@ -65,16 +65,19 @@ import torch
 import xxhash
 from torch import nn
 
+from kernels.dispatch import FORCE_TRITON
 from kernels.huffman_decode import (
     CODE_BITS,
-    MARK_SPAN,
+    LANE_SPAN,
     CodedBF16,
     CorruptStreamError,
+    LaneGroup,
     canonical_codes,
     decode,
     decode_cpu,
+    decode_lanes,
     decode_table,
-    with_marks,
+    lane_group,
 )
 from runtime.config import ModelLoadError
 from runtime.manifest import COMPRESSED_MANIFEST_NAME, is_compressed
@@ -872,8 +875,15 @@ def _aligned(nbytes: int) -> int:
 class _Slot:
     param: nn.Parameter
     shape: torch.Size  # its own (the parameter holds an empty tensor between uses)
-    coded: CodedBF16
+    numel: int
+    coded: CodedBF16 | None  # None on a GPU: its block's LaneGroup holds it
     offset: int  # in the shared buffer, in values
+
+
+@dataclass(slots=True)
+class _Block:
+    slots: list[_Slot]
+    group: LaneGroup | None  # on a GPU: every slot decoded in one launch
 
 
 class CompressedBlocks:
@@ -908,7 +918,7 @@ class CompressedBlocks:
         )
         self.dense_bytes = 0  # what the compressed weights took before
         self.compressed_bytes = 0
-        self._blocks: list[list[_Slot]] = []
+        self._blocks: list[_Block] = []
         self._hooks: list[Any] = []
         self._empty = torch.empty(0, dtype=torch.bfloat16, device=self.device)
         params = [[p for p in b.parameters() if p.dtype == torch.bfloat16] for b in blocks]
@@ -949,40 +959,56 @@ class CompressedBlocks:
         """One block's encoded parameters (`recs`: encode_bf16's records, None for a parameter
         kept dense) into slots of the shared buffer, and its hooks. Returns the values it uses
         of the buffer."""
+        # On a GPU (or the CPU under EDGEINFER_KERNELS=triton) the block is decoded in one launch
+        # of the lanes kernel, whose lanes start at multiples of its span; on the CPU a tensor at
+        # a time by the C++ decoder, 64-byte aligned
+        span = math.gcd(LANE_SPAN, chunk_elems)  # a lane never crosses a chunk
+        gpu = (self.device.type == "cuda" or FORCE_TRITON) and span % 4 == 0
+        align = span if gpu else 32
         slots, used = [], 0
         for p, rec in zip(ps, recs, strict=True):
             if rec is None:
                 continue
             coded = parse_record(rec, p.numel()).to(self.device)
-            if coded.sm.is_cuda:  # decoded every step: a lane per 256 values, not per chunk
-                coded = with_marks(coded, math.gcd(coded.chunk_elems, MARK_SPAN))
-            slots.append(_Slot(p, p.shape, coded, used))
+            slots.append(_Slot(p, p.shape, p.numel(), coded, used))
             self.dense_bytes += p.numel() * 2
-            self.compressed_bytes += coded.nbytes()
-            used += -(-p.numel() // 32) * 32  # 64-byte aligned views
+            used += -(-p.numel() // align) * align
             p.data = self._empty  # the dense weight is freed (unless held elsewhere)
-        self._blocks.append(slots)
-        self._hooks.append(block.register_forward_pre_hook(self._pre_hook(slots)))
-        self._hooks.append(block.register_forward_hook(self._post_hook(slots)))
+        held = [s.coded for s in slots if s.coded is not None]
+        group = None
+        if gpu and held:
+            group = lane_group(held, [s.offset for s in slots], span)
+            for s in slots:
+                s.coded = None  # the group holds its own copy
+            self.compressed_bytes += group.nbytes()
+        else:
+            self.compressed_bytes += sum(c.nbytes() for c in held)
+        entry = _Block(slots, group)
+        self._blocks.append(entry)
+        self._hooks.append(block.register_forward_pre_hook(self._pre_hook(entry)))
+        self._hooks.append(block.register_forward_hook(self._post_hook(entry)))
         return used
 
-    def _pre_hook(self, slots: list[_Slot]) -> Callable[..., None]:
+    def _pre_hook(self, entry: _Block) -> Callable[..., None]:
         def hook(_module: nn.Module, _args: Any) -> None:
-            self._decode(slots)
+            self._decode(entry)
 
         return hook
 
-    def _post_hook(self, slots: list[_Slot]) -> Callable[..., None]:
+    def _post_hook(self, entry: _Block) -> Callable[..., None]:
         def hook(_module: nn.Module, _args: Any, _out: Any) -> None:
-            for s in slots:  # a stale view would silently read the next block's weights
+            for s in entry.slots:  # a stale view would silently read the next block's weights
                 s.param.data = self._empty
 
         return hook
 
-    def _decode(self, slots: list[_Slot]) -> None:
-        for s in slots:
-            view = self.buffer[s.offset : s.offset + s.coded.numel]
-            decode(s.coded, out=view, check=False)
+    def _decode(self, entry: _Block) -> None:
+        if entry.group is not None:
+            decode_lanes(entry.group, self.buffer)
+        for s in entry.slots:
+            view = self.buffer[s.offset : s.offset + s.numel]
+            if s.coded is not None:
+                decode(s.coded, out=view, check=False)
             s.param.data = view.view(s.shape)
 
     def summary(self) -> str:
@@ -997,9 +1023,9 @@ class CompressedBlocks:
     def release(self) -> None:
         for h in self._hooks:
             h.remove()
-        for slots in self._blocks:
-            self._decode(slots)
-            for s in slots:
+        for entry in self._blocks:
+            self._decode(entry)
+            for s in entry.slots:
                 s.param.data = s.param.data.clone()
         self._blocks, self._hooks = [], []
 

@@ -448,7 +448,7 @@ def test_triton_kernel_gives_the_cpu_decoders_bits() -> None:
     """Run in a fresh interpreter: TRITON_INTERPRET is read when the kernel is defined."""
     script = """
 import torch
-from kernels.huffman_decode import decode_cpu, decode_triton, marks_reference, with_marks
+from kernels.huffman_decode import decode_cpu, decode_triton, find_marks, marks_reference
 from runtime.compression import encode_bf16, parse_record
 from tests.test_compression import _weights
 
@@ -464,41 +464,90 @@ for shape, kind, chunk, span in [((1025,), "normal", 64, 16), ((3, 333), "specia
     gpu = decode_triton(coded)
     assert torch.equal(gpu.view(torch.int16), cpu.view(torch.int16)), (shape, kind)
     assert torch.equal(gpu.view(torch.int16), t.reshape(-1).view(torch.int16)), (shape, kind)
-    marked = with_marks(coded, span)
-    assert torch.equal(marked.marks, marks_reference(coded, span)), (shape, kind, span)
-    by_span = decode_triton(marked, out=torch.full_like(gpu, float("nan")))
-    assert torch.equal(by_span.view(torch.int16), cpu.view(torch.int16)), (shape, kind, span)
+    assert torch.equal(find_marks(coded, span), marks_reference(coded, span)), (shape, span)
 try:
-    with_marks(coded, 48)
+    find_marks(coded, 48)
 except ValueError as e:
     assert "span must divide the chunk size 512" in str(e), e
 else:
     raise AssertionError("a span that does not divide the chunk was taken")
 coded.offsets[1] = 0
-try:
-    decode_triton(coded)
-except ValueError as e:
-    assert "chunk 0" in str(e), e
-else:
-    raise AssertionError("corrupt stream decoded")
+for corrupt in (decode_triton, lambda c: find_marks(c, 64)):
+    try:
+        corrupt(coded)
+    except ValueError as e:
+        assert "chunk 0" in str(e), e
+    else:
+        raise AssertionError("corrupt stream decoded")
 print("ok")
 """
     assert run_interpreted(script).strip() == "ok"
 
 
-def test_triton_kernel_compiles_for_hopper() -> None:
-    """No GPU here: compile the kernel to a cubin for sm_90 (H100/H200) with Triton's own ptxas,
+def test_lanes_kernel_decodes_a_group_into_its_places() -> None:
+    """Tensors of several chunk sizes, NaN/Inf, all-equal, sizes that are not multiples of 4 or
+    of the span, gathered into one LaneGroup with gaps between them (a lane of a gap has nothing
+    to do) and decoded in one launch: every tensor's bits in its place, the gaps untouched."""
+    script = """
+import torch
+from kernels.huffman_decode import decode_lanes, lane_group
+from runtime.compression import encode_bf16, parse_record
+from tests.test_compression import _weights
+
+coded, tensors = [], []
+for shape, kind, chunk in [((1025,), "normal", 64), ((3, 333), "special", 64),
+                           ((1000,), "normal", 128), ((2, 700), "equal", 256),
+                           ((5003,), "normal", 512), ((1, 1), "normal", 64)]:
+    t = _weights(shape, kind)
+    rec = encode_bf16(t, chunk)
+    if rec is None:  # a single value does not compress: stays raw
+        continue
+    coded.append(parse_record(torch.from_numpy(rec), t.numel()))
+    tensors.append(t)
+assert len(coded) == 5
+for span, gap in [(16, 1), (64, 0), (32, 3)]:
+    starts, at = [], 0
+    for c in coded:
+        at = -(-at // span) * span + gap * span
+        starts.append(at)
+        at += c.numel
+    group = lane_group(coded, starts, span)
+    out = torch.full((group.numel + 8,), float("nan"), dtype=torch.bfloat16)
+    decode_lanes(group, out)
+    filled = torch.zeros(out.numel(), dtype=torch.bool)
+    for s, c, t in zip(starts, coded, tensors):
+        got = out[s : s + c.numel].view(torch.int16)
+        assert torch.equal(got, t.reshape(-1).view(torch.int16)), (span, t.shape)
+        filled[s : s + c.numel] = True
+    assert torch.isnan(out[~filled]).all(), span
+for bad in (lambda: lane_group(coded, starts, 128), lambda: lane_group(coded, [0] * 5, 32)):
+    try:
+        bad()
+    except ValueError as e:
+        assert "span must be" in str(e) or "starts must be" in str(e), e
+    else:
+        raise AssertionError("a bad layout was taken")
+print("ok")
+"""
+    assert run_interpreted(script).strip() == "ok"
+
+
+def test_triton_kernels_compile_for_hopper() -> None:
+    """No GPU here: compile the kernels to a cubin for sm_90 (H100/H200) with Triton's own ptxas,
     which catches what the interpreter does not (types, the data-dependent while loop)."""
-    from kernels.huffman_decode_triton import huffman_decode_kernel
+    from kernels.huffman_decode_triton import huffman_decode_kernel, huffman_decode_lanes_kernel
 
     sig = {"table_ptr": "*i64", "offsets_ptr": "*i32", "marks_ptr": "*i32", "sm_ptr": "*u8",
            "bits_ptr": "*u8", "out_ptr": "*i16", "used_ptr": "*i64", "n": "i64", "nbytes": "i64",
-           "n_lanes": "i32", "CHUNK": "constexpr", "SPAN": "constexpr", "LANE": "constexpr",
+           "n_chunks": "i32", "CHUNK": "constexpr", "SPAN": "constexpr",
            "WRITE_MARKS": "constexpr", "BLOCK": "constexpr"}  # fmt: skip
-    for lane, write_marks in [(4096, False), (4096, True), (256, False)]:  # the three uses
-        consts = {"CHUNK": 4096, "SPAN": 256, "LANE": lane, "WRITE_MARKS": write_marks,
-                  "BLOCK": 64}  # fmt: skip
+    for write_marks in (False, True):
+        consts = {"CHUNK": 4096, "SPAN": 256, "WRITE_MARKS": write_marks, "BLOCK": 64}
         compile_for_hopper(huffman_decode_kernel, sig, consts, num_warps=2)
+    sig = {"tables_ptr": "*i64", "lanes_ptr": "*i64", "ends_ptr": "*i64", "words_ptr": "*i32",
+           "sm_ptr": "*u8", "out_ptr": "*i16", "n_lanes": "i32", "SPAN": "constexpr",
+           "BLOCK": "constexpr"}  # fmt: skip
+    compile_for_hopper(huffman_decode_lanes_kernel, sig, {"SPAN": 256, "BLOCK": 64}, num_warps=2)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -2,8 +2,8 @@
 real device. Run on a lent GPU machine with `pytest tests/test_gpu.py` (EDGEINFER_STORIES names
 stories260K where ../shared is not beside the repository).
 
-- the Huffman decoder's Triton kernel, both ways (a lane per chunk, a lane per mark), gives the
-  original bits of tensors large enough to fill the GPU;
+- the Huffman decoder's Triton kernels (a lane per chunk; a group of tensors a lane per span)
+  give the original bits of tensors large enough to fill the GPU;
 - the engine on the GPU (Triton kernels, CUDA graphs) gives transformers' greedy tokens on the
   same bfloat16 weights, and the same tokens with its weights kept compressed (decoded inside
   the captured graphs).
@@ -28,25 +28,39 @@ def _bits(t: torch.Tensor) -> torch.Tensor:
     return t.reshape(-1).view(torch.int16)
 
 
-def test_huffman_kernel_on_the_gpu_gives_the_original_bits() -> None:
-    from kernels.huffman_decode import decode_triton, marks_reference, with_marks
+def test_huffman_kernels_on_the_gpu_give_the_original_bits() -> None:
+    from kernels.huffman_decode import (
+        decode_lanes,
+        decode_triton,
+        find_marks,
+        lane_group,
+        marks_reference,
+    )
     from runtime.compression import encode_bf16, parse_record
 
     gen = torch.Generator().manual_seed(0)
-    for shape in [(4096, 4096), (1, 4097), (3, 1000, 7)]:
+    tensors, coded = [], []
+    for shape in [(4096, 4096), (1, 4097), (3, 1000, 7), (1536, 576)]:
         t = (torch.randn(*shape, generator=gen) * 0.02).to(torch.bfloat16)
         t.view(-1)[:3] = torch.tensor([float("nan"), float("inf"), -0.0])
         rec = encode_bf16(t)
         assert rec is not None
-        coded = parse_record(torch.from_numpy(rec), t.numel()).to("cuda")
-        poison = torch.full((t.numel(),), float("nan"), dtype=torch.bfloat16, device="cuda")
-        got = decode_triton(coded, out=poison.clone())
+        c = parse_record(torch.from_numpy(rec), t.numel()).to("cuda")
+        got = decode_triton(c, out=torch.full_like(_bits(t), -1, device="cuda").view(t.dtype))
         assert torch.equal(_bits(got).cpu(), _bits(t)), shape
-        for span in (128, 256, 512):
-            marked = with_marks(coded, span)
-            assert torch.equal(marked.marks.cpu(), marks_reference(coded, span)), (shape, span)
-            got = decode_triton(marked, out=poison.clone())
-            assert torch.equal(_bits(got).cpu(), _bits(t)), (shape, span)
+        assert torch.equal(find_marks(c, 256).cpu(), marks_reference(c, 256)), shape
+        tensors.append(t)
+        coded.append(c)
+    for span in (64, 256, 512):
+        starts, at = [], 0
+        for c in coded:
+            starts.append(at)
+            at = -(-(at + c.numel) // span) * span
+        group = lane_group(coded, starts, span)
+        out = torch.full((group.numel,), float("nan"), dtype=torch.bfloat16, device="cuda")
+        decode_lanes(group, out)
+        for s, t in zip(starts, tensors, strict=True):
+            assert torch.equal(_bits(out[s : s + t.numel()]).cpu(), _bits(t)), (span, t.shape)
 
 
 def _greedy(llm: LLM) -> list[list[int]]:
@@ -63,14 +77,14 @@ def test_engine_on_the_gpu_gives_transformers_tokens(stories_dir: Path) -> None:
         ids = torch.tensor([p], device="cuda")
         out = hf.generate(ids, max_new_tokens=24, do_sample=False, min_new_tokens=24)
         want.append(out[0, len(p) :].tolist())
-    llm = LLM(stories_dir, device="cuda")
+    llm = LLM(stories_dir, device="cuda", cuda_graph_max_batch=8)
     assert llm.engine.runner.triton and llm.engine.runner.graphs is not None
     assert _greedy(llm) == want
 
 
 def test_engine_on_the_gpu_with_weights_kept_compressed(stories_dir: Path) -> None:
-    dense = _greedy(LLM(stories_dir, device="cuda"))
-    llm = LLM(stories_dir, device="cuda", keep_weights_compressed=True)
+    dense = _greedy(LLM(stories_dir, device="cuda", cuda_graph_max_batch=8))
+    llm = LLM(stories_dir, device="cuda", cuda_graph_max_batch=8, keep_weights_compressed=True)
     assert llm.engine.compressed is not None and llm.engine.runner.graphs is not None
-    assert all(s.coded.marks is not None for b in llm.engine.compressed._blocks for s in b)
+    assert all(b.group is not None for b in llm.engine.compressed._blocks)  # a launch a layer
     assert _greedy(llm) == dense
