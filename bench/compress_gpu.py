@@ -88,7 +88,7 @@ def decoder_rates(tensors: dict[str, torch.Tensor], reps: int) -> list[tuple[str
     rates.append(
         ("a launch a tensor, a lane per chunk", 2 * values * copies / timed(per_chunk, reps))
     )
-    for span, block in [(512, 64), (256, 64), (128, 64), (256, 32), (256, 128), (64, 64)]:
+    for span, block in [(256, 32), (512, 32), (128, 32), (256, 64)]:
         starts, at = [], 0
         for c in coded:
             starts.append(at)

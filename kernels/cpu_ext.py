@@ -118,6 +118,12 @@ def load_huffman() -> ModuleType | None:
     return _build("edgeinfer_huffman_cpu", _HUFFMAN_SOURCE, "CPU Huffman decoder")
 
 
+def huffman_if_loaded() -> ModuleType | None:
+    """The Huffman decoder if this process has loaded it already (a CPU that decodes), without
+    building or importing it: what needs it only to go faster (a decode table) asks this."""
+    return _state.get("edgeinfer_huffman_cpu")
+
+
 def _build(name: str, source: Path, what: str) -> ModuleType | None:
     with _lock:
         if name in _state:

@@ -120,13 +120,14 @@ def _canonical_order(lengths: np.ndarray) -> np.ndarray:
 
 
 def decode_table(lengths: np.ndarray) -> torch.Tensor:
-    """The (TABLE_SIZE,) int64 multi-symbol decode table of a code (see the module docstring),
-    built by the C++ extension where it is available; CorruptStreamError if `lengths` is not a
-    complete prefix code."""
-    from kernels.cpu_ext import load_huffman
+    """The (TABLE_SIZE,) int64 multi-symbol decode table of a code (see the module docstring):
+    by the C++ extension where this process has loaded it (0.02 ms), in numpy otherwise (0.1 ms;
+    a GPU worker never compiles the CPU decoder for its tables); CorruptStreamError if `lengths`
+    is not a complete prefix code."""
+    from kernels.cpu_ext import huffman_if_loaded
 
     lengths = check_lengths(lengths)
-    ext = load_huffman()
+    ext = huffman_if_loaded()
     return (
         decode_table_reference(lengths)
         if ext is None
@@ -284,13 +285,17 @@ def _launch_chunks(coded: CodedBF16, out: torch.Tensor, marks: torch.Tensor, use
     )
 
 
-def marks_reference(coded: CodedBF16, span: int) -> torch.Tensor:
-    """find_marks's marks from the CPU decoder's values: each value's code length (the decode
-    table's first-code length, by the entry's first exponent), summed within its chunk."""
+def marks_reference(
+    coded: CodedBF16, span: int, values: torch.Tensor | None = None
+) -> torch.Tensor:
+    """find_marks's marks from the tensor's values (`values`, bfloat16, or else the CPU decoder's):
+    each value's code length (the decode table's first-code length, by the entry's first
+    exponent), summed within its chunk."""
     table = coded.table.cpu()
     code_len = torch.zeros(256, dtype=torch.int64)
     code_len[table & 0xFF] = (table >> 48) & 0xFF
-    values = decode(coded.to("cpu")).view(torch.int16).long()
+    values = decode(coded.to("cpu")) if values is None else values.cpu().reshape(-1)
+    values = values.view(torch.int16).long()
     lengths = code_len[(values >> 7) & 0xFF]
     per_chunk = coded.chunk_elems // span
     padded = torch.zeros(coded.num_chunks * coded.chunk_elems, dtype=torch.int64)
@@ -361,10 +366,12 @@ def lane_group(coded: Sequence[CodedBF16], starts: Sequence[int], span: int = LA
     )
 
 
-def decode_lanes(group: LaneGroup, out: torch.Tensor, block: int = 64) -> torch.Tensor:
+def decode_lanes(group: LaneGroup, out: torch.Tensor, block: int = 32) -> torch.Tensor:
     """Every tensor of `group` decoded into its place in `out` ((>= group.numel,) bfloat16,
     contiguous, 8-byte aligned, on the group's device; the gaps between tensors untouched) in
-    one launch, a lane per span values. Returns `out`."""
+    one launch, a lane per span values, `block` lanes (one warp by default: the loop's test
+    that every lane is done stays within it; 2 warps ran at half the rate on an H200). Returns
+    `out`."""
     if (out.dtype != torch.bfloat16 or out.numel() < group.numel or not out.is_contiguous()
             or out.data_ptr() % 8 or out.device != group.sm.device):  # fmt: skip
         raise ValueError(
