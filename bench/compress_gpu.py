@@ -5,8 +5,8 @@ weights kept compressed (issue 7's GPU figures), in one run.
    written to preallocated buffers): every tensor of a set decoded once per timed call, the set
    copied until it outgrows the L2 cache, beside the device's copy bandwidth (a 1 GiB
    device-to-device copy, bytes read + written) from the same run. Two sets: real trained
-   weights (`--weights FILE`, a safetensors file of bfloat16 tensors, e.g. SmolLM2-135M's first
-   layers) and random ones (std 0.02) in TinyLlama-1.1B's layer shapes. Two ways: a lane per
+   weights (`--weights`: a safetensors file, or a model folder's first `--layers` layers, cast
+   to bfloat16) and random ones (std 0.02) in TinyLlama-1.1B's layer shapes. Two ways: a lane per
    chunk (what a one-off decode at load uses) and a lane per mark (weights kept compressed),
    at several spans. Every output is checked bit for bit against the original first.
 2. Decode step, replayed from the engine's CUDA graphs, of a random-weight bfloat16 model with
@@ -14,7 +14,7 @@ weights kept compressed (issue 7's GPU figures), in one run.
    weights decoded into one buffer just before it runs, inside the graph) beside the same model
    dense, at batch 1 and 64: SmolLM2-135M's shape and TinyLlama-1.1B's.
 
-    python -m bench.compress_gpu [--weights FILE] [--reps 30] [--skip-1b]
+    python -m bench.compress_gpu [--weights FILE_OR_DIR] [--layers 4] [--reps 30] [--skip-1b]
 
 Targets (issue 7): the Triton decoder >= 200 GB/s on an H100/H200; a decode step with weights
 kept compressed <= 1.3x the dense one at batch 1. Needs a CUDA GPU (exits 2 without one).
@@ -27,6 +27,7 @@ import itertools
 import os
 import sys
 import time
+from pathlib import Path
 
 import runtime  # noqa: F401  # before torch: its OpenMP settings
 import torch
@@ -51,6 +52,21 @@ def random_layers(shape: dict[str, int], layers: int) -> dict[str, torch.Tensor]
               "up": (inter, h), "down": (h, inter)}  # fmt: skip
     return {f"{i}.{name}": (torch.randn(*s, generator=gen) * 0.02).to(torch.bfloat16)
             for i in range(layers) for name, s in shapes.items()}  # fmt: skip
+
+
+def real_weights(args: argparse.Namespace) -> dict[str, torch.Tensor]:
+    """The 2-D float tensors of `--weights` (a safetensors file, or a model folder: those of its
+    first `--layers` decoder layers), in bfloat16."""
+    from safetensors.torch import load_file
+
+    from runtime.loader import safetensors_files
+
+    path = Path(args.weights)
+    files = safetensors_files(path) if path.is_dir() else [path]
+    layers = tuple(f"layers.{i}." for i in range(args.layers))
+    return {name: t.to(torch.bfloat16) for f in files for name, t in load_file(str(f)).items()
+            if t.is_floating_point() and t.dim() == 2
+            and (not path.is_dir() or any(x in name for x in layers))}  # fmt: skip
 
 
 def decoder_rates(tensors: dict[str, torch.Tensor], reps: int) -> list[tuple[str, float]]:
@@ -142,7 +158,8 @@ def step_slowdown(shape: dict[str, int], tied: bool, reps: int) -> tuple[int, di
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
-    p.add_argument("--weights", help="safetensors file of real bfloat16 weights")
+    p.add_argument("--weights", help="real weights: a safetensors file, or a model folder")
+    p.add_argument("--layers", type=int, default=4, help="of a model folder's (default 4)")
     p.add_argument("--reps", type=int, default=30)
     p.add_argument("--skip-1b", action="store_true", help="no TinyLlama-shape decode step")
     args = p.parse_args()
@@ -155,11 +172,7 @@ def main() -> None:
     print(f"device copy bandwidth {copy / 1e9:8.1f} GB/s (read + write)")
     sets = {"random, TinyLlama-1.1B layer shapes (2 layers)": random_layers(TINYLLAMA, 2)}
     if args.weights:
-        from safetensors.torch import load_file
-
-        real = {k: v.to(torch.bfloat16) for k, v in load_file(args.weights).items()
-                if v.is_floating_point() and v.dim() == 2}  # fmt: skip
-        sets = {f"real, {os.path.basename(args.weights)}": real, **sets}
+        sets = {f"real, {os.path.basename(args.weights)}": real_weights(args), **sets}
     print("Triton decoder, bfloat16 GB/s out (target >= 200):")
     for label, tensors in sets.items():
         log(label)

@@ -355,7 +355,8 @@ class EngineConfig:
     # one shared buffer just before it runs: more memory left for the KV cache, and on a GPU a
     # model whose dense weights would not fit in its memory.
     # Lossless (the same outputs); each step pays the decoding of every layer (on the CPU
-    # ~4 GB/s: several times slower than reading dense weights). The start-up still reads the
+    # ~4 GB/s: several times slower than reading dense weights; on an H200 ~220 GB/s, inside
+    # the CUDA graphs: SmolLM2's step 2.6x the dense one at batch 1). The start-up still reads the
     # dense weights once (given back layer by layer as each is encoded). Needs bfloat16
     # weights (dtype or weight_dtype bfloat16) and tp = pp = ep = 1; a speculative draft
     # model stays dense
