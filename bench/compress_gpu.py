@@ -15,6 +15,9 @@ weights kept compressed (issue 7's GPU figures), in one run.
    dense, at batch 1 and 64: SmolLM2-135M's shape and TinyLlama-1.1B's.
 
     python -m bench.compress_gpu [--weights FILE_OR_DIR] [--layers 4] [--reps 30] [--skip-1b]
+    python -m bench.compress_gpu --save-layers FILE   # the real weights, for a GPU machine
+
+bench/gpu_check.sh runs it, the GPU tests and bench.kernels as one prepared run.
 
 Targets (issue 7): the Triton decoder >= 200 GB/s on an H100/H200; a decode step with weights
 kept compressed <= 1.3x the dense one at batch 1. Needs a CUDA GPU (exits 2 without one).
@@ -162,7 +165,20 @@ def main() -> None:
     p.add_argument("--layers", type=int, default=4, help="of a model folder's (default 4)")
     p.add_argument("--reps", type=int, default=30)
     p.add_argument("--skip-1b", action="store_true", help="no TinyLlama-shape decode step")
+    p.add_argument("--save-layers", metavar="FILE", help="no GPU needed: write the real weights "
+                   "(--weights, default the demo model's folder) to FILE and stop")  # fmt: skip
     args = p.parse_args()
+    if args.save_layers:
+        from safetensors.torch import save_file
+
+        from runtime.model_cache import default_model_dir
+
+        args.weights = args.weights or str(default_model_dir())
+        tensors = real_weights(args)
+        save_file({k: v.contiguous() for k, v in tensors.items()}, args.save_layers)
+        values = sum(t.numel() for t in tensors.values())
+        print(f"{args.save_layers}: {len(tensors)} tensors, {values / 1e6:.1f} M values")
+        return
     if not torch.cuda.is_available():
         print(f"bench.compress_gpu needs a CUDA GPU; torch {torch.__version__} sees none",
               file=sys.stderr)  # fmt: skip

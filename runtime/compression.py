@@ -891,7 +891,10 @@ class CompressedBlocks:
     another) kept compressed on `device`; a forward pre-hook decodes a block's weights into one
     buffer shared by all blocks (the largest block's size) just before the block runs, and its
     parameters are views of that buffer until the block returns. Weights that do not compress
-    stay as they are. `release()` restores dense weights and removes the hooks.
+    stay as they are. `release()` restores dense weights and removes the hooks. On a GPU a
+    block's records are gathered into one LaneGroup (kernels/huffman_decode.py), decoded by one
+    launch of the lanes kernel; the launches are captured in the engine's decode graphs like
+    any other kernel (the buffer's address never changes).
 
     The weights are encoded here, from the loaded model (the model's parameters fuse q/k/v
     and gate/up, which the files' records do not), on the calling thread: SmolLM2's 106M layer

@@ -13,7 +13,9 @@ import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 # EDGEINFER_STORIES: elsewhere (a GPU machine that gets the repository without ../shared)
-STORIES = Path(os.environ.get("EDGEINFER_STORIES", ROOT.parent / "shared" / "models" / "stories260K"))
+STORIES = Path(
+    os.environ.get("EDGEINFER_STORIES", ROOT.parent / "shared" / "models" / "stories260K")
+)
 
 
 @pytest.fixture(scope="session")
@@ -125,10 +127,13 @@ def redis_server():  # type: ignore[no-untyped-def]
 
 
 @pytest.fixture(scope="session", autouse=True)
-def cpu_extensions_built() -> None:
+def cpu_extensions_built(request: pytest.FixtureRequest) -> None:
     """Build the C++ CPU kernels once, here, before any test starts a worker process: a worker
     that had to compile them (~30 s each on 2 cores) would miss its start-up deadline. They are
-    cached per machine; later loads (here and in every worker) take milliseconds."""
+    cached per machine; later loads (here and in every worker) take milliseconds. Not for a run
+    of the GPU tests alone, which use none of them (on a lent GPU machine the build took 88 s)."""
+    if all(item.path.name == "test_gpu.py" for item in request.session.items):
+        return
     from kernels import cpu_ext
 
     cpu_ext.load(), cpu_ext.load_small_gemm(), cpu_ext.load_rms_norm(), cpu_ext.load_fused()
