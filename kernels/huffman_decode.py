@@ -314,7 +314,7 @@ class LaneGroup:
     tables: torch.Tensor  # (n_tensors * TABLE_SIZE,) int64
     lanes: torch.Tensor  # (n_lanes,) int64: first code's bit in `words` | tensor << 48
     ends: torch.Tensor  # (n_tensors + 1,) int64: where each tensor's values end in the buffer
-    words: torch.Tensor  # int32: every tensor's coded bytes, each padded to 4, 16 bytes after
+    words: torch.Tensor  # int32: every tensor's coded bytes, each padded to 4, 8 bytes after
     sm: torch.Tensor  # (numel rounded up to 4,) uint8: sign+mantissa bytes, by buffer position
     span: int
     numel: int  # the buffer's values: the last tensor's end
@@ -334,13 +334,16 @@ def lane_group(coded: Sequence[CodedBF16], starts: Sequence[int], span: int = LA
         raise ValueError(f"span must be a multiple of 4 that divides the chunk sizes {chunks} "
                          f"(a lane never crosses a chunk), got {span}")  # fmt: skip
     ends = [s + c.numel for s, c in zip(starts, coded, strict=True)]
-    if any(s % span for s in starts) or any(e > s for e, s in zip(ends, starts[1:], strict=False)):
+    if (any(s % span or s < 0 for s in starts)
+            or any(e > s for e, s in zip(ends, starts[1:], strict=False))):  # fmt: skip
         raise ValueError(f"starts must be ascending multiples of {span}, past the previous end")
+    if len({c.sm.device for c in coded}) > 1:
+        raise ValueError("a LaneGroup's tensors must be on one device")
     dev = coded[0].sm.device if coded else torch.device("cpu")
     numel = ends[-1] if ends else 0
     sizes = [-(-c.bits.numel() // 4) * 4 for c in coded]
     word_at = [0, *itertools.accumulate(sizes)]  # each tensor's first byte in `words`
-    words = torch.zeros(word_at[-1] // 4 + 4, dtype=torch.int32, device=dev)
+    words = torch.zeros(word_at[-1] // 4 + 2, dtype=torch.int32, device=dev)  # reads 1 ahead
     sm = torch.zeros(-(-numel // 4) * 4, dtype=torch.uint8, device=dev)
     # lane k decodes values [k * span, ...): a lane in a gap between tensors points at a last
     # "tensor" that ends at 0, so it has nothing to do
@@ -372,6 +375,9 @@ def decode_lanes(group: LaneGroup, out: torch.Tensor, block: int = 32) -> torch.
     one launch, a lane per span values, `block` lanes (one warp by default: the loop's test
     that every lane is done stays within it; 2 warps ran at half the rate on an H200). Returns
     `out`."""
+    n_lanes = group.lanes.numel()
+    if n_lanes == 0:  # (an empty group's tensors are on the CPU, whatever `out` is on)
+        return out
     if (out.dtype != torch.bfloat16 or out.numel() < group.numel or not out.is_contiguous()
             or out.data_ptr() % 8 or out.device != group.sm.device):  # fmt: skip
         raise ValueError(
@@ -379,9 +385,6 @@ def decode_lanes(group: LaneGroup, out: torch.Tensor, block: int = 32) -> torch.
             f"{group.numel} values on {group.sm.device}, got {tuple(out.shape)} {out.dtype} on "
             f"{out.device}"
         )
-    n_lanes = group.lanes.numel()
-    if n_lanes == 0:
-        return out
     from kernels.huffman_decode_triton import huffman_decode_lanes_kernel
 
     huffman_decode_lanes_kernel[(-(-n_lanes // block),)](

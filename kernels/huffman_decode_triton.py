@@ -98,7 +98,7 @@ def huffman_decode_lanes_kernel(
     #             its tensor's index above bit 48
     ends_ptr,  # (n_tensors + 1,) int64: where each tensor's values end in out_ptr (the last,
     #            0, is no tensor's: lanes in gaps between tensors point at it)
-    words_ptr,  # int32: the coded exponents' bytes, 4 at a time, 16 bytes of padding after
+    words_ptr,  # int32: the coded exponents' bytes, 4 at a time, 8 bytes of padding after
     sm_ptr,  # uint8, by position in out_ptr, 4-byte aligned: sign and mantissa bytes
     out_ptr,  # int16, 8-byte aligned: lane c writes values [c * SPAN, its tensor's end)
     n_lanes,

@@ -871,6 +871,10 @@ def _aligned(nbytes: int) -> int:
 # Weights kept compressed in memory, decoded block by block
 
 
+TABLE_BYTES = 8 * (1 << CODE_BITS)  # a decode table, held beside each tensor kept compressed
+MIN_LANE_SPAN = 64  # the least span a LaneGroup is built for (else a tensor at a time)
+
+
 @dataclass(slots=True)
 class _Slot:
     param: nn.Parameter
@@ -904,7 +908,9 @@ class CompressedBlocks:
     517-523 on a pool's; 2-core Xeon, 2026-11-25). Each
     block's dense weights are given back as soon as it is encoded (see below), so the
     start-up needs the dense weights' memory once. `progress(done, total)` (values) after
-    each block is encoded."""
+    each block is encoded. A tensor stays dense unless its record saves more than `min_saving`
+    bytes (default: the size of the decode table it would hold beside it), and
+    `compressed_bytes` counts the tables."""
 
     def __init__(
         self,
@@ -912,6 +918,7 @@ class CompressedBlocks:
         device: torch.device | str | None = None,
         chunk_elems: int = CHUNK_ELEMS,
         progress: Callable[[int, int], None] | None = None,
+        min_saving: int = TABLE_BYTES,
     ) -> None:
         first = next((p for b in blocks for p in b.parameters()), None)
         self.device = (
@@ -937,7 +944,9 @@ class CompressedBlocks:
             kept: list[torch.Tensor | None] = []
             for p in ps:
                 rec = encode_bf16(p.data.cpu(), chunk_elems)
-                if rec is None:
+                # a tensor kept compressed also holds its decode table (TABLE_BYTES): one that
+                # saves less (a norm's 576 values) stays dense
+                if rec is None or 2 * p.numel() - rec.size <= min_saving:
                     kept.append(None)
                     continue
                 view = store[at : at + rec.size]
@@ -965,8 +974,10 @@ class CompressedBlocks:
         # On a GPU (or the CPU under EDGEINFER_KERNELS=triton) the block is decoded in one launch
         # of the lanes kernel, whose lanes start at multiples of its span; on the CPU a tensor at
         # a time by the C++ decoder, 64-byte aligned
-        span = math.gcd(LANE_SPAN, chunk_elems)  # a lane never crosses a chunk
-        gpu = (self.device.type == "cuda" or FORCE_TRITON) and span % 4 == 0
+        # a lane never crosses a chunk; a group is for spans of 64 values or more (8 bytes a
+        # lane: 6% of the dense bytes at 64, as much as the dense bytes at 4)
+        span = math.gcd(LANE_SPAN, chunk_elems)
+        gpu = (self.device.type == "cuda" or FORCE_TRITON) and span >= MIN_LANE_SPAN
         align = span if gpu else 32
         slots, used = [], 0
         for p, rec in zip(ps, recs, strict=True):
@@ -985,7 +996,7 @@ class CompressedBlocks:
                 s.coded = None  # the group holds its own copy
             self.compressed_bytes += group.nbytes()
         else:
-            self.compressed_bytes += sum(c.nbytes() for c in held)
+            self.compressed_bytes += sum(c.nbytes() + c.table.nbytes for c in held)
         entry = _Block(slots, group)
         self._blocks.append(entry)
         self._hooks.append(block.register_forward_pre_hook(self._pre_hook(entry)))
@@ -1036,7 +1047,9 @@ class CompressedBlocks:
 REPORT_S = 2.0  # the least seconds between two progress lines of compress_layers
 
 
-def compress_layers(model: nn.Module, device: torch.device | str | None = None) -> CompressedBlocks:
+def compress_layers(
+    model: nn.Module, device: torch.device | str | None = None
+) -> CompressedBlocks | None:
     """`EngineConfig.keep_weights_compressed`: the decoder layers (`model.layers`) of a loaded
     model kept compressed on `device` (default: where they are), with a progress line every few
     seconds and one when done. A clear error for a model whose layers hold no bfloat16 weight."""
@@ -1059,6 +1072,12 @@ def compress_layers(model: nn.Module, device: torch.device | str | None = None) 
             last = now
 
     blocks = CompressedBlocks(layers, device=device, progress=progress)
+    if not blocks.dense_bytes:
+        blocks.release()
+        log.warning("weights kept compressed: no layer weight of this model is large enough to "
+                    "gain (each would hold a %d KiB decode table beside its record); the layers "
+                    "stay dense", TABLE_BYTES >> 10)  # fmt: skip
+        return None
     # The loader placed every parameter in one arena: while the embedding, the norms or the LM
     # head still view it, the layers' share stays allocated. They get memory of their own.
     for t in itertools.chain(model.parameters(), model.buffers()):
@@ -1067,4 +1086,3 @@ def compress_layers(model: nn.Module, device: torch.device | str | None = None) 
     trim_heap()  # the encoder's temporaries, freed on this thread's heap
     log.info("weights kept compressed: %s in %.1f s", blocks.summary(), time.perf_counter() - t0)
     return blocks
-

@@ -165,6 +165,7 @@ class LLMEngine:
         self.kv_dtype = kv_cache_dtype(config.kv_cache_dtype, self.model, cuda or FORCE_TRITON)
         block_bytes = kv_block_bytes(self.model, config.block_size, self.kv_dtype)
         if cuda:  # of the GPU memory left once the weights are on it
+            torch.cuda.empty_cache()  # what placing (or encoding) them freed counts as free
             free = torch.cuda.mem_get_info(self.model.device)[0]
         else:  # of the memory left once the weights are in (they may be arriving)
             free = weights.memory_before - weights.nbytes

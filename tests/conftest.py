@@ -53,6 +53,9 @@ def _tiny_config(family: str):  # type: ignore[no-untyped-def]
                 "original_max_position_embeddings": 64,
             },
         )
+    if family == "llama-wide":  # tensors large enough for compression to pay for its tables
+        wide = {**common, "hidden_size": 256, "intermediate_size": 1024, "num_hidden_layers": 6}
+        return tf.LlamaConfig(**wide, rope_theta=10000.0, tie_word_embeddings=False)
     if family == "llama-linear":
         return tf.LlamaConfig(
             **common, tie_word_embeddings=True, rope_scaling={"rope_type": "linear", "factor": 2.0}
