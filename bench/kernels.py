@@ -12,8 +12,8 @@ decode step within 1.5x of the weight-read roofline.
 
     .venv/bin/python -m bench.kernels [--context 4096] [--batch 32] [--reps 50]
 
-Needs a CUDA GPU (exits 2 without one). Written without one to run it on: its figures are
-recorded in bench/README.md only once measured.
+Needs a CUDA GPU (exits 2 without one). First run on an H200 on 2026-11-26 (bench/README.md,
+`kernels.py`); bench/gpu_check.sh runs it with the other GPU checks.
 """
 
 from __future__ import annotations  # noqa: I001  # runtime before torch, below

@@ -24,9 +24,11 @@ pass 1 normalises and writes the output itself and pass 2 is skipped.
 
 Scores are kept in log2 units (q.k * scale * log2(e)) so that the kernels use exp2.
 
-Not yet run on a GPU (none was available when it was written): tested under TRITON_INTERPRET=1
-against the reference and a float64 computation (tests/test_triton_decode_attention.py) and
-compiled for sm_90.
+First run on a GPU on 2026-11-26 (an H200, torch 2.11.0+cu130, Triton 3.6.0): the engine built on
+the kernels gave `transformers`' greedy tokens (tests/test_gpu.py), and bench.kernels measured 2,553
+GB/s, 60.8% of the copy bandwidth, at batch 32 and context 4096. Also tested under
+TRITON_INTERPRET=1 against the reference and a float64 computation
+(tests/test_triton_decode_attention.py) and compiled for sm_90.
 """
 
 from __future__ import annotations

@@ -19,8 +19,10 @@ into the key cache and copying its v heads into the value cache. The rotated k i
 written anywhere else: the Triton attention kernels read keys from the cache only. The
 rotation and the launch configuration are kernels/triton_rotary.py's.
 
-Not yet run on a GPU (none was available when it was written): tested under TRITON_INTERPRET=1
-against the references and a float64 computation, and compiled for sm_90.
+First run on a GPU on 2026-11-26 (an H200, torch 2.11.0+cu130, Triton 3.6.0): the engine built on
+the kernels gave `transformers`' greedy tokens (tests/test_gpu.py), and bench.kernels measured RoPE
++ KV write at 989 GB/s, 23.5% of the copy bandwidth. Also tested under TRITON_INTERPRET=1 against
+the references and a float64 computation, and compiled for sm_90.
 """
 
 from __future__ import annotations

@@ -22,9 +22,11 @@ diagonal, are masked. Query tiles past a sequence's length exit at once, so the 
 the host's `max_query_len` alone and the wrapper never reads a tensor's values (no sync: the
 call can be captured in a CUDA graph).
 
-Not yet run on a GPU (none was available when it was written): tested under TRITON_INTERPRET=1
-against the reference and a float64 computation, and compiled for sm_90. The tile sizes and warp
-counts in `_config` are untuned guesses.
+First run on a GPU on 2026-11-26 (an H200, torch 2.11.0+cu130, Triton 3.6.0): the engine built on
+the kernels gave `transformers`' greedy tokens (tests/test_gpu.py), and bench.kernels measured 94
+TFLOP/s, 13.3% of the bfloat16 matmul rate, at 2048 causal tokens. Also tested under
+TRITON_INTERPRET=1 against the reference and a float64 computation, and compiled for sm_90. The tile
+sizes and warp counts in `_config` are untuned guesses.
 """
 
 from __future__ import annotations

@@ -11,8 +11,10 @@ residual) are read once, the output (and s) written once. Longer rows loop over 
 once for the sum of squares (writing s), once to scale (recomputing s from x and the residual
 rather than reading back what the pass before wrote, so no ordering between the two is assumed).
 
-Not yet run on a GPU (none was available when it was written): tested under TRITON_INTERPRET=1
-against the reference and a float64 computation, and compiled for sm_90.
+First run on a GPU on 2026-11-26 (an H200, torch 2.11.0+cu130, Triton 3.6.0): the engine built on
+the kernels gave `transformers`' greedy tokens (tests/test_gpu.py), and bench.kernels measured add +
+RMSNorm at 935 GB/s, 22.2% of the copy bandwidth. Also tested under TRITON_INTERPRET=1 against the
+reference and a float64 computation, and compiled for sm_90.
 """
 
 from __future__ import annotations

@@ -8,8 +8,10 @@ F.silu(gate) * up (a no-op for float32), so the CUDA path gives the CPU path's v
 
 A program per (row, tile of BLOCK columns): elementwise, each value read and written once.
 
-Not yet run on a GPU (none was available when it was written): tested under TRITON_INTERPRET=1
-against the reference and a float64 computation, and compiled for sm_90.
+First run on a GPU on 2026-11-26 (an H200, torch 2.11.0+cu130, Triton 3.6.0): the engine built on
+the kernels gave `transformers`' greedy tokens (tests/test_gpu.py), and bench.kernels measured 1,839
+GB/s, 43.8% of the copy bandwidth. Also tested under TRITON_INTERPRET=1 against the reference and a
+float64 computation, and compiled for sm_90.
 """
 
 from __future__ import annotations
