@@ -9,7 +9,8 @@
 # that a CUDA image may lack (orjson, llguidance; Python 3.12, manylinux x86-64).
 # run: the GPU tests, then bench.compress_gpu and bench.kernels, each with a time limit, each
 # one's whole output under $OUT (or .gpu/out); environment: SKIP1B=1 leaves out the 1.1B-shape
-# decode step of bench.compress_gpu (~55 s of encoding on the host), TESTK selects tests (-k),
+# decode step of bench.compress_gpu (~55 s of encoding on the host with numpy's packer, where
+# the C++ extension is not built yet), TESTK selects tests (-k),
 # NO_KERNELS=1 leaves out bench.kernels.
 set -u
 cd "$(dirname "$0")/.." || exit 1

@@ -118,10 +118,19 @@ def load_huffman() -> ModuleType | None:
     return _build("edgeinfer_huffman_cpu", _HUFFMAN_SOURCE, "CPU Huffman decoder")
 
 
-def huffman_if_loaded() -> ModuleType | None:
-    """The Huffman decoder if this process has loaded it already (a CPU that decodes), without
-    building or importing it: what needs it only to go faster (a decode table) asks this."""
-    return _state.get("edgeinfer_huffman_cpu")
+def huffman_if_built() -> ModuleType | None:
+    """The Huffman extension if this process has it or a built copy is cached (imported, never
+    compiled here): what needs it only to go faster (a decode table; encoding the weights a
+    GPU keeps compressed) asks this, so that a GPU worker never waits on a compile for it."""
+    name = "edgeinfer_huffman_cpu"
+    with _lock:
+        if name in _state:
+            return _state[name]
+        try:
+            built = build_dir() / name / f"{name}.{_build_key(name, _HUFFMAN_SOURCE)}.so"
+        except OSError:
+            return None
+    return load_huffman() if built.is_file() else None
 
 
 def _build(name: str, source: Path, what: str) -> ModuleType | None:

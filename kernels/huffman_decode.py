@@ -121,13 +121,13 @@ def _canonical_order(lengths: np.ndarray) -> np.ndarray:
 
 def decode_table(lengths: np.ndarray) -> torch.Tensor:
     """The (TABLE_SIZE,) int64 multi-symbol decode table of a code (see the module docstring):
-    by the C++ extension where this process has loaded it (0.02 ms), in numpy otherwise (0.1 ms;
-    a GPU worker never compiles the CPU decoder for its tables); CorruptStreamError if `lengths`
-    is not a complete prefix code."""
-    from kernels.cpu_ext import huffman_if_loaded
+    by the C++ extension where it is built (0.02 ms), in numpy otherwise (0.1 ms; a GPU worker
+    never compiles the CPU decoder for its tables); CorruptStreamError if `lengths` is not a
+    complete prefix code."""
+    from kernels.cpu_ext import huffman_if_built
 
     lengths = check_lengths(lengths)
-    ext = huffman_if_loaded()
+    ext = huffman_if_built()
     return (
         decode_table_reference(lengths)
         if ext is None

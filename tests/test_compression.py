@@ -79,6 +79,40 @@ def _weights(shape: tuple[int, ...], kind: str, seed: int = 0) -> torch.Tensor:
 # The code
 
 
+def test_cpp_packer_gives_the_numpy_packers_bytes(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The C++ extension's pack_codes (what encode_bf16 uses where it is built) against the
+    numpy packer: the same bytes and chunk offsets for few and many exponents, one exponent
+    (a 1-bit code), codes of up to 12 bits, chunks that do not divide the tensor; and so the same
+    records from encode_bf16 either way."""
+    import runtime.compression as rc
+    from kernels.cpu_ext import load_huffman
+
+    ext = load_huffman()
+    if ext is None:
+        pytest.skip("the C++ Huffman extension cannot be built here")
+    cases = [((1,), "normal", 64), ((7,), "equal", 4096), ((1025,), "special", 64),
+             ((3, 5000), "random-bits", 4096), ((100_003,), "normal", 4096),
+             ((4096 * 3,), "normal", 4096), ((2000,), "special", 100)]  # fmt: skip
+    for shape, kind, chunk in cases:
+        t = _weights(shape, kind)
+        exps, _ = rc.split_bf16(t)
+        lengths = code_lengths(np.bincount(exps, minlength=256)).astype(np.int64)
+        codes = rc.canonical_codes(lengths)
+        packed, offsets = ext.pack_codes(torch.from_numpy(exps), torch.from_numpy(codes),
+                                         torch.from_numpy(lengths), chunk)  # fmt: skip
+        want_offsets, pieces = rc._pack_numpy(exps, lengths, codes.astype(np.uint64), chunk)
+        assert np.array_equal(offsets.numpy(), want_offsets), (shape, kind, chunk)
+        assert np.array_equal(packed.numpy(), np.concatenate(pieces)), (shape, kind, chunk)
+    with_ext = {c: encode_bf16(_weights(c[0], c[1]), c[2]) for c in cases}
+    monkeypatch.setattr(rc, "load_huffman", lambda: None)
+    for c, rec in with_ext.items():
+        again = encode_bf16(_weights(c[0], c[1]), c[2])
+        assert (rec is None and again is None) or np.array_equal(rec, again), c
+    with pytest.raises(RuntimeError, match="has no code"):  # an exponent the code lacks
+        ext.pack_codes(torch.tensor([1, 2], dtype=torch.uint8), torch.zeros(256, dtype=torch.long),
+                       torch.tensor([1, 1] + [0] * 254), 64)  # fmt: skip
+
+
 def test_code_lengths_are_bounded_complete_and_optimal() -> None:
     rng = np.random.default_rng(0)
     fib = [1, 1]

@@ -370,7 +370,62 @@ torch::Tensor build_table(torch::Tensor lengths) {
   return table;
 }
 
+// The encoder's inner loop: exponents `exps` ((n,) uint8) in the canonical code `codes` /
+// `lengths` ((256,) int64 each; every exponent present has a length of 1..12) packed most
+// significant bit first, chunk by chunk (each chunk of chunk_elems values starts on a byte, its
+// last byte zero-padded): (the bytes, (n_chunks + 1,) int64 offsets of the chunks in them).
+// The same bytes as runtime/compression.py's numpy `_pack`, ~20x faster on one thread.
+std::vector<torch::Tensor> pack_codes(torch::Tensor exps, torch::Tensor codes,
+                                      torch::Tensor lengths, int64_t chunk_elems) {
+  TORCH_CHECK(exps.scalar_type() == torch::kByte && exps.is_contiguous(),
+              "huffman pack: contiguous uint8 exponents expected");
+  TORCH_CHECK(codes.scalar_type() == torch::kLong && codes.numel() == 256 &&
+                  codes.is_contiguous() && lengths.scalar_type() == torch::kLong &&
+                  lengths.numel() == 256 && lengths.is_contiguous(),
+              "huffman pack: (256,) int64 codes and lengths expected");
+  TORCH_CHECK(chunk_elems > 0, "huffman pack: chunk_elems must be positive");
+  const uint8_t* e = exps.data_ptr<uint8_t>();
+  const int64_t* code = codes.data_ptr<int64_t>();
+  const int64_t* len = lengths.data_ptr<int64_t>();
+  for (int s = 0; s < 256; ++s)
+    TORCH_CHECK(len[s] >= 0 && len[s] <= kCodeBits, "huffman pack: code lengths must be 0..12");
+  const int64_t n = exps.numel(), n_chunks = (n + chunk_elems - 1) / chunk_elems;
+  auto offsets = torch::empty({n_chunks + 1}, torch::kLong);
+  int64_t* off = offsets.data_ptr<int64_t>();
+  off[0] = 0;
+  for (int64_t c = 0; c < n_chunks; ++c) {  // each chunk's bytes
+    const int64_t lo = c * chunk_elems, hi = std::min(n, lo + chunk_elems);
+    int64_t bits = 0;
+    for (int64_t i = lo; i < hi; ++i) {
+      TORCH_CHECK(len[e[i]] > 0, "huffman pack: exponent ", int(e[i]), " has no code");
+      bits += len[e[i]];
+    }
+    off[c + 1] = off[c] + (bits + 7) / 8;
+  }
+  auto out = torch::empty({off[n_chunks]}, torch::kByte);
+  uint8_t* o = out.data_ptr<uint8_t>();
+  for (int64_t c = 0; c < n_chunks; ++c) {
+    const int64_t lo = c * chunk_elems, hi = std::min(n, lo + chunk_elems);
+    uint8_t* at = o + off[c];
+    uint64_t acc = 0;  // the pending bits, in its low `held` bits (held < 8 between codes)
+    int held = 0;
+    for (int64_t i = lo; i < hi; ++i) {
+      acc = (acc << len[e[i]]) | uint64_t(code[e[i]]);
+      held += int(len[e[i]]);
+      while (held >= 8) {
+        held -= 8;
+        *at++ = uint8_t(acc >> held);
+      }
+    }
+    if (held) *at++ = uint8_t(acc << (8 - held));
+  }
+  return {out, offsets};
+}
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("pack_codes", &pack_codes,
+        "exponents packed in a canonical code, chunk by chunk: (bytes, (n_chunks + 1,) offsets)",
+        py::arg("exps"), py::arg("codes"), py::arg("lengths"), py::arg("chunk_elems"));
   m.def("decode_bf16", &decode_bf16,
         "Huffman-coded bfloat16 exponents + raw sign/mantissa bytes -> bfloat16, chunks "
         "[first, last) (in place)",
