@@ -389,6 +389,7 @@ std::vector<torch::Tensor> pack_codes(torch::Tensor exps, torch::Tensor codes,
   const int64_t* len = lengths.data_ptr<int64_t>();
   for (int s = 0; s < 256; ++s)
     TORCH_CHECK(len[s] >= 0 && len[s] <= kCodeBits, "huffman pack: code lengths must be 0..12");
+  pybind11::gil_scoped_release no_gil;  // `edgeinfer compress` encodes on several threads
   const int64_t n = exps.numel(), n_chunks = (n + chunk_elems - 1) / chunk_elems;
   auto offsets = torch::empty({n_chunks + 1}, torch::kLong);
   int64_t* off = offsets.data_ptr<int64_t>();
