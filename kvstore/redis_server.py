@@ -8,6 +8,7 @@ leaving the `with` block, or the interpreter exiting) ends it.
 
 from __future__ import annotations
 
+import contextlib
 import shutil
 import signal
 import socket
@@ -27,6 +28,26 @@ def find_free_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])
+
+
+def find_free_ports(n: int, avoid: frozenset[int] = frozenset()) -> int:
+    """The first of `n` consecutive TCP ports on 127.0.0.1 that nothing listens on right now,
+    none of them in `avoid` (for what takes a port and the ones after it, as `edgeinfer up`
+    does for its workers and their KV-transfer servers)."""
+    for _ in range(100):
+        first = find_free_port()
+        ports = range(first, first + n)
+        if first + n > 65536 or avoid.intersection(ports):
+            continue
+        try:
+            with contextlib.ExitStack() as held:
+                for p in ports:
+                    s = held.enter_context(socket.socket(socket.AF_INET, socket.SOCK_STREAM))
+                    s.bind(("127.0.0.1", p))
+            return first
+        except OSError:
+            continue
+    raise OSError(f"no {n} consecutive free ports found on 127.0.0.1")
 
 
 def _ping(port: int) -> bool:

@@ -12,7 +12,7 @@ from pathlib import Path
 import openai
 import pytest
 
-from kvstore.redis_server import find_free_port
+from kvstore.redis_server import find_free_port, find_free_ports
 from tests.stack import ROOT, chat_model, get_json, wait_until
 
 
@@ -27,7 +27,8 @@ def _port_open(port: int) -> bool:
 @pytest.mark.parametrize("roles", [None, "prefill,decode"])
 def test_up_serves_and_stops_cleanly(tmp_path: Path, stories_dir: Path, roles: str | None) -> None:
     model = chat_model(stories_dir, tmp_path / "stories-chat")
-    port, worker_port = find_free_port(), find_free_port()
+    port = find_free_port()  # the workers' ports, then their KV servers': 2 or 4 in a row
+    worker_port = find_free_ports(4, avoid=frozenset({port}))
     env = {k: v for k, v in os.environ.items() if not k.startswith("EDGEINFER_")}
     log = tmp_path / "up.log"
     proc = subprocess.Popen(
@@ -102,7 +103,8 @@ def test_up_killed_outright_leaves_no_worker_or_gateway_serving(
 ) -> None:
     """SIGKILL gives `up` no chance to stop its children: they watch its lifeline
     (runtime.lifeline), and the worker drains and the gateway stops by themselves."""
-    port, worker_port = find_free_port(), find_free_port()
+    port = find_free_port()  # the worker's port, then its KV server's (a CI run once found
+    worker_port = find_free_ports(2, avoid=frozenset({port}))  # the second taken: a failed up)
     env = {k: v for k, v in os.environ.items() if not k.startswith("EDGEINFER_")}
     log = tmp_path / "up.log"
     proc = subprocess.Popen(
