@@ -127,10 +127,15 @@ def huffman_if_built() -> ModuleType | None:
         if name in _state:
             return _state[name]
         try:
-            built = build_dir() / name / f"{name}.{_build_key(name, _HUFFMAN_SOURCE)}.so"
+            built = _built_path(name, _HUFFMAN_SOURCE)
         except OSError:
             return None
     return load_huffman() if built.is_file() else None
+
+
+def _built_path(name: str, source: Path) -> Path:
+    """Where the build of `source` as it is now (flags and versions included) is cached."""
+    return build_dir() / name / f"{name}.{_build_key(name, source)}.so"
 
 
 def _build(name: str, source: Path, what: str) -> ModuleType | None:
@@ -138,8 +143,7 @@ def _build(name: str, source: Path, what: str) -> ModuleType | None:
         if name in _state:
             return _state[name]
         try:
-            path = build_dir() / name
-            built = path / f"{name}.{_build_key(name, source)}.so"
+            built = _built_path(name, source)
             mod = _import(name, built) if built.is_file() else _compile(name, source, what, built)
         except Exception as e:  # no compiler, no ninja, a read-only home: use the reference
             log.warning("%s unavailable (%s); using the PyTorch reference", what, e)

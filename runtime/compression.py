@@ -900,7 +900,6 @@ MIN_LANE_SPAN = 64  # the least span a LaneGroup is built for (else a tensor at 
 class _Slot:
     param: nn.Parameter
     shape: torch.Size  # its own (the parameter holds an empty tensor between uses)
-    numel: int
     coded: CodedBF16 | None  # None on a GPU: its block's LaneGroup holds it
     offset: int  # in the shared buffer, in values
 
@@ -996,23 +995,22 @@ class CompressedBlocks:
         kept dense) into slots of the shared buffer, and its hooks. Returns the values it uses
         of the buffer."""
         # On a GPU (or the CPU under EDGEINFER_KERNELS=triton) the block is decoded in one launch
-        # of the lanes kernel, whose lanes start at multiples of its span; on the CPU a tensor at
-        # a time by the C++ decoder, 64-byte aligned
-        # a lane never crosses a chunk; a group is for spans of 64 values or more (8 bytes a
-        # lane: 6% of the dense bytes at 64, as much as the dense bytes at 4)
+        # of the lanes kernel, whose lanes start at multiples of its span (a lane never crosses
+        # a chunk; no group under 64 values a lane: 8 bytes a lane are 6% of the dense bytes at
+        # 64, all of them at 4); else a tensor at a time by the C++ decoder, 64-byte aligned
         span = math.gcd(LANE_SPAN, chunk_elems)
         gpu = (self.device.type == "cuda" or FORCE_TRITON) and span >= MIN_LANE_SPAN
         align = span if gpu else 32
-        slots, used = [], 0
+        slots, held, used = [], [], 0
         for p, rec in zip(ps, recs, strict=True):
             if rec is None:
                 continue
             coded = parse_record(rec, p.numel()).to(self.device)
-            slots.append(_Slot(p, p.shape, p.numel(), coded, used))
+            slots.append(_Slot(p, p.shape, coded, used))
+            held.append(coded)
             self.dense_bytes += p.numel() * 2
             used += -(-p.numel() // align) * align
             p.data = self._empty  # the dense weight is freed (unless held elsewhere)
-        held = [s.coded for s in slots if s.coded is not None]
         group = None
         if gpu and held:
             group = lane_group(held, [s.offset for s in slots], span)
@@ -1044,7 +1042,7 @@ class CompressedBlocks:
         if entry.group is not None:
             decode_lanes(entry.group, self.buffer)
         for s in entry.slots:
-            view = self.buffer[s.offset : s.offset + s.numel]
+            view = self.buffer[s.offset : s.offset + s.shape.numel()]
             if s.coded is not None:
                 decode(s.coded, out=view, check=False)
             s.param.data = view.view(s.shape)

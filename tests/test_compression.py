@@ -687,7 +687,9 @@ def test_blocks_kept_compressed_decode_into_one_buffer_and_answer_the_same(
     largest = max(sum(p.numel() for p in layer.parameters()) for layer in layers)
     # stories260K's tensors save less than a decode table each (the engine keeps them dense,
     # below): min_saving=0 takes them all, to run the machinery on real weights
-    assert CompressedBlocks(list(layers), chunk_elems=256).dense_bytes == 0
+    none = CompressedBlocks(list(layers), chunk_elems=256)
+    assert none.dense_bytes == 0
+    none.release()  # (its hooks off the layers)
     blocks = CompressedBlocks(list(layers), chunk_elems=256, min_saving=0)
     tables = TABLE_BYTES * sum(len(b.slots) for b in blocks._blocks)
     assert blocks.compressed_bytes - tables < 0.75 * blocks.dense_bytes
