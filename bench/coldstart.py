@@ -19,6 +19,12 @@ of odd sizes, 8 shards, with a manifest). Then, for the model, from a fresh proc
 against the raw read time + 2 s, and edgeinfer against `from_pretrained`.
 
     python -m bench.coldstart [--model DIR] [--synthetic-gb 2] [--reps 5] [--json out.json]
+    python -m bench.coldstart --device cuda [--synthetic-gb 4]   # onto a GPU: the readers only
+
+With --device cuda, the synthetic checkpoint only (no model or processes), read onto the GPU:
+dd as above; the edgeinfer reader straight onto the GPU (pinned staging buffers, asynchronous
+copies on a copy stream, overlapping the reads); the same reader into host memory, then
+`.to("cuda")` (what a GPU worker did before); `safetensors.torch.load_file(device="cuda")`.
 
 Every figure is the median of --reps runs, the readers and the processes interleaved (a slow
 stretch of the shared host then hits all of them, not one).
@@ -137,6 +143,73 @@ def st_load(files: list[Path]) -> list[dict[str, torch.Tensor]]:
         for t in out[-1].values():
             t.view(-1)[:: max(1, 4096 // t.element_size())].sum()  # touch every page
     return out
+
+
+def ours_onto(files: list[Path], device: str) -> list[torch.Tensor]:
+    from runtime.manifest import read_manifest
+    from runtime.weights import load_safetensors
+
+    manifest = read_manifest(files[0].parent)
+    out = [t for _, _, t in load_safetensors(files, threads=4, direct=True, manifest=manifest,
+                                             device=device)]  # fmt: skip
+    torch.cuda.synchronize()
+    return out
+
+
+def ours_then_to(files: list[Path], device: str) -> list[torch.Tensor]:
+    out = [t.to(device) for t in ours(files)]
+    torch.cuda.synchronize()
+    return out
+
+
+def st_onto(files: list[Path], device: str) -> list[dict[str, torch.Tensor]]:
+    from safetensors.torch import load_file
+
+    out = [load_file(str(f), device=device) for f in files]
+    torch.cuda.synchronize()
+    return out
+
+
+def gpu_readers(args: argparse.Namespace) -> int:
+    """--device cuda: the synthetic checkpoint read onto the GPU by each reader (see above)."""
+    if not torch.cuda.is_available():
+        print("bench.coldstart --device cuda: torch sees no CUDA GPU", file=sys.stderr)
+        return 2
+    device = args.device
+    with tempfile.TemporaryDirectory(prefix="ei-coldstart-") as tmp:
+        log(f"writing the synthetic {args.synthetic_gb:g} GB checkpoint")
+        files = synthetic(Path(tmp) / "syn", args.synthetic_gb, 8)
+        size = sum(f.stat().st_size for f in files)
+        readers: list[tuple[str, Callable[[], object]]] = [
+            ("dd iflag=direct bs=8M", partial(dd, files)),
+            ("edgeinfer reader onto the GPU", partial(ours_onto, files, device)),
+            ("edgeinfer reader, then .to(cuda)", partial(ours_then_to, files, device)),
+            ("safetensors load_file(device=cuda)", partial(st_onto, files, device)),
+        ]
+        times: dict[str, list[float]] = {name: [] for name, _ in readers}
+        for rep in range(args.reps):  # interleaved, as on the CPU
+            for name, fn in readers:
+                evict(files)
+                times[name].append(timed(fn))
+                torch.cuda.empty_cache()
+            log(f"  run {rep + 1}: " + ", ".join(f"{k} {v[-1]:.2f}s" for k, v in times.items()))
+    row = {name: statistics.median(t) for name, t in times.items()}
+    print(f"bench/coldstart.py --device {device} {time.strftime('%Y-%m-%d %H:%M')}, "
+          f"{torch.cuda.get_device_name()}, {os.cpu_count()} CPUs, page cache dropped before "
+          f"every read (medians of {args.reps})")  # fmt: skip
+    print(f"\nsynthetic {args.synthetic_gb:g} GB (8 shards): {size / 1e9:.2f} GB")
+    for name, sec in row.items():
+        print(f"  {name:36s} {sec:7.2f}s  {size / sec / 1e9:6.2f} GB/s")
+    dd_s = row["dd iflag=direct bs=8M"]
+    ratio = dd_s / row["edgeinfer reader onto the GPU"]
+    print(f"  edgeinfer reader onto the GPU / dd rate: {ratio:.2f}x (target >= 0.90x: "
+          f"{'met' if ratio >= 0.9 else 'NOT met'}); against host read + .to(cuda): "
+          f"{row['edgeinfer reader, then .to(cuda)'] / row['edgeinfer reader onto the GPU']:.2f}x; "
+          f"against safetensors: "
+          f"{row['safetensors load_file(device=cuda)'] / row['edgeinfer reader onto the GPU']:.2f}x")  # fmt: skip
+    if args.json:
+        args.json.write_text(json.dumps({"bytes": size, **row}, indent=1))
+    return 0
 
 
 def hf(model: Path) -> torch.nn.Module:
@@ -276,7 +349,11 @@ def main() -> int:
     ap.add_argument("--synthetic-gb", type=float, default=2.0)
     ap.add_argument("--reps", type=int, default=5, help="runs of each (the median counts)")
     ap.add_argument("--json", type=Path, default=None)
+    ap.add_argument("--device", default="cpu", choices=["cpu", "cuda"],
+                    help="cuda: the synthetic checkpoint read onto the GPU (readers only)")  # fmt: skip
     args = ap.parse_args()
+    if args.device != "cpu":
+        return gpu_readers(args)
     if args.model is None:
         from runtime.model_cache import default_model_dir
 

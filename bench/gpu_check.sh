@@ -7,11 +7,12 @@
 # prepare: stories260K (for tests/test_gpu.py), SmolLM2's first four layers in bfloat16 (the
 # real weights bench/compress_gpu.py decodes), and wheels of the packages the engine imports
 # that a CUDA image may lack (orjson, llguidance; Python 3.12, manylinux x86-64).
-# run: the GPU tests, then bench.compress_gpu and bench.kernels, each with a time limit, each
+# run: the GPU tests, then bench.compress_gpu, bench.kernels and bench.coldstart --device cuda
+# (weights read onto the GPU through pinned buffers), each with a time limit, each
 # one's whole output under $OUT (or .gpu/out); environment: SKIP1B=1 leaves out the 1.1B-shape
 # decode step of bench.compress_gpu (~55 s of encoding on the host with numpy's packer, where
 # the C++ extension is not built yet), TESTK selects tests (-k),
-# NO_KERNELS=1 leaves out bench.kernels.
+# NO_KERNELS=1 leaves out bench.kernels, NO_COLDSTART=1 bench.coldstart.
 set -u
 cd "$(dirname "$0")/.." || exit 1
 case "${1:-}" in
@@ -52,6 +53,8 @@ run)
     part compress_gpu 200 python3 -m bench.compress_gpu \
         --weights .gpu/smollm2_layers0-3.safetensors ${SKIP1B:+--skip-1b}
     [ -n "${NO_KERNELS:-}" ] || part kernels 120 python3 -m bench.kernels
+    [ -n "${NO_COLDSTART:-}" ] || part coldstart_gpu 150 python3 -m bench.coldstart \
+        --device cuda --synthetic-gb 4 --reps 3
     ;;
 *)
     echo "usage: bash bench/gpu_check.sh prepare|run" >&2

@@ -155,8 +155,8 @@ class LLMEngine:
 
             self.compressed = compress_layers(self.model, config.device)
             t_encode = (t0, time.perf_counter())
-        if cuda:  # the weights arrive in host memory, then go to the GPU whole
-            weights.finish()
+        if cuda:  # the weights are read onto the GPU (through pinned buffers, start_load) or,
+            weights.finish()  # kept compressed, encoded on the host; the rest moves now
             self.model.to(config.device)
         t_model = time.perf_counter()
         self.tokenizer = Tokenizer.from_dir(config.model)

@@ -46,12 +46,13 @@ from runtime.manifest import (
 from runtime.model import ExpertParallel, LlamaForCausalLM
 from runtime.model.moe import SINGLE
 from runtime.parallel import RankPlace
-from runtime.shard_reader import ALIGN, Arena, FileRead, ReadStats, ShardReads, Span
+from runtime.shard_reader import ALIGN, Arena, DeviceArena, FileRead, ReadStats, ShardReads, Span
 from runtime.weights import Shard, TensorEntry, chunk_checks, read_header
 
 # import-gguf's marker, the last file written into a folder it made (runtime.gguf_import); here so
 # that the engine can tell such a folder without importing gguf
 IMPORT_MARKER = "edgeinfer_import.json"
+DEVICE_ALIGN = 256  # where a parameter starts in device memory (CUDA's allocations' alignment)
 
 if TYPE_CHECKING:
     from runtime.ranks import RankGroup
@@ -279,13 +280,24 @@ def start_load(
     ep: ExpertParallel = SINGLE,
     place: RankPlace | None = None,
     weight_dtype: str = "auto",
+    device: str | torch.device = "cpu",
+    staging: bool | None = None,
 ) -> PendingLoad:
     """Check a model folder, build the model, and start reading its weights into it (see the
     module docstring). `weight_dtype`: how the linear layers' weights, the embedding and the LM
-    head are stored when not in the model's dtype ("auto": in it; see LlamaForCausalLM). Raises ModelLoadError naming the file and what was expected for anything
-    wrong that can be seen without reading the weights; a corrupt or short read is raised by
-    `finish`. `place`: this rank's part of the model, or `ep`: its share of the experts
-    (ValueError if the model cannot be split so)."""
+    head are stored when not in the model's dtype ("auto": in it; see LlamaForCausalLM). Raises
+    ModelLoadError naming the file and what was expected for anything wrong that can be seen
+    without reading the weights; a corrupt or short read is raised by `finish`. `place`: this
+    rank's part of the model, or `ep`: its share of the experts (ValueError if the model cannot
+    be split so).
+
+    `device`: where the parameters go. On a GPU they are read through pinned host buffers and
+    copied on asynchronously as each chunk arrives (runtime.shard_reader.StagingRing), so that
+    the copies overlap the reads and no host copy of the model is made; the model's buffers
+    (e.g. rotary tables) stay on the host until the model is moved (`.to(device)`). A compressed
+    folder is decoded on the host whatever the device. `staging`: whether to read through the
+    staging buffers (default: on any device but the CPU; True on the CPU runs the GPU's path,
+    for tests)."""
     t0 = time.perf_counter()
     path = Path(model_dir)
     if not path.is_dir():
@@ -304,15 +316,26 @@ def start_load(
     pieces = _map_tensors(model, shards)
 
     params = dict(model.named_parameters())
-    at, end, stage_at, stage_end = _layout(pieces, params)
-    need, have = end + stage_end, available_memory()
+    target = torch.device(device)
+    staged = target.type != "cpu" if staging is None else staging
+    # in place from the drive, the host's; on a device, aligned as its allocator aligns
+    at, end, stage_at, stage_end = _layout(pieces, params, in_line=not staged)
+    need = end + stage_end
+    have = _device_free(target)
     if need > have:
+        where = "of memory" if target.type == "cpu" else f"of {target} memory"
         raise ModelLoadError(
-            f"{path}: the weights need {_size(need)} of memory (as {torch_dtype}), only "
+            f"{path}: the weights need {_size(need)} {where} (as {torch_dtype}), only "
             f"{_size(have)} is available"
         )
-    arena, staging = Arena(end), Arena(stage_end) if stage_at else None
-    whole, stage = arena.tensor(), staging.tensor() if staging else None
+    arena: Arena | DeviceArena
+    staging_arena: Arena | DeviceArena | None
+    if staged:
+        arena = DeviceArena(end, target)
+        staging_arena = DeviceArena(stage_end, target) if stage_at else None
+    else:
+        arena, staging_arena = Arena(end), Arena(stage_end) if stage_at else None
+    whole, stage = arena.tensor(), staging_arena.tensor() if staging_arena else None
     for name, param in params.items():
         o = at[name]
         param.data = whole[o : o + param.nbytes].view(param.dtype).view(param.shape)
@@ -330,13 +353,13 @@ def start_load(
                 st.copied += (o - b) % ALIGN != 0  # not in line with its bytes: copied
                 o += _row_bytes(param) if p.col_bytes is not None else 0
         else:
-            assert staging is not None and stage is not None
+            assert staging_arena is not None and stage is not None
             o = stage_at[id(p)]
-            staged = 0
+            packed = 0
             for b, e in p.file_spans():  # staged packed, row after row
-                spans[p.shard.path].append(Span(b, e, staging, o + staged))
-                staged += e - b
-            raw = stage[o : o + staged]
+                spans[p.shard.path].append(Span(b, e, staging_arena, o + packed))
+                packed += e - b
+            raw = stage[o : o + packed]
             conversions[p.shard.path].append((raw.view(t.dtype).view(dest.shape), dest))
             st.copied += 1
     chunk_bytes, verify = chunk_checks(manifest)
@@ -551,15 +574,17 @@ def _check_coverage(
 
 
 def _layout(
-    pieces: list[_Piece], params: Mapping[str, torch.Tensor]
+    pieces: list[_Piece], params: Mapping[str, torch.Tensor], in_line: bool = True
 ) -> tuple[dict[str, int], int, dict[int, int], int]:
     """Where everything goes: each parameter's offset in the arena and the arena's size; each
     piece to convert's offset (by id) in the staging arena and its size.
 
-    A parameter sits where its largest piece stored in its own dtype sits in its file, modulo
-    ALIGN, so that the reader can put that piece (and its neighbours, if the file keeps them
-    as the parameter does) in place straight from the drive. A piece to convert is staged in
-    its file dtype, likewise in line with the file."""
+    `in_line`: a parameter sits where its largest piece stored in its own dtype sits in its
+    file, modulo ALIGN, so that the reader can put that piece (and its neighbours, if the file
+    keeps them as the parameter does) in place straight from the drive; a piece to convert is
+    staged in its file dtype, likewise in line with the file. Else (memory that reads reach
+    through staging buffers: a GPU's) everything starts on a DEVICE_ALIGN boundary, as the
+    device's own allocations do, as its kernels' vector loads want."""
     by_param: dict[str, list[_Piece]] = {}
     for p in pieces:  # parameters in the file order of their first piece
         by_param.setdefault(p.param, []).append(p)
@@ -570,7 +595,7 @@ def _layout(
         anchor = max((p for p in group if p.tensor.dtype == dtype and p.col_bytes is None),
                      key=lambda p: p.nbytes, default=None)  # fmt: skip
         row0 = anchor.begin - anchor.row * _row_bytes(params[name]) if anchor else 0
-        at[name] = _congruent(end, row0, dtype.itemsize)
+        at[name] = _congruent(end, row0, dtype.itemsize) if in_line else _round_to(end)
         end = at[name] + params[name].nbytes
     stage_at: dict[int, int] = {}
     stage_end = 0
@@ -578,7 +603,8 @@ def _layout(
         dtype = params[p.param].dtype
         if p.tensor.dtype != dtype:
             first = p.file_spans()[0][0]
-            stage_at[id(p)] = _congruent(stage_end, first, p.tensor.dtype.itemsize)
+            stage_at[id(p)] = (_congruent(stage_end, first, p.tensor.dtype.itemsize) if in_line
+                               else _round_to(stage_end))  # fmt: skip
             stage_end = stage_at[id(p)] + p.nbytes * p.tensor.dtype.itemsize // dtype.itemsize
     return at, end, stage_at, stage_end
 
@@ -594,6 +620,17 @@ def _num_rows(param: torch.Tensor) -> int:
 def _rows_view(param: torch.Tensor) -> torch.Tensor:
     """The parameter as rows: (-1, last dim), or (numel,) for one of fewer dimensions."""
     return param.view(-1, param.shape[-1]) if param.dim() >= 2 else param.view(-1)
+
+
+def _round_to(n: int, to: int = DEVICE_ALIGN) -> int:
+    return -(-n // to) * to
+
+
+def _device_free(device: torch.device) -> int:
+    """Bytes free on a device: a GPU's as its driver reports them, else the host's."""
+    if device.type == "cuda":
+        return int(torch.cuda.mem_get_info(device)[0])
+    return available_memory()
 
 
 def _size(n: int) -> str:

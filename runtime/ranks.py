@@ -517,7 +517,10 @@ def start_weights(config: EngineConfig) -> PendingLoad:
 
     parallel = ParallelConfig(config.tp, config.pp, config.ep)
     if parallel.world_size == 1:
-        return start_load(config.model, config.dtype, weight_dtype=config.weight_dtype)
+        # onto the GPU as read, unless its weights are kept compressed: encoded on the host
+        device = "cpu" if config.keep_weights_compressed else config.device
+        return start_load(config.model, config.dtype, weight_dtype=config.weight_dtype,
+                          device=device)  # fmt: skip
     pending, ranks = start_ranks(config.model, config.dtype, None, parallel,
                                  config.num_threads, config.dist_port,
                                  config.weight_dtype)  # fmt: skip

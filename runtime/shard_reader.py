@@ -8,6 +8,11 @@
       ─▶ the chunk's checksum checked on the same thread, right after its read
       ─▶ `wait(i)`: file i is in memory (later files keep reading meanwhile)
 
+Memory on a GPU (a DeviceArena) is reached through host memory: a chunk with bytes for it is read
+whole into one of a StagingRing's page-locked (pinned) buffers, checked there, and copied on with
+asynchronous host-to-device copies on a copy stream of the ring's own, while the next chunks are
+read into the other buffers; a buffer is read into again only once its copies have finished.
+
 O_DIRECT wants offsets, lengths and buffers aligned (ALIGN covers every logical block size). A
 span's aligned middle goes into place directly when its memory sits at the same offset modulo
 ALIGN as its bytes in the file (the loader places its tensors so that it does); everything else
@@ -27,6 +32,7 @@ import ctypes
 import errno
 import mmap
 import os
+import queue
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -146,14 +152,138 @@ class Arena:
         return torch.frombuffer(self.buf, dtype=torch.uint8)
 
 
+class DeviceArena:
+    """Memory on a torch device, for weights read straight onto a GPU: a 1-D uint8 tensor, that
+    parameters are views of as of an Arena's. Reads reach it through a StagingRing (see the
+    module docstring). On the CPU it is how the tests run the GPU's path."""
+
+    __slots__ = ("_tensor", "device", "nbytes")
+
+    def __init__(self, nbytes: int, device: str | torch.device):
+        import torch
+
+        self.nbytes = _round_up(max(nbytes, 1))
+        self._tensor = torch.empty(self.nbytes, dtype=torch.uint8, device=device)
+        self.device = self._tensor.device
+
+    def tensor(self) -> torch.Tensor:
+        return self._tensor
+
+
 @dataclass(slots=True)
 class Span:
     """Bytes [begin, end) of a file go to arena memory [offset, offset + end - begin)."""
 
     begin: int
     end: int
-    arena: Arena
+    arena: Arena | DeviceArena
     offset: int
+
+
+class _Staged:
+    """One of a StagingRing's buffers (page-aligned host memory, `arena`), and the event that
+    says when the last copies out of it are done (None: nothing pending)."""
+
+    __slots__ = ("arena", "event", "host")
+
+    def __init__(self, nbytes: int, pin: bool):
+        self.arena = Arena(nbytes)
+        self.arena.commit()
+        if pin:  # page-locked, for asynchronous copies (torch's own pin_memory helper does so)
+            import torch
+
+            err = int(torch.cuda.cudart().cudaHostRegister(self.arena.addr, nbytes, 0))
+            if err:
+                raise RuntimeError(f"pinning {nbytes} bytes of staging memory failed: CUDA "
+                                   f"error {err}")  # fmt: skip
+        self.host = self.arena.tensor()
+        self.event: torch.cuda.Event | None = None
+
+
+class StagingRing:
+    """The host buffers, one chunk each, that reads land in on their way to a DeviceArena:
+    page-locked for a CUDA device, so that the copies out of them run asynchronously on the
+    ring's copy stream, beside the reads into the other buffers and the model's set-up on the
+    default stream. At most `count` buffers, made as they are first needed; a buffer is handed
+    out again only once the copies out of it have finished."""
+
+    def __init__(self, chunk_bytes: int, count: int, device: torch.device):
+        import torch
+
+        self.chunk_bytes, self.count = chunk_bytes, max(1, count)
+        self.cuda = device.type == "cuda"
+        self.stream = torch.cuda.Stream(device) if self.cuda else None
+        self._free: queue.SimpleQueue[_Staged] = queue.SimpleQueue()
+        self._made: list[_Staged] = []
+        self._lock = threading.Lock()
+
+    def take(self) -> _Staged:
+        with self._lock:
+            if len(self._made) < self.count and self._free.empty():
+                self._made.append(_Staged(self.chunk_bytes, self.cuda))
+                staged = self._made[-1]
+            else:
+                staged = None
+        if staged is None:
+            staged = self._free.get()
+        if staged.event is not None:
+            staged.event.synchronize()
+            staged.event = None
+        return staged
+
+    def give(self, staged: _Staged) -> None:
+        self._free.put(staged)
+
+    def send(self, staged: _Staged, c0: int, c1: int, spans: Sequence[Span]) -> int:
+        """Copy the bytes of `spans` in the chunk [c0, c1) that `staged` holds to their places:
+        a DeviceArena's asynchronously (runs that are contiguous in the file and in the arena as
+        one copy), an Arena's at once. Returns the bytes copied."""
+        import torch
+
+        runs: list[list] = []  # [arena, offset, file begin, file end]
+        copied = 0
+        for s in spans:
+            x, y = max(s.begin, c0), min(s.end, c1)
+            if x >= y:
+                continue
+            at = s.offset + x - s.begin
+            copied += y - x
+            if isinstance(s.arena, Arena):
+                ctypes.memmove(s.arena.addr + at, staged.arena.addr + x - c0, y - x)
+            elif runs and runs[-1][0] is s.arena and runs[-1][3] == x and (
+                runs[-1][1] + runs[-1][3] - runs[-1][2] == at
+            ):
+                runs[-1][3] = y
+            else:
+                runs.append([s.arena, at, x, y])
+        if not runs:
+            return copied
+        with torch.cuda.stream(self.stream) if self.stream is not None else contextlib.nullcontext():
+            for arena, at, x, y in runs:
+                arena.tensor()[at : at + y - x].copy_(staged.host[x - c0 : y - c0],
+                                                      non_blocking=True)  # fmt: skip
+            if self.stream is not None:
+                staged.event = torch.cuda.Event()
+                staged.event.record(self.stream)
+        return copied
+
+    def synchronize(self) -> None:
+        """Wait for every copy sent so far."""
+        if self.stream is not None:
+            self.stream.synchronize()
+
+    def close(self) -> None:
+        """Once every copy is done, let the buffers go (unpinned: the load is over)."""
+        self.synchronize()
+        with self._lock:
+            made, self._made = self._made, []
+            while not self._free.empty():  # (the memory goes with the last reference)
+                self._free.get_nowait()
+        if self.cuda:
+            import torch
+
+            for staged in made:
+                torch.cuda.cudart().cudaHostUnregister(staged.arena.addr)
 
 
 @dataclass(slots=True)
@@ -290,7 +420,13 @@ class ShardReads:
         # The destination memory committed ahead of the reads (commit_ahead): an O_DIRECT read
         # into fresh pages faults each in before its I/O is issued.
         self._stop_commit = threading.Event()
-        arenas = list(dict.fromkeys(s.arena for f in self._files for s in f.job.spans))
+        targets = list(dict.fromkeys(s.arena for f in self._files for s in f.job.spans))
+        devices = {a.device for a in targets if isinstance(a, DeviceArena)}
+        if len(devices) > 1:
+            raise ValueError(f"one load reads onto one device, not {sorted(map(str, devices))}")
+        # two buffers beyond the reading threads': copies in flight while every thread reads
+        self._ring = StagingRing(chunk_bytes, threads + 2, devices.pop()) if devices else None
+        arenas = [a for a in targets if isinstance(a, Arena)]
         self._committer: threading.Thread | None = None
         if COMMIT_AHEAD and arenas:
             self._committer = threading.Thread(target=commit_ahead, name="weights-commit",
@@ -324,33 +460,28 @@ class ShardReads:
 
     def _read_chunk(self, index: int, c0: int) -> Future[None] | None:
         f = self._files[index]
-        size = f.job.size
-        c1 = min(c0 + self.chunk_bytes, _round_up(size))
+        c1 = min(c0 + self.chunk_bytes, _round_up(f.job.size))
         mine = self._spans_in(f, c0)
+        if self._ring is not None and any(isinstance(s.arena, DeviceArena) for s in mine):
+            self._read_staged(self._ring, f, c0, c1, mine)
+            return None
+        host = [(s, s.arena) for s in mine if isinstance(s.arena, Arena)]  # (all of them)
         scratch = self._scratch()
         pieces: list[memoryview] = []
         placed: list[tuple[Span, int, int]] = []  # (span, a, b): file bytes [a, b) read in place
         cursor = c0
-        for s in mine:
+        for s, arena in host:
             a, b = _round_up(max(s.begin, c0)), min(s.end, c1) // ALIGN * ALIGN
             dest = s.offset + a - s.begin
-            if a < b and (s.arena.addr + dest) % ALIGN == 0:
+            if a < b and (arena.addr + dest) % ALIGN == 0:
                 if cursor < a:
                     pieces.append(scratch.view[cursor - c0 : a - c0])
-                pieces.append(s.arena.view[dest : dest + b - a])
+                pieces.append(arena.view[dest : dest + b - a])
                 placed.append((s, a, b))
                 cursor = b
         if cursor < c1:
             pieces.append(scratch.view[cursor - c0 : c1 - c0])
-        t0 = time.perf_counter()
-        try:
-            got = preadv_all(f.fd, pieces, c0)
-        except OSError as e:
-            raise _load_error(f"{f.job.path}: cannot read ({e})") from e
-        t1 = time.perf_counter()
-        want = min(c1, size) - c0
-        if got < want:
-            raise _load_error(f"{f.job.path}: truncated while reading ({c0 + got} of {size} bytes)")
+        want, t0, t1 = self._read(f, pieces, c0, c1)
         check: Future[None] | None = None
         if self._checks is not None:  # (there is a manifest to check against)
             data = _first(pieces, want)
@@ -363,21 +494,54 @@ class ShardReads:
                 check = self._checks.submit(self._check, f.job.path, c0 // self.chunk_bytes, data)
         direct = {id(s): (a, b) for s, a, b in placed}
         copied = 0
-        for s in mine:  # what did not go in place comes from the scratch chunk
+        for s, arena in host:  # what did not go in place comes from the scratch chunk
             x, y = max(s.begin, c0), min(s.end, c1)
             a, b = direct.get(id(s), (y, y))
             for u, v in ((x, a), (b, y)):
                 if u < v:
-                    ctypes.memmove(s.arena.addr + s.offset + u - s.begin,
+                    ctypes.memmove(arena.addr + s.offset + u - s.begin,
                                    scratch.addr + u - c0, v - u)  # fmt: skip
                     copied += v - u
+        self._account(want, copied, t0, t1)
+        return check
+
+    def _read(self, f: _File, pieces: list[memoryview], c0: int,
+              c1: int) -> tuple[int, float, float]:  # fmt: skip
+        """Read the chunk [c0, c1) of `f` into `pieces`: the bytes of the file it holds, and when
+        the read began and ended (a failed or short read raised, naming the file)."""
+        t0 = time.perf_counter()
+        try:
+            got = preadv_all(f.fd, pieces, c0)
+        except OSError as e:
+            raise _load_error(f"{f.job.path}: cannot read ({e})") from e
+        t1 = time.perf_counter()
+        size = f.job.size
+        want = min(c1, size) - c0
+        if got < want:
+            raise _load_error(f"{f.job.path}: truncated while reading ({c0 + got} of {size} bytes)")
+        return want, t0, t1
+
+    def _account(self, nbytes: int, copied: int, t0: float, t1: float) -> None:
         with self._lock:
             st = self.stats
-            st.bytes += want
+            st.bytes += nbytes
             st.copied_bytes += copied
             st.started = min(st.started, t0) if st.started else t0
             st.finished = max(st.finished, t1)
-        return check
+
+    def _read_staged(self, ring: StagingRing, f: _File, c0: int, c1: int,
+                     mine: list[Span]) -> None:  # fmt: skip
+        """A chunk with bytes for a device: into a staging buffer, on with the ring's copies,
+        checked in this thread while they run (the buffer is read into again after both)."""
+        staged = ring.take()
+        try:
+            want, t0, t1 = self._read(f, [staged.arena.view[: c1 - c0]], c0, c1)
+            copied = ring.send(staged, c0, c1, mine)
+            if self.verify is not None:
+                self._check(f.job.path, c0 // self.chunk_bytes, [staged.arena.view[:want]])
+        finally:
+            ring.give(staged)
+        self._account(want, copied, t0, t1)
 
     def _check(self, path: Path, index: int, data: Sequence[memoryview]) -> None:
         assert self.verify is not None
@@ -392,6 +556,8 @@ class ShardReads:
             check = chunk.result()
             if check is not None:
                 check.result()
+        if self._ring is not None:  # the copies onto the device, too
+            self._ring.synchronize()
         if f.fd < 0:  # waited for before
             return
         os.close(f.fd)
@@ -407,6 +573,8 @@ class ShardReads:
             self._pool.shutdown()  # the threads and their scratch chunks go
             if self._checks is not None:
                 self._checks.shutdown()
+            if self._ring is not None:
+                self._ring.close()
 
     def close(self) -> None:
         """Stop: queued chunks are dropped, running ones finish; every file is closed, and the
@@ -418,6 +586,8 @@ class ShardReads:
             self._committer = None
         if self._checks is not None:  # (no check reads the memory once this returns)
             self._checks.shutdown(wait=True, cancel_futures=True)
+        if self._ring is not None:  # nor a copy
+            self._ring.close()
         self._close_files()
         self._files = []
 

@@ -30,6 +30,7 @@ from runtime.shard_reader import (
     ALIGN,
     CHUNK_BYTES,
     Arena,
+    DeviceArena,
     FileRead,
     ReadStats,
     ShardReads,
@@ -166,16 +167,21 @@ def chunk_checks(manifest: Manifest | None) -> tuple[int, Verify | None]:
 
 def load_safetensors(files: list[Path], threads: int = 4, direct: bool = True,
                      stats: ReadStats | None = None, skip_cached: bool = True,
-                     manifest: Manifest | None = None
+                     manifest: Manifest | None = None, device: str | torch.device = "cpu"
                      ) -> Iterator[tuple[str, str, torch.Tensor]]:  # fmt: skip
     """(file, tensor name, tensor) for every tensor of `files`: headers checked first, then each
     file read whole into an aligned arena, its tensors views of it (file by file, in file order,
     later files reading while earlier ones are consumed). `direct`: use O_DIRECT where the
     filesystem allows it, except (`skip_cached`) for a file already in the page cache, which
-    reads faster from there. `manifest`: check every chunk against its checksums."""
+    reads faster from there. `manifest`: check every chunk against its checksums. `device`: a
+    GPU's arenas are filled through pinned staging buffers (runtime.shard_reader.StagingRing)."""
     stats = stats if stats is not None else ReadStats()
     shards = [read_header(Path(f)) for f in files]  # every header before any weight
-    arenas = [Arena(shard.size) for shard in shards]
+    arenas: list[Arena | DeviceArena] = (
+        [Arena(shard.size) for shard in shards]
+        if torch.device(device).type == "cpu"
+        else [DeviceArena(shard.size, device) for shard in shards]
+    )
     # Each span is its arena's whole (aligned) length, so the file's last partial block is read
     # in place too (the reader stops at the end of the file).
     jobs = [FileRead(s.path, s.size, [Span(0, arenas[i].nbytes, arenas[i], 0)])

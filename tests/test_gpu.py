@@ -6,7 +6,10 @@ stories260K where ../shared is not beside the repository).
   give the original bits of tensors large enough to fill the GPU;
 - the engine on the GPU (Triton kernels, CUDA graphs) gives transformers' greedy tokens on the
   same bfloat16 weights, and the same tokens with its weights kept compressed (decoded inside
-  the captured graphs).
+  the captured graphs);
+- weights read onto the GPU through pinned staging buffers and a copy stream are the bits a
+  load into host memory gives, converted on the GPU where the file's dtype is not the model's,
+  and a corrupt chunk is still named.
 """
 
 from __future__ import annotations
@@ -89,3 +92,25 @@ def test_engine_on_the_gpu_with_weights_kept_compressed(tiny_model_dir) -> None:
     assert llm.engine.compressed is not None and llm.engine.runner.graphs is not None
     assert all(b.group is not None for b in llm.engine.compressed._blocks)  # a launch a layer
     assert _greedy(llm) == dense
+
+
+def test_weights_read_onto_the_gpu_are_the_checkpoints_bits(tiny_model_dir, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+    from runtime.config import ModelLoadError
+    from runtime.loader import load_model, start_load
+    from runtime.weights import ReadStats
+    from tests.test_loader import _mixed_shards
+    from tests.test_weights import flip_byte
+
+    folder = tmp_path / "m"
+    _mixed_shards(tiny_model_dir("llama-wide"), folder, 3)  # float32 and bfloat16 on disk
+    host = dict(load_model(folder, "bfloat16").named_parameters())
+    stats = ReadStats()
+    model = start_load(folder, "bfloat16", stats=stats, device="cuda").finish()
+    for name, param in model.named_parameters():
+        assert param.device.type == "cuda" and torch.equal(param.cpu(), host[name]), name
+    assert stats.verified > 3 and stats.copied_bytes >= stats.bytes // 2
+
+    shard = sorted(folder.glob("*.safetensors"))[1]
+    flip_byte(shard, shard.stat().st_size - 100)
+    with pytest.raises(ModelLoadError, match=rf"{shard.name}: checksum mismatch"):
+        start_load(folder, "bfloat16", device="cuda").finish()

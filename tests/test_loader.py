@@ -175,20 +175,25 @@ def _mixed_shards(src: Path, dst: Path, shards: int) -> dict[str, torch.Tensor]:
     return disk
 
 
-@pytest.mark.parametrize("family", ["llama", "qwen2"])  # untied; tied with q/k/v biases
+@pytest.mark.parametrize(("family", "staging"), [("llama", False), ("qwen2", False),
+                                                ("llama", True)])  # fmt: skip
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_parameters_bit_identical_to_the_checkpoint(
-    tiny_model_dir, tmp_path: Path, family: str, dtype: str
+    tiny_model_dir, tmp_path: Path, family: str, dtype: str, staging: bool
 ) -> None:  # type: ignore[no-untyped-def]
     """Fused q/k/v and gate/up, bfloat16 and float32 on disk converted once to the model's dtype,
-    tensors at offsets that are not multiples of their size, 3 shards checked chunk by chunk."""
+    tensors at offsets that are not multiples of their size, 3 shards checked chunk by chunk.
+    qwen2: tied embeddings, q/k/v biases. `staging`: read as onto a GPU (through the staging
+    buffers, into device-aligned parameters), on the CPU."""
     disk = _mixed_shards(tiny_model_dir(family), tmp_path / "m", 3)
     stats = ReadStats()
-    model = load_model(tmp_path / "m", dtype, stats=stats)
+    model = start_load(tmp_path / "m", dtype, stats=stats, staging=staging).finish()
     want_dtype = getattr(torch, dtype)
     for name, param in model.named_parameters():
         want = _reference(disk, name, want_dtype)
         assert param.dtype == want_dtype and torch.equal(param, want), name
+        offset = param.data_ptr() - param.untyped_storage().data_ptr()  # in the device arena
+        assert not staging or offset % 256 == 0, name
     assert stats.verified > 3 and stats.bytes == sum(
         f.stat().st_size for f in (tmp_path / "m").glob("*.safetensors")
     )
@@ -221,6 +226,8 @@ def test_manifest_names_a_missing_truncated_or_corrupt_shard(
         load_model(d)
     with pytest.raises(ModelLoadError, match=r"model\.safetensors: checksum mismatch"):
         start_load(d, direct=False).finish()  # through the page cache too
+    with pytest.raises(ModelLoadError, match=r"model\.safetensors: checksum mismatch"):
+        start_load(d, staging=True).finish()  # through the staging buffers (a GPU's load)
 
     weights.write_bytes(good[:-10])
     with pytest.raises(ModelLoadError, match=rf"model\.safetensors: truncated: the manifest says "

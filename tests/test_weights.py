@@ -16,7 +16,7 @@ from safetensors.torch import load_file, save_file
 
 from runtime.config import ModelLoadError
 from runtime.manifest import Manifest, ShardEntry, file_digests, write_manifest
-from runtime.shard_reader import ALIGN, Arena, FileRead, ShardReads, Span
+from runtime.shard_reader import ALIGN, Arena, DeviceArena, FileRead, ShardReads, Span
 from runtime.weights import (
     ReadStats,
     chunk_checks,
@@ -228,11 +228,15 @@ def test_manifest_checks_every_chunk_and_names_a_corrupt_one(tmp_path: Path, dir
         list(load_safetensors(files, 3, direct, skip_cached=False, manifest=manifest))
 
 
-def _scatter(size: int, seed: int) -> tuple[list[Span], list[Arena]]:
+def _scatter(size: int, seed: int, device: bool = False) -> tuple[list[Span], list[Arena | DeviceArena]]:
     """Disjoint spans over a file of `size` bytes, of every awkward length, into two arenas at
-    offsets that sit where the bytes do modulo ALIGN (read in place) or do not (copied)."""
+    offsets that sit where the bytes do modulo ALIGN (read in place) or do not (copied).
+    `device`: the second arena is a DeviceArena (on the CPU, zeroed), reached through staging."""
     rng = random.Random(seed)
-    arenas = [Arena(size + 64 * ALIGN), Arena(size + 64 * ALIGN)]
+    arenas: list[Arena | DeviceArena] = [Arena(size + 64 * ALIGN), Arena(size + 64 * ALIGN)]
+    if device:
+        arenas[1] = DeviceArena(size + 64 * ALIGN, "cpu")
+        arenas[1].tensor().zero_()
     spans, pos, ends = [], rng.randrange(0, 3 * ALIGN), [0, 0]
     while pos < size:
         n = min(size - pos, rng.choice([1, 7, ALIGN - 1, ALIGN, ALIGN + 1, 5 * ALIGN + 3, 70_000]))
@@ -245,18 +249,26 @@ def _scatter(size: int, seed: int) -> tuple[list[Span], list[Arena]]:
     return spans, arenas
 
 
+def _contents(arena: Arena | DeviceArena) -> bytes:
+    return bytes(arena.view) if isinstance(arena, Arena) else arena.tensor().numpy().tobytes()
+
+
 @pytest.mark.parametrize("direct", [True, False])
-@pytest.mark.parametrize("chunk_kib", [16, 64])
-def test_spans_land_exactly_where_asked(tmp_path: Path, direct: bool, chunk_kib: int) -> None:
+@pytest.mark.parametrize(("chunk_kib", "device"), [(16, False), (64, False), (16, True)])
+def test_spans_land_exactly_where_asked(
+    tmp_path: Path, direct: bool, chunk_kib: int, device: bool
+) -> None:
     """The loader's reads: each span's bytes at its place, nothing written anywhere else, and the
-    checksum of chunks read into several places at once still checked (a flipped byte named)."""
+    checksum of chunks read into several places at once still checked (a flipped byte named).
+    `device`: half the spans go to a DeviceArena, so chunks go through the staging ring, with
+    their host spans copied out of it (a GPU load's path, run on the CPU)."""
     f = tmp_path / "blob.bin"
     data = random.Random(1).randbytes(600_001)
     f.write_bytes(data)
     chunk = chunk_kib << 10
     manifest = write_checked_manifest(tmp_path, [f], chunk)
     for seed in range(3):
-        spans, arenas = _scatter(len(data), seed)
+        spans, arenas = _scatter(len(data), seed, device)
         stats = ReadStats()
         reads = ShardReads([FileRead(f, len(data), spans)], threads=3, direct=direct,
                            skip_cached=False, chunk_bytes=chunk,
@@ -264,16 +276,18 @@ def test_spans_land_exactly_where_asked(tmp_path: Path, direct: bool, chunk_kib:
         reads.wait(0)
         reads.close()
         assert stats.direct == direct and stats.verified == len(manifest.shards[0].xxh3_64)
-        assert 0 < stats.copied_bytes < sum(s.end - s.begin for s in spans)  # both kinds
-        expect = [bytearray(len(a.view)) for a in arenas]
+        total = sum(s.end - s.begin for s in spans)
+        staged = sum(s.end - s.begin for s in spans if isinstance(s.arena, DeviceArena))
+        assert max(staged, 1) <= stats.copied_bytes < total  # both kinds
+        expect = [bytearray(a.nbytes) for a in arenas]
         for s in spans:
             expect[arenas.index(s.arena)][s.offset : s.offset + s.end - s.begin] = data[
                 s.begin : s.end
             ]
-        assert [bytes(a.view) for a in arenas] == [bytes(e) for e in expect], seed
+        assert [_contents(a) for a in arenas] == [bytes(e) for e in expect], seed
 
     flip_byte(f, len(data) - 5)
-    spans, _ = _scatter(len(data), 0)
+    spans, _ = _scatter(len(data), 0, device)
     reads = ShardReads([FileRead(f, len(data), spans)], direct=direct, skip_cached=False,
                        chunk_bytes=chunk, verify=chunk_checks(manifest)[1])  # fmt: skip
     with pytest.raises(ModelLoadError, match=r"blob\.bin: checksum mismatch in bytes"):
