@@ -3,12 +3,16 @@
 It binds 127.0.0.1 on a free port, keeps nothing on disk (no RDB, no AOF; its working folder is a
 temporary directory), and can be stopped and started again on the same port, which is how tests
 check that clients recover from a Redis restart. The server is a child process: `stop()` (or
-leaving the `with` block, or the interpreter exiting) ends it.
+leaving the `with` block, or the interpreter exiting) ends it; with `die_with_parent`, so does
+the end of the thread that started it however it ends, SIGKILL included (Linux: the kernel's
+parent-death signal), as `edgeinfer up`'s other children stop through their lifeline.
 """
 
 from __future__ import annotations
 
 import contextlib
+import ctypes
+import os
 import shutil
 import signal
 import socket
@@ -16,6 +20,7 @@ import subprocess
 import tempfile
 import time
 import weakref
+from collections.abc import Callable
 from pathlib import Path
 from types import TracebackType
 
@@ -72,16 +77,33 @@ def _terminate(proc: subprocess.Popen[bytes]) -> None:
         proc.wait()
 
 
+PR_SET_PDEATHSIG = 1  # prctl(2): the signal this process gets when its parent thread ends
+
+
+def _parent_death_signal(parent: int) -> Callable[[], None]:
+    """What the child runs before redis-server's exec: SIGTERM when the parent is gone (and at
+    once, should it have gone before this ran). Only async-signal-safe calls."""
+
+    def arm() -> None:
+        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM, 0, 0, 0)
+        if os.getppid() != parent:
+            os.kill(os.getpid(), signal.SIGTERM)
+
+    return arm
+
+
 class LocalRedis:
     """One local redis-server child process; see the module docstring."""
 
-    def __init__(self, port: int | None = None, executable: str = "redis-server") -> None:
+    def __init__(self, port: int | None = None, executable: str = "redis-server",
+                 die_with_parent: bool = False) -> None:  # fmt: skip
         found = shutil.which(executable)
         if found is None:
             raise RuntimeError(
                 f"{executable!r} is not on PATH: run `make setup` or `apt-get install redis-server`"
             )
         self.executable = found  # absolute path of redis-server
+        self.die_with_parent = die_with_parent
         self.port = port if port is not None else find_free_port()  # kept across restarts
         self._proc: subprocess.Popen[bytes] | None = None
         self._dir: tempfile.TemporaryDirectory[str] | None = None  # working folder and log
@@ -115,7 +137,8 @@ class LocalRedis:
             "--daemonize", "no",
         ]  # fmt: skip
         self._proc = subprocess.Popen(
-            cmd, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT
+            cmd, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT,
+            preexec_fn=_parent_death_signal(os.getpid()) if self.die_with_parent else None,
         )
         self._finalizer = weakref.finalize(self, _terminate, self._proc)
         deadline = time.monotonic() + START_TIMEOUT_S

@@ -108,7 +108,7 @@ def up(args: argparse.Namespace) -> int:
     redis_url = args.redis or os.environ.get("EDGEINFER_REDIS")
     local_redis = None
     if redis_url is None:
-        local_redis = LocalRedis().start()
+        local_redis = LocalRedis(die_with_parent=True).start()  # (gone with us, however we end)
         redis_url = local_redis.url
         print(f"started redis-server on {redis_url}", file=sys.stderr)
     cli = [sys.executable, "-m", "runtime.cli"]

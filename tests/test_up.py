@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -102,7 +103,8 @@ def test_up_killed_outright_leaves_no_worker_or_gateway_serving(
     tmp_path: Path, stories_dir: Path
 ) -> None:
     """SIGKILL gives `up` no chance to stop its children: they watch its lifeline
-    (runtime.lifeline), and the worker drains and the gateway stops by themselves."""
+    (runtime.lifeline), and the worker drains and the gateway stops by themselves; the
+    redis-server it started gets the kernel's parent-death signal."""
     port = find_free_port()  # the worker's port, then its KV server's (a CI run once found
     worker_port = find_free_ports(2, avoid=frozenset({port}))  # the second taken: a failed up)
     env = {k: v for k, v in os.environ.items() if not k.startswith("EDGEINFER_")}
@@ -116,9 +118,14 @@ def test_up_killed_outright_leaves_no_worker_or_gateway_serving(
     )  # fmt: skip
     try:
         wait_until(lambda: "edgeinfer is up" in log.read_text(), 90, "the stack")
+        found = re.search(r"started redis-server on redis://127\.0\.0\.1:(\d+)/", log.read_text())
+        assert found, log.read_text()
+        redis_port = int(found.group(1))
+        assert _port_open(redis_port)
         proc.kill()
         proc.wait()
         wait_until(lambda: not _port_open(port) and not _port_open(worker_port), 30,
                    "the gateway and the worker to stop after `up` was killed")  # fmt: skip
+        wait_until(lambda: not _port_open(redis_port), 10, "redis-server to stop")
     finally:
         os.killpg(proc.pid, signal.SIGKILL)  # (redis-server, and whatever did not stop)
