@@ -86,7 +86,7 @@ def _interrupt(signum: int, frame: object) -> None:
 
 
 def up(args: argparse.Namespace) -> int:
-    from kvstore.redis_server import LocalRedis
+    from kvstore.redis_server import LocalRedis, find_free_ports
     from runtime.cli import _model_dir
     from runtime.lifeline import Lifeline
 
@@ -111,6 +111,8 @@ def up(args: argparse.Namespace) -> int:
         local_redis = LocalRedis(die_with_parent=True).start()  # (gone with us, however we end)
         redis_url = local_redis.url
         print(f"started redis-server on {redis_url}", file=sys.stderr)
+    # the workers' ports, then their KV-transfer servers': a free run unless told where
+    worker_port = args.worker_port or find_free_ports(2 * len(roles), frozenset({args.port}))
     cli = [sys.executable, "-m", "runtime.cli"]
     workers = [
         subprocess.Popen(
@@ -122,12 +124,12 @@ def up(args: argparse.Namespace) -> int:
                 "--region",
                 args.region,
                 "--port",
-                str(args.worker_port + i),
+                str(worker_port + i),
                 # the KV-transfer servers on the ports after the workers': on a free port each
                 # (the default), the first worker's could take the next worker's port before
                 # that worker bound it
                 "--kv-port",
-                str(args.worker_port + len(roles) + i),
+                str(worker_port + len(roles) + i),
                 "--redis",
                 redis_url,
                 "--role",

@@ -479,9 +479,9 @@ def add_service_commands(sub: argparse._SubParsersAction, engine_args) -> None: 
         help="one worker per listed role instead, e.g. prefill,decode (disaggregated serving)",
     )  # fmt: skip
     u.add_argument("--port", type=int, default=8080, help="gateway port")
-    u.add_argument("--worker-port", type=int, default=9001,
+    u.add_argument("--worker-port", type=int, default=None,
                    help="first worker's port; the workers take the next ones, then their "
-                   "KV-transfer servers the ones after those")  # fmt: skip
+                   "KV-transfer servers the ones after those (default: a run of free ports)")  # fmt: skip
     u.add_argument("--redis", default=None, help="use this Redis instead of starting one")
     u.add_argument("--region", default="local")
     u.add_argument(

@@ -29,13 +29,14 @@ def _port_open(port: int) -> bool:
 def test_up_serves_and_stops_cleanly(tmp_path: Path, stories_dir: Path, roles: str | None) -> None:
     model = chat_model(stories_dir, tmp_path / "stories-chat")
     port = find_free_port()  # the workers' ports, then their KV servers': 2 or 4 in a row
-    worker_port = find_free_ports(4, avoid=frozenset({port}))
+    # given with --roles; else up's default, a free run it finds
+    worker_port = find_free_ports(4, avoid=frozenset({port})) if roles else None
     env = {k: v for k, v in os.environ.items() if not k.startswith("EDGEINFER_")}
     log = tmp_path / "up.log"
     proc = subprocess.Popen(
         [sys.executable, "-m", "runtime.cli", "up", "--model", str(model), "--port", str(port),
-         "--worker-port", str(worker_port), "--threads", "1", "--kv-cache-bytes", "4000000",
-         *(["--roles", roles] if roles else [])],
+         "--threads", "1", "--kv-cache-bytes", "4000000",
+         *(["--roles", roles, "--worker-port", str(worker_port)] if roles else [])],
         cwd=ROOT, env=env | {"PYTHONUNBUFFERED": "1"}, stdout=log.open("wb"),
         stderr=subprocess.STDOUT, start_new_session=True,
     )  # fmt: skip
@@ -49,6 +50,10 @@ def test_up_serves_and_stops_cleanly(tmp_path: Path, stories_dir: Path, roles: s
         assert (
             f"http://127.0.0.1:{port}/v1" in out and "curl" in out and "started redis-server" in out
         )
+        if worker_port is None:  # from the worker's line (it may follow up's by a moment)
+            ready = r"ready: model .*, http://127\.0\.0\.1:(\d+),"
+            wait_until(lambda: re.search(ready, log.read_text()), 10, "the worker's ready line")
+            worker_port = int(re.search(ready, log.read_text()).group(1))  # type: ignore[union-attr]
         client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="x", max_retries=0)
         r = client.chat.completions.create(
             model="stories-chat", messages=[{"role": "user", "content": "Hi"}], max_tokens=8
