@@ -239,7 +239,7 @@ class PendingLoad:
     stats: ReadStats
     reads: ShardReads | _Decoding
     nbytes: int  # memory the parameters take
-    memory_before: int  # bytes available (MemAvailable) before any was allocated
+    memory_before: int  # host bytes available (MemAvailable) before any was allocated
     # per shard: (staged tensor in its file dtype, its place in the parameter) to convert
     conversions: list[list[tuple[torch.Tensor, torch.Tensor]]] = field(default_factory=list)
     started: float = 0.0  # time.perf_counter() when start_load began
@@ -320,21 +320,22 @@ def start_load(
     staged = target.type != "cpu" if staging is None else staging
     # in place from the drive, the host's; on a device, aligned as its allocator aligns
     at, end, stage_at, stage_end = _layout(pieces, params, in_line=not staged)
-    need = end + stage_end
-    have = _device_free(target)
-    if need > have:
-        where = "of memory" if target.type == "cpu" else f"of {target} memory"
-        raise ModelLoadError(
-            f"{path}: the weights need {_size(need)} {where} (as {torch_dtype}), only "
-            f"{_size(have)} is available"
-        )
-    arena: Arena | DeviceArena
-    staging_arena: Arena | DeviceArena | None
-    if staged:
-        arena = DeviceArena(end, target)
-        staging_arena = DeviceArena(stage_end, target) if stage_at else None
-    else:
-        arena, staging_arena = Arena(end), Arena(stage_end) if stage_at else None
+    # Tensors to convert are staged on the host (read in place, in their file dtype) and
+    # converted as each shard's reads end, on the way to the device for a device load: staged
+    # on a GPU, a float32 checkpoint would need twice its model's bytes there on top.
+    host = torch.device("cpu")
+    memory = [(end, target), (stage_end, host)] if staged else [(end + stage_end, host)]
+    for need, where in memory:  # (the host's last: `have` is what PendingLoad records)
+        have = _device_free(where)
+        if need > have:
+            what = "memory" if where.type == "cpu" else f"{where} memory"
+            raise ModelLoadError(
+                f"{path}: the weights need {_size(need)} of {what} (as {torch_dtype}"
+                f"{', staged in their file dtype' if staged and where.type == 'cpu' else ''}), "
+                f"only {_size(have)} is available"
+            )
+    arena = DeviceArena(end, target) if staged else Arena(end)
+    staging_arena = Arena(stage_end) if stage_at else None
     whole, stage = arena.tensor(), staging_arena.tensor() if staging_arena else None
     for name, param in params.items():
         o = at[name]
@@ -350,7 +351,7 @@ def start_load(
             o = at[p.param] + p.row * _row_bytes(param)
             for b, e in p.file_spans():  # a column slice: each row to its row of the parameter
                 spans[p.shard.path].append(Span(b, e, arena, o))
-                st.copied += (o - b) % ALIGN != 0  # not in line with its bytes: copied
+                st.copied += staged or (o - b) % ALIGN != 0  # not in line with its bytes
                 o += _row_bytes(param) if p.col_bytes is not None else 0
         else:
             assert staging_arena is not None and stage is not None
@@ -581,10 +582,10 @@ def _layout(
 
     `in_line`: a parameter sits where its largest piece stored in its own dtype sits in its
     file, modulo ALIGN, so that the reader can put that piece (and its neighbours, if the file
-    keeps them as the parameter does) in place straight from the drive; a piece to convert is
-    staged in its file dtype, likewise in line with the file. Else (memory that reads reach
-    through staging buffers: a GPU's) everything starts on a DEVICE_ALIGN boundary, as the
-    device's own allocations do, as its kernels' vector loads want."""
+    keeps them as the parameter does) in place straight from the drive. Else (memory that reads
+    reach through staging buffers: a GPU's) each starts on a DEVICE_ALIGN boundary, as the
+    device's own allocations do, as its kernels' vector loads want. A piece to convert is
+    staged on the host in its file dtype, in line with the file either way."""
     by_param: dict[str, list[_Piece]] = {}
     for p in pieces:  # parameters in the file order of their first piece
         by_param.setdefault(p.param, []).append(p)
@@ -603,8 +604,7 @@ def _layout(
         dtype = params[p.param].dtype
         if p.tensor.dtype != dtype:
             first = p.file_spans()[0][0]
-            stage_at[id(p)] = (_congruent(stage_end, first, p.tensor.dtype.itemsize) if in_line
-                               else _round_to(stage_end))  # fmt: skip
+            stage_at[id(p)] = _congruent(stage_end, first, p.tensor.dtype.itemsize)
             stage_end = stage_at[id(p)] + p.nbytes * p.tensor.dtype.itemsize // dtype.itemsize
     return at, end, stage_at, stage_end
 

@@ -30,11 +30,12 @@ import bisect
 import contextlib
 import ctypes
 import errno
+import logging
 import mmap
 import os
-import queue
 import threading
 import time
+from collections import deque
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
@@ -43,6 +44,8 @@ from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     import torch
+
+log = logging.getLogger(__name__)
 
 ALIGN = 4096  # O_DIRECT alignment of buffers, offsets and lengths (>= any logical block size)
 CHUNK_BYTES = 16 << 20  # one read (and one checksum, runtime.manifest.CHUNK_BYTES)
@@ -184,18 +187,20 @@ class _Staged:
     """One of a StagingRing's buffers (page-aligned host memory, `arena`), and the event that
     says when the last copies out of it are done (None: nothing pending)."""
 
-    __slots__ = ("arena", "event", "host")
+    __slots__ = ("arena", "event", "host", "pinned")
 
     def __init__(self, nbytes: int, pin: bool):
         self.arena = Arena(nbytes)
         self.arena.commit()
-        if pin:  # page-locked, for asynchronous copies (torch's own pin_memory helper does so)
-            import torch
+        self.pinned = False
+        if pin:  # page-locked for every device's context (cudaHostRegisterPortable), as torch's
+            import torch  # own pin_memory helper does: the copies out of it run asynchronously
 
-            err = int(torch.cuda.cudart().cudaHostRegister(self.arena.addr, nbytes, 0))
+            err = int(torch.cuda.cudart().cudaHostRegister(self.arena.addr, nbytes, 1))
             if err:
-                raise RuntimeError(f"pinning {nbytes} bytes of staging memory failed: CUDA "
-                                   f"error {err}")  # fmt: skip
+                raise _load_error(f"cannot pin {nbytes} bytes of host memory to stage the "
+                                  f"weights' reads for the GPU (CUDA error {err})")  # fmt: skip
+            self.pinned = True
         self.host = self.arena.tensor()
         self.event: torch.cuda.Event | None = None
 
@@ -204,8 +209,9 @@ class StagingRing:
     """The host buffers, one chunk each, that reads land in on their way to a DeviceArena:
     page-locked for a CUDA device, so that the copies out of them run asynchronously on the
     ring's copy stream, beside the reads into the other buffers and the model's set-up on the
-    default stream. At most `count` buffers, made as they are first needed; a buffer is handed
-    out again only once the copies out of it have finished."""
+    default stream. At most `count` buffers, made as they are first needed (outside the lock: a
+    reading thread does not wait for another's buffer to be made); a buffer is handed out again
+    only once the copies out of it have finished."""
 
     def __init__(self, chunk_bytes: int, count: int, device: torch.device):
         import torch
@@ -213,33 +219,52 @@ class StagingRing:
         self.chunk_bytes, self.count = chunk_bytes, max(1, count)
         self.cuda = device.type == "cuda"
         self.stream = torch.cuda.Stream(device) if self.cuda else None
-        self._free: queue.SimpleQueue[_Staged] = queue.SimpleQueue()
+        if self.stream is not None:  # the arenas were allocated on the default stream, perhaps
+            self.stream.wait_stream(torch.cuda.current_stream(device))  # from memory it frees
+        self._free: deque[_Staged] = deque()  # given back, oldest first
         self._made: list[_Staged] = []
-        self._lock = threading.Lock()
+        self._making = 0
+        self._cv = threading.Condition()
 
     def take(self) -> _Staged:
-        with self._lock:
-            if len(self._made) < self.count and self._free.empty():
-                self._made.append(_Staged(self.chunk_bytes, self.cuda))
-                staged = self._made[-1]
-            else:
-                staged = None
+        """A buffer to read into: a free one whose copies are done, else a new one while fewer
+        than `count` are made, else the one given back first, once its copies are done."""
+        with self._cv:
+            while True:
+                staged = next((b for b in self._free if b.event is None or b.event.query()), None)
+                if staged is not None:
+                    self._free.remove(staged)
+                    break
+                if len(self._made) + self._making < self.count:
+                    self._making += 1
+                    break
+                if self._free:
+                    staged = self._free.popleft()
+                    break
+                self._cv.wait()
         if staged is None:
-            staged = self._free.get()
+            try:
+                staged = _Staged(self.chunk_bytes, self.cuda)
+            finally:
+                with self._cv:
+                    self._making -= 1
+                    if staged is not None:
+                        self._made.append(staged)
+                    self._cv.notify()
         if staged.event is not None:
             staged.event.synchronize()
             staged.event = None
         return staged
 
     def give(self, staged: _Staged) -> None:
-        self._free.put(staged)
+        with self._cv:
+            self._free.append(staged)
+            self._cv.notify()
 
     def send(self, staged: _Staged, c0: int, c1: int, spans: Sequence[Span]) -> int:
         """Copy the bytes of `spans` in the chunk [c0, c1) that `staged` holds to their places:
         a DeviceArena's asynchronously (runs that are contiguous in the file and in the arena as
         one copy), an Arena's at once. Returns the bytes copied."""
-        import torch
-
         runs: list[list] = []  # [arena, offset, file begin, file end]
         copied = 0
         for s in spans:
@@ -256,16 +281,26 @@ class StagingRing:
                 runs[-1][3] = y
             else:
                 runs.append([s.arena, at, x, y])
-        if not runs:
-            return copied
-        with torch.cuda.stream(self.stream) if self.stream is not None else contextlib.nullcontext():
-            for arena, at, x, y in runs:
-                arena.tensor()[at : at + y - x].copy_(staged.host[x - c0 : y - c0],
-                                                      non_blocking=True)  # fmt: skip
-            if self.stream is not None:
-                staged.event = torch.cuda.Event()
-                staged.event.record(self.stream)
+        if runs:
+            staged.event = self._launch([(arena.tensor()[at : at + y - x],
+                                          staged.host[x - c0 : y - c0]) for arena, at, x, y in runs])  # fmt: skip
         return copied
+
+    def _launch(self, copies: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.cuda.Event | None:
+        """Queue the copies (destination, source) on the copy stream; the event that marks their
+        end (None off a GPU: done already)."""
+        import torch
+
+        if self.stream is None:
+            for dst, src in copies:
+                dst.copy_(src)
+            return None
+        with torch.cuda.stream(self.stream):
+            for dst, src in copies:
+                dst.copy_(src, non_blocking=True)
+            event = torch.cuda.Event()
+            event.record(self.stream)
+        return event
 
     def synchronize(self) -> None:
         """Wait for every copy sent so far."""
@@ -274,16 +309,20 @@ class StagingRing:
 
     def close(self) -> None:
         """Once every copy is done, let the buffers go (unpinned: the load is over)."""
-        self.synchronize()
-        with self._lock:
-            made, self._made = self._made, []
-            while not self._free.empty():  # (the memory goes with the last reference)
-                self._free.get_nowait()
-        if self.cuda:
-            import torch
+        try:
+            self.synchronize()
+        finally:
+            with self._cv:
+                made, self._made = self._made, []
+                self._free.clear()  # (the memory goes with the last reference)
+            pinned = [b for b in made if b.pinned]
+            if pinned:
+                import torch
 
-            for staged in made:
-                torch.cuda.cudart().cudaHostUnregister(staged.arena.addr)
+                for b in pinned:
+                    err = int(torch.cuda.cudart().cudaHostUnregister(b.arena.addr))
+                    if err:  # (its pages stay locked until the process ends)
+                        log.warning("unpinning a weights staging buffer: CUDA error %d", err)
 
 
 @dataclass(slots=True)
@@ -402,6 +441,12 @@ class ShardReads:
         self._local = threading.local()  # each thread's scratch chunk
         self._files: list[_File] = []
         self._waited = 0
+        targets = list(dict.fromkeys(s.arena for job in jobs for s in job.spans))
+        devices = {a.device for a in targets if isinstance(a, DeviceArena)}
+        if len(devices) > 1:
+            raise ValueError(f"one load reads onto one device, not {sorted(map(str, devices))}")
+        # two buffers beyond the reading threads': copies in flight while every thread reads
+        self._ring = StagingRing(chunk_bytes, threads + 2, devices.pop()) if devices else None
         try:
             for job in jobs:
                 self._files.append(self._open(job, direct, skip_cached))
@@ -420,12 +465,6 @@ class ShardReads:
         # The destination memory committed ahead of the reads (commit_ahead): an O_DIRECT read
         # into fresh pages faults each in before its I/O is issued.
         self._stop_commit = threading.Event()
-        targets = list(dict.fromkeys(s.arena for f in self._files for s in f.job.spans))
-        devices = {a.device for a in targets if isinstance(a, DeviceArena)}
-        if len(devices) > 1:
-            raise ValueError(f"one load reads onto one device, not {sorted(map(str, devices))}")
-        # two buffers beyond the reading threads': copies in flight while every thread reads
-        self._ring = StagingRing(chunk_bytes, threads + 2, devices.pop()) if devices else None
         arenas = [a for a in targets if isinstance(a, Arena)]
         self._committer: threading.Thread | None = None
         if COMMIT_AHEAD and arenas:
@@ -586,9 +625,11 @@ class ShardReads:
             self._committer = None
         if self._checks is not None:  # (no check reads the memory once this returns)
             self._checks.shutdown(wait=True, cancel_futures=True)
-        if self._ring is not None:  # nor a copy
-            self._ring.close()
-        self._close_files()
+        try:
+            if self._ring is not None:  # nor a copy
+                self._ring.close()
+        finally:
+            self._close_files()
         self._files = []
 
     def _close_files(self) -> None:

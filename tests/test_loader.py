@@ -175,8 +175,8 @@ def _mixed_shards(src: Path, dst: Path, shards: int) -> dict[str, torch.Tensor]:
     return disk
 
 
-@pytest.mark.parametrize(("family", "staging"), [("llama", False), ("qwen2", False),
-                                                ("llama", True)])  # fmt: skip
+@pytest.mark.parametrize("family", ["llama", "qwen2"])
+@pytest.mark.parametrize("staging", [False, True])
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_parameters_bit_identical_to_the_checkpoint(
     tiny_model_dir, tmp_path: Path, family: str, dtype: str, staging: bool

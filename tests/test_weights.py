@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import random
+import threading
 from pathlib import Path
 
 import pytest
@@ -293,6 +294,66 @@ def test_spans_land_exactly_where_asked(
     with pytest.raises(ModelLoadError, match=r"blob\.bin: checksum mismatch in bytes"):
         reads.wait(0)
     reads.close()
+
+
+class _Later:
+    """A GPU's copy-stream event, on the CPU: the copies it marks happen only when it is
+    synchronized (or the stream is), reading their source buffer as it is then, as queued
+    copies on a GPU run some time after they were sent."""
+
+    def __init__(self, copies: list[tuple[torch.Tensor, torch.Tensor]]):
+        self.copies = copies
+
+    def query(self) -> bool:
+        return not self.copies
+
+    def synchronize(self) -> None:
+        for dst, src in self.copies:
+            dst.copy_(src)
+        self.copies = []
+
+
+def test_staged_reads_wait_for_their_copies(tmp_path: Path, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    """The staging ring's protocol with copies that finish late: a buffer is read into again
+    only after its copies ran, and `wait` returns only once every copy has (each of which,
+    skipped, leaves another chunk's bytes or nothing in the device arena). Many 16 KiB chunks
+    over 3 threads, so buffers are reused; half the chunks partly to a host arena as well."""
+    from runtime.shard_reader import StagingRing
+
+    lock, sent = threading.Lock(), []
+
+    def launch(self, copies):  # type: ignore[no-untyped-def]
+        with lock:
+            sent.append(_Later(copies))
+            return sent[-1]
+
+    def synchronize(self) -> None:  # type: ignore[no-untyped-def]
+        with lock:
+            for event in sent:
+                event.synchronize()
+
+    monkeypatch.setattr(StagingRing, "_launch", launch)
+    monkeypatch.setattr(StagingRing, "synchronize", synchronize)
+    data = random.Random(3).randbytes(1_000_003)
+    files = [tmp_path / "a.bin", tmp_path / "b.bin"]  # the second: the first one's copy
+    for f in files:
+        f.write_bytes(data)
+    device, host = DeviceArena(2 * len(data), "cpu"), Arena(len(data))
+    half, n = 500_000, len(data) - 70_001  # each file: n bytes to the device, 70_001 to host
+    jobs = [FileRead(files[0], len(data), [Span(0, half, device, 0),
+                                           Span(half, half + 70_001, host, 0),
+                                           Span(half + 70_001, len(data), device, half)]),
+            FileRead(files[1], len(data), [Span(0, len(data), device, n)])]  # fmt: skip
+    reads = ShardReads(jobs, threads=3, skip_cached=False, chunk_bytes=16 << 10)
+    try:
+        reads.wait(0)  # (the second file may still be reading)
+        assert device.tensor()[:n].numpy().tobytes() == data[:half] + data[half + 70_001 :]
+        assert bytes(host.view[:70_001]) == data[half : half + 70_001]
+        reads.wait(1)
+        assert device.tensor()[n : n + len(data)].numpy().tobytes() == data
+        assert len(sent) > 2 * 60  # every chunk's copies went through the late events
+    finally:
+        reads.close()
 
 
 @pytest.mark.parametrize("direct", [True, False])
