@@ -475,6 +475,84 @@ def test_a_code_table_that_is_no_prefix_code_is_rejected_even_with_a_good_checks
         list(load_compressed(out))
 
 
+def test_a_bad_record_is_called_corrupt_when_its_checksum_fails_too(tmp_path: Path) -> None:
+    """A record whose code table is broken and whose checksum fails: the checksum's error (the
+    file is corrupt), not the decoder's, though both run side by side."""
+    out = _compressed(tmp_path)
+    path, begin, _ = _record(out, "x.weight")
+    data = bytearray(path.read_bytes())
+    data[begin + 24 : begin + 152] = bytes([0x11] * 128)
+    path.write_bytes(data)
+    with pytest.raises(ModelLoadError, match=r"tensor 'x.weight': checksum mismatch"):
+        list(load_compressed(out))
+
+
+def test_a_corrupt_chunk_in_a_later_unit_of_a_record_is_named(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import xxhash
+
+    import runtime.compression as compression
+
+    monkeypatch.setattr(compression, "UNIT_VALUES", 4096)  # x.weight: 147 units of 4 chunks
+    out = _compressed(tmp_path)
+    path, begin, end = _record(out, "x.weight")
+    data = bytearray(path.read_bytes())
+    offsets = np.frombuffer(data, dtype="<i4", count=587, offset=begin + 152).copy()
+    offsets[501] = offsets[500]  # chunk 500 has no bytes for its codes
+    data[begin + 152 : begin + 152 + 4 * 587] = offsets.tobytes()
+    path.write_bytes(data)
+    manifest = json.loads((out / MANIFEST_NAME).read_text())
+    manifest["tensors"]["x.weight"]["xxh3_64"] = xxhash.xxh3_64_hexdigest(bytes(data[begin:end]))
+    (out / MANIFEST_NAME).write_text(json.dumps(manifest))
+    with pytest.raises(ModelLoadError, match=r"'x.weight': chunk 500: its codes run past"):
+        list(load_compressed(out))
+
+
+@pytest.mark.parametrize("cpp", [True, False])
+def test_records_read_in_pieces_and_decoded_in_units_load_bit_identical(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, cpp: bool
+) -> None:
+    """Small pieces, groups and units (a read ahead that holds back the reads): many of each,
+    decoded side by side on several threads, with the C++ decoder and with the reference."""
+    import runtime.compression as compression
+
+    want = _mixed()
+    compress_model(_folder(tmp_path / "src", want, 2), tmp_path / "out", chunk_elems=1024)
+    for name, value in (("GROUP_BYTES", 8192), ("PIECE_BYTES", 16384), ("UNIT_VALUES", 5000),
+                        ("READ_AHEAD", 1 << 16)):  # fmt: skip
+        monkeypatch.setattr(compression, name, value)
+    if not cpp:
+        monkeypatch.setattr(compression, "load_huffman", lambda: None)
+    got = {n: t for _, n, t in load_compressed(tmp_path / "out", threads=3, decode_threads=2)}
+    assert got.keys() == want.keys()
+    for name, t in want.items():
+        a, b = (got[name], t) if t.dtype != torch.bfloat16 else (_bits(got[name]), _bits(t))
+        assert torch.equal(a, b), name
+
+
+def test_decode_record_in_chunk_ranges_gives_the_decoders_bits() -> None:
+    from kernels.cpu_ext import load_huffman
+
+    ext = load_huffman()
+    if ext is None:
+        pytest.skip("no C++ compiler")
+    t = _weights((3000, 77), "normal")
+    record = torch.from_numpy(encode_bf16(t, 1024))
+    out = torch.empty(t.numel(), dtype=torch.bfloat16)
+    n_chunks = -(-t.numel() // 1024)
+    for first, last in ((0, 100), (100, 101), (101, n_chunks), (n_chunks, n_chunks)):
+        assert ext.decode_record(out, record, 1, first, last) == -1
+    assert torch.equal(_bits(out), _bits(t))
+    assert ext.decode_record(out, record, 2) == -1
+    assert torch.equal(_bits(out), _bits(t))
+    assert ext.decode_record(out, record, 1, 0, n_chunks + 1) == -2  # past the end
+    assert ext.decode_record(out[1:], record, 1) == -2  # not its size
+    bad = record.clone()
+    bad[24:152] = 0x11  # every symbol 1 bit long: no prefix code
+    assert ext.decode_record(out, bad, 1) == -2
+
+
 # ---------------------------------------------------------------------------------------------
 # The Triton kernel, interpreted
 
