@@ -167,10 +167,12 @@ class Proxy:
         and each worker tokenizes it (as its group's hashes did).
 
         Skipped (the worker tokenizes, routing goes by load) when the session's worker will
-        take the request anyway, unless prefill and decode are disaggregated (whether a prompt
-        is worth a transfer goes by its tokens that worker does not hold: a conversation's next
-        turn is mostly in its cache), when Redis is down or its index is being rebuilt after a
-        restart (`ClusterView.recovering`), or while no tokenizer bundle is available.
+        take the request anyway, or when one worker serves the model (there is nothing to
+        choose: an edge region's usual case, ~0.2 ms of tokenizing and a Redis round trip off
+        each request), unless prefill and decode are disaggregated (whether a prompt is worth a
+        transfer goes by its tokens that worker does not hold: a conversation's next turn is
+        mostly in its cache); when Redis is down or its index is being rebuilt after a restart
+        (`ClusterView.recovering`), or while no tokenizer bundle is available.
         """
         assert call.gen is not None
         view = self.view
@@ -179,7 +181,10 @@ class Proxy:
         workers = [w for w in view.live_workers() if w.model == call.gen.model and w.cache_id]
         if not workers:
             return
-        if call.placement is not None and not view.router.serving_roles(call.gen.model, workers)[1]:
+        disaggregated = view.router.serving_roles(call.gen.model, workers)[1]
+        if len(workers) == 1 and not disaggregated:
+            return
+        if call.placement is not None and not disaggregated:
             placed = next((w for w in workers if w.worker_id == call.placement.worker_id), None)
             if placed is not None and not placed.overloaded and not placed.draining:
                 return
