@@ -134,7 +134,7 @@ def test_a_full_worker_sheds_its_session(pair: Pair) -> None:
     assert session is not None
     r = redis.Redis.from_url(pair.redis.url)
     key = f"ei:w:{{{pair.w2.meta['worker_id']}}}"
-    threads = _occupy(pair.w2.url, 4)
+    threads = _occupy(pair.w2.url, 12)  # full for seconds (each takes ~0.2-0.5 s alone)
     wait_until(
         lambda: int(r.hget(key, "running") or 0) >= 1 and int(r.hget(key, "waiting") or 0) >= 1,
         10,
