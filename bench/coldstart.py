@@ -176,7 +176,9 @@ def gpu_readers(args: argparse.Namespace) -> int:
         print("bench.coldstart --device cuda: torch sees no CUDA GPU", file=sys.stderr)
         return 2
     device = args.device
-    with tempfile.TemporaryDirectory(prefix="ei-coldstart-") as tmp:
+    cache = Path.home() / ".cache"  # as on the CPU: on the drive a model store would be on
+    cache.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(prefix="ei-coldstart-", dir=cache) as tmp:
         log(f"writing the synthetic {args.synthetic_gb:g} GB checkpoint")
         files = synthetic(Path(tmp) / "syn", args.synthetic_gb, 8)
         size = sum(f.stat().st_size for f in files)
