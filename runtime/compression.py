@@ -105,12 +105,6 @@ CHUNK_ELEMS = 4096  # values per chunk: ~1.3 KiB of code; offsets cost 4 bytes p
 RECORD_ALIGN = 64  # every record starts at a multiple of this (raw tensors are views)
 _RECORD_HEAD = struct.Struct("<4sIQQ")  # magic, chunk_elems, n, nbytes
 _HEAD_BYTES = _RECORD_HEAD.size + 128  # + the code lengths, two per byte
-# Records are read in groups of at least GROUP_BYTES (a larger record alone): O_DIRECT reads of a
-# few MiB keep the drive busy with `threads` of them in flight, and the first tensor can start
-# decoding after a few ms. At most READ_AHEAD bytes of groups are read ahead of the tensors
-# handed over, so that the read buffers are reused (see _Buffers) instead of growing.
-GROUP_BYTES = 4 << 20
-READ_AHEAD = 64 << 20
 _SEGMENT_CHUNKS = 256  # the encoder works on this many chunks at a time (bounded memory)
 _NAMES = {  # safetensors' dtype names
     torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16",
@@ -686,7 +680,8 @@ def _groups(shard: int, entries: list[RecordEntry]) -> list[_Group]:
             g = out[-1]
         g.records.append(e)
         g.end = -(-e.end // ALIGN) * ALIGN
-    for g in out:
+    for g in out:  # (a group of empty records alone still gets a read, to be finished)
+        g.end = max(g.end, g.begin + ALIGN)
         g.reads = -(-(g.end - g.begin) // PIECE_BYTES)
     return out
 
@@ -745,6 +740,7 @@ class _Load:
         self.dests = dests
         self.outs: dict[str, torch.Tensor] = {}  # set by the loading thread, then `ready`
         self.ready = threading.Event()
+        self.groups = groups
         self.pieces = [(g, at) for g in groups for at in range(g.begin, g.end, PIECE_BYTES)]
         self.next_piece = 0
         self.units: collections.deque[_Unit] = collections.deque()
@@ -764,10 +760,28 @@ class _Load:
         with self.cond:
             self.stop = True
             self.cond.notify_all()
-        for t in self.threads:  # none may still read or decode once the descriptors close
-            t.join()
+        me = threading.current_thread()  # (the generator finalized by a collection on one of
+        for t in self.threads:  # them: that one is not reading now) none may still read or
+            if t is not me:  # decode once the descriptors close
+                t.join()
 
     def run(self) -> None:
+        """A thread's loop (`_run`); anything unexpected that escapes it (memory for a read
+        buffer refused, say) fails every group not done, so that no one waits for them."""
+        try:
+            self._run()
+        except BaseException as e:
+            with self.cond:
+                self.stop = True
+                for g in self.groups:
+                    if not g.done.is_set():
+                        path = self.shards[g.shard].path
+                        self.fail(g, 0, 0, ModelLoadError(f"{path}: the load failed: {e!r}"))
+                        g.ok = 0
+                        g.done.set()
+                self.cond.notify_all()
+
+    def _run(self) -> None:
         while True:
             unit, piece = None, None
             with self.cond:
@@ -804,22 +818,27 @@ class _Load:
         group's last piece, its units."""
         shard = self.shards[g.shard]
         assert g.buffer is not None
-        try:
+        first = 0  # the first record the failure touches (named; none of the group is yielded:
+        try:  # its records are neither checked nor decoded once a read of it failed)
             end = min(g.end, at + PIECE_BYTES)
+            first = next((i for i, r in enumerate(g.records) if r.end > at), 0)
             t0 = time.perf_counter()
             try:
                 view = g.buffer.view[at - g.begin : end - g.begin]
                 got = preadv_all(self.fds[g.shard], [view], at)
             except OSError as e:
-                raise ModelLoadError(f"{shard.path}: cannot read ({e})") from e
+                name = g.records[first].name
+                raise ModelLoadError(f"{shard.path}: cannot read tensor {name!r} ({e})") from e
             t1 = time.perf_counter()
             if got < min(end, shard.size) - at:
+                first = next((i for i, r in enumerate(g.records) if r.end > at + got), first)
                 raise ModelLoadError(
-                    f"{shard.path}: truncated while reading (at byte {at + got} of {shard.size})"
+                    f"{shard.path}: truncated while reading (at byte {at + got} of {shard.size}): "
+                    f"tensor {g.records[first].name!r} is cut off"
                 )
         except BaseException as e:
             with self.cond:
-                self.fail(g, 0, 0, e)
+                self.fail(g, 0, 0, self.named(g, first, e))
         else:
             with self.cond:
                 st = self.stats
@@ -885,7 +904,7 @@ class _Load:
                 self.decode(unit)
         except BaseException as e:  # (not expected: the loading thread must hear of it)
             with self.cond:
-                self.fail(g, unit.index[0], 0, e)
+                self.fail(g, unit.index[0], 0, self.named(g, unit.index[0], e))
         finally:
             with self.cond:
                 self.decoding -= 1
@@ -952,8 +971,18 @@ class _Load:
                 return
             except BaseException as e:
                 with self.cond:
-                    self.fail(g, i, 1, e)
+                    self.fail(g, i, 1, self.named(g, i, e))
                 return
+
+    def named(self, g: _Group, index: int, error: BaseException) -> BaseException:
+        """`error` as a ModelLoadError naming the file and record `index`'s tensor (it is
+        one already, or an interruption: as it is)."""
+        if isinstance(error, ModelLoadError | KeyboardInterrupt | SystemExit):
+            return error
+        named = ModelLoadError(f"{self.shards[g.shard].path}: tensor "
+                               f"{g.records[index].name!r}: {error!r}")  # fmt: skip
+        named.__cause__ = error
+        return named
 
     def fail(self, g: _Group, index: int, kind: int, error: BaseException) -> None:
         """(Under the lock.) Record `index` of group g failed with `error`, of `kind` 0 (its read
@@ -966,19 +995,29 @@ class _Load:
         """Group g is read and decoded, or failed: the tensors given destinations of another
         dtype are converted, its buffer goes back, and it is done."""
         ok = len(g.records) if g.failed is None else g.failed[0]
-        if not self.stop:
-            for entry in g.records[:ok]:
+        try:
+            for k, entry in enumerate(g.records[:ok]):
+                if self.stop:
+                    break
                 dest, out = self.dests[entry.name], self.outs[entry.name]
                 if dest is not None and out is not dest:
-                    dest.copy_(out)
-        with self.cond:
-            if g.buffer is not None:
-                self.buffers.give(g.buffer)
-                self.ahead -= g.end - g.begin
-                g.buffer = None
-            g.ok = ok
-            g.done.set()
-            self.cond.notify_all()
+                    try:
+                        with torch.no_grad():  # (grad mode is per thread: a parameter is fine)
+                            dest.copy_(out)
+                    except Exception as e:
+                        with self.cond:
+                            self.fail(g, k, 1, self.named(g, k, e))
+                        ok = k
+                        break
+        finally:
+            with self.cond:
+                if g.buffer is not None:
+                    self.buffers.give(g.buffer)
+                    self.ahead -= g.end - g.begin
+                    g.buffer = None
+                g.ok = ok
+                g.done.set()
+                self.cond.notify_all()
 
 
 def load_compressed(

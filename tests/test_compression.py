@@ -13,6 +13,7 @@ import os
 import shutil
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -317,6 +318,67 @@ def test_a_load_stopped_early_cleans_up(tmp_path: Path) -> None:
         assert time.monotonic() < deadline, "the commit thread outlived its load"
         time.sleep(0.01)
     assert len(list(load_compressed(tmp_path / "out"))) == len(_mixed())
+
+
+def _finishes(load: Callable[[], object], seconds: float = 60) -> object:
+    """`load()` on a thread of its own: what it returned or raised, or a failure if it hangs
+    (the load's threads wait on each other: a bug there waits forever)."""
+    box: dict[str, object] = {}
+
+    def run() -> None:
+        try:
+            box["got"] = load()
+        except BaseException as e:
+            box["error"] = e
+
+    t = threading.Thread(target=run, daemon=True)
+    t.start()
+    t.join(seconds)
+    assert not t.is_alive(), "the load hangs"
+    if "error" in box:
+        raise box["error"]  # type: ignore[misc]
+    return box["got"]
+
+
+def test_shards_of_empty_tensors_load(tmp_path: Path) -> None:
+    """A shard whose only record is an empty tensor (at an aligned offset: a group of no bytes)
+    is read and done like any other (it hung the load once)."""
+    tensors = {"big": _weights((1 << 21,), "normal"), "a": torch.zeros(1 << 19, dtype=torch.int16),
+               "z": torch.empty(0, dtype=torch.bfloat16), "e": torch.empty(0, 4, dtype=torch.bfloat16)}  # fmt: skip
+    compress_model(_folder(tmp_path / "src", tensors, 3), tmp_path / "out")
+    got = _finishes(lambda: {n: t for _, n, t in load_compressed(tmp_path / "out")})
+    assert isinstance(got, dict) and got.keys() == tensors.keys()
+    for name, t in tensors.items():
+        assert torch.equal(got[name], t), name
+
+
+def test_destinations_that_need_grad_and_a_refused_buffer(tmp_path: Path, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    """A destination the load's threads convert into may be a parameter that requires grad
+    (grad mode is per thread); memory refused for a read buffer is an error naming the file,
+    not threads that die and a load that waits for them."""
+    import runtime.compression as rc
+
+    want = _mixed()
+    compress_model(_folder(tmp_path / "src", want), tmp_path / "out", chunk_elems=1024)
+    param = torch.nn.Parameter(torch.empty(300, 700))  # float32: converted from bfloat16
+    got = _finishes(lambda: {n: t for _, n, t in load_compressed(
+        tmp_path / "out", into=lambda n: param if n == "w.normal" else None)})  # fmt: skip
+    assert isinstance(got, dict) and got["w.normal"] is param
+    assert torch.equal(param.detach(), want["w.normal"].float())
+
+    monkeypatch.setattr(rc, "GROUP_BYTES", 4096)  # many groups: the third buffer is refused
+    monkeypatch.setattr(rc, "PIECE_BYTES", 4096)
+    taken = itertools.count()
+    real = rc._Buffers.take
+
+    def take(self, nbytes):  # type: ignore[no-untyped-def]
+        if next(taken) == 2:
+            raise MemoryError("mmap failed")
+        return real(self, nbytes)
+
+    monkeypatch.setattr(rc._Buffers, "take", take)
+    with pytest.raises(ModelLoadError, match=r"model\.ei11: the load failed: MemoryError"):
+        _finishes(lambda: list(load_compressed(tmp_path / "out", threads=3)))
 
 
 def test_tensors_without_a_destination_share_a_fresh_arena_per_shard(tmp_path: Path) -> None:

@@ -279,7 +279,10 @@ namespace {
 int64_t decode_chunks(uint16_t* dst, const uint64_t* tab, const int32_t* off, const uint8_t* smp,
                       const uint8_t* bp, int64_t n, int64_t nbytes, int64_t chunk_elems,
                       int64_t first, int64_t last, int64_t threads) {
-  const int64_t worst = (chunk_elems * kCodeBits + 7) / 8 + 8;  // bytes a chunk's windows may read
+  // the most values a chunk holds: buffers are sized by it, not by a header's chunk_elems alone
+  // (a one-chunk record with a corrupt chunk_elems must not cost gigabytes before it is named)
+  const int64_t span = std::max<int64_t>(1, std::min(chunk_elems, n));
+  const int64_t worst = (span * kCodeBits + 7) / 8 + 8;  // bytes a chunk's windows may read
   const int64_t groups = (last - first + kWays - 1) / kWays;
   std::atomic<int64_t> bad{-1};
   auto decode_one = [&](int64_t g, uint8_t* e, std::vector<uint8_t>* tail) {
@@ -294,7 +297,7 @@ int64_t decode_chunks(uint16_t* dst, const uint64_t* tab, const int32_t* off, co
         std::memcpy(tail[k].data(), src, nbytes - off[c]);
         src = tail[k].data();
       }
-      uint8_t* ex = e + k * chunk_elems;
+      uint8_t* ex = e + k * span;
       cur[k] = Cursor{src, 0, ex, ex + m};
     }
     decode_group(cur, tab);
@@ -305,22 +308,22 @@ int64_t decode_chunks(uint16_t* dst, const uint64_t* tab, const int32_t* off, co
         bad.compare_exchange_strong(none, c);
         continue;
       }
-      merge(smp + begin, e + k * chunk_elems, dst + begin, std::min(chunk_elems, n - begin));
+      merge(smp + begin, e + k * span, dst + begin, std::min(chunk_elems, n - begin));
     }
     stream_fence();  // this thread's streaming stores are done before the call returns
   };
   const int64_t nt = std::max<int64_t>(1, std::min(threads, groups));
   if (nt == 1) {
     thread_local std::vector<uint8_t> e, tail[kWays];
-    if (static_cast<int64_t>(e.size()) < kWays * chunk_elems) e.resize(kWays * chunk_elems);
+    if (static_cast<int64_t>(e.size()) < kWays * span) e.resize(kWays * span);
     for (int64_t g = 0; g < groups; ++g) decode_one(g, e.data(), tail);
   } else {
     // units of several groups (~64K values), so that taking one costs little beside its work
-    const int64_t per = std::max<int64_t>(1, (1 << 16) / (kWays * chunk_elems));
+    const int64_t per = std::max<int64_t>(1, (1 << 16) / (kWays * span));
     const int64_t units = (groups + per - 1) / per;
     const std::function<void(int64_t)> body = [&](int64_t u) {
       thread_local std::vector<uint8_t> e, tail[kWays];
-      if (static_cast<int64_t>(e.size()) < kWays * chunk_elems) e.resize(kWays * chunk_elems);
+      if (static_cast<int64_t>(e.size()) < kWays * span) e.resize(kWays * span);
       for (int64_t g = u * per, end = std::min(groups, g + per); g < end; ++g)
         decode_one(g, e.data(), tail);
     };
