@@ -82,10 +82,12 @@ PR_SET_PDEATHSIG = 1  # prctl(2): the signal this process gets when its parent t
 
 def _parent_death_signal(parent: int) -> Callable[[], None]:
     """What the child runs before redis-server's exec: SIGTERM when the parent is gone (and at
-    once, should it have gone before this ran). Only async-signal-safe calls."""
+    once, should it have gone before this ran). prctl is looked up here, before the fork: the
+    child only calls prctl, getppid and kill."""
+    prctl = ctypes.CDLL(None, use_errno=True).prctl
 
     def arm() -> None:
-        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM, 0, 0, 0)
+        prctl(PR_SET_PDEATHSIG, signal.SIGTERM, 0, 0, 0)
         if os.getppid() != parent:
             os.kill(os.getpid(), signal.SIGTERM)
 
