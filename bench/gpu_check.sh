@@ -12,7 +12,8 @@
 # one's whole output under $OUT (or .gpu/out); environment: SKIP1B=1 leaves out the 1.1B-shape
 # decode step of bench.compress_gpu (~55 s of encoding on the host with numpy's packer, where
 # the C++ extension is not built yet), TESTK selects tests (-k),
-# NO_KERNELS=1 leaves out bench.kernels, NO_COLDSTART=1 bench.coldstart.
+# NO_KERNELS=1 leaves out bench.kernels, NO_COLDSTART=1 bench.coldstart. The limits add up to
+# 590 s (a device call may run 600 s); the parts took ~4-5 min together on an H200.
 set -u
 cd "$(dirname "$0")/.." || exit 1
 case "${1:-}" in
@@ -53,8 +54,8 @@ run)
     part compress_gpu 200 python3 -m bench.compress_gpu \
         --weights .gpu/smollm2_layers0-3.safetensors ${SKIP1B:+--skip-1b}
     [ -n "${NO_KERNELS:-}" ] || part kernels 120 python3 -m bench.kernels
-    [ -n "${NO_COLDSTART:-}" ] || part coldstart_gpu 150 python3 -m bench.coldstart \
-        --device cuda --synthetic-gb 4 --reps 3
+    [ -n "${NO_COLDSTART:-}" ] || part coldstart_gpu 120 python3 -m bench.coldstart \
+        --device cuda --synthetic-gb 2 --reps 3
     ;;
 *)
     echo "usage: bash bench/gpu_check.sh prepare|run" >&2
