@@ -502,6 +502,18 @@ def _record(out: Path, name: str) -> tuple[Path, int, int]:
     return shard.path, entry.begin, entry.end
 
 
+def _write_signed(out: Path, path: Path, data: bytearray, name: str) -> None:
+    """`data` as the shard at `path`, with the manifest's checksum of record `name` made to match
+    it (a damage the checksum cannot see, for the decoder's own checks)."""
+    import xxhash
+
+    path.write_bytes(data)
+    _, begin, end = _record(out, name)
+    manifest = json.loads((out / MANIFEST_NAME).read_text())
+    manifest["tensors"][name]["xxh3_64"] = xxhash.xxh3_64_hexdigest(bytes(data[begin:end]))
+    (out / MANIFEST_NAME).write_text(json.dumps(manifest))
+
+
 def test_a_corrupted_record_fails_its_checksum_naming_the_tensor(tmp_path: Path) -> None:
     out = _compressed(tmp_path)
     path, begin, end = _record(out, "x.weight")
@@ -523,16 +535,11 @@ def test_a_truncated_file_names_the_tensor_cut_off(tmp_path: Path) -> None:
 def test_a_code_table_that_is_no_prefix_code_is_rejected_even_with_a_good_checksum(
     tmp_path: Path,
 ) -> None:
-    import xxhash
-
     out = _compressed(tmp_path)
-    path, begin, end = _record(out, "x.weight")
+    path, begin, _ = _record(out, "x.weight")
     data = bytearray(path.read_bytes())
     data[begin + 24 : begin + 152] = bytes([0x11] * 128)  # every symbol 1 bit long
-    path.write_bytes(data)
-    manifest = json.loads((out / MANIFEST_NAME).read_text())
-    manifest["tensors"]["x.weight"]["xxh3_64"] = xxhash.xxh3_64_hexdigest(bytes(data[begin:end]))
-    (out / MANIFEST_NAME).write_text(json.dumps(manifest))
+    _write_signed(out, path, data, "x.weight")
     with pytest.raises(ModelLoadError, match=r"'x.weight'.*not describe a complete prefix code"):
         list(load_compressed(out))
 
@@ -552,21 +559,16 @@ def test_a_bad_record_is_called_corrupt_when_its_checksum_fails_too(tmp_path: Pa
 def test_a_corrupt_chunk_in_a_later_unit_of_a_record_is_named(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    import xxhash
-
     import runtime.compression as compression
 
     monkeypatch.setattr(compression, "UNIT_VALUES", 4096)  # x.weight: 147 units of 4 chunks
     out = _compressed(tmp_path)
-    path, begin, end = _record(out, "x.weight")
+    path, begin, _ = _record(out, "x.weight")
     data = bytearray(path.read_bytes())
     offsets = np.frombuffer(data, dtype="<i4", count=587, offset=begin + 152).copy()
     offsets[501] = offsets[500]  # chunk 500 has no bytes for its codes
     data[begin + 152 : begin + 152 + 4 * 587] = offsets.tobytes()
-    path.write_bytes(data)
-    manifest = json.loads((out / MANIFEST_NAME).read_text())
-    manifest["tensors"]["x.weight"]["xxh3_64"] = xxhash.xxh3_64_hexdigest(bytes(data[begin:end]))
-    (out / MANIFEST_NAME).write_text(json.dumps(manifest))
+    _write_signed(out, path, data, "x.weight")
     with pytest.raises(ModelLoadError, match=r"'x.weight': chunk 500: its codes run past"):
         list(load_compressed(out))
 
