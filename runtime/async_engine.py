@@ -20,6 +20,7 @@ engine thread may touch); `submit_import` queues a request whose prompt KV a tra
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import threading
 from collections.abc import AsyncIterator, Callable
@@ -176,17 +177,31 @@ class AsyncLLM:
             self._stopped = True
             self._cv.notify()
         self._thread.join(timeout=30)
+        self._fail_all("the engine shut down")
+
+    def _fail_all(self, reason: str) -> None:
+        """End every open stream and pending call with EngineDeadError(reason); `_stopped`
+        must be set (nothing new is accepted)."""
         with self._cv:
             streams, self._streams = self._streams, {}
             calls = [c for c in self._inbox if isinstance(c, _Call)]
             self._inbox = []
         for call in calls:  # never ran: the engine is gone
-            _post(call.loop, _fail, call.future)
+            _post(call.loop, _fail, call.future, reason)
         for stream in streams.values():
-            _post(stream.loop, stream.queue.put_nowait, EngineDeadError("the engine shut down"))
+            _post(stream.loop, stream.queue.put_nowait, EngineDeadError(reason))
 
     # ------------------------------------------------------------------ the engine thread
     def _run(self) -> None:
+        try:
+            self._loop()
+        except BaseException as e:  # a bug outside a step: nothing would ever answer again
+            log.exception("the engine loop died")
+            with self._cv:
+                self._stopped = True  # submit and call raise EngineDeadError from now on
+            self._fail_all(f"the engine loop died: {e!r}")
+
+    def _loop(self) -> None:
         engine = self.engine
         while True:
             with self._cv:
@@ -208,7 +223,12 @@ class AsyncLLM:
                 elif isinstance(cmd, _Call):
                     _settle(cmd, engine)
                 else:
-                    out = engine.abort(cmd.request_id)
+                    try:
+                        out = engine.abort(cmd.request_id)
+                    except Exception as e:  # its blocks and id are freed whatever failed
+                        log.exception("aborting %s failed", cmd.request_id)
+                        out = None
+                        deliveries.append((cmd.request_id, EngineDeadError(f"abort failed: {e!r}")))
                     if out is not None:
                         deliveries.append((cmd.request_id, out))
             idle = False
@@ -218,14 +238,18 @@ class AsyncLLM:
             except Exception as e:  # a bug in a step: fail its requests, keep serving
                 log.exception("engine step failed")
                 for rid in engine.unfinished_request_ids():
-                    engine.abort(rid)
+                    with contextlib.suppress(Exception):  # (abort frees whatever it raises)
+                        engine.abort(rid)
                     deliveries.append((rid, EngineDeadError(f"engine step failed: {e!r}")))
                 outputs = []
             deliveries += [(out.request_id, out) for out in outputs]
             if self._cache_listener is not None:
                 stored, evicted = engine.blocks.drain_events()
                 if stored or evicted:
-                    self._cache_listener(stored, evicted)
+                    try:
+                        self._cache_listener(stored, evicted)
+                    except Exception:  # the index is best effort: a lost event costs hits
+                        log.exception("the prefix-cache listener failed")
             self._deliver(deliveries, engine.stats())
             if idle and not deliveries:
                 # requests wait that nothing can run yet (their blocks held by KV imports still
@@ -264,9 +288,9 @@ def _post(loop: asyncio.AbstractEventLoop, fn: Callable[..., Any], *args: Any) -
     return True
 
 
-def _fail(future: asyncio.Future[Any]) -> None:
+def _fail(future: asyncio.Future[Any], reason: str) -> None:
     if not future.done():
-        future.set_exception(EngineDeadError("the engine shut down"))
+        future.set_exception(EngineDeadError(reason))
 
 
 def _settle(cmd: _Call, engine: LLMEngine) -> None:

@@ -26,6 +26,7 @@ from kvstore.kv_transfer import (
     DeviceKVPages,
     ExportProgress,
     KVPages,
+    KVTransferError,
     KVTransferServer,
     PullRequest,
     PullResult,
@@ -73,6 +74,10 @@ def export_server(
         stream = llm.submit(pull.token_ids, params, EXPORT_PREFIX + pull.request_id, hold_kv=True)
         try:
             async for out in stream:
+                if out.finished and out.outputs[0].finish_reason == "abort":
+                    # the KV cache had no room left for the rest of the prompt: the blocks
+                    # reported so far stay held until the transfer's release
+                    raise KVTransferError("the prefill worker gave the prefill up (KV cache full)")
                 yield ExportProgress(
                     computed_tokens=out.num_computed_tokens,
                     block_ids=out.block_ids or [],

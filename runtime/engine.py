@@ -134,6 +134,7 @@ class LLMEngine:
         self._num_aborted = 0  # requests aborted before they finished, for stats
         self._exports: dict[str, RequestGroup] = {}  # KV exports by sequence id, until released
         self._imports: dict[str, RequestGroup] = {}  # KV imports reserved, not yet queued
+        self._dropped: list[RequestOutput] = []  # exports the scheduler aborted: the next outputs
         self.last_step_idle = False  # the last step could run nothing (see AsyncLLM._run)
         # pipelined steps launched, not yet finished, oldest first: (lane, plan, the step)
         self._in_flight: deque[tuple[int, SchedulerOutput, Launched]] = deque()
@@ -286,12 +287,15 @@ class LLMEngine:
         prompt: Prompt,
         params: SamplingParams | None = None,
         hold_kv: bool = False,
+        check_room: bool = True,
     ) -> RequestGroup:
         """Validate and tokenize a request without touching the scheduler.
 
         Safe to call from another thread while a step runs (the async front does, so that its
         event loop never waits for a step): it reads only configuration, the tokenizer, and the
         length of the waiting queue. `enqueue` then hands the result to the scheduler.
+        `check_room`: raise QueueFullError now when the waiting queue is full (off: a caller
+        that enqueues once `has_room`).
         """
         params = params or SamplingParams()
         if not isinstance(params, SamplingParams):
@@ -312,21 +316,33 @@ class LLMEngine:
                 "prompt",
                 f"{n_prompt} tokens leave no room to generate: the context length is {limit}",
             )
-        max_tokens = params.max_tokens if params.max_tokens is not None else limit - n_prompt
+        capacity = self.scheduler.capacity_tokens
+        if params.max_tokens is not None:
+            max_tokens = params.max_tokens
+        elif n_prompt < capacity:  # unset: as many as the context, and the KV cache, hold
+            max_tokens = min(limit, capacity) - n_prompt
+        else:
+            raise InvalidRequestError(
+                "prompt", f"{n_prompt} tokens leave no room to generate: the KV cache holds "
+                f"{capacity} tokens",
+            )  # fmt: skip
         if n_prompt + max_tokens > limit:
             raise InvalidRequestError(
                 "max_tokens",
                 f"prompt ({n_prompt} tokens) + max_tokens ({max_tokens}) exceeds the context "
                 f"length {limit}; at most {limit - n_prompt}",
             )
-        capacity = self.scheduler.capacity_tokens
         if n_prompt + max_tokens > capacity:
             raise InvalidRequestError(
                 "max_tokens",
                 f"prompt + max_tokens = {n_prompt + max_tokens} tokens exceeds the KV cache "
                 f"({capacity} tokens); raise kv_cache_bytes or lower max_tokens",
             )
-        if len(self.scheduler.waiting) + params.n > self.scheduler.max_waiting:
+        if params.n > self.scheduler.max_waiting:  # (would never fit: not worth a retry)
+            raise InvalidRequestError(
+                "n", f"at most {self.scheduler.max_waiting} (the waiting queue's bound), got {params.n}"
+            )
+        if check_room and not self.has_room(params.n):
             raise QueueFullError(f"the waiting queue is full ({self.scheduler.max_waiting})")
         grammar = None
         if params.structured_outputs is not None:  # compiled here, off the step thread
@@ -372,11 +388,15 @@ class LLMEngine:
         )
         return group
 
+    def has_room(self, seqs: int) -> bool:
+        """Whether the waiting queue has room for `seqs` more sequences now."""
+        return len(self.scheduler.waiting) + seqs <= self.scheduler.max_waiting
+
     def enqueue(self, group: RequestGroup) -> None:
         """Queue a request `prepare_request` built (on the thread that runs `step`)."""
         if group.request_id in self._groups:
             raise InvalidRequestError("request_id", f"{group.request_id!r} is already in use")
-        if len(self.scheduler.waiting) + len(group.seqs) > self.scheduler.max_waiting:
+        if not self.has_room(len(group.seqs)):
             raise QueueFullError(f"the waiting queue is full ({self.scheduler.max_waiting})")
         for i, seq in enumerate(group.seqs):
             self.scheduler.add(seq)
@@ -458,9 +478,16 @@ class LLMEngine:
         if group is None:
             return None
         self._num_aborted += 1
-        for i, seq in enumerate(group.seqs):
-            if self.scheduler.finish(seq.request_id, RequestStatus.FINISHED_ABORTED) is not None:
+        try:
+            for i, seq in enumerate(group.seqs):
+                self.scheduler.finish(seq.request_id, RequestStatus.FINISHED_ABORTED)
+                # (a no-op for a sequence that had finished; one the scheduler finished in a
+                # step whose processing then failed is finished here)
                 self._finish_seq(group, i, RequestStatus.FINISHED_ABORTED, None)
+        finally:  # whatever failed above, the request is gone and its id free again
+            self._groups.pop(request_id, None)
+            for seq in group.seqs:
+                self._seq_to_group.pop(seq.request_id, None)
         return self._emit(group)
 
     # ------------------------------------------------------------------ the loop
@@ -473,6 +500,12 @@ class LLMEngine:
     def step(self) -> list[RequestOutput]:
         """One step: with pipeline parallelism (lanes), launch the next lane's step and finish
         the oldest in flight once every stage has one (or there is nothing to launch)."""
+        outputs = self._step()
+        if self._dropped:
+            outputs, self._dropped = self._dropped + outputs, []
+        return outputs
+
+    def _step(self) -> list[RequestOutput]:
         self.last_step_idle = False
         if self.lanes == 1:
             out = self._schedule(0)
@@ -514,6 +547,10 @@ class LLMEngine:
         if self.spec is not None:
             self.spec.propose(self.scheduler.running)
         out = self.scheduler.schedule(lane)
+        for seq in out.dropped:  # finished by the scheduler, aborted: reported with this step's
+            group, i = self._seq_to_group[seq.request_id]
+            self._finish_seq(group, i, RequestStatus.FINISHED_ABORTED, None)
+            self._dropped.append(self._emit(group))
         if not out.empty:
             self.masks.start(out.scheduled)  # grammar masks, computed while the forward runs
         return out

@@ -4,12 +4,13 @@ from __future__ import annotations
 
 import sys
 import time
+from collections import deque
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 from runtime.config import EngineConfig
-from runtime.engine import LLMEngine, Prompt
+from runtime.engine import LLMEngine, Prompt, RequestGroup
 from runtime.loader import PendingLoad
 from runtime.outputs import RequestOutput
 from runtime.sampling_params import InvalidRequestError, SamplingParams
@@ -58,17 +59,17 @@ class LLM:
         # Validate everything before anything is queued, so a bad prompt queues nothing.
         for p in params_list:
             p.validate()
-        ids = [self.engine.next_request_id() for _ in batch]
-        added: list[str] = []
+        engine = self.engine
+        groups = [
+            engine.prepare_request(engine.next_request_id(), prompt, params, check_room=False)
+            for prompt, params in zip(batch, params_list, strict=True)
+        ]
         try:
-            for rid, prompt, params in zip(ids, batch, params_list, strict=True):
-                self.engine.add_request(rid, prompt, params)
-                added.append(rid)
-        except Exception:
-            for rid in added:
-                self.engine.abort(rid)
+            return self._run(groups, progress)
+        except BaseException:  # (an interrupt too) what this call queued leaves the engine
+            for g in groups:
+                engine.abort(g.request_id)
             raise
-        return self._run(ids, progress)
 
     def chat(
         self,
@@ -86,10 +87,16 @@ class LLM:
         ]
         return self.generate(prompts, sampling_params)  # type: ignore[arg-type]
 
-    def _run(self, ids: list[str], progress: bool) -> list[RequestOutput]:
+    def _run(self, groups: list[RequestGroup], progress: bool) -> list[RequestOutput]:
+        """Step until every group is done, queueing them in order as the waiting queue has
+        room (a batch may be larger than its bound)."""
+        ids = [g.request_id for g in groups]
+        queue = deque(groups)
         done: dict[str, RequestOutput] = {}
         start, generated, shown = time.monotonic(), 0, 0.0
         while len(done) < len(ids):
+            while queue and self.engine.has_room(len(queue[0].seqs)):
+                self.engine.enqueue(queue.popleft())
             if not self.engine.has_unfinished():
                 missing = [i for i in ids if i not in done]
                 raise RuntimeError(f"engine went idle with requests unfinished: {missing[:4]}")

@@ -79,6 +79,11 @@ class SamplingParams:
             raise InvalidRequestError("min_p", f"must be in [0, 1], got {self.min_p}")
         if self.seed is not None:
             _int_field("seed", self.seed)
+            if not -(2**63) <= self.seed < 2**63:  # (seed + i, for the i-th of n, stays in
+                # the 64-bit range torch's generators take)
+                raise InvalidRequestError(
+                    "seed", f"must be a 64-bit signed integer, in [-2**63, 2**63), got {self.seed}"
+                )
         _num_field("repetition_penalty", self.repetition_penalty)
         if self.repetition_penalty <= 0:
             raise InvalidRequestError(

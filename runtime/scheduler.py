@@ -10,7 +10,8 @@ Policy, per step, under a token budget (`max_num_batched_tokens`):
 1. Running requests, oldest first. Every running decode is reserved one token of the budget
    before any prefill chunk is sized, so prefills never starve decodes. When the KV cache has no
    room for a request's tokens, the newest running request is preempted (its blocks freed, put back
-   at the head of the queue) until there is room.
+   at the head of the queue) until there is room. A KV export is aborted instead (`dropped`):
+   its puller may be reading the blocks it reported, so they stay held until `release`.
 2. Then waiting requests in arrival order (FCFS: the head blocks those behind it), while there is
    budget, a free seat (`max_num_seqs`) and KV-cache room, and no request was preempted this step.
    A request admitted with no blocks (new, or preempted) first takes the cached blocks of its
@@ -73,6 +74,9 @@ class ScheduledRequest:
 class SchedulerOutput:
     scheduled: list[ScheduledRequest] = field(default_factory=list)  # in priority order
     preempted: list[str] = field(default_factory=list)  # request ids preempted this step
+    # KV exports that needed room this step: aborted, not recomputed (a transfer may be sending
+    # the blocks they reported), their blocks held until `release`
+    dropped: list[Request] = field(default_factory=list)
     num_batched_tokens: int = 0  # sum of num_new_tokens
 
     @property
@@ -154,14 +158,26 @@ class Scheduler:
                 if n <= 0:
                     i += 1
                     continue
+            waits = False
             while not self.blocks.can_allocate(req.request_id, req.num_computed_tokens + n):
+                if running[-1] is req and self.held:
+                    # only finished KV exports hold the rest, until their transfers end:
+                    # preempting req would recompute it, over and over, until then
+                    waits = True
+                    break
                 victim = running.pop()
-                self._preempt(victim)
-                out.preempted.append(victim.request_id)
+                if victim.hold_kv:
+                    self.finish(victim.request_id, RequestStatus.FINISHED_ABORTED)
+                    out.dropped.append(victim)
+                else:
+                    self._preempt(victim)
+                    out.preempted.append(victim.request_id)
                 if victim is req:
                     break
             if req.status is not RequestStatus.RUNNING:
-                break  # req itself was preempted: everything after it was too
+                break  # req itself was preempted (or dropped): everything after it was too
+            if waits:
+                break  # (req is the last left)
             self.blocks.allocate(req.request_id, req.num_computed_tokens + n)
             out.scheduled.append(ScheduledRequest(req, n, drafts))
             budget -= n
@@ -170,7 +186,7 @@ class Scheduler:
         if self.lanes > 1:  # a fair share of what runs and waits, so every lane has a batch
             share = -(-(len(self.running) + len(self.waiting)) // self.lanes)
             seats = min(seats, share)
-        while self.waiting and budget > 0 and not out.preempted:
+        while self.waiting and budget > 0 and not (out.preempted or out.dropped):
             if len(running) >= seats:
                 break
             req = self.waiting[0]
@@ -276,8 +292,8 @@ class Scheduler:
             self.running.remove(req)
         elif req in self.waiting:
             self.waiting.remove(req)
-        if req.hold_kv and status is not RequestStatus.FINISHED_ABORTED:
-            self.held.add(request_id)  # the blocks stay until `release`
+        if req.hold_kv:  # the blocks stay until `release`, an aborted export's too: a
+            self.held.add(request_id)  # transfer may still be sending the blocks it reported
         else:  # its partial last block is kept for a next turn that continues it
             self.blocks.free(request_id, req.all_token_ids[: req.num_computed_tokens])
         req.status = status

@@ -167,7 +167,10 @@ class SpecController:
             decodes = []  # compute-bound: drafts would cost what they save
         for r in decodes:
             p = r.params
-            if _has_penalty(p):
+            if _has_penalty(p) or (p.seed is not None and p.temperature > 0):
+                # a seeded sample must not depend on the batch: whether drafts ride along does
+                # (the step's load decides), and verification draws from the seed's generator
+                # differently from plain sampling
                 continue
             left = self._paused.get(r.request_id, 0)
             if left:

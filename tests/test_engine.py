@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from runtime import LLM, InvalidRequestError, SamplingParams
-from runtime.async_engine import AsyncLLM
+from runtime.async_engine import AsyncLLM, EngineDeadError
 from runtime.engine import LLMEngine
 from tests.memory_tools import resident_pages, vm_flags
 
@@ -100,6 +100,88 @@ def test_abort_frees_blocks(stories_dir: Path) -> None:
     assert not engine.has_unfinished()
 
 
+def test_an_export_without_room_ends_aborted_holding_what_it_reported(stories_dir: Path) -> None:
+    from runtime.config import EngineConfig
+
+    block = llm_block_bytes(stories_dir)
+    engine = LLMEngine(EngineConfig(model=str(stories_dir), kv_cache_bytes=6 * block,
+                                    max_num_batched_tokens=16, enable_prefix_caching=False))  # fmt: skip
+    engine.add_request("a", list(range(10, 41)), GREEDY)
+    engine.step()
+    params = SamplingParams(temperature=0, max_tokens=1, ignore_eos=True)
+    engine.enqueue(engine.prepare_request("export", list(range(100, 160)), params, hold_kv=True))
+    reported: list[int] = []
+    for _ in range(40):
+        for out in engine.step():
+            if out.request_id == "export":
+                reported = out.block_ids[: out.num_computed_tokens // 16]  # type: ignore[index]
+                last = out
+        others = {b for rid, table in engine.blocks._tables.items() if rid != "export#0"
+                  for b in table}  # fmt: skip
+        assert not others & set(reported), "a reported block went to another request"
+        if last.finished:
+            break
+    assert last.finished and last.outputs[0].finish_reason == "abort" and reported
+    assert engine.release_kv("export") == len(last.block_ids)  # type: ignore[arg-type]
+    engine.abort("a")
+    assert engine.blocks.num_free_blocks == engine.blocks.num_blocks
+
+
+def test_an_abort_after_a_failed_step_frees_the_request_and_its_id(
+    stories_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from runtime.detokenizer import IncrementalDetokenizer
+
+    engine = LLMEngine_for(stories_dir)
+    total = engine.blocks.num_free_blocks
+    engine.add_request("r", "Once upon a time", SamplingParams(max_tokens=1))
+
+    def broken(self: IncrementalDetokenizer) -> str:
+        raise RuntimeError("a bug in the detokenizer")
+
+    monkeypatch.setattr(IncrementalDetokenizer, "flush", broken)
+    with pytest.raises(RuntimeError):
+        engine.step()  # the scheduler finished it; recording that failed
+    with pytest.raises(RuntimeError):
+        engine.abort("r")  # (the same bug again)
+    assert engine.unfinished_request_ids() == [] and engine.blocks.num_free_blocks == total
+    monkeypatch.undo()
+    engine.add_request("r", "Once upon a time", SamplingParams(max_tokens=1))  # the id is free
+    while engine.has_unfinished():
+        engine.step()
+
+
+def test_a_dead_engine_loop_fails_its_requests_instead_of_hanging(stories_dir: Path) -> None:
+    async def main() -> None:
+        engine = LLMEngine_for(stories_dir)
+        allm = AsyncLLM(engine)
+        calls = 0
+
+        def listener(stored: list[bytes], evicted: list[bytes]) -> None:
+            nonlocal calls
+            calls += 1
+            raise ConnectionError("the prefix index is down")
+
+        allm.set_cache_listener(listener)  # best effort: its failure fails nothing
+        params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+        outs = [out async for out in allm.generate("Once upon a time", params)]
+        assert outs[-1].finished and len(outs[-1].outputs[0].token_ids) == 40 and calls > 0
+
+        def broken() -> dict[str, int]:
+            raise RuntimeError("a bug outside the step")
+
+        engine.stats = broken  # type: ignore[method-assign]
+        with pytest.raises(EngineDeadError):
+            async with asyncio.timeout(30):
+                async for _ in allm.generate("The little dog", params):
+                    pass
+        with pytest.raises(EngineDeadError):
+            allm.submit("Tom", params)
+        allm.shutdown()
+
+    asyncio.run(main())
+
+
 def LLMEngine_for(model_dir: Path) -> LLMEngine:
     from runtime.config import EngineConfig
 
@@ -161,6 +243,40 @@ def test_n_and_seed(stories_dir: Path) -> None:
     assert len(a.outputs) == 3
     assert [o.token_ids for o in a.outputs] == [o.token_ids for o in b.outputs]
     assert len({tuple(o.token_ids) for o in a.outputs}) > 1
+
+
+def test_a_batch_larger_than_the_waiting_queue_is_fed_in_as_it_drains(stories_dir: Path) -> None:
+    llm = LLM(stories_dir, kv_cache_bytes=1 << 22, max_waiting=4)
+    outs = llm.generate(PROMPTS * 2, SamplingParams(temperature=0, max_tokens=4))
+    assert [o.prompt_token_ids for o in outs] == [
+        llm.tokenizer.encode(p) for p in PROMPTS * 2
+    ] and all(o.finished for o in outs)
+    with pytest.raises(InvalidRequestError) as e:  # can never fit: not a retryable 429
+        llm.generate("Tom", SamplingParams(n=5))
+    assert e.value.param == "n" and "at most 4" in str(e.value)
+    assert not llm.engine.has_unfinished()
+
+
+def test_unset_max_tokens_fills_a_kv_cache_smaller_than_the_context(stories_dir: Path) -> None:
+    from runtime.config import EngineConfig
+
+    engine = LLMEngine(EngineConfig(model=str(stories_dir), kv_cache_bytes=8 * llm_block_bytes(stories_dir)))  # fmt: skip
+    capacity = engine.scheduler.capacity_tokens
+    assert capacity < engine.max_model_len
+    engine.add_request("r", "Once upon a time", SamplingParams(max_tokens=None, ignore_eos=True))
+    while engine.has_unfinished():
+        out = engine.step()
+    assert len(out[0].prompt_token_ids) + len(out[0].outputs[0].token_ids) == capacity
+    with pytest.raises(InvalidRequestError) as e:
+        engine.add_request("long", list(range(5, 5 + capacity)), SamplingParams(max_tokens=None))
+    assert e.value.param == "prompt"
+
+
+@pytest.mark.parametrize("seed", [2**63, -(2**63) - 1, 2**64])
+def test_a_seed_outside_64_bits_is_refused(seed: int) -> None:
+    with pytest.raises(InvalidRequestError) as e:
+        SamplingParams(seed=seed).validate()
+    assert e.value.param == "seed"
 
 
 def test_stop_string_and_stop_token(stories_dir: Path, reference: list[list[int]]) -> None:

@@ -127,6 +127,47 @@ def test_preemption_by_recompute() -> None:
     assert s.blocks.block_table("new") == []
 
 
+def test_an_export_that_needs_room_is_dropped_with_its_blocks_held() -> None:
+    # a KV export's puller may be reading the blocks it reported: preempting and recomputing it
+    # would hand those blocks to another request mid-transfer
+    s = sched(num_blocks=4, block_size=4, budget=5)
+    s.add(req("decode", 5, max_tokens=20))
+    sample_all(s, s.schedule())  # its prompt: 2 blocks
+    export = req("export", 12, max_tokens=1)
+    export.prompt_token_ids = list(range(100, 112))  # nothing cached to share
+    export.hold_kv = True
+    s.add(export)
+    for _ in range(2):  # a decode, and a 4-token chunk of the export's prompt each
+        out = s.schedule()
+        assert plan(out) == {"decode": 1, "export": 4}
+        sample_all(s, out)
+    assert s.blocks.num_free_blocks == 0
+    out = s.schedule()  # its third chunk needs a block: dropped, not recomputed
+    assert plan(out) == {"decode": 1} and out.dropped == [export] and out.preempted == []
+    assert export.status is RequestStatus.FINISHED_ABORTED and not s.waiting
+    assert s.held == {"export"} and len(s.blocks.block_table("export")) == 2
+    assert s.release("export") == 2 and s.blocks.num_free_blocks == 2
+
+
+def test_a_request_waits_for_held_exports_rather_than_preempt_itself() -> None:
+    s = sched(num_blocks=4, block_size=4, budget=64)
+    s.add(req("decode", 4, max_tokens=20))
+    sample_all(s, s.schedule())  # 1 block
+    export = req("export", 8, max_tokens=1)
+    export.prompt_token_ids = list(range(100, 108))
+    export.hold_kv = True
+    s.add(export)
+    sample_all(s, s.schedule())  # the export's 2 blocks, held once it finished
+    assert s.held == {"export"} and s.blocks.num_free_blocks == 0
+    for _ in range(3):  # decode's tokens 6 to 8 fill its second block
+        sample_all(s, s.schedule())
+    for _ in range(3):  # its 9th needs a third: it waits, keeping its blocks
+        out = s.schedule()
+        assert plan(out) == {} and out.preempted == [] and s.num_preemptions == 0
+    s.release("export")
+    assert plan(s.schedule()) == {"decode": 1}
+
+
 def test_finish_on_max_tokens_and_eos_frees_blocks() -> None:
     s = sched()
     s.add(req("a", 4, max_tokens=2))
