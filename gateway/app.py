@@ -115,8 +115,10 @@ async def _auth(request: web.Request, handler: Any) -> web.StreamResponse:
     keys = request.app[CONFIG].api_keys
     if keys and request.path.startswith("/v1/"):
         scheme, _, token = request.headers.get("Authorization", "").partition(" ")
+        # (bytes that are not UTF-8 arrive as surrogates: compared as the bytes sent)
+        given = token.strip().encode(errors="surrogateescape")
         if scheme.lower() != "bearer" or not any(
-            hmac.compare_digest(token.strip().encode(), k.encode()) for k in keys
+            hmac.compare_digest(given, k.encode(errors="surrogateescape")) for k in keys
         ):
             raise unauthorized()
     return await handler(request)
@@ -202,7 +204,8 @@ def make_app(
     config: GatewayConfig, catalog: RegionCatalog | None = None, telemetry: Telemetry | None = None
 ) -> web.Application:
     """`telemetry`: where traces and metrics go (tests pass one with in-memory exporters);
-    default: as `config.telemetry` says."""
+    default: as `config.telemetry` says. Run it with auto_decompress=False, as `serve` does:
+    the app decodes compressed request bodies itself."""
     catalog = catalog or RegionCatalog.load(config.catalog_path)
     if config.region not in catalog:
         raise ValueError(
@@ -239,8 +242,10 @@ async def serve(config: GatewayConfig) -> None:
     # an answer given before its body was read (408, 413), what is left of the body is read and
     # dropped for this long before the connection closes (aiohttp's 10 s let a client that
     # stopped sending hold it 10 s past its 408)
+    # auto_decompress: off, the app decodes request bodies itself (proxy._decompressed)
     runner = web.AppRunner(app, handler_cancellation=True, access_log=None, shutdown_timeout=5.0,
-                           keepalive_timeout=config.idle_timeout_s, lingering_time=1.0)  # fmt: skip
+                           keepalive_timeout=config.idle_timeout_s, lingering_time=1.0,
+                           auto_decompress=False)  # fmt: skip
     await runner.setup()
     try:  # whatever ends this (a port taken included), the app's cleanup stops its tasks
         await _serve(config, app, runner)

@@ -86,6 +86,11 @@ class APIError(Exception):
         )
 
 
+def clip(text: str, limit: int = 64) -> str:
+    """A client's string, cut for a message (the client knows what it sent)."""
+    return text if len(text) <= limit else f"{text[:limit]}..."
+
+
 def _type_for(status: int) -> str:
     return {
         400: "invalid_request_error",
@@ -119,7 +124,7 @@ def not_found(message: str, param: str | None = None, code: str | None = None) -
 
 def model_not_found(model: str) -> APIError:
     """404 for a model no worker serves and the pool manager cannot start."""
-    return not_found(f"model {model!r} does not exist", "model", "model_not_found")
+    return not_found(f"model {clip(model)!r} does not exist", "model", "model_not_found")
 
 
 def method_not_allowed(method: str, allowed: str) -> APIError:
@@ -141,6 +146,18 @@ def too_large(limit: int) -> APIError:
         "invalid_request_error",
         None,
         "request_too_large",
+    )
+
+
+def unsupported_encoding(encoding: str) -> APIError:
+    """415: a request body in a Content-Encoding the gateway does not decode."""
+    return APIError(
+        415,
+        f"Content-Encoding {clip(encoding)!r} is not supported; send the body uncompressed, "
+        "or as gzip or deflate",
+        "invalid_request_error",
+        "Content-Encoding",
+        "unsupported_encoding",
     )
 
 

@@ -30,6 +30,7 @@ from gateway.errors import invalid, unsupported
 from gateway.fields import INT32_MAX, INT64_MAX, INT64_MIN, Fields, Range, is_int, type_name
 from gateway.openai_response import SSE_DONE, ResponseAssembler, error_chunk, sse
 from gateway.structured import GUIDED_FIELDS, constraint, tool_message_fields, tools_of
+from kvstore.keys import MAX_ID_LEN
 from kvstore.protocol import GenerateRequest
 
 __all__ = [
@@ -108,7 +109,7 @@ def parse_chat(
 ) -> tuple[GenerateRequest, RequestOptions]:
     """Validate a `POST /v1/chat/completions` body."""
     f = Fields(body, CHAT_FIELDS)
-    model = f.required_str("model")
+    model = _model(f)
     messages = _messages(f.raw("messages"))
 
     max_tokens = f.opt_int("max_tokens", Range(1, INT32_MAX))
@@ -156,7 +157,7 @@ def parse_completion(
 ) -> tuple[GenerateRequest, RequestOptions]:
     """Validate a `POST /v1/completions` body."""
     f = Fields(body, COMPLETION_FIELDS)
-    model = f.required_str("model")
+    model = _model(f)
     prompt = _prompt(f.raw("prompt"))
     max_tokens = f.integer("max_tokens", 16, Range(1, INT32_MAX))
     logprobs = f.opt_int("logprobs", Range(0, MAX_LOGPROBS))
@@ -236,6 +237,16 @@ def _common(
         user=f.opt_str("user"),
     )
     return sampling, options
+
+
+def _model(f: Fields) -> str:
+    """The model's name, as long as a registry key allows (a longer one is served nowhere)."""
+    model = f.required_str("model")
+    if len(model) > MAX_ID_LEN:
+        raise invalid(
+            "model", f"model must be at most {MAX_ID_LEN} characters long, got {len(model)}"
+        )
+    return model
 
 
 def _messages(value: object) -> list[dict[str, Any]]:

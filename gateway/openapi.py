@@ -31,10 +31,14 @@ _RESPONSES: JSON = {
     "404": _error("Unknown path, or a model no worker serves (code model_not_found)."),
     "405": _error("The path exists, but not with this method."),
     "408": _error("The request body did not arrive in time after its headers."),
-    "413": _error("The request body is over the size limit."),
+    "413": _error("The request body is over the size limit (decompressed, if compressed)."),
+    "415": _error("A Content-Encoding other than gzip or deflate (code unsupported_encoding)."),
     "429": _error("Every worker for the model is at capacity.", retry_after=True),
     "500": _error("The request failed inside the service (an engine failure on the worker)."),
-    "502": _error("A worker broke off or garbled its answer before anything was sent."),
+    "502": _error(
+        "A worker failed, refused the gateway, or broke off or garbled its answer before "
+        "anything was sent."
+    ),
     "503": _error("No healthy worker can take the request now.", retry_after=True),
 }
 
@@ -65,7 +69,7 @@ def _generate(summary: str, request: str, answer: str, chunk: str) -> JSON:
                     "text/event-stream": {"schema": {"type": "string"}},
                 },
             },
-            **_errors("400", "401", "404", "405", "408", "413", "429", "500", "502", "503"),
+            **_errors("400", "401", "404", "405", "408", "413", "415", "429", "500", "502", "503"),
         },
     }
 

@@ -23,6 +23,7 @@ import contextlib
 import logging
 import time
 import uuid
+import zlib
 from collections.abc import AsyncGenerator, Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -35,12 +36,22 @@ from opentelemetry.context import Context
 from opentelemetry.trace import Span, Status, StatusCode
 
 from gateway.cluster import ClusterView
-from gateway.errors import APIError, at_capacity, bad_gateway, invalid, model_not_found, unavailable
+from gateway.errors import (
+    APIError,
+    at_capacity,
+    bad_gateway,
+    invalid,
+    model_not_found,
+    too_large,
+    unavailable,
+    unsupported_encoding,
+)
 from gateway.openai_api import SSE_DONE, RequestOptions, ResponseAssembler, error_chunk, sse
 from gateway.routing import Route
 from gateway.telemetry import GatewayTelemetry
 from gateway.tokenization import prompt_token_ids
 from kvstore.block_hash import block_hashes, cache_seed
+from kvstore.demand import ModelStatus
 from kvstore.placement import Placement
 from kvstore.protocol import SECRET_HEADER, GenerateRequest, WorkerInfo, decode_event
 
@@ -57,13 +68,13 @@ Parser = Callable[..., tuple[GenerateRequest, RequestOptions]]
 
 
 class WorkerFailed(Exception):
-    """A worker could not finish its part: unreachable, refused (retryable status), or cut off."""
+    """A worker could not finish its part: unreachable, busy or broken (`_refusal`), or cut off."""
 
     def __init__(self, worker: WorkerInfo, error: APIError, dead: bool) -> None:
         super().__init__(error.message)
         self.worker = worker
         self.error = error  # what the client gets if no other worker can take the request
-        self.dead = dead  # the worker itself is unreachable (set it aside), not just busy
+        self.dead = dead  # the worker itself is unreachable or broken (set it aside), not busy
 
 
 @dataclass(slots=True)
@@ -382,7 +393,7 @@ class Proxy:
                 )
                 if self._route(call).candidates:
                     return True
-                status = await view.demand.status(model, region)
+                status = await self._start_status(model, region)
                 if status is not None and status.state == "failed":
                     raise unavailable(
                         f"no worker for model {model!r} could be started in region {region} "
@@ -409,6 +420,18 @@ class Proxy:
         finally:
             call.held_s += time.perf_counter() - t0
             self._spawn(self._release(model, region, call.request_id))
+
+    async def _start_status(self, model: str, region: str) -> ModelStatus | None:
+        """What the pool says of its start of a worker for the model; None while Redis cannot
+        say (down, or failing now): the request keeps waiting for a worker to show in the
+        registry snapshot (refreshed once Redis is back) until the hold's timeout (503)."""
+        if not self.view.redis_ok:
+            return None
+        try:
+            return await self.view.demand.status(model, region)
+        except Exception as e:  # connection refused, timeout
+            log.debug("cannot read the start status of %s in %s: %s", model, region, e)
+            return None
 
     async def _release(self, model: str, region: str, request_id: str) -> None:
         with contextlib.suppress(Exception):
@@ -451,7 +474,7 @@ class Proxy:
                 url, data=gen.to_json(), headers=headers, timeout=timeout
             ) as resp:
                 if resp.status != 200:
-                    raise WorkerFailed(worker, await _refusal(resp), dead=False)
+                    raise await _refusal(resp, worker)
                 tail = b""
                 async for data in resp.content.iter_any():
                     *lines, tail = (tail + data).split(b"\n")
@@ -627,9 +650,10 @@ def _session_id(request: web.Request) -> str | None:
 
 async def _read_json(request: web.Request, limit: int, timeout_s: float) -> object:
     """The request body as JSON: 413 for a declared or actual size over `limit` (before
-    reading, for a declared one), 408 for a body that does not arrive within `timeout_s` (a
-    client that stops sending holds no connection for ever), 400 for a body that cannot be
-    decoded (a corrupt gzip or deflate stream) or is not JSON."""
+    reading, for a declared one; after decompressing, for a gzip or deflate body), 408 for a
+    body that does not arrive within `timeout_s` (a client that stops sending holds no
+    connection for ever), 415 for a Content-Encoding other than those, 400 for a body that
+    cannot be decoded (a corrupt gzip or deflate stream) or is not JSON."""
     if request.content_length is not None and request.content_length > limit:
         raise web.HTTPRequestEntityTooLarge(max_size=limit, actual_size=request.content_length)
     try:
@@ -643,10 +667,39 @@ async def _read_json(request: web.Request, limit: int, timeout_s: float) -> obje
     except RequestPayloadError as e:
         cause = e.__cause__ or e
         raise invalid(None, f"the request body cannot be decoded ({cause})", "invalid_body") from e
+    raw = _decompressed(raw, request.headers.get("Content-Encoding", ""), limit)
     try:
         return orjson.loads(raw)
     except orjson.JSONDecodeError as e:
         raise invalid(None, f"the request body is not valid JSON: {e}", "invalid_json") from e
+
+
+def _decompressed(raw: bytes, encoding: str, limit: int) -> bytes:
+    """A body as it was before its Content-Encoding (the server runs with auto_decompress off:
+    aiohttp would answer an encoding it lacks a module for, br or zstd, in plain text before
+    the app sees the request, and pass an unknown one on undecoded). At most `limit` + 1 bytes
+    are ever inflated: a decompression bomb stops there, with a 413."""
+    encoding = encoding.strip().lower()
+    if encoding in ("", "identity"):
+        return raw
+    if encoding == "gzip":
+        wbits = 16 + zlib.MAX_WBITS
+    elif encoding == "deflate":  # a zlib stream (RFC 9110); some clients send it raw (no header)
+        wbits = zlib.MAX_WBITS if raw[:1] and raw[0] & 0x0F == 8 else -zlib.MAX_WBITS
+    else:
+        raise unsupported_encoding(encoding)
+    inflater = zlib.decompressobj(wbits)
+    try:
+        body = inflater.decompress(raw, limit + 1)
+    except zlib.error as e:
+        raise invalid(None, f"the request body cannot be decoded ({encoding}: {e})",
+                      "invalid_body") from e  # fmt: skip
+    if len(body) > limit:
+        raise too_large(limit)
+    if not inflater.eof:
+        raise invalid(None, f"the request body cannot be decoded (its {encoding} stream is cut "
+                      "short)", "invalid_body")  # fmt: skip
+    return body
 
 
 def _failure(e: BaseException) -> str:
@@ -678,17 +731,42 @@ def _cost(gen: GenerateRequest) -> int:
     return (_prompt_estimate(gen) + int(out)) * int(gen.sampling.get("n", 1))
 
 
-async def _refusal(resp: aiohttp.ClientResponse) -> APIError:
+async def _refusal(resp: aiohttp.ClientResponse, worker: WorkerInfo) -> WorkerFailed:
+    """What a worker's answer other than 200 means. The request is at fault (400, 404, 413,
+    422: no worker would take it): the worker's error is raised, for the client. The worker is
+    busy (429, or 503 with Retry-After: its queue or KV cache is full, it drains): another may
+    take the request. Otherwise the worker is broken (5xx) or refuses the gateway (401, 403: a
+    shared secret that differs, a misconfiguration): it is set aside like a dead one, and the
+    client never sees its auth error."""
     try:
         body: object = orjson.loads(await resp.read())
     except (orjson.JSONDecodeError, aiohttp.ClientError):
         body = None
-    err = APIError.from_body(resp.status, body)
-    if resp.status in (429, 503):
-        err.retry_after = float(resp.headers.get("Retry-After", "1") or 1)
-    if not err.retryable:
-        raise err  # the request itself is bad (400/404): no other worker will take it either
-    return err
+    status = resp.status
+    err = APIError.from_body(status, body)
+    if status == 429 or (status == 503 and "Retry-After" in resp.headers):
+        err.retry_after = _seconds(resp.headers.get("Retry-After"))
+        return WorkerFailed(worker, err, dead=False)
+    if status < 500 and status not in (401, 403):
+        raise err  # the request itself is bad: no other worker will take it either
+    if status in (401, 403):
+        log.warning("worker %s refused the gateway (HTTP %d: %s): is its --secret the "
+                    "gateway's?", worker.worker_id, status, err.message)  # fmt: skip
+        err = bad_gateway(f"worker {worker.worker_id} refused the gateway (HTTP {status})",
+                          "worker_failed")  # fmt: skip
+    elif status not in (502, 503):  # (a worker's 500 is the gateway's 502: a worker failed)
+        err.status = 502
+    return WorkerFailed(worker, err, dead=True)
+
+
+def _seconds(retry_after: str | None) -> float:
+    """A worker's Retry-After in seconds; 1 when it sent none, or no number we can use (an HTTP
+    date, garbage, infinity)."""
+    try:
+        seconds = float(retry_after or 1)
+    except ValueError:
+        return 1.0
+    return seconds if 0 <= seconds <= 3600 else 1.0
 
 
 def _event_error(event: dict[str, Any]) -> APIError:

@@ -11,20 +11,20 @@
   each tool's `parameters` is compiled the same way (400 on `tools[i].function.parameters`).
   `strict` schemas (response_format and tools) forbid properties they do not list.
 - Chat messages with tool calls: an assistant message's `tool_calls` (their `arguments` JSON
-  text is parsed into an object, which is what chat templates expect) and `tool` messages, whose
-  `tool_call_id` must name a call of an earlier assistant message.
+  text is parsed into an object, which is what chat templates expect: strict JSON, integers
+  within 64 bits, nested at most `MAX_JSON_DEPTH` levels, as schemas are) and `tool` messages,
+  whose `tool_call_id` must name a call of an earlier assistant message.
 """
 
 from __future__ import annotations
 
-import json
 import re
 from typing import Any
 
 from gateway.errors import invalid, unsupported
 from gateway.fields import Fields, type_name
 from runtime.sampling_params import InvalidRequestError
-from runtime.structured import StructuredOutputsParams, check, strict_schema
+from runtime.structured import StructuredOutputsParams, check, json_loads, strict_schema
 
 MAX_TOOLS = 128  # tools per request
 _NAME = re.compile(r"^[a-zA-Z0-9_.-]{1,64}$")  # function / schema names (OpenAI's rule, and ".")
@@ -278,18 +278,13 @@ def _call(where: str, call: object, calls: dict[str, str]) -> dict[str, Any]:
     fn = call.get("function")
     if not isinstance(fn, dict) or not isinstance(fn.get("name"), str):
         raise invalid(f"{where}.function", f"{where}.function must be an object with a name")
-    args = fn.get("arguments", "{}")
+    args, param = fn.get("arguments", "{}"), f"{where}.function.arguments"
     try:
-        parsed = json.loads(args) if isinstance(args, str) else None
-    except json.JSONDecodeError as e:
-        raise invalid(
-            f"{where}.function.arguments", f"{where}.function.arguments is not valid JSON: {e}"
-        ) from e
+        parsed = json_loads(args) if isinstance(args, str) else None
+    except ValueError as e:
+        raise invalid(param, f"{param} {e}") from e
     if not isinstance(parsed, dict):
-        raise invalid(
-            f"{where}.function.arguments",
-            f"{where}.function.arguments must be a JSON object, as text",
-        )
+        raise invalid(param, f"{param} must be a JSON object, as text")
     calls[cid] = fn["name"]
     return {"id": cid, "type": "function", "function": {"name": fn["name"], "arguments": parsed}}
 

@@ -24,6 +24,7 @@ Torch-free: the gateway imports this module; llguidance is imported on first use
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import dataclass
 from typing import Any
 
@@ -37,6 +38,10 @@ JSON_OPTIONS: Any = {  # llguidance's JsonCompileOptions (a TypedDict)
 }
 MAX_CHOICES = 1024  # strings in a choice constraint
 MAX_GRAMMAR_CHARS = 1 << 20  # a schema, regex or grammar, as text
+# levels of nested arrays and objects in a schema or a tool call's arguments: the limit of the
+# JSON parser inside llguidance (serde_json's), so a schema nested deeper could not compile
+MAX_JSON_DEPTH = 128
+INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1  # the integers orjson can send on
 
 
 @dataclass(slots=True)
@@ -71,9 +76,9 @@ class StructuredOutputsParams:
             raise InvalidRequestError(f"{param}.json", "must be a JSON schema object or its text")
         if isinstance(self.json, str):
             try:
-                self.json = json.loads(self.json)
-            except json.JSONDecodeError as e:
-                raise InvalidRequestError(f"{param}.json", f"is not valid JSON: {e}") from e
+                self.json = json_loads(self.json)
+            except ValueError as e:
+                raise InvalidRequestError(f"{param}.json", str(e)) from e
             if not isinstance(self.json, dict):
                 raise InvalidRequestError(f"{param}.json", "must be a JSON schema object")
         for name in ("regex", "grammar"):
@@ -132,6 +137,8 @@ def check(spec: StructuredOutputsParams, param: str = "structured_outputs") -> s
     "response_format.json_schema.schema").
     """
     spec.validate(param)
+    if spec.json is not None and json_depth(spec.json) > MAX_JSON_DEPTH:
+        raise InvalidRequestError(param, f"nests deeper than {MAX_JSON_DEPTH} levels")
     import llguidance
 
     size = len(json.dumps(spec.json)) if spec.json is not None else len(spec.regex or "")
@@ -149,18 +156,73 @@ def check(spec: StructuredOutputsParams, param: str = "structured_outputs") -> s
     return text
 
 
-def strict_schema(schema: Any) -> Any:
+def strict_schema(schema: Any, depth: int = 0) -> Any:
     """A copy of a JSON schema where every object schema that lists `properties` and does not
     say `additionalProperties` forbids other properties (OpenAI's strict mode: the schema
-    describes the whole object)."""
+    describes the whole object). Below MAX_JSON_DEPTH levels the rest is left as it is: `check`
+    refuses such a schema, and copying it would only recurse as deep as the client nested it."""
+    if depth > MAX_JSON_DEPTH:
+        return schema
     if isinstance(schema, list):
-        return [strict_schema(s) for s in schema]
+        return [strict_schema(s, depth + 1) for s in schema]
     if not isinstance(schema, dict):
         return schema
-    out = {k: strict_schema(v) for k, v in schema.items()}
+    out = {k: strict_schema(v, depth + 1) for k, v in schema.items()}
     if "properties" in out and "additionalProperties" not in out:
         out["additionalProperties"] = False
     return out
+
+
+def json_loads(text: str) -> Any:
+    """JSON text as Python values, within what the service can carry; ValueError saying why
+    not: text that is not JSON (Python's parser also takes NaN and Infinity, and makes 1e400
+    infinity, all of which orjson would send on as null), an integer outside 64 bits (orjson
+    cannot send it), or nesting deeper than MAX_JSON_DEPTH (deep enough, Python's parser runs
+    out of stack)."""
+    too_deep = f"nests deeper than {MAX_JSON_DEPTH} levels"
+    try:
+        value = json.loads(text, parse_int=_int64, parse_float=_float64, parse_constant=_not_json)
+    except RecursionError as e:
+        raise ValueError(too_deep) from e
+    except json.JSONDecodeError as e:
+        raise ValueError(f"is not valid JSON: {e}") from e
+    if json_depth(value) > MAX_JSON_DEPTH:
+        raise ValueError(too_deep)
+    return value
+
+
+def _int64(digits: str) -> int:
+    value = int(digits) if len(digits) <= 20 else INT64_MAX + 1  # (no 4,300-digit conversions)
+    if not INT64_MIN <= value <= INT64_MAX:
+        raise ValueError(
+            f"holds the integer {_clip(digits)}, outside the 64-bit range [{INT64_MIN}, {INT64_MAX}]"
+        )
+    return value
+
+
+def _float64(digits: str) -> float:
+    value = float(digits)
+    if not math.isfinite(value):  # (1e400: Python's json makes it infinity)
+        raise ValueError(f"holds the number {_clip(digits)}, beyond the range of a 64-bit float")
+    return value
+
+
+def _clip(digits: str) -> str:
+    return digits if len(digits) <= 24 else f"{digits[:24]}..."
+
+
+def _not_json(name: str) -> Any:
+    raise ValueError(f"is not valid JSON: {name} is not a JSON value")
+
+
+def json_depth(value: Any) -> int:
+    """Levels of nested arrays and objects in `value` (0 for a number or a string), counted
+    level by level: no recursion, whatever the depth."""
+    depth, level = 0, [value]
+    while level := [v for v in level if isinstance(v, (list, dict))]:
+        depth += 1
+        level = [x for v in level for x in (v.values() if isinstance(v, dict) else v)]
+    return depth
 
 
 def _first(messages: list[str]) -> str:

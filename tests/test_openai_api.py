@@ -54,6 +54,7 @@ SHARED_INVALID: list[tuple[dict[str, Any], str, str]] = [
     ({"model": DROP}, "model", "required"),
     ({"model": ""}, "model", "non-empty string"),
     ({"model": 3}, "model", "got integer"),
+    ({"model": "m" * 257}, "model", "at most 256 characters long, got 257"),
     ({"max_tokens": 0}, "max_tokens", f"[1, {I32}]"),
     ({"max_tokens": I32 + 1}, "max_tokens", f"[1, {I32}]"),
     ({"max_tokens": 1.5}, "max_tokens", "got number"),

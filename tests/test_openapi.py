@@ -146,6 +146,7 @@ def test_error_shapes() -> None:
         (errors.model_not_found("x"), 404, "not_found_error"),
         (errors.method_not_allowed("GET", "POST"), 405, "invalid_request_error"),
         (errors.too_large(1024), 413, "invalid_request_error"),
+        (errors.unsupported_encoding("br"), 415, "invalid_request_error"),
         (errors.at_capacity(1.2), 429, "rate_limit_error"),
         (errors.unavailable("down", 3), 503, "service_unavailable"),
         (errors.internal("boom"), 500, "internal_error"),
@@ -157,6 +158,7 @@ def test_error_shapes() -> None:
         assert err.retryable == (status in (429, 502, 503))
     assert "1024 bytes" in errors.too_large(1024).message
     assert errors.model_not_found("x").body()["error"]["param"] == "model"
+    assert len(errors.model_not_found("m" * 5000).message) < 100  # the client knows its name
     assert errors.at_capacity(1.2).headers() == {"Retry-After": "2"}
     assert errors.invalid("n", "bad").headers() == {}
 

@@ -2,13 +2,16 @@
 
 The gateway keeps routing to the workers it knew until they register again (no 503 while they
 are alive), and a worker that finds its registry entry gone writes its tokenizer bundle and its
-prefix cache's blocks again without waiting for traffic.
+prefix cache's blocks again without waiting for traffic. A request waiting for a pool to start
+a worker when Redis goes away waits out its hold, then gets a 503.
 """
 
 from __future__ import annotations
 
+import asyncio
 import time
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -16,6 +19,8 @@ import openai
 import pytest
 import redis
 
+from kvstore.client import connect
+from kvstore.demand import Demand, PoolInfo
 from kvstore.redis_server import LocalRedis
 from tests.stack import Proc, get_json, start_gateway, start_worker, wait_until
 
@@ -32,14 +37,17 @@ def _keys(url: str, pattern: str) -> int:
 
 
 @contextmanager
-def _stack(tmp_path: Path, stories_dir: Path) -> Iterator[tuple[LocalRedis, Proc, openai.OpenAI]]:
+def _stack(
+    tmp_path: Path, stories_dir: Path, gateway_args: list[str] | None = None
+) -> Iterator[tuple[LocalRedis, Proc, openai.OpenAI]]:
     """Redis, one worker heartbeating every 2 s (the default: the window in which an emptied
     registry lists no worker), a gateway, and a client of it."""
     server = LocalRedis().start()
     (tmp_path / "regions.yaml").write_text(CATALOG)
     worker = start_worker("w1", stories_dir, server.url, tmp_path, "local",
                           ["--heartbeat", "2", "--ttl", "10"])  # fmt: skip
-    gateway = start_gateway("gw", server.url, tmp_path / "regions.yaml", tmp_path, "local")
+    gateway = start_gateway("gw", server.url, tmp_path / "regions.yaml", tmp_path, "local",
+                            gateway_args)  # fmt: skip
     try:
         wait_until(lambda: get_json(f"{gateway.url}/readyz")[1]["workers"] == 1, 30, "worker")
         yield server, worker, openai.OpenAI(base_url=f"{gateway.url}/v1", api_key="x",
@@ -125,3 +133,32 @@ def test_sessions_stay_on_their_worker_while_redis_is_down(
         for w in workers:
             w.stop()
         server.stop()
+
+
+def test_redis_lost_while_a_request_waits_for_a_pool(tmp_path: Path, stories_dir: Path) -> None:
+    """A request for a model no worker serves waits for a pool to start one (scale from zero);
+    Redis goes away meanwhile: the wait goes on until the hold's timeout, then a 503 with
+    Retry-After, not a 500."""
+
+    async def announce(url: str) -> None:  # a pool that can start "ghost", and never does
+        r = connect(url)
+        try:
+            await Demand(r).announce(PoolInfo("pool-x", "local", ["ghost"], 1, 0, time.time()), 60)
+        finally:
+            await r.aclose()
+
+    with _stack(tmp_path, stories_dir, ["--hold-timeout", "3"]) as (server, _, client):
+        asyncio.run(announce(server.url))
+        wait_until(lambda: "ghost" in [m.id for m in client.models.list().data], 10, "the pool")
+        with ThreadPoolExecutor(1) as ex:
+            t0 = time.monotonic()
+            held = ex.submit(client.completions.with_raw_response.create, model="ghost",
+                             prompt="Hi", max_tokens=1)  # fmt: skip
+            time.sleep(1.0)  # the gateway holds the request
+            server.stop()
+            with pytest.raises(openai.APIStatusError) as e:
+                held.result()
+        assert e.value.status_code == 503, e.value.body
+        assert e.value.body["code"] == "worker_starting", e.value.body  # type: ignore[index]
+        assert int(e.value.response.headers["Retry-After"]) >= 1
+        assert 2.5 < time.monotonic() - t0 < 10

@@ -10,15 +10,23 @@ from __future__ import annotations
 
 import asyncio
 import signal
+import threading
 import time
+from collections.abc import Awaitable, Callable
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 import aiohttp
 import openai
 import orjson
 import pytest
+from redis.asyncio import Redis
 
+from kvstore.client import connect
+from kvstore.placement import Placement, SessionStore
+from kvstore.protocol import WorkerInfo
 from kvstore.redis_server import LocalRedis
+from kvstore.registry import Registry
 from runtime.llm import LLM
 from runtime.sampling_params import SamplingParams
 from tests.stack import (
@@ -325,16 +333,20 @@ def test_bad_input_gets_openai_error(cluster: Cluster, path: str, body: object, 
 
 
 def _raw(
-    cluster: Cluster, head: bytes, body: bytes = b"", wait_s: float = 10.0
+    cluster: Cluster,
+    head: bytes,
+    body: bytes = b"",
+    wait_s: float = 10.0,
+    key: bytes = API_KEY.encode(),
 ) -> tuple[int, dict]:  # type: ignore[type-arg]
-    """Send `head` (request line and headers, without the blank line) and `body` as they are on
-    a socket; the response's status and JSON body."""
+    """Send `head` (request line and headers, without the blank line), `key` as the bearer
+    token, and `body` as they are on a socket; the response's status and JSON body."""
     import socket
     import urllib.parse
 
     url = urllib.parse.urlsplit(cluster.gateway.url)
     with socket.create_connection((url.hostname, url.port), timeout=wait_s) as sock:
-        sock.sendall(head + f"\r\nAuthorization: Bearer {API_KEY}\r\n\r\n".encode() + body)
+        sock.sendall(head + b"\r\nAuthorization: Bearer " + key + b"\r\n\r\n" + body)
         data = b""
         while b"\r\n\r\n" not in data or len(data.split(b"\r\n\r\n", 1)[1]) < int(
             next((h.split(b":")[1] for h in data.split(b"\r\n") if h.lower().startswith(b"content-length:")), b"0")
@@ -348,10 +360,12 @@ def _raw(
 
 
 def test_malformed_requests_get_openai_errors(cluster: Cluster) -> None:
-    """What no client library sends: a header that is not UTF-8, a body that does not decode, a
-    body larger than declared limits, a body that never comes. Each a 4xx OpenAI error, at once
-    (or after --body-timeout), never a 500 or a connection held open."""
+    """What no client library sends: a header that is not UTF-8, a body that does not decode
+    or comes in an encoding the gateway does not read, a body larger than declared limits, a
+    body that never comes. Each a 4xx OpenAI error, at once (or after --body-timeout), never a
+    500 or a connection held open."""
     import gzip
+    import zlib
 
     body = orjson.dumps({"model": "stories", "prompt": "Hi", "max_tokens": 1})
     post = b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json"
@@ -362,10 +376,25 @@ def test_malformed_requests_get_openai_errors(cluster: Cluster) -> None:
         status, err = _raw(cluster, post + b"\r\nContent-Encoding: " + encoding
                            + f"\r\nContent-Length: {len(body)}".encode(), body)  # fmt: skip
         assert status == 400 and err["error"]["code"] == "invalid_body", err
-    packed = gzip.compress(body)  # a valid one is read
-    status, err = _raw(cluster, post + f"\r\nContent-Encoding: gzip\r\nContent-Length: {len(packed)}"
-                       .encode(), packed)  # fmt: skip
-    assert status == 200, err
+    raw_deflate = zlib.compressobj(wbits=-zlib.MAX_WBITS)
+    for encoding, packed in ((b"gzip", gzip.compress(body)), (b"deflate", zlib.compress(body)),
+                             (b"deflate", raw_deflate.compress(body) + raw_deflate.flush())):  # fmt: skip
+        status, err = _raw(cluster, post + b"\r\nContent-Encoding: " + encoding
+                           + f"\r\nContent-Length: {len(packed)}".encode(), packed)  # fmt: skip
+        assert status == 200, (encoding, err)  # a valid one is read
+    for encoding in (b"br", b"zstd", b"foo"):  # (aiohttp: a text 400 "install Brotli"; ignored)
+        status, err = _raw(cluster, post + b"\r\nContent-Encoding: " + encoding
+                           + f"\r\nContent-Length: {len(body)}".encode(), body)  # fmt: skip
+        assert status == 415 and err["error"]["code"] == "unsupported_encoding", err
+        assert err["error"]["param"] == "Content-Encoding", err
+    bomb = gzip.compress(b" " * (1 << 22))  # 4 MiB inflated from 4 KB: over the 64 KiB limit
+    status, err = _raw(cluster, post + f"\r\nContent-Encoding: gzip\r\nContent-Length: {len(bomb)}"
+                       .encode(), bomb)  # fmt: skip
+    assert status == 413 and err["error"]["code"] == "request_too_large", err
+    # a bearer token that is not UTF-8: refused like any wrong one
+    status, err = _raw(cluster, post + f"\r\nContent-Length: {len(body)}".encode(), body,
+                       key=b"k\xff1")  # fmt: skip
+    assert status == 401 and err["error"]["code"] == "invalid_api_key", err
     t0 = time.monotonic()
     status, err = _raw(cluster, post + b"\r\nContent-Length: 99999999999")  # declared: at once
     assert status == 413 and err["error"]["code"] == "request_too_large", err
@@ -381,8 +410,8 @@ def test_malformed_requests_get_openai_errors(cluster: Cluster) -> None:
         with socket.create_connection((url.hostname, url.port), timeout=10) as sock:
             sock.sendall(post + b"\r\n" + header + b"\r\nContent-Length: 2\r\n\r\n{}")
             assert sock.recv(65536).startswith(b"HTTP/1.0 400 "), header[:40]
-    # none of these client faults (the bad gzip and deflate bodies, the unparsable headers)
-    # wrote a traceback into the gateway's log: one WARNING line each
+    # none of these client faults (the bad bodies and tokens, the unparsable headers) wrote a
+    # traceback into the gateway's log; aiohttp's own refusals are one WARNING line each
     time.sleep(0.5)
     log = cluster.gateway.log.read_text(errors="replace")
     assert "Traceback" not in log and "ERROR" not in log, log[-3000:]
@@ -441,6 +470,8 @@ def test_idle_and_slow_header_connections_are_closed(cluster: Cluster) -> None:
 
 
 def test_limits_auth_paths(cluster: Cluster) -> None:
+    import urllib.request
+
     status, _, err = _post(cluster, "/v1/completions", b'{"prompt": "' + b"x" * 70000 + b'"}')
     assert status == 413 and "65536" in err["error"]["message"]
     status, _, err = _post(cluster, "/v1/completions", {"model": "stories", "prompt": "hi"},
@@ -456,6 +487,18 @@ def test_limits_auth_paths(cluster: Cluster) -> None:
     assert status == 405 and err["error"]["code"] == "method_not_allowed"
     status, _, err = _post(cluster, "/v1/completions", {"model": "ghost-model", "prompt": "hi"})
     assert status == 503 and err["error"]["code"] == "no_workers"
+    # model names: as long as a registry key may be; an unknown one is not echoed whole, nor
+    # made a metric label (a client could grow the metrics without end)
+    status, _, err = _post(cluster, "/v1/completions", {"model": "m" * 257, "prompt": "hi"})
+    assert status == 400 and err["error"]["param"] == "model", err
+    assert "at most 256 characters" in err["error"]["message"], err
+    status, _, err = _post(cluster, "/v1/completions", {"model": "m" * 256, "prompt": "hi"})
+    assert status == 404 and len(err["error"]["message"]) < 100, err
+    status, err = _get(cluster, "/v1/models/" + "m" * 4000)
+    assert status == 404 and len(err["error"]["message"]) < 100, err
+    with urllib.request.urlopen(f"{cluster.gateway.url}/metrics", timeout=10) as resp:
+        metrics = resp.read().decode()
+    assert 'gen_ai_request_model="unknown"' in metrics and "m" * 64 not in metrics
 
 
 def test_worker_refuses_without_secret(cluster: Cluster) -> None:
@@ -493,6 +536,134 @@ def test_client_disconnect_frees_blocks(cluster: Cluster) -> None:
         )
 
     wait_until(freed, 10, "the worker to abort the request and free its blocks", worker)
+
+
+class _Answer(BaseHTTPRequestHandler):
+    """Answers a POST with its server's `answer`."""
+
+    def do_POST(self) -> None:
+        self.rfile.read(int(self.headers.get("Content-Length", 0)))
+        status, headers, body = self.server.answer  # type: ignore[attr-defined]
+        self.send_response(status)
+        for name, value in (headers | {"Content-Length": str(len(body))}).items():
+            self.send_header(name, value)
+        self.end_headers()
+        self.wfile.write(body)
+
+    def log_message(self, *args: object) -> None:
+        pass
+
+
+class _StubWorker(ThreadingHTTPServer):
+    """A worker's internal API that answers every request with `answer` (status, headers,
+    body): what a worker that is broken, busy or configured with another secret says. It is in
+    the registry while `registered` (as `worker_id`, heartbeating when asked)."""
+
+    def __init__(self, cluster: Cluster) -> None:
+        super().__init__(("127.0.0.1", 0), _Answer)
+        self.answer: tuple[int, dict[str, str], bytes] = (500, {}, b"")
+        self.redis_url = cluster.redis.url
+        self.url = f"http://127.0.0.1:{self.server_port}"
+        threading.Thread(target=self.serve_forever, daemon=True).start()
+
+    def heartbeat(self, worker_id: str, model: str) -> None:
+        info = WorkerInfo(worker_id=worker_id, region="eu", model=model, role="mixed",
+                          url=self.url, max_num_seqs=4, capacity_tokens=10_000,
+                          free_kv_blocks=1000, total_kv_blocks=1000,
+                          updated_at=time.time())  # fmt: skip
+        asyncio.run(self._redis(lambda r: Registry(r, ttl_s=60).heartbeat(info)))
+
+    def deregister(self, worker_id: str, model: str) -> None:
+        asyncio.run(self._redis(lambda r: Registry(r).deregister(worker_id, model)))
+
+    def place(self, session: str, worker_id: str) -> None:
+        asyncio.run(self._redis(lambda r: SessionStore(r).claim(session, Placement(worker_id, "eu"))))  # fmt: skip
+
+    async def _redis(self, call: Callable[[Redis], Awaitable[object]]) -> None:
+        r = connect(self.redis_url)
+        try:
+            await call(r)
+        finally:
+            await r.aclose()
+
+
+def _error_body(message: str, type_: str, param: str | None = None, code: str | None = None) -> bytes:  # fmt: skip
+    return orjson.dumps({"error": {"message": message, "type": type_, "param": param, "code": code}})  # fmt: skip
+
+
+def test_a_worker_that_fails_or_refuses_the_gateway_is_set_aside(cluster: Cluster) -> None:
+    """A worker's refusal of a bad request reaches the client; a busy worker's (429, 503 with
+    Retry-After) too, whatever its Retry-After says; a worker that refuses the gateway itself
+    (401, 403: another shared secret) or fails (5xx) is set aside like a dead one, the request
+    tried on another, and the client never sees its authentication error."""
+    stub = _StubWorker(cluster)
+    Answer = tuple[int, dict[str, str], bytes]
+    # (the stub's answer, the status the client gets, what its error holds, its Retry-After)
+    busy: list[tuple[Answer, int, dict[str, str], str | None]] = [
+        ((400, {}, _error_body("bad sampling", "invalid_request_error", "sampling")),
+         400, {"param": "sampling", "message": "bad sampling"}, None),
+        ((429, {"Retry-After": "soon"}, _error_body("queue full", "rate_limit_error", None,
+                                                    "queue_full")),
+         429, {"code": "queue_full"}, "1"),
+        ((503, {"Retry-After": "Wed, 21 Oct 2015 07:28:00 GMT"},
+          _error_body("worker is draining", "service_unavailable", None, "draining")),
+         503, {"code": "draining"}, "1"),
+        ((503, {"Retry-After": "inf"}, _error_body("no KV room", "service_unavailable", None,
+                                                   "kv_cache_full")),
+         503, {"code": "kv_cache_full"}, "1"),
+    ]  # fmt: skip
+    failed: list[tuple[Answer, int, dict[str, str]]] = [
+        ((401, {}, _error_body("missing or wrong shared secret", "authentication_error")),
+         502, {"code": "worker_failed", "type": "internal_error"}),
+        ((403, {}, b"<html>forbidden</html>"), 502, {"code": "worker_failed"}),
+        ((500, {}, _error_body("the engine broke", "internal_error", None, "internal_error")),
+         502, {"message": "the engine broke"}),
+        ((503, {}, _error_body("engine is dead", "service_unavailable", None, "engine_dead")),
+         503, {"code": "engine_dead"}),
+    ]  # fmt: skip
+    request = {"model": "stub-model", "prompt": "Hi", "max_tokens": 1}
+
+    def listed() -> bool:
+        return "stub-model" in [m.id for m in cluster.client.models.list().data]
+
+    try:
+        stub.heartbeat("eu-stub", "stub-model")
+        wait_until(listed, 10, "the stub worker")
+        for answer, status, error, retry_after in busy:
+            stub.answer = answer
+            got, headers, err = _post(cluster, "/v1/completions", request)
+            assert got == status and error.items() <= err["error"].items(), (answer, err)
+            assert headers.get("Retry-After") == retry_after, (answer, headers)
+            assert listed(), answer  # not set aside
+        for answer, status, error in failed:
+            stub.answer = answer
+            got, _, err = _post(cluster, "/v1/completions", request)
+            assert got == status and error.items() <= err["error"].items(), (answer, err)
+            assert "shared secret" not in err["error"]["message"], err
+            assert not listed(), answer  # set aside, until it heartbeats after the failure
+            time.sleep(1.1)
+            stub.heartbeat("eu-stub", "stub-model")
+            wait_until(listed, 10, "the stub worker back")
+        # a session on a worker that refuses the gateway: tried there, then elsewhere
+        stub.answer = failed[0][0]
+        before = get_json(f"{cluster.gateway.url}/readyz")[1]["workers"]
+        stub.heartbeat("eu-stub-stories", "stories")
+        wait_until(lambda: get_json(f"{cluster.gateway.url}/readyz")[1]["workers"] == before + 1,
+                   10, "the stub serving stories")  # fmt: skip
+        stub.place("refused", "eu-stub-stories")
+        raw = cluster.client.completions.with_raw_response.create(
+            model="stories", prompt="Hi", max_tokens=2,
+            extra_headers={"x-session-affinity": "refused"},
+        )  # fmt: skip
+        assert raw.headers["x-edgeinfer-worker"] != "eu-stub-stories"
+        assert raw.parse().choices[0].text
+        assert get_json(f"{cluster.gateway.url}/readyz")[1]["workers"] == before
+        assert "refused the gateway (HTTP 401" in cluster.gateway.log.read_text()
+    finally:
+        stub.deregister("eu-stub", "stub-model")
+        stub.deregister("eu-stub-stories", "stories")
+        stub.shutdown()
+        stub.server_close()
 
 
 # ---------------------------------------------------------------------- faults (run last)

@@ -343,6 +343,9 @@ async def test_metrics_after_a_few_requests(
             assert sum(pt.count for pt in tpot) == n_ok  # every request made > 1 token
         durations = {a.get("error.type"): pt.count for a, pt in g.points(names.REQUEST_DURATION)}
         assert durations[None] == n_ok and durations["model_not_found"] == 1
+        # the model a client asked for becomes a label value only when it is served
+        models = {a["gen_ai.request.model"] for a, _ in g.points(names.REQUEST_DURATION)}
+        assert models == {"stories", "unknown"}
         errors = {a["error.type"]: pt.value for a, pt in g.points(names.ERRORS)}
         assert errors == {"model_not_found": 1}
         assert sum(pt.value for _, pt in g.points(names.RETRIES)) == 1

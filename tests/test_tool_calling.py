@@ -402,13 +402,13 @@ def test_response_format_json_schema(stack: Stack) -> None:
     assert r2.choices[0].text in ("yes", "no")
 
 
-def _post(stack: Stack, body: dict[str, Any]) -> tuple[int, dict[str, Any]]:
+def _post(stack: Stack, body: dict[str, Any] | bytes) -> tuple[int, dict[str, Any]]:
     import urllib.error
     import urllib.request
 
     req = urllib.request.Request(
         f"{stack.gateway.url}/v1/chat/completions",
-        data=orjson.dumps(body),
+        data=body if isinstance(body, bytes) else orjson.dumps(body),
         method="POST",
         headers={"Content-Type": "application/json"},
     )
@@ -512,6 +512,25 @@ BAD: list[tuple[dict[str, Any], str, str]] = [
 ]
 
 
+def _called(arguments: str) -> dict[str, Any]:
+    """Messages where an assistant called a tool with `arguments` (JSON text, as sent)."""
+    call = {"id": "c", "type": "function", "function": {"name": "f", "arguments": arguments}}
+    return {"messages": [*USER, {"role": "assistant", "tool_calls": [call]}]}
+
+
+ARGS = "messages[1].tool_calls[0].function.arguments"
+BAD += [
+    # what Python's json takes and orjson cannot send on (a 500), or sends on as null
+    (_called('{"a": 99999999999999999999}'), ARGS, "outside the 64-bit range"),
+    (_called('{"a": -9223372036854775809}'), ARGS, "[-9223372036854775808, 9223372036854775807]"),
+    (_called('{"a": ' + "[" * 300 + "]" * 300 + "}"), ARGS, "nests deeper than 128 levels"),
+    (_called('{"a": ' + "[" * 3000 + "]" * 3000 + "}"), ARGS, "nests deeper than 128 levels"),
+    (_called('{"a": NaN}'), ARGS, "not valid JSON: NaN"),
+    (_called('{"a": -Infinity}'), ARGS, "not valid JSON: -Infinity"),
+    (_called('{"a": 1e400}'), ARGS, "beyond the range of a 64-bit float"),
+]
+
+
 @pytest.mark.parametrize(("patch", "param", "text"), BAD)
 def test_bad_input_is_a_400_naming_the_field(
     stack: Stack, patch: dict[str, Any], param: str, text: str
@@ -521,6 +540,32 @@ def test_bad_input_is_a_400_naming_the_field(
     assert body["error"]["param"] == param, body
     assert body["error"]["type"] == "invalid_request_error"
     assert text in body["error"]["message"], body
+
+
+DEEP = '{"type": "array", "items": ' * 1000 + "{}" + "}" * 1000  # JSON orjson cannot write
+DEEP_BODIES = [
+    (f'{{"type": "json_schema", "json_schema": {{"name": "x", "strict": {strict}, '
+     f'"schema": {DEEP}}}}}', "response_format", "response_format.json_schema.schema")
+    for strict in ("true", "false")
+] + [
+    (f'[{{"type": "function", "function": {{"name": "f", "strict": {strict}, '
+     f'"parameters": {{"type": "object", "properties": {{"a": {DEEP}}}}}}}}}]', "tools",
+     "tools[0].function.parameters")
+    for strict in ("true", "false")
+]  # fmt: skip
+
+
+@pytest.mark.parametrize(("value", "field", "param"), DEEP_BODIES)
+def test_a_deeply_nested_schema_is_a_400_naming_the_field(
+    stack: Stack, value: str, field: str, param: str
+) -> None:
+    """Nested 1,000 levels (the body's JSON may nest 1,024): strict or not, the schema is
+    refused for its depth, as llguidance would refuse it, never a RecursionError (500)."""
+    body = f'{{"model": "stories", "max_tokens": 4, "messages": {json.dumps(USER)}, '
+    status, err = _post(stack, f'{body}"{field}": {value}}}'.encode())
+    assert status == 400, err
+    assert err["error"]["param"] == param, err
+    assert "nests deeper than 128 levels" in err["error"]["message"], err
 
 
 def test_worker_flag_offers_every_parser() -> None:
