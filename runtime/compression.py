@@ -92,7 +92,7 @@ from runtime.shard_reader import (
     release_pages,
     trim_heap,
 )
-from runtime.weights import ALIGN, ReadStats, Shard, TensorEntry, read_header
+from runtime.weights import ALIGN, ReadStats, Shard, TensorEntry, naturals, read_header
 
 log = logging.getLogger(__name__)
 
@@ -427,16 +427,16 @@ def read_shard(path: Path, expected_size: int | None = None) -> CompressedShard:
             raw = json.loads(f.read(n))
     except OSError as e:
         raise ModelLoadError(f"{path}: cannot read ({e})") from e
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+    except (ValueError, RecursionError) as e:  # (not JSON, not UTF-8, too deep, a huge number)
         raise ModelLoadError(f"{path}: corrupt header (not JSON: {e})") from e
     shard, data = CompressedShard(path, size), 16 + n
     try:
         for t in raw["tensors"]:
-            begin, end = (data + int(x) for x in t["data_offsets"])
+            begin, end = (data + x for x in naturals("data_offsets", t["data_offsets"], 2))
             entry = RecordEntry(
                 str(t["name"]),
                 _DTYPES[t["dtype"]],
-                tuple(int(d) for d in t["shape"]),
+                naturals("shape", t["shape"]),
                 str(t["encoding"]),
                 begin,
                 end,

@@ -182,8 +182,10 @@ class ModelConfig:
             raise ModelLoadError(f"{path}: missing (is {model_dir} a Hugging Face model folder?)")
         try:
             raw = json.loads(path.read_text())
-        except (OSError, json.JSONDecodeError) as e:
+        except (OSError, ValueError, RecursionError) as e:
             raise ModelLoadError(f"{path}: not valid JSON ({e})") from e
+        if not isinstance(raw, dict):
+            raise ModelLoadError(f"{path}: not a JSON object")
         return cls.from_dict(raw, source=str(path))
 
     @classmethod
@@ -209,6 +211,7 @@ class ModelConfig:
         try:
             num_heads = int(raw["num_attention_heads"])
             hidden = int(raw["hidden_size"])
+            _positive(source, "num_attention_heads", num_heads)
             head_dim = raw.get("head_dim") or hidden // num_heads
             eos = raw.get("eos_token_id")
             eos_ids = tuple(eos) if isinstance(eos, list) else ((eos,) if eos is not None else ())
@@ -247,10 +250,17 @@ class ModelConfig:
             )
         except KeyError as e:
             raise ModelLoadError(f"{source}: required field {e.args[0]!r} is missing") from e
-        except (TypeError, ValueError) as e:
+        except (TypeError, ValueError, ArithmeticError) as e:
             if isinstance(e, ModelLoadError):
                 raise
             raise ModelLoadError(f"{source}: bad value ({e})") from e
+        for name, field_name in (
+            ("vocab_size", "vocab_size"), ("hidden_size", "hidden_size"),
+            ("intermediate_size", "intermediate_size"), ("num_layers", "num_hidden_layers"),
+            ("num_kv_heads", "num_key_value_heads"), ("head_dim", "head_dim"),
+            ("max_position_embeddings", "max_position_embeddings"),
+        ):  # fmt: skip
+            _positive(source, field_name, getattr(cfg, name))
         if raw.get("hidden_act", "silu") != "silu":
             raise ModelLoadError(f"{source}: hidden_act {raw.get('hidden_act')!r} is not supported")
         return cfg
@@ -486,3 +496,8 @@ class EngineConfig:
             )
         if self.max_waiting < 1:
             raise ValueError(f"max_waiting must be >= 1, got {self.max_waiting}")
+
+
+def _positive(source: str, name: str, value: int) -> None:
+    if value < 1:
+        raise ModelLoadError(f"{source}: {name} must be a positive integer, got {value}")

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 import os
 import threading
 import time
@@ -64,9 +65,16 @@ def safetensors_files(model_dir: Path) -> list[Path]:
     if index.is_file():
         try:
             weight_map = json.loads(index.read_text())["weight_map"]
-        except (OSError, json.JSONDecodeError, KeyError, TypeError) as e:
+        except (OSError, ValueError, RecursionError, KeyError, TypeError) as e:
             raise ModelLoadError(f"{index}: not a valid safetensors index ({e})") from e
-        files = [model_dir / name for name in sorted(set(weight_map.values()))]
+        names = set(weight_map.values()) if isinstance(weight_map, dict) else {None}
+        plain = {n for n in names if isinstance(n, str) and n and Path(n).name == n}
+        if plain != names:
+            raise ModelLoadError(
+                f"{index}: not a valid safetensors index (weight_map must map tensor names to "
+                "file names in the model folder)"
+            )
+        files = [model_dir / name for name in sorted(plain)]
         for f in files:
             if not f.is_file():
                 raise ModelLoadError(f"{f}: missing (listed in {index.name})")
@@ -311,13 +319,21 @@ def start_load(
     manifest = read_manifest(path)
     files = check_shard_files(path, manifest) if manifest else safetensors_files(path)
     shards = [read_header(f) for f in files]  # every header before any weight
+    target = torch.device(device)
+    staged = target.type != "cpu" if staging is None else staging
+    if not staged and place is None and ep is SINGLE:  # the whole model, into host memory: an
+        # early (low) estimate, before building it, so that one tensor larger than the host
+        # can hold is this error too, not the allocator's
+        itemsize = min(torch_dtype.itemsize, weights.itemsize)
+        need = sum(math.prod(t.shape) for s in shards for t in s.tensors) * itemsize
+        if need > (have := available_memory()):
+            raise ModelLoadError(f"{path}: the weights need {_size(need)} of memory (as "
+                                 f"{torch_dtype}), only {_size(have)} is available")  # fmt: skip
     model = LlamaForCausalLM(cfg, torch_dtype, max_model_len or cfg.max_model_len, ep, place,
                              weights)  # fmt: skip
     pieces = _map_tensors(model, shards)
 
     params = dict(model.named_parameters())
-    target = torch.device(device)
-    staged = target.type != "cpu" if staging is None else staging
     # in place from the drive, the host's; on a device, aligned as its allocator aligns
     at, end, stage_at, stage_end = _layout(pieces, params, in_line=not staged)
     # Tensors to convert are staged on the host (read in place, in their file dtype) and

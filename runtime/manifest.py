@@ -36,6 +36,7 @@ COMPRESSED_MANIFEST_NAME = "edgeinfer-compressed.json"  # a folder of Huffman-co
 # (runtime/compression.py); here so the loader can tell without importing the decoders
 FORMAT = "edgeinfer-store/1"
 CHUNK_BYTES = 16 << 20  # one checksum per 16 MiB piece (runtime.weights reads the same pieces)
+MAX_CHUNK_BYTES = 1 << 30  # a reading thread holds a chunk-sized scratch buffer
 
 
 @dataclass(frozen=True, slots=True)
@@ -101,8 +102,10 @@ class Manifest:
             if raw.get("format") != FORMAT:
                 raise ValueError(f"format is {raw.get('format')!r}, expected {FORMAT!r}")
             chunk = int(raw["chunk_bytes"])
-            if chunk <= 0 or chunk % 4096:
-                raise ValueError(f"chunk_bytes {chunk} is not a positive multiple of 4096")
+            if not 0 < chunk <= MAX_CHUNK_BYTES or chunk % 4096:
+                raise ValueError(
+                    f"chunk_bytes {chunk} is not a multiple of 4096 in (0, {MAX_CHUNK_BYTES}]"
+                )
             shards = []
             for s in raw["shards"]:
                 entry = ShardEntry(str(s["file"]), int(s["bytes"]), tuple(map(str, s["xxh3_64"])))
@@ -125,7 +128,7 @@ class Manifest:
                 tensors[str(name)] = info
             return cls(str(raw["name"]), str(raw.get("source", "")), chunk, shards, tensors,
                        str(raw.get("created", "")))  # fmt: skip
-        except (AttributeError, KeyError, TypeError, ValueError) as e:
+        except (AttributeError, KeyError, TypeError, ValueError, ArithmeticError) as e:
             raise ModelLoadError(f"{where}: corrupt manifest ({e})") from e
 
 
@@ -187,9 +190,11 @@ def read_manifest(folder: Path) -> Manifest | None:
         return None
     except OSError as e:
         raise ModelLoadError(f"{path}: cannot read ({e})") from e
+    except UnicodeDecodeError as e:
+        raise ModelLoadError(f"{path}: corrupt manifest (not UTF-8: {e})") from e
     try:
         raw = json.loads(text)
-    except json.JSONDecodeError as e:
+    except (ValueError, RecursionError) as e:  # (a 5,000-digit number, nesting too deep)
         raise ModelLoadError(f"{path}: corrupt manifest (not JSON: {e})") from e
     return Manifest.from_json(raw, path)
 

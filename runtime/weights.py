@@ -58,6 +58,9 @@ _DTYPES = {
     "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8,
     "U8": torch.uint8, "BOOL": torch.bool,
 }  # fmt: skip
+# safetensors dtypes the loader has no use for (FP8 and smaller floats, unsigned ints, complex)
+_FILE_DTYPES = {"F8_E4M3", "F8_E5M2", "F8_E8M0", "F6_E2M3", "F6_E3M2", "F4", "U16", "U32", "U64",
+                "C64"}  # fmt: skip
 
 
 @dataclass(slots=True)
@@ -79,6 +82,47 @@ class Shard:
     tensors: list[TensorEntry] = field(default_factory=list)
 
 
+def naturals(key: str, value: object, count: int | None = None) -> tuple[int, ...]:
+    """A header's list of integers >= 0 (a shape, data offsets); ValueError saying what is
+    wrong (a float, a bool, a negative number, another count) otherwise."""
+    if (
+        not isinstance(value, list)
+        or (count is not None and len(value) != count)
+        or not all(type(v) is int and v >= 0 for v in value)
+    ):
+        want = f"{count} " if count is not None else ""
+        raise ValueError(f"{key} must be a list of {want}integers >= 0, got {str(value)[:80]}")
+    return tuple(value)
+
+
+def _tensor_entry(
+    path: Path, name: str, info: object
+) -> tuple[torch.dtype, tuple[int, ...], tuple[int, int]]:
+    """A header entry's dtype, shape and data offsets, each checked for what it must be."""
+
+    def corrupt(what: str) -> ModelLoadError:
+        return ModelLoadError(f"{path}: corrupt safetensors file (tensor {name[:200]!r}: {what})")
+
+    if not isinstance(info, dict):
+        raise corrupt(f"an object with dtype, shape and data_offsets, got {str(info)[:80]}")
+    code = info.get("dtype")
+    if not isinstance(code, str) or code not in _DTYPES:
+        if isinstance(code, str) and code in _FILE_DTYPES:
+            raise ModelLoadError(
+                f"{path}: tensor {name[:200]!r} is {code}, a dtype edgeinfer cannot load "
+                f"(it loads {', '.join(_DTYPES)})"
+            )
+        raise corrupt(f"no dtype {str(code)[:40]} in safetensors")
+    try:
+        shape = naturals("shape", info.get("shape"))
+        begin, end = naturals("data_offsets", info.get("data_offsets"), 2)
+    except ValueError as e:
+        raise corrupt(str(e)) from e
+    if begin > end:
+        raise corrupt(f"data_offsets {[begin, end]} end before they begin")
+    return _DTYPES[code], shape, (begin, end)
+
+
 def read_header(path: Path) -> Shard:
     """Parse and check a safetensors header without reading the weights."""
     try:
@@ -95,7 +139,8 @@ def read_header(path: Path) -> Shard:
             raw = json.loads(f.read(n))
     except OSError as e:
         raise ModelLoadError(f"{path}: cannot read ({e})") from e
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+    except (ValueError, RecursionError) as e:  # (not JSON, not UTF-8, a 5,000-digit number,
+        # nesting deep enough to exhaust the parser's stack)
         raise ModelLoadError(f"{path}: corrupt safetensors file (header is not JSON: {e})") from e
     if not isinstance(raw, dict):
         raise ModelLoadError(f"{path}: corrupt safetensors file (header is not an object)")
@@ -104,19 +149,12 @@ def read_header(path: Path) -> Shard:
     for name, info in raw.items():
         if name == "__metadata__":
             continue
-        try:
-            dtype = _DTYPES[info["dtype"]]
-            shape = tuple(int(d) for d in info["shape"])
-            begin, end = (int(x) for x in info["data_offsets"])
-        except (KeyError, TypeError, ValueError) as e:
-            raise ModelLoadError(
-                f"{path}: corrupt safetensors file (tensor {name!r}: {e!r})"
-            ) from e
+        dtype, shape, (begin, end) = _tensor_entry(path, name, info)
         numel = 1
         for d in shape:
             numel *= d
         want = numel * dtype.itemsize
-        if begin < 0 or end - begin != want:
+        if end - begin != want:
             raise ModelLoadError(
                 f"{path}: corrupt safetensors file (tensor {name!r} of shape {shape} and dtype "
                 f"{info['dtype']} needs {want} bytes, its offsets give {end - begin})"

@@ -532,6 +532,27 @@ def test_a_truncated_file_names_the_tensor_cut_off(tmp_path: Path) -> None:
         list(load_compressed(out))
 
 
+@pytest.mark.parametrize(
+    ("header", "message"),
+    [
+        (b"[" * 200_000 + b"]" * 200_000, "not JSON"),
+        (b'{"tensors": [{"name": "x", "dtype": "BF16", "shape": [4], "encoding": "raw", '
+         b'"data_offsets": [0, 1e400]}]}', "data_offsets must be a list of 2 integers >= 0"),
+        (b'{"tensors": [{"name": "x", "dtype": "BF16", "shape": [-4, 2], "encoding": "raw", '
+         b'"data_offsets": [0, 16]}]}', "shape must be a list of integers >= 0"),
+    ],
+)  # fmt: skip
+def test_a_header_that_cannot_be_meant_is_corrupt(
+    tmp_path: Path, header: bytes, message: str
+) -> None:
+    from runtime.compression import FILE_MAGIC
+
+    path = tmp_path / "model-00001-of-00001.ei11"
+    path.write_bytes(FILE_MAGIC + len(header).to_bytes(8, "little") + header + bytes(64))
+    with pytest.raises(ModelLoadError, match=rf"\.ei11: corrupt header .*{message}"):
+        read_shard(path)
+
+
 def test_a_code_table_that_is_no_prefix_code_is_rejected_even_with_a_good_checksum(
     tmp_path: Path,
 ) -> None:

@@ -57,6 +57,41 @@ def test_corrupt_config(stories_dir: Path, tmp_path: Path) -> None:
         load_model(d)
 
 
+@pytest.mark.parametrize(
+    ("edit", "message"),
+    [
+        ({"num_attention_heads": 0}, r"num_attention_heads must be a positive integer, got 0"),
+        ({"hidden_size": -64}, r"hidden_size must be a positive integer, got -64"),
+        ({"num_hidden_layers": 0}, r"num_hidden_layers must be a positive integer"),
+        ({"vocab_size": "many"}, r"bad value"),
+        ({"max_position_embeddings": 1e400}, r"bad value"),
+    ],
+)
+def test_config_values_that_cannot_be_meant(
+    stories_dir: Path, tmp_path: Path, edit: dict, message: str  # type: ignore[type-arg]
+) -> None:
+    d = copy_model(stories_dir, tmp_path / "m")
+    cfg = json.loads((d / "config.json").read_text())
+    (d / "config.json").write_text(json.dumps(cfg | edit))
+    with pytest.raises(ModelLoadError, match=r"config\.json: " + message):
+        load_model(d)
+    (d / "config.json").write_text("[1]")
+    with pytest.raises(ModelLoadError, match=r"config\.json: not a JSON object"):
+        load_model(d)
+
+
+@pytest.mark.parametrize(
+    "weight_map", [["model.safetensors"], {"a": 5}, {"a": "../m/model.safetensors"}, {"a": ""}]
+)
+def test_an_index_that_names_no_file_of_the_folder(
+    stories_dir: Path, tmp_path: Path, weight_map: object
+) -> None:
+    d = copy_model(stories_dir, tmp_path / "m")
+    (d / "model.safetensors.index.json").write_text(json.dumps({"weight_map": weight_map}))
+    with pytest.raises(ModelLoadError, match=r"index\.json: not a valid safetensors index"):
+        load_model(d)
+
+
 def test_unsupported_architecture(stories_dir: Path, tmp_path: Path) -> None:
     d = copy_model(stories_dir, tmp_path / "m")
     cfg = json.loads((d / "config.json").read_text())
@@ -248,6 +283,13 @@ def test_errors_before_any_read(stories_dir: Path, tmp_path: Path, monkeypatch) 
     monkeypatch.setattr(runtime.loader, "available_memory", lambda: 100_000)
     with pytest.raises(ModelLoadError, match=r"/m: the weights need 1\.\d MB of memory \(as "
                        r"torch\.float32\), only 0\.1 MB is available"):  # fmt: skip
+        load_model(d, stats=stats)
+
+    def built(*args: object) -> None:
+        raise AssertionError("the model was built (its parameters allocated) first")
+
+    monkeypatch.setattr(runtime.loader, "LlamaForCausalLM", built)  # (one tensor larger than
+    with pytest.raises(ModelLoadError, match=r"/m: the weights need"):  # the host failed there)
         load_model(d, stats=stats)
     monkeypatch.undo()
 

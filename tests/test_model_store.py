@@ -85,6 +85,26 @@ def test_pull_stories_in_small_shards(tmp_path: Path, stories_dir: Path) -> None
     assert store.verify("stories260K") == []
 
 
+@pytest.mark.parametrize(
+    ("edit", "message"),
+    [
+        ({"chunk_bytes": 1 << 42}, r"corrupt manifest \(chunk_bytes 4398046511104 is not a"),
+        ({"chunk_bytes": float("inf")}, r"corrupt manifest"),
+        ({"shards": [{"file": "x", "bytes": 1e400, "xxh3_64": []}]}, r"corrupt manifest"),
+    ],
+)
+def test_a_manifest_that_cannot_be_meant_is_corrupt(
+    tmp_path: Path, stories_dir: Path, edit: dict, message: str  # type: ignore[type-arg]
+) -> None:
+    from runtime.config import ModelLoadError
+
+    folder = ModelStore(tmp_path / "store").pull(stories_dir, shard_bytes=SHARD)
+    path = folder / MANIFEST_NAME
+    path.write_text(json.dumps(json.loads(path.read_text()) | edit))
+    with pytest.raises(ModelLoadError, match=MANIFEST_NAME + ": " + message):
+        read_manifest(folder)
+
+
 def _mixed_source(folder: Path) -> dict[str, torch.Tensor]:
     """A two-file Hugging Face checkpoint of mixed dtypes and odd sizes, with an index, the
     usual side files, and things a pull must not copy."""

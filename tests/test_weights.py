@@ -171,6 +171,40 @@ def test_lies_and_damage_are_errors_naming_the_file(tmp_path: Path) -> None:
         list(load_safetensors([f]))
 
 
+@pytest.mark.parametrize(
+    ("edit", "message"),
+    [  # each a header's lie, or a value that JSON allows and a header cannot mean
+        ({"data_offsets": [0, 1e400]}, r"'a\.f32': data_offsets must be a list of 2 integers >= 0"),
+        ({"shape": [-4, -7]}, r"'a\.f32': shape must be a list of integers >= 0"),
+        ({"shape": [7.9, 4.2]}, r"'a\.f32': shape must be a list of integers >= 0"),
+        ({"shape": [True, 28]}, r"'a\.f32': shape must be a list of integers >= 0"),
+        ({"shape": None}, r"'a\.f32': shape must be a list"),
+        ({"data_offsets": [112, 0]}, r"'a\.f32': data_offsets \[112, 0\] end before they begin"),
+        ({"data_offsets": [0]}, r"'a\.f32': data_offsets must be a list of 2 integers"),
+        ({"dtype": "F8_E4M3"}, r"tensor 'a\.f32' is F8_E4M3, a dtype edgeinfer cannot load"),
+        ({"dtype": ["F32"]}, r"'a\.f32': no dtype \['F32'\]"),
+    ],
+)
+def test_a_header_entry_that_cannot_be_meant_is_an_error_naming_the_file(
+    tmp_path: Path, edit: dict, message: str  # type: ignore[type-arg]
+) -> None:
+    f = tmp_path / "m.safetensors"
+    save_file(_tensors(4), str(f))
+    _rewrite_header(f, lambda h: h["a.f32"].update(edit))
+    with pytest.raises(ModelLoadError, match=r"m\.safetensors: .*" + message):
+        read_header(f)
+
+
+@pytest.mark.parametrize(
+    "header", [b"[" * 200_000 + b"]" * 200_000, b'{"a": ' + b"9" * 5001 + b"}"]
+)
+def test_a_header_python_cannot_parse_is_not_json(tmp_path: Path, header: bytes) -> None:
+    f = tmp_path / "m.safetensors"
+    f.write_bytes(len(header).to_bytes(8, "little") + header)
+    with pytest.raises(ModelLoadError, match=r"m\.safetensors: corrupt .*header is not"):
+        read_header(f)
+
+
 def test_every_header_is_checked_before_any_read(tmp_path: Path) -> None:
     good, bad = tmp_path / "a.safetensors", tmp_path / "b.safetensors"
     save_file(_tensors(5), str(good))
