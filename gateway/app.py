@@ -29,6 +29,7 @@ from gateway.cluster import ClusterView
 from gateway.config import GatewayConfig
 from gateway.errors import (
     APIError,
+    invalid,
     method_not_allowed,
     model_not_found,
     not_found,
@@ -154,11 +155,20 @@ async def healthz(request: web.Request) -> web.Response:
 
 
 async def readyz(request: web.Request) -> web.Response:
+    """Ready: Redis answers a ping, and a worker is known (live, or carried through a restart
+    of Redis) or a pool that can start one. `?redis=optional`: ready whenever this gateway can
+    serve, Redis or not: it routes on its last registry snapshot while Redis is down, and a
+    readiness probe that asked for Redis would take every gateway out of service meanwhile.
+    Nor does it wait on a ping (a Redis that hangs would outlast the probe's timeout, 1 s in
+    Kubernetes): `redis` then says whether the gateway's last Redis call succeeded."""
+    redis = request.query.get("redis", "required")
+    if redis not in ("required", "optional"):
+        raise invalid("redis", f"redis must be 'required' or 'optional', got {redis[:40]!r}")
     view = request.app[VIEW]
-    redis_ok = await view.ping()
+    redis_ok = view.redis_ok if redis == "optional" else await view.ping()
     workers = len(view.live_workers())
     pools = len(view.pools)  # a pool can start workers on demand (scale from zero)
-    ready = redis_ok and (workers > 0 or pools > 0)
+    ready = (redis_ok or redis == "optional") and (workers > 0 or pools > 0)
     body = {"ready": ready, "redis": redis_ok, "workers": workers, "pools": pools,
             "region": view.config.region}  # fmt: skip
     return _json(body, 200 if ready else 503)

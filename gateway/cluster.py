@@ -32,7 +32,10 @@ from kvstore.registry import Registry
 
 log = logging.getLogger("edgeinfer.gateway")
 
-CARRY_S = 10.0  # longest a worker lost by Redis is routed to without registering again
+# how long a worker lost by Redis is routed to without registering again: CARRY_S, or its
+# heartbeat period plus CARRY_MARGIN_S (a late heartbeat, the registry read that sees it) if longer
+CARRY_S = 10.0
+CARRY_MARGIN_S = 5.0
 # sessions whose placement this gateway last read or wrote, kept in memory (least recently used
 # dropped first) to route them while Redis is down or has lost its data
 RECENT_SESSIONS = 65536
@@ -109,9 +112,9 @@ class ClusterView:
 
     def _carry(self, workers: list[WorkerInfo], reset: bool) -> list[WorkerInfo]:
         """The registry's workers, plus those of the last snapshot that it lost in an outage or
-        a restart of Redis (`reset`), for up to CARRY_S or until they register again: a worker
-        re-registers on its next heartbeat, and meanwhile requests would find no worker (503).
-        One that has really gone fails its requests (tried elsewhere) and is set aside."""
+        a restart of Redis (`reset`), until they register again or for up to `_carry_s`: a
+        worker re-registers on its next heartbeat, and meanwhile requests would find no worker
+        (503). One that has really gone fails its requests (tried elsewhere) and is set aside."""
         now = time.monotonic()
         listed = {w.worker_id for w in workers}
         if reset:
@@ -119,7 +122,7 @@ class ClusterView:
             if lost:
                 log.warning("redis lost %d worker entries (restart or outage): routing to them "
                             "until they register again", len(lost))  # fmt: skip
-            self._carried |= {w.worker_id: (w, now + CARRY_S) for w in lost}
+            self._carried |= {w.worker_id: (w, now + _carry_s(w)) for w in lost}
         self._carried = {wid: (w, until) for wid, (w, until) in self._carried.items()
                          if until > now and wid not in listed}  # fmt: skip
         return workers + [w for w, _ in self._carried.values()]
@@ -202,22 +205,36 @@ class ClusterView:
         self._recent.move_to_end(session_id)
         return Placement(*found)
 
+    async def claim(self, session_id: str, worker: WorkerInfo) -> Placement | None:
+        """Place a new session on `worker` unless another gateway placed it first, and remember
+        the placement that holds: ours, or the winner's, where every gateway then routes it.
+        None (nothing placed) while Redis is down, or `recovering`: sessions are routed by what
+        this gateway remembers (or by load) meanwhile, and placed once every worker has
+        registered again and written its prefix cache's entries."""
+        if not self.redis_ok or self.recovering:
+            return None
+        ours = Placement(worker.worker_id, worker.region)
+        try:
+            placed = await self.sessions.claim(session_id, ours)
+        except Exception as e:
+            self._redis_failed(e)
+            return None
+        self._remember(session_id, placed)
+        return placed
+
     async def record(self, session_id: str, old: Placement | None, worker: WorkerInfo) -> None:
-        """Place the session on `worker` (claim it, or move it from `old`), and remember it here.
-        Not in Redis while `recovering`: sessions are routed by what this gateway remembers (or
-        by load) meanwhile, and placed once every worker has registered again and written its
-        prefix cache's entries."""
+        """Place the session on `worker` (claim it, or move it from `old`), and remember where
+        it is then: on `worker`, or where another gateway placed or moved it first (as Redis
+        says), so this gateway does not keep routing it elsewhere once Redis is down."""
         new = Placement(worker.worker_id, worker.region)
         self._remember(session_id, new)  # (in memory even while Redis is down)
-        if (old is not None and old.worker_id == worker.worker_id) or not self.redis_ok:
+        if old is None:
+            await self.claim(session_id, worker)
             return
-        if old is None and self.recovering:
+        if old.worker_id == worker.worker_id or not self.redis_ok:
             return
         try:
-            if old is None:
-                await self.sessions.claim(session_id, new)
-            else:
-                await self.sessions.move(session_id, old.worker_id, new)
+            self._remember(session_id, await self.sessions.move(session_id, old.worker_id, new))
         except Exception as e:
             self._redis_failed(e)
 
@@ -234,6 +251,15 @@ class ClusterView:
             self.redis_ok = False
             return False
         return True
+
+
+def _carry_s(worker: WorkerInfo) -> float:
+    """How long a worker lost by Redis is carried: until its next heartbeat has registered it
+    again, with a margin; CARRY_S at least, and for a worker that does not say how often it
+    heartbeats (an older one)."""
+    if worker.heartbeat_s <= 0:
+        return CARRY_S
+    return max(CARRY_S, worker.heartbeat_s + CARRY_MARGIN_S)
 
 
 def _ignore(operation: str, seconds: float) -> None:

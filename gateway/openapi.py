@@ -74,14 +74,19 @@ def _generate(summary: str, request: str, answer: str, chunk: str) -> JSON:
     }
 
 
-def _probe(summary: str, schema: str, unready: str | None) -> JSON:
+def _probe(summary: str, schema: str, unready: str | None, *parameters: JSON) -> JSON:
     """A probe for load balancers and Kubernetes: no auth, the same body for both answers."""
     body = {"application/json": {"schema": ref(schema)}}
     responses: JSON = {"200": {"description": "Yes.", "content": body}}
     if unready is not None:
         responses["503"] = {"description": unready, "content": body}
+    if parameters:
+        responses["400"] = {"$ref": "#/components/responses/400"}
     responses["405"] = {"$ref": "#/components/responses/405"}
-    return {"summary": summary, "security": [], "responses": responses}
+    probe: JSON = {"summary": summary, "security": [], "responses": responses}
+    if parameters:
+        probe["parameters"] = list(parameters)
+    return probe
 
 
 OPENAPI: JSON = {
@@ -131,9 +136,21 @@ OPENAPI: JSON = {
         "/healthz": {"get": _probe("Liveness: the process answers", "Health", None)},
         "/readyz": {
             "get": _probe(
-                "Readiness: Redis answers and a live worker is known",
+                "Readiness: Redis answers and a live worker (or a pool) is known",
                 "Readiness",
-                "Not ready: Redis unreachable or no live worker.",
+                "Not ready: Redis unreachable (unless redis=optional), or no worker and no pool.",
+                {
+                    "name": "redis",
+                    "in": "query",
+                    "required": False,
+                    "description": (
+                        "optional: ready whenever the gateway can serve, Redis or not (it "
+                        "routes on its last registry snapshot while Redis is down); what a "
+                        "readiness probe should ask, or a Redis outage takes every gateway out "
+                        "of service."
+                    ),
+                    "schema": {"enum": ["required", "optional"], "default": "required"},
+                },
             ),
         },
         "/openapi.json": {

@@ -485,8 +485,15 @@ SCHEMAS: JSON = {
         "required": ["ready"],
         "properties": {
             "ready": {"type": "boolean"},
-            "redis": {"type": "boolean", "description": "Redis answered a ping."},
+            "redis": {
+                "type": "boolean",
+                "description": (
+                    "Redis answered a ping (with redis=optional, which waits on no ping: the "
+                    "gateway's last Redis call succeeded)."
+                ),
+            },
             "workers": {"type": "integer", "description": "Live workers in the cluster view."},
+            "pools": {"type": "integer", "description": "Pools that can start workers."},
             "region": {"type": "string", "description": "This gateway's region."},
         },
     },

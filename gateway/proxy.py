@@ -2,6 +2,9 @@
 
     validate -> resolve model -> prefix lookup -> route -> forward -> stream -> record
 
+A session's first request is placed (claimed in Redis) as the last step of `route`, before it is
+forwarded: gateways that place one new session at once all send it to the claim's winner.
+
 Disaggregated (a prefill and a decode worker serve the model): `route` picks the decode worker
 as usual and then a prefill worker, whose KV transfer address goes to the decode worker in
 `kv_source`; the decode worker pulls the prompt's KV from it and streams the answer. A failed
@@ -88,7 +91,8 @@ class Call:
     answered: float = 0.0  # perf_counter() when the serving worker's first token arrived
     gen: GenerateRequest | None = None  # the validated request, as the worker gets it
     options: RequestOptions | None = None  # what the response needs
-    placement: Placement | None = None  # the session's placement before this request
+    placement: Placement | None = None  # the session's placement before this request (a new
+    # session's: as `place` claimed it, before forwarding)
     worker: WorkerInfo | None = None  # the worker that serves it
     route_reason: str = ""  # why that worker (session | local | remote)
     cost: int = 0  # estimated tokens, counted against the worker while in flight
@@ -261,6 +265,8 @@ class Proxy:
             if last is not None:
                 call.route_started = time.perf_counter()
             worker = await self.route_or_hold(call, last)
+            if call.session_id is not None and call.placement is None:
+                worker = await self.place(call, worker, last)
             self.tel.phase(call, "gateway.route", call.route_started)
             self.tel.routed(call.route_reason)
             if last is not None:
@@ -352,6 +358,19 @@ class Proxy:
             route = self._route(call)
             route.reason = "cold_start"
         return self.chosen(call, route, last)
+
+    async def place(self, call: Call, worker: WorkerInfo, last: APIError | None) -> WorkerInfo:
+        """Claim a new session for the routed `worker` before the request goes there: gateways
+        that place the same new session at once then all send it to the claim's winner (routed
+        to as any placed session is), rather than each to its own pick. One Redis round trip,
+        on a session's first request only: the claim `record` would make after it anyway."""
+        assert call.session_id is not None
+        t0 = time.perf_counter()
+        call.placement = await self.view.claim(call.session_id, worker)
+        self.tel.redis("session_claim", time.perf_counter() - t0)
+        if call.placement is None or call.placement.worker_id == worker.worker_id:
+            return worker
+        return self.chosen(call, self._route(call), last)
 
     def _route(self, call: Call) -> Route:
         assert call.gen is not None

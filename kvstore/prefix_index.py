@@ -21,7 +21,13 @@ its engine holds and what it last wrote to Redis, and each flush writes the diff
 - after an outage, or when the marker shows that Redis lost the worker's entries (a restart
   without persistence, FLUSHDB), the next flush rewrites every held block ("full sync"), and a
   full sync every `refresh_interval_s` keeps long-lived blocks (a system prompt stored once and
-  hit for hours) from expiring.
+  hit for hours) from expiring;
+- a failed flush may have been applied in part, so what it tried to store counts as written
+  until a full sync evicts it; past twice what the worker holds (a long outage while the cache
+  churns) the publisher stops keeping count and "purges" instead: the next flush removes the
+  worker from every block of the model (`purge_worker`, a SCAN), then writes what it holds;
+- a worker's first flush also purges when it finds a marker already there: an earlier run under
+  the same id (a Kubernetes pod's name) left entries that this run's empty cache does not have.
 """
 
 from __future__ import annotations
@@ -29,9 +35,10 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import re
 import threading
 import time
-from collections.abc import Collection, Iterable, Sequence
+from collections.abc import AsyncIterable, AsyncIterator, Collection, Iterable, Sequence
 
 from redis.asyncio import Redis
 from redis.exceptions import RedisError
@@ -43,8 +50,9 @@ log = logging.getLogger(__name__)
 
 FIRST_CHUNK = 32  # block hashes read by a lookup's first round trip (most prompts fit)
 MAX_CHUNK = 1024  # later round trips double in size up to this, so long prompts take few trips
-FORGET_CHUNK = 4096  # hashes removed per round trip by forget_worker
+FORGET_CHUNK = 4096  # blocks removed per round trip by forget_worker (keys scanned: purge_worker)
 RETRY_CAP_S = 1.0  # longest wait between a publisher's tries while Redis is down
+_GLOB = re.compile(r"[*?\[\]\\]")  # what a SCAN pattern reads as wildcards (a model name may hold)
 
 
 def _model_prefix(model: str) -> str:
@@ -146,10 +154,26 @@ class PrefixIndex:
     async def forget_worker(self, model: str, worker_id: str, hashes: Iterable[bytes]) -> None:
         """Remove the worker from those blocks' sets and drop its marker (it leaves cleanly)."""
         prefix = _model_prefix(model)
+
+        async def keys() -> AsyncIterator[str]:
+            for h in hashes:
+                yield prefix + _hex(h)
+
+        await self._forget(model, worker_id, keys())
+
+    async def purge_worker(self, model: str, worker_id: str) -> None:
+        """Remove the worker from every block set of `model` and drop its marker, for a worker
+        that cannot list its blocks (an earlier run's, or ones it lost count of). It SCANs the
+        keyspace (FORGET_CHUNK keys a round trip): for rare events, not for every start."""
+        match = _GLOB.sub(r"\\\g<0>", _model_prefix(model)) + "*"
+        keys = self.redis.scan_iter(match=match, count=FORGET_CHUNK, _type="set")
+        await self._forget(model, worker_id, keys)
+
+    async def _forget(self, model: str, worker_id: str, keys: AsyncIterable[bytes | str]) -> None:
         pipe = self.redis.pipeline(transaction=False)
         pipe.delete(marker_key(model, worker_id))
-        for h in hashes:
-            pipe.srem(prefix + _hex(h), worker_id)
+        async for key in keys:
+            pipe.srem(key, worker_id)
             if len(pipe) >= FORGET_CHUNK:
                 await pipe.execute()  # bounded pipelines: each stays well within the timeout
         if len(pipe):
@@ -191,11 +215,14 @@ class CacheEventPublisher:
         self._lock = threading.Lock()  # guards the three fields below (record runs on any thread)
         self._held: set[bytes] = set()  # blocks the engine holds now, per the recorded events
         self._dirty: set[bytes] = set()  # blocks whose state changed since the last flush
-        self._full = False  # the next flush writes every held block (after an outage, a loss)
+        # the next flush writes every held block (after an outage, a loss); the first one does:
+        # it finds an earlier run's marker, if any, even when nothing is cached yet
+        self._full = True
         self._closed = False  # close() was called: record() ignores further events
         # Below: touched only by flushes, which _flushing serializes.
         self._flushing = asyncio.Lock()
         self._published: set[bytes] = set()  # a superset of the blocks Redis lists us under
+        self._purge = False  # `_published` was given up: the next flush purges first
         self._ever_published = False  # a first publish finds no marker, and that is no loss
         self._last_full = time.monotonic()  # when the last full sync succeeded
         self._down = False  # the last flush of `run` failed (an outage is being logged)
@@ -266,24 +293,23 @@ class CacheEventPublisher:
         """
         async with self._flushing:
             if await self._flush_once():
-                log.info("prefix index lost worker %s's entries; re-syncing", self.worker_id)
-                with self._lock:
-                    self._full = True
                 await self._flush_once()
 
     async def _flush_once(self) -> bool:
-        """One flush; returns True when it found that Redis has lost entries it had written."""
+        """One flush; returns True when it found that the index must be written again: Redis has
+        lost entries it had written, or holds an earlier run's."""
         now = time.monotonic()
         with self._lock:
             if self._closed:  # close() removed us from the index; a refresh must not re-add us
                 return False
             dirty, self._dirty = self._dirty, set()
-            full = self._full or now - self._last_full >= self.refresh_interval_s
+            purge, self._purge = self._purge, False
+            full = purge or self._full or now - self._last_full >= self.refresh_interval_s
             self._full = False
             held, published = self._held, self._published
             if full:
                 stored = list(held)
-                evicted = [h for h in published if h not in held]
+                evicted = [] if purge else [h for h in published if h not in held]
             else:
                 stored = [h for h in dirty if h in held and h not in published]
                 evicted = [h for h in dirty if h not in held and h in published]
@@ -292,13 +318,18 @@ class CacheEventPublisher:
         marker_found = True
         n = self.max_batch
         try:
+            if purge:
+                await self.index.purge_worker(self.model, self.worker_id)
             for i in range(0, max(len(stored), len(evicted), 1), n):
                 found = await self.index.publish(
                     self.model, self.worker_id, stored[i : i + n], evicted[i : i + n]
                 )
                 marker_found = marker_found and found
         except BaseException:  # an error or a cancellation, maybe after part of it was applied
-            self._published.update(stored)  # so it stays a superset of what Redis has
+            self._published.update(stored)  # so it stays a superset of what Redis has,
+            if purge or len(self._published) > 2 * len(held) + self.max_batch:  # or is given up
+                self._published.clear()
+                self._purge = True
             with self._lock:
                 self._full = True
             raise
@@ -308,15 +339,25 @@ class CacheEventPublisher:
         else:
             self._published.difference_update(evicted)
             self._published.update(stored)
-        lost = not marker_found and self._ever_published and not full
-        self._ever_published = True
-        return lost
+        first, self._ever_published = not self._ever_published, True
+        if first and marker_found:
+            log.info("prefix index holds entries of an earlier run of worker %s; removing them",
+                     self.worker_id)  # fmt: skip
+            self._purge = True
+            return True
+        if not marker_found and not first and not full:
+            log.info("prefix index lost worker %s's entries; re-syncing", self.worker_id)
+            with self._lock:
+                self._full = True
+            return True
+        return False
 
     async def close(self, held: Iterable[bytes] = ()) -> None:
         """Stop `run` and remove this worker from the index (clean shutdown).
 
         Removes every block held, published, or listed in `held` (say the engine's
-        `cached_hashes()`); pending events are not flushed first, since the removal covers them.
+        `cached_hashes()`), or every block of the model when it lost count (see the module
+        docstring); pending events are not flushed first, since the removal covers them.
         A Redis error is logged, not raised: the entries then age out.
         """
         self._stop.set()
@@ -327,7 +368,10 @@ class CacheEventPublisher:
                 self._held.clear()
                 self._dirty.clear()
             try:
-                await self.index.forget_worker(self.model, self.worker_id, hashes)
+                if self._purge:  # it lost count of its entries
+                    await self.index.purge_worker(self.model, self.worker_id)
+                else:
+                    await self.index.forget_worker(self.model, self.worker_id, hashes)
             except (RedisError, OSError) as e:
                 log.warning(
                     "could not remove worker %s from the prefix index: %s", self.worker_id, e

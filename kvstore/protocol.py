@@ -172,6 +172,7 @@ class WorkerInfo:
     started_at: float = 0.0  # unix time the worker started
     last_active_at: float = 0.0  # unix time a request last arrived or finished (idle detection)
     updated_at: float = 0.0  # unix time of the last heartbeat
+    heartbeat_s: float = 0.0  # how often it heartbeats; 0: not said (an entry of an older worker)
 
     @property
     def overloaded(self) -> bool:

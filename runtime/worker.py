@@ -8,6 +8,8 @@ role, URL, capacity and load, renews that entry every `heartbeat_s` (so it expir
 process dies), and on SIGTERM drains: it is marked draining at once (gateways stop sending),
 refuses new requests with 503, lets in-flight ones finish (up to `drain_timeout_s`), deregisters
 and exits. Losing Redis does not stop a worker: it serves on and re-registers when Redis is back.
+The tokenizer bundle (kvstore/tokenizer_store.py) is published beside the registration, best
+effort: a gateway without it routes by load.
 """
 
 from __future__ import annotations
@@ -27,7 +29,7 @@ import urllib.parse
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import jinja2
 import orjson
@@ -54,7 +56,7 @@ from kvstore.protocol import (
 )
 from kvstore.registry import Registry
 from kvstore.telemetry import PROMETHEUS_CONTENT_TYPE, Telemetry, TelemetryConfig
-from kvstore.tokenizer_store import publish_tokenizer
+from kvstore.tokenizer_store import TokenizerBundleError, publish_tokenizer
 from runtime.async_engine import AsyncLLM, EngineDeadError, RequestStream
 from runtime.disagg import IMPORT_WAIT_S, KVCacheFullError, KVImporter, export_server
 from runtime.engine import Prompt
@@ -71,6 +73,9 @@ from runtime.tool_parsers import PARSERS, RequestTools
 log = logging.getLogger("edgeinfer.worker")
 
 ROLES: tuple[Role, ...] = ("prefill", "decode", "mixed")
+# The tokenizer bundle in Redis: to write ("pending"; "retrying" once a Redis error is logged),
+# written, or refused for good (too large, unreadable: logged once, never read again).
+BundleState = Literal["pending", "retrying", "published", "refused"]
 
 
 @dataclass(slots=True)
@@ -114,7 +119,7 @@ class WorkerConfig:
 
 
 class Worker:
-    """The worker's state: engine, configuration, drain flag, and its registry entry."""
+    """The worker's state: engine, configuration, drain flags, and its registry entry."""
 
     def __init__(
         self, config: WorkerConfig, llm: AsyncLLM, telemetry: Telemetry | None = None
@@ -129,7 +134,8 @@ class Worker:
         )
         self.telemetry = WorkerTelemetry(tel, config.worker_id, config.region, config.model_name)
         self.tokenizer: Tokenizer = llm.engine.tokenizer
-        self.draining = False
+        self.stopping = False  # leaving for good (SIGTERM, a dead rank); nothing clears it
+        self._changing_role = False  # a role change is draining the old role's work
         self.started_at = time.time()
         self.last_active_at = self.started_at  # a request arrived (or was in flight: info())
         self._token_text: dict[int, str] = {}
@@ -137,8 +143,11 @@ class Worker:
         self._anchor_text = ""
         self._registry: Registry | None = None
         self._redis: Redis | None = None
-        self._tokenizer_published = False
+        self._bundle: BundleState = "pending"
         self._registered = False  # a heartbeat has written the registry entry once
+        self._publishing = asyncio.Lock()  # one registry write at a time (heartbeat, role, drain)
+        self._left = False  # deregistered for good: no registry write any more
+        self._heartbeat: asyncio.Task[None] | None = None  # heartbeat_loop, while the app runs
         self.publisher: CacheEventPublisher | None = None  # the prefix cache's events to Redis
         self._redis_ok = True
         self.kv_server = export_server(llm, config.secret, config.kv_hold_s, self._served)
@@ -160,6 +169,11 @@ class Worker:
         )
 
     # ------------------------------------------------------------------ load and registry
+    @property
+    def draining(self) -> bool:
+        """Refusing new work (gateways see it in the registry): stopping or changing roles."""
+        return self.stopping or self._changing_role
+
     def info(self) -> WorkerInfo:
         s = self.llm.stats()
         if self.busy():
@@ -186,43 +200,80 @@ class Worker:
             started_at=self.started_at,
             last_active_at=self.last_active_at,
             updated_at=time.time(),
+            heartbeat_s=self.config.heartbeat_s,
         )
 
     async def publish(self) -> None:
-        """Renew the registry entry with the current load; logs (once) while Redis is down.
-
-        The first successful call also publishes the tokenizer bundle gateways tokenize with."""
+        """Renew the registry entry with the current load (not after `leave`); logs (once) while
+        Redis is down. Then publishes the tokenizer bundle, until it is there."""
         if self._registry is None:
             return
-        try:
-            if not self._tokenizer_published and self._redis is not None:
-                engine = self.llm.engine
-                await publish_tokenizer(
-                    self._redis, self.config.model_name, engine.cache_id, Path(engine.config.model)
-                )
-                self._tokenizer_published = True
-            created = await self._registry.heartbeat(self.info())
-            if created and self._registered:  # Redis lost our entry: lost the rest too?
-                log.warning("registry entry was gone (Redis restarted or flushed?): "
-                            "publishing the tokenizer and the prefix cache's blocks again")  # fmt: skip
-                self._tokenizer_published = False  # (a write only where the bundle is missing)
-                if self.publisher is not None:
-                    self.publisher.resync()
-            self._registered = True
-        except Exception as e:  # redis errors, timeouts, connection refused
-            if self._redis_ok:
-                log.warning("redis unreachable, serving on unregistered: %s", e)
-            self._redis_ok = False
-        else:
+        async with self._publishing:
+            if self._left:
+                return
+            try:
+                created = await self._registry.heartbeat(self.info())
+                if created and self._registered:  # Redis lost our entry: lost the rest too?
+                    log.warning("registry entry was gone (Redis restarted or flushed?): "
+                                "publishing the tokenizer and the prefix cache's blocks again")  # fmt: skip
+                    if self._bundle == "published":  # (a write only where it is missing)
+                        self._bundle = "pending"
+                    if self.publisher is not None:
+                        self.publisher.resync()
+                self._registered = True
+            except Exception as e:  # redis errors, timeouts, connection refused
+                if self._redis_ok:
+                    log.warning("redis unreachable, serving on unregistered: %s", e)
+                self._redis_ok = False
+                return
             if not self._redis_ok:
                 log.warning("redis is back; registration renewed")
             self._redis_ok = True
+            await self._publish_bundle()
+
+    async def _publish_bundle(self) -> None:
+        """Store the tokenizer bundle gateways tokenize with, unless it is there or refused. A
+        bundle that cannot be stored (too large, a file unreadable) is reported once and never
+        tried again; a Redis error is tried again at the next heartbeat."""
+        if self._redis is None or self._bundle in ("published", "refused"):
+            return
+        engine = self.llm.engine
+        try:
+            await publish_tokenizer(
+                self._redis, self.config.model_name, engine.cache_id, Path(engine.config.model)
+            )
+        except (TokenizerBundleError, FileNotFoundError) as e:  # the files: trying cannot help
+            log.warning("tokenizer bundle not published, so gateways route %r by load, not by "
+                        "prefix-cache hits: %s", self.config.model_name, e)  # fmt: skip
+            self._bundle = "refused"
+        except Exception as e:  # redis errors, timeouts
+            if self._bundle == "pending":
+                log.warning("tokenizer bundle not published yet (%s: %s); trying again at each "
+                            "heartbeat", type(e).__name__, e)  # fmt: skip
+            self._bundle = "retrying"
+        else:
+            if self._bundle == "retrying":
+                log.warning("tokenizer bundle published")
+            self._bundle = "published"
 
     async def heartbeat_loop(self) -> None:
         while True:
             await self.publish()
             raise_if_cancelling()
             await asyncio.sleep(self.config.heartbeat_s)
+
+    async def leave(self) -> None:
+        """Leave the registry for good: after the registry write in flight, if any, and with the
+        heartbeat stopped, so that nothing writes the entry again (a role change ending now
+        included: it would list a worker on its way out as taking work)."""
+        if self._registry is None:
+            return
+        async with self._publishing:
+            self._left = True
+        if self._heartbeat is not None:
+            await stop_task(self._heartbeat)
+        with contextlib.suppress(Exception):
+            await self._registry.deregister(self.config.worker_id, self.config.model_name)
 
     def busy(self) -> bool:
         """Requests of any role still in flight: served streams, pulls being served (prefill),
@@ -243,7 +294,7 @@ class Worker:
         if role not in ROLES:
             raise InvalidRequestError("role", f"must be one of {ROLES}, got {role!r}")
         t0 = time.monotonic()
-        self.draining = True
+        self._changing_role = True
         await self.publish()
         try:
             if not await self._wait_idle():
@@ -254,20 +305,18 @@ class Worker:
             log.warning("role %s -> %s", self.config.role, role)
             self.config.role = role
         finally:
-            self.draining = False
+            self._changing_role = False  # (still draining if stopping meanwhile)
             await self.publish()
         return time.monotonic() - t0
 
     async def drain(self) -> None:
         """Refuse new requests, let running ones finish, then leave the registry."""
-        self.draining = True
+        self.stopping = True
         await self.publish()
         await self._wait_idle()
         if self.llm.num_open_streams:
             log.warning("drain timeout: aborting %d requests", self.llm.num_open_streams)
-        if self._registry is not None:
-            with contextlib.suppress(Exception):
-                await self._registry.deregister(self.config.worker_id, self.config.model_name)
+        await self.leave()
 
     # ------------------------------------------------------------------ requests
     def prompt_of(self, req: GenerateRequest) -> Prompt:
@@ -659,19 +708,15 @@ async def _registration(app: web.Application) -> AsyncIterator[None]:
         PrefixIndex(redis), worker.config.model_name, worker.config.worker_id
     )
     worker.llm.set_cache_listener(publisher.record)
-    tasks = [
-        asyncio.create_task(worker.heartbeat_loop()),
-        asyncio.create_task(publisher.run()),
-    ]
+    worker._heartbeat = asyncio.create_task(worker.heartbeat_loop())
+    publishing = asyncio.create_task(publisher.run())
     try:
         yield
     finally:
-        for task in tasks:
-            await stop_task(task)
+        await stop_task(publishing)
         with contextlib.suppress(Exception):
             await publisher.close(held=worker.llm.engine.blocks.cached_hashes())
-        with contextlib.suppress(Exception):
-            await worker._registry.deregister(worker.config.worker_id, worker.config.model_name)
+        await worker.leave()  # (again, after a drain: a deregister is idempotent)
         await redis.aclose()
 
 
@@ -703,7 +748,7 @@ async def _exit_on_rank_failure(worker: Worker, runner: web.AppRunner, llm: Asyn
     why = ranks.failed if ranks is not None else "a rank died"
     log.error("%s: failing %d in-flight requests, deregistering, exiting", why,
               llm.num_open_streams)  # fmt: skip
-    worker.draining = True
+    worker.stopping = True
     with contextlib.suppress(Exception):
         await asyncio.wait_for(runner.cleanup(), timeout=10)  # leaves the registry
     with contextlib.suppress(Exception):

@@ -184,3 +184,19 @@ def start_pool(name: str, redis_url: str, log_dir: Path, models: str, extra: lis
 
 def worker_stats(worker: Proc) -> dict:  # type: ignore[type-arg]
     return get_json(f"{worker.url}/internal/stats", SECRET)[1]
+
+
+def generate(worker: Proc, request_id: str, prompt: str, max_tokens: int,
+             served: str = "stories") -> int:  # fmt: skip
+    """POST /internal/generate to the worker itself (no gateway; `ignore_eos`, so exactly
+    `max_tokens` tokens); its HTTP status, once the answer has ended."""
+    body = {"request_id": request_id, "model": served, "prompt": prompt,
+            "sampling": {"max_tokens": max_tokens, "ignore_eos": True}}  # fmt: skip
+    req = urllib.request.Request(f"{worker.url}/internal/generate", data=orjson.dumps(body),
+                                 headers={"x-edgeinfer-secret": SECRET}, method="POST")  # fmt: skip
+    try:
+        with urllib.request.urlopen(req, timeout=60) as resp:
+            resp.read()
+            return resp.status
+    except urllib.error.HTTPError as e:
+        return e.code

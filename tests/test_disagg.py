@@ -5,7 +5,8 @@ Checked: the answer equals the engine's own (colocated) answer token for token, 
 single and concurrent, prompts of 1 to many blocks, with and without prefix hits on the decode
 side; no worker keeps a block once requests end; a dead prefill worker costs a retry, not the
 request; a dead decode worker's pulled blocks are freed on the prefill side; a role change drains
-first. Tests that break the cluster run last, in file order.
+first, and a worker stopped during a role change stays stopped. Tests that break the cluster run
+last, in file order.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -23,8 +25,9 @@ from pathlib import Path
 import openai
 import orjson
 import pytest
+import redis
 
-from kvstore.keys import session_key
+from kvstore.keys import session_key, worker_key
 from kvstore.kv_transfer import PullRequest
 from kvstore.redis_server import LocalRedis
 from runtime.llm import LLM
@@ -32,6 +35,7 @@ from runtime.sampling_params import SamplingParams
 from tests.stack import (
     SECRET,
     Proc,
+    generate,
     get_json,
     start_gateway,
     start_worker,
@@ -254,6 +258,39 @@ def test_role_change_drains_then_switches(split: Split, reference: LLM) -> None:
     time.sleep(1.0)
     _, headers, _ = _complete(split, STORY * 2, {"temperature": 0.0})
     assert headers.get("x-edgeinfer-prefill-worker") == split.prefill.meta["worker_id"]
+
+
+def test_a_role_change_ending_during_a_drain_leaves_the_worker_draining(
+    stories_dir: Path, tmp_path: Path
+) -> None:
+    """SIGTERM while a role change drains: the role change gives up first (its drain timeout),
+    and that must not end the worker's drain: it refuses work until it exits, and its heartbeat
+    does not register it again once it has left."""
+    with LocalRedis() as server:
+        worker = start_worker("stopping", stories_dir, server.url, tmp_path,
+                              extra=["--max-num-seqs", "1", "--drain-timeout", "2",
+                                     "--worker-id", "w-stopping"])  # fmt: skip
+        r = redis.Redis.from_url(server.url)
+        try:
+            with concurrent.futures.ThreadPoolExecutor(17) as pool:
+                for i in range(16):  # seconds of work, one request at a time
+                    pool.submit(generate, worker, f"busy-{i}", "Once", 480)
+                time.sleep(0.3)
+                role = pool.submit(_post_role, worker, "prefill")
+                time.sleep(0.7)
+                worker.signal(signal.SIGTERM)  # its drain ends 2 s later, the role change's first
+                status, body = role.result()
+                assert status == 503 and body["error"]["code"] == "drain_timeout", body
+                assert get_json(f"{worker.url}/internal/health", SECRET)[1]["status"] == "draining"
+                assert generate(worker, "late", "Once", 1) == 503
+                assert r.hget(worker_key("w-stopping"), "draining") in (None, b"true")
+                worker.popen.wait(30)
+            assert not r.exists(worker_key("w-stopping"))
+        finally:
+            worker.stop()
+            r.close()
+    assert worker.popen.returncode == 0, worker.tail()
+    assert "registry entry was gone" not in worker.log.read_text()
 
 
 def test_rebalance_sets_the_prefill_decode_ratio(split: Split) -> None:

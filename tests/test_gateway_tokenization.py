@@ -20,6 +20,7 @@ from typing import Any
 
 import orjson
 import pytest
+import redis
 from redis.asyncio import Redis
 
 from gateway.errors import APIError
@@ -35,6 +36,7 @@ from kvstore.tokenizer_store import (
 )
 from runtime.sampling_params import InvalidRequestError
 from runtime.tokenizer import Tokenizer
+from tests.stack import chat_model, start_worker, wait_until
 
 ROOT = Path(__file__).resolve().parent.parent
 MODEL = "stories"
@@ -295,6 +297,47 @@ def test_gateway_tokenization_imports_no_torch() -> None:
         [sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=60
     )
     assert proc.returncode == 0, proc.stderr
+
+
+def test_a_worker_registers_whatever_becomes_of_its_bundle(
+    stories_dir: Path, tmp_path: Path
+) -> None:
+    """Real workers: the bundle is optional (a gateway without it routes by load), so it never
+    holds up the registration. One too large to store is reported once, then left alone; a Redis
+    error (an ACL denying the bundle's key) is retried at each heartbeat until it goes through."""
+    big = chat_model(stories_dir, tmp_path / "big")
+    (big / "additional_chat_templates").mkdir()
+    (big / "additional_chat_templates" / "pad.jinja").write_text(
+        "x" * tokenizer_store.MAX_BUNDLE_BYTES
+    )
+    acl = ["ACL SETUSER", "w", "on", "nopass", "+@all", "~ei:w:*", "~ei:m:*", "~ei:models",
+           "~ei:p:*"]  # fmt: skip
+    with LocalRedis() as server:
+        admin = redis.Redis.from_url(server.url)
+        admin.execute_command(*acl)
+        denied_url = f"redis://w:x@127.0.0.1:{server.port}/0"
+        workers = [start_worker("big", big, server.url, tmp_path, served="big")]
+        try:
+            workers.append(start_worker("denied", stories_dir, denied_url, tmp_path,
+                                        served="denied"))  # fmt: skip
+            wait_until(lambda: admin.exists("ei:m:{big}:workers", "ei:m:{denied}:workers") == 2,
+                       10, "both registrations")  # fmt: skip
+            time.sleep(1.0)  # heartbeats every 0.3 s
+            assert admin.keys("ei:tok:*") == []
+            admin.execute_command(*acl, "~ei:tok:*")
+            wait_until(lambda: admin.keys("ei:tok:{denied}:*"), 10, "the bundle, once allowed")
+            time.sleep(1.0)
+            assert admin.keys("ei:tok:{big}:*") == []
+        finally:
+            for w in workers:
+                w.stop()
+            admin.close()
+    big_log, denied_log = (w.log.read_text() for w in workers)
+    assert big_log.count("tokenizer bundle not published") == 1, big_log
+    assert "the limit is 33554432 bytes" in big_log
+    assert denied_log.count("tokenizer bundle not published yet") == 1, denied_log
+    assert denied_log.count("tokenizer bundle published") == 1, denied_log
+    assert "redis unreachable" not in big_log + denied_log
 
 
 # ---------------------------------------------------------------------- mixed fleets

@@ -108,7 +108,9 @@ def test_deploy_invariants(region: str) -> None:
     config = _by(resources, "ConfigMap", "edgeinfer-config")["data"]
 
     gateway = _container(_by(resources, "Deployment", "gateway"))
-    assert gateway["readinessProbe"]["httpGet"] == {"path": "/readyz", "port": "http"}
+    # (Redis optional: a Redis outage must not take every gateway out of the Service)
+    assert gateway["readinessProbe"]["httpGet"] == {"path": "/readyz?redis=optional",
+                                                    "port": "http"}  # fmt: skip
     assert gateway["livenessProbe"]["httpGet"] == {"path": "/healthz", "port": "http"}
     assert gateway["lifecycle"]["preStop"]["exec"]["command"][0] == "sleep"
     service = _by(resources, "Service", "gateway")

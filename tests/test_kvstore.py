@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 from collections.abc import AsyncIterator
+from typing import TYPE_CHECKING
 
 import pytest
 import redis.exceptions
@@ -17,6 +18,9 @@ from kvstore.placement import Placement, SessionStore
 from kvstore.protocol import WorkerInfo
 from kvstore.redis_server import LocalRedis
 from kvstore.registry import Registry
+
+if TYPE_CHECKING:
+    from gateway.cluster import ClusterView
 
 
 @pytest.fixture
@@ -315,6 +319,16 @@ async def test_a_loop_ends_on_one_cancel_that_its_redis_step_lost() -> None:
 # --- the gateway's view of the registry across a Redis restart ---------------------------------
 
 
+def _gateway_view(r: Redis, redis_server: LocalRedis) -> ClusterView:
+    """A gateway's ClusterView (region eu-west) on the test's Redis."""
+    from gateway.cluster import ClusterView
+    from gateway.config import GatewayConfig
+    from gateway.regions import DEFAULT_CATALOG, RegionCatalog
+
+    return ClusterView(GatewayConfig("eu-west", redis_server.url, "s"), r,
+                       RegionCatalog.load(DEFAULT_CATALOG))  # fmt: skip
+
+
 async def test_workers_lost_while_the_registry_is_read_are_carried(
     r: Redis, redis_server: LocalRedis
 ) -> None:
@@ -322,15 +336,10 @@ async def test_workers_lost_while_the_registry_is_read_are_carried(
     workers it lost are carried (they were dropped), no session is placed in Redis until they
     register again (the prefix index lacks their blocks meanwhile; the gateway routes it by the
     placement it remembers), then placement resumes."""
-    from gateway.cluster import ClusterView
-    from gateway.config import GatewayConfig
-    from gateway.regions import DEFAULT_CATALOG, RegionCatalog
-
     reg = Registry(r)
     for wid in ("w0", "w1", "w2"):
         await reg.heartbeat(worker(wid, region="eu-west"))
-    view = ClusterView(GatewayConfig("eu-west", redis_server.url, "s"),
-                       r, RegionCatalog.load(DEFAULT_CATALOG))  # fmt: skip
+    view = _gateway_view(r, redis_server)
     await view.refresh()
     await view.refresh()
     assert sorted(w.worker_id for w in view.workers) == ["w0", "w1", "w2"]
@@ -361,3 +370,53 @@ async def test_workers_lost_while_the_registry_is_read_are_carried(
     placed = await view.placement("talk")
     assert placed is not None and placed.worker_id == "w1"
     assert await view.sessions.get("talk") == placed
+
+
+async def test_a_lost_worker_is_carried_until_its_next_heartbeat(
+    r: Redis, redis_server: LocalRedis, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Redis restarted empty: a worker it lost is carried for CARRY_S, or for its published
+    heartbeat period plus a margin when that is longer (one heartbeating every 14 s was dropped
+    after 10 s: 4 s of 503 no_workers). An entry without the period (an older worker) parses,
+    and carries for CARRY_S. (Both scaled down here.)"""
+    from gateway import cluster
+
+    monkeypatch.setattr(cluster, "CARRY_S", 0.3)
+    monkeypatch.setattr(cluster, "CARRY_MARGIN_S", 0.3)
+    reg = Registry(r)
+    await reg.heartbeat(worker("old", region="eu-west"))
+    await r.hdel(worker_key("old"), "heartbeat_s")  # as an older worker wrote it
+    await reg.heartbeat(worker("slow", region="eu-west", heartbeat_s=0.8))
+    view = _gateway_view(r, redis_server)
+    await view.refresh()
+    assert {w.worker_id: w.heartbeat_s for w in view.workers} == {"old": 0.0, "slow": 0.8}
+    await r.flushall()
+    await view.refresh()
+    assert [w.worker_id for w in view.workers] == ["old", "slow"]
+    await asyncio.sleep(0.6)  # past CARRY_S, within slow's heartbeat period plus the margin
+    await view.refresh()
+    assert [w.worker_id for w in view.workers] == ["slow"]
+    await asyncio.sleep(0.6)  # past both: slow never heartbeat again
+    await view.refresh()
+    assert view.workers == [] and not view.recovering
+
+
+async def test_a_gateway_that_loses_a_sessions_placement_remembers_the_winner(
+    r: Redis, redis_server: LocalRedis
+) -> None:
+    """Two gateways place one new session at once, each on its own pick: the claim's loser
+    remembers the winner's placement (and routes the session there while Redis is down), not
+    its own; so does a gateway whose move came second."""
+    first, second = _gateway_view(r, redis_server), _gateway_view(r, redis_server)
+    await first.refresh()
+    await second.refresh()
+    wa, wb, wc = (worker(wid, region="eu-west") for wid in ("wa", "wb", "wc"))
+    assert await first.claim("s1", wa) == Placement("wa", "eu-west")
+    assert await second.claim("s1", wb) == Placement("wa", "eu-west")  # (claimed before forwarding)
+    await first.record("s2", None, wa)
+    await second.record("s2", None, wb)  # (a claim after forwarding: Redis was down before)
+    await first.record("s2", Placement("wa", "eu-west"), wc)  # wa failed: both move it
+    await second.record("s2", Placement("wa", "eu-west"), wb)
+    second.redis_ok = False  # Redis down: the gateway routes by what it remembers
+    assert await second.placement("s1") == Placement("wa", "eu-west")
+    assert await second.placement("s2") == Placement("wc", "eu-west")

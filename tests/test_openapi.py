@@ -134,6 +134,9 @@ def test_spec_covers_endpoints_statuses_and_headers() -> None:
     assert OPENAPI["components"]["securitySchemes"]["bearerAuth"]["scheme"] == "bearer"
     for path in ("/healthz", "/readyz", "/openapi.json"):
         assert paths[path]["get"]["security"] == []
+    (redis,) = paths["/readyz"]["get"]["parameters"]  # ?redis=optional: Kubernetes' probe
+    assert (redis["name"], redis["in"]) == ("redis", "query")
+    assert redis["schema"]["enum"] == ["required", "optional"]
 
 
 # ---- errors (the shape every failure has) ------------------------------------------------------------------------------------

@@ -1,4 +1,5 @@
-"""The prefix index against a real redis-server: keys, longest-prefix lookups, TTLs, the publisher.
+"""The prefix index against a real redis-server: keys, longest-prefix lookups, TTLs, the publisher;
+last, a real worker process restarted under its id.
 
 Every test uses its own model name, so tests share the session's Redis without seeing each
 other's keys.
@@ -11,15 +12,20 @@ import logging
 import threading
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from pathlib import Path
+from typing import Literal
 
 import pytest
+import redis
 from redis.asyncio import Redis
 from redis.crc import key_slot
+from redis.exceptions import ConnectionError as RedisConnectionError
 
 from kvstore.block_hash import block_hashes, cache_seed
 from kvstore.client import connect
 from kvstore.prefix_index import CacheEventPublisher, PrefixIndex, marker_key, prefix_key
 from kvstore.redis_server import LocalRedis
+from tests.stack import generate, start_worker, wait_until
 
 BLOCK = 4  # tokens per block of the test hashes
 
@@ -55,6 +61,28 @@ class CountingIndex(PrefixIndex):
     ) -> bool:
         self.calls.append((len(stored), len(evicted)))
         return await super().publish(model, worker_id, stored, evicted)
+
+
+class FlakyIndex(PrefixIndex):
+    """A PrefixIndex whose writes fail while `failing` says so: "before" Redis applies them
+    (connection refused), or, for publishes, "after" (a reply lost to a timeout)."""
+
+    failing: Literal["before", "after"] | None = None
+
+    async def publish(
+        self, model: str, worker_id: str, stored: Sequence[bytes], evicted: Sequence[bytes]
+    ) -> bool:
+        if self.failing == "before":
+            raise RedisConnectionError("connection refused")
+        found = await super().publish(model, worker_id, stored, evicted)
+        if self.failing == "after":
+            raise RedisConnectionError("the reply was lost")
+        return found
+
+    async def purge_worker(self, model: str, worker_id: str) -> None:
+        if self.failing == "before":
+            raise RedisConnectionError("connection refused")
+        await super().purge_worker(model, worker_id)
 
 
 class CountingRedis:
@@ -250,6 +278,8 @@ async def test_publisher_splits_large_batches(r: Redis, model: str) -> None:
 async def test_stored_then_evicted_nets_out(r: Redis, model: str) -> None:
     idx = CountingIndex(r)
     pub = CacheEventPublisher(idx, model, "w1")
+    await pub.flush()  # (the first flush looks for an earlier run's entries, even with none held)
+    idx.calls.clear()
     x, y, z = chain(3)
     pub.record([x], [])
     pub.record([], [x])
@@ -384,6 +414,58 @@ async def test_run_survives_a_redis_restart(caplog: pytest.LogCaptureFixture) ->
             await client.aclose()
 
 
+async def test_failed_flushes_keep_bounded_bookkeeping_and_recover_exactly(
+    r: Redis, model: str
+) -> None:
+    """A long outage while the cache churns, its flushes failing after Redis applied them, then
+    before: what the publisher keeps stays bounded by what it holds, and the first flush that goes
+    through leaves exactly the held blocks listed under the worker."""
+    idx = FlakyIndex(r)
+    pub = CacheEventPublisher(idx, model, "w1", max_batch=4)
+    h = chain(200)
+    pub.record(h[:8], [])
+    await pub.flush()
+    for n, i in enumerate(range(8, 200, 4)):  # 4 blocks in, the 4 oldest out: 8 held throughout
+        idx.failing = "after" if n < 24 else "before"
+        pub.record(h[i : i + 4], h[i - 8 : i - 4])
+        with pytest.raises(RedisConnectionError):
+            await pub.flush()
+        assert len(pub._published) <= 2 * len(pub.held) + pub.max_batch
+    assert await r.sismember(prefix_key(model, h[100]), "w1")  # applied, its eviction was not
+    idx.failing = None
+    await pub.flush()
+    blocks = [k async for k in r.scan_iter(match=f"ei:p:{{{model}}}:*", _type="set")]
+    listed = {k for k in blocks if await r.sismember(k, "w1")}
+    assert listed == {prefix_key(model, x).encode() for x in h[192:]}
+
+
+async def test_a_new_run_under_the_same_id_removes_the_old_runs_entries(
+    r: Redis, model: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A worker id that outlives its process (Kubernetes: the pod's name) restarts with an empty
+    cache: its first flush removes what the crashed run left under that id, before any event."""
+    caplog.set_level(logging.INFO, logger="kvstore.prefix_index")
+    model += "-[a]*?"  # (characters a SCAN pattern would take for wildcards)
+    idx = PrefixIndex(r)
+    h = chain(6)
+    old = CacheEventPublisher(idx, model, "w1")
+    old.record(h, [])
+    await old.flush()  # and the process dies: no close()
+    other = CacheEventPublisher(idx, model, "w2")
+    other.record(h[:3], [])
+    await other.flush()
+    new = CacheEventPublisher(idx, model, "w1")
+    await new.flush()
+    assert await idx.longest_prefixes(model, h) == {"w2": 3}
+    assert "entries of an earlier run of worker w1" in caplog.text
+    new.record(h[:2], [])
+    await new.flush()
+    assert await idx.longest_prefixes(model, h) == {"w1": 2, "w2": 3}
+    await new.close()
+    await other.close()
+    assert await model_keys(r, model) == []
+
+
 async def test_close_with_redis_down_logs_and_returns(caplog: pytest.LogCaptureFixture) -> None:
     pub = CacheEventPublisher(PrefixIndex(connect("redis://127.0.0.1:1/0")), "m", "w1")
     pub.record(chain(2), [])
@@ -401,3 +483,33 @@ def test_publisher_checks_its_arguments() -> None:
         CacheEventPublisher(idx, "m", "w", refresh_interval_s=-1)
     with pytest.raises(ValueError, match="worker_id"):
         CacheEventPublisher(idx, "m", "w{1}")
+
+
+# --- a real worker ----------------------------------------------------------------------------
+
+
+def test_a_worker_restarted_under_its_id_inherits_no_entries(
+    stories_dir: Path, tmp_path: Path
+) -> None:
+    """In Kubernetes a worker's id is its pod's name. Killed and started again under it, the worker
+    has an empty cache: the index must stop listing it under its last run's blocks (a gateway
+    would route those prefixes to it for nothing), with no request needed."""
+    with LocalRedis() as server:
+        r = redis.Redis.from_url(server.url)
+
+        def listed() -> int:
+            keys = r.scan_iter("ei:p:{stories}:*", _type="set")
+            return sum(bool(r.sismember(k, "w-pod")) for k in keys)
+
+        args = ["--worker-id", "w-pod"]
+        worker = start_worker("run1", stories_dir, server.url, tmp_path, extra=args)
+        try:
+            prompt = "Once upon a time, there was a little girl named Lily. " * 4
+            assert generate(worker, "fill", prompt, 1) == 200
+            wait_until(lambda: listed() >= 3, 10, "the first run's entries", worker)
+            worker.kill()
+            worker = start_worker("run2", stories_dir, server.url, tmp_path, extra=args)
+            wait_until(lambda: listed() == 0, 10, "the first run's entries removed", worker)
+        finally:
+            worker.stop()
+            r.close()

@@ -38,28 +38,49 @@ def _keys(url: str, pattern: str) -> int:
 
 @contextmanager
 def _stack(
-    tmp_path: Path, stories_dir: Path, gateway_args: list[str] | None = None
-) -> Iterator[tuple[LocalRedis, Proc, openai.OpenAI]]:
-    """Redis, one worker heartbeating every 2 s (the default: the window in which an emptied
-    registry lists no worker), a gateway, and a client of it."""
+    tmp_path: Path,
+    stories_dir: Path,
+    gateway_args: list[str] | None = None,
+    workers: int = 1,
+    gateways: int = 1,
+) -> Iterator[tuple[LocalRedis, list[Proc], list[openai.OpenAI]]]:
+    """Redis, `workers` workers heartbeating every 2 s (the default: the window in which an
+    emptied registry lists no worker), `gateways` gateways, and a client of each."""
     server = LocalRedis().start()
     (tmp_path / "regions.yaml").write_text(CATALOG)
-    worker = start_worker("w1", stories_dir, server.url, tmp_path, "local",
-                          ["--heartbeat", "2", "--ttl", "10"])  # fmt: skip
-    gateway = start_gateway("gw", server.url, tmp_path / "regions.yaml", tmp_path, "local",
-                            gateway_args)  # fmt: skip
+    started: list[Proc] = []
     try:
-        wait_until(lambda: get_json(f"{gateway.url}/readyz")[1]["workers"] == 1, 30, "worker")
-        yield server, worker, openai.OpenAI(base_url=f"{gateway.url}/v1", api_key="x",
-                                            max_retries=0, timeout=30)  # fmt: skip
+        for i in range(workers):
+            started.append(start_worker(f"w{i + 1}", stories_dir, server.url, tmp_path, "local",
+                                        ["--heartbeat", "2", "--ttl", "10"]))  # fmt: skip
+        ws = list(started)
+        for i in range(gateways):
+            started.append(start_gateway(f"gw{i + 1}", server.url, tmp_path / "regions.yaml",
+                                         tmp_path, "local", gateway_args))  # fmt: skip
+        clients = []
+        for gw in started[workers:]:
+            wait_until(lambda gw=gw: get_json(f"{gw.url}/readyz")[1]["workers"] == workers, 30,
+                       "workers")  # fmt: skip
+            clients.append(openai.OpenAI(base_url=f"{gw.url}/v1", api_key="x", max_retries=0,
+                                         timeout=30))  # fmt: skip
+        yield server, ws, clients
     finally:
-        gateway.stop()
-        worker.stop()
+        for proc in reversed(started):  # gateways first
+            proc.stop()
         server.stop()
 
 
+def _served_by(client: openai.OpenAI, session: str | None, prompt: str, max_tokens: int = 1) -> str:
+    """The worker that answered the completion (the gateway's x-edgeinfer-worker)."""
+    headers = {"x-session-affinity": session} if session else {}
+    raw = client.completions.with_raw_response.create(
+        model="stories", prompt=prompt, max_tokens=max_tokens, extra_headers=headers
+    )
+    return raw.headers["x-edgeinfer-worker"]
+
+
 def test_an_emptied_redis_costs_no_request(tmp_path: Path, stories_dir: Path) -> None:
-    with _stack(tmp_path, stories_dir) as (server, worker, client):
+    with _stack(tmp_path, stories_dir) as (server, [worker], [client]):
         client.completions.create(model="stories", prompt=PROMPT, max_tokens=2)
         wait_until(lambda: _keys(server.url, "ei:p:{stories}:*") > 0, 10, "prefix entries")
         assert _keys(server.url, "ei:tok:{stories}:*") == 1
@@ -82,7 +103,7 @@ def test_an_emptied_redis_costs_no_request(tmp_path: Path, stories_dir: Path) ->
 @pytest.mark.parametrize("down_s", [1.5])
 def test_a_redis_outage_keeps_serving(tmp_path: Path, stories_dir: Path, down_s: float) -> None:
     """Redis down for a while, then back empty: requests keep being answered throughout."""
-    with _stack(tmp_path, stories_dir) as (server, worker, client):
+    with _stack(tmp_path, stories_dir) as (server, [worker], [client]):
         server.stop()
         t0 = time.monotonic()
         while time.monotonic() - t0 < down_s:
@@ -101,38 +122,59 @@ def test_sessions_stay_on_their_worker_while_redis_is_down(
     """Two workers; a session placed on one keeps going there while Redis is down and after it
     comes back empty (the gateway remembers the placements it read or wrote), where load alone
     would spread its requests over both."""
-    server = LocalRedis().start()
-    (tmp_path / "regions.yaml").write_text(CATALOG)
-    workers = [start_worker(f"w{i}", stories_dir, server.url, tmp_path, "local",
-                            ["--heartbeat", "2", "--ttl", "10"]) for i in (1, 2)]  # fmt: skip
-    gateway = start_gateway("gw", server.url, tmp_path / "regions.yaml", tmp_path, "local")
-    try:
-        wait_until(lambda: get_json(f"{gateway.url}/readyz")[1]["workers"] == 2, 30, "workers")
-        client = openai.OpenAI(base_url=f"{gateway.url}/v1", api_key="x", max_retries=0,
-                               timeout=30)  # fmt: skip
-
-        def served_by(session: str | None, prompt: str) -> str:
-            headers = {"x-session-affinity": session} if session else {}
-            raw = client.completions.with_raw_response.create(
-                model="stories", prompt=prompt, max_tokens=1, extra_headers=headers
-            )
-            return raw.headers["x-edgeinfer-worker"]
-
-        home = served_by("s1", PROMPT)
-        time.sleep(0.3)  # the placement is written off the request's path
+    with _stack(tmp_path, stories_dir, workers=2) as (server, workers, [client]):
+        home = _served_by(client, "s1", PROMPT)
         server.stop()
-        down = [served_by("s1", f"{PROMPT} {i}") for i in range(6)]
+        down = [_served_by(client, "s1", f"{PROMPT} {i}") for i in range(6)]
         assert set(down) == {home}, down
-        assert len({served_by(None, f"Hi {i}") for i in range(6)}) == 2  # load alone: both
+        assert len({_served_by(client, None, f"Hi {i}") for i in range(6)}) == 2  # load: both
         server.start()  # the same port, no data
-        back = [served_by("s1", f"{PROMPT} again {i}") for i in range(4)]
+        back = [_served_by(client, "s1", f"{PROMPT} again {i}") for i in range(4)]
         assert set(back) == {home}, back
         assert all(w.alive() for w in workers)
-    finally:
-        gateway.stop()
-        for w in workers:
-            w.stop()
+
+
+def test_gateways_placing_one_new_session_at_once_send_it_to_one_worker(
+    tmp_path: Path, stories_dir: Path
+) -> None:
+    """Two gateways get the first turn of one new session at the same moment, and each would
+    pick another idle worker (gw2 has routed one request more, so its tie falls the other way).
+    The session's claim in Redis has one winner, and both send the turn there, and the later
+    turns too, also while Redis is down: each gateway remembers the winner, not its own pick."""
+    with _stack(tmp_path, stories_dir, workers=2, gateways=2) as (server, workers, clients):
+        _served_by(clients[1], None, "Hi")  # gw2's next tie goes to the other worker
+        with ThreadPoolExecutor(2) as ex:
+            first = list(ex.map(lambda c: _served_by(c, "race", "Hello there", 8), clients))
+        assert first[0] == first[1], first
         server.stop()
+        later = [_served_by(c, "race", f"Hello there {i}") for i in range(2) for c in clients]
+        assert set(later) == {first[0]}, (first, later)
+        assert all(w.alive() for w in workers)
+
+
+def test_readyz_redis_optional_is_ready_while_the_gateway_serves(
+    tmp_path: Path, stories_dir: Path
+) -> None:
+    """`/readyz` is "Redis answers and a worker is known"; `/readyz?redis=optional` (Kubernetes'
+    readiness probe) is ready while the gateway can serve: through a Redis outage, on its last
+    registry snapshot, until no worker is left. The body says whether Redis answered."""
+    with _stack(tmp_path, stories_dir) as (server, [worker], [client]):
+        url = str(client.base_url.join("/readyz"))
+        assert get_json(f"{url}?redis=optional") == (200, get_json(url)[1])
+        status, body = get_json(f"{url}?redis=sometimes")
+        assert status == 400 and body["error"]["param"] == "redis", body
+        server.stop()
+        status, body = get_json(url)
+        assert status == 503 and body["redis"] is False, body
+        status, body = get_json(f"{url}?redis=optional")
+        assert status == 200, body
+        assert body["ready"] is True and body["redis"] is False and body["workers"] == 1, body
+        assert client.completions.create(model="stories", prompt="Hi", max_tokens=1).choices
+        worker.kill()
+        with pytest.raises(openai.APIStatusError):  # the worker is gone: set aside
+            client.completions.create(model="stories", prompt="Hi", max_tokens=1)
+        status, body = get_json(f"{url}?redis=optional")
+        assert status == 503 and body["workers"] == 0, body
 
 
 def test_redis_lost_while_a_request_waits_for_a_pool(tmp_path: Path, stories_dir: Path) -> None:
@@ -147,7 +189,7 @@ def test_redis_lost_while_a_request_waits_for_a_pool(tmp_path: Path, stories_dir
         finally:
             await r.aclose()
 
-    with _stack(tmp_path, stories_dir, ["--hold-timeout", "3"]) as (server, _, client):
+    with _stack(tmp_path, stories_dir, ["--hold-timeout", "3"]) as (server, _, [client]):
         asyncio.run(announce(server.url))
         wait_until(lambda: "ghost" in [m.id for m in client.models.list().data], 10, "the pool")
         with ThreadPoolExecutor(1) as ex:
