@@ -34,6 +34,7 @@ import secrets
 from dataclasses import dataclass, field
 from typing import Any
 
+from runtime.sampling_params import InvalidRequestError
 from runtime.structured import JSON_OPTIONS
 
 PARSERS = ("hermes", "llama3_json", "mistral")
@@ -191,6 +192,40 @@ def tool_grammar(parser: ToolParser, tools: list[dict[str, Any]], choice: object
     if isinstance(choice, dict):
         return parser.grammar(tools, choice["function"]["name"])
     return None
+
+
+def _check(tools: object, choice: object) -> None:
+    """What this module reads of `tools` and `tool_choice` has the shape it expects, or an
+    InvalidRequestError names the field. (The gateway validates them in full, schemas included:
+    gateway/structured.py; this keeps a bad body sent to a worker itself a 400, not a 500.)"""
+    if tools is None:
+        return
+    if not isinstance(tools, list):
+        raise InvalidRequestError("tools", f"must be an array, got {type(tools).__name__}")
+    names: set[str] = set()
+    for i, tool in enumerate(tools):
+        fn = tool.get("function") if isinstance(tool, dict) else None
+        if not isinstance(fn, dict) or tool.get("type") != "function":
+            raise InvalidRequestError(
+                f"tools[{i}]", "must be {'type': 'function', 'function': {'name': ...}}"
+            )
+        if not isinstance(fn.get("name"), str):
+            raise InvalidRequestError(f"tools[{i}].function.name", "must be a string")
+        if not isinstance(fn.get("parameters") or {}, dict):
+            raise InvalidRequestError(
+                f"tools[{i}].function.parameters", "must be a JSON schema object"
+            )
+        names.add(fn["name"])
+    if choice is None or choice in ("none", "auto", "required"):
+        return
+    fn = choice.get("function") if isinstance(choice, dict) else None
+    name = fn.get("name") if isinstance(fn, dict) else None
+    if not isinstance(name, str) or name not in names:
+        raise InvalidRequestError(
+            "tool_choice",
+            "must be 'none', 'auto', 'required' or {'type': 'function', 'function': {'name': "
+            f"...}}}} naming one of the tools ({sorted(names)})",
+        )
 
 
 @dataclass(slots=True)
@@ -388,7 +423,9 @@ class RequestTools:
         parser_name: str | None,
     ) -> RequestTools | None:
         """`tokenizer`: the model's runtime.tokenizer.Tokenizer (its template picks the format
-        unless `parser_name` names one)."""
+        unless `parser_name` names one). InvalidRequestError, naming the field, for tools or a
+        tool_choice of the wrong shape."""
+        _check(tools, choice)
         if not tools or choice == "none":
             return None
         try:
@@ -399,7 +436,6 @@ class RequestTools:
 
     def constrain(self, params: Any) -> None:
         """Set the grammar of "required" or a named function on `params` (SamplingParams)."""
-        from runtime.sampling_params import InvalidRequestError
         from runtime.structured import StructuredOutputsParams
 
         grammar = tool_grammar(self.parser, self.tools, self.choice)

@@ -6,8 +6,10 @@ The API (documented with its messages in kvstore/protocol.py) is for gateways on
 the shared secret. The worker registers itself in the Redis registry with its region, model,
 role, URL, capacity and load, renews that entry every `heartbeat_s` (so it expires when the
 process dies), and on SIGTERM drains: it is marked draining at once (gateways stop sending),
-refuses new requests with 503, lets in-flight ones finish (up to `drain_timeout_s`), deregisters
-and exits. Losing Redis does not stop a worker: it serves on and re-registers when Redis is back.
+refuses new requests with 503, lets in-flight ones finish (up to `drain_timeout_s`; then it
+aborts them, each stream ending with a "shutdown" error event, which a gateway retries elsewhere
+while no token has reached its client), deregisters and exits. Losing Redis does not stop a
+worker: it serves on and re-registers when Redis is back.
 The tokenizer bundle (kvstore/tokenizer_store.py) is published beside the registration, best
 effort: a gateway without it routes by load.
 """
@@ -135,6 +137,8 @@ class Worker:
         self.telemetry = WorkerTelemetry(tel, config.worker_id, config.region, config.model_name)
         self.tokenizer: Tokenizer = llm.engine.tokenizer
         self.stopping = False  # leaving for good (SIGTERM, a dead rank); nothing clears it
+        self.cut_off = False  # the drain timed out: streams still served end with an error
+        self.serving: set[str] = set()  # ids of the requests whose streams handlers serve
         self._changing_role = False  # a role change is draining the old role's work
         self.started_at = time.time()
         self.last_active_at = self.started_at  # a request arrived (or was in flight: info())
@@ -310,12 +314,16 @@ class Worker:
         return time.monotonic() - t0
 
     async def drain(self) -> None:
-        """Refuse new requests, let running ones finish, then leave the registry."""
+        """Refuse new requests, let running ones finish (up to `drain_timeout_s`), then leave the
+        registry. Requests still running then are aborted (their KV blocks freed before the
+        engine's next step); each handler ends its stream with a "shutdown" error event."""
         self.stopping = True
         await self.publish()
-        await self._wait_idle()
-        if self.llm.num_open_streams:
-            log.warning("drain timeout: aborting %d requests", self.llm.num_open_streams)
+        if not await self._wait_idle():
+            log.warning("drain timeout: aborting %d requests", len(self.serving))
+            self.cut_off = True
+            for rid in self.serving:
+                self.llm.abort(rid)
         await self.leave()
 
     # ------------------------------------------------------------------ requests
@@ -392,6 +400,23 @@ async def _auth(request: web.Request, handler: Any) -> web.StreamResponse:
     return await handler(request)
 
 
+@web.middleware
+async def _body_errors(request: web.Request, handler: Any) -> web.StreamResponse:
+    """A body that cannot be read, as aiohttp finds while a handler reads it (over
+    `max_body_bytes`; a Content-Encoding it cannot decode), gets the worker's JSON error, not
+    aiohttp's text/plain 413 or a 500."""
+    try:
+        return await handler(request)
+    except web.HTTPRequestEntityTooLarge:
+        limit = request.app[WORKER].config.max_body_bytes
+        return _error(413, f"request body is larger than the limit of {limit} bytes",
+                      "invalid_request_error", None, "request_too_large")  # fmt: skip
+    except web.RequestPayloadError as e:  # (its cause: aiohttp's error, with a message)
+        why = getattr(e.__cause__, "message", e)
+        return _error(400, f"the request body cannot be decoded: {why}", "invalid_request_error",
+                      None, "invalid_body")  # fmt: skip
+
+
 async def _generate(request: web.Request) -> web.StreamResponse:
     worker = request.app[WORKER]
     times = RequestTimes(time.monotonic())
@@ -400,7 +425,9 @@ async def _generate(request: web.Request) -> web.StreamResponse:
         return _error(503, "worker is draining", "service_unavailable", code="draining",
                       headers={"Retry-After": "1"})  # fmt: skip
     try:
-        req = GenerateRequest.from_dict(orjson.loads(await request.read()))
+        req = _request_of(orjson.loads(await request.read()))
+    except InvalidRequestError as e:
+        return _error(400, str(e), "invalid_request_error", e.param)
     except (orjson.JSONDecodeError, TypeError, ValueError) as e:
         return _error(400, f"bad generate request: {e}", "invalid_request_error")
     if req.model != worker.config.model_name:
@@ -409,12 +436,11 @@ async def _generate(request: web.Request) -> web.StreamResponse:
     tel = worker.telemetry
     span = tel.start(request.headers, req, worker.config.role)
     try:
-        tools = RequestTools.of(req.tools, req.tool_choice, worker.tokenizer,
-                                worker.config.tool_call_parser)  # fmt: skip
-        stream = await _submit(worker, req, trace.set_span_in_context(span), times, tools)
+        stream, tools = await _submit(worker, req, trace.set_span_in_context(span), times)
     except _Refused as r:
         tel.finish(span, req, times, None, r.code)
         return r.response
+    worker.serving.add(req.request_id)
     resp = web.StreamResponse(headers={"Content-Type": "application/x-ndjson"})
     n_prompt = len(stream.prompt_token_ids)
     generated, cached = 0, 0
@@ -430,6 +456,8 @@ async def _generate(request: web.Request) -> web.StreamResponse:
         done: set[int] = set()
         sent: dict[int, int] = {}  # per completion: logprobs sent so far
         async for out in stream:
+            if worker.cut_off:  # the drain timed out and aborted it: no answer, the error below
+                raise _ShuttingDown("worker is shutting down (its drain timed out)")
             cached = out.num_cached_tokens
             times.arrival, times.scheduled = out.arrival_time, out.scheduled_time
             lines = []
@@ -449,14 +477,15 @@ async def _generate(request: web.Request) -> web.StreamResponse:
         await resp.write(encode_event(DoneEvent(n_prompt, generated, cached)))
         error = None
     except (EngineDeadError, QueueFullError) as e:  # failed after the stream started
-        code = "queue_full" if isinstance(e, QueueFullError) else "engine_dead"
-        error = code
+        error = ("shutdown" if isinstance(e, _ShuttingDown) else
+                 "queue_full" if isinstance(e, QueueFullError) else "engine_dead")  # fmt: skip
         with contextlib.suppress(ConnectionError):
-            await resp.write(encode_event(ErrorEvent(str(e), code)))
+            await resp.write(encode_event(ErrorEvent(str(e), error)))
     except ConnectionError:  # the gateway hung up (its client left): `finally` aborts it
         pass
     finally:
         quiet.stop()
+        worker.serving.discard(req.request_id)
         stream.close()  # no-op when finished; frees the blocks when the client went away
         tel.finish(span, req, times, (n_prompt, generated, cached), error, texts or None)
     return resp
@@ -518,39 +547,62 @@ class _Refused(Exception):
         self.code = code or kind
 
 
+class _ShuttingDown(EngineDeadError):
+    """The worker aborted a request it was serving: its drain timed out."""
+
+
 async def _submit(
-    worker: Worker,
-    req: GenerateRequest,
-    trace_ctx: Any,
-    times: RequestTimes,
-    tools: RequestTools | None,
-) -> RequestStream:
-    """Hand the request to the engine (pulling its prompt's KV first when disaggregated);
-    _Refused when it cannot be taken."""
+    worker: Worker, req: GenerateRequest, trace_ctx: Any, times: RequestTimes
+) -> tuple[RequestStream, RequestTools | None]:
+    """Hand the request to the engine (pulling its prompt's KV first when disaggregated): its
+    stream, and its tools (None without); _Refused when it cannot be taken."""
     try:
-        params = SamplingParams(**req.sampling)
+        tools = RequestTools.of(req.tools, req.tool_choice, worker.tokenizer,
+                                worker.config.tool_call_parser)  # fmt: skip
+        params = _sampling_params(req.sampling)
         if tools is not None:
             tools.constrain(params)  # tool_choice required / named: a grammar
         if req.kv_source is None:
-            return worker.llm.submit(worker.prompt_of(req), params, req.request_id)
+            return worker.llm.submit(worker.prompt_of(req), params, req.request_id), tools
         # disaggregated: the prompt's KV comes from a prefill worker
         group = worker.llm.engine.prepare_request(req.request_id, worker.prompt_of(req), params)
         stream, _ = await worker.importer.submit(group, req.kv_source, trace_ctx)
         times.pulled = time.monotonic()
-        return stream
+        return stream, tools
     except KVCacheFullError as e:  # before any byte moved: another decode worker may have room
         raise _Refused(503, str(e), "service_unavailable", None, "kv_cache_full", True) from e
     except KVTransferError as e:  # the prefill side failed: prefill again elsewhere
         raise _Refused(502, str(e), "bad_gateway", "kv_source", "kv_transfer_failed") from e
     except InvalidRequestError as e:
         raise _Refused(400, str(e), "invalid_request_error", e.param) from e
-    except TypeError as e:  # an unknown sampling field
-        raise _Refused(400, f"bad sampling parameters: {e}", "invalid_request_error",
-                       "sampling") from e  # fmt: skip
     except QueueFullError as e:
         raise _Refused(429, str(e), "rate_limit_error", None, "queue_full", True) from e
     except EngineDeadError as e:
         raise _Refused(503, str(e), "service_unavailable", None, "engine_dead") from e
+
+
+# GenerateRequest's text fields, and whether each may be null
+_TEXT_FIELDS = (("request_id", False), ("model", False), ("operation", False),
+                ("session_id", True), ("kv_source", True))  # fmt: skip
+
+
+def _request_of(body: Any) -> GenerateRequest:
+    """The generate request a JSON body holds: TypeError or ValueError when it is none, an
+    InvalidRequestError naming a text field of another type (nothing after this checks them)."""
+    req = GenerateRequest.from_dict(body)
+    for name, optional in _TEXT_FIELDS:
+        value = getattr(req, name)
+        if not isinstance(value, str) and not (optional and value is None):
+            raise InvalidRequestError(name, f"must be a string, got {type(value).__name__}")
+    return req
+
+
+def _sampling_params(sampling: dict[str, Any]) -> SamplingParams:
+    """The request's `sampling` object as SamplingParams (InvalidRequestError if it is none)."""
+    try:
+        return SamplingParams(**sampling)
+    except TypeError as e:  # not an object, or an unknown field
+        raise InvalidRequestError("sampling", str(e)) from e
 
 
 def _delta(
@@ -669,7 +721,9 @@ def _dumps(obj: Any) -> str:
 
 
 def make_app(worker: Worker) -> web.Application:
-    app = web.Application(middlewares=[_auth], client_max_size=worker.config.max_body_bytes)
+    app = web.Application(
+        middlewares=[_auth, _body_errors], client_max_size=worker.config.max_body_bytes
+    )
     app[WORKER] = worker
     app.router.add_post("/internal/generate", _generate)
     app.router.add_post("/internal/abort", _abort)

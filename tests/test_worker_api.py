@@ -1,0 +1,137 @@
+"""A worker's internal API on its own (no gateway), on real worker processes: a bad body gets a
+4xx JSON error naming what is wrong, never a 500 or aiohttp's text/plain; a drain that runs out
+of time aborts the requests left, each stream ending with an error event that a gateway retries
+elsewhere while no token has reached its client."""
+
+from __future__ import annotations
+
+import concurrent.futures
+import gzip
+import http.client
+import signal
+import threading
+import urllib.error
+import urllib.request
+from pathlib import Path
+from typing import Any
+
+import orjson
+import pytest
+
+from gateway.openai_response import UNAVAILABLE_CODES
+from kvstore.redis_server import LocalRedis
+from tests.stack import SECRET, Proc, chat_model, start_worker
+
+TOOL = {"type": "function", "function": {"name": "f"}}
+LONG = {"max_tokens": 480, "n": 128, "ignore_eos": True}  # far more than 2 s of work
+
+
+@pytest.fixture(scope="module")
+def worker(tmp_path_factory: pytest.TempPathFactory, stories_dir: Path, redis_server: LocalRedis):  # type: ignore[no-untyped-def]
+    root = tmp_path_factory.mktemp("worker_api")
+    proc = start_worker("api", chat_model(stories_dir, root / "chat"), redis_server.url, root)
+    try:
+        yield proc
+    finally:
+        proc.stop()
+
+
+def _post(worker: Proc, body: bytes, headers: dict[str, str] | None = None) -> tuple[int, str, bytes]:  # fmt: skip
+    """POST /internal/generate: (status, Content-Type, body)."""
+    req = urllib.request.Request(f"{worker.url}/internal/generate", data=body, method="POST",
+                                 headers={"x-edgeinfer-secret": SECRET} | (headers or {}))  # fmt: skip
+    try:
+        with urllib.request.urlopen(req, timeout=30) as resp:
+            return resp.status, resp.headers["Content-Type"], resp.read()
+    except urllib.error.HTTPError as e:
+        return e.code, e.headers["Content-Type"], e.read()
+
+
+def _request(i: int, **fields: Any) -> bytes:
+    body = {"request_id": f"bad-{i}", "model": "stories", "prompt": "Once",
+            "sampling": {"max_tokens": 2}} | fields  # fmt: skip
+    return orjson.dumps(body)
+
+
+BAD: list[tuple[dict[str, Any], str]] = [  # (fields of the request, the param its 400 names)
+    ({"tools": [{"type": "function"}], "tool_choice": "required"}, "tools[0]"),  # was a 500
+    ({"tools": [{"type": "function", "function": "f"}], "tool_choice": "required"}, "tools[0]"),
+    ({"tools": [TOOL], "tool_choice": {"type": "function"}}, "tool_choice"),  # was a 500
+    ({"tools": [TOOL], "tool_choice": {"type": "function", "function": {"name": "g"}}},
+     "tool_choice"),
+    ({"tools": [{"type": "function", "function": {"name": 5}}]}, "tools[0].function.name"),
+    ({"tools": [{"type": "function", "function": {"name": "f", "parameters": [1]}}]},
+     "tools[0].function.parameters"),
+    ({"tools": "f"}, "tools"),
+    ({"tools": [1], "prompt": None, "messages": [{"role": "user", "content": "Hi"}]}, "tools[0]"),
+    ({"request_id": ["r"]}, "request_id"),  # was "sampling"
+    ({"kv_source": 5}, "kv_source"),  # was a 500
+    ({"session_id": {"a": 1}}, "session_id"),
+    ({"sampling": [1]}, "sampling"),
+    ({"sampling": {"logit_bias": {}}}, "sampling"),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize(("i", "fields", "param"), [(i, f, p) for i, (f, p) in enumerate(BAD)])
+def test_bad_fields_are_a_400_naming_the_field(
+    worker: Proc, i: int, fields: dict[str, Any], param: str
+) -> None:
+    status, content_type, body = _post(worker, _request(i, **fields))
+    assert status == 400 and content_type == "application/json", (status, body)
+    error = orjson.loads(body)["error"]
+    assert error["param"] == param and error["type"] == "invalid_request_error", error
+
+
+def test_an_undecodable_body_is_a_400(worker: Proc) -> None:
+    status, content_type, body = _post(worker, b"not gzip", {"Content-Encoding": "gzip"})
+    assert status == 400 and content_type == "application/json", (status, body)  # was a 500
+    assert orjson.loads(body)["error"]["code"] == "invalid_body"
+    status, _, _ = _post(worker, gzip.compress(_request(0)), {"Content-Encoding": "gzip"})
+    assert status == 200
+
+
+def test_an_oversized_body_is_a_json_413(worker: Proc) -> None:
+    status, content_type, body = _post(worker, b" " * (4 << 20) + _request(0))
+    assert status == 413 and content_type == "application/json", (status, body)  # was text/plain
+    error = orjson.loads(body)["error"]
+    assert error["code"] == "request_too_large" and str(4 << 20) in error["message"], error
+
+
+def test_a_drain_that_times_out_fails_what_is_left_and_exits(
+    stories_dir: Path, redis_server: LocalRedis, tmp_path: Path
+) -> None:
+    """Three requests far too long to finish within the drain timeout (2 s): once it is over,
+    each is aborted and its stream ends with a "shutdown" error event (one the gateway retries
+    elsewhere before a token has gone out), not cut off, and the worker exits."""
+    worker = start_worker("drain", stories_dir, redis_server.url, tmp_path,
+                          extra=["--drain-timeout", "2"])  # fmt: skip
+    started = threading.Barrier(4)
+
+    def stream(i: int) -> list[dict[str, Any]]:
+        body = orjson.dumps({"request_id": f"long-{i}", "model": "stories", "prompt": "Once",
+                             "sampling": LONG})  # fmt: skip
+        req = urllib.request.Request(f"{worker.url}/internal/generate", data=body,
+                                     headers={"x-edgeinfer-secret": SECRET}, method="POST")  # fmt: skip
+        events = []
+        with urllib.request.urlopen(req, timeout=60) as resp:
+            events.append(orjson.loads(resp.readline()))  # the start event
+            started.wait(30)
+            try:
+                events += [orjson.loads(line) for line in resp if line.strip()]
+            except http.client.IncompleteRead:  # cut off
+                events.append({"type": "cut off"})
+        return events
+
+    try:
+        with concurrent.futures.ThreadPoolExecutor(3) as pool:
+            streams = [pool.submit(stream, i) for i in range(3)]
+            started.wait(30)
+            worker.signal(signal.SIGTERM)
+            ends = [f.result()[-1] for f in streams]
+        assert all(e["type"] == "error" and e["code"] == "shutdown" for e in ends), ends
+        assert "shutdown" in UNAVAILABLE_CODES  # (the gateway reads it as "worker going away")
+        worker.popen.wait(30)
+    finally:
+        worker.stop()
+    assert worker.popen.returncode == 0, worker.tail()
+    assert "drain timeout: aborting 3 requests" in worker.log.read_text()
