@@ -311,33 +311,11 @@ class LLMEngine:
                     "stop_token_ids", f"token id {t} is outside [0, {vocab})"
                 )
         n_prompt, limit = len(prompt_ids), self.max_model_len
-        if n_prompt >= limit:
-            raise InvalidRequestError(
-                "prompt",
-                f"{n_prompt} tokens leave no room to generate: the context length is {limit}",
-            )
         capacity = self.scheduler.capacity_tokens
-        if params.max_tokens is not None:
-            max_tokens = params.max_tokens
-        elif n_prompt < capacity:  # unset: as many as the context, and the KV cache, hold
-            max_tokens = min(limit, capacity) - n_prompt
-        else:
-            raise InvalidRequestError(
-                "prompt", f"{n_prompt} tokens leave no room to generate: the KV cache holds "
-                f"{capacity} tokens",
-            )  # fmt: skip
-        if n_prompt + max_tokens > limit:
-            raise InvalidRequestError(
-                "max_tokens",
-                f"prompt ({n_prompt} tokens) + max_tokens ({max_tokens}) exceeds the context "
-                f"length {limit}; at most {limit - n_prompt}",
-            )
-        if n_prompt + max_tokens > capacity:
-            raise InvalidRequestError(
-                "max_tokens",
-                f"prompt + max_tokens = {n_prompt + max_tokens} tokens exceeds the KV cache "
-                f"({capacity} tokens); raise kv_cache_bytes or lower max_tokens",
-            )
+        room = min(limit, capacity)  # (a KV cache smaller than the context bounds a request)
+        max_tokens = params.max_tokens if params.max_tokens is not None else room - n_prompt
+        if n_prompt >= room or n_prompt + max_tokens > room:
+            raise _too_long(n_prompt, max(max_tokens, 1), limit, capacity)
         if params.n > self.scheduler.max_waiting:  # (would never fit: not worth a retry)
             raise InvalidRequestError(
                 "n", f"at most {self.scheduler.max_waiting} (the waiting queue's bound), got {params.n}"
@@ -726,3 +704,23 @@ class LLMEngine:
             "spec_accepted_tokens": self.spec.accepted if self.spec else 0,
             "spec_verifications": self.spec.steps if self.spec else 0,
         }
+
+
+def _too_long(n_prompt: int, max_tokens: int, limit: int, capacity: int) -> InvalidRequestError:
+    """A request longer than the context or the KV cache, as OpenAI words and codes it (clients
+    that trim and retry match the code, or 'maximum context length')."""
+    room = min(limit, capacity)
+    why = (f"This model's maximum context length is {limit} tokens" if room == limit else
+           f"This worker's KV cache holds {capacity} tokens, under the model's maximum context "
+           f"length of {limit}")  # fmt: skip
+    message = (
+        f"{why}. However, you requested {n_prompt + max_tokens} tokens ({n_prompt} in the "
+        f"prompt, {max_tokens} in the completion). Please reduce the length of the prompt or "
+        "the completion"
+    )
+    if n_prompt >= room:
+        return InvalidRequestError("prompt", message + ".", "context_length_exceeded")
+    return InvalidRequestError(
+        "max_tokens", f"{message} (max_tokens: at most {room - n_prompt}).",
+        "context_length_exceeded",
+    )  # fmt: skip

@@ -11,15 +11,17 @@ if TYPE_CHECKING:
 
 
 class InvalidRequestError(ValueError):
-    """Bad user input. `param` names the offending field; the message states the limit.
+    """Bad user input. `param` names the offending field; the message states the limit;
+    `code`, where OpenAI has one for the case (context_length_exceeded).
 
     The gateway maps this to an OpenAI-style 400 error with `error.param` set.
     """
 
-    def __init__(self, param: str, message: str) -> None:
+    def __init__(self, param: str, message: str, code: str | None = None) -> None:
         super().__init__(f"{param}: {message}")
         self.param = param
         self.message = message
+        self.code = code
 
 
 @dataclass(slots=True)

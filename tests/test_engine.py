@@ -269,7 +269,25 @@ def test_unset_max_tokens_fills_a_kv_cache_smaller_than_the_context(stories_dir:
     assert len(out[0].prompt_token_ids) + len(out[0].outputs[0].token_ids) == capacity
     with pytest.raises(InvalidRequestError) as e:
         engine.add_request("long", list(range(5, 5 + capacity)), SamplingParams(max_tokens=None))
-    assert e.value.param == "prompt"
+    assert e.value.param == "prompt" and e.value.code == "context_length_exceeded"
+    assert f"KV cache holds {capacity} tokens" in str(e.value)
+
+
+def test_a_request_over_the_context_is_worded_and_coded_as_openai_does(stories_dir: Path) -> None:
+    # clients that trim a conversation and retry match the code or "maximum context length"
+    engine = LLMEngine_for(stories_dir)
+    limit = engine.max_model_len
+    with pytest.raises(InvalidRequestError) as e:
+        engine.add_request("r", [5] * (limit - 10), SamplingParams(max_tokens=20))
+    assert (e.value.param, e.value.code) == ("max_tokens", "context_length_exceeded")
+    assert str(e.value) == (
+        f"max_tokens: This model's maximum context length is {limit} tokens. However, you "
+        f"requested {limit + 10} tokens ({limit - 10} in the prompt, 20 in the completion). "
+        "Please reduce the length of the prompt or the completion (max_tokens: at most 10)."
+    )
+    with pytest.raises(InvalidRequestError) as e:
+        engine.add_request("r", [5] * limit, SamplingParams(max_tokens=None))
+    assert (e.value.param, e.value.code) == ("prompt", "context_length_exceeded")
 
 
 @pytest.mark.parametrize("seed", [2**63, -(2**63) - 1, 2**64])
