@@ -53,6 +53,8 @@ from runtime.zygote import ForkedProcess, ZygoteClient, ZygoteError
 log = logging.getLogger("edgeinfer.pool")
 
 MAX_BACKOFF_S = 60.0
+CRASH_WINDOW_S = 60.0  # a worker that dies (not asked to stop) this soon after getting ready
+# counts as a crash: the next start of its model waits, with backoff, as after a failed start
 TEMPLATE_WAIT_S = 5.0  # longest a start waits for a worker template still importing
 
 
@@ -117,6 +119,7 @@ class ModelState:
     settled_at: float = 0.0  # last failed start or scale-down: demand older than this is spent
     queueing_since: float = 0.0  # when its workers started queueing (0: not queueing)
     failures: int = 0  # failed starts in a row
+    crashes: int = 0  # workers in a row that died within CRASH_WINDOW_S of getting ready
     retry_at: float = 0.0  # no start before this (backoff after failures)
     full: bool = False  # it waits for a process slot that no idle worker can free ("full")
 
@@ -290,7 +293,12 @@ class Pool:
             if d.start and await self.demand.claim_start(
                 model, cfg.region, cfg.pool_id, cfg.ready_timeout_s + 5.0
             ):
-                await self._start(model, d.why)
+                try:
+                    await self._start(model, d.why)
+                except Exception as e:  # no process at all (exec failed, out of descriptors or
+                    # memory): a failed start, not a tick that dies holding the start's claim
+                    await self._failed(f"{cfg.pool_id}-w{self._serial}", model,
+                                       f"could not start a process: {e!r}", now)  # fmt: skip
             for wid in d.stop:
                 await self._request_stop(self.managed[wid], d.why)
                 state.settled_at = now
@@ -327,7 +335,8 @@ class Pool:
         self._spawn(self._pipe_output(m))
         log.info("start %s for %s (%s): pid %d (%s), port %d", worker_id, model, why, proc.pid,
                  how, port)  # fmt: skip
-        await self._record("start", m, reason=why, pid=proc.pid, port=port, spawn=how)
+        await self._record("start", m.worker_id, m.model, reason=why, pid=proc.pid, port=port,
+                           spawn=how)  # fmt: skip
         await self._status(model, ModelStatus("starting", cfg.pool_id))
 
     def _start_zygote(self) -> None:
@@ -403,19 +412,22 @@ class Pool:
         exited: set[str] = set()
         for m in list(self.managed.values()):
             code = m.proc.returncode
+            if code is None and m.ready and now - m.ready >= CRASH_WINDOW_S:
+                self.states[m.model].crashes = 0  # one lived: the model's starts are sound
             if code is None and not m.ready and m.worker_id in registered:
                 m.ready = now
                 state = self.states[m.model]
                 state.failures, state.retry_at = 0, 0.0
                 log.info("ready %s in %.2fs", m.worker_id, now - m.started)
-                await self._record("ready", m, ready_s=f"{now - m.started:.3f}")
+                await self._record("ready", m.worker_id, m.model,
+                                   ready_s=f"{now - m.started:.3f}")  # fmt: skip
                 await self._release_start(m.model)
                 await self._status(m.model, ModelStatus("ready", cfg.pool_id))
             elif code is None and not m.ready and now - m.started > cfg.ready_timeout_s:
                 m.tail.append(f"not registered after {cfg.ready_timeout_s:.0f}s; killed")
                 m.proc.kill()
                 await m.proc.wait()
-                await self._failed(m, now)
+                await self._failed(m.worker_id, m.model, _tail(m), now)
             elif code is not None:
                 del self.managed[m.worker_id]
                 exited.add(m.worker_id)
@@ -423,48 +435,68 @@ class Pool:
                     if not m.ready:  # stopped mid-start (the pool shuts down)
                         await self._release_start(m.model)
                     log.info("stopped %s in %.2fs", m.worker_id, now - m.stopping)
-                    await self._record("stop", m, stop_s=f"{now - m.stopping:.3f}", code=code)
+                    await self._record("stop", m.worker_id, m.model,
+                                       stop_s=f"{now - m.stopping:.3f}", code=code)  # fmt: skip
                 elif not m.ready:
                     m.tail.append(f"exited with code {code} before registering")
-                    await self._failed(m, now)
+                    await self._failed(m.worker_id, m.model, _tail(m), now)
                 else:
                     log.warning("worker %s exited with code %s", m.worker_id, code)
-                    await self._record("exit", m, code=code)
+                    await self._record("exit", m.worker_id, m.model, code=code)
                     with contextlib.suppress(Exception):
                         await self.registry.deregister(m.worker_id, m.model)
+                    if code != 0 and now - m.ready < CRASH_WINDOW_S:
+                        await self._crashed(m, code, now)
         return exited
 
     async def _release_start(self, model: str) -> None:
         with contextlib.suppress(Exception):
             await self.demand.release_start(model, self.cfg.region, self.cfg.pool_id)
 
-    async def _failed(self, m: Managed, now: float) -> None:
-        self.managed.pop(m.worker_id, None)
-        await self._release_start(m.model)
+    async def _crashed(self, m: Managed, code: int, now: float) -> None:
+        """A worker died soon after getting ready (a request that kills it, say): its model's
+        next start waits, doubling with each crash in a row, as after failed starts, and the
+        requests held for it are told when (a crash loop would restart it at once for ever)."""
         state = self.states[m.model]
+        state.crashes += 1
+        error = f"worker {m.worker_id} died {now - m.ready:.0f}s after getting ready (code {code})"
+        delay = await self._back_off(m.model, state.crashes, error, now)
+        log.warning("%s, %d in a row; the next start of %s in %.0fs", error, state.crashes,
+                    m.model, delay)  # fmt: skip
+
+    async def _failed(self, worker_id: str, model: str, error: str, now: float) -> None:
+        """A start that gave no worker: its claim released, the next one after a backoff."""
+        self.managed.pop(worker_id, None)
+        await self._release_start(model)
+        state = self.states[model]
         state.failures += 1
-        delay = min(MAX_BACKOFF_S, self.cfg.backoff_s * 2 ** (state.failures - 1))
-        state.retry_at = now + delay
         state.settled_at = now
-        error = " | ".join(line for line in m.tail if line.strip())[-2000:]
+        delay = await self._back_off(model, state.failures, error, now)
         log.warning(
             "worker %s for %s failed to start (attempt %d); next try in %.0fs: %s",
-            m.worker_id, m.model, state.failures, delay, error,
+            worker_id, model, state.failures, delay, error,
         )  # fmt: skip
-        await self._record("fail", m, attempts=state.failures, retry_in_s=f"{delay:.1f}",
-                           error=error)  # fmt: skip
+        await self._record("fail", worker_id, model, attempts=state.failures,
+                           retry_in_s=f"{delay:.1f}", error=error)  # fmt: skip
+
+    async def _back_off(self, model: str, attempts: int, error: str, now: float) -> float:
+        """No start of `model` for a delay doubling with `attempts` (returned), said in its
+        status, where gateways holding its requests answer them 503 with Retry-After."""
+        delay = min(MAX_BACKOFF_S, self.cfg.backoff_s * 2 ** (attempts - 1))
+        self.states[model].retry_at = now + delay
         await self._status(
-            m.model,
-            ModelStatus("failed", self.cfg.pool_id, error, state.failures, time.time() + delay),
+            model,
+            ModelStatus("failed", self.cfg.pool_id, error, attempts, time.time() + delay),
             ttl_s=max(delay, 1.0),
         )
+        return delay
 
     async def _request_stop(self, m: Managed, why: str) -> None:
         m.stopping = time.monotonic()
         with contextlib.suppress(ProcessLookupError):
             m.proc.send_signal(signal.SIGTERM)
         log.info("stopping %s (%s)", m.worker_id, why)
-        await self._record("stopping", m, reason=why,
+        await self._record("stopping", m.worker_id, m.model, reason=why,
                            served_s=f"{m.stopping - (m.ready or m.started):.1f}")  # fmt: skip
 
     async def shutdown(self, timeout_s: float = 40.0) -> None:
@@ -490,11 +522,11 @@ class Pool:
                 await zygote.close()
 
     # ------------------------------------------------------------------ reporting
-    async def _record(self, event: str, m: Managed, **fields: object) -> None:
+    async def _record(self, event: str, worker_id: str, model: str, **fields: object) -> None:
         with contextlib.suppress(Exception):
             await self.demand.record(
-                self.cfg.region, event, pool=self.cfg.pool_id, worker=m.worker_id,
-                model=m.model, **fields,
+                self.cfg.region, event, pool=self.cfg.pool_id, worker=worker_id, model=model,
+                **fields,
             )  # fmt: skip
 
     async def _status(self, model: str, status: ModelStatus, ttl_s: float | None = None) -> None:
@@ -507,6 +539,11 @@ class Pool:
         task = asyncio.ensure_future(coro)
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
+
+
+def _tail(m: Managed) -> str:
+    """A worker's last output lines, as one line for a record or a status."""
+    return " | ".join(line for line in m.tail if line.strip())[-2000:]
 
 
 def parse_models(spec: str, resolve: Callable[[str], str]) -> dict[str, str]:

@@ -343,6 +343,49 @@ def test_a_worker_that_dies_leaves_the_registry_at_once(redis_server) -> None:  
     asyncio.run(main())
 
 
+def test_a_worker_that_crashes_soon_after_getting_ready_backs_its_model_off(redis_server) -> None:  # type: ignore[no-untyped-def]
+    """A worker that dies (code 3) seconds after it got ready, start after start (a request that
+    kills it): its model's next start waits, doubling, and held requests are told why and when;
+    a start that cannot even make a process is a failed start, not a tick that dies."""
+    import asyncio
+
+    from kvstore.client import connect
+    from kvstore.demand import Demand
+    from kvstore.registry import Registry
+    from runtime.pool_manager import Pool
+
+    async def main() -> None:
+        redis_ = connect(redis_server.url)
+        pool = Pool(_cfg(redis_url=redis_server.url, backoff_s=2.0))
+        pool.registry, pool.demand = Registry(redis_, ttl_s=60.0), Demand(redis_)
+        for crashes, delay in ((1, 2.0), (2, 4.0)):
+            proc = await asyncio.create_subprocess_exec(sys.executable, "-c", "raise SystemExit(3)")
+            await proc.wait()
+            now = time.monotonic()
+            pool.managed["p-w1"] = Managed("p-w1", "m", 0, proc, started=now - 5, ready=now - 2)
+            await pool._reap(set(), now)
+            state = pool.states["m"]
+            assert state.crashes == crashes and state.retry_at == pytest.approx(now + delay)
+            status = await pool.demand.status("m", "r")
+            assert status is not None and status.state == "failed" and "code 3" in status.error
+
+        async def no_process(*args: object) -> None:
+            raise OSError(24, "Too many open files")
+
+        pool._spawn_process = no_process  # type: ignore[method-assign,assignment]
+        pool.states["m"].retry_at = 0.0
+        await pool.demand.hold("m", "r", "req-1", time.time() + 60)
+        await pool.tick()  # (it raised out of the tick, holding the start's claim for 305 s)
+        state = pool.states["m"]
+        assert state.failures == 1 and not pool.managed
+        status = await pool.demand.status("m", "r")
+        assert status is not None and "Too many open files" in status.error
+        assert await pool.demand.claim_start("m", "r", "another-pool", 5.0)  # released
+        await redis_.aclose()
+
+    asyncio.run(main())
+
+
 @pytest.mark.parametrize("spawn", ["fork", "exec"])
 def test_workers_outlive_no_pool_that_was_killed(
     tmp_path: Path,
