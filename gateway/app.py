@@ -9,6 +9,11 @@ error object with a 4xx/5xx status; a request never gets an HTML page or a hang.
 a request aiohttp cannot parse (a request line or header over 8190 bytes, a control byte in a
 header) is answered by aiohttp itself, before any handler, with a plain-text 400; it is logged
 as one WARNING line, as is a body that stops decoding after the app refused it (`_ClientFaults`).
+
+`_errors`, the outermost middleware, also gives each request its id: the proxy sends it to the
+worker and puts it on its spans and log lines, and every response carries it as x-request-id
+(`_stamp`), an error's too, with the success path's worker headers once a worker was chosen.
+With `--cors-origins`, browsers' preflights are answered ahead of auth (gateway/cors.py).
 """
 
 from __future__ import annotations
@@ -18,6 +23,7 @@ import gc
 import hmac
 import logging
 import time
+import uuid
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -27,6 +33,7 @@ from aiohttp import web
 
 from gateway.cluster import ClusterView
 from gateway.config import GatewayConfig
+from gateway.cors import Cors
 from gateway.errors import (
     APIError,
     invalid,
@@ -38,7 +45,7 @@ from gateway.errors import (
 )
 from gateway.openai_api import parse_chat, parse_completion
 from gateway.openapi import OPENAPI
-from gateway.proxy import Proxy
+from gateway.proxy import CALLS, REQUEST_ID, Proxy, routed_headers
 from gateway.regions import RegionCatalog
 from gateway.telemetry import GatewayTelemetry
 from kvstore.client import connect, stop_task
@@ -80,12 +87,9 @@ def _json(obj: Any, status: int = 200, headers: dict[str, str] | None = None) ->
     )
 
 
-def _error_response(err: APIError) -> web.Response:
-    return _json(err.body(), err.status, err.headers())
-
-
 @web.middleware
 async def _errors(request: web.Request, handler: Any) -> web.StreamResponse:
+    request[REQUEST_ID] = uuid.uuid4().hex
     try:
         return await handler(request)
     except (asyncio.CancelledError, ConnectionError):
@@ -93,7 +97,14 @@ async def _errors(request: web.Request, handler: Any) -> web.StreamResponse:
     except Exception as e:
         err = _as_api_error(request, e)
         request.app[TELEMETRY].error(err)
-        return _error_response(err)
+        headers = err.headers() | routed_headers(request.get(CALLS, []))
+        return _json(err.body(), err.status, headers)
+
+
+async def _stamp(request: web.Request, response: web.StreamResponse) -> None:
+    """Every response names its request (on_response_prepare: streamed ones too)."""
+    if REQUEST_ID in request:
+        response.headers["x-request-id"] = request[REQUEST_ID]
 
 
 def _as_api_error(request: web.Request, e: Exception) -> APIError:
@@ -107,7 +118,8 @@ def _as_api_error(request: web.Request, e: Exception) -> APIError:
         return not_found(f"no route for {request.method} {request.path}")
     if isinstance(e, web.HTTPException):
         return APIError(e.status, e.reason, "invalid_request_error")
-    log.exception("unhandled error on %s %s", request.method, request.path, exc_info=e)
+    log.exception("unhandled error on %s %s (request %s)", request.method, request.path,
+                  request.get(REQUEST_ID), exc_info=e)  # fmt: skip
     return APIError(500, "internal error in the gateway", "internal_error")
 
 
@@ -222,7 +234,12 @@ def make_app(
             f"region {config.region!r} is not in the catalog {config.catalog_path} "
             f"(known: {', '.join(sorted(catalog.regions))})"
         )
-    app = web.Application(middlewares=[_errors, _auth], client_max_size=config.max_body_bytes)
+    cors = Cors(config.cors_origins) if config.cors_origins else None
+    middlewares = [_errors, _auth] if cors is None else [_errors, cors.preflight, _auth]
+    app = web.Application(middlewares=middlewares, client_max_size=config.max_body_bytes)
+    app.on_response_prepare.append(_stamp)
+    if cors is not None:
+        app.on_response_prepare.append(cors.stamp)
     logging.getLogger("aiohttp.server").addFilter(_CLIENT_FAULTS)  # (once: the same filter)
     app[CONFIG] = config
     app[CATALOG] = catalog

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -17,6 +18,8 @@ class GatewayConfig:
     host: str = "127.0.0.1"  # interface to bind
     port: int = 8080  # port to bind
     api_keys: frozenset[str] = frozenset()  # accepted bearer tokens; empty = open
+    # origins (scheme://host[:port]) browsers may call the API from, "*" for any; empty: no CORS
+    cors_origins: frozenset[str] = frozenset()
     catalog_path: Path = DEFAULT_CATALOG  # the region catalog (infra/regions.yaml)
     max_body_bytes: int = 1 << 20  # largest request body (413 above it)
     body_timeout_s: float = 30.0  # for a request's body to arrive once its headers have (408)
@@ -67,3 +70,9 @@ class GatewayConfig:
             raise ValueError(f"disagg_min_tokens must be >= 0, got {self.disagg_min_tokens}")
         if any(not k for k in self.api_keys):
             raise ValueError("api keys must be non-empty strings")
+        for origin in self.cors_origins:
+            if origin != "*" and not re.fullmatch(r"https?://[^/\s]+", origin):
+                raise ValueError(
+                    f"cors_origins (--cors-origins): {origin!r} is neither * nor an origin "
+                    "(scheme://host[:port], no path)"
+                )

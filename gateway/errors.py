@@ -117,6 +117,17 @@ def unauthorized(message: str = "missing or invalid API key") -> APIError:
     return APIError(401, message, "authentication_error", None, "invalid_api_key")
 
 
+def origin_not_allowed(origin: str) -> APIError:
+    """403: a browser's CORS preflight from an origin the gateway's --cors-origins does not list."""
+    return APIError(
+        403,
+        f"origin {clip(origin)!r} may not call this gateway from a browser (see --cors-origins)",
+        "invalid_request_error",
+        "Origin",
+        "origin_not_allowed",
+    )
+
+
 def not_found(message: str, param: str | None = None, code: str | None = None) -> APIError:
     """404: an unknown path, or (param="model", code="model_not_found") an unserved model."""
     return APIError(404, message, "not_found_error", param, code)

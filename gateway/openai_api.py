@@ -18,12 +18,16 @@ Decisions worth knowing:
 - Role "developer" is sent to the worker as "system": it is OpenAI's new name for the same
   thing, and open models' chat templates only know "system".
 - Text content parts are joined with "\\n" (what vLLM does), so a client that splits a message
-  into parts gets the same prompt from both.
+  into parts gets the same prompt from both. An assistant message's refusal parts (what OpenAI
+  answered in place of text) are text too.
+- A completions `prompt` may hold a batch (several strings, or several token arrays): each prompt
+  becomes a `GenerateRequest` of its own (the proxy sends them to workers concurrently), and
+  choice p * n + j of the answer is prompt p's j-th completion, as OpenAI numbers them.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Literal
 
 from gateway.errors import invalid, unsupported
@@ -49,6 +53,7 @@ MAX_N = 16  # completions per request; n sequences share the prompt's KV blocks
 MAX_STOP = 16  # stop strings; each is matched against every new piece of text
 MAX_STOP_TOKEN_IDS = 256  # extra stop tokens
 MAX_LOGPROBS = 20  # top alternatives per token (OpenAI's limit)
+MAX_PROMPTS = 64  # prompts in one completions request, each its own request to a worker
 ROLES = frozenset({"system", "user", "assistant", "tool", "developer"})
 
 _SAMPLING_FIELDS = frozenset(
@@ -99,15 +104,16 @@ class RequestOptions:
     model: str  # the model name as the client asked for it, echoed in every response object
     stream: bool  # answer with SSE chunks instead of one JSON object
     include_usage: bool  # stream_options.include_usage: a last chunk with `usage`
-    n: int  # completions per request; choices are indexed 0..n-1
+    n: int  # completions per prompt; prompt p's are choices p * n .. p * n + n - 1
     logprobs: int | None  # top alternatives per token when logprobs were asked for; None = off
     user: str | None = None  # the client's end-user id, for logs only
+    prompts: int = 1  # prompts in the request (a completions batch), each sent on its own
 
 
 def parse_chat(
     body: object, request_id: str, session_id: str | None = None
-) -> tuple[GenerateRequest, RequestOptions]:
-    """Validate a `POST /v1/chat/completions` body."""
+) -> tuple[list[GenerateRequest], RequestOptions]:
+    """Validate a `POST /v1/chat/completions` body: one request for the worker."""
     f = Fields(body, CHAT_FIELDS)
     model = _model(f)
     messages = _messages(f.raw("messages"))
@@ -148,17 +154,19 @@ def parse_chat(
         session_id=session_id,
         tools=tools,
         tool_choice=tool_choice,
+        parallel_tool_calls=f.boolean("parallel_tool_calls", True),
     )
-    return request, options
+    return [request], options
 
 
 def parse_completion(
     body: object, request_id: str, session_id: str | None = None
-) -> tuple[GenerateRequest, RequestOptions]:
-    """Validate a `POST /v1/completions` body."""
+) -> tuple[list[GenerateRequest], RequestOptions]:
+    """Validate a `POST /v1/completions` body: a request for the worker per prompt (a batch of
+    several gets ids `{request_id}-{p}`)."""
     f = Fields(body, COMPLETION_FIELDS)
     model = _model(f)
-    prompt = _prompt(f.raw("prompt"))
+    prompts = _prompts(f.raw("prompt"))
     max_tokens = f.integer("max_tokens", 16, Range(1, INT32_MAX))
     logprobs = f.opt_int("logprobs", Range(0, MAX_LOGPROBS))
     if f.boolean("echo", False):
@@ -175,14 +183,17 @@ def parse_completion(
     best_of = f.opt_int("best_of", Range(1, INT32_MAX))
     if best_of is not None and best_of not in (1, options.n):
         raise unsupported("best_of", f"best_of must be null, 1 or n ({options.n}); got {best_of}")
-    request = GenerateRequest(
-        request_id=request_id,
-        model=model,
-        prompt=prompt,
-        sampling=sampling,
-        session_id=session_id,
-    )
-    return request, options
+    requests = [
+        GenerateRequest(
+            request_id=request_id if len(prompts) == 1 else f"{request_id}-{p}",
+            model=model,
+            prompt=prompt,
+            sampling=sampling,
+            session_id=session_id,
+        )
+        for p, prompt in enumerate(prompts)
+    ]
+    return requests, replace(options, prompts=len(prompts))
 
 
 def _common(
@@ -285,7 +296,8 @@ def _messages(value: object) -> list[dict[str, Any]]:
 
 
 def _content(param: str, value: object, role: str) -> str:
-    """A message's text: a string, or text parts joined with newlines; null only for assistant."""
+    """A message's text: a string, or text parts (and, from the assistant, refusal parts) joined
+    with newlines; null only for assistant."""
     if isinstance(value, str):
         return value
     if value is None:
@@ -303,43 +315,55 @@ def _content(param: str, value: object, role: str) -> str:
         if not isinstance(part, dict):
             raise invalid(where, f"{where} must be an object, got {type_name(part)}")
         kind = part.get("type")
-        if kind != "text":
+        key = "refusal" if kind == "refusal" and role == "assistant" else "text"
+        if kind != key:
             raise unsupported(
-                f"{where}.type", f"only text content parts are supported, got type {_desc(kind)}"
+                f"{where}.type",
+                "only text content parts (and refusal parts in assistant messages) are "
+                f"supported, got type {_desc(kind)}",
             )
-        text = part.get("text")
+        text = part.get(key)
         if not isinstance(text, str):
-            raise invalid(f"{where}.text", f"{where}.text must be a string, got {type_name(text)}")
+            raise invalid(
+                f"{where}.{key}", f"{where}.{key} must be a string, got {type_name(text)}"
+            )
         texts.append(text)
     return "\n".join(texts)
 
 
-def _prompt(value: object) -> str | list[int]:
-    """A completions prompt: text or token ids; a batch of one is unwrapped, more is refused."""
-    if isinstance(value, list) and value and isinstance(value[0], (str, list)):
-        if len(value) > 1:
-            raise invalid(
-                "prompt",
-                f"prompt holds {len(value)} prompts; send one prompt per request",
-            )
-        value = value[0]
+def _prompts(value: object) -> list[str | list[int]]:
+    """A completions prompt as the prompts it holds: text or token ids, or a batch (an array)
+    of either, at most MAX_PROMPTS."""
     if value is None:
         raise invalid("prompt", "prompt is required")
+    if not (isinstance(value, list) and value and isinstance(value[0], (str, list))):
+        return [_prompt(value, "prompt")]
+    if len(value) > MAX_PROMPTS:
+        raise invalid(
+            "prompt",
+            f"prompt holds {len(value)} prompts; at most {MAX_PROMPTS} per request",
+        )
+    return [_prompt(p, f"prompt[{i}]") for i, p in enumerate(value)]
+
+
+def _prompt(value: object, where: str) -> str | list[int]:
+    """One prompt: non-empty text (the engine takes no empty one), or token ids."""
     if isinstance(value, str):
-        if not value:
-            raise invalid("prompt", "prompt must be a non-empty string")
+        if not value:  # (the engine takes none; the start of a document is the bos token id)
+            raise invalid("prompt", f"{where} must be a non-empty string")
         return value
     if not isinstance(value, list) or not value:
         raise invalid(
             "prompt",
-            f"prompt must be a non-empty string or a non-empty array of token ids, "
+            f"{where} must be a non-empty string or a non-empty array of token ids, "
             f"got {_desc(value)}",
         )
     for k, tok in enumerate(value):
         if not is_int(tok) or not 0 <= tok <= INT32_MAX:
             raise invalid(
                 "prompt",
-                f"prompt[{k}] must be a token id, an integer in [0, {INT32_MAX}], got {_desc(tok)}",
+                f"{where}[{k}] must be a token id, an integer in [0, {INT32_MAX}], "
+                f"got {_desc(tok)}",
             )
     return list(value)
 

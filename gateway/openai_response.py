@@ -4,6 +4,9 @@ A `ResponseAssembler` follows one request's event stream (`start`, `delta`..., `
 `error`; see `kvstore.protocol`) and both streams and accumulates: `on_event` returns the SSE
 chunk objects to send now (none when not streaming), `final` the whole object for a
 non-streamed answer. One class for both modes keeps the two answers identical in content.
+A completions batch (several prompts) has one stream per prompt, interleaved as they come:
+`on_event(event, p)` numbers prompt p's choices from p * n, `usage` adds up, and the answer
+is done (the usage chunk sent) once every prompt's stream is.
 
 Chunk order for a streamed chat request with n choices (OpenAI's own order):
     per choice: {"delta": {"role": "assistant", "content": ""}}      on `start`
@@ -87,13 +90,15 @@ class ResponseAssembler:
         self.chat = options.kind == "chat"
         self.id = f"{'chatcmpl' if self.chat else 'cmpl'}-{request_id}"  # the response's id
         self.created = created  # unix seconds, the same in every chunk
-        self.choices = [_Choice() for _ in range(options.n)]
+        self.choices = [_Choice() for _ in range(options.prompts * options.n)]
         self.worker_id: str | None = None  # from `start`: the worker serving the request
-        self.usage: dict[str, Any] | None = None  # from `done`
-        self.done = False  # `done` was seen: `final` may be called
+        self.usage: dict[str, Any] | None = None  # from `done` (summed over the prompts)
+        self.ended: set[int] = set()  # prompts whose stream sent `done`
+        self.done = False  # every prompt's `done` was seen: `final` may be called
 
-    def on_event(self, event: dict[str, Any]) -> list[dict[str, Any]]:
-        """Take one event; return the chunks to stream now ([] when not streaming)."""
+    def on_event(self, event: dict[str, Any], prompt: int = 0) -> list[dict[str, Any]]:
+        """Take one event of prompt `prompt`'s stream; return the chunks to stream now ([] when
+        not streaming)."""
         kind = event.get("type")
         if kind == "error":
             raise _error_from_event(event)
@@ -101,9 +106,9 @@ class ResponseAssembler:
             if kind == "start":
                 return self._on_start(event)
             if kind == "delta":
-                return self._on_delta(event)
+                return self._on_delta(event, prompt)
             if kind == "done":
-                return self._on_done(event)
+                return self._on_done(event, prompt)
         except (KeyError, TypeError, ValueError, IndexError, AttributeError) as e:
             raise bad_gateway(f"malformed {kind!r} event from the worker: {e!r}") from e
         return []  # an event type from a newer worker: nothing this gateway can show
@@ -136,10 +141,12 @@ class ResponseAssembler:
             chunks.append(self._chunk([self._chunk_choice(i, delta, None)]))
         return chunks
 
-    def _on_delta(self, event: dict[str, Any]) -> list[dict[str, Any]]:
-        i = event["index"]
-        if not isinstance(i, int) or not 0 <= i < len(self.choices):
-            raise ValueError(f"choice index {i!r} outside [0, {len(self.choices)})")
+    def _on_delta(self, event: dict[str, Any], prompt: int) -> list[dict[str, Any]]:
+        n = self.options.n
+        j = event["index"]
+        if not isinstance(j, int) or not 0 <= j < n:
+            raise ValueError(f"choice index {j!r} outside [0, {n})")
+        i = prompt * n + j
         c = self.choices[i]
         if c.finish_reason is not None:
             raise ValueError(f"delta for choice {i} after it finished")
@@ -183,19 +190,27 @@ class ResponseAssembler:
             chunks.append(self._chunk([end]))
         return chunks
 
-    def _on_done(self, event: dict[str, Any]) -> list[dict[str, Any]]:
-        open_choices = [i for i, c in enumerate(self.choices) if c.finish_reason is None]
+    def _on_done(self, event: dict[str, Any], prompt: int) -> list[dict[str, Any]]:
+        n = self.options.n
+        ours = range(prompt * n, prompt * n + n)
+        open_choices = [i for i in ours if self.choices[i].finish_reason is None]
         if open_choices:
             raise ValueError(f"done before choices {open_choices} finished")
-        prompt, completion = int(event["prompt_tokens"]), int(event["completion_tokens"])
+        tokens = int(event["prompt_tokens"]), int(event["completion_tokens"])
+        cached = int(event.get("cached_tokens") or 0)
+        if self.usage is not None:  # a batch's prompts: their usage adds up
+            tokens = (tokens[0] + self.usage["prompt_tokens"],
+                      tokens[1] + self.usage["completion_tokens"])  # fmt: skip
+            cached += self.usage["prompt_tokens_details"]["cached_tokens"]
         self.usage = {
-            "prompt_tokens": prompt,
-            "completion_tokens": completion,
-            "total_tokens": prompt + completion,
-            "prompt_tokens_details": {"cached_tokens": int(event.get("cached_tokens") or 0)},
+            "prompt_tokens": tokens[0],
+            "completion_tokens": tokens[1],
+            "total_tokens": sum(tokens),
+            "prompt_tokens_details": {"cached_tokens": cached},
         }
-        self.done = True
-        if self.options.stream and self.options.include_usage:
+        self.ended.add(prompt)
+        self.done = len(self.ended) == self.options.prompts
+        if self.done and self.options.stream and self.options.include_usage:
             return [self._chunk([], self.usage)]
         return []
 

@@ -10,14 +10,24 @@ from __future__ import annotations
 
 from gateway.openapi_schemas import JSON, SCHEMAS, ref
 
+# on every answer (the worker's two once a worker was chosen: on an error too)
+_ROUTED_HEADERS: JSON = {
+    "x-request-id": {"$ref": "#/components/headers/RequestId"},
+    "x-edgeinfer-worker": {"$ref": "#/components/headers/Worker"},
+    "x-edgeinfer-region": {"$ref": "#/components/headers/Region"},
+}
+
 
 def _error(description: str, retry_after: bool = False) -> JSON:
     response: JSON = {
         "description": description,
+        "headers": _ROUTED_HEADERS,
         "content": {"application/json": {"schema": ref("Error")}},
     }
     if retry_after:
-        response["headers"] = {"Retry-After": {"$ref": "#/components/headers/RetryAfter"}}
+        response["headers"] = _ROUTED_HEADERS | {
+            "Retry-After": {"$ref": "#/components/headers/RetryAfter"}
+        }
     return response
 
 
@@ -28,6 +38,7 @@ def _errors(*statuses: str) -> JSON:
 _RESPONSES: JSON = {
     "400": _error("The request is invalid; error.param names the field."),
     "401": _error("Missing or wrong bearer token."),
+    "403": _error("A CORS preflight from an origin --cors-origins does not list."),
     "404": _error("Unknown path, or a model no worker serves (code model_not_found)."),
     "405": _error("The path exists, but not with this method."),
     "408": _error("The request body did not arrive in time after its headers."),
@@ -40,11 +51,6 @@ _RESPONSES: JSON = {
         "anything was sent."
     ),
     "503": _error("No healthy worker can take the request now.", retry_after=True),
-}
-
-_ROUTED_HEADERS: JSON = {
-    "x-edgeinfer-worker": {"$ref": "#/components/headers/Worker"},
-    "x-edgeinfer-region": {"$ref": "#/components/headers/Region"},
 }
 
 
@@ -74,6 +80,35 @@ def _generate(summary: str, request: str, answer: str, chunk: str) -> JSON:
     }
 
 
+_PREFLIGHT: JSON = {
+    "summary": "CORS preflight, answered only when the gateway runs with --cors-origins",
+    "description": (
+        "A browser's OPTIONS with Origin and Access-Control-Request-Method, answered before "
+        "auth. Every other response to a listed origin carries Access-Control-Allow-Origin and "
+        "Access-Control-Expose-Headers (x-request-id, the x-edgeinfer-* headers, Retry-After)."
+    ),
+    "security": [],
+    "responses": {
+        "204": {
+            "description": (
+                "Allowed: Access-Control-Allow-Origin, -Allow-Methods, -Allow-Headers (those "
+                "asked for) and -Max-Age."
+            ),
+            "headers": {
+                name: {"schema": {"type": "string"}}
+                for name in (
+                    "Access-Control-Allow-Origin",
+                    "Access-Control-Allow-Methods",
+                    "Access-Control-Allow-Headers",
+                    "Access-Control-Max-Age",
+                )
+            },
+        },
+        **_errors("403"),
+    },
+}
+
+
 def _probe(summary: str, schema: str, unready: str | None, *parameters: JSON) -> JSON:
     """A probe for load balancers and Kubernetes: no auth, the same body for both answers."""
     body = {"application/json": {"schema": ref(schema)}}
@@ -101,10 +136,12 @@ OPENAPI: JSON = {
         "/v1/chat/completions": {
             "post": _generate(
                 "Chat completion", "ChatCompletionRequest", "ChatCompletion", "ChatCompletionChunk"
-            )
+            ),
+            "options": _PREFLIGHT,
         },
         "/v1/completions": {
-            "post": _generate("Text completion", "CompletionRequest", "Completion", "Completion")
+            "post": _generate("Text completion", "CompletionRequest", "Completion", "Completion"),
+            "options": _PREFLIGHT,
         },
         "/v1/models": {
             "get": {
@@ -187,12 +224,22 @@ OPENAPI: JSON = {
             }
         },
         "headers": {
+            "RequestId": {
+                "description": (
+                    "The request's id, on every response: the one the gateway's logs and "
+                    "traces (edgeinfer.request.id) know it by."
+                ),
+                "schema": {"type": "string"},
+            },
             "Worker": {
-                "description": "The worker that served the request.",
+                "description": (
+                    "The worker that served the request, or failed or refused it (on an error, "
+                    "once one was chosen); a batch of prompts: each worker, comma-separated."
+                ),
                 "schema": {"type": "string"},
             },
             "Region": {
-                "description": "The region of that worker.",
+                "description": "The region of that worker (those workers).",
                 "schema": {"type": "string"},
             },
             "RetryAfter": {

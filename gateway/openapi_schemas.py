@@ -9,6 +9,7 @@ from __future__ import annotations
 from typing import Any
 
 from gateway.fields import INT32_MAX, INT64_MAX, INT64_MIN
+from gateway.openai_api import MAX_PROMPTS
 
 JSON = dict[str, Any]
 
@@ -149,7 +150,11 @@ CHAT_REQUEST: JSON = {
             "Default auto when tools are given. required and a named function are enforced "
             "with a grammar: the answer is always a call whose arguments match the schema.",
         ),
-        "parallel_tool_calls": _nullable({"const": True}, "Only true (the default)."),
+        "parallel_tool_calls": _bool(
+            "false: at most one tool call (required and a named function: a grammar of one "
+            "call; auto: the answer ends after its first call).",
+            True,
+        ),
         "functions": _nullable({"type": "array", "maxItems": 0}, _OFF_ONLY),
         "function_call": _nullable({"enum": ["none", "auto"]}, _OFF_ONLY),
     },
@@ -162,14 +167,17 @@ COMPLETION_REQUEST: JSON = {
     "properties": {
         **_SAMPLING,
         "prompt": {
-            "description": "Text or token ids; a batch of exactly one is accepted, more is a 400.",
+            "description": (
+                "Text or token ids, or a batch of either: prompt p's completions are choices "
+                "p * n to p * n + n - 1, usage is their sum."
+            ),
             "anyOf": [
                 {"type": "string", "minLength": 1},
                 {"$ref": "#/components/schemas/TokenIds"},
                 {
                     "type": "array",
                     "minItems": 1,
-                    "maxItems": 1,
+                    "maxItems": MAX_PROMPTS,
                     "items": {
                         "anyOf": [
                             {"type": "string", "minLength": 1},
@@ -265,10 +273,17 @@ SCHEMAS: JSON = {
         "properties": {
             "role": {"enum": ["system", "user", "assistant", "tool", "developer"]},
             "content": {
-                "description": "Text, or text parts joined with newlines; null only for assistant.",
+                "description": (
+                    "Text, or text parts (assistant: also refusal parts) joined with newlines; "
+                    "null only for assistant."
+                ),
                 "anyOf": [
                     {"type": "string"},
-                    {"type": "array", "minItems": 1, "items": ref("TextPart")},
+                    {
+                        "type": "array",
+                        "minItems": 1,
+                        "items": {"anyOf": [ref("TextPart"), ref("RefusalPart")]},
+                    },
                     {"type": "null"},
                 ],
             },
@@ -360,8 +375,14 @@ SCHEMAS: JSON = {
     "TextPart": {
         "type": "object",
         "required": ["type", "text"],
-        "description": "Only text parts are supported; other types are a 400.",
+        "description": "Only text parts are supported (and refusal parts); others are a 400.",
         "properties": {"type": {"const": "text"}, "text": {"type": "string"}},
+    },
+    "RefusalPart": {
+        "type": "object",
+        "required": ["type", "refusal"],
+        "description": "Assistant messages only: an earlier refusal, read as text.",
+        "properties": {"type": {"const": "refusal"}, "refusal": {"type": "string"}},
     },
     "TokenIds": {
         "type": "array",

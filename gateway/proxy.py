@@ -12,6 +12,10 @@ transfer (502 `kv_transfer_failed`, before any byte reached the client) sets tha
 aside and the request is tried again with another (or computed on the decode worker when none is
 left).
 
+A completions batch (several prompts) is one request to the client and one `Call` per prompt to
+the workers: each prompt is looked up, routed and forwarded on its own, all at once (a failure
+of one calls the others off), and their answers are interleaved into one response.
+
 `forward` may try several workers (`max_attempts`), but only while nothing has gone to the
 client: a streamed request commits to its worker when the first token arrives (the prefill is
 still retryable), a non-streamed one when its whole answer has arrived. After that, a worker
@@ -25,9 +29,8 @@ import asyncio
 import contextlib
 import logging
 import time
-import uuid
 import zlib
-from collections.abc import AsyncGenerator, Callable
+from collections.abc import AsyncGenerator, Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -67,7 +70,10 @@ HOLD_POLL_S = 0.05  # how often a request waiting for a starting worker looks fo
 # prompt's KV, however long a pull that progresses takes (a silent prefill worker fails the pull
 # after kvstore.kv_transfer.PULL_IDLE_S, and the decode worker then answers 502)
 KV_PULL_IDLE_S = 300.0
-Parser = Callable[..., tuple[GenerateRequest, RequestOptions]]
+Parser = Callable[..., tuple[list[GenerateRequest], RequestOptions]]
+Events = AsyncGenerator[list[dict[str, Any]], None]  # a worker's events, in batches
+# the request's id, given by the app's outermost middleware: x-request-id, logs, spans
+REQUEST_ID = web.RequestKey("request_id", str)
 
 
 class WorkerFailed(Exception):
@@ -84,7 +90,8 @@ class WorkerFailed(Exception):
 class Call:
     """Per-request context carried through the phases."""
 
-    request_id: str  # our id, sent to the worker and returned as x-request-id
+    request_id: str  # the request's id (REQUEST_ID), sent to the worker (a batch's prompts:
+    # with "-p" added, in `gen`) and returned as x-request-id
     session_id: str | None  # the x-session-affinity header
     started: float  # perf_counter() at arrival
     forwarded: float = 0.0  # perf_counter() when the first attempt went to a worker
@@ -115,6 +122,18 @@ class Call:
     assembler: ResponseAssembler | None = None  # the response, once the worker committed
     stream_error: APIError | None = None  # what ended a stream after its first byte, if anything
 
+    def part(self, gen: GenerateRequest) -> Call:
+        """Another prompt of the same request (a completions batch), to be routed on its own:
+        the request's id, session, options and spans, none of its routing."""
+        return Call(self.request_id, self.session_id, self.started, gen=gen, options=self.options,
+                    placement=self.placement, operation=self.operation, span=self.span,
+                    trace_ctx=self.trace_ctx, route_started=self.route_started)  # fmt: skip
+
+
+# the request's calls, one per prompt (the first one's telemetry is the request's), for the
+# headers of an error response
+CALLS = web.RequestKey[list[Call]]("calls")
+
 
 class Proxy:
     def __init__(
@@ -130,15 +149,18 @@ class Proxy:
     async def handle(
         self, request: web.Request, parse: Parser, operation: str
     ) -> web.StreamResponse:
-        call = Call(uuid.uuid4().hex, None, time.perf_counter())
+        call = Call(request[REQUEST_ID], None, time.perf_counter())
+        calls = request[CALLS] = [call]
         tel = self.tel
         tel.start(call, request.headers, operation)
         err: APIError | None = None
         try:
             call.session_id = _session_id(request)  # validate
             body = await _read_json(request, self.config.max_body_bytes, self.config.body_timeout_s)
-            call.gen, call.options = parse(body, call.request_id, call.session_id)
-            call.gen.operation = call.operation
+            gens, call.options = parse(body, call.request_id, call.session_id)
+            for gen in gens:
+                gen.operation = call.operation
+            call.gen = gens[0]
             self.resolve_model(call)
             tel.validated(call)
             tel.phase(call, "gateway.validate", call.started)
@@ -146,20 +168,50 @@ class Proxy:
             if call.session_id is not None:
                 call.placement = await self.view.placement(call.session_id)
                 tel.redis("session_get", time.perf_counter() - call.route_started)
-            await self.prefix_lookup(call)
-            events, head = await self.forward(call)  # route + forward, with retries
-            assert call.worker is not None
-            if call.session_id is not None:  # record: off the hot path
-                self._spawn(self._record(call.session_id, call.placement, call.worker))
+            calls += [call.part(gen) for gen in gens[1:]]
+            streams = await self.dispatch_all(calls)
             try:
-                return await self.respond(request, call, events, head)
+                return await self.respond(request, calls, streams)
             finally:
-                self.view.router.done(call.worker.worker_id, call.cost)
+                for c in calls:
+                    assert c.worker is not None
+                    self.view.router.done(c.worker.worker_id, c.cost)
         except APIError as e:
             err = e
+            if e.param == "prompt" and call.operation == "chat":  # (the worker's name for what
+                e.param = "messages"  # a chat request calls its messages, as OpenAI does)
+                e.message = e.message.replace("in the prompt", "in the messages")
             raise
         finally:
             tel.finish(call, call.assembler, err or call.stream_error)
+
+    async def dispatch(self, call: Call) -> tuple[Events, list[dict[str, Any]]]:
+        """One prompt: prefix lookup, route + forward (with retries), record the session's
+        placement. Returns what `forward` does."""
+        await self.prefix_lookup(call)
+        events, head = await self.forward(call)
+        assert call.worker is not None
+        if call.session_id is not None:  # record: off the hot path
+            self._spawn(self._record(call.session_id, call.placement, call.worker))
+        return events, head
+
+    async def dispatch_all(self, calls: list[Call]) -> list[tuple[Events, list[dict[str, Any]]]]:
+        """Every prompt's `dispatch` at once. When one fails, the others are called off (those
+        already answering are hung up on) and its error raised."""
+        if len(calls) == 1:
+            return [await self.dispatch(calls[0])]
+        tasks = [asyncio.ensure_future(self.dispatch(c)) for c in calls]
+        try:
+            return list(await asyncio.gather(*tasks))
+        except BaseException:
+            for task in tasks:
+                task.cancel()
+            outcomes = await asyncio.gather(*tasks, return_exceptions=True)
+            for c, outcome in zip(calls, outcomes, strict=True):
+                if isinstance(outcome, tuple) and c.worker is not None:
+                    await outcome[0].aclose()
+                    self.view.router.done(c.worker.worker_id, c.cost)
+            raise
 
     async def _record(self, session_id: str, old: Placement | None, worker: WorkerInfo) -> None:
         t0 = time.perf_counter()
@@ -239,9 +291,7 @@ class Proxy:
             call.cached |= {wid: n * bs for wid, n in longest.items()}
         self.tel.redis("prefix_lookup", time.perf_counter() - t0)
 
-    async def forward(
-        self, call: Call
-    ) -> tuple[AsyncGenerator[list[dict[str, Any]], None], list[dict[str, Any]]]:
+    async def forward(self, call: Call) -> tuple[Events, list[dict[str, Any]]]:
         """Pick a worker and read until the request is committed to it; retry elsewhere on failure.
 
         Returns the worker's remaining event stream and the events already read (`head`).
@@ -399,7 +449,7 @@ class Proxy:
         t0 = time.perf_counter()
         deadline = time.time() + self.config.hold_timeout_s
         try:
-            await view.demand.hold(model, region, call.request_id, deadline)
+            await view.demand.hold(model, region, call.gen.request_id, deadline)
         except Exception as e:
             log.warning("cannot signal the pool of region %s: %s", region, e)
             return False
@@ -438,7 +488,7 @@ class Proxy:
                 await asyncio.sleep(HOLD_POLL_S)
         finally:
             call.held_s += time.perf_counter() - t0
-            self._spawn(self._release(model, region, call.request_id))
+            self._spawn(self._release(model, region, call.gen.request_id))
 
     async def _start_status(self, model: str, region: str) -> ModelStatus | None:
         """What the pool says of its start of a worker for the model; None while Redis cannot
@@ -470,11 +520,10 @@ class Proxy:
             f"no worker is serving model {call.gen.model!r} right now", retry, "no_workers"
         )
 
-    async def worker_events(
-        self, call: Call, worker: WorkerInfo
-    ) -> AsyncGenerator[list[dict[str, Any]], None]:
+    async def worker_events(self, call: Call, worker: WorkerInfo) -> Events:
         """The worker's events, in batches of whatever arrived together (one write per batch
-        downstream); any failure becomes WorkerFailed. Closing it hangs up on the worker.
+        downstream), up to the one that ends its stream (`done` or `error`); any failure, a
+        stream cut short included, becomes WorkerFailed. Closing it hangs up on the worker.
         Its span (gateway.forward) lasts until the worker's stream ends."""
         gen = call.gen
         assert gen is not None
@@ -505,6 +554,7 @@ class Proxy:
                     yield batch
                     if finished:
                         return
+                raise WorkerFailed(worker, bad_gateway("worker stream ended early"), dead=True)
         except (aiohttp.ClientError, TimeoutError, ValueError) as e:
             log.info("request %s: worker %s failed: %r", gen.request_id, worker.worker_id, e)
             error = unavailable(f"worker {worker.worker_id} failed ({_failure(e)})",
@@ -537,30 +587,39 @@ class Proxy:
     async def respond(
         self,
         request: web.Request,
-        call: Call,
-        events: AsyncGenerator[list[dict[str, Any]], None],
-        head: list[dict[str, Any]],
+        calls: list[Call],
+        streams: list[tuple[Events, list[dict[str, Any]]]],
     ) -> web.StreamResponse:
-        assert call.options is not None and call.worker is not None
+        """Answer with every prompt's events (`streams`, as `dispatch` returned them), their
+        choices numbered from p * n for prompt p; closes the streams."""
+        call = calls[0]
+        assert call.options is not None
         assembler = ResponseAssembler(call.options, call.request_id, int(time.time()))
         call.assembler = assembler
-        headers = {
-            "x-request-id": call.request_id,
-            "x-edgeinfer-worker": call.worker.worker_id,
-            "x-edgeinfer-region": call.worker.region,
-            "x-edgeinfer-route": call.route_reason,
-            "Server-Timing": _server_timing(call),
-        }
-        if call.prefill is not None:  # disaggregated: where the prompt's KV was computed
-            headers["x-edgeinfer-prefill-worker"] = call.prefill.worker_id
-        if not call.options.stream:
-            for event in head:
-                assembler.on_event(event)
-            return web.Response(
-                body=orjson.dumps(assembler.final()),
-                content_type="application/json",
-                headers=headers,
-            )
+        headers = routed_headers(calls) | {"Server-Timing": _server_timing(call)}
+        try:
+            if not call.options.stream:
+                for p, (_, head) in enumerate(streams):
+                    for event in head:
+                        assembler.on_event(event, p)
+                return web.Response(
+                    body=orjson.dumps(assembler.final()),
+                    content_type="application/json",
+                    headers=headers,
+                )
+            return await self._stream(request, call, assembler, headers, streams)
+        finally:
+            for events, _ in streams:
+                await events.aclose()
+
+    async def _stream(
+        self,
+        request: web.Request,
+        call: Call,
+        assembler: ResponseAssembler,
+        headers: dict[str, str],
+        streams: list[tuple[Events, list[dict[str, Any]]]],
+    ) -> web.StreamResponse:
         resp = web.StreamResponse(
             headers=headers
             | {
@@ -570,17 +629,16 @@ class Proxy:
             }
         )
         await resp.prepare(request)
+        events = _interleaved([rest for rest, _ in streams])
         try:
-            ended = await self._relay(resp, assembler, head)
-            async for batch in events:
-                if ended:
+            for p, (_, head) in enumerate(streams):  # (no error event: `forward` raised those)
+                await self._relay(resp, assembler, p, head)
+            async for p, batch in events:
+                if await self._relay(resp, assembler, p, batch):
                     break
-                ended = await self._relay(resp, assembler, batch)
-            if not ended:
-                raise WorkerFailed(call.worker, bad_gateway("worker stream ended early"), dead=True)
         except WorkerFailed as e:
             if e.dead:
-                self.view.mark_failed(call.worker.worker_id)
+                self.view.mark_failed(e.worker.worker_id)
             log.warning("request %s: worker failed mid-stream: %s", call.request_id, e)
             self._stream_failed(call, e.error)
             # the client's own words: the worker's id and the aiohttp error stay in the log
@@ -594,10 +652,10 @@ class Proxy:
             self._stream_failed(call, e)
             await _send_quietly(resp, sse(e.body()) + SSE_DONE)
             return resp
-        except ConnectionError:  # the client went away; closing `events` aborts on the worker
+        except ConnectionError:  # the client went away; closing the streams aborts on workers
             return resp
         finally:
-            await events.aclose()
+            await events.aclose()  # (before the streams: it may be reading them)
         await _send_quietly(resp, SSE_DONE)
         return resp
 
@@ -607,22 +665,25 @@ class Proxy:
 
     @staticmethod
     async def _relay(
-        resp: web.StreamResponse, assembler: ResponseAssembler, batch: list[dict[str, Any]]
+        resp: web.StreamResponse,
+        assembler: ResponseAssembler,
+        prompt: int,
+        batch: list[dict[str, Any]],
     ) -> bool:
-        """Send a batch of worker events as SSE chunks in one write; True once the stream ended
-        (done, or an error event, which is sent as an error chunk)."""
+        """Send a batch of prompt `prompt`'s worker events as SSE chunks in one write; True when
+        it ended in an error event (sent as an error chunk), which ends the whole answer."""
         out: list[bytes] = []
-        ended = False
+        failed = False
         for event in batch:
-            if event["type"] == "error":
-                out.append(sse(error_chunk(event.get("message") or "worker error")))
-                ended = True
+            if event["type"] == "error":  # (the worker's code: "shutdown", "engine_dead"...)
+                code = event.get("code") or "internal_error"
+                out.append(sse(error_chunk(event.get("message") or "worker error", code)))
+                failed = True
                 break
-            out += [sse(c) for c in assembler.on_event(event)]
-            ended = event["type"] == "done"
+            out += [sse(c) for c in assembler.on_event(event, prompt)]
         if out:
             await resp.write(b"".join(out))
-        return ended
+        return failed
 
     def _spawn(self, coro: Any) -> None:
         task = asyncio.ensure_future(coro)
@@ -635,6 +696,54 @@ class Proxy:
 
 
 # ---------------------------------------------------------------------- helpers
+def routed_headers(calls: list[Call]) -> dict[str, str]:
+    """Where the request went, once a worker was chosen (an error's response says it too): a
+    batch's prompts' distinct values, comma-separated, in prompt order."""
+    routed = [(c, c.worker) for c in calls if c.worker is not None]
+    if not routed:
+        return {}
+    headers = {
+        "x-edgeinfer-worker": _listed(w.worker_id for _, w in routed),
+        "x-edgeinfer-region": _listed(w.region for _, w in routed),
+        "x-edgeinfer-route": _listed(c.route_reason for c, _ in routed),
+    }
+    prefill = [c.prefill.worker_id for c, _ in routed if c.prefill is not None]
+    if prefill:  # disaggregated: where the prompt's KV was computed
+        headers["x-edgeinfer-prefill-worker"] = _listed(prefill)
+    return headers
+
+
+def _listed(values: Iterable[str]) -> str:
+    return ", ".join(dict.fromkeys(values))
+
+
+async def _interleaved(
+    streams: list[Events],
+) -> AsyncGenerator[tuple[int, list[dict[str, Any]]], None]:
+    """The batches of several streams, each with its stream's index, as they come (of one: as
+    it is). Closing this cancels the reads under way; the streams are the caller's to close."""
+    if len(streams) == 1:
+        async for batch in streams[0]:
+            yield 0, batch
+        return
+    reads = {asyncio.ensure_future(anext(s)): p for p, s in enumerate(streams)}
+    try:
+        while reads:
+            done, _ = await asyncio.wait(reads, return_when=asyncio.FIRST_COMPLETED)
+            for read in done:
+                p = reads.pop(read)
+                try:
+                    batch = read.result()
+                except StopAsyncIteration:
+                    continue
+                reads[asyncio.ensure_future(anext(streams[p]))] = p
+                yield p, batch
+    finally:
+        for read in reads:
+            read.cancel()
+        await asyncio.gather(*reads, return_exceptions=True)
+
+
 def _server_timing(call: Call) -> str:
     """Where the time to the first token went: `gateway` is this process's own work on that path
     (validate, route, forward; relay up to the response headers), `worker` the wait for the

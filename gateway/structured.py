@@ -9,6 +9,7 @@
   names the client's field (`response_format.json_schema.schema`), before any routing.
 - `tools` (functions only) and `tool_choice` ("none", "auto", "required", or a named function);
   each tool's `parameters` is compiled the same way (400 on `tools[i].function.parameters`).
+  (`parallel_tool_calls`, a boolean, goes to the worker as it is.)
   `strict` schemas (response_format and tools) forbid properties they do not list.
 - Chat messages with tool calls: an assistant message's `tool_calls` (their `arguments` JSON
   text is parsed into an object, which is what chat templates expect: strict JSON, integers
@@ -149,9 +150,6 @@ def tools_of(f: Fields) -> tuple[list[dict[str, Any]] | None, str | dict[str, An
     """(tools, tool_choice) for the worker: None, None when no tools are given."""
     raw = f.raw("tools")
     choice = f.raw("tool_choice")
-    parallel = f.raw("parallel_tool_calls")
-    if parallel is not None and parallel is not True:
-        raise unsupported("parallel_tool_calls", "parallel_tool_calls: only true (the default)")
     if raw is None or raw == []:
         if choice is None or choice in ("none", "auto"):
             return None, None

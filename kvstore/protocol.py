@@ -55,6 +55,8 @@ class GenerateRequest:
     # template (also when the gateway tokenized the chat) and parsed out of the output
     tool_choice: str | dict[str, Any] | None = None  # "auto" | "none" | "required" |
     # {"type": "function", "function": {"name": ...}}; required and named are enforced by a grammar
+    parallel_tool_calls: bool = True  # chat: False allows one call per completion (required:
+    # a one-call grammar; auto: the completion ends once its first call is complete)
 
     def to_json(self) -> bytes:
         return orjson.dumps(self)  # orjson reads dataclasses itself, ~30x dataclasses.asdict

@@ -187,6 +187,7 @@ def cmd_gateway(args: argparse.Namespace) -> int:
         host=args.host,
         port=args.port,
         api_keys=frozenset(keys),
+        cors_origins=frozenset(o.strip() for o in args.cors_origins.split(",") if o.strip()),
         catalog_path=Path(args.regions),
         max_body_bytes=args.max_body_bytes,
         body_timeout_s=args.body_timeout,
@@ -389,6 +390,10 @@ def add_service_commands(sub: argparse._SubParsersAction, engine_args) -> None: 
         "--api-key", action="append", default=[], help="accepted bearer token (repeatable)"
     )
     g.add_argument("--regions", default=str(DEFAULT_CATALOG), help="region catalog YAML")
+    g.add_argument("--cors-origins", default="",
+                   help="origins browsers may call the API from, comma-separated "
+                   "(https://app.example.com,http://localhost:5173), or * for any; default: "
+                   "none (no CORS headers, preflights refused)")  # fmt: skip
     g.add_argument("--max-body-bytes", type=int, default=1 << 20)
     g.add_argument("--worker-idle-timeout", type=float, default=10.0,
                    help="seconds of silence (workers send a keepalive each second) after which a "

@@ -87,6 +87,10 @@ class Tokenizer:
         )
         # Byte-fallback tokens "<0xNN>": their text depends on the bytes around them.
         self.byte_fallback_ids = _byte_fallback_ids(backend)
+        # byte-level BPE (GPT-2): a vocabulary string spells its bytes one character each
+        decoder = backend.decoder
+        self._byte_level = decoder is not None and b'"ByteLevel"' in decoder.__getstate__()
+        self._added_ids = frozenset(backend.get_added_tokens_decoder())
         self._template_cache: dict[str, jinja2.Template] = {}  # source -> compiled
 
     # ----- loading -------------------------------------------------------------------------
@@ -154,6 +158,23 @@ class Tokenizer:
     def convert_ids_to_tokens(self, ids: list[int]) -> list[str]:
         """Vocabulary strings of `ids` ("▁Once", "<0xF0>", ...); "" for an unknown id."""
         return [self._backend.id_to_token(i) or "" for i in ids]
+
+    def token_bytes(self, token_id: int) -> bytes | None:
+        """The bytes of a token that may hold part of a UTF-8 character: a byte-fallback
+        token's one byte ("<0xF0>"), a byte-level BPE token's bytes (GPT-2's byte-to-unicode
+        mapping undone: "ĠðŁ" is b" \\xf0\\x9f"); None for any other token, whose decoded text is
+        whole (a SentencePiece piece: "▁" is a space)."""
+        token = self._backend.id_to_token(token_id)
+        if token is None:
+            return None
+        if token_id in self.byte_fallback_ids:
+            return bytes([int(token[3:5], 16)])
+        if not self._byte_level or token_id in self._added_ids:
+            return None
+        try:
+            return bytes(_UNICODE_TO_BYTE[c] for c in token)
+        except KeyError:  # not a byte-level spelling after all
+            return None
 
     def token_to_id(self, token: str) -> int | None:
         return self._backend.token_to_id(token)
@@ -394,6 +415,18 @@ def _read_chat_templates(root: Path, tok_config: dict[str, Any]) -> dict[str, st
     raise TokenizerFileError(
         path, '"chat_template" must be a string or a list of {"name": ..., "template": ...}'
     )
+
+
+def _unicode_to_byte() -> dict[str, int]:
+    """GPT-2's byte-level alphabet, inverted: printable Latin-1 bytes stand for themselves, the
+    other bytes, in order, for the characters from U+0100 on."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1),
+                 *range(ord("®"), ord("ÿ") + 1)]  # fmt: skip
+    others = [b for b in range(256) if b not in printable]
+    return {chr(b): b for b in printable} | {chr(256 + i): b for i, b in enumerate(others)}
+
+
+_UNICODE_TO_BYTE = _unicode_to_byte()
 
 
 def _byte_fallback_ids(backend: HFTokenizer) -> frozenset[int]:

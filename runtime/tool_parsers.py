@@ -22,7 +22,11 @@ which no call parsed is given back as content.
 `tool_choice` "required" or a named function is enforced with a Lark grammar (llguidance) in the
 same format: the marker text (or the marker's own special token, when the tokenizer has it) and
 a JSON schema per tool, `{"name": {"const": ...}, "arguments": <the tool's parameters>}`, so the
-output always parses into the declared arguments schema.
+output always parses into the declared arguments schema. Parameters that refer into themselves
+(`$ref` "#/$defs/..." or "#", as pydantic writes nested models) are moved to the root's `$defs`,
+under the tool's name, with their refs rebased, so that the refs still resolve. With
+`parallel_tool_calls` false the grammar allows one call, and in "auto" mode a completion ends
+once its first call is complete.
 
 Torch-free (the worker imports it; tests drive it directly).
 """
@@ -61,19 +65,23 @@ class ToolParser:
         """(content, calls, in_tool_region) for the output text so far."""
         raise NotImplementedError
 
-    def grammar(self, tools: list[dict[str, Any]], only: str | None) -> str:
-        """A Lark grammar for one or more calls of `tools` (exactly one of `only` if given)."""
+    def grammar(self, tools: list[dict[str, Any]], parallel: bool) -> str:
+        """A Lark grammar for calls of `tools`: one or more if `parallel`, else exactly one."""
         raise NotImplementedError
 
     # helpers shared by the formats
-    def _call_schema(self, tools: list[dict[str, Any]], only: str | None) -> dict[str, Any]:
+    def _call_schema(self, tools: list[dict[str, Any]]) -> dict[str, Any]:
+        """The JSON schema of one call of any of `tools`. Parameters with local refs move to
+        "$defs" at its root (a caller that nests this schema moves "$defs" to its own root)."""
         args_key = self.arg_keys[0]
-        options = []
+        options, defs = [], {}
         for t in tools:
             fn = t["function"]
-            if only is not None and fn["name"] != only:
-                continue
             params = fn.get("parameters") or {"type": "object", "properties": {}}
+            base = "/$defs/" + fn["name"].replace("~", "~0").replace("/", "~1")  # JSON pointer
+            if (moved := _rebased(params, base)) != params:
+                defs[fn["name"]] = moved
+                params = {"$ref": f"#{base}"}
             options.append(
                 {
                     "type": "object",
@@ -83,7 +91,7 @@ class ToolParser:
                 }
             )
         schema: dict[str, Any] = options[0] if len(options) == 1 else {"anyOf": options}
-        return {**schema, "x-guidance": JSON_OPTIONS}
+        return {**schema, **({"$defs": defs} if defs else {}), "x-guidance": JSON_OPTIONS}
 
     def _marker_lark(self) -> str:
         if self.marker_token_id is not None:
@@ -111,10 +119,10 @@ class HermesParser(ToolParser):
             pos = k + len(self.end)
         return text[:start], calls, True
 
-    def grammar(self, tools: list[dict[str, Any]], only: str | None) -> str:
+    def grammar(self, tools: list[dict[str, Any]], parallel: bool) -> str:
         call = f'call: {self._marker_lark()} "\\n" body "\\n" {json.dumps(self.end)}'
-        start = "start: call" if only else 'start: call ("\\n" call)*'
-        return f"{start}\n{call}\nbody: %json {json.dumps(self._call_schema(tools, only))}\n"
+        start = 'start: call ("\\n" call)*' if parallel else "start: call"
+        return f"{start}\n{call}\nbody: %json {json.dumps(self._call_schema(tools))}\n"
 
 
 class Llama3JsonParser(ToolParser):
@@ -132,9 +140,9 @@ class Llama3JsonParser(ToolParser):
             return text, [], False
         return "", _calls_in(body, self.arg_keys), True
 
-    def grammar(self, tools: list[dict[str, Any]], only: str | None) -> str:
-        start = "start: body" if only else 'start: body ("; " body)*'
-        return f"{start}\nbody: %json {json.dumps(self._call_schema(tools, only))}\n"
+    def grammar(self, tools: list[dict[str, Any]], parallel: bool) -> str:
+        start = 'start: body ("; " body)*' if parallel else "start: body"
+        return f"{start}\nbody: %json {json.dumps(self._call_schema(tools))}\n"
 
 
 class MistralParser(ToolParser):
@@ -147,14 +155,17 @@ class MistralParser(ToolParser):
             return text[: len(text) - (0 if final else _partial(text, self.marker))], [], False
         return text[:start], _calls_in(text[start + len(self.marker) :], self.arg_keys), True
 
-    def grammar(self, tools: list[dict[str, Any]], only: str | None) -> str:
+    def grammar(self, tools: list[dict[str, Any]], parallel: bool) -> str:
+        call = self._call_schema(tools)
         array: dict[str, Any] = {
             "type": "array",
-            "items": self._call_schema(tools, only),
+            "items": call,
             "minItems": 1,
             "x-guidance": JSON_OPTIONS,
         }
-        if only:
+        if "$defs" in call:
+            array["$defs"] = call.pop("$defs")
+        if not parallel:
             array["maxItems"] = 1
         return f"start: {self._marker_lark()} body\nbody: %json {json.dumps(array)}\n"
 
@@ -184,20 +195,52 @@ def make_parser(name: str | None, template: str, special: dict[str, int]) -> Too
     return parser
 
 
-def tool_grammar(parser: ToolParser, tools: list[dict[str, Any]], choice: object) -> str | None:
+def tool_grammar(
+    parser: ToolParser, tools: list[dict[str, Any]], choice: object, parallel: bool
+) -> str | None:
     """The grammar `tool_choice` asks for: None for "auto" / "none" (free text, parsed after),
-    a grammar for "required" (one or more calls) or a named function (exactly that call)."""
+    a grammar for "required" (one or more calls; one unless `parallel`) or a named function
+    (exactly that call)."""
     if choice == "required":
-        return parser.grammar(tools, None)
+        return parser.grammar(tools, parallel)
     if isinstance(choice, dict):
-        return parser.grammar(tools, choice["function"]["name"])
+        name = choice["function"]["name"]
+        return parser.grammar([t for t in tools if t["function"]["name"] == name], False)
     return None
 
 
-def _check(tools: object, choice: object) -> None:
-    """What this module reads of `tools` and `tool_choice` has the shape it expects, or an
-    InvalidRequestError names the field. (The gateway validates them in full, schemas included:
-    gateway/structured.py; this keeps a bad body sent to a worker itself a 400, not a 500.)"""
+# keywords whose values are data, not schemas (no $ref in them is one); and those whose values
+# map names to schemas (a property may be named "const")
+_DATA_KEYWORDS = frozenset({"const", "enum", "default", "examples"})
+_SCHEMA_MAPS = frozenset({"properties", "patternProperties", "$defs", "definitions",
+                          "dependentSchemas"})  # fmt: skip
+
+
+def _rebased(schema: Any, base: str) -> Any:
+    """A copy of `schema` whose local refs ("#", "#/$defs/A", "#/properties/x") point where the
+    same places will be once the schema moves to the JSON pointer `base` of a larger one."""
+    if isinstance(schema, list):
+        return [_rebased(s, base) for s in schema]
+    if not isinstance(schema, dict):
+        return schema
+    out: dict[str, Any] = {}
+    for key, value in schema.items():
+        if key in _SCHEMA_MAPS and isinstance(value, dict):
+            out[key] = {name: _rebased(s, base) for name, s in value.items()}
+        elif key == "$ref" and isinstance(value, str) and value.startswith("#"):
+            out[key] = f"#{base}{value[1:]}"
+        else:
+            out[key] = value if key in _DATA_KEYWORDS else _rebased(value, base)
+    return out
+
+
+def _check(tools: object, choice: object, parallel: object) -> None:
+    """What this module reads of `tools`, `tool_choice` and `parallel_tool_calls` has the shape
+    it expects, or an InvalidRequestError names the field. (The gateway validates them in full,
+    schemas included: gateway/structured.py; this keeps a bad body sent to a worker itself a
+    400, not a 500.)"""
+    if not isinstance(parallel, bool):
+        raise InvalidRequestError("parallel_tool_calls", "must be a boolean")
     if tools is None:
         return
     if not isinstance(tools, list):
@@ -239,9 +282,11 @@ class ToolCallStream:
     """One completion's output turned into content and tool-call deltas (OpenAI shapes)."""
 
     parser: ToolParser
+    parallel: bool = True  # False: the first call is the only one (parallel_tool_calls)
     text: str = ""  # the output so far, with the marker's text where its special token was
     content_sent: int = 0  # characters of content sent
     calls: list[_Sent] = field(default_factory=list)
+    ended: bool = False  # not `parallel` and the call is complete: the completion ends here
 
     def feed(
         self, text: str, token_ids: list[int], final: bool
@@ -252,6 +297,9 @@ class ToolCallStream:
             text = self.parser.marker + text  # the detokenizer drops special tokens' text
         self.text += text
         content, calls, in_region = self.parser.parse(self.text, final)
+        if not self.parallel:
+            calls = calls[:1]
+            self.ended = bool(calls) and calls[0].complete and calls[0].name is not None
         named = any(c.name is not None for c in calls)
         if final and in_region and not named:
             content = self.text  # a tool region in which no call parsed: text after all
@@ -408,10 +456,13 @@ class RequestTools:
     """A chat request's tools on the worker: the grammar its `tool_choice` asks for, and one
     `ToolCallStream` per completion (None for a request without tools or with "none")."""
 
-    def __init__(self, parser: ToolParser, tools: list[dict[str, Any]], choice: object) -> None:
+    def __init__(
+        self, parser: ToolParser, tools: list[dict[str, Any]], choice: object, parallel: bool
+    ) -> None:
         self.parser = parser
         self.tools = tools  # OpenAI tool objects, validated by the gateway
         self.choice = choice  # "auto" | "required" | {"type": "function", "function": {...}}
+        self.parallel = parallel  # parallel_tool_calls: False allows one call per completion
         self.streams: dict[int, ToolCallStream] = {}  # completion index -> its stream
 
     @classmethod
@@ -419,26 +470,28 @@ class RequestTools:
         cls,
         tools: list[dict[str, Any]] | None,
         choice: object,
+        parallel: object,
         tokenizer: Any,
         parser_name: str | None,
     ) -> RequestTools | None:
         """`tokenizer`: the model's runtime.tokenizer.Tokenizer (its template picks the format
-        unless `parser_name` names one). InvalidRequestError, naming the field, for tools or a
-        tool_choice of the wrong shape."""
-        _check(tools, choice)
+        unless `parser_name` names one). InvalidRequestError, naming the field, for tools, a
+        tool_choice or a parallel_tool_calls of the wrong shape."""
+        _check(tools, choice, parallel)
         if not tools or choice == "none":
             return None
         try:
             template = tokenizer.chat_template_source(tools)
         except ValueError:  # no chat template (a prompt of token ids): the default format
             template = ""
-        return cls(make_parser(parser_name, template, tokenizer.added_tokens), tools, choice)
+        parser = make_parser(parser_name, template, tokenizer.added_tokens)
+        return cls(parser, tools, choice, parallel is True)
 
     def constrain(self, params: Any) -> None:
         """Set the grammar of "required" or a named function on `params` (SamplingParams)."""
         from runtime.structured import StructuredOutputsParams
 
-        grammar = tool_grammar(self.parser, self.tools, self.choice)
+        grammar = tool_grammar(self.parser, self.tools, self.choice, self.parallel)
         if grammar is None:
             return
         if params.structured_outputs is not None:
@@ -453,5 +506,10 @@ class RequestTools:
         self, index: int, text: str, token_ids: list[int], final: bool
     ) -> tuple[str, list[dict[str, Any]]]:
         """A completion's step output as (content delta, tool-call deltas)."""
-        stream = self.streams.setdefault(index, ToolCallStream(self.parser))
+        stream = self.streams.setdefault(index, ToolCallStream(self.parser, self.parallel))
         return stream.feed(text, token_ids, final)
+
+    def ended(self, index: int) -> bool:
+        """The completion's one call (parallel_tool_calls false) is complete: it ends here."""
+        stream = self.streams.get(index)
+        return stream is not None and stream.ended

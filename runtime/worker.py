@@ -142,7 +142,7 @@ class Worker:
         self._changing_role = False  # a role change is draining the old role's work
         self.started_at = time.time()
         self.last_active_at = self.started_at  # a request arrived (or was in flight: info())
-        self._token_text: dict[int, str] = {}
+        self._tokens: dict[int, tuple[str, list[int]]] = {}  # id -> token_of(id)
         self._anchor: list[int] | None = None
         self._anchor_text = ""
         self._registry: Registry | None = None
@@ -349,32 +349,44 @@ class Worker:
             raise InvalidRequestError("prompt", "give a prompt or messages")
         return req.prompt
 
-    def token_text(self, token_id: int) -> str:
-        """A token's text with its leading space: decoded after an anchor token, which is then
-        cut off (decoding a lone token drops the space SentencePiece-style decoders strip)."""
-        text = self._token_text.get(token_id)
-        if text is None:
-            tok = self.tokenizer
-            if self._anchor is None:
-                self._anchor = tok.encode("a", add_special_tokens=False)[-1:]
-                self._anchor_text = tok.decode(self._anchor, skip_special_tokens=False)
-            both = tok.decode([*self._anchor, token_id], skip_special_tokens=False)
-            if both.startswith(self._anchor_text):
-                text = both[len(self._anchor_text) :]
-            else:
-                text = tok.decode([token_id], skip_special_tokens=False)
-            self._token_text[token_id] = text
-        return text
+    def token_of(self, token_id: int) -> tuple[str, list[int]]:
+        """A token as logprobs show it: its text and its bytes (which add up to the output's
+        UTF-8). The text keeps its leading space: decoded after an anchor token, which is then
+        cut off (decoding a lone token drops the space SentencePiece-style decoders strip). A
+        token that holds part of a character has bytes that are not UTF-8 by themselves; its
+        text is then those bytes escaped, "bytes:\\xf0\\x9f", as OpenAI writes it, so that
+        alternatives stay apart (not all one U+FFFD)."""
+        known = self._tokens.get(token_id)
+        if known is not None:
+            return known
+        tok = self.tokenizer
+        if self._anchor is None:
+            self._anchor = tok.encode("a", add_special_tokens=False)[-1:]
+            self._anchor_text = tok.decode(self._anchor, skip_special_tokens=False)
+        both = tok.decode([*self._anchor, token_id], skip_special_tokens=False)
+        if both.startswith(self._anchor_text):
+            text = both[len(self._anchor_text) :]
+        else:
+            text = tok.decode([token_id], skip_special_tokens=False)
+        raw = tok.token_bytes(token_id)
+        if raw is None:
+            raw = text.encode()
+        try:
+            raw.decode()
+        except UnicodeDecodeError:
+            text = "bytes:" + raw.decode(errors="backslashreplace")
+        known = self._tokens[token_id] = text, list(raw)  # (shared: events only serialize it)
+        return known
 
     def logprobs_of(self, lps: list[TokenLogprobs]) -> list[TokenLogprob]:
         out = []
         for lp in lps:
-            text = self.token_text(lp.token_id)
-            top = [
-                {"token": (t := self.token_text(i)), "logprob": v, "bytes": list(t.encode())}
-                for i, v in lp.top
-            ]
-            out.append(TokenLogprob(text, lp.logprob, list(text.encode()), top))
+            top = []
+            for i, v in lp.top:
+                t, b = self.token_of(i)
+                top.append({"token": t, "logprob": v, "bytes": b})
+            text, raw = self.token_of(lp.token_id)
+            out.append(TokenLogprob(text, lp.logprob, raw, top))
         return out
 
 
@@ -427,7 +439,7 @@ async def _generate(request: web.Request) -> web.StreamResponse:
     try:
         req = _request_of(orjson.loads(await request.read()))
     except InvalidRequestError as e:
-        return _error(400, str(e), "invalid_request_error", e.param)
+        return _error(400, str(e), "invalid_request_error", e.param, e.code)
     except (orjson.JSONDecodeError, TypeError, ValueError) as e:
         return _error(400, f"bad generate request: {e}", "invalid_request_error")
     if req.model != worker.config.model_name:
@@ -471,8 +483,9 @@ async def _generate(request: web.Request) -> web.StreamResponse:
             if lines:
                 quiet.wrote()
                 await resp.write(b"".join(lines))
-            if out.finished:
+            if out.finished or len(done) == len(out.outputs):  # (or ended at their one call)
                 texts = [o.text for o in out.outputs]
+                break  # `finally` aborts a request whose completions all ended early
         times.ended = time.monotonic()
         await resp.write(encode_event(DoneEvent(n_prompt, generated, cached)))
         error = None
@@ -557,8 +570,8 @@ async def _submit(
     """Hand the request to the engine (pulling its prompt's KV first when disaggregated): its
     stream, and its tools (None without); _Refused when it cannot be taken."""
     try:
-        tools = RequestTools.of(req.tools, req.tool_choice, worker.tokenizer,
-                                worker.config.tool_call_parser)  # fmt: skip
+        tools = RequestTools.of(req.tools, req.tool_choice, req.parallel_tool_calls,
+                                worker.tokenizer, worker.config.tool_call_parser)  # fmt: skip
         params = _sampling_params(req.sampling)
         if tools is not None:
             tools.constrain(params)  # tool_choice required / named: a grammar
@@ -574,7 +587,7 @@ async def _submit(
     except KVTransferError as e:  # the prefill side failed: prefill again elsewhere
         raise _Refused(502, str(e), "bad_gateway", "kv_source", "kv_transfer_failed") from e
     except InvalidRequestError as e:
-        raise _Refused(400, str(e), "invalid_request_error", e.param) from e
+        raise _Refused(400, str(e), "invalid_request_error", e.param, e.code) from e
     except QueueFullError as e:
         raise _Refused(429, str(e), "rate_limit_error", None, "queue_full", True) from e
     except EngineDeadError as e:
@@ -621,16 +634,19 @@ def _delta(
     first = sent.get(o.index, 0)
     lps = o.logprobs[first : o.num_shown_tokens] if o.logprobs else None
     sent[o.index] = max(first, o.num_shown_tokens)
-    text, calls = o.delta_text, None
+    text, calls, finish_reason = o.delta_text, None, o.finish_reason
     if tools is not None:  # content and tool-call deltas
         text, calls = tools.delta(o.index, text, o.delta_token_ids, o.finished)
+        if not o.finished and tools.ended(o.index):  # its one call (parallel_tool_calls false)
+            finish_reason = "stop"
+            done.add(o.index)
     return DeltaEvent(
         index=o.index,
         text=text,
         tool_calls=calls or None,
         token_ids=list(o.delta_token_ids),
         logprobs=worker.logprobs_of(lps) if lps else ([] if o.logprobs is not None else None),
-        finish_reason=o.finish_reason,
+        finish_reason=finish_reason,
         stop_reason=o.stop_reason,
     )
 

@@ -18,6 +18,7 @@ from gateway.errors import APIError
 from gateway.openai_api import (
     CHAT_FIELDS,
     COMPLETION_FIELDS,
+    MAX_PROMPTS,
     RequestOptions,
     parse_chat,
     parse_completion,
@@ -125,6 +126,12 @@ CHAT_INVALID: list[tuple[dict[str, Any], str, str]] = [
         "only text",
     ),
     (_content([{"type": "text", "text": 5}]), "messages[0].content[0].text", "string"),
+    (_content([{"type": "refusal", "refusal": "no"}]), "messages[0].content[0].type", "refusal"),
+    (
+        {"messages": [{"role": "assistant", "content": [{"type": "refusal", "refusal": 5}]}]},
+        "messages[0].content[0].refusal",
+        "string",
+    ),
     (_msg(name=5), "messages[0].name", "string"),
     (_msg(tool_calls=[{"id": "c1"}]), "messages[0].tool_calls", "only assistant"),
     ({"max_completion_tokens": 0}, "max_completion_tokens", f"[1, {I32}]"),
@@ -149,8 +156,11 @@ COMPLETION_INVALID: list[tuple[dict[str, Any], str, str]] = [
     ({"prompt": []}, "prompt", "non-empty"),
     ({"prompt": [[]]}, "prompt", "non-empty"),
     ({"prompt": [""]}, "prompt", "non-empty string"),
-    ({"prompt": ["a", "b"]}, "prompt", "one prompt per request"),
-    ({"prompt": [[1], [2]]}, "prompt", "one prompt per request"),
+    ({"prompt": ["a"] * 65}, "prompt", "holds 65 prompts; at most 64 per request"),
+    ({"prompt": [[1]] * 65}, "prompt", "at most 64"),
+    ({"prompt": ["a", ""]}, "prompt", "prompt[1] must be a non-empty string"),
+    ({"prompt": ["a", 3]}, "prompt", "prompt[1] must be a non-empty string or"),
+    ({"prompt": [[1], [2, -1]]}, "prompt", "prompt[1][1] must be a token id"),
     ({"prompt": [1, -1]}, "prompt", f"[0, {I32}]"),
     ({"prompt": [1, True]}, "prompt", "token id"),
     ({"prompt": [1.5]}, "prompt", "token id"),
@@ -219,7 +229,7 @@ DEFAULT_SAMPLING: dict[str, Any] = {
 
 
 def test_chat_defaults() -> None:
-    req, opts = parse_chat(CHAT, "req-1")
+    (req,), opts = parse_chat(CHAT, "req-1")
     # Chat's default is "up to the context": it must be sent, the engine's own default is 16.
     assert req.sampling == {**DEFAULT_SAMPLING, "max_tokens": None}
     assert (req.request_id, req.model, req.prompt) == ("req-1", "m", None)
@@ -228,7 +238,7 @@ def test_chat_defaults() -> None:
 
 
 def test_completion_defaults() -> None:
-    req, opts = parse_completion(COMPLETION, "req-2", session_id="s1")
+    (req,), opts = parse_completion(COMPLETION, "req-2", session_id="s1")
     assert req.sampling == {**DEFAULT_SAMPLING, "max_tokens": 16}
     assert (req.prompt, req.messages, req.session_id) == ("hi", None, "s1")
     assert opts == RequestOptions("completion", "m", False, False, 1, None)
@@ -278,7 +288,7 @@ def test_chat_maps_every_field() -> None:
         "metadata": {"ignored": True},  # unknown fields are ignored
         "store": False,
     }
-    req, opts = parse_chat(body, "r")
+    (req,), opts = parse_chat(body, "r")
     assert req.sampling == {
         "n": 3,
         "max_tokens": 64,
@@ -330,7 +340,7 @@ def test_completion_maps_every_field() -> None:
         "repetition_penalty": 2,
         "stop_token_ids": [],
     }
-    req, opts = parse_completion(body, "r")
+    (req,), opts = parse_completion(body, "r")
     assert req.prompt == [1, 2, 3]
     assert req.sampling == {
         **DEFAULT_SAMPLING,
@@ -347,12 +357,41 @@ def test_completion_maps_every_field() -> None:
     assert opts == RequestOptions("completion", "smol", True, False, 2, 0)
 
 
+def test_assistant_refusal_parts_are_its_text() -> None:
+    """An earlier answer that OpenAI refused, sent back as the client got it (content parts)."""
+    refused = [{"type": "refusal", "refusal": "I can't help with that."}]
+    messages = [
+        {"role": "user", "content": "hi"},
+        {"role": "assistant", "content": refused},
+        {"role": "assistant", "content": [{"type": "text", "text": "a"}, *refused]},
+    ]
+    (req,), _ = parse_chat({**CHAT, "messages": messages}, "r")
+    assert [m["content"] for m in req.messages or []] == [
+        "hi", "I can't help with that.", "a\nI can't help with that."
+    ]  # fmt: skip
+
+
 @pytest.mark.parametrize(
     ("prompt", "expected"),
     [("hi", "hi"), (["hi"], "hi"), ([5, 6], [5, 6]), ([[5, 6]], [5, 6]), ([0], [0])],
 )
 def test_completion_prompt_forms(prompt: Any, expected: Any) -> None:
-    assert parse_completion({**COMPLETION, "prompt": prompt}, "r")[0].prompt == expected
+    (req,), _ = parse_completion({**COMPLETION, "prompt": prompt}, "r")
+    assert req.prompt == expected
+
+
+@pytest.mark.parametrize("prompts", [["Once", "Upon a"], [[5, 6], [7]], [[5], "mixed"]])
+def test_completion_batch_is_a_request_per_prompt(prompts: list[Any]) -> None:
+    """LangChain's OpenAI LLM sends prompts in batches: each is the worker's request of its
+    own, with the request's sampling, session and an id of its own."""
+    body = {**COMPLETION, "prompt": prompts, "n": 3, "temperature": 0.5}
+    reqs, opts = parse_completion(body, "r", session_id="s")
+    assert [r.prompt for r in reqs] == prompts
+    assert [r.request_id for r in reqs] == ["r-0", "r-1"]
+    assert all(r.sampling == reqs[0].sampling and r.session_id == "s" for r in reqs)
+    assert reqs[0].sampling["n"] == 3 and reqs[0].sampling["temperature"] == 0.5
+    assert (opts.n, opts.prompts) == (3, 2)
+    assert len(parse_completion({**COMPLETION, "prompt": ["x"] * 64}, "r")[0]) == MAX_PROMPTS
 
 
 @pytest.mark.parametrize("best_of", [None, 1, 3])
@@ -362,12 +401,12 @@ def test_best_of_null_one_or_n(best_of: int | None) -> None:
 
 def test_nulls_mean_defaults() -> None:
     nulls = {f: None for f in CHAT_FIELDS - {"model", "messages"}}
-    assert parse_chat({**CHAT, **nulls}, "r")[0].sampling == {
+    assert parse_chat({**CHAT, **nulls}, "r")[0][0].sampling == {
         **DEFAULT_SAMPLING,
         "max_tokens": None,
     }
     nulls = {f: None for f in COMPLETION_FIELDS - {"model", "prompt"}}
-    req = parse_completion({**COMPLETION, **nulls}, "r")[0]
+    (req,), _ = parse_completion({**COMPLETION, **nulls}, "r")
     assert req.sampling == {**DEFAULT_SAMPLING, "max_tokens": 16}
 
 
@@ -375,9 +414,9 @@ def test_sampling_is_what_the_engine_takes() -> None:
     """The worker does SamplingParams(**sampling): every field, each one it knows, all valid."""
     names = {f.name for f in dataclasses.fields(SamplingParams)}
     for req in (
-        parse_chat(CHAT, "r")[0],
-        parse_completion(COMPLETION, "r")[0],
-        parse_chat({**CHAT, "logprobs": True, "n": 16, "seed": 2**63 - 1, "stop": "x"}, "r")[0],
+        parse_chat(CHAT, "r")[0][0],
+        parse_completion(COMPLETION, "r")[0][0],
+        parse_chat({**CHAT, "logprobs": True, "n": 16, "seed": 2**63 - 1, "stop": "x"}, "r")[0][0],
     ):
         assert set(req.sampling) == names
         SamplingParams(**req.sampling)

@@ -248,6 +248,51 @@ def test_completion_stream() -> None:
     ]
 
 
+def test_completion_batch_numbers_choices_by_prompt_and_adds_up_usage() -> None:
+    """Two prompts' streams, interleaved: prompt p's choice j is choice p * n + j (OpenAI's
+    numbering), usage is the sum, and the answer ends (the usage chunk) with the last stream."""
+    body = {"model": "smol", "prompt": ["hi", "yo"], "n": 2, "stream": True,
+            "stream_options": {"include_usage": True}}  # fmt: skip
+    asm = ResponseAssembler(parse_completion(body, "r1")[1], "r1", 1700000000)
+    second = _events(
+        StartEvent("r1-1", "w-2", 3),
+        DeltaEvent(1, "B", [7], finish_reason="length"),
+        DeltaEvent(0, "A", [8], finish_reason="stop"),
+        DoneEvent(prompt_tokens=3, completion_tokens=2, cached_tokens=1),
+    )
+    chunks = []
+    for i in range(max(len(TWO_CHOICES), len(second))):
+        for p, events in enumerate((TWO_CHOICES, second)):
+            if i < len(events):
+                chunks += asm.on_event(events[i], p)
+                assert asm.done == (p == 0 and i == len(TWO_CHOICES) - 1)
+    texts: dict[int, str] = {}
+    for c in chunks[:-1]:
+        (choice,) = c["choices"]
+        texts[choice["index"]] = texts.get(choice["index"], "") + choice["text"]
+    assert texts == {0: "Hello", 1: "World", 2: "A", 3: "B"}
+    total = {"prompt_tokens": 8, "completion_tokens": 7, "total_tokens": 15,
+             "prompt_tokens_details": {"cached_tokens": 3}}  # fmt: skip
+    assert chunks[-1]["choices"] == [] and chunks[-1]["usage"] == total
+    assert [c["usage"] for c in chunks[:-1]] == [None] * (len(chunks) - 1)
+
+    asm = ResponseAssembler(parse_completion({**body, "stream": False, "stream_options": None},
+                                             "r1")[1], "r1", 1)  # fmt: skip
+    for e in second:
+        asm.on_event(e, 1)
+    with pytest.raises(APIError):
+        asm.final()  # prompt 0 has not answered
+    for e in TWO_CHOICES:
+        asm.on_event(e, 0)
+    out = Completion.model_validate(asm.final())
+    assert [(c.index, c.text, c.finish_reason) for c in out.choices] == [
+        (0, "Hello", "stop"), (1, "World", "length"), (2, "A", "stop"), (3, "B", "length")
+    ]  # fmt: skip
+    assert out.usage is not None and out.usage.model_dump(exclude_none=True) == total
+    with pytest.raises(APIError, match="outside"):  # a worker's index is within its own n
+        asm.on_event(_events(DeltaEvent(2, "x", [1]))[0], 0)
+
+
 def test_completion_stream_logprobs_chunk() -> None:
     asm = _completion(stream=True, logprobs=1)
     chunks = _feed(asm, LOGPROB_EVENTS)
@@ -344,3 +389,26 @@ def test_options_are_what_parse_returns() -> None:
     opts = RequestOptions("chat", "m", True, True, 1, None)
     asm = ResponseAssembler(opts, "x", 1)
     assert asm.id == "chatcmpl-x"
+
+
+def test_an_error_mid_stream_keeps_the_workers_code() -> None:
+    """A worker that fails a stream after its first token (its drain timed out: "shutdown")
+    says why in its error event; the client's error chunk carries that code, not a generic one."""
+    import asyncio
+
+    from gateway.proxy import Proxy
+
+    class Written:
+        def __init__(self) -> None:
+            self.data = b""
+
+        async def write(self, data: bytes) -> None:
+            self.data += data
+
+    resp = Written()
+    asm = _completion(stream=True)
+    error = {"type": "error", "message": "worker is shutting down", "code": "shutdown"}
+    ended = asyncio.run(Proxy._relay(resp, asm, 0, [error]))  # type: ignore[arg-type]
+    body = orjson.loads(resp.data.removeprefix(b"data: ").strip())
+    assert ended and body["error"]["code"] == "shutdown"
+    assert body["error"]["message"] == "worker is shutting down"

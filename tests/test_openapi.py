@@ -123,10 +123,15 @@ def test_spec_covers_endpoints_statuses_and_headers() -> None:
         op = paths[path]["post"]
         assert raised | {"200", "401", "404", "405", "413", "429", "503"} <= set(op["responses"])
         assert set(op["responses"]["200"]["headers"]) == {
+            "x-request-id",
             "x-edgeinfer-worker",
             "x-edgeinfer-region",
         }
         assert op["parameters"] == [{"$ref": "#/components/parameters/SessionAffinity"}]
+        preflight = paths[path]["options"]  # CORS, with --cors-origins
+        assert preflight["security"] == [] and set(preflight["responses"]) == {"204", "403"}
+    for response in OPENAPI["components"]["responses"].values():  # errors name their request
+        assert "x-request-id" in response["headers"]
     params = OPENAPI["components"]["parameters"]
     assert params["SessionAffinity"]["name"] == "x-session-affinity"
     for status in ("429", "503"):
@@ -146,6 +151,7 @@ def test_error_shapes() -> None:
     cases = [
         (errors.invalid("n", "bad"), 400, "invalid_request_error"),
         (errors.unauthorized(), 401, "authentication_error"),
+        (errors.origin_not_allowed("https://evil.example"), 403, "invalid_request_error"),
         (errors.model_not_found("x"), 404, "not_found_error"),
         (errors.method_not_allowed("GET", "POST"), 405, "invalid_request_error"),
         (errors.too_large(1024), 413, "invalid_request_error"),

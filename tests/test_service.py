@@ -15,6 +15,7 @@ import time
 from collections.abc import Awaitable, Callable
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
+from typing import Any
 
 import aiohttp
 import openai
@@ -22,6 +23,7 @@ import orjson
 import pytest
 from redis.asyncio import Redis
 
+from gateway.config import GatewayConfig
 from kvstore.client import connect
 from kvstore.placement import Placement, SessionStore
 from kvstore.protocol import WorkerInfo
@@ -275,6 +277,100 @@ def test_n_completions_and_stop(cluster: Cluster, reference: LLM) -> None:
     ]
 
 
+def test_completion_batch_of_prompts(cluster: Cluster, reference: LLM) -> None:
+    """A prompt array (LangChain's OpenAI LLM sends batches): each prompt goes to a worker on its
+    own, prompt p's completions are choices p * n + j, usage is the sum; streamed, the prompts'
+    chunks interleave in one stream with one [DONE]; a client that hangs up stops them all."""
+    texts = ["Once upon a time", "The little dog", "Lily saw a big"]
+    prompts: list[Any] = [*texts, reference.tokenizer.encode("A cat sat")]
+    want = reference.generate([*texts, "A cat sat"], SamplingParams(max_tokens=12, temperature=0))
+    kwargs: dict[str, Any] = {"model": "stories", "prompt": prompts, "max_tokens": 12, "n": 2,
+                              "temperature": 0}  # fmt: skip
+    raw = cluster.client.completions.with_raw_response.create(**kwargs)
+    resp = raw.parse()
+    assert [(c.index, c.text) for c in resp.choices] == [
+        (p * 2 + j, w.outputs[0].text) for p, w in enumerate(want) for j in range(2)
+    ]
+    assert resp.usage is not None
+    assert resp.usage.prompt_tokens == sum(len(w.prompt_token_ids) for w in want)
+    assert resp.usage.completion_tokens == 2 * sum(len(w.outputs[0].token_ids) for w in want)
+    eu = {cluster.workers[n].meta["worker_id"] for n in ("eu1", "eu2")}
+    assert set(raw.headers["x-edgeinfer-worker"].split(", ")) <= eu
+    assert resp.id == f"cmpl-{raw.headers['x-request-id']}"
+
+    stream = cluster.client.completions.create(
+        **kwargs, stream=True, stream_options={"include_usage": True}
+    )
+    streamed: dict[int, str] = {}
+    chunks = list(stream)
+    for chunk in chunks[:-1]:
+        (choice,) = chunk.choices
+        streamed[choice.index] = streamed.get(choice.index, "") + choice.text
+    assert streamed == {c.index: c.text for c in resp.choices}
+    assert chunks[-1].choices == [] and chunks[-1].usage == resp.usage
+
+    async def hang_up() -> list[bytes]:
+        async with aiohttp.ClientSession() as s:
+            body = {**kwargs, "stream": True, "max_tokens": 12}
+            async with s.post(f"{cluster.gateway.url}/v1/completions", json=body,
+                              headers={"Authorization": f"Bearer {API_KEY}"}) as resp:  # fmt: skip
+                lines = await _sse_lines(resp)
+            long = {**body, "max_tokens": 480, "ignore_eos": True}
+            resp = await s.post(f"{cluster.gateway.url}/v1/completions", json=long,
+                                headers={"Authorization": f"Bearer {API_KEY}"})  # fmt: skip
+            assert resp.status == 200
+            await resp.content.readline()  # the first token arrived
+            resp.close()  # hang up mid-stream
+            return lines
+
+    before = sum(worker_stats(w)["num_aborted"] for w in cluster.workers.values())
+    lines = asyncio.run(hang_up())
+    assert lines.count(b"data: [DONE]") == 1 and lines[-1] == b"data: [DONE]"
+
+    def aborted() -> bool:
+        stats = [worker_stats(w) for w in cluster.workers.values()]
+        return sum(s["num_aborted"] for s in stats) == before + len(prompts) and all(
+            s["open_requests"] == 0 and s["free_kv_blocks"] == s["total_kv_blocks"] for s in stats
+        )
+
+    wait_until(aborted, 10, "every prompt's worker to abort it and free its blocks")
+    with pytest.raises(openai.BadRequestError) as e:
+        cluster.client.completions.create(model="stories", prompt=["Hi"] * 65, max_tokens=1)
+    assert e.value.body["param"] == "prompt"  # type: ignore[index]
+    assert "at most 64" in e.value.body["message"]  # type: ignore[index]
+
+
+def test_assistant_refusal_parts_are_read_as_text(cluster: Cluster) -> None:
+    """An earlier refusal sent back as content parts, as the openai client returns it: the
+    prompt is the one its text makes."""
+    refusal = "I can't help with that."
+
+    def answer(content: Any) -> str | None:
+        messages: list[Any] = [*MESSAGES, {"role": "assistant", "content": content},
+                               {"role": "user", "content": "Then tell me about a dog."}]  # fmt: skip
+        resp = cluster.client.chat.completions.create(
+            model="stories", messages=messages, max_tokens=8, temperature=0
+        )
+        return resp.choices[0].message.content
+
+    assert answer([{"type": "refusal", "refusal": refusal}]) == answer(refusal)
+
+
+def test_a_request_over_the_context_is_a_context_length_error(cluster: Cluster) -> None:
+    """As OpenAI answers it, so that clients that trim a conversation and retry recognise it:
+    code context_length_exceeded, param messages (chat) or prompt (completions)."""
+    long = "Once upon a time " * 200  # over stories260K's 512 positions
+    with pytest.raises(openai.BadRequestError) as chat:
+        cluster.client.chat.completions.create(
+            model="stories", messages=[{"role": "user", "content": long}], max_tokens=4
+        )
+    with pytest.raises(openai.BadRequestError) as completion:
+        cluster.client.completions.create(model="stories", prompt=long, max_tokens=4)
+    for e, param, where in ((chat, "messages", "in the messages"), (completion, "prompt", "in the prompt")):  # fmt: skip
+        assert e.value.code == "context_length_exceeded" and e.value.param == param
+        assert "maximum context length is 512 tokens" in e.value.message and where in e.value.message
+
+
 # ---------------------------------------------------------------------- routing
 def test_session_affinity_sticks_and_sessions_spread(cluster: Cluster) -> None:
     seen = set()
@@ -330,6 +426,38 @@ def test_bad_input_gets_openai_error(cluster: Cluster, path: str, body: object, 
     assert err["error"]["message"]
     if param is not None:
         assert err["error"]["param"] == param, err
+
+
+def test_every_answer_names_its_request(cluster: Cluster) -> None:
+    """x-request-id on every response, errors included (the openai client's
+    `APIStatusError.request_id`), one per request; an error from a worker says which."""
+    client = cluster.client
+    raw = client.completions.with_raw_response.create(model="stories", prompt="Once", max_tokens=2)
+    ids: list[str | None] = [raw.headers["x-request-id"]]
+    assert raw.parse().id == f"cmpl-{ids[-1]}"  # the id the worker, logs and spans know
+    bad_key = openai.OpenAI(base_url=f"{cluster.gateway.url}/v1", api_key="nope", max_retries=0)
+    failing: list[tuple[Callable[[], object], type[openai.APIStatusError]]] = [
+        (lambda: bad_key.models.list(), openai.AuthenticationError),
+        (lambda: client.models.retrieve("nope"), openai.NotFoundError),
+        (lambda: client.completions.create(model="nope", prompt="Hi"), openai.NotFoundError),
+        (lambda: client.completions.create(model="", prompt="Hi"), openai.BadRequestError),
+    ]
+    for call, error in failing:
+        with pytest.raises(error) as e:
+            call()
+        assert e.value.request_id is not None and len(e.value.request_id) == 32, e.value
+        assert "x-edgeinfer-worker" not in e.value.response.headers  # no worker was chosen
+        ids.append(e.value.request_id)
+    # the worker refuses it (a token id outside the vocabulary): its error, and where it went
+    with pytest.raises(openai.BadRequestError) as e:
+        cluster.client.completions.create(model="stories", prompt=[1, 2, 99999], max_tokens=2)
+    assert e.value.body["param"] == "prompt"  # type: ignore[index]
+    headers = e.value.response.headers
+    assert headers["x-edgeinfer-worker"] in {cluster.workers[n].meta["worker_id"]
+                                             for n in ("eu1", "eu2")}  # fmt: skip
+    assert headers["x-edgeinfer-region"] == "eu"
+    ids.append(e.value.request_id)
+    assert all(ids) and len(set(ids)) == len(ids)
 
 
 def _raw(
@@ -499,6 +627,66 @@ def test_limits_auth_paths(cluster: Cluster) -> None:
     with urllib.request.urlopen(f"{cluster.gateway.url}/metrics", timeout=10) as resp:
         metrics = resp.read().decode()
     assert 'gen_ai_request_model="unknown"' in metrics and "m" * 64 not in metrics
+
+
+def test_cors_origins_must_be_origins() -> None:
+    for origin in ("app.example", "https://app.example/", "https://app.example/x", "", "**"):
+        with pytest.raises(ValueError, match="cors-origins"):
+            GatewayConfig("eu", "redis://x", "s", cors_origins=frozenset({origin}))
+    GatewayConfig("eu", "redis://x", "s", cors_origins=frozenset({"*", "http://localhost:5173"}))
+
+
+def test_cors_for_browser_clients(cluster: Cluster) -> None:
+    """--cors-origins: a browser's preflight is answered before auth, from a listed origin only;
+    every response to one (errors too) lets the page read it and the gateway's headers. Without
+    the flag, no CORS at all."""
+    page = "http://localhost:5173"
+    gw = start_gateway("gw-cors", cluster.redis.url, cluster.root / "regions.yaml", cluster.root,
+                       "eu", ["--api-key", API_KEY, "--cors-origins", f"https://app.example,{page}"])  # fmt: skip
+    asked = "authorization, content-type, x-stainless-os, x-stainless-retry-count"
+    preflight = {"Origin": page, "Access-Control-Request-Method": "POST",
+                 "Access-Control-Request-Headers": asked}  # fmt: skip
+    auth = {"Origin": page, "Authorization": f"Bearer {API_KEY}"}
+    body = {"model": "stories", "prompt": "Once", "max_tokens": 2}
+
+    async def run(url: str) -> list[tuple[int, Any]]:
+        async with aiohttp.ClientSession() as s:
+            out = []
+            for method, headers, data in [
+                ("OPTIONS", preflight, None),
+                ("OPTIONS", preflight | {"Origin": "https://evil.example"}, None),
+                ("POST", auth, body),
+                ("POST", {**auth, "Authorization": "Bearer wrong"}, body),
+                ("POST", {**auth, "Origin": "https://evil.example"}, body),
+            ]:
+                async with s.request(method, f"{url}/v1/completions", headers=headers,
+                                     json=data) as resp:  # fmt: skip
+                    await resp.read()
+                    out.append((resp.status, resp.headers))
+            return out
+
+    try:
+        wait_until(lambda: get_json(f"{gw.url}/readyz")[1]["workers"] == 4, 30, "workers")
+        ok, evil, post, unauthorized, other = asyncio.run(run(gw.url))
+    finally:
+        gw.stop()
+    status, headers = ok
+    assert status == 204 and headers["Access-Control-Allow-Origin"] == page
+    assert "POST" in headers["Access-Control-Allow-Methods"]
+    assert headers["Access-Control-Allow-Headers"] == asked
+    assert int(headers["Access-Control-Max-Age"]) > 0 and headers["Vary"] == "Origin"
+    assert evil[0] == 403 and "Access-Control-Allow-Origin" not in evil[1]
+    for status, headers in (post, unauthorized):
+        assert status in (200, 401) and headers["Access-Control-Allow-Origin"] == page
+        exposed = headers["Access-Control-Expose-Headers"]
+        assert {"x-request-id", "x-edgeinfer-worker", "x-edgeinfer-region"} <= set(
+            exposed.split(", ")
+        )
+    assert unauthorized[0] == 401 and "x-request-id" in unauthorized[1]
+    assert other[0] == 200 and "Access-Control-Allow-Origin" not in other[1]
+    # the cluster's gateway runs without --cors-origins: a preflight meets auth, and no CORS
+    (status, headers), *_ = asyncio.run(run(cluster.gateway.url))
+    assert status == 401 and "Access-Control-Allow-Origin" not in headers
 
 
 def test_worker_refuses_without_secret(cluster: Cluster) -> None:

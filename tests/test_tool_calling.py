@@ -13,6 +13,7 @@ from typing import Any
 import jsonschema
 import openai
 import orjson
+import pydantic
 import pytest
 
 from kvstore.redis_server import LocalRedis
@@ -45,6 +46,35 @@ TOOLS = [
     {"type": "function", "function": {"name": "get_time", "parameters": TIME}},
 ]
 SCHEMAS = {"get_weather": WEATHER, "get_time": TIME}
+
+
+class Addr(pydantic.BaseModel):
+    city: str = pydantic.Field(max_length=12)
+
+
+class Person(pydantic.BaseModel):
+    name: str = pydantic.Field(max_length=12)
+    addr: Addr
+
+
+# parameters that refer into themselves: pydantic's nested models ("#/$defs/Addr") and a
+# recursive schema written by hand ("#" for the root, "#/definitions/...")
+PERSON = openai.pydantic_function_tool(Person)
+TREE = {
+    "type": "object",
+    "properties": {
+        "v": {"$ref": "#/definitions/digit"},
+        "kids": {"type": "array", "items": {"$ref": "#"}, "maxItems": 1},
+    },
+    "required": ["v"],
+    "additionalProperties": False,
+    "definitions": {"digit": {"type": "integer", "minimum": 0, "maximum": 9}},
+}
+REF_TOOLS: list[Any] = [
+    PERSON,
+    {"type": "function", "function": {"name": "tree", "parameters": TREE}},
+]
+REF_SCHEMAS = {"Person": PERSON["function"]["parameters"], "tree": TREE}
 # A Hermes/Qwen-style chat template for stories260K: tools in a system turn (by name and
 # description only: their schemas would fill its 512-token context), calls in <tool_call>
 # blocks, tool results as their own turn.
@@ -152,7 +182,26 @@ def test_marker_special_token_is_seen_by_id() -> None:
         stream.feed('[{"name": "f", "arguments": {}}]', [5, 6], True),
     ]
     assert _reassemble(out) == ("", [{"name": "f", "arguments": "{}"}])
-    assert "<[77]>" in parser.grammar(TOOLS, None)
+    assert "<[77]>" in parser.grammar(TOOLS, True)
+
+
+@pytest.mark.parametrize("parser_name", ["hermes", "llama3_json", "mistral"])
+def test_without_parallel_calls_a_completion_ends_at_its_first_call(parser_name: str) -> None:
+    """parallel_tool_calls false, tool_choice auto: the first call is the only one, and the
+    completion ends once it is complete (whatever the model writes next)."""
+    text = dict(
+        hermes=f"<tool_call>\n{CALL_A}\n</tool_call>\n<tool_call>\n{CALL_B}\n</tool_call>",
+        llama3_json=f"{CALL_A}; {CALL_B}",
+        mistral=f"[TOOL_CALLS][{CALL_A}, {CALL_B}]",
+    )[parser_name]
+    tools = RequestTools(make_parser(parser_name, "", {}), TOOLS, "auto", False)
+    deltas, steps = [], 0
+    while not tools.ended(0):  # a character a step
+        deltas.append(tools.delta(0, text[steps], [], False))
+        steps += 1
+    assert steps == text.index(CALL_A) + len(CALL_A)  # the step that closed the first call
+    args = '{"city": "Pa\\"ris }", "unit": "celsius"}'
+    assert _reassemble(deltas) == ("", [{"name": "get_weather", "arguments": args}])
 
 
 def test_parser_from_template() -> None:
@@ -179,17 +228,42 @@ def _calls_of(
 
 
 @pytest.mark.parametrize("parser_name", ["hermes", "llama3_json", "mistral"])
-@pytest.mark.parametrize("choice", ["required", "get_time"])
-def test_forced_calls_always_parse(stories: LLM, parser_name: str, choice: str) -> None:
+@pytest.mark.parametrize(
+    ("choice", "parallel"), [("required", True), ("required", False), ("get_time", True)]
+)
+def test_forced_calls_always_parse(
+    stories: LLM, parser_name: str, choice: str, parallel: bool
+) -> None:
     """30 seeded samples each: the output is one or more calls (exactly one, of the named
-    function) whose arguments validate against that function's schema. "required" allows any
-    number of calls: one that max_tokens cut off is a prefix of a valid call, the ones before
-    it validate."""
+    function, or with parallel_tool_calls false) whose arguments validate against that
+    function's schema. "required" allows any number of calls: one that max_tokens cut off is a
+    prefix of a valid call, the ones before it validate."""
+    _forced_calls(stories, parser_name, TOOLS, SCHEMAS, choice, parallel)
+
+
+@pytest.mark.parametrize("parser_name", ["hermes", "llama3_json", "mistral"])
+@pytest.mark.parametrize("choice", ["required", "Person", "tree"])
+def test_forced_calls_with_refs_in_parameters(stories: LLM, parser_name: str, choice: str) -> None:
+    """Parameters with `$defs` / `definitions` and `$ref`s into them or to their own root
+    compile into the grammar (they were a 400: "Pointer '/$defs/Addr' does not exist"), and
+    every call validates against them."""
+    _forced_calls(stories, parser_name, REF_TOOLS, REF_SCHEMAS, choice, True)
+
+
+def _forced_calls(
+    stories: LLM,
+    parser_name: str,
+    offered: list[Any],
+    schemas: dict[str, Any],
+    choice: str,
+    parallel: bool,
+) -> None:
     tok = stories.tokenizer
     tool_choice: object = choice
     if choice != "required":
         tool_choice = {"type": "function", "function": {"name": choice}}
-    tools = RequestTools(make_parser(parser_name, "", tok.added_tokens), TOOLS, tool_choice)
+    parser = make_parser(parser_name, "", tok.added_tokens)
+    tools = RequestTools(parser, offered, tool_choice, parallel)
     params = []
     for seed in range(30):
         p = SamplingParams(max_tokens=160, temperature=1.0, seed=seed)
@@ -200,12 +274,13 @@ def test_forced_calls_always_parse(stories: LLM, parser_name: str, choice: str) 
         calls = _calls_of(parser_name, tok, o.token_ids, o.text)
         assert calls, o.text
         if choice != "required":
-            assert o.finish_reason == "stop", o.text
             assert [c["name"] for c in calls] == [choice]
+        if choice != "required" or not parallel:
+            assert o.finish_reason == "stop" and len(calls) == 1, o.text
         complete = calls if o.finish_reason == "stop" else calls[:-1]
         assert o.finish_reason == "stop" or complete, o.text
         for c in complete:
-            jsonschema.validate(json.loads(c["arguments"]), SCHEMAS[c["name"]])
+            jsonschema.validate(json.loads(c["arguments"]), schemas[c["name"]])
 
 
 # ------------------------------------------------------------------------------ the service
@@ -278,6 +353,48 @@ def test_required_and_named_through_the_gateway(stack: Stack) -> None:
     calls = _check_calls(r.choices[0].message)
     assert [c.function.name for c in calls] == ["get_weather"]
     assert r.choices[0].message.content is None
+
+
+def test_nested_pydantic_tool_through_the_gateway(stack: Stack) -> None:
+    """A tool from `openai.pydantic_function_tool` of a model with a nested model (`$defs`,
+    `$ref`), forced by name: the client's own parse() reads the call back into the model (it
+    was a 400: "Pointer '/$defs/Addr' does not exist")."""
+    r = stack.client.chat.completions.parse(
+        model="stories",
+        messages=USER,
+        tools=[PERSON],
+        tool_choice={"type": "function", "function": {"name": "Person"}},
+        max_tokens=160,
+        temperature=0,
+    )
+    calls = r.choices[0].message.tool_calls or []
+    assert r.choices[0].finish_reason == "tool_calls" and len(calls) == 1
+    assert isinstance(calls[0].function.parsed_arguments, Person)
+
+
+def test_parallel_tool_calls_false_makes_one_call(stack: Stack) -> None:
+    """Required and named: a grammar of one call. Auto: the completion ends after its first
+    call; stories260K writes none by itself, so guided_choice makes it write two."""
+    kwargs: dict[str, Any] = dict(model="stories", messages=USER, tools=TOOLS, max_tokens=160,
+                                  temperature=1.0, parallel_tool_calls=False)  # fmt: skip
+    for seed in range(5):
+        r = stack.client.chat.completions.create(**kwargs, tool_choice="required", seed=seed)
+        assert r.choices[0].finish_reason == "tool_calls"
+        assert len(_check_calls(r.choices[0].message)) == 1
+    two = "".join(f"<tool_call>\n{call}\n</tool_call>\n" for call in (CALL_B, CALL_A))
+    tokens = {}
+    for parallel in (True, False):
+        r = stack.client.chat.completions.create(
+            **kwargs | {"parallel_tool_calls": parallel, "temperature": 0},
+            extra_body={"guided_choice": [two]},
+        )
+        calls = r.choices[0].message.tool_calls or []
+        assert r.choices[0].finish_reason == "tool_calls"
+        names = ["get_time", "get_weather"] if parallel else ["get_time"]
+        assert [c.function.name for c in calls] == names
+        assert r.usage is not None
+        tokens[parallel] = r.usage.completion_tokens
+    assert tokens[False] < tokens[True] - 20  # it stopped there, not after the second call
 
 
 def test_auto_and_none_answer_in_text(stack: Stack) -> None:

@@ -82,6 +82,20 @@ def test_bad_fields_are_a_400_naming_the_field(
     assert error["param"] == param and error["type"] == "invalid_request_error", error
 
 
+@pytest.mark.parametrize(("fields", "param"), [
+    ({"sampling": {"max_tokens": 100_000}}, "max_tokens"),
+    ({"prompt": "Once upon a time " * 300}, "prompt"),
+])  # fmt: skip
+def test_a_request_over_the_context_is_coded_as_openai_codes_it(
+    worker: Proc, fields: dict[str, Any], param: str
+) -> None:
+    """Clients that trim a conversation and retry look for code context_length_exceeded."""
+    status, _, body = _post(worker, _request(0, **fields))
+    error = orjson.loads(body)["error"]
+    assert status == 400 and error["code"] == "context_length_exceeded", (status, error)
+    assert error["param"] == param and "maximum context length is 512" in error["message"]
+
+
 def test_an_undecodable_body_is_a_400(worker: Proc) -> None:
     status, content_type, body = _post(worker, b"not gzip", {"Content-Encoding": "gzip"})
     assert status == 400 and content_type == "application/json", (status, body)  # was a 500
