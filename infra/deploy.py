@@ -6,19 +6,23 @@
 Three layers, the way `kustomize build` stacks them: infra/k8s/base (gateway Deployment and
 Service, worker StatefulSet, pool manager, in-region Redis, the config map), the region's overlay
 infra/k8s/overlays/REGION (namespace, the region's name in the config), and on top the region's
-catalog settings from infra/regions.yaml, as an in-memory kustomization (the equivalent of
-`kustomize edit set image / set replicas` plus patches):
+catalog settings from infra/regions.yaml (the gateway package ships it as its default catalog),
+as an in-memory kustomization (the equivalent of `kustomize edit set image / set replicas` plus
+patches):
 
     image             the edgeinfer container image, REPO[:TAG] or REPO@DIGEST   (required)
     workers           standing worker pods (the StatefulSet's replicas)         (required)
     models            models served: the first by the standing workers, all     (required)
-                      of them by the pool manager (scale from zero)
+                      of them by the pool manager (scale from zero); each a name in the
+                      model store, or NAME=FOLDER (served as NAME), as `edgeinfer pool` reads them
     gpus_per_worker   nvidia.com/gpu per worker pod and pool pod (default 0: CPU)
     redis_url         a shared Redis for the cluster state; absent: the region runs its own
     drain_timeout     worker --drain-timeout, seconds (default 30); grace periods follow it
     store_class, store_size   the model store's local NVMe StorageClass and size
                       (default local-nvme, 200Gi)
-    gateway_replicas  (default 2); pool_max_workers (default 1)
+    gateway_replicas  (default 2)
+    pool_max_workers  the pool manager's --max-workers (default 1); 0: no pool manager, the
+                      standing workers serve the region (so workers >= 1 and one model)
     otlp_endpoint     where gateways and workers send traces and metrics (OTLP/HTTP), an
                       http(s):// URL; absent: the region runs its own collector
                       (infra/otel/collector.yaml) and they send to http://otel-collector:4318
@@ -43,10 +47,11 @@ from typing import Any
 
 import yaml
 
+from gateway.regions import DEFAULT_CATALOG
 from infra.kustomize import RenderError, Resource, build
+from runtime.pool_manager import parse_models
 
 INFRA = Path(__file__).resolve().parent
-DEFAULT_CATALOG = INFRA / "regions.yaml"
 OVERLAYS = INFRA / "k8s" / "overlays"
 GRACE_MARGIN_S = 20  # beyond the drain timeout: the preStop pause and the exit itself
 _IMAGE = re.compile(r"^(?P<repo>[a-z0-9][a-z0-9._/:-]*?)(?::(?P<tag>[\w][\w.-]{0,127}))?(?:@(?P<digest>sha256:[0-9a-f]{64}))?$")  # fmt: skip
@@ -121,6 +126,13 @@ def region_layer(region: str, settings: dict[str, Any]) -> dict[str, Any]:
     drain = _int(region, settings, "drain_timeout", 30, 1)
     gateways = _int(region, settings, "gateway_replicas", 2, 1)
     pool_max = _int(region, settings, "pool_max_workers", 1, 0)
+    if not pool_max and not workers:
+        raise DeployError(f"region {region!r}: settings.pool_max_workers is 0 (no pool manager) "
+                          "and settings.workers is 0: nothing would serve the region")  # fmt: skip
+    if not pool_max and len(models) > 1:
+        raise DeployError(f"region {region!r}: settings.pool_max_workers is 0 (no pool manager), "
+                          "so only the standing workers serve, the first of settings.models: "
+                          "list one model")  # fmt: skip
     store_class = _str(region, settings, "store_class", "local-nvme")
     store_size = _str(region, settings, "store_size", "200Gi")
     if not _QUANTITY.match(store_size):
@@ -139,8 +151,11 @@ def region_layer(region: str, settings: dict[str, Any]) -> dict[str, Any]:
         image_edit["digest"] = m["digest"]
     else:
         image_edit["newTag"] = m["tag"] or "latest"
+    # the standing workers' model as the pool reads it: NAME=FOLDER is FOLDER served as NAME
+    ((served_name, model),) = parse_models(models[0], resolve=str).items()
     config = {
-        "EDGEINFER_MODEL": models[0],
+        "EDGEINFER_MODEL": model,
+        "EDGEINFER_SERVED_MODEL_NAME": served_name,
         "EDGEINFER_MODELS": ",".join(models),
         "EDGEINFER_DRAIN_TIMEOUT": str(drain),
         "EDGEINFER_POOL_MAX_WORKERS": str(pool_max),
@@ -153,7 +168,8 @@ def region_layer(region: str, settings: dict[str, Any]) -> dict[str, Any]:
                                               "metadata": {"name": "edgeinfer-config"}, "data": config})]  # fmt: skip
     claim = {"storageClassName": store_class, "resources": {"requests": {"storage": store_size}}}
     gpu = {"limits": {"nvidia.com/gpu": gpus}} if gpus else {}
-    for kind, name in (("StatefulSet", "worker"), ("Deployment", "pool")):
+    pods = [("StatefulSet", "worker")] + ([("Deployment", "pool")] if pool_max else [])
+    for kind, name in pods:
         pod: dict[str, Any] = {"terminationGracePeriodSeconds": drain + GRACE_MARGIN_S,
                                "containers": [{"name": name, "resources": gpu}] if gpu else []}  # fmt: skip
         spec: dict[str, Any] = {"template": {"spec": pod}}
@@ -167,16 +183,14 @@ def region_layer(region: str, settings: dict[str, Any]) -> dict[str, Any]:
         if not pod["containers"]:
             del pod["containers"]
         patches.append(_inline({"apiVersion": "apps/v1", "kind": kind, "metadata": {"name": name}, "spec": spec}))  # fmt: skip
+    if not pool_max:
+        patches.append(_delete("apps/v1", "Deployment", "pool"))
     if redis_url:
-        for kind, api in (("Deployment", "apps/v1"), ("Service", "v1")):
-            patches.append(_inline({"apiVersion": api, "kind": kind, "metadata": {"name": "redis"},
-                                    "$patch": "delete"}))  # fmt: skip
+        patches += [_delete("apps/v1", "Deployment", "redis"), _delete("v1", "Service", "redis")]
     if otlp_endpoint:
-        for kind, api, name in (("Deployment", "apps/v1", "otel-collector"),
-                                ("Service", "v1", "otel-collector"),
-                                ("ConfigMap", "v1", "otel-collector-config")):  # fmt: skip
-            patches.append(_inline({"apiVersion": api, "kind": kind, "metadata": {"name": name},
-                                    "$patch": "delete"}))  # fmt: skip
+        patches += [_delete("apps/v1", "Deployment", "otel-collector"),
+                    _delete("v1", "Service", "otel-collector"),
+                    _delete("v1", "ConfigMap", "otel-collector-config")]  # fmt: skip
     elif traces_endpoint:
         container = {"name": "otel-collector",
                      "env": [{"name": "TRACES_OTLP_ENDPOINT", "value": traces_endpoint}]}  # fmt: skip
@@ -195,6 +209,13 @@ def region_layer(region: str, settings: dict[str, Any]) -> dict[str, Any]:
 
 def _inline(doc: dict[str, Any]) -> dict[str, str]:
     return {"patch": yaml.safe_dump(doc, sort_keys=False)}
+
+
+def _delete(api: str, kind: str, name: str) -> dict[str, str]:
+    """A patch that removes a resource of the base (kustomize's `$patch: delete`)."""
+    return _inline(
+        {"apiVersion": api, "kind": kind, "metadata": {"name": name}, "$patch": "delete"}
+    )
 
 
 def render(

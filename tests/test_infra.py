@@ -19,6 +19,7 @@ from gateway.regions import RegionCatalog
 from infra import deploy
 from infra.kustomize import RenderError, build, merge
 from runtime.cli import build_parser
+from runtime.pool_manager import parse_models
 
 K8S_VERSION = "1.30.0"
 REGIONS = sorted(RegionCatalog.load().regions)
@@ -70,13 +71,17 @@ def test_region_renders_and_validates(region: str) -> None:
     assert list(yaml.safe_load_all(deploy.to_yaml(resources))) == resources
 
 
-@pytest.mark.parametrize("region", REGIONS)
-def test_pods_run_real_commands(region: str) -> None:
-    settings = RegionCatalog.load().regions[region].settings
-    resources = deploy.render(region)
+def _check_commands(region: str, settings: dict[str, Any], resources: list[dict[str, Any]]) -> None:
+    """Every pod's args parse as the edgeinfer command it runs, with the region's settings."""
     parser = build_parser()
+    # the standing workers serve the first model under the name and from the folder the pool
+    # would (`name=FOLDER` entries included)
+    ((served_name, model),) = parse_models(settings["models"][0], resolve=str).items()
     for kind, name, command in (("Deployment", "gateway", "gateway"),
                                 ("StatefulSet", "worker", "worker"), ("Deployment", "pool", "pool")):  # fmt: skip
+        if name == "pool" and settings.get("pool_max_workers") == 0:
+            assert not [r for r in resources if r["metadata"]["name"] == "pool"]
+            continue
         c = _container(_by(resources, kind, name))
         assert c["image"] == settings["image"]
         assert c["command"] == ["edgeinfer"]
@@ -88,17 +93,23 @@ def test_pods_run_real_commands(region: str) -> None:
         secret = {e["name"]: e for e in c["env"]}["EDGEINFER_SECRET"]
         assert secret["valueFrom"]["secretKeyRef"] == {"name": "edgeinfer-secret", "key": "secret"}
         if command == "worker":
-            assert args.model == settings["models"][0]
+            assert (args.model, args.served_model_name) == (model, served_name)
             assert (args.host, args.port) == ("0.0.0.0", 9001)
             assert args.advertise_url == "http://10.1.2.3:9001"
             # registry ids are cluster-wide: a pod name (worker-0) alone would collide
             assert args.worker_id == f"{region}-pod-0"
         if command == "pool":
             assert args.models.split(",") == settings["models"]
+            assert args.max_workers == settings.get("pool_max_workers", 1)
             worker_flags = parser.parse_args(["worker", *args.worker_args.split()])
             assert worker_flags.drain_timeout == float(env["EDGEINFER_DRAIN_TIMEOUT"])
         if command == "gateway":
             assert (args.host, args.port) == ("0.0.0.0", 8080)
+
+
+@pytest.mark.parametrize("region", REGIONS)
+def test_pods_run_real_commands(region: str) -> None:
+    _check_commands(region, RegionCatalog.load().regions[region].settings, deploy.render(region))
 
 
 @pytest.mark.parametrize("region", REGIONS)
@@ -177,6 +188,41 @@ def test_catalog_settings_flow_into_manifests(tmp_path: Path) -> None:
     assert c["resources"]["limits"] == {"memory": "32Gi", "nvidia.com/gpu": 2}
 
 
+def test_model_folder_entries(tmp_path: Path) -> None:
+    """`name=FOLDER` models: the standing workers load FOLDER and serve it as `name`, as the pool
+    does (a folder given as --model's name would not be found in the store)."""
+    catalog = _catalog(tmp_path, models=["tiny=/var/lib/edgeinfer/models/tiny", "b"])
+    resources = deploy.render("local", catalog)
+    config = _by(resources, "ConfigMap", "edgeinfer-config")["data"]
+    assert (config["EDGEINFER_MODEL"], config["EDGEINFER_SERVED_MODEL_NAME"]) == (
+        "/var/lib/edgeinfer/models/tiny", "tiny")  # fmt: skip
+    _check_commands("local", RegionCatalog.load(catalog).regions["local"].settings, resources)
+
+
+def test_pool_max_workers_0_deploys_no_pool(tmp_path: Path) -> None:
+    catalog = _catalog(tmp_path, pool_max_workers=0)
+    resources = deploy.render("local", catalog)
+    assert "pool" not in {r["metadata"]["name"] for r in resources}
+    for r in resources:
+        kubernetes_validate.validate(r, K8S_VERSION, strict=True)
+    _check_commands("local", RegionCatalog.load(catalog).regions["local"].settings, resources)
+
+
+def test_deploy_sh_paths_are_the_callers(tmp_path: Path) -> None:
+    """Relative --catalog and --out name files in the caller's directory, not the repository's."""
+    import subprocess
+
+    _catalog(tmp_path, workers=5)
+    done = subprocess.run([str(deploy.INFRA / "deploy.sh"), "local", "--catalog", "regions.yaml",
+                           "--out", "build/local"], cwd=tmp_path, capture_output=True, text=True,
+                          check=False)  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    files = sorted((tmp_path / "build" / "local").glob("*.yaml"))
+    assert [str(f.relative_to(tmp_path)) for f in files] == done.stdout.split()
+    worker = [yaml.safe_load(f.read_text()) for f in files if "statefulset-worker" in f.name]
+    assert worker[0]["spec"]["replicas"] == 5
+
+
 @pytest.mark.parametrize(
     ("region", "settings", "field"),
     [
@@ -188,6 +234,10 @@ def test_catalog_settings_flow_into_manifests(tmp_path: Path) -> None:
         ("local", {"workers": None}, "settings.workers"),
         ("local", {"workers": -1}, "settings.workers"),
         ("local", {"gpus_per_worker": "one"}, "settings.gpus_per_worker"),
+        ("local", {"pool_max_workers": -1}, "settings.pool_max_workers"),
+        # no pool manager: the standing workers must serve the region, and only one model
+        ("local", {"pool_max_workers": 0, "workers": 0}, "settings.pool_max_workers"),
+        ("local", {"pool_max_workers": 0, "models": ["a", "b"]}, "settings.pool_max_workers"),
         ("local", {"redis_url": "http://x"}, "settings.redis_url"),
         ("local", {"store_size": "lots"}, "settings.store_size"),
         ("local", {"otlp_endpoint": "otel-collector:4318"}, "settings.otlp_endpoint"),
