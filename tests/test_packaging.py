@@ -68,7 +68,7 @@ def test_dockerfile_installs_what_the_makefile_does() -> None:
     assert re.search(r"^ARG TORCH_INDEX=https://download\.pytorch\.org/whl/cpu$", dockerfile, re.M)
     assert re.search(r'^RUN pip install torch==\S+ --index-url "\$TORCH_INDEX"$', dockerfile, re.M)
     copied = re.findall(r"^COPY (\S+) \1$", dockerfile, re.M)
-    assert sorted(copied) == PACKAGES
+    assert sorted(copied) == sorted([*PACKAGES, "infra/regions.yaml"])  # (the catalog's link)
     assert re.search(r"^RUN pip install \.", dockerfile, re.M)
     assert 'ENTRYPOINT ["edgeinfer"]' in dockerfile
     assert PYPROJECT["project"]["scripts"]["edgeinfer"] == "runtime.cli:main"
