@@ -35,8 +35,9 @@ redis:
 	  echo "installing redis-server (apt-get)"; \
 	  $(SUDO) apt-get update -qq && $(SUDO) apt-get install -y -qq redis-server >/dev/null; }
 
+# `edgeinfer up`, its options in ARGS: make run ARGS='--port 8081 --workers 2'
 run: setup
-	$(VENV)/bin/edgeinfer up
+	$(VENV)/bin/edgeinfer up $(ARGS)
 
 test: setup
 	$(PY) -m pytest -q

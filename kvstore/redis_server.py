@@ -10,7 +10,6 @@ parent-death signal), as `edgeinfer up`'s other children stop through their life
 
 from __future__ import annotations
 
-import contextlib
 import ctypes
 import os
 import shutil
@@ -35,6 +34,19 @@ def find_free_port() -> int:
         return int(s.getsockname()[1])
 
 
+def port_free(port: int) -> bool:
+    """True when a server could listen on 127.0.0.1:`port` now: nothing listens on it, there
+    or on every interface (SO_REUSEADDR, as asyncio's servers bind: a port whose last
+    connections linger in TIME_WAIT counts as free)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            s.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+        return True
+
+
 def find_free_ports(n: int, avoid: frozenset[int] = frozenset()) -> int:
     """The first of `n` consecutive TCP ports on 127.0.0.1 that nothing listens on right now,
     none of them in `avoid` (for what takes a port and the ones after it, as `edgeinfer up`
@@ -42,16 +54,8 @@ def find_free_ports(n: int, avoid: frozenset[int] = frozenset()) -> int:
     for _ in range(100):
         first = find_free_port()
         ports = range(first, first + n)
-        if first + n > 65536 or avoid.intersection(ports):
-            continue
-        try:
-            with contextlib.ExitStack() as held:
-                for p in ports:
-                    s = held.enter_context(socket.socket(socket.AF_INET, socket.SOCK_STREAM))
-                    s.bind(("127.0.0.1", p))
+        if first + n <= 65536 and not avoid.intersection(ports) and all(map(port_free, ports)):
             return first
-        except OSError:
-            continue
     raise OSError(f"no {n} consecutive free ports found on 127.0.0.1")
 
 
@@ -138,10 +142,13 @@ class LocalRedis:
             "--logfile", str(log),
             "--daemonize", "no",
         ]  # fmt: skip
+        # In a session of its own: a Ctrl-C at the terminal signals the whole foreground
+        # process group, and the server must outlive its clients (`edgeinfer up` stops it last)
         self._proc = subprocess.Popen(
             cmd, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT,
             preexec_fn=_parent_death_signal(os.getpid()) if self.die_with_parent else None,
-        )
+            start_new_session=True,
+        )  # fmt: skip
         self._finalizer = weakref.finalize(self, _terminate, self._proc)
         deadline = time.monotonic() + START_TIMEOUT_S
         while not _ping(self.port):

@@ -57,13 +57,12 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
                    help="store the linear weights, embedding and LM head in bfloat16 under "
                    "--dtype float32 on the CPU: half the bytes a decode step reads, float32 "
                    "products and sums (default auto: in --dtype)")  # fmt: skip
-    p.add_argument("--kv-cache-bytes", type=int, default=None, help="bytes for the KV cache")
-    p.add_argument(
-        "--kv-cache-fraction",
-        type=float,
-        default=0.25,
-        help="of available RAM, when --kv-cache-bytes is not given",
-    )
+    p.add_argument("--kv-cache-bytes", type=int, default=None,
+                   help="bytes for the KV cache (default: --kv-cache-fraction of the memory)")  # fmt: skip
+    p.add_argument("--kv-cache-fraction", type=float, default=0.25,
+                   help="the KV cache's share of the memory left once the weights are in, when "
+                   "--kv-cache-bytes is not given: of the available RAM on the CPU, of the free "
+                   "GPU memory on CUDA (default %(default)s)")  # fmt: skip
     p.add_argument("--kv-cache-commit", default="lazy", choices=["lazy", "eager"],
                    help="on the CPU, commit the KV cache's memory as blocks first use it (lazy, "
                    "the default: a fast start) or all at start-up (eager: no page faults while "
@@ -79,7 +78,8 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
                    help="tokens in one step at most: prompt chunks + decodes (default 2048)")  # fmt: skip
     p.add_argument("--max-model-len", type=int, default=None,
                    help="context length (default: the model's)")  # fmt: skip
-    p.add_argument("--threads", type=int, default=None, help="torch CPU threads")
+    p.add_argument("--threads", type=int, default=None,
+                   help="torch CPU threads (default: torch's, one per physical core)")  # fmt: skip
     p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"],
                    help="auto: CUDA when torch sees a GPU (bfloat16 weights, Triton kernels), "
                    "else the CPU")  # fmt: skip
@@ -214,11 +214,13 @@ def _params(args: argparse.Namespace):  # type: ignore[no-untyped-def]
     )
 
 
-def _stream(llm, prompt: str | list[int], params) -> str:  # type: ignore[no-untyped-def]
-    """Run one request, printing text as it is produced. Returns the whole text."""
+def _stream(llm, prompt: str | list[int], params, head: str = "") -> str:  # type: ignore[no-untyped-def]
+    """Run one request, printing `head` once it is accepted (a request the engine refuses
+    raises InvalidRequestError first), then the text as it is produced. Returns the text."""
     engine = llm.engine
     rid = engine.next_request_id()
     engine.add_request(rid, prompt, params)
+    print(head, end="", flush=True)
     text, tokens, t0 = "", 0, time.monotonic()
     try:
         while engine.has_unfinished():
@@ -241,17 +243,19 @@ def cmd_generate(args: argparse.Namespace) -> int:
     for prompt in prompts:
         if len(prompts) > 1:
             print(f"--- {prompt!r}")
-        print(prompt, end="", flush=True)
-        _stream(llm, prompt, params)
+        _stream(llm, prompt, params, head=prompt)
     return 0
 
 
 def cmd_chat(args: argparse.Namespace) -> int:
     llm = _build_llm(args)
+    if not llm.tokenizer.has_chat_template:
+        print(f"edgeinfer: error: {llm.engine.config.model} has no chat template, so `edgeinfer "
+              "chat` cannot make a prompt of a conversation; complete text with it instead: "
+              f"edgeinfer generate --model {args.model} 'Once upon a time'", file=sys.stderr)  # fmt: skip
+        return 2
     params = _params(args)
-    messages: list[dict[str, str]] = []
-    if args.system:
-        messages.append({"role": "system", "content": args.system})
+    messages = [{"role": "system", "content": args.system}] if args.system else []
     print("chat with the model; an empty line or Ctrl-D ends", file=sys.stderr)
     while True:
         try:
@@ -261,12 +265,37 @@ def cmd_chat(args: argparse.Namespace) -> int:
             return 0
         if not line:
             return 0
-        messages.append({"role": "user", "content": line})
-        rendered = llm.tokenizer.apply_chat_template(messages, add_generation_prompt=True)
-        ids = llm.tokenizer.encode(rendered, add_special_tokens=False)
-        print("model> ", end="", flush=True)
-        reply = _stream(llm, ids, params)
-        messages.append({"role": "assistant", "content": reply})
+        messages = _chat_turn(llm, messages, line, params)
+
+
+def _chat_turn(llm, history: list[dict[str, str]], line: str, params) -> list[dict[str, str]]:  # type: ignore[no-untyped-def]
+    """Answer the user's `line` after `history`, streaming the reply. Returns the conversation
+    to go on with: with the line and the reply, its oldest turns dropped if it outgrew the
+    context (a system message kept); or `history` as it was, when the engine refuses the line
+    (too long even alone, say), which is said."""
+    from runtime.sampling_params import InvalidRequestError
+
+    messages = [*history, {"role": "user", "content": line}]
+    first = int(messages[0]["role"] == "system")  # (kept)
+    dropped = 0
+    while True:
+        try:
+            rendered = llm.tokenizer.apply_chat_template(messages, add_generation_prompt=True)
+            ids = llm.tokenizer.encode(rendered, add_special_tokens=False)
+            reply = _stream(llm, ids, params, head="model> ")
+            break
+        except InvalidRequestError as e:
+            if e.code == "context_length_exceeded" and len(messages) - first > 1:
+                del messages[first : first + 2]  # the oldest turn: a message and its reply
+                dropped += 1
+                continue
+            print(f"edgeinfer: error: {e}\n(that message was not sent; the conversation goes on)",
+                  file=sys.stderr)  # fmt: skip
+            return history
+    if dropped:
+        print(f"[the conversation outgrew the model's context: its oldest {dropped} turn(s) "
+              "were dropped]", file=sys.stderr)  # fmt: skip
+    return [*messages, {"role": "assistant", "content": reply}]
 
 
 def _progress(msg: str) -> None:
@@ -481,9 +510,12 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
     try:
+        args = build_parser().parse_args(argv)
         return int(args.func(args))
+    except KeyboardInterrupt:  # Ctrl-C while a model loads, say: no traceback, the usual code
+        print(file=sys.stderr)
+        return 130
     except Exception as e:
         # Imported only here: `runtime.config` imports torch, which a command imports itself
         # once it has set up for it (generate and worker: with cyclic GC off).

@@ -1,26 +1,97 @@
 """`edgeinfer up`: the single-node stack (Redis, worker(s), gateway) as child processes.
 
-Starts a throwaway Redis on a free local port unless one is configured, imports the default
-model on first use (in this process, so its progress shows), starts the workers and the gateway
-with a fresh shared secret, waits until the gateway is ready, prints the URL and a curl to paste,
-and on Ctrl-C (or when any child dies) stops the gateway, drains the workers, then stops Redis.
+Checks first that its ports are free and that a Redis it is given answers; starts a throwaway
+Redis on a free local port unless one is configured, imports the default model on first use (in
+this process, so its progress shows), starts the workers and the gateway with a fresh shared
+secret, waits until its own gateway is ready (saying what is still missing every few seconds),
+prints the URL and a curl to paste, and on Ctrl-C (or when any child dies) stops the gateway,
+drains the workers, then stops Redis.
+
+The children run in sessions of their own, so a Ctrl-C at the terminal reaches this process only
+and the stack stops in that order; their output passes through this one. Should this process be
+killed outright, they stop by themselves: the workers and the gateway watch its lifeline
+(runtime.lifeline), and redis-server gets the kernel's parent-death signal.
 """
 
 from __future__ import annotations
 
 import argparse
+import collections
+import json
 import os
 import secrets
 import signal
 import subprocess
 import sys
+import threading
 import time
 import urllib.error
 import urllib.request
 from pathlib import Path
 
 READY_TIMEOUT_S = 600.0  # a cold model load on a slow disk can take minutes
-STOP_TIMEOUT_S = 40.0  # workers drain in-flight requests (30 s) before they exit
+PROGRESS_EVERY_S = 5.0  # how often the wait for readiness says what it still waits for
+STOP_TIMEOUT_S = 40.0  # after SIGTERM, how long a child has before SIGKILL (a safety net)
+# How long a worker lets its in-flight requests run once `up` stops it; then each stream still
+# running ends with a "shutdown" error event. Under the gateway's own shutdown timeout (5 s,
+# gateway/app.py), which it waits for its streams before it drops them: a stream in flight at
+# Ctrl-C finishes, or ends with that error and [DONE], instead of being cut off mid-way.
+DRAIN_TIMEOUT_S = 3.0
+REDIS_PING_TIMEOUT_S = 3.0
+GATEWAY_READY = "gateway ready: "  # the line the gateway prints once it listens (gateway/app.py)
+TAIL_LINES = 15  # a child's last output lines shown when it exits unasked
+
+
+class _Child:
+    """One child process of `up`, in a session of its own, its output (stdout and stderr)
+    passed on to our stderr line by line; the last lines are kept, and `ready` is set once it
+    prints a line starting with `ready_line`."""
+
+    def __init__(self, name: str, cmd: list[str], env: dict[str, str],
+                 pass_fds: tuple[int, ...] = (), ready_line: str | None = None) -> None:  # fmt: skip
+        self.name = name  # for messages: "the gateway", "worker 1 (mixed, port 9001)"
+        self.ready = threading.Event()
+        self._ready_line = ready_line
+        self.tail: collections.deque[str] = collections.deque(maxlen=TAIL_LINES)
+        self.popen = subprocess.Popen(
+            cmd, env=env, pass_fds=pass_fds, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT, start_new_session=True,
+        )  # fmt: skip
+        self._relay = threading.Thread(target=self._pass_output, name=name, daemon=True)
+        self._relay.start()
+
+    def _pass_output(self) -> None:
+        assert self.popen.stdout is not None
+        for raw in self.popen.stdout:
+            line = raw.decode(errors="replace")
+            self.tail.append(line.rstrip()[:4000])
+            if self._ready_line is not None and line.startswith(self._ready_line):
+                self.ready.set()
+            try:
+                sys.stderr.write(line)
+                sys.stderr.flush()
+            except (OSError, ValueError):  # our stderr is gone: keep draining the pipe
+                pass
+
+    def exited(self) -> str | None:
+        """None while it runs; else what to say: who exited, how, and its last lines."""
+        code = self.popen.poll()
+        if code is None:
+            return None
+        self._relay.join(timeout=1.0)  # (its last lines)
+        how = f"exited with code {code}" if code >= 0 else f"was killed by signal {-code}"
+        tail = "".join(f"\n  | {line}" for line in self.tail) or " (it printed nothing)"
+        return f"{self.name} {how}; its last lines:{tail}"
+
+    def terminate(self) -> None:
+        if self.popen.poll() is None:
+            self.popen.send_signal(signal.SIGTERM)
+
+    def wait(self, timeout: float) -> None:
+        """Wait for it to exit (subprocess.TimeoutExpired after `timeout` s), and for its last
+        lines to pass."""
+        self.popen.wait(timeout=timeout)
+        self._relay.join(timeout=1.0)
 
 
 def _engine_flags(args: argparse.Namespace) -> list[str]:
@@ -49,35 +120,91 @@ def _engine_flags(args: argparse.Namespace) -> list[str]:
     return flags
 
 
-def _wait_ready(url: str, procs: list[subprocess.Popen[bytes]], timeout_s: float) -> None:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        for p in procs:
-            if p.poll() is not None:
-                raise RuntimeError(f"{p.args!r} exited with code {p.returncode}")
-        try:
-            with urllib.request.urlopen(url, timeout=2) as resp:
-                if resp.status == 200:
-                    return
-        except (urllib.error.URLError, OSError):
-            pass
+def _ports_taken(ports: range, flag: str) -> None:
+    """Refuse to start (SystemExit) when something on this machine holds one of `ports`."""
+    from kvstore.redis_server import port_free
+
+    taken = next((p for p in ports if not port_free(p)), None)
+    if taken is not None:
+        raise SystemExit(
+            f"edgeinfer: error: port {taken} is taken; use edgeinfer up {flag} N "
+            f"(make run ARGS='{flag} N')"
+        )
+
+
+def _check_redis(url: str) -> None:
+    """Refuse to start (SystemExit) when the Redis we are given does not answer a PING."""
+    import redis
+    from redis.backoff import NoBackoff
+    from redis.retry import Retry
+
+    try:
+        with redis.Redis.from_url(url, socket_connect_timeout=REDIS_PING_TIMEOUT_S,
+                                  socket_timeout=REDIS_PING_TIMEOUT_S,
+                                  retry=Retry(NoBackoff(), 0)) as client:  # fmt: skip
+            client.ping()
+    except (redis.exceptions.RedisError, ValueError, OSError) as e:
+        raise SystemExit(
+            f"edgeinfer: error: cannot reach Redis at {url} ({e}); unset EDGEINFER_REDIS (or "
+            "drop --redis) to use a throwaway one"
+        ) from None
+
+
+def _readyz(url: str) -> tuple[int, dict[str, object]]:
+    """The gateway's /readyz: its status and body; (0, {}) when it does not answer."""
+    try:
+        with urllib.request.urlopen(url, timeout=2) as resp:
+            return resp.status, json.loads(resp.read())
+    except urllib.error.HTTPError as e:  # 503: not ready, and the body says why
+        with e:
+            return e.code, json.loads(e.read() or b"{}")
+    except (urllib.error.URLError, OSError, ValueError):
+        return 0, {}
+
+
+def _missing(readyz: dict[str, object]) -> str:
+    """What a /readyz body says the stack still lacks."""
+    missing = []
+    if not readyz.get("redis"):
+        missing.append("Redis to answer the gateway")
+    if not readyz.get("workers") and not readyz.get("pools"):
+        missing.append("a worker to load the model and register")
+    return " and ".join(missing) or "/readyz to answer 200"
+
+
+def _wait_ready(url: str, gateway: _Child, children: list[_Child], timeout_s: float) -> None:
+    """Wait until our gateway (its own ready line: not another server on its port) answers
+    `url` (/readyz) 200; RuntimeError when a child exits first, or after `timeout_s`."""
+    t0 = said = time.monotonic()
+    missing = "the gateway to listen"
+    while (now := time.monotonic()) < t0 + timeout_s:
+        for child in children:
+            if (exited := child.exited()) is not None:
+                raise RuntimeError(exited)
+        if gateway.ready.is_set():
+            status, body = _readyz(url)
+            if status == 200:
+                return
+            missing = _missing(body)
+        if now - said >= PROGRESS_EVERY_S:
+            print(f"waiting for {missing} ({now - t0:.0f}s)", file=sys.stderr, flush=True)
+            said = now
         time.sleep(0.25)
-    raise RuntimeError(f"not ready after {timeout_s:.0f}s: {url}")
+    raise RuntimeError(f"not ready after {timeout_s:.0f}s: still waiting for {missing}")
 
 
-def _stop(what: str, procs: list[subprocess.Popen[bytes]]) -> None:
-    t0 = time.monotonic()
-    for p in procs:
-        if p.poll() is None:
-            p.send_signal(signal.SIGTERM)
+def _stop(what: str, children: list[_Child], t0: float) -> None:
+    """Wait for `children`, signalled at `t0`, to exit; SIGKILL any still running after
+    STOP_TIMEOUT_S."""
     deadline = t0 + STOP_TIMEOUT_S
-    for p in procs:
+    for child in children:
         try:
-            p.wait(timeout=max(0.1, deadline - time.monotonic()))
+            child.wait(timeout=max(0.1, deadline - time.monotonic()))
         except subprocess.TimeoutExpired:
-            print(f"{what} did not stop in {STOP_TIMEOUT_S:.0f}s; killing it", file=sys.stderr)
-            p.kill()
-            p.wait()
+            print(f"{child.name} did not stop in {STOP_TIMEOUT_S:.0f}s; killing it",
+                  file=sys.stderr)  # fmt: skip
+            child.popen.kill()
+            child.popen.wait()
     print(f"stopped {what} in {time.monotonic() - t0:.1f}s", file=sys.stderr, flush=True)
 
 
@@ -96,6 +223,14 @@ def up(args: argparse.Namespace) -> int:
     bad = [r for r in roles if r not in ("mixed", "prefill", "decode")]
     if bad:
         raise SystemExit(f"edgeinfer: error: --roles: {bad} are not roles (mixed, prefill, decode)")
+    # before anything starts: the ports (the workers' and their KV-transfer servers', when
+    # given), and a Redis we are given
+    _ports_taken(range(args.port, args.port + 1), "--port")
+    if args.worker_port:
+        _ports_taken(range(args.worker_port, args.worker_port + 2 * len(roles)), "--worker-port")
+    redis_url = args.redis or os.environ.get("EDGEINFER_REDIS")
+    if redis_url is not None:
+        _check_redis(redis_url)
     # Ctrl-C and SIGTERM both stop the stack. Set explicitly: a process started in the
     # background by a non-interactive shell inherits SIGINT ignored, and Python then keeps it so.
     signal.signal(signal.SIGINT, _interrupt)
@@ -105,52 +240,41 @@ def up(args: argparse.Namespace) -> int:
     # the worker(s) and the gateway stop by themselves if this process is killed outright
     lifeline = Lifeline()
     env = os.environ | {"EDGEINFER_SECRET": secret, "PYTHONUNBUFFERED": "1"} | lifeline.env
-    redis_url = args.redis or os.environ.get("EDGEINFER_REDIS")
     local_redis = None
-    if redis_url is None:
-        local_redis = LocalRedis(die_with_parent=True).start()  # (gone with us, however we end)
-        redis_url = local_redis.url
-        print(f"started redis-server on {redis_url}", file=sys.stderr)
-    # the workers' ports, then their KV-transfer servers': a free run unless told where
-    worker_port = args.worker_port or find_free_ports(2 * len(roles), frozenset({args.port}))
-    cli = [sys.executable, "-m", "runtime.cli"]
-    workers = [
-        subprocess.Popen(
-            [
-                *cli,
-                "worker",
-                "--model",
-                model_dir,
-                "--region",
-                args.region,
-                "--port",
-                str(worker_port + i),
+    workers: list[_Child] = []
+    gateway: _Child | None = None
+    base = f"http://127.0.0.1:{args.port}"
+    try:
+        if redis_url is None:
+            local_redis = LocalRedis(die_with_parent=True).start()  # (gone with us, however)
+            redis_url = local_redis.url
+            print(f"started redis-server on {redis_url}", file=sys.stderr)
+        # the workers' ports, then their KV-transfer servers': a free run unless told where
+        worker_port = args.worker_port or find_free_ports(2 * len(roles), frozenset({args.port}))
+        cli = [sys.executable, "-m", "runtime.cli"]
+        for i, role in enumerate(roles):
+            port = worker_port + i
+            cmd = [
+                *cli, "worker", "--model", model_dir, "--region", args.region,
+                "--port", str(port),
                 # the KV-transfer servers on the ports after the workers': on a free port each
                 # (the default), the first worker's could take the next worker's port before
                 # that worker bound it
-                "--kv-port",
-                str(worker_port + len(roles) + i),
-                "--redis",
-                redis_url,
-                "--role",
-                role,
-                *_engine_flags(args),
-            ],
-            env=env,
-            pass_fds=lifeline.pass_fds,
-        )
-        for i, role in enumerate(roles)
-    ]
-    keys = [f for k in args.api_key for f in ("--api-key", k)]
-    gateway = subprocess.Popen(
-        [*cli, "gateway", "--region", args.region, "--port", str(args.port), "--redis", redis_url,
-         *keys],
-        env=env, pass_fds=lifeline.pass_fds,
-    )  # fmt: skip
-    procs = [gateway, *workers]
-    base = f"http://127.0.0.1:{args.port}"
-    try:
-        _wait_ready(f"{base}/readyz", procs, READY_TIMEOUT_S)
+                "--kv-port", str(worker_port + len(roles) + i),
+                "--redis", redis_url, "--role", role,
+                "--drain-timeout", str(DRAIN_TIMEOUT_S), *_engine_flags(args),
+            ]  # fmt: skip
+            workers.append(_Child(f"worker {i + 1} ({role}, port {port})", cmd, env,
+                                  lifeline.pass_fds))  # fmt: skip
+        keys = [f for k in args.api_key for f in ("--api-key", k)]
+        gateway = _Child(
+            f"the gateway (port {args.port})",
+            [*cli, "gateway", "--region", args.region, "--port", str(args.port), "--redis",
+             redis_url, *keys],
+            env, lifeline.pass_fds, ready_line=GATEWAY_READY,
+        )  # fmt: skip
+        children = [gateway, *workers]
+        _wait_ready(f"{base}/readyz", gateway, children, READY_TIMEOUT_S)
         model = Path(model_dir).name
         auth = f' -H "Authorization: Bearer {args.api_key[0]}"' if args.api_key else ""
         print(
@@ -163,13 +287,13 @@ def up(args: argparse.Namespace) -> int:
             f"Ctrl-C stops everything.\n",
             flush=True,
         )
-        while all(p.poll() is None for p in procs):
+        while (exited := next(filter(None, (c.exited() for c in children)), None)) is None:
             time.sleep(0.5)
-        dead = next(p for p in procs if p.poll() is not None)
-        print(f"edgeinfer: a child exited (code {dead.returncode}); stopping", file=sys.stderr)
+        print(f"edgeinfer: {exited}\nstopping", file=sys.stderr)
         return 1
     except KeyboardInterrupt:
-        print("\nstopping: gateway, then workers (draining), then redis", file=sys.stderr)
+        print(f"\nstopping: gateway, then workers (draining, {DRAIN_TIMEOUT_S:.0f}s at most), "
+              "then redis", file=sys.stderr)  # fmt: skip
         return 0
     except RuntimeError as e:
         print(f"edgeinfer: error: {e}", file=sys.stderr)
@@ -178,8 +302,15 @@ def up(args: argparse.Namespace) -> int:
         # a second Ctrl-C or SIGTERM must not orphan the children
         signal.signal(signal.SIGINT, signal.SIG_IGN)
         signal.signal(signal.SIGTERM, signal.SIG_IGN)
-        _stop("the gateway", [gateway])
-        _stop(f"{len(workers)} worker(s)", workers)
+        # All signalled at once, the gateway first: it takes no new request from then on and
+        # waits for its streams, which the workers finish or end (DRAIN_TIMEOUT_S) meanwhile
+        t0 = time.monotonic()
+        for child in [gateway, *workers]:
+            if child is not None:
+                child.terminate()
+        if gateway is not None:
+            _stop("the gateway", [gateway], t0)
+        _stop(f"{len(workers)} worker(s)", workers, t0)
         if local_redis is not None:
             local_redis.stop()
             print("stopped redis-server", file=sys.stderr, flush=True)

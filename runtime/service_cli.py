@@ -19,6 +19,8 @@ from pathlib import Path
 from typing import Any
 
 DEFAULT_REDIS = "redis://127.0.0.1:6379/0"
+API_KEY_HELP = ("accepted bearer token (repeatable; default: $EDGEINFER_API_KEYS, comma-separated; "
+                "none: the API is open)")  # fmt: skip
 
 
 def _secret(args: argparse.Namespace) -> str:
@@ -67,7 +69,8 @@ def _telemetry_args(p: argparse.ArgumentParser) -> None:
         "$OTEL_INSTRUMENTATION_GENAI_CAPTURE_MESSAGE_CONTENT=true)",
     )  # fmt: skip
     p.add_argument("--otel-sample-ratio", type=float, default=1.0,
-                   help="fraction of new traces kept (a client's sampled flag is obeyed)")  # fmt: skip
+                   help="fraction of new traces kept (a client's sampled flag is obeyed) "
+                   "(default %(default)s)")  # fmt: skip
 
 
 def _telemetry_config(args: argparse.Namespace, service: str, region: str, instance: str = ""):  # type: ignore[no-untyped-def]
@@ -338,11 +341,15 @@ def add_service_commands(sub: argparse._SubParsersAction, engine_args) -> None: 
 
     w = sub.add_parser("worker", help="serve a model to gateways (internal API, Redis registry)")
     engine_args(w)
-    w.add_argument("--max-waiting", type=int, default=4096, help="bound of the waiting queue")
-    w.add_argument("--region", default="local", help="region name from the catalog")
-    w.add_argument("--role", default="mixed", choices=["mixed", "prefill", "decode"])
-    w.add_argument("--host", default="127.0.0.1")
-    w.add_argument("--port", type=int, default=9001)
+    w.add_argument("--max-waiting", type=int, default=4096,
+                   help="bound of the waiting queue (default %(default)s)")  # fmt: skip
+    w.add_argument("--region", default="local",
+                   help="region name from the catalog (default %(default)s)")  # fmt: skip
+    w.add_argument("--role", default="mixed", choices=["mixed", "prefill", "decode"],
+                   help="the work it takes (default %(default)s)")  # fmt: skip
+    w.add_argument("--host", default="127.0.0.1",
+                   help="interface to listen on (default %(default)s)")  # fmt: skip
+    w.add_argument("--port", type=int, default=9001, help="port to listen on (default %(default)s)")
     w.add_argument(
         "--advertise-url", default=None, help="URL gateways use (default from host/port)"
     )
@@ -354,9 +361,13 @@ def add_service_commands(sub: argparse._SubParsersAction, engine_args) -> None: 
     )
     w.add_argument("--no-redis", action="store_true", help="serve unregistered (direct use)")
     w.add_argument("--secret", default=None, help="shared secret (default $EDGEINFER_SECRET)")
-    w.add_argument("--heartbeat", type=float, default=2.0, help="seconds between heartbeats")
-    w.add_argument("--ttl", type=float, default=10.0, help="registry entry lifetime, seconds")
-    w.add_argument("--drain-timeout", type=float, default=30.0, help="SIGTERM grace, seconds")
+    w.add_argument("--heartbeat", type=float, default=2.0,
+                   help="seconds between heartbeats (default %(default)s)")  # fmt: skip
+    w.add_argument("--ttl", type=float, default=10.0,
+                   help="registry entry lifetime, seconds (default %(default)s)")  # fmt: skip
+    w.add_argument("--drain-timeout", type=float, default=30.0,
+                   help="seconds SIGTERM lets in-flight requests finish before it ends them with "
+                   "an error (default %(default)s)")  # fmt: skip
     w.add_argument("--no-prefix-caching", action="store_true", help="compute every prompt in full")
     w.add_argument(
         "--kv-port",
@@ -365,10 +376,11 @@ def add_service_commands(sub: argparse._SubParsersAction, engine_args) -> None: 
         help="KV transfer port (prefill side of disaggregation); default: a free port",
     )
     w.add_argument("--kv-hold", type=float, default=30.0,
-                   help="seconds pulled KV blocks wait for the puller's acknowledgement")  # fmt: skip
+                   help="seconds pulled KV blocks wait for the puller's acknowledgement "
+                   "(default %(default)s)")  # fmt: skip
     w.add_argument("--kv-import-wait", type=float, default=10.0,
                    help="decode side: seconds a request whose prompt KV does not fit yet waits "
-                   "for room before it is refused (503 kv_cache_full)")  # fmt: skip
+                   "for room before it is refused (503 kv_cache_full) (default %(default)s)")  # fmt: skip
     w.add_argument("--tool-call-parser", default=None,
                    choices=["hermes", "llama3_json", "mistral"],
                    help="tool-call format of the model's output (default: the one its chat "
@@ -377,33 +389,38 @@ def add_service_commands(sub: argparse._SubParsersAction, engine_args) -> None: 
     w.set_defaults(func=cmd_worker)
 
     g = sub.add_parser("gateway", help="the OpenAI-compatible HTTP gateway of one region")
-    g.add_argument("--region", default="local", help="this gateway's region from the catalog")
-    g.add_argument("--host", default="127.0.0.1")
-    g.add_argument("--port", type=int, default=8080)
+    g.add_argument("--region", default="local",
+                   help="this gateway's region from the catalog (default %(default)s)")  # fmt: skip
+    g.add_argument("--host", default="127.0.0.1",
+                   help="interface to listen on; 0.0.0.0 for every one (default %(default)s)")  # fmt: skip
+    g.add_argument("--port", type=int, default=8080, help="port to listen on (default %(default)s)")
     g.add_argument(
         "--redis", default=None, help=f"cluster state (default $EDGEINFER_REDIS or {DEFAULT_REDIS})"
     )
     g.add_argument(
         "--secret", default=None, help="workers' shared secret (default $EDGEINFER_SECRET)"
     )
-    g.add_argument(
-        "--api-key", action="append", default=[], help="accepted bearer token (repeatable)"
-    )
-    g.add_argument("--regions", default=str(DEFAULT_CATALOG), help="region catalog YAML")
+    g.add_argument("--api-key", action="append", default=[], help=API_KEY_HELP)
+    g.add_argument("--regions", default=str(DEFAULT_CATALOG),
+                   help="region catalog YAML (default %(default)s)")  # fmt: skip
     g.add_argument("--cors-origins", default="",
                    help="origins browsers may call the API from, comma-separated "
                    "(https://app.example.com,http://localhost:5173), or * for any; default: "
                    "none (no CORS headers, preflights refused)")  # fmt: skip
-    g.add_argument("--max-body-bytes", type=int, default=1 << 20)
+    g.add_argument("--max-body-bytes", type=int, default=1 << 20,
+                   help="largest request body, as sent and once decompressed (413 above it) "
+                   "(default %(default)s)")  # fmt: skip
     g.add_argument("--worker-idle-timeout", type=float, default=10.0,
                    help="seconds of silence (workers send a keepalive each second) after which a "
                    "worker's stream is failed: a request not yet answered is retried on another "
-                   "worker, a streaming one ends with an error")  # fmt: skip
+                   "worker, a streaming one ends with an error (default %(default)s)")  # fmt: skip
     g.add_argument("--body-timeout", type=float, default=30.0,
-                   help="seconds a request's body has to arrive once its headers have (408)")  # fmt: skip
+                   help="seconds a request's body has to arrive once its headers have (408) "
+                   "(default %(default)s)")  # fmt: skip
     g.add_argument("--idle-timeout", type=float, default=30.0,
                    help="seconds a client connection may go without sending a whole request's "
-                   "headers (from when it opened, or its last response) before it is closed")  # fmt: skip
+                   "headers (from when it opened, or its last response) before it is closed "
+                   "(default %(default)s)")  # fmt: skip
     g.add_argument(
         "--routing", default="cache-aware", choices=["cache-aware", "round-robin"],
         help="worker choice: sessions + prefix cache + load (default), or a round-robin baseline",
@@ -443,17 +460,19 @@ def add_service_commands(sub: argparse._SubParsersAction, engine_args) -> None: 
         "--models", default=None,
         help="models it may start: store names or folders, or name=FOLDER, comma-separated",
     )  # fmt: skip
-    p.add_argument(
-        "--max-workers", type=int, default=4, help="worker processes at most (all models)"
-    )
-    p.add_argument("--min-workers", type=int, default=0, help="per model, kept even when idle")
-    p.add_argument("--idle", type=float, default=300.0, help="seconds idle before a worker stops")
+    p.add_argument("--max-workers", type=int, default=4,
+                   help="worker processes at most, all models (default %(default)s)")  # fmt: skip
+    p.add_argument("--min-workers", type=int, default=0,
+                   help="per model, kept even when idle (default %(default)s)")  # fmt: skip
+    p.add_argument("--idle", type=float, default=300.0,
+                   help="seconds idle before a worker stops (default %(default)s)")  # fmt: skip
     p.add_argument("--scale-up-queue", type=int, default=4,
                    help="queued requests per worker that count as queueing (default 4)")  # fmt: skip
     p.add_argument("--scale-up-after", type=float, default=2.0,
                    help="seconds of queueing before another worker starts (default 2)")  # fmt: skip
     p.add_argument("--ready-timeout", type=float, default=300.0,
-                   help="seconds a starting worker has to register before it counts as failed")  # fmt: skip
+                   help="seconds a starting worker has to register before it counts as failed "
+                   "(default %(default)s)")  # fmt: skip
     p.add_argument("--host", default="127.0.0.1", help="interface the workers bind and advertise")
     p.add_argument("--worker-args", default="",
                    help='extra `edgeinfer worker` flags, e.g. "--threads 2 --max-num-seqs 64"')  # fmt: skip
@@ -478,18 +497,21 @@ def add_service_commands(sub: argparse._SubParsersAction, engine_args) -> None: 
 
     u = sub.add_parser("up", help="start Redis (if needed), a worker and a gateway on this machine")
     engine_args(u)
-    u.add_argument("--workers", type=int, default=1, help="worker processes (mixed role)")
+    u.add_argument("--workers", type=int, default=1,
+                   help="worker processes, mixed role (default %(default)s)")  # fmt: skip
     u.add_argument(
         "--roles", default=None,
         help="one worker per listed role instead, e.g. prefill,decode (disaggregated serving)",
     )  # fmt: skip
-    u.add_argument("--port", type=int, default=8080, help="gateway port")
+    u.add_argument("--port", type=int, default=8080,
+                   help="the gateway's port (default %(default)s)")  # fmt: skip
     u.add_argument("--worker-port", type=int, default=None,
                    help="first worker's port; the workers take the next ones, then their "
                    "KV-transfer servers the ones after those (default: a run of free ports)")  # fmt: skip
-    u.add_argument("--redis", default=None, help="use this Redis instead of starting one")
-    u.add_argument("--region", default="local")
-    u.add_argument(
-        "--api-key", action="append", default=[], help="accepted bearer token (repeatable)"
-    )
+    u.add_argument("--redis", default=None,
+                   help="use this Redis (URL) instead of starting a throwaway one (default "
+                   "$EDGEINFER_REDIS; unset: a throwaway one)")  # fmt: skip
+    u.add_argument("--region", default="local",
+                   help="the region its gateway and workers serve (default %(default)s)")  # fmt: skip
+    u.add_argument("--api-key", action="append", default=[], help=API_KEY_HELP)
     u.set_defaults(func=cmd_up)

@@ -2,27 +2,60 @@
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
+import http.server
 import os
 import re
 import signal
+import socket
 import subprocess
 import sys
+import threading
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
+import aiohttp
 import openai
+import orjson
 import pytest
 
 from kvstore.redis_server import find_free_port, find_free_ports
-from tests.stack import ROOT, chat_model, get_json, wait_until
+from tests.stack import ROOT, SECRET, chat_model, get_json, wait_until
 
 
 def _port_open(port: int) -> bool:
-    import socket
-
     with socket.socket() as s:
         s.settimeout(0.2)
         return s.connect_ex(("127.0.0.1", port)) == 0
+
+
+def _up(tmp_path: Path, *args: str, env: dict[str, str] | None = None) -> subprocess.Popen[bytes]:
+    """`edgeinfer up ARGS` with no EDGEINFER_* setting but `env`, its output in tmp_path/up.log,
+    in a session of its own (as a terminal's foreground job: os.killpg is a Ctrl-C)."""
+    clean = {k: v for k, v in os.environ.items() if not k.startswith("EDGEINFER_")}
+    return subprocess.Popen(
+        [sys.executable, "-m", "runtime.cli", "up", *args],
+        cwd=ROOT, env=clean | {"PYTHONUNBUFFERED": "1"} | (env or {}),
+        stdout=(tmp_path / "up.log").open("wb"), stderr=subprocess.STDOUT, start_new_session=True,
+    )  # fmt: skip
+
+
+def _kill(proc: subprocess.Popen[bytes]) -> None:
+    """`up` killed outright, if it still runs: its children stop by themselves (its lifeline, the
+    kernel's parent-death signal; test_up_killed_outright_leaves_no_worker_or_gateway_serving)."""
+    if proc.poll() is None:
+        proc.kill()
+        proc.wait()
+
+
+def _children(pid: int) -> list[int]:
+    return [int(c) for c in Path(f"/proc/{pid}/task/{pid}/children").read_text().split()]
+
+
+def _process_group(pid: int) -> int:
+    return int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[2])
 
 
 @pytest.mark.parametrize("roles", [None, "prefill,decode"])
@@ -31,15 +64,10 @@ def test_up_serves_and_stops_cleanly(tmp_path: Path, stories_dir: Path, roles: s
     port = find_free_port()  # the workers' ports, then their KV servers': 2 or 4 in a row
     # given with --roles; else up's default, a free run it finds
     worker_port = find_free_ports(4, avoid=frozenset({port})) if roles else None
-    env = {k: v for k, v in os.environ.items() if not k.startswith("EDGEINFER_")}
     log = tmp_path / "up.log"
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "runtime.cli", "up", "--model", str(model), "--port", str(port),
-         "--threads", "1", "--kv-cache-bytes", "4000000",
-         *(["--roles", roles, "--worker-port", str(worker_port)] if roles else [])],
-        cwd=ROOT, env=env | {"PYTHONUNBUFFERED": "1"}, stdout=log.open("wb"),
-        stderr=subprocess.STDOUT, start_new_session=True,
-    )  # fmt: skip
+    proc = _up(tmp_path, "--model", str(model), "--port", str(port), "--threads", "1",
+               "--kv-cache-bytes", "4000000",
+               *(["--roles", roles, "--worker-port", str(worker_port)] if roles else []))  # fmt: skip
     try:
         deadline = time.monotonic() + 90
         while "edgeinfer is up" not in log.read_text():
@@ -77,9 +105,7 @@ def test_up_serves_and_stops_cleanly(tmp_path: Path, stories_dir: Path, roles: s
             "stopped the gateway" in log.read_text() and "stopped redis-server" in log.read_text()
         )
     finally:
-        if proc.poll() is None:  # take its children (redis, worker, gateway) down with it
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
+        _kill(proc)
     assert not _port_open(port) and not _port_open(worker_port)
 
 
@@ -112,25 +138,211 @@ def test_up_killed_outright_leaves_no_worker_or_gateway_serving(
     redis-server it started gets the kernel's parent-death signal."""
     port = find_free_port()  # the worker's port, then its KV server's (a CI run once found
     worker_port = find_free_ports(2, avoid=frozenset({port}))  # the second taken: a failed up)
-    env = {k: v for k, v in os.environ.items() if not k.startswith("EDGEINFER_")}
     log = tmp_path / "up.log"
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "runtime.cli", "up", "--model", str(stories_dir), "--port",
-         str(port), "--worker-port", str(worker_port), "--threads", "1", "--kv-cache-bytes",
-         "4000000"],
-        cwd=ROOT, env=env | {"PYTHONUNBUFFERED": "1"}, stdout=log.open("wb"),
-        stderr=subprocess.STDOUT, start_new_session=True,
-    )  # fmt: skip
+    proc = _up(tmp_path, "--model", str(stories_dir), "--port", str(port), "--worker-port",
+               str(worker_port), "--threads", "1", "--kv-cache-bytes", "4000000")  # fmt: skip
+    children: list[int] = []
     try:
         wait_until(lambda: "edgeinfer is up" in log.read_text(), 90, "the stack")
         found = re.search(r"started redis-server on redis://127\.0\.0\.1:(\d+)/", log.read_text())
         assert found, log.read_text()
         redis_port = int(found.group(1))
         assert _port_open(redis_port)
+        children = _children(proc.pid)  # (in sessions of their own)
         proc.kill()
         proc.wait()
         wait_until(lambda: not _port_open(port) and not _port_open(worker_port), 30,
                    "the gateway and the worker to stop after `up` was killed")  # fmt: skip
         wait_until(lambda: not _port_open(redis_port), 10, "redis-server to stop")
     finally:
-        os.killpg(proc.pid, signal.SIGKILL)  # (redis-server, and whatever did not stop)
+        _kill(proc)
+        for pid in children:  # whatever did not stop
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+
+
+def test_ctrl_c_stops_the_stack_in_order_and_ends_every_stream(
+    tmp_path: Path, stories_dir: Path
+) -> None:
+    """A Ctrl-C at a terminal signals its whole foreground process group. Only `up` may act on
+    it (its children run in sessions of their own): it stops the gateway, then the workers
+    (draining: DRAIN_TIMEOUT_S, then what still runs ends with an error event), then Redis, so
+    every stream in flight ends with [DONE] within the gateway's 5 s shutdown timeout."""
+    port = find_free_port()
+    log = tmp_path / "up.log"
+    # one request at a time: the streams queue behind one another, more work than the drain
+    proc = _up(tmp_path, "--model", str(stories_dir), "--port", str(port), "--threads", "1",
+               "--kv-cache-bytes", "4000000", "--max-num-seqs", "1",
+               env={"EDGEINFER_SECRET": SECRET})  # fmt: skip
+    try:
+        wait_until(lambda: "edgeinfer is up" in log.read_text(), 90, "the stack")
+        children = _children(proc.pid)  # redis-server, the worker, the gateway
+        assert len(children) == 3, log.read_text()
+        assert all(_process_group(c) == c for c in children), "a child in `up`'s process group"
+        found = re.search(r"ready: model .*, (http://127\.0\.0\.1:\d+),", log.read_text())
+        assert found, log.read_text()
+        stats = f"{found.group(1)}/internal/stats"
+        url = f"http://127.0.0.1:{port}/v1/completions"
+        body = {"model": stories_dir.name, "prompt": "Once upon a time", "max_tokens": 480,
+                "ignore_eos": True, "stream": True}  # fmt: skip
+
+        async def run(n: int) -> tuple[list[tuple[int, list[bytes]]], float]:
+            answered = 0
+
+            async def one(s: aiohttp.ClientSession) -> tuple[int, list[bytes]]:
+                nonlocal answered
+                async with s.post(url, json=body) as r:
+                    if r.status != 200:  # never started: refused when the worker stopped
+                        return r.status, [await r.read()]
+                    lines = [line.strip() async for line in r.content if line.strip()]
+                    answered += 1
+                    return 200, lines
+
+            async with aiohttp.ClientSession() as s:
+                streams = [asyncio.ensure_future(one(s)) for _ in range(n)]
+                # Ctrl-C once the worker holds every request not answered yet: one runs, the
+                # rest wait their turn
+                deadline = time.monotonic() + 30
+                while time.monotonic() < deadline:
+                    async with s.get(stats, headers={"x-edgeinfer-secret": SECRET}) as r:
+                        if (await r.json())["open_requests"] == n - answered:
+                            break
+                    await asyncio.sleep(0.02)
+                else:
+                    pytest.fail("the worker never held all the requests")
+                os.killpg(proc.pid, signal.SIGINT)  # Ctrl-C
+                t0 = time.monotonic()
+                done = await asyncio.gather(*streams)
+                return done, time.monotonic() - t0
+
+        results, took = asyncio.run(run(32))
+        assert proc.wait(30) == 0, log.read_text()
+    finally:
+        _kill(proc)
+    out = log.read_text()
+    assert took < 5.0, (took, out)
+    cut = 0
+    for status, lines in results:
+        if status != 200:
+            assert status == 503, (status, lines)
+            continue
+        assert lines[-1] == b"data: [DONE]", lines[-3:]
+        last = orjson.loads(lines[-2].removeprefix(b"data: "))
+        if "error" in last:  # cut off by the drain
+            assert last["error"]["code"] == "shutdown", last
+            cut += 1
+        else:
+            assert last["choices"][0]["finish_reason"] == "length", last
+    assert cut == 1, results  # the one running when the drain ran out (the rest never started)
+    stopped = re.search(r"stopped the gateway in ([\d.]+)s", out)
+    assert stopped and float(stopped.group(1)) < 5.0, out
+    order = ["stopping: gateway", "stopped the gateway", "stopped 1 worker(s)",
+             "stopped redis-server"]  # fmt: skip
+    assert [out.index(line) for line in order] == sorted(out.index(line) for line in order), out
+    # Redis outlived the workers: the worker left the registry and the prefix index
+    assert "redis unreachable" not in out and "could not remove worker" not in out, out
+    assert not _port_open(port)
+
+
+@contextlib.contextmanager
+def _foreign_server(status: int = 200, body: bytes = b'{"ready": true}') -> Iterator[int]:
+    """Another HTTP server, on the port it yields: it answers every GET `status` and `body`."""
+
+    class Ready(http.server.BaseHTTPRequestHandler):
+        def do_GET(self) -> None:
+            self.send_response(status)
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *args: object) -> None:
+            pass
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Ready)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        yield server.server_address[1]
+    finally:
+        server.shutdown()
+        server.server_close()
+
+
+@pytest.mark.parametrize("flag", ["--port", "--worker-port"])
+def test_up_refuses_a_port_another_server_holds(
+    tmp_path: Path, stories_dir: Path, flag: str
+) -> None:
+    with _foreign_server() as taken:
+        ports = {"--port": find_free_port(), "--worker-port": find_free_port(), flag: taken}
+        proc = _up(tmp_path, "--model", str(stories_dir), "--threads", "1",
+                   *(str(f) for item in ports.items() for f in item))  # fmt: skip
+        try:
+            code = proc.wait(60)
+        finally:
+            _kill(proc)
+    out = (tmp_path / "up.log").read_text()
+    assert code == 1 and "edgeinfer is up" not in out, out
+    assert f"port {taken} is taken; use edgeinfer up {flag} N (make run ARGS='{flag} N')" in out
+    assert "started redis-server" not in out, out  # (nothing started)
+
+
+def test_up_waits_for_its_own_gateway_and_says_what_it_waits_for(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Readiness is our gateway's own ready line, then its /readyz: a server on the port that
+    answers 200 is not taken for it. Meanwhile `up` says what is still missing, and a child
+    that exits is named, with its last lines."""
+    from runtime import launcher
+
+    monkeypatch.setattr(launcher, "PROGRESS_EVERY_S", 0.3)
+
+    def child(name: str, code: str) -> launcher._Child:
+        return launcher._Child(name, [sys.executable, "-c", code], dict(os.environ),
+                               ready_line=launcher.GATEWAY_READY)  # fmt: skip
+
+    silent = child("the gateway (port 1)", "import time; time.sleep(30)")
+    listening = child("the gateway (port 1)",
+                      f"import time; print({launcher.GATEWAY_READY!r}); time.sleep(30)")  # fmt: skip
+    crashing = child("worker 1 (mixed, port 2)",
+                     "import sys; print('about to fail'); sys.exit('boom: no such thing')")  # fmt: skip
+    try:
+        with _foreign_server() as port:  # 200, but not from our gateway
+            url = f"http://127.0.0.1:{port}/readyz"
+            with pytest.raises(RuntimeError, match="still waiting for the gateway to listen"):
+                launcher._wait_ready(url, silent, [silent], 1.0)
+            assert "waiting for the gateway to listen" in capsys.readouterr().err
+            with pytest.raises(RuntimeError) as failed:
+                launcher._wait_ready(url, silent, [silent, crashing], 10.0)
+            assert "worker 1 (mixed, port 2) exited with code 1" in str(failed.value)
+            assert "about to fail" in str(failed.value), str(failed.value)
+            assert "boom: no such thing" in str(failed.value), str(failed.value)
+            wait_until(listening.ready.is_set, 10, "the gateway's ready line")
+            launcher._wait_ready(url, listening, [listening], 1.0)  # now it is ours
+        missing = b'{"ready": false, "redis": true, "workers": 0, "pools": 0}'
+        with (
+            _foreign_server(503, missing) as port,
+            pytest.raises(RuntimeError, match="waiting for a worker to load the model"),
+        ):
+            launcher._wait_ready(f"http://127.0.0.1:{port}/readyz", listening, [listening], 1.0)
+        assert "waiting for a worker to load the model and register" in capsys.readouterr().err
+    finally:
+        for c in (silent, listening):
+            c.popen.kill()
+            c.popen.wait()
+
+
+def test_up_refuses_an_unreachable_redis_at_once(tmp_path: Path, stories_dir: Path) -> None:
+    dead = f"redis://127.0.0.1:{find_free_port()}/0"  # nothing listens there
+    proc = _up(tmp_path, "--model", str(stories_dir), "--port", str(find_free_port()),
+               env={"EDGEINFER_REDIS": dead})  # fmt: skip
+    try:
+        code = proc.wait(30)  # (not the readiness wait's 600 s)
+    except subprocess.TimeoutExpired:
+        pytest.fail(f"`edgeinfer up` with an unreachable Redis still runs after 30 s:\n"
+                    f"{(tmp_path / 'up.log').read_text()}")  # fmt: skip
+    finally:
+        _kill(proc)
+    out = (tmp_path / "up.log").read_text()
+    assert code == 1, out
+    assert f"cannot reach Redis at {dead}" in out, out
+    assert "unset EDGEINFER_REDIS (or drop --redis) to use a throwaway one" in out, out
+    assert "gateway ready" not in out and "worker" not in out, out
