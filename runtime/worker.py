@@ -209,12 +209,16 @@ class Worker:
 
     async def publish(self) -> None:
         """Renew the registry entry with the current load (not after `leave`); logs (once) while
-        Redis is down. Then publishes the tokenizer bundle, until it is there."""
+        Redis is down. The tokenizer bundle goes first the first time (a gateway that sees the
+        worker can then tokenize for it: routing by load meanwhile cost early prefix hits), and
+        after each renewal until it is there; its failure never keeps the worker unregistered."""
         if self._registry is None:
             return
         async with self._publishing:
             if self._left:
                 return
+            if not self._registered:
+                await self._publish_bundle()
             try:
                 created = await self._registry.heartbeat(self.info())
                 if created and self._registered:  # Redis lost our entry: lost the rest too?
