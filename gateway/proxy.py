@@ -315,15 +315,27 @@ class Proxy:
             if last is not None:
                 call.route_started = time.perf_counter()
             worker = await self.route_or_hold(call, last)
+            # counted against its worker before anything awaits, so that requests routed
+            # meanwhile see it (the claim below is a Redis round trip: first turns of many
+            # sessions at once all went to one worker, and it overflowed)
+            call.cost = _cost(call.gen)
+            router.sent(worker.worker_id, call.cost)
             if call.session_id is not None and call.placement is None:
-                worker = await self.place(call, worker, last)
+                try:
+                    placed = await self.place(call, worker, last)
+                except BaseException:  # (the client went away, or no worker is left)
+                    router.done(worker.worker_id, call.cost)
+                    raise
+                if placed is not worker:  # another gateway placed the session first
+                    router.done(worker.worker_id, call.cost)
+                    router.sent(placed.worker_id, call.cost)
+                    worker = placed
             self.tel.phase(call, "gateway.route", call.route_started)
             self.tel.routed(call.route_reason)
             if last is not None:
                 self.tel.retried()
-            call.worker, call.cost = worker, _cost(call.gen)
+            call.worker = worker
             call.forwarded = call.forwarded or time.perf_counter()
-            router.sent(worker.worker_id, call.cost)
             prefill_cost = self.pick_prefill(call, worker)
             events = self.worker_events(call, worker)
             head: list[dict[str, Any]] = []
