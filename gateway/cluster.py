@@ -49,7 +49,7 @@ class ClusterView:
         self.registry = Registry(redis)
         self.sessions = SessionStore(redis, idle_ttl_s=config.session_ttl_s)
         self.router = Router(config.region, catalog, config.routing)
-        self.tokenizers = GatewayTokenizers(redis)
+        self.tokenizers = GatewayTokenizers(redis, on_redis_error=self.redis_failed)
         self.prefix = PrefixIndex(redis)
         self.demand = Demand(redis)
         self.catalog = catalog
@@ -184,7 +184,7 @@ class ClusterView:
         try:
             found = await self.sessions.get(session_id)
         except Exception as e:
-            self._redis_failed(e)
+            self.redis_failed(e)
             return self._remembered(session_id)
         if found is None and self.recovering:  # Redis lost it with the rest
             return self._remembered(session_id)
@@ -217,7 +217,7 @@ class ClusterView:
         try:
             placed = await self.sessions.claim(session_id, ours)
         except Exception as e:
-            self._redis_failed(e)
+            self.redis_failed(e)
             return None
         self._remember(session_id, placed)
         return placed
@@ -236,9 +236,9 @@ class ClusterView:
         try:
             self._remember(session_id, await self.sessions.move(session_id, old.worker_id, new))
         except Exception as e:
-            self._redis_failed(e)
+            self.redis_failed(e)
 
-    def _redis_failed(self, e: Exception) -> None:
+    def redis_failed(self, e: Exception) -> None:
         if self.redis_ok:
             log.warning("redis failed on a request's path (%s): sessions and prefix lookups are "
                         "skipped until it answers again", e)  # fmt: skip

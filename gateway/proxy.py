@@ -286,8 +286,8 @@ class Proxy:
             try:
                 longest = await view.prefix.longest_prefixes(call.gen.model, hashes, members)
             except Exception as e:  # a stale or unreachable index: a cache miss, never an error
-                log.debug("prefix index lookup failed: %s", e)
-                return
+                view.redis_failed(e)  # (and no lookup until Redis answers the refresh again:
+                return  # a frozen Redis cost each request its timeouts until then)
             call.cached |= {wid: n * bs for wid, n in longest.items()}
         self.tel.redis("prefix_lookup", time.perf_counter() - t0)
 

@@ -58,10 +58,12 @@ class GatewayTokenizers:
         *,
         retry_s: float = RETRY_S,
         clock: Callable[[], float] = time.monotonic,
+        on_redis_error: Callable[[Exception], None] | None = None,
     ) -> None:
         if retry_s < 0:
             raise ValueError(f"retry_s must be >= 0, got {retry_s}")
         self.redis = redis  # the process's shared client (kvstore.client.connect)
+        self.on_redis_error = on_redis_error  # told when a fetch failed for Redis's sake
         self.cache_dir = cache_dir  # where files are unpacked while loading; None = system temp
         self.retry_s = retry_s
         self._clock = clock
@@ -120,6 +122,8 @@ class GatewayTokenizers:
         except (redis.exceptions.RedisError, OSError, ValueError) as e:
             # ValueError covers a malformed bundle and a tokenizer file that does not load.
             self._failed(key, f"{type(e).__name__}: {e}")
+            if self.on_redis_error is not None and isinstance(e, redis.exceptions.RedisError):
+                self.on_redis_error(e)
             return None
         finally:
             self._loading.pop(key, None)

@@ -116,6 +116,28 @@ def test_a_redis_outage_keeps_serving(tmp_path: Path, stories_dir: Path, down_s:
         assert worker.alive()
 
 
+def test_a_frozen_redis_is_noticed_by_the_first_prefix_lookup(
+    tmp_path: Path, stories_dir: Path
+) -> None:
+    """A Redis that stops answering (SIGSTOP: no refusal, only timeouts) is marked failed by the
+    first request whose prefix lookup times out, as a failed session lookup marks it: later
+    requests skip the index until the registry refresh reaches Redis again, rather than each
+    waiting out the client's timeouts and retries (a reviewer measured 3.07 and 3.16 s)."""
+    import signal
+
+    with _stack(tmp_path, stories_dir, workers=2) as (server, _, clients):
+        assert server._proc is not None
+        server._proc.send_signal(signal.SIGSTOP)
+        try:
+            resp = clients[0].completions.create(model="stories", prompt="Once upon a time",
+                                                 max_tokens=2)  # fmt: skip
+            assert resp.choices[0].text
+            log = (tmp_path / "gw1.log").read_text(errors="replace")
+            assert "redis failed on a request's path" in log, log[-2000:]
+        finally:
+            server._proc.send_signal(signal.SIGCONT)
+
+
 def test_sessions_stay_on_their_worker_while_redis_is_down(
     tmp_path: Path, stories_dir: Path
 ) -> None:
