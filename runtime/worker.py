@@ -217,7 +217,8 @@ class Worker:
         async with self._publishing:
             if self._left:
                 return
-            if not self._registered:
+            first = not self._registered
+            if first:
                 await self._publish_bundle()
             try:
                 created = await self._registry.heartbeat(self.info())
@@ -237,7 +238,8 @@ class Worker:
             if not self._redis_ok:
                 log.warning("redis is back; registration renewed")
             self._redis_ok = True
-            await self._publish_bundle()
+            if not first:  # (the first renewal tried it just before: next time)
+                await self._publish_bundle()
 
     async def _publish_bundle(self) -> None:
         """Store the tokenizer bundle gateways tokenize with, unless it is there or refused. A
