@@ -39,7 +39,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from runtime.sampling_params import InvalidRequestError
-from runtime.structured import JSON_OPTIONS
+from runtime.structured import JSON_OPTIONS, MAX_JSON_DEPTH, json_depth
 
 PARSERS = ("hermes", "llama3_json", "mistral")
 
@@ -257,6 +257,10 @@ def _check(tools: object, choice: object, parallel: object) -> None:
         if not isinstance(fn.get("parameters") or {}, dict):
             raise InvalidRequestError(
                 f"tools[{i}].function.parameters", "must be a JSON schema object"
+            )
+        if json_depth(fn.get("parameters")) > MAX_JSON_DEPTH:  # (_rebased recurses through it)
+            raise InvalidRequestError(
+                f"tools[{i}].function.parameters", f"nests deeper than {MAX_JSON_DEPTH} levels"
             )
         names.add(fn["name"])
     if choice is None or choice in ("none", "auto", "required"):

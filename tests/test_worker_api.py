@@ -8,6 +8,7 @@ from __future__ import annotations
 import concurrent.futures
 import gzip
 import http.client
+import json
 import signal
 import threading
 import urllib.error
@@ -23,6 +24,15 @@ from kvstore.redis_server import LocalRedis
 from tests.stack import SECRET, Proc, chat_model, start_worker
 
 TOOL = {"type": "function", "function": {"name": "f"}}
+
+
+def _deep(levels: int) -> dict:  # type: ignore[type-arg]
+    schema: dict = {"type": "string"}  # type: ignore[type-arg]
+    for _ in range(levels):
+        schema = {"type": "array", "items": schema}
+    return schema
+
+
 LONG = {"max_tokens": 480, "n": 128, "ignore_eos": True}  # far more than 2 s of work
 
 
@@ -50,7 +60,7 @@ def _post(worker: Proc, body: bytes, headers: dict[str, str] | None = None) -> t
 def _request(i: int, **fields: Any) -> bytes:
     body = {"request_id": f"bad-{i}", "model": "stories", "prompt": "Once",
             "sampling": {"max_tokens": 2}} | fields  # fmt: skip
-    return orjson.dumps(body)
+    return json.dumps(body).encode()  # (not orjson: it stops at 255 levels of nesting)
 
 
 BAD: list[tuple[dict[str, Any], str]] = [  # (fields of the request, the param its 400 names)
@@ -63,6 +73,8 @@ BAD: list[tuple[dict[str, Any], str]] = [  # (fields of the request, the param i
     ({"tools": [{"type": "function", "function": {"name": "f", "parameters": [1]}}]},
      "tools[0].function.parameters"),
     ({"tools": "f"}, "tools"),
+    ({"tools": [{"type": "function", "function": {"name": "f", "parameters": _deep(600)}}],
+      "tool_choice": "required"}, "tools[0].function.parameters"),  # (was a RecursionError)
     ({"tools": [1], "prompt": None, "messages": [{"role": "user", "content": "Hi"}]}, "tools[0]"),
     ({"request_id": ["r"]}, "request_id"),  # was "sampling"
     ({"kv_source": 5}, "kv_source"),  # was a 500
