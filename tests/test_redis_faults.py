@@ -79,12 +79,33 @@ def _served_by(client: openai.OpenAI, session: str | None, prompt: str, max_toke
     return raw.headers["x-edgeinfer-worker"]
 
 
+def _just_after_a_heartbeat(url: str, worker_id: str, timeout_s: float = 10.0) -> None:
+    """Returns right after the worker renewed its registry entry (its TTL jumped back up), so
+    that a restart that follows has most of a heartbeat interval before the worker writes again
+    (a restart just before a heartbeat left nothing to see empty: a CI run found 6 keys)."""
+    r = redis.Redis.from_url(url)
+    try:
+        key = f"ei:w:{{{worker_id}}}"
+        last = r.pttl(key)
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            time.sleep(0.005)
+            now = r.pttl(key)
+            if now > last:
+                return
+            last = now
+        raise AssertionError(f"{worker_id} did not renew {key} within {timeout_s} s")
+    finally:
+        r.close()
+
+
 def test_an_emptied_redis_costs_no_request(tmp_path: Path, stories_dir: Path) -> None:
     with _stack(tmp_path, stories_dir) as (server, [worker], [client]):
         client.completions.create(model="stories", prompt=PROMPT, max_tokens=2)
         wait_until(lambda: _keys(server.url, "ei:p:{stories}:*") > 0, 10, "prefix entries")
         assert _keys(server.url, "ei:tok:{stories}:*") == 1
 
+        _just_after_a_heartbeat(server.url, worker.meta["worker_id"])  # the emptied window is a whole interval
         server.stop()
         server.start()  # the same port, no data
         assert _keys(server.url, "ei:*") == 0
