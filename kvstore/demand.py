@@ -34,7 +34,7 @@ from typing import Any
 import orjson
 from redis.asyncio import Redis
 
-from kvstore.keys import PREFIX, as_text, check_id
+from kvstore.keys import PREFIX, as_text, check_id, usable_id
 
 POOLS_KEY = PREFIX + "pools"
 EVENTS_MAXLEN = 1000  # pool events kept per region (approximately: XADD MAXLEN ~)
@@ -188,7 +188,10 @@ class Demand:
     # ------------------------------------------------------------------ the gateway's side
     async def pools(self) -> list[PoolInfo]:
         """Live pools, ordered by id; ids whose hash expired leave the set."""
-        ids = sorted(as_text(p) for p in await self.redis.smembers(POOLS_KEY))  # type: ignore[misc]
+        listed = sorted(as_text(p) for p in await self.redis.smembers(POOLS_KEY))  # type: ignore[misc]
+        ids = [p for p in listed if usable_id(p, "pool_id", POOLS_KEY)]
+        if len(ids) < len(listed):
+            await self.redis.srem(POOLS_KEY, *(p for p in listed if p not in ids))  # type: ignore[misc]
         if not ids:
             return []
         pipe = self.redis.pipeline(transaction=False)

@@ -16,9 +16,13 @@ move the hash tag and scatter keys across slots; an unbounded id would let a cli
 
 from __future__ import annotations
 
+import logging
+
 PREFIX = "ei:"
 MAX_ID_LEN = 256  # longest worker id, model name or session id accepted (characters)
 MODELS_KEY = PREFIX + "models"
+
+log = logging.getLogger(__name__)
 
 
 def check_id(value: str, what: str) -> str:
@@ -30,6 +34,19 @@ def check_id(value: str, what: str) -> str:
     if "{" in value or "}" in value:
         raise ValueError(f"{what} must not contain '{{' or '}}': {value!r}")
     return value
+
+
+def usable_id(value: str, what: str, key: str) -> bool:
+    """Whether an id read back from a Redis set (`key`) can name keys. Our processes only write
+    checked ids, but anything else with access to Redis could add one: it is logged, for the
+    reader to drop it from the set, rather than failing every reader's refresh (the key
+    functions here raise on it)."""
+    try:
+        check_id(value, what)
+    except ValueError as e:
+        log.warning("dropping an unusable entry of %s: %s", key, e)
+        return False
+    return True
 
 
 def worker_key(worker_id: str) -> str:

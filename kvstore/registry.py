@@ -18,7 +18,14 @@ from collections.abc import Iterable
 import orjson
 from redis.asyncio import Redis
 
-from kvstore.keys import MODELS_KEY, as_text, check_id, model_workers_key, worker_key
+from kvstore.keys import (
+    MODELS_KEY,
+    as_text,
+    check_id,
+    model_workers_key,
+    usable_id,
+    worker_key,
+)
 from kvstore.protocol import WorkerInfo
 
 log = logging.getLogger(__name__)
@@ -71,16 +78,23 @@ class Registry:
         if model is not None:
             models = [check_id(model, "model")]
         else:
-            models = sorted(as_text(m) for m in await self.redis.smembers(MODELS_KEY))
+            names = sorted(as_text(m) for m in await self.redis.smembers(MODELS_KEY))
+            models = [m for m in names if usable_id(m, "model name", MODELS_KEY)]
+            if len(models) < len(names):  # written by something other than a worker
+                await self.redis.srem(MODELS_KEY, *(m for m in names if m not in models))
         if not models:
             return []
         pipe = self.redis.pipeline(transaction=False)
         for m in models:
             pipe.smembers(model_workers_key(m))
         member_sets: list[set[bytes | str]] = await pipe.execute()
-        pairs = [
-            (m, as_text(wid)) for m, ids in zip(models, member_sets, strict=True) for wid in ids
-        ]
+        pairs: list[tuple[str, str]] = []
+        bad: list[tuple[str, str]] = []
+        for m, ids in zip(models, member_sets, strict=True):
+            for wid in map(as_text, ids):
+                usable = usable_id(wid, "worker id", model_workers_key(m))
+                (pairs if usable else bad).append((m, wid))
+        await self._prune(bad)
         if not pairs:
             return []
         pipe = self.redis.pipeline(transaction=False)

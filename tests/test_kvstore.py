@@ -132,6 +132,28 @@ async def test_unreadable_worker_hash_is_skipped(r: Redis) -> None:
     assert [w.worker_id for w in await reg.workers("m1")] == ["good"]
 
 
+async def test_an_unusable_id_in_a_set_is_dropped_not_fatal(r: Redis) -> None:
+    """An id no worker could have written (a brace would move the Cluster hash tag), added to a
+    registry set by something else, is dropped from its set; the refresh still lists every
+    worker instead of raising on every gateway's read."""
+    from kvstore.demand import POOLS_KEY, Demand, PoolInfo
+
+    reg = Registry(r)
+    await reg.register(worker("good"))
+    await r.sadd(model_workers_key("m1"), "bad}id")
+    await r.sadd(MODELS_KEY, "bad{model")
+    assert [w.worker_id for w in await reg.workers()] == ["good"]
+    assert [w.worker_id for w in await reg.workers("m1")] == ["good"]
+    assert not await r.sismember(model_workers_key("m1"), "bad}id")
+    assert not await r.sismember(MODELS_KEY, "bad{model")
+
+    demand = Demand(r)
+    await demand.announce(PoolInfo(pool_id="p1", region="eu", models=["m1"], max_workers=1), 10)
+    await r.sadd(POOLS_KEY, "x" * 300)
+    assert [p.pool_id for p in await demand.pools()] == ["p1"]
+    assert await r.scard(POOLS_KEY) == 1
+
+
 def test_registry_rejects_bad_ttl() -> None:
     with pytest.raises(ValueError, match="ttl_s"):
         Registry(connect("redis://127.0.0.1:1/0"), ttl_s=0)
