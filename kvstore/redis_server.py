@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import ctypes
 import os
+import random
 import shutil
 import signal
 import socket
@@ -27,8 +28,38 @@ START_TIMEOUT_S = 10.0  # how long start() waits for the first PONG
 STOP_TIMEOUT_S = 5.0  # how long stop() waits after SIGTERM before SIGKILL
 
 
+LOWEST_PICKED_PORT = 20000  # below this, ports are left to services people configure
+
+
+def _ephemeral_range() -> tuple[int, int]:
+    """The ports the kernel hands to outgoing connections (Linux's ip_local_port_range)."""
+    try:
+        lo, hi = map(int, Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split())
+    except (OSError, ValueError):
+        return 32768, 60999  # Linux's default
+    return lo, hi
+
+
 def find_free_port() -> int:
-    """A TCP port on 127.0.0.1 that nothing listens on right now (the OS picks it)."""
+    """A TCP port on 127.0.0.1 that nothing listens on right now, for a server we start.
+
+    Picked at random outside the kernel's ephemeral range where there is room: a port the
+    kernel picks (bind to 0) comes from the range it also hands to outgoing connections, and
+    between our pick and the server's bind one of the many connections a busy host opens could
+    take it (a worker then failed to start with "address already in use"). Within the range
+    only when nothing is left outside it.
+    """
+    lo, hi = _ephemeral_range()
+    spans = [(a, b) for a, b in ((LOWEST_PICKED_PORT, lo - 1), (hi + 1, 65535)) if a <= b]
+    total = sum(b - a + 1 for a, b in spans)
+    for _ in range(64 if total else 0):
+        k = random.randrange(total)
+        for a, b in spans:
+            if k <= b - a:
+                if port_free(a + k):
+                    return a + k
+                break
+            k -= b - a + 1
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])

@@ -129,22 +129,37 @@ def start_worker(
     extra: list[str] | None = None,
     served: str = "stories",
 ) -> Proc:
-    port = find_free_port()
-    args = [
-        "worker", "--model", str(model), "--served-model-name", served, "--region", region,
-        "--port", str(port), "--redis", redis_url, "--threads", "1", "--kv-cache-bytes",
-        "4000000", "--heartbeat", "0.3", "--ttl", "1.5", "--drain-timeout", "20", *(extra or []),
-    ]  # fmt: skip
-    proc = _spawn(name, args, log_dir, port, f"http://127.0.0.1:{port}")
-    with _stopped_on_failure(proc):
-        wait_until(
-            lambda: get_json(f"{proc.url}/internal/health", SECRET)[0] == 200,
-            120,
-            f"worker {name}",
-            proc,
-        )
-        proc.meta["worker_id"] = get_json(f"{proc.url}/internal/health", SECRET)[1]["worker_id"]
+    def args(port: int) -> list[str]:
+        return [
+            "worker", "--model", str(model), "--served-model-name", served, "--region", region,
+            "--port", str(port), "--redis", redis_url, "--threads", "1", "--kv-cache-bytes",
+            "4000000", "--heartbeat", "0.3", "--ttl", "1.5", "--drain-timeout", "20",
+            *(extra or []),
+        ]  # fmt: skip
+
+    def up(proc: Proc) -> bool:
+        return get_json(f"{proc.url}/internal/health", SECRET)[0] == 200
+
+    proc = _start(name, args, log_dir, up, 120, f"worker {name}")
+    proc.meta["worker_id"] = get_json(f"{proc.url}/internal/health", SECRET)[1]["worker_id"]
     return proc
+
+
+def _start(name: str, args, log_dir: Path, up, timeout: float, what: str) -> Proc:  # type: ignore[no-untyped-def]
+    """Spawn `args(port)` on a free port and wait until `up(proc)`. Started again on another
+    port when the process could not listen because something took its port in the meantime
+    (the port is free when picked, but nothing holds it until the process binds it)."""
+    for attempt in range(3):
+        port = find_free_port()
+        proc = _spawn(name, args(port), log_dir, port, f"http://127.0.0.1:{port}")
+        try:
+            with _stopped_on_failure(proc):
+                wait_until(lambda p=proc: up(p), timeout, what, proc)
+            return proc
+        except RuntimeError:
+            if attempt == 2 or "address already in use" not in proc.tail():
+                raise
+    raise AssertionError("unreachable")
 
 
 @contextlib.contextmanager
@@ -165,15 +180,14 @@ def start_gateway(
     region: str = "local",
     extra: list[str] | None = None,
 ) -> Proc:
-    port = find_free_port()
-    args = [
-        "gateway", "--region", region, "--port", str(port), "--redis", redis_url,
-        "--regions", str(catalog), *(extra or []),
-    ]  # fmt: skip
-    proc = _spawn(name, args, log_dir, port, f"http://127.0.0.1:{port}")
-    with _stopped_on_failure(proc):
-        wait_until(lambda: get_json(f"{proc.url}/healthz")[0] == 200, 30, f"gateway {name}", proc)
-    return proc
+    def args(port: int) -> list[str]:
+        return [
+            "gateway", "--region", region, "--port", str(port), "--redis", redis_url,
+            "--regions", str(catalog), *(extra or []),
+        ]  # fmt: skip
+
+    return _start(name, args, log_dir, lambda p: get_json(f"{p.url}/healthz")[0] == 200, 30,
+                  f"gateway {name}")  # fmt: skip
 
 
 def start_pool(name: str, redis_url: str, log_dir: Path, models: str, extra: list[str]) -> Proc:

@@ -269,6 +269,19 @@ async def test_restart_on_same_port_and_client_reconnects() -> None:
     assert not server.running
 
 
+def test_free_ports_come_from_outside_the_ephemeral_range() -> None:
+    """A port picked for a server we start (a pool's worker, a local Redis) is not one the
+    kernel hands to outgoing connections: one of those took a worker's port between the pick
+    and the bind (a CI run: "address already in use")."""
+    from kvstore.redis_server import _ephemeral_range, find_free_port, port_free
+
+    lo, hi = _ephemeral_range()
+    for _ in range(20):
+        port = find_free_port()
+        assert not lo <= port <= hi, (port, lo, hi)
+        assert port_free(port)
+
+
 def test_missing_redis_server_says_how_to_install() -> None:
     with pytest.raises(RuntimeError, match="make setup"):
         LocalRedis(executable="no-such-redis-server-binary")
