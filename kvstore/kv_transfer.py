@@ -327,7 +327,9 @@ class FrameConn:
 class KVTransferServer:
     """Serves pulls on a TCP port: runs each pull's prefill through `export` and streams the
     blocks as they complete. The blocks are held until the puller acknowledges them, the
-    connection drops, or `hold_s` passes after the last frame; then `release` frees them."""
+    connection drops, or `hold_s` passes after the last frame; then `release` frees them. Only
+    the connection that started an export releases it: a PULL refused (wrong secret, a request
+    id being pulled already, ...) leaves every export alone."""
 
     def __init__(self, pages: KVPages, cache_id: str, secret: str, export: ExportFn,
                  release: ReleaseFn, hold_s: float = 30.0,
@@ -344,6 +346,7 @@ class KVTransferServer:
         self._listener: socket.socket | None = None
         self._accepting: asyncio.Task[None] | None = None
         self._serving: set[asyncio.Task[None]] = set()
+        self._exporting: set[str] = set()  # request ids of the exports under way or held
         self.active = 0  # pulls being served now
         self.bytes_sent = 0  # DATA payload bytes, since start
         self.pulls_served = 0  # pulls acknowledged, since start
@@ -380,6 +383,7 @@ class KVTransferServer:
         self.active += 1
         pull: PullRequest | None = None
         served: ServedPull | None = None
+        exporting: str | None = None  # the request id this connection took: its export to release
         tag = 0
         try:
             kind, body = await asyncio.wait_for(conn.read_control(None), timeout=10)
@@ -401,6 +405,12 @@ class KVTransferServer:
                 await conn.send_control(ERROR, tag, {"message": (
                     f"first_block {pull.first_block} outside [0, {total})")})  # fmt: skip
                 return
+            if pull.request_id in self._exporting:  # another connection's: left alone
+                await conn.send_control(ERROR, tag, {"message": (
+                    f"request {pull.request_id!r} is being pulled already")})  # fmt: skip
+                return
+            exporting = pull.request_id
+            self._exporting.add(exporting)
             await conn.send_control(ACCEPT, tag, {"num_blocks": total - pull.first_block,
                                                   "layout": asdict(self.pages.layout)})  # fmt: skip
             served = ServedPull(pull, time.monotonic(), 0, False)
@@ -416,11 +426,13 @@ class KVTransferServer:
             with contextlib.suppress(Exception):
                 await conn.send_control(ERROR, tag, {"message": str(e)})
         finally:
-            if pull is not None:
+            if exporting is not None:
                 try:
-                    await self.release(pull.request_id)
+                    await self.release(exporting)
                 except Exception as e:  # the engine is shutting down: its blocks go with it
-                    log.warning("kv pull %s: release failed: %s", pull.request_id, e)
+                    log.warning("kv pull %s: release failed: %s", exporting, e)
+                finally:
+                    self._exporting.discard(exporting)
             self.active -= 1
             conn.close()
             if served is not None and self.on_served is not None:
@@ -584,7 +596,7 @@ async def pull_kv(addr: str, pull: PullRequest, pages: KVPages, dst_blocks: list
             if received[l0 : l0 + nl, b0 : b0 + nb].any():
                 raise KVTransferError("a block arrived twice")
             layers, blocks = slice(l0, l0 + nl), dst_blocks[b0 : b0 + nb]
-            await asyncio.wait_for(_land(conn, pages, layers, blocks, h), idle_timeout_s)
+            await _land(conn, pages, layers, blocks, h, idle_timeout_s)
             received[l0 : l0 + nl, b0 : b0 + nb] = True
             nbytes += h.length
             frames += 1
@@ -608,11 +620,36 @@ async def pull_kv(addr: str, pull: PullRequest, pages: KVPages, dst_blocks: list
         conn.close()
 
 
-async def _land(conn: FrameConn, pages: KVPages, layers: slice, blocks: list[int],
-                h: _Header) -> None:  # fmt: skip
+async def _land(conn: FrameConn, pages: KVPages, layers: slice, blocks: list[int], h: _Header,
+                idle_timeout_s: float) -> None:  # fmt: skip
     """Receive a DATA payload into its blocks (straight into the cache where they are
     consecutive, else through one buffer and a scatter) and check its checksum, hashing each
-    chunk while the next one arrives."""
+    chunk while the next one arrives. The payload must arrive within `idle_timeout_s`; a write
+    run in a thread (pages not `direct`) is awaited to its end, even if the caller is cancelled
+    meanwhile (a thread cannot be stopped): once this returns or raises, nothing writes into
+    `blocks`, which the caller may then free. The idle limit is the peer's, not the write's (a
+    write waits for the engine's step): a timeout must not cut the wait for it short."""
+    staged = await asyncio.wait_for(_receive(conn, pages, layers, blocks, h), idle_timeout_s)
+    if staged is None:
+        return
+    if pages.direct:
+        pages.write(layers, blocks, staged)
+        return
+    # scattered to other processes, between engine steps: off the event loop
+    write = asyncio.ensure_future(asyncio.to_thread(pages.write, layers, blocks, staged))
+    try:
+        await asyncio.shield(write)
+    except asyncio.CancelledError:
+        while not write.done():  # cancelled again meanwhile: still wait
+            with contextlib.suppress(asyncio.CancelledError):
+                await asyncio.wait({write})
+        raise
+
+
+async def _receive(conn: FrameConn, pages: KVPages, layers: slice, blocks: list[int],
+                   h: _Header) -> bytearray | None:  # fmt: skip
+    """A DATA payload received and checked: into the cache (None), or into a buffer that
+    `pages.write` must scatter (returned)."""
     views = pages.runs(layers, blocks) if pages.direct else []
     staged = None
     if not pages.direct or h.length < MIN_RUN_BYTES * len(views):
@@ -625,8 +662,4 @@ async def _land(conn: FrameConn, pages: KVPages, layers: slice, blocks: list[int
     (expected,) = TRAILER.unpack(await conn.recv(TRAILER.size))
     if digest.intdigest() != expected:
         raise KVTransferError("DATA frame failed its checksum")
-    if staged is not None:
-        if pages.direct:
-            pages.write(layers, blocks, staged)
-        else:  # scattered to other processes, between engine steps: off the event loop
-            await asyncio.to_thread(pages.write, layers, blocks, staged)
+    return staged

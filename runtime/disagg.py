@@ -145,7 +145,7 @@ class KVImporter:
                 result = await self._pull(group, source, cached, dst, trace_ctx)
             reused = max(cached, result.cached_tokens if result else 0)
             return self.llm.submit_import(group, reused), result
-        except BaseException:
+        except BaseException:  # pull_kv ends, cancelled or not, only once nothing writes to dst
             self.llm.call(lambda engine: engine.cancel_import(group))  # runs though not awaited
             raise
 

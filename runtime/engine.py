@@ -126,6 +126,8 @@ class LLMEngine:
             self._start(config, weights)
         except BaseException:
             weights.close()
+            if weights.ranks is not None:  # the followers wait for their KV cache: stop them
+                weights.ranks.close()
             raise
         self.eos_token_ids = frozenset(self.model.cfg.eos_token_ids) | self.tokenizer.eos_token_ids
         self._groups: dict[str, RequestGroup] = {}

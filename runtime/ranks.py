@@ -160,8 +160,10 @@ def _follow(model: LlamaForCausalLM) -> None:
     from runtime.model_runner import ModelRunner
 
     sends = Sends(model.place.config.pp + 1)
-    setup = _receive()
-    runner = ModelRunner(model, **setup)
+    setup = _receive()  # ("setup", the runner's arguments), or ("stop",): rank 0 failed first
+    if setup[0] == "stop":
+        return
+    runner = ModelRunner(model, **setup[1])
     runner.pack_weights()  # this rank's weights are all read
     while True:
         command = _receive()
@@ -364,7 +366,7 @@ class RankGroup:
 
     def setup(self, **runner_args: Any) -> None:
         """The followers build their model runners (KV cache) with these arguments."""
-        self._guard(lambda: self._command(runner_args))
+        self._guard(lambda: self._command(("setup", runner_args)))
 
     def step(self, model: LlamaForCausalLM, kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
              plans: list[Plan], rows: torch.Tensor) -> torch.Tensor:  # fmt: skip
@@ -566,6 +568,8 @@ def start_ranks(
     except BaseException:
         for p in procs:
             p.kill()
+        with contextlib.suppress(Exception):  # where rank 0 had joined it
+            dist.destroy_process_group()
         raise
     failed = [e for e in errors if e]
     if failed or pending is None:

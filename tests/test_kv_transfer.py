@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import os
 import struct
+import threading
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import asdict
@@ -774,6 +775,164 @@ def test_an_import_under_way_counts_as_work_in_flight(engines) -> None:  # type:
             stream, _ = await task
             assert importer.active == 0
             assert len(await _collect(stream)) == 2
+        finally:
+            await server.close()
+
+    asyncio.run(main())
+
+
+def _slow_write(monkeypatch: pytest.MonkeyPatch) -> tuple[threading.Event, threading.Event,
+                                                          threading.Event]:  # fmt: skip
+    """DeviceKVPages.write (a frame landing through a thread, as in a split or GPU cache) held
+    until the test lets it go: (it started, let it go, it ended)."""
+    started, go, ended = threading.Event(), threading.Event(), threading.Event()
+    write = DeviceKVPages.write
+
+    def held(self: DeviceKVPages, layers: slice, block_ids: list[int], payload: bytes) -> None:
+        started.set()
+        go.wait(30)
+        write(self, layers, block_ids, payload)
+        ended.set()
+
+    monkeypatch.setattr(DeviceKVPages, "write", held)
+    return started, go, ended
+
+
+def test_a_cancelled_import_frees_its_blocks_only_after_its_last_write(
+    engines, monkeypatch: pytest.MonkeyPatch
+) -> None:  # type: ignore[no-untyped-def]
+    """A frame landing through a thread goes on when the import is cancelled (a thread cannot
+    be stopped): the client leaving (twice here: a server shutting down cancels again) while it
+    runs must not free the import's blocks until it has ended, or it lands in blocks another
+    request was given meanwhile (a split decode worker's greedy answers changed so)."""
+    _, decode, _ = engines
+    lay = KVPages(decode.engine.runner.kv, BS).layout
+    src = KVPages(torch.randn(lay.num_layers, 2, 64 * BS, lay.num_kv_heads, lay.head_dim), BS)
+    never = asyncio.Event()
+    started, go, ended = _slow_write(monkeypatch)
+    freed: list[bool] = []  # per cancel_import: had the write ended
+    cancel_import = decode.engine.cancel_import
+
+    def recorded(group) -> None:  # type: ignore[no-untyped-def]
+        freed.append(ended.is_set())
+        cancel_import(group)
+
+    monkeypatch.setattr(decode.engine, "cancel_import", recorded)
+
+    async def export(pull: PullRequest) -> AsyncIterator[ExportProgress]:
+        yield ExportProgress(3 * BS, list(range(40)), False)  # 3 blocks ready, then a long wait
+        await never.wait()
+
+    async def release(request_id: str) -> None:
+        return None
+
+    async def main() -> None:
+        server = KVTransferServer(src, decode.engine.cache_id, SECRET, export, release)
+        port = await server.start("127.0.0.1", 0)
+        try:
+            importer = KVImporter(decode, SECRET)
+            importer.pages = DeviceKVPages(decode.engine.runner.kv, BS)  # lands through a thread
+            group = decode.engine.prepare_request("overtaken", _prompt(300, offset=23),
+                                                  SamplingParams(max_tokens=4))  # fmt: skip
+            task = asyncio.ensure_future(importer.submit(group, f"127.0.0.1:{port}"))
+            assert await asyncio.to_thread(started.wait, 30)
+            task.cancel()
+            await asyncio.sleep(0)
+            task.cancel()
+            done, _ = await asyncio.wait({task}, timeout=0.5)
+            assert not done, "the import ended while a write into its blocks still ran"
+            go.set()
+            with pytest.raises(asyncio.CancelledError):
+                await task
+            await _settled(decode)
+            assert freed == [True] and _allocated(decode) == 0
+        finally:
+            go.set()
+            await server.close()
+
+    asyncio.run(main())
+
+
+def test_a_write_outlasting_the_idle_limit_is_waited_for(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A frame's write waits for the engine's step, which may take longer than the pull's idle
+    limit. That limit is for the peer's silence: it neither fails the pull nor leaves the write
+    running into blocks the caller frees once the pull has failed."""
+    layers, heads, dim = 2, 2, 8
+    src_kv = torch.randn(layers, 2, 16 * BS, heads, dim, generator=torch.Generator().manual_seed(2))
+    src_pages, dst_pages = KVPages(src_kv, BS), DeviceKVPages(torch.zeros_like(src_kv), BS)
+    blocks = list(range(4))
+    tokens = list(range(4 * BS - 1))
+    started, go, ended = _slow_write(monkeypatch)
+
+    async def export(pull: PullRequest) -> AsyncIterator[ExportProgress]:
+        yield ExportProgress(len(pull.token_ids), blocks, True)
+
+    async def release(request_id: str) -> None:
+        return None
+
+    async def main() -> None:
+        server = KVTransferServer(src_pages, "c", SECRET, export, release)
+        port = await server.start("127.0.0.1", 0)
+        try:
+            pull = PullRequest("slow-write", tokens, 0, "c", SECRET)
+            addr = f"127.0.0.1:{port}"
+            task = asyncio.ensure_future(pull_kv(addr, pull, dst_pages, blocks, idle_timeout_s=0.5))
+            assert await asyncio.to_thread(started.wait, 30)
+            done, _ = await asyncio.wait({task}, timeout=1.0)  # twice the idle limit
+            assert not done, "the pull ended while a write into its blocks still ran"
+            go.set()
+            assert (await task).blocks == 4 and ended.is_set()
+            assert torch.equal(src_pages.blocks[:, :, blocks], dst_pages.blocks[:, :, blocks])
+        finally:
+            go.set()
+            await server.close()
+
+    asyncio.run(main())
+
+
+def test_a_refused_pull_leaves_another_pull_s_export_alone() -> None:
+    """A PULL naming a request whose export is held for its puller (not yet acknowledged) is
+    refused and touches nothing, whatever it gets wrong: without the secret (anyone who can
+    reach the port), or a second PULL of it. Each released the held export, whose blocks the
+    prefill worker then gave to other requests."""
+    layers, heads, dim = 2, 2, 8
+    src = KVPages(torch.randn(layers, 2, 16 * BS, heads, dim), BS)
+    tokens = list(range(4 * BS - 1))  # 4 blocks
+    released: list[str] = []
+
+    async def export(pull: PullRequest) -> AsyncIterator[ExportProgress]:
+        yield ExportProgress(len(pull.token_ids), list(range(4)), True)
+
+    async def release(request_id: str) -> None:
+        released.append(request_id)
+
+    async def main() -> None:
+        server = KVTransferServer(src, "c", SECRET, export, release, hold_s=30.0)
+        port = await server.start("127.0.0.1", 0)
+        tag = kv_transfer.request_tag("held")
+        try:
+            held = await pull_without_ack(f"127.0.0.1:{port}",
+                                          PullRequest("held", tokens, 0, "c", SECRET))  # fmt: skip
+            for bad, why in [
+                (PullRequest("held", [1, 2], 0, "x", "WRONG"), "secret"),
+                (PullRequest("held", tokens, 0, "other-cache", SECRET), "layout"),
+                (PullRequest("held", tokens, 9, "c", SECRET), "first_block"),
+                (PullRequest("held", tokens, 0, "c", SECRET), "pulled already"),
+            ]:
+                conn = await FrameConn.connect("127.0.0.1", port)
+                await conn.send_control(kv_transfer.PULL, tag, asdict(bad))
+                kind, body = await conn.read_control(tag)
+                assert kind == kv_transfer.ERROR and why in body["message"]
+                with pytest.raises(asyncio.IncompleteReadError):  # the server is done with it
+                    await conn.recv(1)
+                conn.close()
+                assert released == [], f"a PULL refused ({why}) released the held export"
+            # its own puller acknowledges: released once, by its own connection
+            await held.send_control(kv_transfer.ACK, tag, {})
+            with pytest.raises(asyncio.IncompleteReadError):
+                await held.recv(1)
+            held.close()
+            assert released == ["held"] and server.pulls_served == 1
         finally:
             await server.close()
 

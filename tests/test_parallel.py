@@ -14,6 +14,7 @@ import openai
 import pytest
 import torch
 
+from runtime import ranks as ranks_module
 from runtime.config import EngineConfig, ModelConfig
 from runtime.llm import LLM
 from runtime.loader import load_model
@@ -384,6 +385,35 @@ def test_a_dead_rank_fails_the_engine_not_hangs(stories_dir: Path) -> None:
         assert told and "rank 1 of 2 exited" in told[0]
     finally:
         ranks.close()
+
+
+def test_a_failed_start_stops_its_ranks(stories_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """An engine that fails once its ranks are up (here: a KV cache too small for one block)
+    stops them: the follower, still waiting for its KV cache's size, leaves cleanly, the process
+    group goes, and a split engine started next in this process serves (it was refused: the
+    default process group was still initialized; the follower died at exit, taking the stop for
+    its setup)."""
+    started: list[ranks_module.RankGroup] = []
+    start = ranks_module.start_ranks
+
+    def recorded(*args, **kwargs):  # type: ignore[no-untyped-def]
+        pending, group = start(*args, **kwargs)
+        started.append(group)
+        return pending, group
+
+    monkeypatch.setattr(ranks_module, "start_ranks", recorded)
+    with pytest.raises(ValueError, match=r"kv_cache_bytes=10 holds no block"):
+        LLM(stories_dir, tp=2, kv_cache_bytes=10)
+    (group,) = started
+    assert [p.exitcode for p in group.procs] == [0]  # stopped, not killed
+    assert not {p.pid for p in group.procs} & set(_children(os.getpid()))
+    assert not torch.distributed.is_initialized()
+    llm = LLM(stories_dir, tp=2, kv_cache_bytes=4 << 20)
+    try:
+        out = llm.generate([PROMPTS[0]], SamplingParams(max_tokens=2, ignore_eos=True))
+        assert len(out[0].outputs[0].token_ids) == 2
+    finally:
+        _close(llm)
 
 
 CATALOG = """
