@@ -95,7 +95,11 @@ class Call:
     session_id: str | None  # the x-session-affinity header
     started: float  # perf_counter() at arrival
     forwarded: float = 0.0  # perf_counter() when the first attempt went to a worker
-    answered: float = 0.0  # perf_counter() when the serving worker's first token arrived
+    answered: float = 0.0  # perf_counter() when the request was committed to the serving
+    # worker: its first token when streaming, its whole answer (`done`) otherwise
+    first_token: float = 0.0  # perf_counter() when the serving worker's first delta came (TTFT)
+    stream_tokens: dict[int, int] = field(default_factory=dict)  # choice index -> output tokens
+    # the serving worker sent (TPOT's count); it and first_token start again with each attempt
     gen: GenerateRequest | None = None  # the validated request, as the worker gets it
     options: RequestOptions | None = None  # what the response needs
     placement: Placement | None = None  # the session's placement before this request (a new
@@ -183,7 +187,7 @@ class Proxy:
                 e.message = e.message.replace("in the prompt", "in the messages")
             raise
         finally:
-            tel.finish(call, call.assembler, err or call.stream_error)
+            tel.finish(calls, call.assembler, err or call.stream_error)
 
     async def dispatch(self, call: Call) -> tuple[Events, list[dict[str, Any]]]:
         """One prompt: prefix lookup, route + forward (with retries), record the session's
@@ -536,9 +540,11 @@ class Proxy:
         """The worker's events, in batches of whatever arrived together (one write per batch
         downstream), up to the one that ends its stream (`done` or `error`); any failure, a
         stream cut short included, becomes WorkerFailed. Closing it hangs up on the worker.
-        Its span (gateway.forward) lasts until the worker's stream ends."""
+        Its span (gateway.forward) lasts until the worker's stream ends. Notes on `call` when
+        the first delta arrived and each choice's tokens (`_count_tokens`)."""
         gen = call.gen
         assert gen is not None
+        call.first_token, call.stream_tokens = 0.0, {}  # (a failed attempt's do not count)
         idle = self.config.worker_idle_timeout_s
         timeout = aiohttp.ClientTimeout(
             total=None,
@@ -563,6 +569,7 @@ class Proxy:
                         continue
                     batch = [decode_event(line) for line in lines]
                     finished = batch[-1]["type"] in ("done", "error")
+                    _count_tokens(call, batch)
                     yield batch
                     if finished:
                         return
@@ -754,6 +761,18 @@ async def _interleaved(
         for read in reads:
             read.cancel()
         await asyncio.gather(*reads, return_exceptions=True)
+
+
+def _count_tokens(call: Call, batch: list[dict[str, Any]]) -> None:
+    """The first delta's arrival and each choice's output tokens, for the GenAI metrics (a
+    malformed event is the ResponseAssembler's to refuse: it counts nothing here)."""
+    for event in batch:
+        if event["type"] != "delta":
+            continue
+        call.first_token = call.first_token or time.perf_counter()
+        index, ids = event.get("index"), event.get("token_ids")
+        if isinstance(index, int) and isinstance(ids, list):
+            call.stream_tokens[index] = call.stream_tokens.get(index, 0) + len(ids)
 
 
 def _server_timing(call: Call) -> str:

@@ -141,9 +141,17 @@ class GatewayTelemetry:
         middleware counts those; the proxy those that end a stream already under way)."""
         self.errors.add(1, self._where | {"error.type": err.code or err.type})
 
-    def finish(self, call: Call, assembler: ResponseAssembler | None, err: APIError | None) -> None:
+    def finish(
+        self, calls: list[Call], assembler: ResponseAssembler | None, err: APIError | None
+    ) -> None:
         """The request ended (answered, failed mid-stream, or refused with `err`): usage and
-        timings on the root span and the GenAI histograms; ends the root span."""
+        timings on the root span and the GenAI histograms; ends the root span. `calls`: one per
+        prompt, the first one's telemetry the request's.
+
+        TTFT runs to the first token of any prompt, streamed or not; TPOT divides the time from
+        there to the end by the tokens of the longest choice (n choices and a batch's prompts
+        decode side by side), not by the usage's sum over all of them."""
+        call = calls[0]
         error = (err.code or err.type) if err is not None else None
         now = time.perf_counter()
         attrs: dict[str, Any] = self._where | {"gen_ai.operation.name": call.operation}
@@ -155,7 +163,9 @@ class GatewayTelemetry:
         if error is not None:
             attrs["error.type"] = error
         counts = (int(usage["prompt_tokens"]), int(usage["completion_tokens"])) if usage else None
-        self.genai.record(attrs, call.started, call.answered, now, counts)
+        first_token = min((c.first_token for c in calls if c.first_token), default=0.0)
+        longest = max((n for c in calls for n in c.stream_tokens.values()), default=0)
+        self.genai.record(attrs, call.started, first_token, now, counts, longest or None)
         if span is None:
             return
         if span.is_recording():

@@ -29,10 +29,15 @@ patches):
     traces_endpoint   where that in-region collector sends traces (OTLP/gRPC), an http(s)://
                       URL (https: over TLS; default http://tempo:4317)
 
-Without --apply the manifests are printed (or written to --out DIR, one file per resource);
-with --apply they are piped to `kubectl apply -f -`. Bad input (an unknown region, a missing or
-malformed setting, an overlay that does not render, no kubectl for --apply) stops before
-anything is written or applied, with exit status 2 and a message naming the region and field.
+Without --apply the manifests are printed (or written to --out DIR, one file per resource,
+NN-KIND-NAME.yaml numbered in the order they apply: the namespace first); with --apply they are
+piped to `kubectl apply -f -`. --out DIR holds exactly the latest render: the files an earlier
+render wrote there (named NN-KIND-NAME.yaml) are removed first, so that `kubectl apply -f DIR`
+never applies a stale file, such as an old Deployment whose number a new resource shifted
+past the current one's (a rollback); other files in DIR are left alone. Bad input (an unknown
+region, a missing or malformed setting, an overlay that does not render, no kubectl for
+--apply) stops before anything is written or applied, with exit status 2 and a message naming
+the region and field; so does an --out DIR that cannot be written (naming DIR).
 """
 
 from __future__ import annotations
@@ -56,6 +61,7 @@ OVERLAYS = INFRA / "k8s" / "overlays"
 GRACE_MARGIN_S = 20  # beyond the drain timeout: the preStop pause and the exit itself
 _IMAGE = re.compile(r"^(?P<repo>[a-z0-9][a-z0-9._/:-]*?)(?::(?P<tag>[\w][\w.-]{0,127}))?(?:@(?P<digest>sha256:[0-9a-f]{64}))?$")  # fmt: skip
 _QUANTITY = re.compile(r"^[0-9]+(\.[0-9]+)?(Ki|Mi|Gi|Ti|Pi|k|M|G|T|P)?$")
+_WRITTEN = re.compile(r"^[0-9]{2,}-[a-z0-9]+-[a-z0-9.-]+\.yaml$")  # a file `write` names
 
 
 class DeployError(ValueError):
@@ -251,7 +257,12 @@ def apply(text: str, region: str) -> None:
 
 
 def write(resources: list[Resource], out: Path) -> list[Path]:
+    """One file per resource in `out`, numbered in order, in place of an earlier render's (see
+    the module docstring)."""
     out.mkdir(parents=True, exist_ok=True)
+    for old in out.iterdir():
+        if _WRITTEN.match(old.name) and old.is_file():
+            old.unlink()
     paths = []
     for i, r in enumerate(resources):
         path = out / f"{i:02d}-{r['kind'].lower()}-{r['metadata']['name']}.yaml"
@@ -273,7 +284,12 @@ def main(argv: list[str] | None = None) -> int:
         if args.apply:
             apply(text, args.region)
         elif args.out is not None:
-            for path in write(resources, args.out):
+            try:
+                paths = write(resources, args.out)
+            except OSError as e:
+                raise DeployError(f"region {args.region!r}: cannot write the manifests to "
+                                  f"{args.out}: {e.strerror or e}") from e  # fmt: skip
+            for path in paths:
                 print(path)
         else:
             sys.stdout.write(text)

@@ -8,6 +8,7 @@ import (as the protocol messages do); it imports no torch and no aiohttp.
     tel.inject(headers, trace.set_span_in_context(span))  # W3C traceparent to the next hop
     tel.prometheus()                                       # the /metrics body
     tel.shutdown()                                         # flush what is still buffered
+                                                           # (SHUTDOWN_TIMEOUT_S at most)
 
 Traces are recorded only when somewhere receives them: an OTLP endpoint (the gateway's and the
 worker's `--otlp-endpoint`, default `$OTEL_EXPORTER_OTLP_ENDPOINT`), or a test's exporter.
@@ -15,6 +16,11 @@ Otherwise the tracer is OpenTelemetry's no-op one, which still carries an incomi
 `traceparent` on to the next hop. Spans are sampled parent-based (a client's sampled flag is
 obeyed), new traces at `trace_sample_ratio`. Metrics are always collected: the Prometheus
 `/metrics` endpoint reads them, and they go over OTLP as well when an endpoint is set.
+
+OTLP exports give up after EXPORT_TIMEOUT_S, retries included (in place of the SDK's
+$OTEL_EXPORTER_OTLP_TIMEOUT, default 10 s, which held a worker's exit for 35-45 s behind an
+unreachable collector: one timeout per queued batch), and `shutdown` waits SHUTDOWN_TIMEOUT_S
+at most for what is still buffered; the rest is dropped.
 
 Prompts and outputs are never put on a span unless `record_content` is set (`--otel-content`,
 or `OTEL_INSTRUMENTATION_GENAI_CAPTURE_MESSAGE_CONTENT=true`, the GenAI convention's switch).
@@ -43,6 +49,9 @@ The metrics, by OpenTelemetry name (Prometheus name in brackets; `METRICS` lists
 
 from __future__ import annotations
 
+import logging
+import threading
+import time
 from collections.abc import Callable, Iterable, Mapping, MutableMapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -57,6 +66,8 @@ from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.sdk.trace.export import BatchSpanProcessor, SpanExporter
 from opentelemetry.sdk.trace.sampling import ParentBased, TraceIdRatioBased
 from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
+
+log = logging.getLogger("edgeinfer.telemetry")
 
 # --------------------------------------------------------------------------- the metric catalog
 TTFT = "gen_ai.server.time_to_first_token"
@@ -147,7 +158,25 @@ BUCKETS: dict[str, Sequence[float]] = {
         7.5,
         10.0,
     ),
-    TPOT: (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5),
+    # the conventions' advice starts at 10 ms; a decode step of a small model takes 1-3 ms
+    TPOT: (
+        0.001,
+        0.0025,
+        0.005,
+        0.01,
+        0.025,
+        0.05,
+        0.075,
+        0.1,
+        0.15,
+        0.2,
+        0.3,
+        0.4,
+        0.5,
+        0.75,
+        1.0,
+        2.5,
+    ),
     REQUEST_DURATION: (
         0.01,
         0.02,
@@ -169,6 +198,10 @@ BUCKETS: dict[str, Sequence[float]] = {
     COLD_START: (0.1, 0.25, 0.5, 1.0, 2.0, 4.0, 8.0, 15.0, 30.0, 60.0, 120.0, 300.0),
     REDIS_DURATION: (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.5),
 }
+
+
+EXPORT_TIMEOUT_S = 2.0  # one OTLP export, its retries included (the SDK's default: 10 s)
+SHUTDOWN_TIMEOUT_S = 3.0  # Telemetry.shutdown's wait for the last exports
 
 
 @dataclass(slots=True)
@@ -236,10 +269,16 @@ class Telemetry:
             from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
             from opentelemetry.sdk.metrics.export import PeriodicExportingMetricReader
 
-            exporters.append(OTLPSpanExporter(endpoint=f"{config.otlp_endpoint}/v1/traces"))
+            exporters.append(
+                OTLPSpanExporter(
+                    endpoint=f"{config.otlp_endpoint}/v1/traces", timeout=EXPORT_TIMEOUT_S
+                )
+            )
             readers.append(
                 PeriodicExportingMetricReader(
-                    OTLPMetricExporter(endpoint=f"{config.otlp_endpoint}/v1/metrics"),
+                    OTLPMetricExporter(
+                        endpoint=f"{config.otlp_endpoint}/v1/metrics", timeout=EXPORT_TIMEOUT_S
+                    ),
                     export_interval_millis=(
                         config.export_interval_s * 1000 if config.export_interval_s else None
                     ),
@@ -310,11 +349,35 @@ class Telemetry:
 
         return generate_latest(self._registry)
 
-    def shutdown(self) -> None:
-        """Flush buffered spans and metrics (bounded by the exporters' own timeouts)."""
+    def shutdown(self, timeout_s: float = SHUTDOWN_TIMEOUT_S) -> bool:
+        """Flush buffered spans and metrics, waiting `timeout_s` at most: what a slow or
+        unreachable collector has not taken by then is dropped. Returns whether the flush ended
+        in time (its exports failed or not).
+
+        Spans and metrics flush side by side, each in a daemon thread (the SDK bounds neither
+        TracerProvider.shutdown nor the exports of the batches still queued, one timeout each),
+        so that neither waits behind the other and a thread still stuck in an export holds no
+        exit."""
+
+        def run(step: Callable[[], object]) -> None:
+            try:
+                step()
+            except Exception as e:  # (MeterProvider.shutdown raises what its readers did)
+                log.warning("telemetry shutdown: %s", e)
+
+        steps: list[Callable[[], object]] = [
+            lambda: self.meter_provider.shutdown(timeout_millis=timeout_s * 1000)
+        ]
         if self.tracer_provider is not None:
-            self.tracer_provider.shutdown()
-        self.meter_provider.shutdown()
+            steps.append(self.tracer_provider.shutdown)
+        threads = [threading.Thread(target=run, args=(f,), name="otel-shutdown", daemon=True)
+                   for f in steps]  # fmt: skip
+        for t in threads:
+            t.start()
+        deadline = time.monotonic() + timeout_s
+        for t in threads:
+            t.join(max(0.0, deadline - time.monotonic()))
+        return not any(t.is_alive() for t in threads)
 
 
 class GenAIMetrics:
@@ -334,10 +397,14 @@ class GenAIMetrics:
         first_token: float,
         ended: float,
         usage: tuple[int, int] | None,
+        stream_tokens: int | None = None,
     ) -> None:
         """A request that arrived at `started` (any one clock), had its first token at
         `first_token` (0: never) and ended at `ended`; `usage` is (input, output) tokens when
-        known."""
+        known, over all its completions. `stream_tokens`: the output tokens of its longest
+        single completion (of n, or of a batch's prompts), which TPOT divides by: completions
+        decode side by side, so the time per token is that of one stream, not of their sum;
+        None: all the output is one stream."""
         self.duration.record(ended - started, attrs)
         if usage is None:
             return
@@ -346,8 +413,9 @@ class GenAIMetrics:
         self.tokens.record(n_out, attrs | {"gen_ai.token.type": "output"})
         if first_token:
             self.ttft.record(first_token - started, attrs)
-            if n_out > 1:
-                self.tpot.record((ended - first_token) / (n_out - 1), attrs)
+            per_stream = n_out if stream_tokens is None else stream_tokens
+            if per_stream > 1:
+                self.tpot.record((ended - first_token) / (per_stream - 1), attrs)
 
 
 PROMETHEUS_CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"

@@ -7,7 +7,7 @@ phases become child spans after the fact, from the times the engine kept:
     ├── kv_transfer.pull      CLIENT  disaggregated: the prompt's KV, pulled from a prefill worker
     │   └── kv_transfer.serve SERVER  on the prefill worker: PULL to ACK (its `traceparent` rides
     │       ├── queue                 in the PULL frame); the export's own queue and prefill
-    │       └── prefill
+    │       └── prefill               (an export ends at its first token: no decode)
     ├── queue                         arrival (or the pull's end) to the first engine step
     ├── prefill                       to the first token
     └── decode                        the first token to the end
@@ -47,6 +47,9 @@ class RequestTimes:
     scheduled: float = 0.0  # its first engine step
     first_token: float = 0.0  # its first output token reached this process
     ended: float = 0.0  # its last output (or failure)
+    # the output tokens of its longest completion so far: TPOT's count (its n completions
+    # decode side by side, a token each per step); 0: not kept, TPOT counts all of them
+    longest_output: int = 0
 
 
 class WorkerTelemetry:
@@ -137,7 +140,8 @@ class WorkerTelemetry:
         if error is not None:
             attrs["error.type"] = error
         counts = (usage[0], usage[1]) if usage is not None else None
-        self.genai.record(attrs, times.received, times.first_token, times.ended, counts)
+        longest = times.longest_output or None
+        self.genai.record(attrs, times.received, times.first_token, times.ended, counts, longest)
         now_mono, now_ns = time.monotonic(), time.time_ns()  # one pair: spans nest exactly
         if span.is_recording():
             ctx = trace.set_span_in_context(span)
@@ -161,7 +165,10 @@ class WorkerTelemetry:
             ("prefill", times.scheduled, first),
             ("decode", times.first_token, times.ended),
         ):
-            if a and b and b >= a:
+            # a decode that never ran is no span: a prefill worker's export ends at its first
+            # token (`served` is given that instant as both first_token and ended)
+            never_decoded = name == "decode" and b == a
+            if a and b and b >= a and not never_decoded:
                 self.tracer.start_span(
                     name, context=ctx, start_time=wall_ns(a, now_mono, now_ns)
                 ).end(end_time=wall_ns(b, now_mono, now_ns))

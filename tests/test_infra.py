@@ -356,6 +356,37 @@ def test_print_and_out(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> No
     assert [yaml.safe_load(f.read_text()) for f in files] == printed
 
 
+def test_out_holds_exactly_the_latest_render(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Rendering again into an --out DIR replaces the earlier render's files: left there, with
+    numbers shifted by a resource fewer, `kubectl apply -f DIR` applied an old Deployment after
+    the new one (a rollback). Files the deploy did not write stay."""
+    out = tmp_path / "m"
+    assert deploy.main(["local", "--catalog", str(_catalog(tmp_path)), "--out", str(out)]) == 0
+    (out / "kustomization.yaml").write_text("resources: []\n")
+    (out / "notes.txt").write_text("mine\n")
+    capsys.readouterr()
+    # a shared Redis: no in-region Redis Deployment and Service, and the files after them shift
+    catalog = _catalog(tmp_path, redis_url="redis://shared.example:6379/0")
+    assert deploy.main(["local", "--catalog", str(catalog), "--out", str(out)]) == 0
+    written = [Path(line) for line in capsys.readouterr().out.split()]
+    assert sorted(out.glob("[0-9][0-9]-*.yaml")) == sorted(written)
+    rendered = deploy.render("local", catalog)
+    assert [yaml.safe_load(f.read_text()) for f in sorted(written)] == rendered
+    assert {f.name for f in out.iterdir()} - {f.name for f in written} == {"kustomization.yaml", "notes.txt"}  # fmt: skip
+
+
+def test_an_unwritable_out_exits_2_naming_it(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    (tmp_path / "file").write_text("")
+    out = tmp_path / "file" / "m"  # (a folder under a file: NotADirectoryError, an OSError)
+    assert deploy.main(["local", "--out", str(out)]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("deploy: error: region 'local': cannot write") and str(out) in err
+
+
 def test_apply_pipes_to_kubectl(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir()

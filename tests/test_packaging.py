@@ -75,3 +75,26 @@ def test_dockerfile_installs_what_the_makefile_does() -> None:
     # the manifests run the image's `edgeinfer` (infra/k8s/base)
     for name in ("gateway", "worker", "pool"):
         assert 'command: ["edgeinfer"]' in (ROOT / "infra" / "k8s" / "base" / f"{name}.yaml").read_text()  # fmt: skip
+
+
+def test_opentelemetry_floors_admit_only_releases_with_what_telemetry_uses() -> None:
+    """kvstore/telemetry passes `registry=` to PrometheusMetricReader, which its exporter has
+    from 0.63b0 on (pinned to opentelemetry-sdk 1.42.*); the floors said 0.47b0 and 1.26, whose
+    reader fails at the first Telemetry. The SDK and the OTLP exporter go with that release."""
+    import inspect
+
+    from opentelemetry.exporter.prometheus import PrometheusMetricReader
+    from packaging.requirements import Requirement
+    from packaging.version import Version
+
+    floors = {}
+    for dep in PYPROJECT["project"]["dependencies"]:
+        req = Requirement(dep)
+        if req.name.startswith("opentelemetry-"):
+            (spec,) = req.specifier
+            assert spec.operator == ">=", dep
+            floors[req.name] = Version(spec.version)
+    assert floors["opentelemetry-exporter-prometheus"] >= Version("0.63b0")
+    assert floors["opentelemetry-sdk"] >= Version("1.42")
+    assert floors["opentelemetry-exporter-otlp-proto-http"] == floors["opentelemetry-sdk"]
+    assert "registry" in inspect.signature(PrometheusMetricReader).parameters  # (installed)

@@ -8,6 +8,9 @@ text, across the gateway, a decode worker, the KV transfer and the prefill worke
 have the values the requests imply; `/metrics` parses with prometheus_client's parser and
 carries every metric of the catalog. Then real processes: a gateway and a worker started with
 `--otlp-endpoint` export their spans of one trace over OTLP/HTTP to a receiver in this test.
+The timings' arithmetic (TTFT and TPOT per stream, on the gateway against a scripted worker of
+known pace, and on a worker's records), the phase spans of a prefill worker's export, and a
+shutdown bounded in time when the collector never answers are checked on their own.
 """
 
 from __future__ import annotations
@@ -17,6 +20,8 @@ import contextlib
 import dataclasses
 import itertools
 import json
+import socket
+import threading
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
@@ -36,13 +41,17 @@ from prometheus_client.parser import text_string_to_metric_families
 from gateway.app import make_app as gateway_app
 from gateway.config import GatewayConfig
 from kvstore import telemetry as names
+from kvstore.client import connect
 from kvstore.placement import Placement, SessionStore
+from kvstore.protocol import DeltaEvent, DoneEvent, GenerateRequest, StartEvent, WorkerInfo
+from kvstore.protocol import encode_event as encode
 from kvstore.redis_server import LocalRedis, find_free_port
 from kvstore.registry import Registry
-from kvstore.telemetry import METRICS, Telemetry, TelemetryConfig
+from kvstore.telemetry import METRICS, GenAIMetrics, Telemetry, TelemetryConfig
 from runtime.async_engine import AsyncLLM
 from runtime.config import EngineConfig
 from runtime.engine import LLMEngine
+from runtime.telemetry import RequestTimes, WorkerTelemetry
 from runtime.worker import Worker, WorkerConfig
 from runtime.worker import make_app as worker_app
 from tests.stack import SECRET, get_json, start_gateway, start_worker, wait_until
@@ -493,3 +502,152 @@ async def test_real_processes_export_one_trace_over_otlp(
     assert samples[("edgeinfer_worker_cold_start_duration_seconds_count", "weights read")] == 1
     total = samples[("edgeinfer_worker_cold_start_duration_seconds_sum", "total")]
     assert 0 < total < 120
+
+
+# ---------------------------------------------------------------------- timings' arithmetic
+STEPS = 5  # tokens per choice from the scripted worker
+STEP_S = 0.1  # its pace: one token per choice every STEP_S, after the first
+
+
+async def _scripted_generate(request: web.Request) -> web.StreamResponse:
+    """A worker's /internal/generate that answers every choice one token per STEP_S."""
+    req = GenerateRequest.from_dict(await request.json())
+    n = int(req.sampling.get("n", 1))
+    resp = web.StreamResponse(headers={"Content-Type": "application/x-ndjson"})
+    await resp.prepare(request)
+    await resp.write(encode(StartEvent(req.request_id, "local-scripted", 3)))
+    for step in range(STEPS):
+        if step:
+            await asyncio.sleep(STEP_S)
+        finish = "length" if step == STEPS - 1 else None
+        await resp.write(b"".join(encode(DeltaEvent(i, "a", [7], finish_reason=finish))
+                                  for i in range(n)))  # fmt: skip
+    await resp.write(encode(DoneEvent(3, STEPS * n)))
+    return resp
+
+
+@contextlib.asynccontextmanager
+async def scripted(redis: LocalRedis, tmp: Path) -> AsyncIterator[Stack]:
+    """A gateway with recorded telemetry, and one registered scripted worker."""
+    catalog = tmp / "regions.yaml"
+    catalog.write_text(CATALOG)
+    port = find_free_port()
+    worker = web.Application()
+    worker.router.add_post("/internal/generate", _scripted_generate)
+    runners = [await _serve(worker, port)]
+    client = connect(redis.url)
+    try:
+        info = WorkerInfo("local-scripted", "local", "fake", "mixed", f"http://127.0.0.1:{port}",
+                          max_num_seqs=8, capacity_tokens=100_000, updated_at=time.time(),
+                          heartbeat_s=30.0)  # fmt: skip
+        await Registry(client, ttl_s=60.0).heartbeat(info)
+        rec = Recorded.make("edgeinfer-gateway")
+        gport = find_free_port()
+        gcfg = GatewayConfig(region="local", redis_url=redis.url, worker_secret=SECRET,
+                             catalog_path=catalog, registry_refresh_s=0.1)  # fmt: skip
+        runners.append(await _serve(gateway_app(gcfg, telemetry=rec.tel), gport))
+        stack = Stack(f"http://127.0.0.1:{gport}", rec)
+        async with aiohttp.ClientSession() as http:
+            for _ in range(200):
+                async with http.get(f"{stack.gateway_url}/readyz") as r:
+                    if (await r.json())["workers"] == 1:
+                        break
+                await asyncio.sleep(0.05)
+            else:
+                raise AssertionError("the gateway never saw the scripted worker")
+        yield stack
+    finally:
+        for runner in reversed(runners):
+            await runner.cleanup()
+        await client.aclose()
+
+
+def _one_point(rec: Recorded, name: str) -> Any:
+    ((_, point),) = rec.points(name)
+    return point
+
+
+@pytest.mark.parametrize("shape", ["n=2, not streamed", "2 prompts, streamed"])
+async def test_gateway_ttft_is_the_first_token_and_tpot_one_streams_pace(
+    redis: LocalRedis, tmp_path: Path, shape: str
+) -> None:
+    """TTFT ends at the first delta whether the answer streams or not (a non-streamed answer's
+    TTFT was its whole duration, and its TPOT ~0), and TPOT is the time between the tokens of
+    one choice (it was divided by the tokens of all the choices and prompts together)."""
+    async with scripted(redis, tmp_path) as stack:
+        client = stack.client()
+        if shape == "n=2, not streamed":
+            await client.completions.create(model="fake", prompt="x", max_tokens=STEPS, n=2)
+        else:
+            stream = await client.completions.create(
+                model="fake", prompt=["x", "y"], max_tokens=STEPS, stream=True
+            )
+            async for _ in stream:
+                pass
+        rec = stack.gateway
+        ttft, tpot = _one_point(rec, names.TTFT), _one_point(rec, names.TPOT)
+        duration = _one_point(rec, names.REQUEST_DURATION)
+    decode_s = (STEPS - 1) * STEP_S  # the first token to the last, at the worker
+    assert ttft.count == tpot.count == duration.count == 1
+    assert ttft.sum <= duration.sum - decode_s / 2, (ttft.sum, duration.sum)
+    # one choice's pace (a sleep lasts at least as long as asked; the old count: ~0.44 STEP_S)
+    assert 0.7 * STEP_S <= tpot.sum < 3 * STEP_S, tpot.sum
+
+
+def test_tpot_divides_by_the_longest_stream() -> None:
+    rec = Recorded.make("edgeinfer-worker")
+    genai = GenAIMetrics(rec.tel)
+    genai.record({"a": "n=4"}, 0.0, 1.0, 5.0, (10, 20), stream_tokens=5)  # 4 s, 4 more tokens
+    genai.record({"a": "n=1"}, 0.0, 1.0, 5.0, (10, 5))  # without: all the output is one stream
+    assert {a["a"]: pt.sum for a, pt in rec.points(names.TPOT)} == {"n=4": 1.0, "n=1": 1.0}
+
+
+def test_worker_tpot_counts_its_longest_completion() -> None:
+    rec = Recorded.make("edgeinfer-worker")
+    wt = WorkerTelemetry(rec.tel, "local-w", "local", "stories")
+    req = GenerateRequest("r-1", "stories", prompt="x", sampling={"n": 3})
+    span = wt.start({}, req, "mixed")
+    times = RequestTimes(100.0, first_token=101.0, ended=105.0, longest_output=5)
+    wt.finish(span, req, times, (10, 12, 0), None)  # 3 completions: 5 + 4 + 3 tokens
+    assert _one_point(rec, names.TPOT).sum == pytest.approx(1.0)
+
+
+def test_a_prefill_workers_export_has_no_decode_span() -> None:
+    """An export ends at its first token: no (empty) decode span under kv_transfer.serve."""
+    rec = Recorded.make("edgeinfer-worker")
+    wt = WorkerTelemetry(rec.tel, "local-p", "local", "stories")
+    now = time.monotonic()
+    engine = RequestTimes(now - 0.05, arrival=now - 0.04, scheduled=now - 0.03,
+                          first_token=now - 0.01, ended=now - 0.01)  # fmt: skip
+    wt.served(None, "r-1", now - 0.05, 1024, True, engine)
+    spans = _by_name(rec.finished())
+    serve = _one(spans, "kv_transfer.serve")
+    assert all(_child_of(_one(spans, n), serve) for n in ("queue", "prefill"))
+    assert "decode" not in spans
+
+
+def test_tpot_buckets_resolve_milliseconds() -> None:
+    """A step of a small model takes 1-3 ms: TPOT's buckets must tell those apart."""
+    rec = Recorded.make("edgeinfer-worker")
+    GenAIMetrics(rec.tel).record({}, 0.0, 1.0, 1.008, (1, 5))  # 2 ms per token
+    point = _one_point(rec, names.TPOT)
+    (i,) = [i for i, count in enumerate(point.bucket_counts) if count]
+    assert point.explicit_bounds[i] <= 0.0025
+
+
+def test_shutdown_is_bounded_when_the_collector_never_answers() -> None:
+    """A collector that accepts connections and never answers held a worker's exit for 35-45 s
+    (10 s per queued batch); shutdown now gives up after a few seconds."""
+    with socket.create_server(("127.0.0.1", 0), backlog=64) as silent:  # never accepts
+        endpoint = f"http://127.0.0.1:{silent.getsockname()[1]}"
+        tel = Telemetry(TelemetryConfig("edgeinfer-worker", "local", otlp_endpoint=endpoint))
+        for i in range(4 * 512 + 1):  # more than four of the span processor's batches
+            tel.tracer.start_span(f"s{i}").end()
+        GenAIMetrics(tel).record({}, 0.0, 1.0, 2.0, (3, 4))
+        t0 = time.monotonic()
+        # (in a thread: a shutdown that hangs fails the test, not the run)
+        shutdown = threading.Thread(target=tel.shutdown, daemon=True)
+        shutdown.start()
+        shutdown.join(10.0)
+        took = time.monotonic() - t0
+    assert not shutdown.is_alive() and took < 5.0, took
