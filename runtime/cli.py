@@ -311,6 +311,9 @@ def cmd_import_gguf(args: argparse.Namespace) -> int:
     except GGUFImportError as e:
         print(f"edgeinfer: error: {e}", file=sys.stderr)
         return 2
+    except OSError as e:  # a full disk, an output path under a file, ...: nothing was written
+        print(f"edgeinfer: error: importing {args.file} into {args.out_dir}: {e}", file=sys.stderr)
+        return 2
     print(out)
     return 0
 
@@ -361,7 +364,7 @@ def cmd_verify(args: argparse.Namespace) -> int:
 
     store = _store(args)
     problems = store.verify(args.name, progress=_progress)
-    folder = store.resolve(args.name)
+    folder = store.model_folder(args.name)  # the store's, whatever the working folder holds
     compressed = is_compressed(folder)
     if problems:
         for line in problems:
@@ -373,6 +376,7 @@ def cmd_verify(args: argparse.Namespace) -> int:
             print(f"pull it again: edgeinfer pull SOURCE --name {args.name} --force",
                   file=sys.stderr)  # fmt: skip
         return 1
+    covered = ""
     if compressed:
         from runtime.compression import read_manifest as read_compressed
 
@@ -380,7 +384,10 @@ def cmd_verify(args: argparse.Namespace) -> int:
     else:
         manifest = read_manifest(folder)
         shards = len(manifest.shards) if manifest else 0
-    print(f"{args.name}: {shards} shard{'s' if shards != 1 else ''}, every checksum matches")
+        if manifest is not None and manifest.files is None:
+            covered = " (of the shards; its other files have no checksums: an older pull)"
+    print(f"{args.name}: {shards} shard{'s' if shards != 1 else ''}, every checksum matches"
+          f"{covered}")  # fmt: skip
     return 0
 
 
@@ -472,12 +479,14 @@ def build_parser() -> argparse.ArgumentParser:
     ls.set_defaults(func=cmd_models)
 
     v = sub.add_parser("verify", help="re-read a stored model and check every shard's checksums")
-    v.add_argument("name")
+    v.add_argument("name", help="the name of a model in the store (edgeinfer models; not a "
+                   "folder path)")  # fmt: skip
     _store_arg(v)
     v.set_defaults(func=cmd_verify)
 
     rm = sub.add_parser("rm", help="remove a model from the local store")
-    rm.add_argument("name")
+    rm.add_argument("name", help="the name of a model in the store (edgeinfer models; not a "
+                    "folder path); a model that is a symbolic link loses the link alone")  # fmt: skip
     _store_arg(rm)
     rm.set_defaults(func=cmd_rm)
 
@@ -519,11 +528,17 @@ def main(argv: list[str] | None = None) -> int:
     except Exception as e:
         # Imported only here: `runtime.config` imports torch, which a command imports itself
         # once it has set up for it (generate and worker: with cyclic GC off).
+        from safetensors import SafetensorError
+
         from runtime.config import ModelLoadError
         from runtime.sampling_params import InvalidRequestError
 
-        # ValueError: a setting that fails its config's check (each names the setting)
-        if isinstance(e, (ModelLoadError, InvalidRequestError, FileNotFoundError, ValueError)):
+        # ValueError: a setting that fails its config's check (each names the setting). OSError
+        # and SafetensorError (safetensors' own I/O errors): a full disk, a read-only folder, a
+        # name too long, wherever a command did not report it itself (the last resort)
+        if isinstance(
+            e, (ModelLoadError, InvalidRequestError, ValueError, OSError, SafetensorError)
+        ):
             print(f"edgeinfer: error: {e}", file=sys.stderr)
             return 2
         import redis.exceptions

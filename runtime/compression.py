@@ -29,13 +29,19 @@ describes the code and the decoders):
     ..   n bytes: sign + mantissa of each value
     ..   nbytes: the coded exponents, chunk after chunk, each chunk starting on a byte
 
-The manifest's per-tensor xxh3-64 covers the record, so a truncated or corrupted file fails with
-an error naming the tensor. Loading overlaps the reads, the checksums and the decoding: the
-shards are read in pieces of a few MiB by a few threads (O_DIRECT, as runtime.weights reads),
-and as soon as a group of records is in, the same threads check it and decode it
-(kernels/csrc/huffman_decode_cpu.cpp, a record in one call, or a large one's chunks in several)
-in units of ~1 ms, no more of them at a time than there are cores, while the others read on
-(see load_compressed).
+The manifest's per-tensor xxh3-64 covers the record, and its per-shard `header_xxh3_64` the
+shard's first 16 + h bytes (magic, length, JSON header), so a truncated or corrupted file fails
+with an error naming the tensor, or the header (whose shapes, dtypes and offsets no record
+checksum covers). A manifest written before the header checksums were recorded (no
+`header_xxh3_64`) still loads: its headers are checked as they always were (parsed, each
+record's size against its shape and dtype), and `verify` also parses every coded record's own
+header against the shape (verify_compressed).
+
+Loading overlaps the reads, the checksums and the decoding: the shards are read in pieces of a
+few MiB by a few threads (O_DIRECT, as runtime.weights reads), and as soon as a group of records
+is in, the same threads check it and decode it (kernels/csrc/huffman_decode_cpu.cpp, a record in
+one call, or a large one's chunks in several) in units of ~1 ms, no more of them at a time than
+there are cores, while the others read on (see load_compressed).
 
 `CompressedBlocks` keeps a model's blocks (its decoder layers) compressed in memory and decodes each
 block's weights into one shared buffer just before the block runs (on a GPU: a model larger than
@@ -84,6 +90,7 @@ from kernels.huffman_decode import (
 )
 from runtime.config import ModelLoadError
 from runtime.manifest import COMPRESSED_MANIFEST_NAME, is_compressed
+from runtime.model_store import LOCK_NAME, locked_folder
 from runtime.shard_reader import (
     Arena,
     commit_ahead,
@@ -308,6 +315,9 @@ class CompressedManifest:
     bf16_bytes: int  # the same tensors stored plainly (after any cast): what it saves against
     cast_from: list[str] = field(default_factory=list)  # dtypes cast to bfloat16 (e.g. F32)
     created: str = ""
+    # shard file name -> xxh3-64 (hex) of its header (bytes 0 .. 16 + h); a shard without one
+    # (a manifest from before they were recorded) has its header checked by read_shard's parse
+    headers: dict[str, str] = field(default_factory=dict)
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -317,7 +327,11 @@ class CompressedManifest:
             "cast_from": self.cast_from,
             "bf16_bytes": self.bf16_bytes,
             "compressed_bytes": sum(self.shards.values()),
-            "shards": [{"file": f, "bytes": n} for f, n in self.shards.items()],
+            "shards": [
+                {"file": f, "bytes": n}
+                | ({"header_xxh3_64": self.headers[f]} if f in self.headers else {})
+                for f, n in self.shards.items()
+            ],
             "tensors": {k: {"xxh3_64": v} for k, v in self.checksums.items()},
         }
 
@@ -333,6 +347,8 @@ def read_manifest(folder: str | os.PathLike[str]) -> CompressedManifest:
             if "/" in f or f.startswith(".") or not f.endswith(SUFFIX):
                 raise ValueError(f"shard {f!r} is not a plain *{SUFFIX} file name")
         sums = {str(k): str(v["xxh3_64"]) for k, v in raw["tensors"].items()}
+        headers = {str(s["file"]): str(s["header_xxh3_64"])
+                   for s in raw["shards"] if "header_xxh3_64" in s}  # fmt: skip
         return CompressedManifest(
             str(raw.get("source", "")),
             shards,
@@ -340,6 +356,7 @@ def read_manifest(folder: str | os.PathLike[str]) -> CompressedManifest:
             int(raw["bf16_bytes"]),
             list(raw.get("cast_from", [])),
             str(raw.get("created", "")),
+            headers,
         )
     except OSError as e:
         raise ModelLoadError(f"{path}: cannot read ({e})") from e
@@ -350,7 +367,9 @@ def read_manifest(folder: str | os.PathLike[str]) -> CompressedManifest:
 def manifest_fingerprint(folder: str | os.PathLike[str]) -> bytes:
     """What identifies a compressed folder's weights: the format, the shards and every tensor's
     checksum; not when or from where it was compressed (two compressions of one model, e.g. on
-    two nodes, are the same weights: the same prefix-cache identity, KV they can exchange)."""
+    two nodes, are the same weights: the same prefix-cache identity, KV they can exchange).
+    Nor the header checksums: a header follows from the same tensors (a copy compressed before
+    they were recorded is the same revision), and every load checks it against its checksum."""
     m = read_manifest(folder)
     keep = [FORMAT, m.shards, m.checksums, m.bf16_bytes, m.cast_from]
     return json.dumps(keep, sort_keys=True).encode()
@@ -362,14 +381,18 @@ def verify_compressed(
     progress: Callable[[int, str], None] | None = None,
 ) -> list[str]:
     """Re-read every record of a compressed folder and check it against its `manifest`'s
-    checksum (read_manifest): one line per problem (a missing, truncated or corrupt shard,
-    naming the file and the tensor); [] = sound. `progress(bytes, file)` after each shard."""
+    checksum (read_manifest), every shard header against its own (where the manifest has one),
+    and every coded record's own header against the shape the shard header gives it (what a
+    load checks before decoding; for a manifest without header checksums, the check that the
+    header's shapes were not altered): one line per problem (a missing, truncated or corrupt
+    shard, naming the file and the tensor); [] = sound. `progress(bytes, file)` after each
+    shard."""
     folder = Path(folder)
     problems = []
     listed: set[str] = set()
     for file, size in manifest.shards.items():
         try:
-            shard = read_shard(folder / file, size)
+            shard = read_shard(folder / file, size, manifest.headers.get(file))
         except ModelLoadError as e:
             problems.append(str(e))
             continue
@@ -378,13 +401,20 @@ def verify_compressed(
                 for t in shard.tensors:
                     listed.add(t.name)
                     f.seek(t.begin)
-                    got = xxhash.xxh3_64_hexdigest(f.read(t.end - t.begin))
+                    data = bytearray(t.end - t.begin)  # (writable: a tensor's without a copy)
+                    f.readinto(data)
+                    got = xxhash.xxh3_64_hexdigest(data)
                     want = manifest.checksums.get(t.name)
                     if got != want:
                         problems.append(
                             f"{shard.path}: tensor {t.name!r} is corrupt (xxh3-64 {got}, the "
                             f"manifest says {want})"
                         )
+                    elif t.encoding == "huffman":
+                        try:
+                            parse_record(torch.from_numpy(np.frombuffer(data, np.uint8)), t.numel())
+                        except CorruptStreamError as e:
+                            problems.append(f"{shard.path}: tensor {t.name!r}: {e}")
         except OSError as e:
             problems.append(f"{shard.path}: cannot read ({e})")
         if progress is not None:
@@ -401,8 +431,9 @@ def shard_headers(folder: str | os.PathLike[str]) -> list[Shard]:
     is its record's start and its size once decoded (not the record's size)."""
     folder = Path(folder)
     out = []
-    for file, size in read_manifest(folder).shards.items():
-        shard = read_shard(folder / file, size)
+    manifest = read_manifest(folder)
+    for file, size in manifest.shards.items():
+        shard = read_shard(folder / file, size, manifest.headers.get(file))
         entries = [
             TensorEntry(t.name, t.dtype, t.shape, t.begin, t.begin + t.numel() * t.dtype.itemsize)
             for t in shard.tensors
@@ -411,10 +442,12 @@ def shard_headers(folder: str | os.PathLike[str]) -> list[Shard]:
     return out
 
 
-def read_shard(path: Path, expected_size: int | None = None) -> CompressedShard:
-    """Parse and check a shard's header (and its size against the manifest's) before any
-    record is read; ModelLoadError naming the file, and for a truncated one the first tensor
-    that is cut off."""
+def read_shard(
+    path: Path, expected_size: int | None = None, header_xxh3: str | None = None
+) -> CompressedShard:
+    """Parse and check a shard's header (and its size against the manifest's, and its bytes
+    against the manifest's `header_xxh3` where it has one) before any record is read;
+    ModelLoadError naming the file, and for a truncated one the first tensor that is cut off."""
     try:
         size = path.stat().st_size
         with path.open("rb") as f:
@@ -424,9 +457,16 @@ def read_shard(path: Path, expected_size: int | None = None) -> CompressedShard:
             n = int.from_bytes(head[8:], "little")
             if 16 + n > size or n > 100 << 20:
                 raise ModelLoadError(f"{path}: corrupt header ({n} bytes in a file of {size})")
-            raw = json.loads(f.read(n))
+            text = f.read(n)
     except OSError as e:
         raise ModelLoadError(f"{path}: cannot read ({e})") from e
+    if header_xxh3 is not None and (got := xxhash.xxh3_64_hexdigest(head + text)) != header_xxh3:
+        raise ModelLoadError(
+            f"{path}: corrupt header (xxh3-64 {got}, the manifest says {header_xxh3}): the file "
+            "is corrupt; compress the model again"
+        )
+    try:
+        raw = json.loads(text)
     except (ValueError, RecursionError) as e:  # (not JSON, not UTF-8, too deep, a huge number)
         raise ModelLoadError(f"{path}: corrupt header (not JSON: {e})") from e
     shard, data = CompressedShard(path, size), 16 + n
@@ -520,13 +560,14 @@ def compress_model(
         raise CompressError(f"{out}: exists and is not an empty folder")
     if chunk_elems <= 0 or chunk_elems % 64:
         raise CompressError(f"chunk_elems must be a positive multiple of 64, got {chunk_elems}")
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out.parent / f".{out.name}.compress-{uuid.uuid4().hex[:12]}"
-    tmp.mkdir()
     summary = CompressSummary(out, 0, 0, 0.0, 0, 0)
     manifest = CompressedManifest(str(src.resolve()), {}, {}, 0, other)
+    # A folder locked while it is built (model_store.locked_folder): killed outright, the
+    # compression leaves it, which the store's sweep deletes when `out` is in a model store.
+    tmp = out.parent / f".{out.name}.compress-{uuid.uuid4().hex[:12]}"
     try:
-        with ThreadPoolExecutor(max(1, threads)) as pool:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        with locked_folder(tmp), ThreadPoolExecutor(max(1, threads)) as pool:
             for f in files:
                 name = f.name.removesuffix(".safetensors") + SUFFIX
                 tensors = [(n, t) for _, n, t in load_safetensors([f])]
@@ -536,21 +577,22 @@ def compress_model(
                 size = _write_shard(tmp / name, tensors, records, manifest, summary)
                 manifest.shards[name] = size
                 say(f"{f.name} -> {name}: {size / 1e6:.1f} MB")
-        manifest.bf16_bytes = summary.bf16_bytes
-        summary.compressed_bytes = sum(manifest.shards.values())
-        if summary.compressed_bytes >= summary.bf16_bytes:
-            raise CompressError(
-                f"{src}: does not compress ({summary.compressed_bytes} bytes against "
-                f"{summary.bf16_bytes}: exponents close to random, or tensors too small to pay "
-                "for the headers); nothing written"
-            )
-        _copy_extras(src, tmp, cast=bool(other))
-        (tmp / MANIFEST_NAME).write_text(json.dumps(manifest.to_json(), indent=1) + "\n")
-        if out.exists():
-            out.rmdir()
-        tmp.rename(out)
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
+            manifest.bf16_bytes = summary.bf16_bytes
+            summary.compressed_bytes = sum(manifest.shards.values())
+            if summary.compressed_bytes >= summary.bf16_bytes:
+                raise CompressError(
+                    f"{src}: does not compress ({summary.compressed_bytes} bytes against "
+                    f"{summary.bf16_bytes}: exponents close to random, or tensors too small to "
+                    "pay for the headers); nothing written"
+                )
+            _copy_extras(src, tmp, cast=bool(other))
+            (tmp / MANIFEST_NAME).write_text(json.dumps(manifest.to_json(), indent=1) + "\n")
+            (tmp / LOCK_NAME).unlink()  # not part of the model (the lock is held till the end)
+            if out.exists():
+                out.rmdir()
+            tmp.rename(out)
+    except OSError as e:  # a full disk, a read-only folder, a name too long: no traceback
+        raise CompressError(f"compressing {src} into {out}: {e}; nothing written") from e
     return summary
 
 
@@ -581,7 +623,8 @@ def _write_shard(
     manifest: CompressedManifest,
     summary: CompressSummary,
 ) -> int:
-    """Write one shard (header, then the records in order, each 64-aligned); returns its size."""
+    """Write one shard (header, then the records in order, each 64-aligned); returns its size.
+    Each record's checksum and the header's go into `manifest`."""
     header, blobs, offset = [], [], 0
     for (name, t), (rec, floor) in zip(tensors, records, strict=True):
         blob = rec if rec is not None else t.contiguous().reshape(-1).view(torch.uint8).numpy()
@@ -604,8 +647,10 @@ def _write_shard(
         summary.raw_tensors += rec is None
     raw = json.dumps({"tensors": header}, separators=(",", ":")).encode()
     raw += b" " * (-(16 + len(raw)) % ALIGN)
+    head = FILE_MAGIC + len(raw).to_bytes(8, "little") + raw
+    manifest.headers[path.name] = xxhash.xxh3_64_hexdigest(head)
     with path.open("wb") as f:
-        f.write(FILE_MAGIC + len(raw).to_bytes(8, "little") + raw)
+        f.write(head)
         at = 0
         for start, blob in blobs:
             f.write(b"\0" * (start - at))
@@ -1050,7 +1095,8 @@ def load_compressed(
     stats = stats if stats is not None else ReadStats()
     folder = Path(folder)
     manifest = read_manifest(folder)
-    shards = [read_shard(folder / f, size) for f, size in manifest.shards.items()]
+    shards = [read_shard(folder / f, size, manifest.headers.get(f))
+              for f, size in manifest.shards.items()]  # fmt: skip
     names = {t.name for s in shards for t in s.tensors}
     if names != set(manifest.checksums):
         odd = sorted(names ^ set(manifest.checksums))[:3]

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 from typing import Any
 
@@ -55,6 +56,28 @@ class Metadata:
                 raise UnsupportedGGUFError(self.path, f"{key} differs between layers: {value}")
             value = value[0]
         return value
+
+    def count(self, key: str, default: int | None = None, least: int = 1) -> int:
+        """An integer of at least `least` (a size, a count), stored once or once per layer;
+        required unless `default` is given. GGUFImportError naming the key otherwise."""
+        value = self.per_layer(key, default)
+        if value is None:
+            raise GGUFImportError(self.path, f"metadata {key!r} is missing")
+        if isinstance(value, bool) or not isinstance(value, int | np.integer) or value < least:
+            raise GGUFImportError(
+                self.path, f"metadata {key!r} must be an integer >= {least}, got {value!r}"
+            )
+        return int(value)
+
+    def number(self, key: str, default: float | None = None) -> float:
+        """A finite real number; required unless `default` is given."""
+        value = self.get(key, default)
+        if value is None:
+            raise GGUFImportError(self.path, f"metadata {key!r} is missing")
+        if (isinstance(value, bool) or not isinstance(value, int | float | np.number)
+                or not math.isfinite(value)):  # fmt: skip
+            raise GGUFImportError(self.path, f"metadata {key!r} must be a number, got {value!r}")
+        return float(value)
 
 
 def token_ids(meta: Metadata) -> dict[str, int]:

@@ -44,6 +44,7 @@ from typing import Any
 import gguf
 import numpy as np
 import torch
+from safetensors import SafetensorError
 from safetensors.torch import save_file
 
 from runtime.gguf_common import (
@@ -102,8 +103,19 @@ def import_gguf(
         raise ValueError(f"shard_bytes must be > 0, got {shard_bytes}")
     if dst.exists() and (not dst.is_dir() or any(dst.iterdir())):
         raise FileExistsError(f"{dst}: already exists and is not an empty directory")
-    say = progress or (lambda _msg: None)
+    try:
+        return _import(src, dst, dtype, shard_bytes, progress or (lambda _msg: None))
+    except GGUFImportError:
+        raise
+    except (TypeError, ValueError, ArithmeticError, IndexError, KeyError) as e:
+        # what a valid but malformed file can still trip the conversion over where no check of
+        # ours names it (a metadata value of an unexpected type, say): named with the file
+        raise GGUFImportError(src, f"cannot be converted ({type(e).__name__}: {e})") from e
 
+
+def _import(src: Path, dst: Path, dtype: str, shard_bytes: int, say: Progress) -> Path:
+    """import_gguf once its arguments are checked. An I/O error (a full disk) is an OSError
+    naming the file, safetensors' own included."""
     say(f"reading {src}")
     reader = _open(src)
     meta = Metadata(reader, src)
@@ -174,20 +186,27 @@ def _llama_config(meta: Metadata, reader: gguf.GGUFReader, src: Path, dtype: str
         )
     if meta.get("llama.expert_count", 0):
         raise UnsupportedGGUFError(src, "mixture-of-experts llama files are not supported")
-    hidden = int(meta.require("llama.embedding_length"))
-    heads = int(meta.per_layer("llama.attention.head_count"))
-    kv_heads = int(meta.per_layer("llama.attention.head_count_kv", heads))
-    head_dim = int(meta.get("llama.attention.key_length", hidden // heads))
-    if int(meta.get("llama.attention.value_length", head_dim)) != head_dim:
+    hidden = meta.count("llama.embedding_length")
+    heads = meta.count("llama.attention.head_count")
+    kv_heads = meta.count("llama.attention.head_count_kv", heads)
+    head_dim = meta.count("llama.attention.key_length", hidden // heads)
+    if meta.count("llama.attention.value_length", head_dim) != head_dim:
         raise UnsupportedGGUFError(src, "key and value head sizes differ")
-    rope_dims = int(meta.get("llama.rope.dimension_count", head_dim))
+    if head_dim % 2:  # rotary embeddings turn pairs of dims (and q/k rows come in pairs)
+        raise UnsupportedGGUFError(src, f"head size {head_dim} is odd (rotary needs pairs)")
+    rope_dims = meta.count("llama.rope.dimension_count", head_dim)
     if rope_dims != head_dim:
         raise UnsupportedGGUFError(src, f"partial rotary ({rope_dims} of {head_dim} dims)")
     tensors = {t.name: t for t in reader.tensors}
     if "token_embd.weight" not in tensors:
         raise GGUFImportError(src, "tensor 'token_embd.weight' is missing")
-    vocab = int(tensors["token_embd.weight"].shape[1])  # GGUF dims: [hidden, vocab]
-    theta = float(meta.get("llama.rope.freq_base", 10000.0))
+    embd_dims = [int(d) for d in tensors["token_embd.weight"].shape]
+    if len(embd_dims) != 2:
+        raise GGUFImportError(
+            src, f"tensor 'token_embd.weight' has dims {embd_dims}, expected 2 ([hidden, vocab])"
+        )
+    vocab = embd_dims[1]  # GGUF dims: [hidden, vocab]
+    theta = meta.number("llama.rope.freq_base", 10000.0)
     tokens_meta = token_ids(meta)
 
     config: dict[str, Any] = {
@@ -195,14 +214,14 @@ def _llama_config(meta: Metadata, reader: gguf.GGUFReader, src: Path, dtype: str
         "model_type": "llama",
         "vocab_size": vocab,
         "hidden_size": hidden,
-        "intermediate_size": int(meta.per_layer("llama.feed_forward_length")),
-        "num_hidden_layers": int(meta.require("llama.block_count")),
+        "intermediate_size": meta.count("llama.feed_forward_length"),
+        "num_hidden_layers": meta.count("llama.block_count", least=0),
         "num_attention_heads": heads,
         "num_key_value_heads": kv_heads,
         "head_dim": head_dim,
         "hidden_act": "silu",
-        "max_position_embeddings": int(meta.get("llama.context_length", 2048)),
-        "rms_norm_eps": float(meta.require("llama.attention.layer_norm_rms_epsilon")),
+        "max_position_embeddings": meta.count("llama.context_length", 2048),
+        "rms_norm_eps": meta.number("llama.attention.layer_norm_rms_epsilon"),
         "rope_theta": theta,
         "attention_bias": False,
         "mlp_bias": False,
@@ -404,7 +423,10 @@ def _write_weights(
         name = f"model-{k:05d}-of-{len(shards):05d}.safetensors"
         say(f"writing {name} ({len(shard)} tensors)")
         tensors = dict(_converted(shard, dtype))
-        save_file(tensors, str(out / name), metadata={"format": "pt"})
+        try:
+            save_file(tensors, str(out / name), metadata={"format": "pt"})
+        except SafetensorError as e:  # (its I/O errors, a full disk say, are not OSErrors)
+            raise OSError(f"{out / name}: cannot write ({e})") from e
         total += sum(t.numel() * t.element_size() for t in tensors.values())
         weight_map.update(dict.fromkeys(tensors, name))
     write_json(

@@ -10,12 +10,16 @@
       "shards": [{"file": "model-00001-of-00004.safetensors", "bytes": 134221824,
                   "xxh3_64": ["5f1c...", ...]}],  one digest per chunk_bytes piece from offset 0
       "tensors": {"model.norm.weight": {"shard": "model-00004-of-00004.safetensors",
-                                        "dtype": "BF16", "shape": [576]}}
-    }
+                                        "dtype": "BF16", "shape": [576]}},
+      "files": {"config.json": "9a0e...", ...}  xxh3-64 of each other file (config, tokenizer,
+    }                                            chat template, index, ...); absent in a
+                                                 manifest written before it was added
 
 Checksums are per chunk, not per file, so the loader verifies each piece right after its read
 (on the reading thread, while the piece is still in cache) instead of in a second pass, and a
-mismatch names the shard and the byte range. xxh3-64 hashes at well over drive speed.
+mismatch names the shard and the byte range. xxh3-64 hashes at well over drive speed. The other
+files get one checksum each, checked by `edgeinfer verify` (a manifest without "files" still
+reads: `files` is None, and verify says those files are not covered).
 """
 
 from __future__ import annotations
@@ -61,6 +65,9 @@ class Manifest:
     shards: list[ShardEntry] = field(default_factory=list)
     tensors: dict[str, TensorInfo] = field(default_factory=dict)
     created: str = ""
+    # every other file of the folder (not the shards, not the manifest) -> xxh3-64 (hex) of the
+    # whole file; None: a manifest from before these were recorded (the files are not covered)
+    files: dict[str, str] | None = None
 
     def shard(self, file: str) -> ShardEntry | None:
         return next((s for s in self.shards if s.file == file), None)
@@ -73,7 +80,11 @@ class Manifest:
         """What identifies the weights (runtime.loader.model_revision): the format, the chunk
         size, every shard's name, size and chunk checksums (which cover its header too), and
         the tensors; not the served name, when or from where it was pulled (two pulls of one
-        model, e.g. on two nodes, are the same weights: KV they can exchange)."""
+        model, e.g. on two nodes, are the same weights: KV they can exchange). Nor the other
+        files' checksums: config.json, the one that shapes the KV, is in the revision already
+        (model_revision hashes it); the tokenizer, templates and generation settings do not
+        change the KV of a token sequence; and a pull from before they were recorded stays the
+        same revision as a pull of the same weights made since."""
         shards = [[s.file, s.bytes, list(s.xxh3_64)] for s in self.shards]
         tensors = {k: [t.shard, t.dtype, list(t.shape)] for k, t in self.tensors.items()}
         keep = [FORMAT, self.chunk_bytes, shards, tensors]
@@ -93,7 +104,7 @@ class Manifest:
                 k: {"shard": t.shard, "dtype": t.dtype, "shape": list(t.shape)}
                 for k, t in self.tensors.items()
             },
-        }
+        } | ({} if self.files is None else {"files": dict(self.files)})
 
     @classmethod
     def from_json(cls, raw: Any, where: Path) -> Manifest:
@@ -126,8 +137,14 @@ class Manifest:
                 if info.shard not in files:
                     raise ValueError(f"tensor {name!r} is in {info.shard!r}, not a listed shard")
                 tensors[str(name)] = info
+            others = None
+            if "files" in raw:
+                others = {str(k): str(v) for k, v in raw["files"].items()}
+                bad = [k for k in others if "/" in k or k in ("", ".", "..") or k in files]
+                if bad:
+                    raise ValueError(f"files: {bad[0]!r} is not a plain name beside the shards")
             return cls(str(raw["name"]), str(raw.get("source", "")), chunk, shards, tensors,
-                       str(raw.get("created", "")))  # fmt: skip
+                       str(raw.get("created", "")), others)  # fmt: skip
         except (AttributeError, KeyError, TypeError, ValueError, ArithmeticError) as e:
             raise ModelLoadError(f"{where}: corrupt manifest ({e})") from e
 
@@ -174,6 +191,15 @@ def file_digests(path: Path, chunk_bytes: int = CHUNK_BYTES) -> tuple[str, ...]:
         while piece := f.read(chunk_bytes):
             hasher.update(piece)
     return hasher.digests()
+
+
+def file_digest(path: Path) -> str:
+    """The xxh3-64 (hex) of a whole file (the manifest's `files`), read in CHUNK_BYTES pieces."""
+    h = xxhash.xxh3_64()
+    with path.open("rb", buffering=0) as f:
+        while piece := f.read(CHUNK_BYTES):
+            h.update(piece)
+    return h.hexdigest()
 
 
 def is_compressed(folder: str | os.PathLike[str]) -> bool:

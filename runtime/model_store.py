@@ -5,9 +5,11 @@
             model-00001-of-00004.safetensors    at most shard_bytes of tensor data each
             model.safetensors.index.json        tensor -> shard, as Hugging Face writes it
             config.json, tokenizer.json, ...    the source's other files, copied as they are
-            edgeinfer-manifest.json             shards, sizes, checksums, tensors: written last
+            edgeinfer-manifest.json             shards, sizes, checksums, tensors, and a
+                                                checksum of every other file: written last
         .pull-<name>.<id>/                      a pull in progress (removed when it ends)
         .rm-<name>.<id>/                        a model being removed
+        .<name>.compress-<id>/                  `edgeinfer compress` writing into the store
 
 Each shard is a valid safetensors file laid out for the loader: the JSON header is padded with
 spaces so the data starts at a multiple of 4096, and tensors are ordered by element size,
@@ -20,7 +22,12 @@ model or the new one, never a mix. A crash or Ctrl-C leaves nothing but that tem
 which the pull removes on the way out. A pull holds a lock (flock) on a file in its temporary
 folder for as long as it runs; a process killed outright (SIGKILL, a lost machine) leaves the
 folder, with the lock gone, and the next pull or remove deletes such leftovers: at the edge, a
-model's worth of disk is not left behind by an interrupted pull.
+model's worth of disk is not left behind by an interrupted pull. `edgeinfer compress` into the
+store locks its temporary folder the same way (locked_folder), so its leftovers go too.
+
+A model may be a symbolic link to a folder elsewhere: `rm` removes the link, never what it points
+to. `pull` takes plain safetensors weights (or a GGUF); a compressed folder is refused: it comes
+into the store by `edgeinfer compress ORIGINAL <store>/<name>`.
 """
 
 from __future__ import annotations
@@ -53,6 +60,7 @@ from runtime.manifest import (
     Manifest,
     ShardEntry,
     TensorInfo,
+    file_digest,
     file_digests,
     is_compressed,
     read_manifest,
@@ -78,6 +86,11 @@ _ST_DTYPES = {
 # Files of a source folder that are weights in some format: never copied into the store.
 _WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf", ".h5", ".msgpack", ".onnx")
 _NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._+-]*")
+# The longest model name: the store's temporary folders add up to 23 characters to it
+# (`.pull-<name>.<12 hex>`, `.<name>.compress-<12 hex>`), and a file name has 255 at most.
+MAX_NAME = 200
+# What interrupted pulls, removes and compressions leave in the root (see `sweep`)
+_LEFTOVER = re.compile(r"\.(pull|rm)-.+\.[0-9a-f]{12}|\..+\.compress-[0-9a-f]{12}")
 
 
 class StoreError(ModelLoadError):
@@ -181,9 +194,13 @@ class ModelStore:
         )
 
     def verify(self, name: str, progress: Progress | None = None) -> builtins.list[str]:
-        """Re-read every shard and check it against the manifest: one line per problem (a
-        missing, truncated or corrupt shard, naming it and the bytes that differ); [] = sound."""
-        folder = self._existing(name)
+        """Re-read every shard and every other file the manifest lists (config, tokenizer, ...)
+        and check them against it: one line per problem (a missing, truncated or corrupt file,
+        naming it and the bytes that differ); [] = sound. A manifest written before the other
+        files got checksums has none for them: its shards are checked, and `progress` says the
+        other files are not."""
+        say = progress or (lambda _msg: None)
+        folder = self.model_folder(name)
         if is_compressed(folder):  # `edgeinfer compress` output: a checksum per tensor
             from runtime.compression import read_manifest as read_compressed
             from runtime.compression import verify_compressed
@@ -193,7 +210,7 @@ class ModelStore:
             except ModelLoadError as e:
                 return [str(e)]
             total = sum(compressed.shards.values())
-            meter = _Meter(total, progress or (lambda _msg: None), "checked")
+            meter = _Meter(total, say, "checked")
             return verify_compressed(folder, compressed, meter.advance)
         manifest = read_manifest(folder)
         if manifest is None:
@@ -201,7 +218,7 @@ class ModelStore:
                 f"{folder}: no {MANIFEST_NAME} (not pulled by `edgeinfer pull`), nothing to "
                 f"check against; pull it again: edgeinfer pull SOURCE --name {name} --force"
             )
-        meter = _Meter(manifest.total_bytes, progress or (lambda _msg: None), "checked")
+        meter = _Meter(manifest.total_bytes, say, "checked")
         problems = []
         for entry in manifest.shards:
             path = folder / entry.file
@@ -227,7 +244,12 @@ class ModelStore:
                 )
                 problems.append(f"{path}: corrupt: checksum mismatch in bytes {ranges}")
             meter.advance(entry.bytes, entry.file)
-        return problems
+        if manifest.files is None:
+            say(f"{folder}: its manifest has no checksums of the other files (config, tokenizer, "
+                "...): pulled by an older edgeinfer, they are not checked; pull it again with "
+                "--force to cover them")  # fmt: skip
+            return problems
+        return problems + _check_files(folder, manifest.files)
 
     # ----- writing -------------------------------------------------------------------------
 
@@ -255,11 +277,13 @@ class ModelStore:
         name = name or default_name
         _check_name(name)
         target = self.root / name
+        if not is_gguf and is_compressed(src):
+            raise _compressed_source(src, target)
         if target.exists() and not force:
             raise _exists(target, name)
         self.sweep(say)
-        with self.staging(name) as tmp:
-            try:
+        try:  # (the staging folder too: a read-only store, a store path under a file, ...)
+            with self.staging(name) as tmp:
                 folder = src
                 if is_gguf:
                     folder = _import_gguf(src, tmp / "gguf", lambda m: say(f"converting: {m}"))
@@ -267,41 +291,53 @@ class ModelStore:
                 out.mkdir()
                 write_model(folder, out, name, origin or str(src.resolve()), shard_bytes, say)
                 self._install(out, target, force)
-            except OSError as e:
-                raise StoreError(f"pulling {source} into {target}: {e}") from e
+        except OSError as e:
+            raise StoreError(f"pulling {source} into {target}: {e}") from e
         say(f"pulled {name} into {target}")
         return target
 
     def remove(self, name: str) -> Path:
-        """Delete a model from the store (renamed aside first, so nobody sees half of it)."""
-        folder = self._existing(name)
+        """Delete a model from the store (renamed aside first, so nobody sees half of it); a
+        model that is a symbolic link loses the link, never what it points to."""
+        _check_name(name)
+        folder = self.root / name
+        if not folder.is_symlink():  # (a link is removed even when it points nowhere)
+            folder = self.model_folder(name)
         self.sweep()
         aside = self.root / f".rm-{name}.{uuid.uuid4().hex[:12]}"
         try:
             folder.rename(aside)
-            shutil.rmtree(aside)
+            _delete(aside)
         except OSError as e:
             raise StoreError(f"{folder}: cannot remove ({e})") from e
         return folder
 
     def sweep(self, progress: Progress | None = None) -> builtins.list[Path]:
-        """Delete what killed pulls and removals left in the root: a `.pull-*` folder whose
-        lock no live pull holds, and every `.rm-*` folder. Returns the folders deleted."""
+        """Delete what killed pulls, removals and compressions left in the root: a `.pull-*`
+        or `.<name>.compress-*` folder whose lock no live process holds, and every `.rm-*`
+        folder (one that is a symbolic link: the link alone). Returns the paths deleted."""
         if not self.root.is_dir():
             return []
         gone = []
         for path in sorted(self.root.iterdir()):
-            if not path.is_dir() or not path.name.startswith((".pull-", ".rm-")):
+            kind = _LEFTOVER.fullmatch(path.name)
+            if kind is None:
                 continue
-            if path.name.startswith(".pull-") and not _abandoned(path):
+            if path.is_symlink():  # not ours to follow: the link goes, its target stays
+                size = 0
+                with contextlib.suppress(OSError):
+                    path.unlink()
+            elif not path.is_dir() or (kind.group(1) != "rm" and not _abandoned(path)):
                 continue
-            size = _tree_bytes(path)
-            shutil.rmtree(path, ignore_errors=True)
-            if not path.exists():
+            else:
+                size = _tree_bytes(path)
+                shutil.rmtree(path, ignore_errors=True)
+            if not path.exists() and not path.is_symlink():
                 gone.append(path)
                 if progress is not None:
+                    what = "compress" if kind.group(1) is None else "pull or remove"
                     progress(f"deleted {path.name} ({human_bytes(size)}), left by an "
-                             "interrupted pull or remove")  # fmt: skip
+                             f"interrupted {what}")  # fmt: skip
         return gone
 
     @contextmanager
@@ -310,17 +346,12 @@ class ModelStore:
         place), removed when the block ends, however it ends; locked while it exists, so that
         `sweep` leaves it alone (and deletes it once its process is gone without removing it)."""
         self.root.mkdir(parents=True, exist_ok=True)
-        tmp = self.root / f".pull-{name}.{uuid.uuid4().hex[:12]}"
-        tmp.mkdir()
-        lock = os.open(tmp / _LOCK, os.O_CREAT | os.O_RDWR | os.O_CLOEXEC, 0o600)
-        try:
-            fcntl.flock(lock, fcntl.LOCK_EX)  # (new and ours alone: never waits)
+        with locked_folder(self.root / f".pull-{name}.{uuid.uuid4().hex[:12]}") as tmp:
             yield tmp
-        finally:
-            shutil.rmtree(tmp, ignore_errors=True)
-            os.close(lock)
 
-    def _existing(self, name: str) -> Path:
+    def model_folder(self, name: str) -> Path:
+        """The folder of the store's model `name` (never a folder of that name elsewhere, such
+        as in the working directory); StoreError listing the store's models if it has none."""
         _check_name(name)
         folder = self.root / name
         if not folder.is_dir():
@@ -382,6 +413,9 @@ def write_model(
     (out / INDEX_NAME).write_text(
         json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2) + "\n"
     )
+    shards = {s.file for s in manifest.shards}
+    manifest.files = {f.name: file_digest(f) for f in sorted(out.iterdir())
+                      if f.is_file() and f.name not in shards}  # fmt: skip
     write_manifest(out, manifest)
     return manifest
 
@@ -482,6 +516,26 @@ def _source_tensors(folder: Path) -> list[tuple[Path, TensorEntry]]:
     return out
 
 
+def _check_files(folder: Path, files: dict[str, str]) -> list[str]:
+    """`verify` of the files a manifest lists beside the shards: one line per problem."""
+    problems = []
+    for file, want in sorted(files.items()):
+        path = folder / file
+        try:
+            got = file_digest(path)
+        except FileNotFoundError:
+            problems.append(f"{path}: missing (the manifest lists it)")
+            continue
+        except OSError as e:
+            problems.append(f"{path}: cannot read ({e})")
+            continue
+        if got != want:
+            problems.append(
+                f"{path}: corrupt: checksum mismatch (xxh3-64 {got}, the manifest says {want})"
+            )
+    return problems
+
+
 def _is_extra(file: str) -> bool:
     """A file a pull copies as it is: anything but weights, the index and a manifest."""
     return file not in (INDEX_NAME, MANIFEST_NAME) and not file.endswith(_WEIGHT_SUFFIXES)
@@ -544,6 +598,24 @@ def _check_name(name: str) -> None:
             f"{name!r} is not a model name (letters, digits, '.', '_', '+', '-'; "
             f"not starting with '.', no '/')"
         )
+    if len(name) > MAX_NAME:
+        raise StoreError(
+            f"{name[:40]!r}... is not a model name: {len(name)} characters, a name has "
+            f"{MAX_NAME} at most; pick a shorter --name"
+        )
+
+
+def _compressed_source(src: Path, target: Path) -> StoreError:
+    """The error for a pull of a compressed folder, naming what it was compressed from."""
+    try:
+        origin = str(json.loads((src / COMPRESSED_MANIFEST_NAME).read_text())["source"])
+    except (OSError, ValueError, KeyError, TypeError):
+        origin = ""
+    return StoreError(
+        f"{src}: a compressed copy ({COMPRESSED_MANIFEST_NAME}); `edgeinfer pull` re-shards "
+        f"plain safetensors weights and does not take compressed ones: pull the original, or "
+        f"compress it into the store: edgeinfer compress {origin or 'ORIGINAL'} {target}"
+    )
 
 
 def _exists(target: Path, name: str) -> StoreError:
@@ -586,15 +658,43 @@ def _compressed_row(path: Path) -> StoredModel:
         return StoredModel(path.name, path, 0, 0, "", "", f"corrupt compressed manifest: {e}")
 
 
-_LOCK = ".lock"  # in a pull's temporary folder: flock-ed by the pull while it runs
+LOCK_NAME = ".lock"  # in a temporary folder of the store: flock-ed while it is in use
+
+
+@contextmanager
+def locked_folder(path: Path) -> Iterator[Path]:
+    """Make the folder `path`, hold a lock (flock) on its LOCK_NAME file while the block runs,
+    and remove the folder when the block ends, however it ends (a rename out of it first is
+    fine). While the lock is held, `ModelStore.sweep` leaves the folder alone; a process killed
+    outright drops the lock, and the next sweep of the store deletes what it left."""
+    path.mkdir()
+    try:
+        lock = os.open(path / LOCK_NAME, os.O_CREAT | os.O_RDWR | os.O_CLOEXEC, 0o600)
+    except BaseException:
+        shutil.rmtree(path, ignore_errors=True)
+        raise
+    try:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # (new and ours alone: never waits)
+        yield path
+    finally:
+        shutil.rmtree(path, ignore_errors=True)
+        os.close(lock)
+
+
+def _delete(path: Path) -> None:
+    """A folder with what it holds; a symbolic link alone (never what it points to)."""
+    if path.is_symlink():
+        path.unlink()
+    else:
+        shutil.rmtree(path)
 
 
 def _abandoned(folder: Path) -> bool:
-    """Whether no live process holds the lock of a pull's temporary folder (one without a
-    lock file, a minute old, is a pull killed before it made it or from before locks)."""
+    """Whether no live process holds the lock of a temporary folder (one without a lock file,
+    a minute old, is a process killed before it made it, or from before locks)."""
     try:
-        fd = os.open(folder / _LOCK, os.O_RDONLY | os.O_CLOEXEC)
-    except FileNotFoundError:  # (a pull makes its lock just after its folder: give it a minute)
+        fd = os.open(folder / LOCK_NAME, os.O_RDONLY | os.O_CLOEXEC)
+    except FileNotFoundError:  # (the lock comes just after its folder: give it a minute)
         try:
             return time.time() - folder.stat().st_mtime > 60
         except OSError:

@@ -10,6 +10,7 @@ import itertools
 import json
 import logging
 import os
+import re
 import shutil
 import threading
 import time
@@ -551,6 +552,59 @@ def test_a_header_that_cannot_be_meant_is_corrupt(
     path.write_bytes(FILE_MAGIC + len(header).to_bytes(8, "little") + header + bytes(64))
     with pytest.raises(ModelLoadError, match=rf"\.ei11: corrupt header .*{message}"):
         read_shard(path)
+
+
+def test_a_shard_header_altered_fails_verify_and_load(tmp_path: Path) -> None:
+    """A shape changed in a shard's JSON header (no record checksum covers the header): the
+    manifest's header checksum catches it; a manifest from before header checksums (none
+    recorded) still loads, and verify still finds the change, by each coded record's own
+    header against the shape."""
+    from runtime.model_store import ModelStore
+
+    out = _compressed(tmp_path)  # x.weight (2000, 300), coded
+    path = out / "model.ei11"
+    good = path.read_bytes()
+    store = ModelStore(tmp_path)  # `out` is the store's model "out"
+    assert store.verify("out") == []
+    path.write_bytes(good.replace(b"[2000,300]", b"[2000,299]", 1))
+    problems = store.verify("out")
+    assert len(problems) == 1 and "model.ei11: corrupt header (xxh3-64" in problems[0], problems
+    with pytest.raises(ModelLoadError, match=r"model\.ei11: corrupt header \(xxh3-64"):
+        list(load_compressed(out))
+
+    manifest = json.loads((out / MANIFEST_NAME).read_text())
+    assert [len(s["header_xxh3_64"]) for s in manifest["shards"]] == [16]
+    older = {**manifest, "shards": [{"file": s["file"], "bytes": s["bytes"]}
+                                    for s in manifest["shards"]]}  # fmt: skip
+
+    (out / MANIFEST_NAME).write_text(json.dumps(older))  # as compressed before header checksums
+    problems = store.verify("out")
+    assert problems == [f"{path}: tensor 'x.weight': record holds 600000 values, the shape says "
+                        "598000"]  # fmt: skip
+    path.write_bytes(good)
+    assert store.verify("out") == []
+    assert sorted(n for _, n, _ in load_compressed(out)) == ["x.weight", "y.weight"]
+
+
+def test_compress_onto_a_full_disk_is_an_error_naming_the_output(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    import errno
+
+    import runtime.compression as compression
+    from runtime.cli import main
+
+    def full(*args: object) -> int:
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    src = _folder(tmp_path / "src", {"x.weight": _weights((2000, 300), "normal")})
+    monkeypatch.setattr(compression, "_write_shard", full)
+    with pytest.raises(CompressError, match=rf"into {re.escape(str(tmp_path))}/out: .*No space"):
+        compress_model(src, tmp_path / "out")
+    assert main(["compress", str(src), str(tmp_path / "out")]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("edgeinfer: error: compressing") and "No space left on device" in err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["src"]  # no temporary folder left
 
 
 def test_a_code_table_that_is_no_prefix_code_is_rejected_even_with_a_good_checksum(

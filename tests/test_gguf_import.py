@@ -516,6 +516,111 @@ def test_unsupported_tensor_type(tmp_path: Path, bpe: Tokenizer) -> None:
         import_gguf(tmp_path / "q.gguf", tmp_path / "hf")
 
 
+def _small_gguf(
+    path: Path,
+    *,
+    drop: tuple[str, ...] = (),
+    kv: dict[str, Any] | None = None,
+    heads: int = 4,
+    head_dim: int = 16,
+    shapes: dict[str, tuple[int, ...]] | None = None,
+) -> Path:
+    """A one-layer llama GGUF of hidden size 64 (F32), its metadata and tensors as asked:
+    `drop` leaves out one of its `add_*` calls (e.g. "head_count"), `kv` adds keys (ints as
+    uint32), `shapes` replaces tensors' (HF-order) shapes."""
+    vocab = sentencepiece_vocab()
+    hidden, ffn, kv_heads = 64, 128, 2
+    w = gguf.GGUFWriter(str(path), "llama")
+    adds = {
+        "block_count": lambda: w.add_block_count(1),
+        "context_length": lambda: w.add_context_length(128),
+        "embedding_length": lambda: w.add_embedding_length(hidden),
+        "feed_forward_length": lambda: w.add_feed_forward_length(ffn),
+        "head_count": lambda: w.add_head_count(heads),
+        "head_count_kv": lambda: w.add_head_count_kv(kv_heads),
+        "layer_norm_rms_eps": lambda: w.add_layer_norm_rms_eps(1e-5),
+    }
+    for key, add in adds.items():
+        if key not in drop:
+            add()
+    for key, value in (kv or {}).items():
+        if isinstance(value, str):
+            w.add_string(key, value)
+        else:
+            w.add_uint32(key, value)
+    w.add_tokenizer_model(vocab.model)
+    w.add_token_list(vocab.tokens)
+    w.add_token_types(vocab.types)
+    w.add_token_scores(vocab.scores)
+    q, k = heads * head_dim, kv_heads * head_dim
+    layer = {"attn_norm": (hidden,), "attn_q": (q, hidden), "attn_k": (k, hidden),
+             "attn_v": (k, hidden), "attn_output": (hidden, q), "ffn_norm": (hidden,),
+             "ffn_gate": (ffn, hidden), "ffn_up": (ffn, hidden), "ffn_down": (hidden, ffn)}  # fmt: skip
+    all_shapes = {"token_embd.weight": (len(vocab.tokens), hidden), "output_norm.weight": (hidden,)}
+    all_shapes |= {f"blk.0.{name}.weight": shape for name, shape in layer.items()}
+    rng = np.random.default_rng(0)
+    for name, shape in (all_shapes | (shapes or {})).items():
+        w.add_tensor(name, rng.standard_normal(shape).astype(np.float32))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return path
+
+
+@pytest.mark.parametrize(
+    ("case", "message"),
+    [
+        ({"drop": ("head_count",)}, "metadata 'llama.attention.head_count' is missing"),
+        ({"drop": ("feed_forward_length",)}, "metadata 'llama.feed_forward_length' is missing"),
+        ({"heads": 0}, "'llama.attention.head_count' must be an integer >= 1, got 0"),
+        ({"shapes": {"token_embd.weight": (64,)}},
+         r"tensor 'token_embd.weight' has dims \[64\], expected 2"),
+        ({"head_dim": 15, "kv": {"llama.attention.key_length": 15,
+                                 "llama.attention.value_length": 15,
+                                 "llama.rope.dimension_count": 15}}, "head size 15 is odd"),
+        ({"drop": ("context_length",), "kv": {"llama.context_length": "abc"}},
+         "'llama.context_length' must be an integer >= 1, got 'abc'"),
+        ({"kv": {"llama.rope.scaling.type": "linear", "llama.rope.scaling.factor": "abc"}},
+         r"cannot be converted \(ValueError: could not convert string to float: 'abc'\)"),
+    ],
+    ids=["no-heads", "no-ffn", "zero-heads", "1d-embedding", "odd-head-dim", "text-context",
+         "text-rope-factor"],
+)  # fmt: skip
+def test_malformed_files_are_named_errors(
+    tmp_path: Path, case: dict[str, Any], message: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Valid GGUF files with metadata or tensors no Llama has: a GGUFImportError naming the
+    file and what is wrong (not a TypeError, ZeroDivisionError, IndexError or a numpy reshape
+    message), nothing written, and `edgeinfer: error:` with exit 2 on the command line."""
+    from runtime.cli import main
+
+    path = _small_gguf(tmp_path / "odd.gguf", **case)
+    with pytest.raises(GGUFImportError, match=rf"odd\.gguf: .*{message}"):
+        import_gguf(path, tmp_path / "hf")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["odd.gguf"]
+    assert main(["import-gguf", str(path), str(tmp_path / "hf")]) == 2
+    assert capsys.readouterr().err.splitlines()[-1].startswith(f"edgeinfer: error: {path}: ")
+
+
+def test_a_full_disk_while_writing_is_an_os_error_naming_the_file(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """safetensors reports its I/O errors as SafetensorError, not OSError: the import turns
+    them into one naming the shard (the command line reports OSErrors as errors)."""
+    from safetensors import SafetensorError
+
+    def full(*args: Any, **kwargs: Any) -> None:
+        raise SafetensorError("Error while serializing: No space left on device (os error 28)")
+
+    path = _small_gguf(tmp_path / "m.gguf")
+    assert import_gguf(path, tmp_path / "ok") == tmp_path / "ok"  # (the file is sound)
+    monkeypatch.setattr("runtime.gguf_import.save_file", full)
+    with pytest.raises(OSError, match=r"model-00001-of-00001\.safetensors: cannot write .*No sp"):
+        import_gguf(path, tmp_path / "hf")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["m.gguf", "ok"]
+
+
 def test_existing_output_and_crash_leave_no_folder(
     tmp_path: Path, bpe: Tokenizer, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -400,3 +400,166 @@ def test_leftovers_of_killed_pulls_are_swept(tmp_path: Path, stories_dir: Path) 
     assert [p.name for p in store.root.iterdir()] == ["tiny"]
     assert sum("left by an interrupted pull or remove" in m for m in said) == 2, said
     assert store.verify("tiny") == []
+
+
+def _tiny_gguf(path: Path) -> Path:
+    from tests.test_gguf_import import sentencepiece_vocab, tiny_llama, write_gguf
+
+    vocab = sentencepiece_vocab()
+    write_gguf(path, tiny_llama(len(vocab.tokens), tied=True), vocab)
+    return path
+
+
+def test_a_store_path_that_cannot_be_made_is_an_error_not_a_traceback(
+    tmp_path: Path, stories_dir: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A store path under a file (or a read-only store): the pull's staging folder cannot be
+    made, a StoreError naming the target, and on the command line `edgeinfer: error:`, exit 2."""
+    (tmp_path / "file").write_text("not a folder")
+    store = ModelStore(tmp_path / "file" / "store")
+    with pytest.raises(StoreError, match=r"pulling .* into .*file/store/stories260K: .*Not a dir"):
+        store.pull(stories_dir)
+    assert main(["pull", str(stories_dir), "--store", str(store.root)]) == 2
+    assert capsys.readouterr().err.startswith("edgeinfer: error: pulling")
+
+
+def test_a_name_too_long_for_the_stores_temporary_folders_is_refused(
+    tmp_path: Path, stories_dir: Path
+) -> None:
+    store = ModelStore(tmp_path / "store")
+    with pytest.raises(StoreError, match=r"240 characters, a name has 200 at most"):
+        store.pull(stories_dir, "a" * 240)  # `.pull-<240 a>.<12 hex>`: over 255 characters
+    assert store.pull(stories_dir, "b" * 200, shard_bytes=SHARD).name == "b" * 200
+    assert [p.name for p in store.root.iterdir()] == ["b" * 200]
+
+
+def test_a_full_disk_while_a_gguf_is_pulled_is_an_error_not_a_traceback(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """safetensors reports a full disk as SafetensorError, not an OSError: still a StoreError
+    naming the target (and for import-gguf, `edgeinfer: error:`), exit 2, nothing left."""
+    from safetensors import SafetensorError
+
+    def full(*args: object, **kwargs: object) -> None:
+        raise SafetensorError("Error while serializing: No space left on device (os error 28)")
+
+    gguf = _tiny_gguf(tmp_path / "tiny.gguf")
+    monkeypatch.setattr("runtime.gguf_import.save_file", full)
+    store = ModelStore(tmp_path / "store")
+    with pytest.raises(StoreError, match=r"into .*store/tiny: .*No space left on device"):
+        store.pull(gguf)
+    assert main(["pull", str(gguf), "--store", str(store.root)]) == 2
+    assert "edgeinfer: error: pulling" in capsys.readouterr().err
+    assert main(["import-gguf", str(gguf), str(tmp_path / "hf")]) == 2
+    err = capsys.readouterr().err
+    assert "edgeinfer: error: importing" in err and "No space left on device" in err
+    assert list(store.root.iterdir()) == [] and not (tmp_path / "hf").exists()
+
+
+def test_verify_checks_the_other_files_too(
+    tmp_path: Path, stories_dir: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """config.json, tokenizer.json, ...: a checksum each in the manifest, checked by verify; a
+    manifest from before (no "files") still verifies its shards and says the rest is not
+    covered; the model's revision is the same with or without them."""
+    from runtime.loader import model_revision
+
+    store = ModelStore(tmp_path / "store")
+    folder = store.pull(stories_dir, "tiny", shard_bytes=SHARD)
+    revision = model_revision(folder)
+    with (folder / "tokenizer.json").open("ab") as f:
+        f.write(b" ")
+    (folder / "tokenizer_config.json").unlink()
+    problems = store.verify("tiny")
+    assert len(problems) == 2, problems
+    assert problems[0].startswith(f"{folder / 'tokenizer.json'}: corrupt: checksum mismatch")
+    assert problems[1] == f"{folder / 'tokenizer_config.json'}: missing (the manifest lists it)"
+    assert main(["verify", "tiny", "--store", str(store.root)]) == 1
+    assert "tokenizer.json: corrupt" in capsys.readouterr().err
+    manifest = read_manifest(folder)
+    assert manifest is not None and manifest.files is not None
+    assert sorted(manifest.files) == ["config.json", "model.safetensors.index.json",
+                                      "tokenizer.json", "tokenizer_config.json"]  # fmt: skip
+
+    raw = json.loads((folder / MANIFEST_NAME).read_text())
+    del raw["files"]  # as pulled before the other files had checksums
+    (folder / MANIFEST_NAME).write_text(json.dumps(raw))
+    said: list[str] = []
+    assert store.verify("tiny", progress=said.append) == []
+    assert "they are not checked" in said[-1]
+    assert main(["verify", "tiny", "--store", str(store.root)]) == 0
+    assert "its other files have no checksums" in capsys.readouterr().out
+    assert model_revision(folder) == revision
+
+
+def test_rm_of_a_model_that_is_a_link_removes_the_link_alone(
+    tmp_path: Path, stories_dir: Path
+) -> None:
+    elsewhere = ModelStore(tmp_path / "elsewhere")
+    target = elsewhere.pull(stories_dir, "tiny", shard_bytes=SHARD)
+    store = ModelStore(tmp_path / "store")
+    store.root.mkdir()
+    (store.root / "linked").symlink_to(target, target_is_directory=True)
+    assert store.remove("linked") == store.root / "linked"
+    assert list(store.root.iterdir()) == []  # no `.rm-linked.*` left either
+    assert elsewhere.verify("tiny") == []  # what it pointed to, whole
+    (store.root / "dangling").symlink_to(tmp_path / "gone")
+    store.remove("dangling")
+    (store.root / ".rm-old.0123456789ab").symlink_to(target)  # a remove killed mid-way
+    assert store.sweep() == [store.root / ".rm-old.0123456789ab"]
+    assert list(store.root.iterdir()) == [] and elsewhere.verify("tiny") == []
+
+
+def test_verify_of_a_name_is_the_stores_model_whatever_the_working_folder_holds(
+    tmp_path: Path, stories_dir: Path, monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+) -> None:  # fmt: skip
+    store = ModelStore(tmp_path / "store")
+    store.pull(stories_dir, "tiny", shard_bytes=SHARD)
+    (tmp_path / "cwd" / "tiny").mkdir(parents=True)
+    (tmp_path / "cwd" / "tiny" / MANIFEST_NAME).write_text("not the store's")
+    monkeypatch.chdir(tmp_path / "cwd")
+    assert main(["verify", "tiny", "--store", str(store.root)]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith("tiny: ") and "every checksum matches" in out
+
+
+def test_pulling_a_compressed_folder_says_what_to_do(tmp_path: Path, stories_dir: Path) -> None:
+    from runtime.compression import compress_model
+
+    compress_model(stories_dir, tmp_path / "z", cast_bf16=True)
+    store = ModelStore(tmp_path / "store")
+    with pytest.raises(StoreError, match=r"a compressed copy .*does not take compressed ones: "
+                       rf"pull the original, .*edgeinfer compress {stories_dir} "):  # fmt: skip
+        store.pull(tmp_path / "z")
+    assert not store.root.exists() or list(store.root.iterdir()) == []
+
+
+def test_leftovers_of_killed_compressions_into_the_store_are_swept(
+    tmp_path: Path, stories_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`edgeinfer compress SRC <store>/NAME` killed outright leaves `.NAME.compress-<id>`:
+    the next sweep deletes it once no live process holds its lock (one from before locks: once
+    it is a minute old), and leaves a running compression's alone."""
+    import runtime.compression as compression
+
+    store = ModelStore(tmp_path / "store")
+    killed = store.root / ".tiny-z.compress-0123456789ab"
+    killed.mkdir(parents=True)
+    (killed / ".lock").touch()  # its process is gone: nobody holds the lock
+    (killed / "model.ei11").write_bytes(b"x" * 1000)
+    older = store.root / ".old-z.compress-ba9876543210"  # from before compressions locked
+    older.mkdir()
+    os.utime(older, (0, 0))
+    real, swept = compression._write_shard, []
+
+    def sweep_meanwhile(*args, **kwargs):  # type: ignore[no-untyped-def]
+        swept.extend(store.sweep())  # while this compression's folder is in use
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(compression, "_write_shard", sweep_meanwhile)
+    compression.compress_model(stories_dir, store.root / "tiny-z", cast_bf16=True)
+    assert swept == [older, killed]
+    assert [p.name for p in store.root.iterdir()] == ["tiny-z"]
+    assert store.verify("tiny-z") == []
+    assert not (store.root / "tiny-z" / ".lock").exists()
