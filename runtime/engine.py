@@ -573,10 +573,19 @@ class LLMEngine:
             stop_reason: str | int | None = None
             grammar = r.request.grammar
             if grammar is not None and r.new_tokens:
-                grammar.accept(r.new_tokens)
-                if r.finished is None and grammar.finished:  # only end-of-sequence could follow
-                    self.scheduler.finish(r.request.request_id, RequestStatus.FINISHED_STOPPED)
-                    r.finished = RequestStatus.FINISHED_STOPPED
+                for k, token in enumerate(r.new_tokens):
+                    grammar.accept([token])
+                    if grammar.finished:  # only end-of-sequence could follow
+                        # an accepted draft completed the output: what the step appended after
+                        # it (the bonus token, which the mask forced to end-of-sequence) is not
+                        # output, as without speculation, where the request ends right there
+                        del r.new_tokens[k + 1 :]
+                        if r.finished is None:
+                            self.scheduler.finish(
+                                r.request.request_id, RequestStatus.FINISHED_STOPPED
+                            )
+                        r.finished = RequestStatus.FINISHED_STOPPED
+                        break
             # a stop token (end-of-sequence, or one of stop_token_ids) ends the request without
             # its text, as vLLM does, unless include_stop_str_in_output
             cut = len(r.new_tokens) - 1 if self._ends_on_stop_token(r) else -1
@@ -603,6 +612,8 @@ class LLMEngine:
                     and last in r.request.params.stop_token_ids
                 ):
                     stop_reason = last
+            if grammar is not None and grammar.error is not None:  # not what it asked for
+                status, stop_reason = RequestStatus.FINISHED_ERROR, grammar.error
             if status is not None:
                 self._finish_seq(group, i, status, stop_reason)
         return [self._emit(g) for g in touched.values()]

@@ -130,6 +130,29 @@ def test_stops_and_max_tokens_mid_draft(engines) -> None:  # type: ignore[no-unt
     assert spec.engine.blocks.num_free_blocks == spec.engine.blocks.num_blocks
 
 
+@pytest.mark.parametrize(
+    "constraint",
+    [
+        {"choice": ["Once upon a time, there was a little girl named Lily."]},
+        {"regex": "Once upon a time, there was a little girl named Lily\\."},
+    ],
+)
+def test_a_constraint_completed_by_a_draft_ends_as_without_speculation(engines, constraint) -> None:  # type: ignore[no-untyped-def]
+    """The story repeats, so drafts complete the constrained output; the step's bonus token
+    (forced to end-of-sequence) is not output: the same tokens, logprobs and usage as without
+    speculation (it came out one token longer, with one more logprob entry than tokens shown)."""
+    base, spec = engines
+    params = SamplingParams(temperature=0.0, max_tokens=60, logprobs=1,
+                            structured_outputs=constraint)  # fmt: skip
+    before = spec.engine.spec.accepted
+    w = base.generate([STORY * 3], params)[0].outputs[0]
+    g = spec.generate([STORY * 3], params)[0].outputs[0]
+    assert spec.engine.spec.accepted > before
+    assert (g.token_ids, g.text, g.finish_reason) == (w.token_ids, w.text, w.finish_reason)
+    assert g.logprobs is not None and len(g.logprobs) == len(g.token_ids)
+    assert spec.engine.blocks.num_free_blocks == spec.engine.blocks.num_blocks
+
+
 def test_streaming_delivers_several_tokens_per_step(self_draft) -> None:  # type: ignore[no-untyped-def]
     engine = self_draft.engine  # its draft is the target itself: every draft is accepted
     engine.add_request("s", STORY * 3, SamplingParams(max_tokens=40, temperature=0.0))
