@@ -16,7 +16,8 @@ Chunk order for a streamed chat request with n choices (OpenAI's own order):
     per choice: {"delta": {}, "finish_reason": "stop" | "length"}    when the choice ends
     once:       {"choices": [], "usage": {...}}                       on `done`, if include_usage
 Completions stream the same way with `text` in place of `delta`, and no role chunk.
-A choice that made tool calls and stopped finishes with "tool_calls"; its final message has
+A choice that made tool calls and stopped finishes with "tool_calls" (with "stop" when its
+last call's arguments are not whole JSON: a stop string cut them off); its final message has
 `tool_calls` (deltas of one call joined: its arguments concatenated) and `content` null when it
 said nothing else, as OpenAI answers.
 
@@ -169,7 +170,7 @@ class ResponseAssembler:
         if finish is not None and finish not in FINISH_REASONS:
             raise ValueError(f"unknown finish_reason {finish!r}")
         if finish is not None:
-            if finish == "stop" and c.tool_calls:
+            if finish == "stop" and c.tool_calls and _complete(c.tool_calls[-1]):
                 finish = "tool_calls"
             c.finish_reason, c.stop_reason = finish, event.get("stop_reason")
 
@@ -340,6 +341,15 @@ def _add_tool_call(c: _Choice, call: object) -> None:
         c.tool_calls[index]["function"]["arguments"] += fn["arguments"]
     else:
         raise ValueError(f"tool call index {index} out of order")
+
+
+def _complete(call: dict[str, Any]) -> bool:
+    """A call's arguments are whole JSON (not cut off by a stop string, say)."""
+    try:
+        orjson.loads(call["function"]["arguments"])
+    except orjson.JSONDecodeError:
+        return False
+    return True
 
 
 def _logprob(value: object) -> float:

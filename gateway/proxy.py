@@ -349,6 +349,8 @@ class Proxy:
                     kinds = {e["type"] for e in batch}
                     if "error" in kinds:
                         error = next(e for e in batch if e["type"] == "error")
+                        if error.get("code") == "constraint_failed":  # the same anywhere: no retry
+                            raise invalid(None, str(error.get("message")), "constraint_failed")
                         raise WorkerFailed(worker, _event_error(error), dead=False)
                     if "done" in kinds or (call.options.stream and "delta" in kinds):
                         call.answered = time.perf_counter()

@@ -14,8 +14,9 @@ class CompletionOutput:
     index: int  # which of the n completions
     text: str = ""  # all text so far (stop strings removed)
     token_ids: list[int] = field(default_factory=list)  # all generated tokens so far
-    finish_reason: str | None = None  # "stop" | "length" | "abort", once finished
-    stop_reason: str | int | None = None  # the stop string or stop token that ended it
+    finish_reason: str | None = None  # "stop" | "length" | "abort" | "error", once finished
+    stop_reason: str | int | None = None  # the stop string or stop token that ended it; for
+    # "error", what failed (its grammar: the output is not what the constraint asked for)
     logprobs: list[TokenLogprobs] | None = None  # one per generated token, when asked for
     # leading tokens whose text is in `text` so far; the others made only a stop string that was
     # cut, or no text (a final end-of-sequence token). The OpenAI API's logprobs stop there.

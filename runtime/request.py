@@ -20,6 +20,7 @@ class RequestStatus(enum.Enum):
     FINISHED_STOPPED = "stop"  # eos, a stop token or a stop string
     FINISHED_LENGTH = "length"  # max_tokens or the context length
     FINISHED_ABORTED = "abort"
+    FINISHED_ERROR = "error"  # its output constraint failed (RequestGrammar.error)
 
     @property
     def finished(self) -> bool:
@@ -27,6 +28,7 @@ class RequestStatus(enum.Enum):
             RequestStatus.FINISHED_STOPPED,
             RequestStatus.FINISHED_LENGTH,
             RequestStatus.FINISHED_ABORTED,
+            RequestStatus.FINISHED_ERROR,
         )
 
 

@@ -156,18 +156,35 @@ def check(spec: StructuredOutputsParams, param: str = "structured_outputs") -> s
     return text
 
 
+# JSON-schema keywords whose values are data, not schemas (nothing in them is a schema keyword:
+# a "$ref" there is no reference, "properties" no properties); and those whose values map names
+# to schemas (a property may be named "const" or "properties")
+DATA_KEYWORDS = frozenset({"const", "enum", "default", "examples"})
+SCHEMA_MAPS = frozenset({"properties", "patternProperties", "$defs", "definitions",
+                         "dependentSchemas"})  # fmt: skip
+
+
 def strict_schema(schema: Any, depth: int = 0) -> Any:
     """A copy of a JSON schema where every object schema that lists `properties` and does not
     say `additionalProperties` forbids other properties (OpenAI's strict mode: the schema
-    describes the whole object). Below MAX_JSON_DEPTH levels the rest is left as it is: `check`
-    refuses such a schema, and copying it would only recurse as deep as the client nested it."""
+    describes the whole object). Data (`const`, `enum`, `default`, `examples`) is left as it is,
+    and a map of schemas (`properties`, `$defs`, ...) is no schema itself, only its values are.
+    Below MAX_JSON_DEPTH levels the rest is left as it is: `check` refuses such a schema, and
+    copying it would only recurse as deep as the client nested it."""
     if depth > MAX_JSON_DEPTH:
         return schema
     if isinstance(schema, list):
         return [strict_schema(s, depth + 1) for s in schema]
     if not isinstance(schema, dict):
         return schema
-    out = {k: strict_schema(v, depth + 1) for k, v in schema.items()}
+    out: dict[str, Any] = {}
+    for key, value in schema.items():
+        if key in DATA_KEYWORDS:
+            out[key] = value
+        elif key in SCHEMA_MAPS and isinstance(value, dict):
+            out[key] = {name: strict_schema(s, depth + 2) for name, s in value.items()}
+        else:
+            out[key] = strict_schema(value, depth + 1)
     if "properties" in out and "additionalProperties" not in out:
         out["additionalProperties"] = False
     return out

@@ -14,6 +14,13 @@
                       step appended, only accepted drafts among them; a grammar that can take
                       nothing more but end-of-sequence ends the request (finish reason "stop")
 
+A matcher can fail mid-request: llguidance stops at a resource limit ("lexer error: too many
+expressions constructed", a regex such as `(.{0,50}){0,50}` once enough text is in it), and a
+failed matcher stays failed. Its mask is then end-of-sequence alone, so the request ends at once,
+and `RequestGrammar.error` says why (the output is not what the grammar asked for, whatever its
+finish reason). Copies of a matcher share its lexer, failure included, so the compiled grammar
+that failed leaves the cache: the next request with that constraint compiles it afresh.
+
 A bitmask row is (ceil(V / 32),) int32, bit t of word t // 32 set when token t is allowed (the
 layout of llguidance, xgrammar and vLLM). A draft the grammar refuses is never allowed by its
 row's mask, so verification rejects it (greedy: it is not the masked argmax; sampled: its
@@ -25,9 +32,11 @@ neither changes.
 
 from __future__ import annotations
 
+import functools
 import logging
 import threading
 from collections import OrderedDict
+from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import TYPE_CHECKING
 
@@ -46,6 +55,7 @@ if TYPE_CHECKING:
 log = logging.getLogger("edgeinfer.structured")
 
 CACHE_GRAMMARS = 256  # compiled grammars kept (an LRU over grammar texts)
+_NO_EXTENSION = "NoExtensionBias"  # llguidance's error when no token can extend the output
 
 
 def bitmask_words(vocab_size: int) -> int:
@@ -55,23 +65,35 @@ def bitmask_words(vocab_size: int) -> int:
 class RequestGrammar:
     """One sequence's grammar state and this step's mask rows."""
 
-    def __init__(self, matcher: llguidance.LLMatcher, eos_row: np.ndarray) -> None:
+    def __init__(
+        self,
+        matcher: llguidance.LLMatcher,
+        eos_row: np.ndarray,
+        on_error: Callable[[], None] | None = None,
+    ) -> None:
         self.matcher = matcher
-        self._eos_row = eos_row  # (W,) only end-of-sequence allowed: the fallback after an error
+        self.error: str | None = None  # why the matcher failed (llguidance's first line), if it did
+        self._eos_row = eos_row  # (W,) only end-of-sequence allowed: the mask after an error
+        self._on_error = on_error  # called once when the matcher fails (the compiler's eviction)
         self._job: Future[None] | None = None  # the step's mask job
         self._rows: np.ndarray | None = None  # (1 + drafts, W) int32, filled by the job
 
     def copy(self) -> RequestGrammar:
-        """An independent state at the same point (one per sequence of an n > 1 request)."""
-        return RequestGrammar(self.matcher.deep_copy(), self._eos_row)
+        """A state at the same point (one per sequence of an n > 1 request); it shares the
+        lexer, so a failure in one is seen by all."""
+        return RequestGrammar(self.matcher.deep_copy(), self._eos_row, self._on_error)
 
     def accept(self, tokens: list[int]) -> None:
         """Advance over tokens appended to the output (sampled under this grammar's mask)."""
         self._job, self._rows = None, None
-        if not self.matcher.consume_tokens(tokens) and not self.matcher.is_stopped():
-            log.warning(
-                "grammar refused generated tokens %s: %s", tokens, self.matcher.get_error()[:200]
-            )
+        m = self.matcher
+        for token in tokens:
+            if m.is_stopped():  # (after the grammar's end, a step's last token: end-of-sequence)
+                break
+            if not m.consume_token(token):
+                log.warning("grammar refused generated token %d of %s", token, tokens)
+                break
+        self._check()
 
     @property
     def finished(self) -> bool:
@@ -88,16 +110,27 @@ class RequestGrammar:
         """Row 0: the current state; row i + 1: after drafts[: i + 1] (as far as they are
         accepted; rows past a refused draft are never read, verification stops there)."""
         m = self.matcher
-        if m.is_error():
+        if not m.is_error():
+            llg_np.fill_next_token_bitmask(m, rows, 0)
+            ok = m.validate_tokens(drafts) if drafts and not m.is_error() else 0
+            for i in range(ok):
+                m.consume_token(drafts[i])
+                llg_np.fill_next_token_bitmask(m, rows, i + 1)
+            if ok and not m.is_error():
+                m.rollback(ok)
+        if self._check():  # failed now or before: the request can only end
             rows[:] = self._eos_row
-            return
-        llg_np.fill_next_token_bitmask(m, rows, 0)
-        ok = m.validate_tokens(drafts) if drafts else 0
-        for i in range(ok):
-            m.consume_token(drafts[i])
-            llg_np.fill_next_token_bitmask(m, rows, i + 1)
-        if ok:
-            m.rollback(ok)
+
+    def _check(self) -> bool:
+        """Whether the matcher has failed; the first time, log why and tell the compiler."""
+        if not self.matcher.is_error():
+            return False
+        if self.error is None:
+            self.error = self.matcher.get_error().split("\n", 1)[0][:300]
+            log.warning("structured output failed, the request ends here: %s", self.error)
+            if self._on_error is not None:
+                self._on_error()
+        return True
 
 
 class GrammarCompiler:
@@ -153,18 +186,33 @@ class GrammarCompiler:
                 self._cache[text] = template
                 while len(self._cache) > self._capacity:
                     self._cache.popitem(last=False)
-        return RequestGrammar(template.deep_copy(), self.eos_row)
+        evict = functools.partial(self._evict, text, template)
+        return RequestGrammar(template.deep_copy(), self.eos_row, evict)
+
+    def _evict(self, text: str, template: llguidance.LLMatcher) -> None:
+        """Drop a compiled grammar whose lexer failed (its copies share it): the next request
+        compiles afresh. Called from the mask thread."""
+        with self._lock:
+            if self._cache.get(text) is template:  # (not a newer compile of the same text)
+                del self._cache[text]
 
     def _check_satisfiable(self, template: llguidance.LLMatcher, param: str) -> None:
         """Refuse a constraint no output can satisfy: before any token, only end-of-sequence is
         allowed, yet the empty output does not match (a grammar rule with no way out, such as
         `a: a`, or a schema that only refers to itself). It would otherwise end every request
-        at once with empty text that does not match it."""
+        at once with empty text that does not match it. A constraint whose first mask already
+        exceeds llguidance's limits (a regex such as `(.{0,300}){0,300}` over a large vocabulary)
+        is refused with llguidance's reason."""
         row = np.zeros((1, bitmask_words(self.vocab_size)), dtype=np.int32)
         llg_np.fill_next_token_bitmask(template, row, 0)
+        error = template.get_error().split("\n", 1)[0][:300] if template.is_error() else ""
+        if error and error != _NO_EXTENSION:  # a resource limit, reached on the first mask
+            raise InvalidRequestError(
+                param, f"the constraint is too complex for the grammar engine: {error}"
+            )
         allowed = np.unpackbits(row.view(np.uint8), bitorder="little")[: self.vocab_size]
         allowed[self.eos_token_ids] = 0
-        if not allowed.any() and not template.is_accepting():
+        if error or (not allowed.any() and not template.is_accepting()):
             raise InvalidRequestError(
                 param, "the constraint accepts no output: no token can begin it and the empty "
                 "output does not match it (a rule that never ends, or a schema that only refers "

@@ -17,7 +17,10 @@ call `{"index", "id", "type", "function": {"name", "arguments"}}` once its name 
 sum of the same deltas, so both answers agree by construction. Arguments are the model's own
 JSON text, not re-serialized. Content that may still turn out to be the start of a call (a
 partial marker, trailing whitespace before a call) is held back; at the end, a tool region in
-which no call parsed is given back as content.
+which no call parsed is given back as content. A call that is not JSON (a bad literal or
+escape, NaN, Infinity, 1e999) is no call. A marker that is a special token reaches the stream as
+its id only (the detokenizer drops its text): its text goes where a whole decode of the tokens
+before it ends, inside a step of several tokens too (speculative decoding).
 
 `tool_choice` "required" or a named function is enforced with a Lark grammar (llguidance) in the
 same format: the marker text (or the marker's own special token, when the tokenizer has it) and
@@ -34,14 +37,23 @@ Torch-free (the worker imports it; tests drive it directly).
 from __future__ import annotations
 
 import json
+import math
 import secrets
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 from runtime.sampling_params import InvalidRequestError
-from runtime.structured import JSON_OPTIONS, MAX_JSON_DEPTH, json_depth
+from runtime.structured import (
+    DATA_KEYWORDS,
+    JSON_OPTIONS,
+    MAX_JSON_DEPTH,
+    SCHEMA_MAPS,
+    json_depth,
+)
 
 PARSERS = ("hermes", "llama3_json", "mistral")
+CONTEXT_TOKENS = 8  # the prompt's last tokens, decoded before the output (ToolCallStream.context)
 
 
 @dataclass(slots=True)
@@ -209,13 +221,6 @@ def tool_grammar(
     return None
 
 
-# keywords whose values are data, not schemas (no $ref in them is one); and those whose values
-# map names to schemas (a property may be named "const")
-_DATA_KEYWORDS = frozenset({"const", "enum", "default", "examples"})
-_SCHEMA_MAPS = frozenset({"properties", "patternProperties", "$defs", "definitions",
-                          "dependentSchemas"})  # fmt: skip
-
-
 def _rebased(schema: Any, base: str) -> Any:
     """A copy of `schema` whose local refs ("#", "#/$defs/A", "#/properties/x") point where the
     same places will be once the schema moves to the JSON pointer `base` of a larger one."""
@@ -225,12 +230,12 @@ def _rebased(schema: Any, base: str) -> Any:
         return schema
     out: dict[str, Any] = {}
     for key, value in schema.items():
-        if key in _SCHEMA_MAPS and isinstance(value, dict):
+        if key in SCHEMA_MAPS and isinstance(value, dict):
             out[key] = {name: _rebased(s, base) for name, s in value.items()}
         elif key == "$ref" and isinstance(value, str) and value.startswith("#"):
             out[key] = f"#{base}{value[1:]}"
         else:
-            out[key] = value if key in _DATA_KEYWORDS else _rebased(value, base)
+            out[key] = value if key in DATA_KEYWORDS else _rebased(value, base)
     return out
 
 
@@ -287,18 +292,30 @@ class ToolCallStream:
 
     parser: ToolParser
     parallel: bool = True  # False: the first call is the only one (parallel_tool_calls)
+    # the tokenizer's decode (special tokens dropped), and the prompt's last tokens: where the
+    # marker's special token was in the text (see _with_markers)
+    decode: Callable[[list[int]], str] | None = None
+    context: list[int] = field(default_factory=list)
     text: str = ""  # the output so far, with the marker's text where its special token was
-    content_sent: int = 0  # characters of content sent
+    content_sent: int = 0  # characters of content sent (`text` up to there)
     calls: list[_Sent] = field(default_factory=list)
     ended: bool = False  # not `parallel` and the call is complete: the completion ends here
+    failed: bool = False  # parsing failed (`give_up`): the rest of the output is content
+    step_start: int = 0  # len(text) before the step being fed
+    token_ids: list[int] = field(default_factory=list)  # the output's tokens (with a marker id)
+    fed: int = 0  # characters of output text fed (`text` without the markers)
+    markers_at: list[int] = field(default_factory=list)  # where in the output text markers go
+    # whose text has not come yet (the detokenizer held back the text before them)
 
     def feed(
         self, text: str, token_ids: list[int], final: bool
     ) -> tuple[str, list[dict[str, Any]]]:
         """Take a step's text (and its tokens); return (content delta, tool-call deltas)."""
-        marker_id = self.parser.marker_token_id
-        if marker_id is not None and marker_id in token_ids and self.parser.marker not in text:
-            text = self.parser.marker + text  # the detokenizer drops special tokens' text
+        self.step_start = len(self.text)
+        if self.failed:
+            return self.give_up(text), []
+        if self.parser.marker_token_id is not None:
+            text = self._with_markers(text, token_ids)
         self.text += text
         content, calls, in_region = self.parser.parse(self.text, final)
         if not self.parallel:
@@ -331,6 +348,46 @@ class ToolCallStream:
         delta = content[self.content_sent :] if len(content) > self.content_sent else ""
         self.content_sent += len(delta)
         return delta, deltas
+
+    def give_up(self, text: str) -> str:
+        """Stop parsing (`feed` of the step's `text` raised, or had): return the output not
+        yet sent as content, that step's text included; the calls already sent stand."""
+        self.failed = True
+        self.text = self.text[: self.step_start] + text
+        delta = self.text[self.content_sent :]
+        self.content_sent = len(self.text)
+        return delta
+
+    def _with_markers(self, text: str, token_ids: list[int]) -> str:
+        """The step's text with the marker's text where its special token was (the detokenizer
+        drops it): after as much output text as a whole decode of the tokens before it gives,
+        which counts text the detokenizer still holds back (half a character, a possible stop
+        string) and places a marker inside a step of several tokens (speculative decoding).
+        Without `decode`, at the step's start."""
+        marker, marker_id = self.parser.marker, self.parser.marker_token_id
+        start = len(self.token_ids)
+        self.token_ids += token_ids
+        if marker_id in token_ids and marker not in text:  # (not in it: a special token)
+            for k in (k for k, t in enumerate(token_ids) if t == marker_id):
+                if self.decode is None:
+                    self.markers_at.append(self.fed)
+                else:
+                    before = self.token_ids[: start + k]
+                    self.markers_at.append(_decoded_len(self.decode, self.context, before))
+        pieces, at = [], 0
+        while self.markers_at and self.markers_at[0] <= self.fed + len(text):
+            cut = min(max(self.markers_at.pop(0) - self.fed, at), len(text))
+            pieces += [text[at:cut], marker]
+            at = cut
+        self.fed += len(text)
+        return "".join(pieces) + text[at:]
+
+
+def _decoded_len(decode: Callable[[list[int]], str], context: list[int], ids: list[int]) -> int:
+    """Characters of text `ids` decode to after `context` (so that the first keeps its leading
+    space, as the detokenizer gives it after the prompt)."""
+    head, whole = decode(context), decode(context + ids)
+    return len(whole) - len(head) if whole.startswith(head) else len(decode(ids))
 
 
 # ----------------------------------------------------------------------------- JSON scanning
@@ -404,17 +461,42 @@ def _calls_in(s: str, arg_keys: tuple[str, ...]) -> list[ParsedCall]:
         if i >= len(s) or s[i] != "{":
             return calls
         end = _scan_value(s, i)
-        call = _call(s[i : len(s) if end is None else end], arg_keys)
-        if call is None:
-            return calls
+        body = s[i : len(s) if end is None else end]
+        call = _call(body, arg_keys)
+        if call is None or (end is not None and _json_value(body) is _NOT_JSON):
+            return calls  # not a call (once whole, the object must be JSON, NaN and 1e999 not)
         calls.append(call)
         if end is None:
             return calls
         i = end
 
 
+_NOT_JSON = object()  # _json_value's answer for text that is not one JSON value
+
+
+def _json_value(text: str) -> Any:
+    """The JSON value `text` holds, or _NOT_JSON: what a model writes is not to be trusted
+    (Python's parser would also take NaN and Infinity, and make 1e999 infinity)."""
+    try:
+        return json.loads(text, parse_constant=_refuse, parse_float=_finite)
+    except (ValueError, RecursionError):  # (json.JSONDecodeError is a ValueError)
+        return _NOT_JSON
+
+
+def _refuse(name: str) -> Any:
+    raise ValueError(f"{name} is not JSON")
+
+
+def _finite(digits: str) -> float:
+    value = float(digits)
+    if not math.isfinite(value):
+        raise ValueError(f"{digits} is beyond a 64-bit float")
+    return value
+
+
 def _call(s: str, arg_keys: tuple[str, ...]) -> ParsedCall | None:
-    """The name and arguments of the (possibly partial) object `s` (s[0] == "{")."""
+    """The name and arguments of the (possibly partial) object `s` (s[0] == "{"); None when it
+    is no call (a key or a value that is not JSON)."""
     name: str | None = None
     args = ""
     i = 1
@@ -432,7 +514,9 @@ def _call(s: str, arg_keys: tuple[str, ...]) -> ParsedCall | None:
         key_end = _scan_string(s, i)
         if key_end is None:
             return ParsedCall(name, args, False)
-        key = json.loads(s[i:key_end])
+        key = _json_value(s[i:key_end])
+        if key is _NOT_JSON:
+            return None
         i = _skip_ws(s, key_end)
         if i >= len(s):
             return ParsedCall(name, args, False)
@@ -442,14 +526,16 @@ def _call(s: str, arg_keys: tuple[str, ...]) -> ParsedCall | None:
         if i >= len(s):
             return ParsedCall(name, args, False)
         end = _scan_value(s, i)
+        whole = end is not None and s[i] != "{"  # (an object is checked once the call is whole)
+        value = _json_value(s[i:end]) if whole else None
+        if value is _NOT_JSON:
+            return None
         if key == "name" and end is not None:
-            value = json.loads(s[i:end])
             name = value if isinstance(value, str) else None
         elif key in arg_keys and not args:
             if s[i] == "{":  # streamed as it grows
                 args = s[i : len(s) if end is None else end]
             elif end is not None:  # a string holding JSON, or another value: whole
-                value = json.loads(s[i:end])
                 args = value if isinstance(value, str) else json.dumps(value)
         if end is None:
             return ParsedCall(name, args, False)
@@ -461,12 +547,19 @@ class RequestTools:
     `ToolCallStream` per completion (None for a request without tools or with "none")."""
 
     def __init__(
-        self, parser: ToolParser, tools: list[dict[str, Any]], choice: object, parallel: bool
+        self,
+        parser: ToolParser,
+        tools: list[dict[str, Any]],
+        choice: object,
+        parallel: bool,
+        decode: Callable[[list[int]], str] | None = None,
     ) -> None:
         self.parser = parser
         self.tools = tools  # OpenAI tool objects, validated by the gateway
         self.choice = choice  # "auto" | "required" | {"type": "function", "function": {...}}
         self.parallel = parallel  # parallel_tool_calls: False allows one call per completion
+        self.decode = decode  # the tokenizer's decode (ToolCallStream.decode)
+        self.context: list[int] = []  # the prompt's last CONTEXT_TOKENS, once it is tokenized
         self.streams: dict[int, ToolCallStream] = {}  # completion index -> its stream
 
     @classmethod
@@ -489,7 +582,7 @@ class RequestTools:
         except ValueError:  # no chat template (a prompt of token ids): the default format
             template = ""
         parser = make_parser(parser_name, template, tokenizer.added_tokens)
-        return cls(parser, tools, choice, parallel is True)
+        return cls(parser, tools, choice, parallel is True, tokenizer.decode)
 
     def constrain(self, params: Any) -> None:
         """Set the grammar of "required" or a named function on `params` (SamplingParams)."""
@@ -510,8 +603,19 @@ class RequestTools:
         self, index: int, text: str, token_ids: list[int], final: bool
     ) -> tuple[str, list[dict[str, Any]]]:
         """A completion's step output as (content delta, tool-call deltas)."""
-        stream = self.streams.setdefault(index, ToolCallStream(self.parser, self.parallel))
-        return stream.feed(text, token_ids, final)
+        return self._stream(index).feed(text, token_ids, final)
+
+    def give_up(self, index: int, text: str) -> str:
+        """After `delta` raised on a step's `text` (a parser bug): the completion's output not
+        yet sent as content; from here on its text is content (ToolCallStream.give_up)."""
+        return self._stream(index).give_up(text)
+
+    def _stream(self, index: int) -> ToolCallStream:
+        stream = self.streams.get(index)
+        if stream is None:
+            stream = ToolCallStream(self.parser, self.parallel, self.decode, self.context)
+            self.streams[index] = stream
+        return stream
 
     def ended(self, index: int) -> bool:
         """The completion's one call (parallel_tool_calls false) is complete: it ends here."""

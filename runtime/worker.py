@@ -70,7 +70,7 @@ from runtime.scheduler import QueueFullError
 from runtime.serving import listen
 from runtime.telemetry import RequestTimes, WorkerTelemetry
 from runtime.tokenizer import NoChatTemplateError, Tokenizer
-from runtime.tool_parsers import PARSERS, RequestTools
+from runtime.tool_parsers import CONTEXT_TOKENS, PARSERS, RequestTools
 
 log = logging.getLogger("edgeinfer.worker")
 
@@ -458,6 +458,8 @@ async def _generate(request: web.Request) -> web.StreamResponse:
     except _Refused as r:
         tel.finish(span, req, times, None, r.code)
         return r.response
+    if tools is not None:  # what the output's text follows (to place a marker token's text)
+        tools.context = stream.prompt_token_ids[-CONTEXT_TOKENS:]
     worker.serving.add(req.request_id)
     resp = web.StreamResponse(headers={"Content-Type": "application/x-ndjson"})
     n_prompt = len(stream.prompt_token_ids)
@@ -478,8 +480,11 @@ async def _generate(request: web.Request) -> web.StreamResponse:
                 raise _ShuttingDown("worker is shutting down (its drain timed out)")
             cached = out.num_cached_tokens
             times.arrival, times.scheduled = out.arrival_time, out.scheduled_time
+            times.longest_output = max(len(o.token_ids) for o in out.outputs)  # TPOT's count
             lines = []
             for o in out.outputs:
+                if o.finish_reason == "error":  # its constraint failed: no answer to give
+                    raise _ConstraintFailed(f"the output constraint failed: {o.stop_reason}")
                 event = _delta(worker, o, done, sent, tools)
                 if event is not None:
                     generated += len(event.token_ids)
@@ -495,9 +500,10 @@ async def _generate(request: web.Request) -> web.StreamResponse:
         times.ended = time.monotonic()
         await resp.write(encode_event(DoneEvent(n_prompt, generated, cached)))
         error = None
-    except (EngineDeadError, QueueFullError) as e:  # failed after the stream started
+    except (EngineDeadError, QueueFullError, _ConstraintFailed) as e:  # after the stream started
         error = ("shutdown" if isinstance(e, _ShuttingDown) else
-                 "queue_full" if isinstance(e, QueueFullError) else "engine_dead")  # fmt: skip
+                 "queue_full" if isinstance(e, QueueFullError) else
+                 "constraint_failed" if isinstance(e, _ConstraintFailed) else "engine_dead")  # fmt: skip
         with contextlib.suppress(ConnectionError):
             await resp.write(encode_event(ErrorEvent(str(e), error)))
     except ConnectionError:  # the gateway hung up (its client left): `finally` aborts it
@@ -568,6 +574,12 @@ class _Refused(Exception):
 
 class _ShuttingDown(EngineDeadError):
     """The worker aborted a request it was serving: its drain timed out."""
+
+
+class _ConstraintFailed(Exception):
+    """A completion's grammar failed mid-request (a limit of llguidance's): its output is not
+    what the constraint asked for, so the request fails with an error event (code
+    "constraint_failed") rather than finish "stop"."""
 
 
 async def _submit(
@@ -642,7 +654,12 @@ def _delta(
     sent[o.index] = max(first, o.num_shown_tokens)
     text, calls, finish_reason = o.delta_text, None, o.finish_reason
     if tools is not None:  # content and tool-call deltas
-        text, calls = tools.delta(o.index, text, o.delta_token_ids, o.finished)
+        try:
+            text, calls = tools.delta(o.index, text, o.delta_token_ids, o.finished)
+        except Exception:  # a parser bug: the stream goes on, with the output as content
+            log.exception("tool-call parsing failed; the rest of completion %d is content",
+                          o.index)  # fmt: skip
+            text = tools.give_up(o.index, o.delta_text)
         if not o.finished and tools.ended(o.index):  # its one call (parallel_tool_calls false)
             finish_reason = "stop"
             done.add(o.index)

@@ -148,6 +148,41 @@ def test_chat_stream_role_rides_on_first_delta_without_start() -> None:
     assert chunks[0]["choices"][0]["delta"] == {"role": "assistant", "content": "x"}
 
 
+def _tool_call_events(rest: str, stop_reason: str | None) -> list[dict[str, Any]]:
+    """A forced call whose arguments '{"a": -3, ' go on with `rest`, then a "stop"."""
+    call = {"index": 0, "id": "call_1", "type": "function",
+            "function": {"name": "f", "arguments": '{"a": -3, '}}  # fmt: skip
+    return _events(
+        StartEvent("r1", "w-1", 3),
+        DeltaEvent(0, "", [1, 2], tool_calls=[call]),
+        DeltaEvent(0, "", [3], tool_calls=[{"index": 0, "function": {"arguments": rest}}]),
+        DeltaEvent(0, "", [4], finish_reason="stop", stop_reason=stop_reason),
+        DoneEvent(3, 4),
+    )
+
+
+@pytest.mark.parametrize(
+    ("rest", "stop_reason", "finish"),
+    [('"b": "x"}', None, "tool_calls"), ("", '"b"', "stop"), ('"b": "x"', "}", "stop")],
+)
+@pytest.mark.parametrize("stream", [False, True])
+def test_tool_calls_finish_only_when_the_last_call_is_whole(
+    stream: bool, rest: str, stop_reason: str | None, finish: str
+) -> None:
+    """A stop string that cut a call's arguments short: "stop", not "tool_calls" (which tells
+    a client to run arguments that are not JSON)."""
+    asm = _chat(stream=stream)
+    chunks = _feed(asm, _tool_call_events(rest, stop_reason))
+    choice = ChatCompletion.model_validate(asm.final()).choices[0]
+    assert choice.finish_reason == finish
+    assert choice.message.tool_calls and choice.message.tool_calls[0].function.arguments == (
+        '{"a": -3, ' + rest
+    )
+    if stream:
+        ends = [c["choices"][0]["finish_reason"] for c in chunks if c["choices"]]
+        assert ends[-1] == finish and ends.count(None) == len(ends) - 1
+
+
 def _lp(token: str, logprob: float, alts: list[tuple[str, float]]) -> TokenLogprob:
     top = [{"token": t, "logprob": p, "bytes": list(t.encode())} for t, p in alts]
     return TokenLogprob(token, logprob, list(token.encode()), top)

@@ -371,6 +371,20 @@ def test_a_request_over_the_context_is_a_context_length_error(cluster: Cluster) 
         assert "maximum context length is 512 tokens" in e.value.message and where in e.value.message
 
 
+def test_a_constraint_that_fails_mid_request_is_a_400_not_retried(cluster: Cluster) -> None:
+    """A grammar that fails while generating (llguidance's lexer limit, reached by this greedy
+    output) fails the same on any worker: a 400 saying why, at once (not a "stop" with JSON the
+    schema does not accept, nor a 503 after trying every worker)."""
+    schema = {"type": "object", "required": ["n", "a"], "properties": {"n": {"type": "integer"},
+              "a": {"type": "string", "pattern": "^(.{0,50}){0,50}$"}}}  # fmt: skip
+    prompt = [318, 419, 285, 467, 270, 417, 13, 412, 419, 419, 293, 413, 303, 413, 467]
+    with pytest.raises(openai.BadRequestError) as e:
+        cluster.client.completions.create(model="stories", prompt=prompt, max_tokens=60,
+                                          temperature=0, extra_body={"guided_json": schema})  # fmt: skip
+    assert e.value.code == "constraint_failed", e.value
+    assert "too many expressions" in e.value.message
+
+
 # ---------------------------------------------------------------------- routing
 def test_session_affinity_sticks_and_sessions_spread(cluster: Cluster) -> None:
     seen = set()

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import re
+import shutil
 from pathlib import Path
 from typing import Any
 
@@ -13,11 +14,14 @@ import jsonschema
 import numpy as np
 import pytest
 import torch
+from tokenizers import Tokenizer as HFTokenizer
 
 from runtime.llm import LLM
 from runtime.sampler import Sampler, SamplingState, apply_token_bitmask
 from runtime.sampling_params import InvalidRequestError, SamplingParams
 from runtime.structured import StructuredOutputsParams, check, strict_schema
+from runtime.structured_decoding import GrammarCompiler, RequestGrammar, bitmask_words
+from runtime.tokenizer import Tokenizer
 
 PROMPT = "Once upon a time"
 KV = 4_000_000
@@ -271,6 +275,88 @@ def test_grammar_compiled_once_per_schema(stories: LLM) -> None:
     assert g.compiled == before + 1
 
 
+# A string pattern llguidance's lexer gives up on once enough of the string is written ("lexer
+# error: too many expressions constructed", 31 tokens into LEXER_LIMIT_TEXT on stories260K)
+LEXER_LIMIT = {
+    "type": "object",
+    "properties": {
+        "n": {"type": "integer"},
+        "a": {"type": "string", "pattern": "^(.{0,50}){0,50}$"},
+    },
+    "required": ["n", "a"],
+}
+LEXER_LIMIT_TEXT = '{"n": 1, "a": "Yes, I can show you shake it all the way'
+
+
+def _failed_grammar(stories: LLM) -> RequestGrammar:
+    """A grammar of LEXER_LIMIT driven over LEXER_LIMIT_TEXT, each token under its mask, until
+    the matcher fails (as the engine drives it: a mask, then the token)."""
+    g = stories.engine.grammars.grammar(_json(LEXER_LIMIT), "structured_outputs")
+    rows = np.zeros((1, bitmask_words(stories.engine.grammars.vocab_size)), dtype=np.int32)
+    ids = stories.tokenizer.encode(LEXER_LIMIT_TEXT, add_special_tokens=False)[1:]  # (no "▁")
+    for token in ids:
+        g._fill(rows, [])
+        if g.matcher.is_error():
+            break
+        g.accept([token])
+    assert g.matcher.is_error(), "the lexer limit was not reached"
+    assert (rows == stories.engine.grammars.eos_row).all() and g.finished  # it can only end
+    return g
+
+
+def test_a_matcher_error_is_logged_and_kept(stories: LLM, caplog: pytest.LogCaptureFixture) -> None:
+    """A matcher that fails mid-request says why (it was replaced by an end-of-sequence mask
+    without a word, and the request ended "stop" with JSON the schema does not accept)."""
+    g = _failed_grammar(stories)
+    assert g.error == "lexer error: too many expressions constructed"
+    assert "too many expressions" in caplog.text
+
+
+def test_a_failed_grammar_leaves_the_cache(stories: LLM) -> None:
+    """Copies of a compiled grammar share its lexer, so the failed one is evicted: the next
+    request with the schema starts from a fresh lexer (every later request answered '{')."""
+    _failed_grammar(stories)
+    fresh = stories.engine.grammars.grammar(_json(LEXER_LIMIT), "structured_outputs")
+    rows = np.zeros((1, bitmask_words(stories.engine.grammars.vocab_size)), dtype=np.int32)
+    fresh.accept(stories.tokenizer.encode("{", add_special_tokens=False)[-1:])
+    fresh._fill(rows, [])
+    assert not fresh.matcher.is_error(), fresh.matcher.get_error()
+    assert fresh.error is None
+
+
+def test_a_failed_grammar_fails_the_request(stories: LLM) -> None:
+    """A request whose grammar fails ends with finish reason "error" and llguidance's reason
+    (it ended "stop" with JSON the schema does not accept), and so does the next one with the
+    schema (it answered '{')."""
+    prompt = stories.tokenizer.encode("user: hi\nassistant:", add_special_tokens=False)
+    params = SamplingParams(max_tokens=60, temperature=0, structured_outputs=_json(LEXER_LIMIT))
+    for _ in range(2):
+        o = stories.generate([prompt], params)[0].outputs[0]
+        assert o.finish_reason == "error", o
+        assert o.stop_reason == "lexer error: too many expressions constructed"
+        assert o.text.startswith('{"n": ') and len(o.token_ids) > 20, o.text
+
+
+def test_a_constraint_too_complex_for_the_first_mask_says_why(
+    tmp_path: Path, stories_dir: Path
+) -> None:
+    """A regex llguidance's lexer gives up on while computing the first mask (here: over a
+    vocabulary with an 80-character token) is a 400 with llguidance's reason; it said that the
+    constraint "accepts no output"."""
+    for name in ("tokenizer_config.json", "config.json"):
+        shutil.copy(stories_dir / name, tmp_path / name)
+    backend = HFTokenizer.from_file(str(stories_dir / "tokenizer.json"))
+    backend.add_tokens(["abcdefghij" * 8])
+    backend.save(str(tmp_path / "tokenizer.json"))
+    tok = Tokenizer.from_dir(tmp_path)
+    compiler = GrammarCompiler(tok, tok.vocab_size, tok.eos_token_ids)
+    with pytest.raises(InvalidRequestError) as e:
+        compiler.grammar(StructuredOutputsParams(regex="(.{0,50}){0,50}"), "guided_regex")
+    assert e.value.param == "guided_regex"
+    assert "too many expressions constructed" in str(e.value), e.value
+    assert compiler.compiled == 0  # not cached
+
+
 @pytest.mark.parametrize(
     ("spec", "text"),
     [
@@ -319,6 +405,34 @@ def test_strict_schema_closes_objects() -> None:
     assert out["properties"]["a"]["additionalProperties"] is False
     assert out["$defs"]["d"]["additionalProperties"] is True  # said explicitly: kept
     check(StructuredOutputsParams(json=out))
+
+
+def test_strict_schema_leaves_data_and_schema_maps_alone(stories: LLM) -> None:
+    """Strict mode closes object schemas only: not the data in const / enum / default /
+    examples (a const was rewritten, and the output broke it), nor a map of schemas (a
+    property named "properties" was taken for a schema's keyword)."""
+    const = {"properties": {"x": 1}}
+    data = {"properties": {}}
+    digit = {"type": "integer", "minimum": 0, "maximum": 9}
+    schema = {
+        "type": "object",
+        "properties": {
+            "cfg": {"const": const},
+            "properties": {"type": "object", "properties": {"y": digit}, "required": ["y"]},
+            "e": {"enum": [data], "default": data, "examples": [data]},
+        },
+        "required": ["cfg", "properties"],
+    }
+    out = strict_schema(schema)
+    assert out["properties"]["cfg"] == {"const": const}
+    assert out["properties"]["e"] == schema["properties"]["e"]
+    assert set(out["properties"]) == {"cfg", "properties", "e"}  # a map, not closed
+    assert out["properties"]["properties"]["additionalProperties"] is False  # a schema: closed
+    assert out["additionalProperties"] is False
+    params = SamplingParams(max_tokens=120, temperature=0, structured_outputs=_json(out))
+    o = stories.generate(PROMPT, params)[0].outputs[0]
+    _assert_valid(o.text, schema, o.finish_reason)
+    assert json.loads(o.text)["cfg"] == const
 
 
 def test_apply_token_bitmask_matches_a_dense_mask() -> None:

@@ -7,6 +7,7 @@ messages, response_format json_schema, and the 400s that name the field."""
 from __future__ import annotations
 
 import json
+import shutil
 from pathlib import Path
 from typing import Any
 
@@ -15,11 +16,16 @@ import openai
 import orjson
 import pydantic
 import pytest
+from tokenizers import Tokenizer as HFTokenizer
 
 from kvstore.redis_server import LocalRedis
+from runtime.detokenizer import IncrementalDetokenizer
 from runtime.llm import LLM
+from runtime.outputs import CompletionOutput
 from runtime.sampling_params import SamplingParams
-from runtime.tool_parsers import RequestTools, ToolCallStream, make_parser
+from runtime.tokenizer import Tokenizer
+from runtime.tool_parsers import HermesParser, RequestTools, ToolCallStream, make_parser
+from runtime.worker import _delta
 from tests.stack import Proc, get_json, start_gateway, start_worker, wait_until
 
 WEATHER = {
@@ -183,6 +189,108 @@ def test_marker_special_token_is_seen_by_id() -> None:
     ]
     assert _reassemble(out) == ("", [{"name": "f", "arguments": "{}"}])
     assert "<[77]>" in parser.grammar(TOOLS, True)
+
+
+# what a model may write after a marker that is no call: a bad literal, a bad escape, a bare
+# word, and NaN / Infinity / 1e999 (which Python's json takes, and no client's parser does)
+NOT_CALLS = [
+    ("hermes", '<tool_call>\n{"name": tru, "arguments": {}}'),
+    ("hermes", '<tool_call>\n{"\\q": 1}'),
+    ("hermes", '<tool_call>\n{"name": "f", "arguments": abc}'),
+    ("hermes", '<tool_call>\n{"name": "f", "arguments": {"a": NaN}}\n</tool_call>'),
+    ("llama3_json", '{"name": "f", "parameters": 1e999}'),
+    ("llama3_json", '{"name": "f", "parameters": NaN}'),
+    ("llama3_json", '{"name": "f", "parameters": {"a": [-Infinity]}}'),
+    ("mistral", '[TOOL_CALLS][{"name": "f", "arguments": x1}]'),
+]
+
+
+@pytest.mark.parametrize(("parser", "text"), NOT_CALLS)
+def test_a_call_that_is_not_json_is_content(parser: str, text: str) -> None:
+    """An unparseable call is no call: its text is content. (It raised JSONDecodeError in the
+    worker's stream, which broke the connection: a 503, and the worker set aside; NaN and
+    1e999 went out as arguments.) Streamed in pieces, it never raises either."""
+    assert _stream(parser, text, len(text)) == (text, [])
+    for step in (1, 3):
+        _stream(parser, text, step)
+
+
+class _BrokenHermes(HermesParser):
+    """A parser with a bug: it raises once the tool region starts."""
+
+    def parse(self, text: str, final: bool) -> tuple[str, list[Any], bool]:
+        if self.marker in text:
+            raise RuntimeError("parser bug")
+        return super().parse(text, final)
+
+
+def test_a_parser_failure_leaves_the_text_as_content() -> None:
+    """The worker's delta path survives a parser that raises: it logs it and sends the output
+    from there on as content, nothing lost (the exception broke the stream)."""
+    tools = RequestTools(_BrokenHermes(), TOOLS, "auto", True)
+    steps = ["Well ", "<tool_", "call>\n{", '"name": "f"}', " end"]
+    texts: list[str] = []
+    for i, piece in enumerate(steps):
+        final = i == len(steps) - 1
+        o = CompletionOutput(0, delta_text=piece, delta_token_ids=[i],
+                             finish_reason="stop" if final else None)  # fmt: skip
+        event = _delta(None, o, set(), {}, tools)  # type: ignore[arg-type]
+        assert event is not None and not event.tool_calls
+        texts.append(event.text)
+    assert "".join(texts) == "".join(steps)
+
+
+@pytest.fixture(scope="module")
+def marker_tokenizer(tmp_path_factory: pytest.TempPathFactory, stories_dir: Path) -> Tokenizer:
+    """stories260K's tokenizer with mistral's [TOOL_CALLS] as a special token: its text never
+    reaches the output, only its id."""
+    d = tmp_path_factory.mktemp("marker_tokenizer")
+    for name in ("tokenizer_config.json", "config.json"):
+        shutil.copy(stories_dir / name, d / name)
+    backend = HFTokenizer.from_file(str(stories_dir / "tokenizer.json"))
+    backend.add_special_tokens(["[TOOL_CALLS]"])
+    backend.save(str(d / "tokenizer.json"))
+    return Tokenizer.from_dir(d)
+
+
+@pytest.mark.parametrize(
+    ("before", "stop", "arguments"),
+    [
+        ("Sure, the time.", None, '{"zone": "UTC"}'),
+        ("Sure 😊", None, '{"zone": "UTC"}'),  # (its bytes are held back until after the marker)
+        ("Ok", ['"z'], "{"),  # (text that may begin the stop string is held back, then cut)
+    ],
+)
+def test_marker_token_inside_a_step_of_several_tokens(
+    marker_tokenizer: Tokenizer, before: str, stop: list[str] | None, arguments: str
+) -> None:
+    """A step may hold several tokens (speculative decoding): text, the marker's special token,
+    the call. The marker goes where its token was, whatever the steps' sizes and the text the
+    detokenizer holds back (it was put at the step's start: the text before it was taken for
+    the tool region, and the call was lost)."""
+    tok = marker_tokenizer
+    marker = tok.added_tokens["[TOOL_CALLS]"]
+    call = '[{"name": "get_time", "arguments": {"zone": "UTC"}}]'
+    ids = [
+        *tok.encode(before, add_special_tokens=False),
+        marker,
+        *tok.encode(call, add_special_tokens=False),
+    ]
+    prompt = tok.encode("Once upon a time")
+    for size in (1, 2, 3, 5, len(ids)):  # (after a first step of one token, as the engine's)
+        detok = IncrementalDetokenizer(tok, prompt, stop=stop)
+        tools = RequestTools.of(TOOLS, "auto", True, tok, "mistral")
+        assert tools is not None and tools.parser.marker_token_id == marker
+        tools.context = prompt[-8:]  # (the worker sets the prompt's last tokens)
+        deltas, at = [], 0
+        while not detok.finished:
+            step = ids[at : at + (size if at else 1)]
+            at += len(step)
+            text = "".join(detok.append(t) for t in step)
+            text += detok.flush() if at == len(ids) else ""
+            deltas.append(tools.delta(0, text, step, detok.finished))
+        calls = [{"name": "get_time", "arguments": arguments}]
+        assert _reassemble(deltas) == (f" {before}", calls), size  # (" ": after the prompt)
 
 
 @pytest.mark.parametrize("parser_name", ["hermes", "llama3_json", "mistral"])

@@ -123,6 +123,22 @@ def test_an_oversized_body_is_a_json_413(worker: Proc) -> None:
     assert error["code"] == "request_too_large" and str(4 << 20) in error["message"], error
 
 
+def test_a_constraint_that_fails_mid_request_ends_with_an_error_event(worker: Proc) -> None:
+    """A grammar that fails mid-request (llguidance's lexer limit) ends the stream with an
+    error event that says why, not a "stop" with output the constraint did not accept."""
+    schema = {"type": "object", "required": ["n", "a"], "properties": {"n": {"type": "integer"},
+              "a": {"type": "string", "pattern": "^(.{0,50}){0,50}$"}}}  # fmt: skip
+    # "user: hi\nassistant:" as stories260K tokenizes it: greedy, the lexer gives up
+    prompt = [318, 419, 285, 467, 270, 417, 13, 412, 419, 419, 293, 413, 303, 413, 467]
+    sampling = {"max_tokens": 60, "temperature": 0, "structured_outputs": {"json": schema}}
+    status, _, body = _post(worker, _request(0, prompt=prompt, sampling=sampling))
+    events = [orjson.loads(line) for line in body.splitlines() if line.strip()]
+    assert status == 200 and events[-1]["type"] == "error", events[-3:]
+    assert events[-1]["code"] == "constraint_failed", events[-1]
+    assert "too many expressions" in events[-1]["message"], events[-1]
+    assert "constraint_failed" not in UNAVAILABLE_CODES  # (mid-stream: a 500 error chunk)
+
+
 def test_a_drain_that_times_out_fails_what_is_left_and_exits(
     stories_dir: Path, redis_server: LocalRedis, tmp_path: Path
 ) -> None:
