@@ -32,9 +32,10 @@ patches):
 Without --apply the manifests are printed (or written to --out DIR, one file per resource,
 NN-KIND-NAME.yaml numbered in the order they apply: the namespace first); with --apply they are
 piped to `kubectl apply -f -`. --out DIR holds exactly the latest render: the files an earlier
-render wrote there (named NN-KIND-NAME.yaml) are removed first, so that `kubectl apply -f DIR`
-never applies a stale file, such as an old Deployment whose number a new resource shifted
-past the current one's (a rollback); other files in DIR are left alone. Bad input (an unknown
+render wrote there (named NN-KIND-NAME.yaml, and marked so on their first line) are removed
+first, so that `kubectl apply -f DIR` never applies a stale file, such as an old Deployment
+whose number a new resource shifted past the current one's (a rollback); other files in DIR,
+named like those or not, are left alone. Bad input (an unknown
 region, a missing or malformed setting, an overlay that does not render, no kubectl for
 --apply) stops before anything is written or applied, with exit status 2 and a message naming
 the region and field; so does an --out DIR that cannot be written (naming DIR).
@@ -62,6 +63,8 @@ GRACE_MARGIN_S = 20  # beyond the drain timeout: the preStop pause and the exit 
 _IMAGE = re.compile(r"^(?P<repo>[a-z0-9][a-z0-9._/:-]*?)(?::(?P<tag>[\w][\w.-]{0,127}))?(?:@(?P<digest>sha256:[0-9a-f]{64}))?$")  # fmt: skip
 _QUANTITY = re.compile(r"^[0-9]+(\.[0-9]+)?(Ki|Mi|Gi|Ti|Pi|k|M|G|T|P)?$")
 _WRITTEN = re.compile(r"^[0-9]{2,}-[a-z0-9]+-[a-z0-9.-]+\.yaml$")  # a file `write` names
+# the first line of every file `write` writes: what the next render into the folder replaces
+_MARK = "# written by infra/deploy.py --out; the next render into this folder replaces it"
 
 
 class DeployError(ValueError):
@@ -260,13 +263,20 @@ def write(resources: list[Resource], out: Path) -> list[Path]:
     """One file per resource in `out`, numbered in order, in place of an earlier render's (see
     the module docstring)."""
     out.mkdir(parents=True, exist_ok=True)
-    for old in out.iterdir():
-        if _WRITTEN.match(old.name) and old.is_file():
+    for old in sorted(out.iterdir()):
+        if not (_WRITTEN.match(old.name) and old.is_file()):
+            continue
+        with old.open("rb") as f:
+            ours = f.readline().rstrip(b"\n") == _MARK.encode()
+        if ours:
             old.unlink()
+        else:  # named like ours, but not marked: someone's own file (or an unmarked render)
+            print(f"deploy: left {old} alone (not written by deploy.py); remove it if it is "
+                  "an earlier render", file=sys.stderr)  # fmt: skip
     paths = []
     for i, r in enumerate(resources):
         path = out / f"{i:02d}-{r['kind'].lower()}-{r['metadata']['name']}.yaml"
-        path.write_text(yaml.safe_dump(r, sort_keys=False))
+        path.write_text(f"{_MARK}\n" + yaml.safe_dump(r, sort_keys=False))
         paths.append(path)
     return paths
 

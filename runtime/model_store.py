@@ -275,7 +275,7 @@ class ModelStore:
         say = progress or (lambda _msg: None)
         src, is_gguf, default_name = _classify(source)
         name = name or default_name
-        _check_name(name)
+        _check_name(name, new=True)
         target = self.root / name
         if not is_gguf and is_compressed(src):
             raise _compressed_source(src, target)
@@ -592,13 +592,15 @@ def _write_all(fd: int, data: memoryview, hasher: ChunkHasher) -> None:
 # Names and renames
 
 
-def _check_name(name: str) -> None:
+def _check_name(name: str, new: bool = False) -> None:
+    """Refuse what is not a model name; a `new` one (a pull's) also over MAX_NAME characters
+    (a model pulled under a longer name before the limit can still be used and removed)."""
     if not _NAME.fullmatch(name):
         raise StoreError(
             f"{name!r} is not a model name (letters, digits, '.', '_', '+', '-'; "
             f"not starting with '.', no '/')"
         )
-    if len(name) > MAX_NAME:
+    if new and len(name) > MAX_NAME:
         raise StoreError(
             f"{name[:40]!r}... is not a model name: {len(name)} characters, a name has "
             f"{MAX_NAME} at most; pick a shorter --name"

@@ -366,15 +366,16 @@ def test_out_holds_exactly_the_latest_render(
     assert deploy.main(["local", "--catalog", str(_catalog(tmp_path)), "--out", str(out)]) == 0
     (out / "kustomization.yaml").write_text("resources: []\n")
     (out / "notes.txt").write_text("mine\n")
+    (out / "50-secret-db.yaml").write_text("kind: Secret\n")  # named like ours: still its own
     capsys.readouterr()
     # a shared Redis: no in-region Redis Deployment and Service, and the files after them shift
     catalog = _catalog(tmp_path, redis_url="redis://shared.example:6379/0")
     assert deploy.main(["local", "--catalog", str(catalog), "--out", str(out)]) == 0
     written = [Path(line) for line in capsys.readouterr().out.split()]
-    assert sorted(out.glob("[0-9][0-9]-*.yaml")) == sorted(written)
+    assert sorted(out.glob("[0-9][0-9]-*.yaml")) == sorted([*written, out / "50-secret-db.yaml"])
     rendered = deploy.render("local", catalog)
     assert [yaml.safe_load(f.read_text()) for f in sorted(written)] == rendered
-    assert {f.name for f in out.iterdir()} - {f.name for f in written} == {"kustomization.yaml", "notes.txt"}  # fmt: skip
+    assert {f.name for f in out.iterdir()} - {f.name for f in written} == {"kustomization.yaml", "notes.txt", "50-secret-db.yaml"}  # fmt: skip
 
 
 def test_an_unwritable_out_exits_2_naming_it(

@@ -431,6 +431,11 @@ def test_a_name_too_long_for_the_stores_temporary_folders_is_refused(
         store.pull(stories_dir, "a" * 240)  # `.pull-<240 a>.<12 hex>`: over 255 characters
     assert store.pull(stories_dir, "b" * 200, shard_bytes=SHARD).name == "b" * 200
     assert [p.name for p in store.root.iterdir()] == ["b" * 200]
+    # a model pulled under a longer name before the limit stays usable: verify, rm
+    (store.root / ("b" * 200)).rename(store.root / ("c" * 230))
+    assert store.verify("c" * 230) == []
+    store.remove("c" * 230)
+    assert list(store.root.iterdir()) == []
 
 
 def test_a_full_disk_while_a_gguf_is_pulled_is_an_error_not_a_traceback(
