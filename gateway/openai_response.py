@@ -16,10 +16,11 @@ Chunk order for a streamed chat request with n choices (OpenAI's own order):
     per choice: {"delta": {}, "finish_reason": "stop" | "length"}    when the choice ends
     once:       {"choices": [], "usage": {...}}                       on `done`, if include_usage
 Completions stream the same way with `text` in place of `delta`, and no role chunk.
-A choice that made tool calls and stopped finishes with "tool_calls" (with "stop" when its
-last call's arguments are not whole JSON: a stop string cut them off); its final message has
-`tool_calls` (deltas of one call joined: its arguments concatenated) and `content` null when it
-said nothing else, as OpenAI answers.
+A choice that made tool calls and stopped finishes with "tool_calls" (with "stop" when a call's
+arguments are not whole JSON: a stop string cut them off, or the model wrote NaN; JSON as the
+worker's parser reads it, raw control characters in strings included, and no arguments at all
+are whole); its final message has `tool_calls` (deltas of one call joined: its arguments
+concatenated) and `content` null when it said nothing else, as OpenAI answers.
 
 Failures are raised as `APIError`, never returned, so the handler decides: before the first
 byte it may answer with the error's status (or retry elsewhere when `retryable`); after it, it
@@ -45,6 +46,7 @@ from typing import TYPE_CHECKING, Any
 import orjson
 
 from gateway.errors import APIError, bad_gateway, internal, unavailable
+from runtime.tool_parsers import is_json
 
 if TYPE_CHECKING:
     from gateway.openai_api import RequestOptions
@@ -170,7 +172,7 @@ class ResponseAssembler:
         if finish is not None and finish not in FINISH_REASONS:
             raise ValueError(f"unknown finish_reason {finish!r}")
         if finish is not None:
-            if finish == "stop" and c.tool_calls and _complete(c.tool_calls[-1]):
+            if finish == "stop" and c.tool_calls and all(map(_complete, c.tool_calls)):
                 finish = "tool_calls"
             c.finish_reason, c.stop_reason = finish, event.get("stop_reason")
 
@@ -344,12 +346,11 @@ def _add_tool_call(c: _Choice, call: object) -> None:
 
 
 def _complete(call: dict[str, Any]) -> bool:
-    """A call's arguments are whole JSON (not cut off by a stop string, say)."""
-    try:
-        orjson.loads(call["function"]["arguments"])
-    except orjson.JSONDecodeError:
-        return False
-    return True
+    """A call's arguments are whole JSON (not cut off by a stop string, say; a call without
+    arguments has "{}" from the worker, and "" is one cut off right after its name). JSON as
+    the worker's parser reads it (orjson refuses the raw newlines and tabs that models write in
+    code)."""
+    return is_json(call["function"]["arguments"])
 
 
 def _logprob(value: object) -> float:

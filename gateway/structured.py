@@ -278,7 +278,8 @@ def _call(where: str, call: object, calls: dict[str, str]) -> dict[str, Any]:
         raise invalid(f"{where}.function", f"{where}.function must be an object with a name")
     args, param = fn.get("arguments", "{}"), f"{where}.function.arguments"
     try:
-        parsed = json_loads(args) if isinstance(args, str) else None
+        # (a model's own arguments, sent back: raw newlines in strings, as it wrote them)
+        parsed = json_loads(args, strict=False) if isinstance(args, str) else None
     except ValueError as e:
         raise invalid(param, f"{param} {e}") from e
     if not isinstance(parsed, dict):

@@ -190,15 +190,17 @@ def strict_schema(schema: Any, depth: int = 0) -> Any:
     return out
 
 
-def json_loads(text: str) -> Any:
+def json_loads(text: str, strict: bool = True) -> Any:
     """JSON text as Python values, within what the service can carry; ValueError saying why
     not: text that is not JSON (Python's parser also takes NaN and Infinity, and makes 1e400
     infinity, all of which orjson would send on as null), an integer outside 64 bits (orjson
     cannot send it), or nesting deeper than MAX_JSON_DEPTH (deep enough, Python's parser runs
-    out of stack)."""
+    out of stack). `strict=False` takes raw control characters (newlines, tabs) inside
+    strings, as models write them in a tool call's arguments."""
     too_deep = f"nests deeper than {MAX_JSON_DEPTH} levels"
     try:
-        value = json.loads(text, parse_int=_int64, parse_float=_float64, parse_constant=_not_json)
+        value = json.loads(text, parse_int=_int64, parse_float=_float64, parse_constant=_not_json,
+                           strict=strict)  # fmt: skip
     except RecursionError as e:
         raise ValueError(too_deep) from e
     except json.JSONDecodeError as e:

@@ -17,8 +17,14 @@ call `{"index", "id", "type", "function": {"name", "arguments"}}` once its name 
 sum of the same deltas, so both answers agree by construction. Arguments are the model's own
 JSON text, not re-serialized. Content that may still turn out to be the start of a call (a
 partial marker, trailing whitespace before a call) is held back; at the end, a tool region in
-which no call parsed is given back as content. A call that is not JSON (a bad literal or
-escape, NaN, Infinity, 1e999) is no call. A marker that is a special token reaches the stream as
+which no call parsed is given back as content. Whether text is a call is settled by what comes
+before its name, so that it does not depend on how the output is cut into steps: a key, a value
+or a name that is not JSON (a bad literal or escape, NaN, Infinity, 1e999) before the name
+goes out makes it no call (content); once the name is out, the call stands whatever follows
+(never retracted, nor its text sent again as content), its arguments the model's text even
+when that is not JSON (the gateway then finishes "stop", not "tool_calls"). A call that
+closes without arguments has arguments "{}". Raw control characters in strings (models write
+them in code) are JSON here, as they were. A marker that is a special token reaches the stream as
 its id only (the detokenizer drops its text): its text goes where a whole decode of the tokens
 before it ends, inside a step of several tokens too (speculative decoding).
 
@@ -321,7 +327,9 @@ class ToolCallStream:
         if not self.parallel:
             calls = calls[:1]
             self.ended = bool(calls) and calls[0].complete and calls[0].name is not None
-        named = any(c.name is not None for c in calls)
+        # (a call once announced stays: `parse` never takes one back, and this makes sure its
+        # text is never given back as content too)
+        named = bool(self.calls) or any(c.name is not None for c in calls)
         if final and in_region and not named:
             content = self.text  # a tool region in which no call parsed: text after all
         elif not final or named:
@@ -452,7 +460,8 @@ def _scan_value(s: str, i: int) -> int | None:
 
 
 def _calls_in(s: str, arg_keys: tuple[str, ...]) -> list[ParsedCall]:
-    """The call objects in `s`, separated by whitespace, ',' ';' or inside '[ ]'."""
+    """The call objects in `s`, separated by whitespace, ',' ';' or inside '[ ]', up to the
+    first that is no call or that ends unreadably (see `_call`)."""
     calls: list[ParsedCall] = []
     i = 0
     while True:
@@ -461,12 +470,11 @@ def _calls_in(s: str, arg_keys: tuple[str, ...]) -> list[ParsedCall]:
         if i >= len(s) or s[i] != "{":
             return calls
         end = _scan_value(s, i)
-        body = s[i : len(s) if end is None else end]
-        call = _call(body, arg_keys)
-        if call is None or (end is not None and _json_value(body) is _NOT_JSON):
-            return calls  # not a call (once whole, the object must be JSON, NaN and 1e999 not)
+        call = _call(s[i : len(s) if end is None else end], arg_keys)
+        if call is None:
+            return calls
         calls.append(call)
-        if end is None:
+        if end is None or not call.complete:  # still arriving, or unreadable after its name
             return calls
         i = end
 
@@ -476,11 +484,18 @@ _NOT_JSON = object()  # _json_value's answer for text that is not one JSON value
 
 def _json_value(text: str) -> Any:
     """The JSON value `text` holds, or _NOT_JSON: what a model writes is not to be trusted
-    (Python's parser would also take NaN and Infinity, and make 1e999 infinity)."""
+    (Python's parser would also take NaN and Infinity, and make 1e999 infinity). Raw control
+    characters inside strings are taken (`strict=False`): models write them in code."""
     try:
-        return json.loads(text, parse_constant=_refuse, parse_float=_finite)
+        return json.loads(text, strict=False, parse_constant=_refuse, parse_float=_finite)
     except (ValueError, RecursionError):  # (json.JSONDecodeError is a ValueError)
         return _NOT_JSON
+
+
+def is_json(text: str) -> bool:
+    """`text` is one JSON value, as the parsers read JSON (the gateway's test of a call's
+    arguments: the same reading as the worker's)."""
+    return _json_value(text) is not _NOT_JSON
 
 
 def _refuse(name: str) -> Any:
@@ -495,8 +510,13 @@ def _finite(digits: str) -> float:
 
 
 def _call(s: str, arg_keys: tuple[str, ...]) -> ParsedCall | None:
-    """The name and arguments of the (possibly partial) object `s` (s[0] == "{"); None when it
-    is no call (a key or a value that is not JSON)."""
+    """The name and arguments of the (possibly partial) object `s` (s[0] == "{").
+
+    Before the name, everything must be JSON (keys, whole values, the name itself), or this is
+    no call: None. Once the name is read it is a call whatever follows, as its deltas may be out:
+    arguments that are not JSON are kept as the model's text, other keys are skipped (a second
+    "name" too, a key that is not JSON too), and what is not even shaped like JSON (no key, no
+    ':') ends the call there, incomplete. A call that closes without arguments has "{}"."""
     name: str | None = None
     args = ""
     i = 1
@@ -505,41 +525,48 @@ def _call(s: str, arg_keys: tuple[str, ...]) -> ParsedCall | None:
         if i >= len(s):
             return ParsedCall(name, args, False)
         if s[i] == "}":
-            return ParsedCall(name, args, True)
+            return ParsedCall(name, args or "{}", True)
         if s[i] == ",":
             i += 1
             continue
         if s[i] != '"':
-            return None
+            return _unreadable(name, args)
         key_end = _scan_string(s, i)
         if key_end is None:
             return ParsedCall(name, args, False)
         key = _json_value(s[i:key_end])
-        if key is _NOT_JSON:
+        if key is _NOT_JSON and name is None:
             return None
         i = _skip_ws(s, key_end)
         if i >= len(s):
             return ParsedCall(name, args, False)
         if s[i] != ":":
-            return None
+            return _unreadable(name, args)
         i = _skip_ws(s, i + 1)
         if i >= len(s):
             return ParsedCall(name, args, False)
         end = _scan_value(s, i)
-        whole = end is not None and s[i] != "{"  # (an object is checked once the call is whole)
-        value = _json_value(s[i:end]) if whole else None
-        if value is _NOT_JSON:
-            return None
-        if key == "name" and end is not None:
-            name = value if isinstance(value, str) else None
-        elif key in arg_keys and not args:
-            if s[i] == "{":  # streamed as it grows
-                args = s[i : len(s) if end is None else end]
-            elif end is not None:  # a string holding JSON, or another value: whole
-                args = value if isinstance(value, str) else json.dumps(value)
+        if key in arg_keys and not args and s[i] == "{":  # streamed as it grows
+            args = s[i : len(s) if end is None else end]
         if end is None:
             return ParsedCall(name, args, False)
+        is_args = key in arg_keys and not args
+        value = _json_value(s[i:end]) if name is None or is_args else None
+        if value is _NOT_JSON and name is None:
+            return None  # (before the name, all of it is JSON)
+        if key == "name" and name is None:
+            name = value if isinstance(value, str) else None
+        elif is_args and value is _NOT_JSON:  # the model's text (the gateway finishes "stop")
+            args = s[i:end]
+        elif is_args:  # whole: a string holding JSON, or another value
+            args = value if isinstance(value, str) else json.dumps(value)
         i = end
+
+
+def _unreadable(name: str | None, args: str) -> ParsedCall | None:
+    """A call's object that goes on in something not shaped like JSON: no call before its
+    name, after it the call as read so far, incomplete (nothing after it is read)."""
+    return None if name is None else ParsedCall(name, args, False)
 
 
 class RequestTools:

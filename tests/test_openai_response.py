@@ -183,6 +183,47 @@ def test_tool_calls_finish_only_when_the_last_call_is_whole(
         assert ends[-1] == finish and ends.count(None) == len(ends) - 1
 
 
+@pytest.mark.parametrize(
+    ("arguments", "finish"),
+    [
+        (["{}"], "tool_calls"),  # a call without arguments (the worker sends "{}")
+        ([""], "stop"),  # cut off right after its name
+        (["{}", '{"code": "print(1)\nprint(2)\tx"}'], "tool_calls"),  # raw control characters
+        (['{"a": NaN}', '{"b": 1}'], "stop"),  # not JSON, if not the last call
+        (['{"b": 1}', "1e999"], "stop"),
+    ],
+)
+@pytest.mark.parametrize("stream", [False, True])
+def test_tool_calls_finish_when_every_call_is_json(
+    stream: bool, arguments: list[str], finish: str
+) -> None:
+    """A finish "tool_calls" when every call's arguments are JSON as the worker's parser reads
+    it, raw newlines and tabs in strings included (models write them in code; orjson refused
+    them: "stop"), or empty (it was "stop"); "stop" when any call's are not (only the last
+    call's were read)."""
+    calls = [
+        {
+            "index": i,
+            "id": f"call_{i}",
+            "type": "function",
+            "function": {"name": "f", "arguments": a},
+        }
+        for i, a in enumerate(arguments)
+    ]
+    asm = _chat(stream=stream)
+    chunks = _feed(asm, _events(
+        StartEvent("r1", "w-1", 3),
+        DeltaEvent(0, "", [1], tool_calls=calls),
+        DeltaEvent(0, "", [2], finish_reason="stop"),
+        DoneEvent(3, 2),
+    ))  # fmt: skip
+    choice = ChatCompletion.model_validate(asm.final()).choices[0]
+    assert choice.finish_reason == finish
+    assert [c.function.arguments for c in choice.message.tool_calls or []] == arguments
+    if stream:
+        assert [c["choices"][0]["finish_reason"] for c in chunks][-1] == finish
+
+
 def _lp(token: str, logprob: float, alts: list[tuple[str, float]]) -> TokenLogprob:
     top = [{"token": t, "logprob": p, "bytes": list(t.encode())} for t, p in alts]
     return TokenLogprob(token, logprob, list(token.encode()), top)

@@ -18,6 +18,7 @@ import pydantic
 import pytest
 from tokenizers import Tokenizer as HFTokenizer
 
+from kvstore.protocol import DoneEvent, StartEvent
 from kvstore.redis_server import LocalRedis
 from runtime.detokenizer import IncrementalDetokenizer
 from runtime.llm import LLM
@@ -27,6 +28,7 @@ from runtime.tokenizer import Tokenizer
 from runtime.tool_parsers import HermesParser, RequestTools, ToolCallStream, make_parser
 from runtime.worker import _delta
 from tests.stack import Proc, get_json, start_gateway, start_worker, wait_until
+from tests.test_openai_response import _chat, _events, _feed
 
 WEATHER = {
     "type": "object",
@@ -152,6 +154,21 @@ PARSE_CASES = [
         "",
         [("get_time", '{"zone": "CET"}')],
     ),
+    (  # raw control characters in a string (code tools): JSON as it was before a0c1269
+        "hermes",
+        '<tool_call>\n{"name": "run", "arguments": {"code": "print(1)\nprint(2)\tx"}}'
+        "\n</tool_call>",
+        "",
+        [("run", '{"code": "print(1)\nprint(2)\tx"}')],
+    ),
+    # a call without arguments: "{}" (OpenAI's, and JSON: the gateway finishes "tool_calls")
+    ("hermes", '<tool_call>\n{"name": "get_time"}\n</tool_call>', "", [("get_time", "{}")]),
+    (
+        "mistral",
+        '[TOOL_CALLS][{"name": "get_time"}, {"name": "f"}]',
+        "",
+        [("get_time", "{}"), ("f", "{}")],
+    ),
     ("llama3_json", '{"answer": 42}', '{"answer": 42}', []),
     ("llama3_json", "  Just text.", "  Just text.", []),
     (
@@ -191,28 +208,115 @@ def test_marker_special_token_is_seen_by_id() -> None:
     assert "<[77]>" in parser.grammar(TOOLS, True)
 
 
-# what a model may write after a marker that is no call: a bad literal, a bad escape, a bare
-# word, and NaN / Infinity / 1e999 (which Python's json takes, and no client's parser does)
-NOT_CALLS = [
-    ("hermes", '<tool_call>\n{"name": tru, "arguments": {}}'),
-    ("hermes", '<tool_call>\n{"\\q": 1}'),
-    ("hermes", '<tool_call>\n{"name": "f", "arguments": abc}'),
-    ("hermes", '<tool_call>\n{"name": "f", "arguments": {"a": NaN}}\n</tool_call>'),
-    ("llama3_json", '{"name": "f", "parameters": 1e999}'),
-    ("llama3_json", '{"name": "f", "parameters": NaN}'),
-    ("llama3_json", '{"name": "f", "parameters": {"a": [-Infinity]}}'),
-    ("mistral", '[TOOL_CALLS][{"name": "f", "arguments": x1}]'),
+# what a model may write in a call that is not JSON: a bad literal, a bad escape, a bare word,
+# and NaN / Infinity / 1e999 (which Python's json takes, and no client's parser does). Before
+# the call's name it is no call: its text is content. After the name it is a call (streamed,
+# its name has gone out by then), its arguments the model's text: the gateway finishes it
+# "stop", not "tool_calls". Keys after the name other than the arguments are skipped.
+NOT_JSON: list[tuple[str, str, list[tuple[str, str]] | None]] = [
+    ("hermes", '<tool_call>\n{"name": tru, "arguments": {}}', None),
+    ("hermes", '<tool_call>\n{"\\q": 1}', None),
+    ("hermes", '<tool_call>\n{"name": "f\\q", "arguments": {}}\n</tool_call>', None),
+    ("hermes", '<tool_call>\n{"arguments": {"a": NaN}, "name": "f"}\n</tool_call>', None),
+    ("hermes", '<tool_call>\n{"name": "f", "arguments": abc}', [("f", "abc")]),
+    ("hermes", '<tool_call>\n{"name": "f", "arguments": {"a": NaN}}', [("f", '{"a": NaN}')]),
+    ("hermes", '<tool_call>\n{"name": "f", "\\q": 1, "arguments": {"a": 1}}', [("f", '{"a": 1}')]),
+    ("hermes", '<tool_call>\n{"name": "f", "name": 7}\n</tool_call>', [("f", "{}")]),
+    ("hermes", '<tool_call>\n{"name": "f", oops}\n</tool_call>', [("f", "")]),  # (read so far)
+    ("llama3_json", '{"name": "f", "parameters": 1e999}', [("f", "1e999")]),
+    ("llama3_json", '{"name": "f", "parameters": NaN}', [("f", "NaN")]),
+    (
+        "llama3_json",
+        '{"name": "f", "parameters": {"a": [-Infinity]}}',
+        [("f", '{"a": [-Infinity]}')],
+    ),
+    ("mistral", '[TOOL_CALLS][{"name": "f", "arguments": x1}]', [("f", "x1")]),
+    (
+        "mistral",
+        '[TOOL_CALLS][{"name": "f", "arguments": {"x": 1.5e400}}, {"name": "g"}]',
+        [("f", '{"x": 1.5e400}'), ("g", "{}")],
+    ),
 ]
 
 
-@pytest.mark.parametrize(("parser", "text"), NOT_CALLS)
-def test_a_call_that_is_not_json_is_content(parser: str, text: str) -> None:
-    """An unparseable call is no call: its text is content. (It raised JSONDecodeError in the
-    worker's stream, which broke the connection: a 503, and the worker set aside; NaN and
-    1e999 went out as arguments.) Streamed in pieces, it never raises either."""
-    assert _stream(parser, text, len(text)) == (text, [])
-    for step in (1, 3):
-        _stream(parser, text, step)
+@pytest.mark.parametrize(("parser", "text", "calls"), NOT_JSON)
+def test_a_call_that_is_not_json(
+    parser: str, text: str, calls: list[tuple[str, str]] | None
+) -> None:
+    """A call that is not JSON before its name is content; after it, a call with the model's
+    arguments. Whatever the steps (a character at a time, as tokens stream, or all at once),
+    the same: a call whose name went out is never taken back, nor its text sent again as
+    content. (Streamed, the call went out and then, once whole, its text came as content too,
+    finishing "stop"; before that, it raised JSONDecodeError in the worker's stream: a 503, and
+    the worker set aside.)"""
+    expected = (
+        (text, []) if calls is None else ("", [{"name": n, "arguments": a} for n, a in calls])
+    )
+    for step in (1, 3, len(text)):
+        assert _stream(parser, text, step) == expected, step
+
+
+def _answer(text: str, step: int, stream: bool) -> tuple[Any, ...]:
+    """`text` through the worker's delta path (`step` characters a step) and the gateway's
+    assembler: (finish_reason, content, calls) of its final answer, and, streamed, of its
+    chunks put together."""
+    tools = RequestTools(make_parser("hermes", "", {}), TOOLS, "auto", True)
+    pieces = [text[i : i + step] for i in range(0, len(text), step)]
+    events: list[Any] = [StartEvent("r1", "w-1", 3)]
+    for i, piece in enumerate(pieces):
+        final = i == len(pieces) - 1
+        o = CompletionOutput(0, delta_text=piece, delta_token_ids=[i],
+                             finish_reason="stop" if final else None)  # fmt: skip
+        events.append(_delta(None, o, set(), {}, tools))  # type: ignore[arg-type]
+    asm = _chat(stream=stream)
+    chunks = _feed(asm, _events(*events, DoneEvent(3, len(pieces))))
+    openai.types.chat.ChatCompletion.model_validate(asm.final())  # (what clients read)
+    msg = asm.final()["choices"][0]
+    calls = [
+        (c["function"]["name"], c["function"]["arguments"])
+        for c in msg["message"].get("tool_calls", [])
+    ]
+    answer = (msg["finish_reason"], msg["message"]["content"], calls)
+    if not stream:
+        return answer, answer
+    content, streamed, finish = "", [], None
+    for chunk in chunks:
+        for choice in chunk["choices"]:
+            content += choice["delta"].get("content") or ""
+            for d in choice["delta"].get("tool_calls") or []:
+                if "id" in d:
+                    streamed.append([d["function"]["name"], ""])
+                streamed[d["index"]][1] += d["function"]["arguments"]
+            finish = choice["finish_reason"] or finish
+    return answer, (finish, content or None, [tuple(c) for c in streamed])
+
+
+@pytest.mark.parametrize(
+    ("text", "finish", "content", "calls"),
+    [
+        ('<tool_call>\n{"name": "get_time"}\n</tool_call>', "tool_calls", None,
+         [("get_time", "{}")]),
+        ('<tool_call>\n{"name": "run", "arguments": {"code": "print(1)\nprint(2)"}}\n</tool_call>',
+         "tool_calls", None, [("run", '{"code": "print(1)\nprint(2)"}')]),
+        ('Hi <tool_call>\n{"name": "get_time", "arguments": {"a": NaN}}\n</tool_call>', "stop",
+         "Hi", [("get_time", '{"a": NaN}')]),
+        ('Hi <tool_call>\n{"name": tru}\n</tool_call>', "stop",
+         'Hi <tool_call>\n{"name": tru}\n</tool_call>', []),
+    ],
+)  # fmt: skip
+@pytest.mark.parametrize("stream", [False, True])
+def test_tool_calls_from_the_worker_to_the_answer(
+    text: str, finish: str, content: str | None, calls: list[tuple[str, str]], stream: bool
+) -> None:
+    """Streamed by the worker a character a step (as tokens arrive), three, or at once, and
+    answered streamed or not: the same answer. A call without arguments has "{}" and finishes
+    "tool_calls" (it had "" and finished "stop"), so does a call whose strings hold raw
+    newlines (code); a call that is not JSON after its name finishes "stop", its text not
+    given again as content (streamed, it was: the call and its text twice)."""
+    for step in (1, 3, len(text)):
+        answer, streamed = _answer(text, step, stream)
+        assert answer == (finish, content, calls), step
+        assert streamed == answer, step
 
 
 class _BrokenHermes(HermesParser):
@@ -765,6 +869,14 @@ def test_bad_input_is_a_400_naming_the_field(
     assert body["error"]["param"] == param, body
     assert body["error"]["type"] == "invalid_request_error"
     assert text in body["error"]["message"], body
+
+
+def test_a_call_with_raw_newlines_in_its_arguments_can_be_sent_back(stack: Stack) -> None:
+    """Arguments as models write them in code (a raw newline inside a string) finish
+    "tool_calls"; the conversation that sends such a call back is taken, not a 400."""
+    status, body = _post(stack, {"model": "stories", "max_tokens": 4,
+                                 **_called('{"code": "print(1)\nprint(2)\tx"}')})  # fmt: skip
+    assert status == 200, body
 
 
 DEEP = '{"type": "array", "items": ' * 1000 + "{}" + "}" * 1000  # JSON orjson cannot write
