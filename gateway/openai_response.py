@@ -45,7 +45,7 @@ from typing import TYPE_CHECKING, Any
 
 import orjson
 
-from gateway.errors import APIError, bad_gateway, internal, unavailable
+from gateway.errors import APIError, bad_gateway, internal, invalid, unavailable
 from runtime.tool_parsers import is_json
 
 if TYPE_CHECKING:
@@ -64,8 +64,10 @@ def sse(obj: dict[str, Any]) -> bytes:
 
 
 def error_chunk(message: str, code: str | None = "internal_error") -> dict[str, Any]:
-    """The object a stream sends when it fails after its first byte (OpenAI's error shape)."""
-    return APIError(500, message, "internal_error", None, code).body()
+    """The object a stream sends when it fails after its first byte (OpenAI's error shape),
+    typed as the same failure before the first byte would be answered (a worker going away:
+    service_unavailable; a constraint that failed: invalid_request_error)."""
+    return _error_for(message, code or "internal_error").body()
 
 
 @dataclass(slots=True)
@@ -366,7 +368,13 @@ def _error_from_event(event: dict[str, Any]) -> APIError:
     message = event.get("message")
     code = event.get("code")
     text = message if isinstance(message, str) and message else "the worker failed the request"
-    code = code if isinstance(code, str) and code else "internal_error"
+    return _error_for(text, code if isinstance(code, str) and code else "internal_error")
+
+
+def _error_for(text: str, code: str) -> APIError:
+    """The error a worker's error event with `code` stands for."""
     if code in UNAVAILABLE_CODES:
         return unavailable(text, code=code)
+    if code == "constraint_failed":  # the output constraint failed: the same on any worker
+        return invalid(None, text, code)
     return internal(text, code)

@@ -461,6 +461,18 @@ def test_error_chunk_shape() -> None:
     }
 
 
+@pytest.mark.parametrize(
+    ("code", "kind"),
+    [("shutdown", "service_unavailable"), ("engine_dead", "service_unavailable"),
+     ("constraint_failed", "invalid_request_error"), ("oops", "internal_error")],
+)  # fmt: skip
+def test_an_error_chunk_is_typed_by_its_code(code: str, kind: str) -> None:
+    """Typed as the same failure before the first byte is answered (a worker shutting down was
+    an internal_error mid-stream, a service_unavailable 503 before it)."""
+    chunk = error_chunk("x", code)["error"]
+    assert (chunk["type"], chunk["code"]) == (kind, code)
+
+
 def test_options_are_what_parse_returns() -> None:
     opts = RequestOptions("chat", "m", True, True, 1, None)
     asm = ResponseAssembler(opts, "x", 1)
