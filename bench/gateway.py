@@ -16,8 +16,8 @@ All processes share all CPUs by default. `--pin` gives the gateway half the CPUs
 the worker and the load generator the other half (the same for both paths), as when the gateway
 runs at a point of presence and not on the worker's cores: at concurrency 64 the gateway then no
 longer takes its CPU from the worker, while unloaded (concurrency 1) the cross-core wake-ups cost
-a little more than sharing (see bench/README.md). The phases alternate in rounds (direct, gateway, direct, gateway, ...) so that drift of a shared
-machine hits both. A second, unloaded measurement (concurrency 1) isolates the gateway's own
+a little more than sharing (see bench/README.md). The phases alternate in rounds (direct then gateway, gateway then
+direct, ...) so that drift of a shared machine hits both. A second, unloaded measurement (concurrency 1) isolates the gateway's own
 cost from queueing in the worker: at concurrency 64 a 2-core machine runs the worker, the
 gateway and this load generator on the same cores, and TTFT is mostly waiting for the engine.
 
@@ -160,15 +160,26 @@ async def _measure(worker: Proc, gateway: Proc, n: int, conc: int, rounds: int) 
     await _run(_one_direct, worker.url, min(64, per), conc, Phase("warmup"))
     await _run(_one_gateway, gateway.url, min(64, per), conc, Phase("warmup"))
     for r in range(rounds):
-        await _run(_one_direct, worker.url, per, conc, direct)
-        c0 = _cpu_seconds(gateway.popen.pid)
-        w0 = via.wall
-        await _run(_one_gateway, gateway.url, per, conc, via)
-        via.cpu_s += _cpu_seconds(gateway.popen.pid) - c0
+        # the path that goes first changes each round: drift within a round favours neither
+        d_round, g_round = Phase("direct"), Phase("gateway")
+        for path in ("direct", "gateway") if r % 2 == 0 else ("gateway", "direct"):
+            if path == "direct":
+                await _run(_one_direct, worker.url, per, conc, d_round)
+            else:
+                c0 = _cpu_seconds(gateway.popen.pid)
+                await _run(_one_gateway, gateway.url, per, conc, g_round)
+                g_round.cpu_s += _cpu_seconds(gateway.popen.pid) - c0
+        for total, part in ((direct, d_round), (via, g_round)):
+            total.ttft += part.ttft
+            total.own += part.own
+            total.wall += part.wall
+            total.count += part.count
+            total.cpu_s += part.cpu_s
         print(
-            f"  round {r + 1}/{rounds} (concurrency {conc}): direct p50 {direct.pct(0.5):.2f} ms, "
-            f"gateway p50 {via.pct(0.5):.2f} ms, gateway CPU "
-            f"{(_cpu_seconds(gateway.popen.pid) - c0) / (via.wall - w0):.2f} cores",
+            f"  round {r + 1}/{rounds} (concurrency {conc}, "
+            f"{'direct' if r % 2 == 0 else 'gateway'} first): this round's direct p50 "
+            f"{d_round.pct(0.5):.2f} ms, gateway p50 {g_round.pct(0.5):.2f} ms, gateway CPU "
+            f"{g_round.cpu_s / g_round.wall:.2f} cores",
             file=sys.stderr,
         )
     return direct, via
