@@ -63,10 +63,12 @@ class ClusterView:
         self.redis_ok = False  # the last Redis call succeeded
         self.refreshed_at = 0.0  # monotonic time of the last good snapshot
         self.failed: dict[str, float] = {}  # worker id -> unix time it failed a request here
-        # session id -> its placement as this gateway last read or wrote it (RECENT_SESSIONS)
-        # (worker_id, region): tuples of strings, which the cyclic collector stops tracking,
-        # where 65,536 Placement objects would each be scanned by every full collection
-        self._recent: OrderedDict[str, tuple[str, str]] = OrderedDict()
+        # session id -> its placement as this gateway last read or wrote it (RECENT_SESSIONS),
+        # and the monotonic time it was last used here (forgotten after session_ttl_s, as in
+        # Redis): (worker_id, region, used): tuples of strings and a float, which the cyclic
+        # collector stops tracking, where 65,536 Placement objects would each be scanned by
+        # every full collection
+        self._recent: OrderedDict[str, tuple[str, str, float]] = OrderedDict()
         self.seen_models: set[str] = set()  # every model a snapshot has shown (404 vs 503)
         for region in catalog.regions.values():
             self.seen_models.update(str(m) for m in region.settings.get("models", []) or [])
@@ -172,13 +174,17 @@ class ClusterView:
     async def placement(self, session_id: str) -> Placement | None:
         """The session's worker, or None.
 
-        While Redis is down, or `recovering` from a restart that emptied it, the placement this
-        gateway last read or wrote for the session (kept in memory, the most recent
-        RECENT_SESSIONS): the session stays where its KV cache is rather than going wherever
-        load sends each request (the router still checks that the worker is alive). Once a
-        Redis call has failed, none is tried on a request's path until the refresh loop (every
-        registry_refresh_s) reaches Redis again: a Redis that hangs rather than refuses would
-        otherwise cost every session request its socket timeout."""
+        While Redis is down, the placement this gateway last read or wrote for the session (kept
+        in memory, the most recent RECENT_SESSIONS): the session stays where its KV cache is
+        rather than going wherever load sends each request (the router still checks that the
+        worker is alive). Once a Redis call has failed, none is tried on a request's path until
+        the refresh loop (every registry_refresh_s) reaches Redis again: a Redis that hangs
+        rather than refuses would otherwise cost every session request its socket timeout.
+
+        When Redis has no placement but this gateway remembers one, Redis may have lost it
+        (a restart that emptied it, FLUSHALL), perhaps before any registry read could notice:
+        the remembered worker is claimed again (`_reclaim`), while the workers register again
+        and after, rather than load placing the session elsewhere for good."""
         if not self.redis_ok:
             return self._remembered(session_id)
         try:
@@ -186,31 +192,63 @@ class ClusterView:
         except Exception as e:
             self.redis_failed(e)
             return self._remembered(session_id)
-        if found is None and self.recovering:  # Redis lost it with the rest
-            return self._remembered(session_id)
-        if found is not None:
-            self._remember(session_id, found)
+        if found is None:  # new, idle past its TTL, or lost by Redis with the rest
+            return await self._reclaim(session_id)
+        self._remember(session_id, found)
         return found
 
+    async def _reclaim(self, session_id: str) -> Placement | None:
+        """Place a session Redis lacks on the worker this gateway remembers it on, if that
+        worker is live and takes requests: unless another gateway placed it first (whose
+        placement stands, as with any claim). Also while `recovering`, unlike `claim`: this
+        worker holds the session's KV cache, whatever the partial prefix index says.
+
+        None when this gateway remembers nothing (the session is placed by load), or when the
+        remembered worker has failed, gone, or is overloaded or draining: then the session is
+        routed as a new one (claimed for the router's pick), or, while `recovering`, the
+        remembered placement (the router moves the session, as from any unusable worker)."""
+        remembered = self._remembered(session_id)
+        if remembered is None:
+            return None
+        home = next((w for w in self.live_workers() if w.worker_id == remembered.worker_id), None)
+        if home is None or home.overloaded:
+            return remembered if self.recovering else None
+        try:
+            placed = await self.sessions.claim(session_id, remembered)
+        except Exception as e:
+            self.redis_failed(e)
+            return remembered
+        self._remember(session_id, placed)
+        return placed
+
     def _remember(self, session_id: str, placement: Placement) -> None:
-        self._recent[session_id] = (placement.worker_id, placement.region)
+        self._recent[session_id] = (placement.worker_id, placement.region, time.monotonic())
         self._recent.move_to_end(session_id)
         if len(self._recent) > RECENT_SESSIONS:
             self._recent.popitem(last=False)
 
     def _remembered(self, session_id: str) -> Placement | None:
+        """The placement remembered for the session, renewed as used; None if none, or if the
+        session has been idle longer than its TTL (Redis would have forgotten it too)."""
         found = self._recent.get(session_id)
         if found is None:
             return None
+        worker_id, region, used = found
+        now = time.monotonic()
+        if now - used > self.config.session_ttl_s:
+            del self._recent[session_id]
+            return None
+        self._recent[session_id] = (worker_id, region, now)
         self._recent.move_to_end(session_id)
-        return Placement(*found)
+        return Placement(worker_id, region)
 
     async def claim(self, session_id: str, worker: WorkerInfo) -> Placement | None:
         """Place a new session on `worker` unless another gateway placed it first, and remember
         the placement that holds: ours, or the winner's, where every gateway then routes it.
         None (nothing placed) while Redis is down, or `recovering`: sessions are routed by what
         this gateway remembers (or by load) meanwhile, and placed once every worker has
-        registered again and written its prefix cache's entries."""
+        registered again and written its prefix cache's entries (a remembered one on its next
+        request: `placement`)."""
         if not self.redis_ok or self.recovering:
             return None
         ours = Placement(worker.worker_id, worker.region)

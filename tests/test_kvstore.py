@@ -368,9 +368,9 @@ async def test_workers_lost_while_the_registry_is_read_are_carried(
     r: Redis, redis_server: LocalRedis
 ) -> None:
     """Redis restarted empty between a refresh's registry read and its marker check: the
-    workers it lost are carried (they were dropped), no session is placed in Redis until they
-    register again (the prefix index lacks their blocks meanwhile; the gateway routes it by the
-    placement it remembers), then placement resumes."""
+    workers it lost are carried (they were dropped), no new session is placed in Redis by load
+    until they register again (the prefix index lacks their blocks meanwhile); one the gateway
+    remembers is placed again on its remembered worker; then placement resumes."""
     reg = Registry(r)
     for wid in ("w0", "w1", "w2"):
         await reg.heartbeat(worker(wid, region="eu-west"))
@@ -392,19 +392,24 @@ async def test_workers_lost_while_the_registry_is_read_are_carried(
     assert sorted(w.worker_id for w in view.workers) == ["w0", "w1", "w2"]
     assert view.recovering
     w1 = next(w for w in view.workers if w.worker_id == "w1")
+    w2 = next(w for w in view.workers if w.worker_id == "w2")
+    assert await view.claim("new", w2) is None  # not placed while the index is partial
+    await view.record("new", None, w2)
+    assert await view.sessions.get("new") is None
     await view.record("talk", None, w1)
-    assert await view.sessions.get("talk") is None  # not placed while the index is partial
+    assert await view.sessions.get("talk") is None
     remembered = await view.placement("talk")  # but routed where this gateway sent it
     assert remembered is not None and remembered.worker_id == "w1"
+    assert await view.sessions.get("talk") == remembered  # and placed there again
     for wid in ("w1", "w2"):
         await reg.heartbeat(worker(wid, region="eu-west"))
     await view.refresh()
     assert not view.recovering
-    assert await view.placement("talk") is None  # Redis says again, and it has none yet
-    await view.record("talk", None, w1)
-    placed = await view.placement("talk")
-    assert placed is not None and placed.worker_id == "w1"
-    assert await view.sessions.get("talk") == placed
+    assert await view.placement("talk") == remembered
+    assert await view.claim("other", w2) == Placement("w2", "eu-west")
+    placed = await view.placement("new")  # remembered, and placed on its next request
+    assert placed is not None and placed.worker_id == "w2"
+    assert await view.sessions.get("new") == placed
 
 
 async def test_a_lost_worker_is_carried_until_its_next_heartbeat(
@@ -455,3 +460,95 @@ async def test_a_gateway_that_loses_a_sessions_placement_remembers_the_winner(
     second.redis_ok = False  # Redis down: the gateway routes by what it remembers
     assert await second.placement("s1") == Placement("wa", "eu-west")
     assert await second.placement("s2") == Placement("wc", "eu-west")
+
+
+async def _serve(view: ClusterView, session_id: str) -> str:
+    """One request of the session, routed as the gateway's proxy routes it: the session's
+    placement, the router's choice, a new session claimed for that choice before forwarding
+    (the winner's worker, if another gateway placed it first), the placement recorded after.
+    Returns the id of the worker that serves it."""
+    placed = await view.placement(session_id)
+    chosen = view.router.route("m1", view.live_workers(), placed).candidates[0]
+    if placed is None:
+        placed = await view.claim(session_id, chosen)
+        if placed is not None:
+            chosen = view.router.route("m1", view.live_workers(), placed).candidates[0]
+    await view.record(session_id, placed, chosen)
+    return chosen.worker_id
+
+
+async def test_sessions_keep_their_workers_when_redis_comes_back_empty(
+    r: Redis, redis_server: LocalRedis
+) -> None:
+    """Redis is flushed (or restarts empty) under a gateway that placed sessions on wa, while
+    load now favours wb. Each session stays on wa, and is placed there in Redis again: on its
+    first request before a registry read has noticed the reset (Redis misses the session, and
+    nothing says yet that it lost it), on one while the workers register again, and on its
+    first after that. A session whose remembered worker has failed, or is overloaded, goes by
+    load; one that another gateway placed again first goes to that gateway's pick."""
+    reg = Registry(r)
+    wa, wb, wc = (worker(wid, region="eu-west") for wid in ("wa", "wb", "wc"))
+    wd = worker("wd", region="eu-west", running=8, waiting=1)  # overloaded
+    for w in (wa, wb, wc, wd):
+        await reg.heartbeat(w)
+    view, other = _gateway_view(r, redis_server), _gateway_view(r, redis_server)
+    await view.refresh()
+    await other.refresh()
+    sessions = [f"s{i}" for i in range(6)]
+    for s in [*sessions, "raced"]:
+        await view.record(s, None, wa)
+    await view.record("gone", None, wc)
+    await view.record("busy", None, wd)
+    for w in (wa, wc, wd):
+        view.router.sent(w.worker_id, 10_000)  # load alone sends each request to wb now
+    assert {await _serve(view, s) for s in [*sessions, "raced"]} == {"wa"}
+    await r.flushall()
+    view.mark_failed("wc")
+    get = view.sessions.get
+
+    async def placed_by_another_gateway_after_the_read(session_id: str) -> Placement | None:
+        found = await get(session_id)
+        if session_id == "raced":  # a gateway that never saw it places it by load meanwhile
+            assert await other.claim(session_id, wb) == Placement("wb", "eu-west")
+        return found
+
+    view.sessions.get = placed_by_another_gateway_after_the_read  # type: ignore[method-assign]
+    # before the registry read that notices the reset
+    assert [await _serve(view, s) for s in sessions[:2]] == ["wa", "wa"]
+    assert await _serve(view, "gone") == "wb"
+    assert await _serve(view, "busy") == "wb"
+    assert await _serve(view, "raced") == "wb"  # the claim's winner stands
+    await view.refresh()
+    assert view.recovering  # the workers Redis lost are carried
+    assert [await _serve(view, s) for s in sessions[2:4]] == ["wa", "wa"]
+    for w in (wa, wb, wc, wd):
+        await reg.heartbeat(w)
+    await view.refresh()
+    assert not view.recovering
+    assert [await _serve(view, s) for s in sessions] == ["wa"] * 6
+    for s in sessions:
+        assert await get(s) == Placement("wa", "eu-west"), s
+    for s in ("gone", "busy", "raced"):
+        assert await get(s) == Placement("wb", "eu-west"), s
+        assert await _serve(view, s) == "wb"
+
+
+async def test_a_remembered_session_idle_past_its_ttl_is_placed_afresh(
+    r: Redis, redis_server: LocalRedis
+) -> None:
+    """A session unused for its idle TTL is forgotten by Redis and by the gateway's memory
+    alike: its next request is placed by load, not claimed again on its old worker."""
+    reg = Registry(r)
+    wa, wb = (worker(wid, region="eu-west") for wid in ("wa", "wb"))
+    for w in (wa, wb):
+        await reg.heartbeat(w)
+    view = _gateway_view(r, redis_server)
+    view.config = dataclasses.replace(view.config, session_ttl_s=0.2)
+    view.sessions = SessionStore(r, idle_ttl_s=0.2)
+    await view.refresh()
+    await view.record("s1", None, wa)
+    view.router.sent("wa", 10_000)  # load alone sends each request to wb now
+    assert await _serve(view, "s1") == "wa"
+    await asyncio.sleep(0.35)
+    assert await _serve(view, "s1") == "wb"
+    assert await view.sessions.get("s1") == Placement("wb", "eu-west")
