@@ -66,6 +66,7 @@ log = logging.getLogger("edgeinfer.gateway")
 SESSION_HEADER = "x-session-affinity"
 MAX_SESSION_ID = 256
 HOLD_POLL_S = 0.05  # how often a request waiting for a starting worker looks for it
+HOLD_THROUGH_FAILURES = 2  # failed starts in a row after which a waiting request gets its 503
 # A disaggregated attempt's idle limit: its decode worker answers only once it has pulled the
 # prompt's KV, however long a pull that progresses takes (a silent prefill worker fails the pull
 # after kvstore.kv_transfer.PULL_IDLE_S, and the decode worker then answers 502)
@@ -223,8 +224,19 @@ class Proxy:
         self.tel.redis("session_record", time.perf_counter() - t0)
 
     def resolve_model(self, call: Call) -> None:
+        """404 for a model no registry snapshot (nor the region catalog) has shown; 503 while
+        this gateway has never read the registry (started during a Redis outage: it cannot
+        know the model is unknown, and a 404 is not retried)."""
         assert call.gen is not None
-        if call.gen.model not in self.view.seen_models:
+        view = self.view
+        if call.gen.model not in view.seen_models:
+            if not view.refreshed_at:
+                raise unavailable(
+                    f"cannot tell whether model {call.gen.model!r} is served: this gateway has "
+                    "not read the cluster's registry yet (Redis is unreachable)",
+                    self.config.retry_after_s,
+                    "registry_unavailable",
+                )
             raise model_not_found(call.gen.model)
 
     async def prefix_lookup(self, call: Call) -> None:
@@ -456,8 +468,9 @@ class Proxy:
         """Wait for a pool to start a worker for the model; True once one is up.
 
         False at once when no pool offers the model. The request counts as waiting in Redis (the
-        pool's scale-from-zero signal) while it waits; a pool that reports a failed start, or no
-        worker within `hold_timeout_s`, ends the wait with 503 and Retry-After.
+        pool's scale-from-zero signal) while it waits; a pool that reports failed starts
+        (HOLD_THROUGH_FAILURES in a row, or one whose next try comes after the hold), or no worker
+        within `hold_timeout_s`, ends the wait with 503 and Retry-After.
         """
         assert call.gen is not None
         model, view = call.gen.model, self.view
@@ -481,7 +494,13 @@ class Proxy:
                 if self._route(call).candidates:
                     return True
                 status = await self._start_status(model, region)
-                if status is not None and status.state == "failed":
+                if (
+                    status is not None
+                    and status.state == "failed"
+                    # a first failure (a worker that crashed early, killed for memory, ...)
+                    # whose next try comes within the hold: wait for it, not a 503 at once
+                    and (status.attempts >= HOLD_THROUGH_FAILURES or status.retry_at >= deadline)
+                ):
                     raise unavailable(
                         f"no worker for model {model!r} could be started in region {region} "
                         f"({status.attempts} failed attempts; the last: {status.error})",

@@ -421,6 +421,36 @@ def test_workers_outlive_no_pool_that_was_killed(
             os.kill(pid, signal.SIGKILL)
 
 
+def test_a_request_waits_out_its_pools_restart_of_a_crashed_worker(
+    tmp_path: Path, stories_dir: Path, redis_server
+) -> None:  # type: ignore[no-untyped-def]
+    """The pool's only worker killed (as for memory): the model's start is `failed` until the
+    pool's next try, about a second later. Requests meanwhile are held for that try and
+    answered, not given a 503 at once while the hold had 60 s to go."""
+    (tmp_path / "regions.yaml").write_text(CATALOG)
+    model = chat_model(stories_dir, tmp_path / "stories-chat")
+    pool = start_pool("pool", redis_server.url, tmp_path, f"stories={model}",
+                      ["--min-workers", "1", "--worker-args", WORKER_ARGS])  # fmt: skip
+    gateway = start_gateway("gw", redis_server.url, tmp_path / "regions.yaml", tmp_path)
+    try:
+        wait_until(lambda: get_json(f"{gateway.url}/readyz")[1]["workers"] == 1, 120, "worker")
+        client = openai.OpenAI(base_url=f"{gateway.url}/v1", api_key="x", max_retries=0,
+                               timeout=60)  # fmt: skip
+        first = client.completions.with_raw_response.create(model="stories", prompt="Hi",
+                                                            max_tokens=2)  # fmt: skip
+        worker_id = first.headers["x-edgeinfer-worker"]
+        pid = int(re.findall(r"start \S+ for stories \(.*\): pid (\d+) \(", pool.tail(200))[-1])
+        os.kill(pid, signal.SIGKILL)
+        time.sleep(0.2)  # (the pool notices at once; the replacement takes a second or more)
+        raw = client.completions.with_raw_response.create(model="stories", prompt="Hi",
+                                                          max_tokens=2)  # fmt: skip
+        assert raw.parse().choices
+        assert raw.headers["x-edgeinfer-worker"] != worker_id  # the replacement served it
+    finally:
+        gateway.stop()
+        pool.stop(30)
+
+
 def _alive(pid: int) -> bool:
     """Running (not exited, nor a zombie waiting to be reaped)."""
     try:

@@ -248,3 +248,33 @@ def test_redis_lost_while_a_request_waits_for_a_pool(tmp_path: Path, stories_dir
         assert e.value.body["code"] == "worker_starting", e.value.body  # type: ignore[index]
         assert int(e.value.response.headers["Retry-After"]) >= 1
         assert 2.5 < time.monotonic() - t0 < 10
+
+
+def test_a_gateway_started_while_redis_is_down_answers_503_not_404(tmp_path: Path) -> None:
+    """A gateway that has never read the registry cannot know a model is unknown: a 503 with
+    Retry-After (clients retry it), not a 404 model_not_found (a reviewer's new gateway, started
+    during an outage, told clients a served model did not exist); once it has read the
+    registry, an unknown model is a 404 again."""
+    server = LocalRedis().start()
+    (tmp_path / "regions.yaml").write_text(CATALOG)
+    server.stop()
+    gateway = start_gateway("gw", server.url, tmp_path / "regions.yaml", tmp_path, "local")
+    try:
+        client = openai.OpenAI(base_url=f"{gateway.url}/v1", api_key="x", max_retries=0)
+        with pytest.raises(openai.APIStatusError) as e:
+            client.completions.create(model="stories", prompt="Hi", max_tokens=1)
+        assert e.value.status_code == 503, e.value
+        assert e.value.code == "registry_unavailable" and e.value.response.headers["retry-after"]
+        server.start()
+
+        def status() -> int:
+            try:
+                client.completions.create(model="stories", prompt="Hi", max_tokens=1)
+            except openai.APIStatusError as e:
+                return e.status_code
+            return 200
+
+        wait_until(lambda: status() == 404, 20, "a 404 once the registry is read")
+    finally:
+        gateway.stop()
+        server.stop()
