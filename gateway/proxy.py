@@ -10,7 +10,10 @@ as usual and then a prefill worker, whose KV transfer address goes to the decode
 `kv_source`; the decode worker pulls the prompt's KV from it and streams the answer. A failed
 transfer (502 `kv_transfer_failed`, before any byte reached the client) sets that prefill worker
 aside and the request is tried again with another (or computed on the decode worker when none is
-left).
+left). The decode worker answers 200 at once and sends keepalives while it pulls, so the usual
+idle timeout fails a hung decode worker (a slow pull keeps talking); a refusal of the pull
+comes as an error event with the status it stands for (kvstore/protocol.py), and is taken as
+that answer (`_refused`), as if it had come before the stream.
 
 A completions batch (several prompts) is one request to the client and one `Call` per prompt to
 the workers: each prompt is looked up, routed and forwarded on its own, all at once (a failure
@@ -67,10 +70,6 @@ SESSION_HEADER = "x-session-affinity"
 MAX_SESSION_ID = 256
 HOLD_POLL_S = 0.05  # how often a request waiting for a starting worker looks for it
 HOLD_THROUGH_FAILURES = 2  # failed starts in a row after which a waiting request gets its 503
-# A disaggregated attempt's idle limit: its decode worker answers only once it has pulled the
-# prompt's KV, however long a pull that progresses takes (a silent prefill worker fails the pull
-# after kvstore.kv_transfer.PULL_IDLE_S, and the decode worker then answers 502)
-KV_PULL_IDLE_S = 300.0
 Parser = Callable[..., tuple[list[GenerateRequest], RequestOptions]]
 Events = AsyncGenerator[list[dict[str, Any]], None]  # a worker's events, in batches
 # the request's id, given by the app's outermost middleware: x-request-id, logs, spans
@@ -363,6 +362,13 @@ class Proxy:
                         error = next(e for e in batch if e["type"] == "error")
                         if error.get("code") == "constraint_failed":  # the same anywhere: no retry
                             raise invalid(None, str(error.get("message")), "constraint_failed")
+                        status = error.get("status")
+                        if isinstance(status, int) and 400 <= status < 600:
+                            # a refusal sent in the stream (a decode worker's, of its KV pull):
+                            # taken as that answer, as if it had come before the stream
+                            body = {"error": {"message": error.get("message"),
+                                              "code": error.get("code")}}  # fmt: skip
+                            raise _refused(worker, status, body, error.get("retry_after"))
                         raise WorkerFailed(worker, _event_error(error), dead=False)
                     if "done" in kinds or (call.options.stream and "delta" in kinds):
                         call.answered = time.perf_counter()
@@ -566,11 +572,10 @@ class Proxy:
         gen = call.gen
         assert gen is not None
         call.first_token, call.stream_tokens = 0.0, {}  # (a failed attempt's do not count)
-        idle = self.config.worker_idle_timeout_s
-        timeout = aiohttp.ClientTimeout(
+        timeout = aiohttp.ClientTimeout(  # (a decode worker pulling KV sends keepalives too)
             total=None,
             sock_connect=self.config.connect_timeout_s,
-            sock_read=idle if gen.kv_source is None else max(idle, KV_PULL_IDLE_S),
+            sock_read=self.config.worker_idle_timeout_s,
         )
         headers = {SECRET_HEADER: self.config.worker_secret, "Content-Type": "application/json"}
         span = self.tel.forward(call, worker.worker_id, headers)
@@ -682,7 +687,8 @@ class Proxy:
             log.warning("request %s: worker failed mid-stream: %s", call.request_id, e)
             self._stream_failed(call, e.error)
             # the client's own words: the worker's id and the aiohttp error stay in the log
-            why = "it stopped answering" if e.dead else e.error.message
+            why = ("it stopped answering" if isinstance(e.__cause__, TimeoutError) else
+                   "its connection broke" if e.dead else e.error.message)  # fmt: skip
             chunk = error_chunk(f"the worker serving this request failed after the stream began "
                                 f"({why}); retry the request", e.error.code or "worker_failed")  # fmt: skip
             await _send_quietly(resp, sse(chunk) + SSE_DONE)
@@ -922,10 +928,15 @@ async def _refusal(resp: aiohttp.ClientResponse, worker: WorkerInfo) -> WorkerFa
         body: object = orjson.loads(await resp.read())
     except (orjson.JSONDecodeError, aiohttp.ClientError):
         body = None
-    status = resp.status
+    return _refused(worker, resp.status, body, resp.headers.get("Retry-After"))
+
+
+def _refused(worker: WorkerInfo, status: int, body: object, retry_after: object) -> WorkerFailed:
+    """`_refusal`, of a worker's status, JSON body and Retry-After (None: none given); also of
+    an error event that stands for one (kvstore/protocol.py)."""
     err = APIError.from_body(status, body)
-    if status == 429 or (status == 503 and "Retry-After" in resp.headers):
-        err.retry_after = _seconds(resp.headers.get("Retry-After"))
+    if status == 429 or (status == 503 and retry_after is not None):
+        err.retry_after = _seconds(None if retry_after is None else str(retry_after))
         return WorkerFailed(worker, err, dead=False)
     if status < 500 and status not in (401, 403):
         raise err  # the request itself is bad: no other worker will take it either

@@ -21,6 +21,12 @@ A generate stream is one JSON object per line:
 
 A request the worker refuses never starts a stream: it gets a 4xx/5xx JSON body
 {"error": {"message", "type", "param", "code"}} in the OpenAI shape, which the gateway relays.
+One exception: a disaggregated request (`kv_source` set) is answered 200 at once, and its stream
+stays blank lines (KEEPALIVE) while the decode worker pulls the prompt's KV, so that a gateway
+tells a hung worker from a slow pull by its usual idle timeout; a refusal of the pull
+(kv_cache_full, kv_transfer_failed, queue_full, ...) is then the stream's one line, an "error"
+event whose `status` (and `retry_after`) stand for the answer it would have had, which the
+gateway takes as such.
 """
 
 from __future__ import annotations
@@ -118,11 +124,16 @@ class DoneEvent:
 
 @dataclass(slots=True)
 class ErrorEvent:
-    """The request failed after its stream started (engine failure, shutdown)."""
+    """The request failed after its stream started (engine failure, shutdown), or its
+    disaggregated KV pull was refused (`status`)."""
 
     message: str  # what went wrong
     code: str = "internal_error"  # machine-readable kind
     type: str = "error"
+    status: int | None = None  # a refusal sent in a stream already begun (a disaggregated
+    # request's KV pull failed: see the module docstring): the HTTP status it stands for; None:
+    # the request failed after it was accepted
+    retry_after: float | None = None  # with `status`: the Retry-After it stands for, if any
 
 
 Event = StartEvent | DeltaEvent | DoneEvent | ErrorEvent

@@ -6,6 +6,10 @@
                                        ACK ────────────────────▶ free the held blocks
                                        decode the last prompt token → first output token, ...
 
+D answers the gateway at once and keeps the stream alive (keepalives) while it waits for KV room
+and pulls, so that the gateway's idle timeout tells a hung D from a slow pull; a refusal (no KV
+room, a failed transfer) is then the stream's one event (runtime/worker.py `_pull`).
+
 The prefill side computes the prompt minus its last token; the decode side computes that last
 token as its first step (the same as a prefix-cache hit), so the sampler's state, seeds included,
 lives on one worker only and the answer is the same as colocated serving. The wire protocol and

@@ -9,7 +9,8 @@ process dies), and on SIGTERM drains: it is marked draining at once (gateways st
 refuses new requests with 503, lets in-flight ones finish (up to `drain_timeout_s`; then it
 aborts them, each stream ending with a "shutdown" error event, which a gateway retries elsewhere
 while no token has reached its client), deregisters and exits. Losing Redis does not stop a
-worker: it serves on and re-registers when Redis is back.
+worker: it serves on and re-registers when Redis is back; nor does it hold up its exit, whose
+Redis work has EXIT_REDIS_S in all.
 The tokenizer bundle (kvstore/tokenizer_store.py) is published beside the registration, best
 effort: a gateway without it routes by load.
 """
@@ -28,7 +29,7 @@ import signal
 import socket
 import time
 import urllib.parse
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Coroutine
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
@@ -61,7 +62,7 @@ from kvstore.telemetry import PROMETHEUS_CONTENT_TYPE, Telemetry, TelemetryConfi
 from kvstore.tokenizer_store import TokenizerBundleError, publish_tokenizer
 from runtime.async_engine import AsyncLLM, EngineDeadError, RequestStream
 from runtime.disagg import IMPORT_WAIT_S, KVCacheFullError, KVImporter, export_server
-from runtime.engine import Prompt
+from runtime.engine import Prompt, RequestGroup
 from runtime.lifeline import watch_lifeline
 from runtime.outputs import CompletionOutput
 from runtime.sampler import TokenLogprobs
@@ -75,6 +76,10 @@ from runtime.tool_parsers import CONTEXT_TOKENS, PARSERS, RequestTools
 log = logging.getLogger("edgeinfer.worker")
 
 ROLES: tuple[Role, ...] = ("prefill", "decode", "mixed")
+# All of shutdown's Redis work together (the drain's "draining" mark, leaving the registry and
+# the prefix index) gets this long, and none once Redis fails: a hung Redis made each of those
+# calls take its client's timeouts in turn (~18 s), and the entries expire by their TTL anyway.
+EXIT_REDIS_S = 2.0
 # The tokenizer bundle in Redis: to write ("pending"; "retrying" once a Redis error is logged),
 # written, or refused for good (too large, unreadable: logged once, never read again).
 BundleState = Literal["pending", "retrying", "published", "refused"]
@@ -153,7 +158,8 @@ class Worker:
         self._left = False  # deregistered for good: no registry write any more
         self._heartbeat: asyncio.Task[None] | None = None  # heartbeat_loop, while the app runs
         self.publisher: CacheEventPublisher | None = None  # the prefix cache's events to Redis
-        self._redis_ok = True
+        self._redis_ok = True  # the last registry write (or shutdown's Redis call) worked
+        self._exit_redis_s = EXIT_REDIS_S  # what is left of shutdown's time for Redis
         self.kv_server = export_server(llm, config.secret, config.kv_hold_s, self._served)
         self.importer = KVImporter(llm, config.secret, self.telemetry, config.kv_import_wait_s)
         self.telemetry.watch(
@@ -273,26 +279,59 @@ class Worker:
             await asyncio.sleep(self.config.heartbeat_s)
 
     async def leave(self) -> None:
-        """Leave the registry for good: after the registry write in flight, if any, and with the
-        heartbeat stopped, so that nothing writes the entry again (a role change ending now
-        included: it would list a worker on its way out as taking work)."""
-        if self._registry is None:
+        """Leave the registry for good (once: a second call does nothing): with the heartbeat
+        stopped and after the registry write in flight, if any, so that nothing writes the entry
+        again (a role change ending now included: it would list a worker on its way out as
+        taking work). Its Redis work is shutdown's (`on_exit`)."""
+        if self._registry is None or self._left:
             return
-        async with self._publishing:
-            self._left = True
+        self._left = True  # (no registry write starts any more: `publish` looks)
         if self._heartbeat is not None:
             await stop_task(self._heartbeat)
-        with contextlib.suppress(Exception):
-            await self._registry.deregister(self.config.worker_id, self.config.model_name)
+        registry, wid, model = self._registry, self.config.worker_id, self.config.model_name
+
+        async def deregister() -> None:
+            async with self._publishing:  # (a role change's write still in flight)
+                await registry.deregister(wid, model)
+
+        await self.on_exit("deregister", deregister())
+
+    async def on_exit(self, what: str, work: Coroutine[Any, Any, Any]) -> None:
+        """Run `work`, a step of shutdown that talks to Redis, within what is left of
+        EXIT_REDIS_S (all of shutdown's steps together); not at all once Redis has failed (a
+        heartbeat, or an earlier step: its error, or no answer in time). Never raises but a
+        cancellation; a step cut short is logged, and the entries it would have written or
+        removed expire by their TTL."""
+        if not self._redis_ok or self._exit_redis_s <= 0:
+            work.close()
+            log.info("shutdown: %s skipped (redis is failing)", what)
+            return
+        task = asyncio.ensure_future(work)
+        t0 = time.monotonic()
+        try:
+            await asyncio.wait([task], timeout=self._exit_redis_s)
+        finally:
+            self._exit_redis_s -= time.monotonic() - t0
+            if not task.done():  # (its connection goes with the client's close at exit)
+                task.cancel()
+                task.add_done_callback(lambda t: t.cancelled() or t.exception())
+        if task.done() and not task.cancelled() and task.exception() is None:
+            return
+        why = "no answer in time" if not task.done() or task.cancelled() else task.exception()
+        log.warning("shutdown: %s failed (%s); the rest of shutdown's Redis work is skipped, "
+                    "the entries expire by their TTL", what, why)  # fmt: skip
+        self._redis_ok = False
 
     def busy(self) -> bool:
         """Requests of any role still in flight: served streams, pulls being served (prefill),
         or imports under way (decode: pulling a prompt's KV, before their stream exists)."""
         return bool(self.llm.num_open_streams or self.kv_server.active or self.importer.active)
 
-    async def _wait_idle(self) -> bool:
-        """Wait (up to `drain_timeout_s`) until no work of any role is in flight; True if none."""
-        deadline = time.monotonic() + self.config.drain_timeout_s
+    async def _wait_idle(self, deadline: float | None = None) -> bool:
+        """Wait until no work of any role is in flight, up to `deadline` (monotonic; default:
+        `drain_timeout_s` from now); True if none."""
+        if deadline is None:
+            deadline = time.monotonic() + self.config.drain_timeout_s
         while self.busy() and time.monotonic() < deadline:
             await asyncio.sleep(0.05)
         return not self.busy()
@@ -324,8 +363,9 @@ class Worker:
         registry. Requests still running then are aborted (their KV blocks freed before the
         engine's next step); each handler ends its stream with a "shutdown" error event."""
         self.stopping = True
-        await self.publish()
-        if not await self._wait_idle():
+        deadline = time.monotonic() + self.config.drain_timeout_s  # (from SIGTERM, not from
+        await self.on_exit("marking the worker draining", self.publish())  # the Redis write)
+        if not await self._wait_idle(deadline):
             log.warning("drain timeout: aborting %d requests", len(self.serving))
             self.cut_off = True
             for rid in self.serving:
@@ -454,21 +494,40 @@ async def _generate(request: web.Request) -> web.StreamResponse:
     tel = worker.telemetry
     span = tel.start(request.headers, req, worker.config.role)
     try:
-        stream, tools = await _submit(worker, req, trace.set_span_in_context(span), times)
+        taken, tools = _accept(worker, req)
     except _Refused as r:
         tel.finish(span, req, times, None, r.code)
         return r.response
+    resp = web.StreamResponse(headers={"Content-Type": "application/x-ndjson"})
+    quiet = _Keepalive(resp)
+    if isinstance(taken, RequestStream):
+        stream = taken
+    else:
+        assert req.kv_source is not None
+        ctx = trace.set_span_in_context(span)
+        try:
+            stream = await _pull(request, resp, quiet, worker, taken, req.kv_source, ctx, times)
+        except _Refused as r:  # the stream began: the refusal is its one event
+            quiet.stop()
+            with contextlib.suppress(ConnectionError):
+                await resp.write(encode_event(r.event()))
+            tel.finish(span, req, times, None, r.code)
+            return resp
+        except BaseException as e:  # the gateway hung up (its client left) during the pull
+            quiet.stop()
+            tel.finish(span, req, times, None, "client_gone")
+            if isinstance(e, ConnectionError):
+                return resp
+            raise
     if tools is not None:  # what the output's text follows (to place a marker token's text)
         tools.context = stream.prompt_token_ids[-CONTEXT_TOKENS:]
     worker.serving.add(req.request_id)
-    resp = web.StreamResponse(headers={"Content-Type": "application/x-ndjson"})
     n_prompt = len(stream.prompt_token_ids)
     generated, cached = 0, 0
     error: str | None = "client_gone"
     texts: list[str] = []
-    quiet = _Keepalive(resp)
     try:
-        await resp.prepare(request)
+        await resp.prepare(request)  # (done already when disaggregated: a no-op then)
         await resp.write(
             encode_event(StartEvent(req.request_id, worker.config.worker_id, n_prompt))
         )
@@ -531,8 +590,10 @@ class _Keepalive:
         self._writing: asyncio.Future[None] | None = None
 
     def start(self) -> None:
+        """Count silence from now (again, when already started: disaggregated, the KV pull)."""
         self._last = time.monotonic()
-        self._arm(KEEPALIVE_S)
+        if self._timer is None:
+            self._arm(KEEPALIVE_S)
 
     def wrote(self) -> None:
         self._last = time.monotonic()
@@ -570,6 +631,34 @@ class _Refused(Exception):
         headers = {"Retry-After": "1"} if retry else None
         self.response = _error(status, message, kind, param, code, headers)
         self.code = code or kind
+        self.status = status
+        self.retry = retry
+
+    @classmethod
+    def of(cls, e: Exception) -> _Refused:
+        """One of _REFUSALS as the response that says why, with its code."""
+        if isinstance(e, KVCacheFullError):  # before any byte moved: another decode worker
+            # may have room
+            return cls(503, str(e), "service_unavailable", None, "kv_cache_full", True)
+        if isinstance(e, KVTransferError):  # the prefill side failed: prefill again elsewhere
+            return cls(502, str(e), "bad_gateway", "kv_source", "kv_transfer_failed")
+        if isinstance(e, InvalidRequestError):
+            return cls(400, str(e), "invalid_request_error", e.param, e.code)
+        if isinstance(e, QueueFullError):
+            return cls(429, str(e), "rate_limit_error", None, "queue_full", True)
+        return cls(503, str(e), "service_unavailable", None, "engine_dead")  # EngineDeadError
+
+    def event(self) -> ErrorEvent:
+        """The refusal as the one event of a stream already begun (a disaggregated request's,
+        answered before its KV pull): its code, status and Retry-After, which the gateway takes
+        as if the worker had answered them (gateway/proxy.py `_refused`)."""
+        return ErrorEvent(str(self), self.code, status=self.status,
+                          retry_after=1.0 if self.retry else None)  # fmt: skip
+
+
+# what the engine (and a disaggregated request's KV import) refuses a request with: _Refused.of
+_REFUSALS = (KVCacheFullError, KVTransferError, InvalidRequestError, QueueFullError,
+             EngineDeadError)  # fmt: skip
 
 
 class _ShuttingDown(EngineDeadError):
@@ -582,34 +671,45 @@ class _ConstraintFailed(Exception):
     "constraint_failed") rather than finish "stop"."""
 
 
-async def _submit(
-    worker: Worker, req: GenerateRequest, trace_ctx: Any, times: RequestTimes
-) -> tuple[RequestStream, RequestTools | None]:
-    """Hand the request to the engine (pulling its prompt's KV first when disaggregated): its
-    stream, and its tools (None without); _Refused when it cannot be taken."""
+def _accept(
+    worker: Worker, req: GenerateRequest
+) -> tuple[RequestStream | RequestGroup, RequestTools | None]:
+    """Take the request: handed to the engine (its stream) or, disaggregated, checked and
+    prepared for its KV pull (its group, for `_pull`); its tools (None without). _Refused when
+    it cannot be taken."""
     try:
         tools = RequestTools.of(req.tools, req.tool_choice, req.parallel_tool_calls,
                                 worker.tokenizer, worker.config.tool_call_parser)  # fmt: skip
         params = _sampling_params(req.sampling)
         if tools is not None:
             tools.constrain(params)  # tool_choice required / named: a grammar
+        prompt = worker.prompt_of(req)
         if req.kv_source is None:
-            return worker.llm.submit(worker.prompt_of(req), params, req.request_id), tools
+            return worker.llm.submit(prompt, params, req.request_id), tools
         # disaggregated: the prompt's KV comes from a prefill worker
-        group = worker.llm.engine.prepare_request(req.request_id, worker.prompt_of(req), params)
-        stream, _ = await worker.importer.submit(group, req.kv_source, trace_ctx)
-        times.pulled = time.monotonic()
-        return stream, tools
-    except KVCacheFullError as e:  # before any byte moved: another decode worker may have room
-        raise _Refused(503, str(e), "service_unavailable", None, "kv_cache_full", True) from e
-    except KVTransferError as e:  # the prefill side failed: prefill again elsewhere
-        raise _Refused(502, str(e), "bad_gateway", "kv_source", "kv_transfer_failed") from e
-    except InvalidRequestError as e:
-        raise _Refused(400, str(e), "invalid_request_error", e.param, e.code) from e
-    except QueueFullError as e:
-        raise _Refused(429, str(e), "rate_limit_error", None, "queue_full", True) from e
-    except EngineDeadError as e:
-        raise _Refused(503, str(e), "service_unavailable", None, "engine_dead") from e
+        return worker.llm.engine.prepare_request(req.request_id, prompt, params), tools
+    except _REFUSALS as e:
+        raise _Refused.of(e) from e
+
+
+async def _pull(
+    request: web.Request, resp: web.StreamResponse, quiet: _Keepalive, worker: Worker,
+    group: RequestGroup, source: str, trace_ctx: Any, times: RequestTimes,
+) -> RequestStream:  # fmt: skip
+    """Disaggregated: answer 200 at once and pull the prompt's KV from the prefill worker at
+    `source` behind keepalives, then queue it; its stream. The gateway so tells a hung decode
+    worker from a slow pull (or one waiting for KV room) by its usual idle timeout. A refusal
+    of the pull (kv_cache_full, kv_transfer_failed, queue_full, ...) is _Refused, for the
+    caller to send as the stream's one event, with its status (`_Refused.event`)."""
+    await resp.prepare(request)
+    await resp.write(KEEPALIVE)  # (the headers go out with it)
+    quiet.start()
+    try:
+        stream, _ = await worker.importer.submit(group, source, trace_ctx)
+    except _REFUSALS as e:
+        raise _Refused.of(e) from e
+    times.pulled = time.monotonic()
+    return stream
 
 
 # GenerateRequest's text fields, and whether each may be null
@@ -807,9 +907,12 @@ async def _registration(app: web.Application) -> AsyncIterator[None]:
         yield
     finally:
         await stop_task(publishing)
-        with contextlib.suppress(Exception):
+
+        async def leave_index() -> None:
             await publisher.close(held=worker.llm.engine.blocks.cached_hashes())
-        await worker.leave()  # (again, after a drain: a deregister is idempotent)
+
+        await worker.on_exit("leaving the prefix index", leave_index())
+        await worker.leave()  # (a no-op after a drain's: one deregister)
         await redis.aclose()
 
 

@@ -350,6 +350,7 @@ def test_killed_decode_worker_mid_stream(split: Split) -> None:
             if len(got) == 3:
                 split.decode.kill()
     assert not split.decode.alive() and len(got) >= 3, err.value
+    assert "(its connection broke)" in str(err.value), err.value  # (not "it stopped answering")
     _settled(split.prefill)
     split.decode = start_worker("decode2", split.model, split.redis.url, split.root,
                                 extra=["--role", "decode", "--kv-hold", str(HOLD_S)])  # fmt: skip
@@ -439,3 +440,54 @@ def test_no_room_to_import_and_no_prefill_worker_left_the_decode_worker_computes
     assert "no KV room" in log, log[-3000:]  # the case under test did happen
     want = reference.generate([split], SamplingParams(max_tokens=24, temperature=0.0))
     assert text == want[0].outputs[0].text
+
+
+def test_a_hung_decode_worker_costs_a_retry_not_a_stall(tmp_path: Path, stories_dir: Path) -> None:
+    """A decode worker that stops answering (SIGSTOP: its port still accepts) is failed after
+    the gateway's idle timeout (3 s here), as a colocated one is, and the request, which had no
+    token yet, goes to the other decode worker, disaggregated still. The decode worker answers
+    at once and keeps its stream alive while it pulls the prompt's KV; the gateway used to wait
+    up to 300 s for a disaggregated attempt, unable to tell a hung worker from a slow pull
+    (found by a fault-injection review: its requests waited 40 s, until SIGCONT)."""
+    (tmp_path / "regions.yaml").write_text(CATALOG)
+    with LocalRedis() as redis:
+        prefill = start_worker("prefill", stories_dir, redis.url, tmp_path,
+                               extra=["--role", "prefill"])  # fmt: skip
+        decodes = [start_worker(f"decode{i}", stories_dir, redis.url, tmp_path,
+                                extra=["--role", "decode"]) for i in (1, 2)]  # fmt: skip
+        gateway = start_gateway("gw", redis.url, tmp_path / "regions.yaml", tmp_path,
+                                extra=["--disagg-min-tokens", "0", "--worker-idle-timeout", "3"])  # fmt: skip
+        # (well past the idle timeout and its retry; well short of the 300 s it was)
+        client = openai.OpenAI(base_url=f"{gateway.url}/v1", api_key="x", max_retries=0,
+                               timeout=20)  # fmt: skip
+        try:
+            wait_until(lambda: get_json(f"{gateway.url}/readyz")[1]["workers"] == 3, 30, "workers")
+            p_id = prefill.meta["worker_id"]
+            session = {"x-session-affinity": "hung"}
+            raw = client.completions.with_raw_response.create(
+                model="stories", prompt=STORY, max_tokens=2, extra_headers=session
+            )
+            first = raw.headers["x-edgeinfer-worker"]
+            assert raw.headers["x-edgeinfer-prefill-worker"] == p_id
+            hung = next(d for d in decodes if d.meta["worker_id"] == first)
+            hung.signal(signal.SIGSTOP)
+            try:
+                t0 = time.monotonic()
+                # a prompt the session's worker has not cached: split again
+                raw = client.completions.with_raw_response.create(
+                    model="stories", prompt="Lily saw a big dog.", max_tokens=2,
+                    extra_headers=session,
+                )  # fmt: skip
+                took = time.monotonic() - t0
+            finally:
+                hung.signal(signal.SIGCONT)
+            assert raw.headers["x-edgeinfer-worker"] not in (first, p_id)
+            assert raw.headers["x-edgeinfer-prefill-worker"] == p_id
+            assert raw.parse().choices[0].text
+            assert 2.5 <= took < 15, took  # the idle timeout, then the other decode worker
+            assert f"worker {first} failed (no answer in time)" in gateway.log.read_text()
+        finally:
+            gateway.stop()
+            for d in decodes:
+                d.stop()
+            prefill.stop()

@@ -278,3 +278,27 @@ def test_a_gateway_started_while_redis_is_down_answers_503_not_404(tmp_path: Pat
     finally:
         gateway.stop()
         server.stop()
+
+
+def test_a_worker_stopped_while_redis_hangs_exits_soon(tmp_path: Path, stories_dir: Path) -> None:
+    """SIGTERM to an idle worker while Redis hangs (SIGSTOP: no refusal, only timeouts): all of
+    shutdown's Redis work (the drain's "draining" mark, deregistering, leaving the prefix index)
+    gets one short deadline, and none once Redis has failed; the entries expire by their TTL.
+    Each call used to wait out the client's timeouts in turn: 18.6 s to exit (a reviewer's)."""
+    import signal
+
+    with _stack(tmp_path, stories_dir, gateways=0) as (server, [worker], _):
+        wait_until(lambda: _keys(server.url, "ei:w:*") == 1, 10, "the worker's registration")
+        assert server._proc is not None
+        server._proc.send_signal(signal.SIGSTOP)
+        try:
+            t0 = time.monotonic()
+            worker.signal(signal.SIGTERM)
+            worker.popen.wait(60)
+            took = time.monotonic() - t0
+        finally:
+            server._proc.send_signal(signal.SIGCONT)
+        assert worker.popen.returncode == 0, worker.tail()
+        assert took < 8, (took, worker.tail())  # ~2 s of Redis, then the exit itself
+        log = worker.log.read_text(errors="replace")
+        assert "deregister skipped (redis is failing)" in log, log[-2000:]

@@ -177,3 +177,22 @@ def test_a_drain_that_times_out_fails_what_is_left_and_exits(
         worker.stop()
     assert worker.popen.returncode == 0, worker.tail()
     assert "drain timeout: aborting 3 requests" in worker.log.read_text()
+
+
+def test_a_disaggregated_request_is_answered_at_once_and_a_failed_pull_in_its_stream(
+    worker: Proc,
+) -> None:
+    """A request whose prompt's KV is to be pulled (`kv_source`) is answered 200 at once, its
+    stream blank (keepalives) while the pull runs, so that a gateway tells a hung decode worker
+    from a slow pull by its idle timeout (it waited up to 300 s); a pull that fails is then the
+    stream's one event, with the code and the status it had as an answer before the stream
+    (502 kv_transfer_failed: nothing listens at the source). A request that is itself bad is
+    refused before any stream, as any other."""
+    status, ctype, body = _post(worker, _request(90, kv_source="127.0.0.1:1"))
+    assert status == 200 and ctype.startswith("application/x-ndjson"), body
+    assert body.startswith(b"\n"), body  # a keepalive first: the answer does not wait
+    [event] = [orjson.loads(line) for line in body.split(b"\n") if line]
+    assert event["type"] == "error" and event["code"] == "kv_transfer_failed", event
+    assert event["status"] == 502 and event["retry_after"] is None, event
+    status, _, body = _post(worker, _request(91, kv_source="127.0.0.1:1", sampling={"n": 0}))
+    assert status == 400 and orjson.loads(body)["error"]["param"] == "n", body
