@@ -366,8 +366,8 @@ class Proxy:
                         if isinstance(status, int) and 400 <= status < 600:
                             # a refusal sent in the stream (a decode worker's, of its KV pull):
                             # taken as that answer, as if it had come before the stream
-                            body = {"error": {"message": error.get("message"),
-                                              "code": error.get("code")}}  # fmt: skip
+                            body = {"error": error.get("error") or {
+                                "message": error.get("message"), "code": error.get("code")}}
                             raise _refused(worker, status, body, error.get("retry_after"))
                         raise WorkerFailed(worker, _event_error(error), dead=False)
                     if "done" in kinds or (call.options.stream and "delta" in kinds):

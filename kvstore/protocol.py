@@ -134,6 +134,7 @@ class ErrorEvent:
     # request's KV pull failed: see the module docstring): the HTTP status it stands for; None:
     # the request failed after it was accepted
     retry_after: float | None = None  # with `status`: the Retry-After it stands for, if any
+    error: dict[str, Any] | None = None  # with `status`: the OpenAI error object it stands for
 
 
 Event = StartEvent | DeltaEvent | DoneEvent | ErrorEvent

@@ -160,6 +160,8 @@ class Worker:
         self.publisher: CacheEventPublisher | None = None  # the prefix cache's events to Redis
         self._redis_ok = True  # the last registry write (or shutdown's Redis call) worked
         self._exit_redis_s = EXIT_REDIS_S  # what is left of shutdown's time for Redis
+        # a step of shutdown's Redis work failed (not a heartbeat: Redis may be back since)
+        self._exit_failed = False
         self.kv_server = export_server(llm, config.secret, config.kv_hold_s, self._served)
         self.importer = KVImporter(llm, config.secret, self.telemetry, config.kv_import_wait_s)
         self.telemetry.watch(
@@ -298,11 +300,12 @@ class Worker:
 
     async def on_exit(self, what: str, work: Coroutine[Any, Any, Any]) -> None:
         """Run `work`, a step of shutdown that talks to Redis, within what is left of
-        EXIT_REDIS_S (all of shutdown's steps together); not at all once Redis has failed (a
-        heartbeat, or an earlier step: its error, or no answer in time). Never raises but a
+        EXIT_REDIS_S (all of shutdown's steps together); not at all once an earlier step has
+        failed (its error, or no answer in time; a heartbeat that failed before does not count:
+        Redis may be back). Never raises but a
         cancellation; a step cut short is logged, and the entries it would have written or
         removed expire by their TTL."""
-        if not self._redis_ok or self._exit_redis_s <= 0:
+        if self._exit_failed or self._exit_redis_s <= 0:
             work.close()
             log.info("shutdown: %s skipped (redis is failing)", what)
             return
@@ -321,6 +324,7 @@ class Worker:
         log.warning("shutdown: %s failed (%s); the rest of shutdown's Redis work is skipped, "
                     "the entries expire by their TTL", what, why)  # fmt: skip
         self._redis_ok = False
+        self._exit_failed = True
 
     def busy(self) -> bool:
         """Requests of any role still in flight: served streams, pulls being served (prefill),
@@ -630,6 +634,7 @@ class _Refused(Exception):
         super().__init__(message)
         headers = {"Retry-After": "1"} if retry else None
         self.response = _error(status, message, kind, param, code, headers)
+        self.error = {"message": message, "type": kind, "param": param, "code": code}
         self.code = code or kind
         self.status = status
         self.retry = retry
@@ -653,7 +658,7 @@ class _Refused(Exception):
         answered before its KV pull): its code, status and Retry-After, which the gateway takes
         as if the worker had answered them (gateway/proxy.py `_refused`)."""
         return ErrorEvent(str(self), self.code, status=self.status,
-                          retry_after=1.0 if self.retry else None)  # fmt: skip
+                          retry_after=1.0 if self.retry else None, error=self.error)  # fmt: skip
 
 
 # what the engine (and a disaggregated request's KV import) refuses a request with: _Refused.of

@@ -302,3 +302,31 @@ def test_a_worker_stopped_while_redis_hangs_exits_soon(tmp_path: Path, stories_d
         assert took < 8, (took, worker.tail())  # ~2 s of Redis, then the exit itself
         log = worker.log.read_text(errors="replace")
         assert "deregister skipped (redis is failing)" in log, log[-2000:]
+
+
+def test_a_worker_whose_heartbeat_failed_once_still_deregisters_on_exit(
+    tmp_path: Path, stories_dir: Path
+) -> None:
+    """A heartbeat that failed while Redis was frozen, then Redis answering again: a SIGTERM
+    before the next heartbeat still marks the worker draining and deregisters it (its exit
+    skipped all of that, so gateways sent requests to a draining, then gone, worker until its
+    entry expired)."""
+    import signal
+
+    server = LocalRedis().start()
+    try:
+        (tmp_path / "regions.yaml").write_text(CATALOG)
+        worker = start_worker("w1", stories_dir, server.url, tmp_path, "local",
+                              ["--heartbeat", "3", "--ttl", "60"])  # fmt: skip
+        wait_until(lambda: _keys(server.url, "ei:w:*") == 1, 10, "registration")
+        assert server._proc is not None
+        server._proc.send_signal(signal.SIGSTOP)
+        try:
+            wait_until(lambda: "serving on unregistered" in worker.tail(50), 20, "a failed heartbeat")
+        finally:
+            server._proc.send_signal(signal.SIGCONT)
+        worker.signal(signal.SIGTERM)
+        assert worker.popen.wait(30) == 0
+        assert _keys(server.url, "ei:w:*") == 0, worker.tail()
+    finally:
+        server.stop()

@@ -194,5 +194,7 @@ def test_a_disaggregated_request_is_answered_at_once_and_a_failed_pull_in_its_st
     [event] = [orjson.loads(line) for line in body.split(b"\n") if line]
     assert event["type"] == "error" and event["code"] == "kv_transfer_failed", event
     assert event["status"] == 502 and event["retry_after"] is None, event
+    # the error object the answer would have carried, for the gateway to relay as it was
+    assert (event["error"]["type"], event["error"]["param"]) == ("bad_gateway", "kv_source")
     status, _, body = _post(worker, _request(91, kv_source="127.0.0.1:1", sampling={"n": 0}))
     assert status == 400 and orjson.loads(body)["error"]["param"] == "n", body
