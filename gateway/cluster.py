@@ -213,13 +213,7 @@ class ClusterView:
         home = next((w for w in self.live_workers() if w.worker_id == remembered.worker_id), None)
         if home is None or home.overloaded:
             return remembered if self.recovering else None
-        try:
-            placed = await self.sessions.claim(session_id, remembered)
-        except Exception as e:
-            self.redis_failed(e)
-            return remembered
-        self._remember(session_id, placed)
-        return placed
+        return await self._claim(session_id, remembered) or remembered
 
     def _remember(self, session_id: str, placement: Placement) -> None:
         self._recent[session_id] = (placement.worker_id, placement.region, time.monotonic())
@@ -251,9 +245,13 @@ class ClusterView:
         request: `placement`)."""
         if not self.redis_ok or self.recovering:
             return None
-        ours = Placement(worker.worker_id, worker.region)
+        return await self._claim(session_id, Placement(worker.worker_id, worker.region))
+
+    async def _claim(self, session_id: str, placement: Placement) -> Placement | None:
+        """Claim the session for `placement` unless another gateway did first; the placement
+        that holds (remembered), or None when Redis failed."""
         try:
-            placed = await self.sessions.claim(session_id, ours)
+            placed = await self.sessions.claim(session_id, placement)
         except Exception as e:
             self.redis_failed(e)
             return None
