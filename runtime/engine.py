@@ -573,19 +573,15 @@ class LLMEngine:
             stop_reason: str | int | None = None
             grammar = r.request.grammar
             if grammar is not None and r.new_tokens:
-                for k, token in enumerate(r.new_tokens):
-                    grammar.accept([token])
-                    if grammar.finished:  # only end-of-sequence could follow
-                        # an accepted draft completed the output: what the step appended after
-                        # it (the bonus token, which the mask forced to end-of-sequence) is not
-                        # output, as without speculation, where the request ends right there
-                        del r.new_tokens[k + 1 :]
-                        if r.finished is None:
-                            self.scheduler.finish(
-                                r.request.request_id, RequestStatus.FINISHED_STOPPED
-                            )
-                        r.finished = RequestStatus.FINISHED_STOPPED
-                        break
+                kept = grammar.accept(r.new_tokens)
+                if grammar.finished:  # only end-of-sequence could follow
+                    # what the step appended after the token that ended the grammar (an
+                    # accepted draft's bonus token, which the mask forced to end-of-sequence)
+                    # is not output, as without speculation, where the request ends right there
+                    del r.new_tokens[kept:]
+                    if r.finished is None:
+                        self.scheduler.finish(r.request.request_id, RequestStatus.FINISHED_STOPPED)
+                    r.finished = RequestStatus.FINISHED_STOPPED
             # a stop token (end-of-sequence, or one of stop_token_ids) ends the request without
             # its text, as vLLM does, unless include_stop_str_in_output
             cut = len(r.new_tokens) - 1 if self._ends_on_stop_token(r) else -1

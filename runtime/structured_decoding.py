@@ -83,17 +83,23 @@ class RequestGrammar:
         lexer, so a failure in one is seen by all."""
         return RequestGrammar(self.matcher.deep_copy(), self._eos_row, self._on_error)
 
-    def accept(self, tokens: list[int]) -> None:
-        """Advance over tokens appended to the output (sampled under this grammar's mask)."""
+    def accept(self, tokens: list[int]) -> int:
+        """Advance over tokens appended to the output (sampled under this grammar's mask).
+        Returns how many of them are output: all, or those up to the one that ended the grammar
+        (an accepted draft can: the step's tokens after it, its end-of-sequence bonus token
+        included, are not), or up to one it refused; the first always."""
         self._job, self._rows = None, None
         m = self.matcher
-        for token in tokens:
-            if m.is_stopped():  # (after the grammar's end, a step's last token: end-of-sequence)
-                break
+        for i, token in enumerate(tokens):
+            if m.is_stopped():  # the grammar ended at the token before (or had failed: the
+                self._check()  # first token, sampled under its end-of-sequence mask, is output)
+                return max(i, 1)
             if not m.consume_token(token):
                 log.warning("grammar refused generated token %d of %s", token, tokens)
-                break
+                self._check()
+                return i + 1
         self._check()
+        return len(tokens)
 
     @property
     def finished(self) -> bool:
