@@ -15,6 +15,7 @@ its start-up); a changed source, flag or version names no copy and goes through 
 
 from __future__ import annotations
 
+import fcntl
 import functools
 import hashlib
 import importlib.util
@@ -167,11 +168,30 @@ def _build_key(name: str, source: Path) -> str:
 
 def _compile(name: str, source: Path, what: str, built: Path) -> ModuleType:
     """Build (or let ninja find up to date) and import the module; then keep a copy named by its
-    build key, `built`, in place of any copy an earlier source left."""
+    build key, `built`, in place of any copy an earlier source left.
+
+    Builds of one folder take turns on an flock (released by the kernel when its holder dies).
+    torch's own baton, a `lock` file it creates and removes, outlives a build that was killed
+    (Ctrl-C during the first `make run`, a test run timed out) and makes every later build of
+    the folder wait on it forever; under our flock no other build is running, so a `lock` file
+    found there is such a leftover and is removed."""
+    path = built.parent
+    path.mkdir(parents=True, exist_ok=True)
+    with open(path / "build.flock", "a+b") as turn:
+        fcntl.flock(turn, fcntl.LOCK_EX)  # released on close, or when this process dies
+        if built.is_file():  # another process built it while this one waited
+            return _import(name, built)
+        stale = path / "lock"
+        if stale.exists():
+            log.warning("removing %s, left by a build that was killed", stale)
+            stale.unlink(missing_ok=True)
+        return _compile_locked(name, source, what, built)
+
+
+def _compile_locked(name: str, source: Path, what: str, built: Path) -> ModuleType:
     from torch.utils import cpp_extension
 
     path = built.parent
-    path.mkdir(parents=True, exist_ok=True)
     log.info("building the %s in %s (once per machine)", what, path)
     mod: ModuleType = cpp_extension.load(
         name=name,

@@ -112,3 +112,51 @@ def test_every_source_compiles_for_an_avx2_machine() -> None:
     assert not failed, failed
     passed.parent.mkdir(parents=True, exist_ok=True)
     passed.touch()
+
+
+def test_a_killed_build_s_lock_file_does_not_block_the_next(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """torch's baton (`lock`, created and removed by cpp_extension.load) is left behind by a
+    build that was killed, and every later load of the folder would wait on it forever; under
+    the build flock it is known stale and removed before the build."""
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))
+    name = "edgeinfer_rms_norm_cpu"
+    built = cpu_ext._built_path(name, cpu_ext._NORM_SOURCE)
+    built.parent.mkdir(parents=True)
+    (built.parent / "lock").touch()  # what a build killed mid-compile leaves
+    seen: list[bool] = []
+
+    def compile_locked(name: str, source: Path, what: str, built: Path) -> object:
+        seen.append((built.parent / "lock").exists())
+        return "module"
+
+    monkeypatch.setattr(cpu_ext, "_compile_locked", compile_locked)
+    assert cpu_ext._compile(name, cpu_ext._NORM_SOURCE, "test", built) == "module"
+    assert seen == [False]
+
+
+def test_builds_of_one_folder_take_turns(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A process that finds another building the same extension waits for it, then imports
+    what it built instead of compiling again."""
+    import fcntl
+    import threading
+
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))
+    name = "edgeinfer_rms_norm_cpu"
+    built = cpu_ext._built_path(name, cpu_ext._NORM_SOURCE)
+    built.parent.mkdir(parents=True)
+    calls: list[str] = []
+    monkeypatch.setattr(cpu_ext, "_compile_locked", lambda *a: calls.append("compiled"))
+    monkeypatch.setattr(cpu_ext, "_import", lambda n, p: calls.append(f"imported {p.name}"))
+    waiter = threading.Thread(target=cpu_ext._compile,
+                              args=(name, cpu_ext._NORM_SOURCE, "test", built))  # fmt: skip
+    with open(built.parent / "build.flock", "a+b") as holder:  # the other build, under way
+        fcntl.flock(holder, fcntl.LOCK_EX)
+        waiter.start()
+        waiter.join(0.3)
+        assert waiter.is_alive() and calls == []  # waiting for its turn
+        built.write_bytes(b"the other build's module")
+    # the other build ended (its flock went with the file)
+    waiter.join(10)
+    assert not waiter.is_alive() and calls == [f"imported {built.name}"]
