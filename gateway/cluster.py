@@ -282,7 +282,8 @@ class ClusterView:
 
     async def ping(self) -> bool:
         try:
-            await asyncio.wait_for(self.redis.ping(), timeout=1.0)  # type: ignore[misc]
+            async with asyncio.timeout(1.0):
+                await self.redis.ping()  # type: ignore[misc]
         except Exception:
             self.redis_ok = False
             return False

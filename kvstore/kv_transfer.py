@@ -386,7 +386,8 @@ class KVTransferServer:
         exporting: str | None = None  # the request id this connection took: its export to release
         tag = 0
         try:
-            kind, body = await asyncio.wait_for(conn.read_control(None), timeout=10)
+            async with asyncio.timeout(10):
+                kind, body = await conn.read_control(None)
             if kind != PULL:
                 raise KVTransferError(f"expected PULL, got {KIND_NAMES[kind]}")
             pull = PullRequest(**body)
@@ -484,7 +485,8 @@ class KVTransferServer:
                 raise KVTransferError(f"the prefill ended with {sent} of {total} blocks computed")
             await conn.send_control(END, tag, {"frames": frames, "cached_tokens": cached})
             try:
-                h = await asyncio.wait_for(asyncio.shield(hangup), timeout=self.hold_s)
+                async with asyncio.timeout(self.hold_s):
+                    h = await asyncio.shield(hangup)
             except asyncio.IncompleteReadError:
                 return False  # hung up without acknowledging
             kind, _ = await conn.read_control(tag, h)
@@ -552,12 +554,14 @@ async def pull_kv(addr: str, pull: PullRequest, pages: KVPages, dst_blocks: list
     tag = request_tag(pull.request_id)
     lay = pages.layout
     try:
-        conn = await asyncio.wait_for(FrameConn.connect(host, int(port)), connect_timeout_s)
+        async with asyncio.timeout(connect_timeout_s):
+            conn = await FrameConn.connect(host, int(port))
     except (OSError, TimeoutError, ValueError) as e:
         raise KVTransferError(f"cannot reach the prefill worker at {addr}: {e!r}") from e
     try:
         await conn.send_control(PULL, tag, asdict(pull))
-        kind, body = await asyncio.wait_for(conn.read_control(tag), idle_timeout_s)
+        async with asyncio.timeout(idle_timeout_s):
+            kind, body = await conn.read_control(tag)
         if kind == ERROR:
             raise KVTransferError(f"the prefill worker refused: {body.get('message')}", False)
         if kind != ACCEPT:
@@ -572,7 +576,8 @@ async def pull_kv(addr: str, pull: PullRequest, pages: KVPages, dst_blocks: list
         received = torch.zeros(lay.num_layers, len(dst_blocks), dtype=torch.bool)
         nbytes = frames = 0
         while True:
-            h = await asyncio.wait_for(conn.read_header(), idle_timeout_s)
+            async with asyncio.timeout(idle_timeout_s):
+                h = await conn.read_header()
             if h.tag != tag:
                 raise KVTransferError("frame for another request")
             if h.kind != DATA:
@@ -629,7 +634,8 @@ async def _land(conn: FrameConn, pages: KVPages, layers: slice, blocks: list[int
     meanwhile (a thread cannot be stopped): once this returns or raises, nothing writes into
     `blocks`, which the caller may then free. The idle limit is the peer's, not the write's (a
     write waits for the engine's step): a timeout must not cut the wait for it short."""
-    staged = await asyncio.wait_for(_receive(conn, pages, layers, blocks, h), idle_timeout_s)
+    async with asyncio.timeout(idle_timeout_s):
+        staged = await _receive(conn, pages, layers, blocks, h)
     if staged is None:
         return
     if pages.direct:

@@ -263,7 +263,8 @@ class CacheEventPublisher:
         delay = self.flush_interval_s
         while not self._stop.is_set():
             with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self._stop.wait(), delay)
+                async with asyncio.timeout(delay):
+                    await self._stop.wait()
             if self._stop.is_set():
                 return
             try:

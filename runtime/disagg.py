@@ -173,7 +173,8 @@ class KVImporter:
         deadline = time.monotonic() + self.wait_s  # from its arrival, not from its turn
         try:
             try:  # imports take turns in arrival order
-                await asyncio.wait_for(self._turn.acquire(), max(0.0, deadline - time.monotonic()))
+                async with asyncio.timeout(max(0.0, deadline - time.monotonic())):
+                    await self._turn.acquire()
             except TimeoutError:
                 raise self._full(group, "earlier imports still wait") from None
             try:

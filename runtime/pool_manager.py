@@ -365,7 +365,8 @@ class Pool:
         task = self._zygote
         if task is not None:
             try:
-                zygote = await asyncio.wait_for(asyncio.shield(task), TEMPLATE_WAIT_S)
+                async with asyncio.timeout(TEMPLATE_WAIT_S):
+                    zygote = await asyncio.shield(task)
                 return await zygote.spawn(argv, env), "fork"
             except TimeoutError:
                 log.warning("the worker template is not ready after %.0fs: starting a fresh "

@@ -951,7 +951,8 @@ async def _exit_on_rank_failure(worker: Worker, runner: web.AppRunner, llm: Asyn
               llm.num_open_streams)  # fmt: skip
     worker.stopping = True
     with contextlib.suppress(Exception):
-        await asyncio.wait_for(runner.cleanup(), timeout=10)  # leaves the registry
+        async with asyncio.timeout(10):
+            await runner.cleanup()  # leaves the registry
     with contextlib.suppress(Exception):
         worker.telemetry.tel.shutdown()
     logging.shutdown()

@@ -316,7 +316,8 @@ class ZygoteClient:
         self._ready = self._loop.create_future()
         self._loop.add_reader(ours, self._readable)
         try:
-            ready = await asyncio.wait_for(asyncio.shield(self._ready), timeout_s)
+            async with asyncio.timeout(timeout_s):
+                ready = await asyncio.shield(self._ready)
         except BaseException as e:  # (cancelled too: the process is not left behind)
             await self.close()
             if self._ready.done() and not self._ready.cancelled():
@@ -425,7 +426,8 @@ class ZygoteClient:
             finally:
                 os.close(w)
             try:
-                pid, pidfd = await asyncio.wait_for(fut, SPAWN_TIMEOUT_S)
+                async with asyncio.timeout(SPAWN_TIMEOUT_S):
+                    pid, pidfd = await fut
             except TimeoutError as e:
                 raise ZygoteError(f"no answer from the template in {SPAWN_TIMEOUT_S:.0f}s") from e
         except BaseException:
@@ -459,7 +461,8 @@ class ZygoteClient:
         self._lost()
         if self.proc is not None and self.proc.returncode is None:
             try:
-                await asyncio.wait_for(self.proc.wait(), 10.0)
+                async with asyncio.timeout(10.0):
+                    await self.proc.wait()
             except TimeoutError:
                 self.proc.kill()
                 await self.proc.wait()

@@ -937,3 +937,49 @@ def test_a_refused_pull_leaves_another_pull_s_export_alone() -> None:
             await server.close()
 
     asyncio.run(main())
+
+
+def test_a_pull_cancelled_as_a_frame_lands_ends(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The client leaves (its handler is cancelled) in the very loop turn a frame arrives: the
+    pull ends with CancelledError. Python 3.11's asyncio.wait_for returned the frame and dropped
+    the cancellation, so the pull read the prefill's keepalives for ever (a CI run hung on it)."""
+    layers, heads, dim = 2, 2, 8
+    src = torch.randn(layers, 2, 8 * BS, heads, dim, generator=torch.Generator().manual_seed(2))
+    src_pages, dst_pages = KVPages(src, BS), KVPages(torch.zeros_like(src), BS)
+    monkeypatch.setattr(kv_transfer, "KEEPALIVE_S", 0.05)
+    never = asyncio.Event()
+
+    async def export(pull: PullRequest) -> AsyncIterator[ExportProgress]:
+        await never.wait()  # a prefill that takes long: keepalives meanwhile
+        yield ExportProgress(len(pull.token_ids), [0], True)
+
+    async def release(request_id: str) -> None:
+        return None
+
+    real = kv_transfer.FrameConn.read_header
+    puller: list[asyncio.Task[object]] = []
+
+    async def read_header(self: kv_transfer.FrameConn) -> kv_transfer._Header:
+        h = await real(self)
+        if h.kind == kv_transfer.KEEPALIVE and puller:  # only the puller is sent keepalives
+            puller[0].cancel()  # the client leaves as this frame lands
+        return h
+
+    monkeypatch.setattr(kv_transfer.FrameConn, "read_header", read_header)
+
+    async def main() -> None:
+        server = KVTransferServer(src_pages, "c", SECRET, export, release)
+        port = await server.start("127.0.0.1", 0)
+        try:
+            task = asyncio.ensure_future(pull_kv(
+                f"127.0.0.1:{port}", PullRequest("leaves", list(range(BS - 1)), 0, "c", SECRET),
+                dst_pages, [0]))  # fmt: skip
+            puller.append(task)
+            done, _ = await asyncio.wait({task}, timeout=5)
+            assert done, "the cancelled pull is still reading keepalives"
+            assert task.cancelled()
+        finally:
+            never.set()
+            await server.close()
+
+    asyncio.run(main())
