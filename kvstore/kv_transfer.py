@@ -255,11 +255,14 @@ class FrameConn:
     """One transfer connection: a non-blocking TCP socket driven by the event loop, sending
     from and receiving into caller buffers (no stream buffer in between)."""
 
-    def __init__(self, sock: socket.socket) -> None:
+    def __init__(self, sock: socket.socket, send_timeout_s: float = PULL_IDLE_S) -> None:
         sock.setblocking(False)
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         self.sock = sock
         self.loop = asyncio.get_running_loop()
+        # a peer that stays connected but reads nothing (stopped, frozen, its host gone) would
+        # hold a send, and what the sender holds (an export's KV blocks), until TCP gives up
+        self.send_timeout_s = send_timeout_s
 
     @classmethod
     async def connect(cls, host: str, port: int) -> FrameConn:
@@ -275,8 +278,16 @@ class FrameConn:
         return cls(sock)
 
     async def send(self, *views: bytes | memoryview) -> None:
+        """Send each view whole; ConnectionError when the peer takes none of one (views are at
+        most a chunk, 512 KiB) within `send_timeout_s`."""
         for v in views:
-            await self.loop.sock_sendall(self.sock, v)
+            try:
+                async with asyncio.timeout(self.send_timeout_s):
+                    await self.loop.sock_sendall(self.sock, v)
+            except TimeoutError:
+                raise ConnectionError(
+                    f"the peer read nothing for {self.send_timeout_s:g} s"
+                ) from None
 
     async def recv_into(self, view: memoryview) -> None:
         """Fill `view` exactly; IncompleteReadError when the peer closes first."""
@@ -334,7 +345,9 @@ class KVTransferServer:
     def __init__(self, pages: KVPages, cache_id: str, secret: str, export: ExportFn,
                  release: ReleaseFn, hold_s: float = 30.0,
                  frame_bytes: int = DEFAULT_FRAME_BYTES,
-                 on_served: ServedFn | None = None) -> None:  # fmt: skip
+                 on_served: ServedFn | None = None,
+                 send_timeout_s: float = PULL_IDLE_S,
+                 stalled: Callable[[], bool] | None = None) -> None:  # fmt: skip
         self.pages = pages
         self.cache_id = cache_id
         self.secret = secret
@@ -343,6 +356,10 @@ class KVTransferServer:
         self.hold_s = hold_s
         self.frame_bytes = frame_bytes
         self.on_served = on_served
+        self.send_timeout_s = send_timeout_s  # a puller that reads nothing this long is dropped
+        # whether the engine behind `export` is hung: no keepalives then, so that the puller's
+        # idle limit tells it from a busy one
+        self.stalled = stalled or (lambda: False)
         self._listener: socket.socket | None = None
         self._accepting: asyncio.Task[None] | None = None
         self._serving: set[asyncio.Task[None]] = set()
@@ -362,15 +379,22 @@ class KVTransferServer:
     async def _accept(self, listener: socket.socket) -> None:
         loop = asyncio.get_running_loop()
         while True:
-            sock, _ = await loop.sock_accept(listener)
-            task = asyncio.ensure_future(self._serve(FrameConn(sock)))
+            try:
+                sock, _ = await loop.sock_accept(listener)
+            except OSError as e:  # out of descriptors or buffers for a moment: accept again
+                # later (as asyncio's servers do); ending here would leave pullers connecting
+                # into the backlog, unanswered, for as long as the process lives
+                log.warning("kv transfer: accept failed (%s); accepting again in 1 s", e)
+                await asyncio.sleep(1.0)
+                continue
+            task = asyncio.ensure_future(self._serve(FrameConn(sock, self.send_timeout_s)))
             self._serving.add(task)
             task.add_done_callback(self._serving.discard)
 
     async def close(self) -> None:
         if self._accepting is not None:
             self._accepting.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
+            with contextlib.suppress(asyncio.CancelledError, Exception):  # (ended by a bug)
                 await self._accepting
         if self._listener is not None:
             self._listener.close()
@@ -459,7 +483,7 @@ class KVTransferServer:
                 while not (step.done() or hangup.done()):
                     await asyncio.wait({step, hangup}, timeout=KEEPALIVE_S,
                                        return_when=asyncio.FIRST_COMPLETED)  # fmt: skip
-                    if not (step.done() or hangup.done()):
+                    if not (step.done() or hangup.done() or self.stalled()):
                         await conn.send_control(KEEPALIVE, tag, {})
                 if not step.done():
                     step.cancel()  # stops the prefill (the export aborts its request)
@@ -487,9 +511,9 @@ class KVTransferServer:
             try:
                 async with asyncio.timeout(self.hold_s):
                     h = await asyncio.shield(hangup)
+                    kind, _ = await conn.read_control(tag, h)  # (its body within the limit too)
             except asyncio.IncompleteReadError:
                 return False  # hung up without acknowledging
-            kind, _ = await conn.read_control(tag, h)
             return kind == ACK
         except TimeoutError:
             log.warning("kv pull %s: no acknowledgement in %.0f s; freeing its blocks",

@@ -23,6 +23,7 @@ import asyncio
 import contextlib
 import logging
 import threading
+import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from typing import Any, TypeVar
@@ -70,6 +71,11 @@ class _Call:
 T = TypeVar("T")
 
 IDLE_WAIT_S = 0.005  # the engine thread's wait after a step that could run nothing
+# A step (or call) on the engine thread that has finished no model layer for this long is taken
+# for hung (a device call or a collective that never returns): the worker stops its streams'
+# keepalives and its heartbeat, so that gateways time it out, retry elsewhere and stop routing
+# to it. A layer takes milliseconds to about a second (a large prefill chunk on a CPU).
+ENGINE_STALL_S = 20.0
 
 
 class AsyncLLM:
@@ -81,6 +87,9 @@ class AsyncLLM:
         self._stats = engine.stats()  # refreshed by the engine thread after each change
         self._stopped = False
         self._cache_listener: Callable[[list[bytes], list[bytes]], None] | None = None
+        self._busy_since: float | None = None  # when the engine thread's current pass began
+        self._layers_at_start = 0  # the model's layer count then
+        self._layers_seen, self._layers_at = -1, 0.0  # the count a caller saw move, and when
         self._thread = threading.Thread(target=self._run, name="engine-loop", daemon=True)
         self._thread.start()
 
@@ -162,6 +171,27 @@ class AsyncLLM:
             self.engine.blocks.record_events = True
             self._cache_listener = listener
 
+    def stalled_s(self) -> float:
+        """Seconds the engine thread has spent in its current pass (a step, the calls before
+        it) without the model finishing a layer; 0 while it waits for work. Grows without bound
+        when a step never returns."""
+        since = self._busy_since
+        if since is None:
+            return 0.0
+        now = time.monotonic()
+        layers = self._layers_run()
+        if layers == self._layers_at_start:  # none this pass
+            return now - since
+        if layers != self._layers_seen:  # when it last moved, as the callers sample it
+            self._layers_seen, self._layers_at = layers, now
+        return now - max(since, self._layers_at)
+
+    def _layers_run(self) -> int:
+        return int(getattr(self.engine.runner.model, "layers_run", 0))
+
+    def is_stalled(self) -> bool:
+        return self.stalled_s() > ENGINE_STALL_S
+
     def stats(self) -> dict[str, int]:
         """Load figures as of the last step (no waiting for a running step)."""
         with self._cv:
@@ -210,6 +240,8 @@ class AsyncLLM:
                 if self._stopped:
                     return
                 inbox, self._inbox = self._inbox, []
+            self._layers_at_start = self._layers_run()  # (before _busy_since: see stalled_s)
+            self._busy_since = time.monotonic()
             deliveries: list[tuple[str, RequestOutput | BaseException]] = []
             for cmd in inbox:
                 if isinstance(cmd, _Add | _Import):
@@ -251,6 +283,7 @@ class AsyncLLM:
                     except Exception:  # the index is best effort: a lost event costs hits
                         log.exception("the prefix-cache listener failed")
             self._deliver(deliveries, engine.stats())
+            self._busy_since = None
             if idle and not deliveries:
                 # requests wait that nothing can run yet (their blocks held by KV imports still
                 # pulling, say): wait for a call or a new request rather than spin a core

@@ -99,7 +99,8 @@ def export_server(
 
     engine = llm.engine
     return KVTransferServer(
-        kv_pages(llm), engine.cache_id, secret, export, release, hold_s, on_served=on_served
+        kv_pages(llm), engine.cache_id, secret, export, release, hold_s, on_served=on_served,
+        stalled=llm.is_stalled,
     )
 
 

@@ -29,7 +29,7 @@ import signal
 import socket
 import time
 import urllib.parse
-from collections.abc import AsyncIterator, Coroutine
+from collections.abc import AsyncIterator, Callable, Coroutine
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
@@ -275,8 +275,18 @@ class Worker:
             self._bundle = "published"
 
     async def heartbeat_loop(self) -> None:
+        stalled = False
         while True:
-            await self.publish()
+            if self.llm.is_stalled():  # a hung engine: let the entry expire, no new work
+                if not stalled:
+                    log.error("the engine has made no progress for %.0f s (a hung step?): "
+                              "not renewing the registry entry", self.llm.stalled_s())  # fmt: skip
+                stalled = True
+            else:
+                if stalled:
+                    log.warning("the engine is making progress again")
+                stalled = False
+                await self.publish()
             raise_if_cancelling()
             await asyncio.sleep(self.config.heartbeat_s)
 
@@ -503,7 +513,7 @@ async def _generate(request: web.Request) -> web.StreamResponse:
         tel.finish(span, req, times, None, r.code)
         return r.response
     resp = web.StreamResponse(headers={"Content-Type": "application/x-ndjson"})
-    quiet = _Keepalive(resp)
+    quiet = _Keepalive(resp, worker.llm.is_stalled)
     if isinstance(taken, RequestStream):
         stream = taken
     else:
@@ -587,8 +597,9 @@ class _Keepalive:
     (task, CancelledError, traceback, frame) holding the response, and at ~400 requests/s those
     cycles made the collector's full passes take 5-9 ms every ~2 s, stalling the engine's loop."""
 
-    def __init__(self, resp: web.StreamResponse) -> None:
+    def __init__(self, resp: web.StreamResponse, stalled: Callable[[], bool]) -> None:
         self._resp = resp
+        self._stalled = stalled  # the engine is hung: say nothing, so the gateway times out
         self._last = time.monotonic()
         self._timer: asyncio.TimerHandle | None = None
         self._writing: asyncio.Future[None] | None = None
@@ -615,7 +626,7 @@ class _Keepalive:
     def _tick(self) -> None:
         now = time.monotonic()
         due = self._last + KEEPALIVE_S
-        if now >= due and (self._writing is None or self._writing.done()):
+        if now >= due and (self._writing is None or self._writing.done()) and not self._stalled():
             self._last = now
             self._writing = asyncio.ensure_future(self._write())
             due = now + KEEPALIVE_S
@@ -814,6 +825,9 @@ async def _role(request: web.Request) -> web.Response:
 
 async def _health(request: web.Request) -> web.Response:
     worker = request.app[WORKER]
+    if worker.llm.is_stalled():
+        return web.json_response({"status": "stalled", "worker_id": worker.config.worker_id,
+                                  "stalled_s": round(worker.llm.stalled_s(), 1)}, status=503)  # fmt: skip
     status = "draining" if worker.draining else "ok"
     return web.json_response({"status": status, "worker_id": worker.config.worker_id})
 

@@ -983,3 +983,116 @@ def test_a_pull_cancelled_as_a_frame_lands_ends(monkeypatch: pytest.MonkeyPatch)
             await server.close()
 
     asyncio.run(main())
+
+
+def test_a_puller_that_stops_reading_is_dropped_and_its_export_released() -> None:
+    """A puller that stays connected but reads nothing (a frozen decode process) no longer
+    holds the prefill side's send, and the export's KV blocks with it, until TCP gives up:
+    after `send_timeout_s` without progress the pull fails and `release` frees them."""
+    import socket
+
+    kv = torch.zeros(8, 2, 1024 * BS, 8, 128)  # 64 KiB of KV a token: MBs for a 512-token pull
+    pages = KVPages(kv, BS)
+    released: list[str] = []
+
+    async def export(pull: PullRequest) -> AsyncIterator[ExportProgress]:
+        n = len(pull.token_ids)
+        yield ExportProgress(n, list(range(-(-n // BS))), True)
+
+    async def release(request_id: str) -> None:
+        released.append(request_id)
+
+    async def main() -> None:
+        server = KVTransferServer(pages, "c", SECRET, export, release, hold_s=30,
+                                  send_timeout_s=1.0)  # fmt: skip
+        port = await server.start("127.0.0.1", 0)
+        sock = socket.socket()
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 64 << 10)
+        try:
+            sock.connect(("127.0.0.1", port))
+            conn = kv_transfer.FrameConn(sock)
+            pull = PullRequest("frozen", list(range(512)), 0, "c", SECRET)
+            await conn.send_control(kv_transfer.PULL, kv_transfer.request_tag("frozen"),
+                                    asdict(pull))  # fmt: skip
+            kind, _ = await conn.read_control(None)
+            assert kind == kv_transfer.ACCEPT
+            for _ in range(100):  # then reads nothing more
+                if released:
+                    break
+                await asyncio.sleep(0.05)
+            assert released == ["frozen"] and server.active == 0 and server.pulls_failed == 1
+        finally:
+            sock.close()
+            await server.close()
+
+    asyncio.run(main())
+
+
+def test_a_failed_accept_does_not_stop_the_server(monkeypatch: pytest.MonkeyPatch) -> None:
+    """accept() failing for a moment (out of descriptors) is logged and retried: later pulls
+    are served, and close() still closes (the accept loop used to end with the error, leaving
+    pullers to connect into the backlog unanswered, and close() re-raised it)."""
+    src = torch.randn(2, 2, 8 * BS, 2, 8, generator=torch.Generator().manual_seed(3))
+    src_pages, dst_pages = KVPages(src, BS), KVPages(torch.zeros_like(src), BS)
+
+    async def export(pull: PullRequest) -> AsyncIterator[ExportProgress]:
+        n = len(pull.token_ids)
+        yield ExportProgress(n, list(range(-(-n // BS))), True)
+
+    async def release(request_id: str) -> None:
+        return None
+
+    async def main() -> None:
+        loop = asyncio.get_running_loop()
+        real = loop.sock_accept
+        failures = [OSError(24, "Too many open files")]
+
+        async def sock_accept(sock):  # type: ignore[no-untyped-def]
+            if failures:
+                raise failures.pop()
+            return await real(sock)
+
+        monkeypatch.setattr(loop, "sock_accept", sock_accept)
+        server = KVTransferServer(src_pages, "c", SECRET, export, release)
+        port = await server.start("127.0.0.1", 0)
+        try:
+            result = await pull_kv(f"127.0.0.1:{port}", PullRequest("after", list(range(40)), 0,
+                                   "c", SECRET), dst_pages, [0, 1, 2], idle_timeout_s=5)  # fmt: skip
+            assert result.blocks == 3 and not failures
+            assert torch.equal(src_pages.blocks[:, :, :3], dst_pages.blocks[:, :, :3])
+        finally:
+            await server.close()
+        assert server._listener is not None and server._listener.fileno() == -1
+
+    asyncio.run(main())
+
+
+def test_a_stalled_prefill_engine_sends_no_keepalives() -> None:
+    """Keepalives say "the prefill is running": while the engine behind the export is hung
+    (AsyncLLM.is_stalled), none is sent, so the puller's idle limit fails the pull instead of
+    waiting for ever with its blocks reserved."""
+    src = torch.randn(2, 2, 8 * BS, 2, 8, generator=torch.Generator().manual_seed(4))
+    src_pages, dst_pages = KVPages(src, BS), KVPages(torch.zeros_like(src), BS)
+    never = asyncio.Event()
+
+    async def export(pull: PullRequest) -> AsyncIterator[ExportProgress]:
+        await never.wait()
+        yield ExportProgress(len(pull.token_ids), [0], True)
+
+    async def release(request_id: str) -> None:
+        return None
+
+    async def main() -> None:
+        server = KVTransferServer(src_pages, "c", SECRET, export, release, stalled=lambda: True)
+        port = await server.start("127.0.0.1", 0)
+        try:
+            t0 = time.monotonic()
+            with pytest.raises(KVTransferError, match="TimeoutError"):
+                await pull_kv(f"127.0.0.1:{port}", PullRequest("wedged", list(range(BS - 1)), 0,
+                              "c", SECRET), dst_pages, [0], idle_timeout_s=2.5)  # fmt: skip
+            assert time.monotonic() - t0 < 6
+        finally:
+            never.set()
+            await server.close()
+
+    asyncio.run(main())

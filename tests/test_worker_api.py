@@ -198,3 +198,90 @@ def test_a_disaggregated_request_is_answered_at_once_and_a_failed_pull_in_its_st
     assert (event["error"]["type"], event["error"]["param"]) == ("bad_gateway", "kv_source")
     status, _, body = _post(worker, _request(91, kv_source="127.0.0.1:1", sampling={"n": 0}))
     assert status == 400 and orjson.loads(body)["error"]["param"] == "n", body
+
+
+def test_a_hung_engine_stops_the_keepalives_a_slow_one_keeps_them(
+    stories_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The worker's keepalives tell the gateway "busy, not hung". A step that finishes model
+    layers, however slowly, keeps them coming; a step that finishes none for ENGINE_STALL_S (a
+    device call or collective that never returns) stops them, so the gateway's idle timeout
+    fires and it retries elsewhere, and /internal/health answers 503 "stalled" (the keepalive
+    timer used to write on whatever the engine thread was doing: a client hung for ever)."""
+    import asyncio
+    import time
+
+    import aiohttp
+    from aiohttp import web
+
+    from runtime import async_engine
+    from runtime.async_engine import AsyncLLM
+    from runtime.config import EngineConfig
+    from runtime.engine import LLMEngine
+    from runtime.worker import Worker, WorkerConfig, make_app
+
+    monkeypatch.setattr(async_engine, "ENGINE_STALL_S", 0.6)
+    llm = AsyncLLM(LLMEngine(EngineConfig(str(stories_dir), block_size=16,
+                                          kv_cache_bytes=4_000_000, num_threads=1)))  # fmt: skip
+    model = llm.engine.runner.model
+    real_step = llm.engine.step
+    mode = {"next": "real"}
+    unblock = threading.Event()
+
+    def step():  # type: ignore[no-untyped-def]
+        how, mode["next"] = mode["next"], "real"
+        if how == "slow" and llm.engine.has_unfinished():  # 1.8 s, a layer every 0.1 s
+            for _ in range(18):
+                time.sleep(0.1)
+                model.layers_run += 1
+        elif how == "hung" and llm.engine.has_unfinished():
+            unblock.wait(30)  # no layer finishes
+        return real_step()
+
+    llm.engine.step = step  # type: ignore[method-assign]
+    cfg = WorkerConfig("stories", "r1", "mixed", "127.0.0.1", 0, "http://127.0.0.1:0", SECRET,
+                       None)  # fmt: skip
+    headers = {"x-edgeinfer-secret": SECRET}
+
+    async def generate(http: aiohttp.ClientSession, port: int, rid: str) -> list[bytes]:
+        body = {"request_id": rid, "model": "stories", "prompt": "Once upon a time",
+                "sampling": {"max_tokens": 4}}  # fmt: skip
+        timeout = aiohttp.ClientTimeout(total=None, sock_read=2.5)  # the gateway's idle limit
+        got: list[bytes] = []
+        async with http.post(f"http://127.0.0.1:{port}/internal/generate", headers=headers,
+                             data=orjson.dumps(body), timeout=timeout) as resp:  # fmt: skip
+            async for line in resp.content:
+                got.append(line.strip())
+        return got
+
+    async def main() -> None:
+        runner = web.AppRunner(make_app(Worker(cfg, llm)))
+        await runner.setup()
+        site = web.TCPSite(runner, "127.0.0.1", 0)
+        await site.start()
+        port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
+        try:
+            async with aiohttp.ClientSession() as http:
+                mode["next"] = "slow"
+                got = await generate(http, port, "slow")
+                kinds = [orjson.loads(x)["type"] if x else "keepalive" for x in got]
+                # a keepalive came during the slow step, before its first token
+                assert kinds[:3] == ["start", "keepalive", "delta"], kinds
+                assert kinds[-1] == "done"
+                mode["next"] = "hung"
+                t0 = time.monotonic()
+                task = asyncio.ensure_future(generate(http, port, "hung"))
+                await asyncio.sleep(1.5)
+                async with http.get(f"http://127.0.0.1:{port}/internal/health",
+                                    headers=headers) as health:  # fmt: skip
+                    assert health.status == 503
+                    assert (await health.json())["status"] == "stalled"
+                with pytest.raises((TimeoutError, aiohttp.ServerTimeoutError)):
+                    await task
+                assert time.monotonic() - t0 < 10
+        finally:
+            unblock.set()
+            await runner.cleanup()
+            llm.shutdown()
+
+    asyncio.run(main())

@@ -192,6 +192,7 @@ class LlamaForCausalLM(nn.Module):
         # RoPE tables, built on first use: a loader builds the model before it starts reading
         # the weights, and this need not keep the drive waiting.
         self._rope_tables: tuple[torch.Tensor, torch.Tensor] | None = None
+        self.layers_run = 0  # decoder layers run, ever: the engine's progress (AsyncLLM)
 
     def _store_weights_as(self, dtype: torch.dtype) -> None:
         """The (still empty) linear weights, embedding and LM head, remade in `dtype`."""
@@ -256,6 +257,7 @@ class LlamaForCausalLM(nn.Module):
         layers = [self.layers[i] for i in self.local_layers]
         for layer, (k_cache, v_cache) in zip(layers, kv_caches, strict=True):
             x = layer(x, ctx, k_cache, v_cache)
+            self.layers_run += 1  # progress, for AsyncLLM.stalled_s (a hung step moves none)
         return x if self.norm is None else self.norm(x)
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
