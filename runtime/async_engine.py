@@ -74,8 +74,9 @@ IDLE_WAIT_S = 0.005  # the engine thread's wait after a step that could run noth
 # A step (or call) on the engine thread that has finished no model layer for this long is taken
 # for hung (a device call or a collective that never returns): the worker stops its streams'
 # keepalives and its heartbeat, so that gateways time it out, retry elsewhere and stop routing
-# to it. A layer takes milliseconds to about a second (a large prefill chunk on a CPU).
-ENGINE_STALL_S = 20.0
+# to it. A layer takes milliseconds to about a second (a large prefill chunk on a CPU); a first
+# prefill on a GPU may compile Triton kernels inside one for several seconds.
+ENGINE_STALL_S = 60.0
 
 
 class AsyncLLM:
