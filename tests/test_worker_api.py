@@ -206,8 +206,9 @@ def test_a_hung_engine_stops_the_keepalives_a_slow_one_keeps_them(
     """The worker's keepalives tell the gateway "busy, not hung". A step that finishes model
     layers, however slowly, keeps them coming; a step that finishes none for ENGINE_STALL_S (a
     device call or collective that never returns) stops them, so the gateway's idle timeout
-    fires and it retries elsewhere, and /internal/health answers 503 "stalled" (the keepalive
-    timer used to write on whatever the engine thread was doing: a client hung for ever)."""
+    fires and it retries elsewhere, and /internal/health answers 503 "stalled": the pods'
+    readiness and liveness probes (run here from infra/'s manifest) fail. The keepalive timer
+    used to write on whatever the engine thread was doing: a client hung for ever."""
     import asyncio
     import time
 
@@ -254,6 +255,25 @@ def test_a_hung_engine_stops_the_keepalives_a_slow_one_keeps_them(
                 got.append(line.strip())
         return got
 
+    import os
+    import subprocess
+    import sys
+
+    import yaml
+
+    manifest = Path(__file__).parents[1] / "infra" / "k8s" / "base" / "worker.yaml"
+    pod = yaml.safe_load(manifest.read_text())["spec"]["template"]["spec"]
+    (container,) = [c for c in pod["containers"] if c["name"] == "worker"]
+
+    async def probe(kind: str, port: int) -> int:
+        """The pods' exec probe `kind`, run against this worker: its exit status."""
+        script = container[kind]["exec"]["command"][2].replace("9001", str(port))
+        proc = await asyncio.to_thread(
+            subprocess.run, [sys.executable, "-c", script], capture_output=True, timeout=30,
+            env=os.environ | {"EDGEINFER_SECRET": SECRET},
+        )  # fmt: skip
+        return proc.returncode
+
     async def main() -> None:
         runner = web.AppRunner(make_app(Worker(cfg, llm)))
         await runner.setup()
@@ -261,6 +281,8 @@ def test_a_hung_engine_stops_the_keepalives_a_slow_one_keeps_them(
         await site.start()
         port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
         try:
+            assert await probe("livenessProbe", port) == 0
+            assert await probe("readinessProbe", port) == 0
             async with aiohttp.ClientSession() as http:
                 mode["next"] = "slow"
                 got = await generate(http, port, "slow")
@@ -276,6 +298,8 @@ def test_a_hung_engine_stops_the_keepalives_a_slow_one_keeps_them(
                                     headers=headers) as health:  # fmt: skip
                     assert health.status == 503
                     assert (await health.json())["status"] == "stalled"
+                assert await probe("livenessProbe", port) != 0  # the pod is restarted
+                assert await probe("readinessProbe", port) != 0
                 with pytest.raises((TimeoutError, aiohttp.ServerTimeoutError)):
                     await task
                 assert time.monotonic() - t0 < 10
