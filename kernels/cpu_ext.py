@@ -178,7 +178,11 @@ def _compile(name: str, source: Path, what: str, built: Path) -> ModuleType:
     path = built.parent
     path.mkdir(parents=True, exist_ok=True)
     with open(path / "build.flock", "a+b") as turn:
-        fcntl.flock(turn, fcntl.LOCK_EX)  # released on close, or when this process dies
+        try:
+            fcntl.flock(turn, fcntl.LOCK_EX)  # released on close, or when this process dies
+        except OSError as e:  # ENOLCK: an NFS home without its lock service
+            log.warning("cannot lock %s (%s): building under torch's lock file alone", turn.name, e)
+            return _compile_locked(name, source, what, built)
         if built.is_file():  # another process built it while this one waited
             return _import(name, built)
         stale = path / "lock"

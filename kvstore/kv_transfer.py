@@ -67,6 +67,11 @@ KIND_NAMES = {PULL: "PULL", ACCEPT: "ACCEPT", DATA: "DATA", END: "END", ACK: "AC
 # after PULL_IDLE_S of silence.
 KEEPALIVE_S = 1.0
 PULL_IDLE_S = 10.0
+# The prefill side's limit on a send the puller takes nothing of: longer than a puller's read
+# may pause while it is healthy (its landing write waits for its engine's step, which a worker
+# takes for hung after runtime.async_engine.ENGINE_STALL_S = 60 s), so only a frozen or vanished
+# puller is dropped (its export's KV blocks released) this way.
+SEND_TIMEOUT_S = 70.0
 MAX_CONTROL_BYTES = 16 << 20  # a PULL carries the prompt's token ids; nothing else is large
 DEFAULT_FRAME_BYTES = 8 << 20  # DATA frames hold whole layers up to about this size
 MIN_RUN_BYTES = 64 << 10  # below this average, scattered blocks are gathered into one buffer
@@ -278,8 +283,8 @@ class FrameConn:
         return cls(sock)
 
     async def send(self, *views: bytes | memoryview) -> None:
-        """Send each view whole; ConnectionError when the peer takes none of one (views are at
-        most a chunk, 512 KiB) within `send_timeout_s`."""
+        """Send each view whole; ConnectionError when one is not all taken within
+        `send_timeout_s` (DATA goes in chunks of 512 KiB, a control frame in one view)."""
         for v in views:
             try:
                 async with asyncio.timeout(self.send_timeout_s):
@@ -346,7 +351,7 @@ class KVTransferServer:
                  release: ReleaseFn, hold_s: float = 30.0,
                  frame_bytes: int = DEFAULT_FRAME_BYTES,
                  on_served: ServedFn | None = None,
-                 send_timeout_s: float = PULL_IDLE_S,
+                 send_timeout_s: float = SEND_TIMEOUT_S,
                  stalled: Callable[[], bool] | None = None) -> None:  # fmt: skip
         self.pages = pages
         self.cache_id = cache_id

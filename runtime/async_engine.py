@@ -188,7 +188,12 @@ class AsyncLLM:
         return now - max(since, self._layers_at)
 
     def _layers_run(self) -> int:
-        return int(getattr(self.engine.runner.model, "layers_run", 0))
+        """Layers run by the engine's models: the target's and a draft model's (which drafts
+        before the target's layers, a new request's whole prompt at once)."""
+        n = int(getattr(self.engine.runner.model, "layers_run", 0))
+        spec = self.engine.spec
+        draft = getattr(spec.proposer, "model", None) if spec is not None else None
+        return n + int(getattr(draft, "layers_run", 0))
 
     def is_stalled(self) -> bool:
         return self.stalled_s() > ENGINE_STALL_S

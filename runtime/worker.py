@@ -220,7 +220,7 @@ class Worker:
         Redis is down. The tokenizer bundle goes first the first time (a gateway that sees the
         worker can then tokenize for it: routing by load meanwhile cost early prefix hits), and
         after each renewal until it is there; its failure never keeps the worker unregistered."""
-        if self._registry is None:
+        if self._registry is None or self.llm.is_stalled():  # (a hung engine: let it expire)
             return
         async with self._publishing:
             if self._left:

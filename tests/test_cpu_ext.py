@@ -160,3 +160,23 @@ def test_builds_of_one_folder_take_turns(tmp_path: Path, monkeypatch: pytest.Mon
     # the other build ended (its flock went with the file)
     waiter.join(10)
     assert not waiter.is_alive() and calls == [f"imported {built.name}"]
+
+
+def test_a_home_without_flock_still_builds(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """flock refused (ENOLCK: an NFS home without its lock service): the build goes on under
+    torch's own lock file, which it then must not take for a leftover."""
+    import errno
+
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))
+    name = "edgeinfer_rms_norm_cpu"
+    built = cpu_ext._built_path(name, cpu_ext._NORM_SOURCE)
+    built.parent.mkdir(parents=True)
+    (built.parent / "lock").touch()  # another host's build, under way
+
+    def no_locks(fd: object, op: int) -> None:
+        raise OSError(errno.ENOLCK, "No locks available")
+
+    monkeypatch.setattr(cpu_ext.fcntl, "flock", no_locks)
+    monkeypatch.setattr(cpu_ext, "_compile_locked", lambda *a: "module")
+    assert cpu_ext._compile(name, cpu_ext._NORM_SOURCE, "test", built) == "module"
+    assert (built.parent / "lock").exists()

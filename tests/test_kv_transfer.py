@@ -1096,3 +1096,15 @@ def test_a_stalled_prefill_engine_sends_no_keepalives() -> None:
             await server.close()
 
     asyncio.run(main())
+
+
+def test_the_send_limit_outlasts_a_healthy_puller_s_pause() -> None:
+    """A healthy puller reads nothing while its landing write waits for its engine's step,
+    which may run up to ENGINE_STALL_S before its worker is taken for hung: the prefill side's
+    send limit must outlast that, or it cuts healthy pulls (it was PULL_IDLE_S, 10 s)."""
+    from runtime.async_engine import ENGINE_STALL_S
+
+    assert kv_transfer.SEND_TIMEOUT_S >= ENGINE_STALL_S + kv_transfer.PULL_IDLE_S
+    server = KVTransferServer(KVPages(torch.zeros(1, 2, BS, 1, 8), BS), "c", SECRET,
+                              None, None)  # type: ignore[arg-type]  # fmt: skip
+    assert server.send_timeout_s == kv_transfer.SEND_TIMEOUT_S

@@ -460,3 +460,58 @@ def test_sampled_outputs_match_with_a_poor_draft(engines, poor_draft) -> None:  
         assert _p_value(stat, len(cells) - 1) > 1e-4, (pos, a, b)
     blocks = _draft_blocks(poor_draft)
     assert blocks.num_free_blocks == blocks.num_blocks
+
+
+def test_a_draft_model_s_layers_count_as_the_engine_s_progress(
+    stories_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The stall detector (AsyncLLM.stalled_s) counts the draft model's layers too: a draft
+    catching up on a long prompt (one forward, before any of the target's layers) is progress.
+    Counting the target's alone, layers 8x under the limit added up to a "stalled" engine."""
+    import asyncio
+    import time
+
+    from runtime import async_engine
+    from runtime.async_engine import AsyncLLM
+    from runtime.config import EngineConfig
+    from runtime.engine import LLMEngine
+    from runtime.model.llama import DecoderLayer
+
+    monkeypatch.setattr(async_engine, "ENGINE_STALL_S", 0.5)
+    spec = {"method": "draft", "draft_model": str(stories_dir), "num_tokens": 4,
+            "max_batch_tokens": 64}  # fmt: skip
+    engine = LLMEngine(EngineConfig(str(stories_dir), block_size=16, kv_cache_bytes=4_000_000,
+                                    num_threads=1, max_num_batched_tokens=64, speculative=spec))  # fmt: skip
+    layer = DecoderLayer.forward
+
+    def slow(self, *args, **kwargs):  # type: ignore[no-untyped-def]
+        time.sleep(0.06)  # every layer, the target's and the draft's
+        return layer(self, *args, **kwargs)
+
+    monkeypatch.setattr(DecoderLayer, "forward", slow)
+    llm = AsyncLLM(engine)
+
+    async def main() -> tuple[float, int]:
+        stream = llm.submit("Once upon a time " * 40,
+                            SamplingParams(max_tokens=6, temperature=0, ignore_eos=True))  # fmt: skip
+        worst, stalled = 0.0, 0
+
+        async def poll() -> None:
+            nonlocal worst, stalled
+            while True:
+                worst = max(worst, llm.stalled_s())
+                stalled += llm.is_stalled()
+                await asyncio.sleep(0.02)
+
+        polling = asyncio.ensure_future(poll())
+        async for _ in stream:
+            pass
+        polling.cancel()
+        return worst, stalled
+
+    try:
+        worst, stalled = asyncio.run(main())
+    finally:
+        llm.shutdown()
+    assert engine.spec is not None and engine.spec.proposer.model.layers_run > 0  # type: ignore[attr-defined]
+    assert stalled == 0 and worst < 0.5, worst

@@ -201,7 +201,7 @@ def test_a_disaggregated_request_is_answered_at_once_and_a_failed_pull_in_its_st
 
 
 def test_a_hung_engine_stops_the_keepalives_a_slow_one_keeps_them(
-    stories_dir: Path, monkeypatch: pytest.MonkeyPatch
+    stories_dir: Path, monkeypatch: pytest.MonkeyPatch, redis_server: LocalRedis
 ) -> None:
     """The worker's keepalives tell the gateway "busy, not hung". A step that finishes model
     layers, however slowly, keeps them coming; a step that finishes none for ENGINE_STALL_S (a
@@ -241,7 +241,8 @@ def test_a_hung_engine_stops_the_keepalives_a_slow_one_keeps_them(
 
     llm.engine.step = step  # type: ignore[method-assign]
     cfg = WorkerConfig("stories", "r1", "mixed", "127.0.0.1", 0, "http://127.0.0.1:0", SECRET,
-                       None)  # fmt: skip
+                       redis_server.url, heartbeat_s=0.2, ttl_s=1.0)  # fmt: skip
+    worker = Worker(cfg, llm)
     headers = {"x-edgeinfer-secret": SECRET}
 
     async def generate(http: aiohttp.ClientSession, port: int, rid: str) -> list[bytes]:
@@ -275,7 +276,13 @@ def test_a_hung_engine_stops_the_keepalives_a_slow_one_keeps_them(
         return proc.returncode
 
     async def main() -> None:
-        runner = web.AppRunner(make_app(Worker(cfg, llm)))
+        from redis.asyncio import Redis
+
+        from kvstore.registry import Registry
+
+        redis = Redis.from_url(redis_server.url)
+        registry = Registry(redis)
+        runner = web.AppRunner(make_app(worker))
         await runner.setup()
         site = web.TCPSite(runner, "127.0.0.1", 0)
         await site.start()
@@ -283,6 +290,8 @@ def test_a_hung_engine_stops_the_keepalives_a_slow_one_keeps_them(
         try:
             assert await probe("livenessProbe", port) == 0
             assert await probe("readinessProbe", port) == 0
+            ours = worker.config.worker_id  # (the module's worker shares the Redis and model)
+            assert ours in [w.worker_id for w in await registry.workers("stories")]
             async with aiohttp.ClientSession() as http:
                 mode["next"] = "slow"
                 got = await generate(http, port, "slow")
@@ -300,12 +309,16 @@ def test_a_hung_engine_stops_the_keepalives_a_slow_one_keeps_them(
                     assert (await health.json())["status"] == "stalled"
                 assert await probe("livenessProbe", port) != 0  # the pod is restarted
                 assert await probe("readinessProbe", port) != 0
+                await asyncio.sleep(1.2)  # past the registry entry's TTL: gone, not renewed
+                await worker.publish()  # (as a role change's would: nor by that)
+                assert ours not in [w.worker_id for w in await registry.workers("stories")]
                 with pytest.raises((TimeoutError, aiohttp.ServerTimeoutError)):
                     await task
                 assert time.monotonic() - t0 < 10
         finally:
             unblock.set()
             await runner.cleanup()
+            await redis.aclose()
             llm.shutdown()
 
     asyncio.run(main())
