@@ -21,6 +21,10 @@ direct, ...) so that drift of a shared machine hits both. A second, unloaded mea
 cost from queueing in the worker: at concurrency 64 a 2-core machine runs the worker, the
 gateway and this load generator on the same cores, and TTFT is mostly waiting for the engine.
 
+`--bare-proxy` adds, unloaded, a bare aiohttp pass-through proxy (bench/bare_proxy.py, placed
+as the gateway is) against the same worker: the floor of an aiohttp hop, beside which the
+gateway's added latency splits into aiohttp's and its own.
+
 Everything runs as real processes: a throwaway redis-server, one worker, one gateway.
 Run from the repository root: `python -m bench.gateway [--requests 2000] [--concurrency 64]`.
 """
@@ -31,6 +35,7 @@ import argparse
 import asyncio
 import os
 import platform
+import subprocess
 import sys
 import tempfile
 import time
@@ -45,7 +50,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from kvstore.redis_server import LocalRedis  # noqa: E402
-from tests.stack import SECRET, Proc, start_gateway, start_worker  # noqa: E402
+from tests.stack import SECRET, Proc, find_free_port, start_gateway, start_worker  # noqa: E402
 
 STORIES = ROOT.parent / "shared" / "models" / "stories260K"
 PROMPTS = ["Once upon a time", "The little dog", "One day, Lily", "Tom had a red ball"]
@@ -203,6 +208,40 @@ def _report(title: str, direct: Phase, via: Phase) -> None:
     )
 
 
+def _bare_proxy(worker: Proc, cpus: list[int], n: int) -> None:
+    """Direct against a bare aiohttp proxy to the same worker, unloaded, interleaved."""
+    port = find_free_port()
+    proxy = subprocess.Popen(
+        [sys.executable, "-m", "bench.bare_proxy", str(port), worker.url], cwd=ROOT,
+        preexec_fn=lambda: os.sched_setaffinity(0, set(cpus)),
+    )  # fmt: skip
+    url = f"http://127.0.0.1:{port}"
+
+    async def run() -> tuple[Phase, Phase]:
+        for _ in range(100):  # until it listens
+            try:
+                await _run(_one_direct, url, 20, 1, Phase("warmup"))
+                break
+            except aiohttp.ClientConnectionError:
+                await asyncio.sleep(0.1)
+        direct, via = Phase("direct"), Phase("bare proxy")
+        for r in range(4):
+            for phase, target in ((direct, worker.url), (via, url))[:: 1 if r % 2 == 0 else -1]:
+                await _run(_one_direct, target, n // 4, 1, phase)
+        return direct, via
+
+    try:
+        direct, via = asyncio.run(run())
+    finally:
+        proxy.terminate()
+        proxy.wait(10)
+    print(f"\nconcurrency 1, a bare aiohttp proxy (bench/bare_proxy.py), {n} requests per path")
+    for p in (direct, via):
+        print(f"  {p.name:10} p50 {p.pct(0.5):6.2f} ms  p99 {p.pct(0.99):6.2f} ms")
+    print(f"  bare proxy added: p50 {via.pct(0.5) - direct.pct(0.5):+.2f} ms, p99 "
+          f"{via.pct(0.99) - direct.pct(0.99):+.2f} ms (the hop's floor in aiohttp)")  # fmt: skip
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -211,6 +250,8 @@ def main() -> int:
     ap.add_argument("--concurrency", type=int, default=64)
     ap.add_argument("--rounds", type=int, default=4, help="alternations of the two paths")
     ap.add_argument("--unloaded-requests", type=int, default=300, help="at concurrency 1; 0 skips")
+    ap.add_argument("--bare-proxy", action="store_true",
+                    help="also time a bare aiohttp proxy's hop, unloaded")  # fmt: skip
     ap.add_argument("--model", type=Path, default=STORIES)
     ap.add_argument("--worker-threads", type=int, default=1)
     ap.add_argument(
@@ -258,6 +299,8 @@ def main() -> int:
             if args.unloaded_requests:
                 d1, g1 = asyncio.run(_measure(worker, gateway, args.unloaded_requests, 1, 2))
                 _report(f"concurrency 1 (the gateway's own cost), {args.unloaded_requests} requests per path", d1, g1)  # fmt: skip
+            if args.bare_proxy:
+                _bare_proxy(worker, cpus[half:] if pin else cpus, args.unloaded_requests or 300)
         finally:
             gateway.stop()
             worker.stop()
