@@ -154,6 +154,7 @@ class Worker:
         self._redis: Redis | None = None
         self._bundle: BundleState = "pending"
         self._registered = False  # a heartbeat has written the registry entry once
+        self._expired_stalled = False  # renewals skipped while the engine was stalled
         self._publishing = asyncio.Lock()  # one registry write at a time (heartbeat, role, drain)
         self._left = False  # deregistered for good: no registry write any more
         self._heartbeat: asyncio.Task[None] | None = None  # heartbeat_loop, while the app runs
@@ -231,13 +232,16 @@ class Worker:
             try:
                 created = await self._registry.heartbeat(self.info())
                 if created and self._registered:  # Redis lost our entry: lost the rest too?
-                    log.warning("registry entry was gone (Redis restarted or flushed?): "
-                                "publishing the tokenizer and the prefix cache's blocks again")  # fmt: skip
+                    why = ("it expired while the engine was stalled" if self._expired_stalled
+                           else "Redis restarted or flushed?")  # fmt: skip
+                    log.warning("registry entry was gone (%s): publishing the tokenizer and "
+                                "the prefix cache's blocks again", why)  # fmt: skip
                     if self._bundle == "published":  # (a write only where it is missing)
                         self._bundle = "pending"
                     if self.publisher is not None:
                         self.publisher.resync()
                 self._registered = True
+                self._expired_stalled = False
             except Exception as e:  # redis errors, timeouts, connection refused
                 if self._redis_ok:
                     log.warning("redis unreachable, serving on unregistered: %s", e)
@@ -281,7 +285,7 @@ class Worker:
                 if not stalled:
                     log.error("the engine has made no progress for %.0f s (a hung step?): "
                               "not renewing the registry entry", self.llm.stalled_s())  # fmt: skip
-                stalled = True
+                stalled = self._expired_stalled = True
             else:
                 if stalled:
                     log.warning("the engine is making progress again")

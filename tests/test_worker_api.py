@@ -201,14 +201,16 @@ def test_a_disaggregated_request_is_answered_at_once_and_a_failed_pull_in_its_st
 
 
 def test_a_hung_engine_stops_the_keepalives_a_slow_one_keeps_them(
-    stories_dir: Path, monkeypatch: pytest.MonkeyPatch, redis_server: LocalRedis
+    stories_dir: Path, monkeypatch: pytest.MonkeyPatch, redis_server: LocalRedis,
+    caplog: pytest.LogCaptureFixture,
 ) -> None:
     """The worker's keepalives tell the gateway "busy, not hung". A step that finishes model
     layers, however slowly, keeps them coming; a step that finishes none for ENGINE_STALL_S (a
     device call or collective that never returns) stops them, so the gateway's idle timeout
     fires and it retries elsewhere, and /internal/health answers 503 "stalled": the pods'
-    readiness and liveness probes (run here from infra/'s manifest) fail. The keepalive timer
-    used to write on whatever the engine thread was doing: a client hung for ever."""
+    readiness and liveness probes (run here from infra/'s manifest) fail, and its registry
+    entry expires; once the step returns, the worker registers again. The keepalive timer used
+    to write on whatever the engine thread was doing: a client hung for ever."""
     import asyncio
     import time
 
@@ -312,6 +314,13 @@ def test_a_hung_engine_stops_the_keepalives_a_slow_one_keeps_them(
                 await asyncio.sleep(1.2)  # past the registry entry's TTL: gone, not renewed
                 await worker.publish()  # (as a role change's would: nor by that)
                 assert ours not in [w.worker_id for w in await registry.workers("stories")]
+                unblock.set()  # the step returns: the engine recovers, and re-registers
+                for _ in range(50):
+                    if ours in [w.worker_id for w in await registry.workers("stories")]:
+                        break
+                    await asyncio.sleep(0.1)
+                assert ours in [w.worker_id for w in await registry.workers("stories")]
+                assert "expired while the engine was stalled" in caplog.text
                 with pytest.raises((TimeoutError, aiohttp.ServerTimeoutError)):
                     await task
                 assert time.monotonic() - t0 < 10
