@@ -433,18 +433,17 @@ class ZygoteClient:
         except BaseException:
             self._pending.pop(self._ids, None)  # a late answer: its process is killed
             if fut.done() and not fut.cancelled() and fut.exception() is None:
-                pid, pidfd = fut.result()  # answered, but this call was cancelled meanwhile
-                self._starting.pop(pid, None)
-                if pidfd >= 0:
-                    with contextlib.suppress(OSError):
-                        signal.pidfd_send_signal(pidfd, signal.SIGKILL)
-                    os.close(pidfd)
+                self._kill_unreturned(*fut.result())  # answered, but this call was cancelled
             os.close(r)
             raise
         reader = asyncio.StreamReader(limit=1 << 20)
-        await loop.connect_read_pipe(
-            lambda: asyncio.StreamReaderProtocol(reader), os.fdopen(r, "rb", buffering=0)
-        )
+        pipe = os.fdopen(r, "rb", buffering=0)
+        try:
+            await loop.connect_read_pipe(lambda: asyncio.StreamReaderProtocol(reader), pipe)
+        except BaseException:  # cancelled here, the process would run on, tracked by no one
+            self._kill_unreturned(pid, pidfd)
+            pipe.close()
+            raise
         child = ForkedProcess(pid, pidfd, reader)
         code = self._starting.pop(pid, None)
         if code is not None:  # it has exited already
@@ -454,6 +453,14 @@ class ZygoteClient:
         else:
             self._children[pid] = child
         return child
+
+    def _kill_unreturned(self, pid: int, pidfd: int) -> None:
+        """Kill a process forked for a spawn() that ends without returning it."""
+        self._starting.pop(pid, None)
+        if pidfd >= 0:
+            with contextlib.suppress(OSError):
+                signal.pidfd_send_signal(pidfd, signal.SIGKILL)
+            os.close(pidfd)
 
     async def close(self) -> None:
         """Stop the zygote: it exits once its end of the socket sees ours close. Its children

@@ -219,6 +219,28 @@ def test_signals_races_and_abandoned_spawns(tmp_path: Path, stories_dir: Path) -
                     break
             assert not _live_children(zygote.proc.pid)
             assert not zygote._starting and not zygote._pending
+            # cancelled after the answer, while its output pipe is being connected: the
+            # process is killed too (it ran on, in no one's list)
+            loop = asyncio.get_running_loop()
+            connect = loop.connect_read_pipe
+
+            async def cancelled(*args: object) -> None:
+                raise asyncio.CancelledError
+
+            loop.connect_read_pipe = cancelled  # type: ignore[method-assign,assignment]
+            try:
+                with pytest.raises(asyncio.CancelledError):
+                    await zygote.spawn(
+                        _worker_argv(stories_dir, _free_port()), {"EDGEINFER_SECRET": "s"}
+                    )
+            finally:
+                loop.connect_read_pipe = connect  # type: ignore[method-assign]
+            for _ in range(100):
+                await asyncio.sleep(0.05)
+                if not _live_children(zygote.proc.pid):
+                    break
+            assert not _live_children(zygote.proc.pid)
+            assert not zygote._starting and not zygote._pending and not zygote._children
 
     asyncio.run(main())
 
