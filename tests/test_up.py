@@ -221,10 +221,12 @@ def test_ctrl_c_stops_the_stack_in_order_and_ends_every_stream(
         _kill(proc)
     out = log.read_text()
     assert took < 5.0, (took, out)
-    cut = 0
+    cut, refused = 0, 0
     for status, lines in results:
-        if status != 200:
+        if status != 200:  # never committed to the client: no token had reached the gateway
             assert status == 503, (status, lines)
+            assert orjson.loads(lines[0])["error"]["code"] in ("shutdown", "draining"), lines
+            refused += 1
             continue
         assert lines[-1] == b"data: [DONE]", lines[-3:]
         last = orjson.loads(lines[-2].removeprefix(b"data: "))
@@ -233,7 +235,10 @@ def test_ctrl_c_stops_the_stack_in_order_and_ends_every_stream(
             cut += 1
         else:
             assert last["choices"][0]["finish_reason"] == "length", last
-    assert cut == 1, results  # the one running when the drain ran out (the rest never started)
+    # the one running when the drain ran out is cut mid-stream; the rest never started (503).
+    # When the drain ran out just as one began, before its first token reached the gateway,
+    # that one is refused too (the gateway commits a stream to a worker at its first token)
+    assert cut <= 1 and refused >= 1 and cut + refused < len(results), results
     stopped = re.search(r"stopped the gateway in ([\d.]+)s", out)
     assert stopped and float(stopped.group(1)) < 5.0, out
     order = ["stopping: gateway", "stopped the gateway", "stopped 1 worker(s)",
