@@ -11,8 +11,9 @@ weights kept compressed (issue 7's GPU figures), in one run.
    at several spans. Every output is checked bit for bit against the original first.
 2. Decode step, replayed from the engine's CUDA graphs, of a random-weight bfloat16 model with
    its decoder layers kept compressed (`runtime.compression.CompressedBlocks`: each layer's
-   weights decoded into one buffer just before it runs, inside the graph) beside the same model
-   dense, at batch 1 and 64: SmolLM2-135M's shape and TinyLlama-1.1B's.
+   weights decoded on a side stream while the layer before runs, inside the graph) beside the
+   same model dense, at batch 1 and 64: SmolLM2-135M's shape and TinyLlama-1.1B's; and, for
+   comparison, with each layer decoded in line just before it runs (`overlap=False`).
 
     python -m bench.compress_gpu [--weights FILE_OR_DIR] [--layers 4] [--reps 30] [--skip-1b]
     python -m bench.compress_gpu --save-layers FILE   # the real weights, for a GPU machine
@@ -145,18 +146,23 @@ def _clone_group(g):  # type: ignore[no-untyped-def]
                      g.sm.clone(), g.span, g.numel)  # fmt: skip
 
 
-def step_slowdown(shape: dict[str, int], tied: bool, reps: int) -> tuple[int, dict, dict, str]:  # type: ignore[type-arg]
-    """(weight bytes, {batch: dense seconds}, {batch: kept-compressed seconds}, summary)."""
+def step_slowdown(shape: dict[str, int], tied: bool, reps: int) -> tuple[int, dict, dict, dict, str]:  # type: ignore[type-arg]
+    """(weight bytes, {batch: dense seconds}, {batch: kept-compressed seconds}, the same decoded
+    in line, summary)."""
     from runtime.compression import CompressedBlocks
 
     model = random_llama(shape, tied)
     nbytes = weight_bytes(model)
     dense = graphed_steps(model, (1, 64), reps)
-    t0 = time.perf_counter()
-    blocks = CompressedBlocks(list(model.layers), device="cuda")
-    log(f"  encoded in {time.perf_counter() - t0:.1f} s: {blocks.summary()}")
-    kept = graphed_steps(model, (1, 64), reps)
-    return nbytes, dense, kept, blocks.summary()
+    steps, summary = [], ""
+    for overlap in (True, False):
+        t0 = time.perf_counter()
+        blocks = CompressedBlocks(list(model.layers), device="cuda", overlap=overlap)
+        log(f"  encoded in {time.perf_counter() - t0:.1f} s: {blocks.summary()}")
+        summary = summary or blocks.summary()
+        steps.append(graphed_steps(model, (1, 64), reps))
+        blocks.release()
+    return nbytes, dense, steps[0], steps[1], summary
 
 
 def main() -> None:
@@ -203,11 +209,12 @@ def main() -> None:
         models.append(("TinyLlama-1.1B shape", TINYLLAMA, False))
     for label, shape, tied in models:
         log(label)
-        nbytes, dense, kept, summary = step_slowdown(shape, tied, args.reps)
+        nbytes, dense, kept, inline, summary = step_slowdown(shape, tied, args.reps)
         print(f"  {label} ({nbytes / 1e9:.2f} GB read per dense step; {summary}):")
         for b in dense:
             print(f"    batch {b:3d}: dense {dense[b] * 1e3:7.3f} ms, kept compressed "
-                  f"{kept[b] * 1e3:7.3f} ms = {kept[b] / dense[b]:5.2f}x")  # fmt: skip
+                  f"{kept[b] * 1e3:7.3f} ms = {kept[b] / dense[b]:5.2f}x (decoded in line "
+                  f"{inline[b] * 1e3:7.3f} ms = {inline[b] / dense[b]:5.2f}x)")  # fmt: skip
         torch.cuda.empty_cache()
     print(f"\n{time.strftime('%Y-%m-%d %H:%M')} {os.uname().nodename}")
 

@@ -174,7 +174,7 @@ class LLMEngine:
             free = weights.memory_before - weights.nbytes
             if self.compressed is not None:  # what the compressed layers gave back
                 free += self.compressed.dense_bytes - self.compressed.compressed_bytes
-                free -= self.compressed.buffer.nbytes
+                free -= self.compressed.buffer_bytes
             if config.packed_weights and (Path(config.model) / IMPORT_MARKER).exists():
                 # a GGUF import's weights are exact blocks: pack_weights will keep those too
                 free -= self.model.packable_bytes()

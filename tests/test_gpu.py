@@ -94,6 +94,51 @@ def test_engine_on_the_gpu_with_weights_kept_compressed(tiny_model_dir) -> None:
     assert _greedy(llm) == dense
 
 
+def test_blocks_decoded_ahead_on_a_side_stream_answer_as_dense_in_any_order() -> None:
+    """CompressedBlocks on a GPU decodes block i+1 on a side stream while block i runs, into the
+    other of two buffers: in order, out of order (a block alone, blocks skipped), eagerly and
+    replayed from a CUDA graph, every block computes with its own weights."""
+    from runtime.compression import CompressedBlocks
+
+    gen = torch.Generator().manual_seed(0)
+    blocks = [torch.nn.Linear(512, 512, bias=False, dtype=torch.bfloat16) for _ in range(4)]
+    for b in blocks:
+        b.weight.data = (torch.randn(512, 512, generator=gen) * 0.02).to(torch.bfloat16)
+    blocks = [b.cuda() for b in blocks]
+    x = torch.randn(8, 512, generator=gen).to(torch.bfloat16).cuda()
+
+    def run(order: list[int]) -> torch.Tensor:
+        h = x
+        for i in order:
+            h = blocks[i](h) + h
+        return h
+
+    orders = [[0, 1, 2, 3], [2], [0, 2, 3], [3, 1, 0, 2], [3, 1], [0, 1, 2, 3]]
+    dense = [run(o) for o in orders]
+    kept = CompressedBlocks(blocks, device="cuda", min_saving=0)
+    assert kept._side is not None and len(kept._buffers) == 2
+    assert blocks[0].weight.numel() == 0 and "next layer while one runs" in kept.summary()
+    for _ in range(3):
+        for order, want in zip(orders, dense, strict=True):
+            assert torch.equal(run(order), want), order
+    graph = torch.cuda.CUDAGraph()
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        run(orders[0])  # (warm-up, as the engine's capture does)
+    torch.cuda.current_stream().wait_stream(stream)
+    with torch.cuda.graph(graph):
+        out = run(orders[0])
+    for _ in range(3):
+        out.zero_()
+        graph.replay()
+        assert torch.equal(out, dense[0])
+        assert torch.equal(run([3, 1]), dense[4])  # eager, between replays
+    kept.release()
+    assert all(b.weight.numel() == 512 * 512 for b in blocks)
+    assert [torch.equal(run(o), d) for o, d in zip(orders, dense, strict=True)] == [True] * 6
+
+
 def test_weights_read_onto_the_gpu_are_the_checkpoints_bits(tiny_model_dir, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
     from runtime.config import ModelLoadError
     from runtime.loader import load_model, start_load
