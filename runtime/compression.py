@@ -77,7 +77,6 @@ from kernels.cpu_ext import huffman_if_built, load_huffman
 from kernels.dispatch import FORCE_TRITON
 from kernels.huffman_decode import (
     CODE_BITS,
-    LANE_SPAN,
     CodedBF16,
     CorruptStreamError,
     LaneGroup,
@@ -1196,6 +1195,12 @@ def _aligned(nbytes: int) -> int:
 
 TABLE_BYTES = 8 * (1 << CODE_BITS)  # a decode table, held beside each tensor kept compressed
 MIN_LANE_SPAN = 64  # the least span a LaneGroup is built for (else a tensor at a time)
+# Weights kept compressed: values a lane. A layer is one launch, a thread a lane, each decoding
+# its span in sequence: SmolLM2's layer at 256 is 14K threads, far from filling an H100, whose
+# decode of the 30 layers took 1.50 ms; 0.85 ms at 128, 0.72 at 64 (graphed, 2026-11-26). The
+# lanes' offsets cost 8 bytes a lane: 1.6% of the bfloat16 bytes at 256, 6.3% at 64 (SmolLM2's
+# layers kept in 69.6% of their bfloat16 bytes at 256, 74.3% at 64)
+KEPT_LANE_SPAN = 64
 
 
 @dataclass(slots=True)
@@ -1224,9 +1229,11 @@ class CompressedBlocks:
 
     On a GPU the next block is decoded while one runs (`overlap`, default on): two buffers, and
     a side stream that decodes block i+1 into one as soon as block i-1 (which read it last) is
-    done, while block i's kernels run from the other. At batch 1 a layer's kernels are small
-    and latency-bound, leaving most of the GPU to the decoder: decoded in line, SmolLM2's step
-    took 2.3x the dense one on an H100 (2026-11-26), the decoder's time added to the step's.
+    done, while block i's kernels run from the other (`ahead` blocks ahead, with as many more
+    buffers; 2 or 3 were no faster). At batch 1 a layer's kernels are small and latency-bound,
+    leaving much of the GPU to the decoder: SmolLM2's graphed step on an H100 (2026-11-26) took
+    2.26x the dense one decoded in line, 1.93x decoded ahead (lanes of 256 values; with 64,
+    1.75x and 1.30-1.47x). A higher priority for either stream did not help.
 
     The weights are encoded here, from the loaded model (the model's parameters fuse q/k/v
     and gate/up, which the files' records do not), on the calling thread: SmolLM2's 106M layer
@@ -1249,6 +1256,7 @@ class CompressedBlocks:
         progress: Callable[[int, int], None] | None = None,
         min_saving: int = TABLE_BYTES,
         overlap: bool = True,
+        ahead: int = 1,
     ) -> None:
         first = next((p for b in blocks for p in b.parameters()), None)
         self.device = (
@@ -1297,15 +1305,20 @@ class CompressedBlocks:
             if progress is not None:
                 progress(done, total)
         self.buffer = torch.empty(size, dtype=torch.bfloat16, device=self.device)
-        # on a GPU with every block one launch: the second buffer and the stream that fills it
+        # on a GPU with every block one launch: the buffers decoded ahead into, the stream that
+        # fills them, and an event a buffer that says its block is decoded
         self._side: torch.cuda.Stream | None = None
         self._buffers = [self.buffer]
-        self._next: int | None = None  # the block decoded ahead (into _buffers[index % 2])
+        self._ready: list[torch.cuda.Event] = []
+        self._launched = -1  # the last block whose decode was started ahead
+        self._last: tuple[int, bool] = (-1, False)  # the block run last; in a graph's capture?
         if overlap and self.device.type == "cuda" and len(self._blocks) > 1 and all(
             b.group is not None for b in self._blocks
         ):
+            ahead = max(1, min(ahead, len(self._blocks) - 1))
             self._side = torch.cuda.Stream(self.device)
-            self._buffers.append(torch.empty_like(self.buffer))
+            self._buffers += [torch.empty_like(self.buffer) for _ in range(ahead)]
+            self._ready = [torch.cuda.Event() for _ in self._buffers]
 
     @property
     def buffer_bytes(self) -> int:
@@ -1321,7 +1334,7 @@ class CompressedBlocks:
         # of the lanes kernel, whose lanes start at multiples of its span (a lane never crosses
         # a chunk; no group under 64 values a lane: 8 bytes a lane are 6% of the dense bytes at
         # 64, all of them at 4); else a tensor at a time by the C++ decoder, 64-byte aligned
-        span = math.gcd(LANE_SPAN, chunk_elems)
+        span = math.gcd(KEPT_LANE_SPAN, chunk_elems)
         gpu = (self.device.type == "cuda" or FORCE_TRITON) and span >= MIN_LANE_SPAN
         align = span if gpu else 32
         slots, held, used = [], [], 0
@@ -1360,21 +1373,26 @@ class CompressedBlocks:
         return hook
 
     def _decode_ahead(self, index: int) -> None:
-        """Block `index`'s weights from the side stream (decoded ahead while the block before
-        ran, or now when it was not: a forward's first block, or blocks run out of order), and
-        the next block's decode started. Captured in a CUDA graph, the side stream's kernels
-        are a branch of it that joins before each block."""
+        """Block `index`'s weights from the side stream (decoded ahead while the blocks before
+        ran, or now when they were not: a forward's first block, or blocks run out of order),
+        and the decodes of the blocks after it started, as many as there are other buffers.
+        Captured in a CUDA graph, the side stream's kernels are a branch of it that joins
+        before each block."""
         assert self._side is not None
         current = torch.cuda.current_stream(self.device)
-        if self._next != index:
+        capturing = torch.cuda.is_current_stream_capturing()
+        # Decoded ahead only when it follows the block run last, in the same mode: a forward
+        # (each graph's capture) decodes from its first block, and a graph decodes all it reads
+        if index == 0 or self._last != (index - 1, capturing):
+            self._launched = index - 1
+        self._last = (index, capturing)
+        n = len(self._buffers)
+        if self._launched < index:
             self._launch(index, current)
-        current.wait_stream(self._side)  # (all the side stream holds: this block's decode)
-        self._bind(self._blocks[index], self._buffers[index % 2])
-        if index + 1 < len(self._blocks):
-            self._launch(index + 1, current)
-            self._next = index + 1
-        else:
-            self._next = None
+        current.wait_event(self._ready[index % n])
+        self._bind(self._blocks[index], self._buffers[index % n])
+        while self._launched < min(index + n - 1, len(self._blocks) - 1):
+            self._launch(self._launched + 1, current)
 
     def _launch(self, index: int, current: torch.cuda.Stream) -> None:
         """Decode block `index` on the side stream once the work queued on `current` so far,
@@ -1382,9 +1400,12 @@ class CompressedBlocks:
         assert self._side is not None
         group = self._blocks[index].group
         assert group is not None
+        n = len(self._buffers)
         self._side.wait_stream(current)
         with torch.cuda.stream(self._side):
-            decode_lanes(group, self._buffers[index % 2])
+            decode_lanes(group, self._buffers[index % n])
+        self._ready[index % n].record(self._side)
+        self._launched = index
 
     def _post_hook(self, entry: _Block) -> Callable[..., None]:
         def hook(_module: nn.Module, _args: Any, _out: Any) -> None:
@@ -1411,7 +1432,9 @@ class CompressedBlocks:
     def summary(self) -> str:
         """E.g. "212 -> 141 MB (66.6%), decoded a layer at a time into a 7.1 MB buffer"."""
         share = self.compressed_bytes / self.dense_bytes if self.dense_bytes else 1.0
-        into = (f"two {self.buffer.nbytes / 1e6:.1f} MB buffers, the next layer while one runs"
+        n = len(self._buffers)
+        into = (f"{n} {self.buffer.nbytes / 1e6:.1f} MB buffers, the next "
+                f"{'layer' if n == 2 else f'{n - 1} layers'} while one runs"
                 if self._side is not None else f"a {self.buffer.nbytes / 1e6:.1f} MB buffer")  # fmt: skip
         return (
             f"{self.dense_bytes / 1e6:.0f} -> {self.compressed_bytes / 1e6:.0f} MB "

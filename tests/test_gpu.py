@@ -94,10 +94,12 @@ def test_engine_on_the_gpu_with_weights_kept_compressed(tiny_model_dir) -> None:
     assert _greedy(llm) == dense
 
 
-def test_blocks_decoded_ahead_on_a_side_stream_answer_as_dense_in_any_order() -> None:
-    """CompressedBlocks on a GPU decodes block i+1 on a side stream while block i runs, into the
-    other of two buffers: in order, out of order (a block alone, blocks skipped), eagerly and
-    replayed from a CUDA graph, every block computes with its own weights."""
+@pytest.mark.parametrize("ahead", [1, 2, 3])
+def test_blocks_decoded_ahead_on_a_side_stream_answer_as_dense_in_any_order(ahead: int) -> None:
+    """CompressedBlocks on a GPU decodes the blocks after the running one on a side stream,
+    into other buffers: in order, out of order (a block alone, blocks skipped), eagerly and
+    replayed from CUDA graphs (two, captured one after the other, as the engine does), every
+    block computes with its own weights."""
     from runtime.compression import CompressedBlocks
 
     gen = torch.Generator().manual_seed(0)
@@ -107,36 +109,38 @@ def test_blocks_decoded_ahead_on_a_side_stream_answer_as_dense_in_any_order() ->
     blocks = [b.cuda() for b in blocks]
     x = torch.randn(8, 512, generator=gen).to(torch.bfloat16).cuda()
 
-    def run(order: list[int]) -> torch.Tensor:
-        h = x
+    def run(order: list[int], h: torch.Tensor = x) -> torch.Tensor:
         for i in order:
             h = blocks[i](h) + h
         return h
 
-    orders = [[0, 1, 2, 3], [2], [0, 2, 3], [3, 1, 0, 2], [3, 1], [0, 1, 2, 3]]
+    orders = [[0, 1, 2, 3], [2], [0, 2, 3], [3, 1, 0, 2], [3, 1], [0, 1, 2, 3], [1, 2, 3]]
     dense = [run(o) for o in orders]
-    kept = CompressedBlocks(blocks, device="cuda", min_saving=0)
-    assert kept._side is not None and len(kept._buffers) == 2
-    assert blocks[0].weight.numel() == 0 and "next layer while one runs" in kept.summary()
+    kept = CompressedBlocks(blocks, device="cuda", min_saving=0, ahead=ahead)
+    assert kept._side is not None and len(kept._buffers) == 1 + ahead
+    assert blocks[0].weight.numel() == 0 and "while one runs" in kept.summary()
     for _ in range(3):
         for order, want in zip(orders, dense, strict=True):
             assert torch.equal(run(order), want), order
-    graph = torch.cuda.CUDAGraph()
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        run(orders[0])  # (warm-up, as the engine's capture does)
-    torch.cuda.current_stream().wait_stream(stream)
-    with torch.cuda.graph(graph):
-        out = run(orders[0])
+    graphs, outs = [], []
+    for order in ([0, 1, 2, 3], [1, 2, 3]):
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            run(order)  # (warm-up, as the engine's capture does)
+        torch.cuda.current_stream().wait_stream(stream)
+        graphs.append(torch.cuda.CUDAGraph())
+        with torch.cuda.graph(graphs[-1]):
+            outs.append(run(order, x.clone()))
     for _ in range(3):
-        out.zero_()
-        graph.replay()
-        assert torch.equal(out, dense[0])
-        assert torch.equal(run([3, 1]), dense[4])  # eager, between replays
+        for graph, out, want in zip(graphs, outs, (dense[0], dense[6]), strict=True):
+            out.zero_()
+            graph.replay()
+            assert torch.equal(out, want)
+            assert torch.equal(run([3, 1]), dense[4])  # eager, between replays
     kept.release()
     assert all(b.weight.numel() == 512 * 512 for b in blocks)
-    assert [torch.equal(run(o), d) for o, d in zip(orders, dense, strict=True)] == [True] * 6
+    assert [torch.equal(run(o), d) for o, d in zip(orders, dense, strict=True)] == [True] * 7
 
 
 def test_weights_read_onto_the_gpu_are_the_checkpoints_bits(tiny_model_dir, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
