@@ -1312,6 +1312,7 @@ class CompressedBlocks:
         self._ready: list[torch.cuda.Event] = []
         self._launched = -1  # the last block whose decode was started ahead
         self._last: tuple[int, bool] = (-1, False)  # the block run last; in a graph's capture?
+        self._pending = False  # decodes started ahead that no block has waited on yet
         if overlap and self.device.type == "cuda" and len(self._blocks) > 1 and all(
             b.group is not None for b in self._blocks
         ):
@@ -1393,6 +1394,17 @@ class CompressedBlocks:
         self._bind(self._blocks[index], self._buffers[index % n])
         while self._launched < min(index + n - 1, len(self._blocks) - 1):
             self._launch(self._launched + 1, current)
+        self._pending = self._launched > index
+
+    def join(self) -> None:
+        """Make the current stream wait for decodes started ahead that no block waited on: a
+        forward that raised midway left them running. Eager forwards after it are safe (the
+        side stream runs in order), but a CUDA graph's replay waits on no stream of ours, and
+        its own decodes would write the buffers beside them. Call before each replay; a no-op
+        after a whole forward."""
+        if self._pending and self._side is not None:
+            torch.cuda.current_stream(self.device).wait_stream(self._side)
+            self._pending = False
 
     def _launch(self, index: int, current: torch.cuda.Stream) -> None:
         """Decode block `index` on the side stream once the work queued on `current` so far,

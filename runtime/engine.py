@@ -228,6 +228,8 @@ class LLMEngine:
         # With weights kept compressed, a graph holds each layer's decode kernels too: the
         # hooks that launch them point the parameters at one buffer, whose address the graph keeps
         if cuda and config.cuda_graphs:  # at start-up
+            if self.compressed is not None:
+                self.runner.before_replay = self.compressed.join
             self.runner.capture_decode_graphs(
                 min(config.max_num_seqs, config.cuda_graph_max_batch), self.max_model_len
             )

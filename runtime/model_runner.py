@@ -22,6 +22,7 @@ import os
 import threading
 import time
 import weakref
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -218,6 +219,9 @@ class ModelRunner:
             not self.triton and ext is not None and ext.prefill_supported(group, cfg.head_dim)
         )
         self.graphs: DecodeGraphs | None = None  # decode steps replayed (capture_decode_graphs)
+        # called before each replay: weights kept compressed join the side stream's decodes an
+        # eager forward that raised left running (CompressedBlocks.join)
+        self.before_replay: Callable[[], None] | None = None
         self.block_size = block_size
         self.num_blocks = num_blocks
         t1 = time.perf_counter()
@@ -400,6 +404,8 @@ class ModelRunner:
             slots.append(table[start // self.block_size] * self.block_size + start % self.block_size)
             tables.append(table)
             lens.append(start + 1)
+        if self.before_replay is not None:
+            self.before_replay()
         return g.run(ids, positions, slots, tables, lens)
 
     @torch.inference_mode()

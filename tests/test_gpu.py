@@ -91,6 +91,8 @@ def test_engine_on_the_gpu_with_weights_kept_compressed(tiny_model_dir) -> None:
     llm = LLM(model, device="cuda", cuda_graph_max_batch=8, keep_weights_compressed=True)
     assert llm.engine.compressed is not None and llm.engine.runner.graphs is not None
     assert all(b.group is not None for b in llm.engine.compressed._blocks)  # a launch a layer
+    assert llm.engine.compressed._side is not None  # decoded a layer ahead
+    assert llm.engine.runner.before_replay == llm.engine.compressed.join
     assert _greedy(llm) == dense
 
 
@@ -128,16 +130,21 @@ def test_blocks_decoded_ahead_on_a_side_stream_answer_as_dense_in_any_order(ahea
         stream.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(stream):
             run(order)  # (warm-up, as the engine's capture does)
+            run([0])  # block 0 eagerly just before block 1 is captured: decoded ahead, not in it
         torch.cuda.current_stream().wait_stream(stream)
         graphs.append(torch.cuda.CUDAGraph())
         with torch.cuda.graph(graphs[-1]):
             outs.append(run(order, x.clone()))
     for _ in range(3):
         for graph, out, want in zip(graphs, outs, (dense[0], dense[6]), strict=True):
+            assert torch.equal(run([3, 1]), dense[4])  # eager, between replays
+            assert kept._pending  # (block 2 decoded ahead: no block waited on it)
+            kept.join()  # what the engine's runner calls before a replay
+            for buffer in kept._buffers:  # a graph must decode every block it reads
+                buffer.fill_(float("nan"))
             out.zero_()
             graph.replay()
             assert torch.equal(out, want)
-            assert torch.equal(run([3, 1]), dense[4])  # eager, between replays
     kept.release()
     assert all(b.weight.numel() == 512 * 512 for b in blocks)
     assert [torch.equal(run(o), d) for o, d in zip(orders, dense, strict=True)] == [True] * 7

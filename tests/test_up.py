@@ -237,8 +237,10 @@ def test_ctrl_c_stops_the_stack_in_order_and_ends_every_stream(
             assert last["choices"][0]["finish_reason"] == "length", last
     # the one running when the drain ran out is cut mid-stream; the rest never started (503).
     # When the drain ran out just as one began, before its first token reached the gateway,
-    # that one is refused too (the gateway commits a stream to a worker at its first token)
-    assert cut <= 1 and refused >= 1 and cut + refused < len(results), results
+    # that one is refused too (the gateway commits a stream to a worker at its first token).
+    # Either way every request the drain aborted is one of the two
+    assert cut <= 1 and refused >= 1, results
+    assert f"drain timeout: aborting {cut + refused} requests" in out, (cut, refused, out)
     stopped = re.search(r"stopped the gateway in ([\d.]+)s", out)
     assert stopped and float(stopped.group(1)) < 5.0, out
     order = ["stopping: gateway", "stopped the gateway", "stopped 1 worker(s)",
