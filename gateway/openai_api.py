@@ -32,7 +32,13 @@ from typing import Any, Literal
 
 from gateway.errors import invalid, unsupported
 from gateway.fields import INT32_MAX, INT64_MAX, INT64_MIN, Fields, Range, is_int, type_name
-from gateway.openai_response import SSE_DONE, ResponseAssembler, error_chunk, sse
+from gateway.openai_response import (
+    SSE_DONE,
+    ResponseAssembler,
+    error_chunk,
+    error_from_event,
+    sse,
+)
 from gateway.structured import GUIDED_FIELDS, constraint, tool_message_fields, tools_of
 from kvstore.keys import MAX_ID_LEN
 from kvstore.protocol import GenerateRequest
@@ -44,6 +50,7 @@ __all__ = [
     "RequestOptions",
     "ResponseAssembler",
     "error_chunk",
+    "error_from_event",
     "parse_chat",
     "parse_completion",
     "sse",

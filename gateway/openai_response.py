@@ -106,7 +106,7 @@ class ResponseAssembler:
         not streaming)."""
         kind = event.get("type")
         if kind == "error":
-            raise _error_from_event(event)
+            raise error_from_event(event)
         try:
             if kind == "start":
                 return self._on_start(event)
@@ -364,7 +364,8 @@ def _logprob(value: object) -> float:
     return float(value) if math.isfinite(value) else MIN_LOGPROB
 
 
-def _error_from_event(event: dict[str, Any]) -> APIError:
+def error_from_event(event: dict[str, Any]) -> APIError:
+    """The error a worker's error event stands for (its code decides the type)."""
     message = event.get("message")
     code = event.get("code")
     text = message if isinstance(message, str) and message else "the worker failed the request"

@@ -55,7 +55,13 @@ from gateway.errors import (
     unavailable,
     unsupported_encoding,
 )
-from gateway.openai_api import SSE_DONE, RequestOptions, ResponseAssembler, error_chunk, sse
+from gateway.openai_api import (
+    SSE_DONE,
+    RequestOptions,
+    ResponseAssembler,
+    error_from_event,
+    sse,
+)
 from gateway.routing import Route
 from gateway.telemetry import GatewayTelemetry
 from gateway.tokenization import prompt_token_ids
@@ -679,7 +685,9 @@ class Proxy:
             for p, (_, head) in enumerate(streams):  # (no error event: `forward` raised those)
                 await self._relay(resp, assembler, p, head)
             async for p, batch in events:
-                if await self._relay(resp, assembler, p, batch):
+                failed = await self._relay(resp, assembler, p, batch)
+                if failed is not None:  # (sent as the stream's last chunk)
+                    self._stream_failed(call, failed)
                     break
         except WorkerFailed as e:
             if e.dead:
@@ -689,9 +697,12 @@ class Proxy:
             # the client's own words: the worker's id and the aiohttp error stay in the log
             why = ("it stopped answering" if isinstance(e.__cause__, TimeoutError) else
                    "its connection broke" if e.dead else e.error.message)  # fmt: skip
-            chunk = error_chunk(f"the worker serving this request failed after the stream began "
-                                f"({why}); retry the request", e.error.code or "worker_failed")  # fmt: skip
-            await _send_quietly(resp, sse(chunk) + SSE_DONE)
+            # typed as the same failure before the first byte is answered (a worker that went
+            # away: service_unavailable, which clients retry)
+            error = APIError(e.error.status, f"the worker serving this request failed after the "
+                             f"stream began ({why}); retry the request", e.error.type, None,
+                             e.error.code or "worker_failed")  # fmt: skip
+            await _send_quietly(resp, sse(error.body()) + SSE_DONE)
             return resp
         except APIError as e:  # the worker's stream broke the protocol after the first byte
             log.warning("request %s: %s", call.request_id, e.message)
@@ -715,16 +726,15 @@ class Proxy:
         assembler: ResponseAssembler,
         prompt: int,
         batch: list[dict[str, Any]],
-    ) -> bool:
-        """Send a batch of prompt `prompt`'s worker events as SSE chunks in one write; True when
-        it ended in an error event (sent as an error chunk), which ends the whole answer."""
+    ) -> APIError | None:
+        """Send a batch of prompt `prompt`'s worker events as SSE chunks in one write; the error
+        when it ended in an error event (sent as an error chunk), which ends the whole answer."""
         out: list[bytes] = []
-        failed = False
+        failed = None
         for event in batch:
             if event["type"] == "error":  # (the worker's code: "shutdown", "engine_dead"...)
-                code = event.get("code") or "internal_error"
-                out.append(sse(error_chunk(event.get("message") or "worker error", code)))
-                failed = True
+                failed = error_from_event(event)
+                out.append(sse(failed.body()))
                 break
             out += [sse(c) for c in assembler.on_event(event, prompt)]
         if out:

@@ -498,5 +498,6 @@ def test_an_error_mid_stream_keeps_the_workers_code() -> None:
     error = {"type": "error", "message": "worker is shutting down", "code": "shutdown"}
     ended = asyncio.run(Proxy._relay(resp, asm, 0, [error]))  # type: ignore[arg-type]
     body = orjson.loads(resp.data.removeprefix(b"data: ").strip())
-    assert ended and body["error"]["code"] == "shutdown"
+    assert ended is not None and ended.code == "shutdown" and body == ended.body()
     assert body["error"]["message"] == "worker is shutting down"
+    assert body["error"]["type"] == "service_unavailable"  # (as a 503 before the first byte)

@@ -1070,6 +1070,7 @@ def test_at_capacity_429_and_worker_death_mid_stream(cluster: Cluster) -> None:
     assert "error" in error and error["error"]["message"], lines[-3:]
     assert "failed after the stream began" in error["error"]["message"], error
     assert error["error"]["code"] == "worker_failed", error
+    assert error["error"]["type"] == "service_unavailable", error  # (a 503 before the first byte)
     # the only worker for the model is gone: 503 with Retry-After
     status, headers_, err = _post(cluster, "/v1/completions", {"model": "tiny", "prompt": "Hi"})
     assert status == 503 and "Retry-After" in headers_ and err["error"]["code"] == "no_workers"

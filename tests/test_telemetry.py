@@ -35,7 +35,7 @@ from aiohttp import web
 from opentelemetry.sdk.metrics.export import InMemoryMetricReader
 from opentelemetry.sdk.trace import ReadableSpan
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
-from opentelemetry.trace import SpanKind
+from opentelemetry.trace import SpanKind, StatusCode
 from prometheus_client.parser import text_string_to_metric_families
 
 from gateway.app import make_app as gateway_app
@@ -442,6 +442,39 @@ class OTLPReceiver:
             for sm in rm.scope_metrics:
                 self.metric_names.update(m.name for m in sm.metrics)
         return web.Response(body=b"", content_type="application/x-protobuf")
+
+
+async def test_an_error_event_mid_stream_is_counted_and_ends_the_span_as_an_error(
+    redis: LocalRedis, tmp_path: Path, stories_dir: Path
+) -> None:
+    """A worker's error event after the stream's first token (here an output constraint that
+    fails while generating) reaches the client as an error chunk typed as the same failure
+    before the first byte, and counts in the gateway's errors and on its root span like a
+    non-streamed failure: dashboards see streamed failures too."""
+    schema = {"type": "object", "required": ["n", "a"], "properties": {"n": {"type": "integer"},
+              "a": {"type": "string", "pattern": "^(.{0,50}){0,50}$"}}}  # fmt: skip
+    prompt = [318, 419, 285, 467, 270, 417, 13, 412, 419, 419, 293, 413, 303, 413, 467]
+    async with in_process(redis, tmp_path, stories_dir, ["mixed"]) as stack:
+        body = {"model": "stories", "prompt": prompt, "max_tokens": 60, "temperature": 0,
+                "stream": True, "guided_json": schema}  # fmt: skip
+        url = f"{stack.gateway_url}/v1/completions"
+        async with aiohttp.ClientSession() as http, http.post(url, json=body) as r:
+            assert r.status == 200
+            lines = [line.strip() async for line in r.content if line.strip()]
+        assert lines[-1] == b"data: [DONE]"
+        chunks = [json.loads(line.removeprefix(b"data: ")) for line in lines[:-1]]
+        assert any(c.get("choices") and c["choices"][0]["text"] for c in chunks), chunks
+        error = chunks[-1]["error"]
+        assert error["code"] == "constraint_failed" and error["type"] == "invalid_request_error"
+        g = stack.gateway
+        await _wait_for(lambda: "text_completion stories" in _by_name(g.finished()), "the span")
+        root = _one(_by_name(g.finished()), "text_completion stories")
+        assert root.status.status_code is StatusCode.ERROR
+        assert (root.attributes or {})["error.type"] == "constraint_failed"
+        errors = {a["error.type"]: pt.value for a, pt in g.points(names.ERRORS)}
+        assert errors == {"constraint_failed": 1}
+        durations = {a.get("error.type"): pt.count for a, pt in g.points(names.REQUEST_DURATION)}
+        assert durations == {"constraint_failed": 1}
 
 
 async def test_real_processes_export_one_trace_over_otlp(
