@@ -124,7 +124,8 @@ class Fields:
         if value is None:
             raise invalid(name, f"{name} is required")
         if not isinstance(value, str) or not value:
-            raise invalid(name, f"{name} must be a non-empty string, got {type_name(value)}")
+            got = "an empty string" if value == "" else type_name(value)
+            raise invalid(name, f"{name} must be a non-empty string, got {got}")
         return value
 
     def opt_str(self, name: str) -> str | None:
@@ -176,7 +177,8 @@ class Fields:
         for i, item in enumerate(items):
             if not isinstance(item, str) or not item:
                 where = f"{name}[{i}]"
-                raise invalid(where, f"{where} must be a non-empty string, got {type_name(item)}")
+                got = "an empty string" if item == "" else type_name(item)
+                raise invalid(where, f"{where} must be a non-empty string, got {got}")
         return list(items)
 
     def int_list(self, name: str, max_items: int, rng: Range) -> list[int]:

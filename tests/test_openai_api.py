@@ -74,7 +74,7 @@ SHARED_INVALID: list[tuple[dict[str, Any], str, str]] = [
     ({"n": 2.0}, "n", "must be an integer"),
     ({"n": True}, "n", "got boolean"),
     ({"stop": 5}, "stop", "at most 16"),
-    ({"stop": [""]}, "stop[0]", "non-empty string"),
+    ({"stop": [""]}, "stop[0]", "non-empty string, got an empty string"),
     ({"stop": ["a", 3]}, "stop[1]", "non-empty string"),
     ({"stop": ["s"] * 17}, "stop", "at most 16"),
     ({"seed": "x"}, "seed", "integer"),
