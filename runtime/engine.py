@@ -374,10 +374,17 @@ class LLMEngine:
         """Whether the waiting queue has room for `seqs` more sequences now."""
         return len(self.scheduler.waiting) + seqs <= self.scheduler.max_waiting
 
+    def _check_unused(self, group: RequestGroup) -> None:
+        """A request id must not be one whose blocks are still somebody's: a running request, a
+        KV import reserved, or a finished export held until released (the scheduler would take
+        those blocks for the new request's own, and their owner would free them under it)."""
+        if (group.request_id in self._groups or group.request_id in self._imports
+                or any(s.request_id in self._exports for s in group.seqs)):  # fmt: skip
+            raise InvalidRequestError("request_id", f"{group.request_id!r} is already in use")
+
     def enqueue(self, group: RequestGroup) -> None:
         """Queue a request `prepare_request` built (on the thread that runs `step`)."""
-        if group.request_id in self._groups:
-            raise InvalidRequestError("request_id", f"{group.request_id!r} is already in use")
+        self._check_unused(group)
         if not self.has_room(len(group.seqs)):
             raise QueueFullError(f"the waiting queue is full ({self.scheduler.max_waiting})")
         for i, seq in enumerate(group.seqs):
@@ -406,13 +413,13 @@ class LLMEngine:
         no room: refused before any byte moves.
         """
         seq = group.seqs[0]
-        if group.request_id in self._groups or group.request_id in self._imports:
-            raise InvalidRequestError("request_id", f"{group.request_id!r} is already in use")
+        self._check_unused(group)
         if not self._import_admissible():
             return None
         want = len(group.prompt_token_ids) - 1  # the last prompt token is computed here
         # whole blocks only: the transfer fills every block from the first one not cached
-        cached = self.blocks.match_prefix(seq.request_id, group.prompt_token_ids, tails=False)
+        cached = self.blocks.match_prefix(seq.request_id, group.prompt_token_ids, tails=False,
+                                          count=False)  # fmt: skip
         table = self.blocks.allocate(seq.request_id, want)
         # room left for the running requests to grow: a block each, as their next tokens need
         # (an import that takes it would preempt them, and recompute them here)
@@ -421,6 +428,7 @@ class LLMEngine:
             self.blocks.free(seq.request_id)
             return None
         self._imports[group.request_id] = group
+        self.blocks.count_query(len(group.prompt_token_ids), cached)  # (reserved: counted once)
         return cached, list(table[cached // self.config.block_size :])
 
     def _import_admissible(self) -> bool:

@@ -95,12 +95,16 @@ class BlockManager:
     def can_allocate(self, request_id: str, num_tokens: int) -> bool:
         return self.blocks_needed(request_id, num_tokens) <= self.num_free_blocks
 
-    def match_prefix(self, request_id: str, token_ids: Sequence[int], tails: bool = True) -> int:
+    def match_prefix(
+        self, request_id: str, token_ids: Sequence[int], tails: bool = True, count: bool = True
+    ) -> int:
         """Give a request that holds no blocks the cached blocks of its longest cached prefix,
         and after them a kept partial block whose tokens the prompt continues (`tails`).
 
         Returns how many tokens they hold (the request's computed tokens). At least one token is
-        always left to compute, since the last prompt token's logits are needed.
+        always left to compute, since the last prompt token's logits are needed. `count=False`
+        leaves the hit-rate counters to the caller (`count_query` once the request is admitted:
+        a request that waits for room is matched again at every step).
         """
         if request_id in self._tables:
             raise ValueError(f"{request_id!r} already holds blocks")
@@ -127,11 +131,18 @@ class BlockManager:
                 if tail is not None:
                     table.append(tail[0])
                     hit += tail[1]
-            self.query_tokens += len(token_ids)
-            self.hit_tokens += hit
+            if count:
+                self.count_query(len(token_ids), hit)
         self._tables[request_id] = table
         self._hashes[request_id] = hashes
         return hit
+
+    def count_query(self, tokens: int, hit: int) -> None:
+        """A prefix lookup of `tokens` tokens that found `hit` cached, in the hit-rate counters
+        (`prefix_cache_query_tokens`, `prefix_cache_hit_tokens`)."""
+        if self.caching:
+            self.query_tokens += tokens
+            self.hit_tokens += hit
 
     def _take_tail(
         self, parent: bytes, token_ids: Sequence[int], start: int

@@ -194,7 +194,7 @@ class Scheduler:
             if not held:
                 # new, or preempted: start from the longest cached prefix of its tokens
                 req.num_computed_tokens = self.blocks.match_prefix(
-                    req.request_id, req.all_token_ids
+                    req.request_id, req.all_token_ids, count=False
                 )
             n = min(req.num_tokens - req.num_computed_tokens, budget)
             if self.blocks.allocate(req.request_id, req.num_computed_tokens + n) is None:
@@ -204,6 +204,8 @@ class Scheduler:
                 if not self.running and self._unblock(budget):
                     continue  # nothing runs that would free blocks: room made, or another first
                 break
+            if not held:  # counted once admitted (a request waiting for room is matched again)
+                self.blocks.count_query(len(req.all_token_ids), req.num_computed_tokens)
             if req.num_cached_tokens < 0:  # first admission: what usage reports
                 req.num_cached_tokens = req.num_computed_tokens
             if not req.scheduled_at:

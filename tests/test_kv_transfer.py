@@ -353,6 +353,36 @@ def test_an_import_takes_no_blocks_ahead_of_a_waiting_request_or_a_full_house(
     assert engine.blocks.num_free_blocks == engine.blocks.num_blocks
 
 
+def test_a_request_id_whose_blocks_are_still_held_is_refused(stories_dir: Path) -> None:
+    """A reserved import's id, or a finished export's held until released, is in use: a new
+    request under it would take those blocks for its own (the scheduler reads a block table as
+    an import's), and the import's cancel or the export's release would free them under it."""
+    from runtime.sampling_params import InvalidRequestError
+
+    params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+    engine = LLMEngine(EngineConfig(str(stories_dir), block_size=BS, num_threads=1,
+                                    kv_cache_bytes=20 * 5 * 2 * BS * 4 * 8 * 4))  # fmt: skip
+    imported = engine.prepare_request("r", _prompt(50), params)
+    assert engine.reserve_import(imported) is not None
+    for use in (lambda: engine.add_request("r", _prompt(10), params),
+                lambda: engine.reserve_import(engine.prepare_request("r", _prompt(20), params))):  # fmt: skip
+        with pytest.raises(InvalidRequestError, match="already in use"):
+            use()
+    engine.enqueue(engine.prepare_request("e", _prompt(40), SamplingParams(max_tokens=1),
+                                          hold_kv=True))  # fmt: skip
+    while engine.has_unfinished():
+        engine.step()
+    with pytest.raises(InvalidRequestError, match="already in use"):  # held: not released yet
+        engine.add_request("e", _prompt(10), params)
+    engine.release_kv("e")
+    engine.add_request("e", _prompt(10), params)  # released: the id is free again
+    engine.cancel_import(imported)
+    engine.add_request("r", _prompt(10), params)
+    while engine.has_unfinished():
+        engine.step()
+    assert engine.blocks.num_free_blocks == engine.blocks.num_blocks
+
+
 def test_the_engine_thread_outlives_a_caller_s_closed_loop(engines) -> None:  # type: ignore[no-untyped-def]
     """A request left unread when its event loop closed (a handler or a test gone) is aborted
     when its next output finds the loop closed; the engine keeps serving the next caller."""

@@ -189,3 +189,28 @@ def test_eviction_under_pressure_keeps_serving_correctly(stories_dir: Path) -> N
     assert llm.engine.blocks.num_free_blocks == llm.engine.blocks.num_blocks
     _, evicted = llm.engine.blocks.drain_events()
     assert evicted, "the small cache should have evicted blocks"
+
+
+def test_a_request_waiting_for_room_counts_in_the_hit_rate_once(stories_dir: Path) -> None:
+    """The scheduler matches the head of the queue's prefix at every step it waits for blocks
+    (and gives them back when there is no room); the hit-rate counters count it once, when it
+    is admitted (they counted every try: 4,020 query tokens for one 126-token wait)."""
+    from runtime.config import EngineConfig
+    from runtime.engine import LLMEngine
+
+    block = 5 * 2 * 16 * 4 * 8 * 4  # stories260K's, 16 tokens
+    engine = LLMEngine(EngineConfig(model=str(stories_dir), kv_cache_bytes=8 * block,
+                                    num_threads=1))  # fmt: skip
+    params = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
+    hog, waiter = list(range(10, 110)), list(range(10, 26)) + list(range(200, 240))
+    engine.add_request("hog", hog, params)  # 7 of the 8 blocks, then all 8 (120 tokens)
+    engine.step()
+    engine.add_request("waiter", waiter, SamplingParams(temperature=0, max_tokens=2))
+    waited = 0
+    while engine.has_unfinished():
+        engine.step()
+        waited += any(r.request_id == "waiter#0" for r in engine.scheduler.waiting)
+    assert waited >= 3  # tried (and matched) at each of these steps
+    blocks = engine.blocks
+    assert blocks.query_tokens == len(hog) + len(waiter), blocks.query_tokens
+    assert blocks.hit_tokens == 16  # the waiter's first block: the hog's, cached
