@@ -56,6 +56,13 @@ def start_key(model: str, region: str) -> str:
     return f"{PREFIX}d:{{{check_id(model, 'model')}}}:start:{check_id(region, 'region')}"
 
 
+# KEYS[1]: a claim. ARGV[1]: the claimant, ARGV[2]: milliseconds. Extends the claim only if it
+# is still the claimant's; 1 if it did.
+_RENEW_LUA = """
+if redis.call('GET', KEYS[1]) == ARGV[1] then return redis.call('PEXPIRE', KEYS[1], ARGV[2]) end
+return 0
+"""
+
 # KEYS[1]: a claim. ARGV[1]: the claimant. Deletes the claim only if it is still the claimant's.
 _RELEASE_LUA = """
 if redis.call('GET', KEYS[1]) == ARGV[1] then return redis.call('DEL', KEYS[1]) end
@@ -156,11 +163,23 @@ class Demand:
 
     async def claim_start(self, model: str, region: str, pool_id: str, ttl_s: float) -> bool:
         """Claim the start of a worker for `model` in `region`; False if another pool's start is
-        in flight. The claim lapses after `ttl_s` should its pool die mid-start."""
+        in flight. The claim lapses after `ttl_s` unless renewed (`renew_start`), so that a pool
+        that died mid-start blocks the others no longer than that."""
         got = await self.redis.set(
             start_key(model, region), pool_id, nx=True, px=max(1, round(ttl_s * 1000))
         )
         return bool(got)
+
+    async def renew_start(self, model: str, region: str, pool_id: str, ttl_s: float) -> bool:
+        """Extend this pool's claim to `ttl_s` from now; False if it is not (or no longer) its."""
+        ms = max(1, round(ttl_s * 1000))
+        got = await self.redis.eval(_RENEW_LUA, 1, start_key(model, region), pool_id, ms)  # type: ignore[misc]
+        return bool(got)
+
+    async def start_owner(self, model: str, region: str) -> str | None:
+        """The pool whose start of a worker for `model` in `region` is in flight, if any."""
+        owner = await self.redis.get(start_key(model, region))
+        return owner.decode() if isinstance(owner, bytes) else owner
 
     async def release_start(self, model: str, region: str, pool_id: str) -> None:
         await self.redis.eval(_RELEASE_LUA, 1, start_key(model, region), pool_id)  # type: ignore[misc]

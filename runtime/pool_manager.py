@@ -119,6 +119,7 @@ class ModelState:
     settled_at: float = 0.0  # last failed start or scale-down: demand older than this is spent
     queueing_since: float = 0.0  # when its workers started queueing (0: not queueing)
     failures: int = 0  # failed starts in a row
+    blocked_by: str = ""  # the other pool whose start claim stopped ours (said once in the log)
     crashes: int = 0  # workers in a row that died within CRASH_WINDOW_S of getting ready
     retry_at: float = 0.0  # no start before this (backoff after failures)
     full: bool = False  # it waits for a process slot that no idle worker can free ("full")
@@ -284,15 +285,27 @@ class Pool:
         ids = {w.worker_id for w in registered}
         exited = await self._reap(ids, now)
         registered = [w for w in registered if w.worker_id not in exited]
+        # a start's claim is a lease renewed while the worker starts: a pool that dies (SIGKILL,
+        # the OOM killer) holds up the region's other pools for ttl_s, not ready_timeout_s
+        for model in {m.model for m in self.managed.values() if not m.ready and not m.stopping}:
+            await self.demand.renew_start(model, cfg.region, cfg.pool_id, cfg.ttl_s)
         for model, state in self.states.items():
             ours = [m for m in self.managed.values() if m.model == model]
             waiting = await self.demand.waiting(model, cfg.region)
             room = cfg.max_workers - sum(1 for m in self.managed.values() if not m.stopping)
             mine = [w for w in registered if w.model == model]
             d = decide(cfg, state, ours, mine, waiting, room, now, wall)
-            if d.start and await self.demand.claim_start(
-                model, cfg.region, cfg.pool_id, cfg.ready_timeout_s + 5.0
-            ):
+            claimed = d.start and await self.demand.claim_start(
+                model, cfg.region, cfg.pool_id, cfg.ttl_s
+            )
+            if d.start and not claimed:
+                owner = await self.demand.start_owner(model, cfg.region)
+                if owner is not None and owner != state.blocked_by:
+                    log.info("%s: pool %s is starting a worker for it in %s; not starting one "
+                             "here meanwhile", model, owner, cfg.region)  # fmt: skip
+                state.blocked_by = owner or ""
+            if claimed:
+                state.blocked_by = ""
                 try:
                     await self._start(model, d.why)
                 except Exception as e:  # no process at all (exec failed, out of descriptors or

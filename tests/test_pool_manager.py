@@ -486,3 +486,63 @@ def test_a_full_pool_stops_an_idle_worker_for_a_model_that_waits(
     finally:
         gateway.stop()
         pool.stop()
+
+
+def test_a_start_claim_is_a_lease_that_lapses_with_its_pool(  # type: ignore[no-untyped-def]
+    redis_server, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A pool's claim on a start lasts ttl_s and is renewed each tick while its worker starts;
+    a pool killed mid-start (nothing renews it) holds up the region's other pools for ttl_s,
+    not for the ready timeout (305 s: a restarted pool started nothing for five minutes and
+    said nothing). A pool whose start another pool's claim stops says so, once."""
+    import asyncio
+    import logging
+
+    from kvstore.client import connect
+    from kvstore.demand import Demand, start_key
+    from kvstore.registry import Registry
+    from runtime.pool_manager import Pool
+
+    async def never_registers(argv: list[str], env: dict[str, str]):  # type: ignore[no-untyped-def]
+        proc = await asyncio.create_subprocess_exec(
+            sys.executable, "-c", "import time; time.sleep(60)",
+            stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT,
+        )  # fmt: skip
+        return proc, "exec"
+
+    async def main() -> None:
+        redis_ = connect(redis_server.url)
+        pools = []
+        for name in ("pool-a", "pool-b"):
+            pool = Pool(_cfg(redis_url=redis_server.url, ttl_s=1.0, min_workers=1, pool_id=name))
+            pool.registry, pool.demand = Registry(redis_, ttl_s=60.0), Demand(redis_)
+            pool._spawn_process = never_registers  # type: ignore[method-assign,assignment]
+            pools.append(pool)
+        a, b = pools
+        key = start_key("m", "r")
+        try:
+            await a.tick()  # the minimum: a starts a worker, which never registers
+            assert len(a.managed) == 1 and 0 < await redis_.pttl(key) <= 1000
+            with caplog.at_level(logging.INFO, logger="edgeinfer.pool"):
+                for _ in range(3):
+                    await asyncio.sleep(0.5)
+                    await a.tick()  # renewed: it would have lapsed by the second
+                    await b.tick()  # a's start is in flight: b starts none
+            assert not b.managed and await redis_.get(key) in (b"pool-a", "pool-a")
+            assert caplog.text.count("pool pool-a is starting a worker for it") == 1
+            # a dies (its worker too, its claim left behind): b starts one once the lease lapses
+            for m in a.managed.values():
+                m.proc.kill()
+                await m.proc.wait()
+            await asyncio.sleep(1.1)
+            await b.tick()
+            assert len(b.managed) == 1 and await redis_.get(key) in (b"pool-b", "pool-b")
+        finally:
+            for pool in pools:
+                for m in pool.managed.values():
+                    if m.proc.returncode is None:
+                        m.proc.kill()
+                        await m.proc.wait()
+            await redis_.aclose()
+
+    asyncio.run(main())
