@@ -96,8 +96,12 @@ class ToolParser:
         for t in tools:
             fn = t["function"]
             params = fn.get("parameters") or {"type": "object", "properties": {}}
+            if "type" not in params:  # arguments are an object (without it, any JSON value is)
+                params = {"type": "object", **params}
             base = "/$defs/" + fn["name"].replace("~", "~0").replace("/", "~1")  # JSON pointer
             if (moved := _rebased(params, base)) != params:
+                # its refs now resolve against the call's schema, not against its own "$id"
+                moved = {k: v for k, v in moved.items() if k != "$id"}
                 defs[fn["name"]] = moved
                 params = {"$ref": f"#{base}"}
             options.append(
@@ -238,8 +242,8 @@ def _rebased(schema: Any, base: str) -> Any:
     for key, value in schema.items():
         if key in SCHEMA_MAPS and isinstance(value, dict):
             out[key] = {name: _rebased(s, base) for name, s in value.items()}
-        elif key == "$ref" and isinstance(value, str) and value.startswith("#"):
-            out[key] = f"#{base}{value[1:]}"
+        elif key == "$ref" and isinstance(value, str) and (value == "#" or value.startswith("#/")):
+            out[key] = f"#{base}{value[1:]}"  # (not "#name": an anchor, found wherever it is)
         else:
             out[key] = value if key in DATA_KEYWORDS else _rebased(value, base)
     return out

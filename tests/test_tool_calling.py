@@ -78,11 +78,25 @@ TREE = {
     "additionalProperties": False,
     "definitions": {"digit": {"type": "integer", "minimum": 0, "maximum": 9}},
 }
+# refs resolved against the schema's own "$id", and to an "$anchor" (both were a 400 forced:
+# "Pointer '/$defs/t/$defs/Y' does not exist"); no "type" (the arguments were a JSON string)
+IDD = {"$id": "https://x.example/t.json", "type": "object", "properties": {"a": {"$ref":
+       "#/$defs/Y"}}, "required": ["a"], "additionalProperties": False,
+       "$defs": {"Y": {"type": "boolean"}}}  # fmt: skip
+ANCHORED = {"type": "object", "properties": {"a": {"$ref": "#yes"}}, "required": ["a"],
+            "additionalProperties": False,
+            "$defs": {"Y": {"$anchor": "yes", "type": "boolean"}}}  # fmt: skip
+UNTYPED = {"properties": {"a": {"type": "integer", "minimum": 0, "maximum": 5}}, "required": ["a"],
+           "additionalProperties": False}  # fmt: skip
 REF_TOOLS: list[Any] = [
     PERSON,
     {"type": "function", "function": {"name": "tree", "parameters": TREE}},
+    {"type": "function", "function": {"name": "idd", "parameters": IDD}},
+    {"type": "function", "function": {"name": "anchored", "parameters": ANCHORED}},
+    {"type": "function", "function": {"name": "untyped", "parameters": UNTYPED}},
 ]
-REF_SCHEMAS = {"Person": PERSON["function"]["parameters"], "tree": TREE}
+REF_SCHEMAS = {"Person": PERSON["function"]["parameters"], "tree": TREE, "idd": IDD,
+               "anchored": ANCHORED, "untyped": UNTYPED}  # fmt: skip
 # A Hermes/Qwen-style chat template for stories260K: tools in a system turn (by name and
 # description only: their schemas would fill its 512-token context), calls in <tool_call>
 # blocks, tool results as their own turn.
@@ -454,7 +468,7 @@ def test_forced_calls_always_parse(
 
 
 @pytest.mark.parametrize("parser_name", ["hermes", "llama3_json", "mistral"])
-@pytest.mark.parametrize("choice", ["required", "Person", "tree"])
+@pytest.mark.parametrize("choice", ["required", "Person", "tree", "idd", "anchored", "untyped"])
 def test_forced_calls_with_refs_in_parameters(stories: LLM, parser_name: str, choice: str) -> None:
     """Parameters with `$defs` / `definitions` and `$ref`s into them or to their own root
     compile into the grammar (they were a 400: "Pointer '/$defs/Addr' does not exist"), and
@@ -492,7 +506,9 @@ def _forced_calls(
         complete = calls if o.finish_reason == "stop" else calls[:-1]
         assert o.finish_reason == "stop" or complete, o.text
         for c in complete:
-            jsonschema.validate(json.loads(c["arguments"]), schemas[c["name"]])
+            arguments = json.loads(c["arguments"])
+            assert isinstance(arguments, dict), c  # (an object, whatever the schema says)
+            jsonschema.validate(arguments, schemas[c["name"]])
 
 
 # ------------------------------------------------------------------------------ the service
@@ -923,3 +939,13 @@ def test_worker_flag_offers_every_parser() -> None:
         if a.dest == "tool_call_parser"
     )
     assert tuple(worker.choices) == PARSERS
+
+
+def test_parameters_without_a_type_describe_an_object() -> None:
+    """A function's parameters with no "type" (the gateway takes them as an object) constrain a
+    forced call's arguments to an object: without it any JSON value matched, and a model that
+    wrote a string got plain text as its "arguments"."""
+    parser = make_parser("hermes", "", {})
+    tool = {"type": "function", "function": {"name": "u", "parameters": UNTYPED}}
+    args = parser._call_schema([tool])["properties"]["arguments"]
+    assert args["type"] == "object" and args["properties"] == UNTYPED["properties"]
