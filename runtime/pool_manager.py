@@ -108,6 +108,7 @@ class Managed:
     started: float  # monotonic time of the spawn
     ready: float = 0.0  # monotonic time it first showed up in the registry (0: not yet)
     stopping: float = 0.0  # monotonic time it was sent SIGTERM (0: not asked to stop)
+    exited: float = 0.0  # monotonic time its exit was seen, while the pool shuts down
     tail: deque[str] = field(default_factory=lambda: deque(maxlen=20))  # its last output lines
 
 
@@ -248,11 +249,10 @@ class Pool:
                     await self._announce()
                     last_beat = time.monotonic()
                 try:
-                    await self.tick()
-                    woke = await waker.next_wakeup(cfg.region, cfg.tick_s)
+                    woke = await self._unless_stopped(self._tick(waker))
                 except Exception as e:  # Redis down: keep the workers, try again next tick
                     log.warning("pool tick failed (redis?): %s", e)
-                    await asyncio.sleep(cfg.tick_s)
+                    await self._unless_stopped(asyncio.sleep(cfg.tick_s))
                     continue
                 if woke in self.states:
                     self.states[woke].wanted_at = time.monotonic()
@@ -265,6 +265,27 @@ class Pool:
 
     def stop(self) -> None:
         self._stop.set()
+
+    async def _tick(self, waker: Demand) -> str | None:
+        await self.tick()
+        return await waker.next_wakeup(self.cfg.region, self.cfg.tick_s)
+
+    async def _unless_stopped(self, work: Coroutine[Any, Any, Any]) -> Any:
+        """`work`'s result, or None once the pool is asked to stop (the work cancelled): a tick
+        against a Redis that hangs takes its timeouts (~15 s), and shutdown must not wait them
+        out before it signals the workers."""
+        task = asyncio.ensure_future(work)
+        stop = asyncio.ensure_future(self._stop.wait())
+        try:
+            await asyncio.wait({task, stop}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            stop.cancel()
+        if not task.done():
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await task
+            return None
+        return task.result()
 
     async def _announce(self) -> None:
         info = PoolInfo(
@@ -413,7 +434,9 @@ class Pool:
             for raw in lines:
                 line = raw.decode(errors="replace").rstrip()
                 m.tail.append(line[:4000])
-                print(f"[{m.worker_id}] {line}", file=sys.stderr, flush=True)
+                # our stderr gone: keep draining the pipe (a worker blocks once it is full)
+                with contextlib.suppress(OSError, ValueError):
+                    print(f"[{m.worker_id}] {line}", file=sys.stderr, flush=True)
         if pending:
             m.tail.append(pending.decode(errors="replace")[:4000])
 
@@ -448,9 +471,10 @@ class Pool:
                 if m.stopping:
                     if not m.ready:  # stopped mid-start (the pool shuts down)
                         await self._release_start(m.model)
-                    log.info("stopped %s in %.2fs", m.worker_id, now - m.stopping)
-                    await self._record("stop", m.worker_id, m.model,
-                                       stop_s=f"{now - m.stopping:.3f}", code=code)  # fmt: skip
+                    took = (m.exited or now) - m.stopping
+                    log.info("stopped %s in %.2fs", m.worker_id, took)
+                    await self._record("stop", m.worker_id, m.model, stop_s=f"{took:.3f}",
+                                       code=code)  # fmt: skip
                 elif not m.ready:
                     m.tail.append(f"exited with code {code} before registering")
                     await self._failed(m.worker_id, m.model, _tail(m), now)
@@ -506,21 +530,35 @@ class Pool:
         return delay
 
     async def _request_stop(self, m: Managed, why: str) -> None:
+        self._signal_stop(m, why)
+        await self._record("stopping", m.worker_id, m.model, reason=why,
+                           served_s=f"{m.stopping - (m.ready or m.started):.1f}")  # fmt: skip
+
+    def _signal_stop(self, m: Managed, why: str) -> None:
         m.stopping = time.monotonic()
         with contextlib.suppress(ProcessLookupError):
             m.proc.send_signal(signal.SIGTERM)
         log.info("stopping %s (%s)", m.worker_id, why)
-        await self._record("stopping", m.worker_id, m.model, reason=why,
-                           served_s=f"{m.stopping - (m.ready or m.started):.1f}")  # fmt: skip
 
     async def shutdown(self, timeout_s: float = 40.0) -> None:
-        """Stop every worker (they drain), waiting up to `timeout_s`, then kill what is left."""
+        """Stop every worker (they drain), waiting up to `timeout_s`, then kill what is left.
+        Every worker is signalled first, and the events recorded after, in the background: a
+        Redis that hangs cost each worker ~3 s of retries before the next was signalled."""
         for m in self.managed.values():
             if not m.stopping:
-                await self._request_stop(m, "pool shutting down")
+                self._signal_stop(m, "pool shutting down")
+                self._spawn(self._record("stopping", m.worker_id, m.model,
+                                         reason="pool shutting down",
+                                         served_s=f"{m.stopping - (m.ready or m.started):.1f}"))  # fmt: skip
         procs = [m.proc for m in self.managed.values()]
         if procs:
-            await asyncio.wait([asyncio.ensure_future(p.wait()) for p in procs], timeout=timeout_s)
+
+            async def exit_of(m: Managed) -> None:
+                await m.proc.wait()
+                m.exited = time.monotonic()  # (the stop's time in the log and the event)
+
+            waits = [asyncio.ensure_future(exit_of(m)) for m in self.managed.values()]
+            await asyncio.wait(waits, timeout=timeout_s)
             for p in procs:
                 if p.returncode is None:
                     p.kill()

@@ -4,6 +4,7 @@ official `openai` client."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import signal
@@ -546,3 +547,52 @@ def test_a_start_claim_is_a_lease_that_lapses_with_its_pool(  # type: ignore[no-
             await redis_.aclose()
 
     asyncio.run(main())
+
+
+def test_a_pool_stops_its_workers_at_once_while_redis_hangs(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """Redis hangs (SIGSTOP: only timeouts) and the pool is asked to stop: its tick in flight
+    is dropped, every worker is signalled at once and the events recorded after (a tick took
+    ~15 s of timeouts, then each worker ~3 s of retries before the next was signalled), and
+    each stop's time is its own, not the last worker's."""
+    import asyncio
+    import logging
+
+    from runtime.pool_manager import Pool
+
+    server = LocalRedis().start()
+    # a "worker": exits 0.2 s after SIGTERM, as a drained worker does
+    script = ("import signal, sys, time\n"
+              "signal.signal(signal.SIGTERM, lambda *a: (time.sleep(0.2), sys.exit(0)))\n"
+              "time.sleep(60)\n")  # fmt: skip
+
+    async def main() -> tuple[float, float]:
+        pool = Pool(_cfg(redis_url=server.url, zygote=False, models={"m": "/x"}))
+        running = asyncio.ensure_future(pool.run())
+        await asyncio.sleep(1.0)  # its first ticks, against a live Redis
+        for i in range(3):
+            proc = await asyncio.create_subprocess_exec(sys.executable, "-c", script)
+            pool.managed[f"p-w{i}"] = Managed(f"p-w{i}", "m", 0, proc, started=0.0, ready=1.0)
+        await asyncio.sleep(0.5)  # (the scripts' handlers in place)
+        server._proc.send_signal(signal.SIGSTOP)
+        await asyncio.sleep(1.0)  # a tick now waits on Redis
+        t0 = time.monotonic()
+        pool.stop()
+        procs = [m.proc for m in pool.managed.values()]
+        await asyncio.wait([asyncio.ensure_future(p.wait()) for p in procs], timeout=30)
+        workers_done = time.monotonic() - t0
+        server._proc.send_signal(signal.SIGCONT)  # (the run's last Redis calls answer now)
+        await asyncio.wait_for(running, 60)
+        return workers_done, time.monotonic() - t0
+
+    try:
+        with caplog.at_level(logging.INFO, logger="edgeinfer.pool"):
+            workers_done, _ = asyncio.run(main())
+        assert workers_done < 3.0, workers_done
+        stops = [float(s) for s in re.findall(r"stopped p-w\d in ([\d.]+)s", caplog.text)]
+        assert len(stops) == 3 and max(stops) < 2.0, caplog.text
+    finally:
+        with contextlib.suppress(Exception):
+            server._proc.send_signal(signal.SIGCONT)
+        server.stop()
