@@ -7,7 +7,8 @@ what the pools report back.
                                        of `model` is up in `region`; score = the hold's deadline
     ei:d:{<model>}:status:<region>     string: the pool's ModelStatus (starting, failed + retry time)
     ei:d:{<model>}:start:<region>      string: the id of the pool starting a worker for it now
-                                       (SET NX: several pools in a region start one, not one each)
+                                       (SET NX: several pools in a region start one, not one each;
+                                       a lease its pool renews while the worker starts)
     ei:pw:{<region>}                   list: wake-ups (model names) for that region's pool
     ei:pe:{<region>}                   stream: pool events (start, ready, stop, fail) with timings
 

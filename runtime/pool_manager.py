@@ -17,7 +17,9 @@ worker (kvstore/demand.py), and for each model decides (`decide`, a pure functio
   status says `full`, which waiting gateways pass on (503 `pool_full`).
 
 Starts are claimed in Redis first (kvstore.demand.Demand.claim_start), so the pools of one
-region together start one worker per model at a time, not one each.
+region together start one worker per model at a time, not one each. A claim is a lease of
+`ttl_s`, renewed every tick while its worker starts: a pool that dies mid-start holds up the
+others for that long only.
 
 A worker that exits before it registers, or does not register within `ready_timeout_s`, failed
 to start: the pool publishes `failed` with the time of its next attempt (exponential backoff, so
