@@ -18,8 +18,8 @@ worker (kvstore/demand.py), and for each model decides (`decide`, a pure functio
 
 Starts are claimed in Redis first (kvstore.demand.Demand.claim_start), so the pools of one
 region together start one worker per model at a time, not one each. A claim is a lease of
-`ttl_s`, renewed every tick while its worker starts: a pool that dies mid-start holds up the
-others for that long only.
+`ttl_s` + START_LEASE_EXTRA_S (45 s by default), renewed every tick while its worker starts: a
+pool that dies mid-start holds up the others for that long only.
 
 A worker that exits before it registers, or does not register within `ready_timeout_s`, failed
 to start: the pool publishes `failed` with the time of its next attempt (exponential backoff, so
@@ -50,7 +50,7 @@ from kvstore.protocol import WorkerInfo
 from kvstore.redis_server import find_free_port
 from kvstore.registry import Registry
 from runtime.lifeline import Lifeline
-from runtime.zygote import ForkedProcess, ZygoteClient, ZygoteError
+from runtime.zygote import SPAWN_TIMEOUT_S, ForkedProcess, ZygoteClient, ZygoteError
 
 log = logging.getLogger("edgeinfer.pool")
 
@@ -58,6 +58,9 @@ MAX_BACKOFF_S = 60.0
 CRASH_WINDOW_S = 60.0  # a worker that dies (not asked to stop) this soon after getting ready
 # counts as a crash: the next start of its model waits, with backoff, as after a failed start
 TEMPLATE_WAIT_S = 5.0  # longest a start waits for a worker template still importing
+# a start's claim outlives its pool by this at most: renewed each tick, and a tick may spend on
+# one start's spawn (a template still importing, then its answer), and on another model's too
+START_LEASE_EXTRA_S = TEMPLATE_WAIT_S + SPAWN_TIMEOUT_S
 
 
 @dataclass(slots=True)
@@ -248,7 +251,7 @@ class Pool:
         try:
             while not self._stop.is_set():
                 if time.monotonic() - last_beat >= cfg.heartbeat_s:
-                    await self._announce()
+                    await self._unless_stopped(self._announce())
                     last_beat = time.monotonic()
                 try:
                     woke = await self._unless_stopped(self._tick(waker))
@@ -267,6 +270,10 @@ class Pool:
 
     def stop(self) -> None:
         self._stop.set()
+
+    @property
+    def _lease_s(self) -> float:
+        return self.cfg.ttl_s + START_LEASE_EXTRA_S
 
     async def _tick(self, waker: Demand) -> str | None:
         await self.tick()
@@ -311,7 +318,7 @@ class Pool:
         # a start's claim is a lease renewed while the worker starts: a pool that dies (SIGKILL,
         # the OOM killer) holds up the region's other pools for ttl_s, not ready_timeout_s
         for model in {m.model for m in self.managed.values() if not m.ready and not m.stopping}:
-            await self.demand.renew_start(model, cfg.region, cfg.pool_id, cfg.ttl_s)
+            await self.demand.renew_start(model, cfg.region, cfg.pool_id, self._lease_s)
         for model, state in self.states.items():
             ours = [m for m in self.managed.values() if m.model == model]
             waiting = await self.demand.waiting(model, cfg.region)
@@ -319,7 +326,7 @@ class Pool:
             mine = [w for w in registered if w.model == model]
             d = decide(cfg, state, ours, mine, waiting, room, now, wall)
             claimed = d.start and await self.demand.claim_start(
-                model, cfg.region, cfg.pool_id, cfg.ttl_s
+                model, cfg.region, cfg.pool_id, self._lease_s
             )
             if d.start and not claimed:
                 owner = await self.demand.start_owner(model, cfg.region)
@@ -567,6 +574,11 @@ class Pool:
             for p in procs:
                 await p.wait()
             await self._reap(set(), time.monotonic())
+        # a start whose tick the stop cancelled (claimed, its process not spawned yet): its
+        # claim goes now, not when its lease runs out (no-op for another pool's claims)
+        with contextlib.suppress(Exception, TimeoutError):
+            async with asyncio.timeout(2.0):
+                await asyncio.gather(*(self._release_start(model) for model in self.states))
         for t in self._tasks:
             t.cancel()
         if self._zygote is not None:

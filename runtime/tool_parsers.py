@@ -99,7 +99,9 @@ class ToolParser:
             if "type" not in params:  # arguments are an object (without it, any JSON value is)
                 params = {"type": "object", **params}
             base = "/$defs/" + fn["name"].replace("~", "~0").replace("/", "~1")  # JSON pointer
-            if (moved := _rebased(params, base)) != params:
+            # anchors are named per tool: every tool's parameters end up in one schema, where
+            # two tools' anchors of one name would resolve to one of them
+            if (moved := _rebased(params, base, f"_{fn['name']}.")) != params:
                 # its refs now resolve against the call's schema, not against its own "$id"
                 moved = {k: v for k, v in moved.items() if k != "$id"}
                 defs[fn["name"]] = moved
@@ -231,21 +233,26 @@ def tool_grammar(
     return None
 
 
-def _rebased(schema: Any, base: str) -> Any:
+def _rebased(schema: Any, base: str, anchors: str = "") -> Any:
     """A copy of `schema` whose local refs ("#", "#/$defs/A", "#/properties/x") point where the
-    same places will be once the schema moves to the JSON pointer `base` of a larger one."""
+    same places will be once the schema moves to the JSON pointer `base` of a larger one, and
+    whose anchors ("$anchor": "a", refs "#a") take the prefix `anchors`."""
     if isinstance(schema, list):
-        return [_rebased(s, base) for s in schema]
+        return [_rebased(s, base, anchors) for s in schema]
     if not isinstance(schema, dict):
         return schema
     out: dict[str, Any] = {}
     for key, value in schema.items():
         if key in SCHEMA_MAPS and isinstance(value, dict):
-            out[key] = {name: _rebased(s, base) for name, s in value.items()}
+            out[key] = {name: _rebased(s, base, anchors) for name, s in value.items()}
         elif key == "$ref" and isinstance(value, str) and (value == "#" or value.startswith("#/")):
-            out[key] = f"#{base}{value[1:]}"  # (not "#name": an anchor, found wherever it is)
+            out[key] = f"#{base}{value[1:]}"
+        elif key == "$ref" and isinstance(value, str) and value.startswith("#"):
+            out[key] = f"#{anchors}{value[1:]}"  # an anchor's name
+        elif key == "$anchor" and isinstance(value, str):
+            out[key] = anchors + value
         else:
-            out[key] = value if key in DATA_KEYWORDS else _rebased(value, base)
+            out[key] = value if key in DATA_KEYWORDS else _rebased(value, base, anchors)
     return out
 
 

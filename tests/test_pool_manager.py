@@ -490,19 +490,25 @@ def test_a_full_pool_stops_an_idle_worker_for_a_model_that_waits(
 
 
 def test_a_start_claim_is_a_lease_that_lapses_with_its_pool(  # type: ignore[no-untyped-def]
-    redis_server, caplog: pytest.LogCaptureFixture
+    redis_server, caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """A pool's claim on a start lasts ttl_s and is renewed each tick while its worker starts;
-    a pool killed mid-start (nothing renews it) holds up the region's other pools for ttl_s,
-    not for the ready timeout (305 s: a restarted pool started nothing for five minutes and
-    said nothing). A pool whose start another pool's claim stops says so, once."""
+    """A pool's claim on a start lasts ttl_s plus what one tick may spend spawning (45 s by
+    default) and is renewed each tick while its worker starts; a pool killed mid-start
+    (nothing renews it) holds up the region's other pools for that long, not for the ready
+    timeout (305 s: a restarted pool started nothing for five minutes and said nothing). A
+    pool whose start another pool's claim stops says so, once; one that shuts down releases
+    its claim."""
     import asyncio
     import logging
 
+    import runtime.pool_manager as pm
     from kvstore.client import connect
     from kvstore.demand import Demand, start_key
     from kvstore.registry import Registry
     from runtime.pool_manager import Pool
+
+    assert Pool(_cfg())._lease_s == 10.0 + pm.TEMPLATE_WAIT_S + pm.SPAWN_TIMEOUT_S
+    monkeypatch.setattr(pm, "START_LEASE_EXTRA_S", 0.0)  # the lease: ttl_s (1 s) here
 
     async def never_registers(argv: list[str], env: dict[str, str]):  # type: ignore[no-untyped-def]
         proc = await asyncio.create_subprocess_exec(
@@ -538,6 +544,8 @@ def test_a_start_claim_is_a_lease_that_lapses_with_its_pool(  # type: ignore[no-
             await asyncio.sleep(1.1)
             await b.tick()
             assert len(b.managed) == 1 and await redis_.get(key) in (b"pool-b", "pool-b")
+            await b.shutdown(timeout_s=0.5)
+            assert await redis_.get(key) is None  # released, not left to its lease
         finally:
             for pool in pools:
                 for m in pool.managed.values():

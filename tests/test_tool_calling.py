@@ -941,6 +941,20 @@ def test_worker_flag_offers_every_parser() -> None:
     assert tuple(worker.choices) == PARSERS
 
 
+@pytest.mark.parametrize("parser_name", ["hermes", "llama3_json", "mistral"])
+def test_forced_calls_of_tools_whose_anchors_share_a_name(stories: LLM, parser_name: str) -> None:
+    """Two tools that each name an anchor "yes" (a boolean in one, a digit in the other), either
+    called: each call's arguments validate against its own tool's schema (the tools' schemas
+    share one document, where both refs resolved to one of the anchors)."""
+    digit = {"type": "object", "properties": {"a": {"$ref": "#yes"}}, "required": ["a"],
+             "additionalProperties": False,
+             "$defs": {"D": {"$anchor": "yes", "type": "integer", "minimum": 0, "maximum": 9}}}  # fmt: skip
+    offered = [{"type": "function", "function": {"name": "anchored", "parameters": ANCHORED}},
+               {"type": "function", "function": {"name": "digit", "parameters": digit}}]  # fmt: skip
+    _forced_calls(stories, parser_name, offered, {"anchored": ANCHORED, "digit": digit},
+                  "required", True)  # fmt: skip
+
+
 def test_parameters_without_a_type_describe_an_object() -> None:
     """A function's parameters with no "type" (the gateway takes them as an object) constrain a
     forced call's arguments to an object: without it any JSON value matched, and a model that
