@@ -432,6 +432,8 @@ class EngineConfig:
                     "tp, pp and ep above 1 run on the CPU (gloo ranks); on CUDA (NCCL) they are "
                     "not built yet: use device='cpu' or tp=pp=ep=1"
                 )
+        if self.max_model_len is not None and self.max_model_len < 0:
+            raise ValueError(f"max_model_len must be >= 1 (0: the model's), got {self.max_model_len}")
         if self.cuda_graph_max_batch < 1:
             raise ValueError(
                 f"cuda_graph_max_batch must be >= 1, got {self.cuda_graph_max_batch}"

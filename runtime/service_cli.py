@@ -23,6 +23,17 @@ API_KEY_HELP = ("accepted bearer token (repeatable; default: $EDGEINFER_API_KEYS
                 "none: the API is open)")  # fmt: skip
 
 
+
+def _port(text: str) -> int:
+    """An argparse type: a TCP port to listen on and advertise (1-65535)."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"invalid port {text!r}") from None
+    if not 1 <= value <= 65535:
+        raise argparse.ArgumentTypeError(f"must be 1-65535, got {value}")
+    return value
+
 def _secret(args: argparse.Namespace) -> str:
     secret = args.secret or os.environ.get("EDGEINFER_SECRET", "")
     if not secret:
@@ -349,7 +360,7 @@ def add_service_commands(sub: argparse._SubParsersAction, engine_args) -> None: 
                    help="the work it takes (default %(default)s)")  # fmt: skip
     w.add_argument("--host", default="127.0.0.1",
                    help="interface to listen on (default %(default)s)")  # fmt: skip
-    w.add_argument("--port", type=int, default=9001, help="port to listen on (default %(default)s)")
+    w.add_argument("--port", type=_port, default=9001, help="port to listen on (default %(default)s)")
     w.add_argument(
         "--advertise-url", default=None, help="URL gateways use (default from host/port)"
     )
@@ -393,7 +404,7 @@ def add_service_commands(sub: argparse._SubParsersAction, engine_args) -> None: 
                    help="this gateway's region from the catalog (default %(default)s)")  # fmt: skip
     g.add_argument("--host", default="127.0.0.1",
                    help="interface to listen on; 0.0.0.0 for every one (default %(default)s)")  # fmt: skip
-    g.add_argument("--port", type=int, default=8080, help="port to listen on (default %(default)s)")
+    g.add_argument("--port", type=_port, default=8080, help="port to listen on (default %(default)s)")
     g.add_argument(
         "--redis", default=None, help=f"cluster state (default $EDGEINFER_REDIS or {DEFAULT_REDIS})"
     )
@@ -503,7 +514,7 @@ def add_service_commands(sub: argparse._SubParsersAction, engine_args) -> None: 
         "--roles", default=None,
         help="one worker per listed role instead, e.g. prefill,decode (disaggregated serving)",
     )  # fmt: skip
-    u.add_argument("--port", type=int, default=8080,
+    u.add_argument("--port", type=_port, default=8080,
                    help="the gateway's port (default %(default)s)")  # fmt: skip
     u.add_argument("--worker-port", type=int, default=None,
                    help="first worker's port; the workers take the next ones, then their "

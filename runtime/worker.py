@@ -116,6 +116,8 @@ class WorkerConfig:
             raise ValueError(f"invalid region name {self.region!r}")
         if self.heartbeat_s <= 0 or self.ttl_s <= self.heartbeat_s:
             raise ValueError("need 0 < heartbeat_s < ttl_s")
+        if self.drain_timeout_s < 0:
+            raise ValueError(f"drain_timeout_s must be >= 0, got {self.drain_timeout_s}")
         if not 0 <= self.kv_port < 65536 or self.kv_hold_s <= 0 or self.kv_import_wait_s < 0:
             raise ValueError("need 0 <= kv_port < 65536, kv_hold_s > 0 and kv_import_wait_s >= 0")
         if self.tool_call_parser is not None and self.tool_call_parser not in PARSERS:
@@ -583,6 +585,12 @@ async def _generate(request: web.Request) -> web.StreamResponse:
                  "constraint_failed" if isinstance(e, _ConstraintFailed) else "engine_dead")  # fmt: skip
         with contextlib.suppress(ConnectionError):
             await resp.write(encode_event(ErrorEvent(str(e), error)))
+    except InvalidRequestError as e:  # the engine refused it on its thread, after the stream
+        # began (an id still held by a KV import or export): the refusal is its last event
+        refused = _Refused.of(e)
+        error = refused.code
+        with contextlib.suppress(ConnectionError):
+            await resp.write(encode_event(refused.event()))
     except ConnectionError:  # the gateway hung up (its client left): `finally` aborts it
         pass
     finally:

@@ -93,3 +93,26 @@ def test_help_shows_defaults_and_environment_variables() -> None:
     for text in ("heartbeats (default 2.0)", "seconds (default 10.0)", "(default 30.0)",
                  "waiting queue (default 4096)"):  # fmt: skip
         assert text in worker, text
+
+
+@pytest.mark.parametrize("command", ["worker", "gateway", "up"])
+@pytest.mark.parametrize("port", ["0", "70000", "http"])
+def test_a_port_out_of_range_is_one_line(command: str, port: str) -> None:
+    """`--port 70000` bound port 4464 and registered http://127.0.0.1:70000 (and `--port 0` a
+    random port, registered as :0): gateways routed to URLs no one answered."""
+    out = subprocess.run(
+        [sys.executable, "-m", "runtime.cli", command, "--port", port],
+        cwd=ROOT, capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    assert out.returncode == 2 and "Traceback" not in out.stderr, out.stderr
+    assert "argument --port: " in out.stderr.splitlines()[-1], out.stderr
+
+
+def test_worker_and_engine_limits_that_cannot_be_meant() -> None:
+    from runtime.config import EngineConfig
+    from runtime.worker import WorkerConfig
+
+    with pytest.raises(ValueError, match="max_model_len must be >= 1"):
+        EngineConfig(model=str(ROOT), max_model_len=-5)
+    with pytest.raises(ValueError, match="drain_timeout_s must be >= 0"):
+        WorkerConfig("m", "r", "mixed", "127.0.0.1", 1, "u", "s", None, drain_timeout_s=-1)

@@ -331,3 +331,54 @@ def test_a_hung_engine_stops_the_keepalives_a_slow_one_keeps_them(
             llm.shutdown()
 
     asyncio.run(main())
+
+
+def test_an_id_the_engine_refuses_after_the_stream_began_is_a_400_event(stories_dir: Path) -> None:
+    """A request whose id the engine thread refuses once its stream has begun (here a KV import
+    reserved under that id: `submit` sees only the open streams) ends its stream with a refusal
+    event standing for a 400, which the gateway answers as such. The error escaped the handler:
+    a traceback, and a body cut short that the gateway took for a broken worker."""
+    import asyncio
+
+    import aiohttp
+    from aiohttp import web
+
+    from runtime.async_engine import AsyncLLM
+    from runtime.config import EngineConfig
+    from runtime.engine import LLMEngine
+    from runtime.sampling_params import SamplingParams
+    from runtime.worker import Worker, WorkerConfig, make_app
+
+    llm = AsyncLLM(LLMEngine(EngineConfig(str(stories_dir), block_size=16,
+                                          kv_cache_bytes=4_000_000, num_threads=1)))  # fmt: skip
+    cfg = WorkerConfig("stories", "r1", "mixed", "127.0.0.1", 0, "http://127.0.0.1:0", SECRET,
+                       None)  # fmt: skip
+    worker = Worker(cfg, llm)
+
+    async def main() -> list[dict[str, Any]]:
+        ids = list(range(20, 60))
+        await llm.call(lambda e: e.reserve_import(e.prepare_request("x", ids, SamplingParams())))
+        runner = web.AppRunner(make_app(worker))
+        await runner.setup()
+        site = web.TCPSite(runner, "127.0.0.1", 0)
+        await site.start()
+        port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
+        body = {"request_id": "x", "model": "stories", "prompt": "Once upon a time",
+                "sampling": {"max_tokens": 4}}  # fmt: skip
+        try:
+            async with aiohttp.ClientSession() as http, http.post(
+                f"http://127.0.0.1:{port}/internal/generate", data=orjson.dumps(body),
+                headers={"x-edgeinfer-secret": SECRET},
+            ) as resp:  # fmt: skip
+                assert resp.status == 200
+                return [orjson.loads(line) async for line in resp.content if line.strip()]
+        finally:
+            await runner.cleanup()
+
+    try:
+        events = asyncio.run(main())
+    finally:
+        llm.shutdown()
+    last = events[-1]
+    assert last["type"] == "error" and last["status"] == 400, events
+    assert "already in use" in last["message"] and last["error"]["param"] == "request_id", last
