@@ -44,7 +44,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from kvstore.client import connect
+from kvstore.client import connect, stop_task
 from kvstore.demand import Demand, ModelStatus, PoolInfo
 from kvstore.protocol import WorkerInfo
 from kvstore.redis_server import find_free_port
@@ -290,9 +290,8 @@ class Pool:
         finally:
             stop.cancel()
         if not task.done():
-            task.cancel()
             with contextlib.suppress(asyncio.CancelledError, Exception):
-                await task
+                await stop_task(task)  # (a cancel can be lost inside a Redis command)
             return None
         return task.result()
 
