@@ -146,6 +146,9 @@ class Worker:
         self.stopping = False  # leaving for good (SIGTERM, a dead rank); nothing clears it
         self.cut_off = False  # the drain timed out: streams still served end with an error
         self.serving: set[str] = set()  # ids of the requests whose streams handlers serve
+        # disaggregated requests pulling their prompt's KV (no engine stream yet): their
+        # handlers, which an abort (or a drain that ran out) cancels
+        self.pulling: dict[str, asyncio.Task[Any]] = {}
         self._changing_role = False  # a role change is draining the old role's work
         self.started_at = time.time()
         self.last_active_at = self.started_at  # a request arrived (or was in flight: info())
@@ -390,6 +393,8 @@ class Worker:
             self.cut_off = True
             for rid in self.serving:
                 self.llm.abort(rid)
+            for task in self.pulling.values():  # (the gateway retries them elsewhere)
+                task.cancel()
         await self.leave()
 
     # ------------------------------------------------------------------ requests
@@ -525,6 +530,9 @@ async def _generate(request: web.Request) -> web.StreamResponse:
     else:
         assert req.kv_source is not None
         ctx = trace.set_span_in_context(span)
+        task = asyncio.current_task()
+        assert task is not None
+        worker.pulling[req.request_id] = task
         try:
             stream = await _pull(request, resp, quiet, worker, taken, req.kv_source, ctx, times)
         except _Refused as r:  # the stream began: the refusal is its one event
@@ -533,12 +541,15 @@ async def _generate(request: web.Request) -> web.StreamResponse:
                 await resp.write(encode_event(r.event()))
             tel.finish(span, req, times, None, r.code)
             return resp
-        except BaseException as e:  # the gateway hung up (its client left) during the pull
-            quiet.stop()
+        except BaseException as e:  # the gateway hung up (its client left) during the pull, or
+            quiet.stop()  # the request was aborted
             tel.finish(span, req, times, None, "client_gone")
             if isinstance(e, ConnectionError):
                 return resp
             raise
+        finally:
+            if worker.pulling.get(req.request_id) is task:
+                del worker.pulling[req.request_id]
     if tools is not None:  # what the output's text follows (to place a marker token's text)
         tools.context = stream.prompt_token_ids[-CONTEXT_TOKENS:]
     worker.serving.add(req.request_id)
@@ -810,7 +821,12 @@ async def _abort(request: web.Request) -> web.Response:
             raise TypeError("request_id must be a string")
     except (orjson.JSONDecodeError, KeyError, TypeError) as e:
         return _error(400, f"bad abort request: {e}", "invalid_request_error", "request_id")
-    return web.json_response({"aborted": worker.llm.abort(rid)}, dumps=_dumps)
+    aborted = worker.llm.abort(rid)
+    pulling = worker.pulling.get(rid)
+    if not aborted and pulling is not None:  # still pulling its KV: no engine stream to abort
+        pulling.cancel()  # (frees its reserved blocks; its connection closes)
+        aborted = True
+    return web.json_response({"aborted": aborted}, dumps=_dumps)
 
 
 async def _role(request: web.Request) -> web.Response:

@@ -382,3 +382,42 @@ def test_an_id_the_engine_refuses_after_the_stream_began_is_a_400_event(stories_
     last = events[-1]
     assert last["type"] == "error" and last["status"] == 400, events
     assert "already in use" in last["message"] and last["error"]["param"] == "request_id", last
+
+
+def test_an_abort_reaches_a_request_still_pulling_its_kv(worker: Proc) -> None:
+    """/internal/abort of a disaggregated request whose KV pull is still running (no engine
+    stream yet) stops it: its blocks reserved for the import are freed and its stream ends.
+    It answered {"aborted": false} and the request ran on: the pull, then every token."""
+    import contextlib
+    import socket
+    import time
+
+    silent = socket.create_server(("127.0.0.1", 0))  # accepts, never answers: a hung prefill
+    port = silent.getsockname()[1]
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        pulling = pool.submit(_post, worker, _request(200, kv_source=f"127.0.0.1:{port}",
+                                                      request_id="pulling"))  # fmt: skip
+
+        def stats() -> dict[str, Any]:
+            req = urllib.request.Request(f"{worker.url}/internal/stats",
+                                         headers={"x-edgeinfer-secret": SECRET})  # fmt: skip
+            with urllib.request.urlopen(req, timeout=10) as resp:
+                return json.loads(resp.read())
+
+        deadline = time.monotonic() + 20
+        while stats()["kv_imports_reserved"] != 1:
+            assert time.monotonic() < deadline, stats()
+            time.sleep(0.05)
+        abort = urllib.request.Request(
+            f"{worker.url}/internal/abort", data=b'{"request_id": "pulling"}', method="POST",
+            headers={"x-edgeinfer-secret": SECRET},
+        )  # fmt: skip
+        with urllib.request.urlopen(abort, timeout=10) as resp:
+            assert json.loads(resp.read()) == {"aborted": True}
+        with contextlib.suppress(http.client.HTTPException, OSError):
+            pulling.result(timeout=10)  # its stream ends (cut: its client is gone, as a rule)
+        deadline = time.monotonic() + 10
+        while stats()["kv_imports_reserved"] or stats()["open_requests"]:
+            assert time.monotonic() < deadline, stats()
+            time.sleep(0.05)
+    silent.close()
