@@ -764,7 +764,18 @@ def _request_of(body: Any) -> GenerateRequest:
         value = getattr(req, name)
         if not isinstance(value, str) and not (optional and value is None):
             raise InvalidRequestError(name, f"must be a string, got {type(value).__name__}")
+    if req.operation not in OPERATIONS:  # (a label of the worker's metrics: a bounded set)
+        raise InvalidRequestError("operation", f"must be one of {OPERATIONS}, got {req.operation!r}")
+    if req.kv_source is not None:
+        host, _, port = req.kv_source.rpartition(":")
+        if not host or not port.isdigit() or not 1 <= int(port) <= 65535:
+            raise InvalidRequestError(
+                "kv_source", f"must be host:port (a port of 1-65535), got {req.kv_source!r}"
+            )
     return req
+
+
+OPERATIONS = ("chat", "text_completion")  # gen_ai.operation.name
 
 
 def _sampling_params(sampling: dict[str, Any]) -> SamplingParams:

@@ -78,6 +78,9 @@ BAD: list[tuple[dict[str, Any], str]] = [  # (fields of the request, the param i
     ({"tools": [1], "prompt": None, "messages": [{"role": "user", "content": "Hi"}]}, "tools[0]"),
     ({"request_id": ["r"]}, "request_id"),  # was "sampling"
     ({"kv_source": 5}, "kv_source"),  # was a 500
+    ({"kv_source": "127.0.0.1:99999"}, "kv_source"),  # (pulled from port 34463)
+    ({"kv_source": "nowhere"}, "kv_source"),
+    ({"operation": "xx"}, "operation"),  # (a label value of the worker's metrics)
     ({"session_id": {"a": 1}}, "session_id"),
     ({"sampling": [1]}, "sampling"),
     ({"sampling": {"logit_bias": {}}}, "sampling"),
