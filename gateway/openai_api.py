@@ -35,7 +35,6 @@ from gateway.fields import INT32_MAX, INT64_MAX, INT64_MIN, Fields, Range, is_in
 from gateway.openai_response import (
     SSE_DONE,
     ResponseAssembler,
-    error_chunk,
     error_from_event,
     sse,
 )
@@ -49,7 +48,6 @@ __all__ = [
     "SSE_DONE",
     "RequestOptions",
     "ResponseAssembler",
-    "error_chunk",
     "error_from_event",
     "parse_chat",
     "parse_completion",

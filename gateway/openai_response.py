@@ -24,7 +24,7 @@ concatenated) and `content` null when it said nothing else, as OpenAI answers.
 
 Failures are raised as `APIError`, never returned, so the handler decides: before the first
 byte it may answer with the error's status (or retry elsewhere when `retryable`); after it, it
-sends `sse(err.body())` (or `error_chunk`) and closes the stream.
+sends `sse(err.body())` and closes the stream (a worker's error event: `error_from_event`).
 - An `error` event -> 500 (internal_error), or 503 when its code says the worker was going
   away ("draining", "shutdown", "aborted", "engine_dead"): the request may succeed elsewhere.
 - finish_reason "abort" -> 503 with code "aborted". OpenAI has no such finish reason (its
@@ -61,13 +61,6 @@ UNAVAILABLE_CODES = frozenset({"draining", "shutdown", "aborted", "engine_dead",
 def sse(obj: dict[str, Any]) -> bytes:
     """One server-sent event carrying a JSON object."""
     return b"data: " + orjson.dumps(obj) + b"\n\n"
-
-
-def error_chunk(message: str, code: str | None = "internal_error") -> dict[str, Any]:
-    """The object a stream sends when it fails after its first byte (OpenAI's error shape),
-    typed as the same failure before the first byte would be answered (a worker going away:
-    service_unavailable; a constraint that failed: invalid_request_error)."""
-    return _error_for(message, code or "internal_error").body()
 
 
 @dataclass(slots=True)
@@ -365,7 +358,9 @@ def _logprob(value: object) -> float:
 
 
 def error_from_event(event: dict[str, Any]) -> APIError:
-    """The error a worker's error event stands for (its code decides the type)."""
+    """The error a worker's error event stands for, typed as the same failure before the first
+    byte would be answered (a worker going away: service_unavailable; a constraint that
+    failed: invalid_request_error); mid-stream, its `body()` is the stream's last chunk."""
     message = event.get("message")
     code = event.get("code")
     text = message if isinstance(message, str) and message else "the worker failed the request"

@@ -42,6 +42,8 @@ from kvstore.keys import as_text
 SECRET_HEADER = "x-edgeinfer-secret"
 Role = Literal["prefill", "decode", "mixed"]
 
+OPERATIONS = ("chat", "text_completion")  # GenerateRequest.operation: gen_ai.operation.name
+
 
 @dataclass(slots=True)
 class GenerateRequest:

@@ -1456,8 +1456,7 @@ class CompressedBlocks:
     def release(self) -> None:
         for h in self._hooks:
             h.remove()
-        if self._side is not None:  # a decode ahead may still be writing a buffer
-            torch.cuda.current_stream(self.device).wait_stream(self._side)
+        self.join()  # a decode ahead may still be writing a buffer
         for entry in self._blocks:
             self._decode(entry)
             for s in entry.slots:

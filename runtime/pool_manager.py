@@ -537,16 +537,14 @@ class Pool:
         )
         return delay
 
-    async def _request_stop(self, m: Managed, why: str) -> None:
-        self._signal_stop(m, why)
-        await self._record("stopping", m.worker_id, m.model, reason=why,
-                           served_s=f"{m.stopping - (m.ready or m.started):.1f}")  # fmt: skip
-
-    def _signal_stop(self, m: Managed, why: str) -> None:
+    def _request_stop(self, m: Managed, why: str) -> Coroutine[Any, Any, None]:
+        """SIGTERM to `m` now; the "stopping" event to record (awaited, or run in background)."""
         m.stopping = time.monotonic()
         with contextlib.suppress(ProcessLookupError):
             m.proc.send_signal(signal.SIGTERM)
         log.info("stopping %s (%s)", m.worker_id, why)
+        return self._record("stopping", m.worker_id, m.model, reason=why,
+                            served_s=f"{m.stopping - (m.ready or m.started):.1f}")  # fmt: skip
 
     async def shutdown(self, timeout_s: float = 40.0) -> None:
         """Stop every worker (they drain), waiting up to `timeout_s`, then kill what is left.
@@ -554,10 +552,7 @@ class Pool:
         Redis that hangs cost each worker ~3 s of retries before the next was signalled."""
         for m in self.managed.values():
             if not m.stopping:
-                self._signal_stop(m, "pool shutting down")
-                self._spawn(self._record("stopping", m.worker_id, m.model,
-                                         reason="pool shutting down",
-                                         served_s=f"{m.stopping - (m.ready or m.started):.1f}"))  # fmt: skip
+                self._spawn(self._request_stop(m, "pool shutting down"))
         procs = [m.proc for m in self.managed.values()]
         if procs:
 

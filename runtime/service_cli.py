@@ -23,7 +23,6 @@ API_KEY_HELP = ("accepted bearer token (repeatable; default: $EDGEINFER_API_KEYS
                 "none: the API is open)")  # fmt: skip
 
 
-
 def _port(text: str) -> int:
     """An argparse type: a TCP port to listen on and advertise (1-65535)."""
     try:
@@ -33,6 +32,7 @@ def _port(text: str) -> int:
     if not 1 <= value <= 65535:
         raise argparse.ArgumentTypeError(f"must be 1-65535, got {value}")
     return value
+
 
 def _secret(args: argparse.Namespace) -> str:
     secret = args.secret or os.environ.get("EDGEINFER_SECRET", "")

@@ -46,6 +46,7 @@ from kvstore.prefix_index import CacheEventPublisher, PrefixIndex
 from kvstore.protocol import (
     KEEPALIVE,
     KEEPALIVE_S,
+    OPERATIONS,
     SECRET_HEADER,
     DeltaEvent,
     DoneEvent,
@@ -773,9 +774,6 @@ def _request_of(body: Any) -> GenerateRequest:
                 "kv_source", f"must be host:port (a port of 1-65535), got {req.kv_source!r}"
             )
     return req
-
-
-OPERATIONS = ("chat", "text_completion")  # gen_ai.operation.name
 
 
 def _sampling_params(sampling: dict[str, Any]) -> SamplingParams:

@@ -19,7 +19,7 @@ from gateway.openai_api import (
     SSE_DONE,
     RequestOptions,
     ResponseAssembler,
-    error_chunk,
+    error_from_event,
     parse_chat,
     parse_completion,
     sse,
@@ -451,7 +451,7 @@ def test_sse_framing() -> None:
 
 
 def test_error_chunk_shape() -> None:
-    assert error_chunk("engine died") == {
+    assert error_from_event({"type": "error", "message": "engine died"}).body() == {
         "error": {
             "message": "engine died",
             "type": "internal_error",
@@ -469,7 +469,7 @@ def test_error_chunk_shape() -> None:
 def test_an_error_chunk_is_typed_by_its_code(code: str, kind: str) -> None:
     """Typed as the same failure before the first byte is answered (a worker shutting down was
     an internal_error mid-stream, a service_unavailable 503 before it)."""
-    chunk = error_chunk("x", code)["error"]
+    chunk = error_from_event({"type": "error", "message": "x", "code": code}).body()["error"]
     assert (chunk["type"], chunk["code"]) == (kind, code)
 
 
