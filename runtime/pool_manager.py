@@ -11,7 +11,8 @@ worker (kvstore/demand.py), and for each model decides (`decide`, a pure functio
 - scale up: every worker of the model is queueing (requests waiting behind full batches) for
   `scale_up_after_s`: start one more, one start in flight per model at a time;
 - scale down: one of our workers has had nothing to do for `idle_s`: SIGTERM it (it drains);
-- never fewer than `min_workers` per model, never more than `max_workers` processes in all;
+- never fewer than `min_workers` per model, never more than `max_workers` processes in all (a
+  worker that is stopping holds its slot until it has exited);
 - make room: a model that must scale from zero while every process slot is taken gets one by
   stopping the longest-idle worker of another model (`make_room`); with none idle, the model's
   status says `full`, which waiting gateways pass on (503 `pool_full`).
@@ -185,13 +186,22 @@ def decide(
     return Decision()
 
 
+def slots_left(cfg: PoolConfig, managed: list[Managed]) -> int:
+    """Processes the pool may still start. A worker that is stopping holds its slot until it
+    has exited (a drain can take drain_timeout_s, and its memory is in use until then): started
+    beside it, a new worker would put max_workers + 1 models in memory at once."""
+    return cfg.max_workers - len(managed)
+
+
 def needs_room(state: ModelState, ours: list[Managed], registered: list[WorkerInfo],
-               waiting: int, room: int, now: float) -> bool:  # fmt: skip
+               waiting: int, room: int, now: float, freeing: bool = False) -> bool:  # fmt: skip
     """Whether the model would scale from zero now (requests wait, nothing serves or starts)
-    but for the pool's process slots, all taken."""
+    but for the pool's process slots, all taken and none `freeing` (a worker of the pool is
+    stopping: its slot is the next one free, and stopping another would free two)."""
     serving = [w for w in registered if not w.draining]
     active = [m for m in ours if not m.stopping]
-    return bool(waiting) and room <= 0 and not serving and not active and now >= state.retry_at
+    return (bool(waiting) and room <= 0 and not freeing and not serving and not active
+            and now >= state.retry_at)  # fmt: skip
 
 
 def make_room(
@@ -321,7 +331,7 @@ class Pool:
         for model, state in self.states.items():
             ours = [m for m in self.managed.values() if m.model == model]
             waiting = await self.demand.waiting(model, cfg.region)
-            room = cfg.max_workers - sum(1 for m in self.managed.values() if not m.stopping)
+            room = slots_left(cfg, list(self.managed.values()))
             mine = [w for w in registered if w.model == model]
             d = decide(cfg, state, ours, mine, waiting, room, now, wall)
             claimed = d.start and await self.demand.claim_start(
@@ -344,9 +354,10 @@ class Pool:
             for wid in d.stop:
                 await self._request_stop(self.managed[wid], d.why)
                 state.settled_at = now
-            if not d.start and needs_room(state, ours, mine, waiting, room, now):
+            freeing = any(m.stopping for m in self.managed.values())
+            if not d.start and needs_room(state, ours, mine, waiting, room, now, freeing):
                 victim = make_room(cfg, list(self.managed.values()), registered, model, wall)
-                if victim is not None:  # its slot frees once it drained: the next tick starts
+                if victim is not None:  # its slot frees once it has exited: a tick then starts
                     stopped = self.managed[victim]
                     # a scale-down: its model's past demand is spent (or it would take the slot)
                     self.states[stopped.model].settled_at = now

@@ -1020,6 +1020,12 @@ async def serve(
     runner = web.AppRunner(
         make_app(worker), handler_cancellation=True, access_log=None, shutdown_timeout=5.0
     )
+    # SIGTERM is a drain from before the registry entry is written (the app's set-up writes it):
+    # taken by the default action in between, it left the entry listing a dead worker for ttl_s
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
     await runner.setup()
     try:  # whatever ends this (an error included), the app's cleanup stops its tasks
         await listen(runner, config.host, config.port, "worker")
@@ -1028,10 +1034,6 @@ async def serve(
         # collection scans only what requests made (no collect first: it would delay the first
         # request)
         gc.freeze()
-        stop = asyncio.Event()
-        loop = asyncio.get_running_loop()
-        for sig in (signal.SIGTERM, signal.SIGINT):
-            loop.add_signal_handler(sig, stop.set)
         watch_lifeline(loop, lambda: _parent_gone(stop))
         rank_failure = _watch_ranks(llm, loop)
         # (an output nobody reads any more, its pool gone, must not stop the worker here)

@@ -28,6 +28,7 @@ from runtime.pool_manager import (
     decide,
     make_room,
     needs_room,
+    slots_left,
 )
 from tests.stack import ROOT, chat_model, get_json, start_gateway, start_pool, wait_until
 
@@ -134,6 +135,22 @@ def test_a_model_waiting_for_a_slot_gets_the_longest_idle_worker_of_another() ->
     assert make_room(cfg, [m("a1", "a"), m("a2", "a", stopping=5.0)], reg, "b", 100.0) == "a1"
     keep_two = _cfg(models={"a": "/x", "b": "/y"}, min_workers=2, max_workers=4)
     assert make_room(keep_two, ours, reg, "b", 100.0) is None
+
+
+def test_a_stopping_worker_holds_its_slot_until_it_has_exited() -> None:
+    """A worker draining (a scale-down, or stopped to make room) still has its model in memory:
+    its slot is not free until it exits, and while it is stopping no second worker is stopped
+    to make room for the same wait (a worker started beside it ran max_workers + 1 models)."""
+    cfg = _cfg(models={"a": "/x", "b": "/y"}, max_workers=2)
+    up = Managed("a1", "a", 0, proc=None, started=0.0, ready=1.0)  # type: ignore[arg-type]
+    draining = Managed("a2", "a", 0, proc=None, started=0.0, ready=1.0, stopping=5.0)  # type: ignore[arg-type]
+    room = slots_left(cfg, [up, draining])
+    assert room == 0
+    assert not decide(cfg, ModelState(), [], [], waiting=1, room=room, now=6.0, wall=6.0).start
+    # b waits with every slot taken, but a2's is on its way: nothing else is stopped for it
+    assert not needs_room(ModelState(), [], [], waiting=1, room=room, now=6.0, freeing=True)
+    assert needs_room(ModelState(), [], [], waiting=1, room=room, now=6.0, freeing=False)
+    assert slots_left(cfg, [up]) == 1  # a2 exited (reaped): b starts
 
 
 def test_pool_config_rejects_impossible_limits() -> None:
