@@ -443,9 +443,14 @@ class Proxy:
 
     async def route_or_hold(self, call: Call, last: APIError | None) -> WorkerInfo:
         """Route; when no worker serves the model but a pool can start one, hold the request
-        until one is up (scale from zero), then route again."""
+        until one is up (scale from zero), then route again. Workers this request already tried
+        that still serve (one that answered 429 or 503, busy) are serving: their answer is the
+        request's (held, it waited hold_timeout_s for a start no pool makes while they serve,
+        then got a 503 `worker_starting`)."""
         route = self._route(call)
         held = not route.candidates and route.reason == "no_workers"
+        if held and call.tried:
+            held = self._route(call, exclude_tried=False).reason == "no_workers"
         if held and await self.hold_for_worker(call):
             route = self._route(call)
             route.reason = "cold_start"
@@ -464,13 +469,13 @@ class Proxy:
             return worker
         return self.chosen(call, self._route(call), last)
 
-    def _route(self, call: Call) -> Route:
+    def _route(self, call: Call, exclude_tried: bool = True) -> Route:
         assert call.gen is not None
         return self.view.router.route(
             call.gen.model,
             self.view.live_workers(),
             call.placement,
-            frozenset(call.tried),
+            frozenset(call.tried) if exclude_tried else frozenset(),
             cached=call.cached,
             prompt_tokens=call.prompt_tokens,
             roles=call.roles,

@@ -868,6 +868,43 @@ def test_a_worker_that_fails_or_refuses_the_gateway_is_set_aside(cluster: Cluste
         stub.server_close()
 
 
+def test_a_busy_worker_answers_even_where_a_pool_offers_the_model(cluster: Cluster) -> None:
+    """A pool that can start workers for a model makes the gateway hold a request no worker
+    serves (scale from zero); not one whose only worker is busy (429, 503 with Retry-After):
+    that worker serves, no pool starts another, and the client gets its answer at once. (The
+    gateway held it for --hold-timeout, 60 s, then answered 503 `worker_starting`.)"""
+    from kvstore.demand import Demand, PoolInfo
+
+    stub = _StubWorker(cluster)
+    pool = PoolInfo(pool_id="stub-pool", region="eu", models=["stub-model"], max_workers=1,
+                    workers=1, updated_at=time.time())  # fmt: skip
+    request = {"model": "stub-model", "prompt": "Hi", "max_tokens": 1}
+    pools = get_json(f"{cluster.gateway.url}/readyz")[1]["pools"]
+    try:
+        asyncio.run(stub._redis(lambda r: Demand(r).announce(pool, 60)))
+        stub.heartbeat("eu-stub", "stub-model")
+        wait_until(lambda: get_json(f"{cluster.gateway.url}/readyz")[1]["pools"] == pools + 1,
+                   10, "the pool")  # fmt: skip
+        wait_until(lambda: "stub-model" in [m.id for m in cluster.client.models.list().data],
+                   10, "the stub worker")  # fmt: skip
+        busy = [
+            (429, _error_body("queue full", "rate_limit_error", None, "queue_full"), "queue_full"),
+            (503, _error_body("worker is draining", "service_unavailable", None, "draining"),
+             "draining"),
+        ]  # fmt: skip
+        for status, body, code in busy:
+            stub.answer = (status, {"Retry-After": "2"}, body)
+            t0 = time.monotonic()
+            got, headers, err = _post(cluster, "/v1/completions", request)
+            assert (got, err["error"]["code"]) == (status, code), err
+            assert headers.get("Retry-After") == "2" and time.monotonic() - t0 < 10
+    finally:
+        asyncio.run(stub._redis(lambda r: Demand(r).withdraw("stub-pool")))
+        stub.deregister("eu-stub", "stub-model")
+        stub.shutdown()
+        stub.server_close()
+
+
 # ---------------------------------------------------------------------- faults (run last)
 def _post_worker(worker: Proc, body: dict) -> tuple[int, dict]:  # type: ignore[type-arg]
     import urllib.error
