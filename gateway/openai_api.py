@@ -113,6 +113,9 @@ class RequestOptions:
     logprobs: int | None  # top alternatives per token when logprobs were asked for; None = off
     user: str | None = None  # the client's end-user id, for logs only
     prompts: int = 1  # prompts in the request (a completions batch), each sent on its own
+    # the client's name for the completion's length limit: the worker says max_tokens (chat's
+    # max_completion_tokens is sent as it), errors name what the client sent
+    max_tokens_field: str = "max_tokens"
 
 
 def parse_chat(
@@ -144,6 +147,8 @@ def parse_chat(
     tools, tool_choice = tools_of(f)
 
     sampling, options = _common(f, "chat", model, max_completion or max_tokens, n_logprobs)
+    if max_completion is not None and max_tokens is None:
+        options = replace(options, max_tokens_field="max_completion_tokens")
     forced = isinstance(tool_choice, dict) or tool_choice == "required"
     if forced and sampling["structured_outputs"] is not None:
         raise invalid(

@@ -145,6 +145,17 @@ class Call:
 CALLS = web.RequestKey[list[Call]]("calls")
 
 
+def _client_names(e: APIError, call: Call) -> None:
+    """A worker's error in the client's words: its `prompt` is a chat request's `messages` (as
+    OpenAI names them), its `max_tokens` the `max_completion_tokens` a chat client sent."""
+    if e.param == "prompt" and call.operation == "chat":
+        e.param = "messages"
+        e.message = e.message.replace("prompt: ", "messages: ", 1).replace("the prompt", "the messages")
+    elif e.param == "max_tokens" and call.options and call.options.max_tokens_field != "max_tokens":
+        e.param = call.options.max_tokens_field
+        e.message = e.message.replace("max_tokens", e.param)
+
+
 class Proxy:
     def __init__(
         self, view: ClusterView, http: aiohttp.ClientSession, tel: GatewayTelemetry
@@ -188,9 +199,7 @@ class Proxy:
                     self.view.router.done(c.worker.worker_id, c.cost)
         except APIError as e:
             err = e
-            if e.param == "prompt" and call.operation == "chat":  # (the worker's name for what
-                e.param = "messages"  # a chat request calls its messages, as OpenAI does)
-                e.message = e.message.replace("in the prompt", "in the messages")
+            _client_names(e, call)
             raise
         finally:
             tel.finish(calls, call.assembler, err or call.stream_error)

@@ -369,6 +369,17 @@ def test_a_request_over_the_context_is_a_context_length_error(cluster: Cluster) 
     for e, param, where in ((chat, "messages", "in the messages"), (completion, "prompt", "in the prompt")):  # fmt: skip
         assert e.value.code == "context_length_exceeded" and e.value.param == param
         assert "maximum context length is 512 tokens" in e.value.message and where in e.value.message
+        assert f" - {param}: " in e.value.message, e.value.message  # (the client's "Error code")
+    assert "prompt" not in chat.value.message, chat.value.message
+    # a completion longer than the context: named as the client named it
+    for field in ("max_tokens", "max_completion_tokens"):
+        with pytest.raises(openai.BadRequestError) as e:
+            cluster.client.chat.completions.create(
+                model="stories", messages=[{"role": "user", "content": "Hi"}], **{field: 600}
+            )
+        assert e.value.code == "context_length_exceeded" and e.value.param == field
+        other = "max_completion_tokens" if field == "max_tokens" else "max_tokens"
+        assert field in e.value.message and other not in e.value.message, e.value.message
 
 
 def test_a_constraint_that_fails_mid_request_is_a_400_not_retried(cluster: Cluster) -> None:
