@@ -75,6 +75,7 @@ log = logging.getLogger("edgeinfer.gateway")
 SESSION_HEADER = "x-session-affinity"
 MAX_SESSION_ID = 256
 HOLD_POLL_S = 0.05  # how often a request waiting for a starting worker looks for it
+WAKE_EVERY_S = 5.0  # how often a gateway serving a model from afar wakes a nearer pool for it
 HOLD_THROUGH_FAILURES = 2  # failed starts in a row after which a waiting request gets its 503
 Parser = Callable[..., tuple[list[GenerateRequest], RequestOptions]]
 Events = AsyncGenerator[list[dict[str, Any]], None]  # a worker's events, in batches
@@ -165,6 +166,7 @@ class Proxy:
         self.tel = tel
         self.config = view.config
         self._background: set[asyncio.Task[Any]] = set()
+        self._woken: dict[tuple[str, str], float] = {}  # (model, region) -> its last wake-up
 
     # ------------------------------------------------------------------ phases
     async def handle(
@@ -463,7 +465,37 @@ class Proxy:
         if held and await self.hold_for_worker(call):
             route = self._route(call)
             route.reason = "cold_start"
-        return self.chosen(call, route, last)
+        worker = self.chosen(call, route, last)
+        if route.reason == "remote":
+            self.wake_nearer_pool(call.gen.model, worker.region)  # type: ignore[union-attr]
+        return worker
+
+    def wake_nearer_pool(self, model: str, serving: str) -> None:
+        """A request served from region `serving`, far away, while a pool in a nearer region
+        (this gateway's own, first) can start `model`: wake that pool, at most every
+        WAKE_EVERY_S, as a held request would (without holding this one: it is served where it
+        went). The pool starts a worker, since none serves the model in its region; the next
+        requests go to it. Otherwise the pool never heard of them and never started one while
+        anywhere else served the model."""
+        view = self.view
+        region = view.pool_region(model)
+        if region is None or region == serving or not view.redis_ok:
+            return
+        if view.catalog.nearest_first(self.config.region, [region, serving])[0] != region:
+            return
+        now = time.monotonic()
+        if now - self._woken.get((model, region), -WAKE_EVERY_S) < WAKE_EVERY_S:
+            return
+        self._woken[(model, region)] = now
+        self._spawn(self._wake(model, region))
+
+    async def _wake(self, model: str, region: str) -> None:
+        try:
+            await self.view.demand.wake(model, region)
+        except Exception as e:  # (Redis failing: the next request far away tries again)
+            log.debug("cannot wake the pool of %s in %s: %s", model, region, e)
+            return
+        log.info("woke the pool of region %s for %s (served from farther away)", region, model)
 
     async def place(self, call: Call, worker: WorkerInfo, last: APIError | None) -> WorkerInfo:
         """Claim a new session for the routed `worker` before the request goes there: gateways

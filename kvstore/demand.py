@@ -238,6 +238,14 @@ class Demand:
         pipe.ltrim(wake_key(region), -1000, -1)  # a pool that is gone must not let it grow
         await pipe.execute()
 
+    async def wake(self, model: str, region: str) -> None:
+        """Ask the pools of `region` for a worker of `model` without holding a request for it
+        (a gateway serving the model from a region farther away than theirs)."""
+        pipe = self.redis.pipeline(transaction=False)
+        pipe.rpush(wake_key(region), model)
+        pipe.ltrim(wake_key(region), -1000, -1)
+        await pipe.execute()
+
     async def release(self, model: str, region: str, request_id: str) -> None:
         await self.redis.zrem(wait_key(model, region), request_id)
 

@@ -30,7 +30,15 @@ from runtime.pool_manager import (
     needs_room,
     slots_left,
 )
-from tests.stack import ROOT, chat_model, get_json, start_gateway, start_pool, wait_until
+from tests.stack import (
+    ROOT,
+    chat_model,
+    get_json,
+    start_gateway,
+    start_pool,
+    start_worker,
+    wait_until,
+)
 
 CATALOG = "regions:\n  - {name: local, latitude: 50.11, longitude: 8.68, settings: {}}\n"
 WORKER_ARGS = "--threads 1 --kv-cache-bytes 4000000 --heartbeat 0.3 --ttl 1.5 --drain-timeout 5"
@@ -504,6 +512,43 @@ def test_a_full_pool_stops_an_idle_worker_for_a_model_that_waits(
     finally:
         gateway.stop()
         pool.stop()
+
+
+def test_a_pool_nearer_than_the_serving_region_is_woken(  # type: ignore[no-untyped-def]
+    tmp_path: Path, stories_dir: Path, redis_server
+) -> None:
+    """A gateway whose region has a pool for a model served only far away (another region's
+    worker) serves the request there and wakes its own region's pool, which starts a worker:
+    the next requests stay local. (The pool was never told: requests went abroad for ever.)"""
+    (tmp_path / "regions.yaml").write_text(
+        "regions:\n  - {name: local, latitude: 50.11, longitude: 8.68, settings: {}}\n"
+        "  - {name: far, latitude: 35.68, longitude: 139.69, settings: {}}\n"
+    )
+    far = start_worker("far", stories_dir, redis_server.url, tmp_path, region="far")
+    pool = start_pool("pool", redis_server.url, tmp_path, f"stories={stories_dir}",
+                      ["--max-workers", "1", "--idle", "300", "--worker-args", WORKER_ARGS])  # fmt: skip
+    gateway = start_gateway("gw", redis_server.url, tmp_path / "regions.yaml", tmp_path, "local")
+    try:
+        wait_until(lambda: get_json(f"{gateway.url}/readyz")[1]["pools"] == 1, 30, "the pool")
+        client = openai.OpenAI(base_url=f"{gateway.url}/v1", api_key="x", max_retries=0,
+                               timeout=60)  # fmt: skip
+
+        def ask() -> str:
+            raw = client.completions.with_raw_response.create(
+                model="stories", prompt="Once upon a time", max_tokens=2
+            )
+            assert raw.parse().choices[0].text
+            return raw.headers["x-edgeinfer-route"]
+
+        assert ask() == "remote"  # served at once, from far away
+        wait_until(lambda: get_json(f"{gateway.url}/readyz")[1]["workers"] == 2, 60,
+                   "a worker of the woken pool")  # fmt: skip
+        assert ask() == "local"
+        assert "woke the pool of region local for stories" in gateway.tail(200), gateway.tail()
+    finally:
+        gateway.stop()
+        pool.stop()
+        far.stop()
 
 
 def test_a_start_claim_is_a_lease_that_lapses_with_its_pool(  # type: ignore[no-untyped-def]
