@@ -22,6 +22,9 @@ SUPPORTED_ARCHITECTURES = {
     "Qwen3MoeForCausalLM": "qwen3_moe",
 }
 MOE_FAMILIES = ("mixtral", "qwen2_moe", "qwen3_moe")
+# The longest context a config may claim (Llama 4 Scout's 10M fits): the model keeps a RoPE
+# table row per position, so 10**12 (a config that cannot be meant) failed at the first request
+MAX_POSITIONS = 1 << 24
 
 # config.json fields that only a mixture-of-experts model has: an architecture we do not support
 # that has one is named as an MoE variant, and a supported one that has one of the routing knobs
@@ -191,6 +194,16 @@ class ModelConfig:
     @classmethod
     def from_dict(cls, raw: dict[str, Any], source: str = "config.json") -> ModelConfig:
         archs = raw.get("architectures") or []
+        if not isinstance(archs, list) or not all(isinstance(a, str) for a in archs):
+            raise ModelLoadError(
+                f"{source}: architectures must be a list of names (e.g. [\"LlamaForCausalLM\"]), "
+                f"got {archs!r}"
+            )
+        for flag in ("tie_word_embeddings", "attention_bias", "mlp_bias", "qkv_bias",
+                     "use_sliding_window"):  # fmt: skip
+            # (bool("false") is True: a string here served an untied model tied, silently)
+            if raw.get(flag) is not None and not isinstance(raw[flag], bool):
+                raise ModelLoadError(f"{source}: {flag} must be true or false, got {raw[flag]!r}")
         arch = next((a for a in archs if a in SUPPORTED_ARCHITECTURES), None)
         if arch is None and any(raw.get(k) for k in _MOE_FIELDS):
             routing = sorted(
@@ -261,6 +274,13 @@ class ModelConfig:
             ("max_position_embeddings", "max_position_embeddings"),
         ):  # fmt: skip
             _positive(source, field_name, getattr(cfg, name))
+        if cfg.max_position_embeddings > MAX_POSITIONS:  # (the RoPE table has a row for each)
+            raise ModelLoadError(
+                f"{source}: max_position_embeddings must be at most {MAX_POSITIONS}, got "
+                f"{cfg.max_position_embeddings}"
+            )
+        if cfg.sliding_window is not None:
+            _positive(source, "sliding_window", cfg.sliding_window)
         if raw.get("hidden_act", "silu") != "silu":
             raise ModelLoadError(f"{source}: hidden_act {raw.get('hidden_act')!r} is not supported")
         return cfg

@@ -342,6 +342,12 @@ def _tensor_jobs(reader: gguf.GGUFReader, config: dict[str, Any], src: Path) -> 
         "mlp.up_proj": (inter, h),
         "mlp.down_proj": (h, inter),
     }
+    blocks = {t.name.split(".")[1] for t in reader.tensors if t.name.startswith("blk.")}
+    if config["num_hidden_layers"] > len(blocks):  # (4e9 was a loop of that many layers' names)
+        raise GGUFImportError(
+            src, f"llama.block_count is {config['num_hidden_layers']}, the file has tensors for "
+            f"{len(blocks)} blocks"
+        )  # fmt: skip
     expected: dict[str, tuple[int, ...]] = {"model.embed_tokens.weight": (config["vocab_size"], h)}
     for i in range(config["num_hidden_layers"]):
         for name, shape in layer_shapes.items():

@@ -329,6 +329,7 @@ def start_load(
         if need > (have := available_memory()):
             raise ModelLoadError(f"{path}: the weights need {_size(need)} of memory (as "
                                  f"{torch_dtype}), only {_size(have)} is available")  # fmt: skip
+    _check_sizes(path, cfg, shards)
     model = LlamaForCausalLM(cfg, torch_dtype, max_model_len or cfg.max_model_len, ep, place,
                              weights)  # fmt: skip
     pieces = _map_tensors(model, shards)
@@ -380,6 +381,16 @@ def start_load(
             conversions[p.shard.path].append((raw.view(t.dtype).view(dest.shape), dest))
             st.copied += 1
     chunk_bytes, verify = chunk_checks(manifest)
+    if verify is not None:
+        # Each header is read through the checks too: only the chunks with bytes some span
+        # wants are read, and a rank whose tensors all lie past the header's chunk (a later
+        # pipeline stage, or chunks smaller than the header) read nothing that checked the
+        # header it was laid out by (names swapped in it loaded the wrong weights, silently)
+        heads = Arena(sum(_round_to(s.data_start, ALIGN) for s in shards))
+        o = 0
+        for s in shards:
+            spans[s.path].append(Span(0, s.data_start, heads, o))
+            o += _round_to(s.data_start, ALIGN)
     for file_spans in spans.values():
         file_spans.sort(key=lambda span: span.begin)
     reads = ShardReads(
@@ -554,6 +565,29 @@ def _map_tensors(model: LlamaForCausalLM, shards: list[Shard]) -> list[_Piece]:
             pieces.append(piece)
     _check_coverage(model, params, pieces)
     return pieces
+
+
+def _check_sizes(path: Path, cfg: ModelConfig, shards: list[Shard]) -> None:
+    """The sizes config.json gives against the checkpoint's own, before a model is built from
+    them: a config that cannot be meant (vocab_size 10**12, 20,000 layers) otherwise failed in
+    the allocator, or after a minute building layers, not as the mismatch it is."""
+    found = {t.name: (s.path, t.shape) for s in shards for t in s.tensors}
+    h = cfg.hidden_size
+    for name, want, what in (
+        ("model.embed_tokens.weight", (cfg.vocab_size, h), "vocab_size x hidden_size"),
+        ("model.layers.0.mlp.gate_proj.weight", (cfg.intermediate_size, h),
+         "intermediate_size x hidden_size"),
+    ):  # fmt: skip
+        if name in found and found[name][1] != want:
+            file, shape = found[name]
+            raise ModelLoadError(f"{file}: tensor {name!r} has shape {shape}, config.json ({what}) "
+                                 f"implies {want}")  # fmt: skip
+    layers = {int(n.split(".")[2]) for n in found
+              if n.startswith("model.layers.") and n.split(".")[2].isascii()
+              and n.split(".")[2].isdigit()}  # fmt: skip
+    if layers and cfg.num_layers > max(layers) + 1:
+        raise ModelLoadError(f"{path / 'config.json'}: num_hidden_layers is {cfg.num_layers}, the "
+                             f"checkpoint has layers 0-{max(layers)}")  # fmt: skip
 
 
 def _check_coverage(

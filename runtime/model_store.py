@@ -174,7 +174,12 @@ class ModelStore:
                 out.append(_compressed_row(path))
             elif (path / "config.json").is_file():
                 files = list(path.glob("*.safetensors"))
-                size = sum(f.stat().st_size for f in files)
+                try:
+                    size = sum(f.stat().st_size for f in files)
+                except OSError as e:  # (a link to a file that is gone: this row, not the list)
+                    out.append(StoredModel(path.name, path, 0, len(files), "", "",
+                                           f"no manifest; unreadable: {e}"))  # fmt: skip
+                    continue
                 out.append(StoredModel(path.name, path, size, len(files), "", "", "no manifest"))
         return out
 

@@ -88,10 +88,12 @@ def naturals(key: str, value: object, count: int | None = None) -> tuple[int, ..
     if (
         not isinstance(value, list)
         or (count is not None and len(value) != count)
-        or not all(type(v) is int and v >= 0 for v in value)
+        or not all(type(v) is int and 0 <= v < 1 << 63 for v in value)  # (torch's int64)
     ):
         want = f"{count} " if count is not None else ""
-        raise ValueError(f"{key} must be a list of {want}integers >= 0, got {str(value)[:80]}")
+        raise ValueError(
+            f"{key} must be a list of {want}integers >= 0 (below 2**63), got {str(value)[:80]}"
+        )
     return tuple(value)
 
 

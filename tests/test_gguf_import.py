@@ -583,9 +583,12 @@ def _small_gguf(
          "'llama.context_length' must be an integer >= 1, got 'abc'"),
         ({"kv": {"llama.rope.scaling.type": "linear", "llama.rope.scaling.factor": "abc"}},
          r"cannot be converted \(ValueError: could not convert string to float: 'abc'\)"),
+        # (4e9 blocks: a loop over that many layers' tensor names, gigabytes, then MemoryError)
+        ({"drop": ("block_count",), "kv": {"llama.block_count": 4_000_000_000}},
+         "llama.block_count is 4000000000, the file has tensors for 1 blocks"),
     ],
     ids=["no-heads", "no-ffn", "zero-heads", "1d-embedding", "odd-head-dim", "text-context",
-         "text-rope-factor"],
+         "text-rope-factor", "huge-block-count"],
 )  # fmt: skip
 def test_malformed_files_are_named_errors(
     tmp_path: Path, case: dict[str, Any], message: str, capsys: pytest.CaptureFixture[str]

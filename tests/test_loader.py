@@ -50,6 +50,35 @@ def test_missing_folder_and_config(tmp_path: Path) -> None:
         load_model(tmp_path)
 
 
+@pytest.mark.parametrize("part", ["pp stage 2 of 2", "chunks smaller than the header"])
+def test_a_header_that_lies_is_caught_by_any_rank(
+    stories_dir: Path, tmp_path: Path, part: str
+) -> None:
+    """A manifest's checksums cover each shard's header as well as its tensors, whatever part of
+    the model a load reads: a later pipeline stage (its tensors all past the header's chunk),
+    or a manifest whose chunks are smaller than the header. A layer's k_proj and v_proj names
+    swapped in the header (layer 4's, layer 1's) loaded the wrong weights there, silently."""
+    from runtime.parallel import ParallelConfig, RankPlace
+    from tests.test_weights import write_checked_manifest
+
+    d = copy_model(stories_dir, tmp_path / "m")
+    weights = d / "model.safetensors"
+    chunk = 64 << 10 if part.startswith("pp") else 4096  # (the header: 4,864 bytes)
+    write_checked_manifest(d, [weights], chunk)
+    place = RankPlace(ParallelConfig(pp=2), rank=1) if part.startswith("pp") else None
+    model = start_load(d, place=place).finish()  # sound
+    assert any(n.startswith("layers.4.") for n, _ in model.named_parameters())
+    raw = bytearray(weights.read_bytes())
+    layer = 4 if place is not None else 1  # (one named in the first 4,096 bytes)
+    k = raw.find(f"layers.{layer}.self_attn.k_proj".encode())
+    v = raw.find(f"layers.{layer}.self_attn.v_proj".encode())
+    assert 0 < k < chunk and 0 < v < chunk  # (so the old code, reading chunks past it, missed it)
+    raw[k + 19 : k + 20], raw[v + 19 : v + 20] = b"v", b"k"
+    weights.write_bytes(raw)
+    with pytest.raises(ModelLoadError, match=r"model\.safetensors: checksum mismatch in bytes 0\.\."):
+        start_load(d, place=place).finish()
+
+
 def test_corrupt_config(stories_dir: Path, tmp_path: Path) -> None:
     d = copy_model(stories_dir, tmp_path / "m")
     (d / "config.json").write_text("{not json")
@@ -65,6 +94,18 @@ def test_corrupt_config(stories_dir: Path, tmp_path: Path) -> None:
         ({"num_hidden_layers": 0}, r"num_hidden_layers must be a positive integer"),
         ({"vocab_size": "many"}, r"bad value"),
         ({"max_position_embeddings": 1e400}, r"bad value"),
+        ({"max_position_embeddings": 10**12}, r"max_position_embeddings must be at most 16777216"),
+        ({"sliding_window": -5}, r"sliding_window must be a positive integer, got -5"),
+        ({"architectures": 5}, r"architectures must be a list of names .* got 5"),
+        ({"architectures": [["LlamaForCausalLM"]]}, r"architectures must be a list of names"),
+        ({"architectures": "LlamaForCausalLM"}, r"architectures must be a list of names"),
+        ({"tie_word_embeddings": "false"}, r"tie_word_embeddings must be true or false, got 'false'"),
+        # sizes the checkpoint contradicts: before the model is built (it was, from these sizes:
+        # the allocator's error for 256 TB, or a minute building layers)
+        ({"vocab_size": 10**12}, r"tensor 'model\.embed_tokens\.weight' has "
+         r"shape \(512, 64\), config\.json \(vocab_size x hidden_size\) implies \(1000000000000, 64\)"),
+        ({"intermediate_size": 10**11}, r"tensor 'model\.layers\.0\.mlp\.gate_proj\.weight' has"),
+        ({"num_hidden_layers": 20000}, r"num_hidden_layers is 20000, the checkpoint has layers 0-4"),
     ],
 )
 def test_config_values_that_cannot_be_meant(
@@ -73,7 +114,7 @@ def test_config_values_that_cannot_be_meant(
     d = copy_model(stories_dir, tmp_path / "m")
     cfg = json.loads((d / "config.json").read_text())
     (d / "config.json").write_text(json.dumps(cfg | edit))
-    with pytest.raises(ModelLoadError, match=r"config\.json: " + message):
+    with pytest.raises(ModelLoadError, match=r"(config\.json|model\.safetensors): " + message):
         load_model(d)
     (d / "config.json").write_text("[1]")
     with pytest.raises(ModelLoadError, match=r"config\.json: not a JSON object"):
@@ -147,6 +188,21 @@ def test_wrong_shape_and_dtype_named(stories_dir: Path, tmp_path: Path) -> None:
     del tensors["model.norm.weight"]
     save_file(tensors, d / "model.safetensors")
     with pytest.raises(ModelLoadError, match=r"missing from the checkpoint: norm.weight"):
+        load_model(d)
+
+
+def test_a_layer_index_that_is_not_ascii_digits_is_named(stories_dir: Path, tmp_path: Path) -> None:
+    """'²' is a digit to str.isdigit, not to int(): a ValueError that named no file."""
+    from safetensors.torch import load_file
+
+    d = copy_model(stories_dir, tmp_path / "m")
+    tensors = load_file(d / "model.safetensors")
+    tensors["model.layers.\u00b2.input_layernorm.weight"] = tensors.pop(
+        "model.layers.2.input_layernorm.weight"
+    )
+    save_file(tensors, str(d / "model.safetensors"))
+    with pytest.raises(ModelLoadError, match=r"model\.safetensors: unexpected tensor "
+                       r"'model\.layers\.\u00b2\.input_layernorm\.weight'"):  # fmt: skip
         load_model(d)
 
 

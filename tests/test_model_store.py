@@ -231,12 +231,18 @@ def test_resolve_list_force_remove(tmp_path: Path, stories_dir: Path) -> None:
 
     (tmp_path / "store" / "by-hand").mkdir()
     (tmp_path / "store" / "by-hand" / "config.json").write_text("{}")
+    # one whose shard is a link to a file that is gone: its row says so (the listing failed)
+    (tmp_path / "store" / "linked").mkdir()
+    (tmp_path / "store" / "linked" / "config.json").write_text("{}")
+    (tmp_path / "store" / "linked" / "model.safetensors").symlink_to(tmp_path / "gone")
     rows = store.list()
-    assert [(m.name, m.shards, m.note) for m in rows] == [
+    assert [(m.name, m.shards, m.note.split(":")[0]) for m in rows] == [
         ("by-hand", 0, "no manifest"),
+        ("linked", 1, "no manifest; unreadable"),
         ("tiny", 1, ""),
     ]
-    assert rows[1].total_bytes == (folder / "model-00001-of-00001.safetensors").stat().st_size
+    assert "No such file or directory" in rows[1].note
+    assert rows[2].total_bytes == (folder / "model-00001-of-00001.safetensors").stat().st_size
 
     assert store.remove("tiny") == folder
     assert not folder.exists()

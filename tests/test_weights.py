@@ -178,6 +178,7 @@ def test_lies_and_damage_are_errors_naming_the_file(tmp_path: Path) -> None:
         ({"shape": [-4, -7]}, r"'a\.f32': shape must be a list of integers >= 0"),
         ({"shape": [7.9, 4.2]}, r"'a\.f32': shape must be a list of integers >= 0"),
         ({"shape": [True, 28]}, r"'a\.f32': shape must be a list of integers >= 0"),
+        ({"shape": [2**70, 0]}, r"'a\.f32': shape must be a list of integers >= 0 \(below 2\*\*63\)"),
         ({"shape": None}, r"'a\.f32': shape must be a list"),
         ({"data_offsets": [112, 0]}, r"'a\.f32': data_offsets \[112, 0\] end before they begin"),
         ({"data_offsets": [0]}, r"'a\.f32': data_offsets must be a list of 2 integers"),
