@@ -36,11 +36,9 @@ from gateway.config import GatewayConfig
 from gateway.cors import Cors
 from gateway.errors import (
     APIError,
+    from_exception,
     invalid,
-    method_not_allowed,
     model_not_found,
-    not_found,
-    too_large,
     unauthorized,
 )
 from gateway.openai_api import parse_chat, parse_completion
@@ -108,19 +106,11 @@ async def _stamp(request: web.Request, response: web.StreamResponse) -> None:
 
 
 def _as_api_error(request: web.Request, e: Exception) -> APIError:
-    if isinstance(e, APIError):
-        return e
-    if isinstance(e, web.HTTPRequestEntityTooLarge):
-        return too_large(request.app[CONFIG].max_body_bytes)
-    if isinstance(e, web.HTTPMethodNotAllowed):
-        return method_not_allowed(request.method, ", ".join(sorted(e.allowed_methods)))
-    if isinstance(e, web.HTTPNotFound):
-        return not_found(f"no route for {request.method} {request.path}")
-    if isinstance(e, web.HTTPException):
-        return APIError(e.status, e.reason, "invalid_request_error")
-    log.exception("unhandled error on %s %s (request %s)", request.method, request.path,
-                  request.get(REQUEST_ID), exc_info=e)  # fmt: skip
-    return APIError(500, "internal error in the gateway", "internal_error")
+    err = from_exception(e, request.method, request.path, request.app[CONFIG].max_body_bytes)
+    if not isinstance(e, (APIError, web.HTTPException)):
+        log.exception("unhandled error on %s %s (request %s)", request.method, request.path,
+                      request.get(REQUEST_ID), exc_info=e)  # fmt: skip
+    return err
 
 
 @web.middleware

@@ -13,6 +13,8 @@ from __future__ import annotations
 import math
 from typing import Any
 
+from aiohttp import web
+
 # Statuses after which the same request may be sent again, to another worker or later: the
 # request itself was fine, the service could not take it (or lost it) at that moment.
 RETRYABLE_STATUSES = frozenset({429, 502, 503})
@@ -199,3 +201,25 @@ def internal(message: str, code: str = "internal_error") -> APIError:
 def bad_gateway(message: str, code: str = "bad_worker_response") -> APIError:
     """502: a worker broke the internal protocol (malformed event, stream cut short)."""
     return APIError(502, message, "internal_error", None, code)
+
+
+def client_gone() -> APIError:
+    """Not an answer (the client is not there to get one): how a request whose client went away
+    is recorded (its span, the duration histogram's error.type), as the worker records it."""
+    return APIError(499, "the client closed the connection", "client_error", None, "client_gone")
+
+
+def from_exception(e: Exception, method: str, path: str, max_body_bytes: int) -> APIError:
+    """The answer for an exception out of a handler: an APIError as it is, aiohttp's own HTTP
+    errors as OpenAI-style ones, anything else a 500 `internal_error`."""
+    if isinstance(e, APIError):
+        return e
+    if isinstance(e, web.HTTPRequestEntityTooLarge):
+        return too_large(max_body_bytes)
+    if isinstance(e, web.HTTPMethodNotAllowed):
+        return method_not_allowed(method, ", ".join(sorted(e.allowed_methods)))
+    if isinstance(e, web.HTTPNotFound):
+        return not_found(f"no route for {method} {path}")
+    if isinstance(e, web.HTTPException):
+        return APIError(e.status, e.reason, "invalid_request_error")
+    return internal("internal error in the gateway")

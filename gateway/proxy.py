@@ -49,6 +49,8 @@ from gateway.errors import (
     APIError,
     at_capacity,
     bad_gateway,
+    client_gone,
+    from_exception,
     invalid,
     model_not_found,
     too_large,
@@ -109,6 +111,7 @@ class Call:
     # the serving worker sent (TPOT's count); it and first_token start again with each attempt
     gen: GenerateRequest | None = None  # the validated request, as the worker gets it
     options: RequestOptions | None = None  # what the response needs
+    model_known: bool = False  # the model is one a registry snapshot showed (a metric label)
     placement: Placement | None = None  # the session's placement before this request (a new
     # session's: as `place` claimed it, before forwarding)
     worker: WorkerInfo | None = None  # the worker that serves it
@@ -203,6 +206,12 @@ class Proxy:
             err = e
             _client_names(e, call)
             raise
+        except (asyncio.CancelledError, ConnectionError):  # the client went away
+            err = client_gone()
+            raise
+        except Exception as e:  # (the app's error middleware answers and logs it)
+            err = from_exception(e, request.method, request.path, self.config.max_body_bytes)
+            raise
         finally:
             tel.finish(calls, call.assembler, err or call.stream_error)
 
@@ -254,6 +263,7 @@ class Proxy:
                     "registry_unavailable",
                 )
             raise model_not_found(call.gen.model)
+        call.model_known = True
 
     async def prefix_lookup(self, call: Call) -> None:
         """Tokenize the prompt here and ask the prefix index which workers hold its blocks.
@@ -647,6 +657,10 @@ class Proxy:
                         continue
                     batch = [decode_event(line) for line in lines]
                     finished = batch[-1]["type"] in ("done", "error")
+                    if batch[-1]["type"] == "error":  # (the attempt failed, retried or not)
+                        code = batch[-1].get("code") or "worker_error"
+                        span.set_attribute("error.type", str(code))
+                        span.set_status(Status(StatusCode.ERROR, str(batch[-1].get("message"))[:200]))
                     _count_tokens(call, batch)
                     yield batch
                     if finished:
@@ -756,6 +770,7 @@ class Proxy:
             await _send_quietly(resp, sse(e.body()) + SSE_DONE)
             return resp
         except ConnectionError:  # the client went away; closing the streams aborts on workers
+            call.stream_error = client_gone()  # (recorded, not counted as an answer's error)
             return resp
         finally:
             await events.aclose()  # (before the streams: it may be reading them)

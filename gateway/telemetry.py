@@ -155,9 +155,9 @@ class GatewayTelemetry:
         error = (err.code or err.type) if err is not None else None
         now = time.perf_counter()
         attrs: dict[str, Any] = self._where | {"gen_ai.operation.name": call.operation}
-        if call.gen is not None:  # (a model not served is the client's choice: no new series)
-            served = err is None or err.code != "model_not_found"
-            attrs["gen_ai.request.model"] = call.gen.model if served else UNKNOWN_MODEL
+        if call.gen is not None:  # (a model not served is the client's choice: no new series;
+            # nor one this gateway could not look up: the registry unreachable, say)
+            attrs["gen_ai.request.model"] = call.gen.model if call.model_known else UNKNOWN_MODEL
         span = call.span
         usage = assembler.usage if assembler is not None else None
         if error is not None:

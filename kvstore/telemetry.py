@@ -406,13 +406,14 @@ class GenAIMetrics:
         decode side by side, so the time per token is that of one stream, not of their sum;
         None: all the output is one stream."""
         self.duration.record(ended - started, attrs)
+        if first_token:  # (a stream cut short had one too, usage or not)
+            self.ttft.record(first_token - started, attrs)
         if usage is None:
             return
         n_in, n_out = usage
         self.tokens.record(n_in, attrs | {"gen_ai.token.type": "input"})
         self.tokens.record(n_out, attrs | {"gen_ai.token.type": "output"})
         if first_token:
-            self.ttft.record(first_token - started, attrs)
             per_stream = n_out if stream_tokens is None else stream_tokens
             if per_stream > 1:
                 self.tpot.record((ended - first_token) / (per_stream - 1), attrs)

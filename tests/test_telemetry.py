@@ -43,7 +43,14 @@ from gateway.config import GatewayConfig
 from kvstore import telemetry as names
 from kvstore.client import connect
 from kvstore.placement import Placement, SessionStore
-from kvstore.protocol import DeltaEvent, DoneEvent, GenerateRequest, StartEvent, WorkerInfo
+from kvstore.protocol import (
+    DeltaEvent,
+    DoneEvent,
+    ErrorEvent,
+    GenerateRequest,
+    StartEvent,
+    WorkerInfo,
+)
 from kvstore.protocol import encode_event as encode
 from kvstore.redis_server import LocalRedis, find_free_port
 from kvstore.registry import Registry
@@ -549,6 +556,9 @@ async def _scripted_generate(request: web.Request) -> web.StreamResponse:
     resp = web.StreamResponse(headers={"Content-Type": "application/x-ndjson"})
     await resp.prepare(request)
     await resp.write(encode(StartEvent(req.request_id, "local-scripted", 3)))
+    if req.prompt == "fail":  # an engine that dies before the first token
+        await resp.write(encode(ErrorEvent("the engine died", "engine_dead")))
+        return resp
     for step in range(STEPS):
         if step:
             await asyncio.sleep(STEP_S)
@@ -625,6 +635,71 @@ async def test_gateway_ttft_is_the_first_token_and_tpot_one_streams_pace(
     assert ttft.sum <= duration.sum - decode_s / 2, (ttft.sum, duration.sum)
     # one choice's pace (a sleep lasts at least as long as asked; the old count: ~0.44 STEP_S)
     assert 0.7 * STEP_S <= tpot.sum < 3 * STEP_S, tpot.sum
+
+
+async def test_refusals_disconnects_and_failed_attempts_are_errors_in_telemetry(
+    redis: LocalRedis, tmp_path: Path
+) -> None:
+    """A body refused for its size, a client that leaves mid-stream and an attempt that ends
+    in the worker's error event: each request's duration and root span carry its error.type
+    (the 413 and the disconnect were successes there), the one that had a first token its TTFT,
+    and the failed attempt's forward span is an error too (a retry that succeeded elsewhere
+    showed no error anywhere). A disconnect is not an answered error (not in the counter)."""
+    async with scripted(redis, tmp_path) as stack:
+        url = stack.gateway_url
+        async with aiohttp.ClientSession() as http:
+            async with http.post(f"{url}/v1/completions", data=b"x" * (5 << 20),
+                                 headers={"Content-Type": "application/json"}) as r:  # fmt: skip
+                assert r.status == 413
+            body = {"model": "fake", "prompt": "x", "max_tokens": STEPS, "stream": True}
+            async with http.post(f"{url}/v1/completions", json=body) as r:
+                assert (await r.content.readline()).startswith(b"data: ")  # then hang up
+            body = {"model": "fake", "prompt": "fail", "max_tokens": 2}
+            async with http.post(f"{url}/v1/completions", json=body) as r:
+                assert r.status == 503 and (await r.json())["error"]["code"] == "engine_dead"
+        g = stack.gateway
+
+        def durations() -> dict[str | None, int]:
+            return {a.get("error.type"): pt.count for a, pt in g.points(names.REQUEST_DURATION)}
+
+        await _wait_for(lambda: sum(durations().values()) == 3, "three requests recorded")
+        assert durations() == {"request_too_large": 1, "client_gone": 1, "engine_dead": 1}
+        assert _one_point(g, names.TTFT).count == 1  # the stream's first token
+        errors = {a["error.type"]: pt.value for a, pt in g.points(names.ERRORS)}
+        assert errors == {"request_too_large": 1, "engine_dead": 1}
+        spans = [s for s in g.finished() if s.kind is SpanKind.SERVER or s.name == "gateway.forward"]
+        kinds = {(s.name, s.status.status_code, (s.attributes or {}).get("error.type")) for s in spans}
+        assert ("gateway.forward", StatusCode.ERROR, "engine_dead") in kinds, kinds
+        assert {k for k in kinds if k[0] != "gateway.forward"} >= {
+            (n, StatusCode.ERROR, e) for n, e in (("text_completion fake", "client_gone"),
+                                                 ("text_completion fake", "engine_dead"))
+        }, kinds  # fmt: skip
+
+
+async def test_a_model_the_gateway_cannot_look_up_is_no_label(tmp_path: Path) -> None:
+    """A gateway that has not read the registry (Redis unreachable since it started) answers
+    503 registry_unavailable; the client's model name must not become a metric label."""
+    catalog = tmp_path / "regions.yaml"
+    catalog.write_text(CATALOG)
+    with socket.socket() as s:  # a port nothing listens on
+        s.bind(("127.0.0.1", 0))
+        dead = s.getsockname()[1]
+    rec = Recorded.make("edgeinfer-gateway")
+    gcfg = GatewayConfig(region="local", redis_url=f"redis://127.0.0.1:{dead}/0",
+                         worker_secret=SECRET, catalog_path=catalog)  # fmt: skip
+    gport = find_free_port()
+    runner = await _serve(gateway_app(gcfg, telemetry=rec.tel), gport)
+    try:
+        async with aiohttp.ClientSession() as http:
+            for i in range(3):
+                body = {"model": f"client-chosen-{i}", "prompt": "x", "max_tokens": 1}
+                async with http.post(f"http://127.0.0.1:{gport}/v1/completions", json=body) as r:
+                    assert r.status == 503
+                    assert (await r.json())["error"]["code"] == "registry_unavailable"
+    finally:
+        await runner.cleanup()
+    models = {a.get("gen_ai.request.model") for a, _ in rec.points(names.REQUEST_DURATION)}
+    assert models == {"unknown"}, models
 
 
 def test_tpot_divides_by_the_longest_stream() -> None:
