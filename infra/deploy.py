@@ -55,7 +55,7 @@ import yaml
 
 from gateway.regions import DEFAULT_CATALOG
 from infra.kustomize import RenderError, Resource, build
-from runtime.pool_manager import parse_models
+from runtime.model_specs import parse_models
 
 INFRA = Path(__file__).resolve().parent
 OVERLAYS = INFRA / "k8s" / "overlays"

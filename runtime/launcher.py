@@ -276,7 +276,9 @@ def up(args: argparse.Namespace) -> int:
         children = [gateway, *workers]
         _wait_ready(f"{base}/readyz", gateway, children, READY_TIMEOUT_S)
         model = Path(model_dir).name
-        auth = f' -H "Authorization: Bearer {args.api_key[0]}"' if args.api_key else ""
+        # (the gateway takes $EDGEINFER_API_KEYS when no --api-key is given: so does the example)
+        api_keys = args.api_key or [k for k in os.environ.get("EDGEINFER_API_KEYS", "").split(",") if k]
+        auth = f' -H "Authorization: Bearer {api_keys[0]}"' if api_keys else ""
         print(
             f"\nedgeinfer is up: {base}/v1 (model {model!r}, workers: {', '.join(roles)}, "
             f"redis {redis_url})\n\n"

@@ -40,9 +40,8 @@ import signal
 import sys
 import time
 from collections import deque
-from collections.abc import Callable, Coroutine
+from collections.abc import Coroutine
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 from kvstore.client import connect, stop_task
@@ -62,6 +61,8 @@ TEMPLATE_WAIT_S = 5.0  # longest a start waits for a worker template still impor
 # a start's claim outlives its pool by this at most: renewed each tick, and a tick may spend on
 # one start's spawn (a template still importing, then its answer), and on another model's too
 START_LEASE_EXTRA_S = TEMPLATE_WAIT_S + SPAWN_TIMEOUT_S
+WORKER_DRAIN_TIMEOUT_S = 30.0  # `edgeinfer worker --drain-timeout`'s default
+STOP_MARGIN_S = 10.0  # a shutdown's wait beyond the workers' drain: their exit
 
 
 @dataclass(slots=True)
@@ -101,6 +102,21 @@ class PoolConfig:
             raise ValueError("--idle, the tick and --ready-timeout must be positive")
         if not self.pool_id:
             self.pool_id = f"pool-{self.region}-{secrets.token_hex(3)}"
+
+    @property
+    def stop_timeout_s(self) -> float:
+        """How long a shutdown waits for the workers to drain before killing them: their
+        --drain-timeout (in worker_args; the worker's default otherwise) and STOP_MARGIN_S for
+        the exit itself. (A fixed 40 s killed workers told to drain for longer mid-drain.)"""
+        drain = WORKER_DRAIN_TIMEOUT_S
+        args = self.worker_args
+        for i, arg in enumerate(args):
+            value = (args[i + 1] if arg == "--drain-timeout" and i + 1 < len(args)
+                     else arg.partition("=")[2] if arg.startswith("--drain-timeout=") else None)  # fmt: skip
+            if value is not None:
+                with contextlib.suppress(ValueError):
+                    drain = float(value)
+        return max(0.0, drain) + STOP_MARGIN_S
 
 
 @dataclass(slots=True)
@@ -557,8 +573,9 @@ class Pool:
         return self._record("stopping", m.worker_id, m.model, reason=why,
                             served_s=f"{m.stopping - (m.ready or m.started):.1f}")  # fmt: skip
 
-    async def shutdown(self, timeout_s: float = 40.0) -> None:
-        """Stop every worker (they drain), waiting up to `timeout_s`, then kill what is left.
+    async def shutdown(self, timeout_s: float | None = None) -> None:
+        """Stop every worker (they drain), waiting up to `timeout_s` (default: the config's
+        stop_timeout_s), then kill what is left.
         Every worker is signalled first, and the events recorded after, in the background: a
         Redis that hangs cost each worker ~3 s of retries before the next was signalled."""
         for m in self.managed.values():
@@ -572,7 +589,8 @@ class Pool:
                 m.exited = time.monotonic()  # (the stop's time in the log and the event)
 
             waits = [asyncio.ensure_future(exit_of(m)) for m in self.managed.values()]
-            await asyncio.wait(waits, timeout=timeout_s)
+            wait_s = self.cfg.stop_timeout_s if timeout_s is None else timeout_s
+            await asyncio.wait(waits, timeout=wait_s)
             for p in procs:
                 if p.returncode is None:
                     p.kill()
@@ -615,19 +633,6 @@ class Pool:
 def _tail(m: Managed) -> str:
     """A worker's last output lines, as one line for a record or a status."""
     return " | ".join(line for line in m.tail if line.strip())[-2000:]
-
-
-def parse_models(spec: str, resolve: Callable[[str], str]) -> dict[str, str]:
-    """`M1,M2` or `name=DIR,...` -> {served name: folder}; `resolve(name)` finds a bare name's
-    folder (the model store)."""
-    out: dict[str, str] = {}
-    for item in (s.strip() for s in spec.split(",")):
-        if not item:
-            continue
-        name, _, folder = item.partition("=")
-        path = folder or resolve(name)
-        out[name or Path(path).name] = str(path)
-    return out
 
 
 async def serve(cfg: PoolConfig) -> None:

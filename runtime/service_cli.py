@@ -280,7 +280,8 @@ def cmd_rebalance(args: argparse.Namespace) -> int:
 def cmd_pool(args: argparse.Namespace) -> int:
     """Start and stop local workers as demand in Redis asks (scale from zero)."""
     from runtime.cli import _model_dir
-    from runtime.pool_manager import PoolConfig, parse_models, serve
+    from runtime.model_specs import parse_models
+    from runtime.pool_manager import PoolConfig, serve
 
     _logging()
     redis_url = args.redis or os.environ.get("EDGEINFER_REDIS", DEFAULT_REDIS)

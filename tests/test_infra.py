@@ -19,7 +19,7 @@ from gateway.regions import RegionCatalog
 from infra import deploy
 from infra.kustomize import RenderError, build, merge
 from runtime.cli import build_parser
-from runtime.pool_manager import parse_models
+from runtime.model_specs import parse_models
 
 K8S_VERSION = "1.30.0"
 REGIONS = sorted(RegionCatalog.load().regions)
@@ -430,6 +430,38 @@ def test_deploy_sh(tmp_path: Path) -> None:
     assert done.returncode == 2 and "region 'nowhere'" in done.stderr
     done = subprocess.run([str(script), "local"], capture_output=True, text=True, check=False)
     assert done.returncode == 0 and list(yaml.safe_load_all(done.stdout)) == deploy.render("local")
+
+
+def test_deploy_needs_python_and_pyyaml_only(tmp_path: Path) -> None:
+    """deploy.sh runs on the host's python3 where there is no virtual environment: rendering
+    imports nothing beyond PyYAML (it imported the pool manager for its --models parser, and
+    with it redis, orjson, opentelemetry...: ModuleNotFoundError on a plain host)."""
+    import subprocess
+    import sys
+
+    code = ("import sys; from infra import deploy; deploy.main(['us-east', '--out', sys.argv[1]]);"
+            " print(sorted({m.split('.')[0] for m in sys.modules} & {'torch', 'redis', 'orjson',"
+            " 'aiohttp', 'opentelemetry', 'numpy', 'xxhash', 'psutil', 'tokenizers'}))")  # fmt: skip
+    done = subprocess.run([sys.executable, "-c", code, str(tmp_path / "out")], cwd=deploy.INFRA.parent,
+                          capture_output=True, text=True, check=False)  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip().splitlines()[-1] == "[]"
+
+
+def test_gateways_take_api_keys_and_gpu_regions_a_cuda_image() -> None:
+    """A region's gateway is a public LoadBalancer: its API keys come from the secret (optional,
+    key api-keys), or it served anyone; a region with GPUs runs the CUDA image."""
+    catalog = RegionCatalog.load()
+    for name in catalog.regions:
+        resources = deploy.render(name)
+        gateway = next(r for r in resources if r["kind"] == "Deployment"
+                       and r["metadata"]["name"] == "gateway")  # fmt: skip
+        env = {e["name"]: e for e in gateway["spec"]["template"]["spec"]["containers"][0]["env"]}
+        ref = env["EDGEINFER_API_KEYS"]["valueFrom"]["secretKeyRef"]
+        assert ref == {"name": "edgeinfer-secret", "key": "api-keys", "optional": True}
+        settings = catalog.regions[name].settings
+        if settings.get("gpus_per_worker", 0):
+            assert settings["image"].endswith("-cu130"), (name, settings["image"])
 
 
 def test_base_renders_alone() -> None:

