@@ -381,7 +381,7 @@ def _logprobs(
         TokenLogprobs(
             token_id=tok,
             logprob=tok_lp,
-            top=_chosen_first(
+            top=chosen_first(
                 tok, list(zip(top_ids[j][: counts[j]], top_vals[j][: counts[j]], strict=True))
             ),
         )
@@ -389,7 +389,7 @@ def _logprobs(
     ]
 
 
-def _chosen_first(token: int, top: list[tuple[int, float]]) -> list[tuple[int, float]]:
+def chosen_first(token: int, top: list[tuple[int, float]]) -> list[tuple[int, float]]:
     """`top` (descending) with the chosen token first among those of its exact logprob: topk
     orders a tie as it likes, and a greedy pick listed below a token of the same logprob reads
     as a pick of the second best (ties are common in bfloat16 logits)."""

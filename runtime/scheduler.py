@@ -148,10 +148,18 @@ class Scheduler:
                 # drafts ride along while the budget (decodes behind keep their token) and the
                 # KV cache have room for them
                 drafts = req.spec_token_ids[: max(0, budget - pending_decodes - 1)]
-                if drafts and not self.blocks.can_allocate(
-                    req.request_id, req.num_computed_tokens + 1 + len(drafts)
-                ):
-                    drafts = []
+                if drafts:  # and the blocks: its own, and a token's for each decode behind
+                    # (drafts that took the last free block preempted a later plain decode)
+                    behind = sum(
+                        self.blocks.blocks_needed(r.request_id, r.num_computed_tokens + 1)
+                        for r in running[i + 1 :]
+                        if r.num_tokens - r.num_computed_tokens == 1
+                    )
+                    need = self.blocks.blocks_needed(
+                        req.request_id, req.num_computed_tokens + 1 + len(drafts)
+                    )
+                    if need + behind > self.blocks.num_free_blocks:
+                        drafts = []
                 n = 1 + len(drafts)
             else:
                 n = min(remaining, budget - pending_decodes)

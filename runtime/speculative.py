@@ -45,7 +45,7 @@ import numpy as np
 import torch
 
 from runtime.request import Request
-from runtime.sampler import GREEDY_TEMPERATURE_EPS, TokenLogprobs
+from runtime.sampler import GREEDY_TEMPERATURE_EPS, TokenLogprobs, chosen_first
 from runtime.sampling_params import SamplingParams
 
 METHODS = ("ngram", "draft")
@@ -304,7 +304,7 @@ def logprobs_of(logits: torch.Tensor, tokens: list[int], count: int) -> list[Tok
     if count > 0:
         top = torch.topk(lp, count, dim=-1)
         top_vals, top_ids = top.values.tolist(), top.indices.tolist()
-    return [
-        TokenLogprobs(t, v, list(zip(top_ids[j], top_vals[j], strict=True)))
+    return [  # (a tie ordered as the sampler orders it: the chosen token first among equals)
+        TokenLogprobs(t, v, chosen_first(t, list(zip(top_ids[j], top_vals[j], strict=True))))
         for j, (t, v) in enumerate(zip(tokens, chosen, strict=True))
     ]

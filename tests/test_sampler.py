@@ -408,9 +408,9 @@ def test_a_greedy_pick_at_a_tie_is_listed_first_among_its_equals() -> None:
         assert lp.top[2][0] == 7 and lp.top[0][1] == lp.top[1][1] > lp.top[2][1]
     # topk orders ties as it likes (here it happened to agree with argmax); the reordering:
     top = [(40, -0.5), (5, -0.5), (9, -0.5), (7, -2.0)]
-    assert sampler_mod._chosen_first(9, top) == [(9, -0.5), (40, -0.5), (5, -0.5), (7, -2.0)]
-    assert sampler_mod._chosen_first(7, top) == top  # no equal above it
-    assert sampler_mod._chosen_first(3, top) == top  # not listed
+    assert sampler_mod.chosen_first(9, top) == [(9, -0.5), (40, -0.5), (5, -0.5), (7, -2.0)]
+    assert sampler_mod.chosen_first(7, top) == top  # no equal above it
+    assert sampler_mod.chosen_first(3, top) == top  # not listed
 
 
 # ----- shapes ------------------------------------------------------------------------------

@@ -303,3 +303,28 @@ def test_a_request_that_cannot_be_admitted_gives_back_the_tail_it_took() -> None
     assert not s.schedule().scheduled
     assert b.num_computed_tokens == 0 and s.blocks.num_tail_blocks == 1
     assert s.blocks.num_free_blocks == 4
+
+
+def test_drafts_never_take_the_block_a_later_decode_needs() -> None:
+    """Drafts ride along only where the KV cache has room for them and for one token of each
+    decode behind: A's two drafts took the last free block, and B's plain decode, which needed
+    a new block, was preempted (recomputed) for them."""
+    s = sched(num_blocks=5, block_size=4, budget=64)
+    a, b = req("A", 6, max_tokens=20), req("B", 8, max_tokens=20)
+    s.add(a)
+    s.add(b)
+    sample_all(s, s.schedule())  # prefills: A 7 tokens (2 blocks), B 9 (3 blocks, 1 computed)
+    assert s.blocks.num_free_blocks == 1
+    a.spec_token_ids = [17, 18]  # A's next token and two drafts would need A's third block
+    out = s.schedule()
+    assert out.preempted == [] and plan(out) == {"A": 1, "B": 1}
+    assert [x.spec_token_ids for x in out.scheduled] == [[], []]
+    # with room for both, the drafts ride along
+    s2 = sched(num_blocks=6, block_size=4, budget=64)
+    a2, b2 = req("A", 6, max_tokens=20), req("B", 8, max_tokens=20)
+    s2.add(a2)
+    s2.add(b2)
+    sample_all(s2, s2.schedule())
+    a2.spec_token_ids = [17, 18]
+    out = s2.schedule()
+    assert out.preempted == [] and plan(out) == {"A": 3, "B": 1}

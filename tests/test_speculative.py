@@ -515,3 +515,18 @@ def test_a_draft_model_s_layers_count_as_the_engine_s_progress(
         llm.shutdown()
     assert engine.spec is not None and engine.spec.proposer.model.layers_run > 0  # type: ignore[attr-defined]
     assert stalled == 0 and worst < 0.5, worst
+
+
+def test_verified_logprobs_list_a_tied_pick_first_as_the_sampler_does() -> None:
+    """A draft accepted where two tokens tie lists first among equals, as plain decoding lists
+    its pick (ties are common in bfloat16 logits): a request's logprobs are the same with and
+    without speculation (topk's own order put the other one first)."""
+    from runtime.speculative import logprobs_of
+
+    logits = torch.full((1, 64), -4.0)
+    logits[0, 5] = logits[0, 40] = 3.0
+    logits[0, 7] = 1.0
+    listed_first = int(torch.topk(torch.log_softmax(logits, -1), 3).indices[0, 0])
+    other = 40 if listed_first == 5 else 5
+    (lp,) = logprobs_of(logits, [other], 3)
+    assert [t for t, _ in lp.top] == [other, listed_first, 7]
