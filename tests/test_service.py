@@ -410,6 +410,13 @@ def test_session_affinity_sticks_and_sessions_spread(cluster: Cluster) -> None:
         seen.add(raw.headers["x-edgeinfer-worker"])
     assert len(seen) == 1, seen
 
+    # New sessions spread over the region's workers by load, as the registry last showed it:
+    # start from both idle, as a heartbeat (0.3 s) and the gateway's refresh (0.5 s) show them
+    # (a load left from the tests before, still in the snapshot, sent all eight to the other)
+    eu_workers = [cluster.workers[n] for n in ("eu1", "eu2")]
+    wait_until(lambda: all(worker_stats(w)["running"] == worker_stats(w)["waiting"] == 0
+                           for w in eu_workers), 30, "the eu workers idle")  # fmt: skip
+    time.sleep(1.0)
     owners = set()
     for i in range(8):
         raw = cluster.client.completions.with_raw_response.create(
@@ -419,8 +426,8 @@ def test_session_affinity_sticks_and_sessions_spread(cluster: Cluster) -> None:
             extra_headers={"x-session-affinity": f"spread-{i}"},
         )
         owners.add(raw.headers["x-edgeinfer-worker"])
-    eu = {cluster.workers[n].meta["worker_id"] for n in ("eu1", "eu2")}
-    assert owners == eu
+    eu = {w.meta["worker_id"] for w in eu_workers}
+    assert owners == eu, (owners, [worker_stats(w) for w in eu_workers], cluster.gateway.tail(30))
 
 
 # ---------------------------------------------------------------------- bad input
