@@ -302,8 +302,11 @@ class Scheduler:
             self.running.remove(req)
         elif req in self.waiting:
             self.waiting.remove(req)
-        if req.hold_kv:  # the blocks stay until `release`, an aborted export's too: a
-            self.held.add(request_id)  # transfer may still be sending the blocks it reported
+        if req.hold_kv and self.blocks.block_table(request_id):  # the blocks stay until
+            # `release`, an aborted export's too: a transfer may still be sending the blocks it
+            # reported (one aborted before it held any holds nothing: listed as held, it made
+            # the last running request wait for a release, not preempt, until its deadline)
+            self.held.add(request_id)
         else:  # its partial last block is kept for a next turn that continues it
             self.blocks.free(request_id, req.all_token_ids[: req.num_computed_tokens])
         req.status = status

@@ -168,6 +168,24 @@ def test_a_request_waits_for_held_exports_rather_than_preempt_itself() -> None:
     assert plan(s.schedule()) == {"decode": 1}
 
 
+def test_an_export_aborted_before_it_held_blocks_holds_nothing() -> None:
+    """An export aborted while it waited (no block yet) is not listed as held: a request that
+    ran out of room waited for its `release`, as for one holding blocks, instead of preempting
+    itself, until the transfer's deadline (seconds), though nothing could come back."""
+    s = sched(num_blocks=2, block_size=4, budget=64)
+    s.add(req("decode", 4, max_tokens=20))
+    sample_all(s, s.schedule())  # 1 block
+    export = req("export", 8, max_tokens=1)
+    export.hold_kv = True
+    s.add(export)
+    s.finish("export", RequestStatus.FINISHED_ABORTED)  # never admitted
+    assert s.held == set() and s.release("export") == 0
+    for _ in range(4):  # decode's tokens 5 to 8 fill its second block
+        sample_all(s, s.schedule())
+    out = s.schedule()  # its 9th needs a third: nothing can free one, so it preempts itself
+    assert out.preempted == ["decode"]  # (it waited for the export's release, step after step)
+
+
 def test_finish_on_max_tokens_and_eos_frees_blocks() -> None:
     s = sched()
     s.add(req("a", 4, max_tokens=2))
