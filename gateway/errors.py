@@ -203,10 +203,14 @@ def bad_gateway(message: str, code: str = "bad_worker_response") -> APIError:
     return APIError(502, message, "internal_error", None, code)
 
 
+CLIENT_GONE_STATUS = 499  # nginx's "client closed request": recorded, never sent
+
+
 def client_gone() -> APIError:
     """Not an answer (the client is not there to get one): how a request whose client went away
     is recorded (its span, the duration histogram's error.type), as the worker records it."""
-    return APIError(499, "the client closed the connection", "client_error", None, "client_gone")
+    return APIError(CLIENT_GONE_STATUS, "the client closed the connection", "client_error", None,
+                    "client_gone")  # fmt: skip
 
 
 def from_exception(e: Exception, method: str, path: str, max_body_bytes: int) -> APIError:
