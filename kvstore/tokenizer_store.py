@@ -7,7 +7,8 @@ revision publishes its tokenizer files once, and gateways fetch them and build t
 
     ei:tok:{<model>}:<cache_id>    string: orjson {relative file name: text}, no TTL
 
-`cache_id` names the model revision (the worker chooses it; it changes when the files change), so
+`cache_id` names the model revision and its tokenizer (the worker chooses it: it changes when
+the weights or the tokenizer files change, a chat template included), so
 a new revision gets a new key and an old key is never rewritten: the write is SET NX, and every
 worker of one revision holds the same files, so the first copy is as good as any. There is no
 TTL: a bundle is a few MiB at most and a gateway may need it long after the last publish.
@@ -15,65 +16,24 @@ TTL: a bundle is a few MiB at most and a gateway may need it long after the last
 
 from __future__ import annotations
 
-import re
 from pathlib import Path
 
 import orjson
 from redis.asyncio import Redis
 
 from kvstore.keys import PREFIX, check_id
-
-# Every file runtime.tokenizer.Tokenizer.from_dir reads, plus the two that transformers reads
-# (chat_template.json, special_tokens_map.json), so a later Tokenizer that reads them finds them.
-# config.json carries bos/eos ids; it is small (the weights are elsewhere).
-TOKENIZER_FILES = (
-    "tokenizer.json",
-    "tokenizer_config.json",
-    "chat_template.jinja",
-    "chat_template.json",
-    "special_tokens_map.json",
-    "generation_config.json",
-    "config.json",
+from kvstore.tokenizer_files import (
+    TokenizerBundleError,
+    is_bundle_file,
+    read_tokenizer_files,
 )
-# Named extra chat templates (Tokenizer reads additional_chat_templates/*.jinja).
-EXTRA_TEMPLATES_DIR = "additional_chat_templates"
-_EXTRA_TEMPLATE = re.compile(rf"^{EXTRA_TEMPLATES_DIR}/[A-Za-z0-9_.-]+\.jinja$")
+
 MAX_BUNDLE_BYTES = 32 * 1024 * 1024  # largest bundle stored: big vocabularies are ~10-20 MiB
-
-
-class TokenizerBundleError(ValueError):
-    """A bundle cannot be stored (too large, unreadable file) or a stored one is malformed."""
 
 
 def tokenizer_key(model: str, cache_id: str) -> str:
     """The string holding one model revision's tokenizer files; in the model's hash slot."""
     return f"{PREFIX}tok:{{{check_id(model, 'model')}}}:{check_id(cache_id, 'cache_id')}"
-
-
-def is_bundle_file(name: str) -> bool:
-    """Whether `name` may appear in a bundle: a known file, or an extra chat template. Nothing
-    else is written to disk from a bundle, so a bad entry cannot escape the target folder."""
-    return name in TOKENIZER_FILES or bool(_EXTRA_TEMPLATE.fullmatch(name))
-
-
-def read_tokenizer_files(model_dir: Path) -> dict[str, str]:
-    """{name: text} of the bundle files present in `model_dir`; tokenizer.json is required."""
-    if not (model_dir / "tokenizer.json").is_file():
-        raise FileNotFoundError(f"{model_dir}: no tokenizer.json to publish")
-    paths = [model_dir / name for name in TOKENIZER_FILES]
-    extra_dir = model_dir / EXTRA_TEMPLATES_DIR
-    if extra_dir.is_dir():
-        paths += sorted(extra_dir.glob("*.jinja"))
-    files: dict[str, str] = {}
-    for path in paths:
-        name = path.relative_to(model_dir).as_posix()
-        if not path.is_file() or not is_bundle_file(name):
-            continue
-        try:
-            files[name] = path.read_text(encoding="utf-8")
-        except (OSError, UnicodeDecodeError) as e:
-            raise TokenizerBundleError(f"{path}: cannot read ({e})") from e
-    return files
 
 
 async def publish_tokenizer(redis: Redis, model: str, cache_id: str, model_dir: Path) -> bool:

@@ -30,6 +30,7 @@ import torch
 
 from kernels.dispatch import FORCE_TRITON
 from kvstore.block_hash import cache_seed
+from kvstore.tokenizer_files import tokenizer_digest
 from runtime.config import EngineConfig
 from runtime.detokenizer import IncrementalDetokenizer
 from runtime.draft import DraftProposer
@@ -192,7 +193,10 @@ class LLMEngine:
             dtypes += "-w" + str(self.model.weight_dtype).removeprefix("torch.")
         if self.kv_dtype != self.model.dtype:  # KV rounded to another dtype
             dtypes += "-kv" + str(self.kv_dtype).removeprefix("torch.")
-        self.cache_id = f"{self.model_revision}-{dtypes}-b{config.block_size}"
+        # and its tokenizer's (chat template, special tokens): one request rendered as other ids
+        # by another template must not find, nor be routed to, this cache's blocks
+        tokenizer = tokenizer_digest(Path(config.model))[:8]
+        self.cache_id = f"{self.model_revision}-t{tokenizer}-{dtypes}-b{config.block_size}"
         self.blocks = BlockManager(
             num_blocks,
             config.block_size,

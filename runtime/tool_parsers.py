@@ -78,6 +78,8 @@ class ToolParser:
     marker = ""  # text that opens the tool region ("" for llama3_json: it starts with "{")
     arg_keys: tuple[str, ...] = ("arguments", "parameters")
     marker_token_id: int | None = None  # the marker's special token, when the tokenizer has it
+    end = ""  # text that closes a call ("" where the format has none)
+    end_token_id: int | None = None  # the end's special token, when the tokenizer has it
 
     def parse(self, text: str, final: bool) -> tuple[str, list[ParsedCall], bool]:
         """(content, calls, in_tool_region) for the output text so far."""
@@ -136,7 +138,14 @@ class HermesParser(ToolParser):
         pos = start
         while (j := text.find(self.marker, pos)) >= 0:
             body_start = j + len(self.marker)
-            k = text.find(self.end, body_start)
+            # the end marker after the call's object: the text "</tool_call>" inside one of its
+            # strings (code, say) is an argument, not the end
+            v = _skip_ws(text, body_start)
+            value_end = _scan_value(text, v) if v < len(text) and text[v] == "{" else v
+            k = text.find(self.end, body_start if value_end is None else value_end)
+            if value_end is None and not final:
+                k = -1  # (the object is still arriving; at the end, one that never closed
+                # ends at the first end marker)
             calls += _calls_in(text[body_start : k if k >= 0 else len(text)], self.arg_keys)
             if k < 0:
                 break
@@ -216,6 +225,7 @@ def make_parser(name: str | None, template: str, special: dict[str, int]) -> Too
         raise ValueError(f"tool-call parser must be one of {PARSERS}, got {name!r}")
     parser = _CLASSES[name]()
     parser.marker_token_id = special.get(parser.marker)
+    parser.end_token_id = special.get(parser.end) if parser.end else None
     return parser
 
 
@@ -321,8 +331,9 @@ class ToolCallStream:
     step_start: int = 0  # len(text) before the step being fed
     token_ids: list[int] = field(default_factory=list)  # the output's tokens (with a marker id)
     fed: int = 0  # characters of output text fed (`text` without the markers)
-    markers_at: list[int] = field(default_factory=list)  # where in the output text markers go
-    # whose text has not come yet (the detokenizer held back the text before them)
+    # (where in the output text, the token's index, which marker) for markers whose text has
+    # not come yet (the detokenizer held back the text before them)
+    markers_at: list[tuple[int, int, str]] = field(default_factory=list)
 
     def feed(
         self, text: str, token_ids: list[int], final: bool
@@ -331,7 +342,7 @@ class ToolCallStream:
         self.step_start = len(self.text)
         if self.failed:
             return self.give_up(text), []
-        if self.parser.marker_token_id is not None:
+        if self.parser.marker_token_id is not None or self.parser.end_token_id is not None:
             text = self._with_markers(text, token_ids)
         self.text += text
         content, calls, in_region = self.parser.parse(self.text, final)
@@ -383,19 +394,27 @@ class ToolCallStream:
         which counts text the detokenizer still holds back (half a character, a possible stop
         string) and places a marker inside a step of several tokens (speculative decoding).
         Without `decode`, at the step's start."""
-        marker, marker_id = self.parser.marker, self.parser.marker_token_id
+        parser = self.parser
         start = len(self.token_ids)
         self.token_ids += token_ids
-        if marker_id in token_ids and marker not in text:  # (not in it: a special token)
+        # the opening marker's token, and the closing one's (hermes' "</tool_call>": dropped, a
+        # second call read as part of the first, and every call after the first was lost)
+        for marker, marker_id in ((parser.marker, parser.marker_token_id),
+                                  (parser.end, parser.end_token_id)):  # fmt: skip
+            if marker_id is None or marker_id not in token_ids or marker in text:
+                continue  # (in the text: not a special token)
             for k in (k for k, t in enumerate(token_ids) if t == marker_id):
                 if self.decode is None:
-                    self.markers_at.append(self.fed)
+                    at_char = self.fed
                 else:
                     before = self.token_ids[: start + k]
-                    self.markers_at.append(_decoded_len(self.decode, self.context, before))
+                    at_char = _decoded_len(self.decode, self.context, before)
+                self.markers_at.append((at_char, start + k, marker))
+        self.markers_at.sort()  # by place in the text, then in the tokens
         pieces, at = [], 0
-        while self.markers_at and self.markers_at[0] <= self.fed + len(text):
-            cut = min(max(self.markers_at.pop(0) - self.fed, at), len(text))
+        while self.markers_at and self.markers_at[0][0] <= self.fed + len(text):
+            where, _, marker = self.markers_at.pop(0)
+            cut = min(max(where - self.fed, at), len(text))
             pieces += [text[at:cut], marker]
             at = cut
         self.fed += len(text)

@@ -60,7 +60,8 @@ from kvstore.protocol import (
 )
 from kvstore.registry import Registry
 from kvstore.telemetry import PROMETHEUS_CONTENT_TYPE, Telemetry, TelemetryConfig
-from kvstore.tokenizer_store import TokenizerBundleError, publish_tokenizer
+from kvstore.tokenizer_files import TokenizerBundleError
+from kvstore.tokenizer_store import publish_tokenizer
 from runtime.async_engine import AsyncLLM, EngineDeadError, RequestStream
 from runtime.disagg import IMPORT_WAIT_S, KVCacheFullError, KVImporter, export_server
 from runtime.engine import Prompt, RequestGroup

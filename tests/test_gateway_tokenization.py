@@ -416,3 +416,25 @@ async def test_prefix_lookup_scores_every_cache_layout_of_a_model(
     finally:
         tel.shutdown()
         await view.tokenizers.aclose()
+
+
+def test_a_chat_template_is_part_of_the_cache_id(stories_dir: Path, tmp_path: Path) -> None:
+    """Two folders of one model's weights with other chat templates render one chat request as
+    other ids: they are two cache ids (so two tokenizer bundles, two prefix caches, and no KV
+    transfer between them). They shared one, so the gateway tokenized every worker's requests
+    with the first bundle published, and sent those ids: the other template was never applied."""
+    from runtime.llm import LLM
+
+    a = chat_model(stories_dir, tmp_path / "a")
+    b = chat_model(stories_dir, tmp_path / "b")
+    (b / "chat_template.jinja").write_text(
+        (a / "chat_template.jinja").read_text().replace(": ", " says: ")
+    )
+    same = chat_model(stories_dir, tmp_path / "same")
+    engines = [LLM(str(d), kv_cache_bytes=1_000_000).engine for d in (a, b, same)]
+    assert len({e.model_revision for e in engines}) == 1  # the same weights
+    ids = [e.cache_id for e in engines]
+    assert ids[0] != ids[1] and ids[0] == ids[2], ids
+    messages = [{"role": "user", "content": "Hi"}]
+    ta, tb = (Tokenizer.from_dir(d) for d in (a, b))
+    assert prompt_token_ids(ta, None, messages) != prompt_token_ids(tb, None, messages)

@@ -205,6 +205,17 @@ def test_parsers_and_streamed_deltas(
         assert _stream(parser, text, step) == expected, step
 
 
+def test_an_end_marker_inside_an_argument_string_is_text() -> None:
+    """"</tool_call>" inside a string argument (code a model writes) does not end the call: its
+    arguments came out cut (invalid JSON), and differently by chunking."""
+    text = ('<tool_call>\n{"name": "write", "arguments": {"code": "print(\'</tool_call>\')"}}'
+            '\n</tool_call>\n<tool_call>\n{"name": "g", "arguments": {}}\n</tool_call>')  # fmt: skip
+    want = ("", [{"name": "write", "arguments": '{"code": "print(\'</tool_call>\')"}'},
+                 {"name": "g", "arguments": "{}"}])  # fmt: skip
+    for step in (1, 5, len(text)):
+        assert _stream("hermes", text, step) == want, step
+
+
 def test_truncated_call_streams_what_it_has() -> None:
     content, calls = _stream("hermes", '<tool_call>\n{"name": "f", "arguments": {"a": [1, 2', 4)
     assert content == "" and calls == [{"name": "f", "arguments": '{"a": [1, 2'}]
@@ -220,6 +231,19 @@ def test_marker_special_token_is_seen_by_id() -> None:
     ]
     assert _reassemble(out) == ("", [{"name": "f", "arguments": "{}"}])
     assert "<[77]>" in parser.grammar(TOOLS, True)
+
+
+def test_an_end_marker_special_token_is_seen_by_id() -> None:
+    """Tokenizers that make "</tool_call>" a special token too (the detokenizer drops it): the
+    end stands where its token was, and the calls after the first are calls (the second was
+    read as part of the first region, and lost)."""
+    parser = make_parser("hermes", "", {"<tool_call>": 77, "</tool_call>": 78})
+    stream = ToolCallStream(parser)
+    steps = [("", [77]), ('\n{"name": "f", "arguments": {"a": 1}}\n', [5, 6]), ("", [78]),
+             ("\n", [9]), ("", [77]), ('\n{"name": "g", "arguments": {}}\n', [5]), ("", [78])]  # fmt: skip
+    out = [stream.feed(t, ids, k == len(steps) - 1) for k, (t, ids) in enumerate(steps)]
+    assert _reassemble(out) == ("", [{"name": "f", "arguments": '{"a": 1}'},
+                                     {"name": "g", "arguments": "{}"}])  # fmt: skip
 
 
 # what a model may write in a call that is not JSON: a bad literal, a bad escape, a bare word,
