@@ -18,6 +18,39 @@ DEFAULT_CACHE = Path(os.environ.get("EDGEINFER_CACHE", Path.home() / ".cache" / 
 DEFAULT_STORE = Path(os.environ.get("EDGEINFER_STORE") or DEFAULT_CACHE / "models")
 
 
+def port_arg(text: str) -> int:
+    """An argparse type: a TCP port to listen on or meet at (1-65535)."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"invalid port {text!r}") from None
+    if not 1 <= value <= 65535:
+        raise argparse.ArgumentTypeError(f"must be 1-65535, got {value}")
+    return value
+
+
+def positive_int(text: str) -> int:
+    """An argparse type: an integer >= 1."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"invalid integer {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
+    return value
+
+
+def non_negative_int(text: str) -> int:
+    """An argparse type: an integer >= 0."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"invalid integer {text!r}") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be at least 0, got {value}")
+    return value
+
+
 def _model_dir(arg: str | None, store: str | None = None) -> str:
     """The folder `--model` names: a folder path, a model in the store (`store`, default
     DEFAULT_STORE), or the default model (no `arg`), imported into the store on first use."""
@@ -78,7 +111,7 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
                    help="tokens in one step at most: prompt chunks + decodes (default 2048)")  # fmt: skip
     p.add_argument("--max-model-len", type=int, default=None,
                    help="context length (default: the model's)")  # fmt: skip
-    p.add_argument("--threads", type=int, default=None,
+    p.add_argument("--threads", type=positive_int, default=None,
                    help="torch CPU threads (default: torch's, one per physical core)")  # fmt: skip
     p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"],
                    help="auto: CUDA when torch sees a GPU (bfloat16 weights, Triton kernels), "
@@ -116,7 +149,7 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--ep", type=int, default=1,
                    help="expert-parallel ranks of a mixture-of-experts model; with --tp above 1, "
                    "equal to it (default 1)")  # fmt: skip
-    p.add_argument("--dist-port", type=int, default=None,
+    p.add_argument("--dist-port", type=port_arg, default=None,
                    help="127.0.0.1 port where the ranks meet (default: a free one)")  # fmt: skip
 
 
@@ -214,14 +247,15 @@ def _params(args: argparse.Namespace):  # type: ignore[no-untyped-def]
     )
 
 
-def _stream(llm, prompt: str | list[int], params, head: str = "") -> str:  # type: ignore[no-untyped-def]
+def _stream(llm, prompt: str | list[int], params, head: str = "") -> tuple[str, bool]:  # type: ignore[no-untyped-def]
     """Run one request, printing `head` once it is accepted (a request the engine refuses
-    raises InvalidRequestError first), then the text as it is produced. Returns the text."""
+    raises InvalidRequestError first), then the text as it is produced, then a newline (all on
+    stdout; the token count on stderr). Returns the text, and whether Ctrl-C cut it short."""
     engine = llm.engine
     rid = engine.next_request_id()
     engine.add_request(rid, prompt, params)
     print(head, end="", flush=True)
-    text, tokens, t0 = "", 0, time.monotonic()
+    text, tokens, t0, interrupted = "", 0, time.monotonic(), False
     try:
         while engine.has_unfinished():
             for out in engine.step():
@@ -231,9 +265,11 @@ def _stream(llm, prompt: str | list[int], params, head: str = "") -> str:  # typ
     except KeyboardInterrupt:
         engine.abort(rid)
         print(" [interrupted]", end="")
+        interrupted = True
     dt = time.monotonic() - t0
-    print(f"\n[{tokens} tokens, {tokens / max(dt, 1e-9):.1f} tok/s]", file=sys.stderr)
-    return text
+    print(flush=True)  # (the completion's line ends on stdout: piped, prompts stay apart)
+    print(f"[{tokens} tokens, {tokens / max(dt, 1e-9):.1f} tok/s]", file=sys.stderr)
+    return text, interrupted
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
@@ -243,7 +279,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
     for prompt in prompts:
         if len(prompts) > 1:
             print(f"--- {prompt!r}")
-        _stream(llm, prompt, params, head=prompt)
+        if _stream(llm, prompt, params, head=prompt)[1]:
+            return 130  # Ctrl-C stops the command, not only the prompt it was on
     return 0
 
 
@@ -282,7 +319,7 @@ def _chat_turn(llm, history: list[dict[str, str]], line: str, params) -> list[di
         try:
             rendered = llm.tokenizer.apply_chat_template(messages, add_generation_prompt=True)
             ids = llm.tokenizer.encode(rendered, add_special_tokens=False)
-            reply = _stream(llm, ids, params, head="model> ")
+            reply = _stream(llm, ids, params, head="model> ")[0]
             break
         except InvalidRequestError as e:
             if e.code == "context_length_exceeded" and len(messages) - first > 1:
@@ -508,7 +545,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="values per independently decodable chunk (a multiple of 64; smaller: more "
         "parallel decoding, slightly larger files)",
     )
-    z.add_argument("--threads", type=int, default=2, help="encoding threads")
+    z.add_argument("--threads", type=positive_int, default=2, help="encoding threads")
     _store_arg(z)
     z.set_defaults(func=cmd_compress)
 
@@ -525,6 +562,11 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:  # Ctrl-C while a model loads, say: no traceback, the usual code
         print(file=sys.stderr)
         return 130
+    except SystemExit as e:  # a command's own one-line refusal: exit status 2, as for the rest
+        if isinstance(e.code, str) and e.code.startswith("edgeinfer: error:"):
+            print(e.code, file=sys.stderr)
+            return 2
+        raise
     except Exception as e:
         # Imported only here: `runtime.config` imports torch, which a command imports itself
         # once it has set up for it (generate and worker: with cyclic GC off).

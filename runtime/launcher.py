@@ -94,9 +94,11 @@ class _Child:
         self._relay.join(timeout=1.0)
 
 
-def _engine_flags(args: argparse.Namespace) -> list[str]:
+def _engine_flags(args: argparse.Namespace, worker: int = 0) -> list[str]:
     """The worker command-line flags for every engine option of `up` that is not at its default
-    (all of `edgeinfer worker`'s engine options, so none is accepted by `up` and then dropped)."""
+    (all of `edgeinfer worker`'s engine options, so none is accepted by `up` and then dropped),
+    for the `worker`-th worker: --dist-port is a port per worker (the next ones after the first:
+    every worker's ranks meeting on one port, the second worker could not start)."""
     from runtime.cli import _engine_args  # runtime.cli imports this module's caller
 
     parser = argparse.ArgumentParser(add_help=False)
@@ -108,6 +110,8 @@ def _engine_flags(args: argparse.Namespace) -> list[str]:
         value = getattr(args, action.dest, action.default)
         if value == action.default:
             continue
+        if action.dest == "dist_port":
+            value += worker
         flag = action.option_strings[0]
         if isinstance(action, argparse._StoreTrueAction):
             flags.append(flag)
@@ -226,8 +230,13 @@ def up(args: argparse.Namespace) -> int:
     # before anything starts: the ports (the workers' and their KV-transfer servers', when
     # given), and a Redis we are given
     _ports_taken(range(args.port, args.port + 1), "--port")
-    if args.worker_port:
-        _ports_taken(range(args.worker_port, args.worker_port + 2 * len(roles)), "--worker-port")
+    for flag, first, count in (("--worker-port", args.worker_port, 2 * len(roles)),
+                               ("--dist-port", getattr(args, "dist_port", None), len(roles))):  # fmt: skip
+        if first:
+            if first + count - 1 > 65535:
+                raise SystemExit(f"edgeinfer: error: {flag} {first}: the workers need {count} "
+                                 f"ports from it, past 65535")  # fmt: skip
+            _ports_taken(range(first, first + count), flag)
     redis_url = args.redis or os.environ.get("EDGEINFER_REDIS")
     if redis_url is not None:
         _check_redis(redis_url)
@@ -262,7 +271,7 @@ def up(args: argparse.Namespace) -> int:
                 # that worker bound it
                 "--kv-port", str(worker_port + len(roles) + i),
                 "--redis", redis_url, "--role", role,
-                "--drain-timeout", str(DRAIN_TIMEOUT_S), *_engine_flags(args),
+                "--drain-timeout", str(DRAIN_TIMEOUT_S), *_engine_flags(args, i),
             ]  # fmt: skip
             workers.append(_Child(f"worker {i + 1} ({role}, port {port})", cmd, env,
                                   lifeline.pass_fds))  # fmt: skip

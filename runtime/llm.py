@@ -50,11 +50,22 @@ class LLM:
         if sampling_params is None or isinstance(sampling_params, SamplingParams):
             params_list = [sampling_params or SamplingParams()] * len(batch)
         else:
+            # (a dict or a string: its keys or characters were taken for one setting each)
+            if isinstance(sampling_params, (str, bytes, dict)):
+                raise InvalidRequestError(
+                    "sampling_params", "must be a SamplingParams or a list of them, got "
+                    f"{type(sampling_params).__name__}"
+                )  # fmt: skip
             params_list = list(sampling_params)
             if len(params_list) != len(batch):
                 raise InvalidRequestError(
                     "sampling_params",
                     f"{len(params_list)} given for {len(batch)} prompts; give one or one per prompt",
+                )
+            bad = next((p for p in params_list if not isinstance(p, SamplingParams)), None)
+            if bad is not None:
+                raise InvalidRequestError(
+                    "sampling_params", f"must be SamplingParams, got {type(bad).__name__}"
                 )
         # Validate everything before anything is queued, so a bad prompt queues nothing.
         for p in params_list:
@@ -76,8 +87,21 @@ class LLM:
         messages: list[dict[str, Any]] | list[list[dict[str, Any]]],
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
     ) -> list[RequestOutput]:
-        """Render each conversation with the model's chat template, then generate."""
-        convs = [messages] if messages and isinstance(messages[0], dict) else messages
+        """Render each conversation with the model's chat template, then generate. `messages`:
+        one conversation (a list of {"role", "content"} messages), or a list of them."""
+        if isinstance(messages, dict):
+            messages = [messages]  # one message: a conversation of one
+        if not isinstance(messages, list) or not messages:
+            # (a string was a conversation per character)
+            raise InvalidRequestError(
+                "messages", "must be a non-empty list of messages ({'role': ..., 'content': "
+                f"...}}) or of conversations, got {type(messages).__name__}"
+            )  # fmt: skip
+        convs = [messages] if isinstance(messages[0], dict) else messages
+        if not all(isinstance(c, list) and c and all(isinstance(m, dict) for m in c)
+                   for c in convs):  # fmt: skip
+            raise InvalidRequestError("messages", "each conversation must be a non-empty list "
+                                      "of message objects")  # fmt: skip
         prompts = [
             self.tokenizer.encode(
                 self.tokenizer.apply_chat_template(conv, add_generation_prompt=True),  # type: ignore[arg-type]

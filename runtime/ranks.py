@@ -550,7 +550,8 @@ def start_ranks(
         store = dist.TCPStore("127.0.0.1", port, parallel.world_size, is_master=True,
                               timeout=timedelta(seconds=JOIN_TIMEOUT_S), wait_for_workers=False)  # fmt: skip
     except Exception as e:
-        raise RuntimeError(f"cannot start the ranks' rendezvous on 127.0.0.1:{port}: {e}") from e
+        # (an OSError, as a port in use is: the command line reports it in one line)
+        raise OSError(f"cannot start the ranks' rendezvous on 127.0.0.1:{port}: {e}") from e
     spec = RankSpec(model, dtype, max_model_len, parallel, port, num_threads, weight_dtype)
     ctx = mp.get_context("spawn")
     procs = [

@@ -110,6 +110,10 @@ class SamplingParams:
             _int_field("logprobs", self.logprobs)
             if not 0 <= self.logprobs <= 20:
                 raise InvalidRequestError("logprobs", f"must be in [0, 20], got {self.logprobs}")
+        for name in ("ignore_eos", "include_stop_str_in_output"):
+            value = getattr(self, name)  # ("no" is true: it kept stop strings, say)
+            if not isinstance(value, bool):
+                raise InvalidRequestError(name, f"must be true or false, got {value!r}")
         if self.structured_outputs is not None:
             from runtime.structured import StructuredOutputsParams
 

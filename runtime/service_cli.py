@@ -18,20 +18,13 @@ from collections.abc import Coroutine
 from pathlib import Path
 from typing import Any
 
+from runtime.cli import non_negative_int, port_arg
+
 DEFAULT_REDIS = "redis://127.0.0.1:6379/0"
 API_KEY_HELP = ("accepted bearer token (repeatable; default: $EDGEINFER_API_KEYS, comma-separated; "
                 "none: the API is open)")  # fmt: skip
 
 
-def _port(text: str) -> int:
-    """An argparse type: a TCP port to listen on and advertise (1-65535)."""
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"invalid port {text!r}") from None
-    if not 1 <= value <= 65535:
-        raise argparse.ArgumentTypeError(f"must be 1-65535, got {value}")
-    return value
 
 
 def _secret(args: argparse.Namespace) -> str:
@@ -361,7 +354,7 @@ def add_service_commands(sub: argparse._SubParsersAction, engine_args) -> None: 
                    help="the work it takes (default %(default)s)")  # fmt: skip
     w.add_argument("--host", default="127.0.0.1",
                    help="interface to listen on (default %(default)s)")  # fmt: skip
-    w.add_argument("--port", type=_port, default=9001, help="port to listen on (default %(default)s)")
+    w.add_argument("--port", type=port_arg, default=9001, help="port to listen on (default %(default)s)")
     w.add_argument(
         "--advertise-url", default=None, help="URL gateways use (default from host/port)"
     )
@@ -405,7 +398,7 @@ def add_service_commands(sub: argparse._SubParsersAction, engine_args) -> None: 
                    help="this gateway's region from the catalog (default %(default)s)")  # fmt: skip
     g.add_argument("--host", default="127.0.0.1",
                    help="interface to listen on; 0.0.0.0 for every one (default %(default)s)")  # fmt: skip
-    g.add_argument("--port", type=_port, default=8080, help="port to listen on (default %(default)s)")
+    g.add_argument("--port", type=port_arg, default=8080, help="port to listen on (default %(default)s)")
     g.add_argument(
         "--redis", default=None, help=f"cluster state (default $EDGEINFER_REDIS or {DEFAULT_REDIS})"
     )
@@ -496,7 +489,7 @@ def add_service_commands(sub: argparse._SubParsersAction, engine_args) -> None: 
     p.add_argument("--store", default=None,
                    help="model store for --models names (default $EDGEINFER_STORE or "
                    "~/.cache/edgeinfer/models)")  # fmt: skip
-    p.add_argument("--events", type=int, default=0, metavar="N",
+    p.add_argument("--events", type=non_negative_int, default=0, metavar="N",
                    help="print the region's last N pool events (start/ready/stop/fail) and exit")  # fmt: skip
     p.set_defaults(func=cmd_pool)
 
@@ -515,9 +508,9 @@ def add_service_commands(sub: argparse._SubParsersAction, engine_args) -> None: 
         "--roles", default=None,
         help="one worker per listed role instead, e.g. prefill,decode (disaggregated serving)",
     )  # fmt: skip
-    u.add_argument("--port", type=_port, default=8080,
+    u.add_argument("--port", type=port_arg, default=8080,
                    help="the gateway's port (default %(default)s)")  # fmt: skip
-    u.add_argument("--worker-port", type=int, default=None,
+    u.add_argument("--worker-port", type=port_arg, default=None,
                    help="first worker's port; the workers take the next ones, then their "
                    "KV-transfer servers the ones after those (default: a run of free ports)")  # fmt: skip
     u.add_argument("--redis", default=None,

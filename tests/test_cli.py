@@ -116,3 +116,65 @@ def test_worker_and_engine_limits_that_cannot_be_meant() -> None:
         EngineConfig(model=str(ROOT), max_model_len=-5)
     with pytest.raises(ValueError, match="drain_timeout_s must be >= 0"):
         WorkerConfig("m", "r", "mixed", "127.0.0.1", 1, "u", "s", None, drain_timeout_s=-1)
+
+
+def test_generate_keeps_prompts_apart_on_stdout_and_stops_on_ctrl_c(
+    stories_dir: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Each completion ends its line on stdout (the newline went to stderr with the token
+    count: piped, the completions ran together); Ctrl-C ends the command with 130 (it aborted
+    the prompt it was on, then ran the next ones and exited 0)."""
+    from runtime.cli import main
+
+    args = ["generate", "--model", str(stories_dir), "--threads", "1", "--max-tokens", "3"]
+    assert main([*args, "Once", "The dog"]) == 0
+    out = capsys.readouterr().out.splitlines()
+    assert [line.startswith(s) for line, s in zip(out, ["--- ", "Once", "--- ", "The dog"],
+                                                  strict=True)] == [True] * 4, out  # fmt: skip
+    import runtime.engine
+
+    def interrupted(self):  # type: ignore[no-untyped-def]
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(runtime.engine.LLMEngine, "step", interrupted)
+    assert main([*args, "Once", "The dog"]) == 130
+    assert "The dog" not in capsys.readouterr().out
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["generate", "--threads", "-1", "x"],
+        ["generate", "--dist-port", "70000", "x"],
+        ["pool", "--region", "r", "--events", "-3"],
+        ["up", "--worker-port", "70000"],
+        ["up", "--workers", "0"],
+    ],
+)
+def test_bad_numbers_are_one_line_and_status_2(argv: list[str]) -> None:
+    """Tracebacks before (torch's set_num_threads, a pybind TypeError, Redis' XREVRANGE, bind's
+    OverflowError), or a refusal with exit status 1 (SystemExit with a message)."""
+    out = subprocess.run([sys.executable, "-m", "runtime.cli", *argv], cwd=ROOT,
+                         capture_output=True, text=True, timeout=60)  # fmt: skip
+    assert out.returncode == 2 and "Traceback" not in out.stderr, out.stderr
+    assert out.stderr.strip().splitlines()[-1].startswith(("edgeinfer: error:", "edgeinfer ")), out.stderr
+
+
+def test_the_python_api_names_a_bad_argument(stories_dir: Path) -> None:
+    """Settings of the wrong type fail with a ValueError naming them, before anything runs (a
+    string was a conversation per character, a dict an AttributeError deep in the engine)."""
+    from runtime import LLM, SamplingParams
+    from runtime.sampling_params import InvalidRequestError
+
+    with pytest.raises(ValueError, match=r"num_threads must be an integer >= 1, got -1"):
+        LLM(str(stories_dir), num_threads=-1)
+    with pytest.raises(ValueError, match=r"max_num_seqs must be an integer >= 1, got '4'"):
+        LLM(str(stories_dir), max_num_seqs="4")  # type: ignore[arg-type]
+    with pytest.raises(InvalidRequestError, match="include_stop_str_in_output"):
+        SamplingParams(stop=[" time"], include_stop_str_in_output="no")  # type: ignore[arg-type]
+    llm = LLM(str(stories_dir), kv_cache_bytes=1_000_000)
+    for bad in ({"temperature": 0}, "abc", ["x"]):
+        with pytest.raises(InvalidRequestError, match="sampling_params"):
+            llm.generate(["Once"], bad)  # type: ignore[arg-type]
+    with pytest.raises(InvalidRequestError, match="messages"):
+        llm.chat("hello")  # type: ignore[arg-type]

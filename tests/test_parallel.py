@@ -328,8 +328,13 @@ def test_a_taken_port_is_named(stories_dir: Path) -> None:
         s.bind(("127.0.0.1", 0))
         s.listen()
         port = s.getsockname()[1]
-        with pytest.raises(RuntimeError, match=rf"rendezvous on 127.0.0.1:{port}"):
+        with pytest.raises(OSError, match=rf"rendezvous on 127.0.0.1:{port}"):
             LLM(stories_dir, tp=2, dist_port=port)
+        # and on the command line, one line and exit status 2 (it was a traceback)
+        from runtime.cli import main
+
+        assert main(["generate", "--model", str(stories_dir), "--tp", "2", "--dist-port",
+                     str(port), "--max-tokens", "1", "Once"]) == 2  # fmt: skip
 
 
 def test_kv_of_a_split_model_moves_whole(stories_dir: Path) -> None:

@@ -287,7 +287,7 @@ def test_up_refuses_a_port_another_server_holds(
         finally:
             _kill(proc)
     out = (tmp_path / "up.log").read_text()
-    assert code == 1 and "edgeinfer is up" not in out, out
+    assert code == 2 and "edgeinfer is up" not in out, out  # (a refusal: status 2, as argparse's)
     assert f"port {taken} is taken; use edgeinfer up {flag} N (make run ARGS='{flag} N')" in out
     assert "started redis-server" not in out, out  # (nothing started)
 
@@ -349,7 +349,7 @@ def test_up_refuses_an_unreachable_redis_at_once(tmp_path: Path, stories_dir: Pa
     finally:
         _kill(proc)
     out = (tmp_path / "up.log").read_text()
-    assert code == 1, out
+    assert code == 2, out
     assert f"cannot reach Redis at {dead}" in out, out
     assert "unset EDGEINFER_REDIS (or drop --redis) to use a throwaway one" in out, out
     assert "gateway ready" not in out and "worker" not in out, out
