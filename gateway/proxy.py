@@ -470,7 +470,9 @@ class Proxy:
         then got a 503 `worker_starting`)."""
         route = self._route(call)
         held = not route.candidates and route.reason == "no_workers"
-        if held and call.tried:
+        if held and call.tried and not (last is not None and last.code == "draining"):
+            # (a worker that answered "draining" is leaving, whatever the snapshot says yet: a
+            # pool's scale-down; the request waits for the worker that replaces it)
             held = self._route(call, exclude_tried=False).reason == "no_workers"
         if held and await self.hold_for_worker(call):
             route = self._route(call)

@@ -8,8 +8,6 @@ import hashlib
 import re
 from pathlib import Path
 
-import orjson
-
 # Every file runtime.tokenizer.Tokenizer.from_dir reads, plus the two that transformers reads
 # (chat_template.json, special_tokens_map.json), so a later Tokenizer that reads them finds them.
 # config.json carries bos/eos ids; it is small (the weights are elsewhere).
@@ -62,5 +60,17 @@ def tokenizer_digest(model_dir: Path) -> str:
     of one model whose chat templates or special tokens differ render one request as other ids,
     so they must not share a cache id (the gateway tokenizes for a cache id's workers, and a
     prefill side's KV is only of use to a decode side that renders alike)."""
-    files = read_tokenizer_files(model_dir)
-    return hashlib.sha256(orjson.dumps(files, option=orjson.OPT_SORT_KEYS)).hexdigest()[:16]
+    if not (model_dir / "tokenizer.json").is_file():
+        raise FileNotFoundError(f"{model_dir}: no tokenizer.json")
+    paths = [model_dir / name for name in TOKENIZER_FILES]
+    extra_dir = model_dir / EXTRA_TEMPLATES_DIR
+    if extra_dir.is_dir():
+        paths += sorted(extra_dir.glob("*.jinja"))
+    h = hashlib.sha256()
+    for path in paths:  # (the bytes as they are: no decoding, no second copy)
+        name = path.relative_to(model_dir).as_posix()
+        if path.is_file() and is_bundle_file(name):
+            data = path.read_bytes()
+            h.update(f"{name}\0{len(data)}\0".encode())
+            h.update(data)
+    return h.hexdigest()[:16]

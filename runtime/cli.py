@@ -29,6 +29,11 @@ def port_arg(text: str) -> int:
     return value
 
 
+def port_or_zero(text: str) -> int:
+    """An argparse type: a port (1-65535), or 0 for a free one."""
+    return 0 if text.strip() == "0" else port_arg(text)
+
+
 def positive_int(text: str) -> int:
     """An argparse type: an integer >= 1."""
     try:
@@ -149,7 +154,7 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--ep", type=int, default=1,
                    help="expert-parallel ranks of a mixture-of-experts model; with --tp above 1, "
                    "equal to it (default 1)")  # fmt: skip
-    p.add_argument("--dist-port", type=port_arg, default=None,
+    p.add_argument("--dist-port", type=port_or_zero, default=None,
                    help="127.0.0.1 port where the ranks meet (default: a free one)")  # fmt: skip
 
 

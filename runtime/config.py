@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+import numbers
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -435,14 +436,20 @@ class EngineConfig:
         # as a TypeError deep in the engine or torch's "set_num_threads expects a positive integer"
         for name, least in (("block_size", 1), ("max_num_seqs", 1), ("max_num_batched_tokens", 1),
                             ("max_waiting", 1), ("num_threads", 1), ("tp", 1), ("pp", 1),
-                            ("ep", 1), ("kv_cache_bytes", 0), ("dist_port", 1)):  # fmt: skip
+                            ("ep", 1), ("kv_cache_bytes", 0), ("dist_port", 0),
+                            ("max_model_len", 0)):  # fmt: skip
             value = getattr(self, name)
-            if value is None and name in ("num_threads", "kv_cache_bytes", "dist_port"):
+            if value is None and name in ("num_threads", "kv_cache_bytes", "dist_port",
+                                          "max_model_len"):  # fmt: skip
                 continue
-            if type(value) is not int or value < least:
+            # (numpy's integers are integers; a bool is not a count)
+            if not isinstance(value, numbers.Integral) or isinstance(value, bool):
                 raise ValueError(f"{name} must be an integer >= {least}, got {value!r}")
-        if self.dist_port is not None and self.dist_port > 65535:
-            raise ValueError(f"dist_port must be a port (1-65535), got {self.dist_port}")
+            if value < least and name != "max_model_len":  # (its own message, below)
+                raise ValueError(f"{name} must be an integer >= {least}, got {value!r}")
+            setattr(self, name, int(value))
+        if self.dist_port is not None and self.dist_port > 65535:  # (0: a free one)
+            raise ValueError(f"dist_port must be a port (1-65535, or 0), got {self.dist_port}")
         ParallelConfig(self.tp, self.pp, self.ep)  # each >= 1, ep and tp compatible
         if self.device not in ("auto", "cpu", "cuda"):
             raise ValueError(f"device must be auto, cpu or cuda, got {self.device!r}")
@@ -464,8 +471,6 @@ class EngineConfig:
                     "tp, pp and ep above 1 run on the CPU (gloo ranks); on CUDA (NCCL) they are "
                     "not built yet: use device='cpu' or tp=pp=ep=1"
                 )
-        if self.max_model_len is not None and type(self.max_model_len) is not int:
-            raise ValueError(f"max_model_len must be an integer, got {self.max_model_len!r}")
         if self.max_model_len is not None and self.max_model_len < 0:
             raise ValueError(f"max_model_len must be >= 1 (0: the model's), got {self.max_model_len}")
         if self.cuda_graph_max_batch < 1:

@@ -91,15 +91,17 @@ class LLM:
         one conversation (a list of {"role", "content"} messages), or a list of them."""
         if isinstance(messages, dict):
             messages = [messages]  # one message: a conversation of one
-        if not isinstance(messages, list) or not messages:
-            # (a string was a conversation per character)
+
+        def sequence(x: object) -> bool:  # (a string was a conversation per character)
+            return isinstance(x, Sequence) and not isinstance(x, (str, bytes)) and bool(x)
+
+        if not sequence(messages):
             raise InvalidRequestError(
                 "messages", "must be a non-empty list of messages ({'role': ..., 'content': "
                 f"...}}) or of conversations, got {type(messages).__name__}"
             )  # fmt: skip
-        convs = [messages] if isinstance(messages[0], dict) else messages
-        if not all(isinstance(c, list) and c and all(isinstance(m, dict) for m in c)
-                   for c in convs):  # fmt: skip
+        convs = [list(messages)] if isinstance(messages[0], dict) else [list(c) for c in messages]  # type: ignore[arg-type]
+        if not all(sequence(c) and all(isinstance(m, dict) for m in c) for c in convs):
             raise InvalidRequestError("messages", "each conversation must be a non-empty list "
                                       "of message objects")  # fmt: skip
         prompts = [

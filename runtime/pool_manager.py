@@ -495,6 +495,13 @@ class Pool:
                                    ready_s=f"{now - m.started:.3f}")  # fmt: skip
                 await self._release_start(m.model)
                 await self._status(m.model, ModelStatus("ready", cfg.pool_id))
+            elif code is None and m.stopping and now - m.stopping > cfg.stop_timeout_s:
+                # a drain that never ends (a hung step) held its slot, and every model's
+                # scale from zero behind it, for good: killed once its drain has run out
+                log.warning("worker %s has not exited %.0fs after it was told to stop; "
+                            "killing it", m.worker_id, now - m.stopping)  # fmt: skip
+                with contextlib.suppress(ProcessLookupError):  # (exited meanwhile)
+                    m.proc.kill()
             elif code is None and not m.ready and now - m.started > cfg.ready_timeout_s:
                 m.tail.append(f"not registered after {cfg.ready_timeout_s:.0f}s; killed")
                 m.proc.kill()

@@ -178,3 +178,22 @@ def test_the_python_api_names_a_bad_argument(stories_dir: Path) -> None:
             llm.generate(["Once"], bad)  # type: ignore[arg-type]
     with pytest.raises(InvalidRequestError, match="messages"):
         llm.chat("hello")  # type: ignore[arg-type]
+
+
+def test_the_python_api_takes_what_it_took(stories_dir: Path, tmp_path: Path) -> None:
+    """What the new checks must not refuse: numpy integers for counts, dist_port 0 (a free
+    port), a conversation as a tuple of messages."""
+    import numpy as np
+
+    from runtime import LLM, SamplingParams
+    from runtime.cli import build_parser
+    from runtime.config import EngineConfig
+
+    llm = LLM(str(chat_model(stories_dir, tmp_path / "chat")),
+              kv_cache_bytes=np.int64(1_000_000), max_num_seqs=np.int32(4))  # type: ignore[arg-type]  # fmt: skip
+    assert llm.engine.config.max_num_seqs == 4 and type(llm.engine.config.max_num_seqs) is int
+    assert EngineConfig(model=str(stories_dir), dist_port=0).dist_port == 0
+    assert build_parser().parse_args(["generate", "--dist-port", "0", "x"]).dist_port == 0
+    params = SamplingParams(max_tokens=2, temperature=0)
+    (out,) = llm.chat(({"role": "user", "content": "Hi"},), params)  # type: ignore[arg-type]
+    assert len(out.outputs[0].token_ids) == 2

@@ -65,7 +65,9 @@ def test_dockerfile_installs_what_the_makefile_does() -> None:
     pins = [re.findall(r"torch==([\w.]+)(?:\+cpu)?", text) for text in (dockerfile, (ROOT / "Makefile").read_text())]  # fmt: skip
     assert pins[0] and set(pins[0]) == set(pins[1])
     # the Makefile's is the CPU build wherever pip looks (PyPI's torch==2.13.0 is a CUDA build)
-    assert re.findall(r"torch==\S+", (ROOT / "Makefile").read_text()) == ["torch==2.13.0+cpu"] * 2
+    makefile = (ROOT / "Makefile").read_text()
+    assert re.findall(r"torch==\S+", makefile) == ["torch==2.13.0+cpu"] * 2 + ["torch==2.13.0;"]
+    assert '[ "$$(uname)" = Darwin ] && \\\n' in makefile  # (PyPI's: only where it is a CPU build)
     # a CPU build by default, from the PyTorch index (PyPI's is a CUDA build)
     assert re.search(r"^ARG TORCH_INDEX=https://download\.pytorch\.org/whl/cpu$", dockerfile, re.M)
     assert re.search(r'^RUN pip install torch==\S+ --index-url "\$TORCH_INDEX"$', dockerfile, re.M)

@@ -175,6 +175,32 @@ def test_a_shutdown_waits_out_the_workers_drain_timeout() -> None:
     assert _cfg(worker_args=["--drain-timeout=5"]).stop_timeout_s == 5 + STOP_MARGIN_S
 
 
+async def test_a_worker_that_never_exits_after_its_stop_is_killed() -> None:
+    """A stopping worker holds its slot until it exits; one that never does (a hung step)
+    is killed once its drain and the margin have run out, or it held the slot, and every
+    scale from zero behind it, for good."""
+    import asyncio
+    import signal as sig
+    import time as clock
+
+    from runtime.pool_manager import Pool
+
+    pool = Pool(_cfg(worker_args=["--drain-timeout", "1"]))
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable, "-c", "import signal, time; signal.signal(signal.SIGTERM, "
+        "signal.SIG_IGN); print('up', flush=True); time.sleep(60)",
+        stdout=asyncio.subprocess.PIPE)  # fmt: skip
+    assert proc.stdout is not None and await proc.stdout.readline() == b"up\n"
+    now = clock.monotonic()
+    m = Managed("w1", "m1", 0, proc, started=now - 20, ready=now - 19, stopping=now - 5)
+    pool.managed["w1"] = m
+    proc.send_signal(sig.SIGTERM)  # (ignored)
+    await pool._reap({"w1"}, now)  # 5 s < 1 + STOP_MARGIN_S: waits
+    assert proc.returncode is None
+    await pool._reap({"w1"}, now + pool.cfg.stop_timeout_s)  # run out: killed
+    assert await asyncio.wait_for(proc.wait(), 10) == -sig.SIGKILL
+
+
 def test_pool_config_rejects_impossible_limits() -> None:
     with pytest.raises(ValueError, match="exceeds --max-workers"):
         _cfg(min_workers=2, max_workers=1)

@@ -907,9 +907,11 @@ def test_a_busy_worker_answers_even_where_a_pool_offers_the_model(cluster: Clust
                    10, "the stub worker")  # fmt: skip
         busy = [
             (429, _error_body("queue full", "rate_limit_error", None, "queue_full"), "queue_full"),
-            (503, _error_body("worker is draining", "service_unavailable", None, "draining"),
-             "draining"),
+            (503, _error_body("no KV room", "service_unavailable", None, "kv_cache_full"),
+             "kv_cache_full"),
         ]  # fmt: skip
+        # (a worker that answers "draining" is leaving, a pool's scale-down, whatever the
+        # registry snapshot says yet: that request does wait for the worker replacing it)
         for status, body, code in busy:
             stub.answer = (status, {"Retry-After": "2"}, body)
             t0 = time.monotonic()
