@@ -35,19 +35,22 @@ def is_bundle_file(name: str) -> bool:
     return name in TOKENIZER_FILES or bool(_EXTRA_TEMPLATE.fullmatch(name))
 
 
-def read_tokenizer_files(model_dir: Path) -> dict[str, str]:
-    """{name: text} of the bundle files present in `model_dir`; tokenizer.json is required."""
+def bundle_paths(model_dir: Path) -> list[tuple[str, Path]]:
+    """(name, path) of the bundle files present in `model_dir`; tokenizer.json is required."""
     if not (model_dir / "tokenizer.json").is_file():
         raise FileNotFoundError(f"{model_dir}: no tokenizer.json to publish")
     paths = [model_dir / name for name in TOKENIZER_FILES]
     extra_dir = model_dir / EXTRA_TEMPLATES_DIR
     if extra_dir.is_dir():
         paths += sorted(extra_dir.glob("*.jinja"))
+    named = ((path.relative_to(model_dir).as_posix(), path) for path in paths)
+    return [(name, path) for name, path in named if path.is_file() and is_bundle_file(name)]
+
+
+def read_tokenizer_files(model_dir: Path) -> dict[str, str]:
+    """{name: text} of the bundle files present in `model_dir`; tokenizer.json is required."""
     files: dict[str, str] = {}
-    for path in paths:
-        name = path.relative_to(model_dir).as_posix()
-        if not path.is_file() or not is_bundle_file(name):
-            continue
+    for name, path in bundle_paths(model_dir):
         try:
             files[name] = path.read_text(encoding="utf-8")
         except (OSError, UnicodeDecodeError) as e:
@@ -56,21 +59,13 @@ def read_tokenizer_files(model_dir: Path) -> dict[str, str]:
 
 
 def tokenizer_digest(model_dir: Path) -> str:
-    """16 hex digits of sha256 over `model_dir`'s tokenizer files (names and texts): two folders
+    """16 hex digits of sha256 over `model_dir`'s tokenizer files (names and bytes): two folders
     of one model whose chat templates or special tokens differ render one request as other ids,
     so they must not share a cache id (the gateway tokenizes for a cache id's workers, and a
     prefill side's KV is only of use to a decode side that renders alike)."""
-    if not (model_dir / "tokenizer.json").is_file():
-        raise FileNotFoundError(f"{model_dir}: no tokenizer.json")
-    paths = [model_dir / name for name in TOKENIZER_FILES]
-    extra_dir = model_dir / EXTRA_TEMPLATES_DIR
-    if extra_dir.is_dir():
-        paths += sorted(extra_dir.glob("*.jinja"))
     h = hashlib.sha256()
-    for path in paths:  # (the bytes as they are: no decoding, no second copy)
-        name = path.relative_to(model_dir).as_posix()
-        if path.is_file() and is_bundle_file(name):
-            data = path.read_bytes()
-            h.update(f"{name}\0{len(data)}\0".encode())
-            h.update(data)
+    for name, path in bundle_paths(model_dir):  # (the bytes as they are: no decoding)
+        data = path.read_bytes()
+        h.update(f"{name}\0{len(data)}\0".encode())
+        h.update(data)
     return h.hexdigest()[:16]
