@@ -234,16 +234,14 @@ class Demand:
         """Count a request as waiting for a worker of `model` in `region`, and wake the pool."""
         pipe = self.redis.pipeline(transaction=False)
         pipe.zadd(wait_key(model, region), {request_id: deadline})
-        pipe.rpush(wake_key(region), model)
-        pipe.ltrim(wake_key(region), -1000, -1)  # a pool that is gone must not let it grow
+        _push_wakeup(pipe, model, region)
         await pipe.execute()
 
     async def wake(self, model: str, region: str) -> None:
         """Ask the pools of `region` for a worker of `model` without holding a request for it
         (a gateway serving the model from a region farther away than theirs)."""
         pipe = self.redis.pipeline(transaction=False)
-        pipe.rpush(wake_key(region), model)
-        pipe.ltrim(wake_key(region), -1000, -1)
+        _push_wakeup(pipe, model, region)
         await pipe.execute()
 
     async def release(self, model: str, region: str, request_id: str) -> None:
@@ -257,3 +255,9 @@ class Demand:
             return ModelStatus(**orjson.loads(raw))
         except (TypeError, ValueError):
             return None
+
+
+def _push_wakeup(pipe: Any, model: str, region: str) -> None:
+    """Queue, on `pipe`, a wake-up of `region`'s pools for `model`."""
+    pipe.rpush(wake_key(region), model)
+    pipe.ltrim(wake_key(region), -1000, -1)  # a pool that is gone must not let it grow

@@ -45,6 +45,7 @@ from runtime.manifest import (
     read_manifest,
 )
 from runtime.model import ExpertParallel, LlamaForCausalLM
+from runtime.model.llama import is_layer_index
 from runtime.model.moe import SINGLE
 from runtime.parallel import RankPlace
 from runtime.shard_reader import ALIGN, Arena, DeviceArena, FileRead, ReadStats, ShardReads, Span
@@ -582,9 +583,9 @@ def _check_sizes(path: Path, cfg: ModelConfig, shards: list[Shard]) -> None:
             file, shape = found[name]
             raise ModelLoadError(f"{file}: tensor {name!r} has shape {shape}, config.json ({what}) "
                                  f"implies {want}")  # fmt: skip
-    layers = {int(n.split(".")[2]) for n in found
-              if n.startswith("model.layers.") and n.split(".")[2].isascii()
-              and n.split(".")[2].isdigit()}  # fmt: skip
+    parts = (n.split(".") for n in found)
+    layers = {int(p[2]) for p in parts if p[:2] == ["model", "layers"] and len(p) > 2
+              and is_layer_index(p[2])}  # fmt: skip
     if layers and cfg.num_layers > max(layers) + 1:
         raise ModelLoadError(f"{path / 'config.json'}: num_hidden_layers is {cfg.num_layers}, the "
                              f"checkpoint has layers 0-{max(layers)}")  # fmt: skip

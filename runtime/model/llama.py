@@ -375,7 +375,7 @@ class LlamaForCausalLM(nn.Module):
         if name.startswith("norm."):
             return WeightTarget(name) if self.place.last else None
         parts = name.split(".")
-        layer = int(parts[1]) if parts[0] == "layers" and parts[1:2] and _index(parts[1]) else -1
+        layer = int(parts[1]) if parts[0] == "layers" and parts[1:2] and is_layer_index(parts[1]) else -1
         if layer >= 0 and layer not in self.local_layers and layer < self.cfg.num_layers:
             return None  # another stage's
         if parts[2:3] == ["block_sparse_moe"]:  # Mixtral's name for its MoE block
@@ -415,7 +415,7 @@ class LlamaForCausalLM(nn.Module):
 
     def _moe(self, parts: list[str]) -> MoE | None:
         """The MoE block that `layers.<i>.mlp.*` names, if layer i is sparse."""
-        if len(parts) < 4 or parts[0] != "layers" or parts[2] != "mlp" or not _index(parts[1]):
+        if len(parts) < 4 or parts[0] != "layers" or parts[2] != "mlp" or not is_layer_index(parts[1]):
             return None
         i = int(parts[1])
         mlp = self.layers[i].mlp if i < len(self.layers) else None
@@ -463,7 +463,7 @@ def _ep_only(ep: ExpertParallel) -> RankPlace:
     return RankPlace(ParallelConfig(ep=ep.size), ep.rank, group=ep.group)
 
 
-def _index(part: str) -> bool:
+def is_layer_index(part: str) -> bool:
     """Whether a checkpoint name's part is a layer's index: ASCII digits ('²'.isdigit() is True,
     and int() refuses it)."""
     return part.isascii() and part.isdigit()
