@@ -123,12 +123,15 @@ async def _one_gateway(s: aiohttp.ClientSession, url: str, i: int, own: list[flo
                       headers={"Content-Type": "application/json"}) as resp:  # fmt: skip
         resp.raise_for_status()
         own.append(_own_ms(resp))
+        # read to the end of the body, as the openai client does: a connection left with
+        # unread bytes is closed, and the next request would pay a new one
         async for line in resp.content:
             if not line.startswith(b"data: "):
                 continue
+            assert not done, f"a chunk after [DONE]: {line!r}"
             if line.startswith(b"data: [DONE]"):
                 done = True
-                break
+                continue
             chunk = orjson.loads(line[6:])
             if ttft is None and chunk.get("choices") and chunk["choices"][0].get("text"):
                 ttft = time.perf_counter() - t0

@@ -9,6 +9,7 @@ Tests that break the cluster (kill a worker, drain one, stop Redis) run last, in
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import signal
 import threading
 import time
@@ -428,6 +429,43 @@ def test_session_affinity_sticks_and_sessions_spread(cluster: Cluster) -> None:
         owners.add(raw.headers["x-edgeinfer-worker"])
     eu = {w.meta["worker_id"] for w in eu_workers}
     assert owners == eu, (owners, [worker_stats(w) for w in eu_workers], cluster.gateway.tail(30))
+
+
+def _connections_to(port: int) -> set[int]:
+    """The local ports of this host's open TCP connections to `port`, from /proc/net/tcp."""
+    ports = set()
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        with contextlib.suppress(FileNotFoundError):
+            for line in Path(table).read_text().splitlines()[1:]:
+                local, remote, state = line.split()[1:4]
+                if int(remote.rsplit(":", 1)[1], 16) == port and state == "01":  # ESTABLISHED
+                    ports.add(int(local.rsplit(":", 1)[1], 16))
+    return ports
+
+
+@pytest.mark.skipif(not Path("/proc/net/tcp").exists(), reason="reads Linux's /proc/net/tcp")
+def test_the_gateway_reuses_its_connections_to_a_worker(cluster: Cluster) -> None:
+    # A finished stream left unread to its end (the chunked body's last bytes come after the
+    # `done` event) made aiohttp drop the connection (reset: the bytes were unread), so every
+    # request paid a new connection to its worker
+    def ask(stream: bool) -> Proc:
+        raw = cluster.client.completions.with_raw_response.create(
+            model="stories", prompt="Once upon a time", max_tokens=3, stream=stream,
+            extra_headers={"x-session-affinity": "connection-reuse"},
+        )  # fmt: skip
+        if stream:
+            assert len(list(raw.parse())) >= 3
+        return cluster.by_id(raw.headers["x-edgeinfer-worker"])
+
+    worker = ask(False)
+    kept = _connections_to(worker.port)
+    assert kept, "no connection to the worker was kept after a request"
+    for i in range(8):
+        assert ask(i % 2 == 0) is worker
+        # (the gateway releases its connection before the client has the answer's end; one
+        # kept from earlier may have timed out meanwhile, but none is new)
+        now = _connections_to(worker.port)
+        assert now and now <= kept, f"request {i} did not reuse a connection: {kept} -> {now}"
 
 
 # ---------------------------------------------------------------------- bad input
