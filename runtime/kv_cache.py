@@ -71,7 +71,9 @@ class BlockManager:
         self.record_events = False  # queue cache events for drain_events (a worker publishes them)
         self._stored: list[bytes] = []  # cache events not yet drained
         self._evicted: list[bytes] = []
-        self.query_tokens = 0  # prompt tokens looked up in the cache, since start
+        # the hit rate, since start: prompt tokens of the requests looked up, each request
+        # once (the scheduler counts its first admission, not its readmission after preemption)
+        self.query_tokens = 0
         self.hit_tokens = 0  # of those, found cached
 
     @property
@@ -103,8 +105,9 @@ class BlockManager:
 
         Returns how many tokens they hold (the request's computed tokens). At least one token is
         always left to compute, since the last prompt token's logits are needed. `count=False`
-        leaves the hit-rate counters to the caller (`count_query` once the request is admitted:
-        a request that waits for room is matched again at every step).
+        leaves the hit-rate counters to the caller (`count_query` once the request is first
+        admitted: a request that waits for room is matched again at every step, and a preempted
+        one again when readmitted).
         """
         if request_id in self._tables:
             raise ValueError(f"{request_id!r} already holds blocks")

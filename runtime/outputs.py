@@ -35,7 +35,8 @@ class RequestOutput:
     prompt_token_ids: list[int]  # the prompt as tokenized
     outputs: list[CompletionOutput]  # n completions, by index
     finished: bool = False  # every completion has finished
-    num_cached_tokens: int = 0  # prompt tokens served from the prefix cache
+    num_cached_tokens: int = 0  # prompt tokens its first admission took from the prefix cache
+    # (computed for earlier requests); a readmission after preemption does not change it
     num_computed_tokens: int = 0  # KV exports only: tokens whose KV is in the cache now
     block_ids: list[int] | None = None  # KV exports only: the request's block table
     arrival_time: float = 0.0  # time.monotonic() when the engine took the request

@@ -15,7 +15,8 @@ Policy, per step, under a token budget (`max_num_batched_tokens`):
 2. Then waiting requests in arrival order (FCFS: the head blocks those behind it), while there is
    budget, a free seat (`max_num_seqs`) and KV-cache room, and no request was preempted this step.
    A request admitted with no blocks (new, or preempted) first takes the cached blocks of its
-   longest cached prefix (prefix caching): its `num_computed_tokens` starts there.
+   longest cached prefix (prefix caching): its `num_computed_tokens` starts there. Its first
+   admission alone sets `num_cached_tokens` (usage) and counts in the prefix-cache hit rate.
 After a step, every block that the computed tokens filled is hashed into the prefix cache.
 
 Speculative decoding (runtime/speculative.py) fits the same view: a decode with k draft tokens
@@ -212,10 +213,13 @@ class Scheduler:
                 if not self.running and self._unblock(budget):
                     continue  # nothing runs that would free blocks: room made, or another first
                 break
-            if not held:  # counted once admitted (a request waiting for room is matched again)
-                self.blocks.count_query(len(req.all_token_ids), req.num_computed_tokens)
-            if req.num_cached_tokens < 0:  # first admission: what usage reports
+            if req.num_cached_tokens < 0:  # first admission: what usage reports, and what
+                # the hit rate counts, once (a request waiting for room is matched again at
+                # every step; a preempted one again when readmitted, often finding its own
+                # blocks: neither is a new query, as in vLLM, whose hit rate leaves them out)
                 req.num_cached_tokens = req.num_computed_tokens
+                if not held:  # (a KV import was counted when its blocks were reserved)
+                    self.blocks.count_query(len(req.all_token_ids), req.num_computed_tokens)
             if not req.scheduled_at:
                 req.scheduled_at = time.monotonic()
             self.waiting.popleft()

@@ -214,3 +214,41 @@ def test_a_request_waiting_for_room_counts_in_the_hit_rate_once(stories_dir: Pat
     blocks = engine.blocks
     assert blocks.query_tokens == len(hog) + len(waiter), blocks.query_tokens
     assert blocks.hit_tokens == 16  # the waiter's first block: the hog's, cached
+
+
+def test_a_preempted_request_counts_in_the_hit_rate_and_usage_once(stories_dir: Path) -> None:
+    """A request preempted (recomputed) and readmitted matches its prompt again and finds its
+    own blocks still cached: the hit-rate counters and its usage count its first admission only
+    (they counted the readmission too, as a new query that hit its own blocks), and its output
+    is the one it has without a preemption."""
+    from runtime.config import EngineConfig
+    from runtime.engine import LLMEngine
+
+    def serve(num_blocks: int) -> tuple[LLMEngine, dict[str, list[int]], dict[str, int]]:
+        block = 5 * 2 * 16 * 4 * 8 * 4  # stories260K's, 16 tokens
+        engine = LLMEngine(EngineConfig(model=str(stories_dir), kv_cache_bytes=num_blocks * block,
+                                        num_threads=1))  # fmt: skip
+        params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+        first = list(range(10, 50))
+        engine.add_request("first", first, params)
+        engine.step()  # first's blocks are cached: second's first block hits
+        engine.add_request("second", [*first[:16], *range(300, 324)], params)
+        tokens, cached = {}, {}
+        while engine.has_unfinished():
+            for o in engine.step():
+                if o.finished:
+                    tokens[o.request_id] = o.outputs[0].token_ids
+                    cached[o.request_id] = o.num_cached_tokens
+        return engine, tokens, cached
+
+    # 8 blocks: the two requests need 5 each (80 tokens, one block shared) and cannot both run
+    small, got, cached = serve(8)
+    assert small.scheduler.num_preemptions >= 1, "the cache was meant to be too small"
+    big, want, _ = serve(64)
+    assert big.scheduler.num_preemptions == 0
+    assert got == want
+    assert cached == {"first": 0, "second": 16}
+    for engine in (small, big):
+        stats = engine.stats()
+        assert stats["prefix_cache_query_tokens"] == 40 + 40, stats
+        assert stats["prefix_cache_hit_tokens"] == 16, stats

@@ -127,6 +127,33 @@ def test_preemption_by_recompute() -> None:
     assert s.blocks.block_table("new") == []
 
 
+def test_a_preempted_request_counts_in_the_hit_rate_and_usage_once() -> None:
+    """The prefix-cache counters count a request's prompt at its first admission only: readmitted
+    after a preemption, it matched its prompt again and found its own blocks still cached, and
+    was counted again (query 23 tokens, hits 12, for these two 7-token prompts)."""
+    s = sched(num_blocks=4, block_size=4, budget=64)
+    old = req("old", 7, max_tokens=6)
+    new = req("new", 7, max_tokens=6)
+    new.prompt_token_ids = [*old.prompt_token_ids[:4], 50, 51, 52]  # old's first block, then not
+    s.add(old)
+    sample_all(s, s.schedule())  # old's first block is cached
+    s.add(new)
+    cached_at_admission = []
+    for _ in range(30):
+        waited = new.status is RequestStatus.WAITING
+        out = s.schedule()
+        if out.empty:
+            break
+        if waited and new.status is RequestStatus.RUNNING:  # admitted: from the cached prefix
+            cached_at_admission.append(new.num_computed_tokens)
+        sample_all(s, out)
+    assert not s.has_unfinished() and s.num_preemptions == 1 and new.num_preemptions == 1
+    assert cached_at_admission == [4, 8]  # readmitted: old's block, and its own second one
+    assert new.num_cached_tokens == 4  # usage: what its first admission found
+    assert s.blocks.query_tokens == 7 + 7, s.blocks.query_tokens
+    assert s.blocks.hit_tokens == 4, s.blocks.hit_tokens
+
+
 def test_an_export_that_needs_room_is_dropped_with_its_blocks_held() -> None:
     # a KV export's puller may be reading the blocks it reported: preempting and recomputing it
     # would hand those blocks to another request mid-transfer
