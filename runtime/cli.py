@@ -135,15 +135,20 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--draft-model", default=None, metavar="DIR",
                    help="the draft model's folder for --speculative draft (same tokenizer as "
                    "the model)")  # fmt: skip
-    p.add_argument("--draft-kv-cache-bytes", type=int, default=64 * 2**20,
-                   help="bytes for the draft model's KV cache (default 64 MiB)")  # fmt: skip
-    p.add_argument("--num-speculative-tokens", type=int, default=4,
-                   help="most draft tokens per request per step (default 4)")  # fmt: skip
-    p.add_argument("--spec-ngram", type=int, nargs=2, default=[2, 4], metavar=("MIN", "MAX"),
-                   help="n-gram lengths matched, shortest and longest (default 2 4)")  # fmt: skip
-    p.add_argument("--spec-max-batch-tokens", type=int, default=32,
+    # The speculative-only options default to None (not given: SpeculativeConfig's defaults,
+    # which their help states), so that one given without the --speculative it needs is refused
+    # (check_speculative_flags) rather than ignored.
+    p.add_argument("--draft-kv-cache-bytes", type=int, default=None,
+                   help="bytes for the draft model's KV cache, with --speculative draft "
+                   "(default 64 MiB)")  # fmt: skip
+    p.add_argument("--num-speculative-tokens", type=int, default=None,
+                   help="most draft tokens per request per step, with --speculative (default 4)")  # fmt: skip
+    p.add_argument("--spec-ngram", type=int, nargs=2, default=None, metavar=("MIN", "MAX"),
+                   help="n-gram lengths matched, shortest and longest, with --speculative ngram "
+                   "(default 2 4)")  # fmt: skip
+    p.add_argument("--spec-max-batch-tokens", type=int, default=None,
                    help="no speculation when a step's decodes with drafts would exceed this "
-                   "many tokens (default 32)")  # fmt: skip
+                   "many tokens, with --speculative (default 32)")  # fmt: skip
     p.add_argument("--tp", type=int, default=1,
                    help="tensor-parallel ranks: attention heads, MLP rows and vocabulary split "
                    "(default 1)")  # fmt: skip
@@ -191,18 +196,70 @@ def engine_kwargs(args: argparse.Namespace) -> dict[str, object]:
         "pp": args.pp,
         "ep": args.ep,
         "dist_port": args.dist_port,
-        "speculative": None
-        if args.speculative is None
-        else {
-            "method": args.speculative,
-            "num_tokens": args.num_speculative_tokens,
-            "ngram_min": args.spec_ngram[0],
-            "ngram_max": args.spec_ngram[1],
-            "max_batch_tokens": args.spec_max_batch_tokens,
-            "draft_model": args.draft_model,
-            "draft_kv_cache_bytes": args.draft_kv_cache_bytes,
-        },
+        "speculative": None if args.speculative is None else _speculative(args),
     }
+
+
+def _speculative(args: argparse.Namespace) -> dict[str, object]:
+    """SpeculativeConfig fields from the speculative options given (the rest: its defaults)."""
+    ngram = args.spec_ngram or (None, None)
+    fields = {
+        "method": args.speculative,
+        "num_tokens": args.num_speculative_tokens,
+        "ngram_min": ngram[0],
+        "ngram_max": ngram[1],
+        "max_batch_tokens": args.spec_max_batch_tokens,
+        "draft_model": args.draft_model,
+        "draft_kv_cache_bytes": args.draft_kv_cache_bytes,
+    }
+    return {name: value for name, value in fields.items() if value is not None}
+
+
+# Speculative-only options and the --speculative methods that use them (None: any method)
+_SPECULATIVE_FLAGS = {
+    "draft_model": ("--draft-model", "draft"),
+    "draft_kv_cache_bytes": ("--draft-kv-cache-bytes", "draft"),
+    "spec_ngram": ("--spec-ngram", "ngram"),
+    "num_speculative_tokens": ("--num-speculative-tokens", None),
+    "spec_max_batch_tokens": ("--spec-max-batch-tokens", None),
+}
+
+
+def check_speculative_flags(args: argparse.Namespace) -> None:
+    """Refuse (a one-line SystemExit) a speculative-only option given without the --speculative
+    method that uses it: it was ignored, silently. Only options given count: they default to
+    None."""
+    method = args.speculative
+    for dest, (flag, needs) in _SPECULATIVE_FLAGS.items():
+        if getattr(args, dest) is None or (method is not None and needs in (None, method)):
+            continue
+        wanted = f"--speculative {needs}" if needs else "--speculative ngram or draft"
+        got = f"with --speculative {method}" if method else "without --speculative"
+        raise SystemExit(f"edgeinfer: error: {flag} needs {wanted}; it was given {got}")
+    if method == "draft" and args.draft_model is None:
+        raise SystemExit("edgeinfer: error: --speculative draft needs --draft-model DIR (the "
+                         "draft model's folder)")  # fmt: skip
+
+
+def check_max_model_len(model_dir: str, max_model_len: int | None) -> None:
+    """Refuse (a one-line SystemExit) a --max-model-len longer than the model's context, read
+    from its config.json before anything loads (the engine would serve its own length instead,
+    silently, as the Python API still does)."""
+    if not max_model_len or max_model_len < 0:  # (0: the model's; below 0: EngineConfig's)
+        return
+    from runtime.config import ModelConfig
+
+    cfg = ModelConfig.from_dir(model_dir)
+    limit = cfg.max_model_len
+    if max_model_len <= limit:
+        return
+    why = ("its sliding_window" if cfg.sliding_window == limit
+           else "max_position_embeddings")  # fmt: skip
+    raise SystemExit(
+        f"edgeinfer: error: --max-model-len {max_model_len} is greater than the model's "
+        f"context length, {limit} ({why} in {Path(model_dir) / 'config.json'}); give at most "
+        f"{limit}, or leave --max-model-len out for {limit}"
+    )
 
 
 def start_weights_early(model_dir: str, args: argparse.Namespace):  # type: ignore[no-untyped-def]
@@ -212,6 +269,7 @@ def start_weights_early(model_dir: str, args: argparse.Namespace):  # type: igno
     from runtime.config import EngineConfig
     from runtime.ranks import start_weights
 
+    check_max_model_len(model_dir, args.max_model_len)
     # the engine's own config: its device and dtype (bfloat16 on CUDA) resolved as it will be
     return start_weights(EngineConfig(model=model_dir, **engine_kwargs(args)))  # type: ignore[arg-type]
 
@@ -237,17 +295,22 @@ def _build_llm(args: argparse.Namespace):  # type: ignore[no-untyped-def]
 
 
 def _params(args: argparse.Namespace):  # type: ignore[no-untyped-def]
-    from runtime.sampling_params import SamplingParams
+    """The sampling options as SamplingParams, made before the model loads: a bad one is
+    refused at once (a one-line SystemExit naming the option), not after the load."""
+    from runtime.sampling_params import InvalidRequestError, SamplingParams
 
-    return SamplingParams(
-        max_tokens=args.max_tokens,
-        temperature=args.temperature,
-        top_p=args.top_p,
-        top_k=args.top_k,
-        min_p=args.min_p,
-        seed=args.seed,
-        stop=args.stop,
-    )
+    try:
+        return SamplingParams(
+            max_tokens=args.max_tokens,
+            temperature=args.temperature,
+            top_p=args.top_p,
+            top_k=args.top_k,
+            min_p=args.min_p,
+            seed=args.seed,
+            stop=args.stop,
+        )
+    except InvalidRequestError as e:  # (each field of these is an option's dest)
+        raise SystemExit(f"edgeinfer: error: --{e.param.replace('_', '-')}: {e.message}") from e
 
 
 def _stream(llm, prompt: str | list[int], params, head: str = "") -> tuple[str, bool]:  # type: ignore[no-untyped-def]
@@ -276,8 +339,8 @@ def _stream(llm, prompt: str | list[int], params, head: str = "") -> tuple[str, 
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
-    llm = _build_llm(args)
     params = _params(args)
+    llm = _build_llm(args)
     prompts = args.prompt or [sys.stdin.read()]
     for prompt in prompts:
         if len(prompts) > 1:
@@ -288,13 +351,13 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
 
 def cmd_chat(args: argparse.Namespace) -> int:
+    params = _params(args)
     llm = _build_llm(args)
     if not llm.tokenizer.has_chat_template:
         print(f"edgeinfer: error: {llm.engine.config.model} has no chat template, so `edgeinfer "
               "chat` cannot make a prompt of a conversation; complete text with it instead: "
               f"edgeinfer generate --model {args.model} 'Once upon a time'", file=sys.stderr)  # fmt: skip
         return 2
-    params = _params(args)
     messages = [{"role": "system", "content": args.system}] if args.system else []
     print("chat with the model; an empty line or Ctrl-D ends", file=sys.stderr)
     while True:
@@ -561,6 +624,8 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     try:
         args = build_parser().parse_args(argv)
+        if hasattr(args, "speculative"):  # a command with the engine's options
+            check_speculative_flags(args)
         return int(args.func(args))
     except KeyboardInterrupt:  # Ctrl-C while a model loads, say: no traceback, the usual code
         print(file=sys.stderr)

@@ -12,6 +12,7 @@ import argparse
 import asyncio
 import logging
 import os
+import shlex
 import sys
 import time
 from collections.abc import Coroutine
@@ -282,6 +283,10 @@ def cmd_pool(args: argparse.Namespace) -> int:
         return _print_pool_events(redis_url, args.region, args.events)
     if not args.models:
         raise SystemExit("edgeinfer: error: --models is required (e.g. --models M1,M2)")
+    try:  # shell words: a quoted argument (a path with spaces) stays one
+        worker_args = shlex.split(args.worker_args)
+    except ValueError as e:  # shlex's "No closing quotation", "No escaped character"
+        raise SystemExit(f"edgeinfer: error: --worker-args {args.worker_args!r}: {e}") from e
     try:
         models = parse_models(args.models, lambda name: _model_dir(name, args.store))
     except Exception as e:  # a name the model store does not have
@@ -305,7 +310,7 @@ def cmd_pool(args: argparse.Namespace) -> int:
             scale_up_after_s=args.scale_up_after,
             ready_timeout_s=args.ready_timeout,
             host=args.host,
-            worker_args=args.worker_args.split() if args.worker_args else [],
+            worker_args=worker_args,
             zygote=not args.no_zygote,
         )
     except ValueError as e:
@@ -338,6 +343,10 @@ def _print_pool_events(redis_url: str, region: str, count: int) -> int:
 def cmd_up(args: argparse.Namespace) -> int:
     from runtime.launcher import up
 
+    if args.max_model_len:  # refused here, not by each worker once `up` has started them
+        from runtime.cli import _model_dir, check_max_model_len
+
+        check_max_model_len(_model_dir(args.model), args.max_model_len)
     return up(args)
 
 
@@ -480,7 +489,8 @@ def add_service_commands(sub: argparse._SubParsersAction, engine_args) -> None: 
                    "(default %(default)s)")  # fmt: skip
     p.add_argument("--host", default="127.0.0.1", help="interface the workers bind and advertise")
     p.add_argument("--worker-args", default="",
-                   help='extra `edgeinfer worker` flags, e.g. "--threads 2 --max-num-seqs 64"')  # fmt: skip
+                   help='extra `edgeinfer worker` flags, split as a shell splits them (quote a '
+                   'value with spaces), e.g. "--threads 2 --max-num-seqs 64"')  # fmt: skip
     p.add_argument("--no-zygote", action="store_true",
                    help="start each worker as a fresh process (default: fork it from a template "
                    "process that has made a worker's imports, ~1 s sooner to its first token)")  # fmt: skip

@@ -4,6 +4,7 @@ Ctrl-C while a model loads, and what --help says."""
 from __future__ import annotations
 
 import argparse
+import json
 import subprocess
 import sys
 from pathlib import Path
@@ -197,3 +198,185 @@ def test_the_python_api_takes_what_it_took(stories_dir: Path, tmp_path: Path) ->
     params = SamplingParams(max_tokens=2, temperature=0)
     (out,) = llm.chat(({"role": "user", "content": "Hi"},), params)  # type: ignore[arg-type]
     assert len(out.outputs[0].token_ids) == 2
+
+
+@pytest.fixture
+def gc_back_on():  # type: ignore[no-untyped-def]
+    """generate and worker turn cyclic GC off while they start; a refusal leaves it off."""
+    import gc
+
+    yield
+    gc.enable()
+
+
+@pytest.mark.usefixtures("gc_back_on")
+def test_a_max_model_len_past_the_models_is_refused_before_the_load(
+    stories_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+) -> None:  # fmt: skip
+    """--max-model-len 100000 on a 512-position model served 512 tokens, silently (the engine
+    clamps it): now a one-line refusal naming the flag, the value and the model's limit, before
+    the weights are read (and before `up` starts any worker)."""
+    import runtime.launcher
+    import runtime.ranks
+    from runtime.cli import main
+
+    def loaded(*args: object) -> None:
+        pytest.fail("the model was loaded (or `up` went on) before the refusal")
+
+    monkeypatch.setattr(runtime.ranks, "start_weights", loaded)
+    monkeypatch.setattr(runtime.launcher, "up", loaded)
+    for argv in (["generate", "x"], ["chat"], ["worker", "--secret", "s"], ["up"]):
+        code = main([*argv, "--model", str(stories_dir), "--max-model-len", "100000"])
+        err = capsys.readouterr().err.strip().splitlines()
+        assert code == 2 and err[-1] == (
+            "edgeinfer: error: --max-model-len 100000 is greater than the model's context "
+            f"length, 512 (max_position_embeddings in {stories_dir / 'config.json'}); give at "
+            "most 512, or leave --max-model-len out for 512"
+        ), (argv, err)
+    from runtime.cli import check_max_model_len
+
+    check_max_model_len(str(stories_dir), 512)  # the model's own length, and shorter: taken
+    check_max_model_len(str(stories_dir), 96)
+    # a sliding window bounds the context (full attention is exact within it): it is named
+    mistral = tmp_path / "mistral"
+    mistral.mkdir()
+    config = json.loads((stories_dir / "config.json").read_text())
+    (mistral / "config.json").write_text(json.dumps(
+        config | {"architectures": ["MistralForCausalLM"], "sliding_window": 128}))  # fmt: skip
+    with pytest.raises(SystemExit, match=r"--max-model-len 200 is greater than the model's "
+                       r"context length, 128 \(its sliding_window in "):  # fmt: skip
+        check_max_model_len(str(mistral), 200)
+
+
+@pytest.mark.parametrize(
+    ("argv", "error"),
+    [
+        (["generate", "--temperature", "-1", "x"], "--temperature: must be >= 0, got -1.0"),
+        (["generate", "--top-p", "0", "x"], "--top-p: must be in (0, 1], got 0.0"),
+        (["generate", "--max-tokens", "0", "x"], "--max-tokens: must be at least 1, got 0"),
+        (["chat", "--min-p", "2"], "--min-p: must be in [0, 1], got 2.0"),
+        (["chat", "--top-k", "-2"], "--top-k: must be -1 (disabled) or >= 0, got -2"),
+    ],
+)
+def test_sampling_options_are_checked_before_the_model_loads(
+    argv: list[str], error: str, monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+) -> None:  # fmt: skip
+    """`generate --temperature -1` loaded the model (minutes, for a large one), then refused."""
+    from runtime import cli
+
+    def loaded(args: argparse.Namespace) -> None:
+        pytest.fail("the model was loaded before the sampling options were checked")
+
+    monkeypatch.setattr(cli, "_build_llm", loaded)
+    assert cli.main(argv) == 2
+    assert capsys.readouterr().err.strip().splitlines()[-1] == f"edgeinfer: error: {error}"
+
+
+@pytest.fixture
+def commands_that_record(monkeypatch: pytest.MonkeyPatch) -> list[argparse.Namespace]:
+    """generate, chat, worker and up, each replaced by one that records its arguments."""
+    from runtime import cli, service_cli
+
+    ran: list[argparse.Namespace] = []
+
+    def record(args: argparse.Namespace) -> int:
+        ran.append(args)
+        return 0
+
+    for module, name in ((cli, "cmd_generate"), (cli, "cmd_chat"),
+                         (service_cli, "cmd_worker"), (service_cli, "cmd_up")):  # fmt: skip
+        monkeypatch.setattr(module, name, record)
+    return ran
+
+
+@pytest.mark.parametrize(
+    ("argv", "error"),
+    [
+        (["generate", "--draft-model", "/m/draft", "x"],
+         "--draft-model needs --speculative draft; it was given without --speculative"),
+        (["worker", "--speculative", "ngram", "--draft-model", "/m/draft"],
+         "--draft-model needs --speculative draft; it was given with --speculative ngram"),
+        (["chat", "--draft-kv-cache-bytes", "1000000"],
+         "--draft-kv-cache-bytes needs --speculative draft; it was given without --speculative"),
+        (["up", "--num-speculative-tokens", "3"],
+         "--num-speculative-tokens needs --speculative ngram or draft; it was given without "
+         "--speculative"),
+        (["generate", "--spec-max-batch-tokens", "8", "x"],
+         "--spec-max-batch-tokens needs --speculative ngram or draft; it was given without "
+         "--speculative"),
+        (["generate", "--speculative", "draft", "--draft-model", "/m/d", "--spec-ngram", "1",
+          "3", "x"],
+         "--spec-ngram needs --speculative ngram; it was given with --speculative draft"),
+        (["worker", "--speculative", "draft"],
+         "--speculative draft needs --draft-model DIR (the draft model's folder)"),
+    ],
+)  # fmt: skip
+def test_speculative_options_without_their_method_are_refused(
+    argv: list[str], error: str, commands_that_record: list[argparse.Namespace],
+    capsys: pytest.CaptureFixture[str],
+) -> None:  # fmt: skip
+    """A draft model given without --speculative draft was ignored: no speculation, silently."""
+    from runtime.cli import main
+
+    assert main(argv) == 2
+    assert capsys.readouterr().err.strip().splitlines()[-1] == f"edgeinfer: error: {error}"
+    assert not commands_that_record
+
+
+def test_speculative_options_keep_their_defaults(
+    commands_that_record: list[argparse.Namespace],
+) -> None:
+    """The options default to None (so that only given ones are checked): not given, they are
+    SpeculativeConfig's defaults, which --help states."""
+    from runtime.cli import engine_kwargs, main
+    from runtime.speculative import SpeculativeConfig
+
+    for argv in (["generate", "x"], ["generate", "--speculative", "ngram", "x"],
+                 ["worker", "--speculative", "draft", "--draft-model", "/m/draft"],
+                 ["up", "--speculative", "ngram", "--num-speculative-tokens", "3",
+                  "--spec-ngram", "1", "5", "--spec-max-batch-tokens", "16"]):  # fmt: skip
+        assert main(argv) == 0, argv
+    plain, ngram, draft, given = (engine_kwargs(a)["speculative"] for a in commands_that_record)
+    assert plain is None
+    assert SpeculativeConfig(**ngram) == SpeculativeConfig(method="ngram")  # type: ignore[arg-type]
+    assert SpeculativeConfig(**draft) == SpeculativeConfig(method="draft", draft_model="/m/draft")  # type: ignore[arg-type]
+    assert SpeculativeConfig(**given) == SpeculativeConfig(  # type: ignore[arg-type]
+        method="ngram", num_tokens=3, ngram_min=1, ngram_max=5, max_batch_tokens=16
+    )
+    d, help_text = SpeculativeConfig(), _help("worker")
+    assert f"--speculative (default {d.num_tokens})" in help_text
+    assert f"--speculative ngram (default {d.ngram_min} {d.ngram_max})" in help_text
+    assert f"with --speculative (default {d.max_batch_tokens})" in help_text
+    assert f"--speculative draft (default {d.draft_kv_cache_bytes >> 20} MiB)" in help_text
+
+
+def test_pool_worker_args_are_split_as_a_shell_would(
+    stories_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+) -> None:  # fmt: skip
+    """--worker-args was split at every space: a quoted path with spaces in it reached the
+    worker as pieces, quotes and all."""
+    import runtime.pool_manager
+    from runtime.cli import main
+
+    configs: list[runtime.pool_manager.PoolConfig] = []
+
+    async def serve(cfg: runtime.pool_manager.PoolConfig) -> None:
+        configs.append(cfg)
+
+    monkeypatch.setattr(runtime.pool_manager, "serve", serve)
+    pool = ["pool", "--models", f"stories={stories_dir}", "--secret", "s", "--store",
+            str(tmp_path)]  # fmt: skip
+    worker_args = "--threads 2 --speculative draft --draft-model '/models/my draft'"
+    assert main([*pool, "--worker-args", worker_args]) == 0
+    assert configs[0].worker_args == [
+        "--threads", "2", "--speculative", "draft", "--draft-model", "/models/my draft"
+    ]  # fmt: skip
+    assert main([*pool, "--worker-args", ""]) == 0 and configs[1].worker_args == []
+    # unbalanced quotes: one line naming the option, and no pool
+    assert main([*pool, "--worker-args", "--draft-model '/models/my draft"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()[-1]
+    assert err.startswith("edgeinfer: error: --worker-args ") and "No closing quotation" in err
+    assert len(configs) == 2
