@@ -3,14 +3,14 @@
 Formats (a parser per model family, picked by name or from the chat template's text):
 
     hermes       Hermes, Qwen 2/2.5/3:  <tool_call>\\n{"name": ..., "arguments": {...}}\\n</tool_call>
-                 (one block per call; text before the first block is content)
+                 (one block per call; text before the first block that holds a call is content)
     llama3_json  Llama 3.1-3.3:  {"name": ..., "parameters": {...}}  (the whole output; several
                  calls separated by "; "; an optional <|python_tag|> first)
     mistral      Mistral:  [TOOL_CALLS][{"name": ..., "arguments": {...}}, ...]  (the array form;
                  the v11 form `[TOOL_CALLS]name[ARGS]{...}` is not parsed)
 
-`ToolParser.parse(text, final)` reads the whole output so far and returns the content and the
-calls seen so far, each with its name (once the name is complete) and its arguments' raw JSON
+`ToolParser.parse(text, final, names)` reads the whole output so far and returns the content and
+the calls seen so far, each with its name (once the name is complete) and its arguments' raw JSON
 text so far; `ToolCallStream` diffs consecutive parses into OpenAI deltas (content text, then per
 call `{"index", "id", "type", "function": {"name", "arguments"}}` once its name is known and
 `{"index", "function": {"arguments": more}}` as the arguments grow). A non-streamed answer is the
@@ -20,13 +20,16 @@ partial marker, trailing whitespace before a call) is held back; at the end, a t
 which no call parsed is given back as content. Whether text is a call is settled by what comes
 before its name, so that it does not depend on how the output is cut into steps: a key, a value
 or a name that is not JSON (a bad literal or escape, NaN, Infinity, 1e999) before the name
-goes out makes it no call (content); once the name is out, the call stands whatever follows
-(never retracted, nor its text sent again as content), its arguments the model's text even
-when that is not JSON (the gateway then finishes "stop", not "tool_calls"). A call that
-closes without arguments has arguments "{}". Raw control characters in strings (models write
-them in code) are JSON here, as they were. A marker that is a special token reaches the stream as
-its id only (the detokenizer drops its text): its text goes where a whole decode of the tokens
-before it ends, inside a step of several tokens too (speculative decoding).
+goes out makes it no call (content), and so does a name that is not one of the request's tools
+(OpenAI only answers calls of the functions offered: a model that names another, or writes a
+JSON object with a "name" in its prose, answers in text); once the name is out, the call
+stands whatever follows (never retracted, nor its text sent again as content), its arguments
+the model's text even when that is not JSON (the gateway then finishes "stop", not
+"tool_calls"). A call that closes without arguments has arguments "{}". Raw control
+characters in strings (models write them in code) are JSON here, as they were. A marker that
+is a special token reaches the stream as its id only (the detokenizer drops its text): its
+text goes where a whole decode of the tokens before it ends, inside a step of several tokens
+too (speculative decoding).
 
 `tool_choice` "required" or a named function is enforced with a Lark grammar (llguidance) in the
 same format: the marker text (or the marker's own special token, when the tokenizer has it) and
@@ -81,8 +84,11 @@ class ToolParser:
     end = ""  # text that closes a call ("" where the format has none)
     end_token_id: int | None = None  # the end's special token, when the tokenizer has it
 
-    def parse(self, text: str, final: bool) -> tuple[str, list[ParsedCall], bool]:
-        """(content, calls, in_tool_region) for the output text so far."""
+    def parse(
+        self, text: str, final: bool, names: frozenset[str] | None = None
+    ) -> tuple[str, list[ParsedCall], bool]:
+        """(content, calls, in_tool_region) for the output text so far. `names`: the request's
+        tools; an object that names another function is no call (None: any name is a call)."""
         raise NotImplementedError
 
     def grammar(self, tools: list[dict[str, Any]], parallel: bool) -> str:
@@ -130,12 +136,12 @@ class HermesParser(ToolParser):
     marker = "<tool_call>"
     end = "</tool_call>"
 
-    def parse(self, text: str, final: bool) -> tuple[str, list[ParsedCall], bool]:
-        start = text.find(self.marker)
-        if start < 0:
-            return text[: len(text) - (0 if final else _partial(text, self.marker))], [], False
+    def parse(
+        self, text: str, final: bool, names: frozenset[str] | None = None
+    ) -> tuple[str, list[ParsedCall], bool]:
         calls: list[ParsedCall] = []
-        pos = start
+        start = -1  # the tool region's start: the first block that holds (or may yet) a call
+        pos = 0
         while (j := text.find(self.marker, pos)) >= 0:
             body_start = j + len(self.marker)
             # the end marker after the call's object: the text "</tool_call>" inside one of its
@@ -146,10 +152,19 @@ class HermesParser(ToolParser):
             if value_end is None and not final:
                 k = -1  # (the object is still arriving; at the end, one that never closed
                 # ends at the first end marker)
-            calls += _calls_in(text[body_start : k if k >= 0 else len(text)], self.arg_keys)
+            block = _calls_in(text[body_start : k if k >= 0 else len(text)], self.arg_keys, names)
+            if start < 0 and k >= 0 and all(c.name is None for c in block):
+                # a closed block with no call in it (a function not offered, not JSON) before
+                # the first call: content, as the text around it (it was dropped)
+                pos = k + len(self.end)
+                continue
+            start = j if start < 0 else start
+            calls += block
             if k < 0:
                 break
             pos = k + len(self.end)
+        if start < 0:
+            return text[: len(text) - (0 if final else _partial(text, self.marker))], [], False
         return text[:start], calls, True
 
     def grammar(self, tools: list[dict[str, Any]], parallel: bool) -> str:
@@ -163,15 +178,17 @@ class Llama3JsonParser(ToolParser):
     marker = "<|python_tag|>"
     arg_keys = ("parameters", "arguments")
 
-    def parse(self, text: str, final: bool) -> tuple[str, list[ParsedCall], bool]:
+    def parse(
+        self, text: str, final: bool, names: frozenset[str] | None = None
+    ) -> tuple[str, list[ParsedCall], bool]:
         body = text.lstrip()
         if body.startswith(self.marker):  # the tag: a tool region, whatever follows
-            return "", _calls_in(body[len(self.marker) :], self.arg_keys), True
+            return "", _calls_in(body[len(self.marker) :], self.arg_keys, names), True
         if not final and self.marker.startswith(body):
             return "", [], False  # maybe the tag, still arriving (or only whitespace)
         if not body.startswith("{"):
             return text, [], False
-        return "", _calls_in(body, self.arg_keys), True
+        return "", _calls_in(body, self.arg_keys, names), True
 
     def grammar(self, tools: list[dict[str, Any]], parallel: bool) -> str:
         start = 'start: body ("; " body)*' if parallel else "start: body"
@@ -182,11 +199,14 @@ class MistralParser(ToolParser):
     name = "mistral"
     marker = "[TOOL_CALLS]"
 
-    def parse(self, text: str, final: bool) -> tuple[str, list[ParsedCall], bool]:
+    def parse(
+        self, text: str, final: bool, names: frozenset[str] | None = None
+    ) -> tuple[str, list[ParsedCall], bool]:
         start = text.find(self.marker)
         if start < 0:
             return text[: len(text) - (0 if final else _partial(text, self.marker))], [], False
-        return text[:start], _calls_in(text[start + len(self.marker) :], self.arg_keys), True
+        region = text[start + len(self.marker) :]
+        return text[:start], _calls_in(region, self.arg_keys, names), True
 
     def grammar(self, tools: list[dict[str, Any]], parallel: bool) -> str:
         call = self._call_schema(tools)
@@ -323,6 +343,8 @@ class ToolCallStream:
     # marker's special token was in the text (see _with_markers)
     decode: Callable[[list[int]], str] | None = None
     context: list[int] = field(default_factory=list)
+    # the request's tool names: an object naming another function is no call (None: any name)
+    names: frozenset[str] | None = None
     text: str = ""  # the output so far, with the marker's text where its special token was
     content_sent: int = 0  # characters of content sent (`text` up to there)
     calls: list[_Sent] = field(default_factory=list)
@@ -345,7 +367,7 @@ class ToolCallStream:
         if self.parser.marker_token_id is not None or self.parser.end_token_id is not None:
             text = self._with_markers(text, token_ids)
         self.text += text
-        content, calls, in_region = self.parser.parse(self.text, final)
+        content, calls, in_region = self.parser.parse(self.text, final, self.names)
         if not self.parallel:
             calls = calls[:1]
             self.ended = bool(calls) and calls[0].complete and calls[0].name is not None
@@ -489,7 +511,7 @@ def _scan_value(s: str, i: int) -> int | None:
     return j if j < len(s) else None  # a scalar at the very end may still grow
 
 
-def _calls_in(s: str, arg_keys: tuple[str, ...]) -> list[ParsedCall]:
+def _calls_in(s: str, arg_keys: tuple[str, ...], names: frozenset[str] | None) -> list[ParsedCall]:
     """The call objects in `s`, separated by whitespace, ',' ';' or inside '[ ]', up to the
     first that is no call or that ends unreadably (see `_call`)."""
     calls: list[ParsedCall] = []
@@ -500,7 +522,7 @@ def _calls_in(s: str, arg_keys: tuple[str, ...]) -> list[ParsedCall]:
         if i >= len(s) or s[i] != "{":
             return calls
         end = _scan_value(s, i)
-        call = _call(s[i : len(s) if end is None else end], arg_keys)
+        call = _call(s[i : len(s) if end is None else end], arg_keys, names)
         if call is None:
             return calls
         calls.append(call)
@@ -539,14 +561,15 @@ def _finite(digits: str) -> float:
     return value
 
 
-def _call(s: str, arg_keys: tuple[str, ...]) -> ParsedCall | None:
+def _call(s: str, arg_keys: tuple[str, ...], names: frozenset[str] | None) -> ParsedCall | None:
     """The name and arguments of the (possibly partial) object `s` (s[0] == "{").
 
-    Before the name, everything must be JSON (keys, whole values, the name itself), or this is
-    no call: None. Once the name is read it is a call whatever follows, as its deltas may be out:
-    arguments that are not JSON are kept as the model's text, other keys are skipped (a second
-    "name" too, a key that is not JSON too), and what is not even shaped like JSON (no key, no
-    ':') ends the call there, incomplete. A call that closes without arguments has "{}"."""
+    Before the name, everything must be JSON (keys, whole values, the name itself), and the name
+    one of `names` (unless None), or this is no call: None. Once the name is read it is a call
+    whatever follows, as its deltas may be out: arguments that are not JSON are kept as the
+    model's text, other keys are skipped (a second "name" too, a key that is not JSON too), and
+    what is not even shaped like JSON (no key, no ':') ends the call there, incomplete. A call
+    that closes without arguments has "{}"."""
     name: str | None = None
     args = ""
     i = 1
@@ -586,6 +609,8 @@ def _call(s: str, arg_keys: tuple[str, ...]) -> ParsedCall | None:
             return None  # (before the name, all of it is JSON)
         if key == "name" and name is None:
             name = value if isinstance(value, str) else None
+            if name is not None and names is not None and name not in names:
+                return None  # a function the request did not offer: no call (text)
         elif is_args and value is _NOT_JSON:  # the model's text (the gateway finishes "stop")
             args = s[i:end]
         elif is_args:  # whole: a string holding JSON, or another value
@@ -617,6 +642,8 @@ class RequestTools:
         self.parallel = parallel  # parallel_tool_calls: False allows one call per completion
         self.decode = decode  # the tokenizer's decode (ToolCallStream.decode)
         self.context: list[int] = []  # the prompt's last CONTEXT_TOKENS, once it is tokenized
+        # the functions offered: a call of another is no call (ToolCallStream.names)
+        self.names = frozenset(t["function"]["name"] for t in tools)
         self.streams: dict[int, ToolCallStream] = {}  # completion index -> its stream
 
     @classmethod
@@ -670,7 +697,9 @@ class RequestTools:
     def _stream(self, index: int) -> ToolCallStream:
         stream = self.streams.get(index)
         if stream is None:
-            stream = ToolCallStream(self.parser, self.parallel, self.decode, self.context)
+            stream = ToolCallStream(
+                self.parser, self.parallel, self.decode, self.context, self.names
+            )
             self.streams[index] = stream
         return stream
 

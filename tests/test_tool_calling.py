@@ -294,11 +294,14 @@ def test_a_call_that_is_not_json(
         assert _stream(parser, text, step) == expected, step
 
 
-def _answer(text: str, step: int, stream: bool) -> tuple[Any, ...]:
+RUN = {"type": "function", "function": {"name": "run", "parameters": {"type": "object"}}}
+
+
+def _answer(text: str, step: int, stream: bool, parser: str = "hermes") -> tuple[Any, ...]:
     """`text` through the worker's delta path (`step` characters a step) and the gateway's
-    assembler: (finish_reason, content, calls) of its final answer, and, streamed, of its
-    chunks put together."""
-    tools = RequestTools(make_parser("hermes", "", {}), TOOLS, "auto", True)
+    assembler, TOOLS and RUN offered: (finish_reason, content, calls) of its final answer, and,
+    streamed, of its chunks put together."""
+    tools = RequestTools(make_parser(parser, "", {}), [*TOOLS, RUN], "auto", True)
     pieces = [text[i : i + step] for i in range(0, len(text), step)]
     events: list[Any] = [StartEvent("r1", "w-1", 3)]
     for i, piece in enumerate(pieces):
@@ -357,13 +360,77 @@ def test_tool_calls_from_the_worker_to_the_answer(
         assert streamed == answer, step
 
 
+# a model's output that names a function the request did not offer (or is prose that holds a
+# JSON object with a "name"): no call, its text the answer's content, byte for byte
+UNKNOWN: list[tuple[str, str]] = [
+    ("hermes", '<tool_call>\n{"name": "not_a_tool", "arguments": {"city": "Oslo"}}\n</tool_call>'),
+    ("hermes", 'Let me see. <tool_call>\n{"arguments": {}, "name": "get_tim"}\n</tool_call>\n'
+               "Done. "),
+    ("llama3_json", '{"name": "not_a_tool", "parameters": {"zone": "CET"}}'),
+    ("llama3_json", '  {"name": "Ada Lovelace", "born": 1815} was the first programmer.'),
+    ("llama3_json", '<|python_tag|>{"name": "not_a_tool", "parameters": {}}'),
+    ("llama3_json", '{"name": "not_a_tool", "parameters": {}}; {"name": "get_time", '
+                    '"parameters": {"zone": "CET"}}'),
+    ("mistral", 'Sure [TOOL_CALLS][{"name": "not_a_tool", "arguments": {"x": 1}}]'),
+    ("mistral", '[TOOL_CALLS][{"name": "not_a_tool"}, {"name": "get_time"}]'),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize(("parser", "text"), UNKNOWN)
+def test_a_call_of_a_function_not_offered_is_text(parser: str, text: str) -> None:
+    """Streamed a character a step (as tokens arrive), a few, or at once (the non-streamed
+    answer): no tool-call delta ever goes out, not even the start of one, and the content adds
+    up to the model's text. (It was a call of a function the client never offered.)"""
+    for step in (1, 2, 3, 7, len(text)):
+        tools = RequestTools(make_parser(parser, "", {}), TOOLS, "auto", True)
+        pieces = [text[i : i + step] for i in range(0, len(text), step)]
+        content = ""
+        for i, piece in enumerate(pieces):
+            delta, calls = tools.delta(0, piece, [], i == len(pieces) - 1)
+            assert calls == [], (step, i)
+            content += delta
+        assert content == text, step
+
+
+@pytest.mark.parametrize(("parser", "text"), UNKNOWN)
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_call_of_a_function_not_offered_is_text_in_the_answer(
+    parser: str, text: str, stream: bool
+) -> None:
+    """Through the worker and the gateway, streamed or not: the model's text as the message's
+    content, no tool_calls, finish "stop"."""
+    for step in (1, 3, len(text)):
+        answer, streamed = _answer(text, step, stream, parser)
+        assert answer == ("stop", text, []), step
+        assert streamed == answer, step
+
+
+def test_a_hermes_block_not_offered_before_a_call_is_content() -> None:
+    """A block naming a function not offered, then a call: the block is content (the text
+    before the first call), sent as soon as it closes, not held back to the end nor lost; the
+    call is a call."""
+    block = '<tool_call>\n{"name": "not_a_tool", "arguments": {"a": 1}}\n</tool_call>'
+    text = f"Hm. {block}\n<tool_call>\n{CALL_B}\n</tool_call>"
+    for step in (1, 4, len(text)):
+        tools = RequestTools(make_parser("hermes", "", {}), TOOLS, "auto", True)
+        pieces = [text[i : i + step] for i in range(0, len(text), step)]
+        deltas = [tools.delta(0, p, [], i == len(pieces) - 1) for i, p in enumerate(pieces)]
+        assert _reassemble(deltas) == (f"Hm. {block}", [{"name": "get_time",
+                                                        "arguments": '{"zone": "UTC"}'}]), step  # fmt: skip
+        if step < len(text):  # (out before the call's name is)
+            announced = next(k for k, (_, calls) in enumerate(deltas) if calls)
+            assert "".join(d for d, _ in deltas[:announced]) == f"Hm. {block}", step
+
+
 class _BrokenHermes(HermesParser):
     """A parser with a bug: it raises once the tool region starts."""
 
-    def parse(self, text: str, final: bool) -> tuple[str, list[Any], bool]:
+    def parse(
+        self, text: str, final: bool, names: frozenset[str] | None = None
+    ) -> tuple[str, list[Any], bool]:
         if self.marker in text:
             raise RuntimeError("parser bug")
-        return super().parse(text, final)
+        return super().parse(text, final, names)
 
 
 def test_a_parser_failure_leaves_the_text_as_content() -> None:
