@@ -194,6 +194,7 @@ async def _resources(app: web.Application) -> AsyncIterator[None]:
     tel.watch_workers(view)
     await view.refresh()
     http = aiohttp.ClientSession(
+        # (shorter than a worker keeps an idle connection: runtime/worker.py IDLE_CONNECTION_S)
         connector=aiohttp.TCPConnector(limit=0, keepalive_timeout=30),
         json_serialize=lambda o: orjson.dumps(o).decode(),
     )

@@ -82,6 +82,7 @@ ROLES: tuple[Role, ...] = ("prefill", "decode", "mixed")
 # the prefix index) gets this long, and none once Redis fails: a hung Redis made each of those
 # calls take its client's timeouts in turn (~18 s), and the entries expire by their TTL anyway.
 EXIT_REDIS_S = 2.0
+IDLE_CONNECTION_S = 120.0  # an idle client connection's life (the gateway pools one 30 s)
 # The tokenizer bundle in Redis: to write ("pending"; "retrying" once a Redis error is logged),
 # written, or refused for good (too large, unreadable: logged once, never read again).
 BundleState = Literal["pending", "retrying", "published", "refused"]
@@ -1018,9 +1019,13 @@ async def serve(
     for the cold-start metric."""
     worker = Worker(config, llm)
     worker.telemetry.cold_start(startup or {})
+    # keepalive_timeout: an idle connection stays open longer than the gateway keeps one in its
+    # pool (gateway/app.py, 30 s), so that the gateway closes it first: a request sent on one
+    # this side had just closed would fail as if the worker had died (no retry for a POST)
     runner = web.AppRunner(
-        make_app(worker), handler_cancellation=True, access_log=None, shutdown_timeout=5.0
-    )
+        make_app(worker), handler_cancellation=True, access_log=None, shutdown_timeout=5.0,
+        keepalive_timeout=IDLE_CONNECTION_S,
+    )  # fmt: skip
     # SIGTERM is a drain from before the registry entry is written (the app's set-up writes it):
     # taken by the default action in between, it left the entry listing a dead worker for ttl_s
     stop = asyncio.Event()
