@@ -312,11 +312,15 @@ class ResponseAssembler:
             "text_offset": [],
         }
         for t in raw:
+            chosen = _logprob(t["logprob"])
             part["tokens"].append(t["token"])
-            part["token_logprobs"].append(_logprob(t["logprob"]))
-            part["top_logprobs"].append(
-                {a["token"]: _logprob(a["logprob"]) for a in t.get("top_logprobs", [])[:top_n]}
-            )
+            part["token_logprobs"].append(chosen)
+            # the legacy API's alternatives always hold the chosen token (up to logprobs + 1
+            # of them, as OpenAI and vLLM give them; with logprobs 0, the chosen one alone)
+            top = {t["token"]: chosen}
+            for a in t.get("top_logprobs", [])[:top_n]:
+                top.setdefault(a["token"], _logprob(a["logprob"]))
+            part["top_logprobs"].append(top)
             part["text_offset"].append(min(offset, end))
             offset += len(t["token"])
         c.tokens.extend(part["tokens"])

@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+import math
 from dataclasses import dataclass
 from types import ModuleType
 
@@ -51,6 +52,7 @@ GREEDY_TEMPERATURE_EPS = 1e-5
 # Largest magnitude of a logit after the repetition penalty: finite even divided by
 # GREEDY_TEMPERATURE_EPS (float32 overflows past 3.4e38).
 PENALIZED_BOUND = 1e30
+MASKED_BELOW = 1e37  # a logprob below -this is a grammar-masked token's (-max bias)
 
 # Candidates tried first for rows with top_p but no top_k; wider nuclei fall back to a full sort.
 _NUCLEUS_CANDIDATES = 256
@@ -369,6 +371,9 @@ def _logprobs(
     """Logprob of each row's chosen token and its `counts[j]` best alternatives."""
     rows_t = torch.tensor(rows, device=logits.device)
     lp = torch.log_softmax(logits[rows_t].float(), dim=-1)  # (R, V)
+    # a token the grammar rules out carries the mask's -max bias (apply_bitmask), not -inf: its
+    # logprob is -inf, as it is sampled (never); penalties stay within PENALIZED_BOUND
+    lp.masked_fill_(lp < -MASKED_BELOW, -math.inf)
     chosen = token_ids[rows_t]  # (R,)
     chosen_lp: list[float] = lp.gather(1, chosen.unsqueeze(1)).squeeze(1).tolist()
     top_vals: list[list[float]] = [[] for _ in rows]

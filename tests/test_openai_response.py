@@ -286,7 +286,8 @@ def test_completion_logprobs_and_offsets() -> None:
     assert choice["logprobs"] == {
         "tokens": ["Hi", " th", "ere"],
         "token_logprobs": [-0.5, -9999.0, 0.0],
-        "top_logprobs": [{"Hi": -0.5}, {" th": -0.1}, {}],
+        # (each holds the chosen token, with its own logprob; "ere" came with no alternatives)
+        "top_logprobs": [{"Hi": -0.5}, {" th": -9999.0}, {"ere": 0.0}],
         "text_offset": [0, 2, 5],
     }
     parsed = Completion.model_validate(out)
@@ -376,10 +377,33 @@ def test_completion_stream_logprobs_chunk() -> None:
     assert lp == {
         "tokens": [" th", "ere"],
         "token_logprobs": [-9999.0, 0.0],
-        "top_logprobs": [{" th": -0.1}, {}],
+        "top_logprobs": [{" th": -9999.0}, {"ere": 0.0}],
         "text_offset": [2, 5],
     }
     CompletionLogprobs.model_validate(lp)
+
+
+@pytest.mark.parametrize(("logprobs", "want"), [
+    (0, {"b": -2.0}),
+    (1, {"b": -2.0, "a": -0.1}),
+    (2, {"b": -2.0, "a": -0.1, "c": -0.2}),
+])  # fmt: skip
+def test_completion_alternatives_hold_the_chosen_token(logprobs: int, want: dict) -> None:  # type: ignore[type-arg]
+    # A sampled token outside the top alternatives: the legacy API still lists it (up to
+    # logprobs + 1 entries, as OpenAI and vLLM answer); it was missing, and logprobs 0 gave {}
+    events = _events(
+        StartEvent("r1", "w-1", 3),
+        DeltaEvent(
+            0, "b", [5], logprobs=[_lp("b", -2.0, [("a", -0.1), ("c", -0.2)])], finish_reason="length"
+        ),
+        DoneEvent(3, 1),
+    )
+    for stream in (False, True):
+        asm = _completion(stream=stream, logprobs=logprobs)
+        chunks = _feed(asm, events)
+        lp = chunks[0]["choices"][0]["logprobs"] if stream else asm.final()["choices"][0]["logprobs"]
+        assert lp["top_logprobs"] == [want]
+        assert next(iter(lp["top_logprobs"][0])) == "b"  # the chosen one first, as vLLM has it
 
 
 @pytest.mark.parametrize(

@@ -419,3 +419,22 @@ def test_a_greedy_pick_at_a_tie_is_listed_first_among_its_equals() -> None:
 def test_shape_mismatch_is_an_error() -> None:
     with pytest.raises(ValueError, match="len\\(states\\)"):
         sample(torch.zeros(2, 10), [state()])
+
+
+def test_a_token_the_grammar_rules_out_has_logprob_minus_inf() -> None:
+    # the grammar's mask is a -max bias: such tokens' logprobs came out as -3.4e38, finite, and
+    # went to clients as that number (not OpenAI's -9999.0, which the gateway gives -inf)
+    import numpy as np
+
+    vocab = 64
+    logits = torch.randn(1, vocab, generator=torch.Generator().manual_seed(0))
+    mask = np.zeros(vocab // 32, dtype=np.int32)
+    mask[0] = 0b11  # tokens 0 and 1 only
+    state = SamplingState(SamplingParams(temperature=0, logprobs=4), None, [5], [], mask)
+    out = Sampler()(logits, [state])
+    lps = out.logprobs[0]
+    assert lps.token_id in (0, 1) and math.isfinite(lps.logprob)
+    allowed = [v for t, v in lps.top if t in (0, 1)]
+    assert len(allowed) == 2 and all(math.isfinite(v) for v in allowed)
+    assert sum(math.exp(v) for v in allowed) == pytest.approx(1.0, abs=1e-5)
+    assert [v for t, v in lps.top if t not in (0, 1)] == [-math.inf, -math.inf]
