@@ -10,7 +10,8 @@ as usual and then a prefill worker, whose KV transfer address goes to the decode
 `kv_source`; the decode worker pulls the prompt's KV from it and streams the answer. A failed
 transfer (502 `kv_transfer_failed`, before any byte reached the client) sets that prefill worker
 aside and the request is tried again with another (or computed on the decode worker when none is
-left). The decode worker answers 200 at once and sends keepalives while it pulls, so the usual
+left); a prefill worker that refuses the pull (503 `kv_source_refused`: its KV cache full, say)
+is passed over for this request only, not set aside. The decode worker answers 200 at once and sends keepalives while it pulls, so the usual
 idle timeout fails a hung decode worker (a slow pull keeps talking); a refusal of the pull
 comes as an error event with the status it stands for (kvstore/protocol.py), and is taken as
 that answer (`_refused`), as if it had come before the stream.
@@ -414,6 +415,11 @@ class Proxy:
                     failed = prefill
                     call.tried_prefill.add(prefill.worker_id)
                     self.view.mark_failed(prefill.worker_id)
+                elif e.error.code == "kv_source_refused" and prefill is not None:
+                    # the prefill worker refused the pull (its KV cache full, ...): prefill
+                    # elsewhere; neither worker failed
+                    failed = prefill
+                    call.tried_prefill.add(prefill.worker_id)
                 else:
                     if e.dead:
                         self.view.mark_failed(worker.worker_id)

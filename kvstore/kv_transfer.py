@@ -22,10 +22,18 @@ except that a DATA frame carries 0 in the header's checksum field and its payloa
 8 bytes after the payload, so that each side hashes a chunk right after the socket copied it,
 while it is still in the CPU's cache.
 
-Control frames (PULL, ACCEPT, END, ACK, ERROR) carry JSON; DATA frames carry the keys and values
-of `layer_count` layers for `block_count` blocks (block indices within the request's block table,
-not physical ids), laid out (layers, 2, blocks, block_size, kv_heads, head_dim) in the cache's
-dtype. `request_tag` (8 bytes of BLAKE2b of the request id) names the request in every frame.
+Control frames (PULL, ACCEPT, END, ACK, ERROR, KEEPALIVE) carry a JSON object (ERROR: `message`,
+and `source_failed` false where the prefill side refused the pull, e.g. its KV cache full, rather
+than failed); every field is checked, and a frame that breaks the protocol fails the transfer
+(KVTransferError). The puller gives up after PULL_IDLE_S without a byte from the prefill side
+(within a frame or between frames; keepalives count) and after PULL_DEADLINE_S in all. The
+prefill side reads a PULL, before its secret is checked, only up to what the longest prompt's
+PULL needs, as its bytes arrive, from at most MAX_ADMITTING connections at once.
+
+DATA frames carry the keys and values of `layer_count` layers for `block_count` blocks (block
+indices within the request's block table, not physical ids), laid out (layers, 2, blocks,
+block_size, kv_heads, head_dim) in the cache's dtype. `request_tag` (8 bytes of BLAKE2b of the
+request id) names the request in every frame.
 
 The transport is one interface (`pull_kv` on the decode side, `KVTransferServer` on the prefill
 side) over asyncio TCP sockets (`FrameConn`); a GPU transport (NCCL send/recv) takes the same
@@ -72,7 +80,25 @@ PULL_IDLE_S = 10.0
 # takes for hung after runtime.async_engine.ENGINE_STALL_S = 60 s), so only a frozen or vanished
 # puller is dropped (its export's KV blocks released) this way.
 SEND_TIMEOUT_S = 70.0
+# The longest a whole pull may take, keepalives included: the prefill's wait in its worker's
+# queue and its compute, then the transfer. A healthy pull of the longest prompt ends well within
+# it (a prefill worker's engine is taken for hung after ENGINE_STALL_S = 60 s without a step, and
+# then sends no keepalives); past it the puller gives up and frees the blocks it reserved, so a
+# prefill worker that sends keepalives for ever (a stuck export) cannot hold them for ever.
+PULL_DEADLINE_S = 600.0
 MAX_CONTROL_BYTES = 16 << 20  # a PULL carries the prompt's token ids; nothing else is large
+# A PULL's body: its token ids (in JSON, at most 11 characters and a comma each: an int32) and
+# its other fields (request id, cache id, secret, trace context), which fit in PULL_BASE_BYTES.
+# The prefill side refuses a PULL longer than its tokens could need before reading it.
+PULL_TOKEN_BYTES = 12
+PULL_BASE_BYTES = 64 << 10
+# Connections the prefill side reads a PULL from at once (not yet authenticated): together with
+# the cap above, and bodies read as their bytes arrive, this bounds what unauthenticated peers
+# can make it allocate. More wait their turn (a real PULL is read in well under a millisecond).
+MAX_ADMITTING = 16
+PULL_READ_S = 10.0  # for a connection's PULL to arrive once its turn came
+RECV_STEP_BYTES = 256 << 10  # a control body is read growing by this much at most at a time
+MAX_ERROR_CHARS = 1000  # of a peer's ERROR message, kept in ours
 DEFAULT_FRAME_BYTES = 8 << 20  # DATA frames hold whole layers up to about this size
 MIN_RUN_BYTES = 64 << 10  # below this average, scattered blocks are gathered into one buffer
 CHUNK_BYTES = 512 << 10  # DATA payloads are hashed and moved in pieces of this size (L2)
@@ -268,6 +294,9 @@ class FrameConn:
         # a peer that stays connected but reads nothing (stopped, frozen, its host gone) would
         # hold a send, and what the sender holds (an export's KV blocks), until TCP gives up
         self.send_timeout_s = send_timeout_s
+        # a receive that gets no byte for this long raises TimeoutError (None: no limit): an
+        # idle limit, not a deadline for a frame, so a slow but steady link is not cut off
+        self.recv_idle_s: float | None = None
 
     @classmethod
     async def connect(cls, host: str, port: int) -> FrameConn:
@@ -295,17 +324,44 @@ class FrameConn:
                 ) from None
 
     async def recv_into(self, view: memoryview) -> None:
-        """Fill `view` exactly; IncompleteReadError when the peer closes first."""
+        """Fill `view` exactly; IncompleteReadError when the peer closes first, TimeoutError
+        when it sends nothing for `recv_idle_s`."""
         want, got = len(view), 0
         while got < want:
-            n = await self.loop.sock_recv_into(self.sock, view[got:])
+            n = await self._recv_some(view[got:])
             if n == 0:
                 raise asyncio.IncompleteReadError(bytes(view[:got]), want)
             got += n
 
+    async def _recv_some(self, view: memoryview) -> int:
+        idle = self.recv_idle_s
+        if idle is None:
+            return await self.loop.sock_recv_into(self.sock, view)
+        try:  # bytes waiting already (the usual case mid-frame): no timer to arm
+            return self.sock.recv_into(view)
+        except (BlockingIOError, InterruptedError):
+            pass
+        try:
+            async with asyncio.timeout(idle):
+                return await self.loop.sock_recv_into(self.sock, view)
+        except TimeoutError:
+            raise TimeoutError(f"the peer sent nothing for {idle:g} s") from None
+
     async def recv(self, n: int) -> bytearray:
-        buf = bytearray(n)
-        await self.recv_into(memoryview(buf))
+        """`n` bytes, in a buffer that grows as they arrive (a header's length is the peer's
+        word: a peer that announces much and sends little makes this allocate little)."""
+        if n <= RECV_STEP_BYTES:
+            buf = bytearray(n)
+            await self.recv_into(memoryview(buf))
+            return buf
+        buf = bytearray()
+        while len(buf) < n:
+            part = bytearray(min(n - len(buf), RECV_STEP_BYTES))
+            try:
+                await self.recv_into(memoryview(part))
+            except asyncio.IncompleteReadError as e:
+                raise asyncio.IncompleteReadError(bytes(buf) + e.partial, n) from None
+            buf += part
         return buf
 
     async def send_control(self, kind: int, tag: int, obj: Any) -> None:
@@ -321,13 +377,15 @@ class FrameConn:
             raise KVTransferError(f"unknown frame kind {h.kind}")
         return h
 
-    async def read_control(self, tag: int | None, h: _Header | None = None) -> tuple[int, Any]:
-        """A control frame (its header already read when `h` is given): (kind, JSON body)."""
+    async def read_control(self, tag: int | None, h: _Header | None = None,
+                           limit: int = MAX_CONTROL_BYTES) -> tuple[int, Any]:  # fmt: skip
+        """A control frame (its header already read when `h` is given): (kind, JSON body), the
+        body at most `limit` bytes."""
         h = h or await self.read_header()
         if h.kind == DATA:
             raise KVTransferError("a DATA frame where a control frame was expected")
-        if h.length > MAX_CONTROL_BYTES:
-            raise KVTransferError(f"control frame of {h.length} bytes (limit {MAX_CONTROL_BYTES})")
+        if h.length > limit:
+            raise KVTransferError(f"{KIND_NAMES[h.kind]} frame of {h.length} bytes (limit {limit})")
         if tag is not None and h.tag != tag:
             raise KVTransferError("frame for another request")
         payload = await self.recv(h.length)
@@ -352,7 +410,8 @@ class KVTransferServer:
                  frame_bytes: int = DEFAULT_FRAME_BYTES,
                  on_served: ServedFn | None = None,
                  send_timeout_s: float = SEND_TIMEOUT_S,
-                 stalled: Callable[[], bool] | None = None) -> None:  # fmt: skip
+                 stalled: Callable[[], bool] | None = None,
+                 max_tokens: int | None = None) -> None:  # fmt: skip
         self.pages = pages
         self.cache_id = cache_id
         self.secret = secret
@@ -365,6 +424,13 @@ class KVTransferServer:
         # whether the engine behind `export` is hung: no keepalives then, so that the puller's
         # idle limit tells it from a busy one
         self.stalled = stalled or (lambda: False)
+        # the longest prompt a pull may ask for (the engine's max_model_len; at most what the
+        # cache holds): what a PULL's body may need, read only when its header is within that
+        lay = pages.layout
+        slots = pages.blocks.shape[2] * lay.block_size
+        tokens = slots if max_tokens is None else min(max_tokens, slots)
+        self.max_pull_bytes = min(MAX_CONTROL_BYTES, PULL_BASE_BYTES + PULL_TOKEN_BYTES * tokens)
+        self._admitting = asyncio.Semaphore(MAX_ADMITTING)  # connections reading their PULL
         self._listener: socket.socket | None = None
         self._accepting: asyncio.Task[None] | None = None
         self._serving: set[asyncio.Task[None]] = set()
@@ -415,13 +481,18 @@ class KVTransferServer:
         exporting: str | None = None  # the request id this connection took: its export to release
         tag = 0
         try:
-            async with asyncio.timeout(10):
-                kind, body = await conn.read_control(None)
-            if kind != PULL:
-                raise KVTransferError(f"expected PULL, got {KIND_NAMES[kind]}")
-            pull = PullRequest(**body)
-            tag = request_tag(pull.request_id)
-            if not hmac.compare_digest(pull.secret.encode(), self.secret.encode()):
+            async with self._admitting:  # until the secret is checked: bounded, as its memory
+                async with asyncio.timeout(PULL_READ_S):
+                    h = await conn.read_header()
+                    if h.kind != PULL:
+                        raise KVTransferError(f"expected PULL, got {KIND_NAMES[h.kind]}")
+                    _, body = await conn.read_control(None, h, self.max_pull_bytes)
+                if not isinstance(body, dict):
+                    raise KVTransferError("malformed PULL frame: not a JSON object")
+                pull = PullRequest(**body)
+                tag = request_tag(pull.request_id)
+                authentic = hmac.compare_digest(pull.secret.encode(), self.secret.encode())
+            if not authentic:
                 await conn.send_control(ERROR, tag, {"message": "wrong shared secret"})
                 return
             if pull.cache_id != self.cache_id:
@@ -453,8 +524,10 @@ class KVTransferServer:
             # dead connection: the puller gets an ERROR frame when it can still read one
             self.pulls_failed += 1
             log.warning("kv pull %s failed: %s", pull.request_id if pull else "?", e)
+            # `source_failed` false: a refusal (its KV cache full, its queue full), not a failure
+            failed = e.source_failed if isinstance(e, KVTransferError) else True
             with contextlib.suppress(Exception):
-                await conn.send_control(ERROR, tag, {"message": str(e)})
+                await conn.send_control(ERROR, tag, {"message": str(e), "source_failed": failed})
         finally:
             if exporting is not None:
                 try:
@@ -573,98 +646,152 @@ class PullResult:
 
 
 async def pull_kv(addr: str, pull: PullRequest, pages: KVPages, dst_blocks: list[int],
-                  connect_timeout_s: float = 2.0, idle_timeout_s: float = PULL_IDLE_S) -> PullResult:  # fmt: skip
+                  connect_timeout_s: float = 2.0, idle_timeout_s: float = PULL_IDLE_S,
+                  deadline_s: float = PULL_DEADLINE_S) -> PullResult:  # fmt: skip
     """Pull blocks [pull.first_block, ...) of the request's KV from `addr` ("host:port") into
     `dst_blocks` of `pages` (one destination per block pulled). Every frame is checked: the
-    request tag, the layer and block ranges, the size, the checksum; every (layer, block) must
-    arrive exactly once. Raises KVTransferError; the destination blocks then hold garbage and
-    must be freed by the caller. Nothing writes to them once this returns or raises."""
+    request tag, the layer and block ranges, the size, the checksum, the control bodies' fields;
+    every (layer, block) must arrive exactly once. The peer may be silent for `idle_timeout_s`
+    at most (a frame's bytes, keepalives, anything), the whole pull may take `deadline_s`.
+    Raises KVTransferError, naming the peer, for whatever goes wrong with it (`source_failed`
+    false where the peer refused the pull); the destination blocks then hold garbage and must be
+    freed by the caller. Nothing writes to them once this returns or raises."""
     host, _, port = addr.rpartition(":")
-    tag = request_tag(pull.request_id)
-    lay = pages.layout
     try:
         async with asyncio.timeout(connect_timeout_s):
             conn = await FrameConn.connect(host, int(port))
     except (OSError, TimeoutError, ValueError) as e:
         raise KVTransferError(f"cannot reach the prefill worker at {addr}: {e!r}") from e
+    conn.recv_idle_s = idle_timeout_s
+    deadline = asyncio.timeout(deadline_s)
     try:
-        await conn.send_control(PULL, tag, asdict(pull))
-        async with asyncio.timeout(idle_timeout_s):
-            kind, body = await conn.read_control(tag)
-        if kind == ERROR:
-            raise KVTransferError(f"the prefill worker refused: {body.get('message')}", False)
-        if kind != ACCEPT:
-            raise KVTransferError(f"expected ACCEPT, got {KIND_NAMES[kind]}")
-        if body["layout"] != asdict(lay):
-            raise KVTransferError(f"KV layout mismatch: {body['layout']} vs {asdict(lay)}", False)
-        if body["num_blocks"] != len(dst_blocks):
-            raise KVTransferError(
-                f"the prefill worker offers {body['num_blocks']} blocks, {len(dst_blocks)} reserved"
-            )
-        first = pull.first_block
-        received = torch.zeros(lay.num_layers, len(dst_blocks), dtype=torch.bool)
-        nbytes = frames = 0
-        while True:
-            async with asyncio.timeout(idle_timeout_s):
-                h = await conn.read_header()
-            if h.tag != tag:
-                raise KVTransferError("frame for another request")
-            if h.kind != DATA:
-                kind, body = await conn.read_control(tag, h)
-                if kind == KEEPALIVE:  # the prefill is still running
-                    continue
-                if kind == ERROR:
-                    raise KVTransferError(f"the prefill worker failed: {body.get('message')}")
-                if kind != END:
-                    raise KVTransferError(f"unexpected {KIND_NAMES[kind]} frame")
-                break
-            b0, nb = h.block_start - first, h.block_count
-            l0, nl = h.layer_start, h.layer_count
-            if nb < 1 or nl < 1 or b0 < 0 or b0 + nb > len(dst_blocks) or l0 + nl > lay.num_layers:
-                raise KVTransferError(
-                    f"DATA frame out of range: layers {l0}+{nl}, blocks {h.block_start}+{nb}"
-                )
-            expect = nl * nb * lay.bytes_per_layer_block()
-            if h.length != expect:
-                raise KVTransferError(f"DATA frame of {h.length} bytes, expected {expect}")
-            if received[l0 : l0 + nl, b0 : b0 + nb].any():
-                raise KVTransferError("a block arrived twice")
-            layers, blocks = slice(l0, l0 + nl), dst_blocks[b0 : b0 + nb]
-            await _land(conn, pages, layers, blocks, h, idle_timeout_s)
-            received[l0 : l0 + nl, b0 : b0 + nb] = True
-            nbytes += h.length
-            frames += 1
-        if not bool(received.all()):
-            missing = int((~received).sum())
-            raise KVTransferError(f"the transfer ended with {missing} (layer, block) pairs missing")
-        if body.get("frames") != frames:
-            raise KVTransferError(f"END says {body.get('frames')} frames, {frames} arrived")
-        await conn.send_control(ACK, tag, {})
-        return PullResult(len(dst_blocks), nbytes, frames, int(body.get("cached_tokens", 0)))
+        async with deadline:
+            return await _pull(conn, pull, pages, dst_blocks)
+    except KVTransferError as e:
+        raise KVTransferError(f"pull from {addr}: {e}", e.source_failed) from e
     except asyncio.IncompleteReadError as e:
         raise KVTransferError(
-            f"the prefill worker closed the connection mid-transfer ({len(e.partial)} bytes of "
-            f"{e.expected})"
+            f"pull from {addr}: the prefill worker closed the connection mid-transfer "
+            f"({len(e.partial)} bytes of {e.expected})"
         ) from e
-    except (ConnectionError, TimeoutError) as e:
+    except TimeoutError as e:
+        if deadline.expired():
+            raise KVTransferError(f"pull from {addr} took longer than {deadline_s:g} s") from e
         raise KVTransferError(f"transfer from {addr} failed: {e!r}") from e
-    except (KeyError, TypeError, orjson.JSONDecodeError) as e:
-        raise KVTransferError(f"malformed control frame: {e!r}") from e
+    except OSError as e:  # ConnectionError, and the others: EHOSTUNREACH, ENETUNREACH, ...
+        raise KVTransferError(f"transfer from {addr} failed: {e!r}") from e
+    except (KeyError, TypeError, ValueError) as e:  # (orjson.JSONDecodeError is a ValueError)
+        raise KVTransferError(f"pull from {addr}: malformed control frame: {e!r}") from e
     finally:
         conn.close()
 
 
-async def _land(conn: FrameConn, pages: KVPages, layers: slice, blocks: list[int], h: _Header,
-                idle_timeout_s: float) -> None:  # fmt: skip
+async def _pull(conn: FrameConn, pull: PullRequest, pages: KVPages,
+                dst_blocks: list[int]) -> PullResult:  # fmt: skip
+    """`pull_kv`'s exchange over its open connection."""
+    tag = request_tag(pull.request_id)
+    lay = pages.layout
+    await conn.send_control(PULL, tag, asdict(pull))
+    kind, body = await conn.read_control(tag)
+    if kind == ERROR:
+        raise KVTransferError(f"the prefill worker refused: {_message(body)}",
+                              _source_failed(body, False))  # fmt: skip
+    if kind != ACCEPT:
+        raise KVTransferError(f"expected ACCEPT, got {KIND_NAMES[kind]}")
+    body = _object(kind, body)
+    if body.get("layout") != asdict(lay):
+        raise KVTransferError(f"KV layout mismatch: {body.get('layout')} vs {asdict(lay)}", False)
+    if body.get("num_blocks") != len(dst_blocks):
+        raise KVTransferError(
+            f"the prefill worker offers {body.get('num_blocks')!r} blocks, {len(dst_blocks)} "
+            "reserved"
+        )
+    first = pull.first_block
+    received = torch.zeros(lay.num_layers, len(dst_blocks), dtype=torch.bool)
+    nbytes = frames = 0
+    while True:
+        h = await conn.read_header()  # (the peer's silence limited by conn.recv_idle_s)
+        if h.tag != tag:
+            raise KVTransferError("frame for another request")
+        if h.kind != DATA:
+            kind, body = await conn.read_control(tag, h)
+            if kind == KEEPALIVE:  # the prefill is still running
+                continue
+            if kind == ERROR:
+                raise KVTransferError(f"the prefill worker failed: {_message(body)}",
+                                      _source_failed(body, True))  # fmt: skip
+            if kind != END:
+                raise KVTransferError(f"unexpected {KIND_NAMES[kind]} frame")
+            break
+        b0, nb = h.block_start - first, h.block_count
+        l0, nl = h.layer_start, h.layer_count
+        if nb < 1 or nl < 1 or b0 < 0 or b0 + nb > len(dst_blocks) or l0 + nl > lay.num_layers:
+            raise KVTransferError(
+                f"DATA frame out of range: layers {l0}+{nl}, blocks {h.block_start}+{nb}"
+            )
+        expect = nl * nb * lay.bytes_per_layer_block()
+        if h.length != expect:
+            raise KVTransferError(f"DATA frame of {h.length} bytes, expected {expect}")
+        if received[l0 : l0 + nl, b0 : b0 + nb].any():
+            raise KVTransferError("a block arrived twice")
+        layers, blocks = slice(l0, l0 + nl), dst_blocks[b0 : b0 + nb]
+        await _land(conn, pages, layers, blocks, h)
+        received[l0 : l0 + nl, b0 : b0 + nb] = True
+        nbytes += h.length
+        frames += 1
+    if not bool(received.all()):
+        missing = int((~received).sum())
+        raise KVTransferError(f"the transfer ended with {missing} (layer, block) pairs missing")
+    end = _object(END, body)
+    if end.get("frames") != frames:
+        raise KVTransferError(f"END says {end.get('frames')!r} frames, {frames} arrived")
+    # tokens of the pull the prefill side found in its own prefix cache: at most all of them
+    cached = end.get("cached_tokens", 0)
+    if type(cached) is not int or not 0 <= cached <= len(pull.token_ids):
+        raise KVTransferError(
+            f"END says {cached!r} cached tokens, not a count in [0, {len(pull.token_ids)}]"
+        )
+    await conn.send_control(ACK, tag, {})
+    return PullResult(len(dst_blocks), nbytes, frames, cached)
+
+
+def _object(kind: int, body: Any) -> dict[str, Any]:
+    """A control frame's body, which must be a JSON object."""
+    if not isinstance(body, dict):
+        raise KVTransferError(
+            f"malformed {KIND_NAMES[kind]} frame: a JSON object expected, got {type(body).__name__}"
+        )
+    return body
+
+
+def _message(body: Any) -> str:
+    """An ERROR frame's message, whatever its body (shortened: it goes into ours)."""
+    text = body.get("message") if isinstance(body, dict) else None
+    if not isinstance(text, str):
+        text = f"(malformed ERROR frame: {orjson.dumps(body).decode()})"
+    return text if len(text) <= MAX_ERROR_CHARS else text[:MAX_ERROR_CHARS] + "..."
+
+
+def _source_failed(body: Any, default: bool) -> bool:
+    """An ERROR frame's word on whether the prefill side failed (True) or refused (False);
+    a malformed ERROR frame is a failure, whatever it says."""
+    if not isinstance(body, dict) or not isinstance(body.get("message"), str):
+        return True
+    said = body.get("source_failed")
+    return said if isinstance(said, bool) else default
+
+
+async def _land(conn: FrameConn, pages: KVPages, layers: slice, blocks: list[int],
+                h: _Header) -> None:  # fmt: skip
     """Receive a DATA payload into its blocks (straight into the cache where they are
     consecutive, else through one buffer and a scatter) and check its checksum, hashing each
-    chunk while the next one arrives. The payload must arrive within `idle_timeout_s`; a write
-    run in a thread (pages not `direct`) is awaited to its end, even if the caller is cancelled
-    meanwhile (a thread cannot be stopped): once this returns or raises, nothing writes into
-    `blocks`, which the caller may then free. The idle limit is the peer's, not the write's (a
-    write waits for the engine's step): a timeout must not cut the wait for it short."""
-    async with asyncio.timeout(idle_timeout_s):
-        staged = await _receive(conn, pages, layers, blocks, h)
+    chunk while the next one arrives. The peer's silence is limited by `conn.recv_idle_s` (no
+    byte for that long: TimeoutError), not the frame's whole time, so a slow but steady link
+    is not cut off. A write run in a thread (pages not `direct`) is awaited to its end, even if
+    the caller is cancelled meanwhile (a thread cannot be stopped): once this returns or raises,
+    nothing writes into `blocks`, which the caller may then free. The idle limit is the peer's,
+    not the write's (a write waits for the engine's step): it does not cover the write."""
+    staged = await _receive(conn, pages, layers, blocks, h)
     if staged is None:
         return
     if pages.direct:

@@ -40,7 +40,7 @@ from kvstore.kv_transfer import (
 from runtime.async_engine import AsyncLLM, RequestStream
 from runtime.engine import RequestGroup
 from runtime.ranks import RankedKVPages
-from runtime.sampling_params import SamplingParams
+from runtime.sampling_params import InvalidRequestError, SamplingParams
 from runtime.scheduler import QueueFullError
 from runtime.telemetry import WorkerTelemetry
 
@@ -75,13 +75,19 @@ def export_server(
     async def export(pull: PullRequest) -> AsyncIterator[ExportProgress]:
         # greedy and one token: the sample is thrown away; only the held KV blocks matter
         params = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
-        stream = llm.submit(pull.token_ids, params, EXPORT_PREFIX + pull.request_id, hold_kv=True)
+        try:
+            stream = llm.submit(pull.token_ids, params, EXPORT_PREFIX + pull.request_id,
+                                hold_kv=True)  # fmt: skip
+        except (QueueFullError, InvalidRequestError) as e:  # a refusal: this worker is sound
+            raise KVTransferError(f"the prefill worker cannot take the prefill: {e}", False) from e
         try:
             async for out in stream:
                 if out.finished and out.outputs[0].finish_reason == "abort":
                     # the KV cache had no room left for the rest of the prompt: the blocks
                     # reported so far stay held until the transfer's release
-                    raise KVTransferError("the prefill worker gave the prefill up (KV cache full)")
+                    raise KVTransferError(
+                        "the prefill worker gave the prefill up (KV cache full)", False
+                    )
                 yield ExportProgress(
                     computed_tokens=out.num_computed_tokens,
                     block_ids=out.block_ids or [],
@@ -100,7 +106,7 @@ def export_server(
     engine = llm.engine
     return KVTransferServer(
         kv_pages(llm), engine.cache_id, secret, export, release, hold_s, on_served=on_served,
-        stalled=llm.is_stalled,
+        stalled=llm.is_stalled, max_tokens=engine.max_model_len,
     )
 
 
@@ -148,7 +154,13 @@ class KVImporter:
             result = None
             if dst:  # else every block is in this worker's prefix cache already
                 result = await self._pull(group, source, cached, dst, trace_ctx)
+            # (pull_kv checked the peer's count: within the tokens pulled, the prompt but its last)
             reused = max(cached, result.cached_tokens if result else 0)
+            if not 0 <= reused < len(group.prompt_token_ids):
+                raise KVTransferError(
+                    f"{reused} cached tokens reported for a prompt of "
+                    f"{len(group.prompt_token_ids)} tokens (at most all but its last)"
+                )
             return self.llm.submit_import(group, reused), result
         except BaseException:  # pull_kv ends, cancelled or not, only once nothing writes to dst
             self.llm.call(lambda engine: engine.cancel_import(group))  # runs though not awaited

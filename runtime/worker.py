@@ -682,6 +682,10 @@ class _Refused(Exception):
         if isinstance(e, KVCacheFullError):  # before any byte moved: another decode worker
             # may have room
             return cls(503, str(e), "service_unavailable", None, "kv_cache_full", True)
+        if isinstance(e, KVTransferError) and not e.source_failed:  # the prefill worker
+            # refused the pull (its KV cache or queue full, ...): prefill elsewhere, but it is
+            # not failing
+            return cls(503, str(e), "service_unavailable", "kv_source", "kv_source_refused", True)
         if isinstance(e, KVTransferError):  # the prefill side failed: prefill again elsewhere
             return cls(502, str(e), "bad_gateway", "kv_source", "kv_transfer_failed")
         if isinstance(e, InvalidRequestError):
@@ -741,8 +745,9 @@ async def _pull(
     """Disaggregated: answer 200 at once and pull the prompt's KV from the prefill worker at
     `source` behind keepalives, then queue it; its stream. The gateway so tells a hung decode
     worker from a slow pull (or one waiting for KV room) by its usual idle timeout. A refusal
-    of the pull (kv_cache_full, kv_transfer_failed, queue_full, ...) is _Refused, for the
-    caller to send as the stream's one event, with its status (`_Refused.event`)."""
+    of the pull (kv_cache_full, kv_transfer_failed, kv_source_refused, queue_full, ...) is
+    _Refused, for the caller to send as the stream's one event, with its status
+    (`_Refused.event`); so is any other error of the pull (kv_transfer_failed)."""
     await resp.prepare(request)
     await resp.write(KEEPALIVE)  # (the headers go out with it)
     quiet.start()
@@ -750,6 +755,10 @@ async def _pull(
         stream, _ = await worker.importer.submit(group, source, trace_ctx)
     except _REFUSALS as e:
         raise _Refused.of(e) from e
+    except Exception as e:  # a bug, here or in what the prefill side sent: a failed transfer
+        # (an event, prefilled elsewhere), not a stream cut short that blames this worker
+        log.exception("request %s: KV pull from %s failed", group.request_id, source)
+        raise _Refused.of(KVTransferError(f"KV pull from {source} failed: {e!r}")) from e
     times.pulled = time.monotonic()
     return stream
 

@@ -27,6 +27,7 @@ import orjson
 import pytest
 import redis
 
+from kvstore import kv_transfer
 from kvstore.keys import session_key, worker_key
 from kvstore.kv_transfer import PullRequest
 from kvstore.redis_server import LocalRedis
@@ -211,6 +212,95 @@ def test_a_session_turn_mostly_cached_on_its_worker_is_not_disaggregated(split: 
     finally:
         gateway.stop()
     _settled(split.prefill, split.decode)
+
+
+# ---------------------------------------------------------------------- broken prefill peers
+def _pull_from_peer(worker: Proc, request_id: str, error_body: object) -> list[dict]:  # type: ignore[type-arg]
+    """POST /internal/generate to the decode `worker` with its KV source a peer that answers
+    the PULL with an ERROR frame of `error_body`; the stream's events."""
+
+    async def serve(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        head = kv_transfer.HEADER.unpack(await reader.readexactly(kv_transfer.HEADER.size))
+        pull = PullRequest(**orjson.loads(await reader.readexactly(head[7])))
+        body = orjson.dumps(error_body)
+        tag = kv_transfer.request_tag(pull.request_id)
+        writer.write(kv_transfer._frame(kv_transfer.ERROR, tag, body) + body)
+        await reader.read()
+        writer.close()
+
+    def post(addr: str) -> bytes:
+        body = {"request_id": request_id, "model": "stories", "prompt": STORY,
+                "sampling": {"max_tokens": 4}, "kv_source": addr}  # fmt: skip
+        req = urllib.request.Request(f"{worker.url}/internal/generate", data=orjson.dumps(body),
+                                     headers={"x-edgeinfer-secret": SECRET}, method="POST")  # fmt: skip
+        with urllib.request.urlopen(req, timeout=30) as resp:
+            assert resp.status == 200
+            return resp.read()
+
+    async def main() -> bytes:
+        peer = await asyncio.start_server(serve, "127.0.0.1", 0)
+        try:
+            return await asyncio.to_thread(post, f"127.0.0.1:{peer.sockets[0].getsockname()[1]}")
+        finally:
+            peer.close()
+
+    return [orjson.loads(line) for line in asyncio.run(main()).split(b"\n") if line.strip()]
+
+
+def test_a_broken_or_refusing_prefill_peer_is_the_stream_s_one_event(split: Split) -> None:
+    """A malformed ERROR frame from the prefill peer (a list, not an object) is a failed
+    transfer, the stream's one event (502 kv_transfer_failed: the gateway prefills elsewhere);
+    it raised AttributeError in the worker's handler, which cut the stream with no event, and
+    the gateway blamed the decode worker. A peer refusing the pull as no failure of its own
+    (its KV cache full) is 503 kv_source_refused: prefilled elsewhere, neither worker taken for
+    failed. The decode worker keeps no block either way."""
+    [event] = _pull_from_peer(split.decode, "broken-peer", ["boom"])
+    assert event["type"] == "error" and event["code"] == "kv_transfer_failed", event
+    assert event["status"] == 502 and "malformed ERROR" in event["message"], event
+    refusal = {"message": "the prefill worker gave the prefill up (KV cache full)",
+               "source_failed": False}  # fmt: skip
+    [event] = _pull_from_peer(split.decode, "refusing-peer", refusal)
+    assert event["type"] == "error" and event["code"] == "kv_source_refused", event
+    assert event["status"] == 503 and event["retry_after"] == 1.0, event
+    assert event["error"]["param"] == "kv_source", event
+    _settled(split.decode)
+    assert worker_stats(split.decode)["kv_imports_reserved"] == 0
+
+
+def test_an_unexpected_error_of_a_pull_is_a_failed_transfer_not_a_cut_stream(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """Whatever the pull raises (a bug, here or in what the peer sent) becomes the stream's
+    one event, 502 kv_transfer_failed, and is logged with its traceback; it escaped the
+    handler, which cut the stream, and the gateway blamed the decode worker."""
+    from types import SimpleNamespace
+
+    from runtime import worker as worker_module
+    from runtime.telemetry import RequestTimes
+
+    class Resp:
+        async def prepare(self, request: object) -> None:
+            return None
+
+        async def write(self, data: bytes) -> None:
+            return None
+
+    async def submit(group: object, source: str, trace_ctx: object) -> None:
+        raise AttributeError("'list' object has no attribute 'get'")
+
+    worker = SimpleNamespace(importer=SimpleNamespace(submit=submit))
+    quiet = SimpleNamespace(start=lambda: None)
+    group = SimpleNamespace(request_id="oops")
+
+    async def main() -> None:
+        await worker_module._pull(None, Resp(), quiet, worker, group, "10.0.0.1:9000", None,  # type: ignore[arg-type]
+                                  RequestTimes(time.monotonic()))  # fmt: skip
+
+    with pytest.raises(worker_module._Refused) as err:
+        asyncio.run(main())
+    assert err.value.code == "kv_transfer_failed" and err.value.status == 502
+    assert "10.0.0.1:9000" in str(err.value) and "AttributeError" in str(err.value)
+    assert any(r.exc_info and "10.0.0.1:9000" in r.getMessage() for r in caplog.records)
 
 
 # ---------------------------------------------------------------------- roles

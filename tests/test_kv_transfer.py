@@ -1138,3 +1138,396 @@ def test_the_send_limit_outlasts_a_healthy_puller_s_pause() -> None:
     server = KVTransferServer(KVPages(torch.zeros(1, 2, BS, 1, 8), BS), "c", SECRET,
                               None, None)  # type: ignore[arg-type]  # fmt: skip
     assert server.send_timeout_s == kv_transfer.SEND_TIMEOUT_S
+
+
+# ---------------------------------------------------------------------- hostile or broken peers
+def _control(kind: int, tag: int, obj: object) -> bytes:
+    body = orjson.dumps(obj)
+    return kv_transfer._frame(kind, tag, body) + body
+
+
+Script = Callable[[PullRequest, int, asyncio.StreamReader, asyncio.StreamWriter], Awaitable[None]]
+
+
+async def _scripted_peer(script: Script) -> tuple[asyncio.Server, str]:
+    """A prefill peer that reads a PULL and then does what `script(pull, tag, reader, writer)`
+    says."""
+
+    async def serve(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        head = HEADER.unpack(await reader.readexactly(HEADER.size))
+        pull = PullRequest(**orjson.loads(await reader.readexactly(head[7])))
+        try:
+            await script(pull, kv_transfer.request_tag(pull.request_id), reader, writer)
+        finally:
+            writer.close()
+
+    server = await asyncio.start_server(serve, "127.0.0.1", 0)
+    return server, f"127.0.0.1:{server.sockets[0].getsockname()[1]}"
+
+
+def _data_frame(tag: int, payload: bytes, layers: int, blocks: tuple[int, int]) -> bytes:
+    head = kv_transfer._header(DATA, tag, len(payload), 0, (0, layers), blocks)
+    return head + payload + kv_transfer.TRAILER.pack(xxhash.xxh3_64_intdigest(payload))
+
+
+def test_a_peer_stalling_inside_a_control_frame_fails_the_pull_at_the_idle_limit() -> None:
+    """A KEEPALIVE (or END, ERROR) header whose body never comes: the idle limit covers the
+    body too. Only the header was under it, and the pull (its reserved blocks, the decode
+    worker's keepalives to the gateway, a drain) waited for ever."""
+    pages = KVPages(torch.zeros(2, 2, 8 * BS, 2, 8), BS)
+
+    async def script(pull: PullRequest, tag: int, reader: asyncio.StreamReader,
+                     writer: asyncio.StreamWriter) -> None:  # fmt: skip
+        writer.write(_control(kv_transfer.ACCEPT, tag,
+                              {"num_blocks": 1, "layout": asdict(pages.layout)}))  # fmt: skip
+        writer.write(kv_transfer._header(kv_transfer.KEEPALIVE, tag, 100, 0))  # no body follows
+        await reader.read()
+
+    async def main() -> None:
+        server, addr = await _scripted_peer(script)
+        try:
+            pull = PullRequest("stall", list(range(BS - 1)), 0, "c", SECRET)
+            task = asyncio.ensure_future(pull_kv(addr, pull, pages, [0], idle_timeout_s=0.5))
+            done, _ = await asyncio.wait({task}, timeout=5)
+            task.cancel()
+            assert done, "the pull still waits for a control frame's body"
+            with pytest.raises(KVTransferError, match="TimeoutError") as err:
+                task.result()
+            assert addr in str(err.value) and err.value.source_failed
+        finally:
+            server.close()
+
+    asyncio.run(main())
+
+
+def test_a_slow_but_steady_link_is_not_cut_off_and_a_silent_one_is() -> None:
+    """The idle limit is for silence, not a deadline for a frame: a DATA frame that takes three
+    times the limit to arrive, its bytes coming all along, lands (with a whole-frame limit of
+    10 s, a link under ~0.8 MB/s failed every 8 MiB frame). A frame that stops halfway fails at
+    the limit."""
+    src = torch.randn(2, 2, 8 * BS, 2, 8, generator=torch.Generator().manual_seed(5))
+    src_pages, dst_pages = KVPages(src, BS), KVPages(torch.zeros_like(src), BS)
+    blocks = [0, 1, 2, 3]
+    payload = b"".join(bytes(v) for v in src_pages.runs(slice(0, 2), blocks))
+    stop_halfway = {"on": False}
+
+    async def script(pull: PullRequest, tag: int, reader: asyncio.StreamReader,
+                     writer: asyncio.StreamWriter) -> None:  # fmt: skip
+        writer.write(_control(kv_transfer.ACCEPT, tag,
+                              {"num_blocks": 4, "layout": asdict(src_pages.layout)}))  # fmt: skip
+        frame = _data_frame(tag, payload, 2, (0, 4))
+        if stop_halfway["on"]:
+            writer.write(frame[: len(frame) // 2])
+            await reader.read()
+            return
+        step = -(-len(frame) // 8)
+        for i in range(0, len(frame), step):  # 8 pieces, 0.15 s apart: 1.2 s for the frame
+            writer.write(frame[i : i + step])
+            await writer.drain()
+            await asyncio.sleep(0.15)
+        writer.write(_control(kv_transfer.END, tag, {"frames": 1, "cached_tokens": 0}))
+        await reader.read()
+
+    async def main() -> None:
+        server, addr = await _scripted_peer(script)
+        tokens = list(range(4 * BS - 1))
+        try:
+            result = await pull_kv(addr, PullRequest("slow-link", tokens, 0, "c", SECRET),
+                                   dst_pages, blocks, idle_timeout_s=0.4)  # fmt: skip
+            assert result.blocks == 4
+            assert torch.equal(src_pages.blocks[:, :, blocks], dst_pages.blocks[:, :, blocks])
+            stop_halfway["on"] = True
+            t0 = time.monotonic()
+            with pytest.raises(KVTransferError, match="TimeoutError"):
+                await pull_kv(addr, PullRequest("stops", tokens, 0, "c", SECRET), dst_pages,
+                              blocks, idle_timeout_s=0.4)  # fmt: skip
+            assert time.monotonic() - t0 < 3
+        finally:
+            server.close()
+
+    asyncio.run(main())
+
+
+def test_keepalives_do_not_stretch_a_pull_past_its_deadline() -> None:
+    """A prefill peer that sends keepalives and nothing else (a stuck export) keeps the pull
+    within its idle limit; the pull's deadline ends it, and the caller frees its blocks."""
+    from runtime.async_engine import ENGINE_STALL_S
+
+    # a healthy prefill's wait and compute, and a hung engine's silence, end well within it
+    assert kv_transfer.PULL_DEADLINE_S >= 5 * (ENGINE_STALL_S + kv_transfer.PULL_IDLE_S)
+    pages = KVPages(torch.zeros(2, 2, 8 * BS, 2, 8), BS)
+
+    async def script(pull: PullRequest, tag: int, reader: asyncio.StreamReader,
+                     writer: asyncio.StreamWriter) -> None:  # fmt: skip
+        writer.write(_control(kv_transfer.ACCEPT, tag,
+                              {"num_blocks": 1, "layout": asdict(pages.layout)}))  # fmt: skip
+        for _ in range(100):
+            writer.write(_control(kv_transfer.KEEPALIVE, tag, {}))
+            await writer.drain()
+            await asyncio.sleep(0.1)
+
+    async def main() -> None:
+        server, addr = await _scripted_peer(script)
+        try:
+            pull = PullRequest("forever", list(range(BS - 1)), 0, "c", SECRET)
+            t0 = time.monotonic()
+            with pytest.raises(KVTransferError, match="longer than 1 s") as err:
+                await pull_kv(addr, pull, pages, [0], idle_timeout_s=0.5, deadline_s=1.0)
+            assert 1.0 <= time.monotonic() - t0 < 3 and err.value.source_failed
+        finally:
+            server.close()
+
+    asyncio.run(main())
+
+
+# what a broken peer sends: (ACCEPT's body, or None for the real one; then ERROR's body, or
+# None for a DATA frame and END's body)
+MALFORMED = {
+    "accept_not_an_object": ([1], None, None),
+    "error_not_an_object": (None, ["boom"], None),
+    "end_not_an_object": (None, None, [1]),
+    "end_frames_not_a_number": (None, None, {"frames": "1", "cached_tokens": 0}),
+    "cached_tokens_not_a_number": (None, None, {"frames": 1, "cached_tokens": "x"}),
+    "cached_tokens_beyond_the_prompt": (None, None, {"frames": 1, "cached_tokens": 10**9}),
+    "cached_tokens_negative": (None, None, {"frames": 1, "cached_tokens": -1}),
+}
+
+
+@pytest.mark.parametrize("case", list(MALFORMED))
+def test_malformed_control_bodies_fail_the_transfer(engines, case: str) -> None:  # type: ignore[no-untyped-def]
+    """A control body that is not what the protocol says (not an object, a count that is not
+    one, more cached tokens than the prompt has) is a failed transfer (KVTransferError, naming
+    the peer): it raised AttributeError or ValueError, which cut the decode worker's stream
+    with no event (and the gateway blamed the decode worker), or was believed (usage reported
+    1e9 cached tokens for a 40-token prompt). The import's blocks are freed."""
+    _, decode, _ = engines
+    layout = KVPages(decode.engine.runner.kv, BS).layout
+    accept, error, end = MALFORMED[case]
+
+    async def script(pull: PullRequest, tag: int, reader: asyncio.StreamReader,
+                     writer: asyncio.StreamWriter) -> None:  # fmt: skip
+        n = -(-len(pull.token_ids) // BS) - pull.first_block
+        real = {"num_blocks": n, "layout": asdict(layout)}
+        writer.write(_control(kv_transfer.ACCEPT, tag, real if accept is None else accept))
+        if error is not None:
+            writer.write(_control(kv_transfer.ERROR, tag, error))
+        else:
+            payload = bytes(layout.num_layers * n * layout.bytes_per_layer_block())
+            writer.write(_data_frame(tag, payload, layout.num_layers, (pull.first_block, n)))
+            writer.write(_control(kv_transfer.END, tag, end))
+        await reader.read()
+
+    async def main() -> None:
+        server, addr = await _scripted_peer(script)
+        try:
+            group = decode.engine.prepare_request(f"bad-{case}", _prompt(40),
+                                                  SamplingParams(max_tokens=2))  # fmt: skip
+            with pytest.raises(KVTransferError) as err:
+                await KVImporter(decode, SECRET).submit(group, addr)
+            assert addr in str(err.value) and err.value.source_failed, err.value
+        finally:
+            server.close()
+        await _settled(decode)
+        assert _allocated(decode) == 0
+
+    asyncio.run(main())
+
+
+def test_cached_tokens_may_count_every_token_pulled(engines) -> None:  # type: ignore[no-untyped-def]
+    """The END's count is believed up to the tokens pulled (the prompt but its last)."""
+    _, decode, _ = engines
+    layout = KVPages(decode.engine.runner.kv, BS).layout
+
+    async def script(pull: PullRequest, tag: int, reader: asyncio.StreamReader,
+                     writer: asyncio.StreamWriter) -> None:  # fmt: skip
+        n = -(-len(pull.token_ids) // BS) - pull.first_block
+        writer.write(_control(kv_transfer.ACCEPT, tag, {"num_blocks": n, "layout": asdict(layout)}))
+        payload = bytes(layout.num_layers * n * layout.bytes_per_layer_block())
+        writer.write(_data_frame(tag, payload, layout.num_layers, (pull.first_block, n)))
+        end = {"frames": 1, "cached_tokens": len(pull.token_ids)}
+        writer.write(_control(kv_transfer.END, tag, end))
+        await reader.read()
+
+    async def main() -> None:
+        server, addr = await _scripted_peer(script)
+        try:
+            group = decode.engine.prepare_request("all-cached", _prompt(40, offset=7),
+                                                  SamplingParams(max_tokens=2))  # fmt: skip
+            stream, result = await KVImporter(decode, SECRET).submit(group, addr)
+            assert result is not None and result.cached_tokens == 39
+            async for out in stream:
+                assert out.num_cached_tokens <= 39
+        finally:
+            server.close()
+        await _settled(decode)
+
+    asyncio.run(main())
+
+
+def test_a_network_error_that_is_no_connection_error_fails_the_transfer(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """EHOSTUNREACH or ENETUNREACH mid-pull is an OSError but no ConnectionError: it escaped
+    as OSError (a crashed handler in the worker) instead of a failed transfer."""
+    import errno
+
+    pages = KVPages(torch.zeros(2, 2, 8 * BS, 2, 8), BS)
+
+    async def script(pull: PullRequest, tag: int, reader: asyncio.StreamReader,
+                     writer: asyncio.StreamWriter) -> None:  # fmt: skip
+        writer.write(_control(kv_transfer.ACCEPT, tag,
+                              {"num_blocks": 1, "layout": asdict(pages.layout)}))  # fmt: skip
+        await reader.read()
+
+    real = FrameConn.read_header
+    calls = [0]
+
+    async def read_header(self: FrameConn) -> kv_transfer._Header:
+        calls[0] += 1
+        if calls[0] == 2:  # after the ACCEPT
+            raise OSError(errno.EHOSTUNREACH, os.strerror(errno.EHOSTUNREACH))
+        return await real(self)
+
+    monkeypatch.setattr(FrameConn, "read_header", read_header)
+
+    async def main() -> None:
+        server, addr = await _scripted_peer(script)
+        try:
+            pull = PullRequest("unreachable", list(range(BS - 1)), 0, "c", SECRET)
+            with pytest.raises(KVTransferError, match=os.strerror(errno.EHOSTUNREACH)) as err:
+                await pull_kv(addr, pull, pages, [0], idle_timeout_s=2)
+            assert addr in str(err.value) and err.value.source_failed
+        finally:
+            server.close()
+
+    asyncio.run(main())
+
+
+async def _release_nothing(request_id: str) -> None:
+    return None
+
+
+async def _export_nothing(pull: PullRequest) -> AsyncIterator[ExportProgress]:
+    yield ExportProgress(len(pull.token_ids), [0], True)
+
+
+def test_a_pull_s_body_is_capped_by_what_a_real_one_needs() -> None:
+    """A PULL's header says how long its body is, before anything is checked: one longer than
+    the longest prompt's PULL could be is refused at once, unread (it allocated and zeroed up
+    to 16 MiB for any connection)."""
+    pages = KVPages(torch.zeros(2, 2, 64 * BS, 2, 8), BS)
+
+    async def main() -> None:
+        server = KVTransferServer(pages, "c", SECRET, _export_nothing, _release_nothing,
+                                  max_tokens=300)  # fmt: skip
+        # the longest real PULL fits: 300 token ids of the largest int32, long text fields
+        longest = PullRequest("r" * 256, [2**31 - 1] * 300, 0, "c" * 128, "s" * 128, "0" * 55)
+        assert len(orjson.dumps(asdict(longest))) <= server.max_pull_bytes < 128 << 10
+        port = await server.start("127.0.0.1", 0)
+        try:
+            conn = await FrameConn.connect("127.0.0.1", port)
+            await conn.send(kv_transfer._header(kv_transfer.PULL, 0, server.max_pull_bytes + 1, 0))
+            async with asyncio.timeout(2):  # answered without waiting for the body
+                kind, body = await conn.read_control(None)
+            assert kind == kv_transfer.ERROR and "limit" in body["message"], body
+            conn.close()
+        finally:
+            await server.close()
+
+    asyncio.run(main())
+
+
+def test_unauthenticated_peers_cannot_make_the_prefill_side_allocate_much() -> None:
+    """A PULL's body is read as it arrives, not allocated whole from its header's word: a peer
+    that announces 16 MiB and sends a few bytes costs a few bytes (12 such connections took a
+    prefill worker from 221 to 413 MiB). And at most MAX_ADMITTING connections are read a PULL
+    from at once: the next waits for one of them to end."""
+    import tracemalloc
+
+    pages = KVPages(torch.zeros(1, 2, 1 << 21, 1, 1), BS)  # room for a 16 MiB PULL
+
+    async def main() -> None:
+        server = KVTransferServer(pages, "c", SECRET, _export_nothing, _release_nothing)
+        port = await server.start("127.0.0.1", 0)
+        stalled: list[FrameConn] = []
+        try:
+            tracemalloc.start()
+            base = tracemalloc.get_traced_memory()[0]
+            for _ in range(3):
+                conn = await FrameConn.connect("127.0.0.1", port)
+                await conn.send(kv_transfer._header(kv_transfer.PULL, 0, (16 << 20) - 1, 0),
+                                b"{" * 1000)  # fmt: skip
+                stalled.append(conn)
+            await asyncio.sleep(0.3)
+            peak = tracemalloc.get_traced_memory()[1]
+            tracemalloc.stop()
+            assert peak - base < 4 << 20, f"{(peak - base) >> 20} MiB for 3 KB received"
+        finally:
+            tracemalloc.stop()
+            for conn in stalled:
+                conn.close()
+            await server.close()
+
+    asyncio.run(main())
+
+
+def test_at_most_max_admitting_connections_are_read_a_pull_at_once(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr(kv_transfer, "MAX_ADMITTING", 2)
+    pages = KVPages(torch.zeros(2, 2, 8 * BS, 2, 8), BS)
+
+    async def main() -> None:
+        server = KVTransferServer(pages, "c", SECRET, _export_nothing, _release_nothing)
+        port = await server.start("127.0.0.1", 0)
+        stalled: list[FrameConn] = []
+        try:
+            for _ in range(2):  # a header, then nothing
+                conn = await FrameConn.connect("127.0.0.1", port)
+                await conn.send(kv_transfer._header(kv_transfer.PULL, 0, 100, 0))
+                stalled.append(conn)
+            await asyncio.sleep(0.1)
+            late = await FrameConn.connect("127.0.0.1", port)
+            bad = PullRequest("late", [1, 2], 0, "c", "WRONG")
+            await late.send_control(kv_transfer.PULL, kv_transfer.request_tag("late"), asdict(bad))
+            reply = asyncio.ensure_future(late.read_control(None))
+            done, _ = await asyncio.wait({reply}, timeout=0.5)
+            assert not done, "a third unauthenticated connection was read while two were"
+            stalled.pop().close()  # one ends: the late one's turn
+            async with asyncio.timeout(2):
+                kind, body = await reply
+            assert kind == kv_transfer.ERROR and "secret" in body["message"]
+            late.close()
+        finally:
+            for conn in stalled:
+                conn.close()
+            await server.close()
+
+    asyncio.run(main())
+
+
+def test_a_prefill_worker_that_cannot_take_the_prefill_refuses_it(stories_dir: Path,
+                                                                  engines) -> None:  # type: ignore[no-untyped-def]  # fmt: skip
+    """A prefill worker without KV room for the prompt (or its queue full) refuses the pull:
+    `source_failed` false over the wire, so that its decode worker says kv_source_refused and
+    the gateway prefills elsewhere without taking it for failed (it said kv_transfer_failed, and
+    the gateway set the prefill worker aside as failed)."""
+    _, decode, _ = engines
+    small = _llm(stories_dir, kv_bytes=10 * 5 * 2 * BS * 4 * 8 * 4)  # 10 blocks: 160 tokens
+
+    async def main() -> None:
+        async def body(addr: str, server: KVTransferServer) -> None:
+            group = decode.engine.prepare_request("too-long", _prompt(300),
+                                                  SamplingParams(max_tokens=2))  # fmt: skip
+            with pytest.raises(KVTransferError, match="prefill") as err:
+                await KVImporter(decode, SECRET).submit(group, addr)
+            assert not err.value.source_failed, err.value
+
+        await _with_server(small, body)
+        await _settled(small, decode)
+        assert _allocated(small) == 0 and _allocated(decode) == 0
+
+    try:
+        asyncio.run(main())
+    finally:
+        small.shutdown()
