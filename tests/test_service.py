@@ -468,6 +468,51 @@ def test_the_gateway_reuses_its_connections_to_a_worker(cluster: Cluster) -> Non
         assert now and now <= kept, f"request {i} did not reuse a connection: {kept} -> {now}"
 
 
+def test_requests_held_for_a_pool_share_one_status_read(tmp_path: Path) -> None:
+    # Each held request read the pool's start status from Redis every 50 ms on its own: a
+    # burst held for a starting worker made Redis reads in proportion to its size (~900 a
+    # second for 50 requests). Now one read a poll serves every request held for the model.
+    import redis as sync_redis
+
+    from kvstore.demand import Demand, PoolInfo
+
+    held, hold_s = 24, 2.0
+    (tmp_path / "regions.yaml").write_text("regions:\n  - {name: local, latitude: 0, longitude: 0}\n")
+    with LocalRedis() as server:
+
+        async def announce() -> None:  # a pool that offers the model but never starts it
+            client = connect(server.url)
+            info = PoolInfo("pool-local-t", "local", ["ghost"], 2, 0, time.time())
+            await Demand(client).announce(info, 60)
+            await client.aclose()
+
+        asyncio.run(announce())
+        gw = start_gateway("gw-hold", server.url, tmp_path / "regions.yaml", tmp_path,
+                           extra=["--hold-timeout", str(hold_s)])  # fmt: skip
+        try:
+            stats = sync_redis.Redis.from_url(server.url)
+            time.sleep(1.0)  # (the gateway's snapshot lists the pool)
+
+            async def burst() -> list[int]:
+                async with aiohttp.ClientSession() as http:
+
+                    async def one() -> int:
+                        body = {"model": "ghost", "prompt": "hi", "max_tokens": 2}
+                        async with http.post(f"{gw.url}/v1/completions", json=body) as resp:
+                            return resp.status
+
+                    return await asyncio.gather(*(one() for _ in range(held)))
+
+            stats.config_resetstat()
+            assert set(asyncio.run(burst())) == {503}  # (no worker came: Retry-After)
+            calls = sum(v["calls"] for v in stats.info("commandstats").values())  # type: ignore[union-attr]
+            # shared: ~hold_s / 50 ms status reads, a few commands per request to hold and
+            # release it, the snapshot's refreshes; one read each: held x 40 more
+            assert calls < 8 * held + 2 * hold_s / 0.05 + 100, calls
+        finally:
+            gw.stop()
+
+
 # ---------------------------------------------------------------------- bad input
 BAD = [
     # (path, body, status, param)
