@@ -607,6 +607,14 @@ async def _generate(request: web.Request) -> web.StreamResponse:
             await resp.write(encode_event(refused.event()))
     except ConnectionError:  # the gateway hung up (its client left): `finally` aborts it
         pass
+    except Exception as e:  # a bug: the stream ends with an error event, which the gateway
+        # answers (or retries elsewhere while nothing reached its client); the stream was cut
+        # short instead, the gateway took this worker for broken, and it was counted as the
+        # client having gone
+        log.exception("request %s failed", req.request_id)
+        error = "internal_error"
+        with contextlib.suppress(ConnectionError, RuntimeError):  # (RuntimeError: unprepared)
+            await resp.write(encode_event(ErrorEvent(f"the worker failed: {e!r}"[:500])))
     finally:
         quiet.stop()
         worker.serving.discard(req.request_id)

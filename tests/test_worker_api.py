@@ -387,6 +387,65 @@ def test_an_id_the_engine_refuses_after_the_stream_began_is_a_400_event(stories_
     assert "already in use" in last["message"] and last["error"]["param"] == "request_id", last
 
 
+def test_a_bug_mid_stream_ends_it_with_an_error_event(
+    stories_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """An unexpected exception while a request streams (a bug) ends its stream with an
+    internal_error event, which the gateway answers or retries elsewhere, and frees its KV
+    blocks; the stream was cut short, which the gateway takes for a broken worker, and the
+    request was recorded as its client having gone."""
+    import asyncio
+
+    import aiohttp
+    from aiohttp import web
+
+    from runtime import worker as worker_module
+    from runtime.async_engine import AsyncLLM
+    from runtime.config import EngineConfig
+    from runtime.engine import LLMEngine
+    from runtime.worker import Worker, WorkerConfig, make_app
+
+    def broken(*args: object, **kwargs: object) -> None:
+        raise KeyError("a bug")
+
+    monkeypatch.setattr(worker_module, "_delta", broken)
+    llm = AsyncLLM(LLMEngine(EngineConfig(str(stories_dir), block_size=16,
+                                          kv_cache_bytes=4_000_000, num_threads=1)))  # fmt: skip
+    cfg = WorkerConfig("stories", "r1", "mixed", "127.0.0.1", 0, "http://127.0.0.1:0", SECRET,
+                       None)  # fmt: skip
+    worker = Worker(cfg, llm)
+
+    async def main() -> tuple[list[dict[str, Any]], int]:
+        runner = web.AppRunner(make_app(worker))
+        await runner.setup()
+        site = web.TCPSite(runner, "127.0.0.1", 0)
+        await site.start()
+        port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
+        body = {"request_id": "bug", "model": "stories", "prompt": "Once upon a time",
+                "sampling": {"max_tokens": 4}}  # fmt: skip
+        try:
+            async with aiohttp.ClientSession() as http, http.post(
+                f"http://127.0.0.1:{port}/internal/generate", data=orjson.dumps(body),
+                headers={"x-edgeinfer-secret": SECRET},
+            ) as resp:  # fmt: skip
+                assert resp.status == 200
+                events = [orjson.loads(line) async for line in resp.content if line.strip()]
+            free = await llm.call(lambda e: e.scheduler.blocks.num_free_blocks)
+            return events, free
+        finally:
+            await runner.cleanup()
+
+    try:
+        total = llm.engine.scheduler.blocks.num_free_blocks
+        events, free = asyncio.run(main())
+    finally:
+        llm.shutdown()
+    last = events[-1]
+    assert last["type"] == "error" and last["code"] == "internal_error", events
+    assert "a bug" in last["message"]
+    assert free == total  # the request's blocks went back
+
+
 def test_an_abort_reaches_a_request_still_pulling_its_kv(worker: Proc) -> None:
     """/internal/abort of a disaggregated request whose KV pull is still running (no engine
     stream yet) stops it: its blocks reserved for the import are freed and its stream ends.
