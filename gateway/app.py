@@ -4,8 +4,10 @@
 
 Redis client, the HTTP session to workers, the registry refresh task and telemetry open and
 close in `cleanup_ctx`. `/metrics` serves the Prometheus text of the gateway's metrics (no API
-key needed: scrape it from inside the region). Every error, whichever phase raised it, leaves through `_errors` as an OpenAI
-error object with a 4xx/5xx status; a request never gets an HTML page or a hang. The exception:
+key needed: scrape it from inside the region); with `--metrics-port` it is served there, on a
+listener of its own (`metrics_app`), and not on the main port, which may be public. Every
+error, whichever phase raised it, leaves through `_errors` as an OpenAI error object with a
+4xx/5xx status; a request never gets an HTML page or a hang. The exception:
 a request aiohttp cannot parse (a request line or header over 8190 bytes, a control byte in a
 header) is answered by aiohttp itself, before any handler, with a plain-text 400; it is logged
 as one WARNING line, as is a body that stops decoding after the app refused it (`_ClientFaults`).
@@ -246,9 +248,19 @@ def make_app(
     app.router.add_get("/healthz", healthz)
     app.router.add_get("/readyz", readyz)
     app.router.add_get("/openapi.json", openapi)
-    app.router.add_get("/metrics", metrics)
+    if not config.metrics_port:  # (else on its own listener: `metrics_app`)
+        app.router.add_get("/metrics", metrics)
     app.cleanup_ctx.append(_resources)
     return app
+
+
+def metrics_app(app: web.Application) -> web.Application:
+    """`/metrics` of `app`, the gateway, alone: what `--metrics-port` serves (anything else
+    there is a 404)."""
+    scrape = web.Application()
+    scrape[TELEMETRY] = app[TELEMETRY]
+    scrape.router.add_get("/metrics", metrics)
+    return scrape
 
 
 async def serve(config: GatewayConfig) -> None:
@@ -265,9 +277,17 @@ async def serve(config: GatewayConfig) -> None:
                            keepalive_timeout=config.idle_timeout_s, lingering_time=1.0,
                            auto_decompress=False)  # fmt: skip
     await runner.setup()
+    scrape: web.AppRunner | None = None
     try:  # whatever ends this (a port taken included), the app's cleanup stops its tasks
+        if config.metrics_port:
+            scrape = web.AppRunner(metrics_app(app), access_log=None, shutdown_timeout=1.0,
+                                   keepalive_timeout=config.idle_timeout_s)  # fmt: skip
+            await scrape.setup()
+            await listen(scrape, config.host, config.metrics_port, "gateway's /metrics")
         await _serve(config, app, runner)
     finally:
+        if scrape is not None:
+            await scrape.cleanup()
         await runner.cleanup()
 
 
@@ -279,10 +299,11 @@ async def _serve(config: GatewayConfig, app: web.Application, runner: web.AppRun
     if not config.api_keys:
         log.warning("no API keys configured: the gateway is open to anyone who can reach it")
     view = app[VIEW]
+    metrics_at = f", /metrics on port {config.metrics_port}" if config.metrics_port else ""
     print(
         f"gateway ready: http://{config.host}:{config.port} region {config.region}, "
-        f"{len(view.live_workers())} workers, redis {'ok' if view.redis_ok else 'UNREACHABLE'} "
-        f"({time.strftime('%H:%M:%S')})",
+        f"{len(view.live_workers())} workers, redis {'ok' if view.redis_ok else 'UNREACHABLE'}"
+        f"{metrics_at} ({time.strftime('%H:%M:%S')})",
         flush=True,
     )
     # What start-up made (~60,000 objects: aiohttp, redis, OpenTelemetry, the app) lives as

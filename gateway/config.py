@@ -17,6 +17,10 @@ class GatewayConfig:
     worker_secret: str  # shared secret of the workers' internal API
     host: str = "127.0.0.1"  # interface to bind
     port: int = 8080  # port to bind
+    # /metrics on a listener of its own on this port (same host), and then not on `port`, which
+    # may be public (a LoadBalancer): the metrics name models, workers, regions and error rates
+    # and ask for no API key. 0: /metrics on `port`, beside the API (one machine, `make run`)
+    metrics_port: int = 0
     api_keys: frozenset[str] = frozenset()  # accepted bearer tokens; empty = open
     # origins (scheme://host[:port]) browsers may call the API from, "*" for any; empty: no CORS
     cors_origins: frozenset[str] = frozenset()
@@ -45,6 +49,15 @@ class GatewayConfig:
     def __post_init__(self) -> None:
         if not self.worker_secret:
             raise ValueError("the workers' shared secret is required (--secret / EDGEINFER_SECRET)")
+        if not 0 <= self.metrics_port <= 65535:
+            raise ValueError(
+                f"metrics_port (--metrics-port) must be 0-65535, got {self.metrics_port}"
+            )
+        if self.metrics_port and self.metrics_port == self.port:
+            raise ValueError(
+                f"metrics_port (--metrics-port) must differ from port (--port), both {self.port}: "
+                "0 serves /metrics on the main port"
+            )
         if self.max_body_bytes < 1024:
             raise ValueError(f"max_body_bytes must be at least 1024, got {self.max_body_bytes}")
         if self.worker_idle_timeout_s <= 1.0:

@@ -15,12 +15,20 @@ patches):
     models            models served: the first by the standing workers, all     (required)
                       of them by the pool manager (scale from zero); each a name in the
                       model store, or NAME=FOLDER (served as NAME), as `edgeinfer pool` reads them
-    gpus_per_worker   nvidia.com/gpu per worker pod and pool pod (default 0: CPU)
+    gpus_per_worker   nvidia.com/gpu per worker pod and pool pod: 0 (the default: CPU) or 1. A
+                      worker runs on one GPU (tensor parallelism, --tp, runs on the CPU only so
+                      far), and the pool manager gives its workers no GPU each (they would all run
+                      on its pod's first): with a GPU, pool_max_workers is 0 or 1
     redis_url         a shared Redis for the cluster state; absent: the region runs its own
     drain_timeout     worker --drain-timeout, seconds (default 30); grace periods follow it
     store_class, store_size   the model store's local NVMe StorageClass and size
                       (default local-nvme, 200Gi)
+    worker_cpu, worker_memory   the CPU and memory each worker pod and the pool pod request
+                      (default 4, 16Gi): what the scheduler must find free on one node
+    worker_memory_limit   their memory limit (default 32Gi; at least worker_memory)
     gateway_replicas  (default 2)
+    gateway_service   the gateway Service's type: LoadBalancer (the default: public), NodePort
+                      or ClusterIP (in-cluster only: `kubectl port-forward svc/gateway 8080:80`)
     pool_max_workers  the pool manager's --max-workers (default 1); 0: no pool manager, the
                       standing workers serve the region (so workers >= 1 and one model)
     otlp_endpoint     where gateways and workers send traces and metrics (OTLP/HTTP), an
@@ -31,12 +39,20 @@ patches):
 
 Without --apply the manifests are printed (or written to --out DIR, one file per resource,
 NN-KIND-NAME.yaml numbered in the order they apply: the namespace first); with --apply they are
-piped to `kubectl apply -f -`. --out DIR holds exactly the latest render: the files an earlier
-render wrote there (named NN-KIND-NAME.yaml, and marked so on their first line) are removed
-first, so that `kubectl apply -f DIR` never applies a stale file, such as an old Deployment
-whose number a new resource shifted past the current one's (a rollback); other files in DIR,
-named like those or not, are left alone. Bad input (an unknown
-region, a missing or malformed setting, an overlay that does not render, no kubectl for
+piped to `kubectl apply -f - --prune -l app.kubernetes.io/part-of=edgeinfer,edgeinfer.dev/region=REGION`
+with an allowlist of the kinds the base holds (PRUNE_KINDS; kubectl 1.26 or later): a resource
+that an earlier apply made and a setting has since removed (the pool after pool_max_workers: 0,
+the region's Redis after a redis_url, its collector after an otlp_endpoint) is deleted, not left
+running. Every rendered resource carries both labels (the deploy adds them: `-l` also filters
+what is applied); the Namespace is not in the allowlist (it holds the operator's secret), and
+the workers' volume claims, which kubectl never applied, stay.
+
+--out DIR holds exactly the latest render: the files an earlier render wrote there (named
+NN-KIND-NAME.yaml, and marked so on their first line) are removed first, so that
+`kubectl apply -f DIR` never applies a stale file, such as an old Deployment whose number a new
+resource shifted past the current one's (a rollback); other files in DIR, named like those or
+not, are left alone (`kubectl apply -f DIR` does not prune: --apply does). Bad input (an
+unknown region, a missing or malformed setting, an overlay that does not render, no kubectl for
 --apply) stops before anything is written or applied, with exit status 2 and a message naming
 the region and field; so does an --out DIR that cannot be written (naming DIR).
 """
@@ -62,6 +78,16 @@ OVERLAYS = INFRA / "k8s" / "overlays"
 GRACE_MARGIN_S = 20  # beyond the drain timeout: the preStop pause and the exit itself
 _IMAGE = re.compile(r"^(?P<repo>[a-z0-9][a-z0-9._/:-]*?)(?::(?P<tag>[\w][\w.-]{0,127}))?(?:@(?P<digest>sha256:[0-9a-f]{64}))?$")  # fmt: skip
 _QUANTITY = re.compile(r"^[0-9]+(\.[0-9]+)?(Ki|Mi|Gi|Ti|Pi|k|M|G|T|P)?$")
+_CPU = re.compile(r"^([0-9]+(\.[0-9]+)?|[0-9]+m)$")
+_UNITS = {"": 1, "k": 10**3, "M": 10**6, "G": 10**9, "T": 10**12, "P": 10**15,
+          "Ki": 2**10, "Mi": 2**20, "Gi": 2**30, "Ti": 2**40, "Pi": 2**50}  # fmt: skip
+SERVICE_TYPES = ("LoadBalancer", "NodePort", "ClusterIP")
+# the labels every rendered resource carries, and `kubectl apply --prune -l` selects on
+PART_OF = "app.kubernetes.io/part-of"
+REGION_LABEL = "edgeinfer.dev/region"
+# the kinds `--apply` prunes (group/version/kind): every namespaced kind the base holds, so that a
+# resource a setting removed goes; never Namespace (it holds the operator's secret) nor Secret
+PRUNE_KINDS = ("core/v1/ConfigMap", "core/v1/Service", "apps/v1/Deployment", "apps/v1/StatefulSet")
 _WRITTEN = re.compile(r"^[0-9]{2,}-[a-z0-9]+-[a-z0-9.-]+\.yaml$")  # a file `write` names
 # the first line of every file `write` writes: what the next render into the folder replaces
 _MARK = "# written by infra/deploy.py --out; the next render into this folder replaces it"
@@ -106,6 +132,23 @@ def _str(region: str, settings: dict[str, Any], key: str, default: str | None = 
     return value
 
 
+def _quantity(region: str, settings: dict[str, Any], key: str, default: str, form: re.Pattern[str]) -> str:  # fmt: skip
+    """A Kubernetes quantity setting (a string, or a plain number in the YAML)."""
+    value = settings.get(key, default)
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+        value = str(value)
+    if not isinstance(value, str) or not form.match(value):
+        raise DeployError(f"region {region!r}: settings.{key} is not a quantity: {value!r}")
+    return value
+
+
+def _bytes(quantity: str) -> float:
+    """A memory quantity (matched by _QUANTITY) in bytes."""
+    m = re.match(r"^([0-9.]+)([A-Za-z]*)$", quantity)
+    assert m, quantity
+    return float(m[1]) * _UNITS[m[2]]
+
+
 def _url(region: str, settings: dict[str, Any], key: str) -> str | None:
     """An optional http(s):// URL setting (absent: None)."""
     value = settings.get(key)
@@ -142,10 +185,29 @@ def region_layer(region: str, settings: dict[str, Any]) -> dict[str, Any]:
         raise DeployError(f"region {region!r}: settings.pool_max_workers is 0 (no pool manager), "
                           "so only the standing workers serve, the first of settings.models: "
                           "list one model")  # fmt: skip
+    if gpus > 1:
+        raise DeployError(f"region {region!r}: settings.gpus_per_worker is {gpus}, but a worker "
+                          "runs on one GPU (tensor parallelism, --tp, runs on the CPU only so "
+                          f"far: a worker given {gpus} GPUs would leave them idle); set 0 or 1")  # fmt: skip
+    if gpus and pool_max > 1:
+        raise DeployError(f"region {region!r}: settings.pool_max_workers is {pool_max} with "
+                          "settings.gpus_per_worker: the pool manager gives its workers no GPU "
+                          "each (all would run on its pod's first GPU, the others idle); set "
+                          "pool_max_workers to 0 or 1")  # fmt: skip
     store_class = _str(region, settings, "store_class", "local-nvme")
     store_size = _str(region, settings, "store_size", "200Gi")
     if not _QUANTITY.match(store_size):
         raise DeployError(f"region {region!r}: settings.store_size is not a quantity: {store_size!r}")  # fmt: skip
+    cpu = _quantity(region, settings, "worker_cpu", "4", _CPU)
+    memory = _quantity(region, settings, "worker_memory", "16Gi", _QUANTITY)
+    memory_limit = _quantity(region, settings, "worker_memory_limit", "32Gi", _QUANTITY)
+    if _bytes(memory) > _bytes(memory_limit):
+        raise DeployError(f"region {region!r}: settings.worker_memory_limit ({memory_limit}) is "
+                          f"below settings.worker_memory ({memory})")  # fmt: skip
+    service_type = _str(region, settings, "gateway_service", "LoadBalancer")
+    if service_type not in SERVICE_TYPES:
+        raise DeployError(f"region {region!r}: settings.gateway_service must be one of "
+                          f"{', '.join(SERVICE_TYPES)}, got {service_type!r}")  # fmt: skip
     otlp_endpoint = _url(region, settings, "otlp_endpoint")
     traces_endpoint = _url(region, settings, "traces_endpoint")
     if otlp_endpoint and traces_endpoint:
@@ -176,11 +238,12 @@ def region_layer(region: str, settings: dict[str, Any]) -> dict[str, Any]:
     patches: list[dict[str, Any]] = [_inline({"apiVersion": "v1", "kind": "ConfigMap",
                                               "metadata": {"name": "edgeinfer-config"}, "data": config})]  # fmt: skip
     claim = {"storageClassName": store_class, "resources": {"requests": {"storage": store_size}}}
-    gpu = {"limits": {"nvidia.com/gpu": gpus}} if gpus else {}
+    pod_resources = {"requests": {"cpu": cpu, "memory": memory},
+                     "limits": {"memory": memory_limit, **({"nvidia.com/gpu": gpus} if gpus else {})}}  # fmt: skip
     pods = [("StatefulSet", "worker")] + ([("Deployment", "pool")] if pool_max else [])
     for kind, name in pods:
         pod: dict[str, Any] = {"terminationGracePeriodSeconds": drain + GRACE_MARGIN_S,
-                               "containers": [{"name": name, "resources": gpu}] if gpu else []}  # fmt: skip
+                               "containers": [{"name": name, "resources": pod_resources}]}  # fmt: skip
         spec: dict[str, Any] = {"template": {"spec": pod}}
         if kind == "StatefulSet":
             # volumeClaimTemplates has no merge key: the whole list is replaced, as in kustomize
@@ -189,9 +252,10 @@ def region_layer(region: str, settings: dict[str, Any]) -> dict[str, Any]:
         else:
             pod["volumes"] = [{"name": "model-store", "ephemeral": {"volumeClaimTemplate": {
                 "spec": {"accessModes": ["ReadWriteOnce"], **claim}}}}]  # fmt: skip
-        if not pod["containers"]:
-            del pod["containers"]
         patches.append(_inline({"apiVersion": "apps/v1", "kind": kind, "metadata": {"name": name}, "spec": spec}))  # fmt: skip
+    if service_type != "LoadBalancer":
+        patches.append(_inline({"apiVersion": "v1", "kind": "Service", "metadata": {"name": "gateway"},
+                                "spec": {"type": service_type}}))  # fmt: skip
     if not pool_max:
         patches.append(_delete("apps/v1", "Deployment", "pool"))
     if redis_url:
@@ -213,6 +277,9 @@ def region_layer(region: str, settings: dict[str, Any]) -> dict[str, Any]:
         "images": [image_edit],
         "replicas": [{"name": "worker", "count": workers}, {"name": "gateway", "count": gateways}],
         "patches": patches,
+        # what `apply` selects on to prune: on every resource, the namespace and the collector's
+        # generated config map included, whatever the overlay labels
+        "labels": [{"pairs": {PART_OF: "edgeinfer", REGION_LABEL: region}}],
     }
 
 
@@ -250,11 +317,19 @@ def to_yaml(resources: list[Resource]) -> str:
     return yaml.safe_dump_all(resources, sort_keys=False)
 
 
+def apply_command(kubectl: str, region: str) -> list[str]:
+    """`kubectl apply` of the rendered manifests on stdin, pruning what an earlier apply of the
+    region made and this render no longer holds (see the module docstring)."""
+    selector = f"{PART_OF}=edgeinfer,{REGION_LABEL}={region}"
+    allow = [f"--prune-allowlist={kind}" for kind in PRUNE_KINDS]
+    return [kubectl, "apply", "-f", "-", "--prune", "-l", selector, *allow]
+
+
 def apply(text: str, region: str) -> None:
     kubectl = shutil.which("kubectl")
     if kubectl is None:
         raise DeployError(f"region {region!r}: --apply needs kubectl on PATH; nothing was applied")
-    done = subprocess.run([kubectl, "apply", "-f", "-"], input=text, text=True, check=False)
+    done = subprocess.run(apply_command(kubectl, region), input=text, text=True, check=False)
     if done.returncode != 0:
         raise DeployError(f"region {region!r}: kubectl apply failed (exit {done.returncode})")
 

@@ -19,7 +19,7 @@ from collections.abc import Coroutine
 from pathlib import Path
 from typing import Any
 
-from runtime.cli import non_negative_int, port_arg
+from runtime.cli import non_negative_int, port_arg, port_or_zero
 
 DEFAULT_REDIS = "redis://127.0.0.1:6379/0"
 API_KEY_HELP = ("accepted bearer token (repeatable; default: $EDGEINFER_API_KEYS, comma-separated; "
@@ -194,6 +194,7 @@ def cmd_gateway(args: argparse.Namespace) -> int:
         worker_secret=_secret(args),
         host=args.host,
         port=args.port,
+        metrics_port=args.metrics_port,
         api_keys=frozenset(keys),
         cors_origins=frozenset(o.strip() for o in args.cors_origins.split(",") if o.strip()),
         catalog_path=Path(args.regions),
@@ -408,6 +409,10 @@ def add_service_commands(sub: argparse._SubParsersAction, engine_args) -> None: 
     g.add_argument("--host", default="127.0.0.1",
                    help="interface to listen on; 0.0.0.0 for every one (default %(default)s)")  # fmt: skip
     g.add_argument("--port", type=port_arg, default=8080, help="port to listen on (default %(default)s)")
+    g.add_argument("--metrics-port", type=port_or_zero, default=0, metavar="PORT",
+                   help="serve Prometheus /metrics on this port (same --host) and not on --port, "
+                   "which may be public: the metrics ask for no API key; 0: on --port "
+                   "(default %(default)s)")  # fmt: skip
     g.add_argument(
         "--redis", default=None, help=f"cluster state (default $EDGEINFER_REDIS or {DEFAULT_REDIS})"
     )

@@ -105,6 +105,13 @@ def _check_commands(region: str, settings: dict[str, Any], resources: list[dict[
             assert worker_flags.drain_timeout == float(env["EDGEINFER_DRAIN_TIMEOUT"])
         if command == "gateway":
             assert (args.host, args.port) == ("0.0.0.0", 8080)
+            # /metrics on a port of its own, which the public Service does not reach
+            assert args.metrics_port == 9464
+            assert {"name": "metrics", "containerPort": 9464} in c["ports"]
+            service = _by(resources, "Service", "gateway")
+            named = {p["name"]: p["containerPort"] for p in c["ports"]}
+            targets = [named.get(p["targetPort"], p["targetPort"]) for p in service["spec"]["ports"]]  # fmt: skip
+            assert targets == [8080], targets
 
 
 @pytest.mark.parametrize("region", REGIONS)
@@ -154,6 +161,18 @@ def test_deploy_invariants(region: str) -> None:
     has_redis = any(r["metadata"]["name"] == "redis" for r in resources)
     assert has_redis == ("redis_url" not in settings)
 
+    # no pod runs as root; the edgeinfer image's pods run as its user (uid 10001), and the
+    # model store's volume is theirs (fsGroup)
+    for r in resources:
+        if r["kind"] not in ("Deployment", "StatefulSet"):
+            continue
+        pod = r["spec"]["template"]["spec"]
+        security = pod["securityContext"]
+        name = r["metadata"]["name"]
+        assert security["runAsNonRoot"] is True and security["runAsUser"] != 0, name
+        if _container(r).get("command") == ["edgeinfer"]:
+            assert security["runAsUser"] == security["fsGroup"] == 10001, name
+
 
 def _catalog(tmp_path: Path, region: str = "local", **settings: Any) -> Path:
     raw = yaml.safe_load(deploy.DEFAULT_CATALOG.read_text())
@@ -170,7 +189,7 @@ def _catalog(tmp_path: Path, region: str = "local", **settings: Any) -> Path:
 
 
 def test_catalog_settings_flow_into_manifests(tmp_path: Path) -> None:
-    catalog = _catalog(tmp_path, workers=3, gpus_per_worker=2, drain_timeout=90,
+    catalog = _catalog(tmp_path, workers=3, gpus_per_worker=1, drain_timeout=90,
                        redis_url="rediss://shared.example:6380/0", models=["a", "b"],
                        image="registry.example/ei@sha256:" + "ab" * 32)  # fmt: skip
     resources = deploy.render("local", catalog)
@@ -185,7 +204,7 @@ def test_catalog_settings_flow_into_manifests(tmp_path: Path) -> None:
     assert worker["spec"]["template"]["spec"]["terminationGracePeriodSeconds"] > 90
     c = _container(worker)
     assert c["image"] == "registry.example/ei@sha256:" + "ab" * 32
-    assert c["resources"]["limits"] == {"memory": "32Gi", "nvidia.com/gpu": 2}
+    assert c["resources"]["limits"] == {"memory": "32Gi", "nvidia.com/gpu": 1}
 
 
 def test_model_folder_entries(tmp_path: Path) -> None:
@@ -240,6 +259,15 @@ def test_deploy_sh_paths_are_the_callers(tmp_path: Path) -> None:
         ("local", {"pool_max_workers": 0, "models": ["a", "b"]}, "settings.pool_max_workers"),
         ("local", {"redis_url": "http://x"}, "settings.redis_url"),
         ("local", {"store_size": "lots"}, "settings.store_size"),
+        ("local", {"worker_cpu": "lots"}, "settings.worker_cpu"),
+        ("local", {"worker_memory": "2 GB"}, "settings.worker_memory"),
+        ("local", {"worker_memory": "64Gi"}, "settings.worker_memory_limit"),
+        ("local", {"worker_memory_limit": "1Gi"}, "settings.worker_memory_limit"),
+        ("local", {"gateway_service": "Ingress"}, "settings.gateway_service"),
+        # a worker runs on one GPU (--tp above 1 runs on the CPU), and the pool's workers would
+        # all run on its pod's first GPU: what deploy cannot serve is refused
+        ("local", {"gpus_per_worker": 2}, "settings.gpus_per_worker"),
+        ("local", {"gpus_per_worker": 1, "pool_max_workers": 2}, "settings.pool_max_workers"),
         ("local", {"otlp_endpoint": "otel-collector:4318"}, "settings.otlp_endpoint"),
         ("local", {"otlp_endpoint": 4318}, "settings.otlp_endpoint"),
         ("local", {"otlp_endpoint": "grpc://collector:4317"}, "settings.otlp_endpoint"),
@@ -283,7 +311,7 @@ def test_telemetry_wiring(region: str) -> None:
     assert arg == f"--config={mount['mountPath']}/collector.yaml"
     assert files["collector.yaml"] == (deploy.INFRA / "otel" / "collector.yaml").read_text()
     assert {e["name"]: e["value"] for e in c["env"]}["TRACES_OTLP_ENDPOINT"] == "http://tempo:4317"
-    for kind, name, port in (("Deployment", "gateway", 8080), ("StatefulSet", "worker", 9001)):
+    for kind, name, port in (("Deployment", "gateway", 9464), ("StatefulSet", "worker", 9001)):
         template = _by(resources, kind, name)["spec"]["template"]
         assert template["metadata"]["annotations"] == {
             "prometheus.io/scrape": "true", "prometheus.io/port": str(port),
@@ -388,17 +416,131 @@ def test_an_unwritable_out_exits_2_naming_it(
     assert err.startswith("deploy: error: region 'local': cannot write") and str(out) in err
 
 
-def test_apply_pipes_to_kubectl(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def _apply(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, *args: str) -> tuple[list[str], str]:  # fmt: skip
+    """`deploy.main([*args, "--apply"])` with a kubectl that records its argv and stdin."""
     bin_dir = tmp_path / "bin"
-    bin_dir.mkdir()
+    bin_dir.mkdir(exist_ok=True)
     kubectl = bin_dir / "kubectl"
     kubectl.write_text(f'#!/bin/sh\necho "$@" > {tmp_path}/argv\ncat > {tmp_path}/stdin\n')
     kubectl.chmod(0o755)
     monkeypatch.setenv("PATH", f"{bin_dir}{os.pathsep}{os.environ['PATH']}")
-    assert deploy.main(["us-east", "--apply"]) == 0
-    assert (tmp_path / "argv").read_text().split() == ["apply", "-f", "-"]
-    applied = list(yaml.safe_load_all((tmp_path / "stdin").read_text()))
+    assert deploy.main([*args, "--apply"]) == 0
+    return (tmp_path / "argv").read_text().split(), (tmp_path / "stdin").read_text()
+
+
+def test_apply_pipes_to_kubectl(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    argv, stdin = _apply(tmp_path, monkeypatch, "us-east")
+    selector = "app.kubernetes.io/part-of=edgeinfer,edgeinfer.dev/region=us-east"
+    assert argv == [
+        "apply", "-f", "-", "--prune", "-l", selector,
+        "--prune-allowlist=core/v1/ConfigMap", "--prune-allowlist=core/v1/Service",
+        "--prune-allowlist=apps/v1/Deployment", "--prune-allowlist=apps/v1/StatefulSet"]  # fmt: skip
+    applied = list(yaml.safe_load_all(stdin))
     assert applied == deploy.render("us-east")
+    # `-l` filters what is applied too: a resource without the labels would not be
+    assert all(_selected(r, selector) for r in applied)
+
+
+def _selected(resource: dict[str, Any], selector: str) -> bool:
+    """Whether `kubectl -l SELECTOR` (k=v,k=v) selects the resource."""
+    labels = resource["metadata"].get("labels") or {}
+    return all(labels.get(k) == v for k, v in (pair.split("=", 1) for pair in selector.split(",")))
+
+
+def _gvk(resource: dict[str, Any]) -> str:
+    """group/version/kind as --prune-allowlist names it (core/v1/ConfigMap)."""
+    api = resource["apiVersion"]
+    return f"{api if '/' in api else 'core/' + api}/{resource['kind']}"
+
+
+@pytest.mark.parametrize(
+    ("settings", "removed"),
+    [
+        ({"pool_max_workers": 0}, {"Deployment/pool"}),
+        ({"redis_url": "redis://shared.example:6379/0"}, {"Deployment/redis", "Service/redis"}),
+        ({"otlp_endpoint": "https://otel.example:4318"},
+         {"Deployment/otel-collector", "Service/otel-collector", "ConfigMap/otel-collector-config"}),
+    ],
+)  # fmt: skip
+def test_apply_prunes_what_a_setting_removed(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, settings: dict[str, Any], removed: set[str]
+) -> None:
+    """A setting that drops a resource (the pool, the region's Redis, its collector): the
+    earlier apply made it, and `kubectl apply --prune -l SELECTOR --prune-allowlist ...` deletes
+    it only if it carries the selector's labels and its kind is allowed (plain `apply -f -` left
+    it running: a pool manager starting workers nobody asked for, a Redis no one reads)."""
+    argv, _ = _apply(tmp_path, monkeypatch, "local", "--catalog", str(_catalog(tmp_path, **settings)))  # fmt: skip
+    assert argv[:4] == ["apply", "-f", "-", "--prune"], argv
+    selector = argv[argv.index("-l") + 1]
+    allow = {a.split("=", 1)[1] for a in argv if a.startswith("--prune-allowlist=")}
+    before = deploy.render("local", _catalog(tmp_path))
+    after = deploy.render("local", _catalog(tmp_path, **settings))
+    names = {f"{r['kind']}/{r['metadata']['name']}" for r in after}
+    gone = [r for r in before if f"{r['kind']}/{r['metadata']['name']}" not in names]
+    assert {f"{r['kind']}/{r['metadata']['name']}" for r in gone} == removed
+    for r in gone:
+        assert _selected(r, selector) and _gvk(r) in allow, r["metadata"]
+    for r in before + after:  # everything is applied (`-l` filters what is applied, too)
+        assert _selected(r, selector), r["metadata"]
+        # every namespaced kind may be pruned; the namespace (the operator's secret) never
+        assert (_gvk(r) in allow) == (r["kind"] != "Namespace"), r["kind"]
+    # the base's kinds, whatever a region renders of them
+    assert {_gvk(r) for r in build(deploy.OVERLAYS.parent / "base")} == allow
+    # another region's resources are not this region's to prune
+    assert not _selected(deploy.render("us-east")[1], selector)
+
+
+def test_local_region_fits_a_dev_cluster() -> None:
+    """`local` schedules on kind (or minikube --cpus 4 --memory 8g): small requests, the dev
+    clusters' StorageClass, a small store, no LoadBalancer. The other regions keep the
+    production sizes of the base."""
+    resources = deploy.render("local")
+    cpu = memory = 0.0
+    for r in resources:
+        if r["kind"] in ("Deployment", "StatefulSet"):
+            requests = _container(r)["resources"]["requests"]
+            replicas = r["spec"]["replicas"]
+            c = str(requests["cpu"])
+            cpu += replicas * (float(c[:-1]) / 1000 if c.endswith("m") else float(c))
+            m = re.fullmatch(r"([0-9.]+)(Mi|Gi)", requests["memory"])
+            assert m, requests["memory"]
+            memory += replicas * float(m[1]) * {"Mi": 2**20, "Gi": 2**30}[m[2]]
+    assert cpu <= 3 and memory <= 6 * 2**30, (cpu, memory / 2**30)
+    for kind, name in (("StatefulSet", "worker"), ("Deployment", "pool")):
+        assert _container(_by(resources, kind, name))["resources"]["requests"] == {"cpu": "500m", "memory": "2Gi"}  # fmt: skip
+    (claim,) = _by(resources, "StatefulSet", "worker")["spec"]["volumeClaimTemplates"]
+    assert claim["spec"]["storageClassName"] == "standard"
+    assert claim["spec"]["resources"]["requests"]["storage"] == "5Gi"
+    pool = _by(resources, "Deployment", "pool")["spec"]["template"]["spec"]
+    (volume,) = pool["volumes"]
+    assert volume["ephemeral"]["volumeClaimTemplate"]["spec"]["storageClassName"] == "standard"
+    assert _by(resources, "Service", "gateway")["spec"]["type"] == "ClusterIP"
+
+    base = build(deploy.OVERLAYS.parent / "base")
+    for region in REGIONS:
+        if region == "local":
+            continue
+        resources = deploy.render(region)
+        assert _by(resources, "Service", "gateway")["spec"]["type"] == "LoadBalancer"
+        for kind, name in (("StatefulSet", "worker"), ("Deployment", "pool")):
+            got = _container(_by(resources, kind, name))["resources"]
+            want = _container(_by(base, kind, name))["resources"]
+            assert got["requests"] == want["requests"] == {"cpu": "4", "memory": "16Gi"}
+            assert got["limits"]["memory"] == want["limits"]["memory"] == "32Gi"
+        (claim,) = _by(resources, "StatefulSet", "worker")["spec"]["volumeClaimTemplates"]
+        assert (claim["spec"]["storageClassName"], claim["spec"]["resources"]["requests"]["storage"]) == ("local-nvme", "200Gi")  # fmt: skip
+
+
+def test_resource_settings_flow_into_manifests(tmp_path: Path) -> None:
+    catalog = _catalog(tmp_path, worker_cpu=2, worker_memory="40Gi", worker_memory_limit="48Gi",
+                       gateway_service="NodePort")  # fmt: skip
+    resources = deploy.render("local", catalog)
+    for r in resources:
+        kubernetes_validate.validate(r, K8S_VERSION, strict=True)
+    for kind, name in (("StatefulSet", "worker"), ("Deployment", "pool")):
+        assert _container(_by(resources, kind, name))["resources"] == {
+            "requests": {"cpu": "2", "memory": "40Gi"}, "limits": {"memory": "48Gi"}}  # fmt: skip
+    assert _by(resources, "Service", "gateway")["spec"]["type"] == "NodePort"
 
 
 def test_apply_without_kubectl(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
@@ -430,6 +572,46 @@ def test_deploy_sh(tmp_path: Path) -> None:
     assert done.returncode == 2 and "region 'nowhere'" in done.stderr
     done = subprocess.run([str(script), "local"], capture_output=True, text=True, check=False)
     assert done.returncode == 0 and list(yaml.safe_load_all(done.stdout)) == deploy.render("local")
+
+
+def test_deploy_sh_runs_on_the_hosts_python(tmp_path: Path) -> None:
+    """Without a .venv, deploy.sh runs the host's python3: Python 3.10 has no -P (it printed
+    "Unknown option: -P" and stopped), and a python3 without PyYAML gets one line saying how to
+    install it, not a traceback. Paths with spaces work."""
+    import subprocess
+    import sys
+
+    repo = tmp_path / "a checkout"  # (no .venv in it)
+    shutil.copytree(deploy.INFRA, repo / "infra", ignore=shutil.ignore_patterns("__pycache__"))
+    for package in ("gateway", "runtime"):
+        (repo / package).symlink_to(deploy.INFRA.parent / package)
+    bin_dir = tmp_path / "host bin"
+    bin_dir.mkdir()
+    python3 = bin_dir / "python3"
+    env = {"PATH": f"{bin_dir}{os.pathsep}/usr/bin{os.pathsep}/bin", "HOME": str(tmp_path)}
+    caller = tmp_path / "the caller"
+    caller.mkdir()
+
+    def run(*args: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run([str(repo / "infra" / "deploy.sh"), *args], cwd=caller, env=env,
+                              capture_output=True, text=True, check=False)  # fmt: skip
+
+    # a Python 3.10 (this one, refusing -P as 3.10 does)
+    python3.write_text(f"""#!/bin/sh
+for a in "$@"; do [ "$a" = -P ] && {{ echo "Unknown option: -P" >&2; exit 2; }}; done
+exec "{sys.executable}" "$@"
+""")
+    python3.chmod(0o755)
+    done = run("local", "--out", "out dir")
+    assert done.returncode == 0, done.stderr
+    assert len(done.stdout.split("\n")) - 1 == len(deploy.render("local"))
+    assert (caller / "out dir").is_dir()
+    # a python3 without PyYAML (-S: no site-packages)
+    python3.write_text(f'#!/bin/sh\nexec "{sys.executable}" -S "$@"\n')
+    done = run("local")
+    assert done.returncode == 2 and done.stdout == ""
+    (line,) = done.stderr.splitlines()
+    assert "PyYAML" in line and "pip install pyyaml" in line, line
 
 
 def test_deploy_needs_python_and_pyyaml_only(tmp_path: Path) -> None:
@@ -469,3 +651,47 @@ def test_base_renders_alone() -> None:
     names = {r["metadata"]["name"] for r in build(deploy.OVERLAYS.parent / "base")}
     assert names == {"edgeinfer-config", "redis", "gateway", "worker", "pool", "otel-collector",
                      "otel-collector-config"}  # fmt: skip
+
+
+def test_gateway_metrics_port_keeps_metrics_off_the_public_port(tmp_path: Path) -> None:
+    """`--metrics-port`: /metrics (model names, worker ids, regions, error rates; no API key
+    asked) is served on its own listener, and the main port, a public LoadBalancer in a region,
+    answers it 404; without the flag it stays on the main port (`make run`, one machine)."""
+    import urllib.error
+    import urllib.request
+
+    from kvstore.redis_server import find_free_port
+    from tests.stack import start_gateway
+
+    def get(url: str) -> tuple[int, str, str]:
+        try:
+            with urllib.request.urlopen(url, timeout=10) as resp:
+                return resp.status, resp.headers.get("Content-Type", ""), resp.read().decode()
+        except urllib.error.HTTPError as e:
+            return e.code, "", ""
+
+    redis_url = f"redis://127.0.0.1:{find_free_port()}/0"  # (none there: the gateway starts anyway)
+    metrics_port = find_free_port()
+    gateway = start_gateway("gateway-metrics-port", redis_url, deploy.DEFAULT_CATALOG, tmp_path,
+                            extra=["--metrics-port", str(metrics_port)])  # fmt: skip
+    try:
+        # a request the main port refuses (not JSON): counted, and shown on the metrics port
+        bad = urllib.request.Request(f"{gateway.url}/v1/chat/completions", data=b"{",
+                                     headers={"Content-Type": "application/json"})  # fmt: skip
+        with pytest.raises(urllib.error.HTTPError, match="400"):
+            urllib.request.urlopen(bad, timeout=10)
+        status, content_type, body = get(f"http://127.0.0.1:{metrics_port}/metrics")
+        assert status == 200 and content_type.startswith("text/plain"), (status, content_type)
+        assert "edgeinfer_gateway_errors_total{" in body, body
+        assert get(f"{gateway.url}/metrics")[0] == 404
+        assert get(f"{gateway.url}/healthz")[0] == 200
+        # the metrics listener serves /metrics only
+        assert get(f"http://127.0.0.1:{metrics_port}/healthz")[0] == 404
+        assert f"/metrics on port {metrics_port}" in gateway.tail()
+    finally:
+        gateway.stop()
+    gateway = start_gateway("gateway-default", redis_url, deploy.DEFAULT_CATALOG, tmp_path)
+    try:
+        assert get(f"{gateway.url}/metrics")[0] == 200
+    finally:
+        gateway.stop()

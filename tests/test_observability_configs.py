@@ -209,17 +209,27 @@ def test_prometheus_finds_the_annotated_pods(region: str) -> None:
                 pod = labels["__meta_kubernetes_pod_name"]
                 found.setdefault(job["job_name"], set()).add((pod, labels["__address__"].split(":")[-1], labels["__metrics_path__"]))  # fmt: skip
     assert found == {
-        "edgeinfer-gateway": {("gateway-0", "8080", "/metrics")},
+        # the gateway's own metrics listener (--metrics-port), not its public HTTP port
+        "edgeinfer-gateway": {("gateway-0", "9464", "/metrics")},
         "edgeinfer-worker": {("worker-0", "9001", "/metrics")},
         "edgeinfer-otlp": {("otel-collector-0", "8889", "/metrics")},
         "otel-collector": {("otel-collector-0", "8888", "/metrics")},
     }
-    # the annotated ports are the ones the processes listen on
-    for kind, name, port in (("Deployment", "gateway", "8080"), ("StatefulSet", "worker", "9001")):
+    # the annotated ports are the ones the processes serve /metrics on
+    for kind, name, flag, port in (("Deployment", "gateway", "--metrics-port", "9464"),
+                                   ("StatefulSet", "worker", "--port", "9001")):  # fmt: skip
         (r,) = [x for x in resources if x["kind"] == kind and x["metadata"]["name"] == name]
         (c,) = r["spec"]["template"]["spec"]["containers"]
-        assert c["args"][c["args"].index("--port") + 1] == port
-        assert [p["containerPort"] for p in c["ports"]] == [int(port)]
+        assert c["args"][c["args"].index(flag) + 1] == port
+        assert int(port) in [p["containerPort"] for p in c["ports"]]
+    # and the gateway's public Service does not reach it (a 404 on the HTTP port: no metrics
+    # for whoever reaches the LoadBalancer)
+    by = {(x["kind"], x["metadata"]["name"]): x for x in resources}
+    service, gateway = by["Service", "gateway"], by["Deployment", "gateway"]
+    (c,) = gateway["spec"]["template"]["spec"]["containers"]
+    assert c["args"][c["args"].index("--port") + 1] == "8080"
+    named = {p["name"]: p["containerPort"] for p in c["ports"]}
+    assert [named.get(p["targetPort"], p["targetPort"]) for p in service["spec"]["ports"]] == [8080]
 
 
 # --------------------------------------------------------------------------- the dashboard

@@ -106,3 +106,80 @@ def test_opentelemetry_floors_admit_only_releases_with_what_telemetry_uses() -> 
     assert floors["opentelemetry-sdk"] >= Version("1.42")
     assert floors["opentelemetry-exporter-otlp-proto-http"] == floors["opentelemetry-sdk"]
     assert "registry" in inspect.signature(PrometheusMetricReader).parameters  # (installed)
+
+
+def test_the_image_runs_as_a_user_that_owns_what_it_writes() -> None:
+    """infra/Dockerfile ends as uid 10001, numerically (Kubernetes' runAsNonRoot can check only
+    a number), with a home of its own (~/.cache/edgeinfer: the kernels' build, the measured
+    bandwidth; ~/.triton) and the model store its own; the manifests run its pods as that user
+    with fsGroup 10001, so that the store's volume is writable (tests/test_infra.py)."""
+    dockerfile = (ROOT / "infra" / "Dockerfile").read_text()
+    # (continuation lines joined: one RUN is one line)
+    lines = re.sub(r"\\\n\s*", " ", dockerfile).splitlines()
+    users = [line.split()[1] for line in lines if line.startswith("USER ")]
+    assert users == ["10001"]
+    at = lines.index("USER 10001")
+    assert re.search(r'^ENTRYPOINT \["edgeinfer"\]$', "\n".join(lines[at:]), re.M)
+    assert not [line for line in lines[at:] if line.startswith("RUN ")]  # nothing runs as it
+    before = "\n".join(lines[:at])
+    assert re.search(r"useradd [^\n]*--uid 10001 [^\n]*--home-dir /home/edgeinfer", before)
+    env = dict(re.findall(r"(\w+)=(\S+)", " ".join(x[4:] for x in lines if x.startswith("ENV "))))
+    assert env["HOME"] == "/home/edgeinfer"
+    assert env["EDGEINFER_STORE"] == "/var/lib/edgeinfer/models"
+    assert env["TORCH_EXTENSIONS_DIR"].startswith("/home/edgeinfer/")
+    (made,) = [line for line in lines if "mkdir -p" in line and "chown" in line]
+    for path in (env["EDGEINFER_STORE"], env["TORCH_EXTENSIONS_DIR"], "/home/edgeinfer/.triton"):
+        assert path in made
+    assert re.search(r"chown -R 10001:10001 /var/lib/edgeinfer /home/edgeinfer", made)
+    # the store is where the manifests mount its volume and point EDGEINFER_STORE
+    config = (ROOT / "infra" / "k8s" / "base" / "config.yaml").read_text()
+    assert f"EDGEINFER_STORE: {env['EDGEINFER_STORE']}" in config
+
+
+def _fake_old_python(path: Path) -> Path:
+    """A `python` that is 3.10 as far as the Makefile asks (its version check fails)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.unlink(missing_ok=True)  # (a venv's python is a link to a real one: not through it)
+    path.write_text('#!/bin/sh\ncase "$*" in *platform*) echo 3.10.12 ;; *) exit 1 ;; esac\n')
+    path.chmod(0o755)
+    return path
+
+
+def test_make_venv_makes_a_broken_venv_again(tmp_path: Path) -> None:
+    """The set-up's virtual environment: one made half-way (no pip: `python3 -m venv` without
+    Debian's python3-venv) or by a python below 3.11 was reused for ever (`test -x $(PY)`), and
+    every later step failed; it is made again. A good one is kept; a $(PYTHON) below 3.11
+    stops with what to run instead."""
+    import pytest
+
+    if shutil.which("make") is None:
+        pytest.skip("no make")
+    venv = tmp_path / "venv"
+
+    def make(python: str | Path = sys.executable) -> subprocess.CompletedProcess[str]:
+        return subprocess.run(["make", "--no-print-directory", "-f", str(ROOT / "Makefile"), "venv",
+                               "VENV=venv", f"PYTHON={python}"], cwd=tmp_path,
+                              capture_output=True, text=True, check=False)  # fmt: skip
+
+    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(venv)], check=True)
+    done = make()
+    assert done.returncode == 0, done.stderr
+    assert "has no pip" in done.stdout
+    subprocess.run([str(venv / "bin" / "python"), "-m", "pip", "--version"], check=True,
+                   capture_output=True)  # fmt: skip
+    # a good one stays as it is
+    (venv / "mine").write_text("")
+    assert make().returncode == 0 and (venv / "mine").exists()
+    # one whose python is below 3.11
+    _fake_old_python(venv / "bin" / "python")
+    done = make()
+    assert done.returncode == 0, done.stderr
+    assert "(3.10.12) is not 3.11 or later" in done.stdout
+    assert not (venv / "mine").exists()
+    subprocess.run([str(venv / "bin" / "python"), "-m", "pip", "--version"], check=True,
+                   capture_output=True)  # fmt: skip
+    # a $(PYTHON) below 3.11 makes none
+    shutil.rmtree(venv)
+    done = make(_fake_old_python(tmp_path / "old" / "python3"))
+    assert done.returncode != 0 and not venv.exists()
+    assert "needs Python 3.11 or later" in done.stderr and "3.10.12" in done.stderr
