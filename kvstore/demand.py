@@ -9,24 +9,34 @@ what the pools report back.
     ei:d:{<model>}:start:<region>      string: the id of the pool starting a worker for it now
                                        (SET NX: several pools in a region start one, not one each;
                                        a lease its pool renews while the worker starts)
-    ei:pw:{<region>}                   list: wake-ups (model names) for that region's pool
+    ei:pw:{<region>}                   pub/sub channel: wake-ups (model names) for that region's
+                                       pools (a message, not a key: nothing is left behind)
     ei:pe:{<region>}                   stream: pool events (start, ready, stop, fail) with timings
 
 The flow: a request arrives for a model that some pool offers and no worker serves. The gateway
-adds the request to the model's wait set (with its deadline) and pushes a wake-up; the pool,
-blocked on its wake-up list between ticks, starts a worker at once and publishes `starting`; the
+adds the request to the model's wait set (with its deadline) and publishes a wake-up; the pool,
+listening for wake-ups between ticks, starts a worker at once and publishes `starting`; the
 gateway polls the registry until the worker appears, then forwards the request and removes it
 from the wait set. A worker that fails to start makes the pool publish `failed` with the time of
 its next attempt; waiting gateways answer 503 with that Retry-After instead of waiting out their
 deadline. A gateway that dies leaves its entries behind, but their scores (deadlines) age them
 out: every count first drops the entries past their deadline.
 
-All keys of one model share the `{<model>}` hash tag, and one region's wake-ups and events the
-`{<region>}` tag, so everything here works on a Redis Cluster.
+The wait set is the demand a pool acts on; a wake-up only saves it the wait for its next tick
+(and, from `Demand.wake`, asks for a worker with no request held). Wake-ups are therefore
+published, not queued: every pool of the region hears each one (each acts on its own models),
+and only while it listens. A wake-up no pool heard is gone, so none is acted on long after its
+request was answered or given up (a list of them, kept for a pool started later, made it start
+a worker nobody waited for; the requests still held are in the wait sets it reads each tick).
+
+All keys of one model share the `{<model>}` hash tag, and one region's events the `{<region>}`
+tag, so everything here works on a Redis Cluster (which carries a PUBLISH to the subscribers of
+every node).
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import time
 from dataclasses import dataclass, field
@@ -71,7 +81,7 @@ return 0
 """
 
 
-def wake_key(region: str) -> str:
+def wake_channel(region: str) -> str:
     return f"{PREFIX}pw:{{{check_id(region, 'region')}}}"
 
 
@@ -118,8 +128,8 @@ class ModelStatus:
 class Demand:
     """Reads and writes of the keys above; one instance per process over its shared client.
 
-    Blocking reads (`next_wakeup`) need a client whose socket timeout exceeds the block time
-    (kvstore.client.connect(timeout_s=...)).
+    Wake-ups (`wakeups`) are best heard on a client of their own: their subscription holds a
+    connection for good (kvstore.client.connect(timeout_s=...), longer than a wait for them).
     """
 
     def __init__(self, redis: Redis) -> None:
@@ -151,10 +161,9 @@ class Demand:
         _, n = await pipe.execute()
         return int(n)
 
-    async def next_wakeup(self, region: str, timeout_s: float) -> str | None:
-        """Block up to `timeout_s` for a gateway's wake-up; the model it names, or None."""
-        got = await self.redis.blpop([wake_key(region)], timeout=timeout_s)  # type: ignore[misc]
-        return as_text(got[1]) if got else None
+    def wakeups(self, region: str) -> Wakeups:
+        """A subscription to the wake-ups of `region`'s pools (subscribed on its first wait)."""
+        return Wakeups(self.redis, region)
 
     async def set_status(self, model: str, region: str, status: ModelStatus, ttl_s: float) -> None:
         status.updated_at = time.time()
@@ -257,7 +266,49 @@ class Demand:
             return None
 
 
+class Wakeups:
+    """A pool's subscription to its region's wake-ups. It hears those published while it is
+    subscribed (from its first `next`), and a wait returns every model named since the last
+    one, each once: a burst of held requests wakes the pool once, not once per request."""
+
+    MAX_BATCH = 1000  # messages taken in one `next` at most (a flood must not stall the pool)
+
+    def __init__(self, redis: Redis, region: str) -> None:
+        self.redis = redis
+        self.channel = wake_channel(region)
+        self._pubsub: Any = None  # redis.asyncio PubSub, once subscribed
+
+    async def next(self, timeout_s: float) -> set[str]:
+        """Wait up to `timeout_s` for a wake-up; the models named by those that came (empty if
+        none did). A Redis error is raised, the subscription dropped: the next call subscribes
+        again (wake-ups published meanwhile are lost; the wait sets still hold the requests)."""
+        try:
+            if self._pubsub is None:
+                self._pubsub = self.redis.pubsub(ignore_subscribe_messages=True)
+                await self._pubsub.subscribe(self.channel)
+            models: set[str] = set()
+            deadline = time.monotonic() + timeout_s
+            for _ in range(self.MAX_BATCH):
+                left = 0.0 if models else max(0.0, deadline - time.monotonic())
+                msg = await self._pubsub.get_message(timeout=left)
+                if msg is None:  # none within `left` (or a subscription's confirmation)
+                    if models or time.monotonic() >= deadline:
+                        break
+                elif msg.get("type") == "message":
+                    models.add(as_text(msg["data"]))
+            return models
+        except BaseException:
+            await self.aclose()
+            raise
+
+    async def aclose(self) -> None:
+        pubsub, self._pubsub = self._pubsub, None
+        if pubsub is not None:
+            with contextlib.suppress(Exception):
+                await pubsub.aclose()
+
+
 def _push_wakeup(pipe: Any, model: str, region: str) -> None:
-    """Queue, on `pipe`, a wake-up of `region`'s pools for `model`."""
-    pipe.rpush(wake_key(region), model)
-    pipe.ltrim(wake_key(region), -1000, -1)  # a pool that is gone must not let it grow
+    """Publish, on `pipe`, a wake-up of `region`'s pools for `model` (heard by those listening
+    now, kept by none)."""
+    pipe.publish(wake_channel(region), check_id(model, "model"))

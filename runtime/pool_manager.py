@@ -2,12 +2,13 @@
 
     edgeinfer pool --region R --models M1,M2 --max-workers N [--min-workers K] [--idle S]
 
-Each tick (every `tick_s`, or at once when a gateway pushes a wake-up) the pool reads, from
+Each tick (every `tick_s`, or at once when a gateway publishes a wake-up) the pool reads, from
 Redis, the region's registered workers and the requests gateways are holding for a model with no
 worker (kvstore/demand.py), and for each model decides (`decide`, a pure function):
 
-- scale from zero: no live worker and requests waiting (or asked for since the last failed
-  start): start one; the gateways hold those requests until it registers;
+- scale from zero: no live worker and requests waiting (or asked for, by a held request or a
+  wake-up, within DEMAND_FRESH_S and since the last failed start or scale-down): start one; the
+  gateways hold those requests until it registers;
 - scale up: every worker of the model is queueing (requests waiting behind full batches) for
   `scale_up_after_s`: start one more, one start in flight per model at a time;
 - scale down: one of our workers has had nothing to do for `idle_s`: SIGTERM it (it drains);
@@ -34,6 +35,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import math
 import os
 import secrets
 import signal
@@ -45,7 +47,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from kvstore.client import connect, stop_task
-from kvstore.demand import Demand, ModelStatus, PoolInfo
+from kvstore.demand import Demand, ModelStatus, PoolInfo, Wakeups
+from kvstore.keys import check_id
 from kvstore.protocol import WorkerInfo
 from kvstore.redis_server import find_free_port
 from kvstore.registry import Registry
@@ -63,6 +66,17 @@ TEMPLATE_WAIT_S = 5.0  # longest a start waits for a worker template still impor
 START_LEASE_EXTRA_S = TEMPLATE_WAIT_S + SPAWN_TIMEOUT_S
 WORKER_DRAIN_TIMEOUT_S = 30.0  # `edgeinfer worker --drain-timeout`'s default
 STOP_MARGIN_S = 10.0  # a shutdown's wait beyond the workers' drain: their exit
+# a scale from zero needs a request held now, or demand (a held request, a wake-up) this recent:
+# a worker that dies long after its last demand (killed for memory while idle) is not started
+# again for nobody. It spans a failed start's retry after a short backoff; after a longer one,
+# the start waits for requests to come back (they do: 503 Retry-After sent them away till then)
+DEMAND_FRESH_S = 30.0
+# `edgeinfer worker` flags the pool sets for each worker itself (or that break its watch of
+# them): given again in worker_args they would win (argparse keeps the last). A fixed
+# --worker-id made the pool kill a healthy worker in a loop ("not registered"); a fixed --port
+# broke every worker after the first.
+POOL_WORKER_FLAGS = ("--model", "--served-model-name", "--region", "--host", "--port", "--redis",
+                     "--worker-id", "--advertise-url", "--no-redis")  # fmt: skip
 
 
 @dataclass(slots=True)
@@ -91,6 +105,15 @@ class PoolConfig:
     def __post_init__(self) -> None:
         if not self.models:
             raise ValueError("--models: name at least one model")
+        check_id(self.region, "--region")
+        for name in self.models:
+            check_id(name, "--models: a model name")
+        for what, value in (("--idle", self.idle_s), ("--scale-up-after", self.scale_up_after_s),
+                            ("--ready-timeout", self.ready_timeout_s), ("backoff_s", self.backoff_s),
+                            ("tick_s", self.tick_s), ("heartbeat_s", self.heartbeat_s),
+                            ("ttl_s", self.ttl_s)):  # fmt: skip
+            if not math.isfinite(value):
+                raise ValueError(f"{what} must be a finite number of seconds, got {value}")
         if self.max_workers < 1:
             raise ValueError(f"--max-workers must be at least 1, got {self.max_workers}")
         if self.min_workers < 0 or self.min_workers * len(self.models) > self.max_workers:
@@ -100,8 +123,27 @@ class PoolConfig:
             )
         if self.idle_s <= 0 or self.tick_s <= 0 or self.ready_timeout_s <= 0:
             raise ValueError("--idle, the tick and --ready-timeout must be positive")
+        if self.scale_up_queue < 1:  # (0: an idle worker counted as queueing)
+            raise ValueError(f"--scale-up-queue must be at least 1, got {self.scale_up_queue}")
+        if self.scale_up_after_s < 0:
+            raise ValueError(f"--scale-up-after must be >= 0, got {self.scale_up_after_s}")
+        if self.backoff_s <= 0:
+            raise ValueError(f"backoff_s must be positive, got {self.backoff_s}")
+        if self.heartbeat_s <= 0 or self.ttl_s <= self.heartbeat_s:
+            raise ValueError(
+                f"ttl_s ({self.ttl_s}) must exceed heartbeat_s ({self.heartbeat_s}), which must "
+                "be positive: the pool's registration would lapse between its heartbeats"
+            )
+        for arg in self.worker_args:
+            flag = _pool_flag(arg)
+            if flag is not None:
+                raise ValueError(
+                    f"--worker-args: {arg!r} sets {flag}, which the pool sets for each worker "
+                    "itself (use the pool's own --region, --host, --redis, --models)"
+                )
         if not self.pool_id:
             self.pool_id = f"pool-{self.region}-{secrets.token_hex(3)}"
+        check_id(self.pool_id, "pool_id")
 
     @property
     def stop_timeout_s(self) -> float:
@@ -117,6 +159,15 @@ class PoolConfig:
                 with contextlib.suppress(ValueError):
                     drain = float(value)
         return max(0.0, drain) + STOP_MARGIN_S
+
+
+def _pool_flag(arg: str) -> str | None:
+    """The flag of POOL_WORKER_FLAGS that `arg` (`--flag`, `--flag=value`, or a prefix of a flag,
+    which argparse takes as that flag) sets, if any."""
+    name = arg.partition("=")[0]
+    if not name.startswith("--") or len(name) < 3:
+        return None
+    return next((f for f in POOL_WORKER_FLAGS if f.startswith(name)), None)
 
 
 @dataclass(slots=True)
@@ -182,9 +233,10 @@ def decide(
     if can_start and len(active) < cfg.min_workers:
         return Decision(start=True, why=f"below the minimum of {cfg.min_workers}")
     # (our own ready workers count even when the registry does not list them: Redis restarted)
-    if can_start and not serving and not any(m.ready for m in active) and (
-        state.wanted_at > state.settled_at
-    ):
+    # demand since the last failed start or scale-down, and recent (or a worker that died
+    # long after its last request would be started again with nobody waiting)
+    asked = state.wanted_at > state.settled_at and now - state.wanted_at <= DEMAND_FRESH_S
+    if can_start and not serving and not any(m.ready for m in active) and asked:
         return Decision(start=True, why=f"scale from zero ({waiting} waiting)")
     if can_start and state.queueing_since and now - state.queueing_since >= cfg.scale_up_after_s:
         state.queueing_since = now  # the next one only after another full period of queueing
@@ -265,7 +317,7 @@ class Pool:
         blocking = connect(cfg.redis_url, timeout_s=cfg.tick_s + 5.0)
         self.demand = Demand(redis)
         self.registry = Registry(redis)
-        waker = Demand(blocking)
+        wakeups = Demand(blocking).wakeups(cfg.region)
         log.info(
             "pool %s: region %s, models %s, %d-%d workers per model, %d at most, idle stop %.0fs",
             cfg.pool_id, cfg.region, ", ".join(cfg.models), cfg.min_workers, cfg.max_workers,
@@ -280,15 +332,16 @@ class Pool:
                     await self._unless_stopped(self._announce())
                     last_beat = time.monotonic()
                 try:
-                    woke = await self._unless_stopped(self._tick(waker))
+                    woke = await self._unless_stopped(self._tick(wakeups))
                 except Exception as e:  # Redis down: keep the workers, try again next tick
                     log.warning("pool tick failed (redis?): %s", e)
                     await self._unless_stopped(asyncio.sleep(cfg.tick_s))
                     continue
-                if woke in self.states:
-                    self.states[woke].wanted_at = time.monotonic()
+                for model in (woke or set()) & self.states.keys():  # (others: another pool's)
+                    self.states[model].wanted_at = time.monotonic()
         finally:
             await self.shutdown()
+            await wakeups.aclose()
             with contextlib.suppress(Exception):
                 await self.demand.withdraw(cfg.pool_id)
             await redis.aclose()
@@ -301,9 +354,10 @@ class Pool:
     def _lease_s(self) -> float:
         return self.cfg.ttl_s + START_LEASE_EXTRA_S
 
-    async def _tick(self, waker: Demand) -> str | None:
+    async def _tick(self, wakeups: Wakeups) -> set[str]:
+        """A tick, then a wait of up to `tick_s` for wake-ups; the models they named."""
         await self.tick()
-        return await waker.next_wakeup(self.cfg.region, self.cfg.tick_s)
+        return await wakeups.next(self.cfg.tick_s)
 
     async def _unless_stopped(self, work: Coroutine[Any, Any, Any]) -> Any:
         """`work`'s result, or None once the pool is asked to stop (the work cancelled): a tick
@@ -377,7 +431,9 @@ class Pool:
                     stopped = self.managed[victim]
                     # a scale-down: its model's past demand is spent (or it would take the slot)
                     self.states[stopped.model].settled_at = now
-                    await self._request_stop(stopped, f"making room for {model} ({waiting} waiting)")
+                    await self._request_stop(
+                        stopped, f"making room for {model} ({waiting} waiting)"
+                    )
                 elif not state.full:
                     state.full = True
                     await self._status(model, ModelStatus("full", cfg.pool_id))

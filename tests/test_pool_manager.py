@@ -89,6 +89,22 @@ def test_decide_backs_off_after_a_failed_start() -> None:
     assert decide(cfg, state, [], [], waiting=0, room=3, now=4.0, wall=4.0).start
 
 
+def test_decide_needs_recent_demand_to_scale_from_zero() -> None:
+    """A worker that dies long after its last demand (killed for memory, idle) is not started
+    again with nothing waiting: the demand that started it, at 5, is spent by 290 (it used to
+    start one, kept up for --idle, for nobody). Recent or waiting demand still starts one."""
+    cfg = _cfg(idle_s=300.0)
+    stale = ModelState(wanted_at=5.0, settled_at=0.0)
+    assert decide(cfg, stale, [], [], waiting=0, room=3, now=290.0, wall=290.0) == Decision()
+    from runtime.pool_manager import DEMAND_FRESH_S
+
+    assert not decide(cfg, stale, [], [], waiting=0, room=3, now=5.0 + DEMAND_FRESH_S + 0.1,
+                      wall=0.0).start  # fmt: skip
+    assert decide(cfg, stale, [], [], waiting=0, room=3, now=5.0 + DEMAND_FRESH_S, wall=0.0).start
+    assert decide(cfg, ModelState(wanted_at=5.0), [], [], waiting=2, room=3, now=290.0,
+                  wall=290.0).start  # fmt: skip
+
+
 def test_decide_keeps_the_minimum() -> None:
     cfg, state = _cfg(min_workers=1), ModelState()
     assert decide(cfg, state, [], [], waiting=0, room=3, now=1.0, wall=1.0).start
@@ -206,6 +222,90 @@ def test_pool_config_rejects_impossible_limits() -> None:
         _cfg(min_workers=2, max_workers=1)
     with pytest.raises(ValueError, match="--max-workers must be at least 1"):
         _cfg(max_workers=0)
+
+
+@pytest.mark.parametrize(
+    ("setting", "error"),
+    [
+        # 0: an idle worker counted as queueing, and the pool grew to --max-workers unasked
+        (dict(scale_up_queue=0), "--scale-up-queue must be at least 1"),
+        (dict(scale_up_queue=-1), "--scale-up-queue must be at least 1"),
+        (dict(scale_up_after_s=-5.0), "--scale-up-after must be >= 0"),
+        (dict(backoff_s=0.0), "backoff_s must be positive"),
+        (dict(backoff_s=-1.0), "backoff_s must be positive"),
+        # names that cannot go in a hash tag: the pool ran on, its every tick failing
+        (dict(region="eu{1}"), "--region must not contain"),
+        (dict(models={"m{x}": "/x"}), "model name must not contain"),
+        (dict(models={"": "/x"}), "model name must be a non-empty string"),
+        (dict(ttl_s=0.1, heartbeat_s=5.0), "ttl_s .* must exceed heartbeat_s"),
+        (dict(ttl_s=2.0, heartbeat_s=2.0), "ttl_s .* must exceed heartbeat_s"),
+        (dict(idle_s=float("nan")), "--idle must be a finite number"),
+        (dict(scale_up_after_s=float("inf")), "--scale-up-after must be a finite number"),
+        (dict(ready_timeout_s=float("nan")), "--ready-timeout must be a finite number"),
+        (dict(tick_s=float("nan")), "tick_s must be a finite number"),
+        (dict(ttl_s=float("inf")), "ttl_s must be a finite number"),
+    ],
+)
+def test_pool_config_rejects_bad_settings(setting: dict[str, object], error: str) -> None:
+    with pytest.raises(ValueError, match=error):
+        _cfg(**setting)
+
+
+@pytest.mark.parametrize(
+    ("args", "flag"),
+    [
+        (["--worker-id", "fixed-id"], "--worker-id"),  # the pool killed it in a loop
+        (["--threads", "1", "--port", "9000"], "--port"),  # every worker after the first broke
+        (["--port=9000"], "--port"),
+        (["--worker-i", "x"], "--worker-id"),  # (argparse takes a prefix as the flag)
+        (["--region=eu"], "--region"),
+        (["--redis", "redis://elsewhere"], "--redis"),
+        (["--model", "/m"], "--model"),
+        (["--served-model-name=other"], "--served-model-name"),
+        (["--host", "0.0.0.0"], "--host"),
+        (["--no-redis"], "--no-redis"),
+    ],
+)
+def test_pool_config_rejects_worker_args_that_set_the_pools_own_flags(
+    args: list[str], flag: str
+) -> None:
+    with pytest.raises(ValueError, match=f"--worker-args: .* sets {flag}, which the pool sets"):
+        _cfg(worker_args=args)
+
+
+def test_pool_config_takes_other_worker_args() -> None:
+    args = ["--threads", "1", "--drain-timeout=5", "--max-num-seqs", "8", "--draft-model", "/d"]
+    assert _cfg(worker_args=args).worker_args == args
+
+
+def test_a_pool_with_a_bad_setting_exits_2_in_one_line(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """`edgeinfer pool` refuses them at start-up (a region with braces ran on for good, its
+    every tick failing; --scale-up-queue 0 grew the pool unasked; --worker-id in --worker-args
+    killed a healthy worker in a loop)."""
+    import runtime.pool_manager
+    from runtime.cli import main
+
+    served: list[PoolConfig] = []
+
+    async def serve(cfg: PoolConfig) -> None:
+        served.append(cfg)
+
+    monkeypatch.setattr(runtime.pool_manager, "serve", serve)
+    (tmp_path / "config.json").write_text("{}")
+    pool = ["pool", "--models", f"m={tmp_path}", "--secret", "s"]
+    for bad, error in (
+        (["--region", "eu{1}"], "--region must not contain"),
+        (["--scale-up-queue", "0"], "--scale-up-queue must be at least 1"),
+        (["--idle", "nan"], "--idle must be a finite number"),
+        (["--worker-args", "--threads 1 --worker-id fixed"], "sets --worker-id"),
+    ):
+        assert main([*pool, *bad]) == 2, bad
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and err[0].startswith("edgeinfer: error: ") and error in err[0], err
+    assert not served
+    assert main(pool) == 0 and len(served) == 1
 
 
 # ---------------------------------------------------------------------- end to end
@@ -373,13 +473,105 @@ def test_one_start_claim_per_model_and_region(redis_server) -> None:  # type: ig
             await d.hold("m", "eu", "req-1", now + 60)
             await d.hold("m", "eu", "req-2", now - 1)  # a dead gateway's, past its deadline
             assert await d.waiting("m", "eu") == 1
-            assert await d.next_wakeup("eu", 0.1) == "m"
             await d.release("m", "eu", "req-1")
             assert await d.waiting("m", "eu") == 0
         finally:
             await r.aclose()
 
     asyncio.run(run())
+
+
+async def test_wakeups_reach_every_pool_of_the_region_and_are_never_kept(redis_server) -> None:  # type: ignore[no-untyped-def]
+    """Wake-ups are published, not queued. Requests held and answered (503) before any pool
+    listened leave none behind (a pool started later started a worker nobody waited for, one
+    per request); every pool of the region hears each wake-up, its own models or not (one pool
+    took, and dropped, another's); a burst comes as one wake, each model once; and a pool
+    waiting for wake-ups wakes at once."""
+    import asyncio
+
+    from kvstore.client import connect
+    from kvstore.demand import Demand
+
+    gateway, pools = connect(redis_server.url), connect(redis_server.url, timeout_s=5.0)
+    d = Demand(gateway)
+    a, b, far = (Demand(pools).wakeups(region) for region in ("eu", "eu", "us"))
+    try:
+        now = time.time()
+        for i in range(3):  # held, given up on (hold timeout: 503) and released, no pool about
+            await d.hold("m", "eu", f"req-{i}", now + 3)
+            await d.release("m", "eu", f"req-{i}")
+        assert await a.next(0.3) == set()  # a pool started later: nothing left for it
+        assert await b.next(0.05) == set() and await far.next(0.05) == set()
+        for i in range(5):
+            await d.hold("a", "eu", f"burst-{i}", now + 60)
+        await d.wake("b", "eu")  # (no request held: a gateway serving "b" from afar)
+        assert await a.next(2.0) == {"a", "b"}
+        assert await b.next(2.0) == {"a", "b"}
+        assert await far.next(0.2) == set()  # another region's
+        assert await a.next(0.05) == set()  # each wake-up once
+
+        async def later() -> None:
+            await asyncio.sleep(0.2)
+            await d.wake("m", "eu")
+
+        t0 = time.monotonic()
+        waker = asyncio.ensure_future(later())
+        assert await a.next(5.0) == {"m"}
+        assert time.monotonic() - t0 < 2.0  # woken, not timed out
+        await waker
+    finally:
+        for w in (a, b, far):
+            await w.aclose()
+        await gateway.aclose()
+        await pools.aclose()
+
+
+async def test_pools_start_workers_for_fresh_wakeups_of_their_own_models_only(  # type: ignore[no-untyped-def]
+    redis_server,
+) -> None:
+    """Two pools of one region, running: requests held and answered before they started leave
+    them nothing to start (they started a worker nobody waited for); a gateway's wake-up for
+    "b" starts one at pool b at once, ticks 5 s apart notwithstanding (pool a took, and
+    dropped, the wake-ups for b it popped from the list they shared)."""
+    import asyncio
+    from dataclasses import replace
+
+    from kvstore.client import connect
+    from kvstore.demand import Demand
+    from runtime.pool_manager import Pool
+
+    spawned: list[str] = []
+
+    async def spawn(argv: list[str], env: dict[str, str]):  # type: ignore[no-untyped-def]
+        spawned.append(argv[argv.index("--served-model-name") + 1])
+        proc = await asyncio.create_subprocess_exec("sleep", "60", stdout=asyncio.subprocess.PIPE)
+        return proc, "exec"
+
+    redis_ = connect(redis_server.url)
+    d = Demand(redis_)
+    for i in range(3):  # a gateway's held requests, given their 503 (hold timeout), no pool up
+        await d.hold("b", "r", f"req-{i}", time.time() + 3)
+        await d.release("b", "r", f"req-{i}")
+    cfg = _cfg(redis_url=redis_server.url, tick_s=5.0, zygote=False)
+    pools = [Pool(replace(cfg, models={m: "/x"}, pool_id=f"pool-{m}")) for m in ("a", "b")]
+    runs = []
+    for pool in pools:
+        pool._spawn_process = spawn  # type: ignore[method-assign,assignment]
+        runs.append(asyncio.ensure_future(pool.run()))
+    try:
+        await asyncio.sleep(1.5)
+        assert spawned == []  # nobody waits
+        t0 = time.monotonic()
+        await d.wake("b", "r")
+        while not spawned and time.monotonic() - t0 < 4.0:
+            await asyncio.sleep(0.05)
+        assert spawned == ["b"] and time.monotonic() - t0 < 4.0  # woken, not its next tick
+        assert not pools[0].managed and len(pools[1].managed) == 1
+    finally:
+        for pool in pools:
+            pool.stop()
+        await asyncio.wait_for(asyncio.gather(*runs), 30)
+        await redis_.aclose()
 
 
 def test_a_worker_that_dies_leaves_the_registry_at_once(redis_server) -> None:  # type: ignore[no-untyped-def]
@@ -623,7 +815,8 @@ def test_a_start_claim_is_a_lease_that_lapses_with_its_pool(  # type: ignore[no-
         redis_ = connect(redis_server.url)
         pools = []
         for name in ("pool-a", "pool-b"):
-            pool = Pool(_cfg(redis_url=redis_server.url, ttl_s=1.0, min_workers=1, pool_id=name))
+            pool = Pool(_cfg(redis_url=redis_server.url, ttl_s=1.0, heartbeat_s=0.3, min_workers=1,
+                             pool_id=name))  # fmt: skip
             pool.registry, pool.demand = Registry(redis_, ttl_s=60.0), Demand(redis_)
             pool._spawn_process = never_registers  # type: ignore[method-assign,assignment]
             pools.append(pool)
