@@ -106,7 +106,8 @@ def export_server(
     engine = llm.engine
     return KVTransferServer(
         kv_pages(llm), engine.cache_id, secret, export, release, hold_s, on_served=on_served,
-        stalled=llm.is_stalled, max_tokens=engine.max_model_len,
+        stalled=llm.is_stalled,
+        max_tokens=min(engine.max_model_len, engine.scheduler.capacity_tokens),
     )
 
 
