@@ -208,7 +208,9 @@ def apply_penalties(logits: torch.Tensor, states: list[SamplingState]) -> torch.
         vals = out[rows, toks]
         # bounded: a penalty near 0 (or huge) would overflow float32 to +-inf, and an inf logit
         # makes the softmax NaN (1e30 stays finite divided by any temperature the sampler uses)
-        out[rows, toks] = torch.where(vals > 0, vals / rep, vals * rep).clamp_(
+        # (a logit of 0 stays 0: 0 times a penalty that overflowed would be NaN)
+        lowered = torch.where(vals < 0, vals * rep, vals)
+        out[rows, toks] = torch.where(vals > 0, vals / rep, lowered).clamp_(
             -PENALIZED_BOUND, PENALIZED_BOUND
         )
 

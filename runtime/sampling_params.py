@@ -10,6 +10,11 @@ if TYPE_CHECKING:
     from runtime.structured import StructuredOutputsParams
 
 
+# The largest repetition penalty taken: larger ones turn a logit of 0 times it into NaN in float32
+# (and no model's answer changes past a few units anyway).
+MAX_REPETITION_PENALTY = 1e4
+
+
 class InvalidRequestError(ValueError):
     """Bad user input. `param` names the offending field; the message states the limit;
     `code`, where OpenAI has one for the case (context_length_exceeded).
@@ -87,9 +92,10 @@ class SamplingParams:
                     "seed", f"must be a 64-bit signed integer, in [-2**63, 2**63), got {self.seed}"
                 )
         _num_field("repetition_penalty", self.repetition_penalty)
-        if self.repetition_penalty <= 0:
+        if not 0 < self.repetition_penalty <= MAX_REPETITION_PENALTY:
             raise InvalidRequestError(
-                "repetition_penalty", f"must be > 0, got {self.repetition_penalty}"
+                "repetition_penalty",
+                f"must be > 0 and at most {MAX_REPETITION_PENALTY:g}, got {self.repetition_penalty}",
             )
         for name in ("presence_penalty", "frequency_penalty"):
             value = getattr(self, name)

@@ -13,7 +13,7 @@ import torch
 
 import runtime.sampler as sampler_mod
 from runtime.sampler import Sampler, SamplingState, apply_penalties
-from runtime.sampling_params import SamplingParams
+from runtime.sampling_params import MAX_REPETITION_PENALTY, InvalidRequestError, SamplingParams
 
 sample = Sampler()
 
@@ -193,7 +193,7 @@ def test_greedy_with_penalties_takes_argmax_of_penalized_logits() -> None:
     assert sample(logits, states).token_ids == [1, 2]
 
 
-@pytest.mark.parametrize("penalty", [1e-38, 1e-45, 1e38])
+@pytest.mark.parametrize("penalty", [1e-38, 1e-45, MAX_REPETITION_PENALTY])
 @pytest.mark.parametrize(
     "params",
     [
@@ -438,3 +438,14 @@ def test_a_token_the_grammar_rules_out_has_logprob_minus_inf() -> None:
     assert len(allowed) == 2 and all(math.isfinite(v) for v in allowed)
     assert sum(math.exp(v) for v in allowed) == pytest.approx(1.0, abs=1e-5)
     assert [v for t, v in lps.top if t not in (0, 1)] == [-math.inf, -math.inf]
+
+
+def test_a_repetition_penalty_past_the_bound_is_refused_and_a_zero_logit_stays_zero() -> None:
+    # 1e39 became inf in float32: a seen token whose logit was exactly 0 got 0 * inf = NaN, which
+    # greedy picked (argmax prefers NaN) and sampling logged as non-finite weights
+    with pytest.raises(InvalidRequestError) as e:
+        SamplingParams(repetition_penalty=1e39)
+    assert e.value.param == "repetition_penalty" and "at most" in e.value.message
+    logits = torch.tensor([[0.0, 1.0, -1.0, 2.0]])
+    penalized = apply_penalties(logits, [state(prompt=[0, 1, 2], repetition_penalty=1e4)])
+    assert penalized[0].tolist() == pytest.approx([0.0, 1e-4, -1e4, 2.0])
