@@ -46,7 +46,7 @@ from typing import TYPE_CHECKING, Any
 import orjson
 
 from gateway.errors import APIError, bad_gateway, internal, invalid, unavailable
-from runtime.tool_parsers import is_json
+from runtime.tool_parsers import is_json_object
 
 if TYPE_CHECKING:
     from gateway.openai_api import RequestOptions
@@ -345,11 +345,12 @@ def _add_tool_call(c: _Choice, call: object) -> None:
 
 
 def _complete(call: dict[str, Any]) -> bool:
-    """A call's arguments are whole JSON (not cut off by a stop string, say; a call without
-    arguments has "{}" from the worker, and "" is one cut off right after its name). JSON as
-    the worker's parser reads it (orjson refuses the raw newlines and tabs that models write in
-    code)."""
-    return is_json(call["function"]["arguments"])
+    """A call's arguments are a whole JSON object (not cut off by a stop string, say; a call
+    without arguments has "{}" from the worker, and "" is one cut off right after its name; not
+    `null`, a list or a number, which OpenAI's arguments never are and which the gateway refuses
+    when the client sends the call back in its history). JSON as the worker's parser reads it
+    (orjson refuses the raw newlines and tabs that models write in code)."""
+    return is_json_object(call["function"]["arguments"])
 
 
 def _logprob(value: object) -> float:

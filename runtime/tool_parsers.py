@@ -545,9 +545,14 @@ def _json_value(text: str) -> Any:
 
 
 def is_json(text: str) -> bool:
-    """`text` is one JSON value, as the parsers read JSON (the gateway's test of a call's
-    arguments: the same reading as the worker's)."""
+    """`text` is one JSON value, as the parsers read JSON."""
     return _json_value(text) is not _NOT_JSON
+
+
+def is_json_object(text: str) -> bool:
+    """`text` is one JSON object, as the parsers read JSON (the gateway's test of a call's
+    arguments: the same reading as the worker's)."""
+    return isinstance(_json_value(text), dict)
 
 
 def _refuse(name: str) -> Any:

@@ -191,6 +191,11 @@ def test_tool_calls_finish_only_when_the_last_call_is_whole(
         (["{}", '{"code": "print(1)\nprint(2)\tx"}'], "tool_calls"),  # raw control characters
         (['{"a": NaN}', '{"b": 1}'], "stop"),  # not JSON, if not the last call
         (['{"b": 1}', "1e999"], "stop"),
+        # JSON, but no object: a call the client could not send back (its history takes
+        # objects, as OpenAI's arguments always are)
+        (["null"], "stop"),
+        (['{"b": 1}', "[1, 2]"], "stop"),
+        (['"x"'], "stop"),
     ],
 )
 @pytest.mark.parametrize("stream", [False, True])
