@@ -84,6 +84,9 @@ class AsyncLLM:
         self.engine = engine
         self._cv = threading.Condition()  # guards the fields below, never held during a step
         self._inbox: list[_Add | _Abort | _Import | _Call] = []
+        # what the engine thread took from the inbox this round (a call in it that the loop's
+        # death cut short is failed with the rest: its caller would wait for ever)
+        self._batch: list[_Add | _Abort | _Import | _Call] = []
         self._streams: dict[str, _Stream] = {}
         self._stats = engine.stats()  # refreshed by the engine thread after each change
         self._stopped = False
@@ -220,9 +223,10 @@ class AsyncLLM:
         must be set (nothing new is accepted)."""
         with self._cv:
             streams, self._streams = self._streams, {}
-            calls = [c for c in self._inbox if isinstance(c, _Call)]
-            self._inbox = []
-        for call in calls:  # never ran: the engine is gone
+            calls = [c for c in (*self._batch, *self._inbox) if isinstance(c, _Call)]
+            self._inbox, self._batch = [], []
+        for call in calls:  # never ran, or ran into the loop's death: the engine is gone
+            # (one already answered is done by the time this runs: _fail leaves it)
             _post(call.loop, _fail, call.future, reason)
         for stream in streams.values():
             _post(stream.loop, stream.queue.put_nowait, EngineDeadError(reason))
@@ -246,6 +250,7 @@ class AsyncLLM:
                 if self._stopped:
                     return
                 inbox, self._inbox = self._inbox, []
+                self._batch = inbox
             self._layers_at_start = self._layers_run()  # (before _busy_since: see stalled_s)
             self._busy_since = time.monotonic()
             deliveries: list[tuple[str, RequestOutput | BaseException]] = []

@@ -372,3 +372,37 @@ def test_async_stream_and_abort(stories_dir: Path) -> None:
             allm.shutdown()
 
     asyncio.run(main())
+
+
+def test_a_call_that_kills_the_engine_loop_fails_and_so_do_those_after_it(stories_dir: Path) -> None:
+    # a BaseException out of a call (SystemExit from a callee, say) ended the loop; the calls of
+    # its batch, itself included, were never answered: their callers (the KV import's reserve,
+    # commit and release) waited for ever
+    from runtime.config import EngineConfig
+
+    class Fatal(BaseException):
+        pass
+
+    llm = AsyncLLM(LLMEngine(EngineConfig(str(stories_dir), kv_cache_bytes=2_000_000,
+                                          num_threads=1)))  # fmt: skip
+
+    def bad(engine: LLMEngine) -> None:
+        raise Fatal("boom")
+
+    async def main() -> list[str]:
+        calls = [llm.call(bad), llm.call(lambda e: e.scheduler.blocks.num_free_blocks)]
+        got = []
+        for call in calls:
+            try:
+                await asyncio.wait_for(call, 10)
+                got.append("answered")
+            except EngineDeadError:
+                got.append("engine dead")
+            except TimeoutError:
+                got.append("hung")
+        return got
+
+    try:
+        assert asyncio.run(main()) == ["engine dead", "engine dead"]
+    finally:
+        llm.shutdown()
