@@ -404,16 +404,22 @@ class GenAIMetrics:
         known, over all its completions. `stream_tokens`: the output tokens of its longest
         single completion (of n, or of a batch's prompts), which TPOT divides by: completions
         decode side by side, so the time per token is that of one stream, not of their sum;
-        None: all the output is one stream."""
+        None: all the output is one stream.
+
+        TTFT and TPOT are of successful responses only (no `error.type`), as the GenAI
+        conventions define them: a stream that died 30 s after its third token gave a TPOT of
+        15 s, and ones cut short (the client gone, the engine dead) weighed on the p99s that
+        dashboards show; their duration, tokens and error count keep them."""
         self.duration.record(ended - started, attrs)
-        if first_token:  # (a stream cut short had one too, usage or not)
+        ok = "error.type" not in attrs
+        if first_token and ok:
             self.ttft.record(first_token - started, attrs)
         if usage is None:
             return
         n_in, n_out = usage
         self.tokens.record(n_in, attrs | {"gen_ai.token.type": "input"})
         self.tokens.record(n_out, attrs | {"gen_ai.token.type": "output"})
-        if first_token:
+        if first_token and ok:
             per_stream = n_out if stream_tokens is None else stream_tokens
             if per_stream > 1:
                 self.tpot.record((ended - first_token) / (per_stream - 1), attrs)
