@@ -102,7 +102,10 @@ class Fields:
     `known` is the set of fields the endpoint accepts. Reading a field outside it is a bug in
     the parser (the OpenAPI spec is tested against `known`, so an undeclared read would let the
     spec drift), hence an assert rather than a user-facing error. Fields the client sends that
-    are not in `known` are ignored: OpenAI clients send extras this gateway has no use for.
+    are not in `known` are ignored: OpenAI clients send extras this gateway has no use for
+    (`metadata`, `store`, `service_tier`), which change nothing in the answer. A field that would
+    change the answer and is not implemented must be declared and read with `only_default`, so
+    that it is refused rather than ignored.
     """
 
     def __init__(self, body: object, known: frozenset[str]) -> None:
@@ -199,5 +202,19 @@ class Fields:
         for (plain text instead of a tool call or JSON), which is worse than a clear 400.
         """
         value = self.raw(name)
-        if value is not None and value not in defaults:
+        if value is not None and not any(same_json(value, d) for d in defaults):
             raise unsupported(name, f"{name} is not supported yet ({what})")
+
+
+def same_json(a: object, b: object) -> bool:
+    """Equal as JSON values: Python's `False == 0` and `1 == 1.0` would let `"min_tokens": false`
+    or `"echo": 0` pass for "off"."""
+    if type(a) is not type(b):
+        return False
+    if isinstance(a, list):
+        assert isinstance(b, list)
+        return len(a) == len(b) and all(same_json(x, y) for x, y in zip(a, b, strict=True))
+    if isinstance(a, dict):
+        assert isinstance(b, dict)
+        return a.keys() == b.keys() and all(same_json(a[k], b[k]) for k in a)
+    return a == b

@@ -10,9 +10,13 @@ Decisions worth knowing:
 - `sampling` always holds every `SamplingParams` field, defaults included: the gateway's
   defaults differ from the engine's (chat's `max_tokens` is None = up to the context, the
   engine's is 16), so nothing may be left to the worker's defaults.
-- Unknown fields are ignored (OpenAI clients send extras such as `metadata` or `store`), but
-  features that change what the answer means (`functions`, `logit_bias`, ...) are refused
-  unless set to their "off" value: silently ignoring them gives wrong answers.
+- Unknown fields are ignored (OpenAI clients send extras such as `metadata` or `store`, which
+  change nothing in the answer), but features that change the answer (`functions`,
+  `logit_bias`, vLLM's `min_tokens`, OpenAI's `reasoning_effort`, ... : `OFF_ONLY`,
+  `CHAT_OFF_ONLY`) are refused unless set to their "off" value: silently ignoring them gives
+  wrong answers. So are an assistant message's deprecated `function_call` and its `refusal`
+  text, which the prompt would otherwise lose. (`prediction` is ignored: a predicted output
+  only makes answering faster, never different.)
 - Structured output (`response_format`, vLLM's `guided_*` / `structured_outputs`) and tool
   calling (`tools`, `tool_choice`, tool messages) are validated in `gateway.structured`.
 - Role "developer" is sent to the worker as "system": it is OpenAI's new name for the same
@@ -41,10 +45,13 @@ from gateway.openai_response import (
 from gateway.structured import GUIDED_FIELDS, constraint, tool_message_fields, tools_of
 from kvstore.keys import MAX_ID_LEN
 from kvstore.protocol import GenerateRequest
+from runtime.sampling_params import MAX_REPETITION_PENALTY
 
 __all__ = [
     "CHAT_FIELDS",
+    "CHAT_OFF_ONLY",
     "COMPLETION_FIELDS",
+    "OFF_ONLY",
     "SSE_DONE",
     "RequestOptions",
     "ResponseAssembler",
@@ -60,6 +67,45 @@ MAX_STOP_TOKEN_IDS = 256  # extra stop tokens
 MAX_LOGPROBS = 20  # top alternatives per token (OpenAI's limit)
 MAX_PROMPTS = 64  # prompts in one completions request, each its own request to a worker
 ROLES = frozenset({"system", "user", "assistant", "tool", "developer"})
+
+# Fields that change the answer and that the engine does not implement, each refused (a 400
+# naming it) unless it is null or holds a value meaning "off", which a client that does not use
+# the feature may still send: name -> (the "off" values, what the feature is and what to send).
+# The values are compared as JSON (`false` is not 0). /openapi.json lists exactly these values.
+OFF_ONLY: dict[str, tuple[tuple[object, ...], str]] = {  # vLLM's extras, both endpoints
+    "min_tokens": ((0,), "a minimum output length; send 0"),
+    "use_beam_search": ((False,), "beam search; send false"),
+    "allowed_token_ids": ((), "a token allow-list; send null"),
+    "bad_words": (([],), "banned words; send []"),
+    "prompt_logprobs": ((), "the prompt's log-probabilities; send null"),
+    "skip_special_tokens": ((True,), "special tokens are always left out of the text; send true"),
+    "spaces_between_special_tokens": ((True,), "send true"),
+    "truncate_prompt_tokens": (
+        (),
+        "prompt truncation; send null (a prompt too long for the context is a 400)",
+    ),
+    "guided_whitespace_pattern": ((), "the grammar's own whitespace is used; send null"),
+    "logits_processors": ((), "custom logits processors; send null"),
+    "return_tokens_as_token_ids": ((False,), "send false"),
+}
+CHAT_OFF_ONLY: dict[str, tuple[tuple[object, ...], str]] = {
+    # vLLM's chat extras
+    "echo": ((False,), "echoing the prompt; send false"),
+    "add_generation_prompt": (
+        (True,),
+        "the prompt always ends with the start of the assistant's turn; send true",
+    ),
+    "continue_final_message": ((False,), "continuing the last message; send false"),
+    "chat_template": ((), "the model's own chat template is used; send null"),
+    "chat_template_kwargs": (({},), "chat template variables; send {}"),
+    "documents": ((), "documents for the chat template; send null"),
+    # OpenAI's
+    "reasoning_effort": ((), "reasoning effort; send null"),
+    "verbosity": ((), "answer length; send null"),
+    "modalities": ((["text"],), 'text is the only output; send ["text"]'),
+    "audio": ((), "audio output; send null"),
+    "web_search_options": ((), "web search; send null"),
+}
 
 _SAMPLING_FIELDS = frozenset(
     {
@@ -84,6 +130,7 @@ _SAMPLING_FIELDS = frozenset(
         "response_format",
     }
     | GUIDED_FIELDS
+    | OFF_ONLY.keys()
 )
 # Every field each endpoint reads; the OpenAPI spec's request schemas are tested against these.
 CHAT_FIELDS = _SAMPLING_FIELDS | {
@@ -97,6 +144,7 @@ CHAT_FIELDS = _SAMPLING_FIELDS | {
     "parallel_tool_calls",
     "functions",
     "function_call",
+    *CHAT_OFF_ONLY,
 }
 COMPLETION_FIELDS = _SAMPLING_FIELDS | {"model", "prompt", "logprobs", "echo", "suffix", "best_of"}
 
@@ -136,14 +184,16 @@ def parse_chat(
         )
     logprobs = f.boolean("logprobs", False)
     top = f.opt_int("top_logprobs", Range(0, MAX_LOGPROBS))
-    if top is not None and not logprobs:
-        raise invalid("top_logprobs", "top_logprobs requires logprobs: true")
+    if top and not logprobs:  # (0 asks for nothing: accepted, as vLLM and OpenAI do)
+        raise invalid("top_logprobs", "top_logprobs > 0 requires logprobs: true")
     n_logprobs = (top or 0) if logprobs else None
 
     f.only_default("functions", ([],), "the deprecated functions; send tools")
     f.only_default(
         "function_call", ("none", "auto"), "the deprecated function_call; send tool_choice"
     )
+    for name, (off, what) in CHAT_OFF_ONLY.items():
+        f.only_default(name, off, what)
     tools, tool_choice = tools_of(f)
 
     sampling, options = _common(f, "chat", model, max_completion or max_tokens, n_logprobs)
@@ -190,7 +240,7 @@ def parse_completion(
             )
 
     sampling, options = _common(f, "completion", model, max_tokens, logprobs)
-    best_of = f.opt_int("best_of", Range(1, INT32_MAX))
+    best_of = f.opt_int("best_of", Range(1, MAX_N))  # (more than n is never taken)
     if best_of is not None and best_of not in (1, options.n):
         raise unsupported("best_of", f"best_of must be null, 1 or n ({options.n}); got {best_of}")
     requests = [
@@ -228,7 +278,21 @@ def _common(
                 f"stream_options.include_usage must be a boolean, got {type_name(value)}",
             )
         include_usage = bool(value)
+        value = stream_options.get("continuous_usage_stats")
+        if value is not None and not isinstance(value, bool):
+            raise invalid(
+                "stream_options.continuous_usage_stats",
+                f"stream_options.continuous_usage_stats must be a boolean, got {type_name(value)}",
+            )
+        if value:
+            raise unsupported(
+                "stream_options.continuous_usage_stats",
+                "stream_options.continuous_usage_stats is not supported yet (usage on every "
+                "chunk); send include_usage for a last chunk with usage",
+            )
     f.only_default("logit_bias", ({},), "send no logit_bias")
+    for name, (off, what) in OFF_ONLY.items():
+        f.only_default(name, off, what)
 
     sampling: dict[str, Any] = {
         "n": n,
@@ -238,7 +302,9 @@ def _common(
         "top_k": f.integer("top_k", -1, Range(-1, INT32_MAX)),
         "min_p": f.number("min_p", 0.0, Range(0, 1)),
         "seed": f.opt_int("seed", Range(INT64_MIN, INT64_MAX)),
-        "repetition_penalty": f.number("repetition_penalty", 1.0, Range(0, lo_open=True)),
+        "repetition_penalty": f.number(
+            "repetition_penalty", 1.0, Range(0, MAX_REPETITION_PENALTY, lo_open=True)
+        ),
         "presence_penalty": f.number("presence_penalty", 0.0, Range(-2, 2)),
         "frequency_penalty": f.number("frequency_penalty", 0.0, Range(-2, 2)),
         "stop": f.str_list("stop", MAX_STOP),
@@ -288,6 +354,7 @@ def _messages(value: object) -> list[dict[str, Any]]:
                 f"{where}.role",
                 f"{where}.role must be one of {sorted(ROLES)}, got {_desc(role)}",
             )
+        _dropped_message_fields(where, msg)
         tool_fields = tool_message_fields(where, msg, role, calls)
         item: dict[str, Any] = {
             "role": "system" if role == "developer" else role,
@@ -303,6 +370,23 @@ def _messages(value: object) -> list[dict[str, Any]]:
             item["name"] = name
         out.append(item)
     return out
+
+
+def _dropped_message_fields(where: str, msg: dict[str, Any]) -> None:
+    """Refuse what a message may carry that the chat template would not show: the model would
+    answer a conversation other than the client's."""
+    if msg.get("function_call") is not None:
+        raise unsupported(
+            f"{where}.function_call",
+            f"{where}.function_call (deprecated) is not supported; send tool_calls",
+        )
+    refusal = msg.get("refusal")
+    if refusal is not None and refusal != "":
+        raise unsupported(
+            f"{where}.refusal",
+            f"{where}.refusal is not supported; send the refusal as a content part "
+            '({"type": "refusal", "refusal": ...})',
+        )
 
 
 def _content(param: str, value: object, role: str) -> str:

@@ -9,7 +9,8 @@ from __future__ import annotations
 from typing import Any
 
 from gateway.fields import INT32_MAX, INT64_MAX, INT64_MIN
-from gateway.openai_api import MAX_PROMPTS
+from gateway.openai_api import CHAT_OFF_ONLY, MAX_N, MAX_PROMPTS, OFF_ONLY
+from runtime.sampling_params import MAX_REPETITION_PENALTY
 
 JSON = dict[str, Any]
 
@@ -41,6 +42,21 @@ def _bool(description: str, default: bool = False) -> JSON:
 
 
 _OFF_ONLY = "Not supported yet: only the value meaning 'off' is accepted, anything else is a 400."
+
+
+def _off_only(table: dict[str, tuple[tuple[object, ...], str]]) -> JSON:
+    """The parser's refused-unless-off fields: null or one of their "off" values."""
+    return {
+        name: {
+            "anyOf": [*({"const": v} for v in off), {"type": "null"}],
+            "description": (
+                f"Not supported yet ({what}): only null or the value meaning 'off' is accepted, "
+                "anything else is a 400."
+            ),
+        }
+        for name, (off, what) in table.items()
+    }
+
 
 _SAMPLING: JSON = {
     "model": {"type": "string", "minLength": 1, "description": "Served model name."},
@@ -74,6 +90,7 @@ _SAMPLING: JSON = {
         "vLLM extension: > 1 discourages repeating prompt or output tokens.",
         1.0,
         exclusiveMinimum=0,
+        maximum=MAX_REPETITION_PENALTY,
     ),
     "ignore_eos": _bool("vLLM extension: keep generating past end-of-sequence."),
     "stop_token_ids": _nullable(
@@ -123,9 +140,11 @@ _SAMPLING: JSON = {
                 "grammar": {"type": "string"},
                 "json_object": {"type": "boolean"},
             },
+            "additionalProperties": False,
         },
         "vLLM extension: exactly one constraint.",
     ),
+    **_off_only(OFF_ONLY),
 }
 
 _MAX_TOKENS = "Tokens to generate per completion."
@@ -133,7 +152,10 @@ _MAX_TOKENS = "Tokens to generate per completion."
 CHAT_REQUEST: JSON = {
     "type": "object",
     "required": ["model", "messages"],
-    "description": "Fields not listed here are ignored.",
+    "description": (
+        "Fields not listed here are ignored; those known to change the answer are listed, "
+        "and refused unless off."
+    ),
     "properties": {
         **_SAMPLING,
         "messages": {"type": "array", "minItems": 1, "items": ref("ChatMessage")},
@@ -157,13 +179,17 @@ CHAT_REQUEST: JSON = {
         ),
         "functions": _nullable({"type": "array", "maxItems": 0}, _OFF_ONLY),
         "function_call": _nullable({"enum": ["none", "auto"]}, _OFF_ONLY),
+        **_off_only(CHAT_OFF_ONLY),
     },
 }
 
 COMPLETION_REQUEST: JSON = {
     "type": "object",
     "required": ["model", "prompt"],
-    "description": "Fields not listed here are ignored.",
+    "description": (
+        "Fields not listed here are ignored; those known to change the answer are listed, "
+        "and refused unless off."
+    ),
     "properties": {
         **_SAMPLING,
         "prompt": {
@@ -191,7 +217,7 @@ COMPLETION_REQUEST: JSON = {
         "logprobs": _int(0, 20, "Return log-probabilities with this many alternatives."),
         "echo": _nullable({"const": False}, _OFF_ONLY),
         "suffix": _nullable({"type": "string", "maxLength": 0}, _OFF_ONLY),
-        "best_of": _int(1, None, "Only null, 1 or n."),
+        "best_of": _int(1, MAX_N, "Only null, 1 or n."),
     },
 }
 
@@ -297,6 +323,14 @@ SCHEMAS: JSON = {
                 "type": "string",
                 "description": "Tool messages: the id of an earlier assistant message's call.",
             },
+            "function_call": {
+                "type": "null",
+                "description": "Deprecated; send tool_calls (anything but null is a 400).",
+            },
+            "refusal": {
+                "anyOf": [{"const": ""}, {"type": "null"}],
+                "description": "Send a refusal as a content part (a refusal text here is a 400).",
+            },
         },
     },
     "ResponseFormat": {
@@ -391,7 +425,13 @@ SCHEMAS: JSON = {
     },
     "StreamOptions": {
         "type": "object",
-        "properties": {"include_usage": {"type": "boolean", "default": False}},
+        "properties": {
+            "include_usage": {"type": "boolean", "default": False},
+            "continuous_usage_stats": {
+                "const": False,
+                "description": "vLLM extension; not supported yet (usage on every chunk).",
+            },
+        },
     },
     "Usage": _USAGE,
     "ChatTokenLogprob": {

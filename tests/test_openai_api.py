@@ -96,8 +96,11 @@ SHARED_INVALID: list[tuple[dict[str, Any], str, str]] = [
     ({"top_k": 1.0}, "top_k", "integer"),
     ({"min_p": 1.5}, "min_p", "[0, 1]"),
     ({"min_p": -0.5}, "min_p", "[0, 1]"),
-    ({"repetition_penalty": 0}, "repetition_penalty", "> 0"),
-    ({"repetition_penalty": -1.0}, "repetition_penalty", "> 0"),
+    ({"repetition_penalty": 0}, "repetition_penalty", "(0, 10000]"),
+    ({"repetition_penalty": -1.0}, "repetition_penalty", "(0, 10000]"),
+    # (1e39 is inf in float32: the sampler's logits would turn NaN)
+    ({"repetition_penalty": 1e39}, "repetition_penalty", "(0, 10000]"),
+    ({"repetition_penalty": 10000.5}, "repetition_penalty", "(0, 10000]"),
     ({"ignore_eos": "no"}, "ignore_eos", "boolean"),
     ({"stop_token_ids": 5}, "stop_token_ids", "array of integers"),
     ({"stop_token_ids": [1, -1]}, "stop_token_ids[1]", f"[0, {I32}]"),
@@ -105,6 +108,31 @@ SHARED_INVALID: list[tuple[dict[str, Any], str, str]] = [
     ({"stop_token_ids": [1] * 257}, "stop_token_ids", "at most 256"),
     ({"include_stop_str_in_output": 1}, "include_stop_str_in_output", "boolean"),
     ({"logit_bias": {"50256": -100}}, "logit_bias", "not supported"),
+    (
+        {"stream": True, "stream_options": {"continuous_usage_stats": True}},
+        "stream_options.continuous_usage_stats",
+        "not supported",
+    ),
+    (
+        {"stream": True, "stream_options": {"continuous_usage_stats": 1}},
+        "stream_options.continuous_usage_stats",
+        "boolean",
+    ),
+    # vLLM's extras that change the answer: refused unless "off", never ignored
+    ({"min_tokens": 5}, "min_tokens", "not supported"),
+    ({"min_tokens": False}, "min_tokens", "send 0"),  # (JSON false is not 0)
+    ({"use_beam_search": True}, "use_beam_search", "not supported"),
+    ({"use_beam_search": 0}, "use_beam_search", "send false"),
+    ({"allowed_token_ids": [1, 2]}, "allowed_token_ids", "not supported"),
+    ({"allowed_token_ids": []}, "allowed_token_ids", "send null"),
+    ({"bad_words": ["darn"]}, "bad_words", "not supported"),
+    ({"prompt_logprobs": 0}, "prompt_logprobs", "not supported"),
+    ({"skip_special_tokens": False}, "skip_special_tokens", "not supported"),
+    ({"spaces_between_special_tokens": False}, "spaces_between_special_tokens", "not supported"),
+    ({"truncate_prompt_tokens": 8}, "truncate_prompt_tokens", "not supported"),
+    ({"guided_whitespace_pattern": " *"}, "guided_whitespace_pattern", "not supported"),
+    ({"logits_processors": ["m.f"]}, "logits_processors", "not supported"),
+    ({"return_tokens_as_token_ids": True}, "return_tokens_as_token_ids", "not supported"),
 ]
 
 CHAT_INVALID: list[tuple[dict[str, Any], str, str]] = [
@@ -140,11 +168,35 @@ CHAT_INVALID: list[tuple[dict[str, Any], str, str]] = [
     ({"logprobs": True, "top_logprobs": 21}, "top_logprobs", "[0, 20]"),
     ({"logprobs": True, "top_logprobs": -1}, "top_logprobs", "[0, 20]"),
     ({"top_logprobs": 2}, "top_logprobs", "requires logprobs: true"),
-    ({"logprobs": False, "top_logprobs": 0}, "top_logprobs", "requires logprobs: true"),
+    ({"logprobs": False, "top_logprobs": 1}, "top_logprobs", "requires logprobs: true"),
     ({"tools": [{"type": "retrieval"}]}, "tools[0].type", "only 'function'"),
     ({"tool_choice": "required"}, "tool_choice", "requires tools"),
     ({"functions": [{"name": "f"}]}, "functions", "not supported"),
     ({"function_call": {"name": "f"}}, "function_call", "not supported"),
+    # the prompt would not show these: the model would answer another conversation
+    (
+        {"messages": [{"role": "assistant", "content": None, "function_call": {"name": "f"}}]},
+        "messages[0].function_call",
+        "send tool_calls",
+    ),
+    (
+        {"messages": [{"role": "assistant", "content": None, "refusal": "I can't."}]},
+        "messages[0].refusal",
+        "content part",
+    ),
+    # vLLM's chat extras and OpenAI's newer fields that change the answer
+    ({"echo": True}, "echo", "not supported"),
+    ({"add_generation_prompt": False}, "add_generation_prompt", "not supported"),
+    ({"continue_final_message": True}, "continue_final_message", "not supported"),
+    ({"chat_template": "{{ messages }}"}, "chat_template", "not supported"),
+    ({"chat_template_kwargs": {"enable_thinking": False}}, "chat_template_kwargs", "not supported"),
+    ({"documents": [{"text": "x"}]}, "documents", "not supported"),
+    ({"reasoning_effort": "low"}, "reasoning_effort", "not supported"),
+    ({"verbosity": "low"}, "verbosity", "not supported"),
+    ({"modalities": ["text", "audio"]}, "modalities", "not supported"),
+    ({"modalities": []}, "modalities", 'send ["text"]'),
+    ({"audio": {"voice": "alloy", "format": "wav"}}, "audio", "not supported"),
+    ({"web_search_options": {}}, "web_search_options", "not supported"),
     ({"response_format": {"type": "xml"}}, "response_format.type", "json_schema"),
     # (structured output and tool-calling validation: tests/test_tool_calling.py)
 ]
@@ -177,7 +229,8 @@ COMPLETION_INVALID: list[tuple[dict[str, Any], str, str]] = [
     ({"tool_choice": "required"}, "tool_choice", "chat/completions"),
     ({"functions": [{"name": "f"}]}, "functions", "chat/completions"),
     ({"n": 2, "best_of": 3}, "best_of", "null, 1 or n (2)"),
-    ({"best_of": 0}, "best_of", f"[1, {I32}]"),
+    ({"best_of": 0}, "best_of", "[1, 16]"),
+    ({"best_of": 17}, "best_of", "[1, 16]"),  # (n is at most 16: more is never taken)
 ]
 
 
@@ -392,6 +445,99 @@ def test_completion_batch_is_a_request_per_prompt(prompts: list[Any]) -> None:
     assert reqs[0].sampling["n"] == 3 and reqs[0].sampling["temperature"] == 0.5
     assert (opts.n, opts.prompts) == (3, 2)
     assert len(parse_completion({**COMPLETION, "prompt": ["x"] * 64}, "r")[0]) == MAX_PROMPTS
+
+
+# Each field's "off" value (vLLM's default, or OpenAI's): what a client that does not use the
+# feature may send, with the same answer as leaving it out.
+OFF_VALUES: dict[str, Any] = {
+    "min_tokens": 0,
+    "use_beam_search": False,
+    "allowed_token_ids": None,
+    "bad_words": [],
+    "prompt_logprobs": None,
+    "skip_special_tokens": True,
+    "spaces_between_special_tokens": True,
+    "truncate_prompt_tokens": None,
+    "guided_whitespace_pattern": None,
+    "logits_processors": None,
+    "return_tokens_as_token_ids": False,
+    "stream": True,
+    "stream_options": {"include_usage": False, "continuous_usage_stats": False},
+}
+CHAT_OFF_VALUES: dict[str, Any] = {
+    **OFF_VALUES,
+    "echo": False,
+    "add_generation_prompt": True,
+    "continue_final_message": False,
+    "chat_template": None,
+    "chat_template_kwargs": {},
+    "documents": None,
+    "reasoning_effort": None,
+    "verbosity": None,
+    "modalities": ["text"],
+    "audio": None,
+    "web_search_options": None,
+    "top_logprobs": 0,  # without logprobs: asks for nothing (vLLM takes it too)
+    "logprobs": False,
+}
+
+
+@pytest.mark.parametrize(
+    ("parse", "base", "off"),
+    [(parse_chat, CHAT, CHAT_OFF_VALUES), (parse_completion, COMPLETION, OFF_VALUES)],
+    ids=["chat", "completion"],
+)
+def test_off_values_are_the_defaults(parse: Any, base: Any, off: dict[str, Any]) -> None:
+    (plain,), _ = parse({**base, "stream": True}, "r")
+    (req,), opts = parse({**base, **off}, "r")
+    assert req == plain and opts.logprobs is None
+    for name, value in off.items():  # each alone, too
+        if name not in ("stream", "stream_options"):
+            assert parse({**base, name: value}, "r")[0][0].sampling == plain.sampling, name
+
+
+@pytest.mark.parametrize("logprobs", [False, None])
+def test_top_logprobs_zero_needs_no_logprobs(logprobs: bool | None) -> None:
+    """top_logprobs: 0 asks for no alternatives, so it needs no logprobs: true (vLLM refuses
+    only top_logprobs > 0 without it)."""
+    (req,), opts = parse_chat({**CHAT, "logprobs": logprobs, "top_logprobs": 0}, "r")
+    assert req.sampling["logprobs"] is None and opts.logprobs is None
+
+
+def test_fields_real_clients_send_are_accepted() -> None:
+    """What the openai client and LangChain send by default (or when the user sets them), and
+    an answer sent back as the openai client's message object dumps it (nulls included)."""
+    answer = {
+        "role": "assistant",
+        "content": "Hello!",
+        "refusal": None,
+        "function_call": None,
+        "tool_calls": None,
+        "audio": None,
+        "annotations": [],
+    }
+    body = {
+        **CHAT,
+        "messages": [{"role": "user", "content": "hi"}, answer, {"role": "user", "content": "?"}],
+        "n": 1,
+        "stream": True,
+        "stream_options": {"include_usage": True, "include_obfuscation": False},
+        "user": "u-1",
+        "metadata": {"k": "v"},
+        "store": False,
+        "service_tier": "auto",
+        "safety_identifier": "s",
+        "prompt_cache_key": "p",
+        "parallel_tool_calls": True,
+        "prediction": {"type": "content", "content": "Hi"},  # only speeds answering up
+        "priority": 0,
+        "request_id": "x",
+    }
+    (req,), opts = parse_chat(body, "r")
+    assert (req.messages or [])[1] == {"role": "assistant", "content": "Hello!"}
+    assert opts.include_usage
+    refused = {**answer, "content": None, "refusal": ""}  # an empty refusal is no refusal
+    parse_chat({**CHAT, "messages": [refused, {"role": "user", "content": "hi"}]}, "r")
 
 
 @pytest.mark.parametrize("best_of", [None, 1, 3])

@@ -75,12 +75,60 @@ def test_spec_bounds_are_the_parsers(parse: Any, base: Any, schema: str, name: s
     assert probes, f"{name}: a numeric field without bounds in the spec"
     for value, ok in probes:
         body = {**base, name: value}
-        if name == "best_of":
-            body["n"] = 1
+        if name == "best_of":  # (only null, 1 or n: n is set to the value where n can be it)
+            body["n"] = value if value in range(1, 17) else 1
         if ok:
             parse(body, "r")
         else:
             assert _refused(parse, body).param == name, (name, value)
+
+
+def test_spec_states_the_parsers_caps() -> None:
+    """Bounds the parser enforces are in the spec (test_spec_bounds_are_the_parsers probes them)."""
+    completion = _schema("CompletionRequest")["properties"]
+    for schema in ("ChatCompletionRequest", "CompletionRequest"):
+        penalty = _optional(_schema(schema)["properties"]["repetition_penalty"])
+        assert penalty["maximum"] == 1e4  # (beyond, float32 turns logits into NaN)
+    assert _optional(completion["best_of"])["maximum"] == 16
+    # unknown keys of structured_outputs are a 400; the spec lists exactly the parser's keys
+    so = _optional(completion["structured_outputs"])
+    assert so["additionalProperties"] is False
+    err = _refused(parse_completion, {**COMPLETION, "structured_outputs": {"bogus": "x"}})
+    assert err.param == "structured_outputs.bogus"
+    assert f"supports {sorted(so['properties'])}" in err.message
+
+
+# Fields that change the answer and are not implemented: the spec must list them (with their
+# "off" values as the only ones accepted), since the parser refuses them rather than ignores them.
+OFF_ONLY_SHARED = [
+    "min_tokens", "use_beam_search", "allowed_token_ids", "bad_words", "prompt_logprobs",
+    "skip_special_tokens", "spaces_between_special_tokens", "truncate_prompt_tokens",
+    "guided_whitespace_pattern",
+]  # fmt: skip
+OFF_ONLY_CHAT = [
+    "echo", "add_generation_prompt", "continue_final_message", "chat_template_kwargs",
+    "reasoning_effort", "modalities", "audio", "web_search_options",
+]  # fmt: skip
+OFF_CASES = [
+    pytest.param(parse, base, schema, name, id=f"{schema}.{name}")
+    for parse, base, schema, names in [
+        (parse_chat, CHAT, "ChatCompletionRequest", [*OFF_ONLY_SHARED, *OFF_ONLY_CHAT]),
+        (parse_completion, COMPLETION, "CompletionRequest", [*OFF_ONLY_SHARED, "echo"]),
+    ]
+    for name in names
+]
+
+
+@pytest.mark.parametrize(("parse", "base", "schema", "name"), OFF_CASES)
+def test_spec_lists_refused_fields_with_their_off_values(
+    parse: Any, base: Any, schema: str, name: str
+) -> None:
+    prop = _schema(schema)["properties"][name]
+    assert "Not supported" in prop["description"] or "not supported" in prop["description"]
+    branches = [b for b in prop["anyOf"] if b != {"type": "null"}]
+    for value in [None, *(b["const"] for b in branches)]:  # the accepted values: accepted
+        parse({**base, name: value}, "r")
+    assert _refused(parse, {**base, name: "on"}).param == name
 
 
 def test_spec_refs_resolve() -> None:
