@@ -513,6 +513,43 @@ def test_requests_held_for_a_pool_share_one_status_read(tmp_path: Path) -> None:
             gw.stop()
 
 
+def test_a_request_whose_tools_take_long_to_validate_does_not_stall_the_gateway(
+    tmp_path: Path,
+) -> None:
+    # Validating a request compiles its tools' schemas (llguidance): 90 tools of 200 patterned
+    # properties took ~1 s on the event loop, and every other request and stream of the gateway
+    # waited. It now runs on a thread: the gateway answers others meanwhile.
+    props = {f"p{i}": {"type": "string", "pattern": "[a-z]{1,50}"} for i in range(200)}
+    tools = [{"type": "function", "function": {"name": f"f{i}", "parameters": {
+        "type": "object", "properties": props}}} for i in range(90)]  # fmt: skip
+    body = {"model": "stories", "messages": MESSAGES, "tools": tools}
+    (tmp_path / "regions.yaml").write_text("regions:\n  - {name: local, latitude: 0, longitude: 0}\n")
+    with LocalRedis() as server:
+        gw = start_gateway("gw-slow-parse", server.url, tmp_path / "regions.yaml", tmp_path)
+        try:
+
+            async def main() -> tuple[int, int]:
+                async with aiohttp.ClientSession() as http:
+                    heavy = asyncio.ensure_future(http.post(f"{gw.url}/v1/chat/completions",
+                                                            json=body))  # fmt: skip
+                    await asyncio.sleep(0.05)  # (the heavy one is being read and validated)
+                    answered = 0
+                    while not heavy.done() and answered < 50:
+                        async with http.get(f"{gw.url}/healthz") as r:
+                            assert r.status == 200
+                        answered += 1
+                    resp = await heavy
+                    status = resp.status
+                    resp.release()
+                    return answered, status
+
+            answered, status = asyncio.run(main())
+            assert status in (404, 503), status  # (validated: no worker serves the model)
+            assert answered >= 3, f"{answered} health checks answered while it was validated"
+        finally:
+            gw.stop()
+
+
 # ---------------------------------------------------------------------- bad input
 BAD = [
     # (path, body, status, param)
