@@ -238,7 +238,8 @@ def make_app(
     app[CATALOG] = catalog
     if telemetry is None:
         telemetry = Telemetry(
-            config.telemetry or TelemetryConfig("edgeinfer-gateway", region=config.region)
+            config.telemetry
+            or TelemetryConfig("edgeinfer-gateway", region=config.region, trust_remote_sampled=False)
         )
     app[TELEMETRY] = GatewayTelemetry(telemetry, config.region)
     app.router.add_post("/v1/chat/completions", chat_completions)

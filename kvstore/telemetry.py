@@ -13,8 +13,10 @@ import (as the protocol messages do); it imports no torch and no aiohttp.
 Traces are recorded only when somewhere receives them: an OTLP endpoint (the gateway's and the
 worker's `--otlp-endpoint`, default `$OTEL_EXPORTER_OTLP_ENDPOINT`), or a test's exporter.
 Otherwise the tracer is OpenTelemetry's no-op one, which still carries an incoming
-`traceparent` on to the next hop. Spans are sampled parent-based (a client's sampled flag is
-obeyed), new traces at `trace_sample_ratio`. Metrics are always collected: the Prometheus
+`traceparent` on to the next hop. Spans are sampled parent-based, new traces at
+`trace_sample_ratio`; a worker obeys its gateway's sampled flag, and the gateway keeps a
+client's trace at its own ratio, by trace id, whatever the client's flag says (a public client
+could otherwise make it record every request: `trust_remote_sampled`). Metrics are always collected: the Prometheus
 `/metrics` endpoint reads them, and they go over OTLP as well when an endpoint is set.
 
 OTLP exports give up after EXPORT_TIMEOUT_S, retries included (in place of the SDK's
@@ -212,6 +214,10 @@ class TelemetryConfig:
     otlp_endpoint: str | None = None  # OTLP/HTTP base URL (…/v1/traces, …/v1/metrics added)
     record_content: bool = False  # put prompts and outputs on spans (off: never recorded)
     trace_sample_ratio: float = 1.0  # new traces kept; an incoming sampled flag is obeyed
+    # unless this is False (the gateway: its callers are the public, whose `traceparent`
+    # flags would decide its trace volume); then their traces are kept at the same ratio, by
+    # trace id, so the workers behind (which follow the gateway's flag) keep the same ones
+    trust_remote_sampled: bool = True
     export_interval_s: float | None = None  # OTLP metric export period; None: the SDK's
     # ($OTEL_METRIC_EXPORT_INTERVAL milliseconds, else 60 s)
     attributes: dict[str, str] = field(default_factory=dict)  # more resource attributes
@@ -289,7 +295,12 @@ class Telemetry:
         self.tracing = bool(exporters)  # spans are recorded (else: the no-op tracer)
         self.tracer_provider: TracerProvider | None = None
         if exporters:
-            sampler = ParentBased(TraceIdRatioBased(config.trace_sample_ratio))
+            ratio = TraceIdRatioBased(config.trace_sample_ratio)
+            sampler = (
+                ParentBased(ratio)
+                if config.trust_remote_sampled
+                else ParentBased(ratio, remote_parent_sampled=ratio, remote_parent_not_sampled=ratio)
+            )
             self.tracer_provider = TracerProvider(resource=self.resource, sampler=sampler)
             for exporter in exporters:
                 self.tracer_provider.add_span_processor(BatchSpanProcessor(exporter))

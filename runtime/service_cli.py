@@ -74,7 +74,8 @@ def _telemetry_args(p: argparse.ArgumentParser) -> None:
         "$OTEL_INSTRUMENTATION_GENAI_CAPTURE_MESSAGE_CONTENT=true)",
     )  # fmt: skip
     p.add_argument("--otel-sample-ratio", type=float, default=1.0,
-                   help="fraction of new traces kept (a client's sampled flag is obeyed) "
+                   help="fraction of traces kept: new ones and, at the gateway, a client's "
+                   "(whose sampled flag is not obeyed); a worker follows its gateway's "
                    "(default %(default)s)")  # fmt: skip
 
 
@@ -88,6 +89,8 @@ def _telemetry_config(args: argparse.Namespace, service: str, region: str, insta
         otlp_endpoint=args.otlp_endpoint or os.environ.get("OTEL_EXPORTER_OTLP_ENDPOINT") or None,
         record_content=args.otel_content or content_capture_from_env(os.environ),
         trace_sample_ratio=args.otel_sample_ratio,
+        # (the gateway's callers are the public: their sampled flags are not obeyed)
+        trust_remote_sampled=service != "edgeinfer-gateway",
     )
 
 

@@ -760,3 +760,34 @@ def test_shutdown_is_bounded_when_the_collector_never_answers() -> None:
         shutdown.join(10.0)
         took = time.monotonic() - t0
     assert not shutdown.is_alive() and took < 5.0, took
+
+
+@pytest.mark.parametrize(("trust", "recorded"), [(True, True), (False, False)])
+def test_the_gateway_does_not_let_a_clients_flag_sample_its_traces(trust: bool, recorded: bool) -> None:
+    # With a ratio of 0, a client's traceparent ending -01 made the gateway record every one of
+    # its requests: the public decided the trace volume. The gateway keeps clients' traces at
+    # its own ratio (by trace id); a worker still follows its gateway's flag.
+    from opentelemetry.trace import NonRecordingSpan, SpanContext, TraceFlags, set_span_in_context
+
+    from kvstore.telemetry import TelemetryConfig
+
+    config = TelemetryConfig("edgeinfer-gateway", "local", trace_sample_ratio=0.0,
+                             trust_remote_sampled=trust)  # fmt: skip
+    tel = Telemetry(config, InMemorySpanExporter(), [])
+    remote = SpanContext(0x4BF92F3577B34DA6A3CE929D0E0E4736, 0x00F067AA0BA902B7, is_remote=True,
+                         trace_flags=TraceFlags(TraceFlags.SAMPLED))  # fmt: skip
+    span = tel.tracer.start_span("x", context=set_span_in_context(NonRecordingSpan(remote)))
+    assert span.is_recording() is recorded
+    span.end()
+    assert not tel.tracer.start_span("new").is_recording()  # (new traces: the ratio, 0)
+    tel.shutdown()
+
+
+def test_the_gateways_telemetry_does_not_trust_client_flags_and_the_workers_does() -> None:
+    import argparse
+
+    from runtime.service_cli import _telemetry_config
+
+    args = argparse.Namespace(otlp_endpoint=None, otel_content=False, otel_sample_ratio=0.1)
+    assert _telemetry_config(args, "edgeinfer-gateway", "local").trust_remote_sampled is False
+    assert _telemetry_config(args, "edgeinfer-worker", "local", "w").trust_remote_sampled is True
