@@ -336,11 +336,11 @@ def test_a_hung_engine_stops_the_keepalives_a_slow_one_keeps_them(
     asyncio.run(main())
 
 
-def test_an_id_the_engine_refuses_after_the_stream_began_is_a_400_event(stories_dir: Path) -> None:
-    """A request whose id the engine thread refuses once its stream has begun (here a KV import
-    reserved under that id: `submit` sees only the open streams) ends its stream with a refusal
-    event standing for a 400, which the gateway answers as such. The error escaped the handler:
-    a traceback, and a body cut short that the gateway took for a broken worker."""
+def _in_process_worker(stories_dir: Path):  # type: ignore[no-untyped-def]
+    """A worker's app and engine in this process (for faults a real process cannot be made to
+    have): (its AsyncLLM, and `ask(request_id, before)`, which runs `before(llm)`, serves the
+    app on a free port, sends one 4-token request and returns its events, and the engine's free
+    KV blocks after it, as the engine thread counts them)."""
     import asyncio
 
     import aiohttp
@@ -349,7 +349,6 @@ def test_an_id_the_engine_refuses_after_the_stream_began_is_a_400_event(stories_
     from runtime.async_engine import AsyncLLM
     from runtime.config import EngineConfig
     from runtime.engine import LLMEngine
-    from runtime.sampling_params import SamplingParams
     from runtime.worker import Worker, WorkerConfig, make_app
 
     llm = AsyncLLM(LLMEngine(EngineConfig(str(stories_dir), block_size=16,
@@ -358,15 +357,14 @@ def test_an_id_the_engine_refuses_after_the_stream_began_is_a_400_event(stories_
                        None)  # fmt: skip
     worker = Worker(cfg, llm)
 
-    async def main() -> list[dict[str, Any]]:
-        ids = list(range(20, 60))
-        await llm.call(lambda e: e.reserve_import(e.prepare_request("x", ids, SamplingParams())))
+    async def main(request_id: str, before: Any) -> tuple[list[dict[str, Any]], int]:
+        await before(llm)
         runner = web.AppRunner(make_app(worker))
         await runner.setup()
         site = web.TCPSite(runner, "127.0.0.1", 0)
         await site.start()
         port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
-        body = {"request_id": "x", "model": "stories", "prompt": "Once upon a time",
+        body = {"request_id": request_id, "model": "stories", "prompt": "Once upon a time",
                 "sampling": {"max_tokens": 4}}  # fmt: skip
         try:
             async with aiohttp.ClientSession() as http, http.post(
@@ -374,12 +372,32 @@ def test_an_id_the_engine_refuses_after_the_stream_began_is_a_400_event(stories_
                 headers={"x-edgeinfer-secret": SECRET},
             ) as resp:  # fmt: skip
                 assert resp.status == 200
-                return [orjson.loads(line) async for line in resp.content if line.strip()]
+                events = [orjson.loads(line) async for line in resp.content if line.strip()]
+            return events, await llm.call(lambda e: e.scheduler.blocks.num_free_blocks)
         finally:
             await runner.cleanup()
 
+    def ask(request_id: str, before: Any) -> tuple[list[dict[str, Any]], int]:
+        return asyncio.run(main(request_id, before))
+
+    return llm, ask
+
+
+def test_an_id_the_engine_refuses_after_the_stream_began_is_a_400_event(stories_dir: Path) -> None:
+    """A request whose id the engine thread refuses once its stream has begun (here a KV import
+    reserved under that id: `submit` sees only the open streams) ends its stream with a refusal
+    event standing for a 400, which the gateway answers as such. The error escaped the handler:
+    a traceback, and a body cut short that the gateway took for a broken worker."""
+    from runtime.sampling_params import SamplingParams
+
+    llm, ask = _in_process_worker(stories_dir)
+
+    async def reserve(llm: Any) -> None:
+        ids = list(range(20, 60))
+        await llm.call(lambda e: e.reserve_import(e.prepare_request("x", ids, SamplingParams())))
+
     try:
-        events = asyncio.run(main())
+        events, _ = ask("x", reserve)
     finally:
         llm.shutdown()
     last = events[-1]
@@ -394,50 +412,20 @@ def test_a_bug_mid_stream_ends_it_with_an_error_event(
     internal_error event, which the gateway answers or retries elsewhere, and frees its KV
     blocks; the stream was cut short, which the gateway takes for a broken worker, and the
     request was recorded as its client having gone."""
-    import asyncio
-
-    import aiohttp
-    from aiohttp import web
-
     from runtime import worker as worker_module
-    from runtime.async_engine import AsyncLLM
-    from runtime.config import EngineConfig
-    from runtime.engine import LLMEngine
-    from runtime.worker import Worker, WorkerConfig, make_app
 
     def broken(*args: object, **kwargs: object) -> None:
         raise KeyError("a bug")
 
     monkeypatch.setattr(worker_module, "_delta", broken)
-    llm = AsyncLLM(LLMEngine(EngineConfig(str(stories_dir), block_size=16,
-                                          kv_cache_bytes=4_000_000, num_threads=1)))  # fmt: skip
-    cfg = WorkerConfig("stories", "r1", "mixed", "127.0.0.1", 0, "http://127.0.0.1:0", SECRET,
-                       None)  # fmt: skip
-    worker = Worker(cfg, llm)
+    llm, ask = _in_process_worker(stories_dir)
 
-    async def main() -> tuple[list[dict[str, Any]], int]:
-        runner = web.AppRunner(make_app(worker))
-        await runner.setup()
-        site = web.TCPSite(runner, "127.0.0.1", 0)
-        await site.start()
-        port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
-        body = {"request_id": "bug", "model": "stories", "prompt": "Once upon a time",
-                "sampling": {"max_tokens": 4}}  # fmt: skip
-        try:
-            async with aiohttp.ClientSession() as http, http.post(
-                f"http://127.0.0.1:{port}/internal/generate", data=orjson.dumps(body),
-                headers={"x-edgeinfer-secret": SECRET},
-            ) as resp:  # fmt: skip
-                assert resp.status == 200
-                events = [orjson.loads(line) async for line in resp.content if line.strip()]
-            free = await llm.call(lambda e: e.scheduler.blocks.num_free_blocks)
-            return events, free
-        finally:
-            await runner.cleanup()
+    async def nothing(llm: Any) -> None:
+        return None
 
     try:
         total = llm.engine.scheduler.blocks.num_free_blocks
-        events, free = asyncio.run(main())
+        events, free = ask("bug", nothing)
     finally:
         llm.shutdown()
     last = events[-1]
