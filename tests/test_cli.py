@@ -80,7 +80,7 @@ def test_help_shows_defaults_and_environment_variables() -> None:
         "(408) (default 30.0)",
         "before it is closed (default 30.0)",
         "a streaming one ends with an error (default 10.0)",
-        "(a client's sampled flag is obeyed) (default 1.0)",
+        "(whose sampled flag is not obeyed); a worker follows its gateway's (default 1.0)",
     ):
         assert text in gateway, text
     for text in (
