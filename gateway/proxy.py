@@ -11,10 +11,11 @@ as usual and then a prefill worker, whose KV transfer address goes to the decode
 transfer (502 `kv_transfer_failed`, before any byte reached the client) sets that prefill worker
 aside and the request is tried again with another (or computed on the decode worker when none is
 left); a prefill worker that refuses the pull (503 `kv_source_refused`: its KV cache full, say)
-is passed over for this request only, not set aside. The decode worker answers 200 at once and sends keepalives while it pulls, so the usual
-idle timeout fails a hung decode worker (a slow pull keeps talking); a refusal of the pull
-comes as an error event with the status it stands for (kvstore/protocol.py), and is taken as
-that answer (`_refused`), as if it had come before the stream.
+is passed over for this request only, not set aside. The decode worker answers 200 at once and
+sends keepalives while it pulls, so the usual idle timeout fails a hung decode worker (a slow
+pull keeps talking); a refusal of the pull comes as an error event with the status it stands
+for (kvstore/protocol.py), and is taken as that answer (`_refused`), as if it had come before
+the stream.
 
 A completions batch (several prompts) is one request to the client and one `Call` per prompt to
 the workers: each prompt is looked up, routed and forwarded on its own, all at once (a failure
@@ -66,6 +67,7 @@ from gateway.openai_api import (
     sse,
 )
 from gateway.routing import Route
+from gateway.structured import GUIDED_FIELDS
 from gateway.telemetry import GatewayTelemetry
 from gateway.tokenization import prompt_token_ids
 from kvstore.block_hash import block_hashes, cache_seed
@@ -81,6 +83,9 @@ HOLD_POLL_S = 0.05  # how often a request waiting for a starting worker looks fo
 WAKE_EVERY_S = 5.0  # how often a gateway serving a model from afar wakes a nearer pool for it
 END_READ_S = 1.0  # how long a finished worker stream may take to end its body
 HOLD_THROUGH_FAILURES = 2  # failed starts in a row after which a waiting request gets its 503
+# a decode worker's refusal codes that are the prefill worker's doing (kvstore/kv_transfer.py)
+_PREFILL_SIDE = frozenset({"kv_transfer_failed", "kv_source_refused"})
+_GRAMMAR_FIELDS = GUIDED_FIELDS | {"tools", "response_format"}  # fields whose check compiles one
 Parser = Callable[..., tuple[list[GenerateRequest], RequestOptions]]
 Events = AsyncGenerator[list[dict[str, Any]], None]  # a worker's events, in batches
 # the request's id, given by the app's outermost middleware: x-request-id, logs, spans
@@ -418,16 +423,13 @@ class Proxy:
                 prefill = call.prefill
                 self._prefill_done(call, prefill_cost)
                 failed = worker
-                if e.error.code == "kv_transfer_failed" and prefill is not None:
-                    # the prefill side failed, not the decode worker: prefill elsewhere
+                if e.error.code in _PREFILL_SIDE and prefill is not None:
+                    # the prefill side failed (set aside) or refused the pull (its KV cache
+                    # full, ...: passed over), not the decode worker: prefill elsewhere
                     failed = prefill
                     call.tried_prefill.add(prefill.worker_id)
-                    self.view.mark_failed(prefill.worker_id)
-                elif e.error.code == "kv_source_refused" and prefill is not None:
-                    # the prefill worker refused the pull (its KV cache full, ...): prefill
-                    # elsewhere; neither worker failed
-                    failed = prefill
-                    call.tried_prefill.add(prefill.worker_id)
+                    if e.error.code == "kv_transfer_failed":
+                        self.view.mark_failed(prefill.worker_id)
                 else:
                     if e.dead:
                         self.view.mark_failed(worker.worker_id)
@@ -924,10 +926,7 @@ def _compiles_grammars(body: object) -> bool:
     without the GIL), as a large set of tools takes up to a second (90 tools of 200 patterned
     properties in a 0.9 MB body: 0.8-1.1 s), during which every other stream of this gateway
     stalled."""
-    return isinstance(body, dict) and any(
-        body.get(k) for k in ("tools", "response_format", "structured_outputs", "guided_json",
-                              "guided_regex", "guided_grammar", "guided_choice")
-    )  # fmt: skip
+    return isinstance(body, dict) and any(body.get(k) for k in _GRAMMAR_FIELDS)
 
 
 def _session_id(request: web.Request) -> str | None:

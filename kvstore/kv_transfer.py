@@ -424,14 +424,14 @@ class KVTransferServer:
         # whether the engine behind `export` is hung: no keepalives then, so that the puller's
         # idle limit tells it from a busy one
         self.stalled = stalled or (lambda: False)
-        # the longest prompt a pull may ask for (the engine's max_model_len; at most what the
-        # cache holds): what a PULL's body may need, read only when its header is within that
-        # (the pages of one process's cache know their size; a ranked worker's are its ranks':
-        # there, what the engine says, `max_tokens`, or the protocol's own bound)
-        blocks = getattr(pages, "blocks", None)
-        slots = None if blocks is None else blocks.shape[2] * pages.layout.block_size
-        tokens = min(t for t in (slots, max_tokens, MAX_CONTROL_BYTES) if t is not None)
-        self.max_pull_bytes = min(MAX_CONTROL_BYTES, PULL_BASE_BYTES + PULL_TOKEN_BYTES * tokens)
+        # the longest prompt a pull may ask for (the engine's max_model_len and cache capacity,
+        # as export_server gives it; None: the protocol's own bound): what a PULL's body may
+        # need, read only when its header is within that
+        if max_tokens is None:
+            self.max_pull_bytes = MAX_CONTROL_BYTES
+        else:
+            need = PULL_BASE_BYTES + PULL_TOKEN_BYTES * max_tokens
+            self.max_pull_bytes = min(MAX_CONTROL_BYTES, need)
         self._admitting = asyncio.Semaphore(MAX_ADMITTING)  # connections reading their PULL
         self._listener: socket.socket | None = None
         self._accepting: asyncio.Task[None] | None = None
