@@ -97,8 +97,9 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
                    help="bytes for the KV cache (default: --kv-cache-fraction of the memory)")  # fmt: skip
     p.add_argument("--kv-cache-fraction", type=float, default=0.25,
                    help="the KV cache's share of the memory left once the weights are in, when "
-                   "--kv-cache-bytes is not given: of the available RAM on the CPU, of the free "
-                   "GPU memory on CUDA (default %(default)s)")  # fmt: skip
+                   "--kv-cache-bytes is not given: of the available RAM on the CPU (or of the "
+                   "container's memory limit, where that leaves less), of the free GPU memory on "
+                   "CUDA (default %(default)s)")  # fmt: skip
     p.add_argument("--kv-cache-commit", default="lazy", choices=["lazy", "eager"],
                    help="on the CPU, commit the KV cache's memory as blocks first use it (lazy, "
                    "the default: a fast start) or all at start-up (eager: no page faults while "

@@ -38,6 +38,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from runtime.config import DTYPES, ModelConfig, ModelLoadError
+from runtime.host_memory import available_memory
 from runtime.manifest import (
     COMPRESSED_MANIFEST_NAME,
     check_shard_files,
@@ -201,18 +202,6 @@ def resolve_dtype(requested: str, cfg: ModelConfig) -> torch.dtype:
     return DTYPES[name]
 
 
-def available_memory() -> int:
-    """Bytes the kernel can give without swapping (MemAvailable)."""
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES")
-
-
 @dataclass(slots=True)
 class _Piece:
     """One checkpoint tensor (or the rows of it that are read) and the rows of a parameter it
@@ -248,7 +237,7 @@ class PendingLoad:
     stats: ReadStats
     reads: ShardReads | _Decoding
     nbytes: int  # memory the parameters take
-    memory_before: int  # host bytes available (MemAvailable) before any was allocated
+    memory_before: int  # bytes available (host or container: host_memory) before any was allocated
     # per shard: (staged tensor in its file dtype, its place in the parameter) to convert
     conversions: list[list[tuple[torch.Tensor, torch.Tensor]]] = field(default_factory=list)
     started: float = 0.0  # time.perf_counter() when start_load began
