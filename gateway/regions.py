@@ -5,16 +5,13 @@ from __future__ import annotations
 import math
 import re
 from dataclasses import dataclass, field
-from importlib import resources
 from pathlib import Path
 from typing import Any
-
-import yaml
 
 # The catalog ships inside the package (package data, pyproject.toml), so an installed gateway
 # has it; infra/deploy.py renders the regions' manifests from this same file. A package installed
 # by pip is on disk, so this is a real path (the CLI passes it on as the --regions default).
-DEFAULT_CATALOG = Path(str(resources.files("gateway") / "regions.yaml"))
+DEFAULT_CATALOG = Path(__file__).with_name("regions.yaml")
 EARTH_RADIUS_KM = 6371.0
 _NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_-]{0,62}$")
 
@@ -47,6 +44,8 @@ class RegionCatalog:
 
     @classmethod
     def load(cls, path: str | Path = DEFAULT_CATALOG) -> RegionCatalog:
+        import yaml  # here: every `edgeinfer` command names the catalog's default path
+
         path = Path(path)
         try:
             raw = yaml.safe_load(path.read_text())
