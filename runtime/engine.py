@@ -187,7 +187,9 @@ class LLMEngine:
                 f"({block_bytes} bytes each); give at least {block_bytes}"
             )
         # The prefix cache's identity: anything that changes a block's KV for the same tokens.
-        self.model_revision = config.model_revision or model_revision(config.model)
+        self.model_revision = (
+            config.model_revision or weights.revision or model_revision(config.model)
+        )
         dtypes = str(self.model.dtype).removeprefix("torch.")
         if self.model.weight_dtype != self.model.dtype:  # other weights: other KV
             dtypes += "-w" + str(self.model.weight_dtype).removeprefix("torch.")

@@ -238,6 +238,7 @@ class PendingLoad:
     reads: ShardReads | _Decoding
     nbytes: int  # memory the parameters take
     memory_before: int  # bytes available (host or container: host_memory) before any was allocated
+    revision: str = ""  # model_revision of the folder as start_load found it
     # per shard: (staged tensor in its file dtype, its place in the parameter) to convert
     conversions: list[list[tuple[torch.Tensor, torch.Tensor]]] = field(default_factory=list)
     started: float = 0.0  # time.perf_counter() when start_load began
@@ -301,11 +302,17 @@ def start_load(
     if not path.is_dir():
         raise ModelLoadError(f"{path}: not a folder")
     cfg = ModelConfig.from_dir(path)
+    # The weights' revision now, from the manifest and files about to be read, not once they
+    # are in: a folder replaced meanwhile (`edgeinfer pull --force` of a new version) must not
+    # lend its revision, which keys the prefix cache and KV transfer, to the old weights.
+    revision = model_revision(path)
     torch_dtype = resolve_dtype(dtype, cfg)
     weights = torch_dtype if weight_dtype == "auto" else DTYPES[weight_dtype]
     if is_compressed(path):
-        return _start_compressed(path, cfg, torch_dtype, weights, dtype, weight_dtype,
-                                 max_model_len, threads, direct, stats, t0, ep, place)  # fmt: skip
+        pending = _start_compressed(path, cfg, torch_dtype, weights, dtype, weight_dtype,
+                                    max_model_len, threads, direct, stats, t0, ep, place)  # fmt: skip
+        pending.revision = revision
+        return pending
     manifest = read_manifest(path)
     files = check_shard_files(path, manifest) if manifest else safetensors_files(path)
     shards = [read_header(f) for f in files]  # every header before any weight
@@ -395,6 +402,7 @@ def start_load(
         reads=reads,
         nbytes=end,
         memory_before=have,
+        revision=revision,
         conversions=[conversions[s.path] for s in shards],
         started=t0,
         queued=time.perf_counter(),

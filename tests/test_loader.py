@@ -476,3 +476,27 @@ def test_pulled_revision_is_its_checksums(stories_dir: Path, tmp_path: Path) -> 
     assert model_revision(second) == rev
     with pytest.raises(ModelLoadError, match=r"checksum mismatch"):
         load_model(second)
+
+
+def test_a_folder_replaced_while_loading_keeps_the_revision_of_what_was_read(
+    stories_dir: Path, tmp_path: Path
+) -> None:
+    """`pull --force` swaps a new version in while a worker reads the old one: the engine keys
+    its prefix cache (and KV transfer) on the revision of the weights it read, not the new
+    folder's."""
+    from runtime.config import EngineConfig
+    from runtime.engine import LLMEngine
+    from runtime.loader import model_revision
+
+    m = copy_model(stories_dir, tmp_path / "m")
+    v2 = copy_model(stories_dir, tmp_path / "v2")
+    cfg = json.loads((v2 / "config.json").read_text())
+    cfg["rms_norm_eps"] = cfg.get("rms_norm_eps", 1e-5) * 2  # another model: other KV
+    (v2 / "config.json").write_text(json.dumps(cfg))
+    old = model_revision(m)
+    pending = start_load(m)
+    m.rename(tmp_path / "m.old")  # the swap `pull --force` makes
+    v2.rename(m)
+    assert model_revision(m) != old
+    engine = LLMEngine(EngineConfig(model=str(m), kv_cache_bytes=1 << 20), pending)
+    assert engine.model_revision == old
