@@ -31,6 +31,7 @@ from typing import Any, TypeVar
 from runtime.engine import LLMEngine, Prompt, RequestGroup
 from runtime.outputs import RequestOutput
 from runtime.sampling_params import InvalidRequestError, SamplingParams
+from runtime.scheduler import QueueFullError
 
 log = logging.getLogger(__name__)
 
@@ -87,6 +88,10 @@ class AsyncLLM:
         # what the engine thread took from the inbox this round (a call in it that the loop's
         # death cut short is failed with the rest: its caller would wait for ever)
         self._batch: list[_Add | _Abort | _Import | _Call] = []
+        # sequences of the requests in the inbox (not in the waiting queue yet): submit counts
+        # them against the queue's bound, which would otherwise let any number through during
+        # one step, each failing later on a stream its caller already holds
+        self._inbox_seqs = 0
         self._streams: dict[str, _Stream] = {}
         self._stats = engine.stats()  # refreshed by the engine thread after each change
         self._stopped = False
@@ -127,6 +132,13 @@ class AsyncLLM:
                 raise EngineDeadError("the engine is shut down")
             if rid in self._streams:
                 raise InvalidRequestError("request_id", f"{rid!r} is already in use")
+            if isinstance(cmd, _Add):
+                seqs = self._inbox_seqs + len(group.seqs)
+                if not self.engine.has_room(seqs):
+                    raise QueueFullError(
+                        f"the waiting queue is full ({self.engine.scheduler.max_waiting})"
+                    )
+                self._inbox_seqs = seqs
             self._streams[rid] = stream
             self._inbox.append(cmd)
             self._cv.notify()
@@ -224,7 +236,7 @@ class AsyncLLM:
         with self._cv:
             streams, self._streams = self._streams, {}
             calls = [c for c in (*self._batch, *self._inbox) if isinstance(c, _Call)]
-            self._inbox, self._batch = [], []
+            self._inbox, self._batch, self._inbox_seqs = [], [], 0
         for call in calls:  # never ran, or ran into the loop's death: the engine is gone
             # (one already answered is done by the time this runs: _fail leaves it)
             _post(call.loop, _fail, call.future, reason)
@@ -274,6 +286,10 @@ class AsyncLLM:
                         deliveries.append((cmd.request_id, EngineDeadError(f"abort failed: {e!r}")))
                     if out is not None:
                         deliveries.append((cmd.request_id, out))
+            taken = sum(len(c.group.seqs) for c in inbox if isinstance(c, _Add))
+            if taken:  # in the waiting queue now (or refused): the queue's length counts them
+                with self._cv:
+                    self._inbox_seqs -= taken
             idle = False
             try:
                 outputs = engine.step()

@@ -441,7 +441,7 @@ class LLMEngine:
         """Whether a KV import may take blocks now, as the scheduler would admit a new request:
         no request waits ahead of it for blocks (first come, first served), and a seat is free
         (imports reserved or queued, and running requests, under max_num_seqs)."""
-        if any(not self.blocks.block_table(r.request_id) for r in self.scheduler.waiting):
+        if any(not self.blocks.holds(r.request_id) for r in self.scheduler.waiting):
             return False
         seats = len(self.scheduler.running) + len(self.scheduler.waiting) + len(self._imports)
         return seats < self.config.max_num_seqs
@@ -646,11 +646,18 @@ class LLMEngine:
         out = group.outputs[i]
         if out.finish_reason is not None:
             return
-        if group.detoks[i].stop_matched is None:
-            tail = group.detoks[i].flush()
+        detok = group.detoks[i]
+        if detok.stop_matched is None:
+            tail = detok.flush()
             out.text += tail
             out.delta_text += tail
-            out.num_shown_tokens = group.detoks[i].num_shown
+            out.num_shown_tokens = detok.num_shown
+            # a stop string completed by the held-back tail (bytes of a character the last
+            # tokens left unfinished) ended the text: it is the reason, as it is mid-stream
+            if detok.stop_matched is not None and status in (
+                RequestStatus.FINISHED_LENGTH, RequestStatus.FINISHED_STOPPED
+            ):
+                status, stop_reason = RequestStatus.FINISHED_STOPPED, detok.stop_matched
         out.finish_reason = status.value
         out.stop_reason = stop_reason
         self._seq_to_group.pop(group.seqs[i].request_id, None)

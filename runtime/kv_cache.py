@@ -243,6 +243,11 @@ class BlockManager:
     def block_table(self, request_id: str) -> list[int]:
         return self._tables.get(request_id, [])
 
+    def holds(self, request_id: str) -> bool:
+        """Whether the request has a block table, if an empty one: a KV import of a one-token
+        prompt reserves no block, yet is admitted as one that holds its blocks."""
+        return request_id in self._tables
+
     def free(self, request_id: str, computed: Sequence[int] | None = None) -> int:
         """Release the request's blocks; returns how many it held.
 

@@ -199,7 +199,7 @@ class Scheduler:
             if len(running) >= seats:
                 break
             req = self.waiting[0]
-            held = bool(self.blocks.block_table(req.request_id))  # a KV import's blocks
+            held = self.blocks.holds(req.request_id)  # a KV import's blocks (maybe none)
             if not held:
                 # new, or preempted: start from the longest cached prefix of its tokens
                 req.num_computed_tokens = self.blocks.match_prefix(
@@ -238,7 +238,7 @@ class Scheduler:
         first a waiting holder that can take its next tokens now; if none can, preempt the
         newest holder (its blocks freed, its prompt recomputed when its turn comes). Returns
         whether anything changed (False: no waiting request holds a block)."""
-        holders = [r for r in self.waiting if self.blocks.block_table(r.request_id)]
+        holders = [r for r in self.waiting if self.blocks.holds(r.request_id)]
         for r in holders:
             n = min(r.num_tokens - r.num_computed_tokens, budget)
             if self.blocks.can_allocate(r.request_id, r.num_computed_tokens + n):

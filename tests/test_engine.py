@@ -406,3 +406,70 @@ def test_a_call_that_kills_the_engine_loop_fails_and_so_do_those_after_it(storie
         assert asyncio.run(main()) == ["engine dead", "engine dead"]
     finally:
         llm.shutdown()
+
+
+@pytest.mark.parametrize("max_tokens", [2, 3])
+def test_a_stop_string_completed_by_the_held_back_tail_is_the_finish_reason(
+    stories_dir: Path, max_tokens: int
+) -> None:
+    """The two byte tokens of "é", then (max_tokens=3) a plain token: the stop string is found
+    mid-request or, when the request ends on the bytes, only as the held-back tail is flushed.
+    Either way the text ends before it and the output says it stopped on it (it said "length",
+    no stop reason, with the text cut all the same)."""
+    engine = LLMEngine_for(stories_dir)
+    tok = engine.tokenizer
+    forced = [tok.token_to_id("<0xC3>"), tok.token_to_id("<0xA9>"), tok.encode("a", False)[0]]
+    assert tok.decode(forced[:2]) == "é"
+    real = engine.runner.execute
+    steps = iter(forced)
+
+    def execute(out, tables):  # type: ignore[no-untyped-def]
+        tokens, logprobs = real(out, tables)
+        return {rid: [next(steps)] for rid in tokens}, logprobs
+
+    engine.runner.execute = execute  # type: ignore[method-assign]
+    engine.add_request("r", "Once upon a time", SamplingParams(max_tokens=max_tokens, stop=["é"]))
+    outs = [o for _ in range(8) for o in engine.step() if o.finished]
+    (c,) = outs[0].outputs
+    assert (c.text, c.finish_reason, c.stop_reason) == ("", "stop", "é")
+
+
+def test_submit_counts_requests_not_yet_queued_against_the_bound(stories_dir: Path) -> None:
+    """While a step runs, submitted requests wait in the async front's inbox: they count
+    against max_waiting at submit (a 429 before anything streams), not after the step, when
+    each extra one failed on a stream its caller already held."""
+    import threading
+
+    from runtime.config import EngineConfig
+    from runtime.scheduler import QueueFullError
+
+    engine = LLMEngine(EngineConfig(model=str(stories_dir), kv_cache_bytes=1 << 22, max_waiting=4))
+    real, stepping, release = engine.runner.execute, threading.Event(), threading.Event()
+
+    def slow(out, tables):  # type: ignore[no-untyped-def]
+        stepping.set()
+        release.wait(10)
+        return real(out, tables)
+
+    engine.runner.execute = slow  # type: ignore[method-assign]
+
+    async def main() -> tuple[int, int, int]:
+        llm = AsyncLLM(engine)
+        first = llm.submit("Once upon a time", SamplingParams(max_tokens=3))
+        await asyncio.to_thread(stepping.wait, 10)  # the engine thread is inside a step
+        streams, refused = [], 0
+        for _ in range(50):
+            try:
+                streams.append(llm.submit("Tom", SamplingParams(max_tokens=2)))
+            except QueueFullError:
+                refused += 1
+        release.set()
+        done = 0
+        for s in [first, *streams]:
+            async for out in s:
+                done += out.finished
+        llm.shutdown()
+        return len(streams), refused, done
+
+    accepted, refused, done = asyncio.run(main())
+    assert (accepted, refused, done) == (4, 46, 5)

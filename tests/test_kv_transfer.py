@@ -1531,3 +1531,31 @@ def test_a_prefill_worker_that_cannot_take_the_prefill_refuses_it(stories_dir: P
         asyncio.run(main())
     finally:
         small.shutdown()
+
+
+def test_an_import_of_a_one_token_prompt_runs_beside_other_requests(stories_dir: Path) -> None:
+    """A one-token prompt has no KV to pull: its reservation holds no block, and the scheduler
+    still admits it as an import (not as a new request, whose prefix match found it holding a
+    table and failed every step after, ending every request on the worker)."""
+    params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+    engine = LLMEngine(EngineConfig(str(stories_dir), block_size=BS, num_threads=1,
+                                    kv_cache_bytes=1 << 20))  # fmt: skip
+    engine.add_request("other", _prompt(40), params)
+    engine.step()
+    one = engine.prepare_request("one", [1], params)
+    assert engine.reserve_import(one) == (0, [])
+    engine.commit_import(one, 0)
+    done = {}
+    while engine.has_unfinished():
+        for out in engine.step():
+            if out.finished:
+                done[out.request_id] = out.outputs[0].token_ids
+    assert sorted(done) == ["one", "other"] and all(len(t) == 4 for t in done.values())
+    local = LLMEngine(EngineConfig(str(stories_dir), block_size=BS, num_threads=1,
+                                   kv_cache_bytes=1 << 20))  # fmt: skip
+    local.add_request("one", [1], params)
+    while local.has_unfinished():
+        for out in local.step():
+            if out.finished:
+                assert out.outputs[0].token_ids == done["one"]
+    assert engine.blocks.num_free_blocks == engine.blocks.num_blocks
