@@ -38,6 +38,7 @@ is speculated while the step's decodes would exceed `max_batch_tokens` tokens wi
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -45,7 +46,7 @@ import numpy as np
 import torch
 
 from runtime.request import Request
-from runtime.sampler import GREEDY_TEMPERATURE_EPS, TokenLogprobs, chosen_first
+from runtime.sampler import GREEDY_TEMPERATURE_EPS, MASKED_BELOW, TokenLogprobs, chosen_first
 from runtime.sampling_params import SamplingParams
 
 METHODS = ("ngram", "draft")
@@ -298,6 +299,7 @@ def verify(
 def logprobs_of(logits: torch.Tensor, tokens: list[int], count: int) -> list[TokenLogprobs]:
     """The sampler's logprobs (raw log_softmax, no penalties here) for `tokens`, one per row."""
     lp = torch.log_softmax(logits[: len(tokens)].float(), dim=-1)  # (n, V)
+    lp.masked_fill_(lp < -MASKED_BELOW, -math.inf)  # grammar-masked: -inf, as the sampler says
     chosen = lp.gather(1, torch.tensor(tokens).unsqueeze(1)).squeeze(1).tolist()
     top_vals: list[list[float]] = [[] for _ in tokens]
     top_ids: list[list[int]] = [[] for _ in tokens]

@@ -142,14 +142,19 @@ def test_a_constraint_completed_by_a_draft_ends_as_without_speculation(engines, 
     (forced to end-of-sequence) is not output: the same tokens, logprobs and usage as without
     speculation (it came out one token longer, with one more logprob entry than tokens shown)."""
     base, spec = engines
-    params = SamplingParams(temperature=0.0, max_tokens=60, logprobs=1,
+    params = SamplingParams(temperature=0.0, max_tokens=60, logprobs=3,
                             structured_outputs=constraint)  # fmt: skip
     before = spec.engine.spec.accepted
     w = base.generate([STORY * 3], params)[0].outputs[0]
     g = spec.generate([STORY * 3], params)[0].outputs[0]
     assert spec.engine.spec.accepted > before
     assert (g.token_ids, g.text, g.finish_reason) == (w.token_ids, w.text, w.finish_reason)
-    assert g.logprobs is not None and len(g.logprobs) == len(g.token_ids)
+    assert g.logprobs is not None and w.logprobs is not None
+    assert len(g.logprobs) == len(g.token_ids)
+    # the alternatives the grammar forbids are -inf in both (a verified draft's were -3.4e38)
+    for a, b in zip(w.logprobs, g.logprobs, strict=True):
+        assert [t for t, _ in a.top] == [t for t, _ in b.top]
+        assert [v for _, v in b.top] == pytest.approx([v for _, v in a.top], abs=1e-4)
     assert spec.engine.blocks.num_free_blocks == spec.engine.blocks.num_blocks
 
 
