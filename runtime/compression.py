@@ -88,8 +88,8 @@ from kernels.huffman_decode import (
     lane_group,
 )
 from runtime.config import ModelLoadError
-from runtime.manifest import COMPRESSED_MANIFEST_NAME, is_compressed
-from runtime.model_store import LOCK_NAME, locked_folder
+from runtime.manifest import COMPRESSED_MANIFEST_NAME, check_shard_files, is_compressed
+from runtime.model_store import LOCK_NAME, checked_source, locked_folder
 from runtime.shard_reader import (
     Arena,
     commit_ahead,
@@ -108,6 +108,7 @@ SUFFIX = ".ei11"
 FILE_MAGIC = b"EIHUF\x00\x00\x01"
 RECORD_MAGIC = b"EIH1"
 CHUNK_ELEMS = 4096  # values per chunk: ~1.3 KiB of code; offsets cost 4 bytes per 8 KiB
+MAX_CHUNK_ELEMS = 2**32 - 64  # the largest multiple of 64 a record's u32 chunk_elems holds
 RECORD_ALIGN = 64  # every record starts at a multiple of this (raw tensors are views)
 _RECORD_HEAD = struct.Struct("<4sIQQ")  # magic, chunk_elems, n, nbytes
 _HEAD_BYTES = _RECORD_HEAD.size + 128  # + the code lengths, two per byte
@@ -533,14 +534,24 @@ def compress_model(
     """Write a compressed copy of Hugging Face folder `src` into `out` (which must not exist or
     be empty). `cast_bf16`: cast float16/float32 tensors to bfloat16 first (lossy); without it
     such a model is refused. Refuses a model that is already compressed, has no float tensors,
-    or would not get smaller. Built in a temporary folder beside `out`, renamed at the end."""
+    or would not get smaller. Built in a temporary folder beside `out`, renamed at the end.
+    A model of a store (with edgeinfer-manifest.json) is read checked against its checksums
+    (model_store.checked_source): a corrupt one is an error naming the file, nothing written.
+    `chunk_elems` (`--chunk-elems`): a multiple of 64 up to MAX_CHUNK_ELEMS (a record stores
+    it in 32 bits)."""
     from runtime.loader import safetensors_files
     from runtime.weights import load_safetensors
 
     src, out, say = Path(src), Path(out), progress or (lambda _msg: None)
+    if not 0 < chunk_elems <= MAX_CHUNK_ELEMS or chunk_elems % 64:
+        raise CompressError(
+            f"--chunk-elems must be a multiple of 64 from 64 to {MAX_CHUNK_ELEMS} (a record "
+            f"stores it in 32 bits), got {chunk_elems}"
+        )
     if is_compressed(src):
         raise CompressError(f"{src}: already compressed ({MANIFEST_NAME}); nothing to gain")
-    files = safetensors_files(src)
+    source = checked_source(src)  # None: a plain folder, nothing to check against
+    files = safetensors_files(src) if source is None else check_shard_files(src, source)
     entries = [t for f in files for t in read_header(f).tensors]
     floats = [t for t in entries if t.dtype.is_floating_point]
     if not floats:
@@ -557,8 +568,6 @@ def compress_model(
         )
     if out.exists() and (not out.is_dir() or any(out.iterdir())):
         raise CompressError(f"{out}: exists and is not an empty folder")
-    if chunk_elems <= 0 or chunk_elems % 64:
-        raise CompressError(f"chunk_elems must be a positive multiple of 64, got {chunk_elems}")
     summary = CompressSummary(out, 0, 0, 0.0, 0, 0)
     manifest = CompressedManifest(str(src.resolve()), {}, {}, 0, other)
     # A folder locked while it is built (model_store.locked_folder): killed outright, the
@@ -569,7 +578,7 @@ def compress_model(
         with locked_folder(tmp), ThreadPoolExecutor(max(1, threads)) as pool:
             for f in files:
                 name = f.name.removesuffix(".safetensors") + SUFFIX
-                tensors = [(n, t) for _, n, t in load_safetensors([f])]
+                tensors = [(n, t) for _, n, t in load_safetensors([f], manifest=source)]
                 if cast_bf16:
                     tensors = [(n, _as_bf16(t)) for n, t in tensors]
                 records = list(pool.map(lambda nt: _record(nt[1], chunk_elems), tensors))
@@ -1313,8 +1322,11 @@ class CompressedBlocks:
         self._launched = -1  # the last block whose decode was started ahead
         self._last: tuple[int, bool] = (-1, False)  # the block run last; in a graph's capture?
         self._pending = False  # decodes started ahead that no block has waited on yet
-        if overlap and self.device.type == "cuda" and len(self._blocks) > 1 and all(
-            b.group is not None for b in self._blocks
+        if (
+            overlap
+            and self.device.type == "cuda"
+            and len(self._blocks) > 1
+            and all(b.group is not None for b in self._blocks)
         ):
             ahead = max(1, min(ahead, len(self._blocks) - 1))
             self._side = torch.cuda.Stream(self.device)

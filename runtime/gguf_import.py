@@ -22,8 +22,11 @@ Three things differ between the two formats and are undone here:
    to `dtype`. float32 (the default) keeps the dequantized values exactly; bfloat16 / float16
    halve the folder but round them.
 
-The whole folder is written into a temporary sibling and renamed into place, so a crash
-leaves no half-written model. Nothing is printed unless `progress` is given.
+The whole folder is written into a temporary sibling, `.<name>.import-<id>`, and renamed into
+place, so a crash leaves no half-written model. The sibling is locked while the import runs
+(runtime.model_store.locked_folder): one left by an import killed outright is deleted by the
+next sweep of the model store it is in (a pull or a remove there), a running one never.
+Nothing is printed unless `progress` is given.
 
 The tokenizer files are rebuilt by `runtime.gguf_tokenizer`; the errors and metadata access
 shared by both modules live in `runtime.gguf_common`.
@@ -34,7 +37,6 @@ from __future__ import annotations
 import errno
 import os
 import re
-import shutil
 import uuid
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -56,6 +58,7 @@ from runtime.gguf_common import (
 )
 from runtime.gguf_tokenizer import write_tokenizer
 from runtime.loader import IMPORT_MARKER  # last file written into a finished folder
+from runtime.model_store import LOCK_NAME, locked_folder
 
 IMPORTER_VERSION = 1  # bump when the folder layout changes, so caches re-import
 
@@ -129,9 +132,9 @@ def _import(src: Path, dst: Path, dtype: str, shard_bytes: int, say: Progress) -
             "exact float32 values, a fifth to a third of the bytes; AVX-512 CPUs)")  # fmt: skip
 
     dst.parent.mkdir(parents=True, exist_ok=True)
-    tmp = dst.parent / f".{dst.name}.{uuid.uuid4().hex[:12]}.tmp"
-    tmp.mkdir()  # unlike tempfile.mkdtemp, honours the umask: the folder is meant to be shared
-    try:
+    # made like tempfile.mkdtemp's, but honouring the umask (the folder is meant to be shared),
+    # locked, and removed however the block ends (after the rename: nothing left to remove)
+    with locked_folder(dst.parent / f".{dst.name}.import-{uuid.uuid4().hex[:12]}") as tmp:
         write_json(tmp / "config.json", config)
         _write_weights(tmp, jobs, DTYPES[dtype], shard_bytes, say)
         file_mode = (tmp / "config.json").stat().st_mode & 0o777
@@ -148,15 +151,13 @@ def _import(src: Path, dst: Path, dtype: str, shard_bytes: int, say: Progress) -
                 "tensor_types": types,
             },
         )
+        (tmp / LOCK_NAME).unlink()  # not part of the model (the lock is held till the end)
         if dst.is_dir():
             dst.rmdir()  # empty (checked above); rename cannot replace a directory otherwise
         try:
             tmp.rename(dst)
         except OSError as e:  # another process finished first
             raise FileExistsError(f"{dst}: appeared while importing ({e})") from e
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
     say(f"imported {src.name} -> {dst}")
     return dst
 

@@ -34,17 +34,37 @@ class DefaultModelUnavailableError(ModelLoadError):
     the command line reports it as an error with the fix, not a traceback.)"""
 
 
+class DefaultModelTakenError(StoreError):
+    """The store holds a model under the default model's name that is not the bundled import;
+    the message says how to use it or make room."""
+
+
 def default_model_dir(cache_root: Path | None = None) -> Path:
     """The folder of the default model, importing it from the installed GGUF on first use.
 
     Later calls return at once: a folder with a manifest and a current import marker is
     complete, because the store renames it into place only when everything, the manifest last,
-    is written. A folder from an older importer (or a stray one) is replaced atomically.
+    is written. Our own import that is not current (an older importer's marker, or no manifest:
+    an import from before the model store) is replaced atomically.
+
+    A folder of that name without the import marker is not ours: a model the user pulled or
+    copied under the default model's name. Nothing asked for it by name here (no `--model`),
+    and replacing it would destroy it while serving it as the default would run a model nobody
+    chose: it is refused (DefaultModelTakenError), the message saying how to use it
+    (`--model SmolLM2-135M-Instruct`, which serves the store's folder as it is) or to remove it
+    so the bundled model can be imported.
     """
     store = ModelStore(cache_root if cache_root is not None else DEFAULT_CACHE_ROOT)
     target = store.root / DEFAULT_MODEL
     if _is_current(target):
         return target
+    if (target.exists() or target.is_symlink()) and not (target / IMPORT_MARKER).is_file():
+        raise DefaultModelTakenError(
+            f"{target}: the store's {DEFAULT_MODEL} is not the bundled import (no "
+            f"{IMPORT_MARKER}), and is not replaced: to serve it, name it with --model "
+            f"{DEFAULT_MODEL}; for the bundled model, remove it first: edgeinfer rm "
+            f"{DEFAULT_MODEL} --store {store.root}"
+        )
     source = bundled_gguf_path()
     print(f"edgeinfer: importing {source.name} into {target} (once)", file=sys.stderr)
     with store.staging(DEFAULT_MODEL) as tmp:

@@ -8,8 +8,9 @@
             edgeinfer-manifest.json             shards, sizes, checksums, tensors, and a
                                                 checksum of every other file: written last
         .pull-<name>.<id>/                      a pull in progress (removed when it ends)
-        .rm-<name>.<id>/                        a model being removed
+        .rm-<name>.<id>/model                   a model being removed
         .<name>.compress-<id>/                  `edgeinfer compress` writing into the store
+        .<name>.import-<id>/                    `edgeinfer import-gguf` writing into the store
 
 Each shard is a valid safetensors file laid out for the loader: the JSON header is padded with
 spaces so the data starts at a multiple of 4096, and tensors are ordered by element size,
@@ -22,8 +23,13 @@ model or the new one, never a mix. A crash or Ctrl-C leaves nothing but that tem
 which the pull removes on the way out. A pull holds a lock (flock) on a file in its temporary
 folder for as long as it runs; a process killed outright (SIGKILL, a lost machine) leaves the
 folder, with the lock gone, and the next pull or remove deletes such leftovers: at the edge, a
-model's worth of disk is not left behind by an interrupted pull. `edgeinfer compress` into the
-store locks its temporary folder the same way (locked_folder), so its leftovers go too.
+model's worth of disk is not left behind by an interrupted pull. A remove, `edgeinfer compress`
+and `edgeinfer import-gguf` into the store lock their temporary folders the same way
+(locked_folder), so their leftovers go too, and only theirs: never a folder still in use.
+
+A pull or compression whose source is a model of a store (it has a manifest) checks what it reads
+against the source's checksums: a corrupt model is refused, not copied into a new one with fresh
+checksums that would hide the damage (see checked_source).
 
 A model may be a symbolic link to a folder elsewhere: `rm` removes the link, never what it points
 to. `pull` takes plain safetensors weights (or a GGUF); a compressed folder is refused: it comes
@@ -43,6 +49,7 @@ import re
 import shutil
 import time
 import uuid
+from collections import OrderedDict
 from collections.abc import Callable, Iterator
 from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass, field
@@ -60,10 +67,12 @@ from runtime.manifest import (
     Manifest,
     ShardEntry,
     TensorInfo,
+    check_shard_files,
     file_digest,
     file_digests,
     is_compressed,
     read_manifest,
+    verify_chunk,
     write_manifest,
 )
 from runtime.weights import TensorEntry, read_header
@@ -87,10 +96,11 @@ _ST_DTYPES = {
 _WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf", ".h5", ".msgpack", ".onnx")
 _NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._+-]*")
 # The longest model name: the store's temporary folders add up to 23 characters to it
-# (`.pull-<name>.<12 hex>`, `.<name>.compress-<12 hex>`), and a file name has 255 at most.
+# (`.pull-<name>.<12 hex>`, `.<name>.compress-<12 hex>`, `.<name>.import-<12 hex>`), and a
+# file name has 255 at most.
 MAX_NAME = 200
-# What interrupted pulls, removes and compressions leave in the root (see `sweep`)
-_LEFTOVER = re.compile(r"\.(pull|rm)-.+\.[0-9a-f]{12}|\..+\.compress-[0-9a-f]{12}")
+# What interrupted pulls, removes, compressions and GGUF imports leave in the root (see `sweep`)
+_LEFTOVER = re.compile(r"\.(pull|rm)-.+\.[0-9a-f]{12}|\..+\.(compress|import)-[0-9a-f]{12}")
 
 
 class StoreError(ModelLoadError):
@@ -302,25 +312,27 @@ class ModelStore:
         return target
 
     def remove(self, name: str) -> Path:
-        """Delete a model from the store (renamed aside first, so nobody sees half of it); a
+        """Delete a model from the store (renamed aside first, into a locked folder, so nobody
+        sees half of it and no other pull's or remove's sweep deletes it under this one); a
         model that is a symbolic link loses the link, never what it points to."""
         _check_name(name)
         folder = self.root / name
         if not folder.is_symlink():  # (a link is removed even when it points nowhere)
             folder = self.model_folder(name)
         self.sweep()
-        aside = self.root / f".rm-{name}.{uuid.uuid4().hex[:12]}"
         try:
-            folder.rename(aside)
-            _delete(aside)
+            with locked_folder(self.root / f".rm-{name}.{uuid.uuid4().hex[:12]}") as aside:
+                folder.rename(aside / "model")
+                _delete(aside / "model")  # (here, not in locked_folder's cleanup: errors count)
         except OSError as e:
             raise StoreError(f"{folder}: cannot remove ({e})") from e
         return folder
 
     def sweep(self, progress: Progress | None = None) -> builtins.list[Path]:
-        """Delete what killed pulls, removals and compressions left in the root: a `.pull-*`
-        or `.<name>.compress-*` folder whose lock no live process holds, and every `.rm-*`
-        folder (one that is a symbolic link: the link alone). Returns the paths deleted."""
+        """Delete what killed pulls, removals, compressions and GGUF imports left in the root:
+        a `.pull-*`, `.rm-*`, `.<name>.compress-*` or `.<name>.import-*` folder whose lock no
+        live process holds (one that is a symbolic link: the link alone). Returns the paths
+        deleted."""
         if not self.root.is_dir():
             return []
         gone = []
@@ -332,7 +344,7 @@ class ModelStore:
                 size = 0
                 with contextlib.suppress(OSError):
                     path.unlink()
-            elif not path.is_dir() or (kind.group(1) != "rm" and not _abandoned(path)):
+            elif not path.is_dir() or not _abandoned(path):
                 continue
             else:
                 size = _tree_bytes(path)
@@ -340,7 +352,7 @@ class ModelStore:
             if not path.exists() and not path.is_symlink():
                 gone.append(path)
                 if progress is not None:
-                    what = "compress" if kind.group(1) is None else "pull or remove"
+                    what = kind.group(2) or "pull or remove"
                     progress(f"deleted {path.name} ({human_bytes(size)}), left by an "
                              f"interrupted {what}")  # fmt: skip
         return gone
@@ -390,24 +402,26 @@ def write_model(
     src: Path, out: Path, name: str, origin: str, shard_bytes: int, say: Progress
 ) -> Manifest:
     """Re-shard the weights of Hugging Face folder `src` into the empty folder `out`, copy its
-    other files, write the index and, last, the manifest."""
-    tensors = _source_tensors(src)
+    other files, write the index and, last, the manifest. A `src` with a manifest (a model of a
+    store) is checked against it as it is read (checked_source, _SourceReads)."""
+    source = checked_source(src)
+    tensors = _source_tensors(src, source)
     groups = plan_shards([t.end - t.begin for _, t in tensors], shard_bytes)
     total = sum(t.end - t.begin for _, t in tensors)
     manifest = Manifest(name, origin, CHUNK_BYTES,
                         created=datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%SZ"))  # fmt: skip
     meter = _Meter(total, say, "written")
-    buf = memoryview(bytearray(CHUNK_BYTES))
     with ExitStack() as stack:
         fds: dict[Path, int] = {}
         for path in {p for p, _ in tensors}:
             fds[path] = os.open(path, os.O_RDONLY)
             stack.callback(os.close, fds[path])
+        reads = _SourceReads(fds, source)
         for k, group in enumerate(groups, start=1):
             file = f"model-{k:05d}-of-{len(groups):05d}.safetensors"
             # element size descending (stable: source order within a size)
             members = sorted((tensors[i] for i in group), key=lambda pt: -pt[1].dtype.itemsize)
-            entry = _write_shard(out / file, members, fds, buf, meter)
+            entry = _write_shard(out / file, members, reads, meter)
             manifest.shards.append(entry)
             for _, t in members:
                 manifest.tensors[t.name] = TensorInfo(file, _ST_DTYPES[t.dtype], t.shape)
@@ -496,19 +510,46 @@ def _import_gguf(path: Path, out: Path, say: Progress) -> Path:
         raise StoreError(str(e)) from e
 
 
-def _source_tensors(folder: Path) -> list[tuple[Path, TensorEntry]]:
+def checked_source(folder: Path) -> Manifest | None:
+    """The manifest of a folder about to be copied (by a pull, or `edgeinfer compress`), or
+    None where it has none (a plain Hugging Face folder: nothing to check against). With one
+    (a model of a store), its shards must be there at their sizes and its other files (config,
+    tokenizer, ...) match their checksums, or a StoreError names the file: a corrupt model must
+    not come out as a new one with fresh checksums that `verify` would pass. The shards' bytes
+    are checked by whoever reads them, against the manifest returned."""
+    manifest = read_manifest(folder)
+    if manifest is None:
+        return None
+    check_shard_files(folder, manifest)
+    problems = _check_files(folder, manifest.files or {})
+    if problems:
+        raise StoreError(f"{problems[0]}: a corrupt model is not copied; pull it again")
+    return manifest
+
+
+def _source_tensors(folder: Path, manifest: Manifest | None) -> list[tuple[Path, TensorEntry]]:
     """Every tensor of a folder's safetensors files with the file it is in, file by file in
-    file order; names must be unique, and match the index when there is one."""
+    file order; names must be unique, and match the index when there is one, and the manifest
+    when there is one (a header that parses but says otherwise is a corrupt shard)."""
     from runtime.loader import safetensors_files
 
     out: list[tuple[Path, TensorEntry]] = []
     seen: dict[str, Path] = {}
-    for path in safetensors_files(folder):
+    files = safetensors_files(folder) if manifest is None else check_shard_files(folder, manifest)
+    for path in files:
         for t in read_header(path).tensors:
             if t.name in seen:
                 raise StoreError(f"{path}: tensor {t.name!r} is also in {seen[t.name]}")
             seen[t.name] = path
             out.append((path, t))
+            if manifest is not None:
+                _check_listed(path, t, manifest)
+    if manifest is not None and len(seen) != len(manifest.tensors):
+        missing = sorted(set(manifest.tensors) - set(seen))
+        raise StoreError(
+            f"{folder}: corrupt: the manifest lists {len(manifest.tensors)} tensors, the shards' "
+            f"headers {len(seen)} (e.g. not {missing[0]!r}); pull it again"
+        )
     index = folder / INDEX_NAME
     if index.is_file():
         listed = set(json.loads(index.read_text())["weight_map"])  # checked by safetensors_files
@@ -519,6 +560,19 @@ def _source_tensors(folder: Path) -> list[tuple[Path, TensorEntry]]:
                 f"({len(odd)} differ, e.g. {odd[:3]})"
             )
     return out
+
+
+def _check_listed(path: Path, t: TensorEntry, manifest: Manifest) -> None:
+    """A tensor of a shard's header as the manifest lists it, or a StoreError naming both."""
+    got = TensorInfo(path.name, _ST_DTYPES[t.dtype], t.shape)
+    want = manifest.tensors.get(t.name)
+    if got != want:
+        listed = "does not list it" if want is None else (
+            f"has {want.dtype} {list(want.shape)} in {want.shard}")  # fmt: skip
+        raise StoreError(
+            f"{path}: corrupt: its header has tensor {t.name!r} as {got.dtype} "
+            f"{list(got.shape)}, the manifest {listed}; pull it again"
+        )
 
 
 def _check_files(folder: Path, files: dict[str, str]) -> list[str]:
@@ -550,11 +604,71 @@ def _is_extra(file: str) -> bool:
 # Writing a shard
 
 
+class _SourceReads:
+    """The reads of a pull's source files. A source with a manifest (a model of a store) is
+    read a whole chunk (the manifest's chunk_bytes) at a time, checked against its checksum
+    before any of its bytes are copied (ModelLoadError naming the shard and the byte range), and
+    kept for the next reads, a few chunks at most: a shard's tensors are copied in its own file
+    order (both sort by element size, stably), so each chunk is read once. Chunk 0, which holds
+    the header that the copy was planned from, is checked before any of its file is copied.
+    Without a manifest, plain reads into one buffer, nothing to check."""
+
+    KEEP = 4  # chunks kept: those of the few source files one new shard draws from
+
+    def __init__(self, fds: dict[Path, int], manifest: Manifest | None) -> None:
+        self.fds = fds
+        self.manifest = manifest
+        self.buf = memoryview(bytearray(CHUNK_BYTES if manifest is None else 0))
+        self.chunks: OrderedDict[tuple[Path, int], memoryview] = OrderedDict()
+        self.headed: set[Path] = set()  # the files whose chunk 0 is checked
+
+    def read(self, path: Path, pos: int, limit: int) -> memoryview:
+        """Bytes of `path` from `pos`: at least one, at most `limit`."""
+        if self.manifest is None:
+            n = os.preadv(self.fds[path], [self.buf[: min(len(self.buf), limit)]], pos)
+            if n == 0:
+                raise ModelLoadError(f"{path}: truncated while reading (at byte {pos})")
+            return self.buf[:n]
+        if path not in self.headed:
+            self._chunk(path, 0)
+            self.headed.add(path)
+        index, at = divmod(pos, self.manifest.chunk_bytes)
+        chunk = self._chunk(path, index)
+        if at >= len(chunk):  # (sizes are checked first: a file cut short meanwhile)
+            raise ModelLoadError(f"{path}: truncated while reading (at byte {pos})")
+        return chunk[at : at + limit]
+
+    def _chunk(self, path: Path, index: int) -> memoryview:
+        """Chunk `index` of `path`, read and checked once while it is kept."""
+        assert self.manifest is not None
+        key = (path, index)
+        if key in self.chunks:
+            self.chunks.move_to_end(key)
+            return self.chunks[key]
+        entry = self.manifest.shard(path.name)
+        assert entry is not None  # (the files are the manifest's: checked_source)
+        start = index * self.manifest.chunk_bytes
+        size = max(0, min(self.manifest.chunk_bytes, entry.bytes - start))
+        # the oldest kept chunk's buffer, when KEEP are kept: a few buffers for the whole pull
+        buf = self.chunks.popitem(last=False)[1].obj if len(self.chunks) >= self.KEEP else None
+        if not isinstance(buf, bytearray) or len(buf) < size:
+            buf = bytearray(self.manifest.chunk_bytes)
+        data = memoryview(buf)[:size]
+        done = 0
+        while done < size:
+            n = os.preadv(self.fds[path], [data[done:]], start + done)
+            if n == 0:
+                raise ModelLoadError(f"{path}: truncated while reading (at byte {start + done})")
+            done += n
+        verify_chunk(self.manifest, path, index, data)
+        self.chunks[key] = data
+        return data
+
+
 def _write_shard(
     path: Path,
     tensors: list[tuple[Path, TensorEntry]],
-    fds: dict[Path, int],
-    buf: memoryview,
+    reads: _SourceReads,
     meter: _Meter,
 ) -> ShardEntry:
     """Write one safetensors shard with its data at a multiple of ALIGN, hashing as it goes."""
@@ -575,12 +689,10 @@ def _write_shard(
         for src, t in tensors:
             pos = t.begin
             while pos < t.end:
-                n = os.preadv(fds[src], [buf[: min(len(buf), t.end - pos)]], pos)
-                if n == 0:
-                    raise ModelLoadError(f"{src}: truncated while reading (at byte {pos})")
-                _write_all(fd, buf[:n], hasher)
-                pos += n
-                meter.advance(n, path.name)
+                data = reads.read(src, pos, t.end - pos)
+                _write_all(fd, data, hasher)
+                pos += len(data)
+                meter.advance(len(data), path.name)
         os.fsync(fd)  # the data is on the drive before the manifest says it is there
     finally:
         os.close(fd)
@@ -689,11 +801,20 @@ def locked_folder(path: Path) -> Iterator[Path]:
 
 
 def _delete(path: Path) -> None:
-    """A folder with what it holds; a symbolic link alone (never what it points to)."""
+    """A folder with what it holds; a symbolic link alone (never what it points to). What
+    vanishes meanwhile is no error: another process (an older edgeinfer's sweep, which took
+    every `.rm-*` folder) may be deleting the same folder."""
     if path.is_symlink():
-        path.unlink()
-    else:
-        shutil.rmtree(path)
+        path.unlink(missing_ok=True)
+        return
+    for _ in range(8):  # (each round deletes what it gets to: it ends unless refilled)
+        try:
+            shutil.rmtree(path)
+            return
+        except FileNotFoundError:
+            if not os.path.lexists(path):
+                return
+    shutil.rmtree(path)  # still there: say why
 
 
 def _abandoned(folder: Path) -> bool:

@@ -921,7 +921,9 @@ def test_blocks_kept_compressed_decode_into_one_buffer_and_answer_the_same(
 
 
 def test_engine_keeps_weights_compressed_and_answers_the_same(
-    stories_dir: Path, tiny_model_dir, caplog: pytest.LogCaptureFixture  # type: ignore[no-untyped-def]
+    stories_dir: Path,
+    tiny_model_dir,  # type: ignore[no-untyped-def]
+    caplog: pytest.LogCaptureFixture,
 ) -> None:
     """EngineConfig.keep_weights_compressed: bfloat16 layers kept compressed from start-up (a
     bfloat16 model, and bfloat16 weights under float32), the same greedy tokens as the dense
@@ -957,7 +959,9 @@ def test_engine_keeps_weights_compressed_and_answers_the_same(
 
 
 def test_weights_kept_compressed_leave_their_memory_to_the_kv_cache(
-    stories_dir: Path, tiny_model_dir, monkeypatch: pytest.MonkeyPatch  # type: ignore[no-untyped-def]
+    stories_dir: Path,
+    tiny_model_dir,  # type: ignore[no-untyped-def]
+    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     """With the machine's free memory fixed, a KV cache sized by fraction gets what the layers
     gave back (dense bytes - compressed bytes, decode tables included - the shared buffer):
@@ -971,8 +975,10 @@ def test_weights_kept_compressed_leave_their_memory_to_the_kv_cache(
     kept = LLM(model, keep_weights_compressed=True, **frac).engine
     assert kept.compressed is not None
     c = kept.compressed
-    gain = (c.dense_bytes - c.compressed_bytes - c.buffer.nbytes) * 0.9 / kv_block_bytes(
-        kept.model, kept.config.block_size, kept.kv_dtype
+    gain = (
+        (c.dense_bytes - c.compressed_bytes - c.buffer.nbytes)
+        * 0.9
+        / kv_block_bytes(kept.model, kept.config.block_size, kept.kv_dtype)
     )
     more = kept.blocks.num_blocks - dense.blocks.num_blocks
     assert more >= 1 and int(gain) <= more <= int(gain) + 1, (more, gain)
@@ -991,3 +997,57 @@ def test_cli_compress(
     line = capsys.readouterr().out
     assert "% of bfloat16" in line and "tensors coded" in line, line
     assert is_compressed(tmp_path / "a")
+
+
+def test_a_corrupt_store_model_is_not_compressed_into_a_sound_looking_copy(
+    stories_dir: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """`edgeinfer compress` of a model of a store reads it checked against its manifest: a bit
+    flipped in a shard is an error naming it, and nothing is written (not a compressed copy
+    with fresh checksums that `verify` passes and the loader loads)."""
+    from runtime.cli import main
+    from runtime.model_store import ModelStore, StoreError
+
+    store = ModelStore(tmp_path / "store")
+    folder = store.pull(stories_dir, "tiny", shard_bytes=64 << 10)
+    compress_model(folder, store.root / "tiny-z", cast_bf16=True)  # sound: compresses
+    assert store.verify("tiny-z") == []
+    shard = sorted(folder.glob("*.safetensors"))[2]
+    data = bytearray(shard.read_bytes())
+    data[-1] ^= 0x01  # in the last tensor's bytes
+    shard.write_bytes(bytes(data))
+    with pytest.raises(ModelLoadError, match=rf"{shard}: checksum mismatch in bytes"):
+        compress_model(folder, store.root / "z2", cast_bf16=True)
+    argv = ["compress", "tiny", str(store.root / "z2"), "--cast-bf16", "--store", str(store.root)]
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert f"edgeinfer: error: {shard}: checksum mismatch" in err
+    assert sorted(p.name for p in store.root.iterdir()) == ["tiny", "tiny-z"]
+    data[-1] ^= 0x01
+    shard.write_bytes(bytes(data))
+    (folder / "tokenizer.json").write_bytes(b"{}")  # the other files are checked too
+    with pytest.raises(StoreError, match=r"tokenizer.json: corrupt: checksum mismatch"):
+        compress_model(folder, store.root / "z2", cast_bf16=True)
+    assert sorted(p.name for p in store.root.iterdir()) == ["tiny", "tiny-z"]
+
+
+def test_a_chunk_size_a_record_cannot_hold_is_refused(
+    stories_dir: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """--chunk-elems is stored in 32 bits: 2**32 and more is an error naming the option (not
+    a struct.error traceback), like 0 and values that are no multiple of 64."""
+    from runtime.cli import main
+
+    for bad in (2**32, 2**40, 0, 100):
+        argv = ["compress", str(stories_dir), str(tmp_path / "z"), "--cast-bf16",
+                "--chunk-elems", str(bad)]  # fmt: skip
+        assert main(argv) == 2
+        err = capsys.readouterr().err
+        assert err.startswith(f"edgeinfer: error: --chunk-elems must be a multiple of 64 from "
+                              f"64 to {2**32 - 64}") and f"got {bad}" in err  # fmt: skip
+    assert not (tmp_path / "z").exists()
+    assert not [p for p in tmp_path.iterdir() if p.name.startswith(".")]
+    compress_model(stories_dir, tmp_path / "z", cast_bf16=True, chunk_elems=2**32 - 64)
+    assert {n: t for _, n, t in load_compressed(tmp_path / "z")}.keys() == set(
+        load_file(str(stories_dir / "model.safetensors"))
+    )

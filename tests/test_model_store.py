@@ -14,6 +14,7 @@ from safetensors.torch import load_file, save_file
 
 from runtime import model_cache, model_store
 from runtime.cli import _model_dir, main
+from runtime.config import ModelLoadError
 from runtime.manifest import MANIFEST_NAME, file_digests, read_manifest
 from runtime.model_store import ModelStore, StoreError, parse_size, plan_shards
 from runtime.weights import ReadStats, load_safetensors, read_header
@@ -94,7 +95,10 @@ def test_pull_stories_in_small_shards(tmp_path: Path, stories_dir: Path) -> None
     ],
 )
 def test_a_manifest_that_cannot_be_meant_is_corrupt(
-    tmp_path: Path, stories_dir: Path, edit: dict, message: str  # type: ignore[type-arg]
+    tmp_path: Path,
+    stories_dir: Path,
+    edit: dict,  # type: ignore[type-arg]
+    message: str,
 ) -> None:
     from runtime.config import ModelLoadError
 
@@ -395,16 +399,21 @@ def test_leftovers_of_killed_pulls_are_swept(tmp_path: Path, stories_dir: Path) 
     )
     done = subprocess.run([sys.executable, "-c", code, str(store.root)], cwd=Path(__file__).parents[1])  # fmt: skip
     assert done.returncode == -9
-    (store.root / ".rm-old.0123456789ab").mkdir()  # a remove killed between rename and delete
+    killed_rm = store.root / ".rm-old.0123456789ab"  # a remove killed between rename and delete
+    (killed_rm / "model").mkdir(parents=True)
+    (killed_rm / ".lock").touch()  # its process is gone: nobody holds the lock
+    older_rm = store.root / ".rm-older.ba9876543210"  # a remove's from before removes locked
+    older_rm.mkdir()
+    os.utime(older_rm, (0, 0))  # (without a lock file: once it is a minute old)
     left = sorted(p.name for p in store.root.iterdir())
-    assert len(left) == 2 and left[0].startswith(".pull-tiny."), left
+    assert len(left) == 3 and left[0].startswith(".pull-tiny."), left
     said: list[str] = []
     with store.staging("other") as running:  # a live pull beside the sweep
         store.pull(stories_dir, "tiny", shard_bytes=SHARD, progress=said.append)
         assert running.is_dir()
         assert sorted(p.name for p in store.root.iterdir()) == [running.name, "tiny"]
     assert [p.name for p in store.root.iterdir()] == ["tiny"]
-    assert sum("left by an interrupted pull or remove" in m for m in said) == 2, said
+    assert sum("left by an interrupted pull or remove" in m for m in said) == 3, said
     assert store.verify("tiny") == []
 
 
@@ -574,3 +583,150 @@ def test_leftovers_of_killed_compressions_into_the_store_are_swept(
     assert [p.name for p in store.root.iterdir()] == ["tiny-z"]
     assert store.verify("tiny-z") == []
     assert not (store.root / "tiny-z" / ".lock").exists()
+
+
+def _flip(path: Path, at: int) -> None:
+    """Flip one bit of byte `at` of a file (a negative `at` counts from the end)."""
+    with path.open("r+b") as f:
+        f.seek(at, os.SEEK_SET if at >= 0 else os.SEEK_END)
+        where = f.tell()
+        byte = f.read(1)
+        f.seek(where)
+        f.write(bytes([byte[0] ^ 0x01]))
+
+
+def test_a_corrupt_store_model_is_not_pulled_into_a_sound_looking_copy(
+    tmp_path: Path, stories_dir: Path, monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+) -> None:  # fmt: skip
+    """A pull whose source is a model of a store reads it checked against its manifest: a bit
+    flipped in a shard, a changed config or a header that parses but lists another tensor is an
+    error naming the file, and nothing is left in the store (not a new model with fresh
+    checksums that `verify` passes). A sound one copies bit for bit, read in whole chunks."""
+    with monkeypatch.context() as m:  # small checksum chunks: several per shard
+        m.setattr(model_store, "CHUNK_BYTES", 8192)
+        source = ModelStore(tmp_path / "src").pull(stories_dir, "tiny", shard_bytes=SHARD)
+    manifest = read_manifest(source)
+    assert manifest is not None and manifest.chunk_bytes == 8192
+    store = ModelStore(tmp_path / "store")
+    copy = store.pull(source, "copy", shard_bytes=3 * SHARD // 2)  # other shard boundaries
+    _check_layout(copy, 3 * SHARD // 2)
+    want, got = _load_folder(source), _load_folder(copy)
+    assert sorted(got) == sorted(want) and all(_same(got[k], want[k]) for k in want)
+
+    shard = source / manifest.shards[1].file
+    _flip(shard, -1)  # the last byte of a tensor: copied by a pull that does not check
+    with pytest.raises(ModelLoadError, match=rf"{shard}: checksum mismatch in bytes \d+\.\.\d+"):
+        store.pull(source, "again")
+    assert main(["pull", str(source), "--name", "again", "--store", str(store.root)]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("edgeinfer: error: ") and f"{shard}: checksum mismatch" in err
+    assert [p.name for p in store.root.iterdir()] == ["copy"]
+    _flip(shard, -1)  # mended
+
+    (source / "config.json").write_text((source / "config.json").read_text() + " ")
+    with pytest.raises(StoreError, match=rf"{source}/config.json: corrupt: checksum mismatch"):
+        store.pull(source, "again")
+    (source / "config.json").write_text((source / "config.json").read_text()[:-1])
+
+    name = manifest.shards[0].file
+    head = (source / name).read_bytes()
+    t = next(iter(read_header(source / name).tensors)).name
+    (source / name).write_bytes(head.replace(t.encode(), (t[:-1] + "X").encode(), 1))
+    with pytest.raises(StoreError, match=rf"{name}: corrupt: its header has tensor .*X'"):
+        store.pull(source, "again")
+    assert [p.name for p in store.root.iterdir()] == ["copy"]
+    assert store.verify("copy") == []
+
+
+def test_a_remove_beside_another_remove_or_pull_finishes(
+    tmp_path: Path, stories_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The folder a remove is deleting is locked: another remove's (or pull's) sweep, running
+    meanwhile, leaves it alone, and both removes finish."""
+    store = ModelStore(tmp_path / "store")
+    for name in ("a", "b"):
+        store.pull(stories_dir, name, shard_bytes=SHARD)
+    real = model_store._delete
+    deleting: list[Path] = []
+
+    def another_remove_meanwhile(path: Path) -> None:
+        deleting.append(path)
+        if len(deleting) == 1:
+            assert store.remove("b") == store.root / "b"  # its sweep runs while "a" is deleted
+        real(path)
+
+    monkeypatch.setattr(model_store, "_delete", another_remove_meanwhile)
+    assert store.remove("a") == store.root / "a"
+    assert len(deleting) == 2
+    assert list(store.root.iterdir()) == []
+
+
+def test_leftovers_of_killed_gguf_imports_into_the_store_are_swept(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`edgeinfer import-gguf FILE <store>/NAME` killed outright leaves its locked temporary
+    folder; the store's next sweep deletes it, and leaves a running import's alone."""
+    import subprocess
+    import sys
+
+    from runtime import gguf_import
+
+    gguf = _tiny_gguf(tmp_path / "tiny.gguf")
+    store = ModelStore(tmp_path / "store")
+    code = (
+        "import os, signal, sys\n"
+        "from runtime import gguf_import\n"
+        "gguf_import.write_tokenizer = lambda *a: os.kill(os.getpid(), signal.SIGKILL)\n"
+        "gguf_import.import_gguf(sys.argv[1], sys.argv[2])\n"
+    )
+    done = subprocess.run([sys.executable, "-c", code, str(gguf), str(store.root / "tiny")],
+                          cwd=Path(__file__).parents[1])  # fmt: skip
+    assert done.returncode == -9
+    left = list(store.root.iterdir())
+    assert len(left) == 1 and left[0].name.startswith(".tiny."), left  # the import's, hidden
+    real, swept = gguf_import.write_tokenizer, []
+
+    def sweep_meanwhile(*args, **kwargs):  # type: ignore[no-untyped-def]
+        swept.extend(store.sweep())  # while this import's folder is in use
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(gguf_import, "write_tokenizer", sweep_meanwhile)
+    said: list[str] = []
+    assert gguf_import.import_gguf(gguf, store.root / "tiny", progress=said.append).is_dir()
+    assert swept == left
+    assert [p.name for p in store.root.iterdir()] == ["tiny"]
+    assert not (store.root / "tiny" / ".lock").exists()
+    assert ModelStore(store.root).sweep() == []
+
+
+def test_the_default_models_name_taken_by_another_model_is_refused(
+    tmp_path: Path, stories_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """No --model and a store model named SmolLM2-135M-Instruct that is not the bundled import
+    (the user pulled it): it is neither replaced nor served as the default; the error says how
+    to serve it (--model names it) or to remove it; --model naming it serves it as it is. Our
+    own import, when stale, is still replaced."""
+    from runtime.gguf_import import import_gguf
+    from tests.test_gguf_import import gpt2_vocab, tiny_llama, train_byte_level_bpe, write_gguf
+
+    vocab = gpt2_vocab(train_byte_level_bpe())
+    write_gguf(tmp_path / "m.gguf", tiny_llama(len(vocab.tokens), tied=False), vocab)
+    monkeypatch.setattr(model_cache, "bundled_gguf_path", lambda: tmp_path / "m.gguf")
+    store = ModelStore(tmp_path / "store")
+    theirs = store.pull(stories_dir, model_cache.DEFAULT_MODEL, shard_bytes=SHARD)
+    with pytest.raises(StoreError, match=r"not the bundled import .*--model SmolLM2-135M-"
+                       r"Instruct.*edgeinfer rm SmolLM2-135M-Instruct --store "):  # fmt: skip
+        _model_dir(None, str(store.root))  # (before: imported the GGUF over it)
+    manifest = read_manifest(theirs)
+    assert manifest is not None and manifest.source == str(stories_dir.resolve())
+    assert store.verify(model_cache.DEFAULT_MODEL) == []
+    assert Path(_model_dir(model_cache.DEFAULT_MODEL, str(store.root))) == theirs
+    assert [p.name for p in store.root.iterdir()] == [model_cache.DEFAULT_MODEL]
+    # our own import, but stale (from before the store: no manifest): replaced
+    store.remove(model_cache.DEFAULT_MODEL)
+    import_gguf(tmp_path / "m.gguf", theirs)
+    assert Path(_model_dir(None, str(store.root))) == theirs
+    assert store.verify(model_cache.DEFAULT_MODEL) == []
+    manifest = read_manifest(theirs)
+    assert manifest is not None and manifest.source == str(tmp_path / "m.gguf")
