@@ -284,7 +284,10 @@ class ClusterView:
         try:
             async with asyncio.timeout(1.0):
                 await self.redis.ping()  # type: ignore[misc]
-        except Exception:
+        except Exception as e:
+            if self.redis_ok:  # (a probe is often the first to find it: say so once, here)
+                log.warning("redis unreachable (a readiness probe), routing on the last known "
+                            "registry: %s", e)  # fmt: skip
             self.redis_ok = False
             return False
         return True

@@ -83,6 +83,7 @@ HOLD_POLL_S = 0.05  # how often a request waiting for a starting worker looks fo
 WAKE_EVERY_S = 5.0  # how often a gateway serving a model from afar wakes a nearer pool for it
 END_READ_S = 1.0  # how long a finished worker stream may take to end its body
 HOLD_THROUGH_FAILURES = 2  # failed starts in a row after which a waiting request gets its 503
+MAX_UNREACHED = 16  # workers that refused the connection a request passes over (see forward)
 # a decode worker's refusal codes that are the prefill worker's doing (kvstore/kv_transfer.py)
 _PREFILL_SIDE = frozenset({"kv_transfer_failed", "kv_source_refused"})
 _GRAMMAR_FIELDS = GUIDED_FIELDS | {"tools", "response_format"}  # fields whose check compiles one
@@ -356,7 +357,11 @@ class Proxy:
         assert call.gen is not None and call.options is not None
         last: APIError | None = None
         router = self.view.router
-        for _ in range(self.config.max_attempts):
+        # A worker that refused the connection never had the request: not an attempt (three
+        # workers of one host killed together spent the three attempts in 2 ms, a 503 while a
+        # live worker idled). Each is set aside, and at most MAX_UNREACHED are passed over.
+        attempts = unreached = 0
+        while attempts < self.config.max_attempts:
             live = [w for w in self.view.live_workers() if w.model == call.gen.model]
             if call.import_full and all(w.worker_id in call.tried for w in live):
                 # no worker is left but those that had no KV room to import the prompt: they
@@ -434,9 +439,14 @@ class Proxy:
                     if e.dead:
                         self.view.mark_failed(worker.worker_id)
                     call.tried.add(worker.worker_id)
+                    if (isinstance(e.__cause__, aiohttp.ClientConnectorError)
+                            and unreached < MAX_UNREACHED):  # fmt: skip
+                        unreached += 1
+                        attempts -= 1
                     if e.error.code == "kv_cache_full" and call.gen.kv_source is not None:
                         call.import_full.add(worker.worker_id)
                 last = e.error
+                attempts += 1
                 log.warning(
                     "request %s: worker %s failed: %s", call.request_id, failed.worker_id, e
                 )

@@ -552,3 +552,34 @@ async def test_a_remembered_session_idle_past_its_ttl_is_placed_afresh(
     await asyncio.sleep(0.35)
     assert await _serve(view, "s1") == "wb"
     assert await view.sessions.get("s1") == Placement("wb", "eu-west")
+
+
+async def test_a_readiness_probe_that_finds_redis_gone_logs_it_once(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """/readyz pings Redis every few seconds: when the ping is the first to find it gone, the
+    outage is logged there (the request path's and the refresh's warnings only fire while
+    Redis is thought fine: it went unlogged, only its recovery was)."""
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        url = f"redis://127.0.0.1:{sock.getsockname()[1]}/0"  # nothing listens once closed
+    r = connect(url)
+    try:
+        from gateway.cluster import ClusterView
+        from gateway.config import GatewayConfig
+        from gateway.regions import DEFAULT_CATALOG, RegionCatalog
+
+        view = ClusterView(
+            GatewayConfig("eu-west", url, "s"), r, RegionCatalog.load(DEFAULT_CATALOG)
+        )
+        view.redis_ok = True  # (as after a good read of the registry)
+        with caplog.at_level("WARNING", logger="edgeinfer.gateway"):
+            assert not await view.ping() and not await view.ping()
+        lines = [
+            rec.getMessage() for rec in caplog.records if "redis unreachable" in rec.getMessage()
+        ]
+        assert len(lines) == 1, lines
+    finally:
+        await r.aclose()

@@ -1006,6 +1006,41 @@ def test_a_worker_that_fails_or_refuses_the_gateway_is_set_aside(cluster: Cluste
         stub.server_close()
 
 
+def test_workers_that_refuse_connections_do_not_use_up_the_attempts(cluster: Cluster) -> None:
+    """Five registered workers whose host is gone (connections refused: nothing listens on
+    their ports) beside the live ones: every request is served, the dead passed over without
+    counting as attempts (three of them took a request's three attempts: a 503 while a live
+    worker idled)."""
+    import socket
+
+    stub = _StubWorker(cluster)
+    dead = []
+    for i in range(5):
+        with socket.socket() as sock:  # a port nothing listens on once closed
+            sock.bind(("127.0.0.1", 0))
+            dead.append((f"eu-gone-{i}", f"http://127.0.0.1:{sock.getsockname()[1]}"))
+    try:
+        for attempt in range(2):
+            time.sleep(1.1 * attempt)  # (set aside until a heartbeat after the failure)
+            for worker_id, url in dead:
+                stub.url = url
+                stub.heartbeat(worker_id, "stories")
+            wait_until(
+                lambda: get_json(f"{cluster.gateway.url}/readyz")[1]["workers"] >= 5, 10, "them"
+            )
+            for i in range(3):
+                out = cluster.client.completions.create(
+                    model="stories", prompt=f"Round {attempt} request {i}: once", max_tokens=2
+                )
+                assert out.choices[0].text is not None
+            assert "failed (cannot connect)" in cluster.gateway.log.read_text()
+    finally:
+        for worker_id, _ in dead:
+            stub.deregister(worker_id, "stories")
+        stub.shutdown()
+        stub.server_close()
+
+
 def test_a_busy_worker_answers_even_where_a_pool_offers_the_model(cluster: Cluster) -> None:
     """A pool that can start workers for a model makes the gateway hold a request no worker
     serves (scale from zero); not one whose only worker is busy (429, 503 with Retry-After):
