@@ -50,6 +50,7 @@ from runtime.sampling_params import MAX_REPETITION_PENALTY
 __all__ = [
     "CHAT_FIELDS",
     "CHAT_OFF_ONLY",
+    "COMPLETION_OFF_ONLY",
     "COMPLETION_FIELDS",
     "OFF_ONLY",
     "SSE_DONE",
@@ -87,6 +88,14 @@ OFF_ONLY: dict[str, tuple[tuple[object, ...], str]] = {  # vLLM's extras, both e
     "guided_whitespace_pattern": ((), "the grammar's own whitespace is used; send null"),
     "logits_processors": ((), "custom logits processors; send null"),
     "return_tokens_as_token_ids": ((False,), "send false"),
+    "cache_salt": ((), "a prefix cache kept apart per tenant; send null"),
+}
+COMPLETION_OFF_ONLY: dict[str, tuple[tuple[object, ...], str]] = {  # vLLM's completion extras
+    "add_special_tokens": (
+        (True,),
+        "a text prompt is tokenized with the tokenizer's special tokens (its leading bos); send "
+        "true, or send the prompt as token ids",
+    ),
 }
 CHAT_OFF_ONLY: dict[str, tuple[tuple[object, ...], str]] = {
     # vLLM's chat extras
@@ -98,6 +107,7 @@ CHAT_OFF_ONLY: dict[str, tuple[tuple[object, ...], str]] = {
     "continue_final_message": ((False,), "continuing the last message; send false"),
     "chat_template": ((), "the model's own chat template is used; send null"),
     "chat_template_kwargs": (({},), "chat template variables; send {}"),
+    "add_special_tokens": ((False,), "the chat template places the special tokens; send false"),
     "documents": ((), "documents for the chat template; send null"),
     # OpenAI's
     "reasoning_effort": ((), "reasoning effort; send null"),
@@ -146,7 +156,15 @@ CHAT_FIELDS = _SAMPLING_FIELDS | {
     "function_call",
     *CHAT_OFF_ONLY,
 }
-COMPLETION_FIELDS = _SAMPLING_FIELDS | {"model", "prompt", "logprobs", "echo", "suffix", "best_of"}
+COMPLETION_FIELDS = _SAMPLING_FIELDS | {
+    "model",
+    "prompt",
+    "logprobs",
+    "echo",
+    "suffix",
+    "best_of",
+    *COMPLETION_OFF_ONLY,
+}
 
 
 @dataclass(frozen=True, slots=True)
@@ -233,6 +251,8 @@ def parse_completion(
         raise unsupported("echo", "echo is not supported yet; send echo: false")
     if f.opt_str("suffix"):
         raise unsupported("suffix", "suffix is not supported yet (insertion)")
+    for name, (off, what) in COMPLETION_OFF_ONLY.items():
+        f.only_default(name, off, what)
     for name in ("tools", "functions", "tool_choice", "function_call"):  # chat's, not ours
         if isinstance(body, dict) and body.get(name) not in (None, [], "none"):
             raise unsupported(

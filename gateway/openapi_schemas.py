@@ -9,7 +9,7 @@ from __future__ import annotations
 from typing import Any
 
 from gateway.fields import INT32_MAX, INT64_MAX, INT64_MIN
-from gateway.openai_api import CHAT_OFF_ONLY, MAX_N, MAX_PROMPTS, OFF_ONLY
+from gateway.openai_api import CHAT_OFF_ONLY, COMPLETION_OFF_ONLY, MAX_N, MAX_PROMPTS, OFF_ONLY
 from runtime.sampling_params import MAX_REPETITION_PENALTY
 
 JSON = dict[str, Any]
@@ -218,6 +218,7 @@ COMPLETION_REQUEST: JSON = {
         "echo": _nullable({"const": False}, _OFF_ONLY),
         "suffix": _nullable({"type": "string", "maxLength": 0}, _OFF_ONLY),
         "best_of": _int(1, MAX_N, "Only null, 1 or n."),
+        **_off_only(COMPLETION_OFF_ONLY),
     },
 }
 

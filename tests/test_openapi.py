@@ -103,17 +103,18 @@ def test_spec_states_the_parsers_caps() -> None:
 OFF_ONLY_SHARED = [
     "min_tokens", "use_beam_search", "allowed_token_ids", "bad_words", "prompt_logprobs",
     "skip_special_tokens", "spaces_between_special_tokens", "truncate_prompt_tokens",
-    "guided_whitespace_pattern",
+    "guided_whitespace_pattern", "cache_salt",
 ]  # fmt: skip
 OFF_ONLY_CHAT = [
     "echo", "add_generation_prompt", "continue_final_message", "chat_template_kwargs",
-    "reasoning_effort", "modalities", "audio", "web_search_options",
+    "add_special_tokens", "reasoning_effort", "modalities", "audio", "web_search_options",
 ]  # fmt: skip
 OFF_CASES = [
     pytest.param(parse, base, schema, name, id=f"{schema}.{name}")
     for parse, base, schema, names in [
         (parse_chat, CHAT, "ChatCompletionRequest", [*OFF_ONLY_SHARED, *OFF_ONLY_CHAT]),
-        (parse_completion, COMPLETION, "CompletionRequest", [*OFF_ONLY_SHARED, "echo"]),
+        (parse_completion, COMPLETION, "CompletionRequest",
+         [*OFF_ONLY_SHARED, "echo", "add_special_tokens"]),
     ]
     for name in names
 ]
