@@ -58,6 +58,8 @@ if TYPE_CHECKING:
     from runtime.llm import LLM
     from runtime.outputs import CompletionOutput, RequestOutput
     from runtime.sampling_params import InvalidRequestError, SamplingParams
+    from runtime.structured import StructuredOutputsParams
+    from runtime.tokenizer import NoChatTemplateError
 
 _EXPORTS = {
     "LLM": "runtime.llm",
@@ -65,8 +67,10 @@ _EXPORTS = {
     "EngineConfig": "runtime.config",
     "InvalidRequestError": "runtime.sampling_params",
     "ModelLoadError": "runtime.config",
+    "NoChatTemplateError": "runtime.tokenizer",
     "RequestOutput": "runtime.outputs",
     "SamplingParams": "runtime.sampling_params",
+    "StructuredOutputsParams": "runtime.structured",
 }
 
 __all__ = [
@@ -75,8 +79,10 @@ __all__ = [
     "EngineConfig",
     "InvalidRequestError",
     "ModelLoadError",
+    "NoChatTemplateError",
     "RequestOutput",
     "SamplingParams",
+    "StructuredOutputsParams",
 ]
 
 

@@ -727,13 +727,15 @@ def _check_name(name: str, new: bool = False) -> None:
 def _compressed_source(src: Path, target: Path) -> StoreError:
     """The error for a pull of a compressed folder, naming what it was compressed from."""
     try:
-        origin = str(json.loads((src / COMPRESSED_MANIFEST_NAME).read_text())["source"])
-    except (OSError, ValueError, KeyError, TypeError):
-        origin = ""
+        manifest = json.loads((src / COMPRESSED_MANIFEST_NAME).read_text())
+        origin = str(manifest["source"])
+        cast = " --cast-bf16" if manifest.get("cast_from") else ""  # as it was made
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+        origin, cast = "", ""
     return StoreError(
         f"{src}: a compressed copy ({COMPRESSED_MANIFEST_NAME}); `edgeinfer pull` re-shards "
         f"plain safetensors weights and does not take compressed ones: pull the original, or "
-        f"compress it into the store: edgeinfer compress {origin or 'ORIGINAL'} {target}"
+        f"compress it into the store: edgeinfer compress{cast} {origin or 'ORIGINAL'} {target}"
     )
 
 

@@ -550,9 +550,18 @@ def test_pulling_a_compressed_folder_says_what_to_do(tmp_path: Path, stories_dir
     compress_model(stories_dir, tmp_path / "z", cast_bf16=True)
     store = ModelStore(tmp_path / "store")
     with pytest.raises(StoreError, match=r"a compressed copy .*does not take compressed ones: "
-                       rf"pull the original, .*edgeinfer compress {stories_dir} "):  # fmt: skip
+                       rf"pull the original, .*edgeinfer compress --cast-bf16 {stories_dir} "):  # fmt: skip
         store.pull(tmp_path / "z")
     assert not store.root.exists() or list(store.root.iterdir()) == []
+    # the command it suggests works as given (the original is float32: it said so it was cast)
+    from runtime.cli import main
+
+    try:
+        store.pull(tmp_path / "z")
+    except StoreError as e:
+        suggested = str(e).rsplit("edgeinfer ", 1)[1].split()
+    assert main(suggested) == 0
+    assert store.verify(suggested[-1].rsplit("/", 1)[1]) == []
 
 
 def test_leftovers_of_killed_compressions_into_the_store_are_swept(
