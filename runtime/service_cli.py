@@ -518,7 +518,12 @@ def add_service_commands(sub: argparse._SubParsersAction, engine_args) -> None: 
     d.add_argument("--gb", type=float, default=1.0, help="read at most this much (default 1)")
     d.set_defaults(func=cmd_drive_rate)
 
-    u = sub.add_parser("up", help="start Redis (if needed), a worker and a gateway on this machine")
+    u = sub.add_parser(
+        "up", help="start Redis (if needed), a worker and a gateway on this machine",
+        description="Start Redis (if needed), the worker(s) and a gateway on this machine. The "
+        "workers' shared secret is $EDGEINFER_SECRET, else a random one: export it first to "
+        "run `edgeinfer set-role` or `edgeinfer rebalance` against these workers.",
+    )  # fmt: skip
     engine_args(u)
     u.add_argument("--workers", type=int, default=1,
                    help="worker processes, mixed role (default %(default)s)")  # fmt: skip
