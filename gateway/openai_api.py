@@ -50,8 +50,8 @@ from runtime.sampling_params import MAX_REPETITION_PENALTY
 __all__ = [
     "CHAT_FIELDS",
     "CHAT_OFF_ONLY",
-    "COMPLETION_OFF_ONLY",
     "COMPLETION_FIELDS",
+    "COMPLETION_OFF_ONLY",
     "OFF_ONLY",
     "SSE_DONE",
     "RequestOptions",
