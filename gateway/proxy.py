@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 import time
 import zlib
@@ -83,6 +84,7 @@ HOLD_POLL_S = 0.05  # how often a request waiting for a starting worker looks fo
 WAKE_EVERY_S = 5.0  # how often a gateway serving a model from afar wakes a nearer pool for it
 END_READ_S = 1.0  # how long a finished worker stream may take to end its body
 HOLD_THROUGH_FAILURES = 2  # failed starts in a row after which a waiting request gets its 503
+TOKENIZE_OFF_LOOP_CHARS = 16_384  # prompts longer than this are tokenized on a thread
 MAX_UNREACHED = 16  # workers that refused the connection a request passes over (see forward)
 # a decode worker's refusal codes that are the prefill worker's doing (kvstore/kv_transfer.py)
 _PREFILL_SIDE = frozenset({"kv_transfer_failed", "kv_source_refused"})
@@ -323,10 +325,14 @@ class Proxy:
             if tok is None:
                 continue
             if id(tok) not in ids_of:
-                ids_of[id(tok)] = prompt_token_ids(
-                    tok, call.gen.prompt, call.gen.messages, model=call.gen.model,
-                    tools=call.gen.tools,
+                tokenize = functools.partial(
+                    prompt_token_ids, tok, call.gen.prompt, call.gen.messages,
+                    model=call.gen.model, tools=call.gen.tools,
                 )  # fmt: skip
+                # a long prompt on a thread (`encode` runs without the GIL): ~0.5 s a MB of
+                # text held every stream and probe of the gateway while it ran on the loop
+                big = _text_chars(call.gen) > TOKENIZE_OFF_LOOP_CHARS
+                ids_of[id(tok)] = await asyncio.to_thread(tokenize) if big else tokenize()
             group_ids[cache_id] = ids_of[id(tok)]
         if not group_ids:
             return
@@ -1009,6 +1015,17 @@ def _decompressed(raw: bytes, encoding: str, limit: int) -> bytes:
         raise invalid(None, f"the request body cannot be decoded (its {encoding} stream is cut "
                       "short)", "invalid_body")  # fmt: skip
     return body
+
+
+def _text_chars(gen: GenerateRequest) -> int:
+    """About how many characters of text the gateway would tokenize for `gen`."""
+    if isinstance(gen.prompt, str):
+        return len(gen.prompt)
+    total = 0
+    for m in gen.messages or ():
+        content = m.get("content") if isinstance(m, dict) else None
+        total += len(content) if isinstance(content, str) else len(str(content or ""))
+    return total
 
 
 def _failure(e: BaseException) -> str:

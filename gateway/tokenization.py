@@ -29,7 +29,7 @@ from redis.asyncio import Redis
 
 from gateway.errors import invalid
 from kvstore.keys import check_id
-from kvstore.tokenizer_store import fetch_tokenizer_files
+from kvstore.tokenizer_store import bundle_id, fetch_tokenizer_files
 from runtime.tokenizer import NoChatTemplateError, Tokenizer
 
 log = logging.getLogger("edgeinfer.gateway")
@@ -37,11 +37,14 @@ log = logging.getLogger("edgeinfer.gateway")
 RETRY_S = 5.0  # after a failed or empty fetch, wait this long before asking Redis again
 INT32_LIMIT = 2**31  # block hashes pack ids as int32; every real vocabulary is far smaller
 
-_Key = tuple[str, str]  # (model, cache_id)
+_Key = tuple[str, str]  # (model, bundle id): kvstore.tokenizer_store.bundle_id of a cache id
 
 
 class GatewayTokenizers:
     """Tokenizers by (model, cache_id), fetched from Redis once and kept in memory.
+
+    Cache ids that differ by their KV layout only (dtype, block size) name one bundle
+    (kvstore.tokenizer_store.bundle_id): they share one fetch and one Tokenizer.
 
     Concurrent first requests for one key share a single fetch (one task per key, awaited through
     `asyncio.shield` so a cancelled request does not cancel it for the others). A missing bundle
@@ -76,21 +79,19 @@ class GatewayTokenizers:
 
     async def get(self, model: str, cache_id: str) -> Tokenizer | None:
         """The tokenizer of `model` at revision `cache_id`, or None when it is not available."""
-        key = (model, cache_id)
+        try:
+            key = (check_id(model, "model"), bundle_id(cache_id))
+        except ValueError:
+            return None  # an id no worker could have published under; nothing to remember
         tok = self._ready.get(key)
         if tok is not None:
             return tok
         task = self._loading.get(key)
         if task is None:
-            try:
-                check_id(model, "model")
-                check_id(cache_id, "cache_id")
-            except ValueError:
-                return None  # an id no worker could have published under; nothing to remember
             failed = self._failed_at.get(key)
             if failed is not None and self._clock() - failed < self.retry_s:
                 return None
-            task = asyncio.create_task(self._load(key), name=f"tokenizer {model} {cache_id}")
+            task = asyncio.create_task(self._load(key), name=f"tokenizer {model} {key[1]}")
             self._loading[key] = task
         return await asyncio.shield(task)
 
@@ -103,19 +104,19 @@ class GatewayTokenizers:
 
     async def _load(self, key: _Key) -> Tokenizer | None:
         """Fetch and build one tokenizer; records the outcome and never raises (but cancels)."""
-        model, cache_id = key
+        model, bundle = key
         self.fetches += 1
         try:
-            files = await fetch_tokenizer_files(self.redis, model, cache_id)
+            files = await fetch_tokenizer_files(self.redis, model, bundle)
             if files is None:
                 self._failed(key, "no worker has published it yet")
                 return None
-            # Revisions with the same tokenizer files (e.g. another KV dtype or block size) share
-            # one Tokenizer: built once, and the proxy tokenizes a prompt once for all of them.
+            # Bundles with the same files (another revision, same tokenizer) share one
+            # Tokenizer: built once, and the proxy tokenizes a prompt once for all of them.
             digest = hashlib.sha256(orjson.dumps(files, option=orjson.OPT_SORT_KEYS)).digest()
             tok = self._by_digest.get(digest)
             if tok is None:
-                label = f"tokenizer of {model!r} ({cache_id}) from Redis"
+                label = f"tokenizer of {model!r} ({bundle}) from Redis"
                 # Parsing tokenizer.json takes tens of ms for big vocabularies: off the event loop.
                 tok = await asyncio.to_thread(_build, files, self.cache_dir, label)
                 self._by_digest[digest] = tok
@@ -130,7 +131,7 @@ class GatewayTokenizers:
         self._ready[key] = tok
         self._failed_at.pop(key, None)
         if key in self._warned:
-            log.info("tokenizer of %r (%s) is available now", model, cache_id)
+            log.info("tokenizer of %r (%s) is available now", model, bundle)
             self._warned.discard(key)
         return tok
 

@@ -8,7 +8,8 @@ The part in braces is what a Redis Cluster hashes to pick a slot, so every key a
     ei:s:{<session_id>}         string: the session's Placement (orjson), idle TTL
     ei:g:{<gateway_id>}         string: a gateway's marker, renewed each registry read: when
                                 it is gone, Redis has lost its data (restart, flush)
-    ei:models                   set: every model name that has had a worker
+    ei:models                   set: the models with workers; every heartbeat adds its own,
+                                a registry reader drops one whose set it finds empty
 
 Ids come from outside (headers, CLI flags), so they are checked: a `{` or `}` inside an id would
 move the hash tag and scatter keys across slots; an unbounded id would let a client grow keys.

@@ -9,9 +9,11 @@ Workers serving one model share one namespace of set keys, one per block hash:
 The hash tag is the model, so all of one model's keys share a Cluster slot and a lookup is one
 pipeline. A set carries no per-member TTL (hash-field TTLs need Redis 7.4), so the whole key's
 TTL is pushed forward on every store: a key that no worker stores any more (every holder crashed)
-ages out. A crashed worker's id can linger in a key that live workers keep refreshing; that is why
-lookups take the registry's live workers (`longest_prefixes(..., workers=...)`), and why a stale
-entry only ever costs a cache miss.
+ages out. A crashed worker's id would linger in a key that live workers keep refreshing (a shared
+system prompt's blocks: one more member per crash, forever), so the registry purges a worker it
+finds dead (kvstore/registry.py: the reader whose SREM removed it from its model's set, one per
+crash, calls `purge_workers`). Until then lookups take the registry's live workers
+(`longest_prefixes(..., workers=...)`), so a stale entry only ever costs a cache miss.
 
 The worker side, CacheEventPublisher, does not replay an event log. It mirrors the set of blocks
 its engine holds and what it last wrote to Redis, and each flush writes the difference. So:
@@ -27,7 +29,10 @@ its engine holds and what it last wrote to Redis, and each flush writes the diff
   churns) the publisher stops keeping count and "purges" instead: the next flush removes the
   worker from every block of the model (`purge_worker`, a SCAN), then writes what it holds;
 - a worker's first flush also purges when it finds a marker already there: an earlier run under
-  the same id (a Kubernetes pod's name) left entries that this run's empty cache does not have.
+  the same id (a Kubernetes pod's name) left entries that this run's empty cache does not have;
+  and a worker whose id was given (`purge_first`) purges before its first write whatever it
+  finds: the marker expires `entry_ttl_s` after the earlier run's last write, while a block that
+  live workers keep refreshing still lists that run.
 """
 
 from __future__ import annotations
@@ -50,7 +55,7 @@ log = logging.getLogger(__name__)
 
 FIRST_CHUNK = 32  # block hashes read by a lookup's first round trip (most prompts fit)
 MAX_CHUNK = 1024  # later round trips double in size up to this, so long prompts take few trips
-FORGET_CHUNK = 4096  # blocks removed per round trip by forget_worker (keys scanned: purge_worker)
+FORGET_CHUNK = 4096  # blocks removed per round trip by forget_worker (keys scanned: purge_workers)
 RETRY_CAP_S = 1.0  # longest wait between a publisher's tries while Redis is down
 _GLOB = re.compile(r"[*?\[\]\\]")  # what a SCAN pattern reads as wildcards (a model name may hold)
 
@@ -159,25 +164,40 @@ class PrefixIndex:
             for h in hashes:
                 yield prefix + _hex(h)
 
-        await self._forget(model, worker_id, keys())
+        await self._forget(model, [worker_id], keys())
 
     async def purge_worker(self, model: str, worker_id: str) -> None:
         """Remove the worker from every block set of `model` and drop its marker, for a worker
-        that cannot list its blocks (an earlier run's, or ones it lost count of). It SCANs the
-        keyspace (FORGET_CHUNK keys a round trip): for rare events, not for every start."""
+        that cannot list its blocks (an earlier run's, or ones it lost count of); see
+        purge_workers."""
+        await self.purge_workers(model, [worker_id])
+
+    async def purge_workers(self, model: str, worker_ids: Collection[str]) -> None:
+        """purge_worker for several workers of `model` at once (one SCAN: a host that died took
+        all its workers). It SCANs the whole keyspace, FORGET_CHUNK keys a round trip (a million
+        keys: 246 SCANs of ~2 ms of Redis time each, 0.65 s in all on a dev VM): for rare events
+        (a crash, a restart under a given id), never on a request's path. Idempotent, so two
+        purges of one worker at once cost only time."""
+        if not worker_ids:
+            return
         match = _GLOB.sub(r"\\\g<0>", _model_prefix(model)) + "*"
         keys = self.redis.scan_iter(match=match, count=FORGET_CHUNK, _type="set")
-        await self._forget(model, worker_id, keys)
+        await self._forget(model, worker_ids, keys)
 
-    async def _forget(self, model: str, worker_id: str, keys: AsyncIterable[bytes | str]) -> None:
+    async def _forget(
+        self, model: str, worker_ids: Collection[str], keys: AsyncIterable[bytes | str]
+    ) -> None:
+        ids = [check_id(w, "worker_id") for w in worker_ids]
         pipe = self.redis.pipeline(transaction=False)
-        pipe.delete(marker_key(model, worker_id))
         async for key in keys:
-            pipe.srem(key, worker_id)
+            pipe.srem(key, *ids)
             if len(pipe) >= FORGET_CHUNK:
                 await pipe.execute()  # bounded pipelines: each stays well within the timeout
-        if len(pipe):
-            await pipe.execute()
+        # The markers go last: a worker that wrote its entries again while a registry reader
+        # purged it (it heartbeated again after being found dead) finds its marker gone at its
+        # next flush, and writes them once more.
+        pipe.delete(*(marker_key(model, w) for w in ids))
+        await pipe.execute()
 
 
 class CacheEventPublisher:
@@ -196,6 +216,7 @@ class CacheEventPublisher:
         flush_interval_s: float = 0.05,
         max_batch: int = 4096,
         refresh_interval_s: float | None = None,
+        purge_first: bool = False,
     ) -> None:
         if flush_interval_s <= 0:
             raise ValueError(f"flush_interval_s must be > 0, got {flush_interval_s}")
@@ -222,7 +243,9 @@ class CacheEventPublisher:
         # Below: touched only by flushes, which _flushing serializes.
         self._flushing = asyncio.Lock()
         self._published: set[bytes] = set()  # a superset of the blocks Redis lists us under
-        self._purge = False  # `_published` was given up: the next flush purges first
+        # `_published` was given up, or an earlier run under this id (`purge_first`: one was
+        # given, not drawn at random) may have left entries: the next flush purges first
+        self._purge = purge_first
         self._ever_published = False  # a first publish finds no marker, and that is no loss
         self._last_full = time.monotonic()  # when the last full sync succeeded
         self._down = False  # the last flush of `run` failed (an outage is being logged)

@@ -1,13 +1,19 @@
 """The worker registry: which workers are alive, what they serve, and how loaded they are.
 
 A worker writes its WorkerInfo into `ei:w:{<id>}` with a TTL and adds its id to its model's set
-`ei:m:{<model>}:workers`; it repeats that (the heartbeat) well within the TTL. A worker that
-stops heartbeating (crash, partition, SIGKILL) disappears when its hash expires: readers skip
-ids whose hash is gone and remove them from the set, so sets never need a sweeper process.
+`ei:m:{<model>}:workers`, and its model to `ei:models`; it repeats that (the heartbeat) well
+within the TTL. A worker that stops heartbeating (crash, partition, SIGKILL) disappears when its
+hash expires: readers skip ids whose hash is gone and remove them from the set, so sets never
+need a sweeper process. The reader whose SREM removed a dead id (exactly one, whichever gateway
+or pool got there first) also removes it from the model's prefix index (kvstore/prefix_index.py),
+where blocks that live workers keep refreshing would list it forever. A model whose set a reader
+finds empty leaves `ei:models`, which every gateway reads twice a second.
 
 The keys live in different Cluster slots, so writes go through non-transactional pipelines (one
 round trip, no MULTI). Races between a reader's pruning and a heartbeat heal themselves: every
-heartbeat re-adds the id to the set.
+heartbeat re-adds the id to its model's set and the model to `ei:models`. A worker heartbeating
+again after a reader found it dead (a stalled engine, a partition) finds its entry created anew
+and writes its prefix-index entries again (`CacheEventPublisher.resync`).
 """
 
 from __future__ import annotations
@@ -17,7 +23,9 @@ from collections.abc import Iterable
 
 import orjson
 from redis.asyncio import Redis
+from redis.exceptions import RedisError
 
+from kvstore.client import raise_if_cancelling
 from kvstore.keys import (
     MODELS_KEY,
     as_text,
@@ -26,6 +34,7 @@ from kvstore.keys import (
     usable_id,
     worker_key,
 )
+from kvstore.prefix_index import PrefixIndex
 from kvstore.protocol import WorkerInfo
 
 log = logging.getLogger(__name__)
@@ -39,6 +48,7 @@ class Registry:
             raise ValueError(f"ttl_s must be at least 0.001 s, got {ttl_s}")
         self.redis = redis  # the process's shared client (kvstore.client.connect)
         self.ttl_s = ttl_s  # a worker not heard from for this long is gone
+        self.index = PrefixIndex(redis)  # where a dead worker's cached blocks are purged from
 
     async def register(self, info: WorkerInfo) -> bool:
         """Announce a worker; the same write as a heartbeat (a restart re-registers)."""
@@ -73,7 +83,8 @@ class Registry:
     async def workers(self, model: str | None = None) -> list[WorkerInfo]:
         """Live workers serving `model` (every model when None), ordered by worker id.
 
-        Ids whose hash has expired, or whose hash now says another model, leave the set.
+        Ids whose hash has expired, or whose hash now says another model, leave the set and
+        their model's prefix index; a model whose set is empty leaves `ei:models`.
         """
         if model is not None:
             models = [check_id(model, "model")]
@@ -90,11 +101,15 @@ class Registry:
         member_sets: list[set[bytes | str]] = await pipe.execute()
         pairs: list[tuple[str, str]] = []
         bad: list[tuple[str, str]] = []
+        empty: list[str] = []  # models with no worker left
         for m, ids in zip(models, member_sets, strict=True):
+            if not ids:
+                empty.append(m)
             for wid in map(as_text, ids):
                 usable = usable_id(wid, "worker id", model_workers_key(m))
                 (pairs if usable else bad).append((m, wid))
-        await self._prune(bad)
+        await self._prune(bad)  # (ids that cannot name a prefix-index key: nothing to purge)
+        await self._forget_models(empty)
         if not pairs:
             return []
         pipe = self.redis.pipeline(transaction=False)
@@ -114,7 +129,7 @@ class Registry:
                 stale.append((m, wid))
                 continue
             found[wid] = info
-        await self._prune(stale)
+        await self._purge(await self._prune(stale))
         return [found[wid] for wid in sorted(found)]
 
     async def models(self) -> list[str]:
@@ -130,10 +145,47 @@ class Registry:
             log.warning("skipping worker %s: unreadable registry hash: %s", worker_id, e)
             return None
 
-    async def _prune(self, stale: Iterable[tuple[str, str]]) -> None:
-        """Remove (model, worker id) pairs from their model sets."""
+    async def _prune(self, stale: Iterable[tuple[str, str]]) -> list[tuple[str, str]]:
+        """Remove (model, worker id) pairs from their model sets; returns those this call
+        removed (of readers pruning one pair at once, SREM answers 1 to one only)."""
+        stale = list(stale)
+        if not stale:
+            return []
         pipe = self.redis.pipeline(transaction=False)
         for m, wid in stale:
             pipe.srem(model_workers_key(m), wid)
-        if len(pipe):
-            await pipe.execute()
+        removed: list[int] = await pipe.execute()
+        return [pair for pair, n in zip(stale, removed, strict=True) if n]
+
+    async def _purge(self, dead: list[tuple[str, str]]) -> None:
+        """Remove dead workers from their models' prefix index: one SCAN per model, by the one
+        reader that pruned them. Best effort: a failure is logged, not raised (the snapshot is
+        good, and a stale entry costs only a cache miss); a worker restarting under its id
+        purges at its first flush too."""
+        by_model: dict[str, list[str]] = {}
+        for m, wid in dead:
+            by_model.setdefault(m, []).append(wid)
+        for m, wids in by_model.items():
+            try:
+                await self.index.purge_workers(m, wids)
+            except (RedisError, OSError) as e:
+                raise_if_cancelling()
+                log.warning("could not remove dead workers %s from the prefix index of %r: %s",
+                            wids, m, e)  # fmt: skip
+
+    async def _forget_models(self, empty: list[str]) -> None:
+        """Remove models with no worker left from `ei:models`. A worker registering one of them
+        at the same time wrote its model's set before `ei:models` (one pipeline, in order): so
+        either its SADD comes after our SREM, or our SCARD, after the SREM, sees its id and
+        puts the model back. (In a Redis Cluster the two keys' nodes do not keep that order:
+        the worker's next heartbeat re-adds the model.)"""
+        if not empty:
+            return
+        pipe = self.redis.pipeline(transaction=False)
+        pipe.srem(MODELS_KEY, *empty)
+        for m in empty:
+            pipe.scard(model_workers_key(m))
+        _, *sizes = await pipe.execute()
+        back = [m for m, n in zip(empty, sizes, strict=True) if n]
+        if back:
+            await self.redis.sadd(MODELS_KEY, *back)

@@ -84,7 +84,8 @@ ROLES: tuple[Role, ...] = ("prefill", "decode", "mixed")
 EXIT_REDIS_S = 2.0
 IDLE_CONNECTION_S = 120.0  # an idle client connection's life (the gateway pools one 30 s)
 # The tokenizer bundle in Redis: to write ("pending"; "retrying" once a Redis error is logged),
-# written, or refused for good (too large, unreadable: logged once, never read again).
+# written (renewed at each heartbeat), or refused for good (too large, unreadable: logged once,
+# never read again).
 BundleState = Literal["pending", "retrying", "published", "refused"]
 
 
@@ -109,6 +110,9 @@ class WorkerConfig:
     telemetry: TelemetryConfig | None = None  # traces/metrics export; None: /metrics only
     tool_call_parser: str | None = None  # tool-call format (runtime/tool_parsers.PARSERS);
     # None: the one the chat template points to
+    # worker_id was given (--worker-id: a pod's name, a pool's numbering), not drawn at random:
+    # an earlier process may have left entries under it (set by __post_init__)
+    id_given: bool = field(default=False, init=False)
 
     def __post_init__(self) -> None:
         if self.role not in ROLES:
@@ -125,6 +129,7 @@ class WorkerConfig:
             raise ValueError("need 0 <= kv_port < 65536, kv_hold_s > 0 and kv_import_wait_s >= 0")
         if self.tool_call_parser is not None and self.tool_call_parser not in PARSERS:
             raise ValueError(f"tool_call_parser must be one of {PARSERS}")
+        self.id_given = bool(self.worker_id)
         if not self.worker_id:
             host = socket.gethostname().replace("{", "").replace("}", "")
             self.worker_id = f"{self.region}-{host}-{self.port}-{secrets.token_hex(3)}"
@@ -228,7 +233,8 @@ class Worker:
         """Renew the registry entry with the current load (not after `leave`); logs (once) while
         Redis is down. The tokenizer bundle goes first the first time (a gateway that sees the
         worker can then tokenize for it: routing by load meanwhile cost early prefix hits), and
-        after each renewal until it is there; its failure never keeps the worker unregistered."""
+        after each renewal (which renews its TTL, or stores it again if it is gone); its failure
+        never keeps the worker unregistered."""
         if self._registry is None or self.llm.is_stalled():  # (a hung engine: let it expire)
             return
         async with self._publishing:
@@ -244,7 +250,7 @@ class Worker:
                            else "Redis restarted or flushed?")  # fmt: skip
                     log.warning("registry entry was gone (%s): publishing the tokenizer and "
                                 "the prefix cache's blocks again", why)  # fmt: skip
-                    if self._bundle == "published":  # (a write only where it is missing)
+                    if self._bundle == "published":  # (a failure to write it is news again)
                         self._bundle = "pending"
                     if self.publisher is not None:
                         self.publisher.resync()
@@ -262,10 +268,12 @@ class Worker:
                 await self._publish_bundle()
 
     async def _publish_bundle(self) -> None:
-        """Store the tokenizer bundle gateways tokenize with, unless it is there or refused. A
-        bundle that cannot be stored (too large, a file unreadable) is reported once and never
-        tried again; a Redis error is tried again at the next heartbeat."""
-        if self._redis is None or self._bundle in ("published", "refused"):
+        """Store the tokenizer bundle gateways tokenize with unless it is there, and renew its
+        TTL (a week: one PEXPIRE a heartbeat keeps it while any worker uses it; the files are
+        read and sent only when it is missing). A bundle that cannot be stored (too large, a
+        file unreadable) is reported once and never tried again; a Redis error is tried again
+        at the next heartbeat."""
+        if self._redis is None or self._bundle == "refused":
             return
         engine = self.llm.engine
         try:
@@ -280,7 +288,8 @@ class Worker:
             if self._bundle == "pending":
                 log.warning("tokenizer bundle not published yet (%s: %s); trying again at each "
                             "heartbeat", type(e).__name__, e)  # fmt: skip
-            self._bundle = "retrying"
+            if self._bundle != "published":  # (a failed renewal: the next heartbeat renews)
+                self._bundle = "retrying"
         else:
             if self._bundle == "retrying":
                 log.warning("tokenizer bundle published")
@@ -972,9 +981,12 @@ async def _registration(app: web.Application) -> AsyncIterator[None]:
     redis = connect(worker.config.redis_url)
     worker._redis = redis
     worker._registry = Registry(redis, ttl_s=worker.config.ttl_s)
+    # (an earlier run under a given id may have died unseen by any registry reader, whose
+    # prune would have purged it: its marker gone by now, its blocks still listed)
     publisher = worker.publisher = CacheEventPublisher(
-        PrefixIndex(redis), worker.config.model_name, worker.config.worker_id
-    )
+        PrefixIndex(redis), worker.config.model_name, worker.config.worker_id,
+        purge_first=worker.config.id_given,
+    )  # fmt: skip
     worker.llm.set_cache_listener(publisher.record)
     worker._heartbeat = asyncio.create_task(worker.heartbeat_loop())
     publishing = asyncio.create_task(publisher.run())

@@ -29,7 +29,9 @@ from kvstore import tokenizer_store
 from kvstore.client import connect
 from kvstore.redis_server import LocalRedis, find_free_port
 from kvstore.tokenizer_store import (
+    BUNDLE_TTL_S,
     TokenizerBundleError,
+    bundle_id,
     fetch_tokenizer_files,
     publish_tokenizer,
     tokenizer_key,
@@ -182,9 +184,52 @@ async def test_first_copy_stays(r: Redis, stories_dir: Path, tmp_path: Path) -> 
     assert await publish_tokenizer(r, MODEL, "rev1", second) is False
     files = await fetch_tokenizer_files(r, MODEL, "rev1")
     assert files is not None and files["chat_template.jinja"] == CHAT_TEMPLATE
-    assert await r.ttl(tokenizer_key(MODEL, "rev1")) == -1  # no expiry
     # Another revision is another key.
     assert await publish_tokenizer(r, MODEL, "rev2", second) is True
+
+
+async def test_a_bundle_expires_unless_a_worker_or_a_gateway_renews_it(
+    r: Redis, chat_dir: Path
+) -> None:
+    """A bundle is a few MiB: one of a model nobody serves any more must not stay forever. Each
+    publish (a worker's heartbeat) and each gateway fetch push its expiry a week ahead."""
+    week_ms = BUNDLE_TTL_S * 1000
+    key = tokenizer_key(MODEL, "rev1")
+    assert await publish_tokenizer(r, MODEL, "rev1", chat_dir) is True
+    assert week_ms - 60_000 < await r.pttl(key) <= week_ms
+    await r.pexpire(key, 1000)
+    assert await publish_tokenizer(r, MODEL, "rev1", chat_dir) is False  # renewed, not rewritten
+    assert week_ms - 60_000 < await r.pttl(key) <= week_ms
+    await r.pexpire(key, 1000)
+    assert await GatewayTokenizers(r).get(MODEL, "rev1") is not None
+    assert week_ms - 60_000 < await r.pttl(key) <= week_ms
+    # one nobody renews goes
+    assert await publish_tokenizer(r, MODEL, "rev2", chat_dir, ttl_s=0.1) is True
+    await asyncio.sleep(0.2)
+    assert await fetch_tokenizer_files(r, MODEL, "rev2") is None
+
+
+async def test_one_bundle_serves_every_kv_layout_of_a_tokenizer(
+    r: Redis, stories_dir: Path
+) -> None:
+    """A KV dtype or a block size changes the cache id, not the tokenizer: workers of every
+    layout share one bundle (each stored its own multi-MiB copy), and the gateway finds it from
+    any of their cache ids, with one fetch."""
+    from runtime.llm import LLM
+
+    layouts: list[dict[str, Any]] = [{}, {"block_size": 8}, {"kv_cache_dtype": "bfloat16"}]
+    engines = [LLM(str(stories_dir), kv_cache_bytes=1_000_000, **kw).engine for kw in layouts]
+    cache_ids = [e.cache_id for e in engines]
+    assert len(set(cache_ids)) == 3, cache_ids
+    published = [await publish_tokenizer(r, MODEL, c, stories_dir) for c in cache_ids]
+    assert published == [True, False, False]
+    assert await r.keys("ei:tok:*") == [tokenizer_key(MODEL, cache_ids[0]).encode()]
+    revision = engines[0].model_revision
+    assert bundle_id(cache_ids[0]).startswith(f"{revision}-t")
+    toks = GatewayTokenizers(r)
+    got = [await toks.get(MODEL, c) for c in cache_ids]
+    assert got[0] is not None and all(t is got[0] for t in got)
+    assert toks.fetches == 1
 
 
 async def test_concurrent_gets_fetch_once(r: Redis, chat_dir: Path) -> None:
@@ -285,6 +330,15 @@ async def test_publish_needs_tokenizer_json(r: Redis, tmp_path: Path) -> None:
 
 async def test_key_and_bad_ids(r: Redis) -> None:
     assert tokenizer_key("org/M-1", "abc") == "ei:tok:{org/M-1}:abc"
+    # a cache id as the engine builds it: the KV layout is not part of the key
+    for cache_id, bundle in [
+        ("0123456789abcdef-t89abcdef-float32-b16", "0123456789abcdef-t89abcdef"),
+        ("r-t00000000-x-t89abcdef-bfloat16-wfloat16-kvfloat8_e4m3fn-b256",
+         "r-t00000000-x-t89abcdef"),  # (a revision of one's own, with "-t" in it)
+        ("rev-tnothex00-float32-b16", "rev-tnothex00-float32-b16"),  # another shape: whole
+    ]:  # fmt: skip
+        assert bundle_id(cache_id) == bundle and bundle_id(bundle) == bundle
+        assert tokenizer_key("m", cache_id) == f"ei:tok:{{m}}:{bundle}"
     for model, cache_id in [("a{b", "x"), ("m", "x}"), ("", "x"), ("m", "")]:
         with pytest.raises(ValueError):
             tokenizer_key(model, cache_id)
@@ -326,8 +380,13 @@ def test_a_worker_registers_whatever_becomes_of_its_bundle(
             assert admin.keys("ei:tok:*") == []
             admin.execute_command(*acl, "~ei:tok:*")
             wait_until(lambda: admin.keys("ei:tok:{denied}:*"), 10, "the bundle, once allowed")
+            (key,) = admin.keys("ei:tok:{denied}:*")
+            assert 0 < admin.pttl(key) <= BUNDLE_TTL_S * 1000
+            assert key.decode().rsplit("-", 1)[1].startswith("t")  # no KV layout in the key
+            admin.pexpire(key, 500)
             time.sleep(1.0)
             assert admin.keys("ei:tok:{big}:*") == []
+            assert admin.pttl(key) > 3600_000  # the worker's heartbeats renew it
         finally:
             for w in workers:
                 w.stop()
@@ -438,3 +497,58 @@ def test_a_chat_template_is_part_of_the_cache_id(stories_dir: Path, tmp_path: Pa
     messages = [{"role": "user", "content": "Hi"}]
     ta, tb = (Tokenizer.from_dir(d) for d in (a, b))
     assert prompt_token_ids(ta, None, messages) != prompt_token_ids(tb, None, messages)
+
+
+async def test_a_long_prompt_is_tokenized_off_the_event_loop(
+    r: Redis, redis_server: LocalRedis, chat_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The cache-aware lookup tokenizes the prompt: a long one on a thread (a MB of text held
+    every stream and probe of the gateway for ~0.5 s on the loop), a short one in line (a
+    thread hop would cost each request more than its tokenizing)."""
+    import threading
+
+    from gateway import proxy as proxy_module
+    from gateway.cluster import ClusterView
+    from gateway.config import GatewayConfig
+    from gateway.proxy import TOKENIZE_OFF_LOOP_CHARS, Call, Proxy
+    from gateway.regions import DEFAULT_CATALOG, RegionCatalog
+    from gateway.telemetry import GatewayTelemetry
+    from kvstore.protocol import GenerateRequest, WorkerInfo
+    from kvstore.telemetry import Telemetry, TelemetryConfig
+
+    cache_id = "revA-float32-b16"
+    assert await publish_tokenizer(r, MODEL, cache_id, chat_dir)
+    catalog = RegionCatalog.load(DEFAULT_CATALOG)
+    region = next(iter(catalog.regions))
+    view = ClusterView(GatewayConfig(region, redis_server.url, "s"), r, catalog)
+    view.redis_ok = True
+    view.workers = [
+        WorkerInfo(
+            worker_id=wid, region=region, model=MODEL, role="mixed", url="u", max_num_seqs=4,
+            capacity_tokens=1000, started_at=0.0, last_active_at=0.0, cache_id=cache_id,
+            block_size=16,
+        )
+        for wid in ("w1", "w2")
+    ]
+    tel = Telemetry(TelemetryConfig("test-gateway", region=region))
+    proxy = Proxy(view, None, GatewayTelemetry(tel, region))  # type: ignore[arg-type]
+    threads: list[int] = []
+    real = proxy_module.prompt_token_ids
+
+    def recording(*args: Any, **kwargs: Any) -> list[int]:
+        threads.append(threading.get_ident())
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(proxy_module, "prompt_token_ids", recording)
+    try:
+        for text in ("Once upon a time", "Once upon a time " * (TOKENIZE_OFF_LOOP_CHARS // 10)):
+            messages = [{"role": "user", "content": text}]
+            c = Call("r1", None, 0.0, gen=GenerateRequest("r1", MODEL, messages=messages,
+                                                          operation="chat"))  # fmt: skip
+            await proxy.prefix_lookup(c)
+            assert c.gen is not None and c.gen.prompt == worker_ids(chat_dir, None, messages)
+        loop_thread = threading.get_ident()
+        assert threads[0] == loop_thread and threads[1] != loop_thread
+    finally:
+        tel.shutdown()
+        await view.tokenizers.aclose()

@@ -102,7 +102,33 @@ async def test_worker_without_heartbeat_expires_and_is_pruned(r: Redis) -> None:
     assert not await r.sismember(model_workers_key("m1"), "dead")
     assert await reg.models() == ["m1"]  # m2 has no live worker left
     assert not await r.sismember(model_workers_key("m2"), "lonely")
-    assert await r.sismember(MODELS_KEY, "m2")  # it once had workers
+
+
+async def test_a_model_with_no_worker_left_leaves_the_models_set(r: Redis) -> None:
+    """Every gateway reads each model's set of `ei:models` twice a second: a model nobody serves
+    any more leaves it (it only grew), and comes back with its next worker's heartbeat."""
+    reg = Registry(r, ttl_s=0.2)
+    await reg.register(worker("gone", "m2"))
+    await reg.register(worker("alive", "m1"))
+    await asyncio.sleep(0.3)
+    await reg.heartbeat(worker("alive", "m1"))
+    assert [w.worker_id for w in await reg.workers()] == ["alive"]  # prunes "gone"
+    await reg.workers()  # finds m2's set empty
+    assert await r.smembers(MODELS_KEY) == {b"m1"}
+    await reg.heartbeat(worker("back", "m2"))
+    assert await r.sismember(MODELS_KEY, "m2")
+    assert await reg.models() == ["m1", "m2"]
+
+
+async def test_a_model_registered_while_a_reader_found_it_empty_stays_listed(r: Redis) -> None:
+    """A reader found m1's set empty; before its SREM, a worker's heartbeat wrote m1's set and
+    `ei:models` (in that order): the reader sees the worker in the set and puts m1 back, where
+    gateways would not see that worker until its next heartbeat."""
+    reg = Registry(r)
+    await reg.register(worker("new", "m1"))  # (after the reader's SMEMBERS, before its SREM)
+    await reg._forget_models(["m1", "m2"])  # the rest of that reader's workers()
+    assert await r.smembers(MODELS_KEY) == {b"m1"}
+    assert [w.worker_id for w in await reg.workers()] == ["new"]
 
 
 async def test_deregister_removes_at_once(r: Redis) -> None:

@@ -11,7 +11,7 @@ import asyncio
 import logging
 import threading
 import uuid
-from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Collection, Sequence
 from pathlib import Path
 from typing import Literal
 
@@ -24,7 +24,9 @@ from redis.exceptions import ConnectionError as RedisConnectionError
 from kvstore.block_hash import block_hashes, cache_seed
 from kvstore.client import connect
 from kvstore.prefix_index import CacheEventPublisher, PrefixIndex, marker_key, prefix_key
+from kvstore.protocol import WorkerInfo
 from kvstore.redis_server import LocalRedis
+from kvstore.registry import Registry
 from tests.stack import generate, start_worker, wait_until
 
 BLOCK = 4  # tokens per block of the test hashes
@@ -465,6 +467,81 @@ async def test_a_new_run_under_the_same_id_removes_the_old_runs_entries(
     assert await model_keys(r, model) == []
 
 
+async def test_a_worker_with_a_given_id_purges_at_its_first_flush_without_a_marker(
+    r: Redis, model: str
+) -> None:
+    """The marker expires entry_ttl_s after a run's last write, but blocks that live workers keep
+    refreshing still list that run (a set has one TTL): a worker started again under the dead
+    run's id finds no marker, and purges all the same when its id was given."""
+    idx = PrefixIndex(r)
+    h = chain(4)
+    old = CacheEventPublisher(idx, model, "pod-1")
+    old.record(h, [])
+    await old.flush()  # and the process dies: no close()
+    live = CacheEventPublisher(idx, model, "w2")
+    live.record(h, [])
+    await live.flush()
+    await r.delete(marker_key(model, "pod-1"))  # (expired, while w2 kept the blocks' TTLs up)
+    new = CacheEventPublisher(idx, model, "pod-1", purge_first=True)
+    await new.flush()
+    assert await idx.longest_prefixes(model, h) == {"w2": 4}
+    for x in h:
+        assert await r.smembers(prefix_key(model, x)) == {b"w2"}
+    new.record(h[:1], [])
+    await new.flush()  # (a purge once, then writes as usual)
+    assert await r.smembers(prefix_key(model, h[0])) == {b"w2", b"pod-1"}
+
+
+class CountingPurges(PrefixIndex):
+    """A PrefixIndex that counts its purge_workers calls (each a SCAN of the keyspace)."""
+
+    purges = 0
+
+    async def purge_workers(self, model: str, worker_ids: Collection[str]) -> None:
+        self.purges += 1
+        await super().purge_workers(model, worker_ids)
+
+
+async def test_the_registry_read_that_prunes_a_dead_worker_purges_it_once(
+    r: Redis, model: str
+) -> None:
+    """A worker killed -9 stays a member of the blocks that live workers keep refreshing: one set
+    member more per crash, forever, which every gateway lookup then reads (and a worker started
+    again under its id would be credited with them). The registry read that finds it dead and
+    prunes it from its model's set purges it from the index; of readers at once, one does."""
+    def info(wid: str) -> WorkerInfo:
+        return WorkerInfo(worker_id=wid, region="eu", model=model, role="mixed", url="u",
+                          max_num_seqs=8, capacity_tokens=4096)  # fmt: skip
+
+    reg = Registry(r, ttl_s=0.3)
+    idx = PrefixIndex(r)
+    h = chain(4)
+    dead, live = CacheEventPublisher(idx, model, "dead"), CacheEventPublisher(idx, model, "live")
+    for pub in (dead, live):
+        await reg.register(info(pub.worker_id))
+        pub.record(h, [])
+        await pub.flush()
+    # "dead" is killed: no close(), no heartbeat; "live" heartbeats and refreshes every block
+    for _ in range(5):
+        await asyncio.sleep(0.1)
+        await reg.heartbeat(info("live"))
+        live.resync()
+        await live.flush()
+    assert await r.smembers(prefix_key(model, h[0])) == {b"dead", b"live"}
+    assert await r.pttl(prefix_key(model, h[0])) > 3_000_000  # (kept up by "live")
+    readers = [Registry(r) for _ in range(4)]  # gateways reading the registry together
+    for reader in readers:
+        reader.index = CountingPurges(r)
+    listed = await asyncio.gather(*(reader.workers(model) for reader in readers))
+    assert all([w.worker_id for w in ws] == ["live"] for ws in listed)
+    for x in h:
+        assert await r.smembers(prefix_key(model, x)) == {b"live"}
+    assert not await r.exists(marker_key(model, "dead"))
+    assert sum(reader.index.purges for reader in readers) == 1  # type: ignore[attr-defined]
+    assert await idx.longest_prefixes(model, h) == {"live": 4}  # (no registry filter needed)
+    await live.close()
+
+
 async def test_close_with_redis_down_logs_and_returns(caplog: pytest.LogCaptureFixture) -> None:
     pub = CacheEventPublisher(PrefixIndex(connect("redis://127.0.0.1:1/0")), "m", "w1")
     pub.record(chain(2), [])
@@ -487,12 +564,14 @@ def test_publisher_checks_its_arguments() -> None:
 # --- a real worker ----------------------------------------------------------------------------
 
 
+@pytest.mark.parametrize("marker", ["kept", "expired"])
 def test_a_worker_restarted_under_its_id_inherits_no_entries(
-    stories_dir: Path, tmp_path: Path
+    stories_dir: Path, tmp_path: Path, marker: str
 ) -> None:
     """In Kubernetes a worker's id is its pod's name. Killed and started again under it, the worker
     has an empty cache: the index must stop listing it under its last run's blocks (a gateway
-    would route those prefixes to it for nothing), with no request needed."""
+    would route those prefixes to it for nothing), with no request needed; also once the last
+    run's marker has expired (blocks that other workers keep refreshing still list it)."""
     with LocalRedis() as server:
         r = redis.Redis.from_url(server.url)
 
@@ -507,6 +586,8 @@ def test_a_worker_restarted_under_its_id_inherits_no_entries(
             assert generate(worker, "fill", prompt, 1) == 200
             wait_until(lambda: listed() >= 3, 10, "the first run's entries", worker)
             worker.kill()
+            if marker == "expired":
+                assert r.delete("ei:p:{stories}:w:w-pod") == 1
             worker = start_worker("run2", stories_dir, server.url, tmp_path, extra=args)
             wait_until(lambda: listed() == 0, 10, "the first run's entries removed", worker)
         finally:
