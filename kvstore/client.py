@@ -3,24 +3,46 @@
 Open one client per process (at the entry point, or in the aiohttp app's cleanup_ctx) and pass
 it to Registry, SessionStore and the rest: it holds a connection pool, so concurrent tasks share
 it safely, and its connections are the only Redis state a process owns.
+
+The URL says which Redis: `redis://host:port/db` (`rediss://` for TLS) one server, or
+`redis+cluster://host:port` (`rediss+cluster://`) a Redis Cluster, found from that node (any
+of its nodes: the client discovers the others). A cluster client follows the cluster's slots,
+redirections and failovers by itself; every key of this package carries a hash tag, so each
+command and script stays within one slot (see kvstore.keys).
 """
 
 from __future__ import annotations
 
 import asyncio
-from typing import Any
+from typing import Any, cast
 
-from redis.asyncio import Redis
+from redis.asyncio import Redis, RedisCluster
 from redis.asyncio.retry import Retry
 from redis.backoff import ExponentialWithJitterBackoff
 
 STOP_POLL_S = 0.2  # how often `stop_task` cancels again a task that is still running
 DEFAULT_TIMEOUT_S = 1.0  # connect and per-command socket timeout
 RETRIES = 2  # re-tries after a connection error: a pooled connection may be stale after a restart
+CLUSTER_SCHEMES = {"redis+cluster": "redis", "rediss+cluster": "rediss"}  # -> one node's scheme
+
+
+def cluster_seed(url: str) -> str | None:
+    """For a Redis Cluster's URL (redis+cluster://, rediss+cluster://), the redis:// (rediss://)
+    URL of its node that redis-py's clients take; None for any other URL. The database must be
+    0 (a cluster has no other): a path naming another is refused."""
+    scheme, sep, rest = url.partition("://")
+    plain = CLUSTER_SCHEMES.get(scheme.lower()) if sep else None
+    if plain is None:
+        return None
+    db = rest.partition("?")[0].partition("/")[2]
+    if db not in ("", "0"):
+        raise ValueError(f"a Redis Cluster has database 0 only, {scheme}:// URL names {db!r}")
+    return f"{plain}://{rest}"
 
 
 def connect(url: str, *, timeout_s: float = DEFAULT_TIMEOUT_S) -> Redis:
-    """A client for `url` (redis://host:port/db) whose commands fail within a few `timeout_s`.
+    """A client for `url` (redis://host:port/db, or redis+cluster://host:port for a Redis
+    Cluster: see the module docstring) whose commands fail within a few `timeout_s`.
 
     redis-py's defaults (5 s timeouts, 10 retries with backoff) make a dead Redis hang a request
     for many seconds; the gateway would rather fail over or answer 503 at once. A couple of retries
@@ -28,16 +50,25 @@ def connect(url: str, *, timeout_s: float = DEFAULT_TIMEOUT_S) -> Redis:
     instead of failing. The timeout bounds every command: use another client with a longer
     `timeout_s` for blocking commands (BLPOP, XREAD BLOCK) or very large replies.
 
+    A cluster's client is a redis.asyncio.RedisCluster, with the same timeouts and retries (it
+    re-reads the cluster's slots after a connection error, then retries). It is typed as Redis
+    here: it offers the commands this package sends (pipelines without transactions, Lua
+    scripts on one key, SCAN over every primary, pub/sub; tests/test_redis_cluster.py runs
+    them), so the stores take either.
+
     No connection is opened here; the first command opens one.
     """
     if timeout_s <= 0:
         raise ValueError(f"timeout_s must be > 0, got {timeout_s}")
-    return Redis.from_url(
-        url,
-        socket_timeout=timeout_s,
-        socket_connect_timeout=timeout_s,
-        retry=Retry(ExponentialWithJitterBackoff(base=0.05, cap=0.5), RETRIES),
-    )
+    options: dict[str, Any] = {
+        "socket_timeout": timeout_s,
+        "socket_connect_timeout": timeout_s,
+        "retry": Retry(ExponentialWithJitterBackoff(base=0.05, cap=0.5), RETRIES),
+    }
+    seed = cluster_seed(url)
+    if seed is None:
+        return Redis.from_url(url, **options)
+    return cast(Redis, RedisCluster.from_url(seed, **options))
 
 
 def raise_if_cancelling() -> None:

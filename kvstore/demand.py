@@ -43,7 +43,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import orjson
-from redis.asyncio import Redis
+from redis.asyncio import Redis, RedisCluster
 
 from kvstore.keys import PREFIX, as_text, check_id, usable_id
 
@@ -240,18 +240,19 @@ class Demand:
         return found
 
     async def hold(self, model: str, region: str, request_id: str, deadline: float) -> None:
-        """Count a request as waiting for a worker of `model` in `region`, and wake the pool."""
-        pipe = self.redis.pipeline(transaction=False)
-        pipe.zadd(wait_key(model, region), {request_id: deadline})
-        _push_wakeup(pipe, model, region)
-        await pipe.execute()
+        """Count a request as waiting for a worker of `model` in `region`, and wake the pool.
+
+        Two round trips, not one pipeline: a Redis Cluster client refuses PUBLISH in a pipeline
+        (the wait set and the channel are in different slots anyway), and a held request waits
+        for a worker to start, seconds."""
+        await self.redis.zadd(wait_key(model, region), {request_id: deadline})
+        await self.wake(model, region)
 
     async def wake(self, model: str, region: str) -> None:
         """Ask the pools of `region` for a worker of `model` without holding a request for it
-        (a gateway serving the model from a region farther away than theirs)."""
-        pipe = self.redis.pipeline(transaction=False)
-        _push_wakeup(pipe, model, region)
-        await pipe.execute()
+        (a gateway serving the model from a region farther away than theirs). Heard by the
+        pools listening now, kept by none."""
+        await self.redis.publish(wake_channel(region), check_id(model, "model"))
 
     async def release(self, model: str, region: str, request_id: str) -> None:
         await self.redis.zrem(wait_key(model, region), request_id)
@@ -276,7 +277,8 @@ class Wakeups:
     def __init__(self, redis: Redis, region: str) -> None:
         self.redis = redis
         self.channel = wake_channel(region)
-        self._pubsub: Any = None  # redis.asyncio PubSub, once subscribed
+        self._pubsub: Any = None  # redis.asyncio PubSub (ClusterPubSub), once subscribed
+        self._dropped = False  # the last subscription ended in an error (or a cancel)
 
     async def next(self, timeout_s: float) -> set[str]:
         """Wait up to `timeout_s` for a wake-up; the models named by those that came (empty if
@@ -284,8 +286,7 @@ class Wakeups:
         again (wake-ups published meanwhile are lost; the wait sets still hold the requests)."""
         try:
             if self._pubsub is None:
-                self._pubsub = self.redis.pubsub(ignore_subscribe_messages=True)
-                await self._pubsub.subscribe(self.channel)
+                await self._subscribe()
             models: set[str] = set()
             deadline = time.monotonic() + timeout_s
             for _ in range(self.MAX_BATCH):
@@ -298,17 +299,27 @@ class Wakeups:
                     models.add(as_text(msg["data"]))
             return models
         except BaseException:
+            self._dropped = True
             await self.aclose()
             raise
+
+    async def _subscribe(self) -> None:
+        """Subscribe on a connection of its own. On a Redis Cluster, to the node that serves the
+        channel's slot (any node would do: a cluster carries each PUBLISH to every node). A
+        cluster client reads the slots on its first command, and again when a command meets a
+        connection error; a subscription is neither, so it reads them here (and, after a
+        subscription failed, reads them again: its node may have failed over)."""
+        if isinstance(self.redis, RedisCluster):
+            await self.redis.initialize()
+            if self._dropped:
+                await self.redis.nodes_manager.initialize()
+        pubsub = self.redis.pubsub(ignore_subscribe_messages=True)
+        self._pubsub = pubsub
+        await pubsub.subscribe(self.channel)
+        self._dropped = False
 
     async def aclose(self) -> None:
         pubsub, self._pubsub = self._pubsub, None
         if pubsub is not None:
             with contextlib.suppress(Exception):
                 await pubsub.aclose()
-
-
-def _push_wakeup(pipe: Any, model: str, region: str) -> None:
-    """Publish, on `pipe`, a wake-up of `region`'s pools for `model` (heard by those listening
-    now, kept by none)."""
-    pipe.publish(wake_channel(region), check_id(model, "model"))

@@ -23,6 +23,7 @@ import weakref
 from collections.abc import Callable
 from pathlib import Path
 from types import TracebackType
+from typing import Any
 
 START_TIMEOUT_S = 10.0  # how long start() waits for the first PONG
 STOP_TIMEOUT_S = 5.0  # how long stop() waits after SIGTERM before SIGKILL
@@ -133,7 +134,7 @@ class LocalRedis:
     """One local redis-server child process; see the module docstring."""
 
     def __init__(self, port: int | None = None, executable: str = "redis-server",
-                 die_with_parent: bool = False) -> None:  # fmt: skip
+                 die_with_parent: bool = False, args: tuple[str, ...] = ()) -> None:  # fmt: skip
         found = shutil.which(executable)
         if found is None:
             raise RuntimeError(
@@ -141,6 +142,7 @@ class LocalRedis:
             )
         self.executable = found  # absolute path of redis-server
         self.die_with_parent = die_with_parent
+        self.args = args  # further redis-server options (LocalRedisCluster's cluster mode)
         self.port = port if port is not None else find_free_port()  # kept across restarts
         self._proc: subprocess.Popen[bytes] | None = None
         self._dir: tempfile.TemporaryDirectory[str] | None = None  # working folder and log
@@ -172,6 +174,7 @@ class LocalRedis:
             "--dir", self._dir.name,
             "--logfile", str(log),
             "--daemonize", "no",
+            *self.args,
         ]  # fmt: skip
         # In a session of its own: a Ctrl-C at the terminal signals the whole foreground
         # process group, and the server must outlive its clients (`edgeinfer up` stops it last)
@@ -222,3 +225,107 @@ class LocalRedis:
         tb: TracebackType | None,
     ) -> None:
         self.stop()
+
+
+CLUSTER_SLOTS = 16384  # hash slots of a Redis Cluster
+
+
+class LocalRedisCluster:
+    """A throwaway local Redis Cluster of `primaries` primaries (no replicas), each a LocalRedis
+    in cluster mode on a free port, its cluster bus on another: for tests of the code that
+    shares state through a cluster (connect it with `url`, a redis+cluster:// URL).
+
+    The slots are split evenly in order (the first node holds 0..., the last ...16383), and
+    start() returns once every node sees them all served (cluster_state:ok), about 2 s (a new
+    primary waits that long before it serves). Needs redis-server 7 or later (--cluster-port).
+    """
+
+    def __init__(self, primaries: int = 3, executable: str = "redis-server") -> None:
+        if primaries < 1:
+            raise ValueError(f"primaries must be >= 1, got {primaries}")
+        ports: set[int] = set()
+        while len(ports) < 2 * primaries:
+            ports.add(find_free_port())
+        picked = sorted(ports)
+        self.bus_ports = picked[primaries:]  # the nodes' cluster bus ports, in order
+        self.nodes: list[LocalRedis] = []
+        for port, bus in zip(picked[:primaries], self.bus_ports, strict=True):
+            args = (
+                "--cluster-enabled", "yes",
+                "--cluster-config-file", "nodes.conf",  # (in the node's own working folder)
+                "--cluster-port", str(bus),
+            )  # fmt: skip
+            self.nodes.append(LocalRedis(port, executable, args=args))
+
+    @property
+    def url(self) -> str:
+        """redis+cluster://127.0.0.1:<the first node's port>"""
+        return f"redis+cluster://127.0.0.1:{self.nodes[0].port}"
+
+    def slots(self, i: int) -> range:
+        """The hash slots that start() gives node `i` (an index in `nodes`)."""
+        n = len(self.nodes)
+        return range(i * CLUSTER_SLOTS // n, (i + 1) * CLUSTER_SLOTS // n)
+
+    def node_of(self, key: str) -> int:
+        """The index in `nodes` of the node that serves `key` (its hash tag's slot)."""
+        from redis.crc import key_slot
+
+        slot = key_slot(key.encode())
+        return next(i for i in range(len(self.nodes)) if slot in self.slots(i))
+
+    def start(self) -> LocalRedisCluster:
+        """Start the nodes, assign the slots, join the nodes, and wait for cluster_state:ok."""
+        import redis  # (here: `edgeinfer up` imports this module for LocalRedis alone)
+
+        clients: list[redis.Redis] = []
+        try:
+            for node in self.nodes:
+                node.start()
+                clients.append(redis.Redis(port=node.port, socket_timeout=START_TIMEOUT_S))
+            for i, c in enumerate(clients):
+                c.execute_command("CLUSTER", "SET-CONFIG-EPOCH", i + 1)
+                c.execute_command("CLUSTER", "ADDSLOTS", *self.slots(i))
+            for c in clients[1:]:
+                c.execute_command("CLUSTER", "MEET", "127.0.0.1", self.nodes[0].port,
+                                  self.bus_ports[0])  # fmt: skip
+            deadline = time.monotonic() + START_TIMEOUT_S
+            while not all(_cluster_ok(c, len(clients)) for c in clients):
+                if time.monotonic() > deadline:
+                    raise RuntimeError(
+                        f"local Redis Cluster on ports {[nd.port for nd in self.nodes]} did not "
+                        f"reach cluster_state:ok within {START_TIMEOUT_S:.0f} s"
+                    )
+                time.sleep(0.05)
+        except BaseException:
+            self.stop()
+            raise
+        finally:
+            for c in clients:
+                c.close()
+        return self
+
+    def stop(self) -> None:
+        """Stop every node and delete their working folders. Idempotent."""
+        for node in self.nodes:
+            node.stop()
+
+    def __enter__(self) -> LocalRedisCluster:
+        return self.start()
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.stop()
+
+
+def _cluster_ok(client: Any, nodes: int) -> bool:
+    """True when the node behind `client` (a sync redis.Redis) knows `nodes` nodes and sees
+    every slot served."""
+    info = client.cluster("INFO")
+    return bool(
+        info.get("cluster_state") == "ok" and int(info.get("cluster_known_nodes", 0)) == nodes
+    )
