@@ -214,8 +214,10 @@ def region_layer(region: str, settings: dict[str, Any]) -> dict[str, Any]:
         raise DeployError(f"region {region!r}: settings.traces_endpoint is for the in-region "
                           "collector, which settings.otlp_endpoint replaces; set one of them")  # fmt: skip
     redis_url = settings.get("redis_url")
-    if redis_url is not None and (not isinstance(redis_url, str) or not redis_url.startswith(("redis://", "rediss://"))):  # fmt: skip
-        raise DeployError(f"region {region!r}: settings.redis_url must be a redis:// or rediss:// URL")  # fmt: skip
+    schemes = ("redis://", "rediss://", "redis+cluster://", "rediss+cluster://")
+    if redis_url is not None and (not isinstance(redis_url, str) or not redis_url.startswith(schemes)):  # fmt: skip
+        raise DeployError(f"region {region!r}: settings.redis_url must be a redis://, rediss:// "
+                          "or (a Redis Cluster) redis+cluster:// or rediss+cluster:// URL")  # fmt: skip
 
     image_edit: dict[str, Any] = {"name": "edgeinfer", "newName": m["repo"]}
     if m["digest"]:

@@ -142,8 +142,13 @@ def _check_redis(url: str) -> None:
     from redis.backoff import NoBackoff
     from redis.retry import Retry
 
+    from kvstore.client import cluster_seed
+
     try:
-        with redis.Redis.from_url(url, socket_connect_timeout=REDIS_PING_TIMEOUT_S,
+        # a Redis Cluster's URL: its seed node answers the PING (the stack's clients take the
+        # cluster through it, kvstore.client.connect)
+        node = cluster_seed(url) or url
+        with redis.Redis.from_url(node, socket_connect_timeout=REDIS_PING_TIMEOUT_S,
                                   socket_timeout=REDIS_PING_TIMEOUT_S,
                                   retry=Retry(NoBackoff(), 0)) as client:  # fmt: skip
             client.ping()

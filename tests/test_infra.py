@@ -458,6 +458,8 @@ def _gvk(resource: dict[str, Any]) -> str:
     [
         ({"pool_max_workers": 0}, {"Deployment/pool"}),
         ({"redis_url": "redis://shared.example:6379/0"}, {"Deployment/redis", "Service/redis"}),
+        ({"redis_url": "rediss+cluster://cluster.example:6380"},
+         {"Deployment/redis", "Service/redis"}),
         ({"otlp_endpoint": "https://otel.example:4318"},
          {"Deployment/otel-collector", "Service/otel-collector", "ConfigMap/otel-collector-config"}),
     ],

@@ -353,3 +353,14 @@ def test_up_refuses_an_unreachable_redis_at_once(tmp_path: Path, stories_dir: Pa
     assert f"cannot reach Redis at {dead}" in out, out
     assert "unset EDGEINFER_REDIS (or drop --redis) to use a throwaway one" in out, out
     assert "gateway ready" not in out and "worker" not in out, out
+
+
+def test_up_takes_a_redis_cluster_url(redis_server) -> None:  # type: ignore[no-untyped-def]
+    """`--redis redis+cluster://...`: the seed node answers the check (it was read as a plain
+    URL, whose scheme redis-py refused: "cannot reach Redis"); a database is refused."""
+    from runtime.launcher import _check_redis
+
+    seed = redis_server.url.replace("redis://", "redis+cluster://").rsplit("/", 1)[0]
+    _check_redis(seed)
+    with pytest.raises(SystemExit, match="database 0 only"):
+        _check_redis(seed + "/3")
