@@ -322,3 +322,30 @@ def test_write_kv_cache_checks_shapes() -> None:
         write_kv_cache(
             torch.zeros(2, HKV, D), torch.zeros(2, HKV, D), cache, cache, torch.arange(3)
         )
+
+
+def test_cpu_kernels_refuse_block_ids_outside_the_cache() -> None:
+    """A block id past the cache (or negative) in a decode row's table is an error, as the
+    reference's indexing raises: the decode kernel read garbage at num_blocks and crashed the
+    process further out. The prefill kernel's bounds are written so that no sum wraps around."""
+    ext = cpu_ext.load()
+    if ext is None:
+        pytest.skip("the CPU extension did not build here (no compiler?)")
+    k_cache = torch.randn(8, 16, 2, 64)
+    v_cache = torch.randn(8, 16, 2, 64)
+    q = torch.randn(2, 4, 64)
+    lens = torch.tensor([20, 20])
+    for bad in (8, 10**9, -1):
+        blocks = torch.tensor([[0, 1], [2, bad]])
+        with pytest.raises(RuntimeError, match=f"block {bad} of query 1 outside the cache's 8"):
+            ext.paged_decode_attention(q, k_cache, v_cache, blocks, lens, 0.125)
+    ok = ext.paged_decode_attention(q, k_cache, v_cache, torch.tensor([[0, 1], [2, 3]]), lens,
+                                    0.125)  # fmt: skip
+    assert ok.isfinite().all()
+    if ext.prefill_supported(2, 64):
+        out = torch.zeros(20, 4, 64)
+        table = torch.tensor([[0, 1]])
+        for spans in ([[2**63 - 10, 20, 0]], [[0, 20, 2**63 - 5]]):
+            with pytest.raises(RuntimeError, match=r"outside the step|keys, its block table"):
+                ext.paged_prefill_attention(torch.randn(20, 4, 64), k_cache, v_cache,
+                                            torch.tensor(spans), table, 0.125, out)  # fmt: skip

@@ -233,3 +233,15 @@ def test_the_sampler_takes_greedy_argmax_from_the_extension(ext) -> None:  # typ
     assert Sampler(Spy()).__call__(logits, states).token_ids == [7] * 8  # type: ignore[arg-type]
     assert calls == [(8, 1000)]
     assert Sampler()(logits, states).token_ids == [7] * 8
+
+
+def test_silu_and_mul_far_below_exps_clamp_is_torchs(ext) -> None:  # type: ignore[no-untyped-def]
+    """Gates past exp's clamp in the vector lanes of a float32 row: torch's -0 (and NaN at
+    -inf), as in the scalar tail and in bfloat16 rows; the clamp gave -1e-36 and -inf."""
+    x = torch.randn(2, 64)
+    x[0, :5] = torch.tensor([-float("inf"), -1000.0, -100.0, -88.5, -87.0])
+    x[1, 20:23] = torch.tensor([-1000.0, float("nan"), 1000.0])
+    want = silu_and_mul(x)
+    got = silu_and_mul(x, ext)
+    torch.testing.assert_close(got, want, rtol=2e-6, atol=0, equal_nan=True)
+    assert torch.equal(got.signbit(), want.signbit())

@@ -260,10 +260,23 @@ torch::Tensor silu_and_mul(torch::Tensor x) {
     int64_t i = 0;
 #ifdef __AVX512F__
     const __m512 one = _mm512_set1_ps(1.f);
+    const __m512 clamp = _mm512_set1_ps(88.3762626647949f);
     for (; i + 16 <= I; i += 16) {
       const __m512 gv = _mm512_loadu_ps(g + i);
+      const __m512 ng = _mm512_sub_ps(_mm512_setzero_ps(), gv);
       // a NaN gate gives a finite e, and a NaN result all the same (through gv)
-      const __m512 e = exp16(_mm512_sub_ps(_mm512_setzero_ps(), gv));
+      __m512 e = exp16(ng);
+      // exp16 clamps at ~88.376: lanes beyond take std::exp, as the bfloat16 rows do (torch
+      // gives -0 there, and NaN at -inf; the clamp gave -1e-36 and -inf)
+      const __mmask16 big = _mm512_cmp_ps_mask(ng, clamp, _CMP_GT_OQ);
+      if (big) {
+        alignas(64) float ev[16], nv[16];
+        _mm512_store_ps(ev, e);
+        _mm512_store_ps(nv, ng);
+        for (int l = 0; l < 16; ++l)
+          if (big >> l & 1) ev[l] = std::exp(nv[l]);
+        e = _mm512_load_ps(ev);
+      }
       _mm512_storeu_ps(o + i, _mm512_mul_ps(_mm512_div_ps(gv, _mm512_add_ps(one, e)),
                                             _mm512_loadu_ps(u + i)));
     }

@@ -516,19 +516,27 @@ torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor k_cache, tor
               "paged_decode_attention: the caches must be q's dtype, or bfloat16 under float32 q; "
               "got q ", q.scalar_type(), ", caches ", k_cache.scalar_type(), " and ",
               v_cache.scalar_type());
-  TORCH_CHECK(q.size(2) == k_cache.size(3) && q.size(1) % k_cache.size(2) == 0,
+  TORCH_CHECK(k_cache.size(2) > 0 && q.size(2) == k_cache.size(3) &&
+                  q.size(1) % k_cache.size(2) == 0,
               "paged_decode_attention: head_dim or head count mismatch");
   TORCH_CHECK(blocks.scalar_type() == torch::kInt64 && lens.scalar_type() == torch::kInt64 &&
                   blocks.is_contiguous() && lens.is_contiguous(),
               "paged_decode_attention: blocks and lens must be contiguous int64");
   TORCH_CHECK(blocks.size(0) == q.size(0) && lens.size(0) == q.size(0),
               "paged_decode_attention: one block table and one length per query");
-  {  // a length past the table would read past it (the kernel trusts the table's block ids)
-    const int64_t cap = blocks.size(1) * k_cache.size(1);
+  {  // a length past the table, or a block id outside the cache, would read past it: an error
+    // here, as the reference's indexing raises (it read garbage, or crashed the worker)
+    const int64_t bs = k_cache.size(1), nb = blocks.size(1), nblocks = k_cache.size(0);
+    const int64_t cap = nb * bs;
     const int64_t* lp = lens.data_ptr<int64_t>();
-    for (int64_t i = 0; i < lens.size(0); ++i)
+    const int64_t* bp = blocks.data_ptr<int64_t>();
+    for (int64_t i = 0; i < lens.size(0); ++i) {
       TORCH_CHECK(lp[i] >= 1 && lp[i] <= cap, "paged_decode_attention: length ", lp[i],
                   " of query ", i, " outside 1..", cap, " (block table width x block size)");
+      for (int64_t b = 0; b < (lp[i] + bs - 1) / bs; ++b)
+        TORCH_CHECK(bp[i * nb + b] >= 0 && bp[i * nb + b] < nblocks, "paged_decode_attention: "
+                    "block ", bp[i * nb + b], " of query ", i, " outside the cache's ", nblocks);
+    }
   }
   auto out = torch::empty_like(q);
   if (q.scalar_type() == torch::kFloat32 && k_cache.scalar_type() == torch::kBFloat16) {
@@ -734,7 +742,7 @@ void paged_prefill_attention(torch::Tensor q, torch::Tensor k_cache, torch::Tens
               " and ", v_cache.scalar_type());
   const int64_t T = q.size(0), H = q.size(1), D = q.size(2);
   const int64_t bs = k_cache.size(1), Hkv = k_cache.size(2);
-  TORCH_CHECK(D == k_cache.size(3) && H % Hkv == 0,
+  TORCH_CHECK(Hkv > 0 && D == k_cache.size(3) && H % Hkv == 0,
               "paged_prefill_attention: head_dim or head count mismatch");
   const int64_t G = H / Hkv;
   TORCH_CHECK(prefill_supported(G, D), "paged_prefill_attention: ", G, " query heads per kv "
@@ -750,11 +758,12 @@ void paged_prefill_attention(torch::Tensor q, torch::Tensor k_cache, torch::Tens
   std::vector<PrefillTask> tasks;
   for (int64_t c = 0; c < C; ++c) {
     const int64_t row0 = sp[3 * c], n = sp[3 * c + 1], ctx = sp[3 * c + 2];
-    TORCH_CHECK(n >= 1 && row0 >= 0 && row0 + n <= T && ctx >= 0,
-                "paged_prefill_attention: chunk ", c, " rows ", row0, "..", row0 + n,
+    // (written so that no sum can overflow: huge values are refused, not wrapped around)
+    TORCH_CHECK(n >= 1 && row0 >= 0 && row0 <= T && n <= T - row0 && ctx >= 0,
+                "paged_prefill_attention: chunk ", c, " rows ", row0, " + ", n,
                 " outside the step's ", T);
-    TORCH_CHECK(ctx + n <= nb * bs, "paged_prefill_attention: chunk ", c, " has ", ctx + n,
-                " keys, its block table ", nb * bs);
+    TORCH_CHECK(ctx <= nb * bs - n, "paged_prefill_attention: chunk ", c, " has ", ctx, " + ",
+                n, " keys, its block table ", nb * bs);
     for (int64_t b = 0; b < (ctx + n + bs - 1) / bs; ++b)
       TORCH_CHECK(tp[c * nb + b] >= 0 && tp[c * nb + b] < nblocks, "paged_prefill_attention: "
                   "block ", tp[c * nb + b], " of chunk ", c, " outside the cache's ", nblocks);
