@@ -77,6 +77,9 @@ DEMAND_FRESH_S = 30.0
 # broke every worker after the first.
 POOL_WORKER_FLAGS = ("--model", "--served-model-name", "--region", "--host", "--port", "--redis",
                      "--worker-id", "--advertise-url", "--no-redis")  # fmt: skip
+# ports a worker listens on besides its API: one value for every worker of a pool is taken by
+# the first, and each later one fails to start (each picks a free one when not given)
+PER_WORKER_PORTS = ("--dist-port", "--kv-port")
 
 
 @dataclass(slots=True)
@@ -141,6 +144,13 @@ class PoolConfig:
                     f"--worker-args: {arg!r} sets {flag}, which the pool sets for each worker "
                     "itself (use the pool's own --region, --host, --redis, --models)"
                 )
+            port = _pool_flag(arg, PER_WORKER_PORTS)
+            if port is not None and self.max_workers > 1:
+                raise ValueError(
+                    f"--worker-args: {arg!r} gives every worker the same {port}, which only the "
+                    f"first of --max-workers {self.max_workers} could listen on (leave it out: "
+                    "each worker picks a free port)"
+                )
         if not self.pool_id:
             self.pool_id = f"pool-{self.region}-{secrets.token_hex(3)}"
         check_id(self.pool_id, "pool_id")
@@ -161,13 +171,13 @@ class PoolConfig:
         return max(0.0, drain) + STOP_MARGIN_S
 
 
-def _pool_flag(arg: str) -> str | None:
-    """The flag of POOL_WORKER_FLAGS that `arg` (`--flag`, `--flag=value`, or a prefix of a flag,
-    which argparse takes as that flag) sets, if any."""
+def _pool_flag(arg: str, flags: tuple[str, ...] = POOL_WORKER_FLAGS) -> str | None:
+    """The flag of `flags` that `arg` (`--flag`, `--flag=value`, or a prefix of a flag, which
+    argparse takes as that flag) sets, if any."""
     name = arg.partition("=")[0]
     if not name.startswith("--") or len(name) < 3:
         return None
-    return next((f for f in POOL_WORKER_FLAGS if f.startswith(name)), None)
+    return next((f for f in flags if f.startswith(name)), None)
 
 
 @dataclass(slots=True)

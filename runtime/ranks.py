@@ -37,6 +37,7 @@ import multiprocessing as mp
 import os
 import pickle
 import signal
+import socket
 import threading
 import time
 import traceback
@@ -127,6 +128,9 @@ def _load(spec: RankSpec, place: RankPlace) -> tuple[PendingLoad | None, str | N
 
 def _follower_main(spec: RankSpec, rank: int) -> None:
     _die_with_parent()
+    # Ctrl-C reaches the terminal's whole process group: rank 0 drains and stops the followers
+    # itself (a follower that died of it first failed the requests in flight)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     torch.set_num_threads(_threads(spec))
     try:
         store = dist.TCPStore("127.0.0.1", spec.port, spec.parallel.world_size, is_master=False,
@@ -363,6 +367,10 @@ class RankGroup:
                 why = self.failed or f"a collective failed: {e}"
                 self._fail(why)
                 raise RankFailure(why) from e
+            except BaseException:  # Ctrl-C mid-command: the followers are in its collectives,
+                # which rank 0 left; no later command can line up with them (close kills them)
+                self._fail("rank 0 was interrupted in the middle of a command")
+                raise
 
     def setup(self, **runner_args: Any) -> None:
         """The followers build their model runners (KV cache) with these arguments."""
@@ -442,7 +450,7 @@ class RankGroup:
                     self._sends.drain()
             self._closed = True
         for p in self.procs:
-            p.join(timeout=5)
+            p.join(timeout=0 if self.failed is not None else 5)  # (failed: stuck in a collective)
             if p.exitcode is None:
                 p.kill()
         with contextlib.suppress(Exception):
@@ -546,10 +554,19 @@ def start_ranks(
     cfg = ModelConfig.from_dir(model)
     parallel.check(cfg)  # before any process starts
     port = port or find_free_port()
+    # The rendezvous on a socket bound to the loopback interface: TCPStore binds its own to
+    # every interface, where anyone could join the ranks' unauthenticated store (rank 0
+    # unpickles what the ranks put there)
+    listener = socket.socket()
     try:
+        listener.bind(("127.0.0.1", port))
+        listener.listen()
         store = dist.TCPStore("127.0.0.1", port, parallel.world_size, is_master=True,
-                              timeout=timedelta(seconds=JOIN_TIMEOUT_S), wait_for_workers=False)  # fmt: skip
+                              timeout=timedelta(seconds=JOIN_TIMEOUT_S), wait_for_workers=False,
+                              master_listen_fd=listener.fileno())  # fmt: skip
+        listener.detach()  # the store's now: it closes it when the process group goes
     except Exception as e:
+        listener.close()
         # (an OSError, as a port in use is: the command line reports it in one line)
         raise OSError(f"cannot start the ranks' rendezvous on 127.0.0.1:{port}: {e}") from e
     spec = RankSpec(model, dtype, max_model_len, parallel, port, num_threads, weight_dtype)

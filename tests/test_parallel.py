@@ -5,6 +5,7 @@ the engine (and a worker) with an error, never a hang."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import time
@@ -622,3 +623,31 @@ def test_a_compressed_folder_is_not_split_by_tp(tmp_path: Path, stories_dir: Pat
     # a pipeline rank decodes its layers' tensors whole: that works
     m = load_model(out, place=RankPlace(ParallelConfig(pp=2), 1))
     assert m.local_layers == range(2, 5) and m.embed_tokens is None
+
+
+def test_the_ranks_rendezvous_and_followers_are_local_and_deaf_to_ctrl_c(stories_dir: Path) -> None:
+    """The ranks' rendezvous store listens on the loopback interface only (it listened on every
+    interface: anyone reaching the host could join the unauthenticated store, whose replies rank
+    0 unpickles); a follower ignores SIGINT, which a terminal's Ctrl-C sends the whole process
+    group (rank 0 drains and stops them itself: a follower killed by it first failed the
+    requests in flight)."""
+    llm = LLM(stories_dir, kv_cache_bytes=4 << 20, tp=2)
+    ranks = llm.engine.runner.ranks
+    assert ranks is not None
+    try:
+        port = f"{ranks.spec.port:04X}"
+        listening = []
+        for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+            with contextlib.suppress(OSError), open(table) as f:
+                for line in f.readlines()[1:]:
+                    local, state = line.split()[1], line.split()[3]
+                    if state == "0A" and local.endswith(f":{port}"):
+                        listening.append(local)
+        assert listening == [f"0100007F:{port}"], listening
+        follower = ranks.procs[0].pid
+        with open(f"/proc/{follower}/status") as f:
+            ignored = int(next(x for x in f if x.startswith("SigIgn:")).split()[1], 16)
+        assert ignored >> (signal.SIGINT - 1) & 1
+        assert llm.generate([PROMPTS[0]], SamplingParams(max_tokens=2))[0].outputs[0].token_ids
+    finally:
+        ranks.close()

@@ -273,6 +273,15 @@ def test_pool_config_rejects_worker_args_that_set_the_pools_own_flags(
         _cfg(worker_args=args)
 
 
+@pytest.mark.parametrize("arg", [["--dist-port", "29500"], ["--kv-port=7001"], ["--dist-p", "1"]])
+def test_pool_config_rejects_one_port_for_every_worker(arg: list[str]) -> None:
+    """--dist-port or --kv-port in --worker-args gives every worker the same port: the second
+    worker of a pool failed to start (address in use). One worker at most: its own."""
+    with pytest.raises(ValueError, match=r"gives every worker the same --(dist|kv)-port"):
+        _cfg(worker_args=arg, max_workers=2)
+    assert _cfg(worker_args=arg, max_workers=1).worker_args == arg
+
+
 def test_pool_config_takes_other_worker_args() -> None:
     args = ["--threads", "1", "--drain-timeout=5", "--max-num-seqs", "8", "--draft-model", "/d"]
     assert _cfg(worker_args=args).worker_args == args
