@@ -198,28 +198,35 @@ std::tuple<torch::Tensor, torch::Tensor> rotary_write_kv(torch::Tensor q, torch:
   return {q_out, k_out};
 }
 
+#ifdef __AVX512F__
+// exp(x) of 16 lanes as torch's exp gives it: exp16 clamps its argument at ~88.376, where torch's
+// goes on to ~88.72 and is inf beyond (silu -0 there, or NaN at a gate of -inf; the clamp gave
+// -1e-36 and -inf). Lanes past the clamp, seldom seen, take std::exp.
+static inline __m512 exp16_unclamped(__m512 x) {
+  __m512 e = exp16(x);
+  const __mmask16 big = _mm512_cmp_ps_mask(x, _mm512_set1_ps(88.3762626647949f), _CMP_GT_OQ);
+  if (big) {
+    alignas(64) float ev[16], xv[16];
+    _mm512_store_ps(ev, e);
+    _mm512_store_ps(xv, x);
+    for (int l = 0; l < 16; ++l)
+      if (big >> l & 1) ev[l] = std::exp(xv[l]);
+    e = _mm512_load_ps(ev);
+  }
+  return e;
+}
+#endif
+
 // silu(gate) * up over one row of bfloat16, as the reference rounds: silu(gate) (torch: g / (1 +
 // exp(-g)) in float32) rounded, then its product with up.
 static void silu_mul_row_bf16(const uint16_t* g, const uint16_t* u, uint16_t* o, int64_t I) {
   int64_t i = 0;
 #ifdef __AVX512F__
   const __m512 one = _mm512_set1_ps(1.f);
-  // exp16 clamps its argument at ~88.376; torch's exp goes on to ~88.72 and is inf beyond (silu
-  // -0, or NaN at -inf): lanes whose gate is below -88.376, seldom seen, take std::exp.
-  const __m512 clamp = _mm512_set1_ps(88.3762626647949f);
   for (; i + 16 <= I; i += 16) {
     const __m512 gv = load16_bf16(g + i);
-    const __m512 ng = _mm512_sub_ps(_mm512_setzero_ps(), gv);
-    __m512 e = exp16(ng);  // a NaN gate gives a finite e, and a NaN result all the same
-    const __mmask16 big = _mm512_cmp_ps_mask(ng, clamp, _CMP_GT_OQ);
-    if (big) {
-      alignas(64) float ev[16], nv[16];
-      _mm512_store_ps(ev, e);
-      _mm512_store_ps(nv, ng);
-      for (int l = 0; l < 16; ++l)
-        if (big >> l & 1) ev[l] = std::exp(nv[l]);
-      e = _mm512_load_ps(ev);
-    }
+    // a NaN gate gives a finite e, and a NaN result all the same
+    const __m512 e = exp16_unclamped(_mm512_sub_ps(_mm512_setzero_ps(), gv));
     const __m512 sv = round16_bf16(_mm512_div_ps(gv, _mm512_add_ps(one, e)));
     store16_bf16(o + i, _mm512_mul_ps(sv, load16_bf16(u + i)));
   }
@@ -260,23 +267,10 @@ torch::Tensor silu_and_mul(torch::Tensor x) {
     int64_t i = 0;
 #ifdef __AVX512F__
     const __m512 one = _mm512_set1_ps(1.f);
-    const __m512 clamp = _mm512_set1_ps(88.3762626647949f);
     for (; i + 16 <= I; i += 16) {
       const __m512 gv = _mm512_loadu_ps(g + i);
-      const __m512 ng = _mm512_sub_ps(_mm512_setzero_ps(), gv);
       // a NaN gate gives a finite e, and a NaN result all the same (through gv)
-      __m512 e = exp16(ng);
-      // exp16 clamps at ~88.376: lanes beyond take std::exp, as the bfloat16 rows do (torch
-      // gives -0 there, and NaN at -inf; the clamp gave -1e-36 and -inf)
-      const __mmask16 big = _mm512_cmp_ps_mask(ng, clamp, _CMP_GT_OQ);
-      if (big) {
-        alignas(64) float ev[16], nv[16];
-        _mm512_store_ps(ev, e);
-        _mm512_store_ps(nv, ng);
-        for (int l = 0; l < 16; ++l)
-          if (big >> l & 1) ev[l] = std::exp(nv[l]);
-        e = _mm512_load_ps(ev);
-      }
+      const __m512 e = exp16_unclamped(_mm512_sub_ps(_mm512_setzero_ps(), gv));
       _mm512_storeu_ps(o + i, _mm512_mul_ps(_mm512_div_ps(gv, _mm512_add_ps(one, e)),
                                             _mm512_loadu_ps(u + i)));
     }
