@@ -266,12 +266,14 @@ class AsyncLLM:
             self._layers_at_start = self._layers_run()  # (before _busy_since: see stalled_s)
             self._busy_since = time.monotonic()
             deliveries: list[tuple[str, RequestOutput | BaseException]] = []
+            taken = 0  # sequences of the requests taken from the inbox
             for cmd in inbox:
                 if isinstance(cmd, _Add | _Import):
                     try:
                         if isinstance(cmd, _Import):
                             engine.commit_import(cmd.group, cmd.cached_tokens)
                         else:
+                            taken += len(cmd.group.seqs)
                             engine.enqueue(cmd.group)
                     except Exception as e:  # the queue filled up since submit checked
                         deliveries.append((cmd.group.request_id, e))
@@ -286,7 +288,6 @@ class AsyncLLM:
                         deliveries.append((cmd.request_id, EngineDeadError(f"abort failed: {e!r}")))
                     if out is not None:
                         deliveries.append((cmd.request_id, out))
-            taken = sum(len(c.group.seqs) for c in inbox if isinstance(c, _Add))
             if taken:  # in the waiting queue now (or refused): the queue's length counts them
                 with self._cv:
                     self._inbox_seqs -= taken
