@@ -37,17 +37,30 @@ sums run in another order: results may differ by a bfloat16 rounding). torch's b
 ms a pass (kernel / torch): 10.1 / 19.4 at one row, 11.8 / 19.0 at 4, 13.6 / 19.1 at 8, 23.0 /
 19.6 at 16 (2-core Xeon with AMX, 2026-11-25). From 16 rows torch's AMX GEMM is faster.
 
+Past the kernels' rows (prompt chunks: up to 2048 rows a step), float32 products on an AMD CPU go
+through oneDNN's matmul (`torch.ops.mkldnn._linear_pointwise`, the weight as it lies, no copy)
+rather than torch's float32 GEMM, which there runs MKL's generic code: over SmolLM2's fused
+shapes, 183 against 137 GFLOP/s at 256 rows and 191 against 174 at 2048 (2-vCPU AMD EPYC
+guest, 2026-11-27, interleaved; float32 rounding only differs). Intel CPUs keep torch's GEMM (MKL
+is tuned for them; not measured against oneDNN). `EDGEINFER_ONEDNN_LINEAR=1` or `0` overrides
+the choice (`onednn_linear_on`).
+
 `small_linear(x, w, b, ext, packed)`: `ext` is the compiled module
 (`kernels.cpu_ext.load_small_gemm()`) or None; `packed` what `pack` made of w, or None; the
-reference (`torch.nn.functional.linear`) runs whenever no kernel applies.
+reference (`torch.nn.functional.linear`, or oneDNN's as above) runs whenever no kernel applies.
 """
 
 from __future__ import annotations
 
+import functools
+import logging
+import os
 from dataclasses import dataclass
 from types import ModuleType
 
 import torch
+
+log = logging.getLogger(__name__)
 
 # The most rows of x the kernel takes: float32 weights up to 128 (from 16 rows a broadcast
 # micro-kernel over per-thread float32 panels; about even with torch's GEMM from 128 to 256, so
@@ -146,4 +159,61 @@ def small_linear(
             return y.to(torch.bfloat16)
     if w.dtype != x.dtype:
         w = w.to(x.dtype)
+    if (
+        x.dtype == torch.float32
+        and w.dtype == torch.float32
+        and x.dim() == 2
+        and x.device.type == "cpu"
+        and onednn_linear_on()
+        and not (x.requires_grad or w.requires_grad)
+    ):
+        return torch.ops.mkldnn._linear_pointwise(x.contiguous(), w, b, "none", [], "")
     return torch.nn.functional.linear(x, w, b)
+
+
+ONEDNN_ENV = "EDGEINFER_ONEDNN_LINEAR"
+
+
+@functools.cache
+def onednn_linear_on() -> bool:
+    """Whether float32 CPU products that no kernel takes go through oneDNN's matmul: on AMD
+    CPUs by default (see the module's text), or as EDGEINFER_ONEDNN_LINEAR says (1 / 0); never
+    where this torch has no oneDNN, or where a probe product does not match torch's."""
+    choice = os.environ.get(ONEDNN_ENV, "").strip()
+    if choice not in ("", "0", "1"):
+        raise ValueError(f"{ONEDNN_ENV}={choice!r}: use 1 (oneDNN) or 0 (torch's GEMM)")
+    if choice == "0" or (choice == "" and _cpu_vendor() != "AuthenticAMD"):
+        return False
+    op = (
+        getattr(torch.ops.mkldnn, "_linear_pointwise", None)
+        if torch.backends.mkldnn.is_available()
+        else None
+    )
+    if op is None:
+        if choice == "1":
+            log.warning("%s=1: this torch has no oneDNN linear; torch's GEMM is used", ONEDNN_ENV)
+        return False
+    g = torch.Generator().manual_seed(0)
+    x, w, b = (
+        torch.randn(300, 72, generator=g),
+        torch.randn(40, 72, generator=g),
+        torch.randn(40, generator=g),
+    )
+    with torch.inference_mode():
+        got, want = op(x, w, b, "none", [], ""), torch.nn.functional.linear(x, w, b)
+    if not torch.allclose(got, want, rtol=1e-4, atol=1e-4):
+        log.warning("oneDNN's linear disagreed with torch's on a probe; torch's GEMM is used")
+        return False
+    return True
+
+
+def _cpu_vendor() -> str:
+    """/proc/cpuinfo's vendor_id (GenuineIntel, AuthenticAMD), or "" where there is none."""
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8", errors="replace") as f:
+            for line in f:
+                if line.startswith("vendor_id"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return ""

@@ -15,8 +15,10 @@ from kernels.linear import (
     MAX_ROWS,
     MAX_ROWS_BF16_ACT,
     MAX_ROWS_PACKED,
+    ONEDNN_ENV,
     Packed,
     applies,
+    onednn_linear_on,
     pack,
     small_linear,
 )
@@ -53,13 +55,63 @@ def test_kernel_matches_float64_as_closely_as_torch(
     assert err <= 4 * ref_err + 1e-5 * (k**0.5), (err, ref_err)
 
 
-def test_falls_back_where_the_kernel_does_not_apply(ext) -> None:  # type: ignore[no-untyped-def]
+@pytest.fixture
+def onednn(monkeypatch: pytest.MonkeyPatch):  # type: ignore[no-untyped-def]
+    """Sets EDGEINFER_ONEDNN_LINEAR for one test: onednn("1") / onednn("0"); the choice is
+    asked again after."""
+
+    def set_to(value: str) -> bool:
+        monkeypatch.setenv(ONEDNN_ENV, value)
+        onednn_linear_on.cache_clear()
+        return onednn_linear_on()
+
+    yield set_to
+    onednn_linear_on.cache_clear()
+
+
+def onednn_product(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> torch.Tensor:
+    return torch.ops.mkldnn._linear_pointwise(x, w, b, "none", [], "")
+
+
+def test_falls_back_where_the_kernel_does_not_apply(ext, onednn) -> None:  # type: ignore[no-untyped-def]
+    onednn("0")
     w = torch.randn(7, 16)
     for x in (torch.randn(MAX_ROWS + 1, 16), torch.randn(2, 16).double(), torch.randn(3, 2, 16)):
         assert not applies(x, w.to(x.dtype))
         want = torch.nn.functional.linear(x, w.to(x.dtype))
         assert torch.equal(small_linear(x, w.to(x.dtype), None, ext), want)
     assert not applies(torch.randn(1, 16), torch.randn(16, 7).t())  # non-contiguous weights
+
+
+@pytest.mark.parametrize("bias", [False, True])
+def test_rows_past_the_kernel_take_onednn_when_it_is_on(ext, onednn, bias: bool) -> None:  # type: ignore[no-untyped-def]
+    """Float32 rows past the kernel's (a prompt chunk) go through oneDNN's matmul where it is on:
+    its result bit for bit, within float32 rounding of the float64 product as torch's GEMM is;
+    off, torch's GEMM bit for bit. Other dtypes and shapes take torch's either way."""
+    if not onednn("1"):
+        pytest.skip("this torch has no oneDNN linear")
+    g = torch.Generator().manual_seed(9)
+    x = torch.randn(300, 576, generator=g)
+    w = torch.randn(960, 576, generator=g)
+    b = torch.randn(960, generator=g) if bias else None
+    got = small_linear(x, w, b, ext)
+    assert torch.equal(got, onednn_product(x, w, b))
+    exact = torch.nn.functional.linear(x.double(), w.double(), None if b is None else b.double())
+    ref_err = (torch.nn.functional.linear(x, w, b).double() - exact).abs().max().item()
+    assert (got.double() - exact).abs().max().item() <= 4 * ref_err + 1e-5 * 576**0.5
+    strided = x[:, :288]  # a view whose rows are not contiguous
+    assert torch.equal(small_linear(strided, w[:, :288].contiguous(), b, ext),
+                       onednn_product(strided.contiguous(), w[:, :288].contiguous(), b))  # fmt: skip
+    for other in (x.double(), x[None]):  # float64, and three dimensions: torch's, as they were
+        assert torch.equal(small_linear(other, w.to(other.dtype), None, ext),
+                           torch.nn.functional.linear(other, w.to(other.dtype)))  # fmt: skip
+    assert not onednn("0")
+    assert torch.equal(small_linear(x, w, b, ext), torch.nn.functional.linear(x, w, b))
+
+
+def test_onednn_setting_refuses_other_values(onednn) -> None:  # type: ignore[no-untyped-def]
+    with pytest.raises(ValueError, match="EDGEINFER_ONEDNN_LINEAR='yes'"):
+        onednn("yes")
 
 
 def test_kernel_checks_its_inputs(ext) -> None:  # type: ignore[no-untyped-def]
