@@ -88,6 +88,7 @@ OFF_ONLY: dict[str, tuple[tuple[object, ...], str]] = {  # vLLM's extras, both e
     "guided_whitespace_pattern": ((), "the grammar's own whitespace is used; send null"),
     "logits_processors": ((), "custom logits processors; send null"),
     "return_tokens_as_token_ids": ((False,), "send false"),
+    "return_token_ids": ((False,), "the prompt's and the output's token ids; send false"),
     "cache_salt": ((), "a prefix cache kept apart per tenant; send null"),
 }
 COMPLETION_OFF_ONLY: dict[str, tuple[tuple[object, ...], str]] = {  # vLLM's completion extras

@@ -133,6 +133,7 @@ SHARED_INVALID: list[tuple[dict[str, Any], str, str]] = [
     ({"guided_whitespace_pattern": " *"}, "guided_whitespace_pattern", "not supported"),
     ({"logits_processors": ["m.f"]}, "logits_processors", "not supported"),
     ({"return_tokens_as_token_ids": True}, "return_tokens_as_token_ids", "not supported"),
+    ({"return_token_ids": True}, "return_token_ids", "not supported"),
 ]
 
 CHAT_INVALID: list[tuple[dict[str, Any], str, str]] = [
@@ -461,6 +462,7 @@ OFF_VALUES: dict[str, Any] = {
     "guided_whitespace_pattern": None,
     "logits_processors": None,
     "return_tokens_as_token_ids": False,
+    "return_token_ids": False,
     "stream": True,
     "stream_options": {"include_usage": False, "continuous_usage_stats": False},
 }
