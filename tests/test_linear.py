@@ -102,6 +102,9 @@ def test_rows_past_the_kernel_take_onednn_when_it_is_on(ext, onednn, bias: bool)
     strided = x[:, :288]  # a view whose rows are not contiguous
     assert torch.equal(small_linear(strided, w[:, :288].contiguous(), b, ext),
                        onednn_product(strided.contiguous(), w[:, :288].contiguous(), b))  # fmt: skip
+    strided_bias = torch.randn(1920, generator=g)[::2]  # oneDNN reads it as if contiguous
+    assert torch.equal(small_linear(x, w, strided_bias, ext),
+                       onednn_product(x, w, strided_bias.contiguous()))  # fmt: skip
     for other in (x.double(), x[None]):  # float64, and three dimensions: torch's, as they were
         assert torch.equal(small_linear(other, w.to(other.dtype), None, ext),
                            torch.nn.functional.linear(other, w.to(other.dtype)))  # fmt: skip
