@@ -491,7 +491,9 @@ class LLMEngine:
         return list(self._groups)
 
     def has_unfinished(self) -> bool:
-        return self.scheduler.has_unfinished() or bool(self._in_flight)
+        # (_dropped: outputs of exports the scheduler aborted, not yet returned because the step
+        # that dropped them failed: the next step, idle or not, returns them)
+        return self.scheduler.has_unfinished() or bool(self._in_flight) or bool(self._dropped)
 
     def step(self) -> list[RequestOutput]:
         """One step: with pipeline parallelism (lanes), launch the next lane's step and finish

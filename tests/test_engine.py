@@ -127,6 +127,48 @@ def test_an_export_without_room_ends_aborted_holding_what_it_reported(stories_di
     assert engine.blocks.num_free_blocks == engine.blocks.num_blocks
 
 
+def test_an_export_dropped_in_a_step_that_fails_still_gets_its_answer(stories_dir: Path) -> None:
+    """The scheduler drops a held export for room, and the model step then fails: the export,
+    already out of the engine's groups, still ends (aborted) at once, not when some other request
+    next drives a step (its transfer would have kept the decode side waiting on it)."""
+    from runtime.config import EngineConfig
+
+    block = llm_block_bytes(stories_dir)
+    engine = LLMEngine(EngineConfig(model=str(stories_dir), kv_cache_bytes=6 * block,
+                                    max_num_batched_tokens=16, enable_prefix_caching=False))  # fmt: skip
+    real = engine.runner.execute
+
+    def execute(out, tables):  # type: ignore[no-untyped-def]
+        if out.dropped:
+            raise RuntimeError("injected: the step that dropped the export fails")
+        return real(out, tables)
+
+    engine.runner.execute = execute  # type: ignore[method-assign]
+    llm = AsyncLLM(engine)
+    greedy = SamplingParams(temperature=0, max_tokens=60, ignore_eos=True)
+    one = SamplingParams(temperature=0, max_tokens=1, ignore_eos=True)
+
+    async def main() -> tuple[str, str]:
+        async def last(stream):  # type: ignore[no-untyped-def]
+            try:
+                outs = [out async for out in stream]
+                return outs[-1].outputs[0].finish_reason
+            except EngineDeadError:
+                return "engine error"
+
+        a = asyncio.ensure_future(last(llm.submit(list(range(10, 41)), greedy, "a")))
+        await asyncio.sleep(0.2)  # "a" holds most of the cache
+        export = llm.submit(list(range(100, 160)), one, "export", hold_kv=True)
+        x = asyncio.ensure_future(last(export))
+        return await asyncio.wait_for(a, 30), await asyncio.wait_for(x, 10)
+
+    try:
+        a_end, export_end = asyncio.run(main())
+    finally:
+        llm.shutdown()
+    assert a_end == "engine error" and export_end == "abort"
+
+
 def test_an_abort_after_a_failed_step_frees_the_request_and_its_id(
     stories_dir: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
