@@ -156,8 +156,9 @@ def test_an_export_dropped_in_a_step_that_fails_still_gets_its_answer(stories_di
             except EngineDeadError:
                 return "engine error"
 
-        a = asyncio.ensure_future(last(llm.submit(list(range(10, 41)), greedy, "a")))
-        await asyncio.sleep(0.2)  # "a" holds most of the cache
+        stream_a = llm.submit(list(range(10, 41)), greedy, "a")
+        await anext(stream_a)  # "a" runs, holding most of the cache
+        a = asyncio.ensure_future(last(stream_a))
         export = llm.submit(list(range(100, 160)), one, "export", hold_kv=True)
         x = asyncio.ensure_future(last(export))
         return await asyncio.wait_for(a, 30), await asyncio.wait_for(x, 10)
