@@ -37,13 +37,14 @@ sums run in another order: results may differ by a bfloat16 rounding). torch's b
 ms a pass (kernel / torch): 10.1 / 19.4 at one row, 11.8 / 19.0 at 4, 13.6 / 19.1 at 8, 23.0 /
 19.6 at 16 (2-core Xeon with AMX, 2026-11-25). From 16 rows torch's AMX GEMM is faster.
 
-Past the kernels' rows (prompt chunks: up to 2048 rows a step), float32 products on an AMD CPU go
-through oneDNN's matmul (`torch.ops.mkldnn._linear_pointwise`, the weight as it lies, no copy)
-rather than torch's float32 GEMM, which there runs MKL's generic code: over SmolLM2's fused
-shapes, 183 against 137 GFLOP/s at 256 rows and 191 against 174 at 2048 (2-vCPU AMD EPYC
-guest, 2026-11-27, interleaved; float32 rounding only differs). Intel CPUs keep torch's GEMM (MKL
-is tuned for them; not measured against oneDNN). `EDGEINFER_ONEDNN_LINEAR=1` or `0` overrides
-the choice (`onednn_linear_on`).
+Float32 CPU products that no kernel takes (past the kernels' rows: prompt chunks, up to 2048
+rows a step; any rows with cpu_kernels="torch" or no extension) go through oneDNN's matmul on an
+AMD CPU (`torch.ops.mkldnn._linear_pointwise`, the weight as it lies, no copy) rather than
+torch's float32 GEMM, which there runs MKL's generic code: over SmolLM2's fused shapes, 183
+against 137 GFLOP/s at 256 rows and 191 against 174 at 2048 (2-vCPU AMD EPYC guest, 2026-11-27,
+interleaved; float32 rounding only differs). Intel CPUs keep torch's GEMM (MKL is tuned for
+them; not measured against oneDNN). `EDGEINFER_ONEDNN_LINEAR=1` or `0` overrides the choice
+(`onednn_linear_on`).
 
 `small_linear(x, w, b, ext, packed)`: `ext` is the compiled module
 (`kernels.cpu_ext.load_small_gemm()`) or None; `packed` what `pack` made of w, or None; the
@@ -165,7 +166,7 @@ def small_linear(
         and x.dim() == 2
         and x.device.type == "cpu"
         and onednn_linear_on()
-        and not (x.requires_grad or w.requires_grad)
+        and not (x.requires_grad or w.requires_grad or (b is not None and b.requires_grad))
     ):
         # (a strided bias is read as if it were contiguous: wrong sums, no error)
         bias = None if b is None else b.contiguous()
@@ -180,7 +181,8 @@ ONEDNN_ENV = "EDGEINFER_ONEDNN_LINEAR"
 def onednn_linear_on() -> bool:
     """Whether float32 CPU products that no kernel takes go through oneDNN's matmul: on AMD
     CPUs by default (see the module's text), or as EDGEINFER_ONEDNN_LINEAR says (1 / 0); never
-    where this torch has no oneDNN, or where a probe product does not match torch's."""
+    where this torch has no oneDNN, or where a probe product does not match torch's. The model
+    runner asks once at start-up, so a bad setting fails there, not at the first long prompt."""
     choice = os.environ.get(ONEDNN_ENV, "").strip()
     if choice not in ("", "0", "1"):
         raise ValueError(f"{ONEDNN_ENV}={choice!r}: use 1 (oneDNN) or 0 (torch's GEMM)")
@@ -196,10 +198,10 @@ def onednn_linear_on() -> bool:
             log.warning("%s=1: this torch has no oneDNN linear; torch's GEMM is used", ONEDNN_ENV)
         return False
     g = torch.Generator().manual_seed(0)
-    x, w, b = (
-        torch.randn(300, 72, generator=g),
-        torch.randn(40, 72, generator=g),
-        torch.randn(40, generator=g),
+    x, w, b = (  # (float32 whatever torch's default dtype)
+        torch.randn(300, 72, generator=g, dtype=torch.float32),
+        torch.randn(40, 72, generator=g, dtype=torch.float32),
+        torch.randn(40, generator=g, dtype=torch.float32),
     )
     with torch.inference_mode():
         got, want = op(x, w, b, "none", [], ""), torch.nn.functional.linear(x, w, b)

@@ -30,6 +30,7 @@ import torch
 from kernels import cpu_ext
 from kernels.attention import DecodeGroup, PagedAttentionMetadata, PrefillChunk, TritonAttention
 from kernels.dispatch import CPU_KERNEL_DTYPES, FORCE_TRITON
+from kernels.linear import onednn_linear_on
 from runtime.cuda_graphs import DecodeGraphs
 from runtime.model import LlamaForCausalLM, StepContext
 from runtime.ranks import RankGroup
@@ -190,6 +191,8 @@ class ModelRunner:
                     "cpu_kernels='cpu_ext' asked for, but an extension did not build"
                 )
         model.use_cpu_kernels(gemm, norm, fused)
+        if on_cpu and model.dtype == torch.float32:
+            onednn_linear_on()  # decided (a bad EDGEINFER_ONEDNN_LINEAR raised) before serving
         self._pack = packed_weights and gemm is not None
         self._packer: threading.Thread | None = None  # pack_weights' search
         if gemm is None and on_cpu and model.weight_dtype != model.dtype:

@@ -516,3 +516,19 @@ def test_submit_counts_requests_not_yet_queued_against_the_bound(stories_dir: Pa
 
     accepted, refused, done = asyncio.run(main())
     assert (accepted, refused, done) == (4, 46, 5)
+
+
+def test_a_bad_onednn_setting_fails_at_start_up(
+    stories_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """EDGEINFER_ONEDNN_LINEAR is read when the engine starts: a bad value is an error there,
+    not in the first step with a long prompt (and in every one after)."""
+    from kernels.linear import onednn_linear_on
+
+    monkeypatch.setenv("EDGEINFER_ONEDNN_LINEAR", "true")
+    onednn_linear_on.cache_clear()
+    try:
+        with pytest.raises(ValueError, match="EDGEINFER_ONEDNN_LINEAR='true'"):
+            LLMEngine_for(stories_dir)
+    finally:
+        onednn_linear_on.cache_clear()

@@ -117,6 +117,19 @@ def test_onednn_setting_refuses_other_values(onednn) -> None:  # type: ignore[no
         onednn("yes")
 
 
+def test_onednn_probe_is_float32_whatever_the_default_dtype(onednn) -> None:  # type: ignore[no-untyped-def]
+    """The probe's tensors are float32 under another default dtype (float64 ones made oneDNN
+    raise, and every float32 product after it)."""
+    if not onednn("1"):
+        pytest.skip("this torch has no oneDNN linear")
+    before = torch.get_default_dtype()
+    torch.set_default_dtype(torch.float64)
+    try:
+        assert onednn("1")
+    finally:
+        torch.set_default_dtype(before)
+
+
 def test_kernel_checks_its_inputs(ext) -> None:  # type: ignore[no-untyped-def]
     with pytest.raises(RuntimeError, match="K differs"):
         ext.small_linear(torch.randn(1, 8), torch.randn(4, 9), None)
