@@ -14,12 +14,13 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
+from kernels import cpu_ext
 from kernels.attention import PagedAttentionMetadata, PrefillChunk
 from runtime import LLM, SamplingParams
 from runtime.config import ModelConfig, ModelLoadError
 from runtime.loader import load_model, start_load
 from runtime.model import ExpertParallel, LlamaForCausalLM, StepContext
-from runtime.model.moe import MoE
+from runtime.model.moe import Experts, MoE
 from runtime.model_runner import ModelRunner
 
 PROMPTS = [
@@ -133,6 +134,9 @@ def _greedy(model_dir: Path, ep: ExpertParallel | None = None) -> list[list[int]
     """Greedy tokens through the real engine (with this rank's share of the experts)."""
     weights = start_load(model_dir, ep=ep) if ep is not None else None
     llm = LLM(model_dir, weights=weights, kv_cache_bytes=1 << 22)
+    if cpu_ext.load_small_gemm() is not None:  # the experts' few rows go through the kernel
+        experts = [m for m in llm.engine.model.modules() if isinstance(m, Experts)]
+        assert experts and all(m.small_gemm is not None for m in experts)
     outs = llm.generate(
         PROMPTS, SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True)
     )

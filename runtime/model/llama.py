@@ -41,7 +41,7 @@ from runtime.model.layers import (
     WeightTarget,
     _param,
 )
-from runtime.model.moe import SINGLE, ExpertParallel, MoE
+from runtime.model.moe import SINGLE, ExpertParallel, Experts, MoE
 from runtime.parallel import SINGLE_RANK, ParallelConfig, RankPlace
 
 
@@ -308,6 +308,9 @@ class LlamaForCausalLM(nn.Module):
                 usable = gemm is not None and applies(probe, module.weight)
                 module.small_gemm = gemm if usable else None
                 module.packed = None
+            elif isinstance(module, Experts):  # each expert's weights: a contiguous slice
+                usable = gemm is not None and applies(probe, module.down_proj[0])
+                module.small_gemm = gemm if usable else None
             elif isinstance(module, RMSNorm):
                 module.fused = norm if module.weight.dtype in CPU_KERNEL_DTYPES else None
             elif isinstance(module, (Attention, MLP)):

@@ -31,11 +31,13 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from types import ModuleType
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
+from kernels.linear import small_linear
 from runtime.config import ModelConfig
 from runtime.model.layers import MLP, Linear, WeightTarget, _param
 
@@ -102,6 +104,9 @@ class Experts(nn.Module):
         self.mixtral_names = cfg.family == "mixtral"
         self.gate_up_proj = _param(self.n, 2 * self.inter, self.hidden, dtype=dtype)
         self.down_proj = _param(self.n, self.hidden, self.inter, dtype=dtype)
+        # the CPU's few-row matmul kernel (kernels.linear), set by use_cpu_kernels: decoding
+        # sends each expert a few rows
+        self.small_gemm: ModuleType | None = None
 
     def forward(self, xs: torch.Tensor, counts: list[int]) -> torch.Tensor:
         """xs: (N, hidden), rows sorted by local expert, counts[e] rows each -> (N, hidden)."""
@@ -110,9 +115,10 @@ class Experts(nn.Module):
         for e, n in enumerate(counts):
             if n:
                 rows = xs[start : start + n]  # (n, hidden): the tokens sent to expert e
-                gate, up = nn.functional.linear(rows, self.gate_up_proj[e]).split(self.inter, -1)
+                gate_up = small_linear(rows, self.gate_up_proj[e], None, self.small_gemm)
+                gate, up = gate_up.split(self.inter, -1)
                 h = nn.functional.silu(gate) * up  # (n, inter)
-                out[start : start + n] = nn.functional.linear(h, self.down_proj[e])
+                out[start : start + n] = small_linear(h, self.down_proj[e], None, self.small_gemm)
             start += n
         return out
 
