@@ -91,10 +91,27 @@ def constraint(f: Fields) -> dict[str, Any] | None:
     }
 
 
+# The keys OpenAI's response_format takes, by type, and its json_schema's; any other is refused
+# (as OpenAI does): a schema sent under another key would otherwise be dropped without a word.
+_RF_KEYS = {"text": {"type"}, "json_object": {"type"}, "json_schema": {"type", "json_schema"}}
+_JSON_SCHEMA_KEYS = frozenset({"name", "schema", "strict", "description"})
+
+
+def _refuse_unknown(param: str, obj: dict[str, Any], known: set[str] | frozenset[str]) -> None:
+    unknown = sorted(str(k) for k in obj if k not in known)
+    if unknown:
+        raise invalid(
+            f"{param}.{unknown[0]}",
+            f"{param} takes only {', '.join(sorted(known))} here; unknown: {', '.join(unknown)}",
+        )
+
+
 def _response_format(rf: object) -> StructuredOutputsParams | None:
     if not isinstance(rf, dict):
         raise invalid("response_format", f"response_format must be an object, got {type_name(rf)}")
     kind = rf.get("type")
+    if isinstance(kind, str) and kind in _RF_KEYS:
+        _refuse_unknown("response_format", rf, _RF_KEYS[kind])
     if kind == "text":
         return None
     if kind == "json_object":
@@ -111,6 +128,7 @@ def _response_format(rf: object) -> StructuredOutputsParams | None:
             "response_format.json_schema",
             "response_format.json_schema must be an object with name and schema",
         )
+    _refuse_unknown("response_format.json_schema", js, _JSON_SCHEMA_KEYS)
     name = js.get("name")
     if not isinstance(name, str) or not _NAME.match(name):
         raise invalid(

@@ -199,6 +199,22 @@ CHAT_INVALID: list[tuple[dict[str, Any], str, str]] = [
     ({"audio": {"voice": "alloy", "format": "wav"}}, "audio", "not supported"),
     ({"web_search_options": {}}, "web_search_options", "not supported"),
     ({"response_format": {"type": "xml"}}, "response_format.type", "json_schema"),
+    # a schema under a key OpenAI does not read: refused, not dropped
+    (
+        {"response_format": {"type": "json_object", "schema": {"type": "object"}}},
+        "response_format.schema",
+        "unknown: schema",
+    ),
+    (
+        {"response_format": {"type": "json_schema", "json_schema": {"name": "x", "parameters": {}}}},
+        "response_format.json_schema.parameters",
+        "unknown: parameters",
+    ),
+    (
+        {"response_format": {"type": "text", "json_schema": {"name": "x", "schema": {}}}},
+        "response_format.json_schema",
+        "takes only type",
+    ),
     # (structured output and tool-calling validation: tests/test_tool_calling.py)
 ]
 
