@@ -210,9 +210,12 @@ def apply_penalties(logits: torch.Tensor, states: list[SamplingState]) -> torch.
         # makes the softmax NaN (1e30 stays finite divided by any temperature the sampler uses)
         # (a logit of 0 stays 0: 0 times a penalty that overflowed would be NaN)
         lowered = torch.where(vals < 0, vals * rep, vals)
-        out[rows, toks] = torch.where(vals > 0, vals / rep, lowered).clamp_(
+        penalized = torch.where(vals > 0, vals / rep, lowered).clamp_(
             -PENALIZED_BOUND, PENALIZED_BOUND
         )
+        # a token the grammar masked stays masked (the clamp lifted it to -1e30, which logprobs
+        # then reported as a number, not -inf)
+        out[rows, toks] = torch.where(vals < -MASKED_BELOW, vals, penalized)
 
     freq_rows = [
         i for i, p in enumerate(params) if p.frequency_penalty != 0.0 or p.presence_penalty != 0.0

@@ -421,16 +421,20 @@ def test_shape_mismatch_is_an_error() -> None:
         sample(torch.zeros(2, 10), [state()])
 
 
-def test_a_token_the_grammar_rules_out_has_logprob_minus_inf() -> None:
+@pytest.mark.parametrize("penalty", [1.0, 1.2])
+def test_a_token_the_grammar_rules_out_has_logprob_minus_inf(penalty: float) -> None:
     # the grammar's mask is a -max bias: such tokens' logprobs came out as -3.4e38, finite, and
-    # went to clients as that number (not OpenAI's -9999.0, which the gateway gives -inf)
+    # went to clients as that number (not OpenAI's -9999.0, which the gateway gives -inf); with a
+    # repetition penalty, the masked tokens the prompt holds (5, 7) came out as -1e30
     import numpy as np
 
     vocab = 64
     logits = torch.randn(1, vocab, generator=torch.Generator().manual_seed(0))
+    logits[0, 5] = logits[0, 7] = 30.0  # masked, but the highest: first among the alternatives
     mask = np.zeros(vocab // 32, dtype=np.int32)
     mask[0] = 0b11  # tokens 0 and 1 only
-    state = SamplingState(SamplingParams(temperature=0, logprobs=4), None, [5], [], mask)
+    params = SamplingParams(temperature=0, logprobs=4, repetition_penalty=penalty)
+    state = SamplingState(params, None, [5, 7], [], mask)
     out = Sampler()(logits, [state])
     lps = out.logprobs[0]
     assert lps.token_id in (0, 1) and math.isfinite(lps.logprob)
