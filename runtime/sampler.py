@@ -283,13 +283,17 @@ def _sample_rows(logits: torch.Tensor, states: list[SamplingState]) -> torch.Ten
 def _sample_truncated(
     weights: torch.Tensor, states: list[SamplingState], min_width: int
 ) -> torch.Tensor:
-    """Draw from rows of `weights` (R, V) >= 0 that use top_k and/or top_p, over sorted
-    candidates.
+    """Draw from rows of `weights` (R, V) >= 0 that use top_k and/or top_p.
 
-    Candidates are each row's top k tokens; a row with top_p but no top_k takes the top
-    `max(min_width, _NUCLEUS_CANDIDATES)`, and if those hold less than top_p of its mass, it is
-    drawn again with every token as a candidate. Token at sorted position i survives top_p iff
-    the mass before it is below top_p, so the most likely token always survives.
+    A row keeps the tokens whose weight reaches its threshold: the smallest weight among its top
+    k (top_k), and among the nucleus, the most likely tokens in descending order up to and
+    including the one that brings their mass to top_p (so the most likely token always
+    survives). Tokens tied with the threshold all stay, and the draw runs over the row in
+    vocabulary order: a seeded draw depends on the row alone, not on the rows beside it (torch's
+    topk orders tied weights differently at different widths, and the width is the batch's
+    largest top_k; tied logits are common in bfloat16). The thresholds come from the top
+    `max(min_width, _NUCLEUS_CANDIDATES)` weights (top_k's for a top_k row); a row whose nucleus
+    reaches past them is done again over its whole vocabulary.
     """
     device = weights.device
     vocab = weights.shape[1]
@@ -301,7 +305,7 @@ def _sample_truncated(
         width = max(width, min_width, _NUCLEUS_CANDIDATES)
     width = min(width, vocab)
 
-    cand, idx = torch.topk(weights, width, dim=-1)  # (R, C), sorted descending
+    cand = torch.topk(weights, width, dim=-1).values  # (R, C), descending; the values only
     ks_t = torch.tensor(ks, device=device).unsqueeze(1)  # (R, 1)
     cand.masked_fill_(torch.arange(width, device=device) >= ks_t, 0.0)  # top_k
     # Mass to normalize by: the candidates' for top_k rows, the whole row's otherwise.
@@ -314,23 +318,26 @@ def _sample_truncated(
     cum = probs.cumsum(dim=-1)  # (R, C)
     # top_p of 1 means "off": a threshold above 1 keeps every candidate despite rounding.
     top_p = torch.tensor([p.top_p if p.top_p < 1.0 else 2.0 for p in params], device=device)
-    cand.masked_fill_(cum - probs >= top_p.unsqueeze(1), 0.0)
+    survives = (cum - probs < top_p.unsqueeze(1)) & (cand > 0)  # (R, C): a prefix of each row
+    last = (survives.sum(dim=-1, keepdim=True) - 1).clamp_(min=0)  # (R, 1)
+    threshold = cand.gather(1, last)  # (R, 1): the smallest weight kept
 
     covered = [True] * len(states)
     if no_k and width < vocab:
         short = (cum[:, -1] < top_p).tolist()  # nucleus extends past the candidates
         covered = [has_k[j] or not short[j] for j in range(len(states))]
     if all(covered):
-        choice = _draw(cand, [s.generator for s in states])  # (R,)
-        return idx.gather(1, choice.unsqueeze(1)).squeeze(1)
+        return _draw(weights.masked_fill(weights < threshold, 0.0), [s.generator for s in states])
 
     token_ids = torch.empty(len(states), dtype=torch.long, device=device)
     ok = [j for j, c in enumerate(covered) if c]
     wide = [j for j, c in enumerate(covered) if not c]
     if ok:
         ok_t = torch.tensor(ok, device=device)
-        choice = _draw(cand[ok_t], [states[j].generator for j in ok])
-        token_ids[ok_t] = idx[ok_t].gather(1, choice.unsqueeze(1)).squeeze(1)
+        rows = weights[ok_t]
+        token_ids[ok_t] = _draw(
+            rows.masked_fill_(rows < threshold[ok_t], 0.0), [states[j].generator for j in ok]
+        )
     wide_t = torch.tensor(wide, device=device)
     token_ids[wide_t] = _sample_truncated(
         weights[wide_t], [states[j] for j in wide], min_width=vocab

@@ -139,6 +139,18 @@ class RequestGrammar:
         return True
 
 
+# The Earley items one token's mask may build. llguidance's default (50,000) let an ambiguous
+# grammar (`s: s s | "a" | "b"`) grow its mask's cost with every token, cubically: 0.75 s a
+# token after 474 tokens, every request in the batch waiting on it. At 5,000 such a grammar
+# fails its request (finish_reason "error") within ~13 ms a mask; JSON schemas, regexes and
+# choices build a few hundred items.
+STEP_MAX_ITEMS = 5_000
+
+
+def parser_limits() -> llguidance.LLParserLimits:
+    return llguidance.LLParserLimits(step_max_items=STEP_MAX_ITEMS)
+
+
 class GrammarCompiler:
     """llguidance matchers for one tokenizer, compiled once per grammar text (thread-safe:
     requests are prepared off the step thread)."""
@@ -181,7 +193,7 @@ class GrammarCompiler:
             if template is not None:
                 self._cache.move_to_end(text)
         if template is None:
-            template = llguidance.LLMatcher(tok, text, log_level=0)
+            template = llguidance.LLMatcher(tok, text, log_level=0, limits=parser_limits())
             if template.is_error():
                 raise InvalidRequestError(
                     param, f"invalid constraint: {template.get_error()[:300]}"

@@ -355,6 +355,28 @@ def test_same_seed_same_tokens_in_any_batch(mode: dict[str, Any]) -> None:
     assert batched[5] != alone  # another seed, another sequence
 
 
+@pytest.mark.parametrize("mode", [{"top_p": 0.9}, {"top_k": 50}, {"top_k": 300, "top_p": 0.8}])
+def test_same_seed_same_tokens_beside_any_batch_when_logits_tie(mode: dict[str, Any]) -> None:
+    """bfloat16 logits tie often: a seeded row's tokens do not depend on its neighbours' top_k
+    (which set the candidates' width, and torch's topk orders ties differently at each width)."""
+    vocab = 2000
+    row = (logits_row(vocab, seed=3, scale=1.5)).bfloat16().float()  # many exact ties
+    assert row.unique().numel() < vocab // 2
+    for seed in range(40):
+        alone = sample(row, [state(seed=seed, **mode)]).token_ids[0]
+        batch = torch.cat([row, logits_row(vocab, seed=5)])
+        beside = sample(batch, [state(seed=seed, **mode), state(seed=1, top_k=400)]).token_ids[0]
+        assert beside == alone, seed
+
+
+def test_tokens_tied_with_the_top_k_threshold_all_stay() -> None:
+    """top_k keeps every token whose weight reaches the k-th largest (vLLM's rule): with weights
+    3, 2, 2, 2, 1 and top_k 2, tokens 1-3 are drawn, never token 4."""
+    logits = torch.log(torch.tensor([[3.0, 2.0, 2.0, 2.0, 1.0]]))
+    drawn = {sample(logits, [state(seed=s, top_k=2)]).token_ids[0] for s in range(200)}
+    assert drawn == {0, 1, 2, 3}
+
+
 def test_unseeded_rows_differ() -> None:
     row = logits_row(5000, seed=10, scale=0.5)
     torch.manual_seed(0)

@@ -337,6 +337,34 @@ def test_a_failed_grammar_fails_the_request(stories: LLM) -> None:
         assert o.text.startswith('{"n": ') and len(o.token_ids) > 20, o.text
 
 
+def test_an_ambiguous_grammar_fails_its_request_instead_of_slowing_every_step(
+    stories_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`s: s s | ...` is ambiguous: its Earley items per mask grow with every token (at
+    llguidance's default bound a mask took 0.75 s after ~470 SmolLM2 tokens, the whole batch
+    waiting on it). The matchers get STEP_MAX_ITEMS as their bound, which ends such a request
+    with an error (here lowered to 300, so that it comes within a few dozen tokens)."""
+    import numpy as np
+
+    from runtime import structured_decoding
+    from runtime.structured_decoding import bitmask_words
+
+    assert structured_decoding.STEP_MAX_ITEMS == 5_000
+    monkeypatch.setattr(structured_decoding, "STEP_MAX_ITEMS", 300)
+    tok = Tokenizer.from_dir(stories_dir)
+    compiler = GrammarCompiler(tok, tok.vocab_size, tok.eos_token_ids)
+    spec = StructuredOutputsParams(grammar='start: s\ns: s s | "a" | "b" | " a" | " b"')
+    g = compiler.grammar(spec, "guided_grammar")
+    a = tok.encode(" a", add_special_tokens=False)[-1]
+    rows = np.zeros((1, bitmask_words(tok.vocab_size)), dtype=np.int32)
+    for _ in range(400):
+        g._fill(rows, [])
+        if g.error:
+            break
+        g.accept([a])
+    assert g.error and "Too many items (limit 300" in g.error, g.error
+
+
 def test_a_constraint_too_complex_for_the_first_mask_says_why(
     tmp_path: Path, stories_dir: Path
 ) -> None:
