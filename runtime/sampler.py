@@ -305,7 +305,7 @@ def _sample_truncated(
         width = max(width, min_width, _NUCLEUS_CANDIDATES)
     width = min(width, vocab)
 
-    cand = torch.topk(weights, width, dim=-1).values  # (R, C), descending; the values only
+    cand, idx = torch.topk(weights, width, dim=-1)  # (R, C), descending (ties in any order)
     ks_t = torch.tensor(ks, device=device).unsqueeze(1)  # (R, 1)
     cand.masked_fill_(torch.arange(width, device=device) >= ks_t, 0.0)  # top_k
     # Mass to normalize by: the candidates' for top_k rows, the whole row's otherwise.
@@ -327,21 +327,58 @@ def _sample_truncated(
         short = (cum[:, -1] < top_p).tolist()  # nucleus extends past the candidates
         covered = [has_k[j] or not short[j] for j in range(len(states))]
     if all(covered):
-        return _draw(weights.masked_fill(weights < threshold, 0.0), [s.generator for s in states])
+        return _draw_kept(weights, cand, idx, threshold, [s.generator for s in states])
 
     token_ids = torch.empty(len(states), dtype=torch.long, device=device)
     ok = [j for j, c in enumerate(covered) if c]
     wide = [j for j, c in enumerate(covered) if not c]
     if ok:
         ok_t = torch.tensor(ok, device=device)
-        rows = weights[ok_t]
-        token_ids[ok_t] = _draw(
-            rows.masked_fill_(rows < threshold[ok_t], 0.0), [states[j].generator for j in ok]
-        )
+        token_ids[ok_t] = _draw_kept(
+            weights[ok_t], cand[ok_t], idx[ok_t], threshold[ok_t],
+            [states[j].generator for j in ok],
+        )  # fmt: skip
     wide_t = torch.tensor(wide, device=device)
     token_ids[wide_t] = _sample_truncated(
         weights[wide_t], [states[j] for j in wide], min_width=vocab
     )
+    return token_ids
+
+
+def _draw_kept(
+    weights: torch.Tensor,
+    cand: torch.Tensor,
+    idx: torch.Tensor,
+    threshold: torch.Tensor,
+    generators: list[torch.Generator | None],
+) -> torch.Tensor:
+    """One draw per row of `weights` (R, V) over the tokens whose weight reaches the row's
+    `threshold` (R, 1), in vocabulary order. `cand`, `idx` (R, C): the row's top C weights and
+    their tokens; where they hold every kept token (all but a tie straddling the C-th place,
+    or C = V), the draw runs over those, sorted by token, not over the whole row."""
+    vocab = weights.shape[1]
+    in_cand = cand >= threshold  # (R, C)
+    if cand.shape[1] == vocab:
+        whole = torch.ones(weights.shape[0], dtype=torch.bool, device=weights.device)
+    else:
+        whole = (weights >= threshold).sum(dim=-1) != in_cand.sum(dim=-1)  # (R,)
+    token_ids = torch.empty(weights.shape[0], dtype=torch.long, device=weights.device)
+    some = (~whole).nonzero().squeeze(1).tolist()
+    if some:
+        every = len(some) == len(generators)  # (the common case: no copies of the rows)
+        some_t = torch.tensor(some, device=weights.device)
+        keep, ids, rows = (in_cand, idx, weights) if every else (
+            in_cand[some_t], idx[some_t], weights[some_t])  # fmt: skip
+        ids = torch.sort(torch.where(keep, ids, vocab), dim=-1).values
+        w = torch.where(ids < vocab, rows.gather(1, ids.clamp(max=vocab - 1)), 0.0)
+        choice = _draw(w, [generators[j] for j in some])
+        token_ids[some_t] = ids.gather(1, choice.unsqueeze(1)).squeeze(1)
+    if len(some) < len(generators):  # the kept tokens from the whole row
+        rows = whole.nonzero().squeeze(1)
+        full = weights[rows]
+        token_ids[rows] = _draw(
+            full.masked_fill_(full < threshold[rows], 0.0), [generators[j] for j in rows.tolist()]
+        )
     return token_ids
 
 
