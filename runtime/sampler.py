@@ -293,7 +293,9 @@ def _sample_truncated(
     topk orders tied weights differently at different widths, and the width is the batch's
     largest top_k; tied logits are common in bfloat16). The thresholds come from the top
     `max(min_width, _NUCLEUS_CANDIDATES)` weights (top_k's for a top_k row); a row whose nucleus
-    reaches past them is done again over its whole vocabulary.
+    reaches past them is done again with 8 times as many, up to its whole vocabulary (straight
+    to the whole, a sort of every row, took 125 ms for 64 flat rows of SmolLM2's vocabulary at
+    top_p 0.9; 36 ms this way).
     """
     device = weights.device
     vocab = weights.shape[1]
@@ -340,7 +342,7 @@ def _sample_truncated(
         )  # fmt: skip
     wide_t = torch.tensor(wide, device=device)
     token_ids[wide_t] = _sample_truncated(
-        weights[wide_t], [states[j] for j in wide], min_width=vocab
+        weights[wide_t], [states[j] for j in wide], min_width=min(vocab, 8 * width)
     )
     return token_ids
 

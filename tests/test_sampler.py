@@ -270,6 +270,21 @@ def test_wide_nucleus_falls_back_to_a_full_sort() -> None:
     assert len(counts) > sampler_mod._NUCLEUS_CANDIDATES
 
 
+@pytest.mark.parametrize("top_p", [0.3, 0.97])
+def test_wide_nucleus_widens_its_candidates_in_steps(top_p: float) -> None:
+    """A nucleus past the first 256 candidates of a 5,000-token row: drawn again over 2,048
+    (top_p 0.3: ~900 tokens), then the whole row (0.97), within the reference's support."""
+    vocab = 5000
+    logits = logits_row(vocab, seed=11, scale=0.5)
+    s = state(top_p=top_p)
+    probs = ref_distribution(logits[0].tolist(), s)
+    support = {i for i, p in enumerate(probs) if p > 0}
+    assert len(support) > sampler_mod._NUCLEUS_CANDIDATES
+    assert (len(support) < 8 * sampler_mod._NUCLEUS_CANDIDATES) == (top_p == 0.3)
+    counts = draw_many(logits, s, 2000)
+    assert set(counts) <= support and len(counts) > sampler_mod._NUCLEUS_CANDIDATES
+
+
 def test_top_k_and_top_p_supports_match_reference_on_a_batch() -> None:
     """Rows with different top_k / top_p in one batch: each row stays in its own support."""
     vocab = 400
