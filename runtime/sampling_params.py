@@ -40,7 +40,7 @@ class SamplingParams:
     max_tokens: int | None = 16  # tokens to generate; None = up to the context length
     temperature: float = 1.0  # 0 = greedy
     top_p: float = 1.0  # nucleus sampling mass, in (0, 1]
-    top_k: int = -1  # keep the k most likely tokens; -1 or 0 = all
+    top_k: int = -1  # keep the k most likely tokens (and any tied with the k-th); -1 or 0 = all
     min_p: float = 0.0  # drop tokens below min_p * p(most likely), in [0, 1]
     seed: int | None = None  # same seed, same output
     repetition_penalty: float = 1.0  # > 1 discourages tokens seen in prompt or output (CTRL style)
