@@ -291,7 +291,9 @@ def _sample_truncated(
     survives). Tokens tied with the threshold all stay, and the draw runs over the row in
     vocabulary order: a seeded draw depends on the row alone, not on the rows beside it (torch's
     topk orders tied weights differently at different widths, and the width is the batch's
-    largest top_k; tied logits are common in bfloat16). The thresholds come from the top
+    largest top_k; tied logits are common in bfloat16), but for a top_p within a float32
+    rounding of a cumulative mass, whose sum over the candidates may round otherwise at another
+    width. The thresholds come from the top
     `max(min_width, _NUCLEUS_CANDIDATES)` weights (top_k's for a top_k row); a row whose nucleus
     reaches past them is done again with 8 times as many, up to its whole vocabulary (straight
     to the whole, a sort of every row, took 125 ms for 64 flat rows of SmolLM2's vocabulary at
@@ -364,6 +366,8 @@ def _draw_kept(
         whole = torch.ones(weights.shape[0], dtype=torch.bool, device=weights.device)
     else:
         whole = (weights >= threshold).sum(dim=-1) != in_cand.sum(dim=-1)  # (R,)
+        # a NaN row (no threshold): the whole row's draw, which logs it and stays in the row
+        whole |= ~(threshold.squeeze(1) > 0)
     token_ids = torch.empty(weights.shape[0], dtype=torch.long, device=weights.device)
     some = (~whole).nonzero().squeeze(1).tolist()
     if some:

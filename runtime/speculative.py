@@ -235,14 +235,18 @@ def target_probs(logits: torch.Tensor, p: SamplingParams) -> torch.Tensor:
     if p.min_p > 0.0:
         probs = probs.masked_fill(probs < probs.amax(dim=-1, keepdim=True) * p.min_p, 0.0)
     if 0 < p.top_k < vocab or p.top_p < 1.0:
-        vals, idx = torch.sort(probs, dim=-1, descending=True)  # (R, V)
+        # the sampler's rule (runtime.sampler._sample_truncated): a threshold from the weights in
+        # descending order, and every token reaching it kept, ties included
+        vals = torch.sort(probs, dim=-1, descending=True).values  # (R, V)
         if 0 < p.top_k < vocab:
             vals[:, p.top_k :] = 0.0
+        keep = vals > 0
         if p.top_p < 1.0:
             norm = vals / vals.sum(dim=-1, keepdim=True)
             cum = norm.cumsum(dim=-1)
-            vals = vals.masked_fill(cum - norm >= p.top_p, 0.0)  # the top token always stays
-        probs = torch.zeros_like(probs).scatter_(-1, idx, vals)
+            keep &= cum - norm < p.top_p  # the top token always stays
+        last = (keep.sum(dim=-1, keepdim=True) - 1).clamp_(min=0)
+        probs = probs.masked_fill(probs < vals.gather(1, last), 0.0)
     return probs / probs.sum(dim=-1, keepdim=True)
 
 

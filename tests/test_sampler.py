@@ -384,6 +384,19 @@ def test_same_seed_same_tokens_beside_any_batch_when_logits_tie(mode: dict[str, 
         assert beside == alone, seed
 
 
+@pytest.mark.parametrize("bad", [math.nan, math.inf])
+@pytest.mark.parametrize("mode", [{"top_k": 5}, {"top_p": 0.9}, {"top_k": 5, "top_p": 0.9}])
+def test_a_non_finite_row_draws_a_token_of_the_vocabulary(bad: float, mode: dict[str, Any]) -> None:
+    """A NaN or +inf logit makes its row's softmax NaN: the truncated draw still gives a token id
+    of the vocabulary (it gave `vocab`, past the embedding), and the other row is untouched."""
+    vocab = 1000
+    logits = torch.randn(2, vocab, generator=torch.Generator().manual_seed(4))
+    logits[0, 3] = bad
+    out = sample(logits, [state(seed=1, **mode), state(seed=2, **mode)])
+    assert all(0 <= t < vocab for t in out.token_ids)
+    assert out.token_ids[1] == sample(logits[1:], [state(seed=2, **mode)]).token_ids[0]
+
+
 def test_tokens_tied_with_the_top_k_threshold_all_stay() -> None:
     """top_k keeps every token whose weight reaches the k-th largest (vLLM's rule): with weights
     3, 2, 2, 2, 1 and top_k 2, tokens 1-3 are drawn, never token 4."""

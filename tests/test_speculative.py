@@ -215,6 +215,30 @@ def test_rejected_drafts_blocks_are_freed() -> None:
 
 
 # ---------------------------------------------------------------------- sampling: exact
+@pytest.mark.parametrize(
+    "params",
+    [
+        SamplingParams(temperature=1.0, top_k=2),
+        SamplingParams(temperature=1.0, top_p=0.5),
+        SamplingParams(temperature=1.0, top_k=2, top_p=0.9),
+    ],
+    ids=["top_k", "top_p", "both"],
+)
+def test_target_probs_keeps_the_tokens_the_sampler_keeps(params: SamplingParams) -> None:
+    """Weights 3, 2, 2, 2, 1: the sampler keeps the tokens tied with its threshold (1-3 beside
+    0), and verification's target distribution must be that one (it kept 0 and 1 only)."""
+    from runtime.sampler import Sampler, SamplingState
+
+    logits = torch.log(torch.tensor([[3.0, 2.0, 2.0, 2.0, 1.0]]))
+    p = target_probs(logits, params)[0]
+    drawn = {
+        Sampler()(logits, [SamplingState(params, torch.Generator().manual_seed(i), [], [])])
+        .token_ids[0]
+        for i in range(300)
+    }
+    assert {i for i in range(5) if p[i] > 0} == drawn == {0, 1, 2, 3}
+
+
 @pytest.mark.parametrize("params", SAMPLING_CASES)
 def test_verify_keeps_the_target_distribution(params: SamplingParams) -> None:
     """Tiny vocabulary (6 tokens), two positions: the pair of tokens `verify` emits first has
