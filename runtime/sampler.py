@@ -291,9 +291,7 @@ def _sample_truncated(
     survives). Tokens tied with the threshold all stay, and the draw runs over the row in
     vocabulary order: a seeded draw depends on the row alone, not on the rows beside it (torch's
     topk orders tied weights differently at different widths, and the width is the batch's
-    largest top_k; tied logits are common in bfloat16), but for a top_p within a float32
-    rounding of a cumulative mass, whose sum over the candidates may round otherwise at another
-    width. The thresholds come from the top
+    largest top_k; tied logits are common in bfloat16). The thresholds come from the top
     `max(min_width, _NUCLEUS_CANDIDATES)` weights (top_k's for a top_k row); a row whose nucleus
     reaches past them is done again with 8 times as many, up to its whole vocabulary (straight
     to the whole, a sort of every row, took 125 ms for 64 flat rows of SmolLM2's vocabulary at
@@ -312,10 +310,11 @@ def _sample_truncated(
     cand, idx = torch.topk(weights, width, dim=-1)  # (R, C), descending (ties in any order)
     ks_t = torch.tensor(ks, device=device).unsqueeze(1)  # (R, 1)
     cand.masked_fill_(torch.arange(width, device=device) >= ks_t, 0.0)  # top_k
-    # Mass to normalize by: the candidates' for top_k rows, the whole row's otherwise.
-    total = cand.sum(dim=-1)  # (R,)
+    # Mass to normalize by: a top_k row's k candidates', summed in order (a cumsum: the same
+    # float32 sum at any width, where sum() groups by the width), the whole row's otherwise.
     no_k = [j for j, h in enumerate(has_k) if not h]
-    if no_k and width < vocab:
+    total = cand.cumsum(dim=-1).gather(1, ks_t.clamp(max=width) - 1).squeeze(1)  # (R,)
+    if no_k:
         no_k_t = torch.tensor(no_k, device=device)
         total[no_k_t] = weights[no_k_t].sum(dim=-1)
     probs = cand / total.unsqueeze(1)  # (R, C)

@@ -397,6 +397,32 @@ def test_a_non_finite_row_draws_a_token_of_the_vocabulary(bad: float, mode: dict
     assert out.token_ids[1] == sample(logits[1:], [state(seed=2, **mode)]).token_ids[0]
 
 
+def test_top_p_on_a_cumulative_mass_draws_the_same_beside_a_wider_top_k() -> None:
+    """top_p set to exactly a token's mass-before under top_k, as the candidates' mass rounds
+    when summed at the row's own width or at a wider batch's: the cut falls in the same place
+    whatever the batch's widest top_k (the mass was a sum() whose grouping, and so rounding,
+    changed with the width: such rows drew otherwise for up to 85 of 200 seeds)."""
+    vocab, k = 49152, 284
+    logits = torch.randn(1, vocab, generator=torch.Generator().manual_seed(2)) * 2
+    w = torch.softmax(logits, dim=-1)
+    wide = torch.cat([logits, logits])
+    befores = []
+    for width in (k, 4096):
+        cand = torch.topk(w, width, dim=-1).values
+        cand[:, k:] = 0
+        probs = cand / cand.sum(dim=-1, keepdim=True)
+        befores.append((probs.cumsum(dim=-1) - probs)[0, :k])
+    differ = (befores[0] != befores[1]).nonzero().squeeze(1).tolist()
+    assert differ  # this row's masses do round differently at the two widths
+    for i in differ[:8]:
+        for top_p in {float(befores[0][i]), float(befores[1][i])}:
+            for seed in range(20):
+                alone = sample(logits, [state(seed=seed, top_k=k, top_p=top_p)]).token_ids[0]
+                beside = sample(wide, [state(seed=seed, top_k=k, top_p=top_p),
+                                       state(seed=9, top_k=4096)]).token_ids[0]  # fmt: skip
+                assert alone == beside, (i, top_p, seed)
+
+
 def test_tokens_tied_with_the_top_k_threshold_all_stay() -> None:
     """top_k keeps every token whose weight reaches the k-th largest (vLLM's rule): with weights
     3, 2, 2, 2, 1 and top_k 2, tokens 1-3 are drawn, never token 4."""
