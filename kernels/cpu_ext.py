@@ -83,6 +83,14 @@ def cpu_fingerprint(cpuinfo: str | None = None) -> str:
     return hashlib.sha256("\n".join(lines).encode()).hexdigest()[:12]
 
 
+def cpu_vendor() -> str:
+    """The CPU's vendor_id (GenuineIntel, AuthenticAMD), or "" where /proc/cpuinfo has none."""
+    for line in _proc_cpuinfo().splitlines():
+        if line.split(":", 1)[0].strip() == "vendor_id":
+            return line.split(":", 1)[1].strip()
+    return ""
+
+
 @functools.cache
 def _proc_cpuinfo() -> str:
     """/proc/cpuinfo's text, read once a process (every extension's build folder names it)."""

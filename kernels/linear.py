@@ -61,6 +61,8 @@ from types import ModuleType
 
 import torch
 
+from kernels import cpu_ext
+
 log = logging.getLogger(__name__)
 
 # The most rows of x the kernel takes: float32 weights up to 128 (from 16 rows a broadcast
@@ -186,7 +188,7 @@ def onednn_linear_on() -> bool:
     choice = os.environ.get(ONEDNN_ENV, "").strip()
     if choice not in ("", "0", "1"):
         raise ValueError(f"{ONEDNN_ENV}={choice!r}: use 1 (oneDNN) or 0 (torch's GEMM)")
-    if choice == "0" or (choice == "" and _cpu_vendor() != "AuthenticAMD"):
+    if choice == "0" or (choice == "" and cpu_ext.cpu_vendor() != "AuthenticAMD"):
         return False
     op = (
         getattr(torch.ops.mkldnn, "_linear_pointwise", None)
@@ -210,14 +212,3 @@ def onednn_linear_on() -> bool:
         return False
     return True
 
-
-def _cpu_vendor() -> str:
-    """/proc/cpuinfo's vendor_id (GenuineIntel, AuthenticAMD), or "" where there is none."""
-    try:
-        with open("/proc/cpuinfo", encoding="utf-8", errors="replace") as f:
-            for line in f:
-                if line.startswith("vendor_id"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return ""

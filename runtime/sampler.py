@@ -317,13 +317,9 @@ def _sample_truncated(
     if no_k:
         no_k_t = torch.tensor(no_k, device=device)
         total[no_k_t] = weights[no_k_t].sum(dim=-1)
-    probs = cand / total.unsqueeze(1)  # (R, C)
-    cum = probs.cumsum(dim=-1)  # (R, C)
     # top_p of 1 means "off": a threshold above 1 keeps every candidate despite rounding.
     top_p = torch.tensor([p.top_p if p.top_p < 1.0 else 2.0 for p in params], device=device)
-    survives = (cum - probs < top_p.unsqueeze(1)) & (cand > 0)  # (R, C): a prefix of each row
-    last = (survives.sum(dim=-1, keepdim=True) - 1).clamp_(min=0)  # (R, 1)
-    threshold = cand.gather(1, last)  # (R, 1): the smallest weight kept
+    threshold, cum = truncation_threshold(cand, total.unsqueeze(1), top_p.unsqueeze(1))
 
     covered = [True] * len(states)
     if no_k and width < vocab:
@@ -346,6 +342,21 @@ def _sample_truncated(
         weights[wide_t], [states[j] for j in wide], min_width=min(vocab, 8 * width)
     )
     return token_ids
+
+
+def truncation_threshold(
+    cand: torch.Tensor, total: torch.Tensor, top_p: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The smallest weight each row keeps under top_k and top_p (the sampler's rule, which
+    speculative decoding's target distribution shares): `cand` (R, C) the row's largest weights
+    in descending order, zero past its top_k; `total` (R, 1) the mass top_p is a share of;
+    `top_p` (R, 1), above 1 for off. A candidate survives while the share before it is under
+    top_p (the first always does). Returns (threshold (R, 1), the cumulative shares (R, C))."""
+    probs = cand / total
+    cum = probs.cumsum(dim=-1)
+    survives = (cum - probs < top_p) & (cand > 0)  # a prefix of each row
+    last = (survives.sum(dim=-1, keepdim=True) - 1).clamp_(min=0)
+    return cand.gather(1, last), cum
 
 
 def _draw_kept(

@@ -46,7 +46,13 @@ import numpy as np
 import torch
 
 from runtime.request import Request
-from runtime.sampler import GREEDY_TEMPERATURE_EPS, MASKED_BELOW, TokenLogprobs, chosen_first
+from runtime.sampler import (
+    GREEDY_TEMPERATURE_EPS,
+    MASKED_BELOW,
+    TokenLogprobs,
+    chosen_first,
+    truncation_threshold,
+)
 from runtime.sampling_params import SamplingParams
 
 METHODS = ("ngram", "draft")
@@ -235,18 +241,17 @@ def target_probs(logits: torch.Tensor, p: SamplingParams) -> torch.Tensor:
     if p.min_p > 0.0:
         probs = probs.masked_fill(probs < probs.amax(dim=-1, keepdim=True) * p.min_p, 0.0)
     if 0 < p.top_k < vocab or p.top_p < 1.0:
-        # the sampler's rule (runtime.sampler._sample_truncated): a threshold from the weights in
-        # descending order, and every token reaching it kept, ties included
+        # the sampler's rule and masses (runtime.sampler._sample_truncated): every token reaching
+        # the threshold kept, ties included
         vals = torch.sort(probs, dim=-1, descending=True).values  # (R, V)
         if 0 < p.top_k < vocab:
             vals[:, p.top_k :] = 0.0
-        keep = vals > 0
-        if p.top_p < 1.0:
-            norm = vals / vals.sum(dim=-1, keepdim=True)
-            cum = norm.cumsum(dim=-1)
-            keep &= cum - norm < p.top_p  # the top token always stays
-        last = (keep.sum(dim=-1, keepdim=True) - 1).clamp_(min=0)
-        probs = probs.masked_fill(probs < vals.gather(1, last), 0.0)
+            total = vals.cumsum(dim=-1)[:, p.top_k - 1 : p.top_k]  # (R, 1)
+        else:
+            total = probs.sum(dim=-1, keepdim=True)
+        top_p = torch.full_like(total, p.top_p if p.top_p < 1.0 else 2.0)
+        threshold, _ = truncation_threshold(vals, total, top_p)
+        probs = probs.masked_fill(probs < threshold, 0.0)
     return probs / probs.sum(dim=-1, keepdim=True)
 
 
