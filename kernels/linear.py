@@ -70,13 +70,33 @@ log = logging.getLogger(__name__)
 # torch's above); bfloat16 up to 512 (at or above torch's float32 GEMM up to 256 rows, even at
 # 512; at 1024 and 2048 rows, a long prefill step, the weight widened for torch's GEMM is 9-10%
 # faster: 895 against 976 ms, 1763 against 1931, over 6 of SmolLM2's layers, 2026-11-23).
-MAX_ROWS = 128
 MAX_ROWS_BF16 = 512
 # bfloat16 activations (and weights): the kernel up to 8 rows, torch's GEMM above.
 MAX_ROWS_BF16_ACT = 8
 # The most rows of x the packed kernel takes (from 128 rows about even with the float32 weights
 # through the GEMM; the LM head's Q8_0 blocks slower from 64).
 MAX_ROWS_PACKED = 64
+# On AMD CPUs (the 2-vCPU EPYC Zen 4 guest, 2026-11-27: ms a pass over one SmolLM2 layer's four
+# products, 1 thread / 2 threads) the float32 kernel overtakes the packed one from 12 rows, where
+# the products are bound by the FMA units rather than by the bytes the blocks save: 1.48 against
+# 1.56 / 1.37 against 1.40 at 12, 1.53 against 1.82 / 0.79 against 0.95 at 16, 3.04 against 3.30 /
+# 1.78 against 1.89 at 40-48, 4.60 against 4.78 / 2.29 against 2.46 at 64 (the packed kernel still
+# ahead up to 8 rows with one thread: 0.92 against 0.99). And it stays ahead of the oneDNN GEMM
+# that takes the rows above it there up to 192 rows: 9.07 against 9.72 / 4.57 against 5.25 at 128,
+# 13.21 against 13.86 / 6.62 against 7.29 at 192, even at 256 (18.37 / 18.20, 9.60 / 9.56).
+MAX_ROWS_AMD = 192
+MAX_ROWS_PACKED_AMD = 8
+
+
+def _row_limits() -> tuple[int, int]:
+    """(MAX_ROWS, MAX_ROWS_PACKED) for this CPU: the measured crossovers above (AMD's, or the
+    Xeon's that the defaults were measured on)."""
+    if cpu_ext.cpu_vendor() == "AuthenticAMD":
+        return MAX_ROWS_AMD, MAX_ROWS_PACKED_AMD
+    return 128, MAX_ROWS_PACKED
+
+
+MAX_ROWS, MAX_ROWS_PACKED = _row_limits()
 
 
 @dataclass(frozen=True, slots=True)
