@@ -82,6 +82,7 @@ class GatewayTelemetry:
             kind=SpanKind.SERVER,
             attributes={
                 "gen_ai.operation.name": call.operation,
+                "gen_ai.provider.name": names.PROVIDER,
                 "edgeinfer.region": self.region,
                 "edgeinfer.request.id": call.request_id,
             },
@@ -154,7 +155,10 @@ class GatewayTelemetry:
         call = calls[0]
         error = (err.code or err.type) if err is not None else None
         now = time.perf_counter()
-        attrs: dict[str, Any] = self._where | {"gen_ai.operation.name": call.operation}
+        attrs: dict[str, Any] = self._where | {
+            "gen_ai.operation.name": call.operation,
+            "gen_ai.provider.name": names.PROVIDER,
+        }
         if call.gen is not None:  # (a model not served is the client's choice: no new series;
             # nor one this gateway could not look up: the registry unreachable, say)
             attrs["gen_ai.request.model"] = call.gen.model if call.model_known else UNKNOWN_MODEL

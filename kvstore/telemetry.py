@@ -29,7 +29,8 @@ or `OTEL_INSTRUMENTATION_GENAI_CAPTURE_MESSAGE_CONTENT=true`, the GenAI conventi
 
 The metrics, by OpenTelemetry name (Prometheus name in brackets; `METRICS` lists them all):
 
-    both gateway and workers (attributes gen_ai.operation.name, gen_ai.request.model):
+    both gateway and workers (attributes gen_ai.operation.name, gen_ai.provider.name,
+    gen_ai.request.model):
       gen_ai.server.time_to_first_token   s        [gen_ai_server_time_to_first_token_seconds]
       gen_ai.server.time_per_output_token s        [gen_ai_server_time_per_output_token_seconds]
       gen_ai.server.request.duration      s        [gen_ai_server_request_duration_seconds]
@@ -72,6 +73,11 @@ from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapProp
 log = logging.getLogger("edgeinfer.telemetry")
 
 # --------------------------------------------------------------------------- the metric catalog
+# gen_ai.provider.name, which the GenAI conventions require on their spans and metrics: the
+# provider as the instrumentation knows it. edgeinfer serves the models itself (it is not one
+# of the registry's hosted providers, whose value would make a backend expect that provider's
+# own attributes), so it names itself, as a provider off the registry may.
+PROVIDER = "edgeinfer"
 TTFT = "gen_ai.server.time_to_first_token"
 TPOT = "gen_ai.server.time_per_output_token"
 REQUEST_DURATION = "gen_ai.server.request.duration"

@@ -105,6 +105,7 @@ class WorkerTelemetry:
     def start(self, headers: Mapping[str, str], req: GenerateRequest, role: str) -> Span:
         attrs: dict[str, Any] = self.span_attrs | {
             "gen_ai.operation.name": req.operation,
+            "gen_ai.provider.name": names.PROVIDER,
             "gen_ai.request.model": req.model,
             "edgeinfer.request.id": req.request_id,
             "edgeinfer.worker.role": role,
@@ -135,6 +136,7 @@ class WorkerTelemetry:
         times.ended = times.ended or time.monotonic()
         attrs: dict[str, Any] = self.labels | {
             "gen_ai.operation.name": req.operation,
+            "gen_ai.provider.name": names.PROVIDER,
             "gen_ai.request.model": req.model,
         }
         if error is not None:

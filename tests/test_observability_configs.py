@@ -274,7 +274,8 @@ def _exported() -> dict[str, set[str]]:
     for spec in METRICS:
         labels = common | LABELS.get(spec.name, set())
         if spec.name in GENAI:
-            labels |= {"gen_ai_operation_name", "gen_ai_request_model", "error_type"}
+            labels |= {"gen_ai_operation_name", "gen_ai_provider_name", "gen_ai_request_model",
+                       "error_type"}
         elif spec.who == "worker":
             labels |= {"edgeinfer_worker_id", "model"}
         if spec.kind == "histogram":

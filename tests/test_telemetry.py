@@ -241,6 +241,7 @@ async def test_one_trace_across_gateway_decode_kv_transfer_and_prefill(
     assert root.parent is not None and format(root.parent.span_id, "016x") == CLIENT_SPAN
     attrs = root.attributes or {}
     assert attrs["gen_ai.operation.name"] == "text_completion"
+    assert attrs["gen_ai.provider.name"] == "edgeinfer"
     assert attrs["gen_ai.request.model"] == "stories"
     assert attrs["gen_ai.conversation.id"] == "s-1"
     assert attrs["gen_ai.usage.input_tokens"] == body.usage.prompt_tokens
@@ -256,6 +257,7 @@ async def test_one_trace_across_gateway_decode_kv_transfer_and_prefill(
     gen = _one(d, "generate stories")
     assert gen.kind is SpanKind.SERVER and _child_of(gen, forward)
     gattrs = gen.attributes or {}
+    assert gattrs["gen_ai.provider.name"] == "edgeinfer"
     assert gattrs["edgeinfer.worker.id"] == decode_worker.config.worker_id
     assert gattrs["gen_ai.usage.output_tokens"] == 8
     assert gattrs["gen_ai.conversation.id"] == "s-1"
@@ -376,6 +378,7 @@ async def test_metrics_after_a_few_requests(
             ((attrs, ttft),) = rec.points(names.TTFT)
             assert ttft.count == n_ok and 0 < ttft.sum < 60 * n_ok
             assert attrs["gen_ai.request.model"] == "stories"
+            assert attrs["gen_ai.provider.name"] == "edgeinfer"
             tokens = {a["gen_ai.token.type"]: pt for a, pt in rec.points(names.TOKEN_USAGE)}
             assert tokens["output"].sum == sum(completion) and tokens["output"].count == n_ok
             assert tokens["input"].count == n_ok
