@@ -15,7 +15,9 @@ holds (`num_computed_tokens`). Each engine step, for the requests that speculate
 
 Greedy requests draft the argmax; sampled ones draw from q = `target_probs` of the draft's logits
 (the target's temperature, min_p, top_k, top_p), and q rides along to `verify` in
-`Request.spec_draft_probs`. A request's draft blocks are freed when it finishes (`forget`) or is
+`Request.spec_draft_probs`. A constrained request (structured output) drafts under its grammar's
+mask, advanced over its drafts as they are made and rolled back after (`_GrammarDrafts`): an
+unmasked draft the grammar refuses is always rejected, and with it every draft after it. A request's draft blocks are freed when it finishes (`forget`) or is
 no longer running when the next step proposes (preempted).
 """
 
@@ -23,6 +25,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import llguidance.numpy as llg_np
+import numpy as np
 import torch
 from tokenizers import Tokenizer as HFTokenizer
 
@@ -32,9 +36,10 @@ from runtime.kv_cache import BlockManager
 from runtime.loader import load_model
 from runtime.model_runner import ModelRunner, kv_block_bytes, kv_cache_dtype
 from runtime.request import Request
-from runtime.sampler import GREEDY_TEMPERATURE_EPS
+from runtime.sampler import GREEDY_TEMPERATURE_EPS, apply_token_bitmask
 from runtime.scheduler import ScheduledRequest
 from runtime.speculative import draw, target_probs
+from runtime.structured_decoding import RequestGrammar, bitmask_words
 
 
 def _vocab(model_dir: Path) -> dict[str, int]:
@@ -105,6 +110,9 @@ class DraftProposer:
             tokens = r.all_token_ids
             if len(tokens) + k - 1 > self.max_model_len:
                 continue
+            grammar = r.grammar
+            if grammar is not None and (grammar.matcher.is_error() or grammar.matcher.is_stopped()):
+                continue  # only end-of-sequence can follow (or nothing): no draft to make
             shadow = self._sync(r, tokens)
             if self.blocks.allocate(r.request_id, len(tokens) + k - 1) is None:
                 self.forget(r.request_id)  # no room in the draft's cache: no drafts this time
@@ -116,21 +124,40 @@ class DraftProposer:
         probs: list[list[torch.Tensor]] = [[] for _ in work]
         rows = list(range(len(work)))
         sizes = [sh.num_tokens - sh.num_computed_tokens for _, sh, _ in work]  # catch-up chunks
-        for step in range(max(k for _, _, k in work)):
-            if step:
-                rows = [i for i in rows if work[i][2] > step]
-                for i in rows:
-                    work[i][1].prompt_token_ids.append(drafts[i][-1])  # feed the last draft
-                sizes = [1] * len(rows)
-            logits = self._run([work[i][1] for i in rows], sizes)  # (len(rows), V)
-            for j, i in enumerate(rows):
-                r = work[i][0]
-                if r.params.temperature < GREEDY_TEMPERATURE_EPS:
-                    drafts[i].append(int(logits[j].argmax()))
-                else:
-                    q = target_probs(logits[j : j + 1], r.params)[0]  # (V,)
-                    drafts[i].append(draw(q, r.generator))
-                    probs[i].append(q)
+        grammars = [None if r.grammar is None else _GrammarDrafts(r.grammar) for r, _, _ in work]
+        done: set[int] = set()  # rows whose grammar allows no further draft
+        try:
+            for step in range(max(k for _, _, k in work)):
+                if step:
+                    rows = [i for i in rows if work[i][2] > step and i not in done]
+                    if not rows:
+                        break
+                    for i in rows:
+                        work[i][1].prompt_token_ids.append(drafts[i][-1])  # feed the last draft
+                    sizes = [1] * len(rows)
+                logits = self._run([work[i][1] for i in rows], sizes)  # (len(rows), V)
+                for j, i in enumerate(rows):
+                    r, g, row = work[i][0], grammars[i], logits[j : j + 1]
+                    if g is not None:
+                        row = g.masked(row)
+                    q = None
+                    if r.params.temperature < GREEDY_TEMPERATURE_EPS:
+                        token = int(row[0].argmax())
+                    else:
+                        q = target_probs(row, r.params)[0]  # (V,)
+                        token = draw(q, r.generator)
+                    if g is not None and not g.advance(token):
+                        done.add(i)  # the grammar refuses it (nothing was allowed): stop here
+                        continue
+                    drafts[i].append(token)
+                    if q is not None:
+                        probs[i].append(q)
+                    if g is not None and g.finished:
+                        done.add(i)  # only end-of-sequence can follow: the target adds it
+        finally:
+            for g in grammars:
+                if g is not None:
+                    g.rollback()
         for i, (r, _, _) in enumerate(work):
             r.spec_token_ids = drafts[i]
             r.spec_draft_probs = torch.stack(probs[i]) if probs[i] else None  # (k, V)
@@ -171,3 +198,40 @@ class DraftProposer:
         back = torch.empty(len(order), dtype=torch.int64)
         back[torch.tensor(order)] = torch.arange(len(order))
         return logits[back]  # (B, V) in the order given
+
+
+class _GrammarDrafts:
+    """A constrained request's grammar while the draft model drafts for it: the mask of the
+    state after the drafts made so far, advanced over each draft, and rolled back once they are
+    made, so that the grammar stands where the request does when the step fills its own masks
+    (runtime.structured_decoding.TokenMasks, after the proposals)."""
+
+    def __init__(self, grammar: RequestGrammar) -> None:
+        self.matcher = grammar.matcher
+        self.consumed = 0  # drafts the matcher has been advanced over
+        self._row: np.ndarray | None = None
+
+    def masked(self, logits: torch.Tensor) -> torch.Tensor:
+        """logits (1, V) with the tokens the grammar does not allow next pushed to -max."""
+        if self._row is None:
+            self._row = np.empty((1, bitmask_words(logits.shape[1])), dtype=np.int32)
+        llg_np.fill_next_token_bitmask(self.matcher, self._row, 0)
+        return apply_token_bitmask(logits, self._row)
+
+    def advance(self, token: int) -> bool:
+        """Advance over `token` if the grammar allows it (checked first: consuming a refused
+        token would put the request's own matcher in its error state); whether it did."""
+        m = self.matcher
+        if m.is_error() or m.validate_tokens([token]) != 1 or not m.consume_token(token):
+            return False
+        self.consumed += 1
+        return True
+
+    @property
+    def finished(self) -> bool:
+        return bool(self.matcher.is_stopped())
+
+    def rollback(self) -> None:
+        if self.consumed:
+            self.matcher.rollback(self.consumed)
+            self.consumed = 0

@@ -125,15 +125,29 @@ class Proposer(Protocol):
         """The request finished (or was aborted): drop what is kept for it."""
 
 
+def grammar_allowed(r: Request, drafts: list[int]) -> list[int]:
+    """The leading drafts a constrained request's grammar accepts one after the other (all of
+    them without a grammar): a draft the grammar refuses would be rejected by verification
+    anyway, where the target's masked distribution gives it no mass, and so would every draft
+    after it; proposing none of them spares their share of the step's forward pass."""
+    g = r.grammar
+    if g is None or not drafts:
+        return drafts
+    m = g.matcher
+    return [] if m.is_error() else drafts[: m.validate_tokens(drafts)]
+
+
 class NgramProposer:
-    """Prompt lookup over the request's own tokens; nothing kept between steps."""
+    """Prompt lookup over the request's own tokens, cut where a request's grammar refuses a
+    draft (`grammar_allowed`); nothing kept between steps."""
 
     def __init__(self, n_min: int, n_max: int) -> None:
         self.n_min, self.n_max = n_min, n_max
 
     def propose(self, batch: list[tuple[Request, int]], running: list[Request]) -> None:
         for r, k in batch:
-            r.spec_token_ids = ngram_propose(r.all_token_ids, k, self.n_min, self.n_max)
+            drafts = ngram_propose(r.all_token_ids, k, self.n_min, self.n_max)
+            r.spec_token_ids = grammar_allowed(r, drafts)
 
     def forget(self, request_id: str) -> None:
         pass

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 import shutil
 from collections import Counter
 from pathlib import Path
@@ -35,6 +36,7 @@ from runtime.speculative import (
     target_probs,
     verify,
 )
+from runtime.structured import StructuredOutputsParams
 
 STORY = (
     "Once upon a time, there was a little girl named Lily. She loved to play outside in the "
@@ -156,6 +158,28 @@ def test_a_constraint_completed_by_a_draft_ends_as_without_speculation(engines, 
         assert [t for t, _ in a.top] == [t for t, _ in b.top]
         assert [v for _, v in b.top] == pytest.approx([v for _, v in a.top], abs=1e-4)
     assert spec.engine.blocks.num_free_blocks == spec.engine.blocks.num_blocks
+
+
+def test_ngram_drafts_stop_where_the_grammar_refuses(engines) -> None:  # type: ignore[no-untyped-def]
+    """A constrained request proposes only the leading drafts its grammar allows: the rest would
+    be rejected whatever the target says."""
+    _, spec = engines
+    eng = spec.engine
+    ids = eng.tokenizer.encode(STORY * 2 + "Once upon a", add_special_tokens=False)
+    drafts = ngram_propose(ids, 8, 2, 4)
+    assert len(drafts) == 8
+    text = eng.tokenizer.decode(ids)
+    allowed = eng.tokenizer.decode(ids + drafts[:3])[len(text) :]  # (with its leading space)
+    regex = re.escape(allowed) + "0123456789"  # the fourth draft (a piece of the story) refused
+    grammar = eng.grammars.grammar(StructuredOutputsParams.coerce({"regex": regex}), "regex")
+    params = SamplingParams(temperature=0.0)
+    r = Request("g", ids, params, 16, frozenset(), grammar=grammar)
+    free = Request("f", ids, params, 16, frozenset())
+    spec_ctl = eng.spec
+    assert spec_ctl is not None
+    spec_ctl.proposer.propose([(r, 8), (free, 8)], [r, free])
+    assert r.spec_token_ids == drafts[:3] and free.spec_token_ids == drafts
+    assert grammar.matcher.validate_tokens(drafts[:3]) == 3  # the grammar's state is unchanged
 
 
 def test_streaming_delivers_several_tokens_per_step(self_draft) -> None:  # type: ignore[no-untyped-def]
@@ -389,6 +413,28 @@ def test_draft_greedy_identical_and_accepted(engines, self_draft, batched: bool)
     blocks = _draft_blocks(self_draft)
     assert blocks.num_free_blocks == blocks.num_blocks
     assert self_draft.engine.blocks.num_free_blocks == self_draft.engine.blocks.num_blocks
+
+
+@pytest.mark.parametrize("n", [1, 3])
+def test_a_constrained_request_drafts_under_its_grammar(engines, self_draft, n: int) -> None:  # type: ignore[no-untyped-def]
+    """The draft model drafts a constrained request's tokens under its grammar's mask: drafting
+    for itself, every draft is the target's own pick (unmasked, its drafts were pieces of a
+    story, every one rejected by the digits-only grammar). Greedy output as without speculation;
+    the grammar stands where the request does after each step's drafts (the output is right)."""
+    base, _ = engines
+    spec = self_draft.engine.spec
+    assert spec is not None
+    params = SamplingParams(max_tokens=30, temperature=0.0, n=n,
+                            structured_outputs={"regex": "[0-9]{12}-[a-z]{12}"})  # fmt: skip
+    before = (spec.proposed, spec.accepted)
+    want = base.generate([STORY], params)[0].outputs
+    got = self_draft.generate([STORY], params)[0].outputs
+    assert [o.token_ids for o in got] == [o.token_ids for o in want]
+    assert re.fullmatch("[0-9]{12}-[a-z]{12}", got[0].text), got[0].text
+    proposed, accepted = spec.proposed - before[0], spec.accepted - before[1]
+    assert proposed >= 8 * n and accepted == proposed
+    blocks = _draft_blocks(self_draft)
+    assert blocks.num_free_blocks == blocks.num_blocks
 
 
 def test_poor_draft_greedy_identical(engines, poor_draft) -> None:  # type: ignore[no-untyped-def]
