@@ -103,6 +103,10 @@ DEFAULT_FRAME_BYTES = 8 << 20  # DATA frames hold whole layers up to about this 
 MIN_RUN_BYTES = 64 << 10  # below this average, scattered blocks are gathered into one buffer
 CHUNK_BYTES = 512 << 10  # DATA payloads are hashed and moved in pieces of this size (L2)
 TRAILER = struct.Struct("<Q")  # a DATA payload's xxh3_64, after it
+# Failures that anyone who can reach the port repeats at will (a client that connects and sends
+# garbage, a health check or a scanner that connects and hangs up, accept() out of descriptors)
+# are logged once with their detail, then counted and summed up at most once per this.
+FAILURE_SUMMARY_S = 60.0
 
 
 class KVTransferError(RuntimeError):
@@ -398,6 +402,54 @@ class FrameConn:
 
 
 # ---------------------------------------------------------------------- the prefill side
+@dataclass(slots=True)
+class _Repeats:
+    """The repeats of one kind of warning since its last line."""
+
+    since: float  # loop time: the last line
+    count: int = 0  # repeats since, not logged
+    last: str = ""  # the latest one's message
+    timer: asyncio.TimerHandle | None = None  # logs the count `interval_s` after `since`
+
+
+class _RepeatedWarnings:
+    """Warnings that a peer can repeat at will, logged as serving systems log them: the first of
+    a kind at once, with its detail; its repeats counted, and summed up in one line (with the
+    latest one's detail) at most once per `interval_s`, so that a client that connects and sends
+    garbage in a loop costs a line a minute rather than one per connection, while a new kind of
+    failure still shows at once. Used on the event loop only."""
+
+    def __init__(self, interval_s: float) -> None:
+        self.interval_s = interval_s
+        self._kinds: dict[str, _Repeats] = {}  # by kind (ours: a few fixed names, exception types)
+
+    def warning(self, kind: str, message: str) -> None:
+        loop = asyncio.get_running_loop()
+        now = loop.time()
+        r = self._kinds.get(kind)
+        if r is None or (not r.count and now >= r.since + self.interval_s):
+            log.warning("%s", message)
+            self._kinds[kind] = _Repeats(now)
+            return
+        r.count += 1
+        r.last = message
+        if r.timer is None:
+            r.timer = loop.call_at(r.since + self.interval_s, self._summarize, r)
+
+    def _summarize(self, r: _Repeats) -> None:
+        now = asyncio.get_running_loop().time()
+        log.warning("%s (%d more like it in the last %.0f s; this is the latest)", r.last,
+                    r.count, now - r.since)  # fmt: skip
+        r.since, r.count, r.timer = now, 0, None
+
+    def flush(self) -> None:
+        """Log the repeats not summed up yet (the server closes)."""
+        for r in self._kinds.values():
+            if r.timer is not None:
+                r.timer.cancel()
+                self._summarize(r)
+
+
 class KVTransferServer:
     """Serves pulls on a TCP port: runs each pull's prefill through `export` and streams the
     blocks as they complete. The blocks are held until the puller acknowledges them, the
@@ -433,6 +485,8 @@ class KVTransferServer:
             need = PULL_BASE_BYTES + PULL_TOKEN_BYTES * max_tokens
             self.max_pull_bytes = min(MAX_CONTROL_BYTES, need)
         self._admitting = asyncio.Semaphore(MAX_ADMITTING)  # connections reading their PULL
+        # what a peer can repeat at will (see FAILURE_SUMMARY_S): logged once, then summed up
+        self._repeated = _RepeatedWarnings(FAILURE_SUMMARY_S)
         self._listener: socket.socket | None = None
         self._accepting: asyncio.Task[None] | None = None
         self._serving: set[asyncio.Task[None]] = set()
@@ -453,14 +507,18 @@ class KVTransferServer:
         loop = asyncio.get_running_loop()
         while True:
             try:
-                sock, _ = await loop.sock_accept(listener)
+                sock, addr = await loop.sock_accept(listener)
             except OSError as e:  # out of descriptors or buffers for a moment: accept again
                 # later (as asyncio's servers do); ending here would leave pullers connecting
                 # into the backlog, unanswered, for as long as the process lives
-                log.warning("kv transfer: accept failed (%s); accepting again in 1 s", e)
+                self._repeated.warning(
+                    "accept", f"kv transfer: accept failed ({e}); accepting again in 1 s"
+                )
                 await asyncio.sleep(1.0)
                 continue
-            task = asyncio.ensure_future(self._serve(FrameConn(sock, self.send_timeout_s)))
+            host, port = addr[0], addr[1]  # (an IPv6 address: 4 fields)
+            peer = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+            task = asyncio.ensure_future(self._serve(FrameConn(sock, self.send_timeout_s), peer))
             self._serving.add(task)
             task.add_done_callback(self._serving.discard)
 
@@ -475,10 +533,12 @@ class KVTransferServer:
             task.cancel()
         if self._serving:
             await asyncio.wait(self._serving, timeout=5)
+        self._repeated.flush()
 
-    async def _serve(self, conn: FrameConn) -> None:
+    async def _serve(self, conn: FrameConn, peer: str) -> None:
         self.active += 1
         pull: PullRequest | None = None
+        authentic = False  # the PULL carried the shared secret: a puller of the cluster's
         served: ServedPull | None = None
         exporting: str | None = None  # the request id this connection took: its export to release
         tag = 0
@@ -525,7 +585,12 @@ class KVTransferServer:
         except Exception as e:  # a bad pull, a refused prefill (bad tokens, queue full), a
             # dead connection: the puller gets an ERROR frame when it can still read one
             self.pulls_failed += 1
-            log.warning("kv pull %s failed: %s", pull.request_id if pull else "?", e)
+            if pull is not None and authentic:  # one line a pull: a request of the cluster's
+                log.warning("kv pull %s failed: %s", pull.request_id, e)
+            else:  # anyone who reaches the port can repeat this at will: summed up
+                self._repeated.warning(type(e).__name__, (
+                    f"kv transfer: a connection from {peer} failed before a valid PULL: "
+                    f"{type(e).__name__}: {e}"))  # fmt: skip
             # `source_failed` false: a refusal (its KV cache full, its queue full), not a failure
             failed = e.source_failed if isinstance(e, KVTransferError) else True
             with contextlib.suppress(Exception):

@@ -254,18 +254,27 @@ class CacheEventPublisher:
     def record(self, stored: Iterable[bytes], evicted: Iterable[bytes]) -> None:
         """Note the engine's cache events; cheap, thread-safe, never touches Redis.
 
-        Within one call the evictions apply before the stores, the order of an engine step
-        (allocation evicts, then filled blocks are stored): drain the engine's events once per
-        step, so that a block evicted and recomputed in one step counts as held.
+        The two lists do not say in which order their events came (a drain between engine
+        steps may hold a KV import's blocks stored, then evicted by the step's allocations, as
+        well as a step's evictions, then its stores), but the engine's events of one hash
+        alternate: it stores a hash it does not hold and evicts one it holds. So a hash stored
+        more times than evicted is held afterwards, one evicted more times is not, and one
+        stored as many times as evicted is as it was before: stored then evicted, it is not
+        held; evicted then stored again, it is.
         """
+        net: dict[bytes, int] = {}  # per hash: stores less evictions
+        for h in stored:
+            net[h] = net.get(h, 0) + 1
+        for h in evicted:
+            net[h] = net.get(h, 0) - 1
         with self._lock:
             if self._closed:
                 return
-            for h in evicted:
-                self._held.discard(h)
-                self._dirty.add(h)
-            for h in stored:
-                self._held.add(h)
+            for h, n in net.items():
+                if n > 0:
+                    self._held.add(h)
+                elif n < 0:
+                    self._held.discard(h)
                 self._dirty.add(h)
 
     def resync(self) -> None:

@@ -10,7 +10,9 @@ that does not fit is refused before any byte moves.
 from __future__ import annotations
 
 import asyncio
+import logging
 import os
+import re
 import struct
 import threading
 import time
@@ -1058,10 +1060,13 @@ def test_a_puller_that_stops_reading_is_dropped_and_its_export_released() -> Non
     asyncio.run(main())
 
 
-def test_a_failed_accept_does_not_stop_the_server(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_failed_accept_does_not_stop_the_server(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
     """accept() failing for a moment (out of descriptors) is logged and retried: later pulls
     are served, and close() still closes (the accept loop used to end with the error, leaving
-    pullers to connect into the backlog unanswered, and close() re-raised it)."""
+    pullers to connect into the backlog unanswered, and close() re-raised it). Its repeats are
+    summed up, not logged a line a second."""
     src = torch.randn(2, 2, 8 * BS, 2, 8, generator=torch.Generator().manual_seed(3))
     src_pages, dst_pages = KVPages(src, BS), KVPages(torch.zeros_like(src), BS)
 
@@ -1075,7 +1080,7 @@ def test_a_failed_accept_does_not_stop_the_server(monkeypatch: pytest.MonkeyPatc
     async def main() -> None:
         loop = asyncio.get_running_loop()
         real = loop.sock_accept
-        failures = [OSError(24, "Too many open files")]
+        failures = [OSError(24, "Too many open files")] * 2
 
         async def sock_accept(sock):  # type: ignore[no-untyped-def]
             if failures:
@@ -1094,7 +1099,11 @@ def test_a_failed_accept_does_not_stop_the_server(monkeypatch: pytest.MonkeyPatc
             await server.close()
         assert server._listener is not None and server._listener.fileno() == -1
 
-    asyncio.run(main())
+    with caplog.at_level(logging.WARNING, logger="edgeinfer.kv_transfer"):
+        asyncio.run(main())
+    lines = [r.getMessage() for r in caplog.records if "accept failed" in r.getMessage()]
+    assert len(lines) == 2 and "Too many open files" in lines[0], lines
+    assert "(1 more like it" in lines[1], lines  # (at close)
 
 
 def test_a_stalled_prefill_engine_sends_no_keepalives() -> None:
@@ -1559,3 +1568,64 @@ def test_an_import_of_a_one_token_prompt_runs_beside_other_requests(stories_dir:
             if out.finished:
                 assert out.outputs[0].token_ids == done["one"]
     assert engine.blocks.num_free_blocks == engine.blocks.num_blocks
+
+
+def test_connections_that_fail_before_a_pull_are_logged_once_then_summed_up(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A client that connects and sends garbage, or a health check that connects and hangs up,
+    again and again: a warning line each time flooded the prefill worker's log. The first of
+    each kind is logged with its detail, at once; its repeats are counted, and summed up once
+    per FAILURE_SUMMARY_S and at close: every failure counted once, in few lines."""
+    pages = KVPages(torch.zeros(2, 2, 8 * BS, 2, 8), BS)
+    garbage = b"GET / HTTP/1.1\r\nHost: x\r\n\r\n".ljust(HEADER.size, b"\n")
+
+    def lines() -> list[str]:
+        return [r.getMessage() for r in caplog.records if r.name == "edgeinfer.kv_transfer"]
+
+    def counted() -> int:  # failures the lines account for: one each, or the summary's count
+        found = (re.search(r"\((\d+) more like it", line) for line in lines())
+        return sum(int(m.group(1)) if m else 1 for m in found)
+
+    async def flood(interval_s: float, seconds: float) -> None:
+        monkeypatch.setattr(kv_transfer, "FAILURE_SUMMARY_S", interval_s)
+        server = KVTransferServer(pages, "c", SECRET, _export_nothing, _release_nothing)
+        port = await server.start("127.0.0.1", 0)
+
+        async def failed(n: int) -> None:
+            async with asyncio.timeout(5):
+                while server.pulls_failed < n:
+                    await asyncio.sleep(0.001)
+
+        try:
+            for i in range(20):  # garbage: answered with an ERROR frame, then closed
+                reader, writer = await asyncio.open_connection("127.0.0.1", port)
+                writer.write(garbage)
+                await reader.read()
+                writer.close()
+                await failed(i + 1)
+            if seconds == 0:
+                assert len(lines()) == 1 and "bad frame magic" in lines()[0], lines()
+                assert "a connection from 127.0.0.1:" in lines()[0]
+            end = time.monotonic() + seconds
+            n = 20
+            while n < 40 or time.monotonic() < end:  # another kind: its first logged at once
+                _, writer = await asyncio.open_connection("127.0.0.1", port)
+                writer.close()
+                n += 1
+                await failed(n)
+            if seconds == 0:
+                assert len(lines()) == 2 and "IncompleteReadError" in lines()[1], lines()
+            else:  # summed up as the flood goes on, not only at close
+                assert any("more like it" in line for line in lines()), lines()
+        finally:
+            await server.close()
+        assert counted() == n, lines()
+        assert len(lines()) <= 4 + 2 * seconds / interval_s, lines()
+
+    with caplog.at_level(logging.WARNING, logger="edgeinfer.kv_transfer"):
+        asyncio.run(flood(60.0, 0))
+        assert len(lines()) == 4, lines()  # the first of each kind, and each kind's summary
+        assert "19 more" in lines()[2] and "19 more" in lines()[3], lines()
+        caplog.clear()
+        asyncio.run(flood(0.2, 1.0))

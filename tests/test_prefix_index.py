@@ -27,6 +27,7 @@ from kvstore.prefix_index import CacheEventPublisher, PrefixIndex, marker_key, p
 from kvstore.protocol import WorkerInfo
 from kvstore.redis_server import LocalRedis
 from kvstore.registry import Registry
+from runtime.kv_cache import BlockManager
 from tests.stack import generate, start_worker, wait_until
 
 BLOCK = 4  # tokens per block of the test hashes
@@ -296,11 +297,55 @@ async def test_stored_then_evicted_nets_out(r: Redis, model: str) -> None:
     assert idx.calls == [(1, 0)]
     assert await r.smembers(prefix_key(model, y)) == {b"w1"}
     pub.record([], [y])
-    pub.record([z], [z])  # one call: the eviction applies first, as in an engine step
+    pub.record([z], [z])  # one call, z not held: stored, then evicted
     await pub.flush()
-    assert idx.calls == [(1, 0), (1, 1)]
+    assert idx.calls == [(1, 0), (0, 1)]
     assert not await r.exists(prefix_key(model, y))
+    assert not await r.exists(prefix_key(model, z))
+    pub.record([z], [])
+    await pub.flush()
+    pub.record([z], [z])  # one call, z held: evicted, then stored again
+    await pub.flush()
+    assert idx.calls == [(1, 0), (0, 1), (1, 0)]
     assert await r.smembers(prefix_key(model, z)) == {b"w1"}
+
+
+async def test_a_drain_s_events_net_out_in_the_engine_s_order(r: Redis, model: str) -> None:
+    """The engine's drain holds its stores and its evictions in two lists, without their order:
+    a block stored then evicted between two drains (a KV import's, committed, then taken by the
+    step's allocations) was applied as evicted then stored, and the index claimed it for the
+    worker until the next full sync. Drains of the real BlockManager, each [h] and [h]."""
+    blocks = BlockManager(num_blocks=2, block_size=BLOCK)
+    blocks.record_events = True
+    pub = CacheEventPublisher(PrefixIndex(r), model, "w1")
+    tokens = list(range(BLOCK))
+
+    blocks.allocate("a", BLOCK)
+    blocks.commit("a", tokens)  # stored
+    blocks.free("a")
+    blocks.allocate("b", 2 * BLOCK)  # every block: the cached one is evicted
+    stored, evicted = blocks.drain_events()
+    (h,) = stored
+    assert evicted == [h]
+    pub.record(stored, evicted)
+    await pub.flush()
+    assert not await r.exists(prefix_key(model, h))  # (it listed the worker)
+    assert pub.held == set()
+
+    blocks.free("b")
+    blocks.allocate("c", BLOCK)
+    blocks.commit("c", tokens)
+    pub.record(*blocks.drain_events())
+    await pub.flush()
+    assert await r.smembers(prefix_key(model, h)) == {b"w1"}
+    blocks.free("c")
+    blocks.allocate("d", 2 * BLOCK)  # evicted,
+    blocks.commit("d", tokens)  # then stored again
+    assert blocks.drain_events() == ([h], [h])
+    pub.record([h], [h])
+    await pub.flush()
+    assert pub.held == {h}
+    assert await r.smembers(prefix_key(model, h)) == {b"w1"}
 
 
 async def test_record_is_thread_safe(r: Redis, model: str) -> None:
