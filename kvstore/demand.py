@@ -4,8 +4,10 @@ what the pools report back.
     ei:p:{<pool_id>}                   hash: the pool's PoolInfo, expires unless heartbeats renew it
     ei:pools                           set: pool ids (readers drop ids whose hash expired)
     ei:d:{<model>}:wait:<region>       sorted set: ids of the requests gateways hold until a worker
-                                       of `model` is up in `region`; score = the hold's deadline
-    ei:d:{<model>}:status:<region>     string: the pool's ModelStatus (starting, failed + retry time)
+                                       of `model` is up in `region`; score = the hold's deadline,
+                                       by Redis's clock; expires with the last deadline
+    ei:d:{<model>}:status:<region>     string: the pool's ModelStatus (starting, failed + retry time,
+                                       by Redis's clock)
     ei:d:{<model>}:start:<region>      string: the id of the pool starting a worker for it now
                                        (SET NX: several pools in a region start one, not one each;
                                        a lease its pool renews while the worker starts)
@@ -20,7 +22,18 @@ gateway polls the registry until the worker appears, then forwards the request a
 from the wait set. A worker that fails to start makes the pool publish `failed` with the time of
 its next attempt; waiting gateways answer 503 with that Retry-After instead of waiting out their
 deadline. A gateway that dies leaves its entries behind, but their scores (deadlines) age them
-out: every count first drops the entries past their deadline.
+out: every count first drops the entries past their deadline, and the set itself expires with
+the last of them (counted by no pool, a model's set stayed for good).
+
+Deadlines are kept by one clock, Redis's (TIME, in the scripts that write and count them): a
+gateway gives the time its hold has left, a duration its own clock measures right, and the
+pool's count compares with the same clock. A deadline written by the gateway's clock and aged by
+the pool's was misjudged by their skew: a gateway's clock two minutes behind the pool's had every
+held request dropped at once (its deadline past, for the pool), and one an hour ahead had a dead
+gateway's requests counted for an hour (the model's workers kept up, its failed starts retried).
+A status's times are kept by Redis's clock too, and each reader is given them by its own: a pool
+whose clock was an hour ahead had gateways answer its first failed start with a 503 and an hour's
+Retry-After, not wait out the retry a second later.
 
 The wait set is the demand a pool acts on; a wake-up only saves it the wait for its next tick
 (and, from `Demand.wake`, asks for a worker with no request held). Wake-ups are therefore
@@ -81,6 +94,35 @@ return 0
 """
 
 
+# KEYS[1]: a wait set. ARGV[1]: a request id, ARGV[2]: the seconds its hold has left. Adds the
+# request with its deadline by Redis's clock, and has the set expire with its last deadline.
+_HOLD_LUA = """
+local t = redis.call('TIME')
+local now = tonumber(t[1]) + tonumber(t[2]) / 1e6
+redis.call('ZADD', KEYS[1], now + tonumber(ARGV[2]), ARGV[1])
+local last = tonumber(redis.call('ZRANGE', KEYS[1], -1, -1, 'WITHSCORES')[2])
+return redis.call('PEXPIRE', KEYS[1], math.max(1, math.ceil((last - now) * 1000)))
+"""
+
+# KEYS[1]: a wait set. Drops the entries past their deadline by Redis's clock; the count left.
+_WAITING_LUA = """
+local t = redis.call('TIME')
+redis.call('ZREMRANGEBYSCORE', KEYS[1], '-inf', tonumber(t[1]) + tonumber(t[2]) / 1e6)
+return redis.call('ZCARD', KEYS[1])
+"""
+
+# KEYS[1]: a key, whose node's clock (TIME) is the one its times are kept by.
+_TIME_LUA = "return redis.call('TIME')"
+
+# KEYS[1]: a status. Its value (nil if none) and the clock its times are kept by.
+_STATUS_LUA = "return {redis.call('GET', KEYS[1]), redis.call('TIME')}"
+
+
+def _unix(time_reply: list[Any]) -> float:
+    """Redis's TIME reply (seconds, microseconds) as a unix time."""
+    return int(time_reply[0]) + int(time_reply[1]) / 1e6
+
+
 def wake_channel(region: str) -> str:
     return f"{PREFIX}pw:{{{check_id(region, 'region')}}}"
 
@@ -118,7 +160,7 @@ class ModelStatus:
     pool_id: str
     error: str = ""  # why the last start failed
     attempts: int = 0  # failed starts in a row
-    retry_at: float = 0.0  # unix time of the next attempt (failed)
+    retry_at: float = 0.0  # unix time of the next attempt (failed), by this host's clock
     updated_at: float = 0.0
 
     def retry_after(self, now: float | None = None) -> float:
@@ -153,12 +195,9 @@ class Demand:
         await pipe.execute()
 
     async def waiting(self, model: str, region: str) -> int:
-        """Requests held now for `model` in `region` (entries past their deadline dropped)."""
-        key = wait_key(model, region)
-        pipe = self.redis.pipeline(transaction=False)
-        pipe.zremrangebyscore(key, "-inf", time.time())
-        pipe.zcard(key)
-        _, n = await pipe.execute()
+        """Requests held now for `model` in `region` (entries past their deadline, by Redis's
+        clock, dropped)."""
+        n = await self.redis.eval(_WAITING_LUA, 1, wait_key(model, region))  # type: ignore[misc]
         return int(n)
 
     def wakeups(self, region: str) -> Wakeups:
@@ -166,10 +205,17 @@ class Demand:
         return Wakeups(self.redis, region)
 
     async def set_status(self, model: str, region: str, status: ModelStatus, ttl_s: float) -> None:
+        """Publish `status` (its times by this host's clock), kept by Redis's clock: a gateway
+        on another host reads them by its own (`status`)."""
+        key = status_key(model, region)
         status.updated_at = time.time()
-        await self.redis.set(
-            status_key(model, region), orjson.dumps(status), px=max(1, round(ttl_s * 1000))
+        shift = _unix(await self.redis.eval(_TIME_LUA, 1, key)) - time.time()  # type: ignore[misc]
+        kept = dataclasses.replace(
+            status,
+            retry_at=status.retry_at + shift if status.retry_at else 0.0,
+            updated_at=status.updated_at + shift,
         )
+        await self.redis.set(key, orjson.dumps(kept), px=max(1, round(ttl_s * 1000)))
 
     async def claim_start(self, model: str, region: str, pool_id: str, ttl_s: float) -> bool:
         """Claim the start of a worker for `model` in `region`; False if another pool's start is
@@ -240,12 +286,15 @@ class Demand:
         return found
 
     async def hold(self, model: str, region: str, request_id: str, deadline: float) -> None:
-        """Count a request as waiting for a worker of `model` in `region`, and wake the pool.
+        """Count a request as waiting for a worker of `model` in `region` until `deadline` (unix
+        time, by this host's clock), and wake the pool. The wait set keeps the time left, from
+        Redis's clock (see the module's docstring): pools on other hosts read it.
 
         Two round trips, not one pipeline: a Redis Cluster client refuses PUBLISH in a pipeline
         (the wait set and the channel are in different slots anyway), and a held request waits
         for a worker to start, seconds."""
-        await self.redis.zadd(wait_key(model, region), {request_id: deadline})
+        left = min(deadline - time.time(), 1e9)  # (an endless hold's inf: no number to Lua)
+        await self.redis.eval(_HOLD_LUA, 1, wait_key(model, region), request_id, repr(left))  # type: ignore[misc]
         await self.wake(model, region)
 
     async def wake(self, model: str, region: str) -> None:
@@ -258,13 +307,19 @@ class Demand:
         await self.redis.zrem(wait_key(model, region), request_id)
 
     async def status(self, model: str, region: str) -> ModelStatus | None:
-        raw = await self.redis.get(status_key(model, region))
+        """The pool's status of `model` in `region`, its times by this host's clock."""
+        raw, clock = await self.redis.eval(_STATUS_LUA, 1, status_key(model, region))  # type: ignore[misc]
         if raw is None:
             return None
         try:
-            return ModelStatus(**orjson.loads(raw))
+            status = ModelStatus(**orjson.loads(raw))
         except (TypeError, ValueError):
             return None
+        shift = time.time() - _unix(clock)
+        if status.retry_at:
+            status.retry_at += shift
+        status.updated_at += shift
+        return status
 
 
 class Wakeups:

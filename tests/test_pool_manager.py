@@ -583,6 +583,126 @@ async def test_pools_start_workers_for_fresh_wakeups_of_their_own_models_only(  
         await redis_.aclose()
 
 
+def _on_a_skewed_host(redis_url: str, skew_s: float, call: str) -> None:
+    """Await `call` (on `d`, a Demand) as a process on a host whose clock is `skew_s` off does:
+    in a process of its own (its time.time() skewed), which then exits; a request it held is
+    left behind, as by a gateway that dies."""
+    code = f"""
+import asyncio, time
+real = time.time
+time.time = lambda: real() + {skew_s!r}
+from kvstore.client import connect
+from kvstore.demand import Demand, ModelStatus
+async def main():
+    r = connect({redis_url!r})
+    d = Demand(r)
+    await {call}
+    await r.aclose()
+asyncio.run(main())
+"""
+    subprocess.run([sys.executable, "-c", code], cwd=ROOT, check=True, timeout=60)
+
+
+def _hold_on_a_skewed_host(redis_url: str, request_id: str, skew_s: float, hold_s: float) -> None:
+    """Hold a request for "m" in "r" as a gateway whose clock is `skew_s` off does, and die."""
+    call = f'd.hold("m", "r", {request_id!r}, time.time() + {hold_s!r})'
+    _on_a_skewed_host(redis_url, skew_s, call)
+
+
+def test_held_requests_count_by_redis_clock_not_each_hosts(redis_server) -> None:  # type: ignore[no-untyped-def]
+    """Gateways and pools on hosts whose clocks disagree: a request held by a gateway whose
+    clock is 2 minutes behind the pool's counts as waiting for its whole hold (the pool dropped
+    it at once: its deadline, by the gateway's clock, was past by the pool's), and a dead
+    gateway's, whose clock was an hour ahead, no longer than its hold (it counted for an hour,
+    keeping the model's workers up). A wait set that no pool counts any more expires with its
+    last deadline (it stayed for good)."""
+    import asyncio
+
+    from kvstore.client import connect
+    from kvstore.demand import Demand, wait_key
+
+    async def waiting() -> int:  # (as a pool counts them, by its own clock, which is right)
+        r = connect(redis_server.url)
+        try:
+            return await Demand(r).waiting("m", "r")
+        finally:
+            await r.aclose()
+
+    r = redis.Redis.from_url(redis_server.url)
+    try:
+        _hold_on_a_skewed_host(redis_server.url, "slow-clock", -120.0, 60.0)
+        _hold_on_a_skewed_host(redis_server.url, "fast-clock", 3600.0, 1.0)
+        assert asyncio.run(waiting()) == 2
+        assert 50_000 < r.pttl(wait_key("m", "r")) <= 60_000  # the set lasts the longest hold
+        wait_until(lambda: asyncio.run(waiting()) == 1, 10, "the 1 s hold to end")
+        assert r.zrange(wait_key("m", "r"), 0, -1) == [b"slow-clock"]
+
+        # its gateway died, and no pool counts the model: the set goes with its last deadline
+        r.delete(wait_key("m", "r"))
+        _hold_on_a_skewed_host(redis_server.url, "abandoned", 3600.0, 1.0)
+        wait_until(lambda: not r.exists(wait_key("m", "r")), 10, "the abandoned wait set to expire")
+    finally:
+        r.close()
+
+
+async def test_a_failed_starts_retry_time_is_read_by_the_readers_clock(redis_server) -> None:  # type: ignore[no-untyped-def]
+    """A pool whose clock is an hour ahead of the gateway's fails a start and retries in 5 s:
+    the gateway reads the retry 5 s ahead by its own clock (it read an hour ahead, answered
+    the held requests 503 at once, and told them to come back in an hour)."""
+    import asyncio
+
+    from kvstore.client import connect
+    from kvstore.demand import Demand
+
+    failed = 'ModelStatus("failed", "pool-m", "boom", 1, time.time() + 5.0)'
+    await asyncio.to_thread(
+        _on_a_skewed_host, redis_server.url, 3600.0, f'd.set_status("m", "r", {failed}, 5.0)'
+    )
+    r = connect(redis_server.url)
+    try:
+        status = await Demand(r).status("m", "r")
+    finally:
+        await r.aclose()
+    assert status is not None and status.state == "failed"
+    assert 3.0 < status.retry_after() <= 5.0
+    assert abs(status.updated_at - time.time()) < 2.0
+
+
+@pytest.mark.parametrize("skew_s", [0.0, -120.0])
+async def test_a_pool_started_after_the_wakeup_starts_a_worker_for_the_held_request(  # type: ignore[no-untyped-def]
+    redis_server, skew_s: float
+) -> None:
+    """A pool that was not listening when a gateway held a request (it started later, or its
+    subscription was down: the wake-up is lost) still starts a worker on its first tick, from
+    the wait set, rather than leave the request to its hold's timeout; also when the gateway's
+    clock is 2 minutes behind the pool's (the pool dropped the request as past its deadline,
+    and started nothing)."""
+    import asyncio
+
+    from runtime.pool_manager import Pool
+
+    spawned: list[str] = []
+
+    async def spawn(argv: list[str], env: dict[str, str]):  # type: ignore[no-untyped-def]
+        spawned.append(argv[argv.index("--served-model-name") + 1])
+        proc = await asyncio.create_subprocess_exec("sleep", "60", stdout=asyncio.subprocess.PIPE)
+        return proc, "exec"
+
+    await asyncio.to_thread(_hold_on_a_skewed_host, redis_server.url, "req-1", skew_s, 60.0)
+    pool = Pool(_cfg(redis_url=redis_server.url, tick_s=0.2, zygote=False, pool_id="pool-m"))
+    pool._spawn_process = spawn  # type: ignore[method-assign,assignment]
+    run = asyncio.ensure_future(pool.run())
+    try:
+        t0 = time.monotonic()
+        while not spawned and time.monotonic() - t0 < 5.0:
+            await asyncio.sleep(0.05)
+        assert spawned == ["m"]
+    finally:
+        pool.stop()
+        async with asyncio.timeout(30):
+            await run
+
+
 def test_a_worker_that_dies_leaves_the_registry_at_once(redis_server) -> None:  # type: ignore[no-untyped-def]
     """A pool's worker that exits unasked is removed from the registry when the pool notices,
     not when its entry expires: gateways stop routing to it and a replacement can start."""
