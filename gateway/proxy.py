@@ -33,6 +33,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import functools
+import itertools
 import logging
 import time
 import zlib
@@ -81,6 +82,11 @@ log = logging.getLogger("edgeinfer.gateway")
 SESSION_HEADER = "x-session-affinity"
 MAX_SESSION_ID = 256
 HOLD_POLL_S = 0.05  # how often a request waiting for a starting worker looks for it
+# How often a held request renews its entry in the wait set: a Redis restarted without its data
+# (or failed over to a replica that had not received it) lost the entry, and with it the pool's
+# only signal that the request waits; the request then waited out its whole hold for a worker
+# nobody started. (The pool reads the wait sets every tick: no wake-up is needed.)
+REHOLD_S = 5.0
 WAKE_EVERY_S = 5.0  # how often a gateway serving a model from afar wakes a nearer pool for it
 END_READ_S = 1.0  # how long a finished worker stream may take to end its body
 HOLD_THROUGH_FAILURES = 2  # failed starts in a row after which a waiting request gets its 503
@@ -183,6 +189,7 @@ class Proxy:
         # (model, region) -> when the pool's start status was last asked for, and the answer
         # (shared by every request held for that model: one Redis read a poll, not one each)
         self._statuses: dict[tuple[str, str], tuple[float, asyncio.Future[ModelStatus | None]]] = {}
+        self._holds = itertools.count()  # numbers each hold's entry in a wait set
 
     # ------------------------------------------------------------------ phases
     async def handle(
@@ -582,14 +589,23 @@ class Proxy:
             return False
         t0 = time.perf_counter()
         deadline = time.time() + self.config.hold_timeout_s
+        # This hold's own entry: a request held again (retried after its worker failed) is not
+        # counted twice, and the late release of its earlier hold (spawned, below) cannot
+        # remove the new entry.
+        member = f"{call.gen.request_id}/{next(self._holds)}"
         try:
-            await view.demand.hold(model, region, call.gen.request_id, deadline)
+            await view.demand.hold(model, region, member, deadline)
         except Exception as e:
             log.warning("cannot signal the pool of region %s: %s", region, e)
             return False
         log.info("request %s waits for a %s worker in %s", call.request_id, model, region)
+        renew_at = time.monotonic() + REHOLD_S
         try:
             while True:
+                if time.monotonic() >= renew_at and view.redis_ok:
+                    renew_at = time.monotonic() + REHOLD_S
+                    with contextlib.suppress(Exception):  # (Redis down: the next renewal)
+                        await view.demand.hold(model, region, member, deadline, wake=False)
                 await view.refresh_soon(HOLD_POLL_S)
                 call.roles, call.disaggregated = view.router.serving_roles(
                     model, view.live_workers()
@@ -628,7 +644,7 @@ class Proxy:
                 await asyncio.sleep(HOLD_POLL_S)
         finally:
             call.held_s += time.perf_counter() - t0
-            self._spawn(self._release(model, region, call.gen.request_id))
+            self._spawn(self._release(model, region, member))
 
     async def _start_status(self, model: str, region: str) -> ModelStatus | None:
         """What the pool says of its start of a worker for the model; None while Redis cannot

@@ -285,17 +285,21 @@ class Demand:
             await self.redis.srem(POOLS_KEY, *stale)  # type: ignore[misc]
         return found
 
-    async def hold(self, model: str, region: str, request_id: str, deadline: float) -> None:
+    async def hold(self, model: str, region: str, request_id: str, deadline: float,
+                   wake: bool = True) -> None:  # fmt: skip
         """Count a request as waiting for a worker of `model` in `region` until `deadline` (unix
-        time, by this host's clock), and wake the pool. The wait set keeps the time left, from
-        Redis's clock (see the module's docstring): pools on other hosts read it.
+        time, by this host's clock), and (`wake`) wake the pool. The wait set keeps the time
+        left, from Redis's clock (see the module's docstring): pools on other hosts read it.
+        Holding a request again renews its entry (a Redis that restarted without its data lost
+        it).
 
         Two round trips, not one pipeline: a Redis Cluster client refuses PUBLISH in a pipeline
         (the wait set and the channel are in different slots anyway), and a held request waits
         for a worker to start, seconds."""
         left = min(deadline - time.time(), 1e9)  # (an endless hold's inf: no number to Lua)
         await self.redis.eval(_HOLD_LUA, 1, wait_key(model, region), request_id, repr(left))  # type: ignore[misc]
-        await self.wake(model, region)
+        if wake:
+            await self.wake(model, region)
 
     async def wake(self, model: str, region: str) -> None:
         """Ask the pools of `region` for a worker of `model` without holding a request for it

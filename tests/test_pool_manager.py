@@ -1028,3 +1028,57 @@ def test_a_pool_stops_its_workers_at_once_while_redis_hangs(
         with contextlib.suppress(Exception):
             server._proc.send_signal(signal.SIGCONT)
         server.stop()
+
+
+def test_a_held_request_is_counted_again_after_redis_lost_its_data(
+    tmp_path: Path, redis_server
+) -> None:  # type: ignore[no-untyped-def]
+    """Redis restarted without its data while a gateway held a request for a pool's model: the
+    request's entry in the wait set, the pool's only sign of it, comes back within the
+    gateway's renewal (it was gone for good, and the request waited out its whole hold for a
+    worker no pool started)."""
+    import asyncio
+
+    from gateway.proxy import REHOLD_S
+    from kvstore.client import connect
+    from kvstore.demand import Demand, PoolInfo
+
+    async def call(fn):  # type: ignore[no-untyped-def]
+        r = connect(redis_server.url)
+        try:
+            return await fn(Demand(r))
+        finally:
+            await r.aclose()
+
+    def announce() -> None:  # a pool offering "stories" here (its heartbeat)
+        info = PoolInfo("p1", "local", ["stories"], updated_at=time.time())
+        asyncio.run(call(lambda d: d.announce(info, 60)))
+
+    def waiting() -> int:
+        return int(asyncio.run(call(lambda d: d.waiting("stories", "local"))))
+
+    (tmp_path / "regions.yaml").write_text(CATALOG)
+    announce()
+    gateway = start_gateway("gw", redis_server.url, tmp_path / "regions.yaml", tmp_path, "local",
+                            ["--hold-timeout", "30"])  # fmt: skip
+    client = openai.OpenAI(base_url=f"{gateway.url}/v1", api_key="x", max_retries=0, timeout=60)
+    try:
+        wait_until(lambda: get_json(f"{gateway.url}/readyz")[1]["pools"] == 1, 30, "the pool")
+        with ThreadPoolExecutor(1) as ex:
+            held = ex.submit(client.completions.create, model="stories", prompt="Hi", max_tokens=2)
+            wait_until(lambda: waiting() == 1, 10, "the request to be held")
+            r = redis.Redis.from_url(redis_server.url)
+            try:
+                r.flushall()  # (a restart without persistence)
+            finally:
+                r.close()
+            announce()
+            assert waiting() == 0
+            t0 = time.monotonic()
+            wait_until(lambda: waiting() == 1, REHOLD_S + 5, "the held request to count again")
+            assert time.monotonic() - t0 <= REHOLD_S + 5
+            gateway.kill()  # (the request ends with the gateway)
+            with pytest.raises(openai.APIError):
+                held.result(60)
+    finally:
+        gateway.stop()
