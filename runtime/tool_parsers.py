@@ -3,33 +3,55 @@
 Formats (a parser per model family, picked by name or from the chat template's text):
 
     hermes       Hermes, Qwen 2/2.5/3:  <tool_call>\\n{"name": ..., "arguments": {...}}\\n</tool_call>
-                 (one block per call; text before the first block that holds a call is content)
+                 (one block per call; the text outside the blocks that hold a call is content)
     llama3_json  Llama 3.1-3.3:  {"name": ..., "parameters": {...}}  (the whole output; several
                  calls separated by "; "; an optional <|python_tag|> first)
     mistral      Mistral:  [TOOL_CALLS][{"name": ..., "arguments": {...}}, ...]  (the array form;
                  the v11 form `[TOOL_CALLS]name[ARGS]{...}` is not parsed)
 
-`ToolParser.parse(text, final, names)` reads the whole output so far and returns the content and
-the calls seen so far, each with its name (once the name is complete) and its arguments' raw JSON
-text so far; `ToolCallStream` diffs consecutive parses into OpenAI deltas (content text, then per
-call `{"index", "id", "type", "function": {"name", "arguments"}}` once its name is known and
+`ToolParser.parse(text, final, names)` reads the whole output so far and returns the content
+before the tool region and the calls seen so far, each with its name (once the name is
+complete), its arguments' raw JSON text so far, and the text after it that is no call (`after`);
+`ToolCallStream` diffs consecutive parses into OpenAI deltas (content text, then per call
+`{"index", "id", "type", "function": {"name", "arguments"}}` once its name is known and
 `{"index", "function": {"arguments": more}}` as the arguments grow). A non-streamed answer is the
 sum of the same deltas, so both answers agree by construction. Arguments are the model's own
 JSON text, not re-serialized. Content that may still turn out to be the start of a call (a
 partial marker, trailing whitespace before a call) is held back; at the end, a tool region in
 which no call parsed is given back as content. Whether text is a call is settled by what comes
 before its name, so that it does not depend on how the output is cut into steps: a key, a value
-or a name that is not JSON (a bad literal or escape, NaN, Infinity, 1e999) before the name
-goes out makes it no call (content), and so does a name that is not one of the request's tools
-(OpenAI only answers calls of the functions offered: a model that names another, or writes a
-JSON object with a "name" in its prose, answers in text); once the name is out, the call
-stands whatever follows (never retracted, nor its text sent again as content), its arguments
-the model's text even when that is not JSON (the gateway then finishes "stop", not
-"tool_calls"). A call that closes without arguments has arguments "{}". Raw control
-characters in strings (models write them in code) are JSON here, as they were. A marker that
-is a special token reaches the stream as its id only (the detokenizer drops its text): its
-text goes where a whole decode of the tokens before it ends, inside a step of several tokens
-too (speculative decoding).
+or a name that is not JSON (a bad literal or escape, NaN, Infinity) before the name goes out
+makes it no call (content), and so does a name that is not one of the request's tools (OpenAI
+only answers calls of the functions offered: a model that names another, or writes a JSON
+object with a "name" in its prose, answers in text); once the name is out, the call stands
+whatever follows (never retracted, nor its text sent again as content), its arguments the
+model's text even when that is not JSON (the gateway then finishes "stop", not "tool_calls").
+A call that closes without arguments has arguments "{}". Raw control characters in strings
+(models write them in code) are JSON here, as they were. A marker that is a special token
+reaches the stream as its id only (the detokenizer drops its text): its text goes where a whole
+decode of the tokens before it ends, inside a step of several tokens too (speculative decoding).
+
+A number is JSON whatever its size (1e400, an integer of 30 digits), as JSON's grammar has it
+and as the grammar of a forced call (below) lets a model write it: the parser reads what that
+grammar allows, the arguments stay the model's text, and the call is whole ("tool_calls"; it
+finished "stop", as if cut off). The grammar is not bounded instead: llguidance cannot bound a
+number to the 64-bit range (it fails to build the regex), nor the numbers a schema leaves free,
+and in "auto" mode a model writes what it likes anyway. (A client that sends such a call back
+in a conversation gets a 400 naming the field: the gateway cannot carry the number on to the
+chat template, gateway/structured.py.)
+
+What is no call is content, never dropped, wherever it stands: before the first call, or after
+one (a call of a function not offered, text that is not a call's JSON, prose after the calls:
+the call's `after`, sent as content once it cannot be the start of a call). A hermes block
+stands alone, as each is delimited: a block that holds no call is content and a block after it
+can be a call. In llama3_json and mistral the calls are one sequence of objects: the first
+object that is no call ends it, and the rest of the output is content (before the first call:
+all of it, as a tool region without a call). vLLM's parsers drop such text, or all the calls:
+its hermes parser, unstreamed, makes the whole output content when one block is not JSON (and
+calls any name); its newer parsers drop the calls of functions not offered. A streamed call
+cannot be taken back, and dropping text loses what the model said, so edgeinfer gives what is
+no call as content, streamed or not alike. With `parallel_tool_calls` false a completion ends at
+its first call: what follows it is past the answer's end.
 
 `tool_choice` "required" or a named function is enforced with a Lark grammar (llguidance) in the
 same format: the marker text (or the marker's own special token, when the tokenizer has it) and
@@ -46,10 +68,10 @@ Torch-free (the worker imports it; tests drive it directly).
 from __future__ import annotations
 
 import json
-import math
 import secrets
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from decimal import Decimal
 from typing import Any
 
 from runtime.sampling_params import InvalidRequestError
@@ -72,6 +94,9 @@ class ParsedCall:
     name: str | None  # None until the name's string is complete
     arguments: str  # the arguments' JSON text so far (complete once `complete`)
     complete: bool  # the call's object is closed
+    # the output's text after the call, up to the next call, that is no call (a block or an
+    # object naming a function not offered, or not JSON, or text): content, never dropped
+    after: str = ""
 
 
 class ToolParser:
@@ -87,8 +112,10 @@ class ToolParser:
     def parse(
         self, text: str, final: bool, names: frozenset[str] | None = None
     ) -> tuple[str, list[ParsedCall], bool]:
-        """(content, calls, in_tool_region) for the output text so far. `names`: the request's
-        tools; an object that names another function is no call (None: any name is a call)."""
+        """(content, calls, in_tool_region) for the output text so far: the content before the
+        tool region, and the calls (each with the content that follows it, `after`). `names`:
+        the request's tools; an object that names another function is no call (None: any name
+        is a call)."""
         raise NotImplementedError
 
     def grammar(self, tools: list[dict[str, Any]], parallel: bool) -> str:
@@ -141,7 +168,7 @@ class HermesParser(ToolParser):
     ) -> tuple[str, list[ParsedCall], bool]:
         calls: list[ParsedCall] = []
         start = -1  # the tool region's start: the first block that holds (or may yet) a call
-        pos = 0
+        pos = 0  # the end of the blocks read
         while (j := text.find(self.marker, pos)) >= 0:
             body_start = j + len(self.marker)
             # the end marker after the call's object: the text "</tool_call>" inside one of its
@@ -152,17 +179,33 @@ class HermesParser(ToolParser):
             if value_end is None and not final:
                 k = -1  # (the object is still arriving; at the end, one that never closed
                 # ends at the first end marker)
-            block = _calls_in(text[body_start : k if k >= 0 else len(text)], self.arg_keys, names)
-            if start < 0 and k >= 0 and all(c.name is None for c in block):
-                # a closed block with no call in it (a function not offered, not JSON) before
-                # the first call: content, as the text around it (it was dropped)
-                pos = k + len(self.end)
+            block_end = k + len(self.end) if k >= 0 else len(text)
+            # (in a block still open, what follows its object may be the end marker arriving)
+            body_end = k if k >= 0 else len(text) if final or value_end is None else value_end
+            block = _calls_in(text[body_start:body_end], self.arg_keys, names)
+            if (k >= 0 or final) and all(c.name is None for c in block):
+                # a block with no call in it (a function not offered, not JSON) is content
+                # wherever it stands: before the first call as part of the text before it,
+                # after one as the text after it (both were dropped). Each block stands alone:
+                # a call after such a block is a call.
+                if calls:
+                    calls[-1].after += text[pos:block_end]
+                pos = block_end
+                if k < 0:
+                    break
                 continue
-            start = j if start < 0 else start
+            if start < 0:
+                start = j
+            elif calls:
+                calls[-1].after += text[pos:j]  # (the text between two calls)
             calls += block
             if k < 0:
-                break
-            pos = k + len(self.end)
+                break  # (a block still arriving: whether it holds a call is not known yet)
+            pos = block_end
+        else:  # the text after the last block, once it cannot be the start of a marker
+            if calls:
+                tail = text[pos:]
+                calls[-1].after += tail[: len(tail) - (0 if final else _partial(tail, self.marker))]
         if start < 0:
             return text[: len(text) - (0 if final else _partial(text, self.marker))], [], False
         return text[:start], calls, True
@@ -368,9 +411,11 @@ class ToolCallStream:
             text = self._with_markers(text, token_ids)
         self.text += text
         content, calls, in_region = self.parser.parse(self.text, final, self.names)
-        if not self.parallel:
+        if not self.parallel:  # (what follows the one call is past the completion's end)
             calls = calls[:1]
             self.ended = bool(calls) and calls[0].complete and calls[0].name is not None
+        else:  # the text after each call that is no call: content, after the text before them
+            content += "".join(c.after for c in calls)
         # (a call once announced stays: `parse` never takes one back, and this makes sure its
         # text is never given back as content too)
         named = bool(self.calls) or any(c.name is not None for c in calls)
@@ -513,17 +558,23 @@ def _scan_value(s: str, i: int) -> int | None:
 
 def _calls_in(s: str, arg_keys: tuple[str, ...], names: frozenset[str] | None) -> list[ParsedCall]:
     """The call objects in `s`, separated by whitespace, ',' ';' or inside '[ ]', up to the
-    first that is no call or that ends unreadably (see `_call`)."""
+    first that is no call or that ends unreadably (see `_call`). From the first that is no call
+    (an object naming a function not offered or not JSON before its name, or text that is no
+    object) the rest of `s` is the last call's `after`: content. (Nothing after it is read as
+    a call: in a sequence of objects that is not JSON, where the next one starts is a guess.)"""
     calls: list[ParsedCall] = []
     i = 0
     while True:
         while i < len(s) and s[i] in _WS + ",;[]":
             i += 1
-        if i >= len(s) or s[i] != "{":
+        if i >= len(s):
             return calls
-        end = _scan_value(s, i)
-        call = _call(s[i : len(s) if end is None else end], arg_keys, names)
+        is_object = s[i] == "{"
+        end = _scan_value(s, i) if is_object else None
+        call = _call(s[i : len(s) if end is None else end], arg_keys, names) if is_object else None
         if call is None:
+            if calls:
+                calls[-1].after = s[i:]
             return calls
         calls.append(call)
         if end is None or not call.complete:  # still arriving, or unreadable after its name
@@ -536,10 +587,14 @@ _NOT_JSON = object()  # _json_value's answer for text that is not one JSON value
 
 def _json_value(text: str) -> Any:
     """The JSON value `text` holds, or _NOT_JSON: what a model writes is not to be trusted
-    (Python's parser would also take NaN and Infinity, and make 1e999 infinity). Raw control
-    characters inside strings are taken (`strict=False`): models write them in code."""
+    (Python's parser would also take NaN and Infinity). JSON as its grammar has it (RFC 8259),
+    as llguidance generates it for a forced call: a number of any size is JSON, read as a
+    Decimal, never converted (1e400 is no infinity, an integer of over 4,300 digits no error;
+    a call's arguments are the model's text, so nothing is lost). Raw control characters inside
+    strings are taken (`strict=False`): models write them in code."""
     try:
-        return json.loads(text, strict=False, parse_constant=_refuse, parse_float=_finite)
+        return json.loads(text, strict=False, parse_constant=_refuse, parse_float=Decimal,
+                          parse_int=Decimal)  # fmt: skip
     except (ValueError, RecursionError):  # (json.JSONDecodeError is a ValueError)
         return _NOT_JSON
 
@@ -557,13 +612,6 @@ def is_json_object(text: str) -> bool:
 
 def _refuse(name: str) -> Any:
     raise ValueError(f"{name} is not JSON")
-
-
-def _finite(digits: str) -> float:
-    value = float(digits)
-    if not math.isfinite(value):
-        raise ValueError(f"{digits} is beyond a 64-bit float")
-    return value
 
 
 def _call(s: str, arg_keys: tuple[str, ...], names: frozenset[str] | None) -> ParsedCall | None:
@@ -618,8 +666,8 @@ def _call(s: str, arg_keys: tuple[str, ...], names: frozenset[str] | None) -> Pa
                 return None  # a function the request did not offer: no call (text)
         elif is_args and value is _NOT_JSON:  # the model's text (the gateway finishes "stop")
             args = s[i:end]
-        elif is_args:  # whole: a string holding JSON, or another value
-            args = value if isinstance(value, str) else json.dumps(value)
+        elif is_args:  # whole: a string holding JSON, or another value (its text, as written)
+            args = value if isinstance(value, str) else s[i:end]
         i = end
 
 

@@ -24,8 +24,15 @@ from runtime.detokenizer import IncrementalDetokenizer
 from runtime.llm import LLM
 from runtime.outputs import CompletionOutput
 from runtime.sampling_params import SamplingParams
+from runtime.structured_decoding import GrammarCompiler
 from runtime.tokenizer import Tokenizer
-from runtime.tool_parsers import HermesParser, RequestTools, ToolCallStream, make_parser
+from runtime.tool_parsers import (
+    HermesParser,
+    RequestTools,
+    ToolCallStream,
+    is_json_object,
+    make_parser,
+)
 from runtime.worker import _delta
 from tests.stack import Proc, get_json, start_gateway, start_worker, wait_until
 from tests.test_openai_response import _chat, _events, _feed
@@ -247,10 +254,11 @@ def test_an_end_marker_special_token_is_seen_by_id() -> None:
 
 
 # what a model may write in a call that is not JSON: a bad literal, a bad escape, a bare word,
-# and NaN / Infinity / 1e999 (which Python's json takes, and no client's parser does). Before
-# the call's name it is no call: its text is content. After the name it is a call (streamed,
-# its name has gone out by then), its arguments the model's text: the gateway finishes it
-# "stop", not "tool_calls". Keys after the name other than the arguments are skipped.
+# and NaN / Infinity (which Python's json takes, and no client's parser does). Before the
+# call's name it is no call: its text is content. After the name it is a call (streamed, its
+# name has gone out by then), its arguments the model's text: the gateway finishes it "stop",
+# not "tool_calls". Keys after the name other than the arguments are skipped. (1e999 is JSON,
+# kept as written: arguments that are no object finish "stop" too.)
 NOT_JSON: list[tuple[str, str, list[tuple[str, str]] | None]] = [
     ("hermes", '<tool_call>\n{"name": tru, "arguments": {}}', None),
     ("hermes", '<tool_call>\n{"\\q": 1}', None),
@@ -297,11 +305,14 @@ def test_a_call_that_is_not_json(
 RUN = {"type": "function", "function": {"name": "run", "parameters": {"type": "object"}}}
 
 
-def _answer(text: str, step: int, stream: bool, parser: str = "hermes") -> tuple[Any, ...]:
+def _answer(
+    text: str, step: int, stream: bool, parser: str = "hermes", offered: list[Any] | None = None
+) -> tuple[Any, ...]:
     """`text` through the worker's delta path (`step` characters a step) and the gateway's
-    assembler, TOOLS and RUN offered: (finish_reason, content, calls) of its final answer, and,
-    streamed, of its chunks put together."""
-    tools = RequestTools(make_parser(parser, "", {}), [*TOOLS, RUN], "auto", True)
+    assembler, TOOLS and RUN offered (or `offered`): (finish_reason, content, calls) of its
+    final answer, and, streamed, of its chunks put together."""
+    offered = [*TOOLS, RUN] if offered is None else offered
+    tools = RequestTools(make_parser(parser, "", {}), offered, "auto", True)
     pieces = [text[i : i + step] for i in range(0, len(text), step)]
     events: list[Any] = [StartEvent("r1", "w-1", 3)]
     for i, piece in enumerate(pieces):
@@ -420,6 +431,63 @@ def test_a_hermes_block_not_offered_before_a_call_is_content() -> None:
         if step < len(text):  # (out before the call's name is)
             announced = next(k for k, (_, calls) in enumerate(deltas) if calls)
             assert "".join(d for d, _ in deltas[:announced]) == f"Hm. {block}", step
+
+
+# a call followed by one that is no call: a function not offered, or text that is not a call's
+# JSON. The first is a call; the second's text is content (it was dropped without a word).
+# Hermes blocks stand alone (a call after such a block is a call); in llama3_json and mistral
+# the rest of the output from the first object that is no call is content.
+NO_CALL = '<tool_call>\n{"name": "not_a_tool", "arguments": {"a": 1}}\n</tool_call>'
+AFTER_A_CALL: list[tuple[str, str, str, list[tuple[str, str]]]] = [
+    ("hermes", f"Hm. <tool_call>\n{CALL_B}\n</tool_call>\n{NO_CALL}", f"Hm. \n{NO_CALL}",
+     [("get_time", '{"zone": "UTC"}')]),
+    ("hermes", f"<tool_call>\n{CALL_B}\n</tool_call>\n<tool_call>\nnot json\n</tool_call>",
+     "\n<tool_call>\nnot json\n</tool_call>", [("get_time", '{"zone": "UTC"}')]),
+    ("hermes", f"<tool_call>\n{CALL_B}\n</tool_call>\n{NO_CALL}\n<tool_call>\n{CALL_A}\n"
+     "</tool_call>\nDone.", f"\n{NO_CALL}\n\nDone.",
+     [("get_time", '{"zone": "UTC"}'),
+      ("get_weather", '{"city": "Pa\\"ris }", "unit": "celsius"}')]),
+    ("hermes", f"<tool_call>\n{CALL_B}\n</tool_call>\n<tool_call>\n{{\"name\": \"get_",
+     "\n<tool_call>\n{\"name\": \"get_", [("get_time", '{"zone": "UTC"}')]),
+    ("llama3_json", '{"name": "get_time", "parameters": {"zone": "CET"}}; '
+     '{"name": "not_a_tool", "parameters": {}}', '{"name": "not_a_tool", "parameters": {}}',
+     [("get_time", '{"zone": "CET"}')]),
+    ("llama3_json", '{"name": "get_time", "parameters": {"zone": "CET"}} is the call.',
+     "is the call.", [("get_time", '{"zone": "CET"}')]),
+    ("mistral", 'Sure [TOOL_CALLS][{"name": "get_time"}, {"name": "not_a_tool"}, '
+     '{"name": "get_time"}]', 'Sure {"name": "not_a_tool"}, {"name": "get_time"}]',
+     [("get_time", "{}")]),
+    ("mistral", '[TOOL_CALLS][{"name": "get_time"}, {"name": tru}]', '{"name": tru}]',
+     [("get_time", "{}")]),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize(("parser", "text", "content", "calls"), AFTER_A_CALL)
+def test_what_follows_a_call_and_is_no_call_is_content(
+    parser: str, text: str, content: str, calls: list[tuple[str, str]]
+) -> None:
+    """Streamed a character a step, a few, or at once: the calls, and the text that is no call
+    as content, the same whatever the steps (the call that followed a call and was not one,
+    and any text after the calls, were lost)."""
+    expected = (content.rstrip(), [{"name": n, "arguments": a} for n, a in calls])
+    for step in (1, 2, 3, 7, len(text)):
+        tools = RequestTools(make_parser(parser, "", {}), TOOLS, "auto", True)
+        pieces = [text[i : i + step] for i in range(0, len(text), step)]
+        deltas = [tools.delta(0, p, [], i == len(pieces) - 1) for i, p in enumerate(pieces)]
+        assert _reassemble(deltas) == expected, step
+
+
+@pytest.mark.parametrize(("parser", "text", "content", "calls"), AFTER_A_CALL)
+@pytest.mark.parametrize("stream", [False, True])
+def test_what_follows_a_call_and_is_no_call_is_content_in_the_answer(
+    parser: str, text: str, content: str, calls: list[tuple[str, str]], stream: bool
+) -> None:
+    """Through the worker and the gateway, streamed or not: the calls, finish "tool_calls"
+    (each call is whole), and the text that is no call as the message's content."""
+    for step in (1, 3, len(text)):
+        answer, streamed = _answer(text, step, stream, parser)
+        assert answer == ("tool_calls", content.rstrip(), calls), step
+        assert streamed == answer, step
 
 
 class _BrokenHermes(HermesParser):
@@ -1044,6 +1112,49 @@ def test_forced_calls_of_tools_whose_anchors_share_a_name(stories: LLM, parser_n
                {"type": "function", "function": {"name": "digit", "parameters": digit}}]  # fmt: skip
     _forced_calls(stories, parser_name, offered, {"anchored": ANCHORED, "digit": digit},
                   "required", True)  # fmt: skip
+
+
+# numbers a forced call's grammar lets a model write (llguidance's JSON numbers, of any size,
+# as JSON's grammar has them) that a 64-bit float or integer cannot hold
+BIG = {"type": "object", "properties": {"x": {"type": "number"}, "n": {"type": "integer"}},
+       "required": ["x", "n"], "additionalProperties": False}  # fmt: skip
+BIG_ARGS = '{"x": -1.5e400, "n": 123456789012345678901234567890}'
+
+
+@pytest.mark.parametrize("parser_name", ["hermes", "llama3_json", "mistral"])
+def test_a_forced_call_with_numbers_beyond_64_bits_is_a_whole_call(
+    stories_dir: Path, parser_name: str
+) -> None:
+    """A call that tool_choice "required" forces may hold a number beyond a 64-bit float or
+    integer: the grammar takes it, and so does the parser: the call is whole (finish
+    "tool_calls"), its arguments the model's text, as the grammar made them (the parser took
+    1e400 for no JSON: the forced call finished "stop", as if cut off)."""
+    tok = Tokenizer.from_dir(stories_dir)
+    parser = make_parser(parser_name, "", tok.added_tokens)
+    offered = [{"type": "function", "function": {"name": "big", "parameters": BIG}}]
+    call = f'{{"name": "big", "{parser.arg_keys[0]}": {BIG_ARGS}}}'
+    text = dict(hermes=f"<tool_call>\n{call}\n</tool_call>", llama3_json=call,
+                mistral=f"[TOOL_CALLS][{call}]")[parser_name]  # fmt: skip
+    params = SamplingParams(max_tokens=160)
+    RequestTools(parser, offered, "required", True).constrain(params)
+    assert params.structured_outputs is not None
+    compiler = GrammarCompiler(tok, tok.vocab_size, tok.eos_token_ids)
+    matcher = compiler.grammar(params.structured_outputs, "tool_choice").matcher
+    assert all(matcher.consume_token(t) for t in compiler.tokenizer().tokenize_str(text))
+    assert matcher.is_accepting()
+    for step in (1, 3, len(text)):
+        for stream in (False, True):
+            answer, streamed = _answer(text, step, stream, parser_name, offered)
+            assert answer == ("tool_calls", None, [("big", BIG_ARGS)]), step
+            assert streamed == answer, step
+
+
+def test_json_numbers_of_any_size_are_json() -> None:
+    """The parsers read JSON as its grammar has it: a number is JSON whatever its size (an
+    integer of more digits than Python converts, 4,300, was no JSON either); NaN and Infinity
+    are not JSON."""
+    assert is_json_object('{"a": 1e400, "b": -2E-999, "c": ' + "9" * 5000 + "}")
+    assert not is_json_object('{"a": NaN}') and not is_json_object('{"a": -Infinity}')
 
 
 def test_parameters_without_a_type_describe_an_object() -> None:
