@@ -87,6 +87,7 @@ HOLD_POLL_S = 0.05  # how often a request waiting for a starting worker looks fo
 # only signal that the request waits; the request then waited out its whole hold for a worker
 # nobody started. (The pool reads the wait sets every tick: no wake-up is needed.)
 REHOLD_S = 5.0
+REHOLD_TIMEOUT_S = 1.0  # the longest a renewal may take
 WAKE_EVERY_S = 5.0  # how often a gateway serving a model from afar wakes a nearer pool for it
 END_READ_S = 1.0  # how long a finished worker stream may take to end its body
 HOLD_THROUGH_FAILURES = 2  # failed starts in a row after which a waiting request gets its 503
@@ -589,23 +590,26 @@ class Proxy:
             return False
         t0 = time.perf_counter()
         deadline = time.time() + self.config.hold_timeout_s
-        # This hold's own entry: a request held again (retried after its worker failed) is not
-        # counted twice, and the late release of its earlier hold (spawned, below) cannot
-        # remove the new entry.
+        # This hold's own entry: when a request is held again (retried after its worker
+        # failed), the late release of its earlier hold (spawned, below) cannot remove it.
         member = f"{call.gen.request_id}/{next(self._holds)}"
-        try:
-            await view.demand.hold(model, region, member, deadline)
-        except Exception as e:
-            log.warning("cannot signal the pool of region %s: %s", region, e)
-            return False
-        log.info("request %s waits for a %s worker in %s", call.request_id, model, region)
-        renew_at = time.monotonic() + REHOLD_S
-        try:
+        try:  # (released whatever happens once written: the wake-up after it may fail, or the
+            # client go away meanwhile, and the entry counted as demand for the whole hold)
+            try:
+                await view.demand.hold(model, region, member, deadline)
+            except Exception as e:
+                log.warning("cannot signal the pool of region %s: %s", region, e)
+                return False
+            log.info("request %s waits for a %s worker in %s", call.request_id, model, region)
+            renew_at = time.monotonic() + REHOLD_S
             while True:
                 if time.monotonic() >= renew_at and view.redis_ok:
                     renew_at = time.monotonic() + REHOLD_S
-                    with contextlib.suppress(Exception):  # (Redis down: the next renewal)
-                        await view.demand.hold(model, region, member, deadline, wake=False)
+                    try:  # (bounded: a Redis that hangs does not hold up the wait's polls)
+                        async with asyncio.timeout(REHOLD_TIMEOUT_S):
+                            await view.demand.hold(model, region, member, deadline, wake=False)
+                    except Exception as e:  # (Redis down: the next renewal, once it is back)
+                        view.redis_failed(e)
                 await view.refresh_soon(HOLD_POLL_S)
                 call.roles, call.disaggregated = view.router.serving_roles(
                     model, view.live_workers()

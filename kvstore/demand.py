@@ -101,7 +101,10 @@ local t = redis.call('TIME')
 local now = tonumber(t[1]) + tonumber(t[2]) / 1e6
 redis.call('ZADD', KEYS[1], now + tonumber(ARGV[2]), ARGV[1])
 local last = tonumber(redis.call('ZRANGE', KEYS[1], -1, -1, 'WITHSCORES')[2])
-return redis.call('PEXPIRE', KEYS[1], math.max(1, math.ceil((last - now) * 1000)))
+local ms = math.ceil((last - now) * 1000)
+if ms ~= ms or ms > 1e15 then ms = 1e15 end  -- (an endless hold's +inf score, from a gateway
+-- older than these scripts: PEXPIRE refuses inf, and every hold of the model failed with it)
+return redis.call('PEXPIRE', KEYS[1], math.max(1, ms))
 """
 
 # KEYS[1]: a wait set. Drops the entries past their deadline by Redis's clock; the count left.

@@ -1082,3 +1082,27 @@ def test_a_held_request_is_counted_again_after_redis_lost_its_data(
                 held.result(60)
     finally:
         gateway.stop()
+
+
+def test_a_hold_beside_an_endless_one_of_an_older_gateway(redis_server) -> None:  # type: ignore[no-untyped-def]
+    """An endless hold (score +inf) that a gateway older than the Redis-clock scripts wrote
+    (`--hold-timeout inf`, a plain ZADD) does not fail the holds of newer gateways for the
+    model (PEXPIRE refused the infinite TTL: every hold failed, each request a 503 at once);
+    the set then keeps the longest TTL a number can say."""
+    import asyncio
+
+    from kvstore.client import connect
+    from kvstore.demand import Demand, wait_key
+
+    async def run() -> None:
+        r = connect(redis_server.url)
+        try:
+            d = Demand(r)
+            await r.zadd(wait_key("m", "r"), {"old-gateway": float("inf")})
+            await d.hold("m", "r", "new-gateway/0", time.time() + 30, wake=False)
+            assert await d.waiting("m", "r") == 2
+            assert await r.pttl(wait_key("m", "r")) > 10**14
+        finally:
+            await r.aclose()
+
+    asyncio.run(run())
