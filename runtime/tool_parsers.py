@@ -595,7 +595,9 @@ def _json_value(text: str) -> Any:
     try:
         return json.loads(text, strict=False, parse_constant=_refuse, parse_float=Decimal,
                           parse_int=Decimal)  # fmt: skip
-    except (ValueError, RecursionError):  # (json.JSONDecodeError is a ValueError)
+    except (ValueError, RecursionError, ArithmeticError):  # (json.JSONDecodeError is a
+        # ValueError; an exponent beyond Decimal's, 1e9999999999999999999, is an
+        # InvalidOperation, an ArithmeticError: not JSON here)
         return _NOT_JSON
 
 
@@ -630,8 +632,8 @@ def _call(s: str, arg_keys: tuple[str, ...], names: frozenset[str] | None) -> Pa
         i = _skip_ws(s, i)
         if i >= len(s):
             return ParsedCall(name, args, False)
-        if s[i] == "}":
-            return ParsedCall(name, args or "{}", True)
+        if s[i] == "}":  # (an object that closed with no name is no call: text)
+            return None if name is None else ParsedCall(name, args or "{}", True)
         if s[i] == ",":
             i += 1
             continue
