@@ -76,27 +76,23 @@ MAX_ROWS_BF16_ACT = 8
 # The most rows of x the packed kernel takes (from 128 rows about even with the float32 weights
 # through the GEMM; the LM head's Q8_0 blocks slower from 64).
 MAX_ROWS_PACKED = 64
-# On AMD CPUs (the 2-vCPU EPYC Zen 4 guest, 2026-11-27: ms a pass over one SmolLM2 layer's four
-# products, 1 thread / 2 threads) the float32 kernel overtakes the packed one from 12 rows, where
-# the products are bound by the FMA units rather than by the bytes the blocks save: 1.48 against
-# 1.56 / 1.37 against 1.40 at 12, 1.53 against 1.82 / 0.79 against 0.95 at 16, 3.04 against 3.30 /
-# 1.78 against 1.89 at 40-48, 4.60 against 4.78 / 2.29 against 2.46 at 64 (the packed kernel still
-# ahead up to 8 rows with one thread: 0.92 against 0.99). And it stays ahead of the oneDNN GEMM
-# that takes the rows above it there up to 192 rows: 9.07 against 9.72 / 4.57 against 5.25 at 128,
-# 13.21 against 13.86 / 6.62 against 7.29 at 192, even at 256 (18.37 / 18.20, 9.60 / 9.56).
+# On AMD CPUs the float32 kernel stays ahead of the oneDNN GEMM that takes the rows above it there
+# up to 192 rows (the 2-vCPU EPYC Zen 4 guest, 2026-11-27, ms a pass over one SmolLM2 layer's
+# four products, 1 thread / 2 threads: 9.07 against 9.72 / 4.57 against 5.25 at 128, 13.21
+# against 13.86 / 6.62 against 7.29 at 192; even at 256). The packed kernel keeps its 64 rows
+# there: from 16 rows the two are within the host's noise (3% either way, run to run), and
+# below 16 the packed one is 1.1-1.7x faster (the float32 kernel's broadcast micro-kernel
+# starts at 16), the LM head's Q8_0 blocks too.
 MAX_ROWS_AMD = 192
-MAX_ROWS_PACKED_AMD = 8
 
 
-def _row_limits() -> tuple[int, int]:
-    """(MAX_ROWS, MAX_ROWS_PACKED) for this CPU: the measured crossovers above (AMD's, or the
-    Xeon's that the defaults were measured on)."""
-    if cpu_ext.cpu_vendor() == "AuthenticAMD":
-        return MAX_ROWS_AMD, MAX_ROWS_PACKED_AMD
-    return 128, MAX_ROWS_PACKED
+def _max_rows_f32() -> int:
+    """MAX_ROWS for this CPU: the measured crossover above (AMD's), or the Xeon's that the
+    default was measured on."""
+    return MAX_ROWS_AMD if cpu_ext.cpu_vendor() == "AuthenticAMD" else 128
 
 
-MAX_ROWS, MAX_ROWS_PACKED = _row_limits()
+MAX_ROWS = _max_rows_f32()
 
 
 @dataclass(frozen=True, slots=True)
