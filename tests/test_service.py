@@ -506,9 +506,10 @@ def test_requests_held_for_a_pool_share_one_status_read(tmp_path: Path) -> None:
             stats.config_resetstat()
             assert set(asyncio.run(burst())) == {503}  # (no worker came: Retry-After)
             calls = sum(v["calls"] for v in stats.info("commandstats").values())  # type: ignore[union-attr]
-            # shared: ~hold_s / 50 ms status reads, a few commands per request to hold and
-            # release it, the snapshot's refreshes; one read each: held x 40 more
-            assert calls < 8 * held + 2 * hold_s / 0.05 + 100, calls
+            # shared: ~hold_s / 50 ms status reads (a script: EVAL, GET, TIME), ~8 commands a
+            # request to hold and release it (the hold's script counts its own: TIME, ZADD,
+            # ZRANGE, PEXPIRE), the snapshot's refreshes; one read each: held x 120 more
+            assert calls < 10 * held + 3 * hold_s / 0.05 + 200, calls
         finally:
             gw.stop()
 
