@@ -2,9 +2,12 @@
 them cleanly when one dies.
 
     rank 0 (the worker's own process: scheduler, internal API, sampler)
-      ├─ spawns ranks 1..world-1 (followers), each a process that dies with rank 0 (PDEATHSIG)
-      ├─ a TCPStore on 127.0.0.1: rank 0 waits for every follower to check in (failing at once,
-      │  naming the rank and its exit code, if one exits first), then torch.distributed (gloo)
+      ├─ spawns ranks 1..world-1 (followers), each a process that dies with rank 0 (PDEATHSIG;
+      │  one whose rank 0 died before that was armed, while it imported, exits at once)
+      ├─ a TCPStore on 127.0.0.1: rank 0 waits for every follower to check in, then
+      │  torch.distributed (gloo), its waits for the followers' addresses watched: a follower
+      │  that exits before or while the group forms fails the start at once, naming the rank
+      │  and its exit code (RankStartError), and the other followers are killed
       ├─ every rank loads only its part of the weights (runtime.parallel.RankPlace), then reports
       │  its load error or None to rank 0 (all_gather_object): any error ends start-up, named
       └─ per step: rank 0 sends the step's plan (micro-batches of input ids and attention
@@ -45,7 +48,7 @@ from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NoReturn
 
 import torch
 import torch.distributed as dist
@@ -65,6 +68,13 @@ log = logging.getLogger("edgeinfer.ranks")
 
 JOIN_TIMEOUT_S = 120.0  # followers' time to start and check in (imports, a cold page cache)
 COLLECTIVE_TIMEOUT = timedelta(minutes=10)  # gloo's bound on one collective (a long prefill)
+# Rank 0's bound on gloo's connections while the groups form (its waits on the store end as
+# soon as a follower exits: `_Watched`). Every follower has checked in by then, so each pair of
+# ranks connects within moments; but one that died between publishing its address and
+# connecting leaves rank 0's side of the pair waiting, which only this ends: measured, gloo
+# gives up after about 5 times it (so about 50 minutes with COLLECTIVE_TIMEOUT)
+CONNECT_TIMEOUT = timedelta(seconds=10)
+LEAVE_AFTER_S = 5.0  # a follower whose start failed: its wait to be killed by rank 0 (its watch)
 
 # One micro-batch of a step: (input ids (T,), its attention metadata)
 Plan = tuple[torch.Tensor, "StepContext"]
@@ -72,6 +82,12 @@ Plan = tuple[torch.Tensor, "StepContext"]
 
 class RankFailure(RuntimeError):
     """A rank of this worker died or failed; the worker cannot go on."""
+
+
+class RankStartError(RankFailure, OSError):
+    """The ranks could not start: a follower exited, or did not join in time (the message names
+    it). An OSError too, as a taken rendezvous port is: the command line reports it in one line
+    (exit status 2), not as a traceback."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -88,29 +104,45 @@ class RankSpec:
 
 
 def _die_with_parent() -> None:
-    """Linux: this process gets SIGKILL when its parent (rank 0) dies."""
+    """Linux: this process gets SIGKILL when its parent (rank 0) dies. The signal is armed only
+    now, after the seconds of interpreter start and imports: a parent that died before then
+    never sends it (the follower, reparented, waited ~300 s on the store's connect retries), so
+    one gone already ends this process here. multiprocessing's handle on the parent answers
+    from a pipe whose write end only the parent holds, as runtime.lifeline's does (spawn makes
+    one for every child), with no race on the parent's pid."""
     with contextlib.suppress(OSError, AttributeError):
         libc = ctypes.CDLL("libc.so.6", use_errno=True)
         libc.prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    parent = mp.parent_process()
+    if parent is not None and not parent.is_alive():
+        os._exit(1)
 
 
 def _threads(spec: RankSpec) -> int:
     return spec.num_threads or max(1, (os.cpu_count() or 1) // spec.parallel.world_size)
 
 
-def _join(spec: RankSpec, rank: int, store: dist.TCPStore) -> RankPlace:
-    """torch.distributed up on this rank, and its stage's process group."""
+def _join(spec: RankSpec, rank: int, store: dist.Store,
+          timeout: timedelta = COLLECTIVE_TIMEOUT) -> RankPlace:  # fmt: skip
+    """torch.distributed up on this rank, and its stage's process group. `timeout` bounds
+    gloo's waits while the groups form (its collectives get COLLECTIVE_TIMEOUT after)."""
     par = spec.parallel
     dist.init_process_group(
-        "gloo", store=store, rank=rank, world_size=par.world_size, timeout=COLLECTIVE_TIMEOUT
+        "gloo", store=store, rank=rank, world_size=par.world_size, timeout=timeout
     )
     group = None
     g = par.group_size
     for stage in range(par.pp):  # every rank creates every group, in the same order
         ranks = list(range(stage * g, (stage + 1) * g))
-        made = dist.new_group(ranks) if g > 1 else None
+        made = dist.new_group(ranks, timeout=timeout) if g > 1 else None
         if rank in ranks:
             group = made
+    if timeout != COLLECTIVE_TIMEOUT:  # (rank 0's, while forming: see CONNECT_TIMEOUT)
+        from torch.distributed.distributed_c10d import _set_pg_timeout
+
+        _set_pg_timeout(COLLECTIVE_TIMEOUT)  # the whole world's group
+        if group is not None:
+            _set_pg_timeout(COLLECTIVE_TIMEOUT, group)
     return RankPlace(par, rank, group=group)
 
 
@@ -138,8 +170,7 @@ def _follower_main(spec: RankSpec, rank: int) -> None:
         store.set(f"joined/{rank}", "1")
         place = _join(spec, rank, store)
     except Exception as e:
-        print(f"rank {rank}: could not join the group: {e}", flush=True)
-        os._exit(1)
+        _leave_failed_start(rank, f"could not join the group: {e}")
     pending, error = _load(spec, place)
     model = None
     if pending is not None:
@@ -148,7 +179,10 @@ def _follower_main(spec: RankSpec, rank: int) -> None:
         except Exception as e:
             error = f"rank {rank}: {type(e).__name__}: {e}"
     errors: list[str | None] = [None] * spec.parallel.world_size
-    dist.all_gather_object(errors, error)
+    try:
+        dist.all_gather_object(errors, error)
+    except Exception as e:
+        _leave_failed_start(rank, f"the ranks could not start: {e}")
     if any(errors) or model is None:
         os._exit(1)
     try:
@@ -157,6 +191,16 @@ def _follower_main(spec: RankSpec, rank: int) -> None:
         log.error("rank %d: leaving\n%s", rank, traceback.format_exc())
         os._exit(1)
     os._exit(0)
+
+
+def _leave_failed_start(rank: int, why: str) -> NoReturn:
+    """A follower whose start failed in a collective, most often because a peer that died hung
+    up. Rank 0's watch sees the rank that exited and kills the others at once, naming it; one
+    that left as soon as it noticed could be the exit seen first, and named instead. So this
+    one waits to be killed, and leaves on its own, saying why, only if that does not come."""
+    time.sleep(LEAVE_AFTER_S)
+    print(f"rank {rank}: {why}", flush=True)
+    os._exit(1)
 
 
 def _follow(model: LlamaForCausalLM) -> None:
@@ -304,11 +348,14 @@ class RankGroup:
     """Rank 0's handle on its followers: the commands it sends, and their liveness."""
 
     def __init__(self, spec: RankSpec, procs: Sequence[mp.process.BaseProcess],
-                 threads_before: int | None = None):  # fmt: skip
+                 threads_before: int | None = None, store: dist.Store | None = None):  # fmt: skip
         """`threads_before`: this process's torch threads before the ranks took their share,
-        given back at `close`."""
+        given back at `close`. `store`: the process group's store, kept until `close`: one
+        written in Python (`_Watched`) is not kept alive by the group itself (its methods then
+        fail inside torch), nor the rendezvous it wraps (whose listener closed with it)."""
         self.spec = spec
         self._threads_before = threads_before
+        self._store = store
         self.procs = procs  # procs[i] is rank i + 1
         self.failed: str | None = None
         self.on_failure: list[Callable[[str], None]] = []
@@ -455,6 +502,7 @@ class RankGroup:
                 p.kill()
         with contextlib.suppress(Exception):
             dist.destroy_process_group()
+        self._store = None  # the rendezvous closes with the group, as it did
         if self._threads_before is not None:
             torch.set_num_threads(self._threads_before)
 
@@ -548,8 +596,9 @@ def start_ranks(
     weight_dtype: str = "auto",
 ) -> tuple[PendingLoad, RankGroup]:
     """Check the setting against the model, start the followers, join them, and start rank 0's
-    load. Raises ValueError for a setting the model cannot take, RuntimeError for a world that
-    cannot start (the port taken, a rank that exits), ModelLoadError for a rank's load error."""
+    load. Raises ValueError for a setting the model cannot take, OSError for a world that cannot
+    start (the port taken; RankStartError: a rank that exits or does not join, the others then
+    killed), ModelLoadError for a rank's load error."""
 
     cfg = ModelConfig.from_dir(model)
     parallel.check(cfg)  # before any process starts
@@ -577,18 +626,33 @@ def start_ranks(
     ]
     for p in procs:
         p.start()
+    watch = _StartWatch(procs)
+    watched = _Watched(store, watch)
     try:
-        _wait_joined(store, procs)
-        place = _join(spec, 0, store)
+        _wait_joined(store, watch)
+        if not dist.is_initialized():
+            # torch names the groups (the keys gloo uses in the store) by a count kept in this
+            # process, which a start that failed inside gloo's set-up left counted; the
+            # followers, new processes, count from 0 (and waited for keys never written)
+            dist.distributed_c10d._world.group_count = 0
+        place = _join(spec, 0, watched, timeout=CONNECT_TIMEOUT)
         pending, error = _load(spec, place)
         errors: list[str | None] = [None] * parallel.world_size
         dist.all_gather_object(errors, error)
-    except BaseException:
+    except BaseException as e:
+        # gloo says only that a peer hung up: the follower that exited is named instead (the
+        # watch sees it within moments of its sockets' closing)
+        dead = watch.stop(wait_for_death=1.0 if isinstance(e, Exception) else 0.0)
         for p in procs:
             p.kill()
+        for p in procs:
+            p.join(timeout=5)
         with contextlib.suppress(Exception):  # where rank 0 had joined it
             dist.destroy_process_group()
+        if dead is not None and not isinstance(e, RankStartError):
+            raise RankStartError(f"{dead} while the ranks started") from e
         raise
+    watch.stop()
     failed = [e for e in errors if e]
     if failed or pending is None:
         for p in procs:
@@ -600,21 +664,112 @@ def start_ranks(
         raise ModelLoadError("; ".join(e for e in failed if e))
     threads_before = torch.get_num_threads()
     torch.set_num_threads(_threads(spec))
-    return pending, RankGroup(spec, procs, threads_before)
+    return pending, RankGroup(spec, procs, threads_before, watched)
 
 
-def _wait_joined(store: dist.TCPStore, procs: Sequence[mp.process.BaseProcess]) -> None:
-    """Until every follower has checked in; a RuntimeError naming one that exited first."""
+def _wait_joined(store: dist.TCPStore, watch: _StartWatch) -> None:
+    """Until every follower has checked in; a RankStartError naming one that exits first."""
     deadline = time.monotonic() + JOIN_TIMEOUT_S
-    waiting = set(range(1, len(procs) + 1))
+    waiting = set(range(1, len(watch.procs) + 1))
     while waiting:
         waiting = {r for r in waiting if not store.check([f"joined/{r}"])}
-        for r in waiting:
-            code = procs[r - 1].exitcode
-            if code is not None:
-                raise RuntimeError(f"rank {r} exited (code {code}) before joining the group")
+        watch.check("while the ranks checked in")
         if time.monotonic() > deadline:
-            raise RuntimeError(
+            raise RankStartError(
                 f"ranks {sorted(waiting)} did not join within {JOIN_TIMEOUT_S:.0f} s"
             )
         time.sleep(0.02)
+
+
+class _StartWatch:
+    """Rank 0's watch on the followers while they start (RankGroup's watchdog takes over once
+    they are up). The first to exit is recorded, and the others are killed at once: whatever
+    rank 0 waits in then fails within moments, a store wait (`_Watched`) or a collective with
+    them, instead of waiting for the failure to travel round gloo's ring (a follower that saw a
+    peer hang up exits of its own error, seconds later: named first, it hid the one that
+    died)."""
+
+    def __init__(self, procs: Sequence[mp.process.BaseProcess]) -> None:
+        self.procs = procs
+        self.dead: str | None = None  # "rank r of n exited (code c)"
+        self._died = threading.Event()
+        self._stopped = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="ranks-start-watch", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        while not self._stopped.wait(0.02):
+            for rank, p in enumerate(self.procs, start=1):
+                if p.exitcode is not None:
+                    world = len(self.procs) + 1
+                    self.dead = f"rank {rank} of {world} exited (code {p.exitcode})"
+                    self._died.set()
+                    for q in self.procs:
+                        q.kill()
+                    return
+
+    def check(self, when: str) -> None:
+        """A RankStartError if a follower has exited."""
+        if self.dead is not None:
+            raise RankStartError(f"{self.dead} {when}")
+
+    def stop(self, wait_for_death: float = 0.0) -> str | None:
+        """End the watch, after up to `wait_for_death` s for a follower's exit if none was seen
+        yet; the exit it saw, if any."""
+        if wait_for_death:
+            self._died.wait(wait_for_death)
+        self._stopped.set()
+        self._thread.join()
+        return self.dead
+
+
+class _Watched(dist.Store):
+    """The rendezvous store as rank 0's process groups see it while they form. Gloo waits on it
+    for every rank's address (the whole group's, then each stage's): a follower that exited
+    after checking in never writes its own, and rank 0 waited out gloo's timeout (10 minutes).
+    Here each wait gives up as soon as a follower has exited, naming it. (A store written in
+    Python: torch.distributed calls these methods from its C++ side.)"""
+
+    def __init__(self, store: dist.TCPStore, watch: _StartWatch) -> None:
+        super().__init__()
+        self._store, self._watch = store, watch
+
+    def wait(self, keys: list[str], timeout: timedelta | None = None) -> None:
+        # gloo's timeout (CONNECT_TIMEOUT) is for connections: a follower alive and slow to
+        # publish gets the followers' time to check in
+        limit = JOIN_TIMEOUT_S
+        deadline = time.monotonic() + limit
+        while True:
+            # first, even where the keys are there: a follower that published its address and
+            # died is not connected to (a wait on that connection is only ended by its timeout)
+            self._watch.check("while the ranks formed their group")
+            if self._store.check(keys):
+                return
+            if time.monotonic() > deadline:
+                raise RankStartError(f"the ranks did not form their group within {limit:.0f} s")
+            time.sleep(0.01)
+
+    def get(self, key: str) -> bytes:
+        self.wait([key])
+        return self._store.get(key)
+
+    def set(self, key: str, value: str) -> None:
+        self._store.set(key, value)
+
+    def check(self, keys: list[str]) -> bool:
+        return self._store.check(keys)
+
+    def add(self, key: str, amount: int) -> int:
+        return self._store.add(key, amount)
+
+    def compare_set(self, key: str, expected: str, desired: str) -> bytes:
+        return self._store.compare_set(key, expected, desired)
+
+    def delete_key(self, key: str) -> bool:
+        return self._store.delete_key(key)
+
+    def num_keys(self) -> int:
+        return self._store.num_keys()
+
+    def set_timeout(self, timeout: timedelta) -> None:
+        self._store.set_timeout(timeout)

@@ -214,3 +214,21 @@ def generate(worker: Proc, request_id: str, prompt: str, max_tokens: int,
             return resp.status
     except urllib.error.HTTPError as e:
         return e.code
+
+
+def spawned_ranks(pid: int, zombies: bool = True) -> list[int]:
+    """Processes whose parent is `pid` and that multiprocessing spawned (ranks); `zombies`:
+    with those that exited and wait to be reaped."""
+    found = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            stat = Path(f"/proc/{entry}/stat").read_text()
+            cmdline = Path(f"/proc/{entry}/cmdline").read_bytes()
+        except OSError:
+            continue
+        fields = stat.rsplit(")", 1)[1].split()
+        if int(fields[1]) == pid and b"spawn_main" in cmdline and (zombies or fields[0] != "Z"):
+            found.append(int(entry))
+    return found

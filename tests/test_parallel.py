@@ -27,6 +27,7 @@ from tests.stack import (
     SECRET,
     chat_model,
     get_json,
+    spawned_ranks,
     start_gateway,
     start_worker,
     wait_until,
@@ -430,19 +431,7 @@ regions:
 
 def _children(pid: int) -> list[int]:
     """Processes whose parent is `pid` and that multiprocessing spawned as ranks."""
-    found = []
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        try:
-            stat = Path(f"/proc/{entry}/stat").read_text()
-            cmdline = Path(f"/proc/{entry}/cmdline").read_bytes()
-        except OSError:
-            continue
-        ppid = int(stat.rsplit(")", 1)[1].split()[1])
-        if ppid == pid and b"spawn_main" in cmdline:
-            found.append(int(entry))
-    return found
+    return spawned_ranks(pid)
 
 
 def test_worker_of_two_ranks_serves_and_dies_cleanly(

@@ -1,0 +1,179 @@
+"""A split model's ranks starting (runtime.ranks.start_ranks) when one of them dies: a follower
+that exits once it has checked in fails the start at once, naming it (rank 0 waited out gloo's
+10 minutes), and the others are stopped; a follower whose rank 0 died before the follower could
+arm its parent-death signal exits (it was orphaned for ~300 s); the command line reports such a
+start in one line (it was a traceback).
+
+Followers are the real ones, started by spawn: `_follower_main` is swapped for a function of
+this module, which the follower imports and which swaps in its failure there before running the
+real `_follower_main`."""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch.distributed as dist
+
+from runtime import ranks as ranks_module
+from runtime.parallel import ParallelConfig
+from runtime.ranks import COLLECTIVE_TIMEOUT, RankStartError
+from tests.stack import spawned_ranks
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _exits_once_checked_in(spec: ranks_module.RankSpec, rank: int) -> None:
+    """A follower (in its own process): rank 1 exits with code 3 once it has checked in, before
+    it joins gloo's group."""
+    if rank == 1:
+        ranks_module._join = lambda *args, **kwargs: os._exit(3)
+    ranks_module._follower_main(spec, rank)
+
+
+def _rank_2_exits_while_loading(spec: ranks_module.RankSpec, rank: int) -> None:
+    """A follower: rank 2 exits with code 4 half a second into its load (the group is up)."""
+    if rank == 2:
+
+        def load(*args: object) -> None:
+            time.sleep(0.5)
+            os._exit(4)
+
+        ranks_module._load = load  # type: ignore[assignment]
+    ranks_module._follower_main(spec, rank)
+
+
+def _starts_after_its_parent_died(spec: ranks_module.RankSpec, rank: int) -> None:
+    """A follower that gets to its start only once rank 0 has died, as one does whose rank 0
+    dies while it still imports (too early for the parent-death signal to be armed)."""
+    rank0 = mp.parent_process()  # its pid (rank 0 may be gone already: this one imported first)
+    assert rank0 is not None
+    parent = rank0.pid
+    deadline = time.monotonic() + 60
+    while os.getppid() == parent and time.monotonic() < deadline:
+        time.sleep(0.01)
+    ranks_module._follower_main(spec, rank)
+
+
+def _spawned_children() -> set[int]:
+    """This process's children that multiprocessing spawned (ranks), zombies left out."""
+    return set(spawned_ranks(os.getpid(), zombies=False))
+
+
+def _gone(pid: int) -> bool:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] == "Z"
+    except OSError:
+        return True
+
+
+def test_a_follower_that_exits_once_checked_in_fails_the_start_at_once(
+    stories_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """pp=3: rank 1 exits after checking in. Rank 0 raises within seconds, naming it (it waited
+    in gloo's process-group set-up for rank 1's address for the 10-minute collective timeout),
+    rank 2 is stopped, and the process group is not left initialized."""
+    before = _spawned_children()
+    monkeypatch.setattr(ranks_module, "_follower_main", _exits_once_checked_in)
+    t0 = time.monotonic()
+    with pytest.raises(RankStartError, match=r"^rank 1 of 3 exited \(code 3\) while the ranks"):
+        ranks_module.start_ranks(str(stories_dir), "float32", None, ParallelConfig(pp=3))
+    assert time.monotonic() - t0 < 60
+    assert _spawned_children() <= before  # rank 2 too: none left running
+    assert not dist.is_initialized()
+
+
+def test_a_follower_that_dies_while_the_ranks_load_is_the_one_named(
+    stories_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """pp=3: rank 2 exits while loading, once the group is up. Its peers see it hang up in the
+    gathering of load errors; rank 0 names rank 2, not a peer that left of that error (a peer
+    waits to be stopped instead), and stops them."""
+    before = _spawned_children()
+    monkeypatch.setattr(ranks_module, "_follower_main", _rank_2_exits_while_loading)
+    t0 = time.monotonic()
+    with pytest.raises(RankStartError, match=r"^rank 2 of 3 exited \(code 4\) while the ranks"):
+        ranks_module.start_ranks(str(stories_dir), "float32", None, ParallelConfig(pp=3))
+    assert time.monotonic() - t0 < 60
+    assert _spawned_children() <= before
+    assert not dist.is_initialized()
+
+
+def test_a_start_after_one_failed_in_gloo_forms_its_groups_with_the_usual_timeout(
+    stories_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A start that failed inside gloo's set-up leaves torch's count of this process's groups at
+    1 (set here as it leaves it): rank 0 named its groups from there, the new followers from 0,
+    and the next start waited on keys nobody wrote. And rank 0 forms its groups with a short
+    bound on gloo's connections (CONNECT_TIMEOUT); its collectives then get the usual one (a
+    long prefill would otherwise fail the ranks)."""
+    import torch
+
+    monkeypatch.setattr(dist.distributed_c10d._world, "group_count", 1)
+    pending, group = ranks_module.start_ranks(str(stories_dir), "float32", None,
+                                              ParallelConfig(tp=2))  # fmt: skip
+    try:
+        model = pending.finish()
+        assert model.place.group is not None
+        for pg in (dist.distributed_c10d._get_default_group(), model.place.group):
+            assert pg._get_backend(torch.device("cpu")).options._timeout == COLLECTIVE_TIMEOUT
+    finally:
+        group.close()
+
+
+def test_a_follower_whose_rank_0_died_early_exits(tmp_path: Path, stories_dir: Path) -> None:
+    """Rank 0 killed while its follower is still starting, before the follower armed its
+    parent-death signal: the follower exits within moments (it went on, reparented, through
+    the store's connect timeouts and retries, ~300 s)."""
+    pids = tmp_path / "pids"
+    script = f"""
+import os, signal, sys, threading, time, multiprocessing as mp
+sys.path[:0] = [{str(ROOT)!r}, {str(Path(__file__).parent)!r}]
+import importlib
+from runtime import ranks
+from runtime.parallel import ParallelConfig
+ranks._follower_main = getattr(importlib.import_module({__name__!r}),
+                               "_starts_after_its_parent_died")
+def die() -> None:
+    while not mp.active_children():
+        time.sleep(0.01)
+    with open({str(pids)!r}, "w") as f:
+        f.write(" ".join(str(p.pid) for p in mp.active_children()))
+    os.kill(os.getpid(), signal.SIGKILL)
+threading.Thread(target=die, daemon=True).start()
+ranks.start_ranks({str(stories_dir)!r}, "float32", None, ParallelConfig(tp=2))
+time.sleep(60)
+"""
+    log = (tmp_path / "log").open("w")
+    rank0 = subprocess.run([sys.executable, "-c", script], cwd=ROOT, stdout=log, stderr=log,
+                           timeout=120)  # fmt: skip
+    assert rank0.returncode == -9, (tmp_path / "log").read_text()
+    (follower,) = (int(p) for p in pids.read_text().split())
+    deadline = time.monotonic() + 60
+    while not _gone(follower) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert _gone(follower), f"rank 1 ({follower}) outlived its rank 0 by a minute"
+
+
+def test_the_command_line_reports_a_failed_start_in_one_line(
+    stories_dir: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """`edgeinfer generate --tp 2` whose follower exits: one line naming it, exit status 2 (a
+    traceback of RuntimeError, status 1)."""
+    from runtime.cli import main
+
+    before = _spawned_children()
+    monkeypatch.setattr(ranks_module, "_follower_main", _exits_once_checked_in)
+    code = main(["generate", "--model", str(stories_dir), "--tp", "2", "--max-tokens", "1",
+                 "Once"])  # fmt: skip
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 2
+    assert err[-1].startswith("edgeinfer: error: rank 1 of 2 exited (code 3) while the ranks")
+    assert not any("Traceback" in line for line in err)
+    assert not dist.is_initialized()
+    assert _spawned_children() <= before
