@@ -17,8 +17,9 @@ Greedy requests draft the argmax; sampled ones draw from q = `target_probs` of t
 (the target's temperature, min_p, top_k, top_p), and q rides along to `verify` in
 `Request.spec_draft_probs`. A constrained request (structured output) drafts under its grammar's
 mask, advanced over its drafts as they are made and rolled back after (`_GrammarDrafts`): an
-unmasked draft the grammar refuses is always rejected, and with it every draft after it. A request's draft blocks are freed when it finishes (`forget`) or is
-no longer running when the next step proposes (preempted).
+unmasked draft the grammar refuses is always rejected, and with it every draft after it. A
+request's draft blocks are freed when it finishes (`forget`) or is no longer running when the
+next step proposes (preempted).
 """
 
 from __future__ import annotations

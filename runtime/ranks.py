@@ -373,10 +373,10 @@ class RankGroup:
 
     def _watchdog(self) -> None:
         while not self._closed:
-            for rank, p in enumerate(self.procs, start=1):
-                if p.exitcode is not None and not self._closed:
-                    self._fail(f"rank {rank} of {self.world_size} exited (code {p.exitcode})")
-                    return
+            dead = _first_exited(self.procs)
+            if dead is not None and not self._closed:
+                self._fail(dead)
+                return
             time.sleep(0.2)
 
     def _fail(self, why: str) -> None:
@@ -667,6 +667,15 @@ def start_ranks(
     return pending, RankGroup(spec, procs, threads_before, watched)
 
 
+def _first_exited(procs: Sequence[mp.process.BaseProcess]) -> str | None:
+    """"rank r of n exited (code c)" for the first follower (procs[i] is rank i + 1) that has
+    exited, or None: what the watches, at start-up and after, name."""
+    for rank, p in enumerate(procs, start=1):
+        if p.exitcode is not None:
+            return f"rank {rank} of {len(procs) + 1} exited (code {p.exitcode})"
+    return None
+
+
 def _wait_joined(store: dist.TCPStore, watch: _StartWatch) -> None:
     """Until every follower has checked in; a RankStartError naming one that exits first."""
     deadline = time.monotonic() + JOIN_TIMEOUT_S
@@ -699,14 +708,12 @@ class _StartWatch:
 
     def _run(self) -> None:
         while not self._stopped.wait(0.02):
-            for rank, p in enumerate(self.procs, start=1):
-                if p.exitcode is not None:
-                    world = len(self.procs) + 1
-                    self.dead = f"rank {rank} of {world} exited (code {p.exitcode})"
-                    self._died.set()
-                    for q in self.procs:
-                        q.kill()
-                    return
+            self.dead = _first_exited(self.procs)
+            if self.dead is not None:
+                self._died.set()
+                for p in self.procs:
+                    p.kill()
+                return
 
     def check(self, when: str) -> None:
         """A RankStartError if a follower has exited."""

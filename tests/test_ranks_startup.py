@@ -72,35 +72,30 @@ def _gone(pid: int) -> bool:
         return True
 
 
-def test_a_follower_that_exits_once_checked_in_fails_the_start_at_once(
-    stories_dir: Path, monkeypatch: pytest.MonkeyPatch
+@pytest.mark.parametrize(
+    ("follower", "named"),
+    [
+        # rank 1 exits after checking in: rank 0 waited in gloo's process-group set-up for its
+        # address for the 10-minute collective timeout
+        (_exits_once_checked_in, r"^rank 1 of 3 exited \(code 3\) while the ranks"),
+        # rank 2 exits while loading, once the group is up: its peers see it hang up in the
+        # gathering of load errors; rank 0 names rank 2, not a peer that left of that error (a
+        # peer waits to be stopped instead)
+        (_rank_2_exits_while_loading, r"^rank 2 of 3 exited \(code 4\) while the ranks"),
+    ],
+)
+def test_a_follower_that_exits_fails_the_start_at_once_named(
+    stories_dir: Path, monkeypatch: pytest.MonkeyPatch, follower, named: str  # type: ignore[no-untyped-def]
 ) -> None:
-    """pp=3: rank 1 exits after checking in. Rank 0 raises within seconds, naming it (it waited
-    in gloo's process-group set-up for rank 1's address for the 10-minute collective timeout),
-    rank 2 is stopped, and the process group is not left initialized."""
+    """pp=3, a follower exits while the ranks start: rank 0 raises within seconds, naming it,
+    the other follower is stopped, and the process group is not left initialized."""
     before = _spawned_children()
-    monkeypatch.setattr(ranks_module, "_follower_main", _exits_once_checked_in)
+    monkeypatch.setattr(ranks_module, "_follower_main", follower)
     t0 = time.monotonic()
-    with pytest.raises(RankStartError, match=r"^rank 1 of 3 exited \(code 3\) while the ranks"):
+    with pytest.raises(RankStartError, match=named):
         ranks_module.start_ranks(str(stories_dir), "float32", None, ParallelConfig(pp=3))
     assert time.monotonic() - t0 < 60
-    assert _spawned_children() <= before  # rank 2 too: none left running
-    assert not dist.is_initialized()
-
-
-def test_a_follower_that_dies_while_the_ranks_load_is_the_one_named(
-    stories_dir: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """pp=3: rank 2 exits while loading, once the group is up. Its peers see it hang up in the
-    gathering of load errors; rank 0 names rank 2, not a peer that left of that error (a peer
-    waits to be stopped instead), and stops them."""
-    before = _spawned_children()
-    monkeypatch.setattr(ranks_module, "_follower_main", _rank_2_exits_while_loading)
-    t0 = time.monotonic()
-    with pytest.raises(RankStartError, match=r"^rank 2 of 3 exited \(code 4\) while the ranks"):
-        ranks_module.start_ranks(str(stories_dir), "float32", None, ParallelConfig(pp=3))
-    assert time.monotonic() - t0 < 60
-    assert _spawned_children() <= before
+    assert _spawned_children() <= before  # none left running
     assert not dist.is_initialized()
 
 
