@@ -68,6 +68,7 @@ Torch-free (the worker imports it; tests drive it directly).
 from __future__ import annotations
 
 import json
+import re
 import secrets
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -108,6 +109,9 @@ class ToolParser:
     marker_token_id: int | None = None  # the marker's special token, when the tokenizer has it
     end = ""  # text that closes a call ("" where the format has none)
     end_token_id: int | None = None  # the end's special token, when the tokenizer has it
+
+    def __init__(self) -> None:
+        self.scans = _Scans()  # where the scans of values still arriving stopped
 
     def parse(
         self, text: str, final: bool, names: frozenset[str] | None = None
@@ -174,7 +178,7 @@ class HermesParser(ToolParser):
             # the end marker after the call's object: the text "</tool_call>" inside one of its
             # strings (code, say) is an argument, not the end
             v = _skip_ws(text, body_start)
-            value_end = _scan_value(text, v) if v < len(text) and text[v] == "{" else v
+            value_end = _scan_value(text, v, self.scans) if v < len(text) and text[v] == "{" else v
             k = text.find(self.end, body_start if value_end is None else value_end)
             if value_end is None and not final:
                 k = -1  # (the object is still arriving; at the end, one that never closed
@@ -182,7 +186,7 @@ class HermesParser(ToolParser):
             block_end = k + len(self.end) if k >= 0 else len(text)
             # (in a block still open, what follows its object may be the end marker arriving)
             body_end = k if k >= 0 else len(text) if final or value_end is None else value_end
-            block = _calls_in(text[body_start:body_end], self.arg_keys, names)
+            block = _calls_in(text[body_start:body_end], self.arg_keys, names, self.scans)
             if (k >= 0 or final) and all(c.name is None for c in block):
                 # a block with no call in it (a function not offered, not JSON) is content
                 # wherever it stands: before the first call as part of the text before it,
@@ -226,12 +230,12 @@ class Llama3JsonParser(ToolParser):
     ) -> tuple[str, list[ParsedCall], bool]:
         body = text.lstrip()
         if body.startswith(self.marker):  # the tag: a tool region, whatever follows
-            return "", _calls_in(body[len(self.marker) :], self.arg_keys, names), True
+            return "", _calls_in(body[len(self.marker) :], self.arg_keys, names, self.scans), True
         if not final and self.marker.startswith(body):
             return "", [], False  # maybe the tag, still arriving (or only whitespace)
         if not body.startswith("{"):
             return text, [], False
-        return "", _calls_in(body, self.arg_keys, names), True
+        return "", _calls_in(body, self.arg_keys, names, self.scans), True
 
     def grammar(self, tools: list[dict[str, Any]], parallel: bool) -> str:
         start = 'start: body ("; " body)*' if parallel else "start: body"
@@ -249,7 +253,7 @@ class MistralParser(ToolParser):
         if start < 0:
             return text[: len(text) - (0 if final else _partial(text, self.marker))], [], False
         region = text[start + len(self.marker) :]
-        return text[:start], _calls_in(region, self.arg_keys, names), True
+        return text[:start], _calls_in(region, self.arg_keys, names, self.scans), True
 
     def grammar(self, tools: list[dict[str, Any]], parallel: bool) -> str:
         call = self._call_schema(tools)
@@ -496,7 +500,56 @@ def _decoded_len(decode: Callable[[list[int]], str], context: list[int], ids: li
 
 
 # ----------------------------------------------------------------------------- JSON scanning
+# The parsers read the output anew at every step (a step adds a token or a few), so scanning a
+# call's JSON again from its start made a long call quadratic: scanned a character at a time in
+# Python, 20,000 characters of arguments cost ~14 s of the worker's event loop over the ~5,700
+# steps they arrived in (2.4 ms a step by the end), a call of many small objects more. The scans
+# run in regular expressions (strings, and the run of text to the next bracket or quote), and a
+# value still arriving is scanned from where its scan at the step before stopped (_Scans).
 _WS = " \t\n\r"
+_STRING = re.compile(r'"[^"\\]*+(?:\\.[^"\\]*+)*+"', re.DOTALL)  # a JSON string, closed
+# a string's characters from inside it: up to its closing quote, a lone backslash at the end of
+# the text, or the end (possessive: a string still arriving fails without backtracking)
+_STRING_REST = re.compile(r'[^"\\]*+(?:\\.[^"\\]*+)*+', re.DOTALL)
+_STRUCTURE = re.compile(r'[{}\[\]"]')  # where a container's scan stops outside strings
+_SCALAR = re.compile(r"[^,}\] \t\n\r]*+")  # a number, true, false, null (or junk) so far
+_SPACE = re.compile(r"[ \t\n\r]*+")
+
+
+@dataclass(slots=True, frozen=True)
+class _Scan:
+    """Where a scan of the value at `at` in `text` stopped: `end`, the value's end, or None and
+    the state to go on from at `j` once the text has grown (containers open, inside a string)."""
+
+    text: str  # the text it read (a value read whole: up to its end)
+    at: int
+    end: int | None
+    j: int = 0
+    depth: int = 0
+    in_string: bool = False
+
+
+class _Scans:
+    """The last scans of values in a parser's output (`_scan_value`): each holds for a text that
+    starts with the text it read, as the output only grows; a later step goes on from there.
+    Shared by a request's completions (each keeps its own), safe to use from several threads (a
+    lost entry is only a scan made again)."""
+
+    SIZE = 16
+
+    def __init__(self) -> None:
+        self._scans: list[_Scan] = []
+
+    def find(self, s: str, at: int) -> _Scan | None:
+        for scan in self._scans:
+            if scan.at == at and len(scan.text) <= len(s) and s.startswith(scan.text):
+                return scan
+        return None
+
+    def keep(self, new: _Scan) -> None:
+        """Keep `new`, in place of the scans it goes on from."""
+        kept = [o for o in self._scans if o.at != new.at or not new.text.startswith(o.text)]
+        self._scans = [new, *kept[: self.SIZE - 1]]
 
 
 def _partial(text: str, marker: str) -> int:
@@ -508,55 +561,61 @@ def _partial(text: str, marker: str) -> int:
 
 
 def _skip_ws(s: str, i: int) -> int:
-    while i < len(s) and s[i] in _WS:
-        i += 1
-    return i
+    return _SPACE.match(s, i).end()  # type: ignore[union-attr]  # (it matches "")
 
 
 def _scan_string(s: str, i: int) -> int | None:
     """End (exclusive) of the JSON string starting at s[i] == '"'; None if unterminated."""
-    j = i + 1
-    while j < len(s):
-        c = s[j]
-        if c == "\\":
-            j += 2
-            continue
-        if c == '"':
-            return j + 1
-        j += 1
-    return None
+    m = _STRING.match(s, i)
+    return m.end() if m else None
 
 
-def _scan_value(s: str, i: int) -> int | None:
-    """End (exclusive) of the JSON value starting at s[i]; None if it is not complete yet."""
+def _scan_value(s: str, i: int, scans: _Scans | None = None) -> int | None:
+    """End (exclusive) of the JSON value starting at s[i]; None if it is not complete yet.
+    `scans`: earlier scans of this value in a text `s` continues, to go on from."""
     c = s[i]
-    if c == '"':
-        return _scan_string(s, i)
-    if c in "{[":
-        depth, j = 0, i
-        while j < len(s):
-            c = s[j]
-            if c == '"':
-                end = _scan_string(s, j)
-                if end is None:
-                    return None
-                j = end
-                continue
-            if c in "{[":
-                depth += 1
-            elif c in "}]":
-                depth -= 1
-                if depth == 0:
-                    return j + 1
-            j += 1
-        return None
-    j = i
-    while j < len(s) and s[j] not in ",}]" + _WS:
+    if c not in '"{[':
+        j = _SCALAR.match(s, i).end()  # type: ignore[union-attr]  # (it matches "")
+        return j if j < len(s) else None  # a scalar at the very end may still grow
+    if (before := scans.find(s, i) if scans is not None else None) is not None:
+        if before.end is not None:
+            return before.end
+        j, depth, in_string = before.j, before.depth, before.in_string
+    else:
+        j, depth, in_string = (i + 1, 0, True) if c == '"' else (i, 0, False)
+    end = None
+    while True:
+        if in_string:
+            j = _STRING_REST.match(s, j).end()  # type: ignore[union-attr]  # (it matches "")
+            if j >= len(s) or s[j] != '"':  # (the end, or a lone backslash just before it)
+                break
+            j, in_string = j + 1, False
+            if depth == 0:
+                end = j
+                break
+            continue
+        m = _STRUCTURE.search(s, j)
+        if m is None:
+            j = len(s)
+            break
+        j = m.start()
+        if s[j] == '"':
+            j, in_string = j + 1, True
+            continue
+        depth += 1 if s[j] in "{[" else -1
         j += 1
-    return j if j < len(s) else None  # a scalar at the very end may still grow
+        if depth == 0:
+            end = j
+            break
+    if scans is not None:
+        read = s if end is None else s[:end]
+        scans.keep(_Scan(read, i, end, j, depth, in_string))
+    return end
 
 
-def _calls_in(s: str, arg_keys: tuple[str, ...], names: frozenset[str] | None) -> list[ParsedCall]:
+def _calls_in(
+    s: str, arg_keys: tuple[str, ...], names: frozenset[str] | None, scans: _Scans | None = None
+) -> list[ParsedCall]:
     """The call objects in `s`, separated by whitespace, ',' ';' or inside '[ ]', up to the
     first that is no call or that ends unreadably (see `_call`). From the first that is no call
     (an object naming a function not offered or not JSON before its name, or text that is no
@@ -570,8 +629,12 @@ def _calls_in(s: str, arg_keys: tuple[str, ...], names: frozenset[str] | None) -
         if i >= len(s):
             return calls
         is_object = s[i] == "{"
-        end = _scan_value(s, i) if is_object else None
-        call = _call(s[i : len(s) if end is None else end], arg_keys, names) if is_object else None
+        end = _scan_value(s, i, scans) if is_object else None
+        call = (
+            _call(s[i : len(s) if end is None else end], arg_keys, names, scans)
+            if is_object
+            else None
+        )
         if call is None:
             if calls:
                 calls[-1].after = s[i:]
@@ -616,7 +679,9 @@ def _refuse(name: str) -> Any:
     raise ValueError(f"{name} is not JSON")
 
 
-def _call(s: str, arg_keys: tuple[str, ...], names: frozenset[str] | None) -> ParsedCall | None:
+def _call(
+    s: str, arg_keys: tuple[str, ...], names: frozenset[str] | None, scans: _Scans | None = None
+) -> ParsedCall | None:
     """The name and arguments of the (possibly partial) object `s` (s[0] == "{").
 
     Before the name, everything must be JSON (keys, whole values, the name itself), and the name
@@ -653,7 +718,7 @@ def _call(s: str, arg_keys: tuple[str, ...], names: frozenset[str] | None) -> Pa
         i = _skip_ws(s, i + 1)
         if i >= len(s):
             return ParsedCall(name, args, False)
-        end = _scan_value(s, i)
+        end = _scan_value(s, i, scans)
         if key in arg_keys and not args and s[i] == "{":  # streamed as it grows
             args = s[i : len(s) if end is None else end]
         if end is None:

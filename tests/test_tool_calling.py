@@ -7,6 +7,7 @@ messages, response_format json_schema, and the 400s that name the field."""
 from __future__ import annotations
 
 import json
+import random
 import shutil
 from pathlib import Path
 from typing import Any
@@ -30,6 +31,8 @@ from runtime.tool_parsers import (
     HermesParser,
     RequestTools,
     ToolCallStream,
+    _scan_value,
+    _Scans,
     is_json_object,
     make_parser,
 )
@@ -226,6 +229,68 @@ def test_an_end_marker_inside_an_argument_string_is_text() -> None:
 def test_truncated_call_streams_what_it_has() -> None:
     content, calls = _stream("hermes", '<tool_call>\n{"name": "f", "arguments": {"a": [1, 2', 4)
     assert content == "" and calls == [{"name": "f", "arguments": '{"a": [1, 2'}]
+
+
+def _scan_reference(s: str, i: int) -> int | None:
+    """JSON value scanning a character at a time (the parsers' scanner before it went on from
+    where it stopped): the end of the value at s[i], None while it is incomplete."""
+    if s[i] not in '"{[':
+        j = i
+        while j < len(s) and s[j] not in ",}] \t\n\r":
+            j += 1
+        return j if j < len(s) else None
+    depth, j, in_string = 0, i, False
+    while j < len(s):
+        c = s[j]
+        if in_string:
+            if c == "\\":
+                j += 1
+            elif c == '"':
+                in_string = False
+                if depth == 0:
+                    return j + 1
+        elif c == '"':
+            in_string = True
+        elif c in "{[":
+            depth += 1
+        elif c in "}]":
+            depth -= 1
+            if depth == 0:
+                return j + 1
+        j += 1
+    return None
+
+
+def test_value_scans_go_on_where_they_stopped() -> None:
+    """A value's scan at each step goes on from the step before's (a long call was quadratic:
+    bench/tool_calls.py) and finds what a scan from the start finds: on random JSON-like text
+    (escapes, a backslash as a step's last character, brackets inside strings) growing a few
+    characters at a time, two texts interleaved on one set of scans (a request's completions),
+    and a text that does not continue the last one (a scan must not be taken for it)."""
+    rng = random.Random(7)
+    alphabet = ['"', "\\", "{", "}", "[", "]", ",", ":", " ", "a", "1", "\n"]
+    for _ in range(60):
+        texts = ["".join(rng.choice(alphabet) for _ in range(120)) for _ in range(2)]
+        texts = [rng.choice('{["') + t for t in texts]
+        scans = _Scans()
+        for n in range(1, 122, rng.randint(1, 4)):
+            for t in texts:
+                for at in (0, 1):  # (two places in one text)
+                    if at < n:
+                        assert _scan_value(t[:n], at, scans) == _scan_reference(t[:n], at), (t, n)
+        other = texts[0][:60] + "x" + texts[0][61:]  # not a continuation of what was scanned
+        assert _scan_value(other, 0, scans) == _scan_reference(other, 0)
+
+
+def test_long_calls_stream_whole() -> None:
+    """Calls of many characters (a program in a string, many small objects), a few characters a
+    step: the streamed arguments are the call's, and nothing is content."""
+    code = "".join(f'def f{i}(x):\n    return x * {i}  # "q" \\ \u00e9\n' for i in range(150))
+    rows = [{"id": i, "name": f"n{i}", "tags": ["a", "]"], "ok": None} for i in range(150)]
+    for args in ({"code": code}, {"rows": rows}):
+        text = f'<tool_call>\n{{"name": "run", "arguments": {json.dumps(args)}}}\n</tool_call>'
+        content, calls = _stream("hermes", text, 3)
+        assert content == "" and len(calls) == 1 and json.loads(calls[0]["arguments"]) == args
 
 
 def test_marker_special_token_is_seen_by_id() -> None:
