@@ -491,14 +491,20 @@ class KVTransferServer:
         self._accepting: asyncio.Task[None] | None = None
         self._serving: set[asyncio.Task[None]] = set()
         self._exporting: set[str] = set()  # request ids of the exports under way or held
-        self.active = 0  # pulls being served now
+        self.active = 0  # pulls being served now (from their authenticated PULL on)
         self.bytes_sent = 0  # DATA payload bytes, since start
         self.pulls_served = 0  # pulls acknowledged, since start
         self.pulls_failed = 0  # pulls that ended without an acknowledgement
 
     async def start(self, host: str, port: int) -> int:
-        """Listen; returns the port (a free one when `port` is 0)."""
-        self._listener = socket.create_server((host, port), backlog=128, reuse_port=False)
+        """Listen; returns the port (a free one when `port` is 0). An IPv6 address is listened
+        on as such (create_server's default family refused it: a worker given `--host ::`
+        failed to start), "::" on IPv4 too where the host can (the worker's advertised address
+        may be either)."""
+        family = socket.AF_INET6 if ":" in host else socket.AF_INET
+        dual = host == "::" and socket.has_dualstack_ipv6()
+        self._listener = socket.create_server((host, port), family=family, backlog=128,
+                                              reuse_port=False, dualstack_ipv6=dual)  # fmt: skip
         self._listener.setblocking(False)
         self._accepting = asyncio.ensure_future(self._accept(self._listener))
         return int(self._listener.getsockname()[1])
@@ -536,7 +542,6 @@ class KVTransferServer:
         self._repeated.flush()
 
     async def _serve(self, conn: FrameConn, peer: str) -> None:
-        self.active += 1
         pull: PullRequest | None = None
         authentic = False  # the PULL carried the shared secret: a puller of the cluster's
         served: ServedPull | None = None
@@ -557,6 +562,11 @@ class KVTransferServer:
             if not authentic:
                 await conn.send_control(ERROR, tag, {"message": "wrong shared secret"})
                 return
+            # work in flight from here (a worker's drain waits for it, and it keeps the worker
+            # from counting as idle): a connection that sent no PULL of the cluster's yet (a
+            # probe, a scanner that holds it open) counted for its PULL_READ_S, so that anyone
+            # who could reach the port kept a role change or a drain waiting
+            self.active += 1
             if pull.cache_id != self.cache_id:
                 await conn.send_control(ERROR, tag, {"message": (
                     f"KV layout differs: this worker's cache id is {self.cache_id!r}, "
@@ -603,7 +613,8 @@ class KVTransferServer:
                     log.warning("kv pull %s: release failed: %s", exporting, e)
                 finally:
                     self._exporting.discard(exporting)
-            self.active -= 1
+            if authentic:
+                self.active -= 1
             conn.close()
             if served is not None and self.on_served is not None:
                 try:

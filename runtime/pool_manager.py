@@ -591,6 +591,9 @@ class Pool:
                     await self._record("exit", m.worker_id, m.model, code=code)
                     with contextlib.suppress(Exception):
                         await self.registry.deregister(m.worker_id, m.model)
+                        # (out of its model's set, no registry reader finds it dead and purges
+                        # it from the prefix index, where live workers' blocks listed it for good)
+                        await self.registry.index.purge_workers(m.model, [m.worker_id])
                     if code != 0 and now - m.ready < CRASH_WINDOW_S:
                         await self._crashed(m, code, now)
         return exited

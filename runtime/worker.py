@@ -379,8 +379,8 @@ class Worker:
             raise InvalidRequestError("role", f"must be one of {ROLES}, got {role!r}")
         t0 = time.monotonic()
         self._changing_role = True
-        await self.publish()
-        try:
+        try:  # (a caller that hangs up during this write, Redis slow, left it draining for good)
+            await self.publish()
             if not await self._wait_idle():
                 raise TimeoutError(
                     f"work of role {self.config.role!r} still running after "
@@ -541,6 +541,13 @@ async def _generate(request: web.Request) -> web.StreamResponse:
         stream = taken
     else:
         assert req.kv_source is not None
+        if req.request_id in worker.pulling:  # (refused by the engine, it took the place of the
+            # one pulling, whose abort, or a drain's cut, then missed it)
+            dup = _Refused.of(
+                InvalidRequestError("request_id", f"{req.request_id!r} is already in use")
+            )
+            tel.finish(span, req, times, None, dup.code)
+            return dup.response
         ctx = trace.set_span_in_context(span)
         task = asyncio.current_task()
         assert task is not None

@@ -4,6 +4,7 @@ from __future__ import annotations  # noqa: I001  # runtime before torch, below
 
 import os
 import shutil
+import uuid
 from pathlib import Path
 
 import pytest
@@ -127,6 +128,23 @@ def redis_server():  # type: ignore[no-untyped-def]
         yield server
     finally:
         server.stop()
+
+
+@pytest.fixture
+async def r(redis_server):  # type: ignore[no-untyped-def]
+    """A client on the session's Redis, not emptied: tests keep apart by model name (`model`).
+    Test files whose tests empty it first define their own."""
+    from kvstore.client import connect
+
+    client = connect(redis_server.url)
+    yield client
+    await client.aclose()
+
+
+@pytest.fixture
+def model() -> str:
+    """A model name no other test uses."""
+    return f"org/model-{uuid.uuid4().hex[:8]}"
 
 
 @pytest.fixture(scope="session", autouse=True)

@@ -10,8 +10,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import threading
-import uuid
-from collections.abc import AsyncIterator, Awaitable, Callable, Collection, Sequence
+from collections.abc import Awaitable, Callable, Collection, Sequence
 from pathlib import Path
 from typing import Literal
 
@@ -31,20 +30,6 @@ from runtime.kv_cache import BlockManager
 from tests.stack import generate, start_worker, wait_until
 
 BLOCK = 4  # tokens per block of the test hashes
-
-
-@pytest.fixture
-async def r(redis_server: LocalRedis) -> AsyncIterator[Redis]:
-    """A client on the session's Redis (not emptied: tests keep apart by model name)."""
-    client = connect(redis_server.url)
-    yield client
-    await client.aclose()
-
-
-@pytest.fixture
-def model() -> str:
-    """A model name no other test uses."""
-    return f"org/model-{uuid.uuid4().hex[:8]}"
 
 
 def chain(n: int, salt: str = "a") -> list[bytes]:
