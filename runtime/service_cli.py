@@ -28,6 +28,18 @@ API_KEY_HELP = ("accepted bearer token (repeatable; default: $EDGEINFER_API_KEYS
 
 
 
+def _host_for_url(host: str) -> str:
+    """The host of the URL a worker advertises when none is given (--advertise-url): where it
+    listens, this machine's loopback for every interface (IPv4's for 0.0.0.0; IPv6's for "::",
+    on which it listens IPv6 only: 127.0.0.1 was advertised, and nothing answered there), an
+    IPv6 address in brackets (without them "http://::1:8000" is no URL)."""
+    if host in ("0.0.0.0", ""):
+        return "127.0.0.1"
+    if host == "::":
+        return "[::1]"
+    return f"[{host}]" if ":" in host else host
+
+
 def _secret(args: argparse.Namespace) -> str:
     secret = args.secret or os.environ.get("EDGEINFER_SECRET", "")
     if not secret:
@@ -116,7 +128,7 @@ def cmd_worker(args: argparse.Namespace) -> int:
 
     imports_done = time.perf_counter()
     process_start = imports_done - _process_age_s()
-    host_for_url = "127.0.0.1" if args.host in ("0.0.0.0", "::", "") else args.host
+    host_for_url = _host_for_url(args.host)
     config = WorkerConfig(
         model_name=args.served_model_name or Path(model_dir).name,
         region=args.region,

@@ -16,7 +16,9 @@ import socket
 import sys
 import time
 import urllib.error
+import urllib.parse
 import urllib.request
+import uuid
 from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 from typing import Any
@@ -34,7 +36,7 @@ from kvstore.protocol import WorkerInfo
 from kvstore.redis_server import LocalRedis
 from kvstore.registry import Registry
 from runtime.pool_manager import Managed, Pool, PoolConfig
-from tests.stack import SECRET, Proc, get_json, start_worker, worker_stats
+from tests.stack import SECRET, Proc, _spawn, find_free_port, get_json, start_worker, worker_stats
 
 
 def _info(wid: str, model: str) -> WorkerInfo:
@@ -208,3 +210,37 @@ def test_a_role_change_whose_caller_hangs_up_leaves_the_worker_serving(
             w.stop()
     finally:
         server.stop()
+
+
+@pytest.mark.parametrize("host", ["::", "::1"])
+async def test_a_worker_on_an_ipv6_interface_advertises_where_it_answers(
+    host: str, redis_server: LocalRedis, r: Redis, tmp_path: Path, stories_dir: Path
+) -> None:
+    """`--host ::` (or an IPv6 address): the worker listens on IPv6, and the URL it registers
+    must reach it there: it advertised http://127.0.0.1:PORT for "::", where nothing answered
+    (and "http://::1:PORT" for "::1", no URL), so no gateway could send it a request."""
+    wid = f"w-ipv6-{uuid.uuid4().hex[:6]}"
+    port = find_free_port()
+    args = ["worker", "--model", str(stories_dir), "--served-model-name", wid, "--host", host,
+            "--port", str(port), "--redis", redis_server.url, "--threads", "1",
+            "--kv-cache-bytes", "4000000", "--heartbeat", "0.3", "--ttl", "30"]  # fmt: skip
+    proc = _spawn(wid, args, tmp_path, port, f"http://[::1]:{port}")
+    try:
+        registry = Registry(r)
+        infos: list[WorkerInfo] = []
+
+        async def registered() -> bool:
+            infos[:] = await registry.workers(wid)
+            return bool(infos)
+
+        deadline = time.monotonic() + 120
+        while not await registered():
+            assert proc.alive(), proc.tail()
+            assert time.monotonic() < deadline, proc.tail()
+            await asyncio.sleep(0.05)
+        assert urllib.parse.urlsplit(infos[0].url).port == port, infos[0].url  # (a URL)
+        status, body = get_json(f"{infos[0].url}/internal/health", SECRET)
+        assert status == 200 and body["worker_id"] == infos[0].worker_id, infos[0].url
+    finally:
+        proc.popen.terminate()
+        proc.popen.wait(30)
