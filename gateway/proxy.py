@@ -76,6 +76,7 @@ from kvstore.block_hash import block_hashes, cache_seed
 from kvstore.demand import ModelStatus
 from kvstore.placement import Placement
 from kvstore.protocol import SECRET_HEADER, GenerateRequest, WorkerInfo, decode_event
+from runtime.tokenizer import LONG_TEXT_CHARS
 
 log = logging.getLogger("edgeinfer.gateway")
 
@@ -91,7 +92,7 @@ REHOLD_TIMEOUT_S = 1.0  # the longest a renewal may take
 WAKE_EVERY_S = 5.0  # how often a gateway serving a model from afar wakes a nearer pool for it
 END_READ_S = 1.0  # how long a finished worker stream may take to end its body
 HOLD_THROUGH_FAILURES = 2  # failed starts in a row after which a waiting request gets its 503
-TOKENIZE_OFF_LOOP_CHARS = 16_384  # prompts longer than this are tokenized on a thread
+TOKENIZE_OFF_LOOP_CHARS = LONG_TEXT_CHARS  # prompts longer than this are tokenized on a thread
 MAX_UNREACHED = 16  # workers that refused the connection a request passes over (see forward)
 # a decode worker's refusal codes that are the prefill worker's doing (kvstore/kv_transfer.py)
 _PREFILL_SIDE = frozenset({"kv_transfer_failed", "kv_source_refused"})
@@ -136,6 +137,9 @@ class Call:
     cost: int = 0  # estimated tokens, counted against the worker while in flight
     tried: set[str] = field(default_factory=set)  # workers that failed this request
     prompt_tokens: int = 0  # the prompt's length, when the gateway tokenized it
+    # the prompt (text) and messages as the client sent them, once their token ids replaced
+    # them in `gen` (prefix_lookup); None otherwise
+    client_prompt: tuple[str | list[int] | None, list[dict[str, Any]] | None] | None = None
     cached: dict[str, int] = field(default_factory=dict)  # worker id -> prompt tokens it caches
     roles: tuple[str, ...] = ("mixed",)  # roles that may serve (decode side when disaggregated)
     disaggregated: bool = False  # prefill runs on a prefill worker, decode on `worker`
@@ -337,14 +341,16 @@ class Proxy:
                     prompt_token_ids, tok, call.gen.prompt, call.gen.messages,
                     model=call.gen.model, tools=call.gen.tools,
                 )  # fmt: skip
-                # a long prompt on a thread (`encode` runs without the GIL): ~0.5 s a MB of
-                # text held every stream and probe of the gateway while it ran on the loop
-                big = _text_chars(call.gen) > TOKENIZE_OFF_LOOP_CHARS
+                # a long prompt on a thread (tokenized without the GIL: Tokenizer.encode): ~0.5 s
+                # a MB of text held every stream and probe of the gateway while it ran on the loop
+                big = call.gen.text_chars() > TOKENIZE_OFF_LOOP_CHARS
                 ids_of[id(tok)] = await asyncio.to_thread(tokenize) if big else tokenize()
             group_ids[cache_id] = ids_of[id(tok)]
         if not group_ids:
             return
         if len(ids_of) == 1 and len(group_ids) == len(groups):  # one tokenizer for all
+            if not isinstance(call.gen.prompt, list):
+                call.client_prompt = call.gen.prompt, call.gen.messages
             call.gen.prompt, call.gen.messages = next(iter(ids_of.values())), None
         call.prompt_tokens = len(next(iter(group_ids.values())))
         t0 = time.perf_counter()
@@ -464,11 +470,17 @@ class Proxy:
                 log.warning(
                     "request %s: worker %s failed: %s", call.request_id, failed.worker_id, e
                 )
-            except BaseException:  # a refusal to relay (400/404), or the client went away
+            except BaseException as e:  # a refusal to relay (400/404), or the client went away
                 await events.aclose()
                 router.done(worker.worker_id, call.cost)
                 self._prefill_done(call, prefill_cost)
-                raise
+                if not (isinstance(e, APIError) and e.status == 413 and call.client_prompt):
+                    raise
+                # the prompt's token ids made the body larger than the worker takes (an id may
+                # take 4 bytes and more where its text took one: a 1.2 MB request got the
+                # worker's 413 for 4 MB): sent again as the client sent it, tokenized there
+                call.gen.prompt, call.gen.messages = call.client_prompt
+                call.client_prompt = None
         assert last is not None
         raise last
 
@@ -1035,17 +1047,6 @@ def _decompressed(raw: bytes, encoding: str, limit: int) -> bytes:
         raise invalid(None, f"the request body cannot be decoded (its {encoding} stream is cut "
                       "short)", "invalid_body")  # fmt: skip
     return body
-
-
-def _text_chars(gen: GenerateRequest) -> int:
-    """About how many characters of text the gateway would tokenize for `gen`."""
-    if isinstance(gen.prompt, str):
-        return len(gen.prompt)
-    total = 0
-    for m in gen.messages or ():
-        content = m.get("content") if isinstance(m, dict) else None
-        total += len(content) if isinstance(content, str) else len(str(content or ""))
-    return total
 
 
 def _failure(e: BaseException) -> str:

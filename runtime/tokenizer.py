@@ -48,6 +48,10 @@ _NAMED_SPECIAL_TOKENS = (
 )
 
 
+# Texts longer than this (characters) are tokenized without the GIL (Tokenizer.encode), and the
+# gateway and the worker tokenize prompts longer than this on a thread, not their event loop
+LONG_TEXT_CHARS = 16_384
+
 class TokenizerFileError(ValueError):
     """A tokenizer file exists but cannot be used. `path` names the file."""
 
@@ -147,7 +151,14 @@ class Tokenizer:
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         """Token ids of `text`; with `add_special_tokens`, wrapped as tokenizer.json's
-        post-processor says (usually a leading bos)."""
+        post-processor says (usually a leading bos). A text over LONG_TEXT_CHARS is tokenized
+        without holding the GIL, so a server that tokenizes it on a thread keeps serving."""
+        if len(text) > LONG_TEXT_CHARS:  # (tokenizers' `encode` holds the GIL throughout: a MB
+            # of text stalled a server's event loop ~0.5 s, from a thread as from the loop; its
+            # `encode_batch` releases it, and gives the same ids)
+            batch = self._backend.encode_batch([text], add_special_tokens=add_special_tokens)
+            long_ids: list[int] = batch[0].ids
+            return long_ids
         ids: list[int] = self._backend.encode(text, add_special_tokens=add_special_tokens).ids
         return ids
 

@@ -72,7 +72,7 @@ from runtime.sampling_params import InvalidRequestError, SamplingParams
 from runtime.scheduler import QueueFullError
 from runtime.serving import listen
 from runtime.telemetry import RequestTimes, WorkerTelemetry
-from runtime.tokenizer import NoChatTemplateError, Tokenizer
+from runtime.tokenizer import LONG_TEXT_CHARS, NoChatTemplateError, Tokenizer
 from runtime.tool_parsers import CONTEXT_TOKENS, PARSERS, RequestTools
 
 log = logging.getLogger("edgeinfer.worker")
@@ -432,6 +432,12 @@ class Worker:
             raise InvalidRequestError("prompt", "give a prompt or messages")
         return req.prompt
 
+    def prompt_ids(self, req: GenerateRequest) -> list[int]:
+        """The request's prompt as token ids (InvalidRequestError as `prompt_of`); safe to call
+        from another thread."""
+        prompt = self.prompt_of(req)
+        return self.llm.engine.tokenize_prompt(prompt) if isinstance(prompt, str) else prompt
+
     def token_of(self, token_id: int) -> tuple[str, list[int]]:
         """A token as logprobs show it: its text and its bytes (which add up to the output's
         UTF-8). The text keeps its leading space: decoded after an anchor token, which is then
@@ -531,6 +537,13 @@ async def _generate(request: web.Request) -> web.StreamResponse:
     tel = worker.telemetry
     span = tel.start(request.headers, req, worker.config.role)
     try:
+        if req.text_chars() > LONG_TEXT_CHARS:  # rendered and tokenized on a thread (without the
+            # GIL: Tokenizer.encode), not the loop: a MB of chat held every stream and probe of
+            # the worker ~0.7 s (a chat the gateway did not tokenize: a region of one worker)
+            try:
+                req.prompt, req.messages = await asyncio.to_thread(worker.prompt_ids, req), None
+            except _REFUSALS as e:
+                raise _Refused.of(e) from e
         taken, tools = _accept(worker, req)
     except _Refused as r:
         tel.finish(span, req, times, None, r.code)
