@@ -110,16 +110,18 @@ class ToolParser:
     end = ""  # text that closes a call ("" where the format has none)
     end_token_id: int | None = None  # the end's special token, when the tokenizer has it
 
-    def __init__(self) -> None:
-        self.scans = _Scans()  # where the scans of values still arriving stopped
-
     def parse(
-        self, text: str, final: bool, names: frozenset[str] | None = None
+        self,
+        text: str,
+        final: bool,
+        names: frozenset[str] | None = None,
+        scans: _Scans | None = None,
     ) -> tuple[str, list[ParsedCall], bool]:
         """(content, calls, in_tool_region) for the output text so far: the content before the
         tool region, and the calls (each with the content that follows it, `after`). `names`:
         the request's tools; an object that names another function is no call (None: any name
-        is a call)."""
+        is a call). `scans`: the completion's earlier scans (`_Scans`), for a text that grows
+        step by step."""
         raise NotImplementedError
 
     def grammar(self, tools: list[dict[str, Any]], parallel: bool) -> str:
@@ -168,7 +170,11 @@ class HermesParser(ToolParser):
     end = "</tool_call>"
 
     def parse(
-        self, text: str, final: bool, names: frozenset[str] | None = None
+        self,
+        text: str,
+        final: bool,
+        names: frozenset[str] | None = None,
+        scans: _Scans | None = None,
     ) -> tuple[str, list[ParsedCall], bool]:
         calls: list[ParsedCall] = []
         start = -1  # the tool region's start: the first block that holds (or may yet) a call
@@ -178,7 +184,7 @@ class HermesParser(ToolParser):
             # the end marker after the call's object: the text "</tool_call>" inside one of its
             # strings (code, say) is an argument, not the end
             v = _skip_ws(text, body_start)
-            value_end = _scan_value(text, v, self.scans) if v < len(text) and text[v] == "{" else v
+            value_end = _scan_value(text, v, scans) if v < len(text) and text[v] == "{" else v
             k = text.find(self.end, body_start if value_end is None else value_end)
             if value_end is None and not final:
                 k = -1  # (the object is still arriving; at the end, one that never closed
@@ -186,7 +192,7 @@ class HermesParser(ToolParser):
             block_end = k + len(self.end) if k >= 0 else len(text)
             # (in a block still open, what follows its object may be the end marker arriving)
             body_end = k if k >= 0 else len(text) if final or value_end is None else value_end
-            block = _calls_in(text[body_start:body_end], self.arg_keys, names, self.scans)
+            block = _calls_in(text[body_start:body_end], self.arg_keys, names, scans)
             if (k >= 0 or final) and all(c.name is None for c in block):
                 # a block with no call in it (a function not offered, not JSON) is content
                 # wherever it stands: before the first call as part of the text before it,
@@ -226,16 +232,20 @@ class Llama3JsonParser(ToolParser):
     arg_keys = ("parameters", "arguments")
 
     def parse(
-        self, text: str, final: bool, names: frozenset[str] | None = None
+        self,
+        text: str,
+        final: bool,
+        names: frozenset[str] | None = None,
+        scans: _Scans | None = None,
     ) -> tuple[str, list[ParsedCall], bool]:
         body = text.lstrip()
         if body.startswith(self.marker):  # the tag: a tool region, whatever follows
-            return "", _calls_in(body[len(self.marker) :], self.arg_keys, names, self.scans), True
+            return "", _calls_in(body[len(self.marker) :], self.arg_keys, names, scans), True
         if not final and self.marker.startswith(body):
             return "", [], False  # maybe the tag, still arriving (or only whitespace)
         if not body.startswith("{"):
             return text, [], False
-        return "", _calls_in(body, self.arg_keys, names, self.scans), True
+        return "", _calls_in(body, self.arg_keys, names, scans), True
 
     def grammar(self, tools: list[dict[str, Any]], parallel: bool) -> str:
         start = 'start: body ("; " body)*' if parallel else "start: body"
@@ -247,13 +257,17 @@ class MistralParser(ToolParser):
     marker = "[TOOL_CALLS]"
 
     def parse(
-        self, text: str, final: bool, names: frozenset[str] | None = None
+        self,
+        text: str,
+        final: bool,
+        names: frozenset[str] | None = None,
+        scans: _Scans | None = None,
     ) -> tuple[str, list[ParsedCall], bool]:
         start = text.find(self.marker)
         if start < 0:
             return text[: len(text) - (0 if final else _partial(text, self.marker))], [], False
         region = text[start + len(self.marker) :]
-        return text[:start], _calls_in(region, self.arg_keys, names, self.scans), True
+        return text[:start], _calls_in(region, self.arg_keys, names, scans), True
 
     def grammar(self, tools: list[dict[str, Any]], parallel: bool) -> str:
         call = self._call_schema(tools)
@@ -403,6 +417,7 @@ class ToolCallStream:
     # (where in the output text, the token's index, which marker) for markers whose text has
     # not come yet (the detokenizer held back the text before them)
     markers_at: list[tuple[int, int, str]] = field(default_factory=list)
+    scans: _Scans = field(default_factory=lambda: _Scans())  # where its scans stopped (parse)
 
     def feed(
         self, text: str, token_ids: list[int], final: bool
@@ -414,7 +429,7 @@ class ToolCallStream:
         if self.parser.marker_token_id is not None or self.parser.end_token_id is not None:
             text = self._with_markers(text, token_ids)
         self.text += text
-        content, calls, in_region = self.parser.parse(self.text, final, self.names)
+        content, calls, in_region = self.parser.parse(self.text, final, self.names, self.scans)
         if not self.parallel:  # (what follows the one call is past the completion's end)
             calls = calls[:1]
             self.ended = bool(calls) and calls[0].complete and calls[0].name is not None
@@ -506,7 +521,6 @@ def _decoded_len(decode: Callable[[list[int]], str], context: list[int], ids: li
 # steps they arrived in (2.4 ms a step by the end), a call of many small objects more. The scans
 # run in regular expressions (strings, and the run of text to the next bracket or quote), and a
 # value still arriving is scanned from where its scan at the step before stopped (_Scans).
-_WS = " \t\n\r"
 _STRING = re.compile(r'"[^"\\]*+(?:\\.[^"\\]*+)*+"', re.DOTALL)  # a JSON string, closed
 # a string's characters from inside it: up to its closing quote, a lone backslash at the end of
 # the text, or the end (possessive: a string still arriving fails without backtracking)
@@ -514,6 +528,8 @@ _STRING_REST = re.compile(r'[^"\\]*+(?:\\.[^"\\]*+)*+', re.DOTALL)
 _STRUCTURE = re.compile(r'[{}\[\]"]')  # where a container's scan stops outside strings
 _SCALAR = re.compile(r"[^,}\] \t\n\r]*+")  # a number, true, false, null (or junk) so far
 _SPACE = re.compile(r"[ \t\n\r]*+")
+_BETWEEN_CALLS = re.compile(r"[ \t\n\r,;\[\]]*+")
+SCAN_KEPT_CHARS = 256  # values this long are kept (_Scans): shorter ones are scanned again
 
 
 @dataclass(slots=True, frozen=True)
@@ -530,25 +546,30 @@ class _Scan:
 
 
 class _Scans:
-    """The last scans of values in a parser's output (`_scan_value`): each holds for a text that
-    starts with the text it read, as the output only grows; a later step goes on from there.
-    Shared by a request's completions (each keeps its own), safe to use from several threads (a
-    lost entry is only a scan made again)."""
+    """One completion's scans of long values (`_scan_value`) still arriving or read whole: each
+    holds for any text that starts with the text it read (the output only grows), so a later
+    step goes on from where it stopped, or takes its end."""
 
-    SIZE = 16
+    SIZE = 64  # scans kept, the least recently used dropped first
 
     def __init__(self) -> None:
         self._scans: list[_Scan] = []
 
     def find(self, s: str, at: int) -> _Scan | None:
+        """The scan at `at` that read the most of `s` (moved to the front: recently used)."""
+        best = None
         for scan in self._scans:
-            if scan.at == at and len(scan.text) <= len(s) and s.startswith(scan.text):
-                return scan
-        return None
+            if (scan.at == at and len(scan.text) <= len(s) and s.startswith(scan.text)
+                    and (best is None or len(scan.text) > len(best.text))):  # fmt: skip
+                best = scan
+        if best is not None and best is not self._scans[0]:
+            self._scans = [best, *(o for o in self._scans if o is not best)]
+        return best
 
-    def keep(self, new: _Scan) -> None:
-        """Keep `new`, in place of the scans it goes on from."""
-        kept = [o for o in self._scans if o.at != new.at or not new.text.startswith(o.text)]
+    def keep(self, new: _Scan, before: _Scan | None) -> None:
+        """Keep `new`, in place of `before`, the scan it went on from. (Only that one: a value
+        of the same text before it, a call repeated, is a scan of its own.)"""
+        kept = [o for o in self._scans if o is not before]
         self._scans = [new, *kept[: self.SIZE - 1]]
 
 
@@ -577,7 +598,8 @@ def _scan_value(s: str, i: int, scans: _Scans | None = None) -> int | None:
     if c not in '"{[':
         j = _SCALAR.match(s, i).end()  # type: ignore[union-attr]  # (it matches "")
         return j if j < len(s) else None  # a scalar at the very end may still grow
-    if (before := scans.find(s, i) if scans is not None else None) is not None:
+    before = scans.find(s, i) if scans is not None else None
+    if before is not None:
         if before.end is not None:
             return before.end
         j, depth, in_string = before.j, before.depth, before.in_string
@@ -607,9 +629,9 @@ def _scan_value(s: str, i: int, scans: _Scans | None = None) -> int | None:
         if depth == 0:
             end = j
             break
-    if scans is not None:
+    if scans is not None and (j if end is None else end) - i >= SCAN_KEPT_CHARS:
         read = s if end is None else s[:end]
-        scans.keep(_Scan(read, i, end, j, depth, in_string))
+        scans.keep(_Scan(read, i, end, j, depth, in_string), before)
     return end
 
 
@@ -624,8 +646,7 @@ def _calls_in(
     calls: list[ParsedCall] = []
     i = 0
     while True:
-        while i < len(s) and s[i] in _WS + ",;[]":
-            i += 1
+        i = _BETWEEN_CALLS.match(s, i).end()  # type: ignore[union-attr]  # (it matches "")
         if i >= len(s):
             return calls
         is_object = s[i] == "{"

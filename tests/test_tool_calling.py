@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import random
+import re
 import shutil
 from pathlib import Path
 from typing import Any
@@ -21,6 +22,7 @@ from tokenizers import Tokenizer as HFTokenizer
 
 from kvstore.protocol import DoneEvent, StartEvent
 from kvstore.redis_server import LocalRedis
+from runtime import tool_parsers
 from runtime.detokenizer import IncrementalDetokenizer
 from runtime.llm import LLM
 from runtime.outputs import CompletionOutput
@@ -261,12 +263,13 @@ def _scan_reference(s: str, i: int) -> int | None:
     return None
 
 
-def test_value_scans_go_on_where_they_stopped() -> None:
+def test_value_scans_go_on_where_they_stopped(monkeypatch: pytest.MonkeyPatch) -> None:
     """A value's scan at each step goes on from the step before's (a long call was quadratic:
     bench/tool_calls.py) and finds what a scan from the start finds: on random JSON-like text
     (escapes, a backslash as a step's last character, brackets inside strings) growing a few
-    characters at a time, two texts interleaved on one set of scans (a request's completions),
-    and a text that does not continue the last one (a scan must not be taken for it)."""
+    characters at a time, two texts interleaved on one set of scans, and a text that does not
+    continue the last one (a scan must not be taken for it). Every scan kept, however short."""
+    monkeypatch.setattr(tool_parsers, "SCAN_KEPT_CHARS", 0)
     rng = random.Random(7)
     alphabet = ['"', "\\", "{", "}", "[", "]", ",", ":", " ", "a", "1", "\n"]
     for _ in range(60):
@@ -280,6 +283,59 @@ def test_value_scans_go_on_where_they_stopped() -> None:
                         assert _scan_value(t[:n], at, scans) == _scan_reference(t[:n], at), (t, n)
         other = texts[0][:60] + "x" + texts[0][61:]  # not a continuation of what was scanned
         assert _scan_value(other, 0, scans) == _scan_reference(other, 0)
+
+
+class _Counted:
+    """A compiled pattern that counts the characters its scans go over (up to the match's
+    start for a search, its end for a match; to the end of the text when it fails)."""
+
+    def __init__(self, pattern: re.Pattern[str], counts: list[int]) -> None:
+        self.pattern, self.counts = pattern, counts
+
+    def match(self, s: str, pos: int = 0) -> re.Match[str] | None:
+        m = self.pattern.match(s, pos)
+        self.counts[0] += (m.end() if m else len(s)) - pos
+        return m
+
+    def search(self, s: str, pos: int = 0) -> re.Match[str] | None:
+        m = self.pattern.search(s, pos)
+        self.counts[0] += (m.start() if m else len(s)) - pos
+        return m
+
+
+def _code_call(chars: int, tag: str = "") -> str:
+    code = tag + ("x = 'q'  # \"\u00e9\" \\ {[\n" * (chars // 20 + 1))[:chars]
+    return f'<tool_call>\n{{"name": "run", "arguments": {json.dumps({"code": code})}}}\n</tool_call>'
+
+
+LINEAR_CASES = {
+    "one long call": ("hermes", [_code_call(8000)]),
+    "a call repeated": ("hermes", [_code_call(4000) + "\n" + _code_call(4000)]),
+    "eight calls": ("hermes", ["\n".join(_code_call(1000, str(k)) for k in range(8))]),
+    "eight completions": ("hermes", [_code_call(2000, str(k)) for k in range(8)]),
+}
+
+
+@pytest.mark.parametrize("case", list(LINEAR_CASES))
+def test_streamed_calls_are_scanned_in_linear_work(monkeypatch: pytest.MonkeyPatch, case: str) -> None:
+    """Streamed 4 characters a step, the output's scans go over each character a bounded number
+    of times, not once a step: a call repeated (its scan taken for the first's, and dropped),
+    more calls than the scans kept held, the completions of one request sharing them, were each
+    quadratic (seconds of the worker's event loop for 20,000 characters). Counted, not timed.
+    (A run of separators after a marker, whitespace or brackets, is still scanned again at each
+    step, in the regular expression: 0.1-0.2 s for 20,000 characters, where a Python loop took
+    4-5 s.)"""
+    counts = [0]
+    for name in ("_STRING", "_STRING_REST", "_STRUCTURE", "_SCALAR", "_SPACE", "_BETWEEN_CALLS"):
+        monkeypatch.setattr(tool_parsers, name, _Counted(getattr(tool_parsers, name), counts))
+    parser_name, texts = LINEAR_CASES[case]
+    tools = RequestTools(make_parser(parser_name, "", {}), [], "auto", True)
+    for at in range(0, max(map(len, texts)), 4):
+        for index, text in enumerate(texts):
+            if at < len(text):
+                tools.delta(index, text[at : at + 4], [], at + 4 >= len(text))
+    total = sum(map(len, texts))
+    assert counts[0] < 40 * total, (counts[0], total)
 
 
 def test_long_calls_stream_whole() -> None:
