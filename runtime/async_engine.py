@@ -173,8 +173,17 @@ class AsyncLLM:
     def abort(self, request_id: str) -> bool:
         """Stop a request; returns whether it was still open. Its KV blocks are freed before the
         engine's next step; its stream ends with the aborted output."""
+        return self._abort(request_id, None)
+
+    def _abort(
+        self, request_id: str, queue: asyncio.Queue[RequestOutput | BaseException] | None
+    ) -> bool:
+        """`abort`, or with `queue` only while the open request of that id is the one whose
+        outputs go to `queue` (a stream closed after its request ended, unread, must not abort
+        a later request given the same id)."""
         with self._cv:
-            if request_id not in self._streams:
+            stream = self._streams.get(request_id)
+            if stream is None or (queue is not None and stream.queue is not queue):
                 return False
             self._inbox.append(_Abort(request_id))
             self._cv.notify()
@@ -335,7 +344,7 @@ class AsyncLLM:
         for stream, item in routed:
             delivered = _post(stream.loop, stream.queue.put_nowait, item)
             if not delivered and not (isinstance(item, BaseException) or item.finished):
-                self.abort(item.request_id)  # its reader is gone: free its blocks
+                self._abort(item.request_id, stream.queue)  # its reader is gone: free its blocks
 
 
 def _post(loop: asyncio.AbstractEventLoop, fn: Callable[..., Any], *args: Any) -> bool:
@@ -406,4 +415,4 @@ class RequestStream:
         engine's next step."""
         if not self.finished:
             self.finished = True
-            self._llm.abort(self.request_id)
+            self._llm._abort(self.request_id, self._queue)
