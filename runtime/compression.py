@@ -486,6 +486,11 @@ def read_shard(
                 raise ValueError(f"{entry.name!r} needs {raw_bytes} bytes, has {end - begin}")
             if entry.encoding == "huffman" and entry.dtype != torch.bfloat16:
                 raise ValueError(f"{entry.name!r}: huffman records are bfloat16")
+            # a coded record keeps a byte of each value: a shape it cannot hold is a lie (which
+            # sized the memory it is decoded into before the record's own header was read)
+            if entry.encoding == "huffman" and end - begin < _HEAD_BYTES + entry.numel():
+                raise ValueError(f"{entry.name!r}: a record of {end - begin} bytes cannot hold "
+                                 f"{entry.numel()} values")  # fmt: skip
             if entry.encoding not in ("raw", "huffman") or begin % RECORD_ALIGN or end < begin:
                 raise ValueError(f"{entry.name!r}: encoding {entry.encoding!r} at {begin}..{end}")
             shard.tensors.append(entry)

@@ -64,8 +64,18 @@ class RopeConfig:
                 f"config.json: rope_scaling type {self.scaling_type!r} is not supported "
                 "(supported: linear, llama3)"
             )
-        if self.factor <= 0:
+        # (NaN compares false: a NaN factor or theta made every rotary angle NaN, silently)
+        if not math.isfinite(self.theta) or self.theta <= 0:
+            raise ModelLoadError(f"config.json: rope_theta must be > 0, got {self.theta}")
+        if not math.isfinite(self.factor) or self.factor <= 0:
             raise ModelLoadError(f"config.json: rope_scaling factor must be > 0, got {self.factor}")
+        if self.scaling_type == "llama3":  # (a zero divides by zero at the first forward)
+            for key in ("low_freq_factor", "high_freq_factor"):
+                value = getattr(self, key)
+                if not math.isfinite(value) or value <= 0:
+                    raise ModelLoadError(
+                        f"config.json: rope_scaling {key} must be > 0, got {value}"
+                    )
 
     def inv_freq(self, head_dim: int) -> torch.Tensor:
         """Inverse frequencies, float32, shape (head_dim // 2,)."""
@@ -282,6 +292,16 @@ class ModelConfig:
             )
         if cfg.sliding_window is not None:
             _positive(source, "sliding_window", cfg.sliding_window)
+        if not cfg.rms_norm_eps >= 0 or not math.isfinite(cfg.rms_norm_eps):  # (NaN: NaN outputs)
+            raise ModelLoadError(f"{source}: rms_norm_eps must be >= 0, got {cfg.rms_norm_eps}")
+        # an eos id outside the vocabulary can never be sampled; one past it failed the engine's
+        # start (IndexError building the grammars' eos mask), a negative one marked the last token
+        bad_eos = [e for e in cfg.eos_token_ids if not 0 <= e < cfg.vocab_size]
+        if bad_eos:
+            raise ModelLoadError(
+                f"{source}: eos_token_id {bad_eos[0]} is not a token id (vocab_size is "
+                f"{cfg.vocab_size})"
+            )
         if raw.get("hidden_act", "silu") != "silu":
             raise ModelLoadError(f"{source}: hidden_act {raw.get('hidden_act')!r} is not supported")
         return cfg

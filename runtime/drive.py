@@ -106,9 +106,13 @@ def cached(cache_dir: Path, path: Path) -> DriveRate | None:
     """The remembered figure for the device `path` is on, or None."""
     try:
         raw = _load(Path(cache_dir) / CACHE_NAME).get(str(Path(path).stat().st_dev))
-        return DriveRate(**raw) if isinstance(raw, dict) else None
+        rate = DriveRate(**raw) if isinstance(raw, dict) else None
     except (OSError, TypeError):
         return None
+    # (a hand-edited or foreign file: a null rate failed a worker's start-up, in `describe`)
+    if rate is None or not isinstance(rate.measured, str) or isinstance(rate.gb_per_s, bool):
+        return None
+    return rate if isinstance(rate.gb_per_s, int | float) else None
 
 
 def describe(cache_dir: Path, path: Path) -> str:

@@ -89,10 +89,14 @@ def token_ids(meta: Metadata) -> dict[str, int]:
         "eot_token_id": "eot_token_id",
         "eom_token_id": "eom_token_id",
     }
+    # An id that is no token of the vocabulary is left out, as llama.cpp does ("bad special
+    # token"): an eos one past it failed the engine's start (its eos mask), a bos or pad one the
+    # import (an IndexError looking its text up)
+    count = len(meta.get("tokenizer.ggml.tokens") or [])
     out = {}
     for name, key in keys.items():
         value = meta.get(f"tokenizer.ggml.{key}")
-        if value is not None and int(value) >= 0:
+        if value is not None and 0 <= int(value) < count:
             out[name] = int(value)
     return out
 

@@ -27,6 +27,7 @@ import hashlib
 import json
 import math
 import os
+import re
 import threading
 import time
 from collections.abc import Generator, Iterator, Mapping
@@ -69,7 +70,12 @@ def safetensors_files(model_dir: Path) -> list[Path]:
             weight_map = json.loads(index.read_text())["weight_map"]
         except (OSError, ValueError, RecursionError, KeyError, TypeError) as e:
             raise ModelLoadError(f"{index}: not a valid safetensors index ({e})") from e
-        names = set(weight_map.values()) if isinstance(weight_map, dict) else {None}
+        # (a value that is no name stands as None: a list, unhashable, was a TypeError here)
+        names = (
+            {v if isinstance(v, str) else None for v in weight_map.values()}
+            if isinstance(weight_map, dict)
+            else {None}
+        )
         plain = {n for n in names if isinstance(n, str) and n and Path(n).name == n}
         if plain != names:
             raise ModelLoadError(
@@ -327,8 +333,7 @@ def start_load(
             raise ModelLoadError(f"{path}: the weights need {_size(need)} of memory (as "
                                  f"{torch_dtype}), only {_size(have)} is available")  # fmt: skip
     _check_sizes(path, cfg, shards)
-    model = LlamaForCausalLM(cfg, torch_dtype, max_model_len or cfg.max_model_len, ep, place,
-                             weights)  # fmt: skip
+    model = _build(path, cfg, torch_dtype, max_model_len, ep, place, weights)
     pieces = _map_tensors(model, shards)
 
     params = dict(model.named_parameters())
@@ -453,8 +458,7 @@ def _start_compressed(path: Path, cfg: ModelConfig, torch_dtype: torch.dtype,
     same checks as a plain folder's), then read, checked and decoded into its parameter rows."""
     from runtime.compression import load_compressed, shard_headers
 
-    model = LlamaForCausalLM(cfg, torch_dtype, max_model_len or cfg.max_model_len, ep, place,
-                             weights)  # fmt: skip
+    model = _build(path, cfg, torch_dtype, max_model_len, ep, place, weights)
     if model.tp.size > 1:
         raise ModelLoadError(
             f"{path}: a compressed folder is decoded tensor by tensor, whole; it cannot be split "
@@ -518,6 +522,25 @@ def load_model(
                       weight_dtype=weight_dtype).finish()  # fmt: skip
 
 
+def _build(path: Path, cfg: ModelConfig, dtype: torch.dtype, max_model_len: int | None,
+           ep: ExpertParallel, place: RankPlace | None, weights: torch.dtype) -> LlamaForCausalLM:  # fmt: skip
+    """The model config.json describes, its parameters not yet allocated memory (torch.empty):
+    sizes beyond what the allocator can even reserve (10**8 experts, an expert's
+    intermediate_size of 10**9, which _check_sizes cannot see in every checkpoint's layout)
+    are a ModelLoadError naming config.json, not the allocator's RuntimeError."""
+    try:
+        return LlamaForCausalLM(cfg, dtype, max_model_len or cfg.max_model_len, ep, place, weights)
+    except (MemoryError, RuntimeError) as e:
+        if isinstance(e, RuntimeError) and "can't allocate memory" not in str(e):
+            raise
+        asked = re.search(r"allocate (\d+) bytes", str(e))
+        what = f"{_size(int(asked[1]))} in one tensor" if asked else str(e)[:160]
+        raise ModelLoadError(
+            f"{path / 'config.json'}: the model it describes cannot be allocated ({what}); do "
+            "its sizes match the checkpoint's?"
+        ) from e
+
+
 def _map_tensors(model: LlamaForCausalLM, shards: list[Shard]) -> list[_Piece]:
     """Every checkpoint tensor the model uses, in file order, with the parameter rows it fills;
     errors name the file and tensor (unexpected, not a float, wrong shape, twice, or missing)."""
@@ -575,6 +598,11 @@ def _check_sizes(path: Path, cfg: ModelConfig, shards: list[Shard]) -> None:
         ("model.embed_tokens.weight", (cfg.vocab_size, h), "vocab_size x hidden_size"),
         ("model.layers.0.mlp.gate_proj.weight", (cfg.intermediate_size, h),
          "intermediate_size x hidden_size"),
+        # (a head_dim of 10**9 failed allocating the fused qkv weight, not as this mismatch)
+        ("model.layers.0.self_attn.q_proj.weight", (cfg.num_heads * cfg.head_dim, h),
+         "num_attention_heads * head_dim x hidden_size"),
+        ("model.layers.0.self_attn.k_proj.weight", (cfg.num_kv_heads * cfg.head_dim, h),
+         "num_key_value_heads * head_dim x hidden_size"),
     ):  # fmt: skip
         if name in found and found[name][1] != want:
             file, shape = found[name]

@@ -120,7 +120,7 @@ class Manifest:
             shards = []
             for s in raw["shards"]:
                 entry = ShardEntry(str(s["file"]), int(s["bytes"]), tuple(map(str, s["xxh3_64"])))
-                if "/" in entry.file or entry.file.startswith("."):
+                if "/" in entry.file or "\0" in entry.file or entry.file.startswith("."):
                     raise ValueError(f"shard file {entry.file!r} is not a plain file name")
                 if len(entry.xxh3_64) != max(1, -(-entry.bytes // chunk)):
                     raise ValueError(
@@ -140,7 +140,9 @@ class Manifest:
             others = None
             if "files" in raw:
                 others = {str(k): str(v) for k, v in raw["files"].items()}
-                bad = [k for k in others if "/" in k or k in ("", ".", "..") or k in files]
+                # (a NUL in a name: open() raised a bare ValueError, a traceback from verify)
+                bad = [k for k in others
+                       if "/" in k or "\0" in k or k in ("", ".", "..") or k in files]  # fmt: skip
                 if bad:
                     raise ValueError(f"files: {bad[0]!r} is not a plain name beside the shards")
             return cls(str(raw["name"]), str(raw.get("source", "")), chunk, shards, tensors,

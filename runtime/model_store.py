@@ -552,7 +552,13 @@ def _source_tensors(folder: Path, manifest: Manifest | None) -> list[tuple[Path,
         )
     index = folder / INDEX_NAME
     if index.is_file():
-        listed = set(json.loads(index.read_text())["weight_map"])  # checked by safetensors_files
+        try:  # (checked by safetensors_files, but not where a manifest lists the shards)
+            weight_map = json.loads(index.read_text())["weight_map"]
+            if not isinstance(weight_map, dict):
+                raise TypeError(f"weight_map is a {type(weight_map).__name__}, not an object")
+        except (OSError, ValueError, RecursionError, KeyError, TypeError) as e:
+            raise StoreError(f"{index}: not a valid safetensors index ({e})") from e
+        listed = set(weight_map)
         if listed != set(seen):
             odd = sorted(listed ^ set(seen))
             raise StoreError(
