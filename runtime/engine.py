@@ -20,6 +20,7 @@ Disaggregated serving (runtime/disagg.py drives it):
 
 from __future__ import annotations
 
+import logging
 import time
 from collections import deque
 from dataclasses import dataclass
@@ -50,6 +51,8 @@ from runtime.weights import ReadStats
 
 if TYPE_CHECKING:
     from runtime.compression import CompressedBlocks
+
+log = logging.getLogger("edgeinfer.engine")
 
 Prompt = str | list[int]
 
@@ -130,7 +133,13 @@ class LLMEngine:
             if weights.ranks is not None:  # the followers wait for their KV cache: stop them
                 weights.ranks.close()
             raise
-        self.eos_token_ids = frozenset(self.model.cfg.eos_token_ids) | self.tokenizer.eos_token_ids
+        eos = frozenset(self.model.cfg.eos_token_ids) | self.tokenizer.eos_token_ids
+        vocab = self.model.cfg.vocab_size
+        if outside := sorted(t for t in eos if not 0 <= t < vocab):  # (generation_config.json
+            # or the tokenizer's files: the structured-output eos mask failed on one, IndexError)
+            log.warning("end-of-sequence ids %s of %s are outside the vocabulary [0, %d): left "
+                        "out (no such token can be sampled)", outside, config.model, vocab)  # fmt: skip
+        self.eos_token_ids = frozenset(t for t in eos if 0 <= t < vocab)
         self._groups: dict[str, RequestGroup] = {}
         self._seq_to_group: dict[str, tuple[RequestGroup, int]] = {}
         self._counter = 0

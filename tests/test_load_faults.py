@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from runtime import ModelLoadError
+from runtime import LLM, ModelLoadError, SamplingParams
 from runtime.config import EngineConfig
 from runtime.engine import LLMEngine
 from runtime.loader import load_model
@@ -217,3 +217,20 @@ def test_an_moe_config_past_any_memory_is_named(tmp_path: Path, edit: dict[str, 
     message = r"mixtral/config\.json: the model it describes cannot be allocated \([\d.]+ GB in one"
     with pytest.raises(ModelLoadError, match=message):
         load_model(d)
+
+
+def test_an_eos_id_past_the_vocabulary_in_generation_config_is_left_out(
+    stories_dir: Path, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """An end-of-sequence id outside the vocabulary in generation_config.json (the tokenizer
+    takes any integer there) crashed the engine's start with an IndexError (the structured-output
+    eos mask); it is left out with a warning, as no such token can be sampled."""
+    model = tmp_path / "model"
+    shutil.copytree(stories_dir, model)
+    (model / "generation_config.json").write_text('{"eos_token_id": [2, 600, -1]}')
+    with caplog.at_level("WARNING", logger="edgeinfer.engine"):
+        llm = LLM(str(model), kv_cache_bytes=4_000_000)
+    assert 2 in llm.engine.eos_token_ids and 600 not in llm.engine.eos_token_ids
+    assert -1 not in llm.engine.eos_token_ids and "[-1, 600]" in caplog.text
+    out = llm.generate(["Once upon a time"], SamplingParams(max_tokens=4, temperature=0))
+    assert len(out[0].outputs[0].token_ids) >= 1
