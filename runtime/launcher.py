@@ -110,7 +110,7 @@ def _engine_flags(args: argparse.Namespace, worker: int = 0) -> list[str]:
         value = getattr(args, action.dest, action.default)
         if value == action.default:
             continue
-        if action.dest == "dist_port":
+        if action.dest == "dist_port" and value:  # (0: a free one, for each worker)
             value += worker
         flag = action.option_strings[0]
         if isinstance(action, argparse._StoreTrueAction):
@@ -228,13 +228,17 @@ def up(args: argparse.Namespace) -> int:
 
     if args.workers < 1:
         raise SystemExit("edgeinfer: error: --workers must be at least 1")
-    roles = args.roles.split(",") if args.roles else ["mixed"] * args.workers
+    if args.roles is not None and args.workers != 1:  # (--workers was ignored)
+        raise SystemExit("edgeinfer: error: --workers and --roles both say how many workers to "
+                         "start; give one of them (--roles: one worker per role listed)")  # fmt: skip
+    roles = args.roles.split(",") if args.roles is not None else ["mixed"] * args.workers
     bad = [r for r in roles if r not in ("mixed", "prefill", "decode")]
     if bad:
         raise SystemExit(f"edgeinfer: error: --roles: {bad} are not roles (mixed, prefill, decode)")
     # before anything starts: the ports (the workers' and their KV-transfer servers', when
     # given), and a Redis we are given
     _ports_taken(range(args.port, args.port + 1), "--port")
+    given = {"--port": range(args.port, args.port + 1)}  # the ports each flag gives
     for flag, first, count in (("--worker-port", args.worker_port, 2 * len(roles)),
                                ("--dist-port", getattr(args, "dist_port", None), len(roles))):  # fmt: skip
         if first:
@@ -242,6 +246,14 @@ def up(args: argparse.Namespace) -> int:
                 raise SystemExit(f"edgeinfer: error: {flag} {first}: the workers need {count} "
                                  f"ports from it, past 65535")  # fmt: skip
             _ports_taken(range(first, first + count), flag)
+            for other, ports in given.items():  # free now, but two of ours would want one
+                if first < ports.stop and ports.start < first + count:
+                    raise SystemExit(
+                        f"edgeinfer: error: {flag} {first}: the workers take ports {first}-"
+                        f"{first + count - 1}, and {other} gives port "
+                        f"{max(first, ports.start)} too; give ports that do not overlap"
+                    )
+            given[flag] = range(first, first + count)
     redis_url = args.redis or os.environ.get("EDGEINFER_REDIS")
     if redis_url is not None:
         _check_redis(redis_url)
@@ -264,7 +276,8 @@ def up(args: argparse.Namespace) -> int:
             redis_url = local_redis.url
             print(f"started redis-server on {redis_url}", file=sys.stderr)
         # the workers' ports, then their KV-transfer servers': a free run unless told where
-        worker_port = args.worker_port or find_free_ports(2 * len(roles), frozenset({args.port}))
+        ours = frozenset(p for ports in given.values() for p in ports)  # (--port, --dist-port)
+        worker_port = args.worker_port or find_free_ports(2 * len(roles), ours)
         cli = [sys.executable, "-m", "runtime.cli"]
         for i, role in enumerate(roles):
             port = worker_port + i

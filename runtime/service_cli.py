@@ -17,7 +17,7 @@ import sys
 import time
 from collections.abc import Coroutine
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 from runtime.cli import non_negative_int, port_arg, port_or_zero
 
@@ -38,6 +38,46 @@ def _host_for_url(host: str) -> str:
     if host == "::":
         return "[::1]"
     return f"[{host}]" if ":" in host else host
+
+
+def _check_advertise_url(url: str | None) -> None:
+    """Refuse (a one-line SystemExit) an --advertise-url that is no http(s)://HOST[:PORT] URL:
+    the worker registered it and said it was ready, and no gateway could reach it
+    ("10.0.0.5:9001", without the scheme, is read as scheme "10.0.0.5")."""
+    if url is None:
+        return
+    import urllib.parse
+
+    try:
+        parts = urllib.parse.urlsplit(url)
+        parts.port  # noqa: B018 (raises ValueError for a port that is not one)
+    except ValueError as e:
+        raise SystemExit(f"edgeinfer: error: --advertise-url {url!r}: {e}") from None
+    if parts.scheme not in ("http", "https") or not parts.hostname:
+        raise SystemExit(f"edgeinfer: error: --advertise-url {url!r} is not an http:// or "
+                         "https:// URL with a host, e.g. http://10.0.0.5:9001")  # fmt: skip
+
+
+def _check_worker_args(text: str, worker_args: list[str]) -> None:
+    """Refuse (a one-line SystemExit) --worker-args that `edgeinfer worker` refuses (a flag it
+    does not have, a bad value, a speculative option without its method): every worker the pool
+    started exited at once with that usage error, and was started again, and again."""
+    from runtime.cli import build_parser, check_speculative_flags
+
+    subparsers = next(
+        a for a in build_parser()._actions if isinstance(a, argparse._SubParsersAction)
+    )
+    worker = subparsers.choices["worker"]
+
+    def refuse(message: str) -> NoReturn:
+        raise SystemExit(f"edgeinfer: error: --worker-args {text!r}: {message}")
+
+    worker.error = refuse  # type: ignore[method-assign]
+    args = worker.parse_args(["--model", "MODEL", *worker_args])  # (the pool gives --model)
+    try:
+        check_speculative_flags(args)
+    except SystemExit as e:
+        refuse(str(e.code).removeprefix("edgeinfer: error: "))
 
 
 def _secret(args: argparse.Namespace) -> str:
@@ -117,6 +157,7 @@ def cmd_worker(args: argparse.Namespace) -> int:
     from runtime.cli import DEFAULT_CACHE, _model_dir, engine_kwargs, start_weights_early
 
     _logging()
+    _check_advertise_url(args.advertise_url)  # before the model loads
     model_dir = _model_dir(args.model)
     # Start reading the weights now (a folder that cannot be served stops us here): the imports
     # below and the engine's own set-up run while the drive works.
@@ -331,6 +372,7 @@ def cmd_pool(args: argparse.Namespace) -> int:
         )
     except ValueError as e:
         raise SystemExit(f"edgeinfer: error: {e}") from e
+    _check_worker_args(args.worker_args, worker_args)
     asyncio.run(serve(cfg))
     return 0
 
@@ -380,9 +422,8 @@ def add_service_commands(sub: argparse._SubParsersAction, engine_args) -> None: 
     w.add_argument("--host", default="127.0.0.1",
                    help="interface to listen on (default %(default)s)")  # fmt: skip
     w.add_argument("--port", type=port_arg, default=9001, help="port to listen on (default %(default)s)")
-    w.add_argument(
-        "--advertise-url", default=None, help="URL gateways use (default from host/port)"
-    )
+    w.add_argument("--advertise-url", default=None,
+                   help="http(s)://HOST:PORT gateways use (default from host/port)")  # fmt: skip
     w.add_argument("--served-model-name", default=None, help="default: the model folder's name")
     w.add_argument("--worker-id", default=None,
                    help="registry id (default: region-host-port-random; a pool names its workers)")  # fmt: skip
