@@ -28,7 +28,8 @@ from runtime.sampling_params import InvalidRequestError
 from runtime.structured import StructuredOutputsParams, check, json_loads, strict_schema
 
 MAX_TOOLS = 128  # tools per request
-_NAME = re.compile(r"^[a-zA-Z0-9_.-]{1,64}$")  # function / schema names (OpenAI's rule, and ".")
+# function / schema names (OpenAI's rule, and "."); \Z: "$" also matched before a final newline
+_NAME = re.compile(r"^[a-zA-Z0-9_.-]{1,64}\Z")
 GUIDED_FIELDS = frozenset(
     {
         "guided_json",

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 from dataclasses import dataclass
 from typing import Any
 
@@ -145,6 +146,12 @@ def check(spec: StructuredOutputsParams, param: str = "structured_outputs") -> s
     size = max(size, len(spec.grammar or ""), sum(len(c) for c in spec.choice or []))
     if size > MAX_GRAMMAR_CHARS:
         raise InvalidRequestError(param, f"at most {MAX_GRAMMAR_CHARS} characters, got {size}")
+    low = _below_int64(spec.json) if spec.json is not None else _lark_below_int64(spec.grammar)
+    if low is not None:
+        raise InvalidRequestError(
+            param, f"holds the number {_clip(str(low))}: the grammar engine takes no number at "
+            "or below -2**63 (-9223372036854775808) where an integer may stand",
+        )  # fmt: skip
     try:
         text = grammar_text(spec)
     except ValueError as e:  # not a JSON object, or not serializable
@@ -154,6 +161,59 @@ def check(spec: StructuredOutputsParams, param: str = "structured_outputs") -> s
         what = "JSON schema" if spec.json is not None else "constraint"
         raise InvalidRequestError(param, f"invalid or unsupported {what}: {_first(messages)}")
     return text
+
+
+# llguidance (1.9) turns a schema's integers and integral bounds into 64-bit integers, saturating,
+# and a range that ends at -2**63 at both ends (`{"type": "integer", "const": -1e19}`, an integer
+# literal -9223372036854775808 in any const or enum, bounds such as minimum -1e30 and maximum
+# -1e25) recurses until the process dies of SIGSEGV: the gateway with it, which compiles every
+# schema to check it. A schema (or a Lark grammar's %json schema) holding such a number is
+# refused before llguidance sees it; `default` and `examples` are not read by it.
+INT64_FLOOR = -(2.0**63)
+_NEGATIVE_NUMBER = re.compile(r"-[0-9]+(?:\.[0-9]*)?(?:[eE][-+]?[0-9]+)?")  # as JSON writes
+
+
+def _below_int64(schema: Any) -> int | float | None:
+    """The first number of `schema` at or below -2**63 (as a 64-bit float: -2**63 + 512 rounds
+    to it) that llguidance could take for an integer: any integer, or a float where the schema
+    names the type "integer" anywhere; None if there is none."""
+    ints: list[int] = []
+    floats: list[float] = []
+    has_integer = False
+    level = [schema]
+    while level:
+        deeper: list[Any] = []
+        for v in level:
+            if isinstance(v, dict):
+                deeper.extend(x for k, x in v.items() if k not in ("default", "examples"))
+            elif isinstance(v, list):
+                deeper.extend(v)
+            elif isinstance(v, str):
+                has_integer = has_integer or v == "integer"
+            elif isinstance(v, int) and not isinstance(v, bool):
+                if v <= -(2**63) + 512:  # (rounds to -2**63 as a float)
+                    ints.append(v)
+            elif isinstance(v, float) and v <= INT64_FLOOR:
+                floats.append(v)
+        level = deeper
+    if ints:
+        return ints[0]
+    return floats[0] if floats and has_integer else None
+
+
+def _lark_below_int64(grammar: str | None) -> str | None:
+    """`_below_int64` for the %json schemas of a Lark grammar, read as text (parsing each from
+    its %json on would take time quadratic in the grammar's length): the first negative number
+    of a grammar with a %json schema that is at or below -2**63 and an integer, or a float
+    where the grammar names the type "integer"."""
+    if grammar is None or "%json" not in grammar:
+        return None
+    has_integer = '"integer"' in grammar
+    for m in _NEGATIVE_NUMBER.finditer(grammar):
+        text = m.group(0)
+        if float(text) <= INT64_FLOOR and (has_integer or text.lstrip("-").isdigit()):
+            return text
+    return None
 
 
 # JSON-schema keywords whose values are data, not schemas (nothing in them is a schema keyword:

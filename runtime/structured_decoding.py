@@ -35,6 +35,7 @@ from __future__ import annotations
 import functools
 import logging
 import threading
+import time
 from collections import OrderedDict
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -55,6 +56,11 @@ if TYPE_CHECKING:
 log = logging.getLogger("edgeinfer.structured")
 
 CACHE_GRAMMARS = 256  # compiled grammars kept (an LRU over grammar texts)
+# Seconds that the grammars kept took to compile (and fill their first mask), together: the
+# lexer a grammar builds is kept with it, and its size follows that work, not the grammar's
+# text (`(a{1000}){1000}`: ~0.7 s and ~250 MB, kept; 256 such regexes asked for in turn held
+# ~60 GB). A JSON schema takes milliseconds; the newest grammar is kept whatever its cost.
+CACHE_COMPILE_SECONDS = 2.0
 _NO_EXTENSION = "NoExtensionBias"  # llguidance's error when no token can extend the output
 
 
@@ -161,13 +167,17 @@ class GrammarCompiler:
         vocab_size: int,
         eos_token_ids: frozenset[int],
         capacity: int = CACHE_GRAMMARS,
+        compile_seconds: float = CACHE_COMPILE_SECONDS,
     ) -> None:
         self.vocab_size = vocab_size  # the model's logits width (may exceed the tokenizer's)
         self.eos_token_ids = sorted(eos_token_ids)
         self._tokenizer = tokenizer
         self._lltok: llguidance.LLTokenizer | None = None  # built on first use (~0.5 s at 49k)
-        self._cache: OrderedDict[str, llguidance.LLMatcher] = OrderedDict()
+        # grammar text -> (its compiled template, the seconds its compile took)
+        self._cache: OrderedDict[str, tuple[llguidance.LLMatcher, float]] = OrderedDict()
         self._capacity = capacity
+        self._budget = compile_seconds  # the most compile seconds kept (CACHE_COMPILE_SECONDS)
+        self._cost = 0.0  # compile seconds of the grammars kept
         self._lock = threading.Lock()
         self.compiled = 0  # grammars compiled (cache misses), for tests and stats
         eos = np.zeros(bitmask_words(vocab_size) * 32, dtype=np.uint8)
@@ -189,21 +199,28 @@ class GrammarCompiler:
         text = check(spec, param)
         tok = self.tokenizer()
         with self._lock:
-            template = self._cache.get(text)
-            if template is not None:
+            entry = self._cache.get(text)
+            if entry is not None:
                 self._cache.move_to_end(text)
-        if template is None:
+        if entry is not None:
+            template = entry[0]
+        else:
+            start = time.perf_counter()
             template = llguidance.LLMatcher(tok, text, log_level=0, limits=parser_limits())
-            if template.is_error():
-                raise InvalidRequestError(
-                    param, f"invalid constraint: {template.get_error()[:300]}"
-                )
+            if template.is_error():  # (its first line: a panic's goes on with a backtrace)
+                why = template.get_error().split("\n", 1)[0][:300]
+                raise InvalidRequestError(param, f"invalid constraint: {why}")
             self._check_satisfiable(template, param)
+            cost = time.perf_counter() - start
             with self._lock:
                 self.compiled += 1
-                self._cache[text] = template
-                while len(self._cache) > self._capacity:
-                    self._cache.popitem(last=False)
+                self._drop(text)
+                self._cache[text] = (template, cost)
+                self._cost += cost
+                while len(self._cache) > self._capacity or (
+                    self._cost > self._budget and len(self._cache) > 1
+                ):
+                    self._drop(next(iter(self._cache)))
         evict = functools.partial(self._evict, text, template)
         return RequestGrammar(template.deep_copy(), self.eos_row, evict)
 
@@ -211,8 +228,15 @@ class GrammarCompiler:
         """Drop a compiled grammar whose lexer failed (its copies share it): the next request
         compiles afresh. Called from the mask thread."""
         with self._lock:
-            if self._cache.get(text) is template:  # (not a newer compile of the same text)
-                del self._cache[text]
+            entry = self._cache.get(text)
+            if entry is not None and entry[0] is template:  # (not a newer compile of the text)
+                self._drop(text)
+
+    def _drop(self, text: str) -> None:
+        """Forget the compiled grammar of `text`, if kept (under the lock)."""
+        entry = self._cache.pop(text, None)
+        if entry is not None:
+            self._cost -= entry[1]
 
     def _check_satisfiable(self, template: llguidance.LLMatcher, param: str) -> None:
         """Refuse a constraint no output can satisfy: before any token, only end-of-sequence is
