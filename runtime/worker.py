@@ -71,6 +71,7 @@ from runtime.sampler import TokenLogprobs
 from runtime.sampling_params import InvalidRequestError, SamplingParams
 from runtime.scheduler import QueueFullError
 from runtime.serving import listen
+from runtime.structured import StructuredOutputsParams
 from runtime.telemetry import RequestTimes, WorkerTelemetry
 from runtime.tokenizer import LONG_TEXT_CHARS, NoChatTemplateError, Tokenizer
 from runtime.tool_parsers import CONTEXT_TOKENS, PARSERS, RequestTools
@@ -544,6 +545,7 @@ async def _generate(request: web.Request) -> web.StreamResponse:
                 req.prompt, req.messages = await asyncio.to_thread(worker.prompt_ids, req), None
             except _REFUSALS as e:
                 raise _Refused.of(e) from e
+        await _compile_grammar(worker, req)
         taken, tools = _accept(worker, req)
     except _Refused as r:
         tel.finish(span, req, times, None, r.code)
@@ -752,6 +754,25 @@ class _ConstraintFailed(Exception):
     """A completion's grammar failed mid-request (a limit of llguidance's): its output is not
     what the constraint asked for, so the request fails with an error event (code
     "constraint_failed") rather than finish "stop"."""
+
+
+async def _compile_grammar(worker: Worker, req: GenerateRequest) -> None:
+    """Compile the request's grammar (its output constraint, or that of a required or named
+    tool_choice) on a thread, for `_accept` to find compiled: llguidance compiles without the
+    GIL, and a compile can take most of a second (a regex's lexer: `(a{1000}){1000}`, ~0.7 s;
+    the first one also builds the tokenizer's, ~0.3-0.5 s at a 49k vocabulary), which on the
+    loop held every stream and probe of the worker. A refusal is left to `_accept`."""
+    try:
+        params = _sampling_params(req.sampling)
+        tools = RequestTools.of(req.tools, req.tool_choice, req.parallel_tool_calls,
+                                worker.tokenizer, worker.config.tool_call_parser)  # fmt: skip
+        if tools is not None:
+            tools.constrain(params)
+        if params.structured_outputs is not None:
+            spec = StructuredOutputsParams.coerce(params.structured_outputs)
+            await asyncio.to_thread(worker.llm.engine.grammars.grammar, spec, "structured_outputs")
+    except _REFUSALS:
+        return
 
 
 def _accept(

@@ -174,3 +174,20 @@ def test_a_prompt_whose_token_ids_outgrow_the_workers_body_limit(stack: Stack, p
     assert status == 400, answer
     assert answer["error"]["code"] == "context_length_exceeded", answer
     assert answer["error"]["param"] == ("prompt" if path == "/v1/completions" else "messages")
+
+
+def test_a_slow_grammar_compile_leaves_the_worker_answering_meanwhile(stack: Stack) -> None:
+    """A constraint whose compile takes most of a second (a regex's lexer: `(a{1000}){1000}`)
+    is compiled on a thread (llguidance compiles without the GIL), not the worker's loop, which
+    it held with every stream and probe of the worker. A new regex each try (compiled grammars
+    are kept); the best of two tries."""
+    waits = []
+    for i in range(2):
+        sampling = {"max_tokens": 1, "structured_outputs": {"regex": f"(a{{1000}}){{1000}}b{i}"}}
+        body = {"request_id": f"regex-{i}", "model": "stories", "prompt": "Once", "sampling": sampling}
+        wait, status, answer = _longest_health_wait(
+            stack, "/internal/generate", body, stack.workers[1].url
+        )
+        assert status == 200 and answer["type"] == "start", answer
+        waits.append(wait)
+    assert min(waits) < 0.25, waits
