@@ -159,6 +159,7 @@ class Worker:
         # handlers, which an abort (or a drain that ran out) cancels
         self.pulling: dict[str, asyncio.Task[Any]] = {}
         self._changing_role = False  # a role change is draining the old role's work
+        self.preparing = 0  # requests being prepared on threads, not yet in the engine (busy)
         self.started_at = time.time()
         self.last_active_at = self.started_at  # a request arrived (or was in flight: info())
         self._tokens: dict[int, tuple[str, list[int]]] = {}  # id -> token_of(id)
@@ -361,7 +362,8 @@ class Worker:
     def busy(self) -> bool:
         """Requests of any role still in flight: served streams, pulls being served (prefill),
         or imports under way (decode: pulling a prompt's KV, before their stream exists)."""
-        return bool(self.llm.num_open_streams or self.kv_server.active or self.importer.active)
+        return bool(self.llm.num_open_streams or self.kv_server.active or self.importer.active
+                    or self.preparing)
 
     async def _wait_idle(self, deadline: float | None = None) -> bool:
         """Wait until no work of any role is in flight, up to `deadline` (monotonic; default:
@@ -537,15 +539,25 @@ async def _generate(request: web.Request) -> web.StreamResponse:
                       "not_found_error", "model", "model_not_found")  # fmt: skip
     tel = worker.telemetry
     span = tel.start(request.headers, req, worker.config.role)
+    # Being prepared on threads (a long prompt, a grammar) it is work in flight: a drain or a
+    # role change waits for it, and it is refused after if one began (served under the new
+    # role, or past a drain that had counted nothing, it was before)
+    worker.preparing += 1
     try:
-        if req.text_chars() > LONG_TEXT_CHARS:  # rendered and tokenized on a thread (without the
-            # GIL: Tokenizer.encode), not the loop: a MB of chat held every stream and probe of
-            # the worker ~0.7 s (a chat the gateway did not tokenize: a region of one worker)
-            try:
-                req.prompt, req.messages = await asyncio.to_thread(worker.prompt_ids, req), None
-            except _REFUSALS as e:
-                raise _Refused.of(e) from e
-        await _compile_grammar(worker, req)
+        await _prepare(worker, req)
+    except asyncio.CancelledError:  # (the client left)
+        tel.finish(span, req, times, None, "client_gone")
+        raise
+    except _Refused as r:
+        tel.finish(span, req, times, None, r.code)
+        return r.response
+    finally:
+        worker.preparing -= 1
+    if worker.draining:
+        tel.finish(span, req, times, None, "draining")
+        return _error(503, "worker is draining", "service_unavailable", code="draining",
+                      headers={"Retry-After": "1"})  # fmt: skip
+    try:
         taken, tools = _accept(worker, req)
     except _Refused as r:
         tel.finish(span, req, times, None, r.code)
@@ -754,6 +766,19 @@ class _ConstraintFailed(Exception):
     """A completion's grammar failed mid-request (a limit of llguidance's): its output is not
     what the constraint asked for, so the request fails with an error event (code
     "constraint_failed") rather than finish "stop"."""
+
+
+async def _prepare(worker: Worker, req: GenerateRequest) -> None:
+    """What may take long before `_accept`, on threads, not the loop: a long prompt rendered and
+    tokenized (without the GIL: Tokenizer.encode; a MB of chat held every stream and probe of
+    the worker ~0.7 s, a chat the gateway did not tokenize: a region of one worker), and the
+    request's grammar compiled. _Refused for a prompt refused."""
+    if req.text_chars() > LONG_TEXT_CHARS:
+        try:
+            req.prompt, req.messages = await asyncio.to_thread(worker.prompt_ids, req), None
+        except _REFUSALS as e:
+            raise _Refused.of(e) from e
+    await _compile_grammar(worker, req)
 
 
 async def _compile_grammar(worker: Worker, req: GenerateRequest) -> None:

@@ -191,3 +191,27 @@ def test_a_slow_grammar_compile_leaves_the_worker_answering_meanwhile(stack: Sta
         assert status == 200 and answer["type"] == "start", answer
         waits.append(wait)
     assert min(waits) < 0.25, waits
+
+
+def test_a_role_change_waits_for_a_request_being_prepared(stack: Stack) -> None:
+    """A request whose grammar compiles on a thread is work in flight: a role change that
+    begins meanwhile waits for it, and it is then refused (503 draining: the gateway retries it
+    elsewhere). It was served under the new role, the change having drained nothing (and a
+    drain likewise counted nothing)."""
+    worker = stack.workers[1]
+    sampling = {"max_tokens": 1, "structured_outputs": {"regex": "(a{1000}){1000}role"}}
+    body = {"request_id": "regex-role", "model": "stories", "prompt": "Once", "sampling": sampling}
+    answer: list[tuple[int, dict[str, Any]]] = []
+    gen = threading.Thread(target=lambda: answer.append(stack.post("/internal/generate", body,
+                                                                   worker.url)))  # fmt: skip
+    gen.start()
+    try:
+        time.sleep(0.2)  # (the grammar compiles for ~0.7 s)
+        status, changed = stack.post("/internal/role", {"role": "prefill"}, worker.url)
+        gen.join()
+        assert status == 200 and changed["drained_s"] > 0.1, changed  # it waited for the request
+        (gen_status, gen_answer), = answer
+        assert gen_status == 503 and gen_answer["error"]["code"] == "draining", gen_answer
+    finally:
+        gen.join()
+        stack.post("/internal/role", {"role": "mixed"}, worker.url)
