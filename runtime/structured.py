@@ -167,52 +167,86 @@ def check(spec: StructuredOutputsParams, param: str = "structured_outputs") -> s
 # and a range that ends at -2**63 at both ends (`{"type": "integer", "const": -1e19}`, an integer
 # literal -9223372036854775808 in any const or enum, bounds such as minimum -1e30 and maximum
 # -1e25) recurses until the process dies of SIGSEGV: the gateway with it, which compiles every
-# schema to check it. A schema (or a Lark grammar's %json schema) holding such a number is
-# refused before llguidance sees it; `default` and `examples` are not read by it.
+# schema to check it. A schema (or a Lark grammar's %json schema) holding such a number where
+# an integer may stand is refused before llguidance sees it.
 INT64_FLOOR = -(2.0**63)
-_NEGATIVE_NUMBER = re.compile(r"-[0-9]+(?:\.[0-9]*)?(?:[eE][-+]?[0-9]+)?")  # as JSON writes
+_BOUNDS = ("minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum")
+_JSON_AT = re.compile(r"%json\s*")
 
 
 def _below_int64(schema: Any) -> int | float | None:
-    """The first number of `schema` at or below -2**63 (as a 64-bit float: -2**63 + 512 rounds
-    to it) that llguidance could take for an integer: any integer, or a float where the schema
-    names the type "integer" anywhere; None if there is none."""
-    ints: list[int] = []
-    floats: list[float] = []
-    has_integer = False
-    level = [schema]
+    """The first number of the JSON schema `schema` at or below -2**63 (as a 64-bit float:
+    -2**63 + 512 rounds to it) that llguidance could take for an integer: an integer in a bound,
+    const or enum; a float there in a schema of type "integer", or of no type in a schema that
+    has one of type "integer" (allOf and $ref merge schemas); None if there is none. Read as a
+    schema: a property named "const" or "default" is a schema, the values of `const` and `enum`
+    are data (their "integer" is no type), and `default` and `examples` are not read
+    (llguidance does not read them)."""
+    nodes: list[dict[str, Any]] = []
+    level, seen = [schema], 0
+    while level and seen <= MAX_JSON_DEPTH:  # (check refuses deeper schemas)
+        deeper: list[Any] = []
+        for node in level:
+            if isinstance(node, list):
+                deeper.extend(node)
+            elif isinstance(node, dict):
+                nodes.append(node)
+                for key, value in node.items():
+                    if key in SCHEMA_MAPS and isinstance(value, dict):
+                        deeper.extend(value.values())
+                    elif key not in DATA_KEYWORDS and isinstance(value, (dict, list)):
+                        deeper.append(value)
+        level, seen = deeper, seen + 1
+
+    def integer(kind: Any) -> bool:
+        return kind == "integer" or (isinstance(kind, list) and "integer" in kind)
+
+    any_integer = any(integer(n.get("type")) for n in nodes)
+    for node in nodes:
+        kind = node.get("type")
+        floats = integer(kind) or (kind is None and any_integer)
+        numbers = [node[k] for k in _BOUNDS if k in node]
+        for v in numbers + _numbers([node[k] for k in ("const", "enum") if k in node]):
+            if isinstance(v, bool) or not isinstance(v, (int, float)):
+                continue
+            if isinstance(v, int) and v <= -(2**63) + 512:
+                return v
+            if isinstance(v, float) and floats and v <= INT64_FLOOR:
+                return v
+    return None
+
+
+def _numbers(data: list[Any]) -> list[Any]:
+    """Every number in JSON data (nested arrays and objects), level by level."""
+    out: list[Any] = []
+    level = data
     while level:
         deeper: list[Any] = []
         for v in level:
             if isinstance(v, dict):
-                deeper.extend(x for k, x in v.items() if k not in ("default", "examples"))
+                deeper.extend(v.values())
             elif isinstance(v, list):
                 deeper.extend(v)
-            elif isinstance(v, str):
-                has_integer = has_integer or v == "integer"
-            elif isinstance(v, int) and not isinstance(v, bool):
-                if v <= -(2**63) + 512:  # (rounds to -2**63 as a float)
-                    ints.append(v)
-            elif isinstance(v, float) and v <= INT64_FLOOR:
-                floats.append(v)
+            else:
+                out.append(v)
         level = deeper
-    if ints:
-        return ints[0]
-    return floats[0] if floats and has_integer else None
+    return out
 
 
-def _lark_below_int64(grammar: str | None) -> str | None:
-    """`_below_int64` for the %json schemas of a Lark grammar, read as text (parsing each from
-    its %json on would take time quadratic in the grammar's length): the first negative number
-    of a grammar with a %json schema that is at or below -2**63 and an integer, or a float
-    where the grammar names the type "integer"."""
+def _lark_below_int64(grammar: str | None) -> int | float | None:
+    """`_below_int64` for each %json schema of a Lark grammar (each read as JSON from where it
+    starts, not the rest of the grammar: a "-10000000000000000000" in a string literal is
+    text); None if there is none or it is not JSON (llguidance says what is wrong then)."""
     if grammar is None or "%json" not in grammar:
         return None
-    has_integer = '"integer"' in grammar
-    for m in _NEGATIVE_NUMBER.finditer(grammar):
-        text = m.group(0)
-        if float(text) <= INT64_FLOOR and (has_integer or text.lstrip("-").isdigit()):
-            return text
+    decoder = json.JSONDecoder()
+    for m in _JSON_AT.finditer(grammar):
+        try:
+            schema, _ = decoder.raw_decode(grammar, m.end())
+        except (ValueError, RecursionError):
+            continue
+        if (low := _below_int64(schema)) is not None:
+            return low
     return None
 
 

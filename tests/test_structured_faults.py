@@ -82,6 +82,10 @@ NEGATIVE_BEYOND_INT64: list[dict[str, Any]] = [
         "$defs": {"a": {"type": "integer", "maximum": -1e19}},
         "allOf": [{"$ref": "#/$defs/a"}, {"minimum": -1e20}],
     },
+    # properties named as the keywords that are not read: schemas all the same (they were
+    # skipped, and the process died)
+    {"type": "object", "properties": {"default": {"type": "integer", "const": -1e19}}},
+    {"type": "object", "properties": {"examples": {"type": ["integer", "null"], "const": -1e19}}},
 ]
 
 
@@ -96,6 +100,9 @@ def test_an_integer_beyond_int64_is_a_400_not_a_dead_process() -> None:
         "specs = [StructuredOutputsParams(json=s) for s in json.loads(sys.argv[1])]\n"
         'specs.append(StructuredOutputsParams(grammar=\'start: %json {"type": "integer", '
         '"const": -1e19}\'))\n'
+        # (an escape spells "integer": read as JSON, not as text)
+        'specs.append(StructuredOutputsParams(grammar=\'start: "x" j\\nj: %json {"type": '
+        '"\\\\u0069nteger", "const": -1e19}\'))\n'
         "for spec in specs:\n"
         "    try:\n"
         "        check(spec, 'f')\n"
@@ -108,7 +115,7 @@ def test_an_integer_beyond_int64_is_a_400_not_a_dead_process() -> None:
                           text=True, timeout=60)  # fmt: skip
     assert done.returncode == 0, (done.returncode, done.stderr[-2000:])
     lines = done.stdout.splitlines()
-    assert len(lines) == len(NEGATIVE_BEYOND_INT64) + 1, done.stdout
+    assert len(lines) == len(NEGATIVE_BEYOND_INT64) + 2, done.stdout
     assert all(line.startswith("refused f holds the number -") for line in lines), done.stdout
 
 
@@ -123,8 +130,15 @@ def test_numbers_llguidance_takes_stay_accepted() -> None:
         {"type": "integer", "minimum": -9223372036854775000, "maximum": 5},
         {"type": "integer", "default": -9223372036854775808},
         {"enum": [-1e19, "a"]},
+        # a float of a number schema, beside an integer elsewhere (refused for the "integer")
+        {"type": "object", "properties": {"n": {"type": "integer"},
+                                          "v": {"type": "number", "const": -1e20}}},
+        {"type": "object", "properties": {"t": {"const": "integer"}, "v": {"enum": [-1e20, 0.5]}}},
     ]:
         check(StructuredOutputsParams(json=schema), "f")
+    # a string literal of a grammar with a %json schema is text, not a number
+    check(StructuredOutputsParams(grammar='start: "x" j\nnum: "-10000000000000000000"\n'
+                                          'j: %json {"type": "string"}\n'), "f")
     check(StructuredOutputsParams(grammar='start: %json {"type": "integer"} | "x"'), "f")
 
 
