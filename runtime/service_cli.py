@@ -44,7 +44,7 @@ def _check_advertise_url(url: str | None) -> None:
     """Refuse (a one-line SystemExit) an --advertise-url that is no http(s)://HOST[:PORT] URL:
     the worker registered it and said it was ready, and no gateway could reach it
     ("10.0.0.5:9001", without the scheme, is read as scheme "10.0.0.5")."""
-    if url is None:
+    if not url:  # (none, or "": the default, as a deployment's empty variable gives it)
         return
     import urllib.parse
 

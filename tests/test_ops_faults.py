@@ -92,6 +92,17 @@ def test_worker_refuses_an_advertise_url_no_gateway_can_use(stories_dir: Path, u
     assert err.startswith(f"edgeinfer: error: --advertise-url {url!r}"), out.stderr
 
 
+def test_an_empty_advertise_url_is_the_default() -> None:
+    """`--advertise-url ""` (a deployment's empty variable) means the default URL, as the worker
+    builds it: the check refused it."""
+    from runtime.service_cli import _check_advertise_url
+
+    _check_advertise_url("")
+    _check_advertise_url(None)
+    with pytest.raises(SystemExit):
+        _check_advertise_url("localhost:9001")
+
+
 @pytest.mark.parametrize(
     ("worker_args", "says"),
     [
