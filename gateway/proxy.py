@@ -92,7 +92,6 @@ REHOLD_TIMEOUT_S = 1.0  # the longest a renewal may take
 WAKE_EVERY_S = 5.0  # how often a gateway serving a model from afar wakes a nearer pool for it
 END_READ_S = 1.0  # how long a finished worker stream may take to end its body
 HOLD_THROUGH_FAILURES = 2  # failed starts in a row after which a waiting request gets its 503
-TOKENIZE_OFF_LOOP_CHARS = LONG_TEXT_CHARS  # prompts longer than this are tokenized on a thread
 MAX_UNREACHED = 16  # workers that refused the connection a request passes over (see forward)
 # a decode worker's refusal codes that are the prefill worker's doing (kvstore/kv_transfer.py)
 _PREFILL_SIDE = frozenset({"kv_transfer_failed", "kv_source_refused"})
@@ -343,7 +342,7 @@ class Proxy:
                 )  # fmt: skip
                 # a long prompt on a thread (tokenized without the GIL: Tokenizer.encode): ~0.5 s
                 # a MB of text held every stream and probe of the gateway while it ran on the loop
-                big = call.gen.text_chars() > TOKENIZE_OFF_LOOP_CHARS
+                big = call.gen.text_chars() > LONG_TEXT_CHARS
                 ids_of[id(tok)] = await asyncio.to_thread(tokenize) if big else tokenize()
             group_ids[cache_id] = ids_of[id(tok)]
         if not group_ids:

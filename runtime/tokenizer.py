@@ -52,6 +52,7 @@ _NAMED_SPECIAL_TOKENS = (
 # gateway and the worker tokenize prompts longer than this on a thread, not their event loop
 LONG_TEXT_CHARS = 16_384
 
+
 class TokenizerFileError(ValueError):
     """A tokenizer file exists but cannot be used. `path` names the file."""
 

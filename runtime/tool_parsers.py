@@ -521,7 +521,6 @@ def _decoded_len(decode: Callable[[list[int]], str], context: list[int], ids: li
 # steps they arrived in (2.4 ms a step by the end), a call of many small objects more. The scans
 # run in regular expressions (strings, and the run of text to the next bracket or quote), and a
 # value still arriving is scanned from where its scan at the step before stopped (_Scans).
-_STRING = re.compile(r'"[^"\\]*+(?:\\.[^"\\]*+)*+"', re.DOTALL)  # a JSON string, closed
 # a string's characters from inside it: up to its closing quote, a lone backslash at the end of
 # the text, or the end (possessive: a string still arriving fails without backtracking)
 _STRING_REST = re.compile(r'[^"\\]*+(?:\\.[^"\\]*+)*+', re.DOTALL)
@@ -587,8 +586,8 @@ def _skip_ws(s: str, i: int) -> int:
 
 def _scan_string(s: str, i: int) -> int | None:
     """End (exclusive) of the JSON string starting at s[i] == '"'; None if unterminated."""
-    m = _STRING.match(s, i)
-    return m.end() if m else None
+    j = _STRING_REST.match(s, i + 1).end()  # type: ignore[union-attr]  # (it matches "")
+    return j + 1 if j < len(s) and s[j] == '"' else None
 
 
 def _scan_value(s: str, i: int, scans: _Scans | None = None) -> int | None:

@@ -544,7 +544,7 @@ async def _generate(request: web.Request) -> web.StreamResponse:
     # role, or past a drain that had counted nothing, it was before)
     worker.preparing += 1
     try:
-        await _prepare(worker, req)
+        params, tools = await _prepare(worker, req)
     except asyncio.CancelledError:  # (the client left)
         tel.finish(span, req, times, None, "client_gone")
         raise
@@ -558,7 +558,7 @@ async def _generate(request: web.Request) -> web.StreamResponse:
         return _error(503, "worker is draining", "service_unavailable", code="draining",
                       headers={"Retry-After": "1"})  # fmt: skip
     try:
-        taken, tools = _accept(worker, req)
+        taken = _accept(worker, req, params)
     except _Refused as r:
         tel.finish(span, req, times, None, r.code)
         return r.response
@@ -768,55 +768,45 @@ class _ConstraintFailed(Exception):
     "constraint_failed") rather than finish "stop"."""
 
 
-async def _prepare(worker: Worker, req: GenerateRequest) -> None:
-    """What may take long before `_accept`, on threads, not the loop: a long prompt rendered and
-    tokenized (without the GIL: Tokenizer.encode; a MB of chat held every stream and probe of
-    the worker ~0.7 s, a chat the gateway did not tokenize: a region of one worker), and the
-    request's grammar compiled. _Refused for a prompt refused."""
-    if req.text_chars() > LONG_TEXT_CHARS:
-        try:
-            req.prompt, req.messages = await asyncio.to_thread(worker.prompt_ids, req), None
-        except _REFUSALS as e:
-            raise _Refused.of(e) from e
-    await _compile_grammar(worker, req)
-
-
-async def _compile_grammar(worker: Worker, req: GenerateRequest) -> None:
-    """Compile the request's grammar (its output constraint, or that of a required or named
-    tool_choice) on a thread, for `_accept` to find compiled: llguidance compiles without the
-    GIL, and a compile can take most of a second (a regex's lexer: `(a{1000}){1000}`, ~0.7 s;
-    the first one also builds the tokenizer's, ~0.3-0.5 s at a 49k vocabulary), which on the
-    loop held every stream and probe of the worker. A refusal is left to `_accept`."""
-    try:
-        params = _sampling_params(req.sampling)
-        tools = RequestTools.of(req.tools, req.tool_choice, req.parallel_tool_calls,
-                                worker.tokenizer, worker.config.tool_call_parser)  # fmt: skip
-        if tools is not None:
-            tools.constrain(params)
-        if params.structured_outputs is not None:
-            spec = StructuredOutputsParams.coerce(params.structured_outputs)
-            await asyncio.to_thread(worker.llm.engine.grammars.grammar, spec, "structured_outputs")
-    except _REFUSALS:
-        return
-
-
-def _accept(
+async def _prepare(
     worker: Worker, req: GenerateRequest
-) -> tuple[RequestStream | RequestGroup, RequestTools | None]:
-    """Take the request: handed to the engine (its stream) or, disaggregated, checked and
-    prepared for its KV pull (its group, for `_pull`); its tools (None without). _Refused when
-    it cannot be taken."""
+) -> tuple[SamplingParams, RequestTools | None]:
+    """The request's sampling parameters (with the grammar of a required or named tool_choice)
+    and its tools (None without), and what may take long before `_accept`, on threads, not the
+    loop: a long prompt rendered and tokenized (without the GIL: Tokenizer.encode; a MB of chat
+    held every stream and probe of the worker ~0.7 s, a chat the gateway did not tokenize: a
+    region of one worker), and the request's grammar compiled (llguidance compiles without the
+    GIL, and a regex's lexer, `(a{1000}){1000}`, takes ~0.7 s; the first also builds the
+    tokenizer's, ~0.3-0.5 s at a 49k vocabulary), for `_accept` to find it compiled. _Refused
+    when the request cannot be taken."""
     try:
         tools = RequestTools.of(req.tools, req.tool_choice, req.parallel_tool_calls,
                                 worker.tokenizer, worker.config.tool_call_parser)  # fmt: skip
         params = _sampling_params(req.sampling)
         if tools is not None:
             tools.constrain(params)  # tool_choice required / named: a grammar
+        if req.text_chars() > LONG_TEXT_CHARS:
+            req.prompt, req.messages = await asyncio.to_thread(worker.prompt_ids, req), None
+        if params.structured_outputs is not None:
+            spec = StructuredOutputsParams.coerce(params.structured_outputs)
+            await asyncio.to_thread(worker.llm.engine.grammars.grammar, spec, "structured_outputs")
+    except _REFUSALS as e:
+        raise _Refused.of(e) from e
+    return params, tools
+
+
+def _accept(
+    worker: Worker, req: GenerateRequest, params: SamplingParams
+) -> RequestStream | RequestGroup:
+    """Take the prepared request (`_prepare`): handed to the engine (its stream) or,
+    disaggregated, checked and prepared for its KV pull (its group, for `_pull`). _Refused when
+    it cannot be taken."""
+    try:
         prompt = worker.prompt_of(req)
         if req.kv_source is None:
-            return worker.llm.submit(prompt, params, req.request_id), tools
+            return worker.llm.submit(prompt, params, req.request_id)
         # disaggregated: the prompt's KV comes from a prefill worker
-        return worker.llm.engine.prepare_request(req.request_id, prompt, params), tools
+        return worker.llm.engine.prepare_request(req.request_id, prompt, params)
     except _REFUSALS as e:
         raise _Refused.of(e) from e
 

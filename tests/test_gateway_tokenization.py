@@ -510,11 +510,12 @@ async def test_a_long_prompt_is_tokenized_off_the_event_loop(
     from gateway import proxy as proxy_module
     from gateway.cluster import ClusterView
     from gateway.config import GatewayConfig
-    from gateway.proxy import TOKENIZE_OFF_LOOP_CHARS, Call, Proxy
+    from gateway.proxy import Call, Proxy
     from gateway.regions import DEFAULT_CATALOG, RegionCatalog
     from gateway.telemetry import GatewayTelemetry
     from kvstore.protocol import GenerateRequest, WorkerInfo
     from kvstore.telemetry import Telemetry, TelemetryConfig
+    from runtime.tokenizer import LONG_TEXT_CHARS
 
     cache_id = "revA-float32-b16"
     assert await publish_tokenizer(r, MODEL, cache_id, chat_dir)
@@ -541,7 +542,7 @@ async def test_a_long_prompt_is_tokenized_off_the_event_loop(
 
     monkeypatch.setattr(proxy_module, "prompt_token_ids", recording)
     try:
-        for text in ("Once upon a time", "Once upon a time " * (TOKENIZE_OFF_LOOP_CHARS // 10)):
+        for text in ("Once upon a time", "Once upon a time " * (LONG_TEXT_CHARS // 10)):
             messages = [{"role": "user", "content": text}]
             c = Call("r1", None, 0.0, gen=GenerateRequest("r1", MODEL, messages=messages,
                                                           operation="chat"))  # fmt: skip
