@@ -7,8 +7,10 @@ weights kept compressed (issue 7's GPU figures), in one run.
    device-to-device copy, bytes read + written) from the same run. Two sets: real trained
    weights (`--weights`: a safetensors file, or a model folder's first `--layers` layers, cast
    to bfloat16) and random ones (std 0.02) in TinyLlama-1.1B's layer shapes. Two ways: a lane per
-   chunk (what a one-off decode at load uses) and a lane per mark (weights kept compressed),
-   at several spans (64 values a lane: what the engine keeps). Every output is checked bit for bit against the original first.
+   chunk of the files' records (what a one-off decode at load uses), and the whole set as one
+   TileGroup in one launch (`runtime.compression.tile_group`, a lane per `--span` values, one code:
+   what weights kept compressed are, a layer a group). Every output is checked bit for bit
+   against the original first.
 2. Decode step, replayed from the engine's CUDA graphs, of a random-weight bfloat16 model with
    its decoder layers kept compressed (`runtime.compression.CompressedBlocks`: each layer's
    weights decoded on a side stream while the layer before runs, inside the graph) beside the
@@ -16,6 +18,7 @@ weights kept compressed (issue 7's GPU figures), in one run.
    comparison, with each layer decoded in line just before it runs (`overlap=False`).
 
     python -m bench.compress_gpu [--weights FILE_OR_DIR] [--layers 4] [--reps 30] [--skip-1b]
+                                 [--span 64]
     python -m bench.compress_gpu --save-layers FILE   # the real weights, for a GPU machine
 
 bench/gpu_check.sh runs it, the GPU tests and bench.kernels as one prepared run.
@@ -37,6 +40,7 @@ import runtime  # noqa: F401  # before torch: its OpenMP settings
 import torch
 
 from bench.kernels import device_limits, graphed_steps, random_llama, timed, weight_bytes
+from kernels.huffman_decode import TILE_SPAN
 from bench.parallel import SHAPE as TINYLLAMA
 
 SMOLLM2 = {"hidden_size": 576, "intermediate_size": 1536, "num_hidden_layers": 30,
@@ -73,11 +77,12 @@ def real_weights(args: argparse.Namespace) -> dict[str, torch.Tensor]:
             and (not path.is_dir() or any(x in name for x in layers))}  # fmt: skip
 
 
-def decoder_rates(tensors: dict[str, torch.Tensor], reps: int) -> list[tuple[str, float]]:
+def decoder_rates(tensors: dict[str, torch.Tensor], reps: int, span: int
+                  ) -> list[tuple[str, float]]:  # fmt: skip
     """(way, bfloat16 bytes out per second) of the Triton decoders over `tensors`: a launch a
-    tensor, a lane per chunk; and every tensor in one LaneGroup, one launch, at several spans
-    and lanes per program."""
-    from kernels.huffman_decode import decode_lanes, decode_triton, lane_group
+    tensor, a lane per chunk of the files' records (a one-off decode at load); and every tensor
+    in one TileGroup, one launch (weights kept compressed)."""
+    from kernels.huffman_decode import decode_triton
     from runtime.compression import encode_bf16, parse_record
 
     coded, originals = [], []
@@ -89,10 +94,8 @@ def decoder_rates(tensors: dict[str, torch.Tensor], reps: int) -> list[tuple[str
     values = sum(c.numel for c in coded)
     copies = max(1, -(-L2_OUTGROWN // (2 * values)))
     log(f"  {len(coded)} tensors, {values / 1e6:.1f} M values, x{copies} copies")
-    outs = [torch.empty(values + 512 * len(coded), dtype=torch.bfloat16, device="cuda")
+    outs = [torch.empty(values + 4 * len(coded), dtype=torch.bfloat16, device="cuda")
             for _ in range(copies)]  # fmt: skip
-    rates = []
-    # a launch a tensor, a lane per chunk (a one-off decode)
     starts = [0, *itertools.accumulate(c.numel for c in coded)][:-1]
     for c, s, want in zip(coded, starts, originals, strict=True):
         view = outs[0][s : s + c.numel].fill_(float("nan"))
@@ -105,31 +108,41 @@ def decoder_rates(tensors: dict[str, torch.Tensor], reps: int) -> list[tuple[str
             for c, s in zip(cs, starts, strict=True):
                 decode_triton(c, out=out[s : s + c.numel], check=False)
 
-    rates.append(
-        ("a launch a tensor, a lane per chunk", 2 * values * copies / timed(per_chunk, reps))
-    )
-    for span, block in [(64, 32), (256, 32), (512, 32), (128, 32), (256, 64)]:  # (64: the engine's)
-        starts, at = [], 0
-        for c in coded:
-            starts.append(at)
-            at = -(-(at + c.numel) // span) * span
-        groups = [lane_group(coded, starts, span)]
-        groups += [_clone_group(groups[0]) for _ in range(copies - 1)]
-        outs[0].fill_(float("nan"))
-        decode_lanes(groups[0], outs[0], block)
-        for c, s, want in zip(coded, starts, originals, strict=True):
-            assert torch.equal(outs[0][s : s + c.numel].view(torch.int16).cpu(), want), span
+    return [
+        ("a launch a tensor, a lane per chunk", 2 * values * copies / timed(per_chunk, reps)),
+        (f"one launch, tiles of 32 lanes x {span} values",
+         tile_rate(list(tensors.values()), copies, outs, reps, span)),
+    ]  # fmt: skip
 
-        def grouped(groups: list = groups, block: int = block) -> None:  # type: ignore[type-arg]
-            for g, out in zip(groups, outs, strict=True):
-                decode_lanes(g, out, block)
 
-        way = f"one launch, a lane per {span} values, {block} lanes a program"
-        rates.append((way, 2 * values * copies / timed(grouped, reps)))
-        extra = groups[0].nbytes() - sum(c.nbytes() for c in coded)
-        log(f"  span {span}: the group takes {extra / (2 * values):+.2%} of the bfloat16 bytes "
-            "beside the coded tensors")  # fmt: skip
-    return rates
+def tile_rate(tensors: list[torch.Tensor], copies: int, outs: list[torch.Tensor], reps: int,
+              span: int) -> float:  # fmt: skip
+    """bfloat16 bytes out per second of the tiles kernel (weights kept compressed) decoding
+    `tensors`, `copies` groups of them a timed call, each checked bit for bit first."""
+    from kernels.huffman_decode import TileGroup, decode_tiles
+    from runtime.compression import tile_group
+
+    dense = [t.reshape(-1).cuda() for t in tensors]
+    starts = [0, *itertools.accumulate(-(-t.numel() // 4) * 4 for t in dense)][:-1]
+    t0 = time.perf_counter()
+    group = tile_group(dense, starts, span=span)
+    torch.cuda.synchronize()
+    values = sum(t.numel() for t in dense)
+    log(f"  tiles: encoded on the GPU in {time.perf_counter() - t0:.2f} s; the group takes "
+        f"{group.nbytes() / (2 * values):.2%} of the bfloat16 bytes, "
+        f"{group.words.nbytes * 8 / values:.3f} bits an exponent")  # fmt: skip
+    outs[0].fill_(float("nan"))
+    decode_tiles(group, outs[0])
+    for s, t in zip(starts, dense, strict=True):
+        assert torch.equal(outs[0][s : s + t.numel()].view(torch.int16), t.view(torch.int16))
+    groups = [group] + [TileGroup(*(getattr(group, f).clone() for f in group.__slots__[:-2]),
+                                  group.numel, span) for _ in range(copies - 1)]  # fmt: skip
+
+    def tiled() -> None:
+        for g, out in zip(groups, outs, strict=True):
+            decode_tiles(g, out)
+
+    return 2 * values * copies / timed(tiled, reps)
 
 
 def _clone(c):  # type: ignore[no-untyped-def]
@@ -139,14 +152,7 @@ def _clone(c):  # type: ignore[no-untyped-def]
                      c.chunk_elems)  # fmt: skip
 
 
-def _clone_group(g):  # type: ignore[no-untyped-def]
-    from kernels.huffman_decode import LaneGroup
-
-    return LaneGroup(g.tables.clone(), g.lanes.clone(), g.ends.clone(), g.words.clone(),
-                     g.sm.clone(), g.span, g.numel)  # fmt: skip
-
-
-def step_slowdown(shape: dict[str, int], tied: bool, reps: int) -> tuple[int, dict, dict, dict, str]:  # type: ignore[type-arg]
+def step_slowdown(shape: dict[str, int], tied: bool, reps: int, span: int) -> tuple[int, dict, dict, dict, str]:  # type: ignore[type-arg]
     """(weight bytes, {batch: dense seconds}, {batch: kept-compressed seconds}, the same decoded
     in line, summary)."""
     from runtime.compression import CompressedBlocks
@@ -157,7 +163,7 @@ def step_slowdown(shape: dict[str, int], tied: bool, reps: int) -> tuple[int, di
     steps, summary = [], ""
     for overlap in (True, False):
         t0 = time.perf_counter()
-        blocks = CompressedBlocks(list(model.layers), device="cuda", overlap=overlap)
+        blocks = CompressedBlocks(list(model.layers), device="cuda", overlap=overlap, span=span)
         log(f"  encoded in {time.perf_counter() - t0:.1f} s: {blocks.summary()}")
         summary = summary or blocks.summary()
         steps.append(graphed_steps(model, (1, 64), reps))
@@ -171,6 +177,8 @@ def main() -> None:
     p.add_argument("--layers", type=int, default=4, help="of a model folder's (default 4)")
     p.add_argument("--reps", type=int, default=30)
     p.add_argument("--skip-1b", action="store_true", help="no TinyLlama-shape decode step")
+    p.add_argument("--span", type=int, default=TILE_SPAN,
+                   help=f"values a lane of the tiles (default {TILE_SPAN}, the engine's)")  # fmt: skip
     p.add_argument("--save-layers", metavar="FILE", help="no GPU needed: write the real weights "
                    "(--weights, default the demo model's folder) to FILE and stop")  # fmt: skip
     args = p.parse_args()
@@ -198,7 +206,7 @@ def main() -> None:
     print("Triton decoder, bfloat16 GB/s out (target >= 200):")
     for label, tensors in sets.items():
         log(label)
-        for way, rate in decoder_rates(tensors, args.reps):
+        for way, rate in decoder_rates(tensors, args.reps, args.span):
             print(f"  {label[:30]:30s} {way:58s} {rate / 1e9:8.1f} GB/s = {rate / copy:6.1%} "
                   "of the copy bandwidth")  # fmt: skip
     print(
@@ -209,7 +217,7 @@ def main() -> None:
         models.append(("TinyLlama-1.1B shape", TINYLLAMA, False))
     for label, shape, tied in models:
         log(label)
-        nbytes, dense, kept, inline, summary = step_slowdown(shape, tied, args.reps)
+        nbytes, dense, kept, inline, summary = step_slowdown(shape, tied, args.reps, args.span)
         print(f"  {label} ({nbytes / 1e9:.2f} GB read per dense step; {summary}):")
         for b in dense:
             print(f"    batch {b:3d}: dense {dense[b] * 1e3:7.3f} ms, kept compressed "

@@ -29,8 +29,6 @@ a decoder that finds a chunk's codes running past the chunk's bytes reports it a
 
 from __future__ import annotations
 
-import itertools
-from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import NoReturn
 
@@ -215,13 +213,8 @@ def _corrupt(chunk: int) -> NoReturn:
 #
 # A lane per chunk (the default 4096 values) is too few lanes to fill a GPU: a 4096 x 4096
 # matrix is 4096 lanes, each making ~1200 dependent table lookups (H200, 2026-11-26: 7 GB/s).
-# Tensors decoded again and again (weights kept compressed on a GPU) are decoded once by that
-# kernel to find where every SPAN-th value's code starts (`find_marks`), then gathered into a
-# `LaneGroup` that the lanes kernel decodes a lane per SPAN values, every tensor of the group
-# in one launch (`decode_lanes`). The files are unchanged: marks live in memory only, 8 bytes
-# a lane.
-
-LANE_SPAN = 256  # values per lane of a LaneGroup (its lanes: 1.6% of the bfloat16 bytes)
+# That does for a one-off decode. Tensors decoded again and again (weights kept compressed on a
+# GPU) are coded anew where they are kept, a lane per TILE_SPAN values (a TileGroup, below).
 
 
 def decode_triton(
@@ -237,39 +230,19 @@ def decode_triton(
     if n == 0:
         return out
     used = torch.empty(coded.num_chunks, dtype=torch.int64, device=coded.sm.device)
-    _launch_chunks(coded, out, used, used, coded.chunk_elems, False, block)
+    _launch_chunks(coded, out, used, block)
     if check:
         _check_consumed(used, coded.offsets)
     return out
 
 
-def find_marks(coded: CodedBF16, span: int, block: int = 64) -> torch.Tensor:
-    """(n_chunks * chunk_elems // span,) int32: the bit where every span-th value's code starts
-    in its chunk (0 for spans past the end), found by decoding `coded` once with the Triton
-    kernel, which checks the stream: CorruptStreamError naming the chunk."""
-    _check_inputs(coded, None)
-    if span < 1 or coded.chunk_elems % span:
-        raise ValueError(f"span must divide the chunk size {coded.chunk_elems}, got {span}")
-    dev = coded.sm.device
-    marks = torch.zeros(coded.num_chunks * (coded.chunk_elems // span), dtype=torch.int32,
-                        device=dev)  # fmt: skip
-    if coded.numel:
-        out = torch.empty(coded.numel, dtype=torch.bfloat16, device=dev)
-        used = torch.empty(coded.num_chunks, dtype=torch.int64, device=dev)
-        _launch_chunks(coded, out, marks, used, span, True, block)
-        _check_consumed(used, coded.offsets)
-    return marks
-
-
-def _launch_chunks(coded: CodedBF16, out: torch.Tensor, marks: torch.Tensor, used: torch.Tensor,
-                   span: int, write_marks: bool, block: int) -> None:  # fmt: skip
+def _launch_chunks(coded: CodedBF16, out: torch.Tensor, used: torch.Tensor, block: int) -> None:
     # Triton only here: the CPU path (every load on a machine without a GPU) never imports it
     from kernels.huffman_decode_triton import huffman_decode_kernel
 
     huffman_decode_kernel[(-(-coded.num_chunks // block),)](
         coded.table,
         coded.offsets,
-        marks,
         coded.sm,
         coded.bits,
         out.view(torch.int16),
@@ -278,105 +251,49 @@ def _launch_chunks(coded: CodedBF16, out: torch.Tensor, marks: torch.Tensor, use
         coded.bits.numel(),
         coded.num_chunks,
         CHUNK=coded.chunk_elems,
-        SPAN=span,
-        WRITE_MARKS=write_marks,
         BLOCK=block,
         num_warps=max(1, block // 32),  # a lane per chunk, no lane doing another's work
     )
 
 
-def marks_reference(
-    coded: CodedBF16, span: int, values: torch.Tensor | None = None
-) -> torch.Tensor:
-    """find_marks's marks from the tensor's values (`values`, bfloat16, or else the CPU decoder's):
-    each value's code length (the decode table's first-code length, by the entry's first
-    exponent), summed within its chunk."""
-    table = coded.table.cpu()
-    code_len = torch.zeros(256, dtype=torch.int64)
-    code_len[table & 0xFF] = (table >> 48) & 0xFF
-    values = decode(coded.to("cpu")) if values is None else values.cpu().reshape(-1)
-    values = values.view(torch.int16).long()
-    lengths = code_len[(values >> 7) & 0xFF]
-    per_chunk = coded.chunk_elems // span
-    padded = torch.zeros(coded.num_chunks * coded.chunk_elems, dtype=torch.int64)
-    padded[: coded.numel] = lengths
-    spans = padded.view(coded.num_chunks, per_chunk, span).sum(2)
-    marks = (spans.cumsum(1) - spans).view(-1)
-    marks[-(-coded.numel // span) :] = 0  # spans past the end: no value, no mark
-    return marks.to(torch.int32)
+TILE_LANES = 32  # lanes a tile: one warp, so the loop's test that every lane is done stays in it
+# values a lane, by default. A layer is one launch: the fewer values a lane, the more lanes to
+# hide each lane's chain of dependent lookups, the more memory their offsets take. SmolLM2's
+# graphed step at batch 1 with its layers kept compressed, an H100, one call (2026-11-27):
+# 1.40x dense at 64 (68.8% of the bfloat16 bytes kept), 1.15x at 32 (71.0%), 1.13x at 16 (75.3%)
+TILE_SPAN = 32
+TILE_SPANS = range(4, 65, 4)  # a lane's first bit is an int16 from its tile's: 31 * 64 * 12 fit
 
 
 @dataclass(slots=True)
-class LaneGroup:
-    """Coded tensors laid out for the lanes kernel, to be decoded together into one buffer:
-    tensor i's values go to [starts[i], starts[i] + numel_i) of it (starts: multiples of span)."""
+class TileGroup:
+    """Tensors coded for the tiles kernel (weights kept compressed on a GPU), decoded together
+    into one buffer by one launch (`decode_tiles`). Each tensor is cut into tiles of
+    TILE_LANES * span values; lane i of a tile codes, in its own stream, the values at places
+    4 * (i + TILE_LANES * k) + j of the tile (k < span / 4, j < 4), so that at each step
+    a tile's lanes read and write neighbouring words. runtime.compression.tile_group encodes
+    it, on the device (a tile's streams follow each other: lane 0's, lane 1's, ...)."""
 
-    tables: torch.Tensor  # (n_tensors * TABLE_SIZE,) int64
-    lanes: torch.Tensor  # (n_lanes,) int64: first code's bit in `words` | tensor << 48
-    ends: torch.Tensor  # (n_tensors + 1,) int64: where each tensor's values end in the buffer
-    words: torch.Tensor  # int32: every tensor's coded bytes, each padded to 4, 8 bytes after
-    sm: torch.Tensor  # (numel rounded up to 4,) uint8: sign+mantissa bytes, by buffer position
-    span: int
+    table: torch.Tensor  # (TABLE_SIZE,) int64: the decode table of the group's one code
+    tiles: torch.Tensor  # (n_tiles, 3) int64: first bit in `words`, first place in the
+    #                      buffer, values
+    lanes: torch.Tensor  # (n_tiles * TILE_LANES,) int16: a lane's first bit from its tile's
+    words: torch.Tensor  # int32: the streams, 32 bits a word, first bit the most significant;
+    #                      2 words of padding after
+    sm: torch.Tensor  # (numel rounded up to 4,) uint8: sign+mantissa bytes, by buffer place
     numel: int  # the buffer's values: the last tensor's end
+    span: int  # values a lane
 
     def nbytes(self) -> int:
-        return sum(t.nbytes for t in (self.tables, self.lanes, self.ends, self.words, self.sm))
+        return sum(t.nbytes for t in (self.table, self.tiles, self.lanes, self.words, self.sm))
 
 
-def lane_group(coded: Sequence[CodedBF16], starts: Sequence[int], span: int = LANE_SPAN,
-               block: int = 64) -> LaneGroup:  # fmt: skip
-    """`coded` (on one GPU, or the CPU under the interpreter) gathered into a LaneGroup, tensor
-    i's values at starts[i] of the buffer (ascending multiples of span, each at or past the
-    previous tensor's end; span: a multiple of 4 that divides every chunk size). Finds every
-    tensor's marks (find_marks: a decode, which checks it)."""
-    if span < 4 or span % 4 or any(c.chunk_elems % span for c in coded):
-        chunks = sorted({c.chunk_elems for c in coded})
-        raise ValueError(f"span must be a multiple of 4 that divides the chunk sizes {chunks} "
-                         f"(a lane never crosses a chunk), got {span}")  # fmt: skip
-    ends = [s + c.numel for s, c in zip(starts, coded, strict=True)]
-    if (any(s % span or s < 0 for s in starts)
-            or any(e > s for e, s in zip(ends, starts[1:], strict=False))):  # fmt: skip
-        raise ValueError(f"starts must be ascending multiples of {span}, past the previous end")
-    if len({c.sm.device for c in coded}) > 1:
-        raise ValueError("a LaneGroup's tensors must be on one device")
-    dev = coded[0].sm.device if coded else torch.device("cpu")
-    numel = ends[-1] if ends else 0
-    sizes = [-(-c.bits.numel() // 4) * 4 for c in coded]
-    word_at = [0, *itertools.accumulate(sizes)]  # each tensor's first byte in `words`
-    words = torch.zeros(word_at[-1] // 4 + 2, dtype=torch.int32, device=dev)  # reads 1 ahead
-    sm = torch.zeros(-(-numel // 4) * 4, dtype=torch.uint8, device=dev)
-    # lane k decodes values [k * span, ...): a lane in a gap between tensors points at a last
-    # "tensor" that ends at 0, so it has nothing to do
-    lanes = torch.full((-(-numel // span),), len(coded) << 48, dtype=torch.int64, device=dev)
-    for i, (c, s) in enumerate(zip(coded, starts, strict=True)):
-        if c.numel == 0:
-            continue
-        words.view(torch.uint8)[word_at[i] : word_at[i] + c.bits.numel()] = c.bits
-        sm[s : s + c.numel] = c.sm
-        # a span inside chunk k starts at that chunk's first bit plus its mark
-        marks = find_marks(c, span, block)[: -(-c.numel // span)].long()
-        chunk = torch.arange(marks.numel(), device=dev) * span // c.chunk_elems
-        first = (word_at[i] + c.offsets.long()[chunk]) * 8 + marks
-        lanes[s // span : s // span + marks.numel()] = first | (i << 48)
-    return LaneGroup(
-        torch.cat([c.table for c in coded]) if coded else torch.zeros(0, dtype=torch.int64),
-        lanes,
-        torch.tensor([*ends, 0], dtype=torch.int64, device=dev),
-        words,
-        sm,
-        span,
-        numel,
-    )
-
-
-def decode_lanes(group: LaneGroup, out: torch.Tensor, block: int = 32) -> torch.Tensor:
+def decode_tiles(group: TileGroup, out: torch.Tensor) -> torch.Tensor:
     """Every tensor of `group` decoded into its place in `out` ((>= group.numel,) bfloat16,
     contiguous, 8-byte aligned, on the group's device; the gaps between tensors untouched) in
-    one launch, a lane per span values, `block` lanes (one warp by default: the loop's test
-    that every lane is done stays within it; 2 warps ran at half the rate on an H200). Returns
-    `out`."""
-    n_lanes = group.lanes.numel()
-    if n_lanes == 0:  # (an empty group's tensors are on the CPU, whatever `out` is on)
+    one launch, a program (one warp) a tile. Returns `out`."""
+    n_tiles = group.tiles.shape[0]
+    if n_tiles == 0:
         return out
     if (out.dtype != torch.bfloat16 or out.numel() < group.numel or not out.is_contiguous()
             or out.data_ptr() % 8 or out.device != group.sm.device):  # fmt: skip
@@ -385,19 +302,18 @@ def decode_lanes(group: LaneGroup, out: torch.Tensor, block: int = 32) -> torch.
             f"{group.numel} values on {group.sm.device}, got {tuple(out.shape)} {out.dtype} on "
             f"{out.device}"
         )
-    from kernels.huffman_decode_triton import huffman_decode_lanes_kernel
+    from kernels.huffman_decode_triton import huffman_decode_tiles_kernel
 
-    huffman_decode_lanes_kernel[(-(-n_lanes // block),)](
-        group.tables,
+    huffman_decode_tiles_kernel[(n_tiles,)](
+        group.table,
+        group.tiles,
         group.lanes,
-        group.ends,
         group.words,
         group.sm,
         out.view(torch.int16),
-        n_lanes,
+        LANES=TILE_LANES,
         SPAN=group.span,
-        BLOCK=block,
-        num_warps=max(1, block // 32),
+        num_warps=1,
     )
     return out
 

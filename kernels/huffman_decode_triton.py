@@ -3,18 +3,18 @@ import Triton. Both decode Huffman-coded bfloat16 exponents through the 4096-ent
 decode table (kernels/huffman_decode.py says what an entry holds).
 
 `huffman_decode_kernel`: a lane per chunk, from the chunk's first byte, as the files hold them;
-it records the bits each chunk consumed (the corruption check) and, with WRITE_MARKS, the bit
-where every SPAN-th value's code starts in its chunk (the marks). A one-off decode, and the pass
-that finds the marks.
+it records the bits each chunk consumed (the corruption check). A one-off decode.
 
-`huffman_decode_lanes_kernel`: a lane per SPAN values of one or several tensors (a group), each
-lane from the bit its mark gives, for tensors decoded again and again (weights kept compressed
-on a GPU). Its memory traffic is per word, not per byte: a lane keeps the next 33-64 bits of its
-stream in a register, refilled a 32-bit word at a time, and gathers the exponents it decodes
-until it holds four, then reads their four sign+mantissa bytes as one word and writes the four
-bfloat16 values as one 8-byte store. (Byte loads and 2-byte stores from lanes 512 bytes apart
-each cost the L1 a transaction per lane: that capped the first version near 100 GB/s on an
-H200, 2026-11-26.)
+`huffman_decode_tiles_kernel`: a TileGroup (weights kept compressed on a GPU, decoded again and
+again), a program per tile of 32 lanes x SPAN values, each lane decoding its own stream. Its
+memory traffic is per word, not per byte: a lane keeps the next 33-64 bits of its stream in a
+register, refilled a 32-bit word at a time, and gathers the exponents it decodes until it holds
+four, then reads their four sign+mantissa bytes as one word and writes the four bfloat16 values
+as one 8-byte store; and a tile's lanes hold interleaved groups of four values, so that at each
+step they read and write neighbouring words. On an H100 (2026-11-27, SmolLM2's first four
+layers, 64 values a lane, a table a tensor): 517 GB/s, where the lanes of its first version,
+each decoding 64 consecutive values (a store per lane per 128-byte line), made 207; byte
+loads and 2-byte stores had made ~100 (an H200, 2026-11-26).
 """
 
 from __future__ import annotations
@@ -27,7 +27,6 @@ import triton.language as tl
 def huffman_decode_kernel(
     table_ptr,  # (TABLE_SIZE,) int64
     offsets_ptr,  # (n_chunks + 1,) int32: each chunk's first byte in bits_ptr
-    marks_ptr,  # (n_chunks * CHUNK // SPAN,) int32: bit of every SPAN-th value in its chunk
     sm_ptr,  # (n,) uint8
     bits_ptr,  # (nbytes,) uint8
     out_ptr,  # (n,) int16
@@ -36,8 +35,6 @@ def huffman_decode_kernel(
     nbytes,
     n_chunks,
     CHUNK: tl.constexpr,
-    SPAN: tl.constexpr,
-    WRITE_MARKS: tl.constexpr,
     BLOCK: tl.constexpr,
 ):
     c = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
@@ -49,12 +46,6 @@ def huffman_decode_kernel(
     done = tl.zeros([BLOCK], dtype=tl.int64)
     while tl.max(length - done, axis=0) > 0:
         active = done < length
-        if WRITE_MARKS:  # a mark is reached exactly: entries never cross one (stop, below)
-            at_mark = active & (done % SPAN == 0)
-            tl.store(marks_ptr + c * (CHUNK // SPAN) + done // SPAN, pos.to(tl.int32), mask=at_mark)
-            stop = tl.minimum(length, (done // SPAN + 1) * SPAN)
-        else:
-            stop = length
         byte = base + (pos >> 3)
         b0 = tl.load(bits_ptr + byte, mask=active & (byte < nbytes), other=0).to(tl.int32)
         b1 = tl.load(bits_ptr + byte + 1, mask=active & (byte + 1 < nbytes), other=0).to(tl.int32)
@@ -62,7 +53,7 @@ def huffman_decode_kernel(
         shift = 12 - (pos & 7).to(tl.int32)
         window = ((((b0 << 16) | (b1 << 8) | b2) >> shift) & 4095).to(tl.int64)
         t = tl.load(table_ptr + window, mask=active, other=0)
-        whole = ((t >> 32) & 0xFF) <= stop - done  # all of the entry's values are wanted
+        whole = ((t >> 32) & 0xFF) <= length - done  # all of the entry's values are wanted
         take = tl.where(active, tl.where(whole, (t >> 32) & 0xFF, 1), 0)
         for j in tl.static_range(4):
             ok = j < take
@@ -77,90 +68,85 @@ def huffman_decode_kernel(
 
 
 @triton.jit
-def _big_endian(x):
-    """The int32 loaded from four stream bytes (little-endian) as the 32 stream bits in order,
-    zero-extended to uint64."""
-    u = x.to(tl.uint32, bitcast=True)
-    u = ((u & 0xFF) << 24) | ((u & 0xFF00) << 8) | ((u >> 8) & 0xFF00) | (u >> 24)
-    return u.to(tl.uint64)
-
-
-@triton.jit
 def _bf16(e, s):
     """bfloat16 bits (int32, low 16) of exponent byte `e` and sign+mantissa byte `s`."""
     return ((s & 0x80) << 8) | (e << 7) | (s & 0x7F)
 
 
 @triton.jit
-def huffman_decode_lanes_kernel(
-    tables_ptr,  # (n_tensors * TABLE_SIZE,) int64: each tensor's decode table
-    lanes_ptr,  # (n_lanes,) int64: the bit in words_ptr where the lane's first code starts,
-    #             its tensor's index above bit 48
-    ends_ptr,  # (n_tensors + 1,) int64: where each tensor's values end in out_ptr (the last,
-    #            0, is no tensor's: lanes in gaps between tensors point at it)
-    words_ptr,  # int32: the coded exponents' bytes, 4 at a time, 8 bytes of padding after
-    sm_ptr,  # uint8, by position in out_ptr, 4-byte aligned: sign and mantissa bytes
-    out_ptr,  # int16, 8-byte aligned: lane c writes values [c * SPAN, its tensor's end)
-    n_lanes,
-    SPAN: tl.constexpr,  # a multiple of 4
-    BLOCK: tl.constexpr,
+def huffman_decode_tiles_kernel(
+    table_ptr,  # (TABLE_SIZE,) int64: the group's decode table
+    tiles_ptr,  # (n_tiles, 3) int64: the tile's first bit in words_ptr (its lane 0's), its
+    #             first value's place in out_ptr (a multiple of 4), its values
+    lanes_ptr,  # (n_tiles * LANES,) int16: each lane's first bit, from its tile's first bit
+    words_ptr,  # int32: the streams, 32 bits at a time, first bit most significant; 2 spare
+    sm_ptr,  # uint8, by place in out_ptr, 4-byte aligned: sign and mantissa bytes
+    out_ptr,  # int16, 8-byte aligned
+    LANES: tl.constexpr,  # lanes a tile (a program)
+    SPAN: tl.constexpr,  # values a lane, a multiple of 4
 ):
-    c = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
-    live = c < n_lanes
-    lane = tl.load(lanes_ptr + c, mask=live, other=0)
-    tensor = lane >> 48
-    bit = lane & 0xFFFFFFFFFFFF
-    start = c.to(tl.int64) * SPAN
-    end = tl.load(ends_ptr + tensor, mask=live, other=0)
-    length = tl.where(live, tl.maximum(tl.minimum(end - start, SPAN), 0), 0).to(tl.int32)
-    table = tables_ptr + tensor * 4096
-    # the stream from `bit` on, left-aligned in a 64-bit register holding `nb` valid bits
+    """One tile of LANES * SPAN values a program, lane i decoding the values at places
+    at + 4 * (i + LANES * k) + j (k < SPAN / 4, j < 4) in that order."""
+    t = tl.program_id(0).to(tl.int64)
+    i = tl.arange(0, LANES)
+    first = tl.load(tiles_ptr + 3 * t)
+    at = tl.load(tiles_ptr + 3 * t + 1)
+    m = tl.load(tiles_ptr + 3 * t + 2).to(tl.int32)  # the tile's values: a prefix of its places
+    # lane i's values: its places below m, a prefix of its order
+    r = m - 4 * i
+    length = (r // (4 * LANES)) * 4 + tl.minimum(r % (4 * LANES), 4)
+    length = tl.where(r > 0, tl.minimum(length, SPAN), 0)
+    bit = first + tl.load(lanes_ptr + t * LANES + i).to(tl.int64)
     w = bit >> 5
     off = (bit & 31).to(tl.uint64)
-    hi = _big_endian(tl.load(words_ptr + w, mask=live, other=0))
-    lo = _big_endian(tl.load(words_ptr + w + 1, mask=live, other=0))
+    hi = tl.load(words_ptr + w).to(tl.uint32, bitcast=True).to(tl.uint64)
+    lo = tl.load(words_ptr + w + 1).to(tl.uint32, bitcast=True).to(tl.uint64)
     buf = ((hi << 32) | lo) << off
     nb = 64 - (bit & 31).to(tl.int32)
     w += 2
-    acc = tl.zeros([BLOCK], dtype=tl.uint64)  # exponents decoded, not yet written: a byte each
-    fill = tl.zeros([BLOCK], dtype=tl.int32)  # how many
-    done = tl.zeros([BLOCK], dtype=tl.int32)
+    acc = tl.zeros([LANES], dtype=tl.uint64)  # exponents decoded, not yet written: a byte each
+    fill = tl.zeros([LANES], dtype=tl.int32)  # how many
+    done = tl.zeros([LANES], dtype=tl.int32)
     sm32 = sm_ptr.to(tl.pointer_type(tl.int32))
     out64 = out_ptr.to(tl.pointer_type(tl.int64))
+    base = (at >> 2) + i  # lane i's k-th group of four values is word base + LANES * k
     while tl.max(length - done, axis=0) > 0:
         active = done < length
         need = active & (nb <= 32)  # a code is at most 12 bits: one word per step keeps up
-        x = _big_endian(tl.load(words_ptr + w, mask=need, other=0))
+        x = tl.load(words_ptr + w, mask=need, other=0).to(tl.uint32, bitcast=True).to(tl.uint64)
         buf = tl.where(need, buf | (x << (32 - nb).to(tl.uint64)), buf)
         nb = tl.where(need, nb + 32, nb)
         w = tl.where(need, w + 1, w)
-        t = tl.load(table + (buf >> 52).to(tl.int64), mask=active, other=0)
-        whole = ((t >> 32) & 0xFF).to(tl.int32) <= length - done
-        take = tl.where(active, tl.where(whole, ((t >> 32) & 0xFF).to(tl.int32), 1), 0)
-        used = tl.where(active, tl.where(whole, (t >> 40) & 0xFF, (t >> 48) & 0xFF), 0)
+        e = tl.load(table_ptr + (buf >> 52).to(tl.int64), mask=active, other=0)
+        whole = ((e >> 32) & 0xFF).to(tl.int32) <= length - done
+        take = tl.where(active, tl.where(whole, ((e >> 32) & 0xFF).to(tl.int32), 1), 0)
+        used = tl.where(active, tl.where(whole, (e >> 40) & 0xFF, (e >> 48) & 0xFF), 0)
         buf = buf << used.to(tl.uint64)
         nb -= used.to(tl.int32)
-        keep = (tl.full([BLOCK], 1, tl.uint64) << (8 * take).to(tl.uint64)) - 1
-        acc = acc | (((t & 0xFFFFFFFF).to(tl.uint64) & keep) << (8 * fill).to(tl.uint64))
+        # (an entry's bytes past its count are 0; near the lane's end only its first is taken)
+        sym = tl.where(whole, e & 0xFFFFFFFF, e & 0xFF).to(tl.uint64)
+        acc = acc | (sym << (8 * fill).to(tl.uint64))
         fill += take
         done += take
         full = fill >= 4
-        word = (start + done - fill) >> 2  # the first held value's place, a multiple of 4
-        s4 = tl.load(sm32 + word, mask=full, other=0)
-        e4 = acc.to(tl.int64)
-        v0 = _bf16((e4 & 0xFF).to(tl.int32), s4 & 0xFF)
-        v1 = _bf16(((e4 >> 8) & 0xFF).to(tl.int32), (s4 >> 8) & 0xFF)
-        v2 = _bf16(((e4 >> 16) & 0xFF).to(tl.int32), (s4 >> 16) & 0xFF)
-        v3 = _bf16(((e4 >> 24) & 0xFF).to(tl.int32), (s4 >> 24) & 0xFF)
-        four = (v0 | (v1 << 16)).to(tl.int64) & 0xFFFFFFFF
-        four = four | (((v2 | (v3 << 16)).to(tl.int64) & 0xFFFFFFFF) << 32)
-        tl.store(out64 + word, four, mask=full)
+        word = base + LANES * ((done - fill) >> 2)
+        s4 = tl.load(sm32 + word, mask=full, other=0).to(tl.uint32, bitcast=True)
+        e4 = (acc & 0xFFFFFFFF).to(tl.uint32)
+        # two values in each 32-bit half: bytes spread to 16-bit slots, then as _bf16
+        e01 = (e4 & 0xFF) | ((e4 & 0xFF00) << 8)
+        e23 = ((e4 >> 16) & 0xFF) | ((e4 >> 8) & 0xFF0000)
+        s01 = (s4 & 0xFF) | ((s4 & 0xFF00) << 8)
+        s23 = ((s4 >> 16) & 0xFF) | ((s4 >> 8) & 0xFF0000)
+        v01 = ((s01 & 0x00800080) << 8) | (e01 << 7) | (s01 & 0x007F007F)
+        v23 = ((s23 & 0x00800080) << 8) | (e23 << 7) | (s23 & 0x007F007F)
+        four = v01.to(tl.uint64) | (v23.to(tl.uint64) << 32)
+        tl.store(out64 + word, four.to(tl.int64, bitcast=True), mask=full)
         acc = tl.where(full, acc >> 32, acc)
         fill = tl.where(full, fill - 4, fill)
-    # a tensor whose size is not a multiple of 4: its last lane holds 1-3 values still
-    first = start + done - fill
+    # the tile's last 1-3 values when they do not make a group of four: in one lane
+    place = 4 * (base + LANES * ((done - fill) >> 2))
     for j in tl.static_range(3):
-        ok = live & (j < fill)
-        s = tl.load(sm_ptr + first + j, mask=ok, other=0).to(tl.int32)
+        ok = j < fill
+        s = tl.load(sm_ptr + place + j, mask=ok, other=0).to(tl.int32)
         v = _bf16(((acc >> (8 * j)) & 0xFF).to(tl.int32), s)
-        tl.store(out_ptr + first + j, v.to(tl.int16), mask=ok)
+        tl.store(out_ptr + place + j, v.to(tl.int16), mask=ok)

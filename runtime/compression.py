@@ -77,15 +77,17 @@ from kernels.cpu_ext import huffman_if_built, load_huffman
 from kernels.dispatch import FORCE_TRITON
 from kernels.huffman_decode import (
     CODE_BITS,
+    TILE_LANES,
+    TILE_SPAN,
+    TILE_SPANS,
     CodedBF16,
     CorruptStreamError,
-    LaneGroup,
+    TileGroup,
     canonical_codes,
     decode,
     decode_cpu,
-    decode_lanes,
     decode_table,
-    lane_group,
+    decode_tiles,
 )
 from runtime.config import ModelLoadError
 from runtime.manifest import COMPRESSED_MANIFEST_NAME, check_shard_files, is_compressed
@@ -1207,28 +1209,123 @@ def _aligned(nbytes: int) -> int:
 # Weights kept compressed in memory, decoded block by block
 
 
-TABLE_BYTES = 8 * (1 << CODE_BITS)  # a decode table, held beside each tensor kept compressed
-MIN_LANE_SPAN = 64  # the least span a LaneGroup is built for (else a tensor at a time)
-# Weights kept compressed: values a lane. A layer is one launch, a thread a lane, each decoding
-# its span in sequence: SmolLM2's layer at 256 is 14K threads, far from filling an H100, whose
-# decode of the 30 layers took 1.50 ms; 0.85 ms at 128, 0.72 at 64 (graphed, 2026-11-26). The
-# lanes' offsets cost 8 bytes a lane: 1.6% of the bfloat16 bytes at 256, 6.3% at 64 (SmolLM2's
-# layers kept in 69.6% of their bfloat16 bytes at 256, 74.3% at 64)
-KEPT_LANE_SPAN = 64
+TABLE_BYTES = 8 * (1 << CODE_BITS)  # a decode table, held beside the tensors kept compressed
+
+
+def exponent_counts(t: torch.Tensor) -> np.ndarray:
+    """(256,) int64: how often each exponent occurs in a bfloat16 tensor, counted where it lies."""
+    exps = (t.detach().reshape(-1).view(torch.int16).to(torch.int32) >> 7) & 0xFF
+    return torch.bincount(exps, minlength=256).cpu().numpy().astype(np.int64)
+
+
+def tile_bytes(numel: int, coded_bits: int, span: int = TILE_SPAN) -> int:
+    """The memory a tensor of `numel` values whose exponents take `coded_bits` takes in a
+    TileGroup of `span` values a lane (the group's decode table aside)."""
+    tiles = -(-numel // (TILE_LANES * span))
+    return 4 * -(-coded_bits // 32) + numel + tiles * (24 + 2 * TILE_LANES)
+
+
+def tile_group(tensors: Sequence[torch.Tensor], starts: Sequence[int],
+               counts: np.ndarray | None = None, span: int = TILE_SPAN) -> TileGroup:  # fmt: skip
+    """`tensors` (bfloat16, on one device: encoded there, in tensor ops) coded into a TileGroup
+    (kernels/huffman_decode.py), tensor i's values to go to [starts[i], starts[i] + numel) of
+    the buffer (ascending multiples of 4, each at or past the previous tensor's end), in one
+    code made for their exponents' `counts` together (exponent_counts's, else counted here),
+    `span` values a lane (a multiple of 4, at most 64).
+
+    One code for a layer's tensors, not one each: SmolLM2's layers coded in 2.687 bits an
+    exponent instead of 2.635, but a layer's seven 32 KiB tables were 3% of its compressed
+    bytes, and with one table in each SM's L1 the tiles decoded 38% faster (a loop over its
+    first four layers, 36 launches, on an H100, 2026-11-27)."""
+    ends = [s + t.numel() for s, t in zip(starts, tensors, strict=True)]
+    if (any(s % 4 or s < 0 for s in starts)
+            or any(e > s for e, s in zip(ends, starts[1:], strict=False))):  # fmt: skip
+        raise ValueError("starts must be ascending multiples of 4, past the previous end")
+    if span not in TILE_SPANS:
+        raise ValueError(f"span must be a multiple of 4 from 4 to 64, got {span}")
+    if any(t.dtype != torch.bfloat16 for t in tensors) or len({t.device for t in tensors}) > 1:
+        raise ValueError("a TileGroup's tensors must be bfloat16, on one device")
+    dev = tensors[0].device if tensors else torch.device("cpu")
+    numel = ends[-1] if ends else 0
+    if counts is None:
+        counts = sum((exponent_counts(t) for t in tensors), np.zeros(256, dtype=np.int64))
+    lengths = code_lengths(counts) if numel else np.zeros(256, dtype=np.int64)
+    sm = torch.zeros(-(-numel // 4) * 4, dtype=torch.uint8, device=dev)
+    streams, tiles, lanes, at_word = [], [], [], 0
+    for t, s in zip(tensors, starts, strict=True):
+        b = t.detach().reshape(-1).view(torch.int16).to(torch.int32) & 0xFFFF
+        sm[s : s + b.numel()] = (((b >> 8) & 0x80) | (b & 0x7F)).to(torch.uint8)
+        words, first, rel, m = _tile_streams((b >> 7) & 0xFF, lengths, span)
+        streams.append(words)
+        tiles.append(torch.stack([first + 32 * at_word,
+                                  s + TILE_LANES * span * torch.arange(m.numel(), device=dev), m],
+                                 dim=1))  # fmt: skip
+        lanes.append(rel)
+        at_word += words.numel()
+    streams.append(torch.zeros(2, dtype=torch.int32, device=dev))  # a lane reads a word ahead
+    return TileGroup(
+        decode_table(lengths).to(dev) if numel else torch.zeros(0, dtype=torch.int64),
+        torch.cat(tiles) if tiles else torch.zeros(0, 3, dtype=torch.int64, device=dev),
+        torch.cat(lanes) if lanes else torch.zeros(0, dtype=torch.int16, device=dev),
+        torch.cat(streams),
+        sm,
+        numel,
+        span,
+    )
+
+
+def _tile_streams(exps: torch.Tensor, lengths: np.ndarray, span: int
+                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:  # fmt: skip
+    """One tensor's exponents (int32, (n,)) in TileGroup's lanes: (its streams' 32-bit words,
+    the first bit the most significant; each tile's first bit in them; each lane's first bit from its tile's, int16;
+    each tile's values)."""
+    dev, n = exps.device, exps.numel()
+    values = TILE_LANES * span  # a tile's
+    n_tiles = -(-n // values)
+    # the places in the order the lanes code them: tile, lane, then the lane's own order
+    order = torch.arange(n_tiles * values, device=dev)
+    order = order.view(n_tiles, span // 4, TILE_LANES, 4).transpose(1, 2).reshape(-1)
+    order = order[order < n]
+    sym = exps[order].long()
+    size = torch.from_numpy(lengths).to(dev)[sym]
+    code = torch.from_numpy(canonical_codes(lengths)).to(dev)[sym]
+    pos = torch.cumsum(size, 0) - size  # each code's first bit
+    total = int(pos[-1] + size[-1]) if n else 0
+    lane = order // values * TILE_LANES + order // 4 % TILE_LANES
+    counts = torch.bincount(lane, minlength=n_tiles * TILE_LANES)
+    first_value = torch.cumsum(counts, 0) - counts
+    lane_bit = torch.cat([pos, torch.tensor([total], device=dev)])[first_value]
+    lane_bit = lane_bit.view(n_tiles, TILE_LANES)
+    rel = lane_bit - lane_bit[:, :1]
+    assert n == 0 or int(rel.max()) < 2**15  # span * 31 * CODE_BITS at most
+    # each code into the big-endian 32-bit word it starts in, and the next where it crosses
+    word, off = pos >> 5, pos & 31
+    room = 32 - off - size  # < 0: the code crosses into the next word by -room bits
+    hi = torch.where(room >= 0, code << room.clamp(min=0), code >> (-room).clamp(min=0))
+    lo = torch.where(room >= 0, 0, (code << (32 + room).clamp(min=0)) & 0xFFFFFFFF)
+    acc = torch.zeros(-(-total // 32) + 1, dtype=torch.int64, device=dev)
+    acc.index_add_(0, word, hi)  # the codes' bits never overlap: adding is or-ing
+    acc.index_add_(0, word + 1, lo)
+    acc = acc[:-1]
+    m = torch.full((n_tiles,), values, dtype=torch.int64, device=dev)
+    if n_tiles:
+        m[-1] = n - (n_tiles - 1) * values
+    words = torch.where(acc >= 2**31, acc - 2**32, acc).to(torch.int32)
+    return words, lane_bit[:, 0], rel.reshape(-1).to(torch.int16), m
 
 
 @dataclass(slots=True)
 class _Slot:
     param: nn.Parameter
     shape: torch.Size  # its own (the parameter holds an empty tensor between uses)
-    coded: CodedBF16 | None  # None on a GPU: its block's LaneGroup holds it
+    coded: CodedBF16 | None  # None on a GPU: its block's TileGroup holds it
     offset: int  # in the shared buffer, in values
 
 
 @dataclass(slots=True)
 class _Block:
     slots: list[_Slot]
-    group: LaneGroup | None  # on a GPU: every slot decoded in one launch
+    group: TileGroup | None  # on a GPU: every slot decoded in one launch
 
 
 class CompressedBlocks:
@@ -1236,31 +1333,36 @@ class CompressedBlocks:
     another) kept compressed on `device`; a forward pre-hook decodes a block's weights into one
     buffer shared by all blocks (the largest block's size) just before the block runs, and its
     parameters are views of that buffer until the block returns. Weights that do not compress
-    stay as they are. `release()` restores dense weights and removes the hooks. On a GPU a
-    block's records are gathered into one LaneGroup (kernels/huffman_decode.py), decoded by one
-    launch of the lanes kernel; the launches are captured in the engine's decode graphs like
-    any other kernel (the buffers' addresses never change).
+    stay as they are. `release()` restores dense weights and removes the hooks. On a GPU (or
+    the CPU under EDGEINFER_KERNELS=triton) a block's weights are coded anew into one TileGroup
+    (`tile_group`: a lane per `span` values, one code a block, encoded on the device in tensor
+    ops, 0.3 s for SmolLM2 on an H100), decoded by one launch of the tiles kernel; the launches are
+    captured in the engine's decode graphs like any other kernel (the buffers' addresses never
+    change). Elsewhere each tensor is an encode_bf16 record, decoded by the C++ extension.
 
     On a GPU the next block is decoded while one runs (`overlap`, default on): two buffers, and
     a side stream that decodes block i+1 into one as soon as block i-1 (which read it last) is
     done, while block i's kernels run from the other (`ahead` blocks ahead, with as many more
     buffers; 2 or 3 were no faster). At batch 1 a layer's kernels are small and latency-bound,
-    leaving much of the GPU to the decoder: SmolLM2's graphed step on an H100 (2026-11-26) took
-    2.26x the dense one decoded in line, 1.93x decoded ahead (lanes of 256 values; with 64,
-    1.75x and 1.30-1.47x). A higher priority for either stream did not help.
+    leaving much of the GPU to the decoder: SmolLM2's graphed step on an H100 took 1.15x the
+    dense one (1.21x decoded in line; 2026-11-27, tiles of 32 values a lane; 1.26-1.79x at 64
+    over five runs on three machines); the lanes before them (a lane per 64 consecutive
+    values) made 1.44-1.50x, and 2.26x / 1.93x at 256 values a lane (2026-11-26). A higher
+    priority for either stream did not help (stream priorities; a graph's replay may not
+    honour them).
 
     The weights are encoded here, from the loaded model (the model's parameters fuse q/k/v
-    and gate/up, which the files' records do not), on the calling thread: SmolLM2's 106M layer
-    weights in 0.8 s since the C++ extension packs the codes (157M values/s a 11.5M-value
+    and gate/up, which the files' records do not), on the calling thread; on the CPU,
+    SmolLM2's 106M layer weights in 0.8 s since the C++ extension packs the codes (157M values/s a 11.5M-value
     tensor, 2026-11-26; numpy packed 21-32M). A pool's threads kept tens of MB of the encoder's
     temporaries resident in their own heaps (the model alone, after load_model: 515 MB with
     dense weights; kept compressed, 452-465 MB encoded on this thread, 517-523 on a pool's;
     2-core Xeon, 2026-11-25). Each
     block's dense weights are given back as soon as it is encoded (see below), so the
     start-up needs the dense weights' memory once. `progress(done, total)` (values) after
-    each block is encoded. A tensor stays dense unless its record saves more than `min_saving`
-    bytes (default: the size of the decode table it would hold beside it), and
-    `compressed_bytes` counts the tables."""
+    each block is encoded. A tensor stays dense unless its coded form saves more than
+    `min_saving` bytes (default: the size of a decode table), and `compressed_bytes` counts
+    the tables."""
 
     def __init__(
         self,
@@ -1271,6 +1373,7 @@ class CompressedBlocks:
         min_saving: int = TABLE_BYTES,
         overlap: bool = True,
         ahead: int = 1,
+        span: int = TILE_SPAN,
     ) -> None:
         first = next((p for b in blocks for p in b.parameters()), None)
         self.device = (
@@ -1283,41 +1386,21 @@ class CompressedBlocks:
         self._blocks: list[_Block] = []
         self._hooks: list[Any] = []
         self._empty = torch.empty(0, dtype=torch.bfloat16, device=self.device)
+        self._span = span  # values a lane of the tiles
         params = [[p for p in b.parameters() if p.dtype == torch.bfloat16] for b in blocks]
         total = sum(p.numel() for ps in params for p in ps)
-        done = 0
-        # The records, made among the encoder's temporaries, would keep the heap from giving
-        # those back (SmolLM2: ~110 MB more resident than the records themselves); each moves
-        # into one store of their own (on a GPU: copied there), committed only as far as it is
-        # written (a record is under 2 bytes a value, or the tensor stays dense).
-        store = Arena(sum(_aligned(2 * p.numel()) for ps in params for p in ps)).tensor()
-        # a CPU decodes with the C++ extension anyway: build it; for a GPU, only if built
-        cpu = self.device.type == "cpu"
-        at, size = 0, 0
-        for block, ps in zip(blocks, params, strict=True):
-            kept: list[torch.Tensor | None] = []
-            for p in ps:
-                rec = encode_bf16(p.data.cpu(), chunk_elems, compile_ext=cpu)
-                # a tensor kept compressed also holds its decode table (TABLE_BYTES): one that
-                # saves less (a norm's 576 values) stays dense
-                if rec is None or 2 * p.numel() - rec.size <= min_saving:
-                    kept.append(None)
-                    continue
-                view = store[at : at + rec.size]
-                view.copy_(torch.from_numpy(rec))
-                kept.append(view)
-                at += _aligned(rec.size)
-            # A block's dense weights go as soon as it is encoded, so the start-up needs the
-            # dense weights' memory once, not that and the records': the loader put every
-            # parameter in one arena, whose pages are given back block by block.
-            shared = [(p.data_ptr(), p.nbytes) for p, r in zip(ps, kept, strict=True)
-                      if r is not None and p.untyped_storage().nbytes() > p.nbytes]  # fmt: skip
-            done += sum(p.numel() for p in ps)  # (before _add_block empties them)
-            size = max(size, self._add_block(block, ps, kept, chunk_elems))
-            for addr, nbytes in shared:
-                release_pages(addr, nbytes)
-            if progress is not None:
-                progress(done, total)
+        # On a GPU (or the CPU under EDGEINFER_KERNELS=triton) a block is a TileGroup, encoded
+        # where it is decoded, in tensor ops; else records decoded by the C++ extension
+        tiled = self.device.type == "cuda" or FORCE_TRITON
+        done, size = 0, 0
+        if tiled:
+            for block, ps in zip(blocks, params, strict=True):
+                done += sum(p.numel() for p in ps)  # (before _add_tiles empties them)
+                size = max(size, self._add_tiles(block, ps, min_saving))
+                if progress is not None:
+                    progress(done, total)
+        else:
+            size = self._encode_records(blocks, params, chunk_elems, min_saving, progress)
         self.buffer = torch.empty(size, dtype=torch.bfloat16, device=self.device)
         # on a GPU with every block one launch: the buffers decoded ahead into, the stream that
         # fills them, and an event a buffer that says its block is decoded
@@ -1343,41 +1426,94 @@ class CompressedBlocks:
         """The memory the decoded blocks take (one buffer, or two when decoding ahead)."""
         return sum(b.nbytes for b in self._buffers)
 
+    def _encode_records(self, blocks: Sequence[nn.Module], params: list[list[nn.Parameter]],
+                        chunk_elems: int, min_saving: int,
+                        progress: Callable[[int, int], None] | None) -> int:  # fmt: skip
+        """The CPU's blocks: each parameter's record (encode_bf16) in slots decoded by the C++
+        extension. Returns the values the largest block uses of the buffer."""
+        total = sum(p.numel() for ps in params for p in ps)
+        done = 0
+        # The records, made among the encoder's temporaries, would keep the heap from giving
+        # those back (SmolLM2: ~110 MB more resident than the records themselves); each moves
+        # into one store of their own (on a GPU: copied there), committed only as far as it is
+        # written (a record is under 2 bytes a value, or the tensor stays dense).
+        store = Arena(sum(_aligned(2 * p.numel()) for ps in params for p in ps)).tensor()
+        at, size = 0, 0
+        for block, ps in zip(blocks, params, strict=True):
+            kept: list[torch.Tensor | None] = []
+            for p in ps:
+                rec = encode_bf16(p.data.cpu(), chunk_elems, compile_ext=True)
+                # a tensor kept compressed also holds its decode table (TABLE_BYTES): one that
+                # saves less (a norm's 576 values) stays dense
+                if rec is None or 2 * p.numel() - rec.size <= min_saving:
+                    kept.append(None)
+                    continue
+                view = store[at : at + rec.size]
+                view.copy_(torch.from_numpy(rec))
+                kept.append(view)
+                at += _aligned(rec.size)
+            # A block's dense weights go as soon as it is encoded, so the start-up needs the
+            # dense weights' memory once, not that and the records': the loader put every
+            # parameter in one arena, whose pages are given back block by block.
+            shared = [(p.data_ptr(), p.nbytes) for p, r in zip(ps, kept, strict=True)
+                      if r is not None and p.untyped_storage().nbytes() > p.nbytes]  # fmt: skip
+            done += sum(p.numel() for p in ps)  # (before _add_block empties them)
+            size = max(size, self._add_block(block, ps, kept))
+            for addr, nbytes in shared:
+                release_pages(addr, nbytes)
+            if progress is not None:
+                progress(done, total)
+        return size
+
     def _add_block(self, block: nn.Module, ps: list[nn.Parameter],
-                   recs: list[torch.Tensor | None], chunk_elems: int) -> int:  # fmt: skip
+                   recs: list[torch.Tensor | None]) -> int:  # fmt: skip
         """One block's encoded parameters (`recs`: encode_bf16's records, None for a parameter
-        kept dense) into slots of the shared buffer, and its hooks. Returns the values it uses
-        of the buffer."""
-        # On a GPU (or the CPU under EDGEINFER_KERNELS=triton) the block is decoded in one launch
-        # of the lanes kernel, whose lanes start at multiples of its span (a lane never crosses
-        # a chunk; no group under 64 values a lane: 8 bytes a lane are 6% of the dense bytes at
-        # 64, all of them at 4); else a tensor at a time by the C++ decoder, 64-byte aligned
-        span = math.gcd(KEPT_LANE_SPAN, chunk_elems)
-        gpu = (self.device.type == "cuda" or FORCE_TRITON) and span >= MIN_LANE_SPAN
-        align = span if gpu else 32
-        slots, held, used = [], [], 0
+        kept dense) into slots of the shared buffer (a tensor at a time by the C++ decoder,
+        64-byte aligned), and its hooks. Returns the values it uses of the buffer."""
+        slots, used = [], 0
         for p, rec in zip(ps, recs, strict=True):
             if rec is None:
                 continue
             coded = parse_record(rec, p.numel()).to(self.device)
             slots.append(_Slot(p, p.shape, coded, used))
-            held.append(coded)
             self.dense_bytes += p.numel() * 2
-            used += -(-p.numel() // align) * align
+            self.compressed_bytes += coded.nbytes() + coded.table.nbytes
+            used += -(-p.numel() // 32) * 32
             p.data = self._empty  # the dense weight is freed (unless held elsewhere)
-        group = None
-        if gpu and held:
-            group = lane_group(held, [s.offset for s in slots], span)
-            for s in slots:
-                s.coded = None  # the group holds its own copy
+        self._hook(block, _Block(slots, None))
+        return used
+
+    def _add_tiles(self, block: nn.Module, ps: list[nn.Parameter], min_saving: int) -> int:
+        """One block's parameters coded into one TileGroup where they are decoded (a tensor
+        that would save no more than `min_saving` bytes stays dense), and its hooks. Returns
+        the values it uses of the buffer."""
+        slots, kept, used = [], [], 0
+        counts = np.zeros(256, dtype=np.int64)
+        for p in ps:
+            dense = p.data.to(self.device)
+            hist = exponent_counts(dense)
+            coded_bits = int((hist * code_lengths(hist)).sum())  # (its own code's: near enough)
+            if 2 * p.numel() - tile_bytes(p.numel(), coded_bits, self._span) <= min_saving:
+                continue
+            slots.append(_Slot(p, p.shape, None, used))
+            kept.append(dense)
+            counts += hist
+            used += -(-p.numel() // 4) * 4
+        group = (tile_group(kept, [s.offset for s in slots], counts, self._span)
+                 if kept else None)  # fmt: skip
+        del kept
+        for s in slots:
+            self.dense_bytes += s.shape.numel() * 2
+            s.param.data = self._empty  # the dense weight is freed (unless held elsewhere)
+        if group is not None:
             self.compressed_bytes += group.nbytes()
-        else:
-            self.compressed_bytes += sum(c.nbytes() + c.table.nbytes for c in held)
-        entry = _Block(slots, group)
+        self._hook(block, _Block(slots, group))
+        return used
+
+    def _hook(self, block: nn.Module, entry: _Block) -> None:
         self._blocks.append(entry)
         self._hooks.append(block.register_forward_pre_hook(self._pre_hook(len(self._blocks) - 1)))
         self._hooks.append(block.register_forward_hook(self._post_hook(entry)))
-        return used
 
     def _pre_hook(self, index: int) -> Callable[..., None]:
         entry = self._blocks[index]
@@ -1432,7 +1568,7 @@ class CompressedBlocks:
         n = len(self._buffers)
         self._side.wait_stream(current)
         with torch.cuda.stream(self._side):
-            decode_lanes(group, self._buffers[index % n])
+            decode_tiles(group, self._buffers[index % n])
         self._ready[index % n].record(self._side)
         self._launched = index
 
@@ -1446,7 +1582,7 @@ class CompressedBlocks:
     def _decode(self, entry: _Block) -> None:
         """Decode `entry` in line, into the first buffer, and point its parameters there."""
         if entry.group is not None:
-            decode_lanes(entry.group, self.buffer)
+            decode_tiles(entry.group, self.buffer)
         for s in entry.slots:
             if s.coded is not None:
                 decode(s.coded, out=self.buffer[s.offset : s.offset + s.shape.numel()],

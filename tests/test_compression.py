@@ -700,15 +700,14 @@ def test_triton_kernel_gives_the_cpu_decoders_bits() -> None:
     """Run in a fresh interpreter: TRITON_INTERPRET is read when the kernel is defined."""
     script = """
 import torch
-from kernels.huffman_decode import decode_cpu, decode_triton, find_marks, marks_reference
+from kernels.huffman_decode import decode_cpu, decode_triton
 from runtime.compression import encode_bf16, parse_record
 from tests.test_compression import _weights
 
-# a last chunk of one value (1025 = 16 x 64 + 1), NaN/Inf, all-equal, a few chunk sizes; marks
-# every 16..chunk values (a last span of one value, a last chunk of fewer spans)
-for shape, kind, chunk, span in [((1025,), "normal", 64, 16), ((3, 333), "special", 64, 32),
-                                 ((1000,), "normal", 128, 128), ((2, 700), "equal", 256, 64),
-                                 ((5000,), "normal", 512, 64)]:
+# a last chunk of one value (1025 = 16 x 64 + 1), NaN/Inf, all-equal, a few chunk sizes
+for shape, kind, chunk in [((1025,), "normal", 64), ((3, 333), "special", 64),
+                           ((1000,), "normal", 128), ((2, 700), "equal", 256),
+                           ((5000,), "normal", 512)]:
     t = _weights(shape, kind)
     rec = encode_bf16(t, chunk)
     coded = parse_record(torch.from_numpy(rec), t.numel())
@@ -716,67 +715,60 @@ for shape, kind, chunk, span in [((1025,), "normal", 64, 16), ((3, 333), "specia
     gpu = decode_triton(coded)
     assert torch.equal(gpu.view(torch.int16), cpu.view(torch.int16)), (shape, kind)
     assert torch.equal(gpu.view(torch.int16), t.reshape(-1).view(torch.int16)), (shape, kind)
-    assert torch.equal(find_marks(coded, span), marks_reference(coded, span)), (shape, span)
-try:
-    find_marks(coded, 48)
-except ValueError as e:
-    assert "span must divide the chunk size 512" in str(e), e
-else:
-    raise AssertionError("a span that does not divide the chunk was taken")
 coded.offsets[1] = 0
-for corrupt in (decode_triton, lambda c: find_marks(c, 64)):
-    try:
-        corrupt(coded)
-    except ValueError as e:
-        assert "chunk 0" in str(e), e
-    else:
-        raise AssertionError("corrupt stream decoded")
+try:
+    decode_triton(coded)
+except ValueError as e:
+    assert "chunk 0" in str(e), e
+else:
+    raise AssertionError("corrupt stream decoded")
 print("ok")
 """
     assert run_interpreted(script).strip() == "ok"
 
 
-def test_lanes_kernel_decodes_a_group_into_its_places() -> None:
-    """Tensors of several chunk sizes, NaN/Inf, all-equal, sizes that are not multiples of 4 or
-    of the span, gathered into one LaneGroup with gaps between them (a lane of a gap has nothing
-    to do) and decoded in one launch: every tensor's bits in its place, the gaps untouched."""
+def test_tiles_kernel_decodes_a_group_into_its_places() -> None:
+    """Tensors of NaN/Inf, all-equal and normal values, of sizes that are not multiples of 4, of
+    a lane's values or of a tile's (a last tile whose lanes hold 0..span values, a last group
+    of 1-3), coded on the CPU into one TileGroup with gaps between them, and decoded in one
+    launch, at several spans: every tensor's bits in its place, the gaps untouched; bad places
+    and spans refused."""
     script = """
 import torch
-from kernels.huffman_decode import decode_lanes, lane_group
-from runtime.compression import encode_bf16, parse_record
+from kernels.huffman_decode import TILE_LANES, decode_tiles
+from runtime.compression import tile_bytes, tile_group
 from tests.test_compression import _weights
 
-coded, tensors = [], []
-for shape, kind, chunk in [((1025,), "normal", 64), ((3, 333), "special", 64),
-                           ((1000,), "normal", 128), ((2, 700), "equal", 256),
-                           ((5003,), "normal", 512), ((1, 1), "normal", 64)]:
-    t = _weights(shape, kind)
-    rec = encode_bf16(t, chunk)
-    if rec is None:  # a single value does not compress: stays raw
-        continue
-    coded.append(parse_record(torch.from_numpy(rec), t.numel()))
-    tensors.append(t)
-assert len(coded) == 5
-for span, gap in [(16, 1), (64, 0), (32, 3)]:
+tensors = [_weights(shape, kind) for shape, kind in
+           [((1025,), "normal"), ((3, 333), "special"), ((1000,), "normal"), ((2, 700), "equal"),
+            ((5003,), "normal"), ((1, 1), "normal"), ((2048,), "normal"), ((2, 2049), "special"),
+            ((4097,), "equal")]]
+for gap, span in [(0, 64), (4, 64), (12, 32), (4, 4)]:
     starts, at = [], 0
-    for c in coded:
-        at = -(-at // span) * span + gap * span
+    for t in tensors:
+        at = -(-at // 4) * 4 + gap
         starts.append(at)
-        at += c.numel
-    group = lane_group(coded, starts, span)
+        at += t.numel()
+    group = tile_group(tensors, starts, span=span)
+    values = TILE_LANES * span
+    assert group.tiles.shape[0] == sum(-(-t.numel() // values) for t in tensors)
     out = torch.full((group.numel + 8,), float("nan"), dtype=torch.bfloat16)
-    decode_lanes(group, out)
+    decode_tiles(group, out)
     filled = torch.zeros(out.numel(), dtype=torch.bool)
-    for s, c, t in zip(starts, coded, tensors):
-        got = out[s : s + c.numel].view(torch.int16)
-        assert torch.equal(got, t.reshape(-1).view(torch.int16)), (span, t.shape)
-        filled[s : s + c.numel] = True
-    assert torch.isnan(out[~filled]).all(), span
-for bad in (lambda: lane_group(coded, starts, 128), lambda: lane_group(coded, [0] * 5, 32)):
+    for s, t in zip(starts, tensors):
+        got = out[s : s + t.numel()].view(torch.int16)
+        assert torch.equal(got, t.reshape(-1).view(torch.int16)), (gap, span, t.shape)
+        filled[s : s + t.numel()] = True
+    assert torch.isnan(out[~filled]).all(), gap
+    n_tiles = group.tiles.shape[0]  # what tile_bytes counts beside the streams and sm bytes
+    assert tile_bytes(values * n_tiles, 0, span) - values * n_tiles == (
+        group.tiles.nbytes + group.lanes.nbytes)
+for bad, span in [([0, 2, *starts[2:]], 64), ([0] * len(tensors), 64), (starts, 68),
+                  (starts, 30)]:
     try:
-        bad()
+        tile_group(tensors, bad, span=span)
     except ValueError as e:
-        assert "span must be" in str(e) or "starts must be" in str(e), e
+        assert "starts must be ascending multiples of 4" in str(e) or "span must be" in str(e), e
     else:
         raise AssertionError("a bad layout was taken")
 print("ok")
@@ -784,22 +776,48 @@ print("ok")
     assert run_interpreted(script).strip() == "ok"
 
 
+def test_blocks_kept_compressed_as_tiles_compute_as_dense() -> None:
+    """CompressedBlocks where Triton decodes (a GPU; here the CPU under
+    EDGEINFER_KERNELS=triton): each block one TileGroup in one code, its tensors that gain
+    nothing kept dense, every block computing with its own weights, given back bit for bit."""
+    script = """
+import torch
+from runtime.compression import CompressedBlocks
+
+gen = torch.Generator().manual_seed(0)
+blocks = [torch.nn.Linear(256, 200 + 8 * i, bias=True, dtype=torch.bfloat16) for i in range(3)]
+for b in blocks:
+    b.weight.data = (torch.randn(*b.weight.shape, generator=gen) * 0.02).to(torch.bfloat16)
+x = torch.randn(4, 256, generator=gen).to(torch.bfloat16)
+dense = [b.weight.detach().clone() for b in blocks]
+want = [b(x) for b in blocks]
+kept = CompressedBlocks(blocks, min_saving=1024, span=32)
+assert all(b.group is not None and len(b.slots) == 1 for b in kept._blocks)
+assert blocks[0].weight.numel() == 0 and blocks[0].bias.numel() == 200  # the bias: too small
+assert kept.compressed_bytes < 0.8 * kept.dense_bytes + 3 * 32768, kept.summary()
+for order in ([0, 1, 2], [2, 0], [1, 1]):
+    for i in order:
+        assert torch.equal(blocks[i](x), want[i]), order
+kept.release()
+assert all(torch.equal(b.weight.view(torch.int16), d.view(torch.int16))
+           for b, d in zip(blocks, dense))
+print("ok")
+"""
+    assert run_interpreted(script, kernels=True).strip() == "ok"
+
+
 def test_triton_kernels_compile_for_hopper() -> None:
     """No GPU here: compile the kernels to a cubin for sm_90 (H100/H200) with Triton's own ptxas,
     which catches what the interpreter does not (types, the data-dependent while loop)."""
-    from kernels.huffman_decode_triton import huffman_decode_kernel, huffman_decode_lanes_kernel
+    from kernels.huffman_decode_triton import huffman_decode_kernel, huffman_decode_tiles_kernel
 
-    sig = {"table_ptr": "*i64", "offsets_ptr": "*i32", "marks_ptr": "*i32", "sm_ptr": "*u8",
-           "bits_ptr": "*u8", "out_ptr": "*i16", "used_ptr": "*i64", "n": "i64", "nbytes": "i64",
-           "n_chunks": "i32", "CHUNK": "constexpr", "SPAN": "constexpr",
-           "WRITE_MARKS": "constexpr", "BLOCK": "constexpr"}  # fmt: skip
-    for write_marks in (False, True):
-        consts = {"CHUNK": 4096, "SPAN": 256, "WRITE_MARKS": write_marks, "BLOCK": 64}
-        compile_for_hopper(huffman_decode_kernel, sig, consts, num_warps=2)
-    sig = {"tables_ptr": "*i64", "lanes_ptr": "*i64", "ends_ptr": "*i64", "words_ptr": "*i32",
-           "sm_ptr": "*u8", "out_ptr": "*i16", "n_lanes": "i32", "SPAN": "constexpr",
-           "BLOCK": "constexpr"}  # fmt: skip
-    compile_for_hopper(huffman_decode_lanes_kernel, sig, {"SPAN": 256, "BLOCK": 64}, num_warps=2)
+    sig = {"table_ptr": "*i64", "offsets_ptr": "*i32", "sm_ptr": "*u8", "bits_ptr": "*u8",
+           "out_ptr": "*i16", "used_ptr": "*i64", "n": "i64", "nbytes": "i64", "n_chunks": "i32",
+           "CHUNK": "constexpr", "BLOCK": "constexpr"}  # fmt: skip
+    compile_for_hopper(huffman_decode_kernel, sig, {"CHUNK": 4096, "BLOCK": 64}, num_warps=2)
+    sig = {"table_ptr": "*i64", "tiles_ptr": "*i64", "lanes_ptr": "*i16", "words_ptr": "*i32",
+           "sm_ptr": "*u8", "out_ptr": "*i16", "LANES": "constexpr", "SPAN": "constexpr"}
+    compile_for_hopper(huffman_decode_tiles_kernel, sig, {"LANES": 32, "SPAN": 64}, num_warps=1)
 
 
 # ---------------------------------------------------------------------------------------------

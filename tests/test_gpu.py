@@ -2,8 +2,8 @@
 real device. Run on a lent GPU machine with `pytest tests/test_gpu.py` (EDGEINFER_STORIES names
 stories260K where ../shared is not beside the repository).
 
-- the Huffman decoder's Triton kernels (a lane per chunk; a group of tensors a lane per span)
-  give the original bits of tensors large enough to fill the GPU;
+- the Huffman decoder's Triton kernels (a lane per chunk; a TileGroup of tensors coded on the
+  GPU) give the original bits of tensors large enough to fill the GPU;
 - the engine on the GPU (Triton kernels, CUDA graphs) gives transformers' greedy tokens on the
   same bfloat16 weights, and the same tokens with its weights kept compressed (decoded inside
   the captured graphs);
@@ -32,17 +32,11 @@ def _bits(t: torch.Tensor) -> torch.Tensor:
 
 
 def test_huffman_kernels_on_the_gpu_give_the_original_bits() -> None:
-    from kernels.huffman_decode import (
-        decode_lanes,
-        decode_triton,
-        find_marks,
-        lane_group,
-        marks_reference,
-    )
-    from runtime.compression import encode_bf16, parse_record
+    from kernels.huffman_decode import decode_tiles, decode_triton
+    from runtime.compression import encode_bf16, parse_record, tile_group
 
     gen = torch.Generator().manual_seed(0)
-    tensors, coded = [], []
+    tensors = []
     for shape in [(4096, 4096), (1, 4097), (3, 1000, 7), (1536, 576)]:
         t = (torch.randn(*shape, generator=gen) * 0.02).to(torch.bfloat16)
         t.view(-1)[:3] = torch.tensor([float("nan"), float("inf"), -0.0])
@@ -51,19 +45,17 @@ def test_huffman_kernels_on_the_gpu_give_the_original_bits() -> None:
         c = parse_record(torch.from_numpy(rec), t.numel()).to("cuda")
         got = decode_triton(c, out=torch.full_like(_bits(t), -1, device="cuda").view(t.dtype))
         assert torch.equal(_bits(got).cpu(), _bits(t)), shape
-        assert torch.equal(find_marks(c, 256).cpu(), marks_reference(c, 256, t)), shape
         tensors.append(t)
-        coded.append(c)
-    for span in (64, 256, 512):
-        starts, at = [], 0
-        for c in coded:
-            starts.append(at)
-            at = -(-(at + c.numel) // span) * span
-        group = lane_group(coded, starts, span)
-        out = torch.full((group.numel,), float("nan"), dtype=torch.bfloat16, device="cuda")
-        decode_lanes(group, out)
-        for s, t in zip(starts, tensors, strict=True):
-            assert torch.equal(_bits(out[s : s + t.numel()]).cpu(), _bits(t)), (span, t.shape)
+    # the tiles kernel (weights kept compressed), coded on the GPU
+    starts, at = [], 0
+    for t in tensors:
+        starts.append(at)
+        at += -(-t.numel() // 4) * 4 + 4
+    group = tile_group([t.cuda() for t in tensors], starts)
+    out = torch.full((group.numel,), float("nan"), dtype=torch.bfloat16, device="cuda")
+    decode_tiles(group, out)
+    for s, t in zip(starts, tensors, strict=True):
+        assert torch.equal(_bits(out[s : s + t.numel()]).cpu(), _bits(t)), t.shape
 
 
 def _greedy(llm: LLM) -> list[list[int]]:
