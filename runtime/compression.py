@@ -1210,6 +1210,7 @@ def _aligned(nbytes: int) -> int:
 
 
 TABLE_BYTES = 8 * (1 << CODE_BITS)  # a decode table, held beside the tensors kept compressed
+SLOT_ALIGN = 64  # values: a weight kept compressed is decoded to a 128-byte aligned view
 
 
 def exponent_counts(t: torch.Tensor) -> np.ndarray:
@@ -1249,7 +1250,8 @@ def tile_group(tensors: Sequence[torch.Tensor], starts: Sequence[int],
     numel = ends[-1] if ends else 0
     if counts is None:
         counts = sum((exponent_counts(t) for t in tensors), np.zeros(256, dtype=np.int64))
-    lengths = code_lengths(counts) if numel else np.zeros(256, dtype=np.int64)
+    coded = bool(counts.any())  # (else every tensor is empty)
+    lengths = code_lengths(counts) if coded else np.zeros(256, dtype=np.int64)
     sm = torch.zeros(-(-numel // 4) * 4, dtype=torch.uint8, device=dev)
     streams, tiles, lanes, at_word = [], [], [], 0
     for t, s in zip(tensors, starts, strict=True):
@@ -1264,7 +1266,7 @@ def tile_group(tensors: Sequence[torch.Tensor], starts: Sequence[int],
         at_word += words.numel()
     streams.append(torch.zeros(2, dtype=torch.int32, device=dev))  # a lane reads a word ahead
     return TileGroup(
-        decode_table(lengths).to(dev) if numel else torch.zeros(0, dtype=torch.int64),
+        decode_table(lengths).to(dev) if coded else torch.zeros(0, dtype=torch.int64),
         torch.cat(tiles) if tiles else torch.zeros(0, 3, dtype=torch.int64, device=dev),
         torch.cat(lanes) if lanes else torch.zeros(0, dtype=torch.int16, device=dev),
         torch.cat(streams),
@@ -1274,32 +1276,69 @@ def tile_group(tensors: Sequence[torch.Tensor], starts: Sequence[int],
     )
 
 
+TILE_SLICE = 1 << 19  # values tile_group codes at a time: its temporaries stay near 0.1 GB
+
+
 def _tile_streams(exps: torch.Tensor, lengths: np.ndarray, span: int
                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:  # fmt: skip
     """One tensor's exponents (int32, (n,)) in TileGroup's lanes: (its streams' 32-bit words,
-    the first bit the most significant; each tile's first bit in them; each lane's first bit from its tile's, int16;
-    each tile's values)."""
+    the first bit the most significant; each tile's first bit in them; each lane's first bit
+    from its tile's, int16; each tile's values). Coded a slice of whole tiles at a time, each
+    slice's streams from a new word."""
     dev, n = exps.device, exps.numel()
     values = TILE_LANES * span  # a tile's
+    n_tiles = -(-n // values)
+    size = torch.from_numpy(lengths).to(dev)
+    code = torch.from_numpy(canonical_codes(lengths)).to(dev)
+    per = max(1, TILE_SLICE // values) * values
+    words, firsts, rels, at_word = [], [], [], 0
+    for a in range(0, n, per):
+        w, first, rel = _tile_slice(exps[a : a + per], size, code, span)
+        words.append(w)
+        firsts.append(first + 32 * at_word)
+        rels.append(rel)
+        at_word += w.numel()
+    m = torch.full((n_tiles,), values, dtype=torch.int64, device=dev)
+    if n_tiles:
+        m[-1] = n - (n_tiles - 1) * values
+    if not words:
+        return (torch.zeros(0, dtype=torch.int32, device=dev),
+                torch.zeros(0, dtype=torch.int64, device=dev),
+                torch.zeros(0, dtype=torch.int16, device=dev), m)  # fmt: skip
+    return torch.cat(words), torch.cat(firsts), torch.cat(rels), m
+
+
+def _tile_slice(exps: torch.Tensor, size_of: torch.Tensor, code_of: torch.Tensor, span: int
+                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:  # fmt: skip
+    """_tile_streams's work on whole tiles (the last may be partial), bits from 0."""
+    dev, n = exps.device, exps.numel()
+    values = TILE_LANES * span
     n_tiles = -(-n // values)
     # the places in the order the lanes code them: tile, lane, then the lane's own order
     order = torch.arange(n_tiles * values, device=dev)
     order = order.view(n_tiles, span // 4, TILE_LANES, 4).transpose(1, 2).reshape(-1)
     order = order[order < n]
     sym = exps[order].long()
-    size = torch.from_numpy(lengths).to(dev)[sym]
-    code = torch.from_numpy(canonical_codes(lengths)).to(dev)[sym]
+    size = size_of[sym]
+    if bool((size == 0).any()):
+        raise ValueError("a value's exponent has no code: the counts the code was made for "
+                         "must include every value coded")  # fmt: skip
+    code = code_of[sym]
+    del sym
     pos = torch.cumsum(size, 0) - size  # each code's first bit
-    total = int(pos[-1] + size[-1]) if n else 0
+    total = int(pos[-1] + size[-1])
     lane = order // values * TILE_LANES + order // 4 % TILE_LANES
+    del order
     counts = torch.bincount(lane, minlength=n_tiles * TILE_LANES)
+    del lane
     first_value = torch.cumsum(counts, 0) - counts
     lane_bit = torch.cat([pos, torch.tensor([total], device=dev)])[first_value]
     lane_bit = lane_bit.view(n_tiles, TILE_LANES)
     rel = lane_bit - lane_bit[:, :1]
-    assert n == 0 or int(rel.max()) < 2**15  # span * 31 * CODE_BITS at most
+    assert int(rel.max()) < 2**15  # span * 31 * CODE_BITS at most
     # each code into the big-endian 32-bit word it starts in, and the next where it crosses
     word, off = pos >> 5, pos & 31
+    del pos
     room = 32 - off - size  # < 0: the code crosses into the next word by -room bits
     hi = torch.where(room >= 0, code << room.clamp(min=0), code >> (-room).clamp(min=0))
     lo = torch.where(room >= 0, 0, (code << (32 + room).clamp(min=0)) & 0xFFFFFFFF)
@@ -1307,11 +1346,8 @@ def _tile_streams(exps: torch.Tensor, lengths: np.ndarray, span: int
     acc.index_add_(0, word, hi)  # the codes' bits never overlap: adding is or-ing
     acc.index_add_(0, word + 1, lo)
     acc = acc[:-1]
-    m = torch.full((n_tiles,), values, dtype=torch.int64, device=dev)
-    if n_tiles:
-        m[-1] = n - (n_tiles - 1) * values
     words = torch.where(acc >= 2**31, acc - 2**32, acc).to(torch.int32)
-    return words, lane_bit[:, 0], rel.reshape(-1).to(torch.int16), m
+    return words, lane_bit[:, 0], rel.reshape(-1).to(torch.int16)
 
 
 @dataclass(slots=True)
@@ -1487,21 +1523,28 @@ class CompressedBlocks:
         """One block's parameters coded into one TileGroup where they are decoded (a tensor
         that would save no more than `min_saving` bytes stays dense), and its hooks. Returns
         the values it uses of the buffer."""
-        slots, kept, used = [], [], 0
-        counts = np.zeros(256, dtype=np.int64)
-        for p in ps:
-            dense = p.data.to(self.device)
-            hist = exponent_counts(dense)
-            coded_bits = int((hist * code_lengths(hist)).sum())  # (its own code's: near enough)
-            if 2 * p.numel() - tile_bytes(p.numel(), coded_bits, self._span) <= min_saving:
-                continue
+        # the block's tensors share one code: a tensor whose exponents are unlike the others'
+        # gains less under it than under its own, so the code is made again without those
+        # that no longer gain, until all that are left do
+        cands = [(p, p.data.to(self.device)) for p in ps]
+        hists = [exponent_counts(dense) for _, dense in cands]
+        while True:
+            counts = sum(hists, np.zeros(256, dtype=np.int64))
+            lengths = code_lengths(counts) if counts.any() else counts
+            gains = [2 * p.numel() - tile_bytes(p.numel(), int((h * lengths).sum()), self._span)
+                     > min_saving for (p, _), h in zip(cands, hists, strict=True)]  # fmt: skip
+            if all(gains):
+                break
+            cands = [c for c, gain in zip(cands, gains, strict=True) if gain]
+            hists = [h for h, gain in zip(hists, gains, strict=True) if gain]
+        slots, used = [], 0
+        for p, _ in cands:
             slots.append(_Slot(p, p.shape, None, used))
-            kept.append(dense)
-            counts += hist
-            used += -(-p.numel() // 4) * 4
+            used += -(-p.numel() // SLOT_ALIGN) * SLOT_ALIGN
+        kept = [dense for _, dense in cands]
         group = (tile_group(kept, [s.offset for s in slots], counts, self._span)
                  if kept else None)  # fmt: skip
-        del kept
+        del kept, cands
         for s in slots:
             self.dense_bytes += s.shape.numel() * 2
             s.param.data = self._empty  # the dense weight is freed (unless held elsewhere)
@@ -1648,7 +1691,7 @@ def compress_layers(
     if not blocks.dense_bytes:
         blocks.release()
         log.warning("weights kept compressed: no layer weight of this model is large enough to "
-                    "gain (each would hold a %d KiB decode table beside its record); the layers "
+                    "gain (each must save more than a %d KiB decode table); the layers "
                     "stay dense", TABLE_BYTES >> 10)  # fmt: skip
         return None
     # The loader placed every parameter in one arena: while the embedding, the norms or the LM

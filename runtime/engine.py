@@ -161,15 +161,15 @@ class LLMEngine:
         cuda = config.device == "cuda"
         self.compressed: CompressedBlocks | None = None
         t_encode = (0.0, 0.0)
-        if config.keep_weights_compressed:  # encoded from the loaded weights, on the host
-            weights.finish()
+        if config.keep_weights_compressed:  # coded from the weights loaded into host memory,
+            weights.finish()  # where they are decoded (on a GPU: each layer copied there first)
             t0 = time.perf_counter()
             from runtime.compression import compress_layers  # numpy and the decoder: only here
 
             self.compressed = compress_layers(self.model, config.device)
             t_encode = (t0, time.perf_counter())
         if cuda:  # the weights are read onto the GPU (through pinned buffers, start_load) or,
-            weights.finish()  # kept compressed, encoded on the host; the rest moves now
+            weights.finish()  # kept compressed, loaded into host memory; the rest moves now
             self.model.to(config.device)
         t_model = time.perf_counter()
         self.tokenizer = Tokenizer.from_dir(config.model)

@@ -763,6 +763,25 @@ for gap, span in [(0, 64), (4, 64), (12, 32), (4, 4)]:
     n_tiles = group.tiles.shape[0]  # what tile_bytes counts beside the streams and sm bytes
     assert tile_bytes(values * n_tiles, 0, span) - values * n_tiles == (
         group.tiles.nbytes + group.lanes.nbytes)
+# a tensor coded in slices of whole tiles (TILE_SLICE: the encoder's temporaries), the last
+# slice a partial tile
+import runtime.compression as rc
+rc.TILE_SLICE = 3 * 32 * 32
+big = _weights((7, 1000), "normal")
+group = tile_group([big], [0], span=32)
+out = torch.full((group.numel,), float("nan"), dtype=torch.bfloat16)
+assert torch.equal(decode_tiles(group, out).view(torch.int16), big.reshape(-1).view(torch.int16))
+# only empty tensors: an empty group; counts that miss a value's exponent: refused
+empty = tile_group([torch.zeros(0, dtype=torch.bfloat16)] * 2, [8, 16])
+assert empty.tiles.shape[0] == 0 and empty.numel == 16
+counts = torch.zeros(256, dtype=torch.int64).numpy()
+counts[0x78:0x7A] = 1
+try:
+    tile_group([big], [0], counts)
+except ValueError as e:
+    assert "has no code" in str(e), e
+else:
+    raise AssertionError("a value without a code was coded")
 for bad, span in [([0, 2, *starts[2:]], 64), ([0] * len(tensors), 64), (starts, 68),
                   (starts, 30)]:
     try:
@@ -801,6 +820,16 @@ for order in ([0, 1, 2], [2, 0], [1, 1]):
 kept.release()
 assert all(torch.equal(b.weight.view(torch.int16), d.view(torch.int16))
            for b, d in zip(blocks, dense))
+# one code a block: a tensor whose exponents are unlike the block's others gains less under it
+# than under its own code, and stays dense where it would not gain (here it would cost more)
+block = torch.nn.Module()
+block.a = torch.nn.Parameter((torch.randn(200_000, generator=gen) * 0.02).to(torch.bfloat16))
+spread = torch.arange(20_000) % 64 + 100  # 64 exponents, evenly
+block.b = torch.nn.Parameter((spread << 7).to(torch.int16).view(torch.bfloat16))
+kept = CompressedBlocks([block], min_saving=0)
+assert block.a.numel() == 0 and block.b.numel() == 20_000, kept.summary()
+assert kept.compressed_bytes < 2 * 200_000
+kept.release()
 print("ok")
 """
     assert run_interpreted(script, kernels=True).strip() == "ok"
