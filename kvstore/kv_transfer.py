@@ -553,6 +553,14 @@ class KVTransferServer:
                     h = await conn.read_header()
                     if h.kind != PULL:
                         raise KVTransferError(f"expected PULL, got {KIND_NAMES[h.kind]}")
+                    tag = h.tag  # (its ERROR frame then reaches the puller as its own)
+                    if h.length > self.max_pull_bytes:  # a prompt longer than this worker
+                        # takes: a refusal, as one its engine refuses (not a failed worker)
+                        raise KVTransferError(
+                            f"PULL frame of {h.length} bytes: a prompt longer than this worker "
+                            f"takes (limit {self.max_pull_bytes})",
+                            False,
+                        )
                     _, body = await conn.read_control(None, h, self.max_pull_bytes)
                 if not isinstance(body, dict):
                     raise KVTransferError("malformed PULL frame: not a JSON object")

@@ -96,6 +96,9 @@ def export_server(
                     arrival_time=out.arrival_time,
                     scheduled_time=out.scheduled_time,
                 )
+        except (QueueFullError, InvalidRequestError) as e:  # refused on the engine thread (its
+            # queue filled up since submit checked): a refusal still, not a failure
+            raise KVTransferError(f"the prefill worker cannot take the prefill: {e}", False) from e
         finally:
             stream.close()  # aborts (frees) an unfinished prefill
 
