@@ -30,8 +30,9 @@ which is `decode(output)` when the prompt decodes to "" (empty, or only a bos).
 Stop strings are matched on the output text only. Text that could be the start of a stop string
 is held back until it cannot be; on a match, `stop_matched` is set, the text ends before the
 stop string (or after it with `include_stop_str_in_output`), and later appends return "".
-The one unbounded case: a model that emits a long run of byte tokens that never forms valid
-UTF-8 keeps that run in the window until it ends.
+The unbounded cases: a model that emits a long run of byte tokens that never forms valid
+UTF-8 keeps that run in the window until it ends, and a prompt that ends in a run of byte tokens
+keeps that run as context (decoded once or so).
 
 `num_shown` counts the leading output tokens whose text has been returned, in part at least (a
 token's text starts where the text stood when it arrived). Tokens that only made a stop string
@@ -69,7 +70,12 @@ class IncrementalDetokenizer:
         self._include_stop = include_stop_str_in_output
 
         context = [t for t in prompt_token_ids if t not in self._skip_ids]
-        self._tokens = context[-_PROMPT_CONTEXT_TOKENS:]  # window: context + not yet emitted
+        start = max(len(context) - _PROMPT_CONTEXT_TOKENS, 0)
+        # A run of byte tokens decodes as one (all U+FFFD if any part is invalid): a context
+        # that starts inside the prompt's last run would spoil output bytes that continue it.
+        while start > 0 and {context[start - 1], context[start]} <= self._byte_ids:
+            start -= 1
+        self._tokens = context[start:]  # window: context + not yet emitted
         self._prefix_offset = 0
         self._read_offset = len(self._tokens)
 

@@ -30,6 +30,9 @@ _LLAMA3_SPLIT = (
 _GPT2_PRE = {"default", "gpt2", "gpt-2"}
 _DIGITS_PRE = {"smollm"}
 _LLAMA3_PRE = {"llama-bpe", "llama3", "llama-v3", "smaug-bpe"}
+# Llama 3's own: llama.cpp takes a word the vocabulary holds whole as one token (tokenizer.json's
+# "ignore_merges") and adds a bos unless the file says otherwise, as Llama 3's tokenizer.json does
+_LLAMA3_OWN_PRE = {"llama-bpe", "llama3", "llama-v3"}
 
 
 def _byte_alphabet() -> dict[int, str]:
@@ -54,8 +57,9 @@ def write_tokenizer(out: Path, meta: Metadata, config: dict[str, Any], src: Path
     merges = [_split_merge(m, src) for m in meta.get("tokenizer.ggml.merges") or []]
     ids = token_ids(meta)
     if kind == "gpt2":
-        tokenizer = _byte_level_bpe(tokens, types, merges, meta.get("tokenizer.ggml.pre"))
-        add_bos_default = False
+        pre = meta.get("tokenizer.ggml.pre")
+        tokenizer = _byte_level_bpe(tokens, types, merges, pre)
+        add_bos_default = pre in _LLAMA3_OWN_PRE
     elif kind == "llama":
         scores: list[float] = meta.get("tokenizer.ggml.scores") or [0.0] * len(tokens)
         unk = tokens[ids["unk_token_id"]] if "unk_token_id" in ids else None
@@ -165,6 +169,7 @@ def _byte_level_bpe(
             end_of_word_suffix="",
             fuse_unk=False,
             byte_fallback=False,
+            ignore_merges=pre in _LLAMA3_OWN_PRE,
         )
     )
     byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False, trim_offsets=True, use_regex=True)

@@ -222,6 +222,12 @@ class Tokenizer:
         "messages", since it reports a conversation the model cannot take.
         """
         template = self._compiled_template(self._template_source(tools))
+        # As transformers does, a key set to None is left out ({"content": None} beside tool
+        # calls): templates test whether a key is defined, and would render None as "None".
+        messages = [
+            {k: v for k, v in m.items() if v is not None} if isinstance(m, dict) else m
+            for m in messages
+        ]
         context: dict[str, Any] = {**self.special_tokens, "documents": None, **extra}
         context.update(messages=messages, tools=tools, add_generation_prompt=add_generation_prompt)
         try:
@@ -367,7 +373,9 @@ def _register_special_tokens(
 ) -> dict[str, str]:
     """Named special tokens from tokenizer_config.json (`path`). As transformers v5 does, any of
     them (and any extra special token) that tokenizer.json lacks is added to `backend` as
-    special. Names are the standard ones plus model-specific "*_token" strings (image_token)."""
+    special, and so is a named one (also one of a dict of extra ones) that it has as a plain
+    added token (decode's skip_special_tokens then drops it). Names are the standard ones plus
+    model-specific "*_token" strings (image_token)."""
     named: dict[str, str] = {}
     for key, value in config.items():
         if value is None or not key.endswith("_token"):
@@ -379,14 +387,18 @@ def _register_special_tokens(
         )
         if key in _NAMED_SPECIAL_TOKENS or looks_like_token:
             named[key] = _token_text(path, key, value)
-    extra: list[str] = []
+    by_name = list(named.values())
+    extra: list[str] = []  # (listed, not named: one tokenizer.json has as plain stays plain)
     for key in ("additional_special_tokens", "extra_special_tokens"):
         value = config.get(key)
         items = value.values() if isinstance(value, dict) else value or []
-        extra += [_token_text(path, key, v) for v in items]
+        texts = [_token_text(path, key, v) for v in items]
+        (by_name if isinstance(value, dict) else extra).extend(texts)
 
-    present = {tok.content for tok in backend.get_added_tokens_decoder().values()}
-    missing = [t for t in [*named.values(), *extra] if t not in present]
+    added = backend.get_added_tokens_decoder().values()
+    present, special = {t.content for t in added}, {t.content for t in added if t.special}
+    missing = [t for t in by_name if t not in special]
+    missing += [t for t in extra if t not in present]
     if missing:
         backend.add_special_tokens(
             [AddedToken(t, special=True, normalized=False) for t in dict.fromkeys(missing)]
