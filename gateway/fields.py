@@ -179,7 +179,7 @@ class Fields:
             raise invalid(name, f"{name} may hold at most {max_items} strings, got {len(items)}")
         for i, item in enumerate(items):
             if not isinstance(item, str) or not item:
-                where = f"{name}[{i}]"
+                where = name if isinstance(value, str) else f"{name}[{i}]"
                 got = "an empty string" if item == "" else type_name(item)
                 raise invalid(where, f"{where} must be a non-empty string, got {got}")
         return list(items)

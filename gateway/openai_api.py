@@ -35,7 +35,16 @@ from dataclasses import dataclass, replace
 from typing import Any, Literal
 
 from gateway.errors import invalid, unsupported
-from gateway.fields import INT32_MAX, INT64_MAX, INT64_MIN, Fields, Range, is_int, type_name
+from gateway.fields import (
+    INT32_MAX,
+    INT64_MAX,
+    INT64_MIN,
+    Fields,
+    Range,
+    is_int,
+    same_json,
+    type_name,
+)
 from gateway.openai_response import (
     SSE_DONE,
     ResponseAssembler,
@@ -259,6 +268,14 @@ def parse_completion(
             raise unsupported(
                 name, f"{name} is for /v1/chat/completions; a completion has no tool calls"
             )
+    # chat's name for max_tokens: ignored, it gave 16 tokens to a client that asked for more
+    limit = f.body.get("max_completion_tokens")
+    if limit is not None and not same_json(limit, f.raw("max_tokens")):
+        raise invalid(
+            "max_completion_tokens",
+            "max_completion_tokens is for /v1/chat/completions; a completion's length limit is "
+            "max_tokens",
+        )
 
     sampling, options = _common(f, "completion", model, max_tokens, logprobs)
     best_of = f.opt_int("best_of", Range(1, MAX_N))  # (more than n is never taken)

@@ -39,6 +39,7 @@ JSON has no infinity, and orjson would write null, which clients reject.
 
 from __future__ import annotations
 
+import codecs
 import math
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -75,6 +76,12 @@ class _Choice:
     token_logprobs: list[float] = field(default_factory=list)  # completions, per token
     top_logprobs: list[dict[str, float]] = field(default_factory=list)  # completions, per token
     text_offset: list[int] = field(default_factory=list)  # completions, per token
+    # completions: the tokens' text (decoded from their bytes) that `text` does not hold yet
+    # (the worker holds back what may start a stop string), and the decoder of their bytes
+    pending: str = ""
+    decoder: codecs.IncrementalDecoder = field(
+        default_factory=lambda: codecs.getincrementaldecoder("utf-8")("replace")
+    )
     tool_calls: list[dict[str, Any]] = field(default_factory=list)  # OpenAI tool calls so far
     finish_reason: str | None = None  # "stop" | "length" | "tool_calls" once ended
     stop_reason: str | int | None = None  # the stop string or token id that ended it
@@ -279,6 +286,8 @@ class ResponseAssembler:
         """Record a delta's token logprobs; return them in this endpoint's chunk shape."""
         top_n = self.options.logprobs
         if top_n is None or not raw:
+            if top_n is not None and not self.chat:  # text held back for earlier tokens
+                c.pending = c.pending[len(text) :] if c.pending.startswith(text) else ""
             return None
         if not isinstance(raw, list):
             raise TypeError(f"logprobs must be a list, got {type(raw).__name__}")
@@ -301,9 +310,19 @@ class ResponseAssembler:
             ]
             c.chat_logprobs.extend(entries)
             return {"content": entries, "refusal": None}
-        # text_offset: where each token starts in the completion's text. Token strings need not
-        # add up to the text (a stop string is cut, a token may hold half a character), so the
-        # offsets are counted from the delta's start and kept within its text.
+        # text_offset: where each token starts in the completion's text. A token's text may come
+        # in a later delta (held back while it may start a stop string): the tokens' text,
+        # decoded from their bytes, is lined up with the text sent. Where it does not line up
+        # (a special token has no text), the offsets are counted from the delta's start, token
+        # strings' lengths apart (they need not add up to the text: "bytes:\\xf0\\x9f"); both
+        # are kept within the text (a stop string cuts it).
+        starts = []
+        for t in raw:
+            starts.append(c.text_len + len(c.pending))
+            b = t.get("bytes")
+            c.pending += c.decoder.decode(bytes(t["token"].encode() if b is None else b))
+        lined_up = c.pending.startswith(text)
+        c.pending = c.pending[len(text) :] if lined_up else ""
         offset, end = c.text_len, c.text_len + len(text)
         part: dict[str, list[Any]] = {
             "tokens": [],
@@ -311,7 +330,7 @@ class ResponseAssembler:
             "top_logprobs": [],
             "text_offset": [],
         }
-        for t in raw:
+        for k, t in enumerate(raw):
             chosen = _logprob(t["logprob"])
             part["tokens"].append(t["token"])
             part["token_logprobs"].append(chosen)
@@ -321,7 +340,7 @@ class ResponseAssembler:
             for a in t.get("top_logprobs", [])[:top_n]:
                 top.setdefault(a["token"], _logprob(a["logprob"]))
             part["top_logprobs"].append(top)
-            part["text_offset"].append(min(offset, end))
+            part["text_offset"].append(min(starts[k] if lined_up else offset, end))
             offset += len(t["token"])
         c.tokens.extend(part["tokens"])
         c.token_logprobs.extend(part["token_logprobs"])

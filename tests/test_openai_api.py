@@ -75,6 +75,7 @@ SHARED_INVALID: list[tuple[dict[str, Any], str, str]] = [
     ({"n": True}, "n", "got boolean"),
     ({"stop": 5}, "stop", "at most 16"),
     ({"stop": [""]}, "stop[0]", "non-empty string, got an empty string"),
+    ({"stop": ""}, "stop", "stop must be a non-empty string, got an empty string"),
     ({"stop": ["a", 3]}, "stop[1]", "non-empty string"),
     ({"stop": ["s"] * 17}, "stop", "at most 16"),
     ({"seed": "x"}, "seed", "integer"),
@@ -248,6 +249,10 @@ COMPLETION_INVALID: list[tuple[dict[str, Any], str, str]] = [
     ({"n": 2, "best_of": 3}, "best_of", "null, 1 or n (2)"),
     ({"best_of": 0}, "best_of", "[1, 16]"),
     ({"best_of": 17}, "best_of", "[1, 16]"),  # (n is at most 16: more is never taken)
+    # chat's name for the limit: ignored, the completion had 16 tokens, whatever it said
+    ({"max_completion_tokens": 100}, "max_completion_tokens", "max_tokens"),
+    ({"max_tokens": 5, "max_completion_tokens": 6}, "max_completion_tokens", "max_tokens"),
+    ({"max_tokens": 1, "max_completion_tokens": True}, "max_completion_tokens", "max_tokens"),
 ]
 
 
@@ -556,6 +561,11 @@ def test_fields_real_clients_send_are_accepted() -> None:
     assert opts.include_usage
     refused = {**answer, "content": None, "refusal": ""}  # an empty refusal is no refusal
     parse_chat({**CHAT, "messages": [refused, {"role": "user", "content": "hi"}]}, "r")
+
+
+def test_completion_takes_max_completion_tokens_equal_to_max_tokens() -> None:
+    (req,), _ = parse_completion({**COMPLETION, "max_tokens": 5, "max_completion_tokens": 5}, "r")
+    assert req.sampling["max_tokens"] == 5
 
 
 @pytest.mark.parametrize("best_of", [None, 1, 3])

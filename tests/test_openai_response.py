@@ -388,6 +388,35 @@ def test_completion_stream_logprobs_chunk() -> None:
     CompletionLogprobs.model_validate(lp)
 
 
+@pytest.mark.parametrize("stream", [False, True])
+def test_completion_offsets_of_text_held_back(stream: bool) -> None:
+    """With stop strings "rl!" and " g!", the worker holds back text that may start one and
+    sends it with the next token, or alone: a token starts after the text held back before it
+    ("l" at 5, not at its delta's start, 4). A token that holds part of a character starts
+    where the character does."""
+    events = _events(
+        StartEvent("r1", "w-1", 3),
+        DeltaEvent(0, "a g", [1, 2], logprobs=[_lp("a", -0.1, []), _lp(" g", -0.2, [])]),
+        DeltaEvent(0, "i", [3], logprobs=[_lp("ir", -0.3, [])]),  # "r" held back
+        DeltaEvent(0, "rl", [4], logprobs=[_lp("l", -0.4, [])]),
+        DeltaEvent(0, "", [2], logprobs=[_lp(" g", -0.2, [])]),  # " g" held back
+        DeltaEvent(0, " g", []),  # sent alone
+        DeltaEvent(0, " ", [5], logprobs=[_lp(" ", -0.5, [])]),
+        DeltaEvent(0, "", [6], logprobs=[TokenLogprob("bytes:\\xc3", -0.6, [0xC3], [])]),
+        DeltaEvent(0, "é", [7], logprobs=[TokenLogprob("bytes:\\xa9", -0.7, [0xA9], [])]),
+        DeltaEvent(0, "s", [8], logprobs=[_lp("s", -0.8, [])], finish_reason="length"),
+        DoneEvent(3, 9),
+    )  # fmt: skip
+    asm = _completion(stream=stream, logprobs=0)
+    chunks = _feed(asm, events)
+    offsets = [o for c in chunks if c["choices"][0]["logprobs"]
+               for o in c["choices"][0]["logprobs"]["text_offset"]]  # fmt: skip
+    choice = asm.final()["choices"][0]
+    assert choice["text"] == "a girl g és"
+    assert choice["logprobs"]["text_offset"] == [0, 1, 3, 5, 6, 8, 9, 9, 10]
+    assert offsets == (choice["logprobs"]["text_offset"] if stream else [])
+
+
 @pytest.mark.parametrize(("logprobs", "want"), [
     (0, {"b": -2.0}),
     (1, {"b": -2.0, "a": -0.1}),
