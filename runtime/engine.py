@@ -397,13 +397,15 @@ class LLMEngine:
                 or any(s.request_id in self._exports for s in group.seqs)):  # fmt: skip
             raise InvalidRequestError("request_id", f"{group.request_id!r} is already in use")
 
-    def enqueue(self, group: RequestGroup) -> None:
-        """Queue a request `prepare_request` built (on the thread that runs `step`)."""
+    def enqueue(self, group: RequestGroup, check_room: bool = True) -> None:
+        """Queue a request `prepare_request` built (on the thread that runs `step`); QueueFullError
+        when the waiting queue is full, unless `check_room` is off (a KV import, admitted when
+        its blocks were reserved)."""
         self._check_unused(group)
-        if not self.has_room(len(group.seqs)):
+        if check_room and not self.has_room(len(group.seqs)):
             raise QueueFullError(f"the waiting queue is full ({self.scheduler.max_waiting})")
         for i, seq in enumerate(group.seqs):
-            self.scheduler.add(seq)
+            self.scheduler.add(seq, check_room)
             self._seq_to_group[seq.request_id] = (group, i)
             if seq.hold_kv:
                 self._exports[seq.request_id] = group
@@ -466,8 +468,8 @@ class LLMEngine:
         self.blocks.commit(seq.request_id, group.prompt_token_ids[:n])
         seq.num_computed_tokens = n
         seq.num_cached_tokens = cached_tokens
-        try:
-            self.enqueue(group)
+        try:  # (admitted at its reservation, under max_num_seqs: a full queue since then does
+            self.enqueue(group, check_room=False)  # not throw away the KV it pulled)
         except Exception:
             self.blocks.free(seq.request_id)
             raise

@@ -122,10 +122,12 @@ class Scheduler:
     def capacity_tokens(self) -> int:
         return self.blocks.num_blocks * self.blocks.block_size
 
-    def add(self, request: Request) -> None:
+    def add(self, request: Request, check_room: bool = True) -> None:
+        """Queue `request`; QueueFullError when max_waiting wait already, unless `check_room` is
+        off (a KV import, admitted when its blocks were reserved)."""
         if request.request_id in self.requests:
             raise ValueError(f"request id {request.request_id!r} is already in use")
-        if len(self.waiting) >= self.max_waiting:
+        if check_room and len(self.waiting) >= self.max_waiting:
             raise QueueFullError(f"the waiting queue is full ({self.max_waiting} requests)")
         self.waiting.append(request)
         self.requests[request.request_id] = request

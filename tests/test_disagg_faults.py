@@ -109,3 +109,37 @@ def test_a_prompt_longer_than_the_prefill_worker_takes_is_a_refusal(stories_dir:
         asyncio.run(main())
     finally:
         prefill.shutdown()
+
+
+def test_an_import_pulled_whole_is_queued_though_the_queue_filled_meanwhile(
+    stories_dir: Path,
+) -> None:
+    """A KV import is admitted when its blocks are reserved (a seat under max_num_seqs); a
+    colocated request that took the waiting queue's last place while the KV was pulled must not
+    make the import's commit fail: its whole transfer was thrown away (queue_full, from a
+    helper's reproduction)."""
+    decode = _llm(stories_dir, max_waiting=1)
+
+    async def main() -> None:
+        group = decode.engine.prepare_request("imp", _prompt(60), SamplingParams(max_tokens=4))
+        assert await decode.call(lambda e: e.reserve_import(group)) is not None
+        busy, gate = threading.Event(), threading.Event()
+
+        def hold(e: object) -> None:  # the engine thread in a step while both arrive
+            busy.set()
+            gate.wait(10)
+
+        decode.call(hold)
+        assert await asyncio.to_thread(busy.wait, 10)
+        other = decode.submit(_prompt(30, 50), SamplingParams(max_tokens=4), "colocated")
+        stream = decode.submit_import(group, 0)
+        gate.set()
+        assert len(await _collect(stream)) == 4  # (the old code: QueueFullError here)
+        assert len(await _collect(other)) == 4
+        await _settled(decode)
+        assert _allocated(decode) == 0
+
+    try:
+        asyncio.run(main())
+    finally:
+        decode.shutdown()
