@@ -15,9 +15,10 @@ worker's `--otlp-endpoint`, default `$OTEL_EXPORTER_OTLP_ENDPOINT`), or a test's
 Otherwise the tracer is OpenTelemetry's no-op one, which still carries an incoming
 `traceparent` on to the next hop. Spans are sampled parent-based, new traces at
 `trace_sample_ratio`; a worker obeys its gateway's sampled flag, and the gateway keeps a
-client's trace at its own ratio, by trace id, whatever the client's flag says (a public client
-could otherwise make it record every request: `trust_remote_sampled`). Metrics are always collected: the Prometheus
-`/metrics` endpoint reads them, and they go over OTLP as well when an endpoint is set.
+client's trace at its own ratio, by a random draw, whatever the client's flag or trace id says
+(a public client could otherwise make it record every request: `trust_remote_sampled`).
+Metrics are always collected: the Prometheus `/metrics` endpoint reads them, and they go over
+OTLP as well when an endpoint is set.
 
 OTLP exports give up after EXPORT_TIMEOUT_S, retries included (in place of the SDK's
 $OTEL_EXPORTER_OTLP_TIMEOUT, default 10 s, which held a worker's exit for 35-45 s behind an
@@ -53,6 +54,7 @@ The metrics, by OpenTelemetry name (Prometheus name in brackets; `METRICS` lists
 from __future__ import annotations
 
 import logging
+import random
 import threading
 import time
 from collections.abc import Callable, Iterable, Mapping, MutableMapping, Sequence
@@ -221,8 +223,8 @@ class TelemetryConfig:
     record_content: bool = False  # put prompts and outputs on spans (off: never recorded)
     trace_sample_ratio: float = 1.0  # new traces kept; an incoming sampled flag is obeyed
     # unless this is False (the gateway: its callers are the public, whose `traceparent`
-    # flags would decide its trace volume); then their traces are kept at the same ratio, by
-    # trace id, so the workers behind (which follow the gateway's flag) keep the same ones
+    # flags would decide its trace volume); then their traces are kept at the same ratio, by a
+    # random draw (_RandomRatio), and the workers behind follow the gateway's flag
     trust_remote_sampled: bool = True
     export_interval_s: float | None = None  # OTLP metric export period; None: the SDK's
     # ($OTEL_METRIC_EXPORT_INTERVAL milliseconds, else 60 s)
@@ -248,6 +250,16 @@ def content_capture_from_env(environ: Mapping[str, str]) -> bool:
     """The GenAI conventions' switch for recording prompts and outputs (entry points read it)."""
     value = environ.get("OTEL_INSTRUMENTATION_GENAI_CAPTURE_MESSAGE_CONTENT", "")
     return value.strip().lower() in ("1", "true", "yes", "on")
+
+
+class _RandomRatio(TraceIdRatioBased):
+    """TraceIdRatioBased by a random draw instead of the trace id: for a trace a caller began,
+    whose id the caller chose (TraceIdRatioBased keeps every id whose low 64 bits are small: a
+    client sending such ids had each of its requests recorded at any ratio above 0)."""
+
+    def should_sample(self, parent_context: Context | None, trace_id: int, *args: Any,
+                      **kwargs: Any) -> Any:  # fmt: skip
+        return super().should_sample(parent_context, random.getrandbits(64), *args, **kwargs)
 
 
 class Telemetry:
@@ -305,7 +317,11 @@ class Telemetry:
             sampler = (
                 ParentBased(ratio)
                 if config.trust_remote_sampled
-                else ParentBased(ratio, remote_parent_sampled=ratio, remote_parent_not_sampled=ratio)
+                else ParentBased(
+                    ratio,
+                    remote_parent_sampled=_RandomRatio(config.trace_sample_ratio),
+                    remote_parent_not_sampled=_RandomRatio(config.trace_sample_ratio),
+                )
             )
             self.tracer_provider = TracerProvider(resource=self.resource, sampler=sampler)
             for exporter in exporters:
