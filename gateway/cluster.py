@@ -62,7 +62,11 @@ class ClusterView:
         self.on_redis: Callable[[str, float], None] = _ignore  # (operation, seconds) per call
         self.redis_ok = False  # the last Redis call succeeded
         self.refreshed_at = 0.0  # monotonic time of the last good snapshot
-        self.failed: dict[str, float] = {}  # worker id -> unix time it failed a request here
+        # worker id -> (monotonic time it failed a request here, its heartbeat time as the first
+        # registry read begun after that showed it; None until one has): it is back once a read
+        # shows a later heartbeat. Its heartbeat times are by its own clock, never compared with
+        # ours: one 60 s behind was set aside for 60 s by a failure, one ahead not at all
+        self.failed: dict[str, tuple[float, float | None]] = {}
         # session id -> its placement as this gateway last read or wrote it (RECENT_SESSIONS),
         # and the monotonic time it was last used here (forgotten after session_ttl_s, as in
         # Redis): (worker_id, region, used): tuples of strings and a float, which the cyclic
@@ -75,7 +79,7 @@ class ClusterView:
 
     # ------------------------------------------------------------------ registry snapshot
     async def refresh(self) -> None:
-        t0 = time.perf_counter()
+        t0, read_at = time.perf_counter(), time.monotonic()
         try:
             workers = await self.registry.workers()
             pools = await self.demand.pools()
@@ -109,7 +113,14 @@ class ClusterView:
         self.seen_models.update(m for p in pools for m in p.models)
         # a failed worker is back once it heartbeats after the failure
         for w in workers:
-            if self.failed.get(w.worker_id, float("inf")) < w.updated_at - 1.0:
+            failed = self.failed.get(w.worker_id)
+            if failed is None:
+                continue
+            at, seen = failed
+            if seen is None:
+                if read_at > at:
+                    self.failed[w.worker_id] = (at, w.updated_at)
+            elif w.updated_at != seen:
                 del self.failed[w.worker_id]
 
     def _carry(self, workers: list[WorkerInfo], reset: bool) -> list[WorkerInfo]:
@@ -163,7 +174,7 @@ class ClusterView:
         return [w for w in self.workers if w.worker_id not in self.failed]
 
     def mark_failed(self, worker_id: str) -> None:
-        self.failed[worker_id] = time.time()
+        self.failed[worker_id] = (time.monotonic(), None)
 
     def models(self) -> list[str]:
         """Models served now, or startable on demand by a pool."""

@@ -63,6 +63,10 @@ class Router:
         self.inflight_tokens: dict[str, int] = {}  # worker id -> tokens sent here, unfinished
         self.inflight_prefill: dict[str, int] = {}  # prefill worker id -> prompt tokens sent
         self._turn = itertools.count()  # rotates ties so equal workers share new sessions
+        # prefill ties rotate on their own count: a request that takes a turn of each would
+        # otherwise advance one count by two, and two tied decode workers saw only even turns
+        # (every new session of a disaggregated cluster went to the first of them)
+        self._prefill_turn = itertools.count()
 
     def load(self, w: WorkerInfo) -> int:
         return w.load_tokens + self.inflight_tokens.get(w.worker_id, 0)
@@ -191,7 +195,7 @@ class Router:
             if max(hits.get(w.worker_id, 0) for w in best) > 0:
                 best.sort(key=lambda w: -hits.get(w.worker_id, 0))
             else:
-                k = next(self._turn) % len(best)
+                k = next(self._prefill_turn) % len(best)
                 best = best[k:] + best[:k]
             pool = best + [w for w in pool if w not in best]
         return pool

@@ -177,3 +177,20 @@ def test_prefill_workers_whose_kv_the_decode_worker_cannot_take_are_skipped() ->
     assert [w.worker_id for w in order] == ["same"]
     order = r.prefill_candidates("m", ws, prompt_tokens=50)  # no id known: all, by load
     assert [w.worker_id for w in order] == ["other", "same"]
+
+
+def test_new_sessions_spread_over_decode_workers_when_each_also_picks_a_prefill_worker() -> None:
+    """Disaggregated, each request routes once and picks a prefill worker once: both rotated
+    ties on one count, so the decode route saw only even turns and two idle decode workers
+    never shared (every new session went to the first one, and stayed there)."""
+    r = Router("eu-west", CATALOG)
+    ws = [worker("d1", role="decode", kv_addr="h:1"), worker("d2", role="decode", kv_addr="h:2"),
+          worker("p1", role="prefill", kv_addr="h:3"), worker("p2", role="prefill", kv_addr="h:4")]  # fmt: skip
+    roles, disaggregated = Router.serving_roles("m", ws)
+    assert disaggregated
+    decode, prefill = [], []
+    for _ in range(4):  # one request at a time: nothing in flight breaks the ties
+        decode.append(r.route("m", ws, roles=roles, prompt_tokens=100).candidates[0].worker_id)
+        prefill.append(r.prefill_candidates("m", ws, prompt_tokens=100)[0].worker_id)
+    assert sorted(decode) == ["d1", "d1", "d2", "d2"]
+    assert sorted(prefill) == ["p1", "p1", "p2", "p2"]
