@@ -695,6 +695,8 @@ class Proxy:
             call.route_reason = route.reason
             return route.candidates[0]
         if last is not None:  # every worker tried failed: say why the last one did
+            if last.status in (429, 503) and last.retry_after is None:  # (and when to retry)
+                last.retry_after = self.config.retry_after_s
             raise last
         retry = self.config.retry_after_s
         if route.reason == "at_capacity":

@@ -1240,6 +1240,19 @@ def test_redis_outage_keeps_serving(cluster: Cluster) -> None:
     wait_until(ready, 20, "ready again")
 
 
+def test_the_first_request_after_every_worker_died_is_told_when_to_retry(cluster: Cluster) -> None:
+    """Every worker of a model killed, the registry not yet aware: the gateway tries the dead one,
+    which fails, and answers 503 worker_failed; with Retry-After, as its other 503s (a client
+    that honours it waits; without it, it was told nothing)."""
+    lone = start_worker("lone", cluster.model, cluster.redis.url, cluster.root, "eu",
+                        served="lone")  # fmt: skip
+    wait_until(lambda: "lone" in [m.id for m in cluster.client.models.list().data], 10, "lone")
+    lone.kill()
+    status, headers_, err = _post(cluster, "/v1/completions", {"model": "lone", "prompt": "Hi"})
+    assert status == 503 and err["error"]["code"] == "worker_failed", (status, err)
+    assert int(headers_["Retry-After"]) >= 1
+
+
 async def _sse_lines(resp: aiohttp.ClientResponse) -> list[bytes]:
     return [line.strip() async for line in resp.content if line.strip()]
 
