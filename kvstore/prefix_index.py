@@ -123,8 +123,8 @@ class PrefixIndex:
     ) -> dict[str, int]:
         """For each worker, how many leading blocks of `hashes` it holds (blocks 0..n-1, no gap).
 
-        Workers holding block 0 only are absent from the result, as are workers not in
-        `workers` when it is given (pass the registry's live workers: their early drop-out also
+        Workers that do not hold block 0 are absent from the result (one holding it alone counts
+        1), as are workers not in `workers` when it is given (pass the registry's live workers: their early drop-out also
         ends the scan sooner). The first round trip reads FIRST_CHUNK blocks; the scan stops at
         the first block that no still-running worker holds, and later trips double in size.
         """

@@ -2,7 +2,8 @@
 that exits once it has checked in fails the start at once, naming it (rank 0 waited out gloo's
 10 minutes), and the others are stopped; a follower whose rank 0 died before the follower could
 arm its parent-death signal exits (it was orphaned for ~300 s); the command line reports such a
-start in one line (it was a traceback).
+start in one line (it was a traceback); a follower that hangs while loading fails the start,
+named, once silent for a while (rank 0 waited gloo's 10 minutes).
 
 Followers are the real ones, started by spawn: `_follower_main` is swapped for a function of
 this module, which the follower imports and which swaps in its failure there before running the
@@ -12,8 +13,11 @@ from __future__ import annotations
 
 import multiprocessing as mp
 import os
+import re
+import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -43,6 +47,18 @@ def _rank_2_exits_while_loading(spec: ranks_module.RankSpec, rank: int) -> None:
         def load(*args: object) -> None:
             time.sleep(0.5)
             os._exit(4)
+
+        ranks_module._load = load  # type: ignore[assignment]
+    ranks_module._follower_main(spec, rank)
+
+
+def _rank_1_hangs_while_loading(spec: ranks_module.RankSpec, rank: int) -> None:
+    """A follower: rank 1 stops itself (SIGSTOP: alive, silent) half a second into its load."""
+    if rank == 1:
+
+        def load(*args: object) -> None:
+            time.sleep(0.5)
+            os.kill(os.getpid(), signal.SIGSTOP)
 
         ranks_module._load = load  # type: ignore[assignment]
     ranks_module._follower_main(spec, rank)
@@ -85,7 +101,10 @@ def _gone(pid: int) -> bool:
     ],
 )
 def test_a_follower_that_exits_fails_the_start_at_once_named(
-    stories_dir: Path, monkeypatch: pytest.MonkeyPatch, follower, named: str  # type: ignore[no-untyped-def]
+    stories_dir: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    follower,
+    named: str,  # type: ignore[no-untyped-def]
 ) -> None:
     """pp=3, a follower exits while the ranks start: rank 0 raises within seconds, naming it,
     the other follower is stopped, and the process group is not left initialized."""
@@ -96,6 +115,39 @@ def test_a_follower_that_exits_fails_the_start_at_once_named(
         ranks_module.start_ranks(str(stories_dir), "float32", None, ParallelConfig(pp=3))
     assert time.monotonic() - t0 < 60
     assert _spawned_children() <= before  # none left running
+    assert not dist.is_initialized()
+
+
+def test_a_follower_that_hangs_while_loading_fails_the_start_named(
+    stories_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """pp=2, rank 1 stops (alive, silent) while it loads: rank 0 waited in the gathering of the
+    load errors for gloo's 10 minutes. Once it has given no sign of life for HANG_AFTER_S, the
+    start fails naming it, and it is stopped."""
+    before = _spawned_children()
+    monkeypatch.setattr(ranks_module, "_follower_main", _rank_1_hangs_while_loading)
+    monkeypatch.setattr(ranks_module, "HANG_AFTER_S", 3.0, raising=False)
+    raised: list[BaseException] = []
+
+    def start() -> None:
+        try:
+            ranks_module.start_ranks(str(stories_dir), "float32", None, ParallelConfig(pp=2))
+        except BaseException as e:
+            raised.append(e)
+
+    thread = threading.Thread(target=start, daemon=True)
+    thread.start()
+    thread.join(20)
+    hung = thread.is_alive()
+    if hung:  # (the old code: still waiting) its follower killed, so that it ends
+        for pid in _spawned_children() - before:
+            os.kill(pid, signal.SIGKILL)
+        thread.join(30)
+    assert not hung, "the start waited on the hung rank"
+    (error,) = raised
+    assert isinstance(error, RankStartError)
+    assert re.match(r"^rank 1 of 2 stopped responding .* while the ranks started", str(error))
+    assert _spawned_children() <= before
     assert not dist.is_initialized()
 
 
