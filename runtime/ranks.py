@@ -24,10 +24,11 @@ them cleanly when one dies.
          also cut into micro-batches, so that stage 0 runs micro-batch i + 1 while stage 1 runs
          micro-batch i. With pp = 1, one `step` command does both.
 
-A watchdog thread on rank 0 checks the followers every 0.2 s: a follower that exits makes the
-group failed (`RankFailure`), calls the `on_failure` callbacks (a worker deregisters and exits),
-and rank 0's next or current collective raises rather than waits. A follower whose rank 0 is
-gone dies with it (PDEATHSIG), or leaves its loop when a collective errors.
+A watchdog thread on rank 0 checks the followers every 0.2 s: a follower that exits, or gives
+no sign of life for HANG_AFTER_S, makes the group failed (`RankFailure`), calls the
+`on_failure` callbacks (a worker deregisters and exits), and stops the other followers, so that
+rank 0's next or current collective raises rather than waits. A follower whose rank 0 is gone
+dies with it (PDEATHSIG), or leaves its loop when a collective errors.
 """
 
 from __future__ import annotations
@@ -46,7 +47,7 @@ import time
 import traceback
 from collections import deque
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any, NoReturn
 
@@ -74,6 +75,15 @@ COLLECTIVE_TIMEOUT = timedelta(minutes=10)  # gloo's bound on one collective (a 
 # connecting leaves rank 0's side of the pair waiting, which only this ends: measured, gloo
 # gives up after about 5 times it (so about 50 minutes with COLLECTIVE_TIMEOUT)
 CONNECT_TIMEOUT = timedelta(seconds=10)
+# How long `RankGroup.close` waits for a command in flight to end before it stops the followers
+# under it (one stuck, the command waited out COLLECTIVE_TIMEOUT, and the close with it)
+CLOSE_WAIT_S = 10.0
+# Each follower's sign of life, a thread of its own stamping the time every BEAT_EVERY_S: one
+# silent for HANG_AFTER_S (stopped, or stuck with the interpreter held) fails the ranks, named,
+# where rank 0 waited gloo's timeout (COLLECTIVE_TIMEOUT) in a collective with it, and after
+# that could not say which rank hung
+BEAT_EVERY_S = 1.0
+HANG_AFTER_S = 60.0
 LEAVE_AFTER_S = 5.0  # a follower whose start failed: its wait to be killed by rank 0 (its watch)
 
 # One micro-batch of a step: (input ids (T,), its attention metadata)
@@ -101,21 +111,43 @@ class RankSpec:
     port: int
     num_threads: int | None  # torch threads per rank; None: cores / world size
     weight_dtype: str = "auto"  # how the linear weights are stored (runtime.loader.start_load)
+    # rank r's last sign of life (time.monotonic(); 0 before its first), shared memory
+    beats: Any = field(default=None, compare=False)
+    from_main_thread: bool = True  # rank 0 spawned the followers from its main thread
 
 
-def _die_with_parent() -> None:
+def _die_with_parent(from_main_thread: bool = True) -> None:
     """Linux: this process gets SIGKILL when its parent (rank 0) dies. The signal is armed only
     now, after the seconds of interpreter start and imports: a parent that died before then
     never sends it (the follower, reparented, waited ~300 s on the store's connect retries), so
     one gone already ends this process here. multiprocessing's handle on the parent answers
     from a pipe whose write end only the parent holds, as runtime.lifeline's does (spawn makes
-    one for every child), with no race on the parent's pid."""
-    with contextlib.suppress(OSError, AttributeError):
-        libc = ctypes.CDLL("libc.so.6", use_errno=True)
-        libc.prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    one for every child), with no race on the parent's pid.
+
+    The signal comes when the thread that spawned this process ends, not its process: spawned
+    from another thread than rank 0's main one (an engine built in a thread), this process was
+    killed as that thread ended, and the engine had lost its ranks. There (`from_main_thread`
+    False) a thread of ours waits on that handle instead, and ends this process with rank 0."""
+    if from_main_thread:
+        with contextlib.suppress(OSError, AttributeError):
+            libc = ctypes.CDLL("libc.so.6", use_errno=True)
+            libc.prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
     parent = mp.parent_process()
     if parent is not None and not parent.is_alive():
         os._exit(1)
+    if parent is not None and not from_main_thread:
+        threading.Thread(target=_exit_with, args=(parent,), name="parent", daemon=True).start()
+
+
+def _exit_with(parent: mp.process.BaseProcess) -> None:
+    parent.join()
+    os._exit(1)
+
+
+def _beat(beats: Any, rank: int) -> None:
+    while True:
+        beats[rank] = time.monotonic()
+        time.sleep(BEAT_EVERY_S)
 
 
 def _threads(spec: RankSpec) -> int:
@@ -159,10 +191,12 @@ def _load(spec: RankSpec, place: RankPlace) -> tuple[PendingLoad | None, str | N
 
 
 def _follower_main(spec: RankSpec, rank: int) -> None:
-    _die_with_parent()
+    _die_with_parent(spec.from_main_thread)
     # Ctrl-C reaches the terminal's whole process group: rank 0 drains and stops the followers
     # itself (a follower that died of it first failed the requests in flight)
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    if spec.beats is not None:
+        threading.Thread(target=_beat, args=(spec.beats, rank), name="beat", daemon=True).start()
     torch.set_num_threads(_threads(spec))
     try:
         store = dist.TCPStore("127.0.0.1", spec.port, spec.parallel.world_size, is_master=False,
@@ -188,7 +222,11 @@ def _follower_main(spec: RankSpec, rank: int) -> None:
     try:
         _follow(model)
     except Exception:  # rank 0 went away, or a step failed: nothing to serve any more
+        # most often a peer that died hung up: rank 0's watchdog names the first rank to exit,
+        # so this one waits to be stopped (rank 0 closes the ranks, or its death kills this one)
+        # rather than exit first and be named instead of the rank that died
         log.error("rank %d: leaving\n%s", rank, traceback.format_exc())
+        time.sleep(LEAVE_AFTER_S)
         os._exit(1)
     os._exit(0)
 
@@ -322,6 +360,9 @@ def collect(model: LlamaForCausalLM, sizes: list[int], rows: torch.Tensor) -> to
 
 def _logits(model: LlamaForCausalLM, outs: list[torch.Tensor], rows: torch.Tensor) -> torch.Tensor | None:
     hidden = outs[0] if len(outs) == 1 else torch.cat(outs)
+    if not len(rows):  # a step that samples nothing (a prompt's chunk alone): no LM head, on
+        # every rank of stage 0 alike (its matmul refuses no rows, and failed the ranks)
+        return hidden.new_empty(0) if model.place.rank == 0 else None
     logits = model.logits(hidden[rows])  # every tp rank of stage 0 takes part
     return logits if model.place.rank == 0 else None
 
@@ -373,9 +414,14 @@ class RankGroup:
 
     def _watchdog(self) -> None:
         while not self._closed:
-            dead = _first_exited(self.procs)
+            dead = _first_exited(self.procs) or _first_silent(self.spec.beats)
             if dead is not None and not self._closed:
                 self._fail(dead)
+                # the others cannot serve without it: stopped, so that a collective rank 0 is
+                # in with them fails now (a follower that saw the dead one hang up waits to be
+                # stopped, not to be named instead of it)
+                for p in self.procs:
+                    p.kill()
                 return
             time.sleep(0.2)
 
@@ -490,12 +536,22 @@ class RankGroup:
         """Stop the followers (they leave their loops) and wait for them, briefly."""
         if self._closed:
             return
-        with self._lock:
+        locked = self._lock.acquire(timeout=CLOSE_WAIT_S)
+        if not locked:  # a command in flight hangs (a follower stuck): it waited gloo's timeout
+            self._fail(f"the ranks were stopped: a command did not end within {CLOSE_WAIT_S:.0f} "
+                       "s of their close")  # fmt: skip
+            for p in self.procs:  # rank 0's collective with them fails now
+                p.kill()
+            locked = self._lock.acquire(timeout=CLOSE_WAIT_S)
+        try:
             if self.failed is None:
                 with contextlib.suppress(Exception):
                     self._command(("stop",))
                     self._sends.drain()
             self._closed = True
+        finally:
+            if locked:
+                self._lock.release()
         for p in self.procs:
             p.join(timeout=0 if self.failed is not None else 5)  # (failed: stuck in a collective)
             if p.exitcode is None:
@@ -505,6 +561,7 @@ class RankGroup:
         self._store = None  # the rendezvous closes with the group, as it did
         if self._threads_before is not None:
             torch.set_num_threads(self._threads_before)
+        atexit.unregister(self.close)  # (which kept this group, and its processes' pipes, alive)
 
 
 class RankedKVPages(KVPages):
@@ -618,15 +675,17 @@ def start_ranks(
         listener.close()
         # (an OSError, as a port in use is: the command line reports it in one line)
         raise OSError(f"cannot start the ranks' rendezvous on 127.0.0.1:{port}: {e}") from e
-    spec = RankSpec(model, dtype, max_model_len, parallel, port, num_threads, weight_dtype)
     ctx = mp.get_context("spawn")
+    beats = ctx.RawArray(ctypes.c_double, parallel.world_size)
+    spec = RankSpec(model, dtype, max_model_len, parallel, port, num_threads, weight_dtype, beats,
+                    threading.current_thread() is threading.main_thread())  # fmt: skip
     procs = [
         ctx.Process(target=_follower_main, args=(spec, r), name=f"edgeinfer-rank{r}", daemon=True)
         for r in range(1, parallel.world_size)
     ]
     for p in procs:
         p.start()
-    watch = _StartWatch(procs)
+    watch = _StartWatch(procs, beats)
     watched = _Watched(store, watch)
     try:
         _wait_joined(store, watch)
@@ -676,6 +735,19 @@ def _first_exited(procs: Sequence[mp.process.BaseProcess]) -> str | None:
     return None
 
 
+def _first_silent(beats: Any) -> str | None:
+    """"rank r of n stopped responding ..." for the first follower whose sign of life (`beats`,
+    once it gave one) is older than HANG_AFTER_S, or None."""
+    if beats is None:
+        return None
+    now = time.monotonic()
+    for rank in range(1, len(beats)):
+        if 0 < beats[rank] < now - HANG_AFTER_S:
+            return (f"rank {rank} of {len(beats)} stopped responding (no sign of life for "
+                    f"{now - beats[rank]:.0f} s)")  # fmt: skip
+    return None
+
+
 def _wait_joined(store: dist.TCPStore, watch: _StartWatch) -> None:
     """Until every follower has checked in; a RankStartError naming one that exits first."""
     deadline = time.monotonic() + JOIN_TIMEOUT_S
@@ -698,8 +770,9 @@ class _StartWatch:
     peer hang up exits of its own error, seconds later: named first, it hid the one that
     died)."""
 
-    def __init__(self, procs: Sequence[mp.process.BaseProcess]) -> None:
+    def __init__(self, procs: Sequence[mp.process.BaseProcess], beats: Any = None) -> None:
         self.procs = procs
+        self._beats = beats
         self.dead: str | None = None  # "rank r of n exited (code c)"
         self._died = threading.Event()
         self._stopped = threading.Event()
@@ -708,7 +781,7 @@ class _StartWatch:
 
     def _run(self) -> None:
         while not self._stopped.wait(0.02):
-            self.dead = _first_exited(self.procs)
+            self.dead = _first_exited(self.procs) or _first_silent(self._beats)
             if self.dead is not None:
                 self._died.set()
                 for p in self.procs:

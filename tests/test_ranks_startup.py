@@ -207,6 +207,52 @@ time.sleep(60)
     assert _gone(follower), f"rank 1 ({follower}) outlived its rank 0 by a minute"
 
 
+def test_ranks_started_from_a_thread_outlive_it_and_die_with_rank_0(
+    tmp_path: Path, stories_dir: Path
+) -> None:
+    """An engine split over ranks built in a thread other than the main one (as an application
+    starting its model in the background does): its follower was killed as that thread ended
+    (the parent-death signal fires at the end of the thread that spawned it), and every request
+    failed "rank 1 of 2 exited (code -9)". Now it serves after that thread is gone, and its
+    follower still dies with rank 0."""
+    pids, out = tmp_path / "pids", tmp_path / "out"
+    script = f"""
+import os, signal, sys, threading, time
+sys.path[:0] = [{str(ROOT)!r}]
+from runtime.llm import LLM
+from runtime.sampling_params import SamplingParams
+if __name__ == "__main__":
+    made = {{}}
+    builder = threading.Thread(target=lambda: made.update(llm=LLM({str(stories_dir)!r}, tp=2,
+                                                              kv_cache_bytes=4 << 20)))
+    builder.start()
+    builder.join()
+    llm = made["llm"]
+    time.sleep(0.5)
+    ranks = llm.engine.runner.ranks
+    with open({str(pids)!r}, "w") as f:
+        f.write(" ".join(str(p.pid) for p in ranks.procs))
+    tokens = llm.generate([[1, 403, 407]], SamplingParams(max_tokens=3, ignore_eos=True))
+    with open({str(out)!r}, "w") as f:
+        f.write(str(len(tokens[0].outputs[0].token_ids)))
+    os.kill(os.getpid(), signal.SIGKILL)
+"""
+    log = (tmp_path / "log").open("w")
+    rank0 = subprocess.run([sys.executable, "-c", script], cwd=ROOT, stdout=log, stderr=log,
+                           timeout=120)  # fmt: skip
+    (follower,) = (int(p) for p in pids.read_text().split())
+    try:
+        assert rank0.returncode == -9, (tmp_path / "log").read_text()
+        assert out.read_text() == "3", (tmp_path / "log").read_text()
+        deadline = time.monotonic() + 10
+        while not _gone(follower) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert _gone(follower), f"rank 1 ({follower}) outlived its rank 0"
+    finally:
+        if not _gone(follower):
+            os.kill(follower, signal.SIGKILL)
+
+
 def test_the_command_line_reports_a_failed_start_in_one_line(
     stories_dir: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:

@@ -1,0 +1,184 @@
+"""A split model's ranks failing in the middle of serving (runtime.ranks.RankGroup): a follower
+killed mid-step is the rank named, within moments, and the others are stopped (a follower that
+saw it hang up exited first of its own error and was named instead, "code 1"); one that hangs
+is named too, once silent for a while (rank 0 waited gloo's 10 minutes and named no one); a
+close while a step hangs on a stuck follower ends that step and returns (it waited as long); a
+step that samples nothing passes the ranks (it failed them); a closed group is let go."""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from runtime import ranks as ranks_module
+from runtime.llm import LLM
+from runtime.ranks import RankFailure
+from runtime.sampling_params import SamplingParams
+
+LONG = SamplingParams(max_tokens=400, ignore_eos=True)
+
+
+def _serve_until_it_fails(llm: LLM, result: dict[str, object]) -> threading.Thread:
+    """A thread that generates, over and over, until a generate raises (what it raised and
+    when go in `result`)."""
+
+    def run() -> None:
+        deadline = time.monotonic() + 60
+        try:
+            while time.monotonic() < deadline:
+                llm.generate([[1, 403, 407, 261]] * 4, LONG)
+        except BaseException as e:  # (what the test asserts on)
+            result["error"], result["at"] = e, time.monotonic()
+
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    return thread
+
+
+def test_a_rank_killed_mid_step_is_named_and_the_others_stopped(stories_dir: Path) -> None:
+    """tp=2 x pp=2, rank 3 killed while steps run: the step fails within moments naming rank 3
+    (rank 1, which saw it hang up, exited of that error first and was named: "rank 1 of 4
+    exited (code 1)", as often as not: whichever the watchdog saw first), and the other
+    followers are stopped by rank 0 at once, without waiting for a close."""
+    llm = LLM(stories_dir, kv_cache_bytes=4 << 20, tp=2, pp=2)
+    ranks = llm.engine.runner.ranks
+    assert ranks is not None
+    try:
+        result: dict[str, object] = {}
+        thread = _serve_until_it_fails(llm, result)
+        time.sleep(0.5)  # steps running
+        killed = time.monotonic()
+        pid = ranks.procs[2].pid
+        assert pid is not None
+        os.kill(pid, signal.SIGKILL)
+        thread.join(30)
+        assert not thread.is_alive()
+        error = result["error"]
+        assert isinstance(error, RankFailure)
+        assert str(error) == "rank 3 of 4 exited (code -9)"
+        assert ranks.failed == "rank 3 of 4 exited (code -9)"
+        assert float(result["at"]) - killed < 3  # type: ignore[arg-type]
+        deadline = time.monotonic() + 3
+        while any(p.exitcode is None for p in ranks.procs) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        # stopped by rank 0, every one: none left of its own error (code 1), to be named first
+        assert [p.exitcode for p in ranks.procs] == [-9, -9, -9]
+    finally:
+        ranks.close()
+
+
+def test_a_close_while_a_step_hangs_ends_it(
+    stories_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """tp=2, the follower stopped (SIGSTOP) while steps run: rank 0's step waits on it (gloo's
+    10 minutes). A close then stops the follower under the step, which fails with RankFailure
+    saying so, and returns (it waited for the step, so as long)."""
+    monkeypatch.setattr(ranks_module, "CLOSE_WAIT_S", 1.0, raising=False)
+    llm = LLM(stories_dir, kv_cache_bytes=4 << 20, tp=2)
+    ranks = llm.engine.runner.ranks
+    assert ranks is not None
+    follower = ranks.procs[0]
+    try:
+        result: dict[str, object] = {}
+        thread = _serve_until_it_fails(llm, result)
+        time.sleep(0.5)
+        assert follower.pid is not None
+        os.kill(follower.pid, signal.SIGSTOP)
+        time.sleep(0.5)
+        assert thread.is_alive() and not result  # the step waits on the stopped follower
+        closing = threading.Thread(target=ranks.close, daemon=True)
+        t0 = time.monotonic()
+        closing.start()
+        closing.join(10)
+        assert not closing.is_alive(), "close waited on the hung step"
+        assert time.monotonic() - t0 < 5
+        thread.join(5)
+        assert isinstance(result.get("error"), RankFailure)
+        assert "did not end within 1 s of their close" in str(result["error"])
+        assert follower.exitcode is not None
+    finally:
+        if follower.exitcode is None:  # (the old code: the close hangs until the step ends)
+            follower.kill()
+            follower.join(5)
+        ranks.close()
+
+
+def test_a_rank_that_hangs_mid_step_is_named(
+    stories_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """tp=2, the follower stopped (SIGSTOP: alive, silent) while steps run: rank 0's step waited
+    on it for gloo's 10 minutes, then failed without naming it. Its sign of life stops, and once
+    it has been silent for HANG_AFTER_S the step fails naming it, and it is stopped."""
+    monkeypatch.setattr(ranks_module, "HANG_AFTER_S", 3.0, raising=False)
+    llm = LLM(stories_dir, kv_cache_bytes=4 << 20, tp=2)
+    ranks = llm.engine.runner.ranks
+    assert ranks is not None
+    follower = ranks.procs[0]
+    try:
+        result: dict[str, object] = {}
+        thread = _serve_until_it_fails(llm, result)
+        time.sleep(0.5)
+        stopped = time.monotonic()
+        assert follower.pid is not None
+        os.kill(follower.pid, signal.SIGSTOP)
+        thread.join(15)
+        assert not thread.is_alive(), "the step waited on the hung rank"
+        assert isinstance(result["error"], RankFailure)
+        assert str(result["error"]).startswith("rank 1 of 2 stopped responding")
+        assert float(result["at"]) - stopped < 8  # type: ignore[arg-type]
+        follower.join(3)
+        assert follower.exitcode == -9
+    finally:
+        if follower.exitcode is None:  # (the old code: still waiting)
+            follower.kill()
+            follower.join(5)
+        ranks.close()
+
+
+@pytest.mark.parametrize(("tp", "pp"), [(2, 1), (1, 2)])
+def test_a_step_that_samples_nothing_passes_the_ranks(stories_dir: Path, tp: int, pp: int) -> None:
+    """A prompt longer than a step's token budget, prefilled alone: its first chunks sample no
+    token. Split over ranks, stage 0 ran the LM head on no rows all the same, whose matmul
+    refuses them: the ranks failed ("a collective failed: small_linear ... got 0") and the worker
+    with them. Now the answers are one rank's."""
+    prompts = [[1, *range(20, 120)], [1, 403, 407, 261, 378]]
+    greedy = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+    kw: dict[str, Any] = {"kv_cache_bytes": 4 << 20, "max_num_batched_tokens": 24}
+    want = [
+        list(o.outputs[0].token_ids)
+        for o in LLM(stories_dir, num_threads=1, **kw).generate(prompts, greedy)
+    ]
+    llm = LLM(stories_dir, tp=tp, pp=pp, **kw)
+    ranks = llm.engine.runner.ranks
+    assert ranks is not None
+    try:
+        for prompt, tokens in zip(prompts, want, strict=True):  # each alone: nothing decodes
+            assert list(llm.generate([prompt], greedy)[0].outputs[0].token_ids) == tokens
+        assert ranks.failed is None
+    finally:
+        ranks.close()
+
+
+def test_a_closed_group_is_let_go(stories_dir: Path) -> None:
+    """A split engine closed and dropped lets its group go, and with it its followers' pipes
+    (its exit hook kept it for good: two more open file descriptors every split engine a
+    process starts)."""
+    import gc
+    import weakref
+
+    llm = LLM(stories_dir, kv_cache_bytes=4 << 20, tp=2)
+    ranks = llm.engine.runner.ranks
+    assert ranks is not None
+    assert llm.generate([[1, 403, 407]], SamplingParams(max_tokens=2))[0].outputs[0].token_ids
+    ranks.close()
+    ranks._watch.join(5)  # (its watchdog, which holds it while it runs, ends with the close)
+    group = weakref.ref(ranks)
+    del llm, ranks
+    gc.collect()
+    assert group() is None
