@@ -163,8 +163,12 @@ class PoolConfig:
         drain = WORKER_DRAIN_TIMEOUT_S
         args = self.worker_args
         for i, arg in enumerate(args):
-            value = (args[i + 1] if arg == "--drain-timeout" and i + 1 < len(args)
-                     else arg.partition("=")[2] if arg.startswith("--drain-timeout=") else None)  # fmt: skip
+            # (a prefix, `--drain 100`, is the flag to the worker's argparse too: missed, its
+            # workers were killed mid-drain at 40 s)
+            if _pool_flag(arg, ("--drain-timeout",)) is None:
+                continue
+            value = (arg.partition("=")[2] if "=" in arg
+                     else args[i + 1] if i + 1 < len(args) else None)  # fmt: skip
             if value is not None:
                 with contextlib.suppress(ValueError):
                     drain = float(value)
@@ -585,18 +589,25 @@ class Pool:
                                        code=code)  # fmt: skip
                 elif not m.ready:
                     m.tail.append(f"exited with code {code} before registering")
+                    if m.worker_id in registered:  # (it had, since the last tick: its entry
+                        # listed a dead worker to the gateways until its TTL ran out)
+                        await self._forget(m)
                     await self._failed(m.worker_id, m.model, _tail(m), now)
                 else:
                     log.warning("worker %s exited with code %s", m.worker_id, code)
                     await self._record("exit", m.worker_id, m.model, code=code)
-                    with contextlib.suppress(Exception):
-                        await self.registry.deregister(m.worker_id, m.model)
-                        # (out of its model's set, no registry reader finds it dead and purges
-                        # it from the prefix index, where live workers' blocks listed it for good)
-                        await self.registry.index.purge_workers(m.model, [m.worker_id])
+                    await self._forget(m)
                     if code != 0 and now - m.ready < CRASH_WINDOW_S:
                         await self._crashed(m, code, now)
         return exited
+
+    async def _forget(self, m: Managed) -> None:
+        """A worker that died unasked leaves the registry now, not when its entry expires."""
+        with contextlib.suppress(Exception):
+            await self.registry.deregister(m.worker_id, m.model)
+            # (out of its model's set, no registry reader finds it dead and purges
+            # it from the prefix index, where live workers' blocks listed it for good)
+            await self.registry.index.purge_workers(m.model, [m.worker_id])
 
     async def _release_start(self, model: str) -> None:
         with contextlib.suppress(Exception):

@@ -298,7 +298,11 @@ class ZygoteClient:
         `pass_fds`: descriptors it keeps open, which every process it forks inherits (a pool's
         lifeline: runtime.lifeline)."""
         self = cls()
-        ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        try:  # (out of descriptors: a ZygoteError, as any failure to start, which a pool's starts
+            # get past with a fresh process; any other error failed each of them for good)
+            ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        except OSError as e:
+            raise ZygoteError(f"cannot start the template process: {e}") from e
         ours.setblocking(False)
         try:
             self.proc = await asyncio.create_subprocess_exec(
