@@ -257,6 +257,10 @@ def _sample_rows(logits: torch.Tensor, states: list[SamplingState]) -> torch.Ten
     else:
         t = torch.tensor(temps, dtype=logits.dtype, device=device).unsqueeze(1)  # (R, 1)
         probs = torch.softmax(logits / t, dim=-1)  # (R, V)
+        if any(s.token_bitmask is not None for s in states):
+            # a grammar-masked token (-max) over a temperature past ~1e37 came near the others
+            # (over one float32 rounds to inf, to 0 as they do) and was drawn: kept out here
+            probs.masked_fill_(logits < -MASKED_BELOW, 0.0)
 
     if any(p.min_p > 0.0 for p in params):
         min_p = torch.tensor([p.min_p for p in params], dtype=probs.dtype, device=device)

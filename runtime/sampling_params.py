@@ -58,11 +58,11 @@ class SamplingParams:
     structured_outputs: StructuredOutputsParams | dict[str, Any] | None = None
 
     def __post_init__(self) -> None:
-        if isinstance(self.stop, str):
-            self.stop = [self.stop]
         self.validate()
 
     def validate(self) -> None:
+        if isinstance(self.stop, str):  # (here, not only at init: one set later is taken too)
+            self.stop = [self.stop]
         _int_field("n", self.n)
         if self.n < 1 or self.n > 128:
             raise InvalidRequestError("n", f"must be in [1, 128], got {self.n}")
@@ -135,10 +135,20 @@ class SamplingParams:
 def _int_field(name: str, value: object) -> None:
     if isinstance(value, bool) or not isinstance(value, int):
         raise InvalidRequestError(name, f"must be an integer, got {type(value).__name__}")
+    # (an integer past 64 bits means nothing here, and the messages that printed one past 4,300
+    # digits raised ValueError: str() refuses it)
+    if not -(2**63) <= value < 2**64:
+        raise InvalidRequestError(
+            name, f"must fit in 64 bits, got an integer of {value.bit_length()} bits"
+        )
 
 
 def _num_field(name: str, value: object) -> None:
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         raise InvalidRequestError(name, f"must be a number, got {type(value).__name__}")
+    if isinstance(value, int) and value.bit_length() >= 1024:  # (math.isfinite: OverflowError)
+        raise InvalidRequestError(
+            name, f"must be a finite number, got an integer of {value.bit_length()} bits"
+        )
     if not math.isfinite(value):
         raise InvalidRequestError(name, f"must be a finite number, got {value}")
