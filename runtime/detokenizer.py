@@ -30,9 +30,8 @@ which is `decode(output)` when the prompt decodes to "" (empty, or only a bos).
 Stop strings are matched on the output text only. Text that could be the start of a stop string
 is held back until it cannot be; on a match, `stop_matched` is set, the text ends before the
 stop string (or after it with `include_stop_str_in_output`), and later appends return "".
-The unbounded cases: a model that emits a long run of byte tokens that never forms valid
-UTF-8 keeps that run in the window until it ends, and a prompt that ends in a run of byte tokens
-keeps that run as context (decoded once or so).
+The one unbounded case: a model that emits a long run of byte tokens that never forms valid
+UTF-8 keeps that run in the window until it ends.
 
 `num_shown` counts the leading output tokens whose text has been returned, in part at least (a
 token's text starts where the text stood when it arrived). Tokens that only made a stop string
@@ -72,8 +71,12 @@ class IncrementalDetokenizer:
         context = [t for t in prompt_token_ids if t not in self._skip_ids]
         start = max(len(context) - _PROMPT_CONTEXT_TOKENS, 0)
         # A run of byte tokens decodes as one (all U+FFFD if any part is invalid): a context
-        # that starts inside the prompt's last run would spoil output bytes that continue it.
-        while start > 0 and {context[start - 1], context[start]} <= self._byte_ids:
+        # that starts on a character's continuation byte would spoil the output bytes that
+        # continue the run, so it starts on the character's first byte (at most 3 back; not at
+        # the run's start, which an invalid output byte would spoil whole)
+        for _ in range(3):
+            if start == 0 or not self._continuation(context[start]):
+                break
             start -= 1
         self._tokens = context[start:]  # window: context + not yet emitted
         self._prefix_offset = 0
@@ -128,6 +131,13 @@ class IncrementalDetokenizer:
 
     # ----- internals -----------------------------------------------------------------------
 
+    def _continuation(self, token_id: int) -> bool:
+        """A byte-fallback token of a UTF-8 continuation byte (0x80-0xBF)."""
+        if token_id not in self._byte_ids:
+            return False
+        b = self._tokenizer.token_bytes(token_id)
+        return b is not None and 0x80 <= b[0] <= 0xBF
+
     def _decode_window(self, *, final: bool) -> None:
         """Move newly decodable text from the token window into `_decoded`."""
         if self._read_offset == len(self._tokens):
@@ -138,7 +148,10 @@ class IncrementalDetokenizer:
         new_text = decode(self._tokens[self._prefix_offset :], skip)
         if not final and (len(new_text) <= len(prefix_text) or new_text.endswith("\ufffd")):
             return
-        self._decoded += new_text[len(prefix_text) :]
+        if new_text.startswith(prefix_text):
+            self._decoded += new_text[len(prefix_text) :]
+        else:  # an invalid byte made the run the context ends in all U+FFFD: the new tokens'
+            self._decoded += decode(self._tokens[self._read_offset :], skip)  # text alone
         self._prefix_offset = self._read_offset
         self._read_offset = len(self._tokens)
         # Drop tokens that fell out of the window, so the list stays short.

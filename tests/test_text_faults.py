@@ -63,7 +63,7 @@ def test_random_prompts_ending_in_byte_tokens(tok: Tokenizer) -> None:
     byte_ids = sorted(tok.byte_fallback_ids)
     pieces = ["日本語", "😀", "é", "a", " ", "cat"]
     checked = 0
-    for trial in range(400):
+    for trial in range(800):
         prompt = tok.encode("".join(rng.choice(pieces) for _ in range(rng.randrange(1, 8))))
         if trial % 2:
             prompt += [rng.choice(byte_ids) for _ in range(rng.randrange(0, 9))]
@@ -72,13 +72,28 @@ def test_random_prompts_ending_in_byte_tokens(tok: Tokenizer) -> None:
         if trial % 3 == 0:
             output = [rng.choice(byte_ids) for _ in range(rng.randrange(0, 6))] + output
         full, head = tok.decode(prompt + output), tok.decode(prompt)
-        if not full.startswith(head):  # (invalid bytes of the prompt's run, spoilt by output)
+        # (not where the prompt's own bytes are invalid, or the output's spoil the prompt's run:
+        # the text of bytes that continue an invalid run is not a suffix of any decode)
+        if "\ufffd" in head or not full.startswith(head):
             continue
         detok = IncrementalDetokenizer(tok, prompt)
         deltas = [detok.append(i) for i in output] + [detok.flush()]
         assert "".join(deltas) == full[len(head) :], (prompt, output)
         checked += 1
-    assert checked > 300
+    assert checked > 400
+
+
+def test_an_invalid_output_byte_after_a_prompt_ending_in_byte_tokens(tok: Tokenizer) -> None:
+    """A stray continuation byte after a prompt that ends in a run of byte tokens: one U+FFFD, as
+    decoding the output alone gives, not the whole run of the prompt spoilt with it (a context
+    that began at the run's start gave 7 for a three-character run, 121 for sixty)."""
+    for text in ("Once upon a 日本語", "Once upon a " + "日本語" * 20):
+        prompt = tok.encode(text)
+        stray = tok.encode("語", add_special_tokens=False)[-1:]  # <0x9E>
+        output = stray + tok.encode(" x", add_special_tokens=False)
+        detok = IncrementalDetokenizer(tok, prompt)
+        got = "".join(detok.append(i) for i in output) + detok.flush()
+        assert got == tok.decode(output) and got.count("\ufffd") == 1, (text, got)
 
 
 # ----- chat messages with keys set to None -------------------------------------------------
