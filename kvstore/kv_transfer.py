@@ -368,6 +368,14 @@ class FrameConn:
             buf += part
         return buf
 
+    async def discard(self, n: int) -> None:
+        """Read `n` bytes and drop them (into one small buffer)."""
+        buf = memoryview(bytearray(min(n, RECV_STEP_BYTES)))
+        while n > 0:
+            step = min(n, len(buf))
+            await self.recv_into(buf[:step])
+            n -= step
+
     async def send_control(self, kind: int, tag: int, obj: Any) -> None:
         body = orjson.dumps(obj)
         await self.send(_frame(kind, tag, body) + body)
@@ -554,8 +562,11 @@ class KVTransferServer:
                     if h.kind != PULL:
                         raise KVTransferError(f"expected PULL, got {KIND_NAMES[h.kind]}")
                     tag = h.tag  # (its ERROR frame then reaches the puller as its own)
-                    if h.length > self.max_pull_bytes:  # a prompt longer than this worker
-                        # takes: a refusal, as one its engine refuses (not a failed worker)
+                    if self.max_pull_bytes < h.length <= MAX_CONTROL_BYTES:  # a prompt longer
+                        # than this worker takes: a refusal, as one its engine refuses (not a
+                        # failed worker). Its body is read first: a close with bytes unread
+                        # resets the connection, and a puller still sending saw a failure
+                        await conn.discard(h.length)
                         raise KVTransferError(
                             f"PULL frame of {h.length} bytes: a prompt longer than this worker "
                             f"takes (limit {self.max_pull_bytes})",

@@ -6,14 +6,22 @@ no KV block stays allocated on either side afterwards.
 from __future__ import annotations
 
 import asyncio
+import socket
 import threading
 from dataclasses import asdict
 from pathlib import Path
+from typing import Any
 
 import orjson
 import pytest
 
-from kvstore.kv_transfer import KVTransferError, KVTransferServer, PullRequest, pull_kv
+from kvstore.kv_transfer import (
+    FrameConn,
+    KVTransferError,
+    KVTransferServer,
+    PullRequest,
+    pull_kv,
+)
 from runtime.async_engine import AsyncLLM
 from runtime.disagg import KVImporter, kv_pages
 from runtime.sampling_params import SamplingParams
@@ -81,20 +89,32 @@ def test_a_queue_filled_before_the_export_is_queued_is_a_refusal(stories_dir: Pa
         prefill.shutdown()
 
 
-def test_a_prompt_longer_than_the_prefill_worker_takes_is_a_refusal(stories_dir: Path,
-                                                                     decode: AsyncLLM) -> None:  # fmt: skip
+@pytest.mark.parametrize("tokens", [20_000, 60_000])
+def test_a_prompt_longer_than_the_prefill_worker_takes_is_a_refusal(
+    stories_dir: Path, decode: AsyncLLM, tokens: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """A decode worker of a longer context (or a larger KV cache) than the prefill worker's pulls
     a prompt whose PULL is over what the prefill worker reads (the longest prompt it takes): the
     refusal reaches the puller as an ERROR of its own request, a refusal (kv_source_refused, as
     the engine's own refusal of a prompt too long), not a failure. It came with the request tag
     0, which the puller read as "frame for another request", a failure (kv_transfer_failed), and
-    the gateway set a healthy prefill worker aside."""
+    the gateway set a healthy prefill worker aside. A PULL larger than the sockets' buffers (a
+    LAN's: 240 KB here) was refused unread: the close reset the connection under the puller
+    still sending, a failure again."""
     prefill = _llm(stories_dir, kv_bytes=10 * 5 * 2 * 16 * 4 * 8 * 4)  # 10 blocks: 160 tokens
+    framed = FrameConn.__init__
+
+    def small_buffers(self: FrameConn, sock: socket.socket, *args: Any, **kw: Any) -> None:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 128 << 10)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 64 << 10)
+        framed(self, sock, *args, **kw)
+
+    monkeypatch.setattr(FrameConn, "__init__", small_buffers)
 
     async def main() -> None:
         async def body(addr: str, server: KVTransferServer) -> None:
-            tokens = [500] * 20_000  # (stories260K's context is shorter: the PULL itself)
-            pull = PullRequest("long", tokens, 0, prefill.engine.cache_id, SECRET)
+            # (stories260K's context is shorter: the PULL itself)
+            pull = PullRequest("long", [500] * tokens, 0, prefill.engine.cache_id, SECRET)
             assert len(orjson.dumps(asdict(pull))) > server.max_pull_bytes
             with pytest.raises(KVTransferError, match="longer than this worker takes") as err:
                 await pull_kv(addr, pull, kv_pages(decode), [0])  # (refused before any block)
