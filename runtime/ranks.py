@@ -413,8 +413,9 @@ class RankGroup:
         return self.spec.parallel.world_size
 
     def _watchdog(self) -> None:
+        silence = _Silence(self.spec.beats)
         while not self._closed:
-            dead = _first_exited(self.procs) or _first_silent(self.spec.beats)
+            dead = _first_exited(self.procs) or silence.first()
             if dead is not None and not self._closed:
                 self._fail(dead)
                 # the others cannot serve without it: stopped, so that a collective rank 0 is
@@ -735,17 +736,34 @@ def _first_exited(procs: Sequence[mp.process.BaseProcess]) -> str | None:
     return None
 
 
-def _first_silent(beats: Any) -> str | None:
-    """"rank r of n stopped responding ..." for the first follower whose sign of life (`beats`,
-    once it gave one) is older than HANG_AFTER_S, or None."""
-    if beats is None:
+class _Silence:
+    """Rank 0's view of the followers' signs of life (`beats`, None: none kept): the first
+    follower silent for HANG_AFTER_S, counted from when this watch last ran where it was away
+    itself: a pause of the whole process group (Ctrl-Z, a frozen container, a suspended VM)
+    stops the followers and the watch alike, and the clock runs on, so every follower looked
+    silent on resuming and a healthy group was failed."""
+
+    AWAY_S = 2.0  # a watch that looks every 0.2 s at most, not run for this long: it was away
+
+    def __init__(self, beats: Any) -> None:
+        self.beats = beats
+        self._last = time.monotonic()
+        self._since = 0.0  # silence is counted from here (where this watch was away)
+
+    def first(self) -> str | None:
+        """"rank r of n stopped responding ..." for the first follower silent too long, or None."""
+        if self.beats is None:
+            return None
+        now = time.monotonic()
+        if now - self._last > self.AWAY_S:
+            self._since = now
+        self._last = now
+        for rank in range(1, len(self.beats)):
+            beat = self.beats[rank]
+            if beat > 0 and max(beat, self._since) < now - HANG_AFTER_S:
+                return (f"rank {rank} of {len(self.beats)} stopped responding (no sign of life "
+                        f"for {now - beat:.0f} s)")  # fmt: skip
         return None
-    now = time.monotonic()
-    for rank in range(1, len(beats)):
-        if 0 < beats[rank] < now - HANG_AFTER_S:
-            return (f"rank {rank} of {len(beats)} stopped responding (no sign of life for "
-                    f"{now - beats[rank]:.0f} s)")  # fmt: skip
-    return None
 
 
 def _wait_joined(store: dist.TCPStore, watch: _StartWatch) -> None:
@@ -780,8 +798,9 @@ class _StartWatch:
         self._thread.start()
 
     def _run(self) -> None:
+        silence = _Silence(self._beats)
         while not self._stopped.wait(0.02):
-            self.dead = _first_exited(self.procs) or _first_silent(self._beats)
+            self.dead = _first_exited(self.procs) or silence.first()
             if self.dead is not None:
                 self._died.set()
                 for p in self.procs:

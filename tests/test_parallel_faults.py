@@ -115,8 +115,9 @@ def test_a_rank_that_hangs_mid_step_is_named(
     """tp=2, the follower stopped (SIGSTOP: alive, silent) while steps run: rank 0's step waited
     on it for gloo's 10 minutes, then failed without naming it. Its sign of life stops, and once
     it has been silent for HANG_AFTER_S the step fails naming it, and it is stopped."""
-    monkeypatch.setattr(ranks_module, "HANG_AFTER_S", 3.0, raising=False)
     llm = LLM(stories_dir, kv_cache_bytes=4 << 20, tp=2)
+    # (after the start: a loaded machine's start-up is no test of this)
+    monkeypatch.setattr(ranks_module, "HANG_AFTER_S", 3.0, raising=False)
     ranks = llm.engine.runner.ranks
     assert ranks is not None
     follower = ranks.procs[0]
@@ -182,3 +183,26 @@ def test_a_closed_group_is_let_go(stories_dir: Path) -> None:
     del llm, ranks
     gc.collect()
     assert group() is None
+
+
+def test_a_pause_of_the_whole_group_does_not_count_as_a_silent_rank(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Rank 0's watch and the followers paused together (Ctrl-Z, a frozen container): on
+    resuming, every follower's last sign of life is older than HANG_AFTER_S, and the watch named
+    a live rank and stopped them all. Silence counts from the watch's own return; a follower
+    that stays silent after it is still named."""
+    clock = [1000.0]
+    monkeypatch.setattr(ranks_module.time, "monotonic", lambda: clock[0])
+    beats = [0.0, 1000.0]
+    silence = ranks_module._Silence(beats)
+    assert silence.first() is None
+    clock[0] += ranks_module.HANG_AFTER_S + 30  # all paused, the clock ran on
+    assert silence.first() is None  # (the old watch: "rank 1 of 2 stopped responding")
+    for _ in range(int(ranks_module.HANG_AFTER_S) + 2):  # resumed; rank 1 silent from here
+        clock[0] += 1.0
+        if silence.first() is not None:
+            break
+    assert "rank 1 of 2 stopped responding" in str(silence.first())
+    beats[1] = clock[0]  # a beat: fine again
+    assert silence.first() is None
