@@ -555,6 +555,7 @@ class KVTransferServer:
         served: ServedPull | None = None
         exporting: str | None = None  # the request id this connection took: its export to release
         tag = 0
+        answered = False  # its ERROR sent already
         try:
             async with self._admitting:  # until the secret is checked: bounded, as its memory
                 async with asyncio.timeout(PULL_READ_S):
@@ -562,16 +563,22 @@ class KVTransferServer:
                     if h.kind != PULL:
                         raise KVTransferError(f"expected PULL, got {KIND_NAMES[h.kind]}")
                     tag = h.tag  # (its ERROR frame then reaches the puller as its own)
-                    if self.max_pull_bytes < h.length <= MAX_CONTROL_BYTES:  # a prompt longer
-                        # than this worker takes: a refusal, as one its engine refuses (not a
-                        # failed worker). Its body is read first: a close with bytes unread
-                        # resets the connection, and a puller still sending saw a failure
-                        await conn.discard(h.length)
-                        raise KVTransferError(
+                    if h.length > self.max_pull_bytes:  # a prompt longer than this worker
+                        # takes: a refusal, as one its engine refuses (not a failed worker),
+                        # answered at once. Then its body (as long as a PULL can be) is read and
+                        # dropped: a close with bytes unread resets the connection, and a
+                        # puller still sending saw a failure
+                        refused = KVTransferError(
                             f"PULL frame of {h.length} bytes: a prompt longer than this worker "
                             f"takes (limit {self.max_pull_bytes})",
                             False,
                         )
+                        await conn.send_control(ERROR, tag, {"message": str(refused),
+                                                             "source_failed": False})  # fmt: skip
+                        answered = True
+                        if h.length <= MAX_CONTROL_BYTES:
+                            await conn.discard(h.length)
+                        raise refused
                     _, body = await conn.read_control(None, h, self.max_pull_bytes)
                 if not isinstance(body, dict):
                     raise KVTransferError("malformed PULL frame: not a JSON object")
@@ -623,7 +630,9 @@ class KVTransferServer:
             # `source_failed` false: a refusal (its KV cache full, its queue full), not a failure
             failed = e.source_failed if isinstance(e, KVTransferError) else True
             with contextlib.suppress(Exception):
-                await conn.send_control(ERROR, tag, {"message": str(e), "source_failed": failed})
+                if not answered:
+                    await conn.send_control(ERROR, tag, {"message": str(e),
+                                                         "source_failed": failed})  # fmt: skip
         finally:
             if exporting is not None:
                 try:
