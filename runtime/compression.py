@@ -1370,11 +1370,12 @@ class CompressedBlocks:
     buffer shared by all blocks (the largest block's size) just before the block runs, and its
     parameters are views of that buffer until the block returns. Weights that do not compress
     stay as they are. `release()` restores dense weights and removes the hooks. On a GPU (or
-    the CPU under EDGEINFER_KERNELS=triton) a block's weights are coded anew into one TileGroup
-    (`tile_group`: a lane per `span` values, one code a block, encoded on the device in tensor
-    ops, 0.3 s for SmolLM2 on an H100), decoded by one launch of the tiles kernel; the launches are
-    captured in the engine's decode graphs like any other kernel (the buffers' addresses never
-    change). Elsewhere each tensor is an encode_bf16 record, decoded by the C++ extension.
+    the CPU under EDGEINFER_KERNELS=triton) a block's weights are coded anew into one
+    TileGroup (`tile_group`: a lane per `span` values, one code a block, encoded on the device
+    in tensor ops, 0.3 s for SmolLM2 on an H100), decoded by one launch of the tiles kernel;
+    the launches are captured in the engine's decode graphs like any other kernel (the
+    buffers' addresses never change). Elsewhere each tensor is an encode_bf16 record, decoded
+    by the C++ extension.
 
     On a GPU the next block is decoded while one runs (`overlap`, default on): two buffers, and
     a side stream that decodes block i+1 into one as soon as block i-1 (which read it last) is
@@ -1389,8 +1390,8 @@ class CompressedBlocks:
 
     The weights are encoded here, from the loaded model (the model's parameters fuse q/k/v
     and gate/up, which the files' records do not), on the calling thread; on the CPU,
-    SmolLM2's 106M layer weights in 0.8 s since the C++ extension packs the codes (157M values/s a 11.5M-value
-    tensor, 2026-11-26; numpy packed 21-32M). A pool's threads kept tens of MB of the encoder's
+    SmolLM2's 106M layer weights in 0.8 s since the C++ extension packs the codes (157M
+    values/s a 11.5M-value tensor, 2026-11-26; numpy packed 21-32M). A pool's threads kept tens of MB of the encoder's
     temporaries resident in their own heaps (the model alone, after load_model: 515 MB with
     dense weights; kept compressed, 452-465 MB encoded on this thread, 517-523 on a pool's;
     2-core Xeon, 2026-11-25). Each
@@ -1471,8 +1472,8 @@ class CompressedBlocks:
         done = 0
         # The records, made among the encoder's temporaries, would keep the heap from giving
         # those back (SmolLM2: ~110 MB more resident than the records themselves); each moves
-        # into one store of their own (on a GPU: copied there), committed only as far as it is
-        # written (a record is under 2 bytes a value, or the tensor stays dense).
+        # into one store of their own, committed only as far as it is written (a record is
+        # under 2 bytes a value, or the tensor stays dense).
         store = Arena(sum(_aligned(2 * p.numel()) for ps in params for p in ps)).tensor()
         at, size = 0, 0
         for block, ps in zip(blocks, params, strict=True):

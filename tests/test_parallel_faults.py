@@ -41,6 +41,18 @@ def _serve_until_it_fails(llm: LLM, result: dict[str, object]) -> threading.Thre
     return thread
 
 
+def _stop_mid_step(llm: LLM, follower: Any, result: dict[str, object]
+                   ) -> tuple[threading.Thread, float]:  # fmt: skip
+    """Steps running (`_serve_until_it_fails`), then `follower` stopped (SIGSTOP: alive and
+    silent): (the serving thread, when the follower was stopped)."""
+    thread = _serve_until_it_fails(llm, result)
+    time.sleep(0.5)
+    assert follower.pid is not None
+    stopped = time.monotonic()
+    os.kill(follower.pid, signal.SIGSTOP)
+    return thread, stopped
+
+
 def test_a_rank_killed_mid_step_is_named_and_the_others_stopped(stories_dir: Path) -> None:
     """tp=2 x pp=2, rank 3 killed while steps run: the step fails within moments naming rank 3
     (rank 1, which saw it hang up, exited of that error first and was named: "rank 1 of 4
@@ -86,10 +98,7 @@ def test_a_close_while_a_step_hangs_ends_it(
     follower = ranks.procs[0]
     try:
         result: dict[str, object] = {}
-        thread = _serve_until_it_fails(llm, result)
-        time.sleep(0.5)
-        assert follower.pid is not None
-        os.kill(follower.pid, signal.SIGSTOP)
+        thread, _ = _stop_mid_step(llm, follower, result)
         time.sleep(0.5)
         assert thread.is_alive() and not result  # the step waits on the stopped follower
         closing = threading.Thread(target=ranks.close, daemon=True)
@@ -123,11 +132,7 @@ def test_a_rank_that_hangs_mid_step_is_named(
     follower = ranks.procs[0]
     try:
         result: dict[str, object] = {}
-        thread = _serve_until_it_fails(llm, result)
-        time.sleep(0.5)
-        stopped = time.monotonic()
-        assert follower.pid is not None
-        os.kill(follower.pid, signal.SIGSTOP)
+        thread, stopped = _stop_mid_step(llm, follower, result)
         thread.join(15)
         assert not thread.is_alive(), "the step waited on the hung rank"
         assert isinstance(result["error"], RankFailure)
