@@ -60,7 +60,9 @@ output always parses into the declared arguments schema. Parameters that refer i
 (`$ref` "#/$defs/..." or "#", as pydantic writes nested models) are moved to the root's `$defs`,
 under the tool's name, with their refs rebased, so that the refs still resolve. With
 `parallel_tool_calls` false the grammar allows one call, and in "auto" mode a completion ends
-once its first call is complete.
+once its first call is complete. A named function's call that max_tokens cuts before its name is
+complete is still that call, with the arguments "" (as vLLM, which constrains only a named
+call's arguments, always answers with the call), never the grammar's half-written text.
 
 Torch-free (the worker imports it; tests drive it directly).
 """
@@ -406,6 +408,9 @@ class ToolCallStream:
     context: list[int] = field(default_factory=list)
     # the request's tool names: an object naming another function is no call (None: any name)
     names: frozenset[str] | None = None
+    # a named tool_choice's function: its grammar allows nothing but that call, so the output
+    # is that call even where max_tokens cut it before its name was complete (None: not named)
+    forced: str | None = None
     text: str = ""  # the output so far, with the marker's text where its special token was
     content_sent: int = 0  # characters of content sent (`text` up to there)
     calls: list[_Sent] = field(default_factory=list)
@@ -438,6 +443,11 @@ class ToolCallStream:
         # (a call once announced stays: `parse` never takes one back, and this makes sure its
         # text is never given back as content too)
         named = bool(self.calls) or any(c.name is not None for c in calls)
+        if final and self.forced is not None and not named:
+            # Cut inside the grammar's text before the name was complete: still the named call,
+            # with no arguments generated (vLLM constrains only a named call's arguments, and
+            # answers with the call whatever the cut); never the grammar's half-written text.
+            calls, content, named = [ParsedCall(self.forced, "", False)], "", True
         if final and in_region and not named:
             content = self.text  # a tool region in which no call parsed: text after all
         elif not final or named:
@@ -837,8 +847,9 @@ class RequestTools:
     def _stream(self, index: int) -> ToolCallStream:
         stream = self.streams.get(index)
         if stream is None:
+            forced = self.choice["function"]["name"] if isinstance(self.choice, dict) else None
             stream = ToolCallStream(
-                self.parser, self.parallel, self.decode, self.context, self.names
+                self.parser, self.parallel, self.decode, self.context, self.names, forced
             )
             self.streams[index] = stream
         return stream

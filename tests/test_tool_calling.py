@@ -799,6 +799,39 @@ def _forced_calls(
             jsonschema.validate(arguments, schemas[c["name"]])
 
 
+@pytest.mark.parametrize("parser_name", ["hermes", "llama3_json", "mistral"])
+def test_a_named_call_cut_by_max_tokens_is_still_the_call(stories: LLM, parser_name: str) -> None:
+    """A named tool_choice's grammar allows nothing but that call. Cut by max_tokens at any
+    point, even before its name is complete (`<tool_call>\\n{"name": "get_`), the answer is that
+    call, streamed or not, with the arguments generated so far; never the grammar's half-written
+    text as content (it was, for every cut before the name's closing quote)."""
+    tok = stories.tokenizer
+    parser = make_parser(parser_name, "", tok.added_tokens)
+    choice = {"type": "function", "function": {"name": "get_time"}}
+    params = []
+    for n in range(1, 25):
+        p = SamplingParams(max_tokens=n, temperature=0)
+        RequestTools(parser, TOOLS, choice, True).constrain(p)
+        params.append(p)
+    cut_in_name = 0
+    for out in stories.generate(["Once upon a time"] * len(params), params):
+        o = out.outputs[0]
+        ids = list(o.token_ids)
+        whole = RequestTools(parser, TOOLS, choice, True, tok.decode)
+        streamed = RequestTools(parser, TOOLS, choice, True, tok.decode)
+        content, calls = _reassemble([whole.delta(0, o.text, ids, True)])
+        pieces = []  # a token at a time, as the worker streams
+        for i in range(len(ids)):
+            text = tok.decode(ids[: i + 1])[len(tok.decode(ids[:i])) :]
+            pieces.append(streamed.delta(0, text, ids[i : i + 1], i == len(ids) - 1))
+        assert (content, [c["name"] for c in calls]) == ("", ["get_time"]), (o.text, content)
+        assert _reassemble(pieces) == (content, calls), o.text
+        if o.finish_reason == "length" and '"get_time"' not in o.text:
+            cut_in_name += 1
+            assert calls[0]["arguments"] == ""
+    assert cut_in_name >= 3  # (the cuts this test is about happened)
+
+
 # ------------------------------------------------------------------------------ the service
 CATALOG = "regions:\n  - {name: local, latitude: 0, longitude: 0, settings: {models: [stories]}}\n"
 USER = [{"role": "user", "content": "What is the weather in Paris?"}]
@@ -869,6 +902,24 @@ def test_required_and_named_through_the_gateway(stack: Stack) -> None:
     calls = _check_calls(r.choices[0].message)
     assert [c.function.name for c in calls] == ["get_weather"]
     assert r.choices[0].message.content is None
+    # cut by max_tokens inside the grammar's text, before the name: still the named call
+    named = {"type": "function", "function": {"name": "get_weather"}}
+    for stream in (False, True):
+        kwargs: Any = {"model": "stories", "messages": USER, "tools": TOOLS, "max_tokens": 2}
+        if not stream:
+            r = stack.client.chat.completions.create(**kwargs, tool_choice=named)
+            message = r.choices[0].message
+            assert r.choices[0].finish_reason == "length" and message.content is None
+            assert [(c.function.name, c.function.arguments) for c in message.tool_calls or []] == [
+                ("get_weather", "")
+            ]
+            continue
+        chunks = list(stack.client.chat.completions.create(**kwargs, tool_choice=named,
+                                                           stream=True))  # fmt: skip
+        deltas = [c.choices[0].delta for c in chunks if c.choices]
+        assert not "".join(d.content or "" for d in deltas)
+        assert [t.function.name for d in deltas for t in d.tool_calls or []] == ["get_weather"]
+        assert chunks[-1].choices[0].finish_reason == "length"
 
 
 def test_nested_pydantic_tool_through_the_gateway(stack: Stack) -> None:
