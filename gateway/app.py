@@ -21,6 +21,7 @@ With `--cors-origins`, browsers' preflights are answered ahead of auth (gateway/
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import gc
 import hmac
 import logging
@@ -49,7 +50,12 @@ from gateway.proxy import CALLS, REQUEST_ID, Proxy, routed_headers
 from gateway.regions import RegionCatalog
 from gateway.telemetry import GatewayTelemetry
 from kvstore.client import connect, stop_task
-from kvstore.telemetry import PROMETHEUS_CONTENT_TYPE, Telemetry, TelemetryConfig
+from kvstore.telemetry import (
+    PROMETHEUS_CONTENT_TYPE,
+    Telemetry,
+    TelemetryConfig,
+    sample_key_of,
+)
 from runtime.lifeline import watch_lifeline
 from runtime.serving import listen
 
@@ -237,10 +243,13 @@ def make_app(
     app[CONFIG] = config
     app[CATALOG] = catalog
     if telemetry is None:
-        telemetry = Telemetry(
-            config.telemetry
-            or TelemetryConfig("edgeinfer-gateway", region=config.region, trust_remote_sampled=False)
+        tel_config = config.telemetry or TelemetryConfig(
+            "edgeinfer-gateway", region=config.region, trust_remote_sampled=False
         )
+        if not tel_config.sample_key:  # every gateway of the cluster keeps the same client traces
+            key = sample_key_of(config.worker_secret)
+            tel_config = dataclasses.replace(tel_config, sample_key=key)
+        telemetry = Telemetry(tel_config)
     app[TELEMETRY] = GatewayTelemetry(telemetry, config.region)
     app.router.add_post("/v1/chat/completions", chat_completions)
     app.router.add_post("/v1/completions", completions)

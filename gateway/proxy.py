@@ -152,6 +152,7 @@ class Call:
     operation: str = ""  # gen_ai.operation.name: chat | text_completion
     span: Span | None = None  # the request's root span (a no-op one when nothing records)
     trace_ctx: Context | None = None  # the root span's context: parent of the phases' spans
+    attempts: int = 0  # workers called so far (the forward spans' edgeinfer.attempt)
     route_started: float = 0.0  # perf_counter() when the current attempt's routing began
     assembler: ResponseAssembler | None = None  # the response, once the worker committed
     stream_error: APIError | None = None  # what ended a stream after its first byte, if anything
@@ -217,7 +218,7 @@ class Proxy:
                 gen.operation = call.operation
             call.gen = gens[0]
             self.resolve_model(call)
-            tel.validated(call)
+            tel.validated(call, gens)
             tel.phase(call, "gateway.validate", call.started)
             call.route_started = time.perf_counter()  # route: placement, prefix lookup, choice
             if call.session_id is not None:

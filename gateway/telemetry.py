@@ -9,14 +9,15 @@ One trace per request, continued from the client's `traceparent` when it sent on
     └── gateway.forward              CLIENT  one per attempt: the call to the worker, until its
         └── (worker spans)           stream ends; carries `traceparent` to the worker
 
-Prompts and outputs go on the root span only when the operator turned content capture on.
+Prompts and outputs go on the root span only when the operator turned content capture on, cut
+to its `content_max_chars` each.
 The metrics are named in kvstore/telemetry.py.
 """
 
 from __future__ import annotations
 
 import time
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 import orjson
@@ -24,13 +25,14 @@ from opentelemetry import trace
 from opentelemetry.trace import Span, SpanKind, Status, StatusCode
 
 from kvstore import telemetry as names
-from kvstore.telemetry import GenAIMetrics, Telemetry
+from kvstore.telemetry import GenAIMetrics, Telemetry, capped
 
 if TYPE_CHECKING:
     from gateway.cluster import ClusterView
     from gateway.errors import APIError
     from gateway.openai_response import ResponseAssembler
     from gateway.proxy import Call
+    from kvstore.protocol import GenerateRequest
 
 # why the router chose a worker (gateway.routing.Route.reason) -> the routing-mix kind
 ROUTE_KINDS = {
@@ -50,6 +52,7 @@ class GatewayTelemetry:
         self.tracer = tel.tracer
         self.region = region
         self.record_content = tel.config.record_content
+        self.content_max_chars = tel.config.content_max_chars
         self.genai = GenAIMetrics(tel)
         self.routing = tel.counter(names.ROUTING)
         self.retries = tel.counter(names.RETRIES)
@@ -90,7 +93,9 @@ class GatewayTelemetry:
         call.span = span
         call.trace_ctx = trace.set_span_in_context(span)
 
-    def validated(self, call: Call) -> None:
+    def validated(self, call: Call, gens: Sequence[GenerateRequest]) -> None:
+        """The request's attributes, once validated: `gens`, its prompts (a completions batch
+        has several; `call.gen` is the first)."""
         assert call.gen is not None and call.span is not None
         call.span.update_name(f"{call.operation} {call.gen.model}")
         call.span.set_attribute("gen_ai.request.model", call.gen.model)
@@ -100,12 +105,20 @@ class GatewayTelemetry:
         for key, attr in (("max_tokens", "gen_ai.request.max_tokens"),
                           ("temperature", "gen_ai.request.temperature"),
                           ("top_p", "gen_ai.request.top_p"),
+                          ("top_k", "gen_ai.request.top_k"),
+                          ("presence_penalty", "gen_ai.request.presence_penalty"),
+                          ("frequency_penalty", "gen_ai.request.frequency_penalty"),
                           ("seed", "gen_ai.request.seed")):  # fmt: skip
-            if sampling.get(key) is not None:
+            if sampling.get(key) is not None and not (key == "top_k" and sampling[key] < 0):
                 call.span.set_attribute(attr, sampling[key])
+        if sampling.get("n", 1) != 1:  # (the conventions' condition: given and not 1)
+            call.span.set_attribute("gen_ai.request.choice.count", sampling["n"])
         if self.record_content and call.span.is_recording():
-            content = call.gen.messages if call.gen.messages is not None else call.gen.prompt
-            call.span.set_attribute("gen_ai.input.messages", orjson.dumps(content).decode())
+            content: Any = call.gen.messages if call.gen.messages is not None else call.gen.prompt
+            if len(gens) > 1:  # a batch: every prompt (the output holds every one's choices)
+                content = [g.prompt for g in gens]
+            text = capped(orjson.dumps(content).decode(), self.content_max_chars)
+            call.span.set_attribute("gen_ai.input.messages", text)
 
     def phase(self, call: Call, name: str, started: float) -> None:
         """A finished phase as a child span of the request: `started` is its perf_counter()
@@ -117,12 +130,15 @@ class GatewayTelemetry:
         self.tracer.start_span(name, context=call.trace_ctx, start_time=begin).end(end_time=end)
 
     def forward(self, call: Call, worker_id: str, headers: dict[str, str]) -> Span:
-        """The span of one attempt at a worker; its context goes into `headers`."""
+        """The span of one attempt at a worker; its context goes into `headers`. Attempts are
+        counted on `call`: `tried`, the workers set aside, misses a retry after the prefill
+        worker failed or refused (the same decode worker is called again)."""
+        call.attempts += 1
         span = self.tracer.start_span(
             "gateway.forward",
             context=call.trace_ctx,
             kind=SpanKind.CLIENT,
-            attributes={"edgeinfer.worker.id": worker_id, "edgeinfer.attempt": len(call.tried) + 1},
+            attributes={"edgeinfer.worker.id": worker_id, "edgeinfer.attempt": call.attempts},
         )
         self.tel.inject(headers, trace.set_span_in_context(span))
         return span
@@ -191,7 +207,8 @@ class GatewayTelemetry:
                     span.set_attribute("gen_ai.response.finish_reasons", reasons)
                 if self.record_content:
                     texts = ["".join(c.text) for c in assembler.choices]
-                    span.set_attribute("gen_ai.output.messages", orjson.dumps(texts).decode())
+                    text = capped(orjson.dumps(texts).decode(), self.content_max_chars)
+                    span.set_attribute("gen_ai.output.messages", text)
             if err is not None:
                 span.set_attribute("error.type", str(error))
                 span.set_attribute("http.response.status_code", err.status)

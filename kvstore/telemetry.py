@@ -15,10 +15,16 @@ worker's `--otlp-endpoint`, default `$OTEL_EXPORTER_OTLP_ENDPOINT`), or a test's
 Otherwise the tracer is OpenTelemetry's no-op one, which still carries an incoming
 `traceparent` on to the next hop. Spans are sampled parent-based, new traces at
 `trace_sample_ratio`; a worker obeys its gateway's sampled flag, and the gateway keeps a
-client's trace at its own ratio, by a random draw, whatever the client's flag or trace id says
-(a public client could otherwise make it record every request: `trust_remote_sampled`).
-Metrics are always collected: the Prometheus `/metrics` endpoint reads them, and they go over
-OTLP as well when an endpoint is set.
+client's trace at its own ratio, whatever the client's flag says (a public client could
+otherwise make it record every request: `trust_remote_sampled`), by a keyed hash of the trace
+id (_KeyedRatio): every request of a client's trace gets the same decision, and the key, a
+secret (`sample_key`: the gateways derive theirs from the cluster's shared secret, so that
+replicas agree), keeps a client from choosing ids that are always kept. A gateway that does not
+trace passes no client's context on (W3C Trace Context's restart at a front gate): its workers
+start a trace of their own, sampled at their own ratio, as for a request that came without one;
+passed on, the client's sampled flag decided what the workers record. Metrics are always
+collected: the Prometheus `/metrics` endpoint reads them, and they go over OTLP as well when an
+endpoint is set.
 
 OTLP exports give up after EXPORT_TIMEOUT_S, retries included (in place of the SDK's
 $OTEL_EXPORTER_OTLP_TIMEOUT, default 10 s, which held a worker's exit for 35-45 s behind an
@@ -26,7 +32,10 @@ unreachable collector: one timeout per queued batch), and `shutdown` waits SHUTD
 at most for what is still buffered; the rest is dropped.
 
 Prompts and outputs are never put on a span unless `record_content` is set (`--otel-content`,
-or `OTEL_INSTRUMENTATION_GENAI_CAPTURE_MESSAGE_CONTENT=true`, the GenAI convention's switch).
+or `OTEL_INSTRUMENTATION_GENAI_CAPTURE_MESSAGE_CONTENT=true`, the GenAI convention's switch);
+then each is cut to `content_max_chars` (`capped`, which says so in the value), as
+OpenTelemetry's attribute length limit would (a 4 MB prompt was a 4 MB attribute, which a
+collector refuses whole, losing the span, or stores).
 
 The metrics, by OpenTelemetry name (Prometheus name in brackets; `METRICS` lists them all):
 
@@ -39,8 +48,10 @@ The metrics, by OpenTelemetry name (Prometheus name in brackets; `METRICS` lists
     workers (attributes edgeinfer.region, edgeinfer.worker.id):
       edgeinfer.worker.requests.running / .waiting          gauges
       edgeinfer.worker.kv_cache.usage                       gauge, fraction of KV blocks in use
-      edgeinfer.worker.prefix_cache.query_tokens / .hit_tokens, edgeinfer.worker.preemptions
-                                                            counters
+      edgeinfer.worker.prefix_cache.query_tokens / .hit_tokens   counters, once per request
+                                            answered (not per completion of n; a disaggregated
+                                            one by its decode worker: hits anywhere)
+      edgeinfer.worker.preemptions                          counter
       edgeinfer.kv_transfer.bytes, edgeinfer.kv_transfer.duration   by direction (sent|received)
       edgeinfer.worker.cold_start.duration                  by phase, once per worker start
     gateways (attribute edgeinfer.region):
@@ -53,8 +64,9 @@ The metrics, by OpenTelemetry name (Prometheus name in brackets; `METRICS` lists
 
 from __future__ import annotations
 
+import hashlib
 import logging
-import random
+import secrets
 import threading
 import time
 from collections.abc import Callable, Iterable, Mapping, MutableMapping, Sequence
@@ -210,6 +222,8 @@ BUCKETS: dict[str, Sequence[float]] = {
 }
 
 
+CONTENT_MAX_CHARS = 16_384  # TelemetryConfig.content_max_chars' default
+CONTENT_MIN_CHARS = 64  # its least: room for `capped`'s note and some text
 EXPORT_TIMEOUT_S = 2.0  # one OTLP export, its retries included (the SDK's default: 10 s)
 SHUTDOWN_TIMEOUT_S = 3.0  # Telemetry.shutdown's wait for the last exports
 
@@ -221,11 +235,18 @@ class TelemetryConfig:
     instance: str = ""  # service.instance.id (a worker's id); empty: the SDK makes one up
     otlp_endpoint: str | None = None  # OTLP/HTTP base URL (…/v1/traces, …/v1/metrics added)
     record_content: bool = False  # put prompts and outputs on spans (off: never recorded)
+    # what one recorded prompt or output keeps of its text (`capped`): characters, as
+    # OpenTelemetry's attribute length limit counts them
+    content_max_chars: int = CONTENT_MAX_CHARS
     trace_sample_ratio: float = 1.0  # new traces kept; an incoming sampled flag is obeyed
     # unless this is False (the gateway: its callers are the public, whose `traceparent`
     # flags would decide its trace volume); then their traces are kept at the same ratio, by a
-    # random draw (_RandomRatio), and the workers behind follow the gateway's flag
+    # keyed hash of the trace id (_KeyedRatio), and the workers behind follow the gateway's flag
     trust_remote_sampled: bool = True
+    # the key of that hash (a secret: who knows it can choose ids that are kept); processes
+    # given the same one keep the same traces (a client's, through several gateways); empty:
+    # a random one for this process
+    sample_key: bytes = b""
     export_interval_s: float | None = None  # OTLP metric export period; None: the SDK's
     # ($OTEL_METRIC_EXPORT_INTERVAL milliseconds, else 60 s)
     attributes: dict[str, str] = field(default_factory=dict)  # more resource attributes
@@ -233,6 +254,11 @@ class TelemetryConfig:
     def __post_init__(self) -> None:
         if not 0.0 <= self.trace_sample_ratio <= 1.0:
             raise ValueError(f"trace_sample_ratio must be in [0, 1], got {self.trace_sample_ratio}")
+        if type(self.content_max_chars) is not int or self.content_max_chars < CONTENT_MIN_CHARS:
+            raise ValueError(f"content_max_chars must be an integer >= {CONTENT_MIN_CHARS}, "
+                             f"got {self.content_max_chars!r}")  # fmt: skip
+        if not isinstance(self.sample_key, bytes) or len(self.sample_key) > 64:
+            raise ValueError("sample_key must be at most 64 bytes (BLAKE2b's key)")
         if self.export_interval_s is not None and self.export_interval_s <= 0:
             raise ValueError(f"export_interval_s must be > 0, got {self.export_interval_s}")
         if self.otlp_endpoint is not None:
@@ -252,14 +278,39 @@ def content_capture_from_env(environ: Mapping[str, str]) -> bool:
     return value.strip().lower() in ("1", "true", "yes", "on")
 
 
-class _RandomRatio(TraceIdRatioBased):
-    """TraceIdRatioBased by a random draw instead of the trace id: for a trace a caller began,
-    whose id the caller chose (TraceIdRatioBased keeps every id whose low 64 bits are small: a
-    client sending such ids had each of its requests recorded at any ratio above 0)."""
+def sample_key_of(secret: str) -> bytes:
+    """A `sample_key` derived from a secret the gateways of a cluster share (and clients do not
+    know), so that they all keep the same client traces."""
+    return hashlib.blake2b(secret.encode(), digest_size=32, person=b"ei-trace-sample").digest()
+
+
+def capped(text: str, limit: int) -> str:
+    """`text` for a span attribute: whole when it has at most `limit` characters, else its start
+    and a note of its full length, `limit` characters in all (a JSON value so cut is no longer
+    JSON: the note says why)."""
+    if len(text) <= limit:
+        return text
+    note = f"...[truncated: {len(text)} characters]"
+    return text[: max(0, limit - len(note))] + note
+
+
+class _KeyedRatio(TraceIdRatioBased):
+    """TraceIdRatioBased by a keyed hash of the trace id, for a trace a caller began, whose id
+    the caller chose: TraceIdRatioBased keeps every id whose low 64 bits are small (a client
+    sending such ids had each of its requests recorded at any ratio above 0). The key is
+    secret (`TelemetryConfig.sample_key`, else one for this process), so a client cannot tell
+    which ids are kept; one id gets one decision, so the requests of a client's trace are kept
+    or dropped together (a random draw, which b04aaf2 used, split them)."""
+
+    def __init__(self, rate: float, key: bytes = b"") -> None:
+        super().__init__(rate)
+        self._key = key or secrets.token_bytes(32)
 
     def should_sample(self, parent_context: Context | None, trace_id: int, *args: Any,
                       **kwargs: Any) -> Any:  # fmt: skip
-        return super().should_sample(parent_context, random.getrandbits(64), *args, **kwargs)
+        digest = hashlib.blake2b(trace_id.to_bytes(16, "big"), digest_size=8, key=self._key)
+        keyed = int.from_bytes(digest.digest(), "big")
+        return super().should_sample(parent_context, keyed, *args, **kwargs)
 
 
 class Telemetry:
@@ -314,13 +365,12 @@ class Telemetry:
         self.tracer_provider: TracerProvider | None = None
         if exporters:
             ratio = TraceIdRatioBased(config.trace_sample_ratio)
+            keyed = _KeyedRatio(config.trace_sample_ratio, config.sample_key)  # (one key for both)
             sampler = (
                 ParentBased(ratio)
                 if config.trust_remote_sampled
                 else ParentBased(
-                    ratio,
-                    remote_parent_sampled=_RandomRatio(config.trace_sample_ratio),
-                    remote_parent_not_sampled=_RandomRatio(config.trace_sample_ratio),
+                    ratio, remote_parent_sampled=keyed, remote_parent_not_sampled=keyed
                 )
             )
             self.tracer_provider = TracerProvider(resource=self.resource, sampler=sampler)
@@ -363,7 +413,15 @@ class Telemetry:
 
     # ------------------------------------------------------------------ context
     def extract(self, carrier: Mapping[str, str]) -> Context:
-        """The trace context a request arrived with (a W3C `traceparent` header), if any."""
+        """The trace context a request arrived with (a W3C `traceparent` header), if any.
+
+        An empty context where the caller's sampled flag is not trusted and this process does
+        not trace: the no-op tracer would pass the caller's context on unchanged, and the
+        workers behind, which obey the flag they get, would record what the caller chose. The
+        trace restarts at the next hop that traces, at its own ratio (W3C Trace Context's
+        "restart" mutation, for a front gate)."""
+        if not self.tracing and not self.config.trust_remote_sampled:
+            return Context()
         return self.propagator.extract(carrier)
 
     def inject(self, carrier: MutableMapping[str, str], context: Context) -> None:

@@ -8,7 +8,8 @@ phases become child spans after the fact, from the times the engine kept:
     │   └── kv_transfer.serve SERVER  on the prefill worker: PULL to ACK (its `traceparent` rides
     │       ├── queue                 in the PULL frame); the export's own queue and prefill
     │       └── prefill               (an export ends at its first token: no decode)
-    ├── queue                         arrival (or the pull's end) to the first engine step
+    ├── queue                         arrival (or the pull's end) to the first engine step, or
+    │                                 to the end of one that never ran (aborted, its client gone)
     ├── prefill                       to the first token
     └── decode                        the first token to the end
 
@@ -23,13 +24,14 @@ from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
+import orjson
 from opentelemetry import trace
 from opentelemetry.context import Context
 from opentelemetry.trace import Span, SpanKind, Status, StatusCode
 
 from kvstore import telemetry as names
 from kvstore.protocol import GenerateRequest
-from kvstore.telemetry import GenAIMetrics, Telemetry
+from kvstore.telemetry import GenAIMetrics, Telemetry, capped
 
 
 def wall_ns(monotonic: float, now_mono: float, now_ns: int) -> int:
@@ -43,7 +45,7 @@ class RequestTimes:
 
     received: float  # the generate call arrived
     pulled: float = 0.0  # disaggregated: the prompt's KV landed
-    arrival: float = 0.0  # the engine took the request
+    arrival: float = 0.0  # the request was handed to the engine
     scheduled: float = 0.0  # its first engine step
     first_token: float = 0.0  # its first output token reached this process
     ended: float = 0.0  # its last output (or failure)
@@ -57,6 +59,7 @@ class WorkerTelemetry:
         self.tel = tel
         self.tracer = tel.tracer
         self.record_content = tel.config.record_content
+        self.content_max_chars = tel.config.content_max_chars
         self.worker_id = worker_id
         self.labels = {"edgeinfer.region": region, "edgeinfer.worker.id": worker_id,
                        "model": model}  # fmt: skip
@@ -64,6 +67,13 @@ class WorkerTelemetry:
         self.genai = GenAIMetrics(tel)
         self.kv_duration = tel.histogram(names.KV_TRANSFER_DURATION)
         self.cold_start_duration = tel.histogram(names.COLD_START)
+        # counted here, once per request answered, not from the engine's totals, which count a
+        # lookup per sequence (n of them for n completions) and one on each side of a
+        # disaggregated request (its prefill worker's export and its decode worker's import)
+        self.prefix_query = tel.counter(names.PREFIX_QUERY)
+        self.prefix_hit = tel.counter(names.PREFIX_HIT)
+        for counter in (self.prefix_query, self.prefix_hit):
+            counter.add(0, self.labels)  # (a series from the start, as the engine's totals had)
 
     # ------------------------------------------------------------------ gauges and totals
     def watch(
@@ -72,7 +82,7 @@ class WorkerTelemetry:
         kv_sent: Callable[[], int],
         kv_received: Callable[[], int],
     ) -> None:
-        """Instruments read at each collection: the engine's load and totals (`stats`, as
+        """Instruments read at each collection: the engine's load and preemptions (`stats`, as
         AsyncLLM.stats gives them) and the KV bytes moved each way."""
         labels = self.labels
 
@@ -85,8 +95,6 @@ class WorkerTelemetry:
             names.KV_USAGE,
             one(lambda s: 1.0 - s["free_kv_blocks"] / max(1, s["total_kv_blocks"])),
         )
-        self.tel.observe(names.PREFIX_QUERY, one(lambda s: s["prefix_cache_query_tokens"]))
-        self.tel.observe(names.PREFIX_HIT, one(lambda s: s["prefix_cache_hit_tokens"]))
         self.tel.observe(names.PREEMPTIONS, one(lambda s: s["num_preemptions"]))
         self.tel.observe(
             names.KV_TRANSFER_BYTES,
@@ -131,8 +139,8 @@ class WorkerTelemetry:
         output: list[str] | None = None,
     ) -> None:
         """A generate call ended: `usage` is (prompt, output, cached) tokens when the engine took
-        the request; `error` the error code when it failed. Records the phases' spans and the
-        GenAI histograms, then ends `span`."""
+        the request; `error` the error code when it failed. Records the phases' spans, the
+        GenAI histograms and the prefix-cache counters, then ends `span`."""
         times.ended = times.ended or time.monotonic()
         attrs: dict[str, Any] = self.labels | {
             "gen_ai.operation.name": req.operation,
@@ -144,6 +152,11 @@ class WorkerTelemetry:
         counts = (usage[0], usage[1]) if usage is not None else None
         longest = times.longest_output or None
         self.genai.record(attrs, times.received, times.first_token, times.ended, counts, longest)
+        if usage is not None and (times.scheduled or times.pulled):  # its prompt was looked up
+            # (by the scheduler's admission, or a KV import's reservation): its cached tokens
+            # are the request's, of any worker, as its usage reports them
+            self.prefix_query.add(usage[0], self.labels)
+            self.prefix_hit.add(usage[2], self.labels)
         now_mono, now_ns = time.monotonic(), time.time_ns()  # one pair: spans nest exactly
         if span.is_recording():
             ctx = trace.set_span_in_context(span)
@@ -153,7 +166,8 @@ class WorkerTelemetry:
                 span.set_attribute("gen_ai.usage.output_tokens", usage[1])
                 span.set_attribute("gen_ai.usage.cache_read.input_tokens", usage[2])
             if output is not None and self.record_content:
-                span.set_attribute("gen_ai.output.messages", str(output))
+                text = capped(orjson.dumps(output).decode(), self.content_max_chars)
+                span.set_attribute("gen_ai.output.messages", text)
             if error is not None:
                 span.set_attribute("error.type", error)
                 span.set_status(Status(StatusCode.ERROR, error))
@@ -163,7 +177,8 @@ class WorkerTelemetry:
         queued = max(times.arrival, times.pulled)
         first = times.first_token or times.ended
         for name, a, b in (
-            ("queue", queued, times.scheduled),
+            # one that left the queue unscheduled (aborted; its client gone) waited till its end
+            ("queue", queued, times.scheduled or times.ended),
             ("prefill", times.scheduled, first),
             ("decode", times.first_token, times.ended),
         ):

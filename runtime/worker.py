@@ -551,6 +551,9 @@ async def _generate(request: web.Request) -> web.StreamResponse:
     except _Refused as r:
         tel.finish(span, req, times, None, r.code)
         return r.response
+    except Exception:  # a bug: answered 500, and its span ended (it was never exported)
+        tel.finish(span, req, times, None, "internal_error")
+        raise
     finally:
         worker.preparing -= 1
     if worker.draining:
@@ -562,10 +565,14 @@ async def _generate(request: web.Request) -> web.StreamResponse:
     except _Refused as r:
         tel.finish(span, req, times, None, r.code)
         return r.response
+    except Exception:  # (as above)
+        tel.finish(span, req, times, None, "internal_error")
+        raise
     resp = web.StreamResponse(headers={"Content-Type": "application/x-ndjson"})
     quiet = _Keepalive(resp, worker.llm.is_stalled)
     if isinstance(taken, RequestStream):
         stream = taken
+        times.arrival = time.monotonic()  # (its queue span's start, should it never run)
     else:
         assert req.kv_source is not None
         if req.request_id in worker.pulling:  # (refused by the engine, it took the place of the
@@ -602,6 +609,7 @@ async def _generate(request: web.Request) -> web.StreamResponse:
     n_prompt = len(stream.prompt_token_ids)
     generated, cached = 0, 0
     error: str | None = "client_gone"
+    aborted: str | None = None  # "aborted": the engine ended a completion with finish_reason abort
     texts: list[str] = []
     try:
         await resp.prepare(request)  # (done already when disaggregated: a no-op then)
@@ -621,6 +629,8 @@ async def _generate(request: web.Request) -> web.StreamResponse:
             for o in out.outputs:
                 if o.finish_reason == "error":  # its constraint failed: no answer to give
                     raise _ConstraintFailed(f"the output constraint failed: {o.stop_reason}")
+                if o.finish_reason == "abort":  # (answered, but no success: the gateway
+                    aborted = "aborted"  # answers 503 aborted)
                 event = _delta(worker, o, done, sent, tools)
                 if event is not None:
                     generated += len(event.token_ids)
@@ -635,7 +645,7 @@ async def _generate(request: web.Request) -> web.StreamResponse:
                 break  # `finally` aborts a request whose completions all ended early
         times.ended = time.monotonic()
         await resp.write(encode_event(DoneEvent(n_prompt, generated, cached)))
-        error = None
+        error = aborted
     except (EngineDeadError, QueueFullError, _ConstraintFailed) as e:  # after the stream started
         error = ("shutdown" if isinstance(e, _ShuttingDown) else
                  "queue_full" if isinstance(e, QueueFullError) else
