@@ -19,7 +19,7 @@ from collections.abc import Coroutine
 from pathlib import Path
 from typing import Any, NoReturn
 
-from runtime.cli import non_negative_int, port_arg, port_or_zero
+from runtime.cli import _at_least, non_negative_int, port_arg, port_or_zero
 
 DEFAULT_REDIS = "redis://127.0.0.1:6379/0"
 API_KEY_HELP = ("accepted bearer token (repeatable; default: $EDGEINFER_API_KEYS, comma-separated; "
@@ -114,6 +114,9 @@ def _process_age_s() -> float:
         return 0.0
 
 
+_at_least_64 = _at_least(64)  # kvstore.telemetry.CONTENT_MIN_CHARS (not imported: it loads the SDK)
+
+
 def _telemetry_args(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--otlp-endpoint", default=None,
@@ -125,6 +128,11 @@ def _telemetry_args(p: argparse.ArgumentParser) -> None:
         help="record prompts and outputs on spans (default off; also "
         "$OTEL_INSTRUMENTATION_GENAI_CAPTURE_MESSAGE_CONTENT=true)",
     )  # fmt: skip
+    p.add_argument(
+        "--otel-content-max-chars", type=_at_least_64, default=None, metavar="N",
+        help="with --otel-content, a prompt or output longer than N characters is cut to N, "
+        "saying so (default 16384)",
+    )  # fmt: skip
     p.add_argument("--otel-sample-ratio", type=float, default=1.0,
                    help="fraction of traces kept: new ones and, at the gateway, a client's "
                    "(whose sampled flag is not obeyed); a worker follows its gateway's "
@@ -132,7 +140,7 @@ def _telemetry_args(p: argparse.ArgumentParser) -> None:
 
 
 def _telemetry_config(args: argparse.Namespace, service: str, region: str, instance: str = ""):  # type: ignore[no-untyped-def]
-    from kvstore.telemetry import TelemetryConfig, content_capture_from_env
+    from kvstore.telemetry import CONTENT_MAX_CHARS, TelemetryConfig, content_capture_from_env
 
     return TelemetryConfig(
         service=service,
@@ -141,6 +149,7 @@ def _telemetry_config(args: argparse.Namespace, service: str, region: str, insta
         otlp_endpoint=args.otlp_endpoint or os.environ.get("OTEL_EXPORTER_OTLP_ENDPOINT") or None,
         record_content=args.otel_content or content_capture_from_env(os.environ),
         trace_sample_ratio=args.otel_sample_ratio,
+        content_max_chars=args.otel_content_max_chars or CONTENT_MAX_CHARS,
         # (the gateway's callers are the public: their sampled flags are not obeyed)
         trust_remote_sampled=service != "edgeinfer-gateway",
     )

@@ -791,6 +791,20 @@ def test_the_gateways_telemetry_does_not_trust_client_flags_and_the_workers_does
 
     from runtime.service_cli import _telemetry_config
 
-    args = argparse.Namespace(otlp_endpoint=None, otel_content=False, otel_sample_ratio=0.1)
+    args = argparse.Namespace(otlp_endpoint=None, otel_content=False, otel_sample_ratio=0.1,
+                              otel_content_max_chars=None)  # fmt: skip
     assert _telemetry_config(args, "edgeinfer-gateway", "local").trust_remote_sampled is False
     assert _telemetry_config(args, "edgeinfer-worker", "local", "w").trust_remote_sampled is True
+
+
+def test_the_content_cap_is_a_flag_of_both_services() -> None:
+    from runtime.cli import build_parser
+    from runtime.service_cli import _telemetry_config
+
+    for command in (["gateway"], ["worker", "--model", "m"]):
+        args = build_parser().parse_args([*command, "--otel-content-max-chars", "100"])
+        assert _telemetry_config(args, "s", "local").content_max_chars == 100
+        default = _telemetry_config(build_parser().parse_args(command), "s", "local")
+        assert default.content_max_chars == 16_384
+        with pytest.raises(SystemExit):  # below the least that holds the cut's note
+            build_parser().parse_args([*command, "--otel-content-max-chars", "63"])
