@@ -12,7 +12,7 @@ Decisions worth knowing:
   engine's is 16), so nothing may be left to the worker's defaults.
 - Unknown fields are ignored (OpenAI clients send extras such as `metadata` or `store`, which
   change nothing in the answer), but features that change the answer (`functions`,
-  `logit_bias`, vLLM's `min_tokens`, OpenAI's `reasoning_effort`, ... : `OFF_ONLY`,
+  `logit_bias`, vLLM's `use_beam_search`, OpenAI's `reasoning_effort`, ... : `OFF_ONLY`,
   `CHAT_OFF_ONLY`) are refused unless set to their "off" value: silently ignoring them gives
   wrong answers. So are an assistant message's deprecated `function_call` and its `refusal`
   text, which the prompt would otherwise lose. (`prediction` is ignored: a predicted output
@@ -83,7 +83,6 @@ ROLES = frozenset({"system", "user", "assistant", "tool", "developer"})
 # the feature may still send: name -> (the "off" values, what the feature is and what to send).
 # The values are compared as JSON (`false` is not 0). /openapi.json lists exactly these values.
 OFF_ONLY: dict[str, tuple[tuple[object, ...], str]] = {  # vLLM's extras, both endpoints
-    "min_tokens": ((0,), "a minimum output length; send 0"),
     "use_beam_search": ((False,), "beam search; send false"),
     "allowed_token_ids": ((), "a token allow-list; send null"),
     "bad_words": (([],), "banned words; send []"),
@@ -130,6 +129,7 @@ CHAT_OFF_ONLY: dict[str, tuple[tuple[object, ...], str]] = {
 _SAMPLING_FIELDS = frozenset(
     {
         "max_tokens",
+        "min_tokens",
         "temperature",
         "top_p",
         "n",
@@ -332,9 +332,17 @@ def _common(
     for name, (off, what) in OFF_ONLY.items():
         f.only_default(name, off, what)
 
+    min_tokens = f.integer("min_tokens", 0, Range(0, INT32_MAX))  # (vLLM's extra)
+    if max_tokens is not None and min_tokens > max_tokens:
+        chat_name = kind == "chat" and f.given("max_completion_tokens")
+        name = "max_completion_tokens" if chat_name else "max_tokens"
+        raise invalid(
+            "min_tokens", f"min_tokens must be at most {name} ({max_tokens}), got {min_tokens}"
+        )
     sampling: dict[str, Any] = {
         "n": n,
         "max_tokens": max_tokens,
+        "min_tokens": min_tokens,
         "temperature": f.number("temperature", 1.0, Range(0, 2)),
         "top_p": f.number("top_p", 1.0, Range(0, 1, lo_open=True)),
         "top_k": f.integer("top_k", -1, Range(-1, INT32_MAX)),

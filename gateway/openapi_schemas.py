@@ -63,6 +63,15 @@ _SAMPLING: JSON = {
     "temperature": _num("0 = greedy.", 1.0, minimum=0, maximum=2),
     "top_p": _num("Nucleus sampling mass.", 1.0, exclusiveMinimum=0, maximum=1),
     "n": _int(1, 16, "Completions to generate for the prompt.", 1),
+    "min_tokens": _int(
+        0,
+        INT32_MAX,
+        "vLLM extension: tokens each completion generates before end-of-sequence, a stop token "
+        "or a stop string may end it (those tokens are not sampled until then); at most "
+        "max_tokens (a 400 otherwise). Where the context ends first, the completion ends there "
+        "(finish_reason length).",
+        0,
+    ),
     "stop": _nullable(
         {
             "anyOf": [

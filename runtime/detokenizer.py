@@ -30,6 +30,11 @@ which is `decode(output)` when the prompt decodes to "" (empty, or only a bos).
 Stop strings are matched on the output text only. Text that could be the start of a stop string
 is held back until it cannot be; on a match, `stop_matched` is set, the text ends before the
 stop string (or after it with `include_stop_str_in_output`), and later appends return "".
+Each stop string is scanned as the text grows (Knuth-Morris-Pratt, `_StopScan`), so a step costs
+its new characters, not the held-back text (a hostile stop string of 60,000 characters, with
+60,000 held back, cost about a second a step when each tail was compared). With `min_tokens`, a stop
+string counts only where it ends in the text of the tokens after the first min_tokens (it may
+start before): vLLM's rule.
 The one unbounded case: a model that emits a long run of byte tokens that never forms valid
 UTF-8 keeps that run in the window until it ends.
 
@@ -47,6 +52,7 @@ from runtime.tokenizer import Tokenizer
 
 # Prompt tokens kept as context for the first output token (vLLM uses 5 as well).
 _PROMPT_CONTEXT_TOKENS = 5
+_NEVER = 2**62  # a min_tokens floor not yet reached: no stop string ends past it
 
 
 class IncrementalDetokenizer:
@@ -60,13 +66,20 @@ class IncrementalDetokenizer:
         skip_special_tokens: bool = True,
         stop: list[str] | None = None,
         include_stop_str_in_output: bool = False,
+        min_tokens: int = 0,
     ) -> None:
         self._tokenizer = tokenizer
         self._skip_ids = tokenizer.all_special_ids if skip_special_tokens else frozenset()
         self._byte_ids = tokenizer.byte_fallback_ids
         self._skip_special_tokens = skip_special_tokens
-        self._stops = [s for s in (stop or []) if s]
+        self._scans = [_StopScan(s) for s in (stop or []) if s]
         self._include_stop = include_stop_str_in_output
+        self._min_tokens = min_tokens
+        self._appended = 0  # output tokens appended
+        # a stop string counts where it ends past this point of _decoded: the end of the first
+        # min_tokens tokens' text, once the next token arrives (never before)
+        self._stop_floor = 0 if min_tokens <= 0 else _NEVER
+        self._scanned = 0  # the prefix of _decoded the stop scans have read
 
         context = [t for t in prompt_token_ids if t not in self._skip_ids]
         start = max(len(context) - _PROMPT_CONTEXT_TOKENS, 0)
@@ -103,6 +116,9 @@ class IncrementalDetokenizer:
         """Add one output token; return the text that is now safe to show (often "")."""
         if self._done:
             return ""
+        self._appended += 1
+        if self._appended == self._min_tokens + 1 and self._min_tokens > 0:
+            self._stop_floor = len(self._decoded)
         self._starts.append(len(self._decoded))
         if token_id in self._skip_ids:
             self._show()
@@ -162,7 +178,7 @@ class IncrementalDetokenizer:
 
     def _release(self, *, final: bool) -> str:
         """Return the part of `_decoded` not yet emitted that cannot be (part of) a stop string."""
-        if self._stops:
+        if self._scans:
             match = self._find_stop()
             if match is not None:
                 stop, at = match
@@ -172,7 +188,8 @@ class IncrementalDetokenizer:
                 self._done = True
                 return self._emit_to(end)
             if not final:
-                return self._emit_to(len(self._decoded) - self._stop_prefix_len())
+                held = max(scan.held for scan in self._scans)
+                return self._emit_to(len(self._decoded) - held)
         return self._emit_to(len(self._decoded))
 
     def _emit_to(self, end: int) -> str:
@@ -181,22 +198,67 @@ class IncrementalDetokenizer:
         return delta
 
     def _find_stop(self) -> tuple[str, int] | None:
-        """Earliest stop string in the text not yet emitted (a match may start in held-back text
-        only: emitted text never contains the start of a stop string)."""
+        """The earliest-starting stop string that ends in the text decoded since the last call
+        (past the min_tokens floor). It starts in held-back text at the earliest: emitted text
+        never holds the start of a stop string that could still be completed."""
         best: tuple[str, int] | None = None
-        for stop in self._stops:
-            at = self._decoded.find(stop, self._emitted)
-            if at >= 0 and (best is None or at < best[1]):
-                best = (stop, at)
+        for scan in self._scans:
+            end = scan.feed(self._decoded, self._scanned, self._stop_floor)
+            if end is not None and (best is None or end - len(scan.stop) < best[1]):
+                best = (scan.stop, end - len(scan.stop))
+        self._scanned = len(self._decoded)
         return best
 
-    def _stop_prefix_len(self) -> int:
-        """Length of the longest tail of the unemitted text that is a proper prefix of a stop."""
-        pending = self._decoded[self._emitted :]
-        longest = 0
-        for stop in self._stops:
-            for k in range(min(len(stop) - 1, len(pending)), longest, -1):
-                if pending.endswith(stop[:k]):
-                    longest = k
+
+class _StopScan:
+    """One stop string's Knuth-Morris-Pratt scan over the output text as it grows: `state`, the
+    length of the longest tail of the text read that is a prefix of the stop. Each character
+    costs O(1) amortised, whatever the stop's length. The prefix table (`_border`) is built only
+    as far as the text has matched: a stop of 60,000 characters that the text never follows
+    costs nothing to set up."""
+
+    __slots__ = ("_pi", "state", "stop")
+
+    def __init__(self, stop: str) -> None:
+        self.stop = stop
+        self._pi = [0]  # _pi[j]: the longest proper prefix of stop[: j + 1] that ends it
+        self.state = 0
+
+    @property
+    def held(self) -> int:
+        """Characters at the end of the text that could start this stop string (a whole match,
+        ignored under min_tokens, holds what could start the next one)."""
+        return self._border(self.state - 1) if self.state == len(self.stop) else self.state
+
+    def _border(self, j: int) -> int:
+        pi, s = self._pi, self.stop
+        while len(pi) <= j:  # (extended in order: each entry reads the ones before it)
+            i = len(pi)
+            k = pi[i - 1]
+            while k and s[i] != s[k]:
+                k = pi[k - 1]
+            pi.append(k + 1 if s[i] == s[k] else 0)
+        return pi[j]
+
+    def feed(self, text: str, start: int, floor: int) -> int | None:
+        """Read text[start:]; the end of the first whole stop string in it that ends past
+        `floor` (the scan stops there), or None."""
+        s, n, state, i, end = self.stop, len(self.stop), self.state, start, len(text)
+        while i < end:
+            if state == n:  # a match that did not count: go on from its longest border
+                state = self._border(n - 1)
+            if state == 0:  # (skip to the next character that starts the stop, in C)
+                i = text.find(s[0], i)
+                if i < 0:
                     break
-        return longest
+            c = text[i]
+            while state and s[state] != c:
+                state = self._border(state - 1)
+            if s[state] == c:
+                state += 1
+            i += 1
+            if state == n and i > floor:
+                self.state = state
+                return i
+        self.state = state
+        return None

@@ -140,6 +140,7 @@ class LLMEngine:
             log.warning("end-of-sequence ids %s of %s are outside the vocabulary [0, %d): left "
                         "out (no such token can be sampled)", outside, config.model, vocab)  # fmt: skip
         self.eos_token_ids = frozenset(t for t in eos if 0 <= t < vocab)
+        self.runner.sampler.eos_token_ids = self.eos_token_ids  # (held back under min_tokens)
         self._groups: dict[str, RequestGroup] = {}
         self._seq_to_group: dict[str, tuple[RequestGroup, int]] = {}
         self._counter = 0
@@ -370,6 +371,7 @@ class LLMEngine:
                     prompt_ids,
                     stop=params.stop,
                     include_stop_str_in_output=params.include_stop_str_in_output,
+                    min_tokens=params.min_tokens,
                 )
             )
         group = RequestGroup(

@@ -7,12 +7,15 @@ Order of operations (vLLM semantics):
          was filled beside the forward pass, runtime/structured_decoding.py)
       -> penalties: repetition (prompt + output), then frequency and presence (output only)
       -> logprobs: log_softmax of the penalized logits, before temperature and truncation
+      -> min_tokens: a row with fewer output tokens than its min_tokens gets -inf for the
+         end-of-sequence tokens and its stop_token_ids (unless that leaves its grammar nothing)
       -> greedy rows: argmax                     (temperature below 1e-5 counts as greedy)
       -> other rows: / temperature -> min_p -> top_k -> top_p -> draw
 
 Logprobs are vLLM's default `raw_logprobs` for rows without penalties; for rows with penalties
-they are taken after the penalties (vLLM's raw mode takes them before). Temperature, min_p, top_k
-and top_p never change the reported logprobs.
+they are taken after the penalties (vLLM's raw mode takes them before). Temperature, min_p, top_k,
+top_p and min_tokens never change the reported logprobs (vLLM's min_tokens does not either: a stop
+token it holds back keeps its logprob among the alternatives).
 
 Cost: this runs every step for batches of 64+ rows over a vocabulary of ~50k on a CPU, so each
 feature costs only for the rows that use it.
@@ -29,7 +32,8 @@ from it, one row at a time, and everything else it goes through is row-wise, so 
 the same tokens whatever else is in the batch. All other rows share one batched draw from torch's
 default generator.
 
-Stop tokens and end-of-sequence handling are not the sampler's job.
+Ending a request on a stop token or end-of-sequence is not the sampler's job (Request.check_stop);
+it only keeps them from being drawn under min_tokens.
 """
 
 from __future__ import annotations
@@ -102,10 +106,15 @@ def _is_plain_greedy(p: SamplingParams) -> bool:
 class Sampler:
     """Stateless; all per-sequence state lives in the `SamplingState` rows. `ext`: the CPU
     extension (`kernels.cpu_ext.load_fused()`) whose `argmax_rows` takes greedy rows' argmax (the
-    same index as torch.argmax, ~7x faster over a large vocabulary), or None for torch's."""
+    same index as torch.argmax, ~7x faster over a large vocabulary), or None for torch's.
+    `eos_token_ids`: the model's end-of-sequence tokens, which a row under its min_tokens may not
+    draw (the engine sets them once it has read the model's and the tokenizer's)."""
 
-    def __init__(self, ext: ModuleType | None = None) -> None:
+    def __init__(
+        self, ext: ModuleType | None = None, eos_token_ids: frozenset[int] = frozenset()
+    ) -> None:
         self.ext = ext
+        self.eos_token_ids = eos_token_ids
 
     def _argmax(self, logits: torch.Tensor) -> torch.Tensor:
         if (self.ext is not None and logits.device.type == "cpu" and logits.dim() == 2
@@ -125,17 +134,26 @@ class Sampler:
         if masked:
             bitmask = np.stack([states[i].token_bitmask for i in masked])  # type: ignore[misc]
             logits = apply_token_bitmask(logits, bitmask, masked)
+        held = [i for i, s in enumerate(states) if len(s.output_token_ids) < s.params.min_tokens]
         if all(_is_plain_greedy(p) for p in params):
-            return SamplerOutput(self._argmax(logits).tolist(), [None] * len(states))
+            token_ids = self._argmax(logits)
+            if held:  # (those rows again, copied: not a copy of the whole batch)
+                held_t = torch.tensor(held, device=logits.device)
+                token_ids[held_t] = self._argmax(self._hold_stops(logits, states, held))
+            return SamplerOutput(token_ids.tolist(), [None] * len(states))
 
         if any(_has_penalty(p) for p in params):
             logits = apply_penalties(logits, states)
+        pick = logits  # what is sampled from; the logprobs below are of `logits` (the stop
+        if held:  # tokens held back keep theirs)
+            pick = logits.clone()
+            pick[torch.tensor(held, device=logits.device)] = self._hold_stops(logits, states, held)
 
         sampled = [i for i, p in enumerate(params) if not _is_greedy(p)]
         if not sampled:
-            token_ids = self._argmax(logits)  # (B,)
+            token_ids = self._argmax(pick)  # (B,)
         elif len(sampled) == len(states):
-            token_ids = _sample_rows(logits, states)
+            token_ids = _sample_rows(pick, states)
         else:
             device = logits.device
             greedy_t = torch.tensor(
@@ -143,8 +161,8 @@ class Sampler:
             )
             sampled_t = torch.tensor(sampled, device=device)
             token_ids = torch.empty(len(states), dtype=torch.long, device=device)
-            token_ids[greedy_t] = logits[greedy_t].argmax(dim=-1)
-            token_ids[sampled_t] = _sample_rows(logits[sampled_t], [states[i] for i in sampled])
+            token_ids[greedy_t] = pick[greedy_t].argmax(dim=-1)
+            token_ids[sampled_t] = _sample_rows(pick[sampled_t], [states[i] for i in sampled])
 
         out_logprobs: list[TokenLogprobs | None] = [None] * len(states)
         with_logprobs = [i for i, p in enumerate(params) if p.logprobs is not None]
@@ -154,6 +172,32 @@ class Sampler:
             for i, row in zip(with_logprobs, rows, strict=True):
                 out_logprobs[i] = row
         return SamplerOutput(token_ids.tolist(), out_logprobs)
+
+    def _hold_stops(
+        self, logits: torch.Tensor, states: list[SamplingState], rows: list[int]
+    ) -> torch.Tensor:
+        """`rows` of `logits` (B, V), copied (R, V), each (under its min_tokens) with -inf for
+        the tokens that would end it: end-of-sequence (with ignore_eos too, as vLLM holds it)
+        and its stop_token_ids. A row whose grammar allows nothing else is left as it was: the
+        constraint's end comes first (min_tokens cannot be met inside it)."""
+        vocab = logits.shape[1]
+        device = logits.device
+        out = logits[torch.tensor(rows, device=device)]  # (R, V), a copy
+        pairs = [
+            (j, t)
+            for j, i in enumerate(rows)
+            for t in self.eos_token_ids.union(states[i].params.stop_token_ids)
+            if 0 <= t < vocab
+        ]
+        if not pairs:
+            return out
+        original = out.clone() if any(states[i].token_bitmask is not None for i in rows) else None
+        out[torch.tensor([j for j, _ in pairs], device=device),
+            torch.tensor([t for _, t in pairs], device=device)] = -math.inf  # fmt: skip
+        if original is not None:
+            stuck = ~(out > -MASKED_BELOW).any(dim=-1)  # (R,) rows with nothing left
+            out[stuck] = original[stuck]
+        return out
 
 
 # ----- grammar masks -----------------------------------------------------------------------

@@ -38,6 +38,8 @@ class SamplingParams:
 
     n: int = 1  # number of independent completions for the prompt
     max_tokens: int | None = 16  # tokens to generate; None = up to the context length
+    min_tokens: int = 0  # tokens generated before end-of-sequence, a stop token or a stop
+    # string may end the request (those tokens cannot be sampled until then), <= max_tokens
     temperature: float = 1.0  # 0 = greedy
     top_p: float = 1.0  # nucleus sampling mass, in (0, 1]
     top_k: int = -1  # keep the k most likely tokens (and any tied with the k-th); -1 or 0 = all
@@ -48,8 +50,10 @@ class SamplingParams:
         0.0  # subtracted once from logits of tokens already generated, [-2, 2]
     )
     frequency_penalty: float = 0.0  # subtracted per occurrence in the output, [-2, 2]
-    stop: list[str] = field(default_factory=list)  # stop strings, not included in the output
+    stop: list[str] = field(default_factory=list)  # stop strings, not included in the output;
+    # a string is one, None none
     stop_token_ids: list[int] = field(default_factory=list)  # extra tokens that end the request
+    # (None: none)
     ignore_eos: bool = False  # keep generating past the model's end-of-sequence token
     logprobs: int | None = None  # return the sampled token's logprob and this many top alternatives
     include_stop_str_in_output: bool = False  # keep the matched stop string in the text
@@ -63,6 +67,14 @@ class SamplingParams:
     def validate(self) -> None:
         if isinstance(self.stop, str):  # (here, not only at init: one set later is taken too)
             self.stop = [self.stop]
+        elif self.stop is None:  # (vLLM's default, and what OpenAI's null means)
+            self.stop = []
+        elif isinstance(self.stop, tuple):
+            self.stop = list(self.stop)
+        if self.stop_token_ids is None:
+            self.stop_token_ids = []
+        elif isinstance(self.stop_token_ids, tuple):
+            self.stop_token_ids = list(self.stop_token_ids)
         _int_field("n", self.n)
         if self.n < 1 or self.n > 128:
             raise InvalidRequestError("n", f"must be in [1, 128], got {self.n}")
@@ -72,6 +84,14 @@ class SamplingParams:
                 raise InvalidRequestError(
                     "max_tokens", f"must be at least 1, got {self.max_tokens}"
                 )
+        _int_field("min_tokens", self.min_tokens)
+        if self.min_tokens < 0:
+            raise InvalidRequestError("min_tokens", f"must be >= 0, got {self.min_tokens}")
+        if self.max_tokens is not None and self.min_tokens > self.max_tokens:
+            raise InvalidRequestError(
+                "min_tokens",
+                f"must be at most max_tokens ({self.max_tokens}), got {self.min_tokens}",
+            )
         _num_field("temperature", self.temperature)
         if self.temperature < 0:
             raise InvalidRequestError("temperature", f"must be >= 0, got {self.temperature}")

@@ -18,7 +18,9 @@ max(p_i - q_i, 0) renormalised; when all k are accepted a bonus token is drawn f
 n-gram draft is a point mass (q(d) = 1): accept with probability p_i(d), else draw from p_i
 without d. Greedy rows accept d iff it is the argmax, so greedy output is identical token for
 token. Requests with repetition / presence / frequency penalties are not speculated (their
-distribution depends on the tokens still being verified).
+distribution depends on the tokens still being verified), nor are requests short of their
+min_tokens (the stop tokens the sampler holds back until then would need holding back at each
+draft position: verification sees none of the request's state but its parameters).
 
 Proposers (one interface, `Proposer`: propose for (request, k) pairs, forget a request):
 - n-gram (prompt lookup): the longest suffix of the request's tokens (n from `ngram_max` down to
@@ -188,6 +190,8 @@ class SpecController:
             decodes = []  # compute-bound: drafts would cost what they save
         for r in decodes:
             p = r.params
+            if len(r.output_token_ids) < p.min_tokens:
+                continue  # (the sampler holds its stop tokens back: one token a step until then)
             if _has_penalty(p) or (p.seed is not None and p.temperature > 0):
                 # a seeded sample must not depend on the batch: whether drafts ride along does
                 # (the step's load decides), and verification draws from the seed's generator
@@ -251,6 +255,9 @@ def target_probs(logits: torch.Tensor, p: SamplingParams) -> torch.Tensor:
     """The distribution the sampler draws from for rows of `logits` (R, V) under `p`
     (temperature, then min_p, top_k, top_p), normalised. Not for greedy params."""
     probs = torch.softmax(logits / p.temperature, dim=-1)  # (R, V)
+    # a grammar-masked token (-max) over a temperature past ~1e37 comes near the others (over
+    # one float32 rounds to inf, to 0 as they do): kept out, as the sampler keeps it out
+    probs = probs.masked_fill(logits < -MASKED_BELOW, 0.0)
     vocab = probs.shape[-1]
     if p.min_p > 0.0:
         probs = probs.masked_fill(probs < probs.amax(dim=-1, keepdim=True) * p.min_p, 0.0)

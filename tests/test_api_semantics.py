@@ -149,6 +149,41 @@ def test_text_offsets_of_text_held_back_for_a_stop_string(
     assert offsets == free.logprobs.text_offset
 
 
+def test_min_tokens_as_vllm_takes_it(client: openai.OpenAI, stories_dir: Path) -> None:
+    """vLLM's min_tokens, an extra body field of both endpoints (it was a 400): the stop token
+    greedy emits second cannot end the completion before min_tokens tokens; the text is the
+    Python API's for the same request, streamed or not, n > 1 and logprobs alike."""
+    from runtime import LLM, SamplingParams
+
+    llm = LLM(stories_dir, kv_cache_bytes=1 << 22)
+    greedy = llm.generate(PROMPT, SamplingParams(temperature=0, max_tokens=8))[0]
+    stop = greedy.outputs[0].token_ids[1]
+    kw: Any = {"model": "stories", "prompt": PROMPT, "max_tokens": 30, "temperature": 0}
+    early = client.completions.create(**kw, extra_body={"stop_token_ids": [stop]})
+    assert early.usage is not None and early.usage.completion_tokens == 2
+    params = SamplingParams(temperature=0, max_tokens=30, min_tokens=6, stop_token_ids=[stop])
+    want = llm.generate(PROMPT, params)[0].outputs[0]
+    assert len(want.token_ids) > 6
+    extra = {"stop_token_ids": [stop], "min_tokens": 6}
+    got = client.completions.create(**kw, n=2, logprobs=2, extra_body=extra)
+    assert got.usage is not None and got.usage.completion_tokens == 2 * len(want.token_ids)
+    for c in got.choices:
+        assert (c.text, c.finish_reason) == (want.text, want.finish_reason)
+        assert c.logprobs is not None and c.logprobs.tokens is not None
+        assert "".join(c.logprobs.tokens) == want.text
+    streamed = list(client.completions.create(**kw, stream=True, extra_body=extra))
+    assert "".join(c.choices[0].text for c in streamed) == want.text
+    # chat: as many tokens as asked for, min_tokens being max_tokens (no stop string or token
+    # may end it first)
+    answer = client.chat.completions.create(
+        model="stories", messages=MESSAGES, max_tokens=20, temperature=0, stop=["."],
+        extra_body={"min_tokens": 20, "stop_token_ids": [stop]},
+    )  # fmt: skip
+    assert answer.usage is not None and answer.usage.completion_tokens == 20
+    assert answer.choices[0].finish_reason == "length"
+    assert "." in (answer.choices[0].message.content or "")
+
+
 BAD: list[tuple[str, dict[str, Any], str, str]] = [
     # (endpoint, fields, the param named, a piece of the message: the limit)
     ("chat", {"n": "2"}, "n", "[1, 16]"),
@@ -188,6 +223,8 @@ BAD: list[tuple[str, dict[str, Any], str, str]] = [
     ("completion", {"suffix": "The end."}, "suffix", "not supported"),
     ("completion", {"max_tokens": 0}, "max_tokens", "[1, "),
     ("completion", {"seed": "1"}, "seed", "integer"),
+    ("completion", {"max_tokens": 4, "min_tokens": 5}, "min_tokens", "at most max_tokens (4)"),
+    ("chat", {"min_tokens": -1}, "min_tokens", "[0, "),
 ]
 
 

@@ -120,8 +120,11 @@ SHARED_INVALID: list[tuple[dict[str, Any], str, str]] = [
         "boolean",
     ),
     # vLLM's extras that change the answer: refused unless "off", never ignored
-    ({"min_tokens": 5}, "min_tokens", "not supported"),
-    ({"min_tokens": False}, "min_tokens", "send 0"),  # (JSON false is not 0)
+    # vLLM's min_tokens: an integer in [0, max_tokens]
+    ({"min_tokens": -1}, "min_tokens", f"[0, {I32}]"),
+    ({"min_tokens": False}, "min_tokens", "got boolean"),  # (JSON false is not 0)
+    ({"min_tokens": 2.5}, "min_tokens", "got number"),
+    ({"max_tokens": 4, "min_tokens": 5}, "min_tokens", "at most max_tokens (4), got 5"),
     ({"use_beam_search": True}, "use_beam_search", "not supported"),
     ({"use_beam_search": 0}, "use_beam_search", "send false"),
     ({"allowed_token_ids": [1, 2]}, "allowed_token_ids", "not supported"),
@@ -139,6 +142,7 @@ SHARED_INVALID: list[tuple[dict[str, Any], str, str]] = [
 
 CHAT_INVALID: list[tuple[dict[str, Any], str, str]] = [
     *SHARED_INVALID,
+    ({"max_completion_tokens": 4, "min_tokens": 5}, "min_tokens", "max_completion_tokens (4)"),
     ({"messages": DROP}, "messages", "required"),
     ({"messages": []}, "messages", "non-empty array"),
     ({"messages": "hi"}, "messages", "non-empty array"),
@@ -249,6 +253,7 @@ COMPLETION_INVALID: list[tuple[dict[str, Any], str, str]] = [
     ({"n": 2, "best_of": 3}, "best_of", "null, 1 or n (2)"),
     ({"best_of": 0}, "best_of", "[1, 16]"),
     ({"best_of": 17}, "best_of", "[1, 16]"),  # (n is at most 16: more is never taken)
+    ({"min_tokens": 17}, "min_tokens", "at most max_tokens (16), got 17"),  # (the default 16)
     # chat's name for the limit: ignored, the completion had 16 tokens, whatever it said
     ({"max_completion_tokens": 100}, "max_completion_tokens", "max_tokens"),
     ({"max_tokens": 5, "max_completion_tokens": 6}, "max_completion_tokens", "max_tokens"),
@@ -286,6 +291,7 @@ def test_body_must_be_an_object(parse: Any, body: object) -> None:
 
 DEFAULT_SAMPLING: dict[str, Any] = {
     "n": 1,
+    "min_tokens": 0,
     "temperature": 1.0,
     "top_p": 1.0,
     "top_k": -1,
@@ -336,6 +342,7 @@ def test_chat_maps_every_field() -> None:
         ],
         "max_completion_tokens": 64,
         "max_tokens": 64,
+        "min_tokens": 64,
         "temperature": 0,
         "top_p": 0.9,
         "n": 3,
@@ -367,6 +374,7 @@ def test_chat_maps_every_field() -> None:
     assert req.sampling == {
         "n": 3,
         "max_tokens": 64,
+        "min_tokens": 64,
         "temperature": 0.0,
         "top_p": 0.9,
         "top_k": 40,
@@ -399,6 +407,7 @@ def test_completion_maps_every_field() -> None:
         "model": "smol",
         "prompt": [[1, 2, 3]],
         "max_tokens": 5,
+        "min_tokens": 5,
         "temperature": 1.5,
         "top_p": 1,
         "n": 2,
@@ -421,6 +430,7 @@ def test_completion_maps_every_field() -> None:
         **DEFAULT_SAMPLING,
         "n": 2,
         "max_tokens": 5,
+        "min_tokens": 5,
         "temperature": 1.5,
         "top_k": 0,
         "min_p": 1.0,

@@ -193,3 +193,17 @@ def test_a_huge_temperature_keeps_to_the_grammar(llm: LLM, temperature: float) -
         params = SamplingParams(temperature=temperature, seed=seed, structured_outputs=choice)
         out = llm.generate(PROMPTS[:1], params)[0].outputs[0]
         assert out.finish_reason == "stop" and out.text in ("yes", "no"), (seed, out.text)
+
+
+def test_stop_and_stop_token_ids_of_none_mean_none(llm: LLM) -> None:
+    """vLLM's defaults, and what OpenAI's `"stop": null` means: both were refused ("must be a
+    string or a list of strings", "must be a list of integers")."""
+    params = SamplingParams(temperature=0, max_tokens=8, stop=None, stop_token_ids=None)
+    assert (params.stop, params.stop_token_ids) == ([], [])
+    plain = tokens(llm, PROMPTS[:1], SamplingParams(temperature=0, max_tokens=8))
+    assert tokens(llm, PROMPTS[:1], params) == plain
+    params.stop = None  # (set later: generate's re-check takes it too)
+    assert tokens(llm, PROMPTS[:1], params) == plain and params.stop == []
+    # tuples, as vLLM takes them (they were refused too)
+    params = SamplingParams(stop=("a", "b"), stop_token_ids=(7,))
+    assert (params.stop, params.stop_token_ids) == (["a", "b"], [7])

@@ -605,3 +605,45 @@ def test_verified_logprobs_list_a_tied_pick_first_as_the_sampler_does() -> None:
     other = 40 if listed_first == 5 else 5
     (lp,) = logprobs_of(logits, [other], 3)
     assert [t for t, _ in lp.top] == [other, listed_first, 7]
+
+
+@pytest.mark.parametrize("temperature", [1e38, 1e39])
+def test_verify_keeps_to_the_grammar_at_a_huge_temperature(temperature: float) -> None:
+    """The grammar's mask is a -max bias: over a temperature of 1e38 it was about -3.4, near the
+    allowed tokens, and over 1e39 (inf in float32) 0 like them, so verification drew tokens the
+    grammar refuses (~40% of draws; 0c96d4c fixed the plain sampler's draw, not this one)."""
+    import numpy as np
+
+    from runtime.sampler import apply_token_bitmask
+
+    vocab = 64
+    logits = torch.randn(3, vocab, generator=torch.Generator().manual_seed(0))
+    mask = np.zeros((3, vocab // 32), dtype=np.int32)
+    mask[:, 0] = 0b1111  # tokens 0-3 only
+    masked = apply_token_bitmask(logits, mask)
+    params = SamplingParams(temperature=temperature)
+    probs = target_probs(masked, params)
+    assert float(probs[:, 4:].abs().sum()) == 0.0
+    assert torch.allclose(probs.sum(dim=-1), torch.ones(3))
+    gen = torch.Generator().manual_seed(1)
+    drawn = {t for _ in range(300) for t in verify(masked, [1, 2], params, gen)}
+    assert drawn <= {0, 1, 2, 3}
+
+
+def test_min_tokens_is_kept_with_speculation(engines) -> None:  # type: ignore[no-untyped-def]
+    """A request short of its min_tokens is not speculated: verification (greedy: the argmax of
+    the unmasked logits) would accept or emit the stop token the sampler holds back, and the
+    request end early. Output identical to the engine without speculation."""
+    base, spec = engines
+    ref = base.generate([STORY * 3], SamplingParams(max_tokens=60, temperature=0.0))[0]
+    ids = ref.outputs[0].token_ids
+    before = spec.engine.spec.proposed
+    for stop in (ids[16], ids[19]):  # (tokens the drafts or the target reach for before 20)
+        params = SamplingParams(max_tokens=60, temperature=0.0, min_tokens=20,
+                                stop_token_ids=[stop])  # fmt: skip
+        w = base.generate([STORY * 3], params)[0].outputs[0]
+        g = spec.generate([STORY * 3], params)[0].outputs[0]
+        assert stop not in w.token_ids[:20] and len(w.token_ids) > 20
+        assert (g.token_ids, g.text, g.finish_reason) == (w.token_ids, w.text, w.finish_reason)
+    assert spec.engine.spec.proposed > before  # drafts after min_tokens were verified
+    assert spec.engine.blocks.num_free_blocks == spec.engine.blocks.num_blocks
