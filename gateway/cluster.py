@@ -29,6 +29,7 @@ from kvstore.placement import Placement, SessionStore
 from kvstore.prefix_index import PrefixIndex
 from kvstore.protocol import WorkerInfo
 from kvstore.registry import Registry
+from runtime.model_specs import parse_models
 
 log = logging.getLogger("edgeinfer.gateway")
 
@@ -73,9 +74,8 @@ class ClusterView:
         # collector stops tracking, where 65,536 Placement objects would each be scanned by
         # every full collection
         self._recent: OrderedDict[str, tuple[str, str, float]] = OrderedDict()
-        self.seen_models: set[str] = set()  # every model a snapshot has shown (404 vs 503)
-        for region in catalog.regions.values():
-            self.seen_models.update(str(m) for m in region.settings.get("models", []) or [])
+        # every model a snapshot has shown, or the catalog lists (404 vs 503)
+        self.seen_models: set[str] = _catalog_models(catalog)
 
     # ------------------------------------------------------------------ registry snapshot
     async def refresh(self) -> None:
@@ -111,7 +111,14 @@ class ClusterView:
         self.pools = pools
         self.seen_models.update(w.model for w in workers)
         self.seen_models.update(m for p in pools for m in p.models)
-        # a failed worker is back once it heartbeats after the failure
+        # A failed worker is back once it heartbeats after the failure; one the snapshot no
+        # longer lists (its entry expired: it crashed, or left) is forgotten, as routing reads
+        # only the snapshot: a worker that registers again under its id has heartbeat since the
+        # failure. So `failed` never outgrows the snapshot, where it kept every worker that
+        # failed a request and never came back (a long-lived gateway under churning workers)
+        listed = {w.worker_id for w in workers}
+        for wid in [wid for wid in self.failed if wid not in listed]:
+            del self.failed[wid]
         for w in workers:
             failed = self.failed.get(w.worker_id)
             if failed is None:
@@ -135,7 +142,10 @@ class ClusterView:
             if lost:
                 log.warning("redis lost %d worker entries (restart or outage): routing to them "
                             "until they register again", len(lost))  # fmt: skip
-            self._carried |= {w.worker_id: (w, now + _carry_s(w)) for w in lost}
+            # (one carried already keeps its deadline: renewed at each reset, a worker gone for
+            # good was carried for as long as Redis failed a read now and then, and meanwhile
+            # `recovering` held back every session's placement and prefix lookups)
+            self._carried = {w.worker_id: (w, now + _carry_s(w)) for w in lost} | self._carried
         self._carried = {wid: (w, until) for wid, (w, until) in self._carried.items()
                          if until > now and wid not in listed}  # fmt: skip
         return workers + [w for w, _ in self._carried.values()]
@@ -311,6 +321,23 @@ def _carry_s(worker: WorkerInfo) -> float:
     if worker.heartbeat_s <= 0:
         return CARRY_S
     return max(CARRY_S, worker.heartbeat_s + CARRY_MARGIN_S)
+
+
+def _catalog_models(catalog: RegionCatalog) -> set[str]:
+    """The served names of the models the catalog's regions list (`settings.models`: a store's
+    name, or NAME=FOLDER, FOLDER served as NAME, as the pool manager and the deploy scripts read
+    them). Taken as written, NAME=FOLDER named no model a client asks for, and a request for
+    NAME before any worker or pool of it registered was answered 404, which clients do not
+    retry, rather than 503."""
+    names: set[str] = set()
+    for region in catalog.regions.values():
+        listed = region.settings.get("models")
+        if not isinstance(listed, list):  # (the deploy scripts refuse it)
+            continue
+        for spec in listed:
+            if isinstance(spec, str):
+                names.update(parse_models(spec, resolve=str))
+    return names
 
 
 def _ignore(operation: str, seconds: float) -> None:

@@ -92,5 +92,9 @@ class RegionCatalog:
         return great_circle_km(self.regions[a], self.regions[b])
 
     def nearest_first(self, origin: str, names: set[str] | list[str]) -> list[str]:
-        """`names` ordered by distance from `origin` (itself first, unknown ones last, by name)."""
-        return sorted(set(names), key=lambda n: (self.distance_km(origin, n), n))
+        """`names` ordered by distance from `origin` (itself first, unknown ones last, by name).
+
+        Itself first also when another region is as near: two regions of the catalog at one
+        point of presence (the same coordinates) are 0 km apart, and by name alone the other
+        one's workers were preferred to the gateway's own region's."""
+        return sorted(set(names), key=lambda n: (n != origin, self.distance_km(origin, n), n))

@@ -19,6 +19,7 @@ from typing import Any, cast
 from redis.asyncio import Redis, RedisCluster
 from redis.asyncio.retry import Retry
 from redis.backoff import ExponentialWithJitterBackoff
+from redis.exceptions import ConnectionError as RedisConnectionError
 
 STOP_POLL_S = 0.2  # how often `stop_task` cancels again a task that is still running
 DEFAULT_TIMEOUT_S = 1.0  # connect and per-command socket timeout
@@ -47,11 +48,15 @@ def connect(url: str, *, timeout_s: float = DEFAULT_TIMEOUT_S) -> Redis:
     redis-py's defaults (5 s timeouts, 10 retries with backoff) make a dead Redis hang a request
     for many seconds; the gateway would rather fail over or answer 503 at once. A couple of retries
     stay so that, after Redis restarts, the first command on a stale pooled connection reconnects
-    instead of failing. The timeout bounds every command: use another client with a longer
-    `timeout_s` for blocking commands (BLPOP, XREAD BLOCK) or very large replies.
+    instead of failing: on a connection error only. A timeout is not tried again: a Redis that
+    hangs (stopped, overloaded, cut off) times out again, and retried, each command took three
+    timeouts (a gateway's first request after a hang: 3.3 s, where 1.1 s tells the same). The
+    timeout bounds every command: use another client with a longer `timeout_s` for blocking
+    commands (BLPOP, XREAD BLOCK) or very large replies.
 
     A cluster's client is a redis.asyncio.RedisCluster, with the same timeouts and retries (it
-    re-reads the cluster's slots after a connection error, then retries). It is typed as Redis
+    re-reads the cluster's slots after a connection error or a timeout, a failed node's, then
+    retries: redis-py adds timeouts to what it retries). It is typed as Redis
     here: it offers the commands this package sends (pipelines without transactions, Lua
     scripts on one key, SCAN over every primary, pub/sub; tests/test_redis_cluster.py runs
     them), so the stores take either.
@@ -60,10 +65,11 @@ def connect(url: str, *, timeout_s: float = DEFAULT_TIMEOUT_S) -> Redis:
     """
     if timeout_s <= 0:
         raise ValueError(f"timeout_s must be > 0, got {timeout_s}")
+    backoff = ExponentialWithJitterBackoff(base=0.05, cap=0.5)
     options: dict[str, Any] = {
         "socket_timeout": timeout_s,
         "socket_connect_timeout": timeout_s,
-        "retry": Retry(ExponentialWithJitterBackoff(base=0.05, cap=0.5), RETRIES),
+        "retry": Retry(backoff, RETRIES, supported_errors=(RedisConnectionError,)),
     }
     seed = cluster_seed(url)
     if seed is None:

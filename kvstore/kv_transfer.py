@@ -661,6 +661,7 @@ class KVTransferServer:
         # the puller hanging up aborts the prefill: watch the connection while streaming
         hangup = asyncio.ensure_future(conn.read_header())
         steps = self.export(pull)
+        step: asyncio.Future[ExportProgress] | None = None  # the export's step awaited now
         try:
             while True:  # the next step of the prefill, unless the puller hangs up first
                 step = asyncio.ensure_future(anext(steps))
@@ -704,9 +705,16 @@ class KVTransferServer:
                         pull.request_id, self.hold_s)  # fmt: skip
             return False
         finally:
-            hangup.cancel()
-            with contextlib.suppress(BaseException):
-                await hangup
+            # A step still running (a keepalive's send failed, or this task was cancelled,
+            # while the prefill computed) is cancelled, which aborts the prefill, and awaited,
+            # which retrieves its end: left alone, it ran the export on unseen, its error
+            # logged as "Task exception was never retrieved", and the aclose below failed on
+            # a generator still running
+            for task in (step, hangup):
+                if task is not None:
+                    task.cancel()
+                    with contextlib.suppress(BaseException):
+                        await task
             with contextlib.suppress(BaseException):
                 await steps.aclose()  # type: ignore[attr-defined]
 

@@ -32,7 +32,11 @@ its engine holds and what it last wrote to Redis, and each flush writes the diff
   the same id (a Kubernetes pod's name) left entries that this run's empty cache does not have;
   and a worker whose id was given (`purge_first`) purges before its first write whatever it
   finds: the marker expires `entry_ttl_s` after the earlier run's last write, while a block that
-  live workers keep refreshing still lists that run.
+  live workers keep refreshing still lists that run;
+- a flush with nothing to write checks the marker every `marker_check_s` (one EXISTS): a
+  registry reader that purges the worker as dead while it registers again (kvstore/registry.py)
+  removes entries the worker has just rewritten, and the marker last, so the worker finds it
+  gone and rewrites them, whether or not its cache changes.
 """
 
 from __future__ import annotations
@@ -57,6 +61,7 @@ FIRST_CHUNK = 32  # block hashes read by a lookup's first round trip (most promp
 MAX_CHUNK = 1024  # later round trips double in size up to this, so long prompts take few trips
 FORGET_CHUNK = 4096  # blocks removed per round trip by forget_worker (keys scanned: purge_workers)
 RETRY_CAP_S = 1.0  # longest wait between a publisher's tries while Redis is down
+MARKER_CHECK_S = 1.0  # how often an idle publisher checks that its entries are still there
 _GLOB = re.compile(r"[*?\[\]\\]")  # what a SCAN pattern reads as wildcards (a model name may hold)
 
 
@@ -117,6 +122,10 @@ class PrefixIndex:
             pipe.srem(prefix + _hex(h), worker_id)
         results = await pipe.execute()
         return results[0] is not None
+
+    async def has_marker(self, model: str, worker_id: str) -> bool:
+        """Whether the worker's marker is there: its entries have not been purged or lost."""
+        return bool(await self.redis.exists(marker_key(model, worker_id)))
 
     async def longest_prefixes(
         self, model: str, hashes: Sequence[bytes], workers: Collection[str] | None = None
@@ -217,6 +226,7 @@ class CacheEventPublisher:
         max_batch: int = 4096,
         refresh_interval_s: float | None = None,
         purge_first: bool = False,
+        marker_check_s: float = MARKER_CHECK_S,
     ) -> None:
         if flush_interval_s <= 0:
             raise ValueError(f"flush_interval_s must be > 0, got {flush_interval_s}")
@@ -224,6 +234,8 @@ class CacheEventPublisher:
             raise ValueError(f"max_batch must be at least 1, got {max_batch}")
         if refresh_interval_s is not None and refresh_interval_s <= 0:
             raise ValueError(f"refresh_interval_s must be > 0, got {refresh_interval_s}")
+        if marker_check_s < 0:
+            raise ValueError(f"marker_check_s must be >= 0, got {marker_check_s}")
         self.index = index  # where events go
         self.model = check_id(model, "model")  # the model the worker serves (index namespace)
         self.worker_id = check_id(worker_id, "worker_id")  # this worker
@@ -248,6 +260,10 @@ class CacheEventPublisher:
         self._purge = purge_first
         self._ever_published = False  # a first publish finds no marker, and that is no loss
         self._last_full = time.monotonic()  # when the last full sync succeeded
+        # how often a flush with nothing to write checks the marker (0: every one), and when the
+        # marker was last seen (a publish sees it too)
+        self.marker_check_s = marker_check_s
+        self._marker_seen = time.monotonic()
         self._down = False  # the last flush of `run` failed (an outage is being logged)
         self._stop = asyncio.Event()  # set by close(): `run` returns
 
@@ -347,7 +363,20 @@ class CacheEventPublisher:
                 stored = [h for h in dirty if h in held and h not in published]
                 evicted = [h for h in dirty if h not in held and h in published]
         if not full and not stored and not evicted:
-            return False
+            # Nothing to write, but a registry reader may have purged this worker as dead while
+            # it registered again (its purge removes what the rewrite at registration wrote,
+            # ahead of its SCAN, and the marker last): only a publish noticed the marker gone,
+            # so a worker whose cache did not change stayed unlisted until it did
+            if not self._ever_published or now - self._marker_seen < self.marker_check_s:
+                return False
+            if await self.index.has_marker(self.model, self.worker_id):
+                self._marker_seen = now
+                return False
+            log.info("prefix index lost worker %s's entries (purged or expired); re-syncing",
+                     self.worker_id)  # fmt: skip
+            with self._lock:
+                self._full = True
+            return True
         marker_found = True
         n = self.max_batch
         try:
@@ -366,6 +395,7 @@ class CacheEventPublisher:
             with self._lock:
                 self._full = True
             raise
+        self._marker_seen = now
         if full:
             self._published = set(stored)
             self._last_full = now

@@ -32,6 +32,8 @@ gateway takes as such.
 from __future__ import annotations
 
 import dataclasses
+import functools
+import typing
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -212,10 +214,34 @@ class WorkerInfo:
 
     @classmethod
     def from_redis(cls, raw: dict[bytes, bytes] | dict[str, str]) -> WorkerInfo:
-        names = {f.name for f in dataclasses.fields(cls)}
+        """The worker a registry hash describes. ValueError (naming the field) for a field of
+        another type than the dataclass says: a hash written by something other than a worker
+        of this version. Read as it was, one such entry (a count as a string) made every route
+        of its model fail (TypeError comparing its load), for as long as it was there."""
+        types = _worker_field_types()
         values: dict[str, Any] = {}
         for k, v in raw.items():
             key = as_text(k)
-            if key in names:
-                values[key] = orjson.loads(v)
+            if key in types:
+                values[key] = _typed(key, types[key], orjson.loads(v))
         return cls(**values)
+
+
+@functools.cache
+def _worker_field_types() -> dict[str, Any]:
+    """WorkerInfo's fields and their types (resolved once: the annotations are strings)."""
+    return typing.get_type_hints(WorkerInfo)
+
+
+def _typed(name: str, hint: Any, value: Any) -> Any:
+    """`value` if it is of type `hint` (a float field takes an int, as JSON writes 1.0 as 1;
+    no number field takes a bool), else ValueError."""
+    if typing.get_origin(hint) is Literal:
+        if value not in typing.get_args(hint):
+            raise ValueError(f"{name} must be one of {typing.get_args(hint)}, got {value!r}")
+        return value
+    if hint is float and type(value) is int:  # (orjson reads one past 64 bits as a float)
+        return float(value)
+    if type(value) is not hint:
+        raise ValueError(f"{name} must be a JSON {hint.__name__}, got {value!r}")
+    return value

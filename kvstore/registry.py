@@ -12,8 +12,11 @@ finds empty leaves `ei:models`, which every gateway reads twice a second.
 The keys live in different Cluster slots, so writes go through non-transactional pipelines (one
 round trip, no MULTI). Races between a reader's pruning and a heartbeat heal themselves: every
 heartbeat re-adds the id to its model's set and the model to `ei:models`. A worker heartbeating
-again after a reader found it dead (a stalled engine, a partition) finds its entry created anew
-and writes its prefix-index entries again (`CacheEventPublisher.resync`).
+again after a reader found it dead (a stalled engine, a partition, a restart under its id) finds
+its entry created anew and writes its prefix-index entries again (`CacheEventPublisher.resync`).
+One that does so between the reader's read of its hash and its SREM is put back and not purged
+(`_still_gone`); one that does so later has its rewrite cut by the purge, finds the marker the
+purge removes last gone, and writes them once more.
 """
 
 from __future__ import annotations
@@ -49,6 +52,9 @@ class Registry:
         self.redis = redis  # the process's shared client (kvstore.client.connect)
         self.ttl_s = ttl_s  # a worker not heard from for this long is gone
         self.index = PrefixIndex(redis)  # where a dead worker's cached blocks are purged from
+        # ids whose hash the last read could not parse: logged once, not at every read (a
+        # gateway reads twice a second) for as long as the entry lives
+        self._unreadable: set[str] = set()
 
     async def register(self, info: WorkerInfo) -> bool:
         """Announce a worker; the same write as a heartbeat (a restart re-registers)."""
@@ -118,18 +124,24 @@ class Registry:
         hashes: list[dict[bytes | str, bytes | str]] = await pipe.execute()
         found: dict[str, WorkerInfo] = {}
         stale: list[tuple[str, str]] = []
+        unreadable: set[str] = set()
         for (m, wid), raw in zip(pairs, hashes, strict=True):
             if not raw:  # the hash expired: the worker stopped heartbeating
                 stale.append((m, wid))
                 continue
-            info = self._parse(wid, raw)
+            info = self._parse(wid, raw, wid not in self._unreadable)
             if info is None:  # garbled: skipped, and left to expire on its own TTL
+                unreadable.add(wid)
                 continue
             if info.model != m:  # the id re-registered under another model
                 stale.append((m, wid))
                 continue
             found[wid] = info
-        await self._purge(await self._prune(stale))
+        await self._purge(await self._still_gone(await self._prune(stale)))
+        if model is None:  # (a read of every model sees every unreadable entry)
+            self._unreadable = unreadable
+        else:
+            self._unreadable |= unreadable
         return [found[wid] for wid in sorted(found)]
 
     async def models(self) -> list[str]:
@@ -137,12 +149,16 @@ class Registry:
         return sorted({w.model for w in await self.workers()})
 
     @staticmethod
-    def _parse(worker_id: str, raw: dict[bytes | str, bytes | str]) -> WorkerInfo | None:
-        """WorkerInfo from a hash, or None (logged) when the hash is incomplete or garbled."""
+    def _parse(
+        worker_id: str, raw: dict[bytes | str, bytes | str], say: bool = True
+    ) -> WorkerInfo | None:
+        """WorkerInfo from a hash, or None (logged if `say`) when the hash is incomplete or
+        garbled."""
         try:
             return WorkerInfo.from_redis(raw)  # type: ignore[arg-type]
         except (TypeError, ValueError, orjson.JSONDecodeError) as e:
-            log.warning("skipping worker %s: unreadable registry hash: %s", worker_id, e)
+            if say:
+                log.warning("skipping worker %s: unreadable registry hash: %s", worker_id, e)
             return None
 
     async def _prune(self, stale: Iterable[tuple[str, str]]) -> list[tuple[str, str]]:
@@ -156,6 +172,35 @@ class Registry:
             pipe.srem(model_workers_key(m), wid)
         removed: list[int] = await pipe.execute()
         return [pair for pair, n in zip(stale, removed, strict=True) if n]
+
+    async def _still_gone(self, pruned: list[tuple[str, str]]) -> list[tuple[str, str]]:
+        """Of the (model, worker id) pairs this read pruned, those whose worker has not
+        registered again since its hash was read; one that has (a stalled engine back, a
+        restart under its id, between the HGETALL and the SREM) is put back in its model's set
+        and not purged. Purged, it lost the entries it had just written and, as its hash
+        existed, never heard of it: the gateways routed its cached prefixes elsewhere until
+        its cache changed. (A worker registering again after this check finds its entry
+        created anew, and its publisher rewrites what a purge under way removes: see
+        CacheEventPublisher's marker check.)"""
+        if not pruned:
+            return []
+        pipe = self.redis.pipeline(transaction=False)
+        for _, wid in pruned:
+            pipe.hget(worker_key(wid), "model")
+        models: list[bytes | str | None] = await pipe.execute()
+        back: list[tuple[str, str]] = []
+        for (m, wid), raw in zip(pruned, models, strict=True):
+            try:
+                if raw is not None and orjson.loads(raw) == m:
+                    back.append((m, wid))
+            except orjson.JSONDecodeError:  # garbled: as good as gone
+                pass
+        if back:
+            pipe = self.redis.pipeline(transaction=False)
+            for m, wid in back:
+                pipe.sadd(model_workers_key(m), wid)
+            await pipe.execute()
+        return [pair for pair in pruned if pair not in back]
 
     async def _purge(self, dead: list[tuple[str, str]]) -> None:
         """Remove dead workers from their models' prefix index: one SCAN per model, by the one

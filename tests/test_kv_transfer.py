@@ -1629,3 +1629,70 @@ def test_connections_that_fail_before_a_pull_are_logged_once_then_summed_up(
         assert "19 more" in lines()[2] and "19 more" in lines()[3], lines()
         caplog.clear()
         asyncio.run(flood(0.2, 1.0))
+
+
+def test_a_failed_keepalive_cancels_the_prefill_step_and_retrieves_its_end(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A keepalive whose send fails (the puller's connection reset while the prefill computes)
+    ends the pull. The export's step then running was left alone: the prefill ran on for no
+    one, and its error, when it came, went to asyncio's exception handler ("Task exception was
+    never retrieved"). Now the step is cancelled with the pull (the export sees it) and its
+    end retrieved."""
+    import gc
+
+    src = torch.randn(2, 2, 8 * BS, 2, 8, generator=torch.Generator().manual_seed(5))
+    src_pages, dst_pages = KVPages(src, BS), KVPages(torch.zeros_like(src), BS)
+    monkeypatch.setattr(kv_transfer, "KEEPALIVE_S", 0.02)
+    gate = asyncio.Event()
+    ended: list[str] = []
+
+    async def export(pull: PullRequest) -> AsyncIterator[ExportProgress]:
+        try:
+            await gate.wait()  # a long prefill: keepalives meanwhile
+        except asyncio.CancelledError:
+            ended.append("cancelled")
+            raise
+        ended.append("failed")
+        raise RuntimeError("the engine shut down under the prefill")
+        yield ExportProgress(len(pull.token_ids), [0], True)  # (an async generator)
+
+    async def release(request_id: str) -> None:
+        return None
+
+    real = kv_transfer.FrameConn.send_control
+
+    async def send_control(self: FrameConn, kind: int, tag: int, obj: object) -> None:
+        if kind == kv_transfer.KEEPALIVE:
+            raise ConnectionResetError("connection reset by peer")
+        await real(self, kind, tag, obj)
+
+    monkeypatch.setattr(kv_transfer.FrameConn, "send_control", send_control)
+    # (pytest's log capture would keep the pull's warning, and through its error's traceback
+    # the step's task, alive past the test's collection)
+    monkeypatch.setattr(kv_transfer.log, "propagate", False)
+
+    async def main() -> None:
+        loop = asyncio.get_running_loop()
+        unhandled: list[dict[str, object]] = []
+        loop.set_exception_handler(lambda _, context: unhandled.append(context))
+        server = KVTransferServer(src_pages, "c", SECRET, export, release)
+        port = await server.start("127.0.0.1", 0)
+        try:
+            with pytest.raises(KVTransferError, match="connection reset"):
+                await pull_kv(f"127.0.0.1:{port}", PullRequest("reset", list(range(BS - 1)), 0,
+                              "c", SECRET), dst_pages, [0])  # fmt: skip
+            async with asyncio.timeout(5):
+                while server.active:  # the pull's end on the prefill side
+                    await asyncio.sleep(0.01)
+            gate.set()  # an export still running fails now
+            for _ in range(5):
+                await asyncio.sleep(0)
+            gc.collect()  # a task whose exception nobody retrieved reports it when collected
+            assert ended == ["cancelled"]
+            assert unhandled == []
+        finally:
+            gate.set()
+            await server.close()
+
+    asyncio.run(main())

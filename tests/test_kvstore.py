@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import logging
 from collections.abc import AsyncIterator
 from typing import TYPE_CHECKING
 
@@ -158,6 +159,46 @@ async def test_unreadable_worker_hash_is_skipped(r: Redis) -> None:
     assert [w.worker_id for w in await reg.workers("m1")] == ["good"]
 
 
+@pytest.mark.parametrize(
+    ("field", "value"),
+    [("max_num_seqs", '"8"'), ("running", "true"), ("draining", "0"), ("role", '"both"'),
+     ("url", "5"), ("updated_at", '"now"')],
+)  # fmt: skip
+async def test_a_worker_hash_with_a_field_of_another_type_is_skipped(
+    r: Redis, field: str, value: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A registry hash whose field has another type than WorkerInfo says (written by something
+    other than a worker of this version) was read as it was: a count as a string made every
+    route of its model fail with a TypeError (comparing it with a load), twice a second on
+    every gateway, for as long as the entry lived. It is skipped, as a garbled hash is."""
+    from gateway.regions import DEFAULT_CATALOG, RegionCatalog
+    from gateway.routing import Router
+
+    reg = Registry(r)
+    await reg.register(worker("good", region="eu-west"))
+    await reg.register(worker("bad", region="eu-west"))
+    await r.hset(worker_key("bad"), field, value)
+    with caplog.at_level(logging.WARNING, logger="kvstore.registry"):
+        listed = await reg.workers("m1")
+        assert [w.worker_id for w in listed] == ["good"]
+        for _ in range(3):  # read again and again (a gateway: twice a second): said once
+            assert [w.worker_id for w in await reg.workers()] == ["good"]
+    said = [rec.getMessage() for rec in caplog.records if "skipping worker bad" in rec.getMessage()]
+    assert len(said) == 1 and field in said[0], said
+    route = Router("eu-west", RegionCatalog.load(DEFAULT_CATALOG)).route("m1", listed)
+    assert [w.worker_id for w in route.candidates] == ["good"]
+
+
+def test_worker_fields_read_back_as_written() -> None:
+    """Every field of a worker's entry reads back equal, a float field written as a whole
+    number included (JSON writes 2.0 as 2.0, another writer may write 2)."""
+    info = dataclasses.replace(worker("a"), role="decode", draining=True, heartbeat_s=2.0,
+                               kv_addr="h:1")  # fmt: skip
+    raw = info.to_redis()
+    assert WorkerInfo.from_redis(raw) == info
+    assert WorkerInfo.from_redis(raw | {"heartbeat_s": "2"}).heartbeat_s == 2.0
+
+
 async def test_an_unusable_id_in_a_set_is_dropped_not_fatal(r: Redis) -> None:
     """An id no worker could have written (a brace would move the Cluster hash tag), added to a
     registry set by something else, is dropped from its set; the refresh still lists every
@@ -293,6 +334,33 @@ async def test_restart_on_same_port_and_client_reconnects() -> None:
         finally:
             await client.aclose()
     assert not server.running
+
+
+async def test_a_redis_that_hangs_costs_a_command_one_timeout_not_three() -> None:
+    """A Redis that accepts but never answers (stopped, overloaded, cut off): the command fails
+    after one timeout. Timeouts were retried as connection errors are, on a new connection each
+    time: three timeouts a command (a gateway's first request after Redis hung took 3.3 s)."""
+    connections = 0
+    hung = asyncio.Event()
+
+    async def silent(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        nonlocal connections
+        connections += 1
+        await hung.wait()  # reads nothing, answers nothing
+        writer.close()
+
+    server = await asyncio.start_server(silent, "127.0.0.1", 0)
+    port = server.sockets[0].getsockname()[1]
+    client = connect(f"redis://127.0.0.1:{port}/0", timeout_s=0.2)
+    try:
+        with pytest.raises(redis.exceptions.TimeoutError):
+            await client.get("k")
+        assert connections == 1
+    finally:
+        hung.set()
+        await client.aclose()
+        server.close()
+        await server.wait_closed()
 
 
 def test_free_ports_come_from_outside_the_ephemeral_range() -> None:

@@ -10,7 +10,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import threading
-from collections.abc import Awaitable, Callable, Collection, Sequence
+from collections.abc import Awaitable, Callable, Collection, Iterable, Sequence
 from pathlib import Path
 from typing import Literal
 
@@ -22,6 +22,7 @@ from redis.exceptions import ConnectionError as RedisConnectionError
 
 from kvstore.block_hash import block_hashes, cache_seed
 from kvstore.client import connect
+from kvstore.keys import model_workers_key, worker_key
 from kvstore.prefix_index import CacheEventPublisher, PrefixIndex, marker_key, prefix_key
 from kvstore.protocol import WorkerInfo
 from kvstore.redis_server import LocalRedis
@@ -572,6 +573,73 @@ async def test_the_registry_read_that_prunes_a_dead_worker_purges_it_once(
     await live.close()
 
 
+def _info(model: str, wid: str) -> WorkerInfo:
+    return WorkerInfo(worker_id=wid, region="eu", model=model, role="mixed", url="u",
+                      max_num_seqs=8, capacity_tokens=4096)  # fmt: skip
+
+
+async def test_a_worker_registering_again_as_a_reader_prunes_it_keeps_its_entries(
+    r: Redis, model: str
+) -> None:
+    """A reader finds a worker's hash gone (a stalled engine's entry expired, a pod restarted
+    under its id) and prunes it; the worker registers again and rewrites its entries between
+    the reader's HGETALL and its SREM. The SREM still removed it, and the purge took the
+    entries it had just written and its marker: as its hash existed, nothing told the worker,
+    and gateways routed its cached prefixes elsewhere (and it was missing from its model's set
+    until its next heartbeat). Now it is put back and not purged."""
+    reg, idx = Registry(r), PrefixIndex(r)
+    h = chain(4)
+    pub = CacheEventPublisher(idx, model, "w-pod")
+    await reg.register(_info(model, "w-pod"))
+    pub.record(h, [])
+    await pub.flush()
+    await r.delete(worker_key("w-pod"))  # its entry expired
+    reader = Registry(r)
+    prune = reader._prune
+
+    async def registers_again_before_the_srem(
+        stale: Iterable[tuple[str, str]],
+    ) -> list[tuple[str, str]]:
+        stale = list(stale)
+        if stale:
+            assert await reg.heartbeat(_info(model, "w-pod"))  # created anew: it resyncs
+            pub.resync()
+            await pub.flush()
+        return await prune(stale)
+
+    reader._prune = registers_again_before_the_srem  # type: ignore[method-assign]
+    await reader.workers(model)
+    assert await idx.longest_prefixes(model, h) == {"w-pod": 4}
+    assert await r.exists(marker_key(model, "w-pod"))
+    assert await r.sismember(model_workers_key(model), "w-pod")
+    assert [w.worker_id for w in await Registry(r).workers(model)] == ["w-pod"]
+    await pub.close()
+
+
+async def test_a_publisher_whose_entries_were_purged_writes_them_again_unasked(
+    r: Redis, model: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A worker that registered again just after a reader decided to purge it (see above) has
+    its rewrite cut short by the purge's SCAN, and the marker removed last. It found out only
+    at its next publish, so a worker whose cache did not change stayed unlisted until it did
+    (or until the full sync, a third of the entries' TTL later). Now a flush with nothing to
+    write checks the marker every `marker_check_s`, and writes everything again."""
+    caplog.set_level(logging.INFO, logger="kvstore.prefix_index")
+    idx = PrefixIndex(r)
+    h = chain(6)
+    pub = CacheEventPublisher(idx, model, "w1", marker_check_s=0.0)
+    pub.record(h, [])
+    await pub.flush()
+    await pub.flush()  # nothing to write, the marker there: no publish
+    await idx.purge_workers(model, ["w1"])  # a reader's purge, after the worker's rewrite
+    assert await idx.longest_prefixes(model, h) == {}
+    await pub.flush()  # no cache event since
+    assert await idx.longest_prefixes(model, h) == {"w1": 6}
+    assert await r.exists(marker_key(model, "w1"))
+    assert "lost worker w1's entries" in caplog.text
+    await pub.close()
+
+
 async def test_close_with_redis_down_logs_and_returns(caplog: pytest.LogCaptureFixture) -> None:
     pub = CacheEventPublisher(PrefixIndex(connect("redis://127.0.0.1:1/0")), "m", "w1")
     pub.record(chain(2), [])
@@ -587,6 +655,8 @@ def test_publisher_checks_its_arguments() -> None:
         CacheEventPublisher(idx, "m", "w", max_batch=0)
     with pytest.raises(ValueError, match="refresh_interval_s"):
         CacheEventPublisher(idx, "m", "w", refresh_interval_s=-1)
+    with pytest.raises(ValueError, match="marker_check_s"):
+        CacheEventPublisher(idx, "m", "w", marker_check_s=-1)
     with pytest.raises(ValueError, match="worker_id"):
         CacheEventPublisher(idx, "m", "w{1}")
 

@@ -301,7 +301,10 @@ def test_a_worker_stopped_while_redis_hangs_exits_soon(tmp_path: Path, stories_d
         assert worker.popen.returncode == 0, worker.tail()
         assert took < 8, (took, worker.tail())  # ~2 s of Redis, then the exit itself
         log = worker.log.read_text(errors="replace")
-        assert "deregister skipped (redis is failing)" in log, log[-2000:]
+        # the drain's mark fails within the exit's budget (one timeout: a hung Redis is not
+        # retried), then deregistering is skipped or fails within what is left of it
+        assert ("deregister skipped (redis is failing)" in log
+                or "deregister failed (no answer in time)" in log), log[-2000:]  # fmt: skip
 
 
 def test_a_worker_whose_heartbeat_failed_once_still_deregisters_on_exit(

@@ -194,3 +194,43 @@ def test_new_sessions_spread_over_decode_workers_when_each_also_picks_a_prefill_
         prefill.append(r.prefill_candidates("m", ws, prompt_tokens=100)[0].worker_id)
     assert sorted(decode) == ["d1", "d1", "d2", "d2"]
     assert sorted(prefill) == ["p1", "p1", "p2", "p2"]
+
+
+def _catalog(tmp_path: Path, text: str) -> RegionCatalog:
+    path = tmp_path / "regions.yaml"
+    path.write_text(text)
+    return RegionCatalog.load(path)
+
+
+def test_the_own_region_comes_first_among_regions_at_one_place(tmp_path: Path) -> None:
+    """Two regions at one point of presence (the same coordinates) are 0 km apart: ties went by
+    name, so a gateway of "b" preferred region "a"'s workers to its own, idle, ones ("remote")."""
+    catalog = _catalog(tmp_path, "regions: [{name: a, latitude: 48.8, longitude: 2.3}, "
+                                 "{name: b, latitude: 48.8, longitude: 2.3}, "
+                                 "{name: c, latitude: 50.1, longitude: 8.7}]")  # fmt: skip
+    assert catalog.distance_km("a", "b") == 0
+    assert catalog.nearest_first("b", ["c", "a", "b"]) == ["b", "a", "c"]
+    route = Router("b", catalog).route("m", [worker("in-a", "a"), worker("in-b", "b")])
+    assert [w.worker_id for w in route.candidates] == ["in-b", "in-a"]
+    assert route.reason == "local"
+
+
+def test_antipodal_and_polar_regions_have_finite_distances(tmp_path: Path) -> None:
+    """Points on opposite sides of the earth are half its circumference apart (rounding may put
+    the haversine's argument a hair above 1, outside asin's domain), at the poles too."""
+    import math
+
+    catalog = _catalog(tmp_path, "regions: [{name: a, latitude: 10, longitude: 20}, "
+                                 "{name: b, latitude: -10, longitude: -160}, "
+                                 "{name: n, latitude: 90, longitude: 0}, "
+                                 "{name: s, latitude: -90, longitude: 180}]")  # fmt: skip
+    half = math.pi * 6371.0
+    for x, y in (("a", "b"), ("n", "s")):
+        assert catalog.distance_km(x, y) == pytest.approx(half)
+    assert catalog.nearest_first("a", ["b", "n", "s"])[-1] == "b"
+
+
+@pytest.mark.parametrize("value", [".nan", ".inf", "-.inf"])
+def test_catalog_refuses_coordinates_that_are_not_finite(tmp_path: Path, value: str) -> None:
+    with pytest.raises(CatalogError, match="latitude"):
+        _catalog(tmp_path, f"regions: [{{name: a, latitude: {value}, longitude: 0}}]")

@@ -2,14 +2,18 @@
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import time
+from pathlib import Path
 
+import pytest
 from redis.asyncio import Redis
 
 from gateway.cluster import ClusterView
 from gateway.config import GatewayConfig
 from gateway.regions import DEFAULT_CATALOG, RegionCatalog
+from kvstore.keys import worker_key
 from kvstore.protocol import WorkerInfo
 from kvstore.redis_server import LocalRedis
 from kvstore.registry import Registry
@@ -52,3 +56,77 @@ async def test_a_failed_worker_is_back_at_its_next_heartbeat_whatever_its_clock(
         await reg.heartbeat(dataclasses.replace(w, updated_at=w.updated_at + 1.0))
     await view.refresh()
     assert ids <= {w.worker_id for w in view.live_workers()}
+
+
+async def test_failed_workers_that_leave_the_registry_are_forgotten(
+    r: Redis, redis_server: LocalRedis, model: str
+) -> None:
+    """A gateway set aside every worker that failed a request until it heartbeat again; one
+    that never came back (crashed, scaled in) stayed in `failed` for the gateway's life, one
+    entry per churned worker. Now an entry goes when the registry no longer lists the worker;
+    one still listed without a new heartbeat stays aside, and a worker that registers again
+    under a forgotten id is routed to."""
+    reg = Registry(r)
+    now = time.time()
+    workers = [_worker(f"churn-{i}", model, now) for i in range(50)]
+    for w in workers:
+        await reg.heartbeat(w)
+    view = _view(r, redis_server)
+    await view.refresh()
+    for w in workers:
+        view.mark_failed(w.worker_id)
+    await view.refresh()
+    for w in workers[1:]:  # all but one leave for good
+        await reg.deregister(w.worker_id, model)
+    await view.refresh()
+    assert set(view.failed) <= {w.worker_id for w in view.workers}
+    assert "churn-0" in view.failed  # still listed, no heartbeat since: still aside
+    assert "churn-0" not in {w.worker_id for w in view.live_workers()}
+    back = dataclasses.replace(workers[7], updated_at=now + 1.0)
+    await reg.heartbeat(back)  # a worker registering again under a forgotten id
+    await view.refresh()
+    assert "churn-7" in {w.worker_id for w in view.live_workers()}
+
+
+async def test_a_worker_carried_after_a_reset_is_not_carried_longer_by_the_next(
+    r: Redis, redis_server: LocalRedis, model: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A worker that Redis lost and that never registers again is carried for CARRY_S from the
+    reset that lost it. Each later reset (any failed registry read, then a good one) carried it
+    for CARRY_S more: a Redis that failed a read now and then kept a dead worker carried, and
+    the gateway `recovering` (no session placed, no prefix lookup), for as long as that went
+    on. (CARRY_S scaled down.)"""
+    from gateway import cluster
+
+    monkeypatch.setattr(cluster, "CARRY_S", 1.0)
+    monkeypatch.setattr(cluster, "CARRY_MARGIN_S", 0.0)
+    reg = Registry(r)
+    await reg.heartbeat(_worker("gone", model, time.time()))
+    view = _view(r, redis_server)
+    await view.refresh()
+    await r.delete(worker_key("gone"))  # Redis lost it (a restart, a flush) ...
+    await reg.heartbeat(_worker("stays", model, time.time()))
+    view.redis_ok = False  # ... in an outage: the next good read is a reset
+    await view.refresh()
+    assert "gone" in {w.worker_id for w in view.workers} and view.recovering
+    await asyncio.sleep(0.6)
+    view.redis_ok = False  # a read failed again
+    await view.refresh()
+    assert "gone" in {w.worker_id for w in view.workers}
+    await asyncio.sleep(0.6)  # past CARRY_S from the first reset, within it from the second
+    await view.refresh()
+    assert "gone" not in {w.worker_id for w in view.workers} and not view.recovering
+
+
+def test_models_the_catalog_lists_as_name_equals_folder_are_known_by_name(
+    r: Redis, redis_server: LocalRedis, tmp_path: Path
+) -> None:
+    """The catalog's `settings.models` entries are store names or NAME=FOLDER (FOLDER served as
+    NAME). The gateway took them as written: a request for NAME before any worker or pool of it
+    had registered was answered 404 model_not_found (never retried), not 503."""
+    path = tmp_path / "regions.yaml"
+    path.write_text("regions: [{name: eu-west, latitude: 53.3, longitude: -6.3, settings: "
+                    "{models: [chat=/models/stories-chat, SmolLM2-135M-Instruct, =/m/plain]}}, "
+                    "{name: odd, latitude: 0, longitude: 0, settings: {models: abc}}]")  # fmt: skip
+    view = ClusterView(GatewayConfig("eu-west", redis_server.url, "s"), r, RegionCatalog.load(path))
+    assert view.seen_models == {"chat", "SmolLM2-135M-Instruct", "plain"}
