@@ -52,7 +52,8 @@ The metrics, by OpenTelemetry name (Prometheus name in brackets; `METRICS` lists
                                             answered (not per completion of n; a disaggregated
                                             one by its decode worker: hits anywhere)
       edgeinfer.worker.preemptions                          counter
-      edgeinfer.kv_transfer.bytes, edgeinfer.kv_transfer.duration   by direction (sent|received)
+      edgeinfer.kv_transfer.bytes, edgeinfer.kv_transfer.duration   by direction (sent|received);
+                                            a failed transfer's duration with error.type
       edgeinfer.worker.cold_start.duration                  by phase, once per worker start
     gateways (attribute edgeinfer.region):
       edgeinfer.gateway.routing.decisions   by kind (affinity | prefix | load | cross_region |

@@ -204,7 +204,10 @@ class WorkerTelemetry:
     def pull_done(
         self, span: Span, seconds: float, nbytes: int, blocks: int, error: str | None
     ) -> None:
-        self.kv_duration.record(seconds, self.labels | {"direction": "received"})
+        labels = self.labels | {"direction": "received"}
+        if error is not None:  # (a failed transfer's time is not a transfer's: told apart)
+            labels["error.type"] = "failed"
+        self.kv_duration.record(seconds, labels)
         if span.is_recording():
             span.set_attribute("edgeinfer.kv_transfer.bytes", nbytes)
             span.set_attribute("edgeinfer.kv_transfer.blocks", blocks)
@@ -223,7 +226,10 @@ class WorkerTelemetry:
     ) -> None:
         """The prefill side served one pull (time.monotonic() `started`, until now)."""
         now_mono, now_ns = time.monotonic(), time.time_ns()
-        self.kv_duration.record(now_mono - started, self.labels | {"direction": "sent"})
+        labels = self.labels | {"direction": "sent"}
+        if not ok:
+            labels["error.type"] = "failed"
+        self.kv_duration.record(now_mono - started, labels)
         parent = self.tel.extract({"traceparent": traceparent} if traceparent else {})
         span = self.tracer.start_span(
             "kv_transfer.serve",

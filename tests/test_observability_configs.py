@@ -251,7 +251,7 @@ GENAI = {names.TTFT, names.TPOT, names.REQUEST_DURATION, names.TOKEN_USAGE}
 LABELS: dict[str, set[str]] = {
     names.TOKEN_USAGE: {"gen_ai_token_type"},
     names.KV_TRANSFER_BYTES: {"direction"},
-    names.KV_TRANSFER_DURATION: {"direction"},
+    names.KV_TRANSFER_DURATION: {"direction", "error_type"},
     names.COLD_START: {"phase"},
     names.ROUTING: {"kind"},
     names.ERRORS: {"error_type"},

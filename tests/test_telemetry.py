@@ -738,6 +738,22 @@ def test_a_prefill_workers_export_has_no_decode_span() -> None:
     assert "decode" not in spans
 
 
+def test_a_failed_kv_transfer_is_told_apart_in_the_duration() -> None:
+    """A transfer that failed (a refused pull, a connection cut) is recorded with error.type, so
+    the transfer-time quantiles (the dashboard keeps error_type="") hold only transfers."""
+    rec = Recorded.make("edgeinfer-worker")
+    wt = WorkerTelemetry(rec.tel, "local-p", "local", "stories")
+    now = time.monotonic()
+    wt.served(None, "r-1", now - 0.05, 1024, True, None)
+    wt.served(None, "r-2", now - 9.0, 0, False, None)
+    wt.pull_done(wt.tracer.start_span("pull"), 0.02, 1024, 1, None)
+    wt.pull_done(wt.tracer.start_span("pull"), 7.0, 0, 0, "refused: queue full")
+    got = sorted((a["direction"], a.get("error.type", ""), round(pt.sum, 2))
+                 for a, pt in rec.points(names.KV_TRANSFER_DURATION))  # fmt: skip
+    assert got == [("received", "", 0.02), ("received", "failed", 7.0),
+                   ("sent", "", 0.05), ("sent", "failed", 9.0)]  # fmt: skip
+
+
 def test_tpot_buckets_resolve_milliseconds() -> None:
     """A step of a small model takes 1-3 ms: TPOT's buckets must tell those apart."""
     rec = Recorded.make("edgeinfer-worker")
