@@ -14,7 +14,8 @@ import logging
 import time
 import uuid
 from collections import OrderedDict
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
+from typing import TypeVar
 
 from redis.asyncio import Redis
 
@@ -32,6 +33,7 @@ from kvstore.registry import Registry
 from runtime.model_specs import parse_models
 
 log = logging.getLogger("edgeinfer.gateway")
+T = TypeVar("T")
 
 # how long a worker lost by Redis is routed to without registering again: CARRY_S, or its
 # heartbeat period plus CARRY_MARGIN_S (a late heartbeat, the registry read that sees it) if longer
@@ -60,7 +62,9 @@ class ClusterView:
         self._marker_key = gateway_marker_key(f"gw-{config.region}-{uuid.uuid4().hex[:12]}")
         self.pools: list[PoolInfo] = []  # last snapshot of the pools that can start workers
         self._refreshing: asyncio.Task[None] | None = None  # the refresh waiters share
-        self.on_redis: Callable[[str, float], None] = _ignore  # (operation, seconds) per call
+        # (operation, seconds, error type or None) per call that reached Redis: only those (a
+        # placement answered from memory while Redis is down, or a claim skipped, is no call)
+        self.on_redis: Callable[[str, float, str | None], None] = _ignore
         self.redis_ok = False  # the last Redis call succeeded
         self.refreshed_at = 0.0  # monotonic time of the last good snapshot
         # worker id -> (monotonic time it failed a request here, its heartbeat time as the first
@@ -85,8 +89,9 @@ class ClusterView:
             pools = await self.demand.pools()
             # (None: the marker was gone, so Redis lost its data since the last read)
             marker = await self.redis.set(self._marker_key, b"1", ex=MARKER_TTL_S, get=True)
-            self.on_redis("registry_read", time.perf_counter() - t0)
+            self.on_redis("registry_read", time.perf_counter() - t0, None)
         except Exception as e:  # connection refused, timeout, cluster errors
+            self.on_redis("registry_read", time.perf_counter() - t0, _error_type(e))
             if self.redis_ok:
                 log.warning("redis unreachable, routing on the last known registry: %s", e)
             self.redis_ok = False
@@ -209,7 +214,7 @@ class ClusterView:
         if not self.redis_ok:
             return self._remembered(session_id)
         try:
-            found = await self.sessions.get(session_id)
+            found = await self._timed("session_get", self.sessions.get(session_id))
         except Exception as e:
             self.redis_failed(e)
             return self._remembered(session_id)
@@ -272,7 +277,7 @@ class ClusterView:
         """Claim the session for `placement` unless another gateway did first; the placement
         that holds (remembered), or None when Redis failed."""
         try:
-            placed = await self.sessions.claim(session_id, placement)
+            placed = await self._timed("session_claim", self.sessions.claim(session_id, placement))
         except Exception as e:
             self.redis_failed(e)
             return None
@@ -291,9 +296,22 @@ class ClusterView:
         if old.worker_id == worker.worker_id or not self.redis_ok:
             return
         try:
-            self._remember(session_id, await self.sessions.move(session_id, old.worker_id, new))
+            moved = self.sessions.move(session_id, old.worker_id, new)
+            self._remember(session_id, await self._timed("session_move", moved))
         except Exception as e:
             self.redis_failed(e)
+
+    async def _timed(self, operation: str, call: Awaitable[T]) -> T:
+        """`call`'s result, its time reported to `on_redis` (with its error's type if it
+        raised)."""
+        t0 = time.perf_counter()
+        try:
+            result = await call
+        except Exception as e:
+            self.on_redis(operation, time.perf_counter() - t0, _error_type(e))
+            raise
+        self.on_redis(operation, time.perf_counter() - t0, None)
+        return result
 
     def redis_failed(self, e: Exception) -> None:
         if self.redis_ok:
@@ -340,5 +358,11 @@ def _catalog_models(catalog: RegionCatalog) -> set[str]:
     return names
 
 
-def _ignore(operation: str, seconds: float) -> None:
+def _ignore(operation: str, seconds: float, error: str | None) -> None:
     pass
+
+
+def _error_type(e: BaseException) -> str:
+    """A failed Redis call's error.type: the exception's class (bounded: redis-py's and the
+    socket's), as OpenTelemetry's convention has it."""
+    return type(e).__name__

@@ -223,7 +223,6 @@ class Proxy:
             call.route_started = time.perf_counter()  # route: placement, prefix lookup, choice
             if call.session_id is not None:
                 call.placement = await self.view.placement(call.session_id)
-                tel.redis("session_get", time.perf_counter() - call.route_started)
             calls += [call.part(gen) for gen in gens[1:]]
             streams = await self.dispatch_all(calls)
             try:
@@ -252,7 +251,7 @@ class Proxy:
         events, head = await self.forward(call)
         assert call.worker is not None
         if call.session_id is not None:  # record: off the hot path
-            self._spawn(self._record(call.session_id, call.placement, call.worker))
+            self._spawn(self.view.record(call.session_id, call.placement, call.worker))
         return events, head
 
     async def dispatch_all(self, calls: list[Call]) -> list[tuple[Events, list[dict[str, Any]]]]:
@@ -272,11 +271,6 @@ class Proxy:
                     await outcome[0].aclose()
                     self.view.router.done(c.worker.worker_id, c.cost)
             raise
-
-    async def _record(self, session_id: str, old: Placement | None, worker: WorkerInfo) -> None:
-        t0 = time.perf_counter()
-        await self.view.record(session_id, old, worker)
-        self.tel.redis("session_record", time.perf_counter() - t0)
 
     def resolve_model(self, call: Call) -> None:
         """404 for a model no registry snapshot (nor the region catalog) has shown; 503 while
@@ -364,6 +358,7 @@ class Proxy:
             try:
                 longest = await view.prefix.longest_prefixes(call.gen.model, hashes, members)
             except Exception as e:  # a stale or unreachable index: a cache miss, never an error
+                self.tel.redis("prefix_lookup", time.perf_counter() - t0, type(e).__name__)
                 view.redis_failed(e)  # (and no lookup until Redis answers the refresh again:
                 return  # a frozen Redis cost each request its timeouts until then)
             call.cached |= {wid: n * bs for wid, n in longest.items()}
@@ -568,9 +563,7 @@ class Proxy:
         to as any placed session is), rather than each to its own pick. One Redis round trip,
         on a session's first request only: the claim `record` would make after it anyway."""
         assert call.session_id is not None
-        t0 = time.perf_counter()
         call.placement = await self.view.claim(call.session_id, worker)
-        self.tel.redis("session_claim", time.perf_counter() - t0)
         if call.placement is None or call.placement.worker_id == worker.worker_id:
             return worker
         return self.chosen(call, self._route(call), last)

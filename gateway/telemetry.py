@@ -150,8 +150,12 @@ class GatewayTelemetry:
     def retried(self) -> None:
         self.retries.add(1, self._where)
 
-    def redis(self, operation: str, seconds: float) -> None:
-        self.redis_duration.record(seconds, self._where | {"operation": operation})
+    def redis(self, operation: str, seconds: float, error: str | None = None) -> None:
+        """One call that reached Redis (or tried to): `error`, its error's type if it failed."""
+        labels = self._where | {"operation": operation}
+        if error is not None:
+            labels["error.type"] = error
+        self.redis_duration.record(seconds, labels)
 
     def error(self, err: APIError) -> None:
         """A request answered with an error, whichever phase raised it (the app's error

@@ -130,3 +130,29 @@ def test_models_the_catalog_lists_as_name_equals_folder_are_known_by_name(
                     "{name: odd, latitude: 0, longitude: 0, settings: {models: abc}}]")  # fmt: skip
     view = ClusterView(GatewayConfig("eu-west", redis_server.url, "s"), r, RegionCatalog.load(path))
     assert view.seen_models == {"chat", "SmolLM2-135M-Instruct", "plain"}
+
+
+async def test_only_calls_that_reach_redis_are_timed_and_failed_ones_say_so(
+    r: Redis, redis_server: LocalRedis, model: str
+) -> None:
+    """The gateway's Redis latency histogram holds the calls made: a session's later requests
+    on its worker write nothing (they were timed as `session_record`, 6-10 us each, by the
+    proxy), nor does a placement answered from memory while Redis is down; a call that failed
+    is told by its error type (it was timed as a success)."""
+    calls: list[tuple[str, str | None]] = []
+    await Registry(r).heartbeat(_worker("w1", model, time.time()))
+    view = _view(r, redis_server)
+    view.on_redis = lambda op, seconds, error: calls.append((op, error))
+    await view.refresh()
+    w1 = next(w for w in view.live_workers() if w.worker_id == "w1")
+    assert await view.placement("s") is None
+    await view.record("s", None, w1)  # a new session: claimed
+    placed = await view.placement("s")
+    await view.record("s", placed, w1)  # its next request, on the same worker: no call
+    assert calls == [("registry_read", None), ("session_get", None), ("session_claim", None),
+                     ("session_get", None)]  # fmt: skip
+    calls.clear()
+    view.sessions.redis = Redis(port=1, socket_connect_timeout=0.5, retry_on_error=[])  # refused
+    assert await view.placement("s") == placed  # remembered, after the failed read
+    assert await view.placement("s") == placed  # from memory (Redis down): no call
+    assert calls == [("session_get", "ConnectionError")]

@@ -395,7 +395,7 @@ async def test_metrics_after_a_few_requests(
         kinds = {a["kind"]: pt.value for a, pt in g.points(names.ROUTING)}
         assert kinds["affinity"] >= 2 and kinds["load"] >= 1, kinds  # s-2's 2nd and 3rd
         redis_ops = {a["operation"] for a, _ in g.points(names.REDIS_DURATION)}
-        assert {"registry_read", "session_get", "session_record"} <= redis_ops
+        assert {"registry_read", "session_get", "session_claim"} <= redis_ops
         workers = {a["role"]: pt.value for a, pt in g.points(names.GATEWAY_WORKERS)}
         assert workers == {"mixed": 1}
 
