@@ -59,7 +59,7 @@ The metrics, by OpenTelemetry name (Prometheus name in brackets; `METRICS` lists
       edgeinfer.gateway.routing.decisions   by kind (affinity | prefix | load | cross_region |
                                             cold_start)
       edgeinfer.gateway.retries, edgeinfer.gateway.errors (by error.type)
-      edgeinfer.gateway.redis.duration      by operation
+      edgeinfer.gateway.redis.duration      by operation, the calls made (error.type: failed ones)
       edgeinfer.gateway.workers             live workers in the registry, by region, model, role
 """
 

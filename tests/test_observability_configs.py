@@ -255,7 +255,7 @@ LABELS: dict[str, set[str]] = {
     names.COLD_START: {"phase"},
     names.ROUTING: {"kind"},
     names.ERRORS: {"error_type"},
-    names.REDIS_DURATION: {"operation"},
+    names.REDIS_DURATION: {"operation", "error_type"},
     names.GATEWAY_WORKERS: {"worker_region", "model", "role"},
 }
 
