@@ -79,6 +79,9 @@ class IncrementalDetokenizer:
         # a stop string counts where it ends past this point of _decoded: the end of the first
         # min_tokens tokens' text, once the next token arrives (never before)
         self._stop_floor = 0 if min_tokens <= 0 else _NEVER
+        # where the first min_tokens tokens end in the token window, while some of them wait to
+        # be decoded (a byte run decodes with the token after it): the floor is set when they are
+        self._floor_at: int | None = None
         self._scanned = 0  # the prefix of _decoded the stop scans have read
 
         context = [t for t in prompt_token_ids if t not in self._skip_ids]
@@ -118,7 +121,10 @@ class IncrementalDetokenizer:
             return ""
         self._appended += 1
         if self._appended == self._min_tokens + 1 and self._min_tokens > 0:
-            self._stop_floor = len(self._decoded)
+            if self._read_offset == len(self._tokens):  # their text is all decoded
+                self._stop_floor = len(self._decoded)
+            else:  # (their text's end, not what was decoded so far: `_decode_window` sets it)
+                self._floor_at = len(self._tokens)
         self._starts.append(len(self._decoded))
         if token_id in self._skip_ids:
             self._show()
@@ -164,10 +170,21 @@ class IncrementalDetokenizer:
         new_text = decode(self._tokens[self._prefix_offset :], skip)
         if not final and (len(new_text) <= len(prefix_text) or new_text.endswith("\ufffd")):
             return
+        before = len(self._decoded)
         if new_text.startswith(prefix_text):
             self._decoded += new_text[len(prefix_text) :]
         else:  # an invalid byte made the run the context ends in all U+FFFD: the new tokens'
             self._decoded += decode(self._tokens[self._read_offset :], skip)  # text alone
+        if self._floor_at is not None:  # the first min_tokens tokens' text ends in what came
+            # (a character they only begin is not theirs: the text held back as vLLM's is)
+            head = decode(self._tokens[self._prefix_offset : self._floor_at], skip)
+            if head.startswith(prefix_text):
+                own = len(head.rstrip("\ufffd")) - len(prefix_text)
+            else:
+                alone = decode(self._tokens[self._read_offset : self._floor_at], skip)
+                own = len(alone.rstrip("\ufffd"))
+            self._stop_floor = before + max(0, own)
+            self._floor_at = None
         self._prefix_offset = self._read_offset
         self._read_offset = len(self._tokens)
         # Drop tokens that fell out of the window, so the list stays short.

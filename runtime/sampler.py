@@ -144,10 +144,12 @@ class Sampler:
 
         if any(_has_penalty(p) for p in params):
             logits = apply_penalties(logits, states)
-        pick = logits  # what is sampled from; the logprobs below are of `logits` (the stop
-        if held:  # tokens held back keep theirs)
-            pick = logits.clone()
-            pick[torch.tensor(held, device=logits.device)] = self._hold_stops(logits, states, held)
+        pick = logits  # what is sampled from, the held rows' stop tokens at -inf; the logprobs
+        saved = None  # below are of the rows as they were (a held token keeps its logprob)
+        if held:  # (in place, those rows kept aside and put back: not a copy of the whole batch)
+            held_t = torch.tensor(held, device=logits.device)
+            saved = logits[held_t]  # (R, V), a copy
+            logits[held_t] = self._hold_stops(logits, states, held)
 
         sampled = [i for i, p in enumerate(params) if not _is_greedy(p)]
         if not sampled:
@@ -164,6 +166,8 @@ class Sampler:
             token_ids[greedy_t] = pick[greedy_t].argmax(dim=-1)
             token_ids[sampled_t] = _sample_rows(pick[sampled_t], [states[i] for i in sampled])
 
+        if saved is not None:
+            logits[held_t] = saved
         out_logprobs: list[TokenLogprobs | None] = [None] * len(states)
         with_logprobs = [i for i, p in enumerate(params) if p.logprobs is not None]
         if with_logprobs:

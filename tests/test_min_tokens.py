@@ -140,7 +140,8 @@ def _reference(tok: Tokenizer, output: list[int], stops: list[str], min_tokens: 
     full = tok.decode(output)
     if len(output) <= min_tokens:
         return full
-    floor = len(tok.decode(output[:min_tokens])) if min_tokens else 0
+    # (a character the first min_tokens tokens only begin is not theirs)
+    floor = len(tok.decode(output[:min_tokens]).rstrip("\ufffd")) if min_tokens else 0
     hits = [full.find(s, max(0, floor - len(s) + 1)) for s in stops]
     return full[: min((h for h in hits if h >= 0), default=len(full))]
 
@@ -180,6 +181,30 @@ def test_stop_strings_under_min_tokens_on_random_text(tok: Tokenizer) -> None:
                 assert not any(s.startswith(x) and s != x for s in stops for x in starts)
         shown += detok.flush()
         assert shown == _reference(tok, output, stops, min_tokens), (case, text, stops)
+
+
+def test_the_floor_is_where_the_first_tokens_text_ends_when_they_end_in_a_byte_run(
+    tok: Tokenizer,
+) -> None:
+    """A byte-fallback token ("\n" is <0x0A> here, as in Llama 2 or Mistral) is decoded with
+    the token after it: when the min_tokens-th token was one, the floor was set before its text
+    came, and a stop string ending inside the first min_tokens tokens' text counted (stop "\n"
+    at min_tokens 5 of "Once upon a time\nthere was" ended the text at "time")."""
+    output = tok.encode("Once upon a time\nthere was", add_special_tokens=False)
+    assert tok.convert_ids_to_tokens(output)[4] == "<0x0A>"
+    detok = IncrementalDetokenizer(tok, [1], stop=["\n"], min_tokens=5)
+    text = "".join(detok.append(t) for t in output) + detok.flush()
+    assert (text, detok.stop_matched) == ("Once upon a time\nthere was", None)
+    rng = random.Random(7)
+    words = ["a", "b", "ab", "\n", "é", "éa", "a\n", "😀", "\n\n", "cat"]
+    for case in range(400):
+        text = " ".join(rng.choice(words) for _ in range(rng.randrange(1, 12)))
+        output = tok.encode(text, add_special_tokens=False)
+        stop = rng.choice(["\n", "a\n", "\n a", "é", "😀", "a é", "\n\n"])
+        min_tokens = rng.randrange(0, len(output) + 1)
+        detok = IncrementalDetokenizer(tok, [1], stop=[stop], min_tokens=min_tokens)
+        shown = "".join(detok.append(t) for t in output) + detok.flush()
+        assert shown == _reference(tok, output, [stop], min_tokens), (case, text, stop, min_tokens)
 
 
 class _Counted(str):
