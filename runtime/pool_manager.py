@@ -15,8 +15,11 @@ worker (kvstore/demand.py), and for each model decides (`decide`, a pure functio
 - never fewer than `min_workers` per model, never more than `max_workers` processes in all (a
   worker that is stopping holds its slot until it has exited);
 - make room: a model that must scale from zero while every process slot is taken gets one by
-  stopping the longest-idle worker of another model (`make_room`); with none idle, the model's
-  status says `full`, which waiting gateways pass on (503 `pool_full`).
+  stopping the longest-idle worker of another model (`make_room`) that has served its minimum
+  residency (`min_residency_s`, and at least as long as its own start took); with none such, the
+  model's status says `full`, and waiting gateways hold its requests (503 `pool_full` once their
+  hold runs out). Without the residency, --max-workers 1 and two models asked for in turn
+  stopped each one's worker for the other on every request: a cold start each.
 
 Starts are claimed in Redis first (kvstore.demand.Demand.claim_start), so the pools of one
 region together start one worker per model at a time, not one each. A claim is a lease of
@@ -91,6 +94,10 @@ class PoolConfig:
     max_workers: int = 4  # worker processes, all models together
     min_workers: int = 0  # per model, kept running even when idle
     idle_s: float = 300.0  # a worker idle this long is stopped (down to min_workers)
+    # a worker is stopped to make room for another model only once it has been ready this long
+    # (and as long as its start took): so at the process limit, models asked for in turn each
+    # get a stretch of service, rather than a cold start per request (`make_room`)
+    min_residency_s: float = 5.0
     scale_up_queue: int = 4  # queued requests per worker that count as queueing
     scale_up_after_s: float = 2.0  # queueing this long starts another worker
     ready_timeout_s: float = 300.0  # a worker not registered by then failed to start
@@ -112,6 +119,7 @@ class PoolConfig:
         for name in self.models:
             check_id(name, "--models: a model name")
         for what, value in (("--idle", self.idle_s), ("--scale-up-after", self.scale_up_after_s),
+                            ("min_residency_s", self.min_residency_s),
                             ("--ready-timeout", self.ready_timeout_s), ("backoff_s", self.backoff_s),
                             ("tick_s", self.tick_s), ("heartbeat_s", self.heartbeat_s),
                             ("ttl_s", self.ttl_s)):  # fmt: skip
@@ -130,6 +138,8 @@ class PoolConfig:
             raise ValueError(f"--scale-up-queue must be at least 1, got {self.scale_up_queue}")
         if self.scale_up_after_s < 0:
             raise ValueError(f"--scale-up-after must be >= 0, got {self.scale_up_after_s}")
+        if self.min_residency_s < 0:
+            raise ValueError(f"min_residency_s must be >= 0, got {self.min_residency_s}")
         if self.backoff_s <= 0:
             raise ValueError(f"backoff_s must be positive, got {self.backoff_s}")
         if self.heartbeat_s <= 0 or self.ttl_s <= self.heartbeat_s:
@@ -286,11 +296,17 @@ def needs_room(state: ModelState, ours: list[Managed], registered: list[WorkerIn
             and now >= state.retry_at)  # fmt: skip
 
 
-def make_room(
-    cfg: PoolConfig, managed: list[Managed], registered: list[WorkerInfo], model: str, wall: float
-) -> str | None:
+def make_room(cfg: PoolConfig, managed: list[Managed], registered: list[WorkerInfo], model: str,
+              wall: float, now: float) -> str | None:  # fmt: skip
     """The worker to stop so that `model` can start: the longest idle of another model's ready
-    workers with nothing running or queued, above that model's minimum; None if none is."""
+    workers with nothing running or queued, above that model's minimum, and resident long
+    enough; None if none is. `now`: monotonic time; `wall`: unix time (the registry's clock).
+
+    Resident long enough: ready for `min_residency_s`, and for as long as its own start took
+    (a model slow to start is not started again for every request: the pool spends at most
+    half its time starting workers however the models alternate). Until then the waiting
+    model's requests are held; taken at once, two models asked for in turn at the process
+    limit stopped each other's worker on every request."""
     by_id = {w.worker_id: w for w in registered}
     counts: dict[str, int] = {}
     for m in managed:
@@ -302,6 +318,8 @@ def make_room(
         if m.model == model or m.stopping or not m.ready or w is None or w.running or w.waiting:
             continue
         if counts[m.model] <= cfg.min_workers:
+            continue
+        if now - m.ready < max(cfg.min_residency_s, m.ready - m.started):
             continue
         idle = wall - max(w.last_active_at, w.started_at)
         if idle > best_idle:
@@ -440,7 +458,8 @@ class Pool:
                 state.settled_at = now
             freeing = any(m.stopping for m in self.managed.values())
             if not d.start and needs_room(state, ours, mine, waiting, room, now, freeing):
-                victim = make_room(cfg, list(self.managed.values()), registered, model, wall)
+                victim = make_room(cfg, list(self.managed.values()), registered, model, wall,
+                                   now)  # fmt: skip
                 if victim is not None:  # its slot frees once it has exited: a tick then starts
                     stopped = self.managed[victim]
                     # a scale-down: its model's past demand is spent (or it would take the slot)

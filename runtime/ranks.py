@@ -25,10 +25,12 @@ them cleanly when one dies.
          micro-batch i. With pp = 1, one `step` command does both.
 
 A watchdog thread on rank 0 checks the followers every 0.2 s: a follower that exits, or gives
-no sign of life for HANG_AFTER_S, makes the group failed (`RankFailure`), calls the
-`on_failure` callbacks (a worker deregisters and exits), and stops the other followers, so that
-rank 0's next or current collective raises rather than waits. A follower whose rank 0 is gone
-dies with it (PDEATHSIG), or leaves its loop when a collective errors.
+no sign of life (no beat, no CPU time) for HANG_AFTER_S, makes the group failed (`RankFailure`),
+calls the `on_failure` callbacks (a worker deregisters and exits), and stops and reaps the other
+followers, so that rank 0's next or current collective raises rather than waits. A follower
+that fails (its own error, or a peer that died hung up on it) writes why in shared memory and
+exits at once; the watch names the first follower that died without a word, else the first to
+leave (`_first_failed`). A follower whose rank 0 is gone dies with it (PDEATHSIG).
 """
 
 from __future__ import annotations
@@ -84,7 +86,14 @@ CLOSE_WAIT_S = 10.0
 # that could not say which rank hung
 BEAT_EVERY_S = 1.0
 HANG_AFTER_S = 60.0
-LEAVE_AFTER_S = 5.0  # a follower whose start failed: its wait to be killed by rank 0 (its watch)
+# A follower that cannot go on (its own error, or a peer that hung up on it) writes when and why
+# (RankSpec.left, .why) and exits at once; rank 0's watch names the first to leave once this long
+# has passed with no follower dead without a word: a peer dying makes the others leave too, after
+# it, and its exit shows within this time (`_first_failed`). (Followers waited 5 s to be killed,
+# so as not to be the exit rank 0 saw first, and rank 0 learnt of a follower's own error 5 s
+# late, the requests of its step waiting.)
+LEFT_GRACE_S = 0.5
+WHY_ROOM = 300  # bytes of a follower's reason for leaving, in shared memory
 
 # One micro-batch of a step: (input ids (T,), its attention metadata)
 Plan = tuple[torch.Tensor, "StepContext"]
@@ -113,6 +122,10 @@ class RankSpec:
     weight_dtype: str = "auto"  # how the linear weights are stored (runtime.loader.start_load)
     # rank r's last sign of life (time.monotonic(); 0 before its first), shared memory
     beats: Any = field(default=None, compare=False)
+    # when rank r left of an error (time.monotonic(); 0: it has not), and why (WHY_ROOM bytes
+    # each, from r * WHY_ROOM), shared memory: what rank 0's watch names (`_first_failed`)
+    left: Any = field(default=None, compare=False)
+    why: Any = field(default=None, compare=False)
     from_main_thread: bool = True  # rank 0 spawned the followers from its main thread
 
 
@@ -204,7 +217,7 @@ def _follower_main(spec: RankSpec, rank: int) -> None:
         store.set(f"joined/{rank}", "1")
         place = _join(spec, rank, store)
     except Exception as e:
-        _leave_failed_start(rank, f"could not join the group: {e}")
+        _leave(spec, rank, f"could not join the group: {e}")
     pending, error = _load(spec, place)
     model = None
     if pending is not None:
@@ -216,28 +229,27 @@ def _follower_main(spec: RankSpec, rank: int) -> None:
     try:
         dist.all_gather_object(errors, error)
     except Exception as e:
-        _leave_failed_start(rank, f"the ranks could not start: {e}")
+        _leave(spec, rank, f"the ranks could not start: {e}")
     if any(errors) or model is None:
         os._exit(1)
     try:
         _follow(model)
-    except Exception:  # rank 0 went away, or a step failed: nothing to serve any more
-        # most often a peer that died hung up: rank 0's watchdog names the first rank to exit,
-        # so this one waits to be stopped (rank 0 closes the ranks, or its death kills this one)
-        # rather than exit first and be named instead of the rank that died
+    except Exception as e:  # a step failed here, or a peer that died hung up: nothing to serve
         log.error("rank %d: leaving\n%s", rank, traceback.format_exc())
-        time.sleep(LEAVE_AFTER_S)
-        os._exit(1)
+        _leave(spec, rank, f"{type(e).__name__}: {e}")
     os._exit(0)
 
 
-def _leave_failed_start(rank: int, why: str) -> NoReturn:
-    """A follower whose start failed in a collective, most often because a peer that died hung
-    up. Rank 0's watch sees the rank that exited and kills the others at once, naming it; one
-    that left as soon as it noticed could be the exit seen first, and named instead. So this
-    one waits to be killed, and leaves on its own, saying why, only if that does not come."""
-    time.sleep(LEAVE_AFTER_S)
+def _leave(spec: RankSpec, rank: int, why: str) -> NoReturn:
+    """A follower that cannot go on, of its own error or because a peer that died hung up on it:
+    it says when and why where rank 0's watch reads it, and exits now. The watch names the
+    first follower that died without a word, else the first that left (`_first_failed`): not
+    this one for a peer that died, whichever exit it saw first."""
     print(f"rank {rank}: {why}", flush=True)
+    if spec.left is not None and spec.why is not None:
+        text = why.encode(errors="replace")[:WHY_ROOM].ljust(WHY_ROOM, b"\0")
+        spec.why[rank * WHY_ROOM : (rank + 1) * WHY_ROOM] = text
+        spec.left[rank] = time.monotonic()  # (after the reason: a watch that sees one sees both)
     os._exit(1)
 
 
@@ -399,6 +411,7 @@ class RankGroup:
         self._store = store
         self.procs = procs  # procs[i] is rank i + 1
         self.failed: str | None = None
+        self._failed = threading.Event()  # set with `failed`
         self.on_failure: list[Callable[[str], None]] = []
         self._lock = threading.Lock()  # one command at a time: steps and KV reads interleave
         self._sends = Sends(spec.parallel.pp + 1)
@@ -413,16 +426,17 @@ class RankGroup:
         return self.spec.parallel.world_size
 
     def _watchdog(self) -> None:
-        silence = _Silence(self.spec.beats)
+        silence = _Silence(self.spec.beats, _cpu_s(self.procs))
         while not self._closed:
-            dead = _first_exited(self.procs) or silence.first()
+            dead = _first_failed(self.procs, self.spec) or silence.first()
             if dead is not None and not self._closed:
                 self._fail(dead)
                 # the others cannot serve without it: stopped, so that a collective rank 0 is
-                # in with them fails now (a follower that saw the dead one hang up waits to be
-                # stopped, not to be named instead of it)
+                # in with them fails now, and reaped (they were zombies until the close)
                 for p in self.procs:
                     p.kill()
+                for p in self.procs:
+                    p.join(timeout=5)
                 return
             time.sleep(0.2)
 
@@ -430,6 +444,7 @@ class RankGroup:
         if self.failed is not None:
             return
         self.failed = why
+        self._failed.set()
         log.error("%s: this worker cannot serve any more", why)
         for callback in list(self.on_failure):
             with contextlib.suppress(Exception):
@@ -457,7 +472,9 @@ class RankGroup:
             except RankFailure:
                 raise
             except Exception as e:  # gloo: a peer hung up
-                time.sleep(0.3)  # let the watchdog see which one
+                # let the watchdog see which one (a follower that left is named LEFT_GRACE_S
+                # after it left; one that died, at its next look)
+                self._failed.wait(LEFT_GRACE_S + 0.5)
                 why = self.failed or f"a collective failed: {e}"
                 self._fail(why)
                 raise RankFailure(why) from e
@@ -553,10 +570,15 @@ class RankGroup:
         finally:
             if locked:
                 self._lock.release()
+        if self._watch is not threading.current_thread():
+            # (its look ends within 0.2 s; one that found a follower dead reaps the followers it
+            # stopped: two threads reaping a process at once, one sees no exit code)
+            self._watch.join(timeout=CLOSE_WAIT_S)
         for p in self.procs:
             p.join(timeout=0 if self.failed is not None else 5)  # (failed: stuck in a collective)
             if p.exitcode is None:
                 p.kill()
+                p.join(timeout=5)  # (reaped: not a zombie for as long as this process lives)
         with contextlib.suppress(Exception):
             dist.destroy_process_group()
         self._store = None  # the rendezvous closes with the group, as it did
@@ -679,6 +701,8 @@ def start_ranks(
     ctx = mp.get_context("spawn")
     beats = ctx.RawArray(ctypes.c_double, parallel.world_size)
     spec = RankSpec(model, dtype, max_model_len, parallel, port, num_threads, weight_dtype, beats,
+                    ctx.RawArray(ctypes.c_double, parallel.world_size),
+                    ctx.RawArray(ctypes.c_char, parallel.world_size * WHY_ROOM),
                     threading.current_thread() is threading.main_thread())  # fmt: skip
     procs = [
         ctx.Process(target=_follower_main, args=(spec, r), name=f"edgeinfer-rank{r}", daemon=True)
@@ -686,7 +710,7 @@ def start_ranks(
     ]
     for p in procs:
         p.start()
-    watch = _StartWatch(procs, beats)
+    watch = _StartWatch(procs, spec)
     watched = _Watched(store, watch)
     try:
         _wait_joined(store, watch)
@@ -727,13 +751,28 @@ def start_ranks(
     return pending, RankGroup(spec, procs, threads_before, watched)
 
 
-def _first_exited(procs: Sequence[mp.process.BaseProcess]) -> str | None:
-    """"rank r of n exited (code c)" for the first follower (procs[i] is rank i + 1) that has
-    exited, or None: what the watches, at start-up and after, name."""
+def _first_failed(procs: Sequence[mp.process.BaseProcess], spec: RankSpec) -> str | None:
+    """What the watches, at start-up and after, name (None: nothing): the first follower
+    (procs[i] is rank i + 1) that exited without a word (killed, crashed), "rank r of n exited
+    (code c)"; else the first that left saying why (`_leave`), "rank r of n failed: why", once
+    LEFT_GRACE_S has passed since with no such exit (a follower that saw a peer die hang up
+    leaves too: after it, and the dead one's exit shows meanwhile)."""
+    n = len(procs) + 1
+    left = spec.left
     for rank, p in enumerate(procs, start=1):
-        if p.exitcode is not None:
-            return f"rank {rank} of {len(procs) + 1} exited (code {p.exitcode})"
-    return None
+        code = p.exitcode  # (read before its mark: a follower marks, then exits)
+        if code is not None and not (left is not None and left[rank]):
+            return f"rank {rank} of {n} exited (code {code})"
+    if left is None or spec.why is None:
+        return None
+    marks = [(left[rank], rank) for rank in range(1, n) if left[rank]]
+    if not marks:
+        return None
+    at, rank = min(marks)
+    if time.monotonic() - at < LEFT_GRACE_S:
+        return None
+    why = spec.why[rank * WHY_ROOM : (rank + 1) * WHY_ROOM].rstrip(b"\0")
+    return f"rank {rank} of {n} failed: {why.decode(errors='replace')}"
 
 
 class _Silence:
@@ -741,14 +780,27 @@ class _Silence:
     follower silent for HANG_AFTER_S, counted from when this watch last ran where it was away
     itself: a pause of the whole process group (Ctrl-Z, a frozen container, a suspended VM)
     stops the followers and the watch alike, and the clock runs on, so every follower looked
-    silent on resuming and a healthy group was failed."""
+    silent on resuming and a healthy group was failed.
+
+    Silent is without a beat and without computing: a follower's beat is a Python thread, held
+    up while its main thread runs one C call that keeps the interpreter (GIL) for long (the CPU
+    kernels of kernels/csrc do: a long prompt's prefill attention, on a large model and a slow
+    CPU), and a busy, healthy follower was named as hung. `cpu_s(rank)` (None: not known) is
+    its process's CPU time: one that used at least half a core since the watch's last look,
+    over a second or more, computes. (A stopped or deadlocked one uses none; one stuck with
+    the GIL held, a little: its beat thread's waits for the GIL.)"""
 
     AWAY_S = 2.0  # a watch that looks every 0.2 s at most, not run for this long: it was away
+    SAMPLE_S = 1.0  # CPU time is compared over this much at least
+    BUSY = 0.5  # CPU seconds a second that count as computing
 
-    def __init__(self, beats: Any) -> None:
+    def __init__(self, beats: Any, cpu_s: Callable[[int], float | None] | None = None) -> None:
         self.beats = beats
+        self.cpu_s = cpu_s
         self._last = time.monotonic()
         self._since = 0.0  # silence is counted from here (where this watch was away)
+        self._sample: dict[int, tuple[float, float]] = {}  # rank -> (when, its CPU time then)
+        self._busy: dict[int, float] = {}  # rank -> when it was last seen computing
 
     def first(self) -> str | None:
         """"rank r of n stopped responding ..." for the first follower silent too long, or None."""
@@ -759,11 +811,40 @@ class _Silence:
             self._since = now
         self._last = now
         for rank in range(1, len(self.beats)):
+            self._computing(rank, now)
             beat = self.beats[rank]
-            if beat > 0 and max(beat, self._since) < now - HANG_AFTER_S:
+            heard = max(beat, self._since, self._busy.get(rank, 0.0))
+            if beat > 0 and heard < now - HANG_AFTER_S:
                 return (f"rank {rank} of {len(self.beats)} stopped responding (no sign of life "
                         f"for {now - beat:.0f} s)")  # fmt: skip
         return None
+
+    def _computing(self, rank: int, now: float) -> None:
+        """Note when `rank` was last seen using the CPU (`_busy`)."""
+        cpu = self.cpu_s(rank) if self.cpu_s is not None else None
+        if cpu is None:
+            return
+        when, used = self._sample.setdefault(rank, (now, cpu))
+        if now - when >= self.SAMPLE_S:
+            if cpu - used >= self.BUSY * (now - when):
+                self._busy[rank] = now
+            self._sample[rank] = (now, cpu)
+
+
+def _cpu_s(procs: Sequence[mp.process.BaseProcess]) -> Callable[[int], float | None]:
+    """Rank r's CPU time in seconds (all its threads), from /proc; None where it cannot be read
+    (exited, or not Linux)."""
+    tick = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
+
+    def cpu_s(rank: int) -> float | None:
+        try:
+            with open(f"/proc/{procs[rank - 1].pid}/stat", "rb") as f:
+                fields = f.read().rsplit(b")", 1)[1].split()
+            return (int(fields[11]) + int(fields[12])) / tick  # utime + stime
+        except (OSError, IndexError, ValueError):
+            return None
+
+    return cpu_s
 
 
 def _wait_joined(store: dist.TCPStore, watch: _StartWatch) -> None:
@@ -788,9 +869,9 @@ class _StartWatch:
     peer hang up exits of its own error, seconds later: named first, it hid the one that
     died)."""
 
-    def __init__(self, procs: Sequence[mp.process.BaseProcess], beats: Any = None) -> None:
+    def __init__(self, procs: Sequence[mp.process.BaseProcess], spec: RankSpec) -> None:
         self.procs = procs
-        self._beats = beats
+        self._spec = spec
         self.dead: str | None = None  # "rank r of n exited (code c)"
         self._died = threading.Event()
         self._stopped = threading.Event()
@@ -798,9 +879,9 @@ class _StartWatch:
         self._thread.start()
 
     def _run(self) -> None:
-        silence = _Silence(self._beats)
+        silence = _Silence(self._spec.beats, _cpu_s(self.procs))
         while not self._stopped.wait(0.02):
-            self.dead = _first_exited(self.procs) or silence.first()
+            self.dead = _first_failed(self.procs, self._spec) or silence.first()
             if self.dead is not None:
                 self._died.set()
                 for p in self.procs:

@@ -16,15 +16,19 @@ worker it then starts is a fork of it, and begins reading its weights at once.
 
 One message per datagram (a SOCK_SEQPACKET socket pair), JSON. The zygote opens each child's
 pidfd before it can reap it, so the pool's handle names that process even once its pid is
-reused. The zygote has run no parallel torch operation when it forks (an OpenMP runtime forked
-after use hangs) and started no thread of its own (numpy's OpenBLAS keeps one, which its fork
-handlers make safe). It ignores SIGINT and SIGTERM, which a terminal or a service manager sends
-the whole process group: it exits when the pool's end of the socket closes, after the pool has
-stopped its workers. If it dies, the workers it forked keep running; the client then watches
-each through its pidfd (its exit code is unknown: -1). `returncode` follows
-asyncio.subprocess.Process: -N for a process killed by signal N. `ps` shows each forked process
-as its own command (`edgeinfer worker --model ... --port ...`, secrets hidden; short name
-`ei-worker`) and the template as `edgeinfer zygote: ...` (runtime.proctitle).
+reused. A child runs its command only once the template has sent its pid: one whose template
+dies before that (killed between the fork and the answer) exits, rather than run on as a worker
+no pool knows of. The zygote has run no parallel torch operation when it forks (an OpenMP
+runtime forked after use hangs) and started no thread of its own (numpy's OpenBLAS keeps one,
+which its fork handlers make safe). It ignores SIGINT and SIGTERM, which a terminal or a
+service manager sends the whole process group: it exits when the pool's end of the socket
+closes, after the pool has stopped its workers. If it dies, the workers it forked keep
+running; the client then watches each through its pidfd (its exit code is unknown: -1). One
+that does not answer a spawn within SPAWN_TIMEOUT_S hangs: it is killed, and so replaced by its
+pool as one that died. `returncode` follows asyncio.subprocess.Process: -N for a process killed
+by signal N. `ps` shows each forked process as its own command (`edgeinfer worker --model ...
+--port ...`, secrets hidden; short name `ei-worker`) and the template as `edgeinfer zygote: ...`
+(runtime.proctitle).
 """
 
 from __future__ import annotations
@@ -47,7 +51,9 @@ log = logging.getLogger("edgeinfer.zygote")
 
 MAX_MESSAGE = 1 << 20  # bytes of one message received (a SEQPACKET send takes ~200 KiB at most)
 READY_TIMEOUT_S = 300.0  # the template's imports (a first run compiles bytecode)
-SPAWN_TIMEOUT_S = 30.0  # for the template's answer to a spawn
+# for the template's answer to a spawn, which takes milliseconds (a fork of a process that has
+# imported torch): one that does not answer in this time hangs, and is killed (`spawn`)
+SPAWN_TIMEOUT_S = 10.0
 TITLE_ROOM = 400  # bytes of command line the template starts with, for its workers' titles
 
 
@@ -76,8 +82,10 @@ def _send(sock: socket.socket, msg: dict[str, Any], fds: list[int] | None = None
 
 
 def _child(sock: socket.socket, sel: selectors.BaseSelector, wakeup: tuple[int, int],
-           msg: dict[str, Any], out: int) -> None:  # fmt: skip
-    """In the forked child: become the worker process `msg` asks for; never returns."""
+           msg: dict[str, Any], out: int, go: int) -> None:  # fmt: skip
+    """In the forked child: become the worker process `msg` asks for, once the template has
+    given the pool its pid (a byte on `go`; end-of-file: the template died first, and this
+    process exits at once); never returns."""
     code = 1
     try:
         signal.set_wakeup_fd(-1)
@@ -88,6 +96,9 @@ def _child(sock: socket.socket, sel: selectors.BaseSelector, wakeup: tuple[int, 
         sock.close()
         for fd in wakeup:
             os.close(fd)
+        if os.read(go, 1) != b"1":
+            os._exit(1)
+        os.close(go)
         null = os.open(os.devnull, os.O_RDONLY)
         os.dup2(null, 0)
         os.dup2(out, 1)
@@ -188,24 +199,38 @@ def serve(fd: int) -> int:
                 continue
             sys.stdout.flush()
             sys.stderr.flush()
+            # the child runs its command once the pool has its pid (a byte on this pipe): a
+            # template that died between the fork and its answer (killed, out of memory) left
+            # the child running, a worker no pool knew of, which nothing would stop; it reads
+            # end-of-file instead, and exits
+            go_r, go_w = os.pipe2(os.O_CLOEXEC)
             try:
                 pid = os.fork()
             except OSError as e:
-                os.close(fds[0])
+                for fd in (fds[0], go_r, go_w):
+                    os.close(fd)
                 _send(sock, {"spawned": msg.get("spawn"), "error": f"fork: {e}"})
                 continue
             if pid == 0:
-                _child(sock, sel, (wake_r, wake_w), msg, fds[0])
+                os.close(go_w)
+                _child(sock, sel, (wake_r, wake_w), msg, fds[0], go_r)
             os.close(fds[0])
-            try:  # before any reaping: the pid is this child's until then
-                pidfd = [os.pidfd_open(pid)]
-            except (OSError, AttributeError):  # (Linux before 5.3: the pool signals by pid)
-                pidfd = []
+            os.close(go_r)
             try:
-                _send(sock, {"spawned": msg.get("spawn"), "pid": pid}, pidfd)
+                try:  # before any reaping: the pid is this child's until then
+                    pidfd = [os.pidfd_open(pid)]
+                except (OSError, AttributeError):  # (Linux before 5.3: the pool signals by pid)
+                    pidfd = []
+                try:
+                    _send(sock, {"spawned": msg.get("spawn"), "pid": pid}, pidfd)
+                except OSError:  # the pool is gone: the child is left to exit (its pipe closes)
+                    return 0
+                finally:
+                    for fd in pidfd:
+                        os.close(fd)
+                os.write(go_w, b"1")
             finally:
-                for fd in pidfd:
-                    os.close(fd)
+                os.close(go_w)
             _reap(sock)  # a child that died at once
 
 
@@ -386,7 +411,15 @@ class ZygoteClient:
                 self._starting[pid] = code
             # else: a process no spawn() returned (killed above): nothing to tell
 
-    def _lost(self) -> None:
+    def _kill_template(self, why: str) -> None:
+        """The template hangs: kill it, and go on as when it dies (`_lost`)."""
+        if self.proc is not None and self.proc.returncode is None:
+            log.warning("template process (pid %d): %s; killing it", self.proc.pid, why)
+            with contextlib.suppress(ProcessLookupError):
+                self.proc.kill()
+        self._lost(f"the template process was killed: {why}")
+
+    def _lost(self, why: str = "the template process exited") -> None:
         """The zygote is gone: fail what waits on it; watch its children through their pidfds."""
         if self._sock is not None:
             if self._loop is not None:
@@ -394,7 +427,7 @@ class ZygoteClient:
                     self._loop.remove_reader(self._sock)
             self._sock.close()
             self._sock = None
-        error = ZygoteError("the template process exited")
+        error = ZygoteError(why)
         if self._ready is not None and not self._ready.done():
             self._ready.set_exception(error)
         for fut in self._pending.values():
@@ -414,17 +447,21 @@ class ZygoteClient:
         interpreter start or at import (PYTHON*, OMP_*, GOMP_*, MALLOC_*, EDGEINFER_CACHE and
         EDGEINFER_STORE) keep those values; `env` serves those read as the command runs (the
         worker's EDGEINFER_SECRET, EDGEINFER_REDIS, OTEL_*). ZygoteError if the template is gone
-        or does not answer within SPAWN_TIMEOUT_S."""
+        or does not answer within SPAWN_TIMEOUT_S (it is then killed: `alive` turns False)."""
         if self._sock is None:
             raise ZygoteError("the template process is not running")
         loop = asyncio.get_running_loop()
         r, w = os.pipe2(os.O_CLOEXEC)
+        # this call's own id: `self._ids` moves on with every spawn() begun meanwhile, and an
+        # error path that took it dropped another call's wait (whose process was then killed as
+        # abandoned, and the call failed after SPAWN_TIMEOUT_S)
         self._ids += 1
+        sid = self._ids
         fut: asyncio.Future[tuple[int, int]] = loop.create_future()
-        self._pending[self._ids] = fut
+        self._pending[sid] = fut
         try:
             try:
-                _send(self._sock, {"spawn": self._ids, "argv": argv, "env": env or {}}, [w])
+                _send(self._sock, {"spawn": sid, "argv": argv, "env": env or {}}, [w])
             except OSError as e:
                 raise ZygoteError(f"the template process is not answering: {e}") from e
             finally:
@@ -433,9 +470,14 @@ class ZygoteClient:
                 async with asyncio.timeout(SPAWN_TIMEOUT_S):
                     pid, pidfd = await fut
             except TimeoutError as e:
-                raise ZygoteError(f"no answer from the template in {SPAWN_TIMEOUT_S:.0f}s") from e
+                # alive but not answering (stopped, deadlocked, swapped out): kept, it held every
+                # later spawn for as long, and its pool never replaced it (it only replaces one
+                # that is gone). Killed, it is gone: its workers are watched through their pidfds
+                why = f"no answer from the template in {SPAWN_TIMEOUT_S:.0f}s"
+                self._kill_template(why)
+                raise ZygoteError(f"{why}: killed") from e
         except BaseException:
-            self._pending.pop(self._ids, None)  # a late answer: its process is killed
+            self._pending.pop(sid, None)  # a late answer: its process is killed
             if fut.done() and not fut.cancelled() and fut.exception() is None:
                 self._kill_unreturned(*fut.result())  # answered, but this call was cancelled
             os.close(r)

@@ -76,12 +76,63 @@ def test_a_rank_killed_mid_step_is_named_and_the_others_stopped(stories_dir: Pat
         assert str(error) == "rank 3 of 4 exited (code -9)"
         assert ranks.failed == "rank 3 of 4 exited (code -9)"
         assert float(result["at"]) - killed < 3  # type: ignore[arg-type]
-        deadline = time.monotonic() + 3
-        while any(p.exitcode is None for p in ranks.procs) and time.monotonic() < deadline:
-            time.sleep(0.05)
-        # stopped by rank 0, every one: none left of its own error (code 1), to be named first
-        assert [p.exitcode for p in ranks.procs] == [-9, -9, -9]
+        # stopped by rank 0, every one, and reaped (not zombies until the close), without the
+        # close: the peers that saw rank 3 hang up left too (code 1), but it is the one named
+        ranks._watch.join(10)
+        assert not ranks._watch.is_alive()
+        assert [_state(p.pid) for p in ranks.procs] == ["gone"] * 3
+        assert all(p.exitcode is not None for p in ranks.procs)
     finally:
+        ranks.close()
+
+
+def _state(pid: int | None) -> str:
+    """A process's state letter ("Z": exited, not reaped), or "gone" once reaped."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return "gone"
+
+
+def _fails_on_its_own_mid_step(spec: ranks_module.RankSpec, rank: int) -> None:
+    """A follower (in its own process) whose third step raises an error of its own. (Its wait
+    to be killed, which the code had, made long: a rank 0 that waited for it is caught.)"""
+    ranks_module.LEAVE_AFTER_S = 600.0  # type: ignore[attr-defined]
+    real, count = ranks_module.run_step, [0]
+
+    def run_step(*args: Any) -> Any:
+        count[0] += 1
+        if count[0] == 3:
+            raise RuntimeError("boom in a step")
+        return real(*args)
+
+    ranks_module.run_step = run_step  # type: ignore[assignment]
+    ranks_module._follower_main(spec, rank)
+
+
+def test_a_rank_that_fails_on_its_own_is_named_at_once_and_reaped(
+    stories_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """tp=2, the follower's step raises: it waited LEAVE_AFTER_S (5 s) before exiting, so as not
+    to be named in place of a peer that died, and rank 0's step waited as long. It leaves at
+    once, saying why, and rank 0 names it with its error; it is reaped without the close."""
+    monkeypatch.setattr(ranks_module, "_follower_main", _fails_on_its_own_mid_step)
+    llm = LLM(stories_dir, kv_cache_bytes=4 << 20, tp=2)
+    ranks = llm.engine.runner.ranks
+    assert ranks is not None
+    try:
+        result: dict[str, object] = {}
+        thread = _serve_until_it_fails(llm, result)
+        thread.join(30)
+        assert not thread.is_alive(), "rank 0 waited for the follower that failed"
+        assert isinstance(result["error"], RankFailure)
+        assert str(result["error"]) == "rank 1 of 2 failed: RuntimeError: boom in a step"
+        ranks._watch.join(10)
+        assert _state(ranks.procs[0].pid) == "gone"
+    finally:
+        for p in ranks.procs:
+            if p.exitcode is None:  # (the old code: still waiting)
+                p.kill()
         ranks.close()
 
 
@@ -138,7 +189,7 @@ def test_a_rank_that_hangs_mid_step_is_named(
         assert isinstance(result["error"], RankFailure)
         assert str(result["error"]).startswith("rank 1 of 2 stopped responding")
         assert float(result["at"]) - stopped < 8  # type: ignore[arg-type]
-        follower.join(3)
+        ranks._watch.join(10)  # (it stops and reaps the follower)
         assert follower.exitcode == -9
     finally:
         if follower.exitcode is None:  # (the old code: still waiting)
@@ -190,6 +241,47 @@ def test_a_closed_group_is_let_go(stories_dir: Path) -> None:
     assert group() is None
 
 
+def _holds_the_interpreter_in_a_step(spec: ranks_module.RankSpec, rank: int) -> None:
+    """A follower whose third step first computes for ~6 s in one C call that keeps the
+    interpreter (GIL) held: its sign-of-life thread cannot run meanwhile. (The repository's own
+    CPU kernels keep it too: a long prompt's prefill attention on a large model, on a slow CPU,
+    can run that long per call, relative to HANG_AFTER_S.)"""
+    real, count = ranks_module.run_step, [0]
+    t0 = time.perf_counter()
+    sum(range(2_000_000))
+    per_item = (time.perf_counter() - t0) / 2_000_000
+
+    def run_step(*args: Any) -> Any:
+        count[0] += 1
+        if count[0] == 3:
+            sum(range(int(6.0 / per_item)))  # one call, the GIL held throughout
+        return real(*args)
+
+    ranks_module.run_step = run_step  # type: ignore[assignment]
+    ranks_module._follower_main(spec, rank)
+
+
+def test_a_rank_computing_with_the_interpreter_held_is_not_taken_for_hung(
+    stories_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """tp=2, the follower's step runs one C call that keeps the GIL for longer than HANG_AFTER_S
+    (3 s here): its sign-of-life thread was held up with it, and rank 0 named it "stopped
+    responding" and failed a healthy group. A follower that computes (its CPU time advancing)
+    is not silent; one stopped still is (test_a_rank_that_hangs_mid_step_is_named)."""
+    monkeypatch.setattr(ranks_module, "_follower_main", _holds_the_interpreter_in_a_step)
+    llm = LLM(stories_dir, kv_cache_bytes=4 << 20, tp=2)
+    monkeypatch.setattr(ranks_module, "HANG_AFTER_S", 3.0, raising=False)
+    ranks = llm.engine.runner.ranks
+    assert ranks is not None
+    try:
+        for _ in range(4):
+            out = llm.generate([[1, 403, 407, 261]], SamplingParams(max_tokens=2))
+            assert out[0].outputs[0].token_ids
+        assert ranks.failed is None
+    finally:
+        ranks.close()
+
+
 def test_a_pause_of_the_whole_group_does_not_count_as_a_silent_rank(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
@@ -211,3 +303,25 @@ def test_a_pause_of_the_whole_group_does_not_count_as_a_silent_rank(
     assert "rank 1 of 2 stopped responding" in str(silence.first())
     beats[1] = clock[0]  # a beat: fine again
     assert silence.first() is None
+
+
+def test_a_silent_rank_that_computes_is_named_only_once_it_stops(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The watch's view of a follower whose beat is held up (its main thread keeps the GIL):
+    while its CPU time advances by half a core or more it is not silent; once that stops too,
+    it is named HANG_AFTER_S later."""
+    clock, cpu = [1000.0], [50.0]
+    monkeypatch.setattr(ranks_module.time, "monotonic", lambda: clock[0])
+    beats = [0.0, 1000.0]
+    silence = ranks_module._Silence(beats, lambda rank: cpu[0])
+    for _ in range(int(ranks_module.HANG_AFTER_S) * 3):  # no beat, a core's worth of CPU a second
+        clock[0] += 1.0
+        cpu[0] += 1.0
+        assert silence.first() is None
+    stuck = clock[0]
+    while silence.first() is None and clock[0] < stuck + ranks_module.HANG_AFTER_S + 5:
+        clock[0] += 1.0
+        cpu[0] += 0.01  # (a thread's waits for the GIL: not computing)
+    assert "rank 1 of 2 stopped responding" in str(silence.first())
+    assert clock[0] - stuck > ranks_module.HANG_AFTER_S

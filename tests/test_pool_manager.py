@@ -152,13 +152,39 @@ def test_a_model_waiting_for_a_slot_gets_the_longest_idle_worker_of_another() ->
     assert needs_room(ModelState(), [], [], waiting=2, room=0, now=10.0)
     assert not needs_room(ModelState(), [], [], waiting=0, room=0, now=10.0)
     assert not needs_room(ModelState(), [], [], waiting=2, room=1, now=10.0)  # decide starts
-    assert make_room(cfg, ours, reg, "b", wall=100.0) == "a2"  # idle 50 s against 10 s
+    assert make_room(cfg, ours, reg, "b", wall=100.0, now=100.0) == "a2"  # idle 50 s against 10 s
     # a worker with work, or one already stopping, or at its model's minimum, is never taken
     busy = [_info("a1", model="a", running=1), _info("a2", model="a", waiting=1)]
-    assert make_room(cfg, ours, busy, "b", wall=100.0) is None
-    assert make_room(cfg, [m("a1", "a"), m("a2", "a", stopping=5.0)], reg, "b", 100.0) == "a1"
+    assert make_room(cfg, ours, busy, "b", wall=100.0, now=100.0) is None
+    assert make_room(cfg, [m("a1", "a"), m("a2", "a", stopping=5.0)], reg, "b", 100.0,
+                     100.0) == "a1"  # fmt: skip
     keep_two = _cfg(models={"a": "/x", "b": "/y"}, min_workers=2, max_workers=4)
-    assert make_room(keep_two, ours, reg, "b", 100.0) is None
+    assert make_room(keep_two, ours, reg, "b", 100.0, 100.0) is None
+
+
+def test_two_models_asked_for_in_turn_at_the_process_limit_do_not_evict_each_other_per_request(
+) -> None:  # fmt: skip
+    """--max-workers 1, models a and b asked for in turn: a worker was stopped for the other
+    model as soon as it was idle, so every request paid a cold start. A worker is taken only
+    once it has been ready for min_residency_s, and for as long as its own start took."""
+    cfg = _cfg(models={"a": "/x", "b": "/y"}, max_workers=1, min_residency_s=5.0)
+    # a's worker started at 0, ready at 1.5, has just answered a request (idle 0.1 s)
+    a1 = Managed("a1", "a", 0, proc=None, started=0.0, ready=1.5)  # type: ignore[arg-type]
+    reg = [_info("a1", model="a", last_active_at=1.9)]
+    assert needs_room(ModelState(), [], [], waiting=1, room=0, now=2.0)
+    assert make_room(cfg, [a1], reg, "b", wall=2.0, now=2.0) is None  # b's requests are held
+    assert make_room(cfg, [a1], reg, "b", wall=6.4, now=6.4) is None
+    assert make_room(cfg, [a1], reg, "b", wall=6.5, now=6.5) == "a1"  # 5 s of service
+    # a worker that took longer than that to start serves at least as long as its start took
+    slow = Managed("a1", "a", 0, proc=None, started=0.0, ready=20.0)  # type: ignore[arg-type]
+    assert make_room(cfg, [slow], reg, "b", wall=39.9, now=39.9) is None
+    assert make_room(cfg, [slow], reg, "b", wall=40.0, now=40.0) == "a1"
+    # min_residency_s 0: as long as its start took (1.5 s) only
+    eager = _cfg(models={"a": "/x", "b": "/y"}, max_workers=1, min_residency_s=0.0)
+    assert make_room(eager, [a1], reg, "b", wall=2.9, now=2.9) is None
+    assert make_room(eager, [a1], reg, "b", wall=3.0, now=3.0) == "a1"
+    with pytest.raises(ValueError, match="min_residency_s"):
+        _cfg(min_residency_s=-1.0)
 
 
 def test_a_stopping_worker_holds_its_slot_until_it_has_exited() -> None:

@@ -40,6 +40,19 @@ def _exits_once_checked_in(spec: ranks_module.RankSpec, rank: int) -> None:
     ranks_module._follower_main(spec, rank)
 
 
+def _rank_1_cannot_join(spec: ranks_module.RankSpec, rank: int) -> None:
+    """A follower: rank 1 fails to join gloo's group of an error of its own. (Its wait to be
+    killed, which the code had, made long: a rank 0 that waited for it is caught.)"""
+    if rank == 1:
+        ranks_module.LEAVE_AFTER_S = 600.0  # type: ignore[attr-defined]
+
+        def join(*args: object, **kwargs: object) -> None:
+            raise RuntimeError("no route")
+
+        ranks_module._join = join  # type: ignore[assignment]
+    ranks_module._follower_main(spec, rank)
+
+
 def _rank_2_exits_while_loading(spec: ranks_module.RankSpec, rank: int) -> None:
     """A follower: rank 2 exits with code 4 half a second into its load (the group is up)."""
     if rank == 2:
@@ -98,6 +111,13 @@ def _gone(pid: int) -> bool:
         # gathering of load errors; rank 0 names rank 2, not a peer that left of that error (a
         # peer waits to be stopped instead)
         (_rank_2_exits_while_loading, r"^rank 2 of 3 exited \(code 4\) while the ranks"),
+        # rank 1 fails to join of its own error: it waited 5 s to be killed before leaving (so as
+        # not to be named in place of a peer that died), and rank 0 for it; it leaves at once,
+        # saying why, and is named with its reason
+        (
+            _rank_1_cannot_join,
+            r"^rank 1 of 3 failed: could not join the group: no route while the ranks",
+        ),
     ],
 )
 def test_a_follower_that_exits_fails_the_start_at_once_named(

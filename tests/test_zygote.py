@@ -17,6 +17,7 @@ import aiohttp
 import orjson
 import pytest
 
+import runtime.zygote as zygote_module
 from runtime.pool_manager import Pool, PoolConfig
 from runtime.proctitle import redact
 from runtime.zygote import ForkedProcess, ZygoteClient, ZygoteError
@@ -270,3 +271,109 @@ def test_pool_starts_a_fresh_process_without_a_template(tmp_path: Path) -> None:
         await zygote.close()
 
     asyncio.run(main())
+
+
+def test_a_spawn_that_fails_beside_another_leaves_the_other_s_answer_to_it(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Each spawn() forgot, on its error path, the id of the latest spawn() begun rather than its
+    # own: the other call's answer found no one waiting, its process was killed as abandoned,
+    # and the call failed after SPAWN_TIMEOUT_S
+    monkeypatch.setattr(zygote_module, "SPAWN_TIMEOUT_S", 3.0)
+
+    async def main() -> None:
+        async with _template() as zygote:
+            argv = ["models", "--store", str(tmp_path)]
+            given_up = asyncio.ensure_future(zygote.spawn(argv))
+            other = asyncio.ensure_future(zygote.spawn(argv))
+            await asyncio.sleep(0)  # both sent, neither answered
+            given_up.cancel()
+            p = await other
+            assert b"no models in" in await p.stdout.read()
+            assert await p.wait() == 0
+            with pytest.raises(asyncio.CancelledError):
+                await given_up
+            assert not zygote._pending and not zygote._starting
+
+    asyncio.run(main())
+
+
+def test_a_template_that_hangs_is_killed_and_replaced(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # A template alive but not answering (here stopped) was kept: every spawn waited on it,
+    # and the pool, which replaces only a template that is gone, never replaced it
+    monkeypatch.setattr(zygote_module, "SPAWN_TIMEOUT_S", 1.0)
+    argv = ["models", "--store", str(tmp_path)]
+
+    async def main() -> None:
+        pool = Pool(PoolConfig(region="r", models={"m": "/x"}, redis_url="", secret="s"))
+        pool._start_zygote()
+        hung = pool._zygote
+        assert hung is not None
+        zygote = await hung
+        assert zygote.proc is not None
+        try:
+            os.kill(zygote.proc.pid, signal.SIGSTOP)
+            pool._zygote_started -= 60.0  # (a template is started again once a minute at most)
+            proc, how = await pool._spawn_process(argv, {})
+            assert how == "exec" and await proc.wait() == 0
+            assert not zygote.alive
+            assert await asyncio.wait_for(zygote.proc.wait(), 10) == -signal.SIGKILL
+            with pytest.raises(ZygoteError, match="not running"):
+                await zygote.spawn(argv)
+            assert pool._zygote is not hung  # a new one, which forks
+            fresh = await pool._zygote
+            proc, how = await pool._spawn_process(argv, {})
+            assert how == "fork" and await proc.wait() == 0
+            await fresh.close()
+        finally:
+            with contextlib.suppress(ProcessLookupError):
+                zygote.proc.kill()
+            await zygote.close()
+
+    asyncio.run(main())
+
+
+_DIES_AS_IT_ANSWERS = """
+import os, sys
+import runtime.zygote as z
+send = z._send
+def dies(sock, msg, fds=None):
+    if "pid" in msg:  # forked, and killed before the pool hears of it
+        os._exit(9)
+    send(sock, msg, fds)
+z._send = dies
+z.serve(int(sys.argv[1]))
+"""
+
+
+def test_a_child_whose_template_dies_before_answering_runs_nothing(tmp_path: Path) -> None:
+    """The template dies between a fork and its answer: the child ran its command all the same,
+    a process no pool knew of (a worker serving on that nothing would stop). It exits instead,
+    having run nothing: its output pipe closes empty."""
+    import json
+    import subprocess
+    import sys
+
+    ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    template = subprocess.Popen(
+        [sys.executable, "-c", _DIES_AS_IT_ANSWERS, str(theirs.fileno())],
+        pass_fds=[theirs.fileno()], stdin=subprocess.DEVNULL,
+    )  # fmt: skip
+    theirs.close()
+    try:
+        assert "ready" in json.loads(ours.recv(1 << 16))
+        r, w = os.pipe()
+        spawn = {"spawn": 1, "argv": ["models", "--store", str(tmp_path)], "env": {}}
+        socket.send_fds(ours, [json.dumps(spawn).encode()], [w])
+        os.close(w)
+        with os.fdopen(r, "rb") as out:
+            output = out.read()  # until the child's end closes: it has exited
+        assert template.wait(30) == 9
+        assert output == b"", output  # (the old template's child: "no models in ...")
+    finally:
+        ours.close()
+        if template.poll() is None:
+            template.kill()
+            template.wait()
