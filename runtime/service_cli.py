@@ -372,6 +372,7 @@ def cmd_pool(args: argparse.Namespace) -> int:
             max_workers=args.max_workers,
             min_workers=args.min_workers,
             idle_s=args.idle,
+            min_residency_s=args.min_residency,
             scale_up_queue=args.scale_up_queue,
             scale_up_after_s=args.scale_up_after,
             ready_timeout_s=args.ready_timeout,
@@ -550,6 +551,9 @@ def add_service_commands(sub: argparse._SubParsersAction, engine_args) -> None: 
                    help="per model, kept even when idle (default %(default)s)")  # fmt: skip
     p.add_argument("--idle", type=float, default=300.0,
                    help="seconds idle before a worker stops (default %(default)s)")  # fmt: skip
+    p.add_argument("--min-residency", type=float, default=5.0, metavar="S",
+                   help="seconds a worker serves (and at least as long as its start took) before "
+                   "--max-workers may stop it for another model's (default %(default)s)")  # fmt: skip
     p.add_argument("--scale-up-queue", type=int, default=4,
                    help="queued requests per worker that count as queueing (default 4)")  # fmt: skip
     p.add_argument("--scale-up-after", type=float, default=2.0,

@@ -1132,3 +1132,11 @@ def test_a_hold_beside_an_endless_one_of_an_older_gateway(redis_server) -> None:
             await r.aclose()
 
     asyncio.run(run())
+
+
+def test_min_residency_is_a_flag_of_the_pool_command() -> None:
+    from runtime.cli import build_parser
+
+    args = build_parser().parse_args(["pool", "--min-residency", "12.5"])
+    assert args.min_residency == 12.5
+    assert build_parser().parse_args(["pool"]).min_residency == 5.0  # (PoolConfig's default)
