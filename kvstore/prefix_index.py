@@ -47,7 +47,7 @@ import logging
 import re
 import threading
 import time
-from collections.abc import AsyncIterable, AsyncIterator, Collection, Iterable, Sequence
+from collections.abc import AsyncIterable, AsyncIterator, Callable, Collection, Iterable, Sequence
 
 from redis.asyncio import Redis
 from redis.exceptions import RedisError
@@ -227,6 +227,7 @@ class CacheEventPublisher:
         refresh_interval_s: float | None = None,
         purge_first: bool = False,
         marker_check_s: float = MARKER_CHECK_S,
+        paused: Callable[[], bool] | None = None,
     ) -> None:
         if flush_interval_s <= 0:
             raise ValueError(f"flush_interval_s must be > 0, got {flush_interval_s}")
@@ -264,6 +265,11 @@ class CacheEventPublisher:
         # marker was last seen (a publish sees it too)
         self.marker_check_s = marker_check_s
         self._marker_seen = time.monotonic()
+        # True while the worker lets its registry entry expire (a hung engine): nothing is
+        # written meanwhile, the lost marker's rewrite included, as a registry reader purges
+        # such a worker rightly (its entries would come back a second after, renewed for as long
+        # as the process lives); the events wait, and its next registration resyncs
+        self.paused = paused
         self._down = False  # the last flush of `run` failed (an outage is being logged)
         self._stop = asyncio.Event()  # set by close(): `run` returns
 
@@ -348,6 +354,8 @@ class CacheEventPublisher:
         """One flush; returns True when it found that the index must be written again: Redis has
         lost entries it had written, or holds an earlier run's."""
         now = time.monotonic()
+        if self.paused is not None and self.paused():
+            return False
         with self._lock:
             if self._closed:  # close() removed us from the index; a refresh must not re-add us
                 return False

@@ -33,9 +33,10 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import types
 import typing
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Any, Literal, Union
 
 import orjson
 
@@ -235,13 +236,26 @@ def _worker_field_types() -> dict[str, Any]:
 
 def _typed(name: str, hint: Any, value: Any) -> Any:
     """`value` if it is of type `hint` (a float field takes an int, as JSON writes 1.0 as 1;
-    no number field takes a bool), else ValueError."""
-    if typing.get_origin(hint) is Literal:
-        if value not in typing.get_args(hint):
-            raise ValueError(f"{name} must be one of {typing.get_args(hint)}, got {value!r}")
+    no number field takes a bool; an optional field takes null; a list or dict field a JSON
+    array or object), else ValueError."""
+    origin, args = typing.get_origin(hint), typing.get_args(hint)
+    if origin is Literal:
+        if value not in args:
+            raise ValueError(f"{name} must be one of {args}, got {value!r}")
         return value
+    if origin in (Union, types.UnionType):  # `X | None`: each of its types in turn
+        if value is None and type(None) in args:
+            return None
+        for arg in (a for a in args if a is not type(None)):
+            try:
+                return _typed(name, arg, value)
+            except ValueError:
+                pass
+        raise ValueError(f"{name} must be a JSON {hint}, got {value!r}")
+    if origin in (list, dict):  # (the container's own type; its items are the writer's)
+        hint = origin
     if hint is float and type(value) is int:  # (orjson reads one past 64 bits as a float)
         return float(value)
     if type(value) is not hint:
-        raise ValueError(f"{name} must be a JSON {hint.__name__}, got {value!r}")
+        raise ValueError(f"{name} must be a JSON {getattr(hint, '__name__', hint)}, got {value!r}")
     return value

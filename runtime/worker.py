@@ -1051,7 +1051,7 @@ async def _registration(app: web.Application) -> AsyncIterator[None]:
     # prune would have purged it: its marker gone by now, its blocks still listed)
     publisher = worker.publisher = CacheEventPublisher(
         PrefixIndex(redis), worker.config.model_name, worker.config.worker_id,
-        purge_first=worker.config.id_given,
+        purge_first=worker.config.id_given, paused=worker.llm.is_stalled,
     )  # fmt: skip
     worker.llm.set_cache_listener(publisher.record)
     worker._heartbeat = asyncio.create_task(worker.heartbeat_loop())

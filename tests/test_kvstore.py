@@ -677,3 +677,19 @@ async def test_a_readiness_probe_that_finds_redis_gone_logs_it_once(
         assert len(lines) == 1, lines
     finally:
         await r.aclose()
+
+
+def test_a_field_typed_optional_or_as_a_container_is_read() -> None:
+    """Registry reads check each field's type (a hash of another writer's is skipped): a field
+    added later as `X | None`, `list[str]` or `dict[...]` must be read, not crash every read
+    (a union hint has no __name__: the AttributeError escaped Registry.workers())."""
+    from kvstore.protocol import _typed
+
+    assert _typed("f", str | None, None) is None
+    assert _typed("f", str | None, "a") == "a"
+    assert _typed("f", float | None, 2) == 2.0
+    assert _typed("f", list[str], ["a"]) == ["a"]
+    assert _typed("f", dict[str, int], {"a": 1}) == {"a": 1}
+    for hint, value in ((str | None, 5), (list[str], "a"), (int | None, True)):
+        with pytest.raises(ValueError, match="f must be a JSON"):
+            _typed("f", hint, value)

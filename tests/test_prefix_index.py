@@ -640,6 +640,30 @@ async def test_a_publisher_whose_entries_were_purged_writes_them_again_unasked(
     await pub.close()
 
 
+async def test_a_paused_publisher_writes_nothing_back_until_it_resumes(r: Redis, model: str) -> None:
+    """A worker whose engine hangs stops renewing its registry entry, and a registry reader
+    then purges its entries, rightly. Its publisher (on the event loop, alive) wrote them all
+    back a second later, renewed for as long as the process lived: paused (the worker's
+    `llm.is_stalled`), it writes nothing, and the events wait for it to resume."""
+    idx = PrefixIndex(r)
+    h = chain(6)
+    stalled = False
+    pub = CacheEventPublisher(idx, model, "w1", marker_check_s=0.0, paused=lambda: stalled)
+    pub.record(h[:4], [])
+    await pub.flush()
+    stalled = True
+    await idx.purge_workers(model, ["w1"])  # the reader's purge of a worker gone silent
+    pub.record(h[4:], [])
+    for _ in range(3):
+        await pub.flush()
+    assert await idx.longest_prefixes(model, h) == {}
+    assert not await r.exists(marker_key(model, "w1"))
+    stalled = False  # the engine goes on: what it holds is listed again
+    await pub.flush()
+    assert await idx.longest_prefixes(model, h) == {"w1": 6}
+    await pub.close()
+
+
 async def test_close_with_redis_down_logs_and_returns(caplog: pytest.LogCaptureFixture) -> None:
     pub = CacheEventPublisher(PrefixIndex(connect("redis://127.0.0.1:1/0")), "m", "w1")
     pub.record(chain(2), [])
