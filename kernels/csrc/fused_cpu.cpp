@@ -350,9 +350,12 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "q and k rotated (rotate-half RoPE), rotated k and v stored at their cache slots, float32 "
         "or bfloat16",
         py::arg("q"), py::arg("k"), py::arg("v"), py::arg("cos"), py::arg("sin"),
-        py::arg("k_cache"), py::arg("v_cache"), py::arg("slots"));
+        py::arg("k_cache"), py::arg("v_cache"), py::arg("slots"),
+        py::call_guard<py::gil_scoped_release>());
   m.def("silu_and_mul", &silu_and_mul, "silu(gate) * up over (T, 2I) float32 or bfloat16",
-        py::arg("x"));
+        py::arg("x"),
+        py::call_guard<py::gil_scoped_release>());
   m.def("argmax_rows", &argmax_rows, "torch.argmax(x, dim=1) of a (B, V) float32 tensor",
-        py::arg("x"));
+        py::arg("x"),
+        py::call_guard<py::gil_scoped_release>());
 }

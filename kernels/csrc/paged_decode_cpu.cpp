@@ -822,9 +822,11 @@ void paged_prefill_attention(torch::Tensor q, torch::Tensor k_cache, torch::Tens
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_decode_attention", &paged_decode_attention,
-        "Decode attention over a paged KV cache (CPU)");
+        "Decode attention over a paged KV cache (CPU)",
+        py::call_guard<py::gil_scoped_release>());
   m.def("paged_prefill_attention", &paged_prefill_attention,
-        "Causal attention of prompt chunks over a paged KV cache, in place (CPU, float32)");
+        "Causal attention of prompt chunks over a paged KV cache, in place (CPU, float32)",
+        py::call_guard<py::gil_scoped_release>());
   m.def("prefill_supported", &prefill_supported,
         "Whether paged_prefill_attention takes G query heads per kv head of head_dim D");
 }

@@ -189,5 +189,6 @@ torch::Tensor rms_norm(torch::Tensor x, torch::Tensor w, double eps) {
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("rms_norm", &rms_norm, "RMSNorm over the last dimension, float32 or bfloat16", py::arg("x"),
-        py::arg("w"), py::arg("eps"));
+        py::arg("w"), py::arg("eps"),
+        py::call_guard<py::gil_scoped_release>());
 }

@@ -1192,14 +1192,17 @@ torch::Tensor small_linear(torch::Tensor x, torch::Tensor w, c10::optional<torch
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("small_linear", &small_linear,
         "x @ w.T (+ bias): x float32; w float32 (1-256 rows of x) or bfloat16 (any rows)",
-        py::arg("x"), py::arg("w"), py::arg("bias") = py::none());
+        py::arg("x"), py::arg("w"), py::arg("bias") = py::none(),
+        py::call_guard<py::gil_scoped_release>());
   m.def("pack_blocks", &pack_blocks,
         "(qs, scales) of a float32 weight whose blocks of 32 are exactly Q4_1, Q4_0, Q4_K, Q8_0, "
         "Q6_K, Q5_1, Q5_0 or Q5_K values; None otherwise (threads: 0 for all)",
         py::arg("w"), py::arg("threads") = 0, py::call_guard<py::gil_scoped_release>());
   m.def("packed_linear", &packed_linear, "x @ w.T (+ bias) with w packed by pack_blocks",
-        py::arg("x"), py::arg("qs"), py::arg("scales"), py::arg("bias") = py::none());
+        py::arg("x"), py::arg("qs"), py::arg("scales"), py::arg("bias") = py::none(),
+        py::call_guard<py::gil_scoped_release>());
   m.def("unpack_blocks", &unpack_blocks, "the float32 weight of pack_blocks' (qs, scales)",
-        py::arg("qs"), py::arg("scales"));
+        py::arg("qs"), py::arg("scales"),
+        py::call_guard<py::gil_scoped_release>());
   m.def("packed_fast", &packed_fast, "whether packed_linear has its AVX-512 kernels here");
 }
