@@ -7,10 +7,13 @@ close in `cleanup_ctx`. `/metrics` serves the Prometheus text of the gateway's m
 key needed: scrape it from inside the region); with `--metrics-port` it is served there, on a
 listener of its own (`metrics_app`), and not on the main port, which may be public. Every
 error, whichever phase raised it, leaves through `_errors` as an OpenAI error object with a
-4xx/5xx status; a request never gets an HTML page or a hang. The exception:
-a request aiohttp cannot parse (a request line or header over 8190 bytes, a control byte in a
-header) is answered by aiohttp itself, before any handler, with a plain-text 400; it is logged
-as one WARNING line, as is a body that stops decoding after the app refused it (`_ClientFaults`).
+4xx/5xx status; a request never gets an HTML page or a hang. A request aiohttp cannot parse (a
+request line or header over MAX_HEADER_BYTES, more than MAX_HEADERS headers, a control byte in a
+header, chunked framing that does not parse) never reaches a handler: `make_runner`'s
+connections answer it as an OpenAI error too (431 or 400, `errors.unparsable`); framing that
+breaks while a handler reads the body fails that read (a 400, runtime/serving.py). Each is
+logged as one WARNING line, as is a body that stops decoding after the app refused it
+(`_ClientFaults`). `Expect: 100-continue` is answered once auth and the declared size passed.
 
 `_errors`, the outermost middleware, also gives each request its id: the proxy sends it to the
 worker and puts it on its spans and log lines, and every response carries it as x-request-id
@@ -43,6 +46,7 @@ from gateway.errors import (
     invalid,
     model_not_found,
     unauthorized,
+    unparsable,
 )
 from gateway.openai_api import parse_chat, parse_completion
 from gateway.openapi import OPENAPI
@@ -57,7 +61,7 @@ from kvstore.telemetry import (
     sample_key_of,
 )
 from runtime.lifeline import watch_lifeline
-from runtime.serving import listen
+from runtime.serving import AppRunner, listen
 
 log = logging.getLogger("edgeinfer.gateway")
 
@@ -66,6 +70,12 @@ CATALOG = web.AppKey("catalog", RegionCatalog)
 VIEW = web.AppKey("view", ClusterView)
 PROXY = web.AppKey("proxy", Proxy)
 TELEMETRY = web.AppKey("telemetry", GatewayTelemetry)
+
+# The longest request line (method, URL) and header (name and value) taken, in bytes: h11's
+# limit on a whole request head (uvicorn's, vLLM's server), where aiohttp's 8190 refused a long
+# JWT bearer token or a browser's cookies beside it. Longer: 431, an OpenAI error.
+MAX_HEADER_BYTES = 16384
+MAX_HEADERS = 128  # headers in one request (aiohttp's default)
 
 
 class _ClientFaults(logging.Filter):
@@ -104,6 +114,8 @@ async def _errors(request: web.Request, handler: Any) -> web.StreamResponse:
         err = _as_api_error(request, e)
         request.app[TELEMETRY].error(err)
         headers = err.headers() | routed_headers(request.get(CALLS, []))
+        if isinstance(e, web.HTTPMethodNotAllowed):  # (a 405 must say what is allowed)
+            headers["Allow"] = ", ".join(sorted(e.allowed_methods))
         return _json(err.body(), err.status, headers)
 
 
@@ -133,6 +145,13 @@ async def _auth(request: web.Request, handler: Any) -> web.StreamResponse:
         ):
             raise unauthorized()
     return await handler(request)
+
+
+async def _expect_later(request: web.Request) -> None:
+    """aiohttp answers `Expect` ahead of the middlewares: 100 Continue to a client whose API key
+    or declared body size were then refused (it had been told to send the body), and a
+    text/plain 417 to any other expectation. The proxy answers it instead, as it reads the
+    body (`proxy._read_json`)."""
 
 
 async def chat_completions(request: web.Request) -> web.StreamResponse:
@@ -251,8 +270,8 @@ def make_app(
             tel_config = dataclasses.replace(tel_config, sample_key=key)
         telemetry = Telemetry(tel_config)
     app[TELEMETRY] = GatewayTelemetry(telemetry, config.region)
-    app.router.add_post("/v1/chat/completions", chat_completions)
-    app.router.add_post("/v1/completions", completions)
+    app.router.add_post("/v1/chat/completions", chat_completions, expect_handler=_expect_later)
+    app.router.add_post("/v1/completions", completions, expect_handler=_expect_later)
     app.router.add_get("/v1/models", models)
     app.router.add_get("/v1/models/{model:.+}", model)  # (ids may hold a "/": org/name)
     app.router.add_get("/healthz", healthz)
@@ -273,9 +292,13 @@ def metrics_app(app: web.Application) -> web.Application:
     return scrape
 
 
-async def serve(config: GatewayConfig) -> None:
-    """Run the gateway until SIGTERM/SIGINT."""
-    app = make_app(config)
+def _refusal(status: int, exc: BaseException | None) -> web.Response:
+    err = unparsable(status, exc, MAX_HEADER_BYTES, MAX_HEADERS)
+    return _json(err.body(), err.status, err.headers())
+
+
+def make_runner(app: web.Application, config: GatewayConfig) -> web.AppRunner:
+    """The runner `serve` runs `app` (make_app's) with."""
     # keepalive_timeout: aiohttp closes a connection whose handler still waits for a request
     # when it runs out, counted from the connection's start or its last response; bytes of an
     # unfinished request do not reset it, so it bounds slow headers too. lingering_time: after
@@ -283,9 +306,16 @@ async def serve(config: GatewayConfig) -> None:
     # dropped for this long before the connection closes (aiohttp's 10 s let a client that
     # stopped sending hold it 10 s past its 408)
     # auto_decompress: off, the app decodes request bodies itself (proxy._decompressed)
-    runner = web.AppRunner(app, handler_cancellation=True, access_log=None, shutdown_timeout=5.0,
-                           keepalive_timeout=config.idle_timeout_s, lingering_time=1.0,
-                           auto_decompress=False)  # fmt: skip
+    return AppRunner(app, _refusal, handler_cancellation=True, access_log=None,
+                     shutdown_timeout=5.0, keepalive_timeout=config.idle_timeout_s,
+                     lingering_time=1.0, auto_decompress=False, max_line_size=MAX_HEADER_BYTES,
+                     max_field_size=MAX_HEADER_BYTES, max_headers=MAX_HEADERS)  # fmt: skip
+
+
+async def serve(config: GatewayConfig) -> None:
+    """Run the gateway until SIGTERM/SIGINT."""
+    app = make_app(config)
+    runner = make_runner(app, config)
     await runner.setup()
     scrape: web.AppRunner | None = None
     try:  # whatever ends this (a port taken included), the app's cleanup stops its tasks

@@ -13,7 +13,7 @@ from __future__ import annotations
 import math
 from typing import Any
 
-from aiohttp import web
+from aiohttp import http_exceptions, web
 
 # Statuses after which the same request may be sent again, to another worker or later: the
 # request itself was fine, the service could not take it (or lost it) at that moment.
@@ -97,6 +97,7 @@ def _type_for(status: int) -> str:
     return {
         400: "invalid_request_error",
         401: "authentication_error",
+        431: "invalid_request_error",
         404: "not_found_error",
         413: "invalid_request_error",
         429: "rate_limit_error",
@@ -226,4 +227,29 @@ def from_exception(e: Exception, method: str, path: str, max_body_bytes: int) ->
         return not_found(f"no route for {method} {path}")
     if isinstance(e, web.HTTPException):
         return APIError(e.status, e.reason, "invalid_request_error")
+    return internal("internal error in the gateway")
+
+
+def unparsable(
+    status: int, exc: BaseException | None, header_limit: int, max_headers: int
+) -> APIError:
+    """The answer to a request aiohttp refused before the app saw it (runtime/serving.py): 431
+    for a request line or header over `header_limit` bytes, or too many headers; 400 for HTTP
+    that does not parse (a bad request line, a control byte in a header, a Content-Length that
+    is not a number, a chunked body that does not decode), naming the fault as aiohttp found
+    it. (aiohttp also comes here with 500 or 504 for a handler's exception that no middleware
+    answered: the app's outermost one answers them all.)"""
+    if isinstance(exc, http_exceptions.LineTooLong):
+        return APIError(431, f"the request line (its URL) or a request header is longer than "
+                        f"the limit of {header_limit} bytes", "invalid_request_error", None,
+                        "request_header_too_large")  # fmt: skip
+    if isinstance(exc, http_exceptions.BadHttpMessage):
+        fault = str(exc.message).strip().splitlines()[0].rstrip(":") if exc.message else ""
+        if fault == "Too many headers received":
+            return APIError(431, f"the request has more headers than the limit of {max_headers}",
+                            "invalid_request_error", None, "too_many_headers")  # fmt: skip
+        return invalid(None, f"the request is not valid HTTP/1.1 ({clip(fault, 120) or type(exc).__name__})",
+                       "malformed_request")  # fmt: skip
+    if status == 504:
+        return APIError(504, "the gateway timed out", "internal_error", None, "timeout")
     return internal("internal error in the gateway")

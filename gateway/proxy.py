@@ -54,6 +54,7 @@ from gateway.errors import (
     at_capacity,
     bad_gateway,
     client_gone,
+    clip,
     from_exception,
     invalid,
     model_not_found,
@@ -93,6 +94,9 @@ WAKE_EVERY_S = 5.0  # how often a gateway serving a model from afar wakes a near
 END_READ_S = 1.0  # how long a finished worker stream may take to end its body
 HOLD_THROUGH_FAILURES = 2  # failed starts in a row after which a waiting request gets its 503
 MAX_UNREACHED = 16  # workers that refused the connection a request passes over (see forward)
+# what aiohttp raises for a worker URL it cannot request (a registry entry that is not a URL,
+# one with a port out of range, or not http): the request never left, as when nothing listens
+_BAD_URL = (aiohttp.InvalidURL, aiohttp.NonHttpUrlClientError)
 # a decode worker's refusal codes that are the prefill worker's doing (kvstore/kv_transfer.py)
 _PREFILL_SIDE = frozenset({"kv_transfer_failed", "kv_source_refused"})
 _GRAMMAR_FIELDS = GUIDED_FIELDS | {"tools", "response_format"}  # fields whose check compiles one
@@ -195,6 +199,7 @@ class Proxy:
         # (shared by every request held for that model: one Redis read a poll, not one each)
         self._statuses: dict[tuple[str, str], tuple[float, asyncio.Future[ModelStatus | None]]] = {}
         self._holds = itertools.count()  # numbers each hold's entry in a wait set
+        self._warned: set[tuple[str, ...]] = set()  # misconfigurations logged (`_warn_once`)
 
     # ------------------------------------------------------------------ phases
     async def handle(
@@ -418,6 +423,7 @@ class Proxy:
             head: list[dict[str, Any]] = []
             try:
                 async for batch in events:
+                    worker = call.worker or worker  # (the one that answered: `_answered_by`)
                     head += batch
                     kinds = {e["type"] for e in batch}
                     if "error" in kinds:
@@ -438,6 +444,7 @@ class Proxy:
                         return events, head
                 raise WorkerFailed(worker, bad_gateway("worker stream ended early"), dead=True)
             except WorkerFailed as e:
+                worker = call.worker or worker
                 await events.aclose()
                 router.done(worker.worker_id, call.cost)
                 prefill = call.prefill
@@ -454,7 +461,7 @@ class Proxy:
                     if e.dead:
                         self.view.mark_failed(worker.worker_id)
                     call.tried.add(worker.worker_id)
-                    if (isinstance(e.__cause__, aiohttp.ClientConnectorError)
+                    if (isinstance(e.__cause__, (aiohttp.ClientConnectorError, *_BAD_URL))
                             and unreached < MAX_UNREACHED):  # fmt: skip
                         unreached += 1
                         attempts -= 1
@@ -466,6 +473,7 @@ class Proxy:
                     "request %s: worker %s failed: %s", call.request_id, failed.worker_id, e
                 )
             except BaseException as e:  # a refusal to relay (400/404), or the client went away
+                worker = call.worker or worker
                 await events.aclose()
                 router.done(worker.worker_id, call.cost)
                 self._prefill_done(call, prefill_cost)
@@ -716,7 +724,7 @@ class Proxy:
         headers = {SECRET_HEADER: self.config.worker_secret, "Content-Type": "application/json"}
         span = self.tel.forward(call, worker.worker_id, headers)
         url = f"{worker.url}/internal/generate"
-        finished = False
+        finished = first = False
         try:
             async with self.http.post(
                 url, data=gen.to_json(), headers=headers, timeout=timeout
@@ -730,6 +738,16 @@ class Proxy:
                     if not lines:
                         continue
                     batch = [decode_event(line) for line in lines]
+                    if not first:
+                        first = True
+                        answered = self._answered_by(call, worker, batch[0])
+                        if answered is None:
+                            await self.abort(worker, gen.request_id)  # (before a retry: the
+                            # same worker may be reached again, and would refuse the same id)
+                            raise WorkerFailed(worker, bad_gateway(
+                                f"worker {worker.worker_id} answered as another worker",
+                                "worker_failed"), dead=True)  # fmt: skip
+                        worker = answered
                     finished = batch[-1]["type"] in ("done", "error")
                     if batch[-1]["type"] == "error":  # (the attempt failed, retried or not)
                         code = batch[-1].get("code") or "worker_error"
@@ -743,6 +761,11 @@ class Proxy:
                         return
                 raise WorkerFailed(worker, bad_gateway("worker stream ended early"), dead=True)
         except (aiohttp.ClientError, TimeoutError, ValueError) as e:
+            if isinstance(e, _BAD_URL):
+                self._warn_once(("url", worker.worker_id, worker.url),
+                                "worker %s is registered with an unusable URL %r (%s): set "
+                                "aside until its next heartbeat", worker.worker_id, worker.url,
+                                e)  # fmt: skip
             log.info("request %s: worker %s failed: %r", gen.request_id, worker.worker_id, e)
             error = unavailable(f"worker {worker.worker_id} failed ({_failure(e)})",
                                 code="worker_failed")  # fmt: skip
@@ -758,6 +781,44 @@ class Proxy:
             raise
         finally:
             span.end()
+
+    def _answered_by(
+        self, call: Call, worker: WorkerInfo, event: dict[str, Any]
+    ) -> WorkerInfo | None:
+        """The worker that answered the request routed to `worker` (its first event, `start`,
+        names it). A registry entry whose URL reaches another worker (a worker started on the
+        port of one that died before its entry expired, a wrong --url) would otherwise put the
+        request, and the session's placement, on a worker the gateway does not know it is on.
+        The entry is set aside (until its next heartbeat) and the mix-up logged. When the worker
+        that answered is a live one of the model at that URL, the answer is taken as its own
+        (`call.worker`, its load, the placement to be recorded); otherwise None: the answer is
+        refused and the request tried elsewhere, before any byte reached the client."""
+        if event.get("type") != "start" or event.get("worker_id") == worker.worker_id:
+            return worker
+        other = event.get("worker_id")
+        self._warn_once(("start", worker.worker_id, worker.url, str(other)),
+                        "worker %s is registered at %s, where worker %r answers: set aside "
+                        "until its next heartbeat (a worker on the port of one that died, or "
+                        "a wrong --url?)", worker.worker_id, worker.url, other)  # fmt: skip
+        self.view.mark_failed(worker.worker_id)
+        real = next((w for w in self.view.live_workers() if w.worker_id == other
+                     and w.url == worker.url and w.model == worker.model), None)  # fmt: skip
+        if real is None:
+            return None
+        router = self.view.router
+        router.done(worker.worker_id, call.cost)
+        router.sent(real.worker_id, call.cost)
+        call.worker = real
+        return real
+
+    def _warn_once(self, key: tuple[str, ...], msg: str, *args: object) -> None:
+        """A misconfigured worker, logged once a gateway's life as an ERROR (it comes back with
+        each heartbeat and fails each request sent to it again, logged as a failed attempt)."""
+        if key not in self._warned:
+            if len(self._warned) >= 1024:  # (bounded: ids of workers come and go)
+                self._warned.clear()
+            self._warned.add(key)
+            log.error(msg, *args)
 
     async def abort(self, worker: WorkerInfo, request_id: str) -> None:
         try:
@@ -995,9 +1056,18 @@ async def _read_json(request: web.Request, limit: int, timeout_s: float) -> obje
     reading, for a declared one; after decompressing, for a gzip or deflate body), 408 for a
     body that does not arrive within `timeout_s` (a client that stops sending holds no
     connection for ever), 415 for a Content-Encoding other than those, 400 for a body that
-    cannot be decoded (a corrupt gzip or deflate stream) or is not JSON."""
+    cannot be decoded (a corrupt gzip or deflate stream) or is not JSON. `Expect:
+    100-continue` is answered here, once the declared size passed; any other Expect is a 417."""
     if request.content_length is not None and request.content_length > limit:
         raise web.HTTPRequestEntityTooLarge(max_size=limit, actual_size=request.content_length)
+    expect = request.headers.get("Expect")
+    if expect is not None:  # (once auth and the declared size passed: app._expect_later)
+        if expect.lower() != "100-continue":
+            raise APIError(417, f"Expect {clip(expect)!r} is not supported (only 100-continue)",
+                           "invalid_request_error", "Expect", "expectation_failed")  # fmt: skip
+        if request.version == aiohttp.HttpVersion11:
+            await request.writer.write(b"HTTP/1.1 100 Continue\r\n\r\n")
+            request.writer.output_size = 0  # (the response proper has not begun: aiohttp's way)
     try:
         async with asyncio.timeout(timeout_s):
             raw = await request.read()  # aiohttp enforces client_max_size (413) while reading
@@ -1053,6 +1123,8 @@ def _failure(e: BaseException) -> str:
         return "no answer in time"
     if isinstance(e, aiohttp.ServerDisconnectedError | aiohttp.ClientPayloadError):
         return "the connection broke"
+    if isinstance(e, _BAD_URL):
+        return "its registered URL is not a valid http(s) URL"
     if isinstance(e, ValueError):
         return "a malformed answer"
     return type(e).__name__

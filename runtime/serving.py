@@ -1,8 +1,99 @@
-"""What the worker's and the gateway's HTTP servers share."""
+"""What the worker's and the gateway's HTTP servers share.
+
+`AppRunner` is aiohttp's, except for what a server answers to a request aiohttp refuses before
+any handler or middleware sees it: a request line or header over the line limit, too many
+headers, a control byte in a header, a Content-Length that is not a number, a chunked body that
+does not parse, bytes that are not HTTP. aiohttp answers those itself with a text/plain 400
+(`RequestHandler.handle_error`) and offers no hook for it (aio-libs/aiohttp#3287, open since
+2018): a client of a JSON API then fails to parse the error it got. Here its connections
+(`_Protocol`) ask the app's `refusal` for the answer instead. aiohttp still logs the fault and
+closes the connection after the answer (the parser's state is lost). Nor does aiohttp tell a
+handler reading a body that the body stopped parsing (`_Protocol.data_received`).
+"""
 
 from __future__ import annotations
 
+import logging
+from collections.abc import Callable
+from typing import Any
+
 from aiohttp import web
+from aiohttp.web_protocol import RequestHandler, RequestPayloadError
+
+try:  # (aiohttp's private record of a parse fault: an aiohttp without it skips that check)
+    from aiohttp.web_protocol import _ErrInfo
+except ImportError:  # pragma: no cover
+    _ErrInfo = None  # type: ignore[assignment, misc]
+
+log = logging.getLogger("edgeinfer.serving")
+
+# the answer to a request aiohttp refused: its status (400; 500 or 504 for a handler's error
+# that no middleware answered) and the exception (a BadHttpMessage for a parse error)
+Refusal = Callable[[int, BaseException | None], web.Response]
+
+
+class AppRunner(web.AppRunner):
+    """aiohttp's AppRunner (same arguments), whose refusals `refusal` answers."""
+
+    def __init__(self, app: web.Application, refusal: Refusal, **kwargs: Any) -> None:
+        super().__init__(app, **kwargs)
+        self._refusal = refusal
+
+    async def _make_server(self) -> web.Server:
+        # (the app's own server, made as aiohttp makes it, then the same again as a _Server:
+        # aiohttp has no argument for the protocol class its server builds)
+        made = await super()._make_server()
+        try:  # (aiohttp's private fields: an aiohttp whose internals moved serves as its own)
+            return _Server(made.request_handler, request_factory=made.request_factory,
+                           handler_cancellation=made.handler_cancellation, loop=made._loop,
+                           refusal=self._refusal, **made._kwargs)  # fmt: skip
+        except (AttributeError, TypeError) as e:  # pragma: no cover
+            log.warning("requests aiohttp cannot parse get its own text/plain answers (this "
+                        "aiohttp's server has no %s)", e)  # fmt: skip
+            return made
+
+
+class _Server(web.Server):
+    def __init__(self, *args: Any, refusal: Refusal, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.refusal = refusal
+
+    def __call__(self) -> RequestHandler:  # (a connection's protocol)
+        return _Protocol(self, loop=self._loop, **self._kwargs)
+
+
+class _Protocol(RequestHandler):
+    def data_received(self, data: bytes) -> None:
+        messages = getattr(self, "_messages", None)
+        queued = len(messages) if messages is not None else 0
+        super().data_received(data)
+        if messages is None or _ErrInfo is None:  # (an aiohttp whose internals moved)
+            return
+        # A body that stops parsing once its request is being handled (a chunk size that is not
+        # hex, a chunk without its CRLF): aiohttp queues the fault as the connection's next
+        # request, to be answered after this one, and never tells this one's body, whose reader
+        # waited for bytes that would never come (the gateway's 30 s body timeout, then a 408
+        # "did not arrive"). The reader gets the fault, as for a body that does not decode.
+        request = getattr(self, "_current_request", None)
+        if len(messages) > queued and request is not None:
+            fault = messages[-1][0]
+            if isinstance(fault, _ErrInfo) and not request.content.is_eof():
+                first_line = str(fault.message).strip().split("\n", 1)[0].rstrip(":")
+                request.content.set_exception(RequestPayloadError(first_line))
+
+    def handle_error(
+        self,
+        request: Any,
+        status: int = 500,
+        exc: BaseException | None = None,
+        message: str | None = None,
+    ) -> web.StreamResponse:
+        # aiohttp's own: logs the fault, and raises when part of a response has gone already
+        super().handle_error(request, status, exc, message)
+        assert isinstance(self._manager, _Server)
+        answer = self._manager.refusal(status, exc)
+        answer.force_close()  # (as aiohttp's: what follows on the connection cannot be parsed)
+        return answer
 
 
 async def listen(runner: web.AppRunner, host: str, port: int, what: str) -> None:
