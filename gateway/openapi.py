@@ -44,13 +44,19 @@ _RESPONSES: JSON = {
     "408": _error("The request body did not arrive in time after its headers."),
     "413": _error("The request body is over the size limit (decompressed, if compressed)."),
     "415": _error("A Content-Encoding other than gzip or deflate (code unsupported_encoding)."),
+    "417": _error("An Expect header other than 100-continue (code expectation_failed)."),
     "429": _error("Every worker for the model is at capacity.", retry_after=True),
+    "431": _error(
+        "A request line or header over 16,384 bytes (code request_header_too_large), or more "
+        "than 128 headers (code too_many_headers)."
+    ),
     "500": _error("The request failed inside the service (an engine failure on the worker)."),
     "502": _error(
         "A worker failed, refused the gateway, or broke off or garbled its answer before "
         "anything was sent."
     ),
     "503": _error("No healthy worker can take the request now.", retry_after=True),
+    "504": _error("The gateway timed out serving the request (code timeout)."),
 }
 
 
@@ -75,7 +81,8 @@ def _generate(summary: str, request: str, answer: str, chunk: str) -> JSON:
                     "text/event-stream": {"schema": {"type": "string"}},
                 },
             },
-            **_errors("400", "401", "404", "405", "408", "413", "415", "429", "500", "502", "503"),
+            **_errors("400", "401", "404", "405", "408", "413", "415", "417", "429", "431", "500",
+                      "502", "503", "504"),
         },
     }
 
