@@ -9,10 +9,11 @@ EDGEINFER_STORE (the model store; default: the cache folder's `models`).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 DEFAULT_CACHE = Path(os.environ.get("EDGEINFER_CACHE", Path.home() / ".cache" / "edgeinfer"))
@@ -406,6 +407,32 @@ def _progress(msg: str) -> None:
     print(msg, file=sys.stderr)
 
 
+@contextlib.contextmanager
+def _clean_up_on_sigterm() -> Iterator[None]:
+    """For a command that builds a folder to rename into place (import-gguf, pull, compress):
+    SIGTERM (`kill`, a container stopping) exits 143 through the command's cleanup, as
+    Ctrl-C does, instead of killing it outright and leaving the hidden half-built folder behind
+    (in a folder that is not a store, nothing ever swept it). The previous handler is back
+    afterwards; off the main thread (where no handler can be set) nothing changes."""
+    import signal
+    import threading
+
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def terminate(_signum: int, _frame: object) -> None:
+        print("edgeinfer: terminated; nothing written", file=sys.stderr)
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)  # a second one: at once
+        raise SystemExit(128 + signal.SIGTERM)
+
+    previous = signal.signal(signal.SIGTERM, terminate)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
 def cmd_import_gguf(args: argparse.Namespace) -> int:
     from runtime.gguf_common import GGUFImportError
     from runtime.gguf_import import import_gguf
@@ -627,6 +654,9 @@ def main(argv: list[str] | None = None) -> int:
         args = build_parser().parse_args(argv)
         if hasattr(args, "speculative"):  # a command with the engine's options
             check_speculative_flags(args)
+        if args.func in (cmd_import_gguf, cmd_pull, cmd_compress):
+            with _clean_up_on_sigterm():
+                return int(args.func(args))
         return int(args.func(args))
     except KeyboardInterrupt:  # Ctrl-C while a model loads, say: no traceback, the usual code
         print(file=sys.stderr)

@@ -56,7 +56,7 @@ from runtime.gguf_common import (
     token_ids,
     write_json,
 )
-from runtime.gguf_tokenizer import write_tokenizer
+from runtime.gguf_tokenizer import check_token_lists, write_tokenizer
 from runtime.loader import IMPORT_MARKER  # last file written into a finished folder
 from runtime.model_store import LOCK_NAME, locked_folder
 
@@ -124,6 +124,7 @@ def _import(src: Path, dst: Path, dtype: str, shard_bytes: int, say: Progress) -
     meta = Metadata(reader, src)
     config = _llama_config(meta, reader, src, dtype)
     jobs = _tensor_jobs(reader, config, src)
+    check_token_lists(meta, config["vocab_size"], src)  # (before minutes of dequantizing)
     types = tensor_types(reader)
     say("tensor types: " + ", ".join(f"{n} {t}" for t, n in types.items()))
     packed = sorted(t for t in types if t in PACKED_TYPES)
@@ -173,10 +174,114 @@ def _open(src: Path) -> gguf.GGUFReader:
         magic = f.read(4)
     if magic != b"GGUF":
         raise GGUFImportError(src, f"not a GGUF file (starts with {magic!r}, expected b'GGUF')")
+    _check_sizes(src)
     try:
         return gguf.GGUFReader(src)
     except (ValueError, IndexError, KeyError) as e:
         raise GGUFImportError(src, f"corrupt or truncated GGUF file ({e})") from e
+
+
+# gguf.GGUFReader makes a numpy view per element of a metadata array, ~15-30 us and ~700 bytes
+# each: SmolLM2's 147k (tokens, types, merges) take 4 s, and a 3M-entry array 40 s and 2 GB.
+# The largest vocabularies (256k tokens, with types, scores and merges) stay well below these.
+MAX_ARRAY_ENTRIES = 1 << 20  # one metadata array
+MAX_METADATA_ENTRIES = 1 << 21  # all of them together
+_SCALAR_BYTES = {0: 1, 1: 1, 2: 2, 3: 2, 4: 4, 5: 4, 6: 4, 7: 1, 10: 8, 11: 8, 12: 8}
+_STRING, _ARRAY = 8, 9  # GGUF value types, as gguf.GGUFValueType numbers them
+
+
+class _Unfollowed(Exception):
+    """What _check_sizes leaves to gguf.GGUFReader to name."""
+
+
+def _check_sizes(src: Path) -> None:
+    """Walk the file's key/value section and tensor list (skipping what they hold) before
+    gguf.GGUFReader does: refuse metadata arrays longer than it can take in reasonable time and
+    memory, naming the key and its length, and a file too short for a tensor's data, naming the
+    tensor, or for its metadata and tensor list (the reader's own words for those are numpy's).
+    A value type GGUF has none of, or arrays nested deeper than 8, is left for the reader."""
+    import mmap
+    import struct
+
+    with src.open("rb") as f:
+        size = os.fstat(f.fileno()).st_size
+        if size < 24:
+            return
+        buf = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+    total, at = 0, 24  # after magic, version, tensor count, key/value count
+
+    def skip(key: str, kind: int, count: int, depth: int) -> None:
+        nonlocal total, at
+        if kind in _SCALAR_BYTES:
+            at += count * _SCALAR_BYTES[kind]
+        elif kind == _STRING:
+            for _ in range(count):
+                (n,) = struct.unpack_from("<Q", buf, at)
+                at += 8 + n
+        elif kind == _ARRAY and depth < 8:
+            for _ in range(count):
+                item, length = struct.unpack_from("<IQ", buf, at)
+                at += 12
+                total += length
+                if length > MAX_ARRAY_ENTRIES or total > MAX_METADATA_ENTRIES:
+                    what = (f"has {length} entries" if length > MAX_ARRAY_ENTRIES
+                            else f"brings the metadata arrays to {total} entries")  # fmt: skip
+                    raise GGUFImportError(
+                        src,
+                        f"metadata {key!r} {what}; at most {MAX_ARRAY_ENTRIES} per array and "
+                        f"{MAX_METADATA_ENTRIES} in all are read (no vocabulary needs more)",
+                    )
+                skip(key, item, length, depth + 1)
+        else:
+            raise _Unfollowed(f"value type {kind}")  # (the reader names it)
+        if at > size:
+            raise struct.error("past the end")
+
+    try:
+        n_tensors, n_kv = struct.unpack_from("<QQ", buf, 8)
+        alignment = 32  # GGUF's default
+        for _ in range(n_kv):
+            (n,) = struct.unpack_from("<Q", buf, at)
+            key = bytes(buf[at + 8 : at + 8 + min(n, 200)]).decode("utf-8", "replace")
+            at += 8 + n
+            (kind,) = struct.unpack_from("<I", buf, at)
+            at += 4
+            if key == "general.alignment" and kind == 4:  # uint32
+                alignment = max(1, struct.unpack_from("<I", buf, at)[0])
+            skip(key, kind, 1, 0)
+        tensors = []
+        for _ in range(n_tensors):
+            (n,) = struct.unpack_from("<Q", buf, at)
+            name = bytes(buf[at + 8 : at + 8 + min(n, 200)]).decode("utf-8", "replace")
+            at += 8 + n
+            (n_dims,) = struct.unpack_from("<I", buf, at)
+            dims = struct.unpack_from(f"<{n_dims}Q", buf, at + 4)
+            at += 4 + 8 * n_dims
+            kind, offset = struct.unpack_from("<IQ", buf, at)
+            at += 12
+            tensors.append((name, dims, kind, offset))
+    except struct.error:  # a read past the end of the file
+        raise GGUFImportError(
+            src,
+            f"truncated: its metadata and tensor list run past the end of the file ({size} bytes)",
+        ) from None
+    except _Unfollowed:
+        return
+    finally:
+        buf.close()
+    data_start = -(-at // alignment) * alignment
+    for name, dims, kind, offset in tensors:
+        if kind not in gguf.GGML_QUANT_SIZES:
+            continue  # (named as unsupported later)
+        block, block_bytes = gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType(kind)]
+        values = 1
+        for d in dims:
+            values *= d
+        end = data_start + offset + values // block * block_bytes
+        if end > size:
+            raise GGUFImportError(
+                src, f"truncated: tensor {name!r} needs bytes up to {end}, the file has {size}"
+            )
 
 
 def _llama_config(meta: Metadata, reader: gguf.GGUFReader, src: Path, dtype: str) -> dict[str, Any]:

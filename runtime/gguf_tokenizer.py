@@ -48,11 +48,34 @@ def _byte_alphabet() -> dict[int, str]:
     return spelling
 
 
-def write_tokenizer(out: Path, meta: Metadata, config: dict[str, Any], src: Path) -> None:
-    kind = meta.get("tokenizer.ggml.model")
+def check_token_lists(meta: Metadata, vocab_size: int | None, src: Path) -> list[str]:
+    """The vocabulary (`tokenizer.ggml.tokens`), checked against its per-token lists (types,
+    scores: one entry per token) and the embedding's `vocab_size` rows (it may have more, as
+    padding, never fewer: a token past the last row fails the model's first lookup of it).
+    A GGUFImportError naming the keys and both counts otherwise, before any weight is read."""
     tokens: list[str] = meta.get("tokenizer.ggml.tokens") or []
     if not tokens:
         raise GGUFImportError(src, "the file has no tokenizer (tokenizer.ggml.tokens is missing)")
+    for key in ("tokenizer.ggml.token_type", "tokenizer.ggml.scores"):
+        value = meta.get(key)
+        if value is not None and (not isinstance(value, list) or len(value) != len(tokens)):
+            got = f"{len(value)} entries" if isinstance(value, list) else repr(value)[:40]
+            raise GGUFImportError(
+                src,
+                f"metadata {key!r} has {got}, tokenizer.ggml.tokens has {len(tokens)} (one each)",
+            )
+    if vocab_size is not None and len(tokens) > vocab_size:
+        raise GGUFImportError(
+            src,
+            f"tokenizer.ggml.tokens has {len(tokens)} tokens, tensor 'token_embd.weight' "
+            f"only {vocab_size} rows (a token past them has no embedding)",
+        )
+    return tokens
+
+
+def write_tokenizer(out: Path, meta: Metadata, config: dict[str, Any], src: Path) -> None:
+    kind = meta.get("tokenizer.ggml.model")
+    tokens = check_token_lists(meta, config.get("vocab_size"), src)
     types: list[int] = meta.get("tokenizer.ggml.token_type") or [int(_T.NORMAL)] * len(tokens)
     merges = [_split_merge(m, src) for m in meta.get("tokenizer.ggml.merges") or []]
     ids = token_ids(meta)

@@ -267,7 +267,27 @@ def verify_chunk(manifest: Manifest, path: Path, index: int, data: bytes | memor
     if got != entry.xxh3_64[index]:
         start = index * manifest.chunk_bytes
         raise ModelLoadError(
-            f"{path}: checksum mismatch in bytes {start}..{start + len(data)} (xxh3-64 "
-            f"{got}, the manifest says {entry.xxh3_64[index]}): the shard is corrupt; pull the "
-            f"model again"
+            f"{path}: checksum mismatch in bytes {start}..{start + len(data)}"
+            f"{tensors_in(path, [(start, start + len(data))])} (xxh3-64 {got}, the manifest says "
+            f"{entry.xxh3_64[index]}): the shard is corrupt; pull the model again"
         )
+
+
+def tensors_in(path: Path, ranges: list[tuple[int, int]], most: int = 4) -> str:
+    """What file byte `ranges` of safetensors shard `path` hold, for an error about them:
+    " (header; tensors 'a', 'b' and 3 more)"; when the header cannot be read, "" (the byte
+    range alone then says where), or " (header, which does not parse)" when that is so and the
+    first range holds its start. Only on the error path: it reads the header again."""
+    from runtime.weights import read_header  # (weights imports this module)
+
+    try:
+        shard = read_header(path)
+    except (ModelLoadError, OSError):
+        return " (header, which does not parse)" if any(b == 0 for b, _ in ranges) else ""
+    hit = [t.name for t in shard.tensors if any(t.begin < e and b < t.end for b, e in ranges)]
+    parts = ["header"] if any(b < shard.data_start for b, _ in ranges) else []
+    if hit:
+        names = ", ".join(repr(n[:200]) for n in hit[:most])
+        more = f" and {len(hit) - most} more" if len(hit) > most else ""
+        parts.append(f"tensor{'s' if len(hit) > 1 else ''} {names}{more}")
+    return f" ({'; '.join(parts)})" if parts else ""

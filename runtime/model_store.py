@@ -72,6 +72,7 @@ from runtime.manifest import (
     file_digests,
     is_compressed,
     read_manifest,
+    tensors_in,
     verify_chunk,
     write_manifest,
 )
@@ -257,7 +258,10 @@ class ModelStore:
                     f"{i * manifest.chunk_bytes}..{min((i + 1) * manifest.chunk_bytes, size)}"
                     for i in bad
                 )
-                problems.append(f"{path}: corrupt: checksum mismatch in bytes {ranges}")
+                spans = [(i * manifest.chunk_bytes, (i + 1) * manifest.chunk_bytes) for i in bad]
+                problems.append(
+                    f"{path}: corrupt: checksum mismatch in bytes {ranges}{tensors_in(path, spans)}"
+                )
             meter.advance(entry.bytes, entry.file)
         if manifest.files is None:
             say(f"{folder}: its manifest has no checksums of the other files (config, tokenizer, "

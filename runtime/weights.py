@@ -138,9 +138,11 @@ def read_header(path: Path) -> Shard:
                 raise ModelLoadError(
                     f"{path}: corrupt safetensors file (header of {n} bytes in a file of {size})"
                 )
-            raw = json.loads(f.read(n))
+            text = f.read(n)
     except OSError as e:
         raise ModelLoadError(f"{path}: cannot read ({e})") from e
+    try:  # (apart from the reads: a ModelLoadError is a ValueError, not to be called "not JSON")
+        raw = json.loads(text)
     except (ValueError, RecursionError) as e:  # (not JSON, not UTF-8, a 5,000-digit number,
         # nesting deep enough to exhaust the parser's stack)
         raise ModelLoadError(f"{path}: corrupt safetensors file (header is not JSON: {e})") from e

@@ -380,3 +380,45 @@ def test_pool_worker_args_are_split_as_a_shell_would(
     err = capsys.readouterr().err.strip().splitlines()[-1]
     assert err.startswith("edgeinfer: error: --worker-args ") and "No closing quotation" in err
     assert len(configs) == 2
+
+
+@pytest.mark.parametrize("command", ["compress", "pull"])
+def test_sigterm_mid_write_cleans_up_and_exits_143(
+    tmp_path: Path, stories_dir: Path, command: str
+) -> None:
+    """`kill` (SIGTERM) of a command building a folder runs its cleanup as Ctrl-C does: exit
+    143, no half-built hidden folder left (a compression's, outside any store, was never swept),
+    nothing at the destination. The signal comes from inside, once the weights are written."""
+    hook = {"compress": ("runtime.compression", "_copy_extras"),
+            "pull": ("runtime.model_store", "_write_shard")}[command]  # fmt: skip
+    args = {"compress": ["compress", "--cast-bf16", str(stories_dir), str(tmp_path / "out")],
+            "pull": ["pull", str(stories_dir), "--store", str(tmp_path / "store")]}[command]  # fmt: skip
+    code = (
+        "import importlib, os, signal, sys\n"
+        f"m = importlib.import_module({hook[0]!r})\n"
+        f"real = getattr(m, {hook[1]!r})\n"
+        "def then_term(*a, **k):\n"
+        "    out = real(*a, **k)\n"
+        "    os.kill(os.getpid(), signal.SIGTERM)\n"
+        "    return out\n"
+        f"setattr(m, {hook[1]!r}, then_term)\n"
+        "from runtime.cli import main\n"
+        f"sys.exit(main({args!r}))\n"
+    )
+    done = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True)
+    assert done.returncode == 143, done.stderr[-2000:]
+    assert "edgeinfer: terminated; nothing written" in done.stderr
+    left = sorted(p.name for p in tmp_path.rglob("*"))
+    assert left in ([], ["store"]), left
+
+
+def test_the_sigterm_cleanup_is_undone_after_the_command(tmp_path: Path) -> None:
+    """Called in-process (tests, a pool), a writing command leaves the caller's SIGTERM handler
+    as it found it, even when it fails."""
+    import signal
+
+    from runtime.cli import main
+
+    before = signal.getsignal(signal.SIGTERM)
+    assert main(["pull", str(tmp_path / "nothing-here"), "--store", str(tmp_path)]) == 2
+    assert signal.getsignal(signal.SIGTERM) is before

@@ -485,6 +485,28 @@ def test_truncated_file(tmp_path: Path, bpe: Tokenizer) -> None:
         import_gguf(tmp_path / "cut.gguf", tmp_path / "hf")
 
 
+@pytest.mark.parametrize(
+    ("keep", "message"),
+    [
+        (0.999, r"truncated: tensor 'blk\.0\.ffn_down\.weight' needs bytes up to (\d+), "
+                r"the file has \d+"),
+        (0.3, r"truncated: tensor 'token_embd\.weight' needs bytes up to \d+"),
+        (0.02, r"truncated: its metadata and tensor list run past the end of the file"),
+        (30 / 236224, r"truncated: its metadata and tensor list run past the end"),
+    ],
+)  # fmt: skip
+def test_a_truncated_file_names_the_tensor_cut_off(
+    tmp_path: Path, keep: float, message: str
+) -> None:
+    """A file cut short: which tensor (or the metadata) it cut off, not numpy's words ("When
+    changing to a larger dtype, its size must be a divisor...", "index 0 is out of bounds")."""
+    data = _small_gguf(tmp_path / "m.gguf").read_bytes()
+    (tmp_path / "cut.gguf").write_bytes(data[: max(24, int(len(data) * keep))])
+    with pytest.raises(GGUFImportError, match=rf"cut\.gguf: {message}"):
+        import_gguf(tmp_path / "cut.gguf", tmp_path / "hf")
+    assert not (tmp_path / "hf").exists()
+
+
 def test_unsupported_architecture(tmp_path: Path) -> None:
     w = gguf.GGUFWriter(str(tmp_path / "g.gguf"), "gpt2")
     w.write_header_to_file()
@@ -524,10 +546,12 @@ def _small_gguf(
     heads: int = 4,
     head_dim: int = 16,
     shapes: dict[str, tuple[int, ...]] | None = None,
+    tokens: int | None = None,
 ) -> Path:
     """A one-layer llama GGUF of hidden size 64 (F32), its metadata and tensors as asked:
     `drop` leaves out one of its `add_*` calls (e.g. "head_count"), `kv` adds keys (ints as
-    uint32), `shapes` replaces tensors' (HF-order) shapes."""
+    uint32), `shapes` replaces tensors' (HF-order) shapes, `tokens` keeps that many of the
+    vocabulary's tokens (its types and scores stay whole)."""
     vocab = sentencepiece_vocab()
     hidden, ffn, kv_heads = 64, 128, 2
     w = gguf.GGUFWriter(str(path), "llama")
@@ -549,7 +573,7 @@ def _small_gguf(
         else:
             w.add_uint32(key, value)
     w.add_tokenizer_model(vocab.model)
-    w.add_token_list(vocab.tokens)
+    w.add_token_list(vocab.tokens[:tokens])
     w.add_token_types(vocab.types)
     w.add_token_scores(vocab.scores)
     q, k = heads * head_dim, kv_heads * head_dim
@@ -586,9 +610,15 @@ def _small_gguf(
         # (4e9 blocks: a loop over that many layers' tensor names, gigabytes, then MemoryError)
         ({"drop": ("block_count",), "kv": {"llama.block_count": 4_000_000_000}},
          "llama.block_count is 4000000000, the file has tensors for 1 blocks"),
+        # (imported, then the first prompt with a token past row 200: an IndexError traceback)
+        ({"shapes": {"token_embd.weight": (200, 64)}},
+         r"tokenizer.ggml.tokens has \d+ tokens, tensor 'token_embd.weight' only 200 rows"),
+        # (was "cannot be converted (ValueError: zip() argument 2 is longer than argument 1)")
+        ({"tokens": 10, "shapes": {"token_embd.weight": (10, 64)}},
+         r"metadata 'tokenizer.ggml.token_type' has \d+ entries, tokenizer.ggml.tokens has 10"),
     ],
     ids=["no-heads", "no-ffn", "zero-heads", "1d-embedding", "odd-head-dim", "text-context",
-         "text-rope-factor", "huge-block-count"],
+         "text-rope-factor", "huge-block-count", "tokens-past-embedding", "short-token-list"],
 )  # fmt: skip
 def test_malformed_files_are_named_errors(
     tmp_path: Path, case: dict[str, Any], message: str, capsys: pytest.CaptureFixture[str]
@@ -604,6 +634,31 @@ def test_malformed_files_are_named_errors(
     assert sorted(p.name for p in tmp_path.iterdir()) == ["odd.gguf"]
     assert main(["import-gguf", str(path), str(tmp_path / "hf")]) == 2
     assert capsys.readouterr().err.splitlines()[-1].startswith(f"edgeinfer: error: {path}: ")
+
+
+def test_metadata_arrays_too_long_to_read_are_refused_by_name(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """gguf.GGUFReader takes ~15 us and ~700 bytes per metadata array entry (a 3M-entry array:
+    40 s, 2 GB, then an import as if nothing were odd): a longer array than any vocabulary needs
+    is refused before the reader, naming its key; one within the limits imports. The limits are
+    lowered here so that a small file crosses them; the array walk is the same."""
+    import runtime.gguf_import as gi
+
+    path = _small_gguf(tmp_path / "m.gguf")  # its tokens, types and scores: 313 entries each
+    monkeypatch.setattr(gi, "MAX_ARRAY_ENTRIES", 300)
+    with pytest.raises(GGUFImportError, match=r"m\.gguf: metadata 'tokenizer.ggml.tokens' has "
+                       r"313 entries; at most 300 per array"):  # fmt: skip
+        import_gguf(path, tmp_path / "hf")
+    monkeypatch.setattr(gi, "MAX_ARRAY_ENTRIES", 400)
+    monkeypatch.setattr(gi, "MAX_METADATA_ENTRIES", 700)
+    with pytest.raises(GGUFImportError, match=r"metadata 'tokenizer.ggml.scores' brings the "
+                       r"metadata arrays to 939 entries"):  # fmt: skip
+        import_gguf(path, tmp_path / "hf")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["m.gguf"]
+    monkeypatch.setattr(gi, "MAX_METADATA_ENTRIES", 939)
+    import_gguf(path, tmp_path / "hf")
+    assert (tmp_path / "hf" / "tokenizer.json").is_file()
 
 
 def test_a_full_disk_while_writing_is_an_os_error_naming_the_file(

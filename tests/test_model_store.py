@@ -215,6 +215,35 @@ def test_verify_names_corrupt_truncated_and_missing_shards(
         store.verify("stories260K")
 
 
+def test_a_corrupt_chunk_names_the_tensors_it_holds(
+    tmp_path: Path, stories_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`verify` and a checked load name the tensor a corrupt byte range holds, not the range
+    alone (which leaves the operator to parse the header to learn what is damaged)."""
+    monkeypatch.setattr(model_store, "CHUNK_BYTES", 8192)
+    store = ModelStore(tmp_path / "store")
+    folder = store.pull(stories_dir, shard_bytes=SHARD)
+    manifest = read_manifest(folder)
+    assert manifest is not None and manifest.chunk_bytes == 8192
+    big = next(
+        (f, t) for f in sorted(folder.glob("*.safetensors")) for t in read_header(f).tensors
+        if t.name == "model.embed_tokens.weight"
+    )  # fmt: skip
+    shard, t = big
+    assert t.end - t.begin > 3 * 8192
+    _flip(shard, (t.begin + t.end) // 2)  # a chunk wholly inside the embedding
+    (problem,) = store.verify("stories260K")
+    assert problem.startswith(f"{shard}: corrupt: checksum mismatch in bytes ")
+    assert problem.endswith("(tensor 'model.embed_tokens.weight')")
+    with pytest.raises(ModelLoadError, match=r"\(tensor 'model\.embed_tokens\.weight'\) \(xxh3"):
+        list(load_safetensors([shard], manifest=manifest, skip_cached=False))
+
+    _flip(shard, (t.begin + t.end) // 2)  # mended; now the header's first byte after the length
+    _flip(shard, 9)
+    (problem,) = store.verify("stories260K")
+    assert problem.endswith("in bytes 0..8192 (header, which does not parse)")
+
+
 def test_resolve_list_force_remove(tmp_path: Path, stories_dir: Path) -> None:
     store = ModelStore(tmp_path / "store")
     folder = store.pull(stories_dir, "tiny", shard_bytes=SHARD)

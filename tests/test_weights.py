@@ -196,6 +196,20 @@ def test_a_header_entry_that_cannot_be_meant_is_an_error_naming_the_file(
         read_header(f)
 
 
+def test_a_header_longer_than_its_file_is_said_once(tmp_path: Path) -> None:
+    """A length past the end of the file is that error alone, not also "header is not JSON"
+    (the check raised inside the try that turns a JSON parser's ValueError into that one)."""
+    f = tmp_path / "m.safetensors"
+    save_file(_tensors(4), str(f))
+    good = f.read_bytes()
+    f.write_bytes((2 * len(good)).to_bytes(8, "little") + good[8:])
+    with pytest.raises(ModelLoadError) as e:
+        read_header(f)
+    assert str(e.value) == (
+        f"{f}: corrupt safetensors file (header of {2 * len(good)} bytes in a file of {len(good)})"
+    )
+
+
 @pytest.mark.parametrize(
     "header", [b"[" * 200_000 + b"]" * 200_000, b'{"a": ' + b"9" * 5001 + b"}"]
 )
