@@ -239,6 +239,8 @@ class LLMEngine:
             ranks=weights.ranks, kv_commit=config.kv_cache_commit,
             packed_weights=config.packed_weights, kv_dtype=self.kv_dtype,
         )
+        if weights.ranks is None:  # (a split model's ranks would each need to copy)
+            self.blocks.copy_slots = self.runner.copy_slots  # kept partial blocks, shared
         # No warm-up step: on the CPU a first request is as fast as the next (measured: a
         # prefill + decode warm-up took 0.11 s and saved the first request 0.00-0.04 s).
         # With weights kept compressed, a graph holds each layer's decode kernels too: the
@@ -363,6 +365,7 @@ class LLMEngine:
                     arrival=now,
                     hold_kv=hold_kv,
                     grammar=None if grammar is None else grammar.copy(),
+                    counts_lookup=i == 0,  # (n sequences, one prompt: one lookup)
                 )
             )
             detoks.append(
@@ -374,6 +377,9 @@ class LLMEngine:
                     min_tokens=params.min_tokens,
                 )
             )
+        if self.config.enable_prefix_caching:  # the others take the first's prompt blocks
+            for seq in seqs[1:]:
+                seq.first = seqs[0]
         group = RequestGroup(
             request_id,
             prompt_ids,
@@ -447,7 +453,9 @@ class LLMEngine:
             self.blocks.free(seq.request_id)
             return None
         self._imports[group.request_id] = group
-        self.blocks.count_query(len(group.prompt_token_ids), cached)  # (reserved: counted once)
+        # (not in the hit rate: the prefill worker's lookup counted this prompt, where it was
+        # computed; counted again here, a request's tokens counted twice over the cluster)
+        seq.counts_lookup = False
         return cached, list(table[cached // self.config.block_size :])
 
     def _import_admissible(self) -> bool:

@@ -20,10 +20,14 @@ A request's partial last block is kept too when it ends (`free` given its comput
 next turn of a conversation re-sends the previous prompt and reply and more, and would otherwise
 recompute those last tokens (half a block on average). A tail is keyed by the hash of the full
 blocks before it; a prompt whose full blocks match up to there and that holds all of the tail's
-tokens next takes the block over (it is no one else's: a tail is never shared) and computes
-from the tail's end. A prompt that shares only part of a tail does not take it, so a
-conversation's tail is not lost to another that starts the same way. Tails are local (the
-cluster's prefix index knows full blocks only) and are evicted like cached blocks.
+tokens next takes the block over (it is no one else's: a tail is never shared, as its new
+owner writes its next tokens into it) and computes from the tail's end. While that owner holds
+it, the block's first slots still hold the tail's tokens: a second prompt that continues them
+(the other sequences of an n > 1 request, a conversation's turns sent at once) gets a fresh
+block with those slots copied in (`copy_slots`, the runner's copy; without one, as with a model
+split over ranks, it computes them again). A prompt that shares only part of a tail does not
+take it, so a conversation's tail is not lost to another that starts the same way. Tails are
+local (the cluster's prefix index knows full blocks only) and are evicted like cached blocks.
 
     free, reusable nothing:  plain heap     (handed out first, lowest block id first)
     free, still cached:      LRU dict       (least recently freed first; evicting drops the hash
@@ -42,7 +46,7 @@ from __future__ import annotations
 
 import heapq
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 from kvstore.block_hash import extend_block_hashes
 
@@ -68,6 +72,13 @@ class BlockManager:
         # tail; the seed for a first block) -> {block: the tokens it holds}
         self._tails: dict[bytes, dict[int, tuple[int, ...]]] = {}
         self._tail_parent: dict[int, bytes] = {}  # tail block -> its key in _tails
+        # tails taken over, while their owner holds them: the same maps (the tokens their first
+        # slots still hold), sources of copies for the prompts that continue them too
+        self._used_tails: dict[bytes, dict[int, tuple[int, ...]]] = {}
+        self._used_parent: dict[int, bytes] = {}
+        # copy_slots(src, dst, n): the KV of block src's first n slots into block dst's (the
+        # model runner's, set by the engine where it can); None: used tails are not copied
+        self.copy_slots: Callable[[int, int, int], None] | None = None
         self.record_events = False  # queue cache events for drain_events (a worker publishes them)
         self._stored: list[bytes] = []  # cache events not yet drained
         self._evicted: list[bytes] = []
@@ -128,7 +139,7 @@ class BlockManager:
                     del self._lru[block]
                 self._ref[block] += 1
             hit = len(table) * self.block_size
-            if tails and self._tails:
+            if tails and (self._tails or self._used_tails):
                 parent = hashes[-1] if hashes else self.seed
                 tail = self._take_tail(parent, token_ids, hit)
                 if tail is not None:
@@ -150,23 +161,43 @@ class BlockManager:
     def _take_tail(
         self, parent: bytes, token_ids: Sequence[int], start: int
     ) -> tuple[int, int] | None:
-        """The longest kept tail under `parent` whose tokens `token_ids` holds from `start` on
-        (leaving one to compute), taken off the cache for the caller: (block, its tokens)."""
-        tails = self._tails.get(parent)
-        if not tails:
-            return None
+        """The longest tail under `parent` whose tokens `token_ids` holds from `start` on
+        (leaving one to compute), for the caller: (block, its tokens). A kept one is taken off
+        the cache; one in use (a tie goes to a kept one) is copied into a fresh block."""
         room = len(token_ids) - 1 - start
-        best, best_n = -1, 0
-        for block, tokens in tails.items():
-            n = len(tokens)
-            if best_n < n <= room and tuple(token_ids[start : start + n]) == tokens:
-                best, best_n = block, n
+        best, best_n, used = -1, 0, False
+        for in_use, tails in ((False, self._tails), (True, self._used_tails)):
+            if in_use and self.copy_slots is None:
+                break
+            for block, tokens in tails.get(parent, {}).items():
+                n = len(tokens)
+                if best_n < n <= room and tuple(token_ids[start : start + n]) == tokens:
+                    best, best_n, used = block, n, in_use
         if best < 0:
             return None
-        self._drop_tail(best)
-        del self._lru[best]
-        self._ref[best] = 1
+        tokens = tuple(token_ids[start : start + best_n])
+        if used:
+            if not self.num_free_blocks:
+                return None
+            assert self.copy_slots is not None
+            src, best = best, self._take()  # (may evict a kept block, never one in use: src)
+            self.copy_slots(src, best, best_n)
+        else:
+            self._drop_tail(best)
+            del self._lru[best]
+            self._ref[best] = 1
+        self._used_tails.setdefault(parent, {})[best] = tokens
+        self._used_parent[best] = parent
         return best, best_n
+
+    def _forget_used(self, block: int) -> None:
+        """A block its last holder gave up is no used tail any more (if it was one)."""
+        parent = self._used_parent.pop(block, None)
+        if parent is not None:
+            tails = self._used_tails[parent]
+            del tails[block]
+            if not tails:
+                del self._used_tails[parent]
 
     def _drop_tail(self, block: int) -> None:
         parent = self._tail_parent.pop(block)
@@ -237,6 +268,7 @@ class BlockManager:
             assert self._hash[block] is None, "a block past the computed tokens was cached"
             self._ref[block] -= 1
             if self._ref[block] == 0:
+                self._forget_used(block)
                 heapq.heappush(self._plain, block)
         return len(dropped)
 
@@ -268,6 +300,7 @@ class BlockManager:
         for block in reversed(table):
             self._ref[block] -= 1
             if self._ref[block] == 0:
+                self._forget_used(block)
                 if self._hash[block] is not None:
                     self._lru[block] = None
                 elif block == tail:

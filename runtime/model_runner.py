@@ -576,6 +576,15 @@ class ModelRunner:
         index = torch.tensor(block_ids, dtype=torch.int64)
         self._blocks()[local].index_copy_(2, index, data)
 
+    def copy_slots(self, src: int, dst: int, n: int) -> None:
+        """Copy the keys and values of block `src`'s first `n` slots into block `dst`'s, every
+        layer (a kept partial block that a second request continues: BlockManager.copy_slots).
+        Queued on the device's stream before the step that reads `dst`. This process's cache
+        only: a split model's ranks hold theirs."""
+        assert self.ranks is None, "a split model's ranks would each need the copy"
+        b = self.block_size
+        self.kv[:, :, dst * b : dst * b + n] = self.kv[:, :, src * b : src * b + n]
+
     def _blocks(self) -> torch.Tensor:
         """(local layers, 2, num_blocks, block_size, heads, head_dim) view of the cache."""
         n, _, slots, heads, dim = self.kv.shape

@@ -57,6 +57,13 @@ class Request:
     spec_accepted: int = 0  # of those, accepted
     grammar: RequestGrammar | None = None  # structured output: the grammar state over the
     # output so far and this step's token masks (runtime/structured_decoding.py)
+    counts_lookup: bool = True  # its first admission counts in the prefix-cache hit rate:
+    # the first of a request's n sequences only (they share the prompt: the request is one
+    # lookup, as the worker's telemetry and its usage count it); not a KV import, whose prompt
+    # the prefill worker looked up and computed
+    first: Request | None = None  # n > 1, prefix caching on: the request's first sequence,
+    # whose prompt this one takes from the cache (admitted once that is computed, not beside it
+    # computing the same prompt again: n sequences computed it n times)
     hold_kv: bool = False  # a KV export (prefill for another worker): when it finishes, its
     # blocks stay allocated until released (the puller acknowledged them, or a deadline passed)
 

@@ -16,7 +16,10 @@ Policy, per step, under a token budget (`max_num_batched_tokens`):
    budget, a free seat (`max_num_seqs`) and KV-cache room, and no request was preempted this step.
    A request admitted with no blocks (new, or preempted) first takes the cached blocks of its
    longest cached prefix (prefix caching): its `num_computed_tokens` starts there. Its first
-   admission alone sets `num_cached_tokens` (usage) and counts in the prefix-cache hit rate.
+   admission alone sets `num_cached_tokens` (usage) and counts in the prefix-cache hit rate
+   (once per user request: the first of its n sequences, and not a KV import). The other
+   sequences of an n > 1 request wait while the first computes their shared prompt, then find
+   its full blocks cached (admitted beside it, each computed the whole prompt again).
 After a step, every block that the computed tokens filled is hashed into the prefix cache.
 
 Speculative decoding (runtime/speculative.py) fits the same view: a decode with k draft tokens
@@ -201,6 +204,10 @@ class Scheduler:
             if len(running) >= seats:
                 break
             req = self.waiting[0]
+            first = req.first
+            if (first is not None and first.status is RequestStatus.RUNNING
+                    and first.num_computed_tokens < len(first.prompt_token_ids)):  # fmt: skip
+                break  # its prompt is being computed: found in the cache once it is
             held = self.blocks.holds(req.request_id)  # a KV import's blocks (maybe none)
             if not held:
                 # new, or preempted: start from the longest cached prefix of its tokens
@@ -220,7 +227,7 @@ class Scheduler:
                 # every step; a preempted one again when readmitted, often finding its own
                 # blocks: neither is a new query, as in vLLM, whose hit rate leaves them out)
                 req.num_cached_tokens = req.num_computed_tokens
-                if not held:  # (a KV import was counted when its blocks were reserved)
+                if req.counts_lookup:  # (once per request: `Request.counts_lookup`)
                     self.blocks.count_query(len(req.all_token_ids), req.num_computed_tokens)
             if not req.scheduled_at:
                 req.scheduled_at = time.monotonic()
