@@ -49,8 +49,8 @@ The metrics, by OpenTelemetry name (Prometheus name in brackets; `METRICS` lists
       edgeinfer.worker.requests.running / .waiting          gauges
       edgeinfer.worker.kv_cache.usage                       gauge, fraction of KV blocks in use
       edgeinfer.worker.prefix_cache.query_tokens / .hit_tokens   counters, once per request
-                                            answered (not per completion of n; a disaggregated
-                                            one by its decode worker: hits anywhere)
+                                            (not per completion of n), where its prompt was
+                                            computed (a disaggregated one: its prefill worker)
       edgeinfer.worker.preemptions                          counter
       edgeinfer.kv_transfer.bytes, edgeinfer.kv_transfer.duration   by direction (sent|received);
                                             a failed transfer's duration with error.type

@@ -67,13 +67,6 @@ class WorkerTelemetry:
         self.genai = GenAIMetrics(tel)
         self.kv_duration = tel.histogram(names.KV_TRANSFER_DURATION)
         self.cold_start_duration = tel.histogram(names.COLD_START)
-        # counted here, once per request answered, not from the engine's totals, which count a
-        # lookup per sequence (n of them for n completions) and one on each side of a
-        # disaggregated request (its prefill worker's export and its decode worker's import)
-        self.prefix_query = tel.counter(names.PREFIX_QUERY)
-        self.prefix_hit = tel.counter(names.PREFIX_HIT)
-        for counter in (self.prefix_query, self.prefix_hit):
-            counter.add(0, self.labels)  # (a series from the start, as the engine's totals had)
 
     # ------------------------------------------------------------------ gauges and totals
     def watch(
@@ -82,8 +75,10 @@ class WorkerTelemetry:
         kv_sent: Callable[[], int],
         kv_received: Callable[[], int],
     ) -> None:
-        """Instruments read at each collection: the engine's load and preemptions (`stats`, as
-        AsyncLLM.stats gives them) and the KV bytes moved each way."""
+        """Instruments read at each collection: the engine's load, preemptions and prefix-cache
+        totals (`stats`, as AsyncLLM.stats gives them: a request's lookup counted once, where its
+        prompt was computed, a disaggregated one's on its prefill worker, as /internal/stats
+        says) and the KV bytes moved each way."""
         labels = self.labels
 
         def one(read: Callable[[Mapping[str, int]], float]) -> Callable[[], Iterable[Any]]:
@@ -95,6 +90,8 @@ class WorkerTelemetry:
             names.KV_USAGE,
             one(lambda s: 1.0 - s["free_kv_blocks"] / max(1, s["total_kv_blocks"])),
         )
+        self.tel.observe(names.PREFIX_QUERY, one(lambda s: s["prefix_cache_query_tokens"]))
+        self.tel.observe(names.PREFIX_HIT, one(lambda s: s["prefix_cache_hit_tokens"]))
         self.tel.observe(names.PREEMPTIONS, one(lambda s: s["num_preemptions"]))
         self.tel.observe(
             names.KV_TRANSFER_BYTES,
@@ -139,8 +136,8 @@ class WorkerTelemetry:
         output: list[str] | None = None,
     ) -> None:
         """A generate call ended: `usage` is (prompt, output, cached) tokens when the engine took
-        the request; `error` the error code when it failed. Records the phases' spans, the
-        GenAI histograms and the prefix-cache counters, then ends `span`."""
+        the request; `error` the error code when it failed. Records the phases' spans and the
+        GenAI histograms, then ends `span`."""
         times.ended = times.ended or time.monotonic()
         attrs: dict[str, Any] = self.labels | {
             "gen_ai.operation.name": req.operation,
@@ -152,11 +149,6 @@ class WorkerTelemetry:
         counts = (usage[0], usage[1]) if usage is not None else None
         longest = times.longest_output or None
         self.genai.record(attrs, times.received, times.first_token, times.ended, counts, longest)
-        if usage is not None and (times.scheduled or times.pulled):  # its prompt was looked up
-            # (by the scheduler's admission, or a KV import's reservation): its cached tokens
-            # are the request's, of any worker, as its usage reports them
-            self.prefix_query.add(usage[0], self.labels)
-            self.prefix_hit.add(usage[2], self.labels)
         now_mono, now_ns = time.monotonic(), time.time_ns()  # one pair: spans nest exactly
         if span.is_recording():
             ctx = trace.set_span_in_context(span)
