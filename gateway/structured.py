@@ -12,9 +12,10 @@
   (`parallel_tool_calls`, a boolean, goes to the worker as it is.)
   `strict` schemas (response_format and tools) forbid properties they do not list.
 - Chat messages with tool calls: an assistant message's `tool_calls` (their `arguments` JSON
-  text is parsed into an object, which is what chat templates expect: strict JSON, integers
-  within 64 bits, nested at most `MAX_JSON_DEPTH` levels, as schemas are) and `tool` messages,
-  whose `tool_call_id` must name a call of an earlier assistant message.
+  text is parsed into an object, which is what chat templates expect; text that holds no JSON
+  object the service can carry, such as a call cut by max_tokens, goes to the template as the
+  string it is, as OpenAI takes any string) and `tool` messages, whose `tool_call_id` must name
+  a call of an earlier assistant message.
 """
 
 from __future__ import annotations
@@ -87,7 +88,7 @@ def constraint(f: Fields) -> dict[str, Any] | None:
     spec = found[0][1]
     return {
         k: getattr(spec, k)
-        for k in ("json", "regex", "choice", "grammar", "json_object")
+        for k in ("json", "regex", "choice", "grammar", "json_object", "param")
         if getattr(spec, k) not in (None, False)
     }
 
@@ -153,7 +154,9 @@ def _response_format(rf: object) -> StructuredOutputsParams | None:
 def _spec(param: str, fields: dict[str, Any]) -> StructuredOutputsParams:
     """A compiled-and-checked constraint; 400 naming `param` when llguidance refuses it."""
     try:
-        spec = StructuredOutputsParams(**fields)
+        # (the field travels with it: the worker's compile, with the model's tokenizer, can
+        # still refuse it, and names it then)
+        spec = StructuredOutputsParams(**fields, param=param)
         check(spec, param)
     except InvalidRequestError as e:
         # structured_outputs' own fields are the client's (structured_outputs.regex); the other
@@ -296,15 +299,26 @@ def _call(where: str, call: object, calls: dict[str, str]) -> dict[str, Any]:
     if not isinstance(fn, dict) or not isinstance(fn.get("name"), str):
         raise invalid(f"{where}.function", f"{where}.function must be an object with a name")
     args, param = fn.get("arguments", "{}"), f"{where}.function.arguments"
+    if not isinstance(args, str):
+        raise invalid(param, f"{param} must be a string (the call's arguments as JSON text)")
+    calls[cid] = fn["name"]
+    function = {"name": fn["name"], "arguments": _arguments(args)}
+    return {"id": cid, "type": "function", "function": function}
+
+
+def _arguments(args: str) -> dict[str, Any] | str:
+    """A call's arguments for the chat template: the object its JSON text holds (what
+    templates expect, as vLLM's json.loads gives them), or else the text as it was sent. OpenAI
+    takes any string here, and a call that max_tokens cut (`{"city": "Par`, or "" for a named
+    call cut in its name) comes back in the next request's history as the answer gave it.
+    The text is kept, too, where its object could not cross to the worker (an integer beyond
+    64 bits, NaN, nesting deeper than MAX_JSON_DEPTH): a template shows it as it stands."""
     try:
         # (a model's own arguments, sent back: raw newlines in strings, as it wrote them)
-        parsed = json_loads(args, strict=False) if isinstance(args, str) else None
-    except ValueError as e:
-        raise invalid(param, f"{param} {e}") from e
-    if not isinstance(parsed, dict):
-        raise invalid(param, f"{param} must be a JSON object, as text")
-    calls[cid] = fn["name"]
-    return {"id": cid, "type": "function", "function": {"name": fn["name"], "arguments": parsed}}
+        parsed = json_loads(args, strict=False)
+    except ValueError:
+        return args
+    return parsed if isinstance(parsed, dict) else args
 
 
 def _short(value: object) -> str:

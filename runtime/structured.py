@@ -54,9 +54,14 @@ class StructuredOutputsParams:
     choice: list[str] | None = None  # the output is exactly one of these strings
     grammar: str | None = None  # a Lark grammar in llguidance's dialect
     json_object: bool = False  # the output is any JSON object
+    # the client's field that asked for it ("guided_json", "tool_choice", ...), which errors
+    # name: a worker's refusal (its compile with the tokenizer) names what the client sent
+    param: str | None = None
 
-    def validate(self, param: str = "structured_outputs") -> None:
-        """Shape checks (types, exactly one constraint); `check` compiles it."""
+    def validate(self, param: str | None = None) -> None:
+        """Shape checks (types, exactly one constraint); `check` compiles it. Errors name
+        `param`, else the field the constraint came from, else "structured_outputs"."""
+        param = param or self.param or "structured_outputs"
         given = [
             name
             for name, value in (
@@ -101,6 +106,8 @@ class StructuredOutputsParams:
                 )
         if not isinstance(self.json_object, bool):
             raise InvalidRequestError(f"{param}.json_object", "must be a boolean")
+        if self.param is not None and not isinstance(self.param, str):
+            raise InvalidRequestError(f"{param}.param", "must be a string")
 
     @classmethod
     def coerce(cls, value: object, param: str = "structured_outputs") -> StructuredOutputsParams:

@@ -76,9 +76,12 @@ class RequestGrammar:
         matcher: llguidance.LLMatcher,
         eos_row: np.ndarray,
         on_error: Callable[[], None] | None = None,
+        param: str = "structured_outputs",
     ) -> None:
         self.matcher = matcher
-        self.error: str | None = None  # why the matcher failed (llguidance's first line), if it did
+        # why the matcher failed (the client's field, then llguidance's first line), if it did
+        self.error: str | None = None
+        self.param = param  # the client's field that asked for the constraint
         self._eos_row = eos_row  # (W,) only end-of-sequence allowed: the mask after an error
         self._on_error = on_error  # called once when the matcher fails (the compiler's eviction)
         self._job: Future[None] | None = None  # the step's mask job
@@ -87,7 +90,7 @@ class RequestGrammar:
     def copy(self) -> RequestGrammar:
         """A state at the same point (one per sequence of an n > 1 request); it shares the
         lexer, so a failure in one is seen by all."""
-        return RequestGrammar(self.matcher.deep_copy(), self._eos_row, self._on_error)
+        return RequestGrammar(self.matcher.deep_copy(), self._eos_row, self._on_error, self.param)
 
     def accept(self, tokens: list[int]) -> int:
         """Advance over tokens appended to the output (sampled under this grammar's mask).
@@ -138,7 +141,8 @@ class RequestGrammar:
         if not self.matcher.is_error():
             return False
         if self.error is None:
-            self.error = self.matcher.get_error().split("\n", 1)[0][:300]
+            why = self.matcher.get_error().split("\n", 1)[0][:300]
+            self.error = f"{self.param}: {why}"
             log.warning("structured output failed, the request ends here: %s", self.error)
             if self._on_error is not None:
                 self._on_error()
@@ -195,7 +199,9 @@ class GrammarCompiler:
             return self._lltok
 
     def grammar(self, spec: StructuredOutputsParams, param: str) -> RequestGrammar:
-        """A fresh grammar state for `spec` (InvalidRequestError naming `param` if refused)."""
+        """A fresh grammar state for `spec` (InvalidRequestError naming the client's field it
+        came from, `spec.param`, or else `param`, if refused)."""
+        param = spec.param or param
         text = check(spec, param)
         tok = self.tokenizer()
         with self._lock:
@@ -222,7 +228,7 @@ class GrammarCompiler:
                 ):
                     self._drop(next(iter(self._cache)))
         evict = functools.partial(self._evict, text, template)
-        return RequestGrammar(template.deep_copy(), self.eos_row, evict)
+        return RequestGrammar(template.deep_copy(), self.eos_row, evict, param)
 
     def _evict(self, text: str, template: llguidance.LLMatcher) -> None:
         """Drop a compiled grammar whose lexer failed (its copies share it): the next request
@@ -259,6 +265,19 @@ class GrammarCompiler:
                 param, "the constraint accepts no output: no token can begin it and the empty "
                 "output does not match it (a rule that never ends, or a schema that only refers "
                 "to itself?)",
+            )  # fmt: skip
+        # Output the grammar forces without end (`start: "x" start`, a rule that only repeats
+        # itself): llguidance extends the forced text on the first token until its item limit,
+        # so every request would fail there. Its forced tokens, consumed on a copy, show it.
+        probe = template.deep_copy()
+        forced = probe.compute_ff_tokens()
+        if forced:
+            probe.consume_tokens(forced)
+        if probe.is_error():
+            why = probe.get_error().split("\n", 1)[0][:300]
+            raise InvalidRequestError(
+                param, "the constraint forces output that never ends (a rule that only repeats "
+                f"itself, such as `start: \"x\" start`?): {why}",
             )  # fmt: skip
 
 

@@ -831,7 +831,7 @@ class RequestTools:
                 "a required or named tool_choice cannot be combined with response_format or "
                 "another output constraint",
             )
-        params.structured_outputs = StructuredOutputsParams(grammar=grammar)
+        params.structured_outputs = StructuredOutputsParams(grammar=grammar, param="tool_choice")
 
     def delta(
         self, index: int, text: str, token_ids: list[int], final: bool

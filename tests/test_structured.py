@@ -308,7 +308,7 @@ def test_a_matcher_error_is_logged_and_kept(stories: LLM, caplog: pytest.LogCapt
     """A matcher that fails mid-request says why (it was replaced by an end-of-sequence mask
     without a word, and the request ended "stop" with JSON the schema does not accept)."""
     g = _failed_grammar(stories)
-    assert g.error == "lexer error: too many expressions constructed"
+    assert g.error == "structured_outputs: lexer error: too many expressions constructed"
     assert "too many expressions" in caplog.text
 
 
@@ -326,14 +326,17 @@ def test_a_failed_grammar_leaves_the_cache(stories: LLM) -> None:
 
 def test_a_failed_grammar_fails_the_request(stories: LLM) -> None:
     """A request whose grammar fails ends with finish reason "error" and llguidance's reason
-    (it ended "stop" with JSON the schema does not accept), and so does the next one with the
-    schema (it answered '{')."""
+    (it ended "stop" with JSON the schema does not accept), after the client's field that
+    asked for it (it named none: the gateway's 400 said which), and so does the next one with
+    the schema (it answered '{')."""
     prompt = stories.tokenizer.encode("user: hi\nassistant:", add_special_tokens=False)
-    params = SamplingParams(max_tokens=60, temperature=0, structured_outputs=_json(LEXER_LIMIT))
+    spec = _json(LEXER_LIMIT)
+    spec.param = "guided_json"
+    params = SamplingParams(max_tokens=60, temperature=0, structured_outputs=spec)
     for _ in range(2):
         o = stories.generate([prompt], params)[0].outputs[0]
         assert o.finish_reason == "error", o
-        assert o.stop_reason == "lexer error: too many expressions constructed"
+        assert o.stop_reason == "guided_json: lexer error: too many expressions constructed"
         assert o.text.startswith('{"n": ') and len(o.token_ids) > 20, o.text
 
 

@@ -209,3 +209,82 @@ def test_a_grammar_the_compiler_panics_on_is_a_400_without_a_backtrace(stack: St
     assert status == 400, body
     message = body["error"]["message"]
     assert "assertion failed" in message and "backtrace" not in message and "\n" not in message
+
+
+SELF_REF = {"$defs": {"a": {"$ref": "#/$defs/a"}}, "$ref": "#/$defs/a"}
+
+
+@pytest.mark.parametrize(
+    ("body", "param"),
+    [
+        ({"response_format": _rf(SELF_REF)}, "response_format.json_schema.schema"),
+        ({"guided_json": SELF_REF}, "guided_json"),
+        ({"guided_grammar": "start: " + " ".join(['"a"'] * 70_000)}, "guided_grammar"),
+        ({"structured_outputs": {"json": SELF_REF}}, "structured_outputs"),
+    ],
+)
+def test_a_refusal_of_the_worker_names_the_clients_field(
+    stack: Stack, body: dict[str, Any], param: str
+) -> None:
+    """These pass the gateway's check (a compile without the model's tokenizer) and are
+    refused by the worker's (with it), which named "structured_outputs" whatever the client
+    sent; the field now travels with the constraint."""
+    status, answer = stack.chat(**body)
+    assert status == 400, answer
+    assert answer["error"]["param"] == param, answer
+    assert answer["error"]["message"].startswith(f"{param}: "), answer
+
+
+def test_a_forced_tool_call_names_tool_choice() -> None:
+    """The grammar of a required or named tool_choice is built in the worker: a refusal of it
+    names tool_choice, not structured_outputs."""
+    from runtime.sampling_params import SamplingParams
+    from runtime.tool_parsers import RequestTools, make_parser
+
+    tools = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}]
+    params = SamplingParams(max_tokens=4)
+    RequestTools(make_parser("hermes", "", {}), tools, "required", True).constrain(params)
+    spec = params.structured_outputs
+    assert spec is not None and not isinstance(spec, dict) and spec.param == "tool_choice"
+
+
+NEVER_ENDS = ['start: "x" start', 'start: a\na: "ab" a', 'start: "q" r\nr: "x" r']
+
+
+@pytest.mark.parametrize("grammar", NEVER_ENDS)
+def test_a_grammar_that_forces_endless_output_is_refused_naming_the_field(
+    stack: Stack, grammar: str
+) -> None:
+    """Its output is forced and never ends: it passed every check, then failed at the first
+    token with a 400 "constraint_failed" naming no field (llguidance's "Too many items")."""
+    for body, param in [({"guided_grammar": grammar}, "guided_grammar"),
+                        ({"structured_outputs": {"grammar": grammar}}, "structured_outputs")]:  # fmt: skip
+        status, answer = stack.chat(**body)
+        assert status == 400, answer
+        assert answer["error"]["param"] == param, answer
+        assert "never ends" in answer["error"]["message"], answer
+
+
+def test_grammars_that_end_or_may_end_are_still_taken(stories_dir: Path) -> None:
+    """Only forced endless output is refused at compile: a grammar that may go on (the model
+    chooses), one that forces a long but finite text, and schemas stay accepted. A grammar
+    that fails mid-request (here: a token it refuses) has an error naming the client's field."""
+    from runtime.structured import StructuredOutputsParams
+    from runtime.structured_decoding import GrammarCompiler
+    from runtime.tokenizer import Tokenizer
+
+    tok = Tokenizer.from_dir(stories_dir)
+    compiler = GrammarCompiler(tok, tok.vocab_size, tok.eos_token_ids)
+    for spec in [
+        StructuredOutputsParams(grammar='start: ("x" | "y") start'),
+        StructuredOutputsParams(grammar='start: "x" start | "y"'),
+        StructuredOutputsParams(json={"const": "q" * 3000}),
+        StructuredOutputsParams(json={"type": "object", "properties": {"a": {"type": "integer"}}}),
+        StructuredOutputsParams(regex="(ab)+"),
+    ]:
+        compiler.grammar(spec, "f")
+    spec = StructuredOutputsParams(grammar='start: "a" | "b" b\nb: "x" b', param="guided_grammar")
+    g = compiler.grammar(spec, "structured_outputs")
+    x = next(t for t in range(tok.vocab_size) if tok.decode([t]) == "x")
+    g.accept([x])
+    assert g.error is not None and g.error.startswith("guided_grammar: "), g.error
