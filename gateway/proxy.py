@@ -429,7 +429,9 @@ class Proxy:
                     if "error" in kinds:
                         error = next(e for e in batch if e["type"] == "error")
                         if error.get("code") == "constraint_failed":  # the same anywhere: no retry
-                            raise invalid(None, str(error.get("message")), "constraint_failed")
+                            param = error.get("param")  # (the client's field, if named)
+                            raise invalid(param if isinstance(param, str) else None,
+                                          str(error.get("message")), "constraint_failed")
                         status = error.get("status")
                         if isinstance(status, int) and 400 <= status < 600:
                             # a refusal sent in the stream (a decode worker's, of its KV pull):

@@ -152,6 +152,7 @@ class ErrorEvent:
     # the request failed after it was accepted
     retry_after: float | None = None  # with `status`: the Retry-After it stands for, if any
     error: dict[str, Any] | None = None  # with `status`: the OpenAI error object it stands for
+    param: str | None = None  # the client's field at fault, where one is (a constraint's)
 
 
 Event = StartEvent | DeltaEvent | DoneEvent | ErrorEvent

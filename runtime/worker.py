@@ -628,7 +628,9 @@ async def _generate(request: web.Request) -> web.StreamResponse:
             lines = []
             for o in out.outputs:
                 if o.finish_reason == "error":  # its constraint failed: no answer to give
-                    raise _ConstraintFailed(f"the output constraint failed: {o.stop_reason}")
+                    spec = params.structured_outputs  # (the client's field it came from)
+                    raise _ConstraintFailed(f"the output constraint failed: {o.stop_reason}",
+                                            getattr(spec, "param", None))  # fmt: skip
                 if o.finish_reason == "abort":  # (answered, but no success: the gateway
                     aborted = "aborted"  # answers 503 aborted)
                 event = _delta(worker, o, done, sent, tools)
@@ -651,7 +653,8 @@ async def _generate(request: web.Request) -> web.StreamResponse:
                  "queue_full" if isinstance(e, QueueFullError) else
                  "constraint_failed" if isinstance(e, _ConstraintFailed) else "engine_dead")  # fmt: skip
         with contextlib.suppress(ConnectionError):
-            await resp.write(encode_event(ErrorEvent(str(e), error)))
+            param = e.param if isinstance(e, _ConstraintFailed) else None
+            await resp.write(encode_event(ErrorEvent(str(e), error, param=param)))
     except InvalidRequestError as e:  # the engine refused it on its thread, after the stream
         # began (an id still held by a KV import or export): the refusal is its last event
         refused = _Refused.of(e)
@@ -775,7 +778,11 @@ class _ShuttingDown(EngineDeadError):
 class _ConstraintFailed(Exception):
     """A completion's grammar failed mid-request (a limit of llguidance's): its output is not
     what the constraint asked for, so the request fails with an error event (code
-    "constraint_failed") rather than finish "stop"."""
+    "constraint_failed", naming the client's field `param`) rather than finish "stop"."""
+
+    def __init__(self, message: str, param: str | None) -> None:
+        super().__init__(message)
+        self.param = param
 
 
 async def _prepare(

@@ -395,6 +395,7 @@ def test_a_constraint_that_fails_mid_request_is_a_400_not_retried(cluster: Clust
                                           temperature=0, extra_body={"guided_json": schema})  # fmt: skip
     assert e.value.code == "constraint_failed", e.value
     assert "too many expressions" in e.value.message
+    assert e.value.param == "guided_json"  # the client's field (it named none)
 
 
 # ---------------------------------------------------------------------- routing
