@@ -61,7 +61,7 @@ from kvstore.telemetry import (
     sample_key_of,
 )
 from runtime.lifeline import watch_lifeline
-from runtime.serving import AppRunner, listen
+from runtime.serving import MAX_HEADER_BYTES, MAX_HEADERS, AppRunner, listen
 
 log = logging.getLogger("edgeinfer.gateway")
 
@@ -70,12 +70,6 @@ CATALOG = web.AppKey("catalog", RegionCatalog)
 VIEW = web.AppKey("view", ClusterView)
 PROXY = web.AppKey("proxy", Proxy)
 TELEMETRY = web.AppKey("telemetry", GatewayTelemetry)
-
-# The longest request line (method, URL) and header (name and value) taken, in bytes: h11's
-# limit on a whole request head (uvicorn's, vLLM's server), where aiohttp's 8190 refused a long
-# JWT bearer token or a browser's cookies beside it. Longer: 431, an OpenAI error.
-MAX_HEADER_BYTES = 16384
-MAX_HEADERS = 128  # headers in one request (aiohttp's default)
 
 
 class _ClientFaults(logging.Filter):

@@ -27,6 +27,14 @@ except ImportError:  # pragma: no cover
 
 log = logging.getLogger("edgeinfer.serving")
 
+# The longest request line (method, URL) and header (name and value) taken, in bytes: h11's
+# limit on a whole request head (uvicorn's, vLLM's server), where aiohttp's 8190 refused a long
+# JWT bearer token or a browser's cookies beside it. The gateway answers longer ones 431. The
+# worker takes as much: what the gateway passes on (a W3C tracestate of up to 8192 characters,
+# which OpenTelemetry keeps) must not be refused one hop later.
+MAX_HEADER_BYTES = 16384
+MAX_HEADERS = 128  # headers in one request (aiohttp's default)
+
 # the answer to a request aiohttp refused: its status (400; 500 or 504 for a handler's error
 # that no middleware answered) and the exception (a BadHttpMessage for a parse error)
 Refusal = Callable[[int, BaseException | None], web.Response]

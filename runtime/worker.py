@@ -70,7 +70,7 @@ from runtime.outputs import CompletionOutput
 from runtime.sampler import TokenLogprobs
 from runtime.sampling_params import InvalidRequestError, SamplingParams
 from runtime.scheduler import QueueFullError
-from runtime.serving import listen
+from runtime.serving import MAX_HEADER_BYTES, MAX_HEADERS, listen
 from runtime.structured import StructuredOutputsParams
 from runtime.telemetry import RequestTimes, WorkerTelemetry
 from runtime.tokenizer import LONG_TEXT_CHARS, NoChatTemplateError, Tokenizer
@@ -1126,7 +1126,8 @@ async def serve(
     # this side had just closed would fail as if the worker had died (no retry for a POST)
     runner = web.AppRunner(
         make_app(worker), handler_cancellation=True, access_log=None, shutdown_timeout=5.0,
-        keepalive_timeout=IDLE_CONNECTION_S,
+        keepalive_timeout=IDLE_CONNECTION_S, max_line_size=MAX_HEADER_BYTES,
+        max_field_size=MAX_HEADER_BYTES, max_headers=MAX_HEADERS,
     )  # fmt: skip
     # SIGTERM is a drain from before the registry entry is written (the app's set-up writes it):
     # taken by the default action in between, it left the entry listing a dead worker for ttl_s

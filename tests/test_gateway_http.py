@@ -25,7 +25,15 @@ from kvstore.client import connect
 from kvstore.protocol import WorkerInfo
 from kvstore.redis_server import LocalRedis
 from kvstore.registry import Registry
-from tests.stack import Proc, chat_model, get_json, start_gateway, start_worker, wait_until
+from tests.stack import (
+    SECRET,
+    Proc,
+    chat_model,
+    get_json,
+    start_gateway,
+    start_worker,
+    wait_until,
+)
 
 API_KEY = "test-key"
 CATALOG = """
@@ -314,3 +322,17 @@ def test_expect_is_answered_after_auth_and_the_size_limit(stack: Stack) -> None:
             out += piece
     assert out.startswith(b"HTTP/1.1 200 "), out[:300]
     assert orjson.loads(out.partition(b"\r\n\r\n")[2])["object"] == "text_completion"
+
+
+def test_the_worker_takes_the_headers_the_gateway_takes(stack: Stack) -> None:
+    """The gateway takes headers up to 16 KiB and passes a W3C tracestate on to the worker (up
+    to 8192 characters, as OpenTelemetry keeps it): the worker refused one over aiohttp's 8190
+    bytes with a text/plain 400, and a tracing gateway answered the client 400."""
+    import urllib.request
+
+    state = ",".join(f"k{i:03d}=" + "v" * 250 for i in range(32))  # 32 entries, 8,191 characters
+    req = urllib.request.Request(f"{stack.worker.url}/internal/health",
+                                 headers={"tracestate": state[:8191],
+                                          "x-edgeinfer-secret": SECRET})  # fmt: skip
+    with urllib.request.urlopen(req, timeout=10) as resp:
+        assert resp.status == 200 and orjson.loads(resp.read())["status"] == "ok"
