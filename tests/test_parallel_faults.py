@@ -11,6 +11,7 @@ import os
 import signal
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -98,12 +99,21 @@ def _fails_on_its_own_mid_step(spec: ranks_module.RankSpec, rank: int) -> None:
     """A follower (in its own process) whose third step raises an error of its own. (Its wait
     to be killed, which the code had, made long: a rank 0 that waited for it is caught.)"""
     ranks_module.LEAVE_AFTER_S = 600.0  # type: ignore[attr-defined]
+
+    def boom() -> None:
+        raise RuntimeError("boom in a step")
+
+    _third_step_first(spec, rank, boom)
+
+
+def _third_step_first(spec: ranks_module.RankSpec, rank: int, before: Callable[[], None]) -> None:
+    """Run a follower (in its own process) whose third step first calls `before`."""
     real, count = ranks_module.run_step, [0]
 
     def run_step(*args: Any) -> Any:
         count[0] += 1
         if count[0] == 3:
-            raise RuntimeError("boom in a step")
+            before()
         return real(*args)
 
     ranks_module.run_step = run_step  # type: ignore[assignment]
@@ -244,21 +254,15 @@ def test_a_closed_group_is_let_go(stories_dir: Path) -> None:
 def _holds_the_interpreter_in_a_step(spec: ranks_module.RankSpec, rank: int) -> None:
     """A follower whose third step first computes for ~6 s in one C call that keeps the
     interpreter (GIL) held: its sign-of-life thread cannot run meanwhile. (The repository's own
-    CPU kernels keep it too: a long prompt's prefill attention on a large model, on a slow CPU,
-    can run that long per call, relative to HANG_AFTER_S.)"""
-    real, count = ranks_module.run_step, [0]
+    CPU kernels kept it until 7362b5a; a C extension of a model's may still.)"""
     t0 = time.perf_counter()
     sum(range(2_000_000))
     per_item = (time.perf_counter() - t0) / 2_000_000
 
-    def run_step(*args: Any) -> Any:
-        count[0] += 1
-        if count[0] == 3:
-            sum(range(int(6.0 / per_item)))  # one call, the GIL held throughout
-        return real(*args)
+    def compute() -> None:
+        sum(range(int(6.0 / per_item)))  # one call, the GIL held throughout
 
-    ranks_module.run_step = run_step  # type: ignore[assignment]
-    ranks_module._follower_main(spec, rank)
+    _third_step_first(spec, rank, compute)
 
 
 def test_a_rank_computing_with_the_interpreter_held_is_not_taken_for_hung(
