@@ -39,7 +39,7 @@ from aiohttp import web
 
 from gateway.cluster import ClusterView
 from gateway.config import GatewayConfig
-from gateway.cors import Cors
+from gateway.cors import Cors, origin_guard
 from gateway.errors import (
     APIError,
     from_exception,
@@ -247,7 +247,9 @@ def make_app(
             f"(known: {', '.join(sorted(catalog.regions))})"
         )
     cors = Cors(config.cors_origins) if config.cors_origins else None
-    middlewares = [_errors, _auth] if cors is None else [_errors, cors.preflight, _auth]
+    guard = origin_guard(cors)
+    middlewares = [_errors, guard, _auth] if cors is None else [_errors, cors.preflight, guard,
+                                                                _auth]  # fmt: skip
     app = web.Application(middlewares=middlewares, client_max_size=config.max_body_bytes)
     app.on_response_prepare.append(_stamp)
     if cors is not None:

@@ -6,7 +6,8 @@ a middleware ahead of auth (a browser sends no credentials on one): 204 with the
 headers it asked to send (the openai client sends x-stainless-* ones besides Authorization) and
 how long it may reuse that answer; from an origin not listed, 403. Every other response to a
 listed origin, errors included (a page must be able to read them), says so and exposes the
-gateway's own headers (`stamp`, on every response prepared).
+gateway's own headers (`stamp`, on every response prepared). A browser's POST from an origin not
+listed (any, without --cors-origins) is refused before any work (`origin_guard`).
 """
 
 from __future__ import annotations
@@ -23,6 +24,26 @@ EXPOSED = ", ".join(
     ("x-request-id", "x-edgeinfer-worker", "x-edgeinfer-region", "x-edgeinfer-route",
      "x-edgeinfer-prefill-worker", "Retry-After", "Server-Timing")
 )  # fmt: skip
+
+
+def origin_guard(cors: Cors | None) -> Any:
+    """A middleware ahead of auth: a POST (any method but GET, HEAD, OPTIONS) that carries an
+    Origin the gateway does not allow (none without --cors-origins) is refused, 403, before any
+    work. A browser sends a "simple" cross-origin POST (text/plain, a form) with no preflight:
+    CORS only hides the answer from the page, so any web page a visitor opened could make a
+    gateway without API keys (one on localhost, or inside a network) generate for it, blind.
+    Clients that are not browsers send no Origin, and a page of a listed origin is let through
+    as before."""
+
+    @web.middleware
+    async def guard(request: web.Request, handler: Any) -> web.StreamResponse:
+        origin = request.headers.get("Origin")
+        browser_write = origin is not None and request.method not in ("GET", "HEAD", "OPTIONS")
+        if browser_write and (cors is None or cors.allowed(origin) is None):
+            raise origin_not_allowed(origin or "")
+        return await handler(request)
+
+    return guard
 
 
 class Cors:

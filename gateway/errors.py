@@ -121,7 +121,8 @@ def unauthorized(message: str = "missing or invalid API key") -> APIError:
 
 
 def origin_not_allowed(origin: str) -> APIError:
-    """403: a browser's CORS preflight from an origin the gateway's --cors-origins does not list."""
+    """403: a browser's CORS preflight, or its POST, from an origin the gateway's --cors-origins
+    does not list."""
     return APIError(
         403,
         f"origin {clip(origin)!r} may not call this gateway from a browser (see --cors-origins)",

@@ -38,7 +38,10 @@ def _errors(*statuses: str) -> JSON:
 _RESPONSES: JSON = {
     "400": _error("The request is invalid; error.param names the field."),
     "401": _error("Missing or wrong bearer token."),
-    "403": _error("A CORS preflight from an origin --cors-origins does not list."),
+    "403": _error(
+        "A CORS preflight, or a browser's POST, from an origin --cors-origins does not list "
+        "(code origin_not_allowed)."
+    ),
     "404": _error("Unknown path, or a model no worker serves (code model_not_found)."),
     "405": _error("The path exists, but not with this method."),
     "408": _error("The request body did not arrive in time after its headers."),
@@ -81,8 +84,8 @@ def _generate(summary: str, request: str, answer: str, chunk: str) -> JSON:
                     "text/event-stream": {"schema": {"type": "string"}},
                 },
             },
-            **_errors("400", "401", "404", "405", "408", "413", "415", "417", "429", "431", "500",
-                      "502", "503", "504"),
+            **_errors("400", "401", "403", "404", "405", "408", "413", "415", "417", "429", "431",
+                      "500", "502", "503", "504"),
         },
     }
 

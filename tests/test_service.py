@@ -841,10 +841,18 @@ def test_cors_for_browser_clients(cluster: Cluster) -> None:
             exposed.split(", ")
         )
     assert unauthorized[0] == 401 and "x-request-id" in unauthorized[1]
-    assert other[0] == 200 and "Access-Control-Allow-Origin" not in other[1]
-    # the cluster's gateway runs without --cors-origins: a preflight meets auth, and no CORS
-    (status, headers), *_ = asyncio.run(run(cluster.gateway.url))
+    # a page of an origin not listed: refused before any work (it was served, the answer only
+    # hidden from the page: any page a visitor opened could make the gateway generate, blind)
+    assert other[0] == 403 and "Access-Control-Allow-Origin" not in other[1]
+    # the cluster's gateway runs without --cors-origins: a preflight meets auth, and no CORS;
+    # a browser's POST, whatever its origin, is refused, the same without Origin served
+    (status, headers), _, (post_status, _), _, _ = asyncio.run(run(cluster.gateway.url))
     assert status == 401 and "Access-Control-Allow-Origin" not in headers
+    assert post_status == 403
+    text_plain = {"Content-Type": "text/plain"}  # (a page's "simple" request: no preflight)
+    status, _, answer = _post(cluster, "/v1/completions", body, text_plain | {"Origin": page})
+    assert status == 403 and answer["error"]["code"] == "origin_not_allowed", answer
+    assert _post(cluster, "/v1/completions", body, text_plain)[0] == 200  # (curl -d, say)
 
 
 def test_worker_refuses_without_secret(cluster: Cluster) -> None:
