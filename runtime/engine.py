@@ -282,7 +282,16 @@ class LLMEngine:
         if isinstance(prompt, str):
             if not prompt:
                 raise InvalidRequestError("prompt", "must not be empty")
-            return self.tokenizer.encode(prompt)
+            ids = self.tokenizer.encode(prompt)
+            vocab = self.model.cfg.vocab_size
+            if ids and (top := max(ids)) >= vocab:  # (an embedding lookup past its end would
+                # fail the engine's step, and with it every request in flight)
+                raise InvalidRequestError(
+                    "prompt", f"tokenizes to id {top}, outside the model's vocabulary [0, "
+                    f"{vocab}): the model's tokenizer.json has more tokens than its "
+                    "config.json's vocab_size",
+                )  # fmt: skip
+            return ids
         if not isinstance(prompt, list) or not prompt:
             raise InvalidRequestError("prompt", "must be a non-empty string or list of token ids")
         vocab = self.model.cfg.vocab_size

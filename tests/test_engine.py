@@ -532,3 +532,30 @@ def test_a_bad_onednn_setting_fails_at_start_up(
             LLMEngine_for(stories_dir)
     finally:
         onednn_linear_on.cache_clear()
+
+
+def test_a_prompt_that_tokenizes_past_the_embedding_is_refused(
+    stories_dir: Path, tmp_path: Path
+) -> None:
+    """A tokenizer.json with more tokens than config.json's vocab_size (an added token past the
+    embedding: a hand-made folder, an old import): text that tokenizes to such a token was
+    taken, and the embedding lookup failed the step, and with it every request in flight. It is
+    a refusal naming the prompt; the engine serves the next request."""
+    import json
+    import shutil
+
+    from tokenizers import AddedToken, Tokenizer
+
+    model = tmp_path / "model"
+    shutil.copytree(stories_dir, model)
+    tok = Tokenizer.from_file(str(model / "tokenizer.json"))
+    vocab = json.loads((model / "config.json").read_text())["vocab_size"]
+    tok.add_special_tokens([AddedToken("<extra>", special=True)])
+    assert tok.token_to_id("<extra>") >= vocab
+    tok.save(str(model / "tokenizer.json"))
+    llm = LLM(str(model), kv_cache_bytes=4_000_000)
+    with pytest.raises(InvalidRequestError, match=r"prompt.*outside the model's vocabulary"):
+        llm.generate(["Once upon a time <extra>"], SamplingParams(max_tokens=2))
+    (out,) = llm.generate(["Once upon a time"], SamplingParams(max_tokens=2, temperature=0))
+    assert len(out.outputs[0].token_ids) == 2
+    assert llm.engine.blocks.num_free_blocks == llm.engine.blocks.num_blocks
