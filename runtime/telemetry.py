@@ -203,7 +203,8 @@ class WorkerTelemetry:
         if span.is_recording():
             span.set_attribute("edgeinfer.kv_transfer.bytes", nbytes)
             span.set_attribute("edgeinfer.kv_transfer.blocks", blocks)
-            if error is not None:
+            if error is not None:  # (error.type as on every failed span; the message says why)
+                span.set_attribute("error.type", "failed")
                 span.set_status(Status(StatusCode.ERROR, error[:200]))
         span.end()
 

@@ -131,6 +131,18 @@ def redis_server():  # type: ignore[no-untyped-def]
 
 
 @pytest.fixture
+def redis():  # type: ignore[no-untyped-def]
+    """A redis-server of the test's own (the telemetry tests' stacks start from an empty one)."""
+    from kvstore.redis_server import LocalRedis
+
+    server = LocalRedis().start()
+    try:
+        yield server
+    finally:
+        server.stop()
+
+
+@pytest.fixture
 async def r(redis_server):  # type: ignore[no-untyped-def]
     """A client on the session's Redis, not emptied: tests keep apart by model name (`model`).
     Test files whose tests empty it first define their own."""

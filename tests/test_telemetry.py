@@ -173,15 +173,6 @@ async def in_process(
             llm.shutdown()
 
 
-@pytest.fixture
-def redis():  # type: ignore[no-untyped-def]
-    server = LocalRedis().start()
-    try:
-        yield server
-    finally:
-        server.stop()
-
-
 def _by_name(spans: list[ReadableSpan]) -> dict[str, list[ReadableSpan]]:
     out: dict[str, list[ReadableSpan]] = {}
     for s in spans:
@@ -748,6 +739,8 @@ def test_a_failed_kv_transfer_is_told_apart_in_the_duration() -> None:
     wt.served(None, "r-2", now - 9.0, 0, False, None)
     wt.pull_done(wt.tracer.start_span("pull"), 0.02, 1024, 1, None)
     wt.pull_done(wt.tracer.start_span("pull"), 7.0, 0, 0, "refused: queue full")
+    failed = [sp for sp in rec.finished() if sp.name == "pull" and not sp.status.is_ok]
+    assert [(sp.attributes or {}).get("error.type") for sp in failed] == ["failed"]
     got = sorted((a["direction"], a.get("error.type", ""), round(pt.sum, 2))
                  for a, pt in rec.points(names.KV_TRANSFER_DURATION))  # fmt: skip
     assert got == [("received", "", 0.02), ("received", "failed", 7.0),

@@ -49,15 +49,6 @@ from tests.test_telemetry import (
 )
 
 
-@pytest.fixture
-def redis():  # type: ignore[no-untyped-def]
-    server = LocalRedis().start()
-    try:
-        yield server
-    finally:
-        server.stop()
-
-
 @pytest.mark.parametrize("ratio", [0.02, 1.0])
 def test_a_client_cannot_choose_trace_ids_the_gateway_always_keeps(ratio: float) -> None:
     """The gateway keeps a client's trace at its own ratio: it did so by trace id
