@@ -220,12 +220,12 @@ class WorkerInfo:
         another type than the dataclass says: a hash written by something other than a worker
         of this version. Read as it was, one such entry (a count as a string) made every route
         of its model fail (TypeError comparing its load), for as long as it was there."""
-        types = _worker_field_types()
+        hints = _worker_field_types()  # (not `types`: the module of that name)
         values: dict[str, Any] = {}
         for k, v in raw.items():
             key = as_text(k)
-            if key in types:
-                values[key] = _typed(key, types[key], orjson.loads(v))
+            if key in hints:
+                values[key] = _typed(key, hints[key], orjson.loads(v))
         return cls(**values)
 
 

@@ -784,8 +784,8 @@ class _Silence:
 
     Silent is without a beat and without computing: a follower's beat is a Python thread, held
     up while its main thread runs one C call that keeps the interpreter (GIL) for long (the CPU
-    kernels of kernels/csrc do: a long prompt's prefill attention, on a large model and a slow
-    CPU), and a busy, healthy follower was named as hung. `cpu_s(rank)` (None: not known) is
+    kernels of kernels/csrc did until they released it; a model's own extension still may), and
+    a busy, healthy follower was named as hung. `cpu_s(rank)` (None: not known) is
     its process's CPU time: one that used at least half a core since the watch's last look,
     over a second or more, computes. (A stopped or deadlocked one uses none; one stuck with
     the GIL held, a little: its beat thread's waits for the GIL.)"""

@@ -134,28 +134,29 @@ class Sampler:
         if masked:
             bitmask = np.stack([states[i].token_bitmask for i in masked])  # type: ignore[misc]
             logits = apply_token_bitmask(logits, bitmask, masked)
-        held = [i for i, s in enumerate(states) if len(s.output_token_ids) < s.params.min_tokens]
-        if all(_is_plain_greedy(p) for p in params):
-            token_ids = self._argmax(logits)
-            if held:  # (those rows again, copied: not a copy of the whole batch)
-                held_t = torch.tensor(held, device=logits.device)
-                token_ids[held_t] = self._argmax(self._hold_stops(logits, states, held))
-            return SamplerOutput(token_ids.tolist(), [None] * len(states))
-
-        if any(_has_penalty(p) for p in params):
+        plain = all(_is_plain_greedy(p) for p in params)
+        if not plain and any(_has_penalty(p) for p in params):
             logits = apply_penalties(logits, states)
-        pick = logits  # what is sampled from, the held rows' stop tokens at -inf; the logprobs
-        saved = None  # below are of the rows as they were (a held token keeps its logprob)
-        if held:  # (in place, those rows kept aside and put back: not a copy of the whole batch)
+        # Rows under their min_tokens: their stop tokens at -inf, in place, those rows kept
+        # aside and put back after the draw (not a copy of the whole batch): the logprobs are
+        # of the rows as they were (a held token keeps its logprob)
+        held = [i for i, s in enumerate(states) if len(s.output_token_ids) < s.params.min_tokens]
+        saved = None
+        if held:
             held_t = torch.tensor(held, device=logits.device)
             saved = logits[held_t]  # (R, V), a copy
             logits[held_t] = self._hold_stops(logits, states, held)
+        if plain:
+            token_ids = self._argmax(logits)
+            if saved is not None:
+                logits[held_t] = saved
+            return SamplerOutput(token_ids.tolist(), [None] * len(states))
 
         sampled = [i for i, p in enumerate(params) if not _is_greedy(p)]
         if not sampled:
-            token_ids = self._argmax(pick)  # (B,)
+            token_ids = self._argmax(logits)  # (B,)
         elif len(sampled) == len(states):
-            token_ids = _sample_rows(pick, states)
+            token_ids = _sample_rows(logits, states)
         else:
             device = logits.device
             greedy_t = torch.tensor(
@@ -163,8 +164,8 @@ class Sampler:
             )
             sampled_t = torch.tensor(sampled, device=device)
             token_ids = torch.empty(len(states), dtype=torch.long, device=device)
-            token_ids[greedy_t] = pick[greedy_t].argmax(dim=-1)
-            token_ids[sampled_t] = _sample_rows(pick[sampled_t], [states[i] for i in sampled])
+            token_ids[greedy_t] = logits[greedy_t].argmax(dim=-1)
+            token_ids[sampled_t] = _sample_rows(logits[sampled_t], [states[i] for i in sampled])
 
         if saved is not None:
             logits[held_t] = saved
