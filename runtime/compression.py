@@ -1383,10 +1383,15 @@ class CompressedBlocks:
     buffers; 2 or 3 were no faster). At batch 1 a layer's kernels are small and latency-bound,
     leaving much of the GPU to the decoder: SmolLM2's graphed step on an H100 took 1.15x the
     dense one (1.21x decoded in line; 2026-11-27, tiles of 32 values a lane; 1.26-1.79x at 64
-    over five runs on three machines); the lanes before them (a lane per 64 consecutive
-    values) made 1.44-1.50x, and 2.26x / 1.93x at 256 values a lane (2026-11-26). A higher
-    priority for either stream did not help (stream priorities; a graph's replay may not
-    honour them).
+    over five runs on three machines; 1.09-1.31x, median 1.18x, over six runs on 2026-11-27's
+    later machines); the lanes before them (a lane per 64 consecutive values) made 1.44-1.50x,
+    and 2.26x / 1.93x at 256 values a lane (2026-11-26). Tried on an H100, not kept: a higher
+    priority for either stream (a graph's replay may not honour them); a smaller grid for the
+    decode ahead, each program taking several tiles, to leave the block's kernels most of the
+    GPU (the decoder's rate fell in proportion to the programs, ~0.37 GB/s each, and the step
+    with it: 1.20x at 2112 programs, 5.1x at 132); a lane reading all its sign+mantissa words
+    at the tile's start rather than one group at a time (TinyLlama-1.1B's layers decoded 9%
+    faster, SmolLM2's 6% slower: neither is the limit).
 
     The weights are encoded here, from the loaded model (the model's parameters fuse q/k/v
     and gate/up, which the files' records do not), on the calling thread; on the CPU,
