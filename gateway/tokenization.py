@@ -7,8 +7,8 @@ the same `runtime.tokenizer.Tokenizer` from them. It then forwards the ids thems
 (GenerateRequest.prompt as list[int]), so gateway and worker agree by construction, not by
 hoping two tokenizations match.
 
-`runtime.tokenizer` is torch-free (tokenizers + jinja2), and `runtime/__init__` imports lazily, so
-importing it here keeps the gateway free of torch.
+`runtime.tokenizer` is torch-free (tokenizers; jinja2 once a chat template is compiled), and
+`runtime/__init__` imports lazily, so importing it here keeps the gateway free of torch.
 """
 
 from __future__ import annotations
@@ -22,7 +22,6 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-import jinja2
 import orjson
 import redis.exceptions
 from redis.asyncio import Redis
@@ -165,6 +164,7 @@ def _build(files: dict[str, str], cache_dir: Path | None, label: str) -> Tokeniz
             path.write_bytes(text.encode("utf-8"))
         tok = Tokenizer.from_dir(root)
     tok.source = label  # for messages; the folder is gone
+    tok.warm_chat_template()  # (on this thread, not the event loop: jinja2's import, a compile)
     return tok
 
 
@@ -198,7 +198,7 @@ def prompt_token_ids(
             raise invalid(
                 "messages", f"messages: {who} has no chat template; use /v1/completions"
             ) from e
-        except (jinja2.TemplateError, TypeError, ValueError) as e:
+        except (TypeError, ValueError) as e:
             raise invalid("messages", f"messages: the chat template rejected them: {e}") from e
         return _checked_ids(tok.encode(text, add_special_tokens=False))
     if prompt is None:

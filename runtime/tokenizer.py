@@ -20,17 +20,12 @@ tokenizers, and it would make incremental decoding disagree with full decoding.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
-from datetime import datetime
 from pathlib import Path
 from typing import Any
 
-import jinja2
-import jinja2.ext
-import jinja2.nodes
-import jinja2.parser
-from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import AddedToken
 from tokenizers import Tokenizer as HFTokenizer
 
@@ -59,6 +54,11 @@ class TokenizerFileError(ValueError):
     def __init__(self, path: Path, message: str) -> None:
         super().__init__(f"{path}: {message}")
         self.path = path
+
+
+class ChatTemplateError(ValueError):
+    """The chat template failed on a conversation (jinja2's error is the cause): a sandbox
+    violation, an undefined call. Its own raise_exception() is an InvalidRequestError."""
 
 
 class NoChatTemplateError(ValueError):
@@ -96,7 +96,7 @@ class Tokenizer:
         decoder = backend.decoder
         self._byte_level = decoder is not None and b'"ByteLevel"' in decoder.__getstate__()
         self._added_ids = frozenset(backend.get_added_tokens_decoder())
-        self._template_cache: dict[str, jinja2.Template] = {}  # source -> compiled
+        self._template_cache: dict[str, Any] = {}  # source -> compiled (a jinja2.Template)
 
     # ----- loading -------------------------------------------------------------------------
 
@@ -230,9 +230,11 @@ class Tokenizer:
         ]
         context: dict[str, Any] = {**self.special_tokens, "documents": None, **extra}
         context.update(messages=messages, tools=tools, add_generation_prompt=add_generation_prompt)
+        from runtime.chat_template import TemplateRaised, render
+
         try:
-            return template.render(**context)
-        except _TemplateRaised as e:
+            return render(template, context)
+        except TemplateRaised as e:
             raise InvalidRequestError("messages", str(e)) from e
 
     @property
@@ -265,68 +267,26 @@ class Tokenizer:
             '"default"'
         )
 
-    def _compiled_template(self, source: str) -> jinja2.Template:
+    def _compiled_template(self, source: str) -> Any:
         cache = self._template_cache
         if source not in cache:
+            from runtime.chat_template import TemplateSyntaxError, compile_template
+
             try:
-                cache[source] = _jinja_env().from_string(source)
-            except jinja2.TemplateSyntaxError as e:
+                cache[source] = compile_template(source)
+            except TemplateSyntaxError as e:
                 raise TokenizerFileError(
                     Path(self.source), f"chat template does not compile: {e}"
                 ) from e
         return cache[source]
 
-
-# ----- chat template environment -----------------------------------------------------------
-
-
-class _TemplateRaised(jinja2.TemplateError):
-    """A template called raise_exception(message)."""
-
-
-class _GenerationTag(jinja2.ext.Extension):
-    """Accept `{% generation %}...{% endgeneration %}` (transformers' assistant-mask marker) and
-    render its body unchanged; we never need the assistant mask."""
-
-    tags = {"generation"}  # type: ignore[misc]  # noqa: RUF012 (jinja2 declares it a plain attribute)
-
-    def parse(self, parser: jinja2.parser.Parser) -> jinja2.nodes.Node:
-        lineno = next(parser.stream).lineno
-        body = parser.parse_statements(("name:endgeneration",), drop_needle=True)
-        return jinja2.nodes.Scope(body, lineno=lineno)
-
-
-def _raise_exception(message: str) -> None:
-    raise _TemplateRaised(message)
-
-
-def _tojson(
-    x: Any,
-    ensure_ascii: bool = False,
-    indent: int | None = None,
-    separators: tuple[str, str] | None = None,
-    sort_keys: bool = False,
-) -> str:
-    # jinja's own tojson escapes HTML characters; chat templates want plain JSON.
-    return json.dumps(
-        x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys
-    )
-
-
-def _strftime_now(fmt: str) -> str:
-    return datetime.now().strftime(fmt)
-
-
-def _jinja_env() -> ImmutableSandboxedEnvironment:
-    env = ImmutableSandboxedEnvironment(
-        trim_blocks=True,
-        lstrip_blocks=True,
-        extensions=[_GenerationTag, jinja2.ext.loopcontrols],
-    )
-    env.filters["tojson"] = _tojson
-    env.globals["raise_exception"] = _raise_exception
-    env.globals["strftime_now"] = _strftime_now
-    return env
+    def warm_chat_template(self) -> None:
+        """Import jinja2 and compile the default chat template now (a worker does once it
+        serves, off its start-up's path), so that the first chat request does not; nothing for
+        a model without one, or one that does not compile (its first request says why)."""
+        if "default" in self.chat_templates:
+            with contextlib.suppress(TokenizerFileError):
+                self._compiled_template(self.chat_templates["default"])
 
 
 # ----- file reading ------------------------------------------------------------------------

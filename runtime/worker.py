@@ -34,7 +34,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
-import jinja2
 import orjson
 from aiohttp import web
 from opentelemetry import trace
@@ -84,6 +83,7 @@ ROLES: tuple[Role, ...] = ("prefill", "decode", "mixed")
 # calls take its client's timeouts in turn (~18 s), and the entries expire by their TTL anyway.
 EXIT_REDIS_S = 2.0
 IDLE_CONNECTION_S = 120.0  # an idle client connection's life (the gateway pools one 30 s)
+WARM_TEMPLATE_AFTER_S = 0.5  # after ready: jinja2's import and the chat template's compile
 # The tokenizer bundle in Redis: to write ("pending"; "retrying" once a Redis error is logged),
 # written (renewed at each heartbeat), or refused for good (too large, unreadable: logged once,
 # never read again).
@@ -426,7 +426,7 @@ class Worker:
                     "messages",
                     f"model {self.config.model_name!r} has no chat template; use /v1/completions",
                 ) from e
-            except (jinja2.TemplateError, TypeError, ValueError) as e:
+            except (TypeError, ValueError) as e:
                 raise InvalidRequestError(
                     "messages", f"the chat template rejected them: {e}"
                 ) from e
@@ -1136,6 +1136,7 @@ async def serve(
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
     await runner.setup()
+    warm: asyncio.TimerHandle | None = None
     try:  # whatever ends this (an error included), the app's cleanup stops its tasks
         await listen(runner, config.host, config.port, "worker")
         # The serving side's objects (the app, clients, telemetry) live as long as the process,
@@ -1143,6 +1144,10 @@ async def serve(
         # collection scans only what requests made (no collect first: it would delay the first
         # request)
         gc.freeze()
+        # jinja2 and the chat template, left out of the start-up (runtime.chat_template): soon
+        # after, on a thread, once the first requests (those a cold start was for) had the GIL
+        warm = loop.call_later(WARM_TEMPLATE_AFTER_S, loop.run_in_executor, None,
+                               worker.tokenizer.warm_chat_template)  # fmt: skip
         watch_lifeline(loop, lambda: _parent_gone(stop))
         rank_failure = _watch_ranks(llm, loop)
         # (an output nobody reads any more, its pool gone, must not stop the worker here)
@@ -1159,6 +1164,8 @@ async def serve(
         log.warning("stopping: draining %d in-flight requests", llm.num_open_streams)
         await worker.drain()
     finally:
+        if warm is not None:
+            warm.cancel()
         await runner.cleanup()
     llm.shutdown()
     worker.telemetry.tel.shutdown()  # flush spans and metrics still buffered
