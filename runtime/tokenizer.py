@@ -274,7 +274,7 @@ class Tokenizer:
 
             try:
                 cache[source] = compile_template(source)
-            except TemplateSyntaxError as e:
+            except (TemplateSyntaxError, RecursionError) as e:  # (nested past the parser's depth)
                 raise TokenizerFileError(
                     Path(self.source), f"chat template does not compile: {e}"
                 ) from e
@@ -282,10 +282,11 @@ class Tokenizer:
 
     def warm_chat_template(self) -> None:
         """Import jinja2 and compile the default chat template now (a worker does once it
-        serves, off its start-up's path), so that the first chat request does not; nothing for
-        a model without one, or one that does not compile (its first request says why)."""
+        serves, off its start-up's path; the gateway as it builds a tokenizer), so that the
+        first chat request does not. Best effort: nothing for a model without one, and nothing
+        raised for one that does not compile (its first chat request says why, as it did)."""
         if "default" in self.chat_templates:
-            with contextlib.suppress(TokenizerFileError):
+            with contextlib.suppress(Exception):
                 self._compiled_template(self.chat_templates["default"])
 
 

@@ -378,3 +378,18 @@ def test_bad_template_syntax_names_the_model(stories_dir: Path, tmp_path: Path) 
     tok = Tokenizer.from_dir(d)
     with pytest.raises(TokenizerFileError, match="chat template does not compile"):
         tok.apply_chat_template([{"role": "user", "content": "hi"}])
+
+
+def test_warming_a_template_that_does_not_compile_raises_nothing(
+    stories_dir: Path, tmp_path: Path
+) -> None:
+    """The warm-up is best effort (the gateway runs it as it builds a tokenizer: an error there
+    would lose the tokenizer for completions too); the first chat request says why."""
+    for template in ["{% for m in messages %}{{ m.content }}",  # no endfor
+                     "{{ " + "(" * 5000 + "1" + ")" * 5000 + " }}"]:  # past the parser's depth
+        d = _copy_model(stories_dir, tmp_path / f"m{len(template)}")
+        (d / "chat_template.jinja").write_text(template)
+        tok = Tokenizer.from_dir(d)
+        tok.warm_chat_template()
+        with pytest.raises(TokenizerFileError, match="chat template does not compile"):
+            tok.apply_chat_template([{"role": "user", "content": "x"}])
