@@ -29,13 +29,20 @@ def compile_template(source: str) -> jinja2.Template:
 
 def render(template: jinja2.Template, context: dict[str, Any]) -> str:
     """The template rendered; TemplateRaised for its raise_exception(), ChatTemplateError (a
-    ValueError) for any other template error (a sandbox violation, an undefined call)."""
+    ValueError) for anything else that stops it (the error its cause): a template error (a
+    sandbox violation, an undefined call), or a Python error raised by what the template does
+    with the conversation ('+' of a string and a list of content parts: a TypeError; `1 // 0`).
+    Either way the conversation is what the template cannot take: left as they were, the
+    latter were tracebacks (`edgeinfer chat`, `LLM.chat`) or 500s (a ZeroDivisionError in the
+    gateway and the worker, which answer a ValueError or TypeError 400)."""
     try:
         return template.render(**context)
     except TemplateRaised:
         raise
     except jinja2.TemplateError as e:
         raise ChatTemplateError(str(e)) from e
+    except Exception as e:  # (not BaseException: Ctrl-C stays an interrupt)
+        raise ChatTemplateError(f"{type(e).__name__}: {e}") from e
 
 
 class TemplateRaised(jinja2.TemplateError):

@@ -340,37 +340,96 @@ def _stream(llm, prompt: str | list[int], params, head: str = "") -> tuple[str, 
     return text, interrupted
 
 
+def _text_arg(what: str, text: str) -> str:
+    """`text` (a command-line argument or stdin, as Python decoded it) as the engine takes it: a
+    one-line SystemExit naming `what` when it is not UTF-8 (the bytes that are not arrive as
+    lone surrogates, a TypeError in the tokenizer: a traceback)."""
+    from runtime.llm import check_text
+    from runtime.sampling_params import InvalidRequestError
+
+    try:
+        check_text(what, text)
+    except InvalidRequestError as e:
+        raise SystemExit(f"edgeinfer: error: {e}") from None
+    return text
+
+
+def _stdout_gone() -> int:
+    """The exit status once stdout's reader has gone (`edgeinfer generate ... | head`): 141, a
+    command killed by SIGPIPE's, said nowhere (it was 'edgeinfer: error: [Errno 32] Broken
+    pipe', status 2). stdout is pointed at /dev/null first, so that the interpreter's last
+    flush of what is left in its buffer does not fail too ('Exception ignored ...')."""
+    with contextlib.suppress(OSError, ValueError):  # (no file descriptor: nothing to flush)
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        os.close(devnull)
+    return 141
+
+
 def cmd_generate(args: argparse.Namespace) -> int:
     params = _params(args)
+    prompts = [_text_arg("prompt", p) for p in args.prompt]
+    if not prompts and sys.stdin is None:  # (`<&-`: sys.stdin.read() was an AttributeError)
+        raise SystemExit("edgeinfer: error: no prompt: give one as an argument, or on stdin "
+                         "(which is closed)")  # fmt: skip
     llm = _build_llm(args)
-    prompts = args.prompt or [sys.stdin.read()]
-    for prompt in prompts:
-        if len(prompts) > 1:
-            print(f"--- {prompt!r}")
-        if _stream(llm, prompt, params, head=prompt)[1]:
-            return 130  # Ctrl-C stops the command, not only the prompt it was on
+    if not prompts:
+        if sys.stdin.isatty():  # (it sat there saying nothing, as if it hung)
+            print("no prompt given: type one, then Ctrl-D", file=sys.stderr)
+        prompts = [_text_arg("prompt (stdin)", sys.stdin.read())]
+        if not prompts[0]:
+            raise SystemExit("edgeinfer: error: no prompt: stdin was empty; give one as an "
+                             "argument, or on stdin")  # fmt: skip
+    try:
+        for prompt in prompts:
+            if len(prompts) > 1:
+                print(f"--- {prompt!r}")
+            if _stream(llm, prompt, params, head=prompt)[1]:
+                return 130  # Ctrl-C stops the command, not only the prompt it was on
+    except BrokenPipeError:
+        return _stdout_gone()
     return 0
 
 
 def cmd_chat(args: argparse.Namespace) -> int:
     params = _params(args)
+    system = _text_arg("--system", args.system) if args.system else None
+    if sys.stdin is None:  # (`<&-`: input() was a RuntimeError, after the model had loaded)
+        raise SystemExit("edgeinfer: error: edgeinfer chat reads your messages from stdin, "
+                         "which is closed")  # fmt: skip
     llm = _build_llm(args)
     if not llm.tokenizer.has_chat_template:
         print(f"edgeinfer: error: {llm.engine.config.model} has no chat template, so `edgeinfer "
               "chat` cannot make a prompt of a conversation; complete text with it instead: "
               f"edgeinfer generate --model {args.model} 'Once upon a time'", file=sys.stderr)  # fmt: skip
         return 2
-    messages = [{"role": "system", "content": args.system}] if args.system else []
+    _check_chat_template(llm)
+    messages = [{"role": "system", "content": system}] if system else []
     print("chat with the model; an empty line or Ctrl-D ends", file=sys.stderr)
-    while True:
-        try:
-            line = input("you> ").strip()
-        except (EOFError, KeyboardInterrupt):
-            print(file=sys.stderr)
-            return 0
-        if not line:
-            return 0
-        messages = _chat_turn(llm, messages, line, params)
+    try:
+        while True:
+            try:
+                line = input("you> ").strip()
+            except (EOFError, KeyboardInterrupt):
+                print(file=sys.stderr)
+                return 0
+            if not line:
+                return 0
+            messages = _chat_turn(llm, messages, line, params)
+    except BrokenPipeError:
+        return _stdout_gone()
+
+
+def _check_chat_template(llm) -> None:  # type: ignore[no-untyped-def]
+    """Refuse (a one-line SystemExit) a chat template that does not compile before the first
+    prompt, as one that is missing is (it was refused once the user had typed a message)."""
+    from runtime.chat_template import TemplateSyntaxError, compile_template
+
+    try:
+        compile_template(llm.tokenizer.chat_template_source())
+    except TemplateSyntaxError as e:
+        raise SystemExit(f"edgeinfer: error: {llm.engine.config.model}: its chat template does "
+                         f"not compile: {e} (line {e.lineno})") from None  # fmt: skip
 
 
 def _chat_turn(llm, history: list[dict[str, str]], line: str, params) -> list[dict[str, str]]:  # type: ignore[no-untyped-def]
@@ -379,7 +438,13 @@ def _chat_turn(llm, history: list[dict[str, str]], line: str, params) -> list[di
     context (a system message kept); or `history` as it was, when the engine refuses the line
     (too long even alone, say), which is said."""
     from runtime.sampling_params import InvalidRequestError
+    from runtime.tokenizer import ChatTemplateError
 
+    try:
+        _text_arg("message", line)
+    except SystemExit as e:  # (a line typed in another encoding: the chat goes on)
+        print(f"{e.code}\n(that message was not sent; the conversation goes on)", file=sys.stderr)
+        return history
     messages = [*history, {"role": "user", "content": line}]
     first = int(messages[0]["role"] == "system")  # (kept)
     dropped = 0
@@ -395,6 +460,11 @@ def _chat_turn(llm, history: list[dict[str, str]], line: str, params) -> list[di
                 dropped += 1
                 continue
             print(f"edgeinfer: error: {e}\n(that message was not sent; the conversation goes on)",
+                  file=sys.stderr)  # fmt: skip
+            return history
+        except ChatTemplateError as e:  # (a ValueError: it ended the chat, exit status 2)
+            print(f"edgeinfer: error: the chat template of {llm.engine.config.model} failed on "
+                  f"the conversation: {e}\n(that message was not sent; the conversation goes on)",
                   file=sys.stderr)  # fmt: skip
             return history
     if dropped:

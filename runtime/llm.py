@@ -14,6 +14,7 @@ from runtime.engine import LLMEngine, Prompt, RequestGroup
 from runtime.loader import PendingLoad
 from runtime.outputs import RequestOutput
 from runtime.sampling_params import InvalidRequestError, SamplingParams
+from runtime.tokenizer import NoChatTemplateError
 
 
 class LLM:
@@ -70,6 +71,9 @@ class LLM:
         # Validate everything before anything is queued, so a bad prompt queues nothing.
         for p in params_list:
             p.validate()
+        for prompt in batch:
+            if isinstance(prompt, str):
+                check_text("prompt", prompt)
         engine = self.engine
         groups = [
             engine.prepare_request(engine.next_request_id(), prompt, params, check_room=False)
@@ -104,13 +108,22 @@ class LLM:
         if not all(sequence(c) and all(isinstance(m, dict) for m in c) for c in convs):
             raise InvalidRequestError("messages", "each conversation must be a non-empty list "
                                       "of message objects")  # fmt: skip
-        prompts = [
-            self.tokenizer.encode(
-                self.tokenizer.apply_chat_template(conv, add_generation_prompt=True),  # type: ignore[arg-type]
-                add_special_tokens=False,
-            )
-            for conv in convs
-        ]
+        prompts = []
+        for n, conv in enumerate(convs):
+            for i, m in enumerate(conv):  # (to name the message; the prompt is checked below)
+                for key, value in m.items():
+                    if isinstance(value, str):
+                        where = f"[{n}]" * (len(convs) > 1) + f"[{i}].{key}"
+                        check_text(f"messages{where}", value)
+            try:
+                text = self.tokenizer.apply_chat_template(conv, add_generation_prompt=True)  # type: ignore[arg-type]
+            except NoChatTemplateError as e:  # (its own message points to the completions API)
+                raise NoChatTemplateError(
+                    f"{self.engine.config.model}: the model has no chat template, so `chat` "
+                    "cannot make a prompt of a conversation; complete text with `generate`"
+                ) from e
+            check_text("messages", text)  # (a tool call's arguments, say)
+            prompts.append(self.tokenizer.encode(text, add_special_tokens=False))
         return self.generate(prompts, sampling_params)  # type: ignore[arg-type]
 
     def _run(self, groups: list[RequestGroup], progress: bool) -> list[RequestOutput]:
@@ -142,6 +155,22 @@ class LLM:
         if progress:
             print(file=sys.stderr)
         return [done[i] for i in ids]
+
+
+def check_text(param: str, text: str) -> None:
+    """InvalidRequestError naming `param` when `text` is not Unicode that UTF-8 can encode: it
+    holds a lone surrogate, as Python decodes bytes that are not UTF-8 in a command-line
+    argument, stdin or a file name (the tokenizer would fail with a TypeError)."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        c = text[e.start]
+        byte = (f" (byte 0x{ord(c) - 0xDC00:02x}, which is not UTF-8: text in another "
+                "encoding?)" if 0xDC80 <= ord(c) <= 0xDCFF else "")  # fmt: skip
+        raise InvalidRequestError(
+            param, f"is not UTF-8 text: character {e.start} is {c!r}, a lone surrogate{byte}; "
+            "give UTF-8 text (iconv -t UTF-8 converts a file)"
+        ) from None  # fmt: skip
 
 
 def _as_batch(prompts: Prompt | Sequence[Prompt]) -> list[Prompt]:

@@ -422,3 +422,114 @@ def test_the_sigterm_cleanup_is_undone_after_the_command(tmp_path: Path) -> None
     before = signal.getsignal(signal.SIGTERM)
     assert main(["pull", str(tmp_path / "nothing-here"), "--store", str(tmp_path)]) == 2
     assert signal.getsignal(signal.SIGTERM) is before
+
+
+# A template that fails on some messages as chat templates do: an undefined call (a jinja2
+# error), '+' of a string and an int (a TypeError), a division by zero
+FAILING_TEMPLATE = (
+    "{% for m in messages %}{% if m['content'] == 'undef' %}{{ nope() }}"
+    "{% elif m['content'] == 'type' %}{{ m['content'] + 1 }}"
+    "{% elif m['content'] == 'div' %}{{ 1 // 0 }}{% endif %}"
+    "{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
+    "{% if add_generation_prompt %}assistant:{% endif %}"
+)
+
+
+def _template_model(stories_dir: Path, dst: Path, template: str) -> Path:
+    dst.mkdir()
+    for f in stories_dir.iterdir():
+        (dst / f.name).symlink_to(f)
+    (dst / "chat_template.jinja").write_text(template)
+    return dst
+
+
+def test_a_chat_template_error_refuses_the_message_and_the_chat_goes_on(
+    tmp_path: Path, stories_dir: Path
+) -> None:
+    """A message the template fails on was the end of the chat (a ChatTemplateError: exit 2),
+    or a traceback (a TypeError, a ZeroDivisionError raised while rendering)."""
+    model = _template_model(stories_dir, tmp_path / "m", FAILING_TEMPLATE)
+    run = _chat(model, ["Hi", "undef", "type", "div", "Bye"], "--max-tokens", "3")
+    assert run.returncode == 0 and "Traceback" not in run.stderr, run.stderr
+    assert run.stdout.count("model> ") == 2, run.stdout
+    assert run.stderr.count("that message was not sent; the conversation goes on") == 3
+    for why in ("'nope' is undefined", "TypeError: can only concatenate", "ZeroDivisionError"):
+        assert f"chat template of {model} failed on the conversation: {why}" in run.stderr
+
+
+def test_a_chat_template_that_does_not_compile_is_refused_before_prompting(
+    tmp_path: Path, stories_dir: Path
+) -> None:
+    model = _template_model(stories_dir, tmp_path / "m", "{% for m in messages %}{{ m }")
+    run = _chat(model, ["Hi"])
+    assert run.returncode == 2 and "Traceback" not in run.stderr, run.stderr
+    assert "its chat template does not compile" in run.stderr and "you>" not in run.stdout
+
+
+def _cli(*argv: str | bytes, **kw: object) -> subprocess.CompletedProcess[bytes]:
+    return subprocess.run([sys.executable, "-m", "runtime.cli", *argv], cwd=ROOT,
+                          capture_output=True, timeout=120, **kw)  # type: ignore[call-overload]  # fmt: skip
+
+
+def test_text_that_is_not_utf8_is_one_line_and_the_chat_goes_on(
+    tmp_path: Path, stories_dir: Path
+) -> None:
+    """Bytes that are not UTF-8 (a Latin-1 terminal, a file) arrive as lone surrogates, which
+    the tokenizer failed on with a TypeError: a traceback."""
+    gen = ["generate", "--model", str(stories_dir), "--threads", "1", "--max-tokens", "3"]
+    for run in (_cli(*gen, b"caf\xe9"), _cli(*gen, input=b"caf\xe9")):
+        err = run.stderr.decode()
+        assert run.returncode == 2 and "Traceback" not in err, err
+        assert "is not UTF-8 text" in err and "byte 0xe9" in err, err
+    model = chat_model(stories_dir, tmp_path / "chat")
+    run = _cli("chat", "--model", str(model), "--threads", "1", "--max-tokens", "3",
+               input=b"caf\xe9\nHi\n")  # fmt: skip
+    err = run.stderr.decode()
+    assert run.returncode == 0 and "Traceback" not in err, err
+    assert "message: is not UTF-8 text" in err and "conversation goes on" in err, err
+    assert run.stdout.decode().count("model> ") == 1
+
+
+@pytest.mark.parametrize("command", ["generate", "chat"])
+def test_a_closed_stdin_is_said_before_the_model_loads(stories_dir: Path, command: str) -> None:
+    """`<&-`: sys.stdin is None (an AttributeError in generate, a RuntimeError in chat, both
+    once the model had loaded)."""
+    import os
+
+    run = _cli(command, "--model", str(stories_dir), preexec_fn=lambda: os.close(0))
+    err = run.stderr.decode()
+    assert run.returncode == 2 and "Traceback" not in err, err
+    assert "stdin" in err and "closed" in err and "loaded" not in err, err
+
+
+def test_generate_into_a_closed_pipe_exits_quietly(stories_dir: Path) -> None:
+    """`edgeinfer generate ... | head`: the reader gone, 141 (as SIGPIPE's) and nothing said;
+    it was 'edgeinfer: error: [Errno 32] Broken pipe', status 2."""
+    p = subprocess.Popen(
+        [sys.executable, "-m", "runtime.cli", "generate", "--model", str(stories_dir),
+         "--threads", "1", "--max-tokens", "50", "Once", "The dog"],
+        cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+    )  # fmt: skip
+    assert p.stdout is not None
+    p.stdout.close()  # (before its first write: the model loads first)
+    _, err = p.communicate(timeout=120)
+    assert p.returncode == 141, err.decode()
+    assert b"error" not in err and b"Traceback" not in err and b"Exception" not in err, err
+
+
+def test_generate_says_it_reads_a_terminal_for_the_prompt(stories_dir: Path) -> None:
+    """Without a prompt, generate read the terminal saying nothing, as if it hung."""
+    import os
+
+    leader, follower = os.openpty()
+    p = subprocess.Popen(
+        [sys.executable, "-m", "runtime.cli", "generate", "--model", str(stories_dir),
+         "--threads", "1", "--max-tokens", "2"],
+        cwd=ROOT, stdin=follower, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+    )  # fmt: skip
+    os.close(follower)
+    os.write(leader, b"Once\n\x04")  # a line, then Ctrl-D
+    out, err = p.communicate(timeout=120)
+    os.close(leader)
+    assert p.returncode == 0, err.decode()
+    assert b"no prompt given: type one, then Ctrl-D" in err and out.startswith(b"Once\n")
