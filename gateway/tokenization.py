@@ -29,6 +29,7 @@ from redis.asyncio import Redis
 from gateway.errors import invalid
 from kvstore.keys import check_id
 from kvstore.tokenizer_store import bundle_id, fetch_tokenizer_files
+from runtime.sampling_params import InvalidRequestError
 from runtime.tokenizer import NoChatTemplateError, Tokenizer
 
 log = logging.getLogger("edgeinfer.gateway")
@@ -198,6 +199,8 @@ def prompt_token_ids(
             raise invalid(
                 "messages", f"messages: {who} has no chat template; use /v1/completions"
             ) from e
+        except InvalidRequestError as e:  # the template's raise_exception(): said as it is
+            raise invalid(e.param or "messages", f"{e.param or 'messages'}: {e.message}") from e
         except (TypeError, ValueError) as e:
             raise invalid("messages", f"messages: the chat template rejected them: {e}") from e
         return _checked_ids(tok.encode(text, add_special_tokens=False))

@@ -59,7 +59,7 @@ if TYPE_CHECKING:
     from runtime.outputs import CompletionOutput, RequestOutput
     from runtime.sampling_params import InvalidRequestError, SamplingParams
     from runtime.structured import StructuredOutputsParams
-    from runtime.tokenizer import NoChatTemplateError
+    from runtime.tokenizer import ChatTemplateError, NoChatTemplateError
 
 _EXPORTS = {
     "LLM": "runtime.llm",
@@ -68,6 +68,7 @@ _EXPORTS = {
     "InvalidRequestError": "runtime.sampling_params",
     "ModelLoadError": "runtime.config",
     "NoChatTemplateError": "runtime.tokenizer",
+    "ChatTemplateError": "runtime.tokenizer",
     "RequestOutput": "runtime.outputs",
     "SamplingParams": "runtime.sampling_params",
     "StructuredOutputsParams": "runtime.structured",
@@ -75,6 +76,7 @@ _EXPORTS = {
 
 __all__ = [
     "LLM",
+    "ChatTemplateError",
     "CompletionOutput",
     "EngineConfig",
     "InvalidRequestError",

@@ -426,6 +426,8 @@ class Worker:
                     "messages",
                     f"model {self.config.model_name!r} has no chat template; use /v1/completions",
                 ) from e
+            except InvalidRequestError:
+                raise  # (the template's raise_exception(): its message as it is)
             except (TypeError, ValueError) as e:
                 raise InvalidRequestError(
                     "messages", f"the chat template rejected them: {e}"
