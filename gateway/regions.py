@@ -14,6 +14,8 @@ from typing import Any
 DEFAULT_CATALOG = Path(__file__).with_name("regions.yaml")
 EARTH_RADIUS_KM = 6371.0
 _NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_-]{0,62}$")
+# a region entry's fields (a misspelt one is refused)
+FIELDS = ("name", "latitude", "longitude", "settings")
 
 
 class CatalogError(ValueError):
@@ -51,6 +53,8 @@ class RegionCatalog:
             raw = yaml.safe_load(path.read_text())
         except OSError as e:
             raise CatalogError(f"{path}: cannot read the region catalog: {e}") from e
+        except UnicodeDecodeError as e:  # (a ValueError: it named no file)
+            raise CatalogError(f"{path}: cannot read the region catalog: not UTF-8: {e}") from e
         except yaml.YAMLError as e:
             raise CatalogError(f"{path}: not valid YAML: {e}") from e
         entries = raw.get("regions") if isinstance(raw, dict) else None
@@ -64,6 +68,10 @@ class RegionCatalog:
             name = entry.get("name")
             if not isinstance(name, str) or not _NAME.match(name):
                 raise CatalogError(f"{where}: name must match {_NAME.pattern}, got {name!r}")
+            unknown = [str(k) for k in entry if k not in FIELDS]
+            if unknown:  # (`setting:` for `settings:` left the region's settings unread)
+                raise CatalogError(f"{where} ({name}): unknown field {unknown[0]!r} (a region has "
+                                   f"{', '.join(FIELDS)})")  # fmt: skip
             lat, lon = entry.get("latitude"), entry.get("longitude")
             for key, value, limit in (("latitude", lat, 90), ("longitude", lon, 180)):
                 if isinstance(value, bool) or not isinstance(value, (int, float)):

@@ -37,6 +37,15 @@ patches):
     traces_endpoint   where that in-region collector sends traces (OTLP/gRPC), an http(s)://
                       URL (https: over TLS; default http://tempo:4317)
 
+A setting the deploy does not know (a misspelling: `gpus: 1` for `gpus_per_worker: 1`) is refused,
+and so is a catalog the gateways would refuse (gateway.regions.RegionCatalog: a duplicate name, a
+region without coordinates). The gateways read the catalog the region is rendered from (the
+ConfigMap edgeinfer-regions, mounted at /etc/edgeinfer/catalog: their image's own copy lacks a
+region or model added since it was built), and every pod template carries a digest of the config
+maps its pods read (edgeinfer.dev/config-sha256): a container reads its environment once, at
+start, so a setting that changes only the config (models, redis_url, otlp_endpoint) rolls the
+pods that read it.
+
 Without --apply the manifests are printed (or written to --out DIR, one file per resource,
 NN-KIND-NAME.yaml numbered in the order they apply: the namespace first); with --apply they are
 piped to `kubectl apply -f - --prune -l app.kubernetes.io/part-of=edgeinfer,edgeinfer.dev/region=REGION`
@@ -60,6 +69,9 @@ the region and field; so does an --out DIR that cannot be written (naming DIR).
 from __future__ import annotations
 
 import argparse
+import difflib
+import hashlib
+import json
 import re
 import shutil
 import subprocess
@@ -69,14 +81,21 @@ from typing import Any
 
 import yaml
 
-from gateway.regions import DEFAULT_CATALOG
+from gateway.regions import DEFAULT_CATALOG, CatalogError, RegionCatalog
 from infra.kustomize import RenderError, Resource, build
 from runtime.model_specs import parse_models
 
 INFRA = Path(__file__).resolve().parent
 OVERLAYS = INFRA / "k8s" / "overlays"
 GRACE_MARGIN_S = 20  # beyond the drain timeout: the preStop pause and the exit itself
-_IMAGE = re.compile(r"^(?P<repo>[a-z0-9][a-z0-9._/:-]*?)(?::(?P<tag>[\w][\w.-]{0,127}))?(?:@(?P<digest>sha256:[0-9a-f]{64}))?$")  # fmt: skip
+# an image reference as container runtimes parse it (distribution's grammar): [HOST[:PORT]/]PATH,
+# PATH lower-case components joined by '/', then :TAG and/or @DIGEST. A looser form let through
+# `repo:` (rendered `repo::latest`), `repo:1:2` and `a//b`, which no pod can pull (InvalidImageName)
+_PART = r"[a-z0-9]+(?:(?:[._]|__|-+)[a-z0-9]+)*"
+# (a registry host has a '.' or a port, or is localhost: `UPPER/x` is a path, and not lower-case)
+_LABEL = r"[A-Za-z0-9](?:[A-Za-z0-9-]*[A-Za-z0-9])?"
+_HOST = rf"(?:localhost(?::[0-9]+)?|{_LABEL}(?:\.{_LABEL})+(?::[0-9]+)?|{_LABEL}:[0-9]+)/"
+_IMAGE = re.compile(rf"^(?P<repo>(?:{_HOST})?{_PART}(?:/{_PART})*)(?::(?P<tag>[\w][\w.-]{{0,127}}))?(?:@(?P<digest>sha256:[0-9a-f]{{64}}))?$")  # fmt: skip
 _QUANTITY = re.compile(r"^[0-9]+(\.[0-9]+)?(Ki|Mi|Gi|Ti|Pi|k|M|G|T|P)?$")
 _CPU = re.compile(r"^([0-9]+(\.[0-9]+)?|[0-9]+m)$")
 _UNITS = {"": 1, "k": 10**3, "M": 10**6, "G": 10**9, "T": 10**12, "P": 10**15,
@@ -91,6 +110,15 @@ PRUNE_KINDS = ("core/v1/ConfigMap", "core/v1/Service", "apps/v1/Deployment", "ap
 _WRITTEN = re.compile(r"^[0-9]{2,}-[a-z0-9]+-[a-z0-9.-]+\.yaml$")  # a file `write` names
 # the first line of every file `write` writes: what the next render into the folder replaces
 _MARK = "# written by infra/deploy.py --out; the next render into this folder replaces it"
+# the settings region_layer reads (a misspelt one, `gpus: 1`, was ignored: CPU workers, no word)
+SETTINGS = ("image", "workers", "models", "gpus_per_worker", "redis_url", "drain_timeout",
+            "store_class", "store_size", "worker_cpu", "worker_memory", "worker_memory_limit",
+            "gateway_replicas", "gateway_service", "pool_max_workers", "otlp_endpoint",
+            "traces_endpoint")  # fmt: skip
+# on every pod template: a digest of the ConfigMaps the pod reads (envFrom, volumes), so that a
+# changed setting rolls the pods (a container reads its environment once, at start; see render)
+CONFIG_DIGEST = "edgeinfer.dev/config-sha256"
+REGIONS_MAP = "edgeinfer-regions"  # the catalog the gateways read (infra/kustomization.yaml)
 
 
 class DeployError(ValueError):
@@ -98,20 +126,33 @@ class DeployError(ValueError):
 
 
 def load_catalog(path: Path) -> dict[str, dict[str, Any]]:
-    """The catalog's regions by name, with their settings (the gateway reads the same file)."""
+    """The catalog's regions by name, with their settings. Checked as the gateway checks it (the
+    region's gateways read this file: one they refuse, a duplicate name or a region without
+    coordinates, would stop every one of them at start)."""
+    return {name: region.settings for name, region in _load(path).regions.items()}
+
+
+def _load(path: Path) -> RegionCatalog:
     try:
-        raw = yaml.safe_load(path.read_text())
-    except (OSError, yaml.YAMLError) as e:
-        raise DeployError(f"{path}: cannot read the region catalog: {e}") from e
-    entries = raw.get("regions") if isinstance(raw, dict) else None
-    if not isinstance(entries, list):
-        raise DeployError(f"{path}: needs a `regions:` list")
-    out: dict[str, dict[str, Any]] = {}
-    for entry in entries:
-        if isinstance(entry, dict) and isinstance(entry.get("name"), str):
-            settings = entry.get("settings") or {}
-            out[entry["name"]] = settings if isinstance(settings, dict) else {"<bad>": settings}
-    return out
+        return RegionCatalog.load(path)
+    except CatalogError as e:
+        raise DeployError(str(e)) from e
+
+
+def gateway_catalog(catalog: RegionCatalog) -> str:
+    """The catalog as the region's gateways read it (the ConfigMap edgeinfer-regions): every
+    region's name, point of presence and models, which is all a gateway reads of it. Not the
+    file itself: the other regions' deploy settings (a redis_url with its password, collector
+    endpoints) have no business in this region's namespace."""
+    entries = []
+    for r in catalog.regions.values():
+        entry: dict[str, Any] = {"name": r.name, "latitude": r.latitude, "longitude": r.longitude}
+        if "models" in r.settings:
+            entry["settings"] = {"models": r.settings["models"]}
+        entries.append(entry)
+    header = ("# The region catalog the gateways read (--regions), rendered by infra/deploy.py: "
+              "each region's\n# name, point of presence and models.\n")  # fmt: skip
+    return header + yaml.safe_dump({"regions": entries}, sort_keys=False)
 
 
 def _int(region: str, settings: dict[str, Any], key: str, default: int | None, low: int) -> int:
@@ -161,8 +202,14 @@ def _url(region: str, settings: dict[str, Any], key: str) -> str | None:
 
 def region_layer(region: str, settings: dict[str, Any]) -> dict[str, Any]:
     """The catalog's settings for `region` as a kustomization over the region's overlay."""
-    if "<bad>" in settings:
-        raise DeployError(f"region {region!r}: settings must be a mapping")
+    for key in settings:
+        if key not in SETTINGS:
+            near = (
+                difflib.get_close_matches(str(key), SETTINGS, n=1)
+                or [s for s in SETTINGS if str(key) in s][:1]
+            )  # (gpus: gpus_per_worker)
+            hint = f"did you mean {near[0]}?" if near else f"known: {', '.join(SETTINGS)}"
+            raise DeployError(f"region {region!r}: settings.{key} is not a setting ({hint})")
     image = _str(region, settings, "image")
     m = _IMAGE.match(image)
     if not m:
@@ -300,7 +347,8 @@ def render(
     region: str, catalog: Path = DEFAULT_CATALOG, overlays: Path = OVERLAYS
 ) -> list[Resource]:
     """The region's manifests; raises DeployError naming the region and the field."""
-    regions = load_catalog(catalog)
+    loaded = _load(catalog)
+    regions = {name: r.settings for name, r in loaded.regions.items()}
     if region not in regions:
         raise DeployError(f"region {region!r}: not in the catalog {catalog} (known: {', '.join(regions)})")  # fmt: skip
     if not (overlays / region / "kustomization.yaml").is_file():
@@ -308,11 +356,44 @@ def render(
             f"region {region!r}: no overlay at {overlays / region}/kustomization.yaml"
         )
     layer = region_layer(region, regions[region])
+    # the gateways read the catalog this render reads (not infra/regions.yaml, with --catalog)
+    layer["patches"].append(_inline({"apiVersion": "v1", "kind": "ConfigMap",
+                                     "metadata": {"name": REGIONS_MAP},
+                                     "data": {"regions.yaml": gateway_catalog(loaded)}}))  # fmt: skip
     try:
         resources = build(layer, overlays.parent)
     except RenderError as e:
         raise DeployError(f"region {region!r}: the overlay does not render: {e}") from e
+    _digest_config(resources)
     return resources
+
+
+def _digest_config(resources: list[Resource]) -> None:
+    """Annotate each pod template with a digest of the ConfigMaps its pods read.
+
+    A container reads its environment (envFrom: edgeinfer-config) once, at start, and
+    Kubernetes rolls a Deployment or StatefulSet only when its pod template changes: a setting
+    that changes the config alone (models, redis_url, otlp_endpoint) was applied to the ConfigMap
+    and to nothing that runs. With a redis_url, `--apply` pruned the region's Redis while every
+    gateway and worker went on calling it. The digest changes with the config, so the template
+    does, and the pods are replaced (kustomize's generated names, a hash suffix, do the same;
+    this renderer does not make them)."""
+    maps = {r["metadata"]["name"]: r.get("data") or {} for r in resources if r["kind"] == "ConfigMap"}  # fmt: skip
+    for r in resources:
+        template = (r.get("spec") or {}).get("template")
+        if not isinstance(template, dict):
+            continue
+        pod = template.get("spec") or {}
+        read = {v["configMap"]["name"] for v in pod.get("volumes") or [] if "configMap" in v}
+        for c in (pod.get("containers") or []) + (pod.get("initContainers") or []):
+            read |= {e["configMapRef"]["name"] for e in c.get("envFrom") or [] if "configMapRef" in e}  # fmt: skip
+            read |= {e["valueFrom"]["configMapKeyRef"]["name"] for e in c.get("env") or []
+                     if "configMapKeyRef" in (e.get("valueFrom") or {})}  # fmt: skip
+        if not read:
+            continue
+        data = json.dumps({name: maps.get(name) for name in sorted(read)}, sort_keys=True)
+        annotations = template.setdefault("metadata", {}).setdefault("annotations", {})
+        annotations[CONFIG_DIGEST] = hashlib.sha256(data.encode()).hexdigest()
 
 
 def to_yaml(resources: list[Resource]) -> str:

@@ -248,6 +248,12 @@ def test_deploy_sh_paths_are_the_callers(tmp_path: Path) -> None:
         ("mars-1", {}, "not in the catalog"),
         ("local", {"image": None}, "settings.image"),
         ("local", {"image": "Not An Image"}, "settings.image"),
+        # references no pod can pull (InvalidImageName): rendered repo::latest, repo:0.1.0:x, ...
+        ("local", {"image": "ghcr.io/edgeinfer/edgeinfer:"}, "settings.image"),
+        ("local", {"image": "ghcr.io/edgeinfer/edgeinfer:0.1.0:x"}, "settings.image"),
+        ("local", {"image": "ghcr.io//edgeinfer:1"}, "settings.image"),
+        ("local", {"image": "ghcr.io/edgeinfer/"}, "settings.image"),
+        ("local", {"image": "Edgeinfer/edgeinfer:1"}, "settings.image"),
         ("local", {"models": None}, "settings.models"),
         ("local", {"models": []}, "settings.models"),
         ("local", {"workers": None}, "settings.workers"),
@@ -313,7 +319,9 @@ def test_telemetry_wiring(region: str) -> None:
     assert {e["name"]: e["value"] for e in c["env"]}["TRACES_OTLP_ENDPOINT"] == "http://tempo:4317"
     for kind, name, port in (("Deployment", "gateway", 9464), ("StatefulSet", "worker", 9001)):
         template = _by(resources, kind, name)["spec"]["template"]
-        assert template["metadata"]["annotations"] == {
+        annotations = dict(template["metadata"]["annotations"])
+        assert annotations.pop(deploy.CONFIG_DIGEST)  # (test_a_config_change_rolls_the_pods)
+        assert annotations == {
             "prometheus.io/scrape": "true", "prometheus.io/port": str(port),
             "prometheus.io/path": "/metrics"}  # fmt: skip
     for kind, name in (("Deployment", "gateway"), ("StatefulSet", "worker"), ("Deployment", "pool")):  # fmt: skip
@@ -362,6 +370,8 @@ def test_overlay_that_does_not_render(tmp_path: Path) -> None:
     k8s = tmp_path / "k8s"
     shutil.copytree(deploy.OVERLAYS.parent, k8s)
     shutil.copytree(deploy.INFRA / "otel", tmp_path / "otel")  # the base's collector config
+    for name in ("kustomization.yaml", "regions.yaml"):  # and its region catalog
+        shutil.copy(deploy.INFRA / name, tmp_path / name)
     (k8s / "overlays" / "local" / "config.yaml").write_text(
         "apiVersion: v1\nkind: ConfigMap\nmetadata: {name: no-such-config}\n"
     )
@@ -652,7 +662,7 @@ def test_base_renders_alone() -> None:
     """The base is a kustomization of its own (kubectl apply -k infra/k8s/base works too)."""
     names = {r["metadata"]["name"] for r in build(deploy.OVERLAYS.parent / "base")}
     assert names == {"edgeinfer-config", "redis", "gateway", "worker", "pool", "otel-collector",
-                     "otel-collector-config"}  # fmt: skip
+                     "otel-collector-config", "edgeinfer-regions"}  # fmt: skip
 
 
 def test_gateway_metrics_port_keeps_metrics_off_the_public_port(tmp_path: Path) -> None:
@@ -697,3 +707,201 @@ def test_gateway_metrics_port_keeps_metrics_off_the_public_port(tmp_path: Path) 
         assert get(f"{gateway.url}/metrics")[0] == 200
     finally:
         gateway.stop()
+
+
+def _pod_templates(resources: list[dict[str, Any]]) -> dict[str, Any]:
+    return {f"{r['kind']}/{r['metadata']['name']}": r["spec"]["template"] for r in resources
+            if r["kind"] in ("Deployment", "StatefulSet")}  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    "settings",
+    [{"models": ["SmolLM2-135M-Instruct", "other"]}, {"redis_url": "redis://shared.example:6379/0"},
+     {"otlp_endpoint": "http://otel.example:4318"}],
+)  # fmt: skip
+def test_a_config_change_rolls_the_pods(tmp_path: Path, settings: dict[str, Any]) -> None:
+    """A container reads edgeinfer-config (envFrom) once, at start, and Kubernetes replaces pods
+    only when their template changes: a setting that changed the config map alone reached no
+    running process. With a redis_url, `--apply` pruned the region's Redis while every gateway,
+    worker and pool went on calling redis://redis:6379. Each template that reads a config map
+    carries its digest, so it changes with the config (and not otherwise)."""
+    before = deploy.render("local", _catalog(tmp_path))
+    assert _pod_templates(deploy.render("local", _catalog(tmp_path))) == _pod_templates(before)
+    (tmp_path / "new").mkdir()
+    after = deploy.render("local", _catalog(tmp_path / "new", **settings))
+    old, new = _pod_templates(before), _pod_templates(after)
+    for name in ("Deployment/gateway", "StatefulSet/worker", "Deployment/pool"):
+        assert new[name] != old[name], f"{name}: same pod template, so no rollout"
+        assert new[name]["metadata"]["annotations"][deploy.CONFIG_DIGEST]
+    for r in after:
+        kubernetes_validate.validate(r, K8S_VERSION, strict=True)
+
+
+def _sa_east(tmp_path: Path) -> tuple[Path, Path]:
+    """A region added to a catalog of the operator's own (`--catalog`), with its overlay: one that
+    the image's packaged catalog does not have."""
+    k8s = tmp_path / "infra" / "k8s"
+    shutil.copytree(deploy.OVERLAYS.parent, k8s)
+    shutil.copytree(deploy.INFRA / "otel", tmp_path / "infra" / "otel")
+    for name in ("kustomization.yaml", "regions.yaml"):
+        shutil.copy(deploy.INFRA / name, tmp_path / "infra" / name)
+    overlay = k8s / "overlays" / "sa-east"
+    shutil.copytree(k8s / "overlays" / "local", overlay)
+    for f in overlay.iterdir():
+        f.write_text(f.read_text().replace("local", "sa-east"))
+    raw = yaml.safe_load(deploy.DEFAULT_CATALOG.read_text())
+    (local,) = [e for e in raw["regions"] if e["name"] == "local"]
+    for entry in raw["regions"]:  # (a password: never in another region's manifests)
+        if entry["name"] == "us-east":
+            entry["settings"]["redis_url"] = "rediss://:hunter2@shared.example:6380/0"
+    raw["regions"].append({"name": "sa-east", "latitude": -23.55, "longitude": -46.63,
+                           "settings": dict(local["settings"], models=["tiny", "b"])})  # fmt: skip
+    catalog = tmp_path / "my-regions.yaml"
+    catalog.write_text(yaml.safe_dump(raw))
+    return catalog, k8s / "overlays"
+
+
+def test_gateways_read_the_catalog_they_were_deployed_from(tmp_path: Path) -> None:
+    """A region deployed from `--catalog my-regions.yaml` (README) ran gateways that read the
+    catalog inside their image: one without the new region stopped every gateway at start
+    ("region 'sa-east' is not in the catalog"), a crash loop. The rendered gateway, run here as
+    its pod would run it (its args, its config map's environment, its config-map volume), starts
+    and serves on the catalog it was deployed from."""
+    import subprocess
+    import sys
+    import urllib.request
+
+    from kvstore.redis_server import find_free_port
+    from tests.stack import ROOT, wait_until
+
+    catalog, overlays = _sa_east(tmp_path)
+    resources = deploy.render("sa-east", catalog, overlays)
+    for r in resources:
+        kubernetes_validate.validate(r, K8S_VERSION, strict=True)
+    assert "hunter2" not in deploy.to_yaml(resources)
+    # the gateways' catalog: every region's name, point of presence and models
+    text = _by(resources, "ConfigMap", "edgeinfer-regions")["data"]["regions.yaml"]
+    shipped = [(e["name"], e["latitude"], e["longitude"], e["settings"]["models"])
+               for e in yaml.safe_load(text)["regions"]]  # fmt: skip
+    source = RegionCatalog.load(catalog).regions.values()
+    assert shipped == [(r.name, r.latitude, r.longitude, r.settings["models"]) for r in source]
+    gateway = _by(resources, "Deployment", "gateway")
+    c = _container(gateway)
+    # the pod's volumes: each config map's files in a folder, where the container mounts them
+    volumes = {v["name"]: v for v in gateway["spec"]["template"]["spec"].get("volumes", [])}
+    mounts: dict[str, Path] = {}
+    for m in c.get("volumeMounts", []):
+        folder = tmp_path / "pod" / m["mountPath"].strip("/")
+        folder.mkdir(parents=True)
+        data = _by(resources, "ConfigMap", volumes[m["name"]]["configMap"]["name"])["data"]
+        for key, text in data.items():
+            (folder / key).write_text(text)
+        mounts[m["mountPath"]] = folder
+    env = _env(resources, c)
+    args = _expand(c["args"], env)
+    for mount, folder in mounts.items():
+        args = [str(folder) + a[len(mount) :] if a.startswith(mount + "/") else a for a in args]
+    port, metrics_port = find_free_port(), find_free_port()
+    for flag, value in (("--host", "127.0.0.1"), ("--port", str(port)),
+                        ("--metrics-port", str(metrics_port)),
+                        ("--redis", f"redis://127.0.0.1:{find_free_port()}/0")):  # fmt: skip
+        args[args.index(flag) + 1] = value
+    clean = {k: v for k, v in os.environ.items() if not k.startswith(("EDGEINFER_", "OTEL_"))}
+    log = tmp_path / "gateway.log"
+    proc = subprocess.Popen([sys.executable, "-m", "runtime.cli", *args], cwd=ROOT,
+                            env=clean | {"EDGEINFER_SECRET": "s", "EDGEINFER_REGION": "sa-east"},
+                            stdout=log.open("wb"), stderr=subprocess.STDOUT)  # fmt: skip
+
+    def healthy() -> bool:
+        assert proc.poll() is None, f"the gateway exited {proc.returncode}: {log.read_text()}"
+        try:
+            with urllib.request.urlopen(f"http://127.0.0.1:{port}/healthz", timeout=2) as r:
+                return bool(r.status == 200)
+        except OSError:
+            return False
+
+    try:
+        wait_until(healthy, 30, "the rendered gateway answers /healthz")
+    finally:
+        proc.terminate()
+        proc.wait(10)
+    assert "region sa-east" in log.read_text()
+
+
+@pytest.mark.parametrize(
+    ("entry", "message"),
+    [
+        # the gateways refuse these catalogs at start (RegionCatalog.load): deploy rendered them
+        ({"name": "local", "settings": {}}, "regions[7] (local): latitude must be a number"),
+        ({"name": "local", "latitude": 1, "longitude": 2}, "duplicate region names ['local']"),
+        ({"name": "bad name!", "latitude": 1, "longitude": 2}, "regions[7]: name must match"),
+        # a misspelt field: the region's settings were left unread, and no one said so
+        (
+            {"name": "x", "latitude": 1, "longitude": 2, "setting": {"workers": 1}},
+            "regions[7] (x): unknown field 'setting' (a region has name, latitude, longitude, settings)",
+        ),
+    ],
+)
+def test_a_catalog_the_gateways_refuse_is_not_deployed(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], entry: dict[str, Any], message: str
+) -> None:
+    raw = yaml.safe_load(deploy.DEFAULT_CATALOG.read_text())
+    raw["regions"].append(entry)
+    catalog = tmp_path / "regions.yaml"
+    catalog.write_text(yaml.safe_dump(raw))
+    out = tmp_path / "out"
+    assert deploy.main(["us-east", "--catalog", str(catalog), "--out", str(out)]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"deploy: error: {catalog}: ") and message in err, err
+    assert not out.exists()
+
+
+@pytest.mark.parametrize(
+    ("key", "hint"),
+    [("gpus", "did you mean gpus_per_worker?"), ("worker", "did you mean workers?"),
+     ("replicas", "did you mean gateway_replicas?"), ("colour", "known: image, workers")],
+)  # fmt: skip
+def test_a_misspelt_setting_is_refused(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], key: str, hint: str
+) -> None:
+    """`gpus: 1` for `gpus_per_worker: 1` rendered CPU workers on a GPU region, and said
+    nothing."""
+    setting: dict[str, Any] = {key: 1}
+    catalog = _catalog(tmp_path, **setting)
+    assert deploy.main(["local", "--catalog", str(catalog)]) == 2
+    captured = capsys.readouterr()
+    assert captured.out == ""
+    assert f"region 'local': settings.{key} is not a setting ({hint}" in captured.err
+
+
+def test_a_catalog_that_is_not_utf8_is_named(tmp_path: Path) -> None:
+    """A catalog saved in another encoding: deploy.sh ended in a UnicodeDecodeError traceback,
+    and the gateway said only "'utf-8' codec can't decode byte 0xe9", naming no file."""
+    import subprocess
+    import sys
+
+    from tests.stack import ROOT
+
+    catalog = tmp_path / "regions.yaml"
+    catalog.write_bytes(b"regions:\n  - name: caf\xe9\n    latitude: 0\n    longitude: 0\n")
+    expected = f"{catalog}: cannot read the region catalog: not UTF-8"
+    for argv in ([str(deploy.INFRA / "deploy.sh"), "local", "--catalog", str(catalog)],
+                 [sys.executable, "-m", "runtime.cli", "gateway", "--regions", str(catalog),
+                  "--redis", "redis://127.0.0.1:1/0"]):  # fmt: skip
+        env = os.environ | {"EDGEINFER_SECRET": "s"}
+        done = subprocess.run(argv, cwd=ROOT, env=env, capture_output=True, text=True, timeout=60)
+        assert done.returncode == 2 and expected in done.stderr, (argv[0], done.stderr)
+        assert "Traceback" not in done.stderr, done.stderr
+
+
+@pytest.mark.parametrize(
+    ("image", "pulled"),
+    [("edgeinfer", "edgeinfer:latest"), ("edgeinfer/edgeinfer:0.1.0", None),
+     ("localhost:5000/ei:dev", None), ("localhost/ei", "localhost/ei:latest"),
+     ("Registry.Example.com/team/ei__x:0.1.0-cu130", None),
+     ("registry.example/ei@sha256:" + "ab" * 32, None),
+     ("registry.example:443/ei:v1@sha256:" + "cd" * 32, "registry.example:443/ei@sha256:" + "cd" * 32)],
+)  # fmt: skip
+def test_image_references(tmp_path: Path, image: str, pulled: str | None) -> None:
+    resources = deploy.render("local", _catalog(tmp_path, image=image))
+    assert _container(_by(resources, "StatefulSet", "worker"))["image"] == (pulled or image)
