@@ -154,9 +154,16 @@ def _check_redis(url: str) -> None:
             client.ping()
     except (redis.exceptions.RedisError, ValueError, OSError) as e:
         raise SystemExit(
-            f"edgeinfer: error: cannot reach Redis at {url} ({e}); unset EDGEINFER_REDIS (or "
-            "drop --redis) to use a throwaway one"
+            f"edgeinfer: error: cannot reach Redis at {_shown(url)} ({e}); unset "
+            "EDGEINFER_REDIS (or drop --redis) to use a throwaway one"
         ) from None
+
+
+def _shown(url: str) -> str:
+    """A Redis URL as printed: its password, if any, replaced (redis://:***@host)."""
+    from runtime.proctitle import redact
+
+    return redact([url])[0]
 
 
 def _readyz(url: str) -> tuple[int, dict[str, object]]:
@@ -308,7 +315,7 @@ def up(args: argparse.Namespace) -> int:
         auth = f' -H "Authorization: Bearer {api_keys[0]}"' if api_keys else ""
         print(
             f"\nedgeinfer is up: {base}/v1 (model {model!r}, workers: {', '.join(roles)}, "
-            f"redis {redis_url})\n\n"
+            f"redis {_shown(redis_url)})\n\n"
             f"  curl {base}/v1/chat/completions -H 'Content-Type: application/json'{auth} \\\n"
             f"    -H 'x-session-affinity: my-session' \\\n"
             f'    -d \'{{"model": "{model}", "messages": [{{"role": "user", "content": '

@@ -355,6 +355,26 @@ def test_up_refuses_an_unreachable_redis_at_once(tmp_path: Path, stories_dir: Pa
     assert "gateway ready" not in out and "worker" not in out, out
 
 
+def test_up_prints_a_redis_url_without_its_password(tmp_path: Path, stories_dir: Path) -> None:
+    """A Redis URL with a password (redis://:PW@host) is printed with *** for it: in the
+    refusal here, and in the 'edgeinfer is up' line, both of which land in logs."""
+    port = find_free_port()
+    proc = _up(tmp_path, "--model", str(stories_dir), "--port", str(find_free_port()),
+               env={"EDGEINFER_REDIS": f"redis://:s3cret-pw@127.0.0.1:{port}/0"})  # fmt: skip
+    try:
+        code = proc.wait(30)
+    finally:
+        _kill(proc)
+    out = (tmp_path / "up.log").read_text()
+    assert code == 2, out
+    assert f"cannot reach Redis at redis://:***@127.0.0.1:{port}/0" in out, out
+    assert "s3cret-pw" not in out, out
+    from runtime.launcher import _shown
+
+    assert _shown("redis://user:pw@h:1/0") == "redis://user:***@h:1/0"
+    assert _shown("redis://127.0.0.1:6379/0") == "redis://127.0.0.1:6379/0"
+
+
 def test_up_takes_a_redis_cluster_url(redis_server) -> None:  # type: ignore[no-untyped-def]
     """`--redis redis+cluster://...`: the seed node answers the check (it was read as a plain
     URL, whose scheme redis-py refused: "cannot reach Redis"); a database is refused."""
