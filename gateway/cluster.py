@@ -67,6 +67,7 @@ class ClusterView:
         self.on_redis: Callable[[str, float, str | None], None] = _ignore
         self.redis_ok = False  # the last Redis call succeeded
         self.refreshed_at = 0.0  # monotonic time of the last good snapshot
+        self._start_failure_said = False  # the first registry read's failure has been logged
         # worker id -> (monotonic time it failed a request here, its heartbeat time as the first
         # registry read begun after that showed it; None until one has): it is back once a read
         # shows a later heartbeat. Its heartbeat times are by its own clock, never compared with
@@ -94,6 +95,12 @@ class ClusterView:
             self.on_redis("registry_read", time.perf_counter() - t0, _error_type(e))
             if self.redis_ok:
                 log.warning("redis unreachable, routing on the last known registry: %s", e)
+            elif not self.refreshed_at and not self._start_failure_said:
+                # (never read: the warnings above fire when Redis stops answering, so a gateway
+                # that could not read it from the start, a wrong password or URL, never said why)
+                log.warning("redis unreachable, no registry read yet (requests get 503 until "
+                            "one is): %s: %s", _error_type(e), e)  # fmt: skip
+                self._start_failure_said = True
             self.redis_ok = False
             return
         reset = not self.redis_ok or (marker is None and self.refreshed_at > 0)
@@ -151,8 +158,19 @@ class ClusterView:
             # good was carried for as long as Redis failed a read now and then, and meanwhile
             # `recovering` held back every session's placement and prefix lookups)
             self._carried = {w.worker_id: (w, now + _carry_s(w)) for w in lost} | self._carried
-        self._carried = {wid: (w, until) for wid, (w, until) in self._carried.items()
+        carried = self._carried
+        self._carried = {wid: (w, until) for wid, (w, until) in carried.items()
                          if until > now and wid not in listed}  # fmt: skip
+        # (said when it ends: while workers are carried, prefix lookups and new sessions'
+        # placement are off, and the log said when that began but not when it ended, nor which
+        # carried workers never came back)
+        gone = sorted(wid for wid in carried if wid not in listed and wid not in self._carried)
+        if gone:
+            log.warning("workers lost by redis did not register again: %s; no longer routed to",
+                        ", ".join(gone))  # fmt: skip
+        if carried and not self._carried:
+            log.warning("every worker lost by redis is back or given up: prefix lookups and "
+                        "session placement resume")  # fmt: skip
         return workers + [w for w, _ in self._carried.values()]
 
     async def refresh_loop(self) -> None:

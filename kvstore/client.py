@@ -20,10 +20,18 @@ from redis.asyncio import Redis, RedisCluster
 from redis.asyncio.retry import Retry
 from redis.backoff import ExponentialWithJitterBackoff
 from redis.exceptions import ConnectionError as RedisConnectionError
+from redis.exceptions import ReadOnlyError
 
 STOP_POLL_S = 0.2  # how often `stop_task` cancels again a task that is still running
 DEFAULT_TIMEOUT_S = 1.0  # connect and per-command socket timeout
 RETRIES = 2  # re-tries after a connection error: a pooled connection may be stale after a restart
+# Errors after which a command is tried again on a new connection. READONLY: the server this
+# connection reached is a replica now (a failover demoted it), and a new connection, through
+# the DNS name, proxy or load balancer of the URL, reaches the new primary. Not retried, a
+# pooled connection stayed on the old primary for as long as it lived: the worker never
+# registered again and the gateway's registry reads failed, for good (no command is run on a
+# READONLY reply, so trying it again runs it at most once).
+RETRIED_ERRORS = (RedisConnectionError, ReadOnlyError)
 CLUSTER_SCHEMES = {"redis+cluster": "redis", "rediss+cluster": "rediss"}  # -> one node's scheme
 
 
@@ -48,11 +56,12 @@ def connect(url: str, *, timeout_s: float = DEFAULT_TIMEOUT_S) -> Redis:
     redis-py's defaults (5 s timeouts, 10 retries with backoff) make a dead Redis hang a request
     for many seconds; the gateway would rather fail over or answer 503 at once. A couple of retries
     stay so that, after Redis restarts, the first command on a stale pooled connection reconnects
-    instead of failing: on a connection error only. A timeout is not tried again: a Redis that
-    hangs (stopped, overloaded, cut off) times out again, and retried, each command took three
-    timeouts (a gateway's first request after a hang: 3.3 s, where 1.1 s tells the same). The
-    timeout bounds every command: use another client with a longer `timeout_s` for blocking
-    commands (BLPOP, XREAD BLOCK) or very large replies.
+    instead of failing: on a connection error, or a READONLY reply (a failover: see
+    RETRIED_ERRORS). A timeout is not tried again: a Redis that hangs (stopped, overloaded, cut
+    off) times out again, and retried, each command took three timeouts (a gateway's first
+    request after a hang: 3.3 s, where 1.1 s tells the same). The timeout bounds every command:
+    use another client with a longer `timeout_s` for blocking commands (BLPOP, XREAD BLOCK) or
+    very large replies.
 
     A cluster's client is a redis.asyncio.RedisCluster, with the same timeouts and retries (it
     re-reads the cluster's slots after a connection error or a timeout, a failed node's, then
@@ -69,7 +78,7 @@ def connect(url: str, *, timeout_s: float = DEFAULT_TIMEOUT_S) -> Redis:
     options: dict[str, Any] = {
         "socket_timeout": timeout_s,
         "socket_connect_timeout": timeout_s,
-        "retry": Retry(backoff, RETRIES, supported_errors=(RedisConnectionError,)),
+        "retry": Retry(backoff, RETRIES, supported_errors=RETRIED_ERRORS),
     }
     seed = cluster_seed(url)
     if seed is None:
