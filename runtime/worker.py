@@ -38,6 +38,7 @@ import orjson
 from aiohttp import web
 from opentelemetry import trace
 from redis.asyncio import Redis
+from redis.exceptions import ResponseError
 
 from kvstore.client import connect, raise_if_cancelling, stop_task
 from kvstore.kv_transfer import KVTransferError, ServedPull
@@ -260,7 +261,12 @@ class Worker:
                 self._expired_stalled = False
             except Exception as e:  # redis errors, timeouts, connection refused
                 if self._redis_ok:
-                    log.warning("redis unreachable, serving on unregistered: %s", e)
+                    if isinstance(e, ResponseError):  # (OOM, READONLY, NOPERM: it answers)
+                        log.warning("redis refused the heartbeat, serving on (the registry "
+                                    "keeps this worker's last entry until it expires): %s: %s",
+                                    type(e).__name__, e)  # fmt: skip
+                    else:
+                        log.warning("redis unreachable, serving on unregistered: %s", e)
                 self._redis_ok = False
                 return
             if not self._redis_ok:

@@ -333,3 +333,32 @@ def test_a_worker_whose_heartbeat_failed_once_still_deregisters_on_exit(
         assert _keys(server.url, "ei:w:*") == 0, worker.tail()
     finally:
         server.stop()
+
+
+def test_a_heartbeat_redis_refuses_is_said_as_refused_not_unreachable(
+    tmp_path: Path, stories_dir: Path
+) -> None:
+    """Redis out of memory (noeviction) answers the heartbeat's writes with an error: the
+    worker says Redis refused it, naming the error, not that Redis is unreachable (it said
+    'redis unreachable' for OOM, READONLY and NOPERM alike, sending an operator to the network)."""
+    import redis as redis_sync
+
+    server = LocalRedis().start()
+    try:
+        (tmp_path / "regions.yaml").write_text(CATALOG)
+        worker = start_worker("w1", stories_dir, server.url, tmp_path, "local",
+                              ["--heartbeat", "1", "--ttl", "60"])  # fmt: skip
+        wait_until(lambda: _keys(server.url, "ei:w:*") == 1, 10, "registration")
+        with redis_sync.Redis.from_url(server.url) as r:
+            r.config_set("maxmemory-policy", "noeviction")
+            r.config_set("maxmemory", "1")
+        wait_until(lambda: "redis refused the heartbeat" in worker.tail(50), 20, "a refusal")
+        tail = worker.tail(50)
+        assert "OutOfMemoryError" in tail or "OOM" in tail, tail
+        assert "redis unreachable" not in tail, tail
+        with redis_sync.Redis.from_url(server.url) as r:
+            r.config_set("maxmemory", "0")
+        wait_until(lambda: "redis is back" in worker.tail(50), 20, "the renewal")
+        worker.stop()
+    finally:
+        server.stop()
