@@ -32,7 +32,7 @@ import torch
 from tokenizers import Tokenizer as HFTokenizer
 
 from kernels.dispatch import FORCE_TRITON
-from runtime.config import EngineConfig, ModelConfig
+from runtime.config import EngineConfig, ModelConfig, ModelLoadError
 from runtime.kv_cache import BlockManager
 from runtime.loader import load_model
 from runtime.model_runner import ModelRunner, kv_block_bytes, kv_cache_dtype
@@ -64,7 +64,10 @@ class DraftProposer:
         spec = config.speculative
         assert spec is not None and spec.draft_model is not None
         path = Path(spec.draft_model)
-        draft_vocab = ModelConfig.from_dir(path).vocab_size
+        try:  # (the errors name a file; beside the target's, which model's was not said)
+            draft_vocab = ModelConfig.from_dir(path).vocab_size
+        except ModelLoadError as e:
+            raise ModelLoadError(f"speculative draft_model (--draft-model): {e}") from e
         if draft_vocab != target_vocab_size:
             raise ValueError(
                 f"speculative draft_model {path}: a draft model with another vocabulary "
@@ -75,7 +78,10 @@ class DraftProposer:
                 f"speculative draft_model {path}: a draft model with another vocabulary (its "
                 "tokenizer differs from the target's)"
             )
-        self.model = load_model(path, config.dtype, weight_dtype=config.weight_dtype)
+        try:
+            self.model = load_model(path, config.dtype, weight_dtype=config.weight_dtype)
+        except ModelLoadError as e:
+            raise ModelLoadError(f"speculative draft_model (--draft-model): {e}") from e
         self.max_model_len = min(max_model_len, self.model.cfg.max_model_len)
         # its KV in the target's kind of cache (the draft model's dtype is the target's)
         kv_dtype = kv_cache_dtype(config.kv_cache_dtype, self.model, FORCE_TRITON)

@@ -41,6 +41,8 @@ is speculated while the step's decodes would exceed `max_batch_tokens` tokens wi
 from __future__ import annotations
 
 import math
+import numbers
+import os
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -58,6 +60,8 @@ from runtime.sampler import (
 from runtime.sampling_params import SamplingParams
 
 METHODS = ("ngram", "draft")
+# SpeculativeConfig's integer settings
+_COUNTS = ("num_tokens", "ngram_min", "ngram_max", "max_batch_tokens", "draft_kv_cache_bytes")
 
 
 @dataclass(slots=True)
@@ -74,6 +78,24 @@ class SpeculativeConfig:
     def __post_init__(self) -> None:
         if self.method not in METHODS:
             raise ValueError(f"speculative method must be one of {METHODS}, got {self.method!r}")
+        # counts given from Python as other types passed here: 4.0 or 2.5 failed the engine's
+        # first step with drafts (a TypeError in the proposer, every request in that step lost),
+        # "4" failed start-up with a TypeError naming no setting (numpy's integers are integers;
+        # a bool is not a count)
+        for name in _COUNTS:
+            value = getattr(self, name)
+            if not isinstance(value, numbers.Integral) or isinstance(value, bool):
+                raise ValueError(f"speculative {name} must be an integer, got {value!r}")
+            setattr(self, name, int(value))
+        if not isinstance(self.ema, numbers.Real) or isinstance(self.ema, bool):
+            raise ValueError(f"speculative ema must be a number in (0, 1], got {self.ema!r}")
+        self.ema = float(self.ema)
+        if isinstance(self.draft_model, os.PathLike):
+            self.draft_model = str(self.draft_model)
+        if self.draft_model is not None and not isinstance(self.draft_model, str):
+            raise ValueError(
+                f"speculative draft_model must be a folder's path, got {self.draft_model!r}"
+            )
         if self.method == "draft" and not self.draft_model:
             raise ValueError("speculative method 'draft' needs draft_model (the draft's folder)")
         if self.method != "draft" and self.draft_model is not None:
