@@ -498,7 +498,13 @@ class EngineConfig:
                 f"cuda_graph_max_batch must be >= 1, got {self.cuda_graph_max_batch}"
             )
         if isinstance(self.speculative, dict):
-            self.speculative = SpeculativeConfig(**self.speculative)
+            try:
+                self.speculative = SpeculativeConfig(**self.speculative)
+            except TypeError as e:  # a field it does not have (TypeError names it)
+                raise ValueError(f"speculative: {e}") from e
+        elif self.speculative is not None and not isinstance(self.speculative, SpeculativeConfig):
+            raise ValueError("speculative must be a SpeculativeConfig or a dict of its fields, "
+                             f"got {self.speculative!r}")  # fmt: skip
         if self.dtype != "auto" and self.dtype not in DTYPES:
             raise ValueError(f"dtype must be auto or one of {sorted(DTYPES)}, got {self.dtype!r}")
         if self.weight_dtype not in ("auto", "bfloat16"):

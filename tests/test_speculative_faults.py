@@ -88,3 +88,14 @@ def test_an_unreadable_draft_folder_is_named_as_the_draft_model(
                        f"{bare}: no model.safetensors"):  # fmt: skip
         LLM(str(stories_dir), kv_cache_bytes=4_000_000,
             speculative={"method": "draft", "draft_model": str(bare)})  # fmt: skip
+
+
+@pytest.mark.parametrize("bad", ["ngram", ["ngram"], {"method": "ngram", "num_tokenz": 3}])
+def test_a_speculative_setting_that_is_no_config_is_named(bad: object) -> None:
+    """EngineConfig(speculative=...) that is neither a SpeculativeConfig nor a dict of its
+    fields, or a dict with a field it lacks: a ValueError naming `speculative` (a list was an
+    AttributeError deep in the engine, an unknown key a bare TypeError)."""
+    from runtime.config import EngineConfig
+
+    with pytest.raises(ValueError, match="speculative"):
+        EngineConfig(model="unused", speculative=bad)  # type: ignore[arg-type]
