@@ -107,6 +107,20 @@ class RequestGroup:
     outputs: list[CompletionOutput]
 
 
+_MASK64 = (1 << 64) - 1
+
+
+def sequence_seed(seed: int, i: int) -> int:
+    """The generator seed of a request's i-th sequence: (seed, i) mixed by splitmix64's
+    finalizer (a bijection of 64 bits whose low 32 depend on every input bit). torch's CPU
+    generator keeps only a seed's low 32 bits, so `seed + i` made seeds 2**32 apart one stream,
+    and sequence i of seed s the same as sequence 0 of seed s + i (n > 1 beside n = 1 requests)."""
+    x = (seed + i * 0x9E3779B97F4A7C15) & _MASK64
+    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & _MASK64
+    return x ^ (x >> 31)
+
+
 class LLMEngine:
     def __init__(self, config: EngineConfig, weights: PendingLoad | None = None):
         """`weights`: the load of `config.model` in `config.dtype` that the caller started
@@ -362,7 +376,7 @@ class LLMEngine:
         for i in range(params.n):
             gen = None
             if params.seed is not None:
-                gen = torch.Generator().manual_seed(params.seed + i)
+                gen = torch.Generator().manual_seed(sequence_seed(params.seed, i))
             seqs.append(
                 Request(
                     request_id=f"{request_id}#{i}",

@@ -207,3 +207,20 @@ def test_stop_and_stop_token_ids_of_none_mean_none(llm: LLM) -> None:
     # tuples, as vLLM takes them (they were refused too)
     params = SamplingParams(stop=("a", "b"), stop_token_ids=(7,))
     assert (params.stop, params.stop_token_ids) == (["a", "b"], [7])
+
+
+def test_seeds_2_to_the_32_apart_and_neighbouring_sequences_are_other_streams(
+    llm: LLM,
+) -> None:
+    """torch's CPU generator keeps a seed's low 32 bits: seeded with `seed + i`, seeds 0 and
+    2**32 sampled the same text, and sequence 1 of seed 7 was sequence 0 of seed 8. Each
+    sequence's seed is now a mix of (seed, i); the same seed still gives the same text."""
+
+    def texts(seed: int, n: int = 1) -> list[str]:
+        params = SamplingParams(temperature=1.0, max_tokens=24, seed=seed, n=n, ignore_eos=True)
+        return [c.text for c in llm.generate(["Once upon a time"], params)[0].outputs]
+
+    assert texts(0) == texts(0)
+    assert texts(0) != texts(2**32)
+    assert texts(7, n=2)[1] != texts(8)[0]
+    assert texts(2**63 - 1) == texts(2**63 - 1)
