@@ -106,8 +106,8 @@ class SamplingParams:
             raise InvalidRequestError("min_p", f"must be in [0, 1], got {self.min_p}")
         if self.seed is not None:
             _int_field("seed", self.seed)
-            if not -(2**63) <= self.seed < 2**63:  # (seed + i, for the i-th of n, stays in
-                # the 64-bit range torch's generators take)
+            if not -(2**63) <= self.seed < 2**63:  # (OpenAI's range; the engine mixes it with
+                # the sequence's index into the 64 bits torch's generators take)
                 raise InvalidRequestError(
                     "seed", f"must be a 64-bit signed integer, in [-2**63, 2**63), got {self.seed}"
                 )
