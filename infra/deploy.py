@@ -118,7 +118,8 @@ SETTINGS = ("image", "workers", "models", "gpus_per_worker", "redis_url", "drain
 # on every pod template: a digest of the ConfigMaps the pod reads (envFrom, volumes), so that a
 # changed setting rolls the pods (a container reads its environment once, at start; see render)
 CONFIG_DIGEST = "edgeinfer.dev/config-sha256"
-REGIONS_MAP = "edgeinfer-regions"  # the catalog the gateways read (infra/kustomization.yaml)
+REGIONS_MAP = "edgeinfer-regions"  # the catalog the gateways read (render adds it)
+CATALOG_DIR = "/etc/edgeinfer/catalog"  # where the gateways mount it
 
 
 class DeployError(ValueError):
@@ -356,16 +357,43 @@ def render(
             f"region {region!r}: no overlay at {overlays / region}/kustomization.yaml"
         )
     layer = region_layer(region, regions[region])
-    # the gateways read the catalog this render reads (not infra/regions.yaml, with --catalog)
-    layer["patches"].append(_inline({"apiVersion": "v1", "kind": "ConfigMap",
-                                     "metadata": {"name": REGIONS_MAP},
-                                     "data": {"regions.yaml": gateway_catalog(loaded)}}))  # fmt: skip
     try:
         resources = build(layer, overlays.parent)
     except RenderError as e:
         raise DeployError(f"region {region!r}: the overlay does not render: {e}") from e
+    _mount_catalog(resources, gateway_catalog(loaded))
     _digest_config(resources)
     return resources
+
+
+def _mount_catalog(resources: list[Resource], catalog: str) -> None:
+    """The gateways read the catalog this render read (`--catalog FILE`, or infra/regions.yaml
+    as it is now), as the ConfigMap REGIONS_MAP mounted at CATALOG_DIR, not their image's copy,
+    which lacks a region or model added since the image was built (every gateway of such a region
+    stopped at start: "region ... is not in the catalog"). Added here, after the build, not in
+    the base: a kustomization reading infra/regions.yaml would have to hold infra/, which holds
+    the base (`kubectl kustomize`: "cycle detected"), and `kubectl apply -k` of an overlay alone
+    keeps the image's catalog, as before."""
+    gateways = [r for r in resources if r["kind"] == "Deployment"
+                and r["metadata"]["name"] == "gateway"]  # fmt: skip
+    for g in gateways:
+        pod = g["spec"]["template"]["spec"]
+        (c,) = [c for c in pod["containers"] if c["name"] == "gateway"]
+        c["args"] = [*c.get("args", []), "--regions", f"{CATALOG_DIR}/regions.yaml"]
+        c["volumeMounts"] = [*c.get("volumeMounts", []),
+                             {"name": "regions", "mountPath": CATALOG_DIR, "readOnly": True}]  # fmt: skip
+        pod["volumes"] = [*pod.get("volumes", []),
+                          {"name": "regions", "configMap": {"name": REGIONS_MAP}}]  # fmt: skip
+    if gateways:
+        meta: dict[str, Any] = {"name": REGIONS_MAP, "labels": dict(gateways[0]["metadata"].get("labels", {}))}  # fmt: skip
+        meta["labels"].pop("app.kubernetes.io/name", None)
+        if "namespace" in gateways[0]["metadata"]:
+            meta["namespace"] = gateways[0]["metadata"]["namespace"]
+        # (with the other config maps: before the workloads that mount it, in apply order)
+        at = next((i for i, r in enumerate(resources)
+                   if r["kind"] in ("Service", "Deployment", "StatefulSet")), len(resources))  # fmt: skip
+        resources.insert(at, {"apiVersion": "v1", "kind": "ConfigMap", "metadata": meta,
+                              "data": {"regions.yaml": catalog}})  # fmt: skip
 
 
 def _digest_config(resources: list[Resource]) -> None:
