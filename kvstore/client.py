@@ -14,6 +14,7 @@ command and script stays within one slot (see kvstore.keys).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 from typing import Any, cast
 
 from redis.asyncio import Redis, RedisCluster
@@ -25,13 +26,30 @@ from redis.exceptions import ReadOnlyError
 STOP_POLL_S = 0.2  # how often `stop_task` cancels again a task that is still running
 DEFAULT_TIMEOUT_S = 1.0  # connect and per-command socket timeout
 RETRIES = 2  # re-tries after a connection error: a pooled connection may be stale after a restart
-# Errors after which a command is tried again on a new connection. READONLY: the server this
-# connection reached is a replica now (a failover demoted it), and a new connection, through
-# the DNS name, proxy or load balancer of the URL, reaches the new primary. Not retried, a
-# pooled connection stayed on the old primary for as long as it lived: the worker never
-# registered again and the gateway's registry reads failed, for good (no command is run on a
-# READONLY reply, so trying it again runs it at most once).
-RETRIED_ERRORS = (RedisConnectionError, ReadOnlyError)
+RETRIED_ERRORS = (RedisConnectionError,)  # errors after which a command is tried again
+
+
+class _Retry(Retry):
+    """redis-py's Retry (RETRIED_ERRORS, with backoff), and a READONLY reply: the server the
+    connection reached is a replica now (a failover demoted it). That connection is closed
+    (`fail`), so that the next command on it connects anew, through the DNS name, proxy or load
+    balancer of the URL, to the new primary, and the error is raised, not tried again. Left
+    open, a pooled connection stayed on the old primary for as long as it lived: the worker
+    never registered again and the gateway's registry reads failed, for good. Not tried again:
+    a pipeline without a transaction (most of this package's) has run its commands before the
+    reply, and trying it again ran them twice (400,000 INCRs through a FAILOVER: n = 623,559).
+    Each pooled connection fails once after a failover; the callers take a Redis error anyway
+    (a heartbeat or registry read tries again at its next tick)."""
+
+    async def call_with_retry(  # type: ignore[override]
+        self, do: Any, fail: Any, is_retryable: Any = None, with_failure_count: bool = False
+    ) -> Any:
+        try:
+            return await super().call_with_retry(do, fail, is_retryable, with_failure_count)
+        except ReadOnlyError as e:
+            with contextlib.suppress(Exception):  # (redis-py's `fail` re-raises what it is given)
+                await (fail(e, 1) if with_failure_count else fail(e))
+            raise
 CLUSTER_SCHEMES = {"redis+cluster": "redis", "rediss+cluster": "rediss"}  # -> one node's scheme
 
 
@@ -56,8 +74,8 @@ def connect(url: str, *, timeout_s: float = DEFAULT_TIMEOUT_S) -> Redis:
     redis-py's defaults (5 s timeouts, 10 retries with backoff) make a dead Redis hang a request
     for many seconds; the gateway would rather fail over or answer 503 at once. A couple of retries
     stay so that, after Redis restarts, the first command on a stale pooled connection reconnects
-    instead of failing: on a connection error, or a READONLY reply (a failover: see
-    RETRIED_ERRORS). A timeout is not tried again: a Redis that hangs (stopped, overloaded, cut
+    instead of failing: on a connection error (after a READONLY reply, a failover, the
+    connection is closed and the error raised: see _Retry). A timeout is not tried again: a Redis that hangs (stopped, overloaded, cut
     off) times out again, and retried, each command took three timeouts (a gateway's first
     request after a hang: 3.3 s, where 1.1 s tells the same). The timeout bounds every command:
     use another client with a longer `timeout_s` for blocking commands (BLPOP, XREAD BLOCK) or
@@ -78,7 +96,7 @@ def connect(url: str, *, timeout_s: float = DEFAULT_TIMEOUT_S) -> Redis:
     options: dict[str, Any] = {
         "socket_timeout": timeout_s,
         "socket_connect_timeout": timeout_s,
-        "retry": Retry(backoff, RETRIES, supported_errors=RETRIED_ERRORS),
+        "retry": _Retry(backoff, RETRIES, supported_errors=RETRIED_ERRORS),
     }
     seed = cluster_seed(url)
     if seed is None:

@@ -119,9 +119,9 @@ def _fail_over(a: LocalRedis, b: LocalRedis, proxy: SwitchingProxy) -> None:
 
 async def test_a_client_follows_a_failover_behind_its_address() -> None:
     """After a failover behind the client's address, a command on a pooled connection that
-    still reaches the old primary (a replica now: READONLY) is tried again on a new connection,
-    which reaches the new primary. It was not tried again, and a pooled connection stayed on
-    the old primary for as long as it lived: every write failed, for good."""
+    still reaches the old primary (a replica now: READONLY) fails, and that connection is
+    closed: the next command connects anew and reaches the new primary. Left open, a pooled
+    connection stayed on the old primary for as long as it lived: every write failed, for good."""
     with _primary_and_replica() as (a, b, proxy):
         r = connect(proxy.url)
         try:
@@ -130,6 +130,8 @@ async def test_a_client_follows_a_failover_behind_its_address() -> None:
             pipe.set("p", "1")
             await pipe.execute()
             _fail_over(a, b, proxy)
+            with pytest.raises(redis.exceptions.ReadOnlyError):  # (not run: not tried again)
+                await r.set("k", "2")
             assert await r.set("k", "2")
             pipe = r.pipeline(transaction=False)
             pipe.set("p", "2")
@@ -140,6 +142,46 @@ async def test_a_client_follows_a_failover_behind_its_address() -> None:
             direct.close()
         finally:
             await r.aclose()
+
+
+async def test_a_pipeline_cut_by_a_failover_is_not_run_again() -> None:
+    """A pipeline without a transaction that a failover (Redis's own FAILOVER, as a Sentinel or
+    a managed Redis does it) cuts in the middle: the commands before it ran, and the pipeline
+    raises; it is not sent again (tried again on READONLY, 400,000 INCRs left n = 623,559 on the
+    new primary: ~220,000 ran twice)."""
+    n = 200_000
+    with _primary_and_replica() as (a, b, proxy):
+        ra, rb = redis.Redis(port=a.port), redis.Redis(port=b.port)
+        rb.replicaof("127.0.0.1", a.port)
+        wait_until(lambda: rb.info("replication")["master_link_status"] == "up", 10, "B in sync")
+        r = connect(proxy.url, timeout_s=30)
+        await r.ping()
+
+        def failover() -> None:
+            base = ra.info("stats")["total_commands_processed"]
+            deadline = time.monotonic() + 20
+            while (ra.info("stats")["total_commands_processed"] < base + n // 4
+                   and time.monotonic() < deadline):  # fmt: skip
+                time.sleep(0.0005)
+            ra.execute_command("FAILOVER")
+            wait_until(lambda: ra.info("replication")["role"] == "slave", 10, "A demoted")
+            proxy.backend = b.port
+
+        thread = threading.Thread(target=failover)
+        thread.start()
+        try:
+            pipe = r.pipeline(transaction=False)
+            for _ in range(n):
+                pipe.incr("n")
+            with pytest.raises(redis.exceptions.ReadOnlyError):
+                await pipe.execute()
+        finally:
+            thread.join()
+            await r.aclose()
+        ran = int(rb.get("n") or 0)
+        assert 0 < ran < n, ran  # cut in the middle, and nothing ran twice
+        ra.close()
+        rb.close()
 
 
 def test_workers_and_gateways_follow_a_failover_behind_their_address(
@@ -181,8 +223,11 @@ def test_workers_and_gateways_follow_a_failover_behind_their_address(
             for gw in gateways:
                 gw.stop()
             worker.stop()
-    for name in ("w1", "gw1"):  # (each write met READONLY once at most, and was tried again)
-        assert "read only replica" not in (tmp_path / f"{name}.log").read_text(), name
+    # each pooled connection meets READONLY once at most (closed, not tried again: see
+    # kvstore.client._Retry): a heartbeat that did is renewed at the next one
+    log = (tmp_path / "w1.log").read_text()
+    if "read only replica" in log:
+        assert "redis is back" in log[log.index("read only replica"):], log[-3000:]
 
 
 def test_a_gateway_that_cannot_authenticate_says_why(tmp_path: Path) -> None:
