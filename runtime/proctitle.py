@@ -57,11 +57,15 @@ def redact(argv: list[str]) -> list[str]:
         elif a.startswith(tuple(f"{f}=" for f in SECRET_FLAGS)):
             out.append(a.split("=", 1)[0] + "=***")
         else:
-            out.append(_URL_PASSWORD.sub(r"\1***@", a))
+            out.append(_URL_QUERY_PASSWORD.sub(r"\1***", _URL_PASSWORD.sub(r"\1***@", a)))
     return out
 
 
-_URL_PASSWORD = re.compile(r"(://[^/@:]*:)[^/@]*@")
+# a URL's password: from the user's ':' to the last '@' (a password may hold '@' or '/', which
+# redis-py's parser takes; what follows the host is hidden too when it holds an '@': on the safe
+# side), and a `password=` query parameter (redis-py logs in with it too)
+_URL_PASSWORD = re.compile(r"(://[^/@:]*:).*@")
+_URL_QUERY_PASSWORD = re.compile(r"([?&]password=)[^&#]*")
 
 
 def set_title(title: str, short: str | None = None) -> bool:

@@ -149,6 +149,11 @@ def test_ps_names_each_forked_worker_by_its_own_command(stories_dir: Path) -> No
         "gateway", "--api-key=***", "--secret", "***", "--port", "1"]  # fmt: skip
     assert redact(["--redis", "redis://:pw@h:6379/0", "--redis=rediss://u:p@h/1", "http://h:1/x"]) == [
         "--redis", "redis://:***@h:6379/0", "--redis=rediss://u:***@h/1", "http://h:1/x"]  # fmt: skip
+    # a password holding '@' or '/', and one given as a query parameter (a reviewer's cases)
+    assert redact(["redis://:p@ss@h:1/0", "redis://:ab/cd@h/0", "redis://h:1/0?password=s3&db=1",
+                   "redis://u@h/0"]) == [
+        "redis://:***@h:1/0", "redis://:***@h/0", "redis://h:1/0?password=***&db=1",
+        "redis://u@h/0"]  # fmt: skip
 
 
 def test_a_dead_template_leaves_its_workers_serving_and_watched(stories_dir: Path) -> None:
