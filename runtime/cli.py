@@ -430,6 +430,9 @@ def _check_chat_template(llm) -> None:  # type: ignore[no-untyped-def]
     except TemplateSyntaxError as e:
         raise SystemExit(f"edgeinfer: error: {llm.engine.config.model}: its chat template does "
                          f"not compile: {e} (line {e.lineno})") from None  # fmt: skip
+    except RecursionError:  # (nested past the parser's depth: it was a traceback)
+        raise SystemExit(f"edgeinfer: error: {llm.engine.config.model}: its chat template does "
+                         "not compile: nested too deeply") from None  # fmt: skip
 
 
 def _chat_turn(llm, history: list[dict[str, str]], line: str, params) -> list[dict[str, str]]:  # type: ignore[no-untyped-def]

@@ -460,10 +460,12 @@ def test_a_chat_template_error_refuses_the_message_and_the_chat_goes_on(
 def test_a_chat_template_that_does_not_compile_is_refused_before_prompting(
     tmp_path: Path, stories_dir: Path
 ) -> None:
-    model = _template_model(stories_dir, tmp_path / "m", "{% for m in messages %}{{ m }")
-    run = _chat(model, ["Hi"])
-    assert run.returncode == 2 and "Traceback" not in run.stderr, run.stderr
-    assert "its chat template does not compile" in run.stderr and "you>" not in run.stdout
+    for name, template in [("m", "{% for m in messages %}{{ m }"),
+                           ("deep", "{{ " + "(" * 5000 + "1" + ")" * 5000 + " }}")]:  # fmt: skip
+        model = _template_model(stories_dir, tmp_path / name, template)
+        run = _chat(model, ["Hi"])
+        assert run.returncode == 2 and "Traceback" not in run.stderr, run.stderr
+        assert "its chat template does not compile" in run.stderr and "you>" not in run.stdout
 
 
 def _cli(*argv: str | bytes, **kw: object) -> subprocess.CompletedProcess[bytes]:
