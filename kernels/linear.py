@@ -165,10 +165,13 @@ def small_linear(
     `packed` only with `ext`. Weights in another dtype than x (bfloat16 under float32) are
     widened for the reference.
     """
-    if packed is not None and x.dim() == 2 and x.shape[0] <= MAX_ROWS_PACKED:
+    # (no rows, as a step that samples nothing asks of the LM head: the reference's empty
+    # product; the kernels take 1 or more)
+    rows = x.shape[0] if x.dim() == 2 else 0
+    if packed is not None and 1 <= rows <= MAX_ROWS_PACKED:
         assert ext is not None
         return ext.packed_linear(x, packed.qs, packed.scales, b)
-    if ext is not None and x.dim() == 2 and x.shape[0] <= max_rows(w, x.dtype):
+    if ext is not None and 1 <= rows <= max_rows(w, x.dtype):
         if x.dtype == torch.float32:
             return ext.small_linear(x, w, b)
         if x.dtype == torch.bfloat16:
