@@ -41,7 +41,6 @@ import triton.language as tl
 
 _DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 _MAX_HEAD_DIM = 256
-_MAX_BLOCK_SIZE = 256
 _MAX_DEFAULT_SPLITS = 64
 _LOG2E = 1.4426950408889634
 
@@ -227,7 +226,8 @@ def decode_attention(
                   already in the cache), at most max_blocks * block_size (longer is clamped);
                   0 (a padding row) gives zeros.
     scale:        multiplies q.k before the softmax.
-    block_size:   tokens per cache block, a power of two in 1..256.
+    block_size:   tokens per cache block, a power of two (any: EngineConfig takes any, and
+                  only `pos // BLOCK_SIZE` depends on it, no tile shape).
     num_splits:   parts the key range max_blocks * block_size is cut into (split-K), each of
                   whole tiles of up to 64 keys (32 for head_dim > 128), so at most one per tile
                   (a larger value is lowered: the answer is the same). Default, from shapes only:
@@ -379,10 +379,10 @@ def _check_inputs(
     if (
         isinstance(block_size, bool)
         or not isinstance(block_size, int)
-        or not 1 <= block_size <= _MAX_BLOCK_SIZE
+        or block_size < 1
         or block_size & (block_size - 1)
     ):
-        raise bad(f"block_size must be a power of two in 1..{_MAX_BLOCK_SIZE}, got {block_size!r}")
+        raise bad(f"block_size must be a power of two, got {block_size!r}")
     if num_slots % block_size:
         raise bad(f"k_cache's {num_slots} slots must be a multiple of block_size {block_size}")
     if num_splits is not None and (
