@@ -272,7 +272,10 @@ def worker_first_token(model: Path, files: list[Path]) -> tuple[float, str]:
         try:
             while True:
                 if proc.poll() is not None:
-                    raise RuntimeError(f"the worker exited ({proc.returncode}) before serving")
+                    out.seek(0)
+                    said = out.read().decode(errors="replace").strip().splitlines()[-5:]
+                    raise RuntimeError(f"the worker exited ({proc.returncode}) before serving: "
+                                       + " | ".join(said))  # fmt: skip
                 conn = http.client.HTTPConnection("127.0.0.1", port, timeout=120)
                 try:
                     conn.connect()

@@ -344,8 +344,9 @@ def _text_arg(what: str, text: str) -> str:
     """`text` (a command-line argument or stdin, as Python decoded it) as the engine takes it: a
     one-line SystemExit naming `what` when it is not UTF-8 (the bytes that are not arrive as
     lone surrogates, a TypeError in the tokenizer: a traceback)."""
-    from runtime.llm import check_text
-    from runtime.sampling_params import InvalidRequestError
+    # (runtime.sampling_params, not runtime.llm: this runs before the model's load starts, and
+    # runtime.llm imports the engine, torch and all, which the load overlaps)
+    from runtime.sampling_params import InvalidRequestError, check_text
 
     try:
         check_text(what, text)

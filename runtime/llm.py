@@ -13,7 +13,7 @@ from runtime.config import EngineConfig
 from runtime.engine import LLMEngine, Prompt, RequestGroup
 from runtime.loader import PendingLoad
 from runtime.outputs import RequestOutput
-from runtime.sampling_params import InvalidRequestError, SamplingParams
+from runtime.sampling_params import InvalidRequestError, SamplingParams, check_text
 from runtime.tokenizer import NoChatTemplateError
 
 
@@ -155,22 +155,6 @@ class LLM:
         if progress:
             print(file=sys.stderr)
         return [done[i] for i in ids]
-
-
-def check_text(param: str, text: str) -> None:
-    """InvalidRequestError naming `param` when `text` is not Unicode that UTF-8 can encode: it
-    holds a lone surrogate, as Python decodes bytes that are not UTF-8 in a command-line
-    argument, stdin or a file name (the tokenizer would fail with a TypeError)."""
-    try:
-        text.encode("utf-8")
-    except UnicodeEncodeError as e:
-        c = text[e.start]
-        byte = (f" (byte 0x{ord(c) - 0xDC00:02x}, which is not UTF-8: text in another "
-                "encoding?)" if 0xDC80 <= ord(c) <= 0xDCFF else "")  # fmt: skip
-        raise InvalidRequestError(
-            param, f"is not UTF-8 text: character {e.start} is {c!r}, a lone surrogate{byte}; "
-            "give UTF-8 text (iconv -t UTF-8 converts a file)"
-        ) from None  # fmt: skip
 
 
 def _as_batch(prompts: Prompt | Sequence[Prompt]) -> list[Prompt]:

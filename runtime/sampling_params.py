@@ -172,3 +172,19 @@ def _num_field(name: str, value: object) -> None:
         )
     if not math.isfinite(value):
         raise InvalidRequestError(name, f"must be a finite number, got {value}")
+
+
+def check_text(param: str, text: str) -> None:
+    """InvalidRequestError naming `param` when `text` is not Unicode that UTF-8 can encode: it
+    holds a lone surrogate, as Python decodes bytes that are not UTF-8 in a command-line
+    argument, stdin or a file name (the tokenizer would fail with a TypeError)."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        c = text[e.start]
+        byte = (f" (byte 0x{ord(c) - 0xDC00:02x}, which is not UTF-8: text in another "
+                "encoding?)" if 0xDC80 <= ord(c) <= 0xDCFF else "")  # fmt: skip
+        raise InvalidRequestError(
+            param, f"is not UTF-8 text: character {e.start} is {c!r}, a lone surrogate{byte}; "
+            "give UTF-8 text (iconv -t UTF-8 converts a file)"
+        ) from None  # fmt: skip

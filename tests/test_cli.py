@@ -535,3 +535,15 @@ def test_generate_says_it_reads_a_terminal_for_the_prompt(stories_dir: Path) -> 
     os.close(leader)
     assert p.returncode == 0, err.decode()
     assert b"no prompt given: type one, then Ctrl-D" in err and out.startswith(b"Once\n")
+
+
+def test_the_prompt_is_checked_before_the_engine_is_imported() -> None:
+    """generate and chat check their text (UTF-8) before the model's load starts, and the load
+    starts before the engine's imports so that the drive works during them: the check must not
+    import the engine (it imported runtime.llm, torch and all, and the read began after them:
+    generate's first token ~0.25 s later)."""
+    script = ("import sys; from runtime.cli import _text_arg; _text_arg('prompt', 'hi'); "
+              "print('torch' in sys.modules)")  # fmt: skip
+    run = subprocess.run([sys.executable, "-c", script], cwd=ROOT, capture_output=True,
+                         text=True, timeout=60)  # fmt: skip
+    assert run.stdout.strip() == "False", run.stderr[-2000:]
