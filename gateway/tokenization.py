@@ -200,7 +200,7 @@ def prompt_token_ids(
                 "messages", f"messages: {who} has no chat template; use /v1/completions"
             ) from e
         except InvalidRequestError as e:  # the template's raise_exception(): said as it is
-            raise invalid(e.param or "messages", f"{e.param or 'messages'}: {e.message}") from e
+            raise invalid(e.param, str(e)) from e
         except (TypeError, ValueError) as e:
             raise invalid("messages", f"messages: the chat template rejected them: {e}") from e
         return _checked_ids(tok.encode(text, add_special_tokens=False))

@@ -424,16 +424,12 @@ def cmd_chat(args: argparse.Namespace) -> int:
 def _check_chat_template(llm) -> None:  # type: ignore[no-untyped-def]
     """Refuse (a one-line SystemExit) a chat template that does not compile before the first
     prompt, as one that is missing is (it was refused once the user had typed a message)."""
-    from runtime.chat_template import TemplateSyntaxError, compile_template
+    from runtime.tokenizer import TokenizerFileError
 
-    try:
-        compile_template(llm.tokenizer.chat_template_source())
-    except TemplateSyntaxError as e:
-        raise SystemExit(f"edgeinfer: error: {llm.engine.config.model}: its chat template does "
-                         f"not compile: {e} (line {e.lineno})") from None  # fmt: skip
-    except RecursionError:  # (nested past the parser's depth: it was a traceback)
-        raise SystemExit(f"edgeinfer: error: {llm.engine.config.model}: its chat template does "
-                         "not compile: nested too deeply") from None  # fmt: skip
+    try:  # (NoChatTemplateError, named templates none of them "default": main says it)
+        llm.tokenizer.check_chat_template()
+    except TokenizerFileError as e:  # ("chat template does not compile: ...")
+        raise SystemExit(f"edgeinfer: error: {llm.engine.config.model}: its {e.message}") from None
 
 
 def _chat_turn(llm, history: list[dict[str, str]], line: str, params) -> list[dict[str, str]]:  # type: ignore[no-untyped-def]

@@ -66,19 +66,16 @@ class DraftProposer:
         path = Path(spec.draft_model)
         try:  # (the errors name a file; beside the target's, which model's was not said)
             draft_vocab = ModelConfig.from_dir(path).vocab_size
-        except ModelLoadError as e:
-            raise ModelLoadError(f"speculative draft_model (--draft-model): {e}") from e
-        if draft_vocab != target_vocab_size:
-            raise ValueError(
-                f"speculative draft_model {path}: a draft model with another vocabulary "
-                f"({draft_vocab} tokens, the target has {target_vocab_size})"
-            )
-        if _vocab(path) != _vocab(Path(config.model)):
-            raise ValueError(
-                f"speculative draft_model {path}: a draft model with another vocabulary (its "
-                "tokenizer differs from the target's)"
-            )
-        try:
+            if draft_vocab != target_vocab_size:
+                raise ValueError(
+                    f"speculative draft_model {path}: a draft model with another vocabulary "
+                    f"({draft_vocab} tokens, the target has {target_vocab_size})"
+                )
+            if _vocab(path) != _vocab(Path(config.model)):
+                raise ValueError(
+                    f"speculative draft_model {path}: a draft model with another vocabulary "
+                    "(its tokenizer differs from the target's)"
+                )
             self.model = load_model(path, config.dtype, weight_dtype=config.weight_dtype)
         except ModelLoadError as e:
             raise ModelLoadError(f"speculative draft_model (--draft-model): {e}") from e

@@ -54,6 +54,7 @@ class TokenizerFileError(ValueError):
     def __init__(self, path: Path, message: str) -> None:
         super().__init__(f"{path}: {message}")
         self.path = path
+        self.message = message
 
 
 class ChatTemplateError(ValueError):
@@ -280,14 +281,19 @@ class Tokenizer:
                 ) from e
         return cache[source]
 
+    def check_chat_template(self) -> None:
+        """Compile the chat template `apply_chat_template` uses without tools, now (importing
+        jinja2): TokenizerFileError for one that does not compile, NoChatTemplateError for a
+        model without one. It stays compiled for the first chat request."""
+        self._compiled_template(self._template_source(None))
+
     def warm_chat_template(self) -> None:
-        """Import jinja2 and compile the default chat template now (a worker does once it
-        serves, off its start-up's path; the gateway as it builds a tokenizer), so that the
-        first chat request does not. Best effort: nothing for a model without one, and nothing
-        raised for one that does not compile (its first chat request says why, as it did)."""
-        if "default" in self.chat_templates:
-            with contextlib.suppress(Exception):
-                self._compiled_template(self.chat_templates["default"])
+        """check_chat_template, best effort (a worker does it once it serves, off its
+        start-up's path; the gateway as it builds a tokenizer), so that the first chat request
+        does not compile it: nothing raised for a model without one, or one that does not
+        compile (its first chat request says why, as it did)."""
+        with contextlib.suppress(Exception):
+            self.check_chat_template()
 
 
 # ----- file reading ------------------------------------------------------------------------

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -466,6 +467,21 @@ def test_a_chat_template_that_does_not_compile_is_refused_before_prompting(
         run = _chat(model, ["Hi"])
         assert run.returncode == 2 and "Traceback" not in run.stderr, run.stderr
         assert "its chat template does not compile" in run.stderr and "you>" not in run.stdout
+
+
+def test_named_chat_templates_without_a_default_are_refused_before_prompting(
+    tmp_path: Path, stories_dir: Path
+) -> None:
+    """Only named templates (tokenizer_config.json's list), none "default": one line, exit 2,
+    before the first prompt (check_chat_template's NoChatTemplateError)."""
+    model = tmp_path / "named"
+    shutil.copytree(stories_dir, model)
+    config = json.loads((model / "tokenizer_config.json").read_text())
+    config["chat_template"] = [{"name": "tool_use", "template": "x"}]
+    (model / "tokenizer_config.json").write_text(json.dumps(config))
+    run = _chat(model, ["Hi"])
+    assert run.returncode == 2 and "Traceback" not in run.stderr, run.stderr
+    assert 'none is "default"' in run.stderr and "you>" not in run.stdout
 
 
 def _cli(*argv: str | bytes, **kw: object) -> subprocess.CompletedProcess[bytes]:

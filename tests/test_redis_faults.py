@@ -307,6 +307,16 @@ def test_a_worker_stopped_while_redis_hangs_exits_soon(tmp_path: Path, stories_d
                 or "deregister failed (no answer in time)" in log), log[-2000:]  # fmt: skip
 
 
+def _registered_worker(server: LocalRedis, stories_dir: Path, tmp_path: Path,
+                       heartbeat_s: float) -> Proc:  # fmt: skip
+    """A worker on `server` (heartbeats every `heartbeat_s`, a long TTL), once registered."""
+    (tmp_path / "regions.yaml").write_text(CATALOG)
+    worker = start_worker("w1", stories_dir, server.url, tmp_path, "local",
+                          ["--heartbeat", str(heartbeat_s), "--ttl", "60"])  # fmt: skip
+    wait_until(lambda: _keys(server.url, "ei:w:*") == 1, 10, "registration")
+    return worker
+
+
 def test_a_worker_whose_heartbeat_failed_once_still_deregisters_on_exit(
     tmp_path: Path, stories_dir: Path
 ) -> None:
@@ -318,10 +328,7 @@ def test_a_worker_whose_heartbeat_failed_once_still_deregisters_on_exit(
 
     server = LocalRedis().start()
     try:
-        (tmp_path / "regions.yaml").write_text(CATALOG)
-        worker = start_worker("w1", stories_dir, server.url, tmp_path, "local",
-                              ["--heartbeat", "3", "--ttl", "60"])  # fmt: skip
-        wait_until(lambda: _keys(server.url, "ei:w:*") == 1, 10, "registration")
+        worker = _registered_worker(server, stories_dir, tmp_path, heartbeat_s=3)
         assert server._proc is not None
         server._proc.send_signal(signal.SIGSTOP)
         try:
@@ -345,10 +352,7 @@ def test_a_heartbeat_redis_refuses_is_said_as_refused_not_unreachable(
 
     server = LocalRedis().start()
     try:
-        (tmp_path / "regions.yaml").write_text(CATALOG)
-        worker = start_worker("w1", stories_dir, server.url, tmp_path, "local",
-                              ["--heartbeat", "1", "--ttl", "60"])  # fmt: skip
-        wait_until(lambda: _keys(server.url, "ei:w:*") == 1, 10, "registration")
+        worker = _registered_worker(server, stories_dir, tmp_path, heartbeat_s=1)
         with redis_sync.Redis.from_url(server.url) as r:
             r.config_set("maxmemory-policy", "noeviction")
             r.config_set("maxmemory", "1")
