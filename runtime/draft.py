@@ -26,7 +26,6 @@ from __future__ import annotations
 
 from pathlib import Path
 
-import llguidance.numpy as llg_np
 import numpy as np
 import torch
 from tokenizers import Tokenizer as HFTokenizer
@@ -217,9 +216,11 @@ class _GrammarDrafts:
 
     def masked(self, logits: torch.Tensor) -> torch.Tensor:
         """logits (1, V) with the tokens the grammar does not allow next pushed to -max."""
+        from llguidance.numpy import fill_next_token_bitmask  # (a grammar loaded it)
+
         if self._row is None:
             self._row = np.empty((1, bitmask_words(logits.shape[1])), dtype=np.int32)
-        llg_np.fill_next_token_bitmask(self.matcher, self._row, 0)
+        fill_next_token_bitmask(self.matcher, self._row, 0)
         return apply_token_bitmask(logits, self._row)
 
     def advance(self, token: int) -> bool:

@@ -41,8 +41,6 @@ from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import TYPE_CHECKING
 
-import llguidance
-import llguidance.numpy as llg_np
 import numpy as np
 
 from runtime.sampling_params import InvalidRequestError
@@ -50,6 +48,8 @@ from runtime.structured import check
 from runtime.tokenizer import Tokenizer
 
 if TYPE_CHECKING:
+    import llguidance
+
     from runtime.scheduler import ScheduledRequest
     from runtime.structured import StructuredOutputsParams
 
@@ -124,13 +124,15 @@ class RequestGrammar:
     def _fill(self, rows: np.ndarray, drafts: list[int]) -> None:
         """Row 0: the current state; row i + 1: after drafts[: i + 1] (as far as they are
         accepted; rows past a refused draft are never read, verification stops there)."""
+        from llguidance.numpy import fill_next_token_bitmask  # (loaded by the compiler)
+
         m = self.matcher
         if not m.is_error():
-            llg_np.fill_next_token_bitmask(m, rows, 0)
+            fill_next_token_bitmask(m, rows, 0)
             ok = m.validate_tokens(drafts) if drafts and not m.is_error() else 0
             for i in range(ok):
                 m.consume_token(drafts[i])
-                llg_np.fill_next_token_bitmask(m, rows, i + 1)
+                fill_next_token_bitmask(m, rows, i + 1)
             if ok and not m.is_error():
                 m.rollback(ok)
         if self._check():  # failed now or before: the request can only end
@@ -158,6 +160,8 @@ STEP_MAX_ITEMS = 5_000
 
 
 def parser_limits() -> llguidance.LLParserLimits:
+    import llguidance
+
     return llguidance.LLParserLimits(step_max_items=STEP_MAX_ITEMS)
 
 
@@ -189,6 +193,8 @@ class GrammarCompiler:
         self.eos_row = np.packbits(eos, bitorder="little").view(np.int32)  # (W,)
 
     def tokenizer(self) -> llguidance.LLTokenizer:
+        import llguidance
+
         with self._lock:
             if self._lltok is None:
                 self._lltok = llguidance.LLTokenizer(
@@ -201,6 +207,8 @@ class GrammarCompiler:
     def grammar(self, spec: StructuredOutputsParams, param: str) -> RequestGrammar:
         """A fresh grammar state for `spec` (InvalidRequestError naming the client's field it
         came from, `spec.param`, or else `param`, if refused)."""
+        import llguidance  # (here, not at the top: ~25 ms of a worker's cold start otherwise)
+
         param = spec.param or param
         text = check(spec, param)
         tok = self.tokenizer()
@@ -251,8 +259,10 @@ class GrammarCompiler:
         at once with empty text that does not match it. A constraint whose first mask already
         exceeds llguidance's limits (a regex such as `(.{0,300}){0,300}` over a large vocabulary)
         is refused with llguidance's reason."""
+        from llguidance.numpy import fill_next_token_bitmask
+
         row = np.zeros((1, bitmask_words(self.vocab_size)), dtype=np.int32)
-        llg_np.fill_next_token_bitmask(template, row, 0)
+        fill_next_token_bitmask(template, row, 0)
         error = template.get_error().split("\n", 1)[0][:300] if template.is_error() else ""
         if error and error != _NO_EXTENSION:  # a resource limit, reached on the first mask
             raise InvalidRequestError(

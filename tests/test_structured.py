@@ -490,3 +490,32 @@ def test_apply_token_bitmask_matches_a_dense_mask() -> None:
     ]
     picked = Sampler()(logits, states).token_ids
     assert picked == dense.argmax(dim=-1).tolist()
+
+
+def test_llguidance_is_imported_with_the_first_grammar(stories_dir: Path) -> None:
+    """The engine and the worker leave llguidance out of their imports (~25 ms of a worker's
+    cold start, before its first token); the first constraint compiled brings it in, and its
+    mask is filled."""
+    script = """
+import sys
+from pathlib import Path
+import numpy as np
+import runtime.engine, runtime.worker, runtime.draft
+from runtime.structured import StructuredOutputsParams
+from runtime.structured_decoding import GrammarCompiler, bitmask_words
+from runtime.tokenizer import Tokenizer
+assert "llguidance" not in sys.modules, "imported at start-up"
+tok = Tokenizer.from_dir(Path(sys.argv[1]))
+compiler = GrammarCompiler(tok, tok.vocab_size, tok.eos_token_ids)
+assert "llguidance" not in sys.modules, "imported by a GrammarCompiler"
+g = compiler.grammar(StructuredOutputsParams(choice=["yes", "no"]), "guided_choice")
+rows = np.zeros((1, bitmask_words(tok.vocab_size)), dtype=np.int32)
+g._fill(rows, [])
+print("llguidance" in sys.modules, int(np.count_nonzero(rows)) > 0)
+"""
+    import subprocess
+    import sys
+
+    out = subprocess.run([sys.executable, "-c", script, str(stories_dir)], capture_output=True,
+                         text=True, timeout=120, cwd=Path(__file__).parent.parent)  # fmt: skip
+    assert out.stdout.strip() == "True True", out.stderr[-2000:]
