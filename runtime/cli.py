@@ -319,9 +319,19 @@ def _stream(llm, prompt: str | list[int], params, head: str = "") -> tuple[str, 
     """Run one request, printing `head` once it is accepted (a request the engine refuses
     raises InvalidRequestError first), then the text as it is produced, then a newline (all on
     stdout; the token count on stderr). Returns the text, and whether Ctrl-C cut it short."""
+    from runtime.sampling_params import InvalidRequestError
+
     engine = llm.engine
     rid = engine.next_request_id()
-    engine.add_request(rid, prompt, params)
+    try:
+        engine.add_request(rid, prompt, params)
+    except InvalidRequestError as e:  # (a context-length refusal: the API's field named)
+        if e.param != "max_tokens":
+            raise
+        # the option the user typed and can change, as _params names it
+        raise InvalidRequestError(
+            "--max-tokens", e.message.replace("max_tokens", "--max-tokens"), e.code
+        ) from None
     print(head, end="", flush=True)
     text, tokens, t0, interrupted = "", 0, time.monotonic(), False
     try:
@@ -411,9 +421,12 @@ def cmd_chat(args: argparse.Namespace) -> int:
         while True:
             try:
                 line = input("you> ").strip()
-            except (EOFError, KeyboardInterrupt):
+            except EOFError:
                 print(file=sys.stderr)
                 return 0
+            except KeyboardInterrupt:  # (during a reply it stops the reply; here, the chat)
+                print(file=sys.stderr)
+                return 130  # as an interrupted command exits: a script sees it was not ended
             if not line:
                 return 0
             messages = _chat_turn(llm, messages, line, params)

@@ -41,7 +41,7 @@ from runtime.model_runner import Launched, ModelRunner, kv_block_bytes, kv_cache
 from runtime.outputs import CompletionOutput, RequestOutput
 from runtime.ranks import RankFailure, start_weights
 from runtime.request import Request, RequestStatus
-from runtime.sampling_params import InvalidRequestError, SamplingParams
+from runtime.sampling_params import InvalidRequestError, SamplingParams, check_text
 from runtime.scheduler import QueueFullError, Scheduler, SchedulerOutput, StepResult
 from runtime.speculative import SpecController
 from runtime.structured import StructuredOutputsParams
@@ -296,6 +296,7 @@ class LLMEngine:
         if isinstance(prompt, str):
             if not prompt:
                 raise InvalidRequestError("prompt", "must not be empty")
+            check_text("prompt", prompt)  # (a lone surrogate: a TypeError in the tokenizer)
             ids = self.tokenizer.encode(prompt)
             vocab = self.model.cfg.vocab_size
             if ids and (top := max(ids)) >= vocab:  # (an embedding lookup past its end would

@@ -68,12 +68,10 @@ class LLM:
                 raise InvalidRequestError(
                     "sampling_params", f"must be SamplingParams, got {type(bad).__name__}"
                 )
-        # Validate everything before anything is queued, so a bad prompt queues nothing.
+        # Validate everything before anything is queued, so a bad prompt queues nothing (each
+        # prompt's text is checked as the engine tokenizes it, below, before any is queued).
         for p in params_list:
             p.validate()
-        for prompt in batch:
-            if isinstance(prompt, str):
-                check_text("prompt", prompt)
         engine = self.engine
         groups = [
             engine.prepare_request(engine.next_request_id(), prompt, params, check_room=False)
@@ -92,7 +90,8 @@ class LLM:
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
     ) -> list[RequestOutput]:
         """Render each conversation with the model's chat template, then generate. `messages`:
-        one conversation (a list of {"role", "content"} messages), or a list of them."""
+        one conversation (a list of {"role", "content"} messages), or a list of them. A content
+        may be OpenAI's list of text parts, as the gateway takes it (`_text_parts`)."""
         if isinstance(messages, dict):
             messages = [messages]  # one message: a conversation of one
 
@@ -111,10 +110,12 @@ class LLM:
         prompts = []
         for n, conv in enumerate(convs):
             for i, m in enumerate(conv):  # (to name the message; the prompt is checked below)
+                where = "messages" + f"[{n}]" * (len(convs) > 1) + f"[{i}]"
+                if isinstance(m.get("content"), list):  # (a copy: the caller's stays as it was)
+                    m = conv[i] = {**m, "content": _text_parts(f"{where}.content", m)}
                 for key, value in m.items():
                     if isinstance(value, str):
-                        where = f"[{n}]" * (len(convs) > 1) + f"[{i}].{key}"
-                        check_text(f"messages{where}", value)
+                        check_text(f"{where}.{key}", value)
             try:
                 text = self.tokenizer.apply_chat_template(conv, add_generation_prompt=True)  # type: ignore[arg-type]
             except NoChatTemplateError as e:  # (its own message points to the completions API)
@@ -155,6 +156,40 @@ class LLM:
         if progress:
             print(file=sys.stderr)
         return [done[i] for i in ids]
+
+
+def _text_parts(param: str, message: dict[str, Any]) -> str:
+    """A message's content given as OpenAI's content parts, as the gateway makes it a string
+    (gateway/openai_api.py `_content`), so that both give a conversation the same prompt: its
+    text parts (and an assistant's refusal parts) joined with newlines, as vLLM joins them.
+    Other parts (images, audio) are refused: the model would answer without them. (Left as a
+    list, the chat template printed the list's repr into the prompt.)"""
+    parts = message["content"]
+    if not parts:
+        raise InvalidRequestError(
+            param, "must be a string or a non-empty list of text parts, got an empty list"
+        )
+    texts = []
+    for j, part in enumerate(parts):
+        where = f"{param}[{j}]"
+        if not isinstance(part, dict):
+            raise InvalidRequestError(where, "must be a content part ({'type': 'text', "
+                                      f"'text': ...}}), got {type(part).__name__}")  # fmt: skip
+        kind = part.get("type")
+        key = "refusal" if kind == "refusal" and message.get("role") == "assistant" else "text"
+        if kind != key:
+            raise InvalidRequestError(
+                f"{where}.type", "only text content parts (and refusal parts in assistant "
+                f"messages) are supported, got type {kind!r}"
+            )  # fmt: skip
+        text = part.get(key)
+        if not isinstance(text, str):
+            raise InvalidRequestError(
+                f"{where}.{key}", f"must be a string, got {type(text).__name__}"
+            )
+        check_text(f"{where}.{key}", text)
+        texts.append(text)
+    return "\n".join(texts)
 
 
 def _as_batch(prompts: Prompt | Sequence[Prompt]) -> list[Prompt]:

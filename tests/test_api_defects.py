@@ -1,0 +1,147 @@
+"""What a user of the Python API and the CLI met at their edges: text that is not UTF-8 handed to
+the engine itself, OpenAI-style content parts in `LLM.chat`, Ctrl-C at the chat prompt, and a
+context-length refusal that named the API's field to a CLI user."""
+
+from __future__ import annotations
+
+import os
+import select
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from runtime import LLM, SamplingParams
+from runtime.sampling_params import InvalidRequestError
+from tests.stack import ROOT, chat_model
+
+GREEDY = SamplingParams(temperature=0, max_tokens=2)
+
+
+@pytest.fixture(scope="module")
+def model(stories_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return chat_model(stories_dir, tmp_path_factory.mktemp("api-defects") / "chat")
+
+
+@pytest.fixture(scope="module")
+def llm(model: Path) -> LLM:
+    return LLM(str(model), kv_cache_bytes=1_000_000, num_threads=1)
+
+
+def test_the_engine_refuses_text_that_is_not_utf8_naming_the_prompt(llm: LLM) -> None:
+    """A prompt reaching the engine itself (the worker's path, an embedder's) with a lone
+    surrogate was a TypeError from the tokenizer ('TextInputSequence must be str')."""
+    engine = llm.engine
+    with pytest.raises(InvalidRequestError, match=r"^prompt: is not UTF-8 text: character 3 "
+                       r"is '\\ud800', a lone surrogate") as err:  # fmt: skip
+        engine.tokenize_prompt("hi \ud800")
+    assert err.value.param == "prompt"
+    with pytest.raises(InvalidRequestError, match=r"byte 0xff") as err:
+        engine.add_request(engine.next_request_id(), "caf\udcff", GREEDY)
+    assert err.value.param == "prompt" and not engine.has_unfinished()
+    assert engine.tokenize_prompt("café 🙂")  # (UTF-8 text goes through)
+
+
+def test_chat_takes_text_content_parts_as_the_gateway_does(llm: LLM) -> None:
+    """Parts are joined with newlines (gateway/openai_api.py): the chat template printed the
+    list's repr ("user: [{'type': 'text', ...}]") into the prompt."""
+    parts = [{"type": "text", "text": "hi"}, {"type": "text", "text": " there"}]
+    conv = [
+        {"role": "system", "content": [{"type": "text", "text": "Be kind"}]},
+        {"role": "user", "content": parts},
+        {"role": "assistant", "content": [{"type": "refusal", "refusal": "No."}]},
+        {"role": "user", "content": "Why?"},
+    ]
+    texts = ["Be kind", "hi\n there", "No.", "Why?"]
+    flat = [{**m, "content": c} for m, c in zip(conv, texts, strict=True)]
+    (got,), (want,) = llm.chat(conv, GREEDY), llm.chat(flat, GREEDY)
+    assert got.prompt_token_ids == want.prompt_token_ids
+    assert got.outputs[0].token_ids == want.outputs[0].token_ids
+    assert conv[1]["content"] is parts  # (the caller's messages are left as they were)
+    # one conversation of several: each named by its index
+    (a, b) = llm.chat([flat, conv], GREEDY)
+    assert a.prompt_token_ids == b.prompt_token_ids
+
+
+@pytest.mark.parametrize(
+    ("content", "param", "message"),
+    [
+        ([{"type": "text", "text": "a"}, {"type": "image_url", "image_url": {"url": "x"}}],
+         "messages[0].content[1].type", "only text content parts .* got type 'image_url'"),
+        ([{"type": "refusal", "refusal": "no"}], "messages[0].content[0].type",
+         "got type 'refusal'"),  # (from the assistant only)
+        ([{"text": "a"}], "messages[0].content[0].type", "got type None"),
+        ([{"type": "text", "text": 3}], "messages[0].content[0].text", "must be a string, got int"),
+        (["a"], "messages[0].content[0]", "must be a content part"),
+        ([], "messages[0].content", "non-empty list of text parts"),
+        ([{"type": "text", "text": "caf\udce9"}], "messages[0].content[0].text",
+         "is not UTF-8 text.*byte 0xe9"),
+    ],
+)  # fmt: skip
+def test_chat_refuses_content_parts_it_cannot_show_naming_the_part(
+    llm: LLM, content: list[object], param: str, message: str
+) -> None:
+    with pytest.raises(InvalidRequestError, match=message) as err:
+        llm.chat([{"role": "user", "content": content}], GREEDY)
+    assert err.value.param == param
+    assert not llm.engine.has_unfinished()
+
+
+def _read_until(fd: int, marker: bytes, count: int, timeout: float = 120) -> bytes:
+    """What `fd` gives until `marker` has come `count` times."""
+    seen, deadline = b"", time.monotonic() + timeout
+    while seen.count(marker) < count:
+        left = deadline - time.monotonic()
+        assert left > 0 and select.select([fd], [], [], left)[0], f"no {marker!r}: {seen!r}"
+        chunk = os.read(fd, 4096)
+        assert chunk, f"output ended before {marker!r}: {seen!r}"
+        seen += chunk
+    return seen
+
+
+def test_ctrl_c_at_the_chat_prompt_exits_130_without_a_traceback(model: Path) -> None:
+    """It exited 0, as an empty line or Ctrl-D do, so a script could not tell an interrupted
+    chat from one ended as asked."""
+    p = subprocess.Popen(
+        [sys.executable, "-m", "runtime.cli", "chat", "--model", str(model), "--threads", "1",
+         "--max-tokens", "2"],
+        cwd=ROOT, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+    )  # fmt: skip
+    assert p.stdin is not None and p.stdout is not None
+    try:
+        p.stdin.write(b"Hi\n")  # one turn first: Ctrl-C at the prompt, not during the load
+        p.stdin.flush()
+        out = _read_until(p.stdout.fileno(), b"you> ", 2)  # (its reply came between)
+        p.send_signal(signal.SIGINT)  # (stdin open: it waits in input())
+        rest, err = p.communicate(timeout=60)
+    finally:
+        p.kill()
+    assert p.returncode == 130, err.decode()
+    assert b"Traceback" not in err and b"KeyboardInterrupt" not in err, err.decode()
+    assert err.endswith(b"tok/s]\n\n"), err.decode()  # the newline after the prompt
+    assert rest == b"", out + rest
+
+
+def test_the_cli_names_max_tokens_as_its_option(model: Path) -> None:
+    """The context-length refusal named the API's `max_tokens` where the user typed
+    --max-tokens: 'max_tokens: ... (max_tokens: at most 62).'"""
+    run = subprocess.run(
+        [sys.executable, "-m", "runtime.cli", "generate", "--model", str(model), "--threads",
+         "1", "--max-model-len", "64", "--max-tokens", "100", "Once"],
+        cwd=ROOT, capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert run.returncode == 2 and "Traceback" not in run.stderr, run.stderr
+    refusal = "edgeinfer: error: --max-tokens: This model's maximum context length is 64 tokens"
+    assert refusal in run.stderr and "(--max-tokens: at most 62)." in run.stderr, run.stderr
+    assert "max_tokens" not in run.stderr, run.stderr
+    run = subprocess.run(
+        [sys.executable, "-m", "runtime.cli", "chat", "--model", str(model), "--threads", "1",
+         "--max-model-len", "64", "--max-tokens", "100"],
+        cwd=ROOT, input="Hi\n", capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert run.returncode == 0 and "Traceback" not in run.stderr, run.stderr
+    assert "edgeinfer: error: --max-tokens: This model's maximum context length" in run.stderr
+    assert "max_tokens" not in run.stderr and "conversation goes on" in run.stderr, run.stderr
