@@ -1,6 +1,6 @@
 """Render (and, with --apply, apply) one region's Kubernetes manifests.
 
-    python -m infra.deploy REGION [--apply] [--out DIR] [--catalog FILE]
+    python -m infra.deploy REGION [--apply] [--out DIR] [--catalog FILE] [--redis-url-file FILE]
     infra/deploy.sh REGION [...]
 
 Three layers, the way `kustomize build` stacks them: infra/k8s/base (gateway Deployment and
@@ -19,7 +19,8 @@ patches):
                       worker runs on one GPU (tensor parallelism, --tp, runs on the CPU only so
                       far), and the pool manager gives its workers no GPU each (they would all run
                       on its pod's first): with a GPU, pool_max_workers is 0 or 1
-    redis_url         a shared Redis for the cluster state; absent: the region runs its own
+    redis_url         a shared Redis for the cluster state, without a password (one with a
+                      password: --redis-url-file, below); absent: the region runs its own
     drain_timeout     worker --drain-timeout, seconds (default 30); grace periods follow it
     store_class, store_size   the model store's local NVMe StorageClass and size
                       (default local-nvme, 200Gi)
@@ -46,6 +47,18 @@ maps its pods read (edgeinfer.dev/config-sha256): a container reads its environm
 start, so a setting that changes only the config (models, redis_url, otlp_endpoint) rolls the
 pods that read it.
 
+A Redis with a password: the catalog holds none (it is kept in git, and a redis_url goes into
+the ConfigMap edgeinfer-config), so a redis_url with one (redis://:PW@host, ?password=PW) is
+refused for the region rendered, and named in a warning for any other region. The URL with its
+password is given to the deploy, `--redis-url-file FILE` or $EDGEINFER_DEPLOY_REDIS_URL, and
+rendered as the Secret edgeinfer-redis (key `url`), which the gateway, worker and pool
+containers read as EDGEINFER_REDIS (the processes read that variable; no pod passes --redis, so
+no password is on a pod's command line); the config map then holds no Redis URL, and the region runs
+no Redis of its own. A redis_url in the catalog as well must name the same Redis. The Secret's
+data is in the pod templates' digest, so `--apply` of a new password rolls the pods. Printed
+manifests and --out hold the Secret (--out writes its file readable by its owner alone);
+--apply prunes no Secret: one an earlier render made stays, read by nothing.
+
 Without --apply the manifests are printed (or written to --out DIR, one file per resource,
 NN-KIND-NAME.yaml numbered in the order they apply: the namespace first); with --apply they are
 piped to `kubectl apply -f - --prune -l app.kubernetes.io/part-of=edgeinfer,edgeinfer.dev/region=REGION`
@@ -69,21 +82,26 @@ the region and field; so does an --out DIR that cannot be written (naming DIR).
 from __future__ import annotations
 
 import argparse
+import base64
+import copy
 import difflib
 import hashlib
 import json
+import os
 import re
 import shutil
 import subprocess
 import sys
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlsplit
 
 import yaml
 
 from gateway.regions import DEFAULT_CATALOG, CatalogError, RegionCatalog
 from infra.kustomize import RenderError, Resource, build
 from runtime.model_specs import parse_models
+from runtime.proctitle import redact
 
 INFRA = Path(__file__).resolve().parent
 OVERLAYS = INFRA / "k8s" / "overlays"
@@ -120,6 +138,11 @@ SETTINGS = ("image", "workers", "models", "gpus_per_worker", "redis_url", "drain
 CONFIG_DIGEST = "edgeinfer.dev/config-sha256"
 REGIONS_MAP = "edgeinfer-regions"  # the catalog the gateways read (render adds it)
 CATALOG_DIR = "/etc/edgeinfer/catalog"  # where the gateways mount it
+# the Secret the render makes from the Redis URL the operator gives (never the catalog: in git,
+# and copied into a ConfigMap), and where the deploy reads that URL
+REDIS_SECRET, REDIS_SECRET_KEY = "edgeinfer-redis", "url"
+REDIS_URL_ENV = "EDGEINFER_DEPLOY_REDIS_URL"
+REDIS_SOURCES = f"--redis-url-file FILE or ${REDIS_URL_ENV}"
 
 
 class DeployError(ValueError):
@@ -201,8 +224,52 @@ def _url(region: str, settings: dict[str, Any], key: str) -> str | None:
     return value.rstrip("/")
 
 
-def region_layer(region: str, settings: dict[str, Any]) -> dict[str, Any]:
-    """The catalog's settings for `region` as a kustomization over the region's overlay."""
+REDIS_SCHEMES = ("redis://", "rediss://", "redis+cluster://", "rediss+cluster://")
+
+
+def _check_redis_url(region: str, field: str, value: Any) -> None:
+    if not isinstance(value, str) or not value.startswith(REDIS_SCHEMES):
+        raise DeployError(f"region {region!r}: {field} must be a redis://, rediss:// or (a Redis "
+                          "Cluster) redis+cluster:// or rediss+cluster:// URL")  # fmt: skip
+
+
+def _has_password(url: str) -> bool:
+    """Whether a Redis URL holds a password (redis://:PW@host, redis://USER:PW@host, or
+    ?password=PW, which redis-py logs in with too): what runtime.proctitle.redact hides."""
+    return redact([url])[0] != url
+
+
+def _endpoint(url: str) -> tuple[str, str, str, list[str]]:
+    """Where a Redis URL points: the URL less its user, password and `password=`."""
+    parts = urlsplit(url)
+    query = [q for q in parts.query.split("&") if q and not q.startswith(("password=", "username="))]  # fmt: skip
+    return parts.scheme, parts.netloc.rpartition("@")[2], parts.path, query
+
+
+def password_message(region: str, url: str) -> str:
+    """What is wrong with a catalog's redis_url that holds a password (an error for the region
+    rendered, a warning for the others)."""
+    return (f"region {region!r}: settings.redis_url holds a password ({redact([url])[0]}): the "
+            "catalog is kept in git, and a region's redis_url goes into its ConfigMap "
+            f"edgeinfer-config; give the URL with its password as {REDIS_SOURCES} (the render "
+            f"puts it in the Secret {REDIS_SECRET}; infra/README.md), and keep settings.redis_url "
+            "without it")  # fmt: skip
+
+
+def catalog_warnings(catalog: Path, region: str) -> list[str]:
+    """The other regions' passwords in the catalog (`region`'s own is an error: region_layer)."""
+    return [password_message(r.name, r.settings["redis_url"])
+            for r in _load(catalog).regions.values()
+            if r.name != region and isinstance(r.settings.get("redis_url"), str)
+            and _has_password(r.settings["redis_url"])]  # fmt: skip
+
+
+def region_layer(
+    region: str, settings: dict[str, Any], redis_secret_url: str | None = None
+) -> dict[str, Any]:
+    """The catalog's settings for `region` as a kustomization over the region's overlay;
+    `redis_secret_url`: the Redis URL (with its password) the pods read from the Secret
+    REDIS_SECRET, which `render` adds (see the module docstring)."""
     for key in settings:
         if key not in SETTINGS:
             near = (
@@ -262,10 +329,19 @@ def region_layer(region: str, settings: dict[str, Any]) -> dict[str, Any]:
         raise DeployError(f"region {region!r}: settings.traces_endpoint is for the in-region "
                           "collector, which settings.otlp_endpoint replaces; set one of them")  # fmt: skip
     redis_url = settings.get("redis_url")
-    schemes = ("redis://", "rediss://", "redis+cluster://", "rediss+cluster://")
-    if redis_url is not None and (not isinstance(redis_url, str) or not redis_url.startswith(schemes)):  # fmt: skip
-        raise DeployError(f"region {region!r}: settings.redis_url must be a redis://, rediss:// "
-                          "or (a Redis Cluster) redis+cluster:// or rediss+cluster:// URL")  # fmt: skip
+    if redis_url is not None:
+        _check_redis_url(region, "settings.redis_url", redis_url)
+        if _has_password(redis_url):
+            raise DeployError(password_message(region, redis_url))
+    if redis_secret_url is not None:
+        _check_redis_url(region, f"the Redis URL from {REDIS_SOURCES}", redis_secret_url)
+        if redis_url and _endpoint(redis_url) != _endpoint(redis_secret_url):
+            raise DeployError(f"region {region!r}: the Redis URL from {REDIS_SOURCES} "
+                              f"({redact([redis_secret_url])[0]}) names another Redis than "
+                              f"settings.redis_url ({redis_url}): give the same one, or drop "
+                              "settings.redis_url")  # fmt: skip
+        redis_url = None  # (the Secret's URL is the one the pods read)
+    external_redis = bool(redis_url or redis_secret_url)
 
     image_edit: dict[str, Any] = {"name": "edgeinfer", "newName": m["repo"]}
     if m["digest"]:
@@ -274,7 +350,7 @@ def region_layer(region: str, settings: dict[str, Any]) -> dict[str, Any]:
         image_edit["newTag"] = m["tag"] or "latest"
     # the standing workers' model as the pool reads it: NAME=FOLDER is FOLDER served as NAME
     ((served_name, model),) = parse_models(models[0], resolve=str).items()
-    config = {
+    config: dict[str, str | None] = {
         "EDGEINFER_MODEL": model,
         "EDGEINFER_SERVED_MODEL_NAME": served_name,
         "EDGEINFER_MODELS": ",".join(models),
@@ -283,6 +359,8 @@ def region_layer(region: str, settings: dict[str, Any]) -> dict[str, Any]:
     }
     if redis_url:
         config["EDGEINFER_REDIS"] = redis_url
+    elif redis_secret_url is not None:  # (null: the base's key removed, as kustomize does)
+        config["EDGEINFER_REDIS"] = None
     if otlp_endpoint:
         config["OTEL_EXPORTER_OTLP_ENDPOINT"] = otlp_endpoint
     patches: list[dict[str, Any]] = [_inline({"apiVersion": "v1", "kind": "ConfigMap",
@@ -308,7 +386,15 @@ def region_layer(region: str, settings: dict[str, Any]) -> dict[str, Any]:
                                 "spec": {"type": service_type}}))  # fmt: skip
     if not pool_max:
         patches.append(_delete("apps/v1", "Deployment", "pool"))
-    if redis_url:
+    if redis_secret_url is not None:
+        # the pods read EDGEINFER_REDIS from the Secret (the config map holds none then)
+        from_secret = {"name": "EDGEINFER_REDIS", "valueFrom": {"secretKeyRef": {
+            "name": REDIS_SECRET, "key": REDIS_SECRET_KEY}}}  # fmt: skip
+        for kind, name in [("Deployment", "gateway"), *pods]:
+            patches.append(_inline({"apiVersion": "apps/v1", "kind": kind, "metadata": {"name": name},
+                                    "spec": {"template": {"spec": {"containers": [
+                                        {"name": name, "env": [from_secret]}]}}}}))  # fmt: skip
+    if external_redis:
         patches += [_delete("apps/v1", "Deployment", "redis"), _delete("v1", "Service", "redis")]
     if otlp_endpoint:
         patches += [_delete("apps/v1", "Deployment", "otel-collector"),
@@ -345,9 +431,14 @@ def _delete(api: str, kind: str, name: str) -> dict[str, str]:
 
 
 def render(
-    region: str, catalog: Path = DEFAULT_CATALOG, overlays: Path = OVERLAYS
+    region: str,
+    catalog: Path = DEFAULT_CATALOG,
+    overlays: Path = OVERLAYS,
+    redis_secret_url: str | None = None,
 ) -> list[Resource]:
-    """The region's manifests; raises DeployError naming the region and the field."""
+    """The region's manifests; raises DeployError naming the region and the field.
+    `redis_secret_url`: the Redis URL, password and all, that the pods read from the Secret
+    REDIS_SECRET (rendered with them), in place of the catalog's redis_url."""
     loaded = _load(catalog)
     regions = {name: r.settings for name, r in loaded.regions.items()}
     if region not in regions:
@@ -356,12 +447,21 @@ def render(
         raise DeployError(
             f"region {region!r}: no overlay at {overlays / region}/kustomization.yaml"
         )
-    layer = region_layer(region, regions[region])
+    layer = region_layer(region, regions[region], redis_secret_url)
     try:
         resources = build(layer, overlays.parent)
     except RenderError as e:
         raise DeployError(f"region {region!r}: the overlay does not render: {e}") from e
     _mount_catalog(resources, gateway_catalog(loaded))
+    if redis_secret_url is not None:
+        config = next(r for r in resources if r["kind"] == "ConfigMap"
+                      and r["metadata"]["name"] == "edgeinfer-config")  # fmt: skip
+        meta = {k: copy.deepcopy(v) for k, v in config["metadata"].items() if k in ("namespace", "labels")}  # fmt: skip
+        _insert_config(resources, {
+            "apiVersion": "v1", "kind": "Secret", "metadata": {"name": REDIS_SECRET, **meta},
+            "type": "Opaque",
+            "data": {REDIS_SECRET_KEY: base64.b64encode(redis_secret_url.encode()).decode()},
+        })  # fmt: skip
     _digest_config(resources)
     return resources
 
@@ -389,37 +489,57 @@ def _mount_catalog(resources: list[Resource], catalog: str) -> None:
         meta["labels"].pop("app.kubernetes.io/name", None)
         if "namespace" in gateways[0]["metadata"]:
             meta["namespace"] = gateways[0]["metadata"]["namespace"]
-        # (with the other config maps: before the workloads that mount it, in apply order)
-        at = next((i for i, r in enumerate(resources)
-                   if r["kind"] in ("Service", "Deployment", "StatefulSet")), len(resources))  # fmt: skip
-        resources.insert(at, {"apiVersion": "v1", "kind": "ConfigMap", "metadata": meta,
-                              "data": {"regions.yaml": catalog}})  # fmt: skip
+        _insert_config(resources, {"apiVersion": "v1", "kind": "ConfigMap", "metadata": meta,
+                                   "data": {"regions.yaml": catalog}})  # fmt: skip
+
+
+def _insert_config(resources: list[Resource], doc: Resource) -> None:
+    """`doc` (a ConfigMap or Secret) with the other config: before the workloads that read it,
+    in apply order."""
+    at = next((i for i, r in enumerate(resources)
+               if r["kind"] in ("Service", "Deployment", "StatefulSet")), len(resources))  # fmt: skip
+    resources.insert(at, doc)
 
 
 def _digest_config(resources: list[Resource]) -> None:
-    """Annotate each pod template with a digest of the ConfigMaps its pods read.
+    """Annotate each pod template with a digest of the ConfigMaps its pods read, and of the
+    Secrets they read that the render holds (REDIS_SECRET).
 
     A container reads its environment (envFrom: edgeinfer-config) once, at start, and
     Kubernetes rolls a Deployment or StatefulSet only when its pod template changes: a setting
     that changes the config alone (models, redis_url, otlp_endpoint) was applied to the ConfigMap
     and to nothing that runs. With a redis_url, `--apply` pruned the region's Redis while every
-    gateway and worker went on calling it. The digest changes with the config, so the template
-    does, and the pods are replaced (kustomize's generated names, a hash suffix, do the same;
-    this renderer does not make them)."""
+    gateway and worker went on calling it; a new Redis password in the Secret reached no pod,
+    which went on logging in with the old one. The digest changes with the config, so the
+    template does, and the pods are replaced (kustomize's generated names, a hash suffix of the
+    contents, do the same for ConfigMaps and Secrets; this renderer does not make them). The
+    operator's own edgeinfer-secret is not rendered, so not in the digest: a change of it needs
+    `kubectl rollout restart` (README)."""
     maps = {r["metadata"]["name"]: r.get("data") or {} for r in resources if r["kind"] == "ConfigMap"}  # fmt: skip
+    # (keyed Secret/NAME: no config map's name holds a '/'; a pod that reads no rendered Secret
+    # has the digest of its config maps alone, as before Secrets were rendered)
+    secrets = {f"Secret/{r['metadata']['name']}": r.get("data") or {} for r in resources
+               if r["kind"] == "Secret"}  # fmt: skip
     for r in resources:
         template = (r.get("spec") or {}).get("template")
         if not isinstance(template, dict):
             continue
         pod = template.get("spec") or {}
-        read = {v["configMap"]["name"] for v in pod.get("volumes") or [] if "configMap" in v}
+        volumes = pod.get("volumes") or []
+        read = {v["configMap"]["name"] for v in volumes if "configMap" in v}
+        read |= {f"Secret/{v['secret']['secretName']}" for v in volumes if "secret" in v}
         for c in (pod.get("containers") or []) + (pod.get("initContainers") or []):
-            read |= {e["configMapRef"]["name"] for e in c.get("envFrom") or [] if "configMapRef" in e}  # fmt: skip
-            read |= {e["valueFrom"]["configMapKeyRef"]["name"] for e in c.get("env") or []
-                     if "configMapKeyRef" in (e.get("valueFrom") or {})}  # fmt: skip
+            for e in c.get("envFrom") or []:
+                read |= {e["configMapRef"]["name"]} if "configMapRef" in e else set()
+                read |= {f"Secret/{e['secretRef']['name']}"} if "secretRef" in e else set()
+            for e in c.get("env") or []:
+                ref = e.get("valueFrom") or {}
+                read |= {ref["configMapKeyRef"]["name"]} if "configMapKeyRef" in ref else set()
+                read |= {f"Secret/{ref['secretKeyRef']['name']}"} if "secretKeyRef" in ref else set()  # fmt: skip
+        read = {name for name in read if not name.startswith("Secret/") or name in secrets}
         if not read:
             continue
-        data = json.dumps({name: maps.get(name) for name in sorted(read)}, sort_keys=True)
+        data = json.dumps({name: {**maps, **secrets}.get(name) for name in sorted(read)}, sort_keys=True)  # fmt: skip
         annotations = template.setdefault("metadata", {}).setdefault("annotations", {})
         annotations[CONFIG_DIGEST] = hashlib.sha256(data.encode()).hexdigest()
 
@@ -462,9 +582,36 @@ def write(resources: list[Resource], out: Path) -> list[Path]:
     paths = []
     for i, r in enumerate(resources):
         path = out / f"{i:02d}-{r['kind'].lower()}-{r['metadata']['name']}.yaml"
+        if r["kind"] == "Secret":  # (readable by its owner alone, from the first byte)
+            path.touch(mode=0o600)
         path.write_text(f"{_MARK}\n" + yaml.safe_dump(r, sort_keys=False))
         paths.append(path)
     return paths
+
+
+def redis_secret_url(region: str, path: Path | None, env: str | None) -> str | None:
+    """The Redis URL for the Secret REDIS_SECRET: from `path` (--redis-url-file) or `env`
+    ($EDGEINFER_DEPLOY_REDIS_URL), one line; None when neither is given."""
+    if path is not None and env:
+        raise DeployError(f"region {region!r}: --redis-url-file and ${REDIS_URL_ENV} both give "
+                          "the Redis URL; give one of them")  # fmt: skip
+    if path is None:
+        if not env:
+            return None
+        where, text = f"${REDIS_URL_ENV}", env
+    else:
+        where = f"--redis-url-file {path}"
+        try:
+            text = path.read_text()
+        except OSError as e:
+            raise DeployError(f"region {region!r}: cannot read {where}: {e.strerror}") from e
+        except UnicodeDecodeError as e:
+            raise DeployError(f"region {region!r}: cannot read {where}: not UTF-8") from e
+    lines = text.strip().splitlines()
+    if len(lines) != 1:
+        raise DeployError(f"region {region!r}: {where} must hold one line, the Redis URL; it "
+                          f"holds {len(lines)}")  # fmt: skip
+    return lines[0].strip()
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -473,9 +620,15 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--apply", action="store_true", help="kubectl apply the manifests")
     p.add_argument("--out", type=Path, default=None, help="write one file per resource here")
     p.add_argument("--catalog", type=Path, default=DEFAULT_CATALOG, help="region catalog YAML")
+    p.add_argument("--redis-url-file", type=Path, default=None,
+                   help="a file holding the region's Redis URL with its password (default "
+                   f"${REDIS_URL_ENV}): rendered as the Secret {REDIS_SECRET}")  # fmt: skip
     args = p.parse_args(argv)
     try:
-        resources = render(args.region, args.catalog)
+        secret_url = redis_secret_url(args.region, args.redis_url_file, os.environ.get(REDIS_URL_ENV))  # fmt: skip
+        resources = render(args.region, args.catalog, redis_secret_url=secret_url)
+        for warning in catalog_warnings(args.catalog, args.region):
+            print(f"deploy: warning: {warning}", file=sys.stderr)
         text = to_yaml(resources)
         if args.apply:
             apply(text, args.region)

@@ -136,6 +136,24 @@ def _ports_taken(ports: range, flag: str) -> None:
         )
 
 
+def _check_region(region: str) -> None:
+    """Refuse to start (SystemExit) a region the catalog lacks. Our gateway reads the packaged
+    catalog (it is given no --regions) and refuses such a region, but only once it runs: the
+    workers had been started by then, a model load and a Redis for nothing, and `up` ended with
+    the gateway's traceback in their output."""
+    from gateway.regions import DEFAULT_CATALOG, CatalogError, RegionCatalog
+
+    try:
+        catalog = RegionCatalog.load(DEFAULT_CATALOG)
+    except CatalogError as e:
+        raise SystemExit(f"edgeinfer: error: {e}") from None
+    if region not in catalog:
+        raise SystemExit(
+            f"edgeinfer: error: --region {region!r} is not in the region catalog "
+            f"{DEFAULT_CATALOG} (known: {', '.join(sorted(catalog.regions))})"
+        )
+
+
 def _check_redis(url: str) -> None:
     """Refuse to start (SystemExit) when the Redis we are given does not answer a PING."""
     import redis
@@ -242,6 +260,7 @@ def up(args: argparse.Namespace) -> int:
     bad = [r for r in roles if r not in ("mixed", "prefill", "decode")]
     if bad:
         raise SystemExit(f"edgeinfer: error: --roles: {bad} are not roles (mixed, prefill, decode)")
+    _check_region(args.region)
     # before anything starts: the ports (the workers' and their KV-transfer servers', when
     # given), and a Redis we are given
     _ports_taken(range(args.port, args.port + 1), "--port")

@@ -5,6 +5,7 @@ field, and nothing is written or applied."""
 
 from __future__ import annotations
 
+import base64
 import os
 import re
 import shutil
@@ -49,8 +50,14 @@ def _env(resources: list[dict[str, Any]], container: dict[str, Any]) -> dict[str
     config = _by(resources, "ConfigMap", "edgeinfer-config")["data"]
     assert container["envFrom"] == [{"configMapRef": {"name": "edgeinfer-config"}}]
     env = dict(config)
+    # (a key of a Secret the render holds, edgeinfer-redis: its value, as the kubelet reads it)
+    secrets = {r["metadata"]["name"]: r["data"] for r in resources if r["kind"] == "Secret"}
     for e in container.get("env", []):
-        env[e["name"]] = e.get("value", "10.1.2.3" if e["name"] == "POD_IP" else "pod-0")
+        ref = (e.get("valueFrom") or {}).get("secretKeyRef") or {}
+        if ref.get("name") in secrets:
+            env[e["name"]] = base64.b64decode(secrets[ref["name"]][ref["key"]]).decode()
+        else:
+            env[e["name"]] = e.get("value", "10.1.2.3" if e["name"] == "POD_IP" else "pod-0")
     return env
 
 
@@ -89,7 +96,10 @@ def _check_commands(region: str, settings: dict[str, Any], resources: list[dict[
         args = parser.parse_args(_expand(c["args"], env))
         assert args.func.__name__ == f"cmd_{command}"
         assert args.region == region
-        assert args.redis == env["EDGEINFER_REDIS"]
+        # the process reads the Redis URL from $EDGEINFER_REDIS: never on its command line,
+        # where `ps` on the node would show a password
+        assert args.redis is None and env["EDGEINFER_REDIS"].startswith("redis")
+        assert not [a for a in c["args"] if "EDGEINFER_REDIS" in a]
         secret = {e["name"]: e for e in c["env"]}["EDGEINFER_SECRET"]
         assert secret["valueFrom"]["secretKeyRef"] == {"name": "edgeinfer-secret", "key": "secret"}
         if command == "worker":
@@ -817,13 +827,13 @@ def test_gateways_read_the_catalog_they_were_deployed_from(tmp_path: Path) -> No
         args = [str(folder) + a[len(mount) :] if a.startswith(mount + "/") else a for a in args]
     port, metrics_port = find_free_port(), find_free_port()
     for flag, value in (("--host", "127.0.0.1"), ("--port", str(port)),
-                        ("--metrics-port", str(metrics_port)),
-                        ("--redis", f"redis://127.0.0.1:{find_free_port()}/0")):  # fmt: skip
+                        ("--metrics-port", str(metrics_port))):  # fmt: skip
         args[args.index(flag) + 1] = value
     clean = {k: v for k, v in os.environ.items() if not k.startswith(("EDGEINFER_", "OTEL_"))}
     log = tmp_path / "gateway.log"
     proc = subprocess.Popen([sys.executable, "-m", "runtime.cli", *args], cwd=ROOT,
-                            env=clean | {"EDGEINFER_SECRET": "s", "EDGEINFER_REGION": "sa-east"},
+                            env=clean | {"EDGEINFER_SECRET": "s", "EDGEINFER_REGION": "sa-east",
+                                         "EDGEINFER_REDIS": f"redis://127.0.0.1:{find_free_port()}/0"},
                             stdout=log.open("wb"), stderr=subprocess.STDOUT)  # fmt: skip
 
     def healthy() -> bool:
