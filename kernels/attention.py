@@ -34,6 +34,21 @@ import torch.nn.functional as F
 from kernels import cpu_ext
 from kernels.dispatch import use_triton
 
+# The largest head_dim the Triton attention kernels take (each keeps a query head and its output
+# as one tile, head_dim padded to a power of two); their wrappers check it again per call.
+TRITON_MAX_HEAD_DIM = 256
+
+
+def check_triton_head_dim(head_dim: int) -> None:
+    """ValueError, naming head_dim and the limit, where the Triton attention kernels cannot take
+    a model's heads: the model runner asks when the engine is built on the Triton path, so that
+    such a model is refused before it serves, not at its first attention call."""
+    if not 1 <= head_dim <= TRITON_MAX_HEAD_DIM:
+        raise ValueError(
+            f"head_dim {head_dim}: the Triton attention kernels (CUDA) take head_dim "
+            f"1..{TRITON_MAX_HEAD_DIM}; this model's heads can be served on the CPU (device='cpu')"
+        )
+
 
 @dataclass(slots=True)
 class PrefillChunk:

@@ -39,8 +39,9 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels.attention import TRITON_MAX_HEAD_DIM as _MAX_HEAD_DIM
+
 _DTYPES = (torch.float32, torch.float16, torch.bfloat16)
-_MAX_HEAD_DIM = 256
 _MAX_DEFAULT_SPLITS = 64
 _LOG2E = 1.4426950408889634
 

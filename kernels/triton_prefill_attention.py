@@ -37,7 +37,8 @@ import torch
 import triton
 import triton.language as tl
 
-MAX_HEAD_DIM = 256
+from kernels.attention import TRITON_MAX_HEAD_DIM as MAX_HEAD_DIM
+
 LOG2E = 1.4426950408889634  # the kernel works in base 2: exp(x) = exp2(x * log2(e))
 _DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 

@@ -28,7 +28,13 @@ from dataclasses import dataclass
 import torch
 
 from kernels import cpu_ext
-from kernels.attention import DecodeGroup, PagedAttentionMetadata, PrefillChunk, TritonAttention
+from kernels.attention import (
+    DecodeGroup,
+    PagedAttentionMetadata,
+    PrefillChunk,
+    TritonAttention,
+    check_triton_head_dim,
+)
 from kernels.dispatch import CPU_KERNEL_DTYPES, FORCE_TRITON
 from kernels.linear import onednn_linear_on
 from runtime.cuda_graphs import DecodeGraphs
@@ -170,6 +176,8 @@ class ModelRunner:
         (default: the model's; bfloat16 under a float32 model on the CPU,
         `EngineConfig.kv_cache_dtype`)."""
         cfg = model.cfg
+        if model.device.type == "cuda" or FORCE_TRITON:  # refused now, not at the first step
+            check_triton_head_dim(cfg.head_dim)
         self.ranks = ranks
         if ranks is not None:
             ranks.setup(num_blocks=num_blocks, block_size=block_size, attention=attention,

@@ -6,9 +6,14 @@ rows at all, and two threads calling at once (the kernels run without the GIL)."
 
 from __future__ import annotations
 
+import json
 import math
+import os
+import subprocess
+import sys
 import threading
 from collections.abc import Callable
+from pathlib import Path
 from types import ModuleType
 
 import pytest
@@ -148,6 +153,70 @@ def test_prefill_chunks_in_place_match_float64(attn, D: int, G: int, bs: int) ->
         assert (out.double() - want).abs().max().item() < 1e-4, kdt
 
 
+def _spoiled(what: str, q: torch.Tensor, kb: torch.Tensor, vb: torch.Tensor, table: torch.Tensor,
+             row: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:  # fmt: skip
+    """q, kb, vb with one value made NaN or infinite: in `row` of q (its last head), or in the
+    cache at key 3 (kv head 0) of the request of block table `table`."""
+    q, kb, vb = q.clone(), kb.clone(), vb.clone()
+    bad = {"nan": math.nan, "inf": math.inf, "-inf": -math.inf}[what.split()[-1]]
+    bs = kb.shape[1]
+    if what.startswith("query"):
+        q[row, -1, q.shape[2] // 2] = bad
+    else:
+        (kb if what.startswith("key") else vb)[table[3 // bs], 3 % bs, 0, 1] = bad
+    return q, kb, vb
+
+
+SPOILS = ["query nan", "query inf", "query -inf", "key nan", "key inf", "value nan"]
+
+
+@pytest.mark.parametrize("D, G", [(64, 3), (16, 1), (128, 8)])
+@pytest.mark.parametrize("kdt", [torch.float32, torch.bfloat16])
+def test_prefill_nan_or_inf_gives_the_references_nan_rows(attn, D: int, G: int,
+                                                           kdt: torch.dtype) -> None:  # type: ignore[no-untyped-def]  # fmt: skip
+    """A NaN or an infinity in a query row (each row of the step in turn: the first of a chunk,
+    with its one key, included), in a cached key or in a value: the rows the reference gives NaN
+    are NaN, whole, and the others match it. They came out finite, or NaN in some elements only
+    (the running max dropped a NaN score and exp16 made it finite), so a broken activation went
+    on unseen."""
+    if not attn.prefill_supported(G, D):
+        pytest.skip(f"no in-place prefill for G={G}, D={D} here")
+    g = torch.Generator().manual_seed(D + G)
+    Hkv, shapes = 2, [(20, 0), (17, 5), (1, 40)]  # (rows, cached before)
+    spans = torch.tensor([[0, 20, 0], [20, 17, 5], [37, 1, 40]])
+    kb, vb, tables = _paged(3, [n + c for n, c in shapes], 16, Hkv, D, kdt, g)
+    q0 = torch.randn(38, Hkv * G, D, generator=g)
+    for what in SPOILS:
+        for row in range(38) if what.startswith("query") else [0]:
+            q, k, v = _spoiled(what, q0, kb, vb, tables[0], row)
+            out = torch.zeros_like(q)
+            attn.paged_prefill_attention(q, k, v, spans, tables, 1 / math.sqrt(D), out)
+            want = _prefill_ref(q, k, v, spans, tables, 1 / math.sqrt(D), out)
+            assert torch.equal(out.isnan(), want.isnan()), (what, row)
+            assert want.isnan().any(), (what, row)
+            ok = ~want.isnan()
+            assert (out[ok].double() - want[ok]).abs().max().item() < 1e-4, (what, row)
+
+
+@pytest.mark.parametrize("D, G", [(64, 3), (17, 9), (128, 8)])
+def test_decode_nan_or_inf_gives_the_references_nan_rows(attn, D: int, G: int) -> None:  # type: ignore[no-untyped-def]
+    """The decode kernel on the same cases (it gave the reference's NaN rows already)."""
+    g = torch.Generator().manual_seed(D + G)
+    lens = [1, 25, 10, 40] * 3
+    kb, vb, tables = _paged(len(lens), lens, 16, 2, D, torch.float32, g)
+    q0 = torch.randn(len(lens), 2 * G, D, generator=g)
+    for what in SPOILS:
+        for row in (0, 1):
+            for n in (2, 12):  # a task per kv head, then a task per request
+                q, k, v = _spoiled(what, q0, kb, vb, tables[1], row)
+                args = (q[:n].contiguous(), k, v, tables[:n].contiguous(), torch.tensor(lens[:n]))
+                got = attn.paged_decode_attention(*args, 0.125)
+                want = _decode_ref(*args, 0.125)
+                assert torch.equal(got.isnan(), want.isnan()), (what, row, n)
+                ok = ~want.isnan()
+                assert (got[ok].double() - want[ok]).abs().max().item() < 1e-4, (what, row, n)
+
+
 # The few-row matmul's switch-over points: 1, 2-8 (registers), 9-15 (tiles), 16+ (GEMM).
 ROWS = [1, 2, 7, 8, 9, 15, 16, 17, 25, 33, 64, 65, 129]
 
@@ -256,3 +325,80 @@ def test_two_threads_at_once_match_one_at_a_time(attn, gemm) -> None:  # type: i
     for t in threads:
         t.join()
     assert wrong == []
+
+
+# Run in a fresh process (OMP_NUM_THREADS is read when libgomp loads): an engine set to
+# num_threads=argv[2] serves a request on the main thread, then one on a fresh thread (as
+# runtime.async_engine's step loop is); then each kernel is called on a fresh thread of its own.
+# Prints how many threads each of those started (the OpenMP team beside the calling thread).
+FRESH_THREADS = """
+import json, os, sys, threading
+import torch
+from runtime.llm import LLM
+from runtime.sampling_params import SamplingParams
+from kernels import cpu_ext
+
+llm = LLM(sys.argv[1], kv_cache_bytes=1 << 22, num_threads=int(sys.argv[2]))
+greedy = SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True)
+prompt = [[1, *range(20, 120)]]  # 100 tokens: the prompt's rows are split over threads
+llm.generate(prompt, greedy)
+
+attn, gemm = cpu_ext.load(), cpu_ext.load_small_gemm()
+norm, fused = cpu_ext.load_rms_norm(), cpu_ext.load_fused()
+g = torch.Generator().manual_seed(0)
+w = torch.randn(64, 256, generator=g)
+d = (torch.rand(64, 8, 1, generator=g) * 0.1 + 0.01).half().float()  # Q4_1 blocks, as _q4_1
+m = (torch.randn(64, 8, 1, generator=g) * 0.1).half().float()
+q4 = torch.randint(0, 16, (64, 8, 32), generator=g).float()
+q4[..., 0], q4[..., 1] = 0, 15
+q4 = (m + d * q4).reshape(64, 256)
+qs, scales = gemm.pack_blocks(q4, 1)
+x = torch.randn(128, 256, generator=g)
+kc, vc = torch.zeros(256, 2, 64), torch.zeros(256, 2, 64)
+rope = (torch.randn(128, 4, 64), torch.randn(128, 2, 64), torch.randn(128, 2, 64),
+        torch.randn(128, 64), torch.randn(128, 64), kc, vc, torch.arange(128))
+kb, vb = kc.view(16, 16, 2, 64), vc.view(16, 16, 2, 64)
+calls = {
+    "engine step": lambda: llm.generate(prompt, greedy),
+    "rms_norm": lambda: norm.rms_norm(x, x[0], 1e-5),
+    "rotary_write_kv": lambda: fused.rotary_write_kv(*rope),
+    "silu_and_mul": lambda: fused.silu_and_mul(x),
+    "argmax_rows": lambda: fused.argmax_rows(torch.randn(64, 4096)),
+    "small_linear": lambda: gemm.small_linear(x[:16], w),
+    "pack_blocks": lambda: gemm.pack_blocks(q4, 0),
+    "packed_linear": lambda: gemm.packed_linear(x[:16], qs, scales),
+    "unpack_blocks": lambda: gemm.unpack_blocks(qs, scales),
+    "paged_decode_attention": lambda: attn.paged_decode_attention(
+        torch.randn(16, 4, 64), kb, vb, torch.arange(16).view(16, 1), torch.full((16,), 16), 0.125),
+}
+started = {}
+
+def fresh(name):
+    before = set(os.listdir("/proc/self/task"))
+    calls[name]()
+    started[name] = len(set(os.listdir("/proc/self/task")) - before)
+
+for name in calls:
+    t = threading.Thread(target=fresh, args=(name,))
+    t.start()
+    t.join()
+print(json.dumps(started))
+"""
+
+
+@pytest.mark.parametrize("omp, threads", [(3, 1), (1, 2)])
+def test_a_fresh_thread_runs_the_kernels_on_the_configured_threads(
+        attn, gemm, stories_dir: Path, omp: int, threads: int) -> None:  # type: ignore[no-untyped-def]  # fmt: skip
+    """OpenMP keeps its thread count per calling thread, and torch sets it on a thread at that
+    thread's first parallel op: the kernels' own regions, run before any on a fresh thread, forked
+    libgomp's default (OMP_NUM_THREADS, or every core) instead of num_threads (--threads): with
+    3 against 1, 2 more threads each; with 1 against 2, none. (The engine's step loop, a fresh
+    thread, was spared only because the embedding lookup, a torch op, comes first in a step.)
+    Every call on a fresh thread now runs on the configured team: the calling thread and
+    num_threads - 1 more."""
+    env = {**os.environ, "OMP_NUM_THREADS": str(omp), "PYTHONPATH": str(Path(__file__).parents[1])}
+    run = subprocess.run([sys.executable, "-c", FRESH_THREADS, str(stories_dir), str(threads)],
+                         env=env, capture_output=True, text=True, timeout=300)  # fmt: skip
+    assert run.returncode == 0, run.stderr[-4000:]
+    started = json.loads(run.stdout.strip().splitlines()[-1])
+    assert started == dict.fromkeys(started, threads - 1)

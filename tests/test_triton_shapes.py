@@ -9,6 +9,7 @@ Caches start as NaN, so a kernel reading a slot no sequence owns fails the compa
 from __future__ import annotations
 
 import json
+import shutil
 from pathlib import Path
 
 import pytest
@@ -116,6 +117,56 @@ def test_engine_with_block_size_512_through_the_kernels(stories_dir: Path) -> No
     out = run_interpreted(ENGINE, str(stories_dir), kernels=True)
     triton, got = json.loads(out.strip().splitlines()[-1])
     assert triton and got == want
+
+
+HEAD_DIMS = """
+import json, sys
+from runtime.llm import LLM
+
+built = {}
+for path in sys.argv[1:]:
+    try:
+        LLM(path, kv_cache_bytes=1 << 22)
+        built[path] = "built"
+    except ValueError as e:
+        built[path] = str(e)
+print(json.dumps(built))
+"""
+
+
+def _model_of_head_dim(out: Path, stories_dir: Path, head_dim: int) -> Path:
+    """A one-layer random-weight Llama saved at `out`: 2 query heads and 1 kv head of head_dim."""
+    import torch
+    import transformers as tf
+
+    torch.manual_seed(0)
+    cfg = tf.LlamaConfig(vocab_size=512, hidden_size=64, intermediate_size=128,
+                         num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1,
+                         head_dim=head_dim, max_position_embeddings=64, bos_token_id=1,
+                         eos_token_id=2, tie_word_embeddings=False)  # fmt: skip
+    tf.LlamaForCausalLM(cfg).save_pretrained(out)
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(stories_dir / name, out / name)
+    return out
+
+
+def test_head_dim_past_the_kernels_refused_when_the_engine_is_built(tmp_path: Path,
+                                                                    stories_dir: Path) -> None:  # fmt: skip
+    """On the Triton path a model of head_dim 320 (past the attention kernels' 256) is refused
+    when its engine is built, the error naming head_dim and the limit (it was built, and failed
+    at its first attention call); one of 256 is built. The CPU path serves 320."""
+    from runtime.llm import LLM
+    from runtime.sampling_params import SamplingParams
+
+    wide = _model_of_head_dim(tmp_path / "d320", stories_dir, 320)
+    edge = _model_of_head_dim(tmp_path / "d256", stories_dir, 256)
+    out = run_interpreted(HEAD_DIMS, str(wide), str(edge), kernels=True)
+    built = json.loads(out.strip().splitlines()[-1])
+    assert built[str(edge)] == "built"
+    assert "head_dim 320" in built[str(wide)] and "1..256" in built[str(wide)], built
+    greedy = SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True)
+    got = LLM(wide, kv_cache_bytes=1 << 22).generate([[1, 403, 407]], greedy)
+    assert len(got[0].outputs[0].token_ids) == 2
 
 
 # (heads, kv heads, head_dim, block_size, dtype): the models' attention shapes

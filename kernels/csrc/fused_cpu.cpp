@@ -36,6 +36,7 @@
 // cost alike, bfloat16 adds the conversions and roundings).
 
 #include <torch/extension.h>
+#include <ATen/Parallel.h>
 
 #include <cmath>
 #include <limits>
@@ -94,6 +95,11 @@ std::tuple<torch::Tensor, torch::Tensor> rotary_write_kv(torch::Tensor q, torch:
                                                          torch::Tensor v, torch::Tensor cos,
                                                          torch::Tensor sin, torch::Tensor k_cache,
                                                          torch::Tensor v_cache, torch::Tensor slots) {
+  // OpenMP's thread count is kept per calling thread: on one where torch has run no parallel op
+  // yet (the engine's step loop is a fresh thread), a region would fork libgomp's default
+  // (OMP_NUM_THREADS, or every core), not torch.set_num_threads' count; set it as torch's own
+  // ops do on their first call in a thread.
+  at::internal::lazy_init_num_threads();
   const int64_t T = q.size(0), D = q.size(2);
   TORCH_CHECK(D % 2 == 0, "rotary_write_kv: head_dim must be even, got ", D);
   const auto act = q.scalar_type();
@@ -238,6 +244,7 @@ static void silu_mul_row_bf16(const uint16_t* g, const uint16_t* u, uint16_t* o,
 }
 
 torch::Tensor silu_and_mul(torch::Tensor x) {
+  at::internal::lazy_init_num_threads();  // torch.set_num_threads' count (see rotary_write_kv)
   TORCH_CHECK((x.scalar_type() == torch::kFloat || x.scalar_type() == torch::kBFloat16) &&
                   x.dim() == 2 && x.is_contiguous(),
               "silu_and_mul: x (T, 2I) float32 or bfloat16 contiguous expected, got ", x.sizes(),
@@ -328,6 +335,7 @@ static int64_t argmax_row(const float* x, int64_t V) {
 }
 
 torch::Tensor argmax_rows(torch::Tensor x) {
+  at::internal::lazy_init_num_threads();  // torch.set_num_threads' count (see rotary_write_kv)
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kFloat && x.is_contiguous() &&
                   x.size(1) >= 1,
               "argmax_rows: contiguous (B, V) float32 expected, got ", x.scalar_type(), " ",

@@ -629,6 +629,11 @@ void prefill_task(const PrefillTask& t, const float* q, const KV* kf, const KV* 
   }
   std::fill(ot, ot + D * R, 0.f);
   __m512 m[8], l[8];  // per row group: running max and sum (NG <= 8 * QT / 16 = 8)
+  // Per row group: rows that met a NaN or +inf score, or (below) whose every score is -inf: NaN
+  // out, as the reference's softmax gives. Left to the loop they came out finite and wrong:
+  // max_ps drops a NaN that a later key's score follows, and exp16 turns NaN into a finite value.
+  __mmask16 broken[8] = {};
+  const __m512 inf = _mm512_set1_ps(std::numeric_limits<float>::infinity());
   for (int64_t rg = 0; rg < NG; ++rg) {
     m[rg] = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
     l[rg] = _mm512_setzero_ps();
@@ -677,6 +682,7 @@ void prefill_task(const PrefillTask& t, const float* q, const KV* kf, const KV* 
                                                    pv, _MM_CMPINT_LE)
                             : static_cast<__mmask16>(0xFFFF);
         mx = _mm512_mask_max_ps(mx, valid[u], mx, sc[u]);
+        broken[rg] |= _mm512_mask_cmp_ps_mask(valid[u], sc[u], inf, _CMP_NLT_UQ);  // NaN, +inf
       }
       // Rescale what is accumulated when a row's max grew (exp of -inf - finite: ~0, and the
       // accumulators are still 0 then).
@@ -714,8 +720,12 @@ void prefill_task(const PrefillTask& t, const float* q, const KV* kf, const KV* 
   }
   // out[row] = Ot[:, r] / l[r] for the real rows.
   alignas(64) float inv[8 * 16];
-  for (int64_t rg = 0; rg < NG; ++rg)
-    _mm512_storeu_ps(inv + rg * 16, _mm512_div_ps(_mm512_set1_ps(1.f), l[rg]));
+  for (int64_t rg = 0; rg < NG; ++rg) {
+    broken[rg] |= _mm512_cmp_ps_mask(m[rg], _mm512_sub_ps(_mm512_setzero_ps(), inf), _CMP_EQ_OQ);
+    _mm512_storeu_ps(inv + rg * 16,
+                     _mm512_mask_mov_ps(_mm512_div_ps(_mm512_set1_ps(1.f), l[rg]), broken[rg],
+                                        _mm512_set1_ps(std::numeric_limits<float>::quiet_NaN())));
+  }
   for (int64_t r = 0; r < t.qn * G; ++r) {
     const int64_t i = r / G, g = r % G;
     float* orow = out + ((row0 + t.q0 + i) * H + t.head * G + g) * D;

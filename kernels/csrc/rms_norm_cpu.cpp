@@ -15,6 +15,7 @@
 // 2.1, 5.2, 27.6).
 
 #include <torch/extension.h>
+#include <ATen/Parallel.h>
 
 #include <algorithm>
 #include <cmath>
@@ -157,6 +158,11 @@ static void norm_row_bf16(const uint16_t* x, const uint16_t* w, uint16_t* y, int
 }
 
 torch::Tensor rms_norm(torch::Tensor x, torch::Tensor w, double eps) {
+  // OpenMP's thread count is kept per calling thread: on one where torch has run no parallel op
+  // yet (the engine's step loop is a fresh thread), a region would fork libgomp's default
+  // (OMP_NUM_THREADS, or every core), not torch.set_num_threads' count; set it as torch's own
+  // ops do on their first call in a thread.
+  at::internal::lazy_init_num_threads();
   const bool bf16 = x.scalar_type() == torch::kBFloat16 && w.scalar_type() == torch::kBFloat16;
   TORCH_CHECK(bf16 || (x.scalar_type() == torch::kFloat && w.scalar_type() == torch::kFloat),
               "rms_norm: x and w both float32 or both bfloat16 expected, got ", x.scalar_type(),

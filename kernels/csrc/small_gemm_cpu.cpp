@@ -26,6 +26,7 @@
 // 483 / 496 / 525 (the machine was shared: +-10%).
 
 #include <torch/extension.h>
+#include <ATen/Parallel.h>
 
 #include <algorithm>
 #include <array>
@@ -1041,6 +1042,7 @@ static bool every_block(int64_t N, int64_t nb, int nt, Fn&& fits_block) {
 // `threads`: OpenMP threads for the search (0: all); called without the GIL, so a background
 // thread can pack while the model serves.
 c10::optional<std::vector<torch::Tensor>> pack_blocks(torch::Tensor w, int64_t threads) {
+  at::internal::lazy_init_num_threads();  // torch.set_num_threads' count (see small_linear)
   TORCH_CHECK(w.dim() == 2 && w.scalar_type() == torch::kFloat,
               "pack_blocks: a 2-D float32 weight expected, got ", w.scalar_type(), " ", w.sizes());
   const int nt = threads > 0 ? int(threads) : omp_get_max_threads();
@@ -1117,6 +1119,7 @@ static void with_source(const torch::Tensor& qs, const torch::Tensor& scales, Fn
 
 torch::Tensor packed_linear(torch::Tensor x, torch::Tensor qs, torch::Tensor scales,
                             c10::optional<torch::Tensor> bias) {
+  at::internal::lazy_init_num_threads();  // torch.set_num_threads' count (see small_linear)
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kFloat && x.size(0) >= 1,
               "packed_linear: x (M, K) float32 expected");
   auto xc = x.contiguous();
@@ -1138,6 +1141,7 @@ torch::Tensor packed_linear(torch::Tensor x, torch::Tensor qs, torch::Tensor sca
 
 // The float32 weights back: (N, K).
 torch::Tensor unpack_blocks(torch::Tensor qs, torch::Tensor scales) {
+  at::internal::lazy_init_num_threads();  // torch.set_num_threads' count (see small_linear)
   torch::Tensor w;
   with_source(qs, scales, [&](const auto& src, int64_t N, int64_t K) {
     w = torch::empty({N, K}, torch::kFloat);
@@ -1161,6 +1165,11 @@ bool packed_fast() {
 constexpr int64_t kMaxRowsF32 = 256;
 
 torch::Tensor small_linear(torch::Tensor x, torch::Tensor w, c10::optional<torch::Tensor> bias) {
+  // OpenMP's thread count is kept per calling thread: on one where torch has run no parallel op
+  // yet (the engine's step loop is a fresh thread), a region would fork libgomp's default
+  // (OMP_NUM_THREADS, or every core), not torch.set_num_threads' count; set it as torch's own
+  // ops do on their first call in a thread.
+  at::internal::lazy_init_num_threads();
   TORCH_CHECK(x.dim() == 2 && w.dim() == 2, "small_linear: x (M, K) and w (N, K) expected");
   const bool bf16 = w.scalar_type() == torch::kBFloat16;
   TORCH_CHECK(x.scalar_type() == torch::kFloat && (bf16 || w.scalar_type() == torch::kFloat),
