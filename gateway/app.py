@@ -178,22 +178,29 @@ async def healthz(request: web.Request) -> web.Response:
 
 
 async def readyz(request: web.Request) -> web.Response:
-    """Ready: Redis answers a ping, and a worker is known (live, or carried through a restart
-    of Redis) or a pool that can start one. `?redis=optional`: ready whenever this gateway can
-    serve, Redis or not: it routes on its last registry snapshot while Redis is down, and a
-    readiness probe that asked for Redis would take every gateway out of service meanwhile.
-    Nor does it wait on a ping (a Redis that hangs would outlast the probe's timeout, 1 s in
-    Kubernetes): `redis` then says whether the gateway's last Redis call succeeded."""
+    """Ready: Redis takes a write of this gateway's (a ping passed a Redis that answers but
+    refuses writes: out of memory, a replica, an ACL; sessions cannot be placed there), and a
+    worker is known (live, or carried through a restart of Redis) or a pool that can start one.
+    `?redis=optional`: ready whenever this gateway can serve, Redis or not: it routes on the
+    registry it still reads while Redis refuses its writes, and on its last snapshot while Redis
+    is down, and a readiness probe that asked for Redis would take every gateway out of service
+    meanwhile. Nor does it wait on Redis (one that hangs would outlast the probe's timeout, 1 s
+    in Kubernetes): `redis` then says whether the gateway's last Redis calls succeeded, writes
+    included. `redis_error` says what is wrong when `redis` is false: unreachable, or what
+    Redis refused (the error's type and message)."""
     redis = request.query.get("redis", "required")
     if redis not in ("required", "optional"):
         raise invalid("redis", f"redis must be 'required' or 'optional', got {redis[:40]!r}")
     view = request.app[VIEW]
-    redis_ok = view.redis_ok if redis == "optional" else await view.ping()
+    if redis == "optional":
+        redis_ok = view.redis_ok and view.refusal is None
+    else:
+        redis_ok = await view.ping()  # (bounded: cluster.PROBE_TIMEOUT_S)
     workers = len(view.live_workers())
     pools = len(view.pools)  # a pool can start workers on demand (scale from zero)
     ready = (redis_ok or redis == "optional") and (workers > 0 or pools > 0)
-    body = {"ready": ready, "redis": redis_ok, "workers": workers, "pools": pools,
-            "region": view.config.region}  # fmt: skip
+    body = {"ready": ready, "redis": redis_ok, "redis_error": None if redis_ok else view.redis_error,
+            "workers": workers, "pools": pools, "region": view.config.region}  # fmt: skip
     return _json(body, 200 if ready else 503)
 
 

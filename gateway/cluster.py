@@ -3,8 +3,11 @@
 The gateway re-reads the registry every `registry_refresh_s` in the background, so routing reads
 memory, never Redis, on the hot path. When Redis is unreachable the last snapshot stays in use
 (load-based routing without affinity), readiness reports it, and the loop recovers on its own
-when Redis answers again. Workers that fail a request are set aside locally until the registry
-shows them heartbeating again after the failure.
+when Redis answers again. A Redis that answers but refuses this gateway's writes (out of memory,
+a replica, an ACL without writes) is read all the same: the snapshot follows workers and pools
+joining and leaving, and the refusal is said once (`refusal`) and in readiness. Workers that
+fail a request are set aside locally until the registry shows them heartbeating again after the
+failure.
 """
 
 from __future__ import annotations
@@ -18,6 +21,7 @@ from collections.abc import Awaitable, Callable
 from typing import TypeVar
 
 from redis.asyncio import Redis
+from redis.exceptions import AuthenticationError, ResponseError
 
 from gateway.config import GatewayConfig
 from gateway.regions import RegionCatalog
@@ -43,6 +47,12 @@ CARRY_MARGIN_S = 5.0
 # dropped first) to route them while Redis is down or has lost its data
 RECENT_SESSIONS = 65536
 MARKER_TTL_S = 3600  # a gateway's marker outlives any pause between its registry reads
+# a readiness check's write waits this long at most: inside a probe's own timeout (1 s in
+# Kubernetes), so a Redis that hangs makes the probe answer "not ready", not time out
+PROBE_TIMEOUT_S = 0.5
+# a refusal on requests' paths (Redis answering an error: the same one at every request) is
+# logged at most this often per error type
+REFUSAL_LOG_S = 60.0
 
 
 class ClusterView:
@@ -61,11 +71,22 @@ class ClusterView:
         self._carried: dict[str, tuple[WorkerInfo, float]] = {}
         self._marker_key = gateway_marker_key(f"gw-{config.region}-{uuid.uuid4().hex[:12]}")
         self.pools: list[PoolInfo] = []  # last snapshot of the pools that can start workers
+        # pools Redis lost (restart, flush) that have not announced themselves again: until when
+        self._carried_pools: dict[str, tuple[PoolInfo, float]] = {}
         self._refreshing: asyncio.Task[None] | None = None  # the refresh waiters share
         # (operation, seconds, error type or None) per call that reached Redis: only those (a
         # placement answered from memory while Redis is down, or a claim skipped, is no call)
         self.on_redis: Callable[[str, float, str | None], None] = _ignore
         self.redis_ok = False  # the last Redis call succeeded
+        # why the last Redis call failed, as readiness says it (`redis_error`)
+        self._failure = "no registry read yet"
+        # what Redis refused of this gateway's writes (out of memory, READONLY, NOPERM), until
+        # it takes one again: Redis still answers, and the registry is read all the same
+        self.refusal: str | None = None
+        self._refusal_type: str | None = None  # its error type
+        self._refusal_said: dict[str, float] = {}  # error type -> monotonic time last logged
+        self._refusal_logged = False  # the refusal noted now was logged as it began
+        self._marked = False  # the marker was there (written or read) at the last read
         self.refreshed_at = 0.0  # monotonic time of the last good snapshot
         self._start_failure_said = False  # the first registry read's failure has been logged
         # worker id -> (monotonic time it failed a request here, its heartbeat time as the first
@@ -88,29 +109,32 @@ class ClusterView:
         try:
             workers = await self.registry.workers()
             pools = await self.demand.pools()
-            # (None: the marker was gone, so Redis lost its data since the last read)
-            marker = await self.redis.set(self._marker_key, b"1", ex=MARKER_TTL_S, get=True)
+            lost = await self._mark()
             self.on_redis("registry_read", time.perf_counter() - t0, None)
-        except Exception as e:  # connection refused, timeout, cluster errors
+        except Exception as e:  # connection refused, timeout, cluster errors, a read refused
             self.on_redis("registry_read", time.perf_counter() - t0, _error_type(e))
+            self._failure = _describe(e)
+            what = "refused the registry read" if isinstance(e, ResponseError) else "unreachable"
             if self.redis_ok:
-                log.warning("redis unreachable, routing on the last known registry: %s", e)
+                log.warning("redis %s, routing on the last known registry: %s", what, e)
             elif not self.refreshed_at and not self._start_failure_said:
                 # (never read: the warnings above fire when Redis stops answering, so a gateway
                 # that could not read it from the start, a wrong password or URL, never said why)
-                log.warning("redis unreachable, no registry read yet (requests get 503 until "
-                            "one is): %s: %s", _error_type(e), e)  # fmt: skip
+                log.warning("redis %s, no registry read yet (requests get 503 until one is): "
+                            "%s: %s", what, _error_type(e), e)  # fmt: skip
                 self._start_failure_said = True
             self.redis_ok = False
             return
-        reset = not self.redis_ok or (marker is None and self.refreshed_at > 0)
-        if marker is None and self.refreshed_at > 0:
+        reset = not self.redis_ok or lost
+        if lost:
             # Redis lost its data before the marker was read: perhaps after the registry was,
-            # so read it again, or the workers it lost would not be carried
+            # so read it again, or the workers and pools it lost would not be carried
             try:
                 workers = await self.registry.workers()
+                pools = await self.demand.pools()
             except Exception as e:
                 log.warning("redis unreachable, routing on the last known registry: %s", e)
+                self._failure = _describe(e)
                 self.redis_ok = False
                 return
         if not self.redis_ok:  # (at start-up routine; after an outage worth a warning)
@@ -120,7 +144,7 @@ class ClusterView:
         self.refreshed_at = time.monotonic()
         workers = self._carry(workers, reset)
         self.workers = workers
-        self.pools = pools
+        self.pools = pools = self._carry_pools(pools, reset)
         self.seen_models.update(w.model for w in workers)
         self.seen_models.update(m for p in pools for m in p.models)
         # A failed worker is back once it heartbeats after the failure; one the snapshot no
@@ -172,6 +196,70 @@ class ClusterView:
             log.warning("every worker lost by redis is back or given up: prefix lookups and "
                         "session placement resume")  # fmt: skip
         return workers + [w for w, _ in self._carried.values()]
+
+    def _carry_pools(self, pools: list[PoolInfo], reset: bool) -> list[PoolInfo]:
+        """The registry's pools, plus those of the last snapshot that Redis lost (`reset`),
+        until they announce themselves again (at their next heartbeat, every 2 s by default) or
+        for up to CARRY_S: meanwhile a model that only a pool serves was answered 503
+        no_workers, left /v1/models, and /readyz of a region with no worker running said it was
+        not ready. A request held for a pool that has really gone waits out its hold (503)."""
+        now = time.monotonic()
+        listed = {p.pool_id for p in pools}
+        if reset:  # (one carried already keeps its deadline, as a worker does)
+            lost = {p.pool_id: (p, now + CARRY_S) for p in self.pools if p.pool_id not in listed}
+            self._carried_pools = lost | self._carried_pools
+        self._carried_pools = {pid: (p, until) for pid, (p, until) in self._carried_pools.items()
+                               if until > now and pid not in listed}  # fmt: skip
+        return pools + [p for p, _ in self._carried_pools.values()]
+
+    async def _mark(self) -> bool:
+        """Renew this gateway's marker; whether Redis lost its data since the last read (the
+        marker was there and is gone: kvstore.keys). A write Redis refuses (out of memory, a
+        replica, an ACL) is noted (`refusal`) and the marker read instead: the registry read
+        stands (it was dropped, and the snapshot froze for as long as Redis refused), and a
+        loss is still seen. (Refused for longer than MARKER_TTL_S, the marker expires, read
+        once as a loss: workers and pools that left meanwhile are carried, CARRY_S at most.)"""
+        try:
+            found = await self.redis.set(self._marker_key, b"1", ex=MARKER_TTL_S, get=True)
+        except ResponseError as e:
+            self._refused(e)
+            found = await self.redis.get(self._marker_key)
+            had, self._marked = self._marked, found is not None
+        else:
+            self._accepted()
+            had, self._marked = self._marked, True
+        return had and found is None
+
+    def _refused(self, e: ResponseError) -> None:
+        """Redis answered a write of this gateway's with an error (OOM, READONLY, NOPERM): note
+        it for readiness, and say so when it begins (once per REFUSAL_LOG_S per error type: a
+        refusal on requests' paths that the next registry read's write does not meet, an ACL's
+        on session claims only, would begin again at every read)."""
+        kind, now = _error_type(e), time.monotonic()
+        if self._refusal_type != kind:
+            self._refusal_type = kind
+            said_at = self._refusal_said.get(kind, -REFUSAL_LOG_S)
+            self._refusal_logged = now - said_at >= REFUSAL_LOG_S
+            if self._refusal_logged:
+                self._refusal_said[kind] = now
+                log.warning("redis refuses this gateway's writes (%s: %s): it routes on the "
+                            "registry it reads, without session placement, until Redis takes "
+                            "them again", kind, e)  # fmt: skip
+        self.refusal = _describe(e)
+
+    def _accepted(self) -> None:
+        """Redis took a write of this gateway's: a refusal noted has ended."""
+        if self.refusal is not None and self._refusal_logged:
+            log.warning("redis takes this gateway's writes again")
+        self.refusal = self._refusal_type = None
+        self._refusal_logged = False
+
+    @property
+    def redis_error(self) -> str | None:
+        """What is wrong with Redis, as this gateway last found it (readiness says it): that it
+        is unreachable, or what it refused (naming the error: an ACL's NOPERM is not a network
+        fault); None when its last calls succeeded."""
+        return self.refusal if self.redis_ok else self._failure
 
     async def refresh_loop(self) -> None:
         while True:
@@ -332,21 +420,39 @@ class ClusterView:
         return result
 
     def redis_failed(self, e: Exception) -> None:
+        if isinstance(e, ResponseError):
+            # Redis answered, refusing (out of memory, READONLY, NOPERM): it is not down, and a
+            # refusal costs no timeout, so requests still ask it (its reads are answered).
+            # Marked failed here, it was marked fine again by the next registry read: two
+            # warnings per read, for as long as Redis refused
+            self._refused(e)
+            return
         if self.redis_ok:
             log.warning("redis failed on a request's path (%s): sessions and prefix lookups are "
                         "skipped until it answers again", e)  # fmt: skip
+        self._failure = _describe(e)
         self.redis_ok = False
 
     async def ping(self) -> bool:
+        """Whether Redis takes a write of this gateway's now (readiness; why not: `redis_error`).
+        The write renews the marker if it is there (SET XX: never creates it, so a Redis that
+        lost its data is still noticed by the next registry read). A PING alone passed a Redis
+        that answers but refuses every write: out of memory, a replica after a failover, an
+        ACL. Bounded by PROBE_TIMEOUT_S."""
         try:
-            async with asyncio.timeout(1.0):
-                await self.redis.ping()  # type: ignore[misc]
+            async with asyncio.timeout(PROBE_TIMEOUT_S):
+                await self.redis.set(self._marker_key, b"1", ex=MARKER_TTL_S, xx=True)
+        except ResponseError as e:
+            self._refused(e)
+            return False
         except Exception as e:
             if self.redis_ok:  # (a probe is often the first to find it: say so once, here)
                 log.warning("redis unreachable (a readiness probe), routing on the last known "
                             "registry: %s", e)  # fmt: skip
+            self._failure = _describe(e)
             self.redis_ok = False
             return False
+        self._accepted()
         return True
 
 
@@ -378,6 +484,14 @@ def _catalog_models(catalog: RegionCatalog) -> set[str]:
 
 def _ignore(operation: str, seconds: float, error: str | None) -> None:
     pass
+
+
+def _describe(e: BaseException) -> str:
+    """A failed Redis call as readiness says it: what Redis refused (it answered an error:
+    out of memory, READONLY, NOPERM, a wrong password), or that it did not answer."""
+    if isinstance(e, (ResponseError, AuthenticationError)):
+        return f"refused: {_error_type(e)}: {e}"
+    return f"unreachable: {_error_type(e)}: {str(e) or 'no answer in time'}"
 
 
 def _error_type(e: BaseException) -> str:

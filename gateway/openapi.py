@@ -183,9 +183,10 @@ OPENAPI: JSON = {
         "/healthz": {"get": _probe("Liveness: the process answers", "Health", None)},
         "/readyz": {
             "get": _probe(
-                "Readiness: Redis answers and a live worker (or a pool) is known",
+                "Readiness: Redis takes a write and a live worker (or a pool) is known",
                 "Readiness",
-                "Not ready: Redis unreachable (unless redis=optional), or no worker and no pool.",
+                "Not ready: Redis unreachable or refusing writes (unless redis=optional), or no "
+                "worker and no pool.",
                 {
                     "name": "redis",
                     "in": "query",

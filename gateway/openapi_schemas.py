@@ -559,8 +559,15 @@ SCHEMAS: JSON = {
             "redis": {
                 "type": "boolean",
                 "description": (
-                    "Redis answered a ping (with redis=optional, which waits on no ping: the "
-                    "gateway's last Redis call succeeded)."
+                    "Redis took a write of this gateway's (with redis=optional, which waits on "
+                    "no call: the gateway's last Redis calls succeeded, writes included)."
+                ),
+            },
+            "redis_error": {
+                "type": ["string", "null"],
+                "description": (
+                    "Why redis is false: unreachable, or what Redis refused (out of memory, a "
+                    "replica, an ACL), as the error's type and message; null when it is true."
                 ),
             },
             "workers": {"type": "integer", "description": "Live workers in the cluster view."},

@@ -285,9 +285,13 @@ class Proxy:
         view = self.view
         if call.gen.model not in view.seen_models:
             if not view.refreshed_at:
+                # what went wrong, but not Redis's own message (which names its address) to a client
+                kind, _, rest = (view.redis_error or "").partition(": ")
+                why = (f"Redis refused its reads: {rest.partition(':')[0]}" if kind == "refused"
+                       else "Redis is unreachable")  # fmt: skip
                 raise unavailable(
                     f"cannot tell whether model {call.gen.model!r} is served: this gateway has "
-                    "not read the cluster's registry yet (Redis is unreachable)",
+                    f"not read the cluster's registry yet ({why})",
                     self.config.retry_after_s,
                     "registry_unavailable",
                 )

@@ -57,6 +57,7 @@ from typing import Any
 
 import orjson
 from redis.asyncio import Redis, RedisCluster
+from redis.exceptions import ResponseError
 
 from kvstore.keys import PREFIX, as_text, check_id, usable_id
 
@@ -269,7 +270,8 @@ class Demand:
         listed = sorted(as_text(p) for p in await self.redis.smembers(POOLS_KEY))  # type: ignore[misc]
         ids = [p for p in listed if usable_id(p, "pool_id", POOLS_KEY)]
         if len(ids) < len(listed):
-            await self.redis.srem(POOLS_KEY, *(p for p in listed if p not in ids))  # type: ignore[misc]
+            with contextlib.suppress(ResponseError):  # (refused: left to a reader that may write)
+                await self.redis.srem(POOLS_KEY, *(p for p in listed if p not in ids))  # type: ignore[misc]
         if not ids:
             return []
         pipe = self.redis.pipeline(transaction=False)
@@ -285,7 +287,10 @@ class Demand:
             except (TypeError, ValueError, orjson.JSONDecodeError):
                 continue  # garbled: left to expire on its own TTL
         if stale:
-            await self.redis.srem(POOLS_KEY, *stale)  # type: ignore[misc]
+            # (refused, READONLY or NOPERM: a gateway on a replica, or whose ACL lets it read
+            # only; left to a reader that may write, and the pools read stand)
+            with contextlib.suppress(ResponseError):
+                await self.redis.srem(POOLS_KEY, *stale)  # type: ignore[misc]
         return found
 
     async def hold(self, model: str, region: str, request_id: str, deadline: float,

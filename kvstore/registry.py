@@ -17,16 +17,22 @@ its entry created anew and writes its prefix-index entries again (`CacheEventPub
 One that does so between the reader's read of its hash and its SREM is put back and not purged
 (`_still_gone`); one that does so later has its rewrite cut by the purge, finds the marker the
 purge removes last gone, and writes them once more.
+
+A reader that Redis refuses writes (a gateway whose URL names a replica, or whose ACL lets it
+read only: READONLY, NOPERM) leaves that pruning to readers that may write (the pool managers,
+other gateways, the next heartbeat): its read stands. A refused SREM failed the whole read, at
+every read for as long as a stale id stayed, and the reader's snapshot froze.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 from collections.abc import Iterable
 
 import orjson
 from redis.asyncio import Redis
-from redis.exceptions import RedisError
+from redis.exceptions import RedisError, ResponseError
 
 from kvstore.client import raise_if_cancelling
 from kvstore.keys import (
@@ -98,7 +104,8 @@ class Registry:
             names = sorted(as_text(m) for m in await self.redis.smembers(MODELS_KEY))
             models = [m for m in names if usable_id(m, "model name", MODELS_KEY)]
             if len(models) < len(names):  # written by something other than a worker
-                await self.redis.srem(MODELS_KEY, *(m for m in names if m not in models))
+                with contextlib.suppress(ResponseError):  # (refused: see the module docstring)
+                    await self.redis.srem(MODELS_KEY, *(m for m in names if m not in models))
         if not models:
             return []
         pipe = self.redis.pipeline(transaction=False)
@@ -170,7 +177,10 @@ class Registry:
         pipe = self.redis.pipeline(transaction=False)
         for m, wid in stale:
             pipe.srem(model_workers_key(m), wid)
-        removed: list[int] = await pipe.execute()
+        try:
+            removed: list[int] = await pipe.execute()
+        except ResponseError:  # refused (see the module docstring): this reader removed none
+            return []
         return [pair for pair, n in zip(stale, removed, strict=True) if n]
 
     async def _still_gone(self, pruned: list[tuple[str, str]]) -> list[tuple[str, str]]:
@@ -230,7 +240,10 @@ class Registry:
         pipe.srem(MODELS_KEY, *empty)
         for m in empty:
             pipe.scard(model_workers_key(m))
-        _, *sizes = await pipe.execute()
+        try:
+            _, *sizes = await pipe.execute()
+        except ResponseError:  # refused (see the module docstring): nothing was removed
+            return
         back = [m for m, n in zip(empty, sizes, strict=True) if n]
         if back:
             await self.redis.sadd(MODELS_KEY, *back)
