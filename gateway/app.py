@@ -186,8 +186,8 @@ async def readyz(request: web.Request) -> web.Response:
     is down, and a readiness probe that asked for Redis would take every gateway out of service
     meanwhile. Nor does it wait on Redis (one that hangs would outlast the probe's timeout, 1 s
     in Kubernetes): `redis` then says whether the gateway's last Redis calls succeeded, writes
-    included. `redis_error` says what is wrong when `redis` is false: unreachable, or what
-    Redis refused (the error's type and message)."""
+    included. `redis_error` says what is wrong when `redis` is false: unreachable or refused,
+    and the error's type (not Redis's message: a connection error's names Redis's address)."""
     redis = request.query.get("redis", "required")
     if redis not in ("required", "optional"):
         raise invalid("redis", f"redis must be 'required' or 'optional', got {redis[:40]!r}")
@@ -199,7 +199,7 @@ async def readyz(request: web.Request) -> web.Response:
     workers = len(view.live_workers())
     pools = len(view.pools)  # a pool can start workers on demand (scale from zero)
     ready = (redis_ok or redis == "optional") and (workers > 0 or pools > 0)
-    body = {"ready": ready, "redis": redis_ok, "redis_error": None if redis_ok else view.redis_error,
+    body = {"ready": ready, "redis": redis_ok, "redis_error": None if redis_ok else view.redis_problem,
             "workers": workers, "pools": pools, "region": view.config.region}  # fmt: skip
     return _json(body, 200 if ready else 503)
 

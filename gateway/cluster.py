@@ -261,6 +261,14 @@ class ClusterView:
         fault); None when its last calls succeeded."""
         return self.refusal if self.redis_ok else self._failure
 
+    @property
+    def redis_problem(self) -> str | None:
+        """`redis_error` without Redis's own message, for what anyone may read (readiness, a
+        client's 503): whether Redis is unreachable or refused, and the error's type. A
+        connection error's message names Redis's address."""
+        error = self.redis_error
+        return None if error is None else ": ".join(error.split(": ", 2)[:2])
+
     async def refresh_loop(self) -> None:
         while True:
             await self.refresh()

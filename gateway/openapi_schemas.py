@@ -566,8 +566,8 @@ SCHEMAS: JSON = {
             "redis_error": {
                 "type": ["string", "null"],
                 "description": (
-                    "Why redis is false: unreachable, or what Redis refused (out of memory, a "
-                    "replica, an ACL), as the error's type and message; null when it is true."
+                    "Why redis is false: 'unreachable' or 'refused' (out of memory, a replica, an "
+                    "ACL), then the error's type; null when it is true."
                 ),
             },
             "workers": {"type": "integer", "description": "Live workers in the cluster view."},

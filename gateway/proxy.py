@@ -285,10 +285,8 @@ class Proxy:
         view = self.view
         if call.gen.model not in view.seen_models:
             if not view.refreshed_at:
-                # what went wrong, but not Redis's own message (which names its address) to a client
-                kind, _, rest = (view.redis_error or "").partition(": ")
-                why = (f"Redis refused its reads: {rest.partition(':')[0]}" if kind == "refused"
-                       else "Redis is unreachable")  # fmt: skip
+                kind, _, error = (view.redis_problem or "").partition(": ")
+                why = f"Redis refused its reads: {error}" if kind == "refused" else "Redis is unreachable"
                 raise unavailable(
                     f"cannot tell whether model {call.gen.model!r} is served: this gateway has "
                     f"not read the cluster's registry yet ({why})",
