@@ -27,7 +27,7 @@ from gateway.config import GatewayConfig
 from gateway.regions import RegionCatalog
 from gateway.routing import Router
 from gateway.tokenization import GatewayTokenizers
-from kvstore.client import raise_if_cancelling
+from kvstore.client import REFUSALS, raise_if_cancelling
 from kvstore.demand import Demand, PoolInfo
 from kvstore.keys import gateway_marker_key
 from kvstore.placement import Placement, SessionStore
@@ -114,7 +114,7 @@ class ClusterView:
         except Exception as e:  # connection refused, timeout, cluster errors, a read refused
             self.on_redis("registry_read", time.perf_counter() - t0, _error_type(e))
             self._failure = _describe(e)
-            what = "refused the registry read" if isinstance(e, ResponseError) else "unreachable"
+            what = "refused the registry read" if isinstance(e, REFUSALS) else "unreachable"
             if self.redis_ok:
                 log.warning("redis %s, routing on the last known registry: %s", what, e)
             elif not self.refreshed_at and not self._start_failure_said:
@@ -221,7 +221,7 @@ class ClusterView:
         once as a loss: workers and pools that left meanwhile are carried, CARRY_S at most.)"""
         try:
             found = await self.redis.set(self._marker_key, b"1", ex=MARKER_TTL_S, get=True)
-        except ResponseError as e:
+        except REFUSALS as e:
             self._refused(e)
             found = await self.redis.get(self._marker_key)
             had, self._marked = self._marked, found is not None
@@ -230,7 +230,7 @@ class ClusterView:
             had, self._marked = self._marked, True
         return had and found is None
 
-    def _refused(self, e: ResponseError) -> None:
+    def _refused(self, e: Exception) -> None:
         """Redis answered a write of this gateway's with an error (OOM, READONLY, NOPERM): note
         it for readiness, and say so when it begins (once per REFUSAL_LOG_S per error type: a
         refusal on requests' paths that the next registry read's write does not meet, an ACL's
@@ -319,7 +319,8 @@ class ClusterView:
         rather than going wherever load sends each request (the router still checks that the
         worker is alive). Once a Redis call has failed, none is tried on a request's path until
         the refresh loop (every registry_refresh_s) reaches Redis again: a Redis that hangs
-        rather than refuses would otherwise cost every session request its socket timeout.
+        would otherwise cost every session request its socket timeout. (A refusal of a write,
+        kvstore.client.REFUSALS, is no failure: Redis answers, and reads go on being asked.)
 
         When Redis has no placement but this gateway remembers one, Redis may have lost it
         (a restart that emptied it, FLUSHALL), perhaps before any registry read could notice:
@@ -428,9 +429,11 @@ class ClusterView:
         return result
 
     def redis_failed(self, e: Exception) -> None:
-        if isinstance(e, ResponseError):
+        if isinstance(e, REFUSALS):
             # Redis answered, refusing (out of memory, READONLY, NOPERM): it is not down, and a
-            # refusal costs no timeout, so requests still ask it (its reads are answered).
+            # refusal costs no timeout, so requests still ask it (its reads are answered). (Not
+            # a cluster's CLUSTERDOWN or TRYAGAIN: redis-py's cluster client sleeps and reconnects
+            # before it raises those, so asking again on every request would cost each one that.)
             # Marked failed here, it was marked fine again by the next registry read: two
             # warnings per read, for as long as Redis refused
             self._refused(e)
@@ -450,7 +453,7 @@ class ClusterView:
         try:
             async with asyncio.timeout(PROBE_TIMEOUT_S):
                 await self.redis.set(self._marker_key, b"1", ex=MARKER_TTL_S, xx=True)
-        except ResponseError as e:
+        except REFUSALS as e:
             self._refused(e)
             return False
         except Exception as e:
@@ -496,9 +499,12 @@ def _ignore(operation: str, seconds: float, error: str | None) -> None:
 
 def _describe(e: BaseException) -> str:
     """A failed Redis call as readiness says it: what Redis refused (it answered an error:
-    out of memory, READONLY, NOPERM, a wrong password), or that it did not answer."""
-    if isinstance(e, (ResponseError, AuthenticationError)):
+    out of memory, READONLY, NOPERM, a wrong password), another error it answered (a cluster's
+    CLUSTERDOWN, say), or that it did not answer."""
+    if isinstance(e, (*REFUSALS, AuthenticationError)):
         return f"refused: {_error_type(e)}: {e}"
+    if isinstance(e, ResponseError):
+        return f"failed: {_error_type(e)}: {e}"
     return f"unreachable: {_error_type(e)}: {str(e) or 'no answer in time'}"
 
 

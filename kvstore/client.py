@@ -21,12 +21,17 @@ from redis.asyncio import Redis, RedisCluster
 from redis.asyncio.retry import Retry
 from redis.backoff import ExponentialWithJitterBackoff
 from redis.exceptions import ConnectionError as RedisConnectionError
-from redis.exceptions import ReadOnlyError
+from redis.exceptions import NoPermissionError, OutOfMemoryError, ReadOnlyError
 
 STOP_POLL_S = 0.2  # how often `stop_task` cancels again a task that is still running
 DEFAULT_TIMEOUT_S = 1.0  # connect and per-command socket timeout
 RETRIES = 2  # re-tries after a connection error: a pooled connection may be stale after a restart
 RETRIED_ERRORS = (RedisConnectionError,)  # errors after which a command is tried again
+# Redis answered a write with a refusal: out of memory (maxmemory, noeviction), a replica
+# (READONLY), an ACL (NOPERM). It is up and answers reads; not a cluster's CLUSTERDOWN, TRYAGAIN
+# or MOVED, which are ResponseErrors too, but after which redis-py's cluster client has slept
+# and reconnected: those are Redis down, for the callers that tell the two apart.
+REFUSALS = (OutOfMemoryError, ReadOnlyError, NoPermissionError)
 
 
 class _Retry(Retry):

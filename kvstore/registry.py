@@ -32,9 +32,9 @@ from collections.abc import Iterable
 
 import orjson
 from redis.asyncio import Redis
-from redis.exceptions import RedisError, ResponseError
+from redis.exceptions import RedisError
 
-from kvstore.client import raise_if_cancelling
+from kvstore.client import REFUSALS, raise_if_cancelling
 from kvstore.keys import (
     MODELS_KEY,
     as_text,
@@ -104,7 +104,7 @@ class Registry:
             names = sorted(as_text(m) for m in await self.redis.smembers(MODELS_KEY))
             models = [m for m in names if usable_id(m, "model name", MODELS_KEY)]
             if len(models) < len(names):  # written by something other than a worker
-                with contextlib.suppress(ResponseError):  # (refused: see the module docstring)
+                with contextlib.suppress(*REFUSALS):  # (refused: see the module docstring)
                     await self.redis.srem(MODELS_KEY, *(m for m in names if m not in models))
         if not models:
             return []
@@ -179,7 +179,7 @@ class Registry:
             pipe.srem(model_workers_key(m), wid)
         try:
             removed: list[int] = await pipe.execute()
-        except ResponseError:  # refused (see the module docstring): this reader removed none
+        except REFUSALS:  # refused (see the module docstring): this reader removed none
             return []
         return [pair for pair, n in zip(stale, removed, strict=True) if n]
 
@@ -242,7 +242,7 @@ class Registry:
             pipe.scard(model_workers_key(m))
         try:
             _, *sizes = await pipe.execute()
-        except ResponseError:  # refused (see the module docstring): nothing was removed
+        except REFUSALS:  # refused (see the module docstring): nothing was removed
             return
         back = [m for m, n in zip(empty, sizes, strict=True) if n]
         if back:

@@ -258,3 +258,24 @@ def test_a_gateway_redis_refuses_from_the_start_says_so_without_its_address(
     message = e.value.message
     assert "Redis refused its reads: AuthenticationError" in message, message
     assert "unreachable" not in message and str(server.port) not in message, message
+
+
+async def test_a_cluster_down_error_is_redis_down_not_a_refusal(redis: LocalRedis) -> None:
+    """CLUSTERDOWN, TRYAGAIN and MOVED are ResponseErrors too, but not refusals of a Redis that
+    is up: redis-py's cluster client has slept and reconnected before raising them, so a
+    request that met one marks Redis down (requests skip it until a read succeeds) rather than
+    leaving every later request to pay the same; OOM, READONLY and NOPERM stay refusals."""
+    from redis.exceptions import ClusterDownError, OutOfMemoryError, TryAgainError
+
+    async with _view(redis.url) as view:
+        await view.refresh()
+        assert view.redis_ok
+        view.redis_failed(OutOfMemoryError("OOM command not allowed"))
+        assert view.redis_ok and view.redis_problem == "refused: OutOfMemoryError"
+        await view.refresh()  # (its write is taken: the refusal has ended)
+        for error in (ClusterDownError("CLUSTERDOWN The cluster is down"), TryAgainError("x")):
+            view.redis_failed(error)
+            assert not view.redis_ok and view.refusal is None, error
+            assert view.redis_problem == f"failed: {type(error).__name__}", view.redis_problem
+            await view.refresh()
+            assert view.redis_ok
