@@ -6,11 +6,21 @@ once per machine and Python/torch version, and is reused from the cache afterwar
 cannot be built, the loaders return None, say why once on the log, and the callers use the
 PyTorch reference (same results, slower decode).
 
-A build leaves, beside torch's `<name>.so`, a copy named by a hash of what went into it (the
-source, the flags, the torch and Python versions): `<name>.<hash>.so`. A later process whose
-hash names an existing copy imports it directly, without `torch.utils.cpp_extension` (whose
-import, ~0.1 s with setuptools, and ninja check per extension cost a fresh process ~0.4 s of
-its start-up); a changed source, flag or version names no copy and goes through the build.
+A build runs in a folder of its own, `<name>.<hash>.build`, named by a hash of what went into it
+(the source, its headers, the flags, the torch and Python versions), and leaves a copy of the
+module named by that hash, `<name>.<hash>.so`; the folder is removed once the copy is in place.
+A later process whose hash names an existing copy imports it directly, without
+`torch.utils.cpp_extension` (whose import, ~0.1 s with setuptools, and ninja check per extension
+cost a fresh process ~0.4 s of its start-up); a changed source, flag or version names no copy
+and goes through the build, from scratch: a folder shared by every source had ninja take a
+changed source whose file is older than the last build's objects (copied with its times kept:
+`cp -p`, rsync, an unpacked archive) for up to date, and the other source's module was cached
+under the new hash for good.
+
+Copies of several sources live side by side (a developer's tree and a CI clone, two branches,
+an A/B copy sharing one cache), so that switching between them imports instead of rebuilding
+(~1 minute): each import marks its copy used (its mtime), and a build removes all but the
+`_KEEP` most recently used copies of its extension.
 """
 
 from __future__ import annotations
@@ -45,6 +55,8 @@ _CFLAGS = (
     "-fno-trapping-math",
 )
 _LDFLAGS = ("-fopenmp",)
+# Builds kept per extension, by last use: the trees and branches one machine switches between.
+_KEEP = 4
 _lock = threading.Lock()
 _state: dict[str, ModuleType | None] = {}
 
@@ -153,7 +165,9 @@ def _build(name: str, source: Path, what: str) -> ModuleType | None:
             return _state[name]
         try:
             built = _built_path(name, source)
-            mod = _import(name, built) if built.is_file() else _compile(name, source, what, built)
+            mod = _import_cached(name, built)
+            if mod is None:
+                mod = _compile(name, source, what, built)
         except Exception as e:  # no compiler, no ninja, a read-only home: use the reference
             log.warning("%s unavailable (%s); using the PyTorch reference", what, e)
             mod = None
@@ -175,52 +189,97 @@ def _build_key(name: str, source: Path) -> str:
 
 
 def _compile(name: str, source: Path, what: str, built: Path) -> ModuleType:
-    """Build (or let ninja find up to date) and import the module; then keep a copy named by its
-    build key, `built`, in place of any copy an earlier source left.
+    """Build and import the module, keep its copy `built`, and prune the older builds.
 
-    Builds of one folder take turns on an flock (released by the kernel when its holder dies).
-    torch's own baton, a `lock` file it creates and removes, outlives a build that was killed
-    (Ctrl-C during the first `make run`, a test run timed out) and makes every later build of
-    the folder wait on it forever; under our flock no other build is running, so a `lock` file
-    found there is such a leftover and is removed."""
+    Builds of one extension take turns on an flock (released by the kernel when its holder
+    dies), and only its holder prunes. torch's own baton, a `lock` file it creates and removes,
+    outlives a build that was killed (Ctrl-C during the first `make run`, a test run timed out)
+    and makes every later build of the folder wait on it forever; under our flock no other build
+    is running, so a `lock` file found there is such a leftover and is removed."""
     path = built.parent
     path.mkdir(parents=True, exist_ok=True)
     with open(path / "build.flock", "a+b") as turn:
         try:
             fcntl.flock(turn, fcntl.LOCK_EX)  # released on close, or when this process dies
         except OSError as e:  # ENOLCK: an NFS home without its lock service
+            # Nothing is pruned: another host may be building in a folder it would remove.
             log.warning("cannot lock %s (%s): building under torch's lock file alone", turn.name, e)
             return _compile_locked(name, source, what, built)
-        if built.is_file():  # another process built it while this one waited
-            return _import(name, built)
-        stale = path / "lock"
+        mod = _import_cached(name, built)  # another process built it while this one waited
+        if mod is not None:
+            return mod
+        stale = _work_dir(built) / "lock"
         if stale.exists():
             log.warning("removing %s, left by a build that was killed", stale)
             stale.unlink(missing_ok=True)
-        return _compile_locked(name, source, what, built)
+        mod = _compile_locked(name, source, what, built)
+        _prune(path, name)
+        return mod
 
 
 def _compile_locked(name: str, source: Path, what: str, built: Path) -> ModuleType:
     from torch.utils import cpp_extension
 
-    path = built.parent
-    log.info("building the %s in %s (once per machine)", what, path)
+    work = _work_dir(built)
+    work.mkdir(exist_ok=True)
+    log.info("building the %s in %s (once per machine and source)", what, work)
     mod: ModuleType = cpp_extension.load(
         name=name,
         sources=[str(source)],
         # copies: cpp_extension adds to the lists it is given
         extra_cflags=list(_CFLAGS),
         extra_ldflags=list(_LDFLAGS),
-        build_directory=str(path),
+        build_directory=str(work),
         verbose=False,
     )
-    for old in path.glob(f"{name}.*.so"):
-        old.unlink(missing_ok=True)  # a process that has it loaded keeps its mapping
     # Copied, then renamed into place: a process that sees the name sees the whole file.
-    tmp = path / f".{built.name}.{os.getpid()}.tmp"
-    shutil.copyfile(path / f"{name}.so", tmp)
+    tmp = built.parent / f".{built.name}.{os.getpid()}.tmp"
+    shutil.copyfile(work / f"{name}.so", tmp)
     os.replace(tmp, built)
     return mod
+
+
+def _work_dir(built: Path) -> Path:
+    """The folder torch builds the copy `built` in: one per hash, so that one source's objects
+    are never taken for another's."""
+    return built.with_name(built.name.removesuffix(".so") + ".build")
+
+
+def _prune(path: Path, name: str) -> None:
+    """Remove all but the `_KEEP` most recently used copies of extension `name` in `path`, and
+    its build folders: the one just copied from, and any left by a killed or failed build (the
+    caller holds the build flock, so none is in use). A process that has a removed copy loaded
+    keeps its mapping; one about to import it finds it gone and builds it again."""
+    copies: list[tuple[float, Path]] = []
+    for copy in path.glob(f"{name}.*.so"):
+        try:
+            copies.append((copy.stat().st_mtime, copy))
+        except FileNotFoundError:  # removed by hand meanwhile
+            continue
+    for _, old in sorted(copies, reverse=True)[_KEEP:]:
+        try:
+            old.unlink(missing_ok=True)
+        except OSError as e:  # another user's file in a shared cache: the build is still good
+            log.warning("cannot remove the old build %s (%s)", old, e)
+    for work in path.glob(f"{name}.*.build"):
+        shutil.rmtree(work, ignore_errors=True)
+
+
+def _import_cached(name: str, built: Path) -> ModuleType | None:
+    """Import the cached copy `built`, marking it used (its mtime, which pruning ranks by);
+    None where there is none, or where a build of another source pruned it just now."""
+    try:
+        os.utime(built)
+    except FileNotFoundError:
+        return None
+    except OSError:  # a cache this user may read but not write: imported all the same
+        pass
+    try:
+        return _import(name, built)
+    except ImportError:
+        if built.exists():
+            raise
+        return None
 
 
 def _import(name: str, built: Path) -> ModuleType:

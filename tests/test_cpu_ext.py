@@ -124,12 +124,12 @@ def test_a_killed_build_s_lock_file_does_not_block_the_next(
     monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))
     name = "edgeinfer_rms_norm_cpu"
     built = cpu_ext._built_path(name, cpu_ext._NORM_SOURCE)
-    built.parent.mkdir(parents=True)
-    (built.parent / "lock").touch()  # what a build killed mid-compile leaves
+    cpu_ext._work_dir(built).mkdir(parents=True)
+    (cpu_ext._work_dir(built) / "lock").touch()  # what a build killed mid-compile leaves
     seen: list[bool] = []
 
     def compile_locked(name: str, source: Path, what: str, built: Path) -> object:
-        seen.append((built.parent / "lock").exists())
+        seen.append((cpu_ext._work_dir(built) / "lock").exists())
         return "module"
 
     monkeypatch.setattr(cpu_ext, "_compile_locked", compile_locked)
@@ -148,8 +148,13 @@ def test_builds_of_one_folder_take_turns(tmp_path: Path, monkeypatch: pytest.Mon
     built = cpu_ext._built_path(name, cpu_ext._NORM_SOURCE)
     built.parent.mkdir(parents=True)
     calls: list[str] = []
+
+    def imported(name: str, path: Path) -> str:
+        calls.append(f"imported {path.name}")
+        return "module"
+
     monkeypatch.setattr(cpu_ext, "_compile_locked", lambda *a: calls.append("compiled"))
-    monkeypatch.setattr(cpu_ext, "_import", lambda n, p: calls.append(f"imported {p.name}"))
+    monkeypatch.setattr(cpu_ext, "_import", imported)
     waiter = threading.Thread(target=cpu_ext._compile,
                               args=(name, cpu_ext._NORM_SOURCE, "test", built))  # fmt: skip
     with open(built.parent / "build.flock", "a+b") as holder:  # the other build, under way
@@ -171,8 +176,8 @@ def test_a_home_without_flock_still_builds(tmp_path: Path, monkeypatch: pytest.M
     monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))
     name = "edgeinfer_rms_norm_cpu"
     built = cpu_ext._built_path(name, cpu_ext._NORM_SOURCE)
-    built.parent.mkdir(parents=True)
-    (built.parent / "lock").touch()  # another host's build, under way
+    cpu_ext._work_dir(built).mkdir(parents=True)
+    (cpu_ext._work_dir(built) / "lock").touch()  # another host's build, under way
 
     def no_locks(fd: object, op: int) -> None:
         raise OSError(errno.ENOLCK, "No locks available")
@@ -180,7 +185,7 @@ def test_a_home_without_flock_still_builds(tmp_path: Path, monkeypatch: pytest.M
     monkeypatch.setattr(cpu_ext.fcntl, "flock", no_locks)
     monkeypatch.setattr(cpu_ext, "_compile_locked", lambda *a: "module")
     assert cpu_ext._compile(name, cpu_ext._NORM_SOURCE, "test", built) == "module"
-    assert (built.parent / "lock").exists()
+    assert (cpu_ext._work_dir(built) / "lock").exists()
 
 
 def _longest_stall(call: Callable[[], object]) -> tuple[float, float]:
