@@ -301,6 +301,10 @@ def up(args: argparse.Namespace) -> int:
             local_redis = LocalRedis(die_with_parent=True).start()  # (gone with us, however)
             redis_url = local_redis.url
             print(f"started redis-server on {redis_url}", file=sys.stderr)
+        # the workers and the gateway take the Redis URL from their environment, not their
+        # argv: a URL may hold a password, and a command line is anyone's to read on the node
+        # (ps, /proc/PID/cmdline). Theirs only: redis-server, started before, never had it
+        env["EDGEINFER_REDIS"] = redis_url
         # the workers' ports, then their KV-transfer servers': a free run unless told where
         ours = frozenset(p for ports in given.values() for p in ports)  # (--port, --dist-port)
         worker_port = args.worker_port or find_free_ports(2 * len(roles), ours)
@@ -314,7 +318,7 @@ def up(args: argparse.Namespace) -> int:
                 # (the default), the first worker's could take the next worker's port before
                 # that worker bound it
                 "--kv-port", str(worker_port + len(roles) + i),
-                "--redis", redis_url, "--role", role,
+                "--role", role,
                 "--drain-timeout", str(DRAIN_TIMEOUT_S), *_engine_flags(args, i),
             ]  # fmt: skip
             workers.append(_Child(f"worker {i + 1} ({role}, port {port})", cmd, env,
@@ -322,8 +326,7 @@ def up(args: argparse.Namespace) -> int:
         keys = [f for k in args.api_key for f in ("--api-key", k)]
         gateway = _Child(
             f"the gateway (port {args.port})",
-            [*cli, "gateway", "--region", args.region, "--port", str(args.port), "--redis",
-             redis_url, *keys],
+            [*cli, "gateway", "--region", args.region, "--port", str(args.port), *keys],
             env, lifeline.pass_fds, ready_line=GATEWAY_READY,
         )  # fmt: skip
         children = [gateway, *workers]

@@ -482,10 +482,12 @@ class Pool:
         argv = [
             "worker", "--model", cfg.models[model],
             "--served-model-name", model, "--region", cfg.region, "--host", cfg.host,
-            "--port", str(port), "--redis", cfg.redis_url, "--worker-id", worker_id,
-            *cfg.worker_args,
+            "--port", str(port), "--worker-id", worker_id, *cfg.worker_args,
         ]  # fmt: skip
-        env = {"EDGEINFER_SECRET": cfg.secret, "PYTHONUNBUFFERED": "1"} | self.lifeline.env
+        # the Redis URL in the worker's environment, not its argv: a URL may hold a password,
+        # and a command line is anyone's to read on the node (ps, /proc/PID/cmdline)
+        env = {"EDGEINFER_SECRET": cfg.secret, "EDGEINFER_REDIS": cfg.redis_url,
+               "PYTHONUNBUFFERED": "1"} | self.lifeline.env  # fmt: skip
         t0 = time.monotonic()
         proc, how = await self._spawn_process(argv, env)
         m = Managed(worker_id, model, port, proc, t0)
