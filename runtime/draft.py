@@ -1,15 +1,21 @@
 """The draft-model proposer: a small model with its own paged KV cache drafts k tokens.
 
-It shares the target's tokenizer (checked at start: same vocabulary) and has its own
-`ModelRunner` and `BlockManager` (no prefix caching), sized by `draft_kv_cache_bytes`. For each
-request it keeps a shadow `Request`: the tokens it knows and how many of them its KV cache
-holds (`num_computed_tokens`). Each engine step, for the requests that speculate:
+It shares the target's tokenizer (checked at start: the same tokens with the same ids; its
+vocabulary may be padded past the target's, and its logits are cut to the target's width, so no
+padding id is ever drafted) and has its own `ModelRunner` and `BlockManager` (no prefix caching),
+sized by `draft_kv_cache_bytes`. For each request it keeps a shadow `Request`: the tokens it
+knows and how many of them its KV cache holds (`num_computed_tokens`). Each engine step, for the
+requests that speculate:
 
     sync      the draft's computed count moves back to the longest prefix its tokens share with
               the request's (the accepted drafts stay, rejected ones are overwritten next), and
               blocks past it go back to its pool (`BlockManager.trim`)
-    catch up  one forward pass over every request's tokens the draft has not computed (the
-              prompt at first, then what verification appended); its last row gives draft 1
+    catch up  one forward pass over the tokens the draft has not computed (the prompt at first,
+              then what verification appended), at most the engine's `max_num_batched_tokens` of
+              them a step, as the target's prefill is chunked (a long prompt in one pass stalled
+              every other request's step): the requests nearest caught up first; one that cannot
+              catch up this step computes a chunk and drafts nothing (it decodes plainly until
+              its draft KV has caught up). A caught-up request's last row gives draft 1
     draft     k - 1 single-token steps, batched over the requests still drafting, each feeding
               the draft before it (the last draft is never fed: the target scores it)
 
@@ -56,6 +62,18 @@ def _vocab(model_dir: Path) -> dict[str, int]:
     return backend.get_vocab(with_added_tokens=True)
 
 
+def _check_tokenizer(draft_dir: Path, target_dir: Path) -> None:
+    """The draft's tokenizer has every token of the target's at the same id. More are taken (a
+    padded vocabulary's padding tokens): drafts come from the target's width of the draft's
+    logits only (`DraftProposer._run`), and verification judges each."""
+    draft, target = _vocab(draft_dir), _vocab(target_dir)
+    if any(draft.get(t) != i for t, i in target.items()):
+        raise ValueError(
+            f"speculative draft_model {draft_dir}: a draft model with another vocabulary "
+            "(its tokenizer differs from the target's)"
+        )
+
+
 class DraftProposer:
     """Drafts with a small model (see the module docstring); `SpecController`'s proposer."""
 
@@ -65,20 +83,18 @@ class DraftProposer:
         path = Path(spec.draft_model)
         try:  # (the errors name a file; beside the target's, which model's was not said)
             draft_vocab = ModelConfig.from_dir(path).vocab_size
-            if draft_vocab != target_vocab_size:
+            _check_tokenizer(path, Path(config.model))
+            if draft_vocab < target_vocab_size:  # (a token the target makes it could not read)
                 raise ValueError(
-                    f"speculative draft_model {path}: a draft model with another vocabulary "
+                    f"speculative draft_model {path}: a draft model with a smaller vocabulary "
                     f"({draft_vocab} tokens, the target has {target_vocab_size})"
-                )
-            if _vocab(path) != _vocab(Path(config.model)):
-                raise ValueError(
-                    f"speculative draft_model {path}: a draft model with another vocabulary "
-                    "(its tokenizer differs from the target's)"
                 )
             self.model = load_model(path, config.dtype, weight_dtype=config.weight_dtype)
         except ModelLoadError as e:
             raise ModelLoadError(f"speculative draft_model (--draft-model): {e}") from e
         self.max_model_len = min(max_model_len, self.model.cfg.max_model_len)
+        self.vocab_size = target_vocab_size  # the logits' width kept (past it: padding)
+        self.max_chunk = config.max_num_batched_tokens  # catch-up tokens one step computes
         # its KV in the target's kind of cache (the draft model's dtype is the target's)
         kv_dtype = kv_cache_dtype(config.kv_cache_dtype, self.model, FORCE_TRITON)
         block_bytes = kv_block_bytes(self.model, config.block_size, kv_dtype)
@@ -108,7 +124,7 @@ class DraftProposer:
         live = {r.request_id for r in running}
         for rid in [rid for rid in self._shadows if rid not in live]:
             self.forget(rid)  # preempted: its draft KV goes with its target KV
-        work: list[tuple[Request, Request, int]] = []  # (request, shadow, k)
+        synced: list[tuple[Request, Request, int]] = []  # (request, shadow, k)
         for r, k in batch:
             tokens = r.all_token_ids
             if len(tokens) + k - 1 > self.max_model_len:
@@ -116,29 +132,49 @@ class DraftProposer:
             grammar = r.grammar
             if grammar is not None and (grammar.matcher.is_error() or grammar.matcher.is_stopped()):
                 continue  # only end-of-sequence can follow (or nothing): no draft to make
-            shadow = self._sync(r, tokens)
-            if self.blocks.allocate(r.request_id, len(tokens) + k - 1) is None:
+            synced.append((r, self._sync(r, tokens), k))
+        # the step's catch-up tokens are bounded: the requests nearest caught up take them first
+        # (a decode's few accepted tokens before a new prompt's thousands)
+        synced.sort(key=lambda w: w[1].num_tokens - w[1].num_computed_tokens)
+        budget = self.max_chunk
+        work: list[tuple[Request, Request, int]] = []  # caught up this step: these draft
+        behind: list[tuple[Request, int]] = []  # (shadow, tokens): a chunk of its catch-up only
+        for r, shadow, k in synced:
+            missing = shadow.num_tokens - shadow.num_computed_tokens
+            n = min(missing, budget)
+            if n == 0:
+                continue  # no budget left this step: no drafts (its draft KV is kept)
+            end = shadow.num_tokens + k - 1 if n == missing else shadow.num_computed_tokens + n
+            if self.blocks.allocate(r.request_id, end) is None:
                 self.forget(r.request_id)  # no room in the draft's cache: no drafts this time
                 continue
-            work.append((r, shadow, k))
-        if not work:
+            budget -= n
+            if n == missing:
+                work.append((r, shadow, k))
+            else:
+                behind.append((shadow, n))
+        if not work and not behind:
             return
         drafts: list[list[int]] = [[] for _ in work]
         probs: list[list[torch.Tensor]] = [[] for _ in work]
         rows = list(range(len(work)))
-        sizes = [sh.num_tokens - sh.num_computed_tokens for _, sh, _ in work]  # catch-up chunks
+        # the first pass: every drafting row's catch-up (its last row gives draft 1), then the
+        # chunks of those still behind (their logits unused)
+        shadows = [sh for _, sh, _ in work] + [sh for sh, _ in behind]
+        sizes = [sh.num_tokens - sh.num_computed_tokens for _, sh, _ in work]
+        sizes += [n for _, n in behind]
         grammars = [None if r.grammar is None else _GrammarDrafts(r.grammar) for r, _, _ in work]
         done: set[int] = set()  # rows whose grammar allows no further draft
         try:
-            for step in range(max(k for _, _, k in work)):
+            for step in range(max((k for _, _, k in work), default=1)):
                 if step:
                     rows = [i for i in rows if work[i][2] > step and i not in done]
                     if not rows:
                         break
                     for i in rows:
                         work[i][1].prompt_token_ids.append(drafts[i][-1])  # feed the last draft
-                    sizes = [1] * len(rows)
-                logits = self._run([work[i][1] for i in rows], sizes)  # (len(rows), V)
+                    shadows, sizes = [work[i][1] for i in rows], [1] * len(rows)
+                logits = self._run(shadows, sizes)  # (len(shadows), V): rows' first
                 for j, i in enumerate(rows):
                     r, g, row = work[i][0], grammars[i], logits[j : j + 1]
                     if g is not None:
@@ -195,7 +231,8 @@ class DraftProposer:
         tables = {sh.request_id: self.blocks.block_table(sh.request_id) for sh in shadows}
         hidden = self.runner.forward([scheduled[i] for i in order], tables)  # (T, hidden)
         last = torch.tensor([scheduled[i].num_new_tokens for i in order]).cumsum(0) - 1  # (B,)
-        logits = self.model.logits(hidden[last])  # (B, V) in `order`
+        # (B, V) in `order`; a padded vocabulary's rows past the target's cut off
+        logits = self.model.logits(hidden[last])[:, : self.vocab_size]
         for sh, n in zip(shadows, sizes, strict=True):
             sh.num_computed_tokens += n
         back = torch.empty(len(order), dtype=torch.int64)

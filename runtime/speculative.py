@@ -81,14 +81,21 @@ class SpeculativeConfig:
         # counts given from Python as other types passed here: 4.0 or 2.5 failed the engine's
         # first step with drafts (a TypeError in the proposer, every request in that step lost),
         # "4" failed start-up with a TypeError naming no setting (numpy's integers are integers;
-        # a bool is not a count)
+        # a bool is not a count). The type refused is named: Decimal('0.5') is "a number in
+        # (0, 1]" to its user, yet no numbers.Real (its float() rounds)
         for name in _COUNTS:
             value = getattr(self, name)
             if not isinstance(value, numbers.Integral) or isinstance(value, bool):
-                raise ValueError(f"speculative {name} must be an integer, got {value!r}")
+                raise ValueError(
+                    f"speculative {name} must be an integer, got {value!r}, {_a(value)}"
+                )
             setattr(self, name, int(value))
         if not isinstance(self.ema, numbers.Real) or isinstance(self.ema, bool):
-            raise ValueError(f"speculative ema must be a number in (0, 1], got {self.ema!r}")
+            raise ValueError(
+                f"speculative ema must be a float in (0, 1], got {self.ema!r}, {_a(self.ema)}"
+            )
+        if not 0 < self.ema <= 1:  # (before float(): an int past its range raised OverflowError)
+            raise ValueError(f"speculative ema must be in (0, 1], got {self.ema}")
         self.ema = float(self.ema)
         if isinstance(self.draft_model, os.PathLike):
             self.draft_model = str(self.draft_model)
@@ -117,8 +124,12 @@ class SpeculativeConfig:
                 f"speculative max_batch_tokens ({self.max_batch_tokens}) must be at least "
                 f"1 + num_tokens ({1 + self.num_tokens})"
             )
-        if not 0.0 < self.ema <= 1.0:
-            raise ValueError(f"speculative ema must be in (0, 1], got {self.ema}")
+
+
+def _a(value: object) -> str:
+    """A value's type for an error: "a Decimal", "an int"."""
+    name = type(value).__name__
+    return f"{'an' if name[0].lower() in 'aeiou' else 'a'} {name}"
 
 
 def ngram_propose(tokens: list[int], k: int, n_min: int, n_max: int) -> list[int]:

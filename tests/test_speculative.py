@@ -366,13 +366,13 @@ def test_draft_settings_fail_at_start(stories_dir: Path, tmp_path: Path) -> None
         SpeculativeConfig(method="draft", draft_model="x", num_tokens=0)
     with pytest.raises(ValueError, match="draft_model is for method 'draft'"):
         SpeculativeConfig(method="ngram", draft_model="x")
-    # another vocabulary size
-    wide = tmp_path / "wide"
-    shutil.copytree(stories_dir, wide)
-    cfg = json.loads((wide / "config.json").read_text())
-    (wide / "config.json").write_text(json.dumps({**cfg, "vocab_size": 600}))
-    with pytest.raises(ValueError, match=r"draft_model .*another vocabulary \(600 tokens"):
-        LLM(str(stories_dir), kv_cache_bytes=4_000_000, speculative=_draft(wide))
+    # a smaller vocabulary (a larger one is taken: tests/test_draft_defects.py)
+    narrow = tmp_path / "narrow"
+    shutil.copytree(stories_dir, narrow)
+    cfg = json.loads((narrow / "config.json").read_text())
+    (narrow / "config.json").write_text(json.dumps({**cfg, "vocab_size": 448}))
+    with pytest.raises(ValueError, match=r"draft_model .*smaller vocabulary \(448 tokens"):
+        LLM(str(stories_dir), kv_cache_bytes=4_000_000, speculative=_draft(narrow))
     # same size, another tokenizer (two tokens' ids swapped)
     swapped = tmp_path / "swapped"
     shutil.copytree(stories_dir, swapped)
