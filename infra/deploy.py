@@ -569,6 +569,8 @@ def write(resources: list[Resource], out: Path) -> list[Path]:
     """One file per resource in `out`, numbered in order, in place of an earlier render's (see
     the module docstring)."""
     out.mkdir(parents=True, exist_ok=True)
+    names = [f"{i:02d}-{r['kind'].lower()}-{r['metadata']['name']}.yaml"
+             for i, r in enumerate(resources)]  # fmt: skip
     for old in sorted(out.iterdir()):
         if not (_WRITTEN.match(old.name) and old.is_file()):
             continue
@@ -576,15 +578,21 @@ def write(resources: list[Resource], out: Path) -> list[Path]:
             ours = f.readline().rstrip(b"\n") == _MARK.encode()
         if ours:
             old.unlink()
+        elif old.name in names:  # (written over, it kept its mode: a Secret could be 0644)
+            raise DeployError(f"--out {out}: {old.name} is not deploy.py's (no marker line) and "
+                              "this render would write over it: remove or move it")  # fmt: skip
         else:  # named like ours, but not marked: someone's own file (or an unmarked render)
             print(f"deploy: left {old} alone (not written by deploy.py); remove it if it is "
                   "an earlier render", file=sys.stderr)  # fmt: skip
     paths = []
-    for i, r in enumerate(resources):
-        path = out / f"{i:02d}-{r['kind'].lower()}-{r['metadata']['name']}.yaml"
-        if r["kind"] == "Secret":  # (readable by its owner alone, from the first byte)
-            path.touch(mode=0o600)
-        path.write_text(f"{_MARK}\n" + yaml.safe_dump(r, sort_keys=False))
+    for name, r in zip(names, resources, strict=True):
+        path = out / name
+        text = f"{_MARK}\n" + yaml.safe_dump(r, sort_keys=False)
+        # a Secret readable by its owner alone, from the first byte (a new file: removed above)
+        mode = 0o600 if r["kind"] == "Secret" else 0o666
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, mode)
+        with os.fdopen(fd, "w") as f:
+            f.write(text)
         paths.append(path)
     return paths
 

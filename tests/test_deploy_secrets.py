@@ -230,3 +230,25 @@ def test_the_rendered_gateway_logs_in_with_the_secrets_password(tmp_path: Path) 
         finally:
             proc.terminate()
             proc.wait(10)
+
+
+def test_an_unmarked_file_where_the_secret_goes_is_not_written_over(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """--out where a file not written by the deploy (no marker line) has the name the Secret
+    takes: the deploy said it left that file alone, then wrote the Secret into it, keeping its
+    mode (0644: the password readable by all). Now it refuses, naming the file, and writes
+    nothing over it."""
+    monkeypatch.setenv(deploy.REDIS_URL_ENV, f"redis://:{PASSWORD}@shared.example:6379/0")
+    out = tmp_path / "out"
+    code, _, err = _main(["local", "--catalog", str(_catalog(tmp_path)), "--out", str(out)],
+                         capsys)  # fmt: skip
+    assert code == 0, err
+    (secret,) = out.glob("*-secret-edgeinfer-redis.yaml")
+    secret.unlink()
+    secret.write_text("someone's own notes\n")
+    secret.chmod(0o644)
+    code, _, err = _main(["local", "--catalog", str(_catalog(tmp_path)), "--out", str(out)],
+                         capsys)  # fmt: skip
+    assert code == 2 and secret.name in err and "write over" in err, err
+    assert secret.read_text() == "someone's own notes\n"
