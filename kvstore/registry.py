@@ -209,7 +209,10 @@ class Registry:
             pipe = self.redis.pipeline(transaction=False)
             for m, wid in back:
                 pipe.sadd(model_workers_key(m), wid)
-            await pipe.execute()
+            # (out of memory, Redis takes the SREM and refuses the SADD: the worker's next
+            # heartbeat puts it back; the read stands)
+            with contextlib.suppress(*REFUSALS):
+                await pipe.execute()
         return [pair for pair in pruned if pair not in back]
 
     async def _purge(self, dead: list[tuple[str, str]]) -> None:
@@ -246,4 +249,5 @@ class Registry:
             return
         back = [m for m, n in zip(empty, sizes, strict=True) if n]
         if back:
-            await self.redis.sadd(MODELS_KEY, *back)
+            with contextlib.suppress(*REFUSALS):  # (as in _still_gone: the next heartbeat's)
+                await self.redis.sadd(MODELS_KEY, *back)

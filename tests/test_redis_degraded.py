@@ -279,3 +279,19 @@ async def test_a_cluster_down_error_is_redis_down_not_a_refusal(redis: LocalRedi
             assert view.redis_problem == f"failed: {type(error).__name__}", view.redis_problem
             await view.refresh()
             assert view.redis_ok
+
+
+async def test_a_registry_read_under_oom_survives_its_put_back_refused(redis: LocalRedis) -> None:
+    """Out of memory, Redis takes a reader's SREM of a model it thought empty and refuses the
+    SADD that puts it back once a worker is seen registering it (the race `_forget_models`
+    covers): the read stands (it raised, and the gateway's snapshot froze until the worker's
+    next heartbeat), and that heartbeat puts the model back."""
+    admin = connect(redis.url)
+    registry = Registry(admin, ttl_s=60)
+    await registry.register(_info("w1"))
+    with _out_of_memory(redis):
+        await registry._forget_models(["m"])  # (w1 holds m: SREM taken, SADD refused)
+        assert [w.worker_id for w in await registry.workers()] == []  # m is gone for now
+    await registry.register(_info("w1"))  # its next heartbeat
+    assert [w.worker_id for w in await registry.workers()] == ["w1"]
+    await admin.aclose()
