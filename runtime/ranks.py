@@ -651,8 +651,12 @@ class RankedKVPages(KVPages):
 def start_weights(config: EngineConfig) -> PendingLoad:
     """The load of `config.model` an engine runs: this process's alone, or with tp/pp/ep above
     1, rank 0's share with the other ranks started (`start_ranks`; the load's `ranks`)."""
+    from kernels.attention import check_triton_head_dim
+    from kernels.dispatch import FORCE_TRITON
     from runtime.loader import start_load
 
+    if config.device == "cuda" or FORCE_TRITON:  # before a read that can take minutes (the
+        check_triton_head_dim(ModelConfig.from_dir(config.model).head_dim)  # runner: again)
     parallel = ParallelConfig(config.tp, config.pp, config.ep)
     if parallel.world_size == 1:
         # onto the GPU as read, unless its weights are kept compressed: encoded on the host

@@ -167,6 +167,11 @@ def test_head_dim_past_the_kernels_refused_when_the_engine_is_built(tmp_path: Pa
     greedy = SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True)
     got = LLM(wide, kv_cache_bytes=1 << 22).generate([[1, 403, 407]], greedy)
     assert len(got[0].outputs[0].token_ids) == 2
+    # before any weight is read: a folder without its weights is refused for its heads
+    for f in wide.glob("*.safetensors"):
+        f.unlink()
+    out = run_interpreted(HEAD_DIMS, str(wide), kernels=True)
+    assert "head_dim 320" in json.loads(out.strip().splitlines()[-1])[str(wide)], out
 
 
 # (heads, kv heads, head_dim, block_size, dtype): the models' attention shapes
