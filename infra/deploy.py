@@ -619,7 +619,12 @@ def redis_secret_url(region: str, path: Path | None, env: str | None) -> str | N
     if len(lines) != 1:
         raise DeployError(f"region {region!r}: {where} must hold one line, the Redis URL; it "
                           f"holds {len(lines)}")  # fmt: skip
-    return lines[0].strip()
+    url = lines[0].strip()
+    # (said: the variable is no region's own, and one left exported from another region's
+    # deploy would point this region at that Redis, pruning its own)
+    print(f"deploy: region {region!r}: the Redis URL {redact([url])[0]} from {where}",
+          file=sys.stderr)  # fmt: skip
+    return url
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -102,6 +102,9 @@ def test_the_redis_url_becomes_a_secret_the_pods_read(
         monkeypatch.setenv(deploy.REDIS_URL_ENV, url)
     code, _, err = _main(args, capsys)
     assert code == 0, err
+    # where the URL came from is said (the variable is no region's own), its password not
+    assert ("from --redis-url-file" if source == "file" else f"from ${deploy.REDIS_URL_ENV}") in err
+    assert "shared.example" in err and PASSWORD not in err, err
     docs = _rendered(tmp_path / "out")
     secret = docs.pop("Secret/edgeinfer-redis")
     assert base64.b64decode(secret["data"]["url"]).decode() == url
