@@ -113,6 +113,8 @@ class LLM:
                 where = "messages" + f"[{n}]" * (len(convs) > 1) + f"[{i}]"
                 if isinstance(m.get("content"), list):  # (a copy: the caller's stays as it was)
                     m = conv[i] = {**m, "content": _text_parts(f"{where}.content", m)}
+                if m.get("role") == "developer":  # OpenAI's new name for it, as the gateway
+                    m = conv[i] = {**m, "role": "system"}  # sends it on (openai_api.py)
                 for key, value in m.items():
                     if isinstance(value, str):
                         check_text(f"{where}.{key}", value)

@@ -66,6 +66,16 @@ def test_chat_takes_text_content_parts_as_the_gateway_does(llm: LLM) -> None:
     assert a.prompt_token_ids == b.prompt_token_ids
 
 
+def test_chat_takes_the_developer_role_as_system(llm: LLM) -> None:
+    """OpenAI's "developer" role is the system's new name: the gateway sends it on as "system"
+    (gateway/openai_api.py); LLM.chat gave it to the chat template as it was."""
+    dev = [{"role": "developer", "content": "Be kind"}, {"role": "user", "content": "hi"}]
+    sys_ = [{**dev[0], "role": "system"}, dev[1]]
+    (got,), (want,) = llm.chat(dev, GREEDY), llm.chat(sys_, GREEDY)
+    assert got.prompt_token_ids == want.prompt_token_ids
+    assert dev[0]["role"] == "developer"  # (the caller's messages are left as they were)
+
+
 @pytest.mark.parametrize(
     ("content", "param", "message"),
     [
