@@ -126,6 +126,9 @@ def test_ctrl_c_at_the_chat_prompt_exits_130_without_a_traceback(model: Path) ->
         p.stdin.flush()
         out = _read_until(p.stdout.fileno(), b"you> ", 2)  # (its reply came between)
         p.send_signal(signal.SIGINT)  # (stdin open: it waits in input())
+        # stdin stays open until it has exited: communicate() closed it at once, and a child
+        # not yet scheduled to take the signal read EOF first (Ctrl-D: 0) on a loaded machine
+        p.wait(timeout=60)
         rest, err = p.communicate(timeout=60)
     finally:
         p.kill()
