@@ -22,6 +22,7 @@ from runtime import LLM, SamplingParams
 from runtime.draft import DraftProposer
 from runtime.scheduler import ScheduledRequest
 from runtime.speculative import SpeculativeConfig
+from tests.test_speculative import swap_two_token_ids
 
 STORY = (
     "Once upon a time, there was a little girl named Lily. She loved to play outside in the "
@@ -159,11 +160,7 @@ def test_a_padded_draft_with_another_tokenizer_is_named_so(
     """A padded draft whose tokenizer differs (two ids swapped) is refused for its tokenizer,
     not for its size."""
     padded = _padded_copy(stories_dir, tmp_path / "padded", extra_tokens=False)
-    tok = json.loads((padded / "tokenizer.json").read_text())
-    vocab = tok["model"]["vocab"]
-    a, b = (next(t for t, i in vocab.items() if i == j) for j in (300, 301))
-    vocab[a], vocab[b] = vocab[b], vocab[a]
-    (padded / "tokenizer.json").write_text(json.dumps(tok))
+    swap_two_token_ids(padded)
     with pytest.raises(ValueError, match=r"another vocabulary \(its tokenizer differs"):
         LLM(str(stories_dir), kv_cache_bytes=4_000_000, speculative=_draft(padded))
 

@@ -376,14 +376,19 @@ def test_draft_settings_fail_at_start(stories_dir: Path, tmp_path: Path) -> None
     # same size, another tokenizer (two tokens' ids swapped)
     swapped = tmp_path / "swapped"
     shutil.copytree(stories_dir, swapped)
-    tok = json.loads((swapped / "tokenizer.json").read_text())
-    vocab = tok["model"]["vocab"]
-    a, b = (next(t for t, i in vocab.items() if i == j) for j in (300, 301))
-    vocab[a], vocab[b] = vocab[b], vocab[a]
-    (swapped / "tokenizer.json").write_text(json.dumps(tok))
+    swap_two_token_ids(swapped)
     with pytest.raises(ValueError, match=r"another vocabulary \(its tokenizer differs"):
         LLM(str(stories_dir), kv_cache_bytes=4_000_000, speculative=_draft(swapped))
 
+
+
+def swap_two_token_ids(model_dir: Path) -> None:
+    """Make the folder's tokenizer another one of the same size: two tokens' ids swapped."""
+    tok = json.loads((model_dir / "tokenizer.json").read_text())
+    vocab = tok["model"]["vocab"]
+    a, b = (next(t for t, i in vocab.items() if i == j) for j in (300, 301))
+    vocab[a], vocab[b] = vocab[b], vocab[a]
+    (model_dir / "tokenizer.json").write_text(json.dumps(tok))
 
 def test_draft_cli_flags() -> None:
     p = argparse.ArgumentParser()
