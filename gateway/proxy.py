@@ -200,6 +200,7 @@ class Proxy:
         self._statuses: dict[tuple[str, str], tuple[float, asyncio.Future[ModelStatus | None]]] = {}
         self._holds = itertools.count()  # numbers each hold's entry in a wait set
         self._warned: set[tuple[str, ...]] = set()  # misconfigurations logged (`_warn_once`)
+        self._unasked: str | None = None  # the Redis problem last logged by `_pool_unasked`
 
     # ------------------------------------------------------------------ phases
     async def handle(
@@ -603,8 +604,10 @@ class Proxy:
         assert call.gen is not None
         model, view = call.gen.model, self.view
         region = view.pool_region(model)
-        if region is None or not view.redis_ok:
+        if region is None:
             return False
+        if not view.redis_ok:
+            raise self._pool_unasked(model, region)
         t0 = time.perf_counter()
         deadline = time.time() + self.config.hold_timeout_s
         # This hold's own entry: when a request is held again (retried after its worker
@@ -614,9 +617,10 @@ class Proxy:
             # client go away meanwhile, and the entry counted as demand for the whole hold)
             try:
                 await view.demand.hold(model, region, member, deadline)
-            except Exception as e:
-                log.warning("cannot signal the pool of region %s: %s", region, e)
-                return False
+            except Exception as e:  # refused (out of memory, a replica, an ACL), or unreachable
+                view.redis_failed(e)  # (noted for readiness; logged when it begins)
+                raise self._pool_unasked(model, region) from e
+            self._unasked = None
             log.info("request %s waits for a %s worker in %s", call.request_id, model, region)
             renew_at = time.monotonic() + REHOLD_S
             while True:
@@ -666,6 +670,31 @@ class Proxy:
         finally:
             call.held_s += time.perf_counter() - t0
             self._spawn(self._release(model, region, member))
+
+    def _pool_unasked(self, model: str, region: str) -> APIError:
+        """The 503 of a request for `model`, which no worker serves and a pool of `region` can
+        start, while Redis cannot take the request's hold: it refuses this gateway's writes (out
+        of memory, a replica, an ACL) or is unreachable. At once, with Retry-After and the
+        reason: the hold is the pool's only word of the request, and out of memory or with Redis
+        gone a worker it started could not register either, so a wait would only have ended in
+        the hold's timeout. Logged when the reason changes, not per request (a warning each,
+        under an OOM, whose 503 said only that no worker served the model)."""
+        problem = self.view.redis_problem or "unreachable"
+        kind, _, error = problem.partition(": ")
+        why = {"refused": "refuses this gateway's writes", "failed": "fails"}.get(
+            kind, "is unreachable"
+        ) + (f" ({error})" if error else "")
+        if self._unasked != problem:
+            self._unasked = problem
+            log.warning("cannot ask the pools for workers while Redis %s: requests for a model "
+                        "that only a pool serves (%s, in %s) are answered 503 until it takes "
+                        "their holds", why, model, region)  # fmt: skip
+        return unavailable(
+            f"no worker serves model {model!r} and its pool in region {region} cannot be "
+            f"asked to start one: Redis {why}",
+            self.config.retry_after_s,
+            "pool_unavailable",
+        )
 
     async def _start_status(self, model: str, region: str) -> ModelStatus | None:
         """What the pool says of its start of a worker for the model; None while Redis cannot

@@ -15,6 +15,8 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import math
+import time
 from typing import Any, cast
 
 from redis.asyncio import Redis, RedisCluster
@@ -34,6 +36,12 @@ RETRIED_ERRORS = (RedisConnectionError,)  # errors after which a command is trie
 REFUSALS = (OutOfMemoryError, ReadOnlyError, NoPermissionError)
 
 
+# After a READONLY reply has closed a connection, how long further READONLY replies on it leave
+# it open: doubling from the first to the last, and back to the first once the connection has
+# met none for the last's length (see _Retry).
+READONLY_RECONNECT_S = (0.5, 30.0)
+
+
 class _Retry(Retry):
     """redis-py's Retry (RETRIED_ERRORS, with backoff), and a READONLY reply: the server the
     connection reached is a replica now (a failover demoted it). That connection is closed
@@ -44,7 +52,23 @@ class _Retry(Retry):
     a pipeline without a transaction (most of this package's) has run its commands before the
     reply, and trying it again ran them twice (400,000 INCRs through a FAILOVER: n = 623,559).
     Each pooled connection fails once after a failover; the callers take a Redis error anyway
-    (a heartbeat or registry read tries again at its next tick)."""
+    (a heartbeat or registry read tries again at its next tick).
+
+    A connection that meets READONLY again after its reconnect reached a replica through the
+    URL too: one the URL names (a gateway reading a replica), or a failover whose address has
+    not moved yet. It is left open for a while (READONLY_RECONNECT_S, doubling at each
+    reconnect that met a replica again) before the next READONLY closes it: closed at every
+    one, each refused write (a registry read's, a session's claim) cost the next command a new
+    connection (TCP, AUTH, TLS), 50 writes 50 connections. A failover after a quiet spell is
+    still followed at its first READONLY, and an address that moves late, within about the time
+    it took. redis-py copies the Retry into each connection it opens: this state is the
+    connection's own."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._closed_at = -math.inf  # when a READONLY reply last closed the connection
+        self._readonly_at = -math.inf  # when the connection last met a READONLY reply
+        self._open_s = 0.0  # how long after a close READONLY replies leave it open now
 
     async def call_with_retry(  # type: ignore[override]
         self, do: Any, fail: Any, is_retryable: Any = None, with_failure_count: bool = False
@@ -52,9 +76,24 @@ class _Retry(Retry):
         try:
             return await super().call_with_retry(do, fail, is_retryable, with_failure_count)
         except ReadOnlyError as e:
-            with contextlib.suppress(Exception):  # (redis-py's `fail` re-raises what it is given)
-                await (fail(e, 1) if with_failure_count else fail(e))
+            if self._reconnect(time.monotonic()):
+                with contextlib.suppress(Exception):  # (redis-py's `fail` re-raises its error)
+                    await (fail(e, 1) if with_failure_count else fail(e))
             raise
+
+    def _reconnect(self, now: float) -> bool:
+        """Whether a READONLY reply met `now` closes the connection (see the class)."""
+        first, last = READONLY_RECONNECT_S
+        if now - self._readonly_at > last:  # (a replica no longer met: a failover's, begun anew)
+            self._open_s = 0.0
+        self._readonly_at = now
+        if now - self._closed_at < self._open_s:
+            return False
+        self._closed_at = now
+        self._open_s = min(last, max(first, 2 * self._open_s))
+        return True
+
+
 CLUSTER_SCHEMES = {"redis+cluster": "redis", "rediss+cluster": "rediss"}  # -> one node's scheme
 
 
