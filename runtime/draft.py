@@ -144,8 +144,10 @@ class DraftProposer:
             n = min(missing, budget)
             if n == 0:
                 continue  # no budget left this step: no drafts (its draft KV is kept)
-            end = shadow.num_tokens + k - 1 if n == missing else shadow.num_computed_tokens + n
-            if self.blocks.allocate(r.request_id, end) is None:
+            # the whole catch-up and its drafts, even while a chunk of it is computed: reserved a
+            # chunk at a time, a prompt larger than the draft's cache was computed chunk after
+            # chunk until the cache ran out, forgotten, and begun again, every step of its life
+            if self.blocks.allocate(r.request_id, shadow.num_tokens + k - 1) is None:
                 self.forget(r.request_id)  # no room in the draft's cache: no drafts this time
                 continue
             budget -= n

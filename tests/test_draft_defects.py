@@ -104,6 +104,38 @@ def test_a_request_behind_drafts_nothing_until_caught_up(stories_dir: Path) -> N
     assert behind_steps >= 4 and drafted
 
 
+def test_a_prompt_larger_than_the_draft_cache_computes_no_draft_tokens(
+    stories_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A prompt the draft's KV cache cannot hold (12 blocks, 192 tokens, against ~400) is never
+    drafted for, and costs no draft pass: its catch-up is reserved whole. Reserved a chunk at a
+    time, it was computed chunk after chunk until the cache ran out, forgotten and begun again:
+    2,816 draft tokens computed for 60 output tokens, nothing proposed."""
+    probe = _proposer(LLM(str(stories_dir), kv_cache_bytes=4_000_000, block_size=16,
+                          max_num_batched_tokens=BUDGET, speculative=_draft(stories_dir)))  # fmt: skip
+    per_block = SpeculativeConfig().draft_kv_cache_bytes // probe.blocks.num_blocks
+    small = {**_draft(stories_dir), "draft_kv_cache_bytes": per_block * 12 + per_block // 2}
+    llm = LLM(str(stories_dir), kv_cache_bytes=4_000_000, block_size=16,
+              max_num_batched_tokens=BUDGET, speculative=small)  # fmt: skip
+    proposer = _proposer(llm)
+    assert proposer.blocks.num_blocks == 12
+    passes: list[int] = []
+    forward = proposer.runner.forward
+
+    def counted(scheduled: list[ScheduledRequest], tables: dict[str, list[int]]) -> torch.Tensor:
+        passes.append(sum(s.num_new_tokens for s in scheduled))
+        return forward(scheduled, tables)
+
+    monkeypatch.setattr(proposer.runner, "forward", counted)
+    params = SamplingParams(max_tokens=60, temperature=0.0, ignore_eos=True)
+    (long,), (short,) = llm.generate([STORY * 7], params), llm.generate(["Once upon a"], params)
+    assert len(long.prompt_token_ids) > 12 * 16
+    assert long.spec_proposed == 0
+    assert short.spec_proposed > 0  # (the cache still drafts for what it can hold)
+    assert sum(passes) < 12 * 16 + 60 * 5, passes  # the short request's alone
+    assert proposer.blocks.num_free_blocks == proposer.blocks.num_blocks
+
+
 # ---------------------------------------------------------------------- padded vocabulary
 PADDED = 576  # the target's 512 rounded up as a padded embedding would be
 
