@@ -27,7 +27,7 @@ from gateway.config import GatewayConfig
 from gateway.regions import RegionCatalog
 from gateway.routing import Router
 from gateway.tokenization import GatewayTokenizers
-from kvstore.client import REFUSALS, raise_if_cancelling
+from kvstore.client import is_refusal, raise_if_cancelling
 from kvstore.demand import Demand, PoolInfo
 from kvstore.keys import gateway_marker_key
 from kvstore.placement import Placement, SessionStore
@@ -114,7 +114,7 @@ class ClusterView:
         except Exception as e:  # connection refused, timeout, cluster errors, a read refused
             self.on_redis("registry_read", time.perf_counter() - t0, _error_type(e))
             self._failure = _describe(e)
-            what = "refused the registry read" if isinstance(e, REFUSALS) else "unreachable"
+            what = "refused the registry read" if is_refusal(e) else "unreachable"
             if self.redis_ok:
                 log.warning("redis %s, routing on the last known registry: %s", what, e)
             elif not self.refreshed_at and not self._start_failure_said:
@@ -221,7 +221,9 @@ class ClusterView:
         once as a loss: workers and pools that left meanwhile are carried, CARRY_S at most.)"""
         try:
             found = await self.redis.set(self._marker_key, b"1", ex=MARKER_TTL_S, get=True)
-        except REFUSALS as e:
+        except ResponseError as e:
+            if not is_refusal(e):
+                raise
             self._refused(e)
             found = await self.redis.get(self._marker_key)
             had, self._marked = self._marked, found is not None
@@ -320,7 +322,7 @@ class ClusterView:
         worker is alive). Once a Redis call has failed, none is tried on a request's path until
         the refresh loop (every registry_refresh_s) reaches Redis again: a Redis that hangs
         would otherwise cost every session request its socket timeout. (A refusal of a write,
-        kvstore.client.REFUSALS, is no failure: Redis answers, and reads go on being asked.)
+        kvstore.client.is_refusal, is no failure: Redis answers, and reads go on being asked.)
 
         When Redis has no placement but this gateway remembers one, Redis may have lost it
         (a restart that emptied it, FLUSHALL), perhaps before any registry read could notice:
@@ -429,7 +431,7 @@ class ClusterView:
         return result
 
     def redis_failed(self, e: Exception) -> None:
-        if isinstance(e, REFUSALS):
+        if is_refusal(e):
             # Redis answered, refusing (out of memory, READONLY, NOPERM): it is not down, and a
             # refusal costs no timeout, so requests still ask it (its reads are answered). (Not
             # a cluster's CLUSTERDOWN or TRYAGAIN: redis-py's cluster client sleeps and reconnects
@@ -453,10 +455,10 @@ class ClusterView:
         try:
             async with asyncio.timeout(PROBE_TIMEOUT_S):
                 await self.redis.set(self._marker_key, b"1", ex=MARKER_TTL_S, xx=True)
-        except REFUSALS as e:
-            self._refused(e)
-            return False
         except Exception as e:
+            if is_refusal(e):
+                self._refused(e)
+                return False
             if self.redis_ok:  # (a probe is often the first to find it: say so once, here)
                 log.warning("redis unreachable (a readiness probe), routing on the last known "
                             "registry: %s", e)  # fmt: skip
@@ -501,7 +503,7 @@ def _describe(e: BaseException) -> str:
     """A failed Redis call as readiness says it: what Redis refused (it answered an error:
     out of memory, READONLY, NOPERM, a wrong password), another error it answered (a cluster's
     CLUSTERDOWN, say), or that it did not answer."""
-    if isinstance(e, (*REFUSALS, AuthenticationError)):
+    if is_refusal(e) or isinstance(e, AuthenticationError):
         return f"refused: {_error_type(e)}: {e}"
     if isinstance(e, ResponseError):
         return f"failed: {_error_type(e)}: {e}"
@@ -510,5 +512,10 @@ def _describe(e: BaseException) -> str:
 
 def _error_type(e: BaseException) -> str:
     """A failed Redis call's error.type: the exception's class (bounded: redis-py's and the
-    socket's), as OpenTelemetry's convention has it."""
+    socket's), as OpenTelemetry's convention has it; for an error reply redis-py has no class
+    for, Redis's own code (MISCONF, WRONGTYPE: bounded too), which its message starts with."""
+    if type(e) is ResponseError:
+        code = str(e).split(" ", 1)[0]
+        if code.isalpha() and code.isupper():
+            return code
     return type(e).__name__

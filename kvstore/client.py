@@ -17,13 +17,14 @@ import asyncio
 import contextlib
 import math
 import time
+from collections.abc import Iterator
 from typing import Any, cast
 
 from redis.asyncio import Redis, RedisCluster
 from redis.asyncio.retry import Retry
 from redis.backoff import ExponentialWithJitterBackoff
 from redis.exceptions import ConnectionError as RedisConnectionError
-from redis.exceptions import NoPermissionError, OutOfMemoryError, ReadOnlyError
+from redis.exceptions import NoPermissionError, OutOfMemoryError, ReadOnlyError, ResponseError
 
 STOP_POLL_S = 0.2  # how often `stop_task` cancels again a task that is still running
 DEFAULT_TIMEOUT_S = 1.0  # connect and per-command socket timeout
@@ -34,6 +35,23 @@ RETRIED_ERRORS = (RedisConnectionError,)  # errors after which a command is trie
 # or MOVED, which are ResponseErrors too, but after which redis-py's cluster client has slept
 # and reconnected: those are Redis down, for the callers that tell the two apart.
 REFUSALS = (OutOfMemoryError, ReadOnlyError, NoPermissionError)
+
+
+def is_refusal(e: BaseException) -> bool:
+    """Whether Redis answered with a refusal of writes while it is up and answers reads: one of
+    REFUSALS, or MISCONF (it could not save its snapshot and stops writes until it can,
+    stop-writes-on-bgsave-error: the commonest refusal, for which redis-py has no class)."""
+    return isinstance(e, REFUSALS) or (type(e) is ResponseError and str(e).startswith("MISCONF"))
+
+
+@contextlib.contextmanager
+def refusal_ignored() -> Iterator[None]:
+    """Let a refused write go (`is_refusal`); any other error is raised."""
+    try:
+        yield
+    except ResponseError as e:
+        if not is_refusal(e):
+            raise
 
 
 # After a READONLY reply has closed a connection, how long further READONLY replies on it leave

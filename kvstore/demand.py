@@ -58,7 +58,7 @@ from typing import Any
 import orjson
 from redis.asyncio import Redis, RedisCluster
 
-from kvstore.client import REFUSALS
+from kvstore.client import refusal_ignored
 from kvstore.keys import PREFIX, as_text, check_id, usable_id
 
 POOLS_KEY = PREFIX + "pools"
@@ -270,7 +270,7 @@ class Demand:
         listed = sorted(as_text(p) for p in await self.redis.smembers(POOLS_KEY))  # type: ignore[misc]
         ids = [p for p in listed if usable_id(p, "pool_id", POOLS_KEY)]
         if len(ids) < len(listed):
-            with contextlib.suppress(*REFUSALS):  # (refused: left to a reader that may write)
+            with refusal_ignored():  # (refused: left to a reader that may write)
                 await self.redis.srem(POOLS_KEY, *(p for p in listed if p not in ids))  # type: ignore[misc]
         if not ids:
             return []
@@ -289,7 +289,7 @@ class Demand:
         if stale:
             # (refused, READONLY or NOPERM: a gateway on a replica, or whose ACL lets it read
             # only; left to a reader that may write, and the pools read stand)
-            with contextlib.suppress(*REFUSALS):
+            with refusal_ignored():
                 await self.redis.srem(POOLS_KEY, *stale)  # type: ignore[misc]
         return found
 

@@ -26,7 +26,6 @@ every read for as long as a stale id stayed, and the reader's snapshot froze.
 
 from __future__ import annotations
 
-import contextlib
 import logging
 from collections.abc import Iterable
 
@@ -34,7 +33,7 @@ import orjson
 from redis.asyncio import Redis
 from redis.exceptions import RedisError
 
-from kvstore.client import REFUSALS, raise_if_cancelling
+from kvstore.client import raise_if_cancelling, refusal_ignored
 from kvstore.keys import (
     MODELS_KEY,
     as_text,
@@ -104,7 +103,7 @@ class Registry:
             names = sorted(as_text(m) for m in await self.redis.smembers(MODELS_KEY))
             models = [m for m in names if usable_id(m, "model name", MODELS_KEY)]
             if len(models) < len(names):  # written by something other than a worker
-                with contextlib.suppress(*REFUSALS):  # (refused: see the module docstring)
+                with refusal_ignored():  # (refused: see the module docstring)
                     await self.redis.srem(MODELS_KEY, *(m for m in names if m not in models))
         if not models:
             return []
@@ -177,9 +176,10 @@ class Registry:
         pipe = self.redis.pipeline(transaction=False)
         for m, wid in stale:
             pipe.srem(model_workers_key(m), wid)
-        try:
-            removed: list[int] = await pipe.execute()
-        except REFUSALS:  # refused (see the module docstring): this reader removed none
+        removed: list[int] = []
+        with refusal_ignored():  # (refused, see the module docstring: this reader removed none)
+            removed = await pipe.execute()
+        if not removed:
             return []
         return [pair for pair, n in zip(stale, removed, strict=True) if n]
 
@@ -211,7 +211,7 @@ class Registry:
                 pipe.sadd(model_workers_key(m), wid)
             # (out of memory, Redis takes the SREM and refuses the SADD: the worker's next
             # heartbeat puts it back; the read stands)
-            with contextlib.suppress(*REFUSALS):
+            with refusal_ignored():
                 await pipe.execute()
         return [pair for pair in pruned if pair not in back]
 
@@ -243,11 +243,13 @@ class Registry:
         pipe.srem(MODELS_KEY, *empty)
         for m in empty:
             pipe.scard(model_workers_key(m))
-        try:
-            _, *sizes = await pipe.execute()
-        except REFUSALS:  # refused (see the module docstring): nothing was removed
+        answered: list[int] = []
+        with refusal_ignored():  # (refused, see the module docstring: nothing was removed)
+            answered = await pipe.execute()
+        if not answered:
             return
+        _, *sizes = answered
         back = [m for m, n in zip(empty, sizes, strict=True) if n]
         if back:
-            with contextlib.suppress(*REFUSALS):  # (as in _still_gone: the next heartbeat's)
+            with refusal_ignored():  # (as in _still_gone: the next heartbeat's)
                 await self.redis.sadd(MODELS_KEY, *back)

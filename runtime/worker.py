@@ -38,9 +38,8 @@ import orjson
 from aiohttp import web
 from opentelemetry import trace
 from redis.asyncio import Redis
-from redis.exceptions import ResponseError
 
-from kvstore.client import connect, raise_if_cancelling, stop_task
+from kvstore.client import connect, is_refusal, raise_if_cancelling, stop_task
 from kvstore.kv_transfer import KVTransferError, ServedPull
 from kvstore.prefix_index import CacheEventPublisher, PrefixIndex
 from kvstore.protocol import (
@@ -261,7 +260,7 @@ class Worker:
                 self._expired_stalled = False
             except Exception as e:  # redis errors, timeouts, connection refused
                 if self._redis_ok:
-                    if isinstance(e, ResponseError):  # (OOM, READONLY, NOPERM: it answers)
+                    if is_refusal(e):  # (OOM, READONLY, NOPERM, MISCONF: it answers)
                         log.warning("redis refused the heartbeat, serving on (the registry "
                                     "keeps this worker's last entry until it expires): %s: %s",
                                     type(e).__name__, e)  # fmt: skip

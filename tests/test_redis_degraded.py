@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 import redis as redis_sync
 from redis.asyncio import Redis
+from redis.exceptions import ResponseError
 
 from gateway import cluster
 from gateway.config import GatewayConfig
@@ -298,3 +299,48 @@ async def test_a_registry_read_under_oom_survives_its_put_back_refused(redis: Lo
     await registry.register(_info("w1"))  # its next heartbeat
     assert [w.worker_id for w in await registry.workers()] == ["w1"]
     await admin.aclose()
+
+
+async def test_a_redis_that_cannot_save_is_read_on(tmp_path: Path) -> None:
+    """MISCONF: a Redis whose snapshot failed (stop-writes-on-bgsave-error) refuses every write
+    and answers reads, the commonest refusal, for which redis-py has no class. The gateway reads
+    the registry on, says the refusal with Redis's code (it took it for Redis down: its snapshot
+    froze, its log said 'unreachable' and requests skipped Redis's reads)."""
+    import shutil
+    import subprocess
+
+    from kvstore.redis_server import find_free_port
+
+    port, rdb = find_free_port(), tmp_path / "rdb"
+    rdb.mkdir()
+    proc = subprocess.Popen([shutil.which("redis-server") or "redis-server", "--port", str(port),
+                             "--bind", "127.0.0.1", "--dir", str(rdb), "--save", "3600 1"],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)  # fmt: skip
+    url = f"redis://127.0.0.1:{port}/0"
+    try:
+        with redis_sync.Redis(port=port) as r:
+            wait_until(lambda: _answers(r), 10, "redis-server")
+            admin = connect(url)
+            await Registry(admin, ttl_s=60).register(_info("w1"))
+            async with _view(url) as view:
+                await view.refresh()
+                rdb.rmdir()  # (its snapshot has nowhere to go)
+                r.bgsave()
+                wait_until(lambda: r.info("persistence")["rdb_last_bgsave_status"] == "err", 10,
+                           "the snapshot failed")  # fmt: skip
+                await view.refresh()
+                assert view.redis_ok and _ids(view) == ["w1"], view.redis_problem
+                assert view.redis_problem == "refused: MISCONF", view.redis_problem
+                view.redis_failed(ResponseError("MISCONF Redis is configured to save RDB ..."))
+                assert view.redis_ok  # (a request's refused claim: Redis is not down)
+            await admin.aclose()
+    finally:
+        proc.kill()  # (no SHUTDOWN: redis-py retries on the connection it drops, ~3 s)
+        proc.wait()
+
+
+def _answers(r: redis_sync.Redis) -> bool:
+    try:
+        return bool(r.ping())
+    except redis_sync.ConnectionError:
+        return False
