@@ -571,19 +571,26 @@ def write(resources: list[Resource], out: Path) -> list[Path]:
     out.mkdir(parents=True, exist_ok=True)
     names = [f"{i:02d}-{r['kind'].lower()}-{r['metadata']['name']}.yaml"
              for i, r in enumerate(resources)]  # fmt: skip
-    for old in sorted(out.iterdir()):
-        if not (_WRITTEN.match(old.name) and old.is_file()):
+    ours: list[Path] = []
+    for old in sorted(out.iterdir()):  # (all checked before any is removed or written)
+        if not _WRITTEN.match(old.name):
             continue
-        with old.open("rb") as f:
-            ours = f.readline().rstrip(b"\n") == _MARK.encode()
-        if ours:
-            old.unlink()
-        elif old.name in names:  # (written over, it kept its mode: a Secret could be 0644)
-            raise DeployError(f"--out {out}: {old.name} is not deploy.py's (no marker line) and "
-                              "this render would write over it: remove or move it")  # fmt: skip
+        marked = False
+        if old.is_file() and not old.is_symlink():
+            with old.open("rb") as f:
+                marked = f.readline().rstrip(b"\n") == _MARK.encode()
+        if marked:
+            ours.append(old)
+        elif old.name in names or old.is_symlink():  # (written over, a file kept its mode: a
+            # Secret could be 0644; a link would be followed)
+            raise DeployError(f"--out {out}: {old.name} is not deploy.py's (no marker line, or "
+                              "not a plain file) and this render would write over it: remove or "
+                              "move it")  # fmt: skip
         else:  # named like ours, but not marked: someone's own file (or an unmarked render)
             print(f"deploy: left {old} alone (not written by deploy.py); remove it if it is "
                   "an earlier render", file=sys.stderr)  # fmt: skip
+    for old in ours:
+        old.unlink()
     paths = []
     for name, r in zip(names, resources, strict=True):
         path = out / name

@@ -251,7 +251,17 @@ def test_an_unmarked_file_where_the_secret_goes_is_not_written_over(
     secret.unlink()
     secret.write_text("someone's own notes\n")
     secret.chmod(0o644)
+    before = {p.name: p.read_bytes() for p in out.iterdir()}
     code, _, err = _main(["local", "--catalog", str(_catalog(tmp_path)), "--out", str(out)],
                          capsys)  # fmt: skip
     assert code == 2 and secret.name in err and "write over" in err, err
     assert secret.read_text() == "someone's own notes\n"
+    # refused before anything was removed: the earlier render's files sorted before it stayed
+    assert {p.name: p.read_bytes() for p in out.iterdir()} == before
+    # a folder where a resource goes is refused the same way (it failed midway, files gone)
+    secret.unlink()
+    secret.mkdir()
+    code, _, err = _main(["local", "--catalog", str(_catalog(tmp_path)), "--out", str(out)],
+                         capsys)  # fmt: skip
+    assert code == 2 and secret.name in err and "write over" in err, err
+    assert sorted(p.name for p in out.iterdir()) == sorted(before)
