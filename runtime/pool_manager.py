@@ -75,7 +75,8 @@ STOP_MARGIN_S = 10.0  # a shutdown's wait beyond the workers' drain: their exit
 # the start waits for requests to come back (they do: 503 Retry-After sent them away till then)
 DEMAND_FRESH_S = 30.0
 # `edgeinfer worker` flags the pool sets for each worker itself (or that break its watch of
-# them): given again in worker_args they would win (argparse keeps the last). A fixed
+# them): given again in worker_args they would win (argparse keeps the last; --redis would
+# override the URL the pool gives in the worker's environment, EDGEINFER_REDIS). A fixed
 # --worker-id made the pool kill a healthy worker in a loop ("not registered"); a fixed --port
 # broke every worker after the first.
 POOL_WORKER_FLAGS = ("--model", "--served-model-name", "--region", "--host", "--port", "--redis",

@@ -87,43 +87,53 @@ class SpeculativeConfig:
             value = getattr(self, name)
             if not isinstance(value, numbers.Integral) or isinstance(value, bool):
                 raise ValueError(
-                    f"speculative {name} must be an integer, got {value!r}, {_a(value)}"
+                    f"speculative {name} must be an integer, got {_shown(value)}, {_a(value)}"
                 )
             setattr(self, name, int(value))
         if not isinstance(self.ema, numbers.Real) or isinstance(self.ema, bool):
             raise ValueError(
-                f"speculative ema must be a float in (0, 1], got {self.ema!r}, {_a(self.ema)}"
+                f"speculative ema must be an int or float in (0, 1], got {_shown(self.ema)}, {_a(self.ema)}"
             )
         if not 0 < self.ema <= 1:  # (before float(): an int past its range raised OverflowError)
-            raise ValueError(f"speculative ema must be in (0, 1], got {self.ema}")
+            raise ValueError(f"speculative ema must be in (0, 1], got {_shown(self.ema)}")
         self.ema = float(self.ema)
         if isinstance(self.draft_model, os.PathLike):
             self.draft_model = str(self.draft_model)
         if self.draft_model is not None and not isinstance(self.draft_model, str):
             raise ValueError(
-                f"speculative draft_model must be a folder's path, got {self.draft_model!r}"
+                f"speculative draft_model must be a folder's path, got {_shown(self.draft_model)}"
             )
         if self.method == "draft" and not self.draft_model:
             raise ValueError("speculative method 'draft' needs draft_model (the draft's folder)")
         if self.method != "draft" and self.draft_model is not None:
             raise ValueError(
-                f"speculative draft_model is for method 'draft', the method is {self.method!r}"
+                f"speculative draft_model is for method 'draft', the method is {_shown(self.method)}"
             )
         if self.draft_kv_cache_bytes <= 0:
             raise ValueError(
-                f"speculative draft_kv_cache_bytes must be > 0, got {self.draft_kv_cache_bytes}"
+                f"speculative draft_kv_cache_bytes must be > 0, got {_shown(self.draft_kv_cache_bytes)}"
             )
         if self.num_tokens < 1:
-            raise ValueError(f"speculative num_tokens must be >= 1, got {self.num_tokens}")
+            raise ValueError(f"speculative num_tokens must be >= 1, got {_shown(self.num_tokens)}")
         if not 1 <= self.ngram_min <= self.ngram_max:
             raise ValueError(
-                f"need 1 <= ngram_min <= ngram_max, got {self.ngram_min} and {self.ngram_max}"
+                f"need 1 <= ngram_min <= ngram_max, got {_shown(self.ngram_min)} and {_shown(self.ngram_max)}"
             )
         if self.max_batch_tokens < 1 + self.num_tokens:
             raise ValueError(
-                f"speculative max_batch_tokens ({self.max_batch_tokens}) must be at least "
-                f"1 + num_tokens ({1 + self.num_tokens})"
+                f"speculative max_batch_tokens ({_shown(self.max_batch_tokens)}) must be at least "
+                f"1 + num_tokens ({_shown(1 + self.num_tokens)})"
             )
+
+
+def _shown(value: object) -> str:
+    """repr(value) for an error, a huge integer by its size: Python refuses the repr of an int
+    past 4,300 digits (a ValueError naming no setting)."""
+    if isinstance(value, numbers.Integral) and not isinstance(value, bool):
+        bits = abs(int(value)).bit_length()
+        if bits > 128:
+            return f"an integer of {bits} bits"
+    return repr(value)
 
 
 def _a(value: object) -> str:

@@ -204,7 +204,7 @@ def test_a_decimal_setting_is_named_with_the_type_expected(stories_dir: Path) ->
     an OverflowError naming nothing)."""
     with pytest.raises(
         ValueError,
-        match=r"^speculative ema must be a float in \(0, 1\], "
+        match=r"^speculative ema must be an int or float in \(0, 1\], "
         r"got Decimal\('0\.5'\), a Decimal$",
     ):
         LLM(str(stories_dir), kv_cache_bytes=4_000_000,
@@ -214,6 +214,13 @@ def test_a_decimal_setting_is_named_with_the_type_expected(stories_dir: Path) ->
         match=r"^speculative num_tokens must be an integer, got Decimal\('4'\), a Decimal$",
     ):
         SpeculativeConfig(num_tokens=Decimal("4"))  # type: ignore[arg-type]
-    with pytest.raises(ValueError, match=r"^speculative ema must be in \(0, 1\], got \d+$"):
-        SpeculativeConfig(ema=2**2000)
+    with pytest.raises(ValueError, match=r"^speculative ema must be in \(0, 1\], got 1000$"):
+        SpeculativeConfig(ema=1000)
+    # an int past 4,300 digits, whose repr Python refuses (a ValueError naming nothing)
+    with pytest.raises(ValueError, match=r"^speculative ema must be in \(0, 1\], got an "
+                       r"integer of 16610 bits$"):  # fmt: skip
+        SpeculativeConfig(ema=10**5000)
+    with pytest.raises(ValueError, match=r"max_batch_tokens \(64\) must be at least 1 \+ "
+                       r"num_tokens \(an integer of 16610 bits\)"):  # fmt: skip
+        SpeculativeConfig(num_tokens=10**5000, max_batch_tokens=64)
     assert SpeculativeConfig(ema=1).ema == 1.0

@@ -138,13 +138,13 @@ async def test_a_gateway_reading_a_replica_follows_the_primary() -> None:
         primary = connect(a.url)
         async with _view(b.url) as view:
             await Registry(primary, ttl_s=60).register(_info("w1"))
-            await Registry(primary, ttl_s=2).register(_info("short"))
+            await Registry(primary, ttl_s=5).register(_info("short"))
             await primary.execute_command("WAIT", 1, 10_000)  # (replicated: no fixed sleep)
             await view.refresh()
             assert _ids(view) == ["short", "w1"]
             await Registry(primary, ttl_s=60).register(_info("w2"))
             await primary.execute_command("WAIT", 1, 10_000)
-            deadline = time.monotonic() + 10  # short's entry expires (2 s)
+            deadline = time.monotonic() + 15  # short's entry expires (5 s)
             while _ids(view) != ["w1", "w2"] and time.monotonic() < deadline:
                 await asyncio.sleep(0.2)
                 await view.refresh()

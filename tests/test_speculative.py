@@ -256,8 +256,9 @@ def test_target_probs_keeps_the_tokens_the_sampler_keeps(params: SamplingParams)
     logits = torch.log(torch.tensor([[3.0, 2.0, 2.0, 2.0, 1.0]]))
     p = target_probs(logits, params)[0]
     drawn = {
-        Sampler()(logits, [SamplingState(params, torch.Generator().manual_seed(i), [], [])])
-        .token_ids[0]
+        Sampler()(
+            logits, [SamplingState(params, torch.Generator().manual_seed(i), [], [])]
+        ).token_ids[0]
         for i in range(300)
     }
     assert {i for i in range(5) if p[i] > 0} == drawn == {0, 1, 2, 3}
@@ -381,7 +382,6 @@ def test_draft_settings_fail_at_start(stories_dir: Path, tmp_path: Path) -> None
         LLM(str(stories_dir), kv_cache_bytes=4_000_000, speculative=_draft(swapped))
 
 
-
 def swap_two_token_ids(model_dir: Path) -> None:
     """Make the folder's tokenizer another one of the same size: two tokens' ids swapped."""
     tok = json.loads((model_dir / "tokenizer.json").read_text())
@@ -389,6 +389,7 @@ def swap_two_token_ids(model_dir: Path) -> None:
     a, b = (next(t for t, i in vocab.items() if i == j) for j in (300, 301))
     vocab[a], vocab[b] = vocab[b], vocab[a]
     (model_dir / "tokenizer.json").write_text(json.dumps(tok))
+
 
 def test_draft_cli_flags() -> None:
     p = argparse.ArgumentParser()

@@ -34,7 +34,7 @@ STORY = (
         ("ngram_min", 1.5, "ngram_min must be an integer"),
         ("ngram_max", 4.0, "ngram_max must be an integer"),
         ("max_batch_tokens", 40.5, "max_batch_tokens must be an integer"),
-        ("ema", "0.5", r"ema must be a float in \(0, 1\], got '0.5', a str"),
+        ("ema", "0.5", r"ema must be an int or float in \(0, 1\], got '0.5', a str"),
     ],
 )
 def test_a_setting_of_another_type_is_refused_at_start(
