@@ -292,7 +292,7 @@ class Tokenizer:
         start-up's path; the gateway as it builds a tokenizer), so that the first chat request
         does not compile it: nothing raised for a model without one, or one that does not
         compile (its first chat request says why, as it did)."""
-        with contextlib.suppress(Exception):
+        with contextlib.suppress(TokenizerFileError, NoChatTemplateError):
             self.check_chat_template()
 
 

@@ -23,20 +23,20 @@ from kernels import cpu_ext
 from kernels.linear import MAX_ROWS_PACKED, Packed, pack, small_linear
 
 
+def _built(ext: ModuleType | None, what: str) -> ModuleType:
+    if ext is None:
+        pytest.skip(f"the CPU {what} extension did not build here")
+    return ext
+
+
 @pytest.fixture(scope="module")
 def attn() -> ModuleType:
-    ext = cpu_ext.load()
-    if ext is None:
-        pytest.skip("the CPU attention extension did not build here")
-    return ext
+    return _built(cpu_ext.load(), "attention")
 
 
 @pytest.fixture(scope="module")
 def gemm() -> ModuleType:
-    ext = cpu_ext.load_small_gemm()
-    if ext is None:
-        pytest.skip("the CPU small-matmul extension did not build here")
-    return ext
+    return _built(cpu_ext.load_small_gemm(), "small-matmul")
 
 
 def _decode_ref(q: torch.Tensor, kb: torch.Tensor, vb: torch.Tensor, blocks: torch.Tensor,
