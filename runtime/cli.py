@@ -326,12 +326,13 @@ def _stream(llm, prompt: str | list[int], params, head: str = "") -> tuple[str, 
     try:
         engine.add_request(rid, prompt, params)
     except InvalidRequestError as e:  # (a context-length refusal: the API's field named)
-        if e.param != "max_tokens":
+        if e.code != "context_length_exceeded":
             raise
-        # the option the user typed and can change, as _params names it
-        raise InvalidRequestError(
-            "--max-tokens", e.message.replace("max_tokens", "--max-tokens"), e.code
-        ) from None
+        # the options the user typed and can change: --max-tokens as _params names it, and
+        # those that set the limit the request met
+        message = e.message.replace("max_tokens", "--max-tokens") + _limit_options(engine)
+        param = "--max-tokens" if e.param == "max_tokens" else e.param
+        raise InvalidRequestError(param, message, e.code) from None
     print(head, end="", flush=True)
     text, tokens, t0, interrupted = "", 0, time.monotonic(), False
     try:
@@ -443,6 +444,20 @@ def _check_chat_template(llm) -> None:  # type: ignore[no-untyped-def]
         llm.tokenizer.check_chat_template()
     except TokenizerFileError as e:  # ("chat template does not compile: ...")
         raise SystemExit(f"edgeinfer: error: {llm.engine.config.model}: its {e.message}") from None
+
+
+def _limit_options(engine) -> str:  # type: ignore[no-untyped-def]
+    """The options behind a context-length refusal where they set it, as a sentence to append
+    (the engine's message names the limit, not the command line that chose it)."""
+    said = []
+    own = engine.model.cfg.max_model_len
+    if engine.max_model_len < own:
+        said.append(f"--max-model-len {engine.max_model_len} sets it; the model's own is {own} "
+                    "tokens")  # fmt: skip
+    capacity = engine.scheduler.capacity_tokens
+    if capacity < engine.max_model_len:
+        said.append("--kv-cache-bytes or --kv-cache-fraction sets the KV cache's size")
+    return f" ({'; '.join(said)})" if said else ""
 
 
 def _chat_turn(llm, history: list[dict[str, str]], line: str, params) -> list[dict[str, str]]:  # type: ignore[no-untyped-def]

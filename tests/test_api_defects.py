@@ -161,3 +161,28 @@ def test_the_cli_names_max_tokens_as_its_option(model: Path) -> None:
     assert run.returncode == 0 and "Traceback" not in run.stderr, run.stderr
     assert "edgeinfer: error: --max-tokens: This model's maximum context length" in run.stderr
     assert "max_tokens" not in run.stderr and "conversation goes on" in run.stderr, run.stderr
+
+
+def test_the_cli_names_the_options_that_set_a_context_limit(model: Path) -> None:
+    """A prompt too long for --max-model-len, or for the KV cache --kv-cache-bytes sized, was
+    refused naming the limit only; the user could not tell that an option of theirs set it
+    (stories260K's own context is 512 tokens)."""
+
+    def refusal(*options: str, prompt: str = "Once upon a time " * 20) -> str:  # ~80 tokens
+        run = subprocess.run(
+            [sys.executable, "-m", "runtime.cli", "generate", "--model", str(model), "--threads",
+             "1", "--max-tokens", "4", *options, prompt],
+            cwd=ROOT, capture_output=True, text=True, timeout=120,
+        )  # fmt: skip
+        assert run.returncode == 2 and "Traceback" not in run.stderr, (options, run.stderr)
+        return run.stderr
+
+    err = refusal("--max-model-len", "64")
+    assert "error: prompt: This model's maximum context length is 64 tokens" in err, err
+    assert "(--max-model-len 64 sets it; the model's own is 512 tokens)" in err, err
+    # 3 blocks of 16 tokens: keys and values, 5 layers, 4 KV heads of 8, float32
+    err = refusal("--kv-cache-bytes", str(3 * 16 * 2 * 5 * 4 * 8 * 4))
+    assert "This worker's KV cache holds 48 tokens" in err, err
+    assert "(--kv-cache-bytes or --kv-cache-fraction sets the KV cache's size)" in err, err
+    err = refusal(prompt="Once upon a time " * 150)  # the model's own limit: nothing to name
+    assert "(--" not in err, err
