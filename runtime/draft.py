@@ -1,8 +1,13 @@
 """The draft-model proposer: a small model with its own paged KV cache drafts k tokens.
 
-It shares the target's tokenizer (checked at start: the same tokens with the same ids; its
-vocabulary may be padded past the target's, and its logits are cut to the target's width, so no
-padding id is ever drafted) and has its own `ModelRunner` and `BlockManager` (no prefix caching),
+It shares the target's tokenizer (checked at start: the same token at every id both models have,
+`_check_tokenizer`). Its vocabulary may be wider than the target's (padded: its logits are cut to
+the target's width, so no padding id is ever drafted) or narrower (Qwen2.5-0.5B's 151,936 rows
+drafting for Qwen2.5-7B's 152,064: its logits are widened to the target's with -inf, so it drafts
+only ids it has, and a sampled draft's q is over the target's width, zero past the draft's). An
+id the target emits (or a prompt holds) past the draft's vocabulary is read by the draft as id
+`STAND_IN` in its own context (it cannot embed it): only its guesses after it suffer, and the
+target verifies every draft. It has its own `ModelRunner` and `BlockManager` (no prefix caching),
 sized by `draft_kv_cache_bytes`. For each request it keeps a shadow `Request`: the tokens it
 knows and how many of them its KV cache holds (`num_computed_tokens`). Each engine step, for the
 requests that speculate:
@@ -30,10 +35,12 @@ next step proposes (preempted).
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 
 import numpy as np
 import torch
+import torch.nn.functional as F
 from tokenizers import Tokenizer as HFTokenizer
 
 from kernels.dispatch import FORCE_TRITON
@@ -42,10 +49,14 @@ from runtime.kv_cache import BlockManager
 from runtime.loader import load_model
 from runtime.model_runner import ModelRunner, kv_block_bytes, kv_cache_dtype
 from runtime.request import Request
-from runtime.sampler import GREEDY_TEMPERATURE_EPS, apply_token_bitmask
+from runtime.sampler import GREEDY_TEMPERATURE_EPS, MASKED_BELOW, apply_token_bitmask
 from runtime.scheduler import ScheduledRequest
 from runtime.speculative import draw, target_probs
 from runtime.structured_decoding import RequestGrammar, bitmask_words
+
+# what a draft narrower than the target reads in place of an id it has no row for (documented in
+# README.md's speculative section); any id it has would do: only its acceptance rate is at stake
+STAND_IN = 0
 
 
 def _vocab(model_dir: Path) -> dict[str, int]:
@@ -62,15 +73,23 @@ def _vocab(model_dir: Path) -> dict[str, int]:
     return backend.get_vocab(with_added_tokens=True)
 
 
-def _check_tokenizer(draft_dir: Path, target_dir: Path) -> None:
-    """The draft's tokenizer has every token of the target's at the same id. More are taken (a
-    padded vocabulary's padding tokens): drafts come from the target's width of the draft's
-    logits only (`DraftProposer._run`), and verification judges each."""
+def _check_tokenizer(draft_dir: Path, target_dir: Path, width: int) -> None:
+    """Both tokenizers name the same token at every id below `width`, the narrower of the two
+    models' vocabularies (a token named by one and not the other there is a difference too).
+    Past it each may name more: a padded draft's padding tokens (never drafted: the draft's
+    logits are cut to the target's width, `DraftProposer._run`), or the target's tokens that a
+    narrower draft cannot embed (read as `STAND_IN`, `DraftProposer._readable`); verification
+    judges every draft."""
     draft, target = _vocab(draft_dir), _vocab(target_dir)
-    if any(draft.get(t) != i for t, i in target.items()):
+    by_id_draft = {i: t for t, i in draft.items() if i < width}
+    by_id_target = {i: t for t, i in target.items() if i < width}
+    if by_id_draft != by_id_target:
+        first = min(i for i in by_id_draft.keys() | by_id_target.keys()
+                    if by_id_draft.get(i) != by_id_target.get(i))  # fmt: skip
         raise ValueError(
             f"speculative draft_model {draft_dir}: a draft model with another vocabulary "
-            "(its tokenizer differs from the target's)"
+            f"(its tokenizer differs from the target's: id {first} is "
+            f"{by_id_draft.get(first)!r} in the draft, {by_id_target.get(first)!r} in the target)"
         )
 
 
@@ -83,17 +102,13 @@ class DraftProposer:
         path = Path(spec.draft_model)
         try:  # (the errors name a file; beside the target's, which model's was not said)
             draft_vocab = ModelConfig.from_dir(path).vocab_size
-            _check_tokenizer(path, Path(config.model))
-            if draft_vocab < target_vocab_size:  # (a token the target makes it could not read)
-                raise ValueError(
-                    f"speculative draft_model {path}: a draft model with a smaller vocabulary "
-                    f"({draft_vocab} tokens, the target has {target_vocab_size})"
-                )
+            _check_tokenizer(path, Path(config.model), min(draft_vocab, target_vocab_size))
             self.model = load_model(path, config.dtype, weight_dtype=config.weight_dtype)
         except ModelLoadError as e:
             raise ModelLoadError(f"speculative draft_model (--draft-model): {e}") from e
         self.max_model_len = min(max_model_len, self.model.cfg.max_model_len)
-        self.vocab_size = target_vocab_size  # the logits' width kept (past it: padding)
+        self.vocab_size = target_vocab_size  # the logits' width (past the draft's own: -inf)
+        self.readable = min(self.model.cfg.vocab_size, target_vocab_size)  # ids it can embed
         self.max_chunk = config.max_num_batched_tokens  # catch-up tokens one step computes
         # its KV in the target's kind of cache (the draft model's dtype is the target's)
         kv_dtype = kv_cache_dtype(config.kv_cache_dtype, self.model, FORCE_TRITON)
@@ -108,7 +123,7 @@ class DraftProposer:
         self.runner = ModelRunner(
             self.model, num_blocks, config.block_size, config.attention, config.cpu_kernels,
             packed_weights=config.packed_weights, kv_dtype=kv_dtype,
-        )
+        )  # fmt: skip
         self.runner.pack_weights()  # load_model has read every weight
         self._shadows: dict[str, Request] = {}  # request id -> the draft's view of it
         self._base: dict[str, int] = {}  # request id -> leading shadow tokens that are its own
@@ -126,7 +141,7 @@ class DraftProposer:
             self.forget(rid)  # preempted: its draft KV goes with its target KV
         synced: list[tuple[Request, Request, int]] = []  # (request, shadow, k)
         for r, k in batch:
-            tokens = r.all_token_ids
+            tokens = self._readable(r.all_token_ids)
             if len(tokens) + k - 1 > self.max_model_len:
                 continue
             grammar = r.grammar
@@ -181,6 +196,9 @@ class DraftProposer:
                     r, g, row = work[i][0], grammars[i], logits[j : j + 1]
                     if g is not None:
                         row = g.masked(row)
+                        if float(row.max()) < -MASKED_BELOW:  # only ids past the draft's allowed
+                            done.add(i)
+                            continue
                     q = None
                     if r.params.temperature < GREEDY_TEMPERATURE_EPS:
                         token = int(row[0].argmax())
@@ -204,6 +222,14 @@ class DraftProposer:
             r.spec_draft_probs = torch.stack(probs[i]) if probs[i] else None  # (k, V)
 
     # ------------------------------------------------------------------ internals
+    def _readable(self, tokens: list[int]) -> list[int]:
+        """`tokens` as the draft reads them: an id past its vocabulary (one of a wider target's)
+        as `STAND_IN`. Its guesses after it are worse (the acceptance rate dips there), never
+        wrong output: the target verifies every draft, and drafts are ids the draft has."""
+        if self.readable >= self.vocab_size or max(tokens, default=0) < self.readable:
+            return tokens
+        return [t if t < self.readable else STAND_IN for t in tokens]
+
     def _sync(self, r: Request, tokens: list[int]) -> Request:
         """The request's shadow, rolled back to the prefix it shares with `tokens`."""
         rid = r.request_id
@@ -233,8 +259,11 @@ class DraftProposer:
         tables = {sh.request_id: self.blocks.block_table(sh.request_id) for sh in shadows}
         hidden = self.runner.forward([scheduled[i] for i in order], tables)  # (T, hidden)
         last = torch.tensor([scheduled[i].num_new_tokens for i in order]).cumsum(0) - 1  # (B,)
-        # (B, V) in `order`; a padded vocabulary's rows past the target's cut off
+        # (B, V) in `order`; a padded vocabulary's rows past the target's cut off, a narrower
+        # one's widened with -inf (never drafted; a sampled draft's q zero there)
         logits = self.model.logits(hidden[last])[:, : self.vocab_size]
+        if logits.shape[1] < self.vocab_size:
+            logits = F.pad(logits, (0, self.vocab_size - logits.shape[1]), value=-math.inf)
         for sh, n in zip(shadows, sizes, strict=True):
             sh.num_computed_tokens += n
         back = torch.empty(len(order), dtype=torch.int64)

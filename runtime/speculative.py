@@ -340,9 +340,13 @@ def verify(
 ) -> list[int]:
     """Tokens to append after scoring `drafts`: `logits` (k+1, V) are the target's at the last
     real token and at each draft; `draft_probs` (k, V) the draft's distribution q each draft was
-    drawn from (None: point masses, as n-gram drafts are). Returns the accepted drafts and one
-    more token (1..k+1)."""
+    drawn from, over the target's width V (a narrower draft's is 0 past its own vocabulary: the
+    target's mass there comes from the correction max(p - q, 0) alone); None: point masses, as
+    n-gram drafts are. Returns the accepted drafts and one more token (1..k+1)."""
     k = len(drafts)
+    assert draft_probs is None or draft_probs.shape[-1] == logits.shape[-1], (
+        f"q over {draft_probs.shape[-1]} ids, the target's logits over {logits.shape[-1]}"
+    )
     out: list[int] = []
     if params.temperature < GREEDY_TEMPERATURE_EPS:
         best = logits.argmax(dim=-1).tolist()  # (k+1,)
