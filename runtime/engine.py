@@ -362,6 +362,12 @@ class LLMEngine:
         max_tokens = params.max_tokens if params.max_tokens is not None else room - n_prompt
         if n_prompt >= room or n_prompt + max_tokens > room:
             raise _too_long(n_prompt, max(max_tokens, 1), limit, capacity)
+        if params.min_tokens > max_tokens:  # (max_tokens not given: validate could not tell)
+            raise InvalidRequestError(
+                "min_tokens", f"must be at most {max_tokens}, the tokens the context leaves "
+                f"after the prompt's {n_prompt} (max_tokens not given), got {params.min_tokens}",
+                "context_length_exceeded",
+            )  # fmt: skip
         if params.n > self.scheduler.max_waiting:  # (would never fit: not worth a retry)
             raise InvalidRequestError(
                 "n", f"at most {self.scheduler.max_waiting} (the waiting queue's bound), got {params.n}"

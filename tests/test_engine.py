@@ -333,6 +333,21 @@ def test_a_request_over_the_context_is_worded_and_coded_as_openai_does(stories_d
     assert (e.value.param, e.value.code) == ("prompt", "context_length_exceeded")
 
 
+def test_min_tokens_past_the_context_is_refused_without_max_tokens(stories_dir: Path) -> None:
+    """min_tokens beyond what the context leaves after the prompt, max_tokens not given, was
+    served and silently cut at the context (finish_reason 'length' at 497 tokens where 600 were
+    asked; vLLM refuses it)."""
+    engine = LLMEngine_for(stories_dir)
+    limit = engine.max_model_len
+    with pytest.raises(InvalidRequestError) as e:
+        engine.add_request("r", [5] * 10, SamplingParams(max_tokens=None, min_tokens=limit))
+    assert (e.value.param, e.value.code) == ("min_tokens", "context_length_exceeded")
+    assert f"must be at most {limit - 10}, the tokens the context leaves" in str(e.value)
+    assert not engine.has_unfinished()
+    engine.add_request("ok", [5] * 10, SamplingParams(max_tokens=None, min_tokens=limit - 10))
+    assert engine.has_unfinished()
+
+
 @pytest.mark.parametrize("seed", [2**63, -(2**63) - 1, 2**64])
 def test_a_seed_outside_64_bits_is_refused(seed: int) -> None:
     with pytest.raises(InvalidRequestError) as e:

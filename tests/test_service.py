@@ -381,6 +381,14 @@ def test_a_request_over_the_context_is_a_context_length_error(cluster: Cluster) 
         assert e.value.code == "context_length_exceeded" and e.value.param == field
         other = "max_completion_tokens" if field == "max_tokens" else "max_tokens"
         assert field in e.value.message and other not in e.value.message, e.value.message
+    # min_tokens past the context, max_tokens not given: refused, not cut at the context
+    with pytest.raises(openai.BadRequestError) as e:
+        cluster.client.chat.completions.create(
+            model="stories", messages=[{"role": "user", "content": "Hi"}],
+            extra_body={"min_tokens": 600},
+        )  # fmt: skip
+    assert e.value.code == "context_length_exceeded" and e.value.param == "min_tokens"
+    assert "must be at most" in e.value.message, e.value.message
 
 
 def test_a_constraint_that_fails_mid_request_is_a_400_not_retried(cluster: Cluster) -> None:
