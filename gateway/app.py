@@ -241,6 +241,15 @@ async def _resources(app: web.Application) -> AsyncIterator[None]:
         await asyncio.get_running_loop().run_in_executor(None, tel.tel.shutdown)
 
 
+async def _shutting_down(app: web.Application) -> None:
+    """on_shutdown: the listener is closed, and aiohttp now gives the requests in flight its
+    shutdown timeout before it cancels them unanswered. Those held for a worker to start
+    (scale from zero) could wait a minute: they are answered 503 at once (`Proxy.shut_down`)."""
+    proxy = app.get(PROXY)
+    if proxy is not None:
+        proxy.shut_down()
+
+
 def make_app(
     config: GatewayConfig, catalog: RegionCatalog | None = None, telemetry: Telemetry | None = None
 ) -> web.Application:
@@ -283,6 +292,7 @@ def make_app(
     if not config.metrics_port:  # (else on its own listener: `metrics_app`)
         app.router.add_get("/metrics", metrics)
     app.cleanup_ctx.append(_resources)
+    app.on_shutdown.append(_shutting_down)
     return app
 
 

@@ -202,7 +202,8 @@ class ClusterView:
         until they announce themselves again (at their next heartbeat, every 2 s by default) or
         for up to CARRY_S: meanwhile a model that only a pool serves was answered 503
         no_workers, left /v1/models, and /readyz of a region with no worker running said it was
-        not ready. A request held for a pool that has really gone waits out its hold (503)."""
+        not ready. A request held for a pool that has really gone is answered 503 pool_unavailable
+        once the carry ends (Proxy's POOL_GONE_GRACE_S after it)."""
         now = time.monotonic()
         listed = {p.pool_id for p in pools}
         if reset:  # (one carried already keeps its deadline, as a worker does)

@@ -58,7 +58,12 @@ _RESPONSES: JSON = {
         "A worker failed, refused the gateway, or broke off or garbled its answer before "
         "anything was sent."
     ),
-    "503": _error("No healthy worker can take the request now.", retry_after=True),
+    "503": _error(
+        "No healthy worker can take the request now (error.code says why: worker_starting, "
+        "pool_unavailable, ...), or this gateway is shutting down (code gateway_shutting_down: "
+        "the request reached no worker; retry it on another gateway).",
+        retry_after=True,
+    ),
     "504": _error("The gateway timed out serving the request (code timeout)."),
 }
 

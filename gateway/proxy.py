@@ -93,6 +93,13 @@ REHOLD_TIMEOUT_S = 1.0  # the longest a renewal may take
 WAKE_EVERY_S = 5.0  # how often a gateway serving a model from afar wakes a nearer pool for it
 END_READ_S = 1.0  # how long a finished worker stream may take to end its body
 HOLD_THROUGH_FAILURES = 2  # failed starts in a row after which a waiting request gets its 503
+# How long a held request outlives the last pool that offered its model in its region, as the
+# registry snapshot (refreshed every HOLD_POLL_S while it waits) shows it: a pool that stops
+# withdraws at once, one killed leaves when its entry expires (its ttl_s, 10 s). A pool that
+# restarts announces itself again within a second or two and finds the request in the wait set,
+# so the request waits that long; then 503 `pool_unavailable`. Without this, a held request
+# waited out its whole hold (60 s) for a worker nobody would start, told "it is still starting".
+POOL_GONE_GRACE_S = 3.0
 MAX_UNREACHED = 16  # workers that refused the connection a request passes over (see forward)
 # what aiohttp raises for a worker URL it cannot request (a registry entry that is not a URL,
 # one with a port out of range, or not http): the request never left, as when nothing listens
@@ -201,6 +208,11 @@ class Proxy:
         self._holds = itertools.count()  # numbers each hold's entry in a wait set
         self._warned: set[tuple[str, ...]] = set()  # misconfigurations logged (`_warn_once`)
         self._unasked: str | None = None  # the Redis problem last logged by `_pool_unasked`
+        self.shutting_down = False  # `shut_down` was called: no request is held any more
+        # done at `shut_down`: the holds wait on it beside their polls (made in the loop's
+        # first hold: a Proxy may be made outside one)
+        self._shutdown: asyncio.Future[None] | None = None
+        self._holding = 0  # requests held now (`hold_for_worker`)
 
     # ------------------------------------------------------------------ phases
     async def handle(
@@ -598,14 +610,18 @@ class Proxy:
 
         False at once when no pool offers the model. The request counts as waiting in Redis (the
         pool's scale-from-zero signal) while it waits; a pool that reports failed starts
-        (HOLD_THROUGH_FAILURES in a row, or one whose next try comes after the hold), or no worker
-        within `hold_timeout_s`, ends the wait with 503 and Retry-After.
+        (HOLD_THROUGH_FAILURES in a row, or one whose next try comes after the hold), no pool
+        offering the model in its region any more (for POOL_GONE_GRACE_S), no worker within
+        `hold_timeout_s`, or the gateway shutting down (`shut_down`) ends the wait with 503 and
+        Retry-After.
         """
         assert call.gen is not None
         model, view = call.gen.model, self.view
         region = view.pool_region(model)
         if region is None:
             return False
+        if self.shutting_down:  # (it listens no more: this one came in just before)
+            raise self._shutting_down_error()
         if not view.redis_ok:
             raise self._pool_unasked(model, region)
         t0 = time.perf_counter()
@@ -613,6 +629,7 @@ class Proxy:
         # This hold's own entry: when a request is held again (retried after its worker
         # failed), the late release of its earlier hold (spawned, below) cannot remove it.
         member = f"{call.gen.request_id}/{next(self._holds)}"
+        self._holding += 1
         try:  # (released whatever happens once written: the wake-up after it may fail, or the
             # client go away meanwhile, and the entry counted as demand for the whole hold)
             try:
@@ -622,54 +639,130 @@ class Proxy:
                 raise self._pool_unasked(model, region) from e
             self._unasked = None
             log.info("request %s waits for a %s worker in %s", call.request_id, model, region)
-            renew_at = time.monotonic() + REHOLD_S
-            while True:
-                if time.monotonic() >= renew_at and view.redis_ok:
-                    renew_at = time.monotonic() + REHOLD_S
-                    try:  # (bounded: a Redis that hangs does not hold up the wait's polls)
-                        async with asyncio.timeout(REHOLD_TIMEOUT_S):
-                            await view.demand.hold(model, region, member, deadline, wake=False)
-                    except Exception as e:  # (Redis down: the next renewal, once it is back)
-                        view.redis_failed(e)
-                await view.refresh_soon(HOLD_POLL_S)
-                call.roles, call.disaggregated = view.router.serving_roles(
-                    model, view.live_workers()
+            # The wait, raced against shutdown: a poll may wait on Redis (a renewal, a refresh,
+            # the start status), and the shutdown must not wait for it. Before, a SIGTERM left
+            # held requests to aiohttp's shutdown timeout, which cancelled them unanswered (an
+            # empty reply ~10 s later): now each gets its 503 at once, safe to retry elsewhere.
+            waiting = asyncio.ensure_future(self._wait_for_worker(call, region, member, deadline))
+            waiting.add_done_callback(_retrieved)
+            try:
+                done, _ = await asyncio.wait(
+                    (waiting, self._shutdown_future()), return_when=asyncio.FIRST_COMPLETED
                 )
-                if self._route(call).candidates:
-                    return True
-                status = await self._start_status(model, region)
-                if (
-                    status is not None
-                    and status.state == "failed"
-                    # a first failure (a worker that crashed early, killed for memory, ...)
-                    # whose next try comes within the hold: wait for it, not a 503 at once
-                    and (status.attempts >= HOLD_THROUGH_FAILURES or status.retry_at >= deadline)
-                ):
-                    raise unavailable(
-                        f"no worker for model {model!r} could be started in region {region} "
-                        f"({status.attempts} failed attempts; the last: {status.error})",
-                        status.retry_after(),
-                        "worker_start_failed",
-                    )
-                if time.time() >= deadline and status is not None and status.state == "full":
-                    raise unavailable(
-                        f"no worker for model {model!r} could start in region {region} within "
-                        f"{self.config.hold_timeout_s:.0f}s: every worker its pool may run "
-                        "(--max-workers) is busy serving other models",
-                        self.config.retry_after_s,
-                        "pool_full",
-                    )
-                if time.time() >= deadline:
-                    raise unavailable(
-                        f"no worker for model {model!r} was ready within "
-                        f"{self.config.hold_timeout_s:.0f}s; it is still starting",
-                        self.config.retry_after_s,
-                        "worker_starting",
-                    )
-                await asyncio.sleep(HOLD_POLL_S)
+            finally:
+                waiting.cancel()  # (the client went away, or the gateway shuts down)
+            if waiting not in done:
+                raise self._shutting_down_error()
+            return waiting.result()
         finally:
+            self._holding -= 1
             call.held_s += time.perf_counter() - t0
             self._spawn(self._release(model, region, member))
+
+    async def _wait_for_worker(self, call: Call, region: str, member: str, deadline: float) -> bool:
+        """`hold_for_worker`'s polls, every HOLD_POLL_S: True once a worker serves the model;
+        503 when its pool failed to start one, has gone, or the hold timed out."""
+        assert call.gen is not None
+        model, view = call.gen.model, self.view
+        renew_at = time.monotonic() + REHOLD_S
+        gone_since: float | None = None  # when the snapshot first listed no pool for it
+        while True:
+            if time.monotonic() >= renew_at and view.redis_ok:
+                renew_at = time.monotonic() + REHOLD_S
+                try:  # (bounded: a Redis that hangs does not hold up the wait's polls)
+                    async with asyncio.timeout(REHOLD_TIMEOUT_S):
+                        await view.demand.hold(model, region, member, deadline, wake=False)
+                except Exception as e:  # (Redis down: the next renewal, once it is back)
+                    view.redis_failed(e)
+            await view.refresh_soon(HOLD_POLL_S)
+            call.roles, call.disaggregated = view.router.serving_roles(model, view.live_workers())
+            if self._route(call).candidates:
+                return True
+            status = await self._start_status(model, region)
+            if (
+                status is not None
+                and status.state == "failed"
+                # a first failure (a worker that crashed early, killed for memory, ...)
+                # whose next try comes within the hold: wait for it, not a 503 at once
+                and (status.attempts >= HOLD_THROUGH_FAILURES or status.retry_at >= deadline)
+            ):
+                raise unavailable(
+                    f"no worker for model {model!r} could be started in region {region} "
+                    f"({status.attempts} failed attempts; the last: {status.error})",
+                    status.retry_after(),
+                    "worker_start_failed",
+                )
+            # (a snapshot kept through a Redis outage still lists the pools it had: only a
+            # registry read that no longer lists one counts)
+            if any(p.region == region and model in p.models for p in view.pools):
+                gone_since = None
+            elif gone_since is None:
+                gone_since = time.monotonic()
+            if gone_since is not None and (
+                time.monotonic() - gone_since >= POOL_GONE_GRACE_S or time.time() >= deadline
+            ):
+                raise self._pool_gone(model, region)
+            if time.time() >= deadline and status is not None and status.state == "full":
+                raise unavailable(
+                    f"no worker for model {model!r} could start in region {region} within "
+                    f"{self.config.hold_timeout_s:.0f}s: every worker its pool may run "
+                    "(--max-workers) is busy serving other models",
+                    self.config.retry_after_s,
+                    "pool_full",
+                )
+            if time.time() >= deadline:
+                raise unavailable(
+                    f"no worker for model {model!r} was ready within "
+                    f"{self.config.hold_timeout_s:.0f}s; it is still starting",
+                    self.config.retry_after_s,
+                    "worker_starting",
+                )
+            await asyncio.sleep(HOLD_POLL_S)
+
+    def _pool_gone(self, model: str, region: str) -> APIError:
+        """The 503 of a request held for a pool of `region` that no longer offers `model` (it
+        stopped, or its entry expired), none having taken its place within POOL_GONE_GRACE_S."""
+        elsewhere = self.view.pool_region(model)
+        retry = (
+            f"; a pool in region {elsewhere} offers it: a retry waits for that one"
+            if elsewhere is not None
+            else ""
+        )
+        return unavailable(
+            f"no worker serves model {model!r} and no pool in region {region} offers it any "
+            f"more: the pool that was to start its worker has gone{retry}",
+            self.config.retry_after_s,
+            "pool_unavailable",
+        )
+
+    def shut_down(self) -> None:
+        """The gateway shuts down (it listens no more: app.on_shutdown): every request still
+        held, which never reached a worker, is answered 503 `gateway_shutting_down` with
+        Retry-After at once, so that the client or its load balancer retries it on another
+        gateway; said once in the log, with their count. Requests already at a worker finish."""
+        if self.shutting_down:
+            return
+        self.shutting_down = True
+        if self._holding:
+            log.warning("shutting down: %d request(s) waiting for a worker to start are answered "
+                        "503 (to be retried on another gateway)", self._holding)  # fmt: skip
+        if self._shutdown is not None and not self._shutdown.done():
+            self._shutdown.set_result(None)
+
+    def _shutdown_future(self) -> asyncio.Future[None]:
+        if self._shutdown is None:
+            self._shutdown = asyncio.get_running_loop().create_future()
+            if self.shutting_down:
+                self._shutdown.set_result(None)
+        return self._shutdown
+
+    def _shutting_down_error(self) -> APIError:
+        return unavailable(
+            "this gateway is shutting down: the request had not reached a worker (it waited for "
+            "one to start); retry it, on another gateway",
+            self.config.retry_after_s,
+            "gateway_shutting_down",
+        )
 
     def _pool_unasked(self, model: str, region: str) -> APIError:
         """The 503 of a request for `model`, which no worker serves and a pool of `region` can
@@ -983,6 +1076,13 @@ class Proxy:
 
 
 # ---------------------------------------------------------------------- helpers
+def _retrieved(task: asyncio.Future[Any]) -> None:
+    """A task's outcome taken, whatever it is: one left behind (cancelled, or ended as its
+    awaiter was) logs no "exception was never retrieved"."""
+    if not task.cancelled():
+        task.exception()
+
+
 def routed_headers(calls: list[Call]) -> dict[str, str]:
     """Where the request went, once a worker was chosen (an error's response says it too): a
     batch's prompts' distinct values, comma-separated, in prompt order."""
