@@ -198,6 +198,7 @@ def cmd_worker(args: argparse.Namespace) -> int:
         kv_import_wait_s=args.kv_import_wait,
         worker_id=args.worker_id or "",
         tool_call_parser=args.tool_call_parser,
+        max_body_bytes=args.max_body_bytes,
     )
     config.telemetry = _telemetry_config(args, "edgeinfer-worker", args.region, config.worker_id)
     engine = LLMEngine(
@@ -450,6 +451,12 @@ def add_service_commands(sub: argparse._SubParsersAction, engine_args) -> None: 
                    help="seconds SIGTERM lets in-flight requests finish before it ends them with "
                    "an error (default %(default)s)")  # fmt: skip
     w.add_argument("--no-prefix-caching", action="store_true", help="compute every prompt in full")
+    # (runtime.worker.MAX_BODY_BYTES: not imported here, as it would import torch for every command)
+    w.add_argument("--max-body-bytes", type=int, default=32 << 20,
+                   help="largest request body, as sent and once decompressed (413 above it); "
+                   "keep it above the gateways' --max-body-bytes: what a gateway forwards (the "
+                   "prompt or the messages and tools, as JSON) can be a little larger than its "
+                   "client's body (default %(default)s)")  # fmt: skip
     w.add_argument(
         "--kv-port",
         type=int,

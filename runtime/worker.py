@@ -29,13 +29,14 @@ import signal
 import socket
 import time
 import urllib.parse
+import zlib
 from collections.abc import AsyncIterator, Callable, Coroutine
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
 import orjson
-from aiohttp import web
+from aiohttp import HttpVersion11, web
 from opentelemetry import trace
 from redis.asyncio import Redis
 
@@ -84,6 +85,12 @@ ROLES: tuple[Role, ...] = ("prefill", "decode", "mixed")
 EXIT_REDIS_S = 2.0
 IDLE_CONNECTION_S = 120.0  # an idle client connection's life (the gateway pools one 30 s)
 WARM_TEMPLATE_AFTER_S = 0.5  # after ready: jinja2's import and the chat template's compile
+# The largest request body by default (--max-body-bytes), as sent and once decompressed: far
+# above any gateway's sensible --max-body-bytes (its default is 1 MiB), as what a gateway
+# forwards (the prompt or the messages and tools, as JSON) can be a little larger than the
+# client's body it came from. At 4 MiB, a gateway started with --max-body-bytes 8000000 relayed
+# this worker's 413 for a 5 MB completion, naming a limit its client could not know.
+MAX_BODY_BYTES = 32 << 20
 # The tokenizer bundle in Redis: to write ("pending"; "retrying" once a Redis error is logged),
 # written (renewed at each heartbeat), or refused for good (too large, unreadable: logged once,
 # never read again).
@@ -103,7 +110,7 @@ class WorkerConfig:
     heartbeat_s: float = 2.0  # how often load is published and the registration renewed
     ttl_s: float = 10.0  # registry entry lifetime without a heartbeat
     drain_timeout_s: float = 30.0  # how long SIGTERM waits for in-flight requests
-    max_body_bytes: int = 4 << 20  # largest request body accepted
+    max_body_bytes: int = MAX_BODY_BYTES  # largest request body, as sent and once decompressed
     kv_port: int = 0  # KV transfer server port (prefill side of disaggregation); 0: a free one
     kv_hold_s: float = 30.0  # how long pulled KV blocks are held for an acknowledgement
     kv_import_wait_s: float = IMPORT_WAIT_S  # how long an import waits for KV room (decode)
@@ -128,6 +135,8 @@ class WorkerConfig:
             raise ValueError(f"drain_timeout_s must be >= 0, got {self.drain_timeout_s}")
         if not 0 <= self.kv_port < 65536 or self.kv_hold_s <= 0 or self.kv_import_wait_s < 0:
             raise ValueError("need 0 <= kv_port < 65536, kv_hold_s > 0 and kv_import_wait_s >= 0")
+        if self.max_body_bytes < 1024:
+            raise ValueError(f"max_body_bytes must be at least 1024, got {self.max_body_bytes}")
         if self.tool_call_parser is not None and self.tool_call_parser not in PARSERS:
             raise ValueError(f"tool_call_parser must be one of {PARSERS}")
         self.id_given = bool(self.worker_id)
@@ -367,8 +376,12 @@ class Worker:
     def busy(self) -> bool:
         """Requests of any role still in flight: served streams, pulls being served (prefill),
         or imports under way (decode: pulling a prompt's KV, before their stream exists)."""
-        return bool(self.llm.num_open_streams or self.kv_server.active or self.importer.active
-                    or self.preparing)
+        return bool(
+            self.llm.num_open_streams
+            or self.kv_server.active
+            or self.importer.active
+            or self.preparing
+        )
 
     async def _wait_idle(self, deadline: float | None = None) -> bool:
         """Wait until no work of any role is in flight, up to `deadline` (monotonic; default:
@@ -505,27 +518,116 @@ async def _auth(request: web.Request, handler: Any) -> web.StreamResponse:
     worker = request.app[WORKER]
     if request.path == "/metrics":  # Prometheus scrapes without the secret
         return await handler(request)
-    given = request.headers.get(SECRET_HEADER, "")
-    if not hmac.compare_digest(given.encode(), worker.config.secret.encode()):
+    # (bytes that are not UTF-8 arrive as surrogates: compared as the bytes sent, as the
+    # gateway's _auth compares API keys; encoded strictly, they raised: a 500 and a traceback)
+    given = request.headers.get(SECRET_HEADER, "").encode(errors="surrogateescape")
+    if not hmac.compare_digest(given, worker.config.secret.encode(errors="surrogateescape")):
         return _error(401, "missing or wrong shared secret", "authentication_error")
     return await handler(request)
 
 
 @web.middleware
 async def _body_errors(request: web.Request, handler: Any) -> web.StreamResponse:
-    """A body that cannot be read, as aiohttp finds while a handler reads it (over
-    `max_body_bytes`; a Content-Encoding it cannot decode), gets the worker's JSON error, not
-    aiohttp's text/plain 413 or a 500."""
+    """A body the worker will not read (over `max_body_bytes`, declared or as read or once
+    decompressed; an `Expect` other than 100-continue; a Content-Encoding other than gzip and
+    deflate) or cannot decode gets the worker's JSON error, not aiohttp's text/plain one or a
+    500."""
     try:
         return await handler(request)
     except web.HTTPRequestEntityTooLarge:
         limit = request.app[WORKER].config.max_body_bytes
-        return _error(413, f"request body is larger than the limit of {limit} bytes",
-                      "invalid_request_error", None, "request_too_large")  # fmt: skip
+        return _error(413, f"request body is larger than the worker's limit of {limit} bytes "
+                      "(edgeinfer worker --max-body-bytes)", "invalid_request_error", None,
+                      "request_too_large")  # fmt: skip
+    except _BadBody as e:
+        return _error(e.status, str(e), "invalid_request_error", e.param, e.code)
     except web.RequestPayloadError as e:  # (its cause: aiohttp's error, with a message)
         why = getattr(e.__cause__, "message", e)
         return _error(400, f"the request body cannot be decoded: {why}", "invalid_request_error",
                       None, "invalid_body")  # fmt: skip
+
+
+class _BadBody(Exception):
+    """A request body `_body` will not read or cannot decode: `_body_errors` answers it."""
+
+    def __init__(self, status: int, message: str, param: str | None, code: str) -> None:
+        super().__init__(message)
+        self.status = status
+        self.param = param
+        self.code = code
+
+
+async def _expect_later(request: web.Request) -> None:
+    """aiohttp answers `Expect` ahead of the middlewares: 100 Continue to a caller whose secret
+    or declared body size were then refused, a text/plain 417 to any other expectation, and a
+    500 (with a traceback in the log) to one that is not ASCII, before any secret was asked
+    for. `_body` answers it instead, as the gateway's proxy does (gateway/app.py)."""
+
+
+async def _body(request: web.Request) -> bytes:
+    """The request body, decoded (the server runs with auto_decompress off: aiohttp answered an
+    encoding it lacks a module for, br or zstd, in plain text before the app saw the request,
+    and passed an unknown one on undecoded). `Expect: 100-continue` is answered here, once auth
+    and the declared size passed; any other expectation is a 417. Over `max_body_bytes`
+    (declared, as read, or once decompressed: at most that + 1 bytes are ever inflated):
+    HTTPRequestEntityTooLarge; else _BadBody (a 415 for a Content-Encoding other than gzip and
+    deflate, a 400 for one that does not decode)."""
+    limit = request.app[WORKER].config.max_body_bytes
+    if request.content_length is not None and request.content_length > limit:
+        raise web.HTTPRequestEntityTooLarge(max_size=limit, actual_size=request.content_length)
+    expect = request.headers.get("Expect")
+    if expect is not None:
+        if expect.lower() != "100-continue":
+            raise _BadBody(417, f"Expect {_clip(expect)!r} is not supported (only 100-continue)",
+                           "Expect", "expectation_failed")  # fmt: skip
+        if request.version == HttpVersion11:
+            await request.writer.write(b"HTTP/1.1 100 Continue\r\n\r\n")
+            request.writer.output_size = 0  # (the response proper has not begun: aiohttp's way)
+    raw = await request.read()  # (aiohttp enforces client_max_size while reading)
+    encoding = request.headers.get("Content-Encoding", "").strip().lower()
+    if encoding in ("", "identity"):
+        return raw
+    if encoding == "gzip":
+        wbits = 16 + zlib.MAX_WBITS
+    elif encoding == "deflate":  # a zlib stream (RFC 9110); some clients send it raw (no header)
+        wbits = zlib.MAX_WBITS if raw[:1] and raw[0] & 0x0F == 8 else -zlib.MAX_WBITS
+    else:
+        raise _BadBody(415, f"Content-Encoding {_clip(encoding)!r} is not supported; send the "
+                       "body uncompressed, or as gzip or deflate", "Content-Encoding",
+                       "unsupported_encoding")  # fmt: skip
+    inflater = zlib.decompressobj(wbits)
+    try:
+        body = inflater.decompress(raw, limit + 1)
+    except zlib.error as e:
+        raise _BadBody(400, f"the request body cannot be decoded ({encoding}: {e})", None,
+                       "invalid_body") from e  # fmt: skip
+    if len(body) > limit:
+        raise web.HTTPRequestEntityTooLarge(max_size=limit, actual_size=len(body))
+    if not inflater.eof:
+        raise _BadBody(400, f"the request body cannot be decoded (its {encoding} stream is cut "
+                       "short)", None, "invalid_body")  # fmt: skip
+    return body
+
+
+def _clip(text: str, limit: int = 64) -> str:
+    """A caller's header value, cut short for a message, which repr()s it: a byte that is not
+    UTF-8 arrives as a surrogate, which the JSON answer cannot hold as it is."""
+    return text if len(text) <= limit else f"{text[:limit]}..."
+
+
+async def _no_route(request: web.Request) -> web.Response:
+    """Any other path, or method: a JSON 404 or 405, after auth (aiohttp's are text/plain). Its
+    catch-all route gives every request `_expect_later`: aiohttp's own expect handler, which
+    runs for a path no route takes, would answer `Expect: \\xff` there with a 500."""
+    allowed: set[str] = set()
+    for resource in request.app.router.resources():
+        if resource is not request.match_info.route.resource:
+            allowed |= (await resource.resolve(request))[1]
+    if allowed:
+        return _error(405, f"method {_clip(request.method)!r} is not allowed here (allowed: "
+                      f"{', '.join(sorted(allowed))})", "invalid_request_error",
+                      headers={"Allow": ", ".join(sorted(allowed))})  # fmt: skip
+    return _error(404, f"no such endpoint: {_clip(request.path)!r}", "not_found_error")
 
 
 async def _generate(request: web.Request) -> web.StreamResponse:
@@ -536,7 +638,7 @@ async def _generate(request: web.Request) -> web.StreamResponse:
         return _error(503, "worker is draining", "service_unavailable", code="draining",
                       headers={"Retry-After": "1"})  # fmt: skip
     try:
-        req = _request_of(orjson.loads(await request.read()))
+        req = _request_of(orjson.loads(await _body(request)))
     except InvalidRequestError as e:
         return _error(400, str(e), "invalid_request_error", e.param, e.code)
     except (orjson.JSONDecodeError, TypeError, ValueError) as e:
@@ -867,21 +969,72 @@ _TEXT_FIELDS = (("request_id", False), ("model", False), ("operation", False),
 
 def _request_of(body: Any) -> GenerateRequest:
     """The generate request a JSON body holds: TypeError or ValueError when it is none, an
-    InvalidRequestError naming a text field of another type (nothing after this checks them)."""
+    InvalidRequestError naming a text field of another type (nothing after this checks them),
+    or messages of another shape (`_check_messages`)."""
     req = GenerateRequest.from_dict(body)
     for name, optional in _TEXT_FIELDS:
         value = getattr(req, name)
         if not isinstance(value, str) and not (optional and value is None):
             raise InvalidRequestError(name, f"must be a string, got {type(value).__name__}")
     if req.operation not in OPERATIONS:  # (a label of the worker's metrics: a bounded set)
-        raise InvalidRequestError("operation", f"must be one of {OPERATIONS}, got {req.operation!r}")
+        raise InvalidRequestError(
+            "operation", f"must be one of {OPERATIONS}, got {req.operation!r}"
+        )
     if req.kv_source is not None:
         host, _, port = req.kv_source.rpartition(":")
         if not host or not port.isdigit() or not 1 <= int(port) <= 65535:
             raise InvalidRequestError(
                 "kv_source", f"must be host:port (a port of 1-65535), got {req.kv_source!r}"
             )
+    if req.messages is not None:
+        _check_messages(req.messages)
     return req
+
+
+def _check_messages(messages: Any) -> None:
+    """Messages as the gateway sends them (gateway/openai_api.py `_messages`, which checks them
+    first): a non-empty array of objects, each with a string role and a content that is a
+    string, an array of text parts, or (for the assistant: beside its tool calls) null. Any
+    other shape went through the chat template, which rendered whatever it was given (a
+    string's characters as messages, a number as a role) and the worker generated from it."""
+    if not isinstance(messages, list) or not messages:
+        raise InvalidRequestError(
+            "messages", f"must be a non-empty array of messages, got {_type_of(messages)}"
+        )
+    for i, message in enumerate(messages):
+        where = f"messages[{i}]"
+        if not isinstance(message, dict):
+            raise InvalidRequestError(where, f"must be an object, got {_type_of(message)}")
+        role, content = message.get("role"), message.get("content")
+        if not isinstance(role, str):
+            raise InvalidRequestError(f"{where}.role", f"must be a string, got {_type_of(role)}")
+        if isinstance(content, str) or (content is None and role == "assistant"):
+            continue
+        if content is None:
+            raise InvalidRequestError(f"{where}.content", f"is required for role {role!r}")
+        if not isinstance(content, list):
+            raise InvalidRequestError(f"{where}.content", "must be a string or an array of text "
+                                      f"parts, got {_type_of(content)}")  # fmt: skip
+        for j, part in enumerate(content):
+            if not (isinstance(part, dict) and part.get("type") == "text"
+                    and isinstance(part.get("text"), str)):  # fmt: skip
+                raise InvalidRequestError(f"{where}.content[{j}]", 'must be a text part, '
+                                          '{"type": "text", "text": "..."}')  # fmt: skip
+
+
+def _type_of(value: Any) -> str:
+    """A JSON value's type, for a message."""
+    if value is None:
+        return "null"
+    if isinstance(value, bool):
+        return "a boolean"
+    if isinstance(value, int | float):
+        return "a number"
+    if isinstance(value, str):
+        return "a string"
+    if isinstance(value, list):
+        return "an array" if value else "an empty array"
+    return "an object"
 
 
 def _sampling_params(sampling: dict[str, Any]) -> SamplingParams:
@@ -933,7 +1086,7 @@ def _delta(
 async def _abort(request: web.Request) -> web.Response:
     worker = request.app[WORKER]
     try:
-        rid = orjson.loads(await request.read())["request_id"]
+        rid = orjson.loads(await _body(request))["request_id"]
         if not isinstance(rid, str):
             raise TypeError("request_id must be a string")
     except (orjson.JSONDecodeError, KeyError, TypeError) as e:
@@ -950,7 +1103,7 @@ async def _role(request: web.Request) -> web.Response:
     """Change the worker's role; answers once the old role's work has drained."""
     worker = request.app[WORKER]
     try:
-        role = orjson.loads(await request.read())["role"]
+        role = orjson.loads(await _body(request))["role"]
     except (orjson.JSONDecodeError, KeyError, TypeError) as e:
         return _error(400, f"bad role request: {e}", "invalid_request_error", "role")
     if role not in ROLES:
@@ -1024,16 +1177,21 @@ def _dumps(obj: Any) -> str:
 
 
 def make_app(worker: Worker) -> web.Application:
+    """The worker's app. Run it with auto_decompress=False, as `serve` does: the app decodes
+    compressed request bodies itself (`_body`)."""
     app = web.Application(
         middlewares=[_auth, _body_errors], client_max_size=worker.config.max_body_bytes
     )
     app[WORKER] = worker
-    app.router.add_post("/internal/generate", _generate)
-    app.router.add_post("/internal/abort", _abort)
-    app.router.add_get("/internal/health", _health)
-    app.router.add_get("/internal/stats", _stats)
-    app.router.add_post("/internal/role", _role)
-    app.router.add_get("/metrics", _metrics)
+    later = _expect_later  # (every route's: `_body` answers Expect)
+    app.router.add_post("/internal/generate", _generate, expect_handler=later)
+    app.router.add_post("/internal/abort", _abort, expect_handler=later)
+    app.router.add_get("/internal/health", _health, expect_handler=later)
+    app.router.add_get("/internal/stats", _stats, expect_handler=later)
+    app.router.add_post("/internal/role", _role, expect_handler=later)
+    app.router.add_get("/metrics", _metrics, expect_handler=later)
+    app.router.add_route("*", "/{path:.*}", _no_route, expect_handler=later)  # (what no other
+    # route takes: last)
     app.cleanup_ctx.append(_kv_transfer)
     app.cleanup_ctx.append(_registration)
     return app
@@ -1134,7 +1292,7 @@ async def serve(
     runner = web.AppRunner(
         make_app(worker), handler_cancellation=True, access_log=None, shutdown_timeout=5.0,
         keepalive_timeout=IDLE_CONNECTION_S, max_line_size=MAX_HEADER_BYTES,
-        max_field_size=MAX_HEADER_BYTES, max_headers=MAX_HEADERS,
+        max_field_size=MAX_HEADER_BYTES, max_headers=MAX_HEADERS, auto_decompress=False,
     )  # fmt: skip
     # SIGTERM is a drain from before the registry entry is written (the app's set-up writes it):
     # taken by the default action in between, it left the entry listing a dead worker for ttl_s

@@ -37,8 +37,10 @@ class Stack:
         (self.model / "chat_template.jinja").write_text(TOOLS_TEMPLATE)  # (chat_model's own)
         (root / "regions.yaml").write_text(CATALOG)
         self.redis = LocalRedis().start()
-        self.workers = [start_worker(f"w{i}", self.model, self.redis.url, root, "eu")
-                        for i in (1, 2)]  # fmt: skip
+        # (workers taking 4 MB bodies: the gateway's resend of a prompt's text on a worker's 413,
+        # test_a_prompt_whose_token_ids_outgrow_the_workers_body_limit; their default is 32 MiB)
+        self.workers = [start_worker(f"w{i}", self.model, self.redis.url, root, "eu",
+                                     ["--max-body-bytes", str(4 << 20)]) for i in (1, 2)]  # fmt: skip
         self.gateway = start_gateway("gw", self.redis.url, root / "regions.yaml", root, "eu",
                                      ["--max-body-bytes", "3000000"])  # fmt: skip
         wait_until(lambda: get_json(f"{self.gateway.url}/readyz")[1]["workers"] == 2, 30, "workers")
@@ -161,7 +163,7 @@ def test_a_long_prompt_leaves_the_worker_answering_meanwhile(stack: Stack, kind:
 @pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions"])
 def test_a_prompt_whose_token_ids_outgrow_the_workers_body_limit(stack: Stack, path: str) -> None:
     """1.2 MB of CJK text, within the gateway's 3 MB limit, is 1.2 M byte tokens: their ids as
-    JSON (4.8 MB) are over what a worker takes (4 MB), so the gateway sends the text as the
+    JSON (4.8 MB) are over what these workers take (4 MiB), so the gateway sends the text as the
     client sent it and the worker answers (here: over the context). The client got the worker's
     413 for a limit of 4 MB it never sent as much as."""
     text = "你好世界" * 100_000
