@@ -36,7 +36,6 @@ import functools
 import itertools
 import logging
 import time
-import zlib
 from collections.abc import AsyncGenerator, Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
@@ -77,6 +76,7 @@ from kvstore.block_hash import block_hashes, cache_seed
 from kvstore.demand import ModelStatus
 from kvstore.placement import Placement
 from kvstore.protocol import SECRET_HEADER, GenerateRequest, WorkerInfo, decode_event
+from runtime.serving import BodyEncodingError, inflate
 from runtime.tokenizer import LONG_TEXT_CHARS
 
 log = logging.getLogger("edgeinfer.gateway")
@@ -1220,31 +1220,16 @@ async def _read_json(request: web.Request, limit: int, timeout_s: float) -> obje
 
 
 def _decompressed(raw: bytes, encoding: str, limit: int) -> bytes:
-    """A body as it was before its Content-Encoding (the server runs with auto_decompress off:
-    aiohttp would answer an encoding it lacks a module for, br or zstd, in plain text before
-    the app sees the request, and pass an unknown one on undecoded). At most `limit` + 1 bytes
-    are ever inflated: a decompression bomb stops there, with a 413."""
-    encoding = encoding.strip().lower()
-    if encoding in ("", "identity"):
-        return raw
-    if encoding == "gzip":
-        wbits = 16 + zlib.MAX_WBITS
-    elif encoding == "deflate":  # a zlib stream (RFC 9110); some clients send it raw (no header)
-        wbits = zlib.MAX_WBITS if raw[:1] and raw[0] & 0x0F == 8 else -zlib.MAX_WBITS
-    else:
-        raise unsupported_encoding(encoding)
-    inflater = zlib.decompressobj(wbits)
+    """A body as it was before its Content-Encoding (runtime.serving.inflate), its faults as
+    the gateway's errors: 415, 400 invalid_body, 413."""
     try:
-        body = inflater.decompress(raw, limit + 1)
-    except zlib.error as e:
-        raise invalid(None, f"the request body cannot be decoded ({encoding}: {e})",
-                      "invalid_body") from e  # fmt: skip
-    if len(body) > limit:
-        raise too_large(limit)
-    if not inflater.eof:
-        raise invalid(None, f"the request body cannot be decoded (its {encoding} stream is cut "
-                      "short)", "invalid_body")  # fmt: skip
-    return body
+        return inflate(raw, encoding, limit)
+    except BodyEncodingError as e:
+        if e.status == 415:
+            raise unsupported_encoding(e.encoding) from None
+        if e.status == 413:
+            raise too_large(limit) from None
+        raise invalid(None, e.message, "invalid_body") from e
 
 
 def _failure(e: BaseException) -> str:

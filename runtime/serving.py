@@ -14,6 +14,7 @@ handler reading a body that the body stopped parsing (`_Protocol.data_received`)
 from __future__ import annotations
 
 import logging
+import zlib
 from collections.abc import Callable
 from typing import Any
 
@@ -115,3 +116,41 @@ async def listen(runner: web.AppRunner, host: str, port: int, what: str) -> None
         raise SystemExit(
             f"edgeinfer: error: the {what} cannot listen on {host}:{port}: {e.strerror or e}"
         ) from e
+
+
+class BodyEncodingError(ValueError):
+    """A request body `inflate` could not take: `status` 415 (a Content-Encoding other than
+    gzip and deflate; `encoding` is it), 400 (a stream that does not decode or is cut short) or
+    413 (over the limit once inflated; `size` is how far it got). Each server words its own
+    answer from it."""
+
+    def __init__(self, status: int, message: str, encoding: str = "", size: int = 0) -> None:
+        super().__init__(message)
+        self.status, self.message, self.encoding, self.size = status, message, encoding, size
+
+
+def inflate(raw: bytes, encoding: str, limit: int) -> bytes:
+    """A body as it was before its Content-Encoding (the servers run with auto_decompress off:
+    aiohttp would answer an encoding it lacks a module for, br or zstd, in plain text before
+    the app sees the request, and pass an unknown one on undecoded). At most `limit` + 1 bytes
+    are ever inflated: a decompression bomb stops there. Raises BodyEncodingError."""
+    encoding = encoding.strip().lower()
+    if encoding in ("", "identity"):
+        return raw
+    if encoding == "gzip":
+        wbits = 16 + zlib.MAX_WBITS
+    elif encoding == "deflate":  # a zlib stream (RFC 9110); some clients send it raw (no header)
+        wbits = zlib.MAX_WBITS if raw[:1] and raw[0] & 0x0F == 8 else -zlib.MAX_WBITS
+    else:
+        raise BodyEncodingError(415, "unsupported Content-Encoding", encoding)
+    inflater = zlib.decompressobj(wbits)
+    try:
+        body = inflater.decompress(raw, limit + 1)
+    except zlib.error as e:
+        raise BodyEncodingError(400, f"the request body cannot be decoded ({encoding}: {e})") from e
+    if len(body) > limit:
+        raise BodyEncodingError(413, "over the limit once decoded", size=len(body))
+    if not inflater.eof:
+        raise BodyEncodingError(400, f"the request body cannot be decoded (its {encoding} stream "
+                                "is cut short)")  # fmt: skip
+    return body

@@ -29,7 +29,6 @@ import signal
 import socket
 import time
 import urllib.parse
-import zlib
 from collections.abc import AsyncIterator, Callable, Coroutine
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -70,7 +69,7 @@ from runtime.outputs import CompletionOutput
 from runtime.sampler import TokenLogprobs
 from runtime.sampling_params import InvalidRequestError, SamplingParams
 from runtime.scheduler import QueueFullError
-from runtime.serving import MAX_HEADER_BYTES, MAX_HEADERS, listen
+from runtime.serving import MAX_HEADER_BYTES, MAX_HEADERS, BodyEncodingError, inflate, listen
 from runtime.structured import StructuredOutputsParams
 from runtime.telemetry import RequestTimes, WorkerTelemetry
 from runtime.tokenizer import LONG_TEXT_CHARS, NoChatTemplateError, Tokenizer
@@ -584,29 +583,17 @@ async def _body(request: web.Request) -> bytes:
             await request.writer.write(b"HTTP/1.1 100 Continue\r\n\r\n")
             request.writer.output_size = 0  # (the response proper has not begun: aiohttp's way)
     raw = await request.read()  # (aiohttp enforces client_max_size while reading)
-    encoding = request.headers.get("Content-Encoding", "").strip().lower()
-    if encoding in ("", "identity"):
-        return raw
-    if encoding == "gzip":
-        wbits = 16 + zlib.MAX_WBITS
-    elif encoding == "deflate":  # a zlib stream (RFC 9110); some clients send it raw (no header)
-        wbits = zlib.MAX_WBITS if raw[:1] and raw[0] & 0x0F == 8 else -zlib.MAX_WBITS
-    else:
-        raise _BadBody(415, f"Content-Encoding {_clip(encoding)!r} is not supported; send the "
-                       "body uncompressed, or as gzip or deflate", "Content-Encoding",
-                       "unsupported_encoding")  # fmt: skip
-    inflater = zlib.decompressobj(wbits)
+    encoding = request.headers.get("Content-Encoding", "")
     try:
-        body = inflater.decompress(raw, limit + 1)
-    except zlib.error as e:
-        raise _BadBody(400, f"the request body cannot be decoded ({encoding}: {e})", None,
-                       "invalid_body") from e  # fmt: skip
-    if len(body) > limit:
-        raise web.HTTPRequestEntityTooLarge(max_size=limit, actual_size=len(body))
-    if not inflater.eof:
-        raise _BadBody(400, f"the request body cannot be decoded (its {encoding} stream is cut "
-                       "short)", None, "invalid_body")  # fmt: skip
-    return body
+        return inflate(raw, encoding, limit)
+    except BodyEncodingError as e:
+        if e.status == 413:
+            raise web.HTTPRequestEntityTooLarge(max_size=limit, actual_size=e.size) from None
+        if e.status == 415:
+            raise _BadBody(415, f"Content-Encoding {_clip(e.encoding)!r} is not supported; send "
+                           "the body uncompressed, or as gzip or deflate", "Content-Encoding",
+                           "unsupported_encoding") from None  # fmt: skip
+        raise _BadBody(400, e.message, None, "invalid_body") from e
 
 
 def _clip(text: str, limit: int = 64) -> str:
