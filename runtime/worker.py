@@ -178,6 +178,7 @@ class Worker:
         self._bundle: BundleState = "pending"
         self._registered = False  # a heartbeat has written the registry entry once
         self._expired_stalled = False  # renewals skipped while the engine was stalled
+        self._renewed_at = 0.0  # time.monotonic() of the last renewal Redis took
         self._publishing = asyncio.Lock()  # one registry write at a time (heartbeat, role, drain)
         self._left = False  # deregistered for good: no registry write any more
         self._heartbeat: asyncio.Task[None] | None = None  # heartbeat_loop, while the app runs
@@ -255,9 +256,15 @@ class Worker:
                 await self._publish_bundle()
             try:
                 created = await self._registry.heartbeat(self.info())
+                since = time.monotonic() - self._renewed_at
                 if created and self._registered:  # Redis lost our entry: lost the rest too?
-                    why = ("it expired while the engine was stalled" if self._expired_stalled
-                           else "Redis restarted or flushed?")  # fmt: skip
+                    if self._expired_stalled:
+                        why = "it expired while the engine was stalled"
+                    elif since > self.config.ttl_s:  # (SIGSTOP, a frozen VM, a starved CPU)
+                        why = (f"it expired: this worker last renewed it {since:.1f}s ago, past "
+                               f"its {self.config.ttl_s:g}s ttl; was the process paused?")  # fmt: skip
+                    else:
+                        why = "Redis restarted or flushed?"
                     log.warning("registry entry was gone (%s): publishing the tokenizer and "
                                 "the prefix cache's blocks again", why)  # fmt: skip
                     if self._bundle == "published":  # (a failure to write it is news again)
@@ -266,6 +273,7 @@ class Worker:
                         self.publisher.resync()
                 self._registered = True
                 self._expired_stalled = False
+                self._renewed_at = time.monotonic()
             except Exception as e:  # redis errors, timeouts, connection refused
                 if self._redis_ok:
                     if is_refusal(e):  # (OOM, READONLY, NOPERM, MISCONF: it answers)

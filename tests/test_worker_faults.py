@@ -25,6 +25,7 @@ from typing import Any
 
 import orjson
 import pytest
+import redis
 import torch
 from redis.asyncio import Redis
 
@@ -244,3 +245,31 @@ async def test_a_worker_on_an_ipv6_interface_advertises_where_it_answers(
     finally:
         proc.popen.terminate()
         proc.popen.wait(30)
+
+
+def test_a_worker_paused_past_its_ttl_says_so_when_it_registers_again(
+    tmp_path: Path, stories_dir: Path, redis_server: LocalRedis
+) -> None:
+    """A worker stopped (SIGSTOP, a frozen VM) for longer than its ttl found its registry entry
+    gone when it ran again, and logged 'Redis restarted or flushed?', sending an operator to a
+    Redis that was fine."""
+    proc = start_worker("paused", stories_dir, redis_server.url, tmp_path)  # ttl 1.5 s
+    try:
+        registry = redis.Redis.from_url(redis_server.url)
+        key = f"ei:w:{{{proc.meta['worker_id']}}}"
+        proc.popen.send_signal(signal.SIGSTOP)
+        try:
+            deadline = time.monotonic() + 10
+            while registry.exists(key) and time.monotonic() < deadline:
+                time.sleep(0.1)
+            assert not registry.exists(key), "the paused worker's entry did not expire"
+        finally:
+            proc.popen.send_signal(signal.SIGCONT)
+        deadline = time.monotonic() + 10
+        while "registry entry was gone" not in proc.log.read_text() and time.monotonic() < deadline:
+            time.sleep(0.1)
+        log = proc.log.read_text()
+        assert "registry entry was gone (it expired: this worker last renewed it" in log, log
+        assert "was the process paused?" in log and "Redis restarted" not in log, log
+    finally:
+        proc.stop()
