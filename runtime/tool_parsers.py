@@ -62,7 +62,13 @@ under the tool's name, with their refs rebased, so that the refs still resolve. 
 `parallel_tool_calls` false the grammar allows one call, and in "auto" mode a completion ends
 once its first call is complete. A named function's call that max_tokens cuts before its name is
 complete is still that call, with the arguments "" (as vLLM, which constrains only a named
-call's arguments, always answers with the call), never the grammar's half-written text.
+call's arguments, always answers with the call), never the grammar's half-written text. Under
+either, none of the output is content: what a cut leaves of a marker (a call's end, the next
+call's start) is dropped, and so is a call of "required" cut before its name (no name to give
+it: no call; vLLM's streamed "required" sends nothing of it); the calls before the cut stand.
+In "auto" mode an end marker that max_tokens cut, after a hermes block's call, is that block's
+(vLLM's hermes parser reads the end marker as one token, and a call's block is never content);
+a block cut before its call's name is content there, as the text of a tool region with no call.
 
 Torch-free (the worker imports it; tests drive it directly).
 """
@@ -192,8 +198,11 @@ class HermesParser(ToolParser):
                 k = -1  # (the object is still arriving; at the end, one that never closed
                 # ends at the first end marker)
             block_end = k + len(self.end) if k >= 0 else len(text)
-            # (in a block still open, what follows its object may be the end marker arriving)
+            # (in a block still open, what follows its object may be the end marker arriving;
+            # at the end, an end marker that max_tokens cut is the block's, not text after it)
             body_end = k if k >= 0 else len(text) if final or value_end is None else value_end
+            if k < 0 and final and value_end is not None:
+                body_end -= _partial(text[value_end:], self.end)
             block = _calls_in(text[body_start:body_end], self.arg_keys, names, scans)
             if (k >= 0 or final) and all(c.name is None for c in block):
                 # a block with no call in it (a function not offered, not JSON) is content
@@ -411,6 +420,9 @@ class ToolCallStream:
     # a named tool_choice's function: its grammar allows nothing but that call, so the output
     # is that call even where max_tokens cut it before its name was complete (None: not named)
     forced: str | None = None
+    # tool_choice "required": its grammar allows nothing but calls (of any of the tools). With
+    # either, none of the output is content: what max_tokens cut is no text, even unnamed
+    required: bool = False
     text: str = ""  # the output so far, with the marker's text where its special token was
     content_sent: int = 0  # characters of content sent (`text` up to there)
     calls: list[_Sent] = field(default_factory=list)
@@ -448,7 +460,12 @@ class ToolCallStream:
             # with no arguments generated (vLLM constrains only a named call's arguments, and
             # answers with the call whatever the cut); never the grammar's half-written text.
             calls, content, named = [ParsedCall(self.forced, "", False)], "", True
-        if final and in_region and not named:
+        if self.required or self.forced is not None:
+            # The output is the grammar's text, calls only: what a cut left of a marker or of a
+            # call before its name (a second one's too) is no content, nor a call (its name
+            # unknown; a named choice's one call is that call, above); the calls before stand.
+            content = ""
+        elif final and in_region and not named:
             content = self.text  # a tool region in which no call parsed: text after all
         elif not final or named:
             content = content.rstrip()  # whitespace before a call is not content
@@ -848,9 +865,8 @@ class RequestTools:
         stream = self.streams.get(index)
         if stream is None:
             forced = self.choice["function"]["name"] if isinstance(self.choice, dict) else None
-            stream = ToolCallStream(
-                self.parser, self.parallel, self.decode, self.context, self.names, forced
-            )
+            stream = ToolCallStream(self.parser, self.parallel, self.decode, self.context,
+                                    self.names, forced, self.choice == "required")  # fmt: skip
             self.streams[index] = stream
         return stream
 

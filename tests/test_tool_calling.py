@@ -218,7 +218,7 @@ def test_parsers_and_streamed_deltas(
 
 
 def test_an_end_marker_inside_an_argument_string_is_text() -> None:
-    """"</tool_call>" inside a string argument (code a model writes) does not end the call: its
+    """ "</tool_call>" inside a string argument (code a model writes) does not end the call: its
     arguments came out cut (invalid JSON), and differently by chunking."""
     text = ('<tool_call>\n{"name": "write", "arguments": {"code": "print(\'</tool_call>\')"}}'
             '\n</tool_call>\n<tool_call>\n{"name": "g", "arguments": {}}\n</tool_call>')  # fmt: skip
@@ -231,6 +231,72 @@ def test_an_end_marker_inside_an_argument_string_is_text() -> None:
 def test_truncated_call_streams_what_it_has() -> None:
     content, calls = _stream("hermes", '<tool_call>\n{"name": "f", "arguments": {"a": [1, 2', 4)
     assert content == "" and calls == [{"name": "f", "arguments": '{"a": [1, 2'}]
+
+
+# The reviewer's tool: a one-digit argument (the grammar of a forced call writes it whole)
+GET = {"type": "function", "function": {"name": "get", "strict": True, "parameters": {
+    "type": "object", "properties": {"a": {"type": "integer", "minimum": 0, "maximum": 9}},
+    "required": ["a"], "additionalProperties": False}}}  # fmt: skip
+NAMED_GET = {"type": "function", "function": {"name": "get"}}
+# two calls of `get` as each format's forced grammar writes them (a named choice: the first)
+FORCED_TEXT = {
+    "hermes": '<tool_call>\n{"name": "get", "arguments": {"a": 9}}\n</tool_call>\n'
+    '<tool_call>\n{"name": "get", "arguments": {"a": 1}}\n</tool_call>',
+    "llama3_json": '{"name": "get", "parameters": {"a": 9}}; {"name": "get", "parameters": {"a": 1}}',
+    "mistral": '[TOOL_CALLS][{"name": "get", "arguments": {"a": 9}}, '
+    '{"name": "get", "arguments": {"a": 1}}]',
+}
+
+
+def _feed_tools(tools: RequestTools, pieces: list[str]) -> tuple[str, list[dict[str, Any]]]:
+    return _reassemble([tools.delta(0, p, [], i == len(pieces) - 1) for i, p in enumerate(pieces)])
+
+
+@pytest.mark.parametrize("parser_name", ["hermes", "llama3_json", "mistral"])
+@pytest.mark.parametrize("choice", ["required", "named"])
+def test_a_forced_call_cut_anywhere_leaves_no_content(parser_name: str, choice: str) -> None:
+    """A forced call's output is the grammar's text alone. Cut by max_tokens at any character,
+    streamed a character at a time or read whole, it is no content, never the half-written
+    markup (it was: cut inside hermes' end marker, '<', '</t', '</tool'; inside the next
+    call's marker or before its name, '\n<tool_call>\n{"'; for "required", anywhere before
+    the first call's name); the calls whose names were out stand, their arguments as written
+    (whole once written whole), and a call of "required" cut before its name is none (a named
+    choice's one call is that call, with arguments "", as before)."""
+    parser = make_parser(parser_name, "", {})
+    tool_choice: object = "required" if choice == "required" else NAMED_GET
+    text = FORCED_TEXT[parser_name]
+    if choice == "named":  # (its grammar writes one call)
+        text = text[: text.index('"a": 9}') + 7] + {"hermes": "}\n</tool_call>",
+                                                     "llama3_json": "}", "mistral": "}]"}[parser_name]  # fmt: skip
+    args = ['{"a": 9}', '{"a": 1}']
+    for n in range(1, len(text) + 1):
+        cut = text[:n]
+        by_char = _feed_tools(RequestTools(parser, [GET], tool_choice, True), list(cut))
+        whole = _feed_tools(RequestTools(parser, [GET], tool_choice, True), [cut])
+        assert by_char == whole, cut
+        content, calls = whole
+        assert content == "", cut
+        named = cut.count('"get"')
+        assert len(calls) == (named if choice == "required" else 1), cut
+        for i, call in enumerate(calls):
+            assert call["name"] == "get" and args[i].startswith(call["arguments"]), cut
+            if cut.count(args[i]) or i < len(calls) - 1:  # (written whole)
+                assert call["arguments"] == args[i], cut
+
+
+def test_an_auto_call_cut_in_its_end_marker_is_the_call() -> None:
+    """In "auto" mode the end marker a cut left half-written, after a hermes block's call, is
+    the block's (vLLM reads it as one token: never content); it came out as content ('</t').
+    A block cut before its call's name is no call yet: content, as it was."""
+    call = '<tool_call>\n{"name": "get", "arguments": {"a": 9}}\n</tool_call>'
+    for n in range(len(call) - len("</tool_call>"), len(call) + 1):
+        for step in (1, n):
+            assert _stream("hermes", "Sure.\n" + call[:n], step) == (
+                "Sure.",
+                [{"name": "get", "arguments": '{"a": 9}'}],
+            ), (n, step)
+    content, calls = _stream("hermes", f'Sure.\n{call}\n<tool_call>\n{{"na', 1)
+    assert content.endswith('\n<tool_call>\n{"na') and [c["name"] for c in calls] == ["get"]
 
 
 def _scan_reference(s: str, i: int) -> int | None:
@@ -305,7 +371,9 @@ class _Counted:
 
 def _code_call(chars: int, tag: str = "") -> str:
     code = tag + ("x = 'q'  # \"\u00e9\" \\ {[\n" * (chars // 20 + 1))[:chars]
-    return f'<tool_call>\n{{"name": "run", "arguments": {json.dumps({"code": code})}}}\n</tool_call>'
+    return (
+        f'<tool_call>\n{{"name": "run", "arguments": {json.dumps({"code": code})}}}\n</tool_call>'
+    )
 
 
 LINEAR_CASES = {
@@ -317,7 +385,9 @@ LINEAR_CASES = {
 
 
 @pytest.mark.parametrize("case", list(LINEAR_CASES))
-def test_streamed_calls_are_scanned_in_linear_work(monkeypatch: pytest.MonkeyPatch, case: str) -> None:
+def test_streamed_calls_are_scanned_in_linear_work(
+    monkeypatch: pytest.MonkeyPatch, case: str
+) -> None:
     """Streamed 4 characters a step, the output's scans go over each character a bounded number
     of times, not once a step: a call repeated (its scan taken for the first's, and dropped),
     more calls than the scans kept held, the completions of one request sharing them, were each
@@ -832,6 +902,41 @@ def test_a_named_call_cut_by_max_tokens_is_still_the_call(stories: LLM, parser_n
     assert cut_in_name >= 3  # (the cuts this test is about happened)
 
 
+@pytest.mark.parametrize("choice", ["required", "named"])
+def test_forced_calls_cut_by_max_tokens_leave_no_content(stories: LLM, choice: str) -> None:
+    """The reviewer's request on the engine (hermes; the formats' cuts are all read above):
+    `get` forced ("required", or by name), cut by max_tokens after every token of its output
+    (greedy) and streamed a token at a time as the worker streams: no content at any cut (cuts
+    inside the end marker gave '<', '</t', '</tool'; inside a second call,
+    '\n<tool_call>\n{"'), the calls whose names were out stand, and those before the cut
+    validate."""
+    tok = stories.tokenizer
+    parser = make_parser("hermes", "", tok.added_tokens)
+    tool_choice: object = "required" if choice == "required" else NAMED_GET
+    params = []
+    for n in range(1, 100):
+        p = SamplingParams(max_tokens=n, temperature=0)
+        RequestTools(parser, [GET], tool_choice, True).constrain(p)
+        params.append(p)
+    cuts = set()
+    for out in stories.generate(["Once upon a time"] * len(params), params):
+        o = out.outputs[0]
+        ids = list(o.token_ids)
+        tools = RequestTools(parser, [GET], tool_choice, True, tok.decode)
+        pieces = []
+        for i in range(len(ids)):
+            text = tok.decode(ids[: i + 1])[len(tok.decode(ids[:i])) :]
+            pieces.append(tools.delta(0, text, ids[i : i + 1], i == len(ids) - 1))
+        content, calls = _reassemble(pieces)
+        assert content == "", o.text
+        names = o.text.count('"get"') if choice == "required" else 1
+        assert [c["name"] for c in calls] == ["get"] * names, o.text
+        for c in calls[:-1] if o.finish_reason == "length" else calls:
+            jsonschema.validate(json.loads(c["arguments"]), GET["function"]["parameters"])
+        cuts.add(o.text)
+    assert len(cuts) > 25  # (the output was cut at many places, markers' insides among them)
+
+
 # ------------------------------------------------------------------------------ the service
 CATALOG = "regions:\n  - {name: local, latitude: 0, longitude: 0, settings: {models: [stories]}}\n"
 USER = [{"role": "user", "content": "What is the weather in Paris?"}]
@@ -1235,6 +1340,34 @@ def test_a_call_cut_by_max_tokens_can_be_sent_back(stack: Stack) -> None:
         assert second.choices[0].finish_reason in ("length", "stop", "tool_calls"), second
         assert second.usage is not None and first.usage is not None
         assert second.usage.prompt_tokens > first.usage.prompt_tokens
+
+
+def test_a_forced_call_cut_in_its_end_marker_has_no_content(stack: Stack) -> None:
+    """The reviewer's repro through the gateway: a named `get`, cut by max_tokens in the last
+    tokens of its call (its end marker: content was '<', '</t', '</tool'), answers content
+    null with the whole call, streamed or not, and streams no content delta."""
+    kwargs: Any = {"model": "stories", "messages": [{"role": "user", "content": "Tell me a story"}],
+                   "tools": [GET], "tool_choice": NAMED_GET, "temperature": 0, "seed": 0}  # fmt: skip
+    whole = stack.client.chat.completions.create(**kwargs, max_tokens=160)
+    assert whole.choices[0].finish_reason == "tool_calls" and whole.usage is not None
+    end = whole.usage.completion_tokens
+    want = [
+        (c.function.name, c.function.arguments) for c in whole.choices[0].message.tool_calls or []
+    ]
+    assert [name for name, _ in want] == ["get"]
+    for max_tokens in range(end - 8, end):
+        r = stack.client.chat.completions.create(**kwargs, max_tokens=max_tokens)
+        choice = r.choices[0]
+        assert choice.finish_reason == "length" and choice.message.content is None, choice
+        calls = [(c.function.name, c.function.arguments) for c in choice.message.tool_calls or []]
+        assert len(calls) == 1 and calls[0][0] == "get", choice
+        assert want[0][1].startswith(calls[0][1]), choice  # (whole, but cut in its "}}")
+        chunks = list(stack.client.chat.completions.create(**kwargs, max_tokens=max_tokens,
+                                                           stream=True))  # fmt: skip
+        deltas = [c.choices[0].delta for c in chunks if c.choices]
+        assert "".join(d.content or "" for d in deltas) == "", max_tokens
+        names = [t.function.name for d in deltas for t in d.tool_calls or [] if t.id and t.function]
+        assert names == ["get"] and chunks[-1].choices[0].finish_reason == "length"
 
 
 @pytest.mark.parametrize(("patch", "param", "text"), BAD)
