@@ -10,17 +10,26 @@ id the target emits (or a prompt holds) past the draft's vocabulary is read by t
 target verifies every draft. It has its own `ModelRunner` and `BlockManager` (no prefix caching),
 sized by `draft_kv_cache_bytes`. For each request it keeps a shadow `Request`: the tokens it
 knows and how many of them its KV cache holds (`num_computed_tokens`). Each engine step, for the
-requests that speculate:
+requests that speculate (decodes) and those whose target prefill is under way (`prefilling`:
+those that will speculate once it ends):
 
     sync      the draft's computed count moves back to the longest prefix its tokens share with
               the request's (the accepted drafts stay, rejected ones are overwritten next), and
               blocks past it go back to its pool (`BlockManager.trim`)
-    catch up  one forward pass over the tokens the draft has not computed (the prompt at first,
-              then what verification appended), at most the engine's `max_num_batched_tokens` of
-              them a step, as the target's prefill is chunked (a long prompt in one pass stalled
-              every other request's step): the requests nearest caught up first; one that cannot
-              catch up this step computes a chunk and drafts nothing (it decodes plainly until
-              its draft KV has caught up). A caught-up request's last row gives draft 1
+    catch up  one forward pass over the tokens the draft has not computed, at most the engine's
+              `max_num_batched_tokens` of them a step, as the target's prefill is chunked (a
+              long prompt in one pass stalled every other request's step). A decode's catch-up
+              is what verification appended (or a prompt the target found cached); a prefilling
+              request's is its prompt up to what the target has computed and computes this step
+              at most, short of its last token, so that its draft KV keeps pace with the
+              target's prefill (a step behind) and it drafts from its first decode steps (begun
+              only then, a prompt of n budgets decoded n steps plainly after its prefill). The
+              decodes take the budget first, the nearest caught up first, then the prefills; a
+              decode that cannot catch up this step computes a chunk and drafts nothing (it
+              decodes plainly until its draft KV has caught up). A request's blocks for its whole
+              catch-up and drafts (a prefill's: those of its first decode) are reserved before
+              any chunk is computed: a prompt the draft's cache cannot hold is never computed.
+              A caught-up decode's last row gives draft 1
     draft     k - 1 single-token steps, batched over the requests still drafting, each feeding
               the draft before it (the last draft is never fed: the target scores it)
 
@@ -36,6 +45,8 @@ next step proposes (preempted).
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -135,11 +146,16 @@ class DraftProposer:
             self._base.pop(request_id, None)
 
     @torch.inference_mode()
-    def propose(self, batch: list[tuple[Request, int]], running: list[Request]) -> None:
+    def propose(
+        self,
+        batch: list[tuple[Request, int]],
+        running: list[Request],
+        prefilling: Sequence[tuple[Request, int]] = (),
+    ) -> None:
         live = {r.request_id for r in running}
         for rid in [rid for rid in self._shadows if rid not in live]:
             self.forget(rid)  # preempted: its draft KV goes with its target KV
-        synced: list[tuple[Request, Request, int]] = []  # (request, shadow, k)
+        wanted: list[_CatchUp] = []
         for r, k in batch:
             tokens = self._readable(r.all_token_ids)
             if len(tokens) + k - 1 > self.max_model_len:
@@ -147,26 +163,39 @@ class DraftProposer:
             grammar = r.grammar
             if grammar is not None and (grammar.matcher.is_error() or grammar.matcher.is_stopped()):
                 continue  # only end-of-sequence can follow (or nothing): no draft to make
-            synced.append((r, self._sync(r, tokens), k))
-        # the step's catch-up tokens are bounded: the requests nearest caught up take them first
-        # (a decode's few accepted tokens before a new prompt's thousands)
-        synced.sort(key=lambda w: w[1].num_tokens - w[1].num_computed_tokens)
+            shadow = self._sync(r, tokens)
+            wanted.append(_CatchUp(r, shadow, k, shadow.num_tokens, len(tokens) + k - 1))
+        for r, k in prefilling:
+            tokens = self._readable(r.all_token_ids)
+            if len(tokens) + k > self.max_model_len:
+                continue  # (its first decode could draft nothing)
+            shadow = self._sync(r, tokens)
+            # what the target has computed and computes this step at most; not the last token,
+            # whose row gives draft 1 at the first decode (and whose KV the sync would drop)
+            upto = min(len(tokens) - 1, r.num_computed_tokens + self.max_chunk)
+            # reserved: the first decode's whole catch-up and drafts (its tokens then, k - 1)
+            wanted.append(_CatchUp(r, shadow, 0, upto, len(tokens) + k))
+        # the step's catch-up tokens are bounded: the requests that draft this step take them
+        # first, the nearest caught up first (a decode's few accepted tokens before a new
+        # prompt's thousands), then the target's prefills, the nearest caught up first
+        wanted.sort(key=lambda w: (w.k == 0, w.upto - w.shadow.num_computed_tokens))
         budget = self.max_chunk
         work: list[tuple[Request, Request, int]] = []  # caught up this step: these draft
         behind: list[tuple[Request, int]] = []  # (shadow, tokens): a chunk of its catch-up only
-        for r, shadow, k in synced:
-            missing = shadow.num_tokens - shadow.num_computed_tokens
+        for w in wanted:
+            r, shadow, k = w.request, w.shadow, w.k
+            missing = w.upto - shadow.num_computed_tokens
             n = min(missing, budget)
-            if n == 0:
-                continue  # no budget left this step: no drafts (its draft KV is kept)
+            if n <= 0:
+                continue  # caught up to the target, or no budget left this step: no drafts
             # the whole catch-up and its drafts, even while a chunk of it is computed: reserved a
             # chunk at a time, a prompt larger than the draft's cache was computed chunk after
             # chunk until the cache ran out, forgotten, and begun again, every step of its life
-            if self.blocks.allocate(r.request_id, shadow.num_tokens + k - 1) is None:
+            if self.blocks.allocate(r.request_id, w.reserve) is None:
                 self.forget(r.request_id)  # no room in the draft's cache: no drafts this time
                 continue
             budget -= n
-            if n == missing:
+            if k and n == missing:
                 work.append((r, shadow, k))
             else:
                 behind.append((shadow, n))
@@ -269,6 +298,17 @@ class DraftProposer:
         back = torch.empty(len(order), dtype=torch.int64)
         back[torch.tensor(order)] = torch.arange(len(order))
         return logits[back]  # (B, V) in the order given
+
+
+@dataclass(slots=True)
+class _CatchUp:
+    """A request the draft computes for this step (its catch-up ahead of any draft)."""
+
+    request: Request  # the target's request
+    shadow: Request  # the draft's view of it, synced
+    k: int  # drafts to make once caught up; 0: the target is prefilling, none this step
+    upto: int  # the shadow's tokens to have computed before drafting (or at most, prefilling)
+    reserve: int  # tokens its draft blocks are reserved for before any of them is computed
 
 
 class _GrammarDrafts:

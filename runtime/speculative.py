@@ -27,15 +27,18 @@ Proposers (one interface, `Proposer`: propose for (request, k) pairs, forget a r
   `ngram_min`) that occurred before; the tokens that followed its latest earlier occurrence.
 - draft model (runtime/draft.py): a small model sharing the target's tokenizer, with its own
   paged KV cache, runs k single-token steps; for sampled requests its processed distribution q
-  at each draft (`Request.spec_draft_probs`) goes to `verify`.
+  at each draft (`Request.spec_draft_probs`) goes to `verify`. It is also given the requests
+  whose target prefill is under way (and that will speculate after it), to compute its own KV
+  of their prompts alongside the target's, so that they draft from their first decode steps.
 Adaptive control (`SpecController`): each request's draft length follows its recent acceptance
 (an exponential average of accepted drafts per step, plus one, between 1 and k; the full k again
 as soon as a verification keeps every draft: copying is all or nothing); a request whose average
 falls below `MIN_ACCEPTED` drafts per step (after `MIN_HISTORY` verifications) stops drafting
 for `PAUSE_STEPS` steps, twice as long after each failed probe (up to `MAX_PAUSE_STEPS`), then
 probes with one draft (a proposer that rarely agrees costs a few percent, not a fifth); no request
-is speculated while the step's decodes would exceed `max_batch_tokens` tokens with their drafts
-(on a batch that large the forward pass is compute-bound and drafts cost what they save).
+is speculated (nor a draft's prefill computed) while the step's decodes would exceed
+`max_batch_tokens` tokens with their drafts (on a batch that large the forward pass is
+compute-bound and drafts cost what they save).
 """
 
 from __future__ import annotations
@@ -43,6 +46,7 @@ from __future__ import annotations
 import math
 import numbers
 import os
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -161,10 +165,18 @@ def ngram_propose(tokens: list[int], k: int, n_min: int, n_max: int) -> list[int
 
 
 class Proposer(Protocol):
-    def propose(self, batch: list[tuple[Request, int]], running: list[Request]) -> None:
+    def propose(
+        self,
+        batch: list[tuple[Request, int]],
+        running: list[Request],
+        prefilling: Sequence[tuple[Request, int]] = (),
+    ) -> None:
         """Set `spec_token_ids` (at most k) of each request in `batch`, and `spec_draft_probs`
         where the drafts were drawn from a distribution other than a point mass. `running`: every
-        running request (state kept for any other may go)."""
+        running request (state kept for any other may go). `prefilling`: running requests whose
+        target prefill is under way and that will speculate once it ends, each with the most
+        drafts it may then ask for; a proposer with a cache of its own may fill it over the
+        tokens the target has computed meanwhile (no drafts for them this step)."""
 
     def forget(self, request_id: str) -> None:
         """The request finished (or was aborted): drop what is kept for it."""
@@ -189,7 +201,12 @@ class NgramProposer:
     def __init__(self, n_min: int, n_max: int) -> None:
         self.n_min, self.n_max = n_min, n_max
 
-    def propose(self, batch: list[tuple[Request, int]], running: list[Request]) -> None:
+    def propose(
+        self,
+        batch: list[tuple[Request, int]],
+        running: list[Request],
+        prefilling: Sequence[tuple[Request, int]] = (),
+    ) -> None:
         for r, k in batch:
             drafts = ngram_propose(r.all_token_ids, k, self.n_min, self.n_max)
             r.spec_token_ids = grammar_allowed(r, drafts)
@@ -229,27 +246,43 @@ class SpecController:
         for r in running:
             r.spec_token_ids, r.spec_draft_probs = [], None
         batch: list[tuple[Request, int]] = []
+        prefilling: list[tuple[Request, int]] = []
         if len(decodes) * (1 + cfg.num_tokens) > cfg.max_batch_tokens:
             decodes = []  # compute-bound: drafts would cost what they save
+        else:  # (compute-bound, a draft's prefill is spared too)
+            for r in running:
+                if r.num_tokens - r.num_computed_tokens > 1 and self._may_speculate(r):
+                    # the most it may draft at its first decode (the token its prefill samples
+                    # counted in); none: no draft prefill (max_tokens 1, a full context)
+                    k = min(cfg.num_tokens, self._room(r) - 1)
+                    if k >= 1 and not self._paused.get(r.request_id, 0):
+                        prefilling.append((r, k))
         for r in decodes:
-            p = r.params
-            if len(r.output_token_ids) < p.min_tokens:
+            if len(r.output_token_ids) < r.params.min_tokens:
                 continue  # (the sampler holds its stop tokens back: one token a step until then)
-            if _has_penalty(p) or (p.seed is not None and p.temperature > 0):
-                # a seeded sample must not depend on the batch: whether drafts ride along does
-                # (the step's load decides), and verification draws from the seed's generator
-                # differently from plain sampling
+            if not self._may_speculate(r):
                 continue
             left = self._paused.get(r.request_id, 0)
             if left:
                 self._paused[r.request_id] = left - 1
                 continue
-            room = min(r.max_tokens - len(r.output_token_ids) - 1,
-                       self.max_model_len - r.num_tokens)  # fmt: skip
-            k = min(self._length(r.request_id), room)
+            k = min(self._length(r.request_id), self._room(r))
             if k >= 1:
                 batch.append((r, k))
-        self.proposer.propose(batch, running)
+        self.proposer.propose(batch, running, prefilling)
+
+    @staticmethod
+    def _may_speculate(r: Request) -> bool:
+        p = r.params
+        # a seeded sample must not depend on the batch: whether drafts ride along does (the
+        # step's load decides), and verification draws from the seed's generator differently
+        # from plain sampling
+        return not (_has_penalty(p) or (p.seed is not None and p.temperature > 0))
+
+    def _room(self, r: Request) -> int:
+        """The most drafts a decode of `r` may carry now: what max_tokens and the context leave
+        after the token it samples."""
+        return min(r.max_tokens - len(r.output_token_ids) - 1, self.max_model_len - r.num_tokens)
 
     def _length(self, request_id: str) -> int:
         avg = self._accept.get(request_id)

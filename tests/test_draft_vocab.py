@@ -20,6 +20,7 @@ import json
 import re
 import shutil
 from collections import Counter
+from collections.abc import Sequence
 from pathlib import Path
 
 import pytest
@@ -152,8 +153,12 @@ def test_a_sampled_draft_s_q_spans_the_target_s_width(
     seen: list[torch.Tensor] = []
     propose = proposer.propose
 
-    def kept(batch: list[tuple[Request, int]], running: list[Request]) -> None:
-        propose(batch, running)
+    def kept(
+        batch: list[tuple[Request, int]],
+        running: list[Request],
+        prefilling: Sequence[tuple[Request, int]] = (),
+    ) -> None:
+        propose(batch, running, prefilling)
         seen.extend(r.spec_draft_probs for r, _ in batch if r.spec_draft_probs is not None)
 
     monkeypatch.setattr(proposer, "propose", kept)
