@@ -242,9 +242,10 @@ async def _resources(app: web.Application) -> AsyncIterator[None]:
 
 
 async def _shutting_down(app: web.Application) -> None:
-    """on_shutdown: the listener is closed, and aiohttp now gives the requests in flight its
-    shutdown timeout before it cancels them unanswered. Those held for a worker to start
-    (scale from zero) could wait a minute: they are answered 503 at once (`Proxy.shut_down`)."""
+    """on_shutdown: the listener is closed. Requests held for a worker to start (scale from
+    zero) are answered 503 at once; those at a worker get `--drain-timeout` to finish, then end
+    with a 503 or a stream's closing error event (`Proxy.shut_down`), before aiohttp's own
+    shutdown timeout would cancel them unanswered."""
     proxy = app.get(PROXY)
     if proxy is not None:
         proxy.shut_down()
@@ -310,6 +311,9 @@ def _refusal(status: int, exc: BaseException | None) -> web.Response:
     return _json(err.body(), err.status, err.headers())
 
 
+DRAIN_MARGIN_S = 5.0  # aiohttp's own shutdown wait beyond the drain: the cut requests' answers
+
+
 def make_runner(app: web.Application, config: GatewayConfig) -> web.AppRunner:
     """The runner `serve` runs `app` (make_app's) with."""
     # keepalive_timeout: aiohttp closes a connection whose handler still waits for a request
@@ -319,8 +323,10 @@ def make_runner(app: web.Application, config: GatewayConfig) -> web.AppRunner:
     # dropped for this long before the connection closes (aiohttp's 10 s let a client that
     # stopped sending hold it 10 s past its 408)
     # auto_decompress: off, the app decodes request bodies itself (proxy._decompressed)
+    # shutdown_timeout: past the proxy's drain (Proxy.shut_down), whose cut answers then go out
     return AppRunner(app, _refusal, handler_cancellation=True, access_log=None,
-                     shutdown_timeout=5.0, keepalive_timeout=config.idle_timeout_s,
+                     shutdown_timeout=config.drain_timeout_s + DRAIN_MARGIN_S,
+                     keepalive_timeout=config.idle_timeout_s,
                      lingering_time=1.0, auto_decompress=False, max_line_size=MAX_HEADER_BYTES,
                      max_field_size=MAX_HEADER_BYTES, max_headers=MAX_HEADERS)  # fmt: skip
 

@@ -42,6 +42,9 @@ class GatewayConfig:
     routing: str = "cache-aware"  # "cache-aware" | "round-robin" (a baseline for benchmarks)
     hold_timeout_s: float = 60.0  # a request for a model no worker serves, that a pool can
     # start a worker for, waits this long for the worker (scale from zero) before a 503
+    # on SIGTERM, requests in flight get this long to finish (the listener closed); those still
+    # going then end: a 503, or a stream's closing error event (code gateway_shutting_down)
+    drain_timeout_s: float = 30.0
     disagg_min_tokens: int = 32  # disaggregated: prompts with fewer uncached tokens on the
     # decode worker are computed there (a transfer costs more than such a prefill)
     telemetry: TelemetryConfig | None = None  # traces/metrics export; None: /metrics only
@@ -77,6 +80,10 @@ class GatewayConfig:
             raise ValueError(f"max_attempts must be at least 1, got {self.max_attempts}")
         if self.routing not in ("cache-aware", "round-robin"):
             raise ValueError(f"routing must be cache-aware or round-robin, got {self.routing!r}")
+        if not 0 < self.drain_timeout_s <= 3600:
+            raise ValueError(
+                f"drain_timeout_s (--drain-timeout) must be in (0, 3600], got {self.drain_timeout_s}"
+            )
         if self.hold_timeout_s < 0:
             raise ValueError(f"hold_timeout_s must be >= 0, got {self.hold_timeout_s}")
         if self.disagg_min_tokens < 0:

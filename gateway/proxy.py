@@ -213,6 +213,9 @@ class Proxy:
         # first hold: a Proxy may be made outside one)
         self._shutdown: asyncio.Future[None] | None = None
         self._holding = 0  # requests held now (`hold_for_worker`)
+        # the handlers of the API requests in flight (`handle`), and those the drain's end cut
+        self._in_flight: set[asyncio.Task[Any]] = set()
+        self._cut: set[asyncio.Task[Any]] = set()
 
     # ------------------------------------------------------------------ phases
     async def handle(
@@ -223,6 +226,9 @@ class Proxy:
         tel = self.tel
         tel.start(call, request.headers, operation)
         err: APIError | None = None
+        task = asyncio.current_task()
+        if task is not None:
+            self._in_flight.add(task)
         try:
             call.session_id = _session_id(request)  # validate
             body = await _read_json(request, self.config.max_body_bytes, self.config.body_timeout_s)
@@ -253,13 +259,22 @@ class Proxy:
             err = e
             _client_names(e, call)
             raise
-        except (asyncio.CancelledError, ConnectionError):  # the client went away
+        except asyncio.CancelledError:
+            if task is None or task not in self._cut:  # the client went away
+                err = client_gone()
+                raise
+            task.uncancel()  # the drain ran out before the answer began: a 503 it may retry
+            err = self._drain_over_error()
+            raise err from None
+        except ConnectionError:  # the client went away
             err = client_gone()
             raise
         except Exception as e:  # (the app's error middleware answers and logs it)
             err = from_exception(e, request.method, request.path, self.config.max_body_bytes)
             raise
         finally:
+            self._in_flight.discard(task)  # type: ignore[arg-type]
+            self._cut.discard(task)  # type: ignore[arg-type]
             tel.finish(calls, call.assembler, err or call.stream_error)
 
     async def dispatch(self, call: Call) -> tuple[Events, list[dict[str, Any]]]:
@@ -748,6 +763,34 @@ class Proxy:
                         "503 (to be retried on another gateway)", self._holding)  # fmt: skip
         if self._shutdown is not None and not self._shutdown.done():
             self._shutdown.set_result(None)
+        at_workers = len(self._in_flight) - self._holding
+        if at_workers > 0:
+            log.warning("shutting down: %d request(s) in flight get up to %gs to finish "
+                        "(--drain-timeout)", at_workers, self.config.drain_timeout_s)  # fmt: skip
+        with contextlib.suppress(RuntimeError):  # (no loop: nothing can be in flight either)
+            asyncio.get_running_loop().call_later(self.config.drain_timeout_s, self._drain_over)
+
+    def _drain_over(self) -> None:
+        """The drain's end: every request still in flight ends now, a 503 if its answer had not
+        begun, else a closing error event on its stream (`handle`, `_stream`); closing its
+        worker stream aborts it there. aiohttp's shutdown timeout, a little later, would have
+        cancelled them unanswered (an empty reply, or a stream that just stops)."""
+        tasks = [t for t in self._in_flight if not t.done()]
+        if tasks:
+            log.warning("drain timeout (%gs) over: %d request(s) still in flight end now (503, "
+                        "or a closing error event; the client may retry them)",
+                        self.config.drain_timeout_s, len(tasks))  # fmt: skip
+        for t in tasks:
+            self._cut.add(t)
+            t.cancel()
+
+    def _drain_over_error(self) -> APIError:
+        return unavailable(
+            f"this gateway is shutting down and its drain timeout ({self.config.drain_timeout_s:g}"
+            "s) ran out before the answer ended; retry the request, on another gateway",
+            self.config.retry_after_s,
+            "gateway_shutting_down",
+        )
 
     def _shutdown_future(self) -> asyncio.Future[None]:
         if self._shutdown is None:
@@ -1034,6 +1077,15 @@ class Proxy:
             return resp
         except ConnectionError:  # the client went away; closing the streams aborts on workers
             call.stream_error = client_gone()  # (recorded, not counted as an answer's error)
+            return resp
+        except asyncio.CancelledError:
+            task = asyncio.current_task()
+            if task is None or task not in self._cut:  # the client went away
+                raise
+            task.uncancel()  # the drain ran out mid-answer: its last chunk says so
+            error = self._drain_over_error()
+            self._stream_failed(call, error)
+            await _send_quietly(resp, sse(error.body()) + SSE_DONE)
             return resp
         finally:
             await events.aclose()  # (before the streams: it may be reading them)

@@ -369,6 +369,9 @@ def region_layer(
     pod_resources = {"requests": {"cpu": cpu, "memory": memory},
                      "limits": {"memory": memory_limit, **({"nvidia.com/gpu": gpus} if gpus else {})}}  # fmt: skip
     pods = [("StatefulSet", "worker")] + ([("Deployment", "pool")] if pool_max else [])
+    # the gateways drain as long as the workers (--drain-timeout): their grace follows it too
+    patches.append(_inline({"apiVersion": "apps/v1", "kind": "Deployment", "metadata": {"name": "gateway"},
+                            "spec": {"template": {"spec": {"terminationGracePeriodSeconds": drain + GRACE_MARGIN_S}}}}))  # fmt: skip
     for kind, name in pods:
         pod: dict[str, Any] = {"terminationGracePeriodSeconds": drain + GRACE_MARGIN_S,
                                "containers": [{"name": name, "resources": pod_resources}]}  # fmt: skip

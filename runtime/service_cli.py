@@ -271,6 +271,7 @@ def cmd_gateway(args: argparse.Namespace) -> int:
         routing=args.routing,
         disagg_min_tokens=args.disagg_min_tokens,
         hold_timeout_s=args.hold_timeout,
+        drain_timeout_s=args.drain_timeout,
         telemetry=_telemetry_config(args, "edgeinfer-gateway", args.region),
     )
     _run(serve(config))
@@ -522,6 +523,11 @@ def add_service_commands(sub: argparse._SubParsersAction, engine_args) -> None: 
         help="with prefill and decode workers: prompts with fewer uncached tokens than this are "
         "computed on the decode worker (default 32)",
     )  # fmt: skip
+    g.add_argument("--drain-timeout", type=float, default=30.0,
+                   help="seconds SIGTERM lets the requests in flight finish (the listener closed, "
+                   "held requests answered 503 at once); those still going then end with a 503 "
+                   "or a stream's closing error event, code gateway_shutting_down (default "
+                   "%(default)s)")  # fmt: skip
     g.add_argument(
         "--hold-timeout", type=float, default=60.0,
         help="seconds a request waits for a pool to start a worker for its model (scale from "

@@ -115,6 +115,8 @@ def _check_commands(region: str, settings: dict[str, Any], resources: list[dict[
             assert worker_flags.drain_timeout == float(env["EDGEINFER_DRAIN_TIMEOUT"])
         if command == "gateway":
             assert (args.host, args.port) == ("0.0.0.0", 8080)
+            # streams in flight at a rolling update finish within the workers' drain
+            assert args.drain_timeout == float(env["EDGEINFER_DRAIN_TIMEOUT"])
             # /metrics on a port of its own, which the public Service does not reach
             assert args.metrics_port == 9464
             assert {"name": "metrics", "containerPort": 9464} in c["ports"]
@@ -147,6 +149,9 @@ def test_deploy_invariants(region: str) -> None:
     worker_set = _by(resources, "StatefulSet", "worker")
     assert worker_set["spec"]["replicas"] == settings["workers"]
     drain = float(config["EDGEINFER_DRAIN_TIMEOUT"])
+    gateway_pod = _by(resources, "Deployment", "gateway")["spec"]["template"]["spec"]
+    prestop = float(gateway["lifecycle"]["preStop"]["exec"]["command"][1])
+    assert gateway_pod["terminationGracePeriodSeconds"] > drain + prestop, region
     for kind, name in (("StatefulSet", "worker"), ("Deployment", "pool")):
         resource = _by(resources, kind, name)
         pod = resource["spec"]["template"]["spec"]
@@ -212,6 +217,8 @@ def test_catalog_settings_flow_into_manifests(tmp_path: Path) -> None:
     worker = _by(resources, "StatefulSet", "worker")
     assert worker["spec"]["replicas"] == 3
     assert worker["spec"]["template"]["spec"]["terminationGracePeriodSeconds"] > 90
+    gateway = _by(resources, "Deployment", "gateway")
+    assert gateway["spec"]["template"]["spec"]["terminationGracePeriodSeconds"] > 90
     c = _container(worker)
     assert c["image"] == "registry.example/ei@sha256:" + "ab" * 32
     assert c["resources"]["limits"] == {"memory": "32Gi", "nvidia.com/gpu": 1}
