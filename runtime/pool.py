@@ -7,12 +7,17 @@ the decode workers running the fewest sequences become prefill workers; with too
 prefill workers with the least prefill work queued become decode workers. Mixed and draining
 workers are left alone. `apply` then asks each chosen worker to switch (`POST /internal/role`),
 all at once; each drains the work of its old role first (runtime/worker.py).
+
+`worker_stats` and `idle_for` read a worker's own account of its load (`GET /internal/stats`):
+the pool manager asks before it stops a worker for idleness, since the worker's registry entry
+is up to a heartbeat old (runtime/pool_manager.py).
 """
 
 from __future__ import annotations
 
 import asyncio
 from dataclasses import dataclass
+from typing import Any
 
 import aiohttp
 import orjson
@@ -76,3 +81,33 @@ async def apply(changes: list[RoleChange], secret: str, timeout_s: float = 120.0
                 change.result = f"failed: {e!r}"
 
         await asyncio.gather(*(one(c) for c in changes))
+
+
+async def worker_stats(url: str, secret: str, timeout_s: float) -> dict[str, Any]:
+    """The worker's own account of its load (`GET {url}/internal/stats`). Raises
+    aiohttp.ClientError, TimeoutError, or ValueError (an answer that is not a stats object)."""
+    timeout = aiohttp.ClientTimeout(total=timeout_s)
+    async with (
+        aiohttp.ClientSession(timeout=timeout) as http,
+        http.get(f"{url}/internal/stats", headers={SECRET_HEADER: secret}) as resp,
+    ):
+        body = await resp.read()
+    if resp.status != 200:
+        raise ValueError(f"/internal/stats answered {resp.status}")
+    stats = orjson.loads(body)
+    if not isinstance(stats, dict):
+        raise ValueError("/internal/stats answered no object")
+    return stats
+
+
+def idle_for(stats: dict[str, Any], wall: float) -> float | None:
+    """Seconds since the worker whose `/internal/stats` is `stats` last had work (a request's
+    arrival, or work in flight: the worker then counts itself active now), at unix time `wall`;
+    None while it runs, queues or streams anything, or drains."""
+    try:
+        if (stats["running"] or stats["waiting"] or stats["open_requests"]
+                or stats["draining"]):  # fmt: skip
+            return None
+        return wall - max(float(stats["last_active_at"]), float(stats["started_at"]))
+    except (KeyError, TypeError, ValueError):  # (not a worker's stats)
+        return None

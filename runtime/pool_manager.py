@@ -30,7 +30,27 @@ A worker that exits before it registers, or does not register within `ready_time
 to start: the pool publishes `failed` with the time of its next attempt (exponential backoff, so
 waiting gateways answer 503 with that Retry-After), and tries again only once requests come
 back. Every start, ready, stop and failure is appended to the region's event stream with its
-timings (`edgeinfer pool --events` prints them) and logged.
+timings (`edgeinfer pool --events` prints them) and logged. What a failure publishes (the
+status gateways relay in their 503s, the event) is a short cause: how the worker ended, and its
+own one-line error with paths cut to their last part and addresses left out; its last output
+lines (the model folder, its internal URL, its KV-transfer address) go to the pool's log only.
+
+A ready worker that leaves the registry while its process lives on (it stopped heartbeating: a
+hung engine step, SIGSTOP, a frozen VM) is *silent* once a tick has found it missing for
+SILENT_BEATS of its heartbeats (a Redis that lost its data has every entry back within one):
+logged once, and no longer counted as serving or towards the minimum, so held requests get a
+replacement where a slot is free. Missing for SILENT_GRACE_BEATS heartbeats (20 s at the
+worker's default 2 s, after the 10 s its entry took to expire) it is told to stop, freeing its
+slot (at --max-workers 1 every model waited behind it for good), and killed if it has neither
+exited nor come back (draining) SILENT_BEATS heartbeats later. One that comes back before it is
+told to stop (SIGCONT, an engine step that ends) is counted again.
+
+Before an idle stop (and a stop to make room) the pool asks the worker itself
+(`/internal/stats`): its registry entry is up to a heartbeat old, and a worker that had just
+taken a request was stopped mid-stream. The SIGTERM follows the answer with no wait between;
+a request that reaches the worker after the answer and before the signal is drained (served,
+within the worker's --drain-timeout), one after it is refused 503 `draining` with Retry-After,
+which gateways send to another worker or hold for the next one.
 """
 
 from __future__ import annotations
@@ -40,6 +60,7 @@ import contextlib
 import logging
 import math
 import os
+import re
 import secrets
 import signal
 import sys
@@ -56,6 +77,7 @@ from kvstore.protocol import WorkerInfo
 from kvstore.redis_server import find_free_port
 from kvstore.registry import Registry
 from runtime.lifeline import Lifeline
+from runtime.pool import idle_for, worker_stats
 from runtime.zygote import SPAWN_TIMEOUT_S, ForkedProcess, ZygoteClient, ZygoteError
 
 log = logging.getLogger("edgeinfer.pool")
@@ -81,6 +103,14 @@ DEMAND_FRESH_S = 30.0
 # broke every worker after the first.
 POOL_WORKER_FLAGS = ("--model", "--served-model-name", "--region", "--host", "--port", "--redis",
                      "--worker-id", "--advertise-url", "--no-redis")  # fmt: skip
+# a silent worker (see the module docstring): counted in its own heartbeats (those its last
+# registry entry gave; DEFAULT_BEAT_S when it gave none), each span at least SILENT_MIN_S
+SILENT_BEATS = 2  # missing this long: silent; told to stop this long ago: killed
+SILENT_GRACE_BEATS = 10  # missing this long: told to stop
+SILENT_MIN_S = 1.0
+DEFAULT_BEAT_S = 2.0  # `edgeinfer worker --heartbeat`'s default
+STATS_TIMEOUT_S = 2.0  # a worker's /internal/stats, asked before it is stopped for idleness
+ROOM_QUIET_S = 1.0  # a worker stopped to make room has had no work for this long, by its account
 # ports a worker listens on besides its API: one value for every worker of a pool is taken by
 # the first, and each later one fails to start (each picks a free one when not given)
 PER_WORKER_PORTS = ("--dist-port", "--kv-port")
@@ -208,6 +238,19 @@ class Managed:
     stopping: float = 0.0  # monotonic time it was sent SIGTERM (0: not asked to stop)
     exited: float = 0.0  # monotonic time its exit was seen, while the pool shuts down
     tail: deque[str] = field(default_factory=lambda: deque(maxlen=20))  # its last output lines
+    beat_s: float = 0.0  # its heartbeat period, as its registry entry says (0: not said yet)
+    missing: float = 0.0  # monotonic time a tick found it ready but not registered (0: listed)
+    silent: bool = False  # missing for SILENT_BEATS heartbeats: not counted as serving
+    killed: bool = False  # silent after its SIGTERM too: sent SIGKILL
+
+    @property
+    def serving(self) -> bool:
+        """Ready, not told to stop, and heard from (not silent)."""
+        return bool(self.ready) and not self.stopping and not self.silent
+
+    def beats_s(self, beats: int) -> float:
+        """`beats` of its heartbeats, in seconds (at least SILENT_MIN_S)."""
+        return max(SILENT_MIN_S, beats * (self.beat_s or DEFAULT_BEAT_S))
 
 
 @dataclass(slots=True)
@@ -247,7 +290,9 @@ def decide(
     `wall`: unix time (the registry's clock)."""
     serving = [w for w in registered if not w.draining]
     starting = [m for m in ours if not m.ready and not m.stopping]
-    active = [m for m in ours if not m.stopping]
+    # (a silent worker, ready but gone from the registry, is not counted: a hung engine step or
+    # a frozen process held its model at "no worker, none to start" for good)
+    active = [m for m in ours if not m.stopping and not m.silent]
     if waiting:
         state.wanted_at = now
     if serving and all(w.waiting >= cfg.scale_up_queue or w.overloaded for w in serving):
@@ -261,7 +306,7 @@ def decide(
     # demand since the last failed start or scale-down, and recent (or a worker that died
     # long after its last request would be started again with nobody waiting)
     asked = state.wanted_at > state.settled_at and now - state.wanted_at <= DEMAND_FRESH_S
-    if can_start and not serving and not any(m.ready for m in active) and asked:
+    if can_start and not serving and not any(m.serving for m in active) and asked:
         return Decision(start=True, why=f"scale from zero ({waiting} waiting)")
     if can_start and state.queueing_since and now - state.queueing_since >= cfg.scale_up_after_s:
         state.queueing_since = now  # the next one only after another full period of queueing
@@ -292,7 +337,7 @@ def needs_room(state: ModelState, ours: list[Managed], registered: list[WorkerIn
     but for the pool's process slots, all taken and none `freeing` (a worker of the pool is
     stopping: its slot is the next one free, and stopping another would free two)."""
     serving = [w for w in registered if not w.draining]
-    active = [m for m in ours if not m.stopping]
+    active = [m for m in ours if not m.stopping and not m.silent]
     return (bool(waiting) and room <= 0 and not freeing and not serving and not active
             and now >= state.retry_at)  # fmt: skip
 
@@ -311,7 +356,7 @@ def make_room(cfg: PoolConfig, managed: list[Managed], registered: list[WorkerIn
     by_id = {w.worker_id: w for w in registered}
     counts: dict[str, int] = {}
     for m in managed:
-        if not m.stopping:
+        if not m.stopping and not m.silent:
             counts[m.model] = counts.get(m.model, 0) + 1
     best, best_idle = None, -1.0
     for m in managed:
@@ -427,6 +472,8 @@ class Pool:
         ids = {w.worker_id for w in registered}
         exited = await self._reap(ids, now)
         registered = [w for w in registered if w.worker_id not in exited]
+        by_id = {w.worker_id: w for w in registered}
+        await self._watch(by_id, now)
         # a start's claim is a lease renewed while the worker starts: a pool that dies (SIGKILL,
         # the OOM killer) holds up the region's other pools for ttl_s, not ready_timeout_s
         for model in {m.model for m in self.managed.values() if not m.ready and not m.stopping}:
@@ -453,21 +500,28 @@ class Pool:
                 except Exception as e:  # no process at all (exec failed, out of descriptors or
                     # memory): a failed start, not a tick that dies holding the start's claim
                     await self._failed(f"{cfg.pool_id}-w{self._serial}", model,
-                                       f"could not start a process: {e!r}", now)  # fmt: skip
+                                       f"could not start a process: {_public(str(e))}", now,
+                                       repr(e))  # fmt: skip
             for wid in d.stop:
-                await self._request_stop(self.managed[wid], d.why)
-                state.settled_at = now
+                if await self._confirmed_idle(self.managed[wid], by_id.get(wid), cfg.idle_s):
+                    # (SIGTERM at once after the worker's answer: nothing awaits in between)
+                    await self._request_stop(self.managed[wid], d.why)
+                    state.settled_at = now
             freeing = any(m.stopping for m in self.managed.values())
             if not d.start and needs_room(state, ours, mine, waiting, room, now, freeing):
                 victim = make_room(cfg, list(self.managed.values()), registered, model, wall,
                                    now)  # fmt: skip
                 if victim is not None:  # its slot frees once it has exited: a tick then starts
                     stopped = self.managed[victim]
-                    # a scale-down: its model's past demand is spent (or it would take the slot)
-                    self.states[stopped.model].settled_at = now
-                    await self._request_stop(
-                        stopped, f"making room for {model} ({waiting} waiting)"
-                    )
+                    # (asked first, as for an idle stop: one that has just taken work is asked
+                    # again at the next tick)
+                    if await self._confirmed_idle(stopped, by_id.get(victim), ROOM_QUIET_S):
+                        # a scale-down: its model's past demand is spent (or it would take the
+                        # slot)
+                        self.states[stopped.model].settled_at = now
+                        await self._request_stop(
+                            stopped, f"making room for {model} ({waiting} waiting)"
+                        )
                 elif not state.full:
                     state.full = True
                     await self._status(model, ModelStatus("full", cfg.pool_id))
@@ -595,10 +649,10 @@ class Pool:
                 with contextlib.suppress(ProcessLookupError):  # (exited meanwhile)
                     m.proc.kill()
             elif code is None and not m.ready and now - m.started > cfg.ready_timeout_s:
-                m.tail.append(f"not registered after {cfg.ready_timeout_s:.0f}s; killed")
                 m.proc.kill()
                 await m.proc.wait()
-                await self._failed(m.worker_id, m.model, _tail(m), now)
+                cause = f"not registered after {cfg.ready_timeout_s:.0f}s; killed"
+                await self._failed(m.worker_id, m.model, _cause(m, cause), now, _tail(m))
             elif code is not None:
                 del self.managed[m.worker_id]
                 exited.add(m.worker_id)
@@ -610,11 +664,13 @@ class Pool:
                     await self._record("stop", m.worker_id, m.model, stop_s=f"{took:.3f}",
                                        code=code)  # fmt: skip
                 elif not m.ready:
-                    m.tail.append(f"exited with code {code} before registering")
+                    cause = f"exited with code {code} before registering"
                     if m.worker_id in registered:  # (it had, since the last tick: its entry
                         # listed a dead worker to the gateways until its TTL ran out)
+                        cause = (f"exited with code {code} after registering, before the "
+                                 "pool saw it ready")  # fmt: skip
                         await self._forget(m)
-                    await self._failed(m.worker_id, m.model, _tail(m), now)
+                    await self._failed(m.worker_id, m.model, _cause(m, cause), now, _tail(m))
                 else:
                     log.warning("worker %s exited with code %s", m.worker_id, code)
                     await self._record("exit", m.worker_id, m.model, code=code)
@@ -622,6 +678,67 @@ class Pool:
                     if code != 0 and now - m.ready < CRASH_WINDOW_S:
                         await self._crashed(m, code, now)
         return exited
+
+    async def _watch(self, listed: dict[str, WorkerInfo], now: float) -> None:
+        """Ready workers that left the registry while their process lives on (see the module
+        docstring): silent, then told to stop, then killed; counted again if they come back.
+        `listed`: the region's registry entries, by id."""
+        for m in list(self.managed.values()):
+            if not m.ready or m.proc.returncode is not None or m.killed:
+                continue
+            w = listed.get(m.worker_id)
+            if w is not None:
+                m.beat_s = w.heartbeat_s or m.beat_s
+                if m.silent:
+                    log.warning("worker %s is in the registry again after %.1fs away: counted "
+                                "as serving again", m.worker_id, now - m.missing)  # fmt: skip
+                    await self._record("back", m.worker_id, m.model,
+                                       away_s=f"{now - m.missing:.1f}")  # fmt: skip
+                m.missing, m.silent = 0.0, False
+                continue
+            if m.stopping and not m.silent:
+                continue  # (a drain leaves the registry before its process exits)
+            m.missing = m.missing or now
+            gone = now - m.missing
+            if m.stopping:  # silent, and told to stop: no exit, no sign of a drain
+                if now - m.stopping >= m.beats_s(SILENT_BEATS):
+                    m.killed = True
+                    log.warning("worker %s (pid %d) is still silent %.1fs after its SIGTERM: "
+                                "killing it", m.worker_id, m.proc.pid, now - m.stopping)  # fmt: skip
+                    with contextlib.suppress(ProcessLookupError):  # (exited meanwhile)
+                        m.proc.kill()
+                    await self._record("kill", m.worker_id, m.model,
+                                       silent_s=f"{gone:.1f}")  # fmt: skip
+                continue
+            if not m.silent and gone >= m.beats_s(SILENT_BEATS):
+                m.silent = True
+                grace = m.beats_s(SILENT_GRACE_BEATS)
+                log.warning("worker %s (pid %d) of %s has left the registry (no heartbeat; a "
+                            "hung engine step, a stopped or frozen process?): not counted as "
+                            "serving; stopped unless it comes back within %.1fs", m.worker_id,
+                            m.proc.pid, m.model, grace - gone)  # fmt: skip
+                await self._record("silent", m.worker_id, m.model, missing_s=f"{gone:.1f}")
+            if m.silent and gone >= m.beats_s(SILENT_GRACE_BEATS):
+                await self._request_stop(m, f"silent for {gone:.1f}s")
+
+    async def _confirmed_idle(self, m: Managed, w: WorkerInfo | None, idle_s: float) -> bool:
+        """Whether the worker itself says it has nothing in flight and has had no request for
+        `idle_s` (its registry entry, which said so, is up to a heartbeat old: a worker that had
+        just taken a request was stopped mid-stream). No answer: not confirmed."""
+        if w is None:
+            return False
+        try:
+            stats = await worker_stats(w.url, self.cfg.secret, STATS_TIMEOUT_S)
+        except Exception as e:  # (aiohttp.ClientError, TimeoutError, ValueError)
+            log.info("not stopping %s: its stats could not be read (%s)", m.worker_id,
+                     f"{type(e).__name__}: {e}" if str(e) else type(e).__name__)  # fmt: skip
+            return False
+        idle = idle_for(stats, time.time())
+        if idle is None or idle < idle_s:
+            log.info("not stopping %s: it has work (%s)", m.worker_id,
+                     "in flight" if idle is None else f"a request {idle:.1f}s ago")  # fmt: skip
+            return False
+        return True
 
     async def _forget(self, m: Managed) -> None:
         """A worker that died unasked leaves the registry now, not when its entry expires."""
@@ -646,8 +763,12 @@ class Pool:
         log.warning("%s, %d in a row; the next start of %s in %.0fs", error, state.crashes,
                     m.model, delay)  # fmt: skip
 
-    async def _failed(self, worker_id: str, model: str, error: str, now: float) -> None:
-        """A start that gave no worker: its claim released, the next one after a backoff."""
+    async def _failed(
+        self, worker_id: str, model: str, error: str, now: float, detail: str = ""
+    ) -> None:
+        """A start that gave no worker: its claim released, the next one after a backoff.
+        `error`, its cause, is published (status, event: gateways relay it to clients);
+        `detail` (the worker's last output lines) is logged only."""
         self.managed.pop(worker_id, None)
         await self._release_start(model)
         state = self.states[model]
@@ -655,8 +776,9 @@ class Pool:
         state.settled_at = now
         delay = await self._back_off(model, state.failures, error, now)
         log.warning(
-            "worker %s for %s failed to start (attempt %d); next try in %.0fs: %s",
+            "worker %s for %s failed to start (attempt %d); next try in %.0fs: %s%s",
             worker_id, model, state.failures, delay, error,
+            f"; its last output: {detail}" if detail else "",
         )  # fmt: skip
         await self._record("fail", worker_id, model, attempts=state.failures,
                            retry_in_s=f"{delay:.1f}", error=error)  # fmt: skip
@@ -740,8 +862,30 @@ class Pool:
 
 
 def _tail(m: Managed) -> str:
-    """A worker's last output lines, as one line for a record or a status."""
+    """A worker's last output lines, as one line for the log."""
     return " | ".join(line for line in m.tail if line.strip())[-2000:]
+
+
+_URL = re.compile(r"\b[A-Za-z][\w+.-]*://\S*")
+_ADDRESS = re.compile(r"\[[0-9A-Fa-f:.]+\](?::\d+)?|\b(?:\d{1,3}\.){3}\d{1,3}(?::\d+)?\b"
+                      r"|\blocalhost:\d+\b")  # fmt: skip
+_PATH = re.compile(r"(?<![\w.~-])(?:~|\.{1,2})?/[^\s'\"(),;]*")
+CLI_ERROR = "edgeinfer: error: "  # how `edgeinfer worker` says why it could not start
+
+
+def _cause(m: Managed, how: str) -> str:
+    """What a failed start publishes (the model's status, which gateways relay in their 503s,
+    and the event): `how` it ended, and the worker's own one-line error, if it gave one, with
+    URLs and addresses left out and paths cut to their last part. Its output lines told
+    clients the model's folder, the worker's internal URL and its KV-transfer address."""
+    said = next((line for line in reversed(m.tail) if line.startswith(CLI_ERROR)), "")
+    return f"{_public(said.removeprefix(CLI_ERROR))} ({how})" if said else how
+
+
+def _public(text: str) -> str:
+    """`text` without URLs and addresses, its paths cut to their last part, and short."""
+    text = _ADDRESS.sub("<address>", _URL.sub("<url>", text))
+    return _PATH.sub(lambda p: p.group().rstrip("/").rpartition("/")[2] or "/", text)[:300]
 
 
 async def serve(cfg: PoolConfig) -> None:
