@@ -245,23 +245,18 @@ def check_speculative_flags(args: argparse.Namespace) -> None:
 
 def check_max_model_len(model_dir: str, max_model_len: int | None) -> None:
     """Refuse (a one-line SystemExit) a --max-model-len longer than the model's context, read
-    from its config.json before anything loads (the engine would serve its own length instead,
-    silently, as the Python API still does)."""
+    from its config.json before anything loads, where the engine would refuse it (ValueError,
+    the same words naming its max_model_len) only once it is reading the weights (each of
+    `up`'s workers, say)."""
     if not max_model_len or max_model_len < 0:  # (0: the model's; below 0: EngineConfig's)
         return
     from runtime.config import ModelConfig
 
-    cfg = ModelConfig.from_dir(model_dir)
-    limit = cfg.max_model_len
-    if max_model_len <= limit:
-        return
-    why = ("its sliding_window" if cfg.sliding_window == limit
-           else "max_position_embeddings")  # fmt: skip
-    raise SystemExit(
-        f"edgeinfer: error: --max-model-len {max_model_len} is greater than the model's "
-        f"context length, {limit} ({why} in {Path(model_dir) / 'config.json'}); give at most "
-        f"{limit}, or leave --max-model-len out for {limit}"
+    refusal = ModelConfig.from_dir(model_dir).max_model_len_refusal(
+        model_dir, max_model_len, "--max-model-len"
     )
+    if refusal is not None:
+        raise SystemExit(f"edgeinfer: error: {refusal}")
 
 
 def start_weights_early(model_dir: str, args: argparse.Namespace):  # type: ignore[no-untyped-def]

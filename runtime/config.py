@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 import math
 import numbers
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
@@ -188,6 +188,22 @@ class ModelConfig:
         if self.sliding_window:
             return min(self.max_position_embeddings, self.sliding_window)
         return self.max_position_embeddings
+
+    def max_model_len_refusal(
+        self, model_dir: str | Path, asked: int | None, option: str
+    ) -> str | None:
+        """Why a max_model_len of `asked` (None or 0: the model's own) cannot be served, as
+        `option` (the setting's name: the API's max_model_len, the CLI's --max-model-len) and
+        the model's limit and what in `model_dir`'s config.json sets it; None when it can."""
+        limit = self.max_model_len
+        if not asked or asked <= limit:
+            return None
+        why = "its sliding_window" if self.sliding_window == limit else "max_position_embeddings"
+        return (
+            f"{option} {asked} is greater than the model's context length, {limit} ({why} in "
+            f"{Path(model_dir) / 'config.json'}); give at most {limit}, or leave {option} out "
+            f"for {limit}"
+        )
 
     @classmethod
     def from_dir(cls, model_dir: str | Path) -> ModelConfig:
@@ -468,6 +484,12 @@ class EngineConfig:
             if value < least and name != "max_model_len":  # (its own message, below)
                 raise ValueError(f"{name} must be an integer >= {least}, got {value!r}")
             setattr(self, name, int(value))
+        # switches given as other types were taken for their truth: enable_prefix_caching="no"
+        # turned the prefix cache on (every bool field: True or False only)
+        for f in fields(self):
+            value = getattr(self, f.name)
+            if f.type == "bool" and not isinstance(value, bool):
+                raise ValueError(f"{f.name} must be True or False, got {value!r}")
         if self.dist_port is not None and self.dist_port > 65535:  # (0: a free one)
             raise ValueError(f"dist_port must be a port (1-65535, or 0), got {self.dist_port}")
         ParallelConfig(self.tp, self.pp, self.ep)  # each >= 1, ep and tp compatible

@@ -21,6 +21,7 @@ Disaggregated serving (runtime/disagg.py drives it):
 from __future__ import annotations
 
 import logging
+import numbers
 import time
 from collections import deque
 from dataclasses import dataclass
@@ -189,7 +190,12 @@ class LLMEngine:
         t_model = time.perf_counter()
         self.tokenizer = Tokenizer.from_dir(config.model)
         cfg = self.model.cfg
-        self.max_model_len = min(config.max_model_len or cfg.max_model_len, cfg.max_model_len)
+        # (one past the model's was served as the model's, silently; vLLM and the CLI refuse it)
+        if refusal := cfg.max_model_len_refusal(
+            config.model, config.max_model_len, "max_model_len"
+        ):
+            raise ValueError(refusal)
+        self.max_model_len = config.max_model_len or cfg.max_model_len
         self.kv_dtype = kv_cache_dtype(config.kv_cache_dtype, self.model, cuda or FORCE_TRITON)
         block_bytes = kv_block_bytes(self.model, config.block_size, self.kv_dtype)
         if cuda:  # of the GPU memory left once the weights are on it
@@ -310,12 +316,15 @@ class LLMEngine:
         if not isinstance(prompt, list) or not prompt:
             raise InvalidRequestError("prompt", "must be a non-empty string or list of token ids")
         vocab = self.model.cfg.vocab_size
+        plain = True  # (numpy's integers are integers too: np.int64 ids were refused)
         for t in prompt:
-            if isinstance(t, bool) or not isinstance(t, int):
-                raise InvalidRequestError("prompt", f"token ids must be integers, got {t!r}")
+            if type(t) is not int:
+                if isinstance(t, bool) or not isinstance(t, numbers.Integral):
+                    raise InvalidRequestError("prompt", f"token ids must be integers, got {t!r}")
+                plain = False
             if not 0 <= t < vocab:
                 raise InvalidRequestError("prompt", f"token id {t} is outside [0, {vocab})")
-        return list(prompt)
+        return list(prompt) if plain else [int(t) for t in prompt]
 
     def add_request(
         self, request_id: str, prompt: Prompt, params: SamplingParams | None = None

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import numbers
 import sys
 import time
 from collections import deque
@@ -111,6 +112,7 @@ class LLM:
         for n, conv in enumerate(convs):
             for i, m in enumerate(conv):  # (to name the message; the prompt is checked below)
                 where = "messages" + f"[{n}]" * (len(convs) > 1) + f"[{i}]"
+                _check_message(where, m)  # (went to the chat template unchecked)
                 if isinstance(m.get("content"), list):  # (a copy: the caller's stays as it was)
                     m = conv[i] = {**m, "content": _text_parts(f"{where}.content", m)}
                 if m.get("role") == "developer":  # OpenAI's new name for it, as the gateway
@@ -160,6 +162,29 @@ class LLM:
         return [done[i] for i in ids]
 
 
+def _check_message(where: str, message: dict[str, Any]) -> None:
+    """A message's role (a non-empty string) and content (a string, a list of content parts, or
+    for the assistant null or absent, as with tool calls), as the gateway takes them
+    (gateway/openai_api.py `_messages`): a message without a role, or with a number for its
+    content, went to the chat template, which rendered it as it happened to (a turn with no
+    role, a "5"), or failed with the template's own error."""
+    role = message.get("role")
+    if not isinstance(role, str) or not role:
+        got = "none" if role is None else f"{type(role).__name__} {role!r}"[:80]
+        raise InvalidRequestError(
+            f"{where}.role", f"must be a non-empty string (user, assistant, system, tool, "
+            f"developer), got {got}",
+        )  # fmt: skip
+    content = message.get("content")
+    if content is None and role != "assistant":
+        raise InvalidRequestError(f"{where}.content", f"is required for role {role!r}")
+    if content is not None and not isinstance(content, (str, list)):
+        raise InvalidRequestError(
+            f"{where}.content",
+            f"must be a string or a list of text parts, got {type(content).__name__}",
+        )
+
+
 def _text_parts(param: str, message: dict[str, Any]) -> str:
     """A message's content given as OpenAI's content parts, as the gateway makes it a string
     (gateway/openai_api.py `_content`), so that both give a conversation the same prompt: its
@@ -197,8 +222,9 @@ def _text_parts(param: str, message: dict[str, Any]) -> str:
 def _as_batch(prompts: Prompt | Sequence[Prompt]) -> list[Prompt]:
     if isinstance(prompts, str):
         return [prompts]
-    if isinstance(prompts, list) and prompts and all(isinstance(t, int) for t in prompts):
-        return [prompts]  # type: ignore[list-item]
+    if (isinstance(prompts, list) and prompts
+            and all(isinstance(t, numbers.Integral) for t in prompts)):  # fmt: skip
+        return [prompts]  # type: ignore[list-item]  # (numpy's integers too: each was a prompt)
     if not isinstance(prompts, (list, tuple)) or not prompts:
         raise InvalidRequestError("prompts", "give a prompt or a non-empty list of prompts")
     return list(prompts)  # type: ignore[arg-type]

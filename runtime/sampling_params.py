@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import numbers
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -75,16 +76,16 @@ class SamplingParams:
             self.stop_token_ids = []
         elif isinstance(self.stop_token_ids, tuple):
             self.stop_token_ids = list(self.stop_token_ids)
-        _int_field("n", self.n)
+        self.n = _int_field("n", self.n)
         if self.n < 1 or self.n > 128:
             raise InvalidRequestError("n", f"must be in [1, 128], got {self.n}")
         if self.max_tokens is not None:
-            _int_field("max_tokens", self.max_tokens)
+            self.max_tokens = _int_field("max_tokens", self.max_tokens)
             if self.max_tokens < 1:
                 raise InvalidRequestError(
                     "max_tokens", f"must be at least 1, got {self.max_tokens}"
                 )
-        _int_field("min_tokens", self.min_tokens)
+        self.min_tokens = _int_field("min_tokens", self.min_tokens)
         if self.min_tokens < 0:
             raise InvalidRequestError("min_tokens", f"must be >= 0, got {self.min_tokens}")
         if self.max_tokens is not None and self.min_tokens > self.max_tokens:
@@ -92,34 +93,34 @@ class SamplingParams:
                 "min_tokens",
                 f"must be at most max_tokens ({self.max_tokens}), got {self.min_tokens}",
             )
-        _num_field("temperature", self.temperature)
+        self.temperature = _num_field("temperature", self.temperature)
         if self.temperature < 0:
             raise InvalidRequestError("temperature", f"must be >= 0, got {self.temperature}")
-        _num_field("top_p", self.top_p)
+        self.top_p = _num_field("top_p", self.top_p)
         if not 0.0 < self.top_p <= 1.0:
             raise InvalidRequestError("top_p", f"must be in (0, 1], got {self.top_p}")
-        _int_field("top_k", self.top_k)
+        self.top_k = _int_field("top_k", self.top_k)
         if self.top_k < -1:
             raise InvalidRequestError("top_k", f"must be -1 (disabled) or >= 0, got {self.top_k}")
-        _num_field("min_p", self.min_p)
+        self.min_p = _num_field("min_p", self.min_p)
         if not 0.0 <= self.min_p <= 1.0:
             raise InvalidRequestError("min_p", f"must be in [0, 1], got {self.min_p}")
         if self.seed is not None:
-            _int_field("seed", self.seed)
+            self.seed = _int_field("seed", self.seed)
             if not -(2**63) <= self.seed < 2**63:  # (OpenAI's range; the engine mixes it with
                 # the sequence's index into the 64 bits torch's generators take)
                 raise InvalidRequestError(
                     "seed", f"must be a 64-bit signed integer, in [-2**63, 2**63), got {self.seed}"
                 )
-        _num_field("repetition_penalty", self.repetition_penalty)
+        self.repetition_penalty = _num_field("repetition_penalty", self.repetition_penalty)
         if not 0 < self.repetition_penalty <= MAX_REPETITION_PENALTY:
             raise InvalidRequestError(
                 "repetition_penalty",
                 f"must be > 0 and at most {MAX_REPETITION_PENALTY:g}, got {self.repetition_penalty}",
             )
         for name in ("presence_penalty", "frequency_penalty"):
-            value = getattr(self, name)
-            _num_field(name, value)
+            value = _num_field(name, getattr(self, name))
+            setattr(self, name, value)
             if not -2.0 <= value <= 2.0:
                 raise InvalidRequestError(name, f"must be in [-2, 2], got {value}")
         if not isinstance(self.stop, list) or not all(isinstance(s, str) for s in self.stop):
@@ -130,10 +131,9 @@ class SamplingParams:
             raise InvalidRequestError("stop", f"at most 16 stop strings, got {len(self.stop)}")
         if not isinstance(self.stop_token_ids, list):
             raise InvalidRequestError("stop_token_ids", "must be a list of integers")
-        for t in self.stop_token_ids:
-            _int_field("stop_token_ids", t)
+        self.stop_token_ids = [_int_field("stop_token_ids", t) for t in self.stop_token_ids]
         if self.logprobs is not None:
-            _int_field("logprobs", self.logprobs)
+            self.logprobs = _int_field("logprobs", self.logprobs)
             if not 0 <= self.logprobs <= 20:
                 raise InvalidRequestError("logprobs", f"must be in [0, 20], got {self.logprobs}")
         for name in ("ignore_eos", "include_stop_str_in_output"):
@@ -152,26 +152,40 @@ class SamplingParams:
         return self.temperature < 1e-5
 
 
-def _int_field(name: str, value: object) -> None:
-    if isinstance(value, bool) or not isinstance(value, int):
+def _int_field(name: str, value: object) -> int:
+    """`value` as a Python int, if it is an integer (numpy's are too; a bool is not: True was
+    taken for 1)."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
         raise InvalidRequestError(name, f"must be an integer, got {type(value).__name__}")
+    value = int(value)  # (numpy's int64 was refused: "must be an integer, got int64")
     # (an integer past 64 bits means nothing here, and the messages that printed one past 4,300
     # digits raised ValueError: str() refuses it)
     if not -(2**63) <= value < 2**64:
         raise InvalidRequestError(
             name, f"must fit in 64 bits, got an integer of {value.bit_length()} bits"
         )
+    return value
 
 
-def _num_field(name: str, value: object) -> None:
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
+def _num_field(name: str, value: object) -> int | float:
+    """`value` as a Python int or float, if it is a real number (numpy's are too: float32 was
+    refused; a bool is not)."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
         raise InvalidRequestError(name, f"must be a number, got {type(value).__name__}")
-    if isinstance(value, int) and value.bit_length() >= 1024:  # (math.isfinite: OverflowError)
-        raise InvalidRequestError(
-            name, f"must be a finite number, got an integer of {value.bit_length()} bits"
-        )
+    if isinstance(value, numbers.Integral):
+        value = int(value)
+        if value.bit_length() >= 1024:  # (math.isfinite: OverflowError)
+            raise InvalidRequestError(
+                name, f"must be a finite number, got an integer of {value.bit_length()} bits"
+            )
+    else:
+        try:
+            value = float(value)
+        except (OverflowError, ValueError) as e:  # (a Fraction past float's range)
+            raise InvalidRequestError(name, f"must be a finite number ({e})") from None
     if not math.isfinite(value):
         raise InvalidRequestError(name, f"must be a finite number, got {value}")
+    return value
 
 
 def check_text(param: str, text: str) -> None:

@@ -61,6 +61,12 @@ class StructuredOutputsParams:
     def validate(self, param: str | None = None) -> None:
         """Shape checks (types, exactly one constraint); `check` compiles it. Errors name
         `param`, else the field the constraint came from, else "structured_outputs"."""
+        if self.param is not None and not isinstance(self.param, str):  # (before it names errors:
+            # a param of 5 was reported as "5.param")
+            raise InvalidRequestError(
+                f"{param or 'structured_outputs'}.param",
+                f"must be a string, got {type(self.param).__name__}",
+            )
         param = param or self.param or "structured_outputs"
         given = [
             name
@@ -106,8 +112,6 @@ class StructuredOutputsParams:
                 )
         if not isinstance(self.json_object, bool):
             raise InvalidRequestError(f"{param}.json_object", "must be a boolean")
-        if self.param is not None and not isinstance(self.param, str):
-            raise InvalidRequestError(f"{param}.param", "must be a string")
 
     @classmethod
     def coerce(cls, value: object, param: str = "structured_outputs") -> StructuredOutputsParams:
@@ -145,8 +149,8 @@ def check(spec: StructuredOutputsParams, param: str = "structured_outputs") -> s
     "response_format.json_schema.schema").
     """
     spec.validate(param)
-    if spec.json is not None and json_depth(spec.json) > MAX_JSON_DEPTH:
-        raise InvalidRequestError(param, f"nests deeper than {MAX_JSON_DEPTH} levels")
+    if spec.json is not None:  # (before json.dumps: a cycle or a value it cannot write)
+        check_json_data(spec.json, param)
     import llguidance
 
     size = len(json.dumps(spec.json)) if spec.json is not None else len(spec.regex or "")
@@ -337,12 +341,91 @@ def _not_json(name: str) -> Any:
 
 def json_depth(value: Any) -> int:
     """Levels of nested arrays and objects in `value` (0 for a number or a string), counted
-    level by level: no recursion, whatever the depth."""
+    level by level: no recursion, whatever the depth. Counting stops past MAX_JSON_DEPTH (it
+    returns MAX_JSON_DEPTH + 1 then), and an array or object held several times in a level is
+    read once there: Python values that refer to themselves (`s["self"] = s`) looped forever,
+    or doubled a list each level until MemoryError, and `a = [a, a]` nested 30 times read 2**30
+    leaves."""
     depth, level = 0, [value]
-    while level := [v for v in level if isinstance(v, (list, dict))]:
+    while depth <= MAX_JSON_DEPTH:
+        containers = {id(v): v for v in level if isinstance(v, (list, tuple, dict))}
+        if not containers:
+            break
         depth += 1
-        level = [x for v in level for x in (v.values() if isinstance(v, dict) else v)]
+        level = [x for v in containers.values() for x in (v.values() if isinstance(v, dict) else v)]
     return depth
+
+
+# Values (arrays, objects, strings, numbers, true, false, null) a schema may hold, counted as the
+# JSON text writes them out (a value held twice, twice): each takes at least a character, so a
+# schema holding more is longer than MAX_GRAMMAR_CHARS anyway, and no more are read
+MAX_JSON_VALUES = MAX_GRAMMAR_CHARS
+
+
+def check_json_data(value: Any, param: str) -> None:
+    """Refuse (InvalidRequestError naming `param`) a schema given as Python values that is not
+    JSON data, before json.dumps or llguidance read it: a value JSON has no type for (a set,
+    bytes, an object: json.dumps raised TypeError), a key that is not a string, a number that
+    is not finite (llguidance read inf as null), an array or object that holds itself (a cycle:
+    json_depth looped forever), nesting deeper than MAX_JSON_DEPTH, or more than
+    MAX_JSON_VALUES values as the text would write them (`a = [a, a]` nested 30 times holds
+    2**31 leaves in a few objects: json.dumps would write them all). Errors say where (the keys
+    and indices from the top)."""
+    path: list[str | int] = []
+    ancestors: set[int] = set()  # the arrays and objects `path` goes through
+    left = MAX_JSON_VALUES
+
+    def where() -> str:
+        text = "".join(f"[{k}]" if isinstance(k, int) else f".{k}" for k in path)
+        return f" at {text.removeprefix('.')}" if path else ""
+
+    def walk(v: Any) -> None:
+        nonlocal left
+        left -= 1
+        if left < 0:
+            raise InvalidRequestError(
+                param, f"holds more than {MAX_JSON_VALUES} values (arrays, objects, strings, "
+                f"numbers, ...) as JSON text: longer than the limit of {MAX_GRAMMAR_CHARS} "
+                "characters (an object held in several places counts in each)",
+            )  # fmt: skip
+        if v is None or isinstance(v, (str, bool, int)):
+            return
+        if isinstance(v, float):
+            if not math.isfinite(v):
+                raise InvalidRequestError(param, f"holds the number {v}{where()}: JSON numbers "
+                                          "are finite")  # fmt: skip
+            return
+        if not isinstance(v, (dict, list, tuple)):
+            raise InvalidRequestError(
+                param, f"holds a value of type {type(v).__name__}{where()}, which is not JSON "
+                "(give objects, arrays, strings, numbers, true, false, null)",
+            )  # fmt: skip
+        if id(v) in ancestors:
+            raise InvalidRequestError(
+                param, f"holds itself{where()}: a cycle nests deeper than {MAX_JSON_DEPTH} "
+                "levels, without end",
+            )  # fmt: skip
+        if len(ancestors) >= MAX_JSON_DEPTH:
+            raise InvalidRequestError(param, f"nests deeper than {MAX_JSON_DEPTH} levels")
+        ancestors.add(id(v))
+        if isinstance(v, dict):
+            for key, x in v.items():
+                if not isinstance(key, str):
+                    raise InvalidRequestError(
+                        param, f"has the key {_clip(repr(key))} of type {type(key).__name__}"
+                        f"{where()}: JSON object keys are strings",
+                    )  # fmt: skip
+                path.append(key)
+                walk(x)
+                path.pop()
+        else:
+            for i, x in enumerate(v):
+                path.append(i)
+                walk(x)
+                path.pop()
+        ancestors.discard(id(v))
+
+    walk(value)
 
 
 def _first(messages: list[str]) -> str:
