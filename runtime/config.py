@@ -473,7 +473,7 @@ class EngineConfig:
         for name, least in (("block_size", 1), ("max_num_seqs", 1), ("max_num_batched_tokens", 1),
                             ("max_waiting", 1), ("num_threads", 1), ("tp", 1), ("pp", 1),
                             ("ep", 1), ("kv_cache_bytes", 0), ("dist_port", 0),
-                            ("max_model_len", 0)):  # fmt: skip
+                            ("max_model_len", 0), ("cuda_graph_max_batch", 1)):  # fmt: skip
             value = getattr(self, name)
             if value is None and name in ("num_threads", "kv_cache_bytes", "dist_port",
                                           "max_model_len"):  # fmt: skip
@@ -567,6 +567,10 @@ class EngineConfig:
             raise ValueError(f"kv_cache_commit must be lazy or eager, got {self.kv_cache_commit!r}")
         if self.kv_cache_bytes is not None and self.kv_cache_bytes <= 0:
             raise ValueError(f"kv_cache_bytes must be > 0, got {self.kv_cache_bytes}")
+        if isinstance(self.kv_cache_fraction, bool) or not isinstance(
+            self.kv_cache_fraction, numbers.Real
+        ):  # ("0.5" was a TypeError from the comparison below)
+            raise ValueError(f"kv_cache_fraction must be a number, got {self.kv_cache_fraction!r}")
         if not 0 < self.kv_cache_fraction <= 0.95:
             raise ValueError(
                 f"kv_cache_fraction must be in (0, 0.95], got {self.kv_cache_fraction}"

@@ -272,3 +272,14 @@ def test_chat_takes_an_assistant_message_without_content(llm: LLM) -> None:
             {"role": "user", "content": "Go on"}]  # fmt: skip
     (out,) = llm.chat(conv, GREEDY)
     assert len(out.outputs[0].token_ids) == 4
+
+
+@pytest.mark.parametrize(
+    ("setting", "value"), [("cuda_graph_max_batch", "8"), ("kv_cache_fraction", "0.5"),
+                           ("kv_cache_fraction", True)]
+)  # fmt: skip
+def test_numeric_engine_settings_of_another_type_are_named(setting: str, value: object) -> None:
+    """A string for these was a TypeError from a comparison ('<' not supported between 'str'
+    and 'int'), naming no setting."""
+    with pytest.raises(ValueError, match=f"^{setting} must be"):
+        EngineConfig(model="x", **{setting: value})
