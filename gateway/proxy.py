@@ -11,11 +11,15 @@ as usual and then a prefill worker, whose KV transfer address goes to the decode
 transfer (502 `kv_transfer_failed`, before any byte reached the client) sets that prefill worker
 aside and the request is tried again with another (or computed on the decode worker when none is
 left); a prefill worker that refuses the pull (503 `kv_source_refused`: its KV cache full, say)
-is passed over for this request only, not set aside. The decode worker answers 200 at once and
-sends keepalives while it pulls, so the usual idle timeout fails a hung decode worker (a slow
-pull keeps talking); a refusal of the pull comes as an error event with the status it stands
-for (kvstore/protocol.py), and is taken as that answer (`_refused`), as if it had come before
-the stream.
+is passed over for this request only, not set aside. Such prefill-side failures do not use up
+`max_attempts` (the decode worker did nothing wrong): at most MAX_PREFILL_TRIES prefill workers
+are tried per request, and then (or at once when no prefill worker's KV cache can hold the
+prompt) the decode worker computes the prompt itself, as a colocated worker would: prefill
+workers that all refuse (a load spike) cost requests latency, not a 503. The decode worker
+answers 200 at once and sends keepalives while it pulls, so the usual idle timeout fails a hung
+decode worker (a slow pull keeps talking); a refusal of the pull comes as an error event with
+the status it stands for (kvstore/protocol.py), and is taken as that answer (`_refused`), as if
+it had come before the stream.
 
 A completions batch (several prompts) is one request to the client and one `Call` per prompt to
 the workers: each prompt is looked up, routed and forwarded on its own, all at once (a failure
@@ -106,6 +110,9 @@ MAX_UNREACHED = 16  # workers that refused the connection a request passes over 
 _BAD_URL = (aiohttp.InvalidURL, aiohttp.NonHttpUrlClientError)
 # a decode worker's refusal codes that are the prefill worker's doing (kvstore/kv_transfer.py)
 _PREFILL_SIDE = frozenset({"kv_transfer_failed", "kv_source_refused"})
+# prefill workers a request's prompt is offered to before its decode worker computes it itself;
+# their failures and refusals do not count against max_attempts
+MAX_PREFILL_TRIES = 2
 _GRAMMAR_FIELDS = GUIDED_FIELDS | {"tools", "response_format"}  # fields whose check compiles one
 Parser = Callable[..., tuple[list[GenerateRequest], RequestOptions]]
 Events = AsyncGenerator[list[dict[str, Any]], None]  # a worker's events, in batches
@@ -489,6 +496,10 @@ class Proxy:
                     call.tried_prefill.add(prefill.worker_id)
                     if e.error.code == "kv_transfer_failed":
                         self.view.mark_failed(prefill.worker_id)
+                    # not an attempt: bounded by MAX_PREFILL_TRIES (pick_prefill), after which
+                    # the decode worker computes the prompt, so a request every prefill worker
+                    # refuses is still served
+                    attempts -= 1
                 else:
                     if e.dead:
                         self.view.mark_failed(worker.worker_id)
@@ -527,6 +538,8 @@ class Proxy:
         call.prefill, call.gen.kv_source = None, None
         if not call.disaggregated or worker.role == "prefill" or worker.worker_id in call.whole:
             return 0
+        if len(call.tried_prefill) >= MAX_PREFILL_TRIES:
+            return 0  # prefill workers refused or failed it: the decode worker computes it
         uncached = call.prompt_tokens - call.cached.get(worker.worker_id, 0)
         if call.prompt_tokens and uncached < self.config.disagg_min_tokens:
             return 0  # a short prefill costs the decode worker less than a transfer
@@ -538,8 +551,8 @@ class Proxy:
             prompt_tokens=call.prompt_tokens,
             cache_id=worker.cache_id,
         )
-        if not candidates:
-            return 0  # every prefill worker failed this request: the decode worker computes it
+        if not candidates:  # every prefill worker failed this request, or none can hold the
+            return 0  # prompt (its KV cache is smaller): the decode worker computes it
         call.prefill = candidates[0]
         call.gen.kv_source = call.prefill.kv_addr
         cost = uncached if call.prompt_tokens else _prompt_estimate(call.gen)

@@ -18,7 +18,9 @@ disaggregated: the order above picks the decode worker among `decode` (and `mixe
 (published prefill load, plus what this gateway sent since, plus the prompt tokens not in its
 prefix cache), longest cached prefix first among near-equals; only those whose KV the decode
 worker can take (the same cache id: model revision, dtypes, block size; a pull from another is
-refused). Otherwise `mixed` workers serve
+refused) and whose KV cache can hold the prompt (its published `capacity_tokens`: a smaller one
+refuses the prefill; the decode worker computes the prompt when no prefill worker can hold it,
+gateway/proxy.py). Otherwise `mixed` workers serve
 whole requests, and a cluster with only prefill or only decode workers still serves on those.
 """
 
@@ -172,7 +174,9 @@ class Router:
     ) -> list[WorkerInfo]:
         """Prefill workers for `model`, best first (see the module docstring). `cache_id`: the
         decode worker's; a prefill worker that publishes another holds KV it cannot take (e.g.
-        another --kv-cache-dtype), and its pull would fail and count against a healthy worker."""
+        another --kv-cache-dtype), and its pull would fail and count against a healthy worker.
+        A prefill worker whose KV cache holds fewer than `prompt_tokens` tokens (when known) is
+        no candidate either: it would refuse the prefill (kv_source_refused)."""
         hits = cached or {}
         pool = [
             w
@@ -183,6 +187,8 @@ class Router:
             and not w.draining
             and w.worker_id not in exclude
             and (not cache_id or not w.cache_id or w.cache_id == cache_id)
+            # (the export computes all but the last token and samples one: the whole prompt)
+            and w.capacity_tokens >= prompt_tokens
         ]
 
         def cost(w: WorkerInfo) -> int:
