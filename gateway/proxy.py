@@ -174,6 +174,10 @@ class Call:
     route_started: float = 0.0  # perf_counter() when the current attempt's routing began
     assembler: ResponseAssembler | None = None  # the response, once the worker committed
     stream_error: APIError | None = None  # what ended a stream after its first byte, if anything
+    # the gateway's drain ran out while this answer streamed (`Proxy._drain_over`): its worker
+    # stream was closed under it, and its end is the drain's error event, not a worker failure
+    cut: bool = False
+    upstream: aiohttp.ClientResponse | None = None  # the worker's stream while it is read
 
     def part(self, gen: GenerateRequest) -> Call:
         """Another prompt of the same request (a completions batch), to be routed on its own:
@@ -221,8 +225,9 @@ class Proxy:
         self._shutdown: asyncio.Future[None] | None = None
         self._holding = 0  # requests held now (`hold_for_worker`)
         # the handlers of the API requests in flight (`handle`), and those the drain's end cut
-        self._in_flight: set[asyncio.Task[Any]] = set()
-        self._cut: set[asyncio.Task[Any]] = set()
+        self._in_flight: dict[asyncio.Task[Any], list[Call]] = {}
+        self._cut: set[asyncio.Task[Any]] = set()  # cancelled by the drain's end, not yet answered
+        self._streaming: set[asyncio.Task[Any]] = set()  # those whose SSE answer has begun
 
     # ------------------------------------------------------------------ phases
     async def handle(
@@ -235,7 +240,7 @@ class Proxy:
         err: APIError | None = None
         task = asyncio.current_task()
         if task is not None:
-            self._in_flight.add(task)
+            self._in_flight[task] = calls
         try:
             call.session_id = _session_id(request)  # validate
             body = await _read_json(request, self.config.max_body_bytes, self.config.body_timeout_s)
@@ -270,7 +275,10 @@ class Proxy:
             if task is None or task not in self._cut:  # the client went away
                 err = client_gone()
                 raise
-            task.uncancel()  # the drain ran out before the answer began: a 503 it may retry
+            # the drain ran out before the answer began (`_drain_over` cancels only those): a
+            # 503 it may retry
+            self._cut.discard(task)
+            task.uncancel()
             err = self._drain_over_error()
             raise err from None
         except ConnectionError:  # the client went away
@@ -280,8 +288,10 @@ class Proxy:
             err = from_exception(e, request.method, request.path, self.config.max_body_bytes)
             raise
         finally:
-            self._in_flight.discard(task)  # type: ignore[arg-type]
-            self._cut.discard(task)  # type: ignore[arg-type]
+            if task is not None:
+                self._in_flight.pop(task, None)
+                self._cut.discard(task)
+                self._streaming.discard(task)
             tel.finish(calls, call.assembler, err or call.stream_error)
 
     async def dispatch(self, call: Call) -> tuple[Events, list[dict[str, Any]]]:
@@ -794,8 +804,18 @@ class Proxy:
                         "or a closing error event; the client may retry them)",
                         self.config.drain_timeout_s, len(tasks))  # fmt: skip
         for t in tasks:
-            self._cut.add(t)
-            t.cancel()
+            if t in self._streaming:
+                # Not cancelled: the handler may be waiting on a slow client's drain(), whose
+                # future aiohttp shares per connection, and a cancel there left every later
+                # write failing (no error event ever sent). Its worker streams are closed
+                # instead, which its relay loop takes for their end (`_stream`).
+                for c in self._in_flight[t]:
+                    c.cut = True
+                    if c.upstream is not None:
+                        c.upstream.close()
+            else:
+                self._cut.add(t)
+                t.cancel()
 
     def _drain_over_error(self) -> APIError:
         return unavailable(
@@ -913,6 +933,7 @@ class Proxy:
             ) as resp:
                 if resp.status != 200:
                     raise await _refusal(resp, worker)
+                call.upstream = resp  # (the drain's end closes it: `_drain_over`)
                 tail = b""
                 async for data in resp.content.iter_any():
                     *lines, tail = (tail + data).split(b"\n")
@@ -1059,6 +1080,9 @@ class Proxy:
             }
         )
         await resp.prepare(request)
+        task = asyncio.current_task()
+        if task is not None and task in self._in_flight:
+            self._streaming.add(task)
         events = _interleaved([rest for rest, _ in streams])
         try:
             for p, (_, head) in enumerate(streams):  # (no error event: `forward` raised those)
@@ -1069,6 +1093,11 @@ class Proxy:
                     self._stream_failed(call, failed)
                     break
         except WorkerFailed as e:
+            if call.cut:  # the drain's end closed the worker stream: no worker failed
+                error = self._drain_over_error()
+                self._stream_failed(call, error)
+                await _send_quietly(resp, sse(error.body()) + SSE_DONE)
+                return resp
             if e.dead:
                 self.view.mark_failed(e.worker.worker_id)
             log.warning("request %s: worker failed mid-stream: %s", call.request_id, e)
@@ -1090,15 +1119,6 @@ class Proxy:
             return resp
         except ConnectionError:  # the client went away; closing the streams aborts on workers
             call.stream_error = client_gone()  # (recorded, not counted as an answer's error)
-            return resp
-        except asyncio.CancelledError:
-            task = asyncio.current_task()
-            if task is None or task not in self._cut:  # the client went away
-                raise
-            task.uncancel()  # the drain ran out mid-answer: its last chunk says so
-            error = self._drain_over_error()
-            self._stream_failed(call, error)
-            await _send_quietly(resp, sse(error.body()) + SSE_DONE)
             return resp
         finally:
             await events.aclose()  # (before the streams: it may be reading them)

@@ -45,6 +45,13 @@ def _ready(gateway: Proc) -> bool:
     return get_json(f"{gateway.url}/readyz")[1].get("workers", 0) >= 1
 
 
+def _connections_to(port: int) -> int:
+    """Established TCP connections (IPv4, this host) whose remote end is `port`."""
+    lines = Path("/proc/net/tcp").read_text().splitlines()[1:]
+    return sum(1 for line in lines
+               if line.split()[2].endswith(f":{port:04X}") and line.split()[3] == "01")  # fmt: skip
+
+
 def _stream(gateway: Proc):  # type: ignore[no-untyped-def]
     """A long streamed chat answer, started: the stream and its first chunk."""
     client = openai.OpenAI(base_url=f"{gateway.url}/v1", api_key="x", max_retries=0, timeout=60)
@@ -111,13 +118,53 @@ def test_an_answer_not_begun_when_the_drain_ends_is_a_503(
         with ThreadPoolExecutor(1) as pool:
             answer = pool.submit(client.completions.create, model="stories", prompt="Once",
                                  max_tokens=4)  # fmt: skip
-            time.sleep(1.0)  # (at the worker by now)
+            # (at the worker: the gateway's connection to it is up; a paused process's kernel
+            # still accepts it)
+            wait_until(lambda: _connections_to(worker.port) > 0, 10, "the forward", gateway)
             gateway.popen.send_signal(signal.SIGTERM)
             with pytest.raises(openai.APIStatusError) as e:
                 answer.result(timeout=20)
         assert e.value.status_code == 503, e.value
         assert e.value.code == "gateway_shutting_down", e.value.body
         assert float(e.value.response.headers["retry-after"]) > 0
+        assert gateway.popen.wait(30) == 0, gateway.tail()
+    finally:
+        gateway.kill()
+
+
+def test_a_slow_reader_still_gets_the_closing_error_when_the_drain_ends(
+    tmp_path: Path, redis_server: LocalRedis, worker: Proc
+) -> None:
+    """A client that stopped reading (the socket buffers full: the gateway waits in aiohttp's
+    drain()) when the drain ends, and reads again after: it gets the closing error event and
+    [DONE], not a second HTTP response inside the SSE body. The drain's end first cancelled the
+    stream's handler, which a reviewer showed can break the connection's shared drain future
+    under a client reading slower still (SO_RCVBUF 4096, too slow a transfer for a test); it
+    now closes the handler's worker streams instead, and this guards the path that takes."""
+    import json
+    import socket
+
+    gateway = _gateway(tmp_path, redis_server.url, 1)
+    try:
+        host, port = gateway.url.removeprefix("http://").split(":")
+        sock = socket.create_connection((host, int(port)))
+        body = json.dumps({"model": "stories", "prompt": ["Once", "Tom", "Lily", "A cat"],
+                           "max_tokens": 480, "n": 16, "stream": True, "ignore_eos": True,
+                           "temperature": 1.0}).encode()  # fmt: skip
+        sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: "
+                     b"application/json\r\nContent-Length: %d\r\n\r\n" % len(body) + body)  # fmt: skip
+        sock.settimeout(30)
+        data = sock.recv(4096)
+        time.sleep(1.0)  # (the socket buffers fill: aiohttp waits on this client's reads)
+        gateway.popen.send_signal(signal.SIGTERM)
+        time.sleep(2.5)  # the drain (1 s) ends while the gateway still waits on the client
+        while chunk := sock.recv(1 << 20):  # then it reads, to the end
+            data += chunk
+        sock.close()
+        assert b"HTTP/1.1 200" in data[:20], data[:200]
+        assert b"HTTP/1.1 503" not in data[20:], "a second response inside the stream"
+        tail = data[-2000:]
+        assert b"gateway_shutting_down" in tail and b"data: [DONE]" in tail, tail[-600:]
         assert gateway.popen.wait(30) == 0, gateway.tail()
     finally:
         gateway.kill()
