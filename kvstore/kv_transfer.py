@@ -3,9 +3,10 @@ prefill worker over one streaming connection, in large frames, layer range by la
 
     decode worker (D)                                   prefill worker (P)
     reserve destination blocks (refuse if no room)
-    PULL {request, tokens, first_block, cache_id} ───▶  check secret and KV layout; start the
+    PULL {request, tokens, first_block, cache_id,
+          nonce} + HMAC ──────────────────────────▶  check the HMAC and KV layout; start the
                                                         prefill of `tokens` (held, not freed)
-                                        ◀─── ACCEPT {num_blocks, layout}
+                                        ◀─── ACCEPT {num_blocks, layout, proof}
                                         ◀─── DATA  layers [a, b) × blocks [i, j)  (as each
                                         ◀─── DATA  ...                 prefill chunk completes)
                                         ◀─── END   {frames, cached_tokens}
@@ -22,13 +23,32 @@ except that a DATA frame carries 0 in the header's checksum field and its payloa
 8 bytes after the payload, so that each side hashes a chunk right after the socket copied it,
 while it is still in the CPU's cache.
 
+The shared secret never goes on the wire (version 2 of these frames; both sides must run the
+same version: a version-1 peer, which sent the secret in its PULL, is refused). The puller
+proves it knows it with a PULL frame followed by 32 bytes: HMAC-SHA256, keyed by the secret,
+over "EIKV PULL v2" NUL and the PULL's JSON body, which holds a random `nonce` (16 bytes, in
+hex) of the puller's; the prefill side proves it knows it too with ACCEPT's `proof`: the hex
+HMAC-SHA256 over "EIKV ACCEPT v2" NUL, that nonce and the request tag (8 bytes, little-endian).
+A puller whose peer's proof is missing or wrong fails the pull (it reached a prefill worker
+that is not the cluster's: a registry entry anyone wrote). DATA is not authenticated (its
+checksum catches corruption, not an attacker on the path), and a PULL seen on the path may be
+replayed (to recompute that prefill): the secret guards the port, not the link.
+
+DATA payloads must hold finite values: a DATA frame holding a NaN or an infinity (a faulty
+prefill worker's, or a peer's that speaks the protocol) fails the pull, so that it reaches
+neither the request nor the decode side's prefix cache (it would answer every later prompt
+sharing those blocks). Checked as each chunk lands, beside its checksum (a few GB/s a core).
+
 Control frames (PULL, ACCEPT, END, ACK, ERROR, KEEPALIVE) carry a JSON object (ERROR: `message`,
 and `source_failed` false where the prefill side refused the pull, e.g. its KV cache full, rather
 than failed); every field is checked, and a frame that breaks the protocol fails the transfer
 (KVTransferError). The puller gives up after PULL_IDLE_S without a byte from the prefill side
 (within a frame or between frames; keepalives count) and after PULL_DEADLINE_S in all. The
-prefill side reads a PULL, before its secret is checked, only up to what the longest prompt's
-PULL needs, as its bytes arrive, from at most MAX_ADMITTING connections at once.
+prefill side reads a PULL, before its HMAC is checked, only up to what the longest prompt's
+PULL needs, as its bytes arrive, within AUTH_READ_S of the connection's accept, from at most
+MAX_UNAUTHENTICATED connections at once: one more drops the one that has waited longest (a real
+puller sends its PULL as it connects, so only connections that send nothing or drip it can
+hold a place; none can keep a real pull waiting).
 
 DATA frames carry the keys and values of `layer_count` layers for `block_count` blocks (block
 indices within the request's block table, not physical ids), laid out (layers, 2, blocks,
@@ -48,9 +68,11 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import hashlib
 import hmac
 import logging
+import secrets
 import socket
 import struct
 import time
@@ -94,9 +116,17 @@ PULL_TOKEN_BYTES = 12
 PULL_BASE_BYTES = 64 << 10
 # Connections the prefill side reads a PULL from at once (not yet authenticated): together with
 # the cap above, and bodies read as their bytes arrive, this bounds what unauthenticated peers
-# can make it allocate. More wait their turn (a real PULL is read in well under a millisecond).
-MAX_ADMITTING = 16
-PULL_READ_S = 10.0  # for a connection's PULL to arrive once its turn came
+# can make it allocate. One more drops the oldest (none waits its turn: a real pull that queued
+# behind connections sending nothing got no keepalives, and its puller gave up).
+MAX_UNAUTHENTICATED = 64
+# For a connection's whole PULL to arrive and be authenticated, from its accept: a real puller
+# sends it as it connects (the longest prompt's, about 1.5 MB for 128K tokens, takes
+# milliseconds in a cluster); a connection that sends nothing holds its place no longer.
+AUTH_READ_S = 2.0
+MAC = hashlib.sha256().digest_size  # a PULL's HMAC-SHA256, after its body
+PULL_MAC_CONTEXT = b"EIKV PULL v2\0"  # what each HMAC is over begins with its context
+ACCEPT_MAC_CONTEXT = b"EIKV ACCEPT v2\0"
+NONCE_BYTES = 16
 RECV_STEP_BYTES = 256 << 10  # a control body is read growing by this much at most at a time
 MAX_ERROR_CHARS = 1000  # of a peer's ERROR message, kept in ours
 DEFAULT_FRAME_BYTES = 8 << 20  # DATA frames hold whole layers up to about this size
@@ -223,7 +253,9 @@ class PullRequest:
     token_ids: list[int]  # the tokens whose keys and values are wanted (the prompt minus its last)
     first_block: int  # blocks before this index the decode side holds already (prefix-cache hit)
     cache_id: str  # the decode side's prefix-cache identity (model revision, dtype, block size)
-    secret: str  # the cluster's shared secret
+    # the cluster's shared secret: the puller's key for the PULL's HMAC, never sent ("" on the
+    # prefill side, which has its own)
+    secret: str
     traceparent: str | None = None  # W3C trace context of the puller's span (tracing on)
 
 
@@ -268,6 +300,27 @@ def _frame(kind: int, tag: int, payload: bytes | memoryview = b"", *, layers: tu
 def _header(kind: int, tag: int, length: int, digest: int, layers: tuple[int, int] = (0, 0),
             blocks: tuple[int, int] = (0, 0)) -> bytes:  # fmt: skip
     return HEADER.pack(MAGIC, kind, layers[0], layers[1], blocks[0], blocks[1], tag, length, digest)
+
+
+def _mac(secret: str, context: bytes, message: bytes | bytearray) -> bytes:
+    """HMAC-SHA256 keyed by the shared secret over `context` and `message`."""
+    key = secret.encode(errors="surrogateescape")
+    return hmac.new(key, context + message, hashlib.sha256).digest()
+
+
+def pull_frame(pull: PullRequest) -> tuple[bytes, bytes]:
+    """The bytes of the PULL for `pull` (its header, its JSON body with a fresh nonce and
+    without the secret, then the HMAC) and that nonce."""
+    nonce = secrets.token_bytes(NONCE_BYTES)
+    fields = {k: v for k, v in asdict(pull).items() if k != "secret"}
+    body = orjson.dumps({**fields, "nonce": nonce.hex()})
+    tag = request_tag(pull.request_id)
+    return _frame(PULL, tag, body) + body + _mac(pull.secret, PULL_MAC_CONTEXT, body), nonce
+
+
+def accept_proof(secret: str, nonce: bytes, tag: int) -> str:
+    """ACCEPT's `proof` that the prefill side knows the secret: over the puller's nonce."""
+    return _mac(secret, ACCEPT_MAC_CONTEXT, nonce + tag.to_bytes(8, "little")).hex()
 
 
 def _chunks(views: list[memoryview]) -> list[memoryview]:
@@ -458,6 +511,10 @@ class _RepeatedWarnings:
                 self._summarize(r)
 
 
+def _close(conn: FrameConn, _: asyncio.Task[None]) -> None:
+    conn.close()
+
+
 class KVTransferServer:
     """Serves pulls on a TCP port: runs each pull's prefill through `export` and streams the
     blocks as they complete. The blocks are held until the puller acknowledges them, the
@@ -492,7 +549,8 @@ class KVTransferServer:
         else:
             need = PULL_BASE_BYTES + PULL_TOKEN_BYTES * max_tokens
             self.max_pull_bytes = min(MAX_CONTROL_BYTES, need)
-        self._admitting = asyncio.Semaphore(MAX_ADMITTING)  # connections reading their PULL
+        # connections not authenticated yet (reading their PULL), oldest first
+        self._unauthenticated: dict[asyncio.Task[None], None] = {}
         # what a peer can repeat at will (see FAILURE_SUMMARY_S): logged once, then summed up
         self._repeated = _RepeatedWarnings(FAILURE_SUMMARY_S)
         self._listener: socket.socket | None = None
@@ -502,7 +560,10 @@ class KVTransferServer:
         self.active = 0  # pulls being served now (from their authenticated PULL on)
         self.bytes_sent = 0  # DATA payload bytes, since start
         self.pulls_served = 0  # pulls acknowledged, since start
-        self.pulls_failed = 0  # pulls that ended without an acknowledgement
+        self.pulls_failed = 0  # authenticated pulls that ended without an acknowledgement
+        # connections dropped or refused before their PULL was authenticated (a wrong HMAC,
+        # none within AUTH_READ_S, garbage, a health check, one dropped for a newer one)
+        self.connections_refused = 0
 
     async def start(self, host: str, port: int) -> int:
         """Listen; returns the port (a free one when `port` is 0). An IPv6 address is listened
@@ -532,9 +593,27 @@ class KVTransferServer:
                 continue
             host, port = addr[0], addr[1]  # (an IPv6 address: 4 fields)
             peer = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
-            task = asyncio.ensure_future(self._serve(FrameConn(sock, self.send_timeout_s), peer))
+            conn = FrameConn(sock, self.send_timeout_s)
+            task = asyncio.ensure_future(self._serve(conn, peer))
             self._serving.add(task)
             task.add_done_callback(self._serving.discard)
+            self._unauthenticated[task] = None
+            task.add_done_callback(self._forget)
+            # (_serve closes it; this closes one whose task was dropped before it ran)
+            task.add_done_callback(functools.partial(_close, conn))
+            if len(self._unauthenticated) > MAX_UNAUTHENTICATED:
+                # the one waiting longest for its PULL goes: a real puller sends its PULL as it
+                # connects, so it is never the oldest for long
+                oldest = next(iter(self._unauthenticated))
+                del self._unauthenticated[oldest]
+                oldest.cancel()
+                self.connections_refused += 1
+                self._repeated.warning("crowded", (
+                    f"kv transfer: {MAX_UNAUTHENTICATED} connections have sent no valid PULL "
+                    f"yet; dropped the oldest to read {peer}'s"))  # fmt: skip
+
+    def _forget(self, task: asyncio.Task[None]) -> None:
+        self._unauthenticated.pop(task, None)
 
     async def close(self) -> None:
         if self._accepting is not None:
@@ -551,14 +630,15 @@ class KVTransferServer:
 
     async def _serve(self, conn: FrameConn, peer: str) -> None:
         pull: PullRequest | None = None
-        authentic = False  # the PULL carried the shared secret: a puller of the cluster's
+        authentic = False  # the PULL's HMAC is the shared secret's: a puller of the cluster's
         served: ServedPull | None = None
         exporting: str | None = None  # the request id this connection took: its export to release
         tag = 0
         answered = False  # its ERROR sent already
         try:
-            async with self._admitting:  # until the secret is checked: bounded, as its memory
-                async with asyncio.timeout(PULL_READ_S):
+            # until its HMAC is checked: bounded in time, and in number (see _accept)
+            try:
+                async with asyncio.timeout(AUTH_READ_S):
                     h = await conn.read_header()
                     if h.kind != PULL:
                         raise KVTransferError(f"expected PULL, got {KIND_NAMES[h.kind]}")
@@ -577,22 +657,36 @@ class KVTransferServer:
                                                              "source_failed": False})  # fmt: skip
                         answered = True
                         if h.length <= MAX_CONTROL_BYTES:
-                            await conn.discard(h.length)
+                            await conn.discard(h.length + MAC)
                         raise refused
-                    _, body = await conn.read_control(None, h, self.max_pull_bytes)
-                if not isinstance(body, dict):
-                    raise KVTransferError("malformed PULL frame: not a JSON object")
-                pull = PullRequest(**body)
-                tag = request_tag(pull.request_id)
-                authentic = hmac.compare_digest(pull.secret.encode(), self.secret.encode())
+                    payload = await conn.recv(h.length)
+                    if xxhash.xxh3_64_intdigest(payload) != h.digest:
+                        raise KVTransferError("PULL frame failed its checksum")
+                    mac = await conn.recv(MAC)
+            except TimeoutError:  # (asyncio's says nothing of which limit)
+                raise KVTransferError(
+                    f"no whole PULL within {AUTH_READ_S:g} s of connecting"
+                ) from None
+            authentic = hmac.compare_digest(mac, _mac(self.secret, PULL_MAC_CONTEXT, payload))
             if not authentic:
+                self.connections_refused += 1
                 await conn.send_control(ERROR, tag, {"message": "wrong shared secret"})
                 return
+            self._forget(asyncio.current_task())  # type: ignore[arg-type]
             # work in flight from here (a worker's drain waits for it, and it keeps the worker
             # from counting as idle): a connection that sent no PULL of the cluster's yet (a
-            # probe, a scanner that holds it open) counted for its PULL_READ_S, so that anyone
+            # probe, a scanner that holds it open) counted for its read limit, so that anyone
             # who could reach the port kept a role change or a drain waiting
             self.active += 1
+            body = orjson.loads(payload)
+            if not isinstance(body, dict):
+                raise KVTransferError("malformed PULL frame: not a JSON object")
+            nonce = body.pop("nonce", None)
+            if not isinstance(nonce, str) or len(nonce) != 2 * NONCE_BYTES:
+                raise KVTransferError(f"malformed PULL frame: nonce {nonce!r}")
+            pull = PullRequest(**body, secret="")
+            tag = request_tag(pull.request_id)
+            proof = accept_proof(self.secret, bytes.fromhex(nonce), tag)
             if pull.cache_id != self.cache_id:
                 await conn.send_control(ERROR, tag, {"message": (
                     f"KV layout differs: this worker's cache id is {self.cache_id!r}, "
@@ -611,7 +705,8 @@ class KVTransferServer:
             exporting = pull.request_id
             self._exporting.add(exporting)
             await conn.send_control(ACCEPT, tag, {"num_blocks": total - pull.first_block,
-                                                  "layout": asdict(self.pages.layout)})  # fmt: skip
+                                                  "layout": asdict(self.pages.layout),
+                                                  "proof": proof})  # fmt: skip
             served = ServedPull(pull, time.monotonic(), 0, False)
             served.ok = await self._stream(pull, tag, conn, total, served)
             if served.ok:
@@ -620,10 +715,11 @@ class KVTransferServer:
                 self.pulls_failed += 1
         except Exception as e:  # a bad pull, a refused prefill (bad tokens, queue full), a
             # dead connection: the puller gets an ERROR frame when it can still read one
-            self.pulls_failed += 1
-            if pull is not None and authentic:  # one line a pull: a request of the cluster's
-                log.warning("kv pull %s failed: %s", pull.request_id, e)
+            if authentic:  # one line a pull: a request of the cluster's
+                self.pulls_failed += 1
+                log.warning("kv pull %s failed: %s", pull.request_id if pull else "?", e)
             else:  # anyone who reaches the port can repeat this at will: summed up
+                self.connections_refused += 1
                 self._repeated.warning(type(e).__name__, (
                     f"kv transfer: a connection from {peer} failed before a valid PULL: "
                     f"{type(e).__name__}: {e}"))  # fmt: skip
@@ -805,7 +901,8 @@ async def _pull(conn: FrameConn, pull: PullRequest, pages: KVPages,
     """`pull_kv`'s exchange over its open connection."""
     tag = request_tag(pull.request_id)
     lay = pages.layout
-    await conn.send_control(PULL, tag, asdict(pull))
+    frame, nonce = pull_frame(pull)
+    await conn.send(frame)
     kind, body = await conn.read_control(tag)
     if kind == ERROR:
         raise KVTransferError(f"the prefill worker refused: {_message(body)}",
@@ -813,6 +910,11 @@ async def _pull(conn: FrameConn, pull: PullRequest, pages: KVPages,
     if kind != ACCEPT:
         raise KVTransferError(f"expected ACCEPT, got {KIND_NAMES[kind]}")
     body = _object(kind, body)
+    proof = body.get("proof")
+    if not isinstance(proof, str) or not hmac.compare_digest(
+        proof.encode(errors="surrogateescape"), accept_proof(pull.secret, nonce, tag).encode()
+    ):  # a peer that is not the cluster's (or has another secret): nothing it sends is taken
+        raise KVTransferError("the peer's ACCEPT does not prove it knows the shared secret")
     if body.get("layout") != asdict(lay):
         raise KVTransferError(f"KV layout mismatch: {body.get('layout')} vs {asdict(lay)}", False)
     if body.get("num_blocks") != len(dst_blocks):
@@ -931,11 +1033,27 @@ async def _receive(conn: FrameConn, pages: KVPages, layers: slice, blocks: list[
     if not pages.direct or h.length < MIN_RUN_BYTES * len(views):
         staged = bytearray(h.length)
         views = [memoryview(staged)]
+    dtype = getattr(torch, pages.layout.dtype)
+    check = dtype.is_floating_point
     digest = xxhash.xxh3_64()
     for chunk in _chunks(views):
         await conn.recv_into(chunk)
         digest.update(chunk)
+        if check and not _finite(chunk, dtype):  # checked while the chunk is in the CPU's cache
+            raise KVTransferError(
+                f"DATA frame for layers {h.layer_start}+{h.layer_count}, blocks "
+                f"{h.block_start}+{h.block_count} holds values that are not finite (NaN or inf)"
+            )
     (expected,) = TRAILER.unpack(await conn.recv(TRAILER.size))
     if digest.intdigest() != expected:
         raise KVTransferError("DATA frame failed its checksum")
     return staged
+
+
+def _finite(chunk: memoryview, dtype: torch.dtype) -> bool:
+    """Whether every value in `chunk` (whole values of `dtype`: chunks split runs of whole
+    blocks at CHUNK_BYTES) is finite."""
+    with warnings.catch_warnings():  # (a read-only buffer: only read)
+        warnings.simplefilter("ignore", UserWarning)
+        values = torch.frombuffer(chunk, dtype=dtype)
+    return bool(torch.isfinite(values).all())

@@ -1144,6 +1144,7 @@ async def _stats(request: web.Request) -> web.Response:
         "kv_imports_reserved": s["kv_imports_reserved"],
         "kv_pulls_served": worker.kv_server.pulls_served,
         "kv_pulls_failed": worker.kv_server.pulls_failed,
+        "kv_connections_refused": worker.kv_server.connections_refused,
         "kv_bytes_sent": worker.kv_server.bytes_sent,
         "kv_imports": worker.importer.imports,
         "kv_bytes_received": worker.importer.bytes,

@@ -221,9 +221,10 @@ def _pull_from_peer(worker: Proc, request_id: str, error_body: object) -> list[d
 
     async def serve(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         head = kv_transfer.HEADER.unpack(await reader.readexactly(kv_transfer.HEADER.size))
-        pull = PullRequest(**orjson.loads(await reader.readexactly(head[7])))
+        pull = orjson.loads(await reader.readexactly(head[7]))
+        await reader.readexactly(kv_transfer.MAC)  # (the PULL's HMAC: refused before it counts)
         body = orjson.dumps(error_body)
-        tag = kv_transfer.request_tag(pull.request_id)
+        tag = kv_transfer.request_tag(pull["request_id"])
         writer.write(kv_transfer._frame(kv_transfer.ERROR, tag, body) + body)
         await reader.read()
         writer.close()

@@ -108,6 +108,22 @@ def _allocated(llm: AsyncLLM) -> int:
     return llm.engine.blocks.num_blocks - llm.engine.blocks.num_free_blocks
 
 
+async def _read_pull(reader: asyncio.StreamReader) -> tuple[PullRequest, str]:
+    """A scripted prefill peer's read of a PULL (its body, then its HMAC): the request, and the
+    `proof` its ACCEPT must carry (a peer that knows the secret)."""
+    head = HEADER.unpack(await reader.readexactly(HEADER.size))
+    body = orjson.loads(await reader.readexactly(head[7]))
+    await reader.readexactly(kv_transfer.MAC)
+    nonce = bytes.fromhex(body.pop("nonce"))
+    pull = PullRequest(**body, secret="")
+    tag = kv_transfer.request_tag(pull.request_id)
+    _PROOFS[tag] = kv_transfer.accept_proof(SECRET, nonce, tag)
+    return pull, _PROOFS[tag]
+
+
+_PROOFS: dict[int, str] = {}  # by request tag: the proof of the latest PULL a scripted peer read
+
+
 @pytest.mark.parametrize("n_prompt", [2, 17, 33, 97, 300])
 @pytest.mark.parametrize("seed", [None, 7])
 def test_disaggregated_decode_equals_one_engine(engines, n_prompt: int, seed: int | None) -> None:  # type: ignore[no-untyped-def]
@@ -444,12 +460,12 @@ async def _evil_server(mutate: Callable[[bytes], bytes | None]) -> tuple[asyncio
         return kv_transfer._frame(kind, tag, body) + body
 
     async def serve(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        head = HEADER.unpack(await reader.readexactly(HEADER.size))
-        pull = PullRequest(**orjson.loads(await reader.readexactly(head[7])))
+        pull, proof = await _read_pull(reader)
         tag = kv_transfer.request_tag(pull.request_id)
         layout = {"num_layers": 5, "block_size": BS, "num_kv_heads": 4, "head_dim": 8,
                   "dtype": "float32"}  # fmt: skip
-        writer.write(control(kv_transfer.ACCEPT, tag, {"num_blocks": 1, "layout": layout}))
+        writer.write(control(kv_transfer.ACCEPT, tag,
+                             {"num_blocks": 1, "layout": layout, "proof": proof}))  # fmt: skip
         payload = torch.ones(5, 2, 1, BS, 4, 8).numpy().tobytes()
         head = kv_transfer._header(DATA, tag, len(payload), 0, (0, 5), (0, 1))
         trailer = kv_transfer.TRAILER.pack(xxhash.xxh3_64_intdigest(payload))
@@ -535,9 +551,7 @@ async def pull_without_ack(addr: str, pull: PullRequest) -> FrameConn:
     died, or hangs); returns its open connection."""
     host, port = addr.rsplit(":", 1)
     conn = await FrameConn.connect(host, int(port))
-    await conn.send_control(
-        kv_transfer.PULL, kv_transfer.request_tag(pull.request_id), asdict(pull)
-    )
+    await conn.send(kv_transfer.pull_frame(pull)[0])
     while True:
         h = await conn.read_header()
         await conn.recv(h.length + (kv_transfer.TRAILER.size if h.kind == DATA else 0))
@@ -758,9 +772,9 @@ def test_a_slow_prefill_keeps_the_pull_alive_and_a_hung_one_fails_it() -> None:
 
         # hung after its ACCEPT (a process stopped mid-prefill): silence, no keepalive
         async def hung(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-            head = HEADER.unpack(await reader.readexactly(HEADER.size))
-            pull = PullRequest(**orjson.loads(await reader.readexactly(head[7])))
-            body = orjson.dumps({"num_blocks": 4, "layout": asdict(dst_pages.layout)})
+            pull, proof = await _read_pull(reader)
+            body = orjson.dumps({"num_blocks": 4, "layout": asdict(dst_pages.layout),
+                                 "proof": proof})  # fmt: skip
             tag = kv_transfer.request_tag(pull.request_id)
             writer.write(kv_transfer._frame(kv_transfer.ACCEPT, tag, body) + body)
             await reader.read()  # until the puller hangs up
@@ -952,7 +966,7 @@ def test_a_refused_pull_leaves_another_pull_s_export_alone() -> None:
                 (PullRequest("held", tokens, 0, "c", SECRET), "pulled already"),
             ]:
                 conn = await FrameConn.connect("127.0.0.1", port)
-                await conn.send_control(kv_transfer.PULL, tag, asdict(bad))
+                await conn.send(kv_transfer.pull_frame(bad)[0])
                 kind, body = await conn.read_control(tag)
                 assert kind == kv_transfer.ERROR and why in body["message"]
                 with pytest.raises(asyncio.IncompleteReadError):  # the server is done with it
@@ -1044,8 +1058,7 @@ def test_a_puller_that_stops_reading_is_dropped_and_its_export_released() -> Non
             sock.connect(("127.0.0.1", port))
             conn = kv_transfer.FrameConn(sock)
             pull = PullRequest("frozen", list(range(512)), 0, "c", SECRET)
-            await conn.send_control(kv_transfer.PULL, kv_transfer.request_tag("frozen"),
-                                    asdict(pull))  # fmt: skip
+            await conn.send(kv_transfer.pull_frame(pull)[0])
             kind, _ = await conn.read_control(None)
             assert kind == kv_transfer.ACCEPT
             for _ in range(100):  # then reads nothing more
@@ -1151,6 +1164,10 @@ def test_the_send_limit_outlasts_a_healthy_puller_s_pause() -> None:
 
 # ---------------------------------------------------------------------- hostile or broken peers
 def _control(kind: int, tag: int, obj: object) -> bytes:
+    """A control frame; an ACCEPT object without a `proof` gets the one for its request (a
+    peer that knows the secret)."""
+    if kind == kv_transfer.ACCEPT and isinstance(obj, dict) and tag in _PROOFS:
+        obj = {"proof": _PROOFS[tag], **obj}
     body = orjson.dumps(obj)
     return kv_transfer._frame(kind, tag, body) + body
 
@@ -1163,8 +1180,7 @@ async def _scripted_peer(script: Script) -> tuple[asyncio.Server, str]:
     says."""
 
     async def serve(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        head = HEADER.unpack(await reader.readexactly(HEADER.size))
-        pull = PullRequest(**orjson.loads(await reader.readexactly(head[7])))
+        pull, _ = await _read_pull(reader)
         try:
             await script(pull, kv_transfer.request_tag(pull.request_id), reader, writer)
         finally:
@@ -1431,7 +1447,8 @@ def test_a_pull_s_body_is_capped_by_what_a_real_one_needs() -> None:
                                   max_tokens=300)  # fmt: skip
         # the longest real PULL fits: 300 token ids of the largest int32, long text fields
         longest = PullRequest("r" * 256, [2**31 - 1] * 300, 0, "c" * 128, "s" * 128, "0" * 55)
-        assert len(orjson.dumps(asdict(longest))) <= server.max_pull_bytes < 128 << 10
+        frame, _ = kv_transfer.pull_frame(longest)  # (its body: the frame but header and HMAC)
+        assert len(frame) - HEADER.size - kv_transfer.MAC <= server.max_pull_bytes < 128 << 10
         port = await server.start("127.0.0.1", 0)
         try:
             conn = await FrameConn.connect("127.0.0.1", port)
@@ -1449,8 +1466,8 @@ def test_a_pull_s_body_is_capped_by_what_a_real_one_needs() -> None:
 def test_unauthenticated_peers_cannot_make_the_prefill_side_allocate_much() -> None:
     """A PULL's body is read as it arrives, not allocated whole from its header's word: a peer
     that announces 16 MiB and sends a few bytes costs a few bytes (12 such connections took a
-    prefill worker from 221 to 413 MiB). And at most MAX_ADMITTING connections are read a PULL
-    from at once: the next waits for one of them to end."""
+    prefill worker from 221 to 413 MiB). And at most MAX_UNAUTHENTICATED connections are read a
+    PULL from at once (test_kv_transfer_hardening: one more drops the oldest)."""
     import tracemalloc
 
     pages = KVPages(torch.zeros(1, 2, 1 << 21, 1, 1), BS)  # room for a 16 MiB PULL
@@ -1480,10 +1497,12 @@ def test_unauthenticated_peers_cannot_make_the_prefill_side_allocate_much() -> N
     asyncio.run(main())
 
 
-def test_at_most_max_admitting_connections_are_read_a_pull_at_once(
+def test_past_max_unauthenticated_connections_the_oldest_is_dropped(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    monkeypatch.setattr(kv_transfer, "MAX_ADMITTING", 2)
+    """At most MAX_UNAUTHENTICATED connections are read a PULL from at once: one more drops the
+    one that has waited longest, and is read at once (it waited its turn, for ever)."""
+    monkeypatch.setattr(kv_transfer, "MAX_UNAUTHENTICATED", 2)
     pages = KVPages(torch.zeros(2, 2, 8 * BS, 2, 8), BS)
 
     async def main() -> None:
@@ -1495,17 +1514,15 @@ def test_at_most_max_admitting_connections_are_read_a_pull_at_once(
                 conn = await FrameConn.connect("127.0.0.1", port)
                 await conn.send(kv_transfer._header(kv_transfer.PULL, 0, 100, 0))
                 stalled.append(conn)
-            await asyncio.sleep(0.1)
+                await asyncio.sleep(0.05)
             late = await FrameConn.connect("127.0.0.1", port)
-            bad = PullRequest("late", [1, 2], 0, "c", "WRONG")
-            await late.send_control(kv_transfer.PULL, kv_transfer.request_tag("late"), asdict(bad))
-            reply = asyncio.ensure_future(late.read_control(None))
-            done, _ = await asyncio.wait({reply}, timeout=0.5)
-            assert not done, "a third unauthenticated connection was read while two were"
-            stalled.pop().close()  # one ends: the late one's turn
-            async with asyncio.timeout(2):
-                kind, body = await reply
-            assert kind == kv_transfer.ERROR and "secret" in body["message"]
+            await late.send(kv_transfer.pull_frame(PullRequest("late", [1, 2], 0, "c", "WRONG"))[0])
+            async with asyncio.timeout(1):
+                kind, body = await late.read_control(None)
+                assert kind == kv_transfer.ERROR and "secret" in body["message"]
+                with pytest.raises(asyncio.IncompleteReadError):  # the oldest was dropped
+                    await stalled[0].recv(1)
+            assert server.connections_refused == 2 and server.pulls_failed == 0
             late.close()
         finally:
             for conn in stalled:
@@ -1594,7 +1611,7 @@ def test_connections_that_fail_before_a_pull_are_logged_once_then_summed_up(
 
         async def failed(n: int) -> None:
             async with asyncio.timeout(5):
-                while server.pulls_failed < n:
+                while server.connections_refused < n:
                     await asyncio.sleep(0.001)
 
         try:
