@@ -203,7 +203,7 @@ class ClusterView:
         for up to CARRY_S: meanwhile a model that only a pool serves was answered 503
         no_workers, left /v1/models, and /readyz of a region with no worker running said it was
         not ready. A request held for a pool that has really gone is answered 503 pool_unavailable
-        once the carry ends (Proxy's POOL_GONE_GRACE_S after it)."""
+        once the carry ends (the gateway's --pool-gone-grace after it)."""
         now = time.monotonic()
         listed = {p.pool_id for p in pools}
         if reset:  # (one carried already keeps its deadline, as a worker does)

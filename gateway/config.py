@@ -42,6 +42,13 @@ class GatewayConfig:
     routing: str = "cache-aware"  # "cache-aware" | "round-robin" (a baseline for benchmarks)
     hold_timeout_s: float = 60.0  # a request for a model no worker serves, that a pool can
     # start a worker for, waits this long for the worker (scale from zero) before a 503
+    # How long a held request outlives the last pool that offered its model in its region, as
+    # the registry snapshot shows it (a pool that stops withdraws at once; one killed leaves
+    # when its entry expires, 10 s): a pool restarting within it (a rollout: the old pool drains
+    # its workers, up to their drain timeout, before the new one starts) finds the request
+    # still waiting; then 503 pool_unavailable. Before, the request waited out its whole hold
+    # for a worker nobody would start, told "it is still starting".
+    pool_gone_grace_s: float = 30.0
     # on SIGTERM, requests in flight get this long to finish (the listener closed); those still
     # going then end: a 503, or a stream's closing error event (code gateway_shutting_down)
     drain_timeout_s: float = 30.0
@@ -83,6 +90,10 @@ class GatewayConfig:
         if not 0 < self.drain_timeout_s <= 3600:
             raise ValueError(
                 f"drain_timeout_s (--drain-timeout) must be in (0, 3600], got {self.drain_timeout_s}"
+            )
+        if self.pool_gone_grace_s < 0:
+            raise ValueError(
+                f"pool_gone_grace_s (--pool-gone-grace) must be >= 0, got {self.pool_gone_grace_s}"
             )
         if self.hold_timeout_s < 0:
             raise ValueError(f"hold_timeout_s must be >= 0, got {self.hold_timeout_s}")

@@ -97,13 +97,6 @@ REHOLD_TIMEOUT_S = 1.0  # the longest a renewal may take
 WAKE_EVERY_S = 5.0  # how often a gateway serving a model from afar wakes a nearer pool for it
 END_READ_S = 1.0  # how long a finished worker stream may take to end its body
 HOLD_THROUGH_FAILURES = 2  # failed starts in a row after which a waiting request gets its 503
-# How long a held request outlives the last pool that offered its model in its region, as the
-# registry snapshot (refreshed every HOLD_POLL_S while it waits) shows it: a pool that stops
-# withdraws at once, one killed leaves when its entry expires (its ttl_s, 10 s). A pool that
-# restarts announces itself again within a second or two and finds the request in the wait set,
-# so the request waits that long; then 503 `pool_unavailable`. Without this, a held request
-# waited out its whole hold (60 s) for a worker nobody would start, told "it is still starting".
-POOL_GONE_GRACE_S = 3.0
 MAX_UNREACHED = 16  # workers that refused the connection a request passes over (see forward)
 # what aiohttp raises for a worker URL it cannot request (a registry entry that is not a URL,
 # one with a port out of range, or not http): the request never left, as when nothing listens
@@ -649,7 +642,7 @@ class Proxy:
         False at once when no pool offers the model. The request counts as waiting in Redis (the
         pool's scale-from-zero signal) while it waits; a pool that reports failed starts
         (HOLD_THROUGH_FAILURES in a row, or one whose next try comes after the hold), no pool
-        offering the model in its region any more (for POOL_GONE_GRACE_S), no worker within
+        offering the model in its region any more (for `pool_gone_grace_s`), no worker within
         `hold_timeout_s`, or the gateway shutting down (`shut_down`) ends the wait with 503 and
         Retry-After.
         """
@@ -737,7 +730,8 @@ class Proxy:
             elif gone_since is None:
                 gone_since = time.monotonic()
             if gone_since is not None and (
-                time.monotonic() - gone_since >= POOL_GONE_GRACE_S or time.time() >= deadline
+                time.monotonic() - gone_since >= self.config.pool_gone_grace_s
+                or time.time() >= deadline
             ):
                 raise self._pool_gone(model, region)
             if time.time() >= deadline and status is not None and status.state == "full":
@@ -759,7 +753,7 @@ class Proxy:
 
     def _pool_gone(self, model: str, region: str) -> APIError:
         """The 503 of a request held for a pool of `region` that no longer offers `model` (it
-        stopped, or its entry expired), none having taken its place within POOL_GONE_GRACE_S."""
+        stopped, or its entry expired), none having taken its place within pool_gone_grace_s."""
         elsewhere = self.view.pool_region(model)
         retry = (
             f"; a pool in region {elsewhere} offers it: a retry waits for that one"

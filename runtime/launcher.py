@@ -33,9 +33,9 @@ READY_TIMEOUT_S = 600.0  # a cold model load on a slow disk can take minutes
 PROGRESS_EVERY_S = 5.0  # how often the wait for readiness says what it still waits for
 STOP_TIMEOUT_S = 40.0  # after SIGTERM, how long a child has before SIGKILL (a safety net)
 # How long a worker lets its in-flight requests run once `up` stops it; then each stream still
-# running ends with a "shutdown" error event. Under the gateway's own shutdown timeout (5 s,
-# gateway/app.py), which it waits for its streams before it drops them: a stream in flight at
-# Ctrl-C finishes, or ends with that error and [DONE], instead of being cut off mid-way.
+# running ends with a "shutdown" error event. Under the gateway's own drain (its --drain-timeout,
+# 30 s by default, which `up` keeps), which it gives its streams before it ends them: a stream
+# in flight at Ctrl-C finishes, or ends with that error and [DONE], instead of being cut off.
 DRAIN_TIMEOUT_S = 3.0
 REDIS_PING_TIMEOUT_S = 3.0
 GATEWAY_READY = "gateway ready: "  # the line the gateway prints once it listens (gateway/app.py)

@@ -223,7 +223,7 @@ def _as_batch(prompts: Prompt | Sequence[Prompt]) -> list[Prompt]:
     if isinstance(prompts, str):
         return [prompts]
     if (isinstance(prompts, list) and prompts
-            and all(isinstance(t, numbers.Integral) for t in prompts)):  # fmt: skip
+            and all(type(t) is int or isinstance(t, numbers.Integral) for t in prompts)):  # fmt: skip
         return [prompts]  # type: ignore[list-item]  # (numpy's integers too: each was a prompt)
     if not isinstance(prompts, (list, tuple)) or not prompts:
         raise InvalidRequestError("prompts", "give a prompt or a non-empty list of prompts")

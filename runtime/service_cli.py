@@ -272,6 +272,7 @@ def cmd_gateway(args: argparse.Namespace) -> int:
         disagg_min_tokens=args.disagg_min_tokens,
         hold_timeout_s=args.hold_timeout,
         drain_timeout_s=args.drain_timeout,
+        pool_gone_grace_s=args.pool_gone_grace,
         telemetry=_telemetry_config(args, "edgeinfer-gateway", args.region),
     )
     _run(serve(config))
@@ -523,6 +524,10 @@ def add_service_commands(sub: argparse._SubParsersAction, engine_args) -> None: 
         help="with prefill and decode workers: prompts with fewer uncached tokens than this are "
         "computed on the decode worker (default 32)",
     )  # fmt: skip
+    g.add_argument("--pool-gone-grace", type=float, default=30.0,
+                   help="seconds a request held for a pool to start a worker waits on once no "
+                   "pool of its region offers the model any more (one restarting within it "
+                   "serves it), before a 503 pool_unavailable (default %(default)s)")  # fmt: skip
     g.add_argument("--drain-timeout", type=float, default=30.0,
                    help="seconds SIGTERM lets the requests in flight finish (the listener closed, "
                    "held requests answered 503 at once); those still going then end with a 503 "

@@ -251,7 +251,10 @@ class SpecController:
             decodes = []  # compute-bound: drafts would cost what they save
         else:  # (compute-bound, a draft's prefill is spared too)
             for r in running:
-                if r.num_tokens - r.num_computed_tokens > 1 and self._may_speculate(r):
+                # (one held to min_tokens drafts only once it has them: min_tokens = max_tokens
+                # never does, and its draft catches up when it begins, not beside its prefill)
+                if (r.num_tokens - r.num_computed_tokens > 1 and r.params.min_tokens <= 1
+                        and self._may_speculate(r)):  # fmt: skip
                     # the most it may draft at its first decode (the token its prefill samples
                     # counted in); none: no draft prefill (max_tokens 1, a full context)
                     k = min(cfg.num_tokens, self._room(r) - 1)

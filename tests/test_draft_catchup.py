@@ -169,3 +169,20 @@ def test_a_prompt_cached_in_the_target_still_drafts(stories_dir: Path, want: lis
     assert again.outputs[0].token_ids == want
     assert again.spec_proposed > 0
     _no_block_held(llm)
+
+
+def test_a_request_held_to_min_tokens_computes_no_draft_beside_its_prefill(
+    stories_dir: Path,
+) -> None:
+    """min_tokens = max_tokens never drafts (decodes skip drafting until min_tokens), yet its
+    whole prompt was computed by the draft beside its prefill and held the draft's blocks all
+    its life: 224 draft tokens for no draft (reviewer). Its output is the target's."""
+    llm = _llm(stories_dir, stories_dir)
+    engine, proposer = llm.engine, _proposer(llm)
+    params = SamplingParams(max_tokens=20, min_tokens=20, temperature=0.0, ignore_eos=True)
+    r = _queued(engine, "held", LONG, params)
+    while engine.has_unfinished():
+        engine.step()
+        assert proposer.blocks.num_free_blocks == proposer.blocks.num_blocks
+    assert r.spec_proposed == 0 and len(r.output_token_ids) == 20
+    _no_block_held(llm)

@@ -18,6 +18,7 @@ from tests.stack import Proc, get_json, start_gateway, start_pool, wait_until
 CATALOG = "regions:\n  - {name: local, latitude: 50.11, longitude: 8.68, settings: {}}\n"
 WORKER_ARGS = "--threads 1 --kv-cache-bytes 4000000 --heartbeat 0.3 --ttl 1.5 --drain-timeout 5"
 HOLD_TIMEOUT_S = 30  # the gateway's --hold-timeout: what the old code made the request wait
+POOL_GONE_GRACE_S = 3  # the gateway's --pool-gone-grace (30 s by default)
 
 
 def _stack(
@@ -28,7 +29,8 @@ def _stack(
                       ["--worker-args", WORKER_ARGS, *pool_args])  # fmt: skip
     try:
         gateway = start_gateway("gw", redis_url, tmp_path / "regions.yaml", tmp_path, "local",
-                                ["--hold-timeout", str(HOLD_TIMEOUT_S)])  # fmt: skip
+                                ["--hold-timeout", str(HOLD_TIMEOUT_S),
+                                 "--pool-gone-grace", str(POOL_GONE_GRACE_S)])  # fmt: skip
     except BaseException:
         pool.kill()
         raise
@@ -97,7 +99,7 @@ def test_a_held_request_is_answered_once_its_pool_has_gone(  # type: ignore[no-u
 ) -> None:
     """The pool that was to start the held request's worker stops (SIGTERM: it stops the worker
     it was starting and withdraws): the request is answered 503 pool_unavailable, naming the
-    pool's region, a few seconds later (proxy.POOL_GONE_GRACE_S), not after the whole hold (30 s
+    pool's region, a few seconds later (--pool-gone-grace), not after the whole hold (30 s
     here) with "it is still starting" (worker_starting)."""
     # (a worker started fresh, not forked from a template, takes seconds to register: the pool
     # is stopped long before it could serve the request)
