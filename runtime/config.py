@@ -57,24 +57,27 @@ class RopeConfig:
     low_freq_factor: float = 1.0  # llama3 only
     high_freq_factor: float = 4.0  # llama3 only
     original_max_position_embeddings: int = 8192  # llama3 only
+    source: str = field(default="config.json", kw_only=True, compare=False, repr=False)  # errors
 
     def __post_init__(self) -> None:
         if self.scaling_type not in ("default", "linear", "llama3"):
             raise ModelLoadError(
-                f"config.json: rope_scaling type {self.scaling_type!r} is not supported "
+                f"{self.source}: rope_scaling type {self.scaling_type!r} is not supported "
                 "(supported: linear, llama3)"
             )
         # (NaN compares false: a NaN factor or theta made every rotary angle NaN, silently)
         if not math.isfinite(self.theta) or self.theta <= 0:
-            raise ModelLoadError(f"config.json: rope_theta must be > 0, got {self.theta}")
+            raise ModelLoadError(f"{self.source}: rope_theta must be > 0, got {self.theta}")
         if not math.isfinite(self.factor) or self.factor <= 0:
-            raise ModelLoadError(f"config.json: rope_scaling factor must be > 0, got {self.factor}")
+            raise ModelLoadError(
+                f"{self.source}: rope_scaling factor must be > 0, got {self.factor}"
+            )
         if self.scaling_type == "llama3":  # (a zero divides by zero at the first forward)
             for key in ("low_freq_factor", "high_freq_factor"):
                 value = getattr(self, key)
                 if not math.isfinite(value) or value <= 0:
                     raise ModelLoadError(
-                        f"config.json: rope_scaling {key} must be > 0, got {value}"
+                        f"{self.source}: rope_scaling {key} must be > 0, got {value}"
                     )
 
     def inv_freq(self, head_dim: int) -> torch.Tensor:
@@ -111,30 +114,31 @@ class MoeConfig:
     # through, scaled by sigmoid(shared_expert_gate(x)); 0: none
     decoder_sparse_step: int = 1  # layer i is sparse when (i + 1) % step == 0 ...
     mlp_only_layers: tuple[int, ...] = ()  # ... and i is not listed here (a dense MLP then)
+    source: str = field(default="config.json", kw_only=True, compare=False, repr=False)  # errors
 
     def __post_init__(self) -> None:
         if self.num_experts < 1:
             raise ModelLoadError(
-                f"config.json: the number of experts must be >= 1, got {self.num_experts}"
+                f"{self.source}: the number of experts must be >= 1, got {self.num_experts}"
             )
         if not 1 <= self.top_k <= self.num_experts:
             raise ModelLoadError(
-                f"config.json: num_experts_per_tok must be in [1, {self.num_experts}] (the number "
+                f"{self.source}: num_experts_per_tok must be in [1, {self.num_experts}] (the number "
                 f"of experts), got {self.top_k}"
             )
         if self.intermediate_size < 1:
             raise ModelLoadError(
-                f"config.json: the experts' intermediate size must be >= 1, got "
+                f"{self.source}: the experts' intermediate size must be >= 1, got "
                 f"{self.intermediate_size}"
             )
         if self.shared_expert_intermediate_size < 0:
             raise ModelLoadError(
-                "config.json: shared_expert_intermediate_size must be >= 0, got "
+                f"{self.source}: shared_expert_intermediate_size must be >= 0, got "
                 f"{self.shared_expert_intermediate_size}"
             )
         if self.decoder_sparse_step < 1:
             raise ModelLoadError(
-                f"config.json: decoder_sparse_step must be >= 1, got {self.decoder_sparse_step}"
+                f"{self.source}: decoder_sparse_step must be >= 1, got {self.decoder_sparse_step}"
             )
 
     def is_sparse(self, layer: int) -> bool:
@@ -169,16 +173,17 @@ class ModelConfig:
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
     moe: MoeConfig | None = None  # the experts, for the MoE families; None: dense
+    source: str = field(default="config.json", kw_only=True, compare=False, repr=False)  # errors
 
     def __post_init__(self) -> None:
         if self.num_heads % self.num_kv_heads:
             raise ModelLoadError(
-                f"config.json: num_attention_heads ({self.num_heads}) must be a multiple of "
+                f"{self.source}: num_attention_heads ({self.num_heads}) must be a multiple of "
                 f"num_key_value_heads ({self.num_kv_heads})"
             )
         if (self.moe is not None) != (self.family in MOE_FAMILIES):
             raise ModelLoadError(
-                f"config.json: {self.architecture} "
+                f"{self.source}: {self.architecture} "
                 + ("needs its experts described" if self.moe is None else "has no experts")
             )
 
@@ -223,7 +228,7 @@ class ModelConfig:
         archs = raw.get("architectures") or []
         if not isinstance(archs, list) or not all(isinstance(a, str) for a in archs):
             raise ModelLoadError(
-                f"{source}: architectures must be a list of names (e.g. [\"LlamaForCausalLM\"]), "
+                f'{source}: architectures must be a list of names (e.g. ["LlamaForCausalLM"]), '
                 f"got {archs!r}"
             )
         for flag in ("tie_word_embeddings", "attention_bias", "mlp_bias", "qkv_bias",
@@ -248,11 +253,19 @@ class ModelConfig:
                 f"(supported: {', '.join(SUPPORTED_ARCHITECTURES)})"
             )
         family = SUPPORTED_ARCHITECTURES[arch]
+
+        def integer(key: str, default: int | None = None) -> int:
+            return _integer(source, key, raw[key] if default is None else raw.get(key, default))
+
         try:
-            num_heads = int(raw["num_attention_heads"])
-            hidden = int(raw["hidden_size"])
+            num_heads = integer("num_attention_heads")
+            hidden = integer("hidden_size")
             _positive(source, "num_attention_heads", num_heads)
-            head_dim = raw.get("head_dim") or hidden // num_heads
+            # (null or 0: hidden_size / num_attention_heads, as transformers reads it)
+            head_dim = (
+                raw.get("head_dim") is not None and integer("head_dim")
+            ) or hidden // num_heads
+            kv_heads = raw.get("num_key_value_heads") is not None and integer("num_key_value_heads")
             eos = raw.get("eos_token_id")
             eos_ids = tuple(eos) if isinstance(eos, list) else ((eos,) if eos is not None else ())
             sliding = raw.get("sliding_window")
@@ -266,15 +279,15 @@ class ModelConfig:
             cfg = cls(
                 architecture=arch,
                 family=family,
-                vocab_size=int(raw["vocab_size"]),
+                vocab_size=integer("vocab_size"),
                 hidden_size=hidden,
-                intermediate_size=int(raw["intermediate_size"]),
-                num_layers=int(raw["num_hidden_layers"]),
+                intermediate_size=integer("intermediate_size"),
+                num_layers=integer("num_hidden_layers"),
                 num_heads=num_heads,
-                num_kv_heads=int(raw.get("num_key_value_heads") or num_heads),
-                head_dim=int(head_dim),
+                num_kv_heads=kv_heads or num_heads,
+                head_dim=head_dim,
                 rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
-                max_position_embeddings=int(raw.get("max_position_embeddings", 2048)),
+                max_position_embeddings=integer("max_position_embeddings", 2048),
                 tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
                 qkv_bias=qkv_bias,
                 o_bias=family not in ("qwen2", "qwen2_moe")
@@ -283,10 +296,11 @@ class ModelConfig:
                 qk_norm=family in ("qwen3", "qwen3_moe"),
                 torch_dtype=str(raw.get("torch_dtype") or raw.get("dtype") or "float32"),
                 rope=_rope_from_dict(raw, source),
-                sliding_window=int(sliding) if sliding else None,
-                bos_token_id=raw.get("bos_token_id"),
-                eos_token_ids=tuple(int(e) for e in eos_ids),
+                sliding_window=_integer(source, "sliding_window", sliding) if sliding else None,
+                bos_token_id=(None if raw.get("bos_token_id") is None else integer("bos_token_id")),
+                eos_token_ids=tuple(_integer(source, "eos_token_id", e) for e in eos_ids),
                 moe=_moe_from_dict(raw, arch, family, source) if family in MOE_FAMILIES else None,
+                source=source,
             )
         except KeyError as e:
             raise ModelLoadError(f"{source}: required field {e.args[0]!r} is missing") from e
@@ -308,6 +322,12 @@ class ModelConfig:
             )
         if cfg.sliding_window is not None:
             _positive(source, "sliding_window", cfg.sliding_window)
+        if cfg.head_dim % 2:  # (the RoPE kernels failed every request, after the model loaded)
+            raise ModelLoadError(
+                f"{source}: head_dim must be even (rotary embeddings turn pairs of its "
+                f"dimensions), got {cfg.head_dim}"
+                + ("" if raw.get("head_dim") else " (hidden_size / num_attention_heads)")
+            )
         if not cfg.rms_norm_eps >= 0 or not math.isfinite(cfg.rms_norm_eps):  # (NaN: NaN outputs)
             raise ModelLoadError(f"{source}: rms_norm_eps must be >= 0, got {cfg.rms_norm_eps}")
         # an eos id outside the vocabulary can never be sampled; one past it failed the engine's
@@ -356,25 +376,33 @@ def _moe_from_dict(raw: dict[str, Any], arch: str, family: str, source: str) -> 
             )
     if family == "mixtral":
         return MoeConfig(
-            num_experts=int(raw["num_local_experts"]),
-            top_k=int(raw["num_experts_per_tok"]),
-            intermediate_size=int(raw["intermediate_size"]),
+            num_experts=_integer(source, "num_local_experts", raw["num_local_experts"]),
+            top_k=_integer(source, "num_experts_per_tok", raw["num_experts_per_tok"]),
+            intermediate_size=_integer(source, "intermediate_size", raw["intermediate_size"]),
             norm_topk_prob=True,
+            source=source,
         )
     # Hub configs say num_experts; transformers 5 saves Qwen3-MoE's as num_local_experts.
-    experts = raw.get("num_experts", raw.get("num_local_experts"))
+    key = "num_experts" if "num_experts" in raw else "num_local_experts"
+    experts = raw.get(key)
     if experts is None:
         raise ModelLoadError(f"{source}: required field 'num_experts' is missing")
+    shared = "shared_expert_intermediate_size"
+    step = raw.get("decoder_sparse_step")
     return MoeConfig(
-        num_experts=int(experts),
-        top_k=int(raw["num_experts_per_tok"]),
-        intermediate_size=int(raw["moe_intermediate_size"]),
+        num_experts=_integer(source, key, experts),
+        top_k=_integer(source, "num_experts_per_tok", raw["num_experts_per_tok"]),
+        intermediate_size=_integer(source, "moe_intermediate_size", raw["moe_intermediate_size"]),
         norm_topk_prob=bool(raw.get("norm_topk_prob", False)),
         shared_expert_intermediate_size=(
-            int(raw["shared_expert_intermediate_size"]) if family == "qwen2_moe" else 0
+            _integer(source, shared, raw[shared]) if family == "qwen2_moe" else 0
         ),
-        decoder_sparse_step=int(raw.get("decoder_sparse_step") or 1),
-        mlp_only_layers=tuple(int(i) for i in raw.get("mlp_only_layers") or ()),
+        decoder_sparse_step=(step is not None and _integer(source, "decoder_sparse_step", step))
+        or 1,
+        mlp_only_layers=tuple(
+            _integer(source, "mlp_only_layers", i) for i in raw.get("mlp_only_layers") or ()
+        ),
+        source=source,
     )
 
 
@@ -386,7 +414,7 @@ def _rope_from_dict(raw: dict[str, Any], source: str) -> RopeConfig:
     theta = float(merged.get("rope_theta", raw.get("rope_theta", 10000.0)))
     rope_type = merged.get("rope_type") or merged.get("type") or "default"
     if rope_type == "default":
-        return RopeConfig(theta=theta)
+        return RopeConfig(theta=theta, source=source)
     if "factor" not in merged:
         raise ModelLoadError(f"{source}: rope_scaling of type {rope_type!r} needs 'factor'")
     return RopeConfig(
@@ -395,9 +423,14 @@ def _rope_from_dict(raw: dict[str, Any], source: str) -> RopeConfig:
         factor=float(merged["factor"]),
         low_freq_factor=float(merged.get("low_freq_factor", 1.0)),
         high_freq_factor=float(merged.get("high_freq_factor", 4.0)),
-        original_max_position_embeddings=int(
-            merged.get("original_max_position_embeddings", raw.get("max_position_embeddings", 8192))
+        original_max_position_embeddings=_integer(
+            source,
+            "rope_scaling original_max_position_embeddings",
+            merged.get(
+                "original_max_position_embeddings", raw.get("max_position_embeddings", 8192)
+            ),
         ),
+        source=source,
     )
 
 
@@ -514,11 +547,11 @@ class EngineConfig:
                     "not built yet: use device='cpu' or tp=pp=ep=1"
                 )
         if self.max_model_len is not None and self.max_model_len < 0:
-            raise ValueError(f"max_model_len must be >= 1 (0: the model's), got {self.max_model_len}")
-        if self.cuda_graph_max_batch < 1:
             raise ValueError(
-                f"cuda_graph_max_batch must be >= 1, got {self.cuda_graph_max_batch}"
+                f"max_model_len must be >= 1 (0: the model's), got {self.max_model_len}"
             )
+        if self.cuda_graph_max_batch < 1:
+            raise ValueError(f"cuda_graph_max_batch must be >= 1, got {self.cuda_graph_max_batch}")
         if isinstance(self.speculative, dict):
             try:
                 self.speculative = SpeculativeConfig(**self.speculative)
@@ -554,7 +587,9 @@ class EngineConfig:
                 "holds its own layers); use tp=pp=ep=1"
             )
         if self.kv_cache_dtype not in ("auto", "bfloat16"):
-            raise ValueError(f"kv_cache_dtype must be auto or bfloat16, got {self.kv_cache_dtype!r}")
+            raise ValueError(
+                f"kv_cache_dtype must be auto or bfloat16, got {self.kv_cache_dtype!r}"
+            )
         if self.kv_cache_dtype == "bfloat16" and (self.dtype == "float16" or (
                 self.device == "cuda" and self.dtype == "float32")):  # fmt: skip
             raise ValueError(
@@ -594,3 +629,14 @@ class EngineConfig:
 def _positive(source: str, name: str, value: int) -> None:
     if value < 1:
         raise ModelLoadError(f"{source}: {name} must be a positive integer, got {value}")
+
+
+def _integer(source: str, name: str, value: Any) -> int:
+    """config.json's integer `name`: an int, or a float with no fraction (512.0, as some
+    converters write them); not a fraction, a string or a bool (int() took 512.9 as 512, "512"
+    as 512 and true as 1, silently)."""
+    if isinstance(value, bool) or not (
+        isinstance(value, int) or (isinstance(value, float) and value.is_integer())
+    ):
+        raise ModelLoadError(f"{source}: {name} must be an integer, got {value!r}")
+    return int(value)

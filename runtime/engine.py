@@ -259,6 +259,7 @@ class LLMEngine:
             ranks=weights.ranks, kv_commit=config.kv_cache_commit,
             packed_weights=config.packed_weights, kv_dtype=self.kv_dtype,
         )
+        self.model.rope_rows(min(self.max_model_len, num_blocks * config.block_size))  # now
         if weights.ranks is None:  # (a split model's ranks would each need to copy)
             self.blocks.copy_slots = self.runner.copy_slots  # kept partial blocks, shared
         # No warm-up step: on the CPU a first request is as fast as the next (measured: a

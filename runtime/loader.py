@@ -334,7 +334,7 @@ def start_load(
                                  f"{torch_dtype}), only {_size(have)} is available")  # fmt: skip
     _check_sizes(path, cfg, shards)
     model = _build(path, cfg, torch_dtype, max_model_len, ep, place, weights)
-    pieces = _map_tensors(model, shards)
+    pieces = _map_tensors(path, model, shards)
 
     params = dict(model.named_parameters())
     # in place from the drive, the host's; on a device, aligned as its allocator aligns
@@ -464,7 +464,7 @@ def _start_compressed(path: Path, cfg: ModelConfig, torch_dtype: torch.dtype,
             f"{path}: a compressed folder is decoded tensor by tensor, whole; it cannot be split "
             f"over tp={model.tp.size} ranks (serve the uncompressed folder with --tp)"
         )
-    pieces = {p.tensor.name: p for p in _map_tensors(model, shard_headers(path))}
+    pieces = {p.tensor.name: p for p in _map_tensors(path, model, shard_headers(path))}
     for p in pieces.values():
         if (p.begin, p.end) != (p.tensor.begin, p.tensor.end):  # decoded whole, not in part
             raise ModelLoadError(
@@ -541,9 +541,10 @@ def _build(path: Path, cfg: ModelConfig, dtype: torch.dtype, max_model_len: int 
         ) from e
 
 
-def _map_tensors(model: LlamaForCausalLM, shards: list[Shard]) -> list[_Piece]:
+def _map_tensors(path: Path, model: LlamaForCausalLM, shards: list[Shard]) -> list[_Piece]:
     """Every checkpoint tensor the model uses, in file order, with the parameter rows it fills;
-    errors name the file and tensor (unexpected, not a float, wrong shape, twice, or missing)."""
+    errors name the file and tensor (unexpected, not a float, wrong shape, twice), or the
+    model folder `path` (missing)."""
     params = dict(model.named_parameters())
     pieces: list[_Piece] = []
     for shard in shards:
@@ -584,7 +585,7 @@ def _map_tensors(model: LlamaForCausalLM, shards: list[Shard]) -> list[_Piece]:
             read = sum(e - b for b, e in piece.file_spans())
             piece.nbytes = param.dtype.itemsize * read // t.dtype.itemsize
             pieces.append(piece)
-    _check_coverage(model, params, pieces)
+    _check_coverage(path, model, params, pieces)
     return pieces
 
 
@@ -617,7 +618,7 @@ def _check_sizes(path: Path, cfg: ModelConfig, shards: list[Shard]) -> None:
 
 
 def _check_coverage(
-    model: LlamaForCausalLM, params: Mapping[str, torch.Tensor], pieces: list[_Piece]
+    path: Path, model: LlamaForCausalLM, params: Mapping[str, torch.Tensor], pieces: list[_Piece]
 ) -> None:
     """Every row of every parameter filled by exactly one piece: a tensor that is there twice
     (or two that overlap) is named with both files; missing ones are named as our parameters,
@@ -645,8 +646,23 @@ def _check_coverage(
             hint = model.checkpoint_name(name, gap)
             missing.append(name + (f" ({hint})" if hint else ""))
     if missing:
+        # (the message named no folder; an untied model's lm_head.weight, or an index or
+        # manifest listing no tensors, left the user guessing)
+        why = ""
+        if pieces and "lm_head" in by_param and not by_param["lm_head"]:
+            why = (
+                f"; tie_word_embeddings is false (or not set) in {path / 'config.json'}, so the "
+                "model needs its own lm_head.weight (true: the output layer is the embedding)"
+            )
+        if not pieces:
+            why = (
+                f"; none of the model's {len(params)} weights is there (does the index's "
+                "weight_map, or the manifest, list the shards?)"
+            )
         raise ModelLoadError(
-            f"weights missing from the checkpoint: {', '.join(sorted(missing)[:8])}"
+            f"{path}: weights missing from the checkpoint: {', '.join(sorted(missing)[:8])}"
+            + (f" and {len(missing) - 8} more" if len(missing) > 8 else "")
+            + why
         )
 
 

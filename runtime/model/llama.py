@@ -100,7 +100,7 @@ class Attention(nn.Module):
         slots = ctx.attn.slot_mapping
         q, k_rot = rotate_and_cache(q, k, v, ctx.cos, ctx.sin, k_cache, v_cache, slots, qk,
                                     self.fused)  # fmt: skip
-        o = paged_attention(q, k_rot, v, k_cache, v_cache, ctx.attn, self.scale)  # (T, n_heads, head_dim)
+        o = paged_attention(q, k_rot, v, k_cache, v_cache, ctx.attn, self.scale)  # (T, heads, dim)
         return self.o_proj(o.reshape(T, self.q_size))
 
 
@@ -190,8 +190,11 @@ class LlamaForCausalLM(nn.Module):
             self._store_weights_as(self.weight_dtype)
         self.max_model_len = max_model_len
         # RoPE tables, built on first use: a loader builds the model before it starts reading
-        # the weights, and this need not keep the drive waiting.
+        # the weights, and this need not keep the drive waiting. Only for the positions that
+        # can occur (rope_rows): max_position_embeddings may be in the millions, and a table
+        # for all of them took seconds and gigabytes at the first request.
         self._rope_tables: tuple[torch.Tensor, torch.Tensor] | None = None
+        self.rope_positions = max_model_len  # positions that can occur: 0 .. this - 1
         self.layers_run = 0  # decoder layers run, ever: the engine's progress (AsyncLLM)
 
     def _store_weights_as(self, dtype: torch.dtype) -> None:
@@ -209,14 +212,22 @@ class LlamaForCausalLM(nn.Module):
         if self.lm_head is not None:
             self.lm_head = _param(*self.lm_head.shape, dtype=dtype)
 
-    def _rope(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos and sin, float32 (max_model_len, head_dim) on the model's device, rows indexed by
-        position."""
-        if self._rope_tables is None:
+    def rope_rows(self, positions: int) -> None:
+        """Only positions 0 .. `positions` - 1 occur (at most max_model_len): their RoPE tables,
+        built now. The engine, at its start, for its max_model_len and what its KV cache can
+        hold (a sequence's positions are below its token count): not at the first request."""
+        self.rope_positions = min(self.max_model_len, positions)
+        self._rope(self.rope_positions)
+
+    def _rope(self, rows: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos and sin, float32 (at least `rows`, head_dim) on the model's device, row p for
+        position p; built (again) when they have fewer rows. Row p does not depend on how many
+        rows there are."""
+        if self._rope_tables is None or self._rope_tables[0].shape[0] < rows:
             inv_freq = self.cfg.rope.inv_freq(self.cfg.head_dim)  # (head_dim // 2,)
-            positions = torch.arange(self.max_model_len, dtype=torch.float32)
-            freqs = torch.outer(positions, inv_freq)  # (max_model_len, head_dim // 2)
-            emb = torch.cat((freqs, freqs), dim=-1)  # (max_model_len, head_dim)
+            positions = torch.arange(rows, dtype=torch.float32)
+            freqs = torch.outer(positions, inv_freq)  # (rows, head_dim // 2)
+            emb = torch.cat((freqs, freqs), dim=-1)  # (rows, head_dim)
             self._rope_tables = emb.cos().to(self.device), emb.sin().to(self.device)
         return self._rope_tables
 
@@ -250,7 +261,9 @@ class LlamaForCausalLM(nn.Module):
         """This rank's layers, with `kv_caches` theirs. Stage 0 starts from input_ids (T,), a
         later stage from the previous stage's `hidden` (T, hidden); returns (T, hidden), after
         the final norm on the last stage."""
-        cos, sin = self._rope()
+        # the positions that can occur: below rope_positions, and below the KV cache's slots
+        slots = kv_caches[0][0].shape[0] if kv_caches else self.rope_positions
+        cos, sin = self._rope(min(self.rope_positions, slots))
         ctx.cos = cos[ctx.positions].to(self.dtype)  # (T, head_dim)
         ctx.sin = sin[ctx.positions].to(self.dtype)  # (T, head_dim)
         x = self.embed(input_ids) if hidden is None else hidden  # (T, hidden)
@@ -378,7 +391,11 @@ class LlamaForCausalLM(nn.Module):
         if name.startswith("norm."):
             return WeightTarget(name) if self.place.last else None
         parts = name.split(".")
-        layer = int(parts[1]) if parts[0] == "layers" and parts[1:2] and is_layer_index(parts[1]) else -1
+        layer = (
+            int(parts[1])
+            if parts[0] == "layers" and parts[1:2] and is_layer_index(parts[1])
+            else -1
+        )
         if layer >= 0 and layer not in self.local_layers and layer < self.cfg.num_layers:
             return None  # another stage's
         if parts[2:3] == ["block_sparse_moe"]:  # Mixtral's name for its MoE block
@@ -418,7 +435,12 @@ class LlamaForCausalLM(nn.Module):
 
     def _moe(self, parts: list[str]) -> MoE | None:
         """The MoE block that `layers.<i>.mlp.*` names, if layer i is sparse."""
-        if len(parts) < 4 or parts[0] != "layers" or parts[2] != "mlp" or not is_layer_index(parts[1]):
+        if (
+            len(parts) < 4
+            or parts[0] != "layers"
+            or parts[2] != "mlp"
+            or not is_layer_index(parts[1])
+        ):
             return None
         i = int(parts[1])
         mlp = self.layers[i].mlp if i < len(self.layers) else None
