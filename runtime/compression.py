@@ -91,7 +91,7 @@ from kernels.huffman_decode import (
 )
 from runtime.config import ModelLoadError
 from runtime.manifest import COMPRESSED_MANIFEST_NAME, check_shard_files, is_compressed
-from runtime.model_store import LOCK_NAME, checked_source, locked_folder
+from runtime.model_store import LOCK_NAME, checked_source, locked_folder, read_config_json
 from runtime.shard_reader import (
     Arena,
     commit_ahead,
@@ -362,7 +362,9 @@ def read_manifest(folder: str | os.PathLike[str]) -> CompressedManifest:
         )
     except OSError as e:
         raise ModelLoadError(f"{path}: cannot read ({e})") from e
-    except (json.JSONDecodeError, AttributeError, KeyError, TypeError, ValueError) as e:
+    except (AttributeError, KeyError, TypeError, ValueError, ArithmeticError, RecursionError) as e:
+        # (ArithmeticError: "bytes": 1e400 is infinity, which int() refuses; RecursionError:
+        # nesting too deep for the parser)
         raise ModelLoadError(f"{path}: corrupt manifest ({e})") from e
 
 
@@ -500,12 +502,19 @@ def read_shard(
         raise ModelLoadError(f"{path}: corrupt header ({e!r})") from e
     want = max((t.end for t in shard.tensors), default=data)
     expected = want if expected_size is None else expected_size
-    if size != expected or size < want:
-        cut = next((t.name for t in shard.tensors if t.end > size), None)
+    cut = next((t for t in shard.tensors if t.end > size), None)
+    if size < expected:
         raise ModelLoadError(
-            f"{path}: {'truncated' if size < expected else 'wrong size'}: {size} bytes, the "
-            f"manifest says {expected}" + (f"; tensor {cut!r} is cut off" if cut else "")
+            f"{path}: truncated: {size} bytes, the manifest says {expected}"
+            + (f"; tensor {cut.name!r} is cut off" if cut else "")
         )
+    if cut is not None:  # (the file is as long as it should be: the header is what is wrong)
+        raise ModelLoadError(
+            f"{path}: corrupt header: tensor {cut.name!r}'s record at bytes "
+            f"{cut.begin}..{cut.end} ends past the end of the file ({size} bytes)"
+        )
+    if size != expected:
+        raise ModelLoadError(f"{path}: wrong size: {size} bytes, the manifest says {expected}")
     return shard
 
 
@@ -575,6 +584,8 @@ def compress_model(
         )
     if out.exists() and (not out.is_dir() or any(out.iterdir())):
         raise CompressError(f"{out}: exists and is not an empty folder")
+    if cast_bf16 and (src / "config.json").is_file():  # (rewritten then: refused before
+        read_config_json(src)  # anything is written, naming it, if it is not a JSON object)
     summary = CompressSummary(out, 0, 0, 0.0, 0, 0)
     manifest = CompressedManifest(str(src.resolve()), {}, {}, 0, other)
     # A folder locked while it is built (model_store.locked_folder): killed outright, the

@@ -106,7 +106,7 @@ def _is_current(folder: Path) -> bool:
         return False
     try:
         marker = json.loads((folder / IMPORT_MARKER).read_text(encoding="utf-8"))
-    except (OSError, ValueError):
+    except (OSError, ValueError, RecursionError):  # (a marker nested too deep: not current)
         return False
     return isinstance(marker, dict) and marker.get("importer_version") == IMPORTER_VERSION
 

@@ -55,6 +55,7 @@ from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -298,6 +299,8 @@ class ModelStore:
         target = self.root / name
         if not is_gguf and is_compressed(src):
             raise _compressed_source(src, target)
+        if not is_gguf:  # a config.json no load can read: refused now, nothing written
+            read_config_json(src)
         if target.exists() and not force:
             raise _exists(target, name)
         self.sweep(say)
@@ -480,6 +483,21 @@ def parse_size(text: str) -> int:
 
 # ---------------------------------------------------------------------------------------------
 # Sources
+
+
+def read_config_json(folder: Path) -> dict[str, Any]:
+    """A source folder's config.json as a JSON object; StoreError naming it for one that is not
+    (unreadable, not JSON, nested past the parser's depth, a list), which no load could read.
+    Not checked as a model's config (ModelConfig): the store keeps what this edgeinfer cannot
+    run as well."""
+    path = folder / "config.json"
+    try:
+        raw = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError, RecursionError) as e:
+        raise StoreError(f"{path}: not valid JSON ({e})") from e
+    if not isinstance(raw, dict):
+        raise StoreError(f"{path}: not a JSON object (got {type(raw).__name__})")
+    return raw
 
 
 def _classify(source: str | os.PathLike[str]) -> tuple[Path, bool, str]:
@@ -785,7 +803,8 @@ def _compressed_row(path: Path) -> StoredModel:
         ratio = size / int(raw["bf16_bytes"]) if raw.get("bf16_bytes") else 0.0
         return StoredModel(path.name, path, size, len(raw["shards"]), str(raw["source"]),
                            str(raw["created"]), f"compressed, {ratio:.1%} of bfloat16")  # fmt: skip
-    except (OSError, ValueError, KeyError, TypeError) as e:
+    # (ArithmeticError: 1e400, a "bf16_bytes" of "0"; RecursionError: nested too deep)
+    except (OSError, ValueError, LookupError, TypeError, ArithmeticError, RecursionError) as e:
         return StoredModel(path.name, path, 0, 0, "", "", f"corrupt compressed manifest: {e}")
 
 

@@ -115,11 +115,21 @@ class Tokenizer:
             raise TokenizerFileError(tokenizer_file, f"not a valid tokenizer.json ({e})") from e
         backend.no_truncation()
         backend.no_padding()
+        _probe_encode(backend, tokenizer_file)
 
         tok_config = _read_json_object(root / "tokenizer_config.json")
         model_config = _read_json_object(root / "config.json")
         gen_config = _read_json_object(root / "generation_config.json")
 
+        # A bos token tokenizer.json does not have would be added past its vocabulary (the
+        # model's), and every prompt that holds or starts with it fails: refuse it here.
+        bos_text = tok_config.get("bos_token")
+        bos_text = bos_text.get("content") if isinstance(bos_text, dict) else bos_text
+        if isinstance(bos_text, str) and backend.token_to_id(bos_text) is None:
+            raise TokenizerFileError(
+                root / "tokenizer_config.json",
+                f'"bos_token" {bos_text!r} is not a token of tokenizer.json',
+            )
         special_tokens = _register_special_tokens(
             backend, root / "tokenizer_config.json", tok_config
         )
@@ -155,13 +165,21 @@ class Tokenizer:
         """Token ids of `text`; with `add_special_tokens`, wrapped as tokenizer.json's
         post-processor says (usually a leading bos). A text over LONG_TEXT_CHARS is tokenized
         without holding the GIL, so a server that tokenizes it on a thread keeps serving."""
-        if len(text) > LONG_TEXT_CHARS:  # (tokenizers' `encode` holds the GIL throughout: a MB
-            # of text stalled a server's event loop ~0.5 s, from a thread as from the loop; its
-            # `encode_batch` releases it, and gives the same ids)
-            batch = self._backend.encode_batch([text], add_special_tokens=add_special_tokens)
-            long_ids: list[int] = batch[0].ids
-            return long_ids
-        ids: list[int] = self._backend.encode(text, add_special_tokens=add_special_tokens).ids
+        try:
+            if len(text) > LONG_TEXT_CHARS:  # (tokenizers' `encode` holds the GIL throughout: a
+                # MB of text stalled a server's event loop ~0.5 s, from a thread as from the loop;
+                # its `encode_batch` releases it, and gives the same ids)
+                batch = self._backend.encode_batch([text], add_special_tokens=add_special_tokens)
+                long_ids: list[int] = batch[0].ids
+                return long_ids
+            ids: list[int] = self._backend.encode(text, add_special_tokens=add_special_tokens).ids
+        except Exception as e:  # the Rust side raises plain Exception (a WordLevel tokenizer
+            # whose unk_token is not in its vocabulary, on a word it does not have)
+            if type(e) is not Exception:
+                raise
+            raise InvalidRequestError(
+                "prompt", f"{self.source}/tokenizer.json cannot tokenize it ({e})"
+            ) from e
         return ids
 
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
@@ -299,13 +317,27 @@ class Tokenizer:
 # ----- file reading ------------------------------------------------------------------------
 
 
+# Encoded once at load: words, a digit, punctuation, and characters a small vocabulary lacks (a
+# WordLevel tokenizer whose unk_token is not in its vocabulary fails on a word it does not have).
+_PROBE_TEXT = "Hello world, 1 \u00e9\u4e2d\U0001f600 zqxjv"
+
+
+def _probe_encode(backend: HFTokenizer, path: Path) -> None:
+    """TokenizerFileError naming `path` if the tokenizer cannot encode a short text: one that
+    fails there fails on requests, each with the Rust side's bare error."""
+    try:
+        backend.encode(_PROBE_TEXT, add_special_tokens=True)
+    except Exception as e:  # the Rust side raises plain Exception
+        raise TokenizerFileError(path, f"cannot tokenize a short text ({e})") from e
+
+
 def _read_json_object(path: Path) -> dict[str, Any]:
     """An optional JSON object file: {} if absent, TokenizerFileError if unreadable."""
     if not path.is_file():
         return {}
     try:
         data = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+    except (OSError, ValueError, RecursionError) as e:  # (RecursionError: nested too deep)
         raise TokenizerFileError(path, f"cannot read JSON ({e})") from e
     if not isinstance(data, dict):
         raise TokenizerFileError(path, f"expected a JSON object, got {type(data).__name__}")
