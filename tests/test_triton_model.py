@@ -62,7 +62,7 @@ def test_device_setting(monkeypatch) -> None:  # type: ignore[no-untyped-def]
     if not torch.cuda.is_available():
         with pytest.raises(ValueError, match="sees no CUDA GPU"):
             EngineConfig(model="m", device="cuda")
-    with pytest.raises(ValueError, match="cuda_graph_max_batch must be >= 1"):
+    with pytest.raises(ValueError, match="cuda_graph_max_batch must be an integer >= 1"):
         EngineConfig(model="m", cuda_graph_max_batch=0)
     # as on a GPU host: auto is CUDA in bfloat16 (the early weight load sees the same config),
     # but ranks stay on the CPU, where they are built; asked for on CUDA, they are refused
