@@ -16,9 +16,9 @@ from pathlib import Path
 import pytest
 
 from runtime import LLM, SamplingParams
-from runtime.draft import DraftProposer
 from runtime.engine import LLMEngine
 from runtime.request import Request
+from tests.test_draft_vocab import _no_block_held, _proposer
 from tests.test_engine import llm_block_bytes
 
 STORY = (
@@ -37,18 +37,6 @@ def _llm(model_dir: Path, draft_dir: Path | None = None, kv_cache_bytes: int = 4
                 "max_batch_tokens": 64}  # fmt: skip
     return LLM(str(model_dir), kv_cache_bytes=kv_cache_bytes, block_size=16,
                max_num_batched_tokens=BUDGET, speculative=spec)  # fmt: skip
-
-
-def _proposer(llm: LLM) -> DraftProposer:
-    spec = llm.engine.spec
-    assert spec is not None and isinstance(spec.proposer, DraftProposer)
-    return spec.proposer
-
-
-def _no_block_held(llm: LLM) -> None:
-    draft_blocks, blocks = _proposer(llm).blocks, llm.engine.blocks
-    assert draft_blocks.num_free_blocks == draft_blocks.num_blocks
-    assert blocks.num_free_blocks == blocks.num_blocks
 
 
 def _queued(engine: LLMEngine, request_id: str, prompt: str, params: SamplingParams) -> Request:

@@ -30,8 +30,8 @@ from safetensors.torch import load_file, save_file
 from runtime import LLM, SamplingParams
 from runtime.draft import STAND_IN, DraftProposer
 from runtime.request import Request
-from runtime.speculative import target_probs, verify
-from tests.test_speculative import _draft, _p_value, swap_two_token_ids
+from runtime.speculative import target_probs
+from tests.test_speculative import _draft, _p_value, check_verify_distribution, swap_two_token_ids
 
 DRAFT_VOCAB = 512  # the draft's rows, and every id stories260K's tokenizer names
 TARGET_VOCAB = 576  # the target's: 64 more, named by no token
@@ -214,24 +214,7 @@ def test_verify_keeps_p_with_a_q_zero_past_the_draft_s_vocabulary() -> None:
     logits = torch.randn(3, 6) * 1.5  # (k+1, V) the target's
     q = torch.zeros(2, 6)  # (k, V) the draft's, over the target's width
     q[:, :4] = target_probs(torch.randn(2, 4) * 1.5, params)
-    p = target_probs(logits, params)  # (3, V)
-    gen = torch.Generator().manual_seed(1)
-    n = 10000
-    counts: Counter[tuple[int, int]] = Counter()
-    for _ in range(n):
-        drafts = [int(torch.multinomial(q[i], 1, generator=gen)) for i in range(2)]
-        out = verify(logits, drafts, params, gen, q)
-        counts[(out[0], out[1] if len(out) > 1 else -1)] += 1
-    expected: dict[tuple[int, int], float] = {}
-    for a in range(6):
-        kept = min(float(p[0, a]), float(q[0, a]))
-        expected[(a, -1)] = (float(p[0, a]) - kept) * n
-        for b in range(6):
-            expected[(a, b)] = kept * float(p[1, b]) * n
-    cells = [c for c, e in expected.items() if e > 5]
-    stat = sum((counts[c] - expected[c]) ** 2 / expected[c] for c in cells)
-    assert _p_value(stat, len(cells) - 1) > 1e-3, (stat, len(cells))
-    assert all(counts[c] == 0 for c, e in expected.items() if e < 1e-9)
+    counts, expected = check_verify_distribution(logits, q, params, 10000)
     assert sum(counts[(a, -1)] for a in (4, 5)) > 0.5 * sum(expected[(a, -1)] for a in (4, 5))
 
 

@@ -497,24 +497,35 @@ def test_verify_with_draft_distribution(params: SamplingParams) -> None:
     torch.manual_seed(0)
     logits = torch.randn(3, 6) * 1.5  # (k+1, V) the target's
     q = target_probs(torch.randn(2, 6) * 1.5, params)  # (k, V) the draft's, other support
+    check_verify_distribution(logits, q, params, 20000)
+
+
+def check_verify_distribution(
+    logits: torch.Tensor, q: torch.Tensor, params: SamplingParams, n: int
+) -> tuple[Counter[tuple[int, int]], dict[tuple[int, int], float]]:
+    """`verify` of two drafts drawn from `q` (2, V) against the target's `logits` (3, V), `n`
+    times: the (first, second) tokens it returns (-1: no second) match, by a chi-square test,
+    first = p0 (an accepted draft a with probability min(p0(a), q0(a))) and then p1; cells of
+    probability 0 never occur. Returns the counts and the expected counts."""
     p = target_probs(logits, params)  # (3, V)
+    vocab = logits.shape[-1]
     gen = torch.Generator().manual_seed(1)
-    n = 20000
     counts: Counter[tuple[int, int]] = Counter()
     for _ in range(n):
         drafts = [int(torch.multinomial(q[i], 1, generator=gen)) for i in range(2)]
         out = verify(logits, drafts, params, gen, q)
         counts[(out[0], out[1] if len(out) > 1 else -1)] += 1
     expected: dict[tuple[int, int], float] = {}
-    for a in range(6):
+    for a in range(vocab):
         kept = min(float(p[0, a]), float(q[0, a]))
         expected[(a, -1)] = (float(p[0, a]) - kept) * n
-        for b in range(6):
+        for b in range(vocab):
             expected[(a, b)] = kept * float(p[1, b]) * n
     cells = [c for c, e in expected.items() if e > 5]
     stat = sum((counts[c] - expected[c]) ** 2 / expected[c] for c in cells)
     assert _p_value(stat, len(cells) - 1) > 1e-3, (stat, len(cells))
     assert all(counts[c] == 0 for c, e in expected.items() if e < 1e-9)
+    return counts, expected
 
 
 def test_sampled_outputs_match_with_a_poor_draft(engines, poor_draft) -> None:  # type: ignore[no-untyped-def]
