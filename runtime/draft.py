@@ -117,12 +117,18 @@ class DraftProposer:
             self.model = load_model(path, config.dtype, weight_dtype=config.weight_dtype)
         except ModelLoadError as e:
             raise ModelLoadError(f"speculative draft_model (--draft-model): {e}") from e
+        # on the target's device (a GPU target's draft on the host drafted at the host's speed,
+        # and its KV cache came out of host memory); its logits come back to the host, where
+        # the drafts are drawn and verified beside the target's (ModelRunner.finish)
+        cuda = config.device == "cuda"
+        if cuda:
+            self.model.to(config.device)
         self.max_model_len = min(max_model_len, self.model.cfg.max_model_len)
         self.vocab_size = target_vocab_size  # the logits' width (past the draft's own: -inf)
         self.readable = min(self.model.cfg.vocab_size, target_vocab_size)  # ids it can embed
         self.max_chunk = config.max_num_batched_tokens  # catch-up tokens one step computes
         # its KV in the target's kind of cache (the draft model's dtype is the target's)
-        kv_dtype = kv_cache_dtype(config.kv_cache_dtype, self.model, FORCE_TRITON)
+        kv_dtype = kv_cache_dtype(config.kv_cache_dtype, self.model, cuda or FORCE_TRITON)
         block_bytes = kv_block_bytes(self.model, config.block_size, kv_dtype)
         num_blocks = spec.draft_kv_cache_bytes // block_bytes
         if num_blocks < 1:
@@ -135,7 +141,14 @@ class DraftProposer:
             self.model, num_blocks, config.block_size, config.attention, config.cpu_kernels,
             packed_weights=config.packed_weights, kv_dtype=kv_dtype,
         )  # fmt: skip
-        self.runner.pack_weights()  # load_model has read every weight
+        self.model.rope_rows(min(self.max_model_len, num_blocks * config.block_size))  # now
+        if not cuda:
+            self.runner.pack_weights()  # load_model has read every weight
+        # what the draft holds: its weights and its KV cache (the target's budget leaves it out)
+        self.nbytes = num_blocks * block_bytes + sum(
+            t.numel() * t.element_size()
+            for t in (*self.model.parameters(), *self.model.buffers())
+        )
         self._shadows: dict[str, Request] = {}  # request id -> the draft's view of it
         self._base: dict[str, int] = {}  # request id -> leading shadow tokens that are its own
 
@@ -288,9 +301,9 @@ class DraftProposer:
         tables = {sh.request_id: self.blocks.block_table(sh.request_id) for sh in shadows}
         hidden = self.runner.forward([scheduled[i] for i in order], tables)  # (T, hidden)
         last = torch.tensor([scheduled[i].num_new_tokens for i in order]).cumsum(0) - 1  # (B,)
-        # (B, V) in `order`; a padded vocabulary's rows past the target's cut off, a narrower
-        # one's widened with -inf (never drafted; a sampled draft's q zero there)
-        logits = self.model.logits(hidden[last])[:, : self.vocab_size]
+        # (B, V) in `order`, on the host; a padded vocabulary's rows past the target's cut off,
+        # a narrower one's widened with -inf (never drafted; a sampled draft's q zero there)
+        logits = self.model.logits(hidden[last.to(hidden.device)])[:, : self.vocab_size].cpu()
         if logits.shape[1] < self.vocab_size:
             logits = F.pad(logits, (0, self.vocab_size - logits.shape[1]), value=-math.inf)
         for sh, n in zip(shadows, sizes, strict=True):

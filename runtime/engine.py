@@ -198,11 +198,25 @@ class LLMEngine:
         self.max_model_len = config.max_model_len or cfg.max_model_len
         self.kv_dtype = kv_cache_dtype(config.kv_cache_dtype, self.model, cuda or FORCE_TRITON)
         block_bytes = kv_block_bytes(self.model, config.block_size, self.kv_dtype)
+        spec = config.speculative
+        if spec is not None and spec.num_tokens >= self.max_model_len:
+            raise ValueError(
+                f"speculative num_tokens ({spec.num_tokens}) must be below the context length "
+                f"({self.max_model_len})"
+            )
+        # a draft model (its weights and KV cache) before the target's KV cache is sized: out of
+        # the memory that sizing sees as free (on a GPU, the draft sat beside a cache that had
+        # taken kv_cache_fraction of the memory without it)
+        proposer = None
+        if spec is not None and spec.method == "draft":
+            proposer = DraftProposer(config, cfg.vocab_size, self.max_model_len)
         if cuda:  # of the GPU memory left once the weights are on it
             torch.cuda.empty_cache()  # what placing (or encoding) them freed counts as free
             free = torch.cuda.mem_get_info(self.model.device)[0]
         else:  # of the memory left once the weights are in (they may be arriving)
             free = weights.memory_before - weights.nbytes
+            if proposer is not None:
+                free -= proposer.nbytes
             if self.compressed is not None:  # what the compressed layers gave back
                 free += self.compressed.dense_bytes - self.compressed.compressed_bytes
                 free -= self.compressed.buffer_bytes
@@ -243,16 +257,8 @@ class LLMEngine:
             lanes=self.lanes,
         )  # fmt: skip
         self.spec = None
-        if config.speculative is not None:
-            if config.speculative.num_tokens >= self.max_model_len:
-                raise ValueError(
-                    f"speculative num_tokens ({config.speculative.num_tokens}) must be below the "
-                    f"context length ({self.max_model_len})"
-                )
-            proposer = None
-            if config.speculative.method == "draft":
-                proposer = DraftProposer(config, cfg.vocab_size, self.max_model_len)
-            self.spec = SpecController(config.speculative, self.max_model_len, proposer)
+        if spec is not None:
+            self.spec = SpecController(spec, self.max_model_len, proposer)
         t_tokenizer = time.perf_counter()
         self.runner = ModelRunner(
             self.model, num_blocks, config.block_size, config.attention, config.cpu_kernels,

@@ -88,6 +88,37 @@ def test_engine_on_the_gpu_with_weights_kept_compressed(tiny_model_dir) -> None:
     assert _greedy(llm) == dense
 
 
+@pytest.mark.parametrize("method", ["ngram", "draft"])
+def test_speculative_decoding_on_the_gpu(stories_dir: Path, method: str) -> None:
+    """Greedy output with drafts (n-gram, or a draft model: the target drafting for itself, so
+    its drafts are accepted) is the plain engine's; sampled requests with logprobs verify their
+    drafts (drawn on the host; a seeded one does not speculate); a draft model runs on the GPU
+    beside the target, its KV cache there too."""
+    from runtime.draft import DraftProposer
+
+    spec: dict[str, object] = {"method": method, "num_tokens": 4, "max_batch_tokens": 64}
+    if method == "draft":
+        spec["draft_model"] = str(stories_dir)
+    plain = _greedy(LLM(stories_dir, device="cuda", cuda_graph_max_batch=8))
+    llm = LLM(stories_dir, device="cuda", cuda_graph_max_batch=8, speculative=spec)
+    assert _greedy(llm) == plain
+    verified = llm.engine.stats()["spec_verifications"]
+    sampled = SamplingParams(temperature=0.5, top_p=0.9, max_tokens=64, logprobs=2,
+                             ignore_eos=True)  # fmt: skip
+    # (64 tokens: stories260K's text repeats itself within them, so n-gram drafts come)
+    for out in llm.generate(PROMPTS * 3, sampled):
+        got = out.outputs[0]
+        assert len(got.token_ids) == 64 and got.logprobs is not None and len(got.logprobs) == 64
+    stats = llm.engine.stats()
+    assert stats["spec_verifications"] > verified, stats
+    assert method == "ngram" or stats["spec_accepted_tokens"] > 0, stats
+    proposer = llm.engine.spec.proposer if llm.engine.spec is not None else None
+    if method == "draft":
+        assert isinstance(proposer, DraftProposer)
+        assert proposer.model.device.type == "cuda" and proposer.runner.triton
+        assert proposer.runner.kv.device.type == "cuda"
+
+
 @pytest.mark.parametrize("ahead", [1, 2, 3])
 def test_blocks_decoded_ahead_on_a_side_stream_answer_as_dense_in_any_order(ahead: int) -> None:
     """CompressedBlocks on a GPU decodes the blocks after the running one on a side stream,

@@ -358,6 +358,24 @@ def _draft_blocks(llm: LLM) -> BlockManager:
     return proposer.blocks
 
 
+def test_the_draft_is_out_of_the_targets_kv_budget(stories_dir: Path, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    """Sized from a fraction of the free memory, the target's KV cache leaves out the draft
+    model's weights and KV cache (it took its fraction of memory the draft then took too)."""
+    from runtime.model_runner import kv_block_bytes
+
+    monkeypatch.setattr("runtime.loader.available_memory", lambda: 200_000_000)
+    kw = {"kv_cache_fraction": 0.25, "block_size": 16}
+    plain = LLM(str(stories_dir), **kw)  # type: ignore[arg-type]
+    llm = LLM(str(stories_dir), speculative=_draft(stories_dir), **kw)  # type: ignore[arg-type]
+    proposer = llm.engine.spec.proposer if llm.engine.spec is not None else None
+    assert isinstance(proposer, DraftProposer)
+    weights = sum(p.nbytes for p in proposer.model.parameters())
+    assert proposer.nbytes >= weights + proposer.blocks.num_blocks * 16
+    block = kv_block_bytes(llm.engine.model, 16, llm.engine.kv_dtype)
+    lost = (plain.engine.blocks.num_blocks - llm.engine.blocks.num_blocks) * block
+    assert abs(lost - proposer.nbytes * 0.25) <= block, (lost, proposer.nbytes)
+
+
 def test_draft_settings_fail_at_start(stories_dir: Path, tmp_path: Path) -> None:
     with pytest.raises(ValueError, match="needs draft_model"):
         SpeculativeConfig(method="draft")
