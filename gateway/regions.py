@@ -8,14 +8,24 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from runtime.model_specs import parse_models
+
 # The catalog ships inside the package (package data, pyproject.toml), so an installed gateway
 # has it; infra/deploy.py renders the regions' manifests from this same file. A package installed
 # by pip is on disk, so this is a real path (the CLI passes it on as the --regions default).
 DEFAULT_CATALOG = Path(__file__).with_name("regions.yaml")
 EARTH_RADIUS_KM = 6371.0
-_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_-]{0,62}$")
+# A region's name is a DNS-1123 label short enough that its namespace, edgeinfer-NAME, is one too
+# (at most 63 characters): lower-case letters, digits and '-', starting and ending with a letter
+# or digit. `US_East` rendered a namespace Kubernetes refuses, as did a name of 54 or more.
+NAMESPACE_PREFIX = "edgeinfer-"
+MAX_NAME = 63 - len(NAMESPACE_PREFIX)  # 53
+_NAME = re.compile(rf"^[a-z0-9](?:[a-z0-9-]{{0,{MAX_NAME - 2}}}[a-z0-9])?$")
 # a region entry's fields (a misspelt one is refused)
 FIELDS = ("name", "latitude", "longitude", "settings")
+# the catalog's own fields: its regions, and the Redis they all share (infra/deploy.py reads it;
+# a gateway takes its Redis from --redis or $EDGEINFER_REDIS). A misspelt one is refused
+TOP_FIELDS = ("regions", "redis_url")
 
 
 class CatalogError(ValueError):
@@ -41,8 +51,11 @@ def great_circle_km(a: Region, b: Region) -> float:
 
 
 class RegionCatalog:
-    def __init__(self, regions: list[Region]) -> None:
+    def __init__(self, regions: list[Region], redis_url: str | None = None) -> None:
         self.regions = {r.name: r for r in regions}
+        # the Redis every region's deploy points its pods at (the catalog's `redis_url`); None:
+        # each region's own settings.redis_url, or a Redis of its own (see infra/regions.yaml)
+        self.redis_url = redis_url
 
     @classmethod
     def load(cls, path: str | Path = DEFAULT_CATALOG) -> RegionCatalog:
@@ -60,20 +73,38 @@ class RegionCatalog:
         entries = raw.get("regions") if isinstance(raw, dict) else None
         if not isinstance(entries, list) or not entries:
             raise CatalogError(f"{path}: needs a non-empty `regions:` list")
+        assert isinstance(raw, dict)
+        unknown_top = [str(k) for k in raw if k not in TOP_FIELDS]
+        if unknown_top:
+            raise CatalogError(f"{path}: unknown field {unknown_top[0]!r} (a catalog has "
+                               f"{', '.join(TOP_FIELDS)})")  # fmt: skip
+        redis_url = raw.get("redis_url")
+        if redis_url is not None and (not isinstance(redis_url, str) or not redis_url):
+            raise CatalogError(f"{path}: redis_url must be a Redis URL, got {redis_url!r}")
         regions = []
+        first: dict[str, int] = {}  # name -> the index of the entry that first gave it
         for i, entry in enumerate(entries):
             where = f"{path}: regions[{i}]"
             if not isinstance(entry, dict):
                 raise CatalogError(f"{where}: must be a mapping")
             name = entry.get("name")
+            if name is None:
+                raise CatalogError(f"{where}: name is missing")
             if not isinstance(name, str) or not _NAME.match(name):
-                raise CatalogError(f"{where}: name must match {_NAME.pattern}, got {name!r}")
+                raise CatalogError(
+                    f"{where}: name must be at most {MAX_NAME} lower-case letters, digits and "
+                    "'-', starting and ending with a letter or digit (a DNS label: the region's "
+                    f"namespace is {NAMESPACE_PREFIX}NAME), got {name!r}"
+                )
             unknown = [str(k) for k in entry if k not in FIELDS]
             if unknown:  # (`setting:` for `settings:` left the region's settings unread)
                 raise CatalogError(f"{where} ({name}): unknown field {unknown[0]!r} (a region has "
                                    f"{', '.join(FIELDS)})")  # fmt: skip
             lat, lon = entry.get("latitude"), entry.get("longitude")
             for key, value, limit in (("latitude", lat, 90), ("longitude", lon, 180)):
+                if value is None:
+                    raise CatalogError(f"{where} ({name}): {key} is missing (degrees, in "
+                                       f"[-{limit}, {limit}])")  # fmt: skip
                 if isinstance(value, bool) or not isinstance(value, (int, float)):
                     raise CatalogError(f"{where} ({name}): {key} must be a number")
                 if not -limit <= value <= limit:
@@ -81,12 +112,18 @@ class RegionCatalog:
             settings = entry.get("settings") or {}
             if not isinstance(settings, dict):
                 raise CatalogError(f"{where} ({name}): settings must be a mapping")
+            models = settings.get("models")
+            if isinstance(models, list) and all(isinstance(m, str) for m in models):
+                try:  # (the gateways read the served names: one model twice, or `=DIR`)
+                    parse_models(",".join(models), resolve=str)
+                except ValueError as e:
+                    raise CatalogError(f"{where} ({name}): settings.models: {e}") from e
+            if name in first:
+                raise CatalogError(f"{where} ({name}): duplicate region name: "
+                                   f"regions[{first[name]}] is {name} too")  # fmt: skip
+            first[name] = i
             regions.append(Region(name, float(lat), float(lon), settings))  # type: ignore[arg-type]
-        names = [r.name for r in regions]
-        dupes = sorted({n for n in names if names.count(n) > 1})
-        if dupes:
-            raise CatalogError(f"{path}: duplicate region names {dupes}")
-        return cls(regions)
+        return cls(regions, redis_url)
 
     def __contains__(self, name: object) -> bool:
         return name in self.regions

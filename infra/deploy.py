@@ -20,7 +20,17 @@ patches):
                       far), and the pool manager gives its workers no GPU each (they would all run
                       on its pod's first): with a GPU, pool_max_workers is 0 or 1
     redis_url         a shared Redis for the cluster state, without a password (one with a
-                      password: --redis-url-file, below); absent: the region runs its own
+                      password: --redis-url-file, below); absent: the catalog's top-level
+                      redis_url, every region's (a region's own must name the same Redis);
+                      neither: the region runs its own, and routes to no other region (a
+                      warning says so when the catalog has others: see split_state)
+    worker_advertise_url  the URL each standing worker registers for the gateways (default
+                      http://$(POD_IP):9001), with $(POD_NAME) or $(POD_IP) in it: what the
+                      other regions' gateways reach, where pod IPs are not routed between the
+                      clusters (infra/regions.yaml)
+    otel_sample_ratio the fraction of traces kept, 0 to 1: the gateways' and workers' (the pool's
+                      too) --otel-sample-ratio (default 0.1, DEFAULT_SAMPLE_RATIO: not the
+                      CLI's 1.0, see there)
     drain_timeout     worker --drain-timeout, seconds (default 30); grace periods follow it
     store_class, store_size   the model store's local NVMe StorageClass and size
                       (default local-nvme, 200Gi)
@@ -40,7 +50,9 @@ patches):
 
 A setting the deploy does not know (a misspelling: `gpus: 1` for `gpus_per_worker: 1`) is refused,
 and so is a catalog the gateways would refuse (gateway.regions.RegionCatalog: a duplicate name, a
-region without coordinates). The gateways read the catalog the region is rendered from (the
+region without coordinates, a name that is no DNS label of at most 53 characters, one model
+listed twice), and an overlay that renders another region than the one asked for (a copied
+overlay left unedited: its namespace, EDGEINFER_REGION or pod labels; the error names the file). The gateways read the catalog the region is rendered from (the
 ConfigMap edgeinfer-regions, mounted at /etc/edgeinfer/catalog: their image's own copy lacks a
 region or model added since it was built), and every pod template carries a digest of the config
 maps its pods read (edgeinfer.dev/config-sha256): a container reads its environment once, at
@@ -132,7 +144,17 @@ _MARK = "# written by infra/deploy.py --out; the next render into this folder re
 SETTINGS = ("image", "workers", "models", "gpus_per_worker", "redis_url", "drain_timeout",
             "store_class", "store_size", "worker_cpu", "worker_memory", "worker_memory_limit",
             "gateway_replicas", "gateway_service", "pool_max_workers", "otlp_endpoint",
-            "traces_endpoint")  # fmt: skip
+            "traces_endpoint", "otel_sample_ratio", "worker_advertise_url")  # fmt: skip
+# the fraction of traces a deployed region keeps (settings.otel_sample_ratio). Not the CLI's 1.0:
+# that suits one machine, where every request is somebody's test; a region in production at
+# every request's ~8 spans would ship them all to the collector and the trace store. The
+# catalog's `local` (a dev cluster) sets 1.0
+DEFAULT_SAMPLE_RATIO = 0.1
+# what a standing worker advertises to the gateways (settings.worker_advertise_url): its pod IP,
+# which the gateways of its own cluster reach (and, on a flat network, other clusters'). Its
+# variables are the worker container's, expanded by the kubelet: each pod's own address
+DEFAULT_ADVERTISE_URL = "http://$(POD_IP):9001"
+ADVERTISE_VARS = ("POD_NAME", "POD_IP", "POD_NAMESPACE", "EDGEINFER_REGION")
 # on every pod template: a digest of the ConfigMaps the pod reads (envFrom, volumes), so that a
 # changed setting rolls the pods (a container reads its environment once, at start; see render)
 CONFIG_DIGEST = "edgeinfer.dev/config-sha256"
@@ -246,30 +268,107 @@ def _endpoint(url: str) -> tuple[str, str, str, list[str]]:
     return parts.scheme, parts.netloc.rpartition("@")[2], parts.path, query
 
 
-def password_message(region: str, url: str) -> str:
+def password_message(region: str, url: str, field: str = "settings.redis_url") -> str:
     """What is wrong with a catalog's redis_url that holds a password (an error for the region
     rendered, a warning for the others)."""
-    return (f"region {region!r}: settings.redis_url holds a password ({redact([url])[0]}): the "
+    return (f"region {region!r}: {field} holds a password ({redact([url])[0]}): the "
             "catalog is kept in git, and a region's redis_url goes into its ConfigMap "
             f"edgeinfer-config; give the URL with its password as {REDIS_SOURCES} (the render "
             f"puts it in the Secret {REDIS_SECRET}; infra/README.md), and keep settings.redis_url "
             "without it")  # fmt: skip
 
 
-def catalog_warnings(catalog: Path, region: str) -> list[str]:
-    """The other regions' passwords in the catalog (`region`'s own is an error: region_layer)."""
-    return [password_message(r.name, r.settings["redis_url"])
-            for r in _load(catalog).regions.values()
-            if r.name != region and isinstance(r.settings.get("redis_url"), str)
-            and _has_password(r.settings["redis_url"])]  # fmt: skip
+def catalog_warnings(catalog: Path, region: str, redis_secret_url: str | None = None) -> list[str]:  # fmt: skip
+    """The other regions' passwords in the catalog (`region`'s own is an error: region_layer),
+    and a catalog whose regions do not share one cluster state (see `split_state`)."""
+    loaded = _load(catalog)
+    warnings = [password_message(r.name, r.settings["redis_url"])
+                for r in loaded.regions.values()
+                if r.name != region and isinstance(r.settings.get("redis_url"), str)
+                and _has_password(r.settings["redis_url"])]  # fmt: skip
+    return warnings + split_state(loaded, region, redis_secret_url)
+
+
+def split_state(catalog: RegionCatalog, region: str, redis_secret_url: str | None) -> list[str]:
+    """Why `region`'s gateways will not route to the catalog's other regions, if they will not.
+
+    A gateway finds another region's workers only in the Redis it reads (gateway/routing.py,
+    its third step): regions share work only when they share a Redis. A region whose entry (and
+    the catalog) names no redis_url runs a Redis of its own in its namespace, and so does every
+    such region: each one then serves alone, whatever the catalog's coordinates say."""
+    others = [name for name in catalog.regions if name != region]
+    if not others:
+        return []
+    own = catalog.regions[region].settings.get("redis_url")
+    url = redis_secret_url or own or catalog.redis_url
+    fix = ("for cross-region routing, set the catalog's top-level redis_url to a Redis every "
+           "region's pods reach, and give workers an address the other regions' gateways reach "
+           "(settings.worker_advertise_url, or a flat network: infra/regions.yaml)")  # fmt: skip
+    if not isinstance(url, str):
+        return [f"region {region!r} runs a Redis of its own (neither the catalog nor the region "
+                f"names a redis_url, and no {REDIS_SOURCES} was given): its gateways send work "
+                f"only to its own workers, never to {', '.join(others)}, nor theirs to it; {fix}"]  # fmt: skip
+    if isinstance(catalog.redis_url, str):
+        return []  # (every region's: a region naming another is refused when rendered)
+    apart = [name for name in others
+             if not isinstance(other := catalog.regions[name].settings.get("redis_url"), str)
+             or _endpoint(other) != _endpoint(url)]  # fmt: skip
+    if not apart:
+        return []
+    return [f"region {region!r}: the regions {', '.join(apart)} name no redis_url or another "
+            "Redis than this region's: unless each is deployed with "
+            f"{REDIS_SOURCES} naming this one, they keep a cluster state of their own, and this "
+            f"region's gateways never route to them; {fix}"]  # fmt: skip
+
+
+def sample_ratio(region: str, settings: dict[str, Any]) -> float:
+    """settings.otel_sample_ratio: the fraction of traces kept, in [0, 1]."""
+    value = settings.get("otel_sample_ratio", DEFAULT_SAMPLE_RATIO)
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value <= 1:
+        raise DeployError(f"region {region!r}: settings.otel_sample_ratio must be a number in "
+                          f"[0, 1] (the fraction of traces kept), got {value!r}")  # fmt: skip
+    return float(value)
+
+
+def advertise_url(region: str, settings: dict[str, Any]) -> str:
+    """settings.worker_advertise_url: the URL each standing worker registers for the gateways,
+    with the kubelet's $(VAR)s (ADVERTISE_VARS), one of them the pod's own."""
+    value = settings.get("worker_advertise_url", DEFAULT_ADVERTISE_URL)
+    field = f"region {region!r}: settings.worker_advertise_url"
+    if not isinstance(value, str):
+        raise DeployError(f"{field} must be a string, got {value!r}")
+    names = re.findall(r"\$\(([^)]*)\)", value)
+    unknown = [n for n in names if n not in ADVERTISE_VARS]
+    if unknown or "$" in re.sub(r"\$\([^)]*\)", "", value):
+        raise DeployError(f"{field} {value!r}: the variables a worker pod has are "
+                          f"{', '.join(f'$({n})' for n in ADVERTISE_VARS)}")  # fmt: skip
+    if "POD_NAME" not in names and "POD_IP" not in names:
+        raise DeployError(f"{field} {value!r} names neither $(POD_NAME) nor $(POD_IP): every "
+                          "worker pod would advertise the same address")  # fmt: skip
+    sample = {"POD_NAME": "worker-0", "POD_IP": "10.0.0.5", "POD_NAMESPACE": f"edgeinfer-{region}",
+              "EDGEINFER_REGION": region}  # fmt: skip
+    expanded = re.sub(r"\$\(([^)]*)\)", lambda m: sample[m[1]], value)
+    try:
+        parts = urlsplit(expanded)
+        parts.port  # noqa: B018 (raises ValueError for a port that is not one)
+    except ValueError as e:
+        raise DeployError(f"{field} {value!r}: {e}") from e
+    if parts.scheme not in ("http", "https") or not parts.hostname or parts.query or parts.fragment:
+        raise DeployError(f"{field} {value!r} is not an http:// or https:// URL with a host, "
+                          f"e.g. {DEFAULT_ADVERTISE_URL}")  # fmt: skip
+    return value
 
 
 def region_layer(
-    region: str, settings: dict[str, Any], redis_secret_url: str | None = None
+    region: str,
+    settings: dict[str, Any],
+    redis_secret_url: str | None = None,
+    shared_redis_url: str | None = None,
 ) -> dict[str, Any]:
     """The catalog's settings for `region` as a kustomization over the region's overlay;
     `redis_secret_url`: the Redis URL (with its password) the pods read from the Secret
-    REDIS_SECRET, which `render` adds (see the module docstring)."""
+    REDIS_SECRET, which `render` adds (see the module docstring); `shared_redis_url`: the
+    catalog's redis_url, every region's."""
     for key in settings:
         if key not in SETTINGS:
             near = (
@@ -288,6 +387,12 @@ def region_layer(
     for name in models:
         if not isinstance(name, str) or not re.match(r"^[\w.=/-]+$", name):
             raise DeployError(f"region {region!r}: settings.models has a bad entry {name!r}")
+    try:  # (as the pool manager reads them: one model twice, `=FOLDER` or `NAME=`, refused)
+        parse_models(",".join(models), resolve=str)
+    except ValueError as e:
+        raise DeployError(f"region {region!r}: settings.models: {e}") from e
+    ratio = sample_ratio(region, settings)
+    advertise_url(region, settings)  # (checked here; `render` puts it in the workers' args)
     workers = _int(region, settings, "workers", None, 0)
     gpus = _int(region, settings, "gpus_per_worker", 0, 0)
     drain = _int(region, settings, "drain_timeout", 30, 1)
@@ -329,17 +434,29 @@ def region_layer(
         raise DeployError(f"region {region!r}: settings.traces_endpoint is for the in-region "
                           "collector, which settings.otlp_endpoint replaces; set one of them")  # fmt: skip
     redis_url = settings.get("redis_url")
+    redis_field = "settings.redis_url"
     if redis_url is not None:
         _check_redis_url(region, "settings.redis_url", redis_url)
         if _has_password(redis_url):
             raise DeployError(password_message(region, redis_url))
+    if shared_redis_url is not None:
+        _check_redis_url(region, "the catalog's redis_url", shared_redis_url)
+        if _has_password(shared_redis_url):
+            raise DeployError(password_message(region, shared_redis_url, "the catalog's redis_url"))  # fmt: skip
+        if redis_url is not None and _endpoint(redis_url) != _endpoint(shared_redis_url):
+            raise DeployError(f"region {region!r}: settings.redis_url ({redis_url}) names "
+                              f"another Redis than the catalog's redis_url ({shared_redis_url}), "
+                              "which all its regions share: drop the region's (a region apart, "
+                              "with a Redis of its own, goes in a catalog of its own)")  # fmt: skip
+        if redis_url is None:
+            redis_url, redis_field = shared_redis_url, "the catalog's redis_url"
     if redis_secret_url is not None:
         _check_redis_url(region, f"the Redis URL from {REDIS_SOURCES}", redis_secret_url)
         if redis_url and _endpoint(redis_url) != _endpoint(redis_secret_url):
             raise DeployError(f"region {region!r}: the Redis URL from {REDIS_SOURCES} "
                               f"({redact([redis_secret_url])[0]}) names another Redis than "
-                              f"settings.redis_url ({redis_url}): give the same one, or drop "
-                              "settings.redis_url")  # fmt: skip
+                              f"{redis_field} ({redis_url}): give the same one, or drop "
+                              f"{redis_field}")  # fmt: skip
         redis_url = None  # (the Secret's URL is the one the pods read)
     external_redis = bool(redis_url or redis_secret_url)
 
@@ -356,6 +473,7 @@ def region_layer(
         "EDGEINFER_MODELS": ",".join(models),
         "EDGEINFER_DRAIN_TIMEOUT": str(drain),
         "EDGEINFER_POOL_MAX_WORKERS": str(pool_max),
+        "EDGEINFER_OTEL_SAMPLE_RATIO": str(ratio),
     }
     if redis_url:
         config["EDGEINFER_REDIS"] = redis_url
@@ -450,11 +568,13 @@ def render(
         raise DeployError(
             f"region {region!r}: no overlay at {overlays / region}/kustomization.yaml"
         )
-    layer = region_layer(region, regions[region], redis_secret_url)
+    layer = region_layer(region, regions[region], redis_secret_url, loaded.redis_url)
     try:
         resources = build(layer, overlays.parent)
     except RenderError as e:
         raise DeployError(f"region {region!r}: the overlay does not render: {e}") from e
+    _check_overlay(resources, region, overlays / region)
+    _advertise(resources, advertise_url(region, regions[region]))
     _mount_catalog(resources, gateway_catalog(loaded))
     if redis_secret_url is not None:
         config = next(r for r in resources if r["kind"] == "ConfigMap"
@@ -467,6 +587,51 @@ def render(
         })  # fmt: skip
     _digest_config(resources)
     return resources
+
+
+def _check_overlay(resources: list[Resource], region: str, overlay: Path) -> None:
+    """Refuse an overlay that renders another region: a copy of overlays/us-east left unedited
+    as overlays/us-south rendered the namespace edgeinfer-us-east and EDGEINFER_REGION us-east,
+    and `--apply` replaced us-east's gateways and workers with us-south's settings. The error
+    names every wrong value and the overlay's file that sets it."""
+    namespace = f"edgeinfer-{region}"
+    wrong: dict[str, str] = {}  # what is wrong -> the file to fix (in order, once each)
+
+    def check(what: str, got: Any, want: str, where: str) -> None:
+        if got != want:
+            wrong.setdefault(f"{what} {got!r}, not {want!r}", where)
+
+    for r in resources:
+        meta = r.get("metadata") or {}
+        if r["kind"] == "Namespace":
+            check("the Namespace", meta.get("name"), namespace, "namespace.yaml")
+        else:
+            check("the resources' namespace", meta.get("namespace"), namespace,
+                  "kustomization.yaml (namespace:)")  # fmt: skip
+        if r["kind"] == "ConfigMap" and meta.get("name") == "edgeinfer-config":
+            check("EDGEINFER_REGION", (r.get("data") or {}).get("EDGEINFER_REGION"), region,
+                  "config.yaml")  # fmt: skip
+        template = (r.get("spec") or {}).get("template")
+        if isinstance(template, dict):
+            labels = (template.get("metadata") or {}).get("labels") or {}
+            check(f"the pods' label {REGION_LABEL}", labels.get(REGION_LABEL), region,
+                  "kustomization.yaml (labels:)")  # fmt: skip
+    if wrong:
+        problems = "; ".join(f"{what} (fix {overlay / where})" for what, where in wrong.items())
+        raise DeployError(f"region {region!r}: the overlay {overlay} renders another region "
+                          f"(a copy of another region's overlay?): {problems}")  # fmt: skip
+
+
+def _advertise(resources: list[Resource], url: str) -> None:
+    """The standing workers' --advertise-url: settings.worker_advertise_url. (Set in the args,
+    where the kubelet expands $(POD_NAME) and $(POD_IP); a config map's value is not expanded.)"""
+    for r in resources:
+        if r["kind"] != "StatefulSet" or r["metadata"]["name"] != "worker":
+            continue
+        (c,) = [c for c in r["spec"]["template"]["spec"]["containers"] if c["name"] == "worker"]
+        args = c["args"]
+        at = args.index("--advertise-url")
+        c["args"] = [*args[: at + 1], url, *args[at + 2 :]]
 
 
 def _mount_catalog(resources: list[Resource], catalog: str) -> None:
@@ -650,8 +815,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         secret_url = redis_secret_url(args.region, args.redis_url_file, os.environ.get(REDIS_URL_ENV))  # fmt: skip
         resources = render(args.region, args.catalog, redis_secret_url=secret_url)
-        for warning in catalog_warnings(args.catalog, args.region):
-            print(f"deploy: warning: {warning}", file=sys.stderr)
+        # (said once the deploy is done, last: after kubectl's own lines, where it is seen)
+        warnings = catalog_warnings(args.catalog, args.region, secret_url)
         text = to_yaml(resources)
         if args.apply:
             apply(text, args.region)
@@ -665,6 +830,8 @@ def main(argv: list[str] | None = None) -> int:
                 print(path)
         else:
             sys.stdout.write(text)
+        for warning in warnings:
+            print(f"deploy: warning: {warning}", file=sys.stderr)
     except DeployError as e:
         print(f"deploy: error: {e}", file=sys.stderr)
         return 2

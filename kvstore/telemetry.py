@@ -180,6 +180,16 @@ BUCKETS: dict[str, Sequence[float]] = {
         5.0,
         7.5,
         10.0,
+        # past the conventions' advice (which stops at 10 s): a request held while a pool starts
+        # a worker (scale from zero) waits up to the gateway's --hold-timeout, 60 s by default,
+        # before its first token; with 10 s the top bucket, histogram_quantile drew them flat
+        15.0,
+        20.0,
+        30.0,
+        45.0,
+        60.0,
+        90.0,
+        120.0,
     ),
     # the conventions' advice starts at 10 ms; a decode step of a small model takes 1-3 ms
     TPOT: (

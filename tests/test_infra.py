@@ -863,9 +863,12 @@ def test_gateways_read_the_catalog_they_were_deployed_from(tmp_path: Path) -> No
     ("entry", "message"),
     [
         # the gateways refuse these catalogs at start (RegionCatalog.load): deploy rendered them
-        ({"name": "local", "settings": {}}, "regions[7] (local): latitude must be a number"),
-        ({"name": "local", "latitude": 1, "longitude": 2}, "duplicate region names ['local']"),
-        ({"name": "bad name!", "latitude": 1, "longitude": 2}, "regions[7]: name must match"),
+        # (a missing coordinate says so: "must be a number" sent one looking for a typo)
+        ({"name": "local", "settings": {}}, "regions[7] (local): latitude is missing"),
+        ({"name": "local", "latitude": 1, "longitude": 2},
+         "regions[7] (local): duplicate region name: regions[0] is local too"),
+        ({"name": "bad name!", "latitude": 1, "longitude": 2},
+         "regions[7]: name must be at most 53 lower-case letters, digits and '-'"),
         # a misspelt field: the region's settings were left unread, and no one said so
         (
             {"name": "x", "latitude": 1, "longitude": 2, "setting": {"workers": 1}},

@@ -756,6 +756,27 @@ def test_tpot_buckets_resolve_milliseconds() -> None:
     assert point.explicit_bounds[i] <= 0.0025
 
 
+def test_ttft_buckets_reach_past_the_hold_timeout() -> None:
+    """A request held while a pool starts a worker waits up to the gateway's hold timeout (60 s
+    by default) for its first token: TTFT's buckets tell 20 s from 50 s (they stopped at 10 s,
+    and histogram_quantile drew a flat 10 s), and the small ones stay as they were."""
+    bounds = tuple(names.BUCKETS[names.TTFT])
+    assert bounds[:16] == (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75,
+                           1.0, 2.5, 5.0, 7.5, 10.0)  # fmt: skip
+    assert list(bounds) == sorted(set(bounds))
+    hold = GatewayConfig(region="local", redis_url="redis://x", worker_secret="s").hold_timeout_s
+    assert bounds[-1] >= 2 * hold
+    found = []
+    for ttft in (20.0, 50.0):
+        rec = Recorded.make("edgeinfer-gateway")
+        GenAIMetrics(rec.tel).record({}, 0.0, ttft, ttft + 1.0, (1, 5))
+        point = _one_point(rec, names.TTFT)
+        (i,) = [i for i, count in enumerate(point.bucket_counts) if count]
+        assert i < len(point.explicit_bounds), f"a TTFT of {ttft} s is past every bucket"
+        found.append(i)
+    assert found[0] != found[1]
+
+
 def test_shutdown_is_bounded_when_the_collector_never_answers() -> None:
     """A collector that accepts connections and never answers held a worker's exit for 35-45 s
     (10 s per queued batch); shutdown now gives up after a few seconds."""
