@@ -1,0 +1,206 @@
+"""Chat templates: every way a template builds a long string or list in one call (a filter, a
+method of a string, '%', str.format, '~', '+', a block) stops at MAX_RENDER_CHARS before it
+builds it, a loop of such calls stops at MAX_BUILT_CHARS, and item-by-item work (loops over a
+long string, a list of its characters, split) is counted in steps; while templates that stay
+inside render exactly as a plain jinja2 sandbox renders them.
+
+Sizes are just past the limits (some 40 million characters, not billions): on the old code each
+route builds tens of megabytes and renders without an error, so the tests fail there without
+taking gigabytes."""
+
+from __future__ import annotations
+
+import json
+import time
+from typing import Any
+
+import pytest
+from jinja2.ext import loopcontrols
+from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+from runtime.chat_template import (
+    MAX_RENDER_CHARS,
+    MAX_RENDER_STEPS,
+    _environment,
+    _GenerationTag,
+    compile_template,
+    render,
+)
+from runtime.tokenizer import ChatTemplateError
+
+W = "{% set w = 'x' * 1000 %}"  # a short string, many references to it make the long text
+CHARS = f"of at most {MAX_RENDER_CHARS} characters"
+BUILT = "characters or items built in all by filters, methods and operators"
+STEPS = f"at most {MAX_RENDER_STEPS} steps"
+
+# name -> (template, what the error names): each a route that builds > MAX_RENDER_CHARS in one
+# call (or, for the last ones, in a loop, or item by item)
+ROUTES: dict[str, tuple[str, str]] = {
+    "center filter": ("{{ ('x'|center(40000000))|length }}", "the center filter"),
+    "filter block": (
+        "{% set s %}{% filter center(40000000) %}x{% endfilter %}{% endset %}{{ s|length }}",
+        "the center filter",
+    ),
+    "indent width": ("{{ (('a\n' * 10)|indent(4000000))|length }}", "the indent filter"),
+    "indent string": ("{{ (('a\n' * 4000)|indent('x' * 10000))|length }}", "the indent filter"),
+    "wordwrap": (
+        "{{ (('a ' * 2000)|wordwrap(1, wrapstring='x' * 20000))|length }}",
+        "the wordwrap filter",
+    ),
+    "format filter width": ("{{ ('%40000000s'|format('a'))|length }}", "the format filter"),
+    "format filter star": ("{{ ('%*s'|format(40000000, 'a'))|length }}", "the format filter"),
+    "'%' width": ("{{ ('%40000000s' % 'a')|length }}", "'%'"),
+    "'%' precision": ("{{ ('%.40000000f' % 1.5)|length }}", "'%'"),
+    "replace filter": ("{{ (('a' * 1000)|replace('', 'x' * 40000))|length }}", "the replace filter"),
+    "join filter": (W + "{{ (([w] * 40000)|join)|length }}", "the join filter"),
+    "string filter": (W + "{{ (([w] * 40000)|string)|length }}", "the string filter"),
+    "pprint filter": (W + "{{ (([w] * 40000)|pprint)|length }}", "the pprint filter"),
+    "tojson indent": ("{{ ([1, 2, 3]|tojson(indent=15000000))|length }}", "the tojson filter"),
+    "batch fill": ("{{ ([1]|batch(40000000, 0)|first)|length }}", "the batch filter"),
+    "str.format": ("{{ '{:>40000000}'.format('a')|length }}", "str.format()"),
+    "str.format nested": ("{{ '{:>{w}}'.format('a', w=40000000)|length }}", "str.format()"),
+    "str.format_map": ("{{ '{a:>40000000}'.format_map({'a': 1})|length }}", "str.format()"),
+    "Markup.format": ("{{ ('{:>40000000}'|safe).format('a')|length }}", "str.format()"),
+    "str.ljust": ("{{ 'x'.ljust(40000000)|length }}", "str.ljust()"),
+    "str.rjust": ("{{ 'x'.rjust(40000000)|length }}", "str.rjust()"),
+    "str.center": ("{{ 'x'.center(40000000)|length }}", "str.center()"),
+    "str.zfill": ("{{ '1'.zfill(40000000)|length }}", "str.zfill()"),
+    "str.expandtabs": ("{{ ('\t' * 1000).expandtabs(40000)|length }}", "str.expandtabs()"),
+    "str.replace": ("{{ ('a' * 1000).replace('', 'x' * 40000)|length }}", "str.replace()"),
+    "str.join": (W + "{{ ''.join([w] * 40000)|length }}", "str.join()"),
+    "str.join in a loop": (
+        W + "{% for i in range(1) %}{{ ''.join([w] * 40000)|length }}{% endfor %}",
+        "str.join()",
+    ),
+    "str.ljust in a loop": (
+        "{% for i in range(1) %}{{ 'x'.ljust(40000000)|length }}{% endfor %}",
+        "str.ljust()",
+    ),
+    "str.translate": ("{{ ('a' * 1000).translate({97: 'x' * 40000})|length }}", "str.translate()"),
+    "bytes '*'": ("{{ ('x'.encode() * 40000000)|length }}", "'*'"),
+    "bytes.ljust": ("{{ 'x'.encode().ljust(40000000)|length }}", "bytes.ljust()"),
+    "'~'": ("{% set w = 'x' * 20000000 %}{{ (w ~ w)|length }}", "'~'"),
+    "'~' of a list": (W + "{{ (([w] * 40000) ~ '')|length }}", "'~'"),
+    "'+' doubling": (
+        "{% set ns = namespace(s='x') %}{% for i in range(26) %}{% set ns.s = ns.s + ns.s %}"
+        "{% endfor %}{{ ns.s|length }}",
+        "'+'",
+    ),
+    "set block": (
+        W + "{% set b %}{% for i in range(40000) %}{{ w }}{% endfor %}{% endset %}{{ b|length }}",
+        "the output of a block or macro",
+    ),
+    "macro": (
+        W + "{% macro m() %}{% for i in range(40000) %}{{ w }}{% endfor %}{% endmacro %}"
+        "{{ m()|length }}",
+        "the output of a block or macro",
+    ),
+    "sum of lists": ("{{ ([[1] * 20000000] * 2)|sum(start=[])|length }}", "the sum filter"),
+    "loop of builds": (
+        "{% for i in range(5) %}{% set x = 'x' * 30000000 %}{% endfor %}{{ 1 }}",
+        BUILT,
+    ),
+    "map of builds": ("{{ range(5)|map('center', 30000000)|list|length }}", BUILT),
+    "slice": ("{{ [1]|slice(3000000)|list|length }}", STEPS),
+    "lipsum": ("{{ lipsum(21, min=99999, max=100000)|length }}", STEPS),
+    "list of characters": ("{{ ('\u20ac' * 3000000)|list|length }}", STEPS),
+    "split": ("{{ ('a ' * 3000000).split()|length }}", STEPS),
+    "loop in a loop over a string": (
+        "{% set s = 'x' * 3000 %}{% for a in s %}{% for b in s %}{% endfor %}{% endfor %}",
+        STEPS,
+    ),
+}
+
+
+@pytest.mark.timeout(30)
+@pytest.mark.parametrize("name", sorted(ROUTES))
+def test_each_route_stops_at_its_limit(name: str) -> None:
+    source, what = ROUTES[name]
+    start = time.perf_counter()
+    with pytest.raises(ChatTemplateError, match="went past a limit") as e:
+        render(compile_template(source), {"messages": []})
+    assert what in str(e.value)
+    if what not in (BUILT, STEPS):
+        assert CHARS in str(e.value)  # (the limit named)
+    assert time.perf_counter() - start < 5
+
+
+def test_a_filter_is_not_run_as_the_template_compiles() -> None:
+    """jinja2 folds a filter of constants into a constant as it compiles: 'x'|center(n) would
+    build its string there (and write it into the compiled code), outside any render."""
+    code = _environment().compile("{{ 'x'|center(40000000) }}", raw=True)
+    assert len(code) < 10_000
+
+
+# Real-looking templates: filters, methods, operators, macros, blocks, loops, as chat templates
+# use them (Llama 3's, Qwen's, Mistral's, Hermes' tool prompts)
+REAL_TEMPLATES = [
+    # SmolLM2-135M-Instruct's
+    "{% for message in messages %}{% if loop.first and messages[0]['role'] != 'system' %}"
+    "{{ '<|im_start|>system\nYou are a helpful AI assistant named SmolLM, trained by Hugging "
+    "Face<|im_end|>\n' }}{% endif %}{{'<|im_start|>' + message['role'] + '\n' + "
+    "message['content'] + '<|im_end|>' + '\n'}}{% endfor %}{% if add_generation_prompt %}"
+    "{{ '<|im_start|>assistant\n' }}{% endif %}",
+    # filters and methods
+    "{{ bos_token }}{% set ns = namespace(sys='') %}{% for m in messages %}"
+    "{% if m.role == 'system' %}{% set ns.sys = m.content|trim %}{% endif %}{% endfor %}"
+    "{% if ns.sys %}<<SYS>>{{ ns.sys|indent(2) }}<</SYS>>{% endif %}"
+    "{% for m in messages|rejectattr('role', 'equalto', 'system') %}"
+    "{% set content = m.content.split('</think>')[-1].lstrip('\\n') %}"
+    "[{{ m.role|upper|center(11) }}] {{ content|replace('\\n\\n', '\\n')|wordwrap(60) }}"
+    "{{ '%-6s|%3d' % (m.role, loop.index) }}{{ '{:>8}|{:.2f}'.format(m.role, 1.5) }}"
+    "{{ (loop.index ~ '/' ~ loop.length)|string }}{{ loop.cycle('a', 'b') }}\n{% endfor %}"
+    "{{ messages|map(attribute='role')|join(', ') }}|{{ messages|length }}"
+    "|{{ messages|selectattr('role', 'eq', 'user')|list|length }}"
+    "|{{ (messages|last).content|truncate(20) }}|{{ messages|tojson }}"
+    "|{{ messages[0]|tojson(indent=2) }}|{{ messages|map(attribute='content')|map('length')|sum }}"
+    "|{{ 'a,b,c'.split(',')|batch(2, '-')|list }}|{{ range(7)|slice(3)|list }}"
+    "|{{ ('x' * 3)|list|unique|join }}|{{ 12345678|filesizeformat }}|{{ 'ab'.ljust(5, '.') }}"
+    "|{{ '%s' % messages[0] }}|{{ messages[0].content.replace(' ', '_').title() }}"
+    "{% if add_generation_prompt %}<|assistant|>{% endif %}",
+    # macros, blocks, call blocks, '+' of lists, '*' of a short string
+    "{% macro render(m) %}<{{ m.role }}>{{ m.content }}</{{ m.role }}>{% endmacro %}"
+    "{% macro wrap() %}[{{ caller() }}]{% endmacro %}"
+    "{% set all = messages + [{'role': 'tail', 'content': '-' * 10}] %}"
+    "{% for m in all %}{% call wrap() %}{{ render(m) }}{% endcall %}{% endfor %}"
+    "{% set body %}{% for m in messages %}{{ m.content|e }}{% endfor %}{% endset %}"
+    "{{ body|wordcount }}{{ body|length }}{% filter upper %}{{ body[:30] }}{% endfilter %}"
+    "{{ tools|tojson if tools else '' }}{{ dict(a=1)|dictsort }}{{ [3, 1, 2]|sort|first }}",
+]
+
+CONVERSATION = [
+    {"role": "system", "content": "You are helpful.\n\nBe brief."},
+    {"role": "user", "content": "Hello, who are you? " * 5},
+    {"role": "assistant", "content": "<think>hmm</think>\n\nI am SmolLM & a <model>."},
+    {"role": "user", "content": "Tell me a story " * 50},
+]
+
+
+def _plain_render(template: str, context: dict[str, Any]) -> str:
+    env = ImmutableSandboxedEnvironment(
+        trim_blocks=True, lstrip_blocks=True, extensions=[_GenerationTag, loopcontrols]
+    )
+    env.filters["tojson"] = lambda x, indent=None: json.dumps(x, ensure_ascii=False, indent=indent)
+    return env.from_string(template).render(**context)
+
+
+@pytest.mark.parametrize("index", range(len(REAL_TEMPLATES)))
+def test_templates_inside_the_limits_render_as_before(index: int) -> None:
+    template = REAL_TEMPLATES[index]
+    for messages in (CONVERSATION, CONVERSATION * 300):
+        context = {
+            "messages": messages,
+            "bos_token": "<s>",
+            "tools": [{"type": "function", "function": {"name": "f"}}],
+            "add_generation_prompt": True,
+        }
+        assert render(compile_template(template), context) == _plain_render(template, context)
+
+
+def test_long_conversation_inside_the_limits_renders() -> None:
+    """Near a megabyte of conversation (the gateway's default body limit) goes through every
+    filter of a real-looking template twice over without reaching a limit."""
+    messages = [{"role": "user", "content": "word " * 2000}] * 100
+    context = {"messages": messages, "bos_token": "", "tools": None, "add_generation_prompt": True}
+    for template in REAL_TEMPLATES:
+        assert render(compile_template(template), context) == _plain_render(template, context)
