@@ -156,21 +156,50 @@ async def completions(request: web.Request) -> web.StreamResponse:
     return await request.app[PROXY].handle(request, parse_completion, "completion")
 
 
-def _model_object(model: str) -> dict[str, object]:
-    return {"id": model, "object": "model", "created": 0, "owned_by": "edgeinfer"}
+class ModelClock:
+    """The `created` of /v1/models' entries: when this gateway has seen each model first
+    served, in whole Unix seconds. The earliest start (`WorkerInfo.started_at`, the worker's
+    clock) among the model's workers it has listed; for a model that only a pool can start, the
+    time it first listed it. Kept once given: a model's `created` does not move when its oldest
+    worker leaves (it only goes back, when a worker started earlier shows up, after a Redis
+    outage say)."""
+
+    def __init__(self) -> None:
+        self._first: dict[str, float] = {}  # model -> Unix time it was first served, as seen
+
+    def created(self, view: ClusterView) -> dict[str, int]:
+        """Each model served now or startable by a pool (`view.models()`), with its `created`."""
+        now = time.time()
+        started: dict[str, float] = {}
+        for w in view.live_workers():
+            if w.started_at > 0:  # (0: an entry that does not say)
+                started[w.model] = min(w.started_at, started.get(w.model, now))
+        out: dict[str, int] = {}
+        for m in view.models():
+            self._first[m] = first = min(self._first.get(m, now), started.get(m, now))
+            out[m] = int(first)
+        return out
+
+
+MODEL_CLOCK = web.AppKey("model_clock", ModelClock)
+
+
+def _model_object(model: str, created: int) -> dict[str, object]:
+    return {"id": model, "object": "model", "created": created, "owned_by": "edgeinfer"}
 
 
 async def models(request: web.Request) -> web.Response:
-    view = request.app[VIEW]
-    return _json({"object": "list", "data": [_model_object(m) for m in view.models()]})
+    created = request.app[MODEL_CLOCK].created(request.app[VIEW])
+    return _json({"object": "list", "data": [_model_object(m, t) for m, t in created.items()]})
 
 
 async def model(request: web.Request) -> web.Response:
     """One model (`client.models.retrieve`): served now, or startable by a pool; else 404."""
     name = request.match_info["model"]
-    if name not in request.app[VIEW].models():
+    created = request.app[MODEL_CLOCK].created(request.app[VIEW])
+    if name not in created:
         raise model_not_found(name)
-    return _json(_model_object(name))
+    return _json(_model_object(name, created[name]))
 
 
 async def healthz(request: web.Request) -> web.Response:
@@ -274,6 +303,7 @@ def make_app(
     logging.getLogger("aiohttp.server").addFilter(_CLIENT_FAULTS)  # (once: the same filter)
     app[CONFIG] = config
     app[CATALOG] = catalog
+    app[MODEL_CLOCK] = ModelClock()
     if telemetry is None:
         tel_config = config.telemetry or TelemetryConfig(
             "edgeinfer-gateway", region=config.region, trust_remote_sampled=False

@@ -6,6 +6,13 @@ later" (429, 503), how long to wait. Handlers raise it from any phase (validate,
 route, forward, stream) and one place turns it into a response, so the shape cannot differ
 between endpoints. The constructors below exist so that the same condition always gets the same
 status, type and code.
+
+The `type` is OpenAI's, which clients written against OpenAI read: `invalid_request_error` for
+every 4xx but 429 (a missing API key, an unknown model or path included: OpenAI answers its 404
+`model_not_found` and its 401 `invalid_api_key` so), `server_error` for 5xx and for 429 (the
+service is full: OpenAI's "model is currently overloaded" 429 is a `server_error` too; its other
+429 types name a client's own quota, which this gateway does not keep). `code` says more
+precisely what happened (`model_not_found`, `at_capacity`, `worker_starting`...).
 """
 
 from __future__ import annotations
@@ -18,6 +25,9 @@ from aiohttp import http_exceptions, web
 # Statuses after which the same request may be sent again, to another worker or later: the
 # request itself was fine, the service could not take it (or lost it) at that moment.
 RETRYABLE_STATUSES = frozenset({429, 502, 503})
+
+INVALID_REQUEST = "invalid_request_error"  # OpenAI's type of a 4xx: the request is at fault
+SERVER_ERROR = "server_error"  # OpenAI's type of a 5xx, and of its 429 "overloaded"
 
 
 class APIError(Exception):
@@ -35,7 +45,7 @@ class APIError(Exception):
         super().__init__(message)
         self.status = status  # HTTP status of the response
         self.message = message  # human-readable; names the field and the limit when it can
-        self.type = type  # OpenAI error type, e.g. "invalid_request_error"
+        self.type = type  # OpenAI's error type: `type_for(status)`
         self.param = param  # the request field at fault, e.g. "messages[0].content"
         self.code = code  # machine-readable kind, e.g. "model_not_found"
         self.retry_after = retry_after  # seconds to wait before retrying (429/503), if known
@@ -67,17 +77,18 @@ class APIError(Exception):
         """Rebuild an error a worker answered with, so the gateway can relay it unchanged.
 
         A worker that refuses a request sends the same OpenAI shape; anything else in the body
-        (a proxy's HTML page, garbage) still becomes an error with the worker's status.
+        (a proxy's HTML page, garbage) still becomes an error with the worker's status. The type
+        is the gateway's for the status (`type_for`), whatever the worker called it: a worker of
+        another version names its types otherwise, and a client sees one vocabulary.
         """
         err = body.get("error") if isinstance(body, dict) else None
         if not isinstance(err, dict):
-            return cls(status, f"worker answered HTTP {status}", _type_for(status))
-        message, type_ = err.get("message"), err.get("type")
-        param, code = err.get("param"), err.get("code")
+            return cls(status, f"worker answered HTTP {status}", type_for(status))
+        message, param, code = err.get("message"), err.get("param"), err.get("code")
         return cls(
             status,
             message if isinstance(message, str) else f"worker answered HTTP {status}",
-            type_ if isinstance(type_, str) else _type_for(status),
+            type_for(status),
             param if isinstance(param, str) else None,
             code if isinstance(code, str) else None,
         )
@@ -93,31 +104,24 @@ def clip(text: str, limit: int = 64) -> str:
     return text if len(text) <= limit else f"{text[:limit]}..."
 
 
-def _type_for(status: int) -> str:
-    return {
-        400: "invalid_request_error",
-        401: "authentication_error",
-        431: "invalid_request_error",
-        404: "not_found_error",
-        413: "invalid_request_error",
-        429: "rate_limit_error",
-        503: "service_unavailable",
-    }.get(status, "internal_error" if status >= 500 else "invalid_request_error")
+def type_for(status: int) -> str:
+    """OpenAI's error type for an answer's HTTP status (see the module's docstring)."""
+    return SERVER_ERROR if status >= 500 or status == 429 else INVALID_REQUEST
 
 
 def invalid(param: str | None, message: str, code: str | None = None) -> APIError:
     """400: the request is malformed; `message` names the field and states the limit."""
-    return APIError(400, message, "invalid_request_error", param, code)
+    return APIError(400, message, INVALID_REQUEST, param, code)
 
 
 def unsupported(param: str, message: str) -> APIError:
     """400: a valid OpenAI feature this gateway does not implement yet (never silently ignored)."""
-    return APIError(400, message, "invalid_request_error", param, "unsupported_parameter")
+    return APIError(400, message, INVALID_REQUEST, param, "unsupported_parameter")
 
 
 def unauthorized(message: str = "missing or invalid API key") -> APIError:
     """401: no bearer token, or one the gateway does not accept."""
-    return APIError(401, message, "authentication_error", None, "invalid_api_key")
+    return APIError(401, message, INVALID_REQUEST, None, "invalid_api_key")
 
 
 def origin_not_allowed(origin: str) -> APIError:
@@ -126,20 +130,21 @@ def origin_not_allowed(origin: str) -> APIError:
     return APIError(
         403,
         f"origin {clip(origin)!r} may not call this gateway from a browser (see --cors-origins)",
-        "invalid_request_error",
+        INVALID_REQUEST,
         "Origin",
         "origin_not_allowed",
     )
 
 
-def not_found(message: str, param: str | None = None, code: str | None = None) -> APIError:
-    """404: an unknown path, or (param="model", code="model_not_found") an unserved model."""
-    return APIError(404, message, "not_found_error", param, code)
+def not_found(message: str, code: str | None = None) -> APIError:
+    """404: an unknown path, or (code="model_not_found") an unserved model."""
+    return APIError(404, message, INVALID_REQUEST, None, code)
 
 
 def model_not_found(model: str) -> APIError:
-    """404 for a model no worker serves and the pool manager cannot start."""
-    return not_found(f"model {clip(model)!r} does not exist", "model", "model_not_found")
+    """404 for a model no worker serves and the pool manager cannot start. No `param`, as
+    OpenAI's: the same answer comes to GET /v1/models/{model}, which has no body field."""
+    return not_found(f"model {clip(model)!r} does not exist", "model_not_found")
 
 
 def method_not_allowed(method: str, allowed: str) -> APIError:
@@ -147,7 +152,7 @@ def method_not_allowed(method: str, allowed: str) -> APIError:
     return APIError(
         405,
         f"method {method} is not allowed here; use {allowed}",
-        "invalid_request_error",
+        INVALID_REQUEST,
         None,
         "method_not_allowed",
     )
@@ -158,7 +163,7 @@ def too_large(limit: int) -> APIError:
     return APIError(
         413,
         f"request body is larger than the limit of {limit} bytes",
-        "invalid_request_error",
+        INVALID_REQUEST,
         None,
         "request_too_large",
     )
@@ -170,7 +175,7 @@ def unsupported_encoding(encoding: str) -> APIError:
         415,
         f"Content-Encoding {clip(encoding)!r} is not supported; send the body uncompressed, "
         "or as gzip or deflate",
-        "invalid_request_error",
+        INVALID_REQUEST,
         "Content-Encoding",
         "unsupported_encoding",
     )
@@ -181,7 +186,7 @@ def at_capacity(retry_after: float | None, message: str | None = None) -> APIErr
     return APIError(
         429,
         message or "all workers for this model are at capacity; retry later",
-        "rate_limit_error",
+        SERVER_ERROR,
         None,
         "at_capacity",
         retry_after,
@@ -192,17 +197,17 @@ def unavailable(
     message: str, retry_after: float | None = None, code: str | None = None
 ) -> APIError:
     """503: no healthy worker can take the request now (starting, draining, unreachable)."""
-    return APIError(503, message, "service_unavailable", None, code, retry_after)
+    return APIError(503, message, SERVER_ERROR, None, code, retry_after)
 
 
 def internal(message: str, code: str = "internal_error") -> APIError:
     """500: the request failed inside the service (an engine failure reported by the worker)."""
-    return APIError(500, message, "internal_error", None, code)
+    return APIError(500, message, SERVER_ERROR, None, code)
 
 
 def bad_gateway(message: str, code: str = "bad_worker_response") -> APIError:
     """502: a worker broke the internal protocol (malformed event, stream cut short)."""
-    return APIError(502, message, "internal_error", None, code)
+    return APIError(502, message, SERVER_ERROR, None, code)
 
 
 CLIENT_GONE_STATUS = 499  # nginx's "client closed request": recorded, never sent
@@ -217,7 +222,7 @@ def client_gone() -> APIError:
 
 def from_exception(e: Exception, method: str, path: str, max_body_bytes: int) -> APIError:
     """The answer for an exception out of a handler: an APIError as it is, aiohttp's own HTTP
-    errors as OpenAI-style ones, anything else a 500 `internal_error`."""
+    errors as OpenAI-style ones, anything else a 500 `server_error` (code internal_error)."""
     if isinstance(e, APIError):
         return e
     if isinstance(e, web.HTTPRequestEntityTooLarge):
@@ -227,7 +232,7 @@ def from_exception(e: Exception, method: str, path: str, max_body_bytes: int) ->
     if isinstance(e, web.HTTPNotFound):
         return not_found(f"no route for {method} {path}")
     if isinstance(e, web.HTTPException):
-        return APIError(e.status, e.reason, "invalid_request_error")
+        return APIError(e.status, e.reason, type_for(e.status))
     return internal("internal error in the gateway")
 
 
@@ -242,15 +247,15 @@ def unparsable(
     answered: the app's outermost one answers them all.)"""
     if isinstance(exc, http_exceptions.LineTooLong):
         return APIError(431, f"the request line (its URL) or a request header is longer than "
-                        f"the limit of {header_limit} bytes", "invalid_request_error", None,
+                        f"the limit of {header_limit} bytes", INVALID_REQUEST, None,
                         "request_header_too_large")  # fmt: skip
     if isinstance(exc, http_exceptions.BadHttpMessage):
         fault = str(exc.message).strip().splitlines()[0].rstrip(":") if exc.message else ""
         if fault == "Too many headers received":
             return APIError(431, f"the request has more headers than the limit of {max_headers}",
-                            "invalid_request_error", None, "too_many_headers")  # fmt: skip
+                            INVALID_REQUEST, None, "too_many_headers")  # fmt: skip
         return invalid(None, f"the request is not valid HTTP/1.1 ({clip(fault, 120) or type(exc).__name__})",
                        "malformed_request")  # fmt: skip
     if status == 504:
-        return APIError(504, "the gateway timed out", "internal_error", None, "timeout")
+        return APIError(504, "the gateway timed out", SERVER_ERROR, None, "timeout")
     return internal("internal error in the gateway")

@@ -323,7 +323,7 @@ class Proxy:
         view = self.view
         if call.gen.model not in view.seen_models:
             if not view.refreshed_at:
-                kind, _, error = (view.redis_problem or "").partition(": ")
+                kind, error = _redis_fault(view.redis_problem)
                 why = f"Redis refused its reads: {error}" if kind == "refused" else "Redis is unreachable"
                 raise unavailable(
                     f"cannot tell whether model {call.gen.model!r} is served: this gateway has "
@@ -843,7 +843,7 @@ class Proxy:
         the hold's timeout. Logged when the reason changes, not per request (a warning each,
         under an OOM, whose 503 said only that no worker served the model)."""
         problem = self.view.redis_problem or "unreachable"
-        kind, _, error = problem.partition(": ")
+        kind, error = _redis_fault(problem)
         why = {"refused": "refuses this gateway's writes", "failed": "fails"}.get(
             kind, "is unreachable"
         ) + (f" ({error})" if error else "")
@@ -1100,7 +1100,7 @@ class Proxy:
             why = ("it stopped answering" if isinstance(e.__cause__, TimeoutError) else
                    "its connection broke" if e.dead else e.error.message)  # fmt: skip
             # typed as the same failure before the first byte is answered (a worker that went
-            # away: service_unavailable, which clients retry)
+            # away: a 503's server_error, which clients retry)
             error = APIError(e.error.status, f"the worker serving this request failed after the "
                              f"stream began ({why}); retry the request", e.error.type, None,
                              e.error.code or "worker_failed")  # fmt: skip
@@ -1373,6 +1373,13 @@ def _refused(worker: WorkerInfo, status: int, body: object, retry_after: object)
     elif status not in (502, 503):  # (a worker's 500 is the gateway's 502: a worker failed)
         err.status = 502
     return WorkerFailed(worker, err, dead=True)
+
+
+def _redis_fault(problem: str | None) -> tuple[str, str]:
+    """The view's `redis_problem` ("refused: OutOfMemoryError", cluster._describe) as its kind
+    (refused, failed or unreachable; unreachable when none is known) and the error's type."""
+    kind, _, error = (problem or "unreachable").partition(": ")
+    return kind, error
 
 
 def _seconds(retry_after: str | None) -> float:

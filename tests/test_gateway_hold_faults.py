@@ -84,7 +84,7 @@ def test_a_gateway_shutting_down_answers_its_held_requests_503_at_once(  # type:
         assert _retry_after(e) > 0
         body = e.response.json()["error"]
         assert body["code"] == "gateway_shutting_down", body
-        assert body["type"] == "service_unavailable" and "shutting down" in body["message"], body
+        assert body["type"] == "server_error" and "shutting down" in body["message"], body
         assert gateway.popen.wait(15) == 0, gateway.tail()
         assert "shutting down: 1 request(s) waiting for a worker" in gateway.tail(), gateway.tail()
     finally:

@@ -443,9 +443,9 @@ def test_completion_alternatives_hold_the_chosen_token(logprobs: int, want: dict
 @pytest.mark.parametrize(
     ("code", "status", "type_"),
     [
-        ("internal_error", 500, "internal_error"),
-        ("engine_dead", 503, "service_unavailable"),
-        ("draining", 503, "service_unavailable"),
+        ("internal_error", 500, "server_error"),
+        ("engine_dead", 503, "server_error"),
+        ("draining", 503, "server_error"),
     ],
 )
 def test_error_event_raises(code: str, status: int, type_: str) -> None:
@@ -512,7 +512,7 @@ def test_error_chunk_shape() -> None:
     assert error_from_event({"type": "error", "message": "engine died"}).body() == {
         "error": {
             "message": "engine died",
-            "type": "internal_error",
+            "type": "server_error",
             "param": None,
             "code": "internal_error",
         }
@@ -521,12 +521,13 @@ def test_error_chunk_shape() -> None:
 
 @pytest.mark.parametrize(
     ("code", "kind"),
-    [("shutdown", "service_unavailable"), ("engine_dead", "service_unavailable"),
-     ("constraint_failed", "invalid_request_error"), ("oops", "internal_error")],
+    [("shutdown", "server_error"), ("engine_dead", "server_error"),
+     ("constraint_failed", "invalid_request_error"), ("oops", "server_error")],
 )  # fmt: skip
 def test_an_error_chunk_is_typed_by_its_code(code: str, kind: str) -> None:
-    """Typed as the same failure before the first byte is answered (a worker shutting down was
-    an internal_error mid-stream, a service_unavailable 503 before it)."""
+    """Typed as the same failure before the first byte is answered (a constraint that failed is
+    the request's fault, as its 400 would have been; a worker shutting down a 503's server_error,
+    retried by clients)."""
     chunk = error_from_event({"type": "error", "message": "x", "code": code}).body()["error"]
     assert (chunk["type"], chunk["code"]) == (kind, code)
 
@@ -558,4 +559,4 @@ def test_an_error_mid_stream_keeps_the_workers_code() -> None:
     body = orjson.loads(resp.data.removeprefix(b"data: ").strip())
     assert ended is not None and ended.code == "shutdown" and body == ended.body()
     assert body["error"]["message"] == "worker is shutting down"
-    assert body["error"]["type"] == "service_unavailable"  # (as a 503 before the first byte)
+    assert body["error"]["type"] == "server_error"  # (as a 503 before the first byte)

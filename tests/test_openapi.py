@@ -201,23 +201,23 @@ def test_spec_covers_endpoints_statuses_and_headers() -> None:
 def test_error_shapes() -> None:
     cases = [
         (errors.invalid("n", "bad"), 400, "invalid_request_error"),
-        (errors.unauthorized(), 401, "authentication_error"),
+        (errors.unauthorized(), 401, "invalid_request_error"),
         (errors.origin_not_allowed("https://evil.example"), 403, "invalid_request_error"),
-        (errors.model_not_found("x"), 404, "not_found_error"),
+        (errors.model_not_found("x"), 404, "invalid_request_error"),
         (errors.method_not_allowed("GET", "POST"), 405, "invalid_request_error"),
         (errors.too_large(1024), 413, "invalid_request_error"),
         (errors.unsupported_encoding("br"), 415, "invalid_request_error"),
-        (errors.at_capacity(1.2), 429, "rate_limit_error"),
-        (errors.unavailable("down", 3), 503, "service_unavailable"),
-        (errors.internal("boom"), 500, "internal_error"),
-        (errors.bad_gateway("garbage"), 502, "internal_error"),
+        (errors.at_capacity(1.2), 429, "server_error"),
+        (errors.unavailable("down", 3), 503, "server_error"),
+        (errors.internal("boom"), 500, "server_error"),
+        (errors.bad_gateway("garbage"), 502, "server_error"),
     ]
     for err, status, type_ in cases:
         assert (err.status, err.type) == (status, type_)
         assert set(err.body()["error"]) == {"message", "type", "param", "code"}
         assert err.retryable == (status in (429, 502, 503))
     assert "1024 bytes" in errors.too_large(1024).message
-    assert errors.model_not_found("x").body()["error"]["param"] == "model"
+    assert errors.model_not_found("x").body()["error"]["param"] is None  # (as OpenAI's)
     assert len(errors.model_not_found("m" * 5000).message) < 100  # the client knows its name
     assert errors.at_capacity(1.2).headers() == {"Retry-After": "2"}
     assert errors.invalid("n", "bad").headers() == {}
@@ -247,4 +247,4 @@ def test_error_shapes() -> None:
 def test_error_from_worker_body(body: object, expected: tuple[Any, ...]) -> None:
     err = APIError.from_body(400, body)
     assert (err.status, err.message, err.type, err.param, err.code) == expected
-    assert APIError.from_body(503, None).type == "service_unavailable"
+    assert APIError.from_body(503, None).type == "server_error"
