@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import os
+import re
 import sys
 import time
 from collections.abc import Callable, Iterator
@@ -55,6 +56,83 @@ positive_int = _at_least(1)
 non_negative_int = _at_least(0)
 
 
+def positive_float(text: str) -> float:
+    """An argparse type: a number > 0 (seconds, gigabytes)."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"invalid number {text!r}") from None
+    if not value > 0 or value == float("inf"):  # (nan fails `> 0`)
+        raise argparse.ArgumentTypeError(f"must be a number > 0, got {text}")
+    return value
+
+
+def _fraction(text: str) -> float:
+    """An argparse type: --kv-cache-fraction, in (0, 0.95] (EngineConfig's range)."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"invalid number {text!r}") from None
+    if not 0 < value <= 0.95:
+        raise argparse.ArgumentTypeError(f"must be in (0, 0.95], got {text}")
+    return value
+
+
+def name_flags(message: str, flags: dict[str, str]) -> str:
+    """`message`, from a config class that names its fields (kv_cache_dtype='bfloat16',
+    body_timeout_s), with the command-line flags the user typed instead: `field='value'` or
+    `field=N` becomes `--flag value`, a field alone (or `field (--flag)`) the flag. A field
+    right after `=` or a word character is left (tp=pp=ep=1 is a value, not three settings)."""
+    for name, flag in flags.items():
+
+        def setting(m: re.Match[str], flag: str = flag) -> str:
+            return f"{flag} {m.group(1) if m.group(1) is not None else m.group(2)}"
+
+        message = re.sub(rf"(?<![\w=-]){re.escape(name)}=(?:'([^']*)'|(-?[\d.]+))", setting,
+                         message)  # fmt: skip
+        message = re.sub(rf"(?<![\w=-]){re.escape(name)}\b(?!=)(?: \({re.escape(flag)}\))?",
+                         flag, message)  # fmt: skip
+    return message
+
+
+# EngineConfig's and SpeculativeConfig's fields and the flags that set them (runtime.config's
+# messages name the fields: the Python API's words). The speculative ones first: their messages
+# say "speculative num_tokens"
+ENGINE_FLAGS = {
+    "speculative num_tokens": "--num-speculative-tokens",
+    "speculative max_batch_tokens": "--spec-max-batch-tokens",
+    "speculative draft_kv_cache_bytes": "--draft-kv-cache-bytes",
+    "speculative draft_model": "--draft-model",
+    "num_tokens": "--num-speculative-tokens",
+    "keep_weights_compressed": "--keep-weights-compressed",
+    "weight_dtype": "--weight-dtype",
+    "kv_cache_dtype": "--kv-cache-dtype",
+    "kv_cache_bytes": "--kv-cache-bytes",
+    "kv_cache_fraction": "--kv-cache-fraction",
+    "kv_cache_commit": "--kv-cache-commit",
+    "max_num_seqs": "--max-num-seqs",
+    "max_num_batched_tokens": "--max-num-batched-tokens",
+    "max_model_len": "--max-model-len",
+    "max_waiting": "--max-waiting",
+    "num_threads": "--threads",
+    "dist_port": "--dist-port",
+    "dtype": "--dtype",
+    "device": "--device",
+    "tp": "--tp",
+    "pp": "--pp",
+    "ep": "--ep",
+}
+
+
+def engine_flags_message(message: str) -> str:
+    """An EngineConfig (or SpeculativeConfig) refusal in the words of the command line."""
+    if "ngram_min" in message or "ngram_max" in message:  # (--spec-ngram MIN MAX sets both)
+        message = "--spec-ngram MIN MAX: " + message.replace("ngram_min", "MIN").replace(
+            "ngram_max", "MAX"
+        )
+    return name_flags(message, ENGINE_FLAGS)
+
+
 def _model_dir(arg: str | None, store: str | None = None) -> str:
     """The folder `--model` names: a folder path, a model in the store (`store`, default
     DEFAULT_STORE), or the default model (no `arg`), imported into the store on first use."""
@@ -94,9 +172,9 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
                    help="store the linear weights, embedding and LM head in bfloat16 under "
                    "--dtype float32 on the CPU: half the bytes a decode step reads, float32 "
                    "products and sums (default auto: in --dtype)")  # fmt: skip
-    p.add_argument("--kv-cache-bytes", type=int, default=None,
+    p.add_argument("--kv-cache-bytes", type=positive_int, default=None,
                    help="bytes for the KV cache (default: --kv-cache-fraction of the memory)")  # fmt: skip
-    p.add_argument("--kv-cache-fraction", type=float, default=0.25,
+    p.add_argument("--kv-cache-fraction", type=_fraction, default=0.25,
                    help="the KV cache's share of the memory left once the weights are in, when "
                    "--kv-cache-bytes is not given: of the available RAM on the CPU (or of the "
                    "container's memory limit, where that leaves less), of the free GPU memory on "
@@ -110,12 +188,12 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
                    "bfloat16 under a float32 model on the CPU (twice the tokens in the same "
                    "memory, half the bytes decode attention reads; keys and values rounded to "
                    "bfloat16 when written)")  # fmt: skip
-    p.add_argument("--max-num-seqs", type=int, default=128,
+    p.add_argument("--max-num-seqs", type=positive_int, default=128,
                    help="requests in one batch at most (default 128)")  # fmt: skip
-    p.add_argument("--max-num-batched-tokens", type=int, default=2048,
+    p.add_argument("--max-num-batched-tokens", type=positive_int, default=2048,
                    help="tokens in one step at most: prompt chunks + decodes (default 2048)")  # fmt: skip
-    p.add_argument("--max-model-len", type=int, default=None,
-                   help="context length (default: the model's)")  # fmt: skip
+    p.add_argument("--max-model-len", type=non_negative_int, default=None,
+                   help="context length, at most the model's (default, or 0: the model's)")  # fmt: skip
     p.add_argument("--threads", type=positive_int, default=None,
                    help="torch CPU threads (default: torch's, one per physical core)")  # fmt: skip
     p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"],
@@ -140,23 +218,23 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
     # The speculative-only options default to None (not given: SpeculativeConfig's defaults,
     # which their help states), so that one given without the --speculative it needs is refused
     # (check_speculative_flags) rather than ignored.
-    p.add_argument("--draft-kv-cache-bytes", type=int, default=None,
+    p.add_argument("--draft-kv-cache-bytes", type=positive_int, default=None,
                    help="bytes for the draft model's KV cache, with --speculative draft "
                    "(default 64 MiB)")  # fmt: skip
-    p.add_argument("--num-speculative-tokens", type=int, default=None,
+    p.add_argument("--num-speculative-tokens", type=positive_int, default=None,
                    help="most draft tokens per request per step, with --speculative (default 4)")  # fmt: skip
-    p.add_argument("--spec-ngram", type=int, nargs=2, default=None, metavar=("MIN", "MAX"),
+    p.add_argument("--spec-ngram", type=positive_int, nargs=2, default=None, metavar=("MIN", "MAX"),
                    help="n-gram lengths matched, shortest and longest, with --speculative ngram "
                    "(default 2 4)")  # fmt: skip
-    p.add_argument("--spec-max-batch-tokens", type=int, default=None,
+    p.add_argument("--spec-max-batch-tokens", type=positive_int, default=None,
                    help="no speculation when a step's decodes with drafts would exceed this "
                    "many tokens, with --speculative (default 32)")  # fmt: skip
-    p.add_argument("--tp", type=int, default=1,
+    p.add_argument("--tp", type=positive_int, default=1,
                    help="tensor-parallel ranks: attention heads, MLP rows and vocabulary split "
                    "(default 1)")  # fmt: skip
-    p.add_argument("--pp", type=int, default=1,
+    p.add_argument("--pp", type=positive_int, default=1,
                    help="pipeline-parallel stages: layers split, balanced by cost (default 1)")  # fmt: skip
-    p.add_argument("--ep", type=int, default=1,
+    p.add_argument("--ep", type=positive_int, default=1,
                    help="expert-parallel ranks of a mixture-of-experts model; with --tp above 1, "
                    "equal to it (default 1)")  # fmt: skip
     p.add_argument("--dist-port", type=port_or_zero, default=None,
@@ -259,16 +337,47 @@ def check_max_model_len(model_dir: str, max_model_len: int | None) -> None:
         raise SystemExit(f"edgeinfer: error: {refusal}")
 
 
+def engine_config(model_dir: str, args: argparse.Namespace, **more: object):  # type: ignore[no-untyped-def]
+    """The EngineConfig the engine options ask for (its device and dtype resolved as the engine
+    will), built without reading the model: a combination it refuses (--dtype float16 with
+    --kv-cache-dtype bfloat16, say) is a one-line SystemExit naming the flags, not its fields."""
+    from runtime.config import EngineConfig
+
+    try:
+        return EngineConfig(model=model_dir, **engine_kwargs(args), **more)  # type: ignore[arg-type]
+    except ValueError as e:
+        raise SystemExit(f"edgeinfer: error: {engine_flags_message(str(e))}") from None
+
+
+def check_model_folder(model_dir: str, max_model_len: int | None = None) -> None:
+    """Refuse (a one-line SystemExit) a folder that is no model folder (no config.json, or one
+    that is no JSON object: ModelConfig.from_dir's words), and a --max-model-len past its
+    context, before anything starts. Read here, not with ModelConfig: runtime.config imports
+    torch (1.6 s and 200 MB, for the life of `up`, which loads no model itself)."""
+    import json
+
+    path = Path(model_dir) / "config.json"
+    if not path.is_file():
+        raise SystemExit(f"edgeinfer: error: --model: {path}: missing (is {model_dir} a Hugging "
+                         "Face model folder?)")  # fmt: skip
+    try:
+        raw = json.loads(path.read_text())
+    except (OSError, ValueError, RecursionError) as e:
+        raise SystemExit(f"edgeinfer: error: --model: {path}: not valid JSON ({e})") from None
+    if not isinstance(raw, dict):
+        raise SystemExit(f"edgeinfer: error: --model: {path}: not a JSON object")
+    check_max_model_len(model_dir, max_model_len)
+
+
 def start_weights_early(model_dir: str, args: argparse.Namespace):  # type: ignore[no-untyped-def]
     """Start reading the weights as soon as the model folder is known (the imports and the
     engine's set-up go on meanwhile); split over ranks with --tp/--pp/--ep, the other ranks
     started first. A setting the model cannot take stops us here, before anything is served."""
-    from runtime.config import EngineConfig
     from runtime.ranks import start_weights
 
     check_max_model_len(model_dir, args.max_model_len)
     # the engine's own config: its device and dtype (bfloat16 on CUDA) resolved as it will be
-    return start_weights(EngineConfig(model=model_dir, **engine_kwargs(args)))  # type: ignore[arg-type]
+    return start_weights(engine_config(model_dir, args))
 
 
 def _build_llm(args: argparse.Namespace):  # type: ignore[no-untyped-def]
@@ -373,20 +482,31 @@ def _stdout_gone() -> int:
     return 141
 
 
+def _stdin_prompt() -> str:
+    """The prompt read from stdin; a one-line SystemExit when there is none."""
+    prompt = _text_arg("prompt (stdin)", sys.stdin.read())
+    if not prompt:
+        raise SystemExit("edgeinfer: error: no prompt: stdin was empty; give one as an "
+                         "argument, or on stdin")  # fmt: skip
+    return prompt
+
+
 def cmd_generate(args: argparse.Namespace) -> int:
     params = _params(args)
     prompts = [_text_arg("prompt", p) for p in args.prompt]
     if not prompts and sys.stdin is None:  # (`<&-`: sys.stdin.read() was an AttributeError)
         raise SystemExit("edgeinfer: error: no prompt: give one as an argument, or on stdin "
                          "(which is closed)")  # fmt: skip
+    if any(not p for p in prompts):  # (the engine refused it, once the model had loaded)
+        raise SystemExit("edgeinfer: error: prompt: must not be empty")
+    # stdin that is no terminal (a pipe, a file, /dev/null) is read before the model loads, so
+    # that an empty one is refused at once; a terminal's after, once it says so
+    if not prompts and not sys.stdin.isatty():
+        prompts = [_stdin_prompt()]
     llm = _build_llm(args)
     if not prompts:
-        if sys.stdin.isatty():  # (it sat there saying nothing, as if it hung)
-            print("no prompt given: type one, then Ctrl-D", file=sys.stderr)
-        prompts = [_text_arg("prompt (stdin)", sys.stdin.read())]
-        if not prompts[0]:
-            raise SystemExit("edgeinfer: error: no prompt: stdin was empty; give one as an "
-                             "argument, or on stdin")  # fmt: skip
+        print("no prompt given: type one, then Ctrl-D", file=sys.stderr)  # (as if it hung)
+        prompts = [_stdin_prompt()]
     try:
         for prompt in prompts:
             if len(prompts) > 1:
@@ -744,7 +864,16 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     try:
-        args = build_parser().parse_args(argv)
+        parser = build_parser()
+        args, unknown = parser.parse_known_args(argv)
+        if unknown:  # after the command: its usage, not the top level's (as parse_args did)
+            words = sys.argv[1:] if argv is None else argv
+            subparsers = next(
+                a for a in parser._actions if isinstance(a, argparse._SubParsersAction)
+            )
+            before = words[: words.index(args.command)] if args.command in words else []
+            said = parser if set(unknown) & set(before) else subparsers.choices[args.command]
+            said.error(f"unrecognized arguments: {' '.join(unknown)}")
         if hasattr(args, "speculative"):  # a command with the engine's options
             check_speculative_flags(args)
         if args.func in (cmd_import_gguf, cmd_pull, cmd_compress):

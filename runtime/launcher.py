@@ -136,22 +136,65 @@ def _ports_taken(ports: range, flag: str) -> None:
         )
 
 
-def _check_region(region: str) -> None:
-    """Refuse to start (SystemExit) a region the catalog lacks. Our gateway reads the packaged
-    catalog (it is given no --regions) and refuses such a region, but only once it runs: the
-    workers had been started by then, a model load and a Redis for nothing, and `up` ended with
-    the gateway's traceback in their output."""
+def region_refusal(region: str, catalog_path: str | None = None) -> str | None:
+    """Why `region` is refused: it is not in the catalog (`catalog_path`, --regions; default the
+    packaged one, as the gateway's), naming the known ones; None when it is there. A catalog
+    that does not load is a one-line SystemExit."""
     from gateway.regions import DEFAULT_CATALOG, CatalogError, RegionCatalog
 
+    path = catalog_path or DEFAULT_CATALOG
+    given = "--regions: " if catalog_path else ""  # (the packaged one: no flag to name)
     try:
-        catalog = RegionCatalog.load(DEFAULT_CATALOG)
+        catalog = RegionCatalog.load(path)
     except CatalogError as e:
-        raise SystemExit(f"edgeinfer: error: {e}") from None
-    if region not in catalog:
-        raise SystemExit(
-            f"edgeinfer: error: --region {region!r} is not in the region catalog "
-            f"{DEFAULT_CATALOG} (known: {', '.join(sorted(catalog.regions))})"
-        )
+        raise SystemExit(f"edgeinfer: error: {given}{e}") from None
+    except OSError as e:
+        raise SystemExit(f"edgeinfer: error: {given}{path}: {e.strerror or e}") from None
+    if region in catalog:
+        return None
+    return (f"--region {region!r} is not in the region catalog {path} "
+            f"(known: {', '.join(sorted(catalog.regions))})")  # fmt: skip
+
+
+def check_region(region: str, catalog_path: str | None = None) -> None:
+    """Refuse to start (SystemExit) a region the catalog lacks (region_refusal). Our gateway
+    refuses such a region, but only once it runs: `up` had started the workers by then, a model
+    load and a Redis for nothing, and ended with the gateway's traceback in their output."""
+    if (refusal := region_refusal(region, catalog_path)) is not None:
+        raise SystemExit(f"edgeinfer: error: {refusal}")
+
+
+def _chat_template(model_dir: str) -> bool:
+    """Whether the model has a default chat template (chat_template.jinja, or a "chat_template"
+    in its tokenizer_config.json, as runtime.tokenizer reads them): /v1/chat/completions then
+    serves it; without one, only /v1/completions."""
+    from runtime.tokenizer import _read_chat_templates
+
+    try:
+        config = json.loads((Path(model_dir) / "tokenizer_config.json").read_text())
+    except (OSError, ValueError):
+        config = None
+    try:
+        templates = _read_chat_templates(Path(model_dir), config if isinstance(config, dict) else {})
+    except ValueError:  # (TokenizerFileError: one the worker refuses chats for too)
+        return False
+    return "default" in templates
+
+
+def _example(base: str, model: str, auth: str, chat: bool) -> str:
+    """The curl `up` prints to paste: a chat completion, or a text completion for a model
+    without a chat template (its chat completions are refused: 400, "has no chat template")."""
+    if chat:
+        path = "chat/completions"
+        body = '"messages": [{"role": "user", "content": "Hello!"}]'
+    else:
+        path = "completions"
+        body = '"prompt": "Once upon a time"'
+    return (
+        f"  curl {base}/v1/{path} -H 'Content-Type: application/json'{auth} \\\n"
+        f"    -H 'x-session-affinity: my-session' \\\n"
+        f'    -d \'{{"model": "{model}", {body}, "max_tokens": 64}}\'\n'
+    )
 
 
 def _check_redis(url: str) -> None:
@@ -260,7 +303,7 @@ def up(args: argparse.Namespace) -> int:
     bad = [r for r in roles if r not in ("mixed", "prefill", "decode")]
     if bad:
         raise SystemExit(f"edgeinfer: error: --roles: {bad} are not roles (mixed, prefill, decode)")
-    _check_region(args.region)
+    check_region(args.region)
     # before anything starts: the ports (the workers' and their KV-transfer servers', when
     # given), and a Redis we are given
     _ports_taken(range(args.port, args.port + 1), "--port")
@@ -338,10 +381,7 @@ def up(args: argparse.Namespace) -> int:
         print(
             f"\nedgeinfer is up: {base}/v1 (model {model!r}, workers: {', '.join(roles)}, "
             f"redis {_shown(redis_url)})\n\n"
-            f"  curl {base}/v1/chat/completions -H 'Content-Type: application/json'{auth} \\\n"
-            f"    -H 'x-session-affinity: my-session' \\\n"
-            f'    -d \'{{"model": "{model}", "messages": [{{"role": "user", "content": '
-            f'"Hello!"}}], "max_tokens": 64}}\'\n\n'
+            f"{_example(base, model, auth, _chat_template(model_dir))}\n"
             f"Ctrl-C stops everything.\n",
             flush=True,
         )
@@ -350,8 +390,10 @@ def up(args: argparse.Namespace) -> int:
         print(f"edgeinfer: {exited}\nstopping", file=sys.stderr)
         return 1
     except KeyboardInterrupt:
+        # (a Redis we were given is left running: its data is not ours)
+        redis_end = "then redis" if local_redis is not None else "leaving the given Redis running"
         print(f"\nstopping: gateway, then workers (draining, {DRAIN_TIMEOUT_S:.0f}s at most), "
-              "then redis", file=sys.stderr)  # fmt: skip
+              f"{redis_end}", file=sys.stderr)  # fmt: skip
         return 0
     except RuntimeError as e:
         print(f"edgeinfer: error: {e}", file=sys.stderr)

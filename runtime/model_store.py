@@ -201,10 +201,22 @@ class ModelStore:
         path = Path(name_or_path).expanduser()
         if path.is_dir():
             return path
-        if not _NAME.fullmatch(name_or_path):  # a path, not a name
-            raise StoreError(f"{name_or_path}: no such model folder")
-        if (self.root / name_or_path).is_dir():
+        named = _NAME.fullmatch(name_or_path) is not None
+        if named and (self.root / name_or_path).is_dir():
             return self.root / name_or_path
+        if path.is_file() and path.suffix.lower() == ".gguf":  # (a name or a path)
+            raise StoreError(
+                f"{name_or_path}: no such model folder: it is a GGUF file; convert it into one "
+                f"first: edgeinfer import-gguf {name_or_path} OUT_DIR (or into the store: "
+                f"edgeinfer pull {name_or_path})"
+            )
+        if not named:  # a path, not a name
+            what = "a file" if path.exists() else "nothing there"
+            raise StoreError(
+                f"{name_or_path}: no such model folder ({what}); give a Hugging Face model "
+                "folder, or a model in the store (edgeinfer models; add one with: edgeinfer "
+                "pull SOURCE)"
+            )
         raise StoreError(
             f"{name_or_path!r} is neither a model folder nor a model in the store {self.root} "
             f"(it has: {self._names()}); pull it with: edgeinfer pull SOURCE --name {name_or_path}"

@@ -19,7 +19,14 @@ from collections.abc import Coroutine
 from pathlib import Path
 from typing import Any, NoReturn
 
-from runtime.cli import _at_least, non_negative_int, port_arg, port_or_zero
+from runtime.cli import (
+    _at_least,
+    name_flags,
+    non_negative_int,
+    port_arg,
+    port_or_zero,
+    positive_float,
+)
 
 DEFAULT_REDIS = "redis://127.0.0.1:6379/0"
 API_KEY_HELP = ("accepted bearer token (repeatable; default: $EDGEINFER_API_KEYS, comma-separated; "
@@ -78,6 +85,83 @@ def _check_worker_args(text: str, worker_args: list[str]) -> None:
         check_speculative_flags(args)
     except SystemExit as e:
         refuse(str(e.code).removeprefix("edgeinfer: error: "))
+
+
+def _check_listen(host: str, port: int, flag: str, what: str) -> None:
+    """Refuse (a one-line SystemExit naming `flag`) a port something listens on already, where
+    the worker would listen (`host`), before the model loads (it loaded, then the server
+    failed to bind; the --kv-port error named no flag). SO_REUSEADDR, as asyncio's servers
+    bind: a port whose last connections linger in TIME_WAIT is free."""
+    import socket
+
+    try:
+        infos = socket.getaddrinfo(host or None, port, type=socket.SOCK_STREAM,
+                                   flags=socket.AI_PASSIVE)  # fmt: skip
+    except socket.gaierror as e:
+        raise SystemExit(f"edgeinfer: error: --host {host!r}: {e.strerror or e}") from None
+    for family, kind, proto, _, addr in infos:
+        with socket.socket(family, kind, proto) as s:
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            try:
+                s.bind(addr)
+            except OSError as e:
+                # (lower-case, as asyncio's bind error says it, which tests/stack.py retries)
+                raise SystemExit(
+                    f"edgeinfer: error: {flag} {port}: the {what} cannot listen on "
+                    f"{host}:{port}: {(e.strerror or str(e)).lower()}; give another {flag}"
+                ) from None
+
+
+def _check_region_or_warn(region: str, catalog: str | None) -> None:
+    """A worker's or a pool's --region the catalog lacks: refused (a one-line SystemExit) when
+    the catalog was given (--regions FILE, as its gateways are); else, against the packaged
+    catalog, a warning: a deployment's gateways may read a catalog of their own (infra/deploy.py
+    mounts it for them, --regions), which a worker is not given. A region no gateway's catalog
+    has (`--region eu-wset`) registered, and gateways routed to it as another region's."""
+    from runtime.launcher import region_refusal
+
+    refusal = region_refusal(region, catalog)
+    if refusal is None:
+        return
+    if catalog is not None:
+        raise SystemExit(f"edgeinfer: error: {refusal}")
+    print(f"edgeinfer: warning: {refusal}; gateways whose catalog lacks it route to it as "
+          "another region's (a typo?); give --regions FILE, the gateways' catalog, to refuse "
+          "a region it lacks", file=sys.stderr, flush=True)  # fmt: skip
+
+
+def _check_worker_flags(args: argparse.Namespace) -> None:
+    """Refuse (a one-line SystemExit naming the flag) what WorkerConfig or the Redis registry
+    would refuse only once the model had loaded, in its own field names ("need 0 < heartbeat_s
+    < ttl_s"), or what a server would fail to bind then: before anything loads."""
+    from kvstore.keys import check_id
+
+    _check_region_or_warn(args.region, args.regions)
+    for flag, value in (("--served-model-name", args.served_model_name),
+                        ("--worker-id", args.worker_id)):  # fmt: skip
+        if value is not None:  # (the registry's keys hold them in a Redis Cluster hash tag)
+            try:
+                check_id(value, flag)
+            except ValueError as e:
+                raise SystemExit(f"edgeinfer: error: {e}") from None
+    if args.heartbeat <= 0:
+        raise SystemExit(f"edgeinfer: error: --heartbeat must be > 0 seconds, got {args.heartbeat}")
+    if args.ttl <= args.heartbeat:
+        raise SystemExit(f"edgeinfer: error: --ttl ({args.ttl}) must be longer than --heartbeat "
+                         f"({args.heartbeat}): the registry entry would expire between heartbeats")  # fmt: skip
+    for flag, value, least, strict in (("--drain-timeout", args.drain_timeout, 0, False),
+                                       ("--kv-hold", args.kv_hold, 0, True),
+                                       ("--kv-import-wait", args.kv_import_wait, 0, False),
+                                       ("--max-body-bytes", args.max_body_bytes, 1024, False)):  # fmt: skip
+        if (value <= least) if strict else (value < least):
+            limit = f"> {least}" if strict else f"at least {least}"
+            raise SystemExit(f"edgeinfer: error: {flag} must be {limit}, got {value}")
+    if args.kv_port and args.kv_port == args.port:
+        raise SystemExit(f"edgeinfer: error: --kv-port {args.kv_port} is --port too; give "
+                         "another (0: a free one)")  # fmt: skip
+    _check_listen(args.host, args.port, "--port", "worker")
+    if args.kv_port:  # (0: a free one, chosen when it listens)
+        _check_listen(args.host, args.kv_port, "--kv-port", "worker's KV-transfer server")
 
 
 def _secret(args: argparse.Namespace) -> str:
@@ -167,7 +251,16 @@ def cmd_worker(args: argparse.Namespace) -> int:
 
     _logging()
     _check_advertise_url(args.advertise_url)  # before the model loads
+    _check_worker_flags(args)
+    _secret(args)
     model_dir = _model_dir(args.model)
+    if args.served_model_name is None:  # (served under the folder's name: the same rule)
+        from kvstore.keys import check_id
+
+        try:
+            check_id(Path(model_dir).name, "the model folder's name (give --served-model-name)")
+        except ValueError as e:
+            raise SystemExit(f"edgeinfer: error: {e}") from None
     # Start reading the weights now (a folder that cannot be served stops us here): the imports
     # below and the engine's own set-up run while the drive works.
     weights = start_weights_early(model_dir, args)
@@ -250,14 +343,43 @@ def cmd_drive_rate(args: argparse.Namespace) -> int:
 
 def cmd_gateway(args: argparse.Namespace) -> int:
     from gateway.app import serve
-    from gateway.config import GatewayConfig
 
     _logging()
     keys = args.api_key or [k for k in os.environ.get("EDGEINFER_API_KEYS", "").split(",") if k]
-    config = GatewayConfig(
+    secret = _secret(args)
+    try:
+        config = _gateway_config(args, keys, secret)
+    except ValueError as e:  # (its messages name its fields: the flags are named instead)
+        message = name_flags(str(e).replace(" port (--port)", " --port"), GATEWAY_FLAGS)
+        raise SystemExit(f"edgeinfer: error: {message}") from None
+    _run(serve(config))
+    return 0
+
+
+# GatewayConfig's fields and the `edgeinfer gateway` flags that set them
+GATEWAY_FLAGS = {
+    "worker_idle_timeout_s": "--worker-idle-timeout",
+    "body_timeout_s": "--body-timeout",
+    "idle_timeout_s": "--idle-timeout",
+    "hold_timeout_s": "--hold-timeout",
+    "drain_timeout_s": "--drain-timeout",
+    "pool_gone_grace_s": "--pool-gone-grace",
+    "disagg_min_tokens": "--disagg-min-tokens",
+    "max_body_bytes": "--max-body-bytes",
+    "metrics_port": "--metrics-port",
+    "cors_origins": "--cors-origins",
+    "api keys": "--api-key values",
+    "routing": "--routing",
+}
+
+
+def _gateway_config(args: argparse.Namespace, keys: list[str], secret: str):  # type: ignore[no-untyped-def]
+    from gateway.config import GatewayConfig
+
+    return GatewayConfig(
         region=args.region,
         redis_url=args.redis or os.environ.get("EDGEINFER_REDIS", DEFAULT_REDIS),
-        worker_secret=_secret(args),
+        worker_secret=secret,
         host=args.host,
         port=args.port,
         metrics_port=args.metrics_port,
@@ -275,19 +397,27 @@ def cmd_gateway(args: argparse.Namespace) -> int:
         pool_gone_grace_s=args.pool_gone_grace,
         telemetry=_telemetry_config(args, "edgeinfer-gateway", args.region),
     )
-    _run(serve(config))
-    return 0
 
 
 def cmd_set_role(args: argparse.Namespace) -> int:
     """Change a running worker's role (it drains the old role's work first)."""
     import urllib.error
+    import urllib.parse
     import urllib.request
 
     import orjson
 
+    url = args.worker_url
+    try:
+        parts = urllib.parse.urlsplit(url)
+        parts.port  # noqa: B018 (raises ValueError for a port that is not one)
+    except ValueError as e:
+        raise SystemExit(f"edgeinfer: error: worker_url {url!r}: {e}") from None
+    if parts.scheme not in ("http", "https") or not parts.hostname:
+        raise SystemExit(f"edgeinfer: error: worker_url {url!r} is not an http:// or https:// "
+                         "URL with a host, e.g. http://10.0.0.5:9001")  # fmt: skip
     req = urllib.request.Request(
-        f"{args.worker_url.rstrip('/')}/internal/role",
+        f"{url.rstrip('/')}/internal/role",
         data=orjson.dumps({"role": args.role}),
         headers={"x-edgeinfer-secret": _secret(args), "Content-Type": "application/json"},
         method="POST",
@@ -297,12 +427,21 @@ def cmd_set_role(args: argparse.Namespace) -> int:
         with urllib.request.urlopen(req, timeout=args.timeout) as resp:
             body = orjson.loads(resp.read())
     except urllib.error.HTTPError as e:
-        err = orjson.loads(e.read() or b"{}").get("error", {})
-        print(f"refused ({e.code}): {err.get('message', e.reason)}", file=sys.stderr)
+        with e:
+            try:  # (an edgeinfer worker's OpenAI-style error; another server's page: its reason)
+                err = orjson.loads(e.read() or b"{}").get("error", {})
+                message = err.get("message", e.reason) if isinstance(err, dict) else e.reason
+            except (orjson.JSONDecodeError, AttributeError, OSError):
+                message = e.reason
+        print(f"edgeinfer: error: {url} refused ({e.code}): {message}", file=sys.stderr)
         return 1
-    except (urllib.error.URLError, TimeoutError) as e:
-        print(f"cannot reach {args.worker_url}: {e}", file=sys.stderr)
-        return 1
+    except (urllib.error.URLError, OSError) as e:  # (as other commands: status 2)
+        reason = e.reason if isinstance(e, urllib.error.URLError) else e
+        if isinstance(reason, TimeoutError):  # (reached: its drain outlasted --timeout)
+            raise SystemExit(f"edgeinfer: error: the worker at {url} did not answer in "
+                             f"--timeout {args.timeout:g} s (its drain may still be going "
+                             "on)") from None  # fmt: skip
+        raise SystemExit(f"edgeinfer: error: cannot reach the worker at {url} ({reason})") from None
     print(f"role {body['previous']} -> {body['role']} after draining {body['drained_s']:.2f}s")
     return 0
 
@@ -349,13 +488,16 @@ def cmd_pool(args: argparse.Namespace) -> int:
     _logging()
     redis_url = args.redis or os.environ.get("EDGEINFER_REDIS", DEFAULT_REDIS)
     if args.events:
-        return _print_pool_events(redis_url, args.region, args.events)
+        return _print_pool_events(redis_url, args.region, args.events, args.regions)
+    _check_region_or_warn(args.region, args.regions)
     if not args.models:
         raise SystemExit("edgeinfer: error: --models is required (e.g. --models M1,M2)")
     try:  # shell words: a quoted argument (a path with spaces) stays one
         worker_args = shlex.split(args.worker_args)
     except ValueError as e:  # shlex's "No closing quotation", "No escaped character"
         raise SystemExit(f"edgeinfer: error: --worker-args {args.worker_args!r}: {e}") from e
+    if args.regions is not None and "--regions" not in worker_args:  # (its workers check too)
+        worker_args += ["--regions", args.regions]
     try:
         models = parse_models(args.models, lambda name: _model_dir(name, args.store))
     except Exception as e:  # a name the model store does not have
@@ -390,7 +532,10 @@ def cmd_pool(args: argparse.Namespace) -> int:
     return 0
 
 
-def _print_pool_events(redis_url: str, region: str, count: int) -> int:
+def _print_pool_events(redis_url: str, region: str, count: int, catalog: str | None) -> int:
+    """Print the region's last `count` pool events. None: a line saying so, or, for a region
+    the catalog (`catalog`, --regions; default the packaged one) lacks, a refusal (a typo: it
+    printed nothing and exited 0; a region of a catalog of one's own has events to show)."""
     from datetime import datetime
 
     from kvstore.client import connect
@@ -403,7 +548,14 @@ def _print_pool_events(redis_url: str, region: str, count: int) -> int:
         finally:
             await redis.aclose()
 
-    for e in asyncio.run(main()):
+    events = asyncio.run(main())
+    if not events:  # (it printed nothing, and exited 0, as if the command had not run)
+        from runtime.launcher import region_refusal
+
+        if (refusal := region_refusal(region, catalog)) is not None:
+            raise SystemExit(f"edgeinfer: error: no events in region {region!r}: {refusal}")
+        print(f"no events in region {region!r}", file=sys.stderr)  # (as `models` says none)
+    for e in events:
         at = datetime.fromtimestamp(float(e.pop("at"))).strftime("%Y-%m-%d %H:%M:%S.%f")[:-3]
         what = e.pop("event")
         rest = " ".join(f"{k}={v}" for k, v in e.items())
@@ -412,12 +564,17 @@ def _print_pool_events(redis_url: str, region: str, count: int) -> int:
 
 
 def cmd_up(args: argparse.Namespace) -> int:
-    from runtime.launcher import up
+    from runtime.cli import _model_dir, check_model_folder, engine_config
+    from runtime.launcher import _engine_flags, up
 
-    if args.max_model_len:  # refused here, not by each worker once `up` has started them
-        from runtime.cli import _model_dir, check_max_model_len
-
-        check_max_model_len(_model_dir(args.model), args.max_model_len)
+    # Refused here, not by each worker once `up` has started Redis, them and the gateway (each
+    # worker died seconds later, its error printed twice, exit 1): the engine options given
+    # (EngineConfig imports torch: only then), and a --model that is no model folder (the
+    # default one is, once imported).
+    if _engine_flags(args):
+        engine_config("", args)
+    if args.model or args.max_model_len:
+        check_model_folder(_model_dir(args.model), args.max_model_len)
     return up(args)
 
 
@@ -430,6 +587,10 @@ def add_service_commands(sub: argparse._SubParsersAction, engine_args) -> None: 
                    help="bound of the waiting queue (default %(default)s)")  # fmt: skip
     w.add_argument("--region", default="local",
                    help="region name from the catalog (default %(default)s)")  # fmt: skip
+    w.add_argument("--regions", default=None, metavar="FILE",
+                   help="the region catalog its gateways read (their --regions): a --region it "
+                   f"lacks is refused (default: {DEFAULT_CATALOG}, where one it lacks is warned "
+                   "about)")  # fmt: skip
     w.add_argument("--role", default="mixed", choices=["mixed", "prefill", "decode"],
                    help="the work it takes (default %(default)s)")  # fmt: skip
     w.add_argument("--host", default="127.0.0.1",
@@ -461,9 +622,9 @@ def add_service_commands(sub: argparse._SubParsersAction, engine_args) -> None: 
                    "client's body (default %(default)s)")  # fmt: skip
     w.add_argument(
         "--kv-port",
-        type=int,
+        type=port_or_zero,
         default=0,
-        help="KV transfer port (prefill side of disaggregation); default: a free port",
+        help="KV transfer port (prefill side of disaggregation); default (0): a free port",
     )
     w.add_argument("--kv-hold", type=float, default=30.0,
                    help="seconds pulled KV blocks wait for the puller's acknowledgement "
@@ -551,7 +712,8 @@ def add_service_commands(sub: argparse._SubParsersAction, engine_args) -> None: 
     b = sub.add_parser("rebalance", help="set how many of a model's prefill/decode workers prefill")
     b.add_argument("--model", required=True, help="served model name")
     b.add_argument("--region", default=None, help="only this region's workers (default: all)")
-    b.add_argument("--prefill", type=int, required=True, help="prefill workers wanted")
+    b.add_argument("--prefill", type=non_negative_int, required=True,
+                   help="prefill workers wanted (0 or more)")  # fmt: skip
     b.add_argument("--redis", default=None, help="cluster Redis URL (default $EDGEINFER_REDIS)")
     b.add_argument("--secret", default=None, help="shared secret (default $EDGEINFER_SECRET)")
     b.add_argument("--timeout", type=float, default=120.0, help="seconds to wait for the drains")
@@ -559,6 +721,10 @@ def add_service_commands(sub: argparse._SubParsersAction, engine_args) -> None: 
 
     p = sub.add_parser("pool", help="start/stop local workers on demand (scale from zero)")
     p.add_argument("--region", default="local", help="the region its workers serve")
+    p.add_argument("--regions", default=None, metavar="FILE",
+                   help="the region catalog its gateways read (their --regions): a --region it "
+                   "lacks is refused; passed on to its workers (default: "
+                   f"{DEFAULT_CATALOG}, where one it lacks is warned about)")  # fmt: skip
     p.add_argument(
         "--models", default=None,
         help="models it may start: store names or folders, or name=FOLDER, comma-separated",
@@ -599,7 +765,8 @@ def add_service_commands(sub: argparse._SubParsersAction, engine_args) -> None: 
     d.add_argument("path", nargs="?", default=None,
                    help="a file, or a folder whose largest files are read (default: the default "
                    "model's folder); the figure is kept for the device it is on")  # fmt: skip
-    d.add_argument("--gb", type=float, default=1.0, help="read at most this much (default 1)")
+    d.add_argument("--gb", type=positive_float, default=1.0,
+                   help="read at most this much (default 1)")  # fmt: skip
     d.set_defaults(func=cmd_drive_rate)
 
     u = sub.add_parser(
