@@ -641,12 +641,14 @@ def _mount_catalog(resources: list[Resource], catalog: str) -> None:
     stopped at start: "region ... is not in the catalog"). Added here, after the build, not in
     the base: a kustomization reading infra/regions.yaml would have to hold infra/, which holds
     the base (`kubectl kustomize`: "cycle detected"), and `kubectl apply -k` of an overlay alone
-    keeps the image's catalog, as before."""
-    gateways = [r for r in resources if r["kind"] == "Deployment"
-                and r["metadata"]["name"] == "gateway"]  # fmt: skip
-    for g in gateways:
+    keeps the image's catalog, as before. The standing workers and the pool manager get it too:
+    with it they refuse a `--region` it lacks (a typo registered a region the gateways put last)."""
+    readers = {("Deployment", "gateway"), ("StatefulSet", "worker"), ("Deployment", "pool")}
+    pods = [r for r in resources if (r["kind"], r["metadata"]["name"]) in readers]
+    gateways = [r for r in pods if r["metadata"]["name"] == "gateway"]
+    for g in pods:
         pod = g["spec"]["template"]["spec"]
-        (c,) = [c for c in pod["containers"] if c["name"] == "gateway"]
+        (c,) = [c for c in pod["containers"] if c["name"] == g["metadata"]["name"]]
         c["args"] = [*c.get("args", []), "--regions", f"{CATALOG_DIR}/regions.yaml"]
         c["volumeMounts"] = [*c.get("volumeMounts", []),
                              {"name": "regions", "mountPath": CATALOG_DIR, "readOnly": True}]  # fmt: skip

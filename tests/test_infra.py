@@ -540,7 +540,7 @@ def test_local_region_fits_a_dev_cluster() -> None:
     assert claim["spec"]["storageClassName"] == "standard"
     assert claim["spec"]["resources"]["requests"]["storage"] == "5Gi"
     pool = _by(resources, "Deployment", "pool")["spec"]["template"]["spec"]
-    (volume,) = pool["volumes"]
+    (volume,) = [v for v in pool["volumes"] if "ephemeral" in v]  # (and the region catalog)
     assert volume["ephemeral"]["volumeClaimTemplate"]["spec"]["storageClassName"] == "standard"
     assert _by(resources, "Service", "gateway")["spec"]["type"] == "ClusterIP"
 
@@ -939,3 +939,21 @@ def test_a_catalog_that_is_not_utf8_is_named(tmp_path: Path) -> None:
 def test_image_references(tmp_path: Path, image: str, pulled: str | None) -> None:
     resources = deploy.render("local", _catalog(tmp_path, image=image))
     assert _container(_by(resources, "StatefulSet", "worker"))["image"] == (pulled or image)
+
+
+def test_workers_and_the_pool_read_the_gateways_catalog(tmp_path: Path) -> None:
+    """Standing workers and the pool manager got no catalog: a worker's --region typo registered
+    a region the gateways put last (`edgeinfer worker` only warns without --regions). They now
+    mount the gateways' catalog and pass it as --regions, so such a region is refused at start."""
+    catalog, overlays = _sa_east(tmp_path)
+    resources = deploy.render("sa-east", catalog, overlays)
+    for kind, name in (("Deployment", "gateway"), ("StatefulSet", "worker"), ("Deployment", "pool")):
+        r = _by(resources, kind, name)
+        c = _container(r)
+        args = c["args"]
+        assert args[args.index("--regions") + 1] == f"{deploy.CATALOG_DIR}/regions.yaml", name
+        (mount,) = [m for m in c["volumeMounts"] if m["mountPath"] == deploy.CATALOG_DIR]
+        volumes = {v["name"]: v for v in r["spec"]["template"]["spec"]["volumes"]}
+        assert volumes[mount["name"]]["configMap"]["name"] == deploy.REGIONS_MAP, name
+        kubernetes_validate.validate(r, K8S_VERSION, strict=True)
+    assert len([r for r in resources if r["metadata"]["name"] == deploy.REGIONS_MAP]) == 1
