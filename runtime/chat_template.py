@@ -148,14 +148,7 @@ def _built(value: Any, what: str) -> Any:
         if size < _SHORT:
             return value
         _room(size, what)
-        budget = _BUDGET.get()
-        if budget is not None:
-            budget.built -= size
-            if budget.built < 0:
-                raise TemplateLimit(
-                    f"at most {MAX_BUILT_CHARS} characters or items built in all by filters, "
-                    "methods and operators"
-                )
+        _charge(size)
     return value
 
 

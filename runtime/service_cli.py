@@ -51,18 +51,22 @@ def _check_advertise_url(url: str | None) -> None:
     """Refuse (a one-line SystemExit) an --advertise-url that is no http(s)://HOST[:PORT] URL:
     the worker registered it and said it was ready, and no gateway could reach it
     ("10.0.0.5:9001", without the scheme, is read as scheme "10.0.0.5")."""
-    if not url:  # (none, or "": the default, as a deployment's empty variable gives it)
-        return
+    if url:  # (none, or "": the default, as a deployment's empty variable gives it)
+        _check_http_url(url, "--advertise-url")
+
+
+def _check_http_url(url: str, name: str) -> None:
+    """Refuse (a one-line SystemExit naming `name`) a URL that is no http(s)://HOST[:PORT]."""
     import urllib.parse
 
     try:
         parts = urllib.parse.urlsplit(url)
         parts.port  # noqa: B018 (raises ValueError for a port that is not one)
     except ValueError as e:
-        raise SystemExit(f"edgeinfer: error: --advertise-url {url!r}: {e}") from None
+        raise SystemExit(f"edgeinfer: error: {name} {url!r}: {e}") from None
     if parts.scheme not in ("http", "https") or not parts.hostname:
-        raise SystemExit(f"edgeinfer: error: --advertise-url {url!r} is not an http:// or "
-                         "https:// URL with a host, e.g. http://10.0.0.5:9001")  # fmt: skip
+        raise SystemExit(f"edgeinfer: error: {name} {url!r} is not an http:// or https:// URL "
+                         "with a host, e.g. http://10.0.0.5:9001")  # fmt: skip
 
 
 def _check_worker_args(text: str, worker_args: list[str]) -> None:
@@ -402,20 +406,12 @@ def _gateway_config(args: argparse.Namespace, keys: list[str], secret: str):  # 
 def cmd_set_role(args: argparse.Namespace) -> int:
     """Change a running worker's role (it drains the old role's work first)."""
     import urllib.error
-    import urllib.parse
     import urllib.request
 
     import orjson
 
     url = args.worker_url
-    try:
-        parts = urllib.parse.urlsplit(url)
-        parts.port  # noqa: B018 (raises ValueError for a port that is not one)
-    except ValueError as e:
-        raise SystemExit(f"edgeinfer: error: worker_url {url!r}: {e}") from None
-    if parts.scheme not in ("http", "https") or not parts.hostname:
-        raise SystemExit(f"edgeinfer: error: worker_url {url!r} is not an http:// or https:// "
-                         "URL with a host, e.g. http://10.0.0.5:9001")  # fmt: skip
+    _check_http_url(url, "worker_url")
     req = urllib.request.Request(
         f"{url.rstrip('/')}/internal/role",
         data=orjson.dumps({"role": args.role}),
