@@ -12,7 +12,7 @@ Decisions worth knowing:
   engine's is 16), so nothing may be left to the worker's defaults.
 - Unknown fields are ignored (OpenAI clients send extras such as `metadata` or `store`, which
   change nothing in the answer), but features that change the answer (`functions`,
-  `logit_bias`, vLLM's `use_beam_search`, OpenAI's `reasoning_effort`, ... : `OFF_ONLY`,
+  vLLM's `use_beam_search`, OpenAI's `reasoning_effort`, ... : `OFF_ONLY`,
   `CHAT_OFF_ONLY`) are refused unless set to their "off" value: silently ignoring them gives
   wrong answers. So are an assistant message's deprecated `function_call` and its `refusal`
   text, which the prompt would otherwise lose. (`prediction` is ignored: a predicted output
@@ -24,6 +24,11 @@ Decisions worth knowing:
 - Text content parts are joined with "\\n" (what vLLM does), so a client that splits a message
   into parts gets the same prompt from both. An assistant message's refusal parts (what OpenAI
   answered in place of text) are text too.
+- Completions' `echo` is served as vLLM serves it: the worker computes the prompt's logprobs
+  (`prompt_logprobs`, with logprobs' count) and the answer puts the prompt first; `max_tokens: 0`
+  is taken with echo only (one token is generated and left out). vLLM's own `prompt_logprobs`
+  (both endpoints, not streamed) is answered in vLLM's shape: a completions choice's, a chat
+  response's `prompt_logprobs`, [null, {"<id>": {"logprob", "rank", "decoded_token"}}, ...].
 - A completions `prompt` may hold a batch (several strings, or several token arrays): each prompt
   becomes a `GenerateRequest` of its own (the proxy sends them to workers concurrently), and
   choice p * n + j of the answer is prompt p's j-th completion, as OpenAI numbers them.
@@ -41,6 +46,7 @@ from gateway.fields import (
     INT64_MIN,
     Fields,
     Range,
+    check_number,
     is_int,
     same_json,
     type_name,
@@ -54,7 +60,11 @@ from gateway.openai_response import (
 from gateway.structured import GUIDED_FIELDS, constraint, tool_message_fields, tools_of
 from kvstore.keys import MAX_ID_LEN
 from kvstore.protocol import GenerateRequest
-from runtime.sampling_params import MAX_REPETITION_PENALTY
+from runtime.sampling_params import (
+    MAX_LOGIT_BIAS,
+    MAX_LOGIT_BIAS_TOKENS,
+    MAX_REPETITION_PENALTY,
+)
 
 __all__ = [
     "CHAT_FIELDS",
@@ -86,7 +96,6 @@ OFF_ONLY: dict[str, tuple[tuple[object, ...], str]] = {  # vLLM's extras, both e
     "use_beam_search": ((False,), "beam search; send false"),
     "allowed_token_ids": ((), "a token allow-list; send null"),
     "bad_words": (([],), "banned words; send []"),
-    "prompt_logprobs": ((), "the prompt's log-probabilities; send null"),
     "skip_special_tokens": ((True,), "special tokens are always left out of the text; send true"),
     "spaces_between_special_tokens": ((True,), "send true"),
     "truncate_prompt_tokens": (
@@ -147,6 +156,7 @@ _SAMPLING_FIELDS = frozenset(
         "stop_token_ids",
         "include_stop_str_in_output",
         "logit_bias",
+        "prompt_logprobs",
         "response_format",
     }
     | GUIDED_FIELDS
@@ -192,6 +202,14 @@ class RequestOptions:
     # the client's name for the completion's length limit: the worker says max_tokens (chat's
     # max_completion_tokens is sent as it), errors name what the client sent
     max_tokens_field: str = "max_tokens"
+    # completions' echo: each choice's text (and logprobs) begins with its prompt's; the prompt
+    # texts as sent (None: token ids, whose text the worker decodes), by prompt
+    echo: bool = False
+    prompt_texts: tuple[str | None, ...] = ()
+    echo_only: bool = False  # echo with max_tokens 0: the prompt alone, nothing generated
+    # vLLM's prompt_logprobs (not streamed): alternatives per prompt token in the answer's
+    # `prompt_logprobs` (a completions choice's, a chat response's); None: not asked for
+    prompt_logprobs: int | None = None
 
 
 def parse_chat(
@@ -255,10 +273,14 @@ def parse_completion(
     f = Fields(body, COMPLETION_FIELDS)
     model = _model(f)
     prompts = _prompts(f.raw("prompt"))
-    max_tokens = f.integer("max_tokens", 16, Range(1, INT32_MAX))
+    echo = f.boolean("echo", False)
+    if not echo and same_json(f.raw("max_tokens"), 0):  # (as vLLM: the prompt alone, echoed)
+        raise invalid(
+            "max_tokens",
+            f"max_tokens must be an integer in [1, {INT32_MAX}] (0 only with echo: true), got 0",
+        )
+    max_tokens = f.integer("max_tokens", 16, Range(0 if echo else 1, INT32_MAX))
     logprobs = f.opt_int("logprobs", Range(0, MAX_LOGPROBS))
-    if f.boolean("echo", False):
-        raise unsupported("echo", "echo is not supported yet; send echo: false")
     if f.opt_str("suffix"):
         raise unsupported("suffix", "suffix is not supported yet (insertion)")
     for name, (off, what) in COMPLETION_OFF_ONLY.items():
@@ -281,17 +303,27 @@ def parse_completion(
     best_of = f.opt_int("best_of", Range(1, MAX_N))  # (more than n is never taken)
     if best_of is not None and best_of not in (1, options.n):
         raise unsupported("best_of", f"best_of must be null, 1 or n ({options.n}); got {best_of}")
+    # echo (vLLM's way): the prompt's logprobs, with logprobs' alternatives, are the worker's
+    # prompt_logprobs; without logprobs, a token-id prompt's text still comes from the worker
+    # (with prompt_logprobs 0); max_tokens 0 generates one token, which the answer leaves out
+    if max_tokens == 0:
+        sampling["max_tokens"] = 1
+    asked = options.prompt_logprobs
     requests = [
         GenerateRequest(
             request_id=request_id if len(prompts) == 1 else f"{request_id}-{p}",
             model=model,
             prompt=prompt,
-            sampling=sampling,
+            sampling={**sampling, "prompt_logprobs": _echo_logprobs(echo, logprobs, prompt, asked)},
             session_id=session_id,
         )
         for p, prompt in enumerate(prompts)
     ]
-    return requests, replace(options, prompts=len(prompts))
+    options = replace(options, prompts=len(prompts))
+    if echo:
+        texts = tuple(p if isinstance(p, str) else None for p in prompts)
+        options = replace(options, echo=True, prompt_texts=texts, echo_only=max_tokens == 0)
+    return requests, options
 
 
 def _common(
@@ -328,7 +360,6 @@ def _common(
                 "stream_options.continuous_usage_stats is not supported yet (usage on every "
                 "chunk); send include_usage for a last chunk with usage",
             )
-    f.only_default("logit_bias", ({},), "send no logit_bias")
     for name, (off, what) in OFF_ONLY.items():
         f.only_default(name, off, what)
 
@@ -359,6 +390,8 @@ def _common(
         "logprobs": logprobs,
         "include_stop_str_in_output": f.boolean("include_stop_str_in_output", False),
         "structured_outputs": constraint(f),
+        "logit_bias": _logit_bias(f),
+        "prompt_logprobs": _prompt_logprobs(f, stream),
     }
     options = RequestOptions(
         kind=kind,
@@ -368,8 +401,63 @@ def _common(
         n=n,
         logprobs=logprobs,
         user=f.opt_str("user"),
+        prompt_logprobs=sampling["prompt_logprobs"],
     )
     return sampling, options
+
+
+def _echo_logprobs(
+    echo: bool, logprobs: int | None, prompt: str | list[int], asked: int | None
+) -> int | None:
+    """The prompt_logprobs the worker computes for a completion: what the client `asked` for
+    (vLLM's field) and what `echo` needs (logprobs' count, or 0 for a token-id prompt's text
+    alone; nothing for a text prompt without logprobs: the gateway has its text), the larger."""
+    need = None
+    if echo and logprobs is not None:
+        need = logprobs
+    elif echo and isinstance(prompt, list):
+        need = 0
+    if need is None or asked is None:
+        return asked if need is None else need
+    return max(need, asked)
+
+
+def _prompt_logprobs(f: Fields, stream: bool) -> int | None:
+    """vLLM's prompt_logprobs: alternatives per prompt token, in [0, MAX_LOGPROBS]; not with
+    stream (as vLLM refuses it)."""
+    value = f.opt_int("prompt_logprobs", Range(0, MAX_LOGPROBS))
+    if value is not None and stream:
+        raise invalid(
+            "prompt_logprobs", "prompt_logprobs is not available when stream is true (as in vLLM)"
+        )
+    return value
+
+
+def _logit_bias(f: Fields) -> dict[str, float]:
+    """OpenAI's logit_bias: an object of at most MAX_LOGIT_BIAS_TOKENS token ids (string keys,
+    as JSON has them) to biases in [-100, 100]; sent on as {"<id>": float} (the worker checks
+    the ids against its model's vocabulary). Zero biases change nothing and are left out."""
+    value = f.opt_object("logit_bias")
+    if not value:
+        return {}
+    if len(value) > MAX_LOGIT_BIAS_TOKENS:
+        raise invalid(
+            "logit_bias",
+            f"logit_bias may hold at most {MAX_LOGIT_BIAS_TOKENS} tokens, got {len(value)}",
+        )
+    out: dict[str, float] = {}
+    rng = Range(-MAX_LOGIT_BIAS, MAX_LOGIT_BIAS)
+    for key, bias in value.items():
+        if not (key.isascii() and key.isdigit()) or int(key) > INT32_MAX:
+            raise invalid(
+                "logit_bias",
+                f"logit_bias keys must be token ids, integers in [0, {INT32_MAX}], got "
+                f"{_desc(key)}",
+            )
+        number = check_number("logit_bias", bias, rng)
+        if number:
+            out[str(int(key))] = number
+    return out
 
 
 def _model(f: Fields) -> str:

@@ -15,7 +15,9 @@ Chunk order for a streamed chat request with n choices (OpenAI's own order):
                                                     tool-call deltas (the worker parses them)
     per choice: {"delta": {}, "finish_reason": "stop" | "length"}    when the choice ends
     once:       {"choices": [], "usage": {...}}                       on `done`, if include_usage
-Completions stream the same way with `text` in place of `delta`, and no role chunk.
+Completions stream the same way with `text` in place of `delta`, and no role chunk; with `echo`,
+each choice's first chunk is its prompt's text (and, with logprobs, its tokens' logprobs, the
+first null: the worker's prompt logprobs, which ride on its first delta of the request).
 A choice that made tool calls and stopped finishes with "tool_calls" (with "stop" when a call's
 arguments are not whole JSON: a stop string cut them off, or the model wrote NaN; JSON as the
 worker's parser reads it, raw control characters in strings included, and no arguments at all
@@ -25,8 +27,9 @@ concatenated) and `content` null when it said nothing else, as OpenAI answers.
 Failures are raised as `APIError`, never returned, so the handler decides: before the first
 byte it may answer with the error's status (or retry elsewhere when `retryable`); after it, it
 sends `sse(err.body())` and closes the stream (a worker's error event: `error_from_event`).
-- An `error` event -> 500 (internal_error), or 503 when its code says the worker was going
-  away ("draining", "shutdown", "aborted", "engine_dead"): the request may succeed elsewhere.
+- An `error` event -> 500 (server_error, code internal_error), or 503 when its code says the
+  worker was going away ("draining", "shutdown", "aborted", "engine_dead"): the request may
+  succeed elsewhere.
 - finish_reason "abort" -> 503 with code "aborted". OpenAI has no such finish reason (its
   clients reject one they do not know), and a choice cut off by a draining worker is not an
   answer: reporting it as "stop" or "length" would pass truncated text off as complete. When
@@ -73,8 +76,9 @@ class _Choice:
     role_sent: bool = False  # streamed chat: the chunk carrying role "assistant" went out
     chat_logprobs: list[dict[str, Any]] = field(default_factory=list)  # chat `logprobs.content`
     tokens: list[str] = field(default_factory=list)  # completions `logprobs.tokens`
-    token_logprobs: list[float] = field(default_factory=list)  # completions, per token
-    top_logprobs: list[dict[str, float]] = field(default_factory=list)  # completions, per token
+    # completions, per token (an echoed prompt's first token: null, nothing precedes it)
+    token_logprobs: list[float | None] = field(default_factory=list)
+    top_logprobs: list[dict[str, float] | None] = field(default_factory=list)
     text_offset: list[int] = field(default_factory=list)  # completions, per token
     # completions: the tokens' text (decoded from their bytes) that `text` does not hold yet
     # (the worker holds back what may start a stop string), and the decoder of their bytes
@@ -85,6 +89,7 @@ class _Choice:
     tool_calls: list[dict[str, Any]] = field(default_factory=list)  # OpenAI tool calls so far
     finish_reason: str | None = None  # "stop" | "length" | "tool_calls" once ended
     stop_reason: str | int | None = None  # the stop string or token id that ended it
+    echoed: bool = False  # completions' echo: the prompt went first
 
 
 class ResponseAssembler:
@@ -99,6 +104,11 @@ class ResponseAssembler:
         self.worker_id: str | None = None  # from `start`: the worker serving the request
         self.usage: dict[str, Any] | None = None  # from `done` (summed over the prompts)
         self.ended: set[int] = set()  # prompts whose stream sent `done`
+        # echo: per prompt, (its text as the worker decoded it, its tokens' logprobs), from the
+        # worker's first delta (runtime/worker.py PromptDelta)
+        self.prompt_logprobs: dict[int, tuple[str, list[dict[str, Any]]]] = {}
+        # vLLM's prompt_logprobs, per prompt (from the same delta), cut to what was asked for
+        self.prompt_ranked: dict[int, list[dict[str, dict[str, Any]] | None]] = {}
         self.done = False  # every prompt's `done` was seen: `final` may be called
 
     def on_event(self, event: dict[str, Any], prompt: int = 0) -> list[dict[str, Any]]:
@@ -124,7 +134,10 @@ class ResponseAssembler:
             raise bad_gateway(
                 "the worker's stream ended before the request finished", "incomplete_stream"
             )
-        return {
+        asked = self.options.prompt_logprobs is not None
+        if asked and len(self.prompt_ranked) < self.options.prompts:
+            raise bad_gateway("the worker sent no prompt_logprobs", "incomplete_stream")
+        answer: dict[str, Any] = {
             "id": self.id,
             "object": "chat.completion" if self.chat else "text_completion",
             "created": self.created,
@@ -132,6 +145,12 @@ class ResponseAssembler:
             "choices": [self._final_choice(i, c) for i, c in enumerate(self.choices)],
             "usage": self.usage,
         }
+        if asked and self.chat:  # (vLLM's place for them: the response's)
+            answer["prompt_logprobs"] = self.prompt_ranked[0]
+        elif asked:  # each choice's, its prompt's
+            for choice in answer["choices"]:
+                choice["prompt_logprobs"] = self.prompt_ranked[choice["index"] // self.options.n]
+        return answer
 
     # -- events -----------------------------------------------------------------------------
 
@@ -158,7 +177,19 @@ class ResponseAssembler:
         text: str = event["text"]
         if not isinstance(text, str):
             raise TypeError(f"text must be a string, got {type(text).__name__}")
-        new_logprobs = self._add_logprobs(c, text, event.get("logprobs"))
+        chunks = []
+        if self.options.prompt_logprobs is not None and event.get("prompt_ranked") is not None:
+            self.prompt_ranked[prompt] = _ranked(event["prompt_ranked"], self.options.prompt_logprobs)
+        if self.options.echo:
+            prompt_lps = event.get("prompt_logprobs")
+            if prompt_lps is not None:
+                self.prompt_logprobs[prompt] = (str(event.get("prompt_text", "")), prompt_lps)
+            if not c.echoed:
+                chunks += self._echo(i, c, prompt)
+        raw = event.get("logprobs")
+        if self.options.echo_only:  # max_tokens 0: the one token generated is not shown
+            text, raw = "", None
+        new_logprobs = self._add_logprobs(c, text, raw)
         c.text.append(text)
         c.text_len += len(text)
         calls = event.get("tool_calls") or []
@@ -177,10 +208,11 @@ class ResponseAssembler:
             if finish == "stop" and c.tool_calls and all(map(_complete, c.tool_calls)):
                 finish = "tool_calls"
             c.finish_reason, c.stop_reason = finish, event.get("stop_reason")
+            if self.options.echo_only:  # (the 0 tokens asked for)
+                finish, c.finish_reason, c.stop_reason = "length", "length", None
 
         if not self.options.stream:
             return []
-        chunks = []
         if text or new_logprobs is not None or (self.chat and not c.role_sent):
             delta: dict[str, Any] = {"content": text}
             if self.chat and not c.role_sent:
@@ -202,6 +234,8 @@ class ResponseAssembler:
         if open_choices:
             raise ValueError(f"done before choices {open_choices} finished")
         tokens = int(event["prompt_tokens"]), int(event["completion_tokens"])
+        if self.options.echo_only:  # (none shown)
+            tokens = (tokens[0], 0)
         cached = int(event.get("cached_tokens") or 0)
         if self.usage is not None:  # a batch's prompts: their usage adds up
             tokens = (tokens[0] + self.usage["prompt_tokens"],
@@ -282,6 +316,31 @@ class ResponseAssembler:
         choice["stop_reason"] = c.stop_reason
         return choice
 
+    def _echo(self, index: int, c: _Choice, prompt: int) -> list[dict[str, Any]]:
+        """Completions' echo: choice `index` (of prompt `prompt`) begins with the prompt's text
+        and, with logprobs, its tokens' (the first null); the chunk that streams them."""
+        c.echoed = True
+        text = self.options.prompt_texts[prompt] if self.options.prompt_texts else None
+        got = self.prompt_logprobs.get(prompt)
+        if got is None and (text is None or self.options.logprobs is not None):
+            raise ValueError("echo: the worker sent no prompt_logprobs")
+        if text is None:
+            assert got is not None
+            text = got[0]
+        part = None
+        if self.options.logprobs is not None:
+            assert got is not None
+            at = len(c.tokens)
+            part = self._add_logprobs(c, text, got[1])
+            if part is not None and part["tokens"]:
+                c.token_logprobs[at] = c.top_logprobs[at] = None
+                part["token_logprobs"][0] = part["top_logprobs"][0] = None
+        c.text.append(text)
+        c.text_len += len(text)
+        if not self.options.stream:
+            return []
+        return [self._chunk([self._chunk_choice(index, {"content": text}, part)])]
+
     def _add_logprobs(self, c: _Choice, text: str, raw: object) -> dict[str, Any] | None:
         """Record a delta's token logprobs; return them in this endpoint's chunk shape."""
         top_n = self.options.logprobs
@@ -349,6 +408,22 @@ class ResponseAssembler:
         return part
 
 
+def _ranked(raw: object, top: int) -> list[dict[str, dict[str, Any]] | None]:
+    """vLLM's prompt_logprobs as the worker sent them, each token's alternatives cut to those
+    ranked within `top` (the worker computes as many as echo needs too); logprobs JSON-safe."""
+    if not isinstance(raw, list):
+        raise TypeError(f"prompt_ranked must be a list, got {type(raw).__name__}")
+    out: list[dict[str, dict[str, Any]] | None] = []
+    for entry in raw:
+        if entry is None:
+            out.append(None)
+            continue
+        items = list(entry.items())  # the prompt token first, then its alternatives
+        kept = [items[0], *(kv for kv in items[1:] if kv[1]["rank"] <= top)]
+        out.append({k: {**v, "logprob": _logprob(v["logprob"])} for k, v in kept})
+    return out
+
+
 def _add_tool_call(c: _Choice, call: object) -> None:
     """Fold one tool-call delta into the choice's calls (a new call, or more arguments)."""
     if not isinstance(call, dict):
@@ -383,7 +458,7 @@ def _logprob(value: object) -> float:
 
 def error_from_event(event: dict[str, Any]) -> APIError:
     """The error a worker's error event stands for, typed as the same failure before the first
-    byte would be answered (a worker going away: service_unavailable; a constraint that
+    byte would be answered (a worker going away: a 503 server_error; a constraint that
     failed: invalid_request_error); mid-stream, its `body()` is the stream's last chunk."""
     message = event.get("message")
     code = event.get("code")

@@ -10,7 +10,7 @@ from typing import Any
 
 from gateway.fields import INT32_MAX, INT64_MAX, INT64_MIN
 from gateway.openai_api import CHAT_OFF_ONLY, COMPLETION_OFF_ONLY, MAX_N, MAX_PROMPTS, OFF_ONLY
-from runtime.sampling_params import MAX_REPETITION_PENALTY
+from runtime.sampling_params import MAX_LOGIT_BIAS, MAX_LOGIT_BIAS_TOKENS, MAX_REPETITION_PENALTY
 
 JSON = dict[str, Any]
 
@@ -111,7 +111,28 @@ _SAMPLING: JSON = {
         "vLLM extension: token ids that end a completion.",
     ),
     "include_stop_str_in_output": _bool("vLLM extension: keep the matched stop string."),
-    "logit_bias": _nullable({"type": "object", "maxProperties": 0}, _OFF_ONLY),
+    "prompt_logprobs": _int(
+        0,
+        20,
+        "vLLM extension: each prompt token's log-probability and this many alternatives, in "
+        "the answer's prompt_logprobs (a completion choice's, a chat response's); not with "
+        "stream. Computed over the whole prompt (not from the prefix cache).",
+    ),
+    "logit_bias": _nullable(
+        {
+            "type": "object",
+            "maxProperties": MAX_LOGIT_BIAS_TOKENS,
+            "propertyNames": {"pattern": "^[0-9]+$"},
+            "additionalProperties": {
+                "type": "number",
+                "minimum": -MAX_LOGIT_BIAS,
+                "maximum": MAX_LOGIT_BIAS,
+            },
+        },
+        "Token id (a string key) -> bias added to its logit before sampling, greedy included: "
+        "-100 bans the token, +100 forces it. Logprobs are of the logits before the bias "
+        "(vLLM's default). Ids outside the model's vocabulary are a 400.",
+    ),
     "response_format": _nullable(
         ref("ResponseFormat"),
         "Structured output: JSON (any object, or one that validates against a schema). "
@@ -222,9 +243,18 @@ COMPLETION_REQUEST: JSON = {
                 },
             ],
         },
-        "max_tokens": _int(1, INT32_MAX, _MAX_TOKENS, 16),
+        "max_tokens": _int(
+            1,
+            INT32_MAX,
+            _MAX_TOKENS + " With echo: true, 0 is taken too (the prompt alone, as vLLM does).",
+            16,
+        ),
         "logprobs": _int(0, 20, "Return log-probabilities with this many alternatives."),
-        "echo": _nullable({"const": False}, _OFF_ONLY),
+        "echo": _bool(
+            "The prompt goes first in each choice's text and, with logprobs, its tokens' "
+            "log-probabilities (the first token's null) before the generated tokens' "
+            "(text_offset counts from the prompt's start)."
+        ),
         "suffix": _nullable({"type": "string", "maxLength": 0}, _OFF_ONLY),
         "best_of": _int(1, MAX_N, "Only null, 1 or n."),
         **_off_only(COMPLETION_OFF_ONLY),
@@ -278,6 +308,32 @@ _CHAT_LOGPROBS: JSON = {
         },
         {"type": "null"},
     ]
+}
+
+
+_PROMPT_LOGPROBS: JSON = {
+    "type": "array",
+    "description": (
+        "vLLM extension, with prompt_logprobs: per prompt token (the first null), its id and "
+        "its alternatives' (string keys) -> logprob, rank (1 = the most likely) and text."
+    ),
+    "items": {
+        "anyOf": [
+            {
+                "type": "object",
+                "additionalProperties": {
+                    "type": "object",
+                    "required": ["logprob", "rank", "decoded_token"],
+                    "properties": {
+                        "logprob": {"type": "number", "description": "-9999.0 stands for -inf."},
+                        "rank": {"type": "integer", "minimum": 1},
+                        "decoded_token": {"type": "string"},
+                    },
+                },
+            },
+            {"type": "null"},
+        ]
+    },
 }
 
 
@@ -458,10 +514,20 @@ SCHEMAS: JSON = {
                 "type": "object",
                 "properties": {
                     "tokens": {"type": "array", "items": {"type": "string"}},
-                    "token_logprobs": {"type": "array", "items": {"type": "number"}},
+                    "token_logprobs": {
+                        "type": "array",
+                        "items": {"anyOf": [{"type": "number"}, {"type": "null"}]},
+                        "description": "null for an echoed prompt's first token.",
+                    },
                     "top_logprobs": {
                         "type": "array",
-                        "items": {"type": "object", "additionalProperties": {"type": "number"}},
+                        "items": {
+                            "anyOf": [
+                                {"type": "object", "additionalProperties": {"type": "number"}},
+                                {"type": "null"},
+                            ]
+                        },
+                        "description": "null for an echoed prompt's first token.",
                     },
                     "text_offset": {"type": "array", "items": {"type": "integer"}},
                 },
@@ -524,6 +590,7 @@ SCHEMAS: JSON = {
                 "logprobs": ref("CompletionLogprobs"),
                 "finish_reason": _FINISH,
                 "stop_reason": _STOP_REASON,
+                "prompt_logprobs": _PROMPT_LOGPROBS,
             },
         },
         "A completions answer, or one chunk of a streamed one (finish_reason null until the end).",
@@ -534,7 +601,11 @@ SCHEMAS: JSON = {
         "properties": {
             "id": {"type": "string"},
             "object": {"const": "model"},
-            "created": {"type": "integer"},
+            "created": {
+                "type": "integer",
+                "description": "Unix seconds: when this gateway first saw the model served (its "
+                "earliest worker's start; a model only a pool can start: when first listed).",
+            },
             "owned_by": {"type": "string"},
         },
     },
@@ -586,14 +657,10 @@ SCHEMAS: JSON = {
                     "message": {"type": "string", "description": "Names the field and limit."},
                     "type": {
                         "type": "string",
-                        "examples": [
-                            "invalid_request_error",
-                            "authentication_error",
-                            "not_found_error",
-                            "rate_limit_error",
-                            "service_unavailable",
-                            "internal_error",
-                        ],
+                        "examples": ["invalid_request_error", "server_error"],
+                        "description": "OpenAI's: invalid_request_error for a 4xx but 429; "
+                        "server_error for a 5xx and a 429 (the service full). `code` says what "
+                        "happened.",
                     },
                     "param": {"type": ["string", "null"], "examples": ["messages[0].content"]},
                     "code": {"type": ["string", "null"], "examples": ["model_not_found"]},
@@ -602,3 +669,5 @@ SCHEMAS: JSON = {
         },
     },
 }
+# vLLM's place for a chat request's prompt_logprobs: the response's, beside its choices
+SCHEMAS["ChatCompletion"]["properties"]["prompt_logprobs"] = _PROMPT_LOGPROBS

@@ -543,6 +543,8 @@ class Proxy:
             return 0
         if len(call.tried_prefill) >= MAX_PREFILL_TRIES:
             return 0  # prefill workers refused or failed it: the decode worker computes it
+        if call.gen.sampling.get("prompt_logprobs") is not None:
+            return 0  # (the prompt's logits, which a pulled KV lacks: the decode worker's own)
         uncached = call.prompt_tokens - call.cached.get(worker.worker_id, 0)
         if call.prompt_tokens and uncached < self.config.disagg_min_tokens:
             return 0  # a short prefill costs the decode worker less than a transfer

@@ -20,6 +20,7 @@ Disaggregated serving (runtime/disagg.py drives it):
 
 from __future__ import annotations
 
+import itertools
 import logging
 import numbers
 import time
@@ -42,6 +43,7 @@ from runtime.model_runner import Launched, ModelRunner, kv_block_bytes, kv_cache
 from runtime.outputs import CompletionOutput, RequestOutput
 from runtime.ranks import RankFailure, start_weights
 from runtime.request import Request, RequestStatus
+from runtime.sampler import TokenLogprobs
 from runtime.sampling_params import InvalidRequestError, SamplingParams, check_text
 from runtime.scheduler import QueueFullError, Scheduler, SchedulerOutput, StepResult
 from runtime.speculative import SpecController
@@ -158,7 +160,7 @@ class LLMEngine:
         self.runner.sampler.eos_token_ids = self.eos_token_ids  # (held back under min_tokens)
         self._groups: dict[str, RequestGroup] = {}
         self._seq_to_group: dict[str, tuple[RequestGroup, int]] = {}
-        self._counter = 0
+        self._ids = itertools.count(1)  # next_request_id's (next() on it is atomic)
         self._num_aborted = 0  # requests aborted before they finished, for stats
         self._exports: dict[str, RequestGroup] = {}  # KV exports by sequence id, until released
         self._imports: dict[str, RequestGroup] = {}  # KV imports reserved, not yet queued
@@ -372,6 +374,10 @@ class LLMEngine:
                 raise InvalidRequestError(
                     "stop_token_ids", f"token id {t} is outside [0, {vocab})"
                 )
+        if params.logit_bias and (top := max(params.logit_bias)) >= vocab:
+            raise InvalidRequestError(
+                "logit_bias", f"token id {top} is outside the model's vocabulary [0, {vocab})"
+            )
         n_prompt, limit = len(prompt_ids), self.max_model_len
         capacity = self.scheduler.capacity_tokens
         room = min(limit, capacity)  # (a KV cache smaller than the context bounds a request)
@@ -396,6 +402,10 @@ class LLMEngine:
             grammar = self.grammars.grammar(spec, "structured_outputs")
         now = time.monotonic()
         seqs, detoks = [], []
+        # (one list for the n sequences: whichever computes a prompt row first gives its entry)
+        prompt_lps: list[TokenLogprobs | None] | None = (
+            None if params.prompt_logprobs is None else [None]
+        )
         for i in range(params.n):
             gen = None
             if params.seed is not None:
@@ -412,6 +422,7 @@ class LLMEngine:
                     hold_kv=hold_kv,
                     grammar=None if grammar is None else grammar.copy(),
                     counts_lookup=i == 0,  # (n sequences, one prompt: one lookup)
+                    prompt_logprobs=prompt_lps,
                 )
             )
             detoks.append(
@@ -753,6 +764,7 @@ class LLMEngine:
                 for o in group.outputs
             ],
             finished=finished,
+            prompt_logprobs=None if group.seqs[0].prompt_rows_left else group.seqs[0].prompt_logprobs,
             num_cached_tokens=max(0, group.seqs[0].num_cached_tokens),
             arrival_time=group.seqs[0].arrival,
             spec_proposed=sum(q.spec_proposed for q in group.seqs),
@@ -770,8 +782,13 @@ class LLMEngine:
         return snapshot
 
     def next_request_id(self) -> str:
-        self._counter += 1
-        return f"req-{self._counter}"
+        """An id for a request its caller gave none: one no live request, import or held export
+        has (a caller's own "req-1" took the count's next id, and the caller that gave none was
+        refused, 'already in use'). Thread-safe: the count is an itertools counter."""
+        while True:
+            rid = f"req-{next(self._ids)}"
+            if not (rid in self._groups or rid in self._imports or f"{rid}#0" in self._exports):
+                return rid
 
     def stats(self) -> dict[str, int]:
         """Load figures a worker publishes: counts, KV blocks, and tokens still to compute."""

@@ -2,10 +2,14 @@
 
 It owns the KV-cache tensors and the sampler. Per step it builds the batch once (input ids,
 positions, cache slots, attention metadata: `PagedAttentionMetadata`), runs the model over all
-scheduled tokens, computes logits only for the requests that sample this step, and samples.
+scheduled tokens, computes logits only for the requests that sample this step (and, for a request
+that asked for prompt logprobs, for the prompt positions it computes: `PromptRows`), and samples.
 
 Batch types, and their two hand-offs:
     Scheduler ──SchedulerOutput──▶ ModelRunner ──(token ids, logprobs per request)──▶ Scheduler.update
+
+Prompt logprobs, which only requests that ask for them compute, are appended to the request's
+own list (`Request.prompt_logprobs`, shared by its n sequences) as the step finishes.
 
 A model split over ranks (runtime.ranks): the runner on rank 0 builds the step's plan (with
 pipeline parallelism, one per micro-batch) and hands it to every rank, each holding the KV cache
@@ -23,7 +27,7 @@ import threading
 import time
 import weakref
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -40,6 +44,7 @@ from kernels.linear import onednn_linear_on
 from runtime.cuda_graphs import DecodeGraphs
 from runtime.model import LlamaForCausalLM, StepContext
 from runtime.ranks import RankGroup
+from runtime.request import Request
 from runtime.sampler import Sampler, SamplingState, TokenLogprobs, apply_token_bitmask
 from runtime.scheduler import ScheduledRequest, SchedulerOutput
 from runtime.shard_reader import Arena
@@ -101,6 +106,16 @@ MICRO_BATCH_TOKENS = 64  # the least tokens of a micro-batch
 
 
 @dataclass(slots=True)
+class PromptRows:
+    """Prompt positions of one request whose logits a step computes for its prompt logprobs."""
+
+    request: Request  # the sequence computing them
+    first_row: int  # its first logits row (after every sampling request's rows)
+    first_token: int  # the prompt token the first row predicts (its logprob): position + 1
+    count: int  # rows, consecutive
+
+
+@dataclass(slots=True)
 class Launched:
     """A step whose forward pass has started: what sampling it needs once its logits are in."""
 
@@ -109,6 +124,8 @@ class Launched:
     rows: torch.Tensor  # (R,) hidden rows whose logits are computed
     logits: torch.Tensor | None = None  # (R, vocab) once computed
     sizes: list[int] | None = None  # a pipelined step's micro-batch sizes (RankGroup.finish)
+    prompt: list[PromptRows] = field(default_factory=list)  # prompt logprobs' rows, after the
+    # sampling rows (requests that asked for prompt_logprobs and have prompt rows this step)
 
 
 def padded_tables(tables: list[list[int]], width: int, dtype: torch.dtype) -> torch.Tensor:
@@ -307,7 +324,8 @@ class ModelRunner:
         self, out: SchedulerOutput, block_tables: dict[str, list[int]]
     ) -> tuple[dict[str, list[int]], dict[str, list[TokenLogprobs]]]:
         """Run one step. Returns the tokens to append (one, or with speculative drafts the
-        accepted drafts and one more) and their logprobs, where asked, per request id."""
+        accepted drafts and one more) and their logprobs, where asked, per request id. Prompt
+        logprobs it computed are appended to their requests' `prompt_logprobs`."""
         return self.finish(self.launch(out, block_tables))
 
     @property
@@ -334,7 +352,23 @@ class ModelRunner:
         for i, s in sampling:
             first.append(len(rows))
             rows.extend(range(last[i] - len(s.spec_token_ids), last[i] + 1))
-        step = Launched([s for _, s in sampling], first, torch.tensor(rows, dtype=torch.int64))
+        prompt: list[PromptRows] = []  # prompt logprobs: only requests that asked for them
+        for i, s in enumerate(order):
+            req = s.request
+            if not req.prompt_rows_left:
+                continue
+            assert req.prompt_logprobs is not None
+            # positions [lo, hi) predict prompt tokens lo + 1 .. hi: those still missing that
+            # this chunk computes (the last prompt position predicts the first output token)
+            start = req.num_computed_tokens
+            lo = max(start, len(req.prompt_logprobs) - 1)
+            hi = min(start + s.num_new_tokens, len(req.prompt_token_ids) - 1)
+            if lo < hi:
+                row0 = last[i] - s.num_new_tokens + 1 + (lo - start)  # its hidden row
+                prompt.append(PromptRows(req, len(rows), lo + 1, hi - lo))
+                rows.extend(range(row0, row0 + hi - lo))
+        step = Launched([s for _, s in sampling], first, torch.tensor(rows, dtype=torch.int64),
+                        prompt=prompt)  # fmt: skip
         if self.ranks is None:
             hidden = self._graphed(order, block_tables)
             if hidden is None:
@@ -362,11 +396,25 @@ class ModelRunner:
             logits = self.ranks.finish(self.model, step.sizes, step.rows)
         logits = logits.cpu()  # sampled on the host (a no-op on the CPU)
         sampling, first = step.sampling, step.first
-        if not sampling:
-            return {}, {}
-        plain = [j for j, s in enumerate(sampling) if not s.spec_token_ids]
+        for p in step.prompt:  # raw log_softmax of the model's logits, as vLLM's
+            req, lps = p.request, p.request.prompt_logprobs
+            assert lps is not None and req.params.prompt_logprobs is not None
+            skip = len(lps) - p.first_token  # rows a sibling sequence gave meanwhile
+            if 0 <= skip < p.count:  # (< 0: rows missing before these, never the case: the
+                # engine keeps such requests out of the prefix cache)
+                targets = req.prompt_token_ids[p.first_token + skip : p.first_token + p.count]
+                rows_p = logits[p.first_row + skip : p.first_row + p.count]  # (count, vocab)
+                entries = logprobs_of(rows_p, targets, req.params.prompt_logprobs)
+                at = rows_p.gather(1, torch.tensor(targets).unsqueeze(1))  # (count, 1)
+                for e, rank in zip(entries, ((rows_p > at).sum(dim=-1) + 1).tolist(),
+                                   strict=True):  # fmt: skip
+                    e.rank = rank  # (1 + the tokens with a larger logit)
+                lps.extend(entries)
         tokens: dict[str, list[int]] = {}
         logprobs: dict[str, list[TokenLogprobs]] = {}
+        if not sampling:
+            return tokens, logprobs
+        plain = [j for j, s in enumerate(sampling) if not s.spec_token_ids]
         if plain:
             rows = [first[j] for j in plain]
             # every row, in order (no speculation in the step): no gather of a (B, vocab) copy

@@ -34,6 +34,9 @@ class RequestOutput:
     request_id: str
     prompt_token_ids: list[int]  # the prompt as tokenized
     outputs: list[CompletionOutput]  # n completions, by index
+    # params.prompt_logprobs: one per prompt token (the first None: nothing precedes it), once
+    # the whole prompt is computed (None until then, and when not asked for)
+    prompt_logprobs: list[TokenLogprobs | None] | None = None
     finished: bool = False  # every completion has finished
     num_cached_tokens: int = 0  # prompt tokens its first admission took from the prefix cache
     # (computed for earlier requests); a readmission after preemption does not change it

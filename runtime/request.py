@@ -11,6 +11,7 @@ import torch
 from runtime.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
+    from runtime.sampler import TokenLogprobs
     from runtime.structured_decoding import RequestGrammar
 
 
@@ -64,8 +65,18 @@ class Request:
     first: Request | None = None  # n > 1, prefix caching on: the request's first sequence,
     # whose prompt this one takes from the cache (admitted once that is computed, not beside it
     # computing the same prompt again: n sequences computed it n times)
+    prompt_logprobs: list[TokenLogprobs | None] | None = None  # params.prompt_logprobs: the
+    # prompt tokens' logprobs gathered so far, entry i for prompt token i (the first None), one
+    # list shared by the request's n sequences (whichever computes a prompt row first gives it);
+    # None: not asked for
     hold_kv: bool = False  # a KV export (prefill for another worker): when it finishes, its
     # blocks stay allocated until released (the puller acknowledged them, or a deadline passed)
+
+    @property
+    def prompt_rows_left(self) -> bool:
+        """Whether prompt logprobs were asked for and some are still to compute."""
+        lps = self.prompt_logprobs
+        return lps is not None and len(lps) < len(self.prompt_token_ids)
 
     @property
     def num_tokens(self) -> int:

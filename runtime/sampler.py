@@ -6,7 +6,10 @@ Order of operations (vLLM semantics):
       -> grammar: tokens a row's token bitmask forbids get -max (structured output; the mask
          was filled beside the forward pass, runtime/structured_decoding.py)
       -> penalties: repetition (prompt + output), then frequency and presence (output only)
-      -> logprobs: log_softmax of the penalized logits, before temperature and truncation
+      -> logprobs: log_softmax of the penalized logits, before logit_bias, temperature and
+         truncation
+      -> logit_bias: each row's biases added to its tokens' logits (greedy rows too: +100
+         forces a token, -100 bans it)
       -> min_tokens: a row with fewer output tokens than its min_tokens gets -inf for the
          end-of-sequence tokens and its stop_token_ids (unless that leaves its grammar nothing)
       -> greedy rows: argmax                     (temperature below 1e-5 counts as greedy)
@@ -15,12 +18,16 @@ Order of operations (vLLM semantics):
 Logprobs are vLLM's default `raw_logprobs` for rows without penalties; for rows with penalties
 they are taken after the penalties (vLLM's raw mode takes them before). Temperature, min_p, top_k,
 top_p and min_tokens never change the reported logprobs (vLLM's min_tokens does not either: a stop
-token it holds back keeps its logprob among the alternatives).
+token it holds back keeps its logprob among the alternatives), nor does logit_bias (vLLM's default
+raw logprobs are taken before it too; a token a +100 bias forced is reported with the logprob the
+model gave it). vLLM adds logit_bias before the penalties, this sampler after them: they differ
+only where a repetition penalty scales the logit of a biased token (here +100 still forces it).
 
 Cost: this runs every step for batches of 64+ rows over a vocabulary of ~50k on a CPU, so each
 feature costs only for the rows that use it.
 - All rows greedy, no penalties, no logprobs: one `argmax`, nothing else.
-- Penalties touch only the (row, token) pairs seen in the prompt / output (gather, scatter).
+- Penalties touch only the (row, token) pairs seen in the prompt / output (gather, scatter);
+  logit_bias only its (row, token) pairs, added in place and put back after the draw.
 - One softmax per sampled row; min_p, top_k and top_p then zero out weights.
 - top_k / top_p work on sorted candidates from `torch.topk`: the top k, or for top_p alone the
   top 256 when they already hold top_p of the mass; only rows whose nucleus is wider than that
@@ -29,7 +36,8 @@ feature costs only for the rows that use it.
 
 Reproducibility: a row with its own `torch.Generator` (a seeded request) takes its uniform number
 from it, one row at a time, and everything else it goes through is row-wise, so a seeded row gives
-the same tokens whatever else is in the batch. All other rows share one batched draw from torch's
+the same tokens whatever else is in the batch, given the same logits (the model's forward pass is
+not batch-invariant to the last bit, even in float32: README, `--dtype`). All other rows share one batched draw from torch's
 default generator.
 
 Ending a request on a stop token or end-of-sequence is not the sampler's job (Request.check_stop);
@@ -81,6 +89,8 @@ class TokenLogprobs:
     token_id: int  # the sampled token
     logprob: float  # its log-probability (see the module docstring for which distribution)
     top: list[tuple[int, float]]  # the params.logprobs most likely (token id, logprob), best first
+    rank: int | None = None  # the token's rank, 1 = the most likely (prompt logprobs: vLLM's
+    # `rank`); None where not computed
 
 
 @dataclass(slots=True)
@@ -137,6 +147,14 @@ class Sampler:
         plain = all(_is_plain_greedy(p) for p in params)
         if not plain and any(_has_penalty(p) for p in params):
             logits = apply_penalties(logits, states)
+        # logit_bias: added in place at its (row, token) pairs, whose values are kept aside and
+        # put back after the draw (the logprobs are of the logits before it)
+        unbiased = None
+        biased = [i for i, p in enumerate(params) if p.logit_bias]
+        if biased:
+            at, bias = _bias_index(params, biased, logits.device, logits.dtype)
+            unbiased = logits[at]  # (N,), a copy
+            logits.index_put_(at, bias, accumulate=True)
         # Rows under their min_tokens: their stop tokens at -inf, in place, those rows kept
         # aside and put back after the draw (not a copy of the whole batch): the logprobs are
         # of the rows as they were (a held token keeps its logprob)
@@ -150,6 +168,8 @@ class Sampler:
             token_ids = self._argmax(logits)
             if saved is not None:
                 logits[held_t] = saved
+            if unbiased is not None:
+                logits[at] = unbiased
             return SamplerOutput(token_ids.tolist(), [None] * len(states))
 
         sampled = [i for i, p in enumerate(params) if not _is_greedy(p)]
@@ -169,6 +189,8 @@ class Sampler:
 
         if saved is not None:
             logits[held_t] = saved
+        if unbiased is not None:
+            logits[at] = unbiased
         out_logprobs: list[TokenLogprobs | None] = [None] * len(states)
         with_logprobs = [i for i, p in enumerate(params) if p.logprobs is not None]
         if with_logprobs:
@@ -230,6 +252,22 @@ def apply_token_bitmask(
     out = logits.clone()
     out.index_add_(0, torch.tensor(rows, device=logits.device), bias)
     return out
+
+
+# ----- logit bias --------------------------------------------------------------------------
+
+
+def _bias_index(
+    params: list[SamplingParams], rows: list[int], device: torch.device, dtype: torch.dtype
+) -> tuple[tuple[torch.Tensor, torch.Tensor], torch.Tensor]:
+    """The (row, token) pairs of `rows`' logit_bias and their biases: ((N,), (N,)) long and
+    (N,) `dtype`. Token ids were checked against the vocabulary (LLMEngine.prepare_request)."""
+    row_of = [i for i in rows for _ in params[i].logit_bias]
+    tokens = [t for i in rows for t in params[i].logit_bias]
+    bias = [b for i in rows for b in params[i].logit_bias.values()]
+    at = (torch.tensor(row_of, dtype=torch.long, device=device),
+          torch.tensor(tokens, dtype=torch.long, device=device))  # fmt: skip
+    return at, torch.tensor(bias, dtype=dtype, device=device)
 
 
 # ----- penalties ---------------------------------------------------------------------------

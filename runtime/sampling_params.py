@@ -14,6 +14,11 @@ if TYPE_CHECKING:
 # The largest repetition penalty taken: larger ones turn a logit of 0 times it into NaN in float32
 # (and no model's answer changes past a few units anyway).
 MAX_REPETITION_PENALTY = 1e4
+# logit_bias: the most entries taken (OpenAI's documented limit), and the bound on each bias
+# (OpenAI's and vLLM's: -100 bans a token in practice, +100 forces it)
+MAX_LOGIT_BIAS_TOKENS = 300
+MAX_LOGIT_BIAS = 100.0
+MAX_LOGPROBS = 20  # top alternatives per token, for logprobs and prompt_logprobs
 
 
 class InvalidRequestError(ValueError):
@@ -57,6 +62,15 @@ class SamplingParams:
     # (None: none)
     ignore_eos: bool = False  # keep generating past the model's end-of-sequence token
     logprobs: int | None = None  # return the sampled token's logprob and this many top alternatives
+    # the prompt's logprobs (vLLM's prompt_logprobs): each prompt token's (the first has none)
+    # and this many top alternatives; computed over the whole prompt (never from the prefix
+    # cache), raw (the model's log_softmax)
+    prompt_logprobs: int | None = None
+    # token id -> bias added to its logit before sampling, in [-100, 100] (OpenAI's logit_bias;
+    # JSON's string keys are taken: "50256"); zero biases are dropped. Logprobs are of the logits
+    # before it (vLLM's raw logprobs). At most MAX_LOGIT_BIAS_TOKENS entries; ids are checked
+    # against the model's vocabulary by the engine
+    logit_bias: dict[int, float] = field(default_factory=dict)
     include_stop_str_in_output: bool = False  # keep the matched stop string in the text
     # what the output must match (JSON schema, regex, choice, grammar): runtime/structured.py;
     # a dict as it arrives from the gateway becomes a StructuredOutputsParams
@@ -132,10 +146,14 @@ class SamplingParams:
         if not isinstance(self.stop_token_ids, list):
             raise InvalidRequestError("stop_token_ids", "must be a list of integers")
         self.stop_token_ids = [_int_field("stop_token_ids", t) for t in self.stop_token_ids]
-        if self.logprobs is not None:
-            self.logprobs = _int_field("logprobs", self.logprobs)
-            if not 0 <= self.logprobs <= 20:
-                raise InvalidRequestError("logprobs", f"must be in [0, 20], got {self.logprobs}")
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(self, name)
+            if value is not None:
+                value = _int_field(name, value)
+                setattr(self, name, value)
+                if not 0 <= value <= MAX_LOGPROBS:
+                    raise InvalidRequestError(name, f"must be in [0, {MAX_LOGPROBS}], got {value}")
+        self.logit_bias = _logit_bias(self.logit_bias)
         for name in ("ignore_eos", "include_stop_str_in_output"):
             value = getattr(self, name)  # ("no" is true: it kept stop strings, say)
             if not isinstance(value, bool):
@@ -150,6 +168,50 @@ class SamplingParams:
     def greedy(self) -> bool:
         # The sampler treats temperatures this small as greedy too (dividing by them overflows).
         return self.temperature < 1e-5
+
+
+def _logit_bias(value: object) -> dict[int, float]:
+    """`logit_bias` as {token id: nonzero float bias}: a mapping (None: none) of at most
+    MAX_LOGIT_BIAS_TOKENS entries, each key a token id >= 0 (an integer, or a string of one, as
+    JSON's object keys are), each value a finite number in [-MAX_LOGIT_BIAS, MAX_LOGIT_BIAS]."""
+    if value is None:
+        return {}
+    if not isinstance(value, dict):
+        raise InvalidRequestError(
+            "logit_bias", f"must be an object mapping token ids to biases, got {type(value).__name__}"
+        )
+    if len(value) > MAX_LOGIT_BIAS_TOKENS:
+        raise InvalidRequestError(
+            "logit_bias", f"at most {MAX_LOGIT_BIAS_TOKENS} tokens, got {len(value)}"
+        )
+    out: dict[int, float] = {}
+    seen: set[int] = set()
+    for key, bias in value.items():
+        if isinstance(key, str):
+            if not (key.isascii() and key.isdigit()) or len(key) > 19:
+                raise InvalidRequestError(
+                    "logit_bias", f"keys must be token ids (integers >= 0), got {key[:40]!r}"
+                )
+            token = int(key)
+        else:
+            token = _int_field("logit_bias", key)
+        if token < 0:
+            raise InvalidRequestError("logit_bias", f"token ids must be >= 0, got {token}")
+        try:
+            number = float(_num_field("logit_bias", bias))
+        except InvalidRequestError as e:
+            raise InvalidRequestError("logit_bias", f"token {token}: {e.message}") from None
+        if not -MAX_LOGIT_BIAS <= number <= MAX_LOGIT_BIAS:
+            raise InvalidRequestError(
+                "logit_bias", f"biases must be in [-{MAX_LOGIT_BIAS:g}, {MAX_LOGIT_BIAS:g}], "
+                f"got {number:g} for token {token}",
+            )  # fmt: skip
+        if token in seen:
+            raise InvalidRequestError("logit_bias", f"token {token} is given twice")
+        seen.add(token)
+        if number != 0.0:
+            out[token] = number
+    return out
 
 
 def _int_field(name: str, value: object) -> int:

@@ -15,7 +15,8 @@ Policy, per step, under a token budget (`max_num_batched_tokens`):
 2. Then waiting requests in arrival order (FCFS: the head blocks those behind it), while there is
    budget, a free seat (`max_num_seqs`) and KV-cache room, and no request was preempted this step.
    A request admitted with no blocks (new, or preempted) first takes the cached blocks of its
-   longest cached prefix (prefix caching): its `num_computed_tokens` starts there. Its first
+   longest cached prefix (prefix caching; not one whose prompt logprobs are still to compute):
+   its `num_computed_tokens` starts there. Its first
    admission alone sets `num_cached_tokens` (usage) and counts in the prefix-cache hit rate
    (once per user request: the first of its n sequences, and not a KV import). The other
    sequences of an n > 1 request wait while the first computes their shared prompt, then find
@@ -210,8 +211,10 @@ class Scheduler:
                 break  # its prompt is being computed: found in the cache once it is
             held = self.blocks.holds(req.request_id)  # a KV import's blocks (maybe none)
             if not held:
-                # new, or preempted: start from the longest cached prefix of its tokens
-                req.num_computed_tokens = self.blocks.match_prefix(
+                # new, or preempted: start from the longest cached prefix of its tokens; not a
+                # prompt whose logprobs are still to compute (cached blocks hold no logits: as
+                # vLLM's, such a request skips the prefix cache until its prompt rows are done)
+                req.num_computed_tokens = 0 if req.prompt_rows_left else self.blocks.match_prefix(
                     req.request_id, req.all_token_ids, count=False
                 )
             n = min(req.num_tokens - req.num_computed_tokens, budget)

@@ -18,8 +18,10 @@ max(p_i - q_i, 0) renormalised; when all k are accepted a bonus token is drawn f
 n-gram draft is a point mass (q(d) = 1): accept with probability p_i(d), else draw from p_i
 without d. Greedy rows accept d iff it is the argmax, so greedy output is identical token for
 token. Requests with repetition / presence / frequency penalties are not speculated (their
-distribution depends on the tokens still being verified), nor are requests short of their
-min_tokens (the stop tokens the sampler holds back until then would need holding back at each
+distribution depends on the tokens still being verified), nor are requests with a logit_bias
+(verification would have to bias each draft position's target distribution, and the draft
+model's, to keep the output exact: not worth it for what is mostly a ban list), nor requests
+short of their min_tokens (the stop tokens the sampler holds back until then would need holding back at each
 draft position: verification sees none of the request's state but its parameters).
 
 Proposers (one interface, `Proposer`: propose for (request, k) pairs, forget a request):
@@ -280,7 +282,9 @@ class SpecController:
         # a seeded sample must not depend on the batch: whether drafts ride along does (the
         # step's load decides), and verification draws from the seed's generator differently
         # from plain sampling
-        return not (_has_penalty(p) or (p.seed is not None and p.temperature > 0))
+        return not (
+            _has_penalty(p) or p.logit_bias or (p.seed is not None and p.temperature > 0)
+        )
 
     def _room(self, r: Request) -> int:
         """The most drafts a decode of `r` may carry now: what max_tokens and the context leave

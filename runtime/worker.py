@@ -23,6 +23,7 @@ import dataclasses
 import gc
 import hmac
 import logging
+import math
 import os
 import secrets
 import signal
@@ -723,6 +724,7 @@ async def _generate(request: web.Request) -> web.StreamResponse:
         quiet.start()
         done: set[int] = set()
         sent: dict[int, int] = {}  # per completion: logprobs sent so far
+        prompt_sent = False  # prompt_logprobs asked for: sent with the first delta (PromptDelta)
         async for out in stream:
             if worker.cut_off:  # the drain timed out and aborted it: no answer, the error below
                 raise _ShuttingDown("worker is shutting down (its drain timed out)")
@@ -739,6 +741,10 @@ async def _generate(request: web.Request) -> web.StreamResponse:
                     aborted = "aborted"  # answers 503 aborted)
                 event = _delta(worker, o, done, sent, tools)
                 if event is not None:
+                    if not prompt_sent and out.prompt_logprobs is not None:
+                        event = _with_prompt(worker, event, out.prompt_token_ids,
+                                             out.prompt_logprobs)  # fmt: skip
+                        prompt_sent = True
                     generated += len(event.token_ids)
                     lines.append(encode_event(event))
             if generated and not times.first_token:
@@ -924,7 +930,9 @@ def _accept(
     it cannot be taken."""
     try:
         prompt = worker.prompt_of(req)
-        if req.kv_source is None:
+        # (prompt logprobs need the prompt's logits: its KV pulled from a prefill worker has
+        # none, so such a request is computed here, its kv_source left unused)
+        if req.kv_source is None or params.prompt_logprobs is not None:
             return worker.llm.submit(prompt, params, req.request_id)
         # disaggregated: the prompt's KV comes from a prefill worker
         return worker.llm.engine.prepare_request(req.request_id, prompt, params)
@@ -1038,6 +1046,40 @@ def _sampling_params(sampling: dict[str, Any]) -> SamplingParams:
         return SamplingParams(**sampling)
     except TypeError as e:  # not an object, or an unknown field
         raise InvalidRequestError("sampling", str(e)) from e
+
+
+@dataclass(slots=True)
+class PromptDelta(DeltaEvent):
+    """The request's first delta when it asked for prompt_logprobs (the gateway's completions
+    `echo` does): the prompt's logprobs and text ride along, once per request (the n
+    completions share the prompt)."""
+
+    # one per prompt token; the first token's logprob is NaN (null in JSON: nothing precedes
+    # it) and it has no alternatives
+    prompt_logprobs: list[TokenLogprob] = field(default_factory=list)
+    prompt_text: str = ""  # the prompt's token ids decoded (special tokens left out)
+    # the same in vLLM's `prompt_logprobs` shape: per prompt token (the first null), its id and
+    # its alternatives' -> {"logprob", "rank", "decoded_token"}, the token itself first
+    prompt_ranked: list[dict[str, dict[str, Any]] | None] = field(default_factory=list)
+
+
+def _with_prompt(
+    worker: Worker, event: DeltaEvent, prompt_ids: list[int], lps: list[TokenLogprobs | None]
+) -> PromptDelta:
+    first, raw = worker.token_of(prompt_ids[0])
+    entries = [TokenLogprob(first, math.nan, raw, []),
+               *worker.logprobs_of([lp for lp in lps[1:] if lp is not None])]  # fmt: skip
+    text = worker.tokenizer.decode(prompt_ids)
+    ranked: list[dict[str, dict[str, Any]] | None] = [None]
+    for lp in lps[1:]:
+        if lp is None:
+            continue
+        ranks = {**{t: r for r, (t, _) in enumerate(lp.top, 1)}, lp.token_id: lp.rank}
+        ranked.append({str(t): {"logprob": v, "rank": ranks[t],
+                                "decoded_token": worker.token_of(t)[0]}
+                       for t, v in [(lp.token_id, lp.logprob), *lp.top]})  # fmt: skip
+    return PromptDelta(**{f.name: getattr(event, f.name) for f in dataclasses.fields(event)},
+                       prompt_logprobs=entries, prompt_text=text, prompt_ranked=ranked)  # fmt: skip
 
 
 def _delta(

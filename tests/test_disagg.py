@@ -145,6 +145,30 @@ def test_disaggregated_equals_colocated(split: Split, reference: LLM, sampling: 
     _settled(split.prefill, split.decode)
 
 
+def test_an_echo_with_logprobs_is_computed_whole_on_the_decode_worker(split: Split,
+                                                                      reference: LLM) -> None:  # fmt: skip
+    """Prompt logprobs need the prompt's logits, which a pulled KV lacks: the gateway sends such
+    a request to the decode worker whole (no prefill worker counted, none named), which
+    computes it; the echoed prompt and its logprobs are the reference's."""
+    raw = split.client.completions.with_raw_response.create(
+        model="stories", prompt=STORY, max_tokens=4, temperature=0, echo=True, logprobs=1,
+    )  # fmt: skip
+    resp = raw.parse()
+    assert "x-edgeinfer-prefill-worker" not in raw.headers
+    assert raw.headers["x-edgeinfer-worker"] == split.decode.meta["worker_id"]
+    want = reference.generate([STORY], SamplingParams(max_tokens=4, temperature=0,
+                                                      prompt_logprobs=1))[0]  # fmt: skip
+    assert resp.choices[0].text == STORY + want.outputs[0].text
+    lps = resp.choices[0].logprobs
+    assert lps is not None and lps.token_logprobs is not None
+    n = len(want.prompt_token_ids)
+    assert lps.token_logprobs[0] is None
+    assert want.prompt_logprobs is not None
+    for got, entry in zip(lps.token_logprobs[1:n], want.prompt_logprobs[1:], strict=True):
+        assert entry is not None and got == pytest.approx(entry.logprob, abs=1e-4)
+    _settled(split.prefill, split.decode)
+
+
 def test_concurrent_requests(split: Split, reference: LLM) -> None:
     jobs = [(STORY * k + f" Tom said {k}.", {"temperature": 0.0}) for k in range(1, 4)]
     jobs += [(STORY + f" The cat had {k} toys.", {"temperature": 0.8, "seed": k}) for k in range(4)]

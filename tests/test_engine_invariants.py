@@ -220,3 +220,23 @@ def test_closing_a_stream_whose_request_ended_spares_a_new_request_of_the_same_i
     finally:
         llm.shutdown()
     assert out.outputs[0].finish_reason == "length" and len(out.outputs[0].token_ids) == 20
+
+
+def test_an_id_the_engine_makes_up_is_not_one_a_caller_took(stories_dir: Path) -> None:
+    """A caller's own "req-1" was the id the engine's count made up next: a submit without an
+    id was refused, 'request_id: req-1 is already in use'."""
+
+    async def main() -> None:
+        llm = AsyncLLM(LLMEngine(EngineConfig(model=str(stories_dir), kv_cache_bytes=1 << 22)))
+        try:
+            mine = llm.submit([5, 6, 7], SamplingParams(temperature=0, max_tokens=50,
+                                                        ignore_eos=True), "req-1")  # fmt: skip
+            other = llm.submit([5, 6, 7], SamplingParams(temperature=0, max_tokens=2))
+            assert other.request_id != "req-1"
+            async for _ in other:
+                pass
+            mine.close()
+        finally:
+            llm.shutdown()
+
+    asyncio.run(main())

@@ -108,7 +108,9 @@ SHARED_INVALID: list[tuple[dict[str, Any], str, str]] = [
     ({"stop_token_ids": [True]}, "stop_token_ids[0]", "got boolean"),
     ({"stop_token_ids": [1] * 257}, "stop_token_ids", "at most 256"),
     ({"include_stop_str_in_output": 1}, "include_stop_str_in_output", "boolean"),
-    ({"logit_bias": {"50256": -100}}, "logit_bias", "not supported"),
+    ({"logit_bias": {"50256": -101}}, "logit_bias", "[-100, 100]"),
+    ({"logit_bias": {"x": 1}}, "logit_bias", "token ids"),
+    ({"logit_bias": [1]}, "logit_bias", "object"),
     (
         {"stream": True, "stream_options": {"continuous_usage_stats": True}},
         "stream_options.continuous_usage_stats",
@@ -130,7 +132,8 @@ SHARED_INVALID: list[tuple[dict[str, Any], str, str]] = [
     ({"allowed_token_ids": [1, 2]}, "allowed_token_ids", "not supported"),
     ({"allowed_token_ids": []}, "allowed_token_ids", "send null"),
     ({"bad_words": ["darn"]}, "bad_words", "not supported"),
-    ({"prompt_logprobs": 0}, "prompt_logprobs", "not supported"),
+    ({"prompt_logprobs": 0, "stream": True}, "prompt_logprobs", "not available when stream"),
+    ({"prompt_logprobs": 21}, "prompt_logprobs", "[0, 20]"),
     ({"skip_special_tokens": False}, "skip_special_tokens", "not supported"),
     ({"spaces_between_special_tokens": False}, "spaces_between_special_tokens", "not supported"),
     ({"truncate_prompt_tokens": 8}, "truncate_prompt_tokens", "not supported"),
@@ -243,8 +246,10 @@ COMPLETION_INVALID: list[tuple[dict[str, Any], str, str]] = [
     ({"logprobs": 21}, "logprobs", "[0, 20]"),
     ({"logprobs": -1}, "logprobs", "[0, 20]"),
     ({"logprobs": True}, "logprobs", "got boolean"),
-    ({"echo": True}, "echo", "not supported"),
     ({"echo": "x"}, "echo", "boolean"),
+    ({"max_tokens": 0}, "max_tokens", "0 only with echo: true"),
+    ({"max_tokens": -1, "echo": True}, "max_tokens", "[0, "),
+    ({"max_tokens": 0, "echo": True, "min_tokens": 1}, "min_tokens", "at most max_tokens (0)"),
     ({"suffix": "x"}, "suffix", "not supported"),
     ({"suffix": 5}, "suffix", "string"),
     ({"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools", "chat/completions"),
@@ -306,6 +311,8 @@ DEFAULT_SAMPLING: dict[str, Any] = {
     "logprobs": None,
     "include_stop_str_in_output": False,
     "structured_outputs": None,
+    "logit_bias": {},
+    "prompt_logprobs": None,
 }
 
 
@@ -389,6 +396,8 @@ def test_chat_maps_every_field() -> None:
         "logprobs": 4,
         "include_stop_str_in_output": True,
         "structured_outputs": None,
+        "logit_bias": {},
+        "prompt_logprobs": None,
     }
     assert isinstance(req.sampling["temperature"], float)
     assert req.messages == [

@@ -103,7 +103,7 @@ def test_spec_states_the_parsers_caps() -> None:
 # Fields that change the answer and are not implemented: the spec must list them (with their
 # "off" values as the only ones accepted), since the parser refuses them rather than ignores them.
 OFF_ONLY_SHARED = [
-    "use_beam_search", "allowed_token_ids", "bad_words", "prompt_logprobs",
+    "use_beam_search", "allowed_token_ids", "bad_words",
     "skip_special_tokens", "spaces_between_special_tokens", "truncate_prompt_tokens",
     "guided_whitespace_pattern", "cache_salt",
 ]  # fmt: skip
@@ -116,7 +116,7 @@ OFF_CASES = [
     for parse, base, schema, names in [
         (parse_chat, CHAT, "ChatCompletionRequest", [*OFF_ONLY_SHARED, *OFF_ONLY_CHAT]),
         (parse_completion, COMPLETION, "CompletionRequest",
-         [*OFF_ONLY_SHARED, "echo", "add_special_tokens"]),
+         [*OFF_ONLY_SHARED, "add_special_tokens"]),
     ]
     for name in names
 ]

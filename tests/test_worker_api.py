@@ -83,7 +83,7 @@ BAD: list[tuple[dict[str, Any], str]] = [  # (fields of the request, the param i
     ({"operation": "xx"}, "operation"),  # (a label value of the worker's metrics)
     ({"session_id": {"a": 1}}, "session_id"),
     ({"sampling": [1]}, "sampling"),
-    ({"sampling": {"logit_bias": {}}}, "sampling"),
+    ({"sampling": {"best_of": 2}}, "sampling"),
 ]  # fmt: skip
 
 
