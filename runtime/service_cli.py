@@ -122,8 +122,13 @@ def _check_region_or_warn(region: str, catalog: str | None) -> None:
     catalog, a warning: a deployment's gateways may read a catalog of their own (infra/deploy.py
     mounts it for them, --regions), which a worker is not given. A region no gateway's catalog
     has (`--region eu-wset`) registered, and gateways routed to it as another region's."""
+    from kvstore.keys import check_id
     from runtime.launcher import region_refusal
 
+    try:  # (a region no key can hold is an error, not a catalog warning before it)
+        check_id(region, "--region")
+    except ValueError as e:
+        raise SystemExit(f"edgeinfer: error: {e}") from None
     refusal = region_refusal(region, catalog)
     if refusal is None:
         return
