@@ -105,7 +105,7 @@ class ResponseAssembler:
         self.usage: dict[str, Any] | None = None  # from `done` (summed over the prompts)
         self.ended: set[int] = set()  # prompts whose stream sent `done`
         # echo: per prompt, (its text as the worker decoded it, its tokens' logprobs), from the
-        # worker's first delta (runtime/worker.py PromptDelta)
+        # worker's first delta (kvstore.protocol.PromptDelta)
         self.prompt_logprobs: dict[int, tuple[str, list[dict[str, Any]]]] = {}
         # vLLM's prompt_logprobs, per prompt (from the same delta), cut to what was asked for
         self.prompt_ranked: dict[int, list[dict[str, dict[str, Any]] | None]] = {}

@@ -302,7 +302,7 @@ class Proxy:
         already answering are hung up on) and its error raised."""
         if len(calls) == 1:
             return [await self.dispatch(calls[0])]
-        tasks = [asyncio.ensure_future(self.dispatch(c)) for c in calls]
+        tasks = [asyncio.ensure_future(self._dispatch_prompt(c, p)) for p, c in enumerate(calls)]
         try:
             return list(await asyncio.gather(*tasks))
         except BaseException:
@@ -313,6 +313,17 @@ class Proxy:
                 if isinstance(outcome, tuple) and c.worker is not None:
                     await outcome[0].aclose()
                     self.view.router.done(c.worker.worker_id, c.cost)
+            raise
+
+    async def _dispatch_prompt(self, call: Call, p: int) -> tuple[Events, list[dict[str, Any]]]:
+        """`dispatch` for prompt p of a batch: a refusal of its prompt (too long for the context)
+        names it as the client sent it, prompt[p], not `prompt`, which does not say which."""
+        try:
+            return await self.dispatch(call)
+        except APIError as e:
+            if e.param == "prompt":
+                e.param = f"prompt[{p}]"
+                e.message = e.message.replace("prompt: ", f"prompt[{p}]: ", 1)
             raise
 
     def resolve_model(self, call: Call) -> None:

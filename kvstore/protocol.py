@@ -16,8 +16,26 @@ A generate stream is one JSON object per line:
 
     {"type": "start", ...StartEvent}          once, after the request was accepted
     {"type": "delta", ...DeltaEvent}          per step that produced tokens, per completion
+                                              (the first one a PromptDelta when the request
+                                              asked for prompt logprobs: see below)
     {"type": "done",  ...DoneEvent}           once, last line, with the usage counts
     {"type": "error", ...ErrorEvent}          instead of "done" when the request failed mid-way
+
+A request whose `sampling` asks for `prompt_logprobs` (the gateway's completions `echo`, and
+vLLM's `prompt_logprobs` on either endpoint) gets its prompt's in its first delta, a PromptDelta:
+a DeltaEvent with three more fields, sent once per request (its n completions share the prompt):
+
+    prompt_logprobs  [TokenLogprob] per prompt token, the first one's logprob null (nothing
+                     precedes it) and without alternatives: what `echo` puts before the answer
+    prompt_text      the prompt's token ids decoded (special tokens left out): the text `echo`
+                     shows for a prompt sent as token ids
+    prompt_ranked    vLLM's `prompt_logprobs` shape: per prompt token (the first null), token
+                     id -> {"logprob", "rank", "decoded_token"}, the prompt's token first, then
+                     its alternatives
+
+Every delta's `logprobs` holds one entry per token in its `token_ids`: every generated token is
+listed, as the done event's `completion_tokens` counts it, those of a stop string cut from the
+text and a final stop token (end-of-sequence, stop_token_ids) included (vLLM's rule).
 
 A request the worker refuses never starts a stream: it gets a 4xx/5xx JSON body
 {"error": {"message", "type", "param", "code"}} in the OpenAI shape, which the gateway relays.
@@ -120,13 +138,30 @@ class DeltaEvent:
     index: int  # which completion
     text: str  # new text (never a broken UTF-8 character)
     token_ids: list[int]  # new tokens
-    logprobs: list[TokenLogprob] | None = None  # one per new token, when asked for
+    logprobs: list[TokenLogprob] | None = None  # one per new token, when asked for (every
+    # token: a stop string's cut from `text` and a final stop token's too)
     finish_reason: str | None = None  # "stop" | "length" | "abort" once this completion ended
     stop_reason: str | int | None = None  # the stop string or token that ended it
     tool_calls: list[dict[str, Any]] | None = None  # tool-call deltas in OpenAI's chunk shape
     # ({"index", "id", "type", "function": {"name", "arguments"}} first, then arguments only);
     # `text` then holds only the content around the calls
     type: str = "delta"
+
+
+@dataclass(slots=True)
+class PromptDelta(DeltaEvent):
+    """A request's first delta when it asked for prompt_logprobs (the gateway's completions
+    `echo` does): the prompt's logprobs and text ride along, once per request (the n
+    completions share the prompt). The gateway reads them as fields of the delta's dict
+    (gateway.openai_response)."""
+
+    # one per prompt token; the first token's logprob is NaN (null in JSON: nothing precedes
+    # it) and it has no alternatives
+    prompt_logprobs: list[TokenLogprob] = field(default_factory=list)
+    prompt_text: str = ""  # the prompt's token ids decoded (special tokens left out)
+    # the same in vLLM's `prompt_logprobs` shape: per prompt token (the first null), its id and
+    # its alternatives' -> {"logprob", "rank", "decoded_token"}, the token itself first
+    prompt_ranked: list[dict[str, dict[str, Any]] | None] = field(default_factory=list)
 
 
 @dataclass(slots=True)

@@ -115,9 +115,9 @@ class AsyncLLM:
         queue is at its bound, EngineDeadError after shutdown: all before anything is queued, so
         a server can answer with a status code before it starts streaming. Never waits for a step.
         """
-        rid = request_id or None  # ("" as none: an id made up)
-        while rid is None or rid in self._streams:  # (one a caller named may not be queued yet)
-            rid = self.engine.next_request_id()
+        rid = request_id
+        while not rid or (rid in self._streams and not request_id):
+            rid = self.engine.next_request_id()  # (skipping a caller's, maybe not queued yet)
         group = self.engine.prepare_request(rid, prompt, params, hold_kv=hold_kv)
         return self._post(group, _Add(group))
 

@@ -52,6 +52,7 @@ from kvstore.protocol import (
     DoneEvent,
     ErrorEvent,
     GenerateRequest,
+    PromptDelta,
     Role,
     StartEvent,
     TokenLogprob,
@@ -1048,21 +1049,6 @@ def _sampling_params(sampling: dict[str, Any]) -> SamplingParams:
         raise InvalidRequestError("sampling", str(e)) from e
 
 
-@dataclass(slots=True)
-class PromptDelta(DeltaEvent):
-    """The request's first delta when it asked for prompt_logprobs (the gateway's completions
-    `echo` does): the prompt's logprobs and text ride along, once per request (the n
-    completions share the prompt)."""
-
-    # one per prompt token; the first token's logprob is NaN (null in JSON: nothing precedes
-    # it) and it has no alternatives
-    prompt_logprobs: list[TokenLogprob] = field(default_factory=list)
-    prompt_text: str = ""  # the prompt's token ids decoded (special tokens left out)
-    # the same in vLLM's `prompt_logprobs` shape: per prompt token (the first null), its id and
-    # its alternatives' -> {"logprob", "rank", "decoded_token"}, the token itself first
-    prompt_ranked: list[dict[str, dict[str, Any]] | None] = field(default_factory=list)
-
-
 def _with_prompt(
     worker: Worker, event: DeltaEvent, prompt_ids: list[int], lps: list[TokenLogprobs | None]
 ) -> PromptDelta:
@@ -1094,7 +1080,8 @@ def _delta(
     if o.finished:
         done.add(o.index)
     # the logprobs of the tokens whose text is out: sent with that text, never for a cut stop
-    # string or a final end-of-sequence token (OpenAI's logprobs add up to the text)
+    # string or a final end-of-sequence token (OpenAI's logprobs add up to the text; usage
+    # counts every token, as OpenAI bills them; vLLM lists them all: README, logprobs)
     first = sent.get(o.index, 0)
     lps = o.logprobs[first : o.num_shown_tokens] if o.logprobs else None
     sent[o.index] = max(first, o.num_shown_tokens)

@@ -233,6 +233,9 @@ def test_an_id_the_engine_makes_up_is_not_one_a_caller_took(stories_dir: Path) -
                                                         ignore_eos=True), "req-1")  # fmt: skip
             other = llm.submit([5, 6, 7], SamplingParams(temperature=0, max_tokens=2))
             assert other.request_id != "req-1"
+            # a caller's id given twice is still refused, not renamed (its abort would miss)
+            with pytest.raises(InvalidRequestError, match="already in use"):
+                llm.submit([5, 6, 7], SamplingParams(max_tokens=2), "req-1")
             async for _ in other:
                 pass
             mine.close()
