@@ -467,17 +467,23 @@ def _logit_bias(f: Fields) -> dict[str, float]:
             f"logit_bias may hold at most {MAX_LOGIT_BIAS_TOKENS} tokens, got {len(value)}",
         )
     out: dict[str, float] = {}
+    seen: set[int] = set()
     rng = Range(-MAX_LOGIT_BIAS, MAX_LOGIT_BIAS)
     for key, bias in value.items():
-        if not (key.isascii() and key.isdigit()) or int(key) > INT32_MAX:
+        # (the length first: int() of a key of over 4,300 digits raised ValueError, a 500)
+        if (not (key.isascii() and key.isdigit()) or len(key) > len(str(INT32_MAX))
+                or int(key) > INT32_MAX):  # fmt: skip
             raise invalid(
                 "logit_bias",
                 f"logit_bias keys must be token ids, integers in [0, {INT32_MAX}], got "
                 f"{_desc(key)}",
             )
         number = check_number("logit_bias", bias, rng)
+        if (token := int(key)) in seen:  # ("012" beside "12": the second silently won)
+            raise invalid("logit_bias", f"logit_bias gives token {token} twice")
+        seen.add(token)
         if number:
-            out[str(int(key))] = number
+            out[str(token)] = number
     return out
 
 

@@ -205,6 +205,9 @@ def test_the_gateway_sends_logit_bias_on(kind: str) -> None:
         ({"3": 101}, "must be a number in [-100, 100], got 101"),
         ({"3": "1"}, "must be a number in [-100, 100], got string"),
         ({str(i): 1 for i in range(301)}, "at most 300 tokens, got 301"),
+        ({"7" * 5000: 1}, "keys must be token ids"),  # (int() of it raised: a 500)
+        ({"12": 1, "012": -1}, "gives token 12 twice"),  # (the second silently won)
+        ({"012": 0, "12": 5}, "gives token 12 twice"),
     ],
 )
 @pytest.mark.parametrize("kind", ["chat", "completion"])
