@@ -6,12 +6,15 @@ start-up does not need it, and a worker compiles its template once it serves
 
 A render is bounded (a template comes with the model, and a worker renders it on a thread that
 nothing can stop): at most MAX_RENDER_STEPS steps (the items of every `range()`, of every
-`{% for %}` and of every filter that goes item by item, every call, attribute and item lookup,
-every piece of output, every item of a container turned into text, every word lipsum() may
-make, every item a string's split() may make), a prompt of at most MAX_RENDER_CHARS
-characters, no string or list of more than MAX_RENDER_CHARS characters or items built by a
-filter, a method of a string, '*', '%', '+', '~' or a block, and at most MAX_BUILT_CHARS of
-them built in all, no '*' or '**' of integers past MAX_INT_BITS bits. Past one,
+`{% for %}`, of a recursive loop's `loop(items)` and of every filter that goes item by item,
+an iterator's as they come, every call, attribute and item lookup, every piece of output,
+every item of a container turned into text, every word lipsum() may make, every item a
+string's split() may make, every item of what is compared or hashed, as many times as it is
+reached, and every 64 characters of a string compared, searched or given to a method), a
+prompt of at most MAX_RENDER_CHARS characters, no string or container of more than
+MAX_RENDER_CHARS characters or items built by a filter, a method, a slice, '*', '%', '+',
+'-', '~' or a block, and at most MAX_BUILT_CHARS of them built in all, no '*' or '**' of
+integers past MAX_INT_BITS bits. Past one,
 ChatTemplateError names the limit. Real templates are far inside them: a conversation of
 thousands of messages takes some 10,000 steps.
 
@@ -23,8 +26,13 @@ width, a count, a repeated or inserted string, the items of a container turned i
 `urlencode`, `s.encode()`): so one call builds at most a few times MAX_RENDER_CHARS, and a
 loop of them stops at MAX_BUILT_CHARS. Filters are jinja2's, wrapped (and so never folded into
 constants as the template compiles: that would build their result there, outside any render);
-the methods of str and bytes are checked in the sandbox's `call`, '*' and '%' in `call_binop`,
-'+', '~' and `{% for %}` by the code generator."""
+the methods of str and bytes, of containers and the constructors (dict(), namespace()) are
+checked in the sandbox's `call`, '*', '%' and '-' in `call_binop`, '+', '~', slices,
+comparisons, a dict's keys and `{% for %}` by the code generator.
+
+What is compared or hashed is counted by its size, not bounded by its nesting depth: a list
+that holds another one twice, 26 deep, is 2^26 items to compare, but so are three levels of
+`[x] * 400`, and no depth limit that real templates stay under stops the latter."""
 
 from __future__ import annotations
 
@@ -34,7 +42,8 @@ import contextvars
 import functools
 import json
 import re
-from collections.abc import Callable, ItemsView, KeysView, Sized, ValuesView
+import types
+from collections.abc import Callable, ItemsView, Iterable, Iterator, KeysView, Sized, ValuesView
 from datetime import datetime
 from typing import Any
 
@@ -45,8 +54,8 @@ import jinja2.nodes
 import jinja2.parser
 import jinja2.utils
 from jinja2 import TemplateSyntaxError
-from jinja2.compiler import CodeGenerator, Frame, optimizeconst
-from jinja2.runtime import Context
+from jinja2.compiler import CodeGenerator, Frame, operators, optimizeconst
+from jinja2.runtime import Context, LoopContext
 from jinja2.sandbox import ImmutableSandboxedEnvironment, SandboxedFormatter, safe_range
 from jinja2.utils import _PassArg, pass_context
 from markupsafe import EscapeFormatter, Markup
@@ -140,21 +149,28 @@ def _room(size: int, what: str) -> None:
 
 
 def _built(value: Any, what: str) -> Any:
-    """`value` (just built by `what`), checked: at most MAX_RENDER_CHARS characters or items,
-    and counted against the render's MAX_BUILT_CHARS unless it is short (what makes a short
+    """`value` (just built by `what`: a string, a container, an int from bytes), checked: at
+    most MAX_RENDER_CHARS characters or items (or bytes), and counted against the render's MAX_BUILT_CHARS unless it is short (what makes a short
     one is a step, or at most a few for each step)."""
-    if isinstance(value, (str, bytes, list, tuple)):
+    if isinstance(value, _BUILT):
         size = len(value)
         if size < _SHORT:
             return value
         _room(size, what)
         _charge(size)
+    elif isinstance(value, jinja2.utils.Namespace):
+        _built(value._Namespace__attrs, what)
+    elif isinstance(value, int) and value.bit_length() >= 8 * _SHORT:  # (int.from_bytes)
+        _room(value.bit_length() // 8, what)
+        _charge(value.bit_length() // 8)
     return value
 
 
 _SHORT = 4096  # characters or items: what builds fewer is not counted against MAX_BUILT_CHARS
 _SCALARS = (int, float, bool, type(None))
 _SIZED = (str, bytes, list, tuple, dict, set, frozenset, collections.deque, range)
+_BUILT = (str, bytes, list, tuple, dict, set, frozenset, collections.deque)
+_SIZED_FIRST = (*_SIZED, Sized)  # (the concrete types first: quicker)
 
 
 def _text_size(value: Any, what: str, indent: int = 0) -> int:
@@ -190,6 +206,88 @@ def _text_size(value: Any, what: str, indent: int = 0) -> int:
             total += 80
         _room(total, what)
     return total
+
+
+# Values that are compared and hashed without going into other values (a string: a step for each
+# _SCAN characters, in _compared)
+_LEAVES = (str, bytes, int, float, bool, type(None))
+_SCAN = 64
+# Values that are compared and hashed item by item (a jinja2 namespace is compared by identity)
+_MAPPINGS = (dict, types.MappingProxyType)
+_COLLECTIONS: Any = (
+    list, tuple, set, frozenset, collections.deque, type({}.keys()), type({}.values())
+)
+_ITEMS: Any = type({}.items())
+
+
+def _compared(value: Any, times: int = 1) -> Any:
+    """`value`, about to be compared or hashed `times` times ('==', '<', 'in', a dict key, an
+    item of what sort or unique take): every item of every container in it a step, as many
+    times as it is reached (a list may hold another one many times, and that one another one
+    many times: Python compares and hashes each of them each time, with no limit on nesting
+    depth that would help: three levels of [x] * 4000 are 64e9 items), spent before; a string
+    a step for each _SCAN characters ('in' scans it, '==' compares it)."""
+    if isinstance(value, (str, bytes)):
+        if len(value) >= _SCAN:
+            _spend(times * (len(value) // _SCAN))
+        return value
+    if isinstance(value, _LEAVES):
+        return value
+    budget = _BUDGET.get()
+    if budget is None:
+        return value
+    left, stack, n = budget.steps // times + 1, [value], 0
+    while stack:
+        x = stack.pop()
+        if isinstance(x, (str, bytes)):
+            n += len(x) // _SCAN
+        elif isinstance(x, _LEAVES):
+            continue
+        elif isinstance(x, _MAPPINGS):
+            n += len(x)
+            if n <= left:
+                stack.extend(x.keys())
+                stack.extend(x.values())
+        elif isinstance(x, _COLLECTIONS):
+            n += len(x)
+            if n <= left:
+                stack.extend(x)
+        elif isinstance(x, _ITEMS):
+            n += 2 * len(x)
+            if n <= left:
+                stack.extend(v for kv in x for v in kv)
+        if n > left:
+            break
+    _spend(n * times)
+    return value
+
+
+def _compared_items(value: Any) -> Any:
+    """_compared, for what 'in', the in test, dict() and set methods go through item by item
+    and compare or hash: an iterator read into a list first (its items counted as they came,
+    but not their size)."""
+    if not isinstance(value, _LEAVES) and isinstance(value, Iterator):
+        value = list(value)
+    return _compared(value)
+
+
+def _each_a_step(items: Iterable[Any]) -> Iterator[Any]:
+    """`items` (an iterator: a generator of a filter, a reversed list), each a step as it
+    comes."""
+    for item in items:
+        _spend(1)
+        yield item
+
+
+def _counted(items: Any) -> Any:
+    """What is gone through item by item, each item a step: spent at once where its size is
+    known, else as each item comes."""
+    if isinstance(items, _SIZED_FIRST):
+        _spend(len(items))
+        return items
+    if isinstance(items, Iterable) and not isinstance(items, jinja2.Undefined):
+        return _each_a_step(items)
+    return items
 
 
 def _int_arg(value: Any) -> int:
@@ -400,11 +498,16 @@ _FILTER_CHECKS.update(
     )
 )
 # Filters that go through their value item by item (a new object for each, or Python's work):
-# each item a step, spent before (a list of a long string's characters costs gigabytes)
+# each item a step, spent before (a list of a long string's characters costs gigabytes), or as
+# it comes where the value is an iterator (_counted)
 _ITERATING = frozenset(
     {"batch", "dictsort", "groupby", "items", "list", "map", "max", "min", "reject",
-     "rejectattr", "select", "selectattr", "slice", "sort", "unique", "wordcount"}
+     "rejectattr", "reverse", "select", "selectattr", "slice", "sort", "unique", "wordcount"}
 )
+# Filters that compare or hash the items of their value: name -> whether they sort (each item
+# compared some log2(n) times); each item's size a step for each time (_compared)
+_COMPARING = {"dictsort": True, "groupby": True, "sort": True, "max": False, "min": False,
+              "unique": False}
 # Filters that return what they were given, or a part of it: nothing built to count
 _NOT_BUILDING = frozenset({"attr", "d", "default", "first", "last", "max", "min", "random"})
 
@@ -417,14 +520,20 @@ def _bounded_filter(name: str, original: Callable[..., Any]) -> Callable[..., An
     pass_arg = _PassArg.from_obj(original)
     counts = name not in _NOT_BUILDING
     iterates = name in _ITERATING
+    sorts = _COMPARING.get(name)
     what = f"the {name} filter"
 
     @pass_context
     def bounded(context: Context, value: Any, *args: Any, **kwargs: Any) -> Any:
         if check is not None:
             value = check(what, value, *args, **kwargs)
-        if iterates and isinstance(value, _SIZED):
-            _spend(len(value))
+        if iterates:
+            value = _counted(value)
+        if sorts is not None:
+            if not isinstance(value, Sized) and isinstance(value, Iterator):
+                value = list(value)  # (each item counted as it came; the filter reads it all)
+            times = len(value).bit_length() if sorts and isinstance(value, Sized) else 1
+            _compared(value, max(times, 1))
         if pass_arg is _PassArg.context:
             result = original(context, value, *args, **kwargs)
         elif pass_arg is _PassArg.eval_context:
@@ -436,6 +545,24 @@ def _bounded_filter(name: str, original: Callable[..., Any]) -> Callable[..., An
         return _built(result, what) if counts else result
 
     bounded.__name__ = bounded.__qualname__ = f"bounded_{name}"
+    return bounded
+
+
+# Tests that compare or hash their value with their argument ('is eq', 'is in', and so selectattr)
+_COMPARING_TESTS = frozenset(
+    {"eq", "equalto", "==", "ne", "!=", "lt", "lessthan", "<", "le", "<=", "gt", "greaterthan",
+     ">", "ge", ">=", "in"}
+)
+
+
+def _bounded_test(original: Any) -> Any:
+    """A comparing test, what it compares counted first (_compared)."""
+
+    def bounded(value: Any, *args: Any) -> Any:
+        _compared(value)
+        args = tuple(map(_compared_items, args))
+        return original(value, *args)
+
     return bounded
 
 
@@ -525,6 +652,12 @@ def _bounded_str_join(join: Callable[[Any], str], pieces: tuple[Any, ...]) -> st
     return _built(join(pieces), "'~'")
 
 
+def _sliced(value: Any, part: slice) -> Any:
+    """`value[part]` (the template's `value[a:b:c]`), a step, what it builds counted (_built)."""
+    _spend(1)
+    return _built(value[part], "a slice")
+
+
 def _bounded_add(first: Any, *others: Any) -> Any:
     """`first + others[0] + others[1] ...` (a chain of '+', as Python does it, left to right),
     what each '+' builds counted (_built): short strings, the usual, pass at once."""
@@ -538,8 +671,9 @@ def _bounded_add(first: Any, *others: Any) -> Any:
 
 class _CodeGenerator(CodeGenerator):
     """jinja2's, with '+' counted by _bounded_add (a chain of them one call: cheaper than the
-    sandbox's call_binop for each, and '+' is what real templates do most), and '~' checked by
-    _bounded_str_join before it joins."""
+    sandbox's call_binop for each, and '+' is what real templates do most), '~' checked by
+    _bounded_str_join before it joins, and what '==', '<', 'in' ... compare and a dict's keys
+    counted by _compared before."""
 
     @optimizeconst
     def visit_Add(self, node: jinja2.nodes.BinExpr, frame: Frame) -> None:
@@ -552,6 +686,56 @@ class _CodeGenerator(CodeGenerator):
         for term in reversed(terms):
             self.visit(term, frame)
             self.write(", ")
+        self.write(")")
+
+    @optimizeconst
+    def visit_Compare(self, node: jinja2.nodes.Compare, frame: Frame) -> None:
+        self.write("(")
+        self._visit_compared(node.expr, frame)
+        for operand in node.ops:
+            self.write(f" {operators[operand.op]} ")
+            self._visit_compared(operand.expr, frame, operand.op in ("in", "notin"))
+        self.write(")")
+
+    def visit_Dict(self, node: jinja2.nodes.Dict, frame: Frame) -> None:
+        self.write("{")
+        for item in node.items:
+            self._visit_compared(item.key, frame)
+            self.write(": ")
+            self.visit(item.value, frame)
+            self.write(", ")
+        self.write("}")
+
+    @optimizeconst
+    def visit_Getitem(self, node: jinja2.nodes.Getitem, frame: Frame) -> None:
+        if not isinstance(node.arg, jinja2.nodes.Slice):  # (obj[key]: a dict's key is hashed)
+            self.write("environment.getitem(")
+            self.visit(node.node, frame)
+            self.write(", ")
+            self._visit_compared(node.arg, frame)
+            self.write(")")
+            return
+        self.write("environment.sliced(")  # (jinja2 writes obj[a:b], counted by nothing)
+        self.visit(node.node, frame)
+        self.write(", slice(")
+        for part in (node.arg.start, node.arg.stop, node.arg.step):
+            if part is None:
+                self.write("None")
+            else:
+                self.visit(part, frame)
+            self.write(", ")
+        self.write("))")
+
+    def _visit_compared(
+        self, node: jinja2.nodes.Expr, frame: Frame, searched: bool = False
+    ) -> None:
+        """`node`, about to be compared or hashed (or, `searched`, its items), counted first
+        (_compared, _compared_items), unless a constant (what the template's text holds)."""
+        if isinstance(node, jinja2.nodes.Const):
+            self.visit(node, frame)
+            return
+        self.write("environment.compared_items(" if searched else "environment.compared(")
+        self.visit(node, frame)
         self.write(")")
 
     @optimizeconst
@@ -569,16 +753,30 @@ class _CodeGenerator(CodeGenerator):
         self.write("))")
 
 
+# Methods of containers (and int's) that build a new one: what they build counted (_built)
+_CONTAINER_BUILDERS = frozenset(
+    {"copy", "fromkeys", "union", "intersection", "difference", "symmetric_difference",
+     "to_bytes", "from_bytes"}
+)
+# Methods that hash the items of their argument (an iterator is read into a list first)
+_HASHING_ITEMS = _CONTAINER_BUILDERS | {"isdisjoint"}
+# The template's globals that build a container of their arguments (set in _environment)
+_CONSTRUCTORS: tuple[Any, ...] = (dict, jinja2.utils.Namespace, jinja2.utils.Cycler)
+
+
 class _BoundedEnvironment(ImmutableSandboxedEnvironment):
     """The sandbox, with each call and lookup a step of the render's budget, what the operators,
     the methods of strings and the filters build checked (before, where its size comes from an
     argument), and '*' and '**' of integers checked before they build something too large."""
 
-    intercepted_binops = frozenset({"*", "**", "%"})
+    intercepted_binops = frozenset({"*", "**", "%", "-"})
     code_generator_class = _CodeGenerator
     concat = staticmethod(_concat)  # type: ignore[assignment]
     bounded_str_join = staticmethod(_bounded_str_join)
     bounded_add = staticmethod(_bounded_add)
+    compared = staticmethod(_compared)
+    compared_items = staticmethod(_compared_items)
+    sliced = staticmethod(_sliced)
 
     def call_binop(self, context: Context, operator: str, left: Any, right: Any) -> Any:
         if operator == "*":
@@ -589,6 +787,9 @@ class _BoundedEnvironment(ImmutableSandboxedEnvironment):
             return _built(left % right, "'%'")
         if operator == "**":
             _check_power(left, right)
+        if operator == "-" and not isinstance(left, _LEAVES):  # (d.keys() - x: a set)
+            _compared(left)
+            return _built(left - _compared_items(right), "'-'")
         return super().call_binop(context, operator, left, right)
 
     def _parse(self, source: str, name: str | None, filename: str | None) -> jinja2.nodes.Template:
@@ -611,9 +812,38 @@ class _BoundedEnvironment(ImmutableSandboxedEnvironment):
 
     def call(__self, __context: Context, __obj: Any, *args: Any, **kwargs: Any) -> Any:
         _spend(1)
+        if len(args) + len(kwargs) >= _SHORT:  # (f(*items, **mapping): copied)
+            _charge(len(args) + len(kwargs))
         owner = getattr(__obj, "__self__", None)
-        if not isinstance(owner, (str, bytes)):
-            return super().call(__context, __obj, *args, **kwargs)
+        if isinstance(owner, (str, bytes)):
+            return __self._call_str_method(__context, __obj, owner, *args, **kwargs)
+        if isinstance(__obj, LoopContext) and args:  # (loop(items) of a recursive loop)
+            args = (_counted(args[0]), *args[1:])
+        elif owner is not None or (isinstance(__obj, type) and __obj in _CONSTRUCTORS):
+            # a method (of a list, a dict, a set, an int, a type, a loop: index, get, fromkeys,
+            # changed) or a constructor: what it may compare or hash counted first, and what it
+            # builds after (copy, fromkeys, union, to_bytes, dict(), namespace())
+            name = getattr(__obj, "__name__", "")
+            if name in _HASHING_ITEMS or (owner is None and __obj is not jinja2.utils.Cycler):
+                args = tuple(map(_compared_items, args))  # (what they hash, an iterator read)
+            for arg in (*args, *kwargs.values()):
+                _compared(arg)
+            if name in ("index", "count") and not isinstance(owner, _LEAVES):
+                _compared(owner)
+            if name == "to_bytes" and isinstance(owner, int):
+                _room(_int_arg(args[0] if args else kwargs.get("length", 1)), "int.to_bytes()")
+            if name in _CONTAINER_BUILDERS or owner is None:
+                result = super().call(__context, __obj, *args, **kwargs)
+                return _built(result, f"{name}()")
+        return super().call(__context, __obj, *args, **kwargs)
+
+    def _call_str_method(
+        __self, __context: Context, __obj: Any, owner: str | bytes, *args: Any, **kwargs: Any
+    ) -> Any:
+        """A call of a method of a string (`owner`): checked before where what it builds has a
+        size from its arguments, counted after; a step for each _SCAN characters it may scan."""
+        if len(owner) >= _SCAN:
+            _spend(len(owner) // _SCAN)
         name = getattr(__obj, "__name__", "")
         what = f"{type(owner).__name__}.{name}()"
         # (the arguments as the method takes them: jinja2 adds these for its context's sake)
@@ -623,7 +853,13 @@ class _BoundedEnvironment(ImmutableSandboxedEnvironment):
             _joined(what, owner, args[0])
         elif name in _METHOD_CHECKS:
             _METHOD_CHECKS[name](what, owner, *args, **given)
-        return _built(super().call(__context, __obj, *args, **kwargs), what)
+        result = _built(super().call(__context, __obj, *args, **kwargs), what)
+        if isinstance(result, (list, tuple)):  # (split, partition: new strings, each counted)
+            chars = sum(len(p) for p in result if isinstance(p, (str, bytes)))
+            if chars >= _SHORT:
+                _room(chars, what)
+                _charge(chars)
+        return result
 
     def wrap_str_format(self, value: Any) -> Callable[..., str] | None:
         """jinja2's, with _BoundedFormatter: each field's width, precision and text counted
@@ -649,7 +885,7 @@ class _BoundedEnvironment(ImmutableSandboxedEnvironment):
                         f"format_map() takes exactly one argument ({len(args)} given)"
                     )
                 kwargs, args = args[0], ()
-            return str_type(formatter.vformat(f_self, args, kwargs))
+            return _built(str_type(formatter.vformat(f_self, args, kwargs)), "str.format()")
 
         return functools.update_wrapper(bounded, value)
 
@@ -671,6 +907,7 @@ class _GenerationTag(jinja2.ext.Extension):
 
 
 def _raise_exception(message: str) -> None:
+    _text_size(message, "raise_exception()")  # (its text is what the caller makes of it)
     raise TemplateRaised(message)
 
 
@@ -693,7 +930,12 @@ def _tojson(
 
 
 def _strftime_now(fmt: str) -> str:
-    return datetime.now().strftime(fmt)
+    """The time now as `fmt` says, its widths counted first (C's strftime pads %5000000Y)."""
+    if isinstance(fmt, str):
+        numbers = _SPEC_NUMBERS.findall(fmt)
+        _room(len(fmt) + sum(int(n) if len(n) < 12 else MAX_RENDER_CHARS + 1 for n in numbers),
+              "strftime_now()")
+    return _built(datetime.now().strftime(fmt), "strftime_now()")
 
 
 _LOOP_ITEMS = "edgeinfer_loop_items"  # (a name no template uses; a call of it is harmless)
@@ -701,12 +943,9 @@ _LOOP_ITEMS = "edgeinfer_loop_items"  # (a name no template uses; a call of it i
 
 @pass_context
 def _loop_items(context: Context, items: Any) -> Any:
-    """What a `{% for %}` loops over, unchanged, each item a step, spent at once (a loop in a
-    loop over a long string is what runs forever). A generator's items were spent where they
-    came from (a filter: _ITERATING)."""
-    if isinstance(items, Sized):
-        _spend(len(items))
-    return items
+    """What a `{% for %}` loops over, each item a step, spent at once (a loop in a loop over a
+    long string is what runs forever), or as it comes from an iterator (_counted)."""
+    return _counted(items)
 
 
 def _environment() -> ImmutableSandboxedEnvironment:
@@ -720,6 +959,8 @@ def _environment() -> ImmutableSandboxedEnvironment:
     env.filters = {name: _bounded_filter(name, f) for name, f in env.filters.items()}
     env.filters["join"] = _join
     env.filters["sum"] = _sum
+    for name in _COMPARING_TESTS:
+        env.tests[name] = _bounded_test(env.tests[name])
     env.globals["raise_exception"] = _raise_exception
     env.globals["strftime_now"] = _strftime_now
     env.globals["range"] = _range

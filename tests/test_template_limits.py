@@ -32,6 +32,15 @@ W = "{% set w = 'x' * 1000 %}"  # a short string, many references to it make the
 CHARS = f"of at most {MAX_RENDER_CHARS} characters"
 BUILT = "characters or items built in all by filters, methods and operators"
 STEPS = f"at most {MAX_RENDER_STEPS} steps"
+# ns.a and ns.b: equal lists, each holding the one before twice, 22 deep (ns.a a tuple in TUPLES)
+DAG = (
+    "{% set ns = namespace(a=[1], b=[1]) %}{% for i in range(22) %}{% set ns.a = [ns.a, ns.a] %}"
+    "{% set ns.b = [ns.b, ns.b] %}{% endfor %}"
+)
+TUPLES = (
+    "{% set ns = namespace(a=(1,)) %}{% for i in range(22) %}{% set ns.a = (ns.a, ns.a) %}"
+    "{% endfor %}"
+)
 
 # name -> (template, what the error names): each a route that builds > MAX_RENDER_CHARS in one
 # call (or, for the last ones, in a loop, or item by item)
@@ -109,6 +118,77 @@ ROUTES: dict[str, tuple[str, str]] = {
         "{% set s = 'x' * 3000 %}{% for a in s %}{% for b in s %}{% endfor %}{% endfor %}",
         STEPS,
     ),
+    # the items of a recursive loop's loop(items), of a filter's iterator, of |reverse
+    "recursive loop": (
+        "{% set s = 'x' * 2100000 %}{% for c in [s] recursive %}"
+        "{% if c|length > 1 %}{{ loop(c) }}{% endif %}{% endfor %}",
+        STEPS,
+    ),
+    "loop over reverse": ("{% for x in ([0] * 2100000)|reverse %}{% endfor %}", STEPS),
+    "loop over a filter's iterator": ("{% for x in ([1] * 1100000)|select %}{% endfor %}", STEPS),
+    # what slices, methods of containers and ints, str.format, split and strftime build
+    "slices": (
+        "{% set s = 'x' * 30000000 %}{% for i in range(5) %}{% set t = s[i:] %}{% endfor %}",
+        BUILT,
+    ),
+    "list.copy": (
+        "{% set l = [0] * 20000000 %}{% for i in range(6) %}{% set c = l.copy() %}{% endfor %}",
+        BUILT,
+    ),
+    "dict.copy": (
+        "{% set d = {}.fromkeys(range(100000)) %}{% for i in range(1400) %}"
+        "{% set c = d.copy() %}{% endfor %}",
+        BUILT,
+    ),
+    "str.partition": (
+        "{% set s = 'x' * 30000000 ~ 'y' %}{% for i in range(5) %}{% set p = s.partition('y') %}"
+        "{% endfor %}",
+        BUILT,
+    ),
+    "str.format of a long string": (
+        "{% set s = 'x' * 30000000 %}{% for i in range(5) %}{% set t = '{}'.format(s) %}"
+        "{% endfor %}",
+        BUILT,
+    ),
+    "int.to_bytes": ("{{ (1).to_bytes(40000000, 'big')|length }}", "int.to_bytes()"),
+    "strftime_now width": ("{{ strftime_now('%40000000Y')|length }}", "strftime_now()"),
+    "raise_exception of a long text": (
+        W + "{{ raise_exception([[w] * 100] * 1000) }}",
+        "raise_exception()",
+    ),
+    # what comparisons and hashes go through: a list that holds another one twice, 22 deep, is
+    # 4 million items to compare or hash; three levels of [x] * 200, 8 million
+    "'==' of nested lists": (DAG + "{{ ns.a == ns.b }}", STEPS),
+    "'in' of nested lists": (DAG + "{{ ns.a in [ns.b] }}", STEPS),
+    "'==' of wide lists": (
+        "{% set a = [[[1] * 200] * 200] * 200 %}{% set b = [[[1] * 200] * 200] * 200 %}"
+        "{{ a == b }}",
+        STEPS,
+    ),
+    "eq test": (DAG + "{{ ns.a is eq(ns.b) }}", STEPS),
+    "loop.changed": (
+        DAG + "{% for i in range(2) %}{{ loop.changed(ns.a if i else ns.b) }}{% endfor %}",
+        STEPS,
+    ),
+    "'in' of an iterator": (
+        "{% set ns = namespace(a=[1], b=[1]) %}{% for i in range(16) %}"
+        "{% set ns.a = [ns.a, ns.a] %}{% set ns.b = [ns.b, ns.b] %}{% endfor %}"
+        "{{ ns.a in ([ns.b] * 20)|reverse }}",
+        STEPS,
+    ),
+    "sort filter": (DAG + "{{ [ns.a, ns.b]|sort|length }}", STEPS),
+    "list.count": (DAG + "{{ [ns.a].count(ns.b) }}", STEPS),
+    "dict key": (TUPLES + "{{ {ns.a: 1}|length }}", STEPS),
+    "item lookup": (TUPLES + "{{ {1: 2}[ns.a] is defined }}", STEPS),
+    "unique filter": (TUPLES + "{{ [ns.a, ns.a]|unique|list|length }}", STEPS),
+    "'in' of a long string": (
+        "{% set s = 'x' * 30000000 %}{% for i in range(1000) %}{{ 'y' in s }}{% endfor %}",
+        STEPS,
+    ),
+    "str.find": (
+        "{% set s = 'x' * 30000000 %}{% for i in range(1000) %}{{ s.find('y') }}{% endfor %}",
+        STEPS,
+    ),
 }
 
 
@@ -166,6 +246,30 @@ REAL_TEMPLATES = [
     "{% set body %}{% for m in messages %}{{ m.content|e }}{% endfor %}{% endset %}"
     "{{ body|wordcount }}{{ body|length }}{% filter upper %}{{ body[:30] }}{% endfilter %}"
     "{{ tools|tojson if tools else '' }}{{ dict(a=1)|dictsort }}{{ [3, 1, 2]|sort|first }}",
+    # recursive loops, reverse, slices, comparisons, dict keys, tests, methods of containers
+    "{% set tree = [{'name': 'a', 'children': [{'name': 'b', 'children': []}]}, "
+    "{'name': 'c', 'children': []}] %}{% for node in tree recursive %}[{{ node.name }}"
+    "{% if node.children %}{{ loop(node.children) }}{{ loop(node.children|reverse) }}{% endif %}]"
+    "{% endfor %}{% for m in messages|reverse %}{{ m.role[:1] }}{{ loop.changed(m.role) }}"
+    "{% endfor %}{% for m in messages[1:] %}{{ m.content[-5:] }}{{ m.content[::-3]|length }}"
+    "{% endfor %}{% for m in messages[::-1] if m.role != 'system' %}{{ loop.index }}{% endfor %}"
+    "{{ 1 < messages|length < 10000 }}{{ messages|length - 1 }}{{ 3.5 - 1 }}"
+    "{% set d = {messages[0].role: 1, 'x': messages[-1].role, (1, 2): [3]} %}{{ d|length }}"
+    "{{ {'b': 1, 'a': 2}|dictsort(by='value') }}{{ d[(1, 2)] }}{{ (d.keys() - ['x'])|list|length }}"
+    "{{ messages[0].role in ['system', 'user'] }}{{ 'user' in messages|map(attribute='role') }}"
+    "{{ messages|selectattr('role', 'eq', 'user')|list|length }}{{ messages|select('in', ['x'])|list }}"
+    "{{ messages|map(attribute='role')|unique|list }}{{ messages|map(attribute='role')|sort|first }}"
+    "{{ messages|map(attribute='content')|map('length')|max }}{{ messages|map(attribute='role')|min }}"
+    "{% for g in messages|groupby('role') %}{{ g.grouper }}{{ g.list|length }}{% endfor %}"
+    "{% set L = messages|map(attribute='role')|list %}{{ L.copy()|length }}{{ L.index('user') }}"
+    "{{ L.count('user') }}{{ messages[0].copy()|length }}{{ dict(a=1, b=L)|length }}"
+    "{{ dict([('a', 1)]) }}{% set ns = namespace(x=L) %}{{ ns.x|length }}{{ {}.fromkeys(L)|length }}"
+    "{{ messages[0].get('role') }}{{ messages[0].content.partition(' ') }}"
+    "{{ messages[-1].content.split(' ')|length }}{{ '{}-{}'.format(1, L|length) }}"
+    "{{ (5).to_bytes(2, 'big') }}{{ messages[0] == messages[0] }}{{ messages == messages[:] }}"
+    "{{ [L, L] == [L, L] }}{% for k, v in messages[0]|items %}{{ k }}{% endfor %}"
+    "{% for b in L|batch(3) %}{{ b|length }}{% endfor %}{% for s in L|slice(2) %}{{ s|length }}"
+    "{% endfor %}{{ L|reverse|list|length }}{{ 'abc'|reverse }}",
 ]
 
 CONVERSATION = [
