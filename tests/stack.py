@@ -13,6 +13,7 @@ import urllib.request
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import orjson
 
@@ -232,3 +233,31 @@ def spawned_ranks(pid: int, zombies: bool = True) -> list[int]:
         if int(fields[1]) == pid and b"spawn_main" in cmdline and (zombies or fields[0] != "Z"):
             found.append(int(entry))
     return found
+
+
+ONE_REGION = "regions:\n  - {name: local, latitude: 0, longitude: 0, settings: {}}\n"
+
+
+@contextlib.contextmanager
+def stories_client(root: Path, stories_dir: Path) -> Iterator[Any]:
+    """Redis, one stories260K worker (served as "stories", with the tests' chat template) and
+    one gateway, in `root`: the real `openai` client to the gateway (no retries)."""
+    import openai
+
+    from kvstore.redis_server import LocalRedis
+
+    (root / "regions.yaml").write_text(ONE_REGION)
+    redis = LocalRedis().start()
+    procs = []
+    try:
+        procs.append(start_worker("stories", chat_model(stories_dir, root / "stories"),
+                                  redis.url, root))  # fmt: skip
+        gateway = start_gateway("gw", redis.url, root / "regions.yaml", root)
+        procs.append(gateway)
+        wait_until(lambda: get_json(f"{gateway.url}/readyz")[1]["workers"] == 1, 30, "workers")
+        yield openai.OpenAI(base_url=f"{gateway.url}/v1", api_key="none", max_retries=0,
+                            timeout=60)  # fmt: skip
+    finally:
+        for p in reversed(procs):
+            p.stop()
+        redis.stop()

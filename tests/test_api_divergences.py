@@ -15,14 +15,12 @@ from pathlib import Path
 from typing import Any
 
 import openai
-import orjson
 import pytest
 
 from kvstore.protocol import DeltaEvent, TokenLogprob, decode_event, encode_event
-from kvstore.redis_server import LocalRedis
-from tests.stack import chat_model, get_json, start_gateway, start_worker, wait_until
+from tests.stack import stories_client
+from tests.test_api_semantics import _refused
 
-CATALOG = "regions:\n  - {name: local, latitude: 0, longitude: 0, settings: {}}\n"
 MESSAGES: Any = [{"role": "user", "content": "Once upon a time"}]
 PROMPT = "Once upon a time"
 TOOLS: Any = [
@@ -33,29 +31,8 @@ TOOLS: Any = [
 
 @pytest.fixture(scope="module")
 def client(tmp_path_factory: pytest.TempPathFactory, stories_dir: Path):  # type: ignore[no-untyped-def]
-    root = tmp_path_factory.mktemp("divergences")
-    (root / "regions.yaml").write_text(CATALOG)
-    redis = LocalRedis().start()
-    procs = []
-    try:
-        procs.append(start_worker("stories", chat_model(stories_dir, root / "stories"),
-                                  redis.url, root))  # fmt: skip
-        gateway = start_gateway("gw", redis.url, root / "regions.yaml", root)
-        procs.append(gateway)
-        wait_until(lambda: get_json(f"{gateway.url}/readyz")[1]["workers"] == 1, 30, "workers")
-        yield openai.OpenAI(base_url=f"{gateway.url}/v1", api_key="none", max_retries=0,
-                            timeout=60)  # fmt: skip
-    finally:
-        for p in reversed(procs):
-            p.stop()
-        redis.stop()
-
-
-def _refused(call: Any) -> dict[str, Any]:
-    with pytest.raises(openai.BadRequestError) as info:
-        call()
-    assert info.value.status_code == 400
-    return orjson.loads(info.value.response.content)["error"]  # type: ignore[no-any-return]
+    with stories_client(tmp_path_factory.mktemp("divergences"), stories_dir) as c:
+        yield c
 
 
 # ----- 2. tool_choice without tools --------------------------------------------------------------

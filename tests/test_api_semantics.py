@@ -14,32 +14,16 @@ import openai
 import orjson
 import pytest
 
-from kvstore.redis_server import LocalRedis
-from tests.stack import chat_model, get_json, start_gateway, start_worker, wait_until
+from tests.stack import stories_client
 
-CATALOG = "regions:\n  - {name: local, latitude: 0, longitude: 0, settings: {}}\n"
 MESSAGES: Any = [{"role": "user", "content": "Once upon a time"}]
 PROMPT = "Once upon a time"
 
 
 @pytest.fixture(scope="module")
 def client(tmp_path_factory: pytest.TempPathFactory, stories_dir: Path):  # type: ignore[no-untyped-def]
-    root = tmp_path_factory.mktemp("semantics")
-    (root / "regions.yaml").write_text(CATALOG)
-    redis = LocalRedis().start()
-    procs = []
-    try:
-        procs.append(start_worker("stories", chat_model(stories_dir, root / "stories"),
-                                  redis.url, root))  # fmt: skip
-        gateway = start_gateway("gw", redis.url, root / "regions.yaml", root)
-        procs.append(gateway)
-        wait_until(lambda: get_json(f"{gateway.url}/readyz")[1]["workers"] == 1, 30, "workers")
-        yield openai.OpenAI(base_url=f"{gateway.url}/v1", api_key="none", max_retries=0,
-                            timeout=60)  # fmt: skip
-    finally:
-        for p in reversed(procs):
-            p.stop()
-        redis.stop()
+    with stories_client(tmp_path_factory.mktemp("semantics"), stories_dir) as c:
+        yield c
 
 
 def _refused(call: Any) -> dict[str, Any]:

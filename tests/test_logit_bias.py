@@ -15,14 +15,12 @@ import torch
 
 from gateway.errors import APIError
 from gateway.openai_api import parse_chat, parse_completion
-from kvstore.redis_server import LocalRedis
 from runtime import LLM, SamplingParams
 from runtime.sampler import Sampler, SamplingState
 from runtime.sampling_params import InvalidRequestError
-from tests.stack import chat_model, get_json, start_gateway, start_worker, wait_until
+from tests.stack import stories_client
 
 PROMPT = "Once upon a time"
-CATALOG = "regions:\n  - {name: local, latitude: 0, longitude: 0, settings: {}}\n"
 
 
 def _state(**kwargs: Any) -> SamplingState:
@@ -221,22 +219,8 @@ def test_the_gateway_refuses_a_bad_logit_bias(kind: str, bias: Any, text: str) -
 
 @pytest.fixture(scope="module")
 def client(tmp_path_factory: pytest.TempPathFactory, stories_dir: Path):  # type: ignore[no-untyped-def]
-    root = tmp_path_factory.mktemp("logit_bias")
-    (root / "regions.yaml").write_text(CATALOG)
-    redis = LocalRedis().start()
-    procs = []
-    try:
-        procs.append(start_worker("stories", chat_model(stories_dir, root / "stories"),
-                                  redis.url, root))  # fmt: skip
-        gateway = start_gateway("gw", redis.url, root / "regions.yaml", root)
-        procs.append(gateway)
-        wait_until(lambda: get_json(f"{gateway.url}/readyz")[1]["workers"] == 1, 30, "workers")
-        yield openai.OpenAI(base_url=f"{gateway.url}/v1", api_key="none", max_retries=0,
-                            timeout=60)  # fmt: skip
-    finally:
-        for p in reversed(procs):
-            p.stop()
-        redis.stop()
+    with stories_client(tmp_path_factory.mktemp("logit_bias"), stories_dir) as c:
+        yield c
 
 
 def test_completions_through_the_openai_client(client: openai.OpenAI) -> None:

@@ -16,13 +16,11 @@ import pytest
 import torch
 
 from gateway.openai_api import parse_completion
-from kvstore.redis_server import LocalRedis
 from runtime import LLM, SamplingParams
 from runtime.sampling_params import InvalidRequestError
-from tests.stack import chat_model, get_json, start_gateway, start_worker, wait_until
+from tests.stack import stories_client
 
 PROMPT = "Once upon a time, there was a little girl named Lily. She loved to play outside."
-CATALOG = "regions:\n  - {name: local, latitude: 0, longitude: 0, settings: {}}\n"
 
 
 @pytest.fixture(scope="module")
@@ -164,22 +162,8 @@ def test_echo_asks_the_worker_for_prompt_logprobs() -> None:
 
 @pytest.fixture(scope="module")
 def client(tmp_path_factory: pytest.TempPathFactory, stories_dir: Path):  # type: ignore[no-untyped-def]
-    root = tmp_path_factory.mktemp("echo")
-    (root / "regions.yaml").write_text(CATALOG)
-    redis = LocalRedis().start()
-    procs = []
-    try:
-        procs.append(start_worker("stories", chat_model(stories_dir, root / "stories"),
-                                  redis.url, root))  # fmt: skip
-        gateway = start_gateway("gw", redis.url, root / "regions.yaml", root)
-        procs.append(gateway)
-        wait_until(lambda: get_json(f"{gateway.url}/readyz")[1]["workers"] == 1, 30, "workers")
-        yield openai.OpenAI(base_url=f"{gateway.url}/v1", api_key="none", max_retries=0,
-                            timeout=60)  # fmt: skip
-    finally:
-        for p in reversed(procs):
-            p.stop()
-        redis.stop()
+    with stories_client(tmp_path_factory.mktemp("echo"), stories_dir) as c:
+        yield c
 
 
 def _ids(stories_dir: Path, text: str) -> list[int]:
