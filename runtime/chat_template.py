@@ -67,6 +67,7 @@ __all__ = ["TemplateRaised", "TemplateSyntaxError", "compile_template", "render"
 MAX_RENDER_STEPS = 2_000_000  # per render: range items, calls, lookups, pieces of output
 MAX_RENDER_CHARS = 32 << 20  # the rendered prompt; a string or list one filter/method/op builds
 MAX_BUILT_CHARS = 4 * MAX_RENDER_CHARS  # per render: all that filters, methods and ops build
+# (bytes: a character is one, a container's item eight, a pointer's)
 MAX_INT_BITS = 1 << 16  # an integer a '*' or '**' builds
 
 
@@ -157,7 +158,9 @@ def _built(value: Any, what: str) -> Any:
         if size < _SHORT:
             return value
         _room(size, what)
-        _charge(size)
+        # a container's item is a pointer at least (8 bytes): counted as 8 against the render's
+        # cap (as one, ~1 GB of lists fitted under it)
+        _charge(size if isinstance(value, (str, bytes)) else 8 * size)
     elif isinstance(value, jinja2.utils.Namespace):
         _built(value._Namespace__attrs, what)
     elif isinstance(value, int) and value.bit_length() >= 8 * _SHORT:  # (int.from_bytes)
@@ -592,7 +595,7 @@ def _sum(context: Context, iterable: Any, attribute: Any = None, start: Any = 0)
             size += len(item) if isinstance(item, (list, tuple)) else 0
             built += size
             _room(size, "the sum filter")
-        _charge(built)
+        _charge(8 * built)  # (items: pointers, as _built counts them)
     return sum(items, start)
 
 
@@ -602,8 +605,8 @@ def _charge(size: int) -> None:
         budget.built -= size
         if budget.built < 0:
             raise TemplateLimit(
-                f"at most {MAX_BUILT_CHARS} characters or items built in all by filters, "
-                "methods and operators"
+                f"at most {MAX_BUILT_CHARS} bytes (a character one, a container's item eight) "
+                "built in all by filters, methods and operators"
             )
 
 
@@ -813,7 +816,7 @@ class _BoundedEnvironment(ImmutableSandboxedEnvironment):
     def call(__self, __context: Context, __obj: Any, *args: Any, **kwargs: Any) -> Any:
         _spend(1)
         if len(args) + len(kwargs) >= _SHORT:  # (f(*items, **mapping): copied)
-            _charge(len(args) + len(kwargs))
+            _charge(8 * (len(args) + len(kwargs)))
         owner = getattr(__obj, "__self__", None)
         if isinstance(owner, (str, bytes)):
             return __self._call_str_method(__context, __obj, owner, *args, **kwargs)

@@ -30,7 +30,7 @@ from runtime.tokenizer import ChatTemplateError
 
 W = "{% set w = 'x' * 1000 %}"  # a short string, many references to it make the long text
 CHARS = f"of at most {MAX_RENDER_CHARS} characters"
-BUILT = "characters or items built in all by filters, methods and operators"
+BUILT = "bytes (a character one, a container's item eight) built in all by filters, methods and operators"
 STEPS = f"at most {MAX_RENDER_STEPS} steps"
 # ns.a and ns.b: equal lists, each holding the one before twice, 22 deep (ns.a a tuple in TUPLES)
 DAG = (
@@ -104,12 +104,17 @@ ROUTES: dict[str, tuple[str, str]] = {
         "{{ m()|length }}",
         "the output of a block or macro",
     ),
-    "sum of lists": ("{{ ([[1] * 20000000] * 2)|sum(start=[])|length }}", "the sum filter"),
+    "sum of lists": ("{{ ([[1] * 12000000] * 3)|sum(start=[])|length }}", "the sum filter"),
     "loop of builds": (
         "{% for i in range(5) %}{% set x = 'x' * 30000000 %}{% endfor %}{{ 1 }}",
         BUILT,
     ),
     "map of builds": ("{{ range(5)|map('center', 30000000)|list|length }}", BUILT),
+    # lists are pointers: 30M items kept under a cap that counted an item as one character
+    "list copies": ("{% set big = [1] * 5000000 %}{% set ns = namespace(k=[]) %}{% for i in "
+                    "range(5) %}{% set ns.k = ns.k + [big.copy()] %}{% endfor %}{{ ns.k|length }}",
+                    BUILT),
+
     "slice": ("{{ [1]|slice(3000000)|list|length }}", STEPS),
     "lipsum": ("{{ lipsum(21, min=99999, max=100000)|length }}", STEPS),
     "list of characters": ("{{ ('\u20ac' * 3000000)|list|length }}", STEPS),
