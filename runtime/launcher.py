@@ -249,9 +249,19 @@ def _missing(readyz: dict[str, object]) -> str:
     return " and ".join(missing) or "/readyz to answer 200"
 
 
-def _wait_ready(url: str, gateway: _Child, children: list[_Child], timeout_s: float) -> None:
+def _unregistered(readyz: dict[str, object], workers: int) -> int:
+    """How many of the `workers` started a ready /readyz body does not count yet."""
+    registered = readyz.get("workers")
+    return max(0, workers - registered) if isinstance(registered, int) else 0
+
+
+def _wait_ready(
+    url: str, gateway: _Child, children: list[_Child], timeout_s: float, workers: int = 1
+) -> None:
     """Wait until our gateway (its own ready line: not another server on its port) answers
-    `url` (/readyz) 200; RuntimeError when a child exits first, or after `timeout_s`."""
+    `url` (/readyz) 200 with all `workers` registered (the first alone was "up" while a second,
+    or a disaggregated pair's other role, was still loading); RuntimeError when a child exits
+    first, or after `timeout_s`."""
     t0 = said = time.monotonic()
     missing = "the gateway to listen"
     while (now := time.monotonic()) < t0 + timeout_s:
@@ -260,9 +270,12 @@ def _wait_ready(url: str, gateway: _Child, children: list[_Child], timeout_s: fl
                 raise RuntimeError(exited)
         if gateway.ready.is_set():
             status, body = _readyz(url)
-            if status == 200:
+            if status != 200:
+                missing = _missing(body)
+            elif left := _unregistered(body, workers):
+                missing = f"{left} of {workers} workers to load the model and register"
+            else:
                 return
-            missing = _missing(body)
         if now - said >= PROGRESS_EVERY_S:
             print(f"waiting for {missing} ({now - t0:.0f}s)", file=sys.stderr, flush=True)
             said = now
@@ -373,7 +386,7 @@ def up(args: argparse.Namespace) -> int:
             env, lifeline.pass_fds, ready_line=GATEWAY_READY,
         )  # fmt: skip
         children = [gateway, *workers]
-        _wait_ready(f"{base}/readyz", gateway, children, READY_TIMEOUT_S)
+        _wait_ready(f"{base}/readyz", gateway, children, READY_TIMEOUT_S, len(workers))
         model = Path(model_dir).name
         # (the gateway takes $EDGEINFER_API_KEYS when no --api-key is given: so does the example)
         api_keys = args.api_key or [k for k in os.environ.get("EDGEINFER_API_KEYS", "").split(",") if k]

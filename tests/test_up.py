@@ -331,6 +331,16 @@ def test_up_waits_for_its_own_gateway_and_says_what_it_waits_for(
         ):
             launcher._wait_ready(f"http://127.0.0.1:{port}/readyz", listening, [listening], 1.0)
         assert "waiting for a worker to load the model and register" in capsys.readouterr().err
+        # two workers started, one registered: ready for /readyz, not yet for `up`, which said
+        # "edgeinfer is up" while the second (or a disaggregated pair's other role) still loaded
+        one = b'{"ready": true, "redis": true, "workers": 1, "pools": 0}'
+        with (
+            _foreign_server(200, one) as port,
+            pytest.raises(RuntimeError, match="still waiting for 1 of 2 workers to load"),
+        ):
+            launcher._wait_ready(f"http://127.0.0.1:{port}/readyz", listening, [listening], 1.0, 2)
+        with _foreign_server(200, one) as port:
+            launcher._wait_ready(f"http://127.0.0.1:{port}/readyz", listening, [listening], 1.0, 1)
     finally:
         for c in (silent, listening):
             c.popen.kill()
