@@ -303,7 +303,10 @@ class ModelRunner:
                               "serve as float32")  # fmt: skip
                 return
             packed, dense, nbytes = self.model.packed_weights()
-            if packed:
+            if _STOP_PACKING.is_set():  # (the process is exiting: a partial count is no result)
+                log.info("packed weights: the search stopped at exit (%d of %d matrices packed)",
+                         packed, packed + dense)  # fmt: skip
+            elif packed:
                 formats = ", ".join(f"{n} {f}" for f, n in self.model.packed_formats().items())
                 log.info("packed weights: %d of %d matrices are exact GGUF blocks (%s), "
                          "%.0f MB read by a decode pass instead of their float32 (%.2f s, in the "

@@ -941,3 +941,27 @@ def test_import_says_the_tensor_types_and_which_decode_reads_packed(
     write_gguf(tmp_path / "f.gguf", tiny_llama(len(vocab.tokens), tied=True), vocab, Q.F16)
     import_gguf(tmp_path / "f.gguf", tmp_path / "hf16", progress=said.append)
     assert not any(m.startswith("decode will read") for m in said), said
+
+
+def test_a_packing_search_stopped_at_exit_says_so_not_a_count(
+    tmp_path: Path, bpe: Tokenizer, caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A worker exiting (a taken port, Ctrl-C) stops the background search: it logged the matrices
+    found so far as its result ("packed weights: 1 of 121 matrices are exact GGUF blocks")."""
+    import logging
+    import threading
+
+    from runtime import LLM, model_runner
+
+    vocab = gpt2_vocab(bpe)
+    write_gguf(tmp_path / "m.gguf", tiny_llama(len(vocab.tokens), tied=True, seed=2), vocab, Q.Q8_0)
+    out = import_gguf(tmp_path / "m.gguf", tmp_path / "hf")
+    stopped = threading.Event()
+    stopped.set()  # as atexit sets it
+    monkeypatch.setattr(model_runner, "_STOP_PACKING", stopped)
+    with caplog.at_level(logging.INFO, logger="runtime.model_runner"):
+        llm = LLM(out, kv_cache_bytes=1 << 22)
+        llm.engine.runner.wait_packed()
+    if llm.engine.runner._pack:  # (the CPU extension built: the search ran)
+        assert "packed weights: the search stopped at exit" in caplog.text, caplog.text
+    assert "are exact GGUF blocks" not in caplog.text, caplog.text
