@@ -15,8 +15,9 @@ breaks while a handler reads the body fails that read (a 400, runtime/serving.py
 logged as one WARNING line, as is a body that stops decoding after the app refused it
 (`_ClientFaults`). `Expect: 100-continue` is answered once auth and the declared size passed.
 
-`_errors`, the outermost middleware, also gives each request its id: the proxy sends it to the
-worker and puts it on its spans and log lines, and every response carries it as x-request-id
+`_errors`, the outermost middleware, also gives each request its id (beginning with the client's
+own x-request-id, where it sent a usable one): the proxy sends it to the worker and puts it on
+its spans and log lines, and every response carries it as x-request-id
 (`_stamp`), an error's too, with the success path's worker headers once a worker was chosen.
 With `--cors-origins`, browsers' preflights are answered ahead of auth (gateway/cors.py).
 """
@@ -28,6 +29,7 @@ import dataclasses
 import gc
 import hmac
 import logging
+import re
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -97,9 +99,25 @@ def _json(obj: Any, status: int = 200, headers: dict[str, str] | None = None) ->
     )
 
 
+# a client's own x-request-id that the gateway's id may begin with (letters, digits, . _ : -)
+_CLIENT_ID = re.compile(r"[A-Za-z0-9._:-]{1,64}")
+
+
+def _request_id(request: web.Request) -> str:
+    """The request's id: a new one, or, when the client sent an x-request-id of up to 64
+    letters, digits and . _ : -, that one with a new suffix (its logs, spans and the worker's
+    lines then carry the client's id; the suffix keeps two clients' equal ids apart, as the
+    worker needs them unique). Anything else the client sent is not used."""
+    own = uuid.uuid4().hex
+    given = request.headers.get("x-request-id")
+    if given and _CLIENT_ID.fullmatch(given):
+        return f"{given}-{own[:12]}"
+    return own
+
+
 @web.middleware
 async def _errors(request: web.Request, handler: Any) -> web.StreamResponse:
-    request[REQUEST_ID] = uuid.uuid4().hex
+    request[REQUEST_ID] = _request_id(request)
     try:
         return await handler(request)
     except (asyncio.CancelledError, ConnectionError):

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import re
 import signal
 import threading
 import time
@@ -619,6 +620,19 @@ def test_every_answer_names_its_request(cluster: Cluster) -> None:
                                              for n in ("eu1", "eu2")}  # fmt: skip
     assert headers["x-edgeinfer-region"] == "eu"
     ids.append(e.value.request_id)
+    # the client's own id (vLLM echoes one): the gateway's begins with it, and a suffix keeps
+    # two clients' equal ids apart; one that is no such id is not used
+    for _ in range(2):
+        raw = client.completions.with_raw_response.create(
+            model="stories", prompt="Once", max_tokens=2, extra_headers={"x-request-id": "trace:4.2_a-b"}
+        )  # fmt: skip
+        ids.append(raw.headers["x-request-id"])
+        assert re.fullmatch(r"trace:4\.2_a-b-[0-9a-f]{12}", ids[-1]) and raw.parse().id == f"cmpl-{ids[-1]}"
+    for bad in ("has space", "x" * 65, "a{b}"):
+        raw = client.completions.with_raw_response.create(
+            model="stories", prompt="Once", max_tokens=2, extra_headers={"x-request-id": bad}
+        )  # fmt: skip
+        assert re.fullmatch(r"[0-9a-f]{32}", raw.headers["x-request-id"]), bad
     assert all(ids) and len(set(ids)) == len(ids)
 
 
