@@ -240,7 +240,6 @@ def parse_chat(
     )
     for name, (off, what) in CHAT_OFF_ONLY.items():
         f.only_default(name, off, what)
-    _tool_choice_allowed(f)
     tools, tool_choice = tools_of(f)
 
     sampling, options = _common(f, "chat", model, max_completion or max_tokens, n_logprobs)
@@ -264,26 +263,6 @@ def parse_chat(
         parallel_tool_calls=f.boolean("parallel_tool_calls", True),
     )
     return [request], options
-
-
-def _tool_choice_allowed(f: Fields) -> None:
-    """OpenAI's refusals of a tool_choice, before `tools_of` reads it: any but "none" without
-    tools (OpenAI's 400 names tool_choice; "auto" was taken, as if no tool_choice were sent),
-    and the allowed_tools form (a subset of the tools that the model may call, mode "auto" or
-    "required"), which would otherwise be refused as a misspelt named choice."""
-    choice = f.raw("tool_choice")
-    if isinstance(choice, dict) and choice.get("type") == "allowed_tools":
-        raise unsupported(
-            "tool_choice",
-            "tool_choice {'type': 'allowed_tools', ...} is not supported; send the allowed tools "
-            "as tools, with tool_choice 'auto' or 'required'",
-        )
-    if choice not in (None, "none") and f.raw("tools") in (None, []):
-        raise invalid(
-            "tool_choice",
-            "tool_choice requires tools: tool_choice is only allowed when tools are specified, "
-            f"got {_desc(choice)} without tools",
-        )
 
 
 def parse_completion(
@@ -438,9 +417,7 @@ def _echo_logprobs(
         need = logprobs
     elif echo and isinstance(prompt, list):
         need = 0
-    if need is None or asked is None:
-        return asked if need is None else need
-    return max(need, asked)
+    return max((n for n in (need, asked) if n is not None), default=None)
 
 
 def _prompt_logprobs(f: Fields, stream: bool) -> int | None:

@@ -172,10 +172,23 @@ def tools_of(f: Fields) -> tuple[list[dict[str, Any]] | None, str | dict[str, An
     """(tools, tool_choice) for the worker: None, None when no tools are given."""
     raw = f.raw("tools")
     choice = f.raw("tool_choice")
+    if isinstance(choice, dict) and choice.get("type") == "allowed_tools":
+        # (a subset of the tools the model may call, mode "auto" or "required": refused by name,
+        # not as a misspelt named choice)
+        raise unsupported(
+            "tool_choice",
+            "tool_choice {'type': 'allowed_tools', ...} is not supported; send the allowed tools "
+            "as tools, with tool_choice 'auto' or 'required'",
+        )
     if raw is None or raw == []:
-        if choice is None or choice in ("none", "auto"):
+        if choice is None or choice == "none":
             return None, None
-        raise invalid("tool_choice", "tool_choice requires tools")
+        # (OpenAI's 400; "auto" was taken, as if no tool_choice were sent)
+        raise invalid(
+            "tool_choice",
+            "tool_choice requires tools: tool_choice is only allowed when tools are specified, "
+            f"got {_short(choice)} without tools",
+        )
     if not isinstance(raw, list):
         raise invalid("tools", f"tools must be an array, got {type_name(raw)}")
     if len(raw) > MAX_TOOLS:

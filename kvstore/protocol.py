@@ -33,9 +33,10 @@ a DeltaEvent with three more fields, sent once per request (its n completions sh
                      id -> {"logprob", "rank", "decoded_token"}, the prompt's token first, then
                      its alternatives
 
-Every delta's `logprobs` holds one entry per token in its `token_ids`: every generated token is
-listed, as the done event's `completion_tokens` counts it, those of a stop string cut from the
-text and a final stop token (end-of-sequence, stop_token_ids) included (vLLM's rule).
+A delta's `logprobs` are those of the tokens whose text is out, sent with that text: none for
+the tokens of a stop string cut from the text or for a final stop token (end-of-sequence,
+stop_token_ids), so that they add up to the text, as OpenAI's do; the done event's
+`completion_tokens` counts every generated token (vLLM lists them all).
 
 A request the worker refuses never starts a stream: it gets a 4xx/5xx JSON body
 {"error": {"message", "type", "param", "code"}} in the OpenAI shape, which the gateway relays.
@@ -138,8 +139,8 @@ class DeltaEvent:
     index: int  # which completion
     text: str  # new text (never a broken UTF-8 character)
     token_ids: list[int]  # new tokens
-    logprobs: list[TokenLogprob] | None = None  # one per new token, when asked for (every
-    # token: a stop string's cut from `text` and a final stop token's too)
+    logprobs: list[TokenLogprob] | None = None  # when asked for: one per token whose text is
+    # out (none for a stop string cut from `text` or a final stop token: see above)
     finish_reason: str | None = None  # "stop" | "length" | "abort" once this completion ended
     stop_reason: str | int | None = None  # the stop string or token that ended it
     tool_calls: list[dict[str, Any]] | None = None  # tool-call deltas in OpenAI's chunk shape

@@ -151,8 +151,9 @@ def _room(size: int, what: str) -> None:
 
 def _built(value: Any, what: str) -> Any:
     """`value` (just built by `what`: a string, a container, an int from bytes), checked: at
-    most MAX_RENDER_CHARS characters or items (or bytes), and counted against the render's MAX_BUILT_CHARS unless it is short (what makes a short
-    one is a step, or at most a few for each step)."""
+    most MAX_RENDER_CHARS characters or items (or bytes), and counted against the render's
+    MAX_BUILT_CHARS unless it is short (what makes a short one is a step, or at most a few for
+    each step)."""
     if isinstance(value, _BUILT):
         size = len(value)
         if size < _SHORT:

@@ -146,8 +146,7 @@ class DraftProposer:
             self.runner.pack_weights()  # load_model has read every weight
         # what the draft holds: its weights and its KV cache (the target's budget leaves it out)
         self.nbytes = num_blocks * block_bytes + sum(
-            t.numel() * t.element_size()
-            for t in (*self.model.parameters(), *self.model.buffers())
+            t.nbytes for t in (*self.model.parameters(), *self.model.buffers())
         )
         self._shadows: dict[str, Request] = {}  # request id -> the draft's view of it
         self._base: dict[str, int] = {}  # request id -> leading shadow tokens that are its own

@@ -404,7 +404,7 @@ class ModelRunner:
             assert lps is not None and req.params.prompt_logprobs is not None
             skip = len(lps) - p.first_token  # rows a sibling sequence gave meanwhile
             if 0 <= skip < p.count:  # (< 0: rows missing before these, never the case: the
-                # engine keeps such requests out of the prefix cache)
+                # scheduler keeps such requests out of the prefix cache)
                 targets = req.prompt_token_ids[p.first_token + skip : p.first_token + p.count]
                 rows_p = logits[p.first_row + skip : p.first_row + p.count]  # (count, vocab)
                 entries = logprobs_of(rows_p, targets, req.params.prompt_logprobs)

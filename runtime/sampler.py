@@ -37,8 +37,8 @@ feature costs only for the rows that use it.
 Reproducibility: a row with its own `torch.Generator` (a seeded request) takes its uniform number
 from it, one row at a time, and everything else it goes through is row-wise, so a seeded row gives
 the same tokens whatever else is in the batch, given the same logits (the model's forward pass is
-not batch-invariant to the last bit, even in float32: README, `--dtype`). All other rows share one batched draw from torch's
-default generator.
+not batch-invariant to the last bit, even in float32: README, `--dtype`). All other rows share
+one batched draw from torch's default generator.
 
 Ending a request on a stop token or end-of-sequence is not the sampler's job (Request.check_stop);
 it only keeps them from being drawn under min_tokens.

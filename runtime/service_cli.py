@@ -116,19 +116,26 @@ def _check_listen(host: str, port: int, flag: str, what: str) -> None:
                 ) from None
 
 
+def _check_key_id(value: str, what: str) -> None:
+    """Refuse (a one-line SystemExit naming `what`) a value no registry key can hold (the keys
+    put ids in a Redis Cluster hash tag: kvstore.keys.check_id)."""
+    from kvstore.keys import check_id
+
+    try:
+        check_id(value, what)
+    except ValueError as e:
+        raise SystemExit(f"edgeinfer: error: {e}") from None
+
+
 def _check_region_or_warn(region: str, catalog: str | None) -> None:
     """A worker's or a pool's --region the catalog lacks: refused (a one-line SystemExit) when
     the catalog was given (--regions FILE, as its gateways are); else, against the packaged
     catalog, a warning: a deployment's gateways may read a catalog of their own (infra/deploy.py
     mounts it for them, --regions), which a worker is not given. A region no gateway's catalog
     has (`--region eu-wset`) registered, and gateways routed to it as another region's."""
-    from kvstore.keys import check_id
     from runtime.launcher import region_refusal
 
-    try:  # (a region no key can hold is an error, not a catalog warning before it)
-        check_id(region, "--region")
-    except ValueError as e:
-        raise SystemExit(f"edgeinfer: error: {e}") from None
+    _check_key_id(region, "--region")  # (an error, not a catalog warning before it)
     refusal = region_refusal(region, catalog)
     if refusal is None:
         return
@@ -143,16 +150,11 @@ def _check_worker_flags(args: argparse.Namespace) -> None:
     """Refuse (a one-line SystemExit naming the flag) what WorkerConfig or the Redis registry
     would refuse only once the model had loaded, in its own field names ("need 0 < heartbeat_s
     < ttl_s"), or what a server would fail to bind then: before anything loads."""
-    from kvstore.keys import check_id
-
     _check_region_or_warn(args.region, args.regions)
     for flag, value in (("--served-model-name", args.served_model_name),
                         ("--worker-id", args.worker_id)):  # fmt: skip
-        if value is not None:  # (the registry's keys hold them in a Redis Cluster hash tag)
-            try:
-                check_id(value, flag)
-            except ValueError as e:
-                raise SystemExit(f"edgeinfer: error: {e}") from None
+        if value is not None:
+            _check_key_id(value, flag)
     if args.heartbeat <= 0:
         raise SystemExit(f"edgeinfer: error: --heartbeat must be > 0 seconds, got {args.heartbeat}")
     if args.ttl <= args.heartbeat:
@@ -264,12 +266,7 @@ def cmd_worker(args: argparse.Namespace) -> int:
     _secret(args)
     model_dir = _model_dir(args.model)
     if args.served_model_name is None:  # (served under the folder's name: the same rule)
-        from kvstore.keys import check_id
-
-        try:
-            check_id(Path(model_dir).name, "the model folder's name (give --served-model-name)")
-        except ValueError as e:
-            raise SystemExit(f"edgeinfer: error: {e}") from None
+        _check_key_id(Path(model_dir).name, "the model folder's name (give --served-model-name)")
     # Start reading the weights now (a folder that cannot be served stops us here): the imports
     # below and the engine's own set-up run while the drive works.
     weights = start_weights_early(model_dir, args)

@@ -21,8 +21,8 @@ token. Requests with repetition / presence / frequency penalties are not specula
 distribution depends on the tokens still being verified), nor are requests with a logit_bias
 (verification would have to bias each draft position's target distribution, and the draft
 model's, to keep the output exact: not worth it for what is mostly a ban list), nor requests
-short of their min_tokens (the stop tokens the sampler holds back until then would need holding back at each
-draft position: verification sees none of the request's state but its parameters).
+short of their min_tokens (the stop tokens the sampler holds back until then would need holding
+back at each draft position: verification sees none of the request's state but its parameters).
 
 Proposers (one interface, `Proposer`: propose for (request, k) pairs, forget a request):
 - n-gram (prompt lookup): the longest suffix of the request's tokens (n from `ngram_max` down to
