@@ -167,6 +167,12 @@ def paged_attention(
         keys = k_blocks.index_select(0, flat).view(n, -1, Hkv, D).transpose(1, 2)  # (n, Hkv, L, D)
         values = v_blocks.index_select(0, flat).view(n, -1, Hkv, D).transpose(1, 2)
         keys, values = keys.to(q.dtype), values.to(q.dtype)  # a bfloat16 cache: widened, exact
+        if g.mask is not None:
+            # the masked rows (stale rows of a freed block, another request's block 0 as padding)
+            # zeroed: a NaN or inf there would still reach the output through the mask's sum
+            # (NaN + -inf) and the weights' product (0 * inf)
+            keep = g.mask.view(n, 1, -1, 1)
+            keys, values = keys.masked_fill(~keep, 0), values.masked_fill(~keep, 0)
         qd = q[s : s + n].unsqueeze(2)  # (n, H, 1, D)
         o = F.scaled_dot_product_attention(
             qd, keys, values, attn_mask=g.mask, scale=scale, enable_gqa=Hkv != H

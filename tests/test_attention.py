@@ -164,6 +164,37 @@ def test_cpu_decode_kernel_shapes(
             assert (err <= ref.abs() * 2.0**-8 + 2e-5).all(), (i, err.max().item())
 
 
+@pytest.mark.parametrize("impl", ["torch", "cpu_ext"])
+@pytest.mark.parametrize("value", [float("nan"), float("inf")])
+def test_decode_ignores_what_masked_slots_hold(impl: str, value: float) -> None:
+    """Rows a request does not own (past its length in its last block, and the block-0 padding
+    of a shorter block table: another request's rows) may hold anything, NaN or inf from a
+    request whose activations overflowed included: no path lets them into the output (the
+    reference's masked SDPA did, through NaN + -inf and 0 * inf)."""
+    if impl == "cpu_ext" and cpu_ext.load() is None:
+        pytest.skip("the CPU extension did not build here (no compiler?)")
+    torch.manual_seed(1)
+    bs, lens = 16, [21, 3, 40]
+    k_cache, v_cache, tables, keys, vals = nan_cache_with(lens, HKV, D, bs, seed=7)
+    k_cache[k_cache.isnan()] = value
+    v_cache[v_cache.isnan()] = value
+    width = max(len(t) for t in tables)
+    block_ids = torch.zeros(len(lens), width, dtype=torch.int64)
+    for i, t in enumerate(tables):
+        block_ids[i, : len(t)] = torch.tensor(t)
+    mask = (torch.arange(width * bs)[None, :] < torch.tensor(lens)[:, None])[:, None, None, :]
+    meta = PagedAttentionMetadata(
+        slot_mapping=torch.zeros(len(lens), dtype=torch.int64), block_size=bs, decode_impl=impl,
+        decodes=[DecodeGroup(0, len(lens), block_ids, torch.tensor(lens), mask)],
+    )
+    q = torch.randn(len(lens), H, D)
+    flat_k, flat_v = k_cache.view(-1, HKV, D), v_cache.view(-1, HKV, D)
+    out = paged_attention(q, q[:, :HKV], q[:, :HKV], flat_k, flat_v, meta, D**-0.5)
+    for i, n in enumerate(lens):
+        ref = dense_attention(q[i : i + 1], keys[i], vals[i], ctx=n - 1)
+        torch.testing.assert_close(out[i : i + 1].double(), ref, atol=2e-5, rtol=1e-4)
+
+
 @pytest.mark.parametrize("n", [1, 3, 7])
 @pytest.mark.parametrize(("h", "hkv", "d"), [(9, 3, 64), (32, 8, 128), (4, 4, 32)])
 def test_cpu_decode_few_bfloat16_requests(n: int, h: int, hkv: int, d: int) -> None:
