@@ -68,6 +68,85 @@ def sse(obj: dict[str, Any]) -> bytes:
 
 
 @dataclass(slots=True)
+class _TextOffsets:
+    """Completions' `text_offset`: where each of a choice's tokens begins in the choice's text
+    (the echoed prompt's tokens and the generated ones alike, OpenAI's meaning). The tokens'
+    text, decoded from their bytes, is matched against the text as it comes:
+    - a token whose text is at the text's next position begins there; so does one whose text
+      is there but for a leading space (SentencePiece's "▁Once" begins a text "Once": the
+      space the decoder strips; a detokenizer's cleanup drops " ," to ",");
+    - a token whose text is still to come (the worker holds back what may start a stop
+      string) begins where the text stands, and the rest of its text is matched as it comes;
+    - a token that shows nothing in the text (a bos "<s>", any special token the text leaves
+      out) is zero-width, at the position where the next text begins (0 for a leading bos);
+    - after such tokens, the next is also looked for as far ahead as their text was long (an
+      "<unk>" stands for characters the tokens lost), where it then begins.
+    So offsets never decrease and stay within the text received so far. vLLM instead adds up
+    the tokens' string lengths from 0, "<s>" and the first token's space included; the two
+    agree where the tokens' text is the text (OpenAI's tokenizers: no bos, no dropped space).
+    """
+
+    at: int = 0  # the text before this position is the tokens' so far
+    unread: str = ""  # the text received after `at` (empty while `pending` is not)
+    pending: str = ""  # the tokens' text that the text has not shown yet
+    missed: int = 0  # characters of the tokens not found in the text since the last found
+    decoder: codecs.IncrementalDecoder = field(  # of the tokens' bytes
+        default_factory=lambda: codecs.getincrementaldecoder("utf-8")("replace")
+    )
+
+    def add_text(self, text: str) -> None:
+        """More of the choice's text: the rest of the tokens' text is looked for first."""
+        self.unread += text
+        if not self.pending:
+            return
+        for shown in _forms(self.pending):
+            took = _take(shown, self.unread)
+            if took is not None:
+                self.at, self.unread = self.at + took, self.unread[took:]
+                self.pending = shown[took:]
+                return
+        self.missed, self.pending = self.missed + len(self.pending), ""
+
+    def add_token(self, raw: bytes) -> int:
+        """A token (its bytes) after the tokens so far; returns its text_offset."""
+        piece = self.decoder.decode(raw)
+        if self.pending:  # an earlier token's text is still to come, then this one's
+            self.pending += piece
+            return self.at
+        for shown in _forms(piece):
+            took = _take(shown, self.unread)
+            if took is not None:
+                start = self.at
+                self.at, self.unread = self.at + took, self.unread[took:]
+                self.pending = shown[took:]
+                self.missed = 0 if shown else self.missed
+                return start
+        for shown in _forms(piece) if self.missed else ():  # ahead, past what was missed
+            q = self.unread.find(shown, 1, self.missed + len(shown)) if shown else -1
+            if q > 0:
+                start, end = self.at + q, q + len(shown)
+                self.at, self.unread, self.missed = self.at + end, self.unread[end:], 0
+                return start
+        self.missed += len(piece)
+        return self.at
+
+
+def _forms(piece: str) -> tuple[str, ...]:
+    """A token's text as the text may show it: whole, or without its leading space."""
+    return (piece, piece[1:]) if piece[:1] == " " else (piece,)
+
+
+def _take(shown: str, unread: str) -> int | None:
+    """How much of `unread` a token's text `shown` takes where it begins it: all of `shown`,
+    or all of `unread` when that is only the start of it (the rest to come); None if neither."""
+    if unread.startswith(shown):
+        return len(shown)
+    if shown.startswith(unread):
+        return len(unread)
+    return None
+
+
+@dataclass(slots=True)
 class _Choice:
     """One completion of the request's n, as accumulated so far."""
 
@@ -80,12 +159,7 @@ class _Choice:
     token_logprobs: list[float | None] = field(default_factory=list)
     top_logprobs: list[dict[str, float] | None] = field(default_factory=list)
     text_offset: list[int] = field(default_factory=list)  # completions, per token
-    # completions: the tokens' text (decoded from their bytes) that `text` does not hold yet
-    # (the worker holds back what may start a stop string), and the decoder of their bytes
-    pending: str = ""
-    decoder: codecs.IncrementalDecoder = field(
-        default_factory=lambda: codecs.getincrementaldecoder("utf-8")("replace")
-    )
+    offsets: _TextOffsets = field(default_factory=_TextOffsets)  # completions: text_offset's
     tool_calls: list[dict[str, Any]] = field(default_factory=list)  # OpenAI tool calls so far
     finish_reason: str | None = None  # "stop" | "length" | "tool_calls" once ended
     stop_reason: str | int | None = None  # the stop string or token id that ended it
@@ -335,6 +409,9 @@ class ResponseAssembler:
             if part is not None and part["tokens"]:
                 c.token_logprobs[at] = c.top_logprobs[at] = None
                 part["token_logprobs"][0] = part["top_logprobs"][0] = None
+            # the generated tokens' offsets go on from the prompt's end, whatever of it the
+            # prompt's tokens did not account for (or did not end: a split character)
+            c.offsets = _TextOffsets(at=c.text_len + len(text))
         c.text.append(text)
         c.text_len += len(text)
         if not self.options.stream:
@@ -346,7 +423,7 @@ class ResponseAssembler:
         top_n = self.options.logprobs
         if top_n is None or not raw:
             if top_n is not None and not self.chat:  # text held back for earlier tokens
-                c.pending = c.pending[len(text) :] if c.pending.startswith(text) else ""
+                c.offsets.add_text(text)
             return None
         if not isinstance(raw, list):
             raise TypeError(f"logprobs must be a list, got {type(raw).__name__}")
@@ -369,27 +446,14 @@ class ResponseAssembler:
             ]
             c.chat_logprobs.extend(entries)
             return {"content": entries, "refusal": None}
-        # text_offset: where each token starts in the completion's text. A token's text may come
-        # in a later delta (held back while it may start a stop string): the tokens' text,
-        # decoded from their bytes, is lined up with the text sent. Where it does not line up
-        # (a special token has no text), the offsets are counted from the delta's start, token
-        # strings' lengths apart (they need not add up to the text: "bytes:\\xf0\\x9f"); both
-        # are kept within the text (a stop string cuts it).
-        starts = []
-        for t in raw:
-            starts.append(c.text_len + len(c.pending))
-            b = t.get("bytes")
-            c.pending += c.decoder.decode(bytes(t["token"].encode() if b is None else b))
-        lined_up = c.pending.startswith(text)
-        c.pending = c.pending[len(text) :] if lined_up else ""
-        offset, end = c.text_len, c.text_len + len(text)
+        c.offsets.add_text(text)  # text_offset: where each token begins (see _TextOffsets)
         part: dict[str, list[Any]] = {
             "tokens": [],
             "token_logprobs": [],
             "top_logprobs": [],
             "text_offset": [],
         }
-        for k, t in enumerate(raw):
+        for t in raw:
             chosen = _logprob(t["logprob"])
             part["tokens"].append(t["token"])
             part["token_logprobs"].append(chosen)
@@ -399,8 +463,9 @@ class ResponseAssembler:
             for a in t.get("top_logprobs", [])[:top_n]:
                 top.setdefault(a["token"], _logprob(a["logprob"]))
             part["top_logprobs"].append(top)
-            part["text_offset"].append(min(starts[k] if lined_up else offset, end))
-            offset += len(t["token"])
+            b = t.get("bytes")
+            raw_bytes = t["token"].encode() if b is None else bytes(b)
+            part["text_offset"].append(c.offsets.add_token(raw_bytes))
         c.tokens.extend(part["tokens"])
         c.token_logprobs.extend(part["token_logprobs"])
         c.top_logprobs.extend(part["top_logprobs"])
