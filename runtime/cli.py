@@ -781,7 +781,9 @@ def build_parser() -> argparse.ArgumentParser:
     _engine_args(g)
     _sampling_args(g)
     _store_arg(g)
-    g.add_argument("prompt", nargs="*", help="prompt text (default: read stdin)")
+    g.add_argument("prompt", nargs="*", help="prompt text, one prompt per argument (quote a "
+                   "sentence: \"Once upon a time\"); none: one prompt read from stdin, as it is "
+                   "(a trailing newline included)")  # fmt: skip
     g.set_defaults(func=cmd_generate)
 
     c = sub.add_parser("chat", help="chat with a model in the terminal, using its chat template")
