@@ -39,8 +39,10 @@ from runtime.detokenizer import IncrementalDetokenizer
 from runtime.draft import DraftProposer
 from runtime.kv_cache import BlockManager
 from runtime.loader import IMPORT_MARKER, PendingLoad, model_revision
+from runtime.model import LlamaForCausalLM
 from runtime.model_runner import Launched, ModelRunner, kv_block_bytes, kv_cache_dtype
 from runtime.outputs import CompletionOutput, RequestOutput
+from runtime.parallel import RankPlace
 from runtime.ranks import RankFailure, start_weights
 from runtime.request import Request, RequestStatus
 from runtime.sampler import TokenLogprobs
@@ -69,26 +71,41 @@ class Startup:
     read: ReadStats  # what the weight read did (bytes, GB/s, O_DIRECT or not, chunks checked)
     kv_cache: str = ""  # what the KV cache holds, e.g. "6.05 GB bfloat16, 10254 blocks of 16"
     compressed: str = ""  # weights kept compressed: CompressedBlocks.summary()
+    ranks: int = 1  # processes the model is split over: the phases are rank 0's (its share)
 
     @property
     def ready(self) -> float:
         return max(end for _, end in self.phases.values())
 
-    def timeline(self, process_start: float, imports_done: float, drive: str) -> str:
+    def timeline(self, process_start: float, imports_done: float, drive: str,
+                 ranks_started: tuple[float, float] | None = None) -> str:  # fmt: skip
         """One line for a worker's log: each phase as seconds since the process started (its
-        imports first), and the weight read's GB/s beside the drive's (`drive` says it)."""
+        imports first), and the weight read's GB/s beside the drive's (`drive` says it).
+        `ranks_started`: when the worker, between its imports, started the other ranks of a
+        split model (spawned them, joined them and waited for each to read its share)."""
         read, files = self.read, self.read.direct + self.read.buffered
         checked = (
             f", {read.verified} checksums verified" if read.verified else ", no manifest to check"
         )
-        parts = [f"imports 0.00-{imports_done - process_start:.2f}"]
-        for name, (start, end) in sorted(self.phases.items(), key=lambda kv: kv[1][0]):
+        phases = dict(self.phases)
+        imports = f"0.00-{imports_done - process_start:.2f}"
+        if ranks_started is not None:  # (they had counted the spawning, joining and reads)
+            phases["ranks started"] = ranks_started
+            start, end = (t - process_start for t in ranks_started)
+            imports = f"0.00-{start:.2f}, {end:.2f}-{imports_done - process_start:.2f}"
+        parts = [f"imports {imports}"]
+        for name, (start, end) in sorted(phases.items(), key=lambda kv: kv[1][0]):
             part = f"{name} {start - process_start:.2f}-{end - process_start:.2f}"
             if name == "weights read":
+                share = f"rank 0's share, 1 of {self.ranks} ranks: " if self.ranks > 1 else ""
                 part += (
-                    f" ({read.bytes / 1e9:.2f} GB at {read.gb_per_s:.2f} GB/s; {drive}; "
+                    f" ({share}{read.bytes / 1e9:.2f} GB at {read.gb_per_s:.2f} GB/s; {drive}; "
                     f"{read.direct} of {files} files O_DIRECT{checked})"
                 )
+            elif name == "ranks started":
+                others = "rank 1" if self.ranks == 2 else f"ranks 1-{self.ranks - 1}"
+                their = "its share" if self.ranks == 2 else "their shares"
+                part += f" ({others} of {self.ranks} spawned and joined, {their} read)"
             elif name == "KV cache" and self.kv_cache:
                 part += f" ({self.kv_cache})"
             elif name == "weights compressed" and self.compressed:
@@ -108,6 +125,20 @@ class RequestGroup:
     seqs: list[Request]
     detoks: list[IncrementalDetokenizer]
     outputs: list[CompletionOutput]
+
+
+def _packable_bytes(model: LlamaForCausalLM) -> int:
+    """The most bytes pack_weights can add on all the ranks of the model's world: each packs
+    its own weights, out of this host's memory. The other ranks' parts are built on the meta
+    device (their shapes, no memory: all that packable_bytes reads)."""
+    par = model.place.config
+    total = model.packable_bytes()
+    for rank in range(1, par.world_size):
+        with torch.device("meta"):
+            other = LlamaForCausalLM(model.cfg, model.dtype, model.max_model_len,
+                                     place=RankPlace(par, rank), weight_dtype=model.weight_dtype)  # fmt: skip
+        total += other.packable_bytes()
+    return total
 
 
 _MASK64 = (1 << 64) - 1
@@ -215,8 +246,10 @@ class LLMEngine:
         if cuda:  # of the GPU memory left once the weights are on it
             torch.cuda.empty_cache()  # what placing (or encoding) them freed counts as free
             free = torch.cuda.mem_get_info(self.model.device)[0]
-        else:  # of the memory left once the weights are in (they may be arriving)
-            free = weights.memory_before - weights.nbytes
+        else:  # of the memory left once the weights are in (they may be arriving): every
+            # rank's, split over ranks, as block_bytes is every rank's share of a block (they
+            # all take the host's memory; rank 0's alone over-committed a high fraction)
+            free = weights.memory_before - weights.host_nbytes
             if proposer is not None:
                 free -= proposer.nbytes
             if self.compressed is not None:  # what the compressed layers gave back
@@ -224,7 +257,7 @@ class LLMEngine:
                 free -= self.compressed.buffer_bytes
             if config.packed_weights and (Path(config.model) / IMPORT_MARKER).exists():
                 # a GGUF import's weights are exact blocks: pack_weights will keep those too
-                free -= self.model.packable_bytes()
+                free -= _packable_bytes(self.model)
         budget = config.kv_cache_bytes or int(free * config.kv_cache_fraction)
         num_blocks = budget // block_bytes
         if num_blocks < 1:
@@ -304,6 +337,7 @@ class LLMEngine:
             f"{str(self.kv_dtype).removeprefix('torch.')}, {num_blocks} blocks of "
             f"{config.block_size} tokens",
             compressed=self.compressed.summary() if self.compressed is not None else "",
+            ranks=weights.ranks.world_size if weights.ranks is not None else 1,
         )
 
     # ------------------------------------------------------------------ requests in

@@ -6,7 +6,8 @@
          experts; split over ranks (runtime.parallel), only this rank's layers, experts, and
          rows or columns of each tensor take memory: the reader skips the chunks of a shard that
          hold none of its bytes, and drops the rest of a chunk it reads); every shape, dtype, missing or unexpected tensor
-         and the memory needed checked, naming the file   (all before any weight is read)
+         and the memory needed (rank 0 of a split model: every rank's, on this host) checked,
+         naming the file   (all before any weight is read)
       ─▶ one arena per dtype holds every parameter; each parameter becomes a view of it, placed
          at the offset modulo 4096 at which its bytes sit in the file
       ─▶ runtime.shard_reader reads every shard, in file order, O_DIRECT, straight into the
@@ -244,6 +245,10 @@ class PendingLoad:
     reads: ShardReads | _Decoding
     nbytes: int  # memory the parameters take
     memory_before: int  # bytes available (host or container: host_memory) before any was allocated
+    # memory the parameters of every rank on this host take: rank 0's load of a split model
+    # counts all the ranks' (they share the host's memory, which memory_before was measured
+    # before any of them took); any other load, nbytes
+    host_nbytes: int
     revision: str = ""  # model_revision of the folder as start_load found it
     # per shard: (staged tensor in its file dtype, its place in the parameter) to convert
     conversions: list[list[tuple[torch.Tensor, torch.Tensor]]] = field(default_factory=list)
@@ -333,6 +338,9 @@ def start_load(
             raise ModelLoadError(f"{path}: the weights need {_size(need)} of memory (as "
                                  f"{torch_dtype}), only {_size(have)} is available")  # fmt: skip
     _check_sizes(path, cfg, shards)
+    # (every rank of a split model loads into host memory: start_ranks puts none on a device)
+    split = None if staged else _host_check(path, cfg, torch_dtype, weights, max_model_len, place,
+                                            shards)  # fmt: skip
     model = _build(path, cfg, torch_dtype, max_model_len, ep, place, weights)
     pieces = _map_tensors(path, model, shards)
 
@@ -406,7 +414,8 @@ def start_load(
         stats=st,
         reads=reads,
         nbytes=end,
-        memory_before=have,
+        memory_before=have if split is None else split[0],
+        host_nbytes=end if split is None else split[1],
         revision=revision,
         conversions=[conversions[s.path] for s in shards],
         started=t0,
@@ -471,6 +480,7 @@ def _start_compressed(path: Path, cfg: ModelConfig, torch_dtype: torch.dtype,
                 f"{path}: tensor {p.tensor.name!r} holds every expert; a compressed folder "
                 f"cannot be split over ep={ep.size} ranks (compress a per-expert checkpoint)"
             )
+    split = _host_check(path, cfg, torch_dtype, weights, max_model_len, place, None)
     params = dict(model.named_parameters())
     nbytes, have = sum(p.nbytes for p in params.values()), available_memory()
     if nbytes > have:
@@ -478,6 +488,10 @@ def _start_compressed(path: Path, cfg: ModelConfig, torch_dtype: torch.dtype,
             f"{path}: the weights need {_size(nbytes)} of memory (as {torch_dtype}), only "
             f"{_size(have)} is available"
         )
+    if split is not None:  # (the memory before any rank's weights, as the plain load keeps it)
+        have, host_nbytes = split
+    else:
+        host_nbytes = nbytes
     # The parameters in one arena, in the order they are decoded into (file order):
     # load_compressed commits its memory ahead of the decoding, much of it while the first
     # reads are still on the drive.
@@ -502,7 +516,7 @@ def _start_compressed(path: Path, cfg: ModelConfig, torch_dtype: torch.dtype,
     st = stats if stats is not None else ReadStats()
     tensors = load_compressed(path, threads=threads, direct=direct, stats=st, into=into,
                               commit=[arena])  # fmt: skip
-    return PendingLoad(model, path, dtype, st, _Decoding(tensors, st), nbytes, have,
+    return PendingLoad(model, path, dtype, st, _Decoding(tensors, st), nbytes, have, host_nbytes,
                        conversions=[[]], started=t0, queued=time.perf_counter(),
                        weight_dtype=weight_dtype)  # fmt: skip
 
@@ -539,6 +553,44 @@ def _build(path: Path, cfg: ModelConfig, dtype: torch.dtype, max_model_len: int 
             f"{path / 'config.json'}: the model it describes cannot be allocated ({what}); do "
             "its sizes match the checkpoint's?"
         ) from e
+
+
+def _host_check(path: Path, cfg: ModelConfig, dtype: torch.dtype, weights: torch.dtype,
+                max_model_len: int | None, place: RankPlace | None,
+                shards: list[Shard] | None) -> tuple[int, int] | None:  # fmt: skip
+    """Rank 0's load of a model split over ranks: that every rank's weights fit in the memory
+    available, together. The ranks are processes of this host that load at once, and each
+    checks only its own share: a model that did not fit started under tp or pp (each share
+    passing on its own) and the kernel's OOM killer ended a rank mid-load. Each rank's part is
+    built on the meta device (shapes, no memory) and laid out as its own load lays it out
+    (from `shards`; None: a compressed folder's, its parameters in one arena), staging
+    included. The memory is measured before rank 0 allocates anything, and the followers,
+    which take the same steps before their reads, have then read next to nothing.
+
+    (the memory available, the bytes every rank's parameters take) where checked; None for
+    any other load (one rank, or a follower's)."""
+    if place is None or place.rank != 0 or place.world_size == 1:
+        return None
+    have = available_memory()
+    need = arenas = 0
+    for rank in range(place.world_size):
+        with torch.device("meta"):
+            model = _build(path, cfg, dtype, max_model_len, SINGLE,
+                           RankPlace(place.config, rank), weights)  # fmt: skip
+        params = dict(model.named_parameters())
+        if shards is None:  # (as _start_compressed counts them)
+            end, stage_end = sum(p.nbytes for p in params.values()), 0
+        else:
+            _, end, _, stage_end = _layout(_map_tensors(path, model, shards), params)
+        need += end + stage_end
+        arenas += end
+    if need > have:
+        raise ModelLoadError(
+            f"{path}: the weights need {_size(need)} of memory (as {dtype}; the shares of all "
+            f"{place.world_size} ranks, which load at once on this host), only {_size(have)} "
+            "is available"
+        )
+    return have, arenas
 
 
 def _map_tensors(path: Path, model: LlamaForCausalLM, shards: list[Shard]) -> list[_Piece]:

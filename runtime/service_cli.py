@@ -268,8 +268,11 @@ def cmd_worker(args: argparse.Namespace) -> int:
     if args.served_model_name is None:  # (served under the folder's name: the same rule)
         _check_key_id(Path(model_dir).name, "the model folder's name (give --served-model-name)")
     # Start reading the weights now (a folder that cannot be served stops us here): the imports
-    # below and the engine's own set-up run while the drive works.
+    # below and the engine's own set-up run while the drive works. Split over ranks, this
+    # starts the others and waits for their reads: a phase of its own, not imports.
+    ranks_from = time.perf_counter()
     weights = start_weights_early(model_dir, args)
+    ranks_started = (ranks_from, time.perf_counter()) if weights.ranks is not None else None
     from runtime.async_engine import AsyncLLM
     from runtime.config import EngineConfig
     from runtime.engine import LLMEngine
@@ -315,8 +318,11 @@ def cmd_worker(args: argparse.Namespace) -> int:
 
     drive = describe(DEFAULT_CACHE, Path(model_dir))
     startup = engine.startup
-    print(startup.timeline(process_start, imports_done, drive), flush=True)
+    print(startup.timeline(process_start, imports_done, drive, ranks_started), flush=True)
     phases = {"imports": imports_done - process_start, "total": startup.ready - process_start}
+    if ranks_started is not None:
+        phases["ranks started"] = ranks_started[1] - ranks_started[0]
+        phases["imports"] -= phases["ranks started"]
     phases |= {name: end - start for name, (start, end) in startup.phases.items()}
     _run(serve(config, AsyncLLM(engine), phases))
     # Drained, deregistered, sockets closed: nothing is left to finish. The interpreter's own

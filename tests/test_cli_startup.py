@@ -200,6 +200,43 @@ def test_worker_refuses_a_region_its_catalog_lacks_and_warns_without_one(
     assert code == 2 and err[-1].startswith("edgeinfer: error: --regions"), err
 
 
+@pytest.mark.parametrize("split", [[], ["--tp", "2"]], ids=["one rank", "tp=2"])
+def test_the_worker_timeline_shows_the_ranks_start_apart_from_its_imports(
+    tmp_path: Path, stories_dir: Path, split: list[str]
+) -> None:
+    """Split over ranks, a worker starts the others (spawns them, joins them, waits for each to
+    read its share) between its imports: that counted as imports ("imports 0.00-4.44" at tp=2
+    against 1.36 on one rank), and "weights read" was rank 0's share without saying so. It is a
+    phase of its own; one rank's timeline is as it was."""
+    log = tmp_path / "worker.log"
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "runtime.cli", "worker", "--model", str(stories_dir), "--no-redis",
+         "--port", str(find_free_port()), "--threads", "1", "--kv-cache-bytes", "4000000",
+         *split],
+        cwd=ROOT, env=os.environ | {"EDGEINFER_SECRET": "s", "PYTHONUNBUFFERED": "1"},
+        stdout=log.open("wb"), stderr=subprocess.STDOUT, start_new_session=True,
+    )  # fmt: skip
+    try:
+        out = _wait_for(log, " ready: ", proc, 120)
+    finally:
+        os.killpg(proc.pid, signal.SIGKILL)  # (its ranks too)
+        proc.wait(30)
+    line = next(x for x in out.splitlines() if x.startswith("start-up: "))
+    t = r"(\d+\.\d\d)"
+    read = r" \| weights read [\d.]+-[\d.]+ \("
+    if not split:
+        assert re.match(rf"start-up: imports 0\.00-{t} \| model set-up [\d.-]+{read}0\.00 GB at ",
+                        line), line  # fmt: skip
+        assert "rank" not in line, line
+        return
+    found = re.match(rf"start-up: imports 0\.00-{t}, {t}-{t} \| ranks started {t}-{t} \(rank 1 "
+                     rf"of 2 spawned and joined, its share read\) \| model set-up [\d.-]+{read}"
+                     r"rank 0's share, 1 of 2 ranks: 0\.00 GB at ", line)  # fmt: skip
+    assert found, line
+    first, resumed, done, started, joined = (float(x) for x in found.groups())
+    assert (first, resumed) == (started, joined) and first < resumed <= done, line
+
+
 # ------------------------------------------------------------------ generate
 
 
