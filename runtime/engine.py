@@ -598,6 +598,19 @@ class LLMEngine:
                 self._seq_to_group.pop(seq.request_id, None)
         return self._emit(group)
 
+    def end_at_next_token(self, request_id: str, indices: list[int]) -> None:
+        """End completions `indices` of request `request_id` at their next token, finished
+        "length", as any completion ends (its blocks freed; the request's last output once every
+        completion has ended): for completions the caller has already answered, such as a tool
+        call complete under parallel_tool_calls false. Not an abort: the request's other
+        completions run on, and nothing counts as aborted. One that has ended is left alone."""
+        group = self._groups.get(request_id)
+        if group is None:
+            return
+        for i in indices:
+            seq = group.seqs[i]
+            seq.max_tokens = min(seq.max_tokens, len(seq.output_token_ids) + 1)
+
     # ------------------------------------------------------------------ the loop
     def unfinished_request_ids(self) -> list[str]:
         return list(self._groups)

@@ -20,6 +20,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import functools
 import gc
 import hmac
 import logging
@@ -65,7 +66,7 @@ from kvstore.tokenizer_files import TokenizerBundleError
 from kvstore.tokenizer_store import publish_tokenizer
 from runtime.async_engine import AsyncLLM, EngineDeadError, RequestStream
 from runtime.disagg import IMPORT_WAIT_S, KVCacheFullError, KVImporter, export_server
-from runtime.engine import Prompt, RequestGroup
+from runtime.engine import LLMEngine, Prompt, RequestGroup
 from runtime.lifeline import watch_lifeline
 from runtime.outputs import CompletionOutput
 from runtime.sampler import TokenLogprobs
@@ -717,6 +718,7 @@ async def _generate(request: web.Request) -> web.StreamResponse:
     error: str | None = "client_gone"
     aborted: str | None = None  # "aborted": the engine ended a completion with finish_reason abort
     texts: list[str] = []
+    answered = False  # every completion ended at its call and the done event went out
     try:
         await resp.prepare(request)  # (done already when disaggregated: a no-op then)
         await resp.write(
@@ -726,13 +728,14 @@ async def _generate(request: web.Request) -> web.StreamResponse:
         done: set[int] = set()
         sent: dict[int, int] = {}  # per completion: logprobs sent so far
         prompt_sent = False  # prompt_logprobs asked for: sent with the first delta (PromptDelta)
+        outputs: dict[int, str] = {}  # per completion: its text where it ended (telemetry's)
         async for out in stream:
             if worker.cut_off:  # the drain timed out and aborted it: no answer, the error below
                 raise _ShuttingDown("worker is shutting down (its drain timed out)")
             cached = out.num_cached_tokens
             times.arrival, times.scheduled = out.arrival_time, out.scheduled_time
             times.longest_output = max(len(o.token_ids) for o in out.outputs)  # TPOT's count
-            lines = []
+            lines, at_call = [], []
             for o in out.outputs:
                 if o.finish_reason == "error":  # its constraint failed: no answer to give
                     spec = params.structured_outputs  # (the client's field it came from)
@@ -740,7 +743,12 @@ async def _generate(request: web.Request) -> web.StreamResponse:
                                             getattr(spec, "param", None))  # fmt: skip
                 if o.finish_reason == "abort":  # (answered, but no success: the gateway
                     aborted = "aborted"  # answers 503 aborted)
+                ended = o.index in done
                 event = _delta(worker, o, done, sent, tools)
+                if not ended and o.index in done:
+                    outputs[o.index] = o.text
+                    if not o.finished:  # it ended at its one call, before the engine ended it
+                        at_call.append(o.index)
                 if event is not None:
                     if not prompt_sent and out.prompt_logprobs is not None:
                         event = _with_prompt(worker, event, out.prompt_token_ids,
@@ -750,15 +758,27 @@ async def _generate(request: web.Request) -> web.StreamResponse:
                     lines.append(encode_event(event))
             if generated and not times.first_token:
                 times.first_token = time.monotonic()
+            if at_call:  # (run on the engine thread, in order with its outputs: not awaited)
+                worker.llm.call(functools.partial(LLMEngine.end_at_next_token,
+                                                  request_id=req.request_id, indices=at_call))
             if lines:
                 quiet.wrote()
                 await resp.write(b"".join(lines))
             if out.finished or len(done) == len(out.outputs):  # (or ended at their one call)
-                texts = [o.text for o in out.outputs]
-                break  # `finally` aborts a request whose completions all ended early
+                texts = [outputs.get(o.index, o.text) for o in out.outputs]
+                break
         times.ended = time.monotonic()
         await resp.write(encode_event(DoneEvent(n_prompt, generated, cached)))
         error = aborted
+        if not stream.finished:  # its completions ended at their calls, answered: the engine
+            # ends them at their next token (end_at_next_token); read on till then. The stream
+            # closed unfinished would abort the request, counted as its client having gone
+            # (num_aborted), which it is not even if the gateway goes now: left to the engine
+            answered = True
+            quiet.stop()  # (nothing follows the done event)
+            with contextlib.suppress(EngineDeadError):
+                async for _ in stream:
+                    pass
     except (EngineDeadError, QueueFullError, _ConstraintFailed) as e:  # after the stream started
         error = ("shutdown" if isinstance(e, _ShuttingDown) else
                  "queue_full" if isinstance(e, QueueFullError) else
@@ -785,7 +805,8 @@ async def _generate(request: web.Request) -> web.StreamResponse:
     finally:
         quiet.stop()
         worker.serving.discard(req.request_id)
-        stream.close()  # no-op when finished; frees the blocks when the client went away
+        if not answered:
+            stream.close()  # no-op when finished; frees the blocks when the client went away
         tel.finish(span, req, times, (n_prompt, generated, cached), error, texts or None)
     return resp
 

@@ -464,3 +464,52 @@ def test_an_abort_reaches_a_request_still_pulling_its_kv(worker: Proc) -> None:
             assert time.monotonic() < deadline, stats()
             time.sleep(0.05)
     silent.close()
+
+
+def _stats(worker: Proc) -> dict[str, Any]:
+    req = urllib.request.Request(f"{worker.url}/internal/stats",
+                                 headers={"x-edgeinfer-secret": SECRET})  # fmt: skip
+    with urllib.request.urlopen(req, timeout=10) as resp:
+        return json.loads(resp.read())  # type: ignore[no-any-return]
+
+
+NO_ARGS = {"type": "function", "function": {"name": "f", "parameters": {
+    "type": "object", "properties": {}, "additionalProperties": False}}}  # fmt: skip
+# two calls: without parallel calls a completion ends at the first (the second is long: a
+# completion left to run writes on well past the answer's end)
+TWO_CALLS = ('<tool_call>\n{"name": "f", "arguments": {}}\n</tool_call>\n<tool_call>\n'
+             '{"name": "f", "arguments": {"x": "' + "the cat sat on the mat " * 8 + '"}}\n'
+             "</tool_call>")  # fmt: skip
+
+
+@pytest.mark.parametrize("choice", ["required", "auto"])
+def test_a_completion_that_ends_at_its_one_call_is_no_abort(worker: Proc, choice: str) -> None:
+    """parallel_tool_calls false: a completion ends once its one call is complete, ahead of
+    the engine (before the end marker the grammar of "required" still asks for; tool_choice
+    auto, guided here to write two calls, before the second). The engine ends it there, and
+    the request ends as finished: it was aborted, counted in /internal/stats' num_aborted as a
+    client that went away (a reviewer: 1-3 a time on SmolLM2 with n=3, every answer whole)."""
+    import time
+
+    sampling: dict[str, Any] = {"max_tokens": 300, "temperature": 0, "n": 2}
+    if choice == "auto":
+        sampling["structured_outputs"] = {"choice": [TWO_CALLS]}
+    before = _stats(worker)["num_aborted"]
+    status, _, body = _post(worker, _request(0, request_id=f"one-call-{choice}", tools=[NO_ARGS],
+                                             tool_choice=choice, parallel_tool_calls=False,
+                                             sampling=sampling))  # fmt: skip
+    events = [orjson.loads(line) for line in body.splitlines() if line.strip()]
+    assert status == 200 and events[-1]["type"] == "done", events[-3:]
+    for i in (0, 1):
+        deltas = [e for e in events if e["type"] == "delta" and e["index"] == i]
+        calls = [c for e in deltas for c in e.get("tool_calls") or [] if "id" in c]
+        assert [c["function"]["name"] for c in calls] == ["f"], deltas
+        assert deltas[-1]["finish_reason"] == "stop", deltas[-1]
+    answered = _stats(worker)
+    deadline = time.monotonic() + 10
+    while (s := _stats(worker))["open_requests"]:  # (once its last output is out: counted)
+        assert time.monotonic() < deadline, s
+        time.sleep(0.02)
+    assert s["num_aborted"] == before, s
+    # answered once the engine had ended it (nothing of it ran on)
+    assert (answered["open_requests"], answered["running"], answered["waiting"]) == (0, 0, 0)
