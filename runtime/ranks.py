@@ -12,7 +12,8 @@ them cleanly when one dies.
       │  its load error or None to rank 0 (all_gather_object): any error ends start-up, named
       └─ per step: rank 0 sends the step's plan (micro-batches of input ids and attention
          metadata, the rows whose logits it needs) to every follower, point to point and without
-         waiting (each runs its commands in the order sent); every rank runs its stage:
+         waiting (each runs its commands in the order sent, and waits for the next for as long
+         as the worker is idle: IDLE_WAIT); every rank runs its stage:
               stage 0: embed ─▶ its layers ─isend─▶ stage 1 ─▶ ... ─▶ last stage: final norm
                  ◀────────────── hidden states of each micro-batch ─────────────────┘
               stage 0: the LM head on the sampled rows (vocabulary split over its tp ranks,
@@ -70,7 +71,16 @@ if TYPE_CHECKING:
 log = logging.getLogger("edgeinfer.ranks")
 
 JOIN_TIMEOUT_S = 120.0  # followers' time to start and check in (imports, a cold page cache)
-COLLECTIVE_TIMEOUT = timedelta(minutes=10)  # gloo's bound on one collective (a long prefill)
+# gloo's bound on one collective or point-to-point receive (a long prefill). A receive is bound
+# explicitly (`_recv`): a plain one keeps the bound its group was formed with, CONNECT_TIMEOUT
+# on rank 0 (torch's _set_pg_timeout changes only the collectives'), and rank 0 gave up on a
+# last pipeline stage whose step took more than 10 s
+COLLECTIVE_TIMEOUT = timedelta(minutes=10)
+# A follower's wait for rank 0's next command: as long as the worker is idle, so not gloo's bound
+# (an idle worker's followers timed out after 10 minutes and it died). gloo has no "no timeout",
+# and a receive that times out closes its connections (no retrying it): a century. A follower
+# still dies with rank 0 (PDEATHSIG), and one that stops is named by rank 0's watchdog
+IDLE_WAIT = timedelta(days=36500)
 # Rank 0's bound on gloo's connections while the groups form (its waits on the store end as
 # soon as a follower exits: `_Watched`). Every follower has checked in by then, so each pair of
 # ranks connects within moments; but one that died between publishing its address and
@@ -168,9 +178,11 @@ def _threads(spec: RankSpec) -> int:
 
 
 def _join(spec: RankSpec, rank: int, store: dist.Store,
-          timeout: timedelta = COLLECTIVE_TIMEOUT) -> RankPlace:  # fmt: skip
-    """torch.distributed up on this rank, and its stage's process group. `timeout` bounds
-    gloo's waits while the groups form (its collectives get COLLECTIVE_TIMEOUT after)."""
+          timeout: timedelta | None = None) -> RankPlace:  # fmt: skip
+    """torch.distributed up on this rank, and its stage's process group. `timeout` (default
+    COLLECTIVE_TIMEOUT) bounds gloo's waits while the groups form (its collectives get
+    COLLECTIVE_TIMEOUT after; its receives are bound each, `_recv`)."""
+    timeout = timeout or COLLECTIVE_TIMEOUT
     par = spec.parallel
     dist.init_process_group(
         "gloo", store=store, rank=rank, world_size=par.world_size, timeout=timeout
@@ -294,12 +306,21 @@ COMMAND_TAG, HIDDEN_TAG = 1, 0
 
 
 def _receive() -> Any:
-    """The next command from rank 0 (its length, then its pickled bytes)."""
+    """The next command from rank 0 (its length, then its pickled bytes), waited for as long as
+    rank 0 sends none (IDLE_WAIT)."""
     size = torch.empty(1, dtype=torch.int64)
-    dist.recv(size, src=0, tag=COMMAND_TAG)
+    _recv(size, 0, COMMAND_TAG, IDLE_WAIT)
     data = torch.empty(int(size), dtype=torch.uint8)
-    dist.recv(data, src=0, tag=COMMAND_TAG)
+    _recv(data, 0, COMMAND_TAG)
     return pickle.loads(data.numpy().tobytes())
+
+
+def _recv(tensor: torch.Tensor, src: int, tag: int, timeout: timedelta | None = None) -> None:
+    """dist.recv, bounded by `timeout` (default COLLECTIVE_TIMEOUT) rather than by the bound the
+    group was formed with (CONNECT_TIMEOUT on rank 0)."""
+    work = dist.irecv(tensor, src=src, tag=tag)
+    assert work is not None  # (every rank is in the default group)
+    work.wait(timeout or COLLECTIVE_TIMEOUT)
 
 
 class Sends:
@@ -318,17 +339,18 @@ class Sends:
         self._steps.append([])
         while len(self._steps) > self.keep:
             for work, _ in self._steps.popleft():
-                work.wait()
+                work.wait(COLLECTIVE_TIMEOUT)  # (see `_recv`)
 
     def add(self, tensor: torch.Tensor, dst: int, tag: int) -> None:
         work = dist.isend(tensor, dst=dst, tag=tag)
         assert work is not None
         self._steps[-1].append((work, tensor))
 
-    def drain(self) -> None:
+    def drain(self, timeout: timedelta) -> None:
+        """Wait for every send, each for up to `timeout`."""
         while self._steps:
             for work, _ in self._steps.popleft():
-                work.wait()
+                work.wait(timeout)
         self._steps.append([])
 
 
@@ -348,7 +370,7 @@ def run_stages(
         h = None
         if not place.first:
             h = torch.empty(ids.shape[0], model.cfg.hidden_size, dtype=model.dtype)
-            dist.recv(h, src=place.stage_rank(place.stage - 1), tag=HIDDEN_TAG)
+            _recv(h, place.stage_rank(place.stage - 1), HIDDEN_TAG)
         x = model(ids, ctx, kv_caches, h).contiguous()  # (T, hidden)
         if pp == 1:
             outs.append(x)
@@ -365,7 +387,7 @@ def collect(model: LlamaForCausalLM, sizes: list[int], rows: torch.Tensor) -> to
     outs = []
     for n in sizes:
         h = torch.empty(n, model.cfg.hidden_size, dtype=model.dtype)
-        dist.recv(h, src=place.stage_rank(place.config.pp - 1), tag=HIDDEN_TAG)
+        _recv(h, place.stage_rank(place.config.pp - 1), HIDDEN_TAG)
         outs.append(h)
     return _logits(model, outs, rows)
 
@@ -565,7 +587,7 @@ class RankGroup:
             if self.failed is None:
                 with contextlib.suppress(Exception):
                     self._command(("stop",))
-                    self._sends.drain()
+                    self._sends.drain(timedelta(seconds=CLOSE_WAIT_S))
             self._closed = True
         finally:
             if locked:
@@ -682,16 +704,26 @@ def start_ranks(
     """Check the setting against the model, start the followers, join them, and start rank 0's
     load. Raises ValueError for a setting the model cannot take, OSError for a world that cannot
     start (the port taken; RankStartError: a rank that exits or does not join, the others then
-    killed), ModelLoadError for a rank's load error."""
+    killed), ModelLoadError for a rank's load error, RuntimeError where this process has a split
+    engine already (torch.distributed's default group is the process's one: a second start
+    failed, and its clean-up destroyed the first engine's group)."""
 
+    if dist.is_initialized():  # before anything starts, and without touching that group
+        raise RuntimeError(
+            "cannot start a split engine (tp, pp or ep above 1): this process has one already "
+            "(torch.distributed's default process group is initialized); one split engine per "
+            "process: close the other first (its engine.runner.ranks.close())"
+        )
     cfg = ModelConfig.from_dir(model)
     parallel.check(cfg)  # before any process starts
     port = port or find_free_port()
     # The rendezvous on a socket bound to the loopback interface: TCPStore binds its own to
     # every interface, where anyone could join the ranks' unauthenticated store (rank 0
-    # unpickles what the ranks put there)
+    # unpickles what the ranks put there). SO_REUSEADDR: a worker restarted on its --dist-port
+    # found it in use for a minute, held by the last one's connections in TIME-WAIT
     listener = socket.socket()
     try:
+        listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         listener.bind(("127.0.0.1", port))
         listener.listen()
         store = dist.TCPStore("127.0.0.1", port, parallel.world_size, is_master=True,
@@ -718,11 +750,10 @@ def start_ranks(
     watched = _Watched(store, watch)
     try:
         _wait_joined(store, watch)
-        if not dist.is_initialized():
-            # torch names the groups (the keys gloo uses in the store) by a count kept in this
-            # process, which a start that failed inside gloo's set-up left counted; the
-            # followers, new processes, count from 0 (and waited for keys never written)
-            dist.distributed_c10d._world.group_count = 0
+        # torch names the groups (the keys gloo uses in the store) by a count kept in this
+        # process, which a start that failed inside gloo's set-up left counted; the followers,
+        # new processes, count from 0 (and waited for keys never written)
+        dist.distributed_c10d._world.group_count = 0
         place = _join(spec, 0, watched, timeout=CONNECT_TIMEOUT)
         pending, error = _load(spec, place)
         errors: list[str | None] = [None] * parallel.world_size
@@ -735,7 +766,7 @@ def start_ranks(
             p.kill()
         for p in procs:
             p.join(timeout=5)
-        with contextlib.suppress(Exception):  # where rank 0 had joined it
+        with contextlib.suppress(Exception):  # where rank 0 had joined it (its own: see the top)
             dist.destroy_process_group()
         if dead is not None and not isinstance(e, RankStartError):
             raise RankStartError(f"{dead} while the ranks started") from e

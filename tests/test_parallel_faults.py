@@ -1,9 +1,11 @@
 """A split model's ranks failing in the middle of serving (runtime.ranks.RankGroup): a follower
 killed mid-step is the rank named, within moments, and the others are stopped (a follower that
 saw it hang up exited first of its own error and was named instead, "code 1"); one that hangs
-is named too, once silent for a while (rank 0 waited gloo's 10 minutes and named no one); a
-close while a step hangs on a stuck follower ends that step and returns (it waited as long); a
-step that samples nothing passes the ranks (it failed them); a closed group is let go."""
+is named too, once silent for a while (rank 0 waited gloo's 10 minutes and named no one; with
+pp, failed after 10 s naming no one); a last pipeline stage whose step takes long is waited for
+(rank 0 gave up after 10 s); a close while a step hangs on a stuck follower ends that step and
+returns (it waited as long); a step that samples nothing passes the ranks (it failed them); a
+closed group is let go."""
 
 from __future__ import annotations
 
@@ -12,6 +14,7 @@ import signal
 import threading
 import time
 from collections.abc import Callable
+from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
@@ -179,15 +182,19 @@ def test_a_close_while_a_step_hangs_ends_it(
         ranks.close()
 
 
+@pytest.mark.parametrize(("tp", "pp"), [(2, 1), (1, 2)])
 def test_a_rank_that_hangs_mid_step_is_named(
-    stories_dir: Path, monkeypatch: pytest.MonkeyPatch
+    stories_dir: Path, monkeypatch: pytest.MonkeyPatch, tp: int, pp: int
 ) -> None:
     """tp=2, the follower stopped (SIGSTOP: alive, silent) while steps run: rank 0's step waited
-    on it for gloo's 10 minutes, then failed without naming it. Its sign of life stops, and once
-    it has been silent for HANG_AFTER_S the step fails naming it, and it is stopped."""
-    llm = LLM(stories_dir, kv_cache_bytes=4 << 20, tp=2)
+    on it for gloo's 10 minutes, then failed without naming it; pp=2, rank 0's receive from the
+    last stage gave up after CONNECT_TIMEOUT (10 s; 2 s here), naming no one. Its sign of life
+    stops, and once it has been silent for HANG_AFTER_S (5 s here) the step fails naming it,
+    and it is stopped."""
+    monkeypatch.setattr(ranks_module, "CONNECT_TIMEOUT", timedelta(seconds=2))
+    llm = LLM(stories_dir, kv_cache_bytes=4 << 20, tp=tp, pp=pp)
     # (after the start: a loaded machine's start-up is no test of this)
-    monkeypatch.setattr(ranks_module, "HANG_AFTER_S", 3.0, raising=False)
+    monkeypatch.setattr(ranks_module, "HANG_AFTER_S", 5.0, raising=False)
     ranks = llm.engine.runner.ranks
     assert ranks is not None
     follower = ranks.procs[0]
@@ -198,13 +205,56 @@ def test_a_rank_that_hangs_mid_step_is_named(
         assert not thread.is_alive(), "the step waited on the hung rank"
         assert isinstance(result["error"], RankFailure)
         assert str(result["error"]).startswith("rank 1 of 2 stopped responding")
-        assert float(result["at"]) - stopped < 8  # type: ignore[arg-type]
+        assert float(result["at"]) - stopped < 10  # type: ignore[arg-type]
         ranks._watch.join(10)  # (it stops and reaps the follower)
         assert follower.exitcode == -9
     finally:
         if follower.exitcode is None:  # (the old code: still waiting)
             follower.kill()
             follower.join(5)
+        ranks.close()
+
+
+SLOW_STEP_S = 4.0
+
+
+def _last_stage_slow_once(spec: ranks_module.RankSpec, rank: int) -> None:
+    """A follower (in its own process) whose first step of more than 32 tokens takes SLOW_STEP_S
+    longer (a long prefill on a big model)."""
+    real, slowed = ranks_module.run_stages, [False]
+
+    def run_stages(model: Any, kv_caches: Any, plans: Any, sends: Any) -> Any:
+        if not slowed[0] and sum(ids.shape[0] for ids, _ in plans) > 32:
+            slowed[0] = True
+            time.sleep(SLOW_STEP_S)
+        return real(model, kv_caches, plans, sends)
+
+    ranks_module.run_stages = run_stages
+    ranks_module._follower_main(spec, rank)
+
+
+def test_a_last_stage_slower_than_the_connect_bound_is_waited_for(
+    stories_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """pp=2, the last stage's step (a 40-token prompt's prefill) takes longer than
+    CONNECT_TIMEOUT (2 s here, 10 s in use): rank 0's receive of its hidden states kept that
+    bound, the one its groups were formed with (torch's _set_pg_timeout changes only the
+    collectives'), and the step failed the ranks ("Timed out waiting 2000ms for recv"). It is
+    waited for, as a collective is (COLLECTIVE_TIMEOUT), and answers as a fast one does."""
+    monkeypatch.setattr(ranks_module, "CONNECT_TIMEOUT", timedelta(seconds=2))
+    monkeypatch.setattr(ranks_module, "_follower_main", _last_stage_slow_once)
+    llm = LLM(stories_dir, kv_cache_bytes=4 << 20, pp=2)
+    ranks = llm.engine.runner.ranks
+    assert ranks is not None
+    prompt = [1, *range(20, 60)]
+    greedy = SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True)
+    try:
+        t0 = time.monotonic()
+        slow = list(llm.generate([prompt], greedy)[0].outputs[0].token_ids)
+        assert time.monotonic() - t0 >= SLOW_STEP_S  # (the slow step was this one)
+        assert ranks.failed is None
+        assert list(llm.generate([prompt], greedy)[0].outputs[0].token_ids) == slow
+    finally:
         ranks.close()
 
 

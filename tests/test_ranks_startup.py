@@ -3,7 +3,10 @@ that exits once it has checked in fails the start at once, naming it (rank 0 wai
 10 minutes), and the others are stopped; a follower whose rank 0 died before the follower could
 arm its parent-death signal exits (it was orphaned for ~300 s); the command line reports such a
 start in one line (it was a traceback); a follower that hangs while loading fails the start,
-named, once silent for a while (rank 0 waited gloo's 10 minutes).
+named, once silent for a while (rank 0 waited gloo's 10 minutes); a start on a port that a
+killed worker's rendezvous left in TIME-WAIT starts (it found the port in use for a minute); a
+second split engine in a process is refused before anything starts, and the first serves on
+(the failed start destroyed the first's process group).
 
 Followers are the real ones, started by spawn: `_follower_main` is swapped for a function of
 this module, which the follower imports and which swaps in its failure there before running the
@@ -15,6 +18,7 @@ import multiprocessing as mp
 import os
 import re
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -24,7 +28,9 @@ from pathlib import Path
 import pytest
 import torch.distributed as dist
 
+from kvstore.redis_server import find_free_port
 from runtime import ranks as ranks_module
+from runtime.llm import LLM
 from runtime.parallel import ParallelConfig
 from runtime.ranks import COLLECTIVE_TIMEOUT, RankStartError
 from tests.stack import spawned_ranks
@@ -290,3 +296,78 @@ def test_the_command_line_reports_a_failed_start_in_one_line(
     assert not any("Traceback" in line for line in err)
     assert not dist.is_initialized()
     assert _spawned_children() <= before
+
+
+def test_a_start_on_a_port_left_in_time_wait_starts(tmp_path: Path, stories_dir: Path) -> None:
+    """A worker killed (or stopped) closes its rendezvous's connections first, leaving them in
+    TIME-WAIT on its --dist-port for a minute: restarted at once on that port, it failed
+    "cannot start the ranks' rendezvous ... Address already in use". It starts; a port some
+    process listens on is still refused."""
+    port, pids = find_free_port(), tmp_path / "pids"
+    script = f"""
+import os, signal, sys
+sys.path[:0] = [{str(ROOT)!r}]
+from runtime import ranks
+from runtime.parallel import ParallelConfig
+if __name__ == "__main__":
+    pending, group = ranks.start_ranks({str(stories_dir)!r}, "float32", None, ParallelConfig(tp=2),
+                                       port={port})
+    pending.finish()
+    with open({str(pids)!r}, "w") as f:
+        f.write(" ".join(str(p.pid) for p in group.procs))
+    os.kill(os.getpid(), signal.SIGKILL)
+"""
+    log = (tmp_path / "log").open("w")
+    killed = subprocess.run([sys.executable, "-c", script], cwd=ROOT, stdout=log, stderr=log,
+                            timeout=120)  # fmt: skip
+    assert killed.returncode == -9, (tmp_path / "log").read_text()
+    (follower,) = (int(p) for p in pids.read_text().split())
+    try:
+        pending, group = ranks_module.start_ranks(str(stories_dir), "float32", None,
+                                                  ParallelConfig(tp=2), port=port)  # fmt: skip
+        try:
+            assert pending.finish().place.group is not None
+        finally:
+            group.close()
+        taken = socket.socket()
+        taken.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # (the port's in TIME-WAIT)
+        taken.bind(("127.0.0.1", port))
+        taken.listen()
+        try:
+            with pytest.raises(OSError, match=r"rendezvous on 127.0.0.1:\d+: .*in use"):
+                ranks_module.start_ranks(str(stories_dir), "float32", None, ParallelConfig(tp=2),
+                                         port=port)  # fmt: skip
+        finally:
+            taken.close()
+    finally:
+        if not _gone(follower):  # (it dies with its rank 0)
+            os.kill(follower, signal.SIGKILL)
+
+
+def test_a_second_split_engine_is_refused_and_the_first_serves_on(stories_dir: Path) -> None:
+    """An engine split over ranks kept, a second made in the same process: its start failed in
+    gloo's set-up (the default process group is the process's one), and its clean-up destroyed
+    the first engine's group, which failed every request after. It is refused at once, naming
+    the rule, with no rank started, and the first serves on; closed, another starts."""
+    from runtime.sampling_params import SamplingParams
+
+    greedy = SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True)
+    first = LLM(stories_dir, tp=2, kv_cache_bytes=4 << 20)
+    ranks = first.engine.runner.ranks
+    assert ranks is not None
+    try:
+        want = list(first.generate([[1, 403]], greedy)[0].outputs[0].token_ids)
+        before = _spawned_children()
+        with pytest.raises(RuntimeError, match=r"one split engine per process: close the other"):
+            LLM(stories_dir, pp=2, kv_cache_bytes=4 << 20)
+        assert _spawned_children() == before  # nothing started
+        assert list(first.generate([[1, 403]], greedy)[0].outputs[0].token_ids) == want
+        assert ranks.failed is None
+    finally:
+        ranks.close()
+    second = LLM(stories_dir, pp=2, kv_cache_bytes=4 << 20)
+    assert second.engine.runner.ranks is not None
+    try:
+        assert list(second.generate([[1, 403]], greedy)[0].outputs[0].token_ids) == want
+    finally:
+        second.engine.runner.ranks.close()
