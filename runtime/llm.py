@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import copy
 import numbers
 import sys
+import threading
 import time
 from collections import deque
 from collections.abc import Sequence
@@ -15,7 +17,7 @@ from runtime.engine import LLMEngine, Prompt, RequestGroup
 from runtime.loader import PendingLoad
 from runtime.outputs import RequestOutput
 from runtime.sampling_params import InvalidRequestError, SamplingParams, check_text
-from runtime.tokenizer import NoChatTemplateError
+from runtime.tokenizer import NoChatTemplateError, Tokenizer
 
 
 class LLM:
@@ -24,6 +26,11 @@ class LLM:
     >>> llm = LLM("path/to/model")
     >>> out = llm.generate(["Once upon a time"], SamplingParams(temperature=0, max_tokens=32))
     >>> out[0].outputs[0].text
+
+    `generate` and `chat` may be called from several threads: one call runs at a time (each
+    steps the engine until its own requests finish), the others wait their turn. They refuse
+    an engine that holds requests they did not queue (`engine.add_request`, an `AsyncLLM` over
+    `llm.engine`): stepping it, they would take those requests' outputs from their owner.
     """
 
     def __init__(
@@ -34,20 +41,34 @@ class LLM:
         `--model` takes. `engine_args`: EngineConfig's fields. `weights`: the load of `model`
         that the caller started already (`runtime.loader.start_load(model, dtype)`, before its
         heavier imports, as `edgeinfer generate` does); by default the engine starts it."""
-        if weights is None and not Path(model).expanduser().is_dir():
-            from runtime.cli import _model_dir
+        if weights is None:
+            folder = Path(model).expanduser()  # ("~/m" was checked expanded, read unexpanded)
+            if folder.is_dir():
+                model = folder
+            else:
+                from runtime.cli import _model_dir
 
-            model = _model_dir(str(model))  # a store name; else an error naming what is there
+                model = _model_dir(str(model))  # a store name; else an error naming what is there
         self.engine = LLMEngine(EngineConfig(model=str(model), **engine_args), weights)
         self.tokenizer = self.engine.tokenizer
+        self._lock = threading.Lock()  # held by the generate call that steps the engine
+
+    def get_tokenizer(self) -> Tokenizer:
+        """The model's tokenizer (vLLM's name): edgeinfer's `runtime.tokenizer.Tokenizer`, with
+        `encode`, `decode` and `apply_chat_template`, not a transformers tokenizer."""
+        return self.tokenizer
 
     def generate(
         self,
         prompts: Prompt | Sequence[Prompt],
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         progress: bool = False,
+        *,
+        use_tqdm: bool | None = None,
     ) -> list[RequestOutput]:
-        """Generate for every prompt (text, or a list of token ids); outputs in prompt order."""
+        """Generate for every prompt (text, or a list of token ids); outputs in prompt order.
+        `progress` (or vLLM's name for it, `use_tqdm`): a progress line on stderr."""
+        show = _progress(progress, use_tqdm)
         batch = _as_batch(prompts)
         if sampling_params is None or isinstance(sampling_params, SamplingParams):
             params_list = [sampling_params or SamplingParams()] * len(batch)
@@ -78,21 +99,52 @@ class LLM:
             engine.prepare_request(engine.next_request_id(), prompt, params, check_room=False)
             for prompt, params in zip(batch, params_list, strict=True)
         ]
-        try:
-            return self._run(groups, progress)
-        except BaseException:  # (an interrupt too) what this call queued leaves the engine
-            for g in groups:
-                engine.abort(g.request_id)
-            raise
+        with self._lock:  # (another thread's call waits here for this one to finish)
+            if others := engine.unfinished_request_ids():
+                listed = ", ".join(others[:4]) + ", ..." * (len(others) > 4)
+                raise RuntimeError(
+                    f"llm.engine holds {len(others)} unfinished requests that generate did not "
+                    f"queue ({listed}): generate steps every request the engine holds and "
+                    "would take their outputs from whoever queued them (engine.add_request, "
+                    "an AsyncLLM over llm.engine). Finish or abort them first, or queue every "
+                    "request in one place"
+                )  # fmt: skip
+            outs = self._run(groups, show)
+        for out, prompt in zip(outs, batch, strict=True):
+            out.prompt = prompt if isinstance(prompt, str) else None  # (vLLM's: None for ids)
+        return outs
 
     def chat(
         self,
         messages: list[dict[str, Any]] | list[list[dict[str, Any]]],
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        *,
+        progress: bool = False,
+        use_tqdm: bool | None = None,
+        chat_template: str | None = None,
+        add_generation_prompt: bool = True,
+        continue_final_message: bool = False,
     ) -> list[RequestOutput]:
         """Render each conversation with the model's chat template, then generate. `messages`:
         one conversation (a list of {"role", "content"} messages), or a list of them. A content
-        may be OpenAI's list of text parts, as the gateway takes it (`_text_parts`)."""
+        may be OpenAI's list of text parts, as the gateway takes it (`_text_parts`).
+
+        As vLLM's: `chat_template`, a Jinja template used in place of the model's;
+        `add_generation_prompt`, end the prompt with the template's opening of an assistant
+        turn; `continue_final_message`, end it with the last message's text instead (no end of
+        its turn), for the model to continue (with add_generation_prompt=False). Each output's
+        `prompt` is the rendered conversation."""
+        for name, flag in (("add_generation_prompt", add_generation_prompt),
+                           ("continue_final_message", continue_final_message)):  # fmt: skip
+            if not isinstance(flag, bool):
+                raise InvalidRequestError(name, f"must be true or false, got {flag!r}")
+        if add_generation_prompt and continue_final_message:  # (vLLM's rule)
+            raise InvalidRequestError(
+                "continue_final_message", "cannot be combined with add_generation_prompt: "
+                "the prompt ends either with the last message or with a new assistant turn; "
+                "pass add_generation_prompt=False to continue the last message"
+            )  # fmt: skip
+        tokenizer = self.tokenizer if chat_template is None else self._templated(chat_template)
         if isinstance(messages, dict):
             messages = [messages]  # one message: a conversation of one
 
@@ -108,7 +160,7 @@ class LLM:
         if not all(sequence(c) and all(isinstance(m, dict) for m in c) for c in convs):
             raise InvalidRequestError("messages", "each conversation must be a non-empty list "
                                       "of message objects")  # fmt: skip
-        prompts = []
+        prompts, texts = [], []
         for n, conv in enumerate(convs):
             for i, m in enumerate(conv):  # (to name the message; the prompt is checked below)
                 where = "messages" + f"[{n}]" * (len(convs) > 1) + f"[{i}]"
@@ -121,45 +173,139 @@ class LLM:
                     if isinstance(value, str):
                         check_text(f"{where}.{key}", value)
             try:
-                text = self.tokenizer.apply_chat_template(conv, add_generation_prompt=True)  # type: ignore[arg-type]
+                text = tokenizer.apply_chat_template(
+                    conv,
+                    add_generation_prompt=add_generation_prompt,
+                )
             except NoChatTemplateError as e:  # (its own message points to the completions API)
                 raise NoChatTemplateError(
                     f"{self.engine.config.model}: the model has no chat template, so `chat` "
-                    "cannot make a prompt of a conversation; complete text with `generate`"
+                    "cannot make a prompt of a conversation without one (chat_template=...); "
+                    "complete text with `generate`"
                 ) from e
+            if continue_final_message:
+                text = _continued(text, conv[-1], where)  # (where: the last message's)
             check_text("messages", text)  # (a tool call's arguments, say)
             prompts.append(self.tokenizer.encode(text, add_special_tokens=False))
-        return self.generate(prompts, sampling_params)  # type: ignore[arg-type]
+            texts.append(text)
+        outs = self.generate(prompts, sampling_params, progress, use_tqdm=use_tqdm)
+        for out, text in zip(outs, texts, strict=True):
+            out.prompt = text  # (as vLLM's chat: the conversation as the template rendered it)
+        return outs
+
+    def _templated(self, source: object) -> Tokenizer:
+        """The model's tokenizer with `source` for its chat template (chat's chat_template)."""
+        from runtime.chat_template import TemplateSyntaxError, compile_template
+
+        if not isinstance(source, str) or not source:
+            got = f"{type(source).__name__} {source!r}"[:80]
+            raise InvalidRequestError("chat_template", f"must be a non-empty string (a Jinja "
+                                      f"template), got {got}")  # fmt: skip
+        check_text("chat_template", source)
+        try:  # (the tokenizer's own error names the model's files)
+            compile_template(source)
+        except (TemplateSyntaxError, RecursionError) as e:
+            raise InvalidRequestError("chat_template", f"does not compile: {e}") from e
+        tokenizer = copy.copy(self.tokenizer)  # (shares its compiled-template cache)
+        tokenizer.chat_templates = {"default": source}
+        return tokenizer
 
     def _run(self, groups: list[RequestGroup], progress: bool) -> list[RequestOutput]:
         """Step until every group is done, queueing them in order as the waiting queue has
-        room (a batch may be larger than its bound)."""
+        room (a batch may be larger than its bound). Only these groups' outputs count: an
+        output of another request means another thread queues into or steps the engine, and
+        a step that runs nothing means the groups wait for what will never come (KV blocks
+        held by what this LLM did not queue): both raise RuntimeError rather than spin. On
+        any error (an interrupt too) the groups queued are aborted: they leave the engine."""
+        engine = self.engine
         ids = [g.request_id for g in groups]
+        mine = set(ids)
         queue = deque(groups)
+        queued: list[str] = []
         done: dict[str, RequestOutput] = {}
         start, generated, shown = time.monotonic(), 0, 0.0
-        while len(done) < len(ids):
-            while queue and self.engine.has_room(len(queue[0].seqs)):
-                self.engine.enqueue(queue.popleft())
-            if not self.engine.has_unfinished():
-                missing = [i for i in ids if i not in done]
-                raise RuntimeError(f"engine went idle with requests unfinished: {missing[:4]}")
-            for out in self.engine.step():
-                generated += sum(len(o.delta_token_ids) for o in out.outputs)
-                if out.finished:
-                    done[out.request_id] = out
-            now = time.monotonic()
-            if progress and (now - shown >= 0.5 or len(done) == len(ids)):
-                shown = now
-                rate = generated / max(now - start, 1e-9)
-                print(
-                    f"\r{len(done)}/{len(ids)} requests done, {generated} tokens, {rate:.1f} tok/s",
-                    end="",
-                    file=sys.stderr,
-                )
+        try:
+            while len(done) < len(ids):
+                while queue and engine.has_room(len(queue[0].seqs)):
+                    engine.enqueue(queue[0])
+                    queued.append(queue.popleft().request_id)
+                if not engine.has_unfinished():
+                    missing = [i for i in ids if i not in done]
+                    raise RuntimeError(
+                        f"the engine has nothing left to run, yet requests {missing[:4]} did "
+                        "not finish here: another thread stepped llm.engine and took their "
+                        "outputs (an AsyncLLM over it?); one engine takes one driver"
+                    )  # fmt: skip
+                for out in engine.step():
+                    if out.request_id not in mine:  # (not ours to take, nor to drop)
+                        raise RuntimeError(
+                            f"a step of llm.engine returned an output of {out.request_id!r}, "
+                            "which this generate did not queue: another thread queues "
+                            "requests into the engine or steps it (an AsyncLLM over it?); "
+                            "one engine takes one driver"
+                        )  # fmt: skip
+                    generated += sum(len(o.delta_token_ids) for o in out.outputs)
+                    if out.finished:
+                        done[out.request_id] = out
+                if engine.last_step_idle and len(done) < len(ids):
+                    waiting = [i for i in queued if i not in done]
+                    raise RuntimeError(
+                        f"the engine can run none of requests {waiting[:4]} (a step ran "
+                        "nothing): the KV blocks they need are held by what generate did not "
+                        "queue (KV imports reserved, KV exports held)"
+                    )  # fmt: skip
+                now = time.monotonic()
+                if progress and (now - shown >= 0.5 or len(done) == len(ids)):
+                    shown = now
+                    rate = generated / max(now - start, 1e-9)
+                    print(
+                        f"\r{len(done)}/{len(ids)} requests done, {generated} tokens, "
+                        f"{rate:.1f} tok/s",
+                        end="",
+                        file=sys.stderr,
+                    )
+        except BaseException:
+            for rid in queued:  # (only this call's: an id another caller took is theirs)
+                if rid not in done:
+                    engine.abort(rid)
+            raise
         if progress:
             print(file=sys.stderr)
         return [done[i] for i in ids]
+
+
+def _progress(progress: object, use_tqdm: object) -> bool:
+    """Whether to show the progress line: `progress`, or vLLM's `use_tqdm` (True or False)."""
+    for name, value in (("progress", progress), ("use_tqdm", use_tqdm)):
+        if value is not None and not isinstance(value, bool):
+            raise InvalidRequestError(
+                name, f"must be true or false (a progress line on stderr; a tqdm class is not "
+                f"supported by edgeinfer), got {type(value).__name__}"
+            )  # fmt: skip
+    return bool(progress) or bool(use_tqdm)
+
+
+def _continued(text: str, message: dict[str, Any], where: str) -> str:
+    """`text`, the conversation rendered without a generation prompt, cut right after the last
+    message's text (chat's continue_final_message), as transformers cuts it: the template may
+    have stripped the text's outer spaces, so it is looked for stripped."""
+    content = message.get("content")
+    if not isinstance(content, str) or not content.strip():
+        raise InvalidRequestError(
+            f"{where}.content", "continue_final_message continues the last message's text, "
+            "and it has none (to begin a new assistant turn: add_generation_prompt=True)"
+        )  # fmt: skip
+    stripped = content.strip()
+    at = text.rfind(stripped)
+    if at < 0:
+        raise InvalidRequestError(
+            "continue_final_message", "the chat template does not render the last message's "
+            "text as it is given, so the prompt cannot end with it"
+        )  # fmt: skip
+    kept = content.lstrip()
+    if text[at : at + len(kept)] == content:  # (its trailing spaces rendered as given)
+        return text[: at + len(kept)]
+    return text[: at + len(stripped)]
 
 
 def _check_message(where: str, message: dict[str, Any]) -> None:

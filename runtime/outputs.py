@@ -28,6 +28,15 @@ class CompletionOutput:
     def finished(self) -> bool:
         return self.finish_reason is not None
 
+    @property
+    def cumulative_logprob(self) -> float | None:
+        """vLLM's: the sum of the sampled tokens' logprobs (every token in `token_ids`, the
+        stop token included), when logprobs were asked for (`SamplingParams.logprobs`, 0 too);
+        None when not."""
+        if self.logprobs is None:
+            return None
+        return sum((lp.logprob for lp in self.logprobs), 0.0)
+
 
 @dataclass(slots=True)
 class RequestOutput:
@@ -46,3 +55,7 @@ class RequestOutput:
     scheduled_time: float = 0.0  # time.monotonic() when it was first scheduled (0: not yet)
     spec_proposed: int = 0  # speculative drafts verified for it (all its sequences)
     spec_accepted: int = 0  # of those, accepted
+    # the prompt as given, where it was text (vLLM's `prompt`): `LLM.generate` sets it, and
+    # `LLM.chat` to the rendered conversation; None for a prompt of token ids, and from the
+    # engine itself (LLMEngine.step, AsyncLLM)
+    prompt: str | None = None

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import math
 import numbers
-from dataclasses import dataclass, field
+from dataclasses import InitVar, dataclass, field
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
@@ -75,9 +75,32 @@ class SamplingParams:
     # what the output must match (JSON schema, regex, choice, grammar): runtime/structured.py;
     # a dict as it arrives from the gateway becomes a StructuredOutputsParams
     structured_outputs: StructuredOutputsParams | dict[str, Any] | None = None
+    # vLLM's SamplingParams arguments that edgeinfer takes only at the value that is what it
+    # does (its default; best_of 1 or n); any other is refused, naming the argument, where a
+    # TypeError said only that the argument is unknown. Init-only: not fields, so not among
+    # what the gateway sends the worker (`sampling`, every field); read back, each is its
+    # default. (`_vllm_extras` checks them.)
+    best_of: InitVar[int | None] = None
+    skip_special_tokens: InitVar[bool] = True
+    spaces_between_special_tokens: InitVar[bool] = True
+    detokenize: InitVar[bool] = True
+    truncate_prompt_tokens: InitVar[int | None] = None
+    bad_words: InitVar[list[str] | None] = None
+    allowed_token_ids: InitVar[list[int] | None] = None
 
-    def __post_init__(self) -> None:
+    def __post_init__(
+        self,
+        best_of: int | None,
+        skip_special_tokens: bool,
+        spaces_between_special_tokens: bool,
+        detokenize: bool,
+        truncate_prompt_tokens: int | None,
+        bad_words: list[str] | None,
+        allowed_token_ids: list[int] | None,
+    ) -> None:
         self.validate()
+        _vllm_extras(self.n, best_of, skip_special_tokens, spaces_between_special_tokens,
+                     detokenize, truncate_prompt_tokens, bad_words, allowed_token_ids)  # fmt: skip
 
     def validate(self) -> None:
         if isinstance(self.stop, str):  # (here, not only at init: one set later is taken too)
@@ -168,6 +191,50 @@ class SamplingParams:
     def greedy(self) -> bool:
         # The sampler treats temperatures this small as greedy too (dividing by them overflows).
         return self.temperature < 1e-5
+
+
+def _vllm_extras(
+    n: int,
+    best_of: int | None,
+    skip_special_tokens: bool,
+    spaces_between_special_tokens: bool,
+    detokenize: bool,
+    truncate_prompt_tokens: int | None,
+    bad_words: list[str] | None,
+    allowed_token_ids: list[int] | None,
+) -> None:
+    """vLLM's arguments edgeinfer has no other value of: each at what edgeinfer does, or an
+    InvalidRequestError naming it ("not supported by edgeinfer") rather than a wrong answer."""
+    if best_of is not None and _int_field("best_of", best_of) not in (1, n):  # (the gateway's)
+        raise InvalidRequestError(
+            "best_of", f"only None, 1 or n ({n}) is supported by edgeinfer (every completion "
+            f"sampled is returned; none is picked by its logprob), got {best_of}"
+        )  # fmt: skip
+    for name, value, meaning in (
+        ("skip_special_tokens", skip_special_tokens,
+         "special tokens are always left out of the text; their ids are in token_ids"),
+        ("spaces_between_special_tokens", spaces_between_special_tokens,
+         "the text is the tokenizer's decoding"),
+        ("detokenize", detokenize, "every completion's text is made as it is generated"),
+    ):  # fmt: skip
+        if not isinstance(value, bool):
+            raise InvalidRequestError(name, f"must be true or false, got {value!r}")
+        if not value:
+            raise InvalidRequestError(name, f"False is not supported by edgeinfer ({meaning})")
+    if truncate_prompt_tokens is not None:
+        raise InvalidRequestError(
+            "truncate_prompt_tokens", "is not supported by edgeinfer; give the prompt's last "
+            "k token ids as the prompt (llm.get_tokenizer().encode(prompt)[-k:])"
+        )  # fmt: skip
+    if bad_words:
+        raise InvalidRequestError(
+            "bad_words", "is not supported by edgeinfer; logit_bias of -100 bans single tokens"
+        )
+    if allowed_token_ids is not None:
+        raise InvalidRequestError(
+            "allowed_token_ids", "is not supported by edgeinfer; structured_outputs (a regex, a "
+            "choice, a grammar) constrains what may be generated"
+        )  # fmt: skip
 
 
 def _logit_bias(value: object) -> dict[int, float]:

@@ -83,7 +83,8 @@ BAD: list[tuple[dict[str, Any], str]] = [  # (fields of the request, the param i
     ({"operation": "xx"}, "operation"),  # (a label value of the worker's metrics)
     ({"session_id": {"a": 1}}, "session_id"),
     ({"sampling": [1]}, "sampling"),
-    ({"sampling": {"best_of": 2}}, "sampling"),
+    ({"sampling": {"nonsense": 2}}, "sampling"),  # (a field SamplingParams has not)
+    ({"sampling": {"best_of": 2}}, "best_of"),  # (taken as vLLM's: only None, 1 or n)
 ]  # fmt: skip
 
 
