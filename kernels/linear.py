@@ -38,13 +38,15 @@ ms a pass (kernel / torch): 10.1 / 19.4 at one row, 11.8 / 19.0 at 4, 13.6 / 19.
 19.6 at 16 (2-core Xeon with AMX, 2026-11-25). From 16 rows torch's AMX GEMM is faster.
 
 Float32 CPU products that no kernel takes (past the kernels' rows: prompt chunks, up to 2048
-rows a step; any rows with cpu_kernels="torch" or no extension) go through oneDNN's matmul on an
-AMD CPU (`torch.ops.mkldnn._linear_pointwise`, the weight as it lies, no copy) rather than
+rows a step; from 128 rows with cpu_kernels="torch" or no extension) go through oneDNN's matmul
+on an AMD CPU (`torch.ops.mkldnn._linear_pointwise`, the weight as it lies, no copy) rather than
 torch's float32 GEMM, which there runs MKL's generic code: over SmolLM2's fused shapes, 183
 against 137 GFLOP/s at 256 rows and 191 against 174 at 2048 (2-vCPU AMD EPYC guest, 2026-11-27,
 interleaved; float32 rounding only differs). Intel CPUs keep torch's GEMM (MKL is tuned for
 them; not measured against oneDNN). `EDGEINFER_ONEDNN_LINEAR=1` or `0` overrides the choice
-(`onednn_linear_on`).
+(`onednn_linear_on`). oneDNN is given only a multiple of ONEDNN_ROWS rows, the rows after it go
+to the kernels (or torch's GEMM), and the two are joined: oneDNN keeps a primitive for every row
+count it has seen (see ONEDNN_ROWS), and a step's row count is any number.
 
 `small_linear(x, w, b, ext, packed)`: `ext` is the compiled module
 (`kernels.cpu_ext.load_small_gemm()`) or None; `packed` what `pack` made of w, or None; the
@@ -93,6 +95,22 @@ def _max_rows_f32() -> int:
 
 
 MAX_ROWS = _max_rows_f32()
+
+# oneDNN (through ideep) builds a primitive for each row count it is given, and oneDNN's cache
+# and ideep's keep about 1,024 each, 0.26-0.65 MB a row count in SmolLM2's shapes (the LM head's
+# too). Under continuous batching a step's row count changes all the time: a worker's memory grew
+# by ~55 KB a request without levelling off (307 -> 513 MB over ~3,900 chat requests on the AMD
+# guest; ~1.6 GB after 2,000 row counts of one weight). So oneDNN only ever sees a multiple of
+# ONEDNN_ROWS rows (16 row counts a weight up to 2048 rows) and the fewer than ONEDNN_ROWS after
+# them go to small_linear's kernels or torch's GEMM, which keep nothing per row count. Rounding the
+# rows up instead would waste the padding's compute (tried for bfloat16: bench/README.md,
+# 2026-11-26). The split costs a copy of the output and the tail's kernel pass: over one SmolLM2
+# layer's four products at 200-2048 rows, 4-5% (0-11% by rows; none at a multiple of 128) against
+# oneDNN with every row count's primitive already built, 1-3% against oneDNN building them (120
+# new row counts); the LM head (49,152 rows of weights, read again for the tail, and a large
+# output to copy) 22-29% from 300 rows, which it takes only with prompt logprobs or more than
+# 192 requests sampled in a step (AMD guest, one thread, CPU time, 2026-11-28).
+ONEDNN_ROWS = 128
 
 
 @dataclass(frozen=True, slots=True)
@@ -179,20 +197,38 @@ def small_linear(
             if b is not None:
                 y += b
             return y.to(torch.bfloat16)
-    if w.dtype != x.dtype:
-        w = w.to(x.dtype)
     if (
         x.dtype == torch.float32
-        and w.dtype == torch.float32
         and x.dim() == 2
         and x.device.type == "cpu"
+        and rows >= ONEDNN_ROWS
         and onednn_linear_on()
         and not (x.requires_grad or w.requires_grad or (b is not None and b.requires_grad))
     ):
-        # (a strided bias is read as if it were contiguous: wrong sums, no error)
-        bias = None if b is None else b.contiguous()
-        return torch.ops.mkldnn._linear_pointwise(x.contiguous(), w, bias, "none", [], "")
-    return torch.nn.functional.linear(x, w, b)
+        return _onednn_linear(x, w, b, ext, packed)
+    return torch.nn.functional.linear(x, w.to(x.dtype), b)
+
+
+def _onednn_linear(
+    x: torch.Tensor,
+    w: torch.Tensor,
+    b: torch.Tensor | None,
+    ext: ModuleType | None,
+    packed: Packed | None,
+) -> torch.Tensor:
+    """float32 x (M >= ONEDNN_ROWS, K) over w (N, K), float32 or bfloat16: the rows up to the
+    last multiple of ONEDNN_ROWS through oneDNN, the fewer than ONEDNN_ROWS after them as
+    small_linear takes them (the kernels; torch's GEMM without them), joined in one output (a
+    copy; see ONEDNN_ROWS)."""
+    rows = x.shape[0]
+    head = rows // ONEDNN_ROWS * ONEDNN_ROWS
+    x = x.contiguous()
+    # (a strided bias is read as if it were contiguous: wrong sums, no error)
+    bias = None if b is None else b.contiguous()
+    y = torch.ops.mkldnn._linear_pointwise(x[:head], w.float(), bias, "none", [], "")
+    if head == rows:
+        return y
+    return torch.cat((y, small_linear(x[head:], w, bias, ext, packed)))
 
 
 ONEDNN_ENV = "EDGEINFER_ONEDNN_LINEAR"

@@ -16,6 +16,7 @@ from kernels.linear import (
     MAX_ROWS_BF16_ACT,
     MAX_ROWS_PACKED,
     ONEDNN_ENV,
+    ONEDNN_ROWS,
     Packed,
     applies,
     onednn_linear_on,
@@ -85,9 +86,10 @@ def test_falls_back_where_the_kernel_does_not_apply(ext, onednn) -> None:  # typ
 
 @pytest.mark.parametrize("bias", [False, True])
 def test_rows_past_the_kernel_take_onednn_when_it_is_on(ext, onednn, bias: bool) -> None:  # type: ignore[no-untyped-def]
-    """Float32 rows past the kernel's (a prompt chunk) go through oneDNN's matmul where it is on:
-    its result bit for bit, within float32 rounding of the float64 product as torch's GEMM is;
-    off, torch's GEMM bit for bit. Other dtypes and shapes take torch's either way."""
+    """Float32 rows past the kernel's (a prompt chunk) go through oneDNN's matmul where it is on,
+    up to the last multiple of ONEDNN_ROWS, and the rest through the kernel: each one's result bit
+    for bit, within float32 rounding of the float64 product as torch's GEMM is; off, torch's GEMM
+    bit for bit. Other dtypes and shapes take torch's either way."""
     if not onednn("1"):
         pytest.skip("this torch has no oneDNN linear")
     g = torch.Generator().manual_seed(9)
@@ -95,21 +97,64 @@ def test_rows_past_the_kernel_take_onednn_when_it_is_on(ext, onednn, bias: bool)
     w = torch.randn(960, 576, generator=g)
     b = torch.randn(960, generator=g) if bias else None
     got = small_linear(x, w, b, ext)
-    assert torch.equal(got, onednn_product(x, w, b))
+    head = 300 // ONEDNN_ROWS * ONEDNN_ROWS
+    assert torch.equal(got[:head], onednn_product(x[:head], w, b))
+    assert torch.equal(got[head:], ext.small_linear(x[head:], w, b))
     exact = torch.nn.functional.linear(x.double(), w.double(), None if b is None else b.double())
     ref_err = (torch.nn.functional.linear(x, w, b).double() - exact).abs().max().item()
     assert (got.double() - exact).abs().max().item() <= 4 * ref_err + 1e-5 * 576**0.5
+    assert torch.equal(small_linear(x[:head], w, b, ext), onednn_product(x[:head], w, b))
     strided = x[:, :288]  # a view whose rows are not contiguous
     assert torch.equal(small_linear(strided, w[:, :288].contiguous(), b, ext),
-                       onednn_product(strided.contiguous(), w[:, :288].contiguous(), b))  # fmt: skip
+                       small_linear(strided.contiguous(), w[:, :288].contiguous(), b, ext))  # fmt: skip
     strided_bias = torch.randn(1920, generator=g)[::2]  # oneDNN reads it as if contiguous
     assert torch.equal(small_linear(x, w, strided_bias, ext),
-                       onednn_product(x, w, strided_bias.contiguous()))  # fmt: skip
+                       small_linear(x, w, strided_bias.contiguous(), ext))  # fmt: skip
     for other in (x.double(), x[None]):  # float64, and three dimensions: torch's, as they were
         assert torch.equal(small_linear(other, w.to(other.dtype), None, ext),
                            torch.nn.functional.linear(other, w.to(other.dtype)))  # fmt: skip
+    # without the kernel: fewer than ONEDNN_ROWS rows take torch's GEMM, the rest as above
+    assert torch.equal(small_linear(x[:100], w, b), torch.nn.functional.linear(x[:100], w, b))
+    got = small_linear(x, w, b)
+    assert torch.equal(got[:head], onednn_product(x[:head], w, b))
+    assert torch.equal(got[head:], torch.nn.functional.linear(x[head:], w, b))
     assert not onednn("0")
     assert torch.equal(small_linear(x, w, b, ext), torch.nn.functional.linear(x, w, b))
+
+
+def test_onednn_sees_a_few_row_counts_whatever_the_steps_rows(onednn, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    """oneDNN keeps a primitive (0.26-0.65 MB) for each row count it is given: under continuous
+    batching, with a step's rows any number, a worker's memory grew without end. Over row counts
+    129-2048, with the kernel and without, float32 and bfloat16 weights, oneDNN is given
+    multiples of ONEDNN_ROWS only, and every product is within float32 rounding of float64's,
+    as torch's GEMM is."""
+    if not onednn("1"):
+        pytest.skip("this torch has no oneDNN linear")
+    op = torch.ops.mkldnn._linear_pointwise
+    seen: set[int] = set()
+
+    def recording(x: torch.Tensor, *args):  # type: ignore[no-untyped-def]
+        seen.add(x.shape[0])
+        return op(x, *args)
+
+    monkeypatch.setattr(torch.ops.mkldnn, "_linear_pointwise", recording)
+    ext = cpu_ext.load_small_gemm()  # (None where it does not build: torch's GEMM only)
+    g = torch.Generator().manual_seed(13)
+    k = 64
+    w = torch.randn(40, k, generator=g)
+    b = torch.randn(40, generator=g)
+    for m in [*range(129, 2049, 37), 255, 256, 257, 2047, 2048]:
+        x = torch.randn(m, k, generator=g)
+        for weight in (w, w.bfloat16()):
+            exact = torch.nn.functional.linear(x.double(), weight.double(), b.double())
+            ref = torch.nn.functional.linear(x, weight.float(), b)
+            ref_err = (ref.double() - exact).abs().max().item()
+            for kernel in (None,) if ext is None else (ext, None):
+                got = small_linear(x, weight, b, kernel)
+                assert got.shape == (m, 40) and got.dtype == torch.float32
+                err = (got.double() - exact).abs().max().item()
+                assert err <= 4 * ref_err + 1e-5 * k**0.5, (m, weight.dtype, kernel, err)
+    assert sorted(seen) == [ONEDNN_ROWS * i for i in range(1, 2048 // ONEDNN_ROWS + 1)]
 
 
 def test_onednn_setting_refuses_other_values(onednn) -> None:  # type: ignore[no-untyped-def]
