@@ -41,7 +41,9 @@ UTF-8 keeps that run in the window until it ends.
 `num_shown` counts the leading output tokens whose text has been returned, in part at least (a
 token's text starts where the text stood when it arrived). Tokens that only made a stop string
 that was cut, or nothing (a final end-of-sequence token), are never shown: per-token data such
-as logprobs, given for the first `num_shown` tokens, adds up to the text, as OpenAI's does.
+as logprobs, given for the first `num_shown` tokens, adds up to the text, as OpenAI's does, but
+for a stop string that begins inside a token: that token is shown (its first characters are in
+the text) and its data is whole.
 """
 
 from __future__ import annotations
