@@ -254,7 +254,7 @@ class ModelRunner:
         self.num_blocks = num_blocks
         t1 = time.perf_counter()
         # (layers, 2, slots, n_kv_heads, head_dim): keys then values of this rank's layers and
-        # heads. Zeros (a padded decode reads unwritten slots, masked: they must not hold NaN),
+        # heads. Zeros (what a slot holds before it is written is masked out on every path),
         # from the kernel's zero pages: nothing is written now, and a page is committed when a
         # block first uses it, unless kv_commit="eager" commits them all here. On huge pages
         # only then: a decode step's scattered reads miss the TLB less (153 -> 147 ms a
