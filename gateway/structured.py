@@ -27,6 +27,7 @@ from gateway.errors import invalid, unsupported
 from gateway.fields import Fields, type_name
 from runtime.sampling_params import InvalidRequestError
 from runtime.structured import StructuredOutputsParams, check, json_loads, strict_schema
+from runtime.tool_parsers import make_parser
 
 MAX_TOOLS = 128  # tools per request
 # function / schema names (OpenAI's rule, and "."); \Z: "$" also matched before a final newline
@@ -199,6 +200,8 @@ def tools_of(f: Fields) -> tuple[list[dict[str, Any]] | None, str | dict[str, An
         tools.append(_tool(f"tools[{i}]", tool, names))
     if choice is None:
         return tools, "auto"
+    if choice == "required":
+        _together(tools)
     if choice in ("none", "auto", "required"):
         return tools, choice
     if isinstance(choice, str):
@@ -222,6 +225,21 @@ def tools_of(f: Fields) -> tuple[list[dict[str, Any]] | None, str | dict[str, An
             f"which is not among tools ({sorted(names)})",
         )
     return tools, {"type": "function", "function": {"name": name}}
+
+
+def _together(tools: list[dict[str, Any]]) -> None:
+    """tool_choice "required" constrains the output to a call of any of `tools`: one schema
+    holding them all, which llguidance may refuse where it took each alone ("schema too large":
+    96 tools of 14 enum properties, 0.4 MB). Compiled here as the worker builds it
+    (runtime/tool_parsers.py, whose formats differ in the text around it), so the 400 names
+    `tools`, which the client can change: the worker's named tool_choice."""
+    schema = make_parser("hermes", "", {})._call_schema(tools)
+    try:
+        check(StructuredOutputsParams(json=schema), "tools")
+    except InvalidRequestError as e:
+        raise invalid("tools", f"tools: {len(tools)} tools together are more than the grammar "
+                      "engine takes for tool_choice 'required' (send fewer or smaller tools): "
+                      f"{e.message}") from e  # fmt: skip
 
 
 def _tool(where: str, tool: object, names: set[str]) -> dict[str, Any]:

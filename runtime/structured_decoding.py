@@ -1,8 +1,9 @@
 """Constrained decoding in the engine: compiled grammars, per-request grammar state, token masks.
 
     prepare_request   GrammarCompiler.grammar(text): the compiled matcher for the grammar text
-                      (compiled once per distinct schema, kept in an LRU cache), copied for each
-                      of the request's n sequences (`Request.grammar`)
+                      (compiled once per distinct schema, on a thread of its own that requests
+                      for the same text wait on, for COMPILE_TIMEOUT_S at most; kept in an LRU
+                      cache), copied for each of the request's n sequences (`Request.grammar`)
     step: schedule    TokenMasks.start(scheduled): one job on a helper thread fills the bitmask
                       of every constrained request that samples this step, while the model's
                       forward pass runs (llguidance releases the GIL); a request with k
@@ -33,6 +34,7 @@ neither changes.
 from __future__ import annotations
 
 import functools
+import json
 import logging
 import threading
 import time
@@ -44,7 +46,14 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from runtime.sampling_params import InvalidRequestError
-from runtime.structured import check
+from runtime.structured import (
+    MAX_GRAMMAR_CHARS,
+    _below_int64,
+    _clip,
+    _lark_below_int64,
+    check_json_data,
+    grammar_text,
+)
 from runtime.tokenizer import Tokenizer
 
 if TYPE_CHECKING:
@@ -62,6 +71,18 @@ CACHE_GRAMMARS = 256  # compiled grammars kept (an LRU over grammar texts)
 # ~60 GB). A JSON schema takes milliseconds; the newest grammar is kept whatever its cost.
 CACHE_COMPILE_SECONDS = 2.0
 _NO_EXTENSION = "NoExtensionBias"  # llguidance's error when no token can extend the output
+# How long a request waits for its grammar's compile: past it, the request is refused (400
+# naming the limit), and the compile, which cannot be stopped, runs on and is kept as any other
+# (a request sent again takes it, or waits for the same compile). The slowest compile measured
+# of a grammar the gateway takes (~65,000 alternatives, near llguidance's symbol limit) takes
+# ~3.5 s on one core of a 2-core machine, stories260K or SmolLM2's 49k vocabulary alike (the
+# grammar's own lexer, not the tokenizer, is the cost); four at once, ~10 s each.
+COMPILE_TIMEOUT_S = 20.0
+# Compiles that run at once; more wait for a turn (their wait counts in their requests'
+# COMPILE_TIMEOUT_S). Each holds its lexer (~150 MB near the size limit), and a compile whose
+# request stopped waiting runs on: distinct large grammars sent over and over would otherwise
+# run as many compiles at once as they were sent.
+COMPILE_THREADS = 4
 
 
 def bitmask_words(vocab_size: int) -> int:
@@ -176,6 +197,7 @@ class GrammarCompiler:
         eos_token_ids: frozenset[int],
         capacity: int = CACHE_GRAMMARS,
         compile_seconds: float = CACHE_COMPILE_SECONDS,
+        timeout_s: float = COMPILE_TIMEOUT_S,
     ) -> None:
         self.vocab_size = vocab_size  # the model's logits width (may exceed the tokenizer's)
         self.eos_token_ids = sorted(eos_token_ids)
@@ -186,6 +208,10 @@ class GrammarCompiler:
         self._capacity = capacity
         self._budget = compile_seconds  # the most compile seconds kept (CACHE_COMPILE_SECONDS)
         self._cost = 0.0  # compile seconds of the grammars kept
+        # grammar text -> its compile, while it runs (requests for the same text wait for it)
+        self._compiling: dict[str, Future[llguidance.LLMatcher]] = {}
+        self._timeout = timeout_s  # how long a request waits for a compile (COMPILE_TIMEOUT_S)
+        self._turns = threading.BoundedSemaphore(COMPILE_THREADS)  # compiles running at once
         self._lock = threading.Lock()
         self.compiled = 0  # grammars compiled (cache misses), for tests and stats
         eos = np.zeros(bitmask_words(vocab_size) * 32, dtype=np.uint8)
@@ -206,37 +232,75 @@ class GrammarCompiler:
 
     def grammar(self, spec: StructuredOutputsParams, param: str) -> RequestGrammar:
         """A fresh grammar state for `spec` (InvalidRequestError naming the client's field it
-        came from, `spec.param`, or else `param`, if refused)."""
-        import llguidance  # (here, not at the top: ~25 ms of a worker's cold start otherwise)
-
+        came from, `spec.param`, or else `param`, if refused, or if its compile took longer than
+        the compile timeout). Requests with the same grammar text share one compile: those that
+        come while it runs wait for it."""
         param = spec.param or param
-        text = check(spec, param)
-        tok = self.tokenizer()
+        text = _grammar_text(spec, param)
         with self._lock:
             entry = self._cache.get(text)
             if entry is not None:
                 self._cache.move_to_end(text)
-        if entry is not None:
+                job: Future[llguidance.LLMatcher] | None = None
+            else:
+                job = self._compiling.get(text)
+                if job is None:
+                    job = self._compiling[text] = Future()
+                    what = "JSON schema" if spec.json is not None else "constraint"
+                    threading.Thread(target=self._compile, args=(text, what, job), daemon=True,
+                                     name="edgeinfer-grammar").start()  # fmt: skip
+        if job is None:
+            assert entry is not None
             template = entry[0]
         else:
-            start = time.perf_counter()
-            template = llguidance.LLMatcher(tok, text, log_level=0, limits=parser_limits())
-            if template.is_error():  # (its first line: a panic's goes on with a backtrace)
-                why = template.get_error().split("\n", 1)[0][:300]
-                raise InvalidRequestError(param, f"invalid constraint: {why}")
-            self._check_satisfiable(template, param)
-            cost = time.perf_counter() - start
-            with self._lock:
-                self.compiled += 1
-                self._drop(text)
-                self._cache[text] = (template, cost)
-                self._cost += cost
-                while len(self._cache) > self._capacity or (
-                    self._cost > self._budget and len(self._cache) > 1
-                ):
-                    self._drop(next(iter(self._cache)))
+            try:
+                template = job.result(self._timeout)
+            except TimeoutError:
+                raise InvalidRequestError(
+                    param, f"the constraint did not compile within {self._timeout:g} s (the "
+                    "limit of the worker's grammar compile): send a smaller grammar or schema "
+                    "(fewer alternatives or rules)",
+                ) from None  # fmt: skip
+            except _Refusal as e:  # (raised in every request that waited for the compile)
+                raise InvalidRequestError(param, str(e)) from None
         evict = functools.partial(self._evict, text, template)
         return RequestGrammar(template.deep_copy(), self.eos_row, evict, param)
+
+    def _compile(self, text: str, what: str, job: Future[llguidance.LLMatcher]) -> None:
+        """Compile `text` (on a thread of its own, when one of COMPILE_THREADS is free: a
+        request that stops waiting for it does not stop it), keep it and settle `job` with it,
+        or with the _Refusal that says why not (`what` the constraint is, for its message:
+        "JSON schema" or "constraint"). The compile's own errors are those the gateway's check
+        (runtime.structured.check) finds, so the worker does not run that check's compile too."""
+        import llguidance  # (here, not at the top: ~25 ms of a worker's cold start otherwise)
+
+        try:
+            with self._turns:
+                start = time.perf_counter()
+                template = llguidance.LLMatcher(self.tokenizer(), text, log_level=0,
+                                                limits=parser_limits())  # fmt: skip
+                if template.is_error():  # (on one line, as the gateway's check says it: a regex
+                    # error spans several; a panic's backtrace is left out)
+                    error = " ".join(template.get_error().split("<backtrace>", 1)[0].split())
+                    raise _Refusal(f"invalid or unsupported {what}: {error[:300]}")
+                self._check_satisfiable(template)
+                cost = time.perf_counter() - start
+        except BaseException as e:  # (a refusal, or a bug: raised in each waiting request)
+            with self._lock:
+                del self._compiling[text]
+            job.set_exception(e)
+            return
+        with self._lock:
+            del self._compiling[text]
+            self.compiled += 1
+            self._drop(text)
+            self._cache[text] = (template, cost)
+            self._cost += cost
+            while len(self._cache) > self._capacity or (
+                self._cost > self._budget and len(self._cache) > 1
+            ):
+                self._drop(next(iter(self._cache)))
+        job.set_result(template)
 
     def _evict(self, text: str, template: llguidance.LLMatcher) -> None:
         """Drop a compiled grammar whose lexer failed (its copies share it): the next request
@@ -252,7 +316,7 @@ class GrammarCompiler:
         if entry is not None:
             self._cost -= entry[1]
 
-    def _check_satisfiable(self, template: llguidance.LLMatcher, param: str) -> None:
+    def _check_satisfiable(self, template: llguidance.LLMatcher) -> None:
         """Refuse a constraint no output can satisfy: before any token, only end-of-sequence is
         allowed, yet the empty output does not match (a grammar rule with no way out, such as
         `a: a`, or a schema that only refers to itself). It would otherwise end every request
@@ -265,14 +329,12 @@ class GrammarCompiler:
         fill_next_token_bitmask(template, row, 0)
         error = template.get_error().split("\n", 1)[0][:300] if template.is_error() else ""
         if error and error != _NO_EXTENSION:  # a resource limit, reached on the first mask
-            raise InvalidRequestError(
-                param, f"the constraint is too complex for the grammar engine: {error}"
-            )
+            raise _Refusal(f"the constraint is too complex for the grammar engine: {error}")
         allowed = np.unpackbits(row.view(np.uint8), bitorder="little")[: self.vocab_size]
         allowed[self.eos_token_ids] = 0
         if error or (not allowed.any() and not template.is_accepting()):
-            raise InvalidRequestError(
-                param, "the constraint accepts no output: no token can begin it and the empty "
+            raise _Refusal(
+                "the constraint accepts no output: no token can begin it and the empty "
                 "output does not match it (a rule that never ends, or a schema that only refers "
                 "to itself?)",
             )  # fmt: skip
@@ -289,10 +351,39 @@ class GrammarCompiler:
             probe.consume_tokens(forced)
         why = probe.get_error().split("\n", 1)[0][:300] if probe.is_error() else ""
         if "Too many items" in why and "ff_tokens" in why:
-            raise InvalidRequestError(
-                param, "the constraint forces output that never ends (a rule that only repeats "
+            raise _Refusal(
+                "the constraint forces output that never ends (a rule that only repeats "
                 f"itself, such as `start: \"x\" start`?): {why}",
             )  # fmt: skip
+
+
+class _Refusal(Exception):
+    """The compile refused a grammar: why (the request that waited names its field)."""
+
+
+def _grammar_text(spec: StructuredOutputsParams, param: str) -> str:
+    """runtime.structured.check without its compile: the shape, size and number checks, and the
+    grammar text (the cache's key). The worker's compile, with the tokenizer, then finds what
+    check's compile (without one) would have, and more: run both, a grammar near the size limit
+    cost its compile time twice (~1 s of ~2.3 s at 50,000 alternatives; the gateway ran it
+    already). InvalidRequestError naming `param`, as check's."""
+    spec.validate(param)
+    if spec.json is not None:  # (before json.dumps: a cycle or a value it cannot write)
+        check_json_data(spec.json, param)
+    size = len(json.dumps(spec.json)) if spec.json is not None else len(spec.regex or "")
+    size = max(size, len(spec.grammar or ""), sum(len(c) for c in spec.choice or []))
+    if size > MAX_GRAMMAR_CHARS:
+        raise InvalidRequestError(param, f"at most {MAX_GRAMMAR_CHARS} characters, got {size}")
+    low = _below_int64(spec.json) if spec.json is not None else _lark_below_int64(spec.grammar)
+    if low is not None:  # (llguidance's compile would crash the process on it)
+        raise InvalidRequestError(
+            param, f"holds the number {_clip(str(low))}: the grammar engine takes no number at "
+            "or below -2**63 (-9223372036854775808) where an integer may stand",
+        )  # fmt: skip
+    try:
+        return grammar_text(spec)
+    except ValueError as e:  # not a JSON object, or not serializable
+        raise InvalidRequestError(param, f"invalid: {e}") from e
 
 
 class TokenMasks:

@@ -87,6 +87,12 @@ ROLES: tuple[Role, ...] = ("prefill", "decode", "mixed")
 EXIT_REDIS_S = 2.0
 IDLE_CONNECTION_S = 120.0  # an idle client connection's life (the gateway pools one 30 s)
 WARM_TEMPLATE_AFTER_S = 0.5  # after ready: jinja2's import and the chat template's compile
+# A request whose preparation (`_prepare`: a long prompt's tokenization, a grammar's compile)
+# takes longer than this begins its stream (200, keepalives) while it goes on: the silence a
+# stream's keepalives allow, below any gateway's idle timeout (which is above KEEPALIVE_S).
+# Shorter ones (a schema's compile takes milliseconds, a MB of chat ~0.7 s) are answered as
+# before, a refusal with its own status.
+PREPARE_QUIET_S = KEEPALIVE_S
 # The largest request body by default (--max-body-bytes), as sent and once decompressed: far
 # above any gateway's sensible --max-body-bytes (its default is 1 MiB), as what a gateway
 # forwards (the prompt or the messages and tools, as JSON) can be a little larger than the
@@ -646,37 +652,42 @@ async def _generate(request: web.Request) -> web.StreamResponse:
                       "not_found_error", "model", "model_not_found")  # fmt: skip
     tel = worker.telemetry
     span = tel.start(request.headers, req, worker.config.role)
+    resp = web.StreamResponse(headers={"Content-Type": "application/x-ndjson"})
+    quiet = _Keepalive(resp, worker.llm.is_stalled)
     # Being prepared on threads (a long prompt, a grammar) it is work in flight: a drain or a
     # role change waits for it, and it is refused after if one began (served under the new
     # role, or past a drain that had counted nothing, it was before)
     worker.preparing += 1
     try:
-        params, tools = await _prepare(worker, req)
-    except asyncio.CancelledError:  # (the client left)
+        params, tools = await _prepare_begun(request, resp, quiet, worker, req)
+    except (asyncio.CancelledError, ConnectionError) as e:  # (the client left)
+        quiet.stop()
         tel.finish(span, req, times, None, "client_gone")
+        if isinstance(e, ConnectionError):
+            return resp
         raise
     except _Refused as r:
         tel.finish(span, req, times, None, r.code)
-        return r.response
-    except Exception:  # a bug: answered 500, and its span ended (it was never exported)
+        return await _refuse(resp, quiet, r)
+    except Exception:  # a bug: answered 500 (or its begun stream cut short), and its span
+        quiet.stop()  # ended (it was never exported)
         tel.finish(span, req, times, None, "internal_error")
         raise
     finally:
         worker.preparing -= 1
     if worker.draining:
         tel.finish(span, req, times, None, "draining")
-        return _error(503, "worker is draining", "service_unavailable", code="draining",
-                      headers={"Retry-After": "1"})  # fmt: skip
+        return await _refuse(resp, quiet, _Refused(503, "worker is draining",
+                             "service_unavailable", code="draining", retry=True))  # fmt: skip
     try:
         taken = _accept(worker, req, params)
     except _Refused as r:
         tel.finish(span, req, times, None, r.code)
-        return r.response
+        return await _refuse(resp, quiet, r)
     except Exception:  # (as above)
+        quiet.stop()
         tel.finish(span, req, times, None, "internal_error")
         raise
-    resp = web.StreamResponse(headers={"Content-Type": "application/x-ndjson"})
-    quiet = _Keepalive(resp, worker.llm.is_stalled)
     if isinstance(taken, RequestStream):
         stream = taken
         times.arrival = time.monotonic()  # (its queue span's start, should it never run)
@@ -688,7 +699,7 @@ async def _generate(request: web.Request) -> web.StreamResponse:
                 InvalidRequestError("request_id", f"{req.request_id!r} is already in use")
             )
             tel.finish(span, req, times, None, dup.code)
-            return dup.response
+            return await _refuse(resp, quiet, dup)
         ctx = trace.set_span_in_context(span)
         task = asyncio.current_task()
         assert task is not None
@@ -915,6 +926,41 @@ class _ConstraintFailed(Exception):
     def __init__(self, message: str, param: str | None) -> None:
         super().__init__(message)
         self.param = param
+
+
+async def _prepare_begun(
+    request: web.Request, resp: web.StreamResponse, quiet: _Keepalive, worker: Worker,
+    req: GenerateRequest,
+) -> tuple[SamplingParams, RequestTools | None]:  # fmt: skip
+    """`_prepare`; when it takes longer than PREPARE_QUIET_S (a large grammar's compile takes
+    seconds), the stream begins (200, then keepalives), as a disaggregated request's does
+    while its KV is pulled, so that the gateway's idle timeout tells it from a hung worker.
+    Before, a compile longer than that timeout (10 s) was taken for a failed worker and sent
+    again to each of the gateway's attempts, every one of them compiling it anew, and the
+    client got 503 worker_failed. A refusal after the stream began is its one event
+    (`_refuse`), with the status it stands for: the gateway answers it as it would have."""
+    job = asyncio.ensure_future(_prepare(worker, req))
+    try:
+        done, _ = await asyncio.wait({job}, timeout=PREPARE_QUIET_S)
+        if not done:
+            await resp.prepare(request)
+            await resp.write(KEEPALIVE)  # (the headers go out with it)
+            quiet.start()
+        return await job
+    except BaseException:  # (the client left, or the refusal: then done already)
+        job.cancel()
+        raise
+
+
+async def _refuse(resp: web.StreamResponse, quiet: _Keepalive, r: _Refused) -> web.StreamResponse:
+    """The refusal `r`: its response, or, when the stream has begun (`_prepare_begun`), its
+    one event."""
+    if not resp.prepared:
+        return r.response
+    quiet.stop()
+    with contextlib.suppress(ConnectionError):
+        await resp.write(encode_event(r.event()))
+    return resp
 
 
 async def _prepare(

@@ -58,9 +58,13 @@ class Stack:
                                      headers=headers)  # fmt: skip
         try:
             with urllib.request.urlopen(req, timeout=60) as resp:
-                return resp.status, orjson.loads(resp.read().split(b"\n")[0])
+                first = orjson.loads(resp.read().lstrip(b"\n").split(b"\n")[0])
         except urllib.error.HTTPError as e:
             return e.code, orjson.loads(e.read())
+        if first.get("type") == "error" and first.get("status"):  # a worker's refusal after a
+            # preparation long enough (a loaded host) to begin its stream: as the gateway reads it
+            return first["status"], {"error": first["error"]}
+        return resp.status, first
 
     def close(self) -> None:
         self.gateway.stop()
