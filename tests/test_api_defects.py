@@ -130,6 +130,13 @@ def test_ctrl_c_at_the_chat_prompt_exits_130_without_a_traceback(model: Path) ->
         p.stdin.write(b"Hi\n")  # one turn first: Ctrl-C at the prompt, not during the load
         p.stdin.flush()
         out = _read_until(p.stdout.fileno(), b"you> ", 2)  # (its reply came between)
+        # Ctrl-C once it is blocked reading stdin, as a person's comes: input() writes the
+        # prompt, then reads, and a SIGINT between the two (a loaded host) only sets Python's
+        # flag, which nothing checks while the read blocks (CPython's own window)
+        wchan = Path(f"/proc/{p.pid}/wchan")
+        deadline = time.monotonic() + 30
+        while "pipe" not in wchan.read_text() and time.monotonic() < deadline:
+            time.sleep(0.01)
         p.send_signal(signal.SIGINT)  # (stdin open: it waits in input())
         p.wait(timeout=60)  # (stdin open till then: at EOF it would exit 0, as Ctrl-D does)
         rest, err = p.communicate(timeout=60)
