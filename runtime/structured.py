@@ -148,30 +148,37 @@ def check(spec: StructuredOutputsParams, param: str = "structured_outputs") -> s
     `param` names the field in errors (the gateway passes the client's, e.g.
     "response_format.json_schema.schema").
     """
-    spec.validate(param)
-    if spec.json is not None:  # (before json.dumps: a cycle or a value it cannot write)
-        check_json_data(spec.json, param)
     import llguidance
 
-    size = len(json.dumps(spec.json)) if spec.json is not None else len(spec.regex or "")
-    size = max(size, len(spec.grammar or ""), sum(len(c) for c in spec.choice or []))
-    if size > MAX_GRAMMAR_CHARS:
-        raise InvalidRequestError(param, f"at most {MAX_GRAMMAR_CHARS} characters, got {size}")
-    low = _below_int64(spec.json) if spec.json is not None else _lark_below_int64(spec.grammar)
-    if low is not None:
-        raise InvalidRequestError(
-            param, f"holds the number {_clip(str(low))}: the grammar engine takes no number at "
-            "or below -2**63 (-9223372036854775808) where an integer may stand",
-        )  # fmt: skip
-    try:
-        text = grammar_text(spec)
-    except ValueError as e:  # not a JSON object, or not serializable
-        raise InvalidRequestError(param, f"invalid: {e}") from e
+    text = checked_text(spec, param)
     is_error, messages = llguidance.LLMatcher.validate_grammar_with_warnings(text)
     if is_error:
         what = "JSON schema" if spec.json is not None else "constraint"
         raise InvalidRequestError(param, f"invalid or unsupported {what}: {_first(messages)}")
     return text
+
+
+def checked_text(spec: StructuredOutputsParams, param: str = "structured_outputs") -> str:
+    """`check` without its compile: the shape, size and number checks, and the grammar text. A
+    worker, which compiles with the tokenizer (and finds what this compile would, and more),
+    takes this: both cost a grammar near the size limit its compile time twice."""
+    spec.validate(param)
+    if spec.json is not None:  # (before json.dumps: a cycle or a value it cannot write)
+        check_json_data(spec.json, param)
+    size = len(json.dumps(spec.json)) if spec.json is not None else len(spec.regex or "")
+    size = max(size, len(spec.grammar or ""), sum(len(c) for c in spec.choice or []))
+    if size > MAX_GRAMMAR_CHARS:
+        raise InvalidRequestError(param, f"at most {MAX_GRAMMAR_CHARS} characters, got {size}")
+    low = _below_int64(spec.json) if spec.json is not None else _lark_below_int64(spec.grammar)
+    if low is not None:  # (llguidance's compile would crash the process on it)
+        raise InvalidRequestError(
+            param, f"holds the number {_clip(str(low))}: the grammar engine takes no number at "
+            "or below -2**63 (-9223372036854775808) where an integer may stand",
+        )  # fmt: skip
+    try:
+        return grammar_text(spec)
+    except ValueError as e:  # not a JSON object, or not serializable
+        raise InvalidRequestError(param, f"invalid: {e}") from e
 
 
 # llguidance (1.9) turns a schema's integers and integral bounds into 64-bit integers, saturating,

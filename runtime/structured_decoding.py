@@ -34,7 +34,6 @@ neither changes.
 from __future__ import annotations
 
 import functools
-import json
 import logging
 import threading
 import time
@@ -46,14 +45,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from runtime.sampling_params import InvalidRequestError
-from runtime.structured import (
-    MAX_GRAMMAR_CHARS,
-    _below_int64,
-    _clip,
-    _lark_below_int64,
-    check_json_data,
-    grammar_text,
-)
+from runtime.structured import checked_text
 from runtime.tokenizer import Tokenizer
 
 if TYPE_CHECKING:
@@ -236,7 +228,7 @@ class GrammarCompiler:
         the compile timeout). Requests with the same grammar text share one compile: those that
         come while it runs wait for it."""
         param = spec.param or param
-        text = _grammar_text(spec, param)
+        text = checked_text(spec, param)
         with self._lock:
             entry = self._cache.get(text)
             if entry is not None:
@@ -359,31 +351,6 @@ class GrammarCompiler:
 
 class _Refusal(Exception):
     """The compile refused a grammar: why (the request that waited names its field)."""
-
-
-def _grammar_text(spec: StructuredOutputsParams, param: str) -> str:
-    """runtime.structured.check without its compile: the shape, size and number checks, and the
-    grammar text (the cache's key). The worker's compile, with the tokenizer, then finds what
-    check's compile (without one) would have, and more: run both, a grammar near the size limit
-    cost its compile time twice (~1 s of ~2.3 s at 50,000 alternatives; the gateway ran it
-    already). InvalidRequestError naming `param`, as check's."""
-    spec.validate(param)
-    if spec.json is not None:  # (before json.dumps: a cycle or a value it cannot write)
-        check_json_data(spec.json, param)
-    size = len(json.dumps(spec.json)) if spec.json is not None else len(spec.regex or "")
-    size = max(size, len(spec.grammar or ""), sum(len(c) for c in spec.choice or []))
-    if size > MAX_GRAMMAR_CHARS:
-        raise InvalidRequestError(param, f"at most {MAX_GRAMMAR_CHARS} characters, got {size}")
-    low = _below_int64(spec.json) if spec.json is not None else _lark_below_int64(spec.grammar)
-    if low is not None:  # (llguidance's compile would crash the process on it)
-        raise InvalidRequestError(
-            param, f"holds the number {_clip(str(low))}: the grammar engine takes no number at "
-            "or below -2**63 (-9223372036854775808) where an integer may stand",
-        )  # fmt: skip
-    try:
-        return grammar_text(spec)
-    except ValueError as e:  # not a JSON object, or not serializable
-        raise InvalidRequestError(param, f"invalid: {e}") from e
 
 
 class TokenMasks:
