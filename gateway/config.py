@@ -38,6 +38,16 @@ class GatewayConfig:
     # each second of silence: a request that has not started streaming is then tried elsewhere)
     worker_idle_timeout_s: float = 10.0
     max_attempts: int = 3  # workers tried per request before giving up (only before first byte)
+    # a client that accepts none of an answer's bytes for this long (its connection's buffers
+    # full: it stopped reading) is dropped, and its request aborted at the worker, whose KV
+    # blocks are freed at once; before, it held the connection, the answer buffered for it and
+    # the worker's blocks until it closed. Each write must complete within it: a client that
+    # reads at all, however slowly, is not dropped
+    client_write_timeout_s: float = 30.0
+    # most sequences one request may ask for, prompts x n (a completions batch of 64 prompts at
+    # n=16 is 1,024: it held a worker for minutes, and everyone queued behind it); a worker runs
+    # at most max_num_seqs at once (default 128). 400 above it
+    max_request_seqs: int = 128
     retry_after_s: float = 1.0  # Retry-After for 429/503
     routing: str = "cache-aware"  # "cache-aware" | "round-robin" (a baseline for benchmarks)
     hold_timeout_s: float = 60.0  # a request for a model no worker serves, that a pool can
@@ -83,6 +93,12 @@ class GatewayConfig:
             )
         if self.registry_refresh_s <= 0 or self.session_ttl_s <= 0:
             raise ValueError("registry_refresh_s and session_ttl_s must be positive")
+        if self.client_write_timeout_s <= 0:
+            raise ValueError(
+                f"client_write_timeout_s must be positive, got {self.client_write_timeout_s}"
+            )
+        if self.max_request_seqs < 1:
+            raise ValueError(f"max_request_seqs must be at least 1, got {self.max_request_seqs}")
         if self.max_attempts < 1:
             raise ValueError(f"max_attempts must be at least 1, got {self.max_attempts}")
         if self.routing not in ("cache-aware", "round-robin"):

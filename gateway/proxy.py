@@ -39,10 +39,12 @@ import contextlib
 import functools
 import itertools
 import logging
+import socket
+import struct
 import time
 from collections.abc import AsyncGenerator, Callable, Iterable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 import aiohttp
 import orjson
@@ -53,6 +55,7 @@ from opentelemetry.trace import Span, Status, StatusCode
 
 from gateway.cluster import ClusterView
 from gateway.errors import (
+    CLIENT_GONE_STATUS,
     APIError,
     at_capacity,
     bad_gateway,
@@ -171,6 +174,9 @@ class Call:
     # stream was closed under it, and its end is the drain's error event, not a worker failure
     cut: bool = False
     upstream: aiohttp.ClientResponse | None = None  # the worker's stream while it is read
+    # the client took none of a write within client_write_timeout_s (`Proxy._write`): its
+    # connection is reset once the worker streams are closed (`respond`)
+    stalled: bool = False
 
     def part(self, gen: GenerateRequest) -> Call:
         """Another prompt of the same request (a completions batch), to be routed on its own:
@@ -245,6 +251,8 @@ class Proxy:
                 gens, call.options = parse(body, call.request_id, call.session_id)
             for gen in gens:
                 gen.operation = call.operation
+            n = call.options.n if call.options is not None else 1
+            _check_sequences(len(gens), n, self.config.max_request_seqs)
             call.gen = gens[0]
             self.resolve_model(call)
             tel.validated(call, gens)
@@ -1060,15 +1068,79 @@ class Proxy:
                 for p, (_, head) in enumerate(streams):
                     for event in head:
                         assembler.on_event(event, p)
-                return web.Response(
-                    body=orjson.dumps(assembler.final()),
-                    content_type="application/json",
-                    headers=headers,
-                )
+                return await self._answer(request, call, orjson.dumps(assembler.final()), headers)
             return await self._stream(request, call, assembler, headers, streams)
         finally:
             for events, _ in streams:
                 await events.aclose()
+            if call.stalled:  # (after the streams, whose closing aborts the request at the
+                _reset(request)  # worker: aiohttp cancels a handler whose connection is lost)
+
+    async def _answer(
+        self, request: web.Request, call: Call, body: bytes, headers: dict[str, str]
+    ) -> web.StreamResponse:
+        """A whole (not streamed) answer, written here rather than by aiohttp after the handler
+        returns, so that a client that does not read it is dropped after client_write_timeout_s
+        (`_write`) instead of holding the connection and the answer for as long as it likes."""
+        resp = web.StreamResponse(headers=headers)
+        resp.content_type = "application/json"
+        resp.content_length = len(body)
+        await resp.prepare(request)
+        task = asyncio.current_task()
+        if task is not None and task in self._in_flight:  # (begun: the drain's end cancels it
+            self._streaming.add(task)  # no more, which would answer 503 after these headers)
+        try:
+            await self._write(request, resp, body, eof=True)
+        except ClientStalled:
+            self._stalled(call)
+        except ConnectionError:  # the client went away (nothing to abort: the answer is whole)
+            call.stream_error = client_gone()
+        return resp
+
+    async def _write(
+        self, request: web.Request, resp: web.StreamResponse, data: bytes, eof: bool = False
+    ) -> None:
+        """Write `data` (and end the response: `eof`) to the client; ClientStalled when the
+        client takes none of it for client_write_timeout_s (its connection's buffers stay full:
+        it has stopped reading): `_stalled`, and the connection is reset (`respond`). A client
+        that reads, however slowly, is waited for. A worker's stream is not read meanwhile, and
+        aiohttp stops that stream's idle timeout (worker_idle_timeout_s) while its buffer is
+        full: a slow client is never taken for a silent worker."""
+        transport = request.transport
+        if transport is not None and transport.get_write_buffer_size() + len(data) < FREE_WRITE:
+            # (nothing waits for the client: the socket takes it, or the transport's buffer
+            # does, below aiohttp's drain mark: no timers for a stream's small chunks)
+            await resp.write(data)
+            if eof:
+                await resp.write_eof()
+            return
+        try:
+            async with asyncio.timeout(self.config.client_write_timeout_s) as deadline:
+                watch = _Progress(transport, deadline, self.config.client_write_timeout_s)
+                try:
+                    await resp.write(data)
+                    if eof:
+                        await resp.write_eof()
+                finally:
+                    watch.cancel()
+        except TimeoutError:
+            raise ClientStalled from None
+
+    def _stalled(self, call: Call) -> None:
+        """The client was dropped (`_write`): recorded as a client that went away, and said in
+        the log (an INFO line: a client's fault, not the service's)."""
+        call.stalled = True
+        log.info("request %s: the client took none of the answer for %gs "
+                 "(client_write_timeout_s): its connection is reset, its worker streams closed",
+                 call.request_id, self.config.client_write_timeout_s)  # fmt: skip
+        call.stream_error = APIError(
+            CLIENT_GONE_STATUS,
+            f"the client took none of the answer for {self.config.client_write_timeout_s:g} s "
+            "(client_write_timeout_s); dropped",
+            "client_error",
+            None,
+            "client_stalled",
+        )
 
     async def _stream(
         self,
@@ -1091,11 +1163,12 @@ class Proxy:
         if task is not None and task in self._in_flight:
             self._streaming.add(task)
         events = _interleaved([rest for rest, _ in streams])
+        client = _ClientWriter(self, request, resp)
         try:
             for p, (_, head) in enumerate(streams):  # (no error event: `forward` raised those)
-                await self._relay(resp, assembler, p, head)
+                await self._relay(client, assembler, p, head)
             async for p, batch in events:
-                failed = await self._relay(resp, assembler, p, batch)
+                failed = await self._relay(client, assembler, p, batch)
                 if failed is not None:  # (sent as the stream's last chunk)
                     self._stream_failed(call, failed)
                     break
@@ -1103,7 +1176,7 @@ class Proxy:
             if call.cut:  # the drain's end closed the worker stream: no worker failed
                 error = self._drain_over_error()
                 self._stream_failed(call, error)
-                await _send_quietly(resp, sse(error.body()) + SSE_DONE)
+                await self._send_last(call, client, sse(error.body()) + SSE_DONE)
                 return resp
             if e.dead:
                 self.view.mark_failed(e.worker.worker_id)
@@ -1117,20 +1190,34 @@ class Proxy:
             error = APIError(e.error.status, f"the worker serving this request failed after the "
                              f"stream began ({why}); retry the request", e.error.type, None,
                              e.error.code or "worker_failed")  # fmt: skip
-            await _send_quietly(resp, sse(error.body()) + SSE_DONE)
+            await self._send_last(call, client, sse(error.body()) + SSE_DONE)
             return resp
         except APIError as e:  # the worker's stream broke the protocol after the first byte
             log.warning("request %s: %s", call.request_id, e.message)
             self._stream_failed(call, e)
-            await _send_quietly(resp, sse(e.body()) + SSE_DONE)
+            await self._send_last(call, client, sse(e.body()) + SSE_DONE)
             return resp
         except ConnectionError:  # the client went away; closing the streams aborts on workers
             call.stream_error = client_gone()  # (recorded, not counted as an answer's error)
             return resp
+        except ClientStalled:  # the client stopped reading: dropped (as if it had gone away)
+            self._stalled(call)
+            return resp
         finally:
             await events.aclose()  # (before the streams: it may be reading them)
-        await _send_quietly(resp, SSE_DONE)
+        await self._send_last(call, client, SSE_DONE)
         return resp
+
+    async def _send_last(self, call: Call, client: _ClientWriter, data: bytes) -> None:
+        """The stream's last chunk, and its end; a client gone or stalled by then misses it."""
+        try:
+            await client.write(data, eof=True)
+        except ConnectionError:
+            pass
+        except ClientStalled:  # (reset all the same: aiohttp would wait on it to end it)
+            if call.stream_error is None:
+                self._stalled(call)
+            call.stalled = True
 
     def _stream_failed(self, call: Call, err: APIError) -> None:
         call.stream_error = err
@@ -1138,7 +1225,7 @@ class Proxy:
 
     @staticmethod
     async def _relay(
-        resp: web.StreamResponse,
+        resp: _Writer,
         assembler: ResponseAssembler,
         prompt: int,
         batch: list[dict[str, Any]],
@@ -1168,6 +1255,90 @@ class Proxy:
 
 
 # ---------------------------------------------------------------------- helpers
+# A write that leaves the transport's buffer under this cannot wait for the client (aiohttp
+# drains from 64 KiB): `Proxy._write` arms no deadline for it
+FREE_WRITE = 16 << 10
+
+
+class ClientStalled(Exception):
+    """The client took none of a write within client_write_timeout_s (`Proxy._write`)."""
+
+
+class _Writer(Protocol):
+    async def write(self, data: bytes) -> None: ...
+
+
+class _ClientWriter:
+    """A response's writes to its client, each bounded by client_write_timeout_s
+    (`Proxy._write`)."""
+
+    def __init__(self, proxy: Proxy, request: web.Request, resp: web.StreamResponse) -> None:
+        self._proxy, self._request, self._resp = proxy, request, resp
+
+    async def write(self, data: bytes, eof: bool = False) -> None:
+        await self._proxy._write(self._request, self._resp, data, eof)
+
+
+class _Progress:
+    """Moves a write's deadline (`Proxy._write`) on while the client takes some of what is
+    buffered for it: checked every quarter of the timeout, so that a client is dropped between
+    1 and 1.25 timeouts after it last took a byte, not when one write outlasts the timeout (a
+    whole answer of megabytes, or a buffer's worth to a client reading kilobytes a second)."""
+
+    def __init__(
+        self, transport: asyncio.Transport | None, deadline: asyncio.Timeout, timeout_s: float
+    ) -> None:
+        self._transport = transport
+        self._deadline = deadline
+        self._timeout_s = timeout_s
+        self._loop = asyncio.get_running_loop()
+        self._left = self._buffered()
+        self._check = self._loop.call_later(timeout_s / 4, self._checked)
+
+    def _buffered(self) -> int:
+        t = self._transport
+        return t.get_write_buffer_size() if t is not None and not t.is_closing() else 0
+
+    def _checked(self) -> None:
+        left = self._buffered()
+        if left < self._left:  # it took some: the client is reading
+            self._deadline.reschedule(self._loop.time() + self._timeout_s)
+        self._left = left
+        self._check = self._loop.call_later(self._timeout_s / 4, self._checked)
+
+    def cancel(self) -> None:
+        self._check.cancel()
+
+
+def _reset(request: web.Request) -> None:
+    """Drop the client's connection with a reset (SO_LINGER 0): a plain close would leave what
+    its socket still holds for the client queued in the kernel, retried for minutes."""
+    transport = request.transport
+    if transport is None:
+        return
+    sock = transport.get_extra_info("socket")
+    if sock is not None:
+        with contextlib.suppress(OSError):
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+    transport.abort()
+
+
+def _check_sequences(prompts: int, n: int, limit: int) -> None:
+    """400 for a request of more sequences (prompts x n) than `limit` (max_request_seqs)."""
+    if prompts * n <= limit:
+        return
+    if prompts == 1:
+        raise invalid("n", f"n is {n}; at most {limit} sequences per request (this gateway's "
+                      "max_request_seqs)", "too_many_sequences")  # fmt: skip
+    raise invalid(
+        "n" if n > 1 else "prompt",
+        f"prompt holds {prompts} prompts and n is {n}: {prompts * n} sequences (prompts x n); at "
+        f"most {limit} per request (this gateway's max_request_seqs): send the prompts in "
+        "several requests",
+        "too_many_sequences",
+    )
+
+
 def _retrieved(task: asyncio.Future[Any]) -> None:
     """A task's outcome taken, whatever it is: one left behind (cancelled, or ended as its
     awaiter was) logs no "exception was never retrieved"."""
@@ -1420,11 +1591,3 @@ async def _read_to_end(resp: aiohttp.ClientResponse) -> None:
         async with asyncio.timeout(END_READ_S):
             while await resp.content.readany():
                 pass
-
-
-async def _send_quietly(resp: web.StreamResponse, data: bytes) -> None:
-    try:
-        await resp.write(data)
-        await resp.write_eof()
-    except ConnectionError:
-        pass

@@ -375,6 +375,8 @@ GATEWAY_FLAGS = {
     "idle_timeout_s": "--idle-timeout",
     "hold_timeout_s": "--hold-timeout",
     "drain_timeout_s": "--drain-timeout",
+    "client_write_timeout_s": "--client-write-timeout",
+    "max_request_seqs": "--max-request-seqs",
     "pool_gone_grace_s": "--pool-gone-grace",
     "disagg_min_tokens": "--disagg-min-tokens",
     "max_body_bytes": "--max-body-bytes",
@@ -406,6 +408,8 @@ def _gateway_config(args: argparse.Namespace, keys: list[str], secret: str):  # 
         disagg_min_tokens=args.disagg_min_tokens,
         hold_timeout_s=args.hold_timeout,
         drain_timeout_s=args.drain_timeout,
+        client_write_timeout_s=args.client_write_timeout,
+        max_request_seqs=args.max_request_seqs,
         pool_gone_grace_s=args.pool_gone_grace,
         telemetry=_telemetry_config(args, "edgeinfer-gateway", args.region),
     )
@@ -698,6 +702,12 @@ def add_service_commands(sub: argparse._SubParsersAction, engine_args) -> None: 
                    "held requests answered 503 at once); those still going then end with a 503 "
                    "or a stream's closing error event, code gateway_shutting_down (default "
                    "%(default)s)")  # fmt: skip
+    g.add_argument("--client-write-timeout", type=float, default=30.0,
+                   help="seconds a client may take none of an answer (stopped reading) before "
+                   "it is dropped and its request aborted at the worker (default %(default)s)")  # fmt: skip
+    g.add_argument("--max-request-seqs", type=int, default=128,
+                   help="most sequences one request may ask for, prompts x n (default "
+                   "%(default)s: a worker's default --max-num-seqs); a 400 above it")  # fmt: skip
     g.add_argument(
         "--hold-timeout", type=float, default=60.0,
         help="seconds a request waits for a pool to start a worker for its model (scale from "

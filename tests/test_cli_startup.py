@@ -368,6 +368,10 @@ def test_an_unknown_flag_after_a_command_shows_that_commands_usage() -> None:
          "positive, got -1.0"),
         (["gateway", "--worker-idle-timeout", "0.5"], "edgeinfer: error: --worker-idle-timeout "
          "must be above the workers' 1 s keepalive, got 0.5"),
+        (["gateway", "--client-write-timeout", "0"], "edgeinfer: error: --client-write-timeout "
+         "must be positive, got 0.0"),
+        (["gateway", "--max-request-seqs", "0"], "edgeinfer: error: --max-request-seqs must be "
+         "at least 1, got 0"),
         (["gateway", "--metrics-port", "8080"], "edgeinfer: error: --metrics-port must differ "
          "from --port, both 8080: 0 serves /metrics on the main port"),
         (["rebalance", "--model", "m", "--prefill", "-1"], "edgeinfer rebalance: error: "
