@@ -172,7 +172,8 @@ def paged_attention(
             # zeroed: a NaN or inf there would still reach the output through the mask's sum
             # (NaN + -inf) and the weights' product (0 * inf)
             keep = g.mask.view(n, 1, -1, 1)
-            keys, values = keys.masked_fill(~keep, 0), values.masked_fill(~keep, 0)
+            keys.masked_fill_(~keep, 0)  # (copies already: index_select's)
+            values.masked_fill_(~keep, 0)
         qd = q[s : s + n].unsqueeze(2)  # (n, H, 1, D)
         o = F.scaled_dot_product_attention(
             qd, keys, values, attn_mask=g.mask, scale=scale, enable_gqa=Hkv != H

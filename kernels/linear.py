@@ -225,10 +225,12 @@ def _onednn_linear(
     x = x.contiguous()
     # (a strided bias is read as if it were contiguous: wrong sums, no error)
     bias = None if b is None else b.contiguous()
-    y = torch.ops.mkldnn._linear_pointwise(x[:head], w.float(), bias, "none", [], "")
+    wf = w.float()  # (w itself if float32)
+    y = torch.ops.mkldnn._linear_pointwise(x[:head], wf, bias, "none", [], "")
     if head == rows:
         return y
-    return torch.cat((y, small_linear(x[head:], w, bias, ext, packed)))
+    # the tail: a bfloat16 w as it is to the kernel, which reads it; widened once for torch's
+    return torch.cat((y, small_linear(x[head:], w if ext is not None else wf, bias, ext, packed)))
 
 
 ONEDNN_ENV = "EDGEINFER_ONEDNN_LINEAR"
