@@ -2,8 +2,9 @@
 
     prepare_request   GrammarCompiler.grammar(text): the compiled matcher for the grammar text
                       (compiled once per distinct schema, on a thread of its own that requests
-                      for the same text wait on, for COMPILE_TIMEOUT_S at most; kept in an LRU
-                      cache), copied for each of the request's n sequences (`Request.grammar`)
+                      for the same text wait on, for COMPILE_TIMEOUT_S at most, and not at all
+                      once none waits when its turn comes; kept in an LRU cache), copied for
+                      each of the request's n sequences (`Request.grammar`)
     step: schedule    TokenMasks.start(scheduled): one job on a helper thread fills the bitmask
                       of every constrained request that samples this step, while the model's
                       forward pass runs (llguidance releases the GIL); a request with k
@@ -40,11 +41,13 @@ import time
 from collections import OrderedDict
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 import numpy as np
 
 from runtime.sampling_params import InvalidRequestError
+from runtime.scheduler import QueueFullError
 from runtime.structured import checked_text
 from runtime.tokenizer import Tokenizer
 
@@ -65,7 +68,10 @@ CACHE_COMPILE_SECONDS = 2.0
 _NO_EXTENSION = "NoExtensionBias"  # llguidance's error when no token can extend the output
 # How long a request waits for its grammar's compile: past it, the request is refused (400
 # naming the limit), and the compile, which cannot be stopped, runs on and is kept as any other
-# (a request sent again takes it, or waits for the same compile). The slowest compile measured
+# (a request sent again takes it, or waits for the same compile). A request that spent the
+# greater part of this waiting for its compile's turn (COMPILE_THREADS), its compile not begun or
+# run less than half of it, is not blamed: it is told to retry (QueueFullError, the worker's 429
+# with Retry-After), the compile, if begun, kept for the retry. The slowest compile measured
 # of a grammar the gateway takes (~65,000 alternatives, near llguidance's symbol limit) takes
 # ~3.5 s on one core of a 2-core machine, stories260K or SmolLM2's 49k vocabulary alike (the
 # grammar's own lexer, not the tokenizer, is the cost); four at once, ~10 s each.
@@ -73,7 +79,10 @@ COMPILE_TIMEOUT_S = 20.0
 # Compiles that run at once; more wait for a turn (their wait counts in their requests'
 # COMPILE_TIMEOUT_S). Each holds its lexer (~150 MB near the size limit), and a compile whose
 # request stopped waiting runs on: distinct large grammars sent over and over would otherwise
-# run as many compiles at once as they were sent.
+# run as many compiles at once as they were sent. A compile that no request waits for any more
+# when its turn comes does not run: before, each such compile ran in its turn, and a backlog of
+# them (requests that had given up) made a schema of milliseconds wait past the timeout, refused
+# with the timeout's 400 as if it were too large.
 COMPILE_THREADS = 4
 
 
@@ -200,12 +209,14 @@ class GrammarCompiler:
         self._capacity = capacity
         self._budget = compile_seconds  # the most compile seconds kept (CACHE_COMPILE_SECONDS)
         self._cost = 0.0  # compile seconds of the grammars kept
-        # grammar text -> its compile, while it runs (requests for the same text wait for it)
-        self._compiling: dict[str, Future[llguidance.LLMatcher]] = {}
+        # grammar text -> its compile, while it waits for a turn or runs (requests for the same
+        # text wait for it), oldest first
+        self._compiling: dict[str, _Compile] = {}
         self._timeout = timeout_s  # how long a request waits for a compile (COMPILE_TIMEOUT_S)
         self._turns = threading.BoundedSemaphore(COMPILE_THREADS)  # compiles running at once
         self._lock = threading.Lock()
         self.compiled = 0  # grammars compiled (cache misses), for tests and stats
+        self.abandoned = 0  # compiles not run: no request waited for them when their turn came
         eos = np.zeros(bitmask_words(vocab_size) * 32, dtype=np.uint8)
         eos[self.eos_token_ids] = 1
         self.eos_row = np.packbits(eos, bitorder="little").view(np.int32)  # (W,)
@@ -225,50 +236,83 @@ class GrammarCompiler:
     def grammar(self, spec: StructuredOutputsParams, param: str) -> RequestGrammar:
         """A fresh grammar state for `spec` (InvalidRequestError naming the client's field it
         came from, `spec.param`, or else `param`, if refused, or if its compile took longer than
-        the compile timeout). Requests with the same grammar text share one compile: those that
-        come while it runs wait for it."""
+        the compile timeout; QueueFullError if the wait for it was spent mostly waiting for a
+        turn, behind other compiles). Requests with the same grammar text share one compile:
+        those that come while it waits or runs wait for it."""
         param = spec.param or param
         text = checked_text(spec, param)
         with self._lock:
             entry = self._cache.get(text)
             if entry is not None:
                 self._cache.move_to_end(text)
-                job: Future[llguidance.LLMatcher] | None = None
+                job: _Compile | None = None
             else:
                 job = self._compiling.get(text)
                 if job is None:
-                    job = self._compiling[text] = Future()
+                    job = self._compiling[text] = _Compile()
                     what = "JSON schema" if spec.json is not None else "constraint"
                     threading.Thread(target=self._compile, args=(text, what, job), daemon=True,
                                      name="edgeinfer-grammar").start()  # fmt: skip
+                job.waiting += 1
         if job is None:
             assert entry is not None
             template = entry[0]
         else:
             try:
-                template = job.result(self._timeout)
+                template = job.done.result(self._timeout)
             except TimeoutError:
-                raise InvalidRequestError(
-                    param, f"the constraint did not compile within {self._timeout:g} s (the "
-                    "limit of the worker's grammar compile): send a smaller grammar or schema "
-                    "(fewer alternatives or rules)",
-                ) from None  # fmt: skip
+                raise self._late(text, job, param) from None
             except _Refusal as e:  # (raised in every request that waited for the compile)
                 raise InvalidRequestError(param, str(e)) from None
+            finally:  # (settled, timed out, or the wait interrupted: this request waits no more)
+                with self._lock:
+                    job.waiting -= 1
         evict = functools.partial(self._evict, text, template)
         return RequestGrammar(template.deep_copy(), self.eos_row, evict, param)
 
-    def _compile(self, text: str, what: str, job: Future[llguidance.LLMatcher]) -> None:
+    def _late(self, text: str, job: _Compile, param: str) -> Exception:
+        """Why a request waited for `job` longer than the timeout: a 400 when the compile itself
+        ran for the greater part of that (at least half), else, the wait spent mostly waiting
+        for a turn, QueueFullError (retry) naming the compiles ahead of it."""
+        with self._lock:
+            ran = 0.0 if job.started is None else time.perf_counter() - job.started
+            ahead = 0  # older compiles that run or will (oldest first: they take turns first)
+            for other, older in self._compiling.items():
+                if other == text:
+                    break
+                ahead += older.started is not None or older.waiting > 0
+        if ran >= self._timeout / 2:
+            return InvalidRequestError(
+                param, f"the constraint did not compile within {self._timeout:g} s (the "
+                "limit of the worker's grammar compile): send a smaller grammar or schema "
+                "(fewer alternatives or rules)",
+            )  # fmt: skip
+        begun = "had not begun" if job.started is None else f"had run only {ran:.1f} s"
+        return QueueFullError(
+            f"{param}: the worker's grammar compiles are busy: this request's compile {begun} "
+            f"after {self._timeout:g} s ({ahead} grammar compiles ahead of it, "
+            f"{COMPILE_THREADS} run at once); retry"
+        )
+
+    def _compile(self, text: str, what: str, job: _Compile) -> None:
         """Compile `text` (on a thread of its own, when one of COMPILE_THREADS is free: a
-        request that stops waiting for it does not stop it), keep it and settle `job` with it,
-        or with the _Refusal that says why not (`what` the constraint is, for its message:
-        "JSON schema" or "constraint"). The compile's own errors are those the gateway's check
+        request that stops waiting for it does not stop it once begun), keep it and settle `job`
+        with it, or with the _Refusal that says why not (`what` the constraint is, for its
+        message: "JSON schema" or "constraint"). A compile that no request waits for when its
+        turn comes is dropped instead (its future cancelled): a request for the text after that
+        starts a new one. The compile's own errors are those the gateway's check
         (runtime.structured.check) finds, so the worker does not run that check's compile too."""
         import llguidance  # (here, not at the top: ~25 ms of a worker's cold start otherwise)
 
         try:
             with self._turns:
-                start = time.perf_counter()
+                with self._lock:
+                    if job.waiting == 0:  # (every request for it stopped waiting: none will)
+                        del self._compiling[text]
+                        job.done.cancel()
+                        self.abandoned += 1
+                        return
+                    job.started = start = time.perf_counter()
                 template = llguidance.LLMatcher(self.tokenizer(), text, log_level=0,
                                                 limits=parser_limits())  # fmt: skip
                 if template.is_error():  # (on one line, as the gateway's check says it: a regex
@@ -280,7 +324,7 @@ class GrammarCompiler:
         except BaseException as e:  # (a refusal, or a bug: raised in each waiting request)
             with self._lock:
                 del self._compiling[text]
-            job.set_exception(e)
+            job.done.set_exception(e)
             return
         with self._lock:
             del self._compiling[text]
@@ -292,7 +336,7 @@ class GrammarCompiler:
                 self._cost > self._budget and len(self._cache) > 1
             ):
                 self._drop(next(iter(self._cache)))
-        job.set_result(template)
+        job.done.set_result(template)
 
     def _evict(self, text: str, template: llguidance.LLMatcher) -> None:
         """Drop a compiled grammar whose lexer failed (its copies share it): the next request
@@ -351,6 +395,16 @@ class GrammarCompiler:
 
 class _Refusal(Exception):
     """The compile refused a grammar: why (the request that waited names its field)."""
+
+
+@dataclass(eq=False)
+class _Compile:
+    """One grammar text's compile, from its request until it is settled (under the compiler's
+    lock but `done`)."""
+
+    done: Future[llguidance.LLMatcher] = field(default_factory=Future)  # its matcher, or why not
+    waiting: int = 0  # requests waiting for it now (none when its turn comes: it does not run)
+    started: float | None = None  # when its turn came (perf_counter); None while it waits
 
 
 class TokenMasks:

@@ -23,8 +23,9 @@ import pytest
 
 from kvstore.redis_server import LocalRedis
 from runtime.sampling_params import InvalidRequestError
+from runtime.scheduler import QueueFullError
 from runtime.structured import StructuredOutputsParams
-from runtime.structured_decoding import GrammarCompiler
+from runtime.structured_decoding import COMPILE_THREADS, GrammarCompiler
 from runtime.tokenizer import Tokenizer
 from tests.stack import SECRET, Proc, chat_model, get_json, start_gateway, start_worker, wait_until
 
@@ -113,6 +114,70 @@ def test_the_worker_compiles_a_grammar_once_not_the_gateways_check_too(
     with pytest.raises(InvalidRequestError) as e:
         compiler.grammar(StructuredOutputsParams(json={"type": "nope"}), "response_format")
     assert e.value.message.startswith("invalid or unsupported JSON schema: "), e.value
+
+
+def _give_up_on(compiler: GrammarCompiler, grammars: list[str]) -> list[Exception]:
+    """Ask for each grammar at once, each request giving up after the compiler's timeout; what
+    each was refused with."""
+    go = threading.Barrier(len(grammars))
+    refused: list[Exception] = []
+
+    def ask(grammar: str) -> None:
+        go.wait()
+        try:
+            compiler.grammar(StructuredOutputsParams(grammar=grammar), "guided_grammar")
+        except (InvalidRequestError, QueueFullError) as e:
+            refused.append(e)
+
+    threads = [threading.Thread(target=ask, args=(g,)) for g in grammars]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    return refused
+
+
+def _compiles_settle() -> None:
+    wait_until(lambda: not any(t.name == "edgeinfer-grammar" for t in threading.enumerate()),
+               60, "the grammar compiles to settle")  # fmt: skip
+
+
+def test_a_compile_nobody_waits_for_any_more_does_not_run(tok: Tokenizer) -> None:
+    """Distinct grammars whose requests all gave up: the compiles that had begun run on (they
+    cannot be stopped), but those still waiting for a turn when their requests left are dropped,
+    not run (each ran in its turn: a backlog without bound). Their requests are told to retry
+    (429 at the worker), not blamed for a compile that never began."""
+    compiler = GrammarCompiler(tok, tok.vocab_size, tok.eos_token_ids, timeout_s=0.05)
+    grammars = [_alternatives(20_000, f"a{i}x") for i in range(2 * COMPILE_THREADS)]
+    refused = _give_up_on(compiler, grammars)
+    assert len(refused) == len(grammars), refused
+    _compiles_settle()
+    assert compiler.compiled <= COMPILE_THREADS, compiler.compiled  # (was 8: all of them)
+    assert compiler.abandoned == len(grammars) - compiler.compiled
+    retry = [e for e in refused if isinstance(e, QueueFullError)]
+    assert len(retry) >= compiler.abandoned, refused
+    assert all("grammar compiles ahead of it" in str(e) and "retry" in str(e) for e in retry)
+
+
+def test_a_small_schema_behind_a_backlog_is_not_refused_as_too_large(tok: Tokenizer) -> None:
+    """A schema of milliseconds asked for behind compiles of grammars whose requests gave up:
+    served, or told to retry, never the 400 "did not compile within" (before, it waited for the
+    whole backlog, each abandoned compile run in its turn, and was refused as too large). Asked
+    again once the compiles that began are done, it is served (compiled anew if its first
+    compile was dropped, nobody waiting for it)."""
+    compiler = GrammarCompiler(tok, tok.vocab_size, tok.eos_token_ids, timeout_s=0.3)
+    _give_up_on(compiler, [_alternatives(20_000, f"b{i}x") for i in range(3 * COMPILE_THREADS)])
+    small = {"type": "object", "properties": {"a": {"type": "integer"}}}
+    schema = StructuredOutputsParams(json=small)
+    try:
+        compiler.grammar(schema, "response_format")
+    except QueueFullError as e:  # (the compiles that began still run: the worker's 429)
+        assert str(e).startswith("response_format: ") and "retry" in str(e), e
+    _compiles_settle()
+    assert compiler.compiled <= COMPILE_THREADS + 1, compiler.compiled
+    start = time.perf_counter()
+    compiler.grammar(schema, "response_format")
+    assert time.perf_counter() - start < 0.3
 
 
 class Stack:
