@@ -32,6 +32,7 @@ from runtime.engine import LLMEngine, Prompt, RequestGroup
 from runtime.outputs import RequestOutput
 from runtime.sampling_params import InvalidRequestError, SamplingParams
 from runtime.scheduler import QueueFullError
+from runtime.structured_decoding import RequestGrammar
 
 log = logging.getLogger(__name__)
 
@@ -108,17 +109,20 @@ class AsyncLLM:
         params: SamplingParams,
         request_id: str | None = None,
         hold_kv: bool = False,
+        grammar: RequestGrammar | None = None,
     ) -> RequestStream:
         """Validate and queue a request now; read its outputs from the returned stream.
 
         Raises InvalidRequestError (a ValueError) on bad input, QueueFullError when the waiting
         queue is at its bound, EngineDeadError after shutdown: all before anything is queued, so
         a server can answer with a status code before it starts streaming. Never waits for a step.
+        `grammar`: params' grammar, compiled already (LLMEngine.prepare_request).
         """
         rid = request_id
         while not rid or (rid in self._streams and not request_id):
             rid = self.engine.next_request_id()  # (skipping a caller's, maybe not queued yet)
-        group = self.engine.prepare_request(rid, prompt, params, hold_kv=hold_kv)
+        group = self.engine.prepare_request(rid, prompt, params, hold_kv=hold_kv,
+                                            grammar=grammar)
         return self._post(group, _Add(group))
 
     def submit_import(self, group: RequestGroup, cached_tokens: int) -> RequestStream:

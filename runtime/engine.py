@@ -50,7 +50,7 @@ from runtime.sampling_params import InvalidRequestError, SamplingParams, check_t
 from runtime.scheduler import QueueFullError, Scheduler, SchedulerOutput, StepResult
 from runtime.speculative import SpecController
 from runtime.structured import StructuredOutputsParams
-from runtime.structured_decoding import GrammarCompiler, TokenMasks
+from runtime.structured_decoding import GrammarCompiler, RequestGrammar, TokenMasks
 from runtime.tokenizer import Tokenizer
 from runtime.weights import ReadStats
 
@@ -386,6 +386,7 @@ class LLMEngine:
         params: SamplingParams | None = None,
         hold_kv: bool = False,
         check_room: bool = True,
+        grammar: RequestGrammar | None = None,
     ) -> RequestGroup:
         """Validate and tokenize a request without touching the scheduler.
 
@@ -393,7 +394,10 @@ class LLMEngine:
         event loop never waits for a step): it reads only configuration, the tokenizer, and the
         length of the waiting queue. `enqueue` then hands the result to the scheduler.
         `check_room`: raise QueueFullError now when the waiting queue is full (off: a caller
-        that enqueues once `has_room`).
+        that enqueues once `has_room`). `grammar`: params.structured_outputs' grammar, compiled
+        already (`self.grammars.grammar`, by a caller that compiled it on a thread: the worker,
+        whose event loop runs this): not compiled again, as the compiler may have dropped it
+        from its cache since.
         """
         params = params or SamplingParams()
         if not isinstance(params, SamplingParams):
@@ -430,8 +434,9 @@ class LLMEngine:
             )
         if check_room and not self.has_room(params.n):
             raise QueueFullError(f"the waiting queue is full ({self.scheduler.max_waiting})")
-        grammar = None
-        if params.structured_outputs is not None:  # compiled here, off the step thread
+        if params.structured_outputs is None:
+            grammar = None
+        elif grammar is None:  # compiled here, off the step thread
             spec = StructuredOutputsParams.coerce(params.structured_outputs)
             grammar = self.grammars.grammar(spec, "structured_outputs")
         now = time.monotonic()

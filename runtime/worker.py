@@ -74,6 +74,7 @@ from runtime.sampling_params import InvalidRequestError, SamplingParams
 from runtime.scheduler import QueueFullError
 from runtime.serving import MAX_HEADER_BYTES, MAX_HEADERS, BodyEncodingError, inflate, listen
 from runtime.structured import StructuredOutputsParams
+from runtime.structured_decoding import RequestGrammar
 from runtime.telemetry import RequestTimes, WorkerTelemetry
 from runtime.tokenizer import LONG_TEXT_CHARS, NoChatTemplateError, Tokenizer
 from runtime.tool_parsers import CONTEXT_TOKENS, PARSERS, RequestTools
@@ -659,7 +660,7 @@ async def _generate(request: web.Request) -> web.StreamResponse:
     # role, or past a drain that had counted nothing, it was before)
     worker.preparing += 1
     try:
-        params, tools = await _prepare_begun(request, resp, quiet, worker, req)
+        params, tools, grammar = await _prepare_begun(request, resp, quiet, worker, req)
     except (asyncio.CancelledError, ConnectionError) as e:  # (the client left)
         quiet.stop()
         tel.finish(span, req, times, None, "client_gone")
@@ -680,7 +681,7 @@ async def _generate(request: web.Request) -> web.StreamResponse:
         return await _refuse(resp, quiet, _Refused(503, "worker is draining",
                              "service_unavailable", code="draining", retry=True))  # fmt: skip
     try:
-        taken = _accept(worker, req, params)
+        taken = _accept(worker, req, params, grammar)
     except _Refused as r:
         tel.finish(span, req, times, None, r.code)
         return await _refuse(resp, quiet, r)
@@ -787,6 +788,13 @@ async def _generate(request: web.Request) -> web.StreamResponse:
             # (num_aborted), which it is not even if the gateway goes now: left to the engine
             answered = True
             quiet.stop()  # (nothing follows the done event)
+            # The body ends here, not after that step: the gateway reads a worker's body to its
+            # end before it answers (its client's [DONE], or the whole answer, waited for the
+            # step). Nothing writes to it after: the keepalives are stopped, the read below ends
+            # with EngineDeadError at worst, and a bug's error event (`except Exception`) is a
+            # RuntimeError there, suppressed
+            with contextlib.suppress(ConnectionError):
+                await resp.write_eof()
             with contextlib.suppress(EngineDeadError):
                 async for _ in stream:
                     pass
@@ -931,22 +939,29 @@ class _ConstraintFailed(Exception):
 async def _prepare_begun(
     request: web.Request, resp: web.StreamResponse, quiet: _Keepalive, worker: Worker,
     req: GenerateRequest,
-) -> tuple[SamplingParams, RequestTools | None]:  # fmt: skip
-    """`_prepare`; when it takes longer than PREPARE_QUIET_S (a large grammar's compile takes
-    seconds), the stream begins (200, then keepalives), as a disaggregated request's does
-    while its KV is pulled, so that the gateway's idle timeout tells it from a hung worker.
-    Before, a compile longer than that timeout (10 s) was taken for a failed worker and sent
-    again to each of the gateway's attempts, every one of them compiling it anew, and the
-    client got 503 worker_failed. A refusal after the stream began is its one event
-    (`_refuse`), with the status it stands for: the gateway answers it as it would have."""
-    job = asyncio.ensure_future(_prepare(worker, req))
+) -> tuple[SamplingParams, RequestTools | None, RequestGrammar | None]:  # fmt: skip
+    """The request's sampling parameters, tools and grammar (`_parameters`, then `_prepare`
+    for what may take long). When that takes longer than PREPARE_QUIET_S (a large grammar's
+    compile takes seconds), the stream begins (200, then keepalives), as a disaggregated
+    request's does while its KV is pulled, so that the gateway's idle timeout tells it from a
+    hung worker. Before, a compile longer than that timeout (10 s) was taken for a failed
+    worker and sent again to each of the gateway's attempts, every one of them compiling it
+    anew, and the client got 503 worker_failed. A refusal after the stream began is its one
+    event (`_refuse`), with the status it stands for: the gateway answers it as it would have.
+    A request with nothing to do off the loop (short text, no grammar: most) takes no task
+    and no wait (a task and its timed wait cost every request ~10 us, more under load)."""
+    params, tools = _parameters(worker, req)
+    long_text = req.text_chars() > LONG_TEXT_CHARS
+    if not long_text and params.structured_outputs is None:
+        return params, tools, None
+    job = asyncio.ensure_future(_prepare(worker, req, params, long_text))
     try:
         done, _ = await asyncio.wait({job}, timeout=PREPARE_QUIET_S)
         if not done:
             await resp.prepare(request)
             await resp.write(KEEPALIVE)  # (the headers go out with it)
             quiet.start()
-        return await job
+        return params, tools, await job
     except BaseException:  # (the client left, or the refusal: then done already)
         job.cancel()
         raise
@@ -963,47 +978,61 @@ async def _refuse(resp: web.StreamResponse, quiet: _Keepalive, r: _Refused) -> w
     return resp
 
 
-async def _prepare(
+def _parameters(
     worker: Worker, req: GenerateRequest
 ) -> tuple[SamplingParams, RequestTools | None]:
     """The request's sampling parameters (with the grammar of a required or named tool_choice)
-    and its tools (None without), and what may take long before `_accept`, on threads, not the
-    loop: a long prompt rendered and tokenized (without the GIL: Tokenizer.encode; a MB of chat
-    held every stream and probe of the worker ~0.7 s, a chat the gateway did not tokenize: a
-    region of one worker), and the request's grammar compiled (llguidance compiles without the
-    GIL, and a regex's lexer, `(a{1000}){1000}`, takes ~0.7 s; the first also builds the
-    tokenizer's, ~0.3-0.5 s at a 49k vocabulary), for `_accept` to find it compiled. _Refused
-    when the request cannot be taken."""
+    and its tools (None without). _Refused when the request cannot be taken."""
     try:
         tools = RequestTools.of(req.tools, req.tool_choice, req.parallel_tool_calls,
                                 worker.tokenizer, worker.config.tool_call_parser)  # fmt: skip
         params = _sampling_params(req.sampling)
         if tools is not None:
             tools.constrain(params)  # tool_choice required / named: a grammar
-        if req.text_chars() > LONG_TEXT_CHARS:
-            req.prompt, req.messages = await asyncio.to_thread(worker.prompt_ids, req), None
-        if params.structured_outputs is not None:
-            spec = StructuredOutputsParams.coerce(params.structured_outputs)
-            await asyncio.to_thread(worker.llm.engine.grammars.grammar, spec, "structured_outputs")
     except _REFUSALS as e:
         raise _Refused.of(e) from e
     return params, tools
 
 
+async def _prepare(
+    worker: Worker, req: GenerateRequest, params: SamplingParams, long_text: bool
+) -> RequestGrammar | None:
+    """What may take long before `_accept`, on threads, not the loop: a long prompt
+    (`long_text`) rendered and tokenized (without the GIL: Tokenizer.encode; a MB of chat held
+    every stream and probe of the worker ~0.7 s, a chat the gateway did not tokenize: a region
+    of one worker), and the request's grammar compiled (llguidance compiles without the GIL,
+    and a regex's lexer, `(a{1000}){1000}`, takes ~0.7 s; the first also builds the
+    tokenizer's, ~0.3-0.5 s at a 49k vocabulary). Returns the grammar, which `_accept` hands to
+    the engine: the compiler's cache may have dropped it since (it keeps only ~2 s of compiles,
+    the newest whatever its cost), and a compile in `_accept` would hold the loop, every stream
+    and probe of the worker, for seconds. _Refused when the request cannot be taken."""
+    try:
+        if long_text:
+            req.prompt, req.messages = await asyncio.to_thread(worker.prompt_ids, req), None
+        if params.structured_outputs is None:
+            return None
+        spec = StructuredOutputsParams.coerce(params.structured_outputs)
+        return await asyncio.to_thread(
+            worker.llm.engine.grammars.grammar, spec, "structured_outputs"
+        )
+    except _REFUSALS as e:
+        raise _Refused.of(e) from e
+
+
 def _accept(
-    worker: Worker, req: GenerateRequest, params: SamplingParams
+    worker: Worker, req: GenerateRequest, params: SamplingParams, grammar: RequestGrammar | None
 ) -> RequestStream | RequestGroup:
-    """Take the prepared request (`_prepare`): handed to the engine (its stream) or,
-    disaggregated, checked and prepared for its KV pull (its group, for `_pull`). _Refused when
-    it cannot be taken."""
+    """Take the prepared request (`_prepare`, its `grammar` compiled there): handed to the
+    engine (its stream) or, disaggregated, checked and prepared for its KV pull (its group, for
+    `_pull`). _Refused when it cannot be taken."""
     try:
         prompt = worker.prompt_of(req)
         # (prompt logprobs need the prompt's logits: its KV pulled from a prefill worker has
         # none, so such a request is computed here, its kv_source left unused)
         if req.kv_source is None or params.prompt_logprobs is not None:
-            return worker.llm.submit(prompt, params, req.request_id)
+            return worker.llm.submit(prompt, params, req.request_id, grammar=grammar)
         # disaggregated: the prompt's KV comes from a prefill worker
-        return worker.llm.engine.prepare_request(req.request_id, prompt, params)
+        return worker.llm.engine.prepare_request(req.request_id, prompt, params, grammar=grammar)
     except _REFUSALS as e:
         raise _Refused.of(e) from e
 

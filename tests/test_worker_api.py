@@ -506,11 +506,9 @@ def test_a_completion_that_ends_at_its_one_call_is_no_abort(worker: Proc, choice
         calls = [c for e in deltas for c in e.get("tool_calls") or [] if "id" in c]
         assert [c["function"]["name"] for c in calls] == ["f"], deltas
         assert deltas[-1]["finish_reason"] == "stop", deltas[-1]
-    answered = _stats(worker)
+    # (answered before the engine's step that ends it: test_worker_prepare's body-end test)
     deadline = time.monotonic() + 10
     while (s := _stats(worker))["open_requests"]:  # (once its last output is out: counted)
         assert time.monotonic() < deadline, s
         time.sleep(0.02)
     assert s["num_aborted"] == before, s
-    # answered once the engine had ended it (nothing of it ran on)
-    assert (answered["open_requests"], answered["running"], answered["waiting"]) == (0, 0, 0)
