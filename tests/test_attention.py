@@ -49,6 +49,21 @@ def scattered_tables(lens: list[int], bs: int, num_blocks: int, seed: int) -> li
     return tables
 
 
+def padded_block_ids(tables: list[list[int]]) -> torch.Tensor:
+    """The block tables as one (requests, widest) tensor, shorter ones padded with block 0, as
+    the model runner pads a decode group's."""
+    block_ids = torch.zeros(len(tables), max(len(t) for t in tables), dtype=torch.int64)
+    for i, t in enumerate(tables):
+        block_ids[i, : len(t)] = torch.tensor(t)
+    return block_ids
+
+
+def decode_mask(lens: list[int], block_ids: torch.Tensor, bs: int) -> torch.Tensor:
+    """DecodeGroup's mask: (requests, 1, 1, keys) True for each request's own keys."""
+    keys = torch.arange(block_ids.shape[1] * bs)
+    return (keys[None, :] < torch.tensor(lens)[:, None])[:, None, None, :]
+
+
 def nan_cache_with(lens: list[int], hkv: int, d: int, bs: int, seed: int,
                    dtype: torch.dtype = torch.float32):  # type: ignore[no-untyped-def]  # fmt: skip
     """A (blocks, bs, hkv, d) key and value cache of `dtype` filled with NaN, then random keys and
@@ -87,11 +102,8 @@ def test_decode_matches_dense(bs: int, impl: str, dtype: torch.dtype) -> None:
         slots = torch.tensor(t)[pos // bs] * bs + pos % bs
         write_kv_cache(kk, vv, k_cache, v_cache, slots)
     q = torch.randn(len(lens), H, D).to(dtype)
-    width = max(len(t) for t in tables)
-    block_ids = torch.zeros(len(lens), width, dtype=torch.int64)
-    for i, t in enumerate(tables):
-        block_ids[i, : len(t)] = torch.tensor(t)
-    mask = (torch.arange(width * bs)[None, :] < torch.tensor(lens)[:, None])[:, None, None, :]
+    block_ids = padded_block_ids(tables)
+    mask = decode_mask(lens, block_ids, bs)
     group = DecodeGroup(0, len(lens), block_ids, torch.tensor(lens), mask)
     meta = PagedAttentionMetadata(
         slot_mapping=torch.zeros(len(lens), dtype=torch.int64),
@@ -148,10 +160,7 @@ def test_cpu_decode_kernel_shapes(
     lens = [1, 15, 16, 17, 33, 200, 64, 5, 130]
     k_cache, v_cache, tables, keys, vals = nan_cache_with(lens, hkv, d, bs, seed=3,
                                                           dtype=cache_dtype)  # fmt: skip
-    width = max(len(t) for t in tables)
-    block_ids = torch.zeros(len(lens), width, dtype=torch.int64)
-    for i, t in enumerate(tables):
-        block_ids[i, : len(t)] = torch.tensor(t)
+    block_ids = padded_block_ids(tables)
     q = torch.randn(len(lens), h, d).to(q_dtype)
     out = ext.paged_decode_attention(q, k_cache, v_cache, block_ids, torch.tensor(lens), d**-0.5)
     assert out.dtype == q_dtype
@@ -178,11 +187,8 @@ def test_decode_ignores_what_masked_slots_hold(impl: str, value: float) -> None:
     k_cache, v_cache, tables, keys, vals = nan_cache_with(lens, HKV, D, bs, seed=7)
     k_cache[k_cache.isnan()] = value
     v_cache[v_cache.isnan()] = value
-    width = max(len(t) for t in tables)
-    block_ids = torch.zeros(len(lens), width, dtype=torch.int64)
-    for i, t in enumerate(tables):
-        block_ids[i, : len(t)] = torch.tensor(t)
-    mask = (torch.arange(width * bs)[None, :] < torch.tensor(lens)[:, None])[:, None, None, :]
+    block_ids = padded_block_ids(tables)
+    mask = decode_mask(lens, block_ids, bs)
     meta = PagedAttentionMetadata(
         slot_mapping=torch.zeros(len(lens), dtype=torch.int64), block_size=bs, decode_impl=impl,
         decodes=[DecodeGroup(0, len(lens), block_ids, torch.tensor(lens), mask)],
@@ -207,10 +213,7 @@ def test_cpu_decode_few_bfloat16_requests(n: int, h: int, hkv: int, d: int) -> N
     lens = [1, 33, 17, 200, 16, 5, 64][:n]
     k_cache, v_cache, tables, keys, vals = nan_cache_with(lens, hkv, d, 16, seed=n,
                                                           dtype=torch.bfloat16)  # fmt: skip
-    width = max(len(t) for t in tables)
-    block_ids = torch.zeros(n, width, dtype=torch.int64)
-    for i, t in enumerate(tables):
-        block_ids[i, : len(t)] = torch.tensor(t)
+    block_ids = padded_block_ids(tables)
     q = torch.randn(n, h, d).bfloat16()
     out = ext.paged_decode_attention(q, k_cache, v_cache, block_ids, torch.tensor(lens), d**-0.5)
     for i, L in enumerate(lens):
@@ -310,11 +313,8 @@ def test_bfloat16_cache_under_float32_queries(impl: str, bs: int) -> None:
                                                           dtype=torch.bfloat16)  # fmt: skip
     if impl == "torch":  # the reference copies whole blocks and masks: zeros, as the engine's
         k_cache, v_cache = k_cache.nan_to_num(0.0), v_cache.nan_to_num(0.0)
-    width = max(len(t) for t in tables)
-    block_ids = torch.zeros(len(lens), width, dtype=torch.int64)
-    for i, t in enumerate(tables):
-        block_ids[i, : len(t)] = torch.tensor(t)
-    mask = (torch.arange(width * bs)[None, :] < torch.tensor(lens)[:, None])[:, None, None, :]
+    block_ids = padded_block_ids(tables)
+    mask = decode_mask(lens, block_ids, bs)
     meta = PagedAttentionMetadata(
         slot_mapping=torch.zeros(len(lens), dtype=torch.int64), block_size=bs, decode_impl=impl,
         decodes=[DecodeGroup(0, len(lens), block_ids, torch.tensor(lens), mask)],
